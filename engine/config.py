@@ -1,0 +1,159 @@
+"""TOML run configs validated into typed schemas, with messages that name file and field.
+
+A config file names its recipe (`recipe = "lm-pretrain"`); the recipe's schema validates the
+rest. Schemas live beside their recipes (`engine/recipes/<name>_config.py`) and never import
+torch, so the app can build forms from them.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import os
+import tomllib
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from engine.errors import ForgebenchError
+
+# recipe name -> (config schema "module:Class", training script module exposing `train(run, ...)`)
+RECIPES: dict[str, tuple[str, str]] = {
+    "lm-pretrain": ("engine.recipes.lm_pretrain_config:LMPretrainConfig",
+                    "engine.recipes.lm_pretrain"),
+    "lm-sft": ("engine.recipes.lm_sft_config:LMSFTConfig", "engine.recipes.lm_sft"),
+    "image-classify": ("engine.recipes.image_classify_config:ImageClassifyConfig",
+                       "engine.recipes.image_classify"),
+    "image-detect": ("engine.recipes.image_detect_config:ImageDetectConfig",
+                     "engine.recipes.image_detect"),
+    "image-segment": ("engine.recipes.image_segment_config:ImageSegmentConfig",
+                      "engine.recipes.image_segment"),
+    "image-generate": ("engine.recipes.image_generate_config:ImageGenerateConfig",
+                       "engine.recipes.image_generate"),
+    "audio-generate": ("engine.recipes.audio_generate_config:AudioGenerateConfig",
+                       "engine.recipes.audio_generate"),
+}
+
+# Fields resume may change; everything else in the resolved config must match run.json.
+RESUMABLE_FIELDS = ("steps", "log_every", "save_every", "eval_every", "keep_last")
+
+
+class Schema(BaseModel):
+    """Base for every config section: unknown keys are errors, never silently ignored."""
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class RecipeConfig(Schema):
+    """Fields every recipe shares: identity, seed, length and cadence.
+
+    `base_dir` is the folder relative paths in the config resolve against (the config file's
+    folder); `forgebench run` fills it in.
+    """
+
+    recipe: str
+    base_dir: str | None = None
+    seed: int = 0
+    steps: int = Field(100, ge=1, description="optimizer steps to train (resume may raise it)")
+    log_every: int = Field(1, ge=1, description="steps between train metric lines")
+    eval_every: int = Field(0, ge=0, description="steps between val evaluations; 0 = at end")
+    save_every: int = Field(0, ge=0, description="steps between checkpoints; 0 = at end only")
+    keep_last: int = Field(3, ge=1, description="checkpoints kept (best is always kept too)")
+    nonfinite: Literal["skip", "stop"] = Field(
+        "skip", description="non-finite loss or gradient: skip the step (counted) or stop")
+
+    def resolve_path(self, value: str | os.PathLike) -> Path:
+        path = Path(value).expanduser()
+        if not path.is_absolute() and self.base_dir:
+            path = Path(self.base_dir) / path
+        return path.resolve()
+
+
+def _import(spec: str) -> Any:
+    module, _, attr = spec.partition(":")
+    obj = importlib.import_module(module)
+    return getattr(obj, attr) if attr else obj
+
+
+def available_recipes() -> list[str]:
+    """Recipes whose schema module is present in this build."""
+    return [name for name, (schema, _) in RECIPES.items()
+            if importlib.util.find_spec(schema.partition(":")[0]) is not None]
+
+
+def schema_for(recipe: str) -> type[Schema]:
+    if recipe not in RECIPES:
+        raise ForgebenchError(f"unknown recipe '{recipe}'", where="field 'recipe'",
+                              hint="one of: " + ", ".join(available_recipes()))
+    return _import(RECIPES[recipe][0])
+
+
+def recipe_module(recipe: str) -> Any:
+    return _import(RECIPES[recipe][1])
+
+
+def format_validation_error(exc: ValidationError, source: str | os.PathLike | None) -> str:
+    lines = []
+    for err in exc.errors():
+        field = ".".join(str(p) for p in err["loc"]) or "(top level)"
+        kind = err["type"]
+        if kind == "extra_forbidden":
+            message = "unknown key; check its spelling against the recipe's schema"
+        elif kind == "missing":
+            message = "required key is missing"
+        else:
+            message = err["msg"]
+            if "input" in err and kind not in ("missing",):
+                message += f" (got {err['input']!r})"
+        lines.append(f"field '{field}': {message}")
+    prefix = f"{source}: " if source else ""
+    return prefix + ("invalid config\n  " if len(lines) > 1 else "") + "\n  ".join(lines)
+
+
+def validate_config(data: dict, source: str | os.PathLike | None = None) -> Schema:
+    """Validate a config mapping (with its 'recipe' key) into the recipe's schema."""
+    if not isinstance(data, dict) or "recipe" not in data:
+        raise ForgebenchError("config has no 'recipe' key", path=source,
+                              hint="add e.g. recipe = \"lm-pretrain\" at the top")
+    recipe = data["recipe"]
+    if not isinstance(recipe, str):
+        raise ForgebenchError("must be a string", path=source, where="field 'recipe'")
+    schema = schema_for(recipe)
+    try:
+        return schema.model_validate(data)
+    except ValidationError as exc:
+        raise ForgebenchError(format_validation_error(exc, None), path=source) from None
+
+
+def load_config(path: str | os.PathLike) -> Schema:
+    """Read a TOML config file. Relative data paths resolve against the config's folder."""
+    path = Path(path)
+    try:
+        raw = path.read_bytes()
+    except FileNotFoundError:
+        raise ForgebenchError("config file not found", path=path) from None
+    except IsADirectoryError:
+        raise ForgebenchError("expected a TOML file, got a directory", path=path) from None
+    try:
+        data = tomllib.loads(raw.decode("utf-8"))
+    except UnicodeDecodeError as exc:
+        raise ForgebenchError(f"not UTF-8 text (byte {exc.start})", path=path) from None
+    except tomllib.TOMLDecodeError as exc:
+        raise ForgebenchError(f"malformed TOML: {exc}", path=path,
+                              hint="see https://toml.io for the syntax") from None
+    data.setdefault("base_dir", str(path.resolve().parent))
+    return validate_config(data, path)
+
+
+def config_diff(old: dict, new: dict, prefix: str = "") -> list[str]:
+    """Dotted names of the fields that differ between two resolved configs."""
+    changed = []
+    for key in sorted(set(old) | set(new)):
+        name = f"{prefix}{key}"
+        a, b = old.get(key, "<absent>"), new.get(key, "<absent>")
+        if isinstance(a, dict) and isinstance(b, dict):
+            changed += config_diff(a, b, name + ".")
+        elif a != b:
+            changed.append(name)
+    return changed

@@ -1,0 +1,124 @@
+"""Crash-safe file primitives: atomic replace, durable appends, tolerant JSONL reads, hashing."""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any, Iterator
+
+from engine.errors import ForgebenchError
+
+
+def _fsync_dir(directory: Path) -> None:
+    with contextlib.suppress(OSError):
+        fd = os.open(directory, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+@contextlib.contextmanager
+def atomic_writer(path: str | os.PathLike, mode: str = "wb") -> Iterator[Any]:
+    """Open a temp file beside `path`; on success fsync and rename it over `path`.
+
+    On any error the temp file is removed and `path` keeps its previous content.
+    """
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, mode) as handle:
+            yield handle
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(tmp, path)
+        _fsync_dir(path.parent)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        raise
+
+
+def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
+    with atomic_writer(path, "wb") as handle:
+        handle.write(data)
+
+
+def atomic_write_text(path: str | os.PathLike, text: str) -> None:
+    atomic_write_bytes(path, text.encode("utf-8"))
+
+
+def atomic_write_json(path: str | os.PathLike, obj: Any) -> None:
+    atomic_write_text(path, json.dumps(obj, indent=2, sort_keys=True, default=str) + "\n")
+
+
+def append_jsonl(path: str | os.PathLike, obj: Any) -> None:
+    """Append one JSON object as one line and flush it to disk before returning."""
+    line = json.dumps(obj, sort_keys=True, default=str, allow_nan=True) + "\n"
+    with open(path, "a", encoding="utf-8") as handle:
+        handle.write(line)
+        handle.flush()
+        os.fsync(handle.fileno())
+
+
+def read_jsonl(path: str | os.PathLike) -> list[dict]:
+    """Read a JSONL file another process may be appending to.
+
+    A final line without its newline is an append in progress and is skipped; a missing file
+    reads as empty.
+    """
+    try:
+        data = Path(path).read_text(encoding="utf-8")
+    except FileNotFoundError:
+        return []
+    lines = data.split("\n")
+    complete = lines[:-1]  # the text after the last newline is incomplete (or empty)
+    out = []
+    for number, line in enumerate(complete, start=1):
+        if not line.strip():
+            continue
+        try:
+            out.append(json.loads(line))
+        except json.JSONDecodeError as exc:
+            raise ForgebenchError(f"not valid JSON ({exc.msg})", path=path,
+                                  where=f"line {number}") from exc
+    return out
+
+
+def read_json(path: str | os.PathLike) -> Any:
+    try:
+        return json.loads(Path(path).read_text(encoding="utf-8"))
+    except FileNotFoundError as exc:
+        raise ForgebenchError("file not found", path=path) from exc
+    except json.JSONDecodeError as exc:
+        raise ForgebenchError(f"not valid JSON ({exc.msg})", path=path,
+                              where=f"line {exc.lineno}") from exc
+
+
+def sha256_file(path: str | os.PathLike, chunk: int = 1 << 20) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        while block := handle.read(chunk):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def sha256_bytes(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def require_free_space(directory: str | os.PathLike, needed_bytes: int,
+                       margin: float = 1.2) -> None:
+    """Refuse to start a write that the filesystem cannot hold (a full disk truncates files)."""
+    free = shutil.disk_usage(directory).free
+    if free < needed_bytes * margin:
+        raise ForgebenchError(
+            f"not enough free disk space: need about {needed_bytes * margin / 1e6:.1f} MB, "
+            f"{free / 1e6:.1f} MB free", path=directory,
+            hint="free some space or lower the number of checkpoints kept")

