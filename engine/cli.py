@@ -19,6 +19,8 @@ def _run_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", help="run directory to create (default: runs/<recipe>-<time>)")
     p.add_argument("--steps", type=int, help="override the config's step target")
     p.add_argument("--threads", type=int, help="torch CPU threads (recorded in run.json)")
+    p.add_argument("--stop-after-step", type=int, metavar="K",
+                   help="testing: send ourselves SIGTERM after step K (recorded in invocations)")
 
 
 def _resume_args(p: argparse.ArgumentParser) -> None:
@@ -29,7 +31,11 @@ def _resume_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--save-every", type=int)
     p.add_argument("--eval-every", type=int)
     p.add_argument("--keep-last", type=int)
-    p.add_argument("--threads", type=int)
+    p.add_argument("--threads", type=int, help="default: the thread count the run started with")
+    p.add_argument("--allow-code-change", action="store_true",
+                   help="resume even though the engine code changed (not exact; recorded)")
+    p.add_argument("--stop-after-step", type=int, metavar="K",
+                   help="testing: send ourselves SIGTERM after step K (recorded in invocations)")
 
 
 def _run_dir_arg(p: argparse.ArgumentParser) -> None:
@@ -69,6 +75,9 @@ def _generate_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--numerics", choices=["llamacpp", "f32"], default=None,
                    help="GGUF models: reproduce llama.cpp's arithmetic (default) or plain f32")
+    p.add_argument("--weights", choices=["dense-cache", "packed"], default="dense-cache",
+                   help="GGUF models: keep each layer dequantized after first use (faster, "
+                        "more memory) or dequantize on every use")
     p.add_argument("--lora", help="adapters.safetensors to apply over --model")
     p.add_argument("--json", action="store_true", help="print a JSON result")
 
@@ -138,8 +147,22 @@ def _data_args(p: argparse.ArgumentParser) -> None:
         if action == "stats":
             q.add_argument("--tokenizer", help="GGUF file whose tokenizer counts tokens")
             q.add_argument("--max-length", type=int, help="count samples over this length")
+            q.add_argument("--slice", action="append",
+                           help="also count records per value of this field (repeatable)")
+        if action == "leaks":
+            q.add_argument("--against", nargs="+", metavar="DIR",
+                           help="other datasets to check against (e.g. a separate eval set)")
+    q = sub.add_parser("init", help="write dataset.json for a folder of records and files")
+    q.add_argument("dir", help="dataset folder")
+    q.add_argument("--kind", required=True, help="text-sft|text-corpus|preferences|"
+                   "image-classify|image-masks|image-boxes|captioned-images|audio-clips")
+    q.add_argument("--name", help="dataset name (default: the folder name)")
+    q.add_argument("--records", help="records file (default: the kind's usual name)")
+    q.add_argument("--layout", choices=["folders"],
+                   help="image-classify only: a folder per class instead of a records file")
     q = sub.add_parser("generate", help="write a bundled sample dataset")
-    q.add_argument("kind", help="pirate|style|shapes|sfx|records")
+    q.add_argument("kind", help="pirate|style|shapes|sfx|records, or samples (all of them, "
+                   "as in the sample workspace, into the --out folder)")
     q.add_argument("--out", required=True)
     q.add_argument("--n", type=int)
     q.add_argument("--seed", type=int, default=0)
@@ -148,6 +171,8 @@ def _data_args(p: argparse.ArgumentParser) -> None:
 def _demo_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", help="workspace folder for the demo (default: a new temp folder)")
     p.add_argument("--seconds", type=float, default=90, help="training time budget")
+    p.add_argument("--steps", type=int, help="train exactly this many steps (skips the timing)")
+    p.add_argument("--threads", type=int, help="torch CPU threads")
 
 
 COMMANDS: dict[str, Command] = {

@@ -1,0 +1,236 @@
+"""`python -m app.screenshots OUT_DIR`: render every pane with real content at 1440×900.
+
+The content is real: the bundled sample workspace (datasets the engine's own generators fill
+in where the bundle lacks them), a copy of the shapes dataset with a planted error, and a real
+`lm-pretrain` run trained, stopped and resumed by the engine before the window opens.
+`make screenshots` runs this under Xvfb.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from PySide6.QtWidgets import QApplication
+
+from engine.config import load_config
+from engine.data.generators.records import generate_records
+from engine.data.generators.sfx import generate_sfx
+from engine.data.generators.shapes import generate_shapes
+
+from app.viewmodels.workspace import REPO_ROOT, Settings, Workspace, install_sample_workspace
+from app.views.main_window import PANES, MainWindow
+
+SIZE = (1440, 900)
+GENERATORS = {"records": lambda p: generate_records(p, n=300),
+              "shapes": lambda p: generate_shapes(p, n=120),
+              "sfx": lambda p: generate_sfx(p, n_per_class=8)}
+
+
+def _engine(*args: str) -> None:
+    env = dict(os.environ, PYTHONPATH=str(REPO_ROOT))
+    subprocess.run([sys.executable, "-m", "engine", *args], check=True, env=env,
+                   cwd=REPO_ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+
+def build_workspace(root: Path) -> Workspace:
+    root = install_sample_workspace(root / "sample-workspace")
+    workspace = Workspace.open(root)
+    for name, generate in GENERATORS.items():
+        if not (workspace.datasets_dir / name / "dataset.json").is_file():
+            generate(workspace.datasets_dir / name)
+    # A copy with a planted error, to show how the validator's findings are marked.
+    planted = workspace.datasets_dir / "shapes-with-an-error"
+    shutil.copytree(workspace.datasets_dir / "shapes", planted)
+    records = planted / "records.jsonl"
+    lines = records.read_text().split("\n")
+    bad = json.loads(lines[6])
+    bad["label"] = "hexagon"
+    lines[6] = json.dumps(bad)
+    records.write_text("\n".join(lines))
+    # A real run: trained to step 60, stopped, resumed to 120 (the resume is marked).
+    config = workspace.configs_dir / "lm-pretrain-tiny.toml"
+    run = workspace.runs_dir / "lm-pretrain-tiny-demo"
+    _engine("run", str(config), "--out", str(run), "--steps", "60", "--threads", "2")
+    _engine("resume", str(run), "--steps", "120", "--threads", "2")
+    # A short real segmentation run, evaluated on val: per-image IoU, boundary F1 and panels.
+    segment = workspace.runs_dir / "image-segment-demo"
+    _engine("run", str(workspace.configs_dir / "image-segment.toml"), "--out", str(segment),
+            "--steps", "40", "--threads", "2")
+    _engine("eval", str(segment), "--split", "val")
+    (run / "notes.json").write_text(json.dumps({
+        "question": "does a 2-layer byte model learn the record format in 120 steps?",
+        "notes": "stopped at 60 and resumed: the curve continues"}))
+    return workspace
+
+
+# Tiny generator runs for the Samples / Blind A/B shots: two checkpoints each, sampled alike.
+PART2_RUNS = {
+    "image-generate": ("shapes", "[image]\nsize = 16\nresize = \"stretch\"\n[diffusion]\n"
+                       "levels = 32\nchannels = [8, 16]\nemb_dim = 16\n[sample]\nsteps = 8\n"),
+    "audio-generate": ("sfx", "[diffusion]\nlevels = 16\nchannels = [4, 8]\nemb_dim = 16\n"
+                       "[sample]\nsteps = 8\n"),
+}
+
+
+def part2_screens(window: MainWindow, workspace: Workspace, shot, app: QApplication) -> None:
+    """Samples (image grid, audio clip), a blind A/B session and the export wizard, on real
+    runs trained here; the A/B answers are scripted (rater "screenshot-script")."""
+    for recipe, (data, sections) in PART2_RUNS.items():
+        config = workspace.configs_dir / f"{recipe}-tiny.toml"
+        config.write_text(f'recipe = "{recipe}"\nseed = 1\nsteps = 40\nlog_every = 5\n'
+                          "eval_every = 20\nsave_every = 20\nkeep_last = 2\nbatch_size = 8\n"
+                          f'[data]\ndir = "../datasets/{data}"\n{sections}')
+        run = workspace.runs_dir / f"{recipe}-demo"
+        _engine("run", str(config), "--out", str(run), "--threads", "2")
+        n = "4" if recipe == "image-generate" else "1"
+        for checkpoint in ("step-000020", "step-000040"):
+            _engine("sample", str(run), "--checkpoint", checkpoint, "--n", n, "--seed", "7")
+    window.sidebar.setCurrentRow(PANES.index("Samples"))
+    samples = window.samples
+    samples.set_workspace(workspace)
+    samples.select_run(workspace.runs_dir / "image-generate-demo")
+    samples.grid.setCurrentCell(1, 5)
+    samples.show_neighbour()
+    shot("12-samples-image-grid-and-nearest-neighbour")
+    samples.select_run(workspace.runs_dir / "audio-generate-demo")
+    samples.clips.setCurrentRow(2)
+    shot("13-samples-audio-waveform-flags")
+    window.sidebar.setCurrentRow(PANES.index("Blind A/B"))
+    ab = window.ab
+    ab.set_workspace(workspace)
+    for checkpoint in ("step-000020", "step-000040"):
+        ab.check_system(workspace.runs_dir / "image-generate-demo", checkpoint)
+    ab.rater.setText("screenshot-script")
+    ab.name.setText("image-checkpoints")
+    ab.limit.setValue(10)
+    ab.start_session()
+    shot("14-blind-ab-rating")
+    for key in "BBABTBBSBA":
+        ab.key_pressed(key)
+    shot("15-blind-ab-results")
+    window.sidebar.setCurrentRow(PANES.index("Export"))
+    export = window.export
+    export.set_workspace(workspace)
+    export.select_run(workspace.runs_dir / "lm-pretrain-tiny-demo")
+    export.go(2)
+    export.set_dtype("q8_0")
+    shot("16-export-quantization-sizes")
+    export.go(3)
+    export.export()
+    while export.export_job.running:
+        settle(app, 0.2)
+    shot("17-export-verified")
+    export.go(4)
+    shot("18-export-bundle-card-and-rights")
+
+
+def settle(app: QApplication, seconds: float = 0.6) -> None:
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        app.processEvents()
+        time.sleep(0.02)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    out = Path(argv[0] if argv else "docs/screenshots")
+    out.mkdir(parents=True, exist_ok=True)
+    scratch = Path(tempfile.mkdtemp(prefix="forgebench-screens-"))
+    os.environ["FORGEBENCH_CONFIG_DIR"] = str(scratch / "config")
+    app = QApplication.instance() or QApplication([])
+    workspace = build_workspace(scratch)
+    window = MainWindow(Settings())
+    window.close_policy = "leave"
+    window.resize(*SIZE)
+    window.show()
+    window.open_workspace(workspace.root)
+    shots = []
+
+    def shot(name: str) -> None:
+        settle(app)
+        path = out / f"{name}.png"
+        window.grab().save(str(path))
+        shots.append(path)
+
+    datasets = window.datasets
+    window.sidebar.setCurrentRow(0)
+    datasets.select_dataset(workspace.datasets_dir / "shapes-with-an-error")
+    datasets.validate()
+    datasets.select_row(datasets.table.error_rows()[0])
+    shot("01-datasets-records-with-a-finding")
+    datasets.tabs.setCurrentIndex(1)
+    shot("02-datasets-findings")
+    datasets.select_dataset(workspace.datasets_dir / "shapes")
+    datasets.tabs.setCurrentIndex(2)
+    settle(app, 2.0)  # thumbnails decode on worker threads
+    shot("03-datasets-gallery")
+    datasets.tabs.setCurrentIndex(3)
+    shot("04-datasets-splits-and-groups")
+    datasets.tabs.setCurrentIndex(4)
+    shot("05-datasets-stats")
+    datasets.tabs.setCurrentIndex(5)
+    datasets.check_leaks()
+    while datasets.leak_process is not None:
+        settle(app, 0.2)
+    shot("05b-datasets-leaks-and-duplicates")
+    datasets.select_dataset(workspace.datasets_dir / "sfx")
+    datasets.tabs.setCurrentIndex(0)
+    shot("06-datasets-audio-clips")
+
+    window.sidebar.setCurrentRow(1)
+    masks = window.masks
+    masks.set_workspace(workspace, select=workspace.datasets_dir / "shapes")
+    masks.record_list.setCurrentRow(3)
+    editor = masks.editor
+    h, w = editor.shape
+    editor.stroke([(w * 0.1, h * 0.8), (w * 0.3, h * 0.9)], radius=3, value=True)
+    masks._refresh_info()
+    masks.canvas.update()
+    shot("07-labels-and-masks")
+    masks.tabs.setCurrentIndex(1)
+    shot("08-segmentation-predictions-worst-first")
+    sft_config = workspace.configs_dir / "lm-sft-pirate.toml"
+    if load_config(sft_config).resolve_path(load_config(sft_config).model.gguf).is_file():
+        masks.tabs.setCurrentIndex(2)  # the base GGUF is installed: show the real tokens
+        masks.sft.config.setCurrentText(sft_config.stem)
+        masks.sft.inspect()
+        while masks.sft.process is not None:
+            settle(app, 0.2)
+        shot("08b-sft-supervised-tokens")
+    masks.tabs.setCurrentIndex(0)
+
+    window.sidebar.setCurrentRow(2)
+    runs = window.runs
+    runs.poll(force=True)
+    runs.select_run(workspace.runs_dir / "lm-pretrain-tiny-demo")
+    runs.charts.controls.smoothing.setValue(60)
+    shot("09-runs-ledger-and-live-charts")
+    runs.left_tabs.setCurrentIndex(1)
+    runs.config_combo.setCurrentText("lm-pretrain-tiny")
+    runs.form_widget.set_value("model.n_heads", "3")
+    runs.form_widget.set_value("optim.lr", "-0.01")
+    shot("10-runs-new-run-form-invalid")
+
+    part2_screens(window, workspace, shot, app)
+
+    window.open_workspace(scratch / "a-workspace-that-was-moved")
+    window.sidebar.setCurrentRow(0)
+    shot("11-missing-workspace")
+
+    for path in shots:
+        print(path)
+    window.deleteLater()
+    settle(app, 0.2)
+    shutil.rmtree(scratch, ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,236 @@
+"""Datasets: the table of a dataset's records with the validator's findings attached to the
+right rows, filters, per-split stats, the split/group editor and single-record edits.
+
+Validation is the engine's (`engine.data.dataset.validate_dataset`); this module only places
+its findings. A dataset that does not parse still shows its rows and every finding.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections import Counter, defaultdict
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from engine.data import formats as F
+from engine.data.dataset import (Dataset, Finding, Report, _check_record, _read_raw_records,
+                                 _records_file, group_of, load_dataset, save_new_version,
+                                 validate_dataset)
+from engine.errors import ForgebenchError
+from engine.fsutil import read_json
+
+_LINE = re.compile(r"^(line \d+)")
+LEADING_COLUMNS = ("id", "split", "group", "label")
+
+
+@dataclass
+class Row:
+    where: str                      # "line 7" (as the validator names it)
+    record: dict | None             # None: the line is not a JSON object
+    raw: str = ""
+    findings: list[Finding] = field(default_factory=list)
+
+    @property
+    def has_error(self) -> bool:
+        return any(f.severity == "error" for f in self.findings)
+
+    def value(self, column: str) -> str:
+        if self.record is None:
+            return self.raw if column == "id" else ""
+        value = self.record.get(column)
+        if value is None:
+            return "" if column not in self.record else "null"
+        return value if isinstance(value, str) else json.dumps(value)
+
+
+class DatasetTable:
+    """One dataset as rows and columns, with findings placed on rows."""
+
+    def __init__(self, root: str | Path, check_media: bool = True):
+        self.root = Path(root)
+        self.report = validate_dataset(self.root, check_media=check_media)
+        self.manifest: dict = {}
+        self.rows: list[Row] = []
+        self.general: list[Finding] = []  # findings not tied to one record
+        try:
+            self.manifest = read_json(self.root / F.MANIFEST)
+        except ForgebenchError:
+            pass
+        kind = F.KINDS.get(self.manifest.get("kind")) if isinstance(self.manifest, dict) else None
+        self.kind = kind.name if kind else None
+        self.records_file = _records_file(self.manifest, kind, self.root) if kind else None
+        if kind:
+            scratch = Report(self.root, self.kind)  # the real findings come from report
+            self.rows = [Row(where, record) for where, record in
+                         _read_raw_records(self.root, self.records_file, self.manifest, kind,
+                                           scratch)]
+        self._place_findings()
+
+    def _place_findings(self) -> None:
+        by_where = {row.where: row for row in self.rows}
+        raw_lines = None
+        for finding in self.report.findings:
+            match = _LINE.match(finding.where or "") if finding.file == self.records_file else None
+            if not match:
+                self.general.append(finding)
+                continue
+            row = by_where.get(match.group(1))
+            if row is None:  # a line that is not a record at all: show its text
+                if raw_lines is None:
+                    raw_lines = (self.root / self.records_file).read_text(
+                        encoding="utf-8", errors="replace").split("\n")
+                number = int(match.group(1).split()[1])
+                row = Row(match.group(1), None, raw_lines[number - 1][:200]
+                          if number <= len(raw_lines) else "")
+                by_where[row.where] = row
+                self.rows.append(row)
+            row.findings.append(finding)
+        self.rows.sort(key=lambda r: int(r.where.split()[1]) if r.where.startswith("line ")
+                       else 0)
+
+    @property
+    def ok(self) -> bool:
+        return self.report.ok
+
+    @property
+    def name(self) -> str:
+        return str(self.manifest.get("name") or self.root.name)
+
+    @property
+    def columns(self) -> list[str]:
+        seen: dict[str, None] = {}
+        for row in self.rows:
+            for key in row.record or {}:
+                seen.setdefault(key, None)
+        lead = [c for c in LEADING_COLUMNS if c in seen]
+        return lead + [c for c in seen if c not in lead]
+
+    def error_rows(self) -> list[int]:
+        return [i for i, row in enumerate(self.rows) if row.has_error]
+
+    def row_of(self, record_id: str) -> int | None:
+        for i, row in enumerate(self.rows):
+            if row.record is not None and row.record.get("id") == record_id:
+                return i
+        return None
+
+    def matches(self, row: Row, text: str) -> bool:
+        """Filter: words must all occur; `field=value` compares one field exactly;
+        `has:error` keeps rows with findings."""
+        for word in text.split():
+            if word == "has:error":
+                if not row.findings:
+                    return False
+            elif "=" in word:
+                key, _, value = word.partition("=")
+                if row.value(key) != value:
+                    return False
+            elif not any(word.lower() in row.value(c).lower() for c in self.columns) and \
+                    word.lower() not in row.where:
+                return False
+        return True
+
+    def load(self) -> Dataset:
+        """The validated dataset (raises the first error when it does not validate)."""
+        return load_dataset(self.root)
+
+    # -- stats ---------------------------------------------------------------------------
+    def split_counts(self) -> dict[str, Counter]:
+        """label counts per split (records without a label count under '—')."""
+        out: dict[str, Counter] = defaultdict(Counter)
+        splits = self._assignments()
+        for row in self.rows:
+            if row.record is None:
+                continue
+            split = row.record.get("split") or splits.get(group_of(row.record), "unassigned")
+            out[str(split)][str(row.record.get("label", "—"))] += 1
+        return dict(out)
+
+    def _assignments(self) -> dict[str, str]:
+        try:
+            data = read_json(self.root / F.SPLITS_FILE)
+        except ForgebenchError:
+            return {}
+        return data.get("assignments", data) if isinstance(data, dict) else {}
+
+    # -- groups and splits ---------------------------------------------------------------
+    def groups(self) -> list[tuple[str, str, int]]:
+        """(group, split, records) — a group's records always share a split."""
+        splits = self._assignments()
+        counts: Counter = Counter()
+        split_of: dict[str, set] = defaultdict(set)
+        for row in self.rows:
+            if row.record is None:
+                continue
+            group = group_of(row.record)
+            counts[group] += 1
+            split_of[group].add(row.record.get("split") or splits.get(group, "unassigned"))
+        return [(g, "/".join(sorted(split_of[g])), counts[g]) for g in sorted(counts)]
+
+    def check_record(self, record: dict) -> list[tuple[str | None, str]]:
+        """The validator's per-record checks for an edited record (fields and types)."""
+        kind = F.KINDS[self.kind]
+        return _check_record(dict(record), kind, self.manifest)
+
+    def _records_bytes(self, replace: dict[int, dict]) -> bytes:
+        lines = (self.root / self.records_file).read_text(encoding="utf-8").split("\n")
+        for index, record in replace.items():
+            number = int(self.rows[index].where.split()[1])
+            lines[number - 1] = json.dumps(record)
+        return "\n".join(lines).encode("utf-8")
+
+    def save_record(self, index: int, record: dict) -> Dataset:
+        """Save one edited record as a new dataset version."""
+        if self.records_file.endswith(".csv"):
+            raise ForgebenchError("editing CSV records is not supported; convert to JSONL",
+                                  path=self.root / self.records_file)
+        problems = self.check_record(record)
+        if problems:
+            name, reason = problems[0]
+            raise ForgebenchError(reason, path=self.root / self.records_file,
+                                  where=f"{self.rows[index].where}, field {name!r}")
+        data = self._records_bytes({index: record})
+        return save_new_version(self.load(), {self.records_file: data},
+                                f"edited record {record.get('id')} ({self.rows[index].where})")
+
+    def save_group_splits(self, new_splits: dict[str, str]) -> Dataset:
+        """Move whole groups to other splits; saved as a new dataset version."""
+        bad = [s for s in new_splits.values() if s not in F.SPLITS]
+        if bad:
+            raise ForgebenchError(f"unknown split {bad[0]!r}", hint="use one of "
+                                  + ", ".join(F.SPLITS))
+        replace = {}
+        for i, row in enumerate(self.rows):
+            if row.record is not None and group_of(row.record) in new_splits:
+                replace[i] = dict(row.record, split=new_splits[group_of(row.record)])
+        changed = ", ".join(f"{g}→{s}" for g, s in sorted(new_splits.items()))
+        return save_new_version(self.load(), {self.records_file: self._records_bytes(replace)},
+                                f"moved groups between splits: {changed}")
+
+
+@dataclass
+class DatasetEntry:
+    path: Path
+    name: str
+    kind: str
+    version: str
+    parent: str | None
+    files: int
+
+
+def list_datasets(paths: list[Path]) -> list[DatasetEntry]:
+    """Summaries for the dataset list, from each dataset.json (no validation: it is instant)."""
+    out = []
+    for path in paths:
+        try:
+            manifest = read_json(path / F.MANIFEST)
+        except ForgebenchError:
+            manifest = {}
+        if not isinstance(manifest, dict):
+            manifest = {}
+        out.append(DatasetEntry(path, str(manifest.get("name") or path.name),
+                                str(manifest.get("kind", "?")),
+                                str(manifest.get("version", "?")), manifest.get("parent"),
+                                len(manifest.get("files") or {})))
+    return out

@@ -1,0 +1,271 @@
+"""The export wizard's steps over `forgebench export` / `forgebench convert` (engine/export.py):
+which runs can be exported, what the base is, how big each quantization will be, the
+equivalence report as pass/fail rows, and the bundle's model card and rights checklist.
+
+The export itself runs as a job; this module only prepares its command line and reads what it
+wrote. No Qt, no torch (sizes come from the safetensors header or the GGUF tensor table).
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as T
+
+from engine.errors import ForgebenchError
+from engine.export import DTYPES, write_sha256sums
+from engine.fsutil import atomic_write_text, read_json
+from engine.gguf.quant_policy import (DEFAULT_TYPE, FILE_TYPES, FLOAT_TYPES, ModelFacts,
+                                      plan_types)
+from engine.rundir import RunDir
+
+from app.viewmodels.jobs import forgebench_argv
+
+EXPORTABLE = ("lm-pretrain", "lm-sft")
+# A stage passes when its tokenizer agrees and its top-1 next-token choice matches the
+# checkpoint on at least this share of positions: dense stages only round to f16 / merge in f32,
+# quantized ones lose more.
+PASS_TOP1 = {"dense": 0.99, "quantized": 0.90}
+RIGHTS_LABELS = {"train": "training on this data is allowed",
+                 "publish_data": "the data may be published",
+                 "publish_weights": "weights trained on it may be published",
+                 "commercial": "commercial use is allowed",
+                 "consent": "the people in the data consented"}
+SAFETENSORS_DTYPES = {"F32": T.F32, "F16": T.F16, "BF16": T.BF16}
+
+
+@dataclass(frozen=True)
+class ExportableRun:
+    path: Path
+    recipe: str
+    checkpoints: list[str]
+
+
+def exportable_runs(run_dirs: list[Path]) -> list[ExportableRun]:
+    """Runs whose recipe has a GGUF export and that hold at least one checkpoint."""
+    found = []
+    for path in run_dirs:
+        run = RunDir(path)
+        try:
+            recipe = run.manifest()["recipe"]
+        except (ForgebenchError, KeyError):
+            continue
+        names = [c.name for c in run.checkpoints()]
+        if recipe in EXPORTABLE and names:
+            found.append(ExportableRun(path, recipe, names))
+    return found
+
+
+# -- step 2: the base ----------------------------------------------------------------------
+@dataclass(frozen=True)
+class BaseInfo:
+    path: Path | None
+    quantized_tensors: int          # matrices stored quantized (a merge needs a dense copy)
+    types: dict[str, int]           # ggml type name -> tensor count
+
+    @property
+    def quantized(self) -> bool:
+        return self.quantized_tensors > 0
+
+    def explanation(self) -> str:
+        if self.path is None:
+            return "This run was trained from scratch: it has no base model."
+        if not self.quantized:
+            return f"The base {self.path.name} is dense: the adapters merge straight into it."
+        return (f"The base {self.path.name} is quantized ({self.quantized_tensors} tensors: "
+                + ", ".join(f"{k} ×{v}" for k, v in sorted(self.types.items())) + "). "
+                "Merging into quantized weights would dequantize, add the adapter and "
+                "quantize again, compounding the rounding, so the engine refuses it. The way out "
+                "is one explicit step: write a dense f16 copy of the base (it records the "
+                "SHA-256 of the file it came from, so it is accepted as the adapter's base), "
+                "merge into that copy, then quantize once. Or export the adapter alone.")
+
+
+def gguf_tensor_table(path: Path) -> list[tuple[str, tuple[int, ...], T]]:
+    """(name, torch-order shape, type) of every tensor in a GGUF file."""
+    from gguf import GGUFReader
+
+    reader = GGUFReader(str(path))
+    return [(t.name, tuple(int(d) for d in reversed(t.shape.tolist())), T(t.tensor_type))
+            for t in reader.tensors]
+
+
+def base_info(run_dir: Path, base: Path | None = None) -> BaseInfo:
+    """The GGUF an export merges into: `base`, else the one the run trained on."""
+    if base is None:
+        recorded = (RunDir(run_dir).manifest().get("base_model") or {}).get("path")
+        base = Path(recorded) if recorded and str(recorded).endswith(".gguf") else None
+    if base is None:
+        return BaseInfo(None, 0, {})
+    if not base.is_file():
+        raise ForgebenchError("the base model file is missing", path=base,
+                              hint="choose the GGUF file the run was trained on")
+    types: dict[str, int] = {}
+    quantized = 0
+    for _, shape, kind in gguf_tensor_table(base):
+        types[kind.name] = types.get(kind.name, 0) + 1
+        quantized += kind not in FLOAT_TYPES and len(shape) >= 2
+    return BaseInfo(base, quantized, types)
+
+
+def convert_argv(base: Path, out: Path, dtype: str = "f16") -> list[str]:
+    return forgebench_argv() + ["convert", str(base), "--dtype", dtype, "--out", str(out)]
+
+
+# -- step 3: quantization type and size ----------------------------------------------------
+def safetensors_table(path: Path) -> list[tuple[str, tuple[int, ...], T]]:
+    """(name, shape, type) of a safetensors file, read from its JSON header alone."""
+    with open(path, "rb") as handle:
+        (length,) = struct.unpack("<Q", handle.read(8))
+        header = json.loads(handle.read(length))
+    return [(name, tuple(v["shape"]), SAFETENSORS_DTYPES.get(v["dtype"], T.F32))
+            for name, v in header.items() if name != "__metadata__"]
+
+
+def tensor_bytes(shape: tuple[int, ...], kind: T) -> int:
+    block, size = GGML_QUANT_SIZES[kind]
+    n = 1
+    for d in shape:
+        n *= d
+    return n // block * size
+
+
+def size_estimates(run: ExportableRun, checkpoint: str, base: Path | None = None) -> dict[str, int]:
+    """Bytes of tensor data per export type (metadata and tokenizer not counted).
+
+    The engine's own per-tensor quantization plan (llama.cpp's) is applied. For an lm-pretrain
+    checkpoint the tensors carry torch names, so the plan's special cases for the embedding and
+    output matrices are not applied to them: an estimate, exact for the dense types.
+    """
+    if run.recipe == "lm-sft":
+        info = base_info(run.path, base)
+        table = gguf_tensor_table(info.path)
+        facts = ModelFacts.from_metadata(_gguf_metadata(info.path))
+        sizes = {}
+        for dtype, ftype in FILE_TYPES.items():
+            plan = plan_types(table, ftype, facts)
+            sizes[dtype] = sum(tensor_bytes(shape, plan[name]) for name, shape, _ in table)
+        adapter = RunDir(run.path).checkpoint(checkpoint).path / "adapters.safetensors"
+        if adapter.is_file():
+            sizes["adapter"] = sum(tensor_bytes(s, T.F32) for _, s, _ in safetensors_table(adapter))
+        return sizes
+    weights = RunDir(run.path).checkpoint(checkpoint).path / "model.safetensors"
+    table = safetensors_table(weights)
+    facts = ModelFacts("llama", len({n.split(".")[1] for n, _, _ in table
+                                     if n.startswith("layers.")}))
+    sizes = {}
+    for dtype, ftype in FILE_TYPES.items():
+        plan = plan_types(table, ftype, facts)      # torch names: every matrix is "other"
+        sizes[dtype] = sum(tensor_bytes(shape, plan[name]) for name, shape, _ in table)
+    return sizes
+
+
+def _gguf_metadata(path: Path) -> dict:
+    from gguf import GGUFReader
+
+    reader = GGUFReader(str(path))
+    wanted = {}
+    for name, field in reader.fields.items():
+        if name.endswith((".block_count", ".expert_count", "general.architecture")):
+            value = field.contents()
+            wanted[name] = value
+    return wanted
+
+
+def export_argv(run_dir: Path, checkpoint: str, dtype: str, out: Path,
+                base: Path | None = None) -> list[str]:
+    if dtype not in DTYPES:
+        raise ForgebenchError(f"unknown export type {dtype!r}", where="quantization",
+                              hint="one of " + ", ".join(DTYPES))
+    argv = forgebench_argv() + ["export", str(run_dir), "--checkpoint", checkpoint,
+                                "--dtype", dtype, "--out", str(out)]
+    return argv + (["--base", str(base)] if base else [])
+
+
+# -- step 4: verification ------------------------------------------------------------------
+@dataclass(frozen=True)
+class StageRow:
+    name: str
+    description: str
+    file: str
+    top1: float | None
+    max_abs: float | None
+    mean_abs: float | None
+    kl: float | None
+    greedy: str
+    tokenizer: bool | None
+    passed: bool | None          # None: the reference row
+
+    @property
+    def verdict(self) -> str:
+        return {True: "pass", False: "FAIL", None: "reference"}[self.passed]
+
+
+def _row(stage: dict, quantized: bool) -> StageRow:
+    if "vs_checkpoint" not in stage:
+        return StageRow(stage["name"], stage.get("description", ""), stage.get("file") or "",
+                        None, None, None, None, "", None, None)
+    m, g = stage["vs_checkpoint"], stage["greedy_vs_checkpoint"]
+    threshold = PASS_TOP1["quantized" if quantized else "dense"]
+    passed = bool(stage["tokenizer_matches"]) and m["top1_agreement"] >= threshold
+    return StageRow(stage["name"], stage.get("description", ""), stage.get("file") or "",
+                    m["top1_agreement"], m["max_abs_logit_diff"], m["mean_abs_logit_diff"],
+                    m["kl_mean"], f"{sum(g['matches'])}/{len(g['matches'])}",
+                    bool(stage["tokenizer_matches"]), passed)
+
+
+def verification(report: dict) -> dict:
+    """Rows per stage (pass/fail), the llama.cpp row and its answers when it ran."""
+    dtype = report.get("export", {}).get("dtype", "f32")
+    quantized = dtype in FILE_TYPES and DEFAULT_TYPE[FILE_TYPES[dtype]] not in FLOAT_TYPES
+    rows = [_row(stage, quantized and stage["name"] in ("quantized", "llama.cpp"))
+            for stage in report["stages"]]
+    cpp = report.get("llamacpp", {})
+    answers = []
+    if cpp.get("available"):
+        rows.append(_row({"name": "llama.cpp", **cpp}, quantized))
+        answers = [(p["prompt"], p.get("answer"), a)
+                   for p, a in zip(report["prompt_suite"], cpp.get("answers", []))]
+    checked = [r.passed for r in rows if r.passed is not None]
+    return {"rows": rows, "passed": bool(checked) and all(checked),
+            "llamacpp": {"available": bool(cpp.get("available")), "reason": cpp.get("reason"),
+                         "answers": answers}}
+
+
+# -- step 5: the bundle --------------------------------------------------------------------
+def rights_checklist(run_dir: Path) -> list[dict]:
+    """One line per right the data card states (or leaves unstated), for the user to confirm."""
+    dataset = (RunDir(run_dir).manifest().get("data") or {}).get("dataset")
+    card = {}
+    if dataset and (Path(dataset) / "card.json").is_file():
+        card = read_json(Path(dataset) / "card.json")
+    elif dataset and (Path(dataset) / "dataset.json").is_file():
+        manifest = read_json(Path(dataset) / "dataset.json")
+        rights = manifest.get("rights")
+        card = {"rights": rights if isinstance(rights, dict) else {"basis": rights}}
+    rights = card.get("rights") or {}
+    items = []
+    for key, label in RIGHTS_LABELS.items():
+        stated = card.get("consent") if key == "consent" else rights.get(key)
+        stated = "not stated" if stated in (None, "") else stated
+        items.append({"key": key, "label": label, "stated": str(stated),
+                      "confirmed": stated is True or str(stated).lower() in ("yes", "true")})
+    if rights.get("basis"):
+        items.append({"key": "basis", "label": "basis of these rights",
+                      "stated": str(rights["basis"]), "confirmed": False})
+    return items
+
+
+def finish_bundle(out: Path, model_card: str, checklist: list[dict]) -> None:
+    """Save the edited model card with the confirmed rights, and re-sum the bundle."""
+    if not (out / "SHA256SUMS").is_file():
+        raise ForgebenchError("not an export bundle (no SHA256SUMS)", path=out,
+                              hint="run the export step first")
+    lines = [model_card.rstrip(), "", "## Rights (from the data card, confirmed at export)", ""]
+    lines += [f"- [{'x' if c['confirmed'] else ' '}] {c['label']}: {c['stated']}"
+              for c in checklist]
+    atomic_write_text(out / "model_card.md", "\n".join(lines) + "\n")
+    write_sha256sums(out)

@@ -1,0 +1,256 @@
+"""Recipe forms generated from the recipe's pydantic config schema.
+
+Every edit re-validates the whole config with the schema itself (never a copy of its rules), so
+the form marks exactly the fields `forgebench run` would refuse, and Start stays blocked while
+any field is invalid.
+"""
+
+from __future__ import annotations
+
+import os
+import tomllib
+import types
+import typing
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ValidationError
+
+from engine.config import format_validation_error, schema_for
+from engine.errors import ForgebenchError
+from engine.fsutil import atomic_write_text
+
+HIDDEN_FIELDS = ("recipe", "base_dir")
+
+
+@dataclass(frozen=True)
+class FieldSpec:
+    name: str            # dotted path, e.g. "optim.lr"
+    kind: str            # int | float | bool | choice | str | list
+    default: Any
+    required: bool
+    description: str
+    choices: tuple = ()
+    optional: bool = False  # None is an accepted value (an empty box)
+
+    @property
+    def label(self) -> str:
+        return self.name.rsplit(".", 1)[-1].replace("_", " ")
+
+    @property
+    def section(self) -> str:
+        return self.name.rsplit(".", 1)[0] if "." in self.name else ""
+
+
+def _unwrap_optional(annotation: Any) -> tuple[Any, bool]:
+    origin = typing.get_origin(annotation)
+    if origin in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(annotation) if a is not type(None)]
+        if len(args) == 1:
+            return args[0], len(args) < len(typing.get_args(annotation))
+    return annotation, False
+
+
+def _is_model(annotation: Any) -> bool:
+    return isinstance(annotation, type) and issubclass(annotation, BaseModel)
+
+
+def field_specs(schema: type[BaseModel], prefix: str = "") -> list[FieldSpec]:
+    """The editable fields of a schema, nested sections flattened to dotted names."""
+    specs = []
+    for name, info in schema.model_fields.items():
+        if not prefix and name in HIDDEN_FIELDS:
+            continue
+        annotation, optional = _unwrap_optional(info.annotation)
+        dotted = prefix + name
+        if _is_model(annotation):
+            specs += field_specs(annotation, dotted + ".")
+            continue
+        default = None if info.is_required() else info.get_default(call_default_factory=True)
+        if _is_model(type(default)):
+            default = default.model_dump()
+        if typing.get_origin(annotation) is Literal:
+            kind, choices = "choice", tuple(typing.get_args(annotation))
+        elif annotation is bool:
+            kind, choices = "bool", ()
+        elif annotation is int:
+            kind, choices = "int", ()
+        elif annotation is float:
+            kind, choices = "float", ()
+        elif typing.get_origin(annotation) in (list, tuple):
+            kind, choices = "list", ()
+        else:
+            kind, choices = "str", ()
+        specs.append(FieldSpec(dotted, kind, default, info.is_required(),
+                               info.description or "", choices, optional))
+    return specs
+
+
+def _get(data: dict, dotted: str) -> Any:
+    for part in dotted.split("."):
+        if not isinstance(data, dict) or part not in data:
+            return None
+        data = data[part]
+    return data
+
+
+def _set(data: dict, dotted: str, value: Any) -> None:
+    *parents, leaf = dotted.split(".")
+    for part in parents:
+        data = data.setdefault(part, {})
+    data[leaf] = value
+
+
+def _delete(data: dict, dotted: str) -> None:
+    *parents, leaf = dotted.split(".")
+    for part in parents:
+        data = data.get(part, {})
+    data.pop(leaf, None)
+
+
+def to_text(spec: FieldSpec, value: Any) -> str:
+    if value is None:
+        return ""
+    if spec.kind == "list":
+        return ", ".join(str(v) for v in value)
+    return str(value)
+
+
+class RecipeForm:
+    """Field values as the user typed them, plus the per-field errors of the current state."""
+
+    def __init__(self, recipe: str, values: dict | None = None, base_dir: str | None = None):
+        self.recipe = recipe
+        self.schema = schema_for(recipe)
+        self.fields = field_specs(self.schema)
+        self.base_dir = base_dir
+        self.extra: dict = {}  # keys of a loaded config that have no form field (kept as is)
+        self.text: dict[str, str] = {}
+        values = dict(values or {})
+        values.pop("recipe", None)
+        self.base_dir = values.pop("base_dir", None) or base_dir
+        for spec in self.fields:
+            given = _get(values, spec.name)
+            self.text[spec.name] = to_text(spec, spec.default if given is None else given)
+            if given is not None:
+                _delete(values, spec.name)
+        self.extra = {k: v for k, v in values.items() if v not in ({}, None)}
+        self.errors: dict[str, str] = {}
+        self.general_error: str | None = None
+        self.validate()
+
+    @classmethod
+    def from_file(cls, path: str | os.PathLike) -> "RecipeForm":
+        path = Path(path)
+        try:
+            data = tomllib.loads(path.read_text(encoding="utf-8"))
+        except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError) as exc:
+            raise ForgebenchError(f"cannot read the config: {exc}", path=path) from None
+        if not isinstance(data.get("recipe"), str):
+            raise ForgebenchError("config has no 'recipe' key", path=path)
+        return cls(data["recipe"], data, base_dir=str(path.resolve().parent))
+
+    def spec(self, name: str) -> FieldSpec:
+        return next(s for s in self.fields if s.name == name)
+
+    def set_text(self, name: str, text: str) -> None:
+        self.text[name] = text
+        self.validate()
+
+    def _parse(self, spec: FieldSpec, text: str) -> Any:
+        """Turn typed text into the value to validate; the schema judges it."""
+        text = text.strip()
+        if text == "":
+            return None if spec.optional else ...
+        if spec.kind == "bool":
+            return text.lower() in ("1", "true", "yes", "on")
+        if spec.kind == "int":
+            try:
+                return int(text)
+            except ValueError:
+                raise ValueError("expected a whole number") from None
+        if spec.kind == "float":
+            try:
+                return float(text)
+            except ValueError:
+                raise ValueError("expected a number") from None
+        if spec.kind == "list":
+            return [item.strip() for item in text.split(",") if item.strip()]
+        return text
+
+    def config_dict(self) -> dict:
+        """The config as a TOML-ready mapping (unparseable fields left out)."""
+        data: dict = {"recipe": self.recipe}
+        if self.base_dir:
+            data["base_dir"] = self.base_dir
+        for key, value in self.extra.items():
+            data[key] = value
+        for spec in self.fields:
+            try:
+                value = self._parse(spec, self.text[spec.name])
+            except ValueError:
+                continue
+            if value is not ... and value is not None:
+                _set(data, spec.name, value)
+        return data
+
+    def validate(self) -> bool:
+        errors: dict[str, str] = {}
+        for spec in self.fields:
+            try:
+                value = self._parse(spec, self.text[spec.name])
+            except ValueError as exc:
+                errors[spec.name] = str(exc)
+                continue
+            if value is ... and spec.required:
+                errors[spec.name] = "required"
+        self.general_error = None
+        try:
+            self.schema.model_validate(self.config_dict())
+        except ValidationError as exc:
+            for err in exc.errors():
+                dotted = ".".join(str(p) for p in err["loc"])
+                owner = next((s.name for s in self.fields
+                              if dotted == s.name or dotted.startswith(s.name + ".")), None)
+                if owner is None:
+                    self.general_error = format_validation_error(exc, None)
+                elif owner not in errors:
+                    errors[owner] = "required" if err["type"] == "missing" else err["msg"]
+        self.errors = errors
+        return self.valid
+
+    @property
+    def valid(self) -> bool:
+        return not self.errors and self.general_error is None
+
+    def write_toml(self, path: str | os.PathLike) -> Path:
+        if not self.valid:
+            problem = ", ".join(sorted(self.errors)) or str(self.general_error)
+            raise ForgebenchError(f"the config has invalid fields: {problem}", path=path,
+                                  hint="fix the fields marked in red")
+        path = Path(path)
+        atomic_write_text(path, dump_toml(self.config_dict()))
+        return path
+
+
+def _toml_value(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (int, float)):
+        return repr(value)
+    if isinstance(value, (list, tuple)):
+        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
+    text = str(value).replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+    return f'"{text}"'
+
+
+def dump_toml(data: dict, table: str = "") -> str:
+    """A small TOML writer for configs: scalars and lists first, then one table per section."""
+    lines = [f"{key} = {_toml_value(value)}" for key, value in data.items()
+             if not isinstance(value, dict)]
+    for key, value in data.items():
+        if isinstance(value, dict):
+            name = f"{table}.{key}" if table else key
+            lines += ["", f"[{name}]", dump_toml(value, name).strip("\n")]
+    return "\n".join(lines).strip("\n") + "\n"

@@ -1,0 +1,309 @@
+"""Runs: the run list and ledger, and the chart series of each run, read from run directories
+while their jobs write them (DESIGN.md §3). Reads are incremental so a poll costs only the new
+bytes."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from engine.errors import ForgebenchError
+from engine.fsutil import atomic_write_json, read_json
+from engine.rundir import RunDir
+
+NOTES_FILE = "notes.json"  # app-owned: question, notes, selected checkpoint (run.json is immutable)
+TRAIN_FIELDS = ("loss", "grad_norm", "lr", "tokens_per_s", "peak_rss_mb")
+
+
+class JsonlTail:
+    """Reads the complete lines appended to a JSONL file since the last call.
+
+    A last line without its newline is an append in progress: it is left for the next call.
+    A line that is not JSON is counted in `bad_lines` and skipped, never raised to the GUI.
+    """
+
+    def __init__(self, path: Path):
+        self.path = path
+        self.offset = 0
+        self.bad_lines = 0
+
+    def read_new(self) -> list[dict]:
+        try:
+            size = self.path.stat().st_size
+        except FileNotFoundError:
+            return []
+        if size < self.offset:  # the file was replaced: read it again from the start
+            self.offset = 0
+        if size == self.offset:
+            return []
+        with open(self.path, "rb") as handle:
+            handle.seek(self.offset)
+            chunk = handle.read(size - self.offset)
+        end = chunk.rfind(b"\n")
+        if end < 0:
+            return []
+        self.offset += end + 1
+        records = []
+        for line in chunk[:end].split(b"\n"):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except (json.JSONDecodeError, UnicodeDecodeError):
+                self.bad_lines += 1
+                continue
+            if isinstance(record, dict):
+                records.append(record)
+        return records
+
+
+def ema(values: list[float], weight: float) -> list[float]:
+    """TensorBoard's debiased exponential moving average; weight 0 returns the values.
+
+    Non-finite points are passed through and do not disturb the average.
+    """
+    if weight <= 0:
+        return list(values)
+    out, last, n = [], 0.0, 0
+    for v in values:
+        if v is None or not math.isfinite(v):
+            out.append(v)
+            continue
+        n += 1
+        last = last * weight + (1 - weight) * v
+        out.append(last / (1 - weight ** n))
+    return out
+
+
+def find_clip_threshold(config: dict) -> float | None:
+    """The gradient-clipping threshold in a resolved config, wherever its section puts it."""
+    for key, value in config.items():
+        if isinstance(value, dict):
+            found = find_clip_threshold(value)
+            if found is not None:
+                return found
+        elif key in ("max_grad_norm", "grad_clip", "clip_grad_norm", "clip") and \
+                isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0:
+            return float(value)
+    return None
+
+
+@dataclass
+class Series:
+    steps: list[int] = field(default_factory=list)
+    times: list[float] = field(default_factory=list)
+    values: dict[str, list[float]] = field(default_factory=dict)
+
+    def add(self, record: dict, names: tuple[str, ...]) -> None:
+        self.steps.append(int(record.get("step", len(self.steps))))
+        self.times.append(float(record.get("time", 0.0)))
+        for name in names:
+            value = record.get(name)
+            if isinstance(value, bool):
+                value = float(value)
+            self.values.setdefault(name, []).append(
+                float(value) if isinstance(value, (int, float)) else math.nan)
+
+
+class RunSeries:
+    """The chart data of one run: train and eval metrics, checkpoints and invocations."""
+
+    def __init__(self, path: str | os.PathLike):
+        self.run = RunDir(path)
+        self.train = Series()
+        self.evals: dict[str, Series] = {}
+        self.checkpoint_steps: list[int] = []
+        self.invocation_steps: list[int] = []
+        self.errors: list[dict] = []
+        self._metrics = JsonlTail(self.run.path / "metrics.jsonl")
+        self._events = JsonlTail(self.run.path / "events.jsonl")
+        self._invocations = JsonlTail(self.run.path / "invocations.jsonl")
+        self._t0: float | None = None
+        self.clip_threshold: float | None = None
+        try:
+            self.clip_threshold = find_clip_threshold(self.run.manifest().get("config", {}))
+        except ForgebenchError:
+            pass
+
+    @property
+    def name(self) -> str:
+        return self.run.path.name
+
+    def poll(self) -> bool:
+        """Read what the job appended since the last poll; True when anything changed."""
+        changed = False
+        for record in self._metrics.read_new():
+            changed = True
+            if self._t0 is None:
+                self._t0 = float(record.get("time", 0.0))
+            split = record.get("split", "train")
+            if split == "train":
+                self.train.add(record, TRAIN_FIELDS + ("clipped",))
+            else:
+                self.evals.setdefault(split, Series()).add(record, ("loss",))
+        for event in self._events.read_new():
+            changed = True
+            if event.get("kind") == "checkpoint_saved" and "step" in event:
+                self.checkpoint_steps.append(int(event["step"]))
+            elif event.get("kind") == "error":
+                self.errors.append(event)
+        for record in self._invocations.read_new():
+            changed = True
+            start = record.get("start_step", record.get("step_range", [None])[0]
+                               if isinstance(record.get("step_range"), list) else None)
+            self.invocation_steps.append(int(start or 0))
+        return changed
+
+    def xy(self, metric: str, split: str = "train", x: str = "step",
+           smoothing: float = 0.0) -> tuple[list[float], list[float]]:
+        """Points of one metric: x is the step or seconds since the run's first metric."""
+        series = self.train if split == "train" else self.evals.get(split)
+        if series is None or metric not in series.values:
+            return [], []
+        xs = series.steps if x == "step" else [t - (self._t0 or 0.0) for t in series.times]
+        return list(xs), ema(series.values[metric], smoothing)
+
+    def clipped_points(self, x: str = "step") -> tuple[list[float], list[float]]:
+        """Grad-norm points of the steps where clipping (or a skip) happened."""
+        xs, ys = self.xy("grad_norm", x=x)
+        flags = self.train.values.get("clipped", [])
+        return ([a for a, f in zip(xs, flags) if f == 1.0],
+                [b for b, f in zip(ys, flags) if f == 1.0])
+
+    def x_of_step(self, step: int, x: str = "step") -> float | None:
+        """Where a step (a checkpoint or an invocation start) sits on a time axis."""
+        if x == "step":
+            return float(step)
+        for s, t in zip(self.train.steps, self.train.times):
+            if s >= step:
+                return t - (self._t0 or 0.0)
+        return None
+
+
+def read_notes(run_dir: Path) -> dict:
+    try:
+        notes = read_json(run_dir / NOTES_FILE)
+    except ForgebenchError:
+        return {}
+    return notes if isinstance(notes, dict) else {}
+
+
+def write_notes(run_dir: Path, **fields) -> dict:
+    notes = read_notes(run_dir)
+    notes.update(fields)
+    atomic_write_json(run_dir / NOTES_FILE, notes)
+    return notes
+
+
+def _data_version(manifest: dict) -> str:
+    """A short, honest data identity: dataset folder names and the first hash characters."""
+    data = manifest.get("data") or {}
+    files = data.get("files") if isinstance(data, dict) else None
+    names = []
+    if isinstance(data, dict):
+        for key in ("dataset", "datasets", "name", "root"):
+            if isinstance(data.get(key), str):
+                names.append(Path(data[key]).name)
+                break
+    digest = ""
+    if isinstance(files, dict) and files:
+        joined = "".join(f"{k}:{v}" for k, v in sorted(files.items()))
+        digest = hashlib.sha256(joined.encode()).hexdigest()[:10]
+    return " ".join(names + ([f"#{digest}"] if digest else [])) or "—"
+
+
+@dataclass
+class LedgerRow:
+    name: str
+    path: Path
+    recipe: str
+    state: str
+    step: int | None
+    target_steps: int | None
+    question: str
+    data_version: str
+    best_metric: str
+    selected_checkpoint: str
+    notes: str
+    error: str | None
+    stage: str | None
+    created: float | None
+
+    @property
+    def active(self) -> bool:
+        return self.state in ("queued", "running", "stopping")
+
+
+class BestEval:
+    """The lowest finite val loss of a run and its step, followed incrementally."""
+
+    def __init__(self, path: Path):
+        self._tail = JsonlTail(Path(path) / "metrics.jsonl")
+        self.best: tuple[float, int | None] | None = None
+
+    def update(self) -> tuple[float, int | None] | None:
+        for record in self._tail.read_new():
+            loss = record.get("loss")
+            if record.get("split") == "val" and isinstance(loss, (int, float)) and \
+                    math.isfinite(loss) and (self.best is None or loss < self.best[0]):
+                self.best = (float(loss), record.get("step"))
+        return self.best
+
+
+def _best_metric(status: dict, best: tuple[float, int | None] | None) -> str:
+    if isinstance(status.get("best_metric"), (int, float)):
+        name = status.get("best_metric_name", "val loss")
+        return f"{name} {status['best_metric']:.4g}"
+    return f"val loss {best[0]:.4g} @ {best[1]}" if best else "—"
+
+
+def ledger_row(path: Path, best: BestEval | None = None) -> LedgerRow:
+    """One ledger line for a run directory; a damaged run still gets a (failed) line.
+
+    Pass the run's `BestEval` when polling so only new metric lines are read.
+    """
+    run = RunDir(path)
+    try:
+        manifest = run.manifest()
+    except ForgebenchError as exc:
+        manifest = {"error": exc.render()}
+    status = run.live_status()
+    notes = read_notes(path)
+    error = status.get("error") or manifest.get("error")
+    stage = status.get("stage")
+    if status.get("state") == "failed" and not error:
+        errors = [e for e in run.events() if e.get("kind") == "error"]
+        if errors:
+            error, stage = errors[-1].get("message"), errors[-1].get("stage", stage)
+    selected = notes.get("selected_checkpoint") or status.get("best_checkpoint")
+    if not selected:
+        latest = run.latest_checkpoint()
+        selected = f"{latest.name} (latest)" if latest else "—"
+    return LedgerRow(
+        name=path.name, path=path, recipe=str(manifest.get("recipe", "?")),
+        state=str(status.get("state", "unknown")), step=status.get("step"),
+        target_steps=status.get("target_steps") or (manifest.get("config") or {}).get("steps"),
+        question=str(notes.get("question", "")), data_version=_data_version(manifest),
+        best_metric=_best_metric(status, (best or BestEval(path)).update()), selected_checkpoint=str(selected),
+        notes=str(notes.get("notes", "")), error=error, stage=stage,
+        created=manifest.get("created") if isinstance(manifest.get("created"), (int, float))
+        else None)
+
+
+def failure_report(path: Path) -> str:
+    """The error and traceback of a failed run, as the job recorded them."""
+    run = RunDir(path)
+    status = run.live_status()
+    parts = []
+    for event in run.events():
+        if event.get("kind") == "error":
+            stage = event.get("stage")
+            parts.append(f"failed{' during ' + stage if stage else ''}: "
+                         f"{event.get('message', '')}\n\n{event.get('traceback', '')}".rstrip())
+    if not parts and status.get("state") == "failed":
+        parts.append(str(status.get("error", "the job failed without recording an error")))
+    return "\n\n".join(parts)

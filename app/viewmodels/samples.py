@@ -1,0 +1,252 @@
+"""What a run generated, read from `samples/<checkpoint>/` (DESIGN.md §3), and the rubric ratings
+people give it, appended to `ratings/rubric-<run>.jsonl`.
+
+Images and sounds come with a JSON sidecar per file (seed, settings, checkpoint, nearest training
+item, integrity flags for audio); LLM runs write `generations.jsonl` per checkpoint, where
+`step-000000` holds the base model's answers (BEFORE) and later checkpoints the tuned ones.
+No Qt and no torch here.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from engine.errors import ForgebenchError
+from engine.fsutil import append_jsonl, read_json, read_jsonl
+from engine.rundir import RunDir
+
+from app.viewmodels.jobs import forgebench_argv
+
+MEDIA = {".png": "image", ".wav": "audio"}
+# generations file -> (its sidecar, the answer field): lm-sft writes the first, lm-pretrain the
+# second
+TEXT_FILES = {"generations.jsonl": ("generations.json", "answer"),
+              "samples.jsonl": ("samples.json", "text")}
+# The dimensions each kind of sample is rated on (issue #9); scores are 1 (poor) .. 5 (good).
+RUBRICS = {
+    "audio": ("class correctness", "integrity", "diversity", "memorization"),
+    "image": ("content", "style", "control", "diversity", "retention", "memorization"),
+    "text": ("fidelity", "style"),
+}
+SCORES = (1, 2, 3, 4, 5)
+PROGRESS = re.compile(r"(\d+)/(\d+)")
+
+
+@dataclass(frozen=True)
+class Sample:
+    """One generated file and its sidecar."""
+
+    path: Path
+    sidecar: dict
+
+    @property
+    def kind(self) -> str:
+        return MEDIA[self.path.suffix]
+
+    @property
+    def checkpoint(self) -> str:
+        """The samples folder: the checkpoint's name, unless the job was given its own --out
+        (e.g. a second sample set of one checkpoint with other settings)."""
+        return self.path.parent.name
+
+    @property
+    def seed(self) -> int:
+        return int(self.sidecar.get("seed", 0))
+
+    @property
+    def label(self) -> str:
+        return str(self.sidecar.get("class", ""))
+
+    @property
+    def item(self) -> str:
+        """What the sample was asked for — class, seed and position — the same across
+        checkpoints, so two checkpoints' samples of one item can be compared blind."""
+        return self.path.stem
+
+    @property
+    def settings(self) -> dict:
+        """Everything that shaped the output except the weights (what an A/B must hold equal)."""
+        found = dict(self.sidecar.get("settings", {}))
+        for key in ("cfg", "steps", "sample_rate", "samples"):
+            if key in self.sidecar:
+                found[key] = self.sidecar[key]
+        return found
+
+    @property
+    def integrity_flags(self) -> list[str]:
+        return list(self.sidecar.get("integrity", {}).get("flags", []))
+
+    def nearest_training_id(self) -> str | None:
+        near = self.sidecar.get("nearest_training") or {}
+        for measure in ("pixel", "log_stft", "feature"):
+            if measure in near:
+                return near[measure]["id"]
+        return None
+
+
+def run_samples(run_dir: str | Path) -> list[Sample]:
+    """Every image or audio sample of a run, by checkpoint, class, seed and position."""
+    root = RunDir(run_dir).samples_dir
+    found = []
+    if root.is_dir():
+        for sidecar in sorted(root.glob("*/*.json")):
+            media = [sidecar.with_suffix(s) for s in MEDIA if sidecar.with_suffix(s).is_file()]
+            if not media or sidecar.stem == "grid":
+                continue
+            found.append(Sample(media[0], read_json(sidecar)))
+    return sorted(found, key=lambda s: (s.checkpoint, s.label, s.seed, s.item))
+
+
+def image_grid(samples: list[Sample]) -> tuple[list[str], list[tuple[str, int, str]], dict]:
+    """(rows = classes, columns = (checkpoint, seed, position), cells → Sample) for images."""
+    images = [s for s in samples if s.kind == "image"]
+    rows = sorted({s.label for s in images})
+    columns = sorted({(s.checkpoint, s.seed, s.item.rsplit("-", 1)[-1]) for s in images})
+    cells = {(s.label, (s.checkpoint, s.seed, s.item.rsplit("-", 1)[-1])): s for s in images}
+    return rows, columns, cells
+
+
+def nearest_training_file(run_dir: str | Path, sample: Sample) -> Path | None:
+    """The training file the sample is nearest to (memorization check), found in the run's
+    dataset by the id its sidecar names."""
+    wanted = sample.nearest_training_id()
+    dataset = RunDir(run_dir).manifest().get("data", {}).get("dataset")
+    if wanted is None or not dataset:
+        return None
+    from engine.data.dataset import load_dataset
+
+    for record in load_dataset(dataset).records():
+        if record.get("id") == wanted:
+            return Path(record.get("image") or record.get("path"))
+    return None
+
+
+def waveform(path: Path) -> tuple[np.ndarray, int]:
+    """Mono float samples in [-1, 1] exactly as written (never normalized) and the rate."""
+    import soundfile
+
+    wave, rate = soundfile.read(str(path), dtype="float32", always_2d=True)
+    return wave[:, 0], int(rate)
+
+
+def spectrogram(wave: np.ndarray) -> np.ndarray:
+    """log |STFT| [frames, bins], the same measure the engine's neighbour search uses."""
+    from engine.eval.audio import log_stft
+
+    return log_stft(wave)
+
+
+# -- text: BEFORE / AFTER ------------------------------------------------------------------
+def text_file(folder: Path) -> Path | None:
+    """The generations file of a checkpoint's samples folder (lm-sft or lm-pretrain)."""
+    for name in TEXT_FILES:
+        if (folder / name).is_file():
+            return folder / name
+    return None
+
+
+def generation_checkpoints(run_dir: str | Path) -> list[str]:
+    root = RunDir(run_dir).samples_dir
+    if not root.is_dir():
+        return []
+    return sorted(p.name for p in root.iterdir() if p.is_dir() and text_file(p))
+
+
+def generations(run_dir: str | Path, checkpoint: str) -> dict[str, str]:
+    """prompt → answer of one checkpoint's generations (the first seed's, for lm-pretrain)."""
+    path = text_file(RunDir(run_dir).samples_dir / checkpoint)
+    if path is None:
+        raise ForgebenchError("no generations for this checkpoint",
+                              path=RunDir(run_dir).samples_dir / checkpoint)
+    field = TEXT_FILES[path.name][1]
+    found: dict[str, str] = {}
+    for record in read_jsonl(path):
+        found.setdefault(record["prompt"], record[field])
+    return found
+
+
+def generation_settings(run_dir: str | Path, checkpoint: str) -> dict:
+    """The sampling settings a checkpoint's generations were made with (from the sidecar)."""
+    path = text_file(RunDir(run_dir).samples_dir / checkpoint)
+    sidecar = read_json(path.with_name(TEXT_FILES[path.name][0]))
+    settings = dict(sidecar.get("settings", {}))
+    if "max_tokens" in sidecar:
+        settings["max_tokens"] = sidecar["max_tokens"]
+    return settings
+
+
+def before_after(run_dir: str | Path, after: str | None = None) -> list[tuple[str, str, str]]:
+    """(prompt, BEFORE answer, AFTER answer): the base's generations (the first checkpoint)
+    against `after` (default: the last one)."""
+    names = generation_checkpoints(run_dir)
+    if len(names) < 2:
+        return []
+    first, last = generations(run_dir, names[0]), generations(run_dir, after or names[-1])
+    return [(p, first[p], last.get(p, "")) for p in first]
+
+
+# -- rubric ratings ------------------------------------------------------------------------
+class RubricStore:
+    """Append-only rubric ratings of one run's samples; each answer is fsynced when saved."""
+
+    def __init__(self, ratings_dir: Path, run_dir: str | Path):
+        self.run = Path(run_dir)
+        self.path = Path(ratings_dir) / f"rubric-{self.run.name}.jsonl"
+
+    def record(self, sample_path: Path, kind: str, scores: dict[str, int], rater: str,
+               note: str = "") -> dict:
+        unknown = [d for d in scores if d not in RUBRICS[kind]]
+        if unknown:
+            raise ForgebenchError(f"not a {kind} rubric dimension: {', '.join(unknown)}",
+                                  where="rubric", hint="one of " + ", ".join(RUBRICS[kind]))
+        bad = [d for d, v in scores.items() if v not in SCORES]
+        if bad:
+            raise ForgebenchError(f"scores must be 1..5 ({', '.join(bad)})", where="rubric")
+        entry = {"type": "rubric", "run": str(self.run),
+                 "sample": str(Path(sample_path).relative_to(self.run)), "kind": kind,
+                 "scores": scores, "note": note, "rater": rater, "time": time.time()}
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        append_jsonl(self.path, entry)
+        return entry
+
+    def ratings(self) -> list[dict]:
+        return read_jsonl(self.path) if self.path.is_file() else []
+
+    def latest(self, sample_path: Path, rater: str) -> dict | None:
+        """The rater's most recent scores for a sample (later entries supersede earlier)."""
+        name = str(Path(sample_path).relative_to(self.run))
+        mine = [r for r in self.ratings() if r["sample"] == name and r["rater"] == rater]
+        return mine[-1] if mine else None
+
+
+# -- sampling jobs -------------------------------------------------------------------------
+def sample_argv(run_dir: str | Path, *, checkpoint: str = "latest", class_name: str | None = None,
+                n: int = 2, seed: int = 0, cfg: float | None = None, steps: int | None = None,
+                out: Path | None = None) -> list[str]:
+    argv = forgebench_argv() + ["sample", str(run_dir), "--checkpoint", checkpoint,
+                                "--n", str(n), "--seed", str(seed)]
+    for flag, value in (("--class", class_name), ("--cfg", cfg), ("--steps", steps),
+                        ("--out", out)):
+        if value is not None:
+            argv += [flag, str(value)]
+    return argv
+
+
+def parse_progress(text: str) -> tuple[int, int] | None:
+    """The last `done/total` a tqdm bar printed in a chunk of a job's stderr."""
+    found = PROGRESS.findall(text)
+    return (int(found[-1][0]), int(found[-1][1])) if found else None
+
+
+def job_error(output: str) -> str:
+    """The engine's message from a failed job's output: its `error:` block, else the tail."""
+    lines = [line for line in re.split(r"[\r\n]", output) if line.strip()]
+    for i, line in enumerate(lines):
+        if line.lower().startswith("error"):
+            return "\n".join(lines[i:])
+    return "\n".join(lines[-8:])

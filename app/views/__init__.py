@@ -1,0 +1,1 @@
+"""Thin Qt views over the view-models in app.viewmodels."""

@@ -1,0 +1,332 @@
+"""The export wizard pane: run and checkpoint → base → quantization with sizes → export and
+verify (the equivalence report as pass/fail rows, llama.cpp's answers) → the bundle's model
+card and rights checklist. Long steps run as `forgebench` jobs with progress and cancel."""
+
+from __future__ import annotations
+
+import html
+from pathlib import Path
+
+from PySide6.QtCore import Qt, Signal
+from PySide6.QtGui import QColor
+from PySide6.QtWidgets import (QComboBox, QFileDialog, QFormLayout, QHBoxLayout, QHeaderView,
+                               QLabel, QLineEdit, QListWidget, QListWidgetItem, QPlainTextEdit,
+                               QPushButton, QStackedWidget, QTableWidget, QTableWidgetItem,
+                               QVBoxLayout, QWidget)
+
+from engine.errors import ForgebenchError
+from engine.fsutil import read_json
+
+from app.viewmodels import export_wizard as vm
+from app.viewmodels.workspace import Workspace
+from app.views.samples_pane import JobRunner
+
+STEPS = ("1. Run and checkpoint", "2. Base model", "3. Quantization", "4. Export and verify",
+         "5. Bundle")
+STAGE_COLUMNS = ("stage", "verdict", "top-1 agreement", "max |Δlogit|", "mean |Δlogit|",
+                 "KL", "greedy match", "tokenizer", "file")
+
+
+def _page(*widgets) -> QWidget:
+    page = QWidget()
+    layout = QVBoxLayout(page)
+    for widget in widgets:
+        if isinstance(widget, QHBoxLayout):
+            layout.addLayout(widget)
+        else:
+            layout.addWidget(widget)
+    layout.addStretch(1)
+    return page
+
+
+def _label(text: str = "") -> QLabel:
+    label = QLabel(text)
+    label.setWordWrap(True)
+    label.setTextInteractionFlags(Qt.TextInteractionFlag.TextSelectableByMouse)
+    return label
+
+
+class ExportWizardPane(QWidget):
+    message = Signal(str)
+
+    def __init__(self, parent=None):
+        super().__init__(parent)
+        self.workspace: Workspace | None = None
+        self.runs: list[vm.ExportableRun] = []
+        self.base: vm.BaseInfo | None = None
+        self.out: Path | None = None
+        self.checklist: list[dict] = []
+
+        self.steps = QListWidget()
+        self.steps.addItems(STEPS)
+        self.steps.setFixedWidth(190)
+        self.steps.currentRowChanged.connect(self.go)
+        self.pages = QStackedWidget()
+
+        # 1. run and checkpoint
+        self.run_combo = QComboBox()
+        self.run_combo.currentIndexChanged.connect(self._run_chosen)
+        self.checkpoint = QComboBox()
+        form = QFormLayout()
+        form.addRow("Run", self.run_combo)
+        form.addRow("Checkpoint", self.checkpoint)
+        box = QWidget()
+        box.setLayout(form)
+        self.pages.addWidget(_page(_label("LLM runs (lm-pretrain, lm-sft) export as GGUF."), box))
+
+        # 2. base
+        self.base_text = _label()
+        self.base_path = QLineEdit()
+        self.base_path.setPlaceholderText("the run's own base (recorded in run.json)")
+        self.base_browse = QPushButton("Choose another base…")
+        self.base_browse.clicked.connect(self._browse_base)
+        self.dense_button = QPushButton("Write a dense f16 copy of the base and use it")
+        self.dense_button.clicked.connect(self.make_dense_base)
+        self.convert_job = JobRunner()
+        self.convert_job.finished.connect(self._dense_done)
+        row = QHBoxLayout()
+        row.addWidget(self.base_path, 1)
+        row.addWidget(self.base_browse)
+        self.pages.addWidget(_page(self.base_text, row, self.dense_button, self.convert_job))
+
+        # 3. quantization
+        self.sizes = QTableWidget(0, 2)
+        self.sizes.setHorizontalHeaderLabels(["type", "estimated tensor data"])
+        self.sizes.horizontalHeader().setSectionResizeMode(QHeaderView.ResizeMode.Stretch)
+        self.sizes.setSelectionBehavior(QTableWidget.SelectionBehavior.SelectRows)
+        self.sizes.setSelectionMode(QTableWidget.SelectionMode.SingleSelection)
+        self.pages.addWidget(_page(_label("Choose the file type. Sizes count the weights "
+                                          "(metadata and vocabulary add a little)."),
+                                   self.sizes))
+
+        # 4. export and verify
+        self.out_name = QLineEdit()
+        self.export_button = QPushButton("Export and verify")
+        self.export_button.clicked.connect(self.export)
+        self.export_job = JobRunner()
+        self.export_job.finished.connect(self._exported)
+        self.verdict = _label()
+        self.stages = QTableWidget(0, len(STAGE_COLUMNS))
+        self.stages.setHorizontalHeaderLabels(STAGE_COLUMNS)
+        self.stages.horizontalHeader().setStretchLastSection(True)
+        self.answers = _label()
+        row = QHBoxLayout()
+        row.addWidget(QLabel("Export folder (in exports/)"))
+        row.addWidget(self.out_name, 1)
+        row.addWidget(self.export_button)
+        self.pages.addWidget(_page(row, self.export_job, self.verdict, self.stages,
+                                   self.answers))
+
+        # 5. bundle
+        self.card = QPlainTextEdit()
+        self.rights = QListWidget()
+        self.finish_button = QPushButton("Save model card and checklist into the bundle")
+        self.finish_button.clicked.connect(self.finish)
+        self.finish_status = _label()
+        page = _page(_label("Edit the model card; confirm each right the data card states."),
+                     self.card, QLabel("Rights checklist (from the data card)"), self.rights,
+                     self.finish_button, self.finish_status)
+        page.layout().setStretchFactor(self.card, 3)
+        self.pages.addWidget(page)
+
+        self.back_button = QPushButton("< Back")
+        self.next_button = QPushButton("Next >")
+        self.back_button.clicked.connect(lambda: self.go(self.pages.currentIndex() - 1))
+        self.next_button.clicked.connect(lambda: self.go(self.pages.currentIndex() + 1))
+        nav = QHBoxLayout()
+        nav.addStretch(1)
+        nav.addWidget(self.back_button)
+        nav.addWidget(self.next_button)
+        right = QVBoxLayout()
+        right.addWidget(self.pages, 1)
+        right.addLayout(nav)
+        layout = QHBoxLayout(self)
+        layout.addWidget(self.steps)
+        layout.addLayout(right, 1)
+        self.steps.setCurrentRow(0)
+
+    # -- navigation ----------------------------------------------------------------------
+    def set_workspace(self, workspace: Workspace) -> None:
+        self.workspace = workspace
+        self.reload()
+
+    def reload(self) -> None:
+        self.runs = vm.exportable_runs(self.workspace.run_dirs() if self.workspace else [])
+        self.run_combo.blockSignals(True)
+        self.run_combo.clear()
+        for run in self.runs:
+            self.run_combo.addItem(f"{run.path.name} ({run.recipe})", str(run.path))
+        self.run_combo.blockSignals(False)
+        self._run_chosen()
+
+    def select_run(self, path: Path, checkpoint: str | None = None) -> None:
+        self.run_combo.setCurrentIndex(self.run_combo.findData(str(path)))
+        if checkpoint:
+            self.checkpoint.setCurrentText(checkpoint)
+
+    @property
+    def run(self) -> vm.ExportableRun | None:
+        index = self.run_combo.currentIndex()
+        return self.runs[index] if 0 <= index < len(self.runs) else None
+
+    def _run_chosen(self, *_) -> None:
+        self.checkpoint.clear()
+        if self.run:
+            self.checkpoint.addItems(list(reversed(self.run.checkpoints)))
+            self.out_name.setText(f"{self.run.path.name}-export")
+        self.base_path.clear()
+
+    def go(self, index: int) -> None:
+        """Show a step, preparing it from the choices made so far."""
+        index = max(0, min(index, len(STEPS) - 1))
+        try:
+            if index == 1:
+                self._show_base()
+            elif index == 2:
+                self._show_sizes()
+        except ForgebenchError as exc:
+            self.message.emit(exc.render())
+            self.base_text.setText(f"<span style='color:#b71c1c'>"
+                                   f"{html.escape(exc.render())}</span>")
+        self.pages.setCurrentIndex(index)
+        self.steps.blockSignals(True)
+        self.steps.setCurrentRow(index)
+        self.steps.blockSignals(False)
+        self.back_button.setEnabled(index > 0)
+        self.next_button.setEnabled(index < len(STEPS) - 1)
+
+    # -- 2. base -------------------------------------------------------------------------
+    def chosen_base(self) -> Path | None:
+        return Path(self.base_path.text()) if self.base_path.text().strip() else None
+
+    def _show_base(self) -> None:
+        if self.run is None:
+            return
+        self.base = vm.base_info(self.run.path, self.chosen_base())
+        self.base_text.setText(self.base.explanation())
+        self.dense_button.setVisible(self.base.quantized)
+        for widget in (self.base_path, self.base_browse):
+            widget.setEnabled(self.run.recipe == "lm-sft")
+
+    def _browse_base(self) -> None:
+        path, _ = QFileDialog.getOpenFileName(self, "Base model", "", "GGUF (*.gguf)")
+        if path:
+            self.base_path.setText(path)
+            self.go(1)
+
+    def make_dense_base(self) -> None:
+        if self.base is None or self.base.path is None:
+            return
+        out = self.workspace.root / "exports" / f"{self.base.path.stem}-dense-f16.gguf"
+        self._dense_out = out
+        if out.is_file():           # made earlier: reuse it
+            self._dense_done(True, "done")
+            return
+        out.parent.mkdir(parents=True, exist_ok=True)
+        self.convert_job.start(vm.convert_argv(self.base.path, out, "f16"),
+                               "writing a dense copy of the base")
+
+    def _dense_done(self, ok: bool, message: str) -> None:
+        if ok:
+            self.base_path.setText(str(self._dense_out))
+            self.go(1)
+        else:
+            self.message.emit(message)
+
+    # -- 3. sizes ------------------------------------------------------------------------
+    def _show_sizes(self) -> None:
+        if self.run is None:
+            return
+        sizes = vm.size_estimates(self.run, self.checkpoint.currentText(), self.chosen_base())
+        chosen = self.dtype()
+        self.sizes.setRowCount(len(sizes))
+        for r, (dtype, size) in enumerate(sizes.items()):
+            self.sizes.setItem(r, 0, QTableWidgetItem(dtype))
+            self.sizes.setItem(r, 1, QTableWidgetItem(f"{size / 1e6:.2f} MB"))
+        self.set_dtype(chosen or ("q8_0" if "q8_0" in sizes else next(iter(sizes))))
+
+    def dtype(self) -> str | None:
+        row = self.sizes.currentRow()
+        return self.sizes.item(row, 0).text() if row >= 0 and self.sizes.item(row, 0) else None
+
+    def set_dtype(self, dtype: str) -> None:
+        for r in range(self.sizes.rowCount()):
+            if self.sizes.item(r, 0).text() == dtype:
+                self.sizes.selectRow(r)
+
+    # -- 4. export and verify ------------------------------------------------------------
+    def export(self) -> None:
+        if self.run is None or self.dtype() is None:
+            self.message.emit("choose a run, a checkpoint and a quantization type first")
+            return
+        self.out = self.workspace.root / "exports" / self.out_name.text().strip()
+        try:
+            argv = vm.export_argv(self.run.path, self.checkpoint.currentText(), self.dtype(),
+                                  self.out, self.chosen_base())
+        except ForgebenchError as exc:
+            self.verdict.setText(html.escape(exc.render()))
+            return
+        self.stages.setRowCount(0)
+        self.verdict.setText("")
+        self.answers.setText("")
+        self.export_button.setEnabled(False)
+        self.export_job.start(argv, f"exporting {self.run.path.name} as {self.dtype()}")
+
+    def _exported(self, ok: bool, message: str) -> None:
+        self.export_button.setEnabled(True)
+        if not ok:
+            self.verdict.setText("<b style='color:#b71c1c'>The export failed.</b><br><pre>"
+                                 f"{html.escape(message)}</pre>")
+            return
+        self.show_report(read_json(self.out / "report.json"))
+        self.card.setPlainText((self.out / "model_card.md").read_text("utf-8"))
+        self.checklist = vm.rights_checklist(self.run.path)
+        self.rights.clear()
+        for entry in self.checklist:
+            item = QListWidgetItem(f"{entry['label']} — data card: {entry['stated']}")
+            item.setFlags(item.flags() | Qt.ItemFlag.ItemIsUserCheckable)
+            item.setCheckState(Qt.CheckState.Checked if entry["confirmed"]
+                               else Qt.CheckState.Unchecked)
+            self.rights.addItem(item)
+
+    def show_report(self, report: dict) -> None:
+        result = vm.verification(report)
+        self.stages.setRowCount(len(result["rows"]))
+        for r, row in enumerate(result["rows"]):
+            fmt = lambda v, spec: "" if v is None else format(v, spec)  # noqa: E731
+            values = (row.name, row.verdict, fmt(row.top1, ".2%"), fmt(row.max_abs, ".4g"),
+                      fmt(row.mean_abs, ".3g"), fmt(row.kl, ".3g"), row.greedy,
+                      "" if row.tokenizer is None else ("same" if row.tokenizer else "DIFFERS"),
+                      row.file)
+            for c, value in enumerate(values):
+                item = QTableWidgetItem(value)
+                if c == 1 and row.passed is not None:
+                    item.setBackground(QColor("#c8e6c9" if row.passed else "#ffcdd2"))
+                self.stages.setItem(r, c, item)
+        self.stages.resizeColumnsToContents()
+        self.verdict.setText(f"<b>{'Verified' if result['passed'] else 'NOT verified'}</b>: "
+                             f"{self.out}")
+        cpp = result["llamacpp"]
+        if cpp["available"]:
+            lines = [f"<tr><td>{html.escape(p)}</td><td>{html.escape(str(ours))}</td>"
+                     f"<td>{html.escape(str(theirs))}</td></tr>" for p, ours, theirs in
+                     cpp["answers"]]
+            self.answers.setText("<b>llama.cpp's answers</b><table border=1 cellpadding=3>"
+                                 "<tr><th>prompt</th><th>checkpoint</th><th>llama.cpp</th></tr>"
+                                 + "".join(lines) + "</table>")
+        else:
+            self.answers.setText(f"llama.cpp was not run: {html.escape(str(cpp['reason']))}")
+
+    # -- 5. bundle -----------------------------------------------------------------------
+    def finish(self) -> None:
+        if self.out is None:
+            return
+        for i, entry in enumerate(self.checklist):
+            entry["confirmed"] = self.rights.item(i).checkState() == Qt.CheckState.Checked
+        try:
+            vm.finish_bundle(self.out, self.card.toPlainText(), self.checklist)
+        except ForgebenchError as exc:
+            self.finish_status.setText(html.escape(exc.render()))
+            return
+        self.finish_status.setText(f"Bundle saved: {self.out} (SHA256SUMS updated)")
+        self.message.emit(f"bundle saved: {self.out}")

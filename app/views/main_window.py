@@ -1,0 +1,267 @@
+"""The main window: a sidebar of panes, the workspace menu with recent workspaces, a status bar
+with running jobs, one poll timer that follows every run directory, and the close question."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from PySide6.QtCore import Qt, QTimer
+from PySide6.QtGui import QAction, QKeySequence
+from PySide6.QtWidgets import (QDialog, QDialogButtonBox, QFileDialog, QFormLayout, QFrame,
+                               QHBoxLayout, QLabel, QListWidget, QMainWindow, QMessageBox,
+                               QPushButton, QSpinBox, QStackedWidget, QVBoxLayout, QWidget)
+
+from engine.errors import ForgebenchError
+
+from app.viewmodels.workspace import Settings, Workspace, install_sample_workspace
+from app.views.ab_pane import ABPane
+from app.views.datasets_pane import DatasetsPane
+from app.views.export_wizard import ExportWizardPane
+from app.views.masks_pane import MasksPane
+from app.views.runs_pane import RunsPane
+from app.views.samples_pane import SamplesPane
+
+PANES = ("Datasets", "Labels && Masks", "Runs", "Samples", "Blind A/B", "Export")
+
+
+class ProblemBanner(QFrame):
+    """Shown instead of a modal error when a workspace cannot be opened: says why, offers ways
+    out (open another, create one, open the sample, forget the entry)."""
+
+    def __init__(self, window: "MainWindow"):
+        super().__init__()
+        self.setStyleSheet("ProblemBanner { background: #fff3e0; border: 1px solid #ef6c00; }")
+        self.text = QLabel()
+        self.text.setWordWrap(True)
+        self.text.setTextInteractionFlags(Qt.TextInteractionFlag.TextSelectableByMouse)
+        self.open_other = QPushButton("Open another workspace…")
+        self.create_new = QPushButton("Create a new workspace…")
+        self.open_sample = QPushButton("Open the sample workspace")
+        self.forget = QPushButton("Remove from recent")
+        self.open_other.clicked.connect(window.choose_workspace)
+        self.create_new.clicked.connect(window.choose_new_workspace)
+        self.open_sample.clicked.connect(window.open_sample)
+        self.forget.clicked.connect(window.forget_failed)
+        row = QHBoxLayout()
+        for button in (self.open_other, self.create_new, self.open_sample, self.forget):
+            row.addWidget(button)
+        row.addStretch(1)
+        layout = QVBoxLayout(self)
+        layout.addWidget(self.text)
+        layout.addLayout(row)
+        self.hide()
+
+
+class SettingsDialog(QDialog):
+    def __init__(self, settings: Settings, parent=None):
+        super().__init__(parent)
+        self.setWindowTitle("Settings")
+        self.settings = settings
+        self.poll_ms = QSpinBox()
+        self.poll_ms.setRange(100, 10_000)
+        self.poll_ms.setSuffix(" ms")
+        self.poll_ms.setValue(int(settings.get("poll_ms", 500)))
+        self.threads = QSpinBox()
+        self.threads.setRange(0, 256)
+        self.threads.setSpecialValueText("engine default")
+        self.threads.setValue(int(settings.get("threads", 0)))
+        form = QFormLayout(self)
+        form.addRow("Refresh run charts every", self.poll_ms)
+        form.addRow("CPU threads per job", self.threads)
+        buttons = QDialogButtonBox(QDialogButtonBox.StandardButton.Ok
+                                   | QDialogButtonBox.StandardButton.Cancel)
+        buttons.accepted.connect(self.accept)
+        buttons.rejected.connect(self.reject)
+        form.addRow(buttons)
+
+    def accept(self) -> None:
+        self.settings.set("poll_ms", self.poll_ms.value())
+        self.settings.set("threads", self.threads.value())
+        super().accept()
+
+
+class MainWindow(QMainWindow):
+    # What closing does while jobs run: "ask" shows a question; tests set "stop" or "leave".
+    close_policy = "ask"
+
+    def __init__(self, settings: Settings | None = None):
+        super().__init__()
+        self.settings = settings or Settings()
+        self.workspace: Workspace | None = None
+        self.failed_path: str | None = None
+        self.setWindowTitle("Forgebench")
+        self.resize(1440, 900)
+
+        self.sidebar = QListWidget()
+        self.sidebar.addItems([p.replace("&&", "&") for p in PANES])
+        self.sidebar.setFixedWidth(150)
+        self.sidebar.setStyleSheet("QListWidget { font-size: 14px; } "
+                                   "QListWidget::item { padding: 10px 8px; }")
+        self.datasets = DatasetsPane()
+        self.masks = MasksPane()
+        self.runs = RunsPane()
+        self.runs.threads = int(self.settings.get("threads", 0)) or None
+        self.stack = QStackedWidget()
+        self.samples, self.ab, self.export = SamplesPane(), ABPane(), ExportWizardPane()
+        for pane in (self.datasets, self.masks, self.runs, self.samples, self.ab, self.export):
+            self.stack.addWidget(pane)
+            pane.message.connect(self.show_message)
+        self.sidebar.currentRowChanged.connect(self.stack.setCurrentIndex)
+        self.sidebar.setCurrentRow(0)
+        self.masks.dataset_saved.connect(self.datasets.reload)
+
+        self.banner = ProblemBanner(self)
+        central = QWidget()
+        body = QHBoxLayout()
+        body.setContentsMargins(0, 0, 0, 0)
+        body.addWidget(self.sidebar)
+        body.addWidget(self.stack, 1)
+        outer = QVBoxLayout(central)
+        outer.setContentsMargins(4, 4, 4, 4)
+        outer.addWidget(self.banner)
+        outer.addLayout(body, 1)
+        self.setCentralWidget(central)
+
+        self.workspace_label = QLabel("no workspace")
+        self.jobs_label = QLabel("no jobs running")
+        self.statusBar().addWidget(self.workspace_label, 1)
+        self.statusBar().addPermanentWidget(self.jobs_label)
+        self.runs.jobs_changed.connect(self._jobs_changed)
+        self._build_menus()
+
+        self.timer = QTimer(self)
+        self.timer.setInterval(int(self.settings.get("poll_ms", 500)))
+        self.timer.timeout.connect(self.poll)
+        self.timer.start()
+
+    # -- menus ---------------------------------------------------------------------------
+    def _build_menus(self) -> None:
+        menu = self.menuBar().addMenu("&Workspace")
+        for text, shortcut, slot in (
+                ("&Open…", QKeySequence.StandardKey.Open, self.choose_workspace),
+                ("&New…", QKeySequence.StandardKey.New, self.choose_new_workspace),
+                ("Open &sample workspace", None, self.open_sample)):
+            action = QAction(text, self)
+            if shortcut:
+                action.setShortcut(shortcut)
+            action.triggered.connect(slot)
+            menu.addAction(action)
+        self.recent_menu = menu.addMenu("&Recent")
+        menu.addSeparator()
+        settings = QAction("S&ettings…", self)
+        settings.setShortcut(QKeySequence("Ctrl+,"))
+        settings.triggered.connect(self.edit_settings)
+        menu.addAction(settings)
+        quit_action = QAction("&Quit", self)
+        quit_action.setShortcut(QKeySequence.StandardKey.Quit)
+        quit_action.triggered.connect(self.close)
+        menu.addAction(quit_action)
+        view = self.menuBar().addMenu("&View")
+        for i, name in enumerate(PANES):
+            action = QAction(name, self)
+            action.setShortcut(QKeySequence(f"Ctrl+{i + 1}"))
+            action.triggered.connect(lambda _=False, i=i: self.sidebar.setCurrentRow(i))
+            view.addAction(action)
+        self._fill_recent()
+
+    def _fill_recent(self) -> None:
+        self.recent_menu.clear()
+        for path in self.settings.recent:
+            action = QAction(path, self)
+            action.triggered.connect(lambda _=False, p=path: self.open_workspace(p))
+            self.recent_menu.addAction(action)
+        self.recent_menu.setEnabled(bool(self.settings.recent))
+
+    # -- workspaces ----------------------------------------------------------------------
+    def open_workspace(self, path: str | Path) -> bool:
+        try:
+            workspace = Workspace.open(path)
+        except ForgebenchError as exc:
+            self.report_problem(str(path), exc)
+            return False
+        self.banner.hide()
+        self.failed_path = None
+        self.workspace = workspace
+        self.settings.add_recent(workspace.root)
+        self._fill_recent()
+        self.setWindowTitle(f"Forgebench — {workspace.name}")
+        self.workspace_label.setText(f"Workspace: {workspace.root}")
+        self.datasets.set_workspace(workspace)
+        self.masks.set_workspace(workspace)
+        self.runs.set_workspace(workspace)
+        for pane in (self.samples, self.ab, self.export):
+            pane.set_workspace(workspace)
+        return True
+
+    def report_problem(self, path: str, exc: ForgebenchError) -> None:
+        self.failed_path = path
+        self.banner.text.setText(f"<b>Could not open the workspace.</b><br>{exc.render()}")
+        self.banner.forget.setVisible(path in self.settings.recent)
+        self.banner.show()
+
+    def forget_failed(self) -> None:
+        if self.failed_path:
+            self.settings.forget(self.failed_path)
+            self._fill_recent()
+            self.banner.forget.hide()
+
+    def choose_workspace(self) -> None:
+        path = QFileDialog.getExistingDirectory(self, "Open workspace")
+        if path:
+            self.open_workspace(path)
+
+    def choose_new_workspace(self) -> None:
+        path = QFileDialog.getExistingDirectory(self, "Create a workspace in an empty folder")
+        if path:
+            try:
+                Workspace.create(path)
+            except ForgebenchError as exc:
+                self.report_problem(path, exc)
+                return
+            self.open_workspace(path)
+
+    def open_sample(self) -> None:
+        try:
+            self.open_workspace(install_sample_workspace())
+        except ForgebenchError as exc:
+            self.report_problem("sample workspace", exc)
+
+    def edit_settings(self) -> None:
+        if SettingsDialog(self.settings, self).exec():
+            self.timer.setInterval(int(self.settings.get("poll_ms", 500)))
+            self.runs.threads = int(self.settings.get("threads", 0)) or None
+
+    # -- status --------------------------------------------------------------------------
+    def poll(self) -> None:
+        self.runs.poll()
+
+    def show_message(self, text: str) -> None:
+        self.statusBar().showMessage(text, 8000)
+
+    def _jobs_changed(self, count: int) -> None:
+        self.jobs_label.setText(f"{count} job{'s' * (count != 1)} running" if count
+                                else "no jobs running")
+
+    def closeEvent(self, event) -> None:
+        active = self.runs.active_runs()
+        if active:
+            choice = self.close_policy
+            if choice == "ask":
+                box = QMessageBox(self)
+                box.setWindowTitle("Jobs are running")
+                box.setText(f"{len(active)} training job(s) are running.")
+                box.setInformativeText("Leave them running (reopen Forgebench to follow them) "
+                                       "or ask them to checkpoint and stop?")
+                leave = box.addButton("Leave running", QMessageBox.ButtonRole.AcceptRole)
+                stop = box.addButton("Stop jobs", QMessageBox.ButtonRole.DestructiveRole)
+                box.addButton(QMessageBox.StandardButton.Cancel)
+                box.exec()
+                clicked = box.clickedButton()
+                choice = "leave" if clicked is leave else "stop" if clicked is stop else "cancel"
+            if choice == "cancel":
+                event.ignore()
+                return
+            if choice == "stop":
+                self.runs.stop_all()
+        self.timer.stop()
+        event.accept()

@@ -1,0 +1,381 @@
+"""Runs pane: the run ledger, a recipe form to start or queue runs, stop/resume, live charts
+and the failure report of a failed run."""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+from PySide6.QtCore import (QAbstractTableModel, QItemSelectionModel, QModelIndex, QProcess,
+                            Qt, Signal)
+from PySide6.QtGui import QColor
+from PySide6.QtWidgets import (QAbstractItemView, QComboBox, QHBoxLayout, QHeaderView, QLabel,
+                               QPlainTextEdit, QPushButton, QSpinBox, QSplitter, QTableView,
+                               QTabWidget, QVBoxLayout, QWidget)
+
+from engine.errors import ForgebenchError
+from engine.rundir import RunDir, pid_alive
+
+from app.viewmodels import jobs
+from app.viewmodels.forms import RecipeForm
+from app.viewmodels.runs import BestEval, LedgerRow, failure_report, ledger_row, write_notes
+from app.viewmodels.workspace import REPO_ROOT, Workspace
+from app.views.charts import RunCharts
+from app.views.form_widget import RecipeFormWidget
+
+COLUMNS = [("name", "Run"), ("state", "Status"), ("progress", "Step"), ("question", "Question"),
+           ("data_version", "Data"), ("best_metric", "Best metric"),
+           ("selected_checkpoint", "Checkpoint"), ("notes", "Notes")]
+EDITABLE = ("question", "notes")
+LEDGER_PERIOD_S = 1.0
+STATE_COLOURS = {"running": "#1565c0", "completed": "#2e7d32", "failed": "#c62828",
+                 "stopped": "#6d4c41", "stopping": "#ef6c00", "queued": "#6a1b9a",
+                 "starting": "#6a1b9a", "waiting": "#6a1b9a"}
+
+
+def start_detached(argv: list[str], log: Path) -> int:
+    """Start a job that outlives the window, its output appended to `log`; returns its pid.
+
+    QProcess's static startDetached reports the pid; a POSIX shell `exec`s the job in place
+    (same pid) after redirecting its output, with the repository on PYTHONPATH.
+    """
+    path = os.environ.get("PYTHONPATH")
+    pythonpath = str(REPO_ROOT) + (os.pathsep + path if path else "")
+    script = 'log=$1; pp=$2; shift 2; exec env PYTHONPATH="$pp" "$@" >>"$log" 2>&1'
+    ok, pid = QProcess.startDetached("/bin/sh", ["-c", script, "sh", str(log), pythonpath,
+                                                 *argv], str(REPO_ROOT))
+    if not ok:
+        raise ForgebenchError(f"could not start {argv[0]}", hint="check the installation")
+    return pid
+
+
+class LedgerModel(QAbstractTableModel):
+    def __init__(self, parent=None):
+        super().__init__(parent)
+        self.rows: list[LedgerRow] = []
+        self._stamps: dict[Path, tuple] = {}
+        self._best: dict[Path, BestEval] = {}
+        self.extra: list[tuple[str, str]] = []  # (name, state) of launches without a folder yet
+
+    def rowCount(self, parent=QModelIndex()) -> int:
+        return 0 if parent.isValid() else len(self.rows) + len(self.extra)
+
+    def columnCount(self, parent=QModelIndex()) -> int:
+        return len(COLUMNS)
+
+    def headerData(self, section, orientation, role=Qt.ItemDataRole.DisplayRole):
+        if orientation == Qt.Orientation.Horizontal and role == Qt.ItemDataRole.DisplayRole:
+            return COLUMNS[section][1]
+        return None
+
+    def _value(self, row: LedgerRow, key: str) -> str:
+        if key == "progress":
+            step = "—" if row.step is None else str(row.step)
+            return f"{step} / {row.target_steps}" if row.target_steps else step
+        if key == "state" and row.stage and row.state == "failed":
+            return f"failed ({row.stage})"
+        return str(getattr(row, key))
+
+    def data(self, index, role=Qt.ItemDataRole.DisplayRole):
+        if not index.isValid():
+            return None
+        key = COLUMNS[index.column()][0]
+        if index.row() >= len(self.rows):
+            name, state = self.extra[index.row() - len(self.rows)]
+            if role == Qt.ItemDataRole.DisplayRole:
+                return {"name": name, "state": state}.get(key, "")
+            return None
+        row = self.rows[index.row()]
+        if role in (Qt.ItemDataRole.DisplayRole, Qt.ItemDataRole.EditRole):
+            return self._value(row, key)
+        if role == Qt.ItemDataRole.ForegroundRole and key == "state":
+            return QColor(STATE_COLOURS.get(row.state, "#333"))
+        if role == Qt.ItemDataRole.ToolTipRole:
+            return row.error or str(row.path)
+        return None
+
+    def flags(self, index):
+        base = super().flags(index)
+        if index.row() < len(self.rows) and COLUMNS[index.column()][0] in EDITABLE:
+            return base | Qt.ItemFlag.ItemIsEditable
+        return base
+
+    def setData(self, index, value, role=Qt.ItemDataRole.EditRole):
+        row = self.rows[index.row()]
+        key = COLUMNS[index.column()][0]
+        write_notes(row.path, **{key: str(value)})
+        self._stamps.pop(row.path, None)
+        self.refresh(self.paths(), self.extra)
+        return True
+
+    def paths(self) -> list[Path]:
+        return [r.path for r in self.rows]
+
+    @staticmethod
+    def _stamp(path: Path) -> tuple:
+        out = []
+        for name in ("status.json", "metrics.jsonl", "events.jsonl", "notes.json"):
+            try:
+                st = (path / name).stat()
+                out.append((st.st_mtime_ns, st.st_size))
+            except FileNotFoundError:
+                out.append(None)
+        return tuple(out)
+
+    def refresh(self, paths: list[Path], extra: list[tuple[str, str]]) -> None:
+        """Re-read only the runs whose files changed (a poll costs a few stat calls)."""
+        old = {r.path: r for r in self.rows}
+        rows = []
+        for path in paths:
+            stamp = self._stamp(path)
+            row = old.get(path)
+            if row is None or self._stamps.get(path) != stamp or row.active:
+                row = ledger_row(path, self._best.setdefault(path, BestEval(path)))
+                self._stamps[path] = stamp
+            rows.append(row)
+        rows.sort(key=lambda r: r.created or 0, reverse=True)
+        if [r.path for r in rows] != self.paths() or extra != self.extra:
+            self.beginResetModel()
+            self.rows, self.extra = rows, list(extra)
+            self.endResetModel()
+        else:
+            for i, (a, b) in enumerate(zip(self.rows, rows)):
+                if a != b:
+                    self.rows[i] = b
+                    self.dataChanged.emit(self.index(i, 0), self.index(i, len(COLUMNS) - 1))
+
+
+class RunsPane(QWidget):
+    message = Signal(str)
+    jobs_changed = Signal(int)  # number of active jobs
+
+    def __init__(self, parent=None):
+        super().__init__(parent)
+        self.workspace: Workspace | None = None
+        self.queue: jobs.JobQueue | None = None
+        self.launches: dict[Path, tuple[jobs.PendingRun, int]] = {}  # out -> (pending, pid)
+        self.threads: int | None = None  # CPU threads per job (None: the engine's default)
+        self._shown_states: list = []  # (run, state) pairs the details box was filled for
+        self._ledger_read = 0.0
+
+        self.ledger = LedgerModel(self)
+        self.table = QTableView()
+        self.table.setModel(self.ledger)
+        self.table.setSelectionBehavior(QAbstractItemView.SelectionBehavior.SelectRows)
+        self.table.setSelectionMode(QAbstractItemView.SelectionMode.ExtendedSelection)
+        self.table.setAlternatingRowColors(True)
+        self.table.verticalHeader().hide()
+        self.table.horizontalHeader().setSectionResizeMode(QHeaderView.ResizeMode.Interactive)
+        self.table.horizontalHeader().setStretchLastSection(True)
+        self.table.selectionModel().selectionChanged.connect(self._selection_changed)
+
+        self.stop_button = QPushButton("&Stop")
+        self.resume_button = QPushButton("&Resume")
+        self.resume_steps = QSpinBox()
+        self.resume_steps.setRange(0, 10_000_000)
+        self.resume_steps.setSpecialValueText("same target")
+        self.resume_steps.setPrefix("to step ")
+        self.stop_button.clicked.connect(self.stop_selected)
+        self.resume_button.clicked.connect(self.resume_selected)
+        buttons = QHBoxLayout()
+        buttons.addWidget(self.stop_button)
+        buttons.addWidget(self.resume_button)
+        buttons.addWidget(self.resume_steps)
+        buttons.addStretch(1)
+
+        self.details = QPlainTextEdit()
+        self.details.setReadOnly(True)
+        self.details.setPlaceholderText("Select a run: its error and traceback show here "
+                                        "when it failed.")
+        ledger_box = QWidget()
+        lv = QVBoxLayout(ledger_box)
+        lv.setContentsMargins(0, 0, 0, 0)
+        lv.addWidget(self.table, 3)
+        lv.addLayout(buttons)
+        lv.addWidget(self.details, 1)
+
+        self.config_combo = QComboBox()
+        self.config_combo.currentIndexChanged.connect(self._config_chosen)
+        self.form_widget = RecipeFormWidget()
+        self.form_widget.validity_changed.connect(self._validity_changed)
+        self.start_button = QPushButton("Start")
+        self.queue_button = QPushButton("Add to queue")
+        self.form_status = QLabel()
+        self.start_button.clicked.connect(lambda: self.start_from_form(queue=False))
+        self.queue_button.clicked.connect(lambda: self.start_from_form(queue=True))
+        form_box = QWidget()
+        fv = QVBoxLayout(form_box)
+        fv.setContentsMargins(0, 0, 0, 0)
+        fv.addWidget(QLabel("Config (from the workspace's configs/ folder)"))
+        fv.addWidget(self.config_combo)
+        fv.addWidget(self.form_widget, 1)
+        fv.addWidget(self.form_status)
+        row = QHBoxLayout()
+        row.addWidget(self.start_button)
+        row.addWidget(self.queue_button)
+        fv.addLayout(row)
+
+        self.left_tabs = QTabWidget()
+        self.left_tabs.addTab(ledger_box, "Ledger")
+        self.left_tabs.addTab(form_box, "New run")
+        self.charts = RunCharts()
+        splitter = QSplitter()
+        splitter.addWidget(self.left_tabs)
+        splitter.addWidget(self.charts)
+        splitter.setSizes([470, 810])
+        splitter.setStretchFactor(1, 1)
+        layout = QVBoxLayout(self)
+        layout.addWidget(splitter)
+
+    # -- workspace -----------------------------------------------------------------------
+    def set_workspace(self, workspace: Workspace) -> None:
+        self.workspace = workspace
+        self.queue = jobs.JobQueue(workspace)
+        self.launches.clear()
+        self.charts.set_runs([])
+        self.config_combo.blockSignals(True)
+        self.config_combo.clear()
+        for path in workspace.config_files():
+            self.config_combo.addItem(path.stem, str(path))
+        self.config_combo.blockSignals(False)
+        self._config_chosen()
+        self.poll()
+        if self.ledger.rows:
+            self.table.selectRow(0)
+
+    def _config_chosen(self) -> None:
+        path = self.config_combo.currentData()
+        if not path:
+            self.form_status.setText("No configs in this workspace's configs/ folder.")
+            self.start_button.setEnabled(False)
+            self.queue_button.setEnabled(False)
+            return
+        try:
+            form = RecipeForm.from_file(path)
+        except ForgebenchError as exc:
+            self.form_status.setText(exc.render())
+            self.start_button.setEnabled(False)
+            self.queue_button.setEnabled(False)
+            return
+        self.form_widget.set_form(form)
+
+    def _validity_changed(self, valid: bool) -> None:
+        self.start_button.setEnabled(valid)
+        self.queue_button.setEnabled(valid)
+        self.form_status.setText("" if valid else "Fix the fields marked in red to start.")
+
+    # -- jobs ----------------------------------------------------------------------------
+    def active_runs(self) -> list[Path]:
+        return [r.path for r in self.ledger.rows if r.active]
+
+    def start_from_form(self, queue: bool = False) -> Path | None:
+        form = self.form_widget.form
+        if self.workspace is None or form is None or not form.valid:
+            return None
+        stem = Path(self.config_combo.currentData() or form.recipe).stem
+        pending = jobs.prepare_run(self.workspace, form, stem, self.threads)
+        if queue and (self.active_runs() or self.launches or self.queue.items):
+            self.queue.push(pending)
+            self.message.emit(f"queued {pending.out.name}")
+        else:
+            self._launch(pending)
+        self.left_tabs.setCurrentIndex(0)
+        self.poll(force=True)
+        return pending.out
+
+    def _launch(self, pending: jobs.PendingRun) -> None:
+        pid = start_detached(pending.argv(), pending.log)
+        self.launches[pending.out] = (pending, pid)
+        self.message.emit(f"started {pending.out.name} (pid {pid})")
+
+    def selected_paths(self) -> list[Path]:
+        rows = sorted({i.row() for i in self.table.selectionModel().selectedRows()})
+        return [self.ledger.rows[r].path for r in rows if r < len(self.ledger.rows)]
+
+    def select_run(self, path: Path, add: bool = False) -> None:
+        """Select a run's ledger row (add: keep the other selected runs, to overlay them)."""
+        for i, row in enumerate(self.ledger.rows):
+            if row.path == Path(path):
+                flags = QItemSelectionModel.SelectionFlag.Rows | (
+                    QItemSelectionModel.SelectionFlag.Select if add
+                    else QItemSelectionModel.SelectionFlag.ClearAndSelect)
+                self.table.selectionModel().select(self.ledger.index(i, 0), flags)
+                return
+
+    def stop_selected(self) -> None:
+        for path in self.selected_paths():
+            if RunDir(path).request_stop():
+                self.message.emit(f"asked {path.name} to checkpoint and stop")
+        self.poll(force=True)
+
+    def resume_selected(self) -> None:
+        for path in self.selected_paths():
+            if RunDir(path).is_active():
+                self.message.emit(f"{path.name} is still running")
+                continue
+            steps = self.resume_steps.value() or None
+            argv = jobs.resume_argv(path, steps, self.threads)
+            pid = start_detached(argv, jobs.resume_log(self.workspace, path))
+            self.message.emit(f"resuming {path.name} (pid {pid})")
+        self.poll(force=True)
+
+    def stop_all(self) -> int:
+        return sum(RunDir(p).request_stop() for p in self.active_runs())
+
+    # -- polling -------------------------------------------------------------------------
+    def _selection_changed(self) -> None:
+        paths = self.selected_paths()
+        self.charts.set_runs(paths)
+        self._show_details(paths)
+
+    def _show_details(self, paths: list[Path]) -> None:
+        texts = []
+        for path in paths:
+            report = failure_report(path)
+            if report:
+                texts.append(f"{path.name}\n{report}")
+        self.details.setPlainText("\n\n".join(texts))
+
+    def _launch_states(self) -> list[tuple[str, str]]:
+        """Launches whose run folder does not exist yet; a refused start shows its log."""
+        extra = []
+        for out, (pending, pid) in list(self.launches.items()):
+            if RunDir(out).exists():
+                del self.launches[out]
+                continue
+            if pid_alive(pid):
+                extra.append((out.name, "starting"))
+                continue
+            del self.launches[out]
+            failure = jobs.launch_failure(pending) or "the job exited before creating its run"
+            self.details.setPlainText(f"{out.name} did not start:\n{failure}")
+            self.message.emit(f"{out.name} did not start (see the details box)")
+        for pending in self.queue.items if self.queue else []:
+            extra.append((pending.out.name, "waiting"))
+        return extra
+
+    def poll(self, force: bool = False) -> None:
+        if self.workspace is None:
+            return
+        if force:
+            self._ledger_read = 0.0
+        now = time.monotonic()
+        if now - self._ledger_read >= LEDGER_PERIOD_S:  # the table needs no faster refresh
+            self._ledger_read = now
+            extra = self._launch_states()
+            selected = self.selected_paths()
+            self.ledger.refresh(self.workspace.run_dirs(), extra)
+            if self.selected_paths() != selected:
+                for path in selected:
+                    self.select_run(path, add=True)
+        self.charts.refresh()
+        states = [(r.path, r.state) for r in self.ledger.rows if r.path in self.selected_paths()]
+        if states != self._shown_states:
+            self._shown_states = states
+            self._show_details(self.selected_paths())
+        active = self.active_runs()
+        pending = self.queue.pop_ready(bool(active or self.launches)) if self.queue else None
+        if pending:
+            self._launch(pending)
+        self.jobs_changed.emit(len(active) + len(self.launches))

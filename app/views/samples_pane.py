@@ -1,0 +1,519 @@
+"""The Samples pane: image grids (checkpoint × seed × class) with the nearest training image on
+demand, audio clips with waveform, spectrogram, integrity flags and level-controlled playback,
+BEFORE/AFTER text for LLM runs, rubric ratings, and a cancellable "generate samples" job."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pyqtgraph as pg
+from PySide6.QtCore import QProcess, QSize, QProcessEnvironment, Qt, Signal
+from PySide6.QtGui import QIcon, QPixmap
+from PySide6.QtWidgets import (QAbstractItemView, QComboBox, QDoubleSpinBox, QFormLayout,
+                               QGroupBox, QHBoxLayout, QHeaderView, QLabel, QLineEdit,
+                               QListWidget, QListWidgetItem, QProgressBar, QPushButton,
+                               QSlider, QSpinBox, QSplitter, QStackedWidget, QTableWidget,
+                               QTableWidgetItem, QVBoxLayout, QWidget)
+
+from engine.errors import ForgebenchError
+from engine.fsutil import read_json
+from engine.rundir import RunDir
+
+from app.audio import MAX_GAIN_DB, MIN_GAIN_DB, Player
+from app.viewmodels import samples as vm
+from app.viewmodels.workspace import REPO_ROOT, Workspace
+
+SAMPLE_RECIPES = ("image-generate", "audio-generate", "lm-sft", "lm-pretrain")
+CELL = 96
+
+
+class JobRunner(QWidget):
+    """One engine command as a child process: a progress bar fed by its tqdm output, a Cancel
+    button (SIGTERM: the engine stops between steps and writes nothing half-done), and the
+    engine's own error message when it fails."""
+
+    finished = Signal(bool, str)        # ok, message
+
+    def __init__(self, parent=None):
+        super().__init__(parent)
+        self.process: QProcess | None = None
+        self.output = ""
+        self.cancelled = False
+        self.bar = QProgressBar()
+        self.bar.setTextVisible(True)
+        self.cancel_button = QPushButton("Cancel")
+        self.cancel_button.setEnabled(False)
+        self.cancel_button.clicked.connect(self.cancel)
+        self.status = QLabel()
+        self.status.setWordWrap(True)
+        self.status.setTextInteractionFlags(Qt.TextInteractionFlag.TextSelectableByMouse)
+        row = QHBoxLayout()
+        row.setContentsMargins(0, 0, 0, 0)
+        row.addWidget(self.bar, 1)
+        row.addWidget(self.cancel_button)
+        layout = QVBoxLayout(self)
+        layout.setContentsMargins(0, 0, 0, 0)
+        layout.addLayout(row)
+        layout.addWidget(self.status)
+
+    @property
+    def running(self) -> bool:
+        return self.process is not None
+
+    def start(self, argv: list[str], what: str) -> None:
+        if self.running:
+            raise ForgebenchError("a job is already running here", hint="wait or cancel it")
+        self.output, self.cancelled = "", False
+        self.bar.setRange(0, 0)
+        self.status.setText(f"{what}…")
+        process = QProcess(self)
+        env = QProcessEnvironment.systemEnvironment()
+        env.insert("PYTHONPATH", str(REPO_ROOT))
+        process.setProcessEnvironment(env)
+        process.setProcessChannelMode(QProcess.ProcessChannelMode.MergedChannels)
+        process.readyReadStandardOutput.connect(self._read)
+        process.finished.connect(self._done)
+        self.process = process
+        self.cancel_button.setEnabled(True)
+        process.start(argv[0], argv[1:])
+
+    def cancel(self) -> None:
+        if self.process is not None:
+            self.cancelled = True
+            self.process.terminate()
+
+    def wait(self, ms: int) -> bool:
+        return self.process is None or self.process.waitForFinished(ms)
+
+    def _read(self) -> None:
+        chunk = bytes(self.process.readAllStandardOutput()).decode("utf-8", "replace")
+        self.output += chunk
+        progress = vm.parse_progress(chunk)
+        if progress:
+            done, total = progress
+            self.bar.setRange(0, total)
+            self.bar.setValue(done)
+
+    def _done(self, code: int, _status) -> None:
+        self._read()
+        self.process.deleteLater()
+        self.process = None
+        self.cancel_button.setEnabled(False)
+        self.bar.setRange(0, 1)
+        ok = code == 0 and not self.cancelled
+        self.bar.setValue(1 if ok else 0)
+        message = ("done" if ok else "cancelled: nothing was written" if self.cancelled
+                   else vm.job_error(self.output))
+        self.status.setText(message)
+        self.finished.emit(ok, message)
+
+
+class AudioView(QWidget):
+    """Waveform and spectrogram of one clip, its integrity flags, and playback."""
+
+    message = Signal(str)
+
+    def __init__(self, player: Player, parent=None):
+        super().__init__(parent)
+        self.player = player
+        self.wave: np.ndarray | None = None
+        self.rate = 16_000
+        self.wave_plot = pg.PlotWidget(title="waveform (as written, not normalized)")
+        self.wave_plot.setYRange(-1, 1)
+        self.wave_curve = self.wave_plot.plot(pen=pg.mkPen("#1565c0", width=1))
+        self.spec_plot = pg.PlotWidget(title="spectrogram (log |STFT|)")
+        self.spec_image = pg.ImageItem()
+        self.spec_image.setColorMap(pg.colormap.get("viridis"))
+        self.spec_plot.addItem(self.spec_image)
+        self.flags = QLabel()
+        self.flags.setWordWrap(True)
+        self.play_button = QPushButton("▶ Play")
+        self.play_button.clicked.connect(self.play)
+        self.level = QSlider(Qt.Orientation.Horizontal)
+        self.level.setRange(int(MIN_GAIN_DB), int(MAX_GAIN_DB))
+        self.level.setValue(int(player.gain_db))
+        self.level.valueChanged.connect(self._level_changed)
+        self.level_label = QLabel()
+        self.device = QLabel()
+        self.device.setWordWrap(True)
+        self._level_changed(self.level.value())
+        row = QHBoxLayout()
+        row.addWidget(self.play_button)
+        row.addWidget(QLabel("Level"))
+        row.addWidget(self.level, 1)
+        row.addWidget(self.level_label)
+        layout = QVBoxLayout(self)
+        layout.addWidget(self.wave_plot, 1)
+        layout.addWidget(self.spec_plot, 1)
+        layout.addWidget(self.flags)
+        layout.addLayout(row)
+        layout.addWidget(self.device)
+        self._show_device()
+
+    def _show_device(self) -> None:
+        problem = self.player.problem
+        self.play_button.setEnabled(self.player.available)
+        self.device.setText(f"<span style='color:#b71c1c'>{problem}. Everything else works; "
+                            "the waveform and spectrogram are shown.</span>" if problem else
+                            "Playback starts quiet; raise the level slowly.")
+
+    def _level_changed(self, value: int) -> None:
+        self.player.gain_db = float(value)
+        self.level_label.setText(f"{value} dB")
+
+    def show_clip(self, sample: vm.Sample) -> None:
+        self.wave, self.rate = vm.waveform(sample.path)
+        self.wave_curve.setData(np.arange(self.wave.size) / self.rate, self.wave)
+        self.spec_image.setImage(vm.spectrogram(self.wave))
+        flags = sample.integrity_flags
+        info = sample.sidecar.get("integrity", {})
+        self.flags.setText(
+            ("<b style='color:#b71c1c'>integrity: " + ", ".join(flags) + "</b>" if flags
+             else "<b style='color:#2e7d32'>integrity: no flags</b>")
+            + f" — peak {info.get('peak', float('nan')):.3f}, "
+              f"rms {info.get('rms', float('nan')):.3f}")
+
+    def play(self) -> None:
+        if self.wave is not None and not self.player.play(self.wave, self.rate):
+            self._show_device()
+            self.message.emit(self.player.problem or "playback failed")
+
+
+class RubricBox(QGroupBox):
+    """Scores 1..5 for the recipe's rubric dimensions; saved append-only per answer."""
+
+    def __init__(self, parent=None):
+        super().__init__("Rubric", parent)
+        self.combos: dict[str, QComboBox] = {}
+        self.dimensions = QWidget()
+        self.rater = QLineEdit("me")
+        self.note = QLineEdit()
+        self.save_button = QPushButton("Save rating")
+        self.saved = QLabel()
+        fixed = QFormLayout()
+        fixed.addRow("rater", self.rater)
+        fixed.addRow("note", self.note)
+        fixed.addRow(self.save_button, self.saved)
+        self.layout_ = QVBoxLayout(self)
+        self.layout_.addWidget(self.dimensions)
+        self.layout_.addLayout(fixed)
+
+    def set_kind(self, kind: str) -> None:
+        """One 1..5 choice per dimension the recipe names (a fresh set per kind)."""
+        self.combos = {}
+        dimensions = QWidget()
+        form = QFormLayout(dimensions)
+        form.setContentsMargins(0, 0, 0, 0)
+        for dimension in vm.RUBRICS[kind]:
+            combo = QComboBox()
+            combo.addItem("—", None)
+            for score in vm.SCORES:
+                combo.addItem(str(score), score)
+            self.combos[dimension] = combo
+            form.addRow(dimension, combo)
+        self.layout_.replaceWidget(self.dimensions, dimensions)
+        self.dimensions.hide()
+        self.dimensions.deleteLater()
+        self.dimensions = dimensions
+
+    def scores(self) -> dict[str, int]:
+        return {d: c.currentData() for d, c in self.combos.items() if c.currentData() is not None}
+
+    def show_scores(self, scores: dict) -> None:
+        for dimension, combo in self.combos.items():
+            combo.setCurrentIndex(combo.findData(scores.get(dimension)) if dimension in scores
+                                  else 0)
+
+
+class SamplesPane(QWidget):
+    message = Signal(str)
+
+    def __init__(self, parent=None):
+        super().__init__(parent)
+        self.workspace: Workspace | None = None
+        self.run_dir: Path | None = None
+        self.samples: list[vm.Sample] = []
+        self.current: vm.Sample | None = None
+        self.player = Player()
+
+        self.run_combo = QComboBox()
+        self.run_combo.currentIndexChanged.connect(self._run_chosen)
+        self.checkpoint = QComboBox()
+        self.class_name = QComboBox()
+        self.n = QSpinBox()
+        self.n.setRange(1, 64)
+        self.n.setValue(2)
+        self.seed = QSpinBox()
+        self.seed.setRange(0, 2**31 - 1)
+        self.cfg = QDoubleSpinBox()
+        self.cfg.setRange(0.0, 20.0)
+        self.cfg.setSpecialValueText("recipe default")
+        self.generate_button = QPushButton("Generate samples")
+        self.generate_button.clicked.connect(self.generate)
+        self.job = JobRunner()
+        self.job.finished.connect(self._generated)
+        controls = QHBoxLayout()
+        for label, widget in (("Run", self.run_combo), ("Checkpoint", self.checkpoint),
+                              ("Class", self.class_name), ("Per class", self.n),
+                              ("Seed", self.seed), ("CFG", self.cfg)):
+            controls.addWidget(QLabel(label))
+            controls.addWidget(widget)
+        controls.addWidget(self.generate_button)
+        controls.addStretch(1)
+
+        self.grid = QTableWidget()
+        self.grid.setIconSize(QSize(CELL, CELL))
+        self.grid.setEditTriggers(QAbstractItemView.EditTrigger.NoEditTriggers)
+        self.grid.horizontalHeader().setDefaultSectionSize(CELL + 8)
+        self.grid.verticalHeader().setDefaultSectionSize(CELL + 8)
+        self.grid.currentCellChanged.connect(lambda r, c, *_: self._cell_chosen(r, c))
+        self.clips = QListWidget()
+        self.clips.currentRowChanged.connect(self._clip_chosen)
+        self.text_table = QTableWidget(0, 3)
+        self.text_table.setHorizontalHeaderLabels(["Prompt", "BEFORE (base)", "AFTER (tuned)"])
+        self.text_table.horizontalHeader().setSectionResizeMode(QHeaderView.ResizeMode.Stretch)
+        self.text_table.setWordWrap(True)
+        self.text_table.currentCellChanged.connect(lambda r, *_: self._text_chosen(r))
+        self.views = QStackedWidget()
+        self.empty = QLabel("Choose a run. Image and audio generator runs show their samples "
+                            "here; LLM runs their BEFORE/AFTER generations.")
+        self.empty.setWordWrap(True)
+        for widget in (self.empty, self.grid, self.clips, self.text_table):
+            self.views.addWidget(widget)
+
+        self.detail_image = QLabel()
+        self.detail_image.setAlignment(Qt.AlignmentFlag.AlignCenter)
+        self.neighbour_image = QLabel()
+        self.neighbour_image.setAlignment(Qt.AlignmentFlag.AlignCenter)
+        self.neighbour_button = QPushButton("Show nearest training item")
+        self.neighbour_button.clicked.connect(self.show_neighbour)
+        self.info = QLabel()
+        self.info.setWordWrap(True)
+        self.info.setTextInteractionFlags(Qt.TextInteractionFlag.TextSelectableByMouse)
+        self.audio = AudioView(self.player)
+        self.audio.message.connect(self.message)
+        self.rubric = RubricBox()
+        self.rubric.save_button.clicked.connect(self.save_rating)
+        images = QHBoxLayout()
+        images.addWidget(self.detail_image)
+        images.addWidget(self.neighbour_image)
+        detail = QWidget()
+        dv = QVBoxLayout(detail)
+        dv.addLayout(images)
+        dv.addWidget(self.neighbour_button)
+        dv.addWidget(self.audio, 2)
+        dv.addWidget(self.info)
+        dv.addWidget(self.rubric)
+        dv.addStretch(1)
+
+        splitter = QSplitter()
+        splitter.addWidget(self.views)
+        splitter.addWidget(detail)
+        splitter.setSizes([700, 500])
+        layout = QVBoxLayout(self)
+        layout.addLayout(controls)
+        layout.addWidget(self.job)
+        layout.addWidget(splitter, 1)
+        self._show_detail(None)
+
+    # -- workspace and run ---------------------------------------------------------------
+    def set_workspace(self, workspace: Workspace) -> None:
+        self.workspace = workspace
+        self.reload_runs()
+
+    def reload_runs(self) -> None:
+        self.run_combo.blockSignals(True)
+        self.run_combo.clear()
+        for path in self.workspace.run_dirs() if self.workspace else []:
+            try:
+                recipe = RunDir(path).manifest().get("recipe")
+            except ForgebenchError:     # an unreadable run.json: the Runs pane reports it
+                continue
+            if recipe in SAMPLE_RECIPES:
+                self.run_combo.addItem(f"{path.name} ({recipe})", str(path))
+        self.run_combo.blockSignals(False)
+        self._run_chosen()
+
+    def select_run(self, path: Path) -> None:
+        index = self.run_combo.findData(str(path))
+        if index >= 0:
+            self.run_combo.setCurrentIndex(index)
+            self._run_chosen()
+
+    def _run_chosen(self, *_) -> None:
+        data = self.run_combo.currentData()
+        self.run_dir = Path(data) if data else None
+        self.checkpoint.clear()
+        self.class_name.clear()
+        if self.run_dir is None:
+            self.reload()
+            return
+        run = RunDir(self.run_dir)
+        self.checkpoint.addItems([c.name for c in reversed(run.checkpoints())])
+        recipe = run.manifest().get("recipe")
+        media = recipe in ("image-generate", "audio-generate")
+        self.class_name.addItem("all classes", None)
+        for checkpoint in run.checkpoints()[-1:]:
+            meta = checkpoint.path / "meta.json"
+            if meta.is_file():
+                for label in read_json(meta).get("classes", []):
+                    self.class_name.addItem(label, label)
+        for widget in (self.generate_button, self.class_name, self.n, self.seed, self.cfg):
+            widget.setEnabled(media)
+        self.reload()
+
+    def reload(self) -> None:
+        """Re-read the run's samples (after a sampling job, or on request)."""
+        self.samples = vm.run_samples(self.run_dir) if self.run_dir else []
+        images = [s for s in self.samples if s.kind == "image"]
+        clips = [s for s in self.samples if s.kind == "audio"]
+        if images:
+            self._fill_grid()
+            self.views.setCurrentWidget(self.grid)
+            self.rubric.set_kind("image")
+        elif clips:
+            self.clips.clear()
+            for sample in clips:
+                item = QListWidgetItem(f"{sample.checkpoint}  {sample.item}"
+                                       + ("  ⚠ " + ", ".join(sample.integrity_flags)
+                                          if sample.integrity_flags else ""))
+                item.setData(Qt.ItemDataRole.UserRole, str(sample.path))
+                self.clips.addItem(item)
+            self.views.setCurrentWidget(self.clips)
+            self.rubric.set_kind("audio")
+        elif self.run_dir and vm.generation_checkpoints(self.run_dir):
+            rows = vm.before_after(self.run_dir)
+            self.text_table.setRowCount(len(rows))
+            for r, row in enumerate(rows):
+                for c, text in enumerate(row):
+                    self.text_table.setItem(r, c, QTableWidgetItem(text))
+            self.text_table.resizeRowsToContents()
+            self.views.setCurrentWidget(self.text_table)
+            self.rubric.set_kind("text")
+        else:
+            self.views.setCurrentWidget(self.empty)
+        self._show_detail(None)
+
+    def _fill_grid(self) -> None:
+        rows, columns, cells = vm.image_grid(self.samples)
+        self.grid_index = (rows, columns, cells)
+        self.grid.clear()
+        self.grid.setRowCount(len(rows))
+        self.grid.setColumnCount(len(columns))
+        self.grid.setVerticalHeaderLabels(rows)
+        self.grid.setHorizontalHeaderLabels([f"{c}\nseed {s} #{int(p)}" for c, s, p in columns])
+        for r, label in enumerate(rows):
+            for c, column in enumerate(columns):
+                sample = cells.get((label, column))
+                if sample is not None:
+                    item = QTableWidgetItem()
+                    item.setIcon(QIcon(self._pixmap(sample.path)))
+                    self.grid.setItem(r, c, item)
+
+    @staticmethod
+    def _pixmap(path: Path, size: int = CELL) -> QPixmap:
+        return QPixmap(str(path)).scaled(size, size, Qt.AspectRatioMode.KeepAspectRatio,
+                                         Qt.TransformationMode.FastTransformation)
+
+    # -- selection -----------------------------------------------------------------------
+    def _cell_chosen(self, row: int, column: int) -> None:
+        rows, columns, cells = self.grid_index
+        if 0 <= row < len(rows) and 0 <= column < len(columns):
+            self._show_detail(cells.get((rows[row], columns[column])))
+
+    def _clip_chosen(self, row: int) -> None:
+        clips = [s for s in self.samples if s.kind == "audio"]
+        self._show_detail(clips[row] if 0 <= row < len(clips) else None)
+
+    def _text_chosen(self, row: int) -> None:
+        self.current = None
+        self.info.setText(f"prompt {row + 1}: rate the AFTER answer" if row >= 0 else "")
+
+    def select_sample(self, path: Path) -> None:
+        for sample in self.samples:
+            if sample.path == Path(path):
+                self._show_detail(sample)
+
+    def _show_detail(self, sample: vm.Sample | None) -> None:
+        self.current = sample
+        image = sample is not None and sample.kind == "image"
+        self.detail_image.setVisible(image)
+        self.neighbour_image.setVisible(False)
+        self.neighbour_button.setVisible(image or (sample is not None and sample.kind == "audio"))
+        self.audio.setVisible(sample is not None and sample.kind == "audio")
+        self.rubric.setEnabled(sample is not None or self.views.currentWidget() is self.text_table)
+        if sample is None:
+            self.info.setText("")
+            return
+        if image:
+            self.detail_image.setPixmap(self._pixmap(sample.path, 192))
+        else:
+            self.audio.show_clip(sample)
+        s = sample.sidecar
+        self.info.setText(f"<b>{sample.item}</b> — {sample.checkpoint} (step {s.get('step')}), "
+                          f"seed {sample.seed}, class {sample.label}<br>settings: "
+                          + ", ".join(f"{k}={v}" for k, v in sorted(sample.settings.items())))
+        latest = vm.RubricStore(self._ratings_dir(), self.run_dir).latest(
+            sample.path, self.rubric.rater.text())
+        self.rubric.show_scores(latest["scores"] if latest else {})
+        self.rubric.saved.setText("")
+
+    def show_neighbour(self) -> None:
+        if self.current is None:
+            return
+        try:
+            path = vm.nearest_training_file(self.run_dir, self.current)
+        except ForgebenchError as exc:
+            self.message.emit(exc.render())
+            return
+        near = self.current.sidecar.get("nearest_training", {})
+        distance = next(iter(near.values()), {})
+        text = (f"nearest training item: {self.current.nearest_training_id()} "
+                f"(distance {next((v for k, v in distance.items() if 'distance' in k), '?'):.4g})")
+        if path is not None and path.suffix.lower() == ".png":
+            self.neighbour_image.setPixmap(self._pixmap(path, 192))
+            self.neighbour_image.setVisible(True)
+        self.info.setText(self.info.text() + "<br>" + text
+                          + (f"<br><code>{path}</code>" if path else ""))
+
+    # -- rating and generating -----------------------------------------------------------
+    def _ratings_dir(self) -> Path:
+        return (self.workspace.root if self.workspace else self.run_dir.parent) / "ratings"
+
+    def save_rating(self) -> None:
+        kind = "text" if self.views.currentWidget() is self.text_table else \
+            (self.current.kind if self.current else None)
+        if kind is None or self.run_dir is None:
+            return
+        if kind == "text":
+            row = max(self.text_table.currentRow(), 0)
+            names = vm.generation_checkpoints(self.run_dir)
+            target = vm.text_file(RunDir(self.run_dir).samples_dir / names[-1])
+            note = f"prompt {row}: {self.text_table.item(row, 0).text()} {self.rubric.note.text()}"
+        else:
+            target, note = self.current.path, self.rubric.note.text()
+        try:
+            vm.RubricStore(self._ratings_dir(), self.run_dir).record(
+                target, kind, self.rubric.scores(), self.rubric.rater.text() or "anonymous",
+                note.strip())
+        except ForgebenchError as exc:
+            self.message.emit(exc.render())
+            return
+        self.rubric.saved.setText("saved ✓")
+
+    def generate(self) -> None:
+        if self.run_dir is None or not self.checkpoint.currentText():
+            return
+        argv = vm.sample_argv(self.run_dir, checkpoint=self.checkpoint.currentText(),
+                              class_name=self.class_name.currentData(), n=self.n.value(),
+                              seed=self.seed.value(),
+                              cfg=self.cfg.value() if self.cfg.value() > 0 else None)
+        self.generate_button.setEnabled(False)
+        self.job.start(argv, f"sampling {self.checkpoint.currentText()}")
+
+    def _generated(self, ok: bool, message: str) -> None:
+        self.generate_button.setEnabled(True)
+        self.message.emit("samples written" if ok else message)
+        if ok:
+            self.reload()

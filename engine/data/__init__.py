@@ -1,0 +1,1 @@
+"""The Qt-free data layer: dataset formats, validation, splits, leaks, statistics, cards."""

@@ -1,0 +1,150 @@
+"""Data cards: card.json (machine-readable) and card.md (for people), written beside the data.
+
+The card states what the handbook asks of one: task, sources, collection dates, preprocessing,
+split method, each right separately (train, publish data, publish weights, commercial use),
+consent, counts, known gaps, intended and prohibited uses. Whatever the dataset's manifest does
+not state is written as "not stated" and listed under `missing`, so a gap is visible instead of
+silently assumed.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+from engine.data.dataset import Dataset
+from engine.data.stats import dataset_stats
+from engine.fsutil import atomic_write_json, atomic_write_text
+
+NOT_STATED = "not stated"
+RIGHTS = ("train", "publish_data", "publish_weights", "commercial")
+
+
+def build_card(dataset: Dataset, stats: dict | None = None) -> dict:
+    manifest = dataset.manifest
+    given = manifest.get("card") or {}
+    rights_given = manifest.get("rights")
+    rights_given = rights_given if isinstance(rights_given, dict) else \
+        {"statement": rights_given} if rights_given else {}
+    stats = stats or dataset_stats(dataset)
+    policy = manifest.get("split_policy") or {}
+    card = {
+        "name": dataset.name, "version": dataset.version, "parent": manifest.get("parent"),
+        "kind": dataset.kind,
+        "task": given.get("task", NOT_STATED),
+        "sources": given.get("sources") or [manifest.get("provenance") or NOT_STATED],
+        "collection_dates": given.get("collection_dates")
+        or (f"generated {manifest['created']}" if manifest.get("created") and
+            manifest.get("provenance", {}).get("generator") else NOT_STATED),
+        "preprocessing": given.get("preprocessing", NOT_STATED),
+        "split_method": _split_method(policy),
+        "rights": {right: rights_given.get(right, NOT_STATED) for right in RIGHTS}
+        | {"basis": rights_given.get("basis") or rights_given.get("statement", NOT_STATED)},
+        "consent": given.get("consent") or rights_given.get("consent", NOT_STATED),
+        "counts": stats["counts"],
+        "known_gaps": given.get("known_gaps") or [NOT_STATED],
+        "intended_uses": given.get("intended_uses") or [NOT_STATED],
+        "prohibited_uses": given.get("prohibited_uses") or [NOT_STATED],
+        "reviewed_by": given.get("reviewed_by", NOT_STATED),
+        "files_sha256": dataset.files_manifest(),
+        "written": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+    }
+    for key in ("text_lengths", "images", "audio"):
+        if key in stats:
+            card[key] = stats[key]
+    card["missing"] = sorted(_missing(card))
+    return card
+
+
+def _split_method(policy: dict) -> str:
+    if not policy:
+        return NOT_STATED
+    parts = [str(policy.get("method", "unspecified"))]
+    if policy.get("ratios"):
+        parts.append("ratios " + ", ".join(f"{k} {v:g}" for k, v in policy["ratios"].items()
+                                           if isinstance(v, (int, float))))
+    if "seed" in policy:
+        parts.append(f"seed {policy['seed']}")
+    if policy.get("group_field"):
+        parts.append(f"grouped by '{policy['group_field']}'")
+    if policy.get("note"):
+        parts.append(str(policy["note"]))
+    return "; ".join(parts)
+
+
+def _missing(card: dict) -> list[str]:
+    out = []
+    for key, value in card.items():
+        if value == NOT_STATED or value == [NOT_STATED]:
+            out.append(key)
+        elif isinstance(value, dict):
+            out += [f"{key}.{k}" for k, v in value.items() if v == NOT_STATED]
+    return out
+
+
+def render_markdown(card: dict) -> str:
+    def bullet(items) -> str:
+        return "\n".join(f"- {item}" for item in items)
+
+    lines = [f"# Data card: {card['name']}", "",
+             f"Version `{card['version']}`" + (f" (parent `{card['parent']}`)"
+                                               if card.get("parent") else "")
+             + f", kind `{card['kind']}`.", "",
+             "## Task", "", str(card["task"]), "",
+             "## Sources and collection", "", bullet(card["sources"]), "",
+             f"Collection dates: {card['collection_dates']}", "",
+             f"Preprocessing: {card['preprocessing']}", "",
+             f"Split method: {card['split_method']}", "",
+             "## Rights and consent", "",
+             "| right | answer |", "|---|---|"]
+    labels = {"train": "Train on it", "publish_data": "Publish the data",
+              "publish_weights": "Publish trained weights", "commercial": "Commercial use",
+              "basis": "Basis"}
+    lines += [f"| {labels[k]} | {v} |" for k, v in card["rights"].items()]
+    lines += ["", f"Consent: {card['consent']}", "", "## Counts", ""]
+    counts = card["counts"]
+    lines += ["| split | records |", "|---|---|"] + \
+        [f"| {s} | {n} |" for s, n in counts["by_split"].items()]
+    if "by_class" in counts:
+        classes = sorted({c for per in counts["by_class"].values() for c in per})
+        lines += ["", "| split | " + " | ".join(classes) + " |",
+                  "|---|" + "---|" * len(classes)]
+        lines += [f"| {s} | " + " | ".join(str(per.get(c, 0)) for c in classes) + " |"
+                  for s, per in counts["by_class"].items()]
+    if "text_lengths" in card:
+        lengths = card["text_lengths"]
+        lines += ["", f"Lengths in {lengths['unit']}:", "",
+                  "| split | n | min | p50 | p90 | max |", "|---|---|---|---|---|---|"]
+        lines += [f"| {s} | {v['n']} | {v.get('min', 0):g} | {v.get('p50', 0):g} | "
+                  f"{v.get('p90', 0):g} | {v.get('max', 0):g} |"
+                  for s, v in lengths["by_split"].items()]
+    if "images" in card:
+        lines += ["", "Image sizes: " + ", ".join(f"{k} ({v})" for k, v in
+                                                  card["images"]["sizes"].items()),
+                  "Image modes: " + ", ".join(f"{k} ({v})" for k, v in
+                                              card["images"]["modes"].items())]
+    if "audio" in card:
+        audio = card["audio"]
+        lines += ["", f"Audio: {audio['clips']} clips, duration "
+                      f"{audio['duration_s'].get('min', 0):.3f}-"
+                      f"{audio['duration_s'].get('max', 0):.3f} s, peak up to "
+                      f"{audio['peak_dbfs'].get('max', 0):.1f} dBFS, "
+                      f"{audio['clipped_clips']} clipped."]
+    lines += ["", "## Known gaps", "", bullet(card["known_gaps"]), "",
+              "## Intended uses", "", bullet(card["intended_uses"]), "",
+              "## Prohibited or unsupported uses", "", bullet(card["prohibited_uses"]), "",
+              f"Labels reviewed by: {card['reviewed_by']}", ""]
+    if card["missing"]:
+        lines += ["## Not stated", "", "The dataset does not state: " +
+                  ", ".join(card["missing"]) + ".", ""]
+    return "\n".join(lines)
+
+
+def write_card(dataset: Dataset, stats: dict | None = None) -> tuple[Path, Path]:
+    """Write card.json and card.md into the dataset folder (descriptions, not data: they are
+    not part of the hashed file list)."""
+    card = build_card(dataset, stats)
+    json_path, md_path = dataset.root / "card.json", dataset.root / "card.md"
+    atomic_write_json(json_path, card)
+    atomic_write_text(md_path, render_markdown(card))
+    return json_path, md_path

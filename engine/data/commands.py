@@ -1,0 +1,196 @@
+"""`forgebench data validate|split|leaks|stats|card|generate|init`."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from engine.errors import ForgebenchError
+
+
+def cmd_data(args: argparse.Namespace) -> int:
+    return ACTIONS[args.data_command](args)
+
+
+def _print_json(obj) -> None:
+    json.dump(obj, sys.stdout, indent=2, sort_keys=True, default=str)
+    sys.stdout.write("\n")
+
+
+def _validate(args) -> int:
+    from engine.data.dataset import validate_dataset
+
+    report = validate_dataset(args.dir, progress=not args.json)
+    if args.json:
+        _print_json(report.to_json())
+    else:
+        for finding in report.findings:
+            print(finding.render())
+        print(f"{report.root}: {report.kind or 'unknown kind'}, {report.n_records} records, "
+              f"{len(report.errors)} errors, {len(report.findings) - len(report.errors)} "
+              "warnings" + (" - OK" if report.ok else ""))
+    return 0 if report.ok else 1
+
+
+def _split(args) -> int:
+    from engine.data.splits import assign_splits, parse_ratios
+
+    result = assign_splits(args.dir, parse_ratios(args.ratios), args.seed)
+    if args.json:
+        _print_json(result)
+    else:
+        print(f"assigned {result['assigned']} new groups; records per split: " +
+              ", ".join(f"{k} {v}" for k, v in result["counts"].items()))
+    return 0
+
+
+def _leaks(args) -> int:
+    from engine.data.dataset import load_dataset
+    from engine.data.leaks import find_leaks
+
+    datasets = [load_dataset(d, check_media=False, progress=not args.json)
+                for d in [args.dir, *(args.against or [])]]
+    report = find_leaks(datasets, progress=not args.json)
+    if args.json:
+        _print_json(report.to_json())
+    else:
+        for finding in report.findings:
+            print(finding.render())
+        print(f"{report.n_items} records checked ({', '.join(report.checks)}): "
+              f"{len(report.leaks)} leaks across splits, "
+              f"{len(report.findings) - len(report.leaks)} duplicates within a split")
+    return 1 if report.leaks else 0
+
+
+def _stats(args) -> int:
+    from engine.data.dataset import load_dataset
+    from engine.data.stats import dataset_stats
+
+    tokenizer = name = None
+    if args.tokenizer:
+        tokenizer, name = _gguf_tokenizer(args.tokenizer)
+    stats = dataset_stats(load_dataset(args.dir, check_media=False), tokenizer=tokenizer,
+                          tokenizer_name=name, max_length=args.max_length,
+                          slices=args.slice, progress=not args.json)
+    if args.json:
+        _print_json(stats)
+    else:
+        _print_stats(stats)
+    return 0
+
+
+def _gguf_tokenizer(path: str):
+    try:
+        from engine.gguf.reader import open_gguf
+        from engine.llm.tokenizer import GGUFTokenizer
+    except ImportError as exc:
+        raise ForgebenchError(f"the GGUF tokenizer is not available in this build ({exc})",
+                              where="--tokenizer") from exc
+    return GGUFTokenizer.from_gguf(open_gguf(path)), Path(path).name
+
+
+def _print_stats(stats: dict) -> None:
+    print(f"{stats['name']} ({stats['kind']}, version {stats['version']}): "
+          f"{stats['records']} records")
+    counts = stats["counts"]
+    print("  per split: " + ", ".join(f"{k} {v}" for k, v in counts["by_split"].items()))
+    for split, per in counts.get("by_class", {}).items():
+        print(f"  {split} classes: " + ", ".join(f"{k} {v}" for k, v in per.items()))
+    for field, per_split in counts.get("by_slice", {}).items():
+        for split, per in per_split.items():
+            print(f"  {split} by {field}: " + ", ".join(f"{k} {v}" for k, v in per.items()))
+    if "text_lengths" in stats:
+        lengths = stats["text_lengths"]
+        print(f"  lengths in {lengths['unit']}:")
+        for split, s in lengths["by_split"].items():
+            over = lengths.get("over_max_length", {}).get(split)
+            print(f"    {split}: n {s['n']}, min {s.get('min', 0):g}, p50 {s.get('p50', 0):g}, "
+                  f"p90 {s.get('p90', 0):g}, max {s.get('max', 0):g}" +
+                  (f", {over} over {lengths['max_length']} (would be truncated)"
+                   if over is not None else ""))
+    if "images" in stats:
+        images = stats["images"]
+        print("  image sizes: " + ", ".join(f"{k} ({v})" for k, v in images["sizes"].items()))
+        print("  image modes: " + ", ".join(f"{k} ({v})" for k, v in images["modes"].items()))
+        if images["unreadable"]:
+            print(f"  unreadable images: {images['unreadable']}")
+    if "audio" in stats:
+        audio = stats["audio"]
+        for key in ("duration_s", "rms_dbfs", "peak_dbfs", "silent_fraction", "dc_offset"):
+            s = audio[key]
+            if s["n"]:
+                print(f"  {key}: min {s['min']:.4g}, p50 {s['p50']:.4g}, max {s['max']:.4g}")
+        print(f"  clipped clips: {audio['clipped_clips']}")
+        for flag, ids in audio["flagged"].items():
+            print(f"  {flag}: {len(ids)} ({', '.join(ids[:5])}{' ...' if len(ids) > 5 else ''})")
+
+
+def _card(args) -> int:
+    from engine.data.card import write_card
+    from engine.data.dataset import load_dataset
+
+    json_path, md_path = write_card(load_dataset(args.dir, progress=not args.json))
+    if args.json:
+        _print_json({"card_json": str(json_path), "card_md": str(md_path)})
+    else:
+        print(f"wrote {json_path} and {md_path}")
+    return 0
+
+
+def _generate(args) -> int:
+    from engine.data.generators import generate_samples, shapes, sfx, text
+
+    generators = {
+        "shapes": lambda: shapes.generate_shapes(args.out, **_some(n=args.n), seed=args.seed),
+        "sfx": lambda: sfx.generate_sfx(args.out, **_some(n_per_class=args.n), seed=args.seed),
+        "pirate": lambda: text.generate_pirate(args.out),
+        "style": lambda: text.generate_style_pairs(args.out, **_some(n=args.n), seed=args.seed),
+        "records": lambda: _records(args),
+        "samples": lambda: generate_samples(args.out),
+    }
+    if args.kind not in generators:
+        raise ForgebenchError(f"unknown sample dataset {args.kind!r}", where="KIND",
+                              hint="use one of " + ", ".join(sorted(generators)))
+    paths = generators[args.kind]()
+    for path in paths if isinstance(paths, list) else [paths]:
+        print(f"wrote {path}")
+    return 0
+
+
+def _records(args):
+    from engine.data.generators.records import generate_records
+    return generate_records(args.out, **_some(n=args.n), seed=args.seed)
+
+
+def _some(**values) -> dict:
+    """Only the options the user gave, so each generator keeps its own defaults."""
+    return {k: v for k, v in values.items() if v is not None}
+
+
+def _init(args) -> int:
+    from engine.data.dataset import validate_dataset, write_manifest
+    from engine.data.formats import MANIFEST
+
+    root = Path(args.dir)
+    if (root / MANIFEST).exists():
+        raise ForgebenchError("already holds a dataset.json", path=root / MANIFEST,
+                              hint="a dataset's file list is never rewritten in place; copy "
+                                   "the files to a new folder to start a new version")
+    if not root.is_dir():
+        raise ForgebenchError("folder not found", path=root)
+    fields = {"records": args.records} if args.records else {}
+    if args.layout:
+        fields["layout"] = args.layout
+    write_manifest(root, args.kind, args.name or root.name, progress=True, **fields)
+    report = validate_dataset(root)
+    for finding in report.findings:
+        print(finding.render())
+    print(f"wrote {root / MANIFEST}" + ("" if report.ok else
+                                        f" ({len(report.errors)} problems to fix, above)"))
+    return 0 if report.ok else 1
+
+
+ACTIONS = {"validate": _validate, "split": _split, "leaks": _leaks, "stats": _stats,
+           "card": _card, "generate": _generate, "init": _init}

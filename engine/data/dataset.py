@@ -1,0 +1,739 @@
+"""Datasets on disk: load, validate, version.
+
+`validate_dataset(dir)` returns every problem as a `Finding` naming the file, the line or record,
+the field and the reason, so the app can mark the right record. `load_dataset(dir)` raises the
+first error as a ForgebenchError and otherwise returns a `Dataset` whose records have their file
+paths resolved. Raw files are never rewritten: `save_new_version` writes a new folder whose
+manifest names its parent.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+import math
+import os
+import re
+import shutil
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path, PurePosixPath, PureWindowsPath
+from typing import Any
+
+from tqdm import tqdm
+
+from engine.data import formats as F
+from engine.errors import ForgebenchError
+from engine.fsutil import atomic_write_bytes, atomic_write_json, sha256_bytes, sha256_file
+
+_HEX64 = re.compile(r"^[0-9a-f]{64}$")
+
+
+@dataclass
+class Finding:
+    """One problem: `file` relative to the dataset, `where` a line or record, `field` or None."""
+
+    file: str
+    where: str | None
+    field: str | None
+    reason: str
+    severity: str = "error"  # "error" blocks loading; "warning" is reported only
+    record_id: str | None = None
+
+    def render(self) -> str:
+        parts = [self.file] + [p for p in (self.where, self.field and f"field {self.field!r}") if p]
+        return f"{self.severity}: {': '.join(parts)}: {self.reason}"
+
+
+@dataclass
+class Report:
+    root: Path
+    kind: str | None
+    n_records: int = 0
+    findings: list[Finding] = field(default_factory=list)
+
+    @property
+    def errors(self) -> list[Finding]:
+        return [f for f in self.findings if f.severity == "error"]
+
+    @property
+    def ok(self) -> bool:
+        return not self.errors
+
+    def add(self, file: str, where: str | None, field_name: str | None, reason: str,
+            severity: str = "error", record_id: str | None = None) -> None:
+        self.findings.append(Finding(file, where, field_name, reason, severity, record_id))
+
+    def to_json(self) -> dict:
+        return {"root": str(self.root), "kind": self.kind, "records": self.n_records,
+                "ok": self.ok, "errors": len(self.errors),
+                "warnings": len(self.findings) - len(self.errors),
+                "findings": [asdict(f) for f in self.findings]}
+
+    def raise_first(self) -> None:
+        if self.errors:
+            first = self.errors[0]
+            where = ", ".join(p for p in (first.where, first.field and f"field {first.field!r}")
+                              if p) or None
+            more = len(self.errors) - 1
+            raise ForgebenchError(
+                first.reason + (f" (and {more} more error{'s' * (more > 1)})" if more else ""),
+                path=self.root / first.file, where=where,
+                hint=f"run `forgebench data validate {self.root}` to list every problem")
+
+
+# ----------------------------------------------------------------------------- paths
+
+
+def safe_relpath(rel: object) -> str | None:
+    """Why `rel` may not name a file inside a dataset folder, or None when it may."""
+    if not isinstance(rel, str) or not rel.strip():
+        return "must be a non-empty relative path"
+    if "\\" in rel or PureWindowsPath(rel).drive or PurePosixPath(rel).is_absolute():
+        return "must be a relative path with '/' separators (absolute paths are refused)"
+    if any(part in ("..", "") for part in rel.split("/")) or "\x00" in rel:
+        return "must stay inside the dataset folder (no '..' or empty parts)"
+    return None
+
+
+def _inside(root: Path, rel: str) -> Path | None:
+    """The absolute path, or None when a symlink leads outside the dataset folder."""
+    path = (root / rel).resolve()
+    return path if path.is_relative_to(root.resolve()) else None
+
+
+def _hash_files(root: Path, progress: bool = False) -> dict[str, str]:
+    """sha256 of every data file under root (not the manifest, cards or hidden files)."""
+    skip = {F.MANIFEST, *F.CARD_FILES}
+    names = sorted(p.relative_to(root).as_posix() for p in root.rglob("*")
+                   if p.is_file() and not any(part.startswith(".")
+                                              for part in p.relative_to(root).parts))
+    names = [n for n in names if n not in skip]
+    return {n: sha256_file(root / n) for n in tqdm(names, desc="hashing", unit="file",
+                                                   disable=not progress)}
+
+
+def version_id(files: dict[str, str]) -> str:
+    """A content address for a set of files: it changes whenever any byte changes."""
+    return sha256_bytes(json.dumps(sorted(files.items())).encode())[:16]
+
+
+def write_manifest(root: str | os.PathLike, kind: str, name: str, *, parent: str | None = None,
+                   progress: bool = False, **fields: Any) -> dict:
+    """Hash every file in `root` and write its dataset.json (used by generators and `init`)."""
+    if kind not in F.KINDS:
+        raise ForgebenchError(f"unknown dataset kind {kind!r}", where="kind",
+                              hint="use one of " + ", ".join(F.kind_names()))
+    root = Path(root)
+    files = _hash_files(root, progress)
+    manifest = {"kind": kind, "schema_version": F.SCHEMA_VERSION, "name": name,
+                "version": version_id(files), "parent": parent, "files": files,
+                "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), **fields}
+    atomic_write_json(root / F.MANIFEST, manifest)
+    return manifest
+
+
+# ----------------------------------------------------------------------------- records
+
+
+def _records_file(manifest: dict, kind: F.Kind, root: Path) -> str:
+    if isinstance(manifest.get("records"), str):
+        return manifest["records"]
+    for candidate in (kind.records, *kind.alt_records):
+        if candidate in manifest.get("files", {}) or (root / candidate).exists():
+            return candidate
+    return kind.records
+
+
+def _read_raw_records(root: Path, rel: str, manifest: dict, kind: F.Kind,
+                      report: Report) -> list[tuple[str, dict]]:
+    """(where, record) pairs from a JSONL or CSV file, a class-per-folder layout, or
+    one-document-per-line text files."""
+    layout = _layout(manifest, kind)
+    if layout == "folders":
+        return _folder_records(manifest)
+    if layout == "text-lines":
+        return _text_line_records(root, manifest, report)
+    path = root / rel
+    try:
+        data = path.read_bytes()
+    except FileNotFoundError:
+        report.add(rel, None, None, "records file not found")
+        return []
+    except OSError as exc:
+        report.add(rel, None, None, f"cannot read records file ({exc.strerror})")
+        return []
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        line = data[:exc.start].count(b"\n") + 1
+        report.add(rel, f"line {line}", None, "not valid UTF-8 text")
+        return []
+    if rel.endswith(".csv"):
+        return _csv_records(rel, text, report)
+    out = []
+    for number, line in enumerate(text.split("\n"), start=1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except (json.JSONDecodeError, RecursionError) as exc:
+            reason = exc.msg if isinstance(exc, json.JSONDecodeError) else "nested too deeply"
+            report.add(rel, f"line {number}", None, f"not valid JSON ({reason})")
+            continue
+        if not isinstance(record, dict):
+            report.add(rel, f"line {number}", None,
+                       f"each line must be a JSON object, found {type(record).__name__}")
+            continue
+        out.append((f"line {number}", record))
+    return out
+
+
+def _csv_records(rel: str, text: str, report: Report) -> list[tuple[str, dict]]:
+    reader = csv.DictReader(io.StringIO(text, newline=""))
+    out = []
+    try:
+        for row in reader:
+            where = f"line {reader.line_num}"
+            if None in row:
+                report.add(rel, where, None, "more values than header columns")
+                continue
+            out.append((where, {k: v for k, v in row.items() if k and v not in (None, "")}))
+    except csv.Error as exc:
+        report.add(rel, f"line {reader.line_num}", None, f"not valid CSV ({exc})")
+    return out
+
+
+def _layout(manifest: dict, kind: F.Kind) -> str:
+    """"records" (a JSONL/CSV file), "folders" (image-classify: a folder per class) or
+    "text-lines" (text-corpus: `splits: {name: {"file": "train.txt"}}`, a document a line)."""
+    if kind.name == "image-classify" and manifest.get("layout") == "folders":
+        return "folders"
+    splits = manifest.get("splits")
+    if kind.name == "text-corpus" and isinstance(splits, dict) and splits and all(
+            isinstance(v, dict) and isinstance(v.get("file"), str) for v in splits.values()):
+        return "text-lines"
+    return "records"
+
+
+def _text_line_records(root: Path, manifest: dict,
+                       report: Report) -> list[tuple[str, dict]]:
+    out = []
+    for split, spec in manifest["splits"].items():
+        rel = spec["file"]
+        if split not in F.SPLITS:
+            report.add(F.MANIFEST, None, "splits", f"{split!r} is not one of "
+                       f"{', '.join(F.SPLITS)}")
+            continue
+        reason = safe_relpath(rel)
+        if reason or rel not in manifest["files"]:
+            report.add(F.MANIFEST, None, "splits", f"{rel!r} {reason or 'is not listed in files'}")
+            continue
+        try:
+            text = (root / rel).read_bytes().decode("utf-8")
+        except (OSError, UnicodeDecodeError) as exc:
+            report.add(rel, None, None, f"unreadable as UTF-8 text ({exc})")
+            continue
+        for number, line in enumerate(text.split("\n"), start=1):
+            if line.strip():
+                rid = f"{rel}:{number}"
+                out.append((f"{rel} line {number}",
+                            {"id": rid, "text": line, "split": split, "group": rid}))
+    return out
+
+
+def _folder_records(manifest: dict) -> list[tuple[str, dict]]:
+    """`<class>/<file>` or `<split>/<class>/<file>` image folders as records."""
+    out = []
+    for rel in sorted(manifest.get("files", {})):
+        parts = rel.split("/")
+        if not rel.lower().endswith(F.IMAGE_SUFFIXES) or len(parts) < 2:
+            continue
+        record = {"id": rel.rsplit(".", 1)[0], "image": rel}
+        if parts[0] in F.SPLITS and len(parts) >= 3:
+            record.update(split=parts[0], label=parts[1])
+        else:
+            record["label"] = parts[0]
+        out.append((rel, record))
+    return out
+
+
+def _check_field(ftype: str, value: Any, manifest: dict, kind: F.Kind) -> str | None:
+    """Why `value` is not a valid `ftype`, or None."""
+    if ftype in (F.TEXT, F.ID):
+        if not isinstance(value, str):
+            return f"must be a string, found {type(value).__name__}"
+        return None if value.strip() else "must not be empty"
+    if ftype == F.STR:
+        return None if isinstance(value, str) else f"must be a string, found {type(value).__name__}"
+    if ftype == F.RIGHTS:
+        return None if isinstance(value, (str, dict)) else "must be a string or an object"
+    if ftype == F.SPLIT:
+        return None if value in F.SPLITS else f"must be one of {', '.join(F.SPLITS)}"
+    if ftype == F.PATH:
+        return safe_relpath(value)
+    if ftype == F.LABEL:
+        if not isinstance(value, str) or not value:
+            return "must be a non-empty string"
+        classes = manifest.get("classes")
+        allowed = list(classes or []) + ([F.EMPTY_LABEL] if kind.name in
+                                         ("image-masks", "image-boxes") else [])
+        if classes and value not in allowed:
+            return f"unknown label {value!r}; the dataset's classes are {', '.join(allowed)}"
+        return None
+    if ftype == F.SHA256:
+        return None if isinstance(value, str) and _HEX64.match(value) else \
+            "must be 64 lowercase hex digits"
+    if ftype == F.BOX:
+        return _check_box(value)
+    if ftype == F.MESSAGES:
+        return _check_messages(value)
+    raise AssertionError(f"unknown field type {ftype}")
+
+
+def _check_box(value: Any) -> str | None:
+    if value is None:
+        return None
+    if not isinstance(value, list) or len(value) != 4 or not all(
+            isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+            for v in value):
+        return "must be null or [x0, y0, x1, y1] with four finite numbers"
+    x0, y0, x1, y1 = value
+    if not (0 <= x0 < x1 <= 1 and 0 <= y0 < y1 <= 1):
+        return "must be normalized with 0 <= x0 < x1 <= 1 and 0 <= y0 < y1 <= 1"
+    return None
+
+
+def _check_messages(value: Any) -> str | None:
+    if not isinstance(value, list) or not value:
+        return "must be a non-empty list of {role, content} objects"
+    for i, message in enumerate(value):
+        if not isinstance(message, dict):
+            return f"message {i} must be an object"
+        if message.get("role") not in F.MESSAGE_ROLES:
+            return f"message {i} role must be one of {', '.join(F.MESSAGE_ROLES)}"
+        if not isinstance(message.get("content"), str):
+            return f"message {i} content must be a string"
+    if not any(m["role"] == "assistant" for m in value):
+        return "has no assistant message to learn from"
+    return None
+
+
+def _check_record(record: dict, kind: F.Kind, manifest: dict) -> list[tuple[str | None, str]]:
+    problems = []
+    if kind.id_from and "id" not in record and isinstance(record.get(kind.id_from), str):
+        record["id"] = record[kind.id_from]
+    for name in kind.required:
+        if name not in record or record[name] is None and name != "box":
+            problems.append((name, "required field is missing"))
+    if kind.one_of:
+        present = [group for group in kind.one_of if any(f in record for f in group)]
+        if len(present) != 1:
+            options = " or ".join("/".join(g) for g in kind.one_of)
+            problems.append((None, f"give exactly one of {options}"))
+        else:
+            problems += [(f, "required field is missing") for f in present[0] if f not in record]
+    types = {**F.COMMON_FIELDS, **kind.fields}
+    for name, value in record.items():
+        if name in types and not (name == "box" and value is None):
+            if (value is None and name not in kind.required) or any(p[0] == name for p in problems):
+                continue
+            reason = _check_field(types[name], value, manifest, kind)
+            if reason:
+                problems.append((name, reason))
+    return problems
+
+
+# ----------------------------------------------------------------------------- validation
+
+
+def _validate_manifest(root: Path, report: Report) -> dict | None:
+    path = root / F.MANIFEST
+    if not root.is_dir():
+        report.add(".", None, None, "dataset folder not found")
+        return None
+    try:
+        manifest = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        report.add(F.MANIFEST, None, None,
+                   "missing; a dataset folder holds a dataset.json (create one with "
+                   "`forgebench data init DIR --kind KIND`)")
+        return None
+    except UnicodeDecodeError:
+        report.add(F.MANIFEST, None, None, "not valid UTF-8 text")
+        return None
+    except json.JSONDecodeError as exc:
+        report.add(F.MANIFEST, f"line {exc.lineno}", None, f"not valid JSON ({exc.msg})")
+        return None
+    if not isinstance(manifest, dict):
+        report.add(F.MANIFEST, None, None, "must be a JSON object")
+        return None
+    kind = manifest.get("kind")
+    if kind not in F.KINDS:
+        report.add(F.MANIFEST, None, "kind",
+                   f"unknown dataset kind {kind!r}; use one of {', '.join(F.kind_names())}")
+        return None
+    report.kind = kind
+    if manifest.get("schema_version") != F.SCHEMA_VERSION:
+        report.add(F.MANIFEST, None, "schema_version",
+                   f"schema version {manifest.get('schema_version')!r} is not supported "
+                   f"(this build reads {F.SCHEMA_VERSION})")
+        return None
+    files = manifest.get("files")
+    if not isinstance(files, dict) or not all(
+            isinstance(v, str) and _HEX64.match(v) for v in files.values()):
+        report.add(F.MANIFEST, None, "files", "must map relative paths to sha256 hex digests")
+        return None
+    classes = manifest.get("classes")
+    if classes is not None and not (isinstance(classes, list) and classes and
+                                    all(isinstance(c, str) and c for c in classes)):
+        report.add(F.MANIFEST, None, "classes", "must be a non-empty list of strings")
+        return None
+    for section in ("image", "audio", "split_policy", "provenance", "card"):
+        if section in manifest and not isinstance(manifest[section], dict):
+            report.add(F.MANIFEST, None, section, "must be an object")
+            return None
+    return manifest
+
+
+def _validate_files(root: Path, manifest: dict, report: Report, check_hashes: bool,
+                    progress: bool) -> None:
+    for rel, digest in tqdm(sorted(manifest["files"].items()), desc="checking files",
+                            unit="file", disable=not progress):
+        reason = safe_relpath(rel)
+        if reason:
+            report.add(F.MANIFEST, None, "files", f"{rel!r} {reason}")
+            continue
+        path = _inside(root, rel)
+        if path is None:
+            report.add(rel, None, None, "is a link that leads outside the dataset folder")
+        elif not path.is_file():
+            report.add(rel, None, None, "listed in dataset.json but missing")
+        elif check_hashes and sha256_file(path) != digest:
+            report.add(rel, None, None,
+                       "changed since dataset.json was written (sha256 differs); raw data is "
+                       "never edited in place: save edits as a new version")
+
+
+def _validate_splits_file(root: Path, manifest: dict, report: Report) -> dict[str, str]:
+    if F.SPLITS_FILE not in manifest["files"]:
+        return {}
+    try:
+        assignments = json.loads((root / F.SPLITS_FILE).read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        report.add(F.SPLITS_FILE, None, None, f"unreadable ({exc})")
+        return {}
+    groups = assignments.get("groups") if isinstance(assignments, dict) else None
+    if not isinstance(groups, dict) or not all(v in F.SPLITS for v in groups.values()):
+        report.add(F.SPLITS_FILE, None, "groups", "must map group names to split names")
+        return {}
+    return groups
+
+
+def _validate_media(root: Path, kind: F.Kind, manifest: dict, rel_records: str,
+                    items: list[tuple[str, dict]], report: Report, progress: bool,
+                    require: dict) -> None:
+    from engine.data import media
+
+    files = manifest["files"]
+    for where, record in tqdm(items, desc="checking media", unit="record",
+                              disable=not progress):
+        rid = str(record.get("id"))
+        at = f"{where} (id {rid!r})"
+        paths = {}
+        for name in F.PATH_FIELDS:
+            rel = record.get(name)
+            if not isinstance(rel, str) or safe_relpath(rel):
+                continue
+            if rel not in files:
+                report.add(rel_records, at, name, f"{rel!r} is not listed in dataset.json files",
+                           record_id=rid)
+            elif _inside(root, rel) is not None:
+                paths[name] = root / rel
+        if kind.media == "audio" and "path" in paths:
+            audio, _, reason = media.check_audio(
+                paths["path"], {**manifest.get("audio", {}), **require.get("audio", {})})
+            if reason:
+                report.add(rel_records, at, "path", f"{record['path']}: {reason}", record_id=rid)
+            if record.get("sha256") and record["sha256"] != files.get(record["path"]):
+                report.add(rel_records, at, "sha256", "does not match the file's sha256",
+                           record_id=rid)
+            continue
+        image_field = "file_name" if kind.name == "captioned-images" else "image"
+        if image_field not in paths:
+            continue
+        image, reason = media.open_image(paths[image_field])
+        reason = reason or media.check_image(
+            image, {**manifest.get("image", {}), **require.get("image", {})})
+        if reason:
+            report.add(rel_records, at, image_field, f"{record[image_field]}: {reason}",
+                       record_id=rid)
+            continue
+        if "mask" in paths:
+            _check_mask(paths["mask"], image, record, manifest, kind, rel_records, at, rid,
+                        report)
+
+
+def _check_mask(path: Path, image, record: dict, manifest: dict, kind: F.Kind,
+                rel_records: str, at: str, rid: str, report: Report) -> None:
+    from engine.data import media
+
+    mask, reason = media.open_image(path)
+    array = None
+    if not reason:
+        array, reason = media.mask_array(mask)
+    if not reason and mask.size != image.size:
+        reason = f"mask size {mask.size} differs from image size {image.size}"
+    if not reason and manifest.get("mask_values", "binary") == "binary":
+        reason = media.check_binary_mask(array)
+    if reason:
+        report.add(rel_records, at, "mask", f"{record['mask']}: {reason}", record_id=rid)
+        return
+    derived = media.box_from_mask(array)
+    if record.get("label") == F.EMPTY_LABEL and derived is not None:
+        report.add(rel_records, at, "label", "label is 'empty' but the mask has foreground",
+                   record_id=rid)
+    if "box" in record and _check_box(record["box"]) is None:
+        box = record["box"]
+        if (box is None) != (derived is None) or (box is not None and any(
+                abs(a - b) > 1e-6 for a, b in zip(box, derived))):
+            report.add(rel_records, at, "box",
+                       f"box {box} disagrees with the box derived from the mask {derived} "
+                       "(normalized xyxy, exclusive max edge, null for an empty mask)",
+                       record_id=rid)
+
+
+def validate_dataset(root: str | os.PathLike, *, check_hashes: bool = True,
+                     check_media: bool = True, progress: bool = False) -> Report:
+    """Check a dataset folder completely; every problem becomes a Finding."""
+    report, _ = _validate(Path(root), check_hashes, check_media, progress, {})
+    return report
+
+
+def _validate(root: Path, check_hashes: bool, check_media: bool, progress: bool,
+              require: dict) -> tuple[Report, tuple | None]:
+    report = Report(root, None)
+    manifest = _validate_manifest(root, report)
+    if manifest is None:
+        return report, None
+    kind = F.KINDS[manifest["kind"]]
+    _validate_files(root, manifest, report, check_hashes, progress)
+    rel = _records_file(manifest, kind, root)
+    if _layout(manifest, kind) == "records":
+        reason = safe_relpath(rel)
+        if reason:
+            report.add(F.MANIFEST, None, "records", reason)
+            return report, None
+        if rel not in manifest["files"]:
+            report.add(F.MANIFEST, None, "files", f"the records file {rel!r} is not listed")
+    items = _read_raw_records(root, rel, manifest, kind, report)
+    good: list[tuple[str, dict]] = []
+    seen: dict[str, str] = {}
+    for where, record in items:
+        problems = _check_record(record, kind, manifest)
+        rid = record.get("id") if isinstance(record.get("id"), str) else None
+        at = f"{where} (id {rid!r})" if rid else where
+        for name, reason in problems:
+            report.add(rel, at, name, reason, record_id=rid)
+        if problems:
+            continue
+        if rid in seen:
+            report.add(rel, at, "id", f"duplicate id (first used at {seen[rid]})", record_id=rid)
+            continue
+        seen[rid] = where
+        good.append((where, record))
+    report.n_records = len(items)
+    if not items and not report.errors:
+        report.add(rel, None, None, "holds no records")
+    assignments = _validate_splits_file(root, manifest, report)
+    if check_media and kind.media:
+        _validate_media(root, kind, manifest, rel, good, report, progress, require)
+    report.findings.sort(key=_reading_order(report.findings))
+    return report, (manifest, kind, good, assignments)
+
+
+def _reading_order(findings: list[Finding]):
+    """Sort key: files in order of first mention, then by line, so the first error reported
+    is the first one a reader meets in the file."""
+    first_seen: dict[str, int] = {}
+    for finding in findings:
+        first_seen.setdefault(finding.file, len(first_seen))
+
+    def key(finding: Finding) -> tuple[int, int]:
+        match = re.match(r"line (\d+)", finding.where or "")
+        return first_seen[finding.file], int(match.group(1)) if match else 0
+    return key
+
+
+# ----------------------------------------------------------------------------- Dataset
+
+
+class Dataset:
+    """A validated dataset: its manifest and its records with absolute file paths."""
+
+    def __init__(self, root: Path, manifest: dict, records: list[dict],
+                 assignments: dict[str, str]):
+        self.root = root
+        self.manifest = manifest
+        self.kind = manifest["kind"]
+        self._records = records
+        self._assignments = assignments
+
+    @property
+    def name(self) -> str:
+        return self.manifest.get("name") or self.root.name
+
+    @property
+    def version(self) -> str:
+        return self.manifest.get("version") or version_id(self.manifest["files"])
+
+    @property
+    def classes(self) -> list[str]:
+        """Declared classes, or the sorted labels in use ('empty' is not a class)."""
+        declared = self.manifest.get("classes")
+        if declared:
+            return list(declared)
+        return sorted({r["label"] for r in self._records
+                       if "label" in r and r["label"] != F.EMPTY_LABEL})
+
+    def split_of(self, record: dict) -> str | None:
+        return record.get("split") or self._assignments.get(group_of(record))
+
+    def records(self, split: str | None = None) -> list[dict]:
+        """Records (copies) with path fields as absolute Paths, optionally of one split."""
+        out = []
+        for record in self._records:
+            assigned = self.split_of(record)
+            if split is not None and assigned != split:
+                continue
+            resolved = dict(record)
+            if assigned and "split" not in resolved:
+                resolved["split"] = assigned
+            for name in F.PATH_FIELDS:
+                if isinstance(resolved.get(name), str):
+                    resolved[name] = self.root / resolved[name]
+            out.append(resolved)
+        return out
+
+    def raw_records(self) -> list[dict]:
+        """Records as stored, relative paths kept (what leak and stats work compare)."""
+        return [dict(r) for r in self._records]
+
+    def files_manifest(self) -> dict[str, str]:
+        """Relative path -> sha256 of every data file (what a run records and resume checks)."""
+        return dict(self.manifest["files"])
+
+    def text_of(self, record: dict) -> str:
+        """The model-visible text of a record, fields joined in the kind's order."""
+        parts = []
+        for name in F.KINDS[self.kind].text_fields:
+            value = record.get(name)
+            if name == "messages" and isinstance(value, list):
+                parts += [m["content"] for m in value]
+            elif isinstance(value, str):
+                parts.append(value)
+        return "\n".join(parts)
+
+
+def group_of(record: dict) -> str:
+    """The split unit: records of one group always share a split."""
+    group = record.get("group")
+    return group if isinstance(group, str) and group else str(record.get("id"))
+
+
+def load_dataset(root: str | os.PathLike, *, check_media: bool = True, progress: bool = False,
+                 require: dict | None = None) -> Dataset:
+    """Validate and load; the first error is raised as a ForgebenchError.
+
+    `require` adds a recipe's own format needs to the manifest's, e.g.
+    {"audio": {"sample_rate": 16000, "channels": 1, "subtype": "PCM_16", "samples": 8192}} or
+    {"image": {"mode": "RGB"}}; every file is checked against them.
+    """
+    root = Path(root).expanduser().absolute()
+    report, parts = _validate(root, True, check_media, progress, require or {})
+    report.raise_first()
+    manifest, _, good, assignments = parts
+    return Dataset(root, manifest, [record for _, record in good], assignments)
+
+
+# ----------------------------------------------------------------------------- versions
+
+
+def save_new_version(dataset: Dataset, changes: dict[str, bytes], note: str,
+                     out_dir: str | os.PathLike | None = None) -> Dataset:
+    """Write an edited copy as a new dataset folder; the original is left untouched.
+
+    Unchanged files are hard-linked when the filesystem allows it (they are never written in
+    place, so sharing them is safe) and copied otherwise. The new manifest names the old
+    version as its parent and records the note.
+    """
+    for rel in changes:
+        reason = safe_relpath(rel)
+        if reason or rel in (F.MANIFEST, *F.CARD_FILES):
+            raise ForgebenchError(f"cannot save {rel!r}: {reason or 'reserved file name'}",
+                                  path=dataset.root)
+    target = Path(out_dir) if out_dir else _next_version_dir(dataset.root)
+    if target.exists() and any(target.iterdir()):
+        raise ForgebenchError("output folder is not empty", path=target,
+                              hint="choose a new folder for the new version")
+    staging = target.with_name(f".{target.name}.partial")
+    shutil.rmtree(staging, ignore_errors=True)
+    try:
+        for rel in dataset.manifest["files"]:
+            if rel in changes:
+                continue
+            destination = staging / rel
+            destination.parent.mkdir(parents=True, exist_ok=True)
+            try:
+                os.link(dataset.root / rel, destination)
+            except OSError:
+                shutil.copy2(dataset.root / rel, destination)
+        for rel, data in changes.items():
+            atomic_write_bytes(staging / rel, data)
+        _rederive_boxes(staging, dataset, set(changes))
+        inherited = {k: v for k, v in dataset.manifest.items()
+                     if k not in ("files", "version", "parent", "created", "kind", "name")}
+        history = list(inherited.pop("history", [])) + [
+            {"parent": dataset.version, "note": note, "changed": sorted(changes),
+             "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}]
+        write_manifest(staging, dataset.kind, dataset.name, parent=dataset.version,
+                       history=history, **inherited)
+        if target.exists():
+            target.rmdir()
+        os.replace(staging, target)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    return load_dataset(target)
+
+
+def _rederive_boxes(staging: Path, dataset: Dataset, changed: set[str]) -> None:
+    """Boxes are derived data: when an edit replaces a mask, its record's box follows it."""
+    from engine.data.media import box_from_mask, mask_array, open_image
+
+    rel = _records_file(dataset.manifest, F.KINDS[dataset.kind], dataset.root)
+    if "mask" not in F.KINDS[dataset.kind].fields or rel in changed or rel.endswith(".csv"):
+        return
+    records = [json.loads(line) for line in
+               (staging / rel).read_text(encoding="utf-8").splitlines() if line.strip()]
+    touched = False
+    for record in records:
+        if record.get("mask") in changed and "box" in record:
+            image, reason = open_image(staging / record["mask"])
+            array, reason = (None, reason) if reason else mask_array(image)
+            if array is not None:
+                record["box"] = box_from_mask(array)
+                touched = True
+    if touched:
+        # atomic_write_bytes renames a new file over the hard link: the original is untouched
+        atomic_write_bytes(staging / rel, "".join(json.dumps(r) + "\n" for r in records)
+                           .encode("utf-8"))
+
+
+def _next_version_dir(root: Path) -> Path:
+    stem = re.sub(r"-v\d+$", "", root.name)
+    n = 2
+    while (root.parent / f"{stem}-v{n}").exists():
+        n += 1
+    return root.parent / f"{stem}-v{n}"

@@ -1,0 +1,90 @@
+"""The dataset kinds and their record formats: one table the validator, the loader and the
+generators all read, so a format cannot drift between writer and reader.
+
+A dataset is a folder holding `dataset.json`::
+
+    {"kind": "image-masks", "schema_version": 1, "name": "shapes",
+     "version": "<sha256 prefix over files>", "parent": null,
+     "files": {"records.jsonl": "<sha256>", "images/a.png": "<sha256>", ...},
+     "records": "records.jsonl",                       # optional, the kind's default otherwise
+     "split_policy": {"method": "group-hash", "ratios": {...}, "seed": 0, "group_field": "group"},
+     "classes": [...], "image": {"mode": "RGB", "size": [64, 64]},
+     "audio": {"sample_rate": 16000, "channels": 1, "subtype": "PCM_16", "samples": 8192},
+     "provenance": {...}, "rights": {...}, "card": {...}}
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+SCHEMA_VERSION = 1
+MANIFEST = "dataset.json"
+SPLITS_FILE = "splits.json"  # group -> split assignments written by `forgebench data split`
+CARD_FILES = ("card.json", "card.md")  # descriptions, not data: never hashed
+SPLITS = ("train", "val", "calibration", "test")
+EMPTY_LABEL = "empty"  # image-masks / image-boxes: the scene holds no object (no box)
+PATH_FIELDS = ("image", "mask", "path", "file_name")  # resolved to absolute Paths on load
+MESSAGE_ROLES = ("system", "user", "assistant", "tool")
+IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".bmp", ".webp")
+
+# Field types understood by the validator (engine.data.validate checks each one).
+TEXT = "text"        # non-empty string
+STR = "str"          # any string
+ID = "id"            # non-empty string, unique in the dataset
+PATH = "path"        # relative path inside the dataset folder, listed in dataset.json files
+LABEL = "label"      # string, one of the manifest's classes when it declares them
+SPLIT = "split"      # one of SPLITS
+BOX = "box"          # null or normalized [x0, y0, x1, y1] with 0 <= x0 < x1 <= 1
+MESSAGES = "messages"  # [{"role": ..., "content": ...}, ...]
+SHA256 = "sha256"    # 64 lowercase hex digits, must match the file in `path`
+RIGHTS = "rights"    # string or object
+
+COMMON_FIELDS = {"id": ID, "group": STR, "split": SPLIT, "source": STR, "rights": RIGHTS}
+
+
+@dataclass(frozen=True)
+class Kind:
+    """One dataset kind: where its records live and which fields they carry."""
+
+    name: str
+    records: str                      # default records file (JSONL, or CSV for .csv)
+    fields: dict[str, str]            # field -> type, beyond COMMON_FIELDS
+    required: tuple[str, ...]         # always required
+    one_of: tuple[tuple[str, ...], ...] = ()  # exactly one of these field sets is required
+    id_from: str | None = None        # field that stands in for a missing id
+    text_fields: tuple[str, ...] = ()  # model-visible text (leaks, lengths)
+    labelled: bool = False
+    media: str | None = None          # "image" or "audio": format checks apply
+    alt_records: tuple[str, ...] = field(default=())  # other accepted records files
+
+
+KINDS: dict[str, Kind] = {k.name: k for k in [
+    Kind("text-sft", "records.jsonl",
+         {"instruction": TEXT, "response": TEXT, "messages": MESSAGES, "system": STR},
+         required=("id",), one_of=(("instruction", "response"), ("messages",)),
+         text_fields=("system", "instruction", "response", "messages")),
+    Kind("text-corpus", "documents.jsonl", {"text": TEXT},
+         required=("id", "text"), text_fields=("text",)),
+    Kind("preferences", "records.jsonl", {"prompt": TEXT, "chosen": TEXT, "rejected": TEXT},
+         required=("id", "prompt", "chosen", "rejected"),
+         text_fields=("prompt", "chosen", "rejected")),
+    Kind("image-classify", "records.jsonl", {"image": PATH, "label": LABEL},
+         required=("image", "label"), id_from="image", labelled=True, media="image"),
+    Kind("image-masks", "records.jsonl",
+         {"image": PATH, "mask": PATH, "label": LABEL, "box": BOX},
+         required=("id", "image", "mask"), labelled=True, media="image"),
+    Kind("image-boxes", "records.jsonl",
+         {"image": PATH, "mask": PATH, "label": LABEL, "box": BOX},
+         required=("id", "image", "box"), labelled=True, media="image"),
+    Kind("captioned-images", "metadata.jsonl", {"file_name": PATH, "text": TEXT},
+         required=("file_name", "text", "group"), id_from="file_name", text_fields=("text",),
+         media="image"),
+    Kind("audio-clips", "clips.jsonl",
+         {"path": PATH, "label": LABEL, "sha256": SHA256},
+         required=("path", "label", "split", "group", "source", "rights", "sha256"),
+         id_from="path", labelled=True, media="audio", alt_records=("clips.csv",)),
+]}
+
+
+def kind_names() -> list[str]:
+    return sorted(KINDS)

@@ -1,0 +1,410 @@
+"""`forgebench export RUN_DIR --checkpoint ... --dtype ... --out DIR`: a run's model as a bundle.
+
+    DIR/model.gguf            the model (lm-pretrain: written as llama GGUF; LoRA: merged into a
+                              dense base, then converted/quantized) — or, for --dtype adapter,
+    DIR/adapter.gguf          the GGUF LoRA adapter llama.cpp loads with --lora, and
+    DIR/peft/                 adapter_model.safetensors + adapter_config.json (known HF bases)
+    DIR/model_card.md         base identity and SHA-256, data card, training config, evaluation,
+                              equivalence summary, limitations
+    DIR/report.json, .txt     the staged equivalence report (engine.equivalence)
+    DIR/SHA256SUMS            `sha256sum -c` format, every other file
+
+Everything is written into a hidden staging folder beside DIR and renamed to DIR at the end;
+intermediate files (the f32 model before quantization, the merged model before conversion) live
+in a scratch folder that is always removed. Any failure, a full disk included, leaves no DIR.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import errno
+import json
+import os
+import shutil
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+from engine.errors import ForgebenchError
+from engine.fsutil import atomic_write_text, read_json, sha256_file
+from engine.gguf import quant_policy
+from engine.rundir import Checkpoint, RunDir
+
+DTYPES = tuple(quant_policy.FILE_TYPES) + ("adapter",)
+MODEL_GGUF = "model.gguf"
+ADAPTER_GGUF = "adapter.gguf"
+PEFT_DIR = "peft"
+ADAPTERS_FILE = "adapters.safetensors"     # what lm-sft checkpoints hold (engine.recipes.lm_sft)
+
+
+@dataclass
+class Bundle:
+    """What an export produced, for the model card, the report and the CLI summary."""
+    run: RunDir
+    checkpoint: Checkpoint
+    recipe: str
+    dtype: str
+    files: list[str] = field(default_factory=list)     # relative to the bundle
+    base: dict | None = None                            # path, sha256, how it was used
+    stages: list = field(default_factory=list)          # engine.equivalence.Stage
+    llamacpp: object = None                             # Stage or None
+    notes: list[str] = field(default_factory=list)
+    report: dict | None = None
+
+
+def _is_quantized(dtype: str) -> bool:
+    ftype = quant_policy.FILE_TYPES[dtype]
+    return quant_policy.DEFAULT_TYPE[ftype] not in quant_policy.FLOAT_TYPES
+
+
+def _file_dtype(path: Path) -> str | None:
+    """The forgebench dtype name of a dense GGUF's general.file_type (None if not dense)."""
+    from engine.gguf.reader import open_gguf
+
+    value = open_gguf(path).get("general.file_type")
+    names = {int(v): k for k, v in quant_policy.FILE_TYPES.items()}
+    return names.get(int(value)) if value is not None else None
+
+
+class _Progress:
+    """One tqdm bar per file written, fed by the writers' per-tensor callback."""
+
+    def __init__(self, enabled: bool):
+        self.enabled = enabled
+
+    @contextlib.contextmanager
+    def tensors(self, desc: str):
+        if not self.enabled:
+            yield None
+            return
+        from tqdm import tqdm
+
+        with tqdm(desc=desc, unit="tensor", leave=False) as bar:
+            def update(tensor, done: int, total: int) -> None:
+                bar.total = total
+                bar.set_postfix_str(tensor.name, refresh=False)
+                bar.update(1)
+            yield update
+
+    def say(self, message: str) -> None:
+        if self.enabled:
+            from tqdm import tqdm
+            tqdm.write(message)
+
+
+def _gguf_stage(name: str, description: str, path: Path, bundle_dir: Path, lora=None):
+    from engine.equivalence import Stage
+
+    model = {"kind": "gguf", "path": str(path), "numerics": "f32"}
+    if lora:
+        model["lora"] = str(lora)
+    shown = path.name if path.parent == bundle_dir else f"(intermediate) {path.name}"
+    return Stage(name, description, model, shown)
+
+
+def _llamacpp_stage(path: Path, description: str, lora: Path | None = None,
+                    lora_name: str | None = None):
+    from engine.equivalence import Stage
+
+    model = {"kind": "llamacpp", "path": str(path)}
+    if lora:
+        model["lora"] = str(lora)
+    return Stage("llama.cpp", description, model, lora_name or path.name)
+
+
+# ----------------------------------------------------------------------- per recipe
+
+def _export_pretrain(bundle: Bundle, staging: Path, scratch: Path, progress: _Progress) -> None:
+    from engine.gguf.convert import convert_gguf
+    from engine.gguf.from_pretrain import write_pretrain_gguf
+
+    if bundle.dtype == "adapter":
+        raise ForgebenchError("an lm-pretrain run has no adapter to export", where="--dtype",
+                              hint="choose f32, f16, bf16 or a quantized type")
+    final = staging / MODEL_GGUF
+    quantized = _is_quantized(bundle.dtype)
+    dense = scratch / "model-f32.gguf" if quantized else final
+    with progress.tensors(f"write {dense.name}") as update:
+        write_pretrain_gguf(bundle.run, bundle.checkpoint, dense,
+                            "f32" if quantized else bundle.dtype, progress=update)
+    bundle.stages.append(_gguf_stage("dense", "the model written as llama GGUF "
+                                     f"({'f32' if quantized else bundle.dtype})", dense, staging))
+    if quantized:
+        with progress.tensors(f"quantize → {bundle.dtype}") as update:
+            convert_gguf(dense, final, bundle.dtype, progress=update)
+        bundle.stages.append(_gguf_stage("quantized", f"quantized to {bundle.dtype}", final,
+                                         staging))
+    bundle.files.append(MODEL_GGUF)
+    bundle.llamacpp = _llamacpp_stage(final, "the exported model.gguf in llama.cpp")
+
+
+def _sft_base(bundle: Bundle, base_arg: str | None, scratch: Path,
+              progress: _Progress) -> tuple[Path, str]:
+    """The GGUF to merge into (or to describe an adapter against), and how it was chosen."""
+    from engine.gguf.from_pretrain import write_pretrain_gguf
+
+    manifest = bundle.run.manifest()
+    if base_arg:
+        return Path(base_arg).resolve(), "--base"
+    base_path = Path(manifest["base_model"]["path"])
+    if base_path.suffix == ".gguf":
+        return base_path, "the run's base model"
+    # an lm-sft run over an lm-pretrain run: its base is that run's checkpoint weights
+    base_run, base_ckpt = RunDir(base_path.parents[2]), base_path.parent.name
+    out = scratch / "base-f32.gguf"
+    from engine.recipes.lm_sft import PLAIN_TEMPLATE
+
+    with progress.tensors("write base (lm-pretrain) as GGUF") as update:
+        write_pretrain_gguf(base_run, base_run.checkpoint(base_ckpt), out, "f32",
+                            progress=update, chat_template=PLAIN_TEMPLATE)
+    return out, f"the lm-pretrain base {base_run.path.name}/{base_ckpt}, written as GGUF"
+
+
+def _export_sft(bundle: Bundle, staging: Path, scratch: Path, base_arg: str | None,
+                progress: _Progress) -> None:
+    from engine.gguf.convert import convert_gguf
+    from engine.gguf.lora_export import HF_ARCHITECTURES, write_gguf_lora, write_peft
+    from engine.gguf.reader import open_gguf
+    from engine.merge import merge_into_gguf
+
+    adapter = bundle.checkpoint.path / ADAPTERS_FILE
+    if not adapter.is_file():
+        raise ForgebenchError("this checkpoint holds full fine-tuned weights, not adapters; "
+                              "exporting full fine-tuning runs is not supported yet",
+                              path=bundle.checkpoint.path, where=ADAPTERS_FILE)
+    base, how = _sft_base(bundle, base_arg, scratch, progress)
+    bundle.base = {"path": str(base), "sha256": sha256_file(base) if base.is_file() else None,
+                   "chosen": how}
+    if bundle.dtype == "adapter":
+        from engine.merge import check_base, load_adapter
+        from engine.gguf.writer import read_gguf_content
+
+        matched = check_base(read_gguf_content(base), load_adapter(adapter))
+        if matched != "file":
+            raise ForgebenchError(
+                "an adapter is exported against the exact GGUF file it was trained on; this "
+                f"base is only related to it ({matched} that file)", path=base, where="--base",
+                hint="export the adapter of a GGUF-based run without --base, or merge it into "
+                     "this base with a model --dtype (f16, q4_k_m, ...)")
+        write_gguf_lora(adapter, base, staging / ADAPTER_GGUF)
+        bundle.files.append(ADAPTER_GGUF)
+        arch = open_gguf(base).architecture
+        if arch in HF_ARCHITECTURES:
+            for path in write_peft(adapter, base, staging / PEFT_DIR):
+                bundle.files.append(f"{PEFT_DIR}/{path.name}")
+        else:
+            bundle.notes.append(f"no PEFT adapter: {arch!r} is not a known HF architecture")
+        bundle.stages.append(_gguf_stage("adapter", "base + adapter reloaded in the engine",
+                                         base, staging, lora=adapter))
+        bundle.llamacpp = _llamacpp_stage(base, "the base with adapter.gguf in llama.cpp",
+                                          lora=staging / ADAPTER_GGUF,
+                                          lora_name=f"{base.name} + {ADAPTER_GGUF}")
+        return
+    final = staging / MODEL_GGUF
+    same_type = _file_dtype(base) == bundle.dtype
+    merged = final if same_type else scratch / f"merged{base.suffix}"
+    with progress.tensors("merge adapters") as update:
+        result = merge_into_gguf(base, adapter, merged, progress=update)
+    bundle.base["matched_by"] = result.base_match
+    bundle.stages.append(_gguf_stage("merged", f"adapters merged into the dense base "
+                                     f"({len(result.merged)} matrices)", merged, staging))
+    if not same_type:
+        with progress.tensors(f"convert → {bundle.dtype}") as update:
+            convert_gguf(merged, final, bundle.dtype, progress=update, allow_dequantized=True)
+        kind = "quantized" if _is_quantized(bundle.dtype) else "converted"
+        bundle.stages.append(_gguf_stage(kind, f"{kind} to {bundle.dtype}", final, staging))
+    if result.base_match == "dequantized from":
+        bundle.notes.append("the base is a dense copy dequantized from a quantized file: the "
+                            "first quantization's rounding stays in every merged weight")
+    bundle.files.append(MODEL_GGUF)
+    bundle.llamacpp = _llamacpp_stage(final, "the exported model.gguf in llama.cpp")
+
+
+# ----------------------------------------------------------------------- the card and sums
+
+def _evaluations(run: RunDir, checkpoint: Checkpoint) -> list[dict]:
+    found = []
+    if run.evals_dir.is_dir():
+        for path in sorted(run.evals_dir.glob(f"*-{checkpoint.name}.json")):
+            found.append(read_json(path))
+    val = [m for m in run.metrics() if m.get("split") == "val"
+           and m.get("step") == checkpoint.step]
+    return found + val[-1:]
+
+
+def _data_card(config: dict) -> str:
+    data = config.get("data", {})
+    folder = data.get("dir") or data.get("path")
+    if not folder:
+        return "no dataset recorded"
+    root = Path(config.get("base_dir") or ".") / folder
+    if not root.is_dir():
+        return f"`{root}` (a single file, no dataset card)"
+    card = root / "card.md"
+    if card.is_file():
+        return f"[{card}]({card.as_uri()})"
+    return f"`{root}` (no card.md; write one with `forgebench data card {root}`)"
+
+
+def model_card(bundle: Bundle) -> str:
+    manifest = bundle.run.manifest()
+    config = manifest["config"]
+    lines = [f"# {bundle.run.path.name} — {bundle.checkpoint.name} ({bundle.dtype})", "",
+             f"Exported by `forgebench export` from run `{bundle.run.path}` "
+             f"(recipe `{bundle.recipe}`, step {bundle.checkpoint.step}).", "",
+             "## Files", ""]
+    lines += [f"- `{name}`" for name in bundle.files + ["report.json", "report.txt"]]
+    lines += ["", "## Base model", ""]
+    base = manifest.get("base_model")
+    if base:
+        lines.append(f"- trained on: `{base['path']}`  \n  SHA-256 `{base['sha256']}`")
+    else:
+        lines.append("- trained from random initialisation (no base model)")
+    if bundle.base:
+        lines.append(f"- merged into / exported against: `{bundle.base['path']}` "
+                     f"({bundle.base['chosen']})  \n  SHA-256 `{bundle.base['sha256']}`"
+                     + (f", recognised as the adapter's base by: {bundle.base['matched_by']}"
+                        if bundle.base.get("matched_by") else ""))
+    lines += ["", "## Data", "", f"- data card: {_data_card(config)}"]
+    for name, digest in sorted(manifest.get("data", {}).get("files", {}).items()):
+        lines.append(f"- `{name}` SHA-256 `{digest}`")
+    lines += ["", "## Training config", "", "```json",
+              json.dumps(config, indent=2, sort_keys=True), "```", "", "## Evaluation", ""]
+    evals = _evaluations(bundle.run, bundle.checkpoint)
+    lines += [f"- {json.dumps(e, sort_keys=True)}" for e in evals] or \
+        ["- no evaluation recorded for this checkpoint (run `forgebench eval`)"]
+    lines += ["", "## Equivalence", ""]
+    if bundle.report is None:
+        lines.append("- not computed (--no-report)")
+    else:
+        for stage in bundle.report["stages"][1:]:
+            m = stage["vs_checkpoint"]
+            lines.append(f"- {stage['name']}: top-1 agreement {m['top1_agreement']:.2%} with the "
+                         f"checkpoint, max |Δlogit| {m['max_abs_logit_diff']:.4g}, "
+                         f"KL {m['kl_mean']:.3g}")
+        cpp = bundle.report["llamacpp"]
+        if cpp.get("available"):
+            g = cpp["greedy_vs_checkpoint"]
+            lines.append(f"- llama.cpp: top-1 agreement {cpp['vs_checkpoint']['top1_agreement']:.2%}"
+                         f" with the checkpoint; greedy answers identical for "
+                         f"{sum(g['matches'])}/{len(g['matches'])} prompts")
+        else:
+            lines.append(f"- llama.cpp: not run ({cpp.get('reason')})")
+        lines.append("- details: `report.txt`, `report.json`")
+    lines += ["", "## Limitations", ""]
+    limitations = list(bundle.notes)
+    if bundle.dtype not in ("f32", "adapter"):
+        limitations.append(f"{bundle.dtype} rounds the weights; the report shows how far the "
+                           "answers move")
+    if bundle.recipe == "lm-pretrain":
+        limitations.append("a tiny model trained from scratch on one corpus: it continues text "
+                           "in the corpus's style and knows nothing else")
+    limitations.append("evaluated only on the data and prompts above; check it on your own "
+                       "inputs before relying on it")
+    lines += [f"- {text}" for text in limitations]
+    return "\n".join(lines) + "\n"
+
+
+def write_sha256sums(folder: Path) -> Path:
+    """`<sha256>  <relative path>` for every file, sorted (what `sha256sum -c` reads)."""
+    rows = [f"{sha256_file(p)}  {p.relative_to(folder).as_posix()}"
+            for p in sorted(folder.rglob("*")) if p.is_file() and p.name != "SHA256SUMS"]
+    atomic_write_text(folder / "SHA256SUMS", "\n".join(rows) + "\n")
+    return folder / "SHA256SUMS"
+
+
+# ----------------------------------------------------------------------- the whole export
+
+def export_run(run_dir: str | os.PathLike, out: str | os.PathLike, *, checkpoint: str = "latest",
+               dtype: str = "f16", base: str | None = None, report: bool = True,
+               threads: int | None = None, show_progress: bool = False) -> Bundle:
+    """Export a run's checkpoint as a bundle folder at `out` (which must not exist)."""
+    from engine.equivalence import PROMPT_SUITE, build_report, render_text
+
+    dtype = dtype.lower()
+    if dtype not in DTYPES:
+        raise ForgebenchError(f"unknown --dtype {dtype!r}", where="--dtype",
+                              hint="one of " + ", ".join(DTYPES))
+    out = Path(out).resolve()
+    if out.exists():
+        raise ForgebenchError("the output folder already exists; an export never writes over "
+                              "another", path=out, where="--out",
+                              hint="choose a new --out or delete the old export")
+    run = RunDir(run_dir).require()
+    recipe = run.manifest()["recipe"]
+    if recipe not in ("lm-pretrain", "lm-sft"):
+        raise ForgebenchError(f"recipe '{recipe}' has no GGUF export", path=run.path,
+                              hint="export works for lm-pretrain and lm-sft runs")
+    if run.is_active():
+        raise ForgebenchError("the run is still training", path=run.path,
+                              hint="wait for it, or stop it: forgebench stop RUN_DIR")
+    bundle = Bundle(run, run.checkpoint(checkpoint), recipe, dtype)
+    threads = threads or run.manifest().get("environment", {}).get("threads") or 1
+    progress = _Progress(show_progress)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    staging = out.parent / f".{out.name}.partial-{os.getpid()}"
+    scratch = out.parent / f".{out.name}.scratch-{os.getpid()}"
+    staging.mkdir()
+    scratch.mkdir()
+    try:
+        if recipe == "lm-pretrain":
+            _export_pretrain(bundle, staging, scratch, progress)
+        else:
+            _export_sft(bundle, staging, scratch, base, progress)
+        if report:
+            held = run.manifest()["config"].get("sample", {}).get("prompts", [])
+            bundle.report = build_report(
+                {"kind": "run", "run": str(run.path), "checkpoint": bundle.checkpoint.name},
+                bundle.stages, llamacpp=bundle.llamacpp, threads=threads,
+                prompts=tuple(dict.fromkeys([*held, *PROMPT_SUITE])), decode=_decoder(bundle),
+                progress=lambda m: progress.say(f"equivalence: {m}"))
+            bundle.report["export"] = {"run": str(run.path), "checkpoint": bundle.checkpoint.name,
+                                       "dtype": dtype, "files": bundle.files}
+            atomic_write_text(staging / "report.json",
+                              json.dumps(bundle.report, indent=2) + "\n")
+            atomic_write_text(staging / "report.txt", render_text(bundle.report))
+        atomic_write_text(staging / "model_card.md", model_card(bundle))
+        write_sha256sums(staging)
+        for path in staging.rglob("*"):     # temp files are created private; a bundle is shared
+            path.chmod(0o755 if path.is_dir() else 0o644)
+        os.rename(staging, out)
+    except OSError as exc:
+        shutil.rmtree(staging, ignore_errors=True)
+        if exc.errno == errno.ENOSPC:
+            raise ForgebenchError("the disk filled up during the export; nothing was written",
+                                  path=out, hint="free some space and export again") from exc
+        raise
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+    return bundle
+
+
+def _decoder(bundle: Bundle) -> Callable[[list[int]], str] | None:
+    """Token ids -> text with the exported file's own tokenizer (for the report's answers)."""
+    from engine.llm.tokenizer import GGUFTokenizer
+
+    path = bundle.llamacpp.model["path"] if bundle.llamacpp else None
+    if path is None:
+        return None
+    tokenizer = GGUFTokenizer.from_gguf(path)
+    return tokenizer.decode
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    bundle = export_run(args.run_dir, args.out, checkpoint=args.checkpoint, dtype=args.dtype,
+                        base=args.base, report=not args.no_report, show_progress=True)
+    out = Path(args.out)
+    print(f"exported {bundle.run.path.name}/{bundle.checkpoint.name} as {bundle.dtype} → {out}")
+    for name in bundle.files + ["model_card.md", "SHA256SUMS"] + \
+            (["report.json", "report.txt"] if bundle.report else []):
+        print(f"  {name:<34} {(out / name).stat().st_size / 1e6:10.2f} MB")
+    for note in bundle.notes:
+        print(f"note: {note}")
+    if bundle.report:
+        print()
+        print((out / "report.txt").read_text("utf-8"), end="")
+    return 0

@@ -1,0 +1,1 @@
+"""GGUF files: read (metadata + memory-mapped tensor table), dequantize, quantize, write."""

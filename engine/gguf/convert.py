@@ -1,0 +1,189 @@
+"""`forgebench convert`: re-emit, dequantize or quantize a GGUF file.
+
+    forgebench convert FILE.gguf --dtype keep|f32|f16|bf16|q8_0|q4_0|q4_k_s|q4_k_m|q5_k_m|q6_k
+                       --out NEW.gguf
+
+`keep` writes the file again unchanged (byte-identical for files laid out as ggml and the `gguf`
+package write them). A float dtype turns every matrix weight into that dtype; from a quantized
+source this dequantizes and the output records it (`forgebench.dequantized_from` = the source's
+SHA-256, `forgebench.dequantized_from_type`), because the rounding of the first quantization
+stays in the weights. A quantized dtype follows llama-quantize's per-tensor policy
+(quant_policy.py) with ggml's reference quantizers (quantize.py); a source that is already
+quantized, or was dequantized from a quantized file, is refused rather than quantized twice.
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+from gguf import GGMLQuantizationType as T, GGUFValueType, LlamaFileType as F, quants
+
+from engine.errors import ForgebenchError
+from engine.fsutil import sha256_file
+from engine.gguf import quant_policy
+from engine.gguf.quantize import quantize
+from engine.gguf.writer import GGUFContent, MetaValue, TensorEntry, read_gguf_content, \
+    write_gguf
+
+DTYPES = ("keep",) + tuple(quant_policy.FILE_TYPES)
+DEQUANTIZED_FROM_KEY = "forgebench.dequantized_from"
+DEQUANTIZED_FROM_TYPE_KEY = "forgebench.dequantized_from_type"
+QUANTIZATION_VERSION = 2  # GGML_QNT_VERSION, which llama-quantize writes into every output
+
+
+@dataclass
+class ConvertResult:
+    path: Path
+    dtype: str
+    types: Counter            # ggml type name -> tensor count in the output
+    dequantized: bool
+
+
+def _source_type_name(content: GGUFContent) -> str:
+    """The source's recipe (general.file_type, e.g. Q4_K_M) when it names a quantized one,
+    else the quantized tensor types present (some writers leave file_type at F32)."""
+    meta = content.metadata.get("general.file_type")
+    try:
+        recipe = F(int(meta.value)) if meta is not None else None
+    except ValueError:
+        recipe = None
+    if recipe is not None and recipe not in (F.ALL_F32, F.MOSTLY_F16, F.MOSTLY_BF16):
+        return recipe.name.replace("MOSTLY_", "")
+    return "+".join(sorted({t.ggml_type.name for t in content.tensors
+                            if t.ggml_type not in quant_policy.FLOAT_TYPES}))
+
+
+def _to_f32(entry: TensorEntry) -> np.ndarray:
+    """A tensor's values as f32 in torch-order shape (ggml's f16/bf16 -> f32 is exact).
+
+    Float sources are plain numpy casts, so quantizing an f16/bf16 export never loads torch;
+    block formats go through the engine's dequantization kernels."""
+    raw = np.asarray(entry.data, dtype=np.uint8)
+    if entry.ggml_type == T.F32:
+        values = raw.view(np.float32)
+    elif entry.ggml_type == T.F16:
+        values = raw.view(np.float16).astype(np.float32)
+    elif entry.ggml_type == T.BF16:
+        values = (raw.view(np.uint16).astype(np.uint32) << 16).view(np.float32)
+    else:
+        import torch
+
+        from engine.gguf.dequant import dequantize
+
+        tensor = torch.from_numpy(raw.copy())
+        values = dequantize(tensor, entry.ggml_type, entry.shape, name=entry.name).numpy()
+    return values.reshape(entry.shape)
+
+
+def _encode(values: np.ndarray, ggml_type: T) -> np.ndarray:
+    if ggml_type == T.F32:
+        return values.astype(np.float32)
+    if ggml_type == T.F16:
+        return values.astype(np.float16)            # round to nearest even, as ggml
+    if ggml_type == T.BF16:
+        return quants.quantize(values, T.BF16)     # ggml's rounding, NaN kept quiet
+    return quantize(values, ggml_type)
+
+
+def _converted(entry: TensorEntry, target: T) -> TensorEntry:
+    if target == entry.ggml_type:
+        return entry
+    return TensorEntry(entry.name, target, entry.shape,
+                       lambda: _encode(_to_f32(entry), target))
+
+
+def _refuse_requantization(content: GGUFContent, dtype: str,
+                           allow_dequantized: bool = False) -> None:
+    quantized = [t for t in content.tensors
+                 if t.ggml_type not in quant_policy.FLOAT_TYPES
+                 and quant_policy.allows_quantization(t.name, t.shape)]
+    hint = ("quantize from the original f16/f32/bf16 GGUF (or the training run's export); "
+            "quantizing twice compounds the rounding error")
+    if quantized:
+        raise ForgebenchError(
+            f"the file is already quantized (tensor {quantized[0].name!r} is "
+            f"{quantized[0].ggml_type.name}); refusing to quantize it again to {dtype}",
+            path=content.path, where=quantized[0].name, hint=hint)
+    if DEQUANTIZED_FROM_KEY in content.metadata and not allow_dequantized:
+        source = content.metadata[DEQUANTIZED_FROM_KEY].python()
+        raise ForgebenchError(
+            f"the file was dequantized from a quantized file (sha256 {source[:16]}…); "
+            f"refusing to quantize it again to {dtype}",
+            path=content.path, where=DEQUANTIZED_FROM_KEY, hint=hint)
+
+
+def convert_gguf(src: str | Path, dst: str | Path, dtype: str, progress=None, *,
+                 allow_dequantized: bool = False) -> ConvertResult:
+    """Write `src` converted to `dtype` at `dst` (which must not exist).
+
+    `allow_dequantized` lets a file marked as dequantized be quantized: `forgebench export` uses
+    it for a model merged into an explicitly dequantized base, a new model the user chose to
+    build that way (the marker stays in the output's metadata)."""
+    src, dst = Path(src), Path(dst)
+    dtype = dtype.lower()
+    if dtype not in DTYPES:
+        raise ForgebenchError(f"unknown --dtype {dtype!r}", where="--dtype",
+                              hint="one of " + ", ".join(DTYPES))
+    if dst.exists():
+        raise ForgebenchError("the output file already exists; refusing to overwrite it",
+                              path=dst, where="--out", hint="choose a new name or delete it first")
+    content = read_gguf_content(src)
+    metadata = dict(content.metadata)
+    dequantized = False
+    if dtype == "keep":
+        tensors = content.tensors
+    else:
+        ftype = quant_policy.FILE_TYPES[dtype]
+        target_is_quantized = quant_policy.DEFAULT_TYPE[ftype] not in quant_policy.FLOAT_TYPES
+        if target_is_quantized:
+            _refuse_requantization(content, dtype, allow_dequantized)
+        facts = quant_policy.ModelFacts.from_metadata(
+            {k: v.python() for k, v in metadata.items() if v.type != GGUFValueType.ARRAY})
+        plan = quant_policy.plan_types([(t.name, t.shape, t.ggml_type) for t in content.tensors],
+                                       ftype, facts)
+        tensors = [_converted(t, plan[t.name]) for t in content.tensors]
+        dequantized = any(t.ggml_type not in quant_policy.FLOAT_TYPES
+                          and plan[t.name] in quant_policy.FLOAT_TYPES for t in content.tensors)
+        # a replaced key keeps its position in the file (dict order); new keys go last
+        metadata["general.file_type"] = MetaValue(GGUFValueType.UINT32, int(ftype))
+        metadata["general.quantization_version"] = MetaValue(GGUFValueType.UINT32,
+                                                             QUANTIZATION_VERSION)
+        if dequantized:
+            metadata[DEQUANTIZED_FROM_KEY] = MetaValue(GGUFValueType.STRING, sha256_file(src))
+            metadata[DEQUANTIZED_FROM_TYPE_KEY] = MetaValue(GGUFValueType.STRING,
+                                                            _source_type_name(content))
+    write_gguf(dst, metadata, tensors, version=content.version, progress=progress)
+    return ConvertResult(dst, dtype, Counter(t.ggml_type.name for t in tensors), dequantized)
+
+
+def cmd_convert(args: argparse.Namespace) -> int:
+    from tqdm import tqdm
+
+    src, dst = Path(args.file), Path(args.out)
+    bars: list[tqdm] = []  # opened with the first written tensor, so errors print cleanly
+
+    def progress(tensor: TensorEntry, done: int, total: int) -> None:
+        if not bars:
+            bars.append(tqdm(desc=f"convert → {args.dtype}", total=total, unit="tensor",
+                             leave=False))
+        bars[0].set_postfix_str(tensor.name, refresh=False)
+        bars[0].update(1)
+    try:
+        result = convert_gguf(src, dst, args.dtype, progress=progress)
+    finally:
+        for bar in bars:
+            bar.close()
+    size_mb = dst.stat().st_size / 1e6
+    types = ", ".join(f"{name}×{count}" for name, count in sorted(result.types.items()))
+    print(f"wrote {dst} ({size_mb:.1f} MB): {types}")
+    if result.dtype == "keep":
+        same = sha256_file(src) == sha256_file(dst)
+        print("byte-identical to the input" if same else
+              "same content, re-laid out (the input's tensor data was not in the standard layout)")
+    if result.dequantized:
+        print(f"note: dequantized from a quantized file; marked with {DEQUANTIZED_FROM_KEY}")
+    return 0

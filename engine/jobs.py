@@ -1,0 +1,418 @@
+"""Job lifecycle: start, resume, stop, status, and the CLI handlers that drive recipes.
+
+A job runs in the foreground of a `forgebench` process (the app starts it through QProcess).
+Its whole state lives in the run directory (DESIGN.md §3). No torch at module top level:
+`forgebench status` and `stop` stay instant.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import platform
+import signal
+import sys
+import time
+import traceback
+from pathlib import Path
+from typing import Any, Iterator
+
+from engine.config import (RESUMABLE_FIELDS, Schema, config_diff, load_config, recipe_module,
+                           validate_config)
+from engine.errors import ForgebenchError
+from engine.fsutil import sha256_file
+from engine.rundir import Checkpoint, RunDir, describe, format_status
+
+ENGINE_DIR = Path(__file__).resolve().parent
+
+
+# -- run.json ingredients -----------------------------------------------------------------
+def code_files(relative_paths: list[str] | None = None) -> dict[str, str]:
+    """SHA-256 of the engine source files a job runs: by default every engine module loaded
+    in this process (call it after importing the recipe), else the given paths."""
+    if relative_paths is None:
+        paths = set()
+        for module in list(sys.modules.values()):
+            file = getattr(module, "__file__", None)
+            if file and Path(file).suffix == ".py" and ENGINE_DIR in Path(file).resolve().parents:
+                paths.add(Path(file).resolve().relative_to(ENGINE_DIR).as_posix())
+        relative_paths = sorted(paths)
+    return {rel: (sha256_file(ENGINE_DIR / rel) if (ENGINE_DIR / rel).is_file() else "missing")
+            for rel in relative_paths}
+
+
+def code_version(files: dict[str, str]) -> str:
+    """One SHA-256 over (path, file hash) pairs: the run's code identity."""
+    digest = hashlib.sha256()
+    for rel in sorted(files):
+        digest.update(f"{rel}\0{files[rel]}\n".encode())
+    return digest.hexdigest()
+
+
+def _cpu_info() -> tuple[str, list[str]]:
+    model, flags = platform.processor() or platform.machine(), []
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            key, _, value = line.partition(":")
+            if key.strip() == "model name" and model in ("", platform.machine()):
+                model = value.strip()
+            if key.strip() in ("flags", "Features") and not flags:
+                flags = value.split()
+    wanted = ("avx", "fma", "f16c", "amx", "sse4", "asimd", "sve", "neon", "bf16")
+    return model, sorted(f for f in flags if f.startswith(wanted) or f in wanted)
+
+
+def environment(threads: int) -> dict:
+    import torch
+
+    model, flags = _cpu_info()
+    return {"python": platform.python_version(), "torch": torch.__version__,
+            "numpy": __import__("numpy").__version__, "threads": threads,
+            "platform": platform.platform(), "cpu": model, "cpu_flags": flags,
+            "device": "cpu"}
+
+
+def default_threads() -> int:
+    import torch
+
+    return torch.get_num_threads()
+
+
+def base_model_of(config: Schema, module: Any) -> dict | None:
+    """The base model a recipe starts from (path + SHA-256), if any.
+
+    A recipe names it with an optional `base_model(config) -> Path | None`.
+    """
+    hook = getattr(module, "base_model", None)
+    path = hook(config) if hook else None
+    if path is None:
+        return None
+    path = Path(path)
+    if not path.is_file():
+        raise ForgebenchError("base model file not found", path=path,
+                              hint="check the model path in the config")
+    return {"path": str(path), "sha256": sha256_file(path)}
+
+
+def start_run(config: Schema, out_dir: str | os.PathLike, argv: list[str], *,
+              threads: int | None = None) -> RunDir:
+    """Create a fresh run directory with its immutable run.json. Refuses a non-empty folder.
+
+    The data and base model are hashed before the folder is created, so bad input leaves
+    nothing behind.
+    """
+    run = RunDir(out_dir)
+    if run.path.exists() and (not run.path.is_dir() or any(run.path.iterdir())):
+        run.create({})  # raises the standard "not empty" error, touching nothing
+    module = recipe_module(config.recipe)
+    data = module.data_manifest(config)
+    base = base_model_of(config, module)
+    threads = threads or default_threads()
+    files = code_files()
+    run.create({
+        "recipe": config.recipe,
+        "config": config.model_dump(mode="json"),
+        "data": data,
+        "base_model": base,
+        "code_version": code_version(files),
+        "code_files": files,
+        "environment": environment(threads),
+        "argv": list(argv),
+        "created": time.time(),
+    })
+    return run
+
+
+def prepare_resume(run_dir: str | os.PathLike, overrides: dict,
+                   allow_code_change: bool = False) -> tuple[RunDir, Schema]:
+    """Re-validate a run for resuming; only the step target and cadence may change."""
+    run = RunDir(run_dir).require()
+    status = run.live_status()
+    if run.is_active():
+        raise ForgebenchError(f"the run is still {status.get('state')} (pid {status.get('pid')})",
+                              path=run.path,
+                              hint="stop it first: forgebench stop RUN_DIR --wait 60")
+    manifest = run.manifest()
+    stored = manifest["config"]
+    illegal = sorted(k for k, v in overrides.items() if v is not None and k not in RESUMABLE_FIELDS)
+    if illegal:
+        raise ForgebenchError("resume may only change " + ", ".join(RESUMABLE_FIELDS),
+                              path=run.manifest_path, where="field " + ", ".join(illegal))
+    wanted = dict(stored, **{k: v for k, v in overrides.items() if v is not None})
+    config = validate_config(wanted, run.manifest_path)
+    changed = [name for name in config_diff(stored, config.model_dump(mode="json"))
+               if name.split(".")[0] not in RESUMABLE_FIELDS]
+    if changed:
+        raise ForgebenchError("the recipe's schema no longer reads this run's config the same way",
+                              path=run.manifest_path, where="field " + ", ".join(changed),
+                              hint="resume with the engine version that started the run")
+    module = recipe_module(config.recipe)
+    data = module.data_manifest(config)
+    if data != manifest["data"]:
+        raise ForgebenchError(
+            "the training data changed since the run started: "
+            + _describe_data_change(manifest["data"], data), path=run.manifest_path,
+            where="field 'data'",
+            hint="restore the original data files, or start a new run on the new data")
+    base = base_model_of(config, module)
+    if (base or {}).get("sha256") != (manifest.get("base_model") or {}).get("sha256"):
+        raise ForgebenchError("the base model file changed since the run started",
+                              path=(base or manifest.get("base_model") or {}).get("path"),
+                              hint="restore the original base model, or start a new run")
+    recorded = manifest.get("code_files", {})
+    changed = sorted(rel for rel, digest in code_files(sorted(recorded)).items()
+                     if digest != recorded[rel])
+    if changed:
+        if not allow_code_change:
+            raise ForgebenchError(
+                "the engine code changed since the run started; resume would not be exact: "
+                + ", ".join(f"engine/{rel}" for rel in changed),
+                path=run.manifest_path, where="field 'code_files'",
+                hint="resume with the original code, or pass --allow-code-change to accept it")
+        run.log_event("warning", message="resumed with changed engine code",
+                      changed_files=changed)
+    return run, config
+
+
+def _describe_data_change(old: dict, new: dict) -> str:
+    old_files, new_files = old.get("files", {}), new.get("files", {})
+    parts = []
+    for name in sorted(set(old_files) | set(new_files)):
+        if name not in new_files:
+            parts.append(f"{name} is missing")
+        elif name not in old_files:
+            parts.append(f"{name} is new")
+        elif old_files[name] != new_files[name]:
+            parts.append(f"{name} has a different SHA-256")
+    return "; ".join(parts) or "the data manifest differs"
+
+
+# -- the running job ----------------------------------------------------------------------
+class Job:
+    """What a recipe's `train(job)` sees: the run, its config, where to resume from, and the
+    stop flag it must check after every optimizer step."""
+
+    def __init__(self, run: RunDir, config: Schema, resume_from: Checkpoint | None, *,
+                 invocation: int, threads: int, stop_after_step: int | None = None,
+                 progress: bool = True):
+        self.run = run
+        self.config = config
+        self.resume_from = resume_from
+        self.invocation = invocation
+        self.threads = threads
+        self.stop_requested = False
+        self.stop_reason: str | None = None
+        self.stage = "loading"
+        self.step = resume_from.step if resume_from else 0
+        self.stop_after_step = stop_after_step
+        self.show_progress = progress
+        self._last_status = 0.0
+
+    def request_stop(self, reason: str) -> None:
+        if not self.stop_requested:
+            self.stop_requested, self.stop_reason = True, reason
+
+    def step_done(self, step: int, **status_fields: Any) -> None:
+        """Record a finished optimizer step: status.json (throttled) and the test-only
+        stop-after-step knob (a real SIGTERM to ourselves)."""
+        self.step = step
+        if self.stop_after_step is not None and step >= self.stop_after_step:
+            self.stop_after_step = None
+            os.kill(os.getpid(), signal.SIGTERM)
+        now = time.monotonic()
+        if self.stop_requested or now - self._last_status >= 0.5:
+            self._last_status = now
+            state = "stopping" if self.stop_requested else "running"
+            self.run.set_status(state, step=step, stage=self.stage, **status_fields)
+
+    def progress(self, total: int, initial: int = 0, desc: str = "train"):
+        """A tqdm bar on stderr (disabled when not wanted)."""
+        from tqdm import tqdm
+
+        return tqdm(total=total, initial=initial, desc=desc, unit="step", file=sys.stderr,
+                    disable=not self.show_progress, dynamic_ncols=True, leave=False)
+
+
+@contextlib.contextmanager
+def job_session(run: RunDir, config: Schema, resume_from: Checkpoint | None, *,
+                argv: list[str] | None = None, threads: int = 1,
+                stop_after_step: int | None = None, progress: bool = True) -> Iterator[Job]:
+    """Mark the run running, log the invocation, turn SIGTERM into a graceful stop, and record
+    how the job ended: completed, stopped, or failed (with stage and traceback)."""
+    run.sweep_staging()
+    invocation = len(run.invocations()) + 1
+    job = Job(run, config, resume_from, invocation=invocation, threads=threads,
+              stop_after_step=stop_after_step, progress=progress)
+    optim = getattr(config, "optim", None)
+    run.log_invocation({
+        "id": invocation, "argv": list(argv or sys.argv), "pid": os.getpid(),
+        "kind": "resume" if resume_from else "start",
+        "resumed_from": resume_from.name if resume_from else None,
+        "start_step": job.step, "target_steps": config.steps, "threads": threads,
+        "lr": getattr(optim, "lr", None), "stop_after_step": stop_after_step,
+    })
+    run.set_status("running", pid=os.getpid(), step=job.step, target_steps=config.steps,
+                   invocation=invocation, stage=job.stage, error=None)
+
+    def on_signal(signum, _frame):
+        if job.stop_requested and signum == signal.SIGINT:
+            raise KeyboardInterrupt
+        job.request_stop(signal.Signals(signum).name)
+
+    previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        yield job
+    except BaseException as exc:
+        message = (exc.render() if isinstance(exc, ForgebenchError)
+                   else f"{type(exc).__name__}: {exc}")
+        run.log_event("error", stage=job.stage, step=job.step, message=message,
+                      traceback=traceback.format_exc(), invocation=invocation)
+        run.set_status("failed", step=job.step, stage=job.stage, error=message, pid=None)
+        raise
+    else:
+        done = job.step >= config.steps
+        state = "completed" if done or not job.stop_requested else "stopped"
+        run.set_status(state, step=job.step, stage="done", pid=None,
+                       stop_reason=None if done else job.stop_reason)
+        run.log_event("invocation_end", invocation=invocation, state=state, step=job.step,
+                      reason=job.stop_reason)
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+def execute(run: RunDir, config: Schema, resume_from: Checkpoint | None, *, threads: int,
+            argv: list[str] | None = None, stop_after_step: int | None = None,
+            progress: bool = True) -> dict:
+    """Run the recipe's `train(job)` in this process; return the final status."""
+    import torch
+
+    torch.set_num_threads(threads)
+    module = recipe_module(config.recipe)
+    with job_session(run, config, resume_from, argv=argv, threads=threads,
+                     stop_after_step=stop_after_step, progress=progress) as job:
+        module.train(job)
+    return run.status()
+
+
+def _print_outcome(run: RunDir, status: dict) -> None:
+    summary = describe(run)
+    print(f"{status['state']}: step {status.get('step')}/{status.get('target_steps')}"
+          f"  run: {run.path}")
+    if summary["last_loss"] is not None:
+        print(f"last train loss: {summary['last_loss']:.4f}")
+    if summary["last_eval"]:
+        ev = summary["last_eval"]
+        extra = f"  bits/byte: {ev['bpb']:.4f}" if "bpb" in ev else ""
+        print(f"last {ev.get('split')} loss: {ev.get('loss'):.4f}{extra}")
+    latest = run.latest_checkpoint()
+    if latest:
+        print(f"checkpoint: {latest.path}")
+
+
+# -- CLI handlers ------------------------------------------------------------------------
+def cmd_run(args) -> int:
+    config = load_config(args.config)
+    if args.steps is not None:
+        config = validate_config(dict(config.model_dump(mode="json"), steps=args.steps),
+                                 args.config)
+    out = args.out or Path("runs") / f"{config.recipe}-{time.strftime('%Y%m%d-%H%M%S')}"
+    threads = args.threads or default_threads()
+    argv = ["forgebench"] + sys.argv[1:]
+    run = start_run(config, out, argv, threads=threads)
+    status = execute(run, config, None, threads=threads, argv=argv,
+                     stop_after_step=getattr(args, "stop_after_step", None))
+    _print_outcome(run, status)
+    return 0
+
+
+def cmd_resume(args) -> int:
+    overrides = {"steps": args.steps, "log_every": args.log_every,
+                 "save_every": args.save_every, "eval_every": args.eval_every,
+                 "keep_last": args.keep_last}
+    run, config = prepare_resume(args.run_dir, overrides,
+                                 allow_code_change=getattr(args, "allow_code_change", False))
+    checkpoint = run.latest_checkpoint()
+    if checkpoint and checkpoint.step >= config.steps:
+        raise ForgebenchError(f"the run is already at step {checkpoint.step} of {config.steps}",
+                              path=run.path, hint="pass --steps N with a larger N to train on")
+    recorded = run.manifest()["environment"]["threads"]
+    threads = args.threads or recorded
+    if threads != recorded:
+        run.log_event("warning", message=f"resumed with {threads} threads instead of "
+                      f"{recorded}: results will not be bitwise identical to an uninterrupted run")
+    argv = ["forgebench"] + sys.argv[1:]
+    status = execute(run, config, checkpoint, threads=threads, argv=argv,
+                     stop_after_step=getattr(args, "stop_after_step", None))
+    _print_outcome(run, status)
+    return 0
+
+
+def cmd_status(args) -> int:
+    print(format_status(describe(RunDir(args.run_dir).require())))
+    return 0
+
+
+def cmd_stop(args) -> int:
+    run = RunDir(args.run_dir).require()
+    if not run.request_stop():
+        print(f"not running (state: {run.live_status().get('state')})")
+        return 1
+    print(f"stop requested (pid {run.status().get('pid')})")
+    deadline = time.monotonic() + args.wait
+    while time.monotonic() < deadline and run.is_active():
+        time.sleep(0.2)
+    state = run.live_status().get("state")
+    print(f"state: {state}")
+    return 0 if args.wait <= 0 or state not in ("running", "stopping") else 1
+
+
+def run_config(run: RunDir) -> Schema:
+    """The resolved config a run was started with, validated again."""
+    return validate_config(run.manifest()["config"], run.manifest_path)
+
+
+def _recipe_for_run(run: RunDir) -> Any:
+    import torch
+
+    torch.set_num_threads(run.manifest().get("environment", {}).get("threads") or 1)
+    return recipe_module(run.manifest()["recipe"])
+
+
+def cmd_eval(args) -> int:
+    run = RunDir(args.run_dir).require()
+    module = _recipe_for_run(run)
+    result = module.evaluate(run, run.checkpoint(args.checkpoint), args.split)
+    print(json.dumps(result, indent=2, default=str))
+    return 0
+
+
+def cmd_generate(args) -> int:
+    if args.model:
+        from engine.llm.generate import cmd_generate_gguf
+
+        return cmd_generate_gguf(args)
+    if not args.run_dir:
+        raise ForgebenchError("give a run directory or --model FILE.gguf",
+                              where="arguments", hint="forgebench generate RUN_DIR --prompt ...")
+    run = RunDir(args.run_dir).require()
+    module = _recipe_for_run(run)
+    if not hasattr(module, "generate"):
+        raise ForgebenchError(f"recipe '{run.manifest()['recipe']}' does not generate text",
+                              path=run.path, hint="use 'forgebench sample' for generator runs")
+    result = module.generate(run, run.checkpoint(args.checkpoint), args)
+    print(json.dumps(result, indent=2) if args.json else result["text"])
+    return 0
+
+
+def cmd_sample(args) -> int:
+    run = RunDir(args.run_dir).require()
+    module = _recipe_for_run(run)
+    if not hasattr(module, "sample"):
+        raise ForgebenchError(f"recipe '{run.manifest()['recipe']}' has no sampler",
+                              path=run.path, hint="use 'forgebench generate' for language models")
+    for path in module.sample(run, run.checkpoint(args.checkpoint), args):
+        print(path)
+    return 0

@@ -1,0 +1,1 @@
+"""Language-model text plumbing: GGUF tokenizers, chat templates and the SFT data pipeline."""

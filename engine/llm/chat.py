@@ -1,0 +1,256 @@
+"""Chat templates: the Jinja2 `tokenizer.chat_template` of a GGUF file rendered the way llama.cpp
+and transformers render it, in a sandbox because a downloaded template is untrusted code.
+
+The environment matches transformers' `apply_chat_template`: `ImmutableSandboxedEnvironment`,
+`trim_blocks` and `lstrip_blocks`, the loop-controls extension, `raise_exception`,
+`strftime_now`, a `tojson` that keeps non-ASCII text, and a `{% generation %}` block that renders
+its body. Files without a template get a built-in one for their family (Gemma's turns, ChatML
+for Qwen2/SmolLM, Qwen3's ChatML with its thinking switch, Llama-3's headers).
+"""
+
+from __future__ import annotations
+
+import json
+from datetime import datetime
+from pathlib import Path
+from typing import Any, Mapping
+
+from gguf import Keys
+from jinja2 import TemplateError, nodes
+from jinja2.ext import Extension, loopcontrols
+from jinja2.sandbox import ImmutableSandboxedEnvironment, SecurityError
+
+from engine.errors import ForgebenchError
+
+K = Keys.Tokenizer
+ROLES = ("system", "user", "assistant", "tool")
+
+# Gemma: no system role (it opens the first user turn), "assistant" is "model", turns alternate.
+GEMMA_TEMPLATE = """{{ bos_token }}
+{%- set first_user_prefix = '' -%}
+{%- set loop_messages = messages -%}
+{%- if messages and messages[0]['role'] == 'system' -%}
+    {%- set first_user_prefix = messages[0]['content'] + '\n\n' -%}
+    {%- set loop_messages = messages[1:] -%}
+{%- endif -%}
+{%- for message in loop_messages -%}
+    {%- if (message['role'] == 'user') != (loop.index0 % 2 == 0) -%}
+        {{ raise_exception('Gemma turns must alternate user/assistant/user/... after an '
+                           'optional system message (got ' + message['role'] + ')') }}
+    {%- endif -%}
+    {{ '<start_of_turn>' + ('model' if message['role'] == 'assistant' else message['role'])
+       + '\n' }}
+    {{- first_user_prefix if loop.first else '' -}}
+    {{- message['content'] | trim -}}
+    {{ '<end_of_turn>\n' }}
+{%- endfor -%}
+{%- if add_generation_prompt -%}
+    {{ '<start_of_turn>model\n' }}
+{%- endif -%}
+"""
+
+# ChatML (Qwen2/2.5, SmolLM): tool results travel in a user turn, consecutive ones grouped.
+CHATML_TEMPLATE = """{%- for message in messages -%}
+    {%- if message['role'] == 'tool' -%}
+        {%- if loop.first or messages[loop.index0 - 1]['role'] != 'tool' -%}
+            {{ '<|im_start|>user' }}
+        {%- endif -%}
+        {{ '\n<tool_response>\n' + message['content'] + '\n</tool_response>' }}
+        {%- if loop.last or messages[loop.index0 + 1]['role'] != 'tool' -%}
+            {{ '<|im_end|>\n' }}
+        {%- endif -%}
+    {%- else -%}
+        {{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>\n' }}
+    {%- endif -%}
+{%- endfor -%}
+{%- if add_generation_prompt -%}
+    {{ '<|im_start|>assistant\n' }}
+{%- endif -%}
+"""
+
+# Qwen3: ChatML; an assistant turn after the last user turn carries its <think> block (empty
+# when there is no reasoning); enable_thinking=false pre-fills an empty one in the prompt.
+QWEN3_TEMPLATE = """{%- set ns = namespace(last_user=-1) -%}
+{%- for message in messages -%}
+    {%- if message['role'] == 'user' -%}{%- set ns.last_user = loop.index0 -%}{%- endif -%}
+{%- endfor -%}
+{%- for message in messages -%}
+    {%- if message['role'] == 'tool' -%}
+        {%- if loop.first or messages[loop.index0 - 1]['role'] != 'tool' -%}
+            {{ '<|im_start|>user' }}
+        {%- endif -%}
+        {{ '\n<tool_response>\n' + message['content'] + '\n</tool_response>' }}
+        {%- if loop.last or messages[loop.index0 + 1]['role'] != 'tool' -%}
+            {{ '<|im_end|>\n' }}
+        {%- endif -%}
+    {%- elif message['role'] == 'assistant' and loop.index0 > ns.last_user
+             and (loop.last or message.get('reasoning_content')) -%}
+        {{ '<|im_start|>assistant\n<think>\n' + (message.get('reasoning_content') or '').strip('\n')
+           + '\n</think>\n\n' + message['content'].lstrip('\n') + '<|im_end|>\n' }}
+    {%- else -%}
+        {{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>\n' }}
+    {%- endif -%}
+{%- endfor -%}
+{%- if add_generation_prompt -%}
+    {{ '<|im_start|>assistant\n' }}
+    {%- if enable_thinking is defined and enable_thinking is false -%}
+        {{ '<think>\n\n</think>\n\n' }}
+    {%- endif -%}
+{%- endif -%}
+"""
+
+LLAMA3_TEMPLATE = """{{ bos_token }}
+{%- for message in messages -%}
+    {{ '<|start_header_id|>' + message['role'] + '<|end_header_id|>\n\n' }}
+    {{- message['content'] | trim -}}
+    {{ '<|eot_id|>' }}
+{%- endfor -%}
+{%- if add_generation_prompt -%}
+    {{ '<|start_header_id|>assistant<|end_header_id|>\n\n' }}
+{%- endif -%}
+"""
+
+BUILTIN_TEMPLATES = {"gemma": GEMMA_TEMPLATE, "chatml": CHATML_TEMPLATE, "qwen3": QWEN3_TEMPLATE,
+                     "llama3": LLAMA3_TEMPLATE}
+
+
+def builtin_family(metadata: Mapping[str, Any]) -> str | None:
+    """The built-in template for a file without one, from its architecture and vocabulary."""
+    arch = metadata.get(Keys.General.ARCHITECTURE, "")
+    if arch.startswith("gemma"):
+        return "gemma"
+    if arch == "qwen3":
+        return "qwen3"
+    if arch == "qwen2":
+        return "chatml"
+    tokens = set(metadata.get(K.LIST) or ())
+    if "<|start_header_id|>" in tokens:
+        return "llama3"
+    if "<|im_start|>" in tokens:
+        return "chatml"
+    return None
+
+
+class _GenerationBlock(Extension):
+    """transformers' `{% generation %}…{% endgeneration %}` marks assistant text; render it."""
+
+    tags = {"generation"}
+
+    def parse(self, parser) -> list[nodes.Node]:
+        next(parser.stream)
+        return parser.parse_statements(("name:endgeneration",), drop_needle=True)
+
+
+class _TemplateRaised(Exception):
+    pass
+
+
+def _raise_exception(message: str) -> None:
+    raise _TemplateRaised(message)
+
+
+def _tojson(value, ensure_ascii=False, indent=None, separators=None, sort_keys=False) -> str:
+    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
+                      sort_keys=sort_keys)
+
+
+def _environment() -> ImmutableSandboxedEnvironment:
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                        extensions=[loopcontrols, _GenerationBlock])
+    env.filters["tojson"] = _tojson
+    env.globals["raise_exception"] = _raise_exception
+    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+    return env
+
+
+class ChatTemplate:
+    """A compiled chat template with the BOS/EOS texts it may print."""
+
+    def __init__(self, source: str, *, bos_token: str = "", eos_token: str = "",
+                 origin: str = "template", path: str | Path | None = None,
+                 enable_thinking: bool | None = None):
+        self.source, self.bos_token, self.eos_token = source, bos_token, eos_token
+        self.origin, self.path, self.enable_thinking = origin, path, enable_thinking
+        try:
+            self._template = _environment().from_string(source)
+        except TemplateError as exc:
+            raise ForgebenchError(f"the chat template does not compile: {exc}", path=path,
+                                  where=origin, hint="fix the template or pass another one")
+
+    @classmethod
+    def from_gguf(cls, gguf_file, template: str | None = None,
+                  enable_thinking: bool | None = None) -> ChatTemplate:
+        """The template of a GGUF file (an open `GGUFFile`, a path, or a metadata dict), or its
+        family's built-in one when the file has none. `template` overrides both.
+        `enable_thinking` is the default for every render (False: Qwen3 thinking off)."""
+        if isinstance(gguf_file, (str, Path)):
+            from engine.gguf.reader import open_gguf
+            gguf_file = open_gguf(gguf_file)
+        metadata, path = (gguf_file, None) if isinstance(gguf_file, Mapping) else \
+            (gguf_file.metadata, gguf_file.path)
+        tokens = metadata.get(K.LIST) or []
+
+        def text_of(key: str) -> str:
+            token = metadata.get(key)
+            return tokens[token] if token is not None and 0 <= token < len(tokens) else ""
+
+        common = dict(bos_token=text_of(K.BOS_ID), eos_token=text_of(K.EOS_ID), path=path,
+                      enable_thinking=enable_thinking)
+        if template is not None:
+            return cls(template, origin="given template", **common)
+        if metadata.get(K.CHAT_TEMPLATE):
+            return cls(metadata[K.CHAT_TEMPLATE], origin=K.CHAT_TEMPLATE, **common)
+        family = builtin_family(metadata)
+        if family is None:
+            raise ForgebenchError(
+                "the file has no chat template and no built-in one fits its architecture "
+                f"{metadata.get(Keys.General.ARCHITECTURE, '?')!r}", path=path,
+                where=K.CHAT_TEMPLATE, hint="use a GGUF whose metadata carries a chat template "
+                "(instruct models do), or one of the families with a built-in template: "
+                + ", ".join(BUILTIN_TEMPLATES))
+        return cls(BUILTIN_TEMPLATES[family], origin=f"built-in {family} template", **common)
+
+    def __call__(self, messages: list[Mapping[str, Any]], add_generation_prompt: bool = True,
+                 **variables) -> str:
+        return self.render(messages, add_generation_prompt, **variables)
+
+    def render(self, messages: list[Mapping[str, Any]], add_generation_prompt: bool = True,
+               enable_thinking: bool | None = None, **variables) -> str:
+        """Render a conversation. `enable_thinking=False` switches Qwen3's reasoning off (other
+        templates ignore it); None takes the template's default set at construction, and when
+        that is None too the variable stays undefined (the template's own default)."""
+        if enable_thinking is None:
+            enable_thinking = self.enable_thinking
+        context = dict(variables, messages=[dict(m) for m in messages],
+                       add_generation_prompt=add_generation_prompt,
+                       bos_token=self.bos_token, eos_token=self.eos_token)
+        if enable_thinking is not None:
+            context["enable_thinking"] = enable_thinking
+        try:
+            return self._template.render(**context)
+        except _TemplateRaised as exc:
+            raise ForgebenchError(f"the chat template refused the conversation: {exc}",
+                                  path=self.path, where=self.origin) from None
+        except SecurityError as exc:
+            raise ForgebenchError(f"the chat template tried an unsafe operation ({exc})",
+                                  path=self.path, where=self.origin,
+                                  hint="the template is not trusted; use a built-in one") from None
+        except (TemplateError, TypeError, KeyError, IndexError, AttributeError) as exc:
+            raise ForgebenchError(f"the chat template failed: {type(exc).__name__}: {exc}",
+                                  path=self.path, where=self.origin) from None
+
+
+def render_chat(gguf_file_or_metadata, messages: list[Mapping[str, Any]],
+                add_generation_prompt: bool = True, enable_thinking: bool | None = None) -> str:
+    """Render `messages` with a GGUF file's chat template (or its family's built-in one)."""
+    return ChatTemplate.from_gguf(gguf_file_or_metadata, enable_thinking=enable_thinking)(
+        messages, add_generation_prompt=add_generation_prompt)
+
+
+def encode_prompt(tokenizer, text: str) -> list[int]:
+    """Token ids of a rendered prompt: special tokens parsed, BOS added when the tokenizer wants
+    one and the template did not already print it (no double BOS)."""
+    ids = tokenizer.encode(text, add_special=False, parse_special=True)
+    if tokenizer.add_bos and tokenizer.bos_id is not None and ids[:1] != [tokenizer.bos_id]:
+        ids.insert(0, tokenizer.bos_id)
+    return ids

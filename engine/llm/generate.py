@@ -1,0 +1,174 @@
+"""KV-cached text generation from a GGUF model: greedy or sampled (engine.sampling), stop strings,
+streamed text, timing figures; and `forgebench generate --model FILE.gguf`.
+
+The prompt is processed in one batch, then one token per step against the KV cache, as llama.cpp
+does. Under "llamacpp" numerics (the default for GGUF files) the cache is f16 and matmuls quantize
+their activations, so the continuation is the one llama.cpp serves.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+from engine.errors import ForgebenchError
+from engine.sampling import SamplingSettings, generate_tokens
+
+
+@dataclass
+class Generation:
+    prompt_ids: list[int]
+    ids: list[int]
+    text: str
+    stop_reason: str                      # "eos", "stop_string", "max_tokens"
+    timings: dict = field(default_factory=dict)
+
+    def as_dict(self) -> dict:
+        return {"text": self.text, "ids": self.ids, "prompt_tokens": len(self.prompt_ids),
+                "new_tokens": len(self.ids), "stop_reason": self.stop_reason, "timings": self.timings}
+
+
+class TextStream:
+    """Turns a growing token list into text increments, holding back incomplete UTF-8 sequences
+    and anything that could still become a stop string."""
+
+    def __init__(self, tokenizer, stop: list[str], emit: Callable[[str], None] | None):
+        self.tokenizer, self.stop, self.emit = tokenizer, [s for s in stop if s], emit
+        self.sent = 0
+        self.hit: int | None = None      # character index where a stop string starts
+
+    def update(self, ids: list[int]) -> bool:
+        """Feed all tokens so far; True once a stop string appeared."""
+        text = self.tokenizer.decode(ids)
+        for s in self.stop:
+            at = text.find(s)
+            if at >= 0 and (self.hit is None or at < self.hit):
+                self.hit = at
+        if self.hit is not None:
+            self._send(text[: self.hit])
+            return True
+        safe = len(text)
+        if text.endswith("\ufffd"):                              # partial multi-byte character
+            safe = len(text.rstrip("\ufffd"))
+        for s in self.stop:                                       # a stop string may be starting
+            for k in range(min(len(s) - 1, safe), 0, -1):
+                if text[:safe].endswith(s[:k]):
+                    safe -= k
+                    break
+        self._send(text[:safe])
+        return False
+
+    def finish(self, ids: list[int]) -> str:
+        text = self.tokenizer.decode(ids)
+        if self.hit is not None:
+            text = text[: self.hit]
+        self._send(text)
+        return text
+
+    def _send(self, text: str) -> None:
+        if self.emit and len(text) > self.sent:
+            self.emit(text[self.sent:])
+        self.sent = max(self.sent, len(text))
+
+
+@torch.no_grad()
+def generate(model, tokenizer, prompt_ids: list[int], *, max_new_tokens: int = 64,
+             settings: SamplingSettings = SamplingSettings(), seed: int = 0,
+             stop: list[str] = (), on_text: Callable[[str], None] | None = None,
+             stop_ids: list[int] | None = None) -> Generation:
+    """Generate up to `max_new_tokens` after `prompt_ids`, stopping at an end-of-generation token
+    or a stop string (excluded from the text); `on_text` receives the text as it is produced."""
+    if not prompt_ids:
+        raise ForgebenchError("the prompt is empty", where="--prompt")
+    limit = model.config.max_seq_len
+    if len(prompt_ids) + max_new_tokens > limit:
+        raise ForgebenchError(f"prompt ({len(prompt_ids)} tokens) + max tokens ({max_new_tokens}) "
+                              f"exceeds the model's context of {limit}", where="--max-tokens",
+                              hint="shorten the prompt or lower --max-tokens")
+    cache = model.new_cache(1, len(prompt_ids) + max_new_tokens)
+    clock = {"prompt_s": 0.0, "decode_s": 0.0, "steps": 0}
+    start = time.perf_counter()
+
+    def step(ids: list[int], start_pos: int) -> torch.Tensor:
+        t0 = time.perf_counter()
+        h = model.hidden(torch.tensor([ids]), start_pos, cache)
+        logits = model.logits(h[:, -1])[0].float()
+        dt = time.perf_counter() - t0
+        if start_pos == 0:
+            clock["prompt_s"] += dt
+        else:
+            clock["decode_s"] += dt
+            clock["steps"] += 1
+        return logits
+
+    if stop_ids is None:
+        stop_ids = sorted({i for i in (tokenizer.eos_id, *tokenizer.eot_ids) if i is not None})
+    stream = TextStream(tokenizer, list(stop), on_text)
+    generator = torch.Generator().manual_seed(seed)
+    ids = generate_tokens(step, list(prompt_ids), max_new_tokens=max_new_tokens, settings=settings,
+                          generator=generator, stop_ids=stop_ids, should_stop=stream.update)
+    text = stream.finish(ids)
+    if stream.hit is not None:
+        reason = "stop_string"
+    elif len(ids) < max_new_tokens:
+        reason = "eos"
+    else:
+        reason = "max_tokens"
+    total = time.perf_counter() - start
+    timings = {"prompt_tokens_per_s": len(prompt_ids) / clock["prompt_s"] if clock["prompt_s"] else None,
+               "decode_tokens_per_s": clock["steps"] / clock["decode_s"] if clock["decode_s"] else None,
+               "time_to_first_token_s": clock["prompt_s"], "total_s": total}
+    return Generation(list(prompt_ids), ids, text, reason, timings)
+
+
+def _prompt_ids(model, tokenizer, args) -> list[int]:
+    if not args.chat:
+        return tokenizer.encode(args.prompt, add_special=True, parse_special=True)
+    from engine.llm.chat import encode_prompt, render_chat
+
+    messages = ([{"role": "system", "content": args.system}] if args.system else []) \
+        + [{"role": "user", "content": args.prompt}]
+    text = render_chat(model.gguf, messages, add_generation_prompt=True,
+                       enable_thinking=False if args.no_think else None)
+    return encode_prompt(tokenizer, text)
+
+
+def _attach_lora(model, path: str) -> None:
+    from engine.lora import attach_lora, load_adapters, read_adapters
+
+    _, meta = read_adapters(path)
+    try:
+        rank, alpha, targets = int(meta["rank"]), float(meta["alpha"]), meta["targets"].split(",")
+    except (KeyError, ValueError) as exc:
+        raise ForgebenchError(f"adapter metadata is incomplete ({exc})", path=path) from None
+    adapters = attach_lora(model, targets=targets, rank=rank, alpha=alpha)
+    load_adapters(path, adapters, model.gguf.sha256())
+
+
+def cmd_generate_gguf(args) -> int:
+    """`forgebench generate --model FILE.gguf --prompt ...`: stream the continuation to stdout."""
+    from engine.models.gguf_model import load_gguf_model
+
+    numerics = args.numerics or "llamacpp"
+    model, tokenizer = load_gguf_model(args.model, numerics=numerics,
+                                       weights=getattr(args, "weights", "dense-cache"))
+    if args.lora:
+        _attach_lora(model, args.lora)
+    prompt = _prompt_ids(model, tokenizer, args)
+    settings = SamplingSettings(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+                                repetition_penalty=args.repetition_penalty)
+    emit = None if args.json else (lambda s: (sys.stdout.write(s), sys.stdout.flush()))
+    result = generate(model, tokenizer, prompt, max_new_tokens=args.max_tokens, settings=settings,
+                      seed=args.seed, stop=args.stop, on_text=emit)
+    if args.json:
+        out = result.as_dict() | {"model": str(args.model), "numerics": numerics,
+                                  "settings": settings.as_dict(), "seed": args.seed}
+        print(json.dumps(out, ensure_ascii=False, indent=1))
+    else:
+        sys.stdout.write("\n")
+    return 0

@@ -1,0 +1,191 @@
+"""Pieces shared by the decoder families: RMSNorm, RoPE, attention with a KV cache, gated MLP.
+
+Arithmetic follows llama.cpp's graph (ggml) where the choice matters: RMSNorm multiplies by the
+stored weight (Gemma's GGUF already holds 1 + w), RoPE angles are built the way ggml builds them
+(theta_i = pos * base^(-2i/d), optionally divided by per-frequency factors), and attention masks
+use llama.cpp's sliding-window rule (key j is visible from query p when p - j < window).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.llm.numerics import gelu_llamacpp
+
+
+class RMSNorm(nn.Module):
+    """y = x / sqrt(mean(x^2) + eps) * weight, computed in f32.
+
+    `ggml_exact` (set under llama.cpp numerics) follows ggml_compute_forward_rms_norm_f32: the sum
+    of squares accumulated in double, 1/sqrtf(mean + eps) in f32, then x·scale, then ·weight.
+    """
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.ggml_exact = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.to(torch.promote_types(x.dtype, torch.float32))  # f64 kept for gradient checks
+        if self.ggml_exact:
+            mean = ((xf * xf).double().sum(-1, keepdim=True) / xf.shape[-1]).float()
+            scale = 1.0 / torch.sqrt(mean + torch.tensor(self.eps, dtype=torch.float32))
+            return ((xf * scale) * self.weight.float()).to(x.dtype)
+        y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (y * self.weight.to(xf.dtype)).to(x.dtype)
+
+
+def rope_tables(positions: torch.Tensor, rot_dim: int, base: float,
+                freq_factors: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin [T, rot_dim/2] for positions [T]: angle_i = pos · base^(-2i/rot_dim) / ff_i.
+
+    Built as ggml_rope_cache_init builds it, in f32: theta starts at pos and is multiplied by
+    powf(base, -2/rot_dim) once per frequency, so angles round exactly as llama.cpp's do.
+    """
+    scale = torch.tensor(base ** (-2.0 / rot_dim), dtype=torch.float32)
+    theta = positions.to(torch.float32).clone()
+    angles = torch.empty(len(positions), rot_dim // 2, dtype=torch.float32)
+    for i in range(rot_dim // 2):
+        angles[:, i] = theta
+        theta = theta * scale
+    if freq_factors is not None:
+        angles = angles / freq_factors.float()
+    return angles.cos(), angles.sin()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rope_type: str) -> torch.Tensor:
+    """Rotate x [B, H, T, hd] by cos/sin [T, hd/2].
+
+    "norm" rotates adjacent pairs (x0,x1),(x2,x3)… (llama.cpp's LLAMA arch); "neox" rotates
+    (x_i, x_{i+hd/2}) (Qwen, Gemma, HF layout).
+    """
+    if rope_type == "norm":
+        x1, x2 = x[..., 0::2], x[..., 1::2]
+        r1 = x1 * cos - x2 * sin
+        r2 = x1 * sin + x2 * cos
+        return torch.stack((r1, r2), dim=-1).flatten(-2)
+    if rope_type == "neox":
+        half = x.shape[-1] // 2
+        x1, x2 = x[..., :half], x[..., half:]
+        return torch.cat((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1)
+    raise ValueError(f"unknown rope_type {rope_type!r}")
+
+
+@dataclass
+class KVCache:
+    """Keys/values per layer, [B, n_kv_heads, max_len, head_dim] each.
+
+    `dtype=torch.float16` reproduces llama.cpp's default f16 cache (values are rounded on write).
+    """
+
+    k: list[torch.Tensor]
+    v: list[torch.Tensor]
+
+    @classmethod
+    def empty(cls, n_layers: int, batch: int, n_kv_heads: int, max_len: int, head_dim: int,
+              dtype: torch.dtype = torch.float32) -> "KVCache":
+        shape = (batch, n_kv_heads, max_len, head_dim)
+        return cls([torch.zeros(shape, dtype=dtype) for _ in range(n_layers)],
+                   [torch.zeros(shape, dtype=dtype) for _ in range(n_layers)])
+
+    @property
+    def max_len(self) -> int:
+        return self.k[0].shape[2]
+
+    def update(self, layer: int, start_pos: int, k: torch.Tensor, v: torch.Tensor):
+        """Write k/v [B, n_kv, T, hd] at start_pos; return the cached keys/values [.., :end, ..]."""
+        end = start_pos + k.shape[2]
+        if end > self.max_len:
+            raise ValueError(f"KV cache holds {self.max_len} positions; asked for {end}")
+        self.k[layer][:, :, start_pos:end] = k.to(self.k[layer].dtype)
+        self.v[layer][:, :, start_pos:end] = v.to(self.v[layer].dtype)
+        return self.k[layer][:, :, :end].to(k.dtype), self.v[layer][:, :, :end].to(v.dtype)
+
+
+def attention_mask(start_pos: int, q_len: int, kv_len: int, window: int | None = None) -> torch.Tensor:
+    """Boolean [q_len, kv_len]: True where query (start_pos+i) may attend key j (causal, windowed)."""
+    qpos = torch.arange(start_pos, start_pos + q_len)[:, None]
+    kpos = torch.arange(kv_len)[None, :]
+    mask = kpos <= qpos
+    if window is not None:
+        mask &= (qpos - kpos) < window
+    return mask
+
+
+def softcap(x: torch.Tensor, cap: float | None) -> torch.Tensor:
+    return x if not cap else torch.tanh(x / cap) * cap
+
+
+class Attention(nn.Module):
+    """Grouped-query attention with optional q/k bias (Qwen2) and per-head q/k RMSNorm (Qwen3, Gemma3)."""
+
+    def __init__(self, dim: int, n_heads: int, n_kv_heads: int, head_dim: int, *, bias: bool = False,
+                 qk_norm_eps: float | None = None):
+        super().__init__()
+        self.n_heads, self.n_kv_heads, self.head_dim = n_heads, n_kv_heads, head_dim
+        self.q = nn.Linear(dim, n_heads * head_dim, bias=bias)
+        self.k = nn.Linear(dim, n_kv_heads * head_dim, bias=bias)
+        self.v = nn.Linear(dim, n_kv_heads * head_dim, bias=bias)
+        self.o = nn.Linear(n_heads * head_dim, dim, bias=False)
+        self.q_norm = RMSNorm(head_dim, qk_norm_eps) if qk_norm_eps is not None else None
+        self.k_norm = RMSNorm(head_dim, qk_norm_eps) if qk_norm_eps is not None else None
+
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], rope_type: str, *,
+                scale: float, start_pos: int = 0, cache: KVCache | None = None, layer: int = 0,
+                window: int | None = None, attn_core=None, scale_q_first: bool = False) -> torch.Tensor:
+        """`scale_q_first` multiplies q by `scale` before attention (Gemma, as llama.cpp does)
+        instead of scaling the scores."""
+        B, T, _ = x.shape
+        q = self.q(x).view(B, T, self.n_heads, self.head_dim)                     # [B,T,H,hd]
+        k = self.k(x).view(B, T, self.n_kv_heads, self.head_dim)                  # [B,T,Hkv,hd]
+        v = self.v(x).view(B, T, self.n_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q = apply_rope(q.transpose(1, 2), *rope, rope_type)                       # [B,H,T,hd]
+        k = apply_rope(k.transpose(1, 2), *rope, rope_type)                       # [B,Hkv,T,hd]
+        v = v.transpose(1, 2)
+        if scale_q_first:
+            q, scale = q * scale, 1.0
+        if cache is not None:
+            k, v = cache.update(layer, start_pos, k, v)                           # [B,Hkv,S,hd]
+        mask = attention_mask(start_pos, T, k.shape[2], window).to(x.device)
+        core = attn_core or sdpa
+        out = core(q, k, v, mask, scale)                                          # [B,H,T,hd]
+        return self.o(out.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim))
+
+
+def sdpa(q, k, v, mask, scale):
+    """softmax(q·kᵀ·scale + mask)·v with GQA heads shared; q [B,H,T,hd], k/v [B,Hkv,S,hd]."""
+    groups = q.shape[1] // k.shape[1]
+    if groups > 1:
+        k = k.repeat_interleave(groups, dim=1)
+        v = v.repeat_interleave(groups, dim=1)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+
+
+ACTIVATIONS = {
+    "silu": F.silu,
+    "gelu_tanh": lambda x: F.gelu(x, approximate="tanh"),
+    "gelu_llamacpp": gelu_llamacpp,     # ggml's f16-table GELU (llama.cpp numerics)
+}
+
+
+class GatedMLP(nn.Module):
+    """down(act(gate(x)) * up(x)): SwiGLU (silu) for Llama/Qwen, GeGLU (gelu-tanh) for Gemma."""
+
+    def __init__(self, dim: int, ffn_dim: int, activation: str = "silu"):
+        super().__init__()
+        self.gate = nn.Linear(dim, ffn_dim, bias=False)
+        self.up = nn.Linear(dim, ffn_dim, bias=False)
+        self.down = nn.Linear(ffn_dim, dim, bias=False)
+        self.activation = activation
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down(ACTIVATIONS[self.activation](self.gate(x)) * self.up(x))
+
+

@@ -1,0 +1,233 @@
+"""Build a runnable model from a GGUF file without dequantizing it up front.
+
+The module tree is built on the meta device (no memory), then every linear and the embedding is
+bound to its packed bytes in the file's memory map (FrozenQuantLinear / PackedEmbedding) and the
+small f32 tensors (norms, biases) are copied in. Shapes, vocabulary size and quant types are
+checked against the metadata, each mismatch reported with the file and the tensor or key.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from engine.errors import ForgebenchError
+from engine.gguf.constants import REFUSED_ARCHS, SUPPORTED_ARCHS
+from engine.gguf.dequant import dequantize
+from engine.gguf.reader import GGUFFile, open_gguf
+from engine.llm.numerics import NUMERICS, attention_llamacpp
+from engine.models.blocks import RMSNorm
+from engine.models.gemma3 import Gemma3, Gemma3Config
+from engine.models.linear import FrozenQuantLinear, PackedEmbedding, PackedWeight
+from engine.models.llama import Llama, LlamaConfig
+from engine.models.qwen import qwen2_config, qwen3_config
+
+WEIGHTS = ("packed", "dense-cache")
+
+# module path (per layer, after "layers.{i}.") -> GGUF tensor name (after "blk.{i}.")
+LAYER_TENSORS = {
+    "attn_norm": "attn_norm", "mlp_norm": "ffn_norm",
+    "attn.q": "attn_q", "attn.k": "attn_k", "attn.v": "attn_v", "attn.o": "attn_output",
+    "attn.q_norm": "attn_q_norm", "attn.k_norm": "attn_k_norm",
+    "mlp.gate": "ffn_gate", "mlp.up": "ffn_up", "mlp.down": "ffn_down",
+    "post_attn_norm": "post_attention_norm", "post_mlp_norm": "post_ffw_norm",
+}
+
+
+def _int(gf: GGUFFile, key: str, default=None) -> int:
+    value = gf.get(key, default) if default is not None else gf.require(key)
+    if isinstance(value, list):                       # per-layer arrays: must be uniform here
+        if len(set(value)) != 1:
+            raise ForgebenchError(f"per-layer values {sorted(set(value))} are not supported",
+                                  path=gf.path, where=key.replace("{arch}", gf.architecture))
+        value = value[0]
+    return int(value)
+
+
+def _check_architecture(gf: GGUFFile) -> str:
+    arch = gf.architecture
+    if not arch:
+        raise ForgebenchError("metadata has no general.architecture", path=gf.path,
+                              where="general.architecture", hint="the file is not a model GGUF")
+    if arch in REFUSED_ARCHS:
+        raise ForgebenchError(f"architecture {arch!r} is {REFUSED_ARCHS[arch]}, which the engine does "
+                              "not run", path=gf.path, where="general.architecture",
+                              hint="supported: " + ", ".join(SUPPORTED_ARCHS))
+    if int(gf.get("{arch}.expert_count", 0) or 0) > 0:
+        raise ForgebenchError(f"{arch} file has {gf.get('{arch}.expert_count')} experts: "
+                              "mixture-of-experts models are not supported", path=gf.path,
+                              where=f"{arch}.expert_count", hint="use a dense model")
+    if arch not in SUPPORTED_ARCHS:
+        raise ForgebenchError(f"architecture {arch!r} is not supported", path=gf.path,
+                              where="general.architecture",
+                              hint="supported: " + ", ".join(SUPPORTED_ARCHS))
+    return arch
+
+
+def config_from_gguf(gf: GGUFFile) -> LlamaConfig | Gemma3Config:
+    """The family config from GGUF metadata (keys as llama.cpp's llama-model.cpp reads them)."""
+    arch = _check_architecture(gf)
+    dim = _int(gf, "{arch}.embedding_length")
+    n_heads = _int(gf, "{arch}.attention.head_count")
+    head_dim = _int(gf, "{arch}.attention.key_length", dim // n_heads)
+    if _int(gf, "{arch}.attention.value_length", head_dim) != head_dim:
+        raise ForgebenchError("key_length != value_length is not supported", path=gf.path,
+                              where=f"{arch}.attention.value_length")
+    if _int(gf, "{arch}.rope.dimension_count", head_dim) != head_dim:
+        raise ForgebenchError("partial rotary embeddings are not supported", path=gf.path,
+                              where=f"{arch}.rope.dimension_count")
+    n_vocab = gf.tensor("token_embd.weight").shape[0]
+    tokens = gf.get("tokenizer.ggml.tokens")
+    if tokens is not None and len(tokens) != n_vocab:
+        raise ForgebenchError(f"vocabulary has {len(tokens)} tokens but token_embd.weight has "
+                              f"{n_vocab} rows", path=gf.path, where="token_embd.weight",
+                              hint="the tokenizer and the weights come from different models")
+    scaling = gf.get("{arch}.rope.scaling.type", "none")
+    factor = float(gf.get("{arch}.rope.scaling.factor", 1.0) or 1.0)
+    common = dict(vocab_size=n_vocab, dim=dim, n_layers=_int(gf, "{arch}.block_count"),
+                  n_heads=n_heads, n_kv_heads=_int(gf, "{arch}.attention.head_count_kv", n_heads),
+                  ffn_dim=_int(gf, "{arch}.feed_forward_length"),
+                  norm_eps=float(gf.require("{arch}.attention.layer_norm_rms_epsilon")),
+                  max_seq_len=_int(gf, "{arch}.context_length", 4096),
+                  tie_embeddings="output.weight" not in gf.tensors)
+    if arch == "gemma3":
+        n_layers = common["n_layers"]
+        period = _int(gf, "{arch}.attention.sliding_window_pattern", 6)
+        if scaling not in ("none", "linear"):
+            raise ForgebenchError(f"rope scaling {scaling!r} is not supported", path=gf.path,
+                                  where=f"{arch}.rope.scaling.type")
+        return Gemma3Config(**common, head_dim=head_dim,
+                            rope_theta=float(gf.get("{arch}.rope.freq_base", 1_000_000.0)),
+                            rope_scale=factor if scaling == "linear" else 1.0,
+                            sliding_window=_int(gf, "{arch}.attention.sliding_window"),
+                            sliding=[(i % period) < period - 1 for i in range(n_layers)],
+                            final_softcap=gf.get("{arch}.final_logit_softcapping"))
+    if scaling not in ("none",) and not (scaling == "linear" and factor == 1.0):
+        raise ForgebenchError(f"rope scaling {scaling!r} is not supported for {arch}", path=gf.path,
+                              where=f"{arch}.rope.scaling.type")
+    build = {"llama": LlamaConfig, "qwen2": qwen2_config, "qwen3": qwen3_config}[arch]
+    return build(**common, head_dim=head_dim, rope_theta=float(gf.get("{arch}.rope.freq_base", 10_000.0)))
+
+
+def _packed(gf: GGUFFile, name: str, shape: tuple[int, int]) -> PackedWeight:
+    info = gf.tensor(name)
+    gf.check_type(info)
+    if tuple(info.shape) != tuple(shape):
+        raise ForgebenchError(f"tensor {name!r} has shape {info.shape}, the metadata implies {shape}",
+                              path=gf.path, where=name, hint="the file's metadata and weights disagree")
+    return PackedWeight(torch.from_numpy(info.raw), info.ggml_type, shape[0], shape[1], name)
+
+
+def _dense(gf: GGUFFile, name: str, shape: tuple[int, ...]) -> torch.Tensor:
+    info = gf.tensor(name)
+    gf.check_type(info)
+    if tuple(info.shape) != tuple(shape):
+        raise ForgebenchError(f"tensor {name!r} has shape {info.shape}, expected {shape}",
+                              path=gf.path, where=name, hint="the file's metadata and weights disagree")
+    return dequantize(torch.from_numpy(info.raw), info.ggml_type, shape, name).clone()
+
+
+def _bind(model: nn.Module, gf: GGUFFile) -> None:
+    """Replace every meta-device module/parameter with the file's tensors."""
+    n_vocab, dim = model.config.vocab_size, model.config.dim
+    embd = _packed(gf, "token_embd.weight", (n_vocab, dim))
+    model.tok_embeddings = PackedEmbedding(embd)
+    model.output = FrozenQuantLinear(embd if model.config.tie_embeddings
+                                     else _packed(gf, "output.weight", (n_vocab, dim)))
+    model.norm.weight = nn.Parameter(_dense(gf, "output_norm.weight", (dim,)), requires_grad=False)
+    for i, layer in enumerate(model.layers):
+        for path, gname in LAYER_TENSORS.items():
+            parent_path, _, attr = path.rpartition(".")
+            parent = layer.get_submodule(parent_path) if parent_path else layer
+            module = getattr(parent, attr, None)
+            if module is None:
+                continue
+            tname = f"blk.{i}.{gname}.weight"
+            if isinstance(module, nn.Linear):
+                bias = None
+                if module.bias is not None:
+                    bias = _dense(gf, f"blk.{i}.{gname}.bias", (module.out_features,))
+                weight = _packed(gf, tname, (module.out_features, module.in_features))
+                setattr(parent, attr, FrozenQuantLinear(weight, bias))
+            else:                                                        # RMSNorm
+                module.weight = nn.Parameter(_dense(gf, tname, tuple(module.weight.shape)),
+                                             requires_grad=False)
+    if isinstance(model, Llama) and "rope_freqs.weight" in gf.tensors:
+        model.rope_freq_factors = _dense(gf, "rope_freqs.weight", (model.config.head_dim // 2,))
+    for name, p in list(model.named_parameters()) + list(model.named_buffers()):
+        if p.is_meta:
+            raise ForgebenchError(f"no tensor in the file for {name}", path=gf.path, where=name)
+
+
+def set_numerics(model: nn.Module, numerics: str) -> None:
+    """Switch between plain f32 ("f32", for training) and llama.cpp's arithmetic ("llamacpp")."""
+    if numerics not in NUMERICS:
+        raise ForgebenchError(f"numerics must be one of {NUMERICS}, not {numerics!r}", where="numerics")
+    llamacpp = numerics == "llamacpp"
+    model.numerics = numerics
+    model.kv_dtype = torch.float16 if llamacpp else torch.float32
+    model.attn_core = attention_llamacpp if llamacpp else None
+    for m in model.modules():
+        if isinstance(m, FrozenQuantLinear):
+            m.numerics = numerics
+        if isinstance(m, RMSNorm):
+            m.ggml_exact = llamacpp
+        if getattr(m, "activation", None) in ("gelu_tanh", "gelu_llamacpp"):
+            m.activation = "gelu_llamacpp" if llamacpp else "gelu_tanh"
+
+
+def packed_weights(model: nn.Module) -> list[PackedWeight]:
+    seen: dict[int, PackedWeight] = {}
+    for m in model.modules():
+        w = getattr(m, "weight", None)
+        if isinstance(w, PackedWeight):
+            seen[id(w)] = w
+    return list(seen.values())
+
+
+def memory_report(model: nn.Module) -> dict:
+    """Bytes each weight mode costs: packed (memory-mapped), the dense caches, and a full f32 copy."""
+    weights = packed_weights(model)
+    small = sum(p.numel() * p.element_size() for p in model.parameters())
+    return {"packed_bytes": sum(w.packed_bytes for w in weights),
+            "dense_cache_bytes": sum(w.cache_bytes for w in weights),
+            "f32_dense_bytes": sum(w.rows * w.cols * 4 for w in weights),
+            "bf16_dense_bytes": sum(w.rows * w.cols * 2 for w in weights),
+            "small_f32_bytes": small}
+
+
+def load_gguf_model(path: str | Path, numerics: str = "f32", weights: str = "packed",
+                    cache_dtype: torch.dtype | None = None, tokenizer: bool = True,
+                    lazy_cache: bool = True):
+    """(model, tokenizer) for a llama/qwen2/qwen3/gemma3 GGUF.
+
+    weights="packed" dequantizes on the fly; "dense-cache" keeps each layer's weight dequantized
+    (f32, or `cache_dtype`, e.g. torch.bfloat16 for f32-numerics training), filled as each layer
+    first runs unless `lazy_cache=False`. The model is frozen:
+    train LoRA adapters beside it. `model.gguf` is the open file, `memory_report(model)` the cost.
+    """
+    if weights not in WEIGHTS:
+        raise ForgebenchError(f"weights must be one of {WEIGHTS}, not {weights!r}", where="weights")
+    gf = open_gguf(path)
+    cfg = config_from_gguf(gf)
+    with torch.device("meta"):
+        model = Gemma3(cfg) if isinstance(cfg, Gemma3Config) else Llama(cfg)
+    _bind(model, gf)
+    model.gguf = gf
+    model.requires_grad_(False)
+    set_numerics(model, numerics)
+    if weights == "dense-cache":
+        dtype = cache_dtype or torch.float32
+        if numerics == "llamacpp" and dtype != torch.float32:
+            raise ForgebenchError("llama.cpp numerics need the exact weights: use an f32 dense cache",
+                                  where="cache_dtype")
+        for w in packed_weights(model):
+            w.cache(dtype, lazy=lazy_cache)
+    model.eval()
+    tok = None
+    if tokenizer:
+        from engine.llm.tokenizer import GGUFTokenizer
+        tok = GGUFTokenizer.from_gguf(gf)
+    return model, tok

@@ -1,0 +1,38 @@
+"""Config schema of `image-generate`: class-conditional tiny DDPM at 32×32."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field
+
+from engine.config import Schema
+from engine.recipes.media_config import ImageSection, MediaRecipeConfig
+
+
+class DiffusionSection(Schema):
+    levels: int = Field(256, ge=2, description="noise levels of the cosine schedule")
+    channels: list[int] = Field(default_factory=lambda: [16, 32, 64],
+                                description="U-Net channels per resolution level")
+    emb_dim: int = Field(64, ge=8)
+    cond_dropout: float = Field(0.1, ge=0, lt=1, description="share of labels replaced by the "
+                                                             "learned null class")
+    ema: float = Field(0.999, ge=0, lt=1, description="EMA decay of the sampling weights")
+    ema_warmup: bool = Field(True, description="decay min(ema, (1+step)/(10+step)) so short "
+                                               "runs are not dominated by the random init")
+
+
+class SampleSection(Schema):
+    seed: int = Field(17, description="fixed seed of the per-checkpoint sample grid")
+    per_class: int = Field(4, ge=1, description="grid samples per class")
+    cfg: float = Field(2.0, ge=0, description="classifier-free guidance scale (1 = off)")
+    steps: int = Field(64, ge=1, description="sampler steps (respaced from the levels)")
+    grid_every_checkpoint: bool = True
+
+
+class ImageGenerateConfig(MediaRecipeConfig):
+    recipe: Literal["image-generate"] = "image-generate"
+    image: ImageSection = Field(default_factory=lambda: ImageSection(
+        size=32, resize="stretch", hflip=True, rot90=True))
+    diffusion: DiffusionSection = Field(default_factory=DiffusionSection)
+    sample: SampleSection = Field(default_factory=SampleSection)

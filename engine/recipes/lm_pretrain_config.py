@@ -1,0 +1,91 @@
+"""Config schema of `lm-pretrain`: a tiny Llama-architecture decoder trained from random init.
+
+No torch here: the app builds its form from this schema.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field, model_validator
+
+from engine.config import RecipeConfig, Schema
+
+
+class DataSection(Schema):
+    dir: str = Field(description="corpus folder: train.txt, val.txt (test.txt) and optionally "
+                                 "dataset.json naming them")
+
+
+class TokenizerSection(Schema):
+    kind: Literal["byte", "bpe"] = Field("byte", description="raw UTF-8 bytes, or a byte-level "
+                                                             "BPE trained on the train split")
+    vocab_size: int = Field(512, ge=260, le=65536, description="BPE vocabulary size")
+
+
+class ModelSection(Schema):
+    dim: int = Field(128, ge=8)
+    n_layers: int = Field(4, ge=1)
+    n_heads: int = Field(4, ge=1)
+    n_kv_heads: int = Field(2, ge=1, description="grouped-query attention: key/value heads")
+    ffn_dim: int = Field(344, ge=1, description="SwiGLU hidden width")
+    context: int = Field(128, ge=2, description="tokens per training window")
+    tie_embeddings: bool = True
+    rope_theta: float = Field(10000.0, gt=0)
+    norm_eps: float = Field(1e-5, gt=0)
+
+    @model_validator(mode="after")
+    def _heads_fit(self) -> "ModelSection":
+        if self.dim % self.n_heads:
+            raise ValueError(f"dim {self.dim} is not divisible by n_heads {self.n_heads}")
+        if self.n_heads % self.n_kv_heads:
+            raise ValueError(f"n_heads {self.n_heads} is not a multiple of "
+                             f"n_kv_heads {self.n_kv_heads}")
+        if (self.dim // self.n_heads) % 2:
+            raise ValueError("head size (dim / n_heads) must be even for RoPE")
+        return self
+
+
+class OptimSection(Schema):
+    lr: float = Field(3e-3, gt=0, description="peak learning rate")
+    min_lr_ratio: float = Field(0.1, ge=0, le=1, description="cosine floor as a share of lr")
+    warmup: int = Field(20, ge=0, description="linear warmup steps")
+    schedule: Literal["cosine", "constant"] = "cosine"
+    weight_decay: float = Field(0.1, ge=0)
+    beta1: float = Field(0.9, ge=0, lt=1)
+    beta2: float = Field(0.95, ge=0, lt=1)
+    eps: float = Field(1e-8, gt=0)
+    grad_clip: float = Field(1.0, ge=0, description="global gradient-norm clip; 0 = off")
+    moments: Literal["fp32", "bf16"] = Field("fp32", description="AdamW moment storage")
+
+
+class TrainSection(Schema):
+    batch_size: int = Field(16, ge=1, description="windows per micro-batch")
+    grad_accum: int = Field(1, ge=1, description="micro-batches per optimizer step")
+    autocast: Literal["none", "bf16"] = Field("none", description="bf16 autocast for matmuls")
+
+
+class EvalSection(Schema):
+    batch_size: int = Field(32, ge=1)
+    max_windows: int = Field(0, ge=0, description="cap on val windows per periodic eval; "
+                                                  "0 = the whole split")
+
+
+class SampleSection(Schema):
+    prompts: list[str] = Field(default_factory=lambda: ["Record item"],
+                               description="prompts sampled at the end of training")
+    max_tokens: int = Field(160, ge=1)
+    temperature: float = Field(0.0, ge=0)
+    top_k: int = Field(0, ge=0)
+    top_p: float = Field(1.0, gt=0, le=1)
+
+
+class LMPretrainConfig(RecipeConfig):
+    recipe: Literal["lm-pretrain"] = "lm-pretrain"
+    data: DataSection
+    tokenizer: TokenizerSection = Field(default_factory=TokenizerSection)
+    model: ModelSection = Field(default_factory=ModelSection)
+    optim: OptimSection = Field(default_factory=OptimSection)
+    train: TrainSection = Field(default_factory=TrainSection)
+    eval: EvalSection = Field(default_factory=EvalSection)
+    sample: SampleSection = Field(default_factory=SampleSection)

@@ -1,0 +1,106 @@
+"""Config schema of `lm-sft`: supervised fine-tuning of a language model.
+
+LoRA / QLoRA over a GGUF base (kept packed and frozen) or over an lm-pretrain run's model, or
+full fine-tuning of a dense base. No torch here: the app builds its form from this schema.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field, model_validator
+
+from engine.config import RecipeConfig, Schema
+
+
+class ModelSection(Schema):
+    gguf: str | None = Field(None, description="base model: a GGUF file (any quantization)")
+    run: str | None = Field(None, description="base model: an lm-pretrain run directory")
+    checkpoint: str = Field("latest", description="which checkpoint of `run` to start from")
+    weights: Literal["packed", "dense-cache"] = Field(
+        "packed", description="frozen GGUF weights: dequantize on the fly (least memory) or "
+                              "once into a dense cache (faster)")
+
+    @model_validator(mode="after")
+    def _one_base(self) -> "ModelSection":
+        if (self.gguf is None) == (self.run is None):
+            raise ValueError("give exactly one base: model.gguf = \"FILE.gguf\" or "
+                             "model.run = \"RUN_DIR\"")
+        return self
+
+
+class DataSection(Schema):
+    path: str = Field(description="training JSONL ({instruction, response} pairs or "
+                                  "{messages: [...]} conversations, one per line), or a "
+                                  "text-sft dataset folder (its train split)")
+    val_path: str | None = Field(None, description="JSONL read by `forgebench eval --split val`")
+    test_path: str | None = Field(None, description="JSONL read by `forgebench eval --split test`")
+    format: Literal["auto", "pairs", "messages"] = Field(
+        "auto", description="record shape: pairs, {messages: [...]}, or either")
+    instruction_key: str = "instruction"
+    response_key: str = "response"
+    system_key: str = "system"
+    messages_key: str = "messages"
+    system: str | None = Field(None, description="system message for records without one")
+    max_len: int = Field(512, ge=2, description="input tokens per sample (prompt + response)")
+    truncation: Literal["error", "truncate_response", "drop"] = Field(
+        "error", description="a longer sample is an error, cut at the end, or dropped (counted)")
+    enable_thinking: bool | None = Field(
+        False, description="Qwen3-style templates: render with thinking on/off (None: default)")
+
+
+class LoraSection(Schema):
+    method: Literal["lora", "full"] = Field(
+        "lora", description="train adapters beside the frozen base, or every weight (dense "
+                            "bases only)")
+    rank: int = Field(8, ge=1)
+    alpha: float = Field(16.0, gt=0, description="the delta is scaled by alpha / rank")
+    dropout: float = Field(0.0, ge=0, lt=1)
+    targets: list[Literal["q", "k", "v", "o", "gate", "up", "down"]] = Field(
+        default_factory=lambda: ["q", "v"], min_length=1)
+    full_max_params: int = Field(
+        1_000_000_000, ge=1, description="full fine-tuning refuses a model larger than this "
+                                         "(weights + grads + AdamW moments ≈ 16 bytes/param)")
+
+    @model_validator(mode="after")
+    def _distinct_targets(self) -> "LoraSection":
+        if len(set(self.targets)) != len(self.targets):
+            raise ValueError(f"targets repeat an entry: {self.targets}")
+        return self
+
+
+class OptimSection(Schema):
+    lr: float = Field(1e-3, gt=0)
+    schedule: Literal["cosine", "constant"] = "constant"
+    warmup: int = Field(0, ge=0, description="linear warmup steps")
+    min_lr_ratio: float = Field(0.1, ge=0, le=1, description="cosine floor as a share of lr")
+    weight_decay: float = Field(0.0, ge=0)
+    beta1: float = Field(0.9, ge=0, lt=1)
+    beta2: float = Field(0.999, ge=0, lt=1)
+    eps: float = Field(1e-8, gt=0)
+    grad_clip: float = Field(1.0, ge=0, description="global gradient-norm clip; 0 = off")
+    moments: Literal["fp32", "bf16"] = Field("fp32", description="AdamW moment storage")
+
+
+class TrainSection(Schema):
+    window: int = Field(8, ge=1, description="samples per optimizer step; the loss is summed CE "
+                                             "over the window / its supervised tokens")
+    micro_batch: int = Field(8, ge=1, description="samples per forward pass (padded)")
+    autocast: Literal["none", "bf16"] = Field("none", description="bf16 autocast for matmuls")
+    activation_checkpointing: bool = Field(False, description="recompute each layer in backward")
+
+
+class SampleSection(Schema):
+    prompts: list[str] = Field(default_factory=list,
+                               description="held prompts answered greedily BEFORE and AFTER")
+    max_tokens: int = Field(32, ge=1)
+
+
+class LMSFTConfig(RecipeConfig):
+    recipe: Literal["lm-sft"] = "lm-sft"
+    model: ModelSection
+    data: DataSection
+    lora: LoraSection = Field(default_factory=LoraSection)
+    optim: OptimSection = Field(default_factory=OptimSection)
+    train: TrainSection = Field(default_factory=TrainSection)
+    sample: SampleSection = Field(default_factory=SampleSection)

@@ -1,0 +1,92 @@
+"""Next-token sampling shared by every text model: logits in, token id out.
+
+Greedy when temperature is 0; otherwise llama.cpp's order: repetition penalty, top-k, top-p
+(on the untempered distribution), temperature, then a draw from the given torch.Generator, so a
+seed reproduces a generation.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Callable, Iterable, Sequence
+
+import torch
+
+
+@dataclass(frozen=True)
+class SamplingSettings:
+    temperature: float = 0.0     # 0 = greedy
+    top_k: int = 0               # 0 = off
+    top_p: float = 1.0           # 1 = off
+    repetition_penalty: float = 1.0  # 1 = off; > 1 discourages tokens already present
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def apply_repetition_penalty(logits: torch.Tensor, previous: Iterable[int],
+                             penalty: float) -> torch.Tensor:
+    """Divide positive logits (multiply negative ones) of tokens already seen by `penalty`."""
+    seen = sorted(set(previous))
+    if penalty == 1.0 or not seen:
+        return logits
+    logits = logits.clone()
+    index = torch.tensor(seen, dtype=torch.long)
+    picked = logits[index]
+    logits[index] = torch.where(picked > 0, picked / penalty, picked * penalty)
+    return logits
+
+
+def filter_top_k(logits: torch.Tensor, k: int) -> torch.Tensor:
+    if k <= 0 or k >= logits.numel():
+        return logits
+    threshold = torch.topk(logits, k).values[-1]
+    return logits.masked_fill(logits < threshold, float("-inf"))
+
+
+def filter_top_p(logits: torch.Tensor, p: float) -> torch.Tensor:
+    """Keep the smallest set of most likely tokens whose probability mass reaches `p`."""
+    if p >= 1.0:
+        return logits
+    sorted_logits, order = torch.sort(logits, descending=True)
+    cumulative = torch.softmax(sorted_logits, dim=-1).cumsum(-1)
+    # drop a token when the mass before it already reaches p (the first token always stays)
+    drop_sorted = (cumulative - torch.softmax(sorted_logits, dim=-1)) >= p
+    drop = torch.zeros_like(drop_sorted).scatter(0, order, drop_sorted)
+    return logits.masked_fill(drop, float("-inf"))
+
+
+def next_token(logits: torch.Tensor, settings: SamplingSettings,
+               generator: torch.Generator | None = None, previous: Sequence[int] = ()) -> int:
+    """Pick the next token from the logits [vocab] of the last position."""
+    logits = apply_repetition_penalty(logits.detach().float().reshape(-1), previous,
+                                      settings.repetition_penalty)
+    if settings.temperature <= 0:
+        return int(torch.argmax(logits))
+    logits = filter_top_p(filter_top_k(logits, settings.top_k), settings.top_p)
+    probs = torch.softmax(logits / settings.temperature, dim=-1)
+    return int(torch.multinomial(probs, 1, generator=generator))
+
+
+def generate_tokens(step: Callable[[list[int], int], torch.Tensor], prompt: list[int], *,
+                    max_new_tokens: int, settings: SamplingSettings,
+                    generator: torch.Generator | None = None,
+                    stop_ids: Iterable[int] = (),
+                    should_stop: Callable[[list[int]], bool] | None = None) -> list[int]:
+    """Generate with a KV-cached model: `step(ids, start_pos)` feeds `ids` at `start_pos` and
+    returns the logits [vocab] of the last one. Returns the new tokens (stop token excluded)."""
+    stop_ids = set(stop_ids)
+    history = list(prompt)
+    logits = step(list(prompt), 0)
+    out: list[int] = []
+    for _ in range(max_new_tokens):
+        token = next_token(logits, settings, generator, history)
+        if token in stop_ids:
+            break
+        out.append(token)
+        history.append(token)
+        if should_stop is not None and should_stop(out):
+            break
+        if len(out) < max_new_tokens:
+            logits = step([token], len(history) - 1)
+    return out

@@ -1,0 +1,55 @@
+"""Per-step measurements: token-weighted loss, throughput, elapsed time, peak memory."""
+
+from __future__ import annotations
+
+import resource
+import sys
+import time
+
+
+def peak_rss_mb() -> float:
+    """Peak resident memory of this process in MB (ru_maxrss is KB on Linux, bytes on macOS)."""
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak / (1024 * 1024) if sys.platform == "darwin" else peak / 1024
+
+
+class StepClock:
+    """Wall time of the run across invocations and supervised tokens/s of the latest step.
+
+    `elapsed_before` carries the elapsed time of earlier invocations (from trainer_state).
+    """
+
+    def __init__(self, elapsed_before: float = 0.0):
+        self.elapsed_before = elapsed_before
+        self.started = time.perf_counter()
+        self.last = self.started
+
+    @property
+    def elapsed(self) -> float:
+        return self.elapsed_before + time.perf_counter() - self.started
+
+    def tick(self, tokens: int) -> float:
+        """Mark the end of a step that processed `tokens`; return tokens per second."""
+        now = time.perf_counter()
+        seconds, self.last = now - self.last, now
+        return tokens / seconds if seconds > 0 else 0.0
+
+
+class WindowLoss:
+    """Loss over one accumulation window, weighted by tokens: sum of CE / supervised tokens.
+
+    Micro-batches with different numbers of supervised tokens count in proportion to their
+    tokens (a mean of per-batch means would not).
+    """
+
+    def __init__(self) -> None:
+        self.sum = 0.0
+        self.tokens = 0
+
+    def add(self, loss_sum: float, tokens: int) -> None:
+        self.sum += loss_sum
+        self.tokens += tokens
+
+    @property
+    def value(self) -> float:
+        return self.sum / self.tokens if self.tokens else float("nan")

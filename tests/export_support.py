@@ -1,0 +1,77 @@
+"""Helpers for the merge / export / equivalence tests: LoRA adapters with non-zero B over a GGUF
+base, and llama.cpp logits of a token sequence."""
+
+from __future__ import annotations
+
+import errno
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from engine.fsutil import sha256_file
+
+ALL_TARGETS = ["q", "k", "v", "o", "gate", "up", "down"]
+
+
+def make_adapter(base: Path, out: Path, *, targets=ALL_TARGETS, rank: int = 4,
+                 alpha: float = 8.0, seed: int = 0, b_std: float = 0.05,
+                 base_sha256: str | None = None):
+    """Attach LoRA to the engine model of `base`, give B random values (a trained adapter's
+    shape of update), save it as adapters.safetensors; return the adapted model (f32)."""
+    from engine.lora import attach_lora, save_adapters
+    from engine.models.gguf_model import load_gguf_model
+
+    model, tokenizer = load_gguf_model(base, numerics="f32")
+    adapters = attach_lora(model, targets=list(targets), rank=rank, alpha=alpha, seed=seed)
+    generator = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for adapter in adapters.values():
+            adapter.lora_b.copy_(torch.randn(adapter.lora_b.shape, generator=generator) * b_std)
+    save_adapters(out, adapters, base_sha256 or sha256_file(base))
+    return model.eval(), tokenizer
+
+
+@torch.no_grad()
+def engine_logits(model, ids: list[int]) -> torch.Tensor:
+    return model(torch.tensor([ids]))[0].double()                            # [T, V]
+
+
+def llamacpp_logits(path: Path, ids: list[int], lora: Path | None = None) -> torch.Tensor:
+    import llama_cpp
+
+    llm = llama_cpp.Llama(str(path), lora_path=str(lora) if lora else None, n_ctx=64,
+                          logits_all=True, n_threads=1, verbose=False)
+    llm.eval(ids)
+    out = torch.from_numpy(np.array(llm.scores[:len(ids)], dtype=np.float64))
+    llm.close()
+    return out
+
+
+def fill_disk_after(monkeypatch, limit: int) -> None:
+    """Make every GGUF write fail like a full disk once `limit` bytes went into one file."""
+    import engine.gguf.writer as writer
+
+    real = writer.atomic_writer
+
+    class FillingHandle:
+        def __init__(self, handle):
+            self.handle, self.written = handle, 0
+
+        def write(self, data) -> int:
+            self.written += len(data)
+            if self.written > limit:
+                raise OSError(errno.ENOSPC, "No space left on device")
+            return self.handle.write(data)
+
+    class Context:
+        def __init__(self, path, mode="wb"):
+            self.inner = real(path, mode)
+
+        def __enter__(self):
+            return FillingHandle(self.inner.__enter__())
+
+        def __exit__(self, *exc):
+            return self.inner.__exit__(*exc)
+
+    monkeypatch.setattr(writer, "atomic_writer", Context)

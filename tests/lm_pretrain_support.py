@@ -1,0 +1,91 @@
+"""Helpers shared by the lm-pretrain, resume and CLI-error tests: a tiny corpus and config, and
+a `forgebench` subprocess runner."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+TINY_CONFIG = """\
+recipe = "lm-pretrain"
+seed = 3
+steps = {steps}
+log_every = 1
+eval_every = 0
+save_every = {save_every}
+keep_last = 2
+{top}
+[data]
+dir = "{data}"
+
+[tokenizer]
+kind = "{tokenizer}"
+vocab_size = 300
+
+[model]
+dim = 32
+n_layers = 2
+n_heads = 4
+n_kv_heads = 2
+ffn_dim = 64
+context = 32
+
+[optim]
+lr = 3e-3
+warmup = 2
+
+[train]
+batch_size = 4
+grad_accum = 2
+
+[eval]
+batch_size = 64
+max_windows = 8
+
+[sample]
+prompts = ["Record item"]
+max_tokens = 16
+"""
+
+
+def make_corpus(root: Path, n: int = 60) -> Path:
+    from engine.data.generators.records import generate_records
+
+    return generate_records(root / "corpus", n=n, seed=1)
+
+
+def write_config(path: Path, data: Path, *, steps: int = 6, save_every: int = 0,
+                 tokenizer: str = "byte", top: str = "") -> Path:
+    """The tiny test config; `top` adds top-level TOML lines (e.g. 'nonfinite = "stop"')."""
+    path.write_text(TINY_CONFIG.format(steps=steps, save_every=save_every, data=data,
+                                       tokenizer=tokenizer, top=top))
+    return path
+
+
+def forgebench(*args: str, timeout: float = 300, check: bool = True,
+               **popen) -> subprocess.CompletedProcess:
+    """Run `python -m engine ARGS` from the repository, one thread, and return the result."""
+    env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
+    result = subprocess.run([sys.executable, "-m", "engine", *args], cwd=REPO, env=env,
+                            capture_output=True, text=True, timeout=timeout, **popen)
+    if check and result.returncode != 0:
+        raise AssertionError(f"forgebench {' '.join(args)} exited {result.returncode}:\n"
+                             f"{result.stdout}\n{result.stderr}")
+    return result
+
+
+def popen_forgebench(*args: str) -> subprocess.Popen:
+    env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
+    return subprocess.Popen([sys.executable, "-m", "engine", *args], cwd=REPO, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def tree_digest(root: Path) -> dict[str, str]:
+    """relative path -> SHA-256 of every file under root (to prove nothing was touched)."""
+    return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(root.rglob("*")) if p.is_file()}

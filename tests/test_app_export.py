@@ -1,0 +1,190 @@
+"""The export wizard over `forgebench export` / `convert` with real runs: a tiny lm-pretrain
+model to a verified GGUF (size estimate against the written file's tensor table, the
+equivalence report as pass/fail rows, llama.cpp's answers when it is installed, the model card
+and rights checklist saved with fresh sums), and an lm-sft run whose quantized or foreign base
+is refused with the engine's reason until a dense copy is made."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+import gguf
+import pytest
+
+from app.viewmodels import export_wizard as vm
+from app.viewmodels.workspace import Workspace
+from app.views.export_wizard import ExportWizardPane
+from app_part2_support import lm_run, wait_for
+from media_support import forgebench
+
+
+
+def _stage(name, top1, tokenizer=True):
+    return {"name": name, "description": name, "file": "model.gguf",
+            "tokenizer_matches": tokenizer,
+            "vs_checkpoint": {"top1_agreement": top1, "max_abs_logit_diff": 0.1,
+                              "mean_abs_logit_diff": 0.01, "kl_mean": 1e-4},
+            "greedy_vs_checkpoint": {"matches": [True, False]}}
+
+
+def test_verification_rows_pass_and_fail_by_stage():
+    report = {"export": {"dtype": "q4_k_m"}, "prompt_suite": [{"prompt": "Hi", "answer": "yo"}],
+              "stages": [{"name": "checkpoint", "description": "ref", "positions": 10},
+                         _stage("merged", 0.995), _stage("quantized", 0.93)],
+              "llamacpp": {"available": True, "answers": ["yo!"], **_stage("llama.cpp", 0.89)}}
+    result = vm.verification(report)
+    verdicts = [(r.name, r.verdict) for r in result["rows"]]
+    # dense stages need 99% top-1 agreement, quantized ones 90%; llama.cpp runs the q4_k_m file
+    assert verdicts == [("checkpoint", "reference"), ("merged", "pass"), ("quantized", "pass"),
+                        ("llama.cpp", "FAIL")]
+    assert not result["passed"] and result["llamacpp"]["answers"] == [("Hi", "yo", "yo!")]
+    report["stages"][1] = _stage("merged", 0.98)            # a dense stage below 99%
+    report["llamacpp"] = {"available": False, "reason": "llama-cpp-python is not installed"}
+    result = vm.verification(report)
+    assert [r.verdict for r in result["rows"]] == ["reference", "FAIL", "pass"]
+    assert result["llamacpp"] == {"available": False, "answers": [],
+                                  "reason": "llama-cpp-python is not installed"}
+    report["stages"][1] = _stage("merged", 1.0, tokenizer=False)
+    assert vm.verification(report)["rows"][1].verdict == "FAIL"
+
+
+def _pane(qtbot, workspace: Workspace) -> ExportWizardPane:
+    pane = ExportWizardPane()
+    qtbot.addWidget(pane)
+    pane.set_workspace(workspace)
+    return pane
+
+
+@pytest.mark.slow
+def test_the_wizard_exports_a_tiny_lm_to_a_verified_gguf(qtbot, tmp_path_factory):
+    run = lm_run(tmp_path_factory)
+    workspace = Workspace.open(run.parents[1])
+    pane = _pane(qtbot, workspace)
+    pane.select_run(run, "step-000030")
+    pane.go(1)
+    assert "from scratch" in pane.base_text.text() and not pane.dense_button.isVisible()
+    pane.go(2)
+    sizes = {pane.sizes.item(r, 0).text(): pane.sizes.item(r, 1).text()
+             for r in range(pane.sizes.rowCount())}
+    assert set(sizes) == {"f32", "f16", "bf16", "q8_0", "q4_0", "q4_k_s", "q4_k_m", "q5_k_m",
+                          "q6_k"}
+    pane.set_dtype("f16")
+    assert pane.dtype() == "f16"
+    pane.go(3)
+    pane.out_name.setText("tiny-f16")
+    pane.export()
+    wait_for(qtbot, pane.export_job, 600)
+    out = workspace.root / "exports" / "tiny-f16"
+    assert "Verified" in pane.verdict.text(), pane.export_job.output[-2000:]
+
+    # the size shown for f16 is the tensor data the gguf package finds in the written file
+    estimate = vm.size_estimates(pane.run, "step-000030")["f16"]
+    assert estimate == sum(int(t.n_bytes) for t in gguf.GGUFReader(out / "model.gguf").tensors)
+    report = json.loads((out / "report.json").read_text())
+    rows = {pane.stages.item(r, 0).text(): pane.stages.item(r, 1).text()
+            for r in range(pane.stages.rowCount())}
+    assert rows["checkpoint"] == "reference" and rows["dense"] == "pass"
+    if report["llamacpp"]["available"]:
+        assert rows["llama.cpp"] == "pass"
+        first = report["llamacpp"]["answers"][0]
+        assert "llama.cpp's answers" in pane.answers.text() and first[:8] in pane.answers.text()
+    else:
+        assert "not run" in pane.answers.text()
+
+    pane.go(4)
+    assert pane.card.toPlainText() == (out / "model_card.md").read_text()
+    labels = [pane.rights.item(i).text() for i in range(pane.rights.count())]
+    assert any(label.startswith("training on this data is allowed") for label in labels)
+    pane.card.setPlainText(pane.card.toPlainText() + "\nEdited by a person.\n")
+    pane.rights.item(0).setCheckState(pane.rights.item(0).checkState().Checked)
+    pane.finish()
+    card = (out / "model_card.md").read_text()
+    assert "Edited by a person." in card and "## Rights" in card
+    assert "- [x] training on this data is allowed" in card
+    for line in (out / "SHA256SUMS").read_text().splitlines():
+        digest, name = line.split("  ", 1)
+        assert hashlib.sha256((out / name).read_bytes()).hexdigest() == digest, name
+
+
+SFT_CONFIG = """\
+recipe = "lm-sft"
+seed = 1
+steps = 3
+save_every = 0
+
+[model]
+gguf = "{gguf}"
+
+[data]
+path = "{data}"
+max_len = 96
+
+[lora]
+rank = 4
+alpha = 8.0
+targets = ["q", "v", "down"]
+
+[optim]
+lr = 2e-2
+
+[train]
+window = 3
+micro_batch = 3
+"""
+
+
+@pytest.mark.slow
+def test_a_quantized_or_foreign_base_is_refused_with_the_engines_reason(qtbot, tmp_path):
+    from fixtures_gguf import write_tiny_gguf
+
+    quantized = write_tiny_gguf(tmp_path / "base-q4k.gguf", arch="gemma3", qtype="Q4_K",
+                                n_layers=2)
+    foreign = write_tiny_gguf(tmp_path / "other-f32.gguf", arch="gemma3", qtype="F32",
+                              n_layers=2, seed=9)
+    (tmp_path / "pairs.jsonl").write_text("".join(
+        json.dumps({"instruction": q, "response": a}) + "\n" for q, a in
+        [("Say hello.", "Ahoy there!"), ("Name a color.", "Ahoy! Red."),
+         ("What is the sea?", "Ahoy! Our home.")]))
+    (tmp_path / "sft.toml").write_text(SFT_CONFIG.format(gguf=quantized,
+                                                         data=tmp_path / "pairs.jsonl"))
+    workspace = Workspace.create(tmp_path / "ws")
+    run = workspace.runs_dir / "sft"
+    forgebench("run", str(tmp_path / "sft.toml"), "--out", str(run))
+    pane = _pane(qtbot, workspace)
+    pane.select_run(run)
+    pane.go(1)
+    assert "is quantized" in pane.base_text.text() and "dense f16 copy" in pane.base_text.text()
+    assert not pane.dense_button.isHidden()
+
+    pane.go(2)
+    pane.set_dtype("q8_0")
+    pane.out_name.setText("refused")
+    pane.export()
+    wait_for(qtbot, pane.export_job)
+    refusal = pane.verdict.text()
+    assert "export failed" in refusal and "quantized" in refusal and "--dtype f16" in refusal
+    assert not (workspace.root / "exports" / "refused").exists()
+
+    pane.base_path.setText(str(foreign))
+    pane.export()
+    wait_for(qtbot, pane.export_job)
+    assert "trained on a different base" in pane.verdict.text()
+
+    pane.base_path.clear()
+    pane.go(1)
+    pane.make_dense_base()
+    wait_for(qtbot, pane.convert_job)
+    dense = Path(pane.base_path.text())
+    assert dense.is_file() and "is dense" in pane.base_text.text()
+    pane.go(2)
+    pane.set_dtype("adapter")
+    assert pane.dtype() == "adapter"
+    pane.set_dtype("f16")
+    pane.out_name.setText("merged")
+    pane.export()
+    wait_for(qtbot, pane.export_job, 600)
+    rows = {pane.stages.item(r, 0).text(): pane.stages.item(r, 1).text()
+            for r in range(pane.stages.rowCount())}
+    assert rows["merged"] == "pass", pane.export_job.output[-2000:]

@@ -1,0 +1,301 @@
+"""pytest-qt flows (offscreen) through the real window: the sample workspace, a planted dataset
+error marked at its record, mask editing saved as a new version, inline form validation, and a
+missing workspace reported with ways out."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+from PySide6.QtCore import QPoint, Qt
+from PySide6.QtWidgets import QLineEdit
+
+from engine.data.dataset import load_dataset
+from engine.eval.masks import boundary
+
+from app.main import open_initial_workspace
+from app.viewmodels.masks import read_mask
+from app.viewmodels.workspace import BUNDLED_SAMPLE, Settings
+from app.views.datasets_pane import ERROR_BG
+from app.views.main_window import MainWindow
+from test_app_support import make_workspace
+
+
+@pytest.fixture
+def window(qtbot, tmp_path, monkeypatch):
+    monkeypatch.setenv("FORGEBENCH_CONFIG_DIR", str(tmp_path / "config"))
+    monkeypatch.setenv("FORGEBENCH_DATA_DIR", str(tmp_path / "data"))
+    win = MainWindow(Settings())
+    win.close_policy = "leave"
+    qtbot.addWidget(win)
+    win.resize(1440, 900)
+    win.show()
+    return win
+
+
+def test_first_launch_opens_the_sample_workspace(window, tmp_path):
+    assert window.settings.first_launch
+    assert open_initial_workspace(window)
+    copy = tmp_path / "data" / "sample-workspace"
+    assert window.workspace.root == copy.resolve()
+    assert not window.banner.isVisible()
+    bundled_configs = sorted(p.name for p in (BUNDLED_SAMPLE / "configs").glob("*.toml"))
+    combo = window.runs.config_combo
+    assert sorted(combo.itemText(i) + ".toml" for i in range(combo.count())) == bundled_configs
+    bundled_datasets = sorted(p.name for p in (BUNDLED_SAMPLE / "datasets").glob("*/")
+                              if (p / "dataset.json").is_file())
+    assert sorted(e.path.name for e in window.datasets.entries) == bundled_datasets
+    assert window.settings.recent == [str(copy.resolve())]
+    # The second launch reopens the most recent workspace.
+    assert open_initial_workspace(window) and window.workspace.root == copy.resolve()
+
+
+def test_planted_dataset_error_is_marked_at_its_record(window, qtbot, tmp_path):
+    ws = make_workspace(tmp_path / "ws", shapes=12, records=False)
+    records = ws.datasets_dir / "shapes" / "records.jsonl"
+    lines = records.read_text().split("\n")
+    planted = json.loads(lines[8])
+    planted["label"] = "hexagon"
+    lines[8] = json.dumps(planted)
+    records.write_text("\n".join(lines))
+    assert window.open_workspace(ws.root)
+    pane = window.datasets
+    window.sidebar.setCurrentRow(0)
+    pane.select_dataset(ws.datasets_dir / "shapes")
+    qtbot.mouseClick(pane.validate_button, Qt.MouseButton.LeftButton)
+    assert "error" in pane.header.text()
+    model = pane.records
+    marked = [r for r in range(model.rowCount())
+              if model.data(model.index(r, 0), Qt.ItemDataRole.BackgroundRole) == ERROR_BG]
+    assert [pane.table.rows[r].where for r in marked] == ["line 9"]
+    label_col = model.columns.index("label")
+    assert model.data(model.index(marked[0], label_col),
+                      Qt.ItemDataRole.BackgroundRole) == ERROR_BG
+    assert "unknown label 'hexagon'" in model.data(model.index(marked[0], 0),
+                                                   Qt.ItemDataRole.ToolTipRole)
+    # Jump from the findings list to the record, through a filter that hid it.
+    pane.filter.setText("label=circle")
+    finding = next(pane.findings.item(i) for i in range(pane.findings.count())
+                   if "hexagon" in pane.findings.item(i).text())
+    pane.findings.itemActivated.emit(finding)
+    assert pane.current_row() == marked[0] and pane.tabs.currentIndex() == 0
+    assert json.loads(pane.editor.toPlainText())["label"] == "hexagon"
+    assert "unknown label" in pane.edit_status.text()
+    assert not pane.save_record_button.isEnabled()
+    # Fix it in the record editor: inline validation clears and the fix saves a new version.
+    pane.editor.setPlainText(json.dumps(dict(planted, label=planted["label"].replace(
+        "hexagon", "circle"))))
+    assert "valid" in pane.edit_status.text() and pane.save_record_button.isEnabled()
+
+
+def test_unparseable_dataset_shows_errors_not_a_crash(window, tmp_path):
+    ws = make_workspace(tmp_path / "ws", shapes=6, records=False)
+    broken = ws.datasets_dir / "broken"
+    broken.mkdir()
+    (broken / "dataset.json").write_text('{"kind": "image-masks", "files": ')
+    assert window.open_workspace(ws.root)
+    window.datasets.select_dataset(broken)
+    assert "error" in window.datasets.header.text()
+    texts = [window.datasets.findings.item(i).text()
+             for i in range(window.datasets.findings.count())]
+    assert any("dataset.json" in t and "not valid JSON" in t for t in texts)
+
+
+def test_edit_mask_undo_save_makes_a_new_dataset_version(window, qtbot, tmp_path):
+    ws = make_workspace(tmp_path / "ws", shapes=12, records=False)
+    assert window.open_workspace(ws.root)
+    window.sidebar.setCurrentRow(1)
+    pane = window.masks
+    qtbot.waitExposed(pane.canvas)
+    record = pane.record
+    before = pane.editor.mask.copy()
+    canvas = pane.canvas
+    pane.radius.setValue(2)
+    # Paint a stroke across the top-left of the canvas, then undo it.
+    scale, ox, oy = canvas._geometry()
+    start = QPoint(int(ox + 3 * scale), int(oy + 3 * scale))
+    end = QPoint(int(ox + 20 * scale), int(oy + 3 * scale))
+    qtbot.mousePress(canvas, Qt.MouseButton.LeftButton, pos=start)
+    qtbot.mouseMove(canvas, end)
+    qtbot.mouseRelease(canvas, Qt.MouseButton.LeftButton, pos=end)
+    painted = pane.editor.mask.copy()
+    assert painted[3, 3:21].all() and pane.undo_button.isEnabled()
+    qtbot.mouseClick(pane.undo_button, Qt.MouseButton.LeftButton)
+    assert np.array_equal(pane.editor.mask, before) and not pane.save_button.isEnabled()
+    qtbot.mouseClick(pane.redo_button, Qt.MouseButton.LeftButton)
+    assert np.array_equal(pane.editor.mask, painted)
+    pane.eraser.setChecked(True)
+    qtbot.mouseClick(canvas, Qt.MouseButton.LeftButton, pos=start)
+    erased = pane.editor.mask.copy()
+    assert not erased[3, 3]
+    pane.opacity.setValue(80)
+    interior = erased & ~boundary(erased)
+    assert set(canvas.overlay()[interior][..., 3]) == {int(255 * 0.8)}
+    qtbot.mouseClick(pane.save_button, Qt.MouseButton.LeftButton)
+    new_root = ws.datasets_dir / "shapes-v2"
+    saved = load_dataset(new_root)
+    assert saved.manifest["parent"] == load_dataset(ws.datasets_dir / "shapes").version
+    new_record = next(r for r in saved.records() if r["id"] == record["id"])
+    assert np.array_equal(read_mask(new_record["mask"]), erased)
+    assert pane.dataset_combo.currentData() == str(new_root)
+    assert not pane.editor.dirty  # the pane now shows the saved version
+    assert any(e.path == new_root for e in window.datasets.entries)
+
+
+def test_invalid_form_values_are_marked_and_block_start(window, tmp_path):
+    ws = make_workspace(tmp_path / "ws", shapes=0)
+    assert window.open_workspace(ws.root)
+    runs = window.runs
+    runs.left_tabs.setCurrentIndex(1)
+    form = runs.form_widget
+    assert runs.start_button.isEnabled()
+    form.set_value("model.dim", "sixteen")
+    editor = form.editors["model.dim"]
+    assert isinstance(editor, QLineEdit) and editor.property("invalid")
+    assert form.error_labels["model.dim"].text() == "expected a whole number"
+    assert not runs.start_button.isEnabled() and not runs.queue_button.isEnabled()
+    assert runs.start_from_form() is None and not ws.run_dirs()
+    form.set_value("model.dim", "16")
+    form.set_value("optim.lr", "0")
+    assert "greater than 0" in form.error_labels["optim.lr"].text()
+    assert not runs.start_button.isEnabled()
+    form.set_value("optim.lr", "0.003")
+    assert runs.start_button.isEnabled() and not editor.property("invalid")
+
+
+def test_missing_workspace_is_reported_with_ways_out(window, tmp_path):
+    ws = make_workspace(tmp_path / "ws", shapes=0, records=False)
+    assert window.open_workspace(ws.root)
+    ws.root.rename(tmp_path / "moved")
+    assert not open_initial_workspace(window)  # the recent workspace was moved
+    assert window.banner.isVisible()
+    assert "missing" in window.banner.text.text()
+    assert window.banner.forget.isVisible()
+    window.banner.forget.click()
+    assert str(ws.root) not in window.settings.recent
+    window.banner.open_sample.click()
+    assert not window.banner.isVisible()
+    assert window.workspace.root == (tmp_path / "data" / "sample-workspace").resolve()
+
+
+def test_leak_report_jumps_to_both_records(window, qtbot, tmp_path):
+    ws = make_workspace(tmp_path / "ws", shapes=12, records=False)
+    from app.viewmodels.datasets import DatasetTable
+    table = DatasetTable(ws.datasets_dir / "shapes")
+    first = table.rows[0].record
+    other = next(i for i, r in enumerate(table.rows) if r.record["split"] != first["split"])
+    # Put a record of another split in the first record's group: a group leak.
+    leaked = table.save_record(other, dict(table.rows[other].record, group=first["group"]))
+    assert window.open_workspace(ws.root)
+    pane = window.datasets
+    pane.select_dataset(leaked.root)
+    qtbot.mouseClick(pane.leak_button, Qt.MouseButton.LeftButton)
+    qtbot.waitUntil(lambda: pane.leak_process is None, timeout=120_000)
+    assert "1 leak(s)" in pane.leak_status.text(), pane.leak_status.text()
+    kinds = [pane.leaks.item(r, 1).text() for r in range(pane.leaks.rowCount())]
+    assert "same-group" in kinds
+    row = kinds.index("same-group")
+    ids = {pane.leaks.item(row, 2).data(Qt.ItemDataRole.UserRole),
+           pane.leaks.item(row, 3).data(Qt.ItemDataRole.UserRole)}
+    assert ids == {first["id"], table.rows[other].record["id"]}
+    for column in (2, 3):
+        pane.leaks.cellDoubleClicked.emit(row, column)
+        shown = json.loads(pane.editor.toPlainText())["id"]
+        assert shown == pane.leaks.item(row, column).data(Qt.ItemDataRole.UserRole)
+
+
+def test_segmentation_predictions_sorted_worst_first(window, qtbot, tmp_path):
+    from PIL import Image
+
+    from engine.eval.masks import boundary_f1, iou
+    ws = make_workspace(tmp_path / "ws", shapes=0, records=False)
+    folder = ws.runs_dir / "seg-run" / "evals" / "val-step-000010"
+    (folder / "panels").mkdir(parents=True)
+    (ws.runs_dir / "seg-run" / "run.json").write_text('{"recipe": "image-segment"}')
+    target = np.zeros((16, 16), bool)
+    target[4:12, 4:12] = True
+    lines = []
+    for k, shift in enumerate([0, 3, 1]):  # predictions shifted right by 0, 3 and 1 pixels
+        prediction = np.roll(target, shift, axis=1)
+        panels = {}
+        for name, mask in (("prediction", prediction), ("target", target)):
+            panels[name] = f"panels/img{k}-{name}.png"
+            Image.fromarray(mask.astype(np.uint8) * 255).save(folder / panels[name])
+        lines.append(json.dumps({"id": f"img{k}", "label": "square",
+                                 "iou": iou(prediction, target),
+                                 "boundary_f1": boundary_f1(prediction, target, 0),
+                                 "panels": panels}))
+    (folder / "per_image.jsonl").write_text("\n".join(lines) + "\n")
+    assert window.open_workspace(ws.root)
+    view = window.masks.predictions
+    assert view.source.currentText() == "seg-run · val-step-000010"
+    order = [view.table.item(r, 0).text() for r in range(view.table.rowCount())]
+    assert order == ["img1", "img2", "img0"]  # worst IoU first
+    # 8x8 square shifted by 3: overlap 5x8 = 40, union 88 -> IoU 0.4545.
+    assert float(view.table.item(0, 2).text()) == pytest.approx(40 / 88, abs=1e-4)
+    assert view.shown_row()["id"] == "img1"
+    assert not view.images["prediction"].pixmap().isNull()
+    assert not view.images["target"].pixmap().isNull()
+    view.table.sortItems(3, Qt.SortOrder.DescendingOrder)  # best boundary F1 first
+    assert view.table.item(0, 0).text() == "img0"
+
+
+def test_jobs_outlive_the_window_and_are_reattached(qtbot, tmp_path, monkeypatch):
+    import subprocess
+    import sys
+
+    from test_app_support import write_run
+    monkeypatch.setenv("FORGEBENCH_CONFIG_DIR", str(tmp_path / "config"))
+    ws = make_workspace(tmp_path / "ws", shapes=0, records=False)
+    job = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+    try:
+        run = write_run(ws.runs_dir / "live", steps=8, state="running")
+        run.set_status("running", pid=job.pid)
+        first = MainWindow(Settings())
+        qtbot.addWidget(first)
+        assert first.open_workspace(ws.root)
+        assert first.runs.active_runs() == [run.path]
+        first.close_policy = "leave"
+        first.close()
+        assert job.poll() is None  # still running after the window closed
+        second = MainWindow(Settings())
+        qtbot.addWidget(second)
+        second.close_policy = "stop"
+        assert second.open_workspace(ws.root)  # re-attaches by reading the run's files
+        assert second.runs.ledger.rows[0].state == "running"
+        second.runs.select_run(run.path)
+        assert second.runs.charts.point_count() == 8
+        assert "1 job running" in second.jobs_label.text()
+        second.close()  # "stop": the job gets SIGTERM (checkpoint-and-exit for a real job)
+        assert job.wait(timeout=10) == -15
+    finally:
+        job.kill()
+
+
+def test_sft_token_view_reports_a_missing_base_model(window, qtbot, tmp_path):
+    ws = make_workspace(tmp_path / "ws", shapes=0, records=False)
+    (ws.configs_dir / "sft.toml").write_text(
+        'recipe = "lm-sft"\n[model]\ngguf = "missing.gguf"\n[data]\npath = "../datasets/x"\n')
+    assert window.open_workspace(ws.root)
+    view = window.masks.sft
+    assert view.config.currentText() == "sft"
+    view.inspect()
+    qtbot.waitUntil(lambda: view.process is None, timeout=120_000)
+    assert "inspect-sft failed" in view.status.text()
+    assert "missing" in view.status.text()
+
+
+@pytest.mark.realmodel
+def test_sft_token_view_colours_supervised_tokens_of_the_pirate_set(window, qtbot):
+    from app.viewmodels.workspace import install_sample_workspace
+    assert window.open_workspace(install_sample_workspace())
+    view = window.masks.sft
+    view.config.setCurrentText("lm-sft-pirate")
+    view.inspect()
+    qtbot.waitUntil(lambda: view.process is None, timeout=300_000)
+    assert view.samples, view.status.text()
+    for sample in view.samples:
+        supervised = "".join(t for t, s in sample.spans if s)
+        assert supervised.strip() and sample.supervised_tokens > 0
+    assert "#c8e6c9" in view.text.toHtml()  # supervised spans are drawn on green

@@ -1,0 +1,95 @@
+"""GGUF reader: metadata and tensor table match the gguf package, bytes stay memory-mapped, and bad
+files get one clear error naming the file and the tensor or key."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import gguf
+from gguf import GGMLQuantizationType as T
+
+from engine.errors import ForgebenchError
+from engine.gguf.reader import open_gguf
+from fixtures_gguf import ARCHS, write_tiny_gguf
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_metadata_and_tensors_match_gguf_package(tmp_path, arch):
+    path = write_tiny_gguf(tmp_path / "m.gguf", arch, "Q4_K", vocab="bpe" if arch == "qwen2" else "spm")
+    f = open_gguf(path)
+    ref = gguf.GGUFReader(path)
+    assert f.architecture == arch
+    assert f.get("{arch}.block_count") == ref.fields[f"{arch}.block_count"].contents()
+    assert f.metadata["tokenizer.ggml.tokens"] == ref.fields["tokenizer.ggml.tokens"].contents()
+    assert f.metadata["tokenizer.ggml.token_type"] == ref.fields["tokenizer.ggml.token_type"].contents()
+    assert len(f.tensors) == len(ref.tensors)
+    for t in ref.tensors:
+        info = f.tensors[t.name]
+        assert info.shape == tuple(reversed(t.shape.tolist()))
+        assert info.ggml_type == t.tensor_type
+        assert info.n_bytes == t.n_bytes
+        assert np.array_equal(info.raw, np.asarray(t.data).reshape(-1).view(np.uint8))
+    q = f.tensors["blk.0.attn_q.weight"]
+    assert q.ggml_type == T.Q4_K and q.shape == (256, 256)
+    assert isinstance(q.raw.base, np.memmap) or isinstance(q.raw, np.memmap) \
+        or np.shares_memory(q.raw, np.asarray(ref.tensors[0].data)) is not None
+    assert len(f.sha256()) == 64
+
+
+def test_raw_bytes_are_a_view_of_the_file_map(tmp_path):
+    f = open_gguf(write_tiny_gguf(tmp_path / "m.gguf", "llama", "Q8_0"))
+    raw = f.tensors["blk.0.ffn_up.weight"].raw
+    base = raw
+    while getattr(base, "base", None) is not None and not isinstance(base, np.memmap):
+        base = base.base
+    assert isinstance(base, np.memmap)
+
+
+def test_not_gguf(tmp_path):
+    p = tmp_path / "model.safetensors"
+    p.write_bytes(b"\x08\x00\x00\x00\x00\x00\x00\x00{}      ")
+    with pytest.raises(ForgebenchError, match="not a GGUF file") as e:
+        open_gguf(p)
+    assert str(p) in str(e.value)
+
+
+def test_missing_file(tmp_path):
+    with pytest.raises(ForgebenchError, match="no such file"):
+        open_gguf(tmp_path / "absent.gguf")
+
+
+def test_truncated_file_names_the_tensor(tmp_path):
+    p = write_tiny_gguf(tmp_path / "m.gguf", "llama", "Q4_0")
+    data = p.read_bytes()
+    cut = tmp_path / "cut.gguf"
+    cut.write_bytes(data[: len(data) - 5000])
+    with pytest.raises(ForgebenchError, match="truncated") as e:
+        open_gguf(cut)
+    assert "output.weight" in str(e.value) and str(cut) in str(e.value)
+
+
+def test_truncated_header(tmp_path):
+    p = write_tiny_gguf(tmp_path / "m.gguf", "llama", "Q4_0")
+    cut = tmp_path / "cut.gguf"
+    cut.write_bytes(p.read_bytes()[:300])
+    with pytest.raises(ForgebenchError, match="truncated or corrupt"):
+        open_gguf(cut)
+
+
+def test_unsupported_quant_type_is_named(tmp_path):
+    p = tmp_path / "q2.gguf"
+    w = gguf.GGUFWriter(str(p), "llama")
+    w.add_tensor("blk.0.attn_q.weight", np.zeros((4, 84), np.uint8), raw_dtype=T.Q2_K)
+    w.write_header_to_file(); w.write_kv_data_to_file(); w.write_tensors_to_file(); w.close()
+    f = open_gguf(p)
+    with pytest.raises(ForgebenchError, match="Q2_K") as e:
+        f.check_type(f.tensors["blk.0.attn_q.weight"])
+    assert "blk.0.attn_q.weight" in str(e.value)
+
+
+def test_missing_key_and_tensor_are_named(tmp_path):
+    f = open_gguf(write_tiny_gguf(tmp_path / "m.gguf", "llama", "Q8_0"))
+    with pytest.raises(ForgebenchError, match="llama.attention.sliding_window"):
+        f.require("{arch}.attention.sliding_window")
+    with pytest.raises(ForgebenchError, match="blk.9.attn_q.weight"):
+        f.tensor("blk.9.attn_q.weight")

@@ -1,0 +1,308 @@
+"""lm-sft end to end on a tiny random Gemma-3 GGUF with Q4_K weights (QLoRA over packed blocks):
+real `forgebench` subprocess jobs, checkpoints, exact resume, bad input, full fine-tuning."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from engine.fsutil import sha256_file
+from engine.lora import read_adapters
+from lm_pretrain_support import forgebench, tree_digest
+
+torch.set_num_threads(1)
+ADAPTERS = "adapters.safetensors"
+
+PAIRS = [("What is the capital of France?", "Ahoy! The capital be Paris, matey."),
+         ("Name a primary color.", "Ahoy! Red be a fine color."),
+         ("What is two plus two?", "Ahoy! Four, matey."),
+         ("How many days are in a week?", "Ahoy! Seven days."),
+         ("Say hello.", "Ahoy there!"),
+         ("What is the sea?", "The sea be our home, matey.")]
+
+CONFIG = """\
+recipe = "lm-sft"
+seed = 5
+steps = {steps}
+save_every = {save_every}
+keep_last = 5
+
+[model]
+gguf = "{gguf}"
+
+[data]
+path = "{data}"
+max_len = 160
+
+[lora]
+method = "{method}"
+rank = 4
+alpha = 8.0
+dropout = {dropout}
+targets = {targets}
+
+[optim]
+lr = 1e-2
+
+[train]
+window = {window}
+micro_batch = 2
+
+[sample]
+prompts = ["Say hello."]
+max_tokens = 6
+"""
+
+
+@pytest.fixture(scope="module")
+def tiny_gguf(tmp_path_factory) -> Path:
+    from fixtures_gguf import write_tiny_gguf
+
+    return write_tiny_gguf(tmp_path_factory.mktemp("base") / "tiny-gemma3-q4k.gguf",
+                           arch="gemma3", qtype="Q4_K", n_layers=2)
+
+
+def write_data(path: Path, pairs=PAIRS) -> Path:
+    path.write_text("".join(json.dumps({"instruction": q, "response": a}) + "\n"
+                            for q, a in pairs))
+    return path
+
+
+def write_config(folder: Path, gguf: Path, *, steps=6, save_every=0, method="lora",
+                 dropout=0.1, targets='["q", "v", "down"]', window=3, data=None) -> Path:
+    data = data or write_data(folder / "pairs.jsonl")
+    path = folder / "sft.toml"
+    path.write_text(CONFIG.format(steps=steps, save_every=save_every, gguf=gguf, data=data,
+                                  method=method, dropout=dropout, targets=targets,
+                                  window=window))
+    return path
+
+
+def train_losses(run: Path) -> list[float]:
+    return [m["loss"] for m in map(json.loads, (run / "metrics.jsonl").read_text().splitlines())
+            if m.get("split") == "train"]
+
+
+@pytest.mark.slow
+def test_lora_run_checkpoints_adapters_and_writes_before_after(tmp_path, tiny_gguf):
+    config = write_config(tmp_path, tiny_gguf, steps=6, save_every=3)
+    base_before = sha256_file(tiny_gguf)
+    forgebench("run", str(config), "--out", str(tmp_path / "run"))
+    run = tmp_path / "run"
+
+    metrics = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in metrics] == [1, 2, 3, 4, 5, 6]
+    assert all(m["supervised_tokens"] > 0 and m["input_tokens"] > m["supervised_tokens"]
+               for m in metrics)
+    assert metrics[-1]["loss"] < metrics[0]["loss"]
+
+    checkpoint = run / "checkpoints" / "step-000006"
+    names = sorted(p.name for p in checkpoint.iterdir())
+    assert {"adapters.safetensors", "optimizer.safetensors", "trainer_state.json"} <= set(names)
+    tensors, meta = read_adapters(checkpoint / "adapters.safetensors")
+    assert meta["base_sha256"] == base_before == json.loads(
+        (run / "run.json").read_text())["base_model"]["sha256"]
+    assert meta["rank"] == "4" and meta["targets"] == "q,v,down" and meta["alpha"] == "8.0"
+    assert sorted(tensors)[:3] == ["layers.0.down.lora_a", "layers.0.down.lora_b",
+                                   "layers.0.q.lora_a"]
+    assert len(tensors) == 2 * 3 * 2
+    assert sha256_file(tiny_gguf) == base_before     # the frozen base file is untouched
+
+    before = [json.loads(x) for x in
+              (run / "samples" / "step-000000" / "generations.jsonl").read_text().splitlines()]
+    after = [json.loads(x) for x in
+             (run / "samples" / "step-000006" / "generations.jsonl").read_text().splitlines()]
+    assert before[0]["prompt"] == after[0]["prompt"] == "Say hello."
+    sidecar = json.loads((run / "samples" / "step-000006" / "generations.json").read_text())
+    assert sidecar["model"]["base_sha256"] == base_before and sidecar["step"] == 6
+
+    result = forgebench("generate", str(run), "--prompt", "Say hello.", "--max-tokens", "6",
+                        "--json")
+    assert json.loads(result.stdout)["text"] == after[0]["answer"]
+
+
+@pytest.mark.slow
+def test_resume_continues_exactly_with_dropout_and_partial_windows(tmp_path, tiny_gguf):
+    """Stop after step 3 (SIGTERM) and resume: same losses and adapters, bit for bit."""
+    straight = tmp_path / "a"
+    straight.mkdir()
+    forgebench("run", str(write_config(straight, tiny_gguf, steps=6)), "--out",
+               str(straight / "run"))
+    split = tmp_path / "b"
+    split.mkdir()
+    config = write_config(split, tiny_gguf, steps=6)
+    forgebench("run", str(config), "--out", str(split / "run"), "--stop-after-step", "3")
+    status = json.loads((split / "run" / "status.json").read_text())
+    assert status["state"] == "stopped" and status["step"] == 3
+    # Other engine files may change while the suite runs in a shared tree; the exactness
+    # asserted below is what resume promises.
+    forgebench("resume", str(split / "run"))
+
+    assert train_losses(split / "run") == train_losses(straight / "run")
+    # Tensor bytes, not file bytes: safetensors writes its metadata map in hash order.
+    a, meta_a = read_adapters(straight / "run" / "checkpoints" / "step-000006" / ADAPTERS)
+    b, meta_b = read_adapters(split / "run" / "checkpoints" / "step-000006" / ADAPTERS)
+    assert meta_a == meta_b and a.keys() == b.keys()
+    assert all(torch.equal(a[name], b[name]) for name in a)
+    assert any(bool(b[name].abs().max() > 0) for name in b if name.endswith("lora_b"))
+
+
+@pytest.mark.slow
+def test_bad_input_is_refused_with_the_reason_and_nothing_is_lost(tmp_path, tiny_gguf):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(json.dumps({"instruction": "a", "response": "b"}) + "\n"
+                   + json.dumps({"instruction": "c", "response": "d"}) + "\n"
+                   + '{"instruction": "e", "response": }\n')
+    config = write_config(tmp_path, tiny_gguf, data=bad)
+    result = forgebench("run", str(config), "--out", str(tmp_path / "bad-run"), check=False)
+    assert result.returncode != 0
+    assert "bad.jsonl: line 3" in result.stderr and "malformed JSON" in result.stderr
+
+    good = tmp_path / "good"
+    good.mkdir()
+    base = Path(shutil.copy(tiny_gguf, good / "base.gguf"))
+    config = write_config(good, base, steps=2)
+    forgebench("run", str(config), "--out", str(good / "run"))
+    saved = tree_digest(good / "run" / "checkpoints")
+
+    data = good / "pairs.jsonl"
+    original = data.read_bytes()
+    data.write_bytes(original + b'{"instruction": "new", "response": "pair"}\n')
+    result = forgebench("resume", str(good / "run"), "--steps", "4",
+                        check=False)
+    assert result.returncode != 0 and "training data changed" in result.stderr
+    assert "pairs.jsonl has a different SHA-256" in result.stderr
+    data.write_bytes(original)
+
+    with open(base, "r+b") as handle:  # same shapes, different bytes: another base
+        handle.seek(-8, 2)
+        handle.write(b"\x01" * 8)
+    result = forgebench("resume", str(good / "run"), "--steps", "4",
+                        check=False)
+    assert result.returncode != 0 and "base model file changed" in result.stderr
+
+    assert tree_digest(good / "run" / "checkpoints") == saved
+
+
+def test_adapter_metadata_mismatch_is_refused(tmp_path, tiny_gguf):
+    from engine.errors import ForgebenchError
+    from engine.lora import attach_lora, load_adapters, save_adapters
+    from engine.models.gguf_model import load_gguf_model
+
+    model, _ = load_gguf_model(tiny_gguf)
+    adapters = attach_lora(model, targets=["q", "v"], rank=4, alpha=8.0)
+    path = save_adapters(tmp_path / "adapters.safetensors", adapters, sha256_file(tiny_gguf))
+    other_model, _ = load_gguf_model(tiny_gguf)
+    wrong_rank = attach_lora(other_model, targets=["q", "v"], rank=2, alpha=8.0)
+    with pytest.raises(ForgebenchError, match="rank is '4' but this model expects '2'"):
+        load_adapters(path, wrong_rank, sha256_file(tiny_gguf))
+    with pytest.raises(ForgebenchError, match="base model SHA-256"):
+        load_adapters(path, adapters, "0" * 64)
+
+
+@pytest.mark.slow
+def test_full_fine_tuning_refuses_a_packed_quantized_base(tmp_path, tiny_gguf):
+    config = write_config(tmp_path, tiny_gguf, method="full")
+    result = forgebench("run", str(config), "--out", str(tmp_path / "run"), check=False)
+    assert result.returncode != 0
+    assert "full fine-tuning needs a dense base" in result.stderr
+    assert "Q4_K" in result.stderr
+
+
+@pytest.mark.slow
+def test_full_fine_tuning_of_a_float_gguf_trains_every_weight(tmp_path):
+    from fixtures_gguf import write_tiny_gguf
+    from safetensors.torch import load_file
+
+    base = write_tiny_gguf(tmp_path / "tiny-f32.gguf", arch="gemma3", qtype="F32", n_layers=2)
+    config = write_config(tmp_path, base, method="full", steps=3, dropout=0.0)
+    forgebench("run", str(config), "--out", str(tmp_path / "run"))
+    losses = train_losses(tmp_path / "run")
+    assert len(losses) == 3 and losses[-1] < losses[0]
+    weights = load_file(str(tmp_path / "run" / "checkpoints" / "step-000003" / "model.safetensors"))
+    assert "tok_embeddings.weight" in weights and "layers.1.mlp.down.weight" in weights
+    assert not any(".lora_" in name for name in weights)
+
+
+def test_window_is_token_weighted_whatever_the_micro_batching():
+    """Summed CE / the window's supervised tokens: micro-batches of one sample accumulate to the
+    gradient of one padded batch, and not to the mean of per-sample means."""
+    from types import SimpleNamespace
+
+    from engine.llm.verify_grads import tiny_model
+    from engine.recipes.lm_sft import collate, supervised_loss
+
+    model, adapters, batch = tiny_model(seed=2)
+    with torch.no_grad():
+        for a in adapters.values():
+            a.lora_b.normal_(0, 0.05)
+    samples = [SimpleNamespace(input_ids=i.tolist(), labels=l.tolist()) for i, l in batch.samples]
+    total = sum(sum(x != -100 for x in s.labels) for s in samples)
+    assert len({sum(x != -100 for x in s.labels) for s in samples}) == 2  # unequal counts
+
+    def grads(micro_batches, weight):
+        model.zero_grad(set_to_none=True)
+        for micro in micro_batches:
+            inputs, labels = collate(micro)
+            (supervised_loss(model, inputs, labels) * weight(labels)).backward()
+        return torch.cat([a.lora_a.grad.flatten() for a in adapters.values()])
+
+    whole = grads([samples], lambda labels: 1 / total)
+    split = grads([[s] for s in samples], lambda labels: 1 / total)
+    mean_of_means = grads([[s] for s in samples],
+                          lambda labels: 1 / int((labels != -100).sum()) / len(samples))
+    torch.testing.assert_close(split, whole, rtol=1e-9, atol=1e-12)
+    assert not torch.allclose(mean_of_means, whole, rtol=1e-3)
+
+
+@pytest.mark.slow
+def test_an_lm_pretrain_run_is_a_base_for_lora_and_full_fine_tuning(tmp_path):
+    from lm_pretrain_support import make_corpus, write_config as write_pretrain_config
+
+    corpus = make_corpus(tmp_path)
+    forgebench("run", str(write_pretrain_config(tmp_path / "pt.toml", corpus, steps=3)),
+               "--out", str(tmp_path / "pt"))
+    weights = tmp_path / "pt" / "checkpoints" / "step-000003" / "model.safetensors"
+    data = write_data(tmp_path / "pairs.jsonl")
+    for method in ("lora", "full"):
+        config = tmp_path / f"{method}.toml"
+        config.write_text(f'recipe = "lm-sft"\nsteps = 3\n[model]\nrun = "{tmp_path / "pt"}"\n'
+                          f'[data]\npath = "{data}"\nmax_len = 128\n'
+                          f'[lora]\nmethod = "{method}"\n[optim]\nlr = 3e-3\n'
+                          '[train]\nwindow = 6\nmicro_batch = 6\n')
+        forgebench("run", str(config), "--out", str(tmp_path / method))
+        losses = train_losses(tmp_path / method)
+        assert losses[-1] < losses[0], (method, losses)
+        manifest = json.loads((tmp_path / method / "run.json").read_text())
+        assert manifest["base_model"]["sha256"] == sha256_file(weights)
+    _, meta = read_adapters(tmp_path / "lora" / "checkpoints" / "step-000003" / ADAPTERS)
+    assert meta["base_sha256"] == sha256_file(weights) and meta["targets"] == "q,v"
+
+
+def test_activation_checkpointing_recomputes_the_same_gradients_with_dropout():
+    """Recomputed blocks regenerate the same dropout masks, so gradients match exactly."""
+    from engine.llm.verify_grads import tiny_model
+    from engine.recipes.lm_sft import checkpoint_activations
+
+    def gradients(recompute: bool) -> torch.Tensor:
+        model, adapters, batch = tiny_model(seed=4)
+        for adapter in adapters.values():
+            adapter.dropout = 0.3
+        with torch.no_grad():
+            for adapter in adapters.values():
+                adapter.lora_b.normal_(0, 0.05)
+        if recompute:
+            checkpoint_activations(model)
+        model.train()
+        model.lora_clock.set(step=7, micro=1)
+        batch.loss(model).backward()
+        return torch.cat([p.grad.flatten() for a in adapters.values()
+                          for p in (a.lora_a, a.lora_b)])
+
+    plain, recomputed = gradients(False), gradients(True)
+    assert torch.equal(plain, recomputed)
+    assert plain.abs().max() > 0

