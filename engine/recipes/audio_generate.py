@@ -25,8 +25,8 @@ from engine.models.diffusion import DenoisingUNet, UNetConfig
 from engine.recipes.audio_generate_config import AudioGenerateConfig
 from engine.recipes.media_common import (Loop, autocast, checkpoint_meta, dataset_manifest,
                                          load_weights, meta_for, open_dataset, read_clip,
-                                         require_same_classes, run_sampler, sample_request,
-                                         split_records, train_loop, write_wav)
+                                         record_eval, require_same_classes, run_sampler,
+                                         sample_request, split_records, train_loop, write_wav)
 from engine.rundir import Checkpoint, RunDir
 from engine.train.optim import build_adamw
 
@@ -101,10 +101,7 @@ def evaluate(run: RunDir, checkpoint: Checkpoint, split: str) -> dict:
     report = {"split": split, "checkpoint": checkpoint.name, "step": checkpoint.step,
               "loss": loss, "loss_kind": "fixed-noise epsilon MSE (EMA weights)",
               "n": len(labels)}
-    run.write_eval(f"{split}-{checkpoint.name}", report)
-    run.log_metric({"split": split, "step": checkpoint.step, "checkpoint": checkpoint.name,
-                    "loss": loss, "source": "forgebench eval"})
-    return report
+    return record_eval(run, checkpoint, split, report, ("loss",))
 
 
 def train(job: Job) -> None:

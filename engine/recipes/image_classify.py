@@ -19,7 +19,7 @@ from engine.models.vision import WIDTHS, SmallCNN
 from engine.recipes.image_classify_config import ImageClassifyConfig
 from engine.recipes.media_common import (ImageSet, Loop, augment, autocast, dataset_manifest,
                                          image_set, load_weights, meta_for, open_dataset,
-                                         require_same_classes, train_loop)
+                                         record_eval, require_same_classes, train_loop)
 from engine.rundir import Checkpoint, RunDir
 from engine.train.optim import build_adamw
 
@@ -71,11 +71,7 @@ def evaluate(run: RunDir, checkpoint: Checkpoint, split: str) -> dict:
     report = scores(predict(model, data, config.precision), data, classes)
     report.update(split=split, checkpoint=checkpoint.name, step=checkpoint.step,
                   preprocessing=meta["preprocessing"])
-    run.write_eval(f"{split}-{checkpoint.name}", report)
-    run.log_metric({"split": split, "step": checkpoint.step, "checkpoint": checkpoint.name,
-                    "loss": report["loss"], "macro_f1": report["macro_f1"],
-                    "accuracy": report["accuracy"], "source": "forgebench eval"})
-    return report
+    return record_eval(run, checkpoint, split, report, ("loss", "macro_f1", "accuracy"))
 
 
 def train(job: Job) -> None:

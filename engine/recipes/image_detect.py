@@ -22,7 +22,7 @@ from engine.models.vision import WIDTHS, GridDetector, detection_loss
 from engine.recipes.image_detect_config import ImageDetectConfig
 from engine.recipes.media_common import (ImageSet, Loop, augment, autocast, dataset_manifest,
                                          image_set, load_weights, meta_for, open_dataset,
-                                         require_same_classes, save_png, train_loop)
+                                         record_eval, require_same_classes, save_png, train_loop)
 from engine.rundir import Checkpoint, RunDir
 from engine.train.optim import build_adamw
 
@@ -96,11 +96,8 @@ def evaluate(run: RunDir, checkpoint: Checkpoint, split: str) -> dict:
                       "".join(json.dumps(r) + "\n" for r in report.pop("per_image")))
     report.update(split=split, checkpoint=checkpoint.name, step=checkpoint.step,
                   per_image=f"{folder.name}/per_image.jsonl", preprocessing=meta["preprocessing"])
-    run.write_eval(f"{split}-{checkpoint.name}", report)
-    run.log_metric({"split": split, "step": checkpoint.step, "checkpoint": checkpoint.name,
-                    "loss": report["loss"], "mean_iou": report["mean_iou"],
-                    "precision": report["precision"], "recall": report["recall"],
-                    "false_alarm_rate": report["false_alarm_rate"], "source": "forgebench eval"})
+    record_eval(run, checkpoint, split, report,
+                ("loss", "mean_iou", "precision", "recall", "false_alarm_rate"))
     return report
 
 

@@ -20,8 +20,8 @@ from engine.models.diffusion import DenoisingUNet, UNetConfig
 from engine.recipes.image_generate_config import ImageGenerateConfig
 from engine.recipes.media_common import (Loop, augment, autocast, checkpoint_meta,
                                          dataset_manifest, image_set, load_weights, meta_for,
-                                         open_dataset, require_same_classes, run_sampler,
-                                         sample_request, save_png, train_loop)
+                                         open_dataset, record_eval, require_same_classes,
+                                         run_sampler, sample_request, save_png, train_loop)
 from engine.rundir import Checkpoint, RunDir
 from engine.train.optim import build_adamw
 
@@ -119,10 +119,7 @@ def evaluate(run: RunDir, checkpoint: Checkpoint, split: str) -> dict:
                             data.labels)
     report = {"split": split, "checkpoint": checkpoint.name, "step": checkpoint.step,
               "loss": loss, "loss_kind": "fixed-noise epsilon MSE (EMA weights)", "n": len(data)}
-    run.write_eval(f"{split}-{checkpoint.name}", report)
-    run.log_metric({"split": split, "step": checkpoint.step, "checkpoint": checkpoint.name,
-                    "loss": loss, "source": "forgebench eval"})
-    return report
+    return record_eval(run, checkpoint, split, report, ("loss",))
 
 
 def train(job: Job) -> None:

@@ -26,9 +26,9 @@ from engine.jobs import Job, run_config
 from engine.models.vision import TinyUNet, segmentation_loss
 from engine.recipes.image_segment_config import ImageSegmentConfig
 from engine.recipes.media_common import (ImageSet, Loop, augment, autocast, checkpoint_meta,
-                                         dataset_manifest,
-                                         image_set, load_weights, meta_for, open_dataset,
-                                         require_same_classes, save_png, train_loop)
+                                         dataset_manifest, image_set, load_weights, meta_for,
+                                         open_dataset, record_eval, require_same_classes, save_png,
+                                         train_loop)
 from engine.rundir import Checkpoint, RunDir
 from engine.train.optim import build_adamw
 
@@ -107,11 +107,7 @@ def evaluate(run: RunDir, checkpoint: Checkpoint, split: str) -> dict:
               "empty_convention": "both empty = 1, exactly one empty = 0",
               "per_image": f"{folder.name}/per_image.jsonl",
               "preprocessing": meta["preprocessing"]}
-    run.write_eval(f"{split}-{checkpoint.name}", report)
-    run.log_metric({"split": split, "step": checkpoint.step, "checkpoint": checkpoint.name,
-                    "loss": loss, "iou": report["iou"], "boundary_f1": report["boundary_f1"],
-                    "threshold": threshold, "source": "forgebench eval"})
-    return report
+    return record_eval(run, checkpoint, split, report, ("loss", "iou", "boundary_f1", "threshold"))
 
 
 def train(job: Job) -> None:

@@ -38,6 +38,15 @@ EMA_PREFIX = "ema."
 
 
 # -- datasets -----------------------------------------------------------------------------
+def record_eval(run, checkpoint: Checkpoint, split: str, report: dict,
+                metric_keys: tuple[str, ...]) -> dict:
+    """Write `evals/<split>-<checkpoint>.json` and one eval metric line with the headline keys."""
+    run.write_eval(f"{split}-{checkpoint.name}", report)
+    run.log_metric({"split": split, "step": checkpoint.step, "checkpoint": checkpoint.name,
+                    **{key: report[key] for key in metric_keys}, "source": "forgebench eval"})
+    return report
+
+
 def open_dataset(config, kinds: tuple[str, ...]) -> Dataset:
     root = config.resolve_path(config.data.dir)
     if not root.is_dir():
