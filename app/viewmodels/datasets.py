@@ -14,8 +14,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from engine.data import formats as F
-from engine.data.dataset import (Dataset, Finding, Report, _check_record, _read_raw_records,
-                                 _records_file, group_of, load_dataset, save_new_version,
+from engine.data.dataset import (Dataset, Finding, Report, check_record, read_raw_records,
+                                 records_file_of, group_of, load_dataset, save_new_version,
                                  validate_dataset)
 from engine.errors import ForgebenchError
 from engine.fsutil import read_json
@@ -59,11 +59,11 @@ class DatasetTable:
             pass
         kind = F.KINDS.get(self.manifest.get("kind")) if isinstance(self.manifest, dict) else None
         self.kind = kind.name if kind else None
-        self.records_file = _records_file(self.manifest, kind, self.root) if kind else None
+        self.records_file = records_file_of(self.manifest, kind, self.root) if kind else None
         if kind:
             scratch = Report(self.root, self.kind)  # the real findings come from report
             self.rows = [Row(where, record) for where, record in
-                         _read_raw_records(self.root, self.records_file, self.manifest, kind,
+                         read_raw_records(self.root, self.records_file, self.manifest, kind,
                                            scratch)]
         self._place_findings()
 
@@ -171,7 +171,7 @@ class DatasetTable:
     def check_record(self, record: dict) -> list[tuple[str | None, str]]:
         """The validator's per-record checks for an edited record (fields and types)."""
         kind = F.KINDS[self.kind]
-        return _check_record(dict(record), kind, self.manifest)
+        return check_record(dict(record), kind, self.manifest)
 
     def _records_bytes(self, replace: dict[int, dict]) -> bytes:
         lines = (self.root / self.records_file).read_text(encoding="utf-8").split("\n")

@@ -137,7 +137,8 @@ def write_manifest(root: str | os.PathLike, kind: str, name: str, *, parent: str
 # ----------------------------------------------------------------------------- records
 
 
-def _records_file(manifest: dict, kind: F.Kind, root: Path) -> str:
+def records_file_of(manifest: dict, kind: F.Kind, root: Path) -> str:
+    """The records file a manifest names, or the kind's default when it names none."""
     if isinstance(manifest.get("records"), str):
         return manifest["records"]
     for candidate in (kind.records, *kind.alt_records):
@@ -146,8 +147,8 @@ def _records_file(manifest: dict, kind: F.Kind, root: Path) -> str:
     return kind.records
 
 
-def _read_raw_records(root: Path, rel: str, manifest: dict, kind: F.Kind,
-                      report: Report) -> list[tuple[str, dict]]:
+def read_raw_records(root: Path, rel: str, manifest: dict, kind: F.Kind,
+                     report: Report) -> list[tuple[str, dict]]:
     """(where, record) pairs from a JSONL or CSV file, a class-per-folder layout, or
     one-document-per-line text files."""
     layout = _layout(manifest, kind)
@@ -320,7 +321,8 @@ def _check_messages(value: Any) -> str | None:
     return None
 
 
-def _check_record(record: dict, kind: F.Kind, manifest: dict) -> list[tuple[str | None, str]]:
+def check_record(record: dict, kind: F.Kind, manifest: dict) -> list[tuple[str | None, str]]:
+    """(field, reason) problems of one record; the app calls it for inline validation."""
     problems = []
     if kind.id_from and "id" not in record and isinstance(record.get(kind.id_from), str):
         record["id"] = record[kind.id_from]
@@ -519,7 +521,7 @@ def _validate(root: Path, check_hashes: bool, check_media: bool, progress: bool,
         return report, None
     kind = F.KINDS[manifest["kind"]]
     _validate_files(root, manifest, report, check_hashes, progress)
-    rel = _records_file(manifest, kind, root)
+    rel = records_file_of(manifest, kind, root)
     if _layout(manifest, kind) == "records":
         reason = safe_relpath(rel)
         if reason:
@@ -527,11 +529,11 @@ def _validate(root: Path, check_hashes: bool, check_media: bool, progress: bool,
             return report, None
         if rel not in manifest["files"]:
             report.add(F.MANIFEST, None, "files", f"the records file {rel!r} is not listed")
-    items = _read_raw_records(root, rel, manifest, kind, report)
+    items = read_raw_records(root, rel, manifest, kind, report)
     good: list[tuple[str, dict]] = []
     seen: dict[str, str] = {}
     for where, record in items:
-        problems = _check_record(record, kind, manifest)
+        problems = check_record(record, kind, manifest)
         rid = record.get("id") if isinstance(record.get("id"), str) else None
         at = f"{where} (id {rid!r})" if rid else where
         for name, reason in problems:
@@ -712,7 +714,7 @@ def _rederive_boxes(staging: Path, dataset: Dataset, changed: set[str]) -> None:
     """Boxes are derived data: when an edit replaces a mask, its record's box follows it."""
     from engine.data.media import box_from_mask, mask_array, open_image
 
-    rel = _records_file(dataset.manifest, F.KINDS[dataset.kind], dataset.root)
+    rel = records_file_of(dataset.manifest, F.KINDS[dataset.kind], dataset.root)
     if "mask" not in F.KINDS[dataset.kind].fields or rel in changed or rel.endswith(".csv"):
         return
     records = [json.loads(line) for line in
