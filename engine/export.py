@@ -93,24 +93,36 @@ class _Progress:
             tqdm.write(message)
 
 
-def _gguf_stage(name: str, description: str, path: Path, bundle_dir: Path, lora=None):
-    from engine.equivalence import Stage
+def _holds_quantized(path: Path) -> bool:
+    from engine.gguf.reader import open_gguf
+
+    return any(t.ggml_type not in quant_policy.FLOAT_TYPES for t in open_gguf(path).tensors.values())
+
+
+def _gguf_stage(name: str, description: str, path: Path, bundle_dir: Path, lora=None,
+                requantized: bool = False):
+    """An engine stage; `requantized` when its weights were quantized after training, so it
+    is held to the quantized bar rather than the dense one."""
+    from engine.equivalence import MIN_TOP1_DENSE, MIN_TOP1_QUANTIZED, Stage
 
     model = {"kind": "gguf", "path": str(path), "numerics": "f32"}
     if lora:
         model["lora"] = str(lora)
     shown = path.name if path.parent == bundle_dir else f"(intermediate) {path.name}"
-    return Stage(name, description, model, shown)
+    return Stage(name, description, model, shown,
+                 MIN_TOP1_QUANTIZED if requantized else MIN_TOP1_DENSE)
 
 
 def _llamacpp_stage(path: Path, description: str, lora: Path | None = None,
                     lora_name: str | None = None):
-    from engine.equivalence import Stage
+    """llama.cpp on a file with quantized weights quantizes activations too: the quantized bar."""
+    from engine.equivalence import MIN_TOP1_DENSE, MIN_TOP1_QUANTIZED, Stage
 
     model = {"kind": "llamacpp", "path": str(path)}
     if lora:
         model["lora"] = str(lora)
-    return Stage("llama.cpp", description, model, lora_name or path.name)
+    return Stage("llama.cpp", description, model, lora_name or path.name,
+                 MIN_TOP1_QUANTIZED if _holds_quantized(path) else MIN_TOP1_DENSE)
 
 
 # ----------------------------------------------------------------------- per recipe
@@ -134,7 +146,7 @@ def _export_pretrain(bundle: Bundle, staging: Path, scratch: Path, progress: _Pr
         with progress.tensors(f"quantize → {bundle.dtype}") as update:
             convert_gguf(dense, final, bundle.dtype, progress=update)
         bundle.stages.append(_gguf_stage("quantized", f"quantized to {bundle.dtype}", final,
-                                         staging))
+                                         staging, requantized=True))
     bundle.files.append(MODEL_GGUF)
     bundle.llamacpp = _llamacpp_stage(final, "the exported model.gguf in llama.cpp")
 
@@ -213,7 +225,8 @@ def _export_sft(bundle: Bundle, staging: Path, scratch: Path, base_arg: str | No
         with progress.tensors(f"convert → {bundle.dtype}") as update:
             convert_gguf(merged, final, bundle.dtype, progress=update, allow_dequantized=True)
         kind = "quantized" if _is_quantized(bundle.dtype) else "converted"
-        bundle.stages.append(_gguf_stage(kind, f"{kind} to {bundle.dtype}", final, staging))
+        bundle.stages.append(_gguf_stage(kind, f"{kind} to {bundle.dtype}", final, staging,
+                                         requantized=kind == "quantized"))
     if result.base_match == "dequantized from":
         bundle.notes.append("the base is a dense copy dequantized from a quantized file: the "
                             "first quantization's rounding stays in every merged weight")

@@ -14,6 +14,7 @@ import gguf
 import pytest
 
 from app.viewmodels import export_wizard as vm
+from engine.equivalence import MIN_TOP1_DENSE, MIN_TOP1_QUANTIZED, Report, verdict
 from app.viewmodels.workspace import Workspace
 from app.views.export_wizard import ExportWizardPane
 from app_part2_support import lm_run, wait_for
@@ -29,25 +30,38 @@ def _stage(name, top1, tokenizer=True):
             "greedy_vs_checkpoint": {"matches": [True, False]}}
 
 
-def test_verification_rows_pass_and_fail_by_stage():
-    report = {"export": {"dtype": "q4_k_m"}, "prompt_suite": [{"prompt": "Hi", "answer": "yo"}],
-              "stages": [{"name": "checkpoint", "description": "ref", "positions": 10},
-                         _stage("merged", 0.995), _stage("quantized", 0.93)],
-              "llamacpp": {"available": True, "answers": ["yo!"], **_stage("llama.cpp", 0.89)}}
-    result = vm.verification(report)
-    verdicts = [(r.name, r.verdict) for r in result["rows"]]
+def _report(stages: list[dict], llamacpp: dict) -> dict:
+    """A report as the engine assembles it, verdicts and the overall flag included."""
+    report = Report([{"prompt": "Hi", "answer": "yo"}],
+                    [{"name": "checkpoint", "description": "ref", "positions": 10}, *stages],
+                    llamacpp).as_dict()
+    report["export"] = {"dtype": "q4_k_m"}
+    return report
+
+
+def test_verification_rows_show_the_engines_verdicts():
     # dense stages need 99% top-1 agreement, quantized ones 90%; llama.cpp runs the q4_k_m file
-    assert verdicts == [("checkpoint", "reference"), ("merged", "pass"), ("quantized", "pass"),
-                        ("llama.cpp", "FAIL")]
+    merged, quantized = _stage("merged", 0.995), _stage("quantized", 0.93)
+    cpp = {"available": True, "answers": ["yo!"], **_stage("llama.cpp", 0.89)}
+    report = _report([{**merged, **verdict(merged, MIN_TOP1_DENSE)},
+                      {**quantized, **verdict(quantized, MIN_TOP1_QUANTIZED)}],
+                     {**cpp, **verdict(cpp, MIN_TOP1_QUANTIZED)})
+    result = vm.verification(report)
+    verdicts = [(r.name, r.verdict, r.min_top1) for r in result["rows"]]
+    assert verdicts == [("checkpoint", "reference", None), ("merged", "pass", 0.99),
+                        ("quantized", "pass", 0.90), ("llama.cpp", "FAIL", 0.90)]
     assert not result["passed"] and result["llamacpp"]["answers"] == [("Hi", "yo", "yo!")]
-    report["stages"][1] = _stage("merged", 0.98)            # a dense stage below 99%
-    report["llamacpp"] = {"available": False, "reason": "llama-cpp-python is not installed"}
+    low = _stage("merged", 0.98)                             # a dense stage below 99%
+    report = _report([{**low, **verdict(low, MIN_TOP1_DENSE)},
+                      {**quantized, **verdict(quantized, MIN_TOP1_QUANTIZED)}],
+                     {"available": False, "reason": "llama-cpp-python is not installed"})
     result = vm.verification(report)
     assert [r.verdict for r in result["rows"]] == ["reference", "FAIL", "pass"]
+    assert not result["passed"]
     assert result["llamacpp"] == {"available": False, "answers": [],
                                   "reason": "llama-cpp-python is not installed"}
-    report["stages"][1] = _stage("merged", 1.0, tokenizer=False)
-    assert vm.verification(report)["rows"][1].verdict == "FAIL"
+    other_tokens = _stage("merged", 1.0, tokenizer=False)
+    assert verdict(other_tokens, MIN_TOP1_DENSE) == {"min_top1": 0.99, "passed": False}
 
 
 def _pane(qtbot, workspace: Workspace) -> ExportWizardPane:
@@ -85,9 +99,10 @@ def test_the_wizard_exports_a_tiny_lm_to_a_verified_gguf(qtbot, tmp_path_factory
     report = json.loads((out / "report.json").read_text())
     rows = {pane.stages.item(r, 0).text(): pane.stages.item(r, 1).text()
             for r in range(pane.stages.rowCount())}
-    assert rows["checkpoint"] == "reference" and rows["dense"] == "pass"
+    assert rows["checkpoint"] == "reference" and rows["dense"] == "pass (≥ 99%)"
+    assert report["passed"] and report["stages"][1]["passed"]
     if report["llamacpp"]["available"]:
-        assert rows["llama.cpp"] == "pass"
+        assert rows["llama.cpp"] == "pass (≥ 99%)"
         first = report["llamacpp"]["answers"][0]
         assert "llama.cpp's answers" in pane.answers.text() and first[:8] in pane.answers.text()
     else:
@@ -187,4 +202,4 @@ def test_a_quantized_or_foreign_base_is_refused_with_the_engines_reason(qtbot, t
     wait_for(qtbot, pane.export_job, 600)
     rows = {pane.stages.item(r, 0).text(): pane.stages.item(r, 1).text()
             for r in range(pane.stages.rowCount())}
-    assert rows["merged"] == "pass", pane.export_job.output[-2000:]
+    assert rows["merged"] == "pass (≥ 99%)", pane.export_job.output[-2000:]

@@ -8,7 +8,8 @@ import math
 import torch
 from safetensors.torch import save_file
 
-from engine.equivalence import StageResult, _greedy_match, compare, render_text
+from engine.equivalence import (MIN_TOP1_DENSE, MIN_TOP1_QUANTIZED, Report, StageResult,
+                                _greedy_match, compare, render_text, verdict)
 
 
 def _stage(path, logits: list[torch.Tensor], greedy=None) -> StageResult:
@@ -59,6 +60,23 @@ def test_the_text_report_names_every_stage_and_llamacpp_absence():
          "vs_checkpoint": metrics, "vs_previous": metrics, "tokenizer_matches": True,
          "greedy_vs_checkpoint": {"matches": [True]}}],
         "llamacpp": {"available": False, "reason": "llama-cpp-python is not installed"}}
+    report["stages"][1].update(verdict(report["stages"][1], MIN_TOP1_DENSE))
     text = render_text(report)
     assert "[merged]" in text and "99.50%" in text and "0.25" in text
+    assert "verdict: pass (needs top-1 ≥ 99%" in text
     assert "[llama.cpp] not run: llama-cpp-python is not installed" in text
+
+
+def test_stage_verdicts_use_the_stage_bar_and_the_report_passes_only_if_all_do():
+    metrics = {"top1_agreement": 0.95, "max_abs_logit_diff": 1.0, "mean_abs_logit_diff": 0.1,
+               "kl_mean": 1e-2, "kl_max": 0.1, "positions": 20}
+    stage = {"name": "quantized", "tokenizer_matches": True, "vs_checkpoint": metrics}
+    assert verdict(stage, MIN_TOP1_QUANTIZED) == {"min_top1": 0.90, "passed": True}
+    assert verdict(stage, MIN_TOP1_DENSE) == {"min_top1": 0.99, "passed": False}
+    assert not verdict({**stage, "tokenizer_matches": False}, MIN_TOP1_QUANTIZED)["passed"]
+    ok = {**stage, **verdict(stage, MIN_TOP1_QUANTIZED)}
+    cpp = {"available": True, **stage, **verdict(stage, MIN_TOP1_DENSE)}
+    assert Report([], [ok]).as_dict()["passed"] is True
+    assert Report([], [ok], cpp).as_dict()["passed"] is False          # llama.cpp counts too
+    assert Report([], [ok], {"available": False}).as_dict()["passed"] is True
+    assert Report([], []).as_dict()["passed"] is False                 # nothing checked

@@ -294,7 +294,8 @@ class ExportWizardPane(QWidget):
         self.stages.setRowCount(len(result["rows"]))
         for r, row in enumerate(result["rows"]):
             fmt = lambda v, spec: "" if v is None else format(v, spec)  # noqa: E731
-            values = (row.name, row.verdict, fmt(row.top1, ".2%"), fmt(row.max_abs, ".4g"),
+            bar = f" (≥ {row.min_top1:.0%})" if row.min_top1 is not None else ""
+            values = (row.name, row.verdict + bar, fmt(row.top1, ".2%"), fmt(row.max_abs, ".4g"),
                       fmt(row.mean_abs, ".3g"), fmt(row.kl, ".3g"), row.greedy,
                       "" if row.tokenizer is None else ("same" if row.tokenizer else "DIFFERS"),
                       row.file)
