@@ -144,6 +144,7 @@ def _data_args(p: argparse.ArgumentParser) -> None:
             q.add_argument("--ratios", default="0.8,0.1,0,0.1",
                            help="train,val,calibration,test")
             q.add_argument("--seed", type=int, default=0)
+            q.add_argument("--out", help="folder for the new version (default: DIR-v2, -v3 ...)")
         if action == "stats":
             q.add_argument("--tokenizer", help="GGUF file whose tokenizer counts tokens")
             q.add_argument("--max-length", type=int, help="count samples over this length")

@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import numpy as np
+import pytest
 import soundfile
 
 from engine.data.card import build_card, render_markdown
@@ -42,6 +43,25 @@ def test_generate_validate_leaks_stats_card_split(tmp_path):
     # the generated set already carries splits: split assigns nothing new
     split = forgebench("split", str(out), "--json")
     assert split.returncode == 0 and json.loads(split.stdout)["assigned"] == 0
+
+
+def test_split_cli_writes_a_new_version_and_names_it(tmp_path):
+    data = tmp_path / "qa"
+    data.mkdir()
+    (data / "records.jsonl").write_text("".join(json.dumps(
+        {"id": f"q{i}", "group": f"g{i // 2}", "instruction": f"question {i}",
+         "response": f"answer {i}"}) + "\n" for i in range(40)))
+    assert forgebench("init", str(data), "--kind", "text-sft").returncode == 0
+    manifest = (data / "dataset.json").read_bytes()
+    done = forgebench("split", str(data), "--out", str(tmp_path / "qa-split"))
+    assert done.returncode == 0, done.stderr
+    new = load_dataset(tmp_path / "qa-split")
+    assert f"assigned 20 new groups; wrote version {new.version}" in done.stdout
+    assert str(tmp_path / "qa-split") in done.stdout
+    assert (data / "dataset.json").read_bytes() == manifest and not (data / "splits.json").exists()
+    assert new.manifest["parent"] == load_dataset(data).version
+    again = forgebench("split", str(tmp_path / "qa-split"))
+    assert again.returncode == 0 and "nothing written" in again.stdout
 
 
 def test_cli_reports_bad_data_with_file_line_and_field(tmp_path):
@@ -161,3 +181,29 @@ def test_stats_counts_tokens_with_a_gguf_tokenizer(tmp_path):
     assert lengths["unit"] == "tokens (tiny.gguf)"
     assert lengths["by_split"]["train"]["max"] == max(expected)
     assert lengths["over_max_length"]["train"] == sum(n > 60 for n in expected)
+
+
+@pytest.mark.llamacpp
+@pytest.mark.realmodel
+def test_token_lengths_and_truncation_counts_match_llama_cpp(gemma_gguf, tmp_path):
+    """`data stats --tokenizer` counts what llama.cpp's own tokenizer counts for the real
+    Gemma 3 file, so its truncation counts are the ones a run at that length would see."""
+    import llama_cpp
+
+    out = tmp_path / "style"
+    assert forgebench("generate", "style", "--out", str(out), "--n", "80").returncode == 0
+    done = forgebench("stats", str(out), "--json", "--tokenizer", str(gemma_gguf),
+                      "--max-length", "40")
+    assert done.returncode == 0, done.stderr
+    lengths = json.loads(done.stdout)["text_lengths"]
+    llm = llama_cpp.Llama(str(gemma_gguf), n_ctx=64, verbose=False, vocab_only=True)
+    dataset = load_dataset(out)
+    per_split: dict[str, list[int]] = {}
+    for record in dataset.records():
+        ids = llm.tokenize(dataset.text_of(record).encode(), add_bos=True, special=True)
+        per_split.setdefault(record["split"], []).append(len(ids))
+    for split, counts in per_split.items():
+        summary = lengths["by_split"][split]
+        assert (summary["n"], summary["min"], summary["max"]) == \
+            (len(counts), min(counts), max(counts)), split
+        assert lengths["over_max_length"][split] == sum(n > 40 for n in counts) > 0, split

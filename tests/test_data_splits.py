@@ -38,10 +38,11 @@ def test_adding_ten_percent_keeps_every_existing_assignment(tmp_path):
     ratios = parse_ratios("0.7,0.1,0.1,0.1")
     first = assign_splits(tmp_path / "v1", ratios, seed=11)
     assert first["assigned"] == len({r["group"] for r in base})
-    before = _assignment(tmp_path / "v1")
+    split_v1 = Path(first["path"])
+    before = _assignment(split_v1)
     # groups never straddle splits
     by_group = {}
-    for record in load_dataset(tmp_path / "v1").records():
+    for record in load_dataset(split_v1).records():
         by_group.setdefault(record["group"], set()).add(record["split"])
     assert all(len(s) == 1 for s in by_group.values())
     counts = Counter(before.values())
@@ -49,12 +50,12 @@ def test_adding_ten_percent_keeps_every_existing_assignment(tmp_path):
 
     # 10% more records: half join existing groups, half bring new groups; saved as a version
     added = _records(1000, 50, 400, rng) + _records(1050, 50, 10_000, rng)
-    old = load_dataset(tmp_path / "v1")
-    lines = (tmp_path / "v1" / "records.jsonl").read_text() + \
+    old = load_dataset(split_v1)
+    lines = (split_v1 / "records.jsonl").read_text() + \
         "".join(json.dumps(r) + "\n" for r in added)
-    new = save_new_version(old, {"records.jsonl": lines.encode()}, note="more records")
-    assign_splits(new.root, ratios, seed=11)
-    after = _assignment(new.root)
+    new = save_new_version(old, {"records.jsonl": lines.encode()}, note="more records",
+                           out_dir=tmp_path / "v2")
+    after = _assignment(Path(assign_splits(new.root, ratios, seed=11)["path"]))
     assert {k: after[k] for k in before} == before
     group_split = {g: s.pop() for g, s in by_group.items()}
     for record in added:
@@ -65,21 +66,34 @@ def test_adding_ten_percent_keeps_every_existing_assignment(tmp_path):
 def test_changed_ratios_do_not_move_assigned_groups(tmp_path):
     rng = random.Random(2)
     _write(tmp_path / "d", _records(0, 200, 100, rng))
-    assign_splits(tmp_path / "d", parse_ratios("0.8,0.1,0,0.1"), seed=0)
-    before = _assignment(tmp_path / "d")
-    result = assign_splits(tmp_path / "d", parse_ratios("0.1,0.1,0,0.8"), seed=5)
-    assert result["assigned"] == 0 and _assignment(tmp_path / "d") == before
+    split = Path(assign_splits(tmp_path / "d", parse_ratios("0.8,0.1,0,0.1"), seed=0)["path"])
+    before = _assignment(split)
+    result = assign_splits(split, parse_ratios("0.1,0.1,0,0.8"), seed=5)
+    assert result["assigned"] == 0 and result["path"] == str(split)  # nothing new written
+    assert _assignment(split) == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["d", "d-v2"]
 
 
-def test_split_is_recorded_as_a_new_version_of_the_manifest(tmp_path):
+def _tree(root: Path) -> dict[str, bytes]:
+    return {p.relative_to(root).as_posix(): p.read_bytes() for p in sorted(root.rglob("*"))
+            if p.is_file()}
+
+
+def test_split_writes_a_new_version_and_leaves_the_old_one_byte_identical(tmp_path):
     _write(tmp_path / "d", _records(0, 20, 10, random.Random(3)))
-    raw = (tmp_path / "d" / "records.jsonl").read_bytes()
+    before = _tree(tmp_path / "d")
     old = load_dataset(tmp_path / "d").version
-    assign_splits(tmp_path / "d", DEFAULT_RATIOS, seed=0)
-    dataset = load_dataset(tmp_path / "d")
-    assert (tmp_path / "d" / "records.jsonl").read_bytes() == raw  # raw data untouched
-    assert dataset.manifest["parent"] == old != dataset.version
+    result = assign_splits(tmp_path / "d", DEFAULT_RATIOS, seed=0)
+    assert _tree(tmp_path / "d") == before  # not one byte of the old version changed
+    assert result["path"] == str(tmp_path / "d-v2")
+    dataset = load_dataset(result["path"])
+    assert dataset.manifest["parent"] == old != dataset.version == result["version"]
+    assert dataset.manifest["split_policy"]["seed"] == 0
+    assert dataset.manifest["history"][-1]["changed"] == ["splits.json"]
     assert "splits.json" in dataset.files_manifest()
+    assert (Path(result["path"]) / "records.jsonl").read_bytes() == before["records.jsonl"]
+    assert all(r["split"] in ("train", "val", "test") for r in dataset.records())
+    assert not any("split" in r for r in load_dataset(tmp_path / "d").records())
 
 
 @settings(max_examples=50, deadline=None)

@@ -11,21 +11,99 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
+from typing import Literal
 
+from pydantic import Field, ValidationInfo, field_validator
+
+from engine.config import Schema
 from engine.data.dataset import Dataset
 from engine.data.stats import dataset_stats
-from engine.fsutil import atomic_write_json, atomic_write_text
+from engine.errors import ForgebenchError
+from engine.fsutil import atomic_write_json, atomic_write_text, read_json
 
 NOT_STATED = "not stated"
 RIGHTS = ("train", "publish_data", "publish_weights", "commercial")
+Answer = Literal["not stated", "yes", "no", "with conditions"]
 
 
-def build_card(dataset: Dataset, stats: dict | None = None) -> dict:
+class RightsStatement(Schema):
+    """Each right answered on its own: they can have different answers."""
+
+    train: Answer = Field(NOT_STATED, description="may a model be trained on this data?")
+    publish_data: Answer = Field(NOT_STATED, description="may the data be redistributed?")
+    publish_weights: Answer = Field(NOT_STATED, description="may trained weights be published?")
+    commercial: Answer = Field(NOT_STATED, description="may it back a commercial service?")
+    basis: str = Field("", validate_default=True,
+                       description="the licence, permission or terms behind the answers")
+
+    @field_validator("basis")
+    @classmethod
+    def _conditions_are_written(cls, basis: str, info: ValidationInfo) -> str:
+        conditional = [r for r in RIGHTS if info.data.get(r) == "with conditions"]
+        if conditional and not basis.strip():
+            raise ValueError(f"state the conditions for {', '.join(conditional)}")
+        return basis
+
+
+class CardStatement(Schema):
+    """What people state about a dataset; counts, lengths and hashes are measured instead.
+    The app's data-card form is generated from this schema."""
+
+    task: str = Field("", description="the job the data teaches")
+    sources: list[str] = Field([], description="source types and where each came from")
+    collection_dates: str = Field("", description="when the data was collected")
+    preprocessing: str = Field("", description="cleaning and transformations applied")
+    split_method: str = Field("", description="how splits were made (default: the manifest's "
+                                              "split policy)")
+    rights: RightsStatement = RightsStatement()
+    consent: str = Field("", description="consent basis for recorded or depicted people")
+    known_gaps: list[str] = Field([], description="what the data does not cover")
+    intended_uses: list[str] = Field([], description="what it is for")
+    prohibited_uses: list[str] = Field([], description="what it must not be used for")
+    reviewed_by: str = Field("", description="who reviewed the labels")
+
+    @field_validator("prohibited_uses")
+    @classmethod
+    def _uses_do_not_contradict(cls, prohibited: list[str], info: ValidationInfo) -> list[str]:
+        both = set(info.data.get("intended_uses") or []) & set(prohibited)
+        if both:
+            raise ValueError(f"{sorted(both)[0]!r} is also listed as an intended use")
+        return prohibited
+
+    def given(self) -> dict:
+        """Only what is stated: empty texts and 'not stated' answers are left out, so the
+        card lists them as missing."""
+        out = {k: v for k, v in self.model_dump(exclude={"rights"}).items() if v}
+        rights = {k: v for k, v in self.rights.model_dump().items() if v and v != NOT_STATED}
+        if rights:
+            out["rights"] = rights
+        return out
+
+
+def statement_of(card: dict) -> dict:
+    """The stated part of a written card.json, in `CardStatement` form (for re-editing and
+    for keeping those statements when the card is written again)."""
+    out = {}
+    for name in CardStatement.model_fields:
+        value = card.get(name)
+        if name == "rights" and isinstance(value, dict):
+            out["rights"] = {k: v for k, v in value.items()
+                             if k in RightsStatement.model_fields and v != NOT_STATED}
+        elif value not in (None, NOT_STATED, [NOT_STATED]) and name != "rights":
+            out[name] = value
+    return out
+
+
+def build_card(dataset: Dataset, stats: dict | None = None, stated: dict | None = None) -> dict:
+    """The card: `stated` (a `CardStatement.given()`) wins over the manifest's card and
+    rights sections; everything measured comes from the data itself."""
     manifest = dataset.manifest
-    given = manifest.get("card") or {}
+    given = dict(manifest.get("card") or {}, **{k: v for k, v in (stated or {}).items()
+                                                 if k != "rights"})
     rights_given = manifest.get("rights")
     rights_given = rights_given if isinstance(rights_given, dict) else \
         {"statement": rights_given} if rights_given else {}
+    rights_given = dict(rights_given, **(stated or {}).get("rights", {}))
     stats = stats or dataset_stats(dataset)
     policy = manifest.get("split_policy") or {}
     card = {
@@ -37,7 +115,7 @@ def build_card(dataset: Dataset, stats: dict | None = None) -> dict:
         or (f"generated {manifest['created']}" if manifest.get("created") and
             manifest.get("provenance", {}).get("generator") else NOT_STATED),
         "preprocessing": given.get("preprocessing", NOT_STATED),
-        "split_method": _split_method(policy),
+        "split_method": given.get("split_method") or _split_method(policy),
         "rights": {right: rights_given.get(right, NOT_STATED) for right in RIGHTS}
         | {"basis": rights_given.get("basis") or rights_given.get("statement", NOT_STATED)},
         "consent": given.get("consent") or rights_given.get("consent", NOT_STATED),
@@ -140,10 +218,18 @@ def render_markdown(card: dict) -> str:
     return "\n".join(lines)
 
 
-def write_card(dataset: Dataset, stats: dict | None = None) -> tuple[Path, Path]:
+def write_card(dataset: Dataset, stats: dict | None = None,
+               stated: dict | None = None) -> tuple[Path, Path]:
     """Write card.json and card.md into the dataset folder (descriptions, not data: they are
-    not part of the hashed file list)."""
-    card = build_card(dataset, stats)
+    not part of the hashed file list). Without `stated`, what an earlier card.json stated is
+    kept: rewriting a card never loses what someone wrote into it."""
+    if stated is None and (dataset.root / "card.json").is_file():
+        try:
+            previous = read_json(dataset.root / "card.json")
+        except ForgebenchError:
+            previous = {}
+        stated = statement_of(previous) if isinstance(previous, dict) else None
+    card = build_card(dataset, stats, stated)
     json_path, md_path = dataset.root / "card.json", dataset.root / "card.md"
     atomic_write_json(json_path, card)
     atomic_write_text(md_path, render_markdown(card))

@@ -37,12 +37,18 @@ def _validate(args) -> int:
 def _split(args) -> int:
     from engine.data.splits import assign_splits, parse_ratios
 
-    result = assign_splits(args.dir, parse_ratios(args.ratios), args.seed)
+    result = assign_splits(args.dir, parse_ratios(args.ratios), args.seed, args.out,
+                           progress=not args.json)
     if args.json:
         _print_json(result)
+        return 0
+    if result["assigned"]:
+        print(f"assigned {result['assigned']} new groups; wrote version {result['version']} "
+              f"(parent {result['parent']}) to {result['path']}; {args.dir} is unchanged")
     else:
-        print(f"assigned {result['assigned']} new groups; records per split: " +
-              ", ".join(f"{k} {v}" for k, v in result["counts"].items()))
+        print(f"every group already has a split; nothing written ({result['path']}, version "
+              f"{result['version']})")
+    print("records per split: " + ", ".join(f"{k} {v}" for k, v in result["counts"].items()))
     return 0
 
 
@@ -58,6 +64,9 @@ def _leaks(args) -> int:
     else:
         for finding in report.findings:
             print(finding.render())
+        for check, settings in report.settings.items():
+            print(f"{check}: " + (settings.get("explain") or
+                                  ", ".join(f"{k} {v}" for k, v in settings.items())))
         print(f"{report.n_items} records checked ({', '.join(report.checks)}): "
               f"{len(report.leaks)} leaks across splits, "
               f"{len(report.findings) - len(report.leaks)} duplicates within a split")

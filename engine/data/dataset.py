@@ -444,7 +444,7 @@ def _validate_media(root: Path, kind: F.Kind, manifest: dict, rel_records: str,
         rid = str(record.get("id"))
         at = f"{where} (id {rid!r})"
         paths = {}
-        for name in F.PATH_FIELDS:
+        for name in kind.path_fields:
             rel = record.get(name)
             if not isinstance(rel, str) or safe_relpath(rel):
                 continue
@@ -612,7 +612,7 @@ class Dataset:
             resolved = dict(record)
             if assigned and "split" not in resolved:
                 resolved["split"] = assigned
-            for name in F.PATH_FIELDS:
+            for name in F.KINDS[self.kind].path_fields:
                 if isinstance(resolved.get(name), str):
                     resolved[name] = self.root / resolved[name]
             out.append(resolved)
@@ -663,12 +663,14 @@ def load_dataset(root: str | os.PathLike, *, check_media: bool = True, progress:
 
 
 def save_new_version(dataset: Dataset, changes: dict[str, bytes], note: str,
-                     out_dir: str | os.PathLike | None = None) -> Dataset:
+                     out_dir: str | os.PathLike | None = None,
+                     manifest_updates: dict | None = None, progress: bool = False) -> Dataset:
     """Write an edited copy as a new dataset folder; the original is left untouched.
 
     Unchanged files are hard-linked when the filesystem allows it (they are never written in
     place, so sharing them is safe) and copied otherwise. The new manifest names the old
-    version as its parent and records the note.
+    version as its parent, records the note, and takes `manifest_updates` (e.g. a new
+    split_policy) over the inherited fields.
     """
     for rel in changes:
         reason = safe_relpath(rel)
@@ -696,18 +698,19 @@ def save_new_version(dataset: Dataset, changes: dict[str, bytes], note: str,
         _rederive_boxes(staging, dataset, set(changes))
         inherited = {k: v for k, v in dataset.manifest.items()
                      if k not in ("files", "version", "parent", "created", "kind", "name")}
+        inherited.update(manifest_updates or {})
         history = list(inherited.pop("history", [])) + [
             {"parent": dataset.version, "note": note, "changed": sorted(changes),
              "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}]
         write_manifest(staging, dataset.kind, dataset.name, parent=dataset.version,
-                       history=history, **inherited)
+                       history=history, progress=progress, **inherited)
         if target.exists():
             target.rmdir()
         os.replace(staging, target)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
-    return load_dataset(target)
+    return load_dataset(target, progress=progress)
 
 
 def _rederive_boxes(staging: Path, dataset: Dataset, changed: set[str]) -> None:

@@ -23,7 +23,6 @@ SPLITS_FILE = "splits.json"  # group -> split assignments written by `forgebench
 CARD_FILES = ("card.json", "card.md")  # descriptions, not data: never hashed
 SPLITS = ("train", "val", "calibration", "test")
 EMPTY_LABEL = "empty"  # image-masks / image-boxes: the scene holds no object (no box)
-PATH_FIELDS = ("image", "mask", "path", "file_name")  # resolved to absolute Paths on load
 MESSAGE_ROLES = ("system", "user", "assistant", "tool")
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".bmp", ".webp")
 
@@ -54,8 +53,14 @@ class Kind:
     id_from: str | None = None        # field that stands in for a missing id
     text_fields: tuple[str, ...] = ()  # model-visible text (leaks, lengths)
     labelled: bool = False
-    media: str | None = None          # "image" or "audio": format checks apply
+    media: str | None = None          # "image" or "audio": format checks apply; "files":
+                                      # only that each path is a listed file
     alt_records: tuple[str, ...] = field(default=())  # other accepted records files
+
+    @property
+    def path_fields(self) -> tuple[str, ...]:
+        """Fields naming files in the folder (checked to be listed; absolute Paths on load)."""
+        return tuple(name for name, ftype in self.fields.items() if ftype == PATH)
 
 
 KINDS: dict[str, Kind] = {k.name: k for k in [
@@ -68,6 +73,12 @@ KINDS: dict[str, Kind] = {k.name: k for k in [
     Kind("preferences", "records.jsonl", {"prompt": TEXT, "chosen": TEXT, "rejected": TEXT},
          required=("id", "prompt", "chosen", "rejected"),
          text_fields=("prompt", "chosen", "rejected")),
+    # preferences between generated images or sounds (blind A/B exports): the files are copied
+    # into the dataset folder and listed with their SHA-256
+    Kind("media-preferences", "records.jsonl",
+         {"prompt": TEXT, "chosen": PATH, "rejected": PATH},
+         required=("id", "prompt", "chosen", "rejected"), text_fields=("prompt",),
+         media="files"),
     Kind("image-classify", "records.jsonl", {"image": PATH, "label": LABEL},
          required=("image", "label"), id_from="image", labelled=True, media="image"),
     Kind("image-masks", "records.jsonl",

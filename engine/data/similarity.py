@@ -1,13 +1,15 @@
 """Near-duplicate fingerprints written with numpy alone.
 
-* text: normalized character 5-gram shingles, 64 MinHash values per text, LSH with 16 bands of
-  4 rows (pairs above Jaccard ~0.5 become candidates), confirmed with the exact Jaccard;
+* text: normalized character 5-gram shingles; shingles shared by a large share of the texts
+  are template boilerplate and are dropped (what is left is what tells texts apart); 64 MinHash
+  values per text, LSH with 16 bands of 4 rows (pairs above Jaccard ~0.5 become candidates),
+  confirmed with the exact Jaccard of the remaining shingles;
 * images: a 64-bit DCT perceptual hash of the 32x32 grey thumbnail proposes pairs (Hamming
   distance), a normalized 16x16 colour thumbnail confirms them (small, flat images fool a
   grey low-frequency hash alone: two different circles at one place share most bits);
 * audio: log-power STFT frames in dB below the clip's peak (gain-invariant), compared by mean
   absolute difference over audible bins after aligning the two clips by cross-correlation;
-  a loudness-envelope correlation picks the pairs worth aligning.
+  only pairs whose normalized cross-correlation reaches 0.5 are compared (batched FFTs).
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import unicodedata
 import zlib
 
 import numpy as np
+from tqdm import tqdm
 
 SHINGLE = 5
 NUM_PERM = 64
@@ -49,8 +52,6 @@ def shingle_sets(normalized: list[str]) -> list[np.ndarray]:
     encoded = [t.encode("utf-8") for t in normalized]
     lengths = np.array([len(b) for b in encoded], dtype=np.int64)
     data = np.frombuffer(b"".join(encoded), dtype=np.uint8).astype(np.uint32)
-    starts = np.concatenate([[0], np.cumsum(lengths)])
-    n_grams = np.maximum(lengths - SHINGLE + 1, 0)
     count = max(data.size - SHINGLE + 1, 0)
     h = np.zeros(count, dtype=np.uint32)
     for k in range(SHINGLE):  # polynomial hash mod 2**32, in place (this is memory-bound)
@@ -58,17 +59,48 @@ def shingle_sets(normalized: list[str]) -> list[np.ndarray]:
         h += data[k:k + count]
     h *= np.uint32(0x9E3779B1)  # mix the low bits up
     h ^= h >> np.uint32(15)
+    # an n-gram belongs to a text when its first and last bytes do
+    byte_owner = np.repeat(np.arange(len(encoded), dtype=np.uint32), lengths)
+    whole = byte_owner[:count] == byte_owner[SHINGLE - 1:]
     # one global sort of (text, shingle) keys dedupes every text's shingles at once
-    owner = np.repeat(np.arange(len(encoded), dtype=np.uint64), n_grams)
-    position = np.concatenate([np.arange(s, s + g) for s, g in zip(starts[:-1], n_grams)]) \
-        if n_grams.sum() else np.zeros(0, dtype=np.int64)
-    keys = np.sort((owner << np.uint64(32)) | h[position].astype(np.uint64))
+    keys = byte_owner[:count][whole].astype(np.uint64)
+    keys <<= np.uint64(32)
+    keys |= h[whole]
+    del byte_owner, whole, h, data
+    keys.sort()
     keys = keys[np.concatenate([[True], keys[1:] != keys[:-1]])] if keys.size else keys
     counts = np.bincount((keys >> np.uint64(32)).astype(np.int64), minlength=len(encoded))
     sets = np.split(keys & np.uint64(0xFFFFFFFF), np.cumsum(counts)[:-1])
     for i in np.flatnonzero(counts == 0):  # too short for a 5-gram: the whole text is one
         sets[i] = np.array([zlib.crc32(encoded[i])], dtype=np.uint64)
     return sets
+
+
+def drop_common_shingles(sets: list[np.ndarray], max_share: float,
+                         min_texts: int) -> tuple[list[np.ndarray], int, int]:
+    """(sets without their common shingles, the document-frequency cut, how many shingles were
+    dropped).
+
+    A shingle found in more than cut = max(min_texts, max_share * len(sets)) texts is template
+    text ("Question: Where is", "Rewrite this in a formal tone"): two records that share it
+    share a template, not content, so it is no evidence that one copies the other. Below
+    `min_texts` a shared phrase may as well be a copied passage, so small sets keep all.
+    """
+    cut = max(int(min_texts), int(max_share * len(sets)))
+    if not sets:
+        return [], cut, 0
+    flat = np.concatenate(sets)  # each set is unique, so a value's count is its text count
+    ordered = np.sort(flat)
+    starts = np.flatnonzero(np.concatenate([[True], ordered[1:] != ordered[:-1]]))
+    counts = np.diff(np.concatenate([starts, [ordered.size]]))
+    common = ordered[starts[counts > cut]]  # sorted; few in natural text
+    if not common.size:
+        return sets, cut, 0
+    position = np.minimum(np.searchsorted(common, flat), common.size - 1)
+    keep = common[position] != flat
+    owner = np.repeat(np.arange(len(sets)), [s.size for s in sets])
+    kept_per_text = np.bincount(owner[keep], minlength=len(sets))
+    return np.split(flat[keep], np.cumsum(kept_per_text)[:-1]), cut, int(common.size)
 
 
 def minhash(sets: list[np.ndarray]) -> np.ndarray:
@@ -170,22 +202,50 @@ N_FFT = 512
 HOP = 128
 FLOOR_DB = -60.0
 ACTIVE_DB = -50.0
-MAX_SHIFT = 512     # samples a near-copy may be shifted by
-ENVELOPE_PREFILTER = 0.9  # envelope similarity of near-copies (measured >= 0.94)
+MAX_SHIFT = 512           # samples a near-copy may be shifted by
+MIN_CORRELATION = 0.5     # normalized cross-correlation worth a log-STFT comparison
+BATCH_SAMPLES = 1 << 21   # padded samples per batched STFT (bounds its memory)
+
+
+def log_stfts(waves: list[np.ndarray]) -> list[np.ndarray]:
+    """log_stft of every clip; clips of similar length are padded to one length and
+    transformed together (one FFT call per batch instead of one per clip)."""
+    out: list[np.ndarray | None] = [None] * len(waves)
+    order = sorted(range(len(waves)), key=lambda i: waves[i].size)
+    batch: list[int] = []
+    for i in order:  # ascending length: the last clip of a batch is its longest
+        if batch and (len(batch) + 1) * max(waves[i].size, N_FFT) > BATCH_SAMPLES:
+            _log_stft_batch(waves, batch, out)
+            batch = []
+        batch.append(i)
+    if batch:
+        _log_stft_batch(waves, batch, out)
+    return out
+
+
+def _log_stft_batch(waves: list[np.ndarray], batch: list[int], out: list) -> None:
+    length = max(N_FFT, max(waves[i].size for i in batch))
+    padded = np.zeros((len(batch), length), dtype=np.float32)  # float32: half the memory
+    for row, i in enumerate(batch):                             # traffic, 1e-4 dB apart
+        padded[row, :waves[i].size] = waves[i]
+    windows = np.lib.stride_tricks.sliding_window_view(padded, N_FFT, axis=1)[:, ::HOP]
+    spectrum = np.fft.rfft(windows * np.hanning(N_FFT).astype(np.float32), axis=-1)
+    power = spectrum.real ** 2 + spectrum.imag ** 2  # [clips, frames, bins]
+    counts = np.array([_frames(waves[i].size) for i in batch])
+    power[np.arange(power.shape[1])[None, :] >= counts[:, None]] = 0.0  # frames past a clip's end
+    peak = power.max(axis=(1, 2), keepdims=True)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        db = 10 * np.log10(np.maximum(power / peak, 1e-30))
+    db = np.where(peak > 0, np.maximum(db, FLOOR_DB), FLOOR_DB)
+    for row, i in enumerate(batch):
+        out[i] = db[row, :counts[row]]
 
 
 def log_stft(wave: np.ndarray) -> np.ndarray:
     """[frames, N_FFT // 2 + 1] log power of a mono wave [samples] in dB relative to the
     clip's loudest bin, floored at -60 dB (so a gain change leaves it unchanged and
     near-silence does not dominate)."""
-    if wave.size < N_FFT:
-        wave = np.pad(wave, (0, N_FFT - wave.size))
-    frames = np.lib.stride_tricks.sliding_window_view(wave, N_FFT)[::HOP] * np.hanning(N_FFT)
-    power = np.abs(np.fft.rfft(frames, axis=1)) ** 2
-    peak = power.max()
-    if peak <= 0:
-        return np.full(power.shape, FLOOR_DB)
-    return np.maximum(10 * np.log10(np.maximum(power / peak, 1e-30)), FLOOR_DB)
+    return log_stfts([wave])[0]
 
 
 def stft_distance(a: np.ndarray, b: np.ndarray) -> float:
@@ -197,44 +257,57 @@ def stft_distance(a: np.ndarray, b: np.ndarray) -> float:
     return float(np.mean(np.abs(x[active] - y[active]))) if active.any() else 0.0
 
 
-def _envelope(wave: np.ndarray, block: int = 32) -> np.ndarray:
-    """Unit-norm RMS envelope over blocks of 32 samples (the prefilter's view of a clip)."""
-    usable = wave[:wave.size // block * block].reshape(-1, block)
-    envelope = np.sqrt((usable ** 2).mean(axis=1))
-    return envelope / (np.linalg.norm(envelope) + 1e-12)
+def aligned_pairs(waves: list[np.ndarray], min_correlation: float,
+                  block: int = 64) -> list[tuple[int, int, int, float]]:
+    """(i, j, lag, correlation) for i < j whose normalized cross-correlation within
+    +-MAX_SHIFT samples reaches `min_correlation`; waves[j][t + lag] ~ waves[i][t].
 
-
-def audio_pairs(waves: list[np.ndarray], max_distance: float) -> list[tuple[int, int, float]]:
-    """(i, j, distance) for mono clips within `max_distance` dB of each other.
-
-    Prefilter: the best cross-correlation of two clips' loudness envelopes (shift-invariant;
-    near-copies score above 0.9). Survivors are aligned to the sample by cross-correlating the
-    waves and their log-STFTs compared over audible bins.
+    One float32 FFT per clip, then one batched inverse FFT per block of clip pairs. The FFT
+    length only has to cover the longest clip plus MAX_SHIFT for those lags not to wrap.
     """
-    if len(waves) < 2:
-        return []
-    longest = max(w.size for w in waves)
-    env_size = 1 << int(np.ceil(np.log2(2 * (longest // 32 + 1))))
-    envelopes = np.stack([np.fft.rfft(_envelope(w), env_size) for w in waves])
-    wave_size = 1 << int(np.ceil(np.log2(2 * longest)))
-    spectra = [np.fft.rfft(w, wave_size) for w in waves]
-    features = [log_stft(w) for w in waves]
+    size = -(-(max(w.size for w in waves) + MAX_SHIFT) // 512) * 512
+    spectra = np.fft.rfft(np.stack([np.pad(w, (0, size - w.size)) for w in waves])
+                          .astype(np.float32), axis=1)
+    norms = np.array([np.linalg.norm(w) for w in waves], dtype=np.float32)
     lags = np.concatenate([np.arange(0, MAX_SHIFT + 1), np.arange(-MAX_SHIFT, 0)])
     out = []
     for i in range(len(waves) - 1):
-        similarity = np.fft.irfft(np.conj(envelopes[i]) * envelopes[i + 1:], env_size).max(1)
-        for j in np.flatnonzero(similarity >= ENVELOPE_PREFILTER) + i + 1:
-            xc = np.fft.irfft(np.conj(spectra[i]) * spectra[j], wave_size)
-            k = int(lags[np.argmax(np.abs(xc[lags]))])  # waves[j][t + k] ~ waves[i][t]
+        for start in range(i + 1, len(waves), block):
+            xc = np.fft.irfft(np.conj(spectra[i]) * spectra[start:start + block], size,
+                              axis=1)[:, lags]
+            best = np.argmax(np.abs(xc), axis=1)
+            peak = np.abs(xc[np.arange(len(best)), best])
+            correlation = peak / np.maximum(norms[i] * norms[start:start + block], 1e-12)
+            out += [(i, start + int(k), int(lags[best[k]]), float(correlation[k]))
+                    for k in np.flatnonzero(correlation >= min_correlation)]
+    return out
+
+
+def audio_pairs(waves: list[np.ndarray], max_distance: float, progress: bool = False,
+                chunk: int = 256) -> list[tuple[int, int, float]]:
+    """(i, j, distance) for mono clips within `max_distance` dB of each other.
+
+    Every pair is aligned to the sample by cross-correlation (within MAX_SHIFT); pairs whose
+    normalized correlation reaches MIN_CORRELATION (near-copies measured >= 0.72, even with
+    500 samples trimmed off) get the log-STFTs of their aligned parts compared over audible
+    bins, computed in batches.
+    """
+    if len(waves) < 2:
+        return []
+    features = log_stfts(waves)
+    candidates = aligned_pairs(waves, MIN_CORRELATION)
+    out = []
+    for start in tqdm(range(0, len(candidates), chunk), desc="comparing similar clips",
+                      unit="batch", disable=not progress):
+        batch = candidates[start:start + chunk]
+        moved = log_stfts([waves[j][k:] if k >= 0 else waves[i][-k:] for i, j, k, _ in batch])
+        for (i, j, k, _), shifted in zip(batch, moved):
             if k >= 0:
-                x = features[i][:_frames(waves[i].size - k)]
-                y = log_stft(waves[j][k:])
+                distance = stft_distance(features[i][:_frames(waves[i].size - k)], shifted)
             else:
-                x = log_stft(waves[i][-k:])
-                y = features[j][:_frames(waves[j].size + k)]
-            distance = stft_distance(x, y)
+                distance = stft_distance(shifted, features[j][:_frames(waves[j].size + k)])
             if distance <= max_distance:
-                out.append((i, int(j), distance))
+                out.append((i, j, distance))
     return out
 
 

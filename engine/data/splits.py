@@ -4,7 +4,8 @@ Two assigners share one ratio table:
 
 * `hash_split(group)` places a group by a hash of (seed, group) alone, so adding records can
   never move a group that already exists; `assign_splits` additionally keeps every assignment
-  recorded in splits.json, so even a change of ratios moves nothing already assigned.
+  recorded in splits.json, so even a change of ratios moves nothing already assigned. Its
+  output is a new dataset version: the raw data and the version it came from are not touched.
 * `block_split(index)` is for generators that number their entities: every block of 20
   consecutive entities is split exactly by the ratios, so a generated set of any size has its
   exact proportions and growing it leaves earlier entities where they were.
@@ -13,13 +14,14 @@ Two assigners share one ratio table:
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 
 import numpy as np
 
 from engine.data import formats as F
 from engine.errors import ForgebenchError
-from engine.fsutil import atomic_write_json, read_json, sha256_file
+from engine.fsutil import read_json
 
 DEFAULT_RATIOS = {"train": 0.8, "val": 0.1, "calibration": 0.0, "test": 0.1}
 BLOCK = 20
@@ -71,19 +73,21 @@ def block_split(index: int, seed: int, ratios: dict[str, float] | None = None) -
     return pattern[order[offset]]
 
 
-def assign_splits(root: str | os.PathLike, ratios: dict[str, float], seed: int) -> dict:
-    """Give every unassigned group a split and record it in splits.json.
+def assign_splits(root: str | os.PathLike, ratios: dict[str, float], seed: int,
+                  out_dir: str | os.PathLike | None = None, progress: bool = False) -> dict:
+    """Give every unassigned group a split, saved as a new version of the dataset.
 
     Records that carry their own `split` keep it; groups already in splits.json keep theirs.
-    The manifest's file list and version are updated (the raw records are not touched) and the
-    previous version becomes the parent. Returns {"assigned": n_new, "counts": {split: n}}.
+    The assignments go to splits.json in a new version folder (`save_new_version`: the old
+    folder stays byte-identical and the new manifest names it as parent); when every group
+    already has a split, nothing is written. Returns {"assigned": n_new, "counts":
+    {split: n}, "path", "version", "parent"} of the version that holds the assignments.
     """
-    from engine.data.dataset import group_of, load_dataset, version_id
+    from engine.data.dataset import group_of, load_dataset, save_new_version
 
-    dataset = load_dataset(root, check_media=False)
-    path = dataset.root / F.SPLITS_FILE
-    existing = read_json(path).get("groups", {}) if F.SPLITS_FILE in dataset.manifest["files"] \
-        else {}
+    dataset = load_dataset(root, check_media=False, progress=progress)
+    existing = read_json(dataset.root / F.SPLITS_FILE).get("groups", {}) \
+        if F.SPLITS_FILE in dataset.manifest["files"] else {}
     groups = dict(existing)
     new = 0
     for record in dataset.raw_records():
@@ -92,15 +96,17 @@ def assign_splits(root: str | os.PathLike, ratios: dict[str, float], seed: int) 
             continue
         groups[group] = record.get("split") or hash_split(group, seed, ratios)
         new += record.get("split") is None
-    policy = {"method": "group-hash", "ratios": ratios, "seed": seed, "group_field": "group"}
-    atomic_write_json(path, {"policy": policy, "groups": dict(sorted(groups.items()))})
-    manifest = dict(dataset.manifest)
-    files = dict(manifest["files"], **{F.SPLITS_FILE: sha256_file(path)})
-    if version_id(files) != dataset.version:
-        manifest.update(parent=dataset.version, version=version_id(files))
-    manifest.update(files=files, split_policy=policy)
-    atomic_write_json(dataset.root / F.MANIFEST, manifest)
-    return {"assigned": new, "counts": split_counts(load_dataset(root, check_media=False))}
+    if new:
+        policy = {"method": "group-hash", "ratios": ratios, "seed": seed,
+                  "group_field": "group"}
+        data = json.dumps({"policy": policy, "groups": dict(sorted(groups.items()))},
+                          indent=2).encode("utf-8")
+        dataset = save_new_version(dataset, {F.SPLITS_FILE: data},
+                                   f"assigned {new} new groups to splits (seed {seed})",
+                                   out_dir, manifest_updates={"split_policy": policy},
+                                   progress=progress)
+    return {"assigned": new, "counts": split_counts(dataset), "path": str(dataset.root),
+            "version": dataset.version, "parent": dataset.manifest.get("parent")}
 
 
 def split_counts(dataset) -> dict[str, int]:

@@ -50,7 +50,7 @@ def dataset_stats(dataset: Dataset, *, tokenizer: Tokenizer | None = None,
                                             max_length, progress)
     elif kind.media == "image":
         out["images"] = _image_stats(records, kind, progress)
-    else:
+    elif kind.media == "audio":
         out["audio"] = _audio_stats(records, progress)
     return out
 
@@ -148,5 +148,4 @@ def _audio_stats(records: list[dict], progress: bool) -> dict:
     keys = ("duration_s", "rms_dbfs", "peak_dbfs", "silent_fraction", "dc_offset")
     return {"clips": len(levels), "unreadable": unreadable,
             **{k: _summary([lv[k] for lv in levels]) for k in keys},
-            "clipped_clips": len(flagged["clipping"]),
-            "flagged": {k: v for k, v in flagged.items()}}
+            "clipped_clips": len(flagged.get("clipping", [])), "flagged": dict(flagged)}

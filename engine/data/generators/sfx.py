@@ -2,8 +2,9 @@
 
 Each class varies in pitch, onset, decay and level. Pitch, onset and decay are dealt from
 jittered grids in independent orders (one cell per clip, a Latin hypercube) so that no two
-clips of a class are near-copies of each other; every clip comes from its own seed
-(seed, class, index).
+clips of a class are near-copies of each other, and a clip the leak detector would still
+call a near-copy of another is drawn again; every clip comes from its own seed
+(seed, class, index[, attempt]).
 """
 
 from __future__ import annotations
@@ -85,15 +86,37 @@ def wav_bytes(wave: np.ndarray) -> bytes:
     return buffer.getvalue()
 
 
+def distinct_clips(label: str, n: int, seed: int, class_index: int) -> list[np.ndarray]:
+    """n clips of one class, none a near-duplicate of another by the leak detector's own
+    measure (with a margin for PCM16 rounding): a clip too close to an earlier one is drawn
+    again from the next seed (seed, class, index, attempt). The grid keeps this rare."""
+    from engine.data.leaks import AUDIO_DB
+    from engine.data.similarity import audio_pairs
+
+    cells = max(n, 1)
+    attempts = [0] * n
+    waves = [synthesize(label, np.random.default_rng([seed, class_index, index]), index, cells)
+             for index in range(n)]
+    while True:
+        again = sorted({j for _, j, _ in audio_pairs(waves, AUDIO_DB + 0.25)})
+        if not again:
+            return waves
+        for index in again:
+            attempts[index] += 1
+            if attempts[index] > 20:
+                raise RuntimeError(f"no distinct {label} clip for index {index}")
+            rng = np.random.default_rng([seed, class_index, index, attempts[index]])
+            waves[index] = synthesize(label, rng, index, cells)
+
+
 def generate_sfx(out_dir: str | os.PathLike, n_per_class: int = 60, seed: int = 0) -> Path:
     """Write an `audio-clips` dataset of 3 x n_per_class clips to a new folder."""
     with staged_dataset_dir(out_dir) as root:
         (root / "clips").mkdir()
         lines = []
         for class_index, label in enumerate(CLASSES):
-            for index in range(n_per_class):
-                rng = np.random.default_rng([seed, class_index, index])
-                data = wav_bytes(synthesize(label, rng, index, max(n_per_class, 1)))
+            for index, wave in enumerate(distinct_clips(label, n_per_class, seed, class_index)):
+                data = wav_bytes(wave)
                 rid = f"{label}-{index:04d}"
                 (root / "clips" / f"{rid}.wav").write_bytes(data)
                 lines.append(json.dumps({
