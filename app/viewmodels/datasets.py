@@ -3,6 +3,10 @@ right rows, filters, per-split stats, the split/group editor and single-record e
 
 Validation is the engine's (`engine.data.dataset.validate_dataset`); this module only places
 its findings. A dataset that does not parse still shows its rows and every finding.
+
+A table is immutable once built (edits save new versions), so everything the views ask for
+repeatedly - columns, each row's search text, groups, per-split counts - is computed once,
+on the loading thread, and filtering or sorting 50,000 rows is one pass over plain strings.
 """
 
 from __future__ import annotations
@@ -30,6 +34,12 @@ class Row:
     record: dict | None             # None: the line is not a JSON object
     raw: str = ""
     findings: list[Finding] = field(default_factory=list)
+    search: str = ""                # lower-cased cell texts, for word filters
+
+    @property
+    def line(self) -> int:
+        """The line number in the records file (0 for records that are not lines)."""
+        return int(self.where.split()[1]) if self.where.startswith("line ") else 0
 
     @property
     def has_error(self) -> bool:
@@ -47,9 +57,12 @@ class Row:
 class DatasetTable:
     """One dataset as rows and columns, with findings placed on rows."""
 
-    def __init__(self, root: str | Path, check_media: bool = True):
+    def __init__(self, root: str | Path, check_media: bool = True,
+                 report: Report | None = None):
+        """`report`: the validator's findings when they were computed elsewhere (a
+        `forgebench data validate --json` subprocess, see `report_from_json`)."""
         self.root = Path(root)
-        self.report = validate_dataset(self.root, check_media=check_media)
+        self.report = report or validate_dataset(self.root, check_media=check_media)
         self.manifest: dict = {}
         self.rows: list[Row] = []
         self.general: list[Finding] = []  # findings not tied to one record
@@ -66,6 +79,12 @@ class DatasetTable:
                          read_raw_records(self.root, self.records_file, self.manifest, kind,
                                            scratch)]
         self._place_findings()
+        self.columns = self._columns()
+        for row in self.rows:
+            row.search = "\t".join([row.where] + [row.value(c) for c in self.columns]).lower()
+        self._groups = self._count_groups()
+        self._split_counts = self._count_splits()
+        self.images = self._images()
 
     def _place_findings(self) -> None:
         by_where = {row.where: row for row in self.rows}
@@ -86,8 +105,18 @@ class DatasetTable:
                 by_where[row.where] = row
                 self.rows.append(row)
             row.findings.append(finding)
-        self.rows.sort(key=lambda r: int(r.where.split()[1]) if r.where.startswith("line ")
-                       else 0)
+        self.rows.sort(key=lambda r: r.line)
+
+    def _images(self) -> list[tuple[str, str, int]]:
+        """(caption, absolute image path, row index) of every record that names an image."""
+        out = []
+        for i, row in enumerate(self.rows):
+            record = row.record or {}
+            rel = record.get("image") or record.get("file_name")
+            if isinstance(rel, str):
+                out.append((f"{record.get('id', rel)}\n{record.get('label', '')}",
+                            str(self.root / rel), i))
+        return out
 
     @property
     def ok(self) -> bool:
@@ -97,8 +126,7 @@ class DatasetTable:
     def name(self) -> str:
         return str(self.manifest.get("name") or self.root.name)
 
-    @property
-    def columns(self) -> list[str]:
+    def _columns(self) -> list[str]:
         seen: dict[str, None] = {}
         for row in self.rows:
             for key in row.record or {}:
@@ -118,18 +146,30 @@ class DatasetTable:
     def matches(self, row: Row, text: str) -> bool:
         """Filter: words must all occur; `field=value` compares one field exactly;
         `has:error` keeps rows with findings."""
-        for word in text.split():
-            if word == "has:error":
-                if not row.findings:
-                    return False
-            elif "=" in word:
-                key, _, value = word.partition("=")
-                if row.value(key) != value:
-                    return False
-            elif not any(word.lower() in row.value(c).lower() for c in self.columns) and \
-                    word.lower() not in row.where:
-                return False
-        return True
+        return _row_filter(text)(row)
+
+    def filter_rows(self, text: str, order: list[int] | None = None) -> list[int]:
+        """Indexes of the rows that match `text`, in `order` (file order by default)."""
+        order = range(len(self.rows)) if order is None else order
+        if not text.strip():
+            return list(order)
+        keep, rows = _row_filter(text), self.rows
+        return [i for i in order if keep(rows[i])]
+
+    def sort_order(self, column: str, descending: bool = False) -> list[int]:
+        """Row indexes sorted by one column: numbers numerically, then text; the file order
+        breaks ties (Python's sort is stable)."""
+        if column == "where":
+            keys = [(0, row.line, "") for row in self.rows]
+        else:
+            keys = []
+            for row in self.rows:
+                value = row.record.get(column) if row.record else None
+                if isinstance(value, (int, float)) and not isinstance(value, bool):
+                    keys.append((0, value, ""))
+                else:
+                    keys.append((1, 0, row.value(column)))
+        return sorted(range(len(self.rows)), key=keys.__getitem__, reverse=descending)
 
     def load(self) -> Dataset:
         """The validated dataset (raises the first error when it does not validate)."""
@@ -138,6 +178,9 @@ class DatasetTable:
     # -- stats ---------------------------------------------------------------------------
     def split_counts(self) -> dict[str, Counter]:
         """label counts per split (records without a label count under '—')."""
+        return self._split_counts
+
+    def _count_splits(self) -> dict[str, Counter]:
         out: dict[str, Counter] = defaultdict(Counter)
         splits = self._assignments()
         for row in self.rows:
@@ -157,6 +200,9 @@ class DatasetTable:
     # -- groups and splits ---------------------------------------------------------------
     def groups(self) -> list[tuple[str, str, int]]:
         """(group, split, records) — a group's records always share a split."""
+        return self._groups
+
+    def _count_groups(self) -> list[tuple[str, str, int]]:
         splits = self._assignments()
         counts: Counter = Counter()
         split_of: dict[str, set] = defaultdict(set)
@@ -207,6 +253,36 @@ class DatasetTable:
         changed = ", ".join(f"{g}→{s}" for g, s in sorted(new_splits.items()))
         return save_new_version(self.load(), {self.records_file: self._records_bytes(replace)},
                                 f"moved groups between splits: {changed}")
+
+
+def report_from_json(data: dict) -> Report:
+    """The Report that `forgebench data validate --json` printed."""
+    report = Report(Path(data["root"]), data.get("kind"), int(data.get("records", 0)))
+    report.findings = [Finding(**finding) for finding in data.get("findings", [])]
+    return report
+
+
+def _row_filter(text: str):
+    """The filter text parsed once into a predicate over rows."""
+    words = [w.lower() for w in text.split() if w != "has:error" and "=" not in w]
+    fields = [w.partition("=")[::2] for w in text.split() if "=" in w]
+    need_findings = "has:error" in text.split()
+
+    def keep(row: Row) -> bool:
+        return (not need_findings or bool(row.findings)) and \
+            all(w in row.search for w in words) and \
+            all(row.value(key) == value for key, value in fields)
+    return keep
+
+
+def records_bytes(root: str | Path) -> int:
+    """Size of a dataset's records file (0 when unknown): big ones load off the GUI thread."""
+    try:
+        manifest = read_json(Path(root) / F.MANIFEST)
+        kind = F.KINDS[manifest["kind"]]
+        return (Path(root) / records_file_of(manifest, kind, Path(root))).stat().st_size
+    except (ForgebenchError, OSError, KeyError, TypeError):
+        return 0
 
 
 @dataclass

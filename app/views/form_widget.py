@@ -15,6 +15,7 @@ class RecipeFormWidget(QScrollArea):
     """Edits a RecipeForm; emits `validity_changed(bool)` after every edit."""
 
     validity_changed = Signal(bool)
+    top_section = "run"  # the group title of the schema's top-level fields
 
     def __init__(self, parent=None):
         super().__init__(parent)
@@ -36,7 +37,7 @@ class RecipeFormWidget(QScrollArea):
         for spec in form.fields:
             layout = sections.get(spec.section)
             if layout is None:
-                box = QGroupBox(spec.section or "run")
+                box = QGroupBox(spec.section or self.top_section)
                 layout = sections[spec.section] = QFormLayout(box)
                 outer.addWidget(box)
             editor = self._editor(spec)

@@ -1,0 +1,477 @@
+"""The import wizard: choose a source → map keys and preview with validation → name,
+provenance and rights → import with progress and cancel (copying runs on a worker thread and
+stages into a temporary folder, so a cancel leaves nothing behind)."""
+
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+
+from PySide6.QtCore import QThread, Signal
+from PySide6.QtGui import QColor
+from PySide6.QtWidgets import (QCheckBox, QComboBox, QDialog, QFileDialog, QFormLayout,
+                               QGridLayout, QHBoxLayout, QLabel, QLineEdit, QListWidget,
+                               QProgressBar, QPushButton, QStackedWidget, QTableWidget, QTableWidgetItem,
+                               QVBoxLayout, QWidget)
+
+from engine.data.dataset import Finding
+from engine.errors import ForgebenchError
+
+from app.viewmodels import importers as vm
+
+SOURCES = {"images": "Folder of images (a folder per class)",
+           "jsonl": "JSONL file (text SFT, corpus, preferences, captioned images)",
+           "audio": "Audio CSV (path,label,split,group,source,rights,sha256)"}
+ERROR_BG = QColor("#ffcdd2")
+NO_KEY = "(none)"
+MAX_LISTED = 500
+MAPPING_COLUMNS = 3
+BACKGROUND_PLAN_BYTES = 1 << 20  # source files above this are read on a worker thread
+
+
+class _ImportWorker(QThread):
+    progressed = Signal(int, int, str)
+    succeeded = Signal(str)
+    failed = Signal(str)
+
+    def __init__(self, plan: vm.ImportPlan, datasets_dir: Path, name: str, provenance: dict,
+                 rights: dict, parent=None):
+        super().__init__(parent)
+        self.args = (plan, datasets_dir, name)
+        self.provenance, self.rights = provenance, rights
+        self.cancel = threading.Event()
+        self.last_report = 0.0
+
+    def _report(self, done: int, total: int, what: str) -> None:
+        """At most ~20 updates a second: 100,000 files must not flood the GUI's queue."""
+        now = time.monotonic()
+        if now - self.last_report >= 0.05 or done >= total - 2:
+            self.last_report = now
+            self.progressed.emit(done, total, what)
+
+    def run(self) -> None:
+        try:
+            path = vm.import_dataset(*self.args, provenance=self.provenance,
+                                     rights=self.rights, progress=self._report,
+                                     cancelled=self.cancel.is_set)
+        except vm.ImportCancelled:
+            self.failed.emit("cancelled: nothing was imported")
+        except (ForgebenchError, OSError) as exc:
+            self.failed.emit(exc.render() if isinstance(exc, ForgebenchError) else str(exc))
+        else:
+            self.succeeded.emit(str(path))
+
+
+def _guarded(make, path: Path):
+    """A plan that turns an unexpected read failure into a finding instead of a crash."""
+    def run() -> vm.ImportPlan:
+        try:
+            return make()
+        except (ForgebenchError, OSError) as exc:
+            plan = vm.ImportPlan("unknown", path, "")
+            plan.general.append(Finding(str(path), None, None, str(exc)))
+            return plan
+    return run
+
+
+class _PlanWorker(QThread):
+    planned = Signal(object, int)
+
+    def __init__(self, make, request: int, parent=None):
+        super().__init__(parent)
+        self.make, self.request = make, request
+
+    def run(self) -> None:
+        self.planned.emit(self.make(), self.request)
+
+
+class ImportWizard(QDialog):
+    """Emits `imported(path)` when a new dataset is in place, `plan_ready` when a preview
+    is shown."""
+
+    imported = Signal(str)
+    plan_ready = Signal()
+
+    def __init__(self, datasets_dir: Path, source: str = "images", parent=None):
+        super().__init__(parent)
+        self.setWindowTitle("Import a dataset")
+        self.resize(1100, 720)
+        self.datasets_dir = Path(datasets_dir)
+        self.plan: vm.ImportPlan | None = None
+        self._plan_request = 0
+        self.worker: _ImportWorker | None = None
+        self.jsonl_keys: list[str] = []
+        self.result_path: Path | None = None
+
+        self.steps = QLabel()
+        self.pages = QStackedWidget()
+        self.pages.addWidget(self._source_page())
+        self.pages.addWidget(self._preview_page())
+        self.pages.addWidget(self._name_page())
+        self.pages.addWidget(self._import_page())
+        self.back_button = QPushButton("< Back")
+        self.back_button.clicked.connect(lambda: self.go(self.pages.currentIndex() - 1))
+        self.next_button = QPushButton("Next >")
+        self.next_button.clicked.connect(self.next)
+        self.close_button = QPushButton("Close")
+        self.close_button.clicked.connect(self.reject)
+        buttons = QHBoxLayout()
+        buttons.addStretch(1)
+        for button in (self.back_button, self.next_button, self.close_button):
+            buttons.addWidget(button)
+        layout = QVBoxLayout(self)
+        layout.addWidget(self.steps)
+        layout.addWidget(self.pages, 1)
+        layout.addLayout(buttons)
+        self.source_kind.setCurrentIndex(list(SOURCES).index(source))
+        self._source_kind_changed()
+        self.go(0)
+
+    # -- pages ---------------------------------------------------------------------------
+    def _source_page(self) -> QWidget:
+        self.source_kind = QComboBox()
+        for key, text in SOURCES.items():
+            self.source_kind.addItem(text, key)
+        self.source_kind.currentIndexChanged.connect(self._source_kind_changed)
+        self.source_path = QLineEdit()
+        self.source_path.setPlaceholderText("a folder or file")
+        self.source_path.textChanged.connect(self._update_next)
+        browse = QPushButton("Browse…")
+        browse.clicked.connect(self._browse)
+        path_row = QHBoxLayout()
+        path_row.addWidget(self.source_path, 1)
+        path_row.addWidget(browse)
+        self.with_masks = QCheckBox(f"masks beside the images (<name>{vm.MASK_SUFFIX}): "
+                                    "import as image-masks")
+        self.jsonl_kind = QComboBox()
+        self.jsonl_kind.addItems(list(vm.JSONL_KINDS))
+        self.source_help = QLabel()
+        self.source_help.setWordWrap(True)
+        form = QFormLayout()
+        form.addRow("Source", self.source_kind)
+        form.addRow("Path", path_row)
+        form.addRow("", self.with_masks)
+        form.addRow("Dataset kind", self.jsonl_kind)
+        page = QWidget()
+        v = QVBoxLayout(page)
+        v.addLayout(form)
+        v.addWidget(self.source_help)
+        v.addStretch(1)
+        return page
+
+    def _preview_page(self) -> QWidget:
+        self.mapping_box = QWidget()
+        self.mapping_grid = QGridLayout(self.mapping_box)
+        self.mapping_grid.setContentsMargins(0, 0, 0, 0)
+        self.mapping: dict[str, QComboBox] = {}
+        self.summary = QLabel()
+        self.summary.setWordWrap(True)
+        self.preview = QTableWidget()
+        self.preview.setEditTriggers(QTableWidget.EditTrigger.NoEditTriggers)
+        self.preview.horizontalHeader().setStretchLastSection(True)
+        self.problems = QListWidget()
+        self.problems.setMaximumHeight(140)
+        page = QWidget()
+        v = QVBoxLayout(page)
+        v.addWidget(QLabel("Map the file's keys to the dataset's fields (JSONL only); the "
+                           f"first {vm.PREVIEW_ROWS} records are previewed with every "
+                           "problem marked. Every file is checked again when imported."))
+        v.addWidget(self.mapping_box)
+        v.addWidget(self.summary)
+        v.addWidget(self.preview, 1)
+        v.addWidget(QLabel("Problems (file: line: field: reason)"))
+        v.addWidget(self.problems)
+        return page
+
+    def _name_page(self) -> QWidget:
+        self.name = QLineEdit()
+        self.name.textChanged.connect(self._check_name)
+        self.name_error = QLabel()
+        self.name_error.setStyleSheet("color: #c62828;")
+        self.provenance = QLineEdit()
+        self.provenance.setPlaceholderText("where the data comes from (who made it, how)")
+        self.collected = QLineEdit()
+        self.collected.setPlaceholderText("e.g. 2024-03 to 2024-05")
+        self.rights: dict[str, QComboBox] = {}
+        form = QFormLayout()
+        form.addRow("Dataset name *", self.name)
+        form.addRow("", self.name_error)
+        form.addRow("Source / provenance", self.provenance)
+        form.addRow("Collection dates", self.collected)
+        for key, label in (("train", "Train on it"), ("publish_data", "Publish the data"),
+                           ("publish_weights", "Publish trained weights"),
+                           ("commercial", "Commercial use")):
+            combo = QComboBox()
+            combo.addItems(list(vm.RIGHT_ANSWERS))
+            self.rights[key] = combo
+            form.addRow(label, combo)
+        self.basis = QLineEdit()
+        self.basis.setPlaceholderText("licence, permission or terms that support the answers")
+        self.consent = QLineEdit()
+        self.consent.setPlaceholderText("consent of recorded or depicted people, if any")
+        form.addRow("Basis", self.basis)
+        form.addRow("Consent", self.consent)
+        page = QWidget()
+        v = QVBoxLayout(page)
+        v.addWidget(QLabel("Each right is answered separately: permission to train is not "
+                           "permission to publish the data, the weights, or to sell."))
+        v.addLayout(form)
+        v.addStretch(1)
+        return page
+
+    def _import_page(self) -> QWidget:
+        self.progress = QProgressBar()
+        self.status = QLabel()
+        self.status.setWordWrap(True)
+        self.import_button = QPushButton("Import")
+        self.import_button.clicked.connect(self.start_import)
+        self.cancel_button = QPushButton("Cancel import")
+        self.cancel_button.setEnabled(False)
+        self.cancel_button.clicked.connect(self.cancel_import)
+        row = QHBoxLayout()
+        row.addWidget(self.import_button)
+        row.addWidget(self.cancel_button)
+        row.addStretch(1)
+        page = QWidget()
+        v = QVBoxLayout(page)
+        v.addWidget(QLabel("Files are copied into a staging folder, dataset.json is written "
+                           "with every file's SHA-256, the result is validated, and only "
+                           "then does the dataset appear in the workspace."))
+        v.addLayout(row)
+        v.addWidget(self.progress)
+        v.addWidget(self.status)
+        v.addStretch(1)
+        return page
+
+    # -- navigation ----------------------------------------------------------------------
+    def go(self, index: int) -> None:
+        index = max(0, min(index, self.pages.count() - 1))
+        self.pages.setCurrentIndex(index)
+        names = ("1. Source", "2. Map and preview", "3. Name and rights", "4. Import")
+        self.steps.setText("  ›  ".join(f"<b>{n}</b>" if i == index else n
+                                        for i, n in enumerate(names)))
+        busy = self.worker is not None
+        self.back_button.setEnabled(0 < index and not busy and self.result_path is None)
+        self.next_button.setVisible(index < self.pages.count() - 1)
+        self._update_next()
+
+    def _update_next(self) -> None:
+        index = self.pages.currentIndex()
+        allowed = {0: bool(self.source_path.text().strip()),
+                   1: self.plan is not None and self.plan.ok,
+                   2: self._name_problem() is None}.get(index, False)
+        self.next_button.setEnabled(allowed)
+
+    def next(self) -> None:
+        index = self.pages.currentIndex()
+        if index == 0:
+            self.make_plan()
+        if index == 2:
+            self.progress.setValue(0)
+            self.status.setText(f"Ready to import {self.plan.summary()} into "
+                                f"{self.datasets_dir / self.name.text().strip()}")
+        self.go(index + 1)
+
+    def _source_kind_changed(self) -> None:
+        key = self.source_kind.currentData()
+        self.with_masks.setVisible(key == "images")
+        self.jsonl_kind.setVisible(key == "jsonl")
+        self.source_help.setText({
+            "images": "Each sub-folder is a class: cats/a.png, dogs/b.jpg … With masks, "
+                      f"every image has a binary PNG mask beside it: cats/a{vm.MASK_SUFFIX}.",
+            "jsonl": "One JSON object per line. You map its keys to the fields of the kind "
+                     "on the next page; captioned images are copied from beside the file.",
+            "audio": "A CSV with the header path,label,split,group,source,rights,sha256; "
+                     "paths are relative to the CSV. Clips must be mono 16 kHz PCM16 WAV.",
+        }[key])
+
+    def _browse(self) -> None:
+        key = self.source_kind.currentData()
+        if key == "images":
+            path = QFileDialog.getExistingDirectory(self, "Folder of class folders")
+        else:
+            path, _ = QFileDialog.getOpenFileName(
+                self, "Source file", "", "JSONL (*.jsonl *.json)" if key == "jsonl"
+                else "CSV (*.csv)")
+        if path:
+            self.source_path.setText(path)
+
+    # -- plan and preview ----------------------------------------------------------------
+    def make_plan(self) -> None:
+        key = self.source_kind.currentData()
+        path = Path(self.source_path.text().strip()).expanduser()
+        self._fill_mapping(key, path)
+        if not self.name.text():
+            self.name.setText(path.stem if key != "images" else path.name)
+        if key == "images":
+            masks = self.with_masks.isChecked()
+            self._plan(lambda: vm.plan_image_folder(path, masks=masks), path)
+        elif key == "audio":
+            self._plan(lambda: vm.plan_audio_csv(path), path)
+        else:
+            self._remap()
+
+    def _plan(self, make, path: Path) -> None:
+        """A small file is planned at once; a big file or a folder (it may hold 100,000
+        images) is read on a worker thread while the preview says so (a later request
+        replaces an earlier one). `plan_ready` fires either way."""
+        self.plan = None
+        self._plan_request += 1
+        make = _guarded(make, path)
+        if not path.is_dir() and vm.source_bytes(path) <= BACKGROUND_PLAN_BYTES:
+            self._planned(make(), self._plan_request)
+            return
+        size = f" ({vm.source_bytes(path) / 1e6:.1f} MB)" if path.is_file() else ""
+        self.summary.setText(f"reading {path.name}{size}…")
+        self.preview.setRowCount(0)
+        self.problems.clear()
+        self._update_next()
+        worker = _PlanWorker(make, self._plan_request, self)
+        worker.planned.connect(self._planned)
+        worker.finished.connect(worker.deleteLater)
+        worker.start()
+
+    def _planned(self, plan: vm.ImportPlan, request: int) -> None:
+        if request == self._plan_request:
+            self.plan = plan
+            self._show_plan()
+            self.plan_ready.emit()
+
+    def _fill_mapping(self, key: str, path: Path) -> None:
+        while self.mapping_grid.count():
+            item = self.mapping_grid.takeAt(0)
+            if item.widget():
+                item.widget().deleteLater()
+        self.mapping.clear()
+        self.mapping_box.setVisible(key == "jsonl")
+        if key != "jsonl":
+            return
+        self.jsonl_keys = vm.source_keys(path)
+        kind = self.jsonl_kind.currentText()
+        for i, (field, source_key) in enumerate(vm.default_mapping(kind,
+                                                                     self.jsonl_keys).items()):
+            combo = QComboBox()
+            combo.addItems([NO_KEY] + self.jsonl_keys)
+            combo.setCurrentText(source_key or NO_KEY)
+            combo.currentTextChanged.connect(self._remap)
+            self.mapping[field] = combo
+            row, column = divmod(i, MAPPING_COLUMNS)
+            self.mapping_grid.addWidget(QLabel(f"{field} ←"), row, 2 * column)
+            self.mapping_grid.addWidget(combo, row, 2 * column + 1)
+
+    def current_mapping(self) -> dict[str, str | None]:
+        return {f: (c.currentText() if c.currentText() != NO_KEY else None)
+                for f, c in self.mapping.items()}
+
+    def set_mapping(self, field: str, key: str | None) -> None:
+        """Choose the source key for a field as the user would (tests, scripts)."""
+        self.mapping[field].setCurrentText(key or NO_KEY)
+
+    def _remap(self) -> None:
+        path = Path(self.source_path.text().strip()).expanduser()
+        kind, mapping = self.jsonl_kind.currentText(), self.current_mapping()
+        self._plan(lambda: vm.plan_jsonl(path, kind, mapping), path)
+
+    def _show_plan(self) -> None:
+        plan = self.plan
+        shown = vm.preview_rows(plan)
+        columns = ["where", "problems", "format"] + plan.columns()
+        self.preview.clear()
+        self.preview.setColumnCount(len(columns))
+        self.preview.setHorizontalHeaderLabels(columns)
+        self.preview.setRowCount(len(shown))
+        for i, planned in enumerate(shown):
+            fields = {f.field for f in planned.findings}
+            for j, column in enumerate(columns):
+                if column == "where":
+                    text = planned.where
+                elif column == "format":
+                    text = planned.info
+                elif column == "problems":
+                    text = "; ".join((f"{f.field}: " if f.field else "") + f.reason
+                                     for f in planned.findings)
+                else:
+                    value = planned.record.get(column, "")
+                    text = value if isinstance(value, str) else str(value)
+                item = QTableWidgetItem(text[:200])
+                if planned.findings and (column in ("where", "problems") or column in fields
+                                         or None in fields):
+                    item.setBackground(ERROR_BG)
+                self.preview.setItem(i, j, item)
+        self.preview.resizeColumnsToContents()
+        self.problems.clear()
+        findings = plan.findings
+        for finding in findings[:MAX_LISTED]:
+            self.problems.addItem(finding.render())
+        if len(findings) > MAX_LISTED:
+            self.problems.addItem(f"… and {len(findings) - MAX_LISTED} more")
+        colour = "#2e7d32" if plan.ok else "#c62828"
+        self.summary.setText(f"<span style='color:{colour}'>{plan.kind}: "
+                             f"{plan.summary()}</span>")
+        self._update_next()
+
+    # -- name ----------------------------------------------------------------------------
+    def _name_problem(self) -> str | None:
+        return vm.check_name(self.datasets_dir, self.name.text().strip())
+
+    def _check_name(self) -> None:
+        problem = self._name_problem()
+        self.name_error.setText(problem or "")
+        self.name.setStyleSheet("border: 2px solid #c62828;" if problem else "")
+        self._update_next()
+
+    # -- import --------------------------------------------------------------------------
+    def start_import(self) -> None:
+        if self.worker is not None or self.plan is None:
+            return
+        provenance = {"description": self.provenance.text().strip() or "not stated"}
+        if self.collected.text().strip():
+            provenance["collection_dates"] = self.collected.text().strip()
+        rights = vm.rights_statement({k: c.currentText() for k, c in self.rights.items()},
+                                     self.basis.text(), self.consent.text())
+        self.worker = _ImportWorker(self.plan, self.datasets_dir, self.name.text().strip(),
+                                    provenance, rights, self)
+        self.worker.progressed.connect(self._progressed)
+        self.worker.succeeded.connect(self._succeeded)
+        self.worker.failed.connect(self._failed)
+        self.import_button.setEnabled(False)
+        self.cancel_button.setEnabled(True)
+        self.close_button.setEnabled(False)
+        self.go(3)
+        self.worker.start()
+
+    def cancel_import(self) -> None:
+        if self.worker is not None:
+            self.worker.cancel.set()
+            self.status.setText("cancelling…")
+
+    def _progressed(self, done: int, total: int, what: str) -> None:
+        self.progress.setMaximum(total)
+        self.progress.setValue(done)
+        self.status.setText(what)
+
+    def _finished(self) -> None:
+        self.worker.wait()
+        self.worker = None
+        self.cancel_button.setEnabled(False)
+        self.close_button.setEnabled(True)
+        self.go(self.pages.currentIndex())
+
+    def _succeeded(self, path: str) -> None:
+        self.result_path = Path(path)
+        self._finished()
+        self.status.setStyleSheet("color: #2e7d32;")
+        self.status.setText(f"imported {len(self.plan.records)} records and "
+                            f"{len(self.plan.copies())} files into {path}")
+        self.imported.emit(path)
+
+    def _failed(self, text: str) -> None:
+        self._finished()
+        self.import_button.setEnabled(True)
+        self.status.setStyleSheet("color: #c62828;")
+        self.status.setText(text)
+
+    def reject(self) -> None:
+        if self.worker is None:  # never close under a running copy
+            super().reject()
