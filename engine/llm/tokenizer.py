@@ -156,16 +156,21 @@ class GGUFTokenizer:
         if not tokens:
             raise ForgebenchError("the tokenizer has no vocabulary", path=source, where=K.LIST)
         n = len(tokens)
-        self.tokens = [_as_str(t) or f"[EMPTY_{i}]" for i, t in enumerate(tokens)]
-        self.scores = [float(s) for s in metadata.get(K.SCORES, [0.0] * n)]
+        self.tokens = [t if type(t) is str else _as_str(t) for t in tokens]   # str from the reader
+        for i in [i for i, t in enumerate(self.tokens) if not t]:
+            self.tokens[i] = f"[EMPTY_{i}]"
+        self.scores = list(map(float, metadata.get(K.SCORES, [0.0] * n)))
         types = metadata.get(K.TOKEN_TYPE)
         for key, values in ((K.SCORES, self.scores), (K.TOKEN_TYPE, types)):
             if values is not None and len(values) < n:
                 raise ForgebenchError(f"{len(values)} entries for {n} tokens", path=source,
                                       where=key, hint="the file is corrupt; convert it again")
-        self.attrs = [Attr.NORMAL] * n if types is None else \
-            [_ATTR_OF_TYPE.get(int(t), Attr.UNDEFINED) for t in types[:n]]
-        self.token_to_id = {text: i for i, text in enumerate(self.tokens)}  # last duplicate wins
+        if types is None:
+            self.attrs = [Attr.NORMAL] * n
+        else:                       # a handful of distinct types: map each once, not per token
+            attr_of = {t: _ATTR_OF_TYPE.get(int(t), Attr.UNDEFINED) for t in set(types[:n])}
+            self.attrs = list(map(attr_of.__getitem__, types[:n]))
+        self.token_to_id = dict(zip(self.tokens, range(n)))  # last duplicate wins
 
         # llama.cpp's defaults per model, each overridden by the file's keys below
         if self.is_spm:
@@ -216,8 +221,9 @@ class GGUFTokenizer:
 
         # special-token partition order: longest text first, then id (llama.cpp's std::sort
         # leaves equal lengths in an unspecified order; id order is its usual outcome)
-        specials = [i for i, a in enumerate(self.attrs)
-                    if a & (Attr.CONTROL | Attr.USER_DEFINED | Attr.UNKNOWN)]
+        partitioned = Attr.CONTROL | Attr.USER_DEFINED | Attr.UNKNOWN
+        special_attrs = {a for a in set(self.attrs) if a & partitioned}
+        specials = [i for i, a in enumerate(self.attrs) if a in special_attrs]
         specials.sort(key=lambda i: -len(_utf8(self.tokens[i])))
         self._specials = specials
         self._special_first_chars = {self.tokens[i][0] for i in specials}
@@ -254,8 +260,9 @@ class GGUFTokenizer:
                     self.attrs[token] |= Attr.CONTROL
             if token is not None and ends_generation:
                 eog.add(token)
-        for text, token in self.token_to_id.items():
-            if text in EOG_TEXTS:
+        for text in EOG_TEXTS:
+            token = self.token_to_id.get(text)
+            if token is not None:
                 eog.add(token)
                 self.attrs[token] |= Attr.CONTROL
         eog.update(t for t in (self.eos_id, self.eot_id, self.eom_id) if t is not None)

@@ -8,6 +8,7 @@ checked against the metadata, each mismatch reported with the file and the tenso
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -34,6 +35,22 @@ LAYER_TENSORS = {
     "mlp.gate": "ffn_gate", "mlp.up": "ffn_up", "mlp.down": "ffn_down",
     "post_attn_norm": "post_attention_norm", "post_mlp_norm": "post_ffw_norm",
 }
+# model-level module path -> GGUF tensor name (before ".weight")
+MODEL_TENSORS = {"tok_embeddings": "token_embd", "norm": "output_norm", "output": "output"}
+
+
+def gguf_tensor_name(param: str) -> str | None:
+    """The GGUF tensor a parameter of an engine model is stored as (`layers.3.attn.q.weight`
+    -> `blk.3.attn_q.weight`), the inverse of how `_bind` names what it loads; None when the
+    file holds no such tensor. Exports of trained weights use this one mapping."""
+    module, _, kind = param.rpartition(".")
+    if module in MODEL_TENSORS:
+        return f"{MODEL_TENSORS[module]}.{kind}"
+    parts = module.split(".", 2)
+    if len(parts) == 3 and parts[0] == "layers" and parts[1].isdigit() \
+            and parts[2] in LAYER_TENSORS:
+        return f"blk.{parts[1]}.{LAYER_TENSORS[parts[2]]}.{kind}"
+    return None
 
 
 def _int(gf: GGUFFile, key: str, default=None) -> int:
@@ -64,6 +81,25 @@ def _check_architecture(gf: GGUFFile) -> str:
                               where="general.architecture",
                               hint="supported: " + ", ".join(SUPPORTED_ARCHS))
     return arch
+
+
+_INIT_FUNCTIONS = ("normal_", "uniform_", "kaiming_uniform_", "zeros_", "ones_", "trunc_normal_")
+
+
+@contextmanager
+def _meta_modules():
+    """Build modules on the meta device with their initializers switched off. Initializing a meta
+    tensor changes nothing, but torch runs `normal_` on meta through a Python reference that
+    first imports torch._dynamo, which costs seconds of every load."""
+    saved = {name: getattr(nn.init, name) for name in _INIT_FUNCTIONS}
+    try:
+        for name in saved:
+            setattr(nn.init, name, lambda tensor, *args, **kwargs: tensor)
+        with torch.device("meta"):
+            yield
+    finally:
+        for name, function in saved.items():
+            setattr(nn.init, name, function)
 
 
 def config_from_gguf(gf: GGUFFile) -> LlamaConfig | Gemma3Config:
@@ -212,7 +248,7 @@ def load_gguf_model(path: str | Path, numerics: str = "f32", weights: str = "pac
         raise ForgebenchError(f"weights must be one of {WEIGHTS}, not {weights!r}", where="weights")
     gf = open_gguf(path)
     cfg = config_from_gguf(gf)
-    with torch.device("meta"):
+    with _meta_modules():
         model = Gemma3(cfg) if isinstance(cfg, Gemma3Config) else Llama(cfg)
     _bind(model, gf)
     model.gguf = gf
