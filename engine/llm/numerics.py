@@ -7,17 +7,30 @@ What llama.cpp (ggml-cpu) does that plain f32 does not:
   dequantized weight in f32 gives the same sums up to f32 summation order;
 - the KV cache is f16, the query is rounded to f16 for K·Q, and the softmax probabilities are
   rounded to f16 for V·softmax (no flash attention, llama-cpp-python's default);
-- GELU goes through a 65536-entry f16 table (GGML_GELU_FP16): input and output rounded to f16.
+- GELU goes through a 65536-entry f16 table (GGML_GELU_FP16): input and output rounded to f16;
+  the table is ggml's own, entry for entry (its f32 formula has an FMA and a correctly rounded tanhf);
+- RMSNorm's 1/sqrtf is correctly rounded in C; torch's f32 sqrt is not always (rsqrt_f32).
 
 Sources: ggml-quants.c (quantize_row_q8_K_ref), ggml-cpu/arch/x86/quants.c (quantize_row_q8_0),
-ggml-cpu/vec.h (ggml_vec_geglu_f32), llama-graph.cpp (build_attn_mha).
+ggml-cpu/vec.h (ggml_vec_geglu_f32, ggml_gelu_f32), ggml-cpu/ops.cpp (rms_norm_f32),
+llama-graph.cpp (build_attn_mha).
 
-What is not reproduced: the order of llama.cpp's f32 sums inside its SIMD kernels, and its own
-exp/cos/sin. Those last-bit differences occasionally move a value across an f16 or Q8 rounding
-boundary; on tiny fixtures the logits match llama.cpp bit for bit until the first such flip.
+Checked op by op on gemma-3-270m Q4_K_M against the tensors llama.cpp itself computes (its eval
+callback; tests/test_gguf_llamacpp.py): RMSNorm and GeGLU outputs are bit-identical, every
+matmul, RoPE and attention output agrees to f32 summation-order noise (relative ~1e-6).
+
+What is not reproduced: the order of llama.cpp's f32 sums inside its SIMD kernels (tinyBLAS for
+Q5_0/Q8_0/f16, the repacked Q4_K 8x8 gemm/gemv, the Q6_K dot product) and its own exp/cos/sin.
+llama.cpp's own sums depend on the batch: a token evaluated inside a prompt batch and the same
+token evaluated alone differ in the last bits. A requantization to Q8 turns such a last-bit
+difference into a whole quantization step now and then, and Gemma's large post-norm gains carry
+one step into ~1 logit, so end-to-end logits agree with llama.cpp only as well as llama.cpp's
+own batched and one-token-at-a-time paths agree with each other (~96% top-1 on gemma-3-270m).
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 from gguf import GGMLQuantizationType as T
@@ -30,6 +43,15 @@ NUMERICS = ("f32", "llamacpp")
 def round_f16(x: torch.Tensor) -> torch.Tensor:
     """f32 -> nearest f16 (round-to-nearest-even, as F16C's vcvtps2ph) -> f32."""
     return x.to(torch.float16).to(torch.float32)
+
+
+def rsqrt_f32(x: torch.Tensor) -> torch.Tensor:
+    """1.0f/sqrtf(x) with both steps correctly rounded, as C does. torch's own f32 sqrt is not
+    always correctly rounded (off by an ulp on some inputs), and one ulp in an RMSNorm scale is
+    enough to flip later Q8 activation roundings. f64 then f32 rounds exactly like f32 for sqrt and
+    division (53 >= 2·24 + 2 bits)."""
+    root = torch.sqrt(x.double()).float()
+    return (1.0 / root.double()).float()
 
 
 def _blocks(x: torch.Tensor, size: int) -> torch.Tensor:
@@ -88,14 +110,28 @@ _GELU_A = 0.044715
 
 
 def gelu_tanh_f32(x: torch.Tensor) -> torch.Tensor:
-    """ggml_gelu_f32 in f32: 0.5·x·(1 + tanh(√(2/π)·x·(1 + 0.044715·x²)))."""
+    """ggml_gelu_f32 as GCC compiles it: 0.5f·x·(1 + tanhf(√(2/π)·x·fma(0.044715·x, x, 1))).
+
+    Every step is an f32 operation; GCC contracts 1 + a·x·x into one fused multiply-add, and tanhf
+    is correctly rounded. fma and tanh are evaluated in f64 and rounded once to f32 (exact for the
+    f16 inputs the table uses: the product has at most 35 significant bits)."""
     x = x.float()
-    return 0.5 * x * (1.0 + torch.tanh(_SQRT_2_OVER_PI * x * (1.0 + _GELU_A * x * x)))
+    s, a = torch.tensor(_SQRT_2_OVER_PI, dtype=torch.float32), torch.tensor(_GELU_A, dtype=torch.float32)
+    inner = ((a * x).double() * x.double() + 1.0).float()
+    t = torch.tanh((s * x * inner).double()).float()
+    return 0.5 * x * (1.0 + t)
+
+
+@functools.lru_cache(maxsize=1)
+def _gelu_table() -> torch.Tensor:
+    """ggml_table_gelu_f16 as ggml_cpu_init fills it: f16(gelu(v)) for every f16 bit pattern v."""
+    values = torch.arange(1 << 16, dtype=torch.int32).to(torch.int16).view(torch.float16).float()
+    return round_f16(torch.nan_to_num(gelu_tanh_f32(values)))
 
 
 def gelu_llamacpp(x: torch.Tensor) -> torch.Tensor:
-    """ggml's table GELU: f16(gelu(f16(x))) inside (-10, 10), 0 below, identity above."""
-    table = round_f16(gelu_tanh_f32(round_f16(x)))
+    """ggml's table GELU (GGML_GELU_FP16): table[f16(x)] inside (-10, 10), 0 below, identity above."""
+    table = _gelu_table()[x.to(torch.float16).view(torch.int16).long() & 0xFFFF]
     return torch.where(x <= -10.0, torch.zeros_like(x), torch.where(x >= 10.0, x, table))
 
 
@@ -118,5 +154,5 @@ def attention_llamacpp(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: 
 
 
 
-__all__ = ["NUMERICS", "round_f16", "q8_0_values", "q8_k_values", "activation_values",
+__all__ = ["NUMERICS", "round_f16", "rsqrt_f32", "q8_0_values", "q8_k_values", "activation_values",
            "gelu_tanh_f32", "gelu_llamacpp", "attention_llamacpp"]

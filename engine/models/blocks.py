@@ -14,14 +14,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.llm.numerics import gelu_llamacpp
+from engine.llm.numerics import gelu_llamacpp, rsqrt_f32
 
 
 class RMSNorm(nn.Module):
     """y = x / sqrt(mean(x^2) + eps) * weight, computed in f32.
 
     `ggml_exact` (set under llama.cpp numerics) follows ggml_compute_forward_rms_norm_f32: the sum
-    of squares accumulated in double, 1/sqrtf(mean + eps) in f32, then x·scale, then ·weight.
+    of squares accumulated in double, 1/sqrtf(mean + eps) in f32 (correctly rounded, as C's
+    sqrtf is: rsqrt_f32), then x·scale, then ·weight; bit-identical to llama.cpp's norm output.
     """
 
     def __init__(self, dim: int, eps: float):
@@ -34,7 +35,7 @@ class RMSNorm(nn.Module):
         xf = x.to(torch.promote_types(x.dtype, torch.float32))  # f64 kept for gradient checks
         if self.ggml_exact:
             mean = ((xf * xf).double().sum(-1, keepdim=True) / xf.shape[-1]).float()
-            scale = 1.0 / torch.sqrt(mean + torch.tensor(self.eps, dtype=torch.float32))
+            scale = rsqrt_f32(mean + torch.tensor(self.eps, dtype=torch.float32))
             return ((xf * scale) * self.weight.float()).to(x.dtype)
         y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         return (y * self.weight.to(xf.dtype)).to(x.dtype)
