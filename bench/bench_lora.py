@@ -4,12 +4,14 @@ Both sides train the pirate pairs of seed 000 §15.6 on gemma-3-270m Q4_K_M with
 settings (rank 8 on q+v, alpha 16, no dropout, AdamW lr 1e-3, clip 1.0, one window of all five
 pairs per step) on the same token ids, each in its own process so peak RSS is its own:
 
-- engine: `forgebench run` (frozen packed GGUF weights, LM head at supervised positions only);
+- engine: `forgebench run` (frozen GGUF weights in an f32 dense cache, or packed with
+  `--weights packed`; the LM head only at supervised positions, fused with the cross-entropy);
 - PEFT: transformers' GGUF loader (it dequantizes to dense) + `peft.get_peft_model`, the five
   samples as one padded batch (what a Trainer with batch size 5 does).
 
-Prints supervised tokens/s, s/step (median over the timed steps, the first step excluded) and
-peak RSS for both, and the ratios.
+Prints supervised tokens/s, s/step (median over the timed steps, the first step excluded), CPU
+s/step (process CPU time, all threads: steadier than wall time on a shared machine) and peak
+RSS for both, and the ratios.
 
     python bench/bench_lora.py [--steps 6] [--precision f32] [--threads 1] [--weights dense-cache]
 """
@@ -69,7 +71,9 @@ def run_engine(args, work: Path) -> dict:
     metrics = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     elapsed = [m["elapsed_s"] for m in metrics]
     step_times = [b - a for a, b in zip(elapsed, elapsed[1:])]
+    cpu = [m["process_cpu_s"] for m in metrics]
     return {"losses": [m["loss"] for m in metrics], "step_times": step_times,
+            "step_cpu": [b - a for a, b in zip(cpu, cpu[1:])],
             "supervised_tokens": metrics[0]["supervised_tokens"],
             "peak_rss_mb": max(m["peak_rss_mb"] for m in metrics)}
 
@@ -101,18 +105,20 @@ def peft_side(args) -> None:
         labels[row, 1:n] = torch.tensor(s["labels"])     # HF shifts labels itself
     supervised = int((labels != -100).sum())
     model.train()
-    losses, times = [], []
+    losses, times, cpu = [], [], []
     for _ in range(args.steps):
-        start = time.perf_counter()
+        start, start_cpu = time.perf_counter(), time.process_time()
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=args.precision == "bf16"):
             loss = model(input_ids=ids, attention_mask=mask, labels=labels).loss
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-        times.append(time.perf_counter() - start)
         losses.append(loss.item())
+        times.append(time.perf_counter() - start)
+        cpu.append(time.process_time() - start_cpu)
     print(json.dumps({"losses": losses, "step_times": times[1:] if len(times) > 1 else times,
+                      "step_cpu": cpu[1:] if len(cpu) > 1 else cpu,
                       "supervised_tokens": supervised, "peak_rss_mb": peak_rss_mb()}))
 
 
@@ -129,7 +135,8 @@ def summary(result: dict) -> dict:
     """Median step time; the fastest step too, which a busy shared machine disturbs least."""
     per_step, fastest = statistics.median(result["step_times"]), min(result["step_times"])
     return {"s_per_step": per_step, "sup_tok_s": result["supervised_tokens"] / per_step,
-            "min_s_per_step": fastest, "peak_rss_mb": result["peak_rss_mb"]}
+            "min_s_per_step": fastest, "cpu_s_per_step": statistics.median(result["step_cpu"]),
+            "peak_rss_mb": result["peak_rss_mb"]}
 
 
 def main() -> None:
@@ -139,7 +146,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--precision", choices=["f32", "bf16"], default="f32")
     parser.add_argument("--threads", type=int, default=1)
-    parser.add_argument("--weights", choices=["packed", "dense-cache"], default="dense-cache")
+    parser.add_argument("--weights", choices=["auto", "packed", "dense-cache"],
+                        default="dense-cache")
     parser.add_argument("--side", choices=["peft"], help=argparse.SUPPRESS)
     parser.add_argument("--ids", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -161,13 +169,15 @@ def main() -> None:
     print(f"\ngemma-3-270m Q4_K_M, pirate pairs, rank 8 q+v, {args.precision}, "
           f"{args.threads} thread(s), {args.steps} steps (first excluded), engine weights "
           f"{args.weights}")
-    print(f"{'':10}{'sup tok/s':>12}{'s/step':>10}{'min s/step':>12}{'peak RSS MB':>14}"
-          f"{'loss 0 -> last':>20}")
+    print(f"{'':10}{'sup tok/s':>12}{'s/step':>10}{'min s/step':>12}{'cpu s/step':>12}"
+          f"{'peak RSS MB':>14}{'loss 0 -> last':>20}")
     for name, s, r in (("engine", e, engine), ("PEFT", p, peft)):
         print(f"{name:10}{s['sup_tok_s']:12.1f}{s['s_per_step']:10.2f}{s['min_s_per_step']:12.2f}"
-              f"{s['peak_rss_mb']:14.0f}{r['losses'][0]:10.3f} -> {r['losses'][-1]:.3f}")
+              f"{s['cpu_s_per_step']:12.2f}{s['peak_rss_mb']:14.0f}"
+              f"{r['losses'][0]:10.3f} -> {r['losses'][-1]:.3f}")
     print(f"ratio engine/PEFT: supervised tok/s x{e['sup_tok_s'] / p['sup_tok_s']:.2f} "
-          f"(fastest steps x{p['min_s_per_step'] / e['min_s_per_step']:.2f}), "
+          f"(fastest steps x{p['min_s_per_step'] / e['min_s_per_step']:.2f}, CPU time per step "
+          f"x{p['cpu_s_per_step'] / e['cpu_s_per_step']:.2f}), "
           f"peak RSS x{e['peak_rss_mb'] / p['peak_rss_mb']:.2f}")
 
 

@@ -33,6 +33,7 @@ keep_last = 5
 
 [model]
 gguf = "{gguf}"
+weights = "{weights}"
 
 [data]
 path = "{data}"
@@ -73,12 +74,13 @@ def write_data(path: Path, pairs=PAIRS) -> Path:
 
 
 def write_config(folder: Path, gguf: Path, *, steps=6, save_every=0, method="lora",
-                 dropout=0.1, targets='["q", "v", "down"]', window=3, data=None) -> Path:
+                 dropout=0.1, targets='["q", "v", "down"]', window=3, data=None,
+                 weights="packed") -> Path:
     data = data or write_data(folder / "pairs.jsonl")
     path = folder / "sft.toml"
     path.write_text(CONFIG.format(steps=steps, save_every=save_every, gguf=gguf, data=data,
                                   method=method, dropout=dropout, targets=targets,
-                                  window=window))
+                                  window=window, weights=weights))
     return path
 
 
@@ -96,6 +98,10 @@ def test_lora_run_checkpoints_adapters_and_writes_before_after(tmp_path, tiny_gg
 
     metrics = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
     assert [m["step"] for m in metrics] == [1, 2, 3, 4, 5, 6]
+    weights, = [e for e in map(json.loads, (run / "events.jsonl").read_text().splitlines())
+                if e["kind"] == "base_weights"]
+    assert weights["mode"] == "packed" and weights["dense_cache_bytes"] == 0
+    assert weights["f32_dense_bytes"] > 4 * weights["packed_bytes"]   # Q4_K: ~4.5 bits/weight
     assert all(m["supervised_tokens"] > 0 and m["input_tokens"] > m["supervised_tokens"]
                for m in metrics)
     assert metrics[-1]["loss"] < metrics[0]["loss"]
@@ -123,6 +129,41 @@ def test_lora_run_checkpoints_adapters_and_writes_before_after(tmp_path, tiny_gg
     result = forgebench("generate", str(run), "--prompt", "Say hello.", "--max-tokens", "6",
                         "--json")
     assert json.loads(result.stdout)["text"] == after[0]["answer"]
+
+
+def test_auto_weights_cache_a_small_base_densely_with_the_packed_gradients(tmp_path, tiny_gguf):
+    """weights = "auto" takes the f32 dense cache for a model that is a small part of memory
+    (and packed for one that is not); loss and adapter gradients equal the packed model's."""
+    from engine.config import load_config
+    from engine.recipes.lm_sft import (collate, encode_samples, load_base, prepare_trainable,
+                                       supervised_loss, weights_mode)
+
+    def loss_and_grads(weights: str):
+        config = load_config(write_config(tmp_path, tiny_gguf, dropout=0.0, weights=weights))
+        base = load_base(config)
+        adapters, _ = prepare_trainable(config, base)
+        with torch.no_grad():
+            for a in adapters.values():
+                a.lora_b.normal_(0, 0.05, generator=torch.Generator().manual_seed(a.layer))
+        samples, _ = encode_samples(config, base)
+        loss = supervised_loss(base.model, *collate(samples[:4]))
+        loss.backward()
+        caches = [w.dense for w in packed_weights(base.model)]
+        return base.model.weights_mode, caches, loss.detach(), torch.cat(
+            [p.grad.flatten() for a in adapters.values() for p in (a.lora_a, a.lora_b)])
+
+    from engine.models.gguf_model import packed_weights
+
+    mode, caches, loss, grads = loss_and_grads("auto")
+    assert mode == "dense-cache" and all(c is not None and c.dtype == torch.float32
+                                         for c in caches)
+    packed_mode, packed_caches, packed_loss, packed_grads = loss_and_grads("packed")
+    assert packed_mode == "packed" and all(c is None for c in packed_caches)
+    torch.testing.assert_close(loss, packed_loss, rtol=1e-6, atol=0)
+    torch.testing.assert_close(grads, packed_grads, rtol=1e-5, atol=1e-7)
+    report = {"f32_dense_bytes": 1 << 60}
+    assert weights_mode("auto", report) == "packed"
+    assert weights_mode("dense-cache", report) == "dense-cache"
 
 
 @pytest.mark.slow

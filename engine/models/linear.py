@@ -5,6 +5,7 @@ at once) for the forward pass and again in the backward pass for the input gradi
 the weight itself carries no gradient, so LoRA adapters beside it train while it stays packed.
 `weights="dense-cache"` keeps a per-layer dequantized copy (f32 or bf16) for speed when memory
 allows. Under llama.cpp numerics the activations are quantized the way llama.cpp's matmul does.
+`linear_cross_entropy` is the training loss over a frozen LM head, in one pass over its rows.
 """
 
 from __future__ import annotations
@@ -64,11 +65,14 @@ class PackedWeight:
             out = dequantize(self.raw[flat], self.ggml_type, (flat.numel(), self.cols), self.name)
         return out.reshape(*index.shape, self.cols)
 
-    def chunks(self):
+    def chunks(self, rows: int | None = None):
+        """(start, end, f32 rows) over the matrix: `rows` at a time, else one piece when cached
+        densely and ~CHUNK_ELEMENTS at a time when packed."""
         self._fill()
         step = max(1, CHUNK_ELEMENTS // max(1, self.cols))
         if self.dense is not None:
             step = self.rows
+        step = rows or step
         for start in range(0, self.rows, step):
             end = min(self.rows, start + step)
             yield start, end, self.rows_f32(start, end)
@@ -138,3 +142,88 @@ class PackedEmbedding(nn.Module):
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         return self.weight.take_rows(tokens)
+
+
+HEAD_CHUNK_ROWS = 4096   # LM-head rows per step of the fused loss: as fast as smaller chunks on
+                         # one thread, with few enough parallel regions to scale to more
+
+
+def _head_chunks(weight: "PackedWeight | torch.Tensor"):
+    if isinstance(weight, PackedWeight):
+        yield from weight.chunks(HEAD_CHUNK_ROWS)
+        return
+    for start in range(0, weight.shape[0], HEAD_CHUNK_ROWS):
+        end = min(weight.shape[0], start + HEAD_CHUNK_ROWS)
+        yield start, end, weight[start:end]
+
+
+def _head_rows(weight: "PackedWeight | torch.Tensor", index: torch.Tensor) -> torch.Tensor:
+    return weight.take_rows(index) if isinstance(weight, PackedWeight) else weight[index]
+
+
+def _linear_cross_entropy_pass(h: torch.Tensor, weight, targets: torch.Tensor,
+                               want_grad: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(summed CE of h·Wᵀ against targets, dCE/dh or None) in one pass over W's row chunks.
+
+    Online logsumexp: a running max m, sum s = Σ exp(z - m) and (for the gradient)
+    acc = Σ exp(z - m)·W, rescaled by exp(m_old - m_new) when the max grows; then
+    dCE/dh = acc / s - W[target]. The target logit is taken from its chunk's logits.
+    """
+    n = h.shape[0]
+    m = torch.full((n, 1), -torch.inf, dtype=h.dtype)
+    s = torch.zeros(n, 1, dtype=h.dtype)
+    acc = torch.zeros_like(h) if want_grad else None
+    target_logit = torch.zeros(n, dtype=h.dtype)
+    by_chunk: dict[int, list[int]] = {}                             # chunk -> positions
+    for position, target in enumerate(targets.tolist()):
+        by_chunk.setdefault(target // HEAD_CHUNK_ROWS, []).append(position)
+    for start, end, w in _head_chunks(weight):
+        w = w.to(h.dtype)
+        z = F.linear(h, w)                                          # [N, rows]
+        positions = by_chunk.get(start // HEAD_CHUNK_ROWS)
+        if positions:
+            positions = torch.tensor(positions)
+            target_logit[positions] = z[positions, targets[positions] - start]
+        m_new = torch.maximum(m, z.amax(1, keepdim=True))
+        rescale = torch.exp(m - m_new)
+        p = z.sub_(m_new).exp_()                                    # exp(z - m_new), in place
+        s.mul_(rescale).add_(p.sum(1, keepdim=True))
+        if want_grad:
+            acc.mul_(rescale).addmm_(p, w)
+        m = m_new
+    loss = (m.squeeze(1) + s.log().squeeze(1) - target_logit).sum()
+    grad = None if not want_grad else acc.div_(s).sub_(_head_rows(weight, targets).to(h.dtype))
+    return loss, grad
+
+
+class _LinearCrossEntropy(torch.autograd.Function):
+    """Summed CE of h·Wᵀ for a frozen W; the [N, vocab] logits never exist beyond one chunk,
+    and dh is accumulated in the same pass, so W is read (or dequantized) once per step."""
+
+    @staticmethod
+    @torch.amp.custom_fwd(device_type="cpu", cast_inputs=torch.float32)
+    def forward(ctx, h, weight, targets):
+        loss, grad = _linear_cross_entropy_pass(h, weight, targets, want_grad=True)
+        ctx.save_for_backward(grad)
+        return loss
+
+    @staticmethod
+    @torch.amp.custom_bwd(device_type="cpu")
+    def backward(ctx, d_loss):
+        grad, = ctx.saved_tensors
+        return grad * d_loss, None, None
+
+
+def linear_cross_entropy(h: torch.Tensor, weight: "PackedWeight | torch.Tensor",
+                         targets: torch.Tensor) -> torch.Tensor:
+    """Summed cross-entropy of logits h [N, D] · weight [V, D]ᵀ against targets [N].
+
+    `weight` is frozen (a PackedWeight, cached or not, or a tensor without grad). Equals
+    F.cross_entropy(F.linear(h, W), targets, reduction="sum") in exact arithmetic, at the cost
+    of one pass over W instead of three (forward, softmax backward, dh).
+    """
+    if torch.is_grad_enabled() and h.requires_grad:
+        return _LinearCrossEntropy.apply(h, weight, targets)
+    with torch.autocast("cpu", enabled=False):
+        return _linear_cross_entropy_pass(h.float() if h.dtype == torch.bfloat16 else h,
+                                          weight, targets, want_grad=False)[0]

@@ -4,7 +4,9 @@ or full fine-tuning of a dense base (an f32/f16/bf16 GGUF or an lm-pretrain run'
 Reads top to bottom: base model -> SFT samples (prompt masked) -> adapters or full weights ->
 AdamW -> BEFORE generations -> loop (one token-weighted window per step: summed CE over the
 window / its supervised tokens, clipped once, one AdamW step) -> checkpoint -> AFTER
-generations. The LM head and cross-entropy run only at supervised positions.
+generations. The LM head and cross-entropy run only at supervised positions, fused into one pass
+over the frozen head (`linear_cross_entropy`): no [N, vocab] logits, and dh comes out of the
+same pass. GGUF weights default to an f32 dense cache when it is small next to the RAM.
 
 A LoRA checkpoint holds `adapters.safetensors` (rank, alpha, targets and the base's SHA-256 in
 its metadata), the optimizer state and `trainer_state.json` (data cursor, RNG, step) last.
@@ -16,6 +18,7 @@ import contextlib
 import functools
 import json
 import re
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -32,6 +35,7 @@ from engine.llm.sft_data import IGNORE_INDEX as IGNORE
 from engine.llm.sft_data import encode_sft_dataset, load_sft_examples
 from engine.lora import (LoRALinear, adapter_bytes, attach_lora, describe_adapters,
                          load_adapters)
+from engine.models.linear import PackedWeight, linear_cross_entropy
 from engine.recipes.lm_sft_config import LMSFTConfig
 from engine.rundir import Checkpoint, RunDir
 from engine.sampling import SamplingSettings, generate_tokens
@@ -50,15 +54,34 @@ def supervised_loss(model: nn.Module, inputs: torch.Tensor, labels: torch.Tensor
     """Summed cross-entropy over the supervised positions of inputs/labels [B, T] (or [T]).
 
     The LM head runs only at supervised positions: full [T, vocab] logits are never built
-    (Gemma's vocabulary is 262,144).
+    (Gemma's vocabulary is 262,144). A frozen head goes through the fused loss; a trained or
+    soft-capped one through plain logits.
     """
     if inputs.dim() == 1:
         inputs, labels = inputs[None], labels[None]
     hidden = model.hidden(inputs)                          # [B, T, D]
     supervised = labels != IGNORE                          # [B, T]
+    head = frozen_head(model)
+    if head is not None:                                   # one fused pass over the head
+        return linear_cross_entropy(hidden[supervised], head, labels[supervised])
     logits = model.logits(hidden[supervised])              # [N, vocab]
     logits = logits.to(torch.promote_types(logits.dtype, torch.float32))  # bf16 -> f32, f64 kept
     return F.cross_entropy(logits, labels[supervised], reduction="sum")
+
+
+def frozen_head(model: nn.Module):
+    """The LM head's weight [vocab, D] when logits are a plain product with a frozen matrix
+    (no bias, no softcap, f32 numerics): what the fused loss can take; else None."""
+    if getattr(model.config, "final_softcap", None):
+        return None
+    head = getattr(model, "output", None) or getattr(model, "tok_embeddings", None)
+    if (head is None or getattr(head, "bias", None) is not None
+            or getattr(head, "numerics", "f32") != "f32"):
+        return None
+    weight = head.weight
+    if isinstance(weight, PackedWeight) or not weight.requires_grad:
+        return weight
+    return None
 
 
 def collate(samples: list) -> tuple[torch.Tensor, torch.Tensor]:
@@ -96,12 +119,16 @@ def base_model(config: LMSFTConfig) -> Path:
 def load_base(config: LMSFTConfig) -> Base:
     path = base_model(config)
     if config.model.gguf:
-        from engine.models.gguf_model import load_gguf_model
+        from engine.models.gguf_model import load_gguf_model, memory_report, packed_weights
 
         if not path.is_file():
             raise ForgebenchError("base model file not found", path=path,
                                   where="field 'model.gguf'")
-        model, tokenizer = load_gguf_model(path, numerics="f32", weights=config.model.weights)
+        model, tokenizer = load_gguf_model(path, numerics="f32", weights="packed")
+        model.weights_mode = weights_mode(config.model.weights, memory_report(model))
+        if model.weights_mode == "dense-cache":
+            for weight in packed_weights(model):
+                weight.cache(torch.float32, lazy=True)   # each filled when it first runs
         return Base(model, tokenizer, ChatTemplate.from_gguf(model.gguf), path, dense=False)
     from engine.recipes import lm_pretrain
 
@@ -113,6 +140,20 @@ def load_base(config: LMSFTConfig) -> Base:
     template = ChatTemplate(PLAIN_TEMPLATE, bos_token="<bos>", eos_token="<eos>",
                             origin="built-in plain template")
     return Base(model, PretrainTokenizer(tokenizer), template, path, dense=True)
+
+
+AUTO_CACHE_SHARE = 0.25   # "auto" caches densely when the f32 copy fits in this share of RAM
+
+
+def weights_mode(requested: str, report: dict) -> str:
+    """"packed" or "dense-cache": the f32 cache makes every step plain GEMMs (the fastest
+    training), so "auto" takes it whenever it is a small part of the available memory."""
+    if requested != "auto":
+        return requested
+    import psutil
+
+    available = psutil.virtual_memory().available
+    return "dense-cache" if report["f32_dense_bytes"] <= AUTO_CACHE_SHARE * available else "packed"
 
 
 # A chat layout for models trained from scratch, which have no template of their own.
@@ -335,6 +376,10 @@ def train(job: Job) -> None:
     base_sha = run.manifest()["base_model"]["sha256"]
 
     base = load_base(config)
+    if not base.dense:        # what each weight mode costs, and the one this run uses
+        from engine.models.gguf_model import memory_report
+
+        run.log_event("base_weights", mode=base.model.weights_mode, **memory_report(base.model))
     samples, report = encode_samples(config, base)
     run.log_event("data_encoded", **report)
     adapters, trainable = prepare_trainable(config, base)
@@ -411,6 +456,7 @@ def train(job: Job) -> None:
                 "skipped": outcome.skipped, "skipped_total": skipped_total, "lr": lr,
                 "input_tokens": input_tokens, "supervised_tokens": loss.tokens,
                 "tokens_per_s": tokens_per_s, "elapsed_s": clock.elapsed,
+                "process_cpu_s": time.process_time(),   # this invocation's CPU, all threads
                 "peak_rss_mb": peak_rss_mb()})
         bar.update(1)
         bar.set_postfix(loss=f"{loss.value:.4f}", lr=f"{lr:.2e}")

@@ -17,9 +17,10 @@ class ModelSection(Schema):
     gguf: str | None = Field(None, description="base model: a GGUF file (any quantization)")
     run: str | None = Field(None, description="base model: an lm-pretrain run directory")
     checkpoint: str = Field("latest", description="which checkpoint of `run` to start from")
-    weights: Literal["packed", "dense-cache"] = Field(
-        "packed", description="frozen GGUF weights: dequantize on the fly (least memory) or "
-                              "once into a dense cache (faster)")
+    weights: Literal["auto", "packed", "dense-cache"] = Field(
+        "auto", description="frozen GGUF weights: dequantize on the fly (least memory), once "
+                            "into an f32 dense cache (fastest), or auto: the cache when it "
+                            "takes at most a quarter of the available memory")
 
     @model_validator(mode="after")
     def _one_base(self) -> "ModelSection":

@@ -1,0 +1,79 @@
+"""The fused LM-head loss (one pass over the head, online logsumexp, dh accumulated in the same
+pass) against F.cross_entropy over full logits in f64, for a plain frozen matrix and for packed
+Q8_0 blocks (dequantized by the `gguf` package as the reference), cached densely or not."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from gguf import GGMLQuantizationType as T
+from gguf import quants
+
+from engine.models import linear
+from engine.models.linear import PackedWeight, linear_cross_entropy
+
+torch.set_num_threads(1)
+VOCAB, DIM, N = 2 * linear.HEAD_CHUNK_ROWS + 300, 64, 9   # a ragged last chunk
+
+
+def _case(seed: int = 0):
+    generator = torch.Generator().manual_seed(seed)
+    weight = torch.randn(VOCAB, DIM, generator=generator) * 0.3
+    h = torch.randn(N, DIM, generator=generator) * 2
+    # several targets in one chunk, one in the ragged last chunk, one at each edge
+    targets = torch.tensor([0, 5, 17, linear.HEAD_CHUNK_ROWS - 1, linear.HEAD_CHUNK_ROWS,
+                            linear.HEAD_CHUNK_ROWS + 3, VOCAB - 1, VOCAB - 300, 5])
+    return weight, h, targets
+
+
+def _reference(weight: torch.Tensor, h: torch.Tensor, targets: torch.Tensor):
+    """(loss, dloss/dh) over full logits in f64."""
+    h64 = h.double().requires_grad_(True)
+    loss = F.cross_entropy(F.linear(h64, weight.double()), targets, reduction="sum")
+    loss.backward()
+    return loss.detach(), h64.grad
+
+
+def _relative(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.double() - b.double()).norm() / b.double().norm())
+
+
+def test_matches_full_logits_cross_entropy_for_a_frozen_matrix():
+    weight, h, targets = _case()
+    ref_loss, ref_grad = _reference(weight, h, targets)
+    x = h.clone().requires_grad_(True)
+    loss = linear_cross_entropy(x, weight, targets)
+    (loss * 0.5).backward()                                   # the upstream gradient is applied
+    assert _relative(loss.detach(), ref_loss) < 1e-6
+    assert _relative(x.grad, 0.5 * ref_grad) < 1e-6
+    with torch.no_grad():                                     # evaluation: the loss alone
+        assert float(linear_cross_entropy(h, weight, targets)) == pytest.approx(float(loss),
+                                                                               rel=1e-7)
+
+
+def test_is_exact_in_f64():
+    weight, h, targets = _case(1)
+    ref_loss, ref_grad = _reference(weight, h, targets)
+    x = h.double().requires_grad_(True)
+    loss = linear_cross_entropy(x, weight.double(), targets)
+    loss.backward()
+    assert _relative(loss.detach(), ref_loss) < 1e-13
+    assert _relative(x.grad, ref_grad) < 1e-13
+
+
+@pytest.mark.parametrize("cached", [False, True])
+def test_matches_for_packed_q8_0_blocks(cached):
+    weight, h, targets = _case(2)
+    raw = quants.quantize(weight.numpy(), T.Q8_0)                        # [VOCAB, row bytes]
+    dequantized = torch.from_numpy(quants.dequantize(raw, T.Q8_0).astype(np.float32))
+    packed = PackedWeight(torch.from_numpy(raw), T.Q8_0, VOCAB, DIM, "token_embd.weight")
+    if cached:
+        packed.cache(torch.float32)
+    ref_loss, ref_grad = _reference(dequantized, h, targets)
+    x = h.clone().requires_grad_(True)
+    loss = linear_cross_entropy(x, packed, targets)
+    loss.backward()
+    assert _relative(loss.detach(), ref_loss) < 1e-6
+    assert _relative(x.grad, ref_grad) < 1e-6
