@@ -1,4 +1,6 @@
-"""`python -m app.screenshots OUT_DIR`: render every pane with real content at 1440×900.
+"""`python -m app.screenshots OUT_DIR [--only datasets]`: render every pane with real content
+at 1440×900 (`--only datasets` renders the datasets pane, import wizards and data card
+without training the demo runs).
 
 The content is real: the bundled sample workspace (datasets the engine's own generators fill
 in where the bundle lacks them), a copy of the shapes dataset with a planted error, and a real
@@ -39,7 +41,7 @@ def _engine(*args: str) -> None:
                    cwd=REPO_ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
 
-def build_workspace(root: Path) -> Workspace:
+def build_workspace(root: Path, runs: bool = True) -> Workspace:
     root = install_sample_workspace(root / "sample-workspace")
     workspace = Workspace.open(root)
     for name, generate in GENERATORS.items():
@@ -54,6 +56,8 @@ def build_workspace(root: Path) -> Workspace:
     bad["label"] = "hexagon"
     lines[6] = json.dumps(bad)
     records.write_text("\n".join(lines))
+    if not runs:
+        return workspace
     # A real run: trained to step 60, stopped, resumed to 120 (the resume is marked).
     config = workspace.configs_dir / "lm-pretrain-tiny.toml"
     run = workspace.runs_dir / "lm-pretrain-tiny-demo"
@@ -110,7 +114,13 @@ def part2_screens(window: MainWindow, workspace: Workspace, shot, app: QApplicat
     ab.rater.setText("screenshot-script")
     ab.name.setText("image-checkpoints")
     ab.limit.setValue(10)
-    ab.start_session()
+    ab.gen_seeds.setText("7")                 # every system's outputs made here, alike
+    ab.gen_n.setValue(4)
+    ab.generate_button.click()
+    settle(app)
+    shot("13b-blind-ab-generating-outputs")
+    while ab.job.running or ab.pending_jobs:
+        settle(app, 0.2)
     shot("14-blind-ab-rating")
     for key in "BBABTBBSBA":
         ab.key_pressed(key)
@@ -131,6 +141,118 @@ def part2_screens(window: MainWindow, workspace: Workspace, shot, app: QApplicat
     shot("18-export-bundle-card-and-rights")
 
 
+def import_sources(workspace: Workspace, scratch: Path) -> dict[str, Path]:
+    """Real files to import, as a user would have them: the pirate pairs re-keyed as another
+    tool writes them (with one line cut short), the shapes as class folders with masks beside
+    the images, and the sfx clips listed in a CSV (with one row naming a file that is gone)."""
+    datasets = workspace.datasets_dir
+    jsonl = scratch / "sources" / "pirate-export.jsonl"
+    jsonl.parent.mkdir(parents=True)
+    lines = [json.dumps({"uid": r["id"], "prompt": r["instruction"], "completion": r["response"]})
+             for r in map(json.loads, (datasets / "pirate" / "records.jsonl").read_text()
+                          .splitlines())]
+    lines[3] = lines[3][:60]
+    jsonl.write_text("\n".join(lines) + "\n")
+    folder = scratch / "sources" / "shape-photos"
+    for record in map(json.loads, (datasets / "shapes" / "records.jsonl").read_text()
+                      .splitlines()[:40]):
+        stem = Path(record["image"]).stem
+        (folder / record["label"]).mkdir(parents=True, exist_ok=True)
+        shutil.copy(datasets / "shapes" / record["image"], folder / record["label"] / f"{stem}.png")
+        shutil.copy(datasets / "shapes" / record["mask"],
+                    folder / record["label"] / f"{stem}_mask.png")
+    audio = scratch / "sources" / "recordings"
+    rows = ["path,label,split,group,source,rights,sha256"]
+    for record in map(json.loads, (datasets / "sfx" / "clips.jsonl").read_text()
+                      .splitlines()[:12]):
+        (audio / "wav").mkdir(parents=True, exist_ok=True)
+        name = Path(record["path"]).name
+        shutil.copy(datasets / "sfx" / record["path"], audio / "wav" / name)
+        rows.append(f"wav/{name},{record['label']},{record['split']},{record['group']},"
+                    f"field recorder,own recording,{record['sha256']}")
+    rows.insert(5, "wav/hiss-0099.wav,hiss,val,hiss-0099,field recorder,own recording,"
+                + "0" * 64)
+    (audio / "clips.csv").write_text("\n".join(rows) + "\n")
+    return {"jsonl": jsonl, "images": folder, "audio": audio / "clips.csv"}
+
+
+def big_dataset(root: Path, n: int = 50_000) -> Path:
+    """A 50,000-record SFT set, to show the lazy records table."""
+    from engine.data.dataset import write_manifest
+
+    root.mkdir()
+    with open(root / "records.jsonl", "w", encoding="utf-8") as out:
+        for i in range(n):
+            out.write(json.dumps({"id": f"r{i:05d}", "instruction": f"Say item {i} like a "
+                                  "pirate", "response": f"Arr, item {i} it be"
+                                  + (" ahoy" if i % 7 == 0 else ""), "group": f"g{i // 5}",
+                                  "split": "val" if i % 10 == 0 else "train"}) + "\n")
+    write_manifest(root, "text-sft", "fifty-thousand")
+    return root
+
+
+def dataset_tool_screens(window: MainWindow, workspace: Workspace, scratch: Path, shot,
+                         shot_of, app: QApplication) -> None:
+    """The import wizards on real files, a real import, the data-card form, and a
+    50,000-record dataset filtered in the lazy records table."""
+    datasets = window.datasets
+    sources = import_sources(workspace, scratch)
+    wizard = datasets.open_import("jsonl")
+    wizard.resize(*SIZE)
+    wizard.source_path.setText(str(sources["jsonl"]))
+    wizard.next()
+    shot_of(wizard, "06c-import-jsonl-map-and-preview")
+    wizard.close()
+    wizard = datasets.open_import("audio")
+    wizard.resize(*SIZE)
+    wizard.source_path.setText(str(sources["audio"]))
+    wizard.next()
+    shot_of(wizard, "06d-import-audio-csv-format-checks")
+    wizard.close()
+    wizard = datasets.open_import("images")
+    wizard.resize(*SIZE)
+    wizard.source_path.setText(str(sources["images"]))
+    wizard.with_masks.setChecked(True)
+    wizard.next()
+    while wizard.plan is None:  # folders are scanned on a worker thread
+        settle(app, 0.2)
+    shot_of(wizard, "06e-import-images-with-masks-preview")
+    wizard.next()
+    wizard.provenance.setText("shapes drawn by the sample generator, sorted into class folders")
+    wizard.rights["train"].setCurrentText("yes")
+    wizard.rights["publish_data"].setCurrentText("yes")
+    wizard.rights["publish_weights"].setCurrentText("with conditions")
+    wizard.basis.setText("generated locally; weights only with attribution")
+    shot_of(wizard, "06f-import-name-and-rights")
+    wizard.next()
+    wizard.start_import()
+    while wizard.worker is not None:
+        settle(app, 0.2)
+    shot_of(wizard, "06g-import-done")
+    wizard.close()
+    dialog = datasets.open_card()
+    dialog.resize(*SIZE)
+    form = dialog.form_widget
+    form.set_value("task", "segment the one shape in each picture")
+    form.set_value("rights.commercial", "with conditions")
+    form.set_value("rights.basis", "")
+    shot_of(dialog, "06h-data-card-form-invalid")
+    form.set_value("rights.basis", "generated locally; weights only with attribution; "
+                                   "commercial use needs a written release")
+    form.set_value("known_gaps", "flat synthetic shapes only\nno photographs")
+    dialog.save()
+    shot_of(dialog, "06i-data-card-saved")
+    dialog.close()
+    big = big_dataset(workspace.datasets_dir / "fifty-thousand")
+    datasets.reload(select=big)
+    while datasets.loading:
+        settle(app, 0.2)
+    datasets.tabs.setCurrentIndex(0)
+    datasets.filter.setText("ahoy split=val")
+    shot("06b-datasets-50k-records-filtered")
+    datasets.filter.clear()
+
+
 def settle(app: QApplication, seconds: float = 0.6) -> None:
     end = time.monotonic() + seconds
     while time.monotonic() < end:
@@ -140,12 +262,15 @@ def settle(app: QApplication, seconds: float = 0.6) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    out = Path(argv[0] if argv else "docs/screenshots")
+    only_datasets = "--only" in argv and argv[argv.index("--only") + 1] == "datasets"
+    positional = [a for i, a in enumerate(argv) if a != "--only" and
+                  (i == 0 or argv[i - 1] != "--only")]
+    out = Path(positional[0] if positional else "docs/screenshots")
     out.mkdir(parents=True, exist_ok=True)
     scratch = Path(tempfile.mkdtemp(prefix="forgebench-screens-"))
     os.environ["FORGEBENCH_CONFIG_DIR"] = str(scratch / "config")
     app = QApplication.instance() or QApplication([])
-    workspace = build_workspace(scratch)
+    workspace = build_workspace(scratch, runs=not only_datasets)
     window = MainWindow(Settings())
     window.close_policy = "leave"
     window.resize(*SIZE)
@@ -157,6 +282,13 @@ def main(argv: list[str] | None = None) -> int:
         settle(app)
         path = out / f"{name}.png"
         window.grab().save(str(path))
+        shots.append(path)
+
+    def shot_of(widget, name: str) -> None:
+        widget.show()
+        settle(app)
+        path = out / f"{name}.png"
+        widget.grab().save(str(path))
         shots.append(path)
 
     datasets = window.datasets
@@ -183,6 +315,9 @@ def main(argv: list[str] | None = None) -> int:
     datasets.select_dataset(workspace.datasets_dir / "sfx")
     datasets.tabs.setCurrentIndex(0)
     shot("06-datasets-audio-clips")
+    dataset_tool_screens(window, workspace, scratch, shot, shot_of, app)
+    if only_datasets:
+        return _finish(window, app, shots, scratch)
 
     window.sidebar.setCurrentRow(1)
     masks = window.masks
@@ -224,6 +359,10 @@ def main(argv: list[str] | None = None) -> int:
     window.sidebar.setCurrentRow(0)
     shot("11-missing-workspace")
 
+    return _finish(window, app, shots, scratch)
+
+
+def _finish(window: MainWindow, app: QApplication, shots: list[Path], scratch: Path) -> int:
     for path in shots:
         print(path)
     window.deleteLater()

@@ -1,7 +1,8 @@
 """`forgebench export RUN_DIR --checkpoint ... --dtype ... --out DIR`: a run's model as a bundle.
 
     DIR/model.gguf            the model (lm-pretrain: written as llama GGUF; LoRA: merged into a
-                              dense base, then converted/quantized) — or, for --dtype adapter,
+                              dense base; full fine-tuning: the trained weights written into the
+                              base's layout; then converted/quantized) — or, for --dtype adapter,
     DIR/adapter.gguf          the GGUF LoRA adapter llama.cpp loads with --lora, and
     DIR/peft/                 adapter_model.safetensors + adapter_config.json (known HF bases)
     DIR/model_card.md         base identity and SHA-256, data card, training config, evaluation,
@@ -178,13 +179,15 @@ def _export_sft(bundle: Bundle, staging: Path, scratch: Path, base_arg: str | No
     from engine.gguf.convert import convert_gguf
     from engine.gguf.lora_export import HF_ARCHITECTURES, write_gguf_lora, write_peft
     from engine.gguf.reader import open_gguf
-    from engine.merge import merge_into_gguf
+    from engine.merge import merge_into_gguf, write_full_weights
+    from engine.train.checkpoint import MODEL_FILE
 
     adapter = bundle.checkpoint.path / ADAPTERS_FILE
-    if not adapter.is_file():
-        raise ForgebenchError("this checkpoint holds full fine-tuned weights, not adapters; "
-                              "exporting full fine-tuning runs is not supported yet",
-                              path=bundle.checkpoint.path, where=ADAPTERS_FILE)
+    full = not adapter.is_file()
+    if full and bundle.dtype == "adapter":
+        raise ForgebenchError("this checkpoint holds full fine-tuned weights, not an adapter",
+                              path=bundle.checkpoint.path, where="--dtype",
+                              hint="export it as a model: --dtype f16, q8_0, q4_k_m, ...")
     base, how = _sft_base(bundle, base_arg, scratch, progress)
     bundle.base = {"path": str(base), "sha256": sha256_file(base) if base.is_file() else None,
                    "chosen": how}
@@ -216,11 +219,20 @@ def _export_sft(bundle: Bundle, staging: Path, scratch: Path, base_arg: str | No
     final = staging / MODEL_GGUF
     same_type = _file_dtype(base) == bundle.dtype
     merged = final if same_type else scratch / f"merged{base.suffix}"
-    with progress.tensors("merge adapters") as update:
-        result = merge_into_gguf(base, adapter, merged, progress=update)
+    if full:
+        with progress.tensors("write full weights") as update:
+            result = write_full_weights(base, bundle.checkpoint.path / MODEL_FILE, merged,
+                                        bundle.run.manifest()["base_model"]["sha256"],
+                                        progress=update)
+        bundle.stages.append(_gguf_stage(
+            "full weights", f"the fine-tuned weights written into the base's layout "
+            f"({len(result.merged)} tensors, stored as the base stores them)", merged, staging))
+    else:
+        with progress.tensors("merge adapters") as update:
+            result = merge_into_gguf(base, adapter, merged, progress=update)
+        bundle.stages.append(_gguf_stage("merged", f"adapters merged into the dense base "
+                                         f"({len(result.merged)} matrices)", merged, staging))
     bundle.base["matched_by"] = result.base_match
-    bundle.stages.append(_gguf_stage("merged", f"adapters merged into the dense base "
-                                     f"({len(result.merged)} matrices)", merged, staging))
     if not same_type:
         with progress.tensors(f"convert → {bundle.dtype}") as update:
             convert_gguf(merged, final, bundle.dtype, progress=update, allow_dequantized=True)

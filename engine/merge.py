@@ -34,6 +34,9 @@ SOURCE_SHA_KEY = "forgebench.source_sha256"       # written by from_pretrain: th
 MERGED_ADAPTER_KEY = "forgebench.merged_adapter_sha256"
 MERGED_ALPHA_KEY = "forgebench.merged_lora_alpha"
 MERGED_RANK_KEY = "forgebench.merged_lora_rank"
+FULL_WEIGHTS_KEY = "forgebench.finetuned_weights_sha256"
+# tensors a GGUF holds that the engine keeps outside its parameters (Llama 3 rope factors)
+NON_PARAMETER_TENSORS = {"rope_freqs.weight"}
 
 
 @dataclass
@@ -98,22 +101,28 @@ def base_identities(content: GGUFContent) -> dict[str, str]:
     return ids
 
 
+def recognise_base(content: GGUFContent, base_sha256: str, what: str) -> str:
+    """How `content` is the base that `what` was trained on (SHA-256 `base_sha256`): "file",
+    "dequantized from" or "exported from"; refuse any other base."""
+    ids = base_identities(content)
+    for how, digest in ids.items():
+        if digest == base_sha256:
+            return how
+    raise ForgebenchError(
+        f"the {what} was trained on a different base (base sha256 "
+        f"{base_sha256[:16]}…, this file is {ids['file'][:16]}…)",
+        path=content.path, where="--base",
+        hint="merge into the GGUF the run was trained on, or a dense copy of it made with "
+             "'forgebench convert BASE.gguf --dtype f16 --out DENSE.gguf'")
+
+
 def check_base(content: GGUFContent, adapter: Adapter) -> str:
     """Refuse an adapter trained on another base; return how the base was recognised."""
-    ids = base_identities(content)
     if not adapter.base_sha256:
         raise ForgebenchError("the adapter does not record its base model's SHA-256",
                               path=adapter.path, where="metadata 'base_sha256'",
                               hint="merge only adapters saved by forgebench lm-sft")
-    for what, digest in ids.items():
-        if digest == adapter.base_sha256:
-            return what
-    raise ForgebenchError(
-        f"the adapter was trained on a different base (base sha256 "
-        f"{adapter.base_sha256[:16]}…, this file is {ids['file'][:16]}…)",
-        path=content.path, where="--base",
-        hint="merge into the GGUF the run was trained on, or a dense copy of it made with "
-             "'forgebench convert BASE.gguf --dtype f16 --out DENSE.gguf'")
+    return recognise_base(content, adapter.base_sha256, "adapter")
 
 
 def check_dense(content: GGUFContent, adapter: Adapter) -> dict[str, TensorEntry]:
@@ -165,7 +174,7 @@ class MergeResult:
     path: Path
     merged: list[str]             # GGUF tensor names changed
     base_match: str               # how the base was recognised ("file", "dequantized from", ...)
-    adapter_sha256: str
+    source_sha256: str            # the adapter's or the full weights' file
 
 
 def merge_into_gguf(base: str | Path, adapter_path: str | Path, out: str | Path, *,
@@ -197,3 +206,66 @@ def merge_into_gguf(base: str | Path, adapter_path: str | Path, out: str | Path,
     write_gguf(out, metadata, [entry_for(t) for t in content.tensors], version=content.version,
                progress=progress)
     return MergeResult(out, sorted(targets), base_match, adapter.sha256)
+
+
+def write_full_weights(base: str | Path, weights: str | Path, out: str | Path, base_sha256: str,
+                       *, progress: Callable[[TensorEntry, int, int], None] | None = None
+                       ) -> MergeResult:
+    """Write a full fine-tune's weights (a checkpoint's torch state dict, `weights`) into the
+    dense GGUF it was trained from: the base's metadata, tokenizer, tensor order and types,
+    every tensor replaced by the trained one (named by the loader's own mapping). Refuses a
+    checkpoint whose tensors do not name and shape-match the base, and a quantized base."""
+    from safetensors import safe_open
+
+    from engine.models.gguf_model import gguf_tensor_name
+
+    out, weights = Path(out), Path(weights)
+    if out.exists():
+        raise ForgebenchError("the output file already exists; refusing to overwrite it",
+                              path=out, where="--out", hint="choose a new name")
+    content = read_gguf_content(base)
+    base_match = recognise_base(content, base_sha256, "checkpoint")
+    tensors = {t.name: t for t in content.tensors}
+    with safe_open(str(weights), "pt") as f:
+        shapes = {key: tuple(f.get_slice(key).get_shape()) for key in f.keys()}
+    by_gguf = {}
+    for key, shape in shapes.items():
+        name = gguf_tensor_name(key)
+        entry = tensors.get(name) if name else None
+        if entry is None:
+            raise ForgebenchError(f"checkpoint tensor {key!r} has no counterpart in the base",
+                                  path=weights, where=key,
+                                  hint="the checkpoint belongs to a model with another layout")
+        if tuple(entry.shape) != shape:
+            raise ForgebenchError(f"checkpoint tensor {key!r} is {list(shape)}, but the base's "
+                                  f"{name} is {list(entry.shape)}", path=weights, where=key,
+                                  hint="the checkpoint belongs to another model")
+        if entry.ggml_type not in FLOAT_TYPES:
+            raise ForgebenchError(
+                f"the base is quantized ({name} is {entry.ggml_type.name}); full fine-tuned "
+                "weights are written into a dense base only", path=content.path, where=name,
+                hint="export against the dense f32/f16/bf16 GGUF the run was trained on")
+        by_gguf[name] = key
+    missing = sorted(set(tensors) - set(by_gguf) - NON_PARAMETER_TENSORS)
+    if missing:
+        raise ForgebenchError(f"the checkpoint has no weights for {len(missing)} base tensors "
+                              f"({', '.join(missing[:3])}{', …' if len(missing) > 3 else ''})",
+                              path=weights, where=missing[0],
+                              hint="the checkpoint belongs to another model")
+
+    def trained(t: TensorEntry) -> np.ndarray:
+        with safe_open(str(weights), "pt") as f:              # one tensor in memory at a time
+            values = f.get_tensor(by_gguf[t.name]).float().contiguous().numpy()
+        return quants.quantize(values, t.ggml_type)
+
+    def entry_for(t: TensorEntry) -> TensorEntry:
+        if t.name not in by_gguf:
+            return t
+        return TensorEntry(t.name, t.ggml_type, t.shape, lambda: trained(t))
+
+    digest = sha256_file(weights)
+    metadata = dict(content.metadata)
+    metadata[FULL_WEIGHTS_KEY] = MetaValue(GGUFValueType.STRING, digest)
+    write_gguf(out, metadata, [entry_for(t) for t in content.tensors], version=content.version,
+               progress=progress)
+    return MergeResult(out, sorted(by_gguf), base_match, digest)

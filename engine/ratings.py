@@ -41,6 +41,7 @@ class SessionPlan:
     pairs: list[Pair]
     seed: int
     recorded_differences: list[str] = field(default_factory=list)
+    generation: dict | None = None        # the one settings dict outputs were generated with
 
 
 def settings_differences(systems: dict[str, dict]) -> list[str]:
@@ -96,7 +97,7 @@ class RatingStore:
         append_jsonl(self.path, {
             "type": "session", "session": plan.session, "systems": plan.systems,
             "items": plan.items, "seed": plan.seed, "rater": rater, "created": time.time(),
-            "recorded_differences": plan.recorded_differences,
+            "recorded_differences": plan.recorded_differences, "generation": plan.generation,
             "pairs": [[p.index, p.item, p.left, p.right] for p in plan.pairs]})
 
     def record(self, pair: Pair, choice: str, rater: str, rubric: dict | None = None) -> dict:
@@ -119,7 +120,7 @@ class RatingStore:
         head = self.header()
         pairs = [Pair(i, item, left, right) for i, item, left, right in head["pairs"]]
         return SessionPlan(head["session"], head["systems"], head["items"], pairs, head["seed"],
-                           head.get("recorded_differences", []))
+                           head.get("recorded_differences", []), head.get("generation"))
 
     def answers(self) -> list[dict]:
         return [r for r in read_jsonl(self.path) if r.get("type") == "answer"]
@@ -259,6 +260,7 @@ def preference_records(answers: Iterable[dict], outputs: dict[tuple[str, str], s
         item = ans["item"]
         records.append({"prompt": (prompts or {}).get(item, item),
                         "chosen": outputs[(ans["winner"], item)],
-                        "rejected": outputs[(loser, item)],
+                        "rejected": outputs[(loser, item)], "item": item,
+                        "rater": ans["rater"], "time": ans.get("time"),
                         "source": f"blind-ab:{ans['rater']}:pair-{ans['pair']}"})
     return records

@@ -200,3 +200,152 @@ def test_text_systems_are_ranked_and_exported_as_preferences(qtbot, tmp_path_fac
         assert record["prompt"] == ans["item"] == "Record item"
         assert record["chosen"] == outputs[ans["winner"]]["Record item"]
         assert record["rejected"] == outputs[loser]["Record item"]
+
+
+def test_the_pane_generates_every_systems_outputs_then_exports_media_preferences(
+        pane, qtbot, workspace, tmp_path):
+    from engine.data.dataset import load_dataset, validate_dataset
+    from engine.fsutil import read_json, sha256_file
+
+    for checkpoint in ("step-000002", "step-000004"):
+        pane.check_system(workspace.runs_dir / "image", checkpoint)
+    pane.name.setText("generated")
+    pane.limit.setValue(0)
+    pane.allowed.setText("")
+    pane.gen_seeds.setText("11")
+    pane.gen_n.setValue(2)
+    pane.gen_steps.setValue(3)
+    pane.generate_button.click()
+    assert len(pane.generation[0]) == 2 and pane.job.running
+    qtbot.waitUntil(lambda: pane.session is not None
+                    and pane.session.plan.session == "generated", timeout=300_000)
+
+    session = pane.session
+    header = session.store.header()
+    assert header["generation"] == {"seeds": [11], "n": 2, "cfg": None, "steps": 3,
+                                    "class": None}
+    assert session.total == 3 * 2                      # 3 classes x 2 samples, one system pair
+    for system in header["systems"].values():          # exactly the generated outputs
+        assert len(system["outputs"]) == 6 and system["settings"]["steps"] == 3
+        for path in system["outputs"].values():
+            assert "/ratings/outputs/generated/" in path
+            assert read_json(path.replace(".png", ".json"))["seed"] == 11
+
+    choices = ["A", "B", "T", "S", "A", "A"]
+    for key in choices:
+        qtbot.keyClick(pane, KEYS[key])
+    assert session.finished and pane.export_button.isEnabled()
+    pane.export_preferences()
+    out = workspace.datasets_dir / "preferences-generated"
+    assert validate_dataset(out).ok
+    dataset = load_dataset(out)
+    manifest = read_json(out / "dataset.json")
+    assert manifest["kind"] == "media-preferences"
+    assert "2 ties and skips" in manifest["provenance"]["not_exported"]
+    records = dataset.records()
+    answers = [a for a in session.store.answers() if a["choice"] in ("left", "right")]
+    assert len(records) == len(answers) == 4
+    outputs = {name: s["outputs"] for name, s in header["systems"].items()}
+    for record, answer in zip(records, answers):
+        loser = answer["right"] if answer["choice"] == "left" else answer["left"]
+        assert record["chosen"].is_file() and record["chosen"].parent == out / "files"
+        assert sha256_file(record["chosen"]) == sha256_file(outputs[answer["winner"]][
+            answer["item"]])
+        assert sha256_file(record["rejected"]) == sha256_file(outputs[loser][answer["item"]])
+        assert manifest["files"][record["chosen"].relative_to(out).as_posix()] == \
+            sha256_file(record["chosen"])
+        assert record["prompt"].startswith("class ") and record["rater"] == "me"
+        assert record["session"] == "generated"
+    (out / "files" / records[0]["rejected"].name).unlink()      # a missing file is caught
+    assert not validate_dataset(out).ok
+
+
+def test_text_systems_answer_the_same_prompts_with_one_settings_dict(qtbot, tmp_path_factory):
+    from types import SimpleNamespace
+
+    from app.viewmodels.workspace import Workspace
+    from engine.recipes.lm_pretrain import generate
+    from engine.rundir import RunDir
+
+    run = lm_run(tmp_path_factory)
+    workspace = Workspace.open(run.parents[1])
+    pane = ABPane()
+    qtbot.addWidget(pane)
+    pane.set_workspace(workspace)
+    for checkpoint in ("step-000010", "step-000030"):
+        pane.check_system(run, checkpoint)
+    pane.gen_prompts.setPlainText("Record item\nThe price is")
+    pane.gen_max_tokens.setValue(6)
+    pane.name.setText("cancelled")
+    pane.generate_button.click()
+    assert pane.job.running
+    pane.job.cancel()                                      # cancel stops the whole queue
+    qtbot.waitUntil(lambda: not pane.job.running, timeout=60_000)
+    assert pane.session is None and not pane.pending_jobs
+    assert "Generation stopped" in pane.setup_status.text()
+    assert not (workspace.root / "ratings" / "outputs" / "cancelled").exists()
+
+    pane.name.setText("text-generated")
+    pane.generate_button.click()
+    assert len(pane.generation[0]) == 2 * 2                # systems x prompts
+    qtbot.waitUntil(lambda: pane.session is not None, timeout=300_000)
+    header = pane.session.store.header()
+    assert header["generation"] == {"prompts": ["Record item", "The price is"],
+                                    "max_tokens": 6, "temperature": 0.0, "seed": 0}
+    assert pane.session.kind == "text" and pane.session.total == 2
+    for name, system in header["systems"].items():        # the engine's own greedy answers
+        checkpoint = RunDir(run).checkpoint(name.split("/")[1])
+        for prompt, text in system["outputs"].items():
+            expected = generate(RunDir(run), checkpoint, SimpleNamespace(
+                prompt=prompt, max_tokens=6, temperature=0.0, top_k=0, top_p=1.0,
+                repetition_penalty=1.0, seed=0, stop=[]))["text"]
+            assert text == expected
+
+
+def test_an_lm_sft_run_is_compared_with_its_untuned_base_on_the_same_prompts(tmp_path):
+    """base vs tuned: `generate --model BASE --chat` and `generate RUN` with one settings dict,
+    each job's printed answer parsed and gathered into a session (no Qt: the jobs run here)."""
+    from app.viewmodels.ab import (BASE, generated_systems, generation_jobs,
+                                   record_text_output, text_settings_of)
+    from gguf_write_fixtures import write_dense_llama
+
+    base = write_dense_llama(tmp_path / "base.gguf", dim=128, ffn=256, head_dim=32,
+                             n_kv_heads=2, n_layers=2, dtype="F32", seed=4)
+    (tmp_path / "pairs.jsonl").write_text("".join(
+        json.dumps({"instruction": q, "response": a}) + "\n"
+        for q, a in [("Say hello.", "Ahoy!"), ("Name a color.", "Ahoy! Red.")]))
+    (tmp_path / "sft.toml").write_text(textwrap.dedent(f"""\
+        recipe = "lm-sft"
+        seed = 1
+        steps = 2
+        save_every = 0
+        [model]
+        gguf = "{base}"
+        [data]
+        path = "{tmp_path / 'pairs.jsonl'}"
+        max_len = 64
+        [lora]
+        rank = 4
+        [optim]
+        lr = 5e-2
+        [train]
+        window = 2
+        micro_batch = 2
+        """))
+    run = tmp_path / "ws" / "runs" / "sft"
+    forgebench("run", str(tmp_path / "sft.toml"), "--out", str(run))
+    settings = text_settings_of(["Say hello."], max_tokens=4)
+    jobs = generation_jobs([(str(run), BASE), (str(run), "step-000002")], settings,
+                           tmp_path / "ws" / "ratings" / "outputs" / "base-vs-tuned")
+    assert jobs[0].argv[jobs[0].argv.index("--model") + 1] == str(base)
+    for job in jobs:
+        done = subprocess.run(job.argv, cwd=REPO, capture_output=True, text=True,
+                              env=dict(os.environ, PYTHONPATH=str(REPO)), timeout=300)
+        assert done.returncode == 0, done.stderr
+        record_text_output(job, done.stderr + done.stdout)
+    systems = generated_systems(jobs, settings)
+    assert set(systems) == {"sft/base", "sft/step-000002"}
+    assert all(set(s["outputs"]) == {"Say hello."} for s in systems.values())
+    session = ABSession.create(tmp_path / "ws" / "ratings", "base-vs-tuned", systems, "me",
+                               generation=settings)
+    assert session.total == 1 and session.store.header()["generation"] == settings

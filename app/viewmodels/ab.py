@@ -1,27 +1,32 @@
 """Blind A/B sessions over what runs generated: systems, the session itself, and its results.
 
-A system is one run's checkpoint; its outputs are the samples (images, sounds) or generations
-(text) that checkpoint wrote, keyed by item — the class/seed/position of a sample or the prompt
-of a generation — so every system answers the same items. Planning, storage (append-only,
-fsynced per answer, hidden mapping in every record) and statistics are `engine.ratings`'; this
-module only gathers the outputs and shapes the results for the pane. No Qt.
+A system is one run's checkpoint (or an lm-sft run's untuned base); its outputs are the samples
+(images, sounds) or generations (text) that checkpoint wrote, keyed by item — the
+class/seed/position of a sample or the prompt of a generation — so every system answers the same
+items. The pane can make those outputs itself: `generation_jobs` plans one engine job per system
+and seed (or prompt), all with one settings dict that the session header records. Planning,
+storage (append-only, fsynced per answer, hidden mapping in every record) and statistics are
+`engine.ratings`'; this module gathers the outputs and shapes the results for the pane. No Qt.
 """
 
 from __future__ import annotations
 
 import json
 import re
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
 from engine.data.dataset import write_manifest
 from engine.errors import ForgebenchError
-from engine.fsutil import atomic_write_text
+from engine.fsutil import append_jsonl, atomic_write_text, read_json, read_jsonl, sha256_file
 from engine.ratings import (Pair, RatingStore, bradley_terry, head_to_head, plan_session,
                             preference_records, rater_agreement)
 from engine.rundir import RunDir
 
-from app.viewmodels.samples import generation_settings, generations, run_samples, text_file
+from app.viewmodels.jobs import forgebench_argv
+from app.viewmodels.samples import (MEDIA, Sample, generation_settings, generations,
+                                    run_samples, sample_argv, text_file)
 
 KEYS = {"A": "left", "B": "right", "T": "tie", "S": "skip"}
 
@@ -30,10 +35,16 @@ def system_name(run_dir: Path, checkpoint: str) -> str:
     return f"{Path(run_dir).name}/{checkpoint}"
 
 
-def gather_system(run_dir: str | Path, checkpoint: str) -> dict:
-    """One system: its kind, the settings its outputs were made with, and item → output."""
+def gather_system(run_dir: str | Path, checkpoint: str, folder: Path | None = None) -> dict:
+    """One system: its kind, the settings its outputs were made with, and item → output —
+    the checkpoint's samples, or those a generation job wrote into `folder`."""
     run_dir = Path(run_dir)
-    media = [s for s in run_samples(run_dir) if s.checkpoint == checkpoint]
+    if folder is None:
+        media = [s for s in run_samples(run_dir) if s.checkpoint == checkpoint]
+    else:
+        media = [Sample(path, read_json(path.with_suffix(".json")))
+                 for path in sorted(Path(folder).glob("*"))
+                 if path.suffix in MEDIA and path.with_suffix(".json").is_file()]
     if media:
         settings = [s.settings for s in media]
         differing = sorted({k for s in settings for k in s
@@ -45,6 +56,9 @@ def gather_system(run_dir: str | Path, checkpoint: str) -> dict:
                 hint="generate a fresh sample set for the comparison with one set of settings")
         return {"run": str(run_dir), "checkpoint": checkpoint, "kind": media[0].kind,
                 "settings": settings[0], "outputs": {s.item: str(s.path) for s in media}}
+    if folder is not None:
+        raise ForgebenchError("the generation job wrote no samples", path=folder,
+                              hint="see the job's output; generate again")
     folder = RunDir(run_dir).samples_dir / checkpoint
     if text_file(folder):
         return {"run": str(run_dir), "checkpoint": checkpoint, "kind": "text",
@@ -52,6 +66,140 @@ def gather_system(run_dir: str | Path, checkpoint: str) -> dict:
                 "outputs": generations(run_dir, checkpoint)}
     raise ForgebenchError("this checkpoint has no samples to compare", path=folder,
                           hint="generate samples for it first (Samples pane → Generate)")
+
+
+GENERATOR_RECIPES = ("image-generate", "audio-generate")
+TEXT_RECIPES = ("lm-pretrain", "lm-sft")
+BASE = "base"                       # the system "the run's base model, untuned" (lm-sft)
+TEXT_OUTPUTS = "generations.jsonl"  # what a text system's generation jobs append to
+
+
+@dataclass(frozen=True)
+class GenerationJob:
+    """One engine job of an A/B generation: a system, one seed (media) or one prompt (text),
+    and the folder its outputs go to."""
+
+    system: str
+    run_dir: Path
+    checkpoint: str
+    argv: list[str]
+    folder: Path
+    prompt: str | None = None
+
+
+def generation_settings_of(seeds: list[int], n: int, cfg: float | None, steps: int | None,
+                           class_name: str | None) -> dict:
+    """The one settings dict every image/audio system's outputs are generated with (recorded
+    in the session header)."""
+    if not seeds:
+        raise ForgebenchError("give at least one seed", where="seeds", hint="e.g. 0, 1")
+    return {"seeds": sorted(set(seeds)), "n": n, "cfg": cfg, "steps": steps,
+            "class": class_name}
+
+
+def text_settings_of(prompts: list[str], max_tokens: int, seed: int = 0) -> dict:
+    """The one settings dict every text system answers with: greedy, the same prompts."""
+    prompts = [p.strip() for p in prompts if p.strip()]
+    if not prompts:
+        raise ForgebenchError("give at least one prompt", where="prompts",
+                              hint="one prompt per line")
+    return {"prompts": list(dict.fromkeys(prompts)), "max_tokens": max_tokens,
+            "temperature": 0.0, "seed": seed}
+
+
+def base_gguf(run_dir: str | Path) -> Path | None:
+    """An lm-sft run's GGUF base (which `forgebench generate --model` runs untuned), if any."""
+    manifest = RunDir(run_dir).manifest()
+    path = Path((manifest.get("base_model") or {}).get("path", ""))
+    return path if manifest.get("recipe") == "lm-sft" and path.suffix == ".gguf" else None
+
+
+def _text_argv(run_dir: str | Path, checkpoint: str, prompt: str, settings: dict) -> list[str]:
+    common = ["--prompt", prompt, "--max-tokens", str(settings["max_tokens"]),
+              "--temperature", str(settings["temperature"]), "--seed", str(settings["seed"]),
+              "--json"]
+    if checkpoint == BASE:
+        base = base_gguf(run_dir)
+        if base is None:
+            raise ForgebenchError("only an lm-sft run over a GGUF file has a base to compare",
+                                  path=run_dir, where="systems")
+        # the base answers through its chat template in f32, as lm-sft's tuned model does
+        return forgebench_argv() + ["generate", "--model", str(base), "--chat",
+                                    "--numerics", "f32", *common]
+    return forgebench_argv() + ["generate", str(run_dir), "--checkpoint", checkpoint, *common]
+
+
+def generation_jobs(chosen: list[tuple[str, str]], settings: dict,
+                    outputs_dir: Path) -> list[GenerationJob]:
+    """The engine jobs that make every system's outputs with `settings`: one `forgebench
+    sample` per system and seed (images, sounds) or one `forgebench generate` per system and
+    prompt (text), each system writing into its own fresh folder under `outputs_dir`."""
+    if len(chosen) < 2:
+        raise ForgebenchError("choose at least two systems", where="systems")
+    if outputs_dir.exists():
+        raise ForgebenchError("outputs for a session of this name exist already",
+                              path=outputs_dir, hint="choose another session name")
+    text = "prompts" in settings
+    jobs = []
+    for index, (run_dir, checkpoint) in enumerate(chosen):
+        recipe = RunDir(run_dir).manifest().get("recipe")
+        if recipe not in (TEXT_RECIPES if text else GENERATOR_RECIPES):
+            raise ForgebenchError(
+                f"recipe '{recipe}' does not make {'text' if text else 'images or sounds'}",
+                path=run_dir, where="systems",
+                hint="compare systems of one kind: generator runs, or language-model runs")
+        folder = outputs_dir / f"{index:02d}-{Path(run_dir).name}-{checkpoint}"
+        system = system_name(run_dir, checkpoint)
+        if text:
+            jobs += [GenerationJob(system, Path(run_dir), checkpoint,
+                                   _text_argv(run_dir, checkpoint, prompt, settings), folder,
+                                   prompt) for prompt in settings["prompts"]]
+            continue
+        for seed in settings["seeds"]:
+            jobs.append(GenerationJob(
+                system, Path(run_dir), checkpoint,
+                sample_argv(run_dir, checkpoint=checkpoint, class_name=settings["class"],
+                            n=settings["n"], seed=seed, cfg=settings["cfg"],
+                            steps=settings["steps"], out=folder), folder))
+    return jobs
+
+
+def last_json(output: str) -> dict:
+    """The JSON object a `generate --json` job printed last (its output may carry log lines
+    before it)."""
+    starts = [m.start() for m in re.finditer(r"(?m)^\{", output)]
+    for start in reversed(starts):
+        try:
+            return json.loads(output[start:])
+        except json.JSONDecodeError:
+            continue
+    raise ForgebenchError("the generation job printed no result", where="job output",
+                          hint=output[-500:])
+
+
+def record_text_output(job: GenerationJob, output: str) -> None:
+    """Append a finished text job's answer to its system's generations file (durably)."""
+    result = last_json(output)
+    job.folder.mkdir(parents=True, exist_ok=True)
+    append_jsonl(job.folder / TEXT_OUTPUTS, {"prompt": job.prompt, "text": result["text"],
+                                             "engine_settings": result.get("settings", {})})
+
+
+def generated_systems(jobs: list[GenerationJob], settings: dict) -> dict[str, dict]:
+    """The systems of a finished generation: exactly the outputs its jobs wrote."""
+    systems = {}
+    for job in jobs:
+        if job.system in systems:
+            continue
+        if job.prompt is None:
+            systems[job.system] = gather_system(job.run_dir, job.checkpoint, job.folder)
+            continue
+        answers = {r["prompt"]: r["text"] for r in read_jsonl(job.folder / TEXT_OUTPUTS)}
+        systems[job.system] = {"run": str(job.run_dir), "checkpoint": job.checkpoint,
+                               "kind": "text", "outputs": answers,
+                               "settings": {k: v for k, v in settings.items()
+                                            if k != "prompts"}}
+    return systems
 
 
 def common_items(systems: dict[str, dict]) -> list[str]:
@@ -87,9 +235,11 @@ class ABSession:
     @classmethod
     def create(cls, ratings_dir: Path, name: str, systems: dict[str, dict], rater: str,
                seed: int = 0, items: list[str] | None = None, limit: int | None = None,
-               allow_differences: tuple[str, ...] = ()) -> "ABSession":
+               allow_differences: tuple[str, ...] = (),
+               generation: dict | None = None) -> "ABSession":
         """Plan and start a session. `items` defaults to every common item; `limit` keeps the
-        first N pairs of the shuffled plan (a session of a chosen length)."""
+        first N pairs of the shuffled plan (a session of a chosen length); `generation` is
+        the settings dict the pane generated every system's outputs with."""
         items = common_items(systems) if items is None else items
         if not items:
             raise ForgebenchError("the systems have no item in common to compare",
@@ -100,6 +250,7 @@ class ABSession:
             raise ForgebenchError("cannot compare " + " with ".join(sorted(kinds)),
                                   where="systems")
         plan = plan_session(session_name(name), systems, items, seed, allow_differences)
+        plan.generation = generation
         if limit is not None:
             plan.pairs = plan.pairs[:limit]
             plan.items = sorted({p.item for p in plan.pairs})
@@ -136,10 +287,7 @@ class ABSession:
 
     def prompt(self, pair: Pair) -> str:
         """What the rater is told was asked: the prompt (text) or class and seed (media)."""
-        if self.kind == "text":
-            return pair.item
-        label, seed, position = pair.item.rsplit("-", 2)
-        return f"class {label}, {seed}, sample {int(position)}"
+        return self.describe(pair.item)
 
     def answer(self, choice: str, rubric: dict | None = None) -> dict:
         """Store the answer (fsynced) and move on; only then is the next pair available."""
@@ -154,31 +302,63 @@ class ABSession:
         return session_results(self.store)
 
     def export_preferences(self, out_dir: Path) -> Path:
-        """The answered text pairs as a `preferences` dataset (prompt / chosen / rejected)."""
-        if self.kind != "text":
-            raise ForgebenchError("preference datasets are made from text comparisons; this "
-                                  f"session compares {self.kind}", where="export")
+        """The answered pairs as a preference dataset: prompt / chosen / rejected texts
+        (`preferences`), or for images and sounds the chosen and rejected files copied into
+        the folder and listed with their SHA-256 (`media-preferences`). Ties and skips are
+        not preferences and are left out (counted in the manifest's provenance)."""
         out_dir = Path(out_dir)
         if out_dir.exists():
             raise ForgebenchError("the folder exists already", path=out_dir,
                                   hint="choose a new dataset name")
-        outputs = {(name, item): text for name, s in self.plan.systems.items()
-                   for item, text in s["outputs"].items()}
-        records = preference_records(self.store.answers(), outputs)
+        answers = self.store.answers()
+        outputs = {(name, item): output for name, s in self.plan.systems.items()
+                   for item, output in s["outputs"].items()}
+        prompts = {item: self.describe(item) for item in self.plan.items}
+        records = preference_records(answers, outputs, prompts)
         if not records:
             raise ForgebenchError("no answered pair has a winner yet (ties and skips are not "
                                   "preferences)", path=self.store.path)
+        media = self.kind != "text"
+        staging = out_dir.parent / f".{out_dir.name}.partial"
+        shutil.rmtree(staging, ignore_errors=True)
+        staging.mkdir(parents=True)
+        copied: dict[str, str] = {}
         lines = []
         for i, record in enumerate(records):
-            lines.append({"id": f"pref-{i:05d}", **record,
+            if media:
+                for side in ("chosen", "rejected"):
+                    record[side] = self._copy_output(Path(record[side]), staging, copied)
+            lines.append({"id": f"pref-{i:05d}", **record, "session": self.plan.session,
                           "rights": "generated by the compared models; rated by "
-                                    f"{record['source'].split(':')[1]}"})
-        out_dir.mkdir(parents=True)
-        atomic_write_text(out_dir / "records.jsonl",
+                                    f"{record['rater']}"})
+        atomic_write_text(staging / "records.jsonl",
                           "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in lines))
-        write_manifest(out_dir, "preferences", out_dir.name,
-                       provenance={"session": str(self.store.path)})
+        dropped = sum(a["choice"] in ("tie", "skip") for a in answers)
+        write_manifest(staging, "media-preferences" if media else "preferences", out_dir.name,
+                       provenance={"session": str(self.store.path),
+                                   "answers": len(answers), "exported": len(lines),
+                                   "not_exported": f"{dropped} ties and skips (no preference)"})
+        staging.rename(out_dir)
         return out_dir
+
+    def describe(self, item: str) -> str:
+        """An item as a prompt: the prompt text, or the class, seed and position asked for."""
+        if self.kind == "text":
+            return item
+        label, seed, position = item.rsplit("-", 2)
+        return f"class {label}, {seed}, sample {int(position)}"
+
+    @staticmethod
+    def _copy_output(source: Path, root: Path, copied: dict[str, str]) -> str:
+        """Copy a generated file into the dataset once (named by its content); return its
+        relative path."""
+        digest = sha256_file(source)
+        if digest not in copied:
+            rel = f"files/{digest[:16]}{source.suffix}"
+            (root / "files").mkdir(exist_ok=True)
+            shutil.copyfile(source, root / rel)
+            copied[digest] = rel
+        return copied[digest]
 
 
 def session_results(store: RatingStore) -> dict:

@@ -1,5 +1,8 @@
-"""The blind A/B pane: choose systems (run checkpoints), rate pairs with A / B / T (tie) /
-S (skip) without seeing which system is which, then read the results and export preferences.
+"""The blind A/B pane: choose systems (run checkpoints, or an lm-sft run's base), either use the
+outputs they already have or generate them all now with one settings dict (one engine job per
+system and seed or prompt, run in turn with progress and cancel), rate pairs with A / B / T
+(tie) / S (skip) without seeing which system is which, then read the results and export
+preferences (text, or images/sounds copied into the dataset).
 
 Every answer goes through `RatingStore.record` (fsynced) before the next pair is shown;
 identities stay hidden until the session is finished."""
@@ -7,21 +10,24 @@ identities stay hidden until the session is finished."""
 from __future__ import annotations
 
 import html
+import shutil
 from pathlib import Path
 
 from PySide6.QtCore import Qt, Signal
 from PySide6.QtGui import QKeySequence, QPixmap, QShortcut
-from PySide6.QtWidgets import (QCheckBox, QComboBox, QFormLayout, QGroupBox, QHBoxLayout,
-                               QLabel, QLineEdit, QListWidget, QListWidgetItem, QPlainTextEdit,
-                               QPushButton, QSpinBox, QSplitter, QStackedWidget, QTextBrowser,
-                               QVBoxLayout, QWidget)
+from PySide6.QtWidgets import (QCheckBox, QComboBox, QDoubleSpinBox, QFormLayout, QGroupBox,
+                               QHBoxLayout, QLabel, QLineEdit, QListWidget, QListWidgetItem,
+                               QPlainTextEdit, QPushButton, QSpinBox, QSplitter, QStackedWidget,
+                               QTextBrowser, QVBoxLayout, QWidget)
 
 from engine.errors import ForgebenchError
+from engine.fsutil import read_json
 from engine.rundir import RunDir
 
 from app.audio import Player
 from app.viewmodels import ab as vm
 from app.viewmodels.samples import text_file, waveform
+from app.views.samples_pane import JobRunner
 from app.viewmodels.workspace import Workspace
 
 PREVIEW = 256
@@ -81,6 +87,34 @@ class ABPane(QWidget):
         self.rubric = QCheckBox("Rate fidelity before style (two answers per pair)")
         self.start_button = QPushButton("Start blind session")
         self.start_button.clicked.connect(self.start_session)
+        # generation: every system's outputs made now, with one settings dict
+        self.gen_seeds = QLineEdit("0")
+        self.gen_seeds.setPlaceholderText("seeds, e.g. 0, 1, 2")
+        self.gen_n = QSpinBox()
+        self.gen_n.setRange(1, 64)
+        self.gen_n.setValue(2)
+        self.gen_class = QLineEdit()
+        self.gen_class.setPlaceholderText("all classes")
+        self.gen_cfg = QDoubleSpinBox()
+        self.gen_cfg.setRange(0.0, 20.0)
+        self.gen_cfg.setSingleStep(0.5)
+        self.gen_cfg.setSpecialValueText("run default")
+        self.gen_steps = QSpinBox()
+        self.gen_steps.setRange(0, 10_000)
+        self.gen_steps.setSpecialValueText("run default")
+        self.gen_prompts = QPlainTextEdit()
+        self.gen_prompts.setPlaceholderText("text runs: one prompt per line")
+        self.gen_prompts.setMaximumHeight(70)
+        self.gen_max_tokens = QSpinBox()
+        self.gen_max_tokens.setRange(1, 4096)
+        self.gen_max_tokens.setValue(32)
+        self.generate_button = QPushButton("Generate outputs and start")
+        self.generate_button.clicked.connect(self.generate_outputs)
+        self.job = JobRunner()
+        self.job.finished.connect(self._job_finished)
+        self.pending_jobs: list[vm.GenerationJob] = []
+        self.current_job: vm.GenerationJob | None = None
+        self.generation: tuple[list[vm.GenerationJob], dict] | None = None
         self.sessions = QComboBox()
         self.resume_button = QPushButton("Resume / show results")
         self.resume_button.clicked.connect(self.resume_session)
@@ -97,6 +131,18 @@ class ABPane(QWidget):
         form.addRow("Allowed differences", self.allowed)
         form.addRow(self.rubric)
         form.addRow(self.start_button)
+        generate = QGroupBox("Or generate every system's outputs now, identical settings")
+        gform = QFormLayout(generate)
+        gform.addRow("Seeds", self.gen_seeds)
+        gform.addRow("Per class", self.gen_n)
+        gform.addRow("Class", self.gen_class)
+        gform.addRow("Guidance (cfg)", self.gen_cfg)
+        gform.addRow("Sampler steps", self.gen_steps)
+        gform.addRow("Prompts", self.gen_prompts)
+        gform.addRow("Max tokens", self.gen_max_tokens)
+        gform.addRow(self.generate_button)
+        gform.addRow(self.job)
+        form.addRow(generate)
         form.addRow("Earlier sessions", self.sessions)
         form.addRow(self.resume_button)
         form.addRow(self.setup_status)
@@ -161,20 +207,28 @@ class ABPane(QWidget):
         return self.workspace.root / "ratings"
 
     def reload(self) -> None:
-        """Every (run, checkpoint) that has samples or generations, as a checkable system."""
+        """Every (run, checkpoint) that has samples or generations, or whose generator can
+        make them, as a checkable system."""
+        checked = set(self.chosen())
         self.systems.clear()
         for run_dir in self.workspace.run_dirs() if self.workspace else []:
-            samples = RunDir(run_dir).samples_dir
-            if not samples.is_dir():
-                continue
-            for folder in sorted(p for p in samples.iterdir() if p.is_dir()):
-                if not any(f.suffix in (".png", ".wav") and f.stem != "grid"
-                           for f in folder.iterdir()) and not text_file(folder):
-                    continue
-                item = QListWidgetItem(vm.system_name(run_dir, folder.name))
-                item.setData(Qt.ItemDataRole.UserRole, (str(run_dir), folder.name))
+            run = RunDir(run_dir)
+            names = []
+            if run.samples_dir.is_dir():
+                names += [p.name for p in sorted(run.samples_dir.iterdir()) if p.is_dir() and (
+                    any(f.suffix in (".png", ".wav") and f.stem != "grid"
+                        for f in p.iterdir()) or text_file(p))]
+            recipe = run.manifest().get("recipe")
+            if recipe in vm.GENERATOR_RECIPES + vm.TEXT_RECIPES:
+                names += [c.name for c in run.checkpoints()]
+            if vm.base_gguf(run_dir) is not None:
+                names.append(vm.BASE)
+            for name in sorted(set(names)):
+                item = QListWidgetItem(vm.system_name(run_dir, name))
+                item.setData(Qt.ItemDataRole.UserRole, (str(run_dir), name))
                 item.setFlags(item.flags() | Qt.ItemFlag.ItemIsUserCheckable)
-                item.setCheckState(Qt.CheckState.Unchecked)
+                item.setCheckState(Qt.CheckState.Checked if (str(run_dir), name) in checked
+                                   else Qt.CheckState.Unchecked)
                 self.systems.addItem(item)
         self.sessions.clear()
         if self.workspace and self.ratings_dir.is_dir():
@@ -188,23 +242,105 @@ class ABPane(QWidget):
             if tuple(item.data(Qt.ItemDataRole.UserRole)) == (str(run_dir), checkpoint):
                 item.setCheckState(Qt.CheckState.Checked if checked else Qt.CheckState.Unchecked)
 
-    def start_session(self) -> None:
-        chosen = [self.systems.item(i).data(Qt.ItemDataRole.UserRole)
-                  for i in range(self.systems.count())
-                  if self.systems.item(i).checkState() == Qt.CheckState.Checked]
-        allowed = tuple(a.strip() for a in self.allowed.text().split(",") if a.strip())
+    def chosen(self) -> list[tuple[str, str]]:
+        return [tuple(self.systems.item(i).data(Qt.ItemDataRole.UserRole))
+                for i in range(self.systems.count())
+                if self.systems.item(i).checkState() == Qt.CheckState.Checked]
+
+    def _refused(self, exc: ForgebenchError) -> None:
+        self.setup_status.setText(f"<span style='color:#b71c1c'>Refused: "
+                                  f"{html.escape(exc.render())}</span>")
+
+    def generate_outputs(self) -> None:
+        """Queue one sampling job per system and seed, all with one settings dict; the session
+        is built from exactly those outputs when the last job has finished."""
+        if self.job.running:
+            return
         try:
+            seeds = [int(x) for x in self.gen_seeds.text().replace(",", " ").split()]
+        except ValueError:
+            self._refused(ForgebenchError("seeds must be whole numbers", where="Seeds",
+                                          hint="e.g. 0, 1, 2"))
+            return
+        try:
+            text = bool(self.chosen()) and all(
+                RunDir(r).manifest().get("recipe") in vm.TEXT_RECIPES for r, _ in self.chosen())
+            if text:
+                settings = vm.text_settings_of(self.gen_prompts.toPlainText().splitlines(),
+                                               self.gen_max_tokens.value(),
+                                               seeds[0] if seeds else 0)
+            else:
+                settings = vm.generation_settings_of(
+                    seeds, self.gen_n.value(), self.gen_cfg.value() or None,
+                    self.gen_steps.value() or None, self.gen_class.text().strip() or None)
+            name = vm.session_name(self.name.text())
+            if (self.ratings_dir / f"{name}.jsonl").exists():
+                raise ForgebenchError("a rating session with this name exists already",
+                                      path=self.ratings_dir / f"{name}.jsonl",
+                                      hint="resume it, or choose another name")
+            jobs = vm.generation_jobs(self.chosen(), settings,
+                                      self.ratings_dir / "outputs" / name)
+        except ForgebenchError as exc:
+            self._refused(exc)
+            return
+        self.generation = (jobs, settings)
+        self.pending_jobs = list(jobs)
+        self.generate_button.setEnabled(False)
+        self.start_button.setEnabled(False)
+        self._next_job()
+
+    def _next_job(self) -> None:
+        jobs, _ = self.generation
+        job = self.pending_jobs.pop(0)
+        done = len(jobs) - len(self.pending_jobs)
+        self.setup_status.setText(f"generating outputs: job {done} of {len(jobs)}")
+        what = f"prompt {job.prompt!r}" if job.prompt is not None else \
+            f"seed {job.argv[job.argv.index('--seed') + 1]}"
+        self.current_job = job
+        self.job.start(job.argv, f"job {done}/{len(jobs)}: {job.system}, {what}")
+
+    def _job_finished(self, ok: bool, message: str) -> None:
+        if ok and self.current_job.prompt is not None:
+            try:
+                vm.record_text_output(self.current_job, self.job.output)
+            except ForgebenchError as exc:
+                ok, message = False, exc.render()
+        if not ok:       # a stopped generation leaves no outputs a session could half-use
+            self.pending_jobs = []
+            shutil.rmtree(self.generation[0][0].folder.parent, ignore_errors=True)
+            self.generate_button.setEnabled(True)
+            self.start_button.setEnabled(True)
+            self.setup_status.setText(f"<span style='color:#b71c1c'>Generation stopped: "
+                                      f"{html.escape(message)}</span>")
+            return
+        if self.pending_jobs:
+            self._next_job()
+            return
+        self.generate_button.setEnabled(True)
+        self.start_button.setEnabled(True)
+        jobs, settings = self.generation
+        try:
+            self._create(vm.generated_systems(jobs, settings), settings)
+        except ForgebenchError as exc:
+            self._refused(exc)
+
+    def start_session(self) -> None:
+        """A session over outputs the systems already have."""
+        try:
+            chosen = self.chosen()
             if len(chosen) < 2:
                 raise ForgebenchError("choose at least two systems", where="systems")
-            systems = {vm.system_name(Path(r), c): vm.gather_system(r, c) for r, c in chosen}
-            self.session = vm.ABSession.create(
-                self.ratings_dir, self.name.text(), systems, self.rater.text() or "anonymous",
-                seed=self.seed.value(), limit=self.limit.value() or None,
-                allow_differences=allowed)
+            self._create({vm.system_name(Path(r), c): vm.gather_system(r, c)
+                          for r, c in chosen}, None)
         except ForgebenchError as exc:
-            self.setup_status.setText(f"<span style='color:#b71c1c'>Refused: "
-                                      f"{html.escape(exc.render())}</span>")
-            return
+            self._refused(exc)
+
+    def _create(self, systems: dict[str, dict], generation: dict | None) -> None:
+        allowed = tuple(a.strip() for a in self.allowed.text().split(",") if a.strip())
+        self.session = vm.ABSession.create(
+            self.ratings_dir, self.name.text(), systems, self.rater.text() or "anonymous",
+            seed=self.seed.value(), limit=self.limit.value() or None,
+            allow_differences=allowed, generation=generation)
         note = self.session.plan.recorded_differences
         self.setup_status.setText(f"Session {self.session.plan.session}: {self.session.total} "
                                   "pairs" + (f"; recorded differences: {', '.join(note)}"
@@ -268,8 +404,7 @@ class ABPane(QWidget):
         for button in self.answer_buttons.values():
             button.setEnabled(pair is not None)
         self.answer_buttons["P"].setVisible(session is not None and session.kind == "audio")
-        self.export_button.setEnabled(bool(session and session.finished
-                                           and session.kind == "text"))
+        self.export_button.setEnabled(bool(session and session.finished))
         if session is None:
             self.progress.setText("Choose two or more systems and start a session.")
             self.prompt.setText("")
@@ -302,7 +437,9 @@ class ABPane(QWidget):
         except ForgebenchError as exc:
             self.message.emit(exc.render())
             return
-        self.message.emit(f"preference dataset written: {out}")
+        provenance = read_json(out / "dataset.json")["provenance"]
+        self.message.emit(f"preference dataset written: {out} ({provenance['exported']} "
+                          f"pairs; {provenance['not_exported']} left out)")
 
 
 def results_html(results: dict, reveal: bool) -> str:

@@ -30,21 +30,15 @@ from engine.rundir import Checkpoint, RunDir
 
 DENSE_TYPES = {"f32": T.F32, "f16": T.F16, "bf16": T.BF16}
 
-# Llama module path -> GGUF tensor name ("{i}" = layer)
-TENSOR_NAMES = {
-    "tok_embeddings.weight": "token_embd.weight",
-    "norm.weight": "output_norm.weight",
-    "output.weight": "output.weight",
-    "layers.{i}.attn_norm.weight": "blk.{i}.attn_norm.weight",
-    "layers.{i}.attn.q.weight": "blk.{i}.attn_q.weight",
-    "layers.{i}.attn.k.weight": "blk.{i}.attn_k.weight",
-    "layers.{i}.attn.v.weight": "blk.{i}.attn_v.weight",
-    "layers.{i}.attn.o.weight": "blk.{i}.attn_output.weight",
-    "layers.{i}.mlp_norm.weight": "blk.{i}.ffn_norm.weight",
-    "layers.{i}.mlp.gate.weight": "blk.{i}.ffn_gate.weight",
-    "layers.{i}.mlp.up.weight": "blk.{i}.ffn_up.weight",
-    "layers.{i}.mlp.down.weight": "blk.{i}.ffn_down.weight",
-}
+# Llama parameters in llama.cpp's file order ("{i}" = layer); GGUF names come from
+# engine.models.gguf_model.gguf_tensor_name, the loader's own mapping
+TENSOR_ORDER = (
+    "tok_embeddings.weight",
+    "layers.{i}.attn_norm.weight", "layers.{i}.attn.q.weight", "layers.{i}.attn.k.weight",
+    "layers.{i}.attn.v.weight", "layers.{i}.attn.o.weight", "layers.{i}.mlp_norm.weight",
+    "layers.{i}.mlp.gate.weight", "layers.{i}.mlp.up.weight", "layers.{i}.mlp.down.weight",
+    "norm.weight", "output.weight",
+)
 
 
 def _s(value: str) -> MetaValue:
@@ -120,18 +114,18 @@ def model_metadata(config, name: str, file_type: LlamaFileType) -> dict[str, Met
 
 def gguf_tensors(state: dict, n_layers: int, dtype: str) -> list[TensorEntry]:
     """The model's tensors in llama.cpp's file order; matrices in `dtype`, norms in f32."""
+    from engine.models.gguf_model import gguf_tensor_name
+
     target = DENSE_TYPES[dtype]
     entries = []
-    order = ["tok_embeddings.weight"] + [k for k in TENSOR_NAMES if k.startswith("layers.")] \
-        + ["norm.weight", "output.weight"]
-    for key in order:
+    for key in TENSOR_ORDER:
         for i in range(n_layers if "{i}" in key else 1):
             module_name = key.format(i=i)
             if module_name not in state:
                 continue                                   # tied: no output.weight
             values = state[module_name].detach().float().contiguous().numpy()
             kind = target if values.ndim == 2 else T.F32
-            entries.append(TensorEntry(TENSOR_NAMES[key].format(i=i), kind, values.shape,
+            entries.append(TensorEntry(gguf_tensor_name(module_name), kind, values.shape,
                                        quants.quantize(values, kind)))
     return entries
 
