@@ -57,6 +57,19 @@ def test_spectrogram_classifier_separates_synthetic_classes():
     assert model.predict([w for _, w in test]) == [c for c, _ in test]
 
 
+def test_spectrogram_judge_hears_the_sound_not_a_faint_noise_floor():
+    """A -60 dBFS white-noise floor does not change what a listener hears; with log bins
+    floored only at 1e-5 it made every ping and thump a "hiss". Pure noise stays a hiss."""
+    rng = np.random.default_rng(1)
+    classes = ["thump", "ping", "hiss"]
+    train = [(c, _clip(c, rng)) for c in classes for _ in range(10)]
+    test = [(c, _clip(c, rng)) for c in classes for _ in range(5)]
+    model = SpectrogramClassifier(classes).fit([w for _, w in train], [c for c, _ in train])
+    noisy = [w + rng.normal(0, 1e-3, N) for _, w in test]
+    assert model.predict(noisy) == [c for c, _ in test]
+    assert set(model.predict([rng.normal(0, 0.1, N) for _ in range(5)])) == {"hiss"}
+
+
 def test_nearest_clip_finds_the_copy():
     rng = np.random.default_rng(2)
     train = [_clip(c, rng) for c in ("thump", "ping", "hiss") * 3]

@@ -18,6 +18,10 @@ EDGE_LIMIT = 0.05                 # ... should start and end near zero, or playb
 
 N_FFT = 512
 HOP = 256
+# The judge looks at the top 50 dB of each clip, like a listener: below that, a faint noise
+# floor (-60 dBFS white noise turned every real val clip into "hiss" when bins were floored
+# only at 1e-5) would decide the class instead of the sound itself.
+JUDGE_RANGE_DB = 50.0
 
 
 def integrity_flags(wave: np.ndarray) -> dict:
@@ -57,9 +61,11 @@ def log_stft_distance(a: np.ndarray, b: np.ndarray) -> float:
 
 
 def spectrogram_features(wave: np.ndarray) -> np.ndarray:
-    """Time-averaged log spectrum plus the per-frame log energy envelope."""
+    """Time-averaged log spectrum plus the per-frame log energy envelope, both limited to
+    JUDGE_RANGE_DB below the clip's loudest bin."""
     spec = log_stft(wave)
-    envelope = np.log(1e-8 + np.mean(np.exp(2 * spec), axis=1))
+    spec = np.maximum(spec, spec.max() - JUDGE_RANGE_DB / 20 * np.log(10))
+    envelope = np.log(np.mean(np.exp(2 * spec), axis=1))
     return np.concatenate([spec.mean(axis=0), envelope])
 
 

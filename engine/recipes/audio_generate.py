@@ -16,19 +16,17 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from engine.diffusion import SCHEDULE_ID, EMA, Schedule, denoising_loss, fixed_noise_loss
+from engine.diffusion import SCHEDULE_ID, Schedule
 from engine.eval.audio import integrity_flags
 from engine.eval.neighbours import nearest_clips
 from engine.fsutil import atomic_write_json
-from engine.jobs import Job, run_config
-from engine.models.diffusion import DenoisingUNet, UNetConfig
+from engine.jobs import Job
+from engine.models.diffusion import UNetConfig
 from engine.recipes.audio_generate_config import AudioGenerateConfig
-from engine.recipes.media_common import (Loop, autocast, checkpoint_meta, dataset_manifest,
-                                         load_weights, meta_for, open_dataset, read_clip,
-                                         record_eval, require_same_classes, run_sampler,
-                                         sample_request, split_records, train_loop, write_wav)
+from engine.recipes.media_common import (dataset_manifest, evaluate_generator, load_generator,
+                                         open_dataset, read_clip, run_sampler, sample_request,
+                                         split_records, train_generator, write_wav)
 from engine.rundir import Checkpoint, RunDir
-from engine.train.optim import build_adamw
 
 KINDS = ("audio-clips",)
 
@@ -53,13 +51,9 @@ def load_clips(dataset, split: str, classes: list[str],
 
 
 def sample(run: RunDir, checkpoint: Checkpoint, args) -> list:
-    config: AudioGenerateConfig = run_config(run)
-    classes = checkpoint_meta(checkpoint)["classes"]
-    dataset = open_dataset(config, KINDS)
-    meta = require_same_classes(checkpoint, dataset.classes)
+    config, dataset, meta, model = load_generator(run, checkpoint, KINDS, unet_config)
+    classes = meta["classes"]
     chosen, n, cfg, steps, out = sample_request(args, classes, config, checkpoint, run)
-    model = DenoisingUNet(unet_config(config, len(classes)))
-    load_weights(checkpoint, model, use_ema=True)
 
     labels = torch.tensor([classes.index(c) for c in chosen]).repeat_interleave(n)
     x = run_sampler(model, Schedule(config.diffusion.levels, steps),
@@ -88,20 +82,14 @@ def sample(run: RunDir, checkpoint: Checkpoint, args) -> list:
 
 
 def evaluate(run: RunDir, checkpoint: Checkpoint, split: str) -> dict:
-    """Fixed-noise denoising MSE of the EMA weights on a split (a learning diagnostic, not a
-    listening score)."""
-    config = run_config(run)
-    dataset = open_dataset(config, KINDS)
-    classes = dataset.classes
-    require_same_classes(checkpoint, classes)
-    model = DenoisingUNet(unet_config(config, len(classes)))
-    load_weights(checkpoint, model, use_ema=True)
-    _, waves, labels = load_clips(dataset, split, classes, config)
-    loss = fixed_noise_loss(model, Schedule(config.diffusion.levels), waves, labels)
-    report = {"split": split, "checkpoint": checkpoint.name, "step": checkpoint.step,
-              "loss": loss, "loss_kind": "fixed-noise epsilon MSE (EMA weights)",
-              "n": len(labels)}
-    return record_eval(run, checkpoint, split, report, ("loss",))
+    """Fixed-noise denoising MSE of the EMA weights on a split (not a listening score)."""
+    return evaluate_generator(run, checkpoint, split, KINDS, unet_config, load_split)
+
+
+def load_split(config: AudioGenerateConfig, dataset, split: str) -> tuple[torch.Tensor,
+                                                                          torch.Tensor]:
+    _, waves, labels = load_clips(dataset, split, dataset.classes, config)
+    return waves, labels
 
 
 def train(job: Job) -> None:
@@ -111,26 +99,6 @@ def train(job: Job) -> None:
     classes = dataset.classes
     _, train_waves, train_labels = load_clips(dataset, "train", classes, config)
     _, val_waves, val_labels = load_clips(dataset, "val", classes, config)
-
-    d = config.diffusion
-    model = DenoisingUNet(unet_config(config, len(classes)))
-    ema = EMA(model, d.ema, d.ema_warmup)
-    schedule = Schedule(d.levels)
-    opt = config.optim
-    optimizer = build_adamw(model.named_parameters(), lr=opt.lr, weight_decay=opt.weight_decay,
-                            betas=(opt.beta1, opt.beta2))
-
-    def batch_loss(indices: list[int], generator: torch.Generator) -> torch.Tensor:
-        return denoising_loss(model, schedule, train_waves[indices], train_labels[indices],
-                              model.null_label, d.cond_dropout, generator,
-                              lambda: autocast(config.precision))
-
-    def validate() -> dict:
-        return {"loss": fixed_noise_loss(model, schedule, val_waves, val_labels,
-                                         autocast=lambda: autocast(config.precision))}
-
-    meta = meta_for(config, classes, family="DenoisingUNet",
-                    **unet_config(config, len(classes)).to_dict(), schedule=SCHEDULE_ID,
-                    levels=d.levels)
-    train_loop(job, Loop(model, optimizer, len(train_waves), batch_loss, validate, meta=meta,
-                         select_best=False, ema=ema))
+    train_generator(job, unet_config(config, len(classes)), classes, len(train_waves),
+                    lambda indices, generator: (train_waves[indices], train_labels[indices]),
+                    val_waves, val_labels)

@@ -12,18 +12,16 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from engine.diffusion import SCHEDULE_ID, EMA, Schedule, denoising_loss, fixed_noise_loss
+from engine.diffusion import SCHEDULE_ID, Schedule
 from engine.eval.neighbours import nearest_images
 from engine.fsutil import atomic_write_json
-from engine.jobs import Job, run_config
+from engine.jobs import Job
 from engine.models.diffusion import DenoisingUNet, UNetConfig
 from engine.recipes.image_generate_config import ImageGenerateConfig
-from engine.recipes.media_common import (Loop, augment, autocast, checkpoint_meta,
-                                         dataset_manifest, image_set, load_weights, meta_for,
-                                         open_dataset, record_eval, require_same_classes,
-                                         run_sampler, sample_request, save_png, train_loop)
+from engine.recipes.media_common import (augment, dataset_manifest, evaluate_generator,
+                                         image_set, load_generator, open_dataset, run_sampler,
+                                         sample_request, save_png, train_generator)
 from engine.rundir import Checkpoint, RunDir
-from engine.train.optim import build_adamw
 
 KINDS = ("image-masks", "image-classify", "image-boxes")
 
@@ -71,13 +69,9 @@ def write_grid(run: RunDir, checkpoint: Checkpoint, model: DenoisingUNet,
 
 
 def sample(run: RunDir, checkpoint: Checkpoint, args) -> list:
-    config: ImageGenerateConfig = run_config(run)
-    classes = checkpoint_meta(checkpoint)["classes"]
-    dataset = open_dataset(config, KINDS)
-    meta = require_same_classes(checkpoint, dataset.classes)
+    config, dataset, meta, model = load_generator(run, checkpoint, KINDS, unet_config)
+    classes = meta["classes"]
     chosen, n, cfg, steps, out = sample_request(args, classes, config, checkpoint, run)
-    model = DenoisingUNet(unet_config(config, len(classes)))
-    load_weights(checkpoint, model, use_ema=True)
 
     labels = torch.tensor([classes.index(c) for c in chosen]).repeat_interleave(n)
     size = config.image.size
@@ -106,20 +100,16 @@ def sample(run: RunDir, checkpoint: Checkpoint, args) -> list:
 
 
 def evaluate(run: RunDir, checkpoint: Checkpoint, split: str) -> dict:
-    """Fixed-noise denoising MSE of the EMA weights on a split (a learning diagnostic, not an
-    image-quality score)."""
-    config = run_config(run)
-    dataset = open_dataset(config, KINDS)
-    classes = dataset.classes
-    require_same_classes(checkpoint, classes)
-    model = DenoisingUNet(unet_config(config, len(classes)))
-    load_weights(checkpoint, model, use_ema=True)
-    data = image_set(dataset, split, classes, config.image, keep=lambda r: r.get("label") in classes)
-    loss = fixed_noise_loss(model, Schedule(config.diffusion.levels), to_model_range(data.images),
-                            data.labels)
-    report = {"split": split, "checkpoint": checkpoint.name, "step": checkpoint.step,
-              "loss": loss, "loss_kind": "fixed-noise epsilon MSE (EMA weights)", "n": len(data)}
-    return record_eval(run, checkpoint, split, report, ("loss",))
+    """Fixed-noise denoising MSE of the EMA weights on a split (not an image-quality score)."""
+    return evaluate_generator(run, checkpoint, split, KINDS, unet_config, load_split)
+
+
+def load_split(config: ImageGenerateConfig, dataset, split: str) -> tuple[torch.Tensor,
+                                                                          torch.Tensor]:
+    """(images [N, 3, S, S] in [-1, 1], class indices [N]) of the scenes holding an object."""
+    data = image_set(dataset, split, dataset.classes, config.image,
+                     keep=lambda r: r.get("label") in dataset.classes)
+    return to_model_range(data.images), data.labels
 
 
 def train(job: Job) -> None:
@@ -127,38 +117,18 @@ def train(job: Job) -> None:
     torch.manual_seed(config.seed)
     dataset = open_dataset(config, KINDS)
     classes = dataset.classes
-    keep = lambda r: r.get("label") in classes  # noqa: E731 - scenes that hold an object
-    train_set = image_set(dataset, "train", classes, config.image, keep=keep)
-    val_set = image_set(dataset, "val", classes, config.image, keep=keep)
-    val_x0 = to_model_range(val_set.images)
+    train_set = image_set(dataset, "train", classes, config.image,
+                          keep=lambda r: r.get("label") in classes)
+    val_x0, val_labels = load_split(config, dataset, "val")
 
-    d = config.diffusion
-    model = DenoisingUNet(unet_config(config, len(classes)))
-    ema = EMA(model, d.ema, d.ema_warmup)
-    sampler_model = DenoisingUNet(unet_config(config, len(classes))).eval()
-    schedule = Schedule(d.levels)
-    opt = config.optim
-    optimizer = build_adamw(model.named_parameters(), lr=opt.lr, weight_decay=opt.weight_decay,
-                            betas=(opt.beta1, opt.beta2))
-
-    def batch_loss(indices: list[int], generator: torch.Generator) -> torch.Tensor:
+    def train_batch(indices: list[int], generator: torch.Generator):
         images, _, _ = augment(train_set.images[indices], generator,
                                hflip=config.image.hflip, rot90=config.image.rot90)
-        return denoising_loss(model, schedule, to_model_range(images), train_set.labels[indices],
-                              model.null_label, d.cond_dropout, generator,
-                              lambda: autocast(config.precision))
+        return to_model_range(images), train_set.labels[indices]
 
-    def validate() -> dict:
-        return {"loss": fixed_noise_loss(model, schedule, val_x0, val_set.labels,
-                                         autocast=lambda: autocast(config.precision))}
+    def grid(checkpoint: Checkpoint, ema_model: DenoisingUNet) -> None:
+        write_grid(job.run, checkpoint, ema_model, config, classes)
 
-    def on_checkpoint(checkpoint: Checkpoint) -> None:
-        if config.sample.grid_every_checkpoint:
-            ema.copy_to(sampler_model)
-            write_grid(job.run, checkpoint, sampler_model, config, classes)
-
-    meta = meta_for(config, classes, family="DenoisingUNet",
-                    **unet_config(config, len(classes)).to_dict(), schedule=SCHEDULE_ID,
-                    levels=d.levels)
-    train_loop(job, Loop(model, optimizer, len(train_set), batch_loss, validate, meta=meta,
-                         select_best=False, ema=ema, on_checkpoint=on_checkpoint))
+    train_generator(job, unet_config(config, len(classes)), classes, len(train_set),
+                    train_batch, val_x0, val_labels,
+                    on_checkpoint=grid if config.sample.grid_every_checkpoint else None)

@@ -9,6 +9,7 @@ The loop is a function, not a trainer class: a recipe hands it a `batch_loss(ind
 from __future__ import annotations
 
 import contextlib
+import copy
 import io
 import json
 from dataclasses import dataclass, field
@@ -22,16 +23,17 @@ from PIL import Image
 from engine.data import formats as F
 from engine.data import media
 from engine.data.dataset import Dataset, load_dataset
-from engine.diffusion import EMA
+from engine.diffusion import SCHEDULE_ID, EMA, Schedule, denoising_loss, fixed_noise_loss
 from engine.errors import ForgebenchError
 from engine.fsutil import atomic_write_bytes, atomic_writer, read_json
-from engine.jobs import Job
+from engine.jobs import Job, run_config
+from engine.models.diffusion import DenoisingUNet, UNetConfig
 from engine.rundir import Checkpoint, checkpoint_name
 from engine.train.checkpoint import (dumps, generator_state, load_checkpoint, rng_state,
                                      save_checkpoint, set_generator_state, set_rng_state)
 from engine.train.data_order import DataCursor
 from engine.train.metrics import StepClock, peak_rss_mb
-from engine.train.optim import clip_and_step, lr_at, set_lr
+from engine.train.optim import build_adamw, clip_and_step, lr_at, set_lr
 
 META_FILE = "meta.json"
 EMA_PREFIX = "ema."
@@ -382,6 +384,80 @@ def meta_for(config, classes: list[str], **model: object) -> dict:
     return {"recipe": config.recipe, "classes": list(classes),
             "preprocessing": section.model_dump() if section is not None else None,
             "model": json.loads(json.dumps(model, default=list))}
+
+
+# -- the denoising generators (image-generate, audio-generate) ----------------------------
+def train_generator(job: Job, unet: UNetConfig, classes: list[str], n_train: int,
+                    train_batch: Callable[[list[int], torch.Generator],
+                                          tuple[torch.Tensor, torch.Tensor]],
+                    val_x0: torch.Tensor, val_labels: torch.Tensor,
+                    on_checkpoint: Callable[[Checkpoint, torch.nn.Module], None] | None = None
+                    ) -> None:
+    """Train a class-conditional DDPM: ε-prediction on the cosine schedule, condition dropout
+    to the learned null class, EMA weights, fixed-noise val loss.
+
+    `train_batch(indices, generator)` gives clean examples in [-1, 1] and their labels;
+    `on_checkpoint(checkpoint, model)` gets a copy of the network holding the EMA weights.
+    """
+    config = job.config
+    d = config.diffusion
+    model = DenoisingUNet(unet)
+    ema = EMA(model, d.ema, d.ema_warmup)
+    schedule = Schedule(d.levels)
+    opt = config.optim
+    optimizer = build_adamw(model.named_parameters(), lr=opt.lr, weight_decay=opt.weight_decay,
+                            betas=(opt.beta1, opt.beta2))
+
+    def precision():
+        return autocast(config.precision)
+
+    def batch_loss(indices: list[int], generator: torch.Generator) -> torch.Tensor:
+        x0, labels = train_batch(indices, generator)
+        return denoising_loss(model, schedule, x0, labels, model.null_label, d.cond_dropout,
+                              generator, precision)
+
+    def validate() -> dict:
+        return {"loss": fixed_noise_loss(model, schedule, val_x0, val_labels,
+                                         autocast=precision)}
+
+    def with_ema_weights(checkpoint: Checkpoint) -> None:
+        ema_model = copy.deepcopy(model).eval()
+        ema.copy_to(ema_model)
+        on_checkpoint(checkpoint, ema_model)
+
+    meta = meta_for(config, classes, family="DenoisingUNet", **unet.to_dict(),
+                    schedule=SCHEDULE_ID, levels=d.levels)
+    train_loop(job, Loop(model, optimizer, n_train, batch_loss, validate, meta=meta,
+                         select_best=False, ema=ema,
+                         on_checkpoint=with_ema_weights if on_checkpoint else None))
+
+
+def load_generator(run, checkpoint: Checkpoint, kinds: tuple[str, ...],
+                   unet_config: Callable[[object, int], UNetConfig]):
+    """(run config, dataset, checkpoint meta, U-Net holding the EMA weights) of a generator
+    checkpoint; refuses a dataset whose class list changed."""
+    config = run_config(run)
+    dataset = open_dataset(config, kinds)
+    meta = require_same_classes(checkpoint, dataset.classes)
+    model = DenoisingUNet(unet_config(config, len(dataset.classes)))
+    load_weights(checkpoint, model, use_ema=True)
+    return config, dataset, meta, model
+
+
+def evaluate_generator(run, checkpoint: Checkpoint, split: str, kinds: tuple[str, ...],
+                       unet_config: Callable[[object, int], UNetConfig],
+                       load_split: Callable[[object, Dataset, str],
+                                            tuple[torch.Tensor, torch.Tensor]]) -> dict:
+    """Fixed-noise denoising MSE of the EMA weights on a split: a learning diagnostic, not an
+    image-quality or listening score. `load_split(config, dataset, split)` gives the clean
+    examples in [-1, 1] and their labels."""
+    config, dataset, _, model = load_generator(run, checkpoint, kinds, unet_config)
+    x0, labels = load_split(config, dataset, split)
+    loss = fixed_noise_loss(model, Schedule(config.diffusion.levels), x0, labels)
+    report = {"split": split, "checkpoint": checkpoint.name, "step": checkpoint.step,
+              "loss": loss, "loss_kind": "fixed-noise epsilon MSE (EMA weights)",
+              "n": len(labels)}
+    return record_eval(run, checkpoint, split, report, ("loss",))
 
 
 # -- sampling jobs ------------------------------------------------------------------------
