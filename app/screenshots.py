@@ -197,21 +197,19 @@ def dataset_tool_screens(window: MainWindow, workspace: Workspace, scratch: Path
     50,000-record dataset filtered in the lazy records table."""
     datasets = window.datasets
     sources = import_sources(workspace, scratch)
-    wizard = datasets.open_import("jsonl")
-    wizard.resize(*SIZE)
-    wizard.source_path.setText(str(sources["jsonl"]))
-    wizard.next()
-    shot_of(wizard, "06c-import-jsonl-map-and-preview")
-    wizard.close()
-    wizard = datasets.open_import("audio")
-    wizard.resize(*SIZE)
-    wizard.source_path.setText(str(sources["audio"]))
-    wizard.next()
-    shot_of(wizard, "06d-import-audio-csv-format-checks")
-    wizard.close()
-    wizard = datasets.open_import("images")
-    wizard.resize(*SIZE)
-    wizard.source_path.setText(str(sources["images"]))
+    def open_wizard(kind: str):
+        wizard = datasets.open_import(kind)
+        wizard.resize(*SIZE)
+        wizard.source_path.setText(str(sources[kind]))
+        return wizard
+
+    for kind, name in (("jsonl", "06c-import-jsonl-map-and-preview"),
+                       ("audio", "06d-import-audio-csv-format-checks")):
+        wizard = open_wizard(kind)
+        wizard.next()
+        shot_of(wizard, name)
+        wizard.close()
+    wizard = open_wizard("images")
     wizard.with_masks.setChecked(True)
     wizard.next()
     while wizard.plan is None:  # folders are scanned on a worker thread

@@ -25,8 +25,8 @@ from typing import Callable
 
 from engine.data import formats as F
 from engine.data import media
-from engine.data.dataset import Finding, check_record, safe_relpath, validate_dataset, \
-    write_manifest
+from engine.data.dataset import (Finding, check_record, jsonl_objects, safe_relpath,
+                                 validate_dataset, write_manifest)
 from engine.data.generators import staged_dataset_dir
 from engine.errors import ForgebenchError
 from engine.fsutil import atomic_write_text, require_free_space, sha256_file
@@ -231,22 +231,11 @@ def read_jsonl_source(path: str | Path) -> tuple[list[tuple[int, dict]], list[Fi
         line = path.read_bytes()[:exc.start].count(b"\n") + 1
         return [], [Finding(path.name, f"line {line}", None, "not valid UTF-8 text")]
     rows, findings = [], []
-    for number, line in enumerate(text.split("\n"), start=1):
-        if not line.strip():
-            continue
-        try:
-            value = json.loads(line)
-        except (json.JSONDecodeError, RecursionError) as exc:
-            reason = exc.msg if isinstance(exc, json.JSONDecodeError) else "nested too deeply"
-            findings.append(Finding(path.name, f"line {number}", None,
-                                    f"not valid JSON ({reason})"))
-            continue
-        if not isinstance(value, dict):
-            findings.append(Finding(path.name, f"line {number}", None,
-                                    f"each line must be a JSON object, found "
-                                    f"{type(value).__name__}"))
-            continue
-        rows.append((number, value))
+    for number, value, problem in jsonl_objects(text):
+        if problem:
+            findings.append(Finding(path.name, f"line {number}", None, problem))
+        else:
+            rows.append((number, value))
     return rows, findings
 
 

@@ -19,7 +19,7 @@ import shutil
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path, PurePosixPath, PureWindowsPath
-from typing import Any
+from typing import Any, Iterator
 
 from tqdm import tqdm
 
@@ -174,21 +174,30 @@ def read_raw_records(root: Path, rel: str, manifest: dict, kind: F.Kind,
     if rel.endswith(".csv"):
         return _csv_records(rel, text, report)
     out = []
+    for number, record, problem in jsonl_objects(text):
+        if problem:
+            report.add(rel, f"line {number}", None, problem)
+        else:
+            out.append((f"line {number}", record))
+    return out
+
+
+def jsonl_objects(text: str) -> Iterator[tuple[int, dict | None, str | None]]:
+    """(line number, object, None) for each non-blank line holding a JSON object, or
+    (line number, None, problem) for one that does not."""
     for number, line in enumerate(text.split("\n"), start=1):
         if not line.strip():
             continue
         try:
-            record = json.loads(line)
+            value = json.loads(line)
         except (json.JSONDecodeError, RecursionError) as exc:
             reason = exc.msg if isinstance(exc, json.JSONDecodeError) else "nested too deeply"
-            report.add(rel, f"line {number}", None, f"not valid JSON ({reason})")
+            yield number, None, f"not valid JSON ({reason})"
             continue
-        if not isinstance(record, dict):
-            report.add(rel, f"line {number}", None,
-                       f"each line must be a JSON object, found {type(record).__name__}")
+        if not isinstance(value, dict):
+            yield number, None, f"each line must be a JSON object, found {type(value).__name__}"
             continue
-        out.append((f"line {number}", record))
-    return out
+        yield number, value, None
 
 
 def _csv_records(rel: str, text: str, report: Report) -> list[tuple[str, dict]]:
