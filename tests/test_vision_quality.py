@@ -110,10 +110,13 @@ def test_detector_val_mean_iou(shapes, tmp_path):
 
 
 def test_generated_images_are_recognised_by_the_classifier(shapes, classifier, tmp_path):
-    run = train_shipped("image-generate", shapes, tmp_path / "run", steps=1000)
+    # Measured (one thread, shipped config: 1000 steps, channels [32, 64, 128], 661 CPU s):
+    # 48 samples recognised 0.67 at the configured cfg 4 (0.65 at cfg 3, 0.58 at cfg 2);
+    # channels [16, 32, 64] gave 0.35 at 1000 steps and 0.54 at 3000 steps (cfg 2).
+    run = train_shipped("image-generate", shapes, tmp_path / "run")
     out = tmp_path / "samples"
     forgebench("sample", str(run.path), "--n", "16", "--seed", "0", "--steps", "64",
-               "--cfg", "2", "--out", str(out), timeout=1800)
+               "--out", str(out), timeout=1800)
     accuracy = judge_images(classifier, sorted(out.glob("*.png")))
     print("generated images recognised", accuracy)
     assert accuracy >= 0.6  # chance is 1/3

@@ -30,8 +30,9 @@ class UNetConfig:
         return asdict(self)
 
 
-# Defaults sized for a few CPU minutes: 32 -> 16 -> 8 pixels; 8192 -> 2048 -> 512 -> 128 samples.
-IMAGE_32 = dict(dims=2, in_channels=3, channels=(16, 32, 64), factor=2, kernel=3)
+# Defaults sized for minutes of CPU training: 32 -> 16 -> 8 pixels (width 32 at full resolution:
+# 16 gave shapeless blobs); 8192 -> 2048 -> 512 -> 128 samples.
+IMAGE_32 = dict(dims=2, in_channels=3, channels=(32, 64, 128), factor=2, kernel=3)
 AUDIO_8192 = dict(dims=1, in_channels=1, channels=(16, 32, 64, 64), factor=4, kernel=5)
 
 

@@ -12,7 +12,7 @@ from engine.recipes.media_config import ImageSection, MediaRecipeConfig
 
 class DiffusionSection(Schema):
     levels: int = Field(256, ge=2, description="noise levels of the cosine schedule")
-    channels: list[int] = Field(default_factory=lambda: [16, 32, 64],
+    channels: list[int] = Field(default_factory=lambda: [32, 64, 128],
                                 description="U-Net channels per resolution level")
     emb_dim: int = Field(64, ge=8)
     cond_dropout: float = Field(0.1, ge=0, lt=1, description="share of labels replaced by the "
@@ -25,7 +25,7 @@ class DiffusionSection(Schema):
 class SampleSection(Schema):
     seed: int = Field(17, description="fixed seed of the per-checkpoint sample grid")
     per_class: int = Field(4, ge=1, description="grid samples per class")
-    cfg: float = Field(2.0, ge=0, description="classifier-free guidance scale (1 = off)")
+    cfg: float = Field(4.0, ge=0, description="classifier-free guidance scale (1 = off)")
     steps: int = Field(64, ge=1, description="sampler steps (respaced from the levels)")
     grid_every_checkpoint: bool = True
 
