@@ -4,6 +4,7 @@ base, and llama.cpp logits of a token sequence."""
 from __future__ import annotations
 
 import errno
+import json
 from pathlib import Path
 
 import numpy as np
@@ -75,3 +76,45 @@ def fill_disk_after(monkeypatch, limit: int) -> None:
             return self.inner.__exit__(*exc)
 
     monkeypatch.setattr(writer, "atomic_writer", Context)
+
+
+SFT_CONFIG = """\
+recipe = "lm-sft"
+seed = 1
+steps = {steps}
+save_every = 0
+
+[model]
+gguf = "{gguf}"
+
+[data]
+path = "{data}"
+max_len = 96
+
+[lora]
+rank = 4
+alpha = 8.0
+targets = ["q", "v", "down"]
+
+[optim]
+lr = 2e-2
+
+[train]
+window = 3
+micro_batch = 3
+"""
+
+
+def tiny_sft_over_quantized_base(folder: Path, steps: int) -> tuple[Path, Path]:
+    """(a tiny Q4_K gemma3 base, an lm-sft config training LoRA over it on three pirate pairs)."""
+    from fixtures_gguf import write_tiny_gguf
+
+    quantized = write_tiny_gguf(folder / "base-q4k.gguf", arch="gemma3", qtype="Q4_K",
+                                n_layers=2)
+    (folder / "pairs.jsonl").write_text("".join(
+        json.dumps({"instruction": q, "response": a}) + "\n" for q, a in
+        [("Say hello.", "Ahoy there!"), ("Name a color.", "Ahoy! Red."),
+         ("What is the sea?", "Ahoy! Our home.")]))
+    config = folder / "sft.toml"
+    config.write_text(SFT_CONFIG.format(steps=steps, gguf=quantized, data=folder / "pairs.jsonl"))
+    return quantized, config

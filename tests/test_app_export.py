@@ -18,6 +18,7 @@ from engine.equivalence import MIN_TOP1_DENSE, MIN_TOP1_QUANTIZED, Report, verdi
 from app.viewmodels.workspace import Workspace
 from app.views.export_wizard import ExportWizardPane
 from app_part2_support import lm_run, wait_for
+from export_support import tiny_sft_over_quantized_base
 from media_support import forgebench
 
 
@@ -123,50 +124,16 @@ def test_the_wizard_exports_a_tiny_lm_to_a_verified_gguf(qtbot, tmp_path_factory
         assert hashlib.sha256((out / name).read_bytes()).hexdigest() == digest, name
 
 
-SFT_CONFIG = """\
-recipe = "lm-sft"
-seed = 1
-steps = 3
-save_every = 0
-
-[model]
-gguf = "{gguf}"
-
-[data]
-path = "{data}"
-max_len = 96
-
-[lora]
-rank = 4
-alpha = 8.0
-targets = ["q", "v", "down"]
-
-[optim]
-lr = 2e-2
-
-[train]
-window = 3
-micro_batch = 3
-"""
-
-
 @pytest.mark.slow
 def test_a_quantized_or_foreign_base_is_refused_with_the_engines_reason(qtbot, tmp_path):
     from fixtures_gguf import write_tiny_gguf
 
-    quantized = write_tiny_gguf(tmp_path / "base-q4k.gguf", arch="gemma3", qtype="Q4_K",
-                                n_layers=2)
+    quantized, config = tiny_sft_over_quantized_base(tmp_path, steps=3)
     foreign = write_tiny_gguf(tmp_path / "other-f32.gguf", arch="gemma3", qtype="F32",
                               n_layers=2, seed=9)
-    (tmp_path / "pairs.jsonl").write_text("".join(
-        json.dumps({"instruction": q, "response": a}) + "\n" for q, a in
-        [("Say hello.", "Ahoy there!"), ("Name a color.", "Ahoy! Red."),
-         ("What is the sea?", "Ahoy! Our home.")]))
-    (tmp_path / "sft.toml").write_text(SFT_CONFIG.format(gguf=quantized,
-                                                         data=tmp_path / "pairs.jsonl"))
     workspace = Workspace.create(tmp_path / "ws")
     run = workspace.runs_dir / "sft"
-    forgebench("run", str(tmp_path / "sft.toml"), "--out", str(run))
+    forgebench("run", str(config), "--out", str(run))
     pane = _pane(qtbot, workspace)
     pane.select_run(run)
     pane.go(1)

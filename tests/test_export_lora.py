@@ -17,7 +17,8 @@ from engine.gguf.lora_export import _unpermute_rows, write_gguf_lora, write_peft
 from engine.gguf.reader import open_gguf
 from engine.lora import read_adapters
 from engine.merge import merge_into_gguf
-from export_support import engine_logits, llamacpp_logits, make_adapter
+from export_support import (engine_logits, llamacpp_logits, make_adapter,
+                            tiny_sft_over_quantized_base)
 from gguf_write_fixtures import write_dense_llama
 from lm_pretrain_support import forgebench
 
@@ -102,47 +103,11 @@ def test_peft_files_use_hf_names_and_undo_the_llama_row_permutation(tmp_path, ba
     np.testing.assert_array_equal(_unpermute_rows(_llama_cpp_permute(rows, 4), 4), rows)
 
 
-SFT_CONFIG = """\
-recipe = "lm-sft"
-seed = 1
-steps = 4
-save_every = 0
-
-[model]
-gguf = "{gguf}"
-
-[data]
-path = "{data}"
-max_len = 96
-
-[lora]
-rank = 4
-alpha = 8.0
-targets = ["q", "v", "down"]
-
-[optim]
-lr = 2e-2
-
-[train]
-window = 3
-micro_batch = 3
-"""
-
-
 @pytest.mark.llamacpp
 @pytest.mark.slow
 def test_an_lm_sft_run_exports_through_a_dense_copy_of_its_quantized_base(tmp_path):
-    from fixtures_gguf import write_tiny_gguf
-
-    quantized = write_tiny_gguf(tmp_path / "base-q4k.gguf", arch="gemma3", qtype="Q4_K",
-                                n_layers=2)
-    (tmp_path / "pairs.jsonl").write_text("".join(
-        json.dumps({"instruction": q, "response": a}) + "\n" for q, a in
-        [("Say hello.", "Ahoy there!"), ("Name a color.", "Ahoy! Red."),
-         ("What is the sea?", "Ahoy! Our home.")]))
-    (tmp_path / "sft.toml").write_text(SFT_CONFIG.format(gguf=quantized,
-                                                         data=tmp_path / "pairs.jsonl"))
-    forgebench("run", str(tmp_path / "sft.toml"), "--out", str(tmp_path / "run"))
+    quantized, config = tiny_sft_over_quantized_base(tmp_path, steps=4)
+    forgebench("run", str(config), "--out", str(tmp_path / "run"))
     refused = forgebench("export", str(tmp_path / "run"), "--dtype", "q4_k_m", "--out",
                          str(tmp_path / "e"), "--no-report", check=False)
     assert refused.returncode != 0 and "--dtype f16" in refused.stderr
