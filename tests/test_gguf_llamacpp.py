@@ -47,11 +47,11 @@ def test_tiny_fixture_matches_llamacpp(tmp_path, arch, qtype):
     ours, ref = engine_logits(model, IDS), llamacpp_logits(path, IDS)
     scale = np.abs(ref).max()
     diff = np.abs(ours - ref)
-    # bit-level agreement until a rounding flip (e.g. one activation landing on the other side of a
-    # Q8 step) propagates through the cache; from then on differences stay small
-    assert diff[0].max() <= 1e-5 * scale
-    assert diff.max() <= 0.02 * scale
-    assert (ours.argmax(-1) == ref.argmax(-1)).mean() >= 0.9
+    # every hidden state bit-identical (ggml's kernels where the engine has them, and these tiny
+    # models are too small for a last-bit difference to flip a rounding); the logits differ only
+    # by the LM head's f32 summation order (measured: <= 5e-7 of the largest logit)
+    assert diff.max() <= 2e-6 * scale
+    assert (ours.argmax(-1) == ref.argmax(-1)).all()
     set_numerics(model, "f32")
     f32_diff = np.abs(engine_logits(model, IDS) - ref)
     assert f32_diff.mean() > diff.mean()       # the llama.cpp numerics are what make it match
@@ -171,32 +171,20 @@ def teacher_forced(path, model, tok, *, numerics=("llamacpp", "f32"), self_check
 @pytest.mark.realmodel
 @pytest.mark.llamacpp
 def test_gemma_teacher_forced_parity(gemma):
-    """llama.cpp numerics against llama.cpp's batched prompt logits on gemma-3-270m Q4_K_M.
+    """llama.cpp numerics against llama.cpp's batched prompt logits on gemma-3-270m Q4_K_M: the
+    issue's top-1 >= 99.5% over >= 500 positions, with max and mean |Δlogit| reported.
 
-    The issue's target is top-1 >= 99.5%. llama.cpp itself does not reach it: the same library,
-    weights and tokens give different logits when a token is evaluated inside a prompt batch or
-    alone. Measured 2026-11-29, llama-cpp-python 0.3.36, AVX2 CPU, 578 positions: llama.cpp
-    one-token-at-a-time vs batched 96.0% top-1 (max |Δ| 4.05, mean 0.241); engine llamacpp
-    numerics vs batched 95.2% (max 3.74, mean 0.259); f32 numerics 96.0% (max 4.40, mean 0.233).
-    Cause, traced with llama.cpp's eval callback:
-    the repacked Q4_K kernels (CPU_REPACK q4_K_8x8: 4-row gemm inside a batch, gemv for the
-    rest) sum in a different order, a 3-ulp change in the layer-0 attention output; a later Q8_0
-    activation requantization rounds one element to the neighbouring step (layer 7 q-projection:
-    5e-6 in, 8e-3 out), and Gemma's large post-norm gains carry that into ~1 logit. So parity is
-    asserted relative to llama.cpp's own agreement across its two default paths, and the absolute
-    target is demanded whenever llama.cpp is self-consistent to it.
+    Measured 2026-11-29 (llama-cpp-python 0.3.36, AVX2 CPU), 578 positions: top-1 100%, max |Δ|
+    3.4e-5, mean 1.4e-6 (hidden states are bit-identical; the LM head alone is summed in f32
+    order). For scale: plain f32 numerics 96.0%, and llama.cpp's own token-at-a-time logits
+    against its batched ones 96.0% (its repacked Q4_K and tiled Q6_K kernels sum in a different
+    order for one row than for a batch, and Gemma's post-norm gains amplify that).
     """
     figures = teacher_forced(*gemma)
     print("\nteacher-forced parity vs llama.cpp:", json.dumps(figures))
-    n = figures["positions"]
-    assert n >= 500
-    own_misses = round((1 - figures["llamacpp_token_at_a_time"]["top1"]) * n)
-    our_misses = round((1 - figures["llamacpp"]["top1"]) * n)
-    # as close to llama.cpp's batched logits as llama.cpp's own other path is, within two standard
-    # deviations of that count (top-1 misses are rare events: sd ~ sqrt(count)); and the issue's
-    # 99.5% whenever llama.cpp agrees with itself that well
-    assert our_misses <= max(0.005 * n, own_misses + 2 * own_misses ** 0.5)
-    assert figures["llamacpp"]["mean_abs_dlogit"] <= 1.25 * figures["llamacpp_token_at_a_time"]["mean_abs_dlogit"]
+    assert figures["positions"] >= 500
+    assert figures["llamacpp"]["top1"] >= 0.995
+    assert figures["llamacpp"]["mean_abs_dlogit"] < 0.01 * figures["f32"]["mean_abs_dlogit"]
 
 
 def llamacpp_greedy(llm, prompt: list[int], n: int, stepped_prompt: bool = False
@@ -224,15 +212,11 @@ def first_difference(a: list[int], b: list[int]) -> int:
 @pytest.mark.realmodel
 @pytest.mark.llamacpp
 def test_gemma_greedy_continuations_match(gemma):
-    """64-token greedy continuations against llama.cpp (prompt batched, then token by token).
-
-    Every divergence is reported with llama.cpp's top-2 logit gap at that token. As for the
-    teacher-forced test, llama.cpp's own continuation changes when the prompt is fed one token at
-    a time instead of as a batch; the test asks for 5 identical prompts, or as many as llama.cpp
-    agrees with itself on, and that we never leave llama.cpp's path where its choice is clear
-    (top-2 gap above the largest |Δlogit| its own two paths show on that prompt). Measured
-    2026-11-29: 4/6 prompts identical for 64 tokens (divergences at tokens 3 and 19, top-2 gaps
-    0.049 and 0.196); llama.cpp against itself: 3/6 (diverging at tokens 3, 47 and 25).
+    """64-token greedy continuations against llama.cpp (prompt batched, then token by token):
+    identical on at least 5 of the 6 prompts; any divergence is reported with llama.cpp's top-2
+    logit gap at that token. llama.cpp's own continuation with the prompt fed one token at a time
+    is reported beside it. Measured 2026-11-29: 6/6 identical for 64 tokens; llama.cpp against
+    itself 3/6 (diverging at tokens 3, 47 and 25).
     """
     from engine.llm.generate import generate
 
@@ -242,24 +226,17 @@ def test_gemma_greedy_continuations_match(gemma):
     for prompt in PROMPTS:
         ids = tok.encode(prompt)
         ref, ref_logits = llamacpp_greedy(llm, ids, 64)
-        own, own_logits = llamacpp_greedy(llm, ids, 64, stepped_prompt=True)
-        own_same = first_difference(own, ref)
-        noise = max(float(np.abs(a - b).max()) for a, b in zip(ref_logits[:own_same + 1],
-                                                              own_logits[:own_same + 1]))
+        own, _ = llamacpp_greedy(llm, ids, 64, stepped_prompt=True)
         ours = generate(model, tok, ids, max_new_tokens=64, stop_ids=[]).ids
         same = first_difference(ours, ref)
         entry = {"prompt": prompt, "identical_tokens": same,
-                 "llamacpp_self_identical_tokens": own_same, "llamacpp_self_max_abs_dlogit": noise}
+                 "llamacpp_self_identical_tokens": first_difference(own, ref)}
         if same < len(ref):
             top2 = np.sort(ref_logits[same])[-2:]
             entry["llamacpp_top2_gap_at_divergence"] = float(top2[1] - top2[0])
         report.append(entry)
     print("\ngreedy continuations vs llama.cpp:", json.dumps(report))
-    self_consistent = sum(e["llamacpp_self_identical_tokens"] == 64 for e in report)
-    assert sum(e["identical_tokens"] == 64 for e in report) >= min(5, self_consistent)
-    for e in report:
-        if e["identical_tokens"] < 64:
-            assert e["llamacpp_top2_gap_at_divergence"] <= max(1.0, e["llamacpp_self_max_abs_dlogit"]), e
+    assert sum(e["identical_tokens"] == 64 for e in report) >= 5
 
 
 @pytest.fixture(scope="module")
@@ -349,15 +326,17 @@ def layers_covering_each_quant_type(model) -> list[int]:
 
 @pytest.mark.realmodel
 @pytest.mark.llamacpp
-def test_gemma_ops_match_llamacpp_given_its_inputs(gemma):
+@pytest.mark.parametrize("n_tokens", [12, 5])
+def test_gemma_ops_match_llamacpp_given_its_inputs(gemma, n_tokens):
     """Each op of the engine's llama.cpp numerics, fed llama.cpp's own input tensor for that op,
-    reproduces llama.cpp's output tensor to f32 summation-order noise (relative 1e-5).
+    reproduces llama.cpp's output tensor bit for bit (the LM head, summed in f32 order, to 1e-5).
 
-    This is the chaos-free form of parity: end-to-end logits amplify last-bit differences through
-    Q8 requantization (see test_gemma_teacher_forced_parity), op-level outputs do not.
+    12 tokens run the batch kernels (repacked Q4_K gemm, tiled Q6_K, tinyBLAS for Q5_0/Q8_0 and
+    the f16 attention products); 5 tokens add the gemv row of the repacked Q4_K and
+    vec_dot_q6_K_q8_K. One-token steps run the same per-row kernels as the 5-token batch's tail.
     """
     path, model, tok = gemma
-    ids = tok.encode(PASSAGES[1])[:12]
+    ids = tok.encode(PASSAGES[1])[:n_tokens]
     dump = llamacpp_intermediates(path, ids)
     names = [n for n, _ in dump]
 
@@ -376,6 +355,9 @@ def test_gemma_ops_match_llamacpp_given_its_inputs(gemma):
         scale = ref.abs().max().item()
         assert (ours - ref).abs().max().item() <= rel * scale, (ours - ref).abs().max().item() / scale
 
+    def same(ours: torch.Tensor, ref: torch.Tensor):
+        assert torch.equal(ours, ref), f"{int((ours != ref).sum())} of {ref.numel()} values differ"
+
     cfg = model.config
     h0 = first("inp_scaled", cfg.dim)
     with torch.no_grad():
@@ -386,40 +368,39 @@ def test_gemma_ops_match_llamacpp_given_its_inputs(gemma):
             x = first(f"l_out-{i - 1}", 640) if i else h0
             assert torch.equal(layer.attn_norm(x), first(f"attn_norm-{i}", 640))    # exact RMSNorm
             normed = first(f"attn_norm-{i}", 640)
-            close(layer.attn.q(normed), first(f"Qcur-{i}", 1024))
-            close(layer.attn.k(normed), first(f"Kcur-{i}", 256))
-            close(layer.attn.v(normed), first(f"Vcur-{i}", 256))
+            same(layer.attn.q(normed), first(f"Qcur-{i}", 1024))
+            same(layer.attn.k(normed), first(f"Kcur-{i}", 256))
+            same(layer.attn.v(normed), first(f"Vcur-{i}", 256))
             heads = {"Q": cfg.n_heads, "K": cfg.n_kv_heads}
             q_normed, k_normed = (first(f"{x}cur_normed-{i}", heads[x], cfg.head_dim).transpose(0, 1)[None]
                                   for x in "QK")                                 # [1,H,T,hd]
             q_roped, k_roped = (after(f"{x}cur_normed-{i}", heads[x], cfg.head_dim).transpose(0, 1)[None]
                                 for x in "QK")
             local = cfg.sliding[i]
-            rope = rope_tables(torch.arange(T) / (1.0 if local else cfg.rope_scale), cfg.head_dim,
-                               cfg.rope_local_theta if local else cfg.rope_theta)
-            close(apply_rope(q_normed, *rope, model.rope_type), q_roped)
-            close(apply_rope(k_normed, *rope, model.rope_type), k_roped)
+            rope = rope_tables(torch.arange(T), cfg.head_dim, cfg.rope_local_theta if local else cfg.rope_theta,
+                               freq_scale=1.0 if local else 1.0 / cfg.rope_scale, libm=True)
+            same(apply_rope(q_normed, *rope, model.rope_type, fused=True), q_roped)
+            same(apply_rope(k_normed, *rope, model.rope_type, fused=True), k_roped)
             v = first(f"Vcur-{i}", 256)[None, None]                              # [1,1,T,hd]
             mask = attention_mask(0, T, T, cfg.sliding_window if local else None)
             out = model.attn_core(q_roped * cfg.query_scale, k_roped, v, mask, 1.0)  # [1,H,T,hd]
-            close(out[0].transpose(0, 1).reshape(T, -1), first(f"kqv_out-{i}", 1024))
-            close(layer.attn.o(first(f"kqv_out-{i}", 1024)), after(f"kqv_out-{i}", cfg.dim))
+            same(out[0].transpose(0, 1).reshape(T, -1), first(f"kqv_out-{i}", 1024))
+            same(layer.attn.o(first(f"kqv_out-{i}", 1024)), after(f"kqv_out-{i}", cfg.dim))
             gate, up = first(f"ffn_gate-{i}", 2048), first(f"ffn_up-{i}", 2048)
-            close(layer.mlp.gate(first(f"ffn_norm-{i}", 640)), gate)
-            close(layer.mlp.up(first(f"ffn_norm-{i}", 640)), up)
+            same(layer.mlp.gate(first(f"ffn_norm-{i}", 640)), gate)
+            same(layer.mlp.up(first(f"ffn_norm-{i}", 640)), up)
             geglu = ACTIVATIONS[layer.mlp.activation](gate) * up              # ggml's table GELU
-            assert torch.equal(geglu, first(f"ffn_geglu-{i}", 2048))
-            close(layer.mlp.down(first(f"ffn_geglu-{i}", 2048)), first(f"ffn_out-{i}", 640))
+            same(geglu, first(f"ffn_geglu-{i}", 2048))
+            same(layer.mlp.down(first(f"ffn_geglu-{i}", 2048)), first(f"ffn_out-{i}", 640))
         assert torch.equal(model.norm(first(f"l_out-{cfg.n_layers - 1}", 640)), first("result_norm", 640))
         final = first("result_norm", 640)
         close(model.logits(final[None])[0], first("result_output", model.config.vocab_size))
         # the emulation is what makes ops match: plain f32 misses the Q8_0 activation rounding
         normed, q_ref = first("attn_norm-0", cfg.dim), first("Qcur-0", cfg.n_heads * cfg.head_dim)
-        emulated = (model.layers[0].attn.q(normed) - q_ref).abs().max()
         set_numerics(model, "f32")
         try:
             plain = (model.layers[0].attn.q(normed) - q_ref).abs().max()
         finally:
             set_numerics(model, "llamacpp")
-        print("\nq-projection max |diff| vs llama.cpp: emulated", emulated.item(), "plain f32", plain.item())
-        assert plain > 100 * emulated
+        print("\nq-projection max |diff| vs llama.cpp: emulated 0, plain f32", plain.item())
+        assert plain > 0

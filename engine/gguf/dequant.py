@@ -77,11 +77,15 @@ def _q4_1(b):
     return q.float().mul_(_f16(b[:, :2])).add_(_f16(b[:, 2:4]))
 
 
-def _q5_0(b):
+def _q5_0_ints(b):
     n = b.shape[0]
     w = _nibble_words(_words(b[:, 6:])).reshape(n, 4)
     w |= _q5_high_bits(b[:, 2:6])
-    return _signed(_as_bytes(w, n), 16).float().mul_(_f16(b[:, :2]))
+    return _signed(_as_bytes(w, n), 16)
+
+
+def _q5_0(b):
+    return _q5_0_ints(b).float().mul_(_f16(b[:, :2]))
 
 
 def _q5_1(b):
@@ -91,8 +95,12 @@ def _q5_1(b):
     return _as_bytes(w, n).float().mul_(_f16(b[:, :2])).add_(_f16(b[:, 2:4]))
 
 
+def _q8_0_ints(b):
+    return b.view(torch.int8)[:, 2:]
+
+
 def _q8_0(b):
-    return b.view(torch.int8)[:, 2:].float().mul_(_f16(b[:, :2]))
+    return _q8_0_ints(b).float().mul_(_f16(b[:, :2]))
 
 
 def _k_scale_min(scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -111,11 +119,15 @@ def _k_scales(b):
     return (d * sc.float()).view(n, 8, 1), (dmin * mn.float()).view(n, 8, 1)
 
 
-def _q4_k(b):
+def _q4_k_ints(b):
+    """[n, 8, 32] unsigned 4-bit values, sub-block by sub-block."""
     n = b.shape[0]
+    return _as_bytes(_nibble_words(_words(b[:, 16:]).view(n, 4, 4)), n).view(n, 8, 32)
+
+
+def _q4_k(b):
     dl, ml = _k_scales(b)
-    q = _as_bytes(_nibble_words(_words(b[:, 16:]).view(n, 4, 4)), n).view(n, 8, 32)
-    return q.float().mul_(dl).sub_(ml).reshape(n, QK_K)
+    return _q4_k_ints(b).float().mul_(dl).sub_(ml).reshape(b.shape[0], QK_K)
 
 
 def _q5_k(b):
@@ -128,16 +140,47 @@ def _q5_k(b):
     return _as_bytes(w, n).view(n, 8, 32).float().mul_(dl).sub_(ml).reshape(n, QK_K)
 
 
-def _q6_k(b):
+def _q6_k_ints(b):
+    """[n, 256] unsigned 6-bit values (the stored q + 32) in element order."""
     n = b.shape[0]
-    dl = (_f16(b[:, 208:210]) * b[:, 192:208].view(torch.int8).float()).view(n, 16, 1)
     lo = _nibble_words(_words(b[:, :128]).view(n, 2, 8)).view(n, 2, 2, 2, 4)   # [n, half, nib, row, 4]
     qh = _words(b[:, 128:192]).view(n, 2, 1, 4)
     shifts = torch.tensor([0, 2, 4, 6], dtype=torch.int64).view(1, 1, 4, 1)
     hi = ((qh >> shifts) & LOW_2BITS) << 4                                        # [n, half, 4, 4]
-    w = lo.view(n, 2, 4, 4) | hi
-    q = _signed(_as_bytes(w, n), 32).view(n, 16, 16)
+    return _as_bytes(lo.view(n, 2, 4, 4) | hi, n)
+
+
+def _q6_k(b):
+    n = b.shape[0]
+    dl = (_f16(b[:, 208:210]) * b[:, 192:208].view(torch.int8).float()).view(n, 16, 1)
+    q = _signed(_q6_k_ints(b), 32).view(n, 16, 16)
     return q.float().mul_(dl).reshape(n, QK_K)
+
+
+def unpack_blocks(raw: torch.Tensor, ggml_type: T) -> dict[str, torch.Tensor]:
+    """The integer parts of packed blocks, for kernels that multiply in integers as ggml does.
+
+    raw [rows, row_bytes] uint8 -> per type, with nb blocks per row:
+    Q8_0/Q5_0: q [rows, nb, 32] int8, d [rows, nb] f32;
+    Q4_K: q [rows, nb, 8, 32] (0..15), scales/mins [rows, nb, 8] (0..63), d/dmin [rows, nb] f32;
+    Q6_K: q [rows, nb, 256] (0..63, i.e. stored value + 32), scales [rows, nb, 16] int8, d [rows, nb].
+    """
+    ggml_type = T(ggml_type)
+    rows = raw.shape[0]
+    b = raw.reshape(-1, type_size(ggml_type))
+    nb = b.shape[0] // rows
+    d = _f16(b[:, :2]).view(rows, nb)
+    if ggml_type in (T.Q8_0, T.Q5_0):
+        ints = _q8_0_ints(b) if ggml_type == T.Q8_0 else _q5_0_ints(b)
+        return {"q": ints.reshape(rows, nb, 32), "d": d}
+    if ggml_type == T.Q4_K:
+        sc, mn = _k_scale_min(b[:, 4:16])
+        return {"q": _q4_k_ints(b).view(rows, nb, 8, 32), "scales": sc.view(rows, nb, 8),
+                "mins": mn.view(rows, nb, 8), "d": d, "dmin": _f16(b[:, 2:4]).view(rows, nb)}
+    if ggml_type == T.Q6_K:
+        return {"q": _q6_k_ints(b).view(rows, nb, QK_K), "scales": b[:, 192:208].view(torch.int8).view(rows, nb, 16),
+                "d": _f16(b[:, 208:210]).view(rows, nb)}
+    raise ValueError(f"no integer unpacking for {ggml_type.name}")
 
 
 _KERNELS = {T.Q4_0: _q4_0, T.Q4_1: _q4_1, T.Q5_0: _q5_0, T.Q5_1: _q5_1, T.Q8_0: _q8_0,
@@ -170,4 +213,4 @@ def dequantize(raw: torch.Tensor, ggml_type: T, shape: tuple[int, ...] | torch.S
     return out.reshape(tuple(shape))
 
 
-__all__ = ["dequantize"]
+__all__ = ["dequantize", "unpack_blocks"]

@@ -1,41 +1,52 @@
-"""llama.cpp's CPU arithmetic, reproduced in torch so the engine's logits are what llama.cpp serves.
+"""llama.cpp's CPU arithmetic, reproduced so the engine's logits are the ones llama.cpp serves.
 
 What llama.cpp (ggml-cpu) does that plain f32 does not:
 - a matmul with quantized weights first quantizes each activation row to the weight type's
   "vec_dot_type" (Q8_K for K-quants, Q8_0 for Q4_0/Q5_0/Q8_0, f16 for f16 weights) and then takes
-  integer dot products. Dequantizing the activation exactly (q·d) and multiplying with the exactly
-  dequantized weight in f32 gives the same sums up to f32 summation order;
+  integer dot products, summed in the order of the SIMD kernel that serves that weight type and
+  batch size (engine/llm/ggml_matmul.py reproduces those orders bit for bit);
 - the KV cache is f16, the query is rounded to f16 for K·Q, and the softmax probabilities are
-  rounded to f16 for V·softmax (no flash attention, llama-cpp-python's default);
+  rounded to f16 for V·softmax (no flash attention, llama-cpp-python's default); both products
+  are summed as tinyBLAS sums a batch and ggml_vec_dot_f16 one query (dot_tinyblas, dot_vec_f16);
+- the softmax exponent is ggml_v_expf, a polynomial, not a correctly rounded exp (expf_ggml);
 - GELU goes through a 65536-entry f16 table (GGML_GELU_FP16): input and output rounded to f16;
   the table is ggml's own, entry for entry (its f32 formula has an FMA and a correctly rounded tanhf);
-- RMSNorm's 1/sqrtf is correctly rounded in C; torch's f32 sqrt is not always (rsqrt_f32).
+- RMSNorm's 1/sqrtf is correctly rounded in C; torch's f32 sqrt is not always (rsqrt_f32), nor is
+  torch's `scalar / tensor` (divide);
+- RoPE takes cos/sin from the C library's cosf/sinf and rotates with fused multiply-adds.
 
-Sources: ggml-quants.c (quantize_row_q8_K_ref), ggml-cpu/arch/x86/quants.c (quantize_row_q8_0),
-ggml-cpu/vec.h (ggml_vec_geglu_f32, ggml_gelu_f32), ggml-cpu/ops.cpp (rms_norm_f32),
-llama-graph.cpp (build_attn_mha).
+Why every last bit: each matmul's output is requantized to Q8 before the next, so a one-ulp
+difference now and then moves an activation across a rounding step, and Gemma's large post-norm
+gains carry one step into ~1 logit. llama.cpp itself shows it: its one-token-at-a-time logits
+agree with its batched ones on only ~96% of top-1 choices on gemma-3-270m, because its kernels
+sum in a different order for one row than for a batch. The engine follows the kernel llama.cpp
+picks for each batch size, so it matches llama.cpp either way.
+
+Sources (the ggml 0.25.3 vendored by llama-cpp-python 0.3.36, x86 AVX2 + FMA build):
+ggml-quants.c (quantize_row_q8_K_ref), ggml-cpu/arch/x86/quants.c (quantize_row_q8_0, vec_dot),
+ggml-cpu/arch/x86/repack.cpp, ggml-cpu/tiled, llamafile/sgemm.cpp, ggml-cpu/vec.h (ggml_v_expf,
+ggml_gelu_f32), ggml-cpu/vec.cpp (ggml_vec_soft_max_f32, ggml_vec_dot_f16), ggml-cpu/ops.cpp
+(rms_norm_f32, soft_max_f32, rope), llama-graph.cpp (build_attn_mha). Other CPUs (ARM NEON,
+AVX-512) run other kernels in llama.cpp with other orders; there the engine matches to f32
+summation order, not to the bit.
 
 Checked op by op on gemma-3-270m Q4_K_M against the tensors llama.cpp itself computes (its eval
-callback; tests/test_gguf_llamacpp.py): RMSNorm and GeGLU outputs are bit-identical, every
-matmul, RoPE and attention output agrees to f32 summation-order noise (relative ~1e-6).
-
-What is not reproduced: the order of llama.cpp's f32 sums inside its SIMD kernels (tinyBLAS for
-Q5_0/Q8_0/f16, the repacked Q4_K 8x8 gemm/gemv, the Q6_K dot product) and its own exp/cos/sin.
-llama.cpp's own sums depend on the batch: a token evaluated inside a prompt batch and the same
-token evaluated alone differ in the last bits. A requantization to Q8 turns such a last-bit
-difference into a whole quantization step now and then, and Gemma's large post-norm gains carry
-one step into ~1 logit, so end-to-end logits agree with llama.cpp only as well as llama.cpp's
-own batched and one-token-at-a-time paths agree with each other (~96% top-1 on gemma-3-270m).
+callback), and kernel by kernel against libggml-cpu's own functions (tests/test_gguf_llamacpp.py,
+tests/test_ggml_kernels.py): every hidden-state op is bit-identical.
 """
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import functools
 
 import torch
+import torch.nn.functional as F
 from gguf import GGMLQuantizationType as T
 
 from engine.gguf.constants import QK_K, VEC_DOT_TYPE
+from engine.llm.native import kernels, ptr
 
 NUMERICS = ("f32", "llamacpp")
 
@@ -54,35 +65,79 @@ def rsqrt_f32(x: torch.Tensor) -> torch.Tensor:
     return (1.0 / root.double()).float()
 
 
+def divide(numerator: float, x: torch.Tensor) -> torch.Tensor:
+    """numerator / x, correctly rounded. torch's `scalar / tensor` is reciprocal(x)·scalar, two
+    roundings, which is an ulp off C's division now and then."""
+    return torch.div(torch.full_like(x, numerator), x)
+
+
+@functools.lru_cache(maxsize=1)
+def _libm():
+    """The C math library (None where there is none to load, e.g. Windows)."""
+    name = ctypes.util.find_library("m")
+    if name is None:
+        return None
+    lib = ctypes.CDLL(name)
+    for fn in (lib.cosf, lib.sinf):
+        fn.restype, fn.argtypes = ctypes.c_float, [ctypes.c_float]
+    return lib
+
+
+def cos_sin_f32(angles: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """cosf/sinf of f32 angles from the C library, the functions ggml's RoPE calls (glibc's are
+    not correctly rounded, so no other implementation matches them bit for bit); f64 rounded
+    to f32 where no C math library is found."""
+    lib = _libm()
+    if lib is None:
+        wide = angles.double()
+        return wide.cos().float(), wide.sin().float()
+    flat = angles.reshape(-1).tolist()
+    cos = torch.tensor([lib.cosf(a) for a in flat], dtype=torch.float32).view(angles.shape)
+    sin = torch.tensor([lib.sinf(a) for a in flat], dtype=torch.float32).view(angles.shape)
+    return cos, sin
+
+
 def _blocks(x: torch.Tensor, size: int) -> torch.Tensor:
     if x.shape[-1] % size:
         raise ValueError(f"activation length {x.shape[-1]} is not a multiple of block size {size}")
     return x.reshape(*x.shape[:-1], x.shape[-1] // size, size)
 
 
-def q8_0_values(x: torch.Tensor) -> torch.Tensor:
-    """Activations as llama.cpp's quantize_row_q8_0 (AVX path) leaves them: round(x·127/amax)·f16(amax/127)."""
+def quantize_q8_0(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """llama.cpp's quantize_row_q8_0 (AVX path): ints round(x·127/amax) [..., nb, 32] (as f32) and
+    the block scale f16(amax/127) [..., nb]."""
     b = _blocks(x.float(), 32)
     amax = b.abs().amax(-1, keepdim=True)
-    d = round_f16(amax / 127.0)
-    inv = torch.where(amax > 0, 127.0 / amax, torch.zeros_like(amax))
+    inv = torch.where(amax > 0, divide(127.0, amax), torch.zeros_like(amax))
     q = torch.round(b * inv)                                  # _MM_ROUND_NEAREST: half to even
-    return (q * d).reshape(x.shape)
+    return q, round_f16(amax / 127.0)[..., 0]
 
 
-def q8_k_values(x: torch.Tensor) -> torch.Tensor:
-    """Activations as quantize_row_q8_K_ref leaves them: min(127, nearest(x·(-127/max)))·(1/iscale),
-    where max is the first element of largest magnitude (signed) and the scale stays f32."""
+def quantize_q8_k(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """quantize_row_q8_K_ref: ints min(127, nearest(x·(-127/max))) [..., nb, 256] (as f32) and the
+    f32 scale 1/iscale [..., nb], where max is the first element of largest magnitude (signed)."""
     b = _blocks(x.float(), QK_K)
     idx = b.abs().argmax(-1, keepdim=True)                    # first occurrence, like `ax > amax`
     peak = torch.gather(b, -1, idx)
     nonzero = peak != 0
-    iscale = torch.where(nonzero, -127.0 / torch.where(nonzero, peak, torch.ones_like(peak)),
+    iscale = torch.where(nonzero, divide(-127.0, torch.where(nonzero, peak, torch.ones_like(peak))),
                          torch.zeros_like(peak))
     q = torch.clamp(torch.round(b * iscale), max=127.0)       # nearest_int: half to even
-    d = torch.where(nonzero, 1.0 / torch.where(nonzero, iscale, torch.ones_like(iscale)),
+    d = torch.where(nonzero, divide(1.0, torch.where(nonzero, iscale, torch.ones_like(iscale))),
                     torch.zeros_like(iscale))
-    return (q * d).reshape(x.shape)
+    return q, d[..., 0]
+
+
+def q8_0_values(x: torch.Tensor) -> torch.Tensor:
+    """The values llama.cpp's Q8_0 activation blocks stand for (q·d)."""
+    q, d = quantize_q8_0(x)
+    return (q * d[..., None]).reshape(x.shape)
+
+
+def q8_k_values(x: torch.Tensor) -> torch.Tensor:
+    """The values llama.cpp's Q8_K activation blocks stand for (q·d)."""
+    q, d = quantize_q8_k(x)
+    return (q * d[..., None]).reshape(x.shape)
 
 
 def activation_values(x: torch.Tensor, weight_type: T) -> torch.Tensor:
@@ -135,24 +190,117 @@ def gelu_llamacpp(x: torch.Tensor) -> torch.Tensor:
     return torch.where(x <= -10.0, torch.zeros_like(x), torch.where(x >= 10.0, x, table))
 
 
+def fma_f32(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+    """a·b + c rounded once to f32, as an FMA instruction does (a, b f32-valued; c any float dtype):
+    the product of two f32 is exact in f64, so one f64 add and one rounding to f32 reproduce it."""
+    return torch.addcmul(c.double(), a.double(), b.double()).float()
+
+
+def hsum8(lanes: torch.Tensor) -> torch.Tensor:
+    """ggml's hsum_float_8 over the last dim (8 lanes): ((x0+x4) + (x2+x6)) + ((x1+x5) + (x3+x7))."""
+    r = lanes[..., 4:] + lanes[..., :4]
+    r = r[..., :2] + r[..., 2:]
+    return r[..., 0] + r[..., 1]
+
+
+def dot_tinyblas(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """a [..., P, K] · b [..., Q, K]ᵀ -> [..., P, Q] as llamafile's tinyBLAS sums (f16/f32 inputs on
+    AVX2): eight lanes (k mod 8), each an fma chain over k in order, then hsum_float_8."""
+    steps = a.shape[-1] // 8
+    a8 = a.reshape(*a.shape[:-1], steps, 8).unsqueeze(-3)            # [..., P, 1, steps, 8]
+    b8 = b.reshape(*b.shape[:-1], steps, 8).unsqueeze(-4)            # [..., 1, Q, steps, 8]
+    acc = torch.zeros(torch.broadcast_shapes(a8.shape, b8.shape)[:-2] + (8,))
+    for s in range(steps):
+        acc = fma_f32(a8[..., s, :], b8[..., s, :], acc)
+    return hsum8(acc)
+
+
+def dot_vec_f16(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """The same product as ggml_vec_dot_f16 sums it (one query row, AVX2): four 8-lane
+    accumulators over consecutive 32-element steps, reduced as (acc0+acc2) + (acc1+acc3), then
+    the lanes as ((l0+l4) + (l1+l5)) + ((l2+l6) + (l3+l7)). K must be a multiple of 32."""
+    steps = a.shape[-1] // 32
+    a4 = a.reshape(*a.shape[:-1], steps, 4, 8).unsqueeze(-4)
+    b4 = b.reshape(*b.shape[:-1], steps, 4, 8).unsqueeze(-5)
+    acc = torch.zeros(torch.broadcast_shapes(a4.shape, b4.shape)[:-3] + (4, 8))
+    for s in range(steps):
+        acc = fma_f32(a4[..., s, :, :], b4[..., s, :, :], acc)
+    x = (acc[..., 0, :] + acc[..., 2, :]) + (acc[..., 1, :] + acc[..., 3, :])
+    t = x[..., :4] + x[..., 4:]
+    return (t[..., 0] + t[..., 1]) + (t[..., 2] + t[..., 3])
+
+
+def dot_f16(a: torch.Tensor, b: torch.Tensor, tinyblas: bool) -> torch.Tensor:
+    """dot_tinyblas / dot_vec_f16 for a [..., P, K], b [..., Q, K] with equal leading dims: in C
+    when ggml_kernels.c is built, else the torch reference above."""
+    lib = kernels()
+    if lib is None:
+        return dot_tinyblas(a, b) if tinyblas else dot_vec_f16(a, b)
+    a, b = a.float().contiguous(), b.float().contiguous()
+    lead, (P, K), Q = a.shape[:-2], a.shape[-2:], b.shape[-2]
+    out = torch.empty(*lead, P, Q)
+    lib.f16_dot(int(torch.tensor(lead).prod()) if lead else 1, P, Q, K, ptr(a), ptr(b), int(tinyblas), ptr(out))
+    return out
+
+
+_EXP_CONSTANTS = [float.fromhex(h) for h in ("0x1.715476p+0", "0x1.62e4p-1", "0x1.7f7d1cp-20", "0x1.0e4020p-7",
+                                            "0x1.573e2ep-5", "0x1.555e66p-3", "0x1.fffdb6p-2", "0x1.ffffecp-1")]
+
+
+def expf_ggml(x: torch.Tensor) -> torch.Tensor:
+    """ggml_v_expf (AVX2 + FMA), for x <= 0: a range reduction to 2^n·e^b and a degree-5
+    polynomial, every step an f32 or fused operation. Below e^-126 it returns 0 (ggml returns a
+    value under 1e-37, which no f16 probability or f64 sum can see)."""
+    log2e, ln2_hi, ln2_lo, c5, c4, c3, c2, c1 = (torch.tensor(c, dtype=torch.float32) for c in _EXP_CONSTANTS)
+    shifter = torch.tensor(1.5 * 2 ** 23, dtype=torch.float32)
+    x = x.float()
+    z = fma_f32(x, log2e, shifter)
+    n = z - shifter
+    b = fma_f32(-n, ln2_lo, fma_f32(-n, ln2_hi, x))
+    bits = (z.view(torch.int32).long() << 23) + 0x3F800000                      # 2^n as f32 bits
+    k = (((bits + (1 << 31)) & 0xFFFFFFFF) - (1 << 31)).int().view(torch.float32)
+    u = b * b
+    j = fma_f32(fma_f32(fma_f32(c5, b, c4), u, fma_f32(c3, b, c2)), u, c1 * b)
+    return torch.where(n.abs() > 126, torch.zeros_like(x), fma_f32(j, k, k))
+
+
+def softmax_ggml(scores: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:
+    """ggml_compute_forward_soft_max_f32 over the last dim (a multiple of 8): exp(x - max) by
+    ggml_v_expf, each group of 8 summed in f32 (hsum_float_8) and the groups in f64, then the
+    values times f32(1/sum). Hidden positions get exactly 0."""
+    x = scores.masked_fill(~visible, float("-inf"))
+    top = x.amax(-1, keepdim=True)
+    values = torch.where(visible, expf_ggml(torch.where(visible, x - top, torch.zeros_like(x))), torch.zeros_like(x))
+    groups = hsum8(values.reshape(*values.shape[:-1], -1, 8)).double()        # [..., S/8]
+    total = torch.zeros(groups.shape[:-1], dtype=torch.float64)
+    for g in range(groups.shape[-1]):
+        total = total + groups[..., g]
+    return values * divide(1.0, total).float()[..., None]
+
+
 def attention_llamacpp(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
                        scale: float) -> torch.Tensor:
-    """llama.cpp's non-flash attention with an f16 KV cache.
+    """llama.cpp's non-flash attention with an f16 KV cache, summed as ggml sums it.
 
-    q [B,H,T,hd] f32, k/v [B,Hkv,S,hd]: kq = f16(q)·f16(k) (f32 sums), softmax(kq·scale + mask) in f32,
-    then f16(probabilities)·f16(v).
+    q [B,H,T,hd] f32, k/v [B,Hkv,S,hd]: kq = f16(q)·f16(k) (tinyBLAS for a batch of queries,
+    ggml_vec_dot_f16 for one), softmax(kq·scale + mask) as ggml_soft_max, then
+    f16(probabilities)·f16(v) the same way. Keys are padded with zeros to a multiple of 32 (llama.cpp
+    pads its cache view to 256; padded keys are masked, so they add exact zeros).
     """
     groups = q.shape[1] // k.shape[1]
-    k16, v16 = round_f16(k), round_f16(v)
-    if groups > 1:
-        k16 = k16.repeat_interleave(groups, dim=1)
-        v16 = v16.repeat_interleave(groups, dim=1)
-    kq = torch.matmul(round_f16(q), k16.transpose(-1, -2))   # [B,H,T,S]
-    kq = (kq * scale).masked_fill(~mask, float("-inf"))
-    probs = torch.softmax(kq, dim=-1)
-    return torch.matmul(round_f16(probs), v16)
+    S = k.shape[2]
+    pad = -S % 32
+    k16, v16 = round_f16(F.pad(k, (0, 0, 0, pad))), round_f16(F.pad(v, (0, 0, 0, pad)))
+    visible = F.pad(mask, (0, pad), value=False)
+    B, H, T, hd = q.shape
+    qg = round_f16(q).reshape(B, k.shape[1], groups * T, hd)                    # GQA: heads share k/v
+    tinyblas = T >= 2                     # llamafile_sgemm serves batches of 2+ query rows
+    kq = dot_f16(qg, k16, tinyblas).view(B, H, T, S + pad)
+    probs = softmax_ggml(kq * scale, visible)
+    out = dot_f16(round_f16(probs).reshape(B, k.shape[1], groups * T, S + pad), v16.transpose(-1, -2), tinyblas)
+    return out.view(B, H, T, hd)
 
 
-
-__all__ = ["NUMERICS", "round_f16", "rsqrt_f32", "q8_0_values", "q8_k_values", "activation_values",
-           "gelu_tanh_f32", "gelu_llamacpp", "attention_llamacpp"]
+__all__ = ["NUMERICS", "cos_sin_f32", "divide", "round_f16", "rsqrt_f32", "quantize_q8_0", "quantize_q8_k", "q8_0_values", "q8_k_values", "activation_values",
+           "gelu_tanh_f32", "gelu_llamacpp", "fma_f32", "hsum8",
+           "dot_tinyblas", "dot_vec_f16", "dot_f16", "expf_ggml", "softmax_ggml", "attention_llamacpp"]

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.llm.numerics import gelu_llamacpp, rsqrt_f32
+from engine.llm.numerics import cos_sin_f32, fma_f32, gelu_llamacpp, rsqrt_f32
 
 
 class RMSNorm(nn.Module):
@@ -42,11 +42,14 @@ class RMSNorm(nn.Module):
 
 
 def rope_tables(positions: torch.Tensor, rot_dim: int, base: float,
-                freq_factors: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos/sin [T, rot_dim/2] for positions [T]: angle_i = pos · base^(-2i/rot_dim) / ff_i.
+                freq_factors: torch.Tensor | None = None, freq_scale: float = 1.0,
+                libm: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin [T, rot_dim/2] for positions [T]: angle_i = freq_scale · (pos · base^(-2i/rot_dim)) / ff_i.
 
     Built as ggml_rope_cache_init builds it, in f32: theta starts at pos and is multiplied by
-    powf(base, -2/rot_dim) once per frequency, so angles round exactly as llama.cpp's do.
+    powf(base, -2/rot_dim) once per frequency, divided by the frequency factor, then scaled, so
+    angles round exactly as llama.cpp's do. `libm` takes cos/sin from the C library's cosf/sinf
+    as ggml does (torch's own differ from them in the last bit for ~1% of angles).
     """
     scale = torch.tensor(base ** (-2.0 / rot_dim), dtype=torch.float32)
     theta = positions.to(torch.float32).clone()
@@ -56,25 +59,33 @@ def rope_tables(positions: torch.Tensor, rot_dim: int, base: float,
         theta = theta * scale
     if freq_factors is not None:
         angles = angles / freq_factors.float()
-    return angles.cos(), angles.sin()
+    if freq_scale != 1.0:
+        angles = torch.tensor(freq_scale, dtype=torch.float32) * angles
+    return cos_sin_f32(angles) if libm else (angles.cos(), angles.sin())
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rope_type: str) -> torch.Tensor:
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rope_type: str,
+               fused: bool = False) -> torch.Tensor:
     """Rotate x [B, H, T, hd] by cos/sin [T, hd/2].
 
     "norm" rotates adjacent pairs (x0,x1),(x2,x3)… (llama.cpp's LLAMA arch); "neox" rotates
-    (x_i, x_{i+hd/2}) (Qwen, Gemma, HF layout).
+    (x_i, x_{i+hd/2}) (Qwen, Gemma, HF layout). `fused` rounds as ggml's compiled rotate_pairs
+    does: fma(x0, cos, -(x1·sin)) and fma(x0, sin, x1·cos).
     """
     if rope_type == "norm":
         x1, x2 = x[..., 0::2], x[..., 1::2]
-        r1 = x1 * cos - x2 * sin
-        r2 = x1 * sin + x2 * cos
-        return torch.stack((r1, r2), dim=-1).flatten(-2)
-    if rope_type == "neox":
+    elif rope_type == "neox":
         half = x.shape[-1] // 2
         x1, x2 = x[..., :half], x[..., half:]
-        return torch.cat((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1)
-    raise ValueError(f"unknown rope_type {rope_type!r}")
+    else:
+        raise ValueError(f"unknown rope_type {rope_type!r}")
+    if fused:
+        r1, r2 = fma_f32(x1, cos, -(x2 * sin)), fma_f32(x1, sin, x2 * cos)
+    else:
+        r1, r2 = x1 * cos - x2 * sin, x1 * sin + x2 * cos
+    if rope_type == "norm":
+        return torch.stack((r1, r2), dim=-1).flatten(-2)
+    return torch.cat((r1, r2), dim=-1)
 
 
 @dataclass
@@ -135,6 +146,7 @@ class Attention(nn.Module):
         self.o = nn.Linear(n_heads * head_dim, dim, bias=False)
         self.q_norm = RMSNorm(head_dim, qk_norm_eps) if qk_norm_eps is not None else None
         self.k_norm = RMSNorm(head_dim, qk_norm_eps) if qk_norm_eps is not None else None
+        self.ggml_exact = False           # llama.cpp numerics: ggml's rounding in RoPE
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], rope_type: str, *,
                 scale: float, start_pos: int = 0, cache: KVCache | None = None, layer: int = 0,
@@ -147,8 +159,8 @@ class Attention(nn.Module):
         v = self.v(x).view(B, T, self.n_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q = apply_rope(q.transpose(1, 2), *rope, rope_type)                       # [B,H,T,hd]
-        k = apply_rope(k.transpose(1, 2), *rope, rope_type)                       # [B,Hkv,T,hd]
+        q = apply_rope(q.transpose(1, 2), *rope, rope_type, self.ggml_exact)      # [B,H,T,hd]
+        k = apply_rope(k.transpose(1, 2), *rope, rope_type, self.ggml_exact)      # [B,Hkv,T,hd]
         v = v.transpose(1, 2)
         if scale_q_first:
             q, scale = q * scale, 1.0

@@ -68,6 +68,7 @@ class Gemma3(nn.Module):
         self.output = None if cfg.tie_embeddings else nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
         self.kv_dtype = torch.float32
         self.attn_core = None
+        self.numerics = "f32"
         self.rope_type = "neox"
 
     def new_cache(self, batch: int, max_len: int) -> KVCache:
@@ -78,8 +79,9 @@ class Gemma3(nn.Module):
         """Final-normed hidden states [B, T, dim]."""
         c = self.config
         positions = torch.arange(start_pos, start_pos + tokens.shape[1])
-        rope_local = rope_tables(positions, c.head_dim, c.rope_local_theta)
-        rope_global = rope_tables(positions / c.rope_scale, c.head_dim, c.rope_theta)
+        libm = self.numerics == "llamacpp"
+        rope_local = rope_tables(positions, c.head_dim, c.rope_local_theta, libm=libm)
+        rope_global = rope_tables(positions, c.head_dim, c.rope_theta, freq_scale=1.0 / c.rope_scale, libm=libm)
         h = self.tok_embeddings(tokens) * math.sqrt(c.dim)                      # [B,T,D]
         for i, layer in enumerate(self.layers):
             local = c.sliding[i]

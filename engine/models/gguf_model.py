@@ -19,7 +19,8 @@ from engine.gguf.constants import REFUSED_ARCHS, SUPPORTED_ARCHS
 from engine.gguf.dequant import dequantize
 from engine.gguf.reader import GGUFFile, open_gguf
 from engine.llm.numerics import NUMERICS, attention_llamacpp
-from engine.models.blocks import RMSNorm
+from engine.llm.native import kernels
+from engine.models.blocks import Attention, RMSNorm
 from engine.models.gemma3 import Gemma3, Gemma3Config
 from engine.models.linear import FrozenQuantLinear, PackedEmbedding, PackedWeight
 from engine.models.llama import Llama, LlamaConfig
@@ -172,6 +173,10 @@ def _bind(model: nn.Module, gf: GGUFFile) -> None:
     model.tok_embeddings = PackedEmbedding(embd)
     model.output = FrozenQuantLinear(embd if model.config.tie_embeddings
                                      else _packed(gf, "output.weight", (n_vocab, dim)))
+    # the torch reference kernel would need ~10 GB of lane intermediates over a 262k vocabulary;
+    # without the C build the head is summed in f32 order (logits feed no later requantization,
+    # so only exact ties could differ)
+    model.output.bitexact = kernels() is not None
     model.norm.weight = nn.Parameter(_dense(gf, "output_norm.weight", (dim,)), requires_grad=False)
     for i, layer in enumerate(model.layers):
         for path, gname in LAYER_TENSORS.items():
@@ -208,7 +213,7 @@ def set_numerics(model: nn.Module, numerics: str) -> None:
     for m in model.modules():
         if isinstance(m, FrozenQuantLinear):
             m.numerics = numerics
-        if isinstance(m, RMSNorm):
+        if isinstance(m, (RMSNorm, Attention)):
             m.ggml_exact = llamacpp
         if getattr(m, "activation", None) in ("gelu_tanh", "gelu_llamacpp"):
             m.activation = "gelu_llamacpp" if llamacpp else "gelu_tanh"

@@ -16,7 +16,8 @@ from gguf import GGMLQuantizationType as T
 from torch import nn
 
 from engine.gguf.dequant import dequantize
-from engine.llm.numerics import activation_values
+from engine.llm.ggml_matmul import ExactWeight, supports_exact
+from engine.llm.numerics import activation_values, dot_f16, round_f16
 
 CHUNK_ELEMENTS = 1 << 22          # dequantize at most ~4M weights (16 MB f32) at a time
 
@@ -29,6 +30,7 @@ class PackedWeight:
         self.ggml_type, self.rows, self.cols, self.name = T(ggml_type), rows, cols, name
         self.dense: torch.Tensor | None = None       # optional dense cache
         self.lazy_dtype: torch.dtype | None = None   # fill the cache on first use in this dtype
+        self._exact: ExactWeight | None = None       # integer layout for llama.cpp's kernels
 
     @property
     def packed_bytes(self) -> int:
@@ -78,6 +80,26 @@ class PackedWeight:
             yield start, end, self.rows_f32(start, end)
 
 
+def llamacpp_matmul(x: torch.Tensor, w: PackedWeight, bitexact: bool = True) -> torch.Tensor:
+    """x [..., cols] · Wᵀ as llama.cpp's CPU matmul computes it: bit for bit where ggml_matmul has
+    the weight type's kernel (and `bitexact`), else with llama.cpp's activation quantization and
+    f32 sums."""
+    rows = x.reshape(-1, w.cols).float()
+    if bitexact and w.ggml_type == T.F16 and w.cols % 32 == 0:
+        # f16 weights: activations rounded to f16, tinyBLAS for 2+ rows when the weight's row count
+        # is a multiple of 4 (llamafile_sgemm's condition), else ggml_vec_dot_f16
+        tinyblas = rows.shape[0] >= 2 and w.rows % 4 == 0
+        dense = w.rows_f32(0, w.rows)
+        y = dot_f16(round_f16(rows)[None], dense[None], tinyblas)[0]
+    elif bitexact and supports_exact(w.ggml_type, w.rows):
+        if w._exact is None:
+            w._exact = ExactWeight(w.raw, w.ggml_type, w.rows, w.cols)
+        y = w._exact.matmul(rows)
+    else:
+        return packed_matmul(activation_values(x, w.ggml_type), w)
+    return y.reshape(*x.shape[:-1], w.rows)
+
+
 def packed_matmul(x: torch.Tensor, w: PackedWeight) -> torch.Tensor:
     """x [..., cols] · Wᵀ -> [..., rows], W dequantized chunk by chunk."""
     parts = [F.linear(x, chunk) for _, _, chunk in w.chunks()]
@@ -112,10 +134,11 @@ class FrozenQuantLinear(nn.Module):
         self.in_features, self.out_features = weight.cols, weight.rows
         self.bias = None if bias is None else nn.Parameter(bias.float(), requires_grad=False)
         self.numerics = "f32"
+        self.bitexact = True              # under llama.cpp numerics: ggml's summation order too
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.numerics == "llamacpp":
-            y = packed_matmul(activation_values(x, self.weight.ggml_type), self.weight)
+            y = llamacpp_matmul(x, self.weight, self.bitexact)
         elif torch.is_grad_enabled() and x.requires_grad:
             y = _DequantMatmul.apply(x, self)
         else:

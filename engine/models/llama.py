@@ -65,6 +65,7 @@ class Llama(nn.Module):
         self.rope_freq_factors: torch.Tensor | None = None   # Llama 3.x "rope_freqs" from GGUF
         self.kv_dtype = torch.float32                        # f16 under llama.cpp numerics
         self.attn_core = None                                # None = plain f32 attention
+        self.numerics = "f32"                                # set_numerics switches both
         self._init_weights()
 
     def _init_weights(self):
@@ -89,7 +90,7 @@ class Llama(nn.Module):
         c = self.config
         T = tokens.shape[1]
         rope = rope_tables(torch.arange(start_pos, start_pos + T), c.head_dim, c.rope_theta,
-                           self.rope_freq_factors)
+                           self.rope_freq_factors, libm=self.numerics == "llamacpp")
         scale = 1.0 / math.sqrt(c.head_dim)
         h = self.tok_embeddings(tokens)                                           # [B,T,D]
         for i, layer in enumerate(self.layers):
