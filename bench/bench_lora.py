@@ -5,7 +5,9 @@ settings (rank 8 on q+v, alpha 16, no dropout, AdamW lr 1e-3, clip 1.0, one wind
 pairs per step) on the same token ids, each in its own process so peak RSS is its own:
 
 - engine: `forgebench run` (frozen GGUF weights in an f32 dense cache, or packed with
-  `--weights packed`; the LM head only at supervised positions, fused with the cross-entropy);
+  `--weights packed`; the five samples packed into one sequence, each attending only within
+  itself, so no pad positions; the last MLP and the LM head only at supervised positions, the
+  head fused with the cross-entropy);
 - PEFT: transformers' GGUF loader (it dequantizes to dense) + `peft.get_peft_model`, the five
   samples as one padded batch (what a Trainer with batch size 5 does).
 

@@ -135,7 +135,7 @@ def test_auto_weights_cache_a_small_base_densely_with_the_packed_gradients(tmp_p
     """weights = "auto" takes the f32 dense cache for a model that is a small part of memory
     (and packed for one that is not); loss and adapter gradients equal the packed model's."""
     from engine.config import load_config
-    from engine.recipes.lm_sft import (collate, encode_samples, load_base, prepare_trainable,
+    from engine.recipes.lm_sft import (encode_samples, load_base, pack, prepare_trainable,
                                        supervised_loss, weights_mode)
 
     def loss_and_grads(weights: str):
@@ -146,7 +146,7 @@ def test_auto_weights_cache_a_small_base_densely_with_the_packed_gradients(tmp_p
             for a in adapters.values():
                 a.lora_b.normal_(0, 0.05, generator=torch.Generator().manual_seed(a.layer))
         samples, _ = encode_samples(config, base)
-        loss = supervised_loss(base.model, *collate(samples[:4]))
+        loss = supervised_loss(base.model, *pack(samples[:4]))
         loss.backward()
         caches = [w.dense for w in packed_weights(base.model)]
         return base.model.weights_mode, caches, loss.detach(), torch.cat(
@@ -271,11 +271,11 @@ def test_full_fine_tuning_of_a_float_gguf_trains_every_weight(tmp_path):
 
 def test_window_is_token_weighted_whatever_the_micro_batching():
     """Summed CE / the window's supervised tokens: micro-batches of one sample accumulate to the
-    gradient of one padded batch, and not to the mean of per-sample means."""
+    gradient of one packed window, and not to the mean of per-sample means."""
     from types import SimpleNamespace
 
     from engine.llm.verify_grads import tiny_model
-    from engine.recipes.lm_sft import collate, supervised_loss
+    from engine.recipes.lm_sft import pack, supervised_loss
 
     model, adapters, batch = tiny_model(seed=2)
     with torch.no_grad():
@@ -288,8 +288,8 @@ def test_window_is_token_weighted_whatever_the_micro_batching():
     def grads(micro_batches, weight):
         model.zero_grad(set_to_none=True)
         for micro in micro_batches:
-            inputs, labels = collate(micro)
-            (supervised_loss(model, inputs, labels) * weight(labels)).backward()
+            inputs, labels, lengths = pack(micro)
+            (supervised_loss(model, inputs, labels, lengths) * weight(labels)).backward()
         return torch.cat([a.lora_a.grad.flatten() for a in adapters.values()])
 
     whole = grads([samples], lambda labels: 1 / total)

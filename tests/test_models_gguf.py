@@ -120,6 +120,24 @@ def test_kv_cache_decoding_matches_full_forward(tmp_path, arch):
     torch.testing.assert_close(torch.cat(parts, 1), full, rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("arch", ARCHS)
+def test_packed_sequences_match_each_run_alone(tmp_path, arch):
+    """Sequences packed into one row (positions restarting, attention kept within each, gemma3's
+    window of 4 inside the longer ones) give each sequence's own hidden states; `rows` keeps
+    just the positions asked for."""
+    model, _ = load_gguf_model(write_tiny_gguf(tmp_path / "m.gguf", arch, "Q6_K"), tokenizer=False)
+    pieces = [TOKENS[:7], TOKENS[3:5], TOKENS[2:]]
+    packed = model.hidden(torch.tensor([sum(pieces, [])]), lengths=[len(p) for p in pieces])
+    alone = torch.cat([model.hidden(torch.tensor([p])) for p in pieces], dim=1)
+    torch.testing.assert_close(packed, alone, rtol=1e-5, atol=1e-5)
+    rows = torch.rand(packed.shape[:2], generator=torch.Generator().manual_seed(0)) < 0.5
+    kept = model.hidden(torch.tensor([sum(pieces, [])]), lengths=[len(p) for p in pieces],
+                        rows=rows)
+    torch.testing.assert_close(kept, packed[rows], rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="add up"):
+        model.hidden(torch.tensor([TOKENS]), lengths=[len(TOKENS) - 1])
+
+
 def test_frozen_linear_gradients(tmp_path):
     """dx through the packed weight equals the dense computation; the weight gets no gradient."""
     model, _ = load_gguf_model(write_tiny_gguf(tmp_path / "m.gguf", "llama", "Q4_K"), tokenizer=False)

@@ -150,9 +150,11 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], rope_type: str, *,
                 scale: float, start_pos: int = 0, cache: KVCache | None = None, layer: int = 0,
-                window: int | None = None, attn_core=None, scale_q_first: bool = False) -> torch.Tensor:
+                window: int | None = None, attn_core=None, scale_q_first: bool = False,
+                lengths: list[int] | None = None) -> torch.Tensor:
         """`scale_q_first` multiplies q by `scale` before attention (Gemma, as llama.cpp does)
-        instead of scaling the scores."""
+        instead of scaling the scores. `lengths` splits x [1, T] into packed sequences that each
+        attend only within themselves (no cache)."""
         B, T, _ = x.shape
         q = self.q(x).view(B, T, self.n_heads, self.head_dim)                     # [B,T,H,hd]
         k = self.k(x).view(B, T, self.n_kv_heads, self.head_dim)                  # [B,T,Hkv,hd]
@@ -164,21 +166,47 @@ class Attention(nn.Module):
         v = v.transpose(1, 2)
         if scale_q_first:
             q, scale = q * scale, 1.0
-        if cache is not None:
-            k, v = cache.update(layer, start_pos, k, v)                           # [B,Hkv,S,hd]
-        mask = attention_mask(start_pos, T, k.shape[2], window).to(x.device)
         core = attn_core or sdpa
-        out = core(q, k, v, mask, scale)                                          # [B,H,T,hd]
+        if lengths is not None:
+            if cache is not None or B != 1:
+                raise ValueError("packed sequences need a batch of one and no KV cache")
+            out = packed_attention(core, q, k, v, lengths, scale, window)
+        else:
+            if cache is not None:
+                k, v = cache.update(layer, start_pos, k, v)                       # [B,Hkv,S,hd]
+            mask = attention_mask(start_pos, T, k.shape[2], window).to(x.device)
+            out = core(q, k, v, mask, scale)                                      # [B,H,T,hd]
         return self.o(out.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim))
 
 
+def packed_attention(core, q, k, v, lengths: list[int], scale: float, window: int | None):
+    """Attention over sequences packed along T (q [1,H,T,hd], k/v [1,Hkv,T,hd]), each causal
+    within itself: one core call per sequence, so no score is spent across sequences or on
+    padding."""
+    masks: dict[int, torch.Tensor] = {}
+    outs, start = [], 0
+    for n in lengths:
+        if n not in masks:
+            masks[n] = attention_mask(0, n, n, window).to(q.device)
+        end = start + n
+        outs.append(core(q[:, :, start:end], k[:, :, start:end], v[:, :, start:end],
+                         masks[n], scale))
+        start = end
+    return torch.cat(outs, dim=2)
+
+
+def packed_positions(lengths: list[int], total: int) -> torch.Tensor:
+    """Positions [total] of sequences packed one after another: each restarts at 0."""
+    if sum(lengths) != total:
+        raise ValueError(f"packed lengths {lengths} do not add up to {total} positions")
+    return torch.cat([torch.arange(n) for n in lengths])
+
+
 def sdpa(q, k, v, mask, scale):
-    """softmax(q·kᵀ·scale + mask)·v with GQA heads shared; q [B,H,T,hd], k/v [B,Hkv,S,hd]."""
-    groups = q.shape[1] // k.shape[1]
-    if groups > 1:
-        k = k.repeat_interleave(groups, dim=1)
-        v = v.repeat_interleave(groups, dim=1)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+    """softmax(q·kᵀ·scale + mask)·v with GQA heads shared; q [B,H,T,hd], k/v [B,Hkv,S,hd].
+    The kernel shares k/v across a group itself: no repeated copies, no summing them back."""
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale,
+                                          enable_gqa=q.shape[1] != k.shape[1])
 
 
 ACTIVATIONS = {

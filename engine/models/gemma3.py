@@ -17,7 +17,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.models.blocks import Attention, GatedMLP, KVCache, RMSNorm, rope_tables
+from engine.models.blocks import (Attention, GatedMLP, KVCache, RMSNorm, packed_positions,
+                                  rope_tables)
 
 
 @dataclass
@@ -75,10 +76,15 @@ class Gemma3(nn.Module):
         c = self.config
         return KVCache.empty(c.n_layers, batch, c.n_kv_heads, max_len, c.head_dim, self.kv_dtype)
 
-    def hidden(self, tokens: torch.Tensor, start_pos: int = 0, cache: KVCache | None = None) -> torch.Tensor:
-        """Final-normed hidden states [B, T, dim]."""
+    def hidden(self, tokens: torch.Tensor, start_pos: int = 0, cache: KVCache | None = None,
+               lengths: list[int] | None = None, rows: torch.Tensor | None = None) -> torch.Tensor:
+        """Final-normed hidden states [B, T, dim]; `lengths` packs sequences into tokens [1, T]
+        (each at positions 0…, attending only within itself); `rows` (bool [B, T]) keeps only
+        those positions, [N, dim]: after the last attention nothing reads the others, so the
+        last MLP and the norms skip them."""
         c = self.config
-        positions = torch.arange(start_pos, start_pos + tokens.shape[1])
+        positions = (torch.arange(start_pos, start_pos + tokens.shape[1]) if lengths is None
+                     else packed_positions(lengths, tokens.shape[1]))
         libm = self.numerics == "llamacpp"
         rope_local = rope_tables(positions, c.head_dim, c.rope_local_theta, libm=libm)
         rope_global = rope_tables(positions, c.head_dim, c.rope_theta, freq_scale=1.0 / c.rope_scale, libm=libm)
@@ -87,7 +93,10 @@ class Gemma3(nn.Module):
             local = c.sliding[i]
             a = layer.attn(layer.attn_norm(h), rope_local if local else rope_global, self.rope_type,
                            scale=c.query_scale, scale_q_first=True, start_pos=start_pos, cache=cache,
-                           layer=i, window=c.sliding_window if local else None, attn_core=self.attn_core)
+                           layer=i, window=c.sliding_window if local else None,
+                           attn_core=self.attn_core, lengths=lengths)
+            if rows is not None and i == len(self.layers) - 1:
+                h, a = h[rows], a[rows]
             h = h + layer.post_attn_norm(a)
             h = h + layer.post_mlp_norm(layer.mlp(layer.mlp_norm(h)))
         return self.norm(h)

@@ -167,8 +167,8 @@ class PackedEmbedding(nn.Module):
         return self.weight.take_rows(tokens)
 
 
-HEAD_CHUNK_ROWS = 4096   # LM-head rows per step of the fused loss: as fast as smaller chunks on
-                         # one thread, with few enough parallel regions to scale to more
+HEAD_CHUNK_ROWS = 1024   # LM-head rows per step of the fused loss: a chunk (2.6 MB in f32) is
+                         # still in cache for its second product; ~7% faster than 4096 rows
 
 
 def _head_chunks(weight: "PackedWeight | torch.Tensor"):

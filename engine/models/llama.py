@@ -15,7 +15,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.models.blocks import Attention, GatedMLP, KVCache, RMSNorm, rope_tables
+from engine.models.blocks import (Attention, GatedMLP, KVCache, RMSNorm, packed_positions,
+                                  rope_tables)
 
 
 @dataclass
@@ -85,17 +86,25 @@ class Llama(nn.Module):
         c = self.config
         return KVCache.empty(c.n_layers, batch, c.n_kv_heads, max_len, c.head_dim, self.kv_dtype)
 
-    def hidden(self, tokens: torch.Tensor, start_pos: int = 0, cache: KVCache | None = None) -> torch.Tensor:
-        """Final-normed hidden states [B, T, dim] for tokens [B, T] at positions start_pos…"""
+    def hidden(self, tokens: torch.Tensor, start_pos: int = 0, cache: KVCache | None = None,
+               lengths: list[int] | None = None, rows: torch.Tensor | None = None) -> torch.Tensor:
+        """Final-normed hidden states [B, T, dim] for tokens [B, T] at positions start_pos…;
+        `lengths` packs sequences into tokens [1, T] (each at positions 0…, attending only
+        within itself); `rows` (bool [B, T]) keeps only those positions, [N, dim]: after the
+        last attention nothing reads the others, so the last MLP and the norm skip them."""
         c = self.config
-        T = tokens.shape[1]
-        rope = rope_tables(torch.arange(start_pos, start_pos + T), c.head_dim, c.rope_theta,
-                           self.rope_freq_factors, libm=self.numerics == "llamacpp")
+        positions = (torch.arange(start_pos, start_pos + tokens.shape[1]) if lengths is None
+                     else packed_positions(lengths, tokens.shape[1]))
+        rope = rope_tables(positions, c.head_dim, c.rope_theta, self.rope_freq_factors,
+                           libm=self.numerics == "llamacpp")
         scale = 1.0 / math.sqrt(c.head_dim)
         h = self.tok_embeddings(tokens)                                           # [B,T,D]
         for i, layer in enumerate(self.layers):
             h = h + layer.attn(layer.attn_norm(h), rope, c.rope_type, scale=scale,
-                               start_pos=start_pos, cache=cache, layer=i, attn_core=self.attn_core)
+                               start_pos=start_pos, cache=cache, layer=i, attn_core=self.attn_core,
+                               lengths=lengths)
+            if rows is not None and i == len(self.layers) - 1:
+                h = h[rows]
             h = h + layer.mlp(layer.mlp_norm(h))
         return self.norm(h)
 

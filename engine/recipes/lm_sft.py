@@ -50,21 +50,23 @@ BYTES_PER_FULL_PARAM = 16  # f32 weight + grad + two AdamW moments
 
 
 # -- the loss -------------------------------------------------------------------------------
-def supervised_loss(model: nn.Module, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """Summed cross-entropy over the supervised positions of inputs/labels [B, T] (or [T]).
+def supervised_loss(model: nn.Module, inputs: torch.Tensor, labels: torch.Tensor,
+                    lengths: list[int] | None = None) -> torch.Tensor:
+    """Summed cross-entropy over the supervised positions of inputs/labels [B, T] (or [T]);
+    `lengths` marks [T] as samples packed one after another (what `pack` returns).
 
-    The LM head runs only at supervised positions: full [T, vocab] logits are never built
-    (Gemma's vocabulary is 262,144). A frozen head goes through the fused loss; a trained or
-    soft-capped one through plain logits.
+    The last MLP and the LM head run only at supervised positions: full [T, vocab] logits are
+    never built (Gemma's vocabulary is 262,144). A frozen head goes through the fused loss; a
+    trained or soft-capped one through plain logits.
     """
     if inputs.dim() == 1:
         inputs, labels = inputs[None], labels[None]
-    hidden = model.hidden(inputs)                          # [B, T, D]
     supervised = labels != IGNORE                          # [B, T]
+    hidden = model.hidden(inputs, lengths=lengths, rows=supervised)   # [N, D]
     head = frozen_head(model)
     if head is not None:                                   # one fused pass over the head
-        return linear_cross_entropy(hidden[supervised], head, labels[supervised])
-    logits = model.logits(hidden[supervised])              # [N, vocab]
+        return linear_cross_entropy(hidden, head, labels[supervised])
+    logits = model.logits(hidden)                          # [N, vocab]
     logits = logits.to(torch.promote_types(logits.dtype, torch.float32))  # bf16 -> f32, f64 kept
     return F.cross_entropy(logits, labels[supervised], reduction="sum")
 
@@ -84,16 +86,12 @@ def frozen_head(model: nn.Module):
     return None
 
 
-def collate(samples: list) -> tuple[torch.Tensor, torch.Tensor]:
-    """Right-pad samples to one [B, T] batch; causal attention keeps padding out of the real
-    positions and IGNORE labels keep it out of the loss."""
-    width = max(len(s.input_ids) for s in samples)
-    inputs = torch.zeros(len(samples), width, dtype=torch.long)
-    labels = torch.full((len(samples), width), IGNORE, dtype=torch.long)
-    for row, sample in enumerate(samples):
-        inputs[row, :len(sample.input_ids)] = torch.tensor(sample.input_ids)
-        labels[row, :len(sample.labels)] = torch.tensor(sample.labels)
-    return inputs, labels
+def pack(samples: list) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
+    """Samples one after another as inputs/labels [T] and their lengths: each attends only
+    within itself, so no work goes to padding (a padded batch computes every pad position)."""
+    inputs = torch.tensor([t for s in samples for t in s.input_ids], dtype=torch.long)
+    labels = torch.tensor([t for s in samples for t in s.labels], dtype=torch.long)
+    return inputs, labels, [len(s.input_ids) for s in samples]
 
 
 # -- the base model -------------------------------------------------------------------------
@@ -436,9 +434,9 @@ def train(job: Job) -> None:
             job.stage = "forward"
             if adapters:
                 model.lora_clock.set(step, micro)
-            inputs, labels = collate(window[start:start + tr.micro_batch])   # [B, T]
+            inputs, labels, lengths = pack(window[start:start + tr.micro_batch])   # [T]
             with autocast(config):
-                loss_sum = supervised_loss(model, inputs, labels)
+                loss_sum = supervised_loss(model, inputs, labels, lengths)
             job.stage = "backward"
             (loss_sum / supervised).backward()   # token-weighted over the whole window
             loss.add(float(loss_sum.detach()), int((labels != IGNORE).sum()))
@@ -497,9 +495,9 @@ def evaluate(run: RunDir, checkpoint: Checkpoint, split: str) -> dict:
     samples, report = encode_samples(config, base, split=split)
     total = WindowLoss()
     for start in range(0, len(samples), config.train.micro_batch):
-        inputs, labels = collate(samples[start:start + config.train.micro_batch])
+        inputs, labels, lengths = pack(samples[start:start + config.train.micro_batch])
         with autocast(config):
-            total.add(float(supervised_loss(base.model, inputs, labels)),
+            total.add(float(supervised_loss(base.model, inputs, labels, lengths)),
                       int((labels != IGNORE).sum()))
     record = {"split": split, "checkpoint": checkpoint.name, "step": checkpoint.step,
               "loss": total.value, "supervised_tokens": total.tokens,

@@ -86,7 +86,7 @@ class OptimSection(Schema):
 class TrainSection(Schema):
     window: int = Field(8, ge=1, description="samples per optimizer step; the loss is summed CE "
                                              "over the window / its supervised tokens")
-    micro_batch: int = Field(8, ge=1, description="samples per forward pass (padded)")
+    micro_batch: int = Field(8, ge=1, description="samples per forward pass (packed, no padding)")
     autocast: Literal["none", "bf16"] = Field("none", description="bf16 autocast for matmuls")
     activation_checkpointing: bool = Field(False, description="recompute each layer in backward")
 
