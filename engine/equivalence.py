@@ -16,7 +16,10 @@ arithmetic, so their differences are the weights' (merge rounding, quantization)
 stage adds the runtime's own arithmetic and is also compared with the engine on the same file.
 
 A stage worker is `python -m engine.equivalence SPEC.json`: it writes logits and greedy ids to a
-safetensors file, which the parent compares one prompt at a time.
+safetensors file, which the parent compares one prompt at a time. The checkpoint and llama.cpp
+decode token by token (llama.cpp as it serves an answer); the other engine stages score each
+prompt and answer in one batch and read their greedy answer off those logits (`greedy_along`),
+decoding on only where it leaves the answer.
 """
 
 from __future__ import annotations
@@ -120,6 +123,25 @@ def _stop_ids(tok) -> set[int]:
     return {i for i in (tok.eos_id, *getattr(tok, "eot_ids", ())) if i is not None}
 
 
+def greedy_along(scored, answer: list[int], limit: int, stops: set[int]) -> tuple[list[int], bool]:
+    """A stage's greedy answer read off its logits on the reference's sequence: `scored` row j
+    [V] follows the prompt and `answer[:j]`. While the stage's argmax picks the reference's next
+    token its greedy chain walks the same sequence, so no token-by-token decoding is needed up
+    to the first disagreement. Returns (tokens, finished); unfinished means the chain left the
+    reference's answer and the caller decodes on from the last token."""
+    import torch
+
+    out: list[int] = []
+    while len(out) < limit:
+        token = int(torch.argmax(scored[len(out)]))
+        if token in stops:
+            break
+        out.append(token)
+        if len(out) > len(answer) or token != answer[len(out) - 1]:
+            return out, False
+    return out, True
+
+
 def _engine_worker(spec: dict) -> dict:
     import torch
 
@@ -128,6 +150,21 @@ def _engine_worker(spec: dict) -> dict:
 
     torch.set_num_threads(spec.get("threads", 1))
     net, tok, render = _load_engine(spec["model"])
+    stops, limit = _stop_ids(tok), spec["greedy_tokens"]
+
+    def decode(prompt: list[int], n: int) -> list[int]:
+        cache = net.new_cache(1, len(prompt) + n)
+
+        def step(new_ids: list[int], start_pos: int) -> torch.Tensor:
+            h = net.hidden(torch.tensor([new_ids]), start_pos=start_pos, cache=cache)
+            return net.logits(h[0, -1]).float()
+
+        return generate_tokens(step, list(prompt), max_new_tokens=n,
+                               settings=SamplingSettings(), stop_ids=stops)
+
+    def score(seq: list[int], start: int) -> torch.Tensor:
+        return net.logits(net.hidden(torch.tensor([seq]))[0, start:]).float()
+
     out: dict = {"texts": [], "prompt_ids": [], "greedy": [], "logits": []}
     with torch.no_grad():
         texts = spec["texts"] if "texts" in spec else [render(p) for p in spec["prompts"]]
@@ -135,20 +172,19 @@ def _engine_worker(spec: dict) -> dict:
             ids = encode_prompt(tok, text)
             out["texts"].append(text)
             out["prompt_ids"].append(ids)
-            prompt = spec["prompt_ids"][i] if "prompt_ids" in spec else ids
-            cache = net.new_cache(1, len(prompt) + spec["greedy_tokens"])
-
-            def step(new_ids: list[int], start_pos: int) -> torch.Tensor:
-                h = net.hidden(torch.tensor([new_ids]), start_pos=start_pos, cache=cache)
-                return net.logits(h[0, -1]).float()
-
-            greedy = generate_tokens(step, list(prompt), max_new_tokens=spec["greedy_tokens"],
-                                     settings=SamplingSettings(), stop_ids=_stop_ids(tok))
+            if "sequences" in spec:
+                # every other stage scores the reference's answer and reads its greedy off it
+                seq, start = spec["sequences"][i], spec["scored_from"][i]
+                prompt = seq[:start + 1]
+                logits = score(seq, start)
+                greedy, finished = greedy_along(logits, seq[start + 1:], limit, stops)
+                if not finished and len(greedy) < limit:
+                    greedy += decode(prompt + greedy, limit - len(greedy))
+            else:                           # the reference decodes and scores its own answers
+                greedy = decode(ids, limit)
+                logits = score(ids + greedy, len(ids) - 1)
             out["greedy"].append(greedy)
-            # the reference scores its own answers; every other stage the reference's
-            seq, start = (spec["sequences"][i], spec["scored_from"][i]) if "sequences" in spec \
-                else (prompt + greedy, len(prompt) - 1)
-            out["logits"].append(net.logits(net.hidden(torch.tensor([seq]))[0, start:]).float())
+            out["logits"].append(logits)
     return out
 
 
@@ -161,7 +197,8 @@ def _llamacpp_worker(spec: dict) -> dict:
 
     model = spec["model"]
     meta_tok = GGUFTokenizer.from_gguf(model["path"])     # flags and stop ids of the same file
-    longest = max(len(s) for s in spec["sequences"]) + spec["greedy_tokens"] + 8
+    limit = spec["greedy_tokens"]
+    longest = max(len(s) for s in spec["sequences"]) + limit + 8
     llm = llama_cpp.Llama(model["path"], lora_path=model.get("lora"), n_ctx=max(64, longest),
                           n_batch=512, logits_all=True, n_threads=spec.get("threads", 1),
                           verbose=False, seed=0)
@@ -172,22 +209,24 @@ def _llamacpp_worker(spec: dict) -> dict:
         if meta_tok.add_bos and meta_tok.bos_id is not None and ids[:1] != [meta_tok.bos_id]:
             ids.insert(0, meta_tok.bos_id)
         out["prompt_ids"].append(ids)
-        prompt = spec["prompt_ids"][i]
+        seq, start = spec["sequences"][i], spec["scored_from"][i]
+        # the greedy answer as llama.cpp serves it: the prompt in one batch, then token by token
+        # (its one-row kernels sum differently from its batch kernels, so reading the answer off
+        # batched logits could flip a near-tie that a served answer would not)
         llm.reset()
-        llm.eval(prompt)
+        llm.eval(seq[:start + 1])
         greedy: list[int] = []
-        for _ in range(spec["greedy_tokens"]):
+        while len(greedy) < limit:
             token = int(np.argmax(llm.scores[llm.n_tokens - 1]))
             if token in stops:
                 break
             greedy.append(token)
             llm.eval([token])
-        out["greedy"].append(greedy)
-        seq, start = spec["sequences"][i], spec["scored_from"][i]
         llm.reset()
-        llm.eval(seq)
-        out["logits"].append(torch.from_numpy(np.array(llm.scores[start:len(seq)],
-                                                        dtype=np.float32)))
+        llm.eval(seq)                                   # one batch: prompt and reference answer
+        logits = torch.from_numpy(np.array(llm.scores[start:len(seq)], dtype=np.float32))
+        out["greedy"].append(greedy)
+        out["logits"].append(logits)
     return out
 
 
@@ -303,8 +342,8 @@ def build_report(reference: dict, stages: list[Stage], *, llamacpp: Stage | None
                                   "greedy_tokens": greedy_tokens}, workdir, "checkpoint", threads)
         sequences = [p + g for p, g in zip(first.prompt_ids, first.greedy)]
         scored_from = [len(p) - 1 for p in first.prompt_ids]
-        common = {"texts": first.texts, "prompt_ids": first.prompt_ids, "sequences": sequences,
-                  "scored_from": scored_from, "greedy_tokens": greedy_tokens}
+        common = {"texts": first.texts, "sequences": sequences, "scored_from": scored_from,
+                  "greedy_tokens": greedy_tokens}
         n = len(sequences)
         prompt_rows = [{"prompt": p, "prompt_tokens": len(ids), "answer_tokens": len(g),
                         "answer": decode(g) if decode else None}
@@ -318,11 +357,12 @@ def build_report(reference: dict, stages: list[Stage], *, llamacpp: Stage | None
             say(f"{stage.name}: scoring")
             got = _run_stage(dict(common, model=stage.model), workdir, stage.name, threads)
             results[stage.name] = got
+            vs_checkpoint = compare(ref, got, n)
             entry = {
                 "name": stage.name, "description": stage.description, "file": stage.file,
                 "tokenizer_matches": got.prompt_ids == first.prompt_ids,
-                "vs_checkpoint": compare(ref, got, n),
-                "vs_previous": compare(previous, got, n),
+                "vs_checkpoint": vs_checkpoint,
+                "vs_previous": vs_checkpoint if previous is ref else compare(previous, got, n),
                 "greedy_vs_checkpoint": _greedy_match(ref, got)}
             report.stages.append({**entry, **verdict(entry, stage.min_top1)})
             previous = got

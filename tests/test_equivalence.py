@@ -1,15 +1,19 @@
 """The equivalence report's arithmetic against hand computations (top-1 agreement, |Δlogit|,
-KL), and its greedy-continuation matching."""
+KL), its greedy-continuation matching, and the stage workers' greedy answers: read off the
+scored reference sequence, they equal token-by-token decoding whatever that sequence holds."""
 
 from __future__ import annotations
 
 import math
 
+import pytest
 import torch
 from safetensors.torch import save_file
 
 from engine.equivalence import (MIN_TOP1_DENSE, MIN_TOP1_QUANTIZED, Report, StageResult,
-                                _greedy_match, compare, render_text, verdict)
+                                _engine_worker, _greedy_match, _llamacpp_worker, compare,
+                                greedy_along, render_text, verdict)
+from fixtures_gguf import write_tiny_gguf
 
 
 def _stage(path, logits: list[torch.Tensor], greedy=None) -> StageResult:
@@ -80,3 +84,75 @@ def test_stage_verdicts_use_the_stage_bar_and_the_report_passes_only_if_all_do()
     assert Report([], [ok], cpp).as_dict()["passed"] is False          # llama.cpp counts too
     assert Report([], [ok], {"available": False}).as_dict()["passed"] is True
     assert Report([], []).as_dict()["passed"] is False                 # nothing checked
+
+
+def _rows(tokens: list[int], vocab: int = 10) -> torch.Tensor:
+    """Logit rows whose argmax is `tokens`, in order."""
+    rows = torch.zeros(len(tokens), vocab)
+    rows[torch.arange(len(tokens)), torch.tensor(tokens)] = 1.0
+    return rows
+
+
+def test_greedy_along_follows_the_answer_until_the_stage_disagrees():
+    stops = {0}
+    # agrees with every answer token, then picks the stop token: finished, nothing to decode
+    assert greedy_along(_rows([4, 5, 6, 0]), [4, 5, 6], 8, stops) == ([4, 5, 6], True)
+    # the limit ends the answer before the last row is read
+    assert greedy_along(_rows([4, 5, 6, 7]), [4, 5, 6], 3, stops) == ([4, 5, 6], True)
+    # disagrees at the second token: its own pick ends an unfinished chain
+    assert greedy_along(_rows([4, 9, 6, 0]), [4, 5, 6], 8, stops) == ([4, 9], False)
+    # stops early where the reference went on
+    assert greedy_along(_rows([4, 0, 6, 0]), [4, 5, 6], 8, stops) == ([4], True)
+    # goes on where the reference stopped
+    assert greedy_along(_rows([4, 5, 6, 3]), [4, 5, 6], 8, stops) == ([4, 5, 6, 3], False)
+
+
+def _answers_to_score(prompt: list[int], answer: list[int]) -> list[list[int]]:
+    """Sequences a stage may be asked to score: the answer itself, one token changed, cut short,
+    and wrong from the first token."""
+    def other(token: int) -> int:
+        return 5 if token != 5 else 6
+
+    changed = answer[:1] + [other(answer[1])] + answer[2:]
+    return [prompt + answer, prompt + changed, prompt + answer[:3], prompt + [other(answer[0])]]
+
+
+def test_the_engine_worker_reads_the_greedy_answer_it_would_decode(tmp_path):
+    path = write_tiny_gguf(tmp_path / "tiny.gguf", arch="gemma3", qtype="Q8_0")
+    model = {"kind": "gguf", "path": str(path), "numerics": "f32"}
+    texts = ["the sea and", "ship"]
+    ref = _engine_worker({"model": model, "texts": texts, "greedy_tokens": 8})
+    assert all(len(g) >= 4 for g in ref["greedy"])         # long enough to cut and change
+    for i, (prompt, answer) in enumerate(zip(ref["prompt_ids"], ref["greedy"])):
+        sequences = _answers_to_score(prompt, answer)
+        got = _engine_worker({"model": model, "texts": [texts[i]] * len(sequences),
+                              "sequences": sequences, "scored_from": [len(prompt) - 1] * 4,
+                              "greedy_tokens": 8})
+        assert got["greedy"] == [answer] * 4
+        assert torch.equal(got["logits"][0], ref["logits"][i])
+
+
+@pytest.mark.llamacpp
+def test_the_llamacpp_worker_reads_the_greedy_answer_it_would_decode(tmp_path):
+    import llama_cpp
+    import numpy as np
+
+    path = write_tiny_gguf(tmp_path / "tiny.gguf", arch="llama", qtype="Q8_0")
+    llm = llama_cpp.Llama(str(path), n_ctx=64, logits_all=True, n_threads=1, verbose=False)
+    prompt = llm.tokenize(b"the sea and", add_bos=True, special=True)
+    llm.eval(prompt)
+    answer: list[int] = []
+    while len(answer) < 8:                        # token by token, as a chat client decodes
+        token = int(np.argmax(llm.scores[llm.n_tokens - 1]))
+        if token == llm.token_eos():
+            break
+        answer.append(token)
+        llm.eval([token])
+    llm.close()
+    assert len(answer) >= 4
+    sequences = _answers_to_score(prompt, answer)
+    got = _llamacpp_worker({"model": {"kind": "llamacpp", "path": str(path)},
+                            "texts": ["the sea and"] * 4, "sequences": sequences,
+                            "scored_from": [len(prompt) - 1] * 4, "greedy_tokens": 8})
+    assert got["prompt_ids"] == [prompt] * 4
+    assert got["greedy"] == [answer] * 4
