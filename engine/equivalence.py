@@ -87,8 +87,6 @@ class Report:
 
 def _load_engine(model: dict):
     """(model, tokenizer, prompt encoder) for a checkpoint or a GGUF file, in eval mode."""
-    import torch
-
     if model["kind"] == "run":
         from engine.jobs import recipe_module
         from engine.rundir import RunDir
@@ -115,7 +113,6 @@ def _load_engine(model: dict):
     if model.get("lora"):
         from engine.llm.generate import _attach_lora
         _attach_lora(net, model["lora"])
-    torch.set_grad_enabled(False)
     return net.eval(), tok, None
 
 
