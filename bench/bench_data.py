@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import subprocess
 import sys
 import tempfile
@@ -23,6 +22,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from engine.train.metrics import peak_rss_mb  # noqa: E402
 
 PLANTED = 50
 PLANTED_CLIPS = 10
@@ -123,7 +123,7 @@ def measure(path: str) -> dict:
     done = time.perf_counter()
     return {"records": len(dataset.records()), "validate_s": round(validated - start, 2),
             "leaks_s": round(done - validated, 2), "total_s": round(done - start, 2),
-            "peak_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
+            "peak_rss_mb": round(peak_rss_mb(), 1),
             "leaks_found": len(report.leaks), "findings": len(report.findings),
             "by_kind": report.to_json()["by_kind"]}
 

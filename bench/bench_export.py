@@ -47,10 +47,8 @@ else:
                                           ctypes.byref(params)) == 0
     timings["quantize_s"] = time.perf_counter() - start
 timings["total_s"] = time.perf_counter() - start
-# VmHWM is this process's own peak: Linux carries the parent's high-water mark (the dense copy
-# the bench converted) into ru_maxrss across fork + exec
-timings["peak_rss_mb"] = next(int(line.split()[1]) for line in open("/proc/self/status")
-                              if line.startswith("VmHWM:")) / 1024
+from engine.train.metrics import peak_rss_mb   # the child's own peak, not the bench's
+timings["peak_rss_mb"] = peak_rss_mb()
 print(json.dumps(timings))
 """
 

@@ -18,19 +18,17 @@ import argparse
 import importlib.util
 import json
 import os
-import resource
 import subprocess
 import sys
 import time
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from engine.train.metrics import peak_rss_mb  # noqa: E402
+
 PROMPT = ("The history of the printing press begins in the fifteenth century, when Johannes "
           "Gutenberg combined movable metal type, oil-based ink and a wooden press. Within fifty "
           "years, presses were operating in more than two hundred European cities, and")
-
-
-def peak_rss_mb() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
 
 
 def run_engine(model_path: str, weights: str, n_decode: int) -> dict:

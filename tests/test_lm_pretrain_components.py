@@ -4,6 +4,8 @@ loss, data order, sampling and the tokenizers."""
 from __future__ import annotations
 
 import math
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -93,6 +95,19 @@ def test_clock_and_memory():
     clock = StepClock(elapsed_before=100.0)
     assert clock.elapsed >= 100.0 and clock.tick(1000) > 0
     assert 10 < peak_rss_mb() < 1_000_000
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="VmHWM is Linux's")
+def test_a_child_reports_its_own_peak_not_its_parents():
+    """A job started by a big process (the app, a bench holding a dense model) reports its own
+    memory: ru_maxrss would start at the parent's peak across fork + exec."""
+    ballast = bytearray(600 * 1024 * 1024)                     # touched: 600 MB resident
+    ballast[::4096] = b"x" * len(ballast[::4096])
+    child = subprocess.run([sys.executable, "-c", "from engine.train.metrics import peak_rss_mb; "
+                            "print(peak_rss_mb())"], capture_output=True, text=True, check=True,
+                           close_fds=False, preexec_fn=lambda: None)      # a real fork, as Qt's
+    assert float(child.stdout) < 300
+    del ballast
 
 
 # -- data order ----------------------------------------------------------------------------

@@ -8,9 +8,17 @@ import time
 
 
 def peak_rss_mb() -> float:
-    """Peak resident memory of this process in MB (ru_maxrss is KB on Linux, bytes on macOS)."""
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return peak / (1024 * 1024) if sys.platform == "darwin" else peak / 1024
+    """Peak resident memory of this process in MB.
+
+    Linux: VmHWM, the process's own high-water mark. Its ru_maxrss is not: across fork + exec it
+    starts at the parent's peak, so a job started from a big process would report that memory.
+    Elsewhere ru_maxrss (KB on Linux, bytes on macOS)."""
+    try:
+        with open("/proc/self/status") as status:
+            return next(int(line.split()[1]) for line in status if line.startswith("VmHWM:")) / 1024
+    except (OSError, StopIteration):
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        return peak / (1024 * 1024) if sys.platform == "darwin" else peak / 1024
 
 
 class StepClock:
