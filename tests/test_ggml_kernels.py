@@ -159,3 +159,17 @@ def test_f16_dot_and_softmax_match_ggml(ggml):
         probs[r] = y * np.float32(1.0 / total)
     ours = softmax_ggml(torch.from_numpy(scores), torch.ones(6, 256, dtype=torch.bool))
     assert np.array_equal(ours.numpy(), probs)
+
+
+def test_a_failed_build_says_why_and_falls_back(tmp_path, monkeypatch, capsys):
+    """No working compiler or no writable cache: one message naming the cause, then the torch
+    kernels (same numbers), never an exception."""
+    build = kernels.__wrapped__                                   # bypass the per-process cache
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.setenv("CC", "/bin/false")
+    assert build() is None
+    assert "/bin/false exited with 1" in capsys.readouterr().err
+    monkeypatch.delenv("CC")
+    monkeypatch.setenv("XDG_CACHE_HOME", "/proc/no-such-folder")
+    assert build() is None
+    assert "XDG_CACHE_HOME to a writable folder" in capsys.readouterr().err

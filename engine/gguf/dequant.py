@@ -169,14 +169,14 @@ def unpack_blocks(raw: torch.Tensor, ggml_type: T) -> dict[str, torch.Tensor]:
     rows = raw.shape[0]
     b = raw.reshape(-1, type_size(ggml_type))
     nb = b.shape[0] // rows
-    d = _f16(b[:, :2]).view(rows, nb)
     if ggml_type in (T.Q8_0, T.Q5_0):
         ints = _q8_0_ints(b) if ggml_type == T.Q8_0 else _q5_0_ints(b)
-        return {"q": ints.reshape(rows, nb, 32), "d": d}
+        return {"q": ints.reshape(rows, nb, 32), "d": _f16(b[:, :2]).view(rows, nb)}
     if ggml_type == T.Q4_K:
         sc, mn = _k_scale_min(b[:, 4:16])
         return {"q": _q4_k_ints(b).view(rows, nb, 8, 32), "scales": sc.view(rows, nb, 8),
-                "mins": mn.view(rows, nb, 8), "d": d, "dmin": _f16(b[:, 2:4]).view(rows, nb)}
+                "mins": mn.view(rows, nb, 8), "d": _f16(b[:, :2]).view(rows, nb),
+                "dmin": _f16(b[:, 2:4]).view(rows, nb)}
     if ggml_type == T.Q6_K:
         return {"q": _q6_k_ints(b).view(rows, nb, QK_K), "scales": b[:, 192:208].view(torch.int8).view(rows, nb, 16),
                 "d": _f16(b[:, 208:210]).view(rows, nb)}

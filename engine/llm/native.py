@@ -47,15 +47,19 @@ def kernels() -> ctypes.CDLL | None:
     key = hashlib.sha256(SOURCE.read_bytes() + " ".join([cc, *FLAGS]).encode()).hexdigest()[:16]
     lib_path = _cache_dir() / f"ggml_kernels-{key}.so"
     if not lib_path.exists():
-        lib_path.parent.mkdir(parents=True, exist_ok=True)
         tmp = lib_path.with_name(f"{lib_path.name}.{os.getpid()}.tmp")
-        done = subprocess.run([cc, *FLAGS, str(SOURCE), "-o", str(tmp), "-lm"], capture_output=True, text=True)
-        if done.returncode != 0:
-            print(f"forgebench: could not build {SOURCE.name} ({done.stderr.strip()[:300]}); "
-                  "using the slower torch kernels", file=sys.stderr)
+        try:
+            lib_path.parent.mkdir(parents=True, exist_ok=True)
+            done = subprocess.run([cc, *FLAGS, str(SOURCE), "-o", str(tmp), "-lm"], capture_output=True, text=True)
+            if done.returncode != 0:
+                raise OSError(f"{cc} exited with {done.returncode}: {done.stderr.strip()[:300] or 'no message'}")
+            os.replace(tmp, lib_path)
+        except OSError as err:
+            print(f"forgebench: could not build {SOURCE.name} into {lib_path.parent} ({err}); using the "
+                  "slower torch kernels (same numbers). Set CC to a working C compiler or XDG_CACHE_HOME "
+                  "to a writable folder.", file=sys.stderr)
             tmp.unlink(missing_ok=True)
             return None
-        os.replace(tmp, lib_path)
     lib = ctypes.CDLL(str(lib_path))
     for name, argtypes in SIGNATURES.items():
         fn = getattr(lib, name)

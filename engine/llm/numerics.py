@@ -40,6 +40,7 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import functools
+import math
 
 import torch
 import torch.nn.functional as F
@@ -239,7 +240,7 @@ def dot_f16(a: torch.Tensor, b: torch.Tensor, tinyblas: bool) -> torch.Tensor:
     a, b = a.float().contiguous(), b.float().contiguous()
     lead, (P, K), Q = a.shape[:-2], a.shape[-2:], b.shape[-2]
     out = torch.empty(*lead, P, Q)
-    lib.f16_dot(int(torch.tensor(lead).prod()) if lead else 1, P, Q, K, ptr(a), ptr(b), int(tinyblas), ptr(out))
+    lib.f16_dot(math.prod(lead), P, Q, K, ptr(a), ptr(b), int(tinyblas), ptr(out))
     return out
 
 

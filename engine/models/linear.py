@@ -88,9 +88,10 @@ def llamacpp_matmul(x: torch.Tensor, w: PackedWeight, bitexact: bool = True) -> 
     if bitexact and w.ggml_type == T.F16 and w.cols % 32 == 0:
         # f16 weights: activations rounded to f16, tinyBLAS for 2+ rows when the weight's row count
         # is a multiple of 4 (llamafile_sgemm's condition), else ggml_vec_dot_f16
+        # output rows are independent sums, so the weight goes chunk by chunk (never all in f32)
         tinyblas = rows.shape[0] >= 2 and w.rows % 4 == 0
-        dense = w.rows_f32(0, w.rows)
-        y = dot_f16(round_f16(rows)[None], dense[None], tinyblas)[0]
+        x16 = round_f16(rows)[None]
+        y = torch.cat([dot_f16(x16, chunk[None], tinyblas)[0] for _, _, chunk in w.chunks()], dim=-1)
     elif bitexact and supports_exact(w.ggml_type, w.rows):
         if w._exact is None:
             w._exact = ExactWeight(w.raw, w.ggml_type, w.rows, w.cols)
