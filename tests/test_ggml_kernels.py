@@ -1,4 +1,4 @@
-"""llama.cpp's CPU kernels as the engine reproduces them (engine/llm/ggml_matmul.py, numerics.py).
+"""llama.cpp's CPU kernels as the engine reproduces them (engine/kernels/ggml_matmul.py, numerics.py).
 
 Two kinds of checks:
 - the C build (ggml_kernels.c) against the torch reference, bit for bit, on random blocks for
@@ -17,9 +17,9 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType as T
 
-from engine.llm.ggml_matmul import TILED_MIN_ROWS, ExactWeight
-from engine.llm.native import kernels
-from engine.llm.numerics import (dot_f16, dot_tinyblas, dot_vec_f16, quantize_q8_0, quantize_q8_k, round_f16,
+from engine.kernels.ggml_matmul import TILED_MIN_ROWS, ExactWeight
+from engine.kernels.native import kernels
+from engine.kernels.numerics import (dot_f16, dot_tinyblas, dot_vec_f16, quantize_q8_0, quantize_q8_k, round_f16,
                                  softmax_ggml)
 from fixtures_gguf import encode_tensor
 

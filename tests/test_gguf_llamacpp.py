@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 
-from engine.llm.numerics import gelu_llamacpp, gelu_tanh_f32
+from engine.kernels.numerics import gelu_llamacpp, gelu_tanh_f32
 from engine.models.blocks import ACTIVATIONS, apply_rope, attention_mask, rope_tables
 from engine.models.gguf_model import load_gguf_model, set_numerics
 from engine.models.linear import PackedWeight

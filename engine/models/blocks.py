@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.llm.numerics import cos_sin_f32, fma_f32, gelu_llamacpp, rsqrt_f32
+from engine.kernels.numerics import cos_sin_f32, fma_f32, gelu_llamacpp, rsqrt_f32
 
 
 class RMSNorm(nn.Module):

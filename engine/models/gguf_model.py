@@ -18,8 +18,8 @@ from engine.errors import ForgebenchError
 from engine.gguf.constants import REFUSED_ARCHS, SUPPORTED_ARCHS
 from engine.gguf.dequant import dequantize
 from engine.gguf.reader import GGUFFile, open_gguf
-from engine.llm.numerics import NUMERICS, attention_llamacpp
-from engine.llm.native import kernels
+from engine.kernels.numerics import NUMERICS, attention_llamacpp
+from engine.kernels.native import kernels
 from engine.models.blocks import Attention, RMSNorm
 from engine.models.gemma3 import Gemma3, Gemma3Config
 from engine.models.linear import FrozenQuantLinear, PackedEmbedding, PackedWeight

@@ -16,8 +16,8 @@ from gguf import GGMLQuantizationType as T
 from torch import nn
 
 from engine.gguf.dequant import dequantize
-from engine.llm.ggml_matmul import ExactWeight, supports_exact
-from engine.llm.numerics import activation_values, dot_f16, round_f16
+from engine.kernels.ggml_matmul import ExactWeight, supports_exact
+from engine.kernels.numerics import activation_values, dot_f16, round_f16
 
 CHUNK_ELEMENTS = 1 << 22          # dequantize at most ~4M weights (16 MB f32) at a time
 

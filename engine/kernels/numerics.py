@@ -4,7 +4,7 @@ What llama.cpp (ggml-cpu) does that plain f32 does not:
 - a matmul with quantized weights first quantizes each activation row to the weight type's
   "vec_dot_type" (Q8_K for K-quants, Q8_0 for Q4_0/Q5_0/Q8_0, f16 for f16 weights) and then takes
   integer dot products, summed in the order of the SIMD kernel that serves that weight type and
-  batch size (engine/llm/ggml_matmul.py reproduces those orders bit for bit);
+  batch size (engine/kernels/ggml_matmul.py reproduces those orders bit for bit);
 - the KV cache is f16, the query is rounded to f16 for K·Q, and the softmax probabilities are
   rounded to f16 for V·softmax (no flash attention, llama-cpp-python's default); both products
   are summed as tinyBLAS sums a batch and ggml_vec_dot_f16 one query (dot_tinyblas, dot_vec_f16);
@@ -47,7 +47,7 @@ import torch.nn.functional as F
 from gguf import GGMLQuantizationType as T
 
 from engine.gguf.constants import QK_K, VEC_DOT_TYPE
-from engine.llm.native import kernels, ptr
+from engine.kernels.native import kernels, ptr
 
 NUMERICS = ("f32", "llamacpp")
 

@@ -28,7 +28,7 @@ types (Q4_0, Q4_1, Q5_1, Q5_K, BF16), and Q4_K matrices whose row count is not a
 use the dequantized product with the same quantized activations: right to f32 summation order,
 not to the bit.
 
-The methods below are the reference, in torch; ggml_kernels.c repeats them in C (engine/llm/
+The methods below are the reference, in torch; ggml_kernels.c repeats them in C (engine/kernels/
 native.py builds it), and the tests hold the two to identical results.
 """
 
@@ -38,8 +38,8 @@ import torch
 from gguf import GGMLQuantizationType as T
 
 from engine.gguf.dequant import unpack_blocks
-from engine.llm.native import kernels, ptr
-from engine.llm.numerics import fma_f32, hsum8, quantize_q8_0, quantize_q8_k
+from engine.kernels.native import kernels, ptr
+from engine.kernels.numerics import fma_f32, hsum8, quantize_q8_0, quantize_q8_k
 
 UBATCH = 512          # llama.cpp's default n_ubatch: a longer prompt is evaluated in such pieces
 ROW_CHUNK = 64        # rows per pass of the torch reference, to bound its integer-lane intermediates
