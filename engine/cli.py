@@ -169,6 +169,10 @@ def _data_args(p: argparse.ArgumentParser) -> None:
     q.add_argument("--seed", type=int, default=0)
 
 
+def _doctor_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--json", action="store_true", help="print machine-readable JSON")
+
+
 def _demo_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", help="workspace folder for the demo (default: a new temp folder)")
     p.add_argument("--seconds", type=float, default=90, help="training time budget")
@@ -200,6 +204,8 @@ COMMANDS: dict[str, Command] = {
              _data_args),
     "demo": ("train a tiny LM on a generated corpus, end to end", "engine.demo:cmd_demo",
              _demo_args),
+    "doctor": ("show this machine's CPU features and what the llama.cpp numerics match here",
+               "engine.commands.doctor:cmd_doctor", _doctor_args),
 }
 
 

@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import Callable
 
 from engine.errors import ForgebenchError
+from engine.kernels.cpu import plan
 
 # A fixed suite: plain continuations and instructions, short enough for tiny models' contexts.
 PROMPT_SUITE = (
@@ -80,7 +81,7 @@ class Report:
         if self.llamacpp.get("available"):
             checked.append(self.llamacpp["passed"])
         return {"prompt_suite": self.prompts, "stages": self.stages, "llamacpp": self.llamacpp,
-                "passed": bool(checked) and all(checked)}
+                "passed": bool(checked) and all(checked), "numerics": plan().summary()}
 
 
 # ----------------------------------------------------------------------- the worker (child)
@@ -401,7 +402,10 @@ def render_text(report: dict) -> str:
     lines = ["Equivalence report", "==================",
              f"{len(report['prompt_suite'])} prompts; each stage scores every position of the "
              "prompt's last token and the checkpoint's greedy answer.",
-             f"Overall: {'VERIFIED' if report.get('passed') else 'NOT verified'}", ""]
+             f"Overall: {'VERIFIED' if report.get('passed') else 'NOT verified'}"]
+    if report.get("numerics"):                        # reports written before it existed lack it
+        lines.append(report["numerics"])
+    lines.append("")
     for stage in report["stages"]:
         lines.append(f"[{stage['name']}] {stage['description']}"
                      + (f" — {stage['file']}" if stage.get("file") else ""))

@@ -1,10 +1,15 @@
 """llama.cpp's CPU kernels as the engine reproduces them (engine/kernels/ggml_matmul.py, numerics.py).
 
-Two kinds of checks:
+Three kinds of checks:
 - the C build (ggml_kernels.c) against the torch reference, bit for bit, on random blocks for
-  every path a matmul can take (fast, offline; skipped with the reason when no C compiler);
-- each kernel against the very function llama.cpp runs, called in libggml-cpu.so through ctypes
-  (marker `llamacpp`): activation quantizers, the Q8_0/Q5_0/Q6_K/f16 dot products, the softmax.
+  every path a matmul can take and for both x86 instruction sets (AVX2 and AVX-512 orders are
+  computed on any x86; fast, offline; skipped with the reason when there is no C compiler);
+- each kernel against the very function llama.cpp runs on this machine, called in libggml-cpu.so
+  through ctypes (marker `llamacpp`): activation quantizers, the Q8_0/Q5_0/Q6_K/f16 dot products,
+  the softmax. Bit-equality where engine/kernels/cpu.py says the kernel is reproduced here, else
+  agreement to f32 rounding and a visible xfail; each twin shows the other instruction set's order
+  would have failed;
+- the CPU feature detection against /proc/cpuinfo, and the plan it leads to.
 """
 
 from __future__ import annotations
@@ -17,11 +22,19 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType as T
 
+import engine.kernels.ggml_matmul as ggml_matmul
+from engine.errors import ForgebenchError
+from engine.kernels import cpu
 from engine.kernels.ggml_matmul import TILED_MIN_ROWS, ExactWeight
 from engine.kernels.native import kernels
 from engine.kernels.numerics import (dot_f16, dot_tinyblas, dot_vec_f16, quantize_q8_0, quantize_q8_k, round_f16,
-                                 softmax_ggml)
+                                     softmax_ggml)
 from fixtures_gguf import encode_tensor
+from llamacpp_oracle import assert_kernel_matches, ggml_cpu_library, require_same_plan
+
+AVX2 = frozenset({"avx", "avx2", "fma", "f16c"})
+AVX512 = AVX2 | {"avx512f", "avx512dq", "avx512bw", "avx512vl"}
+AVX512_VNNI = AVX512 | {"avx512_vnni", "avx512_bf16", "avx512vbmi"}
 
 needs_native = pytest.mark.skipif(kernels() is None, reason="no C compiler to build ggml_kernels.c")
 
@@ -38,9 +51,11 @@ def activations(rows: int, cols: int, seed: int = 1) -> torch.Tensor:
 
 
 @needs_native
+@pytest.mark.parametrize("features", [AVX2, AVX512_VNNI], ids=["avx2", "avx512-vnni"])
 @pytest.mark.parametrize("qtype", [T.Q8_0, T.Q5_0, T.Q4_K, T.Q6_K])
 @pytest.mark.parametrize("rows", [1, 3, 5, TILED_MIN_ROWS, 13])   # vec_dot/gemv, gemm+gemv, tiled
-def test_c_kernels_equal_torch_reference(qtype, rows):
+def test_c_kernels_equal_torch_reference(qtype, rows, features, monkeypatch):
+    monkeypatch.setattr(ggml_matmul, "plan", lambda: cpu.plan_for(features))
     raw = random_weight(qtype, 24, 512)
     x = activations(rows, 512)
     native = ExactWeight(raw, qtype, 24, 512).matmul(x)
@@ -49,12 +64,26 @@ def test_c_kernels_equal_torch_reference(qtype, rows):
 
 
 @needs_native
+@pytest.mark.parametrize("lanes", [8, 16])
 @pytest.mark.parametrize("tinyblas", [True, False])
-def test_c_f16_dots_equal_torch_reference(tinyblas):
-    a = round_f16(torch.randn(2, 3, 5, 64))
-    b = round_f16(torch.randn(2, 3, 7, 64))
-    reference = dot_tinyblas(a, b) if tinyblas else dot_vec_f16(a, b)
-    assert torch.equal(dot_f16(a, b, tinyblas), reference)
+def test_c_f16_dots_equal_torch_reference(tinyblas, lanes):
+    g = torch.Generator().manual_seed(3)
+    a = round_f16(torch.randn(2, 3, 5, 80, generator=g))    # 80: vec_dot has a leftover on both sets
+    b = round_f16(torch.randn(2, 3, 7, 80, generator=g))
+    reference = dot_tinyblas(a, b, lanes) if tinyblas else dot_vec_f16(a, b, lanes)
+    assert torch.equal(dot_f16(a, b, tinyblas, lanes), reference)
+
+
+@needs_native
+def test_q6_k_tiled_microtiles_differ():
+    """The AVX2 and AVX-512 VNNI tiled Q6_K microtiles round differently (fma vs mul + add): the
+    plan's choice matters, so following the wrong one would fail the model-level checks."""
+    raw = random_weight(T.Q6_K, 64, 2048, seed=5)
+    x = activations(TILED_MIN_ROWS, 2048)
+    fused = ExactWeight(raw, T.Q6_K, 64, 2048, native=False)._q6_k_tiled(x, fused=True)
+    split = ExactWeight(raw, T.Q6_K, 64, 2048, native=False)._q6_k_tiled(x, fused=False)
+    assert not torch.equal(fused, split)
+    assert torch.allclose(fused, split, rtol=1e-5, atol=1e-4)
 
 
 def test_exact_kernels_differ_from_plain_product_only_in_rounding():
@@ -76,9 +105,7 @@ def test_exact_kernels_differ_from_plain_product_only_in_rounding():
 
 @pytest.fixture(scope="module")
 def ggml():
-    llama_cpp = pytest.importorskip("llama_cpp", reason="llama-cpp-python (the `verify` extra) is not installed")
-    lib = ctypes.CDLL(os.path.join(os.path.dirname(llama_cpp.__file__), "lib", "libggml-cpu.so"))
-    lib.ggml_cpu_init()
+    lib = ggml_cpu_library()
     P, I64, I = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
     for name in ("quantize_row_q8_0", "quantize_row_q8_K"):
         getattr(lib, name).argtypes = [P, P, I64]
@@ -138,9 +165,11 @@ def test_dot_products_match_ggml(ggml, qtype, fn, act_bytes):
 
 
 @pytest.mark.llamacpp
-def test_f16_dot_and_softmax_match_ggml(ggml):
-    a = round_f16(torch.randn(8, 256)).numpy()
-    b = round_f16(torch.randn(8, 256)).numpy()
+def test_f16_dot_matches_ggml(ggml):
+    p = require_same_plan()
+    g = torch.Generator().manual_seed(7)
+    a = round_f16(torch.randn(8, 256, generator=g)).numpy()
+    b = round_f16(torch.randn(8, 256, generator=g)).numpy()
     a16, b16 = a.astype(np.float16), b.astype(np.float16)
     theirs = np.zeros((8, 8), dtype=np.float32)
     for i in range(8):
@@ -148,17 +177,65 @@ def test_f16_dot_and_softmax_match_ggml(ggml):
             s = ctypes.c_float()
             ggml.ggml_vec_dot_f16(256, ctypes.byref(s), 0, a16[i].ctypes.data, 0, b16[j].ctypes.data, 0, 1)
             theirs[i, j] = s.value
-    assert np.array_equal(dot_vec_f16(torch.from_numpy(a), torch.from_numpy(b)).numpy(), theirs)
+    ta, tb = torch.from_numpy(a), torch.from_numpy(b)
+    assert_kernel_matches(dot_vec_f16(ta, tb, p.f16_lanes).numpy(), theirs,
+                          "f16 weights and attention (K·Q, V·softmax)", p)
+    other = dot_vec_f16(ta, tb, 24 - p.f16_lanes).numpy()          # the other instruction set's order
+    assert not np.array_equal(other, theirs)
 
-    scores = (torch.randn(6, 256) * 6).numpy()
+
+@pytest.mark.llamacpp
+def test_softmax_matches_ggml(ggml):
+    p = require_same_plan()
+    scores = (torch.randn(6, 256, generator=torch.Generator().manual_seed(11)) * 6).numpy()
     probs = np.zeros_like(scores)
     for r in range(6):
         y = np.zeros(256, dtype=np.float32)
         row = np.ascontiguousarray(scores[r])
         total = ggml.ggml_vec_soft_max_f32(256, y.ctypes.data, row.ctypes.data, float(row.max()))
         probs[r] = y * np.float32(1.0 / total)
-    ours = softmax_ggml(torch.from_numpy(scores), torch.ones(6, 256, dtype=torch.bool))
-    assert np.array_equal(ours.numpy(), probs)
+    visible = torch.ones(6, 256, dtype=torch.bool)
+    ours = softmax_ggml(torch.from_numpy(scores), visible, p.softmax_lanes)
+    assert_kernel_matches(ours.numpy(), probs, "softmax", p)
+    other = softmax_ggml(torch.from_numpy(scores), visible, 24 - p.softmax_lanes)
+    assert not np.array_equal(other.numpy(), probs)
+
+
+# --- which kernels this machine's llama.cpp runs -------------------------------------------------
+
+@pytest.mark.skipif(kernels() is None or not os.path.exists("/proc/cpuinfo"),
+                    reason="needs the C build (cpuid) and Linux's /proc/cpuinfo to compare")
+def test_cpuid_features_agree_with_proc_cpuinfo():
+    assert cpu._from_cpuid() == cpu._from_proc_cpuinfo()
+
+
+def test_plans_per_instruction_set():
+    avx2, avx512, vnni = cpu.plan_for(AVX2), cpu.plan_for(AVX512), cpu.plan_for(AVX512_VNNI)
+    assert (avx2.f16_lanes, avx2.softmax_lanes, avx2.q6_k_tiled_fma) == (8, 8, True)
+    assert (avx512.f16_lanes, avx512.softmax_lanes, avx512.q6_k_tiled_fma) == (16, 16, True)
+    assert (vnni.f16_lanes, vnni.q6_k_tiled_fma) == (16, False)
+    forced = cpu.plan_for(AVX512_VNNI, forced="avx2")
+    assert (forced.f16_lanes, forced.softmax_lanes, forced.q6_k_tiled_fma) == (8, 8, True)
+    assert "FORGEBENCH_SIMD=avx2" in forced.summary()
+
+
+def test_unreproduced_cpus_never_claim_bit_exact():
+    """ARM (no x86 features) and AMX machines: the plan says what is not matched and why."""
+    arm = cpu.plan_for(frozenset())
+    assert not arm.x86_exact and "not reproduced" in arm.summary()
+    assert all(k.status == cpu.ROUNDING for k in arm.kernels)
+    assert not any("bit-exact" in line and "all kernels" in line for line in cpu.describe(arm))
+    amx = cpu.plan_for(AVX512_VNNI | {"amx_int8"})
+    quantized = [k for k in amx.kernels if "weights" in k.name and "f16" not in k.name]
+    assert quantized and all(k.status == cpu.ROUNDING and "AMX" in k.detail for k in quantized)
+
+
+def test_forgebench_simd_is_validated(monkeypatch):
+    monkeypatch.setenv("FORGEBENCH_SIMD", "avx9000")
+    with pytest.raises(ForgebenchError, match="FORGEBENCH_SIMD"):
+        cpu.forced_simd()
+    monkeypatch.setenv("FORGEBENCH_SIMD", "AVX2")
+    assert cpu.forced_simd() == "avx2"
 
 
 def test_a_failed_build_says_why_and_falls_back(tmp_path, monkeypatch, capsys):
@@ -173,3 +250,31 @@ def test_a_failed_build_says_why_and_falls_back(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("XDG_CACHE_HOME", "/proc/no-such-folder")
     assert build() is None
     assert "XDG_CACHE_HOME to a writable folder" in capsys.readouterr().err
+
+
+def _doctor(*args: str, **env: str):
+    import subprocess
+    import sys
+
+    return subprocess.run([sys.executable, "-m", "engine", "doctor", *args], capture_output=True, text=True,
+                          env={**os.environ, **env}, timeout=120)
+
+
+def test_doctor_prints_the_plan():
+    """`forgebench doctor` (a real subprocess) prints what cpu.plan() decides, row by row."""
+    import json
+
+    done = _doctor("--json")
+    assert done.returncode == 0, done.stderr
+    info = json.loads(done.stdout)
+    p = cpu.plan()
+    assert info["kernel_orders"] == p.isa and info["summary"] == p.summary()
+    assert [(k["name"], k["status"]) for k in info["kernels"]] == [(k.name, k.status) for k in p.kernels]
+    text = _doctor(FORGEBENCH_SIMD="avx2").stdout
+    assert "FORGEBENCH_SIMD=avx2" in text and ("AVX2" in text or "not reproduced" in text)
+
+
+def test_doctor_refuses_an_unknown_simd_setting():
+    done = _doctor(FORGEBENCH_SIMD="sse9")
+    assert done.returncode == 2
+    assert done.stderr.startswith("error: environment: FORGEBENCH_SIMD='sse9'") and "Traceback" not in done.stderr

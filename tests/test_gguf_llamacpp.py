@@ -19,6 +19,7 @@ from engine.models.blocks import ACTIVATIONS, apply_rope, attention_mask, rope_t
 from engine.models.gguf_model import load_gguf_model, set_numerics
 from engine.models.linear import PackedWeight
 from fixtures_gguf import write_tiny_gguf
+from llamacpp_oracle import require_same_plan
 
 torch.set_num_threads(2)
 IDS = [1, 40, 7, 200, 12, 99, 5, 261, 33, 18, 2, 77, 150, 64, 3, 250]
@@ -42,11 +43,16 @@ def engine_logits(model, ids: list[int]) -> np.ndarray:
                                         ("qwen2", "Q5_K"), ("qwen3", "Q4_K"), ("qwen3", "Q6_K"),
                                         ("gemma3", "Q4_K"), ("gemma3", "Q5_0")])
 def test_tiny_fixture_matches_llamacpp(tmp_path, arch, qtype):
+    p = require_same_plan()
     path = write_tiny_gguf(tmp_path / "m.gguf", arch, qtype, vocab="bpe" if arch.startswith("qwen") else "spm")
     model, _ = load_gguf_model(path, numerics="llamacpp", tokenizer=False)
     ours, ref = engine_logits(model, IDS), llamacpp_logits(path, IDS)
     scale = np.abs(ref).max()
     diff = np.abs(ours - ref)
+    if not p.x86_exact:
+        assert diff.max() <= 1e-3 * scale
+        pytest.xfail(f"this CPU's llama.cpp kernels are not reproduced ({p.summary()}); "
+                     f"max |Δlogit| {diff.max():.2e} of {scale:.2f}")
     # every hidden state bit-identical (ggml's kernels where the engine has them, and these tiny
     # models are too small for a last-bit difference to flip a rounding); the logits differ only
     # by the LM head's f32 summation order (measured: <= 5e-7 of the largest logit)
@@ -180,6 +186,8 @@ def test_gemma_teacher_forced_parity(gemma):
     repacked Q4_K and tiled Q6_K kernels sum in a different order for one row than for a batch,
     and Gemma's post-norm gains amplify that).
     """
+    if not require_same_plan().x86_exact:
+        pytest.xfail("this CPU's llama.cpp kernels are not reproduced (forgebench doctor says which)")
     figures = teacher_forced(*gemma)
     print("\nteacher-forced parity vs llama.cpp:", json.dumps(figures))
     assert figures["positions"] >= 500
@@ -218,6 +226,8 @@ def test_gemma_greedy_continuations_match(gemma):
     is reported beside it. Measured 2026-11-29: 6/6 identical for 64 tokens; llama.cpp against
     itself 3/6 (diverging at tokens 3, 47 and 25).
     """
+    if not require_same_plan().x86_exact:
+        pytest.xfail("this CPU's llama.cpp kernels are not reproduced (forgebench doctor says which)")
     from engine.llm.generate import generate
 
     path, model, tok = gemma
@@ -260,6 +270,8 @@ def test_gemma_f16_gguf_f32_parity(gemma_f16):
     """f32 numerics (the training numerics) against llama.cpp on an f16 GGUF: top-1 >= 99%.
     Measured 2026-11-29 over 578 positions: 99.83% (max |Δ| 0.072, mean 0.0041); llama.cpp
     numerics on the same file: 100%, every logit bit-identical."""
+    if not require_same_plan().x86_exact:
+        pytest.xfail("this CPU's llama.cpp kernels are not reproduced (forgebench doctor says which)")
     figures = teacher_forced(*gemma_f16, numerics=("f32", "llamacpp"), self_check=False)
     print("\nf16 GGUF parity vs llama.cpp:", json.dumps(figures))
     assert figures["positions"] >= 500
@@ -337,6 +349,8 @@ def test_gemma_ops_match_llamacpp_given_its_inputs(gemma, n_tokens):
     the f16 attention products); 5 tokens add the gemv row of the repacked Q4_K and
     vec_dot_q6_K_q8_K. One-token steps run the same per-row kernels as the 5-token batch's tail.
     """
+    if not require_same_plan().x86_exact:
+        pytest.xfail("this CPU's llama.cpp kernels are not reproduced (forgebench doctor says which)")
     path, model, tok = gemma
     ids = tok.encode(PASSAGES[1])[:n_tokens]
     dump = llamacpp_intermediates(path, ids)

@@ -28,8 +28,9 @@ SIGNATURES = {
     "q0_matmul": [_I64, _I64, _I64, _PTR, _PTR, _PTR, _PTR, _PTR],
     "q4_k_matmul": [_I64, _I64, _I64, _PTR, _PTR, _PTR, _PTR, _PTR, _PTR, _PTR, _INT, _PTR],
     "q6_k_matmul": [_I64, _I64, _I64, _PTR, _PTR, _PTR, _PTR, _PTR, _INT, _PTR],
-    "f16_dot": [_I64, _I64, _I64, _I64, _PTR, _PTR, _INT, _PTR],
+    "f16_dot": [_I64, _I64, _I64, _I64, _PTR, _PTR, _INT, _INT, _PTR],
 }
+RETURNS = {"cpu_features": _I64}
 
 
 def _cache_dir() -> Path:
@@ -64,6 +65,9 @@ def kernels() -> ctypes.CDLL | None:
     for name, argtypes in SIGNATURES.items():
         fn = getattr(lib, name)
         fn.argtypes, fn.restype = argtypes, None
+    for name, restype in RETURNS.items():
+        fn = getattr(lib, name)
+        fn.argtypes, fn.restype = [], restype
     return lib
 
 

@@ -22,13 +22,15 @@ agree with its batched ones on only ~96% of top-1 choices on gemma-3-270m, becau
 sum in a different order for one row than for a batch. The engine follows the kernel llama.cpp
 picks for each batch size, so it matches llama.cpp either way.
 
-Sources (the ggml 0.25.3 vendored by llama-cpp-python 0.3.36, x86 AVX2 + FMA build):
+Sources (the ggml vendored by llama-cpp-python 0.3.36, x86 builds with AVX2 + FMA + F16C, with
+and without AVX-512; engine/kernels/cpu.py says which orders this machine's llama.cpp runs):
 ggml-quants.c (quantize_row_q8_K_ref), ggml-cpu/arch/x86/quants.c (quantize_row_q8_0, vec_dot),
 ggml-cpu/arch/x86/repack.cpp, ggml-cpu/tiled, llamafile/sgemm.cpp, ggml-cpu/vec.h (ggml_v_expf,
 ggml_gelu_f32), ggml-cpu/vec.cpp (ggml_vec_soft_max_f32, ggml_vec_dot_f16), ggml-cpu/ops.cpp
-(rms_norm_f32, soft_max_f32, rope), llama-graph.cpp (build_attn_mha). Other CPUs (ARM NEON,
-AVX-512) run other kernels in llama.cpp with other orders; there the engine matches to f32
-summation order, not to the bit.
+(rms_norm_f32, soft_max_f32, rope), llama-graph.cpp (build_attn_mha). AVX-512 builds change the
+f16 dot products (16 lanes), the softmax (16 lanes, another expf form) and the Q6_K tiled
+microtile; the engine follows them. Other CPUs (ARM NEON, SVE, AMX tiles) run kernels the engine
+does not reproduce; there it matches to f32 summation order, not to the bit, and says so.
 
 Checked op by op on gemma-3-270m Q4_K_M against the tensors llama.cpp itself computes (its eval
 callback), and kernel by kernel against libggml-cpu's own functions (tests/test_gguf_llamacpp.py,
@@ -47,6 +49,7 @@ import torch.nn.functional as F
 from gguf import GGMLQuantizationType as T
 
 from engine.gguf.constants import QK_K, VEC_DOT_TYPE
+from engine.kernels.cpu import plan
 from engine.kernels.native import kernels, ptr
 
 NUMERICS = ("f32", "llamacpp")
@@ -204,75 +207,115 @@ def hsum8(lanes: torch.Tensor) -> torch.Tensor:
     return r[..., 0] + r[..., 1]
 
 
-def dot_tinyblas(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """a [..., P, K] · b [..., Q, K]ᵀ -> [..., P, Q] as llamafile's tinyBLAS sums (f16/f32 inputs on
-    AVX2): eight lanes (k mod 8), each an fma chain over k in order, then hsum_float_8."""
-    steps = a.shape[-1] // 8
-    a8 = a.reshape(*a.shape[:-1], steps, 8).unsqueeze(-3)            # [..., P, 1, steps, 8]
-    b8 = b.reshape(*b.shape[:-1], steps, 8).unsqueeze(-4)            # [..., 1, Q, steps, 8]
-    acc = torch.zeros(torch.broadcast_shapes(a8.shape, b8.shape)[:-2] + (8,))
+def hsum16(lanes: torch.Tensor) -> torch.Tensor:
+    """GCC's _mm512_reduce_add_ps over the last dim (16 lanes): the upper eight onto the lower
+    eight, then hsum_float_8."""
+    return hsum8(lanes[..., 8:] + lanes[..., :8])
+
+
+def hsum(lanes: torch.Tensor) -> torch.Tensor:
+    """hsum8 or hsum16 by the width of the last dim."""
+    return hsum16(lanes) if lanes.shape[-1] == 16 else hsum8(lanes)
+
+
+def dot_tinyblas(a: torch.Tensor, b: torch.Tensor, lanes: int = 8) -> torch.Tensor:
+    """a [..., P, K] · b [..., Q, K]ᵀ -> [..., P, Q] as llamafile's tinyBLAS sums (f16/f32 inputs):
+    `lanes` lanes (k mod lanes; 8 on AVX2, 16 on AVX-512), each an fma chain over k in order, then
+    the register's horizontal sum. K must be a multiple of `lanes` (else ggml uses vec_dot)."""
+    steps = a.shape[-1] // lanes
+    a8 = a.reshape(*a.shape[:-1], steps, lanes).unsqueeze(-3)        # [..., P, 1, steps, L]
+    b8 = b.reshape(*b.shape[:-1], steps, lanes).unsqueeze(-4)        # [..., 1, Q, steps, L]
+    acc = torch.zeros(torch.broadcast_shapes(a8.shape, b8.shape)[:-2] + (lanes,))
     for s in range(steps):
         acc = fma_f32(a8[..., s, :], b8[..., s, :], acc)
-    return hsum8(acc)
+    return hsum(acc)
 
 
-def dot_vec_f16(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """The same product as ggml_vec_dot_f16 sums it (one query row, AVX2): four 8-lane
-    accumulators over consecutive 32-element steps, reduced as (acc0+acc2) + (acc1+acc3), then
-    the lanes as ((l0+l4) + (l1+l5)) + ((l2+l6) + (l3+l7)). K must be a multiple of 32."""
-    steps = a.shape[-1] // 32
-    a4 = a.reshape(*a.shape[:-1], steps, 4, 8).unsqueeze(-4)
-    b4 = b.reshape(*b.shape[:-1], steps, 4, 8).unsqueeze(-5)
-    acc = torch.zeros(torch.broadcast_shapes(a4.shape, b4.shape)[:-3] + (4, 8))
+def dot_vec_f16(a: torch.Tensor, b: torch.Tensor, lanes: int = 8) -> torch.Tensor:
+    """The same product as ggml_vec_dot_f16 sums it (one query row): four `lanes`-lane
+    accumulators over consecutive 4·lanes-element steps, reduced as (acc0+acc2) + (acc1+acc3),
+    then across lanes (AVX2: GGML_F32Cx8_REDUCE, ((l0+l4) + (l1+l5)) + ((l2+l6) + (l3+l7));
+    AVX-512: _mm512_reduce_add_ps); the K mod 4·lanes leftover products are added in f64."""
+    K, step = a.shape[-1], 4 * lanes
+    np_ = K - K % step
+    steps = np_ // step
+    a4 = a[..., :np_].reshape(*a.shape[:-1], steps, 4, lanes).unsqueeze(-4)
+    b4 = b[..., :np_].reshape(*b.shape[:-1], steps, 4, lanes).unsqueeze(-5)
+    acc = torch.zeros(torch.broadcast_shapes(a4.shape, b4.shape)[:-3] + (4, lanes))
     for s in range(steps):
         acc = fma_f32(a4[..., s, :, :], b4[..., s, :, :], acc)
     x = (acc[..., 0, :] + acc[..., 2, :]) + (acc[..., 1, :] + acc[..., 3, :])
-    t = x[..., :4] + x[..., 4:]
-    return (t[..., 0] + t[..., 1]) + (t[..., 2] + t[..., 3])
+    if lanes == 16:
+        total = hsum16(x).double()
+    else:
+        t = x[..., :4] + x[..., 4:]
+        total = ((t[..., 0] + t[..., 1]) + (t[..., 2] + t[..., 3])).double()
+    for k in range(np_, K):
+        total = total + (a[..., :, None, k] * b[..., None, :, k]).double()
+    return total.float()
 
 
-def dot_f16(a: torch.Tensor, b: torch.Tensor, tinyblas: bool) -> torch.Tensor:
-    """dot_tinyblas / dot_vec_f16 for a [..., P, K], b [..., Q, K] with equal leading dims: in C
-    when ggml_kernels.c is built, else the torch reference above."""
+def dot_f16(a: torch.Tensor, b: torch.Tensor, tinyblas: bool, lanes: int | None = None) -> torch.Tensor:
+    """dot_tinyblas / dot_vec_f16 for a [..., P, K], b [..., Q, K] with equal leading dims, with
+    this machine's lane count unless given: in C when ggml_kernels.c is built, else the torch
+    reference above."""
+    lanes = lanes or plan().f16_lanes
     lib = kernels()
     if lib is None:
-        return dot_tinyblas(a, b) if tinyblas else dot_vec_f16(a, b)
+        return dot_tinyblas(a, b, lanes) if tinyblas else dot_vec_f16(a, b, lanes)
     a, b = a.float().contiguous(), b.float().contiguous()
     lead, (P, K), Q = a.shape[:-2], a.shape[-2:], b.shape[-2]
     out = torch.empty(*lead, P, Q)
-    lib.f16_dot(math.prod(lead), P, Q, K, ptr(a), ptr(b), int(tinyblas), ptr(out))
+    lib.f16_dot(math.prod(lead), P, Q, K, ptr(a), ptr(b), int(tinyblas), lanes, ptr(out))
     return out
+
+
+def tinyblas_serves(rows: int, cols: int, batch: int, lanes: int | None = None) -> bool:
+    """Whether llamafile_sgemm takes an f16 product of `rows` weight rows, `cols` long, for a
+    batch of `batch` rows: two or more batch rows, rows % 4 == 0, cols % lanes == 0; else ggml
+    runs ggml_vec_dot_f16."""
+    return batch >= 2 and rows % 4 == 0 and cols % (lanes or plan().f16_lanes) == 0
 
 
 _EXP_CONSTANTS = [float.fromhex(h) for h in ("0x1.715476p+0", "0x1.62e4p-1", "0x1.7f7d1cp-20", "0x1.0e4020p-7",
                                             "0x1.573e2ep-5", "0x1.555e66p-3", "0x1.fffdb6p-2", "0x1.ffffecp-1")]
 
 
-def expf_ggml(x: torch.Tensor) -> torch.Tensor:
-    """ggml_v_expf (AVX2 + FMA), for x <= 0: a range reduction to 2^n·e^b and a degree-5
-    polynomial, every step an f32 or fused operation. Below e^-126 it returns 0 (ggml returns a
-    value under 1e-37, which no f16 probability or f64 sum can see)."""
+def expf_ggml(x: torch.Tensor, lanes: int = 8) -> torch.Tensor:
+    """ggml_v_expf for x <= 0: a range reduction to 2^n·e^b and a degree-5 polynomial, every step
+    an f32 or fused operation. The AVX2 + FMA form (lanes=8) ends k·j + k with k = 2^n; the
+    AVX-512 form (lanes=16) folds the 1 into the last fma and scales by 2^n (_mm512_scalef_ps,
+    exact). Below e^-126 it returns 0 (ggml returns a value under 1e-37, which no f16
+    probability or f64 sum can see)."""
     log2e, ln2_hi, ln2_lo, c5, c4, c3, c2, c1 = (torch.tensor(c, dtype=torch.float32) for c in _EXP_CONSTANTS)
     shifter = torch.tensor(1.5 * 2 ** 23, dtype=torch.float32)
     x = x.float()
     z = fma_f32(x, log2e, shifter)
     n = z - shifter
     b = fma_f32(-n, ln2_lo, fma_f32(-n, ln2_hi, x))
-    bits = (z.view(torch.int32).long() << 23) + 0x3F800000                      # 2^n as f32 bits
-    k = (((bits + (1 << 31)) & 0xFFFFFFFF) - (1 << 31)).int().view(torch.float32)
     u = b * b
-    j = fma_f32(fma_f32(fma_f32(c5, b, c4), u, fma_f32(c3, b, c2)), u, c1 * b)
-    return torch.where(n.abs() > 126, torch.zeros_like(x), fma_f32(j, k, k))
+    if lanes == 16:
+        j = fma_f32(fma_f32(fma_f32(c5, b, c4), u, fma_f32(c3, b, c2)), u, fma_f32(c1, b, torch.ones_like(b)))
+        value = torch.ldexp(j, n)                                               # exact: 2^n scaling
+    else:
+        bits = (z.view(torch.int32).long() << 23) + 0x3F800000                  # 2^n as f32 bits
+        k = (((bits + (1 << 31)) & 0xFFFFFFFF) - (1 << 31)).int().view(torch.float32)
+        j = fma_f32(fma_f32(fma_f32(c5, b, c4), u, fma_f32(c3, b, c2)), u, c1 * b)
+        value = fma_f32(j, k, k)
+    return torch.where(n.abs() > 126, torch.zeros_like(x), value)
 
 
-def softmax_ggml(scores: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:
-    """ggml_compute_forward_soft_max_f32 over the last dim (a multiple of 8): exp(x - max) by
-    ggml_v_expf, each group of 8 summed in f32 (hsum_float_8) and the groups in f64, then the
-    values times f32(1/sum). Hidden positions get exactly 0."""
+def softmax_ggml(scores: torch.Tensor, visible: torch.Tensor, lanes: int | None = None) -> torch.Tensor:
+    """ggml_compute_forward_soft_max_f32 over the last dim (a multiple of `lanes`): exp(x - max)
+    by ggml_v_expf, each group of `lanes` summed in f32 (hsum_float_8, or _mm512_reduce_add_ps on
+    AVX-512 with DQ) and the groups in f64, then the values times f32(1/sum). Hidden positions
+    get exactly 0."""
+    lanes = lanes or plan().softmax_lanes
     x = scores.masked_fill(~visible, float("-inf"))
     top = x.amax(-1, keepdim=True)
-    values = torch.where(visible, expf_ggml(torch.where(visible, x - top, torch.zeros_like(x))), torch.zeros_like(x))
-    groups = hsum8(values.reshape(*values.shape[:-1], -1, 8)).double()        # [..., S/8]
+    exps = expf_ggml(torch.where(visible, x - top, torch.zeros_like(x)), lanes)
+    values = torch.where(visible, exps, torch.zeros_like(x))
+    groups = hsum(values.reshape(*values.shape[:-1], -1, lanes)).double()    # [..., S/lanes]
     total = torch.zeros(groups.shape[:-1], dtype=torch.float64)
     for g in range(groups.shape[-1]):
         total = total + groups[..., g]
@@ -285,23 +328,25 @@ def attention_llamacpp(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: 
 
     q [B,H,T,hd] f32, k/v [B,Hkv,S,hd]: kq = f16(q)·f16(k) (tinyBLAS for a batch of queries,
     ggml_vec_dot_f16 for one), softmax(kq·scale + mask) as ggml_soft_max, then
-    f16(probabilities)·f16(v) the same way. Keys are padded with zeros to a multiple of 32 (llama.cpp
-    pads its cache view to 256; padded keys are masked, so they add exact zeros).
+    f16(probabilities)·f16(v) the same way. Keys are padded with zeros to a multiple of
+    ggml_vec_dot_f16's step (llama.cpp pads its cache view to 256; padded keys are masked, so they
+    add exact zeros and the dot products have no leftover).
     """
+    lanes = plan().f16_lanes
     groups = q.shape[1] // k.shape[1]
     S = k.shape[2]
-    pad = -S % 32
+    pad = -S % (4 * lanes)
     k16, v16 = round_f16(F.pad(k, (0, 0, 0, pad))), round_f16(F.pad(v, (0, 0, 0, pad)))
     visible = F.pad(mask, (0, pad), value=False)
     B, H, T, hd = q.shape
     qg = round_f16(q).reshape(B, k.shape[1], groups * T, hd)                    # GQA: heads share k/v
-    tinyblas = T >= 2                     # llamafile_sgemm serves batches of 2+ query rows
-    kq = dot_f16(qg, k16, tinyblas).view(B, H, T, S + pad)
+    kq = dot_f16(qg, k16, tinyblas_serves(S + pad, hd, T, lanes), lanes).view(B, H, T, S + pad)
     probs = softmax_ggml(kq * scale, visible)
-    out = dot_f16(round_f16(probs).reshape(B, k.shape[1], groups * T, S + pad), v16.transpose(-1, -2), tinyblas)
+    out = dot_f16(round_f16(probs).reshape(B, k.shape[1], groups * T, S + pad), v16.transpose(-1, -2),
+                  tinyblas_serves(hd, S + pad, T, lanes), lanes)
     return out.view(B, H, T, hd)
 
 
 __all__ = ["NUMERICS", "cos_sin_f32", "divide", "round_f16", "rsqrt_f32", "quantize_q8_0", "quantize_q8_k", "q8_0_values", "q8_k_values", "activation_values",
-           "gelu_tanh_f32", "gelu_llamacpp", "fma_f32", "hsum8",
-           "dot_tinyblas", "dot_vec_f16", "dot_f16", "expf_ggml", "softmax_ggml", "attention_llamacpp"]
+           "gelu_tanh_f32", "gelu_llamacpp", "fma_f32", "hsum8", "hsum16", "hsum",
+           "dot_tinyblas", "dot_vec_f16", "dot_f16", "tinyblas_serves", "expf_ggml", "softmax_ggml", "attention_llamacpp"]

@@ -1,0 +1,60 @@
+"""`forgebench doctor`: what this machine is to the engine, and what the llama.cpp numerics match here.
+
+Prints the CPU features (cpuid), the kernel orders the engine follows, which kernel families are
+bit-exact against llama.cpp built for this CPU and which agree only to f32 rounding (and why),
+whether the C kernels are built, and the versions that matter. Imports no llama-cpp-python: its
+version is read from the installed package metadata.
+"""
+
+from __future__ import annotations
+
+import json
+import platform
+import sys
+from importlib import metadata
+
+
+def _version(dist: str) -> str:
+    try:
+        return metadata.version(dist)
+    except metadata.PackageNotFoundError:
+        return "not installed"
+
+
+def report() -> dict:
+    import torch
+
+    from engine.kernels import cpu, native
+
+    p = cpu.plan()
+    lib = native.kernels()
+    return {
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "torch_threads": torch.get_num_threads(),
+        "llama_cpp_python": _version("llama-cpp-python"),
+        "native_kernels": str(lib._name) if lib is not None else "not built (torch reference kernels)",
+        "cpu_source": p.source,
+        "cpu_features": sorted(p.features),
+        "kernel_orders": p.isa,
+        "forced": p.forced,
+        "summary": p.summary(),
+        "kernels": [{"name": k.name, "status": k.status, "detail": k.detail} for k in p.kernels],
+        "lines": cpu.describe(p),
+    }
+
+
+def cmd_doctor(args) -> int:
+    info = report()
+    if args.json:
+        print(json.dumps({k: v for k, v in info.items() if k != "lines"}, indent=2))
+        return 0
+    print(f"python {info['python']}, torch {info['torch']} ({info['torch_threads']} threads), "
+          f"llama-cpp-python {info['llama_cpp_python']}")
+    print(f"native kernels: {info['native_kernels']}")
+    print("llama.cpp numerics:")
+    for line in info["lines"]:
+        print(f"  {line}")
+    print(info["summary"])
+    sys.stdout.flush()
+    return 0
