@@ -305,6 +305,18 @@ def expf_ggml(x: torch.Tensor, lanes: int = 8) -> torch.Tensor:
     return torch.where(n.abs() > 126, torch.zeros_like(x), value)
 
 
+def silu_llamacpp(x: torch.Tensor) -> torch.Tensor:
+    """ggml_v_silu as ggml_vec_swiglu_f32 runs it: x / (1 + ggml_v_expf(0 - x)), each step an f32
+    operation, with this machine's expf form (AVX2 or AVX-512). Where |n| > 126 (|x| > ~87) ggml
+    takes its overflow branch; the engine uses exp in f64 there, which gives the same 0 or x
+    after the division up to values no Q8 or f16 activation can hold."""
+    x = x.float()
+    lanes = plan().softmax_lanes                  # ggml_v_silu and ggml_v_expf share the width
+    neg = torch.zeros_like(x) - x
+    e = torch.where(neg.abs() > 87.0, torch.exp(neg.double()).float(), expf_ggml(neg.clamp(-87.0, 87.0), lanes))
+    return x / (1.0 + e)
+
+
 def softmax_ggml(scores: torch.Tensor, visible: torch.Tensor, lanes: int | None = None) -> torch.Tensor:
     """ggml_compute_forward_soft_max_f32 over the last dim (a multiple of `lanes`): exp(x - max)
     by ggml_v_expf, each group of `lanes` summed in f32 (hsum_float_8, or _mm512_reduce_add_ps on
@@ -348,5 +360,5 @@ def attention_llamacpp(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: 
 
 
 __all__ = ["NUMERICS", "cos_sin_f32", "divide", "round_f16", "rsqrt_f32", "quantize_q8_0", "quantize_q8_k", "q8_0_values", "q8_k_values", "activation_values",
-           "gelu_tanh_f32", "gelu_llamacpp", "fma_f32", "hsum8", "hsum16", "hsum",
+           "gelu_tanh_f32", "gelu_llamacpp", "silu_llamacpp", "fma_f32", "hsum8", "hsum16", "hsum",
            "dot_tinyblas", "dot_vec_f16", "dot_f16", "tinyblas_serves", "expf_ggml", "softmax_ggml", "attention_llamacpp"]

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.kernels.numerics import cos_sin_f32, fma_f32, gelu_llamacpp, rsqrt_f32
+from engine.kernels.numerics import cos_sin_f32, fma_f32, gelu_llamacpp, rsqrt_f32, silu_llamacpp
 
 
 class RMSNorm(nn.Module):
@@ -213,6 +213,7 @@ ACTIVATIONS = {
     "silu": F.silu,
     "gelu_tanh": lambda x: F.gelu(x, approximate="tanh"),
     "gelu_llamacpp": gelu_llamacpp,     # ggml's f16-table GELU (llama.cpp numerics)
+    "silu_llamacpp": silu_llamacpp,     # ggml_v_silu's expf polynomial (llama.cpp numerics)
 }
 
 

@@ -217,6 +217,8 @@ def set_numerics(model: nn.Module, numerics: str) -> None:
             m.ggml_exact = llamacpp
         if getattr(m, "activation", None) in ("gelu_tanh", "gelu_llamacpp"):
             m.activation = "gelu_llamacpp" if llamacpp else "gelu_tanh"
+        elif getattr(m, "activation", None) in ("silu", "silu_llamacpp"):
+            m.activation = "silu_llamacpp" if llamacpp else "silu"
 
 
 def packed_weights(model: nn.Module) -> list[PackedWeight]:
