@@ -29,7 +29,7 @@ task = json.loads(sys.argv[1])
 start = time.perf_counter()
 timings = {{}}
 if task["kind"] == "forgebench":
-    from engine.merge import merge_into_gguf
+    from engine.export.merge import merge_into_gguf
     from engine.gguf.convert import convert_gguf
     merge_into_gguf(task["dense"], task["adapter"], task["merged"])
     timings["merge_s"] = time.perf_counter() - start

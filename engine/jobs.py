@@ -1,4 +1,4 @@
-"""Job lifecycle: start, resume, stop, status, and the CLI handlers that drive recipes.
+"""Job lifecycle: start, resume, execute; the run.json ingredients; a run's recipe.
 
 A job runs in the foreground of a `forgebench` process (the app starts it through QProcess).
 Its whole state lives in the run directory (DESIGN.md §3). No torch at module top level:
@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
-import json
 import os
 import platform
 import signal
@@ -19,11 +18,11 @@ import traceback
 from pathlib import Path
 from typing import Any, Iterator
 
-from engine.config import (RESUMABLE_FIELDS, Schema, config_diff, load_config, recipe_module,
+from engine.config import (RESUMABLE_FIELDS, Schema, config_diff, recipe_module,
                            validate_config)
 from engine.errors import ForgebenchError
 from engine.fsutil import sha256_file
-from engine.rundir import Checkpoint, RunDir, describe, format_status
+from engine.rundir import Checkpoint, RunDir
 
 ENGINE_DIR = Path(__file__).resolve().parent
 
@@ -297,122 +296,14 @@ def execute(run: RunDir, config: Schema, resume_from: Checkpoint | None, *, thre
     return run.status()
 
 
-def _print_outcome(run: RunDir, status: dict) -> None:
-    summary = describe(run)
-    print(f"{status['state']}: step {status.get('step')}/{status.get('target_steps')}"
-          f"  run: {run.path}")
-    if summary["last_loss"] is not None:
-        print(f"last train loss: {summary['last_loss']:.4f}")
-    if summary["last_eval"]:
-        ev = summary["last_eval"]
-        extra = f"  bits/byte: {ev['bpb']:.4f}" if "bpb" in ev else ""
-        print(f"last {ev.get('split')} loss: {ev.get('loss'):.4f}{extra}")
-    latest = run.latest_checkpoint()
-    if latest:
-        print(f"checkpoint: {latest.path}")
-
-
-# -- CLI handlers ------------------------------------------------------------------------
-def cmd_run(args) -> int:
-    config = load_config(args.config)
-    if args.steps is not None:
-        config = validate_config(dict(config.model_dump(mode="json"), steps=args.steps),
-                                 args.config)
-    out = args.out or Path("runs") / f"{config.recipe}-{time.strftime('%Y%m%d-%H%M%S')}"
-    threads = args.threads or default_threads()
-    argv = ["forgebench"] + sys.argv[1:]
-    run = start_run(config, out, argv, threads=threads)
-    status = execute(run, config, None, threads=threads, argv=argv,
-                     stop_after_step=getattr(args, "stop_after_step", None))
-    _print_outcome(run, status)
-    return 0
-
-
-def cmd_resume(args) -> int:
-    overrides = {"steps": args.steps, "log_every": args.log_every,
-                 "save_every": args.save_every, "eval_every": args.eval_every,
-                 "keep_last": args.keep_last}
-    run, config = prepare_resume(args.run_dir, overrides,
-                                 allow_code_change=getattr(args, "allow_code_change", False))
-    checkpoint = run.latest_checkpoint()
-    if checkpoint and checkpoint.step >= config.steps:
-        raise ForgebenchError(f"the run is already at step {checkpoint.step} of {config.steps}",
-                              path=run.path, hint="pass --steps N with a larger N to train on")
-    recorded = run.manifest()["environment"]["threads"]
-    threads = args.threads or recorded
-    if threads != recorded:
-        run.log_event("warning", message=f"resumed with {threads} threads instead of "
-                      f"{recorded}: results will not be bitwise identical to an uninterrupted run")
-    argv = ["forgebench"] + sys.argv[1:]
-    status = execute(run, config, checkpoint, threads=threads, argv=argv,
-                     stop_after_step=getattr(args, "stop_after_step", None))
-    _print_outcome(run, status)
-    return 0
-
-
-def cmd_status(args) -> int:
-    print(format_status(describe(RunDir(args.run_dir).require())))
-    return 0
-
-
-def cmd_stop(args) -> int:
-    run = RunDir(args.run_dir).require()
-    if not run.request_stop():
-        print(f"not running (state: {run.live_status().get('state')})")
-        return 1
-    print(f"stop requested (pid {run.status().get('pid')})")
-    deadline = time.monotonic() + args.wait
-    while time.monotonic() < deadline and run.is_active():
-        time.sleep(0.2)
-    state = run.live_status().get("state")
-    print(f"state: {state}")
-    return 0 if args.wait <= 0 or state not in ("running", "stopping") else 1
-
-
 def run_config(run: RunDir) -> Schema:
     """The resolved config a run was started with, validated again."""
     return validate_config(run.manifest()["config"], run.manifest_path)
 
 
-def _recipe_for_run(run: RunDir) -> Any:
+def recipe_for_run(run: RunDir) -> Any:
+    """The recipe module of an existing run, with torch set to the thread count it ran with."""
     import torch
 
     torch.set_num_threads(run.manifest().get("environment", {}).get("threads") or 1)
     return recipe_module(run.manifest()["recipe"])
-
-
-def cmd_eval(args) -> int:
-    run = RunDir(args.run_dir).require()
-    module = _recipe_for_run(run)
-    result = module.evaluate(run, run.checkpoint(args.checkpoint), args.split)
-    print(json.dumps(result, indent=2, default=str))
-    return 0
-
-
-def cmd_generate(args) -> int:
-    if args.model:
-        from engine.llm.generate import cmd_generate_gguf
-
-        return cmd_generate_gguf(args)
-    if not args.run_dir:
-        raise ForgebenchError("give a run directory or --model FILE.gguf",
-                              where="arguments", hint="forgebench generate RUN_DIR --prompt ...")
-    run = RunDir(args.run_dir).require()
-    module = _recipe_for_run(run)
-    if not hasattr(module, "generate"):
-        raise ForgebenchError(f"recipe '{run.manifest()['recipe']}' does not generate text",
-                              path=run.path, hint="use 'forgebench sample' for generator runs")
-    result = module.generate(run, run.checkpoint(args.checkpoint), args)
-    print(json.dumps(result, indent=2) if args.json else result["text"])
-    return 0
-
-
-def cmd_sample(args) -> int:
-    run = RunDir(args.run_dir).require()
-    module = _recipe_for_run(run)
-    if not hasattr(module, "sample"):
-        raise ForgebenchError(f"recipe '{run.manifest()['recipe']}' has no sampler",
-                              path=run.path, hint="use 'forgebench generate' for language models")
-    for path in module.sample(run, run.checkpoint(args.checkpoint), args):
-        print(path)
-    return 0

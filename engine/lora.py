@@ -262,3 +262,15 @@ def describe_adapters(adapters: dict[str, LoRALinear]) -> dict:
     metadata = adapter_metadata(adapters, None)
     del metadata["base_sha256"]
     return {"adapters": len(adapters), "trainable_parameters": trainable, **metadata}
+
+
+def attach_adapter_file(model, path: str) -> None:
+    """Attach the adapters saved in `path` to a GGUF model (`model.gguf` the open file), with
+    the rank, alpha and targets its metadata records; the base must be the one it was trained on."""
+    _, meta = read_adapters(path)
+    try:
+        rank, alpha, targets = int(meta["rank"]), float(meta["alpha"]), meta["targets"].split(",")
+    except (KeyError, ValueError) as exc:
+        raise ForgebenchError(f"adapter metadata is incomplete ({exc})", path=path) from None
+    adapters = attach_lora(model, targets=targets, rank=rank, alpha=alpha)
+    load_adapters(path, adapters, model.gguf.sha256())

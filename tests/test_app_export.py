@@ -14,7 +14,7 @@ import gguf
 import pytest
 
 from app.viewmodels import export_wizard as vm
-from engine.equivalence import MIN_TOP1_DENSE, MIN_TOP1_QUANTIZED, Report, verdict
+from engine.export.equivalence import MIN_TOP1_DENSE, MIN_TOP1_QUANTIZED, Report, verdict
 from app.viewmodels.workspace import Workspace
 from app.views.export_wizard import ExportWizardPane
 from app_part2_support import lm_run, wait_for

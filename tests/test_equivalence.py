@@ -10,7 +10,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from engine.equivalence import (MIN_TOP1_DENSE, MIN_TOP1_QUANTIZED, Report, StageResult,
+from engine.export.equivalence import (MIN_TOP1_DENSE, MIN_TOP1_QUANTIZED, Report, StageResult,
                                 _engine_worker, _greedy_match, _llamacpp_worker, compare,
                                 greedy_along, render_text, verdict)
 from fixtures_gguf import write_tiny_gguf

@@ -17,7 +17,7 @@ from safetensors.torch import load_file
 
 from engine.errors import ForgebenchError
 from engine.fsutil import sha256_file
-from engine.merge import FULL_WEIGHTS_KEY, write_full_weights
+from engine.export.merge import FULL_WEIGHTS_KEY, write_full_weights
 from engine.models.gguf_model import gguf_tensor_name
 from gguf_write_fixtures import write_dense_llama
 from lm_pretrain_support import forgebench, make_corpus, write_config

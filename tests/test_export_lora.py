@@ -13,10 +13,10 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from engine.gguf.lora_export import _unpermute_rows, write_gguf_lora, write_peft
+from engine.export.lora_export import _unpermute_rows, write_gguf_lora, write_peft
 from engine.gguf.reader import open_gguf
 from engine.lora import read_adapters
-from engine.merge import merge_into_gguf
+from engine.export.merge import merge_into_gguf
 from export_support import (engine_logits, llamacpp_logits, make_adapter,
                             tiny_sft_over_quantized_base)
 from gguf_write_fixtures import write_dense_llama

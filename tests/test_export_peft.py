@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from engine.gguf.lora_export import write_peft
+from engine.export.lora_export import write_peft
 from engine.gguf.reader import open_gguf
 from engine.models.gguf_model import load_gguf_model
 from export_support import engine_logits, make_adapter

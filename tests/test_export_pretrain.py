@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from engine.errors import ForgebenchError
-from engine.gguf.from_pretrain import write_llama_gguf
+from engine.export.from_pretrain import write_llama_gguf
 from engine.models.llama import Llama, LlamaConfig
 from engine.text_tokenizers import BPETokenizer, ByteTokenizer
 from lm_pretrain_support import forgebench, make_corpus
@@ -110,7 +110,7 @@ def test_a_trained_tiny_model_answers_the_same_in_llamacpp_for_40_tokens(tmp_pat
     from engine.recipes.lm_pretrain import complete, load_model
     from engine.rundir import RunDir
     from engine.sampling import SamplingSettings
-    from engine.gguf.from_pretrain import write_pretrain_gguf
+    from engine.export.from_pretrain import write_pretrain_gguf
 
     run = RunDir(trained_run)
     checkpoint = run.checkpoint("latest")
@@ -139,7 +139,7 @@ def test_a_trained_tiny_model_answers_the_same_in_llamacpp_for_40_tokens(tmp_pat
 
 def test_export_refuses_an_existing_folder_and_an_adapter_of_a_pretrain_run(tmp_path,
                                                                               trained_run):
-    from engine.export import export_run
+    from engine.export.bundle import export_run
 
     (tmp_path / "taken").mkdir()
     (tmp_path / "taken" / "keep.txt").write_text("mine")
@@ -153,7 +153,7 @@ def test_export_refuses_an_existing_folder_and_an_adapter_of_a_pretrain_run(tmp_
 
 def test_a_full_disk_during_export_leaves_no_bundle_and_no_temp_files(tmp_path, trained_run,
                                                                        monkeypatch):
-    from engine.export import export_run
+    from engine.export.bundle import export_run
     from export_support import fill_disk_after
 
     fill_disk_after(monkeypatch, 4096)

@@ -93,3 +93,32 @@ def test_missing_key_and_tensor_are_named(tmp_path):
         f.require("{arch}.attention.sliding_window")
     with pytest.raises(ForgebenchError, match="blk.9.attn_q.weight"):
         f.tensor("blk.9.attn_q.weight")
+
+
+def test_invalid_utf8_survives_as_surrogate_escapes(tmp_path):
+    """Token strings that are not UTF-8 (byte-fallback pieces, broken vocabularies) come back
+    as the same bytes, as the tokenizer promises; "replace" would turn them into U+FFFD."""
+    from gguf import GGUFValueType as V
+
+    from engine.gguf.writer import MetaValue, read_gguf_content, write_gguf
+
+    raw = [b"ok", b"\xff\xfe", b"caf\xc3", "ünï".encode()]
+    path = write_gguf(tmp_path / "v.gguf", {"test.tokens": MetaValue(V.ARRAY, raw, V.STRING),
+                                            "test.name": MetaValue(V.STRING, b"x\x80y")}, [])
+    f = open_gguf(path)
+    assert [t.encode("utf-8", "surrogateescape") for t in f.metadata["test.tokens"]] == raw
+    assert f.metadata["test.name"].encode("utf-8", "surrogateescape") == b"x\x80y"
+    again = write_gguf(tmp_path / "again.gguf", read_gguf_content(path).metadata, [])
+    assert again.read_bytes() == path.read_bytes()
+
+
+def test_reader_and_writer_share_one_parse(tmp_path):
+    """The reader's Python values are the view of the writer's typed values of one parse."""
+    from engine.gguf.writer import read_gguf_content
+
+    path = write_tiny_gguf(tmp_path / "m.gguf", "qwen2", "Q8_0", vocab="bpe")
+    f, content = open_gguf(path), read_gguf_content(path)
+    assert f.fields == content.metadata
+    assert f.metadata == {k: v.python() for k, v in content.metadata.items()}
+    assert [(t.name, t.shape, t.ggml_type) for t in content.tensors] \
+        == [(t.name, t.shape, t.ggml_type) for t in f.tensors.values()]

@@ -274,8 +274,9 @@ def test_window_is_token_weighted_whatever_the_micro_batching():
     gradient of one packed window, and not to the mean of per-sample means."""
     from types import SimpleNamespace
 
-    from engine.llm.verify_grads import tiny_model
-    from engine.recipes.lm_sft import pack, supervised_loss
+    from engine.checks.verify_grads import tiny_model
+    from engine.recipes.lm_sft import pack
+    from engine.train.loss import supervised_loss
 
     model, adapters, batch = tiny_model(seed=2)
     with torch.no_grad():
@@ -326,7 +327,7 @@ def test_an_lm_pretrain_run_is_a_base_for_lora_and_full_fine_tuning(tmp_path):
 
 def test_activation_checkpointing_recomputes_the_same_gradients_with_dropout():
     """Recomputed blocks regenerate the same dropout masks, so gradients match exactly."""
-    from engine.llm.verify_grads import tiny_model
+    from engine.checks.verify_grads import tiny_model
     from engine.recipes.lm_sft import checkpoint_activations
 
     def gradients(recompute: bool) -> torch.Tensor:

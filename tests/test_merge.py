@@ -17,7 +17,7 @@ from engine.fsutil import sha256_file
 from engine.gguf.convert import DEQUANTIZED_FROM_KEY, convert_gguf
 from engine.gguf.writer import read_gguf_content
 from engine.lora import read_adapters
-from engine.merge import MERGED_ADAPTER_KEY, merge_into_gguf
+from engine.export.merge import MERGED_ADAPTER_KEY, merge_into_gguf
 from engine.models.gguf_model import load_gguf_model
 from export_support import engine_logits, fill_disk_after, make_adapter
 from gguf_write_fixtures import write_dense_llama

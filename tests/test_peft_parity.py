@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from engine.lora import attach_lora
-from engine.recipes.lm_sft import IGNORE, supervised_loss
+from engine.train.loss import IGNORE, supervised_loss
 
 pytestmark = pytest.mark.peft
 torch.set_num_threads(2)

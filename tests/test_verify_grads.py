@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.llm import verify_grads as vg
+from engine.checks import verify_grads as vg
 
 torch.set_num_threads(1)
 

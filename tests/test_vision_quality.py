@@ -11,13 +11,14 @@ from __future__ import annotations
 
 import json
 import os
-import tomllib
 from pathlib import Path
 
 import numpy as np
 import pytest
 import soundfile
+import tomllib
 import torch
+from media_support import REPO, forgebench
 from PIL import Image
 
 from engine.config import recipe_module, validate_config
@@ -25,9 +26,8 @@ from engine.data.dataset import load_dataset
 from engine.eval.audio import SpectrogramClassifier
 from engine.jobs import execute, start_run
 from engine.models.vision import SmallCNN
-from engine.recipes.media_common import checkpoint_meta, load_weights
 from engine.rundir import RunDir
-from media_support import REPO, forgebench
+from engine.train.loop import checkpoint_meta, load_weights
 
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(
     os.environ.get("FORGEBENCH_SLOW") != "1",

@@ -1,4 +1,4 @@
-"""The export wizard's steps over `forgebench export` / `forgebench convert` (engine/export.py):
+"""The export wizard's steps over `forgebench export` / `forgebench convert` (engine/export/bundle.py):
 which runs can be exported, what the base is, how big each quantization will be, the
 equivalence report as pass/fail rows, and the bundle's model card and rights checklist.
 
@@ -16,7 +16,7 @@ from pathlib import Path
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as T
 
 from engine.errors import ForgebenchError
-from engine.export import DTYPES, write_sha256sums
+from engine.export.bundle import DTYPES, write_sha256sums
 from engine.fsutil import atomic_write_text, read_json
 from engine.gguf.quant_policy import (DEFAULT_TYPE, FILE_TYPES, FLOAT_TYPES, ModelFacts,
                                       plan_types)

@@ -1,4 +1,6 @@
-"""CLI handlers (`cmd_*`), one module per command family; engine/cli.py maps names to them.
+"""The `forgebench` subcommand handlers (`cmd_*(args) -> exit code`), one module per family.
 
-argparse namespaces stop here: handlers read the flags and call library functions.
+engine/cli.py maps each subcommand to its handler by name and imports it only when it runs.
+These modules are the only place argparse namespaces are read; the library below takes plain
+arguments. See docs/architecture.md.
 """

@@ -14,7 +14,6 @@ quantized, or was dequantized from a quantized file, is refused rather than quan
 
 from __future__ import annotations
 
-import argparse
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
@@ -158,32 +157,3 @@ def convert_gguf(src: str | Path, dst: str | Path, dtype: str, progress=None, *,
                                                             _source_type_name(content))
     write_gguf(dst, metadata, tensors, version=content.version, progress=progress)
     return ConvertResult(dst, dtype, Counter(t.ggml_type.name for t in tensors), dequantized)
-
-
-def cmd_convert(args: argparse.Namespace) -> int:
-    from tqdm import tqdm
-
-    src, dst = Path(args.file), Path(args.out)
-    bars: list[tqdm] = []  # opened with the first written tensor, so errors print cleanly
-
-    def progress(tensor: TensorEntry, done: int, total: int) -> None:
-        if not bars:
-            bars.append(tqdm(desc=f"convert → {args.dtype}", total=total, unit="tensor",
-                             leave=False))
-        bars[0].set_postfix_str(tensor.name, refresh=False)
-        bars[0].update(1)
-    try:
-        result = convert_gguf(src, dst, args.dtype, progress=progress)
-    finally:
-        for bar in bars:
-            bar.close()
-    size_mb = dst.stat().st_size / 1e6
-    types = ", ".join(f"{name}×{count}" for name, count in sorted(result.types.items()))
-    print(f"wrote {dst} ({size_mb:.1f} MB): {types}")
-    if result.dtype == "keep":
-        same = sha256_file(src) == sha256_file(dst)
-        print("byte-identical to the input" if same else
-              "same content, re-laid out (the input's tensor data was not in the standard layout)")
-    if result.dequantized:
-        print(f"note: dequantized from a quantized file; marked with {DEQUANTIZED_FROM_KEY}")
-    return 0

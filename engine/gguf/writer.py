@@ -7,10 +7,9 @@ then every tensor's bytes, each padded with zeros to the alignment. This is the 
 `gguf` package and ggml both write, so reading a file into `GGUFContent` and writing it back
 (`reemit`) reproduces it byte for byte.
 
-`read_gguf_content` is the writer's mirror: it keeps every value's exact GGUF type (u32 vs i32,
-array element types, raw string bytes), which a re-emit needs and engine.gguf.reader's Python
-values do not carry; it parses the header directly (about a second for a 262k-token
-vocabulary, where the `gguf` package's GGUFReader builds one object per string).
+`read_gguf_content` is the writer's mirror over the one parser (engine.gguf.parser): every
+value keeps its exact GGUF type (u32 vs i32, array element types, raw string bytes), which a
+re-emit needs and the reader's Python values do not carry.
 
 Files are written to a temp name beside the target and renamed at the end, after a free-space
 check: a failure (disk full included) leaves no partial output.
@@ -23,58 +22,18 @@ import os
 import struct
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterable, Union
+from typing import Callable, Iterable, Union
 
 import numpy as np
-from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType
+from gguf import GGMLQuantizationType, GGUFValueType
 
 from engine.errors import ForgebenchError
 from engine.fsutil import atomic_writer, require_free_space
-
-GGUF_MAGIC = b"GGUF"
-DEFAULT_ALIGNMENT = 32
-ALIGNMENT_KEY = "general.alignment"
-
-# scalar value types -> struct format (little-endian)
-_SCALAR_FORMAT = {
-    GGUFValueType.UINT8: "<B", GGUFValueType.INT8: "<b", GGUFValueType.UINT16: "<H",
-    GGUFValueType.INT16: "<h", GGUFValueType.UINT32: "<I", GGUFValueType.INT32: "<i",
-    GGUFValueType.FLOAT32: "<f", GGUFValueType.UINT64: "<Q", GGUFValueType.INT64: "<q",
-    GGUFValueType.FLOAT64: "<d", GGUFValueType.BOOL: "<?",
-}
-_NUMPY_DTYPE = {t: np.dtype(f) for t, f in _SCALAR_FORMAT.items()}
+from engine.gguf.parser import (ALIGNMENT_KEY, DEFAULT_ALIGNMENT, GGUF_MAGIC, NUMPY_DTYPE,
+                                SCALAR_FORMAT, MetaValue, check_alignment, encode, parse_gguf,
+                                tensor_nbytes)
 
 TensorData = Union[bytes, np.ndarray, Callable[[], Union[bytes, np.ndarray]]]
-
-
-@dataclass(frozen=True, eq=False)
-class MetaValue:
-    """One metadata value with its exact GGUF type (u32 and i32 must not be confused on re-emit).
-
-    STRING values are str or raw bytes; ARRAY values are a list (of str/bytes for string arrays)
-    or a numpy array, with `item_type` naming the element type.
-    """
-    type: GGUFValueType
-    value: Any
-    item_type: GGUFValueType | None = None
-
-    def __eq__(self, other: object) -> bool:
-        if not isinstance(other, MetaValue):
-            return NotImplemented
-        if (self.type, self.item_type) != (other.type, other.item_type):
-            return False
-        if self.type == GGUFValueType.ARRAY and self.item_type != GGUFValueType.STRING:
-            return np.array_equal(np.asarray(self.value), np.asarray(other.value))
-        return self.python() == other.python()
-
-    def python(self) -> Any:
-        """The value as the reader's metadata dict holds it (strings decoded)."""
-        if isinstance(self.value, bytes):
-            return self.value.decode("utf-8", errors="replace")
-        if self.item_type == GGUFValueType.STRING:
-            return [v.decode("utf-8", errors="replace") if isinstance(v, bytes) else v
-                    for v in self.value]
-        return self.value.tolist() if isinstance(self.value, np.ndarray) else self.value
 
 
 @dataclass
@@ -110,15 +69,6 @@ def _alignment(metadata: dict[str, MetaValue]) -> int:
     return int(meta.value) if meta is not None else DEFAULT_ALIGNMENT
 
 
-def tensor_nbytes(ggml_type: GGMLQuantizationType, shape: tuple[int, ...]) -> int:
-    block, size = GGML_QUANT_SIZES[GGMLQuantizationType(ggml_type)]
-    n = int(np.prod(shape, dtype=np.int64)) if shape else 1
-    if n % block:
-        raise ValueError(f"{n} values do not fill whole {GGMLQuantizationType(ggml_type).name} "
-                         f"blocks of {block}")
-    return n // block * size
-
-
 def _pad(n: int, alignment: int) -> int:
     return -n % alignment
 
@@ -126,7 +76,7 @@ def _pad(n: int, alignment: int) -> int:
 # ---------------------------------------------------------------- encoding
 
 def _string(value: str | bytes) -> bytes:
-    raw = value.encode("utf-8") if isinstance(value, str) else bytes(value)
+    raw = encode(value)
     return struct.pack("<Q", len(raw)) + raw
 
 
@@ -134,16 +84,18 @@ def _encode_value(key: str, meta: MetaValue) -> bytes:
     kind = GGUFValueType(meta.type)
     if kind == GGUFValueType.STRING:
         return _string(meta.value)
-    if kind in _SCALAR_FORMAT:
-        return struct.pack(_SCALAR_FORMAT[kind], meta.value)
+    if kind in SCALAR_FORMAT:
+        return struct.pack(SCALAR_FORMAT[kind], meta.value)
     if kind != GGUFValueType.ARRAY or meta.item_type is None:
         raise ValueError(f"metadata {key!r}: cannot write value type {kind!r}")
     item = GGUFValueType(meta.item_type)
     head = struct.pack("<IQ", item, len(meta.value))
     if item == GGUFValueType.STRING:
         return head + b"".join(_string(v) for v in meta.value)
-    if item in _NUMPY_DTYPE:
-        return head + np.asarray(meta.value, dtype=_NUMPY_DTYPE[item]).tobytes()
+    if item == GGUFValueType.ARRAY:
+        return head + b"".join(_encode_value(key, v) for v in meta.value)
+    if item in NUMPY_DTYPE:
+        return head + np.asarray(meta.value, dtype=NUMPY_DTYPE[item]).tobytes()
     raise ValueError(f"metadata {key!r}: arrays of {item!r} are not supported")
 
 
@@ -190,10 +142,13 @@ def write_gguf(path: str | os.PathLike, metadata: dict[str, MetaValue] | Iterabl
     tensors = [t if isinstance(t, TensorEntry) else TensorEntry(*t) for t in tensors]
     if alignment is not None and (alignment != DEFAULT_ALIGNMENT or ALIGNMENT_KEY in metadata):
         metadata[ALIGNMENT_KEY] = MetaValue(GGUFValueType.UINT32, alignment)
-    align = _alignment(metadata)
-    if align <= 0 or align & (align - 1):
-        raise ForgebenchError(f"alignment {align} is not a power of two", path=path,
-                              where=ALIGNMENT_KEY)
+    align = check_alignment(_alignment(metadata), path)
+    for tensor in tensors:
+        try:
+            tensor_nbytes(tensor.ggml_type, tensor.shape)
+        except ValueError as exc:
+            raise ForgebenchError(f"tensor {tensor.name!r}: {exc}", path=path,
+                                  where=tensor.name) from None
     names = [t.name for t in tensors]
     if len(set(names)) != len(names):
         raise ForgebenchError("duplicate tensor names", path=path,
@@ -223,110 +178,16 @@ def write_gguf(path: str | os.PathLike, metadata: dict[str, MetaValue] | Iterabl
 
 # ---------------------------------------------------------------- reading for a rewrite
 
-class _Cursor:
-    """Sequential little-endian reads over the mapped file; running off the end means the file
-    is truncated."""
-
-    def __init__(self, buf: np.ndarray):
-        self.mem = memoryview(buf)
-        self.pos = 0
-
-    def take(self, n: int) -> memoryview:
-        if self.pos + n > len(self.mem):
-            raise EOFError(f"needs {self.pos + n} bytes, file has {len(self.mem)}")
-        view = self.mem[self.pos:self.pos + n]
-        self.pos += n
-        return view
-
-    def unpack(self, fmt: str):
-        size = struct.calcsize(fmt)
-        return struct.unpack_from(fmt, self.take(size))
-
-    def string(self) -> bytes:
-        (n,) = self.unpack("<Q")
-        return bytes(self.take(n))
-
-    def value(self, kind: GGUFValueType) -> MetaValue:
-        if kind == GGUFValueType.STRING:
-            return MetaValue(kind, self.string())
-        if kind in _SCALAR_FORMAT:
-            return MetaValue(kind, self.unpack(_SCALAR_FORMAT[kind])[0])
-        if kind != GGUFValueType.ARRAY:
-            raise ValueError(f"unknown value type {int(kind)}")
-        item, count = self.unpack("<IQ")
-        item = GGUFValueType(item)
-        if item == GGUFValueType.STRING:
-            return MetaValue(kind, [self.string() for _ in range(count)], item)
-        if item not in _NUMPY_DTYPE:
-            raise ValueError(f"arrays of {item.name} are not supported")
-        dtype = _NUMPY_DTYPE[item]
-        raw = self.take(count * dtype.itemsize)
-        return MetaValue(kind, np.frombuffer(raw, dtype=dtype).copy(), item)
-
-
 def read_gguf_content(path: str | os.PathLike) -> GGUFContent:
     """Read a GGUF file's typed metadata and tensors (bytes memory-mapped) for writing back.
 
-    Bad input — missing, not GGUF, truncated, corrupt — is a ForgebenchError naming the file.
+    Bad input — missing, not GGUF, truncated, corrupt — is a ForgebenchError naming the file
+    (engine.gguf.parser makes every check).
     """
-    path = Path(path)
-    if not path.is_file():
-        raise ForgebenchError("no such file", path=path, hint="give the path to a .gguf file")
-    size = path.stat().st_size
-    with open(path, "rb") as handle:
-        magic = handle.read(4)
-    if magic != GGUF_MAGIC:
-        raise ForgebenchError(f"not a GGUF file (starts with {magic!r}, expected b'GGUF')",
-                              path=path, hint="pass a .gguf model file")
-    buf = np.memmap(path, dtype=np.uint8, mode="r")
-    cursor = _Cursor(buf)
-    where = "header"
-    try:
-        cursor.take(4)
-        version, n_tensors, n_kv = cursor.unpack("<IQQ")
-        if version not in (2, 3):
-            raise ValueError(f"GGUF version {version} is not supported (2 and 3 are)")
-        metadata: dict[str, MetaValue] = {}
-        for index in range(n_kv):
-            where = f"metadata entry {index}"
-            key = cursor.string().decode("utf-8")
-            where = f"metadata {key!r}"
-            (kind,) = cursor.unpack("<I")
-            metadata[key] = cursor.value(GGUFValueType(kind))
-        infos = []
-        for index in range(n_tensors):
-            where = f"tensor info {index}"
-            name = cursor.string().decode("utf-8")
-            where = f"tensor {name!r}"
-            (n_dims,) = cursor.unpack("<I")
-            if n_dims > 4:  # GGML_MAX_DIMS
-                raise ValueError(f"{n_dims} dimensions (ggml tensors have at most 4)")
-            dims = cursor.unpack(f"<{n_dims}Q")
-            kind, offset = cursor.unpack("<IQ")
-            infos.append((name, tuple(reversed(dims)), GGMLQuantizationType(kind), offset))
-    except (EOFError, ValueError, UnicodeDecodeError, struct.error) as exc:
-        truncated = isinstance(exc, EOFError)
-        raise ForgebenchError(
-            ("file is truncated" if truncated else "cannot parse the GGUF header")
-            + f" ({exc})", path=path, where=where,
-            hint="download or convert the file again") from exc
-    content = GGUFContent(path, version, metadata)
-    if content.alignment <= 0 or content.alignment & (content.alignment - 1):
-        raise ForgebenchError(f"alignment {content.alignment} is not a power of two", path=path,
-                              where=ALIGNMENT_KEY, hint="the file is corrupt")
-    data_start = cursor.pos + _pad(cursor.pos, content.alignment)
-    for name, shape, kind, offset in infos:
-        start = data_start + offset
-        try:
-            end = start + tensor_nbytes(kind, shape)
-        except (ValueError, KeyError) as exc:
-            raise ForgebenchError(f"tensor {name!r}: {exc}", path=path, where=name,
-                                  hint="the file is corrupt") from exc
-        if end > size:
-            raise ForgebenchError(
-                f"file is truncated: tensor {name!r} needs bytes up to {end}, file has {size}",
-                path=path, where=name, hint="download or convert the file again")
-        content.tensors.append(TensorEntry(name, kind, shape, buf[start:end]))
+    parsed = parse_gguf(path)
+    content = GGUFContent(parsed.path, parsed.version, parsed.metadata)
+    content.tensors = [TensorEntry(slot.name, slot.ggml_type, slot.shape,
+                                   parsed.tensor_bytes(slot)) for slot in parsed.tensors]
     return content
 
 

@@ -1,5 +1,5 @@
 """KV-cached text generation from a GGUF model: greedy or sampled (engine.sampling), stop strings,
-streamed text, timing figures; and `forgebench generate --model FILE.gguf`.
+streamed text, timing figures. (`forgebench generate` is engine.commands.generate.)
 
 The prompt is processed in one batch, then one token per step against the KV cache, as llama.cpp
 does. Under "llamacpp" numerics (the default for GGUF files) the cache is f16 and matmuls quantize
@@ -8,8 +8,6 @@ their activations, so the continuation is the one llama.cpp serves.
 
 from __future__ import annotations
 
-import json
-import sys
 import time
 from dataclasses import dataclass, field
 from typing import Callable
@@ -124,58 +122,3 @@ def generate(model, tokenizer, prompt_ids: list[int], *, max_new_tokens: int = 6
                "decode_tokens_per_s": clock["steps"] / clock["decode_s"] if clock["decode_s"] else None,
                "time_to_first_token_s": clock["prompt_s"], "total_s": total}
     return Generation(list(prompt_ids), ids, text, reason, timings)
-
-
-def _prompt_ids(model, tokenizer, args) -> list[int]:
-    if not args.chat:
-        return tokenizer.encode(args.prompt, add_special=True, parse_special=True)
-    from engine.llm.chat import encode_prompt, render_chat
-
-    messages = ([{"role": "system", "content": args.system}] if args.system else []) \
-        + [{"role": "user", "content": args.prompt}]
-    text = render_chat(model.gguf, messages, add_generation_prompt=True,
-                       enable_thinking=False if args.no_think else None)
-    return encode_prompt(tokenizer, text)
-
-
-def _attach_lora(model, path: str) -> None:
-    from engine.lora import attach_lora, load_adapters, read_adapters
-
-    _, meta = read_adapters(path)
-    try:
-        rank, alpha, targets = int(meta["rank"]), float(meta["alpha"]), meta["targets"].split(",")
-    except (KeyError, ValueError) as exc:
-        raise ForgebenchError(f"adapter metadata is incomplete ({exc})", path=path) from None
-    adapters = attach_lora(model, targets=targets, rank=rank, alpha=alpha)
-    load_adapters(path, adapters, model.gguf.sha256())
-
-
-def cmd_generate_gguf(args) -> int:
-    """`forgebench generate --model FILE.gguf --prompt ...`: stream the continuation to stdout.
-
-    Weights default to "dense-cache": every decoded token reads every weight, so keeping each
-    layer dequantized after its first use makes decoding ~3x faster than "packed" (which
-    dequantizes them all again per token) for f32 copies of the weights (~1 GB for
-    gemma-3-270m); loading stays instant either way, since the cache fills as layers first run.
-    """
-    from engine.models.gguf_model import load_gguf_model, memory_report
-
-    numerics = args.numerics or "llamacpp"
-    weights = getattr(args, "weights", "dense-cache")
-    model, tokenizer = load_gguf_model(args.model, numerics=numerics, weights=weights)
-    if args.lora:
-        _attach_lora(model, args.lora)
-    prompt = _prompt_ids(model, tokenizer, args)
-    settings = SamplingSettings(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
-                                repetition_penalty=args.repetition_penalty)
-    emit = None if args.json else (lambda s: (sys.stdout.write(s), sys.stdout.flush()))
-    result = generate(model, tokenizer, prompt, max_new_tokens=args.max_tokens, settings=settings,
-                      seed=args.seed, stop=args.stop, on_text=emit)
-    if args.json:
-        out = result.as_dict() | {"model": str(args.model), "numerics": numerics,
-                                  "settings": settings.as_dict(), "seed": args.seed,
-                                  "weights": weights, "memory": memory_report(model)}
-        print(json.dumps(out, ensure_ascii=False, indent=1))
-    else:
-        sys.stdout.write("\n")
-    return 0

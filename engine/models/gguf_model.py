@@ -54,16 +54,6 @@ def gguf_tensor_name(param: str) -> str | None:
     return None
 
 
-def _int(gf: GGUFFile, key: str, default=None) -> int:
-    value = gf.get(key, default) if default is not None else gf.require(key)
-    if isinstance(value, list):                       # per-layer arrays: must be uniform here
-        if len(set(value)) != 1:
-            raise ForgebenchError(f"per-layer values {sorted(set(value))} are not supported",
-                                  path=gf.path, where=key.replace("{arch}", gf.architecture))
-        value = value[0]
-    return int(value)
-
-
 def _check_architecture(gf: GGUFFile) -> str:
     arch = gf.architecture
     if not arch:
@@ -73,7 +63,7 @@ def _check_architecture(gf: GGUFFile) -> str:
         raise ForgebenchError(f"architecture {arch!r} is {REFUSED_ARCHS[arch]}, which the engine does "
                               "not run", path=gf.path, where="general.architecture",
                               hint="supported: " + ", ".join(SUPPORTED_ARCHS))
-    if int(gf.get("{arch}.expert_count", 0) or 0) > 0:
+    if gf.require_int("{arch}.expert_count", 0, minimum=0) > 0:
         raise ForgebenchError(f"{arch} file has {gf.get('{arch}.expert_count')} experts: "
                               "mixture-of-experts models are not supported", path=gf.path,
                               where=f"{arch}.expert_count", hint="use a dense model")
@@ -106,13 +96,19 @@ def _meta_modules():
 def config_from_gguf(gf: GGUFFile) -> LlamaConfig | Gemma3Config:
     """The family config from GGUF metadata (keys as llama.cpp's llama-model.cpp reads them)."""
     arch = _check_architecture(gf)
-    dim = _int(gf, "{arch}.embedding_length")
-    n_heads = _int(gf, "{arch}.attention.head_count")
-    head_dim = _int(gf, "{arch}.attention.key_length", dim // n_heads)
-    if _int(gf, "{arch}.attention.value_length", head_dim) != head_dim:
+    dim = gf.require_int("{arch}.embedding_length")
+    n_heads = gf.require_int("{arch}.attention.head_count")
+    n_kv_heads = gf.require_int("{arch}.attention.head_count_kv", n_heads)
+    if n_heads % n_kv_heads:
+        raise ForgebenchError(f"{n_heads} attention heads cannot be shared by {n_kv_heads} "
+                              "key/value heads", path=gf.path,
+                              where=f"{arch}.attention.head_count_kv",
+                              hint="the file's metadata is corrupt")
+    head_dim = gf.require_int("{arch}.attention.key_length", dim // n_heads or 1)
+    if gf.require_int("{arch}.attention.value_length", head_dim) != head_dim:
         raise ForgebenchError("key_length != value_length is not supported", path=gf.path,
                               where=f"{arch}.attention.value_length")
-    if _int(gf, "{arch}.rope.dimension_count", head_dim) != head_dim:
+    if gf.require_int("{arch}.rope.dimension_count", head_dim) != head_dim:
         raise ForgebenchError("partial rotary embeddings are not supported", path=gf.path,
                               where=f"{arch}.rope.dimension_count")
     n_vocab = gf.tensor("token_embd.weight").shape[0]
@@ -122,30 +118,32 @@ def config_from_gguf(gf: GGUFFile) -> LlamaConfig | Gemma3Config:
                               f"{n_vocab} rows", path=gf.path, where="token_embd.weight",
                               hint="the tokenizer and the weights come from different models")
     scaling = gf.get("{arch}.rope.scaling.type", "none")
-    factor = float(gf.get("{arch}.rope.scaling.factor", 1.0) or 1.0)
-    common = dict(vocab_size=n_vocab, dim=dim, n_layers=_int(gf, "{arch}.block_count"),
-                  n_heads=n_heads, n_kv_heads=_int(gf, "{arch}.attention.head_count_kv", n_heads),
-                  ffn_dim=_int(gf, "{arch}.feed_forward_length"),
-                  norm_eps=float(gf.require("{arch}.attention.layer_norm_rms_epsilon")),
-                  max_seq_len=_int(gf, "{arch}.context_length", 4096),
+    factor = gf.require_float("{arch}.rope.scaling.factor", 1.0) or 1.0
+    common = dict(vocab_size=n_vocab, dim=dim, n_layers=gf.require_int("{arch}.block_count"),
+                  n_heads=n_heads, n_kv_heads=n_kv_heads,
+                  ffn_dim=gf.require_int("{arch}.feed_forward_length"),
+                  norm_eps=gf.require_float("{arch}.attention.layer_norm_rms_epsilon"),
+                  max_seq_len=gf.require_int("{arch}.context_length", 4096),
                   tie_embeddings="output.weight" not in gf.tensors)
     if arch == "gemma3":
         n_layers = common["n_layers"]
-        period = _int(gf, "{arch}.attention.sliding_window_pattern", 6)
+        period = gf.require_int("{arch}.attention.sliding_window_pattern", 6)
         if scaling not in ("none", "linear"):
             raise ForgebenchError(f"rope scaling {scaling!r} is not supported", path=gf.path,
                                   where=f"{arch}.rope.scaling.type")
         return Gemma3Config(**common, head_dim=head_dim,
-                            rope_theta=float(gf.get("{arch}.rope.freq_base", 1_000_000.0)),
+                            rope_theta=gf.require_float("{arch}.rope.freq_base", 1_000_000.0),
                             rope_scale=factor if scaling == "linear" else 1.0,
-                            sliding_window=_int(gf, "{arch}.attention.sliding_window"),
+                            sliding_window=gf.require_int("{arch}.attention.sliding_window"),
                             sliding=[(i % period) < period - 1 for i in range(n_layers)],
-                            final_softcap=gf.get("{arch}.final_logit_softcapping"))
+                            final_softcap=gf.require_float("{arch}.final_logit_softcapping",
+                                                           0.0) or None)
     if scaling not in ("none",) and not (scaling == "linear" and factor == 1.0):
         raise ForgebenchError(f"rope scaling {scaling!r} is not supported for {arch}", path=gf.path,
                               where=f"{arch}.rope.scaling.type")
     build = {"llama": LlamaConfig, "qwen2": qwen2_config, "qwen3": qwen3_config}[arch]
-    return build(**common, head_dim=head_dim, rope_theta=float(gf.get("{arch}.rope.freq_base", 10_000.0)))
+    return build(**common, head_dim=head_dim,
+                 rope_theta=gf.require_float("{arch}.rope.freq_base", 10_000.0))
 
 
 def _packed(gf: GGUFFile, name: str, shape: tuple[int, int]) -> PackedWeight:

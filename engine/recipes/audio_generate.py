@@ -16,6 +16,13 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from engine.train.media_data import (
+    dataset_manifest,
+    open_dataset,
+    read_clip,
+    split_records,
+    write_wav,
+)
 from engine.diffusion import SCHEDULE_ID, Schedule
 from engine.eval.audio import integrity_flags
 from engine.eval.neighbours import nearest_clips
@@ -23,10 +30,14 @@ from engine.fsutil import atomic_write_json
 from engine.jobs import Job
 from engine.models.diffusion import UNetConfig
 from engine.recipes.audio_generate_config import AudioGenerateConfig
-from engine.recipes.media_common import (dataset_manifest, evaluate_generator, load_generator,
-                                         open_dataset, read_clip, run_sampler, sample_request,
-                                         split_records, train_generator, write_wav)
 from engine.rundir import Checkpoint, RunDir
+from engine.train.generators import (
+    evaluate_generator,
+    load_generator,
+    run_sampler,
+    sample_request,
+    train_generator,
+)
 
 KINDS = ("audio-clips",)
 

@@ -13,15 +13,28 @@ import torch
 import torch.nn.functional as F
 
 from engine.data.formats import EMPTY_LABEL
+from engine.train.media_data import (
+    ImageSet,
+    augment,
+    dataset_manifest,
+    image_set,
+    open_dataset,
+)
 from engine.eval.classification import classification_report
 from engine.jobs import Job, run_config
 from engine.models.vision import WIDTHS, SmallCNN
 from engine.recipes.image_classify_config import ImageClassifyConfig
-from engine.recipes.media_common import (ImageSet, Loop, augment, autocast, dataset_manifest,
-                                         image_set, load_weights, meta_for, open_dataset,
-                                         record_eval, require_same_classes, train_loop)
 from engine.rundir import Checkpoint, RunDir
+from engine.train.loop import (
+    Loop,
+    load_weights,
+    meta_for,
+    record_eval,
+    require_same_classes,
+    train_loop,
+)
 from engine.train.optim import build_adamw
+from engine.train.precision import autocast
 
 KINDS = ("image-classify", "image-masks", "image-boxes")
 

@@ -15,16 +15,30 @@ import numpy as np
 import torch
 from PIL import Image, ImageDraw
 
+from engine.train.media_data import (
+    ImageSet,
+    augment,
+    dataset_manifest,
+    image_set,
+    open_dataset,
+    save_png,
+)
 from engine.eval.detection import detection_report
 from engine.fsutil import atomic_write_text
 from engine.jobs import Job, run_config
 from engine.models.vision import WIDTHS, GridDetector, detection_loss
 from engine.recipes.image_detect_config import ImageDetectConfig
-from engine.recipes.media_common import (ImageSet, Loop, augment, autocast, dataset_manifest,
-                                         image_set, load_weights, meta_for, open_dataset,
-                                         record_eval, require_same_classes, save_png, train_loop)
 from engine.rundir import Checkpoint, RunDir
+from engine.train.loop import (
+    Loop,
+    load_weights,
+    meta_for,
+    record_eval,
+    require_same_classes,
+    train_loop,
+)
 from engine.train.optim import build_adamw
+from engine.train.precision import autocast
 
 KINDS = ("image-masks", "image-boxes")
 

@@ -12,16 +12,27 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from engine.train.media_data import (
+    augment,
+    dataset_manifest,
+    image_set,
+    open_dataset,
+    save_png,
+)
 from engine.diffusion import SCHEDULE_ID, Schedule
 from engine.eval.neighbours import nearest_images
 from engine.fsutil import atomic_write_json
 from engine.jobs import Job
 from engine.models.diffusion import DenoisingUNet, UNetConfig
 from engine.recipes.image_generate_config import ImageGenerateConfig
-from engine.recipes.media_common import (augment, dataset_manifest, evaluate_generator,
-                                         image_set, load_generator, open_dataset, run_sampler,
-                                         sample_request, save_png, train_generator)
 from engine.rundir import Checkpoint, RunDir
+from engine.train.generators import (
+    evaluate_generator,
+    load_generator,
+    run_sampler,
+    sample_request,
+    train_generator,
+)
 
 KINDS = ("image-masks", "image-classify", "image-boxes")
 

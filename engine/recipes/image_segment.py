@@ -19,18 +19,32 @@ import json
 import numpy as np
 import torch
 
+from engine.train.media_data import (
+    ImageSet,
+    augment,
+    dataset_manifest,
+    image_set,
+    open_dataset,
+    save_png,
+)
 from engine.eval.contours import write_contours
 from engine.eval.masks import boundary_f1, iou
 from engine.fsutil import atomic_write_text
 from engine.jobs import Job, run_config
 from engine.models.vision import TinyUNet, segmentation_loss
 from engine.recipes.image_segment_config import ImageSegmentConfig
-from engine.recipes.media_common import (ImageSet, Loop, augment, autocast, checkpoint_meta,
-                                         dataset_manifest, image_set, load_weights, meta_for,
-                                         open_dataset, record_eval, require_same_classes, save_png,
-                                         train_loop)
 from engine.rundir import Checkpoint, RunDir
+from engine.train.loop import (
+    Loop,
+    checkpoint_meta,
+    load_weights,
+    meta_for,
+    record_eval,
+    require_same_classes,
+    train_loop,
+)
 from engine.train.optim import build_adamw
+from engine.train.precision import autocast
 
 KINDS = ("image-masks",)
 

@@ -8,7 +8,6 @@ byte, which compares models across tokenizers. The test split is read only by
 
 from __future__ import annotations
 
-import contextlib
 import json
 import math
 from dataclasses import dataclass
@@ -25,10 +24,16 @@ from engine.recipes.lm_pretrain_config import LMPretrainConfig
 from engine.rundir import Checkpoint, RunDir
 from engine.sampling import SamplingSettings, generate_tokens
 from engine.text_tokenizers import BPETokenizer, ByteTokenizer, tokenizer_from_json
-from engine.train.checkpoint import load_checkpoint, rng_state, save_checkpoint, set_rng_state
+from engine.train.checkpoint import (
+    load_checkpoint,
+    rng_state,
+    save_checkpoint,
+    set_rng_state,
+)
 from engine.train.data_order import DataCursor
 from engine.train.metrics import StepClock, WindowLoss, peak_rss_mb
 from engine.train.optim import build_adamw, clip_and_step, lr_at, set_lr
+from engine.train.precision import autocast
 
 TOKENIZER_FILE = "tokenizer.json"
 SPLIT_FILES = {"train": "train.txt", "val": "val.txt", "test": "test.txt"}
@@ -119,12 +124,6 @@ def load_model(run: RunDir, checkpoint: Checkpoint) -> tuple[Llama, object, LMPr
     return model.eval(), tokenizer, config
 
 
-def autocast(config: LMPretrainConfig):
-    if config.train.autocast == "bf16":
-        return torch.autocast("cpu", dtype=torch.bfloat16)
-    return contextlib.nullcontext()
-
-
 # -- evaluation ---------------------------------------------------------------------------
 @dataclass
 class EvalResult:
@@ -154,7 +153,7 @@ def bits_per_byte(model: Llama, tokenizer, text: str, config: LMPretrainConfig,
     batches += [p[None] for p in pieces if len(p) != context + 1]  # the ragged last window
     nats, tokens, n_bytes = 0.0, 0, 0
     for batch in batches:                                          # [B, T+1]
-        with autocast(config):
+        with autocast(config.train.autocast):
             logits = model(batch[:, :-1])                          # [B, T, V]
         targets = batch[:, 1:]
         nats += float(F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(),
@@ -324,7 +323,7 @@ def train(job: Job) -> None:
             job.stage = "forward"
             batch = train_windows[cursor.take(tr.batch_size)]            # [B, T+1]
             inputs, targets = batch[:, :-1], batch[:, 1:]
-            with autocast(config):
+            with autocast(config.train.autocast):
                 logits = model(inputs)                                 # [B, T, V]
             loss_sum = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(),
                                        reduction="sum")

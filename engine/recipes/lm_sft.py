@@ -14,7 +14,6 @@ its metadata), the optimizer state and `trainer_state.json` (data cursor, RNG, s
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import json
 import re
@@ -23,67 +22,40 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint as recompute
 
+from engine.config import recipe_module
 from engine.errors import ForgebenchError
 from engine.fsutil import atomic_write_json, atomic_write_text, sha256_file
 from engine.jobs import Job, run_config
 from engine.llm.chat import ChatTemplate, encode_prompt
-from engine.llm.sft_data import IGNORE_INDEX as IGNORE
 from engine.llm.sft_data import encode_sft_dataset, load_sft_examples
-from engine.lora import (LoRALinear, adapter_bytes, attach_lora, describe_adapters,
-                         load_adapters)
-from engine.models.linear import PackedWeight, linear_cross_entropy
+from engine.lora import (
+    LoRALinear,
+    adapter_bytes,
+    attach_lora,
+    describe_adapters,
+    load_adapters,
+)
 from engine.recipes.lm_sft_config import LMSFTConfig
 from engine.rundir import Checkpoint, RunDir
 from engine.sampling import SamplingSettings, generate_tokens
-from engine.train.checkpoint import (MODEL_FILE, load_checkpoint, rng_state, save_checkpoint,
-                                     set_rng_state)
+from engine.train.checkpoint import (
+    MODEL_FILE,
+    load_checkpoint,
+    rng_state,
+    save_checkpoint,
+    set_rng_state,
+)
 from engine.train.data_order import DataCursor
+from engine.train.loss import IGNORE, supervised_loss
 from engine.train.metrics import StepClock, WindowLoss, peak_rss_mb
 from engine.train.optim import build_adamw, clip_and_step, lr_at, set_lr
+from engine.train.precision import autocast
 
 ADAPTERS_FILE = "adapters.safetensors"
 BYTES_PER_FULL_PARAM = 16  # f32 weight + grad + two AdamW moments
-
-
-# -- the loss -------------------------------------------------------------------------------
-def supervised_loss(model: nn.Module, inputs: torch.Tensor, labels: torch.Tensor,
-                    lengths: list[int] | None = None) -> torch.Tensor:
-    """Summed cross-entropy over the supervised positions of inputs/labels [B, T] (or [T]);
-    `lengths` marks [T] as samples packed one after another (what `pack` returns).
-
-    The last MLP and the LM head run only at supervised positions: full [T, vocab] logits are
-    never built (Gemma's vocabulary is 262,144). A frozen head goes through the fused loss; a
-    trained or soft-capped one through plain logits.
-    """
-    if inputs.dim() == 1:
-        inputs, labels = inputs[None], labels[None]
-    supervised = labels != IGNORE                          # [B, T]
-    hidden = model.hidden(inputs, lengths=lengths, rows=supervised)   # [N, D]
-    head = frozen_head(model)
-    if head is not None:                                   # one fused pass over the head
-        return linear_cross_entropy(hidden, head, labels[supervised])
-    logits = model.logits(hidden)                          # [N, vocab]
-    logits = logits.to(torch.promote_types(logits.dtype, torch.float32))  # bf16 -> f32, f64 kept
-    return F.cross_entropy(logits, labels[supervised], reduction="sum")
-
-
-def frozen_head(model: nn.Module):
-    """The LM head's weight [vocab, D] when logits are a plain product with a frozen matrix
-    (no bias, no softcap, f32 numerics): what the fused loss can take; else None."""
-    if getattr(model.config, "final_softcap", None):
-        return None
-    head = getattr(model, "output", None) or getattr(model, "tok_embeddings", None)
-    if (head is None or getattr(head, "bias", None) is not None
-            or getattr(head, "numerics", "f32") != "f32"):
-        return None
-    weight = head.weight
-    if isinstance(weight, PackedWeight) or not weight.requires_grad:
-        return weight
-    return None
 
 
 def pack(samples: list) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
@@ -117,7 +89,11 @@ def base_model(config: LMSFTConfig) -> Path:
 def load_base(config: LMSFTConfig) -> Base:
     path = base_model(config)
     if config.model.gguf:
-        from engine.models.gguf_model import load_gguf_model, memory_report, packed_weights
+        from engine.models.gguf_model import (
+            load_gguf_model,
+            memory_report,
+            packed_weights,
+        )
 
         if not path.is_file():
             raise ForgebenchError("base model file not found", path=path,
@@ -128,13 +104,13 @@ def load_base(config: LMSFTConfig) -> Base:
             for weight in packed_weights(model):
                 weight.cache(torch.float32, lazy=True)   # each filled when it first runs
         return Base(model, tokenizer, ChatTemplate.from_gguf(model.gguf), path, dense=False)
-    from engine.recipes import lm_pretrain
-
     run = RunDir(config.resolve_path(config.model.run)).require()
     if run.manifest().get("recipe") != "lm-pretrain":
         raise ForgebenchError("model.run must be an lm-pretrain run", path=run.path,
                               where="field 'model.run'")
-    model, tokenizer, _ = lm_pretrain.load_model(run, run.checkpoint(config.model.checkpoint))
+    # through the registry, not an import: recipes are leaves (docs/architecture.md)
+    pretrain = recipe_module("lm-pretrain")
+    model, tokenizer, _ = pretrain.load_model(run, run.checkpoint(config.model.checkpoint))
     template = ChatTemplate(PLAIN_TEMPLATE, bos_token="<bos>", eos_token="<eos>",
                             origin="built-in plain template")
     return Base(model, PretrainTokenizer(tokenizer), template, path, dense=True)
@@ -317,12 +293,6 @@ def checkpoint_activations(model: nn.Module) -> None:
             block.forward = functools.partial(recompute, block.forward, use_reentrant=False)
 
 
-def autocast(config: LMSFTConfig):
-    if config.train.autocast == "bf16":
-        return torch.autocast("cpu", dtype=torch.bfloat16)
-    return contextlib.nullcontext()
-
-
 # -- generation -----------------------------------------------------------------------------
 @torch.no_grad()
 def greedy_answer(base: Base, prompt: str, max_tokens: int,
@@ -435,7 +405,7 @@ def train(job: Job) -> None:
             if adapters:
                 model.lora_clock.set(step, micro)
             inputs, labels, lengths = pack(window[start:start + tr.micro_batch])   # [T]
-            with autocast(config):
+            with autocast(config.train.autocast):
                 loss_sum = supervised_loss(model, inputs, labels, lengths)
             job.stage = "backward"
             (loss_sum / supervised).backward()   # token-weighted over the whole window
@@ -496,7 +466,7 @@ def evaluate(run: RunDir, checkpoint: Checkpoint, split: str) -> dict:
     total = WindowLoss()
     for start in range(0, len(samples), config.train.micro_batch):
         inputs, labels, lengths = pack(samples[start:start + config.train.micro_batch])
-        with autocast(config):
+        with autocast(config.train.autocast):
             total.add(float(supervised_loss(base.model, inputs, labels, lengths)),
                       int((labels != IGNORE).sum()))
     record = {"split": split, "checkpoint": checkpoint.name, "step": checkpoint.step,

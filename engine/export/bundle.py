@@ -7,7 +7,7 @@
     DIR/peft/                 adapter_model.safetensors + adapter_config.json (known HF bases)
     DIR/model_card.md         base identity and SHA-256, data card, training config, evaluation,
                               equivalence summary, limitations
-    DIR/report.json, .txt     the staged equivalence report (engine.equivalence)
+    DIR/report.json, .txt     the staged equivalence report (engine.export.equivalence)
     DIR/SHA256SUMS            `sha256sum -c` format, every other file
 
 Everything is written into a hidden staging folder beside DIR and renamed to DIR at the end;
@@ -17,7 +17,6 @@ in a scratch folder that is always removed. Any failure, a full disk included, l
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import errno
 import json
@@ -48,7 +47,7 @@ class Bundle:
     dtype: str
     files: list[str] = field(default_factory=list)     # relative to the bundle
     base: dict | None = None                            # path, sha256, how it was used
-    stages: list = field(default_factory=list)          # engine.equivalence.Stage
+    stages: list = field(default_factory=list)          # engine.export.equivalence.Stage
     llamacpp: object = None                             # Stage or None
     notes: list[str] = field(default_factory=list)
     report: dict | None = None
@@ -104,7 +103,7 @@ def _gguf_stage(name: str, description: str, path: Path, bundle_dir: Path, lora=
                 requantized: bool = False):
     """An engine stage; `requantized` when its weights were quantized after training, so it
     is held to the quantized bar rather than the dense one."""
-    from engine.equivalence import MIN_TOP1_DENSE, MIN_TOP1_QUANTIZED, Stage
+    from engine.export.equivalence import MIN_TOP1_DENSE, MIN_TOP1_QUANTIZED, Stage
 
     model = {"kind": "gguf", "path": str(path), "numerics": "f32"}
     if lora:
@@ -117,7 +116,7 @@ def _gguf_stage(name: str, description: str, path: Path, bundle_dir: Path, lora=
 def _llamacpp_stage(path: Path, description: str, lora: Path | None = None,
                     lora_name: str | None = None):
     """llama.cpp on a file with quantized weights quantizes activations too: the quantized bar."""
-    from engine.equivalence import MIN_TOP1_DENSE, MIN_TOP1_QUANTIZED, Stage
+    from engine.export.equivalence import MIN_TOP1_DENSE, MIN_TOP1_QUANTIZED, Stage
 
     model = {"kind": "llamacpp", "path": str(path)}
     if lora:
@@ -130,7 +129,7 @@ def _llamacpp_stage(path: Path, description: str, lora: Path | None = None,
 
 def _export_pretrain(bundle: Bundle, staging: Path, scratch: Path, progress: _Progress) -> None:
     from engine.gguf.convert import convert_gguf
-    from engine.gguf.from_pretrain import write_pretrain_gguf
+    from engine.export.from_pretrain import write_pretrain_gguf
 
     if bundle.dtype == "adapter":
         raise ForgebenchError("an lm-pretrain run has no adapter to export", where="--dtype",
@@ -155,7 +154,7 @@ def _export_pretrain(bundle: Bundle, staging: Path, scratch: Path, progress: _Pr
 def _sft_base(bundle: Bundle, base_arg: str | None, scratch: Path,
               progress: _Progress) -> tuple[Path, str]:
     """The GGUF to merge into (or to describe an adapter against), and how it was chosen."""
-    from engine.gguf.from_pretrain import write_pretrain_gguf
+    from engine.export.from_pretrain import write_pretrain_gguf
 
     manifest = bundle.run.manifest()
     if base_arg:
@@ -177,9 +176,9 @@ def _sft_base(bundle: Bundle, base_arg: str | None, scratch: Path,
 def _export_sft(bundle: Bundle, staging: Path, scratch: Path, base_arg: str | None,
                 progress: _Progress) -> None:
     from engine.gguf.convert import convert_gguf
-    from engine.gguf.lora_export import HF_ARCHITECTURES, write_gguf_lora, write_peft
+    from engine.export.lora_export import HF_ARCHITECTURES, write_gguf_lora, write_peft
     from engine.gguf.reader import open_gguf
-    from engine.merge import merge_into_gguf, write_full_weights
+    from engine.export.merge import merge_into_gguf, write_full_weights
     from engine.train.checkpoint import MODEL_FILE
 
     adapter = bundle.checkpoint.path / ADAPTERS_FILE
@@ -192,7 +191,7 @@ def _export_sft(bundle: Bundle, staging: Path, scratch: Path, base_arg: str | No
     bundle.base = {"path": str(base), "sha256": sha256_file(base) if base.is_file() else None,
                    "chosen": how}
     if bundle.dtype == "adapter":
-        from engine.merge import check_base, load_adapter
+        from engine.export.merge import check_base, load_adapter
         from engine.gguf.writer import read_gguf_content
 
         matched = check_base(read_gguf_content(base), load_adapter(adapter))
@@ -345,7 +344,7 @@ def export_run(run_dir: str | os.PathLike, out: str | os.PathLike, *, checkpoint
                dtype: str = "f16", base: str | None = None, report: bool = True,
                threads: int | None = None, show_progress: bool = False) -> Bundle:
     """Export a run's checkpoint as a bundle folder at `out` (which must not exist)."""
-    from engine.equivalence import PROMPT_SUITE, build_report, render_text
+    from engine.export.equivalence import PROMPT_SUITE, build_report, render_text
 
     dtype = dtype.lower()
     if dtype not in DTYPES:
@@ -417,19 +416,3 @@ def _decoder(bundle: Bundle) -> Callable[[list[int]], str] | None:
         return None
     tokenizer = GGUFTokenizer.from_gguf(path)
     return tokenizer.decode
-
-
-def cmd_export(args: argparse.Namespace) -> int:
-    bundle = export_run(args.run_dir, args.out, checkpoint=args.checkpoint, dtype=args.dtype,
-                        base=args.base, report=not args.no_report, show_progress=True)
-    out = Path(args.out)
-    print(f"exported {bundle.run.path.name}/{bundle.checkpoint.name} as {bundle.dtype} → {out}")
-    for name in bundle.files + ["model_card.md", "SHA256SUMS"] + \
-            (["report.json", "report.txt"] if bundle.report else []):
-        print(f"  {name:<34} {(out / name).stat().st_size / 1e6:10.2f} MB")
-    for note in bundle.notes:
-        print(f"note: {note}")
-    if bundle.report:
-        print()
-        print((out / "report.txt").read_text("utf-8"), end="")
-    return 0

@@ -15,7 +15,7 @@ checkpoint's, and whether its tokenizer gives the same prompt ids. Engine stages
 arithmetic, so their differences are the weights' (merge rounding, quantization); the llama.cpp
 stage adds the runtime's own arithmetic and is also compared with the engine on the same file.
 
-A stage worker is `python -m engine.equivalence SPEC.json`: it writes logits and greedy ids to a
+A stage worker is `python -m engine.export.equivalence SPEC.json`: it writes logits and greedy ids to a
 safetensors file, which the parent compares one prompt at a time. The checkpoint and llama.cpp
 decode token by token (llama.cpp as it serves an answer); the other engine stages score each
 prompt and answer in one batch and read their greedy answer off those logits (`greedy_along`),
@@ -51,7 +51,7 @@ GREEDY_TOKENS = 32
 # in f32, so nearly every choice must survive; a quantized file loses more at near-ties.
 MIN_TOP1_DENSE = 0.99
 MIN_TOP1_QUANTIZED = 0.90
-REPO_ROOT = Path(__file__).resolve().parents[1]
+REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
 @dataclass
@@ -112,8 +112,8 @@ def _load_engine(model: dict):
     net, tok = load_gguf_model(model["path"], numerics=model.get("numerics", "f32"),
                                weights="dense-cache")      # dequantized once: many forwards
     if model.get("lora"):
-        from engine.llm.generate import _attach_lora
-        _attach_lora(net, model["lora"])
+        from engine.lora import attach_adapter_file
+        attach_adapter_file(net, model["lora"])
     return net.eval(), tok, None
 
 
@@ -269,7 +269,7 @@ def _run_stage(spec: dict, workdir: Path, name: str, threads: int) -> StageResul
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(
         [str(REPO_ROOT)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]),
         OMP_NUM_THREADS=str(threads))
-    result = subprocess.run([sys.executable, "-m", "engine.equivalence", str(spec_path)],
+    result = subprocess.run([sys.executable, "-m", "engine.export.equivalence", str(spec_path)],
                             env=env, capture_output=True, text=True)
     if result.returncode != 0:
         raise ForgebenchError(f"equivalence stage '{name}' failed:\n"

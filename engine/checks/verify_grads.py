@@ -26,7 +26,7 @@ from torch import nn
 
 from engine.errors import ForgebenchError
 from engine.lora import LoRALinear, attach_lora, lora_parameters
-from engine.recipes.lm_sft import IGNORE, supervised_loss
+from engine.train.loss import IGNORE, supervised_loss
 from engine.train.optim import build_adamw
 
 # Seed 004, "Actual output from the CPU run" (rank 1, alpha 1, AdamW lr 0.01, betas

@@ -17,7 +17,7 @@ from pathlib import Path
 from engine.errors import ForgebenchError
 from engine.fsutil import atomic_write_json, atomic_write_text
 
-DEMO_CONFIG = Path(__file__).resolve().parents[1] / "resources" / "configs" / "lm-pretrain.toml"
+DEMO_CONFIG = Path(__file__).resolve().parents[2] / "resources" / "configs" / "lm-pretrain.toml"
 MIN_STEPS, MAX_STEPS = 60, 3000
 
 
@@ -26,7 +26,8 @@ def seconds_per_step(config) -> float:
     import torch
     import torch.nn.functional as F
 
-    from engine.recipes.lm_pretrain import autocast, build_model
+    from engine.recipes.lm_pretrain import build_model
+    from engine.train.precision import autocast
     from engine.train.optim import build_adamw
 
     torch.manual_seed(0)
@@ -37,7 +38,7 @@ def seconds_per_step(config) -> float:
     for _ in range(3):
         start = time.perf_counter()
         for _ in range(config.train.grad_accum):
-            with autocast(config):
+            with autocast(config.train.autocast):
                 logits = model(tokens[:, :-1])
             F.cross_entropy(logits.float().flatten(0, 1), tokens[:, 1:].flatten()).backward()
         optimizer.step()

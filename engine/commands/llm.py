@@ -1,5 +1,5 @@
 """CLI handlers for the language-model text tools: `forgebench tokenize` and `forgebench
-inspect-sft`. (`verify-grads` lives beside them in `engine.llm.verify_grads`.)"""
+inspect-sft`. (`verify-grads` lives beside them in `engine.checks.verify_grads`.)"""
 
 from __future__ import annotations
 
@@ -25,8 +25,8 @@ def cmd_tokenize(args) -> int:
 
 
 def cmd_verify_grads(args) -> int:
-    """Run the LoRA gradient checks (`engine.llm.verify_grads`); exit 1 if any fails."""
-    from engine.llm import verify_grads
+    """Run the LoRA gradient checks (`engine.checks.verify_grads`); exit 1 if any fails."""
+    from engine.checks import verify_grads
 
     results = verify_grads.run_checks(args.target, samples=args.samples)
     print(json.dumps(results, indent=1) if args.json else verify_grads.format_results(results))

@@ -25,7 +25,7 @@ from engine.errors import ForgebenchError
 from engine.fsutil import atomic_write_bytes, atomic_write_text
 from engine.gguf.reader import open_gguf
 from engine.gguf.writer import MetaValue, TensorEntry, write_gguf
-from engine.merge import Adapter, load_adapter
+from engine.export.merge import Adapter, load_adapter
 
 HF_MODULES = {"q": "self_attn.q_proj", "k": "self_attn.k_proj", "v": "self_attn.v_proj",
               "o": "self_attn.o_proj", "gate": "mlp.gate_proj", "up": "mlp.up_proj",

@@ -25,7 +25,7 @@ from engine.errors import ForgebenchError
 from engine.fsutil import sha256_file
 from engine.gguf.quant_policy import FILE_TYPES
 from engine.gguf.writer import MetaValue, TensorEntry, write_gguf
-from engine.merge import SOURCE_SHA_KEY
+from engine.export.merge import SOURCE_SHA_KEY
 from engine.rundir import Checkpoint, RunDir
 
 DENSE_TYPES = {"f32": T.F32, "f16": T.F16, "bf16": T.BF16}

@@ -1,0 +1,106 @@
+"""`forgebench run|resume|status|stop|eval|sample`: the handlers over engine.jobs.
+
+No torch at module top level: `forgebench status` and `stop` stay instant.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+
+from engine.config import load_config, validate_config
+from engine.errors import ForgebenchError
+from engine.jobs import default_threads, execute, prepare_resume, recipe_for_run, start_run
+from engine.rundir import RunDir, describe, format_status
+
+
+def _print_outcome(run: RunDir, status: dict) -> None:
+    summary = describe(run)
+    print(f"{status['state']}: step {status.get('step')}/{status.get('target_steps')}"
+          f"  run: {run.path}")
+    if summary["last_loss"] is not None:
+        print(f"last train loss: {summary['last_loss']:.4f}")
+    if summary["last_eval"]:
+        ev = summary["last_eval"]
+        extra = f"  bits/byte: {ev['bpb']:.4f}" if "bpb" in ev else ""
+        print(f"last {ev.get('split')} loss: {ev.get('loss'):.4f}{extra}")
+    latest = run.latest_checkpoint()
+    if latest:
+        print(f"checkpoint: {latest.path}")
+
+
+def cmd_run(args) -> int:
+    config = load_config(args.config)
+    if args.steps is not None:
+        config = validate_config(dict(config.model_dump(mode="json"), steps=args.steps),
+                                 args.config)
+    out = args.out or Path("runs") / f"{config.recipe}-{time.strftime('%Y%m%d-%H%M%S')}"
+    threads = args.threads or default_threads()
+    argv = ["forgebench"] + sys.argv[1:]
+    run = start_run(config, out, argv, threads=threads)
+    status = execute(run, config, None, threads=threads, argv=argv,
+                     stop_after_step=getattr(args, "stop_after_step", None))
+    _print_outcome(run, status)
+    return 0
+
+
+def cmd_resume(args) -> int:
+    overrides = {"steps": args.steps, "log_every": args.log_every,
+                 "save_every": args.save_every, "eval_every": args.eval_every,
+                 "keep_last": args.keep_last}
+    run, config = prepare_resume(args.run_dir, overrides,
+                                 allow_code_change=getattr(args, "allow_code_change", False))
+    checkpoint = run.latest_checkpoint()
+    if checkpoint and checkpoint.step >= config.steps:
+        raise ForgebenchError(f"the run is already at step {checkpoint.step} of {config.steps}",
+                              path=run.path, hint="pass --steps N with a larger N to train on")
+    recorded = run.manifest()["environment"]["threads"]
+    threads = args.threads or recorded
+    if threads != recorded:
+        run.log_event("warning", message=f"resumed with {threads} threads instead of "
+                      f"{recorded}: results will not be bitwise identical to an uninterrupted run")
+    argv = ["forgebench"] + sys.argv[1:]
+    status = execute(run, config, checkpoint, threads=threads, argv=argv,
+                     stop_after_step=getattr(args, "stop_after_step", None))
+    _print_outcome(run, status)
+    return 0
+
+
+def cmd_status(args) -> int:
+    print(format_status(describe(RunDir(args.run_dir).require())))
+    return 0
+
+
+def cmd_stop(args) -> int:
+    run = RunDir(args.run_dir).require()
+    if not run.request_stop():
+        print(f"not running (state: {run.live_status().get('state')})")
+        return 1
+    print(f"stop requested (pid {run.status().get('pid')})")
+    deadline = time.monotonic() + args.wait
+    while time.monotonic() < deadline and run.is_active():
+        time.sleep(0.2)
+    state = run.live_status().get("state")
+    print(f"state: {state}")
+    return 0 if args.wait <= 0 or state not in ("running", "stopping") else 1
+
+
+def cmd_eval(args) -> int:
+    run = RunDir(args.run_dir).require()
+    module = recipe_for_run(run)
+    result = module.evaluate(run, run.checkpoint(args.checkpoint), args.split)
+    print(json.dumps(result, indent=2, default=str))
+    return 0
+
+
+def cmd_sample(args) -> int:
+    run = RunDir(args.run_dir).require()
+    module = recipe_for_run(run)
+    if not hasattr(module, "sample"):
+        raise ForgebenchError(f"recipe '{run.manifest()['recipe']}' has no sampler",
+                              path=run.path, hint="use 'forgebench generate' for language models")
+    for path in module.sample(run, run.checkpoint(args.checkpoint), args):
+        print(path)
+    return 0

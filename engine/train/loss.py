@@ -1,0 +1,50 @@
+"""The supervised language-model loss: summed cross-entropy at the supervised positions only.
+
+Used by lm-sft (engine.recipes.lm_sft) and checked by engine.checks.verify_grads. Labels equal
+to IGNORE (engine.llm.sft_data.IGNORE_INDEX: prompt tokens, padding) are not supervised.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.llm.sft_data import IGNORE_INDEX as IGNORE
+from engine.models.linear import PackedWeight, linear_cross_entropy
+
+
+def supervised_loss(model: nn.Module, inputs: torch.Tensor, labels: torch.Tensor,
+                    lengths: list[int] | None = None) -> torch.Tensor:
+    """Summed cross-entropy over the supervised positions of inputs/labels [B, T] (or [T]);
+    `lengths` marks [T] as samples packed one after another (what `pack` returns).
+
+    The last MLP and the LM head run only at supervised positions: full [T, vocab] logits are
+    never built (Gemma's vocabulary is 262,144). A frozen head goes through the fused loss; a
+    trained or soft-capped one through plain logits.
+    """
+    if inputs.dim() == 1:
+        inputs, labels = inputs[None], labels[None]
+    supervised = labels != IGNORE                          # [B, T]
+    hidden = model.hidden(inputs, lengths=lengths, rows=supervised)   # [N, D]
+    head = frozen_head(model)
+    if head is not None:                                   # one fused pass over the head
+        return linear_cross_entropy(hidden, head, labels[supervised])
+    logits = model.logits(hidden)                          # [N, vocab]
+    logits = logits.to(torch.promote_types(logits.dtype, torch.float32))  # bf16 -> f32, f64 kept
+    return F.cross_entropy(logits, labels[supervised], reduction="sum")
+
+
+def frozen_head(model: nn.Module):
+    """The LM head's weight [vocab, D] when logits are a plain product with a frozen matrix
+    (no bias, no softcap, f32 numerics): what the fused loss can take; else None."""
+    if getattr(model.config, "final_softcap", None):
+        return None
+    head = getattr(model, "output", None) or getattr(model, "tok_embeddings", None)
+    if (head is None or getattr(head, "bias", None) is not None
+            or getattr(head, "numerics", "f32") != "f32"):
+        return None
+    weight = head.weight
+    if isinstance(weight, PackedWeight) or not weight.requires_grad:
+        return weight
+    return None
