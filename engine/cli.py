@@ -5,36 +5,79 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import math
 import sys
 from typing import Callable
 
-from engine.errors import ForgebenchError
+from engine.errors import ForgebenchError, excerpt
 
 # name -> (help, "module:function", argument adder)
 Command = tuple[str, str, Callable[[argparse.ArgumentParser], None]]
+
+SEED_MAX = 2**32 - 1
+
+
+# -- flag types: every number a flag takes is finite and in a sane range -------------------
+def count(low: int = 1, high: int = 10**9) -> Callable[[str], int]:
+    """An integer flag in [low, high]."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"not a whole number: {excerpt(text)}") from None
+        if not low <= value <= high:
+            raise argparse.ArgumentTypeError(f"must be between {low} and {high}, got {value}")
+        return value
+    parse.__name__ = "integer"
+    return parse
+
+
+def real(low: float, high: float, *, low_open: bool = False) -> Callable[[str], float]:
+    """A finite float flag in [low, high] (or (low, high] when `low_open`)."""
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"not a number: {excerpt(text)}") from None
+        below = value <= low if low_open else value < low
+        if not math.isfinite(value) or below or value > high:
+            bracket = "(" if low_open else "["
+            raise argparse.ArgumentTypeError(
+                f"must be a finite number in {bracket}{low}, {high}], got {excerpt(text)}")
+        return value
+    parse.__name__ = "number"
+    return parse
+
+
+THREADS = count(1, 4096)
+STEPS = count(1, 10**9)
+SEED = count(0, SEED_MAX)
 
 
 def _run_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("config", help="TOML run config")
     p.add_argument("--out", help="run directory to create (default: runs/<recipe>-<time>)")
-    p.add_argument("--steps", type=int, help="override the config's step target")
-    p.add_argument("--threads", type=int, help="torch CPU threads (recorded in run.json)")
-    p.add_argument("--stop-after-step", type=int, metavar="K",
+    p.add_argument("--steps", type=STEPS, help="override the config's step target")
+    p.add_argument("--threads", type=THREADS, help="torch CPU threads (recorded in run.json)")
+    p.add_argument("--stop-after-step", type=STEPS, metavar="K",
                    help="testing: send ourselves SIGTERM after step K (recorded in invocations)")
 
 
 def _resume_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("run_dir")
-    p.add_argument("--steps", type=int, help="new step target (the only config change allowed, "
-                                            "with the log/save/eval cadence)")
-    p.add_argument("--log-every", type=int)
-    p.add_argument("--save-every", type=int)
-    p.add_argument("--eval-every", type=int)
-    p.add_argument("--keep-last", type=int)
-    p.add_argument("--threads", type=int, help="default: the thread count the run started with")
+    p.add_argument("--steps", type=STEPS, help="new step target (the only config change "
+                                              "allowed, with the log/save/eval cadence)")
+    p.add_argument("--log-every", type=STEPS)
+    p.add_argument("--save-every", type=count(0))
+    p.add_argument("--eval-every", type=count(0))
+    p.add_argument("--keep-last", type=count(1))
+    p.add_argument("--from-step", type=count(0), metavar="N",
+                   help="resume from the checkpoint of step N (default: the newest intact one)")
+    p.add_argument("--threads", type=THREADS,
+                   help="default: the thread count the run started with")
     p.add_argument("--allow-code-change", action="store_true",
                    help="resume even though the engine code changed (not exact; recorded)")
-    p.add_argument("--stop-after-step", type=int, metavar="K",
+    p.add_argument("--stop-after-step", type=STEPS, metavar="K",
                    help="testing: send ourselves SIGTERM after step K (recorded in invocations)")
 
 
@@ -48,7 +91,7 @@ def _status_args(p: argparse.ArgumentParser) -> None:
 
 def _stop_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("run_dir")
-    p.add_argument("--wait", type=float, default=0.0,
+    p.add_argument("--wait", type=real(0, 10**7), default=0.0,
                    help="seconds to wait for the job to checkpoint and exit")
 
 
@@ -66,13 +109,13 @@ def _generate_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template")
     p.add_argument("--system", help="system message for --chat")
     p.add_argument("--no-think", action="store_true", help="Qwen3: switch thinking off")
-    p.add_argument("--max-tokens", type=int, default=64)
-    p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--top-k", type=int, default=0)
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--repetition-penalty", type=float, default=1.0)
+    p.add_argument("--max-tokens", type=count(1, 10**6), default=64)
+    p.add_argument("--temperature", type=real(0, 100), default=0.0)
+    p.add_argument("--top-k", type=count(0), default=0)
+    p.add_argument("--top-p", type=real(0, 1, low_open=True), default=1.0)
+    p.add_argument("--repetition-penalty", type=real(0, 100, low_open=True), default=1.0)
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=SEED, default=0)
     p.add_argument("--numerics", choices=["llamacpp", "f32"], default=None,
                    help="GGUF models: reproduce llama.cpp's arithmetic (default) or plain f32")
     p.add_argument("--weights", choices=["dense-cache", "packed"], default="dense-cache",
@@ -91,14 +134,15 @@ def _tokenize_args(p: argparse.ArgumentParser) -> None:
 
 def _inspect_sft_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("config", help="lm-sft TOML config (its model and data are used)")
-    p.add_argument("-n", type=int, default=3, help="samples to print")
+    p.add_argument("-n", type=count(1, 10**6), default=3, help="samples to print")
     p.add_argument("--json", action="store_true")
 
 
 def _verify_grads_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("target", nargs="?", help="lm-sft config or run directory; omit for the "
                                              "built-in tiny model and the worked example")
-    p.add_argument("--samples", type=int, default=24, help="adapter elements to check")
+    p.add_argument("--samples", type=count(1, 10**6), default=24,
+                   help="adapter elements to check")
     p.add_argument("--json", action="store_true")
 
 
@@ -106,10 +150,11 @@ def _sample_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("run_dir")
     p.add_argument("--checkpoint", default="latest")
     p.add_argument("--class", dest="class_name", help="class to condition on (default: all)")
-    p.add_argument("--n", type=int, default=4, help="samples per class")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--cfg", type=float, default=None, help="classifier-free guidance scale")
-    p.add_argument("--steps", type=int, default=None, help="sampler steps")
+    p.add_argument("--n", type=count(1, 10**5), default=4, help="samples per class")
+    p.add_argument("--seed", type=SEED, default=0)
+    p.add_argument("--cfg", type=real(0, 100), default=None,
+                   help="classifier-free guidance scale")
+    p.add_argument("--steps", type=count(1, 10**5), default=None, help="sampler steps")
     p.add_argument("--out", help="folder (default: <run>/samples/<checkpoint>)")
 
 
@@ -143,11 +188,12 @@ def _data_args(p: argparse.ArgumentParser) -> None:
         if action == "split":
             q.add_argument("--ratios", default="0.8,0.1,0,0.1",
                            help="train,val,calibration,test")
-            q.add_argument("--seed", type=int, default=0)
+            q.add_argument("--seed", type=SEED, default=0)
             q.add_argument("--out", help="folder for the new version (default: DIR-v2, -v3 ...)")
         if action == "stats":
             q.add_argument("--tokenizer", help="GGUF file whose tokenizer counts tokens")
-            q.add_argument("--max-length", type=int, help="count samples over this length")
+            q.add_argument("--max-length", type=count(1),
+                           help="count samples over this length")
             q.add_argument("--slice", action="append",
                            help="also count records per value of this field (repeatable)")
         if action == "leaks":
@@ -165,8 +211,8 @@ def _data_args(p: argparse.ArgumentParser) -> None:
     q.add_argument("kind", help="pirate|style|shapes|sfx|records, or samples (all of them, "
                    "as in the sample workspace, into the --out folder)")
     q.add_argument("--out", required=True)
-    q.add_argument("--n", type=int)
-    q.add_argument("--seed", type=int, default=0)
+    q.add_argument("--n", type=count(1, 10**7), help="how many records or files")
+    q.add_argument("--seed", type=SEED, default=0)
 
 
 def _doctor_args(p: argparse.ArgumentParser) -> None:
@@ -175,9 +221,10 @@ def _doctor_args(p: argparse.ArgumentParser) -> None:
 
 def _demo_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", help="workspace folder for the demo (default: a new temp folder)")
-    p.add_argument("--seconds", type=float, default=90, help="training time budget")
-    p.add_argument("--steps", type=int, help="train exactly this many steps (skips the timing)")
-    p.add_argument("--threads", type=int, help="torch CPU threads")
+    p.add_argument("--seconds", type=real(0, 10**6, low_open=True), default=90,
+                   help="training time budget")
+    p.add_argument("--steps", type=STEPS, help="train exactly this many steps (skips the timing)")
+    p.add_argument("--threads", type=THREADS, help="torch CPU threads")
 
 
 COMMANDS: dict[str, Command] = {
@@ -220,10 +267,45 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+INPUT_FILE_FLAGS = ("model", "lora", "base", "tokenizer")
+
+
+def check_input_files(args: argparse.Namespace) -> None:
+    """Model and adapter files named by flags exist and are files (symlinks resolved, loops
+    refused), through the one path checker."""
+    from engine.paths import user_file
+
+    for name in INPUT_FILE_FLAGS:
+        value = getattr(args, name, None)
+        if isinstance(value, str) and value:
+            user_file(value, f"--{name}")
+    if args.command == "convert":
+        user_file(args.file, "FILE", what="GGUF file")
+
+
+def check_output(args: argparse.Namespace) -> None:
+    """`--out` is checked before any work: a folder (a file for convert) that can be written.
+    Before an export, staging folders a killed export left beside it are swept."""
+    from engine.paths import require_writable_dir, require_writable_file, sweep_dead_staging
+
+    out = getattr(args, "out", None)
+    if not out:
+        return
+    if args.command == "convert":
+        require_writable_file(out, "--out")
+        return
+    require_writable_dir(out, "--out")
+    if args.command == "export":
+        for name in sweep_dead_staging(out):
+            print(f"removed {name}, left by an export that was killed", file=sys.stderr)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     module, _, func = args.handler.partition(":")
     try:
+        check_input_files(args)
+        check_output(args)
         handler = getattr(importlib.import_module(module), func)
         return int(handler(args) or 0)
     except ForgebenchError as exc:

@@ -16,7 +16,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from engine.errors import ForgebenchError
+from engine.errors import ForgebenchError, excerpt
+from engine.paths import resolve
 
 # recipe name -> (config schema "module:Class", training script module exposing `train(run, ...)`)
 RECIPES: dict[str, tuple[str, str]] = {
@@ -42,7 +43,8 @@ RESUMABLE_FIELDS = ("steps", "log_every", "save_every", "eval_every", "keep_last
 class Schema(BaseModel):
     """Base for every config section: unknown keys are errors, never silently ignored."""
 
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+    # inf and nan are never a sane setting (an lr of inf trains to NaN without a word).
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
 
 
 class RecipeConfig(Schema):
@@ -54,7 +56,7 @@ class RecipeConfig(Schema):
 
     recipe: str
     base_dir: str | None = None
-    seed: int = 0
+    seed: int = Field(0, ge=0, le=2**32 - 1, description="seed of every random draw")
     steps: int = Field(100, ge=1, description="optimizer steps to train (resume may raise it)")
     log_every: int = Field(1, ge=1, description="steps between train metric lines")
     eval_every: int = Field(0, ge=0, description="steps between val evaluations; 0 = at end")
@@ -63,11 +65,13 @@ class RecipeConfig(Schema):
     nonfinite: Literal["skip", "stop"] = Field(
         "skip", description="non-finite loss or gradient: skip the step (counted) or stop")
 
-    def resolve_path(self, value: str | os.PathLike) -> Path:
+    def resolve_path(self, value: str | os.PathLike, field: str = "a config path") -> Path:
+        """A path from the config, relative to the config's folder, symlinks resolved (a loop
+        is refused with `field` named)."""
         path = Path(value).expanduser()
         if not path.is_absolute() and self.base_dir:
             path = Path(self.base_dir) / path
-        return path.resolve()
+        return resolve(path, field)
 
 
 def _import(spec: str) -> Any:
@@ -105,7 +109,7 @@ def format_validation_error(exc: ValidationError, source: str | os.PathLike | No
         else:
             message = err["msg"]
             if "input" in err and kind not in ("missing",):
-                message += f" (got {err['input']!r})"
+                message += f" (got {excerpt(err['input'])})"
         lines.append(f"field '{field}': {message}")
     prefix = f"{source}: " if source else ""
     return prefix + ("invalid config\n  " if len(lines) > 1 else "") + "\n  ".join(lines)

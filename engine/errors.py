@@ -27,3 +27,10 @@ class ForgebenchError(Exception):
         if self.hint:
             text += f"\n  hint: {self.hint}"
         return text
+
+
+def excerpt(value: object, limit: int = 80) -> str:
+    """A bad value as an error message may quote it: its repr, cut to `limit` characters (a
+    10 MB field must not flood the terminal)."""
+    text = repr(value)
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} characters)"

@@ -114,11 +114,21 @@ def sha256_bytes(data: bytes) -> str:
 
 
 def require_free_space(directory: str | os.PathLike, needed_bytes: int,
-                       margin: float = 1.2) -> None:
-    """Refuse to start a write that the filesystem cannot hold (a full disk truncates files)."""
+                       margin: float = 1.2, hint: str = "free some space") -> None:
+    """Refuse to start a write that the filesystem cannot hold (a full disk truncates files).
+    `hint` says what the command at hand can do about it."""
     free = shutil.disk_usage(directory).free
     if free < needed_bytes * margin:
         raise ForgebenchError(
-            f"not enough free disk space: need about {needed_bytes * margin / 1e6:.1f} MB, "
-            f"{free / 1e6:.1f} MB free", path=directory,
-            hint="free some space or lower the number of checkpoints kept")
+            f"not enough free disk space: this needs about {human_bytes(needed_bytes * margin)}, "
+            f"{human_bytes(free)} are free", path=directory, hint=hint)
+
+
+def human_bytes(count: float) -> str:
+    if count < 1000:
+        return f"{count:.0f} bytes"
+    for unit in ("KB", "MB"):
+        count /= 1000
+        if count < 1000:
+            return f"{count:.1f} {unit}"
+    return f"{count / 1000:.1f} GB"

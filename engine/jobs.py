@@ -3,6 +3,10 @@
 A job runs in the foreground of a `forgebench` process (the app starts it through QProcess).
 Its whole state lives in the run directory (DESIGN.md §3). No torch at module top level:
 `forgebench status` and `stop` stay instant.
+
+A job is the run's one writer: `start_run` (through `RunDir.create`) or `prepare_resume` takes
+the run lock (engine/runlock.py) and `job_session` keeps it until the job ends; resume picks its
+checkpoint through engine/train/integrity.py (verified, with fallback).
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ from engine.config import (RESUMABLE_FIELDS, Schema, config_diff, recipe_module,
                            validate_config)
 from engine.errors import ForgebenchError
 from engine.fsutil import sha256_file
+from engine.paths import require_writable_dir
 from engine.rundir import Checkpoint, RunDir
 
 ENGINE_DIR = Path(__file__).resolve().parent
@@ -105,12 +110,13 @@ def start_run(config: Schema, out_dir: str | os.PathLike, argv: list[str], *,
     run = RunDir(out_dir)
     if run.path.exists() and (not run.path.is_dir() or any(run.path.iterdir())):
         run.create({})  # raises the standard "not empty" error, touching nothing
+    require_writable_dir(run.path, "--out")
     module = recipe_module(config.recipe)
     data = module.data_manifest(config)
     base = base_model_of(config, module)
     threads = threads or default_threads()
     files = code_files()
-    run.create({
+    manifest = {
         "recipe": config.recipe,
         "config": config.model_dump(mode="json"),
         "data": data,
@@ -120,19 +126,31 @@ def start_run(config: Schema, out_dir: str | os.PathLike, argv: list[str], *,
         "environment": environment(threads),
         "argv": list(argv),
         "created": time.time(),
-    })
+    }
+    try:
+        run.create(manifest)  # takes the run lock; the job session releases it
+    except BaseException:
+        run.release_lock()
+        raise
     return run
 
 
 def prepare_resume(run_dir: str | os.PathLike, overrides: dict,
                    allow_code_change: bool = False) -> tuple[RunDir, Schema]:
-    """Re-validate a run for resuming; only the step target and cadence may change."""
+    """Re-validate a run for resuming; only the step target and cadence may change.
+
+    Takes the run's lock first (a second writer is refused with the holder's identity); the
+    caller releases it when the job ends (`job_session`) or on error."""
     run = RunDir(run_dir).require()
-    status = run.live_status()
-    if run.is_active():
-        raise ForgebenchError(f"the run is still {status.get('state')} (pid {status.get('pid')})",
-                              path=run.path,
-                              hint="stop it first: forgebench stop RUN_DIR --wait 60")
+    run.acquire_lock("resume")
+    try:
+        return run, _validate_resume(run, overrides, allow_code_change)
+    except BaseException:
+        run.release_lock()
+        raise
+
+
+def _validate_resume(run: RunDir, overrides: dict, allow_code_change: bool) -> Schema:
     manifest = run.manifest()
     stored = manifest["config"]
     illegal = sorted(k for k, v in overrides.items() if v is not None and k not in RESUMABLE_FIELDS)
@@ -172,7 +190,7 @@ def prepare_resume(run_dir: str | os.PathLike, overrides: dict,
                 hint="resume with the original code, or pass --allow-code-change to accept it")
         run.log_event("warning", message="resumed with changed engine code",
                       changed_files=changed)
-    return run, config
+    return config
 
 
 def _describe_data_change(old: dict, new: dict) -> str:
@@ -239,8 +257,40 @@ def job_session(run: RunDir, config: Schema, resume_from: Checkpoint | None, *,
                 argv: list[str] | None = None, threads: int = 1,
                 stop_after_step: int | None = None, progress: bool = True) -> Iterator[Job]:
     """Mark the run running, log the invocation, turn SIGTERM into a graceful stop, and record
-    how the job ended: completed, stopped, or failed (with stage and traceback)."""
-    run.sweep_staging()
+    how the job ended: completed, stopped, or failed (with stage and traceback).
+
+    The job holds the run lock throughout (taken here if the caller has not) and, as the one
+    writer, first repairs what a killed predecessor left: torn log tails, orphaned
+    checkpoint folders."""
+    run.acquire_lock("job")
+    try:
+        with _locked_session(run, config, resume_from, argv=argv, threads=threads,
+                             stop_after_step=stop_after_step, progress=progress) as job:
+            yield job
+    finally:
+        run.release_lock()
+
+
+def _repair_after_crash(run: RunDir) -> None:
+    from engine.jsonl import repair_torn_tail
+
+    for name in ("invocations.jsonl", "events.jsonl", "metrics.jsonl"):
+        removed = repair_torn_tail(run.path / name)
+        if removed:
+            run.log_event("log_repaired", file=name, bytes_removed=removed,
+                          message=f"removed a torn last line ({removed} bytes) left by a "
+                                  "killed job")
+    swept = run.sweep_staging()
+    if swept:
+        run.log_event("checkpoints_swept", folders=swept,
+                      message="removed unfinished checkpoint folders left by a killed job")
+
+
+@contextlib.contextmanager
+def _locked_session(run: RunDir, config: Schema, resume_from: Checkpoint | None, *,
+                    argv: list[str] | None, threads: int, stop_after_step: int | None,
+                    progress: bool) -> Iterator[Job]:
+    _repair_after_crash(run)
     invocation = len(run.invocations()) + 1
     job = Job(run, config, resume_from, invocation=invocation, threads=threads,
               stop_after_step=stop_after_step, progress=progress)
@@ -266,9 +316,14 @@ def job_session(run: RunDir, config: Schema, resume_from: Checkpoint | None, *,
     except BaseException as exc:
         message = (exc.render() if isinstance(exc, ForgebenchError)
                    else f"{type(exc).__name__}: {exc}")
-        run.log_event("error", stage=job.stage, step=job.step, message=message,
-                      traceback=traceback.format_exc(), invocation=invocation)
-        run.set_status("failed", step=job.step, stage=job.stage, error=message, pid=None)
+        # On a full disk these writes may fail too; the released lock then tells readers the
+        # job is gone (status shows failed) and the error reaches stderr all the same.
+        with contextlib.suppress(OSError, ForgebenchError):
+            run.log_event("error", stage=job.stage, step=job.step, message=message[:2000],
+                          traceback=traceback.format_exc(), invocation=invocation)
+        with contextlib.suppress(OSError, ForgebenchError):
+            run.set_status("failed", step=job.step, stage=job.stage, error=message[:2000],
+                           pid=None)
         raise
     else:
         done = job.step >= config.steps
@@ -286,13 +341,12 @@ def execute(run: RunDir, config: Schema, resume_from: Checkpoint | None, *, thre
             argv: list[str] | None = None, stop_after_step: int | None = None,
             progress: bool = True) -> dict:
     """Run the recipe's `train(job)` in this process; return the final status."""
-    import torch
-
-    torch.set_num_threads(threads)
-    module = recipe_module(config.recipe)
     with job_session(run, config, resume_from, argv=argv, threads=threads,
                      stop_after_step=stop_after_step, progress=progress) as job:
-        module.train(job)
+        import torch  # inside the session: a failure here is recorded, never left `queued`
+
+        torch.set_num_threads(threads)
+        recipe_module(config.recipe).train(job)
     return run.status()
 
 

@@ -10,8 +10,12 @@ Layout (DESIGN.md §3)::
     checkpoints/step-NNNNNN/   trainer_state.json written last as the commit sentinel
     samples/<checkpoint>/
     evals/<name>.json
+    job.lock            flock held by the one job writing the run (engine/runlock.py)
 
-No torch here: the app reads run directories while jobs write them.
+No torch here: the app reads run directories while jobs write them. A run whose status says
+queued/running/stopping while no process holds its lock has died: `live_status` reports it as
+failed, and it can be resumed. The logs are read with `engine.jsonl.read_log`, which skips a
+line a crash damaged instead of failing.
 """
 
 from __future__ import annotations
@@ -21,14 +25,15 @@ import json
 import os
 import re
 import shutil
-import signal
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator
 
 from engine.errors import ForgebenchError
-from engine.fsutil import append_jsonl, atomic_write_json, read_json, read_jsonl
+from engine.fsutil import atomic_write_json, read_json
+from engine.jsonl import append_line, read_log
+from engine.runlock import LOCK_NAME, lock_holder, pid_alive  # noqa: F401 (app uses pid_alive)
 
 STATES = ("queued", "running", "stopping", "stopped", "completed", "failed")
 ACTIVE_STATES = ("queued", "running", "stopping")
@@ -38,23 +43,6 @@ _CHECKPOINT_RE = re.compile(r"^step-(\d{6,})$")
 
 def checkpoint_name(step: int) -> str:
     return f"step-{step:06d}"
-
-
-def pid_alive(pid: int | None) -> bool:
-    if not pid:
-        return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    # A zombie child still answers kill(0); treat it as gone.
-    with contextlib.suppress(OSError):
-        stat = Path(f"/proc/{pid}/stat").read_text()
-        if stat.rsplit(")", 1)[1].split()[0] == "Z":
-            return False
-    return True
 
 
 @dataclass(frozen=True)
@@ -77,6 +65,7 @@ class RunDir:
 
     def __init__(self, path: str | os.PathLike):
         self.path = Path(path)
+        self._lock = None
 
     # -- paths ---------------------------------------------------------------------------
     @property
@@ -98,19 +87,38 @@ class RunDir:
     def exists(self) -> bool:
         return self.manifest_path.is_file()
 
+    # -- the writer's lock ---------------------------------------------------------------
+    def acquire_lock(self, purpose: str) -> None:
+        """Become the run's one writer until `release_lock()` or process exit (refuses with
+        the holder's identity when another job holds it)."""
+        if self._lock is None:
+            from engine.runlock import RunLock
+
+            self._lock = RunLock(self.path).acquire(purpose)
+
+    def release_lock(self) -> None:
+        if self._lock is not None:
+            self._lock.release()
+            self._lock = None
+
+    @property
+    def holds_lock(self) -> bool:
+        return self._lock is not None
+
     # -- creation ------------------------------------------------------------------------
     def create(self, manifest: dict) -> None:
-        """Start a fresh run. Refuses a directory that already holds anything."""
+        """Start a fresh run, holding its lock. Refuses a directory that already holds anything."""
         if self.path.exists():
             if not self.path.is_dir():
                 raise ForgebenchError("output path exists and is not a directory",
                                       path=self.path, hint="choose another --out")
-            if any(self.path.iterdir()):
+            if any(p.name != LOCK_NAME for p in self.path.iterdir()):
                 raise ForgebenchError(
                     "output directory is not empty; a fresh run never writes over another",
                     path=self.path,
                     hint="choose a new --out, or use 'forgebench resume' to continue that run")
         self.path.mkdir(parents=True, exist_ok=True)
+        self.acquire_lock("run")  # before run.json: a queued run without a live writer is dead
         self.checkpoints_dir.mkdir()
         atomic_write_json(self.manifest_path, manifest)
         self.set_status("queued", step=0)
@@ -132,27 +140,47 @@ class RunDir:
             return {"state": "unknown"}
         return status
 
+    def lock_holder(self) -> dict | None:
+        """Who holds the run's lock (pid, process_start, host, purpose, command, since), or
+        None when no job is alive in it. The app shows "running elsewhere" for a holder it did
+        not start itself."""
+        return lock_holder(self.path)
+
     def live_status(self) -> dict:
-        """The status, with a job whose process vanished reported as failed (not hung)."""
+        """The status, with a job that died (no process holds the run lock) reported as failed,
+        never as forever queued or running."""
         status = self.status()
-        if status.get("state") in ("running", "stopping") and not pid_alive(status.get("pid")):
+        if status.get("state") in ACTIVE_STATES and self.lock_holder() is None:
             status = dict(status, state="failed", stale=True,
-                          error="the training process is gone without writing a final status")
+                          error=status.get("error") or "the job's process is gone without "
+                          "writing a final status; resume the run to continue it")
         return status
 
     def is_active(self) -> bool:
-        status = self.live_status()
-        return status.get("state") in ACTIVE_STATES and (
-            status.get("state") == "queued" or pid_alive(status.get("pid")))
+        return self.lock_holder() is not None
 
     def metrics(self) -> list[dict]:
-        return read_jsonl(self.path / "metrics.jsonl")
+        return read_log(self.path / "metrics.jsonl")
+
+    def current_metrics(self) -> list[dict]:
+        """The metrics, without the lines a later invocation superseded: a job killed after
+        its last checkpoint logged steps that the resume trains (and logs) again."""
+        starts = {i.get("id"): i.get("start_step") for i in self.invocations()}
+        metrics = self.metrics()
+        kept = []
+        for m in metrics:
+            later = [s for inv, s in starts.items() if isinstance(inv, int) and isinstance(s, int)
+                     and inv > (m.get("invocation") or 0)]
+            if m.get("split", "train") == "train" and later and m.get("step", 0) > min(later):
+                continue
+            kept.append(m)
+        return kept
 
     def events(self) -> list[dict]:
-        return read_jsonl(self.path / "events.jsonl")
+        return read_log(self.path / "events.jsonl")
 
     def invocations(self) -> list[dict]:
-        return read_jsonl(self.path / "invocations.jsonl")
+        return read_log(self.path / "invocations.jsonl")
 
     def checkpoints(self) -> list[Checkpoint]:
         """Committed checkpoints, oldest first. Directories without the sentinel are skipped."""
@@ -205,13 +233,14 @@ class RunDir:
         return status
 
     def log_metric(self, record: dict) -> None:
-        append_jsonl(self.path / "metrics.jsonl", dict(record, time=record.get("time", time.time())))
+        append_line(self.path / "metrics.jsonl",
+                    dict(record, time=record.get("time", time.time())))
 
     def log_event(self, kind: str, **fields: Any) -> None:
-        append_jsonl(self.path / "events.jsonl", dict(fields, kind=kind, time=time.time()))
+        append_line(self.path / "events.jsonl", dict(fields, kind=kind, time=time.time()))
 
     def log_invocation(self, record: dict) -> None:
-        append_jsonl(self.path / "invocations.jsonl", dict(record, time=time.time()))
+        append_line(self.path / "invocations.jsonl", dict(record, time=time.time()))
 
     @contextlib.contextmanager
     def staging_checkpoint(self, step: int) -> Iterator[Path]:
@@ -240,12 +269,19 @@ class RunDir:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
 
-    def sweep_staging(self) -> None:
-        """Remove half-written checkpoint directories left by a crash."""
+    def sweep_staging(self) -> list[str]:
+        """Remove what a crash left in checkpoints/: half-written `.tmp-*`/`.old-*` folders, and
+        `step-N` folders without the sentinel (a kill during keep-last cleanup, which unlinks
+        the sentinel first). Only the job holding the run lock calls this. Returns the names."""
+        swept = []
         if self.checkpoints_dir.is_dir():
-            for child in self.checkpoints_dir.iterdir():
-                if child.name.startswith((".tmp-", ".old-")):
+            for child in sorted(self.checkpoints_dir.iterdir()):
+                orphan = (_CHECKPOINT_RE.match(child.name) and child.is_dir()
+                          and not (child / SENTINEL).is_file())
+                if child.name.startswith((".tmp-", ".old-")) or orphan:
                     shutil.rmtree(child, ignore_errors=True)
+                    swept.append(child.name)
+        return swept
 
     def apply_retention(self, keep_last: int, protect: tuple[str, ...] = ()) -> list[str]:
         """Delete all but the newest `keep_last` checkpoints, sparing `protect` (e.g. best).
@@ -267,13 +303,18 @@ class RunDir:
 
     # -- control -------------------------------------------------------------------------
     def request_stop(self) -> bool:
-        """Ask a running job to finish its step, checkpoint and exit (SIGTERM)."""
-        status = self.live_status()
-        pid = status.get("pid")
-        if status.get("state") not in ("running", "queued", "stopping") or not pid_alive(pid):
+        """Ask the job holding the run lock to finish its step, checkpoint and exit (SIGTERM).
+        False when no job holds the run or it cannot be identified for sure (see
+        `engine.runlock.signal_holder`, which says why): the pid comes from the lock and is
+        checked against the process start time, never a pid alone."""
+        import signal
+
+        from engine.runlock import signal_holder
+
+        try:
+            return signal_holder(self.path, signal.SIGTERM) is not None
+        except ForgebenchError:
             return False
-        os.kill(pid, signal.SIGTERM)
-        return True
 
     def write_eval(self, name: str, result: dict) -> Path:
         path = self.evals_dir / f"{name}.json"
@@ -286,7 +327,7 @@ def describe(run: RunDir) -> dict:
     """A compact summary for `forgebench status` and the app's run list."""
     manifest = run.manifest()
     status = run.live_status()
-    metrics = run.metrics()
+    metrics = run.current_metrics()
     train = [m for m in metrics if m.get("split", "train") == "train" and "loss" in m]
     evals = [m for m in metrics if m.get("split") in ("val", "test")]
     return {
@@ -300,6 +341,7 @@ def describe(run: RunDir) -> dict:
         "checkpoints": [c.name for c in run.checkpoints()],
         "error": status.get("error"),
         "updated": status.get("updated"),
+        "held_by": run.lock_holder(),
     }
 
 

@@ -89,3 +89,36 @@ def tree_digest(root: Path) -> dict[str, str]:
     """relative path -> SHA-256 of every file under root (to prove nothing was touched)."""
     return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
             for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def train_series(run) -> dict[int, tuple]:
+    """step -> (loss, grad_norm, lr, clipped) of a run's train metrics, without the lines a
+    later invocation superseded (a killed job's steps after its last checkpoint)."""
+    series = {}
+    for m in run.current_metrics():
+        if m.get("split") == "train":
+            assert m["step"] not in series, f"step {m['step']} logged twice"
+            series[m["step"]] = (m["loss"], m["grad_norm"], m["lr"], m["clipped"])
+    return series
+
+
+def assert_same_run(a, b, steps: int) -> None:
+    """Bitwise the same training: every step's metrics, the final weights and optimizer state,
+    and the last val evaluation."""
+    import torch
+    from safetensors.torch import load_file
+
+    sa, sb = train_series(a), train_series(b)
+    assert sorted(sa) == list(range(1, steps + 1))
+    assert sa == sb  # bitwise: JSON keeps every float's exact repr
+    final = f"checkpoints/step-{steps:06d}"
+    for name in ("model.safetensors", "optimizer.safetensors"):
+        wa, wb = load_file(str(a.path / final / name)), load_file(str(b.path / final / name))
+        assert wa.keys() == wb.keys()
+        for key in wa:
+            assert wa[key].dtype == wb[key].dtype
+            assert torch.equal(wa[key].reshape(-1).view(torch.uint8),
+                               wb[key].reshape(-1).view(torch.uint8)), (name, key)
+    val_a = [m for m in a.metrics() if m.get("split") == "val"][-1]
+    val_b = [m for m in b.metrics() if m.get("split") == "val"][-1]
+    assert val_a["loss"] == val_b["loss"] and val_a["bpb"] == val_b["bpb"]

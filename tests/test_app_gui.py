@@ -244,13 +244,20 @@ def test_segmentation_predictions_sorted_worst_first(window, qtbot, tmp_path):
 def test_jobs_outlive_the_window_and_are_reattached(qtbot, tmp_path, monkeypatch):
     import subprocess
     import sys
+    from pathlib import Path
 
     from test_app_support import write_run
     monkeypatch.setenv("FORGEBENCH_CONFIG_DIR", str(tmp_path / "config"))
     ws = make_workspace(tmp_path / "ws", shapes=0, records=False)
-    job = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+    run = write_run(ws.runs_dir / "live", steps=8, state="running")
+    # A stand-in job: it holds the run lock, as a training job does, and sleeps.
+    job = subprocess.Popen(
+        [sys.executable, "-c", "import sys, time; from engine.runlock import RunLock; "
+         "RunLock(sys.argv[1]).acquire('job'); print('held', flush=True); time.sleep(120)",
+         str(run.path)], cwd=Path(__file__).resolve().parents[1], stdout=subprocess.PIPE,
+        text=True)
     try:
-        run = write_run(ws.runs_dir / "live", steps=8, state="running")
+        assert job.stdout.readline().strip() == "held"
         run.set_status("running", pid=job.pid)
         first = MainWindow(Settings())
         qtbot.addWidget(first)

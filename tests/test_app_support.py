@@ -81,4 +81,5 @@ def write_run(path: Path, *, steps: int = 12, state: str = "stopped", grad_clip:
                             + 1.2, "time": 1000.0 + step})
             run.log_event("checkpoint_saved", step=step, checkpoint=f"step-{step:06d}")
     run.set_status(state, step=steps, target_steps=steps)
+    run.release_lock()  # the writing job is over; a test that needs a live one starts it
     return run

@@ -3,6 +3,7 @@ directory left exactly as it was."""
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 
@@ -113,24 +114,36 @@ def test_resume_after_data_changed(capsys, existing):
 
 
 def test_resume_of_a_running_run(capsys, existing):
+    """A job holding the run lock (another process) makes resume refuse, naming it."""
     from engine.rundir import RunDir
+    from lm_pretrain_support import REPO
 
     _, _, _, path = existing
     run = RunDir(path)
     saved_status = (path / "status.json").read_bytes()
-    holder = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    holder = subprocess.Popen(
+        [sys.executable, "-c", "import sys, time; from engine.runlock import RunLock; "
+         "RunLock(sys.argv[1]).acquire('job'); print('held', flush=True); time.sleep(60)",
+         str(path)], cwd=REPO, stdout=subprocess.PIPE, text=True)
     try:
+        assert holder.stdout.readline().strip() == "held"
         run.set_status("running", pid=holder.pid)
         before = tree_digest(path)
         code, message = run_cli(capsys, "resume", str(path), "--steps", "4")
-        assert code == 2 and f"still running (pid {holder.pid})" in message
+        assert code == 2 and f"another forgebench job is writing this run: pid {holder.pid}" \
+            in message
         assert str(path) in message
         one_message(message)
         assert tree_digest(path) == before
+        assert run.live_status()["state"] == "running"
+        assert main(["status", str(path)]) == 0  # status reads while the lock is held
+        held_by = json.loads(capsys.readouterr().out)["held_by"]
+        assert held_by["pid"] == holder.pid and held_by["purpose"] == "job"
     finally:
         holder.kill()
         holder.wait()
-        (path / "status.json").write_bytes(saved_status)
+    assert run.live_status()["state"] == "failed"  # the holder died: no writer, no lock
+    (path / "status.json").write_bytes(saved_status)
 
 
 def test_resume_refuses_other_config_changes(existing):

@@ -16,7 +16,8 @@ from safetensors.torch import load_file
 
 from engine.cli import main
 from engine.rundir import RunDir
-from lm_pretrain_support import (REPO, forgebench, make_corpus, popen_forgebench, write_config)
+from lm_pretrain_support import (REPO, assert_same_run, forgebench, make_corpus,
+                                 popen_forgebench, write_config)
 
 STEPS = 12
 
@@ -29,32 +30,6 @@ def baseline(tmp_path_factory):
     config = write_config(root / "tiny.toml", corpus, steps=STEPS, save_every=4)
     forgebench("run", str(config), "--out", str(root / "uninterrupted"), "--threads", "1")
     return root, config, RunDir(root / "uninterrupted")
-
-
-def train_series(run: RunDir) -> dict[int, tuple]:
-    series = {}
-    for m in run.metrics():
-        if m.get("split") == "train":
-            assert m["step"] not in series, f"step {m['step']} logged twice"
-            series[m["step"]] = (m["loss"], m["grad_norm"], m["lr"], m["clipped"])
-    return series
-
-
-def assert_same_run(a: RunDir, b: RunDir) -> None:
-    sa, sb = train_series(a), train_series(b)
-    assert sorted(sa) == list(range(1, STEPS + 1))
-    assert sa == sb  # bitwise: JSON keeps every float's exact repr
-    final = f"checkpoints/step-{STEPS:06d}"
-    for name in ("model.safetensors", "optimizer.safetensors"):
-        wa, wb = load_file(str(a.path / final / name)), load_file(str(b.path / final / name))
-        assert wa.keys() == wb.keys()
-        for key in wa:
-            assert wa[key].dtype == wb[key].dtype
-            assert torch.equal(wa[key].reshape(-1).view(torch.uint8),
-                               wb[key].reshape(-1).view(torch.uint8)), key
-    val_a = [m for m in a.metrics() if m.get("split") == "val"][-1]
-    val_b = [m for m in b.metrics() if m.get("split") == "val"][-1]
-    assert val_a["loss"] == val_b["loss"] and val_a["bpb"] == val_b["bpb"]
 
 
 def test_uninterrupted_run_protocol(baseline, capsys):
@@ -100,7 +75,7 @@ def test_stop_after_step_then_resume_is_bitwise_identical(baseline, tmp_path):
     invocations = run.invocations()
     assert [i["kind"] for i in invocations] == ["start", "resume"]
     assert invocations[1]["start_step"] == 5 and invocations[1]["threads"] == 1
-    assert_same_run(reference, run)
+    assert_same_run(reference, run, STEPS)
 
 
 def test_forgebench_stop_then_resume_is_bitwise_identical(baseline, tmp_path, capsys):
@@ -130,7 +105,7 @@ def test_forgebench_stop_then_resume_is_bitwise_identical(baseline, tmp_path, ca
     assert run.latest_checkpoint().step == stopped_at
 
     forgebench("resume", str(out))
-    assert_same_run(reference, run)
+    assert_same_run(reference, run, STEPS)
 
 
 def test_fresh_process_reload_gives_identical_logits(baseline, tmp_path):

@@ -153,6 +153,8 @@ def test_status_of_a_vanished_process_reads_failed(tmp_path):
     proc = subprocess.Popen([sys.executable, "-c", "pass"])
     proc.wait()
     run.set_status("running", pid=proc.pid, step=3)
+    assert run.live_status()["state"] == "running"  # this process holds the lock
+    run.release_lock()  # as the job's exit does
     status = run.live_status()
     assert status["state"] == "failed" and status["stale"] and not run.is_active()
     assert run.status()["state"] == "running"  # the file itself is not rewritten by a reader

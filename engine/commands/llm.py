@@ -49,8 +49,9 @@ def cmd_inspect_sft(args) -> int:
                               path=args.config, where="field 'model.gguf'",
                               hint="set model.gguf (run-directory bases have no chat template)")
     data = config.data
-    data_path = config.resolve_path(data.path)
-    report = inspect_samples(config.resolve_path(config.model.gguf), data_path, keys=data,
+    data_path = config.resolve_path(data.path, "field 'data.path'")
+    model_path = config.resolve_path(config.model.gguf, "field 'model.gguf'")
+    report = inspect_samples(model_path, data_path, keys=data,
                              n=args.n, max_len=data.max_len, truncation=data.truncation,
                              system=data.system, split="train" if data_path.is_dir() else None,
                              enable_thinking=data.enable_thinking)

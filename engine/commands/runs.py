@@ -6,6 +6,7 @@ No torch at module top level: `forgebench status` and `stop` stay instant.
 from __future__ import annotations
 
 import json
+import signal
 import sys
 import time
 from pathlib import Path
@@ -14,6 +15,8 @@ from engine.config import load_config, validate_config
 from engine.errors import ForgebenchError
 from engine.jobs import default_threads, execute, prepare_resume, recipe_for_run, start_run
 from engine.rundir import RunDir, describe, format_status
+from engine.runlock import signal_holder
+from engine.train.integrity import choose_resume_checkpoint
 
 
 def _print_outcome(run: RunDir, status: dict) -> None:
@@ -40,8 +43,11 @@ def cmd_run(args) -> int:
     threads = args.threads or default_threads()
     argv = ["forgebench"] + sys.argv[1:]
     run = start_run(config, out, argv, threads=threads)
-    status = execute(run, config, None, threads=threads, argv=argv,
-                     stop_after_step=getattr(args, "stop_after_step", None))
+    try:
+        status = execute(run, config, None, threads=threads, argv=argv,
+                         stop_after_step=getattr(args, "stop_after_step", None))
+    finally:
+        run.release_lock()
     _print_outcome(run, status)
     return 0
 
@@ -52,18 +58,23 @@ def cmd_resume(args) -> int:
                  "keep_last": args.keep_last}
     run, config = prepare_resume(args.run_dir, overrides,
                                  allow_code_change=getattr(args, "allow_code_change", False))
-    checkpoint = run.latest_checkpoint()
-    if checkpoint and checkpoint.step >= config.steps:
-        raise ForgebenchError(f"the run is already at step {checkpoint.step} of {config.steps}",
-                              path=run.path, hint="pass --steps N with a larger N to train on")
-    recorded = run.manifest()["environment"]["threads"]
-    threads = args.threads or recorded
-    if threads != recorded:
-        run.log_event("warning", message=f"resumed with {threads} threads instead of "
-                      f"{recorded}: results will not be bitwise identical to an uninterrupted run")
-    argv = ["forgebench"] + sys.argv[1:]
-    status = execute(run, config, checkpoint, threads=threads, argv=argv,
-                     stop_after_step=getattr(args, "stop_after_step", None))
+    try:  # prepare_resume took the run lock
+        checkpoint = choose_resume_checkpoint(run, getattr(args, "from_step", None))
+        if checkpoint and checkpoint.step >= config.steps:
+            raise ForgebenchError(
+                f"the run is already at step {checkpoint.step} of {config.steps}",
+                path=run.path, hint="pass --steps N with a larger N to train on")
+        recorded = run.manifest()["environment"]["threads"]
+        threads = args.threads or recorded
+        if threads != recorded:
+            run.log_event("warning", message=f"resumed with {threads} threads instead of "
+                          f"{recorded}: results will not be bitwise identical to an "
+                          "uninterrupted run")
+        argv = ["forgebench"] + sys.argv[1:]
+        status = execute(run, config, checkpoint, threads=threads, argv=argv,
+                         stop_after_step=getattr(args, "stop_after_step", None))
+    finally:
+        run.release_lock()
     _print_outcome(run, status)
     return 0
 
@@ -75,10 +86,11 @@ def cmd_status(args) -> int:
 
 def cmd_stop(args) -> int:
     run = RunDir(args.run_dir).require()
-    if not run.request_stop():
+    holder = signal_holder(run.path, signal.SIGTERM)  # refuses, saying why, if unsure
+    if holder is None:
         print(f"not running (state: {run.live_status().get('state')})")
         return 1
-    print(f"stop requested (pid {run.status().get('pid')})")
+    print(f"stop requested (pid {holder.get('pid')})")
     deadline = time.monotonic() + args.wait
     while time.monotonic() < deadline and run.is_active():
         time.sleep(0.2)

@@ -18,7 +18,7 @@ import re
 import shutil
 import time
 from dataclasses import asdict, dataclass, field
-from pathlib import Path, PurePosixPath, PureWindowsPath
+from pathlib import Path
 from typing import Any, Iterator
 
 from tqdm import tqdm
@@ -26,6 +26,7 @@ from tqdm import tqdm
 from engine.data import formats as F
 from engine.errors import ForgebenchError
 from engine.fsutil import atomic_write_bytes, atomic_write_json, sha256_bytes, sha256_file
+from engine.paths import inside, safe_relpath
 
 _HEX64 = re.compile(r"^[0-9a-f]{64}$")
 
@@ -83,24 +84,7 @@ class Report:
                 hint=f"run `forgebench data validate {self.root}` to list every problem")
 
 
-# ----------------------------------------------------------------------------- paths
-
-
-def safe_relpath(rel: object) -> str | None:
-    """Why `rel` may not name a file inside a dataset folder, or None when it may."""
-    if not isinstance(rel, str) or not rel.strip():
-        return "must be a non-empty relative path"
-    if "\\" in rel or PureWindowsPath(rel).drive or PurePosixPath(rel).is_absolute():
-        return "must be a relative path with '/' separators (absolute paths are refused)"
-    if any(part in ("..", "") for part in rel.split("/")) or "\x00" in rel:
-        return "must stay inside the dataset folder (no '..' or empty parts)"
-    return None
-
-
-def _inside(root: Path, rel: str) -> Path | None:
-    """The absolute path, or None when a symlink leads outside the dataset folder."""
-    path = (root / rel).resolve()
-    return path if path.is_relative_to(root.resolve()) else None
+# ----------------------------------------------------------------------------- files
 
 
 def _hash_files(root: Path, progress: bool = False) -> dict[str, str]:
@@ -416,7 +400,7 @@ def _validate_files(root: Path, manifest: dict, report: Report, check_hashes: bo
         if reason:
             report.add(F.MANIFEST, None, "files", f"{rel!r} {reason}")
             continue
-        path = _inside(root, rel)
+        path = inside(root, rel)
         if path is None:
             report.add(rel, None, None, "is a link that leads outside the dataset folder")
         elif not path.is_file():
@@ -460,7 +444,7 @@ def _validate_media(root: Path, kind: F.Kind, manifest: dict, rel_records: str,
             if rel not in files:
                 report.add(rel_records, at, name, f"{rel!r} is not listed in dataset.json files",
                            record_id=rid)
-            elif _inside(root, rel) is not None:
+            elif inside(root, rel) is not None:
                 paths[name] = root / rel
         if kind.media == "audio" and "path" in paths:
             audio, _, reason = media.check_audio(

@@ -156,7 +156,8 @@ def write_gguf(path: str | os.PathLike, metadata: dict[str, MetaValue] | Iterabl
     header = encode_header(metadata, tensors, version)
     total = len(header) + sum(t.n_bytes + _pad(t.n_bytes, align) for t in tensors)
     path.parent.mkdir(parents=True, exist_ok=True)
-    require_free_space(path.parent, total, margin=1.05)
+    require_free_space(path.parent, total, margin=1.05,
+                       hint="free some space, or write to a disk with room (--out)")
     try:
         with atomic_writer(path, "wb") as out:
             out.write(header)

@@ -6,11 +6,21 @@ The environment matches transformers' `apply_chat_template`: `ImmutableSandboxed
 `strftime_now`, a `tojson` that keeps non-ASCII text, and a `{% generation %}` block that renders
 its body. Files without a template get a built-in one for their family (Gemma's turns, ChatML
 for Qwen2/SmolLM, Qwen3's ChatML with its thinking switch, Llama-3's headers).
+
+A template is bounded as well as sandboxed (`RenderBudget`): ranges draw from one budget of
+loop items per render (nested loops multiply and run out), string and list repetition, `%`
+and `format` widths and `**` are capped, the output is cut off at a size limit, and rendering
+on the main thread has a wall-clock limit. Over budget, recursion too deep, or an overflow,
+the render is refused with the template's file and the reason; it never hangs.
 """
 
 from __future__ import annotations
 
 import json
+import re
+import signal
+import threading
+import time
 from datetime import datetime
 from pathlib import Path
 from typing import Any, Mapping
@@ -154,13 +164,165 @@ def _tojson(value, ensure_ascii=False, indent=None, separators=None, sort_keys=F
                       sort_keys=sort_keys)
 
 
-def _environment() -> ImmutableSandboxedEnvironment:
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                        extensions=[loopcontrols, _GenerationBlock])
+class TemplateBudgetError(Exception):
+    """A template went over its render budget (the message says which limit)."""
+
+
+class RenderBudget:
+    """Limits of one render. Generous for real chat templates (a few hundred loop items and a
+    few kilobytes of output), fatal to loops and repetitions built to hang or exhaust memory."""
+
+    LOOP_ITEMS = 100_000         # items all range() calls of one render may produce together
+    OUTPUT_CHARS = 4_000_000     # rendered text, and any one repeated string or list
+    SECONDS = 5.0                # wall clock (enforced on the main thread)
+    _WIDTH = re.compile(r"\d{7,}")  # a %- or {}-format width/precision of a million or more
+
+    def __init__(self) -> None:
+        self.loop_items = 0
+
+    def range(self, *args: int) -> range:
+        items = range(*args)
+        self.loop_items += len(items)
+        if self.loop_items > self.LOOP_ITEMS:
+            raise TemplateBudgetError(f"its loops draw more than {self.LOOP_ITEMS} range items "
+                                      "(nested or huge range())")
+        return items
+
+    def check_length(self, length: int) -> None:
+        if length > self.OUTPUT_CHARS:
+            raise TemplateBudgetError(f"it builds a value of {length} items, over the "
+                                      f"{self.OUTPUT_CHARS} limit")
+
+    def check_size(self, value: Any) -> Any:
+        if isinstance(value, (str, list, tuple)):
+            self.check_length(len(value))
+        return value
+
+    def check_format(self, spec: Any) -> None:
+        if isinstance(spec, str) and self._WIDTH.search(spec):
+            raise TemplateBudgetError("it formats with a width of a million or more")
+
+    def check_replace(self, text: Any, old: Any, new: Any, count: Any = None) -> None:
+        """Refuse a str.replace whose result would pass the size limit, before building it."""
+        if isinstance(text, str) and isinstance(old, str) and isinstance(new, str):
+            hits = text.count(old) if old else len(text) + 1
+            if isinstance(count, int) and count >= 0:
+                hits = min(hits, count)
+            self.check_length(len(text) + hits * (len(new) - len(old)))
+
+    def check_method(self, method: Any, args: tuple) -> None:
+        """Sizes that str methods called from a template would allocate."""
+        text, name = getattr(method, "__self__", None), getattr(method, "__name__", "")
+        if not isinstance(text, str):
+            return
+        if name in ("ljust", "rjust", "center", "zfill") and args and isinstance(args[0], int):
+            self.check_length(args[0])
+        elif name == "expandtabs":
+            tab = args[0] if args and isinstance(args[0], int) else 8
+            self.check_length(len(text) + text.count("\t") * tab)
+        elif name == "replace" and len(args) >= 2:
+            self.check_replace(text, *args[:3])
+
+
+class _BoundedEnvironment(ImmutableSandboxedEnvironment):
+    """The sandbox with the render budget wired into its operators, range and formatting."""
+
+    intercepted_binops = frozenset(["*", "**", "%"])
+
+    def __init__(self, **options: Any):
+        super().__init__(**options)
+        self.budget = RenderBudget()
+
+    def call_binop(self, context, operator: str, left: Any, right: Any) -> Any:
+        budget = self.budget
+        if operator == "*":
+            for seq, times in ((left, right), (right, left)):
+                if isinstance(seq, (str, list, tuple)) and isinstance(times, int):
+                    budget.check_length(len(seq) * times)
+        elif operator == "**":
+            if isinstance(right, (int, float)) and abs(right) > 1000 or (
+                    isinstance(left, int) and isinstance(right, int) and right > 64
+                    and abs(left) > 1):
+                raise TemplateBudgetError("it raises to a huge power")
+        elif operator == "%":
+            budget.check_format(left)
+        return budget.check_size(super().call_binop(context, operator, left, right))
+
+    def call(__self, __context, __obj, *args: Any, **kwargs: Any) -> Any:  # noqa: N805
+        __self.budget.check_method(__obj, args)
+        return super().call(__context, __obj, *args, **kwargs)
+
+    def wrap_str_format(self, value: Any):
+        wrapped = super().wrap_str_format(value)
+        if wrapped is None:
+            return None
+        spec = value.__self__
+
+        def checked(*args: Any, **kwargs: Any) -> str:
+            self.budget.check_format(spec)
+            return self.budget.check_size(wrapped(*args, **kwargs))
+        return checked
+
+
+def _environment() -> _BoundedEnvironment:
+    env = _BoundedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                              extensions=[loopcontrols, _GenerationBlock])
     env.filters["tojson"] = _tojson
+    plain = dict(env.filters)
+
+    def bounded_format(value: str, *args: Any, **kwargs: Any) -> str:
+        env.budget.check_format(value)
+        return env.budget.check_size(plain["format"](value, *args, **kwargs))
+
+    def bounded_center(value: str, width: int = 80) -> str:
+        env.budget.check_length(int(width))
+        return plain["center"](value, width)
+
+    def bounded_indent(value: str, width: int | str = 4, *args: Any, **kwargs: Any) -> str:
+        pad = width if isinstance(width, int) else len(str(width))
+        env.budget.check_length(len(str(value)) + (str(value).count("\n") + 1) * pad)
+        return plain["indent"](value, width, *args, **kwargs)
+
+    def bounded_replace(eval_ctx, value: str, old: str, new: str, count: int | None = None):
+        env.budget.check_replace(str(value), old, new, count)
+        return plain["replace"](eval_ctx, value, old, new, count)
+
+    bounded_replace.jinja_pass_arg = plain["replace"].jinja_pass_arg  # receives eval_ctx
+    env.filters.update(format=bounded_format, center=bounded_center, indent=bounded_indent,
+                       replace=bounded_replace)
+    env.globals.pop("lipsum")  # random text of any length: nothing a chat template needs
+    env.globals["range"] = lambda *args: env.budget.range(*args)
     env.globals["raise_exception"] = _raise_exception
     env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
     return env
+
+
+class _Deadline:
+    """SIGALRM after `seconds` raises TemplateBudgetError in a render on the main thread;
+    elsewhere (no signals there) the item and size budgets alone bound the render."""
+
+    def __init__(self, seconds: float):
+        self.seconds = seconds
+        self.armed = (threading.current_thread() is threading.main_thread()
+                      and hasattr(signal, "setitimer"))
+
+    def _expire(self, _signum, _frame) -> None:
+        raise TemplateBudgetError(f"it ran longer than {self.seconds:g} s")
+
+    def __enter__(self) -> "_Deadline":
+        if self.armed:
+            self.previous = signal.signal(signal.SIGALRM, self._expire)
+            self.outer, _ = signal.setitimer(signal.ITIMER_REAL, self.seconds)
+            self.started = time.monotonic()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        if self.armed:
+            signal.setitimer(signal.ITIMER_REAL, 0)
+            signal.signal(signal.SIGALRM, self.previous)
+            if self.outer:  # someone else's alarm was pending: re-arm what is left of it
+                left = self.outer - (time.monotonic() - self.started)
+                signal.setitimer(signal.ITIMER_REAL, max(left, 1e-3))
 
 
 class ChatTemplate:
@@ -226,8 +388,32 @@ class ChatTemplate:
                        bos_token=self.bos_token, eos_token=self.eos_token)
         if enable_thinking is not None:
             context["enable_thinking"] = enable_thinking
+        env = self._template.environment
+        env.budget = budget = RenderBudget()
+        started = time.monotonic()
         try:
-            return self._template.render(**context)
+            with _Deadline(budget.SECONDS):
+                pieces, size = [], 0
+                for piece in self._template.generate(**context):
+                    size += len(piece)
+                    if size > budget.OUTPUT_CHARS:
+                        raise TemplateBudgetError(f"its output passed {budget.OUTPUT_CHARS} "
+                                                  "characters")
+                    if time.monotonic() - started > budget.SECONDS:
+                        raise TemplateBudgetError(f"it ran longer than {budget.SECONDS:g} s")
+                    pieces.append(piece)
+            return "".join(pieces)
+        except TemplateBudgetError as exc:
+            raise ForgebenchError(f"the chat template is over its render budget: {exc}",
+                                  path=self.path, where=self.origin,
+                                  hint="the template is not trusted; fix it or pass a "
+                                       "built-in one") from None
+        except (RecursionError, MemoryError, OverflowError) as exc:
+            raise ForgebenchError(f"the chat template is over its render budget: "
+                                  f"{type(exc).__name__}: {str(exc)[:200]}", path=self.path,
+                                  where=self.origin,
+                                  hint="the template is not trusted; fix it or pass a "
+                                       "built-in one") from None
         except _TemplateRaised as exc:
             raise ForgebenchError(f"the chat template refused the conversation: {exc}",
                                   path=self.path, where=self.origin) from None
@@ -235,8 +421,10 @@ class ChatTemplate:
             raise ForgebenchError(f"the chat template tried an unsafe operation ({exc})",
                                   path=self.path, where=self.origin,
                                   hint="the template is not trusted; use a built-in one") from None
-        except (TemplateError, TypeError, KeyError, IndexError, AttributeError) as exc:
-            raise ForgebenchError(f"the chat template failed: {type(exc).__name__}: {exc}",
+        except (TemplateError, TypeError, KeyError, IndexError, AttributeError,
+                ValueError, ZeroDivisionError) as exc:
+            raise ForgebenchError(f"the chat template failed: {type(exc).__name__}: "
+                                  f"{str(exc)[:300]}",
                                   path=self.path, where=self.origin) from None
 
 

@@ -23,7 +23,8 @@ class DiffusionSection(Schema):
 
 
 class SampleSection(Schema):
-    seed: int = Field(17, description="fixed seed of the per-checkpoint sample grid")
+    seed: int = Field(17, ge=0, le=2**32 - 1,
+                      description="fixed seed of the per-checkpoint sample grid")
     per_class: int = Field(4, ge=1, description="grid samples per class")
     cfg: float = Field(4.0, ge=0, description="classifier-free guidance scale (1 = off)")
     steps: int = Field(64, ge=1, description="sampler steps (respaced from the levels)")

@@ -20,6 +20,7 @@ from engine.errors import ForgebenchError
 from engine.fsutil import atomic_write_json, atomic_write_text, read_json, sha256_file
 from engine.jobs import Job, run_config
 from engine.models.llama import Llama, LlamaConfig
+from engine.paths import dataset_file
 from engine.recipes.lm_pretrain_config import LMPretrainConfig
 from engine.rundir import Checkpoint, RunDir
 from engine.sampling import SamplingSettings, generate_tokens
@@ -42,7 +43,7 @@ SPLIT_FILES = {"train": "train.txt", "val": "val.txt", "test": "test.txt"}
 # -- data ---------------------------------------------------------------------------------
 def corpus_files(config: LMPretrainConfig) -> dict[str, Path]:
     """split -> file. dataset.json may rename them; without it train.txt/val.txt/test.txt."""
-    root = config.resolve_path(config.data.dir)
+    root = config.resolve_path(config.data.dir, "field 'data.dir'")
     if not root.is_dir():
         raise ForgebenchError("corpus folder not found", path=root, where="field 'data.dir'",
                               hint="generate one: forgebench data generate records --out DIR")
@@ -53,8 +54,13 @@ def corpus_files(config: LMPretrainConfig) -> dict[str, Path]:
             raise ForgebenchError(f"dataset kind is {manifest.get('kind')!r}, lm-pretrain "
                                   "needs 'text-corpus'", path=root / "dataset.json",
                                   where="field 'kind'")
-        names.update({s: v["file"] for s, v in manifest.get("splits", {}).items()})
-    files = {split: root / name for split, name in names.items()}
+        splits = manifest.get("splits", {})
+        if not isinstance(splits, dict) or not all(isinstance(v, dict) for v in splits.values()):
+            raise ForgebenchError("must map each split to {\"file\": NAME}",
+                                  path=root / "dataset.json", where="field 'splits'")
+        names.update({s: v.get("file") for s, v in splits.items()})
+    files = {split: dataset_file(root, name, root / "dataset.json", f"splits.{split}.file")
+             for split, name in names.items()}
     for split in ("train", "val"):
         if not files[split].is_file():
             raise ForgebenchError(f"the {split} split file is missing", path=files[split],
@@ -66,7 +72,7 @@ def corpus_files(config: LMPretrainConfig) -> dict[str, Path]:
 def data_manifest(config: LMPretrainConfig) -> dict:
     """The corpus files and their SHA-256: what resume re-validates."""
     files = corpus_files(config)
-    root = config.resolve_path(config.data.dir)
+    root = config.resolve_path(config.data.dir, "field 'data.dir'")
     for split in ("train", "val"):
         read_split(config, split)  # refuse an empty or non-UTF-8 split before the run starts
     hashed = {p.name: sha256_file(p) for p in files.values() if p.is_file()}

@@ -47,7 +47,7 @@ class ModelSection(Schema):
 
 
 class OptimSection(Schema):
-    lr: float = Field(3e-3, gt=0, description="peak learning rate")
+    lr: float = Field(3e-3, gt=0, le=10, description="peak learning rate")
     min_lr_ratio: float = Field(0.1, ge=0, le=1, description="cosine floor as a share of lr")
     warmup: int = Field(20, ge=0, description="linear warmup steps")
     schedule: Literal["cosine", "constant"] = "cosine"

@@ -81,8 +81,8 @@ class Base:
 def base_model(config: LMSFTConfig) -> Path:
     """The file that identifies the base (hashed into run.json and the adapter metadata)."""
     if config.model.gguf:
-        return config.resolve_path(config.model.gguf)
-    run = RunDir(config.resolve_path(config.model.run)).require()
+        return config.resolve_path(config.model.gguf, "field 'model.gguf'")
+    run = RunDir(config.resolve_path(config.model.run, "field 'model.run'")).require()
     return run.checkpoint(config.model.checkpoint).path / MODEL_FILE
 
 
@@ -104,7 +104,7 @@ def load_base(config: LMSFTConfig) -> Base:
             for weight in packed_weights(model):
                 weight.cache(torch.float32, lazy=True)   # each filled when it first runs
         return Base(model, tokenizer, ChatTemplate.from_gguf(model.gguf), path, dense=False)
-    run = RunDir(config.resolve_path(config.model.run)).require()
+    run = RunDir(config.resolve_path(config.model.run, "field 'model.run'")).require()
     if run.manifest().get("recipe") != "lm-pretrain":
         raise ForgebenchError("model.run must be an lm-pretrain run", path=run.path,
                               where="field 'model.run'")
@@ -169,13 +169,14 @@ def data_source(config: LMSFTConfig, split: str = "train") -> Path:
     """The JSONL file of a split, or the text-sft dataset folder that holds every split."""
     field_name = {"train": "path", "val": "val_path", "test": "test_path"}[split]
     value = getattr(config.data, field_name)
-    if value is None and split != "train" and config.resolve_path(config.data.path).is_dir():
+    data_path = config.resolve_path(config.data.path, "field 'data.path'")
+    if value is None and split != "train" and data_path.is_dir():
         value = config.data.path                # a dataset folder carries its own splits
     if value is None:
         raise ForgebenchError(f"the config names no {split} data",
                               where=f"field 'data.{field_name}'",
                               hint=f"add data.{field_name} = \"FILE.jsonl\"")
-    path = config.resolve_path(value)
+    path = config.resolve_path(value, f"field 'data.{field_name}'")
     if not path.exists():
         raise ForgebenchError("SFT data not found", path=path, where=f"field 'data.{field_name}'",
                               hint="a JSONL file, or a text-sft dataset folder")

@@ -71,7 +71,7 @@ class LoraSection(Schema):
 
 
 class OptimSection(Schema):
-    lr: float = Field(1e-3, gt=0)
+    lr: float = Field(1e-3, gt=0, le=10)
     schedule: Literal["cosine", "constant"] = "constant"
     warmup: int = Field(0, ge=0, description="linear warmup steps")
     min_lr_ratio: float = Field(0.1, ge=0, le=1, description="cosine floor as a share of lr")

@@ -14,7 +14,7 @@ class DataSection(Schema):
 
 
 class OptimSection(Schema):
-    lr: float = Field(1e-3, gt=0, description="AdamW learning rate")
+    lr: float = Field(1e-3, gt=0, le=10, description="AdamW learning rate")
     warmup: int = Field(0, ge=0, description="linear warmup steps")
     schedule: Literal["cosine", "constant"] = "constant"
     min_lr_ratio: float = Field(0.1, ge=0, le=1, description="cosine floor as a share of lr")

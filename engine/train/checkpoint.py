@@ -6,7 +6,8 @@ A checkpoint directory holds:
     optimizer.safetensors    every tensor of the optimizer state, keyed "<param index>.<name>"
     optimizer.json           the optimizer's non-tensor state and param groups
     <extra files>            e.g. tokenizer.json
-    trainer_state.json       step, data cursor, RNG states ... written LAST (the commit sentinel)
+    trainer_state.json       step, data cursor, RNG states, each file's size and SHA-256 ...
+                             written LAST (the commit sentinel)
 
 It is staged in a hidden directory and renamed into place (`RunDir.staging_checkpoint`).
 """
@@ -25,6 +26,7 @@ from safetensors.torch import load_file, save_file
 from engine.errors import ForgebenchError
 from engine.fsutil import atomic_write_bytes, atomic_write_json, read_json, require_free_space
 from engine.rundir import SENTINEL, Checkpoint, RunDir, checkpoint_name
+from engine.train.integrity import file_records
 
 MODEL_FILE = "model.safetensors"
 OPTIMIZER_TENSORS = "optimizer.safetensors"
@@ -75,7 +77,8 @@ def save_checkpoint(run: RunDir, step: int, *, model_tensors: dict[str, torch.Te
     needed = (_tensor_bytes(model_tensors.values()) + _tensor_bytes(opt_tensors.values())
               + sum(len(b) for b in extra_files.values()) + 1_000_000)
     run.checkpoints_dir.mkdir(parents=True, exist_ok=True)
-    require_free_space(run.checkpoints_dir, needed)
+    require_free_space(run.checkpoints_dir, needed,
+                       hint="free some space or lower keep_last; then forgebench resume RUN_DIR")
 
     with run.staging_checkpoint(step) as tmp:
         save_file(model_tensors, str(tmp / MODEL_FILE))
@@ -84,7 +87,9 @@ def save_checkpoint(run: RunDir, step: int, *, model_tensors: dict[str, torch.Te
             atomic_write_json(tmp / OPTIMIZER_JSON, opt_rest)
         for name, data in extra_files.items():
             atomic_write_bytes(tmp / name, data)
-        atomic_write_json(tmp / SENTINEL, dict(trainer_state, step=step))
+        # Sizes and hashes let a resume tell an intact checkpoint from a damaged one.
+        files = file_records(tmp, sorted(p.name for p in tmp.iterdir() if p.is_file()))
+        atomic_write_json(tmp / SENTINEL, dict(trainer_state, step=step, files=files))
     checkpoint = Checkpoint(run.checkpoints_dir / checkpoint_name(step), step)
     removed = run.apply_retention(keep_last, protect)
     run.log_event("checkpoint_saved", step=step, checkpoint=checkpoint.name,

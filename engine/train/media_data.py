@@ -22,7 +22,7 @@ from engine.fsutil import atomic_write_bytes, atomic_writer
 
 
 def open_dataset(config, kinds: tuple[str, ...]) -> Dataset:
-    root = config.resolve_path(config.data.dir)
+    root = config.resolve_path(config.data.dir, "field 'data.dir'")
     if not root.is_dir():
         raise ForgebenchError("dataset folder not found", path=root, where="field 'data.dir'",
                               hint="generate one: forgebench data generate shapes --out DIR")
