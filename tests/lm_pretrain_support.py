@@ -79,6 +79,17 @@ def forgebench(*args: str, timeout: float = 300, check: bool = True,
     return result
 
 
+def uninterrupted_run(root: Path, steps: int, save_every: int):
+    """(config path, RunDir) of one uninterrupted tiny run: the reference resumed runs must
+    match bit for bit."""
+    from engine.rundir import RunDir
+
+    config = write_config(root / "tiny.toml", make_corpus(root), steps=steps,
+                          save_every=save_every)
+    forgebench("run", str(config), "--out", str(root / "uninterrupted"), "--threads", "1")
+    return config, RunDir(root / "uninterrupted")
+
+
 def popen_forgebench(*args: str) -> subprocess.Popen:
     env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
     return subprocess.Popen([sys.executable, "-m", "engine", *args], cwd=REPO, env=env,

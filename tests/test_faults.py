@@ -23,8 +23,7 @@ from pathlib import Path
 import pytest
 
 from engine.rundir import RunDir
-from lm_pretrain_support import (REPO, assert_same_run, forgebench, make_corpus,
-                                 write_config)
+from lm_pretrain_support import REPO, assert_same_run, forgebench, uninterrupted_run
 
 STEPS = 12
 
@@ -94,10 +93,7 @@ def spawn(*args: str, kill: tuple[str, int] | None = None, **popen) -> subproces
 @pytest.fixture(scope="module")
 def baseline(tmp_path_factory):
     root = tmp_path_factory.mktemp("faults")
-    corpus = make_corpus(root)
-    config = write_config(root / "tiny.toml", corpus, steps=STEPS, save_every=1)
-    forgebench("run", str(config), "--out", str(root / "uninterrupted"), "--threads", "1")
-    return root, config, RunDir(root / "uninterrupted")
+    return (root, *uninterrupted_run(root, STEPS, save_every=1))
 
 
 def status_reads(run: RunDir) -> dict:

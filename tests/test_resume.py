@@ -17,7 +17,7 @@ from safetensors.torch import load_file
 from engine.cli import main
 from engine.rundir import RunDir
 from lm_pretrain_support import (REPO, assert_same_run, forgebench, make_corpus,
-                                 popen_forgebench, write_config)
+                                 popen_forgebench, uninterrupted_run, write_config)
 
 STEPS = 12
 
@@ -26,10 +26,7 @@ STEPS = 12
 def baseline(tmp_path_factory):
     """One uninterrupted run of STEPS steps, the reference for every resumed run."""
     root = tmp_path_factory.mktemp("resume")
-    corpus = make_corpus(root)
-    config = write_config(root / "tiny.toml", corpus, steps=STEPS, save_every=4)
-    forgebench("run", str(config), "--out", str(root / "uninterrupted"), "--threads", "1")
-    return root, config, RunDir(root / "uninterrupted")
+    return (root, *uninterrupted_run(root, STEPS, save_every=4))
 
 
 def test_uninterrupted_run_protocol(baseline, capsys):
