@@ -246,9 +246,9 @@ def dataset_tool_screens(window: MainWindow, workspace: Workspace, scratch: Path
     while datasets.loading:
         settle(app, 0.2)
     datasets.tabs.setCurrentIndex(0)
-    datasets.filter.setText("ahoy split=val")
+    datasets.records_tab.filter.setText("ahoy split=val")
     shot("06b-datasets-50k-records-filtered")
-    datasets.filter.clear()
+    datasets.records_tab.filter.clear()
 
 
 def settle(app: QApplication, seconds: float = 0.6) -> None:
@@ -306,8 +306,8 @@ def main(argv: list[str] | None = None) -> int:
     datasets.tabs.setCurrentIndex(4)
     shot("05-datasets-stats")
     datasets.tabs.setCurrentIndex(5)
-    datasets.check_leaks()
-    while datasets.leak_process is not None:
+    datasets.leaks_tab.check()
+    while datasets.leaks_tab.process is not None:
         settle(app, 0.2)
     shot("05b-datasets-leaks-and-duplicates")
     datasets.select_dataset(workspace.datasets_dir / "sfx")

@@ -17,6 +17,7 @@ import soundfile
 from PySide6.QtCore import Qt
 
 from app import audio
+from app.viewmodels import jobs
 from app.viewmodels import samples as vm
 from app.views.samples_pane import SamplesPane
 from app_part2_support import media_workspace, wait_for
@@ -197,8 +198,8 @@ def test_rubric_refuses_unknown_dimensions_and_scores(tmp_path):
 def test_progress_is_read_from_tqdm_output():
     chunk = ("sample:  25%|██▌       | 2/8 [00:05<00:15]\r"
              "sample:  38%|███▊      | 3/8 [00:06<00:10]")
-    assert vm.parse_progress(chunk) == (3, 8)
-    assert vm.parse_progress("loading") is None
-    assert vm.job_error("x\nsample: 1/2\nerror: bad.toml: field 'n': must be at least 1\n"
+    assert jobs.parse_progress(chunk) == (3, 8)
+    assert jobs.parse_progress("loading") is None
+    assert jobs.job_error("x\nsample: 1/2\nerror: bad.toml: field 'n': must be at least 1\n"
                         "  hint: fix it\n") == "error: bad.toml: field 'n': must be at least 1\n" \
                                                "  hint: fix it"

@@ -357,3 +357,61 @@ def test_marked_spans_split_supervised_from_masked():
     samples, summary = parse_inspect_report(report)
     assert summary == {"examples": 2}
     assert samples[0].truncated and samples[0].spans == [("q", False), ("a", True)]
+
+
+def test_workspace_watch_names_what_changed(tmp_path):
+    """New configs, runs, checkpoints, samples and datasets are noticed from listings alone;
+    a look with nothing new reports nothing."""
+    from app.viewmodels.workspace import Workspace, WorkspaceWatch
+
+    ws = Workspace.create(tmp_path / "ws")
+    watch = WorkspaceWatch(ws)
+    assert watch.changes() == set()
+    (ws.configs_dir / "new.toml").write_text('recipe = "lm-pretrain"\n')
+    assert watch.changes() == {"configs"}
+    run = ws.runs_dir / "run-1"
+    run.mkdir()
+    (run / "run.json").write_text("{}")
+    assert watch.changes() == {"runs"}
+    (run / "checkpoints" / "step-000001").mkdir(parents=True)
+    assert watch.changes() == {"runs"}
+    (run / "samples" / "step-000001").mkdir(parents=True)
+    assert watch.changes() == {"runs"}
+    (run / "samples" / "step-000001" / "a.png").write_bytes(b"png")
+    assert watch.changes() == {"runs"}
+    (ws.datasets_dir / "d").mkdir()
+    assert watch.changes() == set()          # not a dataset until dataset.json is written
+    (ws.datasets_dir / "d" / "dataset.json").write_text("{}")
+    assert watch.changes() == {"datasets"}
+    assert watch.changes() == set()
+
+
+def test_dataset_tab_rows_from_reports():
+    """The datasets tabs' report-to-rows logic, without Qt: leak findings as table rows and a
+    summary, split counts as grouped bars, finding places matched to their record."""
+    from collections import Counter
+
+    from app.viewmodels.datasets import Row, leak_rows, row_of_place, stats_bars
+
+    rows, summary = leak_rows({
+        "records": 12, "checks": ["ids", "groups"], "leaks": 1, "duplicates": 1,
+        "findings": [{"severity": "error", "kind": "same-group", "a": "r1", "b": "r7",
+                      "split_a": "train", "split_b": "val", "evidence": {"group": "g1"}},
+                     {"severity": "warning", "kind": "near-duplicate", "a": "r2", "b": "r3",
+                      "split_a": "train", "split_b": "train", "evidence": {"distance": 0.01}}]})
+    assert [r.cells for r in rows] == [
+        ("LEAK", "same-group", "r1 (train)", "r7 (val)", "group g1"),
+        ("duplicate", "near-duplicate", "r2 (train)", "r3 (train)", "distance 0.01")]
+    assert (rows[0].a_id, rows[0].b_id) == ("r1", "r7")
+    assert summary == ("12 records checked (ids, groups): 1 leak(s) across splits, "
+                       "1 duplicate(s) within a split")
+
+    bars = stats_bars({"val": Counter(circle=1), "train": Counter(circle=3, square=2)})
+    assert bars.labels == ["circle", "square"] and bars.splits == ["train", "val"]
+    assert bars.heights == {"train": [3, 2], "val": [1, 0]}
+    assert bars.totals == {"val": 1, "train": 5}
+
+    table_rows = [Row(f"line {n}", None) for n in (1, 10, 11)]
+    assert row_of_place(table_rows, "line 10 field 'label'") == 1
+    assert row_of_place(table_rows, "line 11") == 2
+    assert row_of_place(table_rows, "line 100") is None

@@ -9,7 +9,6 @@ No Qt and no torch here.
 
 from __future__ import annotations
 
-import re
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -34,7 +33,6 @@ RUBRICS = {
     "text": ("fidelity", "style"),
 }
 SCORES = (1, 2, 3, 4, 5)
-PROGRESS = re.compile(r"(\d+)/(\d+)")
 
 
 @dataclass(frozen=True)
@@ -235,18 +233,3 @@ def sample_argv(run_dir: str | Path, *, checkpoint: str = "latest", class_name: 
         if value is not None:
             argv += [flag, str(value)]
     return argv
-
-
-def parse_progress(text: str) -> tuple[int, int] | None:
-    """The last `done/total` a tqdm bar printed in a chunk of a job's stderr."""
-    found = PROGRESS.findall(text)
-    return (int(found[-1][0]), int(found[-1][1])) if found else None
-
-
-def job_error(output: str) -> str:
-    """The engine's message from a failed job's output: its `error:` block, else the tail."""
-    lines = [line for line in re.split(r"[\r\n]", output) if line.strip()]
-    for i, line in enumerate(lines):
-        if line.lower().startswith("error"):
-            return "\n".join(lines[i:])
-    return "\n".join(lines[-8:])

@@ -27,7 +27,7 @@ from engine.rundir import RunDir
 from app.audio import Player
 from app.viewmodels import ab as vm
 from app.viewmodels.samples import text_file, waveform
-from app.views.samples_pane import JobRunner
+from app.views.job_runner import JobRunner
 from app.viewmodels.workspace import Workspace
 
 PREVIEW = 256
@@ -110,7 +110,7 @@ class ABPane(QWidget):
         self.gen_max_tokens.setValue(32)
         self.generate_button = QPushButton("Generate outputs and start")
         self.generate_button.clicked.connect(self.generate_outputs)
-        self.job = JobRunner()
+        self.job = JobRunner("generation")
         self.job.finished.connect(self._job_finished)
         self.pending_jobs: list[vm.GenerationJob] = []
         self.current_job: vm.GenerationJob | None = None
@@ -230,11 +230,13 @@ class ABPane(QWidget):
                 item.setCheckState(Qt.CheckState.Checked if (str(run_dir), name) in checked
                                    else Qt.CheckState.Unchecked)
                 self.systems.addItem(item)
+        session = self.sessions.currentData()
         self.sessions.clear()
         if self.workspace and self.ratings_dir.is_dir():
             for path in sorted(self.ratings_dir.glob("*.jsonl")):
                 if not path.name.startswith("rubric-"):
                     self.sessions.addItem(path.stem, str(path))
+        self.sessions.setCurrentIndex(max(self.sessions.findData(session), 0))
 
     def check_system(self, run_dir: Path, checkpoint: str, checked: bool = True) -> None:
         for i in range(self.systems.count()):

@@ -19,7 +19,7 @@ from engine.fsutil import read_json
 
 from app.viewmodels import export_wizard as vm
 from app.viewmodels.workspace import Workspace
-from app.views.samples_pane import JobRunner
+from app.views.job_runner import JobRunner
 
 STEPS = ("1. Run and checkpoint", "2. Base model", "3. Quantization", "4. Export and verify",
          "5. Bundle")
@@ -82,7 +82,7 @@ class ExportWizardPane(QWidget):
         self.base_browse.clicked.connect(self._browse_base)
         self.dense_button = QPushButton("Write a dense f16 copy of the base and use it")
         self.dense_button.clicked.connect(self.make_dense_base)
-        self.convert_job = JobRunner()
+        self.convert_job = JobRunner("conversion")
         self.convert_job.finished.connect(self._dense_done)
         row = QHBoxLayout()
         row.addWidget(self.base_path, 1)
@@ -103,7 +103,7 @@ class ExportWizardPane(QWidget):
         self.out_name = QLineEdit()
         self.export_button = QPushButton("Export and verify")
         self.export_button.clicked.connect(self.export)
-        self.export_job = JobRunner()
+        self.export_job = JobRunner("export")
         self.export_job.finished.connect(self._exported)
         self.verdict = _label()
         self.stages = QTableWidget(0, len(STAGE_COLUMNS))
@@ -158,6 +158,28 @@ class ExportWizardPane(QWidget):
             self.run_combo.addItem(f"{run.path.name} ({run.recipe})", str(run.path))
         self.run_combo.blockSignals(False)
         self._run_chosen()
+
+    def refresh_runs(self) -> None:
+        """New exportable runs and checkpoints appear; the run being exported, its
+        checkpoint and every later choice stay as they are."""
+        current, checkpoint = self.run_combo.currentData(), self.checkpoint.currentText()
+        runs = vm.exportable_runs(self.workspace.run_dirs() if self.workspace else [])
+        if runs == self.runs:
+            return
+        self.runs = runs
+        self.run_combo.blockSignals(True)
+        self.run_combo.clear()
+        for run in self.runs:
+            self.run_combo.addItem(f"{run.path.name} ({run.recipe})", str(run.path))
+        index = self.run_combo.findData(current)
+        self.run_combo.setCurrentIndex(max(index, 0))
+        self.run_combo.blockSignals(False)
+        if index < 0 or current is None:
+            self._run_chosen()
+            return
+        self.checkpoint.clear()
+        self.checkpoint.addItems(list(reversed(self.run.checkpoints)))
+        self.checkpoint.setCurrentIndex(max(self.checkpoint.findText(checkpoint), 0))
 
     def select_run(self, path: Path, checkpoint: str | None = None) -> None:
         self.run_combo.setCurrentIndex(self.run_combo.findData(str(path)))
