@@ -130,6 +130,8 @@ def part2_screens(window: MainWindow, workspace: Workspace, shot, app: QApplicat
     export.set_workspace(workspace)
     export.select_run(workspace.runs_dir / "lm-pretrain-tiny-demo")
     export.go(2)
+    while export.call.running:
+        settle(app, 0.1)
     export.set_dtype("q8_0")
     shot("16-export-quantization-sizes")
     export.go(3)

@@ -17,7 +17,7 @@ from app.viewmodels import export_wizard as vm
 from engine.export.equivalence import MIN_TOP1_DENSE, MIN_TOP1_QUANTIZED, Report, verdict
 from app.viewmodels.workspace import Workspace
 from app.views.export_wizard import ExportWizardPane
-from app_part2_support import lm_run, wait_for
+from app_part2_support import go_and_wait, lm_run, wait_for
 from export_support import tiny_sft_over_quantized_base
 from media_support import forgebench
 
@@ -78,9 +78,9 @@ def test_the_wizard_exports_a_tiny_lm_to_a_verified_gguf(qtbot, tmp_path_factory
     workspace = Workspace.open(run.parents[1])
     pane = _pane(qtbot, workspace)
     pane.select_run(run, "step-000030")
-    pane.go(1)
+    go_and_wait(qtbot, pane, 1)
     assert "from scratch" in pane.base_text.text() and not pane.dense_button.isVisible()
-    pane.go(2)
+    go_and_wait(qtbot, pane, 2)
     sizes = {pane.sizes.item(r, 0).text(): pane.sizes.item(r, 1).text()
              for r in range(pane.sizes.rowCount())}
     assert set(sizes) == {"f32", "f16", "bf16", "q8_0", "q4_0", "q4_k_s", "q4_k_m", "q5_k_m",
@@ -136,11 +136,11 @@ def test_a_quantized_or_foreign_base_is_refused_with_the_engines_reason(qtbot, t
     forgebench("run", str(config), "--out", str(run))
     pane = _pane(qtbot, workspace)
     pane.select_run(run)
-    pane.go(1)
+    go_and_wait(qtbot, pane, 1)
     assert "is quantized" in pane.base_text.text() and "dense f16 copy" in pane.base_text.text()
     assert not pane.dense_button.isHidden()
 
-    pane.go(2)
+    go_and_wait(qtbot, pane, 2)
     pane.set_dtype("q8_0")
     pane.out_name.setText("refused")
     pane.export()
@@ -155,12 +155,13 @@ def test_a_quantized_or_foreign_base_is_refused_with_the_engines_reason(qtbot, t
     assert "trained on a different base" in pane.verdict.text()
 
     pane.base_path.clear()
-    pane.go(1)
+    go_and_wait(qtbot, pane, 1)
     pane.make_dense_base()
     wait_for(qtbot, pane.convert_job)
+    qtbot.waitUntil(lambda: not pane.call.running, timeout=60_000)
     dense = Path(pane.base_path.text())
     assert dense.is_file() and "is dense" in pane.base_text.text()
-    pane.go(2)
+    go_and_wait(qtbot, pane, 2)
     pane.set_dtype("adapter")
     assert pane.dtype() == "adapter"
     pane.set_dtype("f16")

@@ -13,8 +13,8 @@ from PySide6.QtCore import QByteArray, Qt, QTimer
 from PySide6.QtGui import QAction, QGuiApplication, QKeySequence
 from PySide6.QtWidgets import (QDialog, QDialogButtonBox, QDockWidget, QFileDialog, QFormLayout,
                                QFrame, QHBoxLayout, QLabel, QListWidget, QMainWindow,
-                               QMessageBox, QPushButton, QSpinBox, QStackedWidget, QVBoxLayout,
-                               QWidget)
+                               QMessageBox, QPushButton, QScrollArea, QSpinBox, QStackedWidget,
+                               QVBoxLayout, QWidget)
 
 from engine.errors import ForgebenchError
 
@@ -115,7 +115,13 @@ class MainWindow(QMainWindow):
         self.stack = QStackedWidget()
         self.samples, self.ab, self.export = SamplesPane(), ABPane(), ExportWizardPane()
         for pane in (self.datasets, self.masks, self.runs, self.samples, self.ab, self.export):
-            self.stack.addWidget(pane)
+            # A pane that needs more room than the window has scrolls; it never makes the
+            # window bigger than the screen (DESIGN: every pane works at 1024×700).
+            scroll = QScrollArea()
+            scroll.setWidgetResizable(True)
+            scroll.setFrameShape(QFrame.Shape.NoFrame)
+            scroll.setWidget(pane)
+            self.stack.addWidget(scroll)
             pane.message.connect(self.show_message)
         self.sidebar.currentRowChanged.connect(self.stack.setCurrentIndex)
         self.sidebar.setCurrentRow(0)

@@ -138,7 +138,7 @@ class PredictionsView(QWidget):
         grid = QHBoxLayout()
         for name, label in self.images.items():
             label.setAlignment(Qt.AlignmentFlag.AlignCenter)
-            label.setMinimumSize(200, 200)
+            label.setMinimumSize(140, 140)
             box = QVBoxLayout()
             box.addWidget(QLabel(name), 0, Qt.AlignmentFlag.AlignHCenter)
             box.addWidget(label, 1)
