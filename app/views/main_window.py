@@ -11,10 +11,10 @@ from pathlib import Path
 
 from PySide6.QtCore import QByteArray, Qt, QTimer
 from PySide6.QtGui import QAction, QGuiApplication, QKeySequence
-from PySide6.QtWidgets import (QDialog, QDialogButtonBox, QDockWidget, QFileDialog, QFormLayout,
-                               QFrame, QHBoxLayout, QLabel, QListWidget, QMainWindow,
-                               QMessageBox, QPushButton, QScrollArea, QSpinBox, QStackedWidget,
-                               QVBoxLayout, QWidget)
+from PySide6.QtWidgets import (QAbstractSpinBox, QComboBox, QDialog, QDialogButtonBox,
+                               QDockWidget, QFileDialog, QFormLayout, QFrame, QHBoxLayout,
+                               QLabel, QListWidget, QMainWindow, QMessageBox, QPushButton,
+                               QScrollArea, QSpinBox, QStackedWidget, QVBoxLayout, QWidget)
 
 from engine.errors import ForgebenchError
 
@@ -23,6 +23,7 @@ from app.viewmodels.workspace import (Settings, Workspace, WorkspaceWatch,
 from app.views.ab_pane import ABPane
 from app.views.datasets_pane import DatasetsPane
 from app.views.export_wizard import ExportWizardPane
+from app.views.form_widget import WheelGuard, guard_wheel
 from app.views.jobs_panel import JobsPanel, Notifier, job_center
 from app.views.masks_pane import MasksPane
 from app.views.runs_pane import RunsPane
@@ -126,6 +127,11 @@ class MainWindow(QMainWindow):
         self.sidebar.currentRowChanged.connect(self.stack.setCurrentIndex)
         self.sidebar.setCurrentRow(0)
         self.masks.dataset_saved.connect(self.datasets.reload)
+
+        # Scrolling a pane never edits a combo box or spin box the user did not click into.
+        self.wheel_guard = WheelGuard(self)
+        for widget in self.findChildren(QComboBox) + self.findChildren(QAbstractSpinBox):
+            guard_wheel(widget, self.wheel_guard)
 
         self.banner = ProblemBanner(self)
         central = QWidget()
@@ -285,6 +291,7 @@ class MainWindow(QMainWindow):
             self.ab.reload()
         if "datasets" in changes:
             self.datasets.refresh_list()
+            self.runs.form_widget.set_datasets(self.workspace.dataset_dirs())
 
     def show_message(self, text: str) -> None:
         self.statusBar().showMessage(text.splitlines()[0] if text else "", 8000)

@@ -9,16 +9,16 @@ from pathlib import Path
 
 from PySide6.QtCore import QAbstractTableModel, QItemSelectionModel, QModelIndex, Qt, Signal
 from PySide6.QtGui import QColor
-from PySide6.QtWidgets import (QAbstractItemView, QComboBox, QHBoxLayout, QHeaderView, QLabel,
-                               QPlainTextEdit, QPushButton, QSpinBox, QSplitter, QTableView,
-                               QTabWidget, QVBoxLayout, QWidget)
+from PySide6.QtWidgets import (QAbstractItemView, QComboBox, QHBoxLayout, QHeaderView,
+                               QInputDialog, QLabel, QMenu, QPlainTextEdit, QPushButton, QSpinBox,
+                               QSplitter, QTableView, QTabWidget, QVBoxLayout, QWidget)
 
 from engine.errors import ForgebenchError
 from engine.rundir import RunDir, pid_alive
 
 from app.viewmodels import jobs
 from app.viewmodels.jobs import BackgroundJob
-from app.viewmodels.forms import RecipeForm
+from app.viewmodels.forms import RecipeForm, new_config_from_template, recipe_templates
 from app.viewmodels.runs import BestEval, LedgerRow, failure_report, ledger_row, write_notes
 from app.viewmodels.workspace import Workspace
 from app.views.charts import RunCharts
@@ -34,6 +34,10 @@ COLUMN_WIDTHS = {"name": 230, "state": 90, "progress": 80, "stage_line": 170, "s
                  "duration": 70}
 EDITABLE = ("question", "notes")
 LEDGER_PERIOD_S = 1.0
+RECIPE_NOTES = {
+    "lm-sft": "The Gemma 3 270M package is a base model, not a chat model: its BEFORE answers "
+              "are not meant to be good. A handful of training pairs (the pirate set has 5) "
+              "is memorised rather than generalised; that is what this demo shows."}
 STATE_COLOURS = {"running": "#1565c0", "completed": "#2e7d32", "failed": "#c62828",
                  "stopped": "#6d4c41", "stopping": "#ef6c00", "queued": "#6a1b9a",
                  "starting": "#6a1b9a", "waiting": "#6a1b9a"}
@@ -205,6 +209,16 @@ class RunsPane(QWidget):
 
         self.config_combo = QComboBox()
         self.config_combo.currentIndexChanged.connect(self._config_chosen)
+        self.new_config_button = QPushButton("New from recipe ▾")
+        self.new_config_button.setToolTip("Copy a recipe's template config into this "
+                                          "workspace's configs/ folder")
+        templates = QMenu(self.new_config_button)
+        for stem in recipe_templates():
+            templates.addAction(stem, lambda s=stem: self.ask_new_config(s))
+        self.new_config_button.setMenu(templates)
+        self.recipe_note = QLabel()
+        self.recipe_note.setWordWrap(True)
+        self.recipe_note.setStyleSheet("QLabel { color: #455a64; }")
         self.form_widget = RecipeFormWidget()
         self.form_widget.validity_changed.connect(self._validity_changed)
         self.start_button = QPushButton("Start")
@@ -217,7 +231,11 @@ class RunsPane(QWidget):
         fv = QVBoxLayout(form_box)
         fv.setContentsMargins(0, 0, 0, 0)
         fv.addWidget(QLabel("Config (from the workspace's configs/ folder)"))
-        fv.addWidget(self.config_combo)
+        config_row = QHBoxLayout()
+        config_row.addWidget(self.config_combo, 1)
+        config_row.addWidget(self.new_config_button)
+        fv.addLayout(config_row)
+        fv.addWidget(self.recipe_note)
         fv.addWidget(self.form_widget, 1)
         fv.addWidget(self.form_status)
         row = QHBoxLayout()
@@ -248,6 +266,7 @@ class RunsPane(QWidget):
         self.launch_problem.hide()
         self.charts.set_runs([])
         self.config_combo.clear()
+        self.form_widget.set_datasets(workspace.dataset_dirs())
         self.reload_configs()
         self.poll()
         if self.ledger.rows:
@@ -285,6 +304,27 @@ class RunsPane(QWidget):
             self.queue_button.setEnabled(False)
             return
         self.form_widget.set_form(form)
+        self.recipe_note.setText(RECIPE_NOTES.get(form.recipe, ""))
+        self.recipe_note.setVisible(form.recipe in RECIPE_NOTES)
+
+    def ask_new_config(self, template: str) -> None:
+        name, ok = QInputDialog.getText(self, "New config", f"Name for the new {template} "
+                                        "config:", text=template)
+        if ok and name.strip():
+            self.new_config(template, name.strip())
+
+    def new_config(self, template: str, name: str) -> Path | None:
+        """Copy a recipe template into configs/ and open it in the form."""
+        try:
+            path = new_config_from_template(recipe_templates()[template],
+                                            self.workspace.configs_dir, name)
+        except ForgebenchError as exc:
+            self.form_status.setText(exc.render())
+            return None
+        self.reload_configs()
+        self.config_combo.setCurrentIndex(self.config_combo.findData(str(path)))
+        self.message.emit(f"new config {path.name} in configs/")
+        return path
 
     def _validity_changed(self, valid: bool) -> None:
         self.start_button.setEnabled(valid)
