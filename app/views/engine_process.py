@@ -13,10 +13,11 @@ The GUI thread never waits on any of them: results arrive through Qt signals.
 from __future__ import annotations
 
 import os
+import subprocess
 from pathlib import Path
 from typing import Callable
 
-from PySide6.QtCore import QIODevice, QObject, QProcess, QProcessEnvironment
+from PySide6.QtCore import QObject, QProcess, QProcessEnvironment
 
 from engine.errors import ForgebenchError
 
@@ -58,11 +59,18 @@ def run_engine(parent: QObject, args: list[str],
 
 
 def start_detached(argv: list[str], log: Path) -> int:
-    """Start a job that outlives the window, stdout and stderr appended to `log`; its pid."""
-    process = engine_process(None, argv)
-    process.setStandardOutputFile(str(log), QIODevice.OpenModeFlag.Append)
-    process.setStandardErrorFile(str(log), QIODevice.OpenModeFlag.Append)
-    ok, pid = process.startDetached()
-    if not ok:
-        raise ForgebenchError(f"could not start {argv[0]}", hint="check the installation")
-    return int(pid)
+    """Start a job that outlives the window, stdout and stderr appended to `log`; its pid.
+
+    A new session, so closing the window (or its terminal) sends the job no signal; the app
+    follows it through its run directory. (PySide's QProcess.startDetached does not return
+    the pid of a configured process, which the Runs pane needs to tell a refused start.)
+    """
+    try:
+        with open(log, "ab") as output:
+            job = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=output,
+                                   stderr=subprocess.STDOUT, cwd=REPO_ROOT,
+                                   env=engine_environment(os.environ), start_new_session=True)
+    except OSError as exc:
+        raise ForgebenchError(f"could not start {argv[0]}: {exc.strerror}", path=log,
+                              hint="check the installation") from None
+    return job.pid

@@ -14,7 +14,8 @@ import time
 from PySide6.QtCore import QObject, Qt, QTimer, Signal
 from PySide6.QtGui import QIcon
 from PySide6.QtWidgets import (QFrame, QHBoxLayout, QHeaderView, QLabel, QProgressBar,
-                               QPushButton, QSystemTrayIcon, QTableWidget, QVBoxLayout, QWidget)
+                               QPushButton, QSystemTrayIcon, QTableWidget, QTableWidgetItem,
+                               QVBoxLayout, QWidget)
 
 from app.viewmodels.jobs import BackgroundJob
 
@@ -107,7 +108,8 @@ class JobsPanel(QWidget):
         now = time.time()
         for row, job in enumerate(jobs):
             title = self.table.item(row, 0)
-            if title is None or title.data(Qt.ItemDataRole.UserRole) != job.key:
+            identity = [job.key, job.cancel is not None]
+            if title is None or title.data(Qt.ItemDataRole.UserRole) != identity:
                 self._fill_row(row, job)
             self.table.item(row, 0).setText(f"{job.kind}: {job.title}")
             self.table.item(row, 0).setToolTip(job.title)
@@ -117,10 +119,8 @@ class JobsPanel(QWidget):
             self.table.item(row, 2).setText(job.progress_text(now))
 
     def _fill_row(self, row: int, job: BackgroundJob) -> None:
-        from PySide6.QtWidgets import QTableWidgetItem
-
         title = QTableWidgetItem()
-        title.setData(Qt.ItemDataRole.UserRole, job.key)
+        title.setData(Qt.ItemDataRole.UserRole, [job.key, job.cancel is not None])
         self.table.setItem(row, 0, title)
         self.table.setItem(row, 2, QTableWidgetItem())
         bar = QProgressBar()
@@ -129,7 +129,7 @@ class JobsPanel(QWidget):
         cancel = QPushButton("Stop" if job.kind == "run" else "Cancel")
         cancel.setEnabled(job.cancel is not None)
         if job.cancel is not None:
-            cancel.clicked.connect(job.cancel)
+            cancel.clicked.connect(lambda _=False, stop=job.cancel: stop())
         self.table.setCellWidget(row, 3, cancel)
 
     def _refresh_times(self) -> None:

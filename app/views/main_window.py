@@ -130,7 +130,8 @@ class MainWindow(QMainWindow):
 
         # Scrolling a pane never edits a combo box or spin box the user did not click into.
         self.wheel_guard = WheelGuard(self)
-        for widget in self.findChildren(QComboBox) + self.findChildren(QAbstractSpinBox):
+        for widget in self.stack.findChildren(QComboBox) + \
+                self.stack.findChildren(QAbstractSpinBox):
             guard_wheel(widget, self.wheel_guard)
 
         self.banner = ProblemBanner(self)

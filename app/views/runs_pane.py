@@ -414,7 +414,7 @@ class RunsPane(QWidget):
         for row in self.ledger.rows:
             key = f"run:{row.path}"
             if row.active:
-                if key not in center.jobs:
+                if key not in center.jobs or center.jobs[key].cancel is None:  # was starting
                     center.add(BackgroundJob(key, "run", row.name, started=row.created or 0,
                                              cancel=lambda p=row.path: self._stop(p)))
                 center.update(key, done=row.step or 0, total=row.target_steps or 0,
@@ -440,7 +440,7 @@ class RunsPane(QWidget):
         self._show_details(paths)
 
     def _show_details(self, paths: list[Path]) -> None:
-        if self.launch_problem.isVisible() and not paths:
+        if not self.launch_problem.isHidden() and not paths:
             return          # keep the refused start's reason until a run is chosen
         texts = []
         for path in paths:

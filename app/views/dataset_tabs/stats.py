@@ -16,8 +16,8 @@ class StatsTab(QWidget):
         self.table: DatasetTable | None = None
         self.plot = pg.PlotWidget(title="Records per label and split")
         self.plot.setBackground("w")
-        # One legend for the tab's life, emptied on every fill: PlotItem.clear() leaves the
-        # legend's entries, so a legend added per fill would list each split again.
+        # One legend for the tab's life. PlotItem adds every named item to it (and removes it
+        # on clear); a legend added per fill, or an explicit addItem, would list a split twice.
         self.legend = self.plot.addLegend(offset=(-10, 10))
         self.text = QLabel()
         self.text.setWordWrap(True)
@@ -44,7 +44,6 @@ class StatsTab(QWidget):
             item = pg.BarGraphItem(x=xs, height=bars.heights[split], width=width * 0.9,
                                    brush=COLOURS[j % len(COLOURS)], name=split)
             self.plot.addItem(item)
-            self.legend.addItem(item, split)
         axis = self.plot.getAxis("bottom")
         axis.setTicks([[(i + 0.4 - width / 2, label) for i, label in enumerate(bars.labels)]])
         self.text.setText("  ·  ".join(f"{s}: {n}" for s, n in bars.totals.items()))
