@@ -182,10 +182,24 @@ def before_after(run_dir: str | Path, after: str | None = None) -> list[tuple[st
     """(prompt, BEFORE answer, AFTER answer): the base's generations (the first checkpoint)
     against `after` (default: the last one)."""
     names = generation_checkpoints(run_dir)
-    if len(names) < 2:
+    if not names:
         return []
-    first, last = generations(run_dir, names[0]), generations(run_dir, after or names[-1])
+    last = generations(run_dir, after or names[-1])
+    if len(names) < 2:      # one checkpoint with answers (a short lm-pretrain run): AFTER only
+        return [(p, "—", answer) for p, answer in last.items()]
+    first = generations(run_dir, names[0])
     return [(p, first[p], last.get(p, "")) for p in first]
+
+
+def before_after_headers(run_dir: str | Path) -> tuple[str, str]:
+    """Column titles: an SFT run's first answers are its base's (step 0); a run trained from
+    scratch has no base, so its columns name the checkpoints compared."""
+    names = generation_checkpoints(run_dir)
+    if not names:
+        return "BEFORE", "AFTER"
+    if names[0] == "step-000000":
+        return "BEFORE (base)", f"AFTER ({names[-1]})"
+    return (f"first ({names[0]})" if len(names) > 1 else "—"), f"latest ({names[-1]})"
 
 
 # -- rubric ratings ------------------------------------------------------------------------

@@ -26,6 +26,10 @@ from app.views.job_runner import JobRunner
 
 STEPS = ("1. Run and checkpoint", "2. Base model", "3. Quantization", "4. Export and verify",
          "5. Bundle")
+VERDICT_COLOURS = {"match": "#c8e6c9", "changed": "#ffe0b2", "FAIL": "#ffcdd2"}
+VERDICT_TIPS = {"match": "every top-1 token and greedy answer is the checkpoint's",
+                "changed": "above the engine's bar, but some tokens or answers differ",
+                "FAIL": "below the engine's bar: not verified"}
 STAGE_COLUMNS = ("stage", "verdict", "top-1 agreement", "max |Δlogit|", "mean |Δlogit|",
                  "KL", "greedy match", "tokenizer", "file")
 
@@ -421,17 +425,26 @@ class ExportWizardPane(QWidget):
                       row.file)
             for c, value in enumerate(values):
                 item = QTableWidgetItem(value)
-                if c == 1 and row.passed is not None:
-                    item.setBackground(QColor("#c8e6c9" if row.passed else "#ffcdd2"))
+                if c == 1 and row.verdict in VERDICT_COLOURS:
+                    item.setBackground(QColor(VERDICT_COLOURS[row.verdict]))
+                    item.setToolTip(VERDICT_TIPS[row.verdict])
                 self.stages.setItem(r, c, item)
         self.stages.resizeColumnsToContents()
-        self.verdict.setText(f"<b>{'Verified' if result['passed'] else 'NOT verified'}</b>: "
-                             f"{self.out}")
+        changed = result["changed"]
+        self.verdict.setText(
+            f"<b>{'Verified' if result['passed'] else 'NOT verified'}</b>: "
+            f"{html.escape(str(self.out))}"
+            + ("<br><span style='background:#ffe0b2'>Changed by quantization: "
+               f"{html.escape(', '.join(changed))}. It passes the bar, but some tokens or "
+               "answers differ from the checkpoint (see KL, greedy match and the answers "
+               "below).</span>" if changed else ""))
         cpp = result["llamacpp"]
         if cpp["available"]:
-            lines = [f"<tr><td>{html.escape(p)}</td><td>{html.escape(str(ours))}</td>"
+            amber = " style='background:#ffe0b2'"      # an answer that differs
+            lines = [f"<tr{amber if ours != theirs else ''}>"
+                     f"<td>{html.escape(p)}</td><td>{html.escape(str(ours))}</td>"
                      f"<td>{html.escape(str(theirs))}</td></tr>" for p, ours, theirs in
-                     cpp["answers"]]
+                     sorted(cpp["answers"], key=lambda a: a[1] == a[2])]
             self.answers.setText("<b>llama.cpp's answers</b><table border=1 cellpadding=3>"
                                  "<tr><th>prompt</th><th>checkpoint</th><th>llama.cpp</th></tr>"
                                  + "".join(lines) + "</table>")

@@ -247,9 +247,19 @@ class RunsPane(QWidget):
         self.left_tabs.addTab(ledger_box, "Ledger")
         self.left_tabs.addTab(form_box, "New run")
         self.charts = RunCharts()
+        self.stage_label = QLabel()     # what the selected running job is doing right now
+        self.stage_label.setWordWrap(True)
+        self.stage_label.setMinimumWidth(1)
+        self.stage_label.setStyleSheet("QLabel { color: #1565c0; font-weight: bold; }")
+        self.stage_label.hide()
+        charts_box = QWidget()
+        cv = QVBoxLayout(charts_box)
+        cv.setContentsMargins(0, 0, 0, 0)
+        cv.addWidget(self.stage_label)
+        cv.addWidget(self.charts, 1)
         splitter = QSplitter()
         splitter.addWidget(self.left_tabs)
-        splitter.addWidget(self.charts)
+        splitter.addWidget(charts_box)
         splitter.setSizes([470, 810])
         splitter.setStretchFactor(1, 1)
         layout = QVBoxLayout(self)
@@ -485,7 +495,11 @@ class RunsPane(QWidget):
                     self.select_run(path, add=True)
             self._sync_jobs()
         self.charts.refresh()
-        states = [(r.path, r.state) for r in self.ledger.rows if r.path in self.selected_paths()]
+        shown = [r for r in self.ledger.rows if r.path in self.selected_paths()]
+        doing = [f"{r.name}: {r.stage_line}" for r in shown if r.active]
+        self.stage_label.setText("\n".join(doing))
+        self.stage_label.setVisible(bool(doing))
+        states = [(r.path, r.state) for r in shown]
         if states != self._shown_states:
             self._shown_states = states
             self._show_details(self.selected_paths())

@@ -334,6 +334,8 @@ class SamplesPane(QWidget):
             self.rubric.set_kind("audio")
         elif self.run_dir and vm.generation_checkpoints(self.run_dir):
             rows = vm.before_after(self.run_dir)
+            self.text_table.setHorizontalHeaderLabels(
+                ["Prompt", *vm.before_after_headers(self.run_dir)])
             self.text_table.setRowCount(len(rows))
             for r, row in enumerate(rows):
                 for c, text in enumerate(row):
