@@ -322,6 +322,8 @@ def main(argv: list[str] | None = None) -> int:
     window.sidebar.setCurrentRow(1)
     masks = window.masks
     masks.set_workspace(workspace, select=workspace.datasets_dir / "shapes")
+    while masks.loader.running:
+        settle(app, 0.1)
     masks.record_list.setCurrentRow(3)
     editor = masks.editor
     h, w = editor.shape

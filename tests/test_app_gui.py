@@ -108,6 +108,7 @@ def test_edit_mask_undo_save_makes_a_new_dataset_version(window, qtbot, tmp_path
     assert window.open_workspace(ws.root)
     window.sidebar.setCurrentRow(1)
     pane = window.masks
+    qtbot.waitUntil(lambda: pane.editor is not None, timeout=60_000)   # loaded off-thread
     qtbot.waitExposed(pane.canvas)
     record = pane.record
     before = pane.editor.mask.copy()
@@ -140,6 +141,7 @@ def test_edit_mask_undo_save_makes_a_new_dataset_version(window, qtbot, tmp_path
     new_record = next(r for r in saved.records() if r["id"] == record["id"])
     assert np.array_equal(read_mask(new_record["mask"]), erased)
     assert pane.dataset_combo.currentData() == str(new_root)
+    qtbot.waitUntil(lambda: pane.editor is not None, timeout=60_000)
     assert not pane.editor.dirty  # the pane now shows the saved version
     assert any(e.path == new_root for e in window.datasets.entries)
 

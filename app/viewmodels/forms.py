@@ -32,6 +32,15 @@ from app.viewmodels.workspace import REPO_ROOT
 
 HIDDEN_FIELDS = ("recipe", "base_dir")
 TEMPLATES_DIR = REPO_ROOT / "resources" / "configs"
+# Words for the schema's terse field names (the tooltip keeps the schema's description).
+LABELS = {"n_layers": "layers", "n_heads": "attention heads", "n_kv_heads": "key/value heads",
+          "ffn_dim": "feed-forward width", "dim": "width", "lr": "learning rate",
+          "gguf": "base model (GGUF)", "dir": "dataset folder", "path": "training data",
+          "val_path": "validation data", "test_path": "test data", "max_len": "max tokens",
+          "emb_dim": "embedding width", "cfg": "guidance (CFG)", "ema": "EMA decay",
+          "per_class": "samples per class", "max_tokens": "max new tokens",
+          "keep_last": "checkpoints kept", "save_every": "checkpoint every (steps)",
+          "eval_every": "evaluate every (steps)", "log_every": "log every (steps)"}
 # Fields that name something on disk, and what: a folder, a file, or either.
 PATH_FIELDS = {"data.dir": "folder", "data.path": "any", "data.val_path": "file",
                "data.test_path": "file", "model.gguf": "file", "model.run": "folder"}
@@ -49,7 +58,8 @@ class FieldSpec:
 
     @property
     def label(self) -> str:
-        return self.name.rsplit(".", 1)[-1].replace("_", " ")
+        leaf = self.name.rsplit(".", 1)[-1]
+        return LABELS.get(leaf, leaf.replace("_", " "))
 
     @property
     def section(self) -> str:

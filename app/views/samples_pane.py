@@ -27,6 +27,10 @@ from app.views.job_runner import JobRunner
 
 SAMPLE_RECIPES = ("image-generate", "audio-generate", "lm-sft", "lm-pretrain")
 CELL = 96
+NO_RUN = ("Choose a run. Image and audio generator runs show their samples here; LLM runs "
+          "their BEFORE/AFTER generations.")
+EMPTY_RUN = ("{name} has no samples yet. Generator runs: choose a checkpoint and press "
+             "Generate samples. LLM runs write their answers when they save a checkpoint.")
 
 
 class AudioView(QWidget):
@@ -196,8 +200,7 @@ class SamplesPane(QWidget):
         self.text_table.setWordWrap(True)
         self.text_table.currentCellChanged.connect(lambda r, *_: self._text_chosen(r))
         self.views = QStackedWidget()
-        self.empty = QLabel("Choose a run. Image and audio generator runs show their samples "
-                            "here; LLM runs their BEFORE/AFTER generations.")
+        self.empty = QLabel(NO_RUN)
         self.empty.setWordWrap(True)
         for widget in (self.empty, self.grid, self.clips, self.text_table):
             self.views.addWidget(widget)
@@ -344,6 +347,8 @@ class SamplesPane(QWidget):
             self.views.setCurrentWidget(self.text_table)
             self.rubric.set_kind("text")
         else:
+            self.empty.setText(
+                EMPTY_RUN.format(name=self.run_dir.name) if self.run_dir else NO_RUN)
             self.views.setCurrentWidget(self.empty)
         self._show_detail(None)
 
