@@ -25,7 +25,8 @@ TINY = {"model.dim": "16", "model.n_layers": "1", "model.n_heads": "2", "model.n
         "model.ffn_dim": "32", "model.context": "16", "train.batch_size": "2",
         "eval_every": "0", "save_every": "0", "steps": "5000", "sample.max_tokens": "6",
         "sample.prompts": "Record item\nThe price is"}
-MAX_GAP_MS = 250    # far above a healthy loop (tens of ms), far below a freeze (seconds)
+MAX_GAP_MS = 1500   # the freezes this guards against lasted 15-35 s; scheduler noise on a
+#                     loaded 2-core machine alone reaches a few hundred ms (see the print)
 
 
 @pytest.mark.slow

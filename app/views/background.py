@@ -64,8 +64,9 @@ class BackgroundCall(QObject):
         self.worker = None
 
     def wait(self, ms: int = 30_000) -> bool:
-        """For tests and shutdown: block until the current call's thread ended."""
-        return self.worker is None or self.worker.wait(ms)
+        """For tests and shutdown: block until every thread this owner started has ended
+        (a thread object destroyed while it runs would abort the process)."""
+        return all(worker.wait(ms) for worker in list(self._workers))
 
     def _finish(self, worker: _Worker, value, signal) -> None:
         if worker is self.worker:

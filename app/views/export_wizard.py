@@ -22,6 +22,7 @@ from engine.fsutil import read_json
 from app.viewmodels import export_wizard as vm
 from app.viewmodels.workspace import Workspace
 from app.views.background import BackgroundCall
+from app.views.combos import refill_keeping_choice
 from app.views.job_runner import JobRunner
 
 STEPS = ("1. Run and checkpoint", "2. Base model", "3. Quantization", "4. Export and verify",
@@ -201,24 +202,15 @@ class ExportWizardPane(QWidget):
     def refresh_runs(self) -> None:
         """New exportable runs and checkpoints appear; the run being exported, its
         checkpoint and every later choice stay as they are."""
-        current, checkpoint = self.run_combo.currentData(), self.checkpoint.currentText()
         runs = vm.exportable_runs(self.workspace.run_dirs() if self.workspace else [])
         if runs == self.runs:
             return
         self.runs = runs
-        self.run_combo.blockSignals(True)
-        self.run_combo.clear()
-        for run in self.runs:
-            self.run_combo.addItem(f"{run.path.name} ({run.recipe})", str(run.path))
-        index = self.run_combo.findData(current)
-        self.run_combo.setCurrentIndex(max(index, 0))
-        self.run_combo.blockSignals(False)
-        if index < 0 or current is None:
+        if not refill_keeping_choice(self.run_combo, [(f"{r.path.name} ({r.recipe})",
+                                                       str(r.path)) for r in runs]):
             self._run_chosen()
             return
-        self.checkpoint.clear()
-        self.checkpoint.addItems(list(reversed(self.run.checkpoints)))
-        self.checkpoint.setCurrentIndex(max(self.checkpoint.findText(checkpoint), 0))
+        refill_keeping_choice(self.checkpoint, [(c, c) for c in reversed(self.run.checkpoints)])
 
     def select_run(self, path: Path, checkpoint: str | None = None) -> None:
         self.run_combo.setCurrentIndex(self.run_combo.findData(str(path)))

@@ -345,5 +345,8 @@ class MainWindow(QMainWindow):
             if choice == "stop":
                 self.runs.stop_all()
         self.timer.stop()
+        for call in (self.masks.loader, self.export.call):
+            call.cancel()
+            call.wait()
         self.settings.set("geometry", bytes(self.saveGeometry().toHex()).decode())
         event.accept()

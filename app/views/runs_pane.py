@@ -22,6 +22,7 @@ from app.viewmodels.forms import RecipeForm, new_config_from_template, recipe_te
 from app.viewmodels.runs import BestEval, LedgerRow, failure_report, ledger_row, write_notes
 from app.viewmodels.workspace import Workspace
 from app.views.charts import RunCharts
+from app.views.combos import refill_keeping_choice
 from app.views.engine_process import start_detached
 from app.views.jobs_panel import job_center
 from app.views.form_widget import RecipeFormWidget
@@ -285,18 +286,10 @@ class RunsPane(QWidget):
     def reload_configs(self) -> None:
         """The configs/ folder's TOML files; the chosen one stays chosen (and its edits kept)
         when others appear or go."""
-        current = self.config_combo.currentData()
         paths = [str(p) for p in self.workspace.config_files()] if self.workspace else []
         if paths == [self.config_combo.itemData(i) for i in range(self.config_combo.count())]:
             return
-        self.config_combo.blockSignals(True)
-        self.config_combo.clear()
-        for path in paths:
-            self.config_combo.addItem(Path(path).stem, path)
-        index = self.config_combo.findData(current)
-        self.config_combo.setCurrentIndex(max(index, 0))
-        self.config_combo.blockSignals(False)
-        if index < 0:
+        if not refill_keeping_choice(self.config_combo, [(Path(p).stem, p) for p in paths]):
             self._config_chosen()
 
     def _config_chosen(self) -> None:

@@ -23,6 +23,7 @@ from engine.rundir import RunDir
 from app.audio import MAX_GAIN_DB, MIN_GAIN_DB, Player
 from app.viewmodels import samples as vm
 from app.viewmodels.workspace import Workspace
+from app.views.combos import refill_keeping_choice
 from app.views.job_runner import JobRunner
 
 SAMPLE_RECIPES = ("image-generate", "audio-generate", "lm-sft", "lm-pretrain")
@@ -246,42 +247,28 @@ class SamplesPane(QWidget):
         self.reload_runs()
 
     def reload_runs(self) -> None:
-        self.run_combo.blockSignals(True)
-        self.run_combo.clear()
-        self._fill_runs()
-        self.run_combo.blockSignals(False)
+        refill_keeping_choice(self.run_combo, self._sample_runs())
         self._run_chosen()
 
-    def _fill_runs(self) -> None:
+    def _sample_runs(self) -> list[tuple[str, str]]:
+        runs = []
         for path in self.workspace.run_dirs() if self.workspace else []:
             try:
                 recipe = RunDir(path).manifest().get("recipe")
             except ForgebenchError:     # an unreadable run.json: the Runs pane reports it
                 continue
             if recipe in SAMPLE_RECIPES:
-                self.run_combo.addItem(f"{path.name} ({recipe})", str(path))
-                self.run_combo.setItemData(self.run_combo.count() - 1, path.name,
-                                           Qt.ItemDataRole.ToolTipRole)
+                runs.append((f"{path.name} ({recipe})", str(path)))
+        return runs
 
     def refresh_runs(self) -> None:
         """New runs, checkpoints and samples appear; the chosen run, checkpoint and sample
         stay chosen (the workspace watch calls this when something changed)."""
-        current, checkpoint = self.run_combo.currentData(), self.checkpoint.currentText()
-        self.run_combo.blockSignals(True)
-        self.run_combo.clear()
-        self._fill_runs()
-        index = self.run_combo.findData(current)
-        self.run_combo.setCurrentIndex(max(index, 0))
-        self.run_combo.blockSignals(False)
-        if index < 0 or current is None:
+        if not refill_keeping_choice(self.run_combo, self._sample_runs()):
             self._run_chosen()
             return
-        run = RunDir(self.run_dir)
-        self.checkpoint.blockSignals(True)
-        self.checkpoint.clear()
-        self.checkpoint.addItems([c.name for c in reversed(run.checkpoints())])
-        self.checkpoint.setCurrentIndex(max(self.checkpoint.findText(checkpoint), 0))
-        self.checkpoint.blockSignals(False)
+        refill_keeping_choice(self.checkpoint, [(c.name, c.name) for c in
+                                                reversed(RunDir(self.run_dir).checkpoints())])
         if [s.path for s in vm.run_samples(self.run_dir)] != [s.path for s in self.samples]:
             chosen = self.current.path if self.current else None
             self.reload()
