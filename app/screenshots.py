@@ -1,6 +1,6 @@
 """`python -m app.screenshots OUT_DIR [--only datasets]`: render every pane with real content
-at 1024×700 (the smallest laptop window every pane must work in) (`--only datasets` renders the datasets pane, import wizards and data card
-without training the demo runs).
+at 1024×700, the smallest laptop window every pane must work in (`--only datasets` renders
+the datasets pane, import wizards and data card without training the demo runs).
 
 The content is real: the bundled sample workspace (datasets the engine's own generators fill
 in where the bundle lacks them), a copy of the shapes dataset with a planted error, and a real

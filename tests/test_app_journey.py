@@ -1,7 +1,7 @@
 """The newcomer's whole road through the window, without reopening the workspace: first launch
 (a scratch HOME, so the sample workspace is installed) → validate a dataset → a new config from
-the lm-pretrain template → start it (its charts are selected by themselves) → stop → resume →
-its samples → a blind A/B of two of its checkpoints → export with the wizard.
+the lm-pretrain template → start it (its charts are selected by themselves) → stop →
+resume → its samples → a blind A/B of two of its checkpoints → export with the wizard.
 
 Every job is a real `forgebench` subprocess. Each user action runs inside the event loop (as a
 click would), and a 10 ms timer records the longest event-loop gap of each phase; the figures
