@@ -147,6 +147,8 @@ def test_the_window_fits_1024x700_and_long_messages_wrap(window, qtbot):
         hint = window.minimumSizeHint()
         assert hint.width() <= 1024 and hint.height() <= 700, (row, hint)
         assert window.width() == 1024 and window.height() == 700, row
+        scroll = window.stack.currentWidget()       # nothing cut off: no sideways scrolling
+        assert scroll.widget().minimumSizeHint().width() <= scroll.viewport().width(), row
 
 
 def test_the_wheel_scrolls_the_form_and_never_edits_an_unfocused_field(window, tmp_path):

@@ -40,7 +40,8 @@ LABELS = {"n_layers": "layers", "n_heads": "attention heads", "n_kv_heads": "key
           "emb_dim": "embedding width", "cfg": "guidance (CFG)", "ema": "EMA decay",
           "per_class": "samples per class", "max_tokens": "max new tokens",
           "keep_last": "checkpoints kept", "save_every": "checkpoint every (steps)",
-          "eval_every": "evaluate every (steps)", "log_every": "log every (steps)"}
+          "eval_every": "evaluate every (steps)", "log_every": "log every (steps)",
+          "nonfinite": "on a non-finite loss"}
 # Fields that name something on disk, and what: a folder, a file, or either.
 PATH_FIELDS = {"data.dir": "folder", "data.path": "any", "data.val_path": "file",
                "data.test_path": "file", "model.gguf": "file", "model.run": "folder"}

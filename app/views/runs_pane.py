@@ -177,6 +177,7 @@ class RunsPane(QWidget):
         self.follow: Path | None = None     # a run just started: select it when it appears
         self.launch_problem = QLabel()      # why the last start was refused, until the next
         self.launch_problem.setWordWrap(True)
+        self.launch_problem.setMinimumWidth(1)      # a long line wraps; never widens the pane
         self.launch_problem.setTextInteractionFlags(Qt.TextInteractionFlag.TextSelectableByMouse)
         self.launch_problem.setStyleSheet("QLabel { background: #ffebee; color: #b71c1c; "
                                           "border: 1px solid #e57373; padding: 4px; }")

@@ -178,14 +178,21 @@ class SamplesPane(QWidget):
         self.generate_button.clicked.connect(self.generate)
         self.job = JobRunner("sampling")
         self.job.finished.connect(self._generated)
-        controls = QHBoxLayout()
-        for label, widget in (("Run", self.run_combo), ("Checkpoint", self.checkpoint),
-                              ("Class", self.class_name), ("Per class", self.n),
-                              ("Seed", self.seed), ("CFG", self.cfg)):
-            controls.addWidget(QLabel(label))
-            controls.addWidget(widget)
-        controls.addWidget(self.generate_button)
-        controls.addStretch(1)
+        # Two rows (what to look at; what to generate), so the pane fits a 1024-pixel window;
+        # the run picker takes the spare width, so run names are not cut short.
+        controls = QVBoxLayout()
+        pick, make = QHBoxLayout(), QHBoxLayout()
+        for row, pairs in ((pick, (("Run", self.run_combo), ("Checkpoint", self.checkpoint))),
+                           (make, (("Class", self.class_name), ("Per class", self.n),
+                                   ("Seed", self.seed), ("CFG", self.cfg)))):
+            for label, widget in pairs:
+                row.addWidget(QLabel(label))
+                row.addWidget(widget, 2 if widget is self.run_combo else 0)
+            controls.addLayout(row)
+        self.checkpoint.setMinimumContentsLength(12)
+        self.run_combo.setMinimumContentsLength(24)
+        make.addWidget(self.generate_button)
+        make.addStretch(1)
 
         self.grid = QTableWidget()
         self.grid.setIconSize(QSize(CELL, CELL))
