@@ -138,7 +138,7 @@ class JobsPanel(QWidget):
 
 
 class Toast(QFrame):
-    """A short message over the window's bottom-right corner that hides itself."""
+    """A short message over the window's top-right corner that hides itself."""
 
     def __init__(self, parent: QWidget):
         super().__init__(parent)
@@ -158,7 +158,8 @@ class Toast(QFrame):
         self.text.setText(f"<b>{title}</b><br>{text}")
         self.adjustSize()
         parent = self.parentWidget()
-        self.move(parent.width() - self.width() - 16, parent.height() - self.height() - 40)
+        # Top right, under the menu bar: the wizard's Back/Next sit at the bottom right.
+        self.move(parent.width() - self.width() - 16, 36)
         self.raise_()
         self.show()
         self._timer.start(TOAST_MS)
