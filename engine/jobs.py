@@ -222,6 +222,7 @@ class Job:
         self.stop_requested = False
         self.stop_reason: str | None = None
         self.stage = "loading"
+        self.stage_detail: str | None = None
         self.step = resume_from.step if resume_from else 0
         self.stop_after_step = stop_after_step
         self.show_progress = progress
@@ -230,6 +231,16 @@ class Job:
     def request_stop(self, reason: str) -> None:
         if not self.stop_requested:
             self.stop_requested, self.stop_reason = True, reason
+
+    def announce(self, stage: str, detail: str) -> None:
+        """Enter a long stage before the first step (loading a base, encoding samples):
+        status.json says so at once and events.jsonl keeps a `stage` event, so the app can show
+        "loading base 250 MB" instead of a silent "0 / 30"."""
+        self.stage, self.stage_detail = stage, detail
+        self.run.set_status("stopping" if self.stop_requested else "running", step=self.step,
+                            stage=stage, stage_detail=detail)
+        self.run.log_event("stage", stage=stage, detail=detail, step=self.step,
+                           invocation=self.invocation)
 
     def step_done(self, step: int, **status_fields: Any) -> None:
         """Record a finished optimizer step: status.json (throttled) and the test-only
@@ -242,7 +253,9 @@ class Job:
         if self.stop_requested or now - self._last_status >= 0.5:
             self._last_status = now
             state = "stopping" if self.stop_requested else "running"
-            self.run.set_status(state, step=step, stage=self.stage, **status_fields)
+            self.stage_detail = None        # stepping: the app shows step and ETA instead
+            self.run.set_status(state, step=step, stage=self.stage, stage_detail=None,
+                                **status_fields)
 
     def progress(self, total: int, initial: int = 0, desc: str = "train"):
         """A tqdm bar on stderr (disabled when not wanted)."""
@@ -322,13 +335,13 @@ def _locked_session(run: RunDir, config: Schema, resume_from: Checkpoint | None,
             run.log_event("error", stage=job.stage, step=job.step, message=message[:2000],
                           traceback=traceback.format_exc(), invocation=invocation)
         with contextlib.suppress(OSError, ForgebenchError):
-            run.set_status("failed", step=job.step, stage=job.stage, error=message[:2000],
-                           pid=None)
+            run.set_status("failed", step=job.step, stage=job.stage, stage_detail=None,
+                           error=message[:2000], pid=None)
         raise
     else:
         done = job.step >= config.steps
         state = "completed" if done or not job.stop_requested else "stopped"
-        run.set_status(state, step=job.step, stage="done", pid=None,
+        run.set_status(state, step=job.step, stage="done", stage_detail=None, pid=None,
                        stop_reason=None if done else job.stop_reason)
         run.log_event("invocation_end", invocation=invocation, state=state, step=job.step,
                       reason=job.stop_reason)

@@ -47,3 +47,9 @@ def wait_for(qtbot, runner, timeout_s: float = 300) -> None:
     qtbot.waitUntil(lambda: not runner.running or time.monotonic() > deadline,
                     timeout=int(timeout_s * 1000))
     assert not runner.running, "the job did not finish"
+
+
+def go_and_wait(qtbot, pane, step: int, timeout_s: int = 120) -> None:
+    """Show an export wizard step and wait until its worker-thread preparation is done."""
+    pane.go(step)
+    qtbot.waitUntil(lambda: not pane.call.running, timeout=timeout_s * 1000)

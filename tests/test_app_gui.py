@@ -17,7 +17,7 @@ from engine.eval.masks import boundary
 from app.main import open_initial_workspace
 from app.viewmodels.masks import read_mask
 from app.viewmodels.workspace import BUNDLED_SAMPLE, Settings
-from app.views.datasets_pane import ERROR_BG
+from app.views.dataset_tabs.records import ERROR_BG
 from app.views.main_window import MainWindow
 from test_app_support import make_workspace
 
@@ -65,7 +65,8 @@ def test_planted_dataset_error_is_marked_at_its_record(window, qtbot, tmp_path):
     pane.select_dataset(ws.datasets_dir / "shapes")
     qtbot.mouseClick(pane.validate_button, Qt.MouseButton.LeftButton)
     assert "error" in pane.header.text()
-    model = pane.records
+    records = pane.records_tab
+    model = records.records
     marked = [r for r in range(model.rowCount())
               if model.data(model.index(r, 0), Qt.ItemDataRole.BackgroundRole) == ERROR_BG]
     assert [pane.table.rows[r].where for r in marked] == ["line 9"]
@@ -75,18 +76,18 @@ def test_planted_dataset_error_is_marked_at_its_record(window, qtbot, tmp_path):
     assert "unknown label 'hexagon'" in model.data(model.index(marked[0], 0),
                                                    Qt.ItemDataRole.ToolTipRole)
     # Jump from the findings list to the record, through a filter that hid it.
-    pane.filter.setText("label=circle")
-    finding = next(pane.findings.item(i) for i in range(pane.findings.count())
-                   if "hexagon" in pane.findings.item(i).text())
-    pane.findings.itemActivated.emit(finding)
-    assert pane.current_row() == marked[0] and pane.tabs.currentIndex() == 0
-    assert json.loads(pane.editor.toPlainText())["label"] == "hexagon"
-    assert "unknown label" in pane.edit_status.text()
-    assert not pane.save_record_button.isEnabled()
+    records.filter.setText("label=circle")
+    finding = next(pane.findings_tab.item(i) for i in range(pane.findings_tab.count())
+                   if "hexagon" in pane.findings_tab.item(i).text())
+    pane.findings_tab.itemActivated.emit(finding)
+    assert records.current_row() == marked[0] and pane.tabs.currentIndex() == 0
+    assert json.loads(records.editor.toPlainText())["label"] == "hexagon"
+    assert "unknown label" in records.edit_status.text()
+    assert not records.save_record_button.isEnabled()
     # Fix it in the record editor: inline validation clears and the fix saves a new version.
-    pane.editor.setPlainText(json.dumps(dict(planted, label=planted["label"].replace(
+    records.editor.setPlainText(json.dumps(dict(planted, label=planted["label"].replace(
         "hexagon", "circle"))))
-    assert "valid" in pane.edit_status.text() and pane.save_record_button.isEnabled()
+    assert "valid" in records.edit_status.text() and records.save_record_button.isEnabled()
 
 
 def test_unparseable_dataset_shows_errors_not_a_crash(window, tmp_path):
@@ -97,8 +98,8 @@ def test_unparseable_dataset_shows_errors_not_a_crash(window, tmp_path):
     assert window.open_workspace(ws.root)
     window.datasets.select_dataset(broken)
     assert "error" in window.datasets.header.text()
-    texts = [window.datasets.findings.item(i).text()
-             for i in range(window.datasets.findings.count())]
+    texts = [window.datasets.findings_tab.item(i).text()
+             for i in range(window.datasets.findings_tab.count())]
     assert any("dataset.json" in t and "not valid JSON" in t for t in texts)
 
 
@@ -107,6 +108,7 @@ def test_edit_mask_undo_save_makes_a_new_dataset_version(window, qtbot, tmp_path
     assert window.open_workspace(ws.root)
     window.sidebar.setCurrentRow(1)
     pane = window.masks
+    qtbot.waitUntil(lambda: pane.editor is not None, timeout=60_000)   # loaded off-thread
     qtbot.waitExposed(pane.canvas)
     record = pane.record
     before = pane.editor.mask.copy()
@@ -139,6 +141,7 @@ def test_edit_mask_undo_save_makes_a_new_dataset_version(window, qtbot, tmp_path
     new_record = next(r for r in saved.records() if r["id"] == record["id"])
     assert np.array_equal(read_mask(new_record["mask"]), erased)
     assert pane.dataset_combo.currentData() == str(new_root)
+    qtbot.waitUntil(lambda: pane.editor is not None, timeout=60_000)
     assert not pane.editor.dirty  # the pane now shows the saved version
     assert any(e.path == new_root for e in window.datasets.entries)
 
@@ -190,19 +193,19 @@ def test_leak_report_jumps_to_both_records(window, qtbot, tmp_path):
     assert window.open_workspace(ws.root)
     pane = window.datasets
     pane.select_dataset(leaked.root)
-    qtbot.mouseClick(pane.leak_button, Qt.MouseButton.LeftButton)
-    qtbot.waitUntil(lambda: pane.leak_process is None, timeout=120_000)
-    assert "1 leak(s)" in pane.leak_status.text(), pane.leak_status.text()
-    kinds = [pane.leaks.item(r, 1).text() for r in range(pane.leaks.rowCount())]
+    qtbot.mouseClick(pane.leaks_tab.button, Qt.MouseButton.LeftButton)
+    qtbot.waitUntil(lambda: pane.leaks_tab.process is None, timeout=120_000)
+    assert "1 leak(s)" in pane.leaks_tab.status.text(), pane.leaks_tab.status.text()
+    kinds = [pane.leaks_tab.leaks.item(r, 1).text() for r in range(pane.leaks_tab.leaks.rowCount())]
     assert "same-group" in kinds
     row = kinds.index("same-group")
-    ids = {pane.leaks.item(row, 2).data(Qt.ItemDataRole.UserRole),
-           pane.leaks.item(row, 3).data(Qt.ItemDataRole.UserRole)}
+    ids = {pane.leaks_tab.leaks.item(row, 2).data(Qt.ItemDataRole.UserRole),
+           pane.leaks_tab.leaks.item(row, 3).data(Qt.ItemDataRole.UserRole)}
     assert ids == {first["id"], table.rows[other].record["id"]}
     for column in (2, 3):
-        pane.leaks.cellDoubleClicked.emit(row, column)
-        shown = json.loads(pane.editor.toPlainText())["id"]
-        assert shown == pane.leaks.item(row, column).data(Qt.ItemDataRole.UserRole)
+        pane.leaks_tab.leaks.cellDoubleClicked.emit(row, column)
+        shown = json.loads(pane.records_tab.editor.toPlainText())["id"]
+        assert shown == pane.leaks_tab.leaks.item(row, column).data(Qt.ItemDataRole.UserRole)
 
 
 def test_segmentation_predictions_sorted_worst_first(window, qtbot, tmp_path):
@@ -273,7 +276,7 @@ def test_jobs_outlive_the_window_and_are_reattached(qtbot, tmp_path, monkeypatch
         assert second.runs.ledger.rows[0].state == "running"
         second.runs.select_run(run.path)
         assert second.runs.charts.point_count() == 8
-        assert "1 job running" in second.jobs_label.text()
+        assert "1 job running" in second.jobs_button.text()
         second.close()  # "stop": the job gets SIGTERM (checkpoint-and-exit for a real job)
         assert job.wait(timeout=10) == -15
     finally:

@@ -10,7 +10,8 @@ from PySide6.QtCore import Qt
 
 from engine.data.dataset import write_manifest
 
-from app.views.datasets_pane import DatasetsPane, RecordsModel
+from app.views.dataset_tabs.records import RecordsModel
+from app.views.datasets_pane import DatasetsPane
 from test_app_runs import LoopWatch
 
 N = 50_000
@@ -53,35 +54,36 @@ def test_fifty_thousand_records_stay_responsive(qtbot, tmp_path):
     assert watch.max_gap_ms < 100, f"event loop blocked for {watch.max_gap_ms} ms"
 
     # Paged: the view holds one page; scrolling to the end fetches the next.
+    records = pane.records_tab
     assert len(pane.table.rows) == N and "1 error(s)" in pane.header.text()
-    assert pane.proxy.rowCount() == RecordsModel.PAGE
-    pane.view.scrollToBottom()
-    qtbot.waitUntil(lambda: pane.proxy.rowCount() > RecordsModel.PAGE, timeout=5000)
+    assert records.proxy.rowCount() == RecordsModel.PAGE
+    records.view.scrollToBottom()
+    qtbot.waitUntil(lambda: records.proxy.rowCount() > RecordsModel.PAGE, timeout=5000)
 
     # Filters and sorts see all 50,000 records.
     expected_ahoy = sum(1 for i in range(N) if i % 7 == 0)
-    pane.filter.setText("ahoy")
-    assert pane.proxy.rowCount() == expected_ahoy
-    assert pane.filter_count.text() == f"{expected_ahoy} of {N} match"
-    pane.filter.setText("split=val ahoy")
-    assert pane.proxy.rowCount() == sum(1 for i in range(N) if i % 70 == 0)
-    pane.filter.setText("has:error")
-    assert pane.proxy.rowCount() == 1
-    assert pane.proxy.index(0, 0).data() == f"line {PLANTED}"
-    pane.filter.setText("")
-    id_column = pane.records.columns.index("id")
-    pane.view.sortByColumn(id_column, Qt.SortOrder.DescendingOrder)
-    assert pane.proxy.rowCount() == N
-    assert pane.proxy.index(0, id_column).data() == f"r{N - 1:05d}"
-    assert pane.proxy.index(N - 1, id_column).data() == "r00000"
+    records.filter.setText("ahoy")
+    assert records.proxy.rowCount() == expected_ahoy
+    assert records.filter_count.text() == f"{expected_ahoy} of {N} match"
+    records.filter.setText("split=val ahoy")
+    assert records.proxy.rowCount() == sum(1 for i in range(N) if i % 70 == 0)
+    records.filter.setText("has:error")
+    assert records.proxy.rowCount() == 1
+    assert records.proxy.index(0, 0).data() == f"line {PLANTED}"
+    records.filter.setText("")
+    id_column = records.records.columns.index("id")
+    records.view.sortByColumn(id_column, Qt.SortOrder.DescendingOrder)
+    assert records.proxy.rowCount() == N
+    assert records.proxy.index(0, id_column).data() == f"r{N - 1:05d}"
+    assert records.proxy.index(N - 1, id_column).data() == "r00000"
     # Selecting a record under a sort opens that record in the editor.
-    pane.view.selectRow(2)
-    assert json.loads(pane.editor.toPlainText())["id"] == f"r{N - 3:05d}"
+    records.view.selectRow(2)
+    assert json.loads(records.editor.toPlainText())["id"] == f"r{N - 3:05d}"
     # Jumping to the planted record from the findings list, through a filter that hides it.
-    pane.filter.setText("split=val")
-    pane._jump_to_finding(pane.findings.item(0))
-    assert pane.current_row() == PLANTED - 1
-    assert json.loads(pane.editor.toPlainText())["split"] == "trian"
+    records.filter.setText("split=val")
+    pane.findings_tab.itemActivated.emit(pane.findings_tab.item(0))
+    assert records.current_row() == PLANTED - 1
+    assert json.loads(records.editor.toPlainText())["split"] == "trian"
     # Validate again: the verdict arrives when the background load is done.
     with qtbot.waitSignal(pane.message, timeout=120_000) as verdict:
         qtbot.mouseClick(pane.validate_button, Qt.MouseButton.LeftButton)

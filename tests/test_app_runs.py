@@ -93,7 +93,7 @@ def test_start_watch_stop_resume_a_real_run(window, qtbot, tmp_path):
     assert watch.max_gap_ms < 100, f"event loop blocked for {watch.max_gap_ms} ms"
     print(f"longest event-loop gap while charting a live job: {watch.max_gap_ms} ms "
           f"over {watch.ticks} ticks, {len(counts)} redraws")
-    assert "1 job running" in window.jobs_label.text()
+    assert "1 job running" in window.jobs_button.text()
 
     # Stop: the job finishes its step, checkpoints and exits.
     qtbot.mouseClick(runs.stop_button, Qt.MouseButton.LeftButton)
@@ -104,7 +104,7 @@ def test_start_watch_stop_resume_a_real_run(window, qtbot, tmp_path):
                     timeout=5000)
     row = runs.ledger.rows[0]
     qtbot.waitUntil(lambda: runs.ledger.rows[0].state == "stopped", timeout=5000)
-    assert "no jobs running" in window.jobs_label.text()
+    assert "no jobs running" in window.jobs_button.text()
 
     # Resume to 15 more steps: the curve continues from the stop, marked as a new invocation.
     runs.resume_steps.setValue(stopped_at + 15)

@@ -17,6 +17,7 @@ import soundfile
 from PySide6.QtCore import Qt
 
 from app import audio
+from app.viewmodels import jobs
 from app.viewmodels import samples as vm
 from app.views.samples_pane import SamplesPane
 from app_part2_support import media_workspace, wait_for
@@ -197,8 +198,31 @@ def test_rubric_refuses_unknown_dimensions_and_scores(tmp_path):
 def test_progress_is_read_from_tqdm_output():
     chunk = ("sample:  25%|██▌       | 2/8 [00:05<00:15]\r"
              "sample:  38%|███▊      | 3/8 [00:06<00:10]")
-    assert vm.parse_progress(chunk) == (3, 8)
-    assert vm.parse_progress("loading") is None
-    assert vm.job_error("x\nsample: 1/2\nerror: bad.toml: field 'n': must be at least 1\n"
+    assert jobs.parse_progress(chunk) == (3, 8)
+    assert jobs.parse_progress("loading") is None
+    assert jobs.job_error("x\nsample: 1/2\nerror: bad.toml: field 'n': must be at least 1\n"
                         "  hint: fix it\n") == "error: bad.toml: field 'n': must be at least 1\n" \
                                                "  hint: fix it"
+
+
+def test_before_after_of_a_run_from_scratch_and_of_a_tuned_run(tmp_path):
+    """A run trained from scratch with one checkpoint of answers still shows them (no empty
+    table) under columns naming its checkpoints; an SFT run's step 0 is its base (BEFORE)."""
+    name, field = next(iter(vm.TEXT_FILES.items()))[0], next(iter(vm.TEXT_FILES.values()))[1]
+
+    def answers(run, checkpoint, text):
+        folder = run / "samples" / checkpoint
+        folder.mkdir(parents=True)
+        (folder / name).write_text(json.dumps({"prompt": "Hi", field: text}) + "\n")
+
+    scratch = tmp_path / "scratch"
+    answers(scratch, "step-000040", "hello")
+    assert vm.before_after(scratch) == [("Hi", "—", "hello")]
+    assert vm.before_after_headers(scratch) == ("—", "latest (step-000040)")
+    answers(scratch, "step-000080", "hello there")
+    assert vm.before_after(scratch) == [("Hi", "hello", "hello there")]
+    assert vm.before_after_headers(scratch) == ("first (step-000040)", "latest (step-000080)")
+    tuned = tmp_path / "tuned"
+    answers(tuned, "step-000000", "base answer")
+    answers(tuned, "step-000030", "Ahoy")
+    assert vm.before_after_headers(tuned) == ("BEFORE (base)", "AFTER (step-000030)")

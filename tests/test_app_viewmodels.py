@@ -194,11 +194,17 @@ def test_job_queue_persists_and_releases_one_at_a_time(tmp_path):
 
 # -- recipe forms ------------------------------------------------------------------------
 def test_recipe_form_from_schema_defaults_and_inline_errors(tmp_path):
-    form = RecipeForm("lm-pretrain")
+    (tmp_path / "datasets" / "records").mkdir(parents=True)
+    form = RecipeForm("lm-pretrain", base_dir=str(tmp_path / "configs"))
     names = [f.name for f in form.fields]
     assert "data.dir" in names and "optim.lr" in names and "model.dim" in names
     assert form.text["optim.lr"] == "0.003" and form.text["model.dim"] == "128"
     assert form.errors == {"data.dir": "required"} and not form.valid
+    # Paths are checked where the engine will look: relative to the config's folder.
+    form.set_text("data.dir", "datasets/records")
+    assert form.errors["data.dir"].startswith(
+        f"not found: {tmp_path / 'configs' / 'datasets' / 'records'}")
+    assert "../datasets/records" in form.errors["data.dir"]
     form.set_text("data.dir", "../datasets/records")
     assert form.valid
     form.set_text("optim.lr", "-1")
@@ -222,20 +228,52 @@ def test_recipe_form_round_trips_through_the_engine_loader(tmp_path):
     form = RecipeForm.from_file(ws.configs_dir / "tiny.toml")
     assert form.valid, form.errors
     form.set_text("optim.lr", "0.005")
-    form.set_text("sample.prompts", "Record item, Another")
+    # One prompt per line: a comma stays inside its prompt.
+    form.set_text("sample.prompts", "Record item, with a comma\nAnother\n\n")
     written = form.write_toml(tmp_path / "out.toml")
     config = load_config(written)
     assert config.steps == 11 and config.optim.lr == 0.005 and config.model.dim == 16
-    assert config.sample.prompts == ["Record item", "Another"]
+    assert config.sample.prompts == ["Record item, with a comma", "Another"]
+    assert RecipeForm.from_file(written).text["sample.prompts"] == \
+        "Record item, with a comma\nAnother"
     # base_dir is kept, so the relative data path still resolves against the configs folder.
     assert config.resolve_path(config.data.dir) == (ws.datasets_dir / "records").resolve()
 
 
 def test_sample_workspace_configs_validate():
+    """Every sample config is valid, except that a base model not on this machine (the Gemma
+    package's GGUF) is marked as not found rather than failing after Start."""
     configs = sorted((REPO / "resources" / "sample-workspace" / "configs").glob("*.toml"))
     assert configs
     for path in configs:
-        assert RecipeForm.from_file(path).valid, path
+        form = RecipeForm.from_file(path)
+        gguf = form.text.get("model.gguf")
+        if gguf and not form.resolve(gguf).is_file():
+            assert list(form.errors) == ["model.gguf"], (path, form.errors)
+            assert form.errors["model.gguf"].startswith("not found: ")
+        else:
+            assert form.valid, (path, form.errors)
+
+
+def test_new_config_from_a_recipe_template_resolves_in_a_workspace(tmp_path):
+    """Every recipe template copied into a workspace's configs/ keeps its comments, and its
+    dataset path points at the workspace's datasets/ folder."""
+    from app.viewmodels.forms import new_config_from_template, recipe_templates
+
+    ws = make_workspace(tmp_path / "ws", shapes=0, records=False)
+    templates = recipe_templates()
+    assert {"image-generate", "audio-generate", "lm-pretrain", "lm-sft-pirate"} <= set(templates)
+    for stem, template in templates.items():
+        path = new_config_from_template(template, ws.configs_dir, f"my-{stem}")
+        assert path.read_text().startswith("#")                 # comments kept
+        form = RecipeForm.from_file(path)
+        data = form.text.get("data.dir") or form.text.get("data.path")
+        assert data.startswith("../datasets/"), (stem, data)
+        assert form.resolve(data) == (ws.datasets_dir / data.split("/", 2)[2]).resolve()
+    with pytest.raises(ForgebenchError, match="already exists"):
+        new_config_from_template(templates["lm-pretrain"], ws.configs_dir, "my-lm-pretrain")
+    with pytest.raises(ForgebenchError, match="config name"):
+        new_config_from_template(templates["lm-pretrain"], ws.configs_dir, "../escape")
 
 
 # -- masks -------------------------------------------------------------------------------
@@ -357,3 +395,61 @@ def test_marked_spans_split_supervised_from_masked():
     samples, summary = parse_inspect_report(report)
     assert summary == {"examples": 2}
     assert samples[0].truncated and samples[0].spans == [("q", False), ("a", True)]
+
+
+def test_workspace_watch_names_what_changed(tmp_path):
+    """New configs, runs, checkpoints, samples and datasets are noticed from listings alone;
+    a look with nothing new reports nothing."""
+    from app.viewmodels.workspace import Workspace, WorkspaceWatch
+
+    ws = Workspace.create(tmp_path / "ws")
+    watch = WorkspaceWatch(ws)
+    assert watch.changes() == set()
+    (ws.configs_dir / "new.toml").write_text('recipe = "lm-pretrain"\n')
+    assert watch.changes() == {"configs"}
+    run = ws.runs_dir / "run-1"
+    run.mkdir()
+    (run / "run.json").write_text("{}")
+    assert watch.changes() == {"runs"}
+    (run / "checkpoints" / "step-000001").mkdir(parents=True)
+    assert watch.changes() == {"runs"}
+    (run / "samples" / "step-000001").mkdir(parents=True)
+    assert watch.changes() == {"runs"}
+    (run / "samples" / "step-000001" / "a.png").write_bytes(b"png")
+    assert watch.changes() == {"runs"}
+    (ws.datasets_dir / "d").mkdir()
+    assert watch.changes() == set()          # not a dataset until dataset.json is written
+    (ws.datasets_dir / "d" / "dataset.json").write_text("{}")
+    assert watch.changes() == {"datasets"}
+    assert watch.changes() == set()
+
+
+def test_dataset_tab_rows_from_reports():
+    """The datasets tabs' report-to-rows logic, without Qt: leak findings as table rows and a
+    summary, split counts as grouped bars, finding places matched to their record."""
+    from collections import Counter
+
+    from app.viewmodels.datasets import Row, leak_rows, row_of_place, stats_bars
+
+    rows, summary = leak_rows({
+        "records": 12, "checks": ["ids", "groups"], "leaks": 1, "duplicates": 1,
+        "findings": [{"severity": "error", "kind": "same-group", "a": "r1", "b": "r7",
+                      "split_a": "train", "split_b": "val", "evidence": {"group": "g1"}},
+                     {"severity": "warning", "kind": "near-duplicate", "a": "r2", "b": "r3",
+                      "split_a": "train", "split_b": "train", "evidence": {"distance": 0.01}}]})
+    assert [r.cells for r in rows] == [
+        ("LEAK", "same-group", "r1 (train)", "r7 (val)", "group g1"),
+        ("duplicate", "near-duplicate", "r2 (train)", "r3 (train)", "distance 0.01")]
+    assert (rows[0].a_id, rows[0].b_id) == ("r1", "r7")
+    assert summary == ("12 records checked (ids, groups): 1 leak(s) across splits, "
+                       "1 duplicate(s) within a split")
+
+    bars = stats_bars({"val": Counter(circle=1), "train": Counter(circle=3, square=2)})
+    assert bars.labels == ["circle", "square"] and bars.splits == ["train", "val"]
+    assert bars.heights == {"train": [3, 2], "val": [1, 0]}
+    assert bars.totals == {"val": 1, "train": 5}
+
+    table_rows = [Row(f"line {n}", None) for n in (1, 10, 11)]
+    assert row_of_place(table_rows, "line 10 field 'label'") == 1
+    assert row_of_place(table_rows, "line 11") == 2
+    assert row_of_place(table_rows, "line 100") is None

@@ -123,4 +123,12 @@ def test_an_lm_sft_run_exports_through_a_dense_copy_of_its_quantized_base(tmp_pa
     assert report["llamacpp"]["vs_engine_same_file"]["top1_agreement"] >= 0.95
     card = (tmp_path / "e" / "model_card.md").read_text()
     assert "dequantized from a quantized file" in card
-    assert open_gguf(tmp_path / "e" / "model.gguf").get("general.file_type") == 15  # Q4_K_M
+    exported = open_gguf(tmp_path / "e" / "model.gguf")
+    assert exported.get("general.file_type") == 15  # Q4_K_M
+    # The layout the run trained with (the base's family template) travels with the model.
+    from engine.llm.chat import ChatTemplate
+
+    trained_with = ChatTemplate.from_gguf(quantized)
+    assert exported.get("tokenizer.chat_template") == trained_with.source
+    assert "## Prompt format" in card and trained_with.render(
+        [{"role": "user", "content": "Hello!"}]) in card

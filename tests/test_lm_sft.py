@@ -101,6 +101,10 @@ def test_lora_run_checkpoints_adapters_and_writes_before_after(tmp_path, tiny_gg
     weights, = [e for e in map(json.loads, (run / "events.jsonl").read_text().splitlines())
                 if e["kind"] == "base_weights"]
     assert weights["mode"] == "packed" and weights["dense_cache_bytes"] == 0
+    stages = [e for e in map(json.loads, (run / "events.jsonl").read_text().splitlines())
+              if e["kind"] == "stage"]
+    assert [e["stage"] for e in stages] == ["loading", "encoding", "sample"]
+    assert stages[0]["detail"] == f"loading base {tiny_gguf.stat().st_size / 1e6:.0f} MB"
     assert weights["f32_dense_bytes"] > 4 * weights["packed_bytes"]   # Q4_K: ~4.5 bits/weight
     assert all(m["supervised_tokens"] > 0 and m["input_tokens"] > m["supervised_tokens"]
                for m in metrics)

@@ -150,3 +150,28 @@ def test_the_cli_refuses_a_quantized_base_with_a_nonzero_exit(tmp_path):
     assert "quantized" in result.stderr and "forgebench convert" in result.stderr
     assert not (tmp_path / "e").exists()
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".e.")]
+
+
+def test_the_training_chat_template_is_written_when_the_base_has_none(tmp_path, bases):
+    """A base without `tokenizer.chat_template` gets the layout the adapter was trained with
+    (llama.cpp would otherwise fall back to another); a base's own template is never
+    replaced."""
+    from engine.export.merge import CHAT_TEMPLATE_KEY
+    from engine.gguf.writer import write_gguf
+    from engine.llm.chat import ChatTemplate
+
+    content = read_gguf_content(bases["f32"])
+    own = content.metadata[CHAT_TEMPLATE_KEY].python()
+    bare = tmp_path / "bare.gguf"                   # the same base, its template removed
+    write_gguf(bare, {k: v for k, v in content.metadata.items() if k != CHAT_TEMPLATE_KEY},
+               content.tensors, version=content.version)
+    make_adapter(bare, tmp_path / "a.safetensors")
+    make_adapter(bases["f32"], tmp_path / "own.safetensors")
+    layout = "{% for m in messages %}<|{{ m.role }}|>{{ m.content }}\n{% endfor %}<|assistant|>"
+    merge_into_gguf(bare, tmp_path / "a.safetensors", tmp_path / "m.gguf", chat_template=layout)
+    assert read_gguf_content(tmp_path / "m.gguf").metadata[CHAT_TEMPLATE_KEY].python() == layout
+    assert ChatTemplate.from_gguf(tmp_path / "m.gguf").render(
+        [{"role": "user", "content": "Hi"}]) == "<|user|>Hi\n<|assistant|>"
+    merge_into_gguf(bases["f32"], tmp_path / "own.safetensors", tmp_path / "own.gguf",
+                    chat_template=layout)
+    assert read_gguf_content(tmp_path / "own.gguf").metadata[CHAT_TEMPLATE_KEY].python() == own

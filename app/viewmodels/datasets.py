@@ -310,3 +310,76 @@ def list_datasets(paths: list[Path]) -> list[DatasetEntry]:
                                 str(manifest.get("version", "?")), manifest.get("parent"),
                                 len(manifest.get("files") or {})))
     return out
+
+
+# -- what the pane's tabs show, as plain rows ----------------------------------------------
+MAX_LISTED_FINDINGS = 2000  # beyond this the findings list says how many more there are
+
+
+@dataclass(frozen=True)
+class FindingRow:
+    text: str
+    where: str           # the record's place ("line 7", "records.jsonl line 7 field 'x'")
+    severity: str        # error | warning | more (the "… and N more" line)
+
+
+def finding_rows(report: Report, limit: int = MAX_LISTED_FINDINGS) -> list[FindingRow]:
+    rows = [FindingRow(f.render(), f.where or "", f.severity) for f in report.findings[:limit]]
+    if len(report.findings) > limit:
+        rows.append(FindingRow(f"… and {len(report.findings) - limit} more (filter the "
+                               "records with has:error to see them all)", "", "more"))
+    return rows
+
+
+def row_of_place(rows: list[Row], where: str) -> int | None:
+    """The record a finding's place names: its `where` starts with the record's own."""
+    for i, row in enumerate(rows):
+        if where and where.startswith(row.where) and \
+                where[len(row.where):len(row.where) + 1] in ("", " "):
+            return i
+    return None
+
+
+@dataclass(frozen=True)
+class LeakRow:
+    leak: bool                   # across splits (an error); else a duplicate within a split
+    kind: str
+    a: str                       # "id (split)"
+    b: str
+    a_id: str
+    b_id: str
+    evidence: str
+
+    @property
+    def cells(self) -> tuple[str, str, str, str, str]:
+        return ("LEAK" if self.leak else "duplicate", self.kind, self.a, self.b, self.evidence)
+
+
+def leak_rows(report: dict) -> tuple[list[LeakRow], str]:
+    """`forgebench data leaks --json` as table rows and a one-line summary."""
+    rows = [LeakRow(f.get("severity") == "error", str(f.get("kind", "")),
+                    f"{f.get('a')} ({f.get('split_a')})", f"{f.get('b')} ({f.get('split_b')})",
+                    str(f.get("a")), str(f.get("b")),
+                    ", ".join(f"{k} {v}" for k, v in (f.get("evidence") or {}).items()))
+            for f in report.get("findings", [])]
+    summary = (f"{report.get('records')} records checked "
+               f"({', '.join(report.get('checks', []))}): {report.get('leaks')} leak(s) "
+               f"across splits, {report.get('duplicates')} duplicate(s) within a split")
+    return rows, summary
+
+
+@dataclass(frozen=True)
+class StatsBars:
+    labels: list[str]
+    splits: list[str]
+    heights: dict[str, list[int]]     # split -> count per label, in `labels` order
+    totals: dict[str, int]
+
+
+def stats_bars(counts: dict[str, Counter]) -> StatsBars:
+    """Records per label and split, as grouped bars (splits in their canonical order)."""
+    labels = sorted({label for c in counts.values() for label in c})
+    splits = [s for s in (*F.SPLITS, "unassigned") if s in counts]
+    return StatsBars(labels, splits,
+                     {s: [counts[s].get(label, 0) for label in labels] for s in splits},
+                     {s: sum(c.values()) for s, c in counts.items()})

@@ -195,10 +195,25 @@ class StageRow:
     tokenizer: bool | None
     passed: bool | None          # None: the reference row
     min_top1: float | None       # the engine's bar for this stage
+    greedy_matched: int = 0
+    greedy_total: int = 0
+
+    @property
+    def exact(self) -> bool:
+        """Nothing the user could notice changed: every top-1 token and greedy answer."""
+        return self.top1 == 1.0 and self.greedy_matched == self.greedy_total and \
+            self.tokenizer is not False
 
     @property
     def verdict(self) -> str:
-        return {True: "pass", False: "FAIL", None: "reference"}[self.passed]
+        """reference; FAIL below the engine's bar; "match" when nothing changed; "changed"
+        when the stage passes the bar but quantization changed tokens or answers (amber: the
+        loss is real and shown, not hidden behind a green pass)."""
+        if self.passed is None:
+            return "reference"
+        if not self.passed:
+            return "FAIL"
+        return "match" if self.exact else "changed"
 
 
 def _row(stage: dict) -> StageRow:
@@ -206,10 +221,11 @@ def _row(stage: dict) -> StageRow:
         return StageRow(stage["name"], stage.get("description", ""), stage.get("file") or "",
                         None, None, None, None, "", None, None, None)
     m, g = stage["vs_checkpoint"], stage["greedy_vs_checkpoint"]
+    matched, total = sum(g["matches"]), len(g["matches"])
     return StageRow(stage["name"], stage.get("description", ""), stage.get("file") or "",
                     m["top1_agreement"], m["max_abs_logit_diff"], m["mean_abs_logit_diff"],
-                    m["kl_mean"], f"{sum(g['matches'])}/{len(g['matches'])}",
-                    bool(stage["tokenizer_matches"]), stage["passed"], stage["min_top1"])
+                    m["kl_mean"], f"{matched}/{total}", bool(stage["tokenizer_matches"]),
+                    stage["passed"], stage["min_top1"], matched, total)
 
 
 def verification(report: dict) -> dict:
@@ -222,6 +238,7 @@ def verification(report: dict) -> dict:
         answers = [(p["prompt"], p.get("answer"), a)
                    for p, a in zip(report["prompt_suite"], cpp.get("answers", []))]
     return {"rows": rows, "passed": bool(report["passed"]),
+            "changed": [r.name for r in rows if r.verdict == "changed"],
             "llamacpp": {"available": bool(cpp.get("available")), "reason": cpp.get("reason"),
                          "answers": answers}}
 

@@ -2,12 +2,19 @@
 
 Every edit re-validates the whole config with the schema itself (never a copy of its rules), so
 the form marks exactly the fields `forgebench run` would refuse, and Start stays blocked while
-any field is invalid.
+any field is invalid. Path fields (datasets, base models) are also checked on disk, relative to
+the config's folder as the engine resolves them, so a wrong path is marked before Start.
+
+List fields are edited one item per line: a prompt may contain commas.
+
+New configs come from the recipe templates in `resources/configs/` (`recipe_templates`,
+`new_config_from_template`), their dataset paths re-rooted for a workspace's configs/ folder.
 """
 
 from __future__ import annotations
 
 import os
+import re
 import tomllib
 import types
 import typing
@@ -21,7 +28,23 @@ from engine.config import format_validation_error, schema_for
 from engine.errors import ForgebenchError
 from engine.fsutil import atomic_write_text
 
+from app.viewmodels.workspace import REPO_ROOT
+
 HIDDEN_FIELDS = ("recipe", "base_dir")
+TEMPLATES_DIR = REPO_ROOT / "resources" / "configs"
+# Words for the schema's terse field names (the tooltip keeps the schema's description).
+LABELS = {"n_layers": "layers", "n_heads": "attention heads", "n_kv_heads": "key/value heads",
+          "ffn_dim": "feed-forward width", "dim": "width", "lr": "learning rate",
+          "gguf": "base model (GGUF)", "dir": "dataset folder", "path": "training data",
+          "val_path": "validation data", "test_path": "test data", "max_len": "max tokens",
+          "emb_dim": "embedding width", "cfg": "guidance (CFG)", "ema": "EMA decay",
+          "per_class": "samples per class", "max_tokens": "max new tokens",
+          "keep_last": "checkpoints kept", "save_every": "checkpoint every (steps)",
+          "eval_every": "evaluate every (steps)", "log_every": "log every (steps)",
+          "nonfinite": "on a non-finite loss"}
+# Fields that name something on disk, and what: a folder, a file, or either.
+PATH_FIELDS = {"data.dir": "folder", "data.path": "any", "data.val_path": "file",
+               "data.test_path": "file", "model.gguf": "file", "model.run": "folder"}
 
 
 @dataclass(frozen=True)
@@ -36,11 +59,17 @@ class FieldSpec:
 
     @property
     def label(self) -> str:
-        return self.name.rsplit(".", 1)[-1].replace("_", " ")
+        leaf = self.name.rsplit(".", 1)[-1]
+        return LABELS.get(leaf, leaf.replace("_", " "))
 
     @property
     def section(self) -> str:
         return self.name.rsplit(".", 1)[0] if "." in self.name else ""
+
+    @property
+    def path_kind(self) -> str | None:
+        """folder | file | any for a field naming something on disk, else None."""
+        return PATH_FIELDS.get(self.name) if self.kind == "str" else None
 
 
 def _unwrap_optional(annotation: Any) -> tuple[Any, bool]:
@@ -113,7 +142,7 @@ def to_text(spec: FieldSpec, value: Any) -> str:
     if value is None:
         return ""
     if spec.kind == "list":
-        return ", ".join(str(v) for v in value)
+        return "\n".join(str(v) for v in value)
     return str(value)
 
 
@@ -176,7 +205,7 @@ class RecipeForm:
             except ValueError:
                 raise ValueError("expected a number") from None
         if spec.kind == "list":
-            return [item.strip() for item in text.split(",") if item.strip()]
+            return [item.strip() for item in text.splitlines() if item.strip()]
         return text
 
     def config_dict(self) -> dict:
@@ -205,6 +234,10 @@ class RecipeForm:
                 continue
             if value is ... and spec.required:
                 errors[spec.name] = "required"
+            elif spec.path_kind and isinstance(value, str):
+                problem = self.path_problem(spec, value)
+                if problem:
+                    errors[spec.name] = problem
         self.general_error = None
         try:
             self.schema.model_validate(self.config_dict())
@@ -223,6 +256,37 @@ class RecipeForm:
     @property
     def valid(self) -> bool:
         return not self.errors and self.general_error is None
+
+    def resolve(self, value: str) -> Path:
+        """A path as the engine resolves it: `~` expanded, relative to the config's folder."""
+        path = Path(value).expanduser()
+        if not path.is_absolute() and self.base_dir:
+            path = Path(self.base_dir) / path
+        return path.resolve()
+
+    def relative(self, path: str | os.PathLike) -> str:
+        """A chosen path written relative to the config's folder when it is inside the same
+        workspace (the config then moves with the workspace), else absolute."""
+        path = Path(path).resolve()
+        if self.base_dir:
+            try:
+                return os.path.relpath(path, self.base_dir)
+            except ValueError:      # another drive
+                pass
+        return str(path)
+
+    def path_problem(self, spec: FieldSpec, value: str) -> str | None:
+        path = self.resolve(value)
+        if not path.exists():
+            hint = (" (relative paths start at the config's folder; a workspace dataset is "
+                    f"../datasets/{Path(value).name})" if not Path(value).is_absolute()
+                    and not value.startswith(("~", "../")) else "")
+            return f"not found: {path}{hint}"
+        if spec.path_kind == "folder" and not path.is_dir():
+            return f"not a folder: {path}"
+        if spec.path_kind == "file" and not path.is_file():
+            return f"not a file: {path}"
+        return None
 
     def write_toml(self, path: str | os.PathLike) -> Path:
         if not self.valid:
@@ -254,3 +318,30 @@ def dump_toml(data: dict, table: str = "") -> str:
             name = f"{table}.{key}" if table else key
             lines += ["", f"[{name}]", dump_toml(value, name).strip("\n")]
     return "\n".join(lines).strip("\n") + "\n"
+
+
+# -- new configs from recipe templates -------------------------------------------------------
+def recipe_templates(folder: Path = TEMPLATES_DIR) -> dict[str, Path]:
+    """One template per recipe (file stem -> path), from the bundled example configs."""
+    return {p.stem: p for p in sorted(folder.glob("*.toml"))} if folder.is_dir() else {}
+
+
+_DATASET_PATH = re.compile(r'^(\s*(?:dir|path|val_path|test_path)\s*=\s*")datasets/',
+                           re.MULTILINE)
+
+
+def new_config_from_template(template: Path, configs_dir: Path, name: str) -> Path:
+    """Copy a recipe template into a workspace's configs/ folder under a new name, comments
+    kept; its `datasets/...` paths (written relative to a repository checkout) are re-rooted
+    to `../datasets/...`, where a workspace keeps them relative to configs/."""
+    if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]*", name):
+        raise ForgebenchError(f"not a usable config name: {name!r}", where="config name",
+                              hint="letters, digits, '.', '_' and '-' only")
+    target = configs_dir / f"{name}.toml"
+    if target.exists():
+        raise ForgebenchError("a config with this name already exists", path=target,
+                              hint="choose another name")
+    text = _DATASET_PATH.sub(r"\1../datasets/", template.read_text(encoding="utf-8"))
+    configs_dir.mkdir(parents=True, exist_ok=True)
+    atomic_write_text(target, text)
+    return target

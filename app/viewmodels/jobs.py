@@ -1,15 +1,24 @@
-"""Starting, queueing, stopping and resuming `forgebench` jobs, as commands the Qt layer runs.
+"""Starting, queueing, stopping and resuming `forgebench` jobs, as commands the Qt layer runs,
+and the progress of every background job (runs, exports, sampling, generation) as the jobs
+panel shows it.
 
-Jobs are started detached with their output in `runs/.launch/<run>.log`, so they outlive the
-window; the app follows them only through their run-directory files.
+Reading order: `forgebench_argv` / `engine_environment` (how every engine process is started;
+`app/views/engine_process.py` is the one Qt launcher built on them), `PendingRun` and the queue,
+then `BackgroundJob` and the progress texts.
+
+Training jobs are started detached with their output in `runs/.launch/<run>.log`, so they
+outlive the window; the app follows them only through their run-directory files.
 """
 
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import sys
-from dataclasses import dataclass
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from engine.errors import ForgebenchError
@@ -17,9 +26,10 @@ from engine.fsutil import atomic_write_json, read_json
 from engine.rundir import RunDir
 
 from app.viewmodels.forms import RecipeForm
-from app.viewmodels.workspace import Workspace
+from app.viewmodels.workspace import REPO_ROOT, Workspace
 
 QUEUE_FILE = "queue.json"
+PROGRESS = re.compile(r"(\d+)/(\d+)")
 
 
 def forgebench_argv() -> list[str]:
@@ -29,6 +39,15 @@ def forgebench_argv() -> list[str]:
         return [str(script)]
     found = shutil.which("forgebench")
     return [found] if found else [sys.executable, "-m", "engine"]
+
+
+def engine_environment(environ: Mapping[str, str]) -> dict[str, str]:
+    """The environment of an engine process: the caller's, with this checkout first on
+    PYTHONPATH (so a source checkout runs its own engine) and the user's path kept after it."""
+    env = dict(environ)
+    kept = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p and p != str(REPO_ROOT)]
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO_ROOT), *kept])
+    return env
 
 
 @dataclass(frozen=True)
@@ -74,11 +93,12 @@ def resume_log(workspace: Workspace, run_dir: Path) -> Path:
 
 
 def launch_failure(pending: PendingRun) -> str | None:
-    """Why a started job never created its run folder (a refused config), from its log."""
+    """Why a started job never created its run folder (a refused config): the engine's error
+    block from its log (the whole log when it has none)."""
     if RunDir(pending.out).exists() or not pending.log.is_file():
         return None
     text = pending.log.read_text(encoding="utf-8", errors="replace").strip()
-    return text or None
+    return job_error(text) if text else None
 
 
 class JobQueue:
@@ -113,3 +133,81 @@ class JobQueue:
         self._save()
         return pending
 
+
+
+def parse_progress(text: str) -> tuple[int, int] | None:
+    """The last `done/total` a tqdm bar printed in a chunk of a job's stderr."""
+    found = PROGRESS.findall(text)
+    return (int(found[-1][0]), int(found[-1][1])) if found else None
+
+
+def job_error(output: str) -> str:
+    """The engine's message from a failed job's output: its `error:` block, else the tail."""
+    lines = [line for line in re.split(r"[\r\n]", output) if line.strip()]
+    for i, line in enumerate(lines):
+        if line.lower().startswith("error"):
+            return "\n".join(lines[i:])
+    return "\n".join(lines[-8:])
+
+
+# -- background jobs and their progress -----------------------------------------------------
+def duration_text(seconds: float) -> str:
+    """A short human duration: 45 s, 4 min, 1 h 20 min."""
+    seconds = max(0.0, float(seconds))
+    if seconds < 60:
+        return f"{seconds:.0f} s"
+    if seconds < 3600:
+        return f"{seconds / 60:.0f} min"
+    return f"{int(seconds // 3600)} h {int(seconds % 3600 // 60)} min"
+
+
+def eta_seconds(started: float, first_done: int, done: int, total: int,
+                now: float) -> float | None:
+    """Time left at the rate since `started` (when `first_done` units were already done)."""
+    if total <= 0 or done <= first_done or done >= total or now <= started:
+        return None
+    return (now - started) / (done - first_done) * (total - done)
+
+
+def run_stage_line(status: dict, invocation: dict | None, now: float | None = None) -> str:
+    """What a run is doing, in words: the engine's announced stage ("loading base 250 MB")
+    before its first step, else "step 3/30, ETA 4 min" while it trains, else its state."""
+    now = time.time() if now is None else now
+    state = str(status.get("state", "unknown"))
+    step, target = status.get("step") or 0, status.get("target_steps") or 0
+    if state not in ("running", "stopping", "queued"):
+        return state
+    if status.get("stage_detail"):
+        return str(status["stage_detail"])
+    text = f"step {step}/{target}" if target else f"step {step}"
+    if invocation and isinstance(invocation.get("time"), (int, float)):
+        eta = eta_seconds(invocation["time"], int(invocation.get("start_step") or 0), step,
+                          target, now)
+        if eta is not None:
+            text += f", ETA {duration_text(eta)}"
+    return text + (" (stopping)" if state == "stopping" else "")
+
+
+@dataclass
+class BackgroundJob:
+    """One entry of the jobs panel. `cancel` asks the job to stop; `done`/`total` is its
+    progress (total 0: not known yet)."""
+
+    key: str
+    kind: str                   # run, export, sampling, conversion, generation, check
+    title: str
+    cancel: Callable[[], None] | None = None
+    done: int = 0
+    total: int = 0
+    stage: str = ""
+    started: float = field(default_factory=time.time)
+
+    def progress_text(self, now: float | None = None) -> str:
+        now = time.time() if now is None else now
+        if self.stage:
+            return self.stage
+        if not self.total:
+            return f"running for {duration_text(now - self.started)}"
+        text = f"{self.done}/{self.total}"
+        eta = eta_seconds(self.started, 0, self.done, self.total, now)
+        return text + (f", ETA {duration_text(eta)}" if eta is not None else "")

@@ -8,12 +8,15 @@ import hashlib
 import json
 import math
 import os
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from engine.errors import ForgebenchError
 from engine.fsutil import atomic_write_json, read_json
 from engine.rundir import RunDir
+
+from app.viewmodels.jobs import duration_text, run_stage_line
 
 NOTES_FILE = "notes.json"  # app-owned: question, notes, selected checkpoint (run.json is immutable)
 TRAIN_FIELDS = ("loss", "grad_norm", "lr", "tokens_per_s", "peak_rss_mb")
@@ -232,10 +235,23 @@ class LedgerRow:
     error: str | None
     stage: str | None
     created: float | None
+    updated: float | None = None     # status.json's last write: the end of a finished run
+    stage_line: str = ""             # "loading base 250 MB", "step 3/30, ETA 4 min", the state
 
     @property
     def active(self) -> bool:
         return self.state in ("queued", "running", "stopping")
+
+    def started_text(self) -> str:
+        return time.strftime("%Y-%m-%d %H:%M", time.localtime(self.created)) \
+            if self.created else "—"
+
+    def duration_text(self, now: float | None = None) -> str:
+        """Wall time from creation to the last status (to now while it runs)."""
+        if not self.created:
+            return "—"
+        end = (time.time() if now is None else now) if self.active else self.updated
+        return duration_text(end - self.created) if end else "—"
 
 
 class BestEval:
@@ -283,15 +299,20 @@ def ledger_row(path: Path, best: BestEval | None = None) -> LedgerRow:
     if not selected:
         latest = run.latest_checkpoint()
         selected = f"{latest.name} (latest)" if latest else "—"
+    invocations = run.invocations() if status.get("state") in ("running", "stopping") else []
     return LedgerRow(
         name=path.name, path=path, recipe=str(manifest.get("recipe", "?")),
         state=str(status.get("state", "unknown")), step=status.get("step"),
         target_steps=status.get("target_steps") or (manifest.get("config") or {}).get("steps"),
         question=str(notes.get("question", "")), data_version=_data_version(manifest),
-        best_metric=_best_metric(status, (best or BestEval(path)).update()), selected_checkpoint=str(selected),
+        best_metric=_best_metric(status, (best or BestEval(path)).update()),
+        selected_checkpoint=str(selected),
         notes=str(notes.get("notes", "")), error=error, stage=stage,
         created=manifest.get("created") if isinstance(manifest.get("created"), (int, float))
-        else None)
+        else None,
+        updated=status.get("updated") if isinstance(status.get("updated"), (int, float))
+        else None,
+        stage_line=run_stage_line(status, invocations[-1] if invocations else None))
 
 
 def failure_report(path: Path) -> str:

@@ -9,7 +9,6 @@ No Qt and no torch here.
 
 from __future__ import annotations
 
-import re
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -34,7 +33,6 @@ RUBRICS = {
     "text": ("fidelity", "style"),
 }
 SCORES = (1, 2, 3, 4, 5)
-PROGRESS = re.compile(r"(\d+)/(\d+)")
 
 
 @dataclass(frozen=True)
@@ -184,10 +182,24 @@ def before_after(run_dir: str | Path, after: str | None = None) -> list[tuple[st
     """(prompt, BEFORE answer, AFTER answer): the base's generations (the first checkpoint)
     against `after` (default: the last one)."""
     names = generation_checkpoints(run_dir)
-    if len(names) < 2:
+    if not names:
         return []
-    first, last = generations(run_dir, names[0]), generations(run_dir, after or names[-1])
+    last = generations(run_dir, after or names[-1])
+    if len(names) < 2:      # one checkpoint with answers (a short lm-pretrain run): AFTER only
+        return [(p, "—", answer) for p, answer in last.items()]
+    first = generations(run_dir, names[0])
     return [(p, first[p], last.get(p, "")) for p in first]
+
+
+def before_after_headers(run_dir: str | Path) -> tuple[str, str]:
+    """Column titles: an SFT run's first answers are its base's (step 0); a run trained from
+    scratch has no base, so its columns name the checkpoints compared."""
+    names = generation_checkpoints(run_dir)
+    if not names:
+        return "BEFORE", "AFTER"
+    if names[0] == "step-000000":
+        return "BEFORE (base)", f"AFTER ({names[-1]})"
+    return (f"first ({names[0]})" if len(names) > 1 else "—"), f"latest ({names[-1]})"
 
 
 # -- rubric ratings ------------------------------------------------------------------------
@@ -235,18 +247,3 @@ def sample_argv(run_dir: str | Path, *, checkpoint: str = "latest", class_name: 
         if value is not None:
             argv += [flag, str(value)]
     return argv
-
-
-def parse_progress(text: str) -> tuple[int, int] | None:
-    """The last `done/total` a tqdm bar printed in a chunk of a job's stderr."""
-    found = PROGRESS.findall(text)
-    return (int(found[-1][0]), int(found[-1][1])) if found else None
-
-
-def job_error(output: str) -> str:
-    """The engine's message from a failed job's output: its `error:` block, else the tail."""
-    lines = [line for line in re.split(r"[\r\n]", output) if line.strip()]
-    for i, line in enumerate(lines):
-        if line.lower().startswith("error"):
-            return "\n".join(lines[i:])
-    return "\n".join(lines[-8:])

@@ -124,6 +124,44 @@ class Workspace:
         return candidate
 
 
+def _entries(folder: Path) -> tuple:
+    """(name, mtime_ns) of a folder's entries; () when it is missing."""
+    try:
+        return tuple(sorted((e.name, e.stat().st_mtime_ns) for e in os.scandir(folder)))
+    except OSError:
+        return ()
+
+
+class WorkspaceWatch:
+    """What changed in a workspace since the last look, from directory listings alone (a few
+    `scandir` calls per run, no file reads), so panes refresh when a job or another window
+    adds a run, a checkpoint, samples, a config or a dataset.
+
+    `changes()` returns a subset of {"runs", "configs", "datasets", "ratings"}: "runs" covers
+    new or removed run folders, new checkpoints and new samples."""
+
+    def __init__(self, workspace: Workspace):
+        self.workspace = workspace
+        self.last = self.signature()
+
+    def signature(self) -> dict[str, tuple]:
+        ws = self.workspace
+        runs = []
+        for run in ws.run_dirs():
+            samples = _entries(run / "samples")
+            runs.append((run.name, _entries(run / "checkpoints"), samples,
+                         tuple(_entries(run / "samples" / name) for name, _ in samples)))
+        return {"runs": tuple(runs), "configs": _entries(ws.configs_dir),
+                "datasets": tuple((p.name, _entries(p)) for p in ws.dataset_dirs()),
+                "ratings": _entries(ws.root / "ratings")}
+
+    def changes(self) -> set[str]:
+        now = self.signature()
+        changed = {key for key, value in now.items() if self.last.get(key) != value}
+        self.last = now
+        return changed
+
+
 def install_sample_workspace(target: Path | None = None) -> Path:
     """Copy the bundled sample workspace to the user's data folder (once) and return it."""
     target = target or data_dir() / "sample-workspace"

@@ -15,10 +15,11 @@ from pathlib import Path
 
 from PySide6.QtCore import Qt, Signal
 from PySide6.QtGui import QKeySequence, QPixmap, QShortcut
-from PySide6.QtWidgets import (QCheckBox, QComboBox, QDoubleSpinBox, QFormLayout, QGroupBox,
-                               QHBoxLayout, QLabel, QLineEdit, QListWidget, QListWidgetItem,
-                               QPlainTextEdit, QPushButton, QSpinBox, QSplitter, QStackedWidget,
-                               QTextBrowser, QVBoxLayout, QWidget)
+from PySide6.QtWidgets import (QCheckBox, QComboBox, QDoubleSpinBox, QFormLayout, QGridLayout,
+                               QGroupBox, QHBoxLayout, QLabel, QLineEdit, QListWidget,
+                               QListWidgetItem, QPlainTextEdit, QPushButton, QScrollArea,
+                               QSizePolicy, QSpinBox, QSplitter, QStackedWidget, QTextBrowser,
+                               QVBoxLayout, QWidget)
 
 from engine.errors import ForgebenchError
 from engine.fsutil import read_json
@@ -27,7 +28,7 @@ from engine.rundir import RunDir
 from app.audio import Player
 from app.viewmodels import ab as vm
 from app.viewmodels.samples import text_file, waveform
-from app.views.samples_pane import JobRunner
+from app.views.job_runner import JobRunner
 from app.viewmodels.workspace import Workspace
 
 PREVIEW = 256
@@ -40,6 +41,10 @@ class SideView(QStackedWidget):
         super().__init__(parent)
         self.image = QLabel()
         self.image.setAlignment(Qt.AlignmentFlag.AlignCenter)
+        # The preview never sets the pane's width: on a small window it is shown cropped
+        # around its centre rather than pushing the answer buttons off-screen.
+        self.image.setSizePolicy(QSizePolicy.Policy.Ignored, QSizePolicy.Policy.Ignored)
+        self.image.setMinimumSize(120, 120)
         self.text = QPlainTextEdit()
         self.text.setReadOnly(True)
         self.audio = QLabel()
@@ -110,7 +115,7 @@ class ABPane(QWidget):
         self.gen_max_tokens.setValue(32)
         self.generate_button = QPushButton("Generate outputs and start")
         self.generate_button.clicked.connect(self.generate_outputs)
-        self.job = JobRunner()
+        self.job = JobRunner("generation")
         self.job.finished.connect(self._job_finished)
         self.pending_jobs: list[vm.GenerationJob] = []
         self.current_job: vm.GenerationJob | None = None
@@ -159,13 +164,14 @@ class ABPane(QWidget):
             box.addWidget(QLabel(f"<h3>{title}</h3>"), 0, Qt.AlignmentFlag.AlignHCenter)
             box.addWidget(view, 1)
             sides.addLayout(box, 1)
-        buttons = QHBoxLayout()
+        buttons = QGridLayout()     # two rows: every answer fits a 1024-pixel window
         self.answer_buttons = {}
-        for key, text in (("A", "A is better [A]"), ("B", "B is better [B]"), ("T", "Tie [T]"),
-                          ("S", "Skip [S]"), ("P", "Play A then B [P]")):
+        for i, (key, text) in enumerate((("A", "A is better [A]"), ("B", "B is better [B]"),
+                                         ("T", "Tie [T]"), ("S", "Skip [S]"),
+                                         ("P", "Play A then B [P]"))):
             button = QPushButton(text)
             button.clicked.connect(lambda _=False, k=key: self.key_pressed(k))
-            buttons.addWidget(button)
+            buttons.addWidget(button, i // 3, i % 3)
             self.answer_buttons[key] = button
             QShortcut(QKeySequence(key), self, activated=lambda k=key: self.key_pressed(k),
                       context=Qt.ShortcutContext.WidgetWithChildrenShortcut)
@@ -189,8 +195,11 @@ class ABPane(QWidget):
         right.addWidget(rating)
         right.addWidget(results)
         right.setSizes([520, 320])
+        setup_scroll = QScrollArea()     # the long setup form scrolls on its own
+        setup_scroll.setWidgetResizable(True)
+        setup_scroll.setWidget(setup)
         splitter = QSplitter()
-        splitter.addWidget(setup)
+        splitter.addWidget(setup_scroll)
         splitter.addWidget(right)
         splitter.setSizes([380, 900])
         layout = QVBoxLayout(self)
@@ -230,11 +239,13 @@ class ABPane(QWidget):
                 item.setCheckState(Qt.CheckState.Checked if (str(run_dir), name) in checked
                                    else Qt.CheckState.Unchecked)
                 self.systems.addItem(item)
+        session = self.sessions.currentData()
         self.sessions.clear()
         if self.workspace and self.ratings_dir.is_dir():
             for path in sorted(self.ratings_dir.glob("*.jsonl")):
                 if not path.name.startswith("rubric-"):
                     self.sessions.addItem(path.stem, str(path))
+        self.sessions.setCurrentIndex(max(self.sessions.findData(session), 0))
 
     def check_system(self, run_dir: Path, checkpoint: str, checked: bool = True) -> None:
         for i in range(self.systems.count()):

@@ -89,6 +89,8 @@ class RunCharts(QWidget):
             item.setDownsampling(auto=True, mode="peak")
             if metric == "loss":
                 item.addLegend(offset=(-10, 10))
+            if metric in ("lr", "tokens_per_s"):
+                item.setLimits(yMin=0)      # a constant lr is not centred on a negative axis
             self.plots[metric] = item
             grid.addWidget(widget, i // 3, i % 3)
         self.summary = QLabel()

@@ -1,6 +1,8 @@
 """The export wizard pane: run and checkpoint → base → quantization with sizes → export and
 verify (the equivalence report as pass/fail rows, llama.cpp's answers) → the bundle's model
-card and rights checklist. Long steps run as `forgebench` jobs with progress and cancel."""
+card and rights checklist. Long steps run as `forgebench` jobs with progress and cancel; the
+reads that prepare a step (the base's tensor table, the size estimates) run on a worker thread
+behind a busy bar with Cancel, and Next waits for them, so no click lands on the wrong page."""
 
 from __future__ import annotations
 
@@ -11,18 +13,24 @@ from PySide6.QtCore import Qt, Signal
 from PySide6.QtGui import QColor
 from PySide6.QtWidgets import (QComboBox, QFileDialog, QFormLayout, QHBoxLayout, QHeaderView,
                                QLabel, QLineEdit, QListWidget, QListWidgetItem, QPlainTextEdit,
-                               QPushButton, QStackedWidget, QTableWidget, QTableWidgetItem,
-                               QVBoxLayout, QWidget)
+                               QProgressBar, QPushButton, QStackedWidget, QTableWidget,
+                               QTableWidgetItem, QVBoxLayout, QWidget)
 
 from engine.errors import ForgebenchError
 from engine.fsutil import read_json
 
 from app.viewmodels import export_wizard as vm
 from app.viewmodels.workspace import Workspace
-from app.views.samples_pane import JobRunner
+from app.views.background import BackgroundCall
+from app.views.combos import refill_keeping_choice
+from app.views.job_runner import JobRunner
 
 STEPS = ("1. Run and checkpoint", "2. Base model", "3. Quantization", "4. Export and verify",
          "5. Bundle")
+VERDICT_COLOURS = {"match": "#c8e6c9", "changed": "#ffe0b2", "FAIL": "#ffcdd2"}
+VERDICT_TIPS = {"match": "every top-1 token and greedy answer is the checkpoint's",
+                "changed": "above the engine's bar, but some tokens or answers differ",
+                "FAIL": "below the engine's bar: not verified"}
 STAGE_COLUMNS = ("stage", "verdict", "top-1 agreement", "max |Δlogit|", "mean |Δlogit|",
                  "KL", "greedy match", "tokenizer", "file")
 
@@ -40,10 +48,19 @@ def _page(*widgets) -> QWidget:
 
 
 def _label(text: str = "") -> QLabel:
+    """A wrapped, selectable label that never sets the window's width: a long error line
+    (a path, a command) wraps instead of pushing the buttons off-screen."""
     label = QLabel(text)
     label.setWordWrap(True)
+    label.setMinimumWidth(1)
     label.setTextInteractionFlags(Qt.TextInteractionFlag.TextSelectableByMouse)
     return label
+
+
+def error_html(heading: str, text: str) -> str:
+    """An engine message as wrapped HTML (a <pre> block would not wrap)."""
+    return (f"<b style='color:#b71c1c'>{html.escape(heading)}</b><br>"
+            + html.escape(text).replace("\n", "<br>"))
 
 
 class ExportWizardPane(QWidget):
@@ -59,7 +76,7 @@ class ExportWizardPane(QWidget):
 
         self.steps = QListWidget()
         self.steps.addItems(STEPS)
-        self.steps.setFixedWidth(190)
+        self.steps.setFixedWidth(170)
         self.steps.currentRowChanged.connect(self.go)
         self.pages = QStackedWidget()
 
@@ -67,6 +84,7 @@ class ExportWizardPane(QWidget):
         self.run_combo = QComboBox()
         self.run_combo.currentIndexChanged.connect(self._run_chosen)
         self.checkpoint = QComboBox()
+        self.checkpoint.currentIndexChanged.connect(self._clear_results)
         form = QFormLayout()
         form.addRow("Run", self.run_combo)
         form.addRow("Checkpoint", self.checkpoint)
@@ -82,8 +100,9 @@ class ExportWizardPane(QWidget):
         self.base_browse.clicked.connect(self._browse_base)
         self.dense_button = QPushButton("Write a dense f16 copy of the base and use it")
         self.dense_button.clicked.connect(self.make_dense_base)
-        self.convert_job = JobRunner()
+        self.convert_job = JobRunner("conversion")
         self.convert_job.finished.connect(self._dense_done)
+        self.convert_job.cancel_button.clicked.connect(self._update_nav)
         row = QHBoxLayout()
         row.addWidget(self.base_path, 1)
         row.addWidget(self.base_browse)
@@ -103,7 +122,7 @@ class ExportWizardPane(QWidget):
         self.out_name = QLineEdit()
         self.export_button = QPushButton("Export and verify")
         self.export_button.clicked.connect(self.export)
-        self.export_job = JobRunner()
+        self.export_job = JobRunner("export")
         self.export_job.finished.connect(self._exported)
         self.verdict = _label()
         self.stages = QTableWidget(0, len(STAGE_COLUMNS))
@@ -129,6 +148,25 @@ class ExportWizardPane(QWidget):
         page.layout().setStretchFactor(self.card, 3)
         self.pages.addWidget(page)
 
+        # Preparing a step off the GUI thread: a busy bar and Cancel under the page.
+        self.call = BackgroundCall(self)
+        self.call.done.connect(self._prepared)
+        self.call.failed.connect(self._prepare_failed)
+        self._preparing: tuple[int, object] | None = None     # (step, what the call is for)
+        self.busy_text = _label()
+        self.busy_bar = QProgressBar()
+        self.busy_bar.setRange(0, 0)
+        self.busy_cancel = QPushButton("Cancel")
+        self.busy_cancel.clicked.connect(self.cancel_prepare)
+        self.busy = QWidget()
+        busy = QHBoxLayout(self.busy)
+        busy.setContentsMargins(0, 0, 0, 0)
+        busy.addWidget(self.busy_text, 2)
+        busy.addWidget(self.busy_bar, 1)
+        busy.addWidget(self.busy_cancel)
+        self.busy.hide()
+        self.step_error = _label()
+
         self.back_button = QPushButton("< Back")
         self.next_button = QPushButton("Next >")
         self.back_button.clicked.connect(lambda: self.go(self.pages.currentIndex() - 1))
@@ -139,6 +177,8 @@ class ExportWizardPane(QWidget):
         nav.addWidget(self.next_button)
         right = QVBoxLayout()
         right.addWidget(self.pages, 1)
+        right.addWidget(self.step_error)
+        right.addWidget(self.busy)
         right.addLayout(nav)
         layout = QHBoxLayout(self)
         layout.addWidget(self.steps)
@@ -159,6 +199,19 @@ class ExportWizardPane(QWidget):
         self.run_combo.blockSignals(False)
         self._run_chosen()
 
+    def refresh_runs(self) -> None:
+        """New exportable runs and checkpoints appear; the run being exported, its
+        checkpoint and every later choice stay as they are."""
+        runs = vm.exportable_runs(self.workspace.run_dirs() if self.workspace else [])
+        if runs == self.runs:
+            return
+        self.runs = runs
+        if not refill_keeping_choice(self.run_combo, [(f"{r.path.name} ({r.recipe})",
+                                                       str(r.path)) for r in runs]):
+            self._run_chosen()
+            return
+        refill_keeping_choice(self.checkpoint, [(c, c) for c in reversed(self.run.checkpoints)])
+
     def select_run(self, path: Path, checkpoint: str | None = None) -> None:
         self.run_combo.setCurrentIndex(self.run_combo.findData(str(path)))
         if checkpoint:
@@ -170,39 +223,98 @@ class ExportWizardPane(QWidget):
         return self.runs[index] if 0 <= index < len(self.runs) else None
 
     def _run_chosen(self, *_) -> None:
+        self.checkpoint.blockSignals(True)
         self.checkpoint.clear()
         if self.run:
             self.checkpoint.addItems(list(reversed(self.run.checkpoints)))
             self.out_name.setText(f"{self.run.path.name}-export")
+        self.checkpoint.blockSignals(False)
         self.base_path.clear()
+        self.base = None
+        self.sizes.setRowCount(0)
+        self._clear_results()
+
+    def _clear_results(self, *_) -> None:
+        """A new run or checkpoint: the previous export's verdict, table and card go."""
+        self.out = None
+        self.stages.setRowCount(0)
+        self.verdict.setText("")
+        self.answers.setText("")
+        self.card.clear()
+        self.rights.clear()
+        self.checklist = []
+        self.finish_status.setText("")
 
     def go(self, index: int) -> None:
-        """Show a step, preparing it from the choices made so far."""
+        """Show a step. Steps 2 and 3 are prepared on a worker thread from the choices made
+        so far; the page shows at once with a busy bar, and Next waits until it is ready."""
         index = max(0, min(index, len(STEPS) - 1))
-        try:
-            if index == 1:
-                self._show_base()
-            elif index == 2:
-                self._show_sizes()
-        except ForgebenchError as exc:
-            self.message.emit(exc.render())
-            self.base_text.setText(f"<span style='color:#b71c1c'>"
-                                   f"{html.escape(exc.render())}</span>")
+        self.step_error.setText("")
+        if index == 1:
+            self._prepare(1, "Reading the base model's tensor table…", self._base_call())
+        elif index == 2:
+            self._prepare(2, "Estimating the file size of each type…", self._sizes_call())
+        else:
+            self.cancel_prepare()
         self.pages.setCurrentIndex(index)
         self.steps.blockSignals(True)
         self.steps.setCurrentRow(index)
         self.steps.blockSignals(False)
-        self.back_button.setEnabled(index > 0)
-        self.next_button.setEnabled(index < len(STEPS) - 1)
+        self._update_nav()
+
+    def _update_nav(self) -> None:
+        index = self.pages.currentIndex()
+        busy = self.call.running or self.convert_job.running
+        self.back_button.setEnabled(index > 0 and not self.convert_job.running)
+        self.next_button.setEnabled(index < len(STEPS) - 1 and not busy)
+        self.steps.setEnabled(not busy)
+
+    def _prepare(self, step: int, what: str, call) -> None:
+        if call is None:
+            self.cancel_prepare()
+            return
+        self._preparing = (step, call)
+        self.busy_text.setText(what)
+        self.busy.show()
+        self.call.start(call)
+
+    def cancel_prepare(self) -> None:
+        if self.call.running:
+            self.call.cancel()
+            self.step_error.setText("Cancelled. Go back, or press Next again to retry.")
+        self._preparing = None
+        self.busy.hide()
+        self._update_nav()
+
+    def _prepared(self, result) -> None:
+        step = self._preparing[0] if self._preparing else None
+        self._preparing = None
+        self.busy.hide()
+        if step == 1:
+            self._show_base(result)
+        elif step == 2:
+            self._show_sizes(result)
+        self._update_nav()
+
+    def _prepare_failed(self, exc: ForgebenchError) -> None:
+        self._preparing = None
+        self.busy.hide()
+        self.message.emit(exc.render())
+        self.step_error.setText(error_html("This step cannot be prepared.", exc.render()))
+        self._update_nav()
 
     # -- 2. base -------------------------------------------------------------------------
     def chosen_base(self) -> Path | None:
         return Path(self.base_path.text()) if self.base_path.text().strip() else None
 
-    def _show_base(self) -> None:
+    def _base_call(self):
         if self.run is None:
-            return
-        self.base = vm.base_info(self.run.path, self.chosen_base())
+            return None
+        run, chosen = self.run.path, self.chosen_base()
+        return lambda: vm.base_info(run, chosen)
+
+    def _show_base(self, base: vm.BaseInfo) -> None:
+        self.base = base
         self.base_text.setText(self.base.explanation())
         self.dense_button.setVisible(self.base.quantized)
         for widget in (self.base_path, self.base_browse):
@@ -225,19 +337,25 @@ class ExportWizardPane(QWidget):
         out.parent.mkdir(parents=True, exist_ok=True)
         self.convert_job.start(vm.convert_argv(self.base.path, out, "f16"),
                                "writing a dense copy of the base")
+        self._update_nav()      # no step change while the copy is written
 
     def _dense_done(self, ok: bool, message: str) -> None:
+        self._update_nav()
         if ok:
             self.base_path.setText(str(self._dense_out))
             self.go(1)
         else:
             self.message.emit(message)
+            self.step_error.setText(error_html("The dense copy was not written.", message))
 
     # -- 3. sizes ------------------------------------------------------------------------
-    def _show_sizes(self) -> None:
+    def _sizes_call(self):
         if self.run is None:
-            return
-        sizes = vm.size_estimates(self.run, self.checkpoint.currentText(), self.chosen_base())
+            return None
+        run, checkpoint, base = self.run, self.checkpoint.currentText(), self.chosen_base()
+        return lambda: vm.size_estimates(run, checkpoint, base)
+
+    def _show_sizes(self, sizes: dict[str, int]) -> None:
         chosen = self.dtype()
         self.sizes.setRowCount(len(sizes))
         for r, (dtype, size) in enumerate(sizes.items()):
@@ -259,24 +377,22 @@ class ExportWizardPane(QWidget):
         if self.run is None or self.dtype() is None:
             self.message.emit("choose a run, a checkpoint and a quantization type first")
             return
-        self.out = self.workspace.root / "exports" / self.out_name.text().strip()
+        out = self.workspace.root / "exports" / self.out_name.text().strip()
         try:
             argv = vm.export_argv(self.run.path, self.checkpoint.currentText(), self.dtype(),
-                                  self.out, self.chosen_base())
+                                  out, self.chosen_base())
         except ForgebenchError as exc:
-            self.verdict.setText(html.escape(exc.render()))
+            self.verdict.setText(error_html("Cannot export.", exc.render()))
             return
-        self.stages.setRowCount(0)
-        self.verdict.setText("")
-        self.answers.setText("")
+        self._clear_results()
+        self.out = out
         self.export_button.setEnabled(False)
         self.export_job.start(argv, f"exporting {self.run.path.name} as {self.dtype()}")
 
     def _exported(self, ok: bool, message: str) -> None:
         self.export_button.setEnabled(True)
         if not ok:
-            self.verdict.setText("<b style='color:#b71c1c'>The export failed.</b><br><pre>"
-                                 f"{html.escape(message)}</pre>")
+            self.verdict.setText(error_html("The export failed.", message))
             return
         self.show_report(read_json(self.out / "report.json"))
         self.card.setPlainText((self.out / "model_card.md").read_text("utf-8"))
@@ -301,17 +417,26 @@ class ExportWizardPane(QWidget):
                       row.file)
             for c, value in enumerate(values):
                 item = QTableWidgetItem(value)
-                if c == 1 and row.passed is not None:
-                    item.setBackground(QColor("#c8e6c9" if row.passed else "#ffcdd2"))
+                if c == 1 and row.verdict in VERDICT_COLOURS:
+                    item.setBackground(QColor(VERDICT_COLOURS[row.verdict]))
+                    item.setToolTip(VERDICT_TIPS[row.verdict])
                 self.stages.setItem(r, c, item)
         self.stages.resizeColumnsToContents()
-        self.verdict.setText(f"<b>{'Verified' if result['passed'] else 'NOT verified'}</b>: "
-                             f"{self.out}")
+        changed = result["changed"]
+        self.verdict.setText(
+            f"<b>{'Verified' if result['passed'] else 'NOT verified'}</b>: "
+            f"{html.escape(str(self.out))}"
+            + ("<br><span style='background:#ffe0b2'>Changed by quantization: "
+               f"{html.escape(', '.join(changed))}. It passes the bar, but some tokens or "
+               "answers differ from the checkpoint (see KL, greedy match and the answers "
+               "below).</span>" if changed else ""))
         cpp = result["llamacpp"]
         if cpp["available"]:
-            lines = [f"<tr><td>{html.escape(p)}</td><td>{html.escape(str(ours))}</td>"
+            amber = " style='background:#ffe0b2'"      # an answer that differs
+            lines = [f"<tr{amber if ours != theirs else ''}>"
+                     f"<td>{html.escape(p)}</td><td>{html.escape(str(ours))}</td>"
                      f"<td>{html.escape(str(theirs))}</td></tr>" for p, ours, theirs in
-                     cpp["answers"]]
+                     sorted(cpp["answers"], key=lambda a: a[1] == a[2])]
             self.answers.setText("<b>llama.cpp's answers</b><table border=1 cellpadding=3>"
                                  "<tr><th>prompt</th><th>checkpoint</th><th>llama.cpp</th></tr>"
                                  + "".join(lines) + "</table>")
@@ -327,7 +452,7 @@ class ExportWizardPane(QWidget):
         try:
             vm.finish_bundle(self.out, self.card.toPlainText(), self.checklist)
         except ForgebenchError as exc:
-            self.finish_status.setText(html.escape(exc.render()))
+            self.finish_status.setText(error_html("Not saved.", exc.render()))
             return
         self.finish_status.setText(f"Bundle saved: {self.out} (SHA256SUMS updated)")
         self.message.emit(f"bundle saved: {self.out}")

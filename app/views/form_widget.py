@@ -1,14 +1,36 @@
-"""A recipe form: one editor per schema field, invalid fields marked inline, Start blocked."""
+"""A recipe form: one editor per schema field (tooltips from the schema's descriptions),
+invalid fields marked inline, Start blocked. Lists are edited one item per line; path fields
+have Browse (and, for data, a pick of the workspace's datasets); the mouse wheel scrolls the
+form and never changes a field the user did not click into."""
 
 from __future__ import annotations
 
-from PySide6.QtCore import Signal
-from PySide6.QtWidgets import (QCheckBox, QComboBox, QFormLayout, QGroupBox, QLabel, QLineEdit,
-                               QScrollArea, QVBoxLayout, QWidget)
+from pathlib import Path
 
-from app.viewmodels.forms import RecipeForm
+from PySide6.QtCore import QEvent, QObject, Qt, Signal
+from PySide6.QtWidgets import (QCheckBox, QComboBox, QFileDialog, QFormLayout, QGroupBox,
+                               QHBoxLayout, QLabel, QLineEdit, QMenu, QPlainTextEdit,
+                               QPushButton, QScrollArea, QVBoxLayout, QWidget)
+
+from app.viewmodels.forms import FieldSpec, RecipeForm
 
 INVALID_STYLE = "border: 2px solid #c62828; background: #ffebee;"
+
+
+class WheelGuard(QObject):
+    """Sends wheel events over an unfocused combo box or spin box to the scrolling form, so
+    scrolling never edits a value by accident."""
+
+    def eventFilter(self, watched, event) -> bool:
+        if event.type() == QEvent.Type.Wheel and not watched.hasFocus():
+            event.ignore()
+            return True
+        return False
+
+
+def guard_wheel(widget: QWidget, guard: WheelGuard) -> None:
+    widget.setFocusPolicy(Qt.FocusPolicy.StrongFocus)
+    widget.installEventFilter(guard)
 
 
 class RecipeFormWidget(QScrollArea):
@@ -26,6 +48,11 @@ class RecipeFormWidget(QScrollArea):
         self.general = QLabel()
         self.general.setWordWrap(True)
         self.general.setStyleSheet("color: #c62828;")
+        self.wheel_guard = WheelGuard(self)
+        self.datasets: list[Path] = []     # the workspace's datasets, for the data pickers
+
+    def set_datasets(self, datasets: list[Path]) -> None:
+        self.datasets = list(datasets)
 
     def set_form(self, form: RecipeForm) -> None:
         self.form = form
@@ -43,6 +70,7 @@ class RecipeFormWidget(QScrollArea):
             editor = self._editor(spec)
             editor.setToolTip(spec.description)
             editor.setObjectName(spec.name)
+            field = self._with_path_buttons(spec, editor) if spec.path_kind else editor
             error = QLabel()
             error.setStyleSheet("color: #c62828;")
             error.setWordWrap(True)
@@ -51,7 +79,7 @@ class RecipeFormWidget(QScrollArea):
             col = QVBoxLayout(column)
             col.setContentsMargins(0, 0, 0, 0)
             col.setSpacing(1)
-            col.addWidget(editor)
+            col.addWidget(field)
             col.addWidget(error)
             label = QLabel(spec.label + ("" if not spec.required else " *"))
             label.setToolTip(spec.description)
@@ -77,16 +105,65 @@ class RecipeFormWidget(QScrollArea):
                 combo.addItem(str(choice))
             combo.setCurrentText(text)
             combo.currentTextChanged.connect(lambda t, n=spec.name: self._edited(n, t))
+            guard_wheel(combo, self.wheel_guard)
             return combo
+        if spec.kind == "list":
+            lines = QPlainTextEdit(text)
+            lines.setPlaceholderText("one item per line")
+            lines.setFixedHeight(lines.fontMetrics().lineSpacing() * 4 + 12)
+            lines.textChanged.connect(
+                lambda n=spec.name, e=lines: self._edited(n, e.toPlainText()))
+            return lines
         line = QLineEdit(text)
         line.setPlaceholderText("(none)" if spec.optional else "required" if spec.required else "")
         line.textEdited.connect(lambda t, n=spec.name: self._edited(n, t))
         return line
 
+    def _with_path_buttons(self, spec: FieldSpec, editor: QLineEdit) -> QWidget:
+        box = QWidget()
+        row = QHBoxLayout(box)
+        row.setContentsMargins(0, 0, 0, 0)
+        row.addWidget(editor, 1)
+        browse = QPushButton("Browse…")
+        browse.setToolTip(f"Choose the {spec.path_kind if spec.path_kind != 'any' else 'file'} "
+                          f"for {spec.name}")
+        browse.clicked.connect(lambda _=False, s=spec: self.browse(s))
+        row.addWidget(browse)
+        if spec.name.startswith("data."):
+            pick = QPushButton("Dataset ▾")
+            pick.setToolTip("Pick one of this workspace's datasets")
+            menu = QMenu(pick)
+            menu.aboutToShow.connect(lambda m=menu, s=spec: self._fill_dataset_menu(m, s))
+            pick.setMenu(menu)
+            row.addWidget(pick)
+        return box
+
+    def _fill_dataset_menu(self, menu: QMenu, spec: FieldSpec) -> None:
+        menu.clear()
+        for path in self.datasets:
+            menu.addAction(path.name, lambda p=path, s=spec: self.set_value(
+                s.name, self.form.relative(p)))
+        if not self.datasets:
+            menu.addAction("(no datasets in this workspace)").setEnabled(False)
+
+    def browse(self, spec: FieldSpec) -> None:
+        current = self.form.resolve(self.form.text[spec.name] or ".")
+        start = str(current if current.exists() else Path(self.form.base_dir or "."))
+        if spec.path_kind == "folder":
+            chosen = QFileDialog.getExistingDirectory(self, spec.name, start)
+        else:
+            chosen, _ = QFileDialog.getOpenFileName(
+                self, spec.name, start, "GGUF (*.gguf);;All files (*)"
+                if spec.name == "model.gguf" else "All files (*)")
+        if chosen:
+            self.set_value(spec.name, self.form.relative(chosen))
+
     def set_value(self, name: str, text: str) -> None:
         """Type a value into a field as the user would (used by tests and presets)."""
         editor = self.editors[name]
-        if isinstance(editor, QLineEdit):
+        if isinstance(editor, QPlainTextEdit):
+            editor.setPlainText(text)
+        elif isinstance(editor, QLineEdit):
             editor.setText(text)
             self._edited(name, text)
         elif isinstance(editor, QComboBox):

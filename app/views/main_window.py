@@ -1,27 +1,38 @@
 """The main window: a sidebar of panes, the workspace menu with recent workspaces, a status bar
-with running jobs, one poll timer that follows every run directory, and the close question."""
+with running jobs and the jobs panel, one poll timer that follows every run directory and
+watches the workspace (new runs, checkpoints, samples, configs, datasets reach every pane), a
+notification when a job ends, a geometry that fits the screen and is remembered, and the close
+question."""
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
-from PySide6.QtCore import Qt, QTimer
-from PySide6.QtGui import QAction, QKeySequence
-from PySide6.QtWidgets import (QDialog, QDialogButtonBox, QFileDialog, QFormLayout, QFrame,
-                               QHBoxLayout, QLabel, QListWidget, QMainWindow, QMessageBox,
-                               QPushButton, QSpinBox, QStackedWidget, QVBoxLayout, QWidget)
+from PySide6.QtCore import QByteArray, Qt, QTimer
+from PySide6.QtGui import QAction, QGuiApplication, QKeySequence
+from PySide6.QtWidgets import (QAbstractSpinBox, QComboBox, QDialog, QDialogButtonBox,
+                               QDockWidget, QFileDialog, QFormLayout, QFrame, QHBoxLayout,
+                               QLabel, QListWidget, QMainWindow, QMessageBox, QPushButton,
+                               QScrollArea, QSpinBox, QStackedWidget, QVBoxLayout, QWidget)
 
 from engine.errors import ForgebenchError
 
-from app.viewmodels.workspace import Settings, Workspace, install_sample_workspace
+from app.viewmodels.workspace import (Settings, Workspace, WorkspaceWatch,
+                                      install_sample_workspace)
 from app.views.ab_pane import ABPane
 from app.views.datasets_pane import DatasetsPane
 from app.views.export_wizard import ExportWizardPane
+from app.views.form_widget import WheelGuard, guard_wheel
+from app.views.jobs_panel import JobsPanel, Notifier, job_center
 from app.views.masks_pane import MasksPane
 from app.views.runs_pane import RunsPane
 from app.views.samples_pane import SamplesPane
 
 PANES = ("Datasets", "Labels && Masks", "Runs", "Samples", "Blind A/B", "Export")
+DEFAULT_SIZE = (1440, 900)
+MIN_SIZE = (900, 600)
+WATCH_PERIOD_S = 1.0
 
 
 class ProblemBanner(QFrame):
@@ -90,11 +101,13 @@ class MainWindow(QMainWindow):
         self.workspace: Workspace | None = None
         self.failed_path: str | None = None
         self.setWindowTitle("Forgebench")
-        self.resize(1440, 900)
+        self.watch: WorkspaceWatch | None = None
+        self._watched = 0.0
 
         self.sidebar = QListWidget()
         self.sidebar.addItems([p.replace("&&", "&") for p in PANES])
-        self.sidebar.setFixedWidth(150)
+        self.sidebar.setFixedWidth(130)
+        self.sidebar.setHorizontalScrollBarPolicy(Qt.ScrollBarPolicy.ScrollBarAlwaysOff)
         self.sidebar.setStyleSheet("QListWidget { font-size: 14px; } "
                                    "QListWidget::item { padding: 10px 8px; }")
         self.datasets = DatasetsPane()
@@ -104,11 +117,23 @@ class MainWindow(QMainWindow):
         self.stack = QStackedWidget()
         self.samples, self.ab, self.export = SamplesPane(), ABPane(), ExportWizardPane()
         for pane in (self.datasets, self.masks, self.runs, self.samples, self.ab, self.export):
-            self.stack.addWidget(pane)
+            # A pane that needs more room than the window has scrolls; it never makes the
+            # window bigger than the screen (DESIGN: every pane works at 1024×700).
+            scroll = QScrollArea()
+            scroll.setWidgetResizable(True)
+            scroll.setFrameShape(QFrame.Shape.NoFrame)
+            scroll.setWidget(pane)
+            self.stack.addWidget(scroll)
             pane.message.connect(self.show_message)
         self.sidebar.currentRowChanged.connect(self.stack.setCurrentIndex)
         self.sidebar.setCurrentRow(0)
         self.masks.dataset_saved.connect(self.datasets.reload)
+
+        # Scrolling a pane never edits a combo box or spin box the user did not click into.
+        self.wheel_guard = WheelGuard(self)
+        for widget in self.stack.findChildren(QComboBox) + \
+                self.stack.findChildren(QAbstractSpinBox):
+            guard_wheel(widget, self.wheel_guard)
 
         self.banner = ProblemBanner(self)
         central = QWidget()
@@ -123,11 +148,27 @@ class MainWindow(QMainWindow):
         self.setCentralWidget(central)
 
         self.workspace_label = QLabel("no workspace")
-        self.jobs_label = QLabel("no jobs running")
+        self.workspace_label.setMinimumWidth(1)     # a long path elides, never widens the window
+        self.jobs_button = QPushButton("no jobs running")
+        self.jobs_button.setFlat(True)
+        self.jobs_button.setToolTip("Show or hide the jobs panel")
         self.statusBar().addWidget(self.workspace_label, 1)
-        self.statusBar().addPermanentWidget(self.jobs_label)
-        self.runs.jobs_changed.connect(self._jobs_changed)
+        self.statusBar().addPermanentWidget(self.jobs_button)
+        self.jobs = job_center()
+        self.jobs.reset()
+        self.jobs_panel = JobsPanel(self.jobs)
+        self.jobs_dock = QDockWidget("Jobs", self)
+        self.jobs_dock.setObjectName("jobs")
+        self.jobs_dock.setWidget(self.jobs_panel)
+        self.addDockWidget(Qt.DockWidgetArea.BottomDockWidgetArea, self.jobs_dock)
+        self.jobs_dock.hide()
+        self.jobs_button.clicked.connect(
+            lambda: self.jobs_dock.setVisible(not self.jobs_dock.isVisible()))
+        self.jobs.changed.connect(self._jobs_changed)
+        self.notifier = Notifier(self)
+        self.jobs.finished.connect(self.notifier.notify)
         self._build_menus()
+        self._restore_geometry()
 
         self.timer = QTimer(self)
         self.timer.setInterval(int(self.settings.get("poll_ms", 500)))
@@ -157,6 +198,7 @@ class MainWindow(QMainWindow):
         quit_action.triggered.connect(self.close)
         menu.addAction(quit_action)
         view = self.menuBar().addMenu("&View")
+        view.addAction(self.jobs_dock.toggleViewAction())
         for i, name in enumerate(PANES):
             action = QAction(name, self)
             action.setShortcut(QKeySequence(f"Ctrl+{i + 1}"))
@@ -182,6 +224,7 @@ class MainWindow(QMainWindow):
         self.banner.hide()
         self.failed_path = None
         self.workspace = workspace
+        self.watch = WorkspaceWatch(workspace)
         self.settings.add_recent(workspace.root)
         self._fill_recent()
         self.setWindowTitle(f"Forgebench — {workspace.name}")
@@ -234,13 +277,52 @@ class MainWindow(QMainWindow):
     # -- status --------------------------------------------------------------------------
     def poll(self) -> None:
         self.runs.poll()
+        now = time.monotonic()
+        if self.watch is not None and now - self._watched >= WATCH_PERIOD_S:
+            self._watched = now
+            self.refresh_panes(self.watch.changes())
+
+    def refresh_panes(self, changes: set[str]) -> None:
+        """Bring every pane up to date with what changed on disk, keeping the user's choices."""
+        if "configs" in changes:
+            self.runs.reload_configs()
+        if "runs" in changes:
+            self.samples.refresh_runs()
+            self.export.refresh_runs()
+        if changes & {"runs", "ratings"}:
+            self.ab.reload()
+        if "datasets" in changes:
+            self.datasets.refresh_list()
+            self.runs.form_widget.set_datasets(self.workspace.dataset_dirs())
 
     def show_message(self, text: str) -> None:
-        self.statusBar().showMessage(text, 8000)
+        self.statusBar().showMessage(text.splitlines()[0] if text else "", 8000)
 
-    def _jobs_changed(self, count: int) -> None:
-        self.jobs_label.setText(f"{count} job{'s' * (count != 1)} running" if count
-                                else "no jobs running")
+    def _jobs_changed(self) -> None:
+        count = len(self.jobs.jobs)
+        self.jobs_button.setText(f"{count} job{'s' * (count != 1)} running ▴" if count
+                                 else "no jobs running")
+
+    # -- geometry ------------------------------------------------------------------------
+    def _restore_geometry(self) -> None:
+        """The last geometry, else a default that fits the screen (a 1366×768 laptop gets a
+        window inside its work area, status bar included)."""
+        self.setMinimumSize(*MIN_SIZE)
+        saved = self.settings.get("geometry")
+        if saved and self.restoreGeometry(QByteArray.fromHex(saved.encode())):
+            return
+        screen = QGuiApplication.primaryScreen()
+        width, height = DEFAULT_SIZE
+        if screen is not None:
+            area = screen.availableGeometry()
+            width = min(width, int(area.width() * 0.95))
+            height = min(height, int(area.height() * 0.92))
+            self.resize(max(width, MIN_SIZE[0]), max(height, MIN_SIZE[1]))
+            frame = self.frameGeometry()
+            frame.moveCenter(area.center())
+            self.move(frame.topLeft())
+        else:
+            self.resize(width, height)
 
     def closeEvent(self, event) -> None:
         active = self.runs.active_runs()
@@ -264,4 +346,8 @@ class MainWindow(QMainWindow):
             if choice == "stop":
                 self.runs.stop_all()
         self.timer.stop()
+        for call in (self.masks.loader, self.export.call):
+            call.cancel()
+            call.wait()
+        self.settings.set("geometry", bytes(self.saveGeometry().toHex()).decode())
         event.accept()

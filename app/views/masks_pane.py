@@ -23,6 +23,7 @@ from app.viewmodels.masks import (MaskEditor, count_regions, mask_datasets, read
                                   segmentation_evals)
 from app.viewmodels.sft import parse_inspect_report
 from app.viewmodels.workspace import Workspace
+from app.views.background import BackgroundCall
 from app.views.engine_process import run_engine
 
 
@@ -138,7 +139,7 @@ class PredictionsView(QWidget):
         grid = QHBoxLayout()
         for name, label in self.images.items():
             label.setAlignment(Qt.AlignmentFlag.AlignCenter)
-            label.setMinimumSize(200, 200)
+            label.setMinimumSize(140, 140)
             box = QVBoxLayout()
             box.addWidget(QLabel(name), 0, Qt.AlignmentFlag.AlignHCenter)
             box.addWidget(label, 1)
@@ -293,6 +294,7 @@ class SftTokensView(QWidget):
 class MasksPane(QWidget):
     message = Signal(str)
     dataset_saved = Signal(object)  # Path of the new version
+    dataset_loaded = Signal()       # the chosen dataset is loaded (or refused) and shown
 
     def __init__(self, parent=None):
         super().__init__(parent)
@@ -300,6 +302,9 @@ class MasksPane(QWidget):
         self.dataset: Dataset | None = None
         self.record: dict | None = None
         self.editor: MaskEditor | None = None
+        self.loader = BackgroundCall(self)
+        self.loader.done.connect(self._dataset_loaded)
+        self.loader.failed.connect(self._dataset_failed)
 
         self.dataset_combo = QComboBox()
         self.dataset_combo.currentIndexChanged.connect(self._dataset_chosen)
@@ -402,18 +407,25 @@ class MasksPane(QWidget):
         self._dataset_chosen()
 
     def _dataset_chosen(self) -> None:
+        """Load and validate the chosen dataset on a worker thread (it decodes every image
+        and mask: seconds on the GUI thread); `dataset_loaded` fires when it is shown."""
         path = self.dataset_combo.currentData()
         self.record_list.clear()
         self.dataset = None
+        self._show(None)
         if not path:
-            self._show(None)
+            self.loader.cancel()
             return
-        try:
-            self.dataset = load_dataset(path)
-        except ForgebenchError as exc:
-            self.info.setText(f"This dataset does not validate:\n{exc.render()}")
-            self._show(None)
-            return
+        self.info.setText(f"Loading and validating {Path(path).name}…")
+        self.loader.start(lambda: load_dataset(path))
+
+    def _dataset_failed(self, exc: ForgebenchError) -> None:
+        self.info.setText(f"This dataset does not validate:\n{exc.render()}")
+        self.dataset_loaded.emit()
+
+    def _dataset_loaded(self, dataset: Dataset) -> None:
+        self.dataset = dataset
+        self._refresh_info()
         for record in self.dataset.records():
             if record.get("mask"):
                 item = QListWidgetItem(f"{record['id']}  ({record.get('label', '')}, "
@@ -422,6 +434,7 @@ class MasksPane(QWidget):
                 self.record_list.addItem(item)
         if self.record_list.count():
             self.record_list.setCurrentRow(0)
+        self.dataset_loaded.emit()
 
     def select_record(self, record_id: str) -> None:
         for i in range(self.record_list.count()):

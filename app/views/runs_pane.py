@@ -3,51 +3,45 @@ and the failure report of a failed run."""
 
 from __future__ import annotations
 
-import os
+import html
 import time
 from pathlib import Path
 
-from PySide6.QtCore import (QAbstractTableModel, QItemSelectionModel, QModelIndex, QProcess,
-                            Qt, Signal)
+from PySide6.QtCore import QAbstractTableModel, QItemSelectionModel, QModelIndex, Qt, Signal
 from PySide6.QtGui import QColor
-from PySide6.QtWidgets import (QAbstractItemView, QComboBox, QHBoxLayout, QHeaderView, QLabel,
-                               QPlainTextEdit, QPushButton, QSpinBox, QSplitter, QTableView,
-                               QTabWidget, QVBoxLayout, QWidget)
+from PySide6.QtWidgets import (QAbstractItemView, QComboBox, QHBoxLayout, QHeaderView,
+                               QInputDialog, QLabel, QMenu, QPlainTextEdit, QPushButton, QSpinBox,
+                               QSplitter, QTableView, QTabWidget, QVBoxLayout, QWidget)
 
 from engine.errors import ForgebenchError
 from engine.rundir import RunDir, pid_alive
 
 from app.viewmodels import jobs
-from app.viewmodels.forms import RecipeForm
+from app.viewmodels.jobs import BackgroundJob
+from app.viewmodels.forms import RecipeForm, new_config_from_template, recipe_templates
 from app.viewmodels.runs import BestEval, LedgerRow, failure_report, ledger_row, write_notes
-from app.viewmodels.workspace import REPO_ROOT, Workspace
+from app.viewmodels.workspace import Workspace
 from app.views.charts import RunCharts
+from app.views.combos import refill_keeping_choice
+from app.views.engine_process import start_detached
+from app.views.jobs_panel import job_center
 from app.views.form_widget import RecipeFormWidget
 
-COLUMNS = [("name", "Run"), ("state", "Status"), ("progress", "Step"), ("question", "Question"),
+COLUMNS = [("name", "Run"), ("state", "Status"), ("progress", "Step"), ("stage_line", "Doing"),
+           ("started", "Started"), ("duration", "Duration"), ("question", "Question"),
            ("data_version", "Data"), ("best_metric", "Best metric"),
            ("selected_checkpoint", "Checkpoint"), ("notes", "Notes")]
+COLUMN_WIDTHS = {"name": 230, "state": 90, "progress": 80, "stage_line": 170, "started": 120,
+                 "duration": 70}
 EDITABLE = ("question", "notes")
 LEDGER_PERIOD_S = 1.0
+RECIPE_NOTES = {
+    "lm-sft": "The Gemma 3 270M package is a base model, not a chat model: its BEFORE answers "
+              "are not meant to be good. A handful of training pairs (the pirate set has 5) "
+              "is memorised rather than generalised; that is what this demo shows."}
 STATE_COLOURS = {"running": "#1565c0", "completed": "#2e7d32", "failed": "#c62828",
                  "stopped": "#6d4c41", "stopping": "#ef6c00", "queued": "#6a1b9a",
                  "starting": "#6a1b9a", "waiting": "#6a1b9a"}
-
-
-def start_detached(argv: list[str], log: Path) -> int:
-    """Start a job that outlives the window, its output appended to `log`; returns its pid.
-
-    QProcess's static startDetached reports the pid; a POSIX shell `exec`s the job in place
-    (same pid) after redirecting its output, with the repository on PYTHONPATH.
-    """
-    path = os.environ.get("PYTHONPATH")
-    pythonpath = str(REPO_ROOT) + (os.pathsep + path if path else "")
-    script = 'log=$1; pp=$2; shift 2; exec env PYTHONPATH="$pp" "$@" >>"$log" 2>&1'
-    ok, pid = QProcess.startDetached("/bin/sh", ["-c", script, "sh", str(log), pythonpath,
-                                                 *argv], str(REPO_ROOT))
-    if not ok:
-        raise ForgebenchError(f"could not start {argv[0]}", hint="check the installation")
-    return pid
 
 
 class LedgerModel(QAbstractTableModel):
@@ -75,6 +69,12 @@ class LedgerModel(QAbstractTableModel):
             return f"{step} / {row.target_steps}" if row.target_steps else step
         if key == "state" and row.stage and row.state == "failed":
             return f"failed ({row.stage})"
+        if key == "started":
+            return row.started_text()
+        if key == "duration":
+            return row.duration_text()
+        if key == "stage_line":
+            return row.stage_line if row.active else ""
         return str(getattr(row, key))
 
     def data(self, index, role=Qt.ItemDataRole.DisplayRole):
@@ -92,7 +92,9 @@ class LedgerModel(QAbstractTableModel):
         if role == Qt.ItemDataRole.ForegroundRole and key == "state":
             return QColor(STATE_COLOURS.get(row.state, "#333"))
         if role == Qt.ItemDataRole.ToolTipRole:
-            return row.error or str(row.path)
+            if key == "name":
+                return f"{row.name}\n{row.path}"
+            return row.error or self._value(row, key)
         return None
 
     def flags(self, index):
@@ -148,7 +150,6 @@ class LedgerModel(QAbstractTableModel):
 
 class RunsPane(QWidget):
     message = Signal(str)
-    jobs_changed = Signal(int)  # number of active jobs
 
     def __init__(self, parent=None):
         super().__init__(parent)
@@ -168,7 +169,19 @@ class RunsPane(QWidget):
         self.table.verticalHeader().hide()
         self.table.horizontalHeader().setSectionResizeMode(QHeaderView.ResizeMode.Interactive)
         self.table.horizontalHeader().setStretchLastSection(True)
+        self.table.setTextElideMode(Qt.TextElideMode.ElideMiddle)  # run names differ at the end
+        for column, (key, _) in enumerate(COLUMNS):
+            if key in COLUMN_WIDTHS:
+                self.table.setColumnWidth(column, COLUMN_WIDTHS[key])
         self.table.selectionModel().selectionChanged.connect(self._selection_changed)
+        self.follow: Path | None = None     # a run just started: select it when it appears
+        self.launch_problem = QLabel()      # why the last start was refused, until the next
+        self.launch_problem.setWordWrap(True)
+        self.launch_problem.setMinimumWidth(1)      # a long line wraps; never widens the pane
+        self.launch_problem.setTextInteractionFlags(Qt.TextInteractionFlag.TextSelectableByMouse)
+        self.launch_problem.setStyleSheet("QLabel { background: #ffebee; color: #b71c1c; "
+                                          "border: 1px solid #e57373; padding: 4px; }")
+        self.launch_problem.hide()
 
         self.stop_button = QPushButton("&Stop")
         self.resume_button = QPushButton("&Resume")
@@ -191,24 +204,40 @@ class RunsPane(QWidget):
         ledger_box = QWidget()
         lv = QVBoxLayout(ledger_box)
         lv.setContentsMargins(0, 0, 0, 0)
+        lv.addWidget(self.launch_problem)
         lv.addWidget(self.table, 3)
         lv.addLayout(buttons)
         lv.addWidget(self.details, 1)
 
         self.config_combo = QComboBox()
         self.config_combo.currentIndexChanged.connect(self._config_chosen)
+        self.new_config_button = QPushButton("New from recipe ▾")
+        self.new_config_button.setToolTip("Copy a recipe's template config into this "
+                                          "workspace's configs/ folder")
+        templates = QMenu(self.new_config_button)
+        for stem in recipe_templates():
+            templates.addAction(stem, lambda s=stem: self.ask_new_config(s))
+        self.new_config_button.setMenu(templates)
+        self.recipe_note = QLabel()
+        self.recipe_note.setWordWrap(True)
+        self.recipe_note.setStyleSheet("QLabel { color: #455a64; }")
         self.form_widget = RecipeFormWidget()
         self.form_widget.validity_changed.connect(self._validity_changed)
         self.start_button = QPushButton("Start")
         self.queue_button = QPushButton("Add to queue")
         self.form_status = QLabel()
+        self.form_status.setWordWrap(True)
         self.start_button.clicked.connect(lambda: self.start_from_form(queue=False))
         self.queue_button.clicked.connect(lambda: self.start_from_form(queue=True))
         form_box = QWidget()
         fv = QVBoxLayout(form_box)
         fv.setContentsMargins(0, 0, 0, 0)
         fv.addWidget(QLabel("Config (from the workspace's configs/ folder)"))
-        fv.addWidget(self.config_combo)
+        config_row = QHBoxLayout()
+        config_row.addWidget(self.config_combo, 1)
+        config_row.addWidget(self.new_config_button)
+        fv.addLayout(config_row)
+        fv.addWidget(self.recipe_note)
         fv.addWidget(self.form_widget, 1)
         fv.addWidget(self.form_status)
         row = QHBoxLayout()
@@ -220,9 +249,19 @@ class RunsPane(QWidget):
         self.left_tabs.addTab(ledger_box, "Ledger")
         self.left_tabs.addTab(form_box, "New run")
         self.charts = RunCharts()
+        self.stage_label = QLabel()     # what the selected running job is doing right now
+        self.stage_label.setWordWrap(True)
+        self.stage_label.setMinimumWidth(1)
+        self.stage_label.setStyleSheet("QLabel { color: #1565c0; font-weight: bold; }")
+        self.stage_label.hide()
+        charts_box = QWidget()
+        cv = QVBoxLayout(charts_box)
+        cv.setContentsMargins(0, 0, 0, 0)
+        cv.addWidget(self.stage_label)
+        cv.addWidget(self.charts, 1)
         splitter = QSplitter()
         splitter.addWidget(self.left_tabs)
-        splitter.addWidget(self.charts)
+        splitter.addWidget(charts_box)
         splitter.setSizes([470, 810])
         splitter.setStretchFactor(1, 1)
         layout = QVBoxLayout(self)
@@ -233,16 +272,26 @@ class RunsPane(QWidget):
         self.workspace = workspace
         self.queue = jobs.JobQueue(workspace)
         self.launches.clear()
+        for key in [k for k in job_center().jobs if k.startswith("run:")]:
+            job_center().drop(key)      # the runs of the workspace that was open before
+        self.follow = None
+        self.launch_problem.hide()
         self.charts.set_runs([])
-        self.config_combo.blockSignals(True)
         self.config_combo.clear()
-        for path in workspace.config_files():
-            self.config_combo.addItem(path.stem, str(path))
-        self.config_combo.blockSignals(False)
-        self._config_chosen()
+        self.form_widget.set_datasets(workspace.dataset_dirs())
+        self.reload_configs()
         self.poll()
         if self.ledger.rows:
             self.table.selectRow(0)
+
+    def reload_configs(self) -> None:
+        """The configs/ folder's TOML files; the chosen one stays chosen (and its edits kept)
+        when others appear or go."""
+        paths = [str(p) for p in self.workspace.config_files()] if self.workspace else []
+        if paths == [self.config_combo.itemData(i) for i in range(self.config_combo.count())]:
+            return
+        if not refill_keeping_choice(self.config_combo, [(Path(p).stem, p) for p in paths]):
+            self._config_chosen()
 
     def _config_chosen(self) -> None:
         path = self.config_combo.currentData()
@@ -259,6 +308,27 @@ class RunsPane(QWidget):
             self.queue_button.setEnabled(False)
             return
         self.form_widget.set_form(form)
+        self.recipe_note.setText(RECIPE_NOTES.get(form.recipe, ""))
+        self.recipe_note.setVisible(form.recipe in RECIPE_NOTES)
+
+    def ask_new_config(self, template: str) -> None:
+        name, ok = QInputDialog.getText(self, "New config", f"Name for the new {template} "
+                                        "config:", text=template)
+        if ok and name.strip():
+            self.new_config(template, name.strip())
+
+    def new_config(self, template: str, name: str) -> Path | None:
+        """Copy a recipe template into configs/ and open it in the form."""
+        try:
+            path = new_config_from_template(recipe_templates()[template],
+                                            self.workspace.configs_dir, name)
+        except ForgebenchError as exc:
+            self.form_status.setText(exc.render())
+            return None
+        self.reload_configs()
+        self.config_combo.setCurrentIndex(self.config_combo.findData(str(path)))
+        self.message.emit(f"new config {path.name} in configs/")
+        return path
 
     def _validity_changed(self, valid: bool) -> None:
         self.start_button.setEnabled(valid)
@@ -275,6 +345,8 @@ class RunsPane(QWidget):
             return None
         stem = Path(self.config_combo.currentData() or form.recipe).stem
         pending = jobs.prepare_run(self.workspace, form, stem, self.threads)
+        self.launch_problem.hide()
+        self.follow = pending.out
         if queue and (self.active_runs() or self.launches or self.queue.items):
             self.queue.push(pending)
             self.message.emit(f"queued {pending.out.name}")
@@ -285,9 +357,28 @@ class RunsPane(QWidget):
         return pending.out
 
     def _launch(self, pending: jobs.PendingRun) -> None:
-        pid = start_detached(pending.argv(), pending.log)
+        try:
+            pid = start_detached(pending.argv(), pending.log)
+        except ForgebenchError as exc:
+            self._refused(pending.out.name, exc.render())
+            return
         self.launches[pending.out] = (pending, pid)
+        job_center().add(BackgroundJob(f"run:{pending.out}", "run", pending.out.name,
+                                       stage="starting"))
         self.message.emit(f"started {pending.out.name} (pid {pid})")
+
+    def _refused(self, name: str, reason: str) -> None:
+        """A start the engine refused: the reason stays above the ledger, where the user
+        looks after pressing Start, until the next start."""
+        self.launch_problem.setText(f"<b>{name} did not start.</b><br>"
+                                    + html.escape(reason).replace("\n", "<br>"))
+        self.launch_problem.show()
+        self.details.setPlainText(f"{name} did not start:\n{reason}")
+        self.message.emit(f"{name} did not start: {reason.splitlines()[0] if reason else ''}")
+        center, key = job_center(), f"run:{self.workspace.runs_dir / name}"
+        if key not in center.jobs:
+            center.add(BackgroundJob(key, "run", name))
+        center.finish(key, False, reason)
 
     def selected_paths(self) -> list[Path]:
         rows = sorted({i.row() for i in self.table.selectionModel().selectedRows()})
@@ -320,6 +411,29 @@ class RunsPane(QWidget):
             self.message.emit(f"resuming {path.name} (pid {pid})")
         self.poll(force=True)
 
+    def _sync_jobs(self) -> None:
+        """Active runs in the jobs panel with their stage line; a run seen running in this
+        session that ends is reported (finished, stopped or failed)."""
+        center = job_center()
+        for row in self.ledger.rows:
+            key = f"run:{row.path}"
+            if row.active:
+                if key not in center.jobs or center.jobs[key].cancel is None:  # was starting
+                    center.add(BackgroundJob(key, "run", row.name, started=row.created or 0,
+                                             cancel=lambda p=row.path: self._stop(p)))
+                center.update(key, done=row.step or 0, total=row.target_steps or 0,
+                              stage=row.stage_line)
+            elif key in center.jobs:
+                ok = row.state in ("completed", "stopped")
+                detail = (f"{row.state} at step {row.step}" if ok
+                          else f"failed: {row.error or row.state}")
+                center.finish(key, ok, f"{row.name}: {detail}")
+
+    def _stop(self, path: Path) -> None:
+        if RunDir(path).request_stop():
+            self.message.emit(f"asked {path.name} to checkpoint and stop")
+        self.poll(force=True)
+
     def stop_all(self) -> int:
         return sum(RunDir(p).request_stop() for p in self.active_runs())
 
@@ -330,6 +444,8 @@ class RunsPane(QWidget):
         self._show_details(paths)
 
     def _show_details(self, paths: list[Path]) -> None:
+        if not self.launch_problem.isHidden() and not paths:
+            return          # keep the refused start's reason until a run is chosen
         texts = []
         for path in paths:
             report = failure_report(path)
@@ -349,8 +465,7 @@ class RunsPane(QWidget):
                 continue
             del self.launches[out]
             failure = jobs.launch_failure(pending) or "the job exited before creating its run"
-            self.details.setPlainText(f"{out.name} did not start:\n{failure}")
-            self.message.emit(f"{out.name} did not start (see the details box)")
+            self._refused(out.name, failure)
         for pending in self.queue.items if self.queue else []:
             extra.append((pending.out.name, "waiting"))
         return extra
@@ -366,11 +481,19 @@ class RunsPane(QWidget):
             extra = self._launch_states()
             selected = self.selected_paths()
             self.ledger.refresh(self.workspace.run_dirs(), extra)
+            if self.follow is not None and self.follow in self.ledger.paths():
+                selected, self.follow = [self.follow], None     # show the new run's charts
+                self.table.clearSelection()
             if self.selected_paths() != selected:
                 for path in selected:
                     self.select_run(path, add=True)
+            self._sync_jobs()
         self.charts.refresh()
-        states = [(r.path, r.state) for r in self.ledger.rows if r.path in self.selected_paths()]
+        shown = [r for r in self.ledger.rows if r.path in self.selected_paths()]
+        doing = [f"{r.name}: {r.stage_line}" for r in shown if r.active]
+        self.stage_label.setText("\n".join(doing))
+        self.stage_label.setVisible(bool(doing))
+        states = [(r.path, r.state) for r in shown]
         if states != self._shown_states:
             self._shown_states = states
             self._show_details(self.selected_paths())
@@ -378,4 +501,3 @@ class RunsPane(QWidget):
         pending = self.queue.pop_ready(bool(active or self.launches)) if self.queue else None
         if pending:
             self._launch(pending)
-        self.jobs_changed.emit(len(active) + len(self.launches))

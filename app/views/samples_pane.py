@@ -8,11 +8,11 @@ from pathlib import Path
 
 import numpy as np
 import pyqtgraph as pg
-from PySide6.QtCore import QProcess, QSize, QProcessEnvironment, Qt, Signal
+from PySide6.QtCore import QSize, Qt, Signal
 from PySide6.QtGui import QIcon, QPixmap
 from PySide6.QtWidgets import (QAbstractItemView, QComboBox, QDoubleSpinBox, QFormLayout,
                                QGroupBox, QHBoxLayout, QHeaderView, QLabel, QLineEdit,
-                               QListWidget, QListWidgetItem, QProgressBar, QPushButton,
+                               QListWidget, QListWidgetItem, QPushButton,
                                QSlider, QSpinBox, QSplitter, QStackedWidget, QTableWidget,
                                QTableWidgetItem, QVBoxLayout, QWidget)
 
@@ -22,91 +22,16 @@ from engine.rundir import RunDir
 
 from app.audio import MAX_GAIN_DB, MIN_GAIN_DB, Player
 from app.viewmodels import samples as vm
-from app.viewmodels.workspace import REPO_ROOT, Workspace
+from app.viewmodels.workspace import Workspace
+from app.views.combos import refill_keeping_choice
+from app.views.job_runner import JobRunner
 
 SAMPLE_RECIPES = ("image-generate", "audio-generate", "lm-sft", "lm-pretrain")
 CELL = 96
-
-
-class JobRunner(QWidget):
-    """One engine command as a child process: a progress bar fed by its tqdm output, a Cancel
-    button (SIGTERM: the engine stops between steps and writes nothing half-done), and the
-    engine's own error message when it fails."""
-
-    finished = Signal(bool, str)        # ok, message
-
-    def __init__(self, parent=None):
-        super().__init__(parent)
-        self.process: QProcess | None = None
-        self.output = ""
-        self.cancelled = False
-        self.bar = QProgressBar()
-        self.bar.setTextVisible(True)
-        self.cancel_button = QPushButton("Cancel")
-        self.cancel_button.setEnabled(False)
-        self.cancel_button.clicked.connect(self.cancel)
-        self.status = QLabel()
-        self.status.setWordWrap(True)
-        self.status.setTextInteractionFlags(Qt.TextInteractionFlag.TextSelectableByMouse)
-        row = QHBoxLayout()
-        row.setContentsMargins(0, 0, 0, 0)
-        row.addWidget(self.bar, 1)
-        row.addWidget(self.cancel_button)
-        layout = QVBoxLayout(self)
-        layout.setContentsMargins(0, 0, 0, 0)
-        layout.addLayout(row)
-        layout.addWidget(self.status)
-
-    @property
-    def running(self) -> bool:
-        return self.process is not None
-
-    def start(self, argv: list[str], what: str) -> None:
-        if self.running:
-            raise ForgebenchError("a job is already running here", hint="wait or cancel it")
-        self.output, self.cancelled = "", False
-        self.bar.setRange(0, 0)
-        self.status.setText(f"{what}…")
-        process = QProcess(self)
-        env = QProcessEnvironment.systemEnvironment()
-        env.insert("PYTHONPATH", str(REPO_ROOT))
-        process.setProcessEnvironment(env)
-        process.setProcessChannelMode(QProcess.ProcessChannelMode.MergedChannels)
-        process.readyReadStandardOutput.connect(self._read)
-        process.finished.connect(self._done)
-        self.process = process
-        self.cancel_button.setEnabled(True)
-        process.start(argv[0], argv[1:])
-
-    def cancel(self) -> None:
-        if self.process is not None:
-            self.cancelled = True
-            self.process.terminate()
-
-    def wait(self, ms: int) -> bool:
-        return self.process is None or self.process.waitForFinished(ms)
-
-    def _read(self) -> None:
-        chunk = bytes(self.process.readAllStandardOutput()).decode("utf-8", "replace")
-        self.output += chunk
-        progress = vm.parse_progress(chunk)
-        if progress:
-            done, total = progress
-            self.bar.setRange(0, total)
-            self.bar.setValue(done)
-
-    def _done(self, code: int, _status) -> None:
-        self._read()
-        self.process.deleteLater()
-        self.process = None
-        self.cancel_button.setEnabled(False)
-        self.bar.setRange(0, 1)
-        ok = code == 0 and not self.cancelled
-        self.bar.setValue(1 if ok else 0)
-        message = ("done" if ok else "cancelled: nothing was written" if self.cancelled
-                   else vm.job_error(self.output))
-        self.status.setText(message)
-        self.finished.emit(ok, message)
+NO_RUN = ("Choose a run. Image and audio generator runs show their samples here; LLM runs "
+          "their BEFORE/AFTER generations.")
+EMPTY_RUN = ("{name} has no samples yet. Generator runs: choose a checkpoint and press "
+             "Generate samples. LLM runs write their answers when they save a checkpoint.")
 
 
 class AudioView(QWidget):
@@ -251,16 +176,23 @@ class SamplesPane(QWidget):
         self.cfg.setSpecialValueText("recipe default")
         self.generate_button = QPushButton("Generate samples")
         self.generate_button.clicked.connect(self.generate)
-        self.job = JobRunner()
+        self.job = JobRunner("sampling")
         self.job.finished.connect(self._generated)
-        controls = QHBoxLayout()
-        for label, widget in (("Run", self.run_combo), ("Checkpoint", self.checkpoint),
-                              ("Class", self.class_name), ("Per class", self.n),
-                              ("Seed", self.seed), ("CFG", self.cfg)):
-            controls.addWidget(QLabel(label))
-            controls.addWidget(widget)
-        controls.addWidget(self.generate_button)
-        controls.addStretch(1)
+        # Two rows (what to look at; what to generate), so the pane fits a 1024-pixel window;
+        # the run picker takes the spare width, so run names are not cut short.
+        controls = QVBoxLayout()
+        pick, make = QHBoxLayout(), QHBoxLayout()
+        for row, pairs in ((pick, (("Run", self.run_combo), ("Checkpoint", self.checkpoint))),
+                           (make, (("Class", self.class_name), ("Per class", self.n),
+                                   ("Seed", self.seed), ("CFG", self.cfg)))):
+            for label, widget in pairs:
+                row.addWidget(QLabel(label))
+                row.addWidget(widget, 2 if widget is self.run_combo else 0)
+            controls.addLayout(row)
+        self.checkpoint.setMinimumContentsLength(12)
+        self.run_combo.setMinimumContentsLength(24)
+        make.addWidget(self.generate_button)
+        make.addStretch(1)
 
         self.grid = QTableWidget()
         self.grid.setIconSize(QSize(CELL, CELL))
@@ -276,8 +208,7 @@ class SamplesPane(QWidget):
         self.text_table.setWordWrap(True)
         self.text_table.currentCellChanged.connect(lambda r, *_: self._text_chosen(r))
         self.views = QStackedWidget()
-        self.empty = QLabel("Choose a run. Image and audio generator runs show their samples "
-                            "here; LLM runs their BEFORE/AFTER generations.")
+        self.empty = QLabel(NO_RUN)
         self.empty.setWordWrap(True)
         for widget in (self.empty, self.grid, self.clips, self.text_table):
             self.views.addWidget(widget)
@@ -323,17 +254,33 @@ class SamplesPane(QWidget):
         self.reload_runs()
 
     def reload_runs(self) -> None:
-        self.run_combo.blockSignals(True)
-        self.run_combo.clear()
+        refill_keeping_choice(self.run_combo, self._sample_runs())
+        self._run_chosen()
+
+    def _sample_runs(self) -> list[tuple[str, str]]:
+        runs = []
         for path in self.workspace.run_dirs() if self.workspace else []:
             try:
                 recipe = RunDir(path).manifest().get("recipe")
             except ForgebenchError:     # an unreadable run.json: the Runs pane reports it
                 continue
             if recipe in SAMPLE_RECIPES:
-                self.run_combo.addItem(f"{path.name} ({recipe})", str(path))
-        self.run_combo.blockSignals(False)
-        self._run_chosen()
+                runs.append((f"{path.name} ({recipe})", str(path)))
+        return runs
+
+    def refresh_runs(self) -> None:
+        """New runs, checkpoints and samples appear; the chosen run, checkpoint and sample
+        stay chosen (the workspace watch calls this when something changed)."""
+        if not refill_keeping_choice(self.run_combo, self._sample_runs()):
+            self._run_chosen()
+            return
+        refill_keeping_choice(self.checkpoint, [(c.name, c.name) for c in
+                                                reversed(RunDir(self.run_dir).checkpoints())])
+        if [s.path for s in vm.run_samples(self.run_dir)] != [s.path for s in self.samples]:
+            chosen = self.current.path if self.current else None
+            self.reload()
+            if chosen is not None:
+                self.select_sample(chosen)
 
     def select_run(self, path: Path) -> None:
         index = self.run_combo.findData(str(path))
@@ -384,6 +331,8 @@ class SamplesPane(QWidget):
             self.rubric.set_kind("audio")
         elif self.run_dir and vm.generation_checkpoints(self.run_dir):
             rows = vm.before_after(self.run_dir)
+            self.text_table.setHorizontalHeaderLabels(
+                ["Prompt", *vm.before_after_headers(self.run_dir)])
             self.text_table.setRowCount(len(rows))
             for r, row in enumerate(rows):
                 for c, text in enumerate(row):
@@ -392,6 +341,8 @@ class SamplesPane(QWidget):
             self.views.setCurrentWidget(self.text_table)
             self.rubric.set_kind("text")
         else:
+            self.empty.setText(
+                EMPTY_RUN.format(name=self.run_dir.name) if self.run_dir else NO_RUN)
             self.views.setCurrentWidget(self.empty)
         self._show_detail(None)
 

@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Callable
 
 from engine.errors import ForgebenchError
-from engine.fsutil import atomic_write_text, read_json, sha256_file
+from engine.fsutil import atomic_write_json, atomic_write_text, read_json, sha256_file
 from engine.gguf import quant_policy
 from engine.rundir import Checkpoint, RunDir
 
@@ -51,6 +51,7 @@ class Bundle:
     llamacpp: object = None                             # Stage or None
     notes: list[str] = field(default_factory=list)
     report: dict | None = None
+    chat_template: object = None                        # engine.llm.chat.ChatTemplate (lm-sft)
 
 
 def _is_quantized(dtype: str) -> bool:
@@ -190,6 +191,12 @@ def _export_sft(bundle: Bundle, staging: Path, scratch: Path, base_arg: str | No
     base, how = _sft_base(bundle, base_arg, scratch, progress)
     bundle.base = {"path": str(base), "sha256": sha256_file(base) if base.is_file() else None,
                    "chosen": how}
+    # The layout the run trained with (lm_sft.load_base: the base's own template, else its
+    # family's built-in one) goes into every export, so llama.cpp prompts the model as trained.
+    from engine.llm.chat import ChatTemplate
+
+    bundle.chat_template = ChatTemplate.from_gguf(base)
+    template = bundle.chat_template.source
     if bundle.dtype == "adapter":
         from engine.export.merge import check_base, load_adapter
         from engine.gguf.writer import read_gguf_content
@@ -207,6 +214,10 @@ def _export_sft(bundle: Bundle, staging: Path, scratch: Path, base_arg: str | No
         if arch in HF_ARCHITECTURES:
             for path in write_peft(adapter, base, staging / PEFT_DIR):
                 bundle.files.append(f"{PEFT_DIR}/{path.name}")
+            atomic_write_json(staging / PEFT_DIR / "tokenizer_config.json", {
+                "chat_template": template, "bos_token": bundle.chat_template.bos_token,
+                "eos_token": bundle.chat_template.eos_token})
+            bundle.files.append(f"{PEFT_DIR}/tokenizer_config.json")
         else:
             bundle.notes.append(f"no PEFT adapter: {arch!r} is not a known HF architecture")
         bundle.stages.append(_gguf_stage("adapter", "base + adapter reloaded in the engine",
@@ -222,13 +233,14 @@ def _export_sft(bundle: Bundle, staging: Path, scratch: Path, base_arg: str | No
         with progress.tensors("write full weights") as update:
             result = write_full_weights(base, bundle.checkpoint.path / MODEL_FILE, merged,
                                         bundle.run.manifest()["base_model"]["sha256"],
-                                        progress=update)
+                                        progress=update, chat_template=template)
         bundle.stages.append(_gguf_stage(
             "full weights", f"the fine-tuned weights written into the base's layout "
             f"({len(result.merged)} tensors, stored as the base stores them)", merged, staging))
     else:
         with progress.tensors("merge adapters") as update:
-            result = merge_into_gguf(base, adapter, merged, progress=update)
+            result = merge_into_gguf(base, adapter, merged, progress=update,
+                                     chat_template=template)
         bundle.stages.append(_gguf_stage("merged", f"adapters merged into the dense base "
                                          f"({len(result.merged)} matrices)", merged, staging))
     bundle.base["matched_by"] = result.base_match
@@ -290,6 +302,13 @@ def model_card(bundle: Bundle) -> str:
                      f"({bundle.base['chosen']})  \n  SHA-256 `{bundle.base['sha256']}`"
                      + (f", recognised as the adapter's base by: {bundle.base['matched_by']}"
                         if bundle.base.get("matched_by") else ""))
+    if bundle.chat_template is not None:
+        example = bundle.chat_template.render([{"role": "user", "content": "Hello!"}])
+        lines += ["", "## Prompt format", "",
+                  f"Fine-tuned with this chat layout ({bundle.chat_template.origin}); it is "
+                  "written into the export (`tokenizer.chat_template`), so llama.cpp prompts "
+                  "the model as it was trained. One user turn renders as:", "", "```text",
+                  example, "```"]
     lines += ["", "## Data", "", f"- data card: {_data_card(config)}"]
     for name, digest in sorted(manifest.get("data", {}).get("files", {}).items()):
         lines.append(f"- `{name}` SHA-256 `{digest}`")

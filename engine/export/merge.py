@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Callable
 
 import numpy as np
-from gguf import GGMLQuantizationType as T, GGUFValueType, quants
+from gguf import GGMLQuantizationType as T, GGUFValueType, Keys, quants
 
 from engine.errors import ForgebenchError
 from engine.fsutil import sha256_file
@@ -26,6 +26,8 @@ from engine.gguf.quant_policy import FLOAT_TYPES
 from engine.gguf.writer import GGUFContent, MetaValue, TensorEntry, read_gguf_content, \
     write_gguf
 from engine.lora import TARGETS, read_adapters
+
+CHAT_TEMPLATE_KEY = Keys.Tokenizer.CHAT_TEMPLATE
 
 # forgebench LoRA target -> GGUF tensor name inside a block (as engine.models.gguf_model binds)
 GGUF_TARGET = {"q": "attn_q", "k": "attn_k", "v": "attn_v", "o": "attn_output",
@@ -177,10 +179,22 @@ class MergeResult:
     source_sha256: str            # the adapter's or the full weights' file
 
 
+def with_chat_template(metadata: dict, chat_template: str | None) -> dict:
+    """The metadata with `tokenizer.chat_template` set to the template a model was fine-tuned
+    with, when the base carries none (a base GGUF often has none; llama.cpp would then fall
+    back to another layout and the tuned model would answer in the wrong format)."""
+    if chat_template and not metadata.get(CHAT_TEMPLATE_KEY):
+        metadata = dict(metadata)
+        metadata[CHAT_TEMPLATE_KEY] = MetaValue(GGUFValueType.STRING, chat_template)
+    return metadata
+
+
 def merge_into_gguf(base: str | Path, adapter_path: str | Path, out: str | Path, *,
-                    progress: Callable[[TensorEntry, int, int], None] | None = None) -> MergeResult:
+                    progress: Callable[[TensorEntry, int, int], None] | None = None,
+                    chat_template: str | None = None) -> MergeResult:
     """Write base + adapter as a dense GGUF at `out` (must not exist): same metadata, tensor
-    order and types, with the adapter's identity recorded."""
+    order and types, with the adapter's identity recorded, and `chat_template` (the layout
+    the adapter was trained with) when the base has none."""
     out = Path(out)
     if out.exists():
         raise ForgebenchError("the output file already exists; refusing to overwrite it",
@@ -199,7 +213,7 @@ def merge_into_gguf(base: str | Path, adapter_path: str | Path, out: str | Path,
                            lambda: merged_values(t, adapter.a[name], adapter.b[name],
                                                  adapter.scale))
 
-    metadata = dict(content.metadata)
+    metadata = with_chat_template(dict(content.metadata), chat_template)
     metadata[MERGED_ADAPTER_KEY] = MetaValue(GGUFValueType.STRING, adapter.sha256)
     metadata[MERGED_ALPHA_KEY] = MetaValue(GGUFValueType.FLOAT32, adapter.alpha)
     metadata[MERGED_RANK_KEY] = MetaValue(GGUFValueType.UINT32, adapter.rank)
@@ -209,8 +223,8 @@ def merge_into_gguf(base: str | Path, adapter_path: str | Path, out: str | Path,
 
 
 def write_full_weights(base: str | Path, weights: str | Path, out: str | Path, base_sha256: str,
-                       *, progress: Callable[[TensorEntry, int, int], None] | None = None
-                       ) -> MergeResult:
+                       *, progress: Callable[[TensorEntry, int, int], None] | None = None,
+                       chat_template: str | None = None) -> MergeResult:
     """Write a full fine-tune's weights (a checkpoint's torch state dict, `weights`) into the
     dense GGUF it was trained from: the base's metadata, tokenizer, tensor order and types,
     every tensor replaced by the trained one (named by the loader's own mapping). Refuses a
@@ -264,7 +278,7 @@ def write_full_weights(base: str | Path, weights: str | Path, out: str | Path, b
         return TensorEntry(t.name, t.ggml_type, t.shape, lambda: trained(t))
 
     digest = sha256_file(weights)
-    metadata = dict(content.metadata)
+    metadata = with_chat_template(dict(content.metadata), chat_template)
     metadata[FULL_WEIGHTS_KEY] = MetaValue(GGUFValueType.STRING, digest)
     write_gguf(out, metadata, [entry_for(t) for t in content.tensors], version=content.version,
                progress=progress)

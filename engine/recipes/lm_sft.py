@@ -86,6 +86,13 @@ def base_model(config: LMSFTConfig) -> Path:
     return run.checkpoint(config.model.checkpoint).path / MODEL_FILE
 
 
+def _size_text(path: Path) -> str:
+    try:
+        return f"{path.stat().st_size / 1e6:.0f} MB"
+    except OSError:
+        return path.name
+
+
 def load_base(config: LMSFTConfig) -> Base:
     path = base_model(config)
     if config.model.gguf:
@@ -344,11 +351,13 @@ def train(job: Job) -> None:
     torch.manual_seed(config.seed)
     base_sha = run.manifest()["base_model"]["sha256"]
 
+    job.announce("loading", f"loading base {_size_text(base_model(config))}")
     base = load_base(config)
     if not base.dense:        # what each weight mode costs, and the one this run uses
         from engine.models.gguf_model import memory_report
 
         run.log_event("base_weights", mode=base.model.weights_mode, **memory_report(base.model))
+    job.announce("encoding", "encoding the training samples")
     samples, report = encode_samples(config, base)
     run.log_event("data_encoded", **report)
     adapters, trainable = prepare_trainable(config, base)
@@ -373,7 +382,8 @@ def train(job: Job) -> None:
         step, skipped_total = state["step"], state["skipped_total"]
         elapsed_before = state["elapsed_s"]
     elif config.sample.prompts:
-        job.stage = "sample"
+        job.announce("sample", f"answering {len(config.sample.prompts)} prompt(s) with the "
+                               "base (BEFORE)")
         write_generations(run, "step-000000", 0, base, config, identity)   # BEFORE = the base
     if tr.activation_checkpointing:
         checkpoint_activations(model)
