@@ -15,6 +15,7 @@ import pytest
 
 from app.viewmodels import export_wizard as vm
 from engine.export.equivalence import MIN_TOP1_DENSE, MIN_TOP1_QUANTIZED, Report, verdict
+from engine.kernels.cpu import plan
 from app.viewmodels.workspace import Workspace
 from app.views.export_wizard import ExportWizardPane
 from app_part2_support import go_and_wait, lm_run, wait_for
@@ -61,6 +62,7 @@ def test_verification_rows_show_the_engines_verdicts():
                         ("quantized", "changed", 0.90), ("llama.cpp", "FAIL", 0.90)]
     assert result["changed"] == ["quantized"]
     assert not result["passed"] and result["llamacpp"]["answers"] == [("Hi", "yo", "yo!")]
+    assert result["numerics"] == plan().summary()        # the report says what was matched here
     low = _stage("merged", 0.98)                             # a dense stage below 99%
     report = _report([{**low, **verdict(low, MIN_TOP1_DENSE)},
                       {**quantized, **verdict(quantized, MIN_TOP1_QUANTIZED)}],
@@ -102,6 +104,7 @@ def test_the_wizard_exports_a_tiny_lm_to_a_verified_gguf(qtbot, tmp_path_factory
     wait_for(qtbot, pane.export_job, 600)
     out = workspace.root / "exports" / "tiny-f16"
     assert "Verified" in pane.verdict.text(), pane.export_job.output[-2000:]
+    assert plan().summary().split(";")[0] in pane.verdict.text()
 
     # the size shown for f16 is the tensor data the gguf package finds in the written file
     estimate = vm.size_estimates(pane.run, "step-000030")["f16"]

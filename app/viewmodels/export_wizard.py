@@ -239,6 +239,8 @@ def verification(report: dict) -> dict:
                    for p, a in zip(report["prompt_suite"], cpp.get("answers", []))]
     return {"rows": rows, "passed": bool(report["passed"]),
             "changed": [r.name for r in rows if r.verdict == "changed"],
+            # which llama.cpp kernels the engine matched on the machine that wrote the report
+            "numerics": report.get("numerics"),
             "llamacpp": {"available": bool(cpp.get("available")), "reason": cpp.get("reason"),
                          "answers": answers}}
 

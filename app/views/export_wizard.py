@@ -429,7 +429,8 @@ class ExportWizardPane(QWidget):
             + ("<br><span style='background:#ffe0b2'>Changed by quantization: "
                f"{html.escape(', '.join(changed))}. It passes the bar, but some tokens or "
                "answers differ from the checkpoint (see KL, greedy match and the answers "
-               "below).</span>" if changed else ""))
+               "below).</span>" if changed else "")
+            + (f"<br><small>{html.escape(result['numerics'])}</small>" if result["numerics"] else ""))
         cpp = result["llamacpp"]
         if cpp["available"]:
             amber = " style='background:#ffe0b2'"      # an answer that differs
