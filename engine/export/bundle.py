@@ -193,10 +193,15 @@ def _export_sft(bundle: Bundle, staging: Path, scratch: Path, base_arg: str | No
                    "chosen": how}
     # The layout the run trained with (lm_sft.load_base: the base's own template, else its
     # family's built-in one) goes into every export, so llama.cpp prompts the model as trained.
+    # (None when the base has neither: lm-sft could not have trained on it, and the checks
+    # below say what is wrong with it.)
     from engine.llm.chat import ChatTemplate
 
-    bundle.chat_template = ChatTemplate.from_gguf(base)
-    template = bundle.chat_template.source
+    try:
+        bundle.chat_template = ChatTemplate.from_gguf(base)
+    except ForgebenchError:
+        bundle.chat_template = None
+    template = bundle.chat_template.source if bundle.chat_template else None
     if bundle.dtype == "adapter":
         from engine.export.merge import check_base, load_adapter
         from engine.gguf.writer import read_gguf_content
@@ -214,10 +219,11 @@ def _export_sft(bundle: Bundle, staging: Path, scratch: Path, base_arg: str | No
         if arch in HF_ARCHITECTURES:
             for path in write_peft(adapter, base, staging / PEFT_DIR):
                 bundle.files.append(f"{PEFT_DIR}/{path.name}")
-            atomic_write_json(staging / PEFT_DIR / "tokenizer_config.json", {
-                "chat_template": template, "bos_token": bundle.chat_template.bos_token,
-                "eos_token": bundle.chat_template.eos_token})
-            bundle.files.append(f"{PEFT_DIR}/tokenizer_config.json")
+            if bundle.chat_template is not None:
+                atomic_write_json(staging / PEFT_DIR / "tokenizer_config.json", {
+                    "chat_template": template, "bos_token": bundle.chat_template.bos_token,
+                    "eos_token": bundle.chat_template.eos_token})
+                bundle.files.append(f"{PEFT_DIR}/tokenizer_config.json")
         else:
             bundle.notes.append(f"no PEFT adapter: {arch!r} is not a known HF architecture")
         bundle.stages.append(_gguf_stage("adapter", "base + adapter reloaded in the engine",
