@@ -106,7 +106,7 @@ class MainWindow(QMainWindow):
 
         self.sidebar = QListWidget()
         self.sidebar.addItems([p.replace("&&", "&") for p in PANES])
-        self.sidebar.setFixedWidth(130)
+        self.sidebar.setFixedWidth(150)
         self.sidebar.setHorizontalScrollBarPolicy(Qt.ScrollBarPolicy.ScrollBarAlwaysOff)
         self.sidebar.setStyleSheet("QListWidget { font-size: 14px; } "
                                    "QListWidget::item { padding: 10px 8px; }")
