@@ -67,7 +67,7 @@ def random_adapter(dense: Path, out: Path, rank: int = 8) -> Path:
     import torch
     from safetensors.torch import save_file
 
-    from engine.gguf.convert import DEQUANTIZED_FROM_KEY
+    from engine.gguf.constants import DEQUANTIZED_FROM_KEY
     from engine.gguf.reader import open_gguf
     from engine.lora import FORMAT
 

@@ -13,7 +13,8 @@ from gguf import GGMLQuantizationType as T, LlamaFileType as F, quants
 
 from engine.errors import ForgebenchError
 from engine.fsutil import sha256_file
-from engine.gguf.convert import DEQUANTIZED_FROM_KEY, DEQUANTIZED_FROM_TYPE_KEY, convert_gguf
+from engine.gguf.constants import DEQUANTIZED_FROM_KEY, DEQUANTIZED_FROM_TYPE_KEY
+from engine.gguf.convert import convert_gguf
 from engine.gguf.quant_policy import ModelFacts, plan_types
 from engine.gguf.writer import read_gguf_content
 from fixtures_gguf import write_tiny_gguf

@@ -17,8 +17,9 @@ from safetensors.torch import load_file
 
 from engine.errors import ForgebenchError
 from engine.fsutil import sha256_file
-from engine.export.merge import FULL_WEIGHTS_KEY, write_full_weights
-from engine.models.gguf_model import gguf_tensor_name
+from engine.export.merge import write_full_weights
+from engine.gguf.constants import FULL_WEIGHTS_KEY
+from engine.gguf.constants import gguf_tensor_name
 from gguf_write_fixtures import write_dense_llama
 from lm_pretrain_support import forgebench, make_corpus, write_config
 

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from engine.gguf.convert import DEQUANTIZED_FROM_KEY
+from engine.gguf.constants import DEQUANTIZED_FROM_KEY
 from engine.gguf.reader import open_gguf
 from engine.fsutil import sha256_file
 from lm_pretrain_support import REPO, forgebench

@@ -134,6 +134,18 @@ def test_lora_run_checkpoints_adapters_and_writes_before_after(tmp_path, tiny_gg
                         "--json")
     assert json.loads(result.stdout)["text"] == after[0]["answer"]
 
+    def sampled(*flags: str) -> dict:
+        return json.loads(forgebench("generate", str(run), "--prompt", "Say hello.",
+                                     "--max-tokens", "6", "--json", *flags).stdout)
+
+    # --temperature, --top-k and --seed reach the sampler, as they do for lm-pretrain runs
+    hot = [sampled("--temperature", "5", "--seed", seed) for seed in ("1", "1", "2")]
+    assert hot[0]["text"] == hot[1]["text"]                      # a seed reproduces
+    assert hot[0]["seed"] == 1 and hot[0]["settings"]["temperature"] == 5.0
+    assert any(h["text"] != after[0]["answer"] for h in hot)     # not the greedy answer
+    top1 = sampled("--temperature", "5", "--top-k", "1", "--seed", "2")
+    assert top1["text"] == after[0]["answer"]                    # top-1 of any temperature
+
 
 def test_auto_weights_cache_a_small_base_densely_with_the_packed_gradients(tmp_path, tiny_gguf):
     """weights = "auto" takes the f32 dense cache for a model that is a small part of memory

@@ -14,10 +14,12 @@ from gguf import GGMLQuantizationType as T
 
 from engine.errors import ForgebenchError
 from engine.fsutil import sha256_file
-from engine.gguf.convert import DEQUANTIZED_FROM_KEY, convert_gguf
+from engine.gguf.constants import DEQUANTIZED_FROM_KEY
+from engine.gguf.convert import convert_gguf
 from engine.gguf.writer import read_gguf_content
 from engine.lora import read_adapters
-from engine.export.merge import MERGED_ADAPTER_KEY, merge_into_gguf
+from engine.export.merge import merge_into_gguf
+from engine.gguf.constants import MERGED_ADAPTER_KEY
 from engine.models.gguf_model import load_gguf_model
 from export_support import engine_logits, fill_disk_after, make_adapter
 from gguf_write_fixtures import write_dense_llama

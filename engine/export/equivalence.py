@@ -15,8 +15,8 @@ checkpoint's, and whether its tokenizer gives the same prompt ids. Engine stages
 arithmetic, so their differences are the weights' (merge rounding, quantization); the llama.cpp
 stage adds the runtime's own arithmetic and is also compared with the engine on the same file.
 
-A stage worker is `python -m engine.export.equivalence SPEC.json`: it writes logits and greedy ids to a
-safetensors file, which the parent compares one prompt at a time. The checkpoint and llama.cpp
+A stage worker is `python -m engine.export.equivalence SPEC.json`: it writes logits and greedy ids
+to a safetensors file, which the parent compares one prompt at a time. The checkpoint and llama.cpp
 decode token by token (llama.cpp as it serves an answer); the other engine stages score each
 prompt and answer in one batch and read their greedy answer off those logits (`greedy_along`),
 decoding on only where it leaves the answer.

@@ -23,6 +23,7 @@ from gguf import GGMLQuantizationType as T, GGUFValueType as V
 
 from engine.errors import ForgebenchError
 from engine.fsutil import atomic_write_bytes, atomic_write_text
+from engine.gguf.constants import ADAPTER_BASE_SHA_KEY
 from engine.gguf.reader import open_gguf
 from engine.gguf.writer import MetaValue, TensorEntry, write_gguf
 from engine.export.merge import Adapter, load_adapter
@@ -66,7 +67,7 @@ def write_gguf_lora(adapter_path: str | Path, base: str | Path, out: str | Path)
         "general.name": MetaValue(V.STRING, f"{name.python() if name else arch} LoRA"),
         "adapter.type": MetaValue(V.STRING, "lora"),
         "adapter.lora.alpha": MetaValue(V.FLOAT32, adapter.alpha),
-        "forgebench.base_sha256": MetaValue(V.STRING, adapter.base_sha256),
+        ADAPTER_BASE_SHA_KEY: MetaValue(V.STRING, adapter.base_sha256),
     }
     names = adapter.gguf_names()
     order = {t.name: i for i, t in enumerate(content.tensors)}

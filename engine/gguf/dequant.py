@@ -163,7 +163,8 @@ def unpack_blocks(raw: torch.Tensor, ggml_type: T) -> dict[str, torch.Tensor]:
     raw [rows, row_bytes] uint8 -> per type, with nb blocks per row:
     Q8_0/Q5_0: q [rows, nb, 32] int8, d [rows, nb] f32;
     Q4_K: q [rows, nb, 8, 32] (0..15), scales/mins [rows, nb, 8] (0..63), d/dmin [rows, nb] f32;
-    Q6_K: q [rows, nb, 256] (0..63, i.e. stored value + 32), scales [rows, nb, 16] int8, d [rows, nb].
+    Q6_K: q [rows, nb, 256] (0..63, i.e. stored value + 32), scales [rows, nb, 16] int8,
+    d [rows, nb].
     """
     ggml_type = T(ggml_type)
     rows = raw.shape[0]

@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from engine.errors import ForgebenchError
-from engine.gguf.constants import REFUSED_ARCHS, SUPPORTED_ARCHS
+from engine.gguf.constants import LAYER_TENSORS, REFUSED_ARCHS, SUPPORTED_ARCHS
 from engine.gguf.dequant import dequantize
 from engine.gguf.reader import GGUFFile, open_gguf
 from engine.kernels.numerics import NUMERICS, attention_llamacpp
@@ -27,32 +27,6 @@ from engine.models.llama import Llama, LlamaConfig
 from engine.models.qwen import qwen2_config, qwen3_config
 
 WEIGHTS = ("packed", "dense-cache")
-
-# module path (per layer, after "layers.{i}.") -> GGUF tensor name (after "blk.{i}.")
-LAYER_TENSORS = {
-    "attn_norm": "attn_norm", "mlp_norm": "ffn_norm",
-    "attn.q": "attn_q", "attn.k": "attn_k", "attn.v": "attn_v", "attn.o": "attn_output",
-    "attn.q_norm": "attn_q_norm", "attn.k_norm": "attn_k_norm",
-    "mlp.gate": "ffn_gate", "mlp.up": "ffn_up", "mlp.down": "ffn_down",
-    "post_attn_norm": "post_attention_norm", "post_mlp_norm": "post_ffw_norm",
-}
-# model-level module path -> GGUF tensor name (before ".weight")
-MODEL_TENSORS = {"tok_embeddings": "token_embd", "norm": "output_norm", "output": "output"}
-
-
-def gguf_tensor_name(param: str) -> str | None:
-    """The GGUF tensor a parameter of an engine model is stored as (`layers.3.attn.q.weight`
-    -> `blk.3.attn_q.weight`), the inverse of how `_bind` names what it loads; None when the
-    file holds no such tensor. Exports of trained weights use this one mapping."""
-    module, _, kind = param.rpartition(".")
-    if module in MODEL_TENSORS:
-        return f"{MODEL_TENSORS[module]}.{kind}"
-    parts = module.split(".", 2)
-    if len(parts) == 3 and parts[0] == "layers" and parts[1].isdigit() \
-            and parts[2] in LAYER_TENSORS:
-        return f"blk.{parts[1]}.{LAYER_TENSORS[parts[2]]}.{kind}"
-    return None
-
 
 def _check_architecture(gf: GGUFFile) -> str:
     arch = gf.architecture
@@ -229,7 +203,8 @@ def packed_weights(model: nn.Module) -> list[PackedWeight]:
 
 
 def memory_report(model: nn.Module) -> dict:
-    """Bytes each weight mode costs: packed (memory-mapped), the dense caches, and a full f32 copy."""
+    """Bytes each weight mode costs: packed (memory-mapped), the dense caches, and a full f32
+    copy."""
     weights = packed_weights(model)
     small = sum(p.numel() * p.element_size() for p in model.parameters())
     return {"packed_bytes": sum(w.packed_bytes for w in weights),
