@@ -30,7 +30,8 @@ BPE_MERGES = [("Ġ", "t"), ("h", "e"), ("Ġt", "he"), ("i", "n"), ("Ġ", "a"), (
 
 
 def bytes_to_unicode() -> dict[int, str]:
-    """GPT-2's reversible byte -> printable character map (what `gpt2` vocabularies are written in)."""
+    """GPT-2's reversible byte -> printable character map (what `gpt2` vocabularies are written
+    in)."""
     printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) \
         + list(range(ord("®"), ord("ÿ") + 1))
     chars, extra = {}, 0

@@ -14,7 +14,8 @@ torch.set_num_threads(1)
 
 
 def reference_forward(model: Llama, tokens: torch.Tensor) -> torch.Tensor:
-    """Straightforward f64 Llama: complex rotation for adjacent pairs ("norm"), rotate-half for neox."""
+    """Straightforward f64 Llama: complex rotation for adjacent pairs ("norm"), rotate-half for
+    neox."""
     c = model.config
     sd = {k: v.double() for k, v in model.state_dict().items()}
     hd, H, Hkv = c.head_dim, c.n_heads, c.n_kv_heads

@@ -1,4 +1,5 @@
-"""The export wizard's steps over `forgebench export` / `forgebench convert` (engine/export/bundle.py):
+"""The export wizard's steps over `forgebench export` / `forgebench convert`
+(engine/export/bundle.py):
 which runs can be exported, what the base is, how big each quantization will be, the
 equivalence report as pass/fail rows, and the bundle's model card and rights checklist.
 

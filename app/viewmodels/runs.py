@@ -1,5 +1,5 @@
 """Runs: the run list and ledger, and the chart series of each run, read from run directories
-while their jobs write them (DESIGN.md §3). Reads are incremental so a poll costs only the new
+while their jobs write them (docs/design.md). Reads are incremental so a poll costs only the new
 bytes."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""What a run generated, read from `samples/<checkpoint>/` (DESIGN.md §3), and the rubric ratings
+"""What a run generated, read from `samples/<checkpoint>/` (docs/design.md), and the rubric ratings
 people give it, appended to `ratings/rubric-<run>.jsonl`.
 
 Images and sounds come with a JSON sidecar per file (seed, settings, checkpoint, nearest training
