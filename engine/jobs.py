@@ -22,8 +22,7 @@ import traceback
 from pathlib import Path
 from typing import Any, Iterator
 
-from engine.config import (RESUMABLE_FIELDS, Schema, config_diff, recipe_module,
-                           validate_config)
+from engine.config import RESUMABLE_FIELDS, Schema, config_diff, recipe_module, validate_config
 from engine.errors import ForgebenchError
 from engine.fsutil import sha256_file
 from engine.paths import require_writable_dir

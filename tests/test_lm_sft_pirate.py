@@ -7,9 +7,9 @@ from __future__ import annotations
 import json
 
 import pytest
+from lm_pretrain_support import REPO, forgebench
 
 from engine.fsutil import sha256_file
-from lm_pretrain_support import REPO, forgebench
 
 pytestmark = [pytest.mark.realmodel, pytest.mark.slow]
 

@@ -8,8 +8,16 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.errors import ForgebenchError
-from engine.lora import (LoRALinear, adapter_state, attach_lora, derive_seed, load_adapters,
-                         lora_parameters, read_adapters, save_adapters)
+from engine.lora import (
+    LoRALinear,
+    adapter_state,
+    attach_lora,
+    derive_seed,
+    load_adapters,
+    lora_parameters,
+    read_adapters,
+    save_adapters,
+)
 
 torch.set_num_threads(1)
 F64 = torch.float64

@@ -17,17 +17,36 @@ import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
+from app.viewmodels.jobs import forgebench_argv
+from app.viewmodels.samples import (
+    MEDIA,
+    Sample,
+    generation_settings,
+    generations,
+    run_samples,
+    sample_argv,
+    text_file,
+)
 from engine.data.dataset import write_manifest
 from engine.errors import ForgebenchError
-from engine.fsutil import (append_jsonl, atomic_write_text, read_json, read_jsonl, sha256_file,
-                            staged_dir)
-from engine.ratings import (Pair, RatingStore, bradley_terry, head_to_head, plan_session,
-                            preference_records, rater_agreement)
+from engine.fsutil import (
+    append_jsonl,
+    atomic_write_text,
+    read_json,
+    read_jsonl,
+    sha256_file,
+    staged_dir,
+)
+from engine.ratings import (
+    Pair,
+    RatingStore,
+    bradley_terry,
+    head_to_head,
+    plan_session,
+    preference_records,
+    rater_agreement,
+)
 from engine.rundir import RunDir
-
-from app.viewmodels.jobs import forgebench_argv
-from app.viewmodels.samples import (MEDIA, Sample, generation_settings, generations,
-                                    run_samples, sample_argv, text_file)
 
 KEYS = {"A": "left", "B": "right", "T": "tie", "S": "skip"}
 

@@ -12,11 +12,10 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from app.viewmodels.jobs import duration_text, run_stage_line
 from engine.errors import ForgebenchError
 from engine.fsutil import atomic_write_json, read_json
 from engine.rundir import RunDir
-
-from app.viewmodels.jobs import duration_text, run_stage_line
 
 NOTES_FILE = "notes.json"  # app-owned: question, notes, selected checkpoint (run.json is immutable)
 TRAIN_FIELDS = ("loss", "grad_norm", "lr", "tokens_per_s", "peak_rss_mb")

@@ -11,7 +11,7 @@ import gc
 import json
 from pathlib import Path
 
-from PySide6.QtCore import Qt, QThread, Signal
+from PySide6.QtCore import QThread, Signal
 from PySide6.QtWidgets import (QHBoxLayout, QLabel, QListWidget, QListWidgetItem, QMenu,
                                QPushButton, QSplitter, QTabWidget, QVBoxLayout, QWidget)
 

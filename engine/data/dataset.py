@@ -25,8 +25,13 @@ from tqdm import tqdm
 
 from engine.data import formats as F
 from engine.errors import ForgebenchError
-from engine.fsutil import (atomic_write_bytes, atomic_write_json, sha256_bytes, sha256_file,
-                            staged_dir)
+from engine.fsutil import (
+    atomic_write_bytes,
+    atomic_write_json,
+    sha256_bytes,
+    sha256_file,
+    staged_dir,
+)
 from engine.paths import inside, safe_relpath
 
 _HEX64 = re.compile(r"^[0-9a-f]{64}$")

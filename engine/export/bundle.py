@@ -27,8 +27,7 @@ from pathlib import Path
 from typing import Callable
 
 from engine.errors import ForgebenchError
-from engine.fsutil import atomic_write_json, atomic_write_text, read_json, sha256_file, \
-    staged_dir
+from engine.fsutil import atomic_write_json, atomic_write_text, read_json, sha256_file, staged_dir
 from engine.gguf import quant_policy
 from engine.rundir import Checkpoint, RunDir
 
@@ -97,7 +96,8 @@ class _Progress:
 def _holds_quantized(path: Path) -> bool:
     from engine.gguf.reader import open_gguf
 
-    return any(t.ggml_type not in quant_policy.FLOAT_TYPES for t in open_gguf(path).tensors.values())
+    return any(t.ggml_type not in quant_policy.FLOAT_TYPES
+               for t in open_gguf(path).tensors.values())
 
 
 def _gguf_stage(name: str, description: str, path: Path, bundle_dir: Path, lora=None,
@@ -129,8 +129,8 @@ def _llamacpp_stage(path: Path, description: str, lora: Path | None = None,
 # ----------------------------------------------------------------------- per recipe
 
 def _export_pretrain(bundle: Bundle, staging: Path, scratch: Path, progress: _Progress) -> None:
-    from engine.gguf.convert import convert_gguf
     from engine.export.from_pretrain import write_pretrain_gguf
+    from engine.gguf.convert import convert_gguf
 
     if bundle.dtype == "adapter":
         raise ForgebenchError("an lm-pretrain run has no adapter to export", where="--dtype",
@@ -176,10 +176,10 @@ def _sft_base(bundle: Bundle, base_arg: str | None, scratch: Path,
 
 def _export_sft(bundle: Bundle, staging: Path, scratch: Path, base_arg: str | None,
                 progress: _Progress) -> None:
-    from engine.gguf.convert import convert_gguf
     from engine.export.lora_export import HF_ARCHITECTURES, write_gguf_lora, write_peft
-    from engine.gguf.reader import open_gguf
     from engine.export.merge import merge_into_gguf, write_full_weights
+    from engine.gguf.convert import convert_gguf
+    from engine.gguf.reader import open_gguf
     from engine.lora import ADAPTERS_FILE
     from engine.train.checkpoint import MODEL_FILE
 
@@ -336,7 +336,8 @@ def model_card(bundle: Bundle) -> str:
         cpp = bundle.report["llamacpp"]
         if cpp.get("available"):
             g = cpp["greedy_vs_checkpoint"]
-            lines.append(f"- llama.cpp: top-1 agreement {cpp['vs_checkpoint']['top1_agreement']:.2%}"
+            agreement = cpp["vs_checkpoint"]["top1_agreement"]
+            lines.append(f"- llama.cpp: top-1 agreement {agreement:.2%}"
                          f" with the checkpoint; greedy answers identical for "
                          f"{sum(g['matches'])}/{len(g['matches'])} prompts")
         else:

@@ -66,7 +66,8 @@ class Stage:
 
 def verdict(entry: dict, min_top1: float) -> dict:
     """The pass/fail fields a stage's entry in the report carries."""
-    passed = bool(entry["tokenizer_matches"]) and entry["vs_checkpoint"]["top1_agreement"] >= min_top1
+    passed = bool(entry["tokenizer_matches"]) \
+        and entry["vs_checkpoint"]["top1_agreement"] >= min_top1
     return {"min_top1": min_top1, "passed": passed}
 
 
@@ -285,7 +286,6 @@ def _run_stage(spec: dict, workdir: Path, name: str, threads: int) -> StageResul
 
 def compare(reference: StageResult, other: StageResult, n: int) -> dict:
     """Top-1 agreement, |Δlogit| and KL(reference ‖ other) over every scored position."""
-    import torch
 
     agree = positions = 0
     max_abs, sum_abs, count, kl_sum, kl_max = 0.0, 0.0, 0, 0.0, 0.0

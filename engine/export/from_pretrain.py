@@ -19,13 +19,15 @@ from pathlib import Path
 from typing import Callable
 
 import numpy as np
-from gguf import GGMLQuantizationType as T, GGUFValueType as V, LlamaFileType, TokenType, quants
+from gguf import GGMLQuantizationType as T
+from gguf import GGUFValueType as V
+from gguf import LlamaFileType, TokenType, quants
 
 from engine.errors import ForgebenchError
 from engine.fsutil import sha256_file
+from engine.gguf.constants import SOURCE_SHA_KEY, gguf_tensor_name
 from engine.gguf.quant_policy import FILE_TYPES
 from engine.gguf.writer import MetaValue, TensorEntry, write_gguf
-from engine.gguf.constants import SOURCE_SHA_KEY, gguf_tensor_name
 from engine.rundir import Checkpoint, RunDir
 
 DENSE_TYPES = {"f32": T.F32, "f16": T.F16, "bf16": T.BF16}

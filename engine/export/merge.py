@@ -17,16 +17,23 @@ from pathlib import Path
 from typing import Callable
 
 import numpy as np
-from gguf import GGMLQuantizationType as T, GGUFValueType, Keys, quants
+from gguf import GGMLQuantizationType as T
+from gguf import GGUFValueType, Keys, quants
 
 from engine.errors import ForgebenchError
 from engine.fsutil import sha256_file
-from engine.gguf.constants import (DEQUANTIZED_FROM_KEY, FULL_WEIGHTS_KEY, MERGED_ADAPTER_KEY,
-                                   MERGED_ALPHA_KEY, MERGED_RANK_KEY, NON_PARAMETER_TENSORS,
-                                   SOURCE_SHA_KEY, gguf_tensor_name)
+from engine.gguf.constants import (
+    DEQUANTIZED_FROM_KEY,
+    FULL_WEIGHTS_KEY,
+    MERGED_ADAPTER_KEY,
+    MERGED_ALPHA_KEY,
+    MERGED_RANK_KEY,
+    NON_PARAMETER_TENSORS,
+    SOURCE_SHA_KEY,
+    gguf_tensor_name,
+)
 from engine.gguf.quant_policy import FLOAT_TYPES
-from engine.gguf.writer import GGUFContent, MetaValue, TensorEntry, read_gguf_content, \
-    write_gguf
+from engine.gguf.writer import GGUFContent, MetaValue, TensorEntry, read_gguf_content, write_gguf
 from engine.lora import TARGETS, adapter_info, read_adapters, target_module
 
 CHAT_TEMPLATE_KEY = Keys.Tokenizer.CHAT_TEMPLATE

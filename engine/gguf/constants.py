@@ -6,7 +6,8 @@ from here."""
 
 from __future__ import annotations
 
-from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as T
+from gguf import GGML_QUANT_SIZES
+from gguf import GGMLQuantizationType as T
 
 # Weight types with a torch dequantization kernel (engine/gguf/dequant.py).
 SUPPORTED_TYPES: tuple[T, ...] = (T.F32, T.F16, T.BF16, T.Q8_0, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1,

@@ -120,7 +120,8 @@ class KVCache:
         return self.k[layer][:, :, :end].to(k.dtype), self.v[layer][:, :, :end].to(v.dtype)
 
 
-def attention_mask(start_pos: int, q_len: int, kv_len: int, window: int | None = None) -> torch.Tensor:
+def attention_mask(start_pos: int, q_len: int, kv_len: int,
+                   window: int | None = None) -> torch.Tensor:
     """Boolean [q_len, kv_len]: True where query (start_pos+i) may attend key j (causal,
     windowed)."""
     qpos = torch.arange(start_pos, start_pos + q_len)[:, None]
@@ -139,7 +140,8 @@ class Attention(nn.Module):
     """Grouped-query attention with optional q/k bias (Qwen2) and per-head q/k RMSNorm (Qwen3,
     Gemma3)."""
 
-    def __init__(self, dim: int, n_heads: int, n_kv_heads: int, head_dim: int, *, bias: bool = False,
+    def __init__(self, dim: int, n_heads: int, n_kv_heads: int, head_dim: int, *,
+                 bias: bool = False,
                  qk_norm_eps: float | None = None):
         super().__init__()
         self.n_heads, self.n_kv_heads, self.head_dim = n_heads, n_kv_heads, head_dim

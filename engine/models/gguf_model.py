@@ -18,8 +18,8 @@ from engine.errors import ForgebenchError
 from engine.gguf.constants import LAYER_TENSORS, REFUSED_ARCHS, SUPPORTED_ARCHS
 from engine.gguf.dequant import dequantize
 from engine.gguf.reader import GGUFFile, open_gguf
-from engine.kernels.numerics import NUMERICS, attention_llamacpp
 from engine.kernels.native import kernels
+from engine.kernels.numerics import NUMERICS, attention_llamacpp
 from engine.models.blocks import Attention, RMSNorm
 from engine.models.gemma3 import Gemma3, Gemma3Config
 from engine.models.linear import FrozenQuantLinear, PackedEmbedding, PackedWeight
@@ -34,8 +34,8 @@ def _check_architecture(gf: GGUFFile) -> str:
         raise ForgebenchError("metadata has no general.architecture", path=gf.path,
                               where="general.architecture", hint="the file is not a model GGUF")
     if arch in REFUSED_ARCHS:
-        raise ForgebenchError(f"architecture {arch!r} is {REFUSED_ARCHS[arch]}, which the engine does "
-                              "not run", path=gf.path, where="general.architecture",
+        raise ForgebenchError(f"architecture {arch!r} is {REFUSED_ARCHS[arch]}, which the engine "
+                              "does not run", path=gf.path, where="general.architecture",
                               hint="supported: " + ", ".join(SUPPORTED_ARCHS))
     if gf.require_int("{arch}.expert_count", 0, minimum=0) > 0:
         raise ForgebenchError(f"{arch} file has {gf.get('{arch}.expert_count')} experts: "
@@ -124,8 +124,9 @@ def _packed(gf: GGUFFile, name: str, shape: tuple[int, int]) -> PackedWeight:
     info = gf.tensor(name)
     gf.check_type(info)
     if tuple(info.shape) != tuple(shape):
-        raise ForgebenchError(f"tensor {name!r} has shape {info.shape}, the metadata implies {shape}",
-                              path=gf.path, where=name, hint="the file's metadata and weights disagree")
+        raise ForgebenchError(f"tensor {name!r} has shape {info.shape}, the metadata implies "
+                              f"{shape}", path=gf.path, where=name,
+                              hint="the file's metadata and weights disagree")
     return PackedWeight(torch.from_numpy(info.raw), info.ggml_type, shape[0], shape[1], name)
 
 
@@ -134,7 +135,8 @@ def _dense(gf: GGUFFile, name: str, shape: tuple[int, ...]) -> torch.Tensor:
     gf.check_type(info)
     if tuple(info.shape) != tuple(shape):
         raise ForgebenchError(f"tensor {name!r} has shape {info.shape}, expected {shape}",
-                              path=gf.path, where=name, hint="the file's metadata and weights disagree")
+                              path=gf.path, where=name,
+                              hint="the file's metadata and weights disagree")
     return dequantize(torch.from_numpy(info.raw), info.ggml_type, shape, name).clone()
 
 
@@ -177,7 +179,8 @@ def _bind(model: nn.Module, gf: GGUFFile) -> None:
 def set_numerics(model: nn.Module, numerics: str) -> None:
     """Switch between plain f32 ("f32", for training) and llama.cpp's arithmetic ("llamacpp")."""
     if numerics not in NUMERICS:
-        raise ForgebenchError(f"numerics must be one of {NUMERICS}, not {numerics!r}", where="numerics")
+        raise ForgebenchError(f"numerics must be one of {NUMERICS}, not {numerics!r}",
+                              where="numerics")
     llamacpp = numerics == "llamacpp"
     model.numerics = numerics
     model.kv_dtype = torch.float16 if llamacpp else torch.float32
@@ -237,13 +240,16 @@ def load_gguf_model(path: str | Path, numerics: str = "f32", weights: str = "pac
     if weights == "dense-cache":
         dtype = cache_dtype or torch.float32
         if numerics == "llamacpp" and dtype != torch.float32:
-            raise ForgebenchError("llama.cpp numerics need the exact weights: use an f32 dense cache",
-                                  where="cache_dtype")
+            raise ForgebenchError(
+                "llama.cpp numerics need the exact weights: use an f32 dense cache",
+                where="cache_dtype",
+            )
         for w in packed_weights(model):
             w.cache(dtype, lazy=lazy_cache)
     model.eval()
     tok = None
     if tokenizer:
         from engine.llm.tokenizer import GGUFTokenizer
+
         tok = GGUFTokenizer.from_gguf(gf)
     return model, tok
