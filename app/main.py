@@ -7,10 +7,9 @@ import sys
 
 from PySide6.QtWidgets import QApplication
 
-from engine.errors import ForgebenchError
-
 from app.viewmodels.workspace import Settings, install_sample_workspace
 from app.views.main_window import MainWindow
+from engine.errors import ForgebenchError
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -21,13 +21,12 @@ from pathlib import Path
 
 from PySide6.QtWidgets import QApplication
 
+from app.viewmodels.workspace import REPO_ROOT, Settings, Workspace, install_sample_workspace
+from app.views.main_window import PANES, MainWindow
 from engine.config import load_config
 from engine.data.generators.records import generate_records
 from engine.data.generators.sfx import generate_sfx
 from engine.data.generators.shapes import generate_shapes
-
-from app.viewmodels.workspace import REPO_ROOT, Settings, Workspace, install_sample_workspace
-from app.views.main_window import PANES, MainWindow
 
 SIZE = (1024, 700)
 GENERATORS = {"records": lambda p: generate_records(p, n=300),

@@ -158,7 +158,8 @@ def main() -> int:
             [sys.executable, __file__, "--measure", str(folder)], check=True,
             capture_output=True, text=True).stdout)
         verdict = "no goal set" if goals[name] is None else \
-            f"{'within' if result['total_s'] < goals[name] else 'OVER'} the {goals[name]:.0f} s goal"
+            f"{'within' if result['total_s'] < goals[name] else 'OVER'} " \
+            f"the {goals[name]:.0f} s goal"
         print(f"{name:6s}: {result['records']} records, validate {result['validate_s']} s + "
               f"leak check {result['leaks_s']} s = {result['total_s']} s ({verdict}), "
               f"peak RSS {result['peak_rss_mb']} MB, {result['leaks_found']} cross-split leaks "

@@ -67,7 +67,7 @@ def random_adapter(dense: Path, out: Path, rank: int = 8) -> Path:
     import torch
     from safetensors.torch import save_file
 
-    from engine.gguf.convert import DEQUANTIZED_FROM_KEY
+    from engine.gguf.constants import DEQUANTIZED_FROM_KEY
     from engine.gguf.reader import open_gguf
     from engine.lora import FORMAT
 
@@ -78,8 +78,10 @@ def random_adapter(dense: Path, out: Path, rank: int = 8) -> Path:
     for i in range(n_layers):
         for target, name in (("q", "attn_q"), ("v", "attn_v")):
             rows, cols = gf.tensors[f"blk.{i}.{name}.weight"].shape
-            tensors[f"layers.{i}.{target}.lora_a"] = torch.randn(rank, cols, generator=generator) * 0.02
-            tensors[f"layers.{i}.{target}.lora_b"] = torch.randn(rows, rank, generator=generator) * 0.02
+            tensors[f"layers.{i}.{target}.lora_a"] = torch.randn(rank, cols,
+                                                                 generator=generator) * 0.02
+            tensors[f"layers.{i}.{target}.lora_b"] = torch.randn(rows, rank,
+                                                                 generator=generator) * 0.02
     base_sha = gf.get(DEQUANTIZED_FROM_KEY) or gf.sha256()
     save_file(tensors, str(out), metadata={"format": FORMAT, "rank": str(rank), "alpha": "16.0",
                                            "targets": "q,v", "layers": str(n_layers),
@@ -131,7 +133,8 @@ def main() -> int:
     print(f"{'forgebench merge':<34}{fb['merge_s']:>10.1f}")
     print(f"{'forgebench quantize':<34}{fb['quantize_s']:>10.1f}")
     print(f"{'forgebench merge + quantize':<34}{fb['total_s']:>10.1f}{fb['peak_rss_mb']:>14.0f}")
-    print(f"{'llama.cpp quantize (same f16)':<34}{cpp['total_s']:>10.1f}{cpp['peak_rss_mb']:>14.0f}")
+    print(f"{'llama.cpp quantize (same f16)':<34}{cpp['total_s']:>10.1f}"
+          f"{cpp['peak_rss_mb']:>14.0f}")
     print(f"ratio (forgebench merge+quantize / llama.cpp quantize): time "
           f"{fb['total_s'] / cpp['total_s']:.1f}x, peak RSS "
           f"{fb['peak_rss_mb'] / cpp['peak_rss_mb']:.1f}x")

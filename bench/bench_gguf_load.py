@@ -33,6 +33,7 @@ PROMPT = ("The history of the printing press begins in the fifteenth century, wh
 
 def run_engine(model_path: str, weights: str, n_decode: int) -> dict:
     import torch
+
     from engine.llm.generate import generate
     from engine.models.gguf_model import load_gguf_model, memory_report
 
@@ -47,12 +48,14 @@ def run_engine(model_path: str, weights: str, n_decode: int) -> dict:
 
     result = generate(model, tok, ids, max_new_tokens=n_decode, stop_ids=[], on_text=on_first_text)
     report = memory_report(model)
-    return {"load_s": load_s, "time_to_first_token_s": load_s + result.timings["time_to_first_token_s"],
+    return {"load_s": load_s,
+            "time_to_first_token_s": load_s + result.timings["time_to_first_token_s"],
             "ttft_cpu_s": first.get("cpu_s"),
             "prompt_tokens": len(ids), "prompt_tokens_per_s": result.timings["prompt_tokens_per_s"],
             "decode_tokens_per_s": result.timings["decode_tokens_per_s"],
             "packed_mb": report["packed_bytes"] / 2**20,
-            "dense_cache_mb": report["dense_cache_bytes"] / 2**20, "threads": torch.get_num_threads()}
+            "dense_cache_mb": report["dense_cache_bytes"] / 2**20,
+            "threads": torch.get_num_threads()}
 
 
 def run_transformers(model_path: str, n_decode: int) -> dict:
@@ -62,7 +65,8 @@ def run_transformers(model_path: str, n_decode: int) -> dict:
     path = Path(model_path)
     t0, c0 = time.perf_counter(), time.process_time()
     tok = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
-    model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name,
+                                                 dtype=torch.float32)
     ids = tok(PROMPT, return_tensors="pt").input_ids
     load_s = time.perf_counter() - t0
     with torch.no_grad():
@@ -78,7 +82,8 @@ def run_transformers(model_path: str, n_decode: int) -> dict:
         decode_s = time.perf_counter() - t2
     return {"load_s": load_s, "time_to_first_token_s": load_s + prompt_s, "ttft_cpu_s": ttft_cpu_s,
             "prompt_tokens": ids.shape[1],
-            "prompt_tokens_per_s": ids.shape[1] / prompt_s, "decode_tokens_per_s": (n_decode - 1) / decode_s,
+            "prompt_tokens_per_s": ids.shape[1] / prompt_s,
+            "decode_tokens_per_s": (n_decode - 1) / decode_s,
             "threads": torch.get_num_threads()}
 
 
@@ -101,7 +106,8 @@ def run_llamacpp(model_path: str, n_decode: int, threads: int) -> dict:
     decode_s = time.perf_counter() - t2
     return {"load_s": load_s, "time_to_first_token_s": load_s + prompt_s, "ttft_cpu_s": ttft_cpu_s,
             "prompt_tokens": len(ids),
-            "prompt_tokens_per_s": len(ids) / prompt_s, "decode_tokens_per_s": (n_decode - 1) / decode_s,
+            "prompt_tokens_per_s": len(ids) / prompt_s,
+            "decode_tokens_per_s": (n_decode - 1) / decode_s,
             "threads": threads}
 
 
@@ -138,10 +144,12 @@ def table(rows: dict[str, dict]) -> str:
     """Markdown table of the runners, with each engine row's TTFT and RSS as a fraction of
     transformers' (the issue's goal: TTFT under 0.1x, RSS under 1x)."""
     ref = rows.get("transformers")
-    head = ["runner", *(title for _, title, _ in COLUMNS), "TTFT / transformers", "RSS / transformers"]
+    head = ["runner", *(title for _, title, _ in COLUMNS), "TTFT / transformers",
+            "RSS / transformers"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for name, r in rows.items():
-        cells = [name] + [fmt.format(r[key]) if r.get(key) is not None else "-" for key, _, fmt in COLUMNS]
+        cells = [name] + [fmt.format(r[key]) if r.get(key) is not None else "-" for key, _,
+                          fmt in COLUMNS]
         if ref and name != "transformers":
             cells += [f"{r['time_to_first_token_s'] / ref['time_to_first_token_s']:.3f}",
                       f"{r['peak_rss_mb'] / ref['peak_rss_mb']:.2f}"]
@@ -157,7 +165,8 @@ def uptime() -> str:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--decode", type=int, default=16, help="tokens to decode")
@@ -179,11 +188,14 @@ def main() -> None:
     root = Path(__file__).resolve().parents[1]
     for name in runners:
         print(f"running {name} ...", flush=True)
-        cmd = [sys.executable, __file__, "--one", name, "--model", model, "--threads", str(args.threads),
+        cmd = [sys.executable, __file__, "--one", name, "--model", model, "--threads",
+               str(args.threads),
                "--decode", str(args.decode)]
         proc = subprocess.run(cmd, capture_output=True, text=True, cwd=root,
-                              env={"OMP_WAIT_POLICY": "PASSIVE", **os.environ, "PYTHONPATH": str(root)})
-        line = next((l for l in proc.stdout.splitlines() if l.startswith("RESULT ")), None)
+                              env={"OMP_WAIT_POLICY": "PASSIVE", **os.environ,
+                                   "PYTHONPATH": str(root)})
+        line = next((out for out in proc.stdout.splitlines()
+                     if out.startswith("RESULT ")), None)
         if line is None:
             notes.append(f"{name}: failed: {proc.stderr.strip().splitlines()[-1:]}")
             continue
@@ -192,7 +204,8 @@ def main() -> None:
     print()
     print(table(rows))
     print()
-    notes.append(f"OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY', 'PASSIVE')}, {args.threads} threads, "
+    notes.append(f"OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY', 'PASSIVE')}, "
+                 f"{args.threads} threads, "
                  f"{args.decode} decoded tokens")
     for note in [*loads, *notes]:
         print("note:", note)

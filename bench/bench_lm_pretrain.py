@@ -12,9 +12,9 @@ from __future__ import annotations
 import argparse
 import sys
 import time
-import tomllib
 from pathlib import Path
 
+import tomllib
 import torch
 import torch.nn.functional as F
 

@@ -1,6 +1,6 @@
 """LoRA fine-tuning speed and memory, the engine against transformers + PEFT, in one run.
 
-Both sides train the pirate pairs of seed 000 §15.6 on gemma-3-270m Q4_K_M with the same
+Both sides train the five pirate pairs on gemma-3-270m Q4_K_M with the same
 settings (rank 8 on q+v, alpha 16, no dropout, AdamW lr 1e-3, clip 1.0, one window of all five
 pairs per step) on the same token ids, each in its own process so peak RSS is its own:
 

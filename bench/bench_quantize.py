@@ -21,8 +21,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from engine.gguf.convert import (  # noqa: E402
-    DEQUANTIZED_FROM_KEY, DEQUANTIZED_FROM_TYPE_KEY, convert_gguf)
+from engine.gguf.constants import DEQUANTIZED_FROM_KEY, DEQUANTIZED_FROM_TYPE_KEY  # noqa: E402
+from engine.gguf.convert import convert_gguf  # noqa: E402
 from engine.gguf.quant_policy import FILE_TYPES  # noqa: E402
 from engine.gguf.writer import read_gguf_content, write_gguf  # noqa: E402
 

@@ -15,8 +15,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 
-from engine.llm.tokenizer import GGUFTokenizer  # noqa: E402
 from test_tokenizer import CORPUS, TEXTS, bpe_vocab, spm_vocab, write_vocab_gguf  # noqa: E402
+
+from engine.llm.tokenizer import GGUFTokenizer  # noqa: E402
 
 TEXT = (CORPUS + "\n".join(TEXTS)) * 20
 

@@ -13,8 +13,9 @@ from __future__ import annotations
 import argparse
 import sys
 import tempfile
-import tomllib
 from pathlib import Path
+
+import tomllib
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))

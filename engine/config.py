@@ -10,10 +10,10 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import os
-import tomllib
 from pathlib import Path
 from typing import Any, Literal
 
+import tomllib
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from engine.errors import ForgebenchError, excerpt

@@ -1,4 +1,6 @@
-"""Crash-safe file primitives: atomic replace, durable appends, tolerant JSONL reads, hashing."""
+"""Crash-safe file primitives: atomic replace, staged folders, durable appends, tolerant JSONL
+reads, hashing. Every "write it beside, then rename" in the engine goes through here
+(docs/design.md, "Whole files appear atomically")."""
 
 from __future__ import annotations
 
@@ -42,6 +44,43 @@ def atomic_writer(path: str | os.PathLike, mode: str = "wb") -> Iterator[Any]:
     except BaseException:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)
+        raise
+
+
+@contextlib.contextmanager
+def staged_dir(target: str | os.PathLike, *, staging: str | os.PathLike | None = None,
+               replace: bool = False) -> Iterator[Path]:
+    """Yield a fresh hidden folder beside `target` to fill; when the block ends normally it is
+    renamed to `target`, on any error it is removed. Readers see no folder or the whole one.
+
+    `staging` names the folder (default `.<name>.partial-<pid>`, so two processes never share
+    one). An empty `target` folder is replaced; a non-empty one only with `replace=True`
+    (moved aside first, then removed), else the commit fails and nothing is lost.
+    """
+    target = Path(target)
+    if staging is None:
+        staging = target.with_name(f".{target.name}.partial-{os.getpid()}")
+    staging = Path(staging)
+    shutil.rmtree(staging, ignore_errors=True)
+    staging.mkdir(parents=True)
+    try:
+        yield staging
+        if target.is_dir() and not any(target.iterdir()):
+            target.rmdir()
+        if not target.exists():
+            os.replace(staging, target)
+        elif replace:
+            old = target.with_name(f".{target.name}.old-{os.getpid()}")
+            os.replace(target, old)
+            os.replace(staging, target)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            raise ForgebenchError("the folder appeared while it was being written; nothing "
+                                  "was written over it", path=target,
+                                  hint="choose another folder and run the command again")
+        _fsync_dir(target.parent)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
         raise
 
 

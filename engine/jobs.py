@@ -1,7 +1,7 @@
 """Job lifecycle: start, resume, execute; the run.json ingredients; a run's recipe.
 
 A job runs in the foreground of a `forgebench` process (the app starts it through QProcess).
-Its whole state lives in the run directory (DESIGN.md §3). No torch at module top level:
+Its whole state lives in the run directory (docs/design.md §2). No torch at module top level:
 `forgebench status` and `stop` stay instant.
 
 A job is the run's one writer: `start_run` (through `RunDir.create`) or `prepare_resume` takes
@@ -22,8 +22,7 @@ import traceback
 from pathlib import Path
 from typing import Any, Iterator
 
-from engine.config import (RESUMABLE_FIELDS, Schema, config_diff, recipe_module,
-                           validate_config)
+from engine.config import RESUMABLE_FIELDS, Schema, config_diff, recipe_module, validate_config
 from engine.errors import ForgebenchError
 from engine.fsutil import sha256_file
 from engine.paths import require_writable_dir

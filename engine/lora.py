@@ -10,7 +10,9 @@ Dropout masks are never stored: each is regenerated from a seed derived from
 and a resumed run replays the same dropout stream.
 
 Adapters are saved as safetensors named `layers.<i>.<target>.lora_{a,b}`, with rank, alpha,
-targets and the base file's SHA-256 in the metadata; loading refuses any mismatch.
+targets and the base file's SHA-256 in the metadata; loading refuses any mismatch. This module
+owns that file: its name in a checkpoint (ADAPTERS_FILE) and the parsing of its metadata
+(`adapter_info`), for training, generation and export alike.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from __future__ import annotations
 import hashlib
 import math
 import os
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -30,6 +33,7 @@ ATTN_TARGETS = ("q", "k", "v", "o")
 MLP_TARGETS = ("gate", "up", "down")
 TARGETS = ATTN_TARGETS + MLP_TARGETS
 FORMAT = "forgebench-lora-1"
+ADAPTERS_FILE = "adapters.safetensors"       # what an lm-sft LoRA checkpoint holds
 
 
 def derive_seed(*parts: object) -> int:
@@ -116,6 +120,11 @@ class LoRALinear(nn.Module):
     def extra_repr(self) -> str:
         return (f"in={self.in_features}, out={self.out_features}, rank={self.rank}, "
                 f"alpha={self.alpha:g}, dropout={self.dropout:g}")
+
+
+def target_module(target: str) -> str:
+    """The module path of a target projection inside a decoder block ("q" -> "attn.q")."""
+    return ("attn." if target in ATTN_TARGETS else "mlp.") + target
 
 
 def projection(block: nn.Module, target: str) -> tuple[nn.Module, str]:
@@ -264,13 +273,40 @@ def describe_adapters(adapters: dict[str, LoRALinear]) -> dict:
     return {"adapters": len(adapters), "trainable_parameters": trainable, **metadata}
 
 
-def attach_adapter_file(model, path: str) -> None:
-    """Attach the adapters saved in `path` to a GGUF model (`model.gguf` the open file), with
-    the rank, alpha and targets its metadata records; the base must be the one it was trained on."""
-    _, meta = read_adapters(path)
+@dataclass(frozen=True)
+class AdapterInfo:
+    """What a saved adapter file says about itself (its safetensors metadata, parsed)."""
+    rank: int
+    alpha: float
+    targets: list[str]
+    base_sha256: str             # "" for a base without a file (a from-scratch model)
+
+    @property
+    def scale(self) -> float:
+        return self.alpha / self.rank
+
+
+def adapter_info(metadata: dict[str, str], path: str | os.PathLike) -> AdapterInfo:
+    """Parse an adapter file's metadata; incomplete or nonsensical values are refused."""
     try:
-        rank, alpha, targets = int(meta["rank"]), float(meta["alpha"]), meta["targets"].split(",")
+        info = AdapterInfo(int(metadata["rank"]), float(metadata["alpha"]),
+                           metadata["targets"].split(","), metadata.get("base_sha256", ""))
     except (KeyError, ValueError) as exc:
-        raise ForgebenchError(f"adapter metadata is incomplete ({exc})", path=path) from None
-    adapters = attach_lora(model, targets=targets, rank=rank, alpha=alpha)
+        raise ForgebenchError(f"adapter metadata is incomplete ({exc})", path=path,
+                              where="safetensors metadata") from None
+    if info.rank < 1 or not math.isfinite(info.alpha) \
+            or not set(info.targets) <= set(TARGETS):
+        raise ForgebenchError(f"adapter metadata is invalid (rank {info.rank}, alpha "
+                              f"{info.alpha}, targets {info.targets})", path=path,
+                              where="safetensors metadata")
+    return info
+
+
+def attach_adapter_file(model, path: str | os.PathLike) -> None:
+    """Attach the adapters saved in `path` to a GGUF model (`model.gguf` the open file), with
+    the rank, alpha and targets its metadata records; the base must be the one it was trained
+    on."""
+    _, meta = read_adapters(path)
+    info = adapter_info(meta, path)
+    adapters = attach_lora(model, targets=info.targets, rank=info.rank, alpha=info.alpha)
     load_adapters(path, adapters, model.gguf.sha256())

@@ -1,6 +1,6 @@
 """The run directory: the contract between a training job and everything that watches it.
 
-Layout (DESIGN.md §3)::
+Layout and rules (docs/design.md §2)::
 
     run.json            immutable manifest
     invocations.jsonl   one line per start/resume
@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from engine.errors import ForgebenchError
-from engine.fsutil import atomic_write_json, read_json
+from engine.fsutil import atomic_write_json, read_json, staged_dir
 from engine.jsonl import append_line, read_log
 from engine.runlock import LOCK_NAME, lock_holder, pid_alive  # noqa: F401 (app uses pid_alive)
 
@@ -251,23 +251,11 @@ class RunDir:
         """
         final = self.checkpoints_dir / checkpoint_name(step)
         tmp = self.checkpoints_dir / f".tmp-{checkpoint_name(step)}-{os.getpid()}"
-        if tmp.exists():
-            shutil.rmtree(tmp)
-        tmp.mkdir(parents=True)
-        try:
-            yield tmp
-            if not (tmp / SENTINEL).is_file():
+        # replace=True: a checkpoint of the same step from an earlier invocation gives way
+        with staged_dir(final, staging=tmp, replace=True) as staging:
+            yield staging
+            if not (staging / SENTINEL).is_file():
                 raise RuntimeError(f"checkpoint staged without {SENTINEL}")
-            if final.exists():  # a checkpoint of the same step from an earlier invocation
-                old = final.with_name(f".old-{final.name}-{os.getpid()}")
-                os.replace(final, old)
-                os.replace(tmp, final)
-                shutil.rmtree(old, ignore_errors=True)
-            else:
-                os.replace(tmp, final)
-        except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise
 
     def sweep_staging(self) -> list[str]:
         """Remove what a crash left in checkpoints/: half-written `.tmp-*`/`.old-*` folders, and
@@ -278,7 +266,7 @@ class RunDir:
             for child in sorted(self.checkpoints_dir.iterdir()):
                 orphan = (_CHECKPOINT_RE.match(child.name) and child.is_dir()
                           and not (child / SENTINEL).is_file())
-                if child.name.startswith((".tmp-", ".old-")) or orphan:
+                if child.name.startswith(".tmp-") or ".old-" in child.name or orphan:
                     shutil.rmtree(child, ignore_errors=True)
                     swept.append(child.name)
         return swept

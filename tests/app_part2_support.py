@@ -7,9 +7,11 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
+from lm_pretrain_support import make_corpus
+from lm_pretrain_support import write_config as write_lm_config
+from media_support import forgebench, make_sfx, make_shapes, write_config
+
 from app.viewmodels.workspace import Workspace
-from lm_pretrain_support import make_corpus, write_config as write_lm_config
-from media_support import forgebench, make_shapes, make_sfx, write_config
 
 _BUILT: dict[str, Path] = {}
 

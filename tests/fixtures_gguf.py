@@ -13,8 +13,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import numpy as np
 import gguf
+import numpy as np
 from gguf import GGMLQuantizationType as T
 
 ARCHS = ("llama", "qwen2", "qwen3", "gemma3")
@@ -30,7 +30,8 @@ BPE_MERGES = [("Ġ", "t"), ("h", "e"), ("Ġt", "he"), ("i", "n"), ("Ġ", "a"), (
 
 
 def bytes_to_unicode() -> dict[int, str]:
-    """GPT-2's reversible byte -> printable character map (what `gpt2` vocabularies are written in)."""
+    """GPT-2's reversible byte -> printable character map (what `gpt2` vocabularies are written
+    in)."""
     printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) \
         + list(range(ord("®"), ord("ÿ") + 1))
     chars, extra = {}, 0
@@ -45,7 +46,8 @@ def bytes_to_unicode() -> dict[int, str]:
 
 def spm_vocab(arch: str) -> dict:
     """SentencePiece-style vocabulary: <unk>/<s>/</s>, 256 byte tokens, words with scores."""
-    specials = ["<pad>", "<eos>", "<bos>", "<unk>"] if arch == "gemma3" else ["<unk>", "<s>", "</s>"]
+    specials = ["<pad>", "<eos>", "<bos>", "<unk>"] if arch == "gemma3" else ["<unk>", "<s>",
+                                                                              "</s>"]
     tokens, types, scores = [], [], []
     for s in specials:
         tokens.append(s)
@@ -53,12 +55,18 @@ def spm_vocab(arch: str) -> dict:
         scores.append(0.0)
     if arch == "gemma3":
         for s in ("<start_of_turn>", "<end_of_turn>"):
-            tokens.append(s); types.append(gguf.TokenType.CONTROL); scores.append(0.0)
+            tokens.append(s)
+            types.append(gguf.TokenType.CONTROL)
+            scores.append(0.0)
     for b in range(256):
-        tokens.append(f"<0x{b:02X}>"); types.append(gguf.TokenType.BYTE); scores.append(0.0)
+        tokens.append(f"<0x{b:02X}>")
+        types.append(gguf.TokenType.BYTE)
+        scores.append(0.0)
     pieces = ["▁"] + [chr(c) for c in range(ord("a"), ord("z") + 1)] + SPM_WORDS
     for i, p in enumerate(pieces):
-        tokens.append(p); types.append(gguf.TokenType.NORMAL); scores.append(-1.0 - 0.01 * i)
+        tokens.append(p)
+        types.append(gguf.TokenType.NORMAL)
+        scores.append(-1.0 - 0.01 * i)
     unk = tokens.index("<unk>")
     bos = tokens.index("<bos>" if arch == "gemma3" else "<s>")
     eos = tokens.index("<eos>" if arch == "gemma3" else "</s>")
@@ -75,7 +83,8 @@ def bpe_vocab(arch: str) -> dict:
     types = [gguf.TokenType.NORMAL] * len(tokens)
     specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
     for s in specials:
-        tokens.append(s); types.append(gguf.TokenType.CONTROL)
+        tokens.append(s)
+        types.append(gguf.TokenType.CONTROL)
     pre = "qwen2" if arch.startswith("qwen") else "llama-bpe"
     eos = tokens.index("<|im_end|>" if arch.startswith("qwen") else "<|endoftext|>")
     return dict(model="gpt2", pre=pre, tokens=tokens, types=types, scores=None,
@@ -92,7 +101,8 @@ def _random_k_blocks(rng: np.random.Generator, qtype: T, n_blocks: int) -> np.nd
         blocks[:, 0:4] = d.reshape(n_blocks, 4)
     elif qtype == T.Q6_K:
         blocks[:, 192:208] = rng.integers(-20, 21, (n_blocks, 16)).astype(np.int8).view(np.uint8)
-        blocks[:, 208:210] = rng.uniform(1e-4, 3e-4, (n_blocks, 1)).astype(np.float16).view(np.uint8)
+        blocks[:, 208:210] = rng.uniform(1e-4, 3e-4, (n_blocks,
+                                                      1)).astype(np.float16).view(np.uint8)
     return blocks
 
 
@@ -112,9 +122,10 @@ def encode_tensor(rng: np.random.Generator, shape: tuple[int, ...], qtype: T, st
     return gguf.quantize(x, qtype)
 
 
-def write_tiny_gguf(path: str | Path, arch: str = "llama", qtype: str = "Q4_K", vocab: str = "spm",
-                    seed: int = 0, *, n_layers: int | None = None, tie_embeddings: bool | None = None,
-                    metadata: dict | None = None, context_length: int = 256) -> Path:
+def write_tiny_gguf(path: str | Path, arch: str = "llama", qtype: str = "Q4_K",
+                    vocab: str = "spm", seed: int = 0, *, n_layers: int | None = None,
+                    tie_embeddings: bool | None = None, metadata: dict | None = None,
+                    context_length: int = 256) -> Path:
     """Write a tiny random `arch` model whose 2-D weights are stored as `qtype`.
 
     `metadata` adds or overrides keys ({arch} in a key is replaced), for bad-input tests.
@@ -173,7 +184,9 @@ def write_tiny_gguf(path: str | Path, arch: str = "llama", qtype: str = "Q4_K", 
         else:
             w.add_string(key, str(value))
 
-    norm = lambda n: (1.0 + 0.2 * rng.standard_normal(n)).astype(np.float32)
+    def norm(n: int) -> np.ndarray:
+        return (1.0 + 0.2 * rng.standard_normal(n)).astype(np.float32)
+
     w.add_tensor("token_embd.weight", encode_tensor(rng, (n_vocab, DIM), qt, std=0.5), raw_dtype=qt)
     kv = N_KV_HEADS * HEAD_DIM
     for i in range(n_layers):
@@ -181,7 +194,8 @@ def write_tiny_gguf(path: str | Path, arch: str = "llama", qtype: str = "Q4_K", 
         w.add_tensor(p + "attn_norm.weight", norm(DIM))
         for name, shape in (("attn_q", (N_HEADS * HEAD_DIM, DIM)), ("attn_k", (kv, DIM)),
                             ("attn_v", (kv, DIM)), ("attn_output", (DIM, N_HEADS * HEAD_DIM)),
-                            ("ffn_gate", (FFN, DIM)), ("ffn_up", (FFN, DIM)), ("ffn_down", (DIM, FFN))):
+                            ("ffn_gate", (FFN, DIM)), ("ffn_up", (FFN, DIM)), ("ffn_down", (DIM,
+                                                                                            FFN))):
             w.add_tensor(p + name + ".weight", encode_tensor(rng, shape, qt), raw_dtype=qt)
         if arch == "qwen2":
             for name, n in (("attn_q", N_HEADS * HEAD_DIM), ("attn_k", kv), ("attn_v", kv)):

@@ -12,9 +12,8 @@ from pathlib import Path
 
 import gguf
 import numpy as np
-from gguf import GGMLQuantizationType as T
-
 from fixtures_gguf import spm_vocab
+from gguf import GGMLQuantizationType as T
 
 CHAT_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
                  "{% if add_generation_prompt %}<|assistant|>{% endif %}")

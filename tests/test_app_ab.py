@@ -14,12 +14,12 @@ import sys
 import textwrap
 
 import pytest
+from app_part2_support import lm_run, media_workspace
+from media_support import REPO, forgebench
 from PySide6.QtCore import Qt
 
 from app.viewmodels.ab import ABSession, gather_system
 from app.views.ab_pane import ABPane
-from app_part2_support import lm_run, media_workspace
-from media_support import REPO, forgebench
 
 pytestmark = pytest.mark.slow
 KEYS = {"A": Qt.Key.Key_A, "B": Qt.Key.Key_B, "T": Qt.Key.Key_T, "S": Qt.Key.Key_S}
@@ -305,9 +305,15 @@ def test_text_systems_answer_the_same_prompts_with_one_settings_dict(qtbot, tmp_
 def test_an_lm_sft_run_is_compared_with_its_untuned_base_on_the_same_prompts(tmp_path):
     """base vs tuned: `generate --model BASE --chat` and `generate RUN` with one settings dict,
     each job's printed answer parsed and gathered into a session (no Qt: the jobs run here)."""
-    from app.viewmodels.ab import (BASE, generated_systems, generation_jobs,
-                                   record_text_output, text_settings_of)
     from gguf_write_fixtures import write_dense_llama
+
+    from app.viewmodels.ab import (
+        BASE,
+        generated_systems,
+        generation_jobs,
+        record_text_output,
+        text_settings_of,
+    )
 
     base = write_dense_llama(tmp_path / "base.gguf", dim=128, ffn=256, head_dim=32,
                              n_kv_heads=2, n_layers=2, dtype="F32", seed=4)

@@ -12,16 +12,15 @@ from pathlib import Path
 
 import gguf
 import pytest
-
-from app.viewmodels import export_wizard as vm
-from engine.export.equivalence import MIN_TOP1_DENSE, MIN_TOP1_QUANTIZED, Report, verdict
-from engine.kernels.cpu import plan
-from app.viewmodels.workspace import Workspace
-from app.views.export_wizard import ExportWizardPane
 from app_part2_support import go_and_wait, lm_run, wait_for
 from export_support import tiny_sft_over_quantized_base
 from media_support import forgebench
 
+from app.viewmodels import export_wizard as vm
+from app.viewmodels.workspace import Workspace
+from app.views.export_wizard import ExportWizardPane
+from engine.export.equivalence import MIN_TOP1_DENSE, MIN_TOP1_QUANTIZED, Report, verdict
+from engine.kernels.cpu import plan
 
 
 def _stage(name, top1, tokenizer=True):

@@ -10,16 +10,15 @@ import numpy as np
 import pytest
 from PySide6.QtCore import QPoint, Qt
 from PySide6.QtWidgets import QLineEdit
-
-from engine.data.dataset import load_dataset
-from engine.eval.masks import boundary
+from test_app_support import make_workspace
 
 from app.main import open_initial_workspace
 from app.viewmodels.masks import read_mask
 from app.viewmodels.workspace import BUNDLED_SAMPLE, Settings
 from app.views.dataset_tabs.records import ERROR_BG
 from app.views.main_window import MainWindow
-from test_app_support import make_workspace
+from engine.data.dataset import load_dataset
+from engine.eval.masks import boundary
 
 
 @pytest.fixture

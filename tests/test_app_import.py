@@ -18,14 +18,13 @@ import soundfile
 from PIL import Image
 from PySide6.QtCore import Qt
 
-from engine.data.card import statement_of, write_card
-from engine.data.dataset import load_dataset
-from engine.errors import ForgebenchError
-
 from app.viewmodels import importers as vm
 from app.viewmodels.card_form import CardForm
 from app.viewmodels.workspace import Workspace
 from app.views.datasets_pane import DatasetsPane
+from engine.data.card import statement_of, write_card
+from engine.data.dataset import load_dataset
+from engine.errors import ForgebenchError
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -11,13 +11,13 @@ thread never blocks for long."""
 from __future__ import annotations
 
 import pytest
+from app_part2_support import wait_for
 from PySide6.QtCore import Qt, QTimer
+from test_app_runs import LoopWatch
 
 from app.main import open_initial_workspace
 from app.viewmodels.workspace import Settings
 from app.views.main_window import MainWindow
-from app_part2_support import wait_for
-from test_app_runs import LoopWatch
 
 TIMEOUT_MS = 300_000
 # The model of the template, shrunk so the journey trains in seconds.

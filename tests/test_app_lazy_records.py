@@ -7,12 +7,11 @@ from __future__ import annotations
 import json
 
 from PySide6.QtCore import Qt
-
-from engine.data.dataset import write_manifest
+from test_app_runs import LoopWatch
 
 from app.views.dataset_tabs.records import RecordsModel
 from app.views.datasets_pane import DatasetsPane
-from test_app_runs import LoopWatch
+from engine.data.dataset import write_manifest
 
 N = 50_000
 PLANTED = 31_234  # the line whose split is misspelt

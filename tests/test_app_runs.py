@@ -4,15 +4,13 @@ stop it, resume it, and see the curve continue. Jobs are real `forgebench` subpr
 
 from __future__ import annotations
 
-
 import pytest
 from PySide6.QtCore import QElapsedTimer, Qt, QTimer
-
-from engine.rundir import RunDir
+from test_app_support import make_workspace, write_run
 
 from app.viewmodels.workspace import Settings
 from app.views.main_window import MainWindow
-from test_app_support import make_workspace, write_run
+from engine.rundir import RunDir
 
 JOB_TIMEOUT_MS = 120_000
 

@@ -14,14 +14,14 @@ import sys
 import numpy as np
 import pytest
 import soundfile
+from app_part2_support import media_workspace, wait_for
+from media_support import REPO
 from PySide6.QtCore import Qt
 
 from app import audio
 from app.viewmodels import jobs
 from app.viewmodels import samples as vm
 from app.views.samples_pane import SamplesPane
-from app_part2_support import media_workspace, wait_for
-from media_support import REPO
 
 
 def test_part2_viewmodels_import_neither_qt_nor_torch_nor_sounddevice():

@@ -7,11 +7,10 @@ import math
 import time
 from pathlib import Path
 
+from app.viewmodels.workspace import Workspace
 from engine.data.generators.records import generate_records
 from engine.data.generators.shapes import generate_shapes
 from engine.rundir import RunDir
-
-from app.viewmodels.workspace import Workspace
 
 # A few-second lm-pretrain: a 1-layer byte model, one small window per step.
 TINY_CONFIG = """recipe = "lm-pretrain"

@@ -11,21 +11,19 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-
-from engine.config import load_config
-from engine.data.dataset import load_dataset
-from engine.data.media import box_from_mask
-from engine.errors import ForgebenchError
-from engine.eval.masks import boundary
+from test_app_support import make_workspace, write_run
 
 from app.viewmodels import jobs
 from app.viewmodels.datasets import DatasetTable
 from app.viewmodels.forms import RecipeForm
 from app.viewmodels.masks import MaskEditor, count_regions, holes, read_mask, save_mask_version
-from app.viewmodels.runs import (JsonlTail, RunSeries, ema, failure_report, ledger_row,
-                                 write_notes)
+from app.viewmodels.runs import JsonlTail, RunSeries, ema, failure_report, ledger_row, write_notes
 from app.viewmodels.workspace import Settings, Workspace
-from test_app_support import make_workspace, write_run
+from engine.config import load_config
+from engine.data.dataset import load_dataset
+from engine.data.media import box_from_mask
+from engine.errors import ForgebenchError
+from engine.eval.masks import boundary
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -155,7 +153,8 @@ def test_ledger_rows_and_notes(tmp_path):
 def test_failed_run_reports_stage_error_and_traceback(tmp_path):
     run = write_run(tmp_path / "r", steps=3, state="running")
     run.log_event("error", stage="backward", step=3, message="RuntimeError: boom",
-                  traceback="Traceback (most recent call last):\n  File \"x.py\"\nRuntimeError: boom")
+                  traceback="Traceback (most recent call last):\n  File \"x.py\"\n"
+                            "RuntimeError: boom")
     run.set_status("failed", stage="backward", error="RuntimeError: boom", pid=None)
     row = ledger_row(run.path)
     assert (row.state, row.stage, row.error) == ("failed", "backward", "RuntimeError: boom")
@@ -336,8 +335,8 @@ def test_dataset_table_places_findings_on_their_records(tmp_path):
     ws = make_workspace(tmp_path / "ws", shapes=10, records=False)
     root = ws.datasets_dir / "shapes"
     records = root / "records.jsonl"
-    _plant(records, 4, lambda l: json.dumps(dict(json.loads(l), split="trian")))
-    _plant(records, 7, lambda l: "{broken")
+    _plant(records, 4, lambda line: json.dumps(dict(json.loads(line), split="trian")))
+    _plant(records, 7, lambda line: "{broken")
     table = DatasetTable(root, check_media=False)
     assert not table.ok
     assert [table.rows[i].where for i in table.error_rows()] == ["line 4", "line 7"]

@@ -10,8 +10,7 @@ import pytest
 from PySide6.QtCore import QPoint, QPointF, Qt
 from PySide6.QtGui import QWheelEvent
 from PySide6.QtWidgets import QApplication, QComboBox
-
-from engine.data.generators.records import generate_records
+from test_app_support import make_workspace, write_run
 
 from app.viewmodels import jobs
 from app.viewmodels.jobs import forgebench_argv
@@ -19,7 +18,7 @@ from app.viewmodels.workspace import Settings
 from app.views.job_runner import JobRunner
 from app.views.jobs_panel import job_center
 from app.views.main_window import MainWindow
-from test_app_support import make_workspace, write_run
+from engine.data.generators.records import generate_records
 
 TIMEOUT_MS = 120_000
 

@@ -15,10 +15,10 @@ import time
 from pathlib import Path
 
 import pytest
+from lm_pretrain_support import REPO, make_corpus, tree_digest, write_config
 
 from engine.cli import main
 from engine.rundir import RunDir
-from lm_pretrain_support import REPO, make_corpus, tree_digest, write_config
 
 HUGE = "x" * 10_000_000  # a 10 MB field: an error may quote only a short excerpt of it
 

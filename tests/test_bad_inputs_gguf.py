@@ -13,13 +13,13 @@ import struct
 from pathlib import Path
 
 import pytest
+from fixtures_gguf import write_tiny_gguf
 from gguf import GGUFValueType as V
+from lm_pretrain_support import forgebench
 
 from engine.cli import main
 from engine.gguf.parser import ALIGNMENT_KEY, MAX_ARRAY_DEPTH, MetaValue
 from engine.gguf.writer import read_gguf_content, write_gguf
-from fixtures_gguf import write_tiny_gguf
-from lm_pretrain_support import forgebench
 
 
 @pytest.fixture(scope="module")

@@ -8,10 +8,10 @@ import subprocess
 import sys
 
 import pytest
+from lm_pretrain_support import forgebench, make_corpus, tree_digest, write_config
 
 from engine.cli import main
 from engine.errors import ForgebenchError
-from lm_pretrain_support import forgebench, make_corpus, tree_digest, write_config
 
 
 @pytest.fixture(scope="module")
@@ -115,8 +115,9 @@ def test_resume_after_data_changed(capsys, existing):
 
 def test_resume_of_a_running_run(capsys, existing):
     """A job holding the run lock (another process) makes resume refuse, naming it."""
-    from engine.rundir import RunDir
     from lm_pretrain_support import REPO
+
+    from engine.rundir import RunDir
 
     _, _, _, path = existing
     run = RunDir(path)

@@ -7,8 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from engine.config import (RESUMABLE_FIELDS, config_diff, load_config, schema_for,
-                           validate_config)
+from engine.config import RESUMABLE_FIELDS, config_diff, load_config, schema_for, validate_config
 from engine.errors import ForgebenchError
 from engine.recipes.lm_pretrain_config import LMPretrainConfig
 

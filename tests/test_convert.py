@@ -9,15 +9,18 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from gguf import GGMLQuantizationType as T, LlamaFileType as F, quants
+from fixtures_gguf import write_tiny_gguf
+from gguf import GGMLQuantizationType as T
+from gguf import LlamaFileType as F
+from gguf import quants
+from gguf_write_fixtures import CHAT_TEMPLATE, llama_quantize, write_dense_llama
 
 from engine.errors import ForgebenchError
 from engine.fsutil import sha256_file
-from engine.gguf.convert import DEQUANTIZED_FROM_KEY, DEQUANTIZED_FROM_TYPE_KEY, convert_gguf
+from engine.gguf.constants import DEQUANTIZED_FROM_KEY, DEQUANTIZED_FROM_TYPE_KEY
+from engine.gguf.convert import convert_gguf
 from engine.gguf.quant_policy import ModelFacts, plan_types
 from engine.gguf.writer import read_gguf_content
-from fixtures_gguf import write_tiny_gguf
-from gguf_write_fixtures import CHAT_TEMPLATE, llama_quantize, write_dense_llama
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -11,8 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from engine.data.dataset import load_dataset, save_new_version, write_manifest
-from engine.data.splits import (DEFAULT_RATIOS, assign_splits, block_split, hash_split,
-                                parse_ratios)
+from engine.data.splits import DEFAULT_RATIOS, assign_splits, block_split, hash_split, parse_ratios
 
 
 def _records(start: int, n: int, groups: int, rng: random.Random) -> list[dict]:

@@ -24,7 +24,7 @@ def test_cosine_schedule_follows_its_definition():
 def test_posterior_coefficients_match_bayes_rule():
     sched = Schedule(64)
     for i in (1, 10, 40, 63):
-        ab, prev, beta = sched.alpha_bar[i], sched.alpha_bar_prev[i], sched.betas[i]
+        prev, beta = sched.alpha_bar_prev[i], sched.betas[i]
         # Gaussian product: prior x_{t-1}|x0 ~ N(√prev·x0, 1−prev), likelihood x_t|x_{t-1}.
         var = 1 / (1 / (1 - prev) + (1 - beta) / beta)
         assert sched.posterior_var[i] == pytest.approx(float(var), rel=1e-9)

@@ -13,11 +13,11 @@ import time
 import numpy as np
 import pytest
 import soundfile
+from media_support import REPO, forgebench, make_sfx, make_shapes, write_config
 
 from engine.config import load_config
 from engine.jobs import execute, start_run
 from engine.rundir import RunDir
-from media_support import REPO, forgebench, make_sfx, make_shapes, write_config
 
 
 def tiny_run(tmp_path, recipe, dataset, sections=None):
@@ -41,7 +41,8 @@ def test_image_samples_have_sidecars_and_neighbours(tmp_path):
     assert sidecar["settings"]["cfg"] == 2.0 and sidecar["settings"]["steps"] == 4
     assert sidecar["checkpoint"] == "step-000002" and sidecar["model"]["family"] == "DenoisingUNet"
     nearest = sidecar["nearest_training"]
-    assert nearest["pixel"]["id"].startswith("shape-") and nearest["feature"]["cosine_distance"] >= 0
+    assert nearest["pixel"]["id"].startswith("shape-")
+    assert nearest["feature"]["cosine_distance"] >= 0
     written = [e for e in run.events() if e["kind"] == "sample_written"]
     assert len(written) == 3  # the grid and the two samples
     # Same seed, same settings: the same pixels.

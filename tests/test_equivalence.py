@@ -8,12 +8,22 @@ import math
 
 import pytest
 import torch
+from fixtures_gguf import write_tiny_gguf
 from safetensors.torch import save_file
 
-from engine.export.equivalence import (MIN_TOP1_DENSE, MIN_TOP1_QUANTIZED, Report, StageResult,
-                                _engine_worker, _greedy_match, _llamacpp_worker, compare,
-                                greedy_along, render_text, verdict)
-from fixtures_gguf import write_tiny_gguf
+from engine.export.equivalence import (
+    MIN_TOP1_DENSE,
+    MIN_TOP1_QUANTIZED,
+    Report,
+    StageResult,
+    _engine_worker,
+    _greedy_match,
+    _llamacpp_worker,
+    compare,
+    greedy_along,
+    render_text,
+    verdict,
+)
 
 
 def _stage(path, logits: list[torch.Tensor], greedy=None) -> StageResult:

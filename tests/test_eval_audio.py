@@ -4,8 +4,7 @@ import numpy as np
 import pytest
 import torch
 
-from engine.eval.audio import (SpectrogramClassifier, integrity_flags, log_stft,
-                               log_stft_distance)
+from engine.eval.audio import SpectrogramClassifier, integrity_flags, log_stft, log_stft_distance
 from engine.eval.neighbours import gradient_features, nearest_clips, nearest_images
 
 SR, N = 16000, 8192

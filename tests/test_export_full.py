@@ -13,14 +13,14 @@ import numpy as np
 import pytest
 import torch
 from gguf import GGUFReader
+from gguf_write_fixtures import write_dense_llama
+from lm_pretrain_support import forgebench, make_corpus, write_config
 from safetensors.torch import load_file
 
 from engine.errors import ForgebenchError
+from engine.export.merge import write_full_weights
 from engine.fsutil import sha256_file
-from engine.export.merge import FULL_WEIGHTS_KEY, write_full_weights
-from engine.models.gguf_model import gguf_tensor_name
-from gguf_write_fixtures import write_dense_llama
-from lm_pretrain_support import forgebench, make_corpus, write_config
+from engine.gguf.constants import FULL_WEIGHTS_KEY, gguf_tensor_name
 
 torch.set_num_threads(1)
 

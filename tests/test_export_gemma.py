@@ -9,11 +9,11 @@ import json
 from pathlib import Path
 
 import pytest
-
-from engine.gguf.convert import DEQUANTIZED_FROM_KEY
-from engine.gguf.reader import open_gguf
-from engine.fsutil import sha256_file
 from lm_pretrain_support import REPO, forgebench
+
+from engine.fsutil import sha256_file
+from engine.gguf.constants import DEQUANTIZED_FROM_KEY
+from engine.gguf.reader import open_gguf
 
 pytestmark = [pytest.mark.realmodel, pytest.mark.slow, pytest.mark.llamacpp]
 HELD = "What is the capital of Germany?"

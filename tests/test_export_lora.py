@@ -11,16 +11,20 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from export_support import (
+    engine_logits,
+    llamacpp_logits,
+    make_adapter,
+    tiny_sft_over_quantized_base,
+)
+from gguf_write_fixtures import write_dense_llama
+from lm_pretrain_support import forgebench
 from safetensors import safe_open
 
 from engine.export.lora_export import _unpermute_rows, write_gguf_lora, write_peft
+from engine.export.merge import merge_into_gguf
 from engine.gguf.reader import open_gguf
 from engine.lora import read_adapters
-from engine.export.merge import merge_into_gguf
-from export_support import (engine_logits, llamacpp_logits, make_adapter,
-                            tiny_sft_over_quantized_base)
-from gguf_write_fixtures import write_dense_llama
-from lm_pretrain_support import forgebench
 
 torch.set_num_threads(1)
 IDS = [1, 5, 9, 12, 3, 7, 30, 2, 11, 4]

@@ -10,13 +10,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from export_support import engine_logits, make_adapter
+from gguf_write_fixtures import write_dense_llama
+from test_peft_parity import HF_NAME
 
 from engine.export.lora_export import write_peft
 from engine.gguf.reader import open_gguf
 from engine.models.gguf_model import load_gguf_model
-from export_support import engine_logits, make_adapter
-from gguf_write_fixtures import write_dense_llama
-from test_peft_parity import HF_NAME
 
 pytestmark = pytest.mark.peft
 torch.set_num_threads(1)

@@ -11,12 +11,12 @@ from pathlib import Path
 
 import pytest
 import torch
+from lm_pretrain_support import forgebench, make_corpus
 
 from engine.errors import ForgebenchError
 from engine.export.from_pretrain import write_llama_gguf
 from engine.models.llama import Llama, LlamaConfig
 from engine.text_tokenizers import BPETokenizer, ByteTokenizer
-from lm_pretrain_support import forgebench, make_corpus
 
 torch.set_num_threads(1)
 
@@ -107,10 +107,10 @@ def test_a_trained_tiny_model_answers_the_same_in_llamacpp_for_40_tokens(tmp_pat
                                                                            dtype):
     import llama_cpp
 
+    from engine.export.from_pretrain import write_pretrain_gguf
     from engine.recipes.lm_pretrain import complete, load_model
     from engine.rundir import RunDir
     from engine.sampling import SamplingSettings
-    from engine.export.from_pretrain import write_pretrain_gguf
 
     run = RunDir(trained_run)
     checkpoint = run.checkpoint("latest")
@@ -153,8 +153,9 @@ def test_export_refuses_an_existing_folder_and_an_adapter_of_a_pretrain_run(tmp_
 
 def test_a_full_disk_during_export_leaves_no_bundle_and_no_temp_files(tmp_path, trained_run,
                                                                        monkeypatch):
-    from engine.export.bundle import export_run
     from export_support import fill_disk_after
+
+    from engine.export.bundle import export_run
 
     fill_disk_after(monkeypatch, 4096)
     with pytest.raises(ForgebenchError, match="disk filled up"):

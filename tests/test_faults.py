@@ -21,9 +21,9 @@ import time
 from pathlib import Path
 
 import pytest
+from lm_pretrain_support import REPO, assert_same_run, forgebench, uninterrupted_run
 
 from engine.rundir import RunDir
-from lm_pretrain_support import REPO, assert_same_run, forgebench, uninterrupted_run
 
 STEPS = 12
 

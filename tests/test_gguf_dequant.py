@@ -3,17 +3,17 @@
 
 from __future__ import annotations
 
+import gguf
 import numpy as np
 import pytest
 import torch
-import gguf
+from fixtures_gguf import QTYPES, write_tiny_gguf
 from gguf import GGMLQuantizationType as T
 
 from engine.errors import ForgebenchError
 from engine.gguf.constants import SUPPORTED_TYPES
 from engine.gguf.dequant import dequantize
 from engine.gguf.reader import open_gguf
-from fixtures_gguf import QTYPES, write_tiny_gguf
 
 
 def _bits_equal(a: np.ndarray, b: np.ndarray) -> bool:
@@ -24,7 +24,12 @@ def _bits_equal(a: np.ndarray, b: np.ndarray) -> bool:
 @pytest.mark.parametrize("qtype", QTYPES)
 def test_fixture_tensors_match_gguf_package(tmp_path, qtype):
     f = open_gguf(write_tiny_gguf(tmp_path / "m.gguf", "llama", qtype))
-    for name in ("token_embd.weight", "blk.0.attn_q.weight", "blk.1.ffn_down.weight", "output.weight"):
+    for name in (
+        "token_embd.weight",
+        "blk.0.attn_q.weight",
+        "blk.1.ffn_down.weight",
+        "output.weight",
+    ):
         info = f.tensors[name]
         assert info.ggml_type == T[qtype]
         want = gguf.dequantize(info.raw, info.ggml_type).reshape(info.shape)
@@ -33,7 +38,9 @@ def test_fixture_tensors_match_gguf_package(tmp_path, qtype):
         assert np.abs(want).max() > 0
 
 
-@pytest.mark.parametrize("qtype", [t.name for t in SUPPORTED_TYPES if t not in (T.F32, T.F16, T.BF16)])
+@pytest.mark.parametrize(
+    "qtype", [t.name for t in SUPPORTED_TYPES if t not in (T.F32, T.F16, T.BF16)]
+)
 def test_arbitrary_block_bytes_match(qtype):
     """Every bit pattern of the packed fields decodes identically (random bytes; f16 scales may be
     inf/NaN, compared NaN-aware)."""
@@ -56,22 +63,24 @@ def test_unsupported_type_is_refused_with_its_name():
 
 
 def test_shape_mismatch_is_refused():
-    raw = torch.zeros(34 * 2, dtype=torch.uint8)   # two Q8_0 blocks = 64 values
+    raw = torch.zeros(34 * 2, dtype=torch.uint8)  # two Q8_0 blocks = 64 values
     with pytest.raises(ForgebenchError, match="64 values"):
         dequantize(raw, T.Q8_0, (3, 32), name="x")
 
 
-@pytest.mark.parametrize("qtype", [t.name for t in SUPPORTED_TYPES if t not in (T.F32, T.F16, T.BF16)])
+@pytest.mark.parametrize(
+    "qtype", [t.name for t in SUPPORTED_TYPES if t not in (T.F32, T.F16, T.BF16)]
+)
 def test_single_blocks_and_row_slices_match(qtype):
     """One block at a time, and rows sliced out of a larger buffer at an odd byte stride (the
     embedding lookup dequantizes single rows), decode as the whole buffer does."""
     t = T[qtype]
     bs, size = gguf.GGML_QUANT_SIZES[t]
     raw = np.random.default_rng(3).integers(0, 256, (5, size), dtype=np.uint8)
-    whole = dequantize(torch.from_numpy(raw.copy()), t, (5, bs)).view(torch.int32)   # bitwise
+    whole = dequantize(torch.from_numpy(raw.copy()), t, (5, bs)).view(torch.int32)  # bitwise
     for i in range(5):
-        row = dequantize(torch.from_numpy(raw)[i:i + 1], t, (1, bs))
-        assert torch.equal(row.view(torch.int32), whole[i:i + 1]), i
+        row = dequantize(torch.from_numpy(raw)[i : i + 1], t, (1, bs))
+        assert torch.equal(row.view(torch.int32), whole[i : i + 1]), i
     rows = dequantize(torch.from_numpy(raw)[[4, 1]], t, (2, bs))
     assert torch.equal(rows.view(torch.int32), whole[[4, 1]])
 

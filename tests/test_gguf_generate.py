@@ -12,11 +12,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from fixtures_gguf import write_tiny_gguf
 
 from engine.llm.generate import generate
 from engine.models.gguf_model import load_gguf_model
 from engine.sampling import SamplingSettings
-from fixtures_gguf import write_tiny_gguf
 
 ROOT = Path(__file__).resolve().parents[1]
 torch.set_num_threads(1)
@@ -89,7 +89,8 @@ def _cli(*args) -> subprocess.CompletedProcess:
 
 def test_cli_generate_json_matches_library(gemma_tiny):
     path, model, tok = gemma_tiny
-    proc = _cli("generate", "--model", str(path), "--prompt", "hello the world", "--max-tokens", "6",
+    proc = _cli("generate", "--model", str(path), "--prompt", "hello the world", "--max-tokens",
+                "6",
                 "--temperature", "0", "--json")
     assert proc.returncode == 0, proc.stderr
     out = json.loads(proc.stdout)

@@ -3,25 +3,27 @@ files get one clear error naming the file and the tensor or key."""
 
 from __future__ import annotations
 
+import gguf
 import numpy as np
 import pytest
-import gguf
+from fixtures_gguf import ARCHS, write_tiny_gguf
 from gguf import GGMLQuantizationType as T
 
 from engine.errors import ForgebenchError
 from engine.gguf.reader import open_gguf
-from fixtures_gguf import ARCHS, write_tiny_gguf
 
 
 @pytest.mark.parametrize("arch", ARCHS)
 def test_metadata_and_tensors_match_gguf_package(tmp_path, arch):
-    path = write_tiny_gguf(tmp_path / "m.gguf", arch, "Q4_K", vocab="bpe" if arch == "qwen2" else "spm")
+    path = write_tiny_gguf(tmp_path / "m.gguf", arch, "Q4_K",
+                           vocab="bpe" if arch == "qwen2" else "spm")
     f = open_gguf(path)
     ref = gguf.GGUFReader(path)
     assert f.architecture == arch
     assert f.get("{arch}.block_count") == ref.fields[f"{arch}.block_count"].contents()
     assert f.metadata["tokenizer.ggml.tokens"] == ref.fields["tokenizer.ggml.tokens"].contents()
-    assert f.metadata["tokenizer.ggml.token_type"] == ref.fields["tokenizer.ggml.token_type"].contents()
+    assert f.metadata["tokenizer.ggml.token_type"] \
+        == ref.fields["tokenizer.ggml.token_type"].contents()
     assert len(f.tensors) == len(ref.tensors)
     for t in ref.tensors:
         info = f.tensors[t.name]
@@ -80,7 +82,10 @@ def test_unsupported_quant_type_is_named(tmp_path):
     p = tmp_path / "q2.gguf"
     w = gguf.GGUFWriter(str(p), "llama")
     w.add_tensor("blk.0.attn_q.weight", np.zeros((4, 84), np.uint8), raw_dtype=T.Q2_K)
-    w.write_header_to_file(); w.write_kv_data_to_file(); w.write_tensors_to_file(); w.close()
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
     f = open_gguf(p)
     with pytest.raises(ForgebenchError, match="Q2_K") as e:
         f.check_type(f.tensors["blk.0.attn_q.weight"])

@@ -9,14 +9,15 @@ import os
 import gguf
 import numpy as np
 import pytest
-from gguf import GGMLQuantizationType as T, GGUFValueType as V
+from fixtures_gguf import ARCHS, QTYPES, write_tiny_gguf
+from gguf import GGMLQuantizationType as T
+from gguf import GGUFValueType as V
+from gguf_write_fixtures import write_dense_llama
 
 import engine.gguf.writer as writer_module
 from engine.errors import ForgebenchError
 from engine.gguf.reader import open_gguf
 from engine.gguf.writer import MetaValue, TensorEntry, read_gguf_content, reemit, write_gguf
-from fixtures_gguf import ARCHS, QTYPES, write_tiny_gguf
-from gguf_write_fixtures import write_dense_llama
 
 FIXTURES = [(arch, qtype, vocab) for arch in ARCHS for qtype in QTYPES for vocab in ("spm", "bpe")]
 

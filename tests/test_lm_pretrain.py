@@ -9,17 +9,16 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
+from lm_pretrain_support import make_corpus, write_config
 
 from engine.cli import main
 from engine.config import load_config
 from engine.data.generators.records import generate_records
-from engine.recipes.lm_pretrain import (bits_per_byte, build_model, complete, token_stream,
-                                        windows)
+from engine.recipes.lm_pretrain import bits_per_byte, build_model, complete, token_stream, windows
 from engine.rundir import RunDir
 from engine.sampling import SamplingSettings
 from engine.text_tokenizers import BPETokenizer, ByteTokenizer
 from engine.train.optim import build_adamw, clip_and_step
-from lm_pretrain_support import make_corpus, write_config
 
 torch.set_num_threads(1)
 

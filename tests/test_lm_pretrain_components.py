@@ -10,8 +10,14 @@ import sys
 import pytest
 import torch
 
-from engine.sampling import (SamplingSettings, apply_repetition_penalty, filter_top_k,
-                             filter_top_p, generate_tokens, next_token)
+from engine.sampling import (
+    SamplingSettings,
+    apply_repetition_penalty,
+    filter_top_k,
+    filter_top_p,
+    generate_tokens,
+    next_token,
+)
 from engine.text_tokenizers import BPETokenizer, ByteTokenizer, tokenizer_from_json
 from engine.train.data_order import DataCursor, epoch_permutation
 from engine.train.metrics import StepClock, WindowLoss, peak_rss_mb

@@ -11,10 +11,10 @@ import json
 import re
 
 import pytest
+from lm_pretrain_support import forgebench
 
 from engine.config import load_config
 from engine.rundir import RunDir
-from lm_pretrain_support import forgebench
 
 VAL_BPB_BOUND = 0.45
 

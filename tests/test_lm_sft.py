@@ -9,10 +9,10 @@ from pathlib import Path
 
 import pytest
 import torch
+from lm_pretrain_support import forgebench, tree_digest
 
 from engine.fsutil import sha256_file
 from engine.lora import read_adapters
-from lm_pretrain_support import forgebench, tree_digest
 
 torch.set_num_threads(1)
 ADAPTERS = "adapters.safetensors"
@@ -134,13 +134,31 @@ def test_lora_run_checkpoints_adapters_and_writes_before_after(tmp_path, tiny_gg
                         "--json")
     assert json.loads(result.stdout)["text"] == after[0]["answer"]
 
+    def sampled(*flags: str) -> dict:
+        return json.loads(forgebench("generate", str(run), "--prompt", "Say hello.",
+                                     "--max-tokens", "6", "--json", *flags).stdout)
+
+    # --temperature, --top-k and --seed reach the sampler, as they do for lm-pretrain runs
+    hot = [sampled("--temperature", "5", "--seed", seed) for seed in ("1", "1", "2")]
+    assert hot[0]["text"] == hot[1]["text"]                      # a seed reproduces
+    assert hot[0]["seed"] == 1 and hot[0]["settings"]["temperature"] == 5.0
+    assert any(h["text"] != after[0]["answer"] for h in hot)     # not the greedy answer
+    top1 = sampled("--temperature", "5", "--top-k", "1", "--seed", "2")
+    assert top1["text"] == after[0]["answer"]                    # top-1 of any temperature
+
 
 def test_auto_weights_cache_a_small_base_densely_with_the_packed_gradients(tmp_path, tiny_gguf):
     """weights = "auto" takes the f32 dense cache for a model that is a small part of memory
     (and packed for one that is not); loss and adapter gradients equal the packed model's."""
     from engine.config import load_config
-    from engine.recipes.lm_sft import (encode_samples, load_base, pack, prepare_trainable,
-                                       supervised_loss, weights_mode)
+    from engine.recipes.lm_sft import (
+        encode_samples,
+        load_base,
+        pack,
+        prepare_trainable,
+        supervised_loss,
+        weights_mode,
+    )
 
     def loss_and_grads(weights: str):
         config = load_config(write_config(tmp_path, tiny_gguf, dropout=0.0, weights=weights))
@@ -286,7 +304,8 @@ def test_window_is_token_weighted_whatever_the_micro_batching():
     with torch.no_grad():
         for a in adapters.values():
             a.lora_b.normal_(0, 0.05)
-    samples = [SimpleNamespace(input_ids=i.tolist(), labels=l.tolist()) for i, l in batch.samples]
+    samples = [SimpleNamespace(input_ids=ids.tolist(), labels=labels.tolist())
+               for ids, labels in batch.samples]
     total = sum(sum(x != -100 for x in s.labels) for s in samples)
     assert len({sum(x != -100 for x in s.labels) for s in samples}) == 2  # unequal counts
 
@@ -307,7 +326,8 @@ def test_window_is_token_weighted_whatever_the_micro_batching():
 
 @pytest.mark.slow
 def test_an_lm_pretrain_run_is_a_base_for_lora_and_full_fine_tuning(tmp_path):
-    from lm_pretrain_support import make_corpus, write_config as write_pretrain_config
+    from lm_pretrain_support import make_corpus
+    from lm_pretrain_support import write_config as write_pretrain_config
 
     corpus = make_corpus(tmp_path)
     forgebench("run", str(write_pretrain_config(tmp_path / "pt.toml", corpus, steps=3)),

@@ -1,4 +1,4 @@
-"""The acceptance demo of seed 000 §15.6 on the real Gemma 3 270M Q4_K_M (FORGEBENCH_REAL=1):
+"""The pirate LoRA acceptance demo on the real Gemma 3 270M Q4_K_M (FORGEBENCH_REAL=1):
 rank 8 on q+v, alpha 16, lr 1e-3, no dropout, 30 steps, each a token-weighted window over all
 five pairs. The loss must fall below 0.1 and the AFTER answer to a held prompt open "Ahoy"."""
 
@@ -7,9 +7,9 @@ from __future__ import annotations
 import json
 
 import pytest
+from lm_pretrain_support import REPO, forgebench
 
 from engine.fsutil import sha256_file
-from lm_pretrain_support import REPO, forgebench
 
 pytestmark = [pytest.mark.realmodel, pytest.mark.slow]
 

@@ -1,4 +1,4 @@
-"""LoRA layer: the seed-004 matrix equations, finite differences, init, dropout, save/load."""
+"""LoRA layer: the backward matrix equations, finite differences, init, dropout, save/load."""
 
 from __future__ import annotations
 
@@ -8,8 +8,16 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.errors import ForgebenchError
-from engine.lora import (LoRALinear, adapter_state, attach_lora, derive_seed, load_adapters,
-                         lora_parameters, read_adapters, save_adapters)
+from engine.lora import (
+    LoRALinear,
+    adapter_state,
+    attach_lora,
+    derive_seed,
+    load_adapters,
+    lora_parameters,
+    read_adapters,
+    save_adapters,
+)
 
 torch.set_num_threads(1)
 F64 = torch.float64
@@ -50,7 +58,7 @@ def test_zero_init_is_the_base_bit_for_bit_and_a_is_seeded_kaiming():
 
 
 def test_factor_gradients_follow_the_seed_004_equations():
-    """∇B = s·Zᵀ·D, ∇A = s·Xᵀ·D·Bᵀ, ∇X = D·Wᵀ + s·D·Bᵀ·Aᵀ (row vectors, seed 004 §2)."""
+    """∇B = s·Zᵀ·D, ∇A = s·Xᵀ·D·Bᵀ, ∇X = D·Wᵀ + s·D·Bᵀ·Aᵀ (row vectors)."""
     layer = _layer(in_features=5, out_features=3, rank=2, alpha=3.0)
     with torch.no_grad():
         layer.lora_b.normal_()

@@ -10,18 +10,19 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from gguf import GGMLQuantizationType as T
-
-from engine.errors import ForgebenchError
-from engine.fsutil import sha256_file
-from engine.gguf.convert import DEQUANTIZED_FROM_KEY, convert_gguf
-from engine.gguf.writer import read_gguf_content
-from engine.lora import read_adapters
-from engine.export.merge import MERGED_ADAPTER_KEY, merge_into_gguf
-from engine.models.gguf_model import load_gguf_model
 from export_support import engine_logits, fill_disk_after, make_adapter
+from gguf import GGMLQuantizationType as T
 from gguf_write_fixtures import write_dense_llama
 from lm_pretrain_support import forgebench
+
+from engine.errors import ForgebenchError
+from engine.export.merge import merge_into_gguf
+from engine.fsutil import sha256_file
+from engine.gguf.constants import DEQUANTIZED_FROM_KEY, MERGED_ADAPTER_KEY
+from engine.gguf.convert import convert_gguf
+from engine.gguf.writer import read_gguf_content
+from engine.lora import read_adapters
+from engine.models.gguf_model import load_gguf_model
 
 torch.set_num_threads(1)
 IDS = [1, 5, 9, 12, 3, 7, 30, 2, 11, 4]
@@ -59,7 +60,8 @@ def test_merged_f32_file_computes_base_plus_adapter(tmp_path, bases):
             assert bytes(before.data) == bytes(after.data), before.name
     for key, value in base.metadata.items():                # every key kept, typed
         assert out.metadata[key] == value, key
-    assert out.metadata[MERGED_ADAPTER_KEY].python() == sha256_file(tmp_path / "adapters.safetensors")
+    adapter_sha = sha256_file(tmp_path / "adapters.safetensors")
+    assert out.metadata[MERGED_ADAPTER_KEY].python() == adapter_sha
 
 
 def test_f16_merge_is_one_rounding_of_the_exact_sum(tmp_path, bases):

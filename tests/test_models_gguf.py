@@ -6,15 +6,15 @@ from __future__ import annotations
 
 import math
 
+import gguf
 import numpy as np
 import pytest
 import torch
-import gguf
+from fixtures_gguf import ARCHS, QTYPES, write_tiny_gguf
 
 from engine.errors import ForgebenchError
 from engine.models.gguf_model import load_gguf_model, memory_report, set_numerics
 from engine.models.linear import FrozenQuantLinear
-from fixtures_gguf import ARCHS, QTYPES, write_tiny_gguf
 
 torch.set_num_threads(1)
 
@@ -26,8 +26,9 @@ def reference_logits(path, tokens: list[int]) -> np.ndarray:
     meta = lambda k, d=None: r.fields[f"{arch}.{k}"].contents() if f"{arch}.{k}" in r.fields else d
     W = {t.name: gguf.dequantize(t.data, t.tensor_type).astype(np.float64).reshape(
         tuple(reversed(t.shape.tolist()))) for t in r.tensors}
-    dim, H, Hkv = meta("embedding_length"), meta("attention.head_count"), meta("attention.head_count_kv")
-    hd, eps, L = meta("attention.key_length", dim // H), meta("attention.layer_norm_rms_epsilon"), meta("block_count")
+    dim, H = meta("embedding_length"), meta("attention.head_count")
+    Hkv, L = meta("attention.head_count_kv"), meta("block_count")
+    hd, eps = meta("attention.key_length", dim // H), meta("attention.layer_norm_rms_epsilon")
     T_ = len(tokens)
 
     def rms(x, w):
@@ -140,7 +141,8 @@ def test_packed_sequences_match_each_run_alone(tmp_path, arch):
 
 def test_frozen_linear_gradients(tmp_path):
     """dx through the packed weight equals the dense computation; the weight gets no gradient."""
-    model, _ = load_gguf_model(write_tiny_gguf(tmp_path / "m.gguf", "llama", "Q4_K"), tokenizer=False)
+    model, _ = load_gguf_model(write_tiny_gguf(tmp_path / "m.gguf", "llama", "Q4_K"),
+                               tokenizer=False)
     lin = model.layers[0].mlp.down
     assert isinstance(lin, FrozenQuantLinear)
     x = torch.randn(3, lin.in_features, requires_grad=True)
@@ -159,24 +161,31 @@ def test_dense_cache_matches_packed_and_reports_memory(tmp_path):
     torch.testing.assert_close(cached(x), packed(x), rtol=0, atol=1e-5)
     rp, rc = memory_report(packed), memory_report(cached)
     assert rp["dense_cache_bytes"] == 0
-    assert rc["dense_cache_bytes"] == rc["f32_dense_bytes"] > rc["packed_bytes"] == rp["packed_bytes"]
+    assert (
+        rc["dense_cache_bytes"] == rc["f32_dense_bytes"] > rc["packed_bytes"] == rp["packed_bytes"]
+    )
 
 
 def test_llamacpp_numerics_stay_close_to_f32(tmp_path):
-    model, _ = load_gguf_model(write_tiny_gguf(tmp_path / "m.gguf", "gemma3", "Q4_K"), tokenizer=False)
+    model, _ = load_gguf_model(
+        write_tiny_gguf(tmp_path / "m.gguf", "gemma3", "Q4_K"), tokenizer=False
+    )
     x = torch.tensor([TOKENS])
     f32 = model(x)
     set_numerics(model, "llamacpp")
     lc = model(x)
     assert model.kv_dtype == torch.float16
     rel = (lc - f32).abs().max() / f32.abs().max()
-    assert 0 < rel < 0.05          # different arithmetic, same model
+    assert 0 < rel < 0.05  # different arithmetic, same model
 
 
 # --- bad input -------------------------------------------------------------------------------
 
+
 def test_moe_is_refused(tmp_path):
-    path = write_tiny_gguf(tmp_path / "m.gguf", "qwen2", "Q8_0", metadata={"{arch}.expert_count": 8})
+    path = write_tiny_gguf(
+        tmp_path / "m.gguf", "qwen2", "Q8_0", metadata={"{arch}.expert_count": 8}
+    )
     with pytest.raises(ForgebenchError, match="mixture-of-experts") as e:
         load_gguf_model(path)
     assert "qwen2.expert_count" in str(e.value)
@@ -186,7 +195,10 @@ def test_unsupported_architecture_is_refused(tmp_path):
     p = tmp_path / "mamba.gguf"
     w = gguf.GGUFWriter(str(p), "mamba")
     w.add_tensor("token_embd.weight", np.zeros((4, 32), np.float32))
-    w.write_header_to_file(); w.write_kv_data_to_file(); w.write_tensors_to_file(); w.close()
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
     with pytest.raises(ForgebenchError, match="recurrent") as e:
         load_gguf_model(p)
     assert "general.architecture" in str(e.value)
@@ -212,14 +224,18 @@ def test_vocabulary_mismatch_is_refused(tmp_path):
         if t.name == "token_embd.weight":
             data = data[: n - 1]
         w.add_tensor(t.name, data, raw_dtype=t.tensor_type)
-    w.write_header_to_file(); w.write_kv_data_to_file(); w.write_tensors_to_file(); w.close()
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
     with pytest.raises(ForgebenchError, match="token_embd.weight") as e:
         load_gguf_model(p2)
     assert "vocabulary" in str(e.value) and str(p2) in str(e.value)
 
 
 def test_shape_mismatch_names_the_tensor(tmp_path):
-    path = write_tiny_gguf(tmp_path / "m.gguf", "llama", "Q8_0",
-                           metadata={"{arch}.feed_forward_length": 768})
+    path = write_tiny_gguf(
+        tmp_path / "m.gguf", "llama", "Q8_0", metadata={"{arch}.feed_forward_length": 768}
+    )
     with pytest.raises(ForgebenchError, match="blk.0.ffn_gate.weight"):
         load_gguf_model(path)

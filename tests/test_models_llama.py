@@ -14,7 +14,8 @@ torch.set_num_threads(1)
 
 
 def reference_forward(model: Llama, tokens: torch.Tensor) -> torch.Tensor:
-    """Straightforward f64 Llama: complex rotation for adjacent pairs ("norm"), rotate-half for neox."""
+    """Straightforward f64 Llama: complex rotation for adjacent pairs ("norm"), rotate-half for
+    neox."""
     c = model.config
     sd = {k: v.double() for k, v in model.state_dict().items()}
     hd, H, Hkv = c.head_dim, c.n_heads, c.n_kv_heads
@@ -56,7 +57,8 @@ def reference_forward(model: Llama, tokens: torch.Tensor) -> torch.Tensor:
         h = h + out.reshape(B, T, H * hd) @ sd[p + "attn.o.weight"].T
         x = rms(h, sd[p + "mlp_norm.weight"])
         g = x @ sd[p + "mlp.gate.weight"].T
-        h = h + ((g * torch.sigmoid(g)) * (x @ sd[p + "mlp.up.weight"].T)) @ sd[p + "mlp.down.weight"].T
+        up = x @ sd[p + "mlp.up.weight"].T
+        h = h + ((g * torch.sigmoid(g)) * up) @ sd[p + "mlp.down.weight"].T
     h = rms(h, sd["norm.weight"])
     head_w = sd["tok_embeddings.weight"] if c.tie_embeddings else sd["output.weight"]
     return h @ head_w.T
@@ -78,9 +80,11 @@ CONFIGS = {
     "llama-tied-norm": LlamaConfig(vocab_size=61, dim=32, n_layers=2, n_heads=4, n_kv_heads=2,
                                    ffn_dim=48, rope_type="norm", tie_embeddings=True),
     "llama-untied-mha": LlamaConfig(vocab_size=61, dim=32, n_layers=2, n_heads=4, n_kv_heads=4,
-                                    ffn_dim=48, rope_type="norm", tie_embeddings=False, rope_theta=500.0),
+                                    ffn_dim=48, rope_type="norm", tie_embeddings=False,
+                                    rope_theta=500.0),
     "qwen2-bias-neox": LlamaConfig(vocab_size=61, dim=32, n_layers=2, n_heads=4, n_kv_heads=1,
-                                   ffn_dim=48, rope_type="neox", attn_bias=True, tie_embeddings=False),
+                                   ffn_dim=48, rope_type="neox", attn_bias=True,
+                                   tie_embeddings=False),
     "qwen3-qknorm-hd": LlamaConfig(vocab_size=61, dim=32, n_layers=2, n_heads=4, n_kv_heads=2,
                                    ffn_dim=48, rope_type="neox", qk_norm=True, head_dim=16),
 }

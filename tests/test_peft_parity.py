@@ -24,7 +24,8 @@ HF_NAME = {"q": "self_attn.q_proj", "k": "self_attn.k_proj", "v": "self_attn.v_p
 
 def _models(tie: bool):
     from peft import LoraConfig, get_peft_model
-    from transformers import LlamaConfig as HFConfig, LlamaForCausalLM
+    from transformers import LlamaConfig as HFConfig
+    from transformers import LlamaForCausalLM
 
     from engine.models.llama import Llama, LlamaConfig
 

@@ -7,10 +7,11 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as T, quants
+from gguf import GGML_QUANT_SIZES, quants
+from gguf import GGMLQuantizationType as T
+from gguf_write_fixtures import awkward_weights
 
 from engine.gguf.quantize import QUANTIZED_TYPES, quantize
-from gguf_write_fixtures import awkward_weights
 
 LEGACY = (T.Q8_0, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1)
 

@@ -12,12 +12,13 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as T
+from gguf import GGML_QUANT_SIZES
+from gguf import GGMLQuantizationType as T
+from gguf_write_fixtures import awkward_weights, llama_quantize, write_dense_llama
 
 from engine.gguf.convert import convert_gguf
 from engine.gguf.quantize import QUANTIZED_TYPES, quantize
 from engine.gguf.writer import read_gguf_content
-from gguf_write_fixtures import awkward_weights, llama_quantize, write_dense_llama
 
 pytestmark = pytest.mark.llamacpp
 

@@ -5,8 +5,15 @@ import math
 import pytest
 
 from engine.errors import ForgebenchError
-from engine.ratings import (RatingStore, bradley_terry, head_to_head, plan_session,
-                            preference_records, rater_agreement, wilson_interval)
+from engine.ratings import (
+    RatingStore,
+    bradley_terry,
+    head_to_head,
+    plan_session,
+    preference_records,
+    rater_agreement,
+    wilson_interval,
+)
 
 SYSTEMS = {"base": {"settings": {"temperature": 0.0, "max_tokens": 32}},
            "tuned": {"settings": {"temperature": 0.0, "max_tokens": 32}}}

@@ -12,12 +12,19 @@ import time
 
 import pytest
 import torch
+from lm_pretrain_support import (
+    REPO,
+    assert_same_run,
+    forgebench,
+    make_corpus,
+    popen_forgebench,
+    uninterrupted_run,
+    write_config,
+)
 from safetensors.torch import load_file
 
 from engine.cli import main
 from engine.rundir import RunDir
-from lm_pretrain_support import (REPO, assert_same_run, forgebench, make_corpus,
-                                 popen_forgebench, uninterrupted_run, write_config)
 
 STEPS = 12
 

@@ -14,8 +14,7 @@ import torch
 from engine.errors import ForgebenchError
 from engine.fsutil import append_jsonl, read_jsonl
 from engine.rundir import SENTINEL, RunDir
-from engine.train.checkpoint import (load_checkpoint, rng_state, save_checkpoint,
-                                     set_rng_state)
+from engine.train.checkpoint import load_checkpoint, rng_state, save_checkpoint, set_rng_state
 from engine.train.optim import build_adamw
 
 

@@ -11,14 +11,21 @@ from pathlib import Path
 
 import pytest
 from gguf import Keys
+from test_tokenizer import bpe_vocab, spm_vocab, write_vocab_gguf
 
 from engine.errors import ForgebenchError
 from engine.llm.chat import ChatTemplate
-from engine.llm.sft_data import (IGNORE_INDEX, SFTExample, SFTKeys, encode_sft,
-                                 encode_sft_dataset, load_sft_examples, mark_supervised,
-                                 split_rendered)
+from engine.llm.sft_data import (
+    IGNORE_INDEX,
+    SFTExample,
+    SFTKeys,
+    encode_sft,
+    encode_sft_dataset,
+    load_sft_examples,
+    mark_supervised,
+    split_rendered,
+)
 from engine.llm.tokenizer import BYTE_TO_CHAR, GGUFTokenizer
-from test_tokenizer import bpe_vocab, spm_vocab, write_vocab_gguf
 
 K = Keys.Tokenizer
 ARCH = Keys.General.ARCHITECTURE
@@ -166,7 +173,7 @@ def test_template_that_rewrites_replies_is_refused(gemma_like):
 
 
 def write_lines(path: Path, lines: list) -> Path:
-    path.write_text("".join((l if isinstance(l, str) else json.dumps(l)) + "\n" for l in lines),
+    path.write_text("".join((x if isinstance(x, str) else json.dumps(x)) + "\n" for x in lines),
                     encoding="utf-8")
     return path
 
@@ -220,7 +227,7 @@ def test_text_sft_dataset_folder(tmp_path):
 
 def test_inspect_sft_cli(tmp_path, gemma_like, capsys):
     meta, tok, _ = gemma_like
-    model = write_vocab_gguf(tmp_path / "model.gguf", meta)
+    write_vocab_gguf(tmp_path / "model.gguf", meta)   # the config names it relatively
     data = write_lines(tmp_path / "data.jsonl", [
         {"instruction": "Who are you?", "response": "The fox."},
         {"instruction": "Hi", "response": "The quick brown fox jumps over the lazy dog. " * 4}])
@@ -254,10 +261,10 @@ def test_gemma3_270m_samples_are_llamacpp_tokens(tmp_path):
     set is llama.cpp's tokens of the rendered prompt, then of the reply, then of the closing
     template text; the supervised tokens are the reply and <end_of_turn>."""
     from llama_cpp import Llama
+    from test_tokenizer import gemma_gguf_path
 
     from engine.data.generators.text import generate_pirate
     from engine.gguf.reader import open_gguf
-    from test_tokenizer import gemma_gguf_path
 
     gguf_file = open_gguf(gemma_gguf_path())
     tok = GGUFTokenizer.from_gguf(gguf_file)

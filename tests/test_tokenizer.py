@@ -16,14 +16,23 @@ from pathlib import Path
 
 import gguf
 import pytest
-from hypothesis import given, settings, strategies as st
 from gguf import Keys, TokenType
-from tokenizers import (AddedToken, Regex, Tokenizer, decoders, models, normalizers,
-                        pre_tokenizers, trainers)
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from tokenizers import (
+    AddedToken,
+    Regex,
+    Tokenizer,
+    decoders,
+    models,
+    normalizers,
+    pre_tokenizers,
+    trainers,
+)
 
 from engine.errors import ForgebenchError
 from engine.gguf.reader import open_gguf
-from engine.llm.tokenizer import GGUFTokenizer, PRE_TOKENIZERS
+from engine.llm.tokenizer import PRE_TOKENIZERS, GGUFTokenizer
 
 K = Keys.Tokenizer
 ROOT = Path(__file__).resolve().parents[1]

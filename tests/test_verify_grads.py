@@ -1,4 +1,4 @@
-"""verify-grads: the seed-004 worked example, zero-structure, frozen base, finite differences."""
+"""verify-grads: the rank-1 worked example, zero-structure, frozen base, finite differences."""
 
 from __future__ import annotations
 

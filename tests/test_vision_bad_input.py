@@ -11,13 +11,13 @@ from media_support import forgebench, make_shapes, write_config
 from PIL import Image
 
 from engine.config import load_config, recipe_module
-from engine.train.media_data import read_clip, read_mask, read_rgb, write_wav
 from engine.errors import ForgebenchError
 from engine.fsutil import sha256_file
 from engine.jobs import execute, start_run
 from engine.recipes.audio_generate_config import AudioSection
 from engine.recipes.media_config import ImageSection
 from engine.rundir import RunDir
+from engine.train.media_data import read_clip, read_mask, read_rgb, write_wav
 
 
 def test_wrong_image_mode_names_the_file(tmp_path):

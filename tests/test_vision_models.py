@@ -3,8 +3,15 @@
 import pytest
 import torch
 
-from engine.models.vision import (GridDetector, SmallCNN, TinyUNet, decode_boxes,
-                                  detection_loss, segmentation_loss, soft_dice_loss)
+from engine.models.vision import (
+    GridDetector,
+    SmallCNN,
+    TinyUNet,
+    decode_boxes,
+    detection_loss,
+    segmentation_loss,
+    soft_dice_loss,
+)
 
 
 def n_params(model):

@@ -5,12 +5,12 @@ eval and sample through the CLI."""
 from __future__ import annotations
 
 import pytest
+from media_support import forgebench, make_sfx, make_shapes, same_tensors, write_config
 
+from engine.config import load_config, recipe_module
 from engine.fsutil import read_json
 from engine.jobs import execute, start_run
-from engine.config import load_config, recipe_module
 from engine.rundir import RunDir
-from media_support import forgebench, make_sfx, make_shapes, same_tensors, write_config
 
 RECIPES = ["image-classify", "image-detect", "image-segment", "image-generate", "audio-generate"]
 

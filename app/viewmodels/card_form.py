@@ -11,13 +11,12 @@ import json
 from pathlib import Path
 from typing import Any
 
+from app.viewmodels.forms import FieldSpec, RecipeForm, _get, _set, field_specs
 from engine.data import formats as F
 from engine.data.card import CardStatement, statement_of, write_card
 from engine.data.dataset import load_dataset
 from engine.errors import ForgebenchError
 from engine.fsutil import read_json
-
-from app.viewmodels.forms import FieldSpec, RecipeForm, _get, _set, field_specs
 
 CARD_JSON = "card.json"
 

@@ -18,9 +18,18 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from engine.data import formats as F
-from engine.data.dataset import (Dataset, Finding, Report, check_record, read_raw_records,
-                                 records_file_of, group_of, load_dataset, save_new_version,
-                                 validate_dataset)
+from engine.data.dataset import (
+    Dataset,
+    Finding,
+    Report,
+    check_record,
+    group_of,
+    load_dataset,
+    read_raw_records,
+    records_file_of,
+    save_new_version,
+    validate_dataset,
+)
 from engine.errors import ForgebenchError
 from engine.fsutil import read_json
 

@@ -1,4 +1,5 @@
-"""The export wizard's steps over `forgebench export` / `forgebench convert` (engine/export/bundle.py):
+"""The export wizard's steps over `forgebench export` / `forgebench convert`
+(engine/export/bundle.py):
 which runs can be exported, what the base is, how big each quantization will be, the
 equivalence report as pass/fail rows, and the bundle's model card and rights checklist.
 
@@ -13,16 +14,15 @@ import struct
 from dataclasses import dataclass
 from pathlib import Path
 
-from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as T
+from gguf import GGML_QUANT_SIZES
+from gguf import GGMLQuantizationType as T
 
+from app.viewmodels.jobs import forgebench_argv
 from engine.errors import ForgebenchError
 from engine.export.bundle import DTYPES, write_sha256sums
 from engine.fsutil import atomic_write_text, read_json
-from engine.gguf.quant_policy import (DEFAULT_TYPE, FILE_TYPES, FLOAT_TYPES, ModelFacts,
-                                      plan_types)
+from engine.gguf.quant_policy import FILE_TYPES, FLOAT_TYPES, ModelFacts, plan_types
 from engine.rundir import RunDir
-
-from app.viewmodels.jobs import forgebench_argv
 
 EXPORTABLE = ("lm-pretrain", "lm-sft")
 RIGHTS_LABELS = {"train": "training on this data is allowed",

@@ -15,20 +15,19 @@ from __future__ import annotations
 
 import os
 import re
-import tomllib
 import types
 import typing
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
+import tomllib
 from pydantic import BaseModel, ValidationError
 
+from app.viewmodels.workspace import REPO_ROOT
 from engine.config import format_validation_error, schema_for
 from engine.errors import ForgebenchError
 from engine.fsutil import atomic_write_text
-
-from app.viewmodels.workspace import REPO_ROOT
 
 HIDDEN_FIELDS = ("recipe", "base_dir")
 TEMPLATES_DIR = REPO_ROOT / "resources" / "configs"

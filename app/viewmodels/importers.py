@@ -25,8 +25,14 @@ from typing import Callable
 
 from engine.data import formats as F
 from engine.data import media
-from engine.data.dataset import (Finding, check_record, jsonl_objects, safe_relpath,
-                                 validate_dataset, write_manifest)
+from engine.data.dataset import (
+    Finding,
+    check_record,
+    jsonl_objects,
+    safe_relpath,
+    validate_dataset,
+    write_manifest,
+)
 from engine.data.generators import staged_dataset_dir
 from engine.errors import ForgebenchError
 from engine.fsutil import atomic_write_text, require_free_space, sha256_file

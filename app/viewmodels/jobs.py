@@ -21,12 +21,11 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from app.viewmodels.forms import RecipeForm
+from app.viewmodels.workspace import REPO_ROOT, Workspace
 from engine.errors import ForgebenchError
 from engine.fsutil import atomic_write_json, read_json
 from engine.rundir import RunDir
-
-from app.viewmodels.forms import RecipeForm
-from app.viewmodels.workspace import REPO_ROOT, Workspace
 
 QUEUE_FILE = "queue.json"
 PROGRESS = re.compile(r"(\d+)/(\d+)")

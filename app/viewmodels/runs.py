@@ -1,5 +1,5 @@
 """Runs: the run list and ledger, and the chart series of each run, read from run directories
-while their jobs write them (DESIGN.md §3). Reads are incremental so a poll costs only the new
+while their jobs write them (docs/design.md). Reads are incremental so a poll costs only the new
 bytes."""
 
 from __future__ import annotations
@@ -12,11 +12,10 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from app.viewmodels.jobs import duration_text, run_stage_line
 from engine.errors import ForgebenchError
 from engine.fsutil import atomic_write_json, read_json
 from engine.rundir import RunDir
-
-from app.viewmodels.jobs import duration_text, run_stage_line
 
 NOTES_FILE = "notes.json"  # app-owned: question, notes, selected checkpoint (run.json is immutable)
 TRAIN_FIELDS = ("loss", "grad_norm", "lr", "tokens_per_s", "peak_rss_mb")

@@ -1,4 +1,4 @@
-"""What a run generated, read from `samples/<checkpoint>/` (DESIGN.md §3), and the rubric ratings
+"""What a run generated, read from `samples/<checkpoint>/` (docs/design.md), and the rubric ratings
 people give it, appended to `ratings/rubric-<run>.jsonl`.
 
 Images and sounds come with a JSON sidecar per file (seed, settings, checkpoint, nearest training
@@ -15,11 +15,10 @@ from pathlib import Path
 
 import numpy as np
 
+from app.viewmodels.jobs import forgebench_argv
 from engine.errors import ForgebenchError
 from engine.fsutil import append_jsonl, read_json, read_jsonl
 from engine.rundir import RunDir
-
-from app.viewmodels.jobs import forgebench_argv
 
 MEDIA = {".png": "image", ".wav": "audio"}
 # generations file -> (its sidecar, the answer field): lm-sft writes the first, lm-pretrain the

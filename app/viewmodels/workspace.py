@@ -1,4 +1,4 @@
-"""Workspaces (DESIGN.md §2) and the app's own settings (recent workspaces, chart choices).
+"""Workspaces (docs/design.md §1) and the app's own settings (recent workspaces, chart choices).
 
 A workspace is a plain folder holding `workspace.json`; the app never keeps anything about a
 workspace outside it except the list of recent workspaces.

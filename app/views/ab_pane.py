@@ -15,21 +15,38 @@ from pathlib import Path
 
 from PySide6.QtCore import Qt, Signal
 from PySide6.QtGui import QKeySequence, QPixmap, QShortcut
-from PySide6.QtWidgets import (QCheckBox, QComboBox, QDoubleSpinBox, QFormLayout, QGridLayout,
-                               QGroupBox, QHBoxLayout, QLabel, QLineEdit, QListWidget,
-                               QListWidgetItem, QPlainTextEdit, QPushButton, QScrollArea,
-                               QSizePolicy, QSpinBox, QSplitter, QStackedWidget, QTextBrowser,
-                               QVBoxLayout, QWidget)
-
-from engine.errors import ForgebenchError
-from engine.fsutil import read_json
-from engine.rundir import RunDir
+from PySide6.QtWidgets import (
+    QCheckBox,
+    QComboBox,
+    QDoubleSpinBox,
+    QFormLayout,
+    QGridLayout,
+    QGroupBox,
+    QHBoxLayout,
+    QLabel,
+    QLineEdit,
+    QListWidget,
+    QListWidgetItem,
+    QPlainTextEdit,
+    QPushButton,
+    QScrollArea,
+    QSizePolicy,
+    QSpinBox,
+    QSplitter,
+    QStackedWidget,
+    QTextBrowser,
+    QVBoxLayout,
+    QWidget,
+)
 
 from app.audio import Player
 from app.viewmodels import ab as vm
 from app.viewmodels.samples import text_file, waveform
-from app.views.job_runner import JobRunner
 from app.viewmodels.workspace import Workspace
+from app.views.job_runner import JobRunner
+from engine.errors import ForgebenchError
+from engine.fsutil import read_json
+from engine.rundir import RunDir
 
 PREVIEW = 256
 

@@ -6,13 +6,21 @@ from __future__ import annotations
 from pathlib import Path
 
 from PySide6.QtCore import Signal
-from PySide6.QtWidgets import (QDialog, QHBoxLayout, QLabel, QPlainTextEdit, QPushButton,
-                               QSplitter, QTextBrowser, QVBoxLayout, QWidget)
-
-from engine.errors import ForgebenchError
+from PySide6.QtWidgets import (
+    QDialog,
+    QHBoxLayout,
+    QLabel,
+    QPlainTextEdit,
+    QPushButton,
+    QSplitter,
+    QTextBrowser,
+    QVBoxLayout,
+    QWidget,
+)
 
 from app.viewmodels.card_form import CardForm
 from app.views.form_widget import RecipeFormWidget
+from engine.errors import ForgebenchError
 
 
 class CardFormWidget(RecipeFormWidget):

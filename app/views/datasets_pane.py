@@ -11,14 +11,21 @@ import gc
 import json
 from pathlib import Path
 
-from PySide6.QtCore import Qt, QThread, Signal
-from PySide6.QtWidgets import (QHBoxLayout, QLabel, QListWidget, QListWidgetItem, QMenu,
-                               QPushButton, QSplitter, QTabWidget, QVBoxLayout, QWidget)
+from PySide6.QtCore import QThread, Signal
+from PySide6.QtWidgets import (
+    QHBoxLayout,
+    QLabel,
+    QListWidget,
+    QListWidgetItem,
+    QMenu,
+    QPushButton,
+    QSplitter,
+    QTabWidget,
+    QVBoxLayout,
+    QWidget,
+)
 
-from engine.errors import ForgebenchError
-
-from app.viewmodels.datasets import (DatasetTable, list_datasets, records_bytes,
-                                     report_from_json)
+from app.viewmodels.datasets import DatasetTable, list_datasets, records_bytes, report_from_json
 from app.viewmodels.workspace import Workspace
 from app.views.card_form import CardDialog
 from app.views.dataset_tabs.findings import FindingsTab
@@ -29,6 +36,7 @@ from app.views.dataset_tabs.splits import SplitsTab
 from app.views.dataset_tabs.stats import StatsTab
 from app.views.engine_process import run_engine
 from app.views.import_wizard import SOURCES, ImportWizard
+from engine.errors import ForgebenchError
 
 # Records files above this size are validated by a subprocess and parsed on a worker thread.
 BACKGROUND_LOAD_BYTES = 1 << 20

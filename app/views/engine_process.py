@@ -19,10 +19,9 @@ from typing import Callable
 
 from PySide6.QtCore import QObject, QProcess, QProcessEnvironment
 
-from engine.errors import ForgebenchError
-
 from app.viewmodels.jobs import engine_environment, forgebench_argv
 from app.viewmodels.workspace import REPO_ROOT
+from engine.errors import ForgebenchError
 
 
 def _environment() -> QProcessEnvironment:

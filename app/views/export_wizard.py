@@ -11,19 +11,33 @@ from pathlib import Path
 
 from PySide6.QtCore import Qt, Signal
 from PySide6.QtGui import QColor
-from PySide6.QtWidgets import (QComboBox, QFileDialog, QFormLayout, QHBoxLayout, QHeaderView,
-                               QLabel, QLineEdit, QListWidget, QListWidgetItem, QPlainTextEdit,
-                               QProgressBar, QPushButton, QStackedWidget, QTableWidget,
-                               QTableWidgetItem, QVBoxLayout, QWidget)
-
-from engine.errors import ForgebenchError
-from engine.fsutil import read_json
+from PySide6.QtWidgets import (
+    QComboBox,
+    QFileDialog,
+    QFormLayout,
+    QHBoxLayout,
+    QHeaderView,
+    QLabel,
+    QLineEdit,
+    QListWidget,
+    QListWidgetItem,
+    QPlainTextEdit,
+    QProgressBar,
+    QPushButton,
+    QStackedWidget,
+    QTableWidget,
+    QTableWidgetItem,
+    QVBoxLayout,
+    QWidget,
+)
 
 from app.viewmodels import export_wizard as vm
 from app.viewmodels.workspace import Workspace
 from app.views.background import BackgroundCall
 from app.views.combos import refill_keeping_choice
 from app.views.job_runner import JobRunner
+from engine.errors import ForgebenchError
+from engine.fsutil import read_json
 
 STEPS = ("1. Run and checkpoint", "2. Base model", "3. Quantization", "4. Export and verify",
          "5. Bundle")
@@ -430,7 +444,8 @@ class ExportWizardPane(QWidget):
                f"{html.escape(', '.join(changed))}. It passes the bar, but some tokens or "
                "answers differ from the checkpoint (see KL, greedy match and the answers "
                "below).</span>" if changed else "")
-            + (f"<br><small>{html.escape(result['numerics'])}</small>" if result["numerics"] else ""))
+            + (f"<br><small>{html.escape(result['numerics'])}</small>"
+               if result["numerics"] else ""))
         cpp = result["llamacpp"]
         if cpp["available"]:
             amber = " style='background:#ffe0b2'"      # an answer that differs

@@ -10,15 +10,29 @@ from pathlib import Path
 
 from PySide6.QtCore import QThread, Signal
 from PySide6.QtGui import QColor
-from PySide6.QtWidgets import (QCheckBox, QComboBox, QDialog, QFileDialog, QFormLayout,
-                               QGridLayout, QHBoxLayout, QLabel, QLineEdit, QListWidget,
-                               QProgressBar, QPushButton, QStackedWidget, QTableWidget, QTableWidgetItem,
-                               QVBoxLayout, QWidget)
-
-from engine.data.dataset import Finding
-from engine.errors import ForgebenchError
+from PySide6.QtWidgets import (
+    QCheckBox,
+    QComboBox,
+    QDialog,
+    QFileDialog,
+    QFormLayout,
+    QGridLayout,
+    QHBoxLayout,
+    QLabel,
+    QLineEdit,
+    QListWidget,
+    QProgressBar,
+    QPushButton,
+    QStackedWidget,
+    QTableWidget,
+    QTableWidgetItem,
+    QVBoxLayout,
+    QWidget,
+)
 
 from app.viewmodels import importers as vm
+from engine.data.dataset import Finding
+from engine.errors import ForgebenchError
 
 SOURCES = {"images": "Folder of images (a folder per class)",
            "jsonl": "JSONL file (text SFT, corpus, preferences, captioned images)",

@@ -9,12 +9,10 @@ import itertools
 from PySide6.QtCore import QProcess, Qt, Signal
 from PySide6.QtWidgets import QHBoxLayout, QLabel, QProgressBar, QPushButton, QVBoxLayout, QWidget
 
-from engine.errors import ForgebenchError
-
-
 from app.viewmodels.jobs import BackgroundJob, job_error, parse_progress
 from app.views.engine_process import engine_process
 from app.views.jobs_panel import job_center
+from engine.errors import ForgebenchError
 
 _KEYS = itertools.count(1)
 

@@ -11,15 +11,29 @@ from pathlib import Path
 
 from PySide6.QtCore import QByteArray, Qt, QTimer
 from PySide6.QtGui import QAction, QGuiApplication, QKeySequence
-from PySide6.QtWidgets import (QAbstractSpinBox, QComboBox, QDialog, QDialogButtonBox,
-                               QDockWidget, QFileDialog, QFormLayout, QFrame, QHBoxLayout,
-                               QLabel, QListWidget, QMainWindow, QMessageBox, QPushButton,
-                               QScrollArea, QSpinBox, QStackedWidget, QVBoxLayout, QWidget)
+from PySide6.QtWidgets import (
+    QAbstractSpinBox,
+    QComboBox,
+    QDialog,
+    QDialogButtonBox,
+    QDockWidget,
+    QFileDialog,
+    QFormLayout,
+    QFrame,
+    QHBoxLayout,
+    QLabel,
+    QListWidget,
+    QMainWindow,
+    QMessageBox,
+    QPushButton,
+    QScrollArea,
+    QSpinBox,
+    QStackedWidget,
+    QVBoxLayout,
+    QWidget,
+)
 
-from engine.errors import ForgebenchError
-
-from app.viewmodels.workspace import (Settings, Workspace, WorkspaceWatch,
-                                      install_sample_workspace)
+from app.viewmodels.workspace import Settings, Workspace, WorkspaceWatch, install_sample_workspace
 from app.views.ab_pane import ABPane
 from app.views.datasets_pane import DatasetsPane
 from app.views.export_wizard import ExportWizardPane
@@ -28,6 +42,7 @@ from app.views.jobs_panel import JobsPanel, Notifier, job_center
 from app.views.masks_pane import MasksPane
 from app.views.runs_pane import RunsPane
 from app.views.samples_pane import SamplesPane
+from engine.errors import ForgebenchError
 
 PANES = ("Datasets", "Labels && Masks", "Runs", "Samples", "Blind A/B", "Export")
 DEFAULT_SIZE = (1440, 900)

@@ -9,22 +9,45 @@ from pathlib import Path
 import numpy as np
 from PySide6.QtCore import QPointF, QRectF, Qt, Signal
 from PySide6.QtGui import QColor, QImage, QKeySequence, QPainter, QPen, QPixmap, QShortcut
-from PySide6.QtWidgets import (QButtonGroup, QCheckBox, QColorDialog, QComboBox, QFormLayout,
-                               QHBoxLayout, QLabel, QListWidget, QListWidgetItem, QPushButton,
-                               QRadioButton, QSlider, QSpinBox, QSplitter, QTableWidget,
-                               QTableWidgetItem, QTabWidget, QTextBrowser, QVBoxLayout,
-                               QWidget)
+from PySide6.QtWidgets import (
+    QButtonGroup,
+    QCheckBox,
+    QColorDialog,
+    QComboBox,
+    QFormLayout,
+    QHBoxLayout,
+    QLabel,
+    QListWidget,
+    QListWidgetItem,
+    QPushButton,
+    QRadioButton,
+    QSlider,
+    QSpinBox,
+    QSplitter,
+    QTableWidget,
+    QTableWidgetItem,
+    QTabWidget,
+    QTextBrowser,
+    QVBoxLayout,
+    QWidget,
+)
 
-from engine.data.dataset import Dataset, load_dataset
-from engine.errors import ForgebenchError
-
-from app.viewmodels.masks import (MaskEditor, count_regions, mask_datasets, read_mask,
-                                  read_per_image, read_rgb, save_mask_version,
-                                  segmentation_evals)
+from app.viewmodels.masks import (
+    MaskEditor,
+    count_regions,
+    mask_datasets,
+    read_mask,
+    read_per_image,
+    read_rgb,
+    save_mask_version,
+    segmentation_evals,
+)
 from app.viewmodels.sft import parse_inspect_report
 from app.viewmodels.workspace import Workspace
 from app.views.background import BackgroundCall
 from app.views.engine_process import run_engine
+from engine.data.dataset import Dataset, load_dataset
+from engine.errors import ForgebenchError
 
 
 def _qimage(rgba: np.ndarray) -> QImage:

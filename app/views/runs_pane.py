@@ -9,23 +9,36 @@ from pathlib import Path
 
 from PySide6.QtCore import QAbstractTableModel, QItemSelectionModel, QModelIndex, Qt, Signal
 from PySide6.QtGui import QColor
-from PySide6.QtWidgets import (QAbstractItemView, QComboBox, QHBoxLayout, QHeaderView,
-                               QInputDialog, QLabel, QMenu, QPlainTextEdit, QPushButton, QSpinBox,
-                               QSplitter, QTableView, QTabWidget, QVBoxLayout, QWidget)
-
-from engine.errors import ForgebenchError
-from engine.rundir import RunDir, pid_alive
+from PySide6.QtWidgets import (
+    QAbstractItemView,
+    QComboBox,
+    QHBoxLayout,
+    QHeaderView,
+    QInputDialog,
+    QLabel,
+    QMenu,
+    QPlainTextEdit,
+    QPushButton,
+    QSpinBox,
+    QSplitter,
+    QTableView,
+    QTabWidget,
+    QVBoxLayout,
+    QWidget,
+)
 
 from app.viewmodels import jobs
-from app.viewmodels.jobs import BackgroundJob
 from app.viewmodels.forms import RecipeForm, new_config_from_template, recipe_templates
+from app.viewmodels.jobs import BackgroundJob
 from app.viewmodels.runs import BestEval, LedgerRow, failure_report, ledger_row, write_notes
 from app.viewmodels.workspace import Workspace
 from app.views.charts import RunCharts
 from app.views.combos import refill_keeping_choice
 from app.views.engine_process import start_detached
-from app.views.jobs_panel import job_center
 from app.views.form_widget import RecipeFormWidget
+from app.views.jobs_panel import job_center
+from engine.errors import ForgebenchError
+from engine.rundir import RunDir, pid_alive
 
 COLUMNS = [("name", "Run"), ("state", "Status"), ("progress", "Step"), ("stage_line", "Doing"),
            ("started", "Started"), ("duration", "Duration"), ("question", "Question"),

@@ -10,21 +10,37 @@ import numpy as np
 import pyqtgraph as pg
 from PySide6.QtCore import QSize, Qt, Signal
 from PySide6.QtGui import QIcon, QPixmap
-from PySide6.QtWidgets import (QAbstractItemView, QComboBox, QDoubleSpinBox, QFormLayout,
-                               QGroupBox, QHBoxLayout, QHeaderView, QLabel, QLineEdit,
-                               QListWidget, QListWidgetItem, QPushButton,
-                               QSlider, QSpinBox, QSplitter, QStackedWidget, QTableWidget,
-                               QTableWidgetItem, QVBoxLayout, QWidget)
-
-from engine.errors import ForgebenchError
-from engine.fsutil import read_json
-from engine.rundir import RunDir
+from PySide6.QtWidgets import (
+    QAbstractItemView,
+    QComboBox,
+    QDoubleSpinBox,
+    QFormLayout,
+    QGroupBox,
+    QHBoxLayout,
+    QHeaderView,
+    QLabel,
+    QLineEdit,
+    QListWidget,
+    QListWidgetItem,
+    QPushButton,
+    QSlider,
+    QSpinBox,
+    QSplitter,
+    QStackedWidget,
+    QTableWidget,
+    QTableWidgetItem,
+    QVBoxLayout,
+    QWidget,
+)
 
 from app.audio import MAX_GAIN_DB, MIN_GAIN_DB, Player
 from app.viewmodels import samples as vm
 from app.viewmodels.workspace import Workspace
 from app.views.combos import refill_keeping_choice
 from app.views.job_runner import JobRunner
+from engine.errors import ForgebenchError
+from engine.fsutil import read_json
+from engine.rundir import RunDir
 
 SAMPLE_RECIPES = ("image-generate", "audio-generate", "lm-sft", "lm-pretrain")
 CELL = 96

@@ -1,9 +1,9 @@
 """`forgebench verify-grads`: evidence that the LoRA gradient path is right, not merely descending.
 
-Four independent angles (seed 000 §15.6, seed 004 §3 and §9):
+Four independent angles, the battery an adapter runtime must pass:
 
-1. the rank-1 worked example of seed 004 reproduced through `engine.lora.LoRALinear` and the
-   engine's AdamW — the printed losses, dA, dB, dX and updated factors;
+1. a rank-1 worked example with hand-computed numbers (`worked_example`), reproduced through
+   `engine.lora.LoRALinear` and the engine's AdamW — losses, dA, dB, dX and updated factors;
 2. zero-structure at init: with B == 0, dL/dA is exactly zero and every dL/dB is not;
 3. central finite differences through the full SFT loss (masking included) over sampled adapter
    elements after a warm-up that makes B != 0, in f64 on a tiny model;
@@ -48,9 +48,9 @@ def _rounded(t: torch.Tensor) -> list[float]:
 
 
 def worked_example() -> dict:
-    """Two AdamW steps of the seed-004 rank-1 example through the engine's LoRA layer.
+    """Two AdamW steps of a rank-1 example with known numbers through the engine's LoRA layer.
 
-    The article's row-vector factors map onto the layer's torch layout as lora_a = Aᵀ [r, in]
+    The example's row-vector factors map onto the layer's torch layout as lora_a = Aᵀ [r, in]
     and lora_b = Bᵀ [out, r]; W is the frozen base, an nn.Linear holding Wᵀ.
     """
     dtype = torch.float64

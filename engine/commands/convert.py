@@ -6,7 +6,8 @@ import argparse
 from pathlib import Path
 
 from engine.fsutil import sha256_file
-from engine.gguf.convert import DEQUANTIZED_FROM_KEY, convert_gguf
+from engine.gguf.constants import DEQUANTIZED_FROM_KEY
+from engine.gguf.convert import convert_gguf
 from engine.gguf.writer import TensorEntry
 
 

@@ -149,7 +149,7 @@ def _card(args) -> int:
 
 
 def _generate(args) -> int:
-    from engine.data.generators import generate_samples, shapes, sfx, text
+    from engine.data.generators import generate_samples, sfx, shapes, text
 
     generators = {
         "shapes": lambda: shapes.generate_shapes(args.out, **_some(n=args.n), seed=args.seed),

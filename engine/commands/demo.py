@@ -11,8 +11,9 @@ import json
 import re
 import tempfile
 import time
-import tomllib
 from pathlib import Path
+
+import tomllib
 
 from engine.errors import ForgebenchError
 from engine.fsutil import atomic_write_json, atomic_write_text
@@ -27,8 +28,8 @@ def seconds_per_step(config) -> float:
     import torch.nn.functional as F
 
     from engine.recipes.lm_pretrain import build_model
-    from engine.train.precision import autocast
     from engine.train.optim import build_adamw
+    from engine.train.precision import autocast
 
     torch.manual_seed(0)
     model = build_model(config, 258)

@@ -25,7 +25,13 @@ from tqdm import tqdm
 
 from engine.data import formats as F
 from engine.errors import ForgebenchError
-from engine.fsutil import atomic_write_bytes, atomic_write_json, sha256_bytes, sha256_file
+from engine.fsutil import (
+    atomic_write_bytes,
+    atomic_write_json,
+    sha256_bytes,
+    sha256_file,
+    staged_dir,
+)
 from engine.paths import inside, safe_relpath
 
 _HEX64 = re.compile(r"^[0-9a-f]{64}$")
@@ -674,9 +680,7 @@ def save_new_version(dataset: Dataset, changes: dict[str, bytes], note: str,
     if target.exists() and any(target.iterdir()):
         raise ForgebenchError("output folder is not empty", path=target,
                               hint="choose a new folder for the new version")
-    staging = target.with_name(f".{target.name}.partial")
-    shutil.rmtree(staging, ignore_errors=True)
-    try:
+    with staged_dir(target) as staging:
         for rel in dataset.manifest["files"]:
             if rel in changes:
                 continue
@@ -697,12 +701,6 @@ def save_new_version(dataset: Dataset, changes: dict[str, bytes], note: str,
              "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}]
         write_manifest(staging, dataset.kind, dataset.name, parent=dataset.version,
                        history=history, progress=progress, **inherited)
-        if target.exists():
-            target.rmdir()
-        os.replace(staging, target)
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
     return load_dataset(target, progress=progress)
 
 

@@ -159,7 +159,7 @@ def extract_contours(mask: np.ndarray, epsilon_px: float = 0.0) -> dict:
 
     ids = {(kind, label): i for i, (kind, label, _) in enumerate(items)}
     contours = []
-    for i, (kind, label, ring) in enumerate(items):
+    for i, (kind, _label, ring) in enumerate(items):
         # The pixel just above a region's first (top-left) pixel lies in the enclosing region.
         x0, y0 = min(ring, key=lambda p: (p[1], p[0]))
         parent = None

@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Callable
 
 from engine.errors import ForgebenchError
-from engine.fsutil import atomic_write_json, atomic_write_text, read_json, sha256_file
+from engine.fsutil import atomic_write_json, atomic_write_text, read_json, sha256_file, staged_dir
 from engine.gguf import quant_policy
 from engine.rundir import Checkpoint, RunDir
 
@@ -35,7 +35,6 @@ DTYPES = tuple(quant_policy.FILE_TYPES) + ("adapter",)
 MODEL_GGUF = "model.gguf"
 ADAPTER_GGUF = "adapter.gguf"
 PEFT_DIR = "peft"
-ADAPTERS_FILE = "adapters.safetensors"     # what lm-sft checkpoints hold (engine.recipes.lm_sft)
 
 
 @dataclass
@@ -97,7 +96,8 @@ class _Progress:
 def _holds_quantized(path: Path) -> bool:
     from engine.gguf.reader import open_gguf
 
-    return any(t.ggml_type not in quant_policy.FLOAT_TYPES for t in open_gguf(path).tensors.values())
+    return any(t.ggml_type not in quant_policy.FLOAT_TYPES
+               for t in open_gguf(path).tensors.values())
 
 
 def _gguf_stage(name: str, description: str, path: Path, bundle_dir: Path, lora=None,
@@ -129,8 +129,8 @@ def _llamacpp_stage(path: Path, description: str, lora: Path | None = None,
 # ----------------------------------------------------------------------- per recipe
 
 def _export_pretrain(bundle: Bundle, staging: Path, scratch: Path, progress: _Progress) -> None:
-    from engine.gguf.convert import convert_gguf
     from engine.export.from_pretrain import write_pretrain_gguf
+    from engine.gguf.convert import convert_gguf
 
     if bundle.dtype == "adapter":
         raise ForgebenchError("an lm-pretrain run has no adapter to export", where="--dtype",
@@ -176,10 +176,11 @@ def _sft_base(bundle: Bundle, base_arg: str | None, scratch: Path,
 
 def _export_sft(bundle: Bundle, staging: Path, scratch: Path, base_arg: str | None,
                 progress: _Progress) -> None:
-    from engine.gguf.convert import convert_gguf
     from engine.export.lora_export import HF_ARCHITECTURES, write_gguf_lora, write_peft
-    from engine.gguf.reader import open_gguf
     from engine.export.merge import merge_into_gguf, write_full_weights
+    from engine.gguf.convert import convert_gguf
+    from engine.gguf.reader import open_gguf
+    from engine.lora import ADAPTERS_FILE
     from engine.train.checkpoint import MODEL_FILE
 
     adapter = bundle.checkpoint.path / ADAPTERS_FILE
@@ -335,7 +336,8 @@ def model_card(bundle: Bundle) -> str:
         cpp = bundle.report["llamacpp"]
         if cpp.get("available"):
             g = cpp["greedy_vs_checkpoint"]
-            lines.append(f"- llama.cpp: top-1 agreement {cpp['vs_checkpoint']['top1_agreement']:.2%}"
+            agreement = cpp["vs_checkpoint"]["top1_agreement"]
+            lines.append(f"- llama.cpp: top-1 agreement {agreement:.2%}"
                          f" with the checkpoint; greedy answers identical for "
                          f"{sum(g['matches'])}/{len(g['matches'])} prompts")
         else:
@@ -369,8 +371,6 @@ def export_run(run_dir: str | os.PathLike, out: str | os.PathLike, *, checkpoint
                dtype: str = "f16", base: str | None = None, report: bool = True,
                threads: int | None = None, show_progress: bool = False) -> Bundle:
     """Export a run's checkpoint as a bundle folder at `out` (which must not exist)."""
-    from engine.export.equivalence import PROMPT_SUITE, build_report, render_text
-
     dtype = dtype.lower()
     if dtype not in DTYPES:
         raise ForgebenchError(f"unknown --dtype {dtype!r}", where="--dtype",
@@ -392,44 +392,47 @@ def export_run(run_dir: str | os.PathLike, out: str | os.PathLike, *, checkpoint
     threads = threads or run.manifest().get("environment", {}).get("threads") or 1
     progress = _Progress(show_progress)
     out.parent.mkdir(parents=True, exist_ok=True)
-    staging = out.parent / f".{out.name}.partial-{os.getpid()}"
     scratch = out.parent / f".{out.name}.scratch-{os.getpid()}"
-    staging.mkdir()
     scratch.mkdir()
     try:
-        if recipe == "lm-pretrain":
-            _export_pretrain(bundle, staging, scratch, progress)
-        else:
-            _export_sft(bundle, staging, scratch, base, progress)
-        if report:
-            held = run.manifest()["config"].get("sample", {}).get("prompts", [])
-            bundle.report = build_report(
-                {"kind": "run", "run": str(run.path), "checkpoint": bundle.checkpoint.name},
-                bundle.stages, llamacpp=bundle.llamacpp, threads=threads,
-                prompts=tuple(dict.fromkeys([*held, *PROMPT_SUITE])), decode=_decoder(bundle),
-                progress=lambda m: progress.say(f"equivalence: {m}"))
-            bundle.report["export"] = {"run": str(run.path), "checkpoint": bundle.checkpoint.name,
-                                       "dtype": dtype, "files": bundle.files}
-            atomic_write_text(staging / "report.json",
-                              json.dumps(bundle.report, indent=2) + "\n")
-            atomic_write_text(staging / "report.txt", render_text(bundle.report))
-        atomic_write_text(staging / "model_card.md", model_card(bundle))
-        write_sha256sums(staging)
-        for path in staging.rglob("*"):     # temp files are created private; a bundle is shared
-            path.chmod(0o755 if path.is_dir() else 0o644)
-        os.rename(staging, out)
+        with staged_dir(out) as staging:
+            _fill_bundle(bundle, staging, scratch, base, report, threads, progress)
     except OSError as exc:
-        shutil.rmtree(staging, ignore_errors=True)
         if exc.errno == errno.ENOSPC:
             raise ForgebenchError("the disk filled up during the export; nothing was written",
                                   path=out, hint="free some space and export again") from exc
         raise
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
     return bundle
+
+
+def _fill_bundle(bundle: Bundle, staging: Path, scratch: Path, base: str | None, report: bool,
+                 threads: int, progress: _Progress) -> None:
+    """Everything of the bundle into `staging`: model or adapter, report, card, checksums."""
+    from engine.export.equivalence import PROMPT_SUITE, build_report, render_text
+
+    run, recipe, dtype = bundle.run, bundle.recipe, bundle.dtype
+    if recipe == "lm-pretrain":
+        _export_pretrain(bundle, staging, scratch, progress)
+    else:
+        _export_sft(bundle, staging, scratch, base, progress)
+    if report:
+        held = run.manifest()["config"].get("sample", {}).get("prompts", [])
+        bundle.report = build_report(
+            {"kind": "run", "run": str(run.path), "checkpoint": bundle.checkpoint.name},
+            bundle.stages, llamacpp=bundle.llamacpp, threads=threads,
+            prompts=tuple(dict.fromkeys([*held, *PROMPT_SUITE])), decode=_decoder(bundle),
+            progress=lambda m: progress.say(f"equivalence: {m}"))
+        bundle.report["export"] = {"run": str(run.path), "checkpoint": bundle.checkpoint.name,
+                                   "dtype": dtype, "files": bundle.files}
+        atomic_write_text(staging / "report.json",
+                          json.dumps(bundle.report, indent=2) + "\n")
+        atomic_write_text(staging / "report.txt", render_text(bundle.report))
+    atomic_write_text(staging / "model_card.md", model_card(bundle))
+    write_sha256sums(staging)
+    for path in staging.rglob("*"):     # temp files are created private; a bundle is shared
+        path.chmod(0o755 if path.is_dir() else 0o644)
 
 
 def _decoder(bundle: Bundle) -> Callable[[list[int]], str] | None:

@@ -15,8 +15,8 @@ checkpoint's, and whether its tokenizer gives the same prompt ids. Engine stages
 arithmetic, so their differences are the weights' (merge rounding, quantization); the llama.cpp
 stage adds the runtime's own arithmetic and is also compared with the engine on the same file.
 
-A stage worker is `python -m engine.export.equivalence SPEC.json`: it writes logits and greedy ids to a
-safetensors file, which the parent compares one prompt at a time. The checkpoint and llama.cpp
+A stage worker is `python -m engine.export.equivalence SPEC.json`: it writes logits and greedy ids
+to a safetensors file, which the parent compares one prompt at a time. The checkpoint and llama.cpp
 decode token by token (llama.cpp as it serves an answer); the other engine stages score each
 prompt and answer in one batch and read their greedy answer off those logits (`greedy_along`),
 decoding on only where it leaves the answer.
@@ -66,7 +66,8 @@ class Stage:
 
 def verdict(entry: dict, min_top1: float) -> dict:
     """The pass/fail fields a stage's entry in the report carries."""
-    passed = bool(entry["tokenizer_matches"]) and entry["vs_checkpoint"]["top1_agreement"] >= min_top1
+    passed = bool(entry["tokenizer_matches"]) \
+        and entry["vs_checkpoint"]["top1_agreement"] >= min_top1
     return {"min_top1": min_top1, "passed": passed}
 
 
@@ -285,7 +286,6 @@ def _run_stage(spec: dict, workdir: Path, name: str, threads: int) -> StageResul
 
 def compare(reference: StageResult, other: StageResult, n: int) -> dict:
     """Top-1 agreement, |Δlogit| and KL(reference ‖ other) over every scored position."""
-    import torch
 
     agree = positions = 0
     max_abs, sum_abs, count, kl_sum, kl_max = 0.0, 0.0, 0, 0.0, 0.0

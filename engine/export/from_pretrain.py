@@ -19,19 +19,21 @@ from pathlib import Path
 from typing import Callable
 
 import numpy as np
-from gguf import GGMLQuantizationType as T, GGUFValueType as V, LlamaFileType, TokenType, quants
+from gguf import GGMLQuantizationType as T
+from gguf import GGUFValueType as V
+from gguf import LlamaFileType, TokenType, quants
 
 from engine.errors import ForgebenchError
 from engine.fsutil import sha256_file
+from engine.gguf.constants import SOURCE_SHA_KEY, gguf_tensor_name
 from engine.gguf.quant_policy import FILE_TYPES
 from engine.gguf.writer import MetaValue, TensorEntry, write_gguf
-from engine.export.merge import SOURCE_SHA_KEY
 from engine.rundir import Checkpoint, RunDir
 
 DENSE_TYPES = {"f32": T.F32, "f16": T.F16, "bf16": T.BF16}
 
 # Llama parameters in llama.cpp's file order ("{i}" = layer); GGUF names come from
-# engine.models.gguf_model.gguf_tensor_name, the loader's own mapping
+# engine.gguf.constants.gguf_tensor_name, the loader's own mapping
 TENSOR_ORDER = (
     "tok_embeddings.weight",
     "layers.{i}.attn_norm.weight", "layers.{i}.attn.q.weight", "layers.{i}.attn.k.weight",
@@ -114,7 +116,6 @@ def model_metadata(config, name: str, file_type: LlamaFileType) -> dict[str, Met
 
 def gguf_tensors(state: dict, n_layers: int, dtype: str) -> list[TensorEntry]:
     """The model's tensors in llama.cpp's file order; matrices in `dtype`, norms in f32."""
-    from engine.models.gguf_model import gguf_tensor_name
 
     target = DENSE_TYPES[dtype]
     entries = []

@@ -19,13 +19,15 @@ import json
 from pathlib import Path
 
 import numpy as np
-from gguf import GGMLQuantizationType as T, GGUFValueType as V
+from gguf import GGMLQuantizationType as T
+from gguf import GGUFValueType as V
 
 from engine.errors import ForgebenchError
+from engine.export.merge import Adapter, load_adapter
 from engine.fsutil import atomic_write_bytes, atomic_write_text
+from engine.gguf.constants import ADAPTER_BASE_SHA_KEY
 from engine.gguf.reader import open_gguf
 from engine.gguf.writer import MetaValue, TensorEntry, write_gguf
-from engine.export.merge import Adapter, load_adapter
 
 HF_MODULES = {"q": "self_attn.q_proj", "k": "self_attn.k_proj", "v": "self_attn.v_proj",
               "o": "self_attn.o_proj", "gate": "mlp.gate_proj", "up": "mlp.up_proj",
@@ -66,7 +68,7 @@ def write_gguf_lora(adapter_path: str | Path, base: str | Path, out: str | Path)
         "general.name": MetaValue(V.STRING, f"{name.python() if name else arch} LoRA"),
         "adapter.type": MetaValue(V.STRING, "lora"),
         "adapter.lora.alpha": MetaValue(V.FLOAT32, adapter.alpha),
-        "forgebench.base_sha256": MetaValue(V.STRING, adapter.base_sha256),
+        ADAPTER_BASE_SHA_KEY: MetaValue(V.STRING, adapter.base_sha256),
     }
     names = adapter.gguf_names()
     order = {t.name: i for i, t in enumerate(content.tensors)}

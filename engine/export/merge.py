@@ -17,28 +17,26 @@ from pathlib import Path
 from typing import Callable
 
 import numpy as np
-from gguf import GGMLQuantizationType as T, GGUFValueType, Keys, quants
+from gguf import GGMLQuantizationType as T
+from gguf import GGUFValueType, Keys, quants
 
 from engine.errors import ForgebenchError
 from engine.fsutil import sha256_file
-from engine.gguf.convert import DEQUANTIZED_FROM_KEY
+from engine.gguf.constants import (
+    DEQUANTIZED_FROM_KEY,
+    FULL_WEIGHTS_KEY,
+    MERGED_ADAPTER_KEY,
+    MERGED_ALPHA_KEY,
+    MERGED_RANK_KEY,
+    NON_PARAMETER_TENSORS,
+    SOURCE_SHA_KEY,
+    gguf_tensor_name,
+)
 from engine.gguf.quant_policy import FLOAT_TYPES
-from engine.gguf.writer import GGUFContent, MetaValue, TensorEntry, read_gguf_content, \
-    write_gguf
-from engine.lora import TARGETS, read_adapters
+from engine.gguf.writer import GGUFContent, MetaValue, TensorEntry, read_gguf_content, write_gguf
+from engine.lora import TARGETS, adapter_info, read_adapters, target_module
 
 CHAT_TEMPLATE_KEY = Keys.Tokenizer.CHAT_TEMPLATE
-
-# forgebench LoRA target -> GGUF tensor name inside a block (as engine.models.gguf_model binds)
-GGUF_TARGET = {"q": "attn_q", "k": "attn_k", "v": "attn_v", "o": "attn_output",
-               "gate": "ffn_gate", "up": "ffn_up", "down": "ffn_down"}
-SOURCE_SHA_KEY = "forgebench.source_sha256"       # written by from_pretrain: the checkpoint file
-MERGED_ADAPTER_KEY = "forgebench.merged_adapter_sha256"
-MERGED_ALPHA_KEY = "forgebench.merged_lora_alpha"
-MERGED_RANK_KEY = "forgebench.merged_lora_rank"
-FULL_WEIGHTS_KEY = "forgebench.finetuned_weights_sha256"
-# tensors a GGUF holds that the engine keeps outside its parameters (Llama 3 rope factors)
-NON_PARAMETER_TENSORS = {"rope_freqs.weight"}
 
 
 @dataclass
@@ -62,7 +60,7 @@ class Adapter:
         out = {}
         for name in self.a:
             _, layer, target = name.split(".")
-            out[name] = f"blk.{layer}.{GGUF_TARGET[target]}.weight"
+            out[name] = gguf_tensor_name(f"layers.{layer}.{target_module(target)}.weight")
         return out
 
 
@@ -70,12 +68,7 @@ def load_adapter(path: str | Path) -> Adapter:
     """Read an adapters.safetensors file (engine.lora's format) as f32 numpy factors."""
     path = Path(path)
     tensors, meta = read_adapters(path)
-    try:
-        rank, alpha = int(meta["rank"]), float(meta["alpha"])
-        targets = meta["targets"].split(",")
-    except (KeyError, ValueError) as exc:
-        raise ForgebenchError(f"adapter metadata is incomplete ({exc})", path=path,
-                              where="safetensors metadata") from None
+    info = adapter_info(meta, path)
     a, b = {}, {}
     for key, tensor in tensors.items():
         name, _, kind = key.rpartition(".")
@@ -88,7 +81,7 @@ def load_adapter(path: str | Path) -> Adapter:
     if set(a) != set(b):
         raise ForgebenchError("adapter has lora_a and lora_b for different layers", path=path,
                               where=", ".join(sorted(set(a) ^ set(b))[:3]))
-    return Adapter(path, a, b, rank, alpha, targets, meta.get("base_sha256", ""),
+    return Adapter(path, a, b, info.rank, info.alpha, info.targets, info.base_sha256,
                    sha256_file(path))
 
 
@@ -231,7 +224,6 @@ def write_full_weights(base: str | Path, weights: str | Path, out: str | Path, b
     checkpoint whose tensors do not name and shape-match the base, and a quantized base."""
     from safetensors import safe_open
 
-    from engine.models.gguf_model import gguf_tensor_name
 
     out, weights = Path(out), Path(weights)
     if out.exists():

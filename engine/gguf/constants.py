@@ -1,9 +1,13 @@
-"""One table of what the engine reads: quant types it can dequantize, the activation format
-llama.cpp pairs with each weight type in its matmuls, and the architectures it runs or refuses."""
+"""One table of GGUF names: the quant types the engine can dequantize, the activation format
+llama.cpp pairs with each weight type in its matmuls, the architectures it runs or refuses, the
+tensor names of a decoder (and which engine parameter each holds), and the metadata keys the
+engine writes (all under `forgebench.`). Every reader and writer of these names imports them
+from here."""
 
 from __future__ import annotations
 
-from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as T
+from gguf import GGML_QUANT_SIZES
+from gguf import GGMLQuantizationType as T
 
 # Weight types with a torch dequantization kernel (engine/gguf/dequant.py).
 SUPPORTED_TYPES: tuple[T, ...] = (T.F32, T.F16, T.BF16, T.Q8_0, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1,
@@ -38,3 +42,48 @@ REFUSED_ARCHS = {
         "mamba", "mamba2", "rwkv6", "rwkv6qwen2", "rwkv7", "arwkv7", "jamba", "falcon-h1",
         "granitehybrid", "lfm2", "plamo2", "nemotron_h", "qwen3next", "recurrentgemma")},
 }
+
+# -- tensor names ---------------------------------------------------------------------------
+# module path (per layer, after "layers.{i}.") -> GGUF tensor name (after "blk.{i}.")
+LAYER_TENSORS = {
+    "attn_norm": "attn_norm", "mlp_norm": "ffn_norm",
+    "attn.q": "attn_q", "attn.k": "attn_k", "attn.v": "attn_v", "attn.o": "attn_output",
+    "attn.q_norm": "attn_q_norm", "attn.k_norm": "attn_k_norm",
+    "mlp.gate": "ffn_gate", "mlp.up": "ffn_up", "mlp.down": "ffn_down",
+    "post_attn_norm": "post_attention_norm", "post_mlp_norm": "post_ffw_norm",
+}
+# model-level module path -> GGUF tensor name (before ".weight")
+MODEL_TENSORS = {"tok_embeddings": "token_embd", "norm": "output_norm", "output": "output"}
+
+
+def gguf_tensor_name(param: str) -> str | None:
+    """The GGUF tensor a parameter of an engine model is stored as (`layers.3.attn.q.weight`
+    -> `blk.3.attn_q.weight`), the inverse of how `_bind` names what it loads; None when the
+    file holds no such tensor. The loader and the exports of trained weights use this one
+    mapping."""
+    module, _, kind = param.rpartition(".")
+    if module in MODEL_TENSORS:
+        return f"{MODEL_TENSORS[module]}.{kind}"
+    parts = module.split(".", 2)
+    if len(parts) == 3 and parts[0] == "layers" and parts[1].isdigit() \
+            and parts[2] in LAYER_TENSORS:
+        return f"blk.{parts[1]}.{LAYER_TENSORS[parts[2]]}.{kind}"
+    return None
+
+
+# tensors a GGUF holds that the engine keeps outside its parameters (Llama 3 rope factors)
+NON_PARAMETER_TENSORS = {"rope_freqs.weight"}
+
+# -- layout ---------------------------------------------------------------------------------
+ALIGNMENT_KEY = "general.alignment"
+DEFAULT_ALIGNMENT = 32
+
+# -- metadata keys the engine writes --------------------------------------------------------
+DEQUANTIZED_FROM_KEY = "forgebench.dequantized_from"            # SHA-256 of the quantized source
+DEQUANTIZED_FROM_TYPE_KEY = "forgebench.dequantized_from_type"  # its quant type
+SOURCE_SHA_KEY = "forgebench.source_sha256"          # an lm-pretrain export: the checkpoint file
+MERGED_ADAPTER_KEY = "forgebench.merged_adapter_sha256"         # a merged LoRA: the adapter file
+MERGED_ALPHA_KEY = "forgebench.merged_lora_alpha"
+MERGED_RANK_KEY = "forgebench.merged_lora_rank"
+FULL_WEIGHTS_KEY = "forgebench.finetuned_weights_sha256"        # a full fine-tune: the weights
+ADAPTER_BASE_SHA_KEY = "forgebench.base_sha256"      # a GGUF LoRA adapter: its base file

@@ -19,18 +19,18 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-from gguf import GGMLQuantizationType as T, GGUFValueType, LlamaFileType as F, quants
+from gguf import GGMLQuantizationType as T
+from gguf import GGUFValueType, quants
+from gguf import LlamaFileType as F
 
 from engine.errors import ForgebenchError
 from engine.fsutil import sha256_file
 from engine.gguf import quant_policy
+from engine.gguf.constants import DEQUANTIZED_FROM_KEY, DEQUANTIZED_FROM_TYPE_KEY
 from engine.gguf.quantize import quantize
-from engine.gguf.writer import GGUFContent, MetaValue, TensorEntry, read_gguf_content, \
-    write_gguf
+from engine.gguf.writer import GGUFContent, MetaValue, TensorEntry, read_gguf_content, write_gguf
 
 DTYPES = ("keep",) + tuple(quant_policy.FILE_TYPES)
-DEQUANTIZED_FROM_KEY = "forgebench.dequantized_from"
-DEQUANTIZED_FROM_TYPE_KEY = "forgebench.dequantized_from_type"
 QUANTIZATION_VERSION = 2  # GGML_QNT_VERSION, which llama-quantize writes into every output
 
 

@@ -27,8 +27,8 @@ LOW_NIBBLES = _every_byte(0x0F)
 LOW_BITS = _every_byte(0x01)
 LOW_2BITS = _every_byte(0x03)
 # byte value b -> int64 whose byte k holds bit k of b, moved to bit 4 (the 5th bit of Q5 values)
-_BIT4_OF_BYTE = torch.tensor([sum(((b >> k) & 1) << (8 * k + 4) for k in range(8)) for b in range(256)],
-                             dtype=torch.int64)
+_BIT4_OF_BYTE = torch.tensor([sum(((b >> k) & 1) << (8 * k + 4) for k in range(8))
+                              for b in range(256)], dtype=torch.int64)
 
 
 def _f16(b: torch.Tensor) -> torch.Tensor:
@@ -143,7 +143,8 @@ def _q5_k(b):
 def _q6_k_ints(b):
     """[n, 256] unsigned 6-bit values (the stored q + 32) in element order."""
     n = b.shape[0]
-    lo = _nibble_words(_words(b[:, :128]).view(n, 2, 8)).view(n, 2, 2, 2, 4)   # [n, half, nib, row, 4]
+    lo = _nibble_words(_words(b[:, :128]).view(n, 2, 8)).view(n, 2, 2, 2,
+                                                              4)   # [n, half, nib, row, 4]
     qh = _words(b[:, 128:192]).view(n, 2, 1, 4)
     shifts = torch.tensor([0, 2, 4, 6], dtype=torch.int64).view(1, 1, 4, 1)
     hi = ((qh >> shifts) & LOW_2BITS) << 4                                        # [n, half, 4, 4]
@@ -163,7 +164,8 @@ def unpack_blocks(raw: torch.Tensor, ggml_type: T) -> dict[str, torch.Tensor]:
     raw [rows, row_bytes] uint8 -> per type, with nb blocks per row:
     Q8_0/Q5_0: q [rows, nb, 32] int8, d [rows, nb] f32;
     Q4_K: q [rows, nb, 8, 32] (0..15), scales/mins [rows, nb, 8] (0..63), d/dmin [rows, nb] f32;
-    Q6_K: q [rows, nb, 256] (0..63, i.e. stored value + 32), scales [rows, nb, 16] int8, d [rows, nb].
+    Q6_K: q [rows, nb, 256] (0..63, i.e. stored value + 32), scales [rows, nb, 16] int8,
+    d [rows, nb].
     """
     ggml_type = T(ggml_type)
     rows = raw.shape[0]
@@ -178,7 +180,8 @@ def unpack_blocks(raw: torch.Tensor, ggml_type: T) -> dict[str, torch.Tensor]:
                 "mins": mn.view(rows, nb, 8), "d": _f16(b[:, :2]).view(rows, nb),
                 "dmin": _f16(b[:, 2:4]).view(rows, nb)}
     if ggml_type == T.Q6_K:
-        return {"q": _q6_k_ints(b).view(rows, nb, QK_K), "scales": b[:, 192:208].view(torch.int8).view(rows, nb, 16),
+        return {"q": _q6_k_ints(b).view(rows, nb, QK_K),
+                "scales": b[:, 192:208].view(torch.int8).view(rows, nb, 16),
                 "d": _f16(b[:, 208:210]).view(rows, nb)}
     raise ValueError(f"no integer unpacking for {ggml_type.name}")
 
@@ -203,13 +206,17 @@ def dequantize(raw: torch.Tensor, ggml_type: T, shape: tuple[int, ...] | torch.S
         out = _KERNELS[ggml_type](blocks)
     else:
         raise ForgebenchError(f"{name}: quant type {ggml_type.name} is not supported",
-                              where=name, hint="supported: " + ", ".join(t.name for t in SUPPORTED_TYPES))
+                              where=name,
+                              hint="supported: " + ", ".join(t.name for t in SUPPORTED_TYPES))
     n = 1
     for s in shape:
         n *= int(s)
     if out.numel() != n:
-        raise ForgebenchError(f"{name}: {raw.numel()} bytes of {ggml_type.name} hold {out.numel()} values, "
-                              f"not the {n} its shape {tuple(shape)} needs", where=name)
+        raise ForgebenchError(
+            f"{name}: {raw.numel()} bytes of {ggml_type.name} hold {out.numel()} values, "
+            f"not the {n} its shape {tuple(shape)} needs",
+            where=name,
+        )
     return out.reshape(tuple(shape))
 
 

@@ -32,11 +32,10 @@ import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType
 
 from engine.errors import ForgebenchError
+from engine.gguf.constants import ALIGNMENT_KEY, DEFAULT_ALIGNMENT
 
 GGUF_MAGIC = b"GGUF"
 VERSIONS = (2, 3)
-DEFAULT_ALIGNMENT = 32
-ALIGNMENT_KEY = "general.alignment"
 MAX_DIMS = 4                     # GGML_MAX_DIMS
 MAX_ARRAY_DEPTH = 8              # llama.cpp reads no nested arrays; gguf-py reads any depth
 INT64_MAX = 2**63 - 1            # llama.cpp holds dims and element counts in int64_t

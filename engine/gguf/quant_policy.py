@@ -20,7 +20,9 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as T, LlamaFileType as F
+from gguf import GGML_QUANT_SIZES
+from gguf import GGMLQuantizationType as T
+from gguf import LlamaFileType as F
 
 # forgebench convert / export names -> llama.cpp file types
 FILE_TYPES: dict[str, F] = {

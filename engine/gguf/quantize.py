@@ -14,7 +14,8 @@ sequential sum over a group's elements is a loop of contiguous vector adds.
 from __future__ import annotations
 
 import numpy as np
-from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as T
+from gguf import GGML_QUANT_SIZES
+from gguf import GGMLQuantizationType as T
 
 F32 = np.float32
 GROUP_MAX_EPS = F32(1e-15)

@@ -64,7 +64,8 @@ class GGUFFile:
         key = key.replace("{arch}", self.architecture)
         if key not in self.metadata:
             raise ForgebenchError(f"metadata key {key!r} is missing", path=self.path, where=key,
-                                  hint="the file is incomplete or was written by an unsupported converter")
+                                  hint="the file is incomplete or was written by an "
+                                       "unsupported converter")
         return self.metadata[key]
 
     def require_int(self, key: str, default: int | None = None, *, minimum: int = 1) -> int:
@@ -112,7 +113,8 @@ class GGUFFile:
         """Refuse a tensor whose block format has no dequantization kernel."""
         if info.ggml_type not in SUPPORTED_TYPES:
             raise ForgebenchError(
-                f"tensor {info.name!r} has quant type {info.ggml_type.name}, which the engine cannot read",
+                f"tensor {info.name!r} has quant type {info.ggml_type.name}, which the engine "
+                "cannot read",
                 path=self.path, where=info.name,
                 hint="supported: " + ", ".join(t.name for t in SUPPORTED_TYPES)
                      + "; re-quantize the model with llama-quantize to one of these")

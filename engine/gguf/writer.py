@@ -29,9 +29,17 @@ from gguf import GGMLQuantizationType, GGUFValueType
 
 from engine.errors import ForgebenchError
 from engine.fsutil import atomic_writer, require_free_space
-from engine.gguf.parser import (ALIGNMENT_KEY, DEFAULT_ALIGNMENT, GGUF_MAGIC, NUMPY_DTYPE,
-                                SCALAR_FORMAT, MetaValue, check_alignment, encode, parse_gguf,
-                                tensor_nbytes)
+from engine.gguf.constants import ALIGNMENT_KEY, DEFAULT_ALIGNMENT
+from engine.gguf.parser import (
+    GGUF_MAGIC,
+    NUMPY_DTYPE,
+    SCALAR_FORMAT,
+    MetaValue,
+    check_alignment,
+    encode,
+    parse_gguf,
+    tensor_nbytes,
+)
 
 TensorData = Union[bytes, np.ndarray, Callable[[], Union[bytes, np.ndarray]]]
 

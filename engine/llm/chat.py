@@ -337,7 +337,8 @@ class ChatTemplate:
             self._template = _environment().from_string(source)
         except TemplateError as exc:
             raise ForgebenchError(f"the chat template does not compile: {exc}", path=path,
-                                  where=origin, hint="fix the template or pass another one")
+                                  where=origin, hint="fix the template or pass another one") \
+                from None
 
     @classmethod
     def from_gguf(cls, gguf_file, template: str | None = None,

@@ -28,7 +28,8 @@ class Generation:
 
     def as_dict(self) -> dict:
         return {"text": self.text, "ids": self.ids, "prompt_tokens": len(self.prompt_ids),
-                "new_tokens": len(self.ids), "stop_reason": self.stop_reason, "timings": self.timings}
+                "new_tokens": len(self.ids), "stop_reason": self.stop_reason,
+                "timings": self.timings}
 
 
 class TextStream:
@@ -118,7 +119,10 @@ def generate(model, tokenizer, prompt_ids: list[int], *, max_new_tokens: int = 6
     else:
         reason = "max_tokens"
     total = time.perf_counter() - start
-    timings = {"prompt_tokens_per_s": len(prompt_ids) / clock["prompt_s"] if clock["prompt_s"] else None,
-               "decode_tokens_per_s": clock["steps"] / clock["decode_s"] if clock["decode_s"] else None,
-               "time_to_first_token_s": clock["prompt_s"], "total_s": total}
+    timings = {
+        "prompt_tokens_per_s": len(prompt_ids) / clock["prompt_s"] if clock["prompt_s"] else None,
+        "decode_tokens_per_s": clock["steps"] / clock["decode_s"] if clock["decode_s"] else None,
+        "time_to_first_token_s": clock["prompt_s"],
+        "total_s": total,
+    }
     return Generation(list(prompt_ids), ids, text, reason, timings)

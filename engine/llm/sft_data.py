@@ -5,7 +5,7 @@ Each line is `{"instruction": …, "response": …}` (optionally `"system"`) or
 A malformed line is refused with its line number. A `text-sft` dataset folder (engine.data) is
 read the same way, one split at a time.
 
-Encoding (seed 000 §15.5): the conversation is rendered with the model's chat template, then
+Encoding: the conversation is rendered with the model's chat template, then
 split at each assistant reply. Template text is tokenized with special tokens parsed; each reply
 is tokenized *separately* and the ids concatenated, never the texts, so no BPE merge crosses the
 boundary between prompt and reply. The reply's tokens and the template's end-of-turn marker that

@@ -44,7 +44,8 @@ class RMSNorm(nn.Module):
 def rope_tables(positions: torch.Tensor, rot_dim: int, base: float,
                 freq_factors: torch.Tensor | None = None, freq_scale: float = 1.0,
                 libm: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos/sin [T, rot_dim/2] for positions [T]: angle_i = freq_scale · (pos · base^(-2i/rot_dim)) / ff_i.
+    """cos/sin [T, rot_dim/2] for positions [T]:
+    angle_i = freq_scale · (pos · base^(-2i/rot_dim)) / ff_i.
 
     Built as ggml_rope_cache_init builds it, in f32: theta starts at pos and is multiplied by
     powf(base, -2/rot_dim) once per frequency, divided by the frequency factor, then scaled, so
@@ -119,8 +120,10 @@ class KVCache:
         return self.k[layer][:, :, :end].to(k.dtype), self.v[layer][:, :, :end].to(v.dtype)
 
 
-def attention_mask(start_pos: int, q_len: int, kv_len: int, window: int | None = None) -> torch.Tensor:
-    """Boolean [q_len, kv_len]: True where query (start_pos+i) may attend key j (causal, windowed)."""
+def attention_mask(start_pos: int, q_len: int, kv_len: int,
+                   window: int | None = None) -> torch.Tensor:
+    """Boolean [q_len, kv_len]: True where query (start_pos+i) may attend key j (causal,
+    windowed)."""
     qpos = torch.arange(start_pos, start_pos + q_len)[:, None]
     kpos = torch.arange(kv_len)[None, :]
     mask = kpos <= qpos
@@ -134,9 +137,11 @@ def softcap(x: torch.Tensor, cap: float | None) -> torch.Tensor:
 
 
 class Attention(nn.Module):
-    """Grouped-query attention with optional q/k bias (Qwen2) and per-head q/k RMSNorm (Qwen3, Gemma3)."""
+    """Grouped-query attention with optional q/k bias (Qwen2) and per-head q/k RMSNorm (Qwen3,
+    Gemma3)."""
 
-    def __init__(self, dim: int, n_heads: int, n_kv_heads: int, head_dim: int, *, bias: bool = False,
+    def __init__(self, dim: int, n_heads: int, n_kv_heads: int, head_dim: int, *,
+                 bias: bool = False,
                  qk_norm_eps: float | None = None):
         super().__init__()
         self.n_heads, self.n_kv_heads, self.head_dim = n_heads, n_kv_heads, head_dim

@@ -17,8 +17,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.models.blocks import (Attention, GatedMLP, KVCache, RMSNorm, packed_positions,
-                                  rope_tables)
+from engine.models.blocks import (
+    Attention,
+    GatedMLP,
+    KVCache,
+    RMSNorm,
+    packed_positions,
+    rope_tables,
+)
 
 
 @dataclass
@@ -52,7 +58,8 @@ class Gemma3Block(nn.Module):
     def __init__(self, cfg: Gemma3Config):
         super().__init__()
         self.attn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
-        self.attn = Attention(cfg.dim, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, qk_norm_eps=cfg.norm_eps)
+        self.attn = Attention(cfg.dim, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim,
+                              qk_norm_eps=cfg.norm_eps)
         self.post_attn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.mlp_norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.mlp = GatedMLP(cfg.dim, cfg.ffn_dim, "gelu_tanh")
@@ -87,13 +94,14 @@ class Gemma3(nn.Module):
                      else packed_positions(lengths, tokens.shape[1]))
         libm = self.numerics == "llamacpp"
         rope_local = rope_tables(positions, c.head_dim, c.rope_local_theta, libm=libm)
-        rope_global = rope_tables(positions, c.head_dim, c.rope_theta, freq_scale=1.0 / c.rope_scale, libm=libm)
+        rope_global = rope_tables(positions, c.head_dim, c.rope_theta,
+                                  freq_scale=1.0 / c.rope_scale, libm=libm)
         h = self.tok_embeddings(tokens) * math.sqrt(c.dim)                      # [B,T,D]
         for i, layer in enumerate(self.layers):
             local = c.sliding[i]
             a = layer.attn(layer.attn_norm(h), rope_local if local else rope_global, self.rope_type,
-                           scale=c.query_scale, scale_q_first=True, start_pos=start_pos, cache=cache,
-                           layer=i, window=c.sliding_window if local else None,
+                           scale=c.query_scale, scale_q_first=True, start_pos=start_pos,
+                           cache=cache, layer=i, window=c.sliding_window if local else None,
                            attn_core=self.attn_core, lengths=lengths)
             if rows is not None and i == len(self.layers) - 1:
                 h, a = h[rows], a[rows]

@@ -15,11 +15,11 @@ import torch
 from torch import nn
 
 from engine.errors import ForgebenchError
-from engine.gguf.constants import REFUSED_ARCHS, SUPPORTED_ARCHS
+from engine.gguf.constants import LAYER_TENSORS, REFUSED_ARCHS, SUPPORTED_ARCHS
 from engine.gguf.dequant import dequantize
 from engine.gguf.reader import GGUFFile, open_gguf
-from engine.kernels.numerics import NUMERICS, attention_llamacpp
 from engine.kernels.native import kernels
+from engine.kernels.numerics import NUMERICS, attention_llamacpp
 from engine.models.blocks import Attention, RMSNorm
 from engine.models.gemma3 import Gemma3, Gemma3Config
 from engine.models.linear import FrozenQuantLinear, PackedEmbedding, PackedWeight
@@ -28,40 +28,14 @@ from engine.models.qwen import qwen2_config, qwen3_config
 
 WEIGHTS = ("packed", "dense-cache")
 
-# module path (per layer, after "layers.{i}.") -> GGUF tensor name (after "blk.{i}.")
-LAYER_TENSORS = {
-    "attn_norm": "attn_norm", "mlp_norm": "ffn_norm",
-    "attn.q": "attn_q", "attn.k": "attn_k", "attn.v": "attn_v", "attn.o": "attn_output",
-    "attn.q_norm": "attn_q_norm", "attn.k_norm": "attn_k_norm",
-    "mlp.gate": "ffn_gate", "mlp.up": "ffn_up", "mlp.down": "ffn_down",
-    "post_attn_norm": "post_attention_norm", "post_mlp_norm": "post_ffw_norm",
-}
-# model-level module path -> GGUF tensor name (before ".weight")
-MODEL_TENSORS = {"tok_embeddings": "token_embd", "norm": "output_norm", "output": "output"}
-
-
-def gguf_tensor_name(param: str) -> str | None:
-    """The GGUF tensor a parameter of an engine model is stored as (`layers.3.attn.q.weight`
-    -> `blk.3.attn_q.weight`), the inverse of how `_bind` names what it loads; None when the
-    file holds no such tensor. Exports of trained weights use this one mapping."""
-    module, _, kind = param.rpartition(".")
-    if module in MODEL_TENSORS:
-        return f"{MODEL_TENSORS[module]}.{kind}"
-    parts = module.split(".", 2)
-    if len(parts) == 3 and parts[0] == "layers" and parts[1].isdigit() \
-            and parts[2] in LAYER_TENSORS:
-        return f"blk.{parts[1]}.{LAYER_TENSORS[parts[2]]}.{kind}"
-    return None
-
-
 def _check_architecture(gf: GGUFFile) -> str:
     arch = gf.architecture
     if not arch:
         raise ForgebenchError("metadata has no general.architecture", path=gf.path,
                               where="general.architecture", hint="the file is not a model GGUF")
     if arch in REFUSED_ARCHS:
-        raise ForgebenchError(f"architecture {arch!r} is {REFUSED_ARCHS[arch]}, which the engine does "
-                              "not run", path=gf.path, where="general.architecture",
+        raise ForgebenchError(f"architecture {arch!r} is {REFUSED_ARCHS[arch]}, which the engine "
+                              "does not run", path=gf.path, where="general.architecture",
                               hint="supported: " + ", ".join(SUPPORTED_ARCHS))
     if gf.require_int("{arch}.expert_count", 0, minimum=0) > 0:
         raise ForgebenchError(f"{arch} file has {gf.get('{arch}.expert_count')} experts: "
@@ -150,8 +124,9 @@ def _packed(gf: GGUFFile, name: str, shape: tuple[int, int]) -> PackedWeight:
     info = gf.tensor(name)
     gf.check_type(info)
     if tuple(info.shape) != tuple(shape):
-        raise ForgebenchError(f"tensor {name!r} has shape {info.shape}, the metadata implies {shape}",
-                              path=gf.path, where=name, hint="the file's metadata and weights disagree")
+        raise ForgebenchError(f"tensor {name!r} has shape {info.shape}, the metadata implies "
+                              f"{shape}", path=gf.path, where=name,
+                              hint="the file's metadata and weights disagree")
     return PackedWeight(torch.from_numpy(info.raw), info.ggml_type, shape[0], shape[1], name)
 
 
@@ -160,7 +135,8 @@ def _dense(gf: GGUFFile, name: str, shape: tuple[int, ...]) -> torch.Tensor:
     gf.check_type(info)
     if tuple(info.shape) != tuple(shape):
         raise ForgebenchError(f"tensor {name!r} has shape {info.shape}, expected {shape}",
-                              path=gf.path, where=name, hint="the file's metadata and weights disagree")
+                              path=gf.path, where=name,
+                              hint="the file's metadata and weights disagree")
     return dequantize(torch.from_numpy(info.raw), info.ggml_type, shape, name).clone()
 
 
@@ -203,7 +179,8 @@ def _bind(model: nn.Module, gf: GGUFFile) -> None:
 def set_numerics(model: nn.Module, numerics: str) -> None:
     """Switch between plain f32 ("f32", for training) and llama.cpp's arithmetic ("llamacpp")."""
     if numerics not in NUMERICS:
-        raise ForgebenchError(f"numerics must be one of {NUMERICS}, not {numerics!r}", where="numerics")
+        raise ForgebenchError(f"numerics must be one of {NUMERICS}, not {numerics!r}",
+                              where="numerics")
     llamacpp = numerics == "llamacpp"
     model.numerics = numerics
     model.kv_dtype = torch.float16 if llamacpp else torch.float32
@@ -229,7 +206,8 @@ def packed_weights(model: nn.Module) -> list[PackedWeight]:
 
 
 def memory_report(model: nn.Module) -> dict:
-    """Bytes each weight mode costs: packed (memory-mapped), the dense caches, and a full f32 copy."""
+    """Bytes each weight mode costs: packed (memory-mapped), the dense caches, and a full f32
+    copy."""
     weights = packed_weights(model)
     small = sum(p.numel() * p.element_size() for p in model.parameters())
     return {"packed_bytes": sum(w.packed_bytes for w in weights),
@@ -262,13 +240,16 @@ def load_gguf_model(path: str | Path, numerics: str = "f32", weights: str = "pac
     if weights == "dense-cache":
         dtype = cache_dtype or torch.float32
         if numerics == "llamacpp" and dtype != torch.float32:
-            raise ForgebenchError("llama.cpp numerics need the exact weights: use an f32 dense cache",
-                                  where="cache_dtype")
+            raise ForgebenchError(
+                "llama.cpp numerics need the exact weights: use an f32 dense cache",
+                where="cache_dtype",
+            )
         for w in packed_weights(model):
             w.cache(dtype, lazy=lazy_cache)
     model.eval()
     tok = None
     if tokenizer:
         from engine.llm.tokenizer import GGUFTokenizer
+
         tok = GGUFTokenizer.from_gguf(gf)
     return model, tok

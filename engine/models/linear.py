@@ -91,7 +91,8 @@ def llamacpp_matmul(x: torch.Tensor, w: PackedWeight, bitexact: bool = True) -> 
         # chunk (never all in f32)
         tinyblas = tinyblas_serves(w.rows, w.cols, rows.shape[0])
         x16 = round_f16(rows)[None]
-        y = torch.cat([dot_f16(x16, chunk[None], tinyblas)[0] for _, _, chunk in w.chunks()], dim=-1)
+        y = torch.cat([dot_f16(x16, chunk[None], tinyblas)[0] for _, _, chunk in w.chunks()],
+                      dim=-1)
     elif bitexact and supports_exact(w.ggml_type, w.rows):
         if w._exact is None:
             w._exact = ExactWeight(w.raw, w.ggml_type, w.rows, w.cols)
@@ -201,7 +202,7 @@ def _linear_cross_entropy_pass(h: torch.Tensor, weight, targets: torch.Tensor,
     by_chunk: dict[int, list[int]] = {}                             # chunk -> positions
     for position, target in enumerate(targets.tolist()):
         by_chunk.setdefault(target // HEAD_CHUNK_ROWS, []).append(position)
-    for start, end, w in _head_chunks(weight):
+    for start, _end, w in _head_chunks(weight):
         w = w.to(h.dtype)
         z = F.linear(h, w)                                          # [N, rows]
         positions = by_chunk.get(start // HEAD_CHUNK_ROWS)

@@ -15,8 +15,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.models.blocks import (Attention, GatedMLP, KVCache, RMSNorm, packed_positions,
-                                  rope_tables)
+from engine.models.blocks import (
+    Attention,
+    GatedMLP,
+    KVCache,
+    RMSNorm,
+    packed_positions,
+    rope_tables,
+)
 
 
 @dataclass
@@ -42,14 +48,16 @@ class LlamaConfig:
         if self.rope_type not in ("norm", "neox"):
             raise ValueError(f"rope_type must be 'norm' or 'neox', not {self.rope_type!r}")
         if self.n_heads % self.n_kv_heads:
-            raise ValueError(f"n_heads {self.n_heads} is not a multiple of n_kv_heads {self.n_kv_heads}")
+            raise ValueError(f"n_heads {self.n_heads} is not a multiple of n_kv_heads "
+                             f"{self.n_kv_heads}")
 
 
 class LlamaBlock(nn.Module):
     def __init__(self, cfg: LlamaConfig):
         super().__init__()
         self.attn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
-        self.attn = Attention(cfg.dim, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, bias=cfg.attn_bias,
+        self.attn = Attention(cfg.dim, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim,
+                              bias=cfg.attn_bias,
                               qk_norm_eps=cfg.norm_eps if cfg.qk_norm else None)
         self.mlp_norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.mlp = GatedMLP(cfg.dim, cfg.ffn_dim, "silu")

@@ -16,13 +16,6 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from engine.train.media_data import (
-    dataset_manifest,
-    open_dataset,
-    read_clip,
-    split_records,
-    write_wav,
-)
 from engine.diffusion import SCHEDULE_ID, Schedule
 from engine.eval.audio import integrity_flags
 from engine.eval.neighbours import nearest_clips
@@ -37,6 +30,13 @@ from engine.train.generators import (
     run_sampler,
     sample_request,
     train_generator,
+)
+from engine.train.media_data import (
+    dataset_manifest,
+    open_dataset,
+    read_clip,
+    split_records,
+    write_wav,
 )
 
 KINDS = ("audio-clips",)

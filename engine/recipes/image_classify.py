@@ -13,13 +13,6 @@ import torch
 import torch.nn.functional as F
 
 from engine.data.formats import EMPTY_LABEL
-from engine.train.media_data import (
-    ImageSet,
-    augment,
-    dataset_manifest,
-    image_set,
-    open_dataset,
-)
 from engine.eval.classification import classification_report
 from engine.jobs import Job, run_config
 from engine.models.vision import WIDTHS, SmallCNN
@@ -32,6 +25,13 @@ from engine.train.loop import (
     record_eval,
     require_same_classes,
     train_loop,
+)
+from engine.train.media_data import (
+    ImageSet,
+    augment,
+    dataset_manifest,
+    image_set,
+    open_dataset,
 )
 from engine.train.optim import build_adamw
 from engine.train.precision import autocast
@@ -52,7 +52,8 @@ def class_list(config: ImageClassifyConfig, dataset) -> list[str]:
 
 
 def load_split(config: ImageClassifyConfig, dataset, classes: list[str], split: str) -> ImageSet:
-    return image_set(dataset, split, classes, config.image, keep=lambda r: r.get("label") in classes)
+    return image_set(dataset, split, classes, config.image,
+                     keep=lambda r: r.get("label") in classes)
 
 
 @torch.no_grad()

@@ -15,14 +15,6 @@ import numpy as np
 import torch
 from PIL import Image, ImageDraw
 
-from engine.train.media_data import (
-    ImageSet,
-    augment,
-    dataset_manifest,
-    image_set,
-    open_dataset,
-    save_png,
-)
 from engine.eval.detection import detection_report
 from engine.fsutil import atomic_write_text
 from engine.jobs import Job, run_config
@@ -36,6 +28,14 @@ from engine.train.loop import (
     record_eval,
     require_same_classes,
     train_loop,
+)
+from engine.train.media_data import (
+    ImageSet,
+    augment,
+    dataset_manifest,
+    image_set,
+    open_dataset,
+    save_png,
 )
 from engine.train.optim import build_adamw
 from engine.train.precision import autocast

@@ -12,13 +12,6 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from engine.train.media_data import (
-    augment,
-    dataset_manifest,
-    image_set,
-    open_dataset,
-    save_png,
-)
 from engine.diffusion import SCHEDULE_ID, Schedule
 from engine.eval.neighbours import nearest_images
 from engine.fsutil import atomic_write_json
@@ -32,6 +25,13 @@ from engine.train.generators import (
     run_sampler,
     sample_request,
     train_generator,
+)
+from engine.train.media_data import (
+    augment,
+    dataset_manifest,
+    image_set,
+    open_dataset,
+    save_png,
 )
 
 KINDS = ("image-masks", "image-classify", "image-boxes")

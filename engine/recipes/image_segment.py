@@ -19,14 +19,6 @@ import json
 import numpy as np
 import torch
 
-from engine.train.media_data import (
-    ImageSet,
-    augment,
-    dataset_manifest,
-    image_set,
-    open_dataset,
-    save_png,
-)
 from engine.eval.contours import write_contours
 from engine.eval.masks import boundary_f1, iou
 from engine.fsutil import atomic_write_text
@@ -42,6 +34,14 @@ from engine.train.loop import (
     record_eval,
     require_same_classes,
     train_loop,
+)
+from engine.train.media_data import (
+    ImageSet,
+    augment,
+    dataset_manifest,
+    image_set,
+    open_dataset,
+    save_png,
 )
 from engine.train.optim import build_adamw
 from engine.train.precision import autocast

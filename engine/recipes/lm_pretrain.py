@@ -32,7 +32,7 @@ from engine.train.checkpoint import (
     set_rng_state,
 )
 from engine.train.data_order import DataCursor
-from engine.train.metrics import StepClock, WindowLoss, peak_rss_mb
+from engine.train.metrics import StepClock, WindowLoss, train_row
 from engine.train.optim import build_adamw, clip_and_step, lr_at, set_lr
 from engine.train.precision import autocast
 
@@ -343,13 +343,11 @@ def train(job: Job) -> None:
         step += 1
         tokens_per_s = clock.tick(window.tokens)
         if step % config.log_every == 0 or step == config.steps:
-            run.log_metric({
-                "invocation": job.invocation, "step": step, "split": "train",
-                "loss": window.value, "grad_norm": outcome.grad_norm,
-                "clipped": outcome.clipped, "skipped": outcome.skipped,
-                "skipped_total": skipped_total, "lr": lr, "input_tokens": tokens_per_step,
-                "supervised_tokens": window.tokens, "tokens_per_s": tokens_per_s,
-                "elapsed_s": clock.elapsed, "peak_rss_mb": peak_rss_mb()})
+            run.log_metric(train_row(
+                invocation=job.invocation, step=step, loss=window.value, outcome=outcome,
+                skipped_total=skipped_total, lr=lr, elapsed_s=clock.elapsed,
+                input_tokens=tokens_per_step, supervised_tokens=window.tokens,
+                tokens_per_s=tokens_per_s))
         bar.update(1)
         bar.set_postfix(loss=f"{window.value:.3f}", lr=f"{lr:.2e}")
         job.step_done(step)

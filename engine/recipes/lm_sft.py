@@ -17,7 +17,6 @@ from __future__ import annotations
 import functools
 import json
 import re
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -32,6 +31,7 @@ from engine.jobs import Job, run_config
 from engine.llm.chat import ChatTemplate, encode_prompt
 from engine.llm.sft_data import encode_sft_dataset, load_sft_examples
 from engine.lora import (
+    ADAPTERS_FILE,
     LoRALinear,
     adapter_bytes,
     attach_lora,
@@ -50,11 +50,10 @@ from engine.train.checkpoint import (
 )
 from engine.train.data_order import DataCursor
 from engine.train.loss import IGNORE, supervised_loss
-from engine.train.metrics import StepClock, WindowLoss, peak_rss_mb
+from engine.train.metrics import StepClock, WindowLoss, train_row
 from engine.train.optim import build_adamw, clip_and_step, lr_at, set_lr
 from engine.train.precision import autocast
 
-ADAPTERS_FILE = "adapters.safetensors"
 BYTES_PER_FULL_PARAM = 16  # f32 weight + grad + two AdamW moments
 
 
@@ -302,10 +301,14 @@ def checkpoint_activations(model: nn.Module) -> None:
 
 
 # -- generation -----------------------------------------------------------------------------
+GREEDY = SamplingSettings()
+
+
 @torch.no_grad()
-def greedy_answer(base: Base, prompt: str, max_tokens: int,
-                  enable_thinking: bool | None = False) -> str:
-    """The greedy, KV-cached answer to one user turn (dropout off)."""
+def answer(base: Base, prompt: str, max_tokens: int, enable_thinking: bool | None = False, *,
+           settings: SamplingSettings = GREEDY, seed: int = 0) -> str:
+    """The KV-cached answer to one user turn (dropout off): greedy by default, else sampled
+    with `settings` from a generator seeded with `seed`."""
     model = base.model
     was_training = model.training
     model.eval()
@@ -318,7 +321,8 @@ def greedy_answer(base: Base, prompt: str, max_tokens: int,
         return model.logits(h[0, -1])                                       # [V]
 
     stops = set(getattr(base.tokenizer, "eot_ids", ()) or ()) | {base.tokenizer.eos_id}
-    out = generate_tokens(step, ids, max_new_tokens=max_tokens, settings=SamplingSettings(),
+    out = generate_tokens(step, ids, max_new_tokens=max_tokens, settings=settings,
+                          generator=torch.Generator().manual_seed(seed),
                           stop_ids=[s for s in stops if s is not None])
     model.train(was_training)
     return base.tokenizer.decode(out)
@@ -329,8 +333,8 @@ def write_generations(run: RunDir, name: str, step: int, base: Base, config: LMS
     """samples/<name>/generations.jsonl (prompt, answer) + generations.json sidecar."""
     if not config.sample.prompts:
         return None
-    lines = [{"prompt": p, "answer": greedy_answer(base, p, config.sample.max_tokens,
-                                                   config.data.enable_thinking)}
+    lines = [{"prompt": p, "answer": answer(base, p, config.sample.max_tokens,
+                                            config.data.enable_thinking)}
              for p in config.sample.prompts]
     out = run.samples_dir / name
     path = out / "generations.jsonl"
@@ -429,14 +433,11 @@ def train(job: Job) -> None:
         step += 1
         tokens_per_s = clock.tick(loss.tokens)
         if step % config.log_every == 0 or step == config.steps:
-            run.log_metric({
-                "invocation": job.invocation, "step": step, "split": "train",
-                "loss": loss.value, "grad_norm": outcome.grad_norm, "clipped": outcome.clipped,
-                "skipped": outcome.skipped, "skipped_total": skipped_total, "lr": lr,
-                "input_tokens": input_tokens, "supervised_tokens": loss.tokens,
-                "tokens_per_s": tokens_per_s, "elapsed_s": clock.elapsed,
-                "process_cpu_s": time.process_time(),   # this invocation's CPU, all threads
-                "peak_rss_mb": peak_rss_mb()})
+            run.log_metric(train_row(
+                invocation=job.invocation, step=step, loss=loss.value, outcome=outcome,
+                skipped_total=skipped_total, lr=lr, elapsed_s=clock.elapsed,
+                input_tokens=input_tokens, supervised_tokens=loss.tokens,
+                tokens_per_s=tokens_per_s))
         bar.update(1)
         bar.set_postfix(loss=f"{loss.value:.4f}", lr=f"{lr:.2e}")
         job.step_done(step)
@@ -490,6 +491,9 @@ def evaluate(run: RunDir, checkpoint: Checkpoint, split: str) -> dict:
 
 def generate(run: RunDir, checkpoint: Checkpoint, args) -> dict:
     base, config = load_trained(run, checkpoint)
-    text = greedy_answer(base, args.prompt, args.max_tokens, config.data.enable_thinking)
+    settings = SamplingSettings(args.temperature, args.top_k, args.top_p,
+                                args.repetition_penalty)
+    text = answer(base, args.prompt, args.max_tokens, config.data.enable_thinking,
+                  settings=settings, seed=args.seed)
     return {"prompt": args.prompt, "text": text, "checkpoint": checkpoint.name,
-            "settings": {"greedy": True, "max_tokens": args.max_tokens}}
+            "seed": args.seed, "settings": settings.as_dict() | {"max_tokens": args.max_tokens}}

@@ -14,7 +14,6 @@ from typing import Callable
 import torch
 
 from engine.data.dataset import Dataset
-from engine.train.media_data import open_dataset
 from engine.diffusion import (
     EMA,
     SCHEDULE_ID,
@@ -34,6 +33,7 @@ from engine.train.loop import (
     require_same_classes,
     train_loop,
 )
+from engine.train.media_data import open_dataset
 from engine.train.optim import build_adamw
 from engine.train.precision import autocast
 

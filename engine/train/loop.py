@@ -28,7 +28,7 @@ from engine.train.checkpoint import (
     set_rng_state,
 )
 from engine.train.data_order import DataCursor
-from engine.train.metrics import StepClock, peak_rss_mb
+from engine.train.metrics import StepClock, train_row
 from engine.train.optim import clip_and_step, lr_at, set_lr
 
 META_FILE = "meta.json"
@@ -169,13 +169,10 @@ def train_loop(job: Job, loop: Loop) -> None:
             loop.ema.update(loop.model, step)
         examples_per_s = clock.tick(len(indices))
         if step % config.log_every == 0 or step == config.steps:
-            run.log_metric({
-                "invocation": job.invocation, "step": step, "split": "train", "loss": value,
-                "grad_norm": outcome.grad_norm, "clipped": outcome.clipped,
-                "skipped": outcome.skipped, "skipped_total": skipped_total, "lr": lr,
-                "examples": len(indices), "examples_per_s": examples_per_s,
-                "epoch": cursor.epoch, "elapsed_s": clock.elapsed,
-                "peak_rss_mb": peak_rss_mb()})
+            run.log_metric(train_row(
+                invocation=job.invocation, step=step, loss=value, outcome=outcome,
+                skipped_total=skipped_total, lr=lr, elapsed_s=clock.elapsed,
+                examples=len(indices), examples_per_s=examples_per_s, epoch=cursor.epoch))
         bar.update(1)
         bar.set_postfix(loss=f"{value:.4f}")
         job.step_done(step)

@@ -1,4 +1,5 @@
-"""Per-step measurements: token-weighted loss, throughput, elapsed time, peak memory."""
+"""Per-step measurements (token-weighted loss, throughput, elapsed time, peak memory) and the
+one builder of a training row of `metrics.jsonl` (docs/design.md, "The metrics row")."""
 
 from __future__ import annotations
 
@@ -61,3 +62,19 @@ class WindowLoss:
     @property
     def value(self) -> float:
         return self.sum / self.tokens if self.tokens else float("nan")
+
+
+def train_row(*, invocation: int, step: int, loss: float, outcome, skipped_total: int, lr: float,
+              elapsed_s: float, **throughput: float | int) -> dict:
+    """The `metrics.jsonl` row of a logged optimizer step, the same keys for every recipe.
+
+    `outcome` is the step's engine.train.optim.StepOutcome; `throughput` the recipe's own
+    figures (`input_tokens`, `supervised_tokens`, `tokens_per_s`; or `examples`,
+    `examples_per_s`, `epoch`). The app plots any numeric key, so a new key is additive.
+    """
+    return {"invocation": invocation, "step": step, "split": "train", "loss": loss,
+            "grad_norm": outcome.grad_norm, "clipped": outcome.clipped,
+            "skipped": outcome.skipped, "skipped_total": skipped_total, "lr": lr, **throughput,
+            "elapsed_s": elapsed_s,
+            "process_cpu_s": time.process_time(),   # this invocation's CPU, all threads
+            "peak_rss_mb": peak_rss_mb()}

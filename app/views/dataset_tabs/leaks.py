@@ -9,8 +9,15 @@ import json
 
 from PySide6.QtCore import QProcess, Qt, Signal
 from PySide6.QtGui import QColor
-from PySide6.QtWidgets import (QHBoxLayout, QLabel, QPushButton, QTableWidget, QTableWidgetItem,
-                               QVBoxLayout, QWidget)
+from PySide6.QtWidgets import (
+    QHBoxLayout,
+    QLabel,
+    QPushButton,
+    QTableWidget,
+    QTableWidgetItem,
+    QVBoxLayout,
+    QWidget,
+)
 
 from app.viewmodels.datasets import DatasetTable, leak_rows
 from app.views.engine_process import run_engine

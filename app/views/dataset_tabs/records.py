@@ -4,17 +4,25 @@ marked in their cells, and the record editor that saves an edit as a new dataset
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 from PySide6.QtCore import QAbstractProxyModel, QAbstractTableModel, QModelIndex, Qt, Signal
 from PySide6.QtGui import QColor
-from PySide6.QtWidgets import (QAbstractItemView, QHBoxLayout, QHeaderView, QLabel, QLineEdit,
-                               QPlainTextEdit, QPushButton, QSplitter, QTableView, QVBoxLayout,
-                               QWidget)
-
-from engine.errors import ForgebenchError
+from PySide6.QtWidgets import (
+    QAbstractItemView,
+    QHBoxLayout,
+    QHeaderView,
+    QLabel,
+    QLineEdit,
+    QPlainTextEdit,
+    QPushButton,
+    QSplitter,
+    QTableView,
+    QVBoxLayout,
+    QWidget,
+)
 
 from app.viewmodels.datasets import DatasetTable
+from engine.errors import ForgebenchError
 
 ERROR_BG = QColor("#ffcdd2")
 WARNING_BG = QColor("#fff3cd")

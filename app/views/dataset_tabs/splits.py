@@ -4,13 +4,20 @@ saves a new dataset version."""
 from __future__ import annotations
 
 from PySide6.QtCore import QAbstractTableModel, QModelIndex, Qt, Signal
-from PySide6.QtWidgets import (QAbstractItemView, QComboBox, QHBoxLayout, QLabel, QPushButton,
-                               QTableView, QVBoxLayout, QWidget)
-
-from engine.data import formats as F
-from engine.errors import ForgebenchError
+from PySide6.QtWidgets import (
+    QAbstractItemView,
+    QComboBox,
+    QHBoxLayout,
+    QLabel,
+    QPushButton,
+    QTableView,
+    QVBoxLayout,
+    QWidget,
+)
 
 from app.viewmodels.datasets import DatasetTable
+from engine.data import formats as F
+from engine.errors import ForgebenchError
 
 
 class GroupsModel(QAbstractTableModel):

@@ -9,11 +9,11 @@ from __future__ import annotations
 
 import contextlib
 import os
-import shutil
 from pathlib import Path
 from typing import Iterator
 
 from engine.errors import ForgebenchError
+from engine.fsutil import staged_dir
 
 RECORD_RIGHTS = "generated-locally-no-recorded-people-no-third-party-material"
 
@@ -35,18 +35,8 @@ def staged_dataset_dir(out_dir: str | os.PathLike) -> Iterator[Path]:
     if target.exists() and (not target.is_dir() or any(target.iterdir())):
         raise ForgebenchError("output folder already exists and is not empty", path=target,
                               hint="choose a new folder; generators never overwrite data")
-    target.parent.mkdir(parents=True, exist_ok=True)
-    staging = target.with_name(f".{target.name}.partial")
-    shutil.rmtree(staging, ignore_errors=True)
-    staging.mkdir()
-    try:
+    with staged_dir(target) as staging:
         yield staging
-        if target.exists():
-            target.rmdir()
-        os.replace(staging, target)
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
 
 
 def generate_samples(datasets_dir: str | os.PathLike) -> list[Path]:

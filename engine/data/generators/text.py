@@ -136,9 +136,10 @@ def _write_sft(out_dir: str | os.PathLike, name: str, records: list[dict], **man
 
 
 def generate_pirate(out_dir: str | os.PathLike) -> Path:
-    """The five pirate pairs of seed 000 §15.6, all for training (the demo overfits them)."""
+    """The five pirate pairs of the LoRA demo, all for training (the demo overfits them)."""
     records = [{"id": f"pirate-{i + 1}", "instruction": q, "response": a,
-                "group": f"pirate-{i + 1}", "split": "train", "source": "seed 000 §15.6, examples/finetune/main.zig:38-44",
+                "group": f"pirate-{i + 1}", "split": "train",
+                "source": "seed 000 §15.6, examples/finetune/main.zig:38-44",
                 "rights": "quoted from the source book's example dataset"}
                for i, (q, a) in enumerate(PIRATE_PAIRS)]
     rights = dict(GENERATED_RIGHTS, basis="five short example pairs quoted from the source "
