@@ -18,9 +18,18 @@ import pytest
 from engine.kernels.cpu import EXACT, KernelPlan, plan, plan_for
 
 # llama_print_system_info() names -> /proc/cpuinfo names (engine/kernels/cpu.py FEATURE_BITS)
-SYSTEM_INFO_NAMES = {"AVX": "avx", "AVX2": "avx2", "FMA": "fma", "F16C": "f16c", "AVX512": "avx512f",
-                     "AVX512_VBMI": "avx512vbmi", "AVX512_VNNI": "avx512_vnni", "AVX512_BF16": "avx512_bf16",
-                     "AVX_VNNI": "avx_vnni", "AMX_INT8": "amx_int8"}
+SYSTEM_INFO_NAMES = {
+    "AVX": "avx",
+    "AVX2": "avx2",
+    "FMA": "fma",
+    "F16C": "f16c",
+    "AVX512": "avx512f",
+    "AVX512_VBMI": "avx512vbmi",
+    "AVX512_VNNI": "avx512_vnni",
+    "AVX512_BF16": "avx512_bf16",
+    "AVX_VNNI": "avx_vnni",
+    "AMX_INT8": "amx_int8",
+}
 
 
 def system_info() -> dict[str, bool]:
@@ -36,8 +45,8 @@ def system_info() -> dict[str, bool]:
 
 
 def oracle_plan() -> KernelPlan:
-    """The kernel plan of the installed llama.cpp build. ggml reports AVX512 (F) and VNNI but not DQ,
-    BW or VL; every AVX-512 CPU that llama.cpp's kernels target has them, so they follow F."""
+    """The kernel plan of the installed llama.cpp build. ggml reports AVX512 (F) and VNNI but not
+    DQ, BW or VL; every AVX-512 CPU that llama.cpp's kernels target has them, so they follow F."""
     flags = system_info()
     features = {SYSTEM_INFO_NAMES[k] for k, on in flags.items() if on and k in SYSTEM_INFO_NAMES}
     if "avx512f" in features:
@@ -48,11 +57,17 @@ def oracle_plan() -> KernelPlan:
 def require_same_plan() -> KernelPlan:
     """The engine's plan, after skipping (with the reason) when the oracle runs other orders."""
     ours, theirs = plan(), oracle_plan()
-    if ours.x86_exact and theirs.x86_exact and (ours.f16_lanes, ours.softmax_lanes, ours.q6_k_tiled_fma) != (
-            theirs.f16_lanes, theirs.softmax_lanes, theirs.q6_k_tiled_fma):
-        pytest.skip(f"llama.cpp was built for {theirs.isa} but the engine follows {ours.isa} "
-                    f"(FORGEBENCH_SIMD={ours.forced or 'unset'}): rebuild llama-cpp-python for this CPU, "
-                    "or set FORGEBENCH_SIMD to match it (docs/numerics.md)")
+    if (
+        ours.x86_exact
+        and theirs.x86_exact
+        and (ours.f16_lanes, ours.softmax_lanes, ours.q6_k_tiled_fma)
+        != (theirs.f16_lanes, theirs.softmax_lanes, theirs.q6_k_tiled_fma)
+    ):
+        pytest.skip(
+            f"llama.cpp was built for {theirs.isa} but the engine follows {ours.isa} "
+            f"(FORGEBENCH_SIMD={ours.forced or 'unset'}): rebuild llama-cpp-python for this CPU, "
+            "or set FORGEBENCH_SIMD to match it (docs/numerics.md)"
+        )
     return ours
 
 
@@ -67,13 +82,17 @@ def assert_kernel_matches(ours: np.ndarray, theirs: np.ndarray, kernel: str, p: 
         return
     scale = max(float(np.abs(theirs).max()), 1e-30)
     assert np.allclose(ours, theirs, rtol=0, atol=1e-5 * scale)
-    pytest.xfail(f"{kernel}: llama.cpp's kernel on this CPU ({p.isa}) is not reproduced bit for bit; "
-                 f"agrees to {np.abs(ours - theirs).max():.2e}")
+    pytest.xfail(
+        f"{kernel}: llama.cpp's kernel on this CPU ({p.isa}) is not reproduced bit for bit; "
+        f"agrees to {np.abs(ours - theirs).max():.2e}"
+    )
 
 
 def ggml_cpu_library():
     """libggml-cpu.so of the installed llama-cpp-python, initialised, for direct kernel calls."""
-    llama_cpp = pytest.importorskip("llama_cpp", reason="llama-cpp-python (the `verify` extra) is not installed")
+    llama_cpp = pytest.importorskip(
+        "llama_cpp", reason="llama-cpp-python (the `verify` extra) is not installed"
+    )
     lib = ctypes.CDLL(os.path.join(os.path.dirname(llama_cpp.__file__), "lib", "libggml-cpu.so"))
     lib.ggml_cpu_init()
     return lib

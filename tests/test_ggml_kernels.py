@@ -1,4 +1,4 @@
-"""llama.cpp's CPU kernels as the engine reproduces them (engine/kernels/ggml_matmul.py, numerics.py).
+"""llama.cpp's CPU kernels as the engine reproduces them (engine/kernels/: ggml_matmul, numerics).
 
 Three kinds of checks:
 - the C build (ggml_kernels.c) against the torch reference, bit for bit, on random blocks for
@@ -20,17 +20,24 @@ import os
 import numpy as np
 import pytest
 import torch
+from fixtures_gguf import encode_tensor
 from gguf import GGMLQuantizationType as T
+from llamacpp_oracle import assert_kernel_matches, ggml_cpu_library, require_same_plan
 
 import engine.kernels.ggml_matmul as ggml_matmul
 from engine.errors import ForgebenchError
 from engine.kernels import cpu
 from engine.kernels.ggml_matmul import TILED_MIN_ROWS, ExactWeight
 from engine.kernels.native import kernels
-from engine.kernels.numerics import (dot_f16, dot_tinyblas, dot_vec_f16, quantize_q8_0, quantize_q8_k, round_f16,
-                                     softmax_ggml)
-from fixtures_gguf import encode_tensor
-from llamacpp_oracle import assert_kernel_matches, ggml_cpu_library, require_same_plan
+from engine.kernels.numerics import (
+    dot_f16,
+    dot_tinyblas,
+    dot_vec_f16,
+    quantize_q8_0,
+    quantize_q8_k,
+    round_f16,
+    softmax_ggml,
+)
 
 AVX2 = frozenset({"avx", "avx2", "fma", "f16c"})
 AVX512 = AVX2 | {"avx512f", "avx512dq", "avx512bw", "avx512vl"}
@@ -46,14 +53,14 @@ def random_weight(qtype: T, rows: int, cols: int, seed: int = 0) -> torch.Tensor
 
 def activations(rows: int, cols: int, seed: int = 1) -> torch.Tensor:
     x = torch.randn(rows, cols, generator=torch.Generator().manual_seed(seed))
-    x[:, 7] *= 40                                             # an outlier, as real activations have
+    x[:, 7] *= 40  # an outlier, as real activations have
     return x
 
 
 @needs_native
 @pytest.mark.parametrize("features", [AVX2, AVX512_VNNI], ids=["avx2", "avx512-vnni"])
 @pytest.mark.parametrize("qtype", [T.Q8_0, T.Q5_0, T.Q4_K, T.Q6_K])
-@pytest.mark.parametrize("rows", [1, 3, 5, TILED_MIN_ROWS, 13])   # vec_dot/gemv, gemm+gemv, tiled
+@pytest.mark.parametrize("rows", [1, 3, 5, TILED_MIN_ROWS, 13])  # vec_dot/gemv, gemm+gemv, tiled
 def test_c_kernels_equal_torch_reference(qtype, rows, features, monkeypatch):
     monkeypatch.setattr(ggml_matmul, "plan", lambda: cpu.plan_for(features))
     raw = random_weight(qtype, 24, 512)
@@ -68,7 +75,7 @@ def test_c_kernels_equal_torch_reference(qtype, rows, features, monkeypatch):
 @pytest.mark.parametrize("tinyblas", [True, False])
 def test_c_f16_dots_equal_torch_reference(tinyblas, lanes):
     g = torch.Generator().manual_seed(3)
-    a = round_f16(torch.randn(2, 3, 5, 80, generator=g))    # 80: vec_dot has a leftover on both sets
+    a = round_f16(torch.randn(2, 3, 5, 80, generator=g))  # 80: vec_dot has a leftover on both sets
     b = round_f16(torch.randn(2, 3, 7, 80, generator=g))
     reference = dot_tinyblas(a, b, lanes) if tinyblas else dot_vec_f16(a, b, lanes)
     assert torch.equal(dot_f16(a, b, tinyblas, lanes), reference)
@@ -93,6 +100,7 @@ def test_exact_kernels_differ_from_plain_product_only_in_rounding():
     x = activations(9, 512)
     ours = ExactWeight(raw, T.Q5_0, 64, 512, native=False).matmul(x)
     from engine.gguf.dequant import dequantize
+
     w = dequantize(raw, T.Q5_0, (64, 512))
     q, d = quantize_q8_0(x)
     xq = (q * d[..., None]).reshape(9, 512)
@@ -103,16 +111,31 @@ def test_exact_kernels_differ_from_plain_product_only_in_rounding():
 
 # --- against libggml-cpu itself --------------------------------------------------------------
 
+
 @pytest.fixture(scope="module")
 def ggml():
     lib = ggml_cpu_library()
-    P, I64, I = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+    P, I64, INT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
     for name in ("quantize_row_q8_0", "quantize_row_q8_K"):
         getattr(lib, name).argtypes = [P, P, I64]
     lib.ggml_quantize_mat_q8_K_4x8.argtypes = [P, P, I64]
-    for name in ("ggml_vec_dot_q8_0_q8_0", "ggml_vec_dot_q5_0_q8_0", "ggml_vec_dot_q6_K_q8_K", "ggml_vec_dot_f16"):
-        getattr(lib, name).argtypes = [I, P, ctypes.c_size_t, P, ctypes.c_size_t, P, ctypes.c_size_t, I]
-    lib.ggml_vec_soft_max_f32.argtypes = [I, P, P, ctypes.c_float]
+    for name in (
+        "ggml_vec_dot_q8_0_q8_0",
+        "ggml_vec_dot_q5_0_q8_0",
+        "ggml_vec_dot_q6_K_q8_K",
+        "ggml_vec_dot_f16",
+    ):
+        getattr(lib, name).argtypes = [
+            INT,
+            P,
+            ctypes.c_size_t,
+            P,
+            ctypes.c_size_t,
+            P,
+            ctypes.c_size_t,
+            INT,
+        ]
+    lib.ggml_vec_soft_max_f32.argtypes = [INT, P, P, ctypes.c_float]
     lib.ggml_vec_soft_max_f32.restype = ctypes.c_double
     return lib
 
@@ -128,29 +151,44 @@ def test_activation_quantizers_match_ggml(ggml):
     x = activations(4, 1024).numpy()
     ours_q, ours_d = quantize_q8_0(torch.from_numpy(x))
     blocks = q8_blocks(ggml, "quantize_row_q8_0", np.ascontiguousarray(x), 34)
-    assert np.array_equal(blocks[:, :2].copy().view(np.float16).astype(np.float32).ravel(), ours_d.numpy().ravel())
-    assert np.array_equal(blocks[:, 2:].view(np.int8).astype(np.float32).ravel(), ours_q.numpy().ravel())
+    assert np.array_equal(
+        blocks[:, :2].copy().view(np.float16).astype(np.float32).ravel(), ours_d.numpy().ravel()
+    )
+    assert np.array_equal(
+        blocks[:, 2:].view(np.int8).astype(np.float32).ravel(), ours_q.numpy().ravel()
+    )
     ours_q, ours_d = quantize_q8_k(torch.from_numpy(x))
     blocks = q8_blocks(ggml, "quantize_row_q8_K", np.ascontiguousarray(x), 292)
     assert np.array_equal(blocks[:, :4].copy().view(np.float32).ravel(), ours_d.numpy().ravel())
-    assert np.array_equal(blocks[:, 4:260].view(np.int8).astype(np.float32).ravel(), ours_q.numpy().ravel())
+    assert np.array_equal(
+        blocks[:, 4:260].view(np.int8).astype(np.float32).ravel(), ours_q.numpy().ravel()
+    )
     # the 4-row quantizer in front of the repacked Q4_K gemm (its scale once differed from ours by
     # an ulp: torch's `scalar / tensor` is not a correctly rounded division)
     packed = np.zeros(4 * 1168, dtype=np.uint8)
     ggml.ggml_quantize_mat_q8_K_4x8(np.ascontiguousarray(x).ctypes.data, packed.ctypes.data, 1024)
-    d = packed.reshape(4, 1168)[:, :16].copy().view(np.float32)           # [block, row]
+    d = packed.reshape(4, 1168)[:, :16].copy().view(np.float32)  # [block, row]
     assert np.array_equal(d.T, ours_d.numpy())
 
 
 @pytest.mark.llamacpp
-@pytest.mark.parametrize("qtype,fn,act_bytes", [(T.Q8_0, "ggml_vec_dot_q8_0_q8_0", 34),
-                                                (T.Q5_0, "ggml_vec_dot_q5_0_q8_0", 34),
-                                                (T.Q6_K, "ggml_vec_dot_q6_K_q8_K", 292)])
+@pytest.mark.parametrize(
+    "qtype,fn,act_bytes",
+    [
+        (T.Q8_0, "ggml_vec_dot_q8_0_q8_0", 34),
+        (T.Q5_0, "ggml_vec_dot_q5_0_q8_0", 34),
+        (T.Q6_K, "ggml_vec_dot_q6_K_q8_K", 292),
+    ],
+)
 def test_dot_products_match_ggml(ggml, qtype, fn, act_bytes):
     raw = random_weight(qtype, 16, 1024)
     x = activations(1, 1024)
-    act = q8_blocks(ggml, "quantize_row_q8_0" if act_bytes == 34 else "quantize_row_q8_K",
-                    np.ascontiguousarray(x.numpy()), act_bytes)
+    act = q8_blocks(
+        ggml,
+        "quantize_row_q8_0" if act_bytes == 34 else "quantize_row_q8_K",
+        np.ascontiguousarray(x.numpy()),
+        act_bytes,
+    )
     theirs = np.zeros(16, dtype=np.float32)
     for n in range(16):
         s = ctypes.c_float()
@@ -175,12 +213,18 @@ def test_f16_dot_matches_ggml(ggml):
     for i in range(8):
         for j in range(8):
             s = ctypes.c_float()
-            ggml.ggml_vec_dot_f16(256, ctypes.byref(s), 0, a16[i].ctypes.data, 0, b16[j].ctypes.data, 0, 1)
+            ggml.ggml_vec_dot_f16(
+                256, ctypes.byref(s), 0, a16[i].ctypes.data, 0, b16[j].ctypes.data, 0, 1
+            )
             theirs[i, j] = s.value
     ta, tb = torch.from_numpy(a), torch.from_numpy(b)
-    assert_kernel_matches(dot_vec_f16(ta, tb, p.f16_lanes).numpy(), theirs,
-                          "f16 weights and attention (K·Q, V·softmax)", p)
-    other = dot_vec_f16(ta, tb, 24 - p.f16_lanes).numpy()          # the other instruction set's order
+    assert_kernel_matches(
+        dot_vec_f16(ta, tb, p.f16_lanes).numpy(),
+        theirs,
+        "f16 weights and attention (K·Q, V·softmax)",
+        p,
+    )
+    other = dot_vec_f16(ta, tb, 24 - p.f16_lanes).numpy()  # the other instruction set's order
     assert not np.array_equal(other, theirs)
 
 
@@ -203,8 +247,11 @@ def test_softmax_matches_ggml(ggml):
 
 # --- which kernels this machine's llama.cpp runs -------------------------------------------------
 
-@pytest.mark.skipif(kernels() is None or not os.path.exists("/proc/cpuinfo"),
-                    reason="needs the C build (cpuid) and Linux's /proc/cpuinfo to compare")
+
+@pytest.mark.skipif(
+    kernels() is None or not os.path.exists("/proc/cpuinfo"),
+    reason="needs the C build (cpuid) and Linux's /proc/cpuinfo to compare",
+)
 def test_cpuid_features_agree_with_proc_cpuinfo():
     assert cpu._from_cpuid() == cpu._from_proc_cpuinfo()
 
@@ -241,7 +288,7 @@ def test_forgebench_simd_is_validated(monkeypatch):
 def test_a_failed_build_says_why_and_falls_back(tmp_path, monkeypatch, capsys):
     """No working compiler or no writable cache: one message naming the cause, then the torch
     kernels (same numbers), never an exception."""
-    build = kernels.__wrapped__                                   # bypass the per-process cache
+    build = kernels.__wrapped__  # bypass the per-process cache
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     monkeypatch.setenv("CC", "/bin/false")
     assert build() is None
@@ -256,8 +303,13 @@ def _doctor(*args: str, **env: str):
     import subprocess
     import sys
 
-    return subprocess.run([sys.executable, "-m", "engine", "doctor", *args], capture_output=True, text=True,
-                          env={**os.environ, **env}, timeout=120)
+    return subprocess.run(
+        [sys.executable, "-m", "engine", "doctor", *args],
+        capture_output=True,
+        text=True,
+        env={**os.environ, **env},
+        timeout=120,
+    )
 
 
 def test_doctor_prints_the_plan():
@@ -269,7 +321,9 @@ def test_doctor_prints_the_plan():
     info = json.loads(done.stdout)
     p = cpu.plan()
     assert info["kernel_orders"] == p.isa and info["summary"] == p.summary()
-    assert [(k["name"], k["status"]) for k in info["kernels"]] == [(k.name, k.status) for k in p.kernels]
+    assert [(k["name"], k["status"]) for k in info["kernels"]] == [
+        (k.name, k.status) for k in p.kernels
+    ]
     text = _doctor(FORGEBENCH_SIMD="avx2").stdout
     assert "FORGEBENCH_SIMD=avx2" in text and ("AVX2" in text or "not reproduced" in text)
 
@@ -277,4 +331,7 @@ def test_doctor_prints_the_plan():
 def test_doctor_refuses_an_unknown_simd_setting():
     done = _doctor(FORGEBENCH_SIMD="sse9")
     assert done.returncode == 2
-    assert done.stderr.startswith("error: environment: FORGEBENCH_SIMD='sse9'") and "Traceback" not in done.stderr
+    assert (
+        done.stderr.startswith("error: environment: FORGEBENCH_SIMD='sse9'")
+        and "Traceback" not in done.stderr
+    )

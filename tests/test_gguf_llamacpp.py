@@ -10,16 +10,17 @@ Run the real-model part with `make test-real` (FORGEBENCH_REAL=1); `-s` prints t
 from __future__ import annotations
 
 import json
+
 import numpy as np
 import pytest
 import torch
+from fixtures_gguf import write_tiny_gguf
+from llamacpp_oracle import require_same_plan
 
 from engine.kernels.numerics import gelu_llamacpp, gelu_tanh_f32
 from engine.models.blocks import ACTIVATIONS, apply_rope, attention_mask, rope_tables
 from engine.models.gguf_model import load_gguf_model, set_numerics
 from engine.models.linear import PackedWeight
-from fixtures_gguf import write_tiny_gguf
-from llamacpp_oracle import require_same_plan
 
 torch.set_num_threads(2)
 IDS = [1, 40, 7, 200, 12, 99, 5, 261, 33, 18, 2, 77, 150, 64, 3, 250]
@@ -34,19 +35,32 @@ def llamacpp_logits(path, ids: list[int], n_ctx: int = 256) -> np.ndarray:
 
 
 def engine_logits(model, ids: list[int]) -> np.ndarray:
-    """Teacher-forced logits, the prompt processed in one batch through the KV cache as llama.cpp does."""
+    """Teacher-forced logits, the prompt processed in one batch through the KV cache as llama.cpp
+    does."""
     with torch.no_grad():
         cache = model.new_cache(1, len(ids))
         return model.logits(model.hidden(torch.tensor([ids]), 0, cache))[0].numpy()
 
 
 @pytest.mark.llamacpp
-@pytest.mark.parametrize("arch,qtype", [("llama", "Q4_K"), ("llama", "Q8_0"), ("llama", "F16"),
-                                        ("qwen2", "Q5_K"), ("qwen3", "Q4_K"), ("qwen3", "Q6_K"),
-                                        ("gemma3", "Q4_K"), ("gemma3", "Q5_0")])
+@pytest.mark.parametrize(
+    "arch,qtype",
+    [
+        ("llama", "Q4_K"),
+        ("llama", "Q8_0"),
+        ("llama", "F16"),
+        ("qwen2", "Q5_K"),
+        ("qwen3", "Q4_K"),
+        ("qwen3", "Q6_K"),
+        ("gemma3", "Q4_K"),
+        ("gemma3", "Q5_0"),
+    ],
+)
 def test_tiny_fixture_matches_llamacpp(tmp_path, arch, qtype):
     p = require_same_plan()
-    path = write_tiny_gguf(tmp_path / "m.gguf", arch, qtype, vocab="bpe" if arch.startswith("qwen") else "spm")
+    path = write_tiny_gguf(
+        tmp_path / "m.gguf", arch, qtype, vocab="bpe" if arch.startswith("qwen") else "spm"
+    )
     model, _ = load_gguf_model(path, numerics="llamacpp", tokenizer=False)
     ours, ref = engine_logits(model, IDS), llamacpp_logits(path, IDS)
     scale = np.abs(ref).max()
@@ -59,9 +73,11 @@ def test_tiny_fixture_matches_llamacpp(tmp_path, arch, qtype):
         f32_diff = np.abs(engine_logits(model, IDS) - ref)
         assert diff.mean() < f32_diff.mean() and (ours.argmax(-1) == ref.argmax(-1)).all()
         reason = f"{qtype} weights" if p.x86_exact else f"this CPU ({p.summary()})"
-        pytest.xfail(f"{reason}: llama.cpp's kernel is not reproduced bit for bit; max |Δlogit| "
-                     f"{diff.max():.2e} (f32 numerics {f32_diff.max():.2e}), llama.cpp's own "
-                     f"batched-vs-single spread {np.abs(batched - stepped).max():.2e}")
+        pytest.xfail(
+            f"{reason}: llama.cpp's kernel is not reproduced bit for bit; max |Δlogit| "
+            f"{diff.max():.2e} (f32 numerics {f32_diff.max():.2e}), llama.cpp's own "
+            f"batched-vs-single spread {np.abs(batched - stepped).max():.2e}"
+        )
     # every hidden state bit-identical (ggml's kernels where the engine has them, and these tiny
     # models are too small for a last-bit difference to flip a rounding); the logits differ only
     # by the LM head's f32 summation order (measured: <= 5e-7 of the largest logit)
@@ -69,7 +85,7 @@ def test_tiny_fixture_matches_llamacpp(tmp_path, arch, qtype):
     assert (ours.argmax(-1) == ref.argmax(-1)).all()
     set_numerics(model, "f32")
     f32_diff = np.abs(engine_logits(model, IDS) - ref)
-    assert f32_diff.mean() > diff.mean()       # the llama.cpp numerics are what make it match
+    assert f32_diff.mean() > diff.mean()  # the llama.cpp numerics are what make it match
 
 
 @pytest.mark.llamacpp
@@ -81,7 +97,7 @@ def test_gelu_table_is_ggmls():
     import llama_cpp
 
     lib = ctypes.CDLL(os.path.join(os.path.dirname(llama_cpp.__file__), "lib", "libggml-cpu.so"))
-    lib.ggml_cpu_init()                                      # fills the tables (idempotent)
+    lib.ggml_cpu_init()  # fills the tables (idempotent)
     raw = np.ctypeslib.as_array((ctypes.c_uint16 * 65536).in_dll(lib, "ggml_table_gelu_f16")).copy()
     theirs = torch.from_numpy(raw.view(np.float16).astype(np.float32))
     x = torch.from_numpy(np.arange(65536, dtype=np.uint16).view(np.float16).astype(np.float32))
@@ -90,22 +106,27 @@ def test_gelu_table_is_ggmls():
     assert torch.equal(ours[inside], theirs[inside])
     assert int((gelu_tanh_f32(x[inside]).to(torch.float16).float() != theirs[inside]).sum()) == 0
     plain = torch.nn.functional.gelu(x[inside], approximate="tanh").to(torch.float16).float()
-    assert int((plain != theirs[inside]).sum()) > 0          # the exact formula is what it takes
+    assert int((plain != theirs[inside]).sum()) > 0  # the exact formula is what it takes
 
 
 # --- real model: gemma-3-270m Q4_K_M ---------------------------------------------------------
 
 PASSAGES = [
     "The history of the printing press begins in the fifteenth century, when Johannes Gutenberg "
-    "combined movable metal type, oil-based ink and a wooden press adapted from wine making. Within "
-    "fifty years, presses were operating in more than two hundred European cities, and the price of "
+    'combined movable metal type, oil-based ink and '
+    'a wooden press adapted from wine making. Within '
+    'fifty years, presses were operating in more tha'
+    'n two hundred European cities, and the price of '
     "books fell so sharply that reading spread far beyond monasteries and universities. Scholars "
     "argue about how quickly ideas changed, but almost all agree that the printed page made it "
-    "possible to compare, correct and accumulate knowledge at a pace that hand copying never allowed.",
-    "def fibonacci(n: int) -> list[int]:\n    \"\"\"Return the first n Fibonacci numbers.\"\"\"\n"
-    "    values = [0, 1]\n    while len(values) < n:\n        values.append(values[-1] + values[-2])\n"
-    "    return values[:n]\n\n\nif __name__ == \"__main__\":\n    for i, v in enumerate(fibonacci(12)):\n"
-    "        print(f\"{i:>3}: {v}\")\n\n# Expected output starts with 0, 1, 1, 2, 3, 5, 8, 13.\n",
+    'possible to compare, correct and accumulate know'
+    'ledge at a pace that hand copying never allowed.',
+    'def fibonacci(n: int) -> list[int]:\n    """Return the first n Fibonacci numbers."""\n'
+    '    values = [0, 1]\n    while len(values) < n:\n'
+    '        values.append(values[-1] + values[-2])\n'
+    '    return values[:n]\n\n\nif __name__ == "__main'
+    '__":\n    for i, v in enumerate(fibonacci(12)):\n'
+    '        print(f"{i:>3}: {v}")\n\n# Expected output starts with 0, 1, 1, 2, 3, 5, 8, 13.\n',
     "Recipe for a simple bread: mix 500 g of flour, 350 ml of warm water, 10 g of salt and 7 g of "
     "dried yeast. Knead for ten minutes until the dough is smooth, then let it rise for about an "
     "hour in a warm place. Shape the loaf, let it rest for another thirty minutes, and bake at 230 "
@@ -120,9 +141,14 @@ PASSAGES = [
     "12–15 °C, light rain after 16:00. Remember to buy a Swiss half-fare card; it pays for itself "
     "after two long journeys. 日本語のメモ: 次は京都に行きたい。",
 ]
-PROMPTS = ["The capital of France is", "Once upon a time, in a small village,",
-           "def add(a, b):\n    return", "The three primary colors are",
-           "Water boils at a temperature of", "My favourite thing about the weekend is"]
+PROMPTS = [
+    "The capital of France is",
+    "Once upon a time, in a small village,",
+    "def add(a, b):\n    return",
+    "The three primary colors are",
+    "Water boils at a temperature of",
+    "My favourite thing about the weekend is",
+]
 
 
 @pytest.fixture(scope="module")
@@ -152,8 +178,11 @@ def llamacpp_batched_and_stepped(llm, ids: list[int]) -> tuple[np.ndarray, np.nd
 
 def agreement(got: np.ndarray, ref: np.ndarray) -> dict:
     d = np.abs(got - ref)
-    return {"top1": float((got.argmax(-1) == ref.argmax(-1)).mean()),
-            "max_abs_dlogit": float(d.max()), "mean_abs_dlogit": float(d.mean())}
+    return {
+        "top1": float((got.argmax(-1) == ref.argmax(-1)).mean()),
+        "max_abs_dlogit": float(d.max()),
+        "mean_abs_dlogit": float(d.mean()),
+    }
 
 
 def teacher_forced(path, model, tok, *, numerics=("llamacpp", "f32"), self_check=True) -> dict:
@@ -196,7 +225,9 @@ def test_gemma_teacher_forced_parity(gemma):
     and Gemma's post-norm gains amplify that).
     """
     if not require_same_plan().x86_exact:
-        pytest.xfail("this CPU's llama.cpp kernels are not reproduced (forgebench doctor says which)")
+        pytest.xfail(
+            "this CPU's llama.cpp kernels are not reproduced (forgebench doctor says which)"
+        )
     figures = teacher_forced(*gemma)
     print("\nteacher-forced parity vs llama.cpp:", json.dumps(figures))
     assert figures["positions"] >= 500
@@ -204,8 +235,9 @@ def test_gemma_teacher_forced_parity(gemma):
     assert figures["llamacpp"]["mean_abs_dlogit"] < 0.01 * figures["f32"]["mean_abs_dlogit"]
 
 
-def llamacpp_greedy(llm, prompt: list[int], n: int, stepped_prompt: bool = False
-                    ) -> tuple[list[int], list[np.ndarray]]:
+def llamacpp_greedy(
+    llm, prompt: list[int], n: int, stepped_prompt: bool = False
+) -> tuple[list[int], list[np.ndarray]]:
     llm.reset()
     if stepped_prompt:
         for token in prompt:
@@ -236,7 +268,9 @@ def test_gemma_greedy_continuations_match(gemma):
     itself 3/6 (diverging at tokens 3, 47 and 25).
     """
     if not require_same_plan().x86_exact:
-        pytest.xfail("this CPU's llama.cpp kernels are not reproduced (forgebench doctor says which)")
+        pytest.xfail(
+            "this CPU's llama.cpp kernels are not reproduced (forgebench doctor says which)"
+        )
     from engine.llm.generate import generate
 
     path, model, tok = gemma
@@ -248,8 +282,11 @@ def test_gemma_greedy_continuations_match(gemma):
         own, _ = llamacpp_greedy(llm, ids, 64, stepped_prompt=True)
         ours = generate(model, tok, ids, max_new_tokens=64, stop_ids=[]).ids
         same = first_difference(ours, ref)
-        entry = {"prompt": prompt, "identical_tokens": same,
-                 "llamacpp_self_identical_tokens": first_difference(own, ref)}
+        entry = {
+            "prompt": prompt,
+            "identical_tokens": same,
+            "llamacpp_self_identical_tokens": first_difference(own, ref),
+        }
         if same < len(ref):
             top2 = np.sort(ref_logits[same])[-2:]
             entry["llamacpp_top2_gap_at_divergence"] = float(top2[1] - top2[0])
@@ -267,8 +304,11 @@ def gemma_f16(gemma_gguf, tmp_path_factory):
 
     out = tmp_path_factory.mktemp("f16") / "gemma-3-270m-f16.gguf"
     forgebench = Path(sys.executable).with_name("forgebench")
-    subprocess.run([str(forgebench), "convert", str(gemma_gguf), "--dtype", "f16", "--out", str(out)],
-                   check=True, capture_output=True)
+    subprocess.run(
+        [str(forgebench), "convert", str(gemma_gguf), "--dtype", "f16", "--out", str(out)],
+        check=True,
+        capture_output=True,
+    )
     model, tok = load_gguf_model(out, numerics="f32", weights="dense-cache")
     return out, model, tok
 
@@ -280,7 +320,9 @@ def test_gemma_f16_gguf_f32_parity(gemma_f16):
     Measured 2026-11-29 over 578 positions: 99.83% (max |Δ| 0.072, mean 0.0041); llama.cpp
     numerics on the same file: 100%, every logit bit-identical."""
     if not require_same_plan().x86_exact:
-        pytest.xfail("this CPU's llama.cpp kernels are not reproduced (forgebench doctor says which)")
+        pytest.xfail(
+            "this CPU's llama.cpp kernels are not reproduced (forgebench doctor says which)"
+        )
     figures = teacher_forced(*gemma_f16, numerics=("f32", "llamacpp"), self_check=False)
     print("\nf16 GGUF parity vs llama.cpp:", json.dumps(figures))
     assert figures["positions"] >= 500
@@ -290,14 +332,28 @@ def test_gemma_f16_gguf_f32_parity(gemma_f16):
 
 # --- op-level parity: llama.cpp's own intermediate tensors as inputs ---------------------------
 
+
 class _GGMLTensor(__import__("ctypes").Structure):
     """struct ggml_tensor (ggml.h of the ggml vendored by llama-cpp-python 0.3.36)."""
+
     import ctypes as c
-    _fields_ = [("type", c.c_int), ("buffer", c.c_void_p), ("ne", c.c_int64 * 4),
-                ("nb", c.c_size_t * 4), ("op", c.c_int), ("op_params", c.c_int32 * 16),
-                ("flags", c.c_int32), ("src", c.c_void_p * 10), ("view_src", c.c_void_p),
-                ("view_offs", c.c_size_t), ("data", c.c_void_p), ("name", c.c_char * 64),
-                ("extra", c.c_void_p), ("padding", c.c_char * 8)]
+
+    _fields_ = [
+        ("type", c.c_int),
+        ("buffer", c.c_void_p),
+        ("ne", c.c_int64 * 4),
+        ("nb", c.c_size_t * 4),
+        ("op", c.c_int),
+        ("op_params", c.c_int32 * 16),
+        ("flags", c.c_int32),
+        ("src", c.c_void_p * 10),
+        ("view_src", c.c_void_p),
+        ("view_offs", c.c_size_t),
+        ("data", c.c_void_p),
+        ("name", c.c_char * 64),
+        ("extra", c.c_void_p),
+        ("padding", c.c_char * 8),
+    ]
 
 
 def llamacpp_intermediates(path, ids: list[int]) -> list[tuple[str, np.ndarray]]:
@@ -312,11 +368,13 @@ def llamacpp_intermediates(path, ids: list[int]) -> list[tuple[str, np.ndarray]]
     @L.ggml_backend_sched_eval_callback
     def callback(ptr, ask, _user):
         t = _GGMLTensor.from_address(ptr)
-        if not ask and t.type == 0 and t.data:                 # GGML_TYPE_F32
+        if not ask and t.type == 0 and t.data:  # GGML_TYPE_F32
             ne, nb = list(t.ne), list(t.nb)
             size = sum((n - 1) * s for n, s in zip(ne, nb)) + 4
             raw = np.frombuffer((ctypes.c_char * size).from_address(t.data), dtype=np.uint8)
-            view = np.lib.stride_tricks.as_strided(raw, shape=ne[::-1] + [4], strides=nb[::-1] + [1])
+            view = np.lib.stride_tricks.as_strided(
+                raw, shape=ne[::-1] + [4], strides=nb[::-1] + [1]
+            )
             seen.append((t.name.decode(), view.copy().view(np.float32)[..., 0]))  # own the bytes
         return True
 
@@ -338,7 +396,8 @@ def llamacpp_intermediates(path, ids: list[int]) -> list[tuple[str, np.ndarray]]
 
 
 def layers_covering_each_quant_type(model) -> list[int]:
-    """The first layer for each (linear, weight type) pair, so every kernel llama.cpp runs is hit."""
+    """The first layer for each (linear, weight type) pair, so every kernel llama.cpp runs is
+    hit."""
     firsts: dict[tuple[str, str], int] = {}
     for i, layer in enumerate(model.layers):
         for name, m in layer.named_modules():
@@ -359,7 +418,9 @@ def test_gemma_ops_match_llamacpp_given_its_inputs(gemma, n_tokens):
     vec_dot_q6_K_q8_K. One-token steps run the same per-row kernels as the 5-token batch's tail.
     """
     if not require_same_plan().x86_exact:
-        pytest.xfail("this CPU's llama.cpp kernels are not reproduced (forgebench doctor says which)")
+        pytest.xfail(
+            "this CPU's llama.cpp kernels are not reproduced (forgebench doctor says which)"
+        )
     path, model, tok = gemma
     ids = tok.encode(PASSAGES[1])[:n_tokens]
     dump = llamacpp_intermediates(path, ids)
@@ -368,8 +429,9 @@ def test_gemma_ops_match_llamacpp_given_its_inputs(gemma, n_tokens):
     T = len(ids)
 
     def first(name: str, *shape: int) -> torch.Tensor:
-        """The first tensor called `name` whose trailing dims are [T, *shape] (leading dims are 1)."""
-        a = next(a for n, a in dump if n == name and a.shape[-len(shape) - 1:] == (T, *shape))
+        """The first tensor called `name` whose trailing dims are [T, *shape] (leading dims are
+        1)."""
+        a = next(a for n, a in dump if n == name and a.shape[-len(shape) - 1 :] == (T, *shape))
         return torch.from_numpy(a.reshape(T, *shape).copy())
 
     def after(name: str, *shape: int) -> torch.Tensor:
@@ -378,7 +440,9 @@ def test_gemma_ops_match_llamacpp_given_its_inputs(gemma, n_tokens):
 
     def close(ours: torch.Tensor, ref: torch.Tensor, rel: float = 1e-5):
         scale = ref.abs().max().item()
-        assert (ours - ref).abs().max().item() <= rel * scale, (ours - ref).abs().max().item() / scale
+        assert (ours - ref).abs().max().item() <= rel * scale, (
+            ours - ref
+        ).abs().max().item() / scale
 
     def same(ours: torch.Tensor, ref: torch.Tensor):
         assert torch.equal(ours, ref), f"{int((ours != ref).sum())} of {ref.numel()} values differ"
@@ -391,22 +455,31 @@ def test_gemma_ops_match_llamacpp_given_its_inputs(gemma, n_tokens):
         for i in layers_covering_each_quant_type(model):
             layer = model.layers[i]
             x = first(f"l_out-{i - 1}", 640) if i else h0
-            assert torch.equal(layer.attn_norm(x), first(f"attn_norm-{i}", 640))    # exact RMSNorm
+            assert torch.equal(layer.attn_norm(x), first(f"attn_norm-{i}", 640))  # exact RMSNorm
             normed = first(f"attn_norm-{i}", 640)
             same(layer.attn.q(normed), first(f"Qcur-{i}", 1024))
             same(layer.attn.k(normed), first(f"Kcur-{i}", 256))
             same(layer.attn.v(normed), first(f"Vcur-{i}", 256))
             heads = {"Q": cfg.n_heads, "K": cfg.n_kv_heads}
-            q_normed, k_normed = (first(f"{x}cur_normed-{i}", heads[x], cfg.head_dim).transpose(0, 1)[None]
-                                  for x in "QK")                                 # [1,H,T,hd]
-            q_roped, k_roped = (after(f"{x}cur_normed-{i}", heads[x], cfg.head_dim).transpose(0, 1)[None]
-                                for x in "QK")
+            q_normed, k_normed = (
+                first(f"{x}cur_normed-{i}", heads[x], cfg.head_dim).transpose(0, 1)[None]
+                for x in "QK"
+            )  # [1,H,T,hd]
+            q_roped, k_roped = (
+                after(f"{x}cur_normed-{i}", heads[x], cfg.head_dim).transpose(0, 1)[None]
+                for x in "QK"
+            )
             local = cfg.sliding[i]
-            rope = rope_tables(torch.arange(T), cfg.head_dim, cfg.rope_local_theta if local else cfg.rope_theta,
-                               freq_scale=1.0 if local else 1.0 / cfg.rope_scale, libm=True)
+            rope = rope_tables(
+                torch.arange(T),
+                cfg.head_dim,
+                cfg.rope_local_theta if local else cfg.rope_theta,
+                freq_scale=1.0 if local else 1.0 / cfg.rope_scale,
+                libm=True,
+            )
             same(apply_rope(q_normed, *rope, model.rope_type, fused=True), q_roped)
             same(apply_rope(k_normed, *rope, model.rope_type, fused=True), k_roped)
-            v = first(f"Vcur-{i}", 256)[None, None]                              # [1,1,T,hd]
+            v = first(f"Vcur-{i}", 256)[None, None]  # [1,1,T,hd]
             mask = attention_mask(0, T, T, cfg.sliding_window if local else None)
             out = model.attn_core(q_roped * cfg.query_scale, k_roped, v, mask, 1.0)  # [1,H,T,hd]
             same(out[0].transpose(0, 1).reshape(T, -1), first(f"kqv_out-{i}", 1024))
@@ -414,10 +487,12 @@ def test_gemma_ops_match_llamacpp_given_its_inputs(gemma, n_tokens):
             gate, up = first(f"ffn_gate-{i}", 2048), first(f"ffn_up-{i}", 2048)
             same(layer.mlp.gate(first(f"ffn_norm-{i}", 640)), gate)
             same(layer.mlp.up(first(f"ffn_norm-{i}", 640)), up)
-            geglu = ACTIVATIONS[layer.mlp.activation](gate) * up              # ggml's table GELU
+            geglu = ACTIVATIONS[layer.mlp.activation](gate) * up  # ggml's table GELU
             same(geglu, first(f"ffn_geglu-{i}", 2048))
             same(layer.mlp.down(first(f"ffn_geglu-{i}", 2048)), first(f"ffn_out-{i}", 640))
-        assert torch.equal(model.norm(first(f"l_out-{cfg.n_layers - 1}", 640)), first("result_norm", 640))
+        assert torch.equal(
+            model.norm(first(f"l_out-{cfg.n_layers - 1}", 640)), first("result_norm", 640)
+        )
         final = first("result_norm", 640)
         close(model.logits(final[None])[0], first("result_output", model.config.vocab_size))
         # the emulation is what makes ops match: plain f32 misses the Q8_0 activation rounding

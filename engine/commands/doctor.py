@@ -1,4 +1,4 @@
-"""`forgebench doctor`: what this machine is to the engine, and what the llama.cpp numerics match here.
+"""`forgebench doctor`: this machine as the engine sees it, and what the llama.cpp numerics match.
 
 Prints the CPU features (cpuid), the kernel orders the engine follows, which kernel families are
 bit-exact against llama.cpp built for this CPU and which agree only to f32 rounding (and why),
@@ -33,7 +33,9 @@ def report() -> dict:
         "torch": torch.__version__,
         "torch_threads": torch.get_num_threads(),
         "llama_cpp_python": _version("llama-cpp-python"),
-        "native_kernels": str(lib._name) if lib is not None else "not built (torch reference kernels)",
+        "native_kernels": str(lib._name)
+        if lib is not None
+        else "not built (torch reference kernels)",
         "cpu_source": p.source,
         "cpu_features": sorted(p.features),
         "kernel_orders": p.isa,
@@ -49,8 +51,10 @@ def cmd_doctor(args) -> int:
     if args.json:
         print(json.dumps({k: v for k, v in info.items() if k != "lines"}, indent=2))
         return 0
-    print(f"python {info['python']}, torch {info['torch']} ({info['torch_threads']} threads), "
-          f"llama-cpp-python {info['llama_cpp_python']}")
+    print(
+        f"python {info['python']}, torch {info['torch']} ({info['torch_threads']} threads), "
+        f"llama-cpp-python {info['llama_cpp_python']}"
+    )
     print(f"native kernels: {info['native_kernels']}")
     print("llama.cpp numerics:")
     for line in info["lines"]:

@@ -1,15 +1,17 @@
-"""Which ggml kernels llama.cpp runs on this CPU, and which of them the engine reproduces to the bit.
+"""Which ggml kernels llama.cpp runs on this CPU, and which the engine reproduces to the bit.
 
 llama.cpp as pip builds it (llama-cpp-python) is compiled with -march=native, so the instruction
 set of the machine it was built on picks its kernels at compile time, and each kernel sums in its
-own order. On x86 the orders that matter for the engine differ in three places:
+own order. On x86 the orders that matter for the engine differ in four places:
 
-| kernel (ggml source)                              | AVX2 + FMA + F16C          | AVX-512                       |
-|---------------------------------------------------|----------------------------|-------------------------------|
-| f16 tinyBLAS (llamafile/sgemm.cpp)                | 8 lanes, hsum(__m256)      | 16 lanes, _mm512_reduce_add_ps |
-| ggml_vec_dot_f16 (vec.cpp, simd-mappings.h)       | 4×8 lanes, 32 per step     | 4×16 lanes, 64 per step        |
-| ggml_vec_soft_max_f32 + ggml_v_expf (vec.cpp/.h)  | 8 lanes, k·j + k            | 16 lanes (needs DQ), scalef(j) |
-| Q6_K tiled microtile (tiled/tiled-kernel.cpp)     | fma(d_w·dot, d_x, acc)     | with AVX512-VNNI+VL+DQ: acc + (d_w·dot)·d_x |
+- f16 tinyBLAS (llamafile/sgemm.cpp): AVX2 8 lanes and hsum(__m256); AVX-512 16 lanes and
+  _mm512_reduce_add_ps.
+- ggml_vec_dot_f16 (vec.cpp, simd-mappings.h): AVX2 4×8 lanes, 32 per step; AVX-512 4×16 lanes,
+  64 per step; the leftover in f64 on both.
+- ggml_vec_soft_max_f32 + ggml_v_expf (vec.cpp, vec.h): AVX2 8 lanes and k·j + k; AVX-512 (with
+  DQ) 16 lanes and scalef(j, n).
+- Q6_K tiled microtile (tiled/tiled-kernel.cpp): AVX2 fma(d_w·dot, d_x, acc); with
+  AVX512-VNNI+VL+DQ acc + (d_w·dot)·d_x.
 
 Everything else the engine claims is the same on both: the Q8_0/Q8_K activation quantizers, the
 Q8_0/Q5_0 vec_dot and tinyBLAS_Q0_AVX (VNNI only changes how the exact integers are formed), the
@@ -37,8 +39,22 @@ from pathlib import Path
 from engine.errors import ForgebenchError
 
 # bit i of ggml_kernels.c cpu_features() -> the flag's name in /proc/cpuinfo
-FEATURE_BITS = ("avx", "avx2", "fma", "f16c", "avx512f", "avx512dq", "avx512bw", "avx512vl",
-                "avx512vbmi", "avx512_vnni", "avx512_bf16", "avx512_fp16", "avx_vnni", "amx_int8")
+FEATURE_BITS = (
+    "avx",
+    "avx2",
+    "fma",
+    "f16c",
+    "avx512f",
+    "avx512dq",
+    "avx512bw",
+    "avx512vl",
+    "avx512vbmi",
+    "avx512_vnni",
+    "avx512_bf16",
+    "avx512_fp16",
+    "avx_vnni",
+    "amx_int8",
+)
 SIMD_CHOICES = ("native", "avx2")
 EXACT = "bit-exact"
 ROUNDING = "f32 rounding"
@@ -47,21 +63,23 @@ ROUNDING = "f32 rounding"
 @dataclass(frozen=True)
 class Kernel:
     """One row of the plan: a kernel family, whether the engine matches it to the bit, and why."""
+
     name: str
-    status: str            # EXACT or ROUNDING
+    status: str  # EXACT or ROUNDING
     detail: str
 
 
 @dataclass(frozen=True)
 class KernelPlan:
     """The summation orders the engine follows to agree with llama.cpp built for `features`."""
+
     features: frozenset[str]
-    source: str                      # where the features were read: cpuid, /proc/cpuinfo, none
-    forced: str | None               # FORGEBENCH_SIMD, when set
-    f16_lanes: int = 8               # tinyBLAS KN and ggml_vec_dot_f16's lanes per register
-    softmax_lanes: int = 8           # ggml_vec_soft_max_f32's vector width (and its expf form)
-    q6_k_tiled_fma: bool = True      # the AVX2 tiled microtile fuses the d_x multiply-add
-    quantized_exact: bool = True     # False where ggml runs AMX tile kernels
+    source: str  # where the features were read: cpuid, /proc/cpuinfo, none
+    forced: str | None  # FORGEBENCH_SIMD, when set
+    f16_lanes: int = 8  # tinyBLAS KN and ggml_vec_dot_f16's lanes per register
+    softmax_lanes: int = 8  # ggml_vec_soft_max_f32's vector width (and its expf form)
+    q6_k_tiled_fma: bool = True  # the AVX2 tiled microtile fuses the d_x multiply-add
+    quantized_exact: bool = True  # False where ggml runs AMX tile kernels
     kernels: tuple[Kernel, ...] = field(default=())
 
     @property
@@ -78,16 +96,21 @@ class KernelPlan:
     def summary(self) -> str:
         """One line for reports and the export wizard."""
         if not self.x86_exact:
-            return (f"llama.cpp numerics: this CPU's ggml kernels ({platform.machine() or 'unknown'}) "
-                    "are not reproduced; the engine agrees with llama.cpp to f32 rounding, not to the bit")
+            return (
+                f"llama.cpp numerics: this CPU's ggml kernels ({platform.machine() or 'unknown'}) "
+                "are not reproduced; the engine agrees with llama.cpp to f32 rounding, "
+                "not to the bit"
+            )
         exact = sum(k.status == EXACT for k in self.kernels)
         forced = f", forced by FORGEBENCH_SIMD={self.forced}" if self.forced else ""
-        return (f"llama.cpp numerics: {self.isa} kernel orders{forced}; {exact} of {len(self.kernels)} "
-                "kernel families bit-exact, the rest to f32 rounding (forgebench doctor lists them)")
+        return (
+            f"llama.cpp numerics: {self.isa} kernel orders{forced}; {exact} of {len(self.kernels)} "
+            "kernel families bit-exact, the rest to f32 rounding (forgebench doctor lists them)"
+        )
 
 
 def _from_cpuid() -> frozenset[str] | None:
-    from engine.kernels.native import kernels       # here: this module stays importable without torch
+    from engine.kernels.native import kernels  # here: this module stays importable without torch
 
     lib = kernels()
     if lib is None:
@@ -127,12 +150,17 @@ def forced_simd() -> str | None:
     if not value or value == "native":
         return None
     if value not in SIMD_CHOICES:
-        raise ForgebenchError(f"FORGEBENCH_SIMD={value!r} is not one of {', '.join(SIMD_CHOICES)}",
-                              where="environment", hint="unset it, or set it to avx2")
+        raise ForgebenchError(
+            f"FORGEBENCH_SIMD={value!r} is not one of {', '.join(SIMD_CHOICES)}",
+            where="environment",
+            hint="unset it, or set it to avx2",
+        )
     return value
 
 
-def plan_for(features: frozenset[str], source: str = "given", forced: str | None = None) -> KernelPlan:
+def plan_for(
+    features: frozenset[str], source: str = "given", forced: str | None = None
+) -> KernelPlan:
     """The kernel plan for llama.cpp compiled for these features (cpuinfo flag names)."""
     if forced == "avx2":
         features = frozenset(f for f in features if not f.startswith(("avx512", "amx")))
@@ -143,27 +171,63 @@ def plan_for(features: frozenset[str], source: str = "given", forced: str | None
     amx = {"amx_int8", "avx512_vnni"} <= features
     base = KernelPlan(features, source, forced, f16_lanes, softmax_lanes, not vnni_tiles, not amx)
     if not base.x86_exact:
-        rows = (Kernel("all kernels", ROUNDING, "ggml's kernels for this CPU are not reproduced "
-                       "(the engine follows x86 AVX2 / AVX-512 builds only)"),)
+        rows = (
+            Kernel(
+                "all kernels",
+                ROUNDING,
+                "ggml's kernels for this CPU are not reproduced "
+                "(the engine follows x86 AVX2 / AVX-512 builds only)",
+            ),
+        )
         return KernelPlan(**{**base.__dict__, "kernels": rows})
     quant_status = EXACT if base.quantized_exact else ROUNDING
     amx_note = " (ggml runs AMX tile kernels here: not reproduced)" if amx else ""
     rows = (
-        Kernel("Q8_0 / Q8_K activation quantizers", EXACT, "quantize_row_q8_0 / q8_K (AVX2 path on every x86)"),
-        Kernel("Q8_0, Q5_0 weights", quant_status,
-               "vec_dot and tinyBLAS_Q0_AVX: 8 lanes of 4 products, one fma per block" + amx_note),
-        Kernel("Q4_K weights, rows % 8 == 0", quant_status,
-               "repacked q4_K_8x8: gemm one fma per 64, gemv one per 256" + amx_note),
-        Kernel("Q6_K weights", quant_status,
-               ("tiled microtile " + ("fma(d_w·dot, d_x, acc)" if base.q6_k_tiled_fma
-                                      else "AVX512-VNNI: acc + (d_w·dot)·d_x"))
-               + " for 8+ rows; vec_dot_q6_K otherwise" + amx_note),
-        Kernel("f16 weights and attention (K·Q, V·softmax)", EXACT,
-               f"tinyBLAS {f16_lanes} lanes for 2+ rows, ggml_vec_dot_f16 4×{f16_lanes} lanes for one"),
+        Kernel(
+            "Q8_0 / Q8_K activation quantizers",
+            EXACT,
+            "quantize_row_q8_0 / q8_K (AVX2 path on every x86)",
+        ),
+        Kernel(
+            "Q8_0, Q5_0 weights",
+            quant_status,
+            "vec_dot and tinyBLAS_Q0_AVX: 8 lanes of 4 products, one fma per block" + amx_note,
+        ),
+        Kernel(
+            "Q4_K weights, rows % 8 == 0",
+            quant_status,
+            "repacked q4_K_8x8: gemm one fma per 64, gemv one per 256" + amx_note,
+        ),
+        Kernel(
+            "Q6_K weights",
+            quant_status,
+            (
+                "tiled microtile "
+                + (
+                    "fma(d_w·dot, d_x, acc)"
+                    if base.q6_k_tiled_fma
+                    else "AVX512-VNNI: acc + (d_w·dot)·d_x"
+                )
+            )
+            + " for 8+ rows; vec_dot_q6_K otherwise"
+            + amx_note,
+        ),
+        Kernel(
+            "f16 weights and attention (K·Q, V·softmax)",
+            EXACT,
+            f"tinyBLAS {f16_lanes} lanes for 2+ rows, ggml_vec_dot_f16 4×{f16_lanes} lanes for one",
+        ),
         Kernel("softmax", EXACT, f"ggml_v_expf, {softmax_lanes}-lane sums in f32, groups in f64"),
-        Kernel("RMSNorm, GELU table, RoPE", EXACT, "f64 sum of squares; ggml_table_gelu_f16; libm cosf/sinf"),
-        Kernel("Q4_0, Q4_1, Q5_1, Q5_K, BF16, Q4_K with rows % 8 != 0", ROUNDING,
-               "ggml's tiled or repacked kernels for these are not reproduced"),
+        Kernel(
+            "RMSNorm, GELU table, RoPE",
+            EXACT,
+            "f64 sum of squares; ggml_table_gelu_f16; libm cosf/sinf",
+        ),
+        Kernel(
+            "Q4_0, Q4_1, Q5_1, Q5_K, BF16, Q4_K with rows % 8 != 0",
+            ROUNDING,
+            "ggml's tiled or repacked kernels for these are not reproduced",
+        ),
     )
     return KernelPlan(**{**base.__dict__, "kernels": rows})
 
@@ -179,15 +243,28 @@ def describe(p: KernelPlan | None = None) -> list[str]:
     """The lines `forgebench doctor` prints under its numerics heading."""
     p = p or plan()
     shown = " ".join(f for f in FEATURE_BITS if f in p.features) or "none"
-    lines = [f"cpu: {platform.machine()} ({p.source}): {shown}",
-             f"kernel orders followed: {p.isa}" + (f" (FORGEBENCH_SIMD={p.forced})" if p.forced else "")]
+    lines = [
+        f"cpu: {platform.machine()} ({p.source}): {shown}",
+        f"kernel orders followed: {p.isa}" + (f" (FORGEBENCH_SIMD={p.forced})" if p.forced else ""),
+    ]
     width = max(len(k.name) for k in p.kernels)
     lines += [f"  {k.name:<{width}}  {k.status:<12}  {k.detail}" for k in p.kernels]
     if p.x86_exact:
-        lines.append("bit-exact assumes llama.cpp was built on this machine for it (pip's default, "
-                     "-march=native); a build for another instruction set sums in its own order")
+        lines.append(
+            "bit-exact assumes llama.cpp was built on this machine for it (pip's default, "
+            "-march=native); a build for another instruction set sums in its own order"
+        )
     return lines
 
 
-__all__ = ["EXACT", "FEATURE_BITS", "Kernel", "KernelPlan", "ROUNDING", "describe", "detected", "plan",
-           "plan_for"]
+__all__ = [
+    "EXACT",
+    "FEATURE_BITS",
+    "Kernel",
+    "KernelPlan",
+    "ROUNDING",
+    "describe",
+    "detected",
+    "plan",
+    "plan_for",
+]

@@ -16,14 +16,14 @@ llamafile/sgemm.cpp, tiled/ of the ggml in llama-cpp-python 0.3.36):
   dot product converted to f32; the min terms likewise; output = acc − acc_min.
 - Q6_K weights: with 8 or more rows, ggml's tiled K-quant matmul (ggml-cpu/tiled): per 256 the
   exact integer dot, converted to f32, times d_w, then acc = fma(that, d_x, acc); its AVX-512
-  VNNI microtile (CPUs with AVX512-VNNI+VL+DQ) multiplies by d_x and adds in two roundings. With fewer rows
-  vec_dot_q6_K_q8_K: eight int32 lanes per 256 (four consecutive products from each 32-group,
-  times the 16-group scale, minus 32·scale·sums for the 32-group of the lane's index), one fma
-  per 256, hsum_float_8.
+  VNNI microtile (CPUs with AVX512-VNNI+VL+DQ) multiplies by d_x and adds in two roundings.
+  With fewer rows vec_dot_q6_K_q8_K: eight int32 lanes per 256 (four consecutive products from
+  each 32-group, times the 16-group scale, minus 32·scale·sums for the 32-group of the lane's
+  index), one fma per 256, hsum_float_8.
 These orders are the same on AVX2 and AVX-512 builds except the Q6_K microtile (engine/kernels/
-cpu.py says which one this machine's llama.cpp runs). Integer parts are computed exactly (f32 or f64 matmuls of small integers); each fma is done in
-f64 and rounded once to f32, which is what a fused multiply-add gives (the product of two f32 is
-exact in f64).
+cpu.py says which one this machine's llama.cpp runs). Integer parts are computed exactly (f32
+or f64 matmuls of small integers); each fma is done in f64 and rounded once to f32, which is what
+a fused multiply-add gives (the product of two f32 is exact in f64).
 
 f16 weights are the f16 dot products of numerics.dot_f16 (engine/models/linear.py). Other weight
 types (Q4_0, Q4_1, Q5_1, Q5_K, BF16), and Q4_K matrices whose row count is not a multiple of 8,
@@ -44,9 +44,9 @@ from engine.kernels.cpu import plan
 from engine.kernels.native import kernels, ptr
 from engine.kernels.numerics import fma_f32, hsum8, quantize_q8_0, quantize_q8_k
 
-UBATCH = 512          # llama.cpp's default n_ubatch: a longer prompt is evaluated in such pieces
-ROW_CHUNK = 64        # rows per pass of the torch reference, to bound its integer-lane intermediates
-TILED_MIN_ROWS = 8    # ggml_tiled_min_batch: K-quant matmuls of this many rows or more run tiled
+UBATCH = 512  # llama.cpp's default n_ubatch: a longer prompt is evaluated in such pieces
+ROW_CHUNK = 64  # rows per pass of the torch reference, to bound its integer-lane intermediates
+TILED_MIN_ROWS = 8  # ggml_tiled_min_batch: K-quant matmuls of this many rows or more run tiled
 EXACT_TYPES = (T.Q8_0, T.Q5_0, T.Q4_K, T.Q6_K)
 
 
@@ -60,7 +60,7 @@ class ExactWeight:
     def __init__(self, raw: torch.Tensor, ggml_type: T, rows: int, cols: int, native: bool = True):
         self.ggml_type, self.rows, self.cols = ggml_type, rows, cols
         parts = {k: v.contiguous() for k, v in unpack_blocks(raw, ggml_type).items()}
-        self.d = parts["d"]                                                    # [N, nb] f32
+        self.d = parts["d"]  # [N, nb] f32
         self.native = kernels() if native else None
         if self.native is not None:
             self.parts = parts
@@ -70,31 +70,41 @@ class ExactWeight:
             # [nb·8, 4, N]: lane k of block b holds weights 4k..4k+3
             self.lanes = parts["q"].reshape(rows, nb * 8, 4).permute(1, 2, 0).float().contiguous()
         elif ggml_type == T.Q4_K:
-            scaled = parts["q"].float() * parts["scales"].float()[..., None]   # [N, nb, 8, 32]
-            self.chunks = scaled.reshape(rows, nb * 4, 64).permute(1, 2, 0).contiguous()  # [nb·4, 64, N]
+            scaled = parts["q"].float() * parts["scales"].float()[..., None]  # [N, nb, 8, 32]
+            self.chunks = (
+                scaled.reshape(rows, nb * 4, 64).permute(1, 2, 0).contiguous()
+            )  # [nb·4, 64, N]
             self.mins = parts["mins"].float().reshape(rows, nb * 4, 2).permute(1, 2, 0).contiguous()
             self.dmin = parts["dmin"]
-        else:                                                                  # Q6_K
-            sc16 = parts["scales"].float().repeat_interleave(16, dim=-1)      # [N, nb, 256] scale per weight
-            by_lane = (parts["q"].float() * sc16).reshape(rows, nb, 8, 8, 4)   # [N, nb, group c, lane k, i]
+        else:  # Q6_K
+            sc16 = (
+                parts["scales"].float().repeat_interleave(16, dim=-1)
+            )  # [N, nb, 256] scale per weight
+            by_lane = (parts["q"].float() * sc16).reshape(
+                rows, nb, 8, 8, 4
+            )  # [N, nb, group c, lane k, i]
             self.lanes = by_lane.permute(1, 3, 2, 4, 0).reshape(nb * 8, 32, rows).contiguous()
-            self.group_scales = sc16.reshape(rows, nb * 8, 32).permute(1, 2, 0).contiguous()  # [nb·8, 32, N]
-            self.signed = ((parts["q"].float() - 32) * sc16).permute(1, 2, 0).contiguous()  # [nb, 256, N]
+            self.group_scales = (
+                sc16.reshape(rows, nb * 8, 32).permute(1, 2, 0).contiguous()
+            )  # [nb·8, 32, N]
+            self.signed = (
+                ((parts["q"].float() - 32) * sc16).permute(1, 2, 0).contiguous()
+            )  # [nb, 256, N]
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         """x [R, cols] f32 -> [R, rows], as llama.cpp's mul_mat with these R rows, in ubatches."""
         outs = []
         for start in range(0, x.shape[0], UBATCH):
-            batch = x[start:start + UBATCH]
+            batch = x[start : start + UBATCH]
             n = batch.shape[0]
-            gemm_rows = n - n % 4 if n > 3 else 0          # repacked Q4_K: gemm rows, then gemv
-            tiled = n >= TILED_MIN_ROWS                     # Q6_K: tiled kernel, else vec_dot
-            fused = plan().q6_k_tiled_fma                   # which tiled microtile
+            gemm_rows = n - n % 4 if n > 3 else 0  # repacked Q4_K: gemm rows, then gemv
+            tiled = n >= TILED_MIN_ROWS  # Q6_K: tiled kernel, else vec_dot
+            fused = plan().q6_k_tiled_fma  # which tiled microtile
             if self.native is not None:
                 outs.append(self._native(batch, gemm_rows, (1 if fused else 2) if tiled else 0))
                 continue
             for r0 in range(0, n, ROW_CHUNK):
-                rows = batch[r0:r0 + ROW_CHUNK]
+                rows = batch[r0 : r0 + ROW_CHUNK]
                 if self.ggml_type == T.Q4_K:
                     g = max(0, min(rows.shape[0], gemm_rows - r0))
                     if g:
@@ -114,41 +124,68 @@ class ExactWeight:
         if self.ggml_type in (T.Q8_0, T.Q5_0):
             q, xd = quantize_q8_0(x)
             q = q.to(torch.int8).contiguous()
-            lib.q0_matmul(R, self.rows, xd.shape[1], ptr(q), ptr(xd), ptr(p["q"]), ptr(p["d"]), ptr(out))
+            lib.q0_matmul(
+                R, self.rows, xd.shape[1], ptr(q), ptr(xd), ptr(p["q"]), ptr(p["d"]), ptr(out)
+            )
             return out
         q, xd = quantize_q8_k(x)
         q = q.to(torch.int8).contiguous()
         nsb = xd.shape[1]
         if self.ggml_type == T.Q6_K:
-            lib.q6_k_matmul(R, self.rows, nsb, ptr(q), ptr(xd), ptr(p["q"]), ptr(p["scales"]), ptr(p["d"]),
-                            tiled, ptr(out))
+            lib.q6_k_matmul(
+                R,
+                self.rows,
+                nsb,
+                ptr(q),
+                ptr(xd),
+                ptr(p["q"]),
+                ptr(p["scales"]),
+                ptr(p["d"]),
+                tiled,
+                ptr(out),
+            )
             return out
         for lo, hi, per_superblock in ((0, gemm_rows, 0), (gemm_rows, R, 1)):
             if hi > lo:
                 part = out[lo:hi]
-                lib.q4_k_matmul(hi - lo, self.rows, nsb, ptr(q[lo:hi]), ptr(xd[lo:hi]), ptr(p["q"]),
-                                ptr(p["scales"]), ptr(p["mins"]), ptr(p["d"]), ptr(p["dmin"]),
-                                per_superblock, ptr(part))
+                lib.q4_k_matmul(
+                    hi - lo,
+                    self.rows,
+                    nsb,
+                    ptr(q[lo:hi]),
+                    ptr(xd[lo:hi]),
+                    ptr(p["q"]),
+                    ptr(p["scales"]),
+                    ptr(p["mins"]),
+                    ptr(p["d"]),
+                    ptr(p["dmin"]),
+                    per_superblock,
+                    ptr(part),
+                )
         return out
 
     def _q0(self, x: torch.Tensor) -> torch.Tensor:
-        q, xd = quantize_q8_0(x)                                               # [R, nb, 32], [R, nb]
+        q, xd = quantize_q8_0(x)  # [R, nb, 32], [R, nb]
         R, nb = xd.shape
-        lanes = torch.bmm(q.reshape(R, nb * 8, 4).transpose(0, 1), self.lanes).view(nb, 8, R, self.rows)
+        lanes = torch.bmm(q.reshape(R, nb * 8, 4).transpose(0, 1), self.lanes).view(
+            nb, 8, R, self.rows
+        )
         acc = torch.zeros(8, R, self.rows, dtype=torch.float32)
         for b in range(nb):
-            scale = self.d[:, b][None, :] * xd[:, b][:, None]                  # f32 [R, N]
+            scale = self.d[:, b][None, :] * xd[:, b][:, None]  # f32 [R, N]
             acc = fma_f32(scale, lanes[b], acc)
         return hsum8(acc.movedim(0, -1))
 
     def _q4_k(self, x: torch.Tensor, per_superblock: bool) -> torch.Tensor:
-        q, xd = quantize_q8_k(x)                                               # [R, nb, 256], [R, nb]
+        q, xd = quantize_q8_k(x)  # [R, nb, 256], [R, nb]
         R, nb = xd.shape
-        dots = torch.bmm(q.reshape(R, nb * 4, 64).transpose(0, 1), self.chunks)   # [nb·4, R, N] exact
-        sums = q.reshape(R, nb * 4, 2, 32).sum(-1).transpose(0, 1)             # [nb·4, R, 2] block sums
-        mins = torch.bmm(sums, self.mins)                                       # [nb·4, R, N]
+        dots = torch.bmm(
+            q.reshape(R, nb * 4, 64).transpose(0, 1), self.chunks
+        )  # [nb·4, R, N] exact
+        sums = q.reshape(R, nb * 4, 2, 32).sum(-1).transpose(0, 1)  # [nb·4, R, 2] block sums
+        mins = torch.bmm(sums, self.mins)  # [nb·4, R, N]
         dots, mins = dots.view(nb, 4, R, self.rows), mins.view(nb, 4, R, self.rows)
-        if per_superblock:                     # gemv: the whole 256's integer, then one f32 rounding
+        if per_superblock:  # gemv: the whole 256's integer, then one f32 rounding
             dots = dots.double().sum(1, keepdim=True).float()
             mins = mins.double().sum(1, keepdim=True).float()
         acc = torch.zeros(R, self.rows)
@@ -162,25 +199,29 @@ class ExactWeight:
         return acc - acc_min
 
     def _q6_k(self, x: torch.Tensor) -> torch.Tensor:
-        q, xd = quantize_q8_k(x)                                               # [R, nb, 256], [R, nb]
+        q, xd = quantize_q8_k(x)  # [R, nb, 256], [R, nb]
         R, nb = xd.shape
         by_lane = q.reshape(R, nb, 8, 8, 4).permute(1, 3, 0, 2, 4).reshape(nb * 8, R, 32)
-        positive = torch.bmm(by_lane.double(), self.lanes.double())            # [nb·8, R, N]
-        groups = q.reshape(R, nb * 8, 32).transpose(0, 1)                      # lane k's 32-group
-        offset = torch.bmm(groups, self.group_scales).double()                # exact: |.| < 2^24
-        lanes = (positive - 32.0 * offset).float().view(nb, 8, R, self.rows)   # cvtepi32_ps rounding
+        positive = torch.bmm(by_lane.double(), self.lanes.double())  # [nb·8, R, N]
+        groups = q.reshape(R, nb * 8, 32).transpose(0, 1)  # lane k's 32-group
+        offset = torch.bmm(groups, self.group_scales).double()  # exact: |.| < 2^24
+        lanes = (positive - 32.0 * offset).float().view(nb, 8, R, self.rows)  # cvtepi32_ps rounding
         acc = torch.zeros(8, R, self.rows, dtype=torch.float32)
         for b in range(nb):
             acc = fma_f32((xd[:, b][:, None] * self.d[:, b][None, :]), lanes[b], acc)
         return hsum8(acc.movedim(0, -1))
 
     def _q6_k_tiled(self, x: torch.Tensor, fused: bool) -> torch.Tensor:
-        q, xd = quantize_q8_k(x)                                               # [R, nb, 256], [R, nb]
+        q, xd = quantize_q8_k(x)  # [R, nb, 256], [R, nb]
         dots = torch.bmm(q.transpose(0, 1).double(), self.signed.double()).float()  # [nb, R, N]
         acc = torch.zeros(x.shape[0], self.rows)
         for b in range(xd.shape[1]):
             scaled = self.d[:, b][None, :] * dots[b]
-            acc = fma_f32(scaled, xd[:, b][:, None], acc) if fused else acc + scaled * xd[:, b][:, None]
+            acc = (
+                fma_f32(scaled, xd[:, b][:, None], acc)
+                if fused
+                else acc + scaled * xd[:, b][:, None]
+            )
         return acc
 
 

@@ -21,7 +21,15 @@ import torch
 
 SOURCE = Path(__file__).with_name("ggml_kernels.c")
 # -ffp-contract=off: only the explicit fmaf() calls fuse, as in ggml's intrinsics
-FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fno-fast-math", "-fopenmp", "-shared", "-fPIC"]
+FLAGS = [
+    "-O3",
+    "-march=native",
+    "-ffp-contract=off",
+    "-fno-fast-math",
+    "-fopenmp",
+    "-shared",
+    "-fPIC",
+]
 
 _I64, _PTR, _INT = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
 SIGNATURES = {
@@ -51,14 +59,23 @@ def kernels() -> ctypes.CDLL | None:
         tmp = lib_path.with_name(f"{lib_path.name}.{os.getpid()}.tmp")
         try:
             lib_path.parent.mkdir(parents=True, exist_ok=True)
-            done = subprocess.run([cc, *FLAGS, str(SOURCE), "-o", str(tmp), "-lm"], capture_output=True, text=True)
+            done = subprocess.run(
+                [cc, *FLAGS, str(SOURCE), "-o", str(tmp), "-lm"], capture_output=True, text=True
+            )
             if done.returncode != 0:
-                raise OSError(f"{cc} exited with {done.returncode}: {done.stderr.strip()[:300] or 'no message'}")
+                raise OSError(
+                    f"{cc} exited with {done.returncode}: "
+                    f"{done.stderr.strip()[:300] or 'no message'}"
+                )
             os.replace(tmp, lib_path)
         except OSError as err:
-            print(f"forgebench: could not build {SOURCE.name} into {lib_path.parent} ({err}); using the "
-                  "slower torch kernels (same numbers). Set CC to a working C compiler or XDG_CACHE_HOME "
-                  "to a writable folder.", file=sys.stderr)
+            print(
+                f"forgebench: could not build {SOURCE.name} into {lib_path.parent} ({err}); "
+                "using the slower torch kernels (same numbers). Set CC to a working C compiler "
+                "or XDG_CACHE_HOME "
+                "to a writable folder.",
+                file=sys.stderr,
+            )
             tmp.unlink(missing_ok=True)
             return None
     lib = ctypes.CDLL(str(lib_path))

@@ -10,7 +10,8 @@ What llama.cpp (ggml-cpu) does that plain f32 does not:
   are summed as tinyBLAS sums a batch and ggml_vec_dot_f16 one query (dot_tinyblas, dot_vec_f16);
 - the softmax exponent is ggml_v_expf, a polynomial, not a correctly rounded exp (expf_ggml);
 - GELU goes through a 65536-entry f16 table (GGML_GELU_FP16): input and output rounded to f16;
-  the table is ggml's own, entry for entry (its f32 formula has an FMA and a correctly rounded tanhf);
+  the table is ggml's own, entry for entry (its f32 formula has an FMA and a correctly rounded
+  tanhf);
 - RMSNorm's 1/sqrtf is correctly rounded in C; torch's f32 sqrt is not always (rsqrt_f32), nor is
   torch's `scalar / tensor` (divide);
 - RoPE takes cos/sin from the C library's cosf/sinf and rotates with fused multiply-adds.
@@ -113,7 +114,7 @@ def quantize_q8_0(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     b = _blocks(x.float(), 32)
     amax = b.abs().amax(-1, keepdim=True)
     inv = torch.where(amax > 0, divide(127.0, amax), torch.zeros_like(amax))
-    q = torch.round(b * inv)                                  # _MM_ROUND_NEAREST: half to even
+    q = torch.round(b * inv)  # _MM_ROUND_NEAREST: half to even
     return q, round_f16(amax / 127.0)[..., 0]
 
 
@@ -121,14 +122,20 @@ def quantize_q8_k(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """quantize_row_q8_K_ref: ints min(127, nearest(x·(-127/max))) [..., nb, 256] (as f32) and the
     f32 scale 1/iscale [..., nb], where max is the first element of largest magnitude (signed)."""
     b = _blocks(x.float(), QK_K)
-    idx = b.abs().argmax(-1, keepdim=True)                    # first occurrence, like `ax > amax`
+    idx = b.abs().argmax(-1, keepdim=True)  # first occurrence, like `ax > amax`
     peak = torch.gather(b, -1, idx)
     nonzero = peak != 0
-    iscale = torch.where(nonzero, divide(-127.0, torch.where(nonzero, peak, torch.ones_like(peak))),
-                         torch.zeros_like(peak))
-    q = torch.clamp(torch.round(b * iscale), max=127.0)       # nearest_int: half to even
-    d = torch.where(nonzero, divide(1.0, torch.where(nonzero, iscale, torch.ones_like(iscale))),
-                    torch.zeros_like(iscale))
+    iscale = torch.where(
+        nonzero,
+        divide(-127.0, torch.where(nonzero, peak, torch.ones_like(peak))),
+        torch.zeros_like(peak),
+    )
+    q = torch.clamp(torch.round(b * iscale), max=127.0)  # nearest_int: half to even
+    d = torch.where(
+        nonzero,
+        divide(1.0, torch.where(nonzero, iscale, torch.ones_like(iscale))),
+        torch.zeros_like(iscale),
+    )
     return q, d[..., 0]
 
 
@@ -145,7 +152,7 @@ def q8_k_values(x: torch.Tensor) -> torch.Tensor:
 
 
 def activation_values(x: torch.Tensor, weight_type: T) -> torch.Tensor:
-    """The activation values llama.cpp's matmul effectively multiplies with weights of `weight_type`.
+    """The activation values llama.cpp's matmul multiplies with weights of `weight_type`.
 
     Q8_1 (paired with Q4_1/Q5_1) is taken as Q8_0's values; llama.cpp additionally rounds the
     block sum used for the weight minimum to f16, a difference below f16 resolution of the sum.
@@ -175,7 +182,10 @@ def gelu_tanh_f32(x: torch.Tensor) -> torch.Tensor:
     is correctly rounded. fma and tanh are evaluated in f64 and rounded once to f32 (exact for the
     f16 inputs the table uses: the product has at most 35 significant bits)."""
     x = x.float()
-    s, a = torch.tensor(_SQRT_2_OVER_PI, dtype=torch.float32), torch.tensor(_GELU_A, dtype=torch.float32)
+    s, a = (
+        torch.tensor(_SQRT_2_OVER_PI, dtype=torch.float32),
+        torch.tensor(_GELU_A, dtype=torch.float32),
+    )
     inner = ((a * x).double() * x.double() + 1.0).float()
     t = torch.tanh((s * x * inner).double()).float()
     return 0.5 * x * (1.0 + t)
@@ -189,7 +199,8 @@ def _gelu_table() -> torch.Tensor:
 
 
 def gelu_llamacpp(x: torch.Tensor) -> torch.Tensor:
-    """ggml's table GELU (GGML_GELU_FP16): table[f16(x)] inside (-10, 10), 0 below, identity above."""
+    """ggml's table GELU (GGML_GELU_FP16): table[f16(x)] inside (-10, 10), 0 below, identity
+    above."""
     table = _gelu_table()[x.to(torch.float16).view(torch.int16).long() & 0xFFFF]
     return torch.where(x <= -10.0, torch.zeros_like(x), torch.where(x >= 10.0, x, table))
 
@@ -201,7 +212,8 @@ def fma_f32(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
 
 
 def hsum8(lanes: torch.Tensor) -> torch.Tensor:
-    """ggml's hsum_float_8 over the last dim (8 lanes): ((x0+x4) + (x2+x6)) + ((x1+x5) + (x3+x7))."""
+    """ggml's hsum_float_8 over the last dim (8 lanes):
+    ((x0+x4) + (x2+x6)) + ((x1+x5) + (x3+x7))."""
     r = lanes[..., 4:] + lanes[..., :4]
     r = r[..., :2] + r[..., 2:]
     return r[..., 0] + r[..., 1]
@@ -223,8 +235,8 @@ def dot_tinyblas(a: torch.Tensor, b: torch.Tensor, lanes: int = 8) -> torch.Tens
     `lanes` lanes (k mod lanes; 8 on AVX2, 16 on AVX-512), each an fma chain over k in order, then
     the register's horizontal sum. K must be a multiple of `lanes` (else ggml uses vec_dot)."""
     steps = a.shape[-1] // lanes
-    a8 = a.reshape(*a.shape[:-1], steps, lanes).unsqueeze(-3)        # [..., P, 1, steps, L]
-    b8 = b.reshape(*b.shape[:-1], steps, lanes).unsqueeze(-4)        # [..., 1, Q, steps, L]
+    a8 = a.reshape(*a.shape[:-1], steps, lanes).unsqueeze(-3)  # [..., P, 1, steps, L]
+    b8 = b.reshape(*b.shape[:-1], steps, lanes).unsqueeze(-4)  # [..., 1, Q, steps, L]
     acc = torch.zeros(torch.broadcast_shapes(a8.shape, b8.shape)[:-2] + (lanes,))
     for s in range(steps):
         acc = fma_f32(a8[..., s, :], b8[..., s, :], acc)
@@ -255,7 +267,9 @@ def dot_vec_f16(a: torch.Tensor, b: torch.Tensor, lanes: int = 8) -> torch.Tenso
     return total.float()
 
 
-def dot_f16(a: torch.Tensor, b: torch.Tensor, tinyblas: bool, lanes: int | None = None) -> torch.Tensor:
+def dot_f16(
+    a: torch.Tensor, b: torch.Tensor, tinyblas: bool, lanes: int | None = None
+) -> torch.Tensor:
     """dot_tinyblas / dot_vec_f16 for a [..., P, K], b [..., Q, K] with equal leading dims, with
     this machine's lane count unless given: in C when ggml_kernels.c is built, else the torch
     reference above."""
@@ -277,8 +291,19 @@ def tinyblas_serves(rows: int, cols: int, batch: int, lanes: int | None = None) 
     return batch >= 2 and rows % 4 == 0 and cols % (lanes or plan().f16_lanes) == 0
 
 
-_EXP_CONSTANTS = [float.fromhex(h) for h in ("0x1.715476p+0", "0x1.62e4p-1", "0x1.7f7d1cp-20", "0x1.0e4020p-7",
-                                            "0x1.573e2ep-5", "0x1.555e66p-3", "0x1.fffdb6p-2", "0x1.ffffecp-1")]
+_EXP_CONSTANTS = [
+    float.fromhex(h)
+    for h in (
+        "0x1.715476p+0",
+        "0x1.62e4p-1",
+        "0x1.7f7d1cp-20",
+        "0x1.0e4020p-7",
+        "0x1.573e2ep-5",
+        "0x1.555e66p-3",
+        "0x1.fffdb6p-2",
+        "0x1.ffffecp-1",
+    )
+]
 
 
 def expf_ggml(x: torch.Tensor, lanes: int = 8) -> torch.Tensor:
@@ -287,18 +312,24 @@ def expf_ggml(x: torch.Tensor, lanes: int = 8) -> torch.Tensor:
     AVX-512 form (lanes=16) folds the 1 into the last fma and scales by 2^n (_mm512_scalef_ps,
     exact). Below e^-126 it returns 0 (ggml returns a value under 1e-37, which no f16
     probability or f64 sum can see)."""
-    log2e, ln2_hi, ln2_lo, c5, c4, c3, c2, c1 = (torch.tensor(c, dtype=torch.float32) for c in _EXP_CONSTANTS)
-    shifter = torch.tensor(1.5 * 2 ** 23, dtype=torch.float32)
+    log2e, ln2_hi, ln2_lo, c5, c4, c3, c2, c1 = (
+        torch.tensor(c, dtype=torch.float32) for c in _EXP_CONSTANTS
+    )
+    shifter = torch.tensor(1.5 * 2**23, dtype=torch.float32)
     x = x.float()
     z = fma_f32(x, log2e, shifter)
     n = z - shifter
     b = fma_f32(-n, ln2_lo, fma_f32(-n, ln2_hi, x))
     u = b * b
     if lanes == 16:
-        j = fma_f32(fma_f32(fma_f32(c5, b, c4), u, fma_f32(c3, b, c2)), u, fma_f32(c1, b, torch.ones_like(b)))
-        value = torch.ldexp(j, n)                                               # exact: 2^n scaling
+        j = fma_f32(
+            fma_f32(fma_f32(c5, b, c4), u, fma_f32(c3, b, c2)),
+            u,
+            fma_f32(c1, b, torch.ones_like(b)),
+        )
+        value = torch.ldexp(j, n)  # exact: 2^n scaling
     else:
-        bits = (z.view(torch.int32).long() << 23) + 0x3F800000                  # 2^n as f32 bits
+        bits = (z.view(torch.int32).long() << 23) + 0x3F800000  # 2^n as f32 bits
         k = (((bits + (1 << 31)) & 0xFFFFFFFF) - (1 << 31)).int().view(torch.float32)
         j = fma_f32(fma_f32(fma_f32(c5, b, c4), u, fma_f32(c3, b, c2)), u, c1 * b)
         value = fma_f32(j, k, k)
@@ -311,13 +342,17 @@ def silu_llamacpp(x: torch.Tensor) -> torch.Tensor:
     takes its overflow branch; the engine uses exp in f64 there, which gives the same 0 or x
     after the division up to values no Q8 or f16 activation can hold."""
     x = x.float()
-    lanes = plan().softmax_lanes                  # ggml_v_silu and ggml_v_expf share the width
+    lanes = plan().softmax_lanes  # ggml_v_silu and ggml_v_expf share the width
     neg = torch.zeros_like(x) - x
-    e = torch.where(neg.abs() > 87.0, torch.exp(neg.double()).float(), expf_ggml(neg.clamp(-87.0, 87.0), lanes))
+    e = torch.where(
+        neg.abs() > 87.0, torch.exp(neg.double()).float(), expf_ggml(neg.clamp(-87.0, 87.0), lanes)
+    )
     return x / (1.0 + e)
 
 
-def softmax_ggml(scores: torch.Tensor, visible: torch.Tensor, lanes: int | None = None) -> torch.Tensor:
+def softmax_ggml(
+    scores: torch.Tensor, visible: torch.Tensor, lanes: int | None = None
+) -> torch.Tensor:
     """ggml_compute_forward_soft_max_f32 over the last dim (a multiple of `lanes`): exp(x - max)
     by ggml_v_expf, each group of `lanes` summed in f32 (hsum_float_8, or _mm512_reduce_add_ps on
     AVX-512 with DQ) and the groups in f64, then the values times f32(1/sum). Hidden positions
@@ -327,15 +362,16 @@ def softmax_ggml(scores: torch.Tensor, visible: torch.Tensor, lanes: int | None 
     top = x.amax(-1, keepdim=True)
     exps = expf_ggml(torch.where(visible, x - top, torch.zeros_like(x)), lanes)
     values = torch.where(visible, exps, torch.zeros_like(x))
-    groups = hsum(values.reshape(*values.shape[:-1], -1, lanes)).double()    # [..., S/lanes]
+    groups = hsum(values.reshape(*values.shape[:-1], -1, lanes)).double()  # [..., S/lanes]
     total = torch.zeros(groups.shape[:-1], dtype=torch.float64)
     for g in range(groups.shape[-1]):
         total = total + groups[..., g]
     return values * divide(1.0, total).float()[..., None]
 
 
-def attention_llamacpp(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
-                       scale: float) -> torch.Tensor:
+def attention_llamacpp(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float
+) -> torch.Tensor:
     """llama.cpp's non-flash attention with an f16 KV cache, summed as ggml sums it.
 
     q [B,H,T,hd] f32, k/v [B,Hkv,S,hd]: kq = f16(q)·f16(k) (tinyBLAS for a batch of queries,
@@ -351,14 +387,41 @@ def attention_llamacpp(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: 
     k16, v16 = round_f16(F.pad(k, (0, 0, 0, pad))), round_f16(F.pad(v, (0, 0, 0, pad)))
     visible = F.pad(mask, (0, pad), value=False)
     B, H, T, hd = q.shape
-    qg = round_f16(q).reshape(B, k.shape[1], groups * T, hd)                    # GQA: heads share k/v
+    qg = round_f16(q).reshape(B, k.shape[1], groups * T, hd)  # GQA: heads share k/v
     kq = dot_f16(qg, k16, tinyblas_serves(S + pad, hd, T, lanes), lanes).view(B, H, T, S + pad)
     probs = softmax_ggml(kq * scale, visible)
-    out = dot_f16(round_f16(probs).reshape(B, k.shape[1], groups * T, S + pad), v16.transpose(-1, -2),
-                  tinyblas_serves(hd, S + pad, T, lanes), lanes)
+    out = dot_f16(
+        round_f16(probs).reshape(B, k.shape[1], groups * T, S + pad),
+        v16.transpose(-1, -2),
+        tinyblas_serves(hd, S + pad, T, lanes),
+        lanes,
+    )
     return out.view(B, H, T, hd)
 
 
-__all__ = ["NUMERICS", "cos_sin_f32", "divide", "round_f16", "rsqrt_f32", "quantize_q8_0", "quantize_q8_k", "q8_0_values", "q8_k_values", "activation_values",
-           "gelu_tanh_f32", "gelu_llamacpp", "silu_llamacpp", "fma_f32", "hsum8", "hsum16", "hsum",
-           "dot_tinyblas", "dot_vec_f16", "dot_f16", "tinyblas_serves", "expf_ggml", "softmax_ggml", "attention_llamacpp"]
+__all__ = [
+    "NUMERICS",
+    "cos_sin_f32",
+    "divide",
+    "round_f16",
+    "rsqrt_f32",
+    "quantize_q8_0",
+    "quantize_q8_k",
+    "q8_0_values",
+    "q8_k_values",
+    "activation_values",
+    "gelu_tanh_f32",
+    "gelu_llamacpp",
+    "silu_llamacpp",
+    "fma_f32",
+    "hsum8",
+    "hsum16",
+    "hsum",
+    "dot_tinyblas",
+    "dot_vec_f16",
+    "dot_f16",
+    "tinyblas_serves",
+    "expf_ggml",
+    "softmax_ggml",
+    "attention_llamacpp",
+]
