@@ -15,8 +15,9 @@ import numpy as np
 import pytest
 import torch
 from fixtures_gguf import write_tiny_gguf
-from llamacpp_oracle import require_same_plan
+from llamacpp_oracle import ggml_cpu_library, require_same_plan
 
+from engine.kernels.cpu import ROUNDING_WEIGHT_TYPES
 from engine.kernels.numerics import gelu_llamacpp, gelu_tanh_f32
 from engine.models.blocks import ACTIVATIONS, apply_rope, attention_mask, rope_tables
 from engine.models.gguf_model import load_gguf_model, set_numerics
@@ -24,8 +25,6 @@ from engine.models.linear import PackedWeight
 
 torch.set_num_threads(2)
 IDS = [1, 40, 7, 200, 12, 99, 5, 261, 33, 18, 2, 77, 150, 64, 3, 250]
-# weight types whose ggml kernels the engine follows only to f32 rounding (engine/kernels/cpu.py)
-NOT_REPRODUCED = {"Q4_0", "Q4_1", "Q5_1", "Q5_K", "BF16"}
 
 
 def llamacpp_logits(path, ids: list[int], n_ctx: int = 256) -> np.ndarray:
@@ -65,7 +64,7 @@ def test_tiny_fixture_matches_llamacpp(tmp_path, arch, qtype):
     ours, ref = engine_logits(model, IDS), llamacpp_logits(path, IDS)
     scale = np.abs(ref).max()
     diff = np.abs(ours - ref)
-    if not p.x86_exact or qtype in NOT_REPRODUCED:
+    if not p.x86_exact or qtype in ROUNDING_WEIGHT_TYPES:
         # the weight type's kernel (or this CPU's) is matched to f32 rounding only: the engine must
         # still be closer to llama.cpp than plain f32 is, and choose the same tokens
         batched, stepped = llamacpp_batched_and_stepped(llamacpp_session(path, 256), IDS)
@@ -92,12 +91,8 @@ def test_tiny_fixture_matches_llamacpp(tmp_path, arch, qtype):
 def test_gelu_table_is_ggmls():
     """Our GELU table equals ggml's ggml_table_gelu_f16 entry for entry (read from libggml-cpu)."""
     import ctypes
-    import os
 
-    import llama_cpp
-
-    lib = ctypes.CDLL(os.path.join(os.path.dirname(llama_cpp.__file__), "lib", "libggml-cpu.so"))
-    lib.ggml_cpu_init()  # fills the tables (idempotent)
+    lib = ggml_cpu_library()  # ggml_cpu_init fills the tables
     raw = np.ctypeslib.as_array((ctypes.c_uint16 * 65536).in_dll(lib, "ggml_table_gelu_f16")).copy()
     theirs = torch.from_numpy(raw.view(np.float16).astype(np.float32))
     x = torch.from_numpy(np.arange(65536, dtype=np.uint16).view(np.float16).astype(np.float32))

@@ -56,6 +56,8 @@ FEATURE_BITS = (
     "amx_int8",
 )
 SIMD_CHOICES = ("native", "avx2")
+# weight types whose ggml kernels (tiled or repacked) the engine follows only to f32 rounding
+ROUNDING_WEIGHT_TYPES = ("Q4_0", "Q4_1", "Q5_1", "Q5_K", "BF16")
 EXACT = "bit-exact"
 ROUNDING = "f32 rounding"
 
@@ -224,7 +226,7 @@ def plan_for(
             "f64 sum of squares; ggml_table_gelu_f16; libm cosf/sinf",
         ),
         Kernel(
-            "Q4_0, Q4_1, Q5_1, Q5_K, BF16, Q4_K with rows % 8 != 0",
+            f"{', '.join(ROUNDING_WEIGHT_TYPES)}, Q4_K with rows % 8 != 0",
             ROUNDING,
             "ggml's tiled or repacked kernels for these are not reproduced",
         ),
@@ -263,6 +265,7 @@ __all__ = [
     "Kernel",
     "KernelPlan",
     "ROUNDING",
+    "ROUNDING_WEIGHT_TYPES",
     "describe",
     "detected",
     "plan",
