@@ -130,9 +130,9 @@ void q4_k_matmul(int64_t R, int64_t N, int64_t nsb, const int8_t *x, const float
 
 /* Q6_K weights x Q8_K activations. x [R][nsb*256] int8, xd [R][nsb]; q [N][nsb*256] 0..63
  * (stored value + 32), scales [N][nsb*16] int8, d [N][nsb].
- * tiled = 1: ggml's tiled K-quant matmul (8 or more rows), AVX2 microtile: the exact dot per 256,
- * times d_w, then fma with d_x. tiled = 2: the same on the AVX-512 VNNI microtile, which multiplies
- * by d_x and adds in two roundings. tiled = 0: vec_dot_q6_K_q8_K's eight lanes and hsum_float_8. */
+ * tiled = 1: ggml's tiled K-quant matmul (8 or more rows): the exact dot per 256, times d_w, then
+ * fma with d_x (its AVX2 and AVX512-VNNI microtiles alike, as GCC compiles them).
+ * tiled = 0: vec_dot_q6_K_q8_K's eight lanes and hsum_float_8. */
 void q6_k_matmul(int64_t R, int64_t N, int64_t nsb, const int8_t *x, const float *xd,
                  const uint8_t *q, const int8_t *scales, const float *d, int tiled, float *out) {
     const int64_t K = nsb * 256;
@@ -161,7 +161,7 @@ void q6_k_matmul(int64_t R, int64_t N, int64_t nsb, const int8_t *x, const float
                     int32_t dot = 0;
                     for (int l = 0; l < 8; l++) dot += lane[l] - 32 * offset[l];
                     const float scaled = d[n * nsb + b] * (float) dot;
-                    acc = tiled == 1 ? fmaf(scaled, xd[r * nsb + b], acc) : acc + scaled * xd[r * nsb + b];
+                    acc = fmaf(scaled, xd[r * nsb + b], acc);
                 } else {
                     for (int l = 0; l < 8; l++)
                         lanes_acc[l] = fmaf(xd[r * nsb + b] * d[n * nsb + b], (float) (lane[l] - 32 * offset[l]),
