@@ -86,6 +86,22 @@ def environment(threads: int, device: dict | None = None, world_size: int = 1) -
             "device": device or {"type": "cpu", "index": None}, "world_size": world_size}
 
 
+def job_device(config: Schema, module: Any, local_rank: int = 0, where: str = "field 'device'"):
+    """The torch.device this recipe's job trains on (engine/train/devices.py)."""
+    from engine.train import devices
+
+    return devices.resolve(getattr(config, "device", "cpu"), local_rank, where,
+                           cuda_ok=getattr(module, "CUDA", False))
+
+
+def require_multi_process(config: Schema, processes: int) -> None:
+    """Only recipes that shard their batch over ranks (`MULTI_PROCESS = True`) run on several
+    processes: any other would train N unsynchronised copies."""
+    if processes > 1 and not getattr(recipe_module(config.recipe), "MULTI_PROCESS", False):
+        raise ForgebenchError(f"recipe '{config.recipe}' trains in one process only",
+                              where="--nproc", hint="drop --nproc / --nnodes")
+
+
 def recorded_device_type(manifest: dict) -> str:
     """The device type a run trained on (runs before devices existed recorded "cpu")."""
     device = manifest.get("environment", {}).get("device", "cpu")
@@ -122,12 +138,14 @@ def start_run(config: Schema, out_dir: str | os.PathLike, argv: list[str], *,
     created, so bad input (device = "cuda" without a GPU included) leaves nothing behind.
     """
     from engine.train import devices
+
     run = RunDir(out_dir)
     if run.path.exists() and (not run.path.is_dir() or any(run.path.iterdir())):
         run.create({})  # raises the standard "not empty" error, touching nothing
     require_writable_dir(run.path, "--out")
-    device = devices.resolve(config.device)
     module = recipe_module(config.recipe)
+    device = job_device(config, module)
+    require_multi_process(config, world_size)
     data = module.data_manifest(config)
     base = base_model_of(config, module)
     threads = threads or default_threads()
@@ -218,10 +236,8 @@ def _validate_resume(run: RunDir, overrides: dict, allow_code_change: bool) -> S
 def _check_device_move(run: RunDir, config: Schema, allow: bool) -> None:
     """Same device type: exact resume. CPU <-> GPU: refused, or with `allow` a warning event
     (the arithmetic differs, so the steps after it are not those of an uninterrupted run)."""
-    from engine.train import devices
-
     before = recorded_device_type(run.manifest())
-    now = devices.resolve(config.device, where="--device").type
+    now = job_device(config, recipe_module(config.recipe), where="--device").type
     if now == before:
         return
     if not allow:
@@ -450,12 +466,13 @@ def execute(run: RunDir, config: Schema, resume_from: Checkpoint | None, *, thre
                      stop_after_step=stop_after_step, progress=progress, world=world) as job:
         import torch  # inside the session: a failure here is recorded, never left `queued`
 
-        from engine.train import devices, distributed
+        from engine.train import distributed
 
         torch.set_num_threads(threads)
-        job.device = devices.resolve(getattr(config, "device", "cpu"), job.world.local_rank)
+        module = recipe_module(config.recipe)
+        job.device = job_device(config, module, job.world.local_rank)
         distributed.init(job.world, job.device)
-        recipe_module(config.recipe).train(job)
+        module.train(job)
     return run.status()
 
 

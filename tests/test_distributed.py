@@ -301,3 +301,58 @@ def test_device_words_and_uneven_shards_are_refused_with_the_reason():
     assert distributed.all_reduce_sum([3, 4.5], single) == [3.0, 4.5]
     assert distributed.agree_stop(True, single) is True
     assert distributed.rank_throughput(10.0, single) == {}
+
+
+def test_doctor_reports_the_gpus_or_why_there_are_none():
+    from engine.commands.doctor import gpu_lines, report
+
+    info = report()
+    lines = gpu_lines(info)
+    if info["cuda"] is None:
+        assert lines[0].startswith("no CUDA device (")
+    fake = {"torch_cuda": "12.8", "cuda": {"cuda": "12.8", "devices": [
+        {"index": 0, "name": "NVIDIA L4", "memory_bytes": 24 * 2**30, "capability": "8.9",
+         "bf16": True, "allow_tf32": False}]}}
+    assert gpu_lines(fake) == ["CUDA 12.8:", "  cuda:0 NVIDIA L4, 24.0 GiB, compute 8.9, "
+                                             "bf16 yes, tf32 matmul off"]
+    assert "finds no GPU" in gpu_lines({"torch_cuda": "12.8", "cuda": None})[0]
+
+
+def test_packed_gguf_weights_follow_the_module_to_its_device_and_are_never_cast(tmp_path):
+    """`model.to(device)` moves the packed bytes (no Parameter, no buffer) so a GPU dequantizes
+    them itself; dtype casts leave them alone. The meta device stands in for a GPU here."""
+    import torch
+    from fixtures_gguf import write_tiny_gguf
+
+    from engine.models.gguf_model import load_gguf_model, packed_weights
+
+    model, _ = load_gguf_model(write_tiny_gguf(tmp_path / "t.gguf", arch="gemma3",
+                                               qtype="Q4_K", n_layers=1),
+                               numerics="f32", weights="packed")
+    raw = [w.raw.dtype for w in packed_weights(model)]
+    model.float()
+    assert [w.raw.dtype for w in packed_weights(model)] == raw == [torch.uint8] * len(raw)
+    model.to("meta")
+    assert {w.raw.device.type for w in packed_weights(model)} == {"meta"}
+
+
+# -- the app's view of devices and processes (Qt-free view-models) --------------------------------
+def test_new_run_form_and_resume_carry_the_process_count(pretrain, tmp_path):
+    from app.viewmodels import jobs
+    from app.viewmodels.runs import device_text
+
+    pending = jobs.PendingRun(tmp_path / "c.toml", tmp_path / "out", threads=1, processes=2)
+    assert pending.argv()[-4:] == ["--threads", "1", "--nproc", "2"]
+    assert "--nproc" not in jobs.PendingRun(tmp_path / "c.toml", tmp_path / "o").argv()
+    assert jobs.resume_argv(pretrain["two"].path)[-2:] == ["--nproc", "2"]
+    assert "--nproc" not in jobs.resume_argv(pretrain["one"].path)
+    assert device_text(pretrain["two"].manifest()) == "cpu × 2"
+    assert device_text(pretrain["one"].manifest()) == "cpu"
+    assert device_text({"environment": {"device": {"type": "cuda", "name": "NVIDIA L4"},
+                                        "world_size": 1}}) == "NVIDIA L4"
+    gpus = tmp_path / "nvidia" / "gpus"
+    (gpus / "0000:01:00.0").mkdir(parents=True)
+    (gpus / "0000:01:00.0" / "information").write_text("Model: \t NVIDIA L4\nIRQ: 1\n")
+    found = jobs.machine_devices(gpus)
+    assert found["gpus"] == ["NVIDIA L4"] and found["cpus"] >= 1
+    assert jobs.machine_text({"cpus": 2, "gpus": []}) == "this machine: 2 CPU cores; no NVIDIA GPU"

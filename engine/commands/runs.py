@@ -14,7 +14,14 @@ from pathlib import Path
 from engine.commands.launch import launch, note_world_change, wants_launch, world_size
 from engine.config import load_config, validate_config
 from engine.errors import ForgebenchError
-from engine.jobs import default_threads, execute, prepare_resume, recipe_for_run, start_run
+from engine.jobs import (
+    default_threads,
+    execute,
+    prepare_resume,
+    recipe_for_run,
+    require_multi_process,
+    start_run,
+)
 from engine.rundir import RunDir, describe, format_status
 from engine.runlock import signal_holder
 from engine.train.integrity import choose_resume_checkpoint
@@ -82,6 +89,7 @@ def cmd_resume(args) -> int:
                           "uninterrupted run")
         argv = ["forgebench"] + sys.argv[1:]
         note_world_change(run, world_size(args))
+        require_multi_process(config, world_size(args))
         if wants_launch(args):
             status = launch(args, run, threads=threads, checkpoint=checkpoint,
                             overrides={k: v for k, v in overrides.items() if v is not None})

@@ -33,11 +33,13 @@ from engine.train.checkpoint import (
     set_rng_state,
 )
 from engine.train.data_order import DataCursor
-from engine.train.devices import require_bf16, to_device
+from engine.train.devices import module_device, require_bf16, to_device
 from engine.train.metrics import StepClock, WindowLoss, train_row
 from engine.train.optim import build_adamw, clip_and_step, lr_at, set_lr
 from engine.train.precision import autocast
 
+CUDA = True            # trains on a GPU (engine/train/devices.py)
+MULTI_PROCESS = True   # and on several processes: DDP (engine/train/distributed.py)
 TOKENIZER_FILE = "tokenizer.json"
 SPLIT_FILES = {"train": "train.txt", "val": "val.txt", "test": "test.txt"}
 
@@ -160,7 +162,7 @@ def bits_per_byte(model: Llama, tokenizer, text: str, config: LMPretrainConfig,
                for i in range(0, len(full), config.eval.batch_size)]
     batches += [p[None] for p in pieces if len(p) != context + 1]  # the ragged last window
     nats, tokens, n_bytes = 0.0, 0, 0
-    device = next(model.parameters()).device
+    device = module_device(model)
     for batch in batches:                                          # [B, T+1]
         batch = to_device(batch, device)
         with autocast(config.train.autocast, device.type):
@@ -199,7 +201,7 @@ def complete(model: Llama, tokenizer, prompt: str, *, max_tokens: int,
     max_tokens = min(max_tokens, context - len(ids))
     cache = model.new_cache(1, len(ids) + max_tokens)
 
-    device = next(model.parameters()).device
+    device = module_device(model)
 
     def step(new_ids: list[int], start_pos: int) -> torch.Tensor:
         h = model.hidden(torch.tensor([new_ids], device=device), start_pos=start_pos,

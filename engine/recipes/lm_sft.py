@@ -50,12 +50,14 @@ from engine.train.checkpoint import (
     set_rng_state,
 )
 from engine.train.data_order import DataCursor
-from engine.train.devices import require_bf16, to_device
+from engine.train.devices import module_device, require_bf16, to_device
 from engine.train.loss import IGNORE, SupervisedLoss, supervised_loss
 from engine.train.metrics import StepClock, WindowLoss, train_row
 from engine.train.optim import build_adamw, clip_and_step, lr_at, set_lr
 from engine.train.precision import autocast
 
+CUDA = True            # trains on a GPU (engine/train/devices.py)
+MULTI_PROCESS = True   # and on several processes: DDP for LoRA, FSDP2 for full fine-tuning
 BYTES_PER_FULL_PARAM = 16  # f32 weight + grad + two AdamW moments
 
 
@@ -317,7 +319,7 @@ def answer(base: Base, prompt: str, max_tokens: int, enable_thinking: bool | Non
     ids = encode_prompt(base.tokenizer, base.template.render(
         [{"role": "user", "content": prompt}], enable_thinking=enable_thinking))
     cache = model.new_cache(1, len(ids) + max_tokens)
-    device = next(model.parameters()).device
+    device = module_device(model)
 
     def step(new_ids: list[int], start_pos: int) -> torch.Tensor:
         h = model.hidden(torch.tensor([new_ids], device=device), start_pos=start_pos,

@@ -1,6 +1,9 @@
 """Device choice for every recipe: `device = "auto" | "cpu" | "cuda" | "cuda:N"`.
 
 Contract:
+- A recipe that trains on a GPU says so with a module attribute `CUDA = True` (and one that
+  trains on several processes with `MULTI_PROCESS = True`); for the others "auto" is the CPU
+  and "cuda" is refused with the reason.
 - `resolve(requested, local_rank)` turns the config's word into a `torch.device`, or raises a
   `ForgebenchError` that says why (no CUDA device, index out of range). "auto" is CUDA when
   `torch.cuda.is_available()`, else the CPU. Under torchrun, "cuda" means `cuda:LOCAL_RANK`, so
@@ -9,6 +12,8 @@ Contract:
   the device type decides whether a resume is exact (same type) or a recorded override.
 - `cuda_report()` is what `forgebench doctor` prints: the GPUs, their memory, bf16 support and
   the torch CUDA version, or None on a machine without one.
+- `module_device(module)` is where a model is, for evaluation and generation code that moves
+  its inputs to it.
 - `to_device(tensor, device)` is the loader's copy: pinned host memory and a non-blocking copy
   on CUDA (no host sync), the tensor itself on the CPU.
 
@@ -28,13 +33,19 @@ CUDA_INSTALL_HINT = ("install a CUDA build of torch (README: 'Training on a GPU'
                      "device = \"cpu\"")
 
 
-def resolve(requested: str, local_rank: int = 0, where: str = "field 'device'") -> torch.device:
-    """The torch device a job trains on (see the module docstring)."""
+def resolve(requested: str, local_rank: int = 0, where: str = "field 'device'", *,
+            cuda_ok: bool = True) -> torch.device:
+    """The torch device a job trains on (see the module docstring). `cuda_ok` False: the
+    recipe trains on the CPU only, so "auto" is the CPU and "cuda" is refused."""
     if not re.match(DEVICE_PATTERN, requested):
         raise ForgebenchError(f"unknown device {requested!r}", where=where,
                               hint="auto, cpu, cuda or cuda:N")
-    if requested == "cpu" or (requested == "auto" and not torch.cuda.is_available()):
+    if requested == "cpu" or (requested == "auto" and not (cuda_ok and
+                                                           torch.cuda.is_available())):
         return torch.device("cpu")
+    if not cuda_ok:
+        raise ForgebenchError(f"this recipe trains on the CPU only; device {requested!r} was "
+                              "asked for", where=where, hint="set device = \"cpu\" or \"auto\"")
     if not torch.cuda.is_available():
         build = (f"this torch ({torch.__version__}) is a CPU-only build"
                  if torch.version.cuda is None else
@@ -78,6 +89,15 @@ def cuda_report() -> dict | None:
     for index in range(torch.cuda.device_count()):
         gpus.append(describe(torch.device("cuda", index)))
     return {"cuda": torch.version.cuda, "devices": gpus}
+
+
+def module_device(module: torch.nn.Module) -> torch.device:
+    """Where a module's weights are (the CPU for one without any)."""
+    for tensor in module.parameters():
+        return tensor.device
+    for tensor in module.buffers():
+        return tensor.device
+    return torch.device("cpu")
 
 
 def to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
