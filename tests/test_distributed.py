@@ -7,7 +7,11 @@ the float additions happen in another order. Per-step losses and gradient norms 
 a 1-rank run with the same global batch to rounding (1e-6 relative in f32 over these few
 steps), not bit for bit. Between two runs on the *same* world size the order is the same, so a
 2-rank run stopped by SIGTERM and resumed on 2 ranks is bitwise the uninterrupted 2-rank run.
-All of this is on the CPU; the same guarantees on CUDA are what bench/gpu_check.sh checks.
+All of this is on the CPU. On CUDA the same-device resume is exact as far as the kernels are
+deterministic (torch's default cuBLAS GEMMs are, for a fixed shape and GPU; NCCL's reduction
+order is fixed for a fixed topology), and a 2-GPU run matches 1 GPU to rounding, which
+bench/gpu_check.sh checks at 1e-5 (TF32 stays off). A CPU <-> GPU move is never exact: it is a
+recorded override (test_resume_onto_another_device_type_is_an_override).
 """
 
 from __future__ import annotations
@@ -19,7 +23,6 @@ import shutil
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pytest
 from lm_pretrain_support import (
@@ -36,45 +39,6 @@ from engine.errors import ForgebenchError
 from engine.rundir import RunDir
 
 REL = 1e-6
-
-SFT_CONFIG = """\
-recipe = "lm-sft"
-seed = 5
-steps = 3
-keep_last = 5
-
-[model]
-gguf = "{gguf}"
-weights = "packed"
-
-[data]
-path = "{data}"
-max_len = 160
-
-[lora]
-method = "{method}"
-rank = 4
-alpha = 8.0
-dropout = 0.0
-targets = ["q", "v", "down"]
-
-[optim]
-lr = 1e-2
-
-[train]
-window = 4
-micro_batch = 2
-"""
-
-PAIRS = [("What is the capital of France?", "Ahoy! The capital be Paris, matey."),
-         ("Name a primary color.", "Ahoy! Red be a fine color."),
-         ("What is two plus two?", "Ahoy! Four, matey."),
-         ("How many days are in a week?", "Ahoy! Seven days."),
-         ("Say hello.", "Ahoy there!"),
-         ("What is the sea?", "The sea be our home, matey."),
-         ("Who sails the ship?", "The captain, arr."),
-         ("Where is the treasure?", "Buried on the isle, matey.")]
-
 
 def assert_close_series(reference: dict, other: dict, rel: float = REL) -> None:
     """Every step's loss and gradient norm within `rel` of the reference (same lr, same clip)."""
@@ -208,23 +172,16 @@ def test_a_failure_on_rank_one_surfaces_with_its_rank(pretrain, tmp_path):
 
 
 # -- lm-sft: LoRA under DDP, a full fine-tune under FSDP2 ------------------------------------------
-def write_sft(folder: Path, gguf: Path, method: str) -> Path:
-    data = folder / "pairs.jsonl"
-    data.write_text("".join(json.dumps({"instruction": q, "response": a}) + "\n"
-                            for q, a in PAIRS))
-    path = folder / f"sft-{method}.toml"
-    path.write_text(SFT_CONFIG.format(gguf=gguf, data=data, method=method))
-    return path
-
-
 @pytest.mark.parametrize("method, qtype", [("lora", "Q4_K"), ("full", "F32")])
 def test_lm_sft_on_two_ranks_matches_one_rank(tmp_path, method, qtype):
     """LoRA over a packed Q4_K base under DDP; a full fine-tune of a float base under FSDP2
     (`fully_shard`: each rank holds half of every weight and of its AdamW moments)."""
     from fixtures_gguf import write_tiny_gguf
+    from test_lm_sft import write_config as write_sft_config
 
     gguf = write_tiny_gguf(tmp_path / "tiny.gguf", arch="gemma3", qtype=qtype, n_layers=2)
-    config = write_sft(tmp_path, gguf, method)
+    # window 4 = 2 samples per rank; the held prompt's AFTER answer comes from rank 0
+    config = write_sft_config(tmp_path, gguf, steps=3, method=method, dropout=0.0, window=4)
     forgebench("run", str(config), "--out", str(tmp_path / "one"), "--threads", "1")
     forgebench("run", str(config), "--out", str(tmp_path / "two"), "--threads", "1",
                "--nproc", "2")
