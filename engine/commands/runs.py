@@ -88,8 +88,8 @@ def cmd_resume(args) -> int:
                           f"{recorded}: results will not be bitwise identical to an "
                           "uninterrupted run")
         argv = ["forgebench"] + sys.argv[1:]
-        note_world_change(run, world_size(args))
         require_multi_process(config, world_size(args))
+        note_world_change(run, world_size(args))
         if wants_launch(args):
             status = launch(args, run, threads=threads, checkpoint=checkpoint,
                             overrides={k: v for k, v in overrides.items() if v is not None})
