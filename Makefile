@@ -7,7 +7,7 @@ STAMP    := $(VENV)/.installed
 VSTAMP   := $(VENV)/.installed-verify
 EXTRAS   ?= app,dev
 
-.PHONY: setup system-deps verify-extra parity-extra run demo lint test test-real bench screenshots clean
+.PHONY: setup system-deps verify-extra parity-extra setup-cuda run demo lint test test-real bench screenshots clean
 
 $(STAMP): pyproject.toml packaging/constraints.txt
 	@test -x $(PY) || python3 -m venv $(VENV)
@@ -44,6 +44,13 @@ $(PSTAMP): $(STAMP)
 	  || echo "WARNING: transformers/peft did not install; PEFT parity tests will skip"
 
 parity-extra: $(PSTAMP)
+
+# A GPU machine: PyTorch's CUDA build of the pinned torch version (CUDA=cu126, cu128, ...).
+CUDA     ?= cu128
+setup-cuda: setup
+	$(PIP) install -q --force-reinstall "$$(grep '^torch==' packaging/constraints.txt)" \
+	  --index-url https://download.pytorch.org/whl/$(CUDA)
+	$(VENV)/bin/forgebench doctor | sed -n '/^GPU:/,$$p'
 
 run: setup
 	$(VENV)/bin/forgebench-app

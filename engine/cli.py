@@ -54,13 +54,37 @@ STEPS = count(1, 10**9)
 SEED = count(0, SEED_MAX)
 
 
+DEVICE_HELP = "auto, cpu, cuda or cuda:N (overrides the config's device)"
+
+
+def _processes_args(p: argparse.ArgumentParser) -> None:
+    """How many processes train the run (torchrun: DDP or FSDP2, gloo on CPU, NCCL on GPU)."""
+    p.add_argument("--nproc", type=count(1, 1024), default=1,
+                   help="processes on this machine (one per GPU; on CPU each uses --threads)")
+    p.add_argument("--nnodes", type=count(1, 4096), default=1, help="machines taking part")
+    p.add_argument("--node-rank", type=count(0, 4095), default=0, help="this machine's index")
+    p.add_argument("--master-addr", default="127.0.0.1", help="host of node 0 (several nodes)")
+    p.add_argument("--master-port", type=count(1, 65535), default=29500,
+                   help="rendezvous port on node 0 (several nodes)")
+
+
 def _run_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("config", help="TOML run config")
     p.add_argument("--out", help="run directory to create (default: runs/<recipe>-<time>)")
     p.add_argument("--steps", type=STEPS, help="override the config's step target")
     p.add_argument("--threads", type=THREADS, help="torch CPU threads (recorded in run.json)")
+    p.add_argument("--device", help=DEVICE_HELP)
+    _processes_args(p)
     p.add_argument("--stop-after-step", type=STEPS, metavar="K",
                    help="testing: send ourselves SIGTERM after step K (recorded in invocations)")
+
+
+def _worker_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("run_dir")
+    p.add_argument("--threads", type=THREADS, required=True)
+    p.add_argument("--checkpoint", help="the checkpoint to resume from")
+    p.add_argument("--overrides", help="the resume's config changes, as JSON")
+    p.add_argument("--stop-after-step", type=STEPS, metavar="K")
 
 
 def _resume_args(p: argparse.ArgumentParser) -> None:
@@ -77,6 +101,10 @@ def _resume_args(p: argparse.ArgumentParser) -> None:
                    help="default: the thread count the run started with")
     p.add_argument("--allow-code-change", action="store_true",
                    help="resume even though the engine code changed (not exact; recorded)")
+    p.add_argument("--device", help=DEVICE_HELP + "; within the recorded device type")
+    p.add_argument("--allow-device-change", action="store_true",
+                   help="resume on another device type (CPU <-> GPU; not exact; recorded)")
+    _processes_args(p)
     p.add_argument("--stop-after-step", type=STEPS, metavar="K",
                    help="testing: send ourselves SIGTERM after step K (recorded in invocations)")
 
@@ -255,6 +283,8 @@ COMMANDS: dict[str, Command] = {
              _demo_args),
     "doctor": ("show this machine's CPU features and what the llama.cpp numerics match here",
                "engine.commands.doctor:cmd_doctor", _doctor_args),
+    "worker": ("internal: one rank of a job launched with --nproc (torchrun starts it)",
+               "engine.commands.launch:cmd_worker", _worker_args),
 }
 
 

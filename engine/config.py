@@ -39,6 +39,9 @@ RECIPES: dict[str, tuple[str, str]] = {
 # Fields resume may change; everything else in the resolved config must match run.json.
 RESUMABLE_FIELDS = ("steps", "log_every", "save_every", "eval_every", "keep_last")
 
+# The words `device` takes (engine/train/devices.py resolves them).
+DEVICE_PATTERN = r"^(auto|cpu|cuda(:\d+)?)$"
+
 
 class Schema(BaseModel):
     """Base for every config section: unknown keys are errors, never silently ignored."""
@@ -64,6 +67,11 @@ class RecipeConfig(Schema):
     keep_last: int = Field(3, ge=1, description="checkpoints kept (best is always kept too)")
     nonfinite: Literal["skip", "stop"] = Field(
         "skip", description="non-finite loss or gradient: skip the step (counted) or stop")
+    device: str = Field(
+        "auto", pattern=DEVICE_PATTERN,
+        description="auto (CUDA when there is a GPU, else the CPU), cpu, cuda or cuda:N; "
+                    "resume may move a run only within its device type (or with "
+                    "--allow-device-change)")
 
     def resolve_path(self, value: str | os.PathLike, field: str = "a config path") -> Path:
         """A path from the config, relative to the config's folder, symlinks resolved (a loop

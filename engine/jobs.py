@@ -7,6 +7,12 @@ Its whole state lives in the run directory (docs/design.md §2). No torch at mod
 A job is the run's one writer: `start_run` (through `RunDir.create`) or `prepare_resume` takes
 the run lock (engine/runlock.py) and `job_session` keeps it until the job ends; resume picks its
 checkpoint through engine/train/integrity.py (verified, with fallback).
+
+A launched job (`forgebench run --nproc N`, engine/train/distributed.py) is one job of several
+processes: the launcher holds the run lock, rank 0 is the writer under it (`job_session` with a
+`World` whose rank is 0 takes no lock of its own) and every other rank gets a `FollowerRun`. The
+device the job trains on (engine/train/devices.py) is resolved before the run folder is created
+and recorded in run.json; resuming on another device type is a recorded override.
 """
 
 from __future__ import annotations
@@ -67,14 +73,39 @@ def _cpu_info() -> tuple[str, list[str]]:
     return model, sorted(f for f in flags if f.startswith(wanted) or f in wanted)
 
 
-def environment(threads: int) -> dict:
+def environment(threads: int, device: dict | None = None, world_size: int = 1) -> dict:
+    """What run.json records about the machine; `device` is `devices.describe` of the device
+    the job trains on, `world_size` the processes it trains with."""
     import torch
 
     model, flags = _cpu_info()
     return {"python": platform.python_version(), "torch": torch.__version__,
+            "torch_cuda": torch.version.cuda,
             "numpy": __import__("numpy").__version__, "threads": threads,
             "platform": platform.platform(), "cpu": model, "cpu_flags": flags,
-            "device": "cpu"}
+            "device": device or {"type": "cpu", "index": None}, "world_size": world_size}
+
+
+def job_device(config: Schema, module: Any, local_rank: int = 0, where: str = "field 'device'"):
+    """The torch.device this recipe's job trains on (engine/train/devices.py)."""
+    from engine.train import devices
+
+    return devices.resolve(getattr(config, "device", "cpu"), local_rank, where,
+                           cuda_ok=getattr(module, "CUDA", False))
+
+
+def require_multi_process(config: Schema, processes: int) -> None:
+    """Only recipes that shard their batch over ranks (`MULTI_PROCESS = True`) run on several
+    processes: any other would train N unsynchronised copies."""
+    if processes > 1 and not getattr(recipe_module(config.recipe), "MULTI_PROCESS", False):
+        raise ForgebenchError(f"recipe '{config.recipe}' trains in one process only",
+                              where="--nproc", hint="drop --nproc / --nnodes")
+
+
+def recorded_device_type(manifest: dict) -> str:
+    """The device type a run trained on (runs before devices existed recorded "cpu")."""
+    device = manifest.get("environment", {}).get("device", "cpu")
+    return device if isinstance(device, str) else device.get("type", "cpu")
 
 
 def default_threads() -> int:
@@ -100,17 +131,21 @@ def base_model_of(config: Schema, module: Any) -> dict | None:
 
 
 def start_run(config: Schema, out_dir: str | os.PathLike, argv: list[str], *,
-              threads: int | None = None) -> RunDir:
+              threads: int | None = None, world_size: int = 1) -> RunDir:
     """Create a fresh run directory with its immutable run.json. Refuses a non-empty folder.
 
-    The data and base model are hashed before the folder is created, so bad input leaves
-    nothing behind.
+    The device is resolved and the data and base model are hashed before the folder is
+    created, so bad input (device = "cuda" without a GPU included) leaves nothing behind.
     """
+    from engine.train import devices
+
     run = RunDir(out_dir)
     if run.path.exists() and (not run.path.is_dir() or any(run.path.iterdir())):
         run.create({})  # raises the standard "not empty" error, touching nothing
     require_writable_dir(run.path, "--out")
     module = recipe_module(config.recipe)
+    device = job_device(config, module)
+    require_multi_process(config, world_size)
     data = module.data_manifest(config)
     base = base_model_of(config, module)
     threads = threads or default_threads()
@@ -122,7 +157,7 @@ def start_run(config: Schema, out_dir: str | os.PathLike, argv: list[str], *,
         "base_model": base,
         "code_version": code_version(files),
         "code_files": files,
-        "environment": environment(threads),
+        "environment": environment(threads, devices.describe(device), world_size),
         "argv": list(argv),
         "created": time.time(),
     }
@@ -135,15 +170,20 @@ def start_run(config: Schema, out_dir: str | os.PathLike, argv: list[str], *,
 
 
 def prepare_resume(run_dir: str | os.PathLike, overrides: dict,
-                   allow_code_change: bool = False) -> tuple[RunDir, Schema]:
-    """Re-validate a run for resuming; only the step target and cadence may change.
+                   allow_code_change: bool = False,
+                   allow_device_change: bool = False) -> tuple[RunDir, Schema]:
+    """Re-validate a run for resuming; only the step target and cadence may change, and the
+    device (`overrides["device"]`) within its type, or across types with
+    `allow_device_change` (recorded as a warning).
 
     Takes the run's lock first (a second writer is refused with the holder's identity); the
     caller releases it when the job ends (`job_session`) or on error."""
     run = RunDir(run_dir).require()
     run.acquire_lock("resume")
     try:
-        return run, _validate_resume(run, overrides, allow_code_change)
+        config = _validate_resume(run, overrides, allow_code_change)
+        _check_device_move(run, config, allow_device_change)
+        return run, config
     except BaseException:
         run.release_lock()
         raise
@@ -152,14 +192,15 @@ def prepare_resume(run_dir: str | os.PathLike, overrides: dict,
 def _validate_resume(run: RunDir, overrides: dict, allow_code_change: bool) -> Schema:
     manifest = run.manifest()
     stored = manifest["config"]
-    illegal = sorted(k for k, v in overrides.items() if v is not None and k not in RESUMABLE_FIELDS)
+    resumable = RESUMABLE_FIELDS + ("device",)   # the device: see _check_device_move
+    illegal = sorted(k for k, v in overrides.items() if v is not None and k not in resumable)
     if illegal:
         raise ForgebenchError("resume may only change " + ", ".join(RESUMABLE_FIELDS),
                               path=run.manifest_path, where="field " + ", ".join(illegal))
     wanted = dict(stored, **{k: v for k, v in overrides.items() if v is not None})
     config = validate_config(wanted, run.manifest_path)
     changed = [name for name in config_diff(stored, config.model_dump(mode="json"))
-               if name.split(".")[0] not in RESUMABLE_FIELDS]
+               if name.split(".")[0] not in resumable]
     if changed:
         raise ForgebenchError("the recipe's schema no longer reads this run's config the same way",
                               path=run.manifest_path, where="field " + ", ".join(changed),
@@ -192,6 +233,23 @@ def _validate_resume(run: RunDir, overrides: dict, allow_code_change: bool) -> S
     return config
 
 
+def _check_device_move(run: RunDir, config: Schema, allow: bool) -> None:
+    """Same device type: exact resume. CPU <-> GPU: refused, or with `allow` a warning event
+    (the arithmetic differs, so the steps after it are not those of an uninterrupted run)."""
+    before = recorded_device_type(run.manifest())
+    now = job_device(config, recipe_module(config.recipe), where="--device").type
+    if now == before:
+        return
+    if not allow:
+        raise ForgebenchError(
+            f"this run trained on {before}; resuming on {now} would not be exact",
+            path=run.manifest_path, where="field 'environment.device'",
+            hint=f"pass --device {before}, or --allow-device-change to accept it (recorded)")
+    run.log_event("warning", message=f"resumed on {now} instead of {before}: the arithmetic "
+                  "differs, so later steps are not bitwise those of an uninterrupted run",
+                  override="device", before=before, after=now)
+
+
 def _describe_data_change(old: dict, new: dict) -> str:
     old_files, new_files = old.get("files", {}), new.get("files", {})
     parts = []
@@ -212,8 +270,12 @@ class Job:
 
     def __init__(self, run: RunDir, config: Schema, resume_from: Checkpoint | None, *,
                  invocation: int, threads: int, stop_after_step: int | None = None,
-                 progress: bool = True):
+                 progress: bool = True, world: Any = None):
+        from engine.train.distributed import SINGLE
+
         self.run = run
+        self.world = world or SINGLE       # this process's rank (engine/train/distributed.py)
+        self.device: Any = None            # the torch.device, set by `execute`
         self.config = config
         self.resume_from = resume_from
         self.invocation = invocation
@@ -248,6 +310,11 @@ class Job:
         if self.stop_after_step is not None and step >= self.stop_after_step:
             self.stop_after_step = None
             os.kill(os.getpid(), signal.SIGTERM)
+        if self.world.distributed:    # a stop asked of any rank stops all after this step
+            from engine.train.distributed import agree_stop
+
+            if agree_stop(self.stop_requested, self.world, self.device) and not self.stop_requested:
+                self.request_stop("another rank was asked to stop")
         now = time.monotonic()
         if self.stop_requested or now - self._last_status >= 0.5:
             self._last_status = now
@@ -261,26 +328,70 @@ class Job:
         from tqdm import tqdm
 
         return tqdm(total=total, initial=initial, desc=desc, unit="step", file=sys.stderr,
-                    disable=not self.show_progress, dynamic_ncols=True, leave=False)
+                    disable=not self.show_progress or not self.world.is_main,
+                    dynamic_ncols=True, leave=False)
 
 
 @contextlib.contextmanager
 def job_session(run: RunDir, config: Schema, resume_from: Checkpoint | None, *,
                 argv: list[str] | None = None, threads: int = 1,
-                stop_after_step: int | None = None, progress: bool = True) -> Iterator[Job]:
+                stop_after_step: int | None = None, progress: bool = True,
+                world: Any = None) -> Iterator[Job]:
     """Mark the run running, log the invocation, turn SIGTERM into a graceful stop, and record
     how the job ended: completed, stopped, or failed (with stage and traceback).
 
-    The job holds the run lock throughout (taken here if the caller has not) and, as the one
-    writer, first repairs what a killed predecessor left: torn log tails, orphaned
-    checkpoint folders."""
-    run.acquire_lock("job")
+    The job holds the run lock throughout (taken here if the caller has not; a launched job's
+    launcher holds it for all ranks) and, as the one writer, first repairs what a killed
+    predecessor left: torn log tails, orphaned checkpoint folders. A rank other than 0 writes
+    nothing (`_follower_session`)."""
+    from engine.train.distributed import SINGLE, FollowerRun
+
+    world = world or SINGLE
+    if not world.is_main:
+        with _follower_session(FollowerRun(run.path), config, resume_from, threads=threads,
+                               progress=progress, world=world) as job:
+            yield job
+        return
+    if not world.distributed:
+        run.acquire_lock("job")
     try:
         with _locked_session(run, config, resume_from, argv=argv, threads=threads,
-                             stop_after_step=stop_after_step, progress=progress) as job:
+                             stop_after_step=stop_after_step, progress=progress,
+                             world=world) as job:
             yield job
     finally:
         run.release_lock()
+
+
+def _graceful_stop(job: Job) -> dict:
+    """SIGTERM/SIGINT ask the job to stop after its step (a second SIGINT interrupts);
+    returns the previous handlers."""
+    def on_signal(signum, _frame):
+        if job.stop_requested and signum == signal.SIGINT:
+            raise KeyboardInterrupt
+        job.request_stop(signal.Signals(signum).name)
+
+    return {sig: signal.signal(sig, on_signal) for sig in (signal.SIGTERM, signal.SIGINT)}
+
+
+@contextlib.contextmanager
+def _follower_session(run: RunDir, config: Schema, resume_from: Checkpoint | None, *,
+                      threads: int, progress: bool, world: Any) -> Iterator[Job]:
+    """A rank other than 0: the same job, stopping on the same signals; a failure is left for
+    the launcher to record with this rank (rank 0 owns events.jsonl)."""
+    from engine.train.distributed import report_failure
+
+    job = Job(run, config, resume_from, invocation=0, threads=threads, progress=progress,
+              world=world)
+    previous = _graceful_stop(job)
+    try:
+        yield job
+    except BaseException as exc:
+        report_failure(world, exc, stage=job.stage, step=job.step)
+        raise
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
 
 
 def _repair_after_crash(run: RunDir) -> None:
@@ -301,11 +412,11 @@ def _repair_after_crash(run: RunDir) -> None:
 @contextlib.contextmanager
 def _locked_session(run: RunDir, config: Schema, resume_from: Checkpoint | None, *,
                     argv: list[str] | None, threads: int, stop_after_step: int | None,
-                    progress: bool) -> Iterator[Job]:
+                    progress: bool, world: Any) -> Iterator[Job]:
     _repair_after_crash(run)
     invocation = len(run.invocations()) + 1
     job = Job(run, config, resume_from, invocation=invocation, threads=threads,
-              stop_after_step=stop_after_step, progress=progress)
+              stop_after_step=stop_after_step, progress=progress, world=world)
     optim = getattr(config, "optim", None)
     run.log_invocation({
         "id": invocation, "argv": list(argv or sys.argv), "pid": os.getpid(),
@@ -313,16 +424,12 @@ def _locked_session(run: RunDir, config: Schema, resume_from: Checkpoint | None,
         "resumed_from": resume_from.name if resume_from else None,
         "start_step": job.step, "target_steps": config.steps, "threads": threads,
         "lr": getattr(optim, "lr", None), "stop_after_step": stop_after_step,
+        "world_size": world.size, "device": getattr(config, "device", "cpu"),
     })
     run.set_status("running", pid=os.getpid(), step=job.step, target_steps=config.steps,
                    invocation=invocation, stage=job.stage, error=None)
 
-    def on_signal(signum, _frame):
-        if job.stop_requested and signum == signal.SIGINT:
-            raise KeyboardInterrupt
-        job.request_stop(signal.Signals(signum).name)
-
-    previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGTERM, signal.SIGINT)}
+    previous = _graceful_stop(job)
     try:
         yield job
     except BaseException as exc:
@@ -332,7 +439,8 @@ def _locked_session(run: RunDir, config: Schema, resume_from: Checkpoint | None,
         # job is gone (status shows failed) and the error reaches stderr all the same.
         with contextlib.suppress(OSError, ForgebenchError):
             run.log_event("error", stage=job.stage, step=job.step, message=message[:2000],
-                          traceback=traceback.format_exc(), invocation=invocation)
+                          traceback=traceback.format_exc(), invocation=invocation,
+                          rank=world.rank)
         with contextlib.suppress(OSError, ForgebenchError):
             run.set_status("failed", step=job.step, stage=job.stage, stage_detail=None,
                            error=message[:2000], pid=None)
@@ -351,14 +459,20 @@ def _locked_session(run: RunDir, config: Schema, resume_from: Checkpoint | None,
 
 def execute(run: RunDir, config: Schema, resume_from: Checkpoint | None, *, threads: int,
             argv: list[str] | None = None, stop_after_step: int | None = None,
-            progress: bool = True) -> dict:
-    """Run the recipe's `train(job)` in this process; return the final status."""
+            progress: bool = True, world: Any = None) -> dict:
+    """Run the recipe's `train(job)` in this process (one rank of `world`, by default the only
+    one); return the final status."""
     with job_session(run, config, resume_from, argv=argv, threads=threads,
-                     stop_after_step=stop_after_step, progress=progress) as job:
+                     stop_after_step=stop_after_step, progress=progress, world=world) as job:
         import torch  # inside the session: a failure here is recorded, never left `queued`
 
+        from engine.train import distributed
+
         torch.set_num_threads(threads)
-        recipe_module(config.recipe).train(job)
+        module = recipe_module(config.recipe)
+        job.device = job_device(config, module, job.world.local_rank)
+        distributed.init(job.world, job.device)
+        module.train(job)
     return run.status()
 
 

@@ -56,11 +56,14 @@ class PendingRun:
     config: Path
     out: Path
     threads: int | None = None
+    processes: int = 1                # > 1: `--nproc N`, one job of N ranks under torchrun
 
     def argv(self) -> list[str]:
         argv = forgebench_argv() + ["run", str(self.config), "--out", str(self.out)]
         if self.threads:
             argv += ["--threads", str(self.threads)]
+        if self.processes > 1:
+            argv += ["--nproc", str(self.processes)]
         return argv
 
     @property
@@ -69,21 +72,51 @@ class PendingRun:
 
 
 def prepare_run(workspace: Workspace, form: RecipeForm, stem: str | None = None,
-                threads: int | None = None) -> PendingRun:
+                threads: int | None = None, processes: int = 1) -> PendingRun:
     """Write the form's config beside the launch log; the run folder is created by the job."""
     out = workspace.new_run_dir(stem or form.recipe)
     workspace.launch_dir.mkdir(parents=True, exist_ok=True)
     config = form.write_toml(workspace.launch_dir / f"{out.name}.toml")
-    return PendingRun(config, out, threads)
+    return PendingRun(config, out, threads, processes)
 
 
 def resume_argv(run_dir: Path, steps: int | None = None, threads: int | None = None) -> list[str]:
+    """Resume with the process count the run last trained with (a multi-process run resumes
+    like any other)."""
     argv = forgebench_argv() + ["resume", str(run_dir)]
     if steps:
         argv += ["--steps", str(steps)]
     if threads:
         argv += ["--threads", str(threads)]
+    processes = recorded_processes(run_dir)
+    if processes > 1:
+        argv += ["--nproc", str(processes)]
     return argv
+
+
+def recorded_processes(run_dir: Path) -> int:
+    """The processes of the run's last invocation (1 for runs from before --nproc)."""
+    invocations = RunDir(run_dir).invocations()
+    return int(invocations[-1].get("world_size") or 1) if invocations else 1
+
+
+def machine_devices(proc: Path = Path("/proc/driver/nvidia/gpus")) -> dict:
+    """What this machine offers a job, read without torch (the app never imports it): CPU
+    cores, and the NVIDIA GPUs the driver lists. The engine's own view is `forgebench doctor`."""
+    gpus = []
+    if proc.is_dir():
+        for info in sorted(proc.glob("*/information")):
+            text = info.read_text(errors="replace")
+            model = next((line.split(":", 1)[1].strip() for line in text.splitlines()
+                          if line.startswith("Model:")), info.parent.name)
+            gpus.append(model)
+    return {"cpus": os.cpu_count() or 1, "gpus": gpus}
+
+
+def machine_text(devices: dict) -> str:
+    gpus = devices["gpus"]
+    listed = ", ".join(gpus) if gpus else "no NVIDIA GPU"
+    return f"this machine: {devices['cpus']} CPU cores; {listed}"
 
 
 def resume_log(workspace: Workspace, run_dir: Path) -> Path:
@@ -109,12 +142,14 @@ class JobQueue:
             items = read_json(self.path)
         except ForgebenchError:
             items = []
-        self.items = [PendingRun(Path(i["config"]), Path(i["out"]), i.get("threads"))
+        self.items = [PendingRun(Path(i["config"]), Path(i["out"]), i.get("threads"),
+                                 int(i.get("processes") or 1))
                       for i in items if isinstance(i, dict) and "config" in i and "out" in i]
 
     def _save(self) -> None:
         atomic_write_json(self.path, [{"config": str(p.config), "out": str(p.out),
-                                       "threads": p.threads} for p in self.items])
+                                       "threads": p.threads, "processes": p.processes}
+                                      for p in self.items])
 
     def push(self, pending: PendingRun) -> None:
         self.items.append(pending)

@@ -18,7 +18,8 @@ from engine.fsutil import atomic_write_json, read_json
 from engine.rundir import RunDir
 
 NOTES_FILE = "notes.json"  # app-owned: question, notes, selected checkpoint (run.json is immutable)
-TRAIN_FIELDS = ("loss", "grad_norm", "lr", "tokens_per_s", "peak_rss_mb")
+TRAIN_FIELDS = ("loss", "grad_norm", "lr", "tokens_per_s", "peak_rss_mb", "rank_tokens_per_s",
+                "world_size")
 
 
 class JsonlTail:
@@ -218,6 +219,15 @@ def _data_version(manifest: dict) -> str:
     return " ".join(names + ([f"#{digest}"] if digest else [])) or "—"
 
 
+def device_text(manifest: dict) -> str:
+    """What a run trains on, from run.json: "cpu", a GPU's name, with "× N" processes."""
+    environment = manifest.get("environment") or {}
+    device = environment.get("device", "cpu")
+    name = device if isinstance(device, str) else (device.get("name") or device.get("type"))
+    processes = environment.get("world_size") or 1
+    return f"{name} × {processes}" if processes > 1 else str(name or "—")
+
+
 @dataclass
 class LedgerRow:
     name: str
@@ -236,6 +246,7 @@ class LedgerRow:
     created: float | None
     updated: float | None = None     # status.json's last write: the end of a finished run
     stage_line: str = ""             # "loading base 250 MB", "step 3/30, ETA 4 min", the state
+    device: str = ""                 # "cpu", "NVIDIA L4 × 2": the device and process count
 
     @property
     def active(self) -> bool:
@@ -311,7 +322,8 @@ def ledger_row(path: Path, best: BestEval | None = None) -> LedgerRow:
         else None,
         updated=status.get("updated") if isinstance(status.get("updated"), (int, float))
         else None,
-        stage_line=run_stage_line(status, invocations[-1] if invocations else None))
+        stage_line=run_stage_line(status, invocations[-1] if invocations else None),
+        device=device_text(manifest))
 
 
 def failure_report(path: Path) -> str:

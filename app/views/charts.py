@@ -188,8 +188,12 @@ class RunCharts(QWidget):
             if val and val.values.get("loss"):
                 lines.append(f"val loss {val.values['loss'][-1]:.4f} (step {val.steps[-1]})")
             lines += [f"lr {last.get('lr', float('nan')):.3g}",
-                      f"throughput {sum(recent) / max(len(recent), 1):.0f} tokens/s (last 20)",
-                      f"peak memory {max(train.values.get('peak_rss_mb', [0])):.0f} MB",
+                      f"throughput {sum(recent) / max(len(recent), 1):.0f} tokens/s (last 20)"]
+            per_rank = last.get("rank_tokens_per_s", float("nan"))
+            if per_rank == per_rank:          # logged by multi-process runs only
+                lines.append(f"per rank {per_rank:.0f} tokens/s × "
+                             f"{last.get('world_size', 0):.0f} processes")
+            lines += [f"peak memory {max(train.values.get('peak_rss_mb', [0])):.0f} MB",
                       f"checkpoints {len(series.checkpoint_steps)}, "
                       f"invocations {len(series.invocation_steps)}"]
             parts.append("<br>".join(lines))

@@ -42,7 +42,7 @@ from engine.rundir import RunDir, pid_alive
 
 COLUMNS = [("name", "Run"), ("state", "Status"), ("progress", "Step"), ("stage_line", "Doing"),
            ("started", "Started"), ("duration", "Duration"), ("question", "Question"),
-           ("data_version", "Data"), ("best_metric", "Best metric"),
+           ("data_version", "Data"), ("device", "Device"), ("best_metric", "Best metric"),
            ("selected_checkpoint", "Checkpoint"), ("notes", "Notes")]
 COLUMN_WIDTHS = {"name": 230, "state": 90, "progress": 80, "stage_line": 170, "started": 120,
                  "duration": 70}
@@ -253,7 +253,17 @@ class RunsPane(QWidget):
         fv.addWidget(self.recipe_note)
         fv.addWidget(self.form_widget, 1)
         fv.addWidget(self.form_status)
+        machine = jobs.machine_devices()     # the form's `device` field picks among these
+        self.processes = QSpinBox()
+        self.processes.setRange(1, max(machine["cpus"], len(machine["gpus"]), 1))
+        self.processes.setPrefix("processes: ")
+        self.processes.setToolTip("lm-pretrain and lm-sft: train on N processes (torchrun; "
+                                  "one per GPU, or CPU threads split among them)")
+        self.machine_label = QLabel(jobs.machine_text(machine))
+        self.machine_label.setStyleSheet("QLabel { color: #455a64; }")
+        fv.addWidget(self.machine_label)
         row = QHBoxLayout()
+        row.addWidget(self.processes)
         row.addWidget(self.start_button)
         row.addWidget(self.queue_button)
         fv.addLayout(row)
@@ -357,7 +367,8 @@ class RunsPane(QWidget):
         if self.workspace is None or form is None or not form.valid:
             return None
         stem = Path(self.config_combo.currentData() or form.recipe).stem
-        pending = jobs.prepare_run(self.workspace, form, stem, self.threads)
+        pending = jobs.prepare_run(self.workspace, form, stem, self.threads,
+                                   self.processes.value())
         self.launch_problem.hide()
         self.follow = pending.out
         if queue and (self.active_runs() or self.launches or self.queue.items):

@@ -3,7 +3,9 @@
 Prints the CPU features (cpuid), the kernel orders the engine follows, which kernel families are
 bit-exact against llama.cpp built for this CPU and which agree only to f32 rounding (and why),
 whether the C kernels are built, and the versions that matter. Imports no llama-cpp-python: its
-version is read from the installed package metadata.
+version is read from the installed package metadata. Then the GPUs training can use
+(engine/train/devices.py): each one's memory and bf16 support and the torch CUDA version, or
+"no CUDA device" and why.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ def report() -> dict:
     import torch
 
     from engine.kernels import cpu, native
+    from engine.train import devices
 
     p = cpu.plan()
     lib = native.kernels()
@@ -43,7 +46,23 @@ def report() -> dict:
         "summary": p.summary(),
         "kernels": [{"name": k.name, "status": k.status, "detail": k.detail} for k in p.kernels],
         "lines": cpu.describe(p),
+        "torch_cuda": torch.version.cuda,
+        "cuda": devices.cuda_report(),
     }
+
+
+def gpu_lines(info: dict) -> list[str]:
+    """The GPU part of the report, or why there is none."""
+    if info["cuda"] is None:
+        why = ("this torch is a CPU-only build" if info["torch_cuda"] is None
+               else f"torch is built for CUDA {info['torch_cuda']} but finds no GPU")
+        return [f"no CUDA device ({why}); training runs on the CPU"]
+    lines = [f"CUDA {info['cuda']['cuda']}:"]
+    for gpu in info["cuda"]["devices"]:
+        lines.append(f"  cuda:{gpu['index']} {gpu['name']}, {gpu['memory_bytes'] / 2**30:.1f} GiB, "
+                     f"compute {gpu['capability']}, bf16 {'yes' if gpu['bf16'] else 'no'}, "
+                     f"tf32 matmul {'on' if gpu['allow_tf32'] else 'off'}")
+    return lines
 
 
 def cmd_doctor(args) -> int:
@@ -60,5 +79,8 @@ def cmd_doctor(args) -> int:
     for line in info["lines"]:
         print(f"  {line}")
     print(info["summary"])
+    print("GPU:")
+    for line in gpu_lines(info):
+        print(f"  {line}")
     sys.stdout.flush()
     return 0

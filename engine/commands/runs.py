@@ -11,9 +11,17 @@ import sys
 import time
 from pathlib import Path
 
+from engine.commands.launch import launch, note_world_change, wants_launch, world_size
 from engine.config import load_config, validate_config
 from engine.errors import ForgebenchError
-from engine.jobs import default_threads, execute, prepare_resume, recipe_for_run, start_run
+from engine.jobs import (
+    default_threads,
+    execute,
+    prepare_resume,
+    recipe_for_run,
+    require_multi_process,
+    start_run,
+)
 from engine.rundir import RunDir, describe, format_status
 from engine.runlock import signal_holder
 from engine.train.integrity import choose_resume_checkpoint
@@ -36,16 +44,24 @@ def _print_outcome(run: RunDir, status: dict) -> None:
 
 def cmd_run(args) -> int:
     config = load_config(args.config)
-    if args.steps is not None:
-        config = validate_config(dict(config.model_dump(mode="json"), steps=args.steps),
-                                 args.config)
+    changes = {k: v for k, v in {"steps": args.steps, "device": args.device}.items()
+               if v is not None}
+    if changes:
+        config = validate_config(dict(config.model_dump(mode="json"), **changes), args.config)
     out = args.out or Path("runs") / f"{config.recipe}-{time.strftime('%Y%m%d-%H%M%S')}"
     threads = args.threads or default_threads()
     argv = ["forgebench"] + sys.argv[1:]
-    run = start_run(config, out, argv, threads=threads)
+    if wants_launch(args) and args.node_rank != 0:   # rank 0's node creates the run
+        status = launch(args, RunDir(out), threads=threads)
+        print(f"node {args.node_rank}: {status['state']}")
+        return 0
+    run = start_run(config, out, argv, threads=threads, world_size=world_size(args))
     try:
-        status = execute(run, config, None, threads=threads, argv=argv,
-                         stop_after_step=getattr(args, "stop_after_step", None))
+        if wants_launch(args):
+            status = launch(args, run, threads=threads)
+        else:
+            status = execute(run, config, None, threads=threads, argv=argv,
+                             stop_after_step=getattr(args, "stop_after_step", None))
     finally:
         run.release_lock()
     _print_outcome(run, status)
@@ -55,9 +71,10 @@ def cmd_run(args) -> int:
 def cmd_resume(args) -> int:
     overrides = {"steps": args.steps, "log_every": args.log_every,
                  "save_every": args.save_every, "eval_every": args.eval_every,
-                 "keep_last": args.keep_last}
+                 "keep_last": args.keep_last, "device": args.device}
     run, config = prepare_resume(args.run_dir, overrides,
-                                 allow_code_change=getattr(args, "allow_code_change", False))
+                                 allow_code_change=getattr(args, "allow_code_change", False),
+                                 allow_device_change=args.allow_device_change)
     try:  # prepare_resume took the run lock
         checkpoint = choose_resume_checkpoint(run, getattr(args, "from_step", None))
         if checkpoint and checkpoint.step >= config.steps:
@@ -71,8 +88,14 @@ def cmd_resume(args) -> int:
                           f"{recorded}: results will not be bitwise identical to an "
                           "uninterrupted run")
         argv = ["forgebench"] + sys.argv[1:]
-        status = execute(run, config, checkpoint, threads=threads, argv=argv,
-                         stop_after_step=getattr(args, "stop_after_step", None))
+        require_multi_process(config, world_size(args))
+        note_world_change(run, world_size(args))
+        if wants_launch(args):
+            status = launch(args, run, threads=threads, checkpoint=checkpoint,
+                            overrides={k: v for k, v in overrides.items() if v is not None})
+        else:
+            status = execute(run, config, checkpoint, threads=threads, argv=argv,
+                             stop_after_step=getattr(args, "stop_after_step", None))
     finally:
         run.release_lock()
     _print_outcome(run, status)

@@ -44,7 +44,7 @@ def _words(b: torch.Tensor) -> torch.Tensor:
 
 def _nibble_words(w: torch.Tensor) -> torch.Tensor:
     """int64 words [..., k] -> [..., 2, k]: low nibbles then high nibbles, one per byte."""
-    out = torch.empty(*w.shape[:-1], 2, w.shape[-1], dtype=torch.int64)
+    out = torch.empty(*w.shape[:-1], 2, w.shape[-1], dtype=torch.int64, device=w.device)
     torch.bitwise_and(w, LOW_NIBBLES, out=out[..., 0, :])
     torch.bitwise_and(w >> 4, LOW_NIBBLES, out=out[..., 1, :])
     return out
@@ -57,7 +57,7 @@ def _as_bytes(w: torch.Tensor, n: int) -> torch.Tensor:
 
 def _q5_high_bits(qh: torch.Tensor) -> torch.Tensor:
     """[n, 4] bytes of a little-endian u32 -> [n, 4] words: bit j of the u32 at bit 4 of byte j."""
-    return _BIT4_OF_BYTE.index_select(0, qh.reshape(-1).int()).view(qh.shape)
+    return _BIT4_OF_BYTE.to(qh.device).index_select(0, qh.reshape(-1).int()).view(qh.shape)
 
 
 def _signed(q: torch.Tensor, offset: int) -> torch.Tensor:
@@ -135,7 +135,7 @@ def _q5_k(b):
     dl, ml = _k_scales(b)
     w = _nibble_words(_words(b[:, 48:]).view(n, 4, 4)).view(n, 8, 4)   # sub-block s: nibbles
     qh = _words(b[:, 16:48]).view(n, 1, 4)                              # bit s of each qh byte
-    shifts = torch.arange(8, dtype=torch.int64).view(1, 8, 1)
+    shifts = torch.arange(8, dtype=torch.int64, device=b.device).view(1, 8, 1)
     w |= ((qh >> shifts) & LOW_BITS) << 4
     return _as_bytes(w, n).view(n, 8, 32).float().mul_(dl).sub_(ml).reshape(n, QK_K)
 
@@ -146,7 +146,7 @@ def _q6_k_ints(b):
     lo = _nibble_words(_words(b[:, :128]).view(n, 2, 8)).view(n, 2, 2, 2,
                                                               4)   # [n, half, nib, row, 4]
     qh = _words(b[:, 128:192]).view(n, 2, 1, 4)
-    shifts = torch.tensor([0, 2, 4, 6], dtype=torch.int64).view(1, 1, 4, 1)
+    shifts = torch.tensor([0, 2, 4, 6], dtype=torch.int64, device=b.device).view(1, 1, 4, 1)
     hi = ((qh >> shifts) & LOW_2BITS) << 4                                        # [n, half, 4, 4]
     return _as_bytes(lo.view(n, 2, 4, 4) | hi, n)
 
@@ -192,7 +192,8 @@ _KERNELS = {T.Q4_0: _q4_0, T.Q4_1: _q4_1, T.Q5_0: _q5_0, T.Q5_1: _q5_1, T.Q8_0: 
 
 def dequantize(raw: torch.Tensor, ggml_type: T, shape: tuple[int, ...] | torch.Size,
                name: str = "tensor") -> torch.Tensor:
-    """Packed bytes (uint8, any shape, C order) of `ggml_type` -> f32 tensor of `shape`."""
+    """Packed bytes (uint8, any shape, C order) of `ggml_type` -> f32 tensor of `shape`, on
+    the bytes' device (a GPU dequantizes its packed weights itself, chunk by chunk)."""
     ggml_type = T(ggml_type)
     flat = raw.reshape(-1)
     if ggml_type == T.F32:

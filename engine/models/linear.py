@@ -36,6 +36,16 @@ class PackedWeight:
     def packed_bytes(self) -> int:
         return self.raw.numel()
 
+    def move_to(self, device: torch.device) -> None:
+        """Packed bytes (and the dense cache) onto `device`, never cast: on a GPU the weight
+        dequantizes there. llama.cpp's integer kernels stay a CPU path."""
+        if self.raw.device == device:
+            return
+        self.raw = self.raw.to(device)
+        self.dense = None if self.dense is None else self.dense.to(device)
+        if device.type != "cpu":
+            self._exact = None
+
     @property
     def cache_bytes(self) -> int:
         return 0 if self.dense is None else self.dense.numel() * self.dense.element_size()
@@ -138,6 +148,10 @@ class FrozenQuantLinear(nn.Module):
         self.numerics = "f32"
         self.bitexact = True              # under llama.cpp numerics: ggml's summation order too
 
+    def _apply(self, fn, recurse=True):
+        _move_packed(self.weight, fn)
+        return super()._apply(fn, recurse)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.numerics == "llamacpp":
             y = llamacpp_matmul(x, self.weight, self.bitexact)
@@ -167,6 +181,16 @@ class PackedEmbedding(nn.Module):
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         return self.weight.take_rows(tokens)
+
+    def _apply(self, fn, recurse=True):
+        _move_packed(self.weight, fn)
+        return super()._apply(fn, recurse)
+
+
+def _move_packed(weight: PackedWeight, fn) -> None:
+    """`module.to(device)` moves a packed weight too (it is no Parameter or buffer); the
+    device comes from what `fn` does to a probe tensor, and dtype casts never touch the bytes."""
+    weight.move_to(fn(torch.empty(0)).device)
 
 
 HEAD_CHUNK_ROWS = 1024   # LM-head rows per step of the fused loss: a chunk (2.6 MB in f32) is

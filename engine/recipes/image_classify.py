@@ -18,6 +18,7 @@ from engine.jobs import Job, run_config
 from engine.models.vision import WIDTHS, SmallCNN
 from engine.recipes.image_classify_config import ImageClassifyConfig
 from engine.rundir import Checkpoint, RunDir
+from engine.train.devices import module_device, to_device
 from engine.train.loop import (
     Loop,
     load_weights,
@@ -36,6 +37,7 @@ from engine.train.media_data import (
 from engine.train.optim import build_adamw
 from engine.train.precision import autocast
 
+CUDA = True   # trains on a GPU (engine/train/devices.py); one process
 KINDS = ("image-classify", "image-masks", "image-boxes")
 
 
@@ -58,11 +60,13 @@ def load_split(config: ImageClassifyConfig, dataset, classes: list[str], split: 
 
 @torch.no_grad()
 def predict(model: SmallCNN, data: ImageSet, precision: str, batch: int = 256) -> torch.Tensor:
-    """Logits [N, classes] in float32."""
+    """Logits [N, classes] in float32 (on the CPU, wherever the model is)."""
     out = []
+    device = module_device(model)
     for start in range(0, len(data), batch):
-        with autocast(precision):
-            out.append(model(data.float_images(slice(start, start + batch))).float())
+        images = to_device(data.float_images(slice(start, start + batch)), device)
+        with autocast(precision, device.type):
+            out.append(model(images).float().cpu())
     return torch.cat(out)
 
 
@@ -96,7 +100,8 @@ def train(job: Job) -> None:
     train_set = load_split(config, dataset, classes, "train")
     val_set = load_split(config, dataset, classes, "val")
 
-    model = SmallCNN(len(classes), batch_norm=config.batch_norm)
+    device = job.device
+    model = SmallCNN(len(classes), batch_norm=config.batch_norm).to(device)
     opt = config.optim
     optimizer = build_adamw(model.named_parameters(), lr=opt.lr, weight_decay=opt.weight_decay,
                             betas=(opt.beta1, opt.beta2))
@@ -104,9 +109,10 @@ def train(job: Job) -> None:
     def batch_loss(indices: list[int], generator: torch.Generator) -> torch.Tensor:
         images, _, _ = augment(train_set.images[indices], generator,
                                hflip=config.image.hflip, rot90=config.image.rot90)
-        with autocast(config.precision):
+        images = to_device(images, device)      # augmented on the CPU (its generator's home)
+        with autocast(config.precision, device.type):
             logits = model(images.float() / 255.0)                   # [B, classes]
-        return F.cross_entropy(logits.float(), train_set.labels[indices])
+        return F.cross_entropy(logits.float(), to_device(train_set.labels[indices], device))
 
     def validate() -> dict:
         report = scores(predict(model, val_set, config.precision), val_set, classes)

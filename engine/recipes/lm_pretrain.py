@@ -25,6 +25,7 @@ from engine.recipes.lm_pretrain_config import LMPretrainConfig
 from engine.rundir import Checkpoint, RunDir
 from engine.sampling import SamplingSettings, generate_tokens
 from engine.text_tokenizers import BPETokenizer, ByteTokenizer, tokenizer_from_json
+from engine.train import distributed
 from engine.train.checkpoint import (
     load_checkpoint,
     rng_state,
@@ -32,10 +33,13 @@ from engine.train.checkpoint import (
     set_rng_state,
 )
 from engine.train.data_order import DataCursor
+from engine.train.devices import module_device, require_bf16, to_device
 from engine.train.metrics import StepClock, WindowLoss, train_row
 from engine.train.optim import build_adamw, clip_and_step, lr_at, set_lr
 from engine.train.precision import autocast
 
+CUDA = True            # trains on a GPU (engine/train/devices.py)
+MULTI_PROCESS = True   # and on several processes: DDP (engine/train/distributed.py)
 TOKENIZER_FILE = "tokenizer.json"
 SPLIT_FILES = {"train": "train.txt", "val": "val.txt", "test": "test.txt"}
 
@@ -158,14 +162,16 @@ def bits_per_byte(model: Llama, tokenizer, text: str, config: LMPretrainConfig,
                for i in range(0, len(full), config.eval.batch_size)]
     batches += [p[None] for p in pieces if len(p) != context + 1]  # the ragged last window
     nats, tokens, n_bytes = 0.0, 0, 0
+    device = module_device(model)
     for batch in batches:                                          # [B, T+1]
-        with autocast(config.train.autocast):
+        batch = to_device(batch, device)
+        with autocast(config.train.autocast, device.type):
             logits = model(batch[:, :-1])                          # [B, T, V]
         targets = batch[:, 1:]
         nats += float(F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(),
                                       reduction="sum"))
         tokens += targets.numel()
-        n_bytes += int(byte_len[targets].sum())
+        n_bytes += int(byte_len[targets.cpu()].sum())
     return EvalResult(nats / tokens, nats / math.log(2) / n_bytes, tokens, n_bytes)
 
 
@@ -195,9 +201,12 @@ def complete(model: Llama, tokenizer, prompt: str, *, max_tokens: int,
     max_tokens = min(max_tokens, context - len(ids))
     cache = model.new_cache(1, len(ids) + max_tokens)
 
+    device = module_device(model)
+
     def step(new_ids: list[int], start_pos: int) -> torch.Tensor:
-        h = model.hidden(torch.tensor([new_ids]), start_pos=start_pos, cache=cache)
-        return model.logits(h[0, -1])                                  # [V]
+        h = model.hidden(torch.tensor([new_ids], device=device), start_pos=start_pos,
+                         cache=cache)
+        return model.logits(h[0, -1]).cpu()                            # [V]
 
     def hit_stop(out: list[int]) -> bool:
         return any(s in tokenizer.decode(out) for s in stop)
@@ -256,6 +265,8 @@ def sample(run: RunDir, checkpoint: Checkpoint, args) -> list[Path]:
 def train(job: Job) -> None:
     config: LMPretrainConfig = job.config
     run, opt, tr = job.run, config.optim, config.train
+    device, world = job.device, job.world
+    require_bf16(tr.autocast, device, "field 'train.autocast'")
     torch.manual_seed(config.seed)
 
     # Tokenizer: trained once at the start, then always read back from the checkpoint.
@@ -268,7 +279,8 @@ def train(job: Job) -> None:
         tokenizer = (BPETokenizer.train([train_text], config.tokenizer.vocab_size)
                      if config.tokenizer.kind == "bpe" else ByteTokenizer())
         tokenizer_json = tokenizer.to_json()
-        atomic_write_text(run.path / TOKENIZER_FILE, tokenizer_json)
+        if world.is_main:     # every rank trained the same tokenizer; rank 0 owns the run
+            atomic_write_text(run.path / TOKENIZER_FILE, tokenizer_json)
 
     train_windows = windows(token_stream(tokenizer, train_text), config.model.context)
     if len(train_windows) == 0:  # [N, T+1]
@@ -276,7 +288,7 @@ def train(job: Job) -> None:
             f"the train split holds fewer than {config.model.context + 1} tokens, not one "
             "training window", path=corpus_files(config)["train"],
             hint="add text or lower model.context")
-    model = build_model(config, tokenizer.vocab_size)
+    model = build_model(config, tokenizer.vocab_size).to(device)
     optimizer = build_adamw(model.named_parameters(), lr=opt.lr, weight_decay=opt.weight_decay,
                             betas=(opt.beta1, opt.beta2), eps=opt.eps, moments=opt.moments)
     cursor = DataCursor(len(train_windows), config.seed)
@@ -318,6 +330,8 @@ def train(job: Job) -> None:
     clock = StepClock(elapsed_before)
     last = job.resume_from
     tokens_per_step = tr.batch_size * tr.grad_accum * config.model.context
+    # DDP over the ranks (each trains its share of every micro-batch); the model itself alone
+    trained = distributed.data_parallel(model, world, device)
     model.train()
     bar = job.progress(config.steps, initial=step)
     while step < config.steps and not job.stop_requested:
@@ -325,17 +339,22 @@ def train(job: Job) -> None:
                    schedule=opt.schedule, min_lr_ratio=opt.min_lr_ratio)
         set_lr(optimizer, lr)
         window = WindowLoss()
-        for _ in range(tr.grad_accum):
+        for micro in range(tr.grad_accum):
             job.stage = "forward"
-            batch = train_windows[cursor.take(tr.batch_size)]            # [B, T+1]
+            mine = distributed.shard(cursor.take(tr.batch_size), world, "micro-batch",
+                                     "field 'train.batch_size'")
+            batch = to_device(train_windows[mine], device)             # [B / ranks, T+1]
             inputs, targets = batch[:, :-1], batch[:, 1:]
-            with autocast(config.train.autocast):
-                logits = model(inputs)                                 # [B, T, V]
-            loss_sum = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(),
-                                       reduction="sum")
-            job.stage = "backward"
-            (loss_sum / tokens_per_step).backward()  # token-weighted over the whole window
-            window.add(loss_sum.detach().item(), targets.numel())
+            with distributed.accumulating(trained, last=micro == tr.grad_accum - 1):
+                with autocast(config.train.autocast, device.type):
+                    logits = trained(inputs)                           # [B, T, V]
+                loss_sum = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(),
+                                           reduction="sum")
+                job.stage = "backward"
+                # token-weighted over the whole window of every rank (gradients are summed)
+                (loss_sum / tokens_per_step).backward()
+            window.add(loss_sum.detach().double(), targets.numel())   # no host sync here
+        window = distributed.reduce_window(window, world, device)
         job.stage = "optimizer"
         outcome = clip_and_step(model.parameters(), optimizer, opt.grad_clip, config.nonfinite,
                                 loss=window.value)
@@ -347,19 +366,19 @@ def train(job: Job) -> None:
                 invocation=job.invocation, step=step, loss=window.value, outcome=outcome,
                 skipped_total=skipped_total, lr=lr, elapsed_s=clock.elapsed,
                 input_tokens=tokens_per_step, supervised_tokens=window.tokens,
-                tokens_per_s=tokens_per_s))
+                tokens_per_s=tokens_per_s, **distributed.rank_throughput(tokens_per_s, world)))
         bar.update(1)
         bar.set_postfix(loss=f"{window.value:.3f}", lr=f"{lr:.2e}")
         job.step_done(step)
         eval_due = config.eval_every and step % config.eval_every == 0
-        if eval_due or step == config.steps:
+        if (eval_due or step == config.steps) and world.is_main:
             evaluate_val()
         if (eval_due or step == config.steps or job.stop_requested
                 or (config.save_every and step % config.save_every == 0)):
             last = checkpoint_now()
     bar.close()
 
-    if step == config.steps and last is not None and not job.stop_requested:
+    if step == config.steps and last is not None and not job.stop_requested and world.is_main:
         job.stage = "sample"
         model.eval()
         write_samples(run, last, model, tokenizer, config, config.seed)

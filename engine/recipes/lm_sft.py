@@ -41,6 +41,7 @@ from engine.lora import (
 from engine.recipes.lm_sft_config import LMSFTConfig
 from engine.rundir import Checkpoint, RunDir
 from engine.sampling import SamplingSettings, generate_tokens
+from engine.train import distributed
 from engine.train.checkpoint import (
     MODEL_FILE,
     load_checkpoint,
@@ -49,11 +50,14 @@ from engine.train.checkpoint import (
     set_rng_state,
 )
 from engine.train.data_order import DataCursor
-from engine.train.loss import IGNORE, supervised_loss
+from engine.train.devices import module_device, require_bf16, to_device
+from engine.train.loss import IGNORE, SupervisedLoss, supervised_loss
 from engine.train.metrics import StepClock, WindowLoss, train_row
 from engine.train.optim import build_adamw, clip_and_step, lr_at, set_lr
 from engine.train.precision import autocast
 
+CUDA = True            # trains on a GPU (engine/train/devices.py)
+MULTI_PROCESS = True   # and on several processes: DDP for LoRA, FSDP2 for full fine-tuning
 BYTES_PER_FULL_PARAM = 16  # f32 weight + grad + two AdamW moments
 
 
@@ -315,10 +319,12 @@ def answer(base: Base, prompt: str, max_tokens: int, enable_thinking: bool | Non
     ids = encode_prompt(base.tokenizer, base.template.render(
         [{"role": "user", "content": prompt}], enable_thinking=enable_thinking))
     cache = model.new_cache(1, len(ids) + max_tokens)
+    device = module_device(model)
 
     def step(new_ids: list[int], start_pos: int) -> torch.Tensor:
-        h = model.hidden(torch.tensor([new_ids]), start_pos=start_pos, cache=cache)
-        return model.logits(h[0, -1])                                       # [V]
+        h = model.hidden(torch.tensor([new_ids], device=device), start_pos=start_pos,
+                         cache=cache)
+        return model.logits(h[0, -1]).cpu()                                 # [V]
 
     stops = set(getattr(base.tokenizer, "eot_ids", ()) or ()) | {base.tokenizer.eos_id}
     out = generate_tokens(step, ids, max_new_tokens=max_tokens, settings=settings,
@@ -352,6 +358,8 @@ def write_generations(run: RunDir, name: str, step: int, base: Base, config: LMS
 def train(job: Job) -> None:
     config: LMSFTConfig = job.config
     run, opt, tr = job.run, config.optim, config.train
+    device, world = job.device, job.world
+    require_bf16(tr.autocast, device, "field 'train.autocast'")
     torch.manual_seed(config.seed)
     base_sha = run.manifest()["base_model"]["sha256"]
 
@@ -369,28 +377,40 @@ def train(job: Job) -> None:
     identity = {"recipe": "lm-sft", "base": str(base.path), "base_sha256": base_sha,
                 "method": config.lora.method,
                 **(describe_adapters(adapters) if adapters else {})}
-    optimizer = build_adamw(trainable, lr=opt.lr, weight_decay=opt.weight_decay,
-                            betas=(opt.beta1, opt.beta2), eps=opt.eps, moments=opt.moments)
-    params = [p for _, p in trainable]
     cursor = DataCursor(len(samples), config.seed)
     step, skipped_total, elapsed_before = 0, 0, 0.0
-    if job.resume_from:
+    if job.resume_from:            # weights before sharding: FSDP2 shards what is loaded
         tensors, optimizer_state, state = load_checkpoint(job.resume_from)
         if adapters:
             load_adapters(job.resume_from.path / ADAPTERS_FILE, adapters, base_sha)
         else:
             model.load_state_dict(tensors)
-        optimizer.load_state_dict(optimizer_state)
-        cursor = DataCursor.from_state(state["cursor"])
-        set_rng_state(state["rng"])
-        step, skipped_total = state["step"], state["skipped_total"]
-        elapsed_before = state["elapsed_s"]
-    elif config.sample.prompts:
+    model.to(device)
+    if not job.resume_from and config.sample.prompts and world.is_main:
         job.announce("sample", f"answering {len(config.sample.prompts)} prompt(s) with the "
                                "base (BEFORE)")
         write_generations(run, "step-000000", 0, base, config, identity)   # BEFORE = the base
     if tr.activation_checkpointing:
         checkpoint_activations(model)
+    # Several ranks: FSDP2 shards a full fine-tune, DDP replicates adapters (summed gradients)
+    sharded = world.distributed and adapters is None
+    # (FSDP2 gathers a module's shards in its forward hook; a layer's norms, attention and MLP
+    # are what the models call, so those are the units)
+    blocks = [block for layer in model.layers for block in layer.children()]
+    trained = (distributed.fully_sharded(SupervisedLoss(model), blocks, world, device)
+               if sharded else distributed.data_parallel(SupervisedLoss(model), world, device))
+    if sharded:                    # the optimizer steps the shards (DTensors) that replaced them
+        trainable = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    optimizer = build_adamw(trainable, lr=opt.lr, weight_decay=opt.weight_decay,
+                            betas=(opt.beta1, opt.beta2), eps=opt.eps, moments=opt.moments)
+    params = [p for _, p in trainable]
+    if job.resume_from:
+        optimizer.load_state_dict(distributed.shard_optimizer_state(optimizer_state, optimizer)
+                                  if sharded else optimizer_state)
+        cursor = DataCursor.from_state(state["cursor"])
+        set_rng_state(state["rng"])
+        step, skipped_total = state["step"], state["skipped_total"]
+        elapsed_before = state["elapsed_s"]
 
     def checkpoint_now() -> Checkpoint:
         job.stage = "save"
@@ -413,19 +433,27 @@ def train(job: Job) -> None:
                    schedule=opt.schedule, min_lr_ratio=opt.min_lr_ratio)
         set_lr(optimizer, lr)
         window = [samples[i] for i in cursor.take(tr.window)]
-        supervised = sum(s.n_supervised for s in window)
-        loss, input_tokens = WindowLoss(), 0
-        for micro, start in enumerate(range(0, len(window), tr.micro_batch)):
+        mine = distributed.shard(window, world, "window", "field 'train.window'")
+        # every rank divides by the window's supervised tokens over all ranks (all-reduced)
+        supervised = int(distributed.all_reduce_sum([sum(s.n_supervised for s in mine)],
+                                                    world, device)[0])
+        loss = WindowLoss()
+        input_tokens = sum(len(s.input_ids) for s in window)
+        starts = range(0, len(mine), tr.micro_batch)
+        for micro, start in enumerate(starts):
             job.stage = "forward"
             if adapters:
                 model.lora_clock.set(step, micro)
-            inputs, labels, lengths = pack(window[start:start + tr.micro_batch])   # [T]
-            with autocast(config.train.autocast):
-                loss_sum = supervised_loss(model, inputs, labels, lengths)
-            job.stage = "backward"
-            (loss_sum / supervised).backward()   # token-weighted over the whole window
-            loss.add(float(loss_sum.detach()), int((labels != IGNORE).sum()))
-            input_tokens += sum(len(s.input_ids) for s in window[start:start + tr.micro_batch])
+            inputs, labels, lengths = pack(mine[start:start + tr.micro_batch])   # [T]
+            tokens = int((labels != IGNORE).sum())
+            inputs, labels = to_device(inputs, device), to_device(labels, device)
+            with distributed.accumulating(trained, last=micro == len(starts) - 1):
+                with autocast(config.train.autocast, device.type):
+                    loss_sum = trained(inputs, labels, lengths)
+                job.stage = "backward"
+                (loss_sum / supervised).backward()   # token-weighted over the whole window
+            loss.add(loss_sum.detach().double(), tokens)
+        loss = distributed.reduce_window(loss, world, device)
         job.stage = "optimizer"
         outcome = clip_and_step(params, optimizer, opt.grad_clip, config.nonfinite,
                                 loss=loss.value)
@@ -437,7 +465,7 @@ def train(job: Job) -> None:
                 invocation=job.invocation, step=step, loss=loss.value, outcome=outcome,
                 skipped_total=skipped_total, lr=lr, elapsed_s=clock.elapsed,
                 input_tokens=input_tokens, supervised_tokens=loss.tokens,
-                tokens_per_s=tokens_per_s))
+                tokens_per_s=tokens_per_s, **distributed.rank_throughput(tokens_per_s, world)))
         bar.update(1)
         bar.set_postfix(loss=f"{loss.value:.4f}", lr=f"{lr:.2e}")
         job.step_done(step)
@@ -446,8 +474,10 @@ def train(job: Job) -> None:
             last = checkpoint_now()
     bar.close()
 
-    if step == config.steps and not job.stop_requested and config.sample.prompts:
+    if step == config.steps and not job.stop_requested and config.sample.prompts and world.is_main:
         job.stage = "sample"
+        if sharded:   # FSDP2 holds shards: answer with the checkpoint's full weights
+            base = load_trained(run, last)[0]
         write_generations(run, last.name, step, base, config, identity)   # AFTER
 
 

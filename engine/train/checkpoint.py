@@ -10,6 +10,10 @@ A checkpoint directory holds:
                              written LAST (the commit sentinel)
 
 It is staged in a hidden directory and renamed into place (`RunDir.staging_checkpoint`).
+
+Under torch.distributed every rank calls `save_checkpoint` (FSDP2 shards are gathered into full
+tensors, a collective) and only rank 0 writes: a checkpoint is the same files whatever the world
+size, so it resumes on any (engine/train/distributed.py).
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ from safetensors.torch import load_file, save_file
 from engine.errors import ForgebenchError
 from engine.fsutil import atomic_write_bytes, atomic_write_json, read_json, require_free_space
 from engine.rundir import SENTINEL, Checkpoint, RunDir, checkpoint_name
+from engine.train.distributed import full_optimizer_state, full_tensors, is_writer
 from engine.train.integrity import file_records
 
 MODEL_FILE = "model.safetensors"
@@ -69,10 +74,15 @@ def save_checkpoint(run: RunDir, step: int, *, model_tensors: dict[str, torch.Te
     `trainer_state` must be JSON-serialisable; include `rng_state()` and the data cursor in it.
     `protect` names checkpoints retention must keep (e.g. the best one).
     """
-    model_tensors = {k: v.detach().cpu().contiguous() for k, v in model_tensors.items()}
+    model_tensors = {k: v.detach().cpu().contiguous()
+                     for k, v in full_tensors(model_tensors).items()}
     opt_tensors, opt_rest = ({}, None)
     if optimizer is not None:
-        opt_tensors, opt_rest = _split_optimizer_state(optimizer.state_dict())
+        opt_tensors, opt_rest = _split_optimizer_state(
+            full_optimizer_state(optimizer.state_dict()))
+    checkpoint = Checkpoint(run.checkpoints_dir / checkpoint_name(step), step)
+    if not is_writer(run):   # a rank other than 0: it took part in the gathering, rank 0 writes
+        return checkpoint
     extra_files = extra_files or {}
     needed = (_tensor_bytes(model_tensors.values()) + _tensor_bytes(opt_tensors.values())
               + sum(len(b) for b in extra_files.values()) + 1_000_000)
@@ -90,7 +100,6 @@ def save_checkpoint(run: RunDir, step: int, *, model_tensors: dict[str, torch.Te
         # Sizes and hashes let a resume tell an intact checkpoint from a damaged one.
         files = file_records(tmp, sorted(p.name for p in tmp.iterdir() if p.is_file()))
         atomic_write_json(tmp / SENTINEL, dict(trainer_state, step=step, files=files))
-    checkpoint = Checkpoint(run.checkpoints_dir / checkpoint_name(step), step)
     removed = run.apply_retention(keep_last, protect)
     run.log_event("checkpoint_saved", step=step, checkpoint=checkpoint.name,
                   path=str(checkpoint.path.relative_to(run.path)), bytes=needed - 1_000_000,

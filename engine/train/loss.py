@@ -48,3 +48,16 @@ def frozen_head(model: nn.Module):
     if isinstance(weight, PackedWeight) or not weight.requires_grad:
         return weight
     return None
+
+
+class SupervisedLoss(nn.Module):
+    """`supervised_loss` of `model` as a module's forward: what DDP and FSDP2 wrap (both hook a
+    module's forward, and the loss reaches the model through `hidden`, not `forward`)."""
+
+    def __init__(self, model: nn.Module):
+        super().__init__()
+        self.model = model
+
+    def forward(self, inputs: torch.Tensor, labels: torch.Tensor,
+                lengths: list[int] | None = None) -> torch.Tensor:
+        return supervised_loss(self.model, inputs, labels, lengths)

@@ -55,13 +55,15 @@ class WindowLoss:
         self.sum = 0.0
         self.tokens = 0
 
-    def add(self, loss_sum: float, tokens: int) -> None:
+    def add(self, loss_sum, tokens: int) -> None:
+        """`loss_sum` a float, or a float64 tensor on the training device (summing on the
+        device keeps the step free of host syncs until the value is read)."""
         self.sum += loss_sum
         self.tokens += tokens
 
     @property
     def value(self) -> float:
-        return self.sum / self.tokens if self.tokens else float("nan")
+        return float(self.sum) / self.tokens if self.tokens else float("nan")
 
 
 def train_row(*, invocation: int, step: int, loss: float, outcome, skipped_total: int, lr: float,
