@@ -38,6 +38,7 @@ from engine.lora import (
     describe_adapters,
     load_adapters,
 )
+from engine.model_library import BYTES_PER_FULL_PARAM
 from engine.recipes.lm_sft_config import LMSFTConfig
 from engine.rundir import Checkpoint, RunDir
 from engine.sampling import SamplingSettings, generate_tokens
@@ -53,8 +54,6 @@ from engine.train.loss import IGNORE, supervised_loss
 from engine.train.metrics import StepClock, WindowLoss, train_row
 from engine.train.optim import build_adamw, clip_and_step, lr_at, set_lr
 from engine.train.precision import autocast
-
-BYTES_PER_FULL_PARAM = 16  # f32 weight + grad + two AdamW moments
 
 
 def pack(samples: list) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
@@ -452,9 +451,14 @@ def train(job: Job) -> None:
 
 
 # -- evaluation and generation from a run ---------------------------------------------------
-def load_trained(run: RunDir, checkpoint: Checkpoint) -> tuple[Base, LMSFTConfig]:
-    """The base with the checkpoint's adapters (or full weights) applied, in eval mode."""
+def load_trained(run: RunDir, checkpoint: Checkpoint,
+                 base_path: Path | None = None) -> tuple[Base, LMSFTConfig]:
+    """The base with the checkpoint's adapters (or full weights) applied, in eval mode.
+    `base_path`: the same base file found elsewhere (a model library's copy, by its hash)."""
     config = run_config(run)
+    if base_path is not None and config.model.gguf:
+        config = config.model_copy(update={"model": config.model.model_copy(
+            update={"gguf": str(base_path)})})
     base_sha = run.manifest()["base_model"]["sha256"]
     base = load_base(config)
     if sha256_file(base.path) != base_sha:
