@@ -112,6 +112,12 @@ class Conversation:
         self.messages.append(message)
         return message
 
+    def add_reply(self, system: str, done: dict) -> dict:
+        """Append a finished reply from the worker's `done` line (its text, stop reason,
+        settings, seed, token counts and timings)."""
+        return self.add("assistant", done["text"], system=system,
+                        **{k: done[k] for k in ASSISTANT_FIELDS if k in done})
+
     def thread(self, system: str, *, complete_only: bool = False) -> list[dict]:
         """{role, content} messages as `system` saw them: the system prompt(s), every user
         turn and its own replies. `complete_only` drops a turn whose reply was cancelled or
@@ -135,12 +141,15 @@ class Conversation:
             out.append(pending)
         return out
 
-    def sft_record(self, system: str, index: int) -> dict | None:
-        """The thread of `system` as one {messages} SFT record, or None without a reply."""
+    def sft_record(self, system: str) -> dict | None:
+        """The thread of `system` as one {messages} SFT record, or None without a reply. Its
+        id names the file, the system and the thread's length, so a conversation that went on
+        exports as a new record and the same thread twice as the same one."""
         messages = self.thread(system, complete_only=True)
         if not any(m["role"] == "assistant" for m in messages):
             return None
-        return {"id": f"{chat_name(self.path.stem)}-{system}-{index:03d}", "messages": messages,
+        return {"id": f"{chat_name(self.path.stem)}-{system}-{len(messages):03d}",
+                "messages": messages,
                 "source": f"chat {self.path.name}, system {system} "
                           f"({self.systems[system].get('label', system)})"}
 
@@ -162,8 +171,8 @@ def export_sft(conversations: list[Conversation], systems: dict[str, list[str]] 
     records, sources = [], []
     for conversation in conversations:
         chosen = (systems or {}).get(str(conversation.path)) or list(conversation.systems)
-        for index, system in enumerate(chosen):
-            record = conversation.sft_record(system, index)
+        for system in chosen:
+            record = conversation.sft_record(system)
             if record is not None:
                 records.append(record)
         sources.append({"conversation": str(conversation.path), "systems": chosen,
@@ -184,8 +193,15 @@ def export_sft(conversations: list[Conversation], systems: dict[str, list[str]] 
         old = (out_dir / "records.jsonl").read_text(encoding="utf-8")
         if old and not old.endswith("\n"):
             old += "\n"
+        present = {json.loads(line).get("id") for line in old.splitlines() if line.strip()}
+        fresh = [r for r in records if r["id"] not in present]
+        if not fresh:
+            raise ForgebenchError("these conversations are in the dataset already",
+                                  path=out_dir, hint="chat on, or export another conversation")
+        provenance["records"] = len(fresh)
+        lines = "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in fresh)
         version = save_new_version(dataset, {"records.jsonl": (old + lines).encode("utf-8")},
-                                   note=f"{len(records)} SFT records from chat",
+                                   note=f"{len(fresh)} SFT records from chat",
                                    manifest_updates={"provenance": provenance})
         return version.root
     if out_dir.exists() and any(out_dir.iterdir()):

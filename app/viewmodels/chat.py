@@ -264,9 +264,7 @@ class ChatSession:
             reply.text, reply.finished, reply.done = line["text"], True, line
             reply.stop_reason = line["stop_reason"]
             if self.conversation is not None:
-                self.conversation.add("assistant", line["text"], system=reply.system,
-                                      **{k: v for k, v in line.items()
-                                         if k not in ("event", "text", "system")})
+                self.conversation.add_reply(reply.system, line)
             return "done", reply.system
         elif event == "error":
             reply.finished, reply.error = True, error_text(line)

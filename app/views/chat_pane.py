@@ -66,7 +66,7 @@ class ChatPane(QWidget):
         self.source = {side: QComboBox() for side in vm.SIDES}
         for side, combo in self.source.items():
             combo.setMinimumContentsLength(24)
-            combo.setSizeAdjustPolicy(QComboBox.SizeAdjustPolicy.AdjustToMinimumContentsLength)
+            combo.setSizeAdjustPolicy(QComboBox.SizeAdjustPolicy.AdjustToMinimumContentsLengthWithIcon)
             combo.activated.connect(lambda _=0, s=side: self.choose(s))
         self.refresh = QPushButton("Refresh")
         self.refresh.clicked.connect(self.refresh_sources)
@@ -113,7 +113,7 @@ class ChatPane(QWidget):
         self.new_chat.clicked.connect(self.start_new_chat)
         self.saved = QComboBox()
         self.saved.setMinimumContentsLength(18)
-        self.saved.setSizeAdjustPolicy(QComboBox.SizeAdjustPolicy.AdjustToMinimumContentsLength)
+        self.saved.setSizeAdjustPolicy(QComboBox.SizeAdjustPolicy.AdjustToMinimumContentsLengthWithIcon)
         self.open_saved = QPushButton("Reopen")
         self.open_saved.clicked.connect(self.reopen)
         self.to_ab = QPushButton("Send this pair to a blind A/B session")

@@ -150,7 +150,7 @@ def cmd_chat(args) -> int:
                     lambda: False)
         # the tail a stop-string check held back arrives only in the final text
         sys.stdout.write(done["text"][len("".join(streamed)):] + "\n")
-        conversation.add("assistant", done["text"], system="A", **done)
+        conversation.add_reply("A", done)
         ttft = done["timings"].get("first_streamed_token_s")
         print(f"  [{done['new_tokens']} tokens, {done['stop_reason']}"
               + (f", first token {ttft:.2f} s" if ttft is not None else "") + "]",
