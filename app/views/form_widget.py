@@ -63,9 +63,14 @@ class RecipeFormWidget(QScrollArea):
         self.general.setStyleSheet("color: #c62828;")
         self.wheel_guard = WheelGuard(self)
         self.datasets: list[Path] = []     # the workspace's datasets, for the data pickers
+        self.models: list[tuple[str, Path]] = []   # its model library, for the base picker
 
     def set_datasets(self, datasets: list[Path]) -> None:
         self.datasets = list(datasets)
+
+    def set_models(self, models: list[tuple[str, Path]]) -> None:
+        """The workspace's model library (name, file), for the base-model picker."""
+        self.models = list(models)
 
     def set_form(self, form: RecipeForm) -> None:
         self.form = form
@@ -149,7 +154,23 @@ class RecipeFormWidget(QScrollArea):
             menu.aboutToShow.connect(lambda m=menu, s=spec: self._fill_dataset_menu(m, s))
             pick.setMenu(menu)
             row.addWidget(pick)
+        if spec.name == "model.gguf":
+            pick = QPushButton("Library ▾")
+            pick.setToolTip("Pick a model from this workspace's model library (Models pane)")
+            menu = QMenu(pick)
+            menu.aboutToShow.connect(lambda m=menu, s=spec: self._fill_model_menu(m, s))
+            pick.setMenu(menu)
+            row.addWidget(pick)
         return box
+
+    def _fill_model_menu(self, menu: QMenu, spec: FieldSpec) -> None:
+        menu.clear()
+        for name, path in self.models:
+            menu.addAction(name, lambda p=path, s=spec: self.set_value(
+                s.name, self.form.relative(p)))
+        if not self.models:
+            menu.addAction("(no models in the library: add one in the Models pane)"
+                           ).setEnabled(False)
 
     def _fill_dataset_menu(self, menu: QMenu, spec: FieldSpec) -> None:
         menu.clear()
