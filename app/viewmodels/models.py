@@ -41,7 +41,7 @@ class ModelsView:
         """What the pane says about the bundled-by-package model."""
         package = model_library.GEMMA_PACKAGE
         title = model_library.KNOWN_PACKAGES[package]
-        if any(r.get("package") == package for r in self.rows):
+        if any(e.get("package") == package for e in model_library.entries(self.root)):
             return f"{title} is in the library."
         if model_library.package_installed(package):
             return f"{title} is installed as a package: add it with “Add Gemma package”."

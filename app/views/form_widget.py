@@ -148,37 +148,32 @@ class RecipeFormWidget(QScrollArea):
         browse.clicked.connect(lambda _=False, s=spec: self.browse(s))
         row.addWidget(browse)
         if spec.name.startswith("data."):
-            pick = QPushButton("Dataset ▾")
-            pick.setToolTip("Pick one of this workspace's datasets")
-            menu = QMenu(pick)
-            menu.aboutToShow.connect(lambda m=menu, s=spec: self._fill_dataset_menu(m, s))
-            pick.setMenu(menu)
-            row.addWidget(pick)
+            row.addWidget(self._picker(
+                spec, "Dataset ▾", "Pick one of this workspace's datasets",
+                lambda: [(p.name, p) for p in self.datasets], "(no datasets in this workspace)"))
         if spec.name == "model.gguf":
-            pick = QPushButton("Library ▾")
-            pick.setToolTip("Pick a model from this workspace's model library (Models pane)")
-            menu = QMenu(pick)
-            menu.aboutToShow.connect(lambda m=menu, s=spec: self._fill_model_menu(m, s))
-            pick.setMenu(menu)
-            row.addWidget(pick)
+            row.addWidget(self._picker(
+                spec, "Library ▾", "Pick a model from this workspace's model library",
+                lambda: self.models, "(no models in the library: add one in the Models pane)"))
         return box
 
-    def _fill_model_menu(self, menu: QMenu, spec: FieldSpec) -> None:
-        menu.clear()
-        for name, path in self.models:
-            menu.addAction(name, lambda p=path, s=spec: self.set_value(
-                s.name, self.form.relative(p)))
-        if not self.models:
-            menu.addAction("(no models in the library: add one in the Models pane)"
-                           ).setEnabled(False)
+    def _picker(self, spec: FieldSpec, text: str, tip: str, choices, empty: str) -> QPushButton:
+        """A button whose menu lists `choices()` (name, path), filled when it opens."""
+        pick = QPushButton(text)
+        pick.setToolTip(tip)
+        menu = QMenu(pick)
 
-    def _fill_dataset_menu(self, menu: QMenu, spec: FieldSpec) -> None:
-        menu.clear()
-        for path in self.datasets:
-            menu.addAction(path.name, lambda p=path, s=spec: self.set_value(
-                s.name, self.form.relative(p)))
-        if not self.datasets:
-            menu.addAction("(no datasets in this workspace)").setEnabled(False)
+        def fill() -> None:
+            menu.clear()
+            for name, path in choices():
+                menu.addAction(name, lambda p=path: self.set_value(spec.name,
+                                                                   self.form.relative(p)))
+            if menu.isEmpty():
+                menu.addAction(empty).setEnabled(False)
+
+        menu.aboutToShow.connect(fill)
+        pick.setMenu(menu)
+        return pick
 
     def browse(self, spec: FieldSpec) -> None:
         current = self.form.resolve(self.form.text[spec.name] or ".")
