@@ -21,6 +21,7 @@ from engine.errors import ForgebenchError
 from engine.fsutil import sha256_file
 from engine.gguf.parser import MetaValue
 from engine.gguf.writer import read_gguf_content, write_gguf
+from engine.ratings import RatingStore
 
 torch.set_num_threads(1)
 V = gguf.GGUFValueType
@@ -298,3 +299,68 @@ def test_a_cancelled_reply_is_not_exported(tmp_path):
         {"role": "user", "content": "two"}, {"role": "assistant", "content": "whole"}]
     reopened = Conversation.open(conversation.path)
     assert reopened.messages == conversation.messages
+
+
+# -- the panes' view-models, without Qt ----------------------------------------------------
+def test_chat_viewmodel_drives_the_worker_side_by_side(tmp_path_factory):
+    from app.viewmodels.chat import ChatSession, sources
+
+    root = chat_workspace(tmp_path_factory)
+    found = {s.label: s for s in sources(root)}
+    assert found["model: tiny"].usable and found["run: sft/step-000002"].usable
+    session = ChatSession(root)
+    session.max_tokens = 5
+    worker = Worker()
+
+    def pump(lines: list[str], until) -> list[str]:
+        for line in lines:
+            worker.process.stdin.write(line)
+        worker.process.stdin.flush()
+        happened = []
+        while not until():
+            what, _ = session.feed(worker.process.stdout.readline())
+            happened.append(what)
+        return happened
+
+    try:
+        pump(session.choose("A", found["model: tiny"]) +
+             session.choose("B", found["run: sft/step-000002"]),
+             lambda: len(session.loaded) == 2)
+        assert session.loaded["B"]["kind"] == "run"
+        happened = pump(session.send("Say hello."), lambda: not session.busy())
+        assert happened.index("token") < happened.index("done")
+        prompt, answers = session.last_pair()
+        assert prompt == "Say hello." and set(answers) == {"A", "B"}
+        store = RatingStore(session.send_pair_to_ab("from-chat"))
+        systems = store.plan().systems
+        assert {s["outputs"][prompt] for s in systems.values()} == \
+            {a["content"] for a in answers.values()}
+        assert {s["checkpoint"] for s in systems.values()} == {"model", "step-000002"}
+        # a second pair with other settings still makes a valid session of its own
+        session.settings["temperature"] = 0.7
+        pump(session.send("Again."), lambda: not session.busy())
+        assert RatingStore(session.send_pair_to_ab("from-chat-2")).plan().items == ["Again."]
+    finally:
+        worker.close()
+
+
+def test_models_viewmodel_rows_and_labels(tmp_path, workspace):
+    from app.viewmodels.models import (
+        ModelsView,
+        library_files,
+        list_label,
+        memory_rows,
+        tensor_rows,
+    )
+
+    view = ModelsView(workspace)
+    view.add_file(tiny_model(tmp_path / "src"), name="tiny")
+    (tmp_path / "bad.gguf").write_bytes(b"GGUF nonsense")
+    view.add_file(tmp_path / "bad.gguf")
+    rows = view.load()
+    assert list_label(rows[0]).startswith("tiny — Gemma 3, 1M")
+    assert list_label(rows[1]).startswith("⚠ bad — damaged or not a GGUF model")
+    assert [r[0] for r in tensor_rows(rows[0]["facts"])] == ["Q4_K", "F32"]
+    memory = dict((mode, (size, fits)) for mode, size, fits in memory_rows(rows[0]["facts"]))
+    assert memory["full fine-tune"][0] == "n/a" and memory["LoRA, packed weights"][1] == "fits"
+    assert [name for name, _ in library_files(workspace)] == ["tiny", "bad"]

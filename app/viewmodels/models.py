@@ -85,9 +85,10 @@ def memory_rows(facts: dict) -> list[tuple[str, str, str]]:
     return rows
 
 
-def usable_models(root: Path) -> list[tuple[str, Path]]:
-    """(name, file) of the library models a run or an export can use: the pickers of the
-    new-run form and the export wizard. Reads only workspace.json (no headers)."""
+def library_files(root: Path) -> list[tuple[str, Path]]:
+    """(name, file) of every library model whose file is there: the pickers of the new-run
+    form and the export wizard. Reads only workspace.json (no headers): a file the engine
+    cannot use is refused with its reason by the form's or the wizard's own checks."""
     try:
         entries = model_library.entries(root)
     except ForgebenchError:      # a broken workspace.json leaves the pickers empty

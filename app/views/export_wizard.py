@@ -33,7 +33,7 @@ from PySide6.QtWidgets import (
 )
 
 from app.viewmodels import export_wizard as vm
-from app.viewmodels.models import usable_models
+from app.viewmodels.models import library_files
 from app.viewmodels.workspace import Workspace
 from app.views.background import BackgroundCall
 from app.views.combos import refill_keeping_choice
@@ -344,7 +344,7 @@ class ExportWizardPane(QWidget):
     def _fill_library_menu(self) -> None:
         menu = self.base_library.menu()
         menu.clear()
-        models = usable_models(self.workspace.root) if self.workspace else []
+        models = library_files(self.workspace.root) if self.workspace else []
         for name, path in models:
             menu.addAction(name, lambda p=path: self.choose_base(p))
         if not models:
