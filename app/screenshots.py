@@ -168,7 +168,7 @@ def models_chat_screens(window: MainWindow, workspace: Workspace, shot,
     window.sidebar.setCurrentRow(PANES.index("Models"))
     models = window.models
     models.set_workspace(workspace)
-    wait_until(app, lambda: not models.call.running)
+    wait_until(app, lambda: not models.busy)
     models.list.setCurrentRow(0)
     shot("19-models-library-facts")
     if gemma is None:

@@ -73,9 +73,9 @@ def test_models_pane_shows_the_facts_gguf_reads_and_unusable_files_with_the_reas
     damaged = tmp_path / "damaged.gguf"
     damaged.write_bytes(source.read_bytes()[:5000])
     pane.add_file(str(source))
-    qtbot.waitUntil(lambda: not pane.call.running)
+    qtbot.waitUntil(lambda: not pane.busy)
     pane.add_file(str(damaged))
-    qtbot.waitUntil(lambda: not pane.call.running)
+    qtbot.waitUntil(lambda: not pane.busy)
     assert pane.list.count() == 2
     assert "1 usable" in pane.status.text()
 
@@ -98,6 +98,10 @@ def test_models_pane_shows_the_facts_gguf_reads_and_unusable_files_with_the_reas
     assert pane.memory.rowCount() == 4
     assert "<start_of_turn>model" in pane.template.toPlainText()
     assert "<bos>" in summary and "full fine-tune no" in summary
+
+    pane.add_file(str(tmp_path / "gone.gguf"))
+    qtbot.waitUntil(lambda: not pane.busy)
+    assert "model file not found" in pane.status.text() and pane.list.count() == 2
 
     pane.list.setCurrentRow(1)
     assert pane.list.item(1).text().startswith("⚠ damaged")

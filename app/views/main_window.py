@@ -372,7 +372,7 @@ class MainWindow(QMainWindow):
                 self.runs.stop_all()
         self.timer.stop()
         self.chat.shutdown()
-        for call in (self.masks.loader, self.export.call, self.models.call):
+        for call in (self.masks.loader, self.export.call, self.models.call, self.models.adder):
             call.cancel()
             call.wait()
         self.settings.set("geometry", bytes(self.saveGeometry().toHex()).decode())

@@ -58,6 +58,10 @@ class ModelsPane(QWidget):
         self.call = BackgroundCall(self)
         self.call.done.connect(self._loaded)
         self.call.failed.connect(lambda exc: self._problem(exc))
+        # adding copies and hashes the file (hundreds of MB): off the GUI thread too
+        self.adder = BackgroundCall(self)
+        self.adder.done.connect(self._added)
+        self.adder.failed.connect(lambda exc: self._problem(exc))
 
         self.list = QListWidget()
         self.list.currentRowChanged.connect(self.show_row)
@@ -206,16 +210,19 @@ class ModelsPane(QWidget):
         self._add(self.view.add_package)
 
     def _add(self, action) -> None:
-        if self.view is None:
+        if self.view is None or self.adder.running:
             return
-        try:
-            entry = action()
-        except ForgebenchError as exc:
-            self._problem(exc)
-            return
+        self.status.setText("Adding the model (copying and hashing the file)…")
+        self.adder.start(action)
+
+    def _added(self, entry: dict) -> None:
         self.message.emit(f"added {entry['name']} to the model library")
         self.library_changed.emit()
         self.reload()
+
+    @property
+    def busy(self) -> bool:
+        return self.call.running or self.adder.running
 
     def remove_current(self) -> None:
         item = self.list.currentItem()
