@@ -310,6 +310,7 @@ def test_chat_viewmodel_drives_the_worker_side_by_side(tmp_path_factory):
     assert found["model: tiny"].usable and found["run: sft/step-000002"].usable
     session = ChatSession(root)
     session.max_tokens = 5
+    session.numerics = "f32"            # the base computes as the run's checkpoint does
     worker = Worker()
 
     def pump(lines: list[str], until) -> list[str]:
@@ -327,6 +328,7 @@ def test_chat_viewmodel_drives_the_worker_side_by_side(tmp_path_factory):
              session.choose("B", found["run: sft/step-000002"]),
              lambda: len(session.loaded) == 2)
         assert session.loaded["B"]["kind"] == "run"
+        assert session.loaded["A"]["numerics"] == session.loaded["B"]["numerics"] == "f32"
         happened = pump(session.send("Say hello."), lambda: not session.busy())
         assert happened.index("token") < happened.index("done")
         prompt, answers = session.last_pair()

@@ -110,6 +110,7 @@ class ChatSession:
     pending_renders: dict[str, str] = field(default_factory=dict)   # request -> system
     pending_loads: dict[str, str] = field(default_factory=dict)     # request -> system
     system_prompt: str = ""
+    numerics: str = "llamacpp"     # GGUF systems: llama.cpp's arithmetic, or f32 as runs train
     settings: dict = field(default_factory=lambda: dict(DEFAULT_SETTINGS))
     seed: int = 0
     max_tokens: int = 128
@@ -132,7 +133,10 @@ class ChatSession:
             self.labels.pop(side, None)
             self.loads.pop(side, None)
             return [self.line({"op": "unload", "system": side})]
-        self.labels[side], self.loads[side] = source.label, dict(source.load)
+        load = dict(source.load)
+        if source.kind != "run":
+            load["numerics"] = self.numerics
+        self.labels[side], self.loads[side] = source.label, load
         return [self.load_line(side)]
 
     def load_line(self, side: str) -> str:
@@ -317,6 +321,7 @@ class ChatSession:
                 "run": load.get("run") or load.get("model") or load.get("library"),
                 "checkpoint": load.get("checkpoint", "model"), "kind": "text",
                 "settings": settings, "outputs": {prompt: answer["content"]},
+                "numerics": self.loaded.get(side, {}).get("numerics"),
                 "chat": str(self.conversation.path)}
         session = ABSession.create(self.root / "ratings",
                                    name or f"chat-{time.strftime('%Y%m%d-%H%M%S')}", systems,

@@ -79,6 +79,13 @@ class ChatPane(QWidget):
         self.seed = QSpinBox(maximum=2**31 - 1)
         self.max_tokens = QSpinBox(minimum=1, maximum=8192)
         self.max_tokens.setValue(128)
+        self.numerics = QComboBox()
+        self.numerics.addItem("llama.cpp numerics", "llamacpp")
+        self.numerics.addItem("f32 (as runs train)", "f32")
+        self.numerics.setToolTip("How GGUF models compute: llama.cpp's arithmetic (what a "
+                                 "llama.cpp server answers) or plain f32 (what a run's "
+                                 "checkpoint uses); changing it reloads them")
+        self.numerics.activated.connect(self.numerics_changed)
         self.system_prompt = QLineEdit()
         self.system_prompt.setPlaceholderText("System prompt (optional; applies to a new chat)")
 
@@ -129,7 +136,10 @@ class ChatPane(QWidget):
         row_a.addWidget(self.source["A"], 1)
         row_a.addWidget(self.refresh)
         pick.addRow("Chat with", row_a)
-        pick.addRow("Side by side with", self.source["B"])
+        row_b = QHBoxLayout()
+        row_b.addWidget(self.source["B"], 1)
+        row_b.addWidget(self.numerics)
+        pick.addRow("Side by side with", row_b)
         pick.addRow("System prompt", self.system_prompt)
         sampling = QHBoxLayout()
         for label, widget in (("temperature", self.temperature), ("top-k", self.top_k),
@@ -206,6 +216,15 @@ class ChatPane(QWidget):
         if source is not None:
             self.status.setText(f"Loading {source.label}…")
         self.repaint_columns()
+
+    def numerics_changed(self) -> None:
+        if self.session is None:
+            return
+        self.session.numerics = self.numerics.currentData()
+        for side in self.session.sides:
+            source = self.source[side].currentData()
+            if source is not None and source.kind != "run":
+                self.choose(side)
 
     # -- the worker -------------------------------------------------------------------------
     def _ensure_worker(self) -> None:
