@@ -1,7 +1,8 @@
 """`python -m app.screenshots OUT_DIR [--only datasets|models-chat]`: render every pane with
 real content at 1024×700, the smallest laptop window every pane must work in (`--only
 datasets` renders the datasets pane, import wizards and data card without training the demo
-runs; `--only models-chat` the Models and Chat panes, training only the pirate LoRA run).
+runs; `--only models-chat` the Models and Chat panes, training only the pirate LoRA run, or
+copying the one `--pirate-run DIR` names).
 
 The content is real: the bundled sample workspace (datasets the engine's own generators fill
 in where the bundle lacks them), a copy of the shapes dataset with a planted error, and a real
@@ -150,7 +151,7 @@ def wait_until(app: QApplication, condition, seconds: float = 900) -> None:
 
 
 def models_chat_screens(window: MainWindow, workspace: Workspace, shot,
-                        app: QApplication) -> None:
+                        app: QApplication, pirate_run: Path | None = None) -> None:
     """The model library (the Gemma package model registered with the sample workspace, and a
     damaged download listed with its reason) and the Chat pane streaming from Gemma, then the
     base and the pirate LoRA run (trained here) side by side. Without the package installed,
@@ -196,9 +197,12 @@ def models_chat_screens(window: MainWindow, workspace: Workspace, shot,
     wait_until(app, lambda: sum(r.tokens for r in chat.session.replies.values()) >= 8)
     shot("21-chat-streaming-with-stop")
     wait_until(app, lambda: not chat.session.busy())
-    config = workspace.configs_dir / "lm-sft-pirate.toml"
     run = workspace.runs_dir / "lm-sft-pirate-demo"
-    _engine("run", str(config), "--out", str(run), "--threads", "2")
+    if pirate_run is not None:      # trained already (half an hour on a busy 2-core machine)
+        shutil.copytree(pirate_run, run)
+    else:
+        _engine("run", str(workspace.configs_dir / "lm-sft-pirate.toml"), "--out", str(run),
+                "--threads", "2")
     chat.refresh_sources()
     chat.start_new_chat()
     chat.system_prompt.clear()
@@ -335,8 +339,10 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     only = argv[argv.index("--only") + 1] if "--only" in argv else None
     only_datasets = only == "datasets"
-    positional = [a for i, a in enumerate(argv) if a != "--only" and
-                  (i == 0 or argv[i - 1] != "--only")]
+    flags = ("--only", "--pirate-run")
+    pirate_run = Path(argv[argv.index("--pirate-run") + 1]) if "--pirate-run" in argv else None
+    positional = [a for i, a in enumerate(argv) if a not in flags and
+                  (i == 0 or argv[i - 1] not in flags)]
     out = Path(positional[0] if positional else "docs/screenshots")
     out.mkdir(parents=True, exist_ok=True)
     scratch = Path(tempfile.mkdtemp(prefix="forgebench-screens-"))
@@ -364,7 +370,7 @@ def main(argv: list[str] | None = None) -> int:
         shots.append(path)
 
     if only == "models-chat":
-        models_chat_screens(window, workspace, shot, app)
+        models_chat_screens(window, workspace, shot, app, pirate_run)
         return _finish(window, app, shots, scratch)
 
     datasets = window.datasets
@@ -449,7 +455,7 @@ def main(argv: list[str] | None = None) -> int:
     shot("10-runs-new-run-form-invalid")
 
     part2_screens(window, workspace, shot, app)
-    models_chat_screens(window, workspace, shot, app)
+    models_chat_screens(window, workspace, shot, app, pirate_run)
 
     window.open_workspace(scratch / "a-workspace-that-was-moved")
     window.sidebar.setCurrentRow(0)

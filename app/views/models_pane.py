@@ -87,7 +87,6 @@ class ModelsPane(QWidget):
                 row.addWidget(button)
             column.addLayout(row)
         column.addWidget(self.list, 1)
-        column.addWidget(self.package)
 
         self.summary = QLabel()
         self.summary.setWordWrap(True)
@@ -96,7 +95,7 @@ class ModelsPane(QWidget):
         self.memory = _table(["mode", "memory", "on this machine"])
         self.template = QPlainTextEdit()
         self.template.setReadOnly(True)
-        self.template.setMinimumHeight(120)
+        self.template.setMinimumHeight(150)
         right = QWidget()
         details = QVBoxLayout(right)
         details.setContentsMargins(0, 0, 0, 0)
@@ -116,6 +115,7 @@ class ModelsPane(QWidget):
         split.setSizes([300, 600])
         layout = QVBoxLayout(self)
         layout.addWidget(self.status)
+        layout.addWidget(self.package)
         layout.addWidget(split, 1)
 
     # -- the library ----------------------------------------------------------------------
