@@ -366,3 +366,40 @@ def test_models_viewmodel_rows_and_labels(tmp_path, workspace):
     memory = dict((mode, (size, fits)) for mode, size, fits in memory_rows(rows[0]["facts"]))
     assert memory["full fine-tune"][0] == "n/a" and memory["LoRA, packed weights"][1] == "fits"
     assert [name for name, _ in library_files(workspace)] == ["tiny", "bad"]
+
+
+@pytest.mark.parametrize("method", ["lora", "full"])
+def test_a_checkpoint_answers_in_chat_as_the_recipe_answers(tmp_path_factory, method):
+    """The worker's greedy reply of a run checkpoint (base + adapters, or full weights) is the
+    answer `forgebench generate RUN` gives through the recipe's own decode loop."""
+    from fixtures_gguf import write_tiny_gguf
+    from test_lm_sft import write_config
+
+    if method == "lora":
+        root = chat_workspace(tmp_path_factory)
+        run = root / "runs" / "sft"
+    else:
+        folder = tmp_path_factory.mktemp("full")
+        root = Workspace.create(folder / "ws").root
+        base = write_tiny_gguf(folder / "tiny-f32.gguf", arch="gemma3", qtype="F32",
+                               n_layers=2)
+        model_library.add_model(root, base)
+        config = write_config(folder, base, steps=2, method="full", dropout=0.0)
+        run = root / "runs" / "full"
+        done = forgebench("run", str(config), "--out", str(run), "--threads", "1")
+        assert done.returncode == 0, done.stderr
+    expected = forgebench("generate", str(run), "--prompt", "Say hello.", "--max-tokens", "6",
+                          "--json")
+    assert expected.returncode == 0, expected.stderr
+    worker = Worker()
+    try:
+        worker.send(request="1", op="load", system="T", run=str(run), workspace=str(root))
+        info = worker.until("1", "loaded")[-1]["info"]
+        assert info["method"] == method and info["numerics"] == "f32"
+        worker.send(request="2", op="chat", system="T", max_tokens=6,
+                    messages=[{"role": "user", "content": "Say hello."}])
+        done = worker.until("2", "done")[-1]
+        assert done["event"] == "done"
+        assert done["text"] == json.loads(expected.stdout)["text"]
+    finally:
+        worker.close()
