@@ -30,7 +30,8 @@ Work runs on one engine thread in arrival order (one model forward at a time on 
 stdin is read on the main thread, so a cancel reaches a reply while it streams. A bad request
 or bad input is an `{"event": "error", "message", "path", "where", "hint"}` line and the
 worker carries on; only end of input or `shutdown` ends it. The first line is
-`{"event": "ready", "pid": ...}`.
+`{"event": "ready", "pid": ...}`; at shutdown (or end of input) the reply in progress is
+cancelled and queued requests are dropped.
 """
 
 from __future__ import annotations
@@ -209,6 +210,8 @@ class Worker:
     cancelled: set[str] = field(default_factory=set)
     lock: threading.Lock = field(default_factory=threading.Lock)
     work: queue.Queue = field(default_factory=queue.Queue)
+    current: str | None = None          # the request the engine thread is working on
+    stopping: bool = False
 
     def send(self, line: dict) -> None:
         with self.lock:
@@ -240,12 +243,20 @@ class Worker:
                 break
             else:
                 self.work.put(request)
+        # end of input or shutdown: the reply in progress ends at its next token, queued
+        # work is dropped, then the process exits
+        self.stopping = True
+        if self.current is not None:
+            self.cancelled.add(self.current)
         self.work.put(None)
         engine.join()
 
     def _engine_loop(self) -> None:
         while (request := self.work.get()) is not None:
+            if self.stopping:
+                continue
             rid = request.get("request")
+            self.current = str(rid)
 
             def send(line: dict, rid=rid) -> None:
                 self.send({"request": rid, **line})
