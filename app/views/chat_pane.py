@@ -329,6 +329,7 @@ class ChatPane(QWidget):
                 + f" — saved to {self.session.conversation.path.name}")
         self.repaint_columns()
         self.refresh_saved()
+        self.request_render()          # the next prompt's template now holds this turn
 
     def refresh_saved(self) -> None:
         if self.workspace is None:

@@ -167,6 +167,7 @@ class ModelsPane(QWidget):
                                  + (f"<br>hint: {facts['hint']}" if facts.get("hint") else ""))
             _fill(self.tensors, vm.tensor_rows(facts))
             _fill(self.memory, [])
+            self.template_title.setText("<b>Chat template</b>")
             self.template.setPlainText("")
             return
         special = facts["special_tokens"]
