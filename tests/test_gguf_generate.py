@@ -93,9 +93,17 @@ def test_cli_generate_json_matches_library(gemma_tiny):
                 "6",
                 "--temperature", "0", "--json")
     assert proc.returncode == 0, proc.stderr
-    out = json.loads(proc.stdout)
+    lines = [json.loads(line) for line in proc.stdout.splitlines()]
+    out = lines[-1]
     lib = generate(model, tok, tok.encode("hello the world"), max_new_tokens=6)
-    assert out["ids"] == lib.ids and out["numerics"] == "llamacpp"
+    assert out["event"] == "done" and out["ids"] == lib.ids and out["numerics"] == "llamacpp"
+    # one line per token, streamed before the result: the ids, texts adding up to the answer
+    # (a held-back tail may come only with the result), log-probabilities of a distribution
+    tokens = lines[:-1]
+    assert [t["event"] for t in tokens] == ["token"] * len(lib.ids)
+    assert [t["id"] for t in tokens] == lib.ids
+    assert lib.text.startswith("".join(t["text"] for t in tokens))
+    assert all(t["logprob"] <= 0 for t in tokens)
     assert out["prompt_tokens"] == len(tok.encode("hello the world"))
 
 

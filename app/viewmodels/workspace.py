@@ -12,6 +12,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from engine import model_library
 from engine.errors import ForgebenchError
 from engine.fsutil import atomic_write_json, read_json
 
@@ -163,9 +164,12 @@ class WorkspaceWatch:
 
 
 def install_sample_workspace(target: Path | None = None) -> Path:
-    """Copy the bundled sample workspace to the user's data folder (once) and return it."""
+    """Copy the bundled sample workspace to the user's data folder (once) and return it. Its
+    model library gets the Gemma package model whenever that package is installed (the Models
+    pane says how to install it when it is not)."""
     target = target or data_dir() / "sample-workspace"
     if (target / WORKSPACE_FILE).is_file():
+        _register_sample_model(target)
         return target
     if not BUNDLED_SAMPLE.is_dir():
         raise ForgebenchError("the bundled sample workspace is missing", path=BUNDLED_SAMPLE,
@@ -178,7 +182,15 @@ def install_sample_workspace(target: Path | None = None) -> Path:
         atomic_write_json(target / WORKSPACE_FILE, {"format": WORKSPACE_FORMAT,
                                                     "name": "Sample workspace",
                                                     "created": time.time()})
+    _register_sample_model(target)
     return target
+
+
+def _register_sample_model(target: Path) -> None:
+    try:
+        model_library.register_package_if_installed(target)
+    except ForgebenchError:
+        pass    # a broken package install: the Models pane shows why when it is added
 
 
 class Settings:

@@ -21,6 +21,7 @@ from PySide6.QtWidgets import (
     QLineEdit,
     QListWidget,
     QListWidgetItem,
+    QMenu,
     QPlainTextEdit,
     QProgressBar,
     QPushButton,
@@ -32,6 +33,7 @@ from PySide6.QtWidgets import (
 )
 
 from app.viewmodels import export_wizard as vm
+from app.viewmodels.models import library_files
 from app.viewmodels.workspace import Workspace
 from app.views.background import BackgroundCall
 from app.views.combos import refill_keeping_choice
@@ -112,6 +114,10 @@ class ExportWizardPane(QWidget):
         self.base_path.setPlaceholderText("the run's own base (recorded in run.json)")
         self.base_browse = QPushButton("Choose another base…")
         self.base_browse.clicked.connect(self._browse_base)
+        self.base_library = QPushButton("Library ▾")
+        self.base_library.setToolTip("Pick the base from the workspace's model library")
+        self.base_library.setMenu(QMenu(self.base_library))
+        self.base_library.menu().aboutToShow.connect(self._fill_library_menu)
         self.dense_button = QPushButton("Write a dense f16 copy of the base and use it")
         self.dense_button.clicked.connect(self.make_dense_base)
         self.convert_job = JobRunner("conversion")
@@ -120,6 +126,7 @@ class ExportWizardPane(QWidget):
         row = QHBoxLayout()
         row.addWidget(self.base_path, 1)
         row.addWidget(self.base_browse)
+        row.addWidget(self.base_library)
         self.pages.addWidget(_page(self.base_text, row, self.dense_button, self.convert_job))
 
         # 3. quantization
@@ -331,14 +338,27 @@ class ExportWizardPane(QWidget):
         self.base = base
         self.base_text.setText(self.base.explanation())
         self.dense_button.setVisible(self.base.quantized)
-        for widget in (self.base_path, self.base_browse):
+        for widget in (self.base_path, self.base_browse, self.base_library):
             widget.setEnabled(self.run.recipe == "lm-sft")
+
+    def _fill_library_menu(self) -> None:
+        menu = self.base_library.menu()
+        menu.clear()
+        models = library_files(self.workspace.root) if self.workspace else []
+        for name, path in models:
+            menu.addAction(name, lambda p=path: self.choose_base(p))
+        if not models:
+            menu.addAction("(no models in the library: add one in the Models pane)"
+                           ).setEnabled(False)
+
+    def choose_base(self, path: Path) -> None:
+        self.base_path.setText(str(path))
+        self.go(1)
 
     def _browse_base(self) -> None:
         path, _ = QFileDialog.getOpenFileName(self, "Base model", "", "GGUF (*.gguf)")
         if path:
-            self.base_path.setText(path)
-            self.go(1)
+            self.choose_base(Path(path))
 
     def make_dense_base(self) -> None:
         if self.base is None or self.base.path is None:

@@ -63,9 +63,14 @@ class RecipeFormWidget(QScrollArea):
         self.general.setStyleSheet("color: #c62828;")
         self.wheel_guard = WheelGuard(self)
         self.datasets: list[Path] = []     # the workspace's datasets, for the data pickers
+        self.models: list[tuple[str, Path]] = []   # its model library, for the base picker
 
     def set_datasets(self, datasets: list[Path]) -> None:
         self.datasets = list(datasets)
+
+    def set_models(self, models: list[tuple[str, Path]]) -> None:
+        """The workspace's model library (name, file), for the base-model picker."""
+        self.models = list(models)
 
     def set_form(self, form: RecipeForm) -> None:
         self.form = form
@@ -143,21 +148,32 @@ class RecipeFormWidget(QScrollArea):
         browse.clicked.connect(lambda _=False, s=spec: self.browse(s))
         row.addWidget(browse)
         if spec.name.startswith("data."):
-            pick = QPushButton("Dataset ▾")
-            pick.setToolTip("Pick one of this workspace's datasets")
-            menu = QMenu(pick)
-            menu.aboutToShow.connect(lambda m=menu, s=spec: self._fill_dataset_menu(m, s))
-            pick.setMenu(menu)
-            row.addWidget(pick)
+            row.addWidget(self._picker(
+                spec, "Dataset ▾", "Pick one of this workspace's datasets",
+                lambda: [(p.name, p) for p in self.datasets], "(no datasets in this workspace)"))
+        if spec.name == "model.gguf":
+            row.addWidget(self._picker(
+                spec, "Library ▾", "Pick a model from this workspace's model library",
+                lambda: self.models, "(no models in the library: add one in the Models pane)"))
         return box
 
-    def _fill_dataset_menu(self, menu: QMenu, spec: FieldSpec) -> None:
-        menu.clear()
-        for path in self.datasets:
-            menu.addAction(path.name, lambda p=path, s=spec: self.set_value(
-                s.name, self.form.relative(p)))
-        if not self.datasets:
-            menu.addAction("(no datasets in this workspace)").setEnabled(False)
+    def _picker(self, spec: FieldSpec, text: str, tip: str, choices, empty: str) -> QPushButton:
+        """A button whose menu lists `choices()` (name, path), filled when it opens."""
+        pick = QPushButton(text)
+        pick.setToolTip(tip)
+        menu = QMenu(pick)
+
+        def fill() -> None:
+            menu.clear()
+            for name, path in choices():
+                menu.addAction(name, lambda p=path: self.set_value(spec.name,
+                                                                   self.form.relative(p)))
+            if menu.isEmpty():
+                menu.addAction(empty).setEnabled(False)
+
+        menu.aboutToShow.connect(fill)
+        pick.setMenu(menu)
+        return pick
 
     def browse(self, spec: FieldSpec) -> None:
         current = self.form.resolve(self.form.text[spec.name] or ".")

@@ -35,16 +35,19 @@ from PySide6.QtWidgets import (
 
 from app.viewmodels.workspace import Settings, Workspace, WorkspaceWatch, install_sample_workspace
 from app.views.ab_pane import ABPane
+from app.views.chat_pane import ChatPane
 from app.views.datasets_pane import DatasetsPane
 from app.views.export_wizard import ExportWizardPane
 from app.views.form_widget import WheelGuard, guard_wheel
 from app.views.jobs_panel import JobsPanel, Notifier, job_center
 from app.views.masks_pane import MasksPane
+from app.views.models_pane import ModelsPane
 from app.views.runs_pane import RunsPane
 from app.views.samples_pane import SamplesPane
 from engine.errors import ForgebenchError
 
-PANES = ("Datasets", "Labels && Masks", "Runs", "Samples", "Blind A/B", "Export")
+PANES = ("Datasets", "Labels && Masks", "Runs", "Samples", "Blind A/B", "Export",
+         "Models", "Chat")
 DEFAULT_SIZE = (1440, 900)
 MIN_SIZE = (900, 600)
 WATCH_PERIOD_S = 1.0
@@ -131,7 +134,9 @@ class MainWindow(QMainWindow):
         self.runs.threads = int(self.settings.get("threads", 0)) or None
         self.stack = QStackedWidget()
         self.samples, self.ab, self.export = SamplesPane(), ABPane(), ExportWizardPane()
-        for pane in (self.datasets, self.masks, self.runs, self.samples, self.ab, self.export):
+        self.models, self.chat = ModelsPane(), ChatPane()
+        for pane in (self.datasets, self.masks, self.runs, self.samples, self.ab, self.export,
+                     self.models, self.chat):
             # A pane that needs more room than the window has scrolls; it never makes the
             # window bigger than the screen (DESIGN: every pane works at 1024×700).
             scroll = QScrollArea()
@@ -143,6 +148,7 @@ class MainWindow(QMainWindow):
         self.sidebar.currentRowChanged.connect(self.stack.setCurrentIndex)
         self.sidebar.setCurrentRow(0)
         self.masks.dataset_saved.connect(self.datasets.reload)
+        self.models.library_changed.connect(self.chat.refresh_sources)
 
         # Scrolling a pane never edits a combo box or spin box the user did not click into.
         self.wheel_guard = WheelGuard(self)
@@ -249,6 +255,8 @@ class MainWindow(QMainWindow):
         self.runs.set_workspace(workspace)
         for pane in (self.samples, self.ab, self.export):
             pane.set_workspace(workspace)
+        self.models.set_workspace(workspace)
+        self.chat.set_workspace(workspace)
         return True
 
     def report_problem(self, path: str, exc: ForgebenchError) -> None:
@@ -306,6 +314,8 @@ class MainWindow(QMainWindow):
             self.export.refresh_runs()
         if changes & {"runs", "ratings"}:
             self.ab.reload()
+        if "runs" in changes:
+            self.chat.refresh_sources()
         if "datasets" in changes:
             self.datasets.refresh_list()
             self.runs.form_widget.set_datasets(self.workspace.dataset_dirs())
@@ -361,7 +371,8 @@ class MainWindow(QMainWindow):
             if choice == "stop":
                 self.runs.stop_all()
         self.timer.stop()
-        for call in (self.masks.loader, self.export.call):
+        self.chat.shutdown()
+        for call in (self.masks.loader, self.export.call, self.models.call, self.models.adder):
             call.cancel()
             call.wait()
         self.settings.set("geometry", bytes(self.saveGeometry().toHex()).decode())

@@ -30,6 +30,7 @@ from PySide6.QtWidgets import (
 from app.viewmodels import jobs
 from app.viewmodels.forms import RecipeForm, new_config_from_template, recipe_templates
 from app.viewmodels.jobs import BackgroundJob
+from app.viewmodels.models import library_files
 from app.viewmodels.runs import BestEval, LedgerRow, failure_report, ledger_row, write_notes
 from app.viewmodels.workspace import Workspace
 from app.views.charts import RunCharts
@@ -302,6 +303,7 @@ class RunsPane(QWidget):
         self.charts.set_runs([])
         self.config_combo.clear()
         self.form_widget.set_datasets(workspace.dataset_dirs())
+        self.form_widget.set_models(library_files(workspace.root))
         self.reload_configs()
         self.poll()
         if self.ledger.rows:

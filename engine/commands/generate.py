@@ -1,4 +1,6 @@
 """`forgebench generate`: from a run (its recipe's `generate`) or from a GGUF file, streamed.
+With --json a GGUF model prints one JSON line per token ({"event": "token", "id", "text",
+"logprob"}) as it is generated and the result ({"event": "done", ...}) as the last line.
 
 No torch at module top level; the GGUF path loads the model (engine.models.gguf_model) and
 decodes with engine.llm.generate.
@@ -64,13 +66,17 @@ def cmd_generate_gguf(args) -> int:
     settings = SamplingSettings(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
                                 repetition_penalty=args.repetition_penalty)
     emit = None if args.json else (lambda s: (sys.stdout.write(s), sys.stdout.flush()))
+    token_line = (lambda event: print(json.dumps({"event": "token", **event.as_dict()},
+                                                 ensure_ascii=False), flush=True)) \
+        if args.json else None
     result = generate(model, tokenizer, prompt, max_new_tokens=args.max_tokens, settings=settings,
-                      seed=args.seed, stop=args.stop, on_text=emit)
+                      seed=args.seed, stop=args.stop, on_text=emit, on_token=token_line)
     if args.json:
-        out = result.as_dict() | {"model": str(args.model), "numerics": numerics,
-                                  "settings": settings.as_dict(), "seed": args.seed,
-                                  "weights": weights, "memory": memory_report(model)}
-        print(json.dumps(out, ensure_ascii=False, indent=1))
+        # one line per token as it is generated, then the result as the last line
+        out = {"event": "done"} | result.as_dict() | {
+            "model": str(args.model), "numerics": numerics, "settings": settings.as_dict(),
+            "seed": args.seed, "weights": weights, "memory": memory_report(model)}
+        print(json.dumps(out, ensure_ascii=False))
     else:
         sys.stdout.write("\n")
     return 0

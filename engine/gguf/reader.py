@@ -19,7 +19,7 @@ from gguf import GGMLQuantizationType
 
 from engine.errors import ForgebenchError
 from engine.fsutil import sha256_file
-from engine.gguf.constants import SUPPORTED_TYPES
+from engine.gguf.constants import REFUSED_ARCHS, SUPPORTED_ARCHS, SUPPORTED_TYPES
 from engine.gguf.parser import MetaValue, parse_gguf
 
 
@@ -120,6 +120,28 @@ class GGUFFile:
                      + "; re-quantize the model with llama-quantize to one of these")
 
 
+def check_architecture(gf: GGUFFile) -> str:
+    """The file's architecture if the engine runs it; a refused family (mixture-of-experts,
+    recurrent) or an unknown one is a ForgebenchError with the reason."""
+    arch = gf.architecture
+    if not arch:
+        raise ForgebenchError("metadata has no general.architecture", path=gf.path,
+                              where="general.architecture", hint="the file is not a model GGUF")
+    if arch in REFUSED_ARCHS:
+        raise ForgebenchError(f"architecture {arch!r} is {REFUSED_ARCHS[arch]}, which the engine "
+                              "does not run", path=gf.path, where="general.architecture",
+                              hint="supported: " + ", ".join(SUPPORTED_ARCHS))
+    if gf.require_int("{arch}.expert_count", 0, minimum=0) > 0:
+        raise ForgebenchError(f"{arch} file has {gf.get('{arch}.expert_count')} experts: "
+                              "mixture-of-experts models are not supported", path=gf.path,
+                              where=f"{arch}.expert_count", hint="use a dense model")
+    if arch not in SUPPORTED_ARCHS:
+        raise ForgebenchError(f"architecture {arch!r} is not supported", path=gf.path,
+                              where="general.architecture",
+                              hint="supported: " + ", ".join(SUPPORTED_ARCHS))
+    return arch
+
+
 def open_gguf(path: str | Path) -> GGUFFile:
     """Parse and check `path` (engine.gguf.parser) and view it as Python values and tensor
     views into a copy-on-write map of the file."""
@@ -130,4 +152,4 @@ def open_gguf(path: str | Path) -> GGUFFile:
     return GGUFFile(parsed.path, metadata, tensors, fields=parsed.metadata)
 
 
-__all__ = ["GGUFFile", "TensorInfo", "open_gguf"]
+__all__ = ["GGUFFile", "TensorInfo", "check_architecture", "open_gguf"]

@@ -1,6 +1,11 @@
 """KV-cached text generation from a GGUF model: greedy or sampled (engine.sampling), stop strings,
 streamed text, timing figures. (`forgebench generate` is engine.commands.generate.)
 
+Streaming: `on_text` receives text increments as they become safe to show (TextStream), and
+`on_token` one `TokenEvent` per generated token (id, the text it released, its log-probability
+under the model); `should_cancel` is asked after every token and ends the reply early
+(stop reason "cancelled"). The long-lived worker (engine/serve_local.py) streams through these.
+
 The prompt is processed in one batch, then one token per step against the KV cache, as llama.cpp
 does. Under "llamacpp" numerics (the default for GGUF files) the cache is f16 and matmuls quantize
 their activations, so the continuation is the one llama.cpp serves.
@@ -23,13 +28,28 @@ class Generation:
     prompt_ids: list[int]
     ids: list[int]
     text: str
-    stop_reason: str                      # "eos", "stop_string", "max_tokens"
+    stop_reason: str                      # "eos", "stop_string", "max_tokens", "cancelled"
     timings: dict = field(default_factory=dict)
 
     def as_dict(self) -> dict:
         return {"text": self.text, "ids": self.ids, "prompt_tokens": len(self.prompt_ids),
                 "new_tokens": len(self.ids), "stop_reason": self.stop_reason,
                 "timings": self.timings}
+
+
+@dataclass(frozen=True)
+class TokenEvent:
+    """One generated token as it streams: the text it released may be empty (held back: part
+    of a multi-byte character or of a possible stop string; it arrives with a later token or
+    in the final text). `logprob` is log softmax of the model's logits, before any sampling
+    filter or temperature."""
+
+    id: int
+    text: str
+    logprob: float
+
+    def as_dict(self) -> dict:
+        return {"id": self.id, "text": self.text, "logprob": self.logprob}
 
 
 class TextStream:
@@ -79,9 +99,12 @@ class TextStream:
 def generate(model, tokenizer, prompt_ids: list[int], *, max_new_tokens: int = 64,
              settings: SamplingSettings = SamplingSettings(), seed: int = 0,
              stop: list[str] = (), on_text: Callable[[str], None] | None = None,
-             stop_ids: list[int] | None = None) -> Generation:
+             stop_ids: list[int] | None = None,
+             on_token: Callable[[TokenEvent], None] | None = None,
+             should_cancel: Callable[[], bool] | None = None) -> Generation:
     """Generate up to `max_new_tokens` after `prompt_ids`, stopping at an end-of-generation token
-    or a stop string (excluded from the text); `on_text` receives the text as it is produced."""
+    or a stop string (excluded from the text); `on_text` receives the text as it is produced,
+    `on_token` every token, and `should_cancel() -> True` ends the reply after a token."""
     if not prompt_ids:
         raise ForgebenchError("the prompt is empty", where="--prompt")
     limit = model.config.max_seq_len
@@ -91,6 +114,7 @@ def generate(model, tokenizer, prompt_ids: list[int], *, max_new_tokens: int = 6
                               hint="shorten the prompt or lower --max-tokens")
     cache = model.new_cache(1, len(prompt_ids) + max_new_tokens)
     clock = {"prompt_s": 0.0, "decode_s": 0.0, "steps": 0}
+    last_logits: list[torch.Tensor] = []           # the distribution the newest token came from
     start = time.perf_counter()
 
     def step(ids: list[int], start_pos: int) -> torch.Tensor:
@@ -103,17 +127,40 @@ def generate(model, tokenizer, prompt_ids: list[int], *, max_new_tokens: int = 6
         else:
             clock["decode_s"] += dt
             clock["steps"] += 1
+        last_logits[:] = [logits]
         return logits
 
     if stop_ids is None:
         stop_ids = sorted({i for i in (tokenizer.eos_id, *tokenizer.eot_ids) if i is not None})
-    stream = TextStream(tokenizer, list(stop), on_text)
+    released: list[str] = []
+
+    def emit(text: str) -> None:
+        released.append(text)
+        if on_text is not None:
+            on_text(text)
+
+    stream = TextStream(tokenizer, list(stop), emit)
+    cancelled = False
+
+    def after_token(ids: list[int]) -> bool:
+        nonlocal cancelled
+        released.clear()
+        hit = stream.update(ids)
+        if on_token is not None:
+            logprob = float(torch.log_softmax(last_logits[0], dim=-1)[ids[-1]])
+            on_token(TokenEvent(ids[-1], "".join(released), logprob))
+        if not hit and should_cancel is not None and should_cancel():
+            cancelled = True
+        return hit or cancelled
+
     generator = torch.Generator().manual_seed(seed)
     ids = generate_tokens(step, list(prompt_ids), max_new_tokens=max_new_tokens, settings=settings,
-                          generator=generator, stop_ids=stop_ids, should_stop=stream.update)
+                          generator=generator, stop_ids=stop_ids, should_stop=after_token)
     text = stream.finish(ids)
     if stream.hit is not None:
         reason = "stop_string"
+    elif cancelled:
+        reason = "cancelled"
     elif len(ids) < max_new_tokens:
         reason = "eos"
     else:

@@ -15,9 +15,9 @@ import torch
 from torch import nn
 
 from engine.errors import ForgebenchError
-from engine.gguf.constants import LAYER_TENSORS, REFUSED_ARCHS, SUPPORTED_ARCHS
+from engine.gguf.constants import LAYER_TENSORS
 from engine.gguf.dequant import dequantize
-from engine.gguf.reader import GGUFFile, open_gguf
+from engine.gguf.reader import GGUFFile, check_architecture, open_gguf
 from engine.kernels.native import kernels
 from engine.kernels.numerics import NUMERICS, attention_llamacpp
 from engine.models.blocks import Attention, RMSNorm
@@ -27,26 +27,6 @@ from engine.models.llama import Llama, LlamaConfig
 from engine.models.qwen import qwen2_config, qwen3_config
 
 WEIGHTS = ("packed", "dense-cache")
-
-def _check_architecture(gf: GGUFFile) -> str:
-    arch = gf.architecture
-    if not arch:
-        raise ForgebenchError("metadata has no general.architecture", path=gf.path,
-                              where="general.architecture", hint="the file is not a model GGUF")
-    if arch in REFUSED_ARCHS:
-        raise ForgebenchError(f"architecture {arch!r} is {REFUSED_ARCHS[arch]}, which the engine "
-                              "does not run", path=gf.path, where="general.architecture",
-                              hint="supported: " + ", ".join(SUPPORTED_ARCHS))
-    if gf.require_int("{arch}.expert_count", 0, minimum=0) > 0:
-        raise ForgebenchError(f"{arch} file has {gf.get('{arch}.expert_count')} experts: "
-                              "mixture-of-experts models are not supported", path=gf.path,
-                              where=f"{arch}.expert_count", hint="use a dense model")
-    if arch not in SUPPORTED_ARCHS:
-        raise ForgebenchError(f"architecture {arch!r} is not supported", path=gf.path,
-                              where="general.architecture",
-                              hint="supported: " + ", ".join(SUPPORTED_ARCHS))
-    return arch
-
 
 _INIT_FUNCTIONS = ("normal_", "uniform_", "kaiming_uniform_", "zeros_", "ones_", "trunc_normal_")
 
@@ -69,7 +49,7 @@ def _meta_modules():
 
 def config_from_gguf(gf: GGUFFile) -> LlamaConfig | Gemma3Config:
     """The family config from GGUF metadata (keys as llama.cpp's llama-model.cpp reads them)."""
-    arch = _check_architecture(gf)
+    arch = check_architecture(gf)
     dim = gf.require_int("{arch}.embedding_length")
     n_heads = gf.require_int("{arch}.attention.head_count")
     n_kv_heads = gf.require_int("{arch}.attention.head_count_kv", n_heads)

@@ -38,6 +38,7 @@ from engine.lora import (
     describe_adapters,
     load_adapters,
 )
+from engine.model_library import BYTES_PER_FULL_PARAM
 from engine.recipes.lm_sft_config import LMSFTConfig
 from engine.rundir import Checkpoint, RunDir
 from engine.sampling import SamplingSettings, generate_tokens
@@ -58,8 +59,6 @@ from engine.train.precision import autocast
 
 CUDA = True            # trains on a GPU (engine/train/devices.py)
 MULTI_PROCESS = True   # and on several processes: DDP for LoRA, FSDP2 for full fine-tuning
-BYTES_PER_FULL_PARAM = 16  # f32 weight + grad + two AdamW moments
-
 
 def pack(samples: list) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
     """Samples one after another as inputs/labels [T] and their lengths: each attends only
@@ -482,9 +481,14 @@ def train(job: Job) -> None:
 
 
 # -- evaluation and generation from a run ---------------------------------------------------
-def load_trained(run: RunDir, checkpoint: Checkpoint) -> tuple[Base, LMSFTConfig]:
-    """The base with the checkpoint's adapters (or full weights) applied, in eval mode."""
+def load_trained(run: RunDir, checkpoint: Checkpoint,
+                 base_path: Path | None = None) -> tuple[Base, LMSFTConfig]:
+    """The base with the checkpoint's adapters (or full weights) applied, in eval mode.
+    `base_path`: the same base file found elsewhere (a model library's copy, by its hash)."""
     config = run_config(run)
+    if base_path is not None and config.model.gguf:
+        config = config.model_copy(update={"model": config.model.model_copy(
+            update={"gguf": str(base_path)})})
     base_sha = run.manifest()["base_model"]["sha256"]
     base = load_base(config)
     if sha256_file(base.path) != base_sha:

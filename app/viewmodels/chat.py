@@ -1,0 +1,346 @@
+"""The Chat pane's state: what can be chatted with, the conversation, and the replies as they
+stream from the engine's `forgebench serve-local` worker. No Qt: the view writes `ChatSession`'s
+request lines to the worker's stdin and feeds it the worker's stdout lines.
+
+- `sources(workspace)`: library models, lm-sft run checkpoints (base + adapter, or full
+  weights) and exported GGUF files, each with the `load` request that loads it, or the reason
+  it cannot be chatted with (a run whose base is not in the library, an unusable file).
+- `ChatSession`: one conversation (engine/conversations.py, saved as JSONL under chats/) with
+  one or two systems. `send(prompt)` returns the request lines; `feed(line)` folds a worker
+  line into the state and says what changed; finished replies are appended to the transcript.
+- `send_pair_to_ab`: the last prompt's two answers as a new blind A/B session in ratings/,
+  the store the A/B pane reads (engine/ratings.py through app/viewmodels/ab.py).
+- `export_sft`: the conversation as SFT records into a new dataset (version).
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from app.viewmodels.ab import ABSession
+from engine import model_library
+from engine.conversations import Conversation, export_sft
+from engine.errors import ForgebenchError
+from engine.rundir import RunDir
+
+SIDES = ("A", "B")
+DEFAULT_SETTINGS = {"temperature": 0.0, "top_k": 0, "top_p": 1.0, "repetition_penalty": 1.0}
+
+
+@dataclass(frozen=True)
+class Source:
+    """Something to chat with: its label, the worker's load request, or why it cannot be."""
+
+    label: str
+    kind: str                     # "library", "run", "export"
+    load: dict | None
+    reason: str | None = None
+
+    @property
+    def usable(self) -> bool:
+        return self.load is not None
+
+
+def sources(root: Path) -> list[Source]:
+    """Every chat source of the workspace, usable or not (the reason says why not)."""
+    root = Path(root)
+    found = []
+    for entry in model_library.entries(root):
+        path = model_library.entry_path(root, entry)
+        reason = None if path.is_file() else f"the file is missing ({path})"
+        found.append(Source(f"model: {entry['name']}", "library",
+                            None if reason else {"library": entry["name"],
+                                                 "workspace": str(root)}, reason))
+    for run_dir in sorted(p for p in (root / "runs").glob("*") if (p / "run.json").is_file()):
+        run = RunDir(run_dir)
+        try:
+            manifest = run.manifest()
+        except ForgebenchError:
+            continue
+        if manifest.get("recipe") != "lm-sft":
+            continue
+        base = manifest.get("base_model") or {}
+        in_library = model_library.find_by_sha256(root, base.get("sha256", ""))
+        reason = None if in_library else (
+            f"its base ({Path(base.get('path', '?')).name}) is not in the model library: "
+            "add it in the Models pane")
+        for checkpoint in run.checkpoints():
+            found.append(Source(f"run: {run_dir.name}/{checkpoint.name}", "run",
+                                None if reason else {"run": str(run_dir),
+                                                     "checkpoint": checkpoint.name,
+                                                     "workspace": str(root)}, reason))
+    for gguf in sorted((root / "exports").glob("*/model.gguf")):
+        found.append(Source(f"export: {gguf.parent.name}", "export", {"model": str(gguf)}))
+    return found
+
+
+@dataclass
+class Reply:
+    """One system's answer to one prompt, as it streams."""
+
+    system: str
+    request: str
+    text: str = ""
+    tokens: int = 0
+    prompt_tokens: int | None = None
+    finished: bool = False
+    stop_reason: str | None = None
+    error: str | None = None
+    started: float = field(default_factory=time.monotonic)
+    first_token_s: float | None = None
+    done: dict | None = None
+
+
+@dataclass
+class ChatSession:
+    """A conversation with one system ("A") or two side by side ("A" and "B")."""
+
+    root: Path
+    conversation: Conversation | None = None
+    labels: dict[str, str] = field(default_factory=dict)
+    loads: dict[str, dict] = field(default_factory=dict)
+    loaded: dict[str, dict] = field(default_factory=dict)     # system -> worker info
+    load_errors: dict[str, str] = field(default_factory=dict)
+    replies: dict[str, Reply] = field(default_factory=dict)   # request -> reply
+    rendered: dict[str, tuple[str, int]] = field(default_factory=dict)
+    pending_renders: dict[str, str] = field(default_factory=dict)   # request -> system
+    pending_loads: dict[str, str] = field(default_factory=dict)     # request -> system
+    system_prompt: str = ""
+    numerics: str = "llamacpp"     # GGUF systems: llama.cpp's arithmetic, or f32 as runs train
+    settings: dict = field(default_factory=lambda: dict(DEFAULT_SETTINGS))
+    seed: int = 0
+    max_tokens: int = 128
+    _ids: itertools.count = field(default_factory=lambda: itertools.count(1))
+
+    # -- systems --------------------------------------------------------------------------
+    def _request_id(self) -> str:
+        return f"r{next(self._ids)}"
+
+    def choose(self, side: str, source: Source | None) -> list[str]:
+        """Pick (or clear) a side's source; returns the lines that load it. A new choice
+        starts a new conversation."""
+        if source is not None and not source.usable:
+            raise ForgebenchError(f"{source.label} cannot be chatted with: {source.reason}",
+                                  where="source")
+        self.conversation = None
+        self.loaded.pop(side, None)
+        self.load_errors.pop(side, None)
+        if source is None:
+            self.labels.pop(side, None)
+            self.loads.pop(side, None)
+            return [self.line({"op": "unload", "system": side})]
+        load = dict(source.load)
+        if source.kind != "run":
+            load["numerics"] = self.numerics
+        self.labels[side], self.loads[side] = source.label, load
+        return [self.load_line(side)]
+
+    def load_line(self, side: str) -> str:
+        for stale in [rid for rid, s in self.pending_loads.items() if s == side]:
+            del self.pending_loads[stale]     # an earlier choice's reply is ignored
+        line = self.line({"op": "load", "system": side, **self.loads[side]})
+        self.pending_loads[json.loads(line)["request"]] = side
+        return line
+
+    @property
+    def sides(self) -> list[str]:
+        return [s for s in SIDES if s in self.loads]
+
+    def line(self, request: dict) -> str:
+        request = {"request": self._request_id(), **request}
+        return json.dumps(request, ensure_ascii=False) + "\n"
+
+    # -- the conversation ---------------------------------------------------------------
+    def start_conversation(self) -> Conversation:
+        if not self.sides:
+            raise ForgebenchError("choose a model to chat with first", where="source")
+        systems = {s: {"label": self.labels[s], "load": self.loads[s],
+                       "info": self.loaded.get(s, {})} for s in self.sides}
+        self.conversation = Conversation.new_in(self.root, systems)
+        if self.system_prompt.strip():
+            self.conversation.add("system", self.system_prompt.strip())
+        return self.conversation
+
+    def open(self, path: Path) -> Conversation:
+        """Reopen a saved conversation: its systems are chosen again, its messages shown."""
+        conversation = Conversation.open(path)
+        self.labels = {s: v.get("label", s) for s, v in conversation.systems.items()}
+        self.loads = {s: v["load"] for s, v in conversation.systems.items()}
+        self.loaded, self.load_errors = {}, {}
+        self.conversation = conversation
+        prompts = [m for m in conversation.messages if m["role"] == "system"]
+        self.system_prompt = prompts[-1]["content"] if prompts else ""
+        return conversation
+
+    def reload_lines(self) -> list[str]:
+        return [self.load_line(s) for s in self.sides]
+
+    def busy(self) -> bool:
+        return any(not r.finished for r in self.replies.values())
+
+    def send(self, prompt: str) -> list[str]:
+        """The user's turn: recorded, then one chat request per system."""
+        prompt = prompt.strip()
+        if not prompt:
+            raise ForgebenchError("type a message first", where="prompt")
+        missing = [s for s in self.sides if s not in self.loaded]
+        if missing:
+            raise ForgebenchError("still loading " + ", ".join(self.labels[s] for s in missing)
+                                  + (f": {self.load_errors[missing[0]]}"
+                                     if missing[0] in self.load_errors else ""),
+                                  where="source")
+        if self.busy():
+            raise ForgebenchError("a reply is still streaming", where="prompt",
+                                  hint="wait, or press Stop")
+        conversation = self.conversation or self.start_conversation()
+        conversation.add("user", prompt)
+        lines = []
+        for side in self.sides:
+            line = self.line({"op": "chat", "system": side,
+                              "messages": conversation.thread(side),
+                              "settings": dict(self.settings), "seed": self.seed,
+                              "max_tokens": self.max_tokens})
+            rid = json.loads(line)["request"]
+            self.replies[rid] = Reply(side, rid)
+            lines.append(line)
+        return lines
+
+    def stop(self) -> list[str]:
+        return [self.line({"op": "cancel", "target": r.request})
+                for r in self.replies.values() if not r.finished]
+
+    def render_lines(self, draft: str = "") -> list[str]:
+        """Ask the worker for the rendered template and token count of the next prompt."""
+        messages = self.conversation.thread(self.sides[0]) if self.conversation else (
+            [{"role": "system", "content": self.system_prompt.strip()}]
+            if self.system_prompt.strip() else [])
+        lines = []
+        for side in self.sides:
+            if side not in self.loaded:
+                continue
+            thread = self.conversation.thread(side) if self.conversation else messages
+            line = self.line({"op": "render", "system": side,
+                              "messages": thread + [{"role": "user",
+                                                     "content": draft or "…"}]})
+            self.pending_renders[json.loads(line)["request"]] = side
+            lines.append(line)
+        return lines
+
+    # -- the worker's lines -------------------------------------------------------------
+    def feed(self, raw: str) -> tuple[str, str | None]:
+        """Fold one worker line in; (what happened, which side) for the view to refresh:
+        "ready", "loaded", "load_error", "token", "done", "error", "rendered", "other"."""
+        line = json.loads(raw)
+        event, rid = line.get("event"), line.get("request")
+        reply = self.replies.get(rid)
+        if event == "ready":
+            return "ready", None
+        if rid in self.pending_loads:
+            side = self.pending_loads.pop(rid)
+            if self.loads.get(side) is None:
+                return "other", side                  # a load the user replaced since
+            if event == "loaded":
+                self.loaded[side] = line["info"]
+                self.load_errors.pop(side, None)
+                return "loaded", side
+            self.load_errors[side] = error_text(line)
+            return "load_error", side
+        if event == "rendered" or (event == "error" and rid in self.pending_renders):
+            side = self.pending_renders.pop(rid)
+            self.rendered[side] = (line["text"], line["tokens"]) if event == "rendered" \
+                else (f"the template cannot render: {error_text(line)}", 0)
+            return "rendered", side
+        if reply is None:
+            return "other", None
+        if event == "start":
+            reply.prompt_tokens = line["prompt_tokens"]
+        elif event == "token":
+            if reply.first_token_s is None:
+                reply.first_token_s = time.monotonic() - reply.started
+            reply.tokens += 1
+            reply.text += line["text"]
+            return "token", reply.system
+        elif event == "done":
+            reply.text, reply.finished, reply.done = line["text"], True, line
+            reply.stop_reason = line["stop_reason"]
+            if self.conversation is not None:
+                self.conversation.add_reply(reply.system, line)
+            return "done", reply.system
+        elif event == "error":
+            reply.finished, reply.error = True, error_text(line)
+            return "error", reply.system
+        return "other", reply.system
+
+    # -- what the pane shows -------------------------------------------------------------
+    def transcript(self, side: str) -> list[dict]:
+        """The messages of one column, a streaming reply included at its end."""
+        shown = [] if self.conversation is None else [
+            m for m in self.conversation.messages
+            if m["role"] != "assistant" or m.get("system") == side]
+        live = [r for r in self.replies.values() if r.system == side and not r.finished]
+        if live:
+            shown.append({"role": "assistant", "system": side, "content": live[-1].text,
+                          "streaming": True})
+        mine = [r for r in self.replies.values() if r.system == side]
+        if mine and mine[-1].error:
+            shown.append({"role": "error", "content": mine[-1].error})
+        return shown
+
+    def last_pair(self) -> tuple[str, dict[str, dict]] | None:
+        """The last prompt and each side's finished answer to it, when both answered."""
+        if self.conversation is None or len(self.sides) != 2:
+            return None
+        messages = self.conversation.messages
+        users = [i for i, m in enumerate(messages) if m["role"] == "user"]
+        if not users:
+            return None
+        answers = {m["system"]: m for m in messages[users[-1]:] if m["role"] == "assistant"}
+        if set(answers) != set(SIDES) or any(a.get("stop_reason") == "cancelled"
+                                             for a in answers.values()):
+            return None
+        return messages[users[-1]]["content"], answers
+
+    def send_pair_to_ab(self, name: str | None = None, rater: str = "me") -> Path:
+        """Start a blind A/B session in ratings/ with the last prompt and its two answers."""
+        pair = self.last_pair()
+        if pair is None:
+            raise ForgebenchError("a pair needs one prompt answered in full by both systems",
+                                  where="side by side", hint="choose two systems and send "
+                                                             "a prompt")
+        prompt, answers = pair
+        systems = {}
+        for side, answer in answers.items():
+            load = self.loads[side]
+            label = self.labels[side].split(": ", 1)[-1]
+            settings = {k: answer.get(k) for k in ("settings", "seed", "max_tokens")}
+            systems[label if label not in systems else f"{label} ({side})"] = {
+                "run": load.get("run") or load.get("model") or load.get("library"),
+                "checkpoint": load.get("checkpoint", "model"), "kind": "text",
+                "settings": settings, "outputs": {prompt: answer["content"]},
+                "numerics": self.loaded.get(side, {}).get("numerics"),
+                "chat": str(self.conversation.path)}
+        session = ABSession.create(self.root / "ratings",
+                                   name or f"chat-{time.strftime('%Y%m%d-%H%M%S')}", systems,
+                                   rater, items=[prompt])
+        return session.store.path
+
+    def export_sft(self, dataset: str) -> Path:
+        if self.conversation is None:
+            raise ForgebenchError("no conversation to export", where="conversation",
+                                  hint="chat first, or reopen a saved conversation")
+        return export_sft([self.conversation], None, self.root / "datasets" / dataset,
+                          name=dataset)
+
+
+def error_text(line: dict) -> str:
+    text = line.get("message") or "error"
+    if line.get("path"):
+        text = f"{line['path']}" + (f": {line['where']}" if line.get("where") else "") \
+               + f": {text}"
+    if line.get("hint"):
+        text += f" (hint: {line['hint']})"
+    return text

@@ -1,0 +1,97 @@
+"""The Models pane's state: the workspace's model library (engine/model_library.py is the
+contract; this module shapes it for the pane, the new-run form and the export wizard). No Qt.
+
+Reading the facts parses every header (a 262k-token vocabulary takes a moment), so the pane
+calls `ModelsView.load` off the GUI thread and shows `rows` when it returns.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from engine import model_library
+from engine.errors import ForgebenchError
+from engine.fsutil import human_bytes
+
+
+@dataclass
+class ModelsView:
+    root: Path
+    rows: list[dict] = field(default_factory=list)
+
+    def load(self) -> list[dict]:
+        self.rows = model_library.library(self.root)
+        return self.rows
+
+    def add_file(self, path: str | Path, link: bool = False, name: str | None = None) -> dict:
+        return model_library.add_model(self.root, path, name=name,
+                                       mode="link" if link else "copy")
+
+    def add_package(self, package: str = model_library.GEMMA_PACKAGE) -> dict:
+        return model_library.add_model(self.root, package=package)
+
+    def remove(self, name: str) -> None:
+        model_library.remove_model(self.root, name)
+
+    def row(self, name: str) -> dict | None:
+        return next((r for r in self.rows if r["name"] == name), None)
+
+    def package_line(self) -> str:
+        """What the pane says about the bundled-by-package model."""
+        package = model_library.GEMMA_PACKAGE
+        title = model_library.KNOWN_PACKAGES[package]
+        if any(e.get("package") == package for e in model_library.entries(self.root)):
+            return f"{title} is in the library."
+        if model_library.package_installed(package):
+            return f"{title} is installed as a package: add it with “Add Gemma package”."
+        return f"{title} is not installed: pip install {package}, then “Add Gemma package”."
+
+
+def list_label(row: dict) -> str:
+    """One line per model in the pane's list: usable ones with family and size, the others
+    with the reason."""
+    facts = row["facts"]
+    if not facts["usable"]:
+        return f"⚠ {row['name']} — {facts['reason']}"
+    return f"{row['name']} — {facts['family']}, {facts['params'] / 1e6:.0f}M, " \
+           f"{human_bytes(row['bytes'])}"
+
+
+def tensor_rows(facts: dict) -> list[tuple[str, str, str, str]]:
+    """(type, tensors, parameters, size) for the pane's table."""
+    return [(name, str(t["tensors"]), f"{t['params']:,}", human_bytes(t["bytes"]))
+            for name, t in facts.get("tensor_types", {}).items()]
+
+
+def memory_rows(facts: dict) -> list[tuple[str, str, str]]:
+    """(mode, memory, fits here?) for the pane's table."""
+    memory = facts.get("memory")
+    if not memory:
+        return []
+    available = memory["available"]
+    rows = []
+    for label, key in (("chat / generate (llama.cpp numerics)", "generate"),
+                       ("LoRA, packed weights", "lora_packed"),
+                       ("LoRA, dense cache", "lora_dense_cache"),
+                       ("full fine-tune", "full")):
+        value = memory[key]
+        if value is None:
+            rows.append((label, "n/a", facts["support"]["full_finetune_reason"] or ""))
+        else:
+            rows.append((label, human_bytes(value),
+                         "fits" if value <= available else
+                         f"more than the {human_bytes(available)} available"))
+    return rows
+
+
+def library_files(root: Path) -> list[tuple[str, Path]]:
+    """(name, file) of every library model whose file is there: the pickers of the new-run
+    form and the export wizard. Reads only workspace.json (no headers): a file the engine
+    cannot use is refused with its reason by the form's or the wizard's own checks."""
+    try:
+        entries = model_library.entries(root)
+    except ForgebenchError:      # a broken workspace.json leaves the pickers empty
+        return []
+    return [(e["name"], model_library.entry_path(root, e)) for e in entries
+            if model_library.entry_path(root, e).is_file()]

@@ -1,0 +1,242 @@
+"""The Models pane: the workspace's model library. Add a GGUF file (copied or linked, hashed)
+or the installed Gemma package; each model shows its architecture, parameters and bytes per
+tensor type, its chat template rendered for a sample conversation, its special tokens, what the
+engine supports for it and the memory each mode needs here. Unusable files stay listed with
+the reason. Headers are read off the GUI thread (app/viewmodels/models.py)."""
+
+from __future__ import annotations
+
+from PySide6.QtCore import Qt, Signal
+from PySide6.QtWidgets import (
+    QFileDialog,
+    QHBoxLayout,
+    QHeaderView,
+    QLabel,
+    QListWidget,
+    QListWidgetItem,
+    QPlainTextEdit,
+    QPushButton,
+    QSplitter,
+    QTableWidget,
+    QTableWidgetItem,
+    QVBoxLayout,
+    QWidget,
+)
+
+from app.viewmodels import models as vm
+from app.viewmodels.workspace import Workspace
+from app.views.background import BackgroundCall
+from engine.errors import ForgebenchError
+
+
+def _table(headers: list[str]) -> QTableWidget:
+    table = QTableWidget(0, len(headers))
+    table.setHorizontalHeaderLabels(headers)
+    table.verticalHeader().hide()
+    table.horizontalHeader().setSectionResizeMode(QHeaderView.ResizeMode.ResizeToContents)
+    table.horizontalHeader().setStretchLastSection(True)
+    table.setEditTriggers(QTableWidget.EditTrigger.NoEditTriggers)
+    return table
+
+
+def _fill(table: QTableWidget, rows: list[tuple]) -> None:
+    table.setRowCount(len(rows))
+    for r, row in enumerate(rows):
+        for c, value in enumerate(row):
+            table.setItem(r, c, QTableWidgetItem(value))
+    table.setFixedHeight(table.horizontalHeader().height() + 4
+                         + sum(table.rowHeight(r) for r in range(len(rows))))
+
+
+class ModelsPane(QWidget):
+    message = Signal(str)
+    library_changed = Signal()
+
+    def __init__(self, parent=None):
+        super().__init__(parent)
+        self.view: vm.ModelsView | None = None
+        self.call = BackgroundCall(self)
+        self.call.done.connect(self._loaded)
+        self.call.failed.connect(lambda exc: self._problem(exc))
+        # adding copies and hashes the file (hundreds of MB): off the GUI thread too
+        self.adder = BackgroundCall(self)
+        self.adder.done.connect(self._added)
+        self.adder.failed.connect(lambda exc: self._problem(exc))
+
+        self.list = QListWidget()
+        self.list.currentRowChanged.connect(self.show_row)
+        self.add_copy = QPushButton("Add GGUF (copy)…")
+        self.add_link = QPushButton("Add GGUF (link)…")
+        self.add_gemma = QPushButton("Add Gemma package")
+        self.remove = QPushButton("Remove")
+        self.add_copy.clicked.connect(lambda: self.choose_file(link=False))
+        self.add_link.clicked.connect(lambda: self.choose_file(link=True))
+        self.add_gemma.clicked.connect(self.add_package)
+        self.remove.clicked.connect(self.remove_current)
+        self.package = QLabel()
+        self.package.setWordWrap(True)
+        self.status = QLabel("Open a workspace to see its models.")
+        self.status.setWordWrap(True)
+
+        left = QWidget()
+        column = QVBoxLayout(left)
+        column.setContentsMargins(0, 0, 0, 0)
+        for row_buttons in ((self.add_copy, self.add_link), (self.add_gemma, self.remove)):
+            row = QHBoxLayout()
+            for button in row_buttons:
+                row.addWidget(button)
+            column.addLayout(row)
+        column.addWidget(self.list, 1)
+
+        self.summary = QLabel()
+        self.summary.setWordWrap(True)
+        self.summary.setTextInteractionFlags(Qt.TextInteractionFlag.TextSelectableByMouse)
+        self.tensors = _table(["type", "tensors", "parameters", "size"])
+        self.memory = _table(["mode", "memory", "on this machine"])
+        self.template = QPlainTextEdit()
+        self.template.setReadOnly(True)
+        self.template.setMinimumHeight(150)
+        right = QWidget()
+        details = QVBoxLayout(right)
+        details.setContentsMargins(0, 0, 0, 0)
+        details.addWidget(self.summary)
+        details.addWidget(QLabel("<b>Parameters and size per tensor type</b>"))
+        details.addWidget(self.tensors)
+        details.addWidget(QLabel("<b>Memory each mode needs</b>"))
+        details.addWidget(self.memory)
+        self.template_title = QLabel("<b>Chat template, sample conversation</b>")
+        details.addWidget(self.template_title)
+        details.addWidget(self.template, 1)
+
+        split = QSplitter()
+        split.addWidget(left)
+        split.addWidget(right)
+        split.setStretchFactor(1, 2)
+        split.setSizes([300, 600])
+        layout = QVBoxLayout(self)
+        layout.addWidget(self.status)
+        layout.addWidget(self.package)
+        layout.addWidget(split, 1)
+
+    # -- the library ----------------------------------------------------------------------
+    def set_workspace(self, workspace: Workspace) -> None:
+        self.view = vm.ModelsView(workspace.root)
+        self.reload()
+
+    def reload(self) -> None:
+        if self.view is None:
+            return
+        self.status.setText("Reading the model headers…")
+        view = self.view
+        self.call.start(view.load)
+
+    def _loaded(self, rows: list[dict]) -> None:
+        keep = self.list.currentItem().data(Qt.ItemDataRole.UserRole) \
+            if self.list.currentItem() else None
+        self.list.clear()
+        for row in rows:
+            item = QListWidgetItem(vm.list_label(row))
+            item.setData(Qt.ItemDataRole.UserRole, row["name"])
+            item.setToolTip(row["facts"].get("reason") or row["facts"]["path"])
+            self.list.addItem(item)
+        usable = sum(r["facts"]["usable"] for r in rows)
+        self.status.setText(f"{len(rows)} model{'s' * (len(rows) != 1)} in the library, "
+                            f"{usable} usable." if rows else
+                            "The library is empty: add a GGUF file or the Gemma package.")
+        self.package.setText(self.view.package_line())
+        names = [r["name"] for r in rows]
+        self.list.setCurrentRow(names.index(keep) if keep in names else (0 if rows else -1))
+        if not rows:
+            self.show_row(-1)
+
+    def show_row(self, index: int) -> None:
+        row = self.view.rows[index] if self.view and 0 <= index < len(self.view.rows) else None
+        self.remove.setEnabled(row is not None)
+        if row is None:
+            self.summary.setText("")
+            _fill(self.tensors, [])
+            _fill(self.memory, [])
+            self.template.setPlainText("")
+            return
+        facts = row["facts"]
+        head = (f"<b>{row['name']}</b> — {row['mode']}, sha256 {row['sha256'][:16]}…<br>"
+                f"source: {row['source']}")
+        if not facts["usable"]:
+            self.summary.setText(f"{head}<br><span style='color:#b71c1c'><b>Not usable:</b> "
+                                 f"{facts['reason']}</span>"
+                                 + (f"<br>hint: {facts['hint']}" if facts.get("hint") else ""))
+            _fill(self.tensors, vm.tensor_rows(facts))
+            _fill(self.memory, [])
+            self.template_title.setText("<b>Chat template</b>")
+            self.template.setPlainText("")
+            return
+        special = facts["special_tokens"]
+        tokens = ", ".join(f"{k} <code>{v['text']}</code> ({v['id']})"
+                           for k in ("bos", "eos", "eot", "unk", "pad") if (v := special.get(k)))
+        support = facts["support"]
+        full = "yes" if support["full_finetune"] else f"no — {support['full_finetune_reason']}"
+        self.summary.setText(
+            f"{head}<br><b>{facts['family']}</b> ({facts['architecture']}"
+            f"{', ' + facts['general_name'] if facts.get('general_name') else ''}): "
+            f"{facts['layers']} layers, width {facts['width']}, {facts['heads']} heads / "
+            f"{facts['kv_heads']} KV heads (dim {facts['head_dim']}), FFN {facts['ffn']}, "
+            f"context {facts['context']:,}, vocabulary {facts['vocab']:,}; "
+            f"{facts['params']:,} parameters<br>"
+            f"<b>Special tokens:</b> {tokens}; {special['control_tokens']} control tokens<br>"
+            f"<b>Engine:</b> generate yes · chat {'yes' if support['chat'] else 'no'} · "
+            f"LoRA yes · full fine-tune {full}<br>"
+            f"<b>Export types:</b> {', '.join(support['export_types'])}"
+            + (f" ({support['export_note']})" if support["export_note"] else ""))
+        _fill(self.tensors, vm.tensor_rows(facts))
+        _fill(self.memory, vm.memory_rows(facts))
+        template = facts["template"]
+        if template["ok"]:
+            self.template_title.setText(f"<b>Chat template</b> ({template['origin']}), sample "
+                                        f"conversation: {template['sample_tokens']} tokens")
+            self.template.setPlainText(template["sample"])
+        else:
+            self.template_title.setText("<b>Chat template</b>")
+            self.template.setPlainText(f"The chat template cannot render: {template['error']}")
+
+    # -- adding and removing ----------------------------------------------------------------
+    def choose_file(self, link: bool) -> None:
+        path, _ = QFileDialog.getOpenFileName(self, "Add a GGUF model", "", "GGUF (*.gguf)")
+        if path:
+            self.add_file(path, link)
+
+    def add_file(self, path: str, link: bool = False) -> None:
+        self._add(lambda: self.view.add_file(path, link))
+
+    def add_package(self) -> None:
+        self._add(self.view.add_package)
+
+    def _add(self, action) -> None:
+        if self.view is None or self.adder.running:
+            return
+        self.status.setText("Adding the model (copying and hashing the file)…")
+        self.adder.start(action)
+
+    def _added(self, entry: dict) -> None:
+        self.message.emit(f"added {entry['name']} to the model library")
+        self.library_changed.emit()
+        self.reload()
+
+    @property
+    def busy(self) -> bool:
+        return self.call.running or self.adder.running
+
+    def remove_current(self) -> None:
+        item = self.list.currentItem()
+        if self.view is None or item is None:
+            return
+        try:
+            self.view.remove(item.data(Qt.ItemDataRole.UserRole))
+        except ForgebenchError as exc:
+            self._problem(exc)
+            return
+        self.library_changed.emit()
+        self.reload()
+
+    def _problem(self, exc: ForgebenchError) -> None:
+        self.status.setText(f"<span style='color:#b71c1c'>{exc.render()}</span>")
+        self.message.emit(exc.render())

