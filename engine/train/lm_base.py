@@ -236,12 +236,20 @@ def load_policy(config, checkpoint: Checkpoint, base_sha: str, lora=None):
     if lora is not None:
         config = config.model_copy(update={"lora": lora})
     adapters, trainable = prepare_trainable(config, base)
-    tensors, _, _ = load_checkpoint(checkpoint)
+    apply_weights(checkpoint, base.model, adapters, base_sha)
+    return base, adapters, trainable
+
+
+def apply_weights(checkpoint: Checkpoint, model: nn.Module,
+                  adapters: dict[str, LoRALinear] | None, base_sha: str) -> tuple[dict, dict]:
+    """Copy a checkpoint's adapters (checked against `base_sha`) or full weights into the
+    model; return its optimizer state and trainer state (what a resume restores next)."""
+    tensors, optimizer_state, state = load_checkpoint(checkpoint)
     if adapters:
         load_adapters(checkpoint.path / ADAPTERS_FILE, adapters, base_sha)
     else:
-        base.model.load_state_dict(tensors)
-    return base, adapters, trainable
+        model.load_state_dict(tensors)
+    return optimizer_state, state
 
 
 # -- generation -----------------------------------------------------------------------------
