@@ -11,13 +11,14 @@ and the variants (`LOSSES`):
 - "sigmoid" (DPO, Rafailov et al. 2023): −(1−ε) log σ(z) − ε log σ(−z), with ε the label
   smoothing (the conservative cDPO form, for raters who are sometimes wrong; ε = 0 is DPO);
 - "ipo" (Azar et al. 2023): (z/β − 1/(2β))², a squared loss that does not push the margin to
-  infinity on deterministic preferences; its log-probabilities are per token (lengths divided
-  out), as TRL computes them.
+  infinity on deterministic preferences; its log-ratios are per token (lengths divided out),
+  as TRL computes them.
 
-`length_normalized` divides every log-probability by its response's token count first (the
-margin then no longer rewards long answers for being long). The rewards β(log π − log π_ref) of
-the chosen and rejected responses, their difference (the reward margin) and the share of pairs
-with a positive margin (preference accuracy) are what a run logs per step.
+`length_normalized` divides each side's log-ratio by its response's token count first (TRL's
+"sigmoid_norm": a long answer no longer wins for being long). The rewards β(log π − log π_ref)
+of the chosen and rejected responses (summed, whatever the variant, as TRL logs them), their
+difference (the reward margin) and the share of pairs with a positive margin (preference
+accuracy) are what a run logs per step.
 """
 
 from __future__ import annotations
@@ -88,22 +89,19 @@ class PreferenceTerms:
 
 def preference_loss(settings: PreferenceLoss, chosen: torch.Tensor, rejected: torch.Tensor,
                     ref_chosen: torch.Tensor, ref_rejected: torch.Tensor,
-                    chosen_tokens: torch.Tensor | None = None,
-                    rejected_tokens: torch.Tensor | None = None) -> PreferenceTerms:
-    """The per-pair loss and rewards from summed sequence log-probs (policy and reference);
-    token counts are needed when the variant divides lengths out (IPO, length-normalised)."""
-    if settings.length_normalized or settings.loss == "ipo":
-        if chosen_tokens is None or rejected_tokens is None:
-            raise ValueError("this loss variant needs the responses' token counts")
-        chosen, ref_chosen = chosen / chosen_tokens, ref_chosen / chosen_tokens
-        rejected, ref_rejected = rejected / rejected_tokens, ref_rejected / rejected_tokens
+                    chosen_tokens: torch.Tensor, rejected_tokens: torch.Tensor) -> PreferenceTerms:
+    """The per-pair loss and rewards from summed sequence log-probs (policy and reference) and
+    the responses' token counts (which IPO and the length-normalised variant divide out)."""
     chosen_ratio = chosen - ref_chosen
     rejected_ratio = rejected - ref_rejected
-    logits = chosen_ratio - rejected_ratio
+    if settings.length_normalized or settings.loss == "ipo":
+        delta = chosen_ratio / chosen_tokens - rejected_ratio / rejected_tokens
+    else:
+        delta = chosen_ratio - rejected_ratio
     beta = settings.beta
     if settings.loss == "sigmoid":
         eps = settings.label_smoothing
-        losses = -(1 - eps) * F.logsigmoid(beta * logits) - eps * F.logsigmoid(-beta * logits)
+        losses = -(1 - eps) * F.logsigmoid(beta * delta) - eps * F.logsigmoid(-beta * delta)
     else:
-        losses = (logits - 1 / (2 * beta)) ** 2
+        losses = (delta - 1 / (2 * beta)) ** 2
     return PreferenceTerms(losses, beta * chosen_ratio.detach(), beta * rejected_ratio.detach())
