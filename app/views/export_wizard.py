@@ -332,7 +332,7 @@ class ExportWizardPane(QWidget):
         self.base_text.setText(self.base.explanation())
         self.dense_button.setVisible(self.base.quantized)
         for widget in (self.base_path, self.base_browse):
-            widget.setEnabled(self.run.recipe == "lm-sft")
+            widget.setEnabled(self.run.recipe in vm.ADAPTER_RECIPES)
 
     def _browse_base(self) -> None:
         path, _ = QFileDialog.getOpenFileName(self, "Base model", "", "GGUF (*.gguf)")

@@ -382,9 +382,9 @@ def export_run(run_dir: str | os.PathLike, out: str | os.PathLike, *, checkpoint
                               hint="choose a new --out or delete the old export")
     run = RunDir(run_dir).require()
     recipe = run.manifest()["recipe"]
-    if recipe not in ("lm-pretrain", "lm-sft"):
+    if recipe not in ("lm-pretrain", "lm-sft", "lm-dpo"):   # lm-dpo checkpoints are lm-sft's
         raise ForgebenchError(f"recipe '{recipe}' has no GGUF export", path=run.path,
-                              hint="export works for lm-pretrain and lm-sft runs")
+                              hint="export works for lm-pretrain, lm-sft and lm-dpo runs")
     if run.is_active():
         raise ForgebenchError("the run is still training", path=run.path,
                               hint="wait for it, or stop it: forgebench stop RUN_DIR")

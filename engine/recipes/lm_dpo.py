@@ -37,7 +37,7 @@ from engine.errors import ForgebenchError
 from engine.fsutil import atomic_write_json, read_json, sha256_file
 from engine.jobs import Job, run_config
 from engine.llm.sft_data import EncodedSample, SFTExample, encode_sft
-from engine.lora import ADAPTERS_FILE, adapter_bytes, describe_adapters
+from engine.lora import ADAPTERS_FILE, adapter_bytes, describe_adapters, read_adapters
 from engine.recipes.lm_dpo_config import LMDPOConfig
 from engine.rundir import Checkpoint, RunDir
 from engine.sampling import SamplingSettings
@@ -125,7 +125,8 @@ def data_source(config: LMDPOConfig, split: str = "train") -> Path:
 
 def data_manifest(config: LMDPOConfig) -> dict:
     """The data files and the starting checkpoint's weight files, with their SHA-256: what
-    resume re-validates, and what the reference cache is keyed by."""
+    resume re-validates, and what the reference cache is keyed by. The pairs and the starting
+    adapters are checked here, before a run folder exists, so bad input leaves nothing."""
     from engine.data.dataset import load_dataset
 
     files = {}
@@ -133,6 +134,7 @@ def data_manifest(config: LMDPOConfig) -> dict:
         if split != "train" and not getattr(config.data, f"{split}_path"):
             continue
         path = data_source(config, split)
+        load_preferences(path, split if path.is_dir() else None)
         if path.is_dir():
             files |= {f"{path.name}/{name}": digest for name, digest in
                       load_dataset(path, check_media=False).files_manifest().items()}
@@ -142,11 +144,26 @@ def data_manifest(config: LMDPOConfig) -> dict:
     start = sft_start(config)
     if start:
         checkpoint = start[0].checkpoint(config.model.checkpoint)
+        require_same_base(checkpoint, start[0].manifest()["base_model"]["sha256"])
         manifest["start"] = {"run": str(start[0].path), "checkpoint": checkpoint.name,
                              "files": {p.name: sha256_file(p) for p in sorted(
                                  checkpoint.path.iterdir()) if p.name in (ADAPTERS_FILE,
                                                                           MODEL_FILE)}}
     return manifest
+
+
+def require_same_base(checkpoint: Checkpoint, base_sha: str) -> None:
+    """The starting adapters were trained on the base the run loads (their recorded SHA-256)."""
+    adapters = checkpoint.path / ADAPTERS_FILE
+    if not adapters.is_file():
+        return                                  # full weights: the run's base pins them
+    recorded = read_adapters(adapters)[1].get("base_sha256")
+    if recorded and recorded != base_sha:
+        raise ForgebenchError(
+            f"adapter base model SHA-256 is {recorded!r} but the lm-sft run's base is "
+            f"{base_sha!r}", path=adapters, where="metadata 'base_sha256'",
+            hint="the reference must be the SFT policy over its own base: start from an lm-sft "
+                 "checkpoint trained on this base")
 
 
 @dataclass
