@@ -204,15 +204,12 @@ def test_preference_files_are_validated_with_line_numbers(tmp_path):
 def test_config_rules():
     from engine.config import validate_config
 
-    base = {"recipe": "lm-dpo", "data": {"path": "p.jsonl"}}
-    config = validate_config(base | {"model": {"gguf": "m.gguf"}})
-    assert config.lora is not None and config.dpo.beta == 0.1 and config.dpo.loss == "sigmoid"
-    assert validate_config(base | {"model": {"sft_run": "r"}}).lora is None
-    for bad, message in (({"model": {"sft_run": "r"}, "lora": {"rank": 4}}, "own adapters"),
-                         ({"model": {"gguf": "m", "sft_run": "r"}}, "exactly one"),
-                         ({"model": {"gguf": "m"}, "lora": {"dropout": 0.1}}, "without dropout"),
-                         ({"model": {"gguf": "m"}, "dpo": {"loss": "ipo",
-                                                           "label_smoothing": 0.1}},
+    base = {"recipe": "lm-dpo", "data": {"path": "p.jsonl"}, "model": {"sft_run": "r"}}
+    config = validate_config(base)
+    assert config.dpo.beta == 0.1 and config.dpo.loss == "sigmoid" and config.optim.lr == 5e-6
+    for bad, message in (({"model": {}}, "model.sft_run"),
+                         ({"lora": {"rank": 4}}, "lora"),
+                         ({"dpo": {"loss": "ipo", "label_smoothing": 0.1}},
                           "label_smoothing applies")):
         with pytest.raises(ForgebenchError, match=message):
             validate_config(base | bad)

@@ -1,7 +1,7 @@
-"""lm-dpo: preference tuning (DPO) of a language model, from an lm-sft run or an untuned base.
+"""lm-dpo: preference tuning (DPO) of a language model, starting from an lm-sft run.
 
 Reads top to bottom: the starting policy (an lm-sft run's checkpoint over that run's own base,
-adapters on — or an untuned base with fresh adapters) -> preference pairs (ties and skips left
+adapters on, dropout off) -> preference pairs (ties and skips left
 out, counted), each side encoded with the base's chat template, prompt masked -> the reference
 log-probs, computed once with the starting policy and cached in the run directory -> AdamW ->
 BEFORE generations -> loop (a window of pairs per step; chosen and rejected packed into one
@@ -9,7 +9,7 @@ forward per micro-batch; the DPO loss averaged over the window, clipped once, on
 -> checkpoint -> AFTER generations.
 
 The reference is the starting policy itself, never "the base with the adapter switched off":
-for an SFT start that would silently be the untuned base, which the handbook warns about. It
+that would silently be the untuned base, which the handbook warns about. It
 is evaluated once, before any update and without dropout (lm-dpo trains without dropout), so
 no second model is kept. The cache `reference_logps.json` is keyed by the data files, the
 base's SHA-256, the starting checkpoint's files and the encoding: a resume reuses it (the
@@ -41,7 +41,6 @@ from engine.lora import ADAPTERS_FILE, adapter_bytes, describe_adapters, read_ad
 from engine.recipes.lm_dpo_config import LMDPOConfig
 from engine.rundir import Checkpoint, RunDir
 from engine.sampling import SamplingSettings
-from engine.train import lm_base
 from engine.train.checkpoint import MODEL_FILE, rng_state, save_checkpoint, set_rng_state
 from engine.train.data_order import DataCursor
 from engine.train.lm_base import (
@@ -51,7 +50,6 @@ from engine.train.lm_base import (
     checkpoint_activations,
     load_policy,
     pack,
-    prepare_trainable,
     size_text,
     write_generations,
 )
@@ -65,10 +63,7 @@ REFERENCE_FILE = "reference_logps.json"   # the reference's log-probs, computed 
 
 # -- the starting policy (and reference) ----------------------------------------------------
 def sft_start(config: LMDPOConfig):
-    """(the lm-sft run the policy starts from, its config with this run's weights mode), or
-    None for a start from an untuned base."""
-    if not config.model.sft_run:
-        return None
+    """(the lm-sft run the policy starts from, its config with this run's weights mode)."""
     run = RunDir(config.resolve_path(config.model.sft_run, "field 'model.sft_run'")).require()
     if run.manifest().get("recipe") != "lm-sft":
         raise ForgebenchError("model.sft_run must be an lm-sft run", path=run.path,
@@ -80,29 +75,17 @@ def sft_start(config: LMDPOConfig):
 
 
 def base_model(config: LMDPOConfig) -> Path:
-    """The base file: the lm-sft run's own base, or the configured one."""
-    start = sft_start(config)
-    if start is None:
-        return lm_base.base_model(config)
-    return Path(start[0].manifest()["base_model"]["path"])
+    """The base file: the lm-sft run's own base."""
+    return Path(sft_start(config)[0].manifest()["base_model"]["path"])
 
 
 def load_start(config: LMDPOConfig):
     """(base, adapters or None, trainable parameters) holding the starting policy: the lm-sft
-    checkpoint applied to its base (dropout off), or the untuned base with fresh adapters."""
-    start = sft_start(config)
-    if start is None:
-        base = lm_base.load_base(config)
-        return (base, *prepare_trainable(config, base))
-    run, sft = start
+    checkpoint applied to its base, with dropout off."""
+    run, sft = sft_start(config)
     return load_policy(sft, run.checkpoint(config.model.checkpoint),
                        run.manifest()["base_model"]["sha256"],
                        lora=sft.lora.model_copy(update={"dropout": 0.0}))
-
-
-def method_of(config: LMDPOConfig) -> str:
-    start = sft_start(config)
-    return (start[1] if start else config).lora.method
 
 
 # -- data -----------------------------------------------------------------------------------
@@ -140,16 +123,13 @@ def data_manifest(config: LMDPOConfig) -> dict:
                       load_dataset(path, check_media=False).files_manifest().items()}
         else:
             files[f"{split}:{path.name}"] = sha256_file(path)
-    manifest = {"files": files}
-    start = sft_start(config)
-    if start:
-        checkpoint = start[0].checkpoint(config.model.checkpoint)
-        require_same_base(checkpoint, start[0].manifest()["base_model"]["sha256"])
-        manifest["start"] = {"run": str(start[0].path), "checkpoint": checkpoint.name,
-                             "files": {p.name: sha256_file(p) for p in sorted(
-                                 checkpoint.path.iterdir()) if p.name in (ADAPTERS_FILE,
-                                                                          MODEL_FILE)}}
-    return manifest
+    sft_run = sft_start(config)[0]
+    checkpoint = sft_run.checkpoint(config.model.checkpoint)
+    require_same_base(checkpoint, sft_run.manifest()["base_model"]["sha256"])
+    return {"files": files, "start": {
+        "run": str(sft_run.path), "checkpoint": checkpoint.name,
+        "files": {p.name: sha256_file(p) for p in sorted(checkpoint.path.iterdir())
+                  if p.name in (ADAPTERS_FILE, MODEL_FILE)}}}
 
 
 def require_same_base(checkpoint: Checkpoint, base_sha: str) -> None:
@@ -317,11 +297,10 @@ def train(job: Job) -> None:
     pairs, report = encode_pairs(config, base)
     run.log_event("data_encoded", **report)
     reference = reference_logps(job, config, model, pairs, report)   # before any update
-    start = run.manifest()["data"].get("start")
+    start = run.manifest()["data"]["start"]
     identity = {"recipe": "lm-dpo", "base": str(base.path), "base_sha256": base_sha,
-                "method": method_of(config),
-                "reference": f"{Path(start['run']).name}/{start['checkpoint']}" if start
-                else "the untuned base",
+                "method": "lora" if adapters else "full",
+                "reference": f"{Path(start['run']).name}/{start['checkpoint']}",
                 **(describe_adapters(adapters) if adapters else {})}
     optimizer = build_adamw(trainable, lr=opt.lr, weight_decay=opt.weight_decay,
                             betas=(opt.beta1, opt.beta2), eps=opt.eps, moments=opt.moments)

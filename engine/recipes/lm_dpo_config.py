@@ -1,9 +1,11 @@
 """Config schema of `lm-dpo`: preference tuning (DPO) of a language model.
 
-The policy starts from an lm-sft run's checkpoint (its adapters, or its full weights, over the
-run's own base), which is also the frozen reference; or from an untuned base (a GGUF file or an
-lm-pretrain run, with fresh adapters), which is then the reference. The optimizer, batching and
-sample sections are lm-sft's. No torch here: the app builds its form from this schema.
+The policy starts from an lm-sft run's checkpoint, which is also the frozen reference: its
+adapters (LoRA/QLoRA over a GGUF) or its full weights (a dense GGUF or an lm-pretrain model),
+over that run's own base, so lm-dpo covers every base lm-sft does. The adapters keep the SFT
+run's rank, alpha and targets; dropout is off (the reference log-probs are computed without
+it). The optimizer, batching and sample sections are lm-sft's. No torch here: the app builds
+its form from this schema.
 """
 
 from __future__ import annotations
@@ -13,25 +15,16 @@ from typing import Literal
 from pydantic import Field, model_validator
 
 from engine.config import RecipeConfig, Schema
-from engine.recipes.lm_sft_config import LoraSection, OptimSection, SampleSection, TrainSection
+from engine.recipes.lm_sft_config import OptimSection, SampleSection, TrainSection
 
 
 class DPOModelSection(Schema):
-    sft_run: str | None = Field(None, description="start from an lm-sft run: its checkpoint is "
-                                                  "the starting policy and the reference")
-    gguf: str | None = Field(None, description="or start from an untuned GGUF base")
-    run: str | None = Field(None, description="or start from an untuned lm-pretrain run")
-    checkpoint: str = Field("latest", description="which checkpoint of sft_run (or run)")
+    sft_run: str = Field(description="the lm-sft run to refine: its checkpoint (adapters or "
+                                     "full weights, over its own base) is the starting policy "
+                                     "and the reference")
+    checkpoint: str = Field("latest", description="which checkpoint of sft_run")
     weights: Literal["auto", "packed", "dense-cache"] = Field(
         "auto", description="frozen GGUF weights: packed, an f32 dense cache, or auto")
-
-    @model_validator(mode="after")
-    def _one_start(self) -> "DPOModelSection":
-        given = [name for name in ("sft_run", "gguf", "run") if getattr(self, name)]
-        if len(given) != 1:
-            raise ValueError("give exactly one starting point: model.sft_run = \"RUN_DIR\" "
-                             "(an lm-sft run), model.gguf = \"FILE.gguf\" or model.run")
-        return self
 
 
 class DPODataSection(Schema):
@@ -83,20 +76,6 @@ class LMDPOConfig(RecipeConfig):
     model: DPOModelSection
     data: DPODataSection
     dpo: DPOSection = Field(default_factory=DPOSection)
-    lora: LoraSection | None = Field(None, description="adapters for a start from an untuned "
-                                                       "base; an lm-sft run brings its own")
     optim: DPOOptimSection = Field(default_factory=DPOOptimSection)
     train: DPOTrainSection = Field(default_factory=DPOTrainSection)
     sample: SampleSection = Field(default_factory=SampleSection)
-
-    @model_validator(mode="after")
-    def _adapters_of_the_start(self) -> "LMDPOConfig":
-        if self.model.sft_run and self.lora is not None:
-            raise ValueError("an lm-sft run brings its own adapters (or full weights): leave "
-                             "out the [lora] section")
-        if not self.model.sft_run and self.lora is None:
-            self.lora = LoraSection()
-        if self.lora is not None and self.lora.dropout:
-            raise ValueError("lm-dpo trains without dropout (the reference log-probs are "
-                             "computed without it): set lora.dropout = 0")
-        return self
