@@ -18,7 +18,8 @@ from engine.fsutil import atomic_write_json, read_json
 from engine.rundir import RunDir
 
 NOTES_FILE = "notes.json"  # app-owned: question, notes, selected checkpoint (run.json is immutable)
-TRAIN_FIELDS = ("loss", "grad_norm", "lr", "tokens_per_s", "peak_rss_mb")
+TRAIN_FIELDS = ("loss", "grad_norm", "lr", "tokens_per_s", "peak_rss_mb",
+                "reward_margin", "preference_accuracy", "chosen_logp", "rejected_logp")  # lm-dpo
 
 
 class JsonlTail:
