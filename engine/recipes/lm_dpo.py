@@ -40,14 +40,13 @@ from engine.llm.sft_data import EncodedSample, SFTExample, encode_sft
 from engine.lora import ADAPTERS_FILE, adapter_bytes, describe_adapters, read_adapters
 from engine.recipes.lm_dpo_config import LMDPOConfig
 from engine.rundir import Checkpoint, RunDir
-from engine.sampling import SamplingSettings
 from engine.train.checkpoint import MODEL_FILE, rng_state, save_checkpoint, set_rng_state
 from engine.train.data_order import DataCursor
 from engine.train.lm_base import (
     Base,
-    answer,
     apply_weights,
     checkpoint_activations,
+    generate_answer,
     load_policy,
     pack,
     size_text,
@@ -418,9 +417,4 @@ def evaluate(run: RunDir, checkpoint: Checkpoint, split: str) -> dict:
 
 def generate(run: RunDir, checkpoint: Checkpoint, args) -> dict:
     base, config = load_trained(run, checkpoint)
-    settings = SamplingSettings(args.temperature, args.top_k, args.top_p,
-                                args.repetition_penalty)
-    text = answer(base, args.prompt, args.max_tokens, config.data.enable_thinking,
-                  settings=settings, seed=args.seed)
-    return {"prompt": args.prompt, "text": text, "checkpoint": checkpoint.name,
-            "seed": args.seed, "settings": settings.as_dict() | {"max_tokens": args.max_tokens}}
+    return generate_answer(base, checkpoint, config.data.enable_thinking, args)

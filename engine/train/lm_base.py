@@ -298,3 +298,15 @@ def write_generations(run: RunDir, name: str, step: int, base: Base, config,
     run.log_event("sample_written", checkpoint=name, path=str(path.relative_to(run.path)),
                   step=step)
     return path
+
+
+def generate_answer(base: Base, checkpoint: Checkpoint, enable_thinking: bool | None,
+                    args) -> dict:
+    """`forgebench generate RUN` on a loaded checkpoint: one answer with the command's
+    sampling flags (greedy by default), as the JSON result the command prints."""
+    settings = SamplingSettings(args.temperature, args.top_k, args.top_p,
+                                args.repetition_penalty)
+    text = answer(base, args.prompt, args.max_tokens, enable_thinking, settings=settings,
+                  seed=args.seed)
+    return {"prompt": args.prompt, "text": text, "checkpoint": checkpoint.name,
+            "seed": args.seed, "settings": settings.as_dict() | {"max_tokens": args.max_tokens}}
