@@ -341,3 +341,29 @@ def test_eval_and_adapter_export_work_as_for_lm_sft(tmp_path, dpo_run):
     out = tmp_path / "export"
     forgebench("export", str(dpo_run), "--dtype", "adapter", "--out", str(out), "--no-report")
     assert (out / "adapter.gguf").is_file() and (out / "SHA256SUMS").is_file()
+
+
+@pytest.mark.slow
+def test_dpo_after_full_fine_tuning_trains_every_weight_against_the_sft_weights(tmp_path):
+    """An lm-sft run that trained every weight of an f32 GGUF: lm-dpo starts from (and refers
+    to) those weights, not the GGUF's, and saves full weights again."""
+    from fixtures_gguf import write_tiny_gguf
+    from safetensors.torch import load_file
+
+    gguf = write_tiny_gguf(tmp_path / "tiny-f32.gguf", arch="gemma3", qtype="F32", n_layers=2)
+    write_jsonl(tmp_path / "sft.jsonl", [{"instruction": q, "response": a} for q, a in SFT_PAIRS])
+    (tmp_path / "sft.toml").write_text(SFT_CONFIG.format(gguf=gguf).replace(
+        'rank = 4', 'method = "full"\nrank = 4').replace("dropout = 0.1", "dropout = 0.0"))
+    forgebench("run", str(tmp_path / "sft.toml"), "--out", str(tmp_path / "sft"))
+    config = write_dpo(tmp_path / "dpo", tmp_path / "sft", steps=2, save_every=0)
+    config.write_text(config.read_text().replace("lr = 2e-2", "lr = 1e-3"))
+    forgebench("run", str(config), "--out", str(tmp_path / "dpo" / "run"))
+
+    metrics = rows(tmp_path / "dpo" / "run")
+    assert metrics[0]["loss"] == pytest.approx(math.log(2), abs=1e-6)   # reference = SFT weights
+    assert metrics[1]["reward_margin"] > 0
+    sft = load_file(str(tmp_path / "sft" / "checkpoints" / "step-000002" / "model.safetensors"))
+    dpo = load_file(str(tmp_path / "dpo" / "run" / "checkpoints" / "step-000002"
+                        / "model.safetensors"))
+    assert sft.keys() == dpo.keys() and not any(".lora_" in name for name in dpo)
+    assert not torch.equal(sft["layers.1.mlp.down.weight"], dpo["layers.1.mlp.down.weight"])
