@@ -342,9 +342,9 @@ def train(job: Job) -> None:
         set_lr(optimizer, lr)
         indices = cursor.take(tr.window)
         stats, input_tokens, supervised = WindowStats(), 0, 0
-        for start in range(0, len(indices), tr.micro_batch):
+        for first in range(0, len(indices), tr.micro_batch):
             job.stage = "forward"
-            chunk = indices[start:start + tr.micro_batch]
+            chunk = indices[first:first + tr.micro_batch]
             window = [pairs[i] for i in chunk]
             with autocast(tr.autocast):
                 chosen, rejected, chosen_n, rejected_n = forward_pairs(model, window)
