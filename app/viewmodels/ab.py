@@ -363,8 +363,10 @@ class ABSession:
                                        "answers": len(answers), "exported": len(lines),
                                        "ties": counts["ties"], "skips": counts["skips"],
                                        "raters": counts["raters"],
-                                       "not_exported": f"{counts['ties']} ties and "
-                                                       f"{counts['skips']} skips (no preference)"})
+                                       "not_exported": f"{counts['ties'] + counts['skips']} "
+                                                       f"ties and skips (no preference: "
+                                                       f"{counts['ties']} ties, "
+                                                       f"{counts['skips']} skips)"})
             write_card(load_dataset(staging, check_media=False), stated={
                 "task": "prefer the chosen answer (blind A/B judgements)",
                 "sources": [f"blind A/B session {self.plan.session}: "
