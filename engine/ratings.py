@@ -100,13 +100,16 @@ class RatingStore:
             "recorded_differences": plan.recorded_differences, "generation": plan.generation,
             "pairs": [[p.index, p.item, p.left, p.right] for p in plan.pairs]})
 
-    def record(self, pair: Pair, choice: str, rater: str, rubric: dict | None = None) -> dict:
+    def record(self, pair: Pair, choice: str, rater: str, rubric: dict | None = None,
+               rationale: str | None = None) -> dict:
         if choice not in CHOICES:
             raise ValueError(f"choice must be one of {CHOICES}")
         winner = {"left": pair.left, "right": pair.right}.get(choice)
         answer = {"type": "answer", "pair": pair.index, "item": pair.item, "left": pair.left,
                   "right": pair.right, "choice": choice, "winner": winner, "rater": rater,
                   "rubric": rubric or {}, "time": time.time()}
+        if rationale:
+            answer["rationale"] = rationale
         append_jsonl(self.path, answer)
         return answer
 
@@ -245,9 +248,24 @@ def rater_agreement(answers: Iterable[dict]) -> dict:
     return {"pairs": len(shared), "agreement": p_bar, "fleiss_kappa": kappa}
 
 
+def judgement_counts(answers: Iterable[dict]) -> dict:
+    """How many answers a session holds, how many state a preference, how many are ties and
+    skips (no preference: never exported), and the preferences per rater."""
+    answers = list(answers)
+    raters: dict[str, int] = {}
+    for ans in answers:
+        if ans["choice"] in ("left", "right"):
+            raters[ans["rater"]] = raters.get(ans["rater"], 0) + 1
+    return {"answers": len(answers), "preferences": sum(raters.values()),
+            "ties": sum(a["choice"] == "tie" for a in answers),
+            "skips": sum(a["choice"] == "skip" for a in answers), "raters": raters}
+
+
 def preference_records(answers: Iterable[dict], outputs: dict[tuple[str, str], str],
                        prompts: dict[str, str] | None = None) -> list[dict]:
-    """prompt / chosen / rejected records for preference training; ties and skips are dropped.
+    """prompt / chosen / rejected records for preference training; ties and skips are dropped
+    (`judgement_counts` counts them). Each record keeps its rater and, when given, the
+    rater's rationale, so pairs from several raters keep their provenance.
 
     `outputs[(system, item)]` is the text a system produced for an item; `prompts[item]` the
     prompt text (defaults to the item id).
@@ -262,5 +280,6 @@ def preference_records(answers: Iterable[dict], outputs: dict[tuple[str, str], s
                         "chosen": outputs[(ans["winner"], item)],
                         "rejected": outputs[(loser, item)], "item": item,
                         "rater": ans["rater"], "time": ans.get("time"),
-                        "source": f"blind-ab:{ans['rater']}:pair-{ans['pair']}"})
+                        "source": f"blind-ab:{ans['rater']}:pair-{ans['pair']}",
+                        **({"rationale": ans["rationale"]} if ans.get("rationale") else {})})
     return records

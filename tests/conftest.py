@@ -23,9 +23,13 @@ def pytest_collection_modifyitems(config, items):
     skip_peft = pytest.mark.skip(
         reason="transformers + peft are not installed (the 'parity' extra, test-only)")
     have_peft = _have("transformers") and _have("peft")
+    skip_trl = pytest.mark.skip(
+        reason="trl is not installed (the 'trl' extra, test-only: `pip install -e '.[trl]'`)")
     for item in items:
         if "peft" in item.keywords and not have_peft:
             item.add_marker(skip_peft)
+        if "trl" in item.keywords and not (have_peft and _have("trl")):
+            item.add_marker(skip_trl)
         if "llamacpp" in item.keywords and not _have("llama_cpp"):
             item.add_marker(skip_llama)
         if "realmodel" in item.keywords and not real_enabled:

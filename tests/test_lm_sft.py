@@ -151,14 +151,8 @@ def test_auto_weights_cache_a_small_base_densely_with_the_packed_gradients(tmp_p
     """weights = "auto" takes the f32 dense cache for a model that is a small part of memory
     (and packed for one that is not); loss and adapter gradients equal the packed model's."""
     from engine.config import load_config
-    from engine.recipes.lm_sft import (
-        encode_samples,
-        load_base,
-        pack,
-        prepare_trainable,
-        supervised_loss,
-        weights_mode,
-    )
+    from engine.recipes.lm_sft import encode_samples, supervised_loss
+    from engine.train.lm_base import load_base, pack, prepare_trainable, weights_mode
 
     def loss_and_grads(weights: str):
         config = load_config(write_config(tmp_path, tiny_gguf, dropout=0.0, weights=weights))
@@ -297,7 +291,7 @@ def test_window_is_token_weighted_whatever_the_micro_batching():
     from types import SimpleNamespace
 
     from engine.checks.verify_grads import tiny_model
-    from engine.recipes.lm_sft import pack
+    from engine.train.lm_base import pack
     from engine.train.loss import supervised_loss
 
     model, adapters, batch = tiny_model(seed=2)
@@ -352,7 +346,7 @@ def test_an_lm_pretrain_run_is_a_base_for_lora_and_full_fine_tuning(tmp_path):
 def test_activation_checkpointing_recomputes_the_same_gradients_with_dropout():
     """Recomputed blocks regenerate the same dropout masks, so gradients match exactly."""
     from engine.checks.verify_grads import tiny_model
-    from engine.recipes.lm_sft import checkpoint_activations
+    from engine.train.lm_base import checkpoint_activations
 
     def gradients(recompute: bool) -> torch.Tensor:
         model, adapters, batch = tiny_model(seed=4)

@@ -24,7 +24,8 @@ from engine.fsutil import atomic_write_text, read_json
 from engine.gguf.quant_policy import FILE_TYPES, FLOAT_TYPES, ModelFacts, plan_types
 from engine.rundir import RunDir
 
-EXPORTABLE = ("lm-pretrain", "lm-sft")
+EXPORTABLE = ("lm-pretrain", "lm-sft", "lm-dpo")
+ADAPTER_RECIPES = ("lm-sft", "lm-dpo")   # a base plus adapters (or full weights) over it
 RIGHTS_LABELS = {"train": "training on this data is allowed",
                  "publish_data": "the data may be published",
                  "publish_weights": "weights trained on it may be published",
@@ -136,7 +137,7 @@ def size_estimates(run: ExportableRun, checkpoint: str, base: Path | None = None
     checkpoint the tensors carry torch names, so the plan's special cases for the embedding and
     output matrices are not applied to them: an estimate, exact for the dense types.
     """
-    if run.recipe == "lm-sft":
+    if run.recipe in ADAPTER_RECIPES:
         info = base_info(run.path, base)
         table = gguf_tensor_table(info.path)
         facts = ModelFacts.from_metadata(_gguf_metadata(info.path))

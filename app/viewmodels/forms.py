@@ -43,7 +43,8 @@ LABELS = {"n_layers": "layers", "n_heads": "attention heads", "n_kv_heads": "key
           "nonfinite": "on a non-finite loss"}
 # Fields that name something on disk, and what: a folder, a file, or either.
 PATH_FIELDS = {"data.dir": "folder", "data.path": "any", "data.val_path": "file",
-               "data.test_path": "file", "model.gguf": "file", "model.run": "folder"}
+               "data.test_path": "file", "model.gguf": "file", "model.run": "folder",
+               "model.sft_run": "folder"}
 
 
 @dataclass(frozen=True)

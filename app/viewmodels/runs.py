@@ -19,7 +19,8 @@ from engine.rundir import RunDir
 
 NOTES_FILE = "notes.json"  # app-owned: question, notes, selected checkpoint (run.json is immutable)
 TRAIN_FIELDS = ("loss", "grad_norm", "lr", "tokens_per_s", "peak_rss_mb", "rank_tokens_per_s",
-                "world_size")
+                "world_size",
+                "reward_margin", "preference_accuracy", "chosen_logp", "rejected_logp")  # lm-dpo
 
 
 class JsonlTail:

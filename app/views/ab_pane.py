@@ -87,6 +87,7 @@ class SideView(QStackedWidget):
 
 class ABPane(QWidget):
     message = Signal(str)
+    train_requested = Signal(str)   # an lm-dpo config to start (the Runs pane starts it)
 
     def __init__(self, parent=None):
         super().__init__(parent)
@@ -203,10 +204,22 @@ class ABPane(QWidget):
         self.results = QTextBrowser()
         self.export_button = QPushButton("Export preferences as a dataset…")
         self.export_button.clicked.connect(self.export_preferences)
+        self.train_button = QPushButton("Train on these preferences")
+        self.train_button.setToolTip("Export the judgements as a new dataset version, then "
+                                     "start lm-dpo from the winning lm-sft checkpoint")
+        self.train_button.clicked.connect(self.train_on_preferences)
+        self.compare_button = QPushButton("Compare with the previous model")
+        self.compare_button.setToolTip("A new blind session, tuned vs the model it started "
+                                       "from, on the held-out prompts in the Prompts box")
+        self.compare_button.clicked.connect(self.compare_with_previous)
         results = QGroupBox("Results")
         xv = QVBoxLayout(results)
         xv.addWidget(self.results, 1)
         xv.addWidget(self.export_button)
+        loop = QHBoxLayout()
+        loop.addWidget(self.train_button)
+        loop.addWidget(self.compare_button)
+        xv.addLayout(loop)
 
         right = QSplitter(Qt.Orientation.Vertical)
         right.addWidget(rating)
@@ -433,6 +446,8 @@ class ABPane(QWidget):
             button.setEnabled(pair is not None)
         self.answer_buttons["P"].setVisible(session is not None and session.kind == "audio")
         self.export_button.setEnabled(bool(session and session.finished))
+        for button in (self.train_button, self.compare_button):
+            button.setEnabled(bool(session and session.finished and session.kind == "text"))
         if session is None:
             self.progress.setText("Choose two or more systems and start a session.")
             self.prompt.setText("")
@@ -468,6 +483,52 @@ class ABPane(QWidget):
         provenance = read_json(out / "dataset.json")["provenance"]
         self.message.emit(f"preference dataset written: {out} ({provenance['exported']} "
                           f"pairs; {provenance['not_exported']} left out)")
+
+
+    # -- closing the loop ----------------------------------------------------------------
+    def train_on_preferences(self) -> None:
+        """Export the session as a new preference dataset (with its card), write an lm-dpo
+        config that refines the winning lm-sft checkpoint on it, and ask for it to start."""
+        if self.session is None or self.workspace is None:
+            return
+        try:
+            out = self.session.export_preferences(vm.next_free(
+                self.workspace.datasets_dir, f"preferences-{self.session.plan.session}"))
+            config = vm.dpo_config_for(self.session, out, self.workspace.configs_dir)
+        except ForgebenchError as exc:
+            self._refused(exc)
+            self.message.emit(exc.render())
+            return
+        self.setup_status.setText(f"Preferences exported to datasets/{out.name}; lm-dpo "
+                                  f"config configs/{config.name} started in Runs.")
+        self.train_requested.emit(str(config))
+
+    def compare_with_previous(self) -> None:
+        """A new blind session: the latest finished lm-dpo run trained on this session against
+        the checkpoint it started from, on the held-out prompts of the Prompts box."""
+        if self.session is None or self.workspace is None:
+            return
+        try:
+            tuned = vm.tuned_runs(self.workspace.run_dirs(), self.session.store.path)
+            if not tuned:
+                raise ForgebenchError("no finished lm-dpo run was trained on this session yet",
+                                      where="Compare", hint="press Train on these preferences "
+                                                            "and wait for the run to complete")
+            prompts = vm.held_out_prompts(self.gen_prompts.toPlainText().splitlines(),
+                                          tuned[-1])
+            systems = vm.comparison_systems(tuned[-1])
+        except ForgebenchError as exc:
+            self._refused(exc)
+            return
+        self.reload()
+        for i in range(self.systems.count()):
+            self.systems.item(i).setCheckState(Qt.CheckState.Unchecked)
+        for run_dir, checkpoint in systems:
+            self.check_system(Path(run_dir), checkpoint)
+        self.name.setText(vm.next_free(self.ratings_dir, f"{self.session.plan.session}-compare",
+                                       ".jsonl").stem)
+        self.gen_prompts.setPlainText("\n".join(prompts))
+        self.generate_outputs()
 
 
 def results_html(results: dict, reveal: bool) -> str:

@@ -25,6 +25,10 @@ PLOTS = [("loss", "Loss: train, val (dashed)", ""),
          ("grad_norm", "Grad norm (red: clip, ×)", ""),
          ("lr", "Learning rate", ""), ("tokens_per_s", "Throughput", "tokens/s"),
          ("peak_rss_mb", "Peak memory", "MB")]
+# Preference runs (lm-dpo) add a row, shown only once a selected run logs these metrics.
+PREFERENCE_PLOTS = [("reward_margin", "Reward margin (chosen − rejected)", ""),
+                    ("preference_accuracy", "Preference accuracy", ""),
+                    ("chosen_logp", "Log-prob: chosen, rejected (dashed)", "")]
 
 
 def _finite(xs: list[float], ys: list[float], log: bool) -> tuple[list[float], list[float]]:
@@ -101,6 +105,15 @@ class RunCharts(QWidget):
                 item.setLimits(yMin=0)      # a constant lr is not centred on a negative axis
             self.plots[metric] = item
             grid.addWidget(widget, i // 3, i % 3)
+        self.optional: dict[str, pg.PlotWidget] = {}
+        for i, (metric, title, unit) in enumerate(PREFERENCE_PLOTS):
+            widget = pg.PlotWidget(title=title)
+            widget.setMinimumHeight(150)
+            widget.getPlotItem().setLabel("left", unit)
+            widget.hide()
+            self.plots[metric] = widget.getPlotItem()
+            self.optional[metric] = widget
+            grid.addWidget(widget, 2, i)
         self.summary = QLabel()
         self.summary.setWordWrap(True)
         self.summary.setAlignment(Qt.AlignmentFlag.AlignTop | Qt.AlignmentFlag.AlignLeft)
@@ -230,7 +243,14 @@ class RunCharts(QWidget):
                 self._curve((key, metric, "clip"), metric, pen=pg.mkPen(
                     "#a00", width=1, style=Qt.PenStyle.DashLine)).setData(
                     [min(xs), max(xs)] if clip and xs else [], [clip, clip] if clip and xs else [])
+            if metric == "chosen_logp":
+                rx, ry = _finite(*series.xy("rejected_logp", x=x), use_log)
+                self._curve((key, metric, "rejected"), metric, pen=pg.mkPen(
+                    colour, width=2, style=Qt.PenStyle.DashLine)).setData(rx, ry)
             self._markers(key, metric, series, x, (min(ys), max(ys)) if ys else None, colour)
+        if metric in self.optional:
+            self.optional[metric].setVisible(any(   # rows of other recipes hold NaN here
+                _finite(*s.xy(metric), False)[0] for s in self.series.values()))
         self.redrawn.emit(metric)
 
     def _markers(self, key: str, metric: str, series: RunSeries, x: str,

@@ -339,7 +339,7 @@ class ExportWizardPane(QWidget):
         self.base_text.setText(self.base.explanation())
         self.dense_button.setVisible(self.base.quantized)
         for widget in (self.base_path, self.base_browse, self.base_library):
-            widget.setEnabled(self.run.recipe == "lm-sft")
+            widget.setEnabled(self.run.recipe in vm.ADAPTER_RECIPES)
 
     def _fill_library_menu(self) -> None:
         menu = self.base_library.menu()

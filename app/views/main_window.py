@@ -149,6 +149,7 @@ class MainWindow(QMainWindow):
         self.sidebar.setCurrentRow(0)
         self.masks.dataset_saved.connect(self.datasets.reload)
         self.models.library_changed.connect(self.chat.refresh_sources)
+        self.ab.train_requested.connect(self.train_preferences)
 
         # Scrolling a pane never edits a combo box or spin box the user did not click into.
         self.wheel_guard = WheelGuard(self)
@@ -319,6 +320,13 @@ class MainWindow(QMainWindow):
         if "datasets" in changes:
             self.datasets.refresh_list()
             self.runs.form_widget.set_datasets(self.workspace.dataset_dirs())
+
+    def train_preferences(self, config: str) -> None:
+        """The Blind A/B pane's "Train on these preferences": the Runs pane starts the lm-dpo
+        config it wrote, and is shown with the new run's charts."""
+        self.runs.start_config(Path(config))
+        self.sidebar.setCurrentRow(next(i for i in range(self.stack.count())
+                                        if self.stack.widget(i).widget() is self.runs))
 
     def show_message(self, text: str) -> None:
         self.statusBar().showMessage(text.splitlines()[0] if text else "", 8000)

@@ -382,6 +382,12 @@ class RunsPane(QWidget):
         self.poll(force=True)
         return pending.out
 
+    def start_config(self, path: Path) -> Path | None:
+        """Open a config of configs/ in the form (pre-filled by another pane) and start it."""
+        self.reload_configs()
+        self.config_combo.setCurrentIndex(self.config_combo.findData(str(path)))
+        return self.start_from_form()
+
     def _launch(self, pending: jobs.PendingRun) -> None:
         try:
             pid = start_detached(pending.argv(), pending.log)

@@ -249,12 +249,13 @@ def verify_config(config, samples: int = 24) -> list[dict]:
     (which re-dequantizes W for dx) is then compared with that f64 gradient.
     """
     from engine.recipes import lm_sft
+    from engine.train.lm_base import densify, load_base
 
     def prepared(dtype: torch.dtype):
-        base = lm_sft.load_base(config)
+        base = load_base(config)
         encoded, _ = lm_sft.encode_samples(config, base)
         if dtype == torch.float64:
-            lm_sft.densify(base.model, base.path, quantized_ok=True)
+            densify(base.model, base.path, quantized_ok=True)
             base.model.double()
         lora = config.lora
         adapters = attach_lora(base.model, targets=lora.targets, rank=lora.rank,

@@ -289,6 +289,8 @@ def _check_field(ftype: str, value: Any, manifest: dict, kind: F.Kind) -> str | 
         return _check_box(value)
     if ftype == F.MESSAGES:
         return _check_messages(value)
+    if ftype == F.OUTCOME:
+        return None if value in F.OUTCOMES else f"must be one of {', '.join(F.OUTCOMES)}"
     raise AssertionError(f"unknown field type {ftype}")
 
 
@@ -343,6 +345,10 @@ def check_record(record: dict, kind: F.Kind, manifest: dict) -> list[tuple[str |
             reason = _check_field(types[name], value, manifest, kind)
             if reason:
                 problems.append((name, reason))
+    if kind.distinct and not problems and len({str(record.get(f)).strip()
+                                                for f in kind.distinct}) < len(kind.distinct):
+        problems.append((kind.distinct[-1], f"{' and '.join(kind.distinct)} are the same text, "
+                                            "so the pair prefers nothing"))
     return problems
 
 

@@ -37,6 +37,9 @@ BOX = "box"          # null or normalized [x0, y0, x1, y1] with 0 <= x0 < x1 <= 
 MESSAGES = "messages"  # [{"role": ..., "content": ...}, ...]
 SHA256 = "sha256"    # 64 lowercase hex digits, must match the file in `path`
 RIGHTS = "rights"    # string or object
+OUTCOME = "outcome"  # one of OUTCOMES
+OUTCOMES = ("preferred", "tie", "skip")   # a preference pair's judgement; ties and skips teach
+                                          # nothing and are left out of training (counted)
 
 COMMON_FIELDS = {"id": ID, "group": STR, "split": SPLIT, "source": STR, "rights": RIGHTS}
 
@@ -56,6 +59,7 @@ class Kind:
     media: str | None = None          # "image" or "audio": format checks apply; "files":
                                       # only that each path is a listed file
     alt_records: tuple[str, ...] = field(default=())  # other accepted records files
+    distinct: tuple[str, ...] = ()    # fields whose values must differ within a record
 
     @property
     def path_fields(self) -> tuple[str, ...]:
@@ -70,9 +74,13 @@ KINDS: dict[str, Kind] = {k.name: k for k in [
          text_fields=("system", "instruction", "response", "messages")),
     Kind("text-corpus", "documents.jsonl", {"text": TEXT},
          required=("id", "text"), text_fields=("text",)),
-    Kind("preferences", "records.jsonl", {"prompt": TEXT, "chosen": TEXT, "rejected": TEXT},
+    # pairwise preferences (blind A/B exports, lm-dpo's data): who rated, in which session and
+    # why are kept per pair, so pairs from several raters keep their provenance
+    Kind("preferences", "records.jsonl",
+         {"prompt": TEXT, "chosen": TEXT, "rejected": TEXT, "system": STR, "rater": STR,
+          "session": STR, "rationale": STR, "outcome": OUTCOME},
          required=("id", "prompt", "chosen", "rejected"),
-         text_fields=("prompt", "chosen", "rejected")),
+         text_fields=("system", "prompt", "chosen", "rejected"), distinct=("chosen", "rejected")),
     # preferences between generated images or sounds (blind A/B exports): the files are copied
     # into the dataset folder and listed with their SHA-256
     Kind("media-preferences", "records.jsonl",

@@ -166,7 +166,7 @@ def _sft_base(bundle: Bundle, base_arg: str | None, scratch: Path,
     # an lm-sft run over an lm-pretrain run: its base is that run's checkpoint weights
     base_run, base_ckpt = RunDir(base_path.parents[2]), base_path.parent.name
     out = scratch / "base-f32.gguf"
-    from engine.recipes.lm_sft import PLAIN_TEMPLATE
+    from engine.train.lm_base import PLAIN_TEMPLATE
 
     with progress.tensors("write base (lm-pretrain) as GGUF") as update:
         write_pretrain_gguf(base_run, base_run.checkpoint(base_ckpt), out, "f32",
@@ -192,7 +192,7 @@ def _export_sft(bundle: Bundle, staging: Path, scratch: Path, base_arg: str | No
     base, how = _sft_base(bundle, base_arg, scratch, progress)
     bundle.base = {"path": str(base), "sha256": sha256_file(base) if base.is_file() else None,
                    "chosen": how}
-    # The layout the run trained with (lm_sft.load_base: the base's own template, else its
+    # The layout the run trained with (lm_base.load_base: the base's own template, else its
     # family's built-in one) goes into every export, so llama.cpp prompts the model as trained.
     # (None when the base has neither: lm-sft could not have trained on it, and the checks
     # below say what is wrong with it.)
@@ -382,9 +382,9 @@ def export_run(run_dir: str | os.PathLike, out: str | os.PathLike, *, checkpoint
                               hint="choose a new --out or delete the old export")
     run = RunDir(run_dir).require()
     recipe = run.manifest()["recipe"]
-    if recipe not in ("lm-pretrain", "lm-sft"):
+    if recipe not in ("lm-pretrain", "lm-sft", "lm-dpo"):   # lm-dpo checkpoints are lm-sft's
         raise ForgebenchError(f"recipe '{recipe}' has no GGUF export", path=run.path,
-                              hint="export works for lm-pretrain and lm-sft runs")
+                              hint="export works for lm-pretrain, lm-sft and lm-dpo runs")
     if run.is_active():
         raise ForgebenchError("the run is still training", path=run.path,
                               hint="wait for it, or stop it: forgebench stop RUN_DIR")

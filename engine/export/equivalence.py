@@ -98,7 +98,7 @@ def _load_engine(model: dict):
         recipe = run.manifest()["recipe"]
         if recipe == "lm-pretrain":
             net, tok, _ = recipe_module(recipe).load_model(run, checkpoint)
-            from engine.recipes.lm_sft import PretrainTokenizer
+            from engine.train.lm_base import PretrainTokenizer
             tok = PretrainTokenizer(tok)
             render = lambda prompt: prompt                                   # noqa: E731
         else:

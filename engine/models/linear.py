@@ -212,7 +212,7 @@ def _head_rows(weight: "PackedWeight | torch.Tensor", index: torch.Tensor) -> to
 
 def _linear_cross_entropy_pass(h: torch.Tensor, weight, targets: torch.Tensor,
                                want_grad: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """(summed CE of h·Wᵀ against targets, dCE/dh or None) in one pass over W's row chunks.
+    """(CE of h·Wᵀ against targets per row [N], dCE/dh or None) in one pass over W's row chunks.
 
     Online logsumexp: a running max m, sum s = Σ exp(z - m) and (for the gradient)
     acc = Σ exp(z - m)·W, rescaled by exp(m_old - m_new) when the max grows; then
@@ -240,39 +240,43 @@ def _linear_cross_entropy_pass(h: torch.Tensor, weight, targets: torch.Tensor,
         if want_grad:
             acc.mul_(rescale).addmm_(p, w)
         m = m_new
-    loss = (m.squeeze(1) + s.log().squeeze(1) - target_logit).sum()
+    loss = m.squeeze(1) + s.log().squeeze(1) - target_logit
     grad = None if not want_grad else acc.div_(s).sub_(_head_rows(weight, targets).to(h.dtype))
     return loss, grad
 
 
 class _LinearCrossEntropy(torch.autograd.Function):
-    """Summed CE of h·Wᵀ for a frozen W; the [N, vocab] logits never exist beyond one chunk,
-    and dh is accumulated in the same pass, so W is read (or dequantized) once per step."""
+    """CE of h·Wᵀ for a frozen W, summed or per row; the [N, vocab] logits never exist beyond
+    one chunk, and dh is accumulated in the same pass, so W is read (or dequantized) once per
+    step."""
 
     @staticmethod
     @torch.amp.custom_fwd(device_type="cpu", cast_inputs=torch.float32)
-    def forward(ctx, h, weight, targets):
+    def forward(ctx, h, weight, targets, per_row):
         loss, grad = _linear_cross_entropy_pass(h, weight, targets, want_grad=True)
         ctx.save_for_backward(grad)
-        return loss
+        ctx.per_row = per_row
+        return loss if per_row else loss.sum()
 
     @staticmethod
     @torch.amp.custom_bwd(device_type="cpu")
     def backward(ctx, d_loss):
         grad, = ctx.saved_tensors
-        return grad * d_loss, None, None
+        return grad * (d_loss[:, None] if ctx.per_row else d_loss), None, None, None
 
 
 def linear_cross_entropy(h: torch.Tensor, weight: "PackedWeight | torch.Tensor",
-                         targets: torch.Tensor) -> torch.Tensor:
-    """Summed cross-entropy of logits h [N, D] · weight [V, D]ᵀ against targets [N].
+                         targets: torch.Tensor, per_row: bool = False) -> torch.Tensor:
+    """Summed cross-entropy of logits h [N, D] · weight [V, D]ᵀ against targets [N], or with
+    `per_row` each row's cross-entropy [N] (what per-sequence log-probabilities sum).
 
     `weight` is frozen (a PackedWeight, cached or not, or a tensor without grad). Equals
-    F.cross_entropy(F.linear(h, W), targets, reduction="sum") in exact arithmetic, at the cost
-    of one pass over W instead of three (forward, softmax backward, dh).
+    F.cross_entropy(F.linear(h, W), targets, reduction="sum" or "none") in exact arithmetic,
+    at the cost of one pass over W instead of three (forward, softmax backward, dh).
     """
     if torch.is_grad_enabled() and h.requires_grad:
-        return _LinearCrossEntropy.apply(h, weight, targets)
+        return _LinearCrossEntropy.apply(h, weight, targets, per_row)
     with torch.autocast("cpu", enabled=False):
-        return _linear_cross_entropy_pass(h.float() if h.dtype == torch.bfloat16 else h,
+        loss = _linear_cross_entropy_pass(h.float() if h.dtype == torch.bfloat16 else h,
                                           weight, targets, want_grad=False)[0]
+    return loss if per_row else loss.sum()

@@ -1,0 +1,420 @@
+"""lm-dpo: preference tuning (DPO) of a language model, starting from an lm-sft run.
+
+Reads top to bottom: the starting policy (an lm-sft run's checkpoint over that run's own base,
+adapters on, dropout off) -> preference pairs (ties and skips left
+out, counted), each side encoded with the base's chat template, prompt masked -> the reference
+log-probs, computed once with the starting policy and cached in the run directory -> AdamW ->
+BEFORE generations -> loop (a window of pairs per step; chosen and rejected packed into one
+forward per micro-batch; the DPO loss averaged over the window, clipped once, one AdamW step)
+-> checkpoint -> AFTER generations.
+
+The reference is the starting policy itself, never "the base with the adapter switched off":
+that would silently be the untuned base, which the handbook warns about. It
+is evaluated once, before any update and without dropout (lm-dpo trains without dropout), so
+no second model is kept. The cache `reference_logps.json` is keyed by the data files, the
+base's SHA-256, the starting checkpoint's files and the encoding: a resume reuses it (the
+trained weights never recompute it); a key that no longer matches is refused.
+
+Per step `metrics.jsonl` carries the shared train row (loss, grad_norm, ...) plus
+reward_margin, chosen_reward, rejected_reward, chosen_logp, rejected_logp and
+preference_accuracy. A checkpoint holds what an lm-sft checkpoint holds (adapters with the
+base's SHA-256, or full weights; optimizer state; trainer_state.json last), so export, eval and
+generate work on it as on an lm-sft run.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from engine.data.preferences import load_preferences
+from engine.errors import ForgebenchError
+from engine.fsutil import atomic_write_json, read_json, sha256_file
+from engine.jobs import Job, run_config
+from engine.llm.sft_data import EncodedSample, SFTExample, encode_sft
+from engine.lora import ADAPTERS_FILE, adapter_bytes, describe_adapters, read_adapters
+from engine.recipes.lm_dpo_config import LMDPOConfig
+from engine.rundir import Checkpoint, RunDir
+from engine.train.checkpoint import MODEL_FILE, rng_state, save_checkpoint, set_rng_state
+from engine.train.data_order import DataCursor
+from engine.train.lm_base import (
+    Base,
+    apply_weights,
+    checkpoint_activations,
+    generate_answer,
+    load_policy,
+    pack,
+    size_text,
+    write_generations,
+)
+from engine.train.metrics import StepClock, train_row
+from engine.train.optim import build_adamw, clip_and_step, lr_at, set_lr
+from engine.train.precision import autocast
+from engine.train.preference import PreferenceLoss, preference_loss, sequence_logps
+
+REFERENCE_FILE = "reference_logps.json"   # the reference's log-probs, computed once per run
+
+
+# -- the starting policy (and reference) ----------------------------------------------------
+def sft_start(config: LMDPOConfig):
+    """(the lm-sft run the policy starts from, its config with this run's weights mode)."""
+    run = RunDir(config.resolve_path(config.model.sft_run, "field 'model.sft_run'")).require()
+    if run.manifest().get("recipe") != "lm-sft":
+        raise ForgebenchError("model.sft_run must be an lm-sft run", path=run.path,
+                              where="field 'model.sft_run'",
+                              hint="point it at the run whose adapters DPO should refine")
+    sft = run_config(run)
+    return run, sft.model_copy(update={"model": sft.model.model_copy(
+        update={"weights": config.model.weights})})
+
+
+def base_model(config: LMDPOConfig) -> Path:
+    """The base file: the lm-sft run's own base."""
+    return Path(sft_start(config)[0].manifest()["base_model"]["path"])
+
+
+def load_start(config: LMDPOConfig):
+    """(base, adapters or None, trainable parameters) holding the starting policy: the lm-sft
+    checkpoint applied to its base, with dropout off."""
+    run, sft = sft_start(config)
+    return load_policy(sft, run.checkpoint(config.model.checkpoint),
+                       run.manifest()["base_model"]["sha256"],
+                       lora=sft.lora.model_copy(update={"dropout": 0.0}))
+
+
+# -- data -----------------------------------------------------------------------------------
+def data_source(config: LMDPOConfig, split: str = "train") -> Path:
+    """The JSONL file of a split, or the preferences dataset folder holding every split."""
+    name = {"train": "path", "val": "val_path", "test": "test_path"}[split]
+    value = getattr(config.data, name)
+    if value is None and split != "train" and \
+            config.resolve_path(config.data.path, "field 'data.path'").is_dir():
+        value = config.data.path
+    if value is None:
+        raise ForgebenchError(f"the config names no {split} data", where=f"field 'data.{name}'",
+                              hint=f"add data.{name} = \"FILE.jsonl\"")
+    path = config.resolve_path(value, f"field 'data.{name}'")
+    if not path.exists():
+        raise ForgebenchError("preference data not found", path=path, where=f"field 'data.{name}'",
+                              hint="a JSONL file, or a preferences dataset folder")
+    return path
+
+
+def data_manifest(config: LMDPOConfig) -> dict:
+    """The data files and the starting checkpoint's weight files, with their SHA-256: what
+    resume re-validates, and what the reference cache is keyed by. The pairs and the starting
+    adapters are checked here, before a run folder exists, so bad input leaves nothing."""
+    from engine.data.dataset import load_dataset
+
+    files = {}
+    for split in ("train", "val", "test"):
+        if split != "train" and not getattr(config.data, f"{split}_path"):
+            continue
+        path = data_source(config, split)
+        load_preferences(path, split if path.is_dir() else None)
+        if path.is_dir():
+            files |= {f"{path.name}/{name}": digest for name, digest in
+                      load_dataset(path, check_media=False).files_manifest().items()}
+        else:
+            files[f"{split}:{path.name}"] = sha256_file(path)
+    sft_run = sft_start(config)[0]
+    checkpoint = sft_run.checkpoint(config.model.checkpoint)
+    require_same_base(checkpoint, sft_run.manifest()["base_model"]["sha256"])
+    return {"files": files, "start": {
+        "run": str(sft_run.path), "checkpoint": checkpoint.name,
+        "files": {p.name: sha256_file(p) for p in sorted(checkpoint.path.iterdir())
+                  if p.name in (ADAPTERS_FILE, MODEL_FILE)}}}
+
+
+def require_same_base(checkpoint: Checkpoint, base_sha: str) -> None:
+    """The starting adapters were trained on the base the run loads (their recorded SHA-256)."""
+    adapters = checkpoint.path / ADAPTERS_FILE
+    if not adapters.is_file():
+        return                                  # full weights: the run's base pins them
+    recorded = read_adapters(adapters)[1].get("base_sha256")
+    if recorded and recorded != base_sha:
+        raise ForgebenchError(
+            f"adapter base model SHA-256 is {recorded!r} but the lm-sft run's base is "
+            f"{base_sha!r}", path=adapters, where="metadata 'base_sha256'",
+            hint="the reference must be the SFT policy over its own base: start from an lm-sft "
+                 "checkpoint trained on this base")
+
+
+@dataclass
+class EncodedPair:
+    chosen: EncodedSample
+    rejected: EncodedSample
+    where: str
+
+
+def encode_pairs(config: LMDPOConfig, base: Base, split: str = "train"):
+    """(encoded pairs, summary counts) of one split: each side is the prompt and one response
+    rendered with the base's template, only the response (and its end of turn) supervised."""
+    d = config.data
+    path = data_source(config, split)
+    pairs, counts = load_preferences(path, split if path.is_dir() else None)
+    render = functools.partial(base.template.render, enable_thinking=d.enable_thinking)
+    encoded, too_long = [], 0
+    for pair in pairs:
+        system = pair.system if pair.system is not None else d.system
+        prompt = ([{"role": "system", "content": system}] if system else []) + \
+            [{"role": "user", "content": pair.prompt}]
+        sides = [encode_sft(SFTExample(prompt + [{"role": "assistant", "content": text}], 0,
+                                       pair.source, pair.where),
+                            base.tokenizer, render, d.max_len, d.truncation)
+                 for text in (pair.chosen, pair.rejected)]
+        if None in sides:
+            too_long += 1
+            continue
+        if sides[0].labels == sides[1].labels:
+            raise ForgebenchError("chosen and rejected encode to the same tokens, so the pair "
+                                  "prefers nothing", path=pair.source, where=pair.where,
+                                  hint="they may differ only in surrounding whitespace")
+        encoded.append(EncodedPair(*sides, pair.where))
+    if not encoded:
+        raise ForgebenchError("no pair is left to train on (all were dropped as too long)",
+                              path=path, where="field 'data.truncation'", hint="raise data.max_len")
+    report = counts.as_dict() | {
+        "kept": len(encoded), "dropped_too_long": too_long,
+        "truncated": sum(p.chosen.truncated or p.rejected.truncated for p in encoded),
+        "input_tokens": sum(len(s.input_ids) for p in encoded for s in (p.chosen, p.rejected)),
+        "supervised_tokens": sum(s.n_supervised for p in encoded
+                                 for s in (p.chosen, p.rejected))}
+    return encoded, report
+
+
+# -- log-probs and the reference ------------------------------------------------------------
+def forward_pairs(model, pairs: list[EncodedPair]):
+    """Summed response log-probs of the chosen and the rejected sides [M] each, from one packed
+    forward; and their supervised token counts."""
+    logps, counts = sequence_logps(model, *pack([p.chosen for p in pairs]
+                                                + [p.rejected for p in pairs]))
+    m = len(pairs)
+    return logps[:m], logps[m:], counts[:m], counts[m:]
+
+
+@torch.no_grad()
+def pair_logps(model, pairs: list[EncodedPair], micro_batch: int, precision: str,
+               progress=None) -> dict[str, torch.Tensor]:
+    """Log-probs of every pair's two sides under `model` in eval mode (no dropout)."""
+    was_training = model.training
+    model.eval()
+    chosen, rejected = [], []
+    for start in range(0, len(pairs), micro_batch):
+        with autocast(precision):
+            c, r, _, _ = forward_pairs(model, pairs[start:start + micro_batch])
+        chosen.append(c.float())
+        rejected.append(r.float())
+        if progress:
+            progress.update(len(c))
+    model.train(was_training)
+    return {"chosen": torch.cat(chosen), "rejected": torch.cat(rejected)}
+
+
+def reference_key(manifest: dict, config: LMDPOConfig, report: dict) -> str:
+    """What the reference log-probs depend on: data and starting weights (their hashes), the
+    base's SHA-256, and how the pairs were encoded and computed."""
+    ingredients = {"data": manifest["data"], "base_sha256": manifest["base_model"]["sha256"],
+                   "encoding": config.data.model_dump(mode="json"),
+                   "autocast": config.train.autocast, "pairs": report["kept"]}
+    return hashlib.sha256(json.dumps(ingredients, sort_keys=True).encode()).hexdigest()
+
+
+def reference_logps(job: Job, config: LMDPOConfig, model, pairs: list[EncodedPair],
+                    report: dict) -> dict[str, torch.Tensor]:
+    """The reference's log-probs: read from the run's cache, or computed now with the model
+    as it is (the starting policy: this runs before a resume loads trained weights)."""
+    run = job.run
+    key = reference_key(run.manifest(), config, report)
+    path = run.path / REFERENCE_FILE
+    if path.is_file():
+        cached = read_json(path)
+        if cached.get("key") != key:
+            raise ForgebenchError(
+                "the cached reference log-probs belong to other data, another base or another "
+                "starting checkpoint", path=path,
+                hint="the reference must be this run's own starting policy: start a new run")
+        return {side: torch.tensor(cached[side], dtype=torch.float32)
+                for side in ("chosen", "rejected")}
+    job.announce("reference", f"reference log-probs of {len(pairs)} pairs (once; cached)")
+    bar = job.progress(len(pairs), desc="reference")
+    values = pair_logps(model, pairs, config.train.micro_batch, config.train.autocast, bar)
+    bar.close()
+    atomic_write_json(path, {"key": key, "pairs": len(pairs),
+                             **{side: v.tolist() for side, v in values.items()}})
+    run.log_event("reference_computed", path=REFERENCE_FILE, pairs=len(pairs), key=key)
+    return values
+
+
+class WindowStats:
+    """Sums over one window's pairs of what a step logs; `row()` their means."""
+
+    FIELDS = ("loss", "reward_margin", "chosen_reward", "rejected_reward", "chosen_logp",
+              "rejected_logp", "preference_accuracy")
+
+    def __init__(self) -> None:
+        self.sums = dict.fromkeys(self.FIELDS, 0.0)
+        self.pairs = 0
+
+    def add(self, terms, chosen: torch.Tensor, rejected: torch.Tensor) -> None:
+        margins = terms.margins
+        for name, values in (("loss", terms.losses.detach()), ("reward_margin", margins),
+                             ("chosen_reward", terms.chosen_rewards),
+                             ("rejected_reward", terms.rejected_rewards),
+                             ("chosen_logp", chosen.detach()),
+                             ("rejected_logp", rejected.detach()),
+                             ("preference_accuracy", (margins > 0).double())):
+            self.sums[name] += float(values.sum())
+        self.pairs += len(margins)
+
+    def row(self) -> dict[str, float]:
+        return {name: total / self.pairs for name, total in self.sums.items()}
+
+
+# -- training -------------------------------------------------------------------------------
+def train(job: Job) -> None:
+    config: LMDPOConfig = job.config
+    run, opt, tr = job.run, config.optim, config.train
+    torch.manual_seed(config.seed)
+    base_sha = run.manifest()["base_model"]["sha256"]
+    settings = PreferenceLoss(**config.dpo.model_dump())
+
+    job.announce("loading", f"loading base {size_text(base_model(config))} and the starting "
+                            "policy")
+    base, adapters, trainable = load_start(config)
+    model = base.model
+    if not base.dense:
+        from engine.models.gguf_model import memory_report
+
+        run.log_event("base_weights", mode=model.weights_mode, **memory_report(model))
+    job.announce("encoding", "encoding the preference pairs")
+    pairs, report = encode_pairs(config, base)
+    run.log_event("data_encoded", **report)
+    reference = reference_logps(job, config, model, pairs, report)   # before any update
+    start = run.manifest()["data"]["start"]
+    identity = {"recipe": "lm-dpo", "base": str(base.path), "base_sha256": base_sha,
+                "method": "lora" if adapters else "full",
+                "reference": f"{Path(start['run']).name}/{start['checkpoint']}",
+                **(describe_adapters(adapters) if adapters else {})}
+    optimizer = build_adamw(trainable, lr=opt.lr, weight_decay=opt.weight_decay,
+                            betas=(opt.beta1, opt.beta2), eps=opt.eps, moments=opt.moments)
+    params = [p for _, p in trainable]
+    cursor = DataCursor(len(pairs), config.seed)
+    step, skipped_total, elapsed_before = 0, 0, 0.0
+    if job.resume_from:
+        optimizer_state, state = apply_weights(job.resume_from, model, adapters, base_sha)
+        optimizer.load_state_dict(optimizer_state)
+        cursor = DataCursor.from_state(state["cursor"])
+        set_rng_state(state["rng"])
+        step, skipped_total = state["step"], state["skipped_total"]
+        elapsed_before = state["elapsed_s"]
+    elif config.sample.prompts:
+        job.announce("sample", f"answering {len(config.sample.prompts)} prompt(s) with the "
+                               "starting policy (BEFORE)")
+        write_generations(run, "step-000000", 0, base, config, identity)
+    if tr.activation_checkpointing:
+        checkpoint_activations(model)
+
+    def checkpoint_now() -> Checkpoint:
+        job.stage = "save"
+        trainer_state = {"cursor": cursor.state(), "rng": rng_state(),
+                         "skipped_total": skipped_total, "elapsed_s": clock.elapsed,
+                         "invocation": job.invocation, "base_sha256": base_sha,
+                         "reference": identity["reference"], "data": report}
+        if adapters:
+            return save_checkpoint(run, step, model_tensors={}, optimizer=optimizer,
+                                   trainer_state=trainer_state, keep_last=config.keep_last,
+                                   extra_files={ADAPTERS_FILE: adapter_bytes(adapters, base_sha)})
+        return save_checkpoint(run, step, model_tensors=model.state_dict(), optimizer=optimizer,
+                               trainer_state=trainer_state, keep_last=config.keep_last)
+
+    clock = StepClock(elapsed_before)
+    model.train()
+    bar = job.progress(config.steps, initial=step)
+    while step < config.steps and not job.stop_requested:
+        lr = lr_at(step, lr=opt.lr, warmup=opt.warmup, total=config.steps,
+                   schedule=opt.schedule, min_lr_ratio=opt.min_lr_ratio)
+        set_lr(optimizer, lr)
+        indices = cursor.take(tr.window)
+        stats, input_tokens, supervised = WindowStats(), 0, 0
+        for first in range(0, len(indices), tr.micro_batch):
+            job.stage = "forward"
+            chunk = indices[first:first + tr.micro_batch]
+            window = [pairs[i] for i in chunk]
+            with autocast(tr.autocast):
+                chosen, rejected, chosen_n, rejected_n = forward_pairs(model, window)
+            terms = preference_loss(settings, chosen, rejected, reference["chosen"][chunk],
+                                    reference["rejected"][chunk], chosen_n, rejected_n)
+            job.stage = "backward"
+            (terms.losses.sum() / len(indices)).backward()   # the mean over the whole window
+            stats.add(terms, chosen, rejected)
+            input_tokens += sum(len(s.input_ids) for p in window for s in (p.chosen, p.rejected))
+            supervised += int(chosen_n.sum() + rejected_n.sum())
+        values = stats.row()
+        job.stage = "optimizer"
+        outcome = clip_and_step(params, optimizer, opt.grad_clip, config.nonfinite,
+                                loss=values["loss"])
+        skipped_total += outcome.skipped
+        step += 1
+        tokens_per_s = clock.tick(supervised)
+        if step % config.log_every == 0 or step == config.steps:
+            run.log_metric(train_row(
+                invocation=job.invocation, step=step, outcome=outcome,
+                skipped_total=skipped_total, lr=lr, elapsed_s=clock.elapsed,
+                input_tokens=input_tokens, supervised_tokens=supervised,
+                tokens_per_s=tokens_per_s, pairs=len(indices), **values))
+        bar.update(1)
+        bar.set_postfix(loss=f"{values['loss']:.4f}", margin=f"{values['reward_margin']:.3f}")
+        job.step_done(step)
+        if (step == config.steps or job.stop_requested
+                or (config.save_every and step % config.save_every == 0)):
+            last = checkpoint_now()
+    bar.close()
+
+    if step == config.steps and not job.stop_requested and config.sample.prompts:
+        job.stage = "sample"
+        write_generations(run, last.name, step, base, config, identity)   # AFTER
+
+
+# -- evaluation and generation from a run ---------------------------------------------------
+def load_trained(run: RunDir, checkpoint: Checkpoint) -> tuple[Base, LMDPOConfig]:
+    """The base with the checkpoint's adapters (or full weights) applied, in eval mode."""
+    config = run_config(run)
+    base, adapters, _ = load_start(config)
+    apply_weights(checkpoint, base.model, adapters, run.manifest()["base_model"]["sha256"])
+    base.model.eval()
+    return base, config
+
+
+def evaluate(run: RunDir, checkpoint: Checkpoint, split: str) -> dict:
+    """DPO loss, reward margin and preference accuracy of a checkpoint on a split, against
+    the run's reference (its starting policy, evaluated first on the same pairs)."""
+    config = run_config(run)
+    base, adapters, _ = load_start(config)
+    pairs, report = encode_pairs(config, base, split=split)
+    mb, precision = config.train.micro_batch, config.train.autocast
+    reference = pair_logps(base.model, pairs, mb, precision)
+    apply_weights(checkpoint, base.model, adapters, run.manifest()["base_model"]["sha256"])
+    policy = pair_logps(base.model, pairs, mb, precision)
+    stats = WindowStats()
+    stats.add(preference_loss(PreferenceLoss(**config.dpo.model_dump()), policy["chosen"],
+                              policy["rejected"], reference["chosen"], reference["rejected"],
+                              torch.tensor([p.chosen.n_supervised for p in pairs]),
+                              torch.tensor([p.rejected.n_supervised for p in pairs])),
+              policy["chosen"], policy["rejected"])
+    record = {"split": split, "checkpoint": checkpoint.name, "step": checkpoint.step,
+              **stats.row(), "pairs": len(pairs), "ties": report["ties"],
+              "skips": report["skips"], "source": "forgebench eval"}
+    run.write_eval(f"{split}-{checkpoint.name}", record)
+    run.log_metric(record)
+    return record
+
+
+def generate(run: RunDir, checkpoint: Checkpoint, args) -> dict:
+    base, config = load_trained(run, checkpoint)
+    return generate_answer(base, checkpoint, config.data.enable_thinking, args)

@@ -1,0 +1,314 @@
+"""The language-model base a fine-tuning recipe starts from, shared by lm-sft and lm-dpo.
+
+Loading a base (a GGUF file, kept packed or with an f32 dense cache, or an lm-pretrain run's
+model with a plain chat layout), making it trainable (LoRA adapters over the frozen base, or
+every weight for full fine-tuning), applying a checkpoint's adapters or weights, packing
+samples for one forward pass, recomputing blocks in backward, and the greedy BEFORE/AFTER
+generations a run writes into `samples/`. Recipes call these; none of them imports a recipe
+(an lm-pretrain base is loaded through `engine.config.recipe_module`).
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint as recompute
+
+from engine.config import recipe_module
+from engine.errors import ForgebenchError
+from engine.fsutil import atomic_write_json, atomic_write_text, sha256_file
+from engine.llm.chat import ChatTemplate, encode_prompt
+from engine.lora import ADAPTERS_FILE, LoRALinear, attach_lora, load_adapters
+from engine.model_library import BYTES_PER_FULL_PARAM
+from engine.rundir import Checkpoint, RunDir
+from engine.sampling import SamplingSettings, generate_tokens
+from engine.train.checkpoint import MODEL_FILE, load_checkpoint
+from engine.train.devices import module_device
+
+
+def pack(samples: list) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
+    """Samples one after another as inputs/labels [T] and their lengths: each attends only
+    within itself, so no work goes to padding (a padded batch computes every pad position)."""
+    inputs = torch.tensor([t for s in samples for t in s.input_ids], dtype=torch.long)
+    labels = torch.tensor([t for s in samples for t in s.labels], dtype=torch.long)
+    return inputs, labels, [len(s.input_ids) for s in samples]
+
+
+# -- the base model -------------------------------------------------------------------------
+@dataclass
+class Base:
+    """A loaded base: the model, its tokenizer and chat template, and the file that pins it."""
+
+    model: nn.Module
+    tokenizer: object
+    template: ChatTemplate
+    path: Path
+    dense: bool           # every linear a plain nn.Linear (an lm-pretrain model)
+
+
+def base_model(config) -> Path:
+    """The file that identifies the base (hashed into run.json and the adapter metadata)."""
+    if config.model.gguf:
+        return config.resolve_path(config.model.gguf, "field 'model.gguf'")
+    run = RunDir(config.resolve_path(config.model.run, "field 'model.run'")).require()
+    return run.checkpoint(config.model.checkpoint).path / MODEL_FILE
+
+
+def size_text(path: Path) -> str:
+    try:
+        return f"{path.stat().st_size / 1e6:.0f} MB"
+    except OSError:
+        return path.name
+
+
+def load_base(config) -> Base:
+    path = base_model(config)
+    if config.model.gguf:
+        from engine.models.gguf_model import (
+            load_gguf_model,
+            memory_report,
+            packed_weights,
+        )
+
+        if not path.is_file():
+            raise ForgebenchError("base model file not found", path=path,
+                                  where="field 'model.gguf'")
+        model, tokenizer = load_gguf_model(path, numerics="f32", weights="packed")
+        model.weights_mode = weights_mode(config.model.weights, memory_report(model))
+        if model.weights_mode == "dense-cache":
+            for weight in packed_weights(model):
+                weight.cache(torch.float32, lazy=True)   # each filled when it first runs
+        return Base(model, tokenizer, ChatTemplate.from_gguf(model.gguf), path, dense=False)
+    run = RunDir(config.resolve_path(config.model.run, "field 'model.run'")).require()
+    if run.manifest().get("recipe") != "lm-pretrain":
+        raise ForgebenchError("model.run must be an lm-pretrain run", path=run.path,
+                              where="field 'model.run'")
+    # through the registry, not an import: recipes are leaves (docs/architecture.md)
+    pretrain = recipe_module("lm-pretrain")
+    model, tokenizer, _ = pretrain.load_model(run, run.checkpoint(config.model.checkpoint))
+    template = ChatTemplate(PLAIN_TEMPLATE, bos_token="<bos>", eos_token="<eos>",
+                            origin="built-in plain template")
+    return Base(model, PretrainTokenizer(tokenizer), template, path, dense=True)
+
+
+AUTO_CACHE_SHARE = 0.25   # "auto" caches densely when the f32 copy fits in this share of RAM
+
+
+def weights_mode(requested: str, report: dict) -> str:
+    """"packed" or "dense-cache": the f32 cache makes every step plain GEMMs (the fastest
+    training), so "auto" takes it whenever it is a small part of the available memory."""
+    if requested != "auto":
+        return requested
+    import psutil
+
+    available = psutil.virtual_memory().available
+    return "dense-cache" if report["f32_dense_bytes"] <= AUTO_CACHE_SHARE * available else "packed"
+
+
+# A chat layout for models trained from scratch, which have no template of their own.
+PLAIN_TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}{{ m.role }}: {{ m.content }}"
+    "{% if m.role == 'assistant' %}{{ eos_token }}{% endif %}\n{% endfor %}"
+    "{% if add_generation_prompt %}assistant: {% endif %}")
+
+
+class PretrainTokenizer:
+    """An lm-pretrain tokenizer with the GGUF tokenizer's surface the SFT encoder uses:
+    `<bos>`/`<eos>` in text parse to their ids, and `<eos>` ends a turn."""
+
+    add_bos = True
+
+    def __init__(self, inner):
+        self.inner = inner
+        self.bos_id, self.eos_id = inner.bos_id, inner.eos_id
+        self.eog_ids = self.eot_ids = (inner.eos_id,)
+        self.specials = {"<bos>": inner.bos_id, "<eos>": inner.eos_id}
+
+    def encode(self, text: str, add_special: bool = True, parse_special: bool = True) -> list[int]:
+        parts = re.split("(<bos>|<eos>)", text) if parse_special else [text]
+        ids = [self.bos_id] if add_special else []
+        for part in parts:
+            ids += [self.specials[part]] if part in self.specials else self.inner.encode(part)
+        return ids
+
+    def decode(self, ids) -> str:
+        return self.inner.decode(ids)
+
+    def token_piece(self, token: int) -> str:
+        specials = {v: k for k, v in self.specials.items()}
+        return specials.get(token) or self.inner.decode([token])
+
+
+# -- adapters or full weights ---------------------------------------------------------------
+def prepare_trainable(config, base: Base) -> tuple[dict[str, LoRALinear] | None,
+                                                                list[tuple[str, nn.Parameter]]]:
+    """Attach LoRA (freezing the base) or unfreeze everything for full fine-tuning."""
+    model, lora = base.model, config.lora
+    if lora.method == "lora":
+        adapters = attach_lora(model, targets=lora.targets, rank=lora.rank, alpha=lora.alpha,
+                               dropout=lora.dropout, seed=config.seed)
+        return adapters, [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    count = parameter_count(model)
+    if count > lora.full_max_params:
+        raise ForgebenchError(
+            f"full fine-tuning {count:,} parameters needs about "
+            f"{count * BYTES_PER_FULL_PARAM / 1e9:.1f} GB (weights, gradients and two AdamW "
+            f"moments at 4 bytes each); the limit is {lora.full_max_params:,} parameters",
+            path=base.path, where="field 'lora.full_max_params'",
+            hint="use method = \"lora\", or raise lora.full_max_params if the memory is there")
+    if not base.dense:
+        densify(model, base.path)
+        base.dense = True
+    model.float()
+    for param in model.parameters():
+        param.requires_grad_(True)
+    return None, list(model.named_parameters())
+
+
+def parameter_count(model: nn.Module) -> int:
+    """Parameters including the packed GGUF weights (which are not nn.Parameters)."""
+    from engine.models.gguf_model import packed_weights
+
+    return (sum(p.numel() for p in model.parameters())
+            + sum(w.rows * w.cols for w in packed_weights(model)))
+
+
+def densify(model: nn.Module, path: Path, quantized_ok: bool = False) -> None:
+    """Replace a GGUF's frozen packed linears and embedding by dense modules holding the
+    dequantized weights (full fine-tuning needs float weights; gradient checks accept any)."""
+    from engine.models.linear import FrozenQuantLinear, PackedEmbedding
+
+    packed = [(name, m) for name, m in model.named_modules()
+              if isinstance(m, (FrozenQuantLinear, PackedEmbedding))]
+    quantized = sorted({m.weight.ggml_type.name for _, m in packed} - {"F32", "F16", "BF16"})
+    if quantized and not quantized_ok:
+        raise ForgebenchError(
+            "full fine-tuning needs a dense base; this one keeps packed quantized weights ("
+            + ", ".join(quantized) + ")", path=path, where="field 'lora.method'",
+            hint="use method = \"lora\" (QLoRA) on a quantized GGUF, or start from an "
+                 "f32/f16/bf16 GGUF")
+    tied = model.output is not None and model.output.weight is model.tok_embeddings.weight
+    for name, module in packed:
+        if tied and name == "output":
+            continue
+        parent_name, _, attr = name.rpartition(".")
+        parent = model.get_submodule(parent_name) if parent_name else model
+        weight = module.weight.rows_f32(0, module.weight.rows)
+        if isinstance(module, PackedEmbedding):
+            dense = nn.Embedding.from_pretrained(weight, freeze=False)
+        else:
+            dense = nn.Linear(module.in_features, module.out_features,
+                              bias=module.bias is not None, device="meta")
+            dense.weight = nn.Parameter(weight)
+            if module.bias is not None:
+                dense.bias = nn.Parameter(module.bias.detach().clone())
+        setattr(parent, attr, dense)
+    if tied:
+        model.output = None   # logits() then uses the (trainable) embedding matrix
+
+
+def checkpoint_activations(model: nn.Module) -> None:
+    """Recompute each attention and MLP block in backward instead of keeping its activations.
+
+    Dropout masks are regenerated from the same (step, micro, layer, target) seeds, so the
+    recomputation is exact.
+    """
+    for layer in model.layers:
+        for block in (layer.attn, layer.mlp):
+            block.forward = functools.partial(recompute, block.forward, use_reentrant=False)
+
+
+def load_policy(config, checkpoint: Checkpoint, base_sha: str, lora=None):
+    """An lm-sft config's base with a checkpoint's adapters (or full weights) applied:
+    (base, adapters or None, trainable parameters). `lora` overrides the config's LoRA section
+    (same rank, alpha and targets; e.g. no dropout). Refuses a base file whose SHA-256 is no
+    longer `base_sha`, and adapters trained on another base (engine.lora.load_adapters)."""
+    base = load_base(config)
+    if sha256_file(base.path) != base_sha:
+        raise ForgebenchError("the base model file changed since the run was trained",
+                              path=base.path, hint="restore the original base model")
+    if lora is not None:
+        config = config.model_copy(update={"lora": lora})
+    adapters, trainable = prepare_trainable(config, base)
+    apply_weights(checkpoint, base.model, adapters, base_sha)
+    return base, adapters, trainable
+
+
+def apply_weights(checkpoint: Checkpoint, model: nn.Module,
+                  adapters: dict[str, LoRALinear] | None, base_sha: str) -> tuple[dict, dict]:
+    """Copy a checkpoint's adapters (checked against `base_sha`) or full weights into the
+    model; return its optimizer state and trainer state (what a resume restores next)."""
+    tensors, optimizer_state, state = load_checkpoint(checkpoint)
+    if adapters:
+        load_adapters(checkpoint.path / ADAPTERS_FILE, adapters, base_sha)
+    else:
+        model.load_state_dict(tensors)
+    return optimizer_state, state
+
+
+# -- generation -----------------------------------------------------------------------------
+GREEDY = SamplingSettings()
+
+
+@torch.no_grad()
+def answer(base: Base, prompt: str, max_tokens: int, enable_thinking: bool | None = False, *,
+           settings: SamplingSettings = GREEDY, seed: int = 0) -> str:
+    """The KV-cached answer to one user turn (dropout off): greedy by default, else sampled
+    with `settings` from a generator seeded with `seed`."""
+    model = base.model
+    was_training = model.training
+    model.eval()
+    ids = encode_prompt(base.tokenizer, base.template.render(
+        [{"role": "user", "content": prompt}], enable_thinking=enable_thinking))
+    cache = model.new_cache(1, len(ids) + max_tokens)
+    device = module_device(model)
+
+    def step(new_ids: list[int], start_pos: int) -> torch.Tensor:
+        h = model.hidden(torch.tensor([new_ids], device=device), start_pos=start_pos,
+                         cache=cache)
+        return model.logits(h[0, -1]).cpu()                                 # [V]
+
+    stops = set(getattr(base.tokenizer, "eot_ids", ()) or ()) | {base.tokenizer.eos_id}
+    out = generate_tokens(step, ids, max_new_tokens=max_tokens, settings=settings,
+                          generator=torch.Generator().manual_seed(seed),
+                          stop_ids=[s for s in stops if s is not None])
+    model.train(was_training)
+    return base.tokenizer.decode(out)
+
+
+def write_generations(run: RunDir, name: str, step: int, base: Base, config,
+                      identity: dict) -> Path | None:
+    """samples/<name>/generations.jsonl (prompt, answer) + generations.json sidecar."""
+    if not config.sample.prompts:
+        return None
+    lines = [{"prompt": p, "answer": answer(base, p, config.sample.max_tokens,
+                                            config.data.enable_thinking)}
+             for p in config.sample.prompts]
+    out = run.samples_dir / name
+    path = out / "generations.jsonl"
+    atomic_write_text(path, "".join(json.dumps(x, ensure_ascii=False) + "\n" for x in lines))
+    atomic_write_json(out / "generations.json", {
+        "checkpoint": name, "step": step, "settings": {"greedy": True,
+                                                      "max_tokens": config.sample.max_tokens},
+        "seed": config.seed, "model": identity})
+    run.log_event("sample_written", checkpoint=name, path=str(path.relative_to(run.path)),
+                  step=step)
+    return path
+
+
+def generate_answer(base: Base, checkpoint: Checkpoint, enable_thinking: bool | None,
+                    args) -> dict:
+    """`forgebench generate RUN` on a loaded checkpoint: one answer with the command's
+    sampling flags (greedy by default), as the JSON result the command prints."""
+    settings = SamplingSettings(args.temperature, args.top_k, args.top_p,
+                                args.repetition_penalty)
+    text = answer(base, args.prompt, args.max_tokens, enable_thinking, settings=settings,
+                  seed=args.seed)
+    return {"prompt": args.prompt, "text": text, "checkpoint": checkpoint.name,
+            "seed": args.seed, "settings": settings.as_dict() | {"max_tokens": args.max_tokens}}
