@@ -24,6 +24,7 @@ RECIPES: dict[str, tuple[str, str]] = {
     "lm-pretrain": ("engine.recipes.lm_pretrain_config:LMPretrainConfig",
                     "engine.recipes.lm_pretrain"),
     "lm-sft": ("engine.recipes.lm_sft_config:LMSFTConfig", "engine.recipes.lm_sft"),
+    "lm-es": ("engine.recipes.lm_es_config:LMESConfig", "engine.recipes.lm_es"),
     "image-classify": ("engine.recipes.image_classify_config:ImageClassifyConfig",
                        "engine.recipes.image_classify"),
     "image-detect": ("engine.recipes.image_detect_config:ImageDetectConfig",

@@ -382,9 +382,9 @@ def export_run(run_dir: str | os.PathLike, out: str | os.PathLike, *, checkpoint
                               hint="choose a new --out or delete the old export")
     run = RunDir(run_dir).require()
     recipe = run.manifest()["recipe"]
-    if recipe not in ("lm-pretrain", "lm-sft"):
+    if recipe not in ("lm-pretrain", "lm-sft", "lm-es"):
         raise ForgebenchError(f"recipe '{recipe}' has no GGUF export", path=run.path,
-                              hint="export works for lm-pretrain and lm-sft runs")
+                              hint="export works for lm-pretrain, lm-sft and lm-es runs")
     if run.is_active():
         raise ForgebenchError("the run is still training", path=run.path,
                               hint="wait for it, or stop it: forgebench stop RUN_DIR")
@@ -415,7 +415,7 @@ def _fill_bundle(bundle: Bundle, staging: Path, scratch: Path, base: str | None,
     run, recipe, dtype = bundle.run, bundle.recipe, bundle.dtype
     if recipe == "lm-pretrain":
         _export_pretrain(bundle, staging, scratch, progress)
-    else:
+    else:   # lm-sft and lm-es: the same adapters file, or full weights in the base's layout
         _export_sft(bundle, staging, scratch, base, progress)
     if report:
         held = run.manifest()["config"].get("sample", {}).get("prompts", [])
