@@ -193,7 +193,10 @@ def test_sigterm_then_resume_is_bitwise_exact_with_anchored_decay(tmp_path, tiny
         if metrics.is_file() and metrics.read_text().count('"split": "train"') >= 2:
             break
         time.sleep(0.002)
-    proc.send_signal(signal.SIGTERM)                    # a real SIGTERM, mid-run
+    # Freeze the job so the signal lands mid-run whatever the machine's load; a real SIGTERM.
+    proc.send_signal(signal.SIGSTOP)
+    proc.send_signal(signal.SIGTERM)
+    proc.send_signal(signal.SIGCONT)
     _, stderr = proc.communicate(timeout=240)
     assert proc.returncode == 0, stderr
     run = RunDir(out)

@@ -104,7 +104,8 @@ class ExportWizardPane(QWidget):
         form.addRow("Checkpoint", self.checkpoint)
         box = QWidget()
         box.setLayout(form)
-        self.pages.addWidget(_page(_label("LLM runs (lm-pretrain, lm-sft) export as GGUF."), box))
+        self.pages.addWidget(_page(_label("LLM runs (lm-pretrain, lm-sft, lm-es) export as "
+                                          "GGUF."), box))
 
         # 2. base
         self.base_text = _label()
@@ -332,7 +333,7 @@ class ExportWizardPane(QWidget):
         self.base_text.setText(self.base.explanation())
         self.dense_button.setVisible(self.base.quantized)
         for widget in (self.base_path, self.base_browse):
-            widget.setEnabled(self.run.recipe == "lm-sft")
+            widget.setEnabled(self.run.recipe in vm.GGUF_BASE_RECIPES)
 
     def _browse_base(self) -> None:
         path, _ = QFileDialog.getOpenFileName(self, "Base model", "", "GGUF (*.gguf)")

@@ -32,6 +32,9 @@ from engine.gguf import quant_policy
 from engine.rundir import Checkpoint, RunDir
 
 DTYPES = tuple(quant_policy.FILE_TYPES) + ("adapter",)
+# recipes whose runs fine-tune a GGUF base (adapters beside it, or its full weights)
+GGUF_BASE_RECIPES = ("lm-sft", "lm-es")
+EXPORTABLE_RECIPES = ("lm-pretrain",) + GGUF_BASE_RECIPES
 MODEL_GGUF = "model.gguf"
 ADAPTER_GGUF = "adapter.gguf"
 PEFT_DIR = "peft"
@@ -382,7 +385,7 @@ def export_run(run_dir: str | os.PathLike, out: str | os.PathLike, *, checkpoint
                               hint="choose a new --out or delete the old export")
     run = RunDir(run_dir).require()
     recipe = run.manifest()["recipe"]
-    if recipe not in ("lm-pretrain", "lm-sft", "lm-es"):
+    if recipe not in EXPORTABLE_RECIPES:
         raise ForgebenchError(f"recipe '{recipe}' has no GGUF export", path=run.path,
                               hint="export works for lm-pretrain, lm-sft and lm-es runs")
     if run.is_active():
