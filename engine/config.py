@@ -25,6 +25,7 @@ RECIPES: dict[str, tuple[str, str]] = {
                     "engine.recipes.lm_pretrain"),
     "lm-sft": ("engine.recipes.lm_sft_config:LMSFTConfig", "engine.recipes.lm_sft"),
     "lm-dpo": ("engine.recipes.lm_dpo_config:LMDPOConfig", "engine.recipes.lm_dpo"),
+    "lm-es": ("engine.recipes.lm_es_config:LMESConfig", "engine.recipes.lm_es"),
     "image-classify": ("engine.recipes.image_classify_config:ImageClassifyConfig",
                        "engine.recipes.image_classify"),
     "image-detect": ("engine.recipes.image_detect_config:ImageDetectConfig",

@@ -104,7 +104,7 @@ def test_a_finished_session_trains_lm_dpo_and_compares_the_tuned_model(qtbot, tm
 
     qtbot.waitUntil(lambda: drawn() >= 2, timeout=300_000)        # the new run is followed
     first = drawn()
-    assert not charts.optional["reward_margin"].isHidden()        # the preference row shows
+    assert not charts.plot_widgets["reward_margin"].isHidden()        # the preference row shows
     qtbot.waitUntil(lambda: drawn() > first, timeout=300_000)     # and its chart grows
     qtbot.waitUntil(lambda: RunDir(tuned).live_status()["state"] == "completed",
                     timeout=300_000)

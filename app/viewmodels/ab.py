@@ -31,6 +31,7 @@ from app.viewmodels.samples import (
 from engine.data.card import write_card
 from engine.data.dataset import load_dataset, write_manifest
 from engine.errors import ForgebenchError
+from engine.export.bundle import GGUF_BASE_RECIPES
 from engine.fsutil import (
     append_jsonl,
     atomic_write_text,
@@ -92,7 +93,7 @@ def gather_system(run_dir: str | Path, checkpoint: str, folder: Path | None = No
 
 
 GENERATOR_RECIPES = ("image-generate", "audio-generate")
-TEXT_RECIPES = ("lm-pretrain", "lm-sft", "lm-dpo")
+TEXT_RECIPES = ("lm-pretrain", "lm-sft", "lm-dpo", "lm-es")
 BASE = "base"                       # the system "the run's base model, untuned" (lm-sft)
 TEXT_OUTPUTS = "generations.jsonl"  # what a text system's generation jobs append to
 
@@ -134,7 +135,8 @@ def base_gguf(run_dir: str | Path) -> Path | None:
     """An lm-sft run's GGUF base (which `forgebench generate --model` runs untuned), if any."""
     manifest = RunDir(run_dir).manifest()
     path = Path((manifest.get("base_model") or {}).get("path", ""))
-    return path if manifest.get("recipe") == "lm-sft" and path.suffix == ".gguf" else None
+    return path if manifest.get("recipe") in GGUF_BASE_RECIPES and path.suffix == ".gguf" \
+        else None
 
 
 def _text_argv(run_dir: str | Path, checkpoint: str, prompt: str, settings: dict) -> list[str]:

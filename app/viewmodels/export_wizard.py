@@ -19,13 +19,12 @@ from gguf import GGMLQuantizationType as T
 
 from app.viewmodels.jobs import forgebench_argv
 from engine.errors import ForgebenchError
-from engine.export.bundle import DTYPES, write_sha256sums
+from engine.export.bundle import DTYPES, EXPORTABLE_RECIPES, GGUF_BASE_RECIPES, write_sha256sums
 from engine.fsutil import atomic_write_text, read_json
 from engine.gguf.quant_policy import FILE_TYPES, FLOAT_TYPES, ModelFacts, plan_types
 from engine.rundir import RunDir
 
-EXPORTABLE = ("lm-pretrain", "lm-sft", "lm-dpo")
-ADAPTER_RECIPES = ("lm-sft", "lm-dpo")   # a base plus adapters (or full weights) over it
+EXPORTABLE = EXPORTABLE_RECIPES
 RIGHTS_LABELS = {"train": "training on this data is allowed",
                  "publish_data": "the data may be published",
                  "publish_weights": "weights trained on it may be published",
@@ -137,7 +136,7 @@ def size_estimates(run: ExportableRun, checkpoint: str, base: Path | None = None
     checkpoint the tensors carry torch names, so the plan's special cases for the embedding and
     output matrices are not applied to them: an estimate, exact for the dense types.
     """
-    if run.recipe in ADAPTER_RECIPES:
+    if run.recipe in GGUF_BASE_RECIPES:
         info = base_info(run.path, base)
         table = gguf_tensor_table(info.path)
         facts = ModelFacts.from_metadata(_gguf_metadata(info.path))

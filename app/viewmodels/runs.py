@@ -21,6 +21,8 @@ NOTES_FILE = "notes.json"  # app-owned: question, notes, selected checkpoint (ru
 TRAIN_FIELDS = ("loss", "grad_norm", "lr", "tokens_per_s", "peak_rss_mb", "rank_tokens_per_s",
                 "world_size",
                 "reward_margin", "preference_accuracy", "chosen_logp", "rejected_logp")  # lm-dpo
+# what lm-es adds to its rows: the centre's reward, the population's spread, the step size
+ES_FIELDS = ("reward", "reward_mean", "reward_max", "reward_min", "update_norm", "sigma")
 
 
 class JsonlTail:
@@ -146,7 +148,7 @@ class RunSeries:
                 self._t0 = float(record.get("time", 0.0))
             split = record.get("split", "train")
             if split == "train":
-                self.train.add(record, TRAIN_FIELDS + ("clipped",))
+                self.train.add(record, TRAIN_FIELDS + ES_FIELDS + ("clipped",))
             else:
                 self.evals.setdefault(split, Series()).add(record, ("loss",))
         for event in self._events.read_new():

@@ -23,12 +23,22 @@ PALETTE = ["#1f77b4", "#d62728", "#2ca02c", "#ff7f0e", "#9467bd", "#8c564b", "#1
 # (metric, title, unit) — loss also draws every eval split.
 PLOTS = [("loss", "Loss: train, val (dashed)", ""),
          ("grad_norm", "Grad norm (red: clip, ×)", ""),
-         ("lr", "Learning rate", ""), ("tokens_per_s", "Throughput", "tokens/s"),
-         ("peak_rss_mb", "Peak memory", "MB")]
-# Preference runs (lm-dpo) add a row, shown only once a selected run logs these metrics.
-PREFERENCE_PLOTS = [("reward_margin", "Reward margin (chosen − rejected)", ""),
-                    ("preference_accuracy", "Preference accuracy", ""),
-                    ("chosen_logp", "Log-prob: chosen, rejected (dashed)", "")]
+         ("lr", "Learning rate (dashed: ES σ)", ""), ("tokens_per_s", "Throughput", "tokens/s"),
+         ("peak_rss_mb", "Peak memory", "MB"),
+         ("reward", "Reward (ES): centre; population mean dashed, max/min dotted", ""),
+         ("reward_margin", "Reward margin (DPO: chosen − rejected)", ""),
+         ("preference_accuracy", "Preference accuracy (DPO)", ""),
+         ("chosen_logp", "Log-prob (DPO): chosen, rejected (dashed)", "")]
+SUMMARY_CELL = 5              # the grid cell of the summary text (plots fill the others)
+# plots shown only while a selected run logs their metric: lm-es's reward, lm-dpo's preferences
+SHOWN_WITH_DATA = ("reward", "reward_margin", "preference_accuracy", "chosen_logp")
+# (plot, role, metric, pen style) of the extra curves drawn beside a plot's own metric
+EXTRA_CURVES = [("reward", "mean", "reward_mean", Qt.PenStyle.DashLine),
+                ("reward", "max", "reward_max", Qt.PenStyle.DotLine),
+                ("reward", "min", "reward_min", Qt.PenStyle.DotLine),
+                ("grad_norm", "update", "update_norm", Qt.PenStyle.DashLine),
+                ("lr", "sigma", "sigma", Qt.PenStyle.DashLine),
+                ("chosen_logp", "rejected", "rejected_logp", Qt.PenStyle.DashLine)]
 
 
 def _finite(xs: list[float], ys: list[float], log: bool) -> tuple[list[float], list[float]]:
@@ -93,6 +103,7 @@ class RunCharts(QWidget):
         self.controls.changed.connect(self.redraw)
         grid = QGridLayout()
         self.plots: dict[str, pg.PlotItem] = {}
+        self.plot_widgets: dict[str, pg.PlotWidget] = {}
         for i, (metric, title, unit) in enumerate(PLOTS):
             widget = pg.PlotWidget(title=title)
             widget.setMinimumHeight(150)
@@ -104,21 +115,15 @@ class RunCharts(QWidget):
             if metric in ("lr", "tokens_per_s"):
                 item.setLimits(yMin=0)      # a constant lr is not centred on a negative axis
             self.plots[metric] = item
-            grid.addWidget(widget, i // 3, i % 3)
-        self.optional: dict[str, pg.PlotWidget] = {}
-        for i, (metric, title, unit) in enumerate(PREFERENCE_PLOTS):
-            widget = pg.PlotWidget(title=title)
-            widget.setMinimumHeight(150)
-            widget.getPlotItem().setLabel("left", unit)
-            widget.hide()
-            self.plots[metric] = widget.getPlotItem()
-            self.optional[metric] = widget
-            grid.addWidget(widget, 2, i)
+            self.plot_widgets[metric] = widget
+            widget.setVisible(metric not in SHOWN_WITH_DATA)
+            cell = i + (i >= SUMMARY_CELL)
+            grid.addWidget(widget, cell // 3, cell % 3)
         self.summary = QLabel()
         self.summary.setWordWrap(True)
         self.summary.setAlignment(Qt.AlignmentFlag.AlignTop | Qt.AlignmentFlag.AlignLeft)
         self.summary.setStyleSheet("QLabel { background: white; padding: 8px; }")
-        grid.addWidget(self.summary, 1, 2)
+        grid.addWidget(self.summary, SUMMARY_CELL // 3, SUMMARY_CELL % 3)
         layout = QVBoxLayout(self)
         layout.setContentsMargins(0, 0, 0, 0)
         layout.addWidget(self.controls)
@@ -235,6 +240,12 @@ class RunCharts(QWidget):
                                     pen=pg.mkPen(colour, width=2, style=style), symbol="o",
                                     symbolSize=6, symbolBrush=colour,
                                     name=f"{series.name} ({split})").setData(vx, vy)
+            for plot, role, extra, style in EXTRA_CURVES:
+                if plot == metric:
+                    ex, ey = _finite(*series.xy(extra, x=x), use_log)
+                    if ex or (key, metric, role) in self.curves:
+                        self._curve((key, metric, role), metric, pen=pg.mkPen(
+                            colour, width=1, style=style)).setData(ex, ey)
             if metric == "grad_norm":
                 cx, cy = _finite(*series.clipped_points(x=x), use_log)
                 self._curve((key, metric, "clipped"), metric, pen=None, symbol="x",
@@ -243,14 +254,10 @@ class RunCharts(QWidget):
                 self._curve((key, metric, "clip"), metric, pen=pg.mkPen(
                     "#a00", width=1, style=Qt.PenStyle.DashLine)).setData(
                     [min(xs), max(xs)] if clip and xs else [], [clip, clip] if clip and xs else [])
-            if metric == "chosen_logp":
-                rx, ry = _finite(*series.xy("rejected_logp", x=x), use_log)
-                self._curve((key, metric, "rejected"), metric, pen=pg.mkPen(
-                    colour, width=2, style=Qt.PenStyle.DashLine)).setData(rx, ry)
             self._markers(key, metric, series, x, (min(ys), max(ys)) if ys else None, colour)
-        if metric in self.optional:
-            self.optional[metric].setVisible(any(   # rows of other recipes hold NaN here
-                _finite(*s.xy(metric), False)[0] for s in self.series.values()))
+        if metric in SHOWN_WITH_DATA:
+            self.plot_widgets[metric].setVisible(any(
+                _finite(*s.xy(metric, x=x), False)[0] for s in self.series.values()))
         self.redrawn.emit(metric)
 
     def _markers(self, key: str, metric: str, series: RunSeries, x: str,

@@ -106,7 +106,8 @@ class ExportWizardPane(QWidget):
         form.addRow("Checkpoint", self.checkpoint)
         box = QWidget()
         box.setLayout(form)
-        self.pages.addWidget(_page(_label("LLM runs (lm-pretrain, lm-sft) export as GGUF."), box))
+        self.pages.addWidget(_page(_label("LLM runs (lm-pretrain, lm-sft, lm-dpo, lm-es) export as "
+                                          "GGUF."), box))
 
         # 2. base
         self.base_text = _label()
@@ -339,7 +340,7 @@ class ExportWizardPane(QWidget):
         self.base_text.setText(self.base.explanation())
         self.dense_button.setVisible(self.base.quantized)
         for widget in (self.base_path, self.base_browse, self.base_library):
-            widget.setEnabled(self.run.recipe in vm.ADAPTER_RECIPES)
+            widget.setEnabled(self.run.recipe in vm.GGUF_BASE_RECIPES)
 
     def _fill_library_menu(self) -> None:
         menu = self.base_library.menu()

@@ -248,8 +248,9 @@ def verify_config(config, samples: int = 24) -> list[dict]:
     dequantized blocks (the same reconstructed operator); the packed model's f32 backward
     (which re-dequantizes W for dx) is then compared with that f64 gradient.
     """
+    from engine.models.gguf_model import densify
     from engine.recipes import lm_sft
-    from engine.train.lm_base import densify, load_base
+    from engine.train.lm_base import load_base
 
     def prepared(dtype: torch.dtype):
         base = load_base(config)

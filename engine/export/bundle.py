@@ -32,6 +32,9 @@ from engine.gguf import quant_policy
 from engine.rundir import Checkpoint, RunDir
 
 DTYPES = tuple(quant_policy.FILE_TYPES) + ("adapter",)
+# recipes whose runs fine-tune a GGUF base (adapters beside it, or its full weights)
+GGUF_BASE_RECIPES = ("lm-sft", "lm-dpo", "lm-es")
+EXPORTABLE_RECIPES = ("lm-pretrain",) + GGUF_BASE_RECIPES
 MODEL_GGUF = "model.gguf"
 ADAPTER_GGUF = "adapter.gguf"
 PEFT_DIR = "peft"
@@ -382,9 +385,9 @@ def export_run(run_dir: str | os.PathLike, out: str | os.PathLike, *, checkpoint
                               hint="choose a new --out or delete the old export")
     run = RunDir(run_dir).require()
     recipe = run.manifest()["recipe"]
-    if recipe not in ("lm-pretrain", "lm-sft", "lm-dpo"):   # lm-dpo checkpoints are lm-sft's
+    if recipe not in EXPORTABLE_RECIPES:
         raise ForgebenchError(f"recipe '{recipe}' has no GGUF export", path=run.path,
-                              hint="export works for lm-pretrain, lm-sft and lm-dpo runs")
+                              hint="export works for " + ", ".join(EXPORTABLE_RECIPES) + " runs")
     if run.is_active():
         raise ForgebenchError("the run is still training", path=run.path,
                               hint="wait for it, or stop it: forgebench stop RUN_DIR")
@@ -415,7 +418,7 @@ def _fill_bundle(bundle: Bundle, staging: Path, scratch: Path, base: str | None,
     run, recipe, dtype = bundle.run, bundle.recipe, bundle.dtype
     if recipe == "lm-pretrain":
         _export_pretrain(bundle, staging, scratch, progress)
-    else:
+    else:   # lm-sft, lm-dpo and lm-es: the same adapters file, or full weights in the base's layout
         _export_sft(bundle, staging, scratch, base, progress)
     if report:
         held = run.manifest()["config"].get("sample", {}).get("prompts", [])

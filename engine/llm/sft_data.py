@@ -15,6 +15,7 @@ Labels are the next-token shift: position i predicts token i+1.
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 from dataclasses import dataclass, field
@@ -27,7 +28,8 @@ from engine.llm.tokenizer import GGUFTokenizer
 
 __all__ = ["IGNORE_INDEX", "SFTKeys", "SFTExample", "EncodedSample", "SFTSummary",
            "load_sft_examples", "split_rendered", "encode_sft", "encode_sft_dataset",
-           "encode_prompt", "mark_supervised", "inspect_samples"]
+           "encode_prompt", "mark_supervised", "inspect_samples", "data_source",
+           "data_manifest", "encode_samples"]
 
 IGNORE_INDEX = -100                      # label of a position that is not supervised
 Truncation = Literal["error", "truncate_response", "drop"]
@@ -337,3 +339,56 @@ def inspect_samples(model_path: str | Path, data_path: str | Path, keys: SFTKeys
     return {"model": str(model_path), "data": str(data_path), "template": renderer.origin,
             "tokenizer": tokenizer.describe(), "max_len": max_len, "truncation": truncation,
             "summary": summary.as_dict(), "samples": shown}
+
+
+# -- the SFT data a recipe config names (lm-sft, lm-es: `config.data` is lm-sft's section) ----
+def data_source(config, split: str = "train") -> Path:
+    """The JSONL file of a split, or the text-sft dataset folder that holds every split."""
+    field_name = {"train": "path", "val": "val_path", "test": "test_path"}[split]
+    value = getattr(config.data, field_name)
+    data_path = config.resolve_path(config.data.path, "field 'data.path'")
+    if value is None and split != "train" and data_path.is_dir():
+        value = config.data.path                # a dataset folder carries its own splits
+    if value is None:
+        raise ForgebenchError(f"the config names no {split} data",
+                              where=f"field 'data.{field_name}'",
+                              hint=f"add data.{field_name} = \"FILE.jsonl\"")
+    path = config.resolve_path(value, f"field 'data.{field_name}'")
+    if not path.exists():
+        raise ForgebenchError("SFT data not found", path=path, where=f"field 'data.{field_name}'",
+                              hint="a JSONL file, or a text-sft dataset folder")
+    return path
+
+
+def data_manifest(config) -> dict:
+    """The data files and their SHA-256: what resume re-validates."""
+    from engine.data.dataset import load_dataset
+    from engine.fsutil import sha256_file
+
+    files = {}
+    for split in ("train", "val", "test"):
+        if split != "train" and not getattr(config.data, f"{split}_path"):
+            continue
+        path = data_source(config, split)
+        if path.is_dir():
+            dataset = load_dataset(path, check_media=False)
+            files.update({f"{path.name}/{name}": digest
+                          for name, digest in dataset.files_manifest().items()})
+        else:
+            files[f"{split}:{path.name}"] = sha256_file(path)
+    return {"files": files}
+
+
+def encode_samples(config, base, split: str = "train"):
+    """(encoded samples, summary counts) of one split, rendered with the base's template
+    (`base.template`, `base.tokenizer`)."""
+    d = config.data
+    path = data_source(config, split)
+    examples = load_sft_examples(path, d, d.system, split=split if path.is_dir() else None)
+    render = functools.partial(base.template.render, enable_thinking=d.enable_thinking)
+    samples, summary = encode_sft_dataset(examples, base.tokenizer, render, d.max_len,
+                                          d.truncation)
+    if not samples:
+        raise ForgebenchError("no sample is left to train on (all were dropped as too long)",
+                              path=path, where="field 'data.truncation'", hint="raise data.max_len")
+    return samples, summary.as_dict()

@@ -233,3 +233,35 @@ def load_gguf_model(path: str | Path, numerics: str = "f32", weights: str = "pac
 
         tok = GGUFTokenizer.from_gguf(gf)
     return model, tok
+
+
+def densify(model: nn.Module, path: Path, quantized_ok: bool = False) -> None:
+    """Replace a GGUF's frozen packed linears and embedding by dense modules holding the
+    dequantized weights (full fine-tuning needs float weights; gradient checks accept any)."""
+    packed = [(name, m) for name, m in model.named_modules()
+              if isinstance(m, (FrozenQuantLinear, PackedEmbedding))]
+    quantized = sorted({m.weight.ggml_type.name for _, m in packed} - {"F32", "F16", "BF16"})
+    if quantized and not quantized_ok:
+        raise ForgebenchError(
+            "full fine-tuning needs a dense base; this one keeps packed quantized weights ("
+            + ", ".join(quantized) + ")", path=path, where="field 'lora.method'",
+            hint="use method = \"lora\" (QLoRA) on a quantized GGUF, or start from an "
+                 "f32/f16/bf16 GGUF")
+    tied = model.output is not None and model.output.weight is model.tok_embeddings.weight
+    for name, module in packed:
+        if tied and name == "output":
+            continue
+        parent_name, _, attr = name.rpartition(".")
+        parent = model.get_submodule(parent_name) if parent_name else model
+        weight = module.weight.rows_f32(0, module.weight.rows)
+        if isinstance(module, PackedEmbedding):
+            dense = nn.Embedding.from_pretrained(weight, freeze=False)
+        else:
+            dense = nn.Linear(module.in_features, module.out_features,
+                              bias=module.bias is not None, device="meta")
+            dense.weight = nn.Parameter(weight)
+            if module.bias is not None:
+                dense.bias = nn.Parameter(module.bias.detach().clone())
+        setattr(parent, attr, dense)
+    if tied:
+        model.output = None   # logits() then uses the (trainable) embedding matrix

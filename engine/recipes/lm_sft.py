@@ -14,15 +14,12 @@ its metadata), the optimizer state and `trainer_state.json` (data cursor, RNG, s
 
 from __future__ import annotations
 
-import functools
 from pathlib import Path
 
 import torch
 
-from engine.errors import ForgebenchError
-from engine.fsutil import sha256_file
 from engine.jobs import Job, run_config
-from engine.llm.sft_data import encode_sft_dataset, load_sft_examples
+from engine.llm.sft_data import data_manifest, encode_samples  # noqa: F401 (the hooks)
 from engine.lora import ADAPTERS_FILE, adapter_bytes, describe_adapters, load_adapters
 from engine.recipes.lm_sft_config import LMSFTConfig
 from engine.rundir import Checkpoint, RunDir
@@ -52,56 +49,6 @@ MULTI_PROCESS = True   # and on several processes: DDP for LoRA, FSDP2 for full 
 
 
 # -- data -----------------------------------------------------------------------------------
-def data_source(config: LMSFTConfig, split: str = "train") -> Path:
-    """The JSONL file of a split, or the text-sft dataset folder that holds every split."""
-    field_name = {"train": "path", "val": "val_path", "test": "test_path"}[split]
-    value = getattr(config.data, field_name)
-    data_path = config.resolve_path(config.data.path, "field 'data.path'")
-    if value is None and split != "train" and data_path.is_dir():
-        value = config.data.path                # a dataset folder carries its own splits
-    if value is None:
-        raise ForgebenchError(f"the config names no {split} data",
-                              where=f"field 'data.{field_name}'",
-                              hint=f"add data.{field_name} = \"FILE.jsonl\"")
-    path = config.resolve_path(value, f"field 'data.{field_name}'")
-    if not path.exists():
-        raise ForgebenchError("SFT data not found", path=path, where=f"field 'data.{field_name}'",
-                              hint="a JSONL file, or a text-sft dataset folder")
-    return path
-
-
-def data_manifest(config: LMSFTConfig) -> dict:
-    """The data files and their SHA-256: what resume re-validates."""
-    from engine.data.dataset import load_dataset
-
-    files = {}
-    for split in ("train", "val", "test"):
-        if split != "train" and not getattr(config.data, f"{split}_path"):
-            continue
-        path = data_source(config, split)
-        if path.is_dir():
-            dataset = load_dataset(path, check_media=False)
-            files.update({f"{path.name}/{name}": digest
-                          for name, digest in dataset.files_manifest().items()})
-        else:
-            files[f"{split}:{path.name}"] = sha256_file(path)
-    return {"files": files}
-
-
-def encode_samples(config: LMSFTConfig, base: Base, split: str = "train"):
-    """(encoded samples, summary counts) of one split, rendered with the base's template."""
-    d = config.data
-    path = data_source(config, split)
-    examples = load_sft_examples(path, d, d.system, split=split if path.is_dir() else None)
-    render = functools.partial(base.template.render, enable_thinking=d.enable_thinking)
-    samples, summary = encode_sft_dataset(examples, base.tokenizer, render, d.max_len,
-                                          d.truncation)
-    if not samples:
-        raise ForgebenchError("no sample is left to train on (all were dropped as too long)",
-                              path=path, where="field 'data.truncation'", hint="raise data.max_len")
-    return samples, summary.as_dict()
-
-
 # -- training -------------------------------------------------------------------------------
 def train(job: Job) -> None:
     config: LMSFTConfig = job.config

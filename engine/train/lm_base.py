@@ -163,6 +163,8 @@ def prepare_trainable(config, base: Base) -> tuple[dict[str, LoRALinear] | None,
             path=base.path, where="field 'lora.full_max_params'",
             hint="use method = \"lora\", or raise lora.full_max_params if the memory is there")
     if not base.dense:
+        from engine.models.gguf_model import densify
+
         densify(model, base.path)
         base.dense = True
     model.float()
@@ -177,40 +179,6 @@ def parameter_count(model: nn.Module) -> int:
 
     return (sum(p.numel() for p in model.parameters())
             + sum(w.rows * w.cols for w in packed_weights(model)))
-
-
-def densify(model: nn.Module, path: Path, quantized_ok: bool = False) -> None:
-    """Replace a GGUF's frozen packed linears and embedding by dense modules holding the
-    dequantized weights (full fine-tuning needs float weights; gradient checks accept any)."""
-    from engine.models.linear import FrozenQuantLinear, PackedEmbedding
-
-    packed = [(name, m) for name, m in model.named_modules()
-              if isinstance(m, (FrozenQuantLinear, PackedEmbedding))]
-    quantized = sorted({m.weight.ggml_type.name for _, m in packed} - {"F32", "F16", "BF16"})
-    if quantized and not quantized_ok:
-        raise ForgebenchError(
-            "full fine-tuning needs a dense base; this one keeps packed quantized weights ("
-            + ", ".join(quantized) + ")", path=path, where="field 'lora.method'",
-            hint="use method = \"lora\" (QLoRA) on a quantized GGUF, or start from an "
-                 "f32/f16/bf16 GGUF")
-    tied = model.output is not None and model.output.weight is model.tok_embeddings.weight
-    for name, module in packed:
-        if tied and name == "output":
-            continue
-        parent_name, _, attr = name.rpartition(".")
-        parent = model.get_submodule(parent_name) if parent_name else model
-        weight = module.weight.rows_f32(0, module.weight.rows)
-        if isinstance(module, PackedEmbedding):
-            dense = nn.Embedding.from_pretrained(weight, freeze=False)
-        else:
-            dense = nn.Linear(module.in_features, module.out_features,
-                              bias=module.bias is not None, device="meta")
-            dense.weight = nn.Parameter(weight)
-            if module.bias is not None:
-                dense.bias = nn.Parameter(module.bias.detach().clone())
-        setattr(parent, attr, dense)
-    if tied:
-        model.output = None   # logits() then uses the (trainable) embedding matrix
 
 
 def checkpoint_activations(model: nn.Module) -> None:

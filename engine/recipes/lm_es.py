@@ -1,0 +1,298 @@
+"""lm-es: gradient-free fine-tuning of a GGUF language model by evolution strategies (seed 000
+§15.8) — over LoRA adapters beside a frozen base that may stay quantized, or over every float
+weight of a dense (f32/f16/bf16) base.
+
+Reads top to bottom: base model -> SFT samples (lm-sft's encoding) -> adapters or dense weights
+-> BEFORE generations -> loop -> checkpoint -> AFTER generations. Each iteration takes one batch
+of samples that every member scores; the members are evaluated in place on the one model
+(perturb -> score -> restore, engine.train.es), each forward using every thread; the rewards'
+centered ranks weight the regenerated noise into the update. Everything runs under no_grad:
+no backward, no activations kept, no optimizer state.
+
+The metrics row (engine.train.metrics.train_row) holds, per iteration t: `loss`, the centre's
+teacher-forced cross-entropy on the batch before the update (lm-sft's loss, whatever the
+reward), `reward` (the centre's), the population's `reward_mean/max/min/std`, `grad_norm` (the
+norm of the ES gradient estimate), `update_norm`, `sigma` and `lr`.
+
+A checkpoint holds the adapters (`adapters.safetensors`, the lm-sft format) or the full weights
+and `trainer_state.json` — no optimizer files: (seed, iteration) regenerate all the noise.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from engine.errors import ForgebenchError
+from engine.fsutil import atomic_write_json, atomic_write_text, sha256_file
+from engine.jobs import Job, run_config
+from engine.llm.chat import ChatTemplate, encode_prompt
+from engine.llm.generate import generate as decode
+from engine.llm.sft_data import data_manifest, encode_samples  # noqa: F401 (the hooks)
+from engine.lora import (
+    ADAPTERS_FILE,
+    adapter_bytes,
+    attach_lora,
+    describe_adapters,
+    load_adapters,
+    lora_parameters,
+)
+from engine.models.gguf_model import densify, load_gguf_model
+from engine.recipes.lm_es_config import LMESConfig
+from engine.rundir import Checkpoint, RunDir
+from engine.sampling import SamplingSettings
+from engine.train.checkpoint import load_checkpoint, rng_state, save_checkpoint, set_rng_state
+from engine.train.data_order import DataCursor
+from engine.train.es import EvolutionStrategy
+from engine.train.metrics import StepClock, train_row
+from engine.train.optim import NonFiniteError, StepOutcome
+from engine.train.rewards import RewardSpec, score, teacher_forced
+
+FLOAT_TYPES = ("F32", "F16", "BF16")
+
+
+# -- the base model -------------------------------------------------------------------------
+@dataclass
+class Base:
+    """The loaded base: model, tokenizer and chat template (what export's checks read)."""
+
+    model: nn.Module
+    tokenizer: object
+    template: ChatTemplate
+    path: Path
+
+
+def base_model(config: LMESConfig) -> Path:
+    """The GGUF that pins the run; full mode refuses a quantized one before anything starts."""
+    path = config.resolve_path(config.model.gguf, "field 'model.gguf'")
+    if not path.is_file():
+        raise ForgebenchError("base model file not found", path=path, where="field 'model.gguf'")
+    if config.params.mode == "full":
+        from engine.gguf.reader import open_gguf
+
+        quantized = sorted({t.ggml_type.name for t in open_gguf(path).tensors.values()}
+                           - set(FLOAT_TYPES))
+        if quantized:
+            raise ForgebenchError(
+                "full-weight ES adds Gaussian noise to every weight, and this base stores "
+                f"quantized blocks ({', '.join(quantized)}) that noise cannot be added to",
+                path=path, where="field 'params.mode'",
+                hint=f"transcode it first: forgebench convert {path.name} --dtype f16 --out "
+                     "DENSE.gguf (then model.gguf = \"DENSE.gguf\"), or use mode = \"lora\"")
+    return path
+
+
+def load_base(config: LMESConfig) -> Base:
+    path = base_model(config)
+    weights = config.model.weights if config.params.mode == "lora" else "packed"
+    model, tokenizer = load_gguf_model(path, numerics="f32", weights=weights)
+    return Base(model, tokenizer, ChatTemplate.from_gguf(model.gguf), path)
+
+
+def prepare_params(config: LMESConfig, base: Base) -> tuple[dict | None, list[torch.Tensor]]:
+    """(adapters or None, the tensors ES perturbs): LoRA factors A and B beside the frozen
+    base, or every float weight of the densified base. None of them needs a gradient."""
+    model, params = base.model, config.params
+    if params.mode == "lora":
+        adapters = attach_lora(model, targets=params.targets, rank=params.rank,
+                               alpha=params.alpha, seed=config.seed)
+        tensors = lora_parameters(adapters)
+    else:
+        adapters = None
+        densify(model, base.path)
+        model.float()
+        tensors = list(model.parameters())
+    for tensor in tensors:
+        tensor.requires_grad_(False)
+    return adapters, tensors
+
+
+# -- data (lm-sft's section, read by engine.llm.sft_data) and the reward -------------------
+def reward_spec(config: LMESConfig) -> RewardSpec:
+    return RewardSpec(**config.reward.model_dump())
+
+
+# -- generation -----------------------------------------------------------------------------
+GREEDY = SamplingSettings()
+
+
+def answer(base: Base, prompt: str, max_tokens: int, enable_thinking: bool | None = False, *,
+           settings: SamplingSettings = GREEDY, seed: int = 0) -> str:
+    """The KV-cached answer to one user turn: greedy unless `settings` say otherwise."""
+    ids = encode_prompt(base.tokenizer, base.template.render(
+        [{"role": "user", "content": prompt}], enable_thinking=enable_thinking))
+    return decode(base.model, base.tokenizer, ids, max_new_tokens=max_tokens,
+                  settings=settings, seed=seed).text
+
+
+def write_generations(run: RunDir, name: str, step: int, base: Base, config: LMESConfig,
+                      identity: dict) -> None:
+    """samples/<name>/generations.jsonl (prompt, answer) + generations.json, as lm-sft."""
+    lines = [{"prompt": p, "answer": answer(base, p, config.sample.max_tokens,
+                                            config.data.enable_thinking)}
+             for p in config.sample.prompts]
+    out = run.samples_dir / name
+    path = out / "generations.jsonl"
+    atomic_write_text(path, "".join(json.dumps(x, ensure_ascii=False) + "\n" for x in lines))
+    atomic_write_json(out / "generations.json", {
+        "checkpoint": name, "step": step, "settings": {"greedy": True,
+                                                      "max_tokens": config.sample.max_tokens},
+        "seed": config.seed, "model": identity})
+    run.log_event("sample_written", checkpoint=name, path=str(path.relative_to(run.path)),
+                  step=step)
+
+
+# -- training -------------------------------------------------------------------------------
+@torch.no_grad()
+def train(job: Job) -> None:
+    config: LMESConfig = job.config
+    run, es = job.run, config.es
+    base_sha = run.manifest()["base_model"]["sha256"]
+    job.announce("loading", f"loading base {base_model(config).name}")
+    base = load_base(config)
+    job.announce("encoding", "encoding the samples")
+    samples, report = encode_samples(config, base)
+    run.log_event("data_encoded", **report)
+    adapters, tensors = prepare_params(config, base)
+    model, tokenizer, spec = base.model, base.tokenizer, reward_spec(config)
+    model.eval()
+    identity = {"recipe": "lm-es", "base": str(base.path), "base_sha256": base_sha,
+                "mode": config.params.mode, **(describe_adapters(adapters) if adapters else {})}
+    # Built over the starting weights: the anchor is captured here, before a checkpoint loads.
+    strategy = EvolutionStrategy(tensors, seed=config.seed, population=es.population,
+                                 sigma=es.sigma, lr=es.lr, antithetic=es.antithetic,
+                                 shaping=es.shaping, anchor_decay=es.anchor_decay,
+                                 decay=es.decay)
+    cursor = DataCursor(len(samples), config.seed)
+    step, skipped_total, elapsed_before = 0, 0, 0.0
+    if job.resume_from:
+        saved, _, state = load_checkpoint(job.resume_from)
+        if adapters:
+            load_adapters(job.resume_from.path / ADAPTERS_FILE, adapters, base_sha)
+        else:
+            model.load_state_dict(saved)
+        strategy.load([t.clone() for t in tensors])      # the centre; the anchor stays
+        cursor = DataCursor.from_state(state["cursor"])
+        set_rng_state(state["rng"])
+        step, skipped_total = state["step"], state["skipped_total"]
+        elapsed_before = state["elapsed_s"]
+    elif config.sample.prompts:
+        job.announce("sample", f"answering {len(config.sample.prompts)} prompt(s) with the "
+                               "base (BEFORE)")
+        write_generations(run, "step-000000", 0, base, config, identity)
+
+    def checkpoint_now() -> Checkpoint:
+        job.stage = "save"
+        trainer_state = {"cursor": cursor.state(), "rng": rng_state(),
+                         "skipped_total": skipped_total, "elapsed_s": clock.elapsed,
+                         "invocation": job.invocation, "base_sha256": base_sha, "data": report,
+                         "es_iteration": step, "es_seed": config.seed, "es_noise": "gaussian",
+                         "es_sigma": es.sigma, "es_population": es.population,
+                         "es_antithetic": es.antithetic, "es_lr": es.lr}
+        if adapters:
+            return save_checkpoint(run, step, model_tensors={}, trainer_state=trainer_state,
+                                   keep_last=config.keep_last,
+                                   extra_files={ADAPTERS_FILE: adapter_bytes(adapters, base_sha)})
+        return save_checkpoint(run, step, model_tensors=model.state_dict(),
+                               trainer_state=trainer_state, keep_last=config.keep_last)
+
+    clock = StepClock(elapsed_before)
+    bar = job.progress(config.steps, initial=step)
+    while step < config.steps and not job.stop_requested:
+        batch = [samples[i] for i in cursor.take(es.batch)]
+        job.stage = "centre"
+        centre = score(model, tokenizer, batch, spec, es.micro_batch)
+        mean_ce = centre.mean_ce
+        if mean_ce is None:                   # `rule` computes no CE of its own
+            ce_sum, _, tokens = teacher_forced(model, batch, es.micro_batch)
+            mean_ce = ce_sum / tokens
+        rewards = []
+        for member in range(es.population):
+            job.stage = f"member {member + 1}/{es.population}"
+            strategy.perturb(step, member)
+            rewards.append(score(model, tokenizer, batch, spec, es.micro_batch).reward)
+        strategy.restore()
+        job.stage = "update"
+        result = strategy.step(step, rewards)
+        if not result.finite:
+            skipped_total += 1
+            if config.nonfinite == "stop":
+                raise NonFiniteError(f"a member's reward is not finite ({rewards})",
+                                     where="ES iteration",
+                                     hint="lower es.sigma, or set nonfinite = \"skip\"")
+        step += 1
+        supervised = sum(s.n_supervised for s in batch)
+        tokens_per_s = clock.tick(supervised * (es.population + 1))   # every scored token
+        if step % config.log_every == 0 or step == config.steps:
+            run.log_metric(train_row(
+                invocation=job.invocation, step=step, loss=mean_ce,
+                outcome=StepOutcome(result.grad_norm, False, not result.finite),
+                skipped_total=skipped_total, lr=es.lr, elapsed_s=clock.elapsed,
+                reward=centre.reward, reward_mean=result.reward_mean,
+                reward_max=result.reward_max, reward_min=result.reward_min,
+                reward_std=result.reward_std, update_norm=result.update_norm, sigma=es.sigma,
+                population=es.population, supervised_tokens=supervised,
+                tokens_per_s=tokens_per_s))
+        bar.update(1)
+        bar.set_postfix(reward=f"{centre.reward:.4f}")
+        job.step_done(step)
+        if (step == config.steps or job.stop_requested
+                or (config.save_every and step % config.save_every == 0)):
+            last = checkpoint_now()
+    bar.close()
+
+    if step == config.steps and not job.stop_requested and config.sample.prompts:
+        job.stage = "sample"
+        write_generations(run, last.name, step, base, config, identity)   # AFTER
+
+
+# -- evaluation and generation from a run ---------------------------------------------------
+def load_trained(run: RunDir, checkpoint: Checkpoint) -> tuple[Base, LMESConfig]:
+    """The base with the checkpoint's adapters (or full weights) applied, in eval mode."""
+    config = run_config(run)
+    base_sha = run.manifest()["base_model"]["sha256"]
+    base = load_base(config)
+    if sha256_file(base.path) != base_sha:
+        raise ForgebenchError("the base model file changed since the run was trained",
+                              path=base.path, hint="restore the original base model")
+    adapters, _ = prepare_params(config, base)
+    tensors, _, _ = load_checkpoint(checkpoint)
+    if adapters:
+        load_adapters(checkpoint.path / ADAPTERS_FILE, adapters, base_sha)
+    else:
+        base.model.load_state_dict(tensors)
+    base.model.eval()
+    return base, config
+
+
+@torch.no_grad()
+def evaluate(run: RunDir, checkpoint: Checkpoint, split: str) -> dict:
+    """Teacher-forced CE and the run's reward of a checkpoint on a split; writes evals/ and a
+    metric row."""
+    base, config = load_trained(run, checkpoint)
+    samples, _ = encode_samples(config, base, split=split)
+    result = score(base.model, base.tokenizer, samples, reward_spec(config),
+                   config.es.micro_batch)
+    ce_sum, correct, tokens = teacher_forced(base.model, samples, config.es.micro_batch)
+    record = {"split": split, "checkpoint": checkpoint.name, "step": checkpoint.step,
+              "loss": ce_sum / tokens, "token_accuracy": correct / tokens,
+              "reward": result.reward, "reward_kind": config.reward.kind,
+              "supervised_tokens": tokens, "samples": len(samples), "source": "forgebench eval"}
+    run.write_eval(f"{split}-{checkpoint.name}", record)
+    run.log_metric(record)
+    return record
+
+
+@torch.no_grad()
+def generate(run: RunDir, checkpoint: Checkpoint, args) -> dict:
+    base, config = load_trained(run, checkpoint)
+    settings = SamplingSettings(args.temperature, args.top_k, args.top_p,
+                                args.repetition_penalty)
+    text = answer(base, args.prompt, args.max_tokens, config.data.enable_thinking,
+                  settings=settings, seed=args.seed)
+    return {"prompt": args.prompt, "text": text, "checkpoint": checkpoint.name,
+            "seed": args.seed, "settings": settings.as_dict() | {"max_tokens": args.max_tokens}}
