@@ -5,6 +5,7 @@ stop it, resume it, and see the curve continue. Jobs are real `forgebench` subpr
 from __future__ import annotations
 
 import pytest
+from app_wait import settle
 from PySide6.QtCore import QElapsedTimer, Qt, QTimer
 from test_app_support import make_workspace, write_run
 
@@ -61,6 +62,7 @@ def window(qtbot, tmp_path, monkeypatch):
 def test_start_watch_stop_resume_a_real_run(window, qtbot, tmp_path):
     ws = make_workspace(tmp_path / "ws", shapes=0, steps=3000)
     assert window.open_workspace(ws.root)
+    settle(qtbot, window)
     window.sidebar.setCurrentRow(2)
     runs = window.runs
     runs.threads = 1
@@ -126,6 +128,7 @@ def test_failed_run_shows_its_error_and_traceback(window, qtbot, tmp_path):
     run.set_status("failed", stage="forward", error="RuntimeError: shapes do not match",
                    pid=None)
     assert window.open_workspace(ws.root)
+    settle(qtbot, window)
     runs = window.runs
     runs.select_run(run.path)
     assert runs.ledger.data(runs.ledger.index(0, 1)) == "failed (forward)"
@@ -138,6 +141,7 @@ def test_a_refused_start_shows_the_engine_message(window, qtbot, tmp_path):
     ws = make_workspace(tmp_path / "ws", shapes=0)
     (ws.datasets_dir / "records" / "train.txt").unlink()  # the corpus is incomplete
     assert window.open_workspace(ws.root)
+    settle(qtbot, window)
     runs = window.runs
     out = runs.start_from_form()
     qtbot.waitUntil(lambda: "did not start" in runs.details.toPlainText(),

@@ -1,4 +1,8 @@
-"""Live training charts (pyqtgraph): one plot per metric, several runs overlaid."""
+"""Live training charts (pyqtgraph): one plot per metric, several runs overlaid.
+
+The legend (run colours, train solid, val dashed) is in the summary beside the plots, never
+over a curve. Throughput is tokens/s for language-model runs and samples/s for the others
+(`RunSeries.throughput`)."""
 
 from __future__ import annotations
 
@@ -23,7 +27,7 @@ PALETTE = ["#1f77b4", "#d62728", "#2ca02c", "#ff7f0e", "#9467bd", "#8c564b", "#1
 # (metric, title, unit) — loss also draws every eval split.
 PLOTS = [("loss", "Loss: train, val (dashed)", ""),
          ("grad_norm", "Grad norm (red: clip, ×)", ""),
-         ("lr", "Learning rate", ""), ("tokens_per_s", "Throughput", "tokens/s"),
+         ("lr", "Learning rate", ""), ("throughput", "Throughput", ""),
          ("peak_rss_mb", "Peak memory", "MB")]
 
 
@@ -95,9 +99,7 @@ class RunCharts(QWidget):
             item = widget.getPlotItem()
             item.setLabel("left", unit)
             item.setDownsampling(auto=True, mode="peak")
-            if metric == "loss":
-                item.addLegend(offset=(-10, 10))
-            if metric in ("lr", "tokens_per_s"):
+            if metric in ("lr", "throughput"):
                 item.setLimits(yMin=0)      # a constant lr is not centred on a negative axis
             self.plots[metric] = item
             grid.addWidget(widget, i // 3, i % 3)
@@ -131,7 +133,9 @@ class RunCharts(QWidget):
         self.series = {k: self.series.get(k) or RunSeries(p) for k, p in wanted.items()}
         for series in self.series.values():
             series.poll()
-        self.redraw()
+        self.pending = list(self.plots)     # drawn one plot per tick: no long GUI slice
+        self._summarize()
+        self.stagger.start()
 
     def refresh(self) -> bool:
         """Read new metric lines; the plots are redrawn one by one on later timer ticks."""
@@ -175,24 +179,28 @@ class RunCharts(QWidget):
     def _summarize(self) -> None:
         """The latest numbers of each shown run, beside the charts."""
         parts = []
-        for series in self.series.values():
+        for index, series in enumerate(self.series.values()):
+            swatch = f"<span style='color:{PALETTE[index % len(PALETTE)]}'>━━</span> "
             train = series.train
             if not train.steps:
-                parts.append(f"<b>{series.name}</b><br>no metrics yet")
+                parts.append(f"{swatch}<b>{series.name}</b><br>no metrics yet")
                 continue
             last = {k: v[-1] for k, v in train.values.items() if v}
-            recent = [v for v in train.values.get("tokens_per_s", [])[-20:] if v == v]
+            metric, unit = series.throughput
+            recent = [v for v in train.values.get(metric, [])[-20:] if v == v]
             val = series.evals.get("val")
-            lines = [f"<b>{series.name}</b>", f"step {train.steps[-1]}",
+            lines = [f"{swatch}<b>{series.name}</b>", f"step {train.steps[-1]}",
                      f"train loss {last.get('loss', float('nan')):.4f}"]
             if val and val.values.get("loss"):
                 lines.append(f"val loss {val.values['loss'][-1]:.4f} (step {val.steps[-1]})")
             lines += [f"lr {last.get('lr', float('nan')):.3g}",
-                      f"throughput {sum(recent) / max(len(recent), 1):.0f} tokens/s (last 20)",
+                      f"throughput {sum(recent) / max(len(recent), 1):.3g} {unit} (last 20)",
                       f"peak memory {max(train.values.get('peak_rss_mb', [0])):.0f} MB",
                       f"checkpoints {len(series.checkpoint_steps)}, "
                       f"invocations {len(series.invocation_steps)}"]
             parts.append("<br>".join(lines))
+        if parts:
+            parts.append("<small>Loss: train solid, val dashed, test dotted.</small>")
         self.summary.setText("<br><br>".join(parts) or "Select runs in the ledger to chart "
                                                         "them (several overlay).")
 
@@ -202,13 +210,16 @@ class RunCharts(QWidget):
         item = self.plots[metric]
         item.setLogMode(False, log and metric != "lr")
         item.setLabel("bottom", "step" if x == "step" else "seconds")
+        if metric == "throughput":
+            item.setLabel("left", " / ".join(sorted({s.throughput[1] for s in
+                                                      self.series.values()})))
         for index, (key, series) in enumerate(self.series.items()):
             colour = PALETTE[index % len(PALETTE)]
             use_log = log and metric != "lr"
             smooth = weight if metric in ("loss", "grad_norm") else 0.0
-            xs, ys = _finite(*series.xy(metric, x=x, smoothing=smooth), use_log)
-            self._curve((key, metric), metric, pen=pg.mkPen(colour, width=2),
-                        name=series.name if metric == "loss" else None).setData(xs, ys)
+            source = series.throughput[0] if metric == "throughput" else metric
+            xs, ys = _finite(*series.xy(source, x=x, smoothing=smooth), use_log)
+            self._curve((key, metric), metric, pen=pg.mkPen(colour, width=2)).setData(xs, ys)
             if metric == "loss":
                 for split, style in (("val", Qt.PenStyle.DashLine),
                                      ("test", Qt.PenStyle.DotLine)):
@@ -216,8 +227,7 @@ class RunCharts(QWidget):
                     if vx or (key, metric, split) in self.curves:
                         self._curve((key, metric, split), metric,
                                     pen=pg.mkPen(colour, width=2, style=style), symbol="o",
-                                    symbolSize=6, symbolBrush=colour,
-                                    name=f"{series.name} ({split})").setData(vx, vy)
+                                    symbolSize=6, symbolBrush=colour).setData(vx, vy)
             if metric == "grad_norm":
                 cx, cy = _finite(*series.clipped_points(x=x), use_log)
                 self._curve((key, metric, "clipped"), metric, pen=None, symbol="x",
