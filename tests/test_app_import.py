@@ -450,3 +450,50 @@ def test_auto_split_gives_unassigned_groups_a_split_in_a_new_version(pane, qtbot
     ratios = parse_ratios("0.8,0.1,0,0.1")
     assert {g: s for g, s, _ in pane.table.groups()} == \
         {g: hash_split(g, 0, ratios) for g, _, _ in pane.table.groups()}
+
+
+def test_a_bad_line_is_skipped_or_fixed_in_the_wizard(pane, qtbot, tmp_path):
+    """One broken line no longer blocks the import: skip it (recorded in the provenance), or
+    fix its text in the wizard (the source file is left untouched)."""
+    source = _sft_source(tmp_path / "pairs.jsonl", broken_line=3)
+    original = source.read_bytes()
+    wizard = pane.open_import("jsonl")
+    qtbot.addWidget(wizard)
+    wizard.source_path.setText(str(source))
+    wizard.jsonl_kind.setCurrentText("text-sft")
+    qtbot.mouseClick(wizard.next_button, Qt.MouseButton.LeftButton)
+    assert not wizard.next_button.isEnabled()
+
+    wizard.skip_bad.setChecked(True)
+    assert wizard.next_button.isEnabled() and wizard.plan.skipped == ["line 3"]
+    assert len(wizard.plan.records) == 4 and "1 skipped (line 3)" in wizard.summary.text()
+    wizard.skip_bad.setChecked(False)
+    assert not wizard.next_button.isEnabled()
+
+    wizard.preview.selectRow(2)                         # the broken line's row
+    assert wizard.fix_button.isEnabled() and wizard._selected_line() == 3
+    wizard.fix_line(3, json.dumps({"uid": "q2", "prompt": "Say 2 like a pirate",
+                                   "completion": "Arr, 2!"}))
+    assert wizard.plan.ok and len(wizard.plan.records) == 5
+    qtbot.mouseClick(wizard.next_button, Qt.MouseButton.LeftButton)
+    wizard.name.setText("fixed-pairs")
+    qtbot.mouseClick(wizard.next_button, Qt.MouseButton.LeftButton)
+    with qtbot.waitSignal(wizard.imported, timeout=60_000):
+        qtbot.mouseClick(wizard.import_button, Qt.MouseButton.LeftButton)
+    new = pane.workspace.datasets_dir / "fixed-pairs"
+    records = [json.loads(line) for line in (new / "records.jsonl").read_text().splitlines()]
+    assert [r["id"] for r in records] == ["q0", "q1", "q2", "q3", "q4"]
+    manifest = json.loads((new / "dataset.json").read_text())
+    assert "3" in manifest["provenance"]["lines_fixed_at_import"]
+    assert source.read_bytes() == original
+    wizard.close()
+
+
+def test_skipping_errors_keeps_good_records_and_names_the_rest(tmp_path):
+    source = _sft_source(tmp_path / "pairs.jsonl", broken_line=2)
+    plan = vm.plan_jsonl(source, "text-sft", vm.default_mapping("text-sft",
+                                                                vm.source_keys(source)))
+    kept = plan.skipping_errors()
+    assert not plan.ok and kept.ok and kept.skipped == ["line 2"]
+    assert [r.where for r in kept.records] == ["line 1", "line 3", "line 4", "line 5"]
+    assert vm.source_line(source, 2) == '{"uid": "q2", "prompt": "unterminated'
