@@ -7,6 +7,7 @@ import threading
 
 from app.views.background import BackgroundCall
 from app.views.datasets_pane import DatasetsPane
+from app.views.form_widget import RecipeFormWidget
 
 TIMEOUT_MS = 120_000
 
@@ -15,8 +16,9 @@ def busy(widget) -> bool:
     """True while any worker call of `widget` (or its children) runs or a dataset loads."""
     panes = [widget] if isinstance(widget, DatasetsPane) else []
     panes += widget.findChildren(DatasetsPane)
+    forms = widget.findChildren(RecipeFormWidget)
     return any(call.running for call in widget.findChildren(BackgroundCall)) or \
-        any(pane.loading for pane in panes)
+        any(pane.loading for pane in panes) or any(form.building for form in forms)
 
 
 def settle(qtbot, widget, timeout: int = TIMEOUT_MS) -> None:

@@ -25,10 +25,9 @@ from app.viewmodels.runs import RunSeries
 
 PALETTE = ["#1f77b4", "#d62728", "#2ca02c", "#ff7f0e", "#9467bd", "#8c564b", "#17becf"]
 # (metric, title, unit) — loss also draws every eval split.
-PLOTS = [("loss", "Loss: train, val (dashed)", ""),
-         ("grad_norm", "Grad norm (red: clip, ×)", ""),
-         ("lr", "Learning rate", ""), ("throughput", "Throughput", ""),
-         ("peak_rss_mb", "Peak memory", "MB")]
+# Short titles: a plot is ~140 px wide in a 1024-pixel window; the summary explains the styles.
+PLOTS = [("loss", "Loss", ""), ("grad_norm", "Grad norm", ""), ("lr", "Learning rate", ""),
+         ("throughput", "Throughput", ""), ("peak_rss_mb", "Peak memory", "MB")]
 
 
 def _finite(xs: list[float], ys: list[float], log: bool) -> tuple[list[float], list[float]]:
@@ -51,7 +50,7 @@ class ChartControls(QWidget):
         self.x_axis.addItem("x: time (s)", "time")
         self.smoothing = QSlider(Qt.Orientation.Horizontal)
         self.smoothing.setRange(0, 99)
-        self.smoothing.setFixedWidth(140)
+        self.smoothing.setFixedWidth(100)
         self.smoothing_label = QLabel()
         layout.addWidget(self.log_scale)
         layout.addWidget(self.x_axis)
@@ -94,20 +93,21 @@ class RunCharts(QWidget):
         grid = QGridLayout()
         self.plots: dict[str, pg.PlotItem] = {}
         for i, (metric, title, unit) in enumerate(PLOTS):
-            widget = pg.PlotWidget(title=title)
+            widget = pg.PlotWidget()
             widget.setMinimumHeight(150)
             item = widget.getPlotItem()
+            item.setTitle(title, size="9pt")
             item.setLabel("left", unit)
             item.setDownsampling(auto=True, mode="peak")
             if metric in ("lr", "throughput"):
                 item.setLimits(yMin=0)      # a constant lr is not centred on a negative axis
             self.plots[metric] = item
-            grid.addWidget(widget, i // 3, i % 3)
+            grid.addWidget(widget, i // 2, i % 2)  # two columns: each plot stays readable
         self.summary = QLabel()
         self.summary.setWordWrap(True)
         self.summary.setAlignment(Qt.AlignmentFlag.AlignTop | Qt.AlignmentFlag.AlignLeft)
         self.summary.setStyleSheet("QLabel { background: white; padding: 8px; }")
-        grid.addWidget(self.summary, 1, 2)
+        grid.addWidget(self.summary, 2, 1)
         layout = QVBoxLayout(self)
         layout.setContentsMargins(0, 0, 0, 0)
         layout.addWidget(self.controls)
@@ -200,7 +200,8 @@ class RunCharts(QWidget):
                       f"invocations {len(series.invocation_steps)}"]
             parts.append("<br>".join(lines))
         if parts:
-            parts.append("<small>Loss: train solid, val dashed, test dotted.</small>")
+            parts.append("<small>Loss: train solid, val dashed, test dotted. Grad norm: red "
+                         "dashes the clip threshold, × a clipped step.</small>")
         self.summary.setText("<br><br>".join(parts) or "Select runs in the ledger to chart "
                                                         "them (several overlay).")
 

@@ -98,6 +98,7 @@ class DatasetsPane(QWidget):
         self.entries = []
         self.loading = False
         self._request = 0  # numbers table loads, so a stale background load is dropped
+        self._opening: Path | None = None   # the dataset being loaded (kept while loading)
         self.loader = BackgroundCall(self)   # small datasets: table and validation
         self.loader.done.connect(lambda table: self._loaded(table, self._request))
         self.loader.failed.connect(lambda exc: self._load_failed(str(exc), self._request))
@@ -192,7 +193,7 @@ class DatasetsPane(QWidget):
     def refresh_list(self) -> None:
         """Datasets that appeared or went (an import, another window, a generator): the list
         follows, and the open dataset stays open without being read again."""
-        current = self.table.root if self.table else None
+        current = self._opening if self.loading else self.table.root if self.table else None
         self._fill_list()
         index = next((i for i, e in enumerate(self.entries) if e.path == current), None)
         if index is None:

@@ -36,6 +36,7 @@ from app.viewmodels.workspace import Workspace
 from app.views.background import BackgroundCall
 from app.views.combos import refill_keeping_choice
 from app.views.job_runner import JobRunner
+from app.views.labels import wrapped_label
 from engine.errors import ForgebenchError
 from engine.fsutil import read_json
 
@@ -62,13 +63,9 @@ def _page(*widgets) -> QWidget:
 
 
 def _label(text: str = "") -> QLabel:
-    """A wrapped, selectable label that never sets the window's width: a long error line
-    (a path, a command) wraps instead of pushing the buttons off-screen."""
-    label = QLabel(text)
-    label.setWordWrap(True)
-    label.setMinimumWidth(1)
-    label.setTextInteractionFlags(Qt.TextInteractionFlag.TextSelectableByMouse)
-    return label
+    """A wrapped, selectable label: a long error line (a path, a command) wraps instead of
+    pushing the buttons off-screen."""
+    return wrapped_label(text, selectable=True)
 
 
 def error_html(heading: str, text: str) -> str:

@@ -33,6 +33,7 @@ from PySide6.QtWidgets import (
 )
 
 from app.viewmodels import importers as vm
+from app.views.labels import wrapped_label
 from engine.data.dataset import Finding
 from engine.errors import ForgebenchError
 
@@ -44,6 +45,7 @@ NO_KEY = "(none)"
 MAX_LISTED = 500
 MAPPING_COLUMNS = 3
 BACKGROUND_PLAN_BYTES = 1 << 20  # source files above this are read on a worker thread
+
 
 
 class _ImportWorker(QThread):
@@ -199,7 +201,7 @@ class ImportWizard(QDialog):
         self.preview.itemSelectionChanged.connect(self._update_fix)
         page = QWidget()
         v = QVBoxLayout(page)
-        v.addWidget(QLabel("Map the file's keys to the dataset's fields (JSONL only); the "
+        v.addWidget(wrapped_label("Map the file's keys to the dataset's fields (JSONL only); the "
                            f"first {vm.PREVIEW_ROWS} records are previewed with every "
                            "problem marked. Every file is checked again when imported."))
         v.addWidget(self.mapping_box)
@@ -278,7 +280,7 @@ class ImportWizard(QDialog):
         form.addRow("Consent", self.consent)
         page = QWidget()
         v = QVBoxLayout(page)
-        v.addWidget(QLabel("Each right is answered separately: permission to train is not "
+        v.addWidget(wrapped_label("Each right is answered separately: permission to train is not "
                            "permission to publish the data, the weights, or to sell."))
         v.addLayout(form)
         v.addStretch(1)
@@ -299,7 +301,7 @@ class ImportWizard(QDialog):
         row.addStretch(1)
         page = QWidget()
         v = QVBoxLayout(page)
-        v.addWidget(QLabel("Files are copied into a staging folder, dataset.json is written "
+        v.addWidget(wrapped_label("Files are copied into a staging folder, dataset.json is written "
                            "with every file's SHA-256, the result is validated, and only "
                            "then does the dataset appear in the workspace."))
         v.addLayout(row)

@@ -326,7 +326,8 @@ class RunsPane(QWidget):
 
     @property
     def form_loading(self) -> bool:
-        return self.form_call.running or self.template_call.running
+        return self.form_call.running or self.template_call.running or \
+            self.form_widget.building
 
     def _config_chosen(self) -> None:
         path = self.config_combo.currentData()

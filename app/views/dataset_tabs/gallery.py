@@ -40,7 +40,7 @@ class GalleryModel(QAbstractListModel):
     def data(self, index, role=Qt.ItemDataRole.DisplayRole):
         caption, path, _ = self.items[index.row()]
         if role == Qt.ItemDataRole.DisplayRole:
-            return ("▶ " if self.audio else "") + caption
+            return "▶ " + caption.replace("\n", " · ") if self.audio else caption
         if role == Qt.ItemDataRole.DecorationRole and not self.audio:
             return self.thumbs.get(path)
         if role == Qt.ItemDataRole.ToolTipRole:
@@ -87,6 +87,11 @@ class GalleryTab(QWidget):
         self.gallery.set_table(table)
         if self.gallery.audio and self.player is None:
             self.player = Player()
+        # Clips are a list of whole names; images a grid of thumbnails.
+        audio = self.gallery.audio
+        self.view.setViewMode(QListView.ViewMode.ListMode if audio
+                              else QListView.ViewMode.IconMode)
+        self.view.setGridSize(QSize() if audio else QSize(120, 140))
         self._show_hint()
 
     def _show_hint(self) -> None:
