@@ -5,14 +5,16 @@ missing workspace reported with ways out."""
 from __future__ import annotations
 
 import json
+import threading
 
 import numpy as np
 import pytest
-from app_wait import settle
-from PySide6.QtCore import QPoint, Qt
+from app_wait import GuiThreadGuard, settle
+from PySide6.QtCore import QPoint, Qt, QTimer
 from PySide6.QtWidgets import QLineEdit
 from test_app_support import make_workspace
 
+import app.viewmodels.datasets as datasets_vm
 from app.main import open_initial_workspace
 from app.viewmodels.masks import read_mask
 from app.viewmodels.workspace import BUNDLED_SAMPLE, Settings
@@ -355,3 +357,35 @@ def test_the_gallery_plays_dataset_audio_or_says_why_it_cannot(qtbot, tmp_path):
     assert "unavailable" in tab.hint.text() and len(played) == 1
     pane.select_row(tab.gallery.items[1][2])        # the rest of the pane keeps working
     assert pane.tabs.currentWidget() is pane.records_tab
+
+
+def test_validation_runs_off_the_gui_thread_while_the_window_answers(qtbot, tmp_path,
+                                                                     monkeypatch):
+    """Structural, not a timing: the engine's validator is called only on a worker thread, and
+    it is held there until the GUI thread has processed an event queued after the click, which
+    it could not do if the click's handler validated the dataset itself."""
+    from app.views.datasets_pane import DatasetsPane
+    from engine.data.dataset import validate_dataset
+
+    answered = threading.Event()
+    guard = GuiThreadGuard(monkeypatch)
+    guard.wrap(datasets_vm, "validate_dataset", before=lambda: answered.wait(60))
+    ws = make_workspace(tmp_path / "ws", shapes=6, records=False)
+    pane = DatasetsPane()
+    qtbot.addWidget(pane)
+    pane.set_workspace(ws)
+    QTimer.singleShot(0, answered.set)
+    settle(qtbot, pane)
+    answered.clear()
+    qtbot.mouseClick(pane.validate_button, Qt.MouseButton.LeftButton)
+    assert pane.loading                             # the click returned before validating
+    QTimer.singleShot(0, answered.set)
+    with qtbot.waitSignal(pane.message, timeout=60_000) as verdict:
+        pass
+    assert verdict.args == ["shapes is valid"]
+    assert guard.on_gui == [] and len(guard.off_gui) == 2
+    # Twin: the guard sees a validation made on the GUI thread.
+    answered.set()
+    datasets_vm.DatasetTable(ws.datasets_dir / "shapes")
+    assert guard.on_gui == ["app.viewmodels.datasets.validate_dataset"]
+    assert validate_dataset is not datasets_vm.validate_dataset     # the wrapped one ran

@@ -185,8 +185,10 @@ class DatasetsPane(QWidget):
         self._fill_list()
         index = next((i for i, e in enumerate(self.entries) if e.path == current), 0)
         if self.entries:
-            self.dataset_list.setCurrentRow(index)
-            self._dataset_chosen(index)
+            if self.dataset_list.currentRow() == index:     # no change signal: open it here
+                self._dataset_chosen(index)
+            else:
+                self.dataset_list.setCurrentRow(index)
         else:
             self.show_table(None)
 
