@@ -10,7 +10,7 @@ import pytest
 from app_wait import settle
 from PySide6.QtCore import QPoint, QPointF, Qt
 from PySide6.QtGui import QWheelEvent
-from PySide6.QtWidgets import QApplication, QComboBox
+from PySide6.QtWidgets import QApplication, QComboBox, QScrollArea
 from test_app_support import make_workspace, write_run
 
 from app.viewmodels import jobs
@@ -157,6 +157,10 @@ def test_the_window_fits_1024x700_and_long_messages_wrap(window, qtbot):
         assert window.width() == 1024 and window.height() == 700, row
         scroll = window.stack.currentWidget()       # nothing cut off: no sideways scrolling
         assert scroll.widget().minimumSizeHint().width() <= scroll.viewport().width(), row
+        for inner in scroll.widget().findChildren(QScrollArea):     # nor inside the pane
+            if inner.isVisible() and inner.widgetResizable() and inner.widget() is not None:
+                assert inner.widget().minimumSizeHint().width() <= inner.viewport().width(), \
+                    (row, type(inner.widget()).__name__)
 
 
 def test_the_wheel_scrolls_the_form_and_never_edits_an_unfocused_field(window, qtbot, tmp_path):

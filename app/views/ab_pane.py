@@ -107,7 +107,9 @@ class ABPane(QWidget):
         self.limit.setSpecialValueText("all pairs")
         self.allowed = QLineEdit()
         self.allowed.setPlaceholderText("settings that differ on purpose, e.g. cfg")
-        self.rubric = QCheckBox("Rate fidelity before style (two answers per pair)")
+        self.rubric = QCheckBox("Rate fidelity, then style")
+        self.rubric.setToolTip("Two answers per pair: which is more faithful, then which has "
+                               "the better style")
         self.start_button = QPushButton("Start blind session")
         self.start_button.clicked.connect(self.start_session)
         # generation: every system's outputs made now, with one settings dict
@@ -221,7 +223,7 @@ class ABPane(QWidget):
         splitter = QSplitter()
         splitter.addWidget(setup_scroll)
         splitter.addWidget(right)
-        splitter.setSizes([380, 900])
+        splitter.setSizes([340, 540])      # the setup column fits its form at 1024 px
         layout = QVBoxLayout(self)
         layout.addWidget(splitter)
         self._show_pair()

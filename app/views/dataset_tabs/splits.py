@@ -137,6 +137,7 @@ class SplitsTab(QWidget):
         self.groups_model.set_groups(self.table.groups() if self.table else [])
         header = self.groups.horizontalHeader()
         self.groups_model.sort(header.sortIndicatorSection(), header.sortIndicatorOrder())
+        self.groups.resizeColumnToContents(0)     # whole group names (Qt samples 1,000 rows)
 
     def move_groups(self) -> None:
         rows = sorted({i.row() for i in self.groups.selectionModel().selectedRows()})
