@@ -154,6 +154,7 @@ def part2_screens(window: MainWindow, workspace: Workspace, shot, app: QApplicat
     shot("19-export-image-generator-bundle-verified")
     window.sidebar.setCurrentRow(PANES.index("Runs"))
     window.runs.poll(force=True)
+    window.runs.left_tabs.setCurrentIndex(0)
     window.runs.select_run(workspace.runs_dir / "image-generate-demo")
     shot("20-runs-image-generator-samples-per-second")
 
