@@ -24,6 +24,7 @@ from pathlib import Path
 from PySide6.QtWidgets import QApplication
 
 from app.viewmodels.workspace import REPO_ROOT, Settings, Workspace, install_sample_workspace
+from app.views.background import BackgroundCall
 from app.views.main_window import PANES, MainWindow
 from engine.config import load_config
 from engine.data.generators.records import generate_records
@@ -142,6 +143,22 @@ def part2_screens(window: MainWindow, workspace: Workspace, shot, app: QApplicat
     shot("17-export-verified")
     export.go(4)
     shot("18-export-bundle-card-and-rights")
+    # A generator exports as a verified bundle; its run charts samples/s.
+    export.refresh_runs()
+    export.select_run(workspace.runs_dir / "image-generate-demo")
+    export.go(2)
+    while export.call.running:
+        settle(app, 0.1)
+    export.go(3)
+    export.export()
+    while export.export_job.running:
+        settle(app, 0.2)
+    shot("19-export-image-generator-bundle-verified")
+    window.sidebar.setCurrentRow(PANES.index("Runs"))
+    window.runs.poll(force=True)
+    window.runs.left_tabs.setCurrentIndex(0)
+    window.runs.select_run(workspace.runs_dir / "image-generate-demo")
+    shot("20-runs-image-generator-samples-per-second")
 
 
 def wait_until(app: QApplication, condition, seconds: float = 900) -> None:
@@ -305,6 +322,11 @@ def dataset_tool_screens(window: MainWindow, workspace: Workspace, scratch: Path
         settle(app, 0.2)
     shot_of(wizard, "06g-import-done")
     wizard.close()
+    wait_idle(app, window)
+    datasets.select_dataset(workspace.datasets_dir / wizard.name.text().strip())
+    wait_idle(app, window)
+    datasets.tabs.setCurrentWidget(datasets.splits_tab)     # imported: no splits yet
+    shot_of(window, "06g2-imported-dataset-auto-split-offered")
     dialog = datasets.open_card()
     dialog.resize(*SIZE)
     form = dialog.form_widget
@@ -335,6 +357,16 @@ def settle(app: QApplication, seconds: float = 0.6) -> None:
         time.sleep(0.02)
 
 
+def wait_idle(app: QApplication, window: MainWindow, limit_s: float = 300) -> None:
+    """Until the panes' worker threads are done (datasets, forms, launches) and on screen."""
+    deadline = time.monotonic() + limit_s
+    while (window.datasets.loading or window.runs.form_loading or any(
+            call.running for call in window.findChildren(BackgroundCall))) \
+            and time.monotonic() < deadline:
+        settle(app, 0.1)
+    settle(app, 0.2)
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     only = argv[argv.index("--only") + 1] if "--only" in argv else None
@@ -357,6 +389,7 @@ def main(argv: list[str] | None = None) -> int:
     shots = []
 
     def shot(name: str) -> None:
+        wait_idle(app, window)
         settle(app)
         path = out / f"{name}.png"
         window.grab().save(str(path))
@@ -376,12 +409,15 @@ def main(argv: list[str] | None = None) -> int:
     datasets = window.datasets
     window.sidebar.setCurrentRow(0)
     datasets.select_dataset(workspace.datasets_dir / "shapes-with-an-error")
+    wait_idle(app, window)
     datasets.validate()
+    wait_idle(app, window)
     datasets.select_row(datasets.table.error_rows()[0])
     shot("01-datasets-records-with-a-finding")
     datasets.tabs.setCurrentIndex(1)
     shot("02-datasets-findings")
     datasets.select_dataset(workspace.datasets_dir / "shapes")
+    wait_idle(app, window)
     datasets.tabs.setCurrentIndex(2)
     settle(app, 2.0)  # thumbnails decode on worker threads
     shot("03-datasets-gallery")
@@ -395,8 +431,11 @@ def main(argv: list[str] | None = None) -> int:
         settle(app, 0.2)
     shot("05b-datasets-leaks-and-duplicates")
     datasets.select_dataset(workspace.datasets_dir / "sfx")
+    wait_idle(app, window)
     datasets.tabs.setCurrentIndex(0)
     shot("06-datasets-audio-clips")
+    datasets.tabs.setCurrentIndex(2)
+    shot("06a-datasets-audio-gallery-play")
     dataset_tool_screens(window, workspace, scratch, shot, shot_of, app)
     if only_datasets:
         return _finish(window, app, shots, scratch)
@@ -434,6 +473,7 @@ def main(argv: list[str] | None = None) -> int:
     # A live job: selected by itself, its stage line over the charts, the jobs panel open.
     runs.left_tabs.setCurrentIndex(1)
     runs.config_combo.setCurrentText("lm-pretrain-tiny")
+    wait_idle(app, window)
     runs.form_widget.set_value("steps", "100000")
     live = runs.start_from_form()
     deadline = time.monotonic() + 120
@@ -449,6 +489,7 @@ def main(argv: list[str] | None = None) -> int:
     window.jobs_dock.hide()
     runs.left_tabs.setCurrentIndex(1)
     runs.config_combo.setCurrentText("lm-pretrain-tiny")
+    wait_idle(app, window)
     runs.form_widget.set_value("model.n_heads", "3")
     runs.form_widget.set_value("optim.lr", "-0.01")
     runs.form_widget.set_value("data.dir", "datasets/records")

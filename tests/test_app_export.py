@@ -12,7 +12,7 @@ from pathlib import Path
 
 import gguf
 import pytest
-from app_part2_support import go_and_wait, lm_run, wait_for
+from app_part2_support import go_and_wait, lm_run, media_workspace, wait_for
 from export_support import tiny_sft_over_quantized_base
 from media_support import forgebench
 
@@ -184,3 +184,52 @@ def test_a_quantized_or_foreign_base_is_refused_with_the_engines_reason(qtbot, t
             for r in range(pane.stages.rowCount())}
     assert rows["merged"] in ("match (≥ 99%)", "changed (≥ 99%)"), \
         pane.export_job.output[-2000:]
+
+
+@pytest.mark.parametrize("name, reference", [("image", ".png"), ("audio", ".wav")])
+def test_the_wizard_exports_a_generator_as_a_verified_bundle(qtbot, tmp_path_factory, name,
+                                                             reference):
+    """image-generate and audio-generate runs are listed, sized for f32/f16 from the
+    checkpoint's EMA tensors, exported by the engine, and verified in step 4."""
+    workspace = media_workspace(tmp_path_factory)
+    pane = _pane(qtbot, workspace)
+    run = workspace.runs_dir / name
+    assert pane.run_combo.findData(str(run)) >= 0
+    pane.select_run(run, "step-000004")
+    go_and_wait(qtbot, pane, 1)
+    assert "from scratch" in pane.base_text.text()
+    go_and_wait(qtbot, pane, 2)
+    sizes = vm.size_estimates(pane.run, "step-000004")
+    assert set(sizes) == {"f32", "f16"} and sizes["f32"] == 2 * sizes["f16"]
+    assert pane.dtype() == "f32"            # a generator has no q8_0: the first type is chosen
+    pane.go(3)
+    pane.out_name.setText(f"{name}-bundle-{tmp_path_factory.getbasetemp().name}")
+    pane.export()
+    wait_for(qtbot, pane.export_job, 600)
+    out = pane.out
+    assert "Verified" in pane.verdict.text(), pane.export_job.output[-2000:]
+    headers = [pane.stages.horizontalHeaderItem(c).text() for c in range(pane.stages.columnCount())]
+    assert "PSNR" in headers and "KL" not in headers
+    rows = {pane.stages.item(r, 0).text(): pane.stages.item(r, 1).text()
+            for r in range(pane.stages.rowCount())}
+    assert rows == {"checkpoint": "reference", "bundle": "match"}    # f32: bit for bit
+    assert (out / "model.safetensors").stat().st_size >= sizes["f32"]
+    assert reference in pane.answers.text() and (out / "model.json").is_file()
+    pane.go(4)
+    assert pane.card.toPlainText() == (out / "model_card.md").read_text()
+
+
+def test_generator_verification_rows_are_amber_when_rounding_moved_the_outputs():
+    stage = {"name": "bundle", "description": "f16", "file": "model.safetensors",
+             "weights_identical": False, "identical": False, "passed": True,
+             "max_abs_diff": 0.01, "mean_abs_diff": 0.001, "psnr_db": 45.0}
+    report = {"kind": "generator", "passed": True, "bar": "PSNR ≥ 30 dB",
+              "stages": [{"name": "checkpoint", "description": "ref", "file": None}, stage],
+              "export": {"files": ["model.safetensors", "reference/a.png"]}}
+    result = vm.verification(report)
+    assert [r.verdict for r in result["rows"]] == ["reference", "changed"]
+    assert vm.cells(result["rows"][1], "generator")[5] == "45.0 dB"
+    assert result["references"] == ["reference/a.png"]
+    failed = vm.verification({**report, "passed": False,
+                              "stages": [report["stages"][0], {**stage, "passed": False}]})
+    assert [r.verdict for r in failed["rows"]] == ["reference", "FAIL"]

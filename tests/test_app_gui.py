@@ -5,13 +5,16 @@ missing workspace reported with ways out."""
 from __future__ import annotations
 
 import json
+import threading
 
 import numpy as np
 import pytest
-from PySide6.QtCore import QPoint, Qt
+from app_wait import GuiThreadGuard, settle
+from PySide6.QtCore import QPoint, Qt, QTimer
 from PySide6.QtWidgets import QLineEdit
 from test_app_support import make_workspace
 
+import app.viewmodels.datasets as datasets_vm
 from app.main import open_initial_workspace
 from app.viewmodels.masks import read_mask
 from app.viewmodels.workspace import BUNDLED_SAMPLE, Settings
@@ -62,7 +65,9 @@ def test_planted_dataset_error_is_marked_at_its_record(window, qtbot, tmp_path):
     pane = window.datasets
     window.sidebar.setCurrentRow(0)
     pane.select_dataset(ws.datasets_dir / "shapes")
+    settle(qtbot, pane)
     qtbot.mouseClick(pane.validate_button, Qt.MouseButton.LeftButton)
+    settle(qtbot, pane)
     assert "error" in pane.header.text()
     records = pane.records_tab
     model = records.records
@@ -89,13 +94,14 @@ def test_planted_dataset_error_is_marked_at_its_record(window, qtbot, tmp_path):
     assert "valid" in records.edit_status.text() and records.save_record_button.isEnabled()
 
 
-def test_unparseable_dataset_shows_errors_not_a_crash(window, tmp_path):
+def test_unparseable_dataset_shows_errors_not_a_crash(window, qtbot, tmp_path):
     ws = make_workspace(tmp_path / "ws", shapes=6, records=False)
     broken = ws.datasets_dir / "broken"
     broken.mkdir()
     (broken / "dataset.json").write_text('{"kind": "image-masks", "files": ')
     assert window.open_workspace(ws.root)
     window.datasets.select_dataset(broken)
+    settle(qtbot, window)
     assert "error" in window.datasets.header.text()
     texts = [window.datasets.findings_tab.item(i).text()
              for i in range(window.datasets.findings_tab.count())]
@@ -145,9 +151,10 @@ def test_edit_mask_undo_save_makes_a_new_dataset_version(window, qtbot, tmp_path
     assert any(e.path == new_root for e in window.datasets.entries)
 
 
-def test_invalid_form_values_are_marked_and_block_start(window, tmp_path):
+def test_invalid_form_values_are_marked_and_block_start(window, qtbot, tmp_path):
     ws = make_workspace(tmp_path / "ws", shapes=0)
     assert window.open_workspace(ws.root)
+    settle(qtbot, window)
     runs = window.runs
     runs.left_tabs.setCurrentIndex(1)
     form = runs.form_widget
@@ -192,6 +199,7 @@ def test_leak_report_jumps_to_both_records(window, qtbot, tmp_path):
     assert window.open_workspace(ws.root)
     pane = window.datasets
     pane.select_dataset(leaked.root)
+    settle(qtbot, pane)
     qtbot.mouseClick(pane.leaks_tab.button, Qt.MouseButton.LeftButton)
     qtbot.waitUntil(lambda: pane.leaks_tab.process is None, timeout=120_000)
     assert "1 leak(s)" in pane.leaks_tab.status.text(), pane.leaks_tab.status.text()
@@ -308,3 +316,76 @@ def test_sft_token_view_colours_supervised_tokens_of_the_pirate_set(window, qtbo
         supervised = "".join(t for t, s in sample.spans if s)
         assert supervised.strip() and sample.supervised_tokens > 0
     assert "#c8e6c9" in view.text.toHtml()  # supervised spans are drawn on green
+
+
+def test_the_gallery_plays_dataset_audio_or_says_why_it_cannot(qtbot, tmp_path):
+    """An audio dataset's Gallery lists its clips; activating one plays the clip's own samples
+    at the quiet start level; with no sound device the tab says so and nothing breaks."""
+    from media_support import make_sfx
+
+    from app.audio import START_GAIN_DB, apply_gain
+    from app.viewmodels.samples import waveform
+    from app.views.datasets_pane import DatasetsPane
+
+    root = make_sfx(tmp_path, 2)
+    pane = DatasetsPane()
+    qtbot.addWidget(pane)
+    pane.open_dataset(root)
+    settle(qtbot, pane)
+    tab = pane.gallery_tab
+    assert tab.gallery.audio and tab.gallery.rowCount() == len(pane.table.rows) > 0
+    assert tab.gallery.data(tab.gallery.index(0)).startswith("▶ ")
+
+    played = []
+
+    class Device:       # stands in for sounddevice: records what would reach the speaker
+        def play(self, wave, rate, blocking=False):
+            played.append((wave, rate))
+
+        def stop(self):
+            pass
+
+    tab.player._sd, tab.player.problem = Device(), None
+    assert tab.play(0)
+    wave, rate = waveform(tab.gallery.items[0][1])
+    assert played[0][1] == rate and (played[0][0] == apply_gain(wave, START_GAIN_DB)).all()
+    assert "playing" in tab.hint.text()
+
+    tab.player._sd = None                   # no output device
+    tab.player.problem = "audio playback is unavailable: no output device"
+    assert not tab.play(1)
+    assert "unavailable" in tab.hint.text() and len(played) == 1
+    pane.select_row(tab.gallery.items[1][2])        # the rest of the pane keeps working
+    assert pane.tabs.currentWidget() is pane.records_tab
+
+
+def test_validation_runs_off_the_gui_thread_while_the_window_answers(qtbot, tmp_path,
+                                                                     monkeypatch):
+    """Structural, not a timing: the engine's validator is called only on a worker thread, and
+    it is held there until the GUI thread has processed an event queued after the click, which
+    it could not do if the click's handler validated the dataset itself."""
+    from app.views.datasets_pane import DatasetsPane
+    from engine.data.dataset import validate_dataset
+
+    answered = threading.Event()
+    guard = GuiThreadGuard(monkeypatch)
+    guard.wrap(datasets_vm, "validate_dataset", before=lambda: answered.wait(60))
+    ws = make_workspace(tmp_path / "ws", shapes=6, records=False)
+    pane = DatasetsPane()
+    qtbot.addWidget(pane)
+    pane.set_workspace(ws)
+    QTimer.singleShot(0, answered.set)
+    settle(qtbot, pane)
+    answered.clear()
+    qtbot.mouseClick(pane.validate_button, Qt.MouseButton.LeftButton)
+    assert pane.loading                             # the click returned before validating
+    QTimer.singleShot(0, answered.set)
+    with qtbot.waitSignal(pane.message, timeout=60_000) as verdict:
+        pass
+    assert verdict.args == ["shapes is valid"]
+    assert guard.on_gui == [] and len(guard.off_gui) == 2
+    # Twin: the guard sees a validation made on the GUI thread.
+    answered.set()
+    datasets_vm.DatasetTable(ws.datasets_dir / "shapes")
+    assert guard.on_gui == ["app.viewmodels.datasets.validate_dataset"]
+    assert validate_dataset is not datasets_vm.validate_dataset     # the wrapped one ran

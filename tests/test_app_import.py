@@ -15,6 +15,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import soundfile
+from app_wait import settle
 from PIL import Image
 from PySide6.QtCore import Qt
 
@@ -324,6 +325,7 @@ def test_jsonl_wizard_maps_previews_names_and_imports(pane, qtbot, tmp_path):
     assert wizard.progress.value() == wizard.progress.maximum() > 0
     assert "imported 5 records and 0 files" in wizard.status.text()
     assert not wizard.back_button.isEnabled()
+    settle(qtbot, pane)
     new = pane.workspace.datasets_dir / "pirate-pairs"
     assert pane.table is not None and pane.table.root == new and pane.table.ok
     assert len(pane.table.rows) == 5 and pane.table.rows[0].record["instruction"] == \
@@ -407,6 +409,7 @@ def test_card_dialog_marks_invalid_fields_and_saves(pane, qtbot, tmp_path):
     vm.import_dataset(vm.plan_image_folder(source), pane.workspace.datasets_dir, "photos",
                       provenance={}, rights={})
     pane.reload(select=pane.workspace.datasets_dir / "photos")
+    settle(qtbot, pane)
     dialog = pane.open_card()
     qtbot.addWidget(dialog)
     widget = dialog.form_widget
@@ -422,3 +425,75 @@ def test_card_dialog_marks_invalid_fields_and_saves(pane, qtbot, tmp_path):
     assert card["known_gaps"] == ["no photos taken at night", "only two classes"]
     assert "only two classes" in dialog.rendered.toPlainText()
     dialog.close()
+
+
+def test_auto_split_gives_unassigned_groups_a_split_in_a_new_version(pane, qtbot, tmp_path):
+    """Imported records start unassigned; Auto-split runs `forgebench data split` and opens
+    the new version, whose splits are the engine's group hash (the imported folder is kept)."""
+    from engine.data.splits import hash_split, parse_ratios
+
+    source = _image_folder(tmp_path / "photos", masks=False)
+    vm.import_dataset(vm.plan_image_folder(source), pane.workspace.datasets_dir, "photos",
+                      provenance={}, rights={})
+    root = pane.workspace.datasets_dir / "photos"
+    pane.reload(select=root)
+    settle(qtbot, pane)
+    tab = pane.splits_tab
+    unassigned = pane.table.unassigned_groups
+    assert unassigned == len(pane.table.groups()) > 0 and tab.auto_button.isEnabled()
+    before = (root / "dataset.json").read_bytes()
+    qtbot.mouseClick(tab.auto_button, Qt.MouseButton.LeftButton)
+    qtbot.waitUntil(lambda: pane.table is not None and pane.table.root != root
+                    and not pane.loading, timeout=120_000)
+    assert (root / "dataset.json").read_bytes() == before          # a new version, not an edit
+    assert pane.table.unassigned_groups == 0 and not tab.auto_button.isEnabled()
+    ratios = parse_ratios("0.8,0.1,0,0.1")
+    assert {g: s for g, s, _ in pane.table.groups()} == \
+        {g: hash_split(g, 0, ratios) for g, _, _ in pane.table.groups()}
+
+
+def test_a_bad_line_is_skipped_or_fixed_in_the_wizard(pane, qtbot, tmp_path):
+    """One broken line no longer blocks the import: skip it (recorded in the provenance), or
+    fix its text in the wizard (the source file is left untouched)."""
+    source = _sft_source(tmp_path / "pairs.jsonl", broken_line=3)
+    original = source.read_bytes()
+    wizard = pane.open_import("jsonl")
+    qtbot.addWidget(wizard)
+    wizard.source_path.setText(str(source))
+    wizard.jsonl_kind.setCurrentText("text-sft")
+    qtbot.mouseClick(wizard.next_button, Qt.MouseButton.LeftButton)
+    assert not wizard.next_button.isEnabled()
+
+    wizard.skip_bad.setChecked(True)
+    assert wizard.next_button.isEnabled() and wizard.plan.skipped == ["line 3"]
+    assert len(wizard.plan.records) == 4 and "1 skipped (line 3)" in wizard.summary.text()
+    wizard.skip_bad.setChecked(False)
+    assert not wizard.next_button.isEnabled()
+
+    wizard.preview.selectRow(2)                         # the broken line's row
+    assert wizard.fix_button.isEnabled() and wizard._selected_line() == 3
+    wizard.fix_line(3, json.dumps({"uid": "q2", "prompt": "Say 2 like a pirate",
+                                   "completion": "Arr, 2!"}))
+    assert wizard.plan.ok and len(wizard.plan.records) == 5
+    qtbot.mouseClick(wizard.next_button, Qt.MouseButton.LeftButton)
+    wizard.name.setText("fixed-pairs")
+    qtbot.mouseClick(wizard.next_button, Qt.MouseButton.LeftButton)
+    with qtbot.waitSignal(wizard.imported, timeout=60_000):
+        qtbot.mouseClick(wizard.import_button, Qt.MouseButton.LeftButton)
+    new = pane.workspace.datasets_dir / "fixed-pairs"
+    records = [json.loads(line) for line in (new / "records.jsonl").read_text().splitlines()]
+    assert [r["id"] for r in records] == ["q0", "q1", "q2", "q3", "q4"]
+    manifest = json.loads((new / "dataset.json").read_text())
+    assert "3" in manifest["provenance"]["lines_fixed_at_import"]
+    assert source.read_bytes() == original
+    wizard.close()
+
+
+def test_skipping_errors_keeps_good_records_and_names_the_rest(tmp_path):
+    source = _sft_source(tmp_path / "pairs.jsonl", broken_line=2)
+    plan = vm.plan_jsonl(source, "text-sft", vm.default_mapping("text-sft",
+                                                                vm.source_keys(source)))
+    kept = plan.skipping_errors()
+    assert not plan.ok and kept.ok and kept.skipped == ["line 2"]
+    assert [r.where for r in kept.records] == ["line 1", "line 3", "line 4", "line 5"]
+    assert vm.source_line(source, 2) == '{"uid": "q2", "prompt": "unterminated'

@@ -226,3 +226,25 @@ def test_before_after_of_a_run_from_scratch_and_of_a_tuned_run(tmp_path):
     answers(tuned, "step-000000", "base answer")
     answers(tuned, "step-000030", "Ahoy")
     assert vm.before_after_headers(tuned) == ("BEFORE (base)", "AFTER (step-000030)")
+
+
+def test_sampler_steps_reach_the_job_and_the_rubric_follows_the_run(pane, qtbot, workspace):
+    run = workspace.runs_dir / "image"
+    pane.select_run(run)
+    levels = json.loads((run / "run.json").read_text())["config"]["diffusion"]["levels"]
+    assert pane.steps.maximum() == levels and pane.steps.isEnabled()
+    pane.checkpoint.setCurrentText("step-000004")
+    pane.class_name.setCurrentIndex(pane.class_name.findData("circle"))
+    pane.n.setValue(1)
+    pane.seed.setValue(31)
+    pane.steps.setValue(3)
+    qtbot.mouseClick(pane.generate_button, Qt.MouseButton.LeftButton)
+    wait_for(qtbot, pane.job)
+    sidecar = json.loads((run / "samples" / "step-000004" / "circle-seed31-000.json")
+                         .read_text())
+    assert sidecar["settings"]["steps"] == 3
+    assert list(pane.rubric.combos) == list(vm.RUBRICS["image"])
+    pane.select_run(workspace.runs_dir / "audio")       # another run: never image dimensions
+    audio_samples = [s for s in vm.run_samples(workspace.runs_dir / "audio")
+                     if s.kind == "audio"]
+    assert list(pane.rubric.combos) == (list(vm.RUBRICS["audio"]) if audio_samples else [])

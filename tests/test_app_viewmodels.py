@@ -454,3 +454,22 @@ def test_dataset_tab_rows_from_reports():
     assert row_of_place(table_rows, "line 10 field 'label'") == 1
     assert row_of_place(table_rows, "line 11") == 2
     assert row_of_place(table_rows, "line 100") is None
+
+
+def test_throughput_is_samples_per_second_for_a_run_without_tokens(tmp_path):
+    """An image or sound run logs examples/s; its throughput is never "0 tokens/s"."""
+    from app.viewmodels.runs import RunSeries
+    from engine.rundir import RunDir
+
+    for name, record, expected in (
+            ("lm", {"tokens_per_s": 120.0}, ("tokens_per_s", "tokens/s")),
+            ("image", {"examples": 8, "examples_per_s": 3.5}, ("examples_per_s", "samples/s"))):
+        run = RunDir(tmp_path / name)
+        run.create({"recipe": name, "config": {}})
+        for step in (1, 2):
+            run.log_metric({"step": step, "split": "train", "loss": 1.0, **record})
+        run.release_lock()
+        series = RunSeries(run.path)
+        series.poll()
+        assert series.throughput == expected
+        assert series.xy(expected[0])[1] == [list(record.values())[-1]] * 2

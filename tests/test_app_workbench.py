@@ -7,9 +7,10 @@ from __future__ import annotations
 import json
 
 import pytest
+from app_wait import settle
 from PySide6.QtCore import QPoint, QPointF, Qt
 from PySide6.QtGui import QWheelEvent
-from PySide6.QtWidgets import QApplication, QComboBox
+from PySide6.QtWidgets import QApplication, QComboBox, QScrollArea
 from test_app_support import make_workspace, write_run
 
 from app.viewmodels import jobs
@@ -51,7 +52,9 @@ def test_panes_follow_the_workspace_without_reopening(window, qtbot, tmp_path):
     stays chosen."""
     ws = make_workspace(tmp_path / "ws", shapes=6)
     assert window.open_workspace(ws.root)
+    settle(qtbot, window)
     window.datasets.select_dataset(ws.datasets_dir / "shapes")
+    settle(qtbot, window)
     opened = window.datasets.table
     assert window.runs.config_combo.count() == 1
 
@@ -76,6 +79,7 @@ def test_panes_follow_the_workspace_without_reopening(window, qtbot, tmp_path):
 def test_a_new_run_is_selected_and_its_stage_shows_in_the_jobs_panel(window, qtbot, tmp_path):
     ws = make_workspace(tmp_path / "ws", shapes=0, steps=3000)
     assert window.open_workspace(ws.root)
+    settle(qtbot, window)
     runs = window.runs
     runs.threads = 1
     out = runs.start_from_form()
@@ -99,6 +103,7 @@ def test_a_refused_start_keeps_its_reason_in_view(window, qtbot, tmp_path):
     other = write_run(ws.runs_dir / "earlier-run", steps=4)
     (ws.datasets_dir / "records" / "train.txt").unlink()
     assert window.open_workspace(ws.root)
+    settle(qtbot, window)
     runs = window.runs
     runs.select_run(other.path)
     runs.start_from_form()
@@ -114,19 +119,23 @@ def test_a_refused_start_keeps_its_reason_in_view(window, qtbot, tmp_path):
 def test_leaks_and_stats_belong_to_the_dataset_on_screen(window, qtbot, tmp_path):
     ws = make_workspace(tmp_path / "ws", shapes=12)
     assert window.open_workspace(ws.root)
+    settle(qtbot, window)
     pane = window.datasets
     pane.select_dataset(ws.datasets_dir / "shapes")
+    settle(qtbot, pane)
     leaks = pane.leaks_tab
     leaks.check()
     qtbot.waitUntil(lambda: leaks.process is None, timeout=TIMEOUT_MS)
     assert "12 records checked" in leaks.status.text()
     pane.select_dataset(ws.datasets_dir / "records")
+    settle(qtbot, pane)
     assert leaks.leaks.rowCount() == 0 and "records checked" not in leaks.status.text()
     assert "Not yet checked: records" in leaks.status.text()
 
     pane.tabs.setCurrentWidget(pane.stats_tab)
     for name in ("shapes", "records", "shapes"):
         pane.select_dataset(ws.datasets_dir / name)
+        settle(qtbot, pane)
     splits = pane.stats_tab.table.split_counts()
     legend = [label.text for _, label in pane.stats_tab.legend.items]
     assert sorted(legend) == sorted(splits)             # one entry per split, never repeated
@@ -148,11 +157,16 @@ def test_the_window_fits_1024x700_and_long_messages_wrap(window, qtbot):
         assert window.width() == 1024 and window.height() == 700, row
         scroll = window.stack.currentWidget()       # nothing cut off: no sideways scrolling
         assert scroll.widget().minimumSizeHint().width() <= scroll.viewport().width(), row
+        for inner in scroll.widget().findChildren(QScrollArea):     # nor inside the pane
+            if inner.isVisible() and inner.widgetResizable() and inner.widget() is not None:
+                assert inner.widget().minimumSizeHint().width() <= inner.viewport().width(), \
+                    (row, type(inner.widget()).__name__)
 
 
-def test_the_wheel_scrolls_the_form_and_never_edits_an_unfocused_field(window, tmp_path):
+def test_the_wheel_scrolls_the_form_and_never_edits_an_unfocused_field(window, qtbot, tmp_path):
     ws = make_workspace(tmp_path / "ws", shapes=0)
     assert window.open_workspace(ws.root)
+    settle(qtbot, window)
     combo = window.runs.form_widget.editors["optim.schedule"]
     before = combo.currentText()
     event = QWheelEvent(QPointF(5, 5), QPointF(combo.mapToGlobal(QPoint(5, 5))), QPoint(0, 0),
@@ -198,3 +212,30 @@ def test_stage_lines_and_etas():
     assert job.progress_text(now) == "3/9, ETA 1 min"
     assert jobs.BackgroundJob("k", "x", "t", started=now - 5).progress_text(now) == \
         "running for 5 s"
+
+
+def test_a_run_held_by_a_job_this_window_did_not_start_shows_running_elsewhere(
+        window, qtbot, tmp_path):
+    """The #16 lock: a run whose lock another process holds (here: this test, as a terminal
+    would) is "running elsewhere", with who holds it in the tooltip; once released, it is not."""
+    from engine.runlock import RunLock
+
+    ws = make_workspace(tmp_path / "ws", shapes=0)
+    run = write_run(ws.runs_dir / "from-a-terminal", steps=4, state="running")
+    lock = RunLock(run.path).acquire("train")
+    try:
+        assert window.open_workspace(ws.root)
+        settle(qtbot, window)
+        ledger = window.runs.ledger
+        state = ledger.index(0, 1)
+        assert ledger.data(state) == "running elsewhere"
+        tip = ledger.data(state, Qt.ItemDataRole.ToolTipRole)
+        assert "train job" in tip and "pid" in tip
+        ledger.own_pids.add(ledger.rows[0].holder["pid"])     # as if this window started it
+        assert ledger.data(state) == "running"
+    finally:
+        lock.release()
+    run.set_status("stopped", step=4, target_steps=4)
+    window.runs.poll(force=True)
+    assert window.runs.ledger.data(window.runs.ledger.index(0, 1)) == "stopped"
+    assert window.runs.ledger.rows[0].holder is None

@@ -195,6 +195,7 @@ def test_cli_export_writes_a_verified_bundle_with_a_staged_report(tmp_path, trai
     for text in ("## Base model", "## Data", "## Training config", "## Evaluation",
                  "## Limitations", "q8_0", manifest["data"]["files"]["train.txt"]):
         assert text in card
+    assert str(trained_run.parent) not in card      # a shared card names no local path
 
     before = {p.name: p.read_bytes() for p in out.iterdir()}
     again = forgebench("export", str(trained_run), "--dtype", "f16", "--out", str(out),

@@ -94,6 +94,7 @@ class DatasetTable:
         self._groups = self._count_groups()
         self._split_counts = self._count_splits()
         self.images = self._images()
+        self.clips = self._clips()
 
     def _place_findings(self) -> None:
         by_where = {row.where: row for row in self.rows}
@@ -126,6 +127,14 @@ class DatasetTable:
                 out.append((f"{record.get('id', rel)}\n{record.get('label', '')}",
                             str(self.root / rel), i))
         return out
+
+    def _clips(self) -> list[tuple[str, str, int]]:
+        """(caption, absolute clip path, row index) of every record of an audio dataset."""
+        if self.kind != "audio-clips":
+            return []
+        return [(f"{row.record.get('id', row.record['path'])}\n{row.record.get('label', '')}",
+                 str(self.root / row.record["path"]), i) for i, row in enumerate(self.rows)
+                if isinstance((row.record or {}).get("path"), str)]
 
     @property
     def ok(self) -> bool:
@@ -204,7 +213,13 @@ class DatasetTable:
             data = read_json(self.root / F.SPLITS_FILE)
         except ForgebenchError:
             return {}
-        return data.get("assignments", data) if isinstance(data, dict) else {}
+        groups = data.get("groups") if isinstance(data, dict) else None   # the engine's format
+        return groups if isinstance(groups, dict) else {}
+
+    @property
+    def unassigned_groups(self) -> int:
+        """Groups with no split yet (what `forgebench data split` assigns)."""
+        return sum(1 for _, split, _ in self._groups if split == "unassigned")
 
     # -- groups and splits ---------------------------------------------------------------
     def groups(self) -> list[tuple[str, str, int]]:

@@ -3,6 +3,10 @@
 which runs can be exported, what the base is, how big each quantization will be, the
 equivalence report as pass/fail rows, and the bundle's model card and rights checklist.
 
+Language-model runs export as GGUF; image-generate and audio-generate runs as a generator
+bundle (engine/export/generator_bundle.py: f32 or f16 weights, verified by redrawing
+fixed-seed samples from the bundle alone). The verification table's columns follow the kind.
+
 The export itself runs as a job; this module only prepares its command line and reads what it
 wrote. No Qt, no torch (sizes come from the safetensors header or the GGUF tensor table).
 """
@@ -20,11 +24,16 @@ from gguf import GGMLQuantizationType as T
 from app.viewmodels.jobs import forgebench_argv
 from engine.errors import ForgebenchError
 from engine.export.bundle import DTYPES, EXPORTABLE_RECIPES, GGUF_BASE_RECIPES, write_sha256sums
+from engine.export.generator_bundle import GENERATOR_DTYPES, GENERATOR_RECIPES
 from engine.fsutil import atomic_write_text, read_json
 from engine.gguf.quant_policy import FILE_TYPES, FLOAT_TYPES, ModelFacts, plan_types
 from engine.rundir import RunDir
 
-EXPORTABLE = EXPORTABLE_RECIPES
+EXPORTABLE = EXPORTABLE_RECIPES + GENERATOR_RECIPES
+LLM_COLUMNS = ("stage", "verdict", "top-1 agreement", "max |Δlogit|", "mean |Δlogit|", "KL",
+               "greedy match", "tokenizer", "file")
+GENERATOR_COLUMNS = ("stage", "verdict", "weights", "max |Δ| output", "mean |Δ| output",
+                     "PSNR", "file")
 RIGHTS_LABELS = {"train": "training on this data is allowed",
                  "publish_data": "the data may be published",
                  "publish_weights": "weights trained on it may be published",
@@ -41,7 +50,8 @@ class ExportableRun:
 
 
 def exportable_runs(run_dirs: list[Path]) -> list[ExportableRun]:
-    """Runs whose recipe has a GGUF export and that hold at least one checkpoint."""
+    """Runs whose recipe has an export (GGUF or generator bundle) and that hold at least one
+    checkpoint."""
     found = []
     for path in run_dirs:
         run = RunDir(path)
@@ -136,6 +146,12 @@ def size_estimates(run: ExportableRun, checkpoint: str, base: Path | None = None
     checkpoint the tensors carry torch names, so the plan's special cases for the embedding and
     output matrices are not applied to them: an estimate, exact for the dense types.
     """
+    if run.recipe in GENERATOR_RECIPES:     # the EMA copy of the U-Net is what is exported
+        weights = RunDir(run.path).checkpoint(checkpoint).path / "model.safetensors"
+        ema = [s for name, s, _ in safetensors_table(weights) if name.startswith("ema.")]
+        kinds = {"f32": T.F32, "f16": T.F16}
+        return {dtype: sum(tensor_bytes(shape, kinds[dtype]) for shape in ema)
+                for dtype in GENERATOR_DTYPES}
     if run.recipe in GGUF_BASE_RECIPES:
         info = base_info(run.path, base)
         table = gguf_tensor_table(info.path)
@@ -197,10 +213,16 @@ class StageRow:
     min_top1: float | None       # the engine's bar for this stage
     greedy_matched: int = 0
     greedy_total: int = 0
+    identical: bool | None = None   # generator bundles: outputs bit for bit the checkpoint's
+    psnr: float | None = None
+    weights: str = ""
 
     @property
     def exact(self) -> bool:
-        """Nothing the user could notice changed: every top-1 token and greedy answer."""
+        """Nothing the user could notice changed: every top-1 token and greedy answer (for a
+        generator: every output value)."""
+        if self.identical is not None:
+            return self.identical
         return self.top1 == 1.0 and self.greedy_matched == self.greedy_total and \
             self.tokenizer is not False
 
@@ -228,8 +250,46 @@ def _row(stage: dict) -> StageRow:
                     stage["passed"], stage["min_top1"], matched, total)
 
 
+def _generator_row(stage: dict) -> StageRow:
+    if "identical" not in stage:
+        return StageRow(stage["name"], stage.get("description", ""), "", None, None, None,
+                        None, "", None, None, None)
+    return StageRow(stage["name"], stage.get("description", ""), stage.get("file") or "",
+                    None, stage["max_abs_diff"], stage["mean_abs_diff"], None, "", None,
+                    stage["passed"], None, identical=stage["identical"],
+                    psnr=stage["psnr_db"],
+                    weights="identical" if stage["weights_identical"] else "rounded")
+
+
+def _number(value, spec: str) -> str:
+    return "" if value is None else format(value, spec)
+
+
+def cells(row: StageRow, kind: str) -> tuple[str, ...]:
+    """A row's table cells under the columns of its report kind."""
+    if kind == "generator":
+        psnr = "" if row.passed is None else "∞ (identical)" if row.psnr is None \
+            else f"{row.psnr:.1f} dB"
+        return (row.name, row.verdict, row.weights, _number(row.max_abs, ".4g"),
+                _number(row.mean_abs, ".3g"), psnr, row.file)
+    bar = f" (≥ {row.min_top1:.0%})" if row.min_top1 is not None else ""
+    return (row.name, row.verdict + bar, _number(row.top1, ".2%"), _number(row.max_abs, ".4g"),
+            _number(row.mean_abs, ".3g"), _number(row.kl, ".3g"), row.greedy,
+            "" if row.tokenizer is None else ("same" if row.tokenizer else "DIFFERS"), row.file)
+
+
 def verification(report: dict) -> dict:
-    """Rows per stage with the engine's verdicts, the llama.cpp row and its answers when it ran."""
+    """Rows per stage with the engine's verdicts, the llama.cpp row and its answers when it
+    ran; for a generator bundle, the bundle's row and its reference outputs."""
+    if report.get("kind") == "generator":
+        rows = [_generator_row(stage) for stage in report["stages"]]
+        return {"kind": "generator", "columns": GENERATOR_COLUMNS, "rows": rows,
+                "passed": bool(report["passed"]), "bar": report["bar"],
+                "changed": [r.name for r in rows if r.verdict == "changed"], "numerics": None,
+                "references": [f for f in report["export"]["files"]
+                               if f.startswith("reference/")],
+                "llamacpp": {"available": False, "reason": "not a language model",
+                             "answers": []}}
     rows = [_row(stage) for stage in report["stages"]]
     cpp = report.get("llamacpp", {})
     answers = []
@@ -237,7 +297,8 @@ def verification(report: dict) -> dict:
         rows.append(_row({"name": "llama.cpp", **cpp}))
         answers = [(p["prompt"], p.get("answer"), a)
                    for p, a in zip(report["prompt_suite"], cpp.get("answers", []))]
-    return {"rows": rows, "passed": bool(report["passed"]),
+    return {"kind": "llm", "columns": LLM_COLUMNS, "rows": rows,
+            "passed": bool(report["passed"]),
             "changed": [r.name for r in rows if r.verdict == "changed"],
             # which llama.cpp kernels the engine matched on the machine that wrote the report
             "numerics": report.get("numerics"),

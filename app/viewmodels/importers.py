@@ -78,6 +78,7 @@ class ImportPlan:
     records: list[PlannedRecord] = field(default_factory=list)
     general: list[Finding] = field(default_factory=list)   # not tied to one record
     manifest_fields: dict = field(default_factory=dict)    # classes, audio spec ...
+    skipped: list[str] = field(default_factory=list)        # where left-out records were
 
     @property
     def findings(self) -> list[Finding]:
@@ -106,8 +107,24 @@ class ImportPlan:
 
     def summary(self) -> str:
         errors = len(self.errors)
-        return (f"{len(self.records)} records, {len(self.copies())} files to copy; "
-                + (f"{errors} problem(s) to fix before importing" if errors else "no problems"))
+        skipped = f"{len(self.skipped)} skipped ({', '.join(self.skipped[:5])}" \
+            f"{', …' if len(self.skipped) > 5 else ''}); " if self.skipped else ""
+        return (f"{len(self.records)} records, {len(self.copies())} files to copy; {skipped}"
+                + (f"{errors} problem(s) to fix (or skip) before importing" if errors
+                   else "no problems"))
+
+    def skipping_errors(self) -> "ImportPlan":
+        """This plan without the records (and unparseable lines) that have an error; what was
+        left out is listed in `skipped`, and the import records it in the provenance. A
+        problem of the whole source (an unreadable file) is never skipped."""
+        bad = [r for r in self.records if any(f.severity == "error" for f in r.findings)]
+        lines = [f for f in self.general if f.severity == "error" and _line_of(f.where or "")]
+        return ImportPlan(self.kind, self.source, self.records_file,
+                          [r for r in self.records if r not in bad],
+                          [f for f in self.general if f not in lines],
+                          dict(self.manifest_fields),
+                          sorted([r.where for r in bad] + [f.where for f in lines],
+                                 key=_line_of))
 
 
 def _check(planned: PlannedRecord, kind: F.Kind, manifest: dict, file: str) -> None:
@@ -225,9 +242,11 @@ def _check_image_files(planned: PlannedRecord) -> None:
 # ----------------------------------------------------------------------------- JSONL
 
 
-def read_jsonl_source(path: str | Path) -> tuple[list[tuple[int, dict]], list[Finding]]:
+def read_jsonl_source(path: str | Path, corrections: dict[int, str] | None = None
+                      ) -> tuple[list[tuple[int, dict]], list[Finding]]:
     """(line number, object) for every line that parses; a finding for every one that does
-    not. An unreadable file is one finding."""
+    not. An unreadable file is one finding. `corrections` replaces lines (by number) with the
+    text the user fixed them to in the wizard; the source file itself is never changed."""
     path = Path(path)
     try:
         text = path.read_bytes().decode("utf-8")
@@ -236,6 +255,12 @@ def read_jsonl_source(path: str | Path) -> tuple[list[tuple[int, dict]], list[Fi
     except UnicodeDecodeError as exc:
         line = path.read_bytes()[:exc.start].count(b"\n") + 1
         return [], [Finding(path.name, f"line {line}", None, "not valid UTF-8 text")]
+    if corrections:
+        lines = text.split("\n")
+        for number, fixed in corrections.items():
+            if 1 <= number <= len(lines):
+                lines[number - 1] = fixed.replace("\n", " ")
+        text = "\n".join(lines)
     rows, findings = [], []
     for number, value, problem in jsonl_objects(text):
         if problem:
@@ -290,16 +315,24 @@ def default_mapping(kind: str, keys: list[str]) -> dict[str, str | None]:
     return mapping
 
 
-def plan_jsonl(path: str | Path, kind: str, mapping: dict[str, str | None]) -> ImportPlan:
+def source_line(path: str | Path, number: int) -> str:
+    """The text of one line of a source file (1-based), to fix it in the wizard."""
+    lines = Path(path).read_bytes().decode("utf-8", "replace").split("\n")
+    return lines[number - 1] if 1 <= number <= len(lines) else ""
+
+
+def plan_jsonl(path: str | Path, kind: str, mapping: dict[str, str | None],
+               corrections: dict[int, str] | None = None) -> ImportPlan:
     """Records of a JSONL file with keys renamed to the kind's fields. A record without an id
-    gets `line-N`; captioned images are copied from beside the file."""
+    gets `line-N`; captioned images are copied from beside the file. `corrections`: lines the
+    user fixed in the wizard (see `read_jsonl_source`)."""
     path = Path(path)
     if kind not in JSONL_KINDS:
         raise ForgebenchError(f"{kind!r} cannot be imported from JSONL", where="kind",
                               hint="choose one of " + ", ".join(JSONL_KINDS))
     spec = F.KINDS[kind]
     plan = ImportPlan(kind, path, spec.records)
-    rows, plan.general = read_jsonl_source(path)
+    rows, plan.general = read_jsonl_source(path, corrections)
     for number, value in rows:
         record = {name: value[key] for name, key in mapping.items()
                   if key is not None and key in value}

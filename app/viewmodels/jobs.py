@@ -72,9 +72,11 @@ class PendingRun:
 
 
 def prepare_run(workspace: Workspace, form: RecipeForm, stem: str | None = None,
-                threads: int | None = None, processes: int = 1) -> PendingRun:
-    """Write the form's config beside the launch log; the run folder is created by the job."""
-    out = workspace.new_run_dir(stem or form.recipe)
+                threads: int | None = None, processes: int = 1,
+                out: Path | None = None) -> PendingRun:
+    """Write the form's config beside the launch log; the run folder (`out`, else a fresh
+    name) is created by the job."""
+    out = out or workspace.new_run_dir(stem or form.recipe)
     workspace.launch_dir.mkdir(parents=True, exist_ok=True)
     config = form.write_toml(workspace.launch_dir / f"{out.name}.toml")
     return PendingRun(config, out, threads, processes)

@@ -8,6 +8,7 @@ import hashlib
 import json
 import math
 import os
+import socket
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -18,7 +19,8 @@ from engine.fsutil import atomic_write_json, read_json
 from engine.rundir import RunDir
 
 NOTES_FILE = "notes.json"  # app-owned: question, notes, selected checkpoint (run.json is immutable)
-TRAIN_FIELDS = ("loss", "grad_norm", "lr", "tokens_per_s", "peak_rss_mb", "rank_tokens_per_s",
+TRAIN_FIELDS = ("loss", "grad_norm", "lr", "tokens_per_s", "examples_per_s", "peak_rss_mb",
+                "rank_tokens_per_s",
                 "world_size",
                 "reward_margin", "preference_accuracy", "chosen_logp", "rejected_logp")  # lm-dpo
 # what lm-es adds to its rows: the centre's reward, the population's spread, the step size
@@ -139,6 +141,16 @@ class RunSeries:
     def name(self) -> str:
         return self.run.path.name
 
+    @property
+    def throughput(self) -> tuple[str, str]:
+        """(metric, unit) of this run's speed: tokens/s for a language model, else the
+        examples (images, sounds) per second the shared loop logs."""
+        examples = self.train.values.get("examples_per_s", [])
+        if any(math.isfinite(v) for v in examples) and not any(
+                math.isfinite(v) for v in self.train.values.get("tokens_per_s", [])):
+            return "examples_per_s", "samples/s"
+        return "tokens_per_s", "tokens/s"
+
     def poll(self) -> bool:
         """Read what the job appended since the last poll; True when anything changed."""
         changed = False
@@ -250,10 +262,28 @@ class LedgerRow:
     updated: float | None = None     # status.json's last write: the end of a finished run
     stage_line: str = ""             # "loading base 250 MB", "step 3/30, ETA 4 min", the state
     device: str = ""                 # "cpu", "NVIDIA L4 × 2": the device and process count
+    holder: dict | None = None       # who holds the run's lock (engine.runlock), when anyone
 
     @property
     def active(self) -> bool:
         return self.state in ("queued", "running", "stopping")
+
+    def elsewhere(self, own_pids: set[int]) -> bool:
+        """A job this window did not start holds the run (another window, a terminal, an
+        eval or sample job, another host): the app may follow it, not drive it."""
+        if self.holder is None:
+            return False
+        return self.holder.get("pid") not in own_pids or \
+            self.holder.get("host", socket.gethostname()) != socket.gethostname()
+
+    def holder_text(self) -> str:
+        """Who holds the run, for a tooltip: what, which process, where, since when."""
+        h = self.holder or {}
+        since = h.get("since")
+        when = time.strftime(" since %H:%M", time.localtime(since)) \
+            if isinstance(since, (int, float)) else ""
+        return (f"held by a {h.get('purpose', 'job')} job (pid {h.get('pid', '?')} on "
+                f"{h.get('host', 'this machine')}){when}: {h.get('command', '')}").strip(": ")
 
     def started_text(self) -> str:
         return time.strftime("%Y-%m-%d %H:%M", time.localtime(self.created)) \
@@ -326,7 +356,7 @@ def ledger_row(path: Path, best: BestEval | None = None) -> LedgerRow:
         updated=status.get("updated") if isinstance(status.get("updated"), (int, float))
         else None,
         stage_line=run_stage_line(status, invocations[-1] if invocations else None),
-        device=device_text(manifest))
+        device=device_text(manifest), holder=run.lock_holder())
 
 
 def failure_report(path: Path) -> str:

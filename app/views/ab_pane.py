@@ -44,6 +44,7 @@ from app.viewmodels import ab as vm
 from app.viewmodels.samples import text_file, waveform
 from app.viewmodels.workspace import Workspace
 from app.views.job_runner import JobRunner
+from app.views.labels import wrapped_label
 from engine.errors import ForgebenchError
 from engine.fsutil import read_json
 from engine.rundir import RunDir
@@ -107,7 +108,9 @@ class ABPane(QWidget):
         self.limit.setSpecialValueText("all pairs")
         self.allowed = QLineEdit()
         self.allowed.setPlaceholderText("settings that differ on purpose, e.g. cfg")
-        self.rubric = QCheckBox("Rate fidelity before style (two answers per pair)")
+        self.rubric = QCheckBox("Rate fidelity, then style")
+        self.rubric.setToolTip("Two answers per pair: which is more faithful, then which has "
+                               "the better style")
         self.start_button = QPushButton("Start blind session")
         self.start_button.clicked.connect(self.start_session)
         # generation: every system's outputs made now, with one settings dict
@@ -144,8 +147,9 @@ class ABPane(QWidget):
         self.setup_status = QLabel()
         self.setup_status.setWordWrap(True)
         self.setup_status.setTextInteractionFlags(Qt.TextInteractionFlag.TextSelectableByMouse)
-        setup = QGroupBox("Setup: systems are run checkpoints with samples or generations")
+        setup = QGroupBox("Setup")     # short titles: a long one would widen the column
         form = QFormLayout(setup)
+        form.addRow(wrapped_label("Systems are run checkpoints with samples or generations."))
         form.addRow(self.systems)
         form.addRow("Session name", self.name)
         form.addRow("Rater", self.rater)
@@ -154,8 +158,9 @@ class ABPane(QWidget):
         form.addRow("Allowed differences", self.allowed)
         form.addRow(self.rubric)
         form.addRow(self.start_button)
-        generate = QGroupBox("Or generate every system's outputs now, identical settings")
+        generate = QGroupBox("Or generate outputs now")
         gform = QFormLayout(generate)
+        gform.addRow(wrapped_label("Every system's outputs, made with identical settings."))
         gform.addRow("Seeds", self.gen_seeds)
         gform.addRow("Per class", self.gen_n)
         gform.addRow("Class", self.gen_class)
@@ -231,7 +236,7 @@ class ABPane(QWidget):
         splitter = QSplitter()
         splitter.addWidget(setup_scroll)
         splitter.addWidget(right)
-        splitter.setSizes([380, 900])
+        splitter.setSizes([340, 540])      # the setup column fits its form at 1024 px
         layout = QVBoxLayout(self)
         layout.addWidget(splitter)
         self._show_pair()
@@ -539,8 +544,8 @@ def results_html(results: dict, reveal: bool) -> str:
     if not reveal:
         return "".join(out)
     out.append("<h4>Win rates (ties count half; 95% Wilson interval)</h4><table border=1 "
-               "cellpadding=4><tr><th>A</th><th>B</th><th>A wins</th><th>B wins</th>"
-               "<th>ties</th><th>A win rate</th><th>95% CI</th></tr>")
+               "cellpadding=4><tr><th>A</th><th>B</th><th nowrap>A wins</th><th nowrap>B wins"
+               "</th><th nowrap>ties</th><th nowrap>A win rate</th><th nowrap>95% CI</th></tr>")
     for row in results["pairs"]:
         out.append(f"<tr><td>{html.escape(names[row['a']])}</td><td>"
                    f"{html.escape(names[row['b']])}</td><td>{row['wins_a']}</td>"

@@ -30,6 +30,9 @@ class _Worker(QThread):
             self.failed.emit(exc)
         except (OSError, ValueError, KeyError) as exc:   # a damaged or unreadable file
             self.failed.emit(ForgebenchError(f"{type(exc).__name__}: {exc}"))
+        except Exception as exc:    # a bug: said, not left as a call that never ends
+            self.failed.emit(ForgebenchError(f"internal error: {type(exc).__name__}: {exc}",
+                                             hint="please report it"))
         else:
             self.succeeded.emit(result)
 

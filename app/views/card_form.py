@@ -20,6 +20,7 @@ from PySide6.QtWidgets import (
 
 from app.viewmodels.card_form import CardForm
 from app.views.form_widget import RecipeFormWidget
+from app.views.labels import wrapped_label
 from engine.errors import ForgebenchError
 
 
@@ -27,6 +28,7 @@ class CardFormWidget(RecipeFormWidget):
     """The recipe form widget, with a multi-line editor for list fields."""
 
     top_section = "card"
+    progressive = False     # a short form, built whole as its dialog opens
 
     def _editor(self, spec) -> QWidget:
         if spec.kind != "list":
@@ -74,7 +76,7 @@ class CardDialog(QDialog):
         buttons.addWidget(self.save_button)
         buttons.addWidget(close)
         layout = QVBoxLayout(self)
-        layout.addWidget(QLabel("What people state about the data. Counts, lengths and file "
+        layout.addWidget(wrapped_label("What people state about the data. Counts, lengths and file "
                                 "hashes are measured from the data itself when the card is "
                                 "saved; anything left empty is listed as not stated."))
         layout.addWidget(splitter, 1)

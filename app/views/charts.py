@@ -1,4 +1,8 @@
-"""Live training charts (pyqtgraph): one plot per metric, several runs overlaid."""
+"""Live training charts (pyqtgraph): one plot per metric, several runs overlaid.
+
+The legend (run colours, train solid, val dashed) is in the summary beside the plots, never
+over a curve. Throughput is tokens/s for language-model runs and samples/s for the others
+(`RunSeries.throughput`)."""
 
 from __future__ import annotations
 
@@ -21,14 +25,12 @@ from app.viewmodels.runs import RunSeries
 
 PALETTE = ["#1f77b4", "#d62728", "#2ca02c", "#ff7f0e", "#9467bd", "#8c564b", "#17becf"]
 # (metric, title, unit) — loss also draws every eval split.
-PLOTS = [("loss", "Loss: train, val (dashed)", ""),
-         ("grad_norm", "Grad norm (red: clip, ×)", ""),
-         ("lr", "Learning rate (dashed: ES σ)", ""), ("tokens_per_s", "Throughput", "tokens/s"),
-         ("peak_rss_mb", "Peak memory", "MB"),
-         ("reward", "Reward (ES): centre; population mean dashed, max/min dotted", ""),
-         ("reward_margin", "Reward margin (DPO: chosen − rejected)", ""),
-         ("preference_accuracy", "Preference accuracy (DPO)", ""),
-         ("chosen_logp", "Log-prob (DPO): chosen, rejected (dashed)", "")]
+# Short titles: a plot is ~140 px wide in a 1024-pixel window; the summary explains the styles.
+PLOTS = [("loss", "Loss", ""), ("grad_norm", "Grad norm", ""), ("lr", "Learning rate", ""),
+         ("throughput", "Throughput", ""), ("peak_rss_mb", "Peak memory", "MB"),
+         ("reward", "Reward (ES)", ""), ("reward_margin", "Reward margin (DPO)", ""),
+         ("preference_accuracy", "Preference accuracy", ""),
+         ("chosen_logp", "Log-prob chosen / rejected", "")]
 SUMMARY_CELL = 5              # the grid cell of the summary text (plots fill the others)
 # plots shown only while a selected run logs their metric: lm-es's reward, lm-dpo's preferences
 SHOWN_WITH_DATA = ("reward", "reward_margin", "preference_accuracy", "chosen_logp")
@@ -61,7 +63,7 @@ class ChartControls(QWidget):
         self.x_axis.addItem("x: time (s)", "time")
         self.smoothing = QSlider(Qt.Orientation.Horizontal)
         self.smoothing.setRange(0, 99)
-        self.smoothing.setFixedWidth(140)
+        self.smoothing.setFixedWidth(100)
         self.smoothing_label = QLabel()
         layout.addWidget(self.log_scale)
         layout.addWidget(self.x_axis)
@@ -105,25 +107,24 @@ class RunCharts(QWidget):
         self.plots: dict[str, pg.PlotItem] = {}
         self.plot_widgets: dict[str, pg.PlotWidget] = {}
         for i, (metric, title, unit) in enumerate(PLOTS):
-            widget = pg.PlotWidget(title=title)
+            widget = pg.PlotWidget()
             widget.setMinimumHeight(150)
             item = widget.getPlotItem()
+            item.setTitle(title, size="9pt")
             item.setLabel("left", unit)
             item.setDownsampling(auto=True, mode="peak")
-            if metric == "loss":
-                item.addLegend(offset=(-10, 10))
-            if metric in ("lr", "tokens_per_s"):
+            if metric in ("lr", "throughput"):
                 item.setLimits(yMin=0)      # a constant lr is not centred on a negative axis
             self.plots[metric] = item
             self.plot_widgets[metric] = widget
             widget.setVisible(metric not in SHOWN_WITH_DATA)
             cell = i + (i >= SUMMARY_CELL)
-            grid.addWidget(widget, cell // 3, cell % 3)
+            grid.addWidget(widget, cell // 2, cell % 2)  # two columns: each plot stays readable
         self.summary = QLabel()
         self.summary.setWordWrap(True)
         self.summary.setAlignment(Qt.AlignmentFlag.AlignTop | Qt.AlignmentFlag.AlignLeft)
         self.summary.setStyleSheet("QLabel { background: white; padding: 8px; }")
-        grid.addWidget(self.summary, SUMMARY_CELL // 3, SUMMARY_CELL % 3)
+        grid.addWidget(self.summary, SUMMARY_CELL // 2, SUMMARY_CELL % 2)
         layout = QVBoxLayout(self)
         layout.setContentsMargins(0, 0, 0, 0)
         layout.addWidget(self.controls)
@@ -149,7 +150,9 @@ class RunCharts(QWidget):
         self.series = {k: self.series.get(k) or RunSeries(p) for k, p in wanted.items()}
         for series in self.series.values():
             series.poll()
-        self.redraw()
+        self.pending = list(self.plots)     # drawn one plot per tick: no long GUI slice
+        self._summarize()
+        self.stagger.start()
 
     def refresh(self) -> bool:
         """Read new metric lines; the plots are redrawn one by one on later timer ticks."""
@@ -193,20 +196,22 @@ class RunCharts(QWidget):
     def _summarize(self) -> None:
         """The latest numbers of each shown run, beside the charts."""
         parts = []
-        for series in self.series.values():
+        for index, series in enumerate(self.series.values()):
+            swatch = f"<span style='color:{PALETTE[index % len(PALETTE)]}'>━━</span> "
             train = series.train
             if not train.steps:
-                parts.append(f"<b>{series.name}</b><br>no metrics yet")
+                parts.append(f"{swatch}<b>{series.name}</b><br>no metrics yet")
                 continue
             last = {k: v[-1] for k, v in train.values.items() if v}
-            recent = [v for v in train.values.get("tokens_per_s", [])[-20:] if v == v]
+            metric, unit = series.throughput
+            recent = [v for v in train.values.get(metric, [])[-20:] if v == v]
             val = series.evals.get("val")
-            lines = [f"<b>{series.name}</b>", f"step {train.steps[-1]}",
+            lines = [f"{swatch}<b>{series.name}</b>", f"step {train.steps[-1]}",
                      f"train loss {last.get('loss', float('nan')):.4f}"]
             if val and val.values.get("loss"):
                 lines.append(f"val loss {val.values['loss'][-1]:.4f} (step {val.steps[-1]})")
             lines += [f"lr {last.get('lr', float('nan')):.3g}",
-                      f"throughput {sum(recent) / max(len(recent), 1):.0f} tokens/s (last 20)"]
+                      f"throughput {sum(recent) / max(len(recent), 1):.3g} {unit} (last 20)"]
             per_rank = last.get("rank_tokens_per_s", float("nan"))
             if per_rank == per_rank:          # logged by multi-process runs only
                 lines.append(f"per rank {per_rank:.0f} tokens/s × "
@@ -215,6 +220,12 @@ class RunCharts(QWidget):
                       f"checkpoints {len(series.checkpoint_steps)}, "
                       f"invocations {len(series.invocation_steps)}"]
             parts.append("<br>".join(lines))
+        if parts:
+            parts.append("<small>Loss: train solid, val dashed, test dotted. Grad norm: red "
+                         "dashes the clip threshold, × a clipped step; dashed: the ES update "
+                         "norm. Learning rate dashed: ES σ. Reward: centre solid, population "
+                         "mean dashed, max/min dotted. Log-prob: chosen solid, rejected "
+                         "dashed.</small>")
         self.summary.setText("<br><br>".join(parts) or "Select runs in the ledger to chart "
                                                         "them (several overlay).")
 
@@ -224,13 +235,16 @@ class RunCharts(QWidget):
         item = self.plots[metric]
         item.setLogMode(False, log and metric != "lr")
         item.setLabel("bottom", "step" if x == "step" else "seconds")
+        if metric == "throughput":
+            item.setLabel("left", " / ".join(sorted({s.throughput[1] for s in
+                                                      self.series.values()})))
         for index, (key, series) in enumerate(self.series.items()):
             colour = PALETTE[index % len(PALETTE)]
             use_log = log and metric != "lr"
             smooth = weight if metric in ("loss", "grad_norm") else 0.0
-            xs, ys = _finite(*series.xy(metric, x=x, smoothing=smooth), use_log)
-            self._curve((key, metric), metric, pen=pg.mkPen(colour, width=2),
-                        name=series.name if metric == "loss" else None).setData(xs, ys)
+            source = series.throughput[0] if metric == "throughput" else metric
+            xs, ys = _finite(*series.xy(source, x=x, smoothing=smooth), use_log)
+            self._curve((key, metric), metric, pen=pg.mkPen(colour, width=2)).setData(xs, ys)
             if metric == "loss":
                 for split, style in (("val", Qt.PenStyle.DashLine),
                                      ("test", Qt.PenStyle.DotLine)):
@@ -238,8 +252,7 @@ class RunCharts(QWidget):
                     if vx or (key, metric, split) in self.curves:
                         self._curve((key, metric, split), metric,
                                     pen=pg.mkPen(colour, width=2, style=style), symbol="o",
-                                    symbolSize=6, symbolBrush=colour,
-                                    name=f"{series.name} ({split})").setData(vx, vy)
+                                    symbolSize=6, symbolBrush=colour).setData(vx, vy)
             for plot, role, extra, style in EXTRA_CURVES:
                 if plot == metric:
                     ex, ey = _finite(*series.xy(extra, x=x), use_log)
@@ -255,7 +268,7 @@ class RunCharts(QWidget):
                     "#a00", width=1, style=Qt.PenStyle.DashLine)).setData(
                     [min(xs), max(xs)] if clip and xs else [], [clip, clip] if clip and xs else [])
             self._markers(key, metric, series, x, (min(ys), max(ys)) if ys else None, colour)
-        if metric in SHOWN_WITH_DATA:
+        if metric in SHOWN_WITH_DATA:     # rows of other recipes hold NaN here
             self.plot_widgets[metric].setVisible(any(
                 _finite(*s.xy(metric, x=x), False)[0] for s in self.series.values()))
         self.redrawn.emit(metric)

@@ -2,8 +2,10 @@
 verdict, and one tab widget per view of the open dataset (`app/views/dataset_tabs/`): records
 with the editor, findings, gallery, splits and groups, stats, leaks and duplicates.
 
-The pane owns loading: a small dataset opens at once; a big records file is validated by a
-`forgebench data validate` subprocess and its table built on a worker thread."""
+The pane owns loading, and none of it runs on the GUI thread: a dataset's table is built (and
+validated by the engine) on a worker thread; a big records file is validated by a
+`forgebench data validate` subprocess first, so its work and the GIL it would hold stay in
+another process. `loading` is true, and the header says so, until `table_loaded` fires."""
 
 from __future__ import annotations
 
@@ -27,6 +29,7 @@ from PySide6.QtWidgets import (
 
 from app.viewmodels.datasets import DatasetTable, list_datasets, records_bytes, report_from_json
 from app.viewmodels.workspace import Workspace
+from app.views.background import BackgroundCall
 from app.views.card_form import CardDialog
 from app.views.dataset_tabs.findings import FindingsTab
 from app.views.dataset_tabs.gallery import GalleryTab
@@ -38,7 +41,8 @@ from app.views.engine_process import run_engine
 from app.views.import_wizard import SOURCES, ImportWizard
 from engine.errors import ForgebenchError
 
-# Records files above this size are validated by a subprocess and parsed on a worker thread.
+# Records files above this size are validated by a subprocess before the worker thread parses
+# them (a thread validating them would hold the GIL for seconds).
 BACKGROUND_LOAD_BYTES = 1 << 20
 
 
@@ -94,6 +98,10 @@ class DatasetsPane(QWidget):
         self.entries = []
         self.loading = False
         self._request = 0  # numbers table loads, so a stale background load is dropped
+        self._opening: Path | None = None   # the dataset being loaded (kept while loading)
+        self.loader = BackgroundCall(self)   # small datasets: table and validation
+        self.loader.done.connect(lambda table: self._loaded(table, self._request))
+        self.loader.failed.connect(lambda exc: self._load_failed(str(exc), self._request))
 
         self.dataset_list = QListWidget()
         self.dataset_list.currentRowChanged.connect(self._dataset_chosen)
@@ -177,15 +185,17 @@ class DatasetsPane(QWidget):
         self._fill_list()
         index = next((i for i, e in enumerate(self.entries) if e.path == current), 0)
         if self.entries:
-            self.dataset_list.setCurrentRow(index)
-            self._dataset_chosen(index)
+            if self.dataset_list.currentRow() == index:     # no change signal: open it here
+                self._dataset_chosen(index)
+            else:
+                self.dataset_list.setCurrentRow(index)
         else:
             self.show_table(None)
 
     def refresh_list(self) -> None:
         """Datasets that appeared or went (an import, another window, a generator): the list
         follows, and the open dataset stays open without being read again."""
-        current = self.table.root if self.table else None
+        current = self._opening if self.loading else self.table.root if self.table else None
         self._fill_list()
         index = next((i for i, e in enumerate(self.entries) if e.path == current), None)
         if index is None:
@@ -206,14 +216,16 @@ class DatasetsPane(QWidget):
             self.open_dataset(self.entries[index].path)
 
     def open_dataset(self, path: Path) -> None:
-        """Small datasets open at once; a big records file is parsed and validated on a
-        worker thread while the window stays responsive (`table_loaded` fires either way)."""
+        """Parse and validate a dataset on a worker thread (a big records file is validated
+        by a subprocess first) while the window stays responsive; `table_loaded` fires when
+        it is on screen, or when it failed to load."""
         self._request += 1
         self._opening = Path(path)
+        self.loader.cancel()
+        self.show_table(None)
+        self.loading = True
         size = records_bytes(path)
         if size > BACKGROUND_LOAD_BYTES:
-            self.show_table(None)
-            self.loading = True
             self.header.setText(f"<b>{path.name}</b>: loading and validating "
                                 f"{size / 1e6:.1f} MB of records…")
             loader = _TableLoader(Path(path), self._request, self)
@@ -221,12 +233,8 @@ class DatasetsPane(QWidget):
             loader.failed.connect(self._load_failed)
             loader.finished.connect(loader.deleteLater)
             return
-        try:
-            table = DatasetTable(path)
-        except (ForgebenchError, OSError, ValueError) as exc:
-            self._load_failed(str(exc), self._request)
-            return
-        self._loaded(table, self._request)
+        self.header.setText(f"<b>{path.name}</b>: loading and validating…")
+        self.loader.start(lambda: DatasetTable(path))
 
     def _loaded(self, table: DatasetTable, request: int) -> None:
         if request == self._request:  # a later choice replaced this one

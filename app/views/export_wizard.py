@@ -38,17 +38,18 @@ from app.viewmodels.workspace import Workspace
 from app.views.background import BackgroundCall
 from app.views.combos import refill_keeping_choice
 from app.views.job_runner import JobRunner
+from app.views.labels import wrapped_label
 from engine.errors import ForgebenchError
 from engine.fsutil import read_json
 
 STEPS = ("1. Run and checkpoint", "2. Base model", "3. Quantization", "4. Export and verify",
          "5. Bundle")
 VERDICT_COLOURS = {"match": "#c8e6c9", "changed": "#ffe0b2", "FAIL": "#ffcdd2"}
-VERDICT_TIPS = {"match": "every top-1 token and greedy answer is the checkpoint's",
-                "changed": "above the engine's bar, but some tokens or answers differ",
+VERDICT_TIPS = {"match": "nothing changed: every top-1 token and greedy answer (or every "
+                         "output value) is the checkpoint's",
+                "changed": "above the engine's bar, but some tokens, answers or output values "
+                           "differ",
                 "FAIL": "below the engine's bar: not verified"}
-STAGE_COLUMNS = ("stage", "verdict", "top-1 agreement", "max |Δlogit|", "mean |Δlogit|",
-                 "KL", "greedy match", "tokenizer", "file")
 
 
 def _page(*widgets) -> QWidget:
@@ -64,13 +65,9 @@ def _page(*widgets) -> QWidget:
 
 
 def _label(text: str = "") -> QLabel:
-    """A wrapped, selectable label that never sets the window's width: a long error line
-    (a path, a command) wraps instead of pushing the buttons off-screen."""
-    label = QLabel(text)
-    label.setWordWrap(True)
-    label.setMinimumWidth(1)
-    label.setTextInteractionFlags(Qt.TextInteractionFlag.TextSelectableByMouse)
-    return label
+    """A wrapped, selectable label: a long error line (a path, a command) wraps instead of
+    pushing the buttons off-screen."""
+    return wrapped_label(text, selectable=True)
 
 
 def error_html(heading: str, text: str) -> str:
@@ -106,8 +103,11 @@ class ExportWizardPane(QWidget):
         form.addRow("Checkpoint", self.checkpoint)
         box = QWidget()
         box.setLayout(form)
-        self.pages.addWidget(_page(_label("LLM runs (lm-pretrain, lm-sft, lm-dpo, lm-es) export as "
-                                          "GGUF."), box))
+        self.pages.addWidget(_page(_label(
+            "Language-model runs (lm-pretrain, lm-sft, lm-dpo, lm-es) export as GGUF for "
+            "llama.cpp. Image and sound generators (image-generate, audio-generate) export "
+            "as a verified bundle: the weights, model.json and one reference output per "
+            "class."), box))
 
         # 2. base
         self.base_text = _label()
@@ -147,8 +147,8 @@ class ExportWizardPane(QWidget):
         self.export_job = JobRunner("export")
         self.export_job.finished.connect(self._exported)
         self.verdict = _label()
-        self.stages = QTableWidget(0, len(STAGE_COLUMNS))
-        self.stages.setHorizontalHeaderLabels(STAGE_COLUMNS)
+        self.stages = QTableWidget(0, len(vm.LLM_COLUMNS))
+        self.stages.setHorizontalHeaderLabels(vm.LLM_COLUMNS)
         self.stages.horizontalHeader().setStretchLastSection(True)
         self.answers = _label()
         row = QHBoxLayout()
@@ -396,7 +396,8 @@ class ExportWizardPane(QWidget):
         for r, (dtype, size) in enumerate(sizes.items()):
             self.sizes.setItem(r, 0, QTableWidgetItem(dtype))
             self.sizes.setItem(r, 1, QTableWidgetItem(f"{size / 1e6:.2f} MB"))
-        self.set_dtype(chosen or ("q8_0" if "q8_0" in sizes else next(iter(sizes))))
+        self.set_dtype(chosen if chosen in sizes else "q8_0" if "q8_0" in sizes
+                       else next(iter(sizes)))
 
     def dtype(self) -> str | None:
         row = self.sizes.currentRow()
@@ -442,15 +443,11 @@ class ExportWizardPane(QWidget):
 
     def show_report(self, report: dict) -> None:
         result = vm.verification(report)
+        self.stages.setColumnCount(len(result["columns"]))
+        self.stages.setHorizontalHeaderLabels(result["columns"])
         self.stages.setRowCount(len(result["rows"]))
         for r, row in enumerate(result["rows"]):
-            fmt = lambda v, spec: "" if v is None else format(v, spec)  # noqa: E731
-            bar = f" (≥ {row.min_top1:.0%})" if row.min_top1 is not None else ""
-            values = (row.name, row.verdict + bar, fmt(row.top1, ".2%"), fmt(row.max_abs, ".4g"),
-                      fmt(row.mean_abs, ".3g"), fmt(row.kl, ".3g"), row.greedy,
-                      "" if row.tokenizer is None else ("same" if row.tokenizer else "DIFFERS"),
-                      row.file)
-            for c, value in enumerate(values):
+            for c, value in enumerate(vm.cells(row, result["kind"])):
                 item = QTableWidgetItem(value)
                 if c == 1 and row.verdict in VERDICT_COLOURS:
                     item.setBackground(QColor(VERDICT_COLOURS[row.verdict]))
@@ -458,15 +455,23 @@ class ExportWizardPane(QWidget):
                 self.stages.setItem(r, c, item)
         self.stages.resizeColumnsToContents()
         changed = result["changed"]
+        what = ("some output values differ from the checkpoint's (see max |Δ| and PSNR)"
+                if result["kind"] == "generator" else "some tokens or answers differ from the "
+                "checkpoint (see KL, greedy match and the answers below)")
         self.verdict.setText(
             f"<b>{'Verified' if result['passed'] else 'NOT verified'}</b>: "
             f"{html.escape(str(self.out))}"
-            + ("<br><span style='background:#ffe0b2'>Changed by quantization: "
-               f"{html.escape(', '.join(changed))}. It passes the bar, but some tokens or "
-               "answers differ from the checkpoint (see KL, greedy match and the answers "
-               "below).</span>" if changed else "")
+            + ("<br><span style='background:#ffe0b2'>Changed by rounding: "
+               f"{html.escape(', '.join(changed))}. It passes the bar, but {what}.</span>"
+               if changed else "")
             + (f"<br><small>{html.escape(result['numerics'])}</small>"
                if result["numerics"] else ""))
+        if result["kind"] == "generator":
+            self.answers.setText(
+                f"Bar: {html.escape(result['bar'])}. Reference outputs drawn by the bundle "
+                f"alone (fixed seed), in the bundle: " + ", ".join(
+                    html.escape(name) for name in result["references"]))
+            return
         cpp = result["llamacpp"]
         if cpp["available"]:
             amber = " style='background:#ffe0b2'"      # an answer that differs

@@ -1,13 +1,17 @@
 """A recipe form: one editor per schema field (tooltips from the schema's descriptions),
 invalid fields marked inline, Start blocked. Lists are edited one item per line; path fields
 have Browse (and, for data, a pick of the workspace's datasets); the mouse wheel scrolls the
-form and never changes a field the user did not click into."""
+form and never changes a field the user did not click into.
+
+A form of forty fields takes a few hundred ms to build on a loaded machine, so it is built one
+section per event-loop turn (`building` is true meanwhile, `built` fires at the end): the
+window keeps answering while the form appears."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from PySide6.QtCore import QEvent, QObject, Qt, Signal
+from PySide6.QtCore import QEvent, QObject, Qt, QTimer, Signal
 from PySide6.QtWidgets import (
     QCheckBox,
     QComboBox,
@@ -50,7 +54,9 @@ class RecipeFormWidget(QScrollArea):
     """Edits a RecipeForm; emits `validity_changed(bool)` after every edit."""
 
     validity_changed = Signal(bool)
+    built = Signal()
     top_section = "run"  # the group title of the schema's top-level fields
+    progressive = True   # build one section per event-loop turn
 
     def __init__(self, parent=None):
         super().__init__(parent)
@@ -64,6 +70,9 @@ class RecipeFormWidget(QScrollArea):
         self.wheel_guard = WheelGuard(self)
         self.datasets: list[Path] = []     # the workspace's datasets, for the data pickers
         self.models: list[tuple[str, Path]] = []   # its model library, for the base picker
+        self.building = False
+        self._sections: list[list[FieldSpec]] = []    # still to build
+        self._generation = 0                          # a newer set_form drops older turns
 
     def set_datasets(self, datasets: list[Path]) -> None:
         self.datasets = list(datasets)
@@ -77,14 +86,38 @@ class RecipeFormWidget(QScrollArea):
         self.editors.clear()
         self.error_labels.clear()
         body = QWidget()
-        outer = QVBoxLayout(body)
-        sections: dict[str, QFormLayout] = {}
+        self._outer = QVBoxLayout(body)
+        sections: dict[str, list[FieldSpec]] = {}
         for spec in form.fields:
-            layout = sections.get(spec.section)
-            if layout is None:
-                box = QGroupBox(spec.section or self.top_section)
-                layout = sections[spec.section] = QFormLayout(box)
-                outer.addWidget(box)
+            sections.setdefault(spec.section, []).append(spec)
+        self._sections = list(sections.values())
+        self._generation += 1
+        self.building = True
+        self.general.setParent(None)
+        self.setWidget(body)
+        self._build_next(self._generation)
+
+    def _build_next(self, generation: int) -> None:
+        if generation != self._generation:
+            return
+        while self._sections:
+            self._build_section(self._sections.pop(0))
+            if self.progressive and self._sections:
+                QTimer.singleShot(0, lambda: self._build_next(generation))
+                return
+        self._outer.addWidget(self.general)
+        self._outer.addStretch(1)
+        self.building = False
+        self._show_errors()
+        self.built.emit()
+
+    def _build_section(self, specs: list[FieldSpec]) -> None:
+        box = QGroupBox(specs[0].section or self.top_section)
+        layout = QFormLayout(box)
+        # A field with Browse / Dataset buttons goes under its label when the pane is narrow.
+        layout.setRowWrapPolicy(QFormLayout.RowWrapPolicy.WrapLongRows)
+        self._outer.addWidget(box)
+        for spec in specs:
             editor = self._editor(spec)
             editor.setToolTip(spec.description)
             editor.setObjectName(spec.name)
@@ -104,11 +137,6 @@ class RecipeFormWidget(QScrollArea):
             layout.addRow(label, column)
             self.editors[spec.name] = editor
             self.error_labels[spec.name] = error
-        self.general.setParent(None)
-        outer.addWidget(self.general)
-        outer.addStretch(1)
-        self.setWidget(body)
-        self._show_errors()
 
     def _editor(self, spec) -> QWidget:
         text = self.form.text[spec.name]
@@ -202,7 +230,8 @@ class RecipeFormWidget(QScrollArea):
 
     def _edited(self, name: str, text: str) -> None:
         self.form.set_text(name, text)
-        self._show_errors()
+        if not self.building:
+            self._show_errors()
 
     def _show_errors(self) -> None:
         for name, editor in self.editors.items():

@@ -4,6 +4,7 @@ stages into a temporary folder, so a cancel leaves nothing behind)."""
 
 from __future__ import annotations
 
+import re
 import threading
 import time
 from pathlib import Path
@@ -18,6 +19,7 @@ from PySide6.QtWidgets import (
     QFormLayout,
     QGridLayout,
     QHBoxLayout,
+    QInputDialog,
     QLabel,
     QLineEdit,
     QListWidget,
@@ -31,6 +33,7 @@ from PySide6.QtWidgets import (
 )
 
 from app.viewmodels import importers as vm
+from app.views.labels import wrapped_label
 from engine.data.dataset import Finding
 from engine.errors import ForgebenchError
 
@@ -42,6 +45,7 @@ NO_KEY = "(none)"
 MAX_LISTED = 500
 MAPPING_COLUMNS = 3
 BACKGROUND_PLAN_BYTES = 1 << 20  # source files above this are read on a worker thread
+
 
 
 class _ImportWorker(QThread):
@@ -186,9 +190,18 @@ class ImportWizard(QDialog):
         self.preview.horizontalHeader().setStretchLastSection(True)
         self.problems = QListWidget()
         self.problems.setMaximumHeight(140)
+        self.full_plan: vm.ImportPlan | None = None     # before bad records are skipped
+        self.corrections: dict[int, str] = {}           # line -> the text it was fixed to
+        self.skip_bad = QCheckBox("Skip the records that have errors (they are listed in "
+                                  "the dataset's provenance)")
+        self.skip_bad.toggled.connect(self._apply_skip)
+        self.fix_button = QPushButton("Fix the selected line…")
+        self.fix_button.setToolTip("Edit a JSONL line here; the source file is not changed")
+        self.fix_button.clicked.connect(self.ask_fix)
+        self.preview.itemSelectionChanged.connect(self._update_fix)
         page = QWidget()
         v = QVBoxLayout(page)
-        v.addWidget(QLabel("Map the file's keys to the dataset's fields (JSONL only); the "
+        v.addWidget(wrapped_label("Map the file's keys to the dataset's fields (JSONL only); the "
                            f"first {vm.PREVIEW_ROWS} records are previewed with every "
                            "problem marked. Every file is checked again when imported."))
         v.addWidget(self.mapping_box)
@@ -196,7 +209,46 @@ class ImportWizard(QDialog):
         v.addWidget(self.preview, 1)
         v.addWidget(QLabel("Problems (file: line: field: reason)"))
         v.addWidget(self.problems)
+        fixes = QHBoxLayout()
+        fixes.addWidget(self.skip_bad, 1)
+        fixes.addWidget(self.fix_button)
+        v.addLayout(fixes)
+        self._update_fix()
         return page
+
+    # -- skipping and fixing bad lines ---------------------------------------------------
+    def _selected_line(self) -> int | None:
+        rows = {i.row() for i in self.preview.selectedIndexes()}
+        if len(rows) != 1 or self.source_kind.currentData() != "jsonl":
+            return None
+        item = self.preview.item(rows.pop(), 0)
+        match = re.match(r"line (\d+)$", item.text() if item else "")
+        return int(match.group(1)) if match else None
+
+    def _update_fix(self) -> None:
+        self.fix_button.setEnabled(self._selected_line() is not None)
+
+    def ask_fix(self) -> None:
+        number = self._selected_line()
+        if number is None:
+            return
+        path = Path(self.source_path.text().strip()).expanduser()
+        current = self.corrections.get(number, vm.source_line(path, number))
+        text, ok = QInputDialog.getMultiLineText(self, f"Fix line {number}",
+                                                 f"Line {number} of {path.name}:", current)
+        if ok:
+            self.fix_line(number, text)
+
+    def fix_line(self, number: int, text: str) -> None:
+        """Use `text` for line `number` of a JSONL source (the file is left as it is)."""
+        self.corrections[number] = text
+        self._remap()
+
+    def _apply_skip(self) -> None:
+        if self.full_plan is not None:
+            self.plan = self.full_plan.skipping_errors() if self.skip_bad.isChecked() \
+                else self.full_plan
+            self._show_plan()
 
     def _name_page(self) -> QWidget:
         self.name = QLineEdit()
@@ -228,7 +280,7 @@ class ImportWizard(QDialog):
         form.addRow("Consent", self.consent)
         page = QWidget()
         v = QVBoxLayout(page)
-        v.addWidget(QLabel("Each right is answered separately: permission to train is not "
+        v.addWidget(wrapped_label("Each right is answered separately: permission to train is not "
                            "permission to publish the data, the weights, or to sell."))
         v.addLayout(form)
         v.addStretch(1)
@@ -249,7 +301,7 @@ class ImportWizard(QDialog):
         row.addStretch(1)
         page = QWidget()
         v = QVBoxLayout(page)
-        v.addWidget(QLabel("Files are copied into a staging folder, dataset.json is written "
+        v.addWidget(wrapped_label("Files are copied into a staging folder, dataset.json is written "
                            "with every file's SHA-256, the result is validated, and only "
                            "then does the dataset appear in the workspace."))
         v.addLayout(row)
@@ -315,6 +367,9 @@ class ImportWizard(QDialog):
     def make_plan(self) -> None:
         key = self.source_kind.currentData()
         path = Path(self.source_path.text().strip()).expanduser()
+        if getattr(self, "_fixed_source", None) != path:     # fixes belong to one source file
+            self.corrections.clear()
+            self._fixed_source = path
         self._fill_mapping(key, path)
         if not self.name.text():
             self.name.setText(path.stem if key != "images" else path.name)
@@ -348,7 +403,8 @@ class ImportWizard(QDialog):
 
     def _planned(self, plan: vm.ImportPlan, request: int) -> None:
         if request == self._plan_request:
-            self.plan = plan
+            self.full_plan = plan
+            self.plan = plan.skipping_errors() if self.skip_bad.isChecked() else plan
             self._show_plan()
             self.plan_ready.emit()
 
@@ -385,7 +441,8 @@ class ImportWizard(QDialog):
     def _remap(self) -> None:
         path = Path(self.source_path.text().strip()).expanduser()
         kind, mapping = self.jsonl_kind.currentText(), self.current_mapping()
-        self._plan(lambda: vm.plan_jsonl(path, kind, mapping), path)
+        corrections = dict(self.corrections)
+        self._plan(lambda: vm.plan_jsonl(path, kind, mapping, corrections), path)
 
     def _show_plan(self) -> None:
         plan = self.plan
@@ -440,6 +497,11 @@ class ImportWizard(QDialog):
         if self.worker is not None or self.plan is None:
             return
         provenance = {"description": self.provenance.text().strip() or "not stated"}
+        if self.plan.skipped:
+            provenance["skipped_source_records"] = list(self.plan.skipped)
+        if self.corrections:
+            provenance["lines_fixed_at_import"] = {str(n): t for n, t in
+                                                   sorted(self.corrections.items())}
         if self.collected.text().strip():
             provenance["collection_dates"] = self.collected.text().strip()
         rights = vm.rights_statement({k: c.currentText() for k, c in self.rights.items()},

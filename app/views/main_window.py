@@ -35,6 +35,7 @@ from PySide6.QtWidgets import (
 
 from app.viewmodels.workspace import Settings, Workspace, WorkspaceWatch, install_sample_workspace
 from app.views.ab_pane import ABPane
+from app.views.background import BackgroundCall
 from app.views.chat_pane import ChatPane
 from app.views.datasets_pane import DatasetsPane
 from app.views.export_wizard import ExportWizardPane
@@ -121,6 +122,8 @@ class MainWindow(QMainWindow):
         self.setWindowTitle("Forgebench")
         self.watch: WorkspaceWatch | None = None
         self._watched = 0.0
+        self.watch_call = BackgroundCall(self)   # the workspace's listings, read off the GUI
+        self.watch_call.done.connect(self.refresh_panes)
 
         self.sidebar = QListWidget()
         self.sidebar.addItems([p.replace("&&", "&") for p in PANES])
@@ -246,6 +249,7 @@ class MainWindow(QMainWindow):
         self.banner.hide()
         self.failed_path = None
         self.workspace = workspace
+        self.watch_call.cancel()        # a look at the previous workspace
         self.watch = WorkspaceWatch(workspace)
         self.settings.add_recent(workspace.root)
         self._fill_recent()
@@ -302,9 +306,10 @@ class MainWindow(QMainWindow):
     def poll(self) -> None:
         self.runs.poll()
         now = time.monotonic()
-        if self.watch is not None and now - self._watched >= WATCH_PERIOD_S:
+        if self.watch is not None and not self.watch_call.running and \
+                now - self._watched >= WATCH_PERIOD_S:
             self._watched = now
-            self.refresh_panes(self.watch.changes())
+            self.watch_call.start(self.watch.changes)
 
     def refresh_panes(self, changes: set[str]) -> None:
         """Bring every pane up to date with what changed on disk, keeping the user's choices."""
@@ -380,7 +385,7 @@ class MainWindow(QMainWindow):
                 self.runs.stop_all()
         self.timer.stop()
         self.chat.shutdown()
-        for call in (self.masks.loader, self.export.call, self.models.call, self.models.adder):
+        for call in self.findChildren(BackgroundCall):     # every pane's worker threads
             call.cancel()
             call.wait()
         self.settings.set("geometry", bytes(self.saveGeometry().toHex()).decode())

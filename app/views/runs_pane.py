@@ -1,5 +1,9 @@
 """Runs pane: the run ledger, a recipe form to start or queue runs, stop/resume, live charts
-and the failure report of a failed run."""
+and the failure report of a failed run.
+
+Work that touches the disk or the engine runs on worker threads (`BackgroundCall`), never on
+the GUI thread: reading a config into a form (its schema import and path checks), writing a
+new config from a template, writing a launch config and starting the job process."""
 
 from __future__ import annotations
 
@@ -33,6 +37,7 @@ from app.viewmodels.jobs import BackgroundJob
 from app.viewmodels.models import library_files
 from app.viewmodels.runs import BestEval, LedgerRow, failure_report, ledger_row, write_notes
 from app.viewmodels.workspace import Workspace
+from app.views.background import BackgroundCall
 from app.views.charts import RunCharts
 from app.views.combos import refill_keeping_choice
 from app.views.engine_process import start_detached
@@ -65,6 +70,7 @@ class LedgerModel(QAbstractTableModel):
         self._stamps: dict[Path, tuple] = {}
         self._best: dict[Path, BestEval] = {}
         self.extra: list[tuple[str, str]] = []  # (name, state) of launches without a folder yet
+        self.own_pids: set[int] = set()     # the jobs this window started (runs, resumes)
 
     def rowCount(self, parent=QModelIndex()) -> int:
         return 0 if parent.isValid() else len(self.rows) + len(self.extra)
@@ -83,6 +89,9 @@ class LedgerModel(QAbstractTableModel):
             return f"{step} / {row.target_steps}" if row.target_steps else step
         if key == "state" and row.stage and row.state == "failed":
             return f"failed ({row.stage})"
+        if key == "state" and row.elsewhere(self.own_pids):
+            return f"{row.state} elsewhere" if row.active else f"{row.holder.get('purpose')} " \
+                "elsewhere"
         if key == "started":
             return row.started_text()
         if key == "duration":
@@ -108,6 +117,8 @@ class LedgerModel(QAbstractTableModel):
         if role == Qt.ItemDataRole.ToolTipRole:
             if key == "name":
                 return f"{row.name}\n{row.path}"
+            if key == "state" and row.holder is not None:
+                return row.holder_text()
             return row.error or self._value(row, key)
         return None
 
@@ -173,6 +184,13 @@ class RunsPane(QWidget):
         self.threads: int | None = None  # CPU threads per job (None: the engine's default)
         self._shown_states: list = []  # (run, state) pairs the details box was filled for
         self._ledger_read = 0.0
+        self.form_call = BackgroundCall(self)       # a config read into a form
+        self.form_call.done.connect(self._form_loaded)
+        self.form_call.failed.connect(self._form_failed)
+        self.template_call = BackgroundCall(self)   # a new config written from a template
+        self.template_call.done.connect(self._config_created)
+        self.template_call.failed.connect(lambda exc: self.form_status.setText(exc.render()))
+        self.start_calls: set[BackgroundCall] = set()   # launches being written and started
 
         self.ledger = LedgerModel(self)
         self.table = QTableView()
@@ -318,23 +336,29 @@ class RunsPane(QWidget):
         if not refill_keeping_choice(self.config_combo, [(Path(p).stem, p) for p in paths]):
             self._config_chosen()
 
+    @property
+    def form_loading(self) -> bool:
+        return self.form_call.running or self.template_call.running or \
+            self.form_widget.building
+
     def _config_chosen(self) -> None:
         path = self.config_combo.currentData()
+        self.start_button.setEnabled(False)
+        self.queue_button.setEnabled(False)
         if not path:
+            self.form_call.cancel()
             self.form_status.setText("No configs in this workspace's configs/ folder.")
-            self.start_button.setEnabled(False)
-            self.queue_button.setEnabled(False)
             return
-        try:
-            form = RecipeForm.from_file(path)
-        except ForgebenchError as exc:
-            self.form_status.setText(exc.render())
-            self.start_button.setEnabled(False)
-            self.queue_button.setEnabled(False)
-            return
+        self.form_status.setText(f"reading {Path(path).name}…")
+        self.form_call.start(lambda: RecipeForm.from_file(path))
+
+    def _form_loaded(self, form: RecipeForm) -> None:
         self.form_widget.set_form(form)
         self.recipe_note.setText(RECIPE_NOTES.get(form.recipe, ""))
         self.recipe_note.setVisible(form.recipe in RECIPE_NOTES)
+
+    def _form_failed(self, exc: ForgebenchError) -> None:
+        self.form_status.setText(exc.render())
 
     def ask_new_config(self, template: str) -> None:
         name, ok = QInputDialog.getText(self, "New config", f"Name for the new {template} "
@@ -342,18 +366,17 @@ class RunsPane(QWidget):
         if ok and name.strip():
             self.new_config(template, name.strip())
 
-    def new_config(self, template: str, name: str) -> Path | None:
-        """Copy a recipe template into configs/ and open it in the form."""
-        try:
-            path = new_config_from_template(recipe_templates()[template],
-                                            self.workspace.configs_dir, name)
-        except ForgebenchError as exc:
-            self.form_status.setText(exc.render())
-            return None
+    def new_config(self, template: str, name: str) -> None:
+        """Copy a recipe template into configs/ (on a worker thread), then open it in the
+        form; `form_loading` is true until it is there."""
+        source, folder = recipe_templates()[template], self.workspace.configs_dir
+        self.form_status.setText(f"writing {name}.toml…")
+        self.template_call.start(lambda: new_config_from_template(source, folder, name))
+
+    def _config_created(self, path: Path) -> None:
         self.reload_configs()
         self.config_combo.setCurrentIndex(self.config_combo.findData(str(path)))
         self.message.emit(f"new config {path.name} in configs/")
-        return path
 
     def _validity_changed(self, valid: bool) -> None:
         self.start_button.setEnabled(valid)
@@ -365,22 +388,48 @@ class RunsPane(QWidget):
         return [r.path for r in self.ledger.rows if r.active]
 
     def start_from_form(self, queue: bool = False) -> Path | None:
+        """Start (or queue) the form's run; its run folder, known at once, is returned while
+        its config is written and its process started on a worker thread."""
         form = self.form_widget.form
-        if self.workspace is None or form is None or not form.valid:
+        if self.workspace is None or form is None or not form.valid or self.form_loading:
             return None
         stem = Path(self.config_combo.currentData() or form.recipe).stem
-        pending = jobs.prepare_run(self.workspace, form, stem, self.threads,
-                                   self.processes.value())
+        workspace, threads, processes = self.workspace, self.threads, self.processes.value()
+        out = workspace.new_run_dir(stem)
         self.launch_problem.hide()
-        self.follow = pending.out
-        if queue and (self.active_runs() or self.launches or self.queue.items):
+        self.follow = out
+        queued = queue and bool(self.active_runs() or self.launches or self.queue.items)
+
+        def write_and_start():
+            pending = jobs.prepare_run(workspace, form, stem, threads, processes, out=out)
+            return pending, None if queued else start_detached(pending.argv(), pending.log)
+
+        self._in_background(write_and_start, self._started, out.name)
+        self.left_tabs.setCurrentIndex(0)
+        return out
+
+    def _in_background(self, work, done, name: str) -> None:
+        """Run a launch step on its own worker thread; a refusal shows as a refused start."""
+        call = BackgroundCall(self)
+        self.start_calls.add(call)
+
+        def finish(handler, value):
+            self.start_calls.discard(call)
+            call.deleteLater()
+            handler(value)
+
+        call.done.connect(lambda value: finish(done, value))
+        call.failed.connect(lambda exc: finish(lambda e: self._refused(name, e.render()), exc))
+        call.start(work)
+
+    def _started(self, launched: tuple[jobs.PendingRun, int | None]) -> None:
+        pending, pid = launched
+        if pid is None:
             self.queue.push(pending)
             self.message.emit(f"queued {pending.out.name}")
         else:
-            self._launch(pending)
-        self.left_tabs.setCurrentIndex(0)
+            self._launched(pending, pid)
         self.poll(force=True)
-        return pending.out
 
     def start_config(self, path: Path) -> Path | None:
         """Open a config of configs/ in the form (pre-filled by another pane) and start it."""
@@ -389,12 +438,13 @@ class RunsPane(QWidget):
         return self.start_from_form()
 
     def _launch(self, pending: jobs.PendingRun) -> None:
-        try:
-            pid = start_detached(pending.argv(), pending.log)
-        except ForgebenchError as exc:
-            self._refused(pending.out.name, exc.render())
-            return
+        """Start a queued run (its config is already written)."""
+        self._in_background(lambda: (pending, start_detached(pending.argv(), pending.log)),
+                            self._started, pending.out.name)
+
+    def _launched(self, pending: jobs.PendingRun, pid: int) -> None:
         self.launches[pending.out] = (pending, pid)
+        self.ledger.own_pids.add(pid)
         job_center().add(BackgroundJob(f"run:{pending.out}", "run", pending.out.name,
                                        stage="starting"))
         self.message.emit(f"started {pending.out.name} (pid {pid})")
@@ -437,10 +487,14 @@ class RunsPane(QWidget):
             if RunDir(path).is_active():
                 self.message.emit(f"{path.name} is still running")
                 continue
-            steps = self.resume_steps.value() or None
-            argv = jobs.resume_argv(path, steps, self.threads)
-            pid = start_detached(argv, jobs.resume_log(self.workspace, path))
-            self.message.emit(f"resuming {path.name} (pid {pid})")
+            argv = jobs.resume_argv(path, self.resume_steps.value() or None, self.threads)
+            log = jobs.resume_log(self.workspace, path)
+            self._in_background(lambda a=argv, lg=log: start_detached(a, lg),
+                                lambda pid, p=path: self._resumed(p, pid), path.name)
+
+    def _resumed(self, path: Path, pid: int) -> None:
+        self.ledger.own_pids.add(pid)
+        self.message.emit(f"resuming {path.name} (pid {pid})")
         self.poll(force=True)
 
     def _sync_jobs(self) -> None:

@@ -140,13 +140,14 @@ class RubricBox(QGroupBox):
         self.layout_.addWidget(self.dimensions)
         self.layout_.addLayout(fixed)
 
-    def set_kind(self, kind: str) -> None:
-        """One 1..5 choice per dimension the recipe names (a fresh set per kind)."""
+    def set_kind(self, kind: str | None) -> None:
+        """One 1..5 choice per dimension the recipe names (a fresh set per kind; none for a
+        run that has nothing to rate)."""
         self.combos = {}
         dimensions = QWidget()
         form = QFormLayout(dimensions)
         form.setContentsMargins(0, 0, 0, 0)
-        for dimension in vm.RUBRICS[kind]:
+        for dimension in vm.RUBRICS.get(kind, ()):
             combo = QComboBox()
             combo.addItem("—", None)
             for score in vm.SCORES:
@@ -190,6 +191,11 @@ class SamplesPane(QWidget):
         self.cfg = QDoubleSpinBox()
         self.cfg.setRange(0.0, 20.0)
         self.cfg.setSpecialValueText("recipe default")
+        self.steps = QSpinBox()         # sampler steps, respaced from the model's noise levels
+        self.steps.setRange(0, 1000)
+        self.steps.setSpecialValueText("recipe default")
+        self.steps.setToolTip("Sampler steps: fewer is faster and rougher; at most the model's "
+                              "noise levels")
         self.generate_button = QPushButton("Generate samples")
         self.generate_button.clicked.connect(self.generate)
         self.job = JobRunner("sampling")
@@ -200,7 +206,8 @@ class SamplesPane(QWidget):
         pick, make = QHBoxLayout(), QHBoxLayout()
         for row, pairs in ((pick, (("Run", self.run_combo), ("Checkpoint", self.checkpoint))),
                            (make, (("Class", self.class_name), ("Per class", self.n),
-                                   ("Seed", self.seed), ("CFG", self.cfg)))):
+                                   ("Seed", self.seed), ("CFG", self.cfg),
+                                   ("Steps", self.steps)))):
             for label, widget in pairs:
                 row.addWidget(QLabel(label))
                 row.addWidget(widget, 2 if widget is self.run_combo else 0)
@@ -314,15 +321,19 @@ class SamplesPane(QWidget):
             return
         run = RunDir(self.run_dir)
         self.checkpoint.addItems([c.name for c in reversed(run.checkpoints())])
-        recipe = run.manifest().get("recipe")
+        manifest = run.manifest()
+        recipe = manifest.get("recipe")
         media = recipe in ("image-generate", "audio-generate")
+        levels = ((manifest.get("config") or {}).get("diffusion") or {}).get("levels")
+        self.steps.setMaximum(int(levels) if isinstance(levels, int) else 1000)
         self.class_name.addItem("all classes", None)
         for checkpoint in run.checkpoints()[-1:]:
             meta = checkpoint.path / "meta.json"
             if meta.is_file():
                 for label in read_json(meta).get("classes", []):
                     self.class_name.addItem(label, label)
-        for widget in (self.generate_button, self.class_name, self.n, self.seed, self.cfg):
+        for widget in (self.generate_button, self.class_name, self.n, self.seed, self.cfg,
+                       self.steps):
             widget.setEnabled(media)
         self.reload()
 
@@ -360,6 +371,7 @@ class SamplesPane(QWidget):
             self.empty.setText(
                 EMPTY_RUN.format(name=self.run_dir.name) if self.run_dir else NO_RUN)
             self.views.setCurrentWidget(self.empty)
+            self.rubric.set_kind(None)      # nothing to rate: no dimensions of another run
         self._show_detail(None)
 
     def _fill_grid(self) -> None:
@@ -475,7 +487,8 @@ class SamplesPane(QWidget):
         argv = vm.sample_argv(self.run_dir, checkpoint=self.checkpoint.currentText(),
                               class_name=self.class_name.currentData(), n=self.n.value(),
                               seed=self.seed.value(),
-                              cfg=self.cfg.value() if self.cfg.value() > 0 else None)
+                              cfg=self.cfg.value() if self.cfg.value() > 0 else None,
+                              steps=self.steps.value() or None)
         self.generate_button.setEnabled(False)
         self.job.start(argv, f"sampling {self.checkpoint.currentText()}")
 

@@ -10,6 +10,12 @@
     DIR/report.json, .txt     the staged equivalence report (engine.export.equivalence)
     DIR/SHA256SUMS            `sha256sum -c` format, every other file
 
+An image-generate or audio-generate run exports as a generator bundle instead (its EMA U-Net as
+safetensors, model.json, fixed-seed reference outputs and a verification report: see
+engine/export/generator_bundle.py), with the same card, checksums and staging.
+
+The card names files and runs, never a local absolute path: a bundle is meant to be shared.
+
 Everything is written into a hidden staging folder beside DIR and renamed to DIR at the end;
 intermediate files (the f32 model before quantization, the merged model before conversion) live
 in a scratch folder that is always removed. Any failure, a full disk included, leaves no DIR.
@@ -27,6 +33,7 @@ from pathlib import Path
 from typing import Callable
 
 from engine.errors import ForgebenchError
+from engine.export.generator_bundle import GENERATOR_RECIPES, export_generator
 from engine.fsutil import atomic_write_json, atomic_write_text, read_json, sha256_file, staged_dir
 from engine.gguf import quant_policy
 from engine.rundir import Checkpoint, RunDir
@@ -286,29 +293,40 @@ def _data_card(config: dict) -> str:
         return "no dataset recorded"
     root = Path(config.get("base_dir") or ".") / folder
     if not root.is_dir():
-        return f"`{root}` (a single file, no dataset card)"
-    card = root / "card.md"
-    if card.is_file():
-        return f"[{card}]({card.as_uri()})"
-    return f"`{root}` (no card.md; write one with `forgebench data card {root}`)"
+        return f"`{root.name}` (a single file, no dataset card)"
+    if (root / "card.md").is_file():
+        return f"`{root.name}/card.md` (in the dataset)"
+    return f"dataset `{root.name}` (no card.md; write one with `forgebench data card`)"
+
+
+def _shareable(value):
+    """A config with local absolute paths reduced to their last part (a card is shared)."""
+    if isinstance(value, dict):
+        return {k: _shareable(v) for k, v in value.items() if k != "base_dir"}
+    if isinstance(value, list):
+        return [_shareable(v) for v in value]
+    if isinstance(value, str) and (value.startswith("/") or value.startswith("~")):
+        return Path(value).name
+    return value
 
 
 def model_card(bundle: Bundle) -> str:
     manifest = bundle.run.manifest()
     config = manifest["config"]
     lines = [f"# {bundle.run.path.name} — {bundle.checkpoint.name} ({bundle.dtype})", "",
-             f"Exported by `forgebench export` from run `{bundle.run.path}` "
+             f"Exported by `forgebench export` from run `{bundle.run.path.name}` "
              f"(recipe `{bundle.recipe}`, step {bundle.checkpoint.step}).", "",
              "## Files", ""]
     lines += [f"- `{name}`" for name in bundle.files + ["report.json", "report.txt"]]
     lines += ["", "## Base model", ""]
     base = manifest.get("base_model")
     if base:
-        lines.append(f"- trained on: `{base['path']}`  \n  SHA-256 `{base['sha256']}`")
+        lines.append(f"- trained on: `{Path(base['path']).name}`  \n  "
+                     f"SHA-256 `{base['sha256']}`")
     else:
         lines.append("- trained from random initialisation (no base model)")
     if bundle.base:
-        lines.append(f"- merged into / exported against: `{bundle.base['path']}` "
+        lines.append(f"- merged into / exported against: `{Path(bundle.base['path']).name}` "
                      f"({bundle.base['chosen']})  \n  SHA-256 `{bundle.base['sha256']}`"
                      + (f", recognised as the adapter's base by: {bundle.base['matched_by']}"
                         if bundle.base.get("matched_by") else ""))
@@ -323,13 +341,22 @@ def model_card(bundle: Bundle) -> str:
     for name, digest in sorted(manifest.get("data", {}).get("files", {}).items()):
         lines.append(f"- `{name}` SHA-256 `{digest}`")
     lines += ["", "## Training config", "", "```json",
-              json.dumps(config, indent=2, sort_keys=True), "```", "", "## Evaluation", ""]
+              json.dumps(_shareable(config), indent=2, sort_keys=True), "```", "",
+              "## Evaluation", ""]
     evals = _evaluations(bundle.run, bundle.checkpoint)
     lines += [f"- {json.dumps(e, sort_keys=True)}" for e in evals] or \
         ["- no evaluation recorded for this checkpoint (run `forgebench eval`)"]
     lines += ["", "## Equivalence", ""]
     if bundle.report is None:
         lines.append("- not computed (--no-report)")
+    elif bundle.report.get("kind") == "generator":
+        stage = bundle.report["stages"][1]
+        lines.append(f"- {'VERIFIED' if bundle.report['passed'] else 'NOT verified'} "
+                     f"(needs {bundle.report['bar']}): the bundle, loaded from its own files, "
+                     f"drew one fixed-seed sample per class; max |Δ| from the checkpoint's "
+                     f"{stage['max_abs_diff']:.4g}, mean |Δ| {stage['mean_abs_diff']:.4g}")
+        lines.append("- listen to / look at `reference/`; details: `report.txt`, "
+                     "`report.json`")
     else:
         for stage in bundle.report["stages"][1:]:
             m = stage["vs_checkpoint"]
@@ -354,6 +381,10 @@ def model_card(bundle: Bundle) -> str:
     if bundle.recipe == "lm-pretrain":
         limitations.append("a tiny model trained from scratch on one corpus: it continues text "
                            "in the corpus's style and knows nothing else")
+    if bundle.recipe in GENERATOR_RECIPES:
+        limitations.append("a tiny class-conditional generator trained from scratch: it makes "
+                           "things like its training examples of the listed classes only; "
+                           "the Samples pane shows each output's nearest training example")
     limitations.append("evaluated only on the data and prompts above; check it on your own "
                        "inputs before relying on it")
     lines += [f"- {text}" for text in limitations]
@@ -385,9 +416,10 @@ def export_run(run_dir: str | os.PathLike, out: str | os.PathLike, *, checkpoint
                               hint="choose a new --out or delete the old export")
     run = RunDir(run_dir).require()
     recipe = run.manifest()["recipe"]
-    if recipe not in EXPORTABLE_RECIPES:
-        raise ForgebenchError(f"recipe '{recipe}' has no GGUF export", path=run.path,
-                              hint="export works for " + ", ".join(EXPORTABLE_RECIPES) + " runs")
+    if recipe not in EXPORTABLE_RECIPES + GENERATOR_RECIPES:
+        raise ForgebenchError(f"recipe '{recipe}' has no export", path=run.path,
+                              hint="export works for "
+                              + ", ".join(EXPORTABLE_RECIPES + GENERATOR_RECIPES) + " runs")
     if run.is_active():
         raise ForgebenchError("the run is still training", path=run.path,
                               hint="wait for it, or stop it: forgebench stop RUN_DIR")
@@ -416,6 +448,11 @@ def _fill_bundle(bundle: Bundle, staging: Path, scratch: Path, base: str | None,
     from engine.export.equivalence import PROMPT_SUITE, build_report, render_text
 
     run, recipe, dtype = bundle.run, bundle.recipe, bundle.dtype
+    if recipe in GENERATOR_RECIPES:
+        bundle.report = export_generator(run, bundle.checkpoint, dtype, staging, progress)
+        bundle.files = bundle.report["export"]["files"]
+        _finish_bundle(bundle, staging)
+        return
     if recipe == "lm-pretrain":
         _export_pretrain(bundle, staging, scratch, progress)
     else:   # lm-sft, lm-dpo and lm-es: the same adapters file, or full weights in the base's layout
@@ -432,6 +469,11 @@ def _fill_bundle(bundle: Bundle, staging: Path, scratch: Path, base: str | None,
         atomic_write_text(staging / "report.json",
                           json.dumps(bundle.report, indent=2) + "\n")
         atomic_write_text(staging / "report.txt", render_text(bundle.report))
+    _finish_bundle(bundle, staging)
+
+
+def _finish_bundle(bundle: Bundle, staging: Path) -> None:
+    """The model card and checksums of a filled bundle, readable by everyone."""
     atomic_write_text(staging / "model_card.md", model_card(bundle))
     write_sha256sums(staging)
     for path in staging.rglob("*"):     # temp files are created private; a bundle is shared

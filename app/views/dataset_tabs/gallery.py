@@ -1,29 +1,36 @@
-"""Gallery tab: a dataset's images as a grid of thumbnails made on a worker thread;
-activating one opens its record."""
+"""Gallery tab: a dataset's images as a grid of thumbnails made on a worker thread, or an audio
+dataset's clips, each played (at the level of `app.audio`) when activated; activating an image
+opens its record. With no sound device the tab says so and everything else keeps working."""
 
 from __future__ import annotations
 
-from PySide6.QtCore import QAbstractListModel, QModelIndex, QSize, Qt, Signal
-from PySide6.QtWidgets import QListView
+from pathlib import Path
 
+from PySide6.QtCore import QAbstractListModel, QModelIndex, QSize, Qt, Signal
+from PySide6.QtWidgets import QHBoxLayout, QLabel, QListView, QPushButton, QVBoxLayout, QWidget
+
+from app.audio import Player
 from app.viewmodels.datasets import DatasetTable
+from app.viewmodels.samples import waveform
 from app.views.thumbnails import ThumbnailCache
 
 
 class GalleryModel(QAbstractListModel):
-    """Images of a dataset as a grid; thumbnails come from the worker-thread cache."""
+    """Images (with thumbnails from the worker-thread cache) or clips of a dataset."""
 
     def __init__(self, parent=None):
         super().__init__(parent)
-        self.items: list[tuple[str, str, int]] = []  # (label text, image path, row index)
+        self.items: list[tuple[str, str, int]] = []  # (label text, media path, row index)
         self.item_of: dict[str, int] = {}
+        self.audio = False
         self.thumbs = ThumbnailCache(96, self)
         self.thumbs.ready.connect(self._ready)
 
     def set_table(self, table: DatasetTable | None) -> None:
         self.beginResetModel()
         self.thumbs.clear()
-        self.items = table.images if table else []
+        self.audio = bool(table and table.clips)
+        self.items = (table.clips if self.audio else table.images) if table else []
         self.item_of = {path: i for i, (_, path, _) in enumerate(self.items)}
         self.endResetModel()
 
@@ -33,9 +40,11 @@ class GalleryModel(QAbstractListModel):
     def data(self, index, role=Qt.ItemDataRole.DisplayRole):
         caption, path, _ = self.items[index.row()]
         if role == Qt.ItemDataRole.DisplayRole:
-            return caption
-        if role == Qt.ItemDataRole.DecorationRole:
+            return "▶ " + caption.replace("\n", " · ") if self.audio else caption
+        if role == Qt.ItemDataRole.DecorationRole and not self.audio:
             return self.thumbs.get(path)
+        if role == Qt.ItemDataRole.ToolTipRole:
+            return Path(path).name
         return None
 
     def _ready(self, path: str) -> None:
@@ -44,20 +53,72 @@ class GalleryModel(QAbstractListModel):
             self.dataChanged.emit(index, index, [Qt.ItemDataRole.DecorationRole])
 
 
-class GalleryTab(QListView):
+class GalleryTab(QWidget):
     jump = Signal(int)          # the record's index in the table
 
     def __init__(self, parent=None):
         super().__init__(parent)
+        self.player: Player | None = None      # opened on the first audio dataset
+        self.view = QListView()
         self.gallery = GalleryModel(self)
-        self.setViewMode(QListView.ViewMode.IconMode)
-        self.setIconSize(QSize(96, 96))
-        self.setGridSize(QSize(120, 140))
-        self.setUniformItemSizes(True)
-        self.setResizeMode(QListView.ResizeMode.Adjust)
-        self.setLayoutMode(QListView.LayoutMode.Batched)
-        self.setModel(self.gallery)
-        self.activated.connect(lambda index: self.jump.emit(self.gallery.items[index.row()][2]))
+        self.view.setViewMode(QListView.ViewMode.IconMode)
+        self.view.setIconSize(QSize(96, 96))
+        self.view.setGridSize(QSize(120, 140))
+        self.view.setUniformItemSizes(True)
+        self.view.setResizeMode(QListView.ResizeMode.Adjust)
+        self.view.setLayoutMode(QListView.LayoutMode.Batched)
+        self.view.setModel(self.gallery)
+        self.view.activated.connect(self._activated)
+        self.hint = QLabel()
+        self.hint.setWordWrap(True)
+        self.hint.setMinimumWidth(1)
+        self.stop_button = QPushButton("Stop")
+        self.stop_button.clicked.connect(lambda: self.player and self.player.stop())
+        row = QHBoxLayout()
+        row.addWidget(self.hint, 1)
+        row.addWidget(self.stop_button)
+        layout = QVBoxLayout(self)
+        layout.setContentsMargins(0, 0, 0, 0)
+        layout.addLayout(row)
+        layout.addWidget(self.view, 1)
+        self._show_hint()
 
     def set_table(self, table: DatasetTable | None) -> None:
         self.gallery.set_table(table)
+        if self.gallery.audio and self.player is None:
+            self.player = Player()
+        # Clips are a list of whole names; images a grid of thumbnails.
+        audio = self.gallery.audio
+        self.view.setViewMode(QListView.ViewMode.ListMode if audio
+                              else QListView.ViewMode.IconMode)
+        self.view.setGridSize(QSize() if audio else QSize(120, 140))
+        self._show_hint()
+
+    def _show_hint(self) -> None:
+        audio = self.gallery.audio
+        self.stop_button.setVisible(audio and bool(self.player and self.player.available))
+        self.hint.setVisible(audio)
+        if audio:
+            self.hint.setText(self.player.problem + " — the clips are listed; play them in "
+                              "another program" if self.player.problem else
+                              "Double-click a clip (or press Enter) to play it, at a quiet level.")
+
+    def _activated(self, index) -> None:
+        caption, path, row = self.gallery.items[index.row()]
+        if not self.gallery.audio:
+            self.jump.emit(row)
+            return
+        self.play(index.row())
+
+    def play(self, item: int) -> bool:
+        """Play the clip of one gallery item; False (and the reason shown) when it cannot."""
+        _, path, _ = self.gallery.items[item]
+        try:
+            wave, rate = waveform(Path(path))
+        except (OSError, RuntimeError) as exc:      # soundfile: a missing or broken file
+            self.hint.setText(f"cannot read {Path(path).name}: {exc}")
+            return False
+        ok = self.player is not None and self.player.play(wave, rate)
+        self.hint.setText(f"playing {Path(path).name}" if ok else
+                          str(self.player.problem if self.player else "no player"))
+        return ok

@@ -1,7 +1,12 @@
 """Splits and groups tab: every group with its split and size; moving groups to another split
-saves a new dataset version."""
+saves a new dataset version, and "Auto-split" gives every unassigned group a split through the
+engine (`forgebench data split`: group-aware, seed-deterministic, a new version; the folder on
+screen is never changed)."""
 
 from __future__ import annotations
+
+import json
+from pathlib import Path
 
 from PySide6.QtCore import QAbstractTableModel, QModelIndex, Qt, Signal
 from PySide6.QtWidgets import (
@@ -16,6 +21,8 @@ from PySide6.QtWidgets import (
 )
 
 from app.viewmodels.datasets import DatasetTable
+from app.viewmodels.jobs import forgebench_argv
+from app.views.job_runner import JobRunner
 from engine.data import formats as F
 from engine.errors import ForgebenchError
 
@@ -86,16 +93,51 @@ class SplitsTab(QWidget):
         row.addWidget(self.move_button)
         row.addStretch(1)
         layout.addLayout(row)
+        self.auto_button = QPushButton("Auto-split unassigned groups (train 80 / val 10 / "
+                                       "test 10, new version)")
+        self.auto_button.setToolTip("forgebench data split: each group placed by a hash of "
+                                    "the seed and its name; assigned groups never move")
+        self.auto_button.clicked.connect(self.auto_split)
+        self.auto_job = JobRunner("split")
+        self.auto_job.finished.connect(self._auto_split_done)
+        layout.addWidget(self.auto_button)
+        layout.addWidget(self.auto_job)
+        self.auto_button.setEnabled(False)
 
     def set_table(self, table: DatasetTable | None) -> None:
         """Counted lazily: `fill` runs when the tab is first shown for this table."""
         self.table = table
         self.groups_model.set_groups([])
+        unassigned = table.unassigned_groups if table else 0
+        self.auto_button.setEnabled(bool(unassigned) and not self.auto_job.running)
+        self.auto_button.setText(f"Auto-split {unassigned} unassigned group(s) (train 80 / val "
+                                 "10 / test 10, new version)" if unassigned else
+                                 "Auto-split: every group has a split")
+
+    def auto_split(self) -> None:
+        if self.table is None or self.auto_job.running:
+            return
+        self.auto_button.setEnabled(False)
+        self.auto_job.start(forgebench_argv() + ["data", "split", str(self.table.root),
+                                                 "--json"], f"splitting {self.table.name}")
+
+    def _auto_split_done(self, ok: bool, message: str) -> None:
+        if not ok:
+            self.message.emit(message)
+            self.set_table(self.table)
+            return
+        output = self.auto_job.output
+        result = json.loads(output[output.index("{"):output.rindex("}") + 1])
+        counts = ", ".join(f"{k} {v}" for k, v in result["counts"].items() if v)
+        self.message.emit(f"assigned {result['assigned']} group(s) to splits: "
+                          f"{Path(result['path']).name} ({counts})")
+        self.saved.emit(Path(result["path"]))
 
     def fill(self) -> None:
         self.groups_model.set_groups(self.table.groups() if self.table else [])
         header = self.groups.horizontalHeader()
         self.groups_model.sort(header.sortIndicatorSection(), header.sortIndicatorOrder())
+        self.groups.resizeColumnToContents(0)     # whole group names (Qt samples 1,000 rows)
 
     def move_groups(self) -> None:
         rows = sorted({i.row() for i in self.groups.selectionModel().selectedRows()})
