@@ -51,25 +51,43 @@ static inline float hsum8v(__m256 v) {
     return hsum8(a);
 }
 
+/* Integer dot products are exact in any order, so how the lanes are formed is free: VNNI's
+ * dpbusd where the compiler targets it, else maddubs + madd (whose int16 pair sums cannot saturate
+ * here: |w| <= 128 and |x| <= 127 give at most 32512). */
+static inline __m256i dot_u8_i8(__m256i u, __m256i s) {
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+    return _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, s);
+#else
+    return _mm256_madd_epi16(_mm256_set1_epi16(1), _mm256_maddubs_epi16(u, s));
+#endif
+}
+
 /* Eight int32 lanes, lane l = sum of the products of bytes 4l..4l+3 (signed x signed, exact). */
 static inline __m256i lanes_i8(const int8_t *x, const int8_t *w) {
     const __m256i xv = _mm256_loadu_si256((const __m256i *) x);
     const __m256i wv = _mm256_loadu_si256((const __m256i *) w);
-    const __m256i pairs = _mm256_maddubs_epi16(_mm256_sign_epi8(wv, wv), _mm256_sign_epi8(xv, wv));
-    return _mm256_madd_epi16(_mm256_set1_epi16(1), pairs);
+    return dot_u8_i8(_mm256_sign_epi8(wv, wv), _mm256_sign_epi8(xv, wv));
 }
 
-/* The same for unsigned weights (0..63) x signed activations. */
-static inline __m256i lanes_u8(const int8_t *x, const uint8_t *w) {
+/* Unsigned weights (0..63) x signed activations, each int16 pair times its scale: lane l = the
+ * products of bytes 4l..4l+3, bytes 0-15 times s_lo and 16-31 times s_hi (exact in int32). */
+static inline __m256i lanes_u8_scaled(const int8_t *x, const uint8_t *w, __m256i scale16) {
     const __m256i pairs = _mm256_maddubs_epi16(_mm256_loadu_si256((const __m256i *) w),
                                                _mm256_loadu_si256((const __m256i *) x));
-    return _mm256_madd_epi16(_mm256_set1_epi16(1), pairs);
+    return _mm256_madd_epi16(scale16, pairs);
+}
+
+/* The horizontal sums of four vectors, [sum v0, sum v1, sum v2, sum v3]. */
+static inline __m128i hsum4_i32(__m256i v0, __m256i v1, __m256i v2, __m256i v3) {
+    const __m256i c = _mm256_hadd_epi32(_mm256_hadd_epi32(v0, v1), _mm256_hadd_epi32(v2, v3));
+    return _mm_add_epi32(_mm256_castsi256_si128(c), _mm256_extracti128_si256(c, 1));
 }
 
 static inline int32_t hsum_i32(__m256i v) {
-    int32_t a[8];
-    _mm256_storeu_si256((__m256i *) a, v);
-    return ((a[0] + a[1]) + (a[2] + a[3])) + ((a[4] + a[5]) + (a[6] + a[7]));
+    __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4E));
+    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0xB1));
+    return _mm_cvtsi128_si32(s);
 }
 
 /* ---- activations as ggml's matmul quantizes them ---------------------------------------- */
@@ -90,7 +108,7 @@ static void quantize_q8_0_row(const float *x, int64_t K, int8_t *q, float *d) {
 
 /* quantize_row_q8_K_ref: the first element of largest magnitude sets iscale = -127/max,
  * q = min(127, nearest(iscale·x)), d = 1/iscale; plus the sums of each 16 (ggml's bsums). */
-static void quantize_q8_k_row(const float *x, int64_t K, int8_t *q, float *d, int32_t *sums) {
+static void quantize_q8_k_row(const float *x, int64_t K, int8_t *q, float *d, int16_t *sums) {
     for (int64_t b = 0; b < K / 256; b++) {
         const float *xb = x + 256 * b;
         int8_t *qb = q + 256 * b;
@@ -113,7 +131,7 @@ static void quantize_q8_k_row(const float *x, int64_t K, int8_t *q, float *d, in
         for (int g = 0; g < 16; g++) {
             int32_t s = 0;
             for (int i = 0; i < 16; i++) s += qb[16 * g + i];
-            sums[16 * b + g] = s;
+            sums[16 * b + g] = (int16_t) s;  /* |s| <= 16 * 128 */
         }
         d[b] = 1.0f / iscale;
     }
@@ -144,7 +162,7 @@ typedef struct {
 typedef struct {
     int8_t *q;      /* [R][K] */
     float *d;       /* [R][K/32] (Q8_0) or [R][K/256] (Q8_K) */
-    int32_t *sums;  /* [R][K/16] (Q8_K) */
+    int16_t *sums;  /* [R][K/16] (Q8_K): each 16's sum */
     float *h;       /* [R][K] f16-rounded (F16 weights) */
 } fb_act;
 
@@ -223,14 +241,35 @@ static void quantize_rows(int type, const float *x, int64_t R, int64_t K, const 
 }
 
 /* Q8_0 / Q5_0 weights x Q8_0 activations (vec_dot_q8_0_q8_0, vec_dot_q5_0_q8_0, tinyBLAS_Q0_AVX):
- * per block of 32, eight exact int32 lanes of four products, one fma per block, hsum_float_8. */
+ * per block of 32, eight exact int32 lanes of four products, one fma per block, hsum_float_8.
+ * Four activation rows at a time share each weight block (the sums are per output, unchanged). */
 static void q0_rows(const fb_weight *w, int64_t R, const fb_act *a, int64_t n0, int64_t n1, float *out) {
     const int64_t K = w->cols, nb = K / 32, N = w->rows;
     const int8_t *wq = (const int8_t *) w->q;
     for (int64_t n = n0; n < n1; n++) {
         const int8_t *wr = wq + n * K;
         const float *wd = w->d + n * nb;
-        for (int64_t r = 0; r < R; r++) {
+        int64_t r = 0;
+        for (; r + 4 <= R; r += 4) {
+            __m256 acc0 = _mm256_setzero_ps(), acc1 = acc0, acc2 = acc0, acc3 = acc0;
+            const int8_t *x0 = a->q + r * K, *x1 = x0 + K, *x2 = x1 + K, *x3 = x2 + K;
+            const float *d0 = a->d + r * nb, *d1 = d0 + nb, *d2 = d1 + nb, *d3 = d2 + nb;
+            for (int64_t b = 0; b < nb; b++) {
+                const __m256i wv = _mm256_loadu_si256((const __m256i *) (wr + 32 * b));
+                const __m256i u = _mm256_sign_epi8(wv, wv);
+#define Q0_ROW(X, D, ACC)                                                                              \
+                ACC = _mm256_fmadd_ps(_mm256_set1_ps(wd[b] * D[b]),                                    \
+                                      _mm256_cvtepi32_ps(dot_u8_i8(u, _mm256_sign_epi8(                \
+                                          _mm256_loadu_si256((const __m256i *) (X + 32 * b)), wv))), ACC);
+                Q0_ROW(x0, d0, acc0) Q0_ROW(x1, d1, acc1) Q0_ROW(x2, d2, acc2) Q0_ROW(x3, d3, acc3)
+#undef Q0_ROW
+            }
+            out[r * N + n] = hsum8v(acc0);
+            out[(r + 1) * N + n] = hsum8v(acc1);
+            out[(r + 2) * N + n] = hsum8v(acc2);
+            out[(r + 3) * N + n] = hsum8v(acc3);
+        }
+        for (; r < R; r++) {
             const int8_t *xr = a->q + r * K;
             const float *xd = a->d + r * nb;
             __m256 acc = _mm256_setzero_ps();
@@ -244,38 +283,73 @@ static void q0_rows(const fb_weight *w, int64_t R, const fb_act *a, int64_t n0, 
 }
 
 /* Q4_K weights (repacked q4_K_8x8) x Q8_K activations, rows [r0, r1): one accumulator per output;
- * per_superblock = 1 (gemv): one fma per 256, 0 (gemm): one per 64; output = acc - acc_min. */
+ * per_superblock = 1 (gemv): one fma per 256, 0 (gemm): one per 64; output = acc - acc_min.
+ * The integer dot of a 64 (two 32-blocks, each times its 6-bit scale) is exact in any order. */
+static inline __m256i q4_k_dot64(const int8_t *xa, const uint8_t *qa, const uint8_t *sc, int c) {
+    return _mm256_add_epi32(lanes_u8_scaled(xa + 64 * c, qa + 64 * c, _mm256_set1_epi16(sc[2 * c])),
+                            lanes_u8_scaled(xa + 64 * c + 32, qa + 64 * c + 32, _mm256_set1_epi16(sc[2 * c + 1])));
+}
+
+static inline int32_t q4_k_min64(const int16_t *xs, const uint8_t *mn, int c) {
+    return mn[2 * c] * (xs[4 * c] + xs[4 * c + 1]) + mn[2 * c + 1] * (xs[4 * c + 2] + xs[4 * c + 3]);
+}
+
 static void q4_k_rows(const fb_weight *w, int64_t r0, int64_t r1, const fb_act *a, int per_superblock,
                       int64_t n0, int64_t n1, float *out) {
     const int64_t K = w->cols, nsb = K / 256, N = w->rows;
     const uint8_t *wq = (const uint8_t *) w->q, *scales = (const uint8_t *) w->scales;
     for (int64_t n = n0; n < n1; n++) {
-        for (int64_t r = r0; r < r1; r++) {
+        int64_t r = r0;
+        if (!per_superblock)  /* gemm: four rows at a time, their fmas side by side in a vector */
+            for (; r + 4 <= r1; r += 4) {
+                __m128 acc = _mm_setzero_ps(), acc_min = _mm_setzero_ps();
+                for (int64_t b = 0; b < nsb; b++) {
+                    const uint8_t *qa = wq + n * K + b * 256;
+                    const uint8_t *sc = scales + (n * nsb + b) * 8, *mn = w->mins + (n * nsb + b) * 8;
+                    const float *xd = a->d + b;
+                    const __m128 xdv = _mm_setr_ps(xd[r * nsb], xd[(r + 1) * nsb], xd[(r + 2) * nsb], xd[(r + 3) * nsb]);
+                    const __m128 s = _mm_mul_ps(_mm_set1_ps(w->d[n * nsb + b]), xdv);
+                    const __m128 s_min = _mm_mul_ps(_mm_set1_ps(w->dmin[n * nsb + b]), xdv);
+                    const int8_t *x0 = a->q + r * K + b * 256;
+                    const int16_t *xs0 = a->sums + r * (K / 16) + b * 16;
+                    for (int c = 0; c < 4; c++) {
+                        const __m128i dot = hsum4_i32(q4_k_dot64(x0, qa, sc, c), q4_k_dot64(x0 + K, qa, sc, c),
+                                                      q4_k_dot64(x0 + 2 * K, qa, sc, c), q4_k_dot64(x0 + 3 * K, qa, sc, c));
+                        const int64_t S = K / 16;
+                        const __m128i dot_min = _mm_setr_epi32(q4_k_min64(xs0, mn, c), q4_k_min64(xs0 + S, mn, c),
+                                                               q4_k_min64(xs0 + 2 * S, mn, c), q4_k_min64(xs0 + 3 * S, mn, c));
+                        acc = _mm_fmadd_ps(_mm_cvtepi32_ps(dot), s, acc);
+                        acc_min = _mm_fmadd_ps(_mm_cvtepi32_ps(dot_min), s_min, acc_min);
+                    }
+                }
+                float res[4];
+                _mm_storeu_ps(res, _mm_sub_ps(acc, acc_min));
+                for (int i = 0; i < 4; i++) out[(r + i) * N + n] = res[i];
+            }
+        for (; r < r1; r++) {
             float acc = 0.0f, acc_min = 0.0f;
             for (int64_t b = 0; b < nsb; b++) {
                 const float xd = a->d[r * nsb + b];
                 const float s = w->d[n * nsb + b] * xd, s_min = w->dmin[n * nsb + b] * xd;
                 const int8_t *xa = a->q + r * K + b * 256;
-                const int32_t *xs = a->sums + r * (K / 16) + b * 16;
+                const int16_t *xs = a->sums + r * (K / 16) + b * 16;
                 const uint8_t *qa = wq + n * K + b * 256;
                 const uint8_t *sc = scales + (n * nsb + b) * 8, *mn = w->mins + (n * nsb + b) * 8;
-                int32_t total = 0, total_min = 0;
+                __m256i total = _mm256_setzero_si256();
+                int32_t total_min = 0;
                 for (int c = 0; c < 4; c++) {
-                    int32_t dot = 0, dot_min = 0;
-                    for (int sub = 2 * c; sub < 2 * c + 2; sub++) {
-                        dot += sc[sub] * hsum_i32(lanes_u8(xa + sub * 32, qa + sub * 32));
-                        dot_min += mn[sub] * (xs[2 * sub] + xs[2 * sub + 1]);
-                    }
+                    const __m256i dot = q4_k_dot64(xa, qa, sc, c);
+                    const int32_t dot_min = q4_k_min64(xs, mn, c);
                     if (per_superblock) {
-                        total += dot;
+                        total = _mm256_add_epi32(total, dot);
                         total_min += dot_min;
                     } else {
-                        acc = fmaf((float) dot, s, acc);
+                        acc = fmaf((float) hsum_i32(dot), s, acc);
                         acc_min = fmaf((float) dot_min, s_min, acc_min);
                     }
                 }
                 if (per_superblock) {
-                    acc = fmaf((float) total, s, acc);
+                    acc = fmaf((float) hsum_i32(total), s, acc);
                     acc_min = fmaf((float) total_min, s_min, acc_min);
                 }
             }
@@ -287,43 +361,62 @@ static void q4_k_rows(const fb_weight *w, int64_t r0, int64_t r1, const fb_act *
 /* Q6_K weights x Q8_K activations. tiled = 1: ggml's tiled K-quant matmul (8 or more rows), AVX2
  * microtile: the exact dot per 256, times d_w, then fma with d_x. tiled = 2: the AVX-512 VNNI
  * microtile, which multiplies by d_x and adds in two roundings. tiled = 0: vec_dot_q6_K_q8_K's
- * eight lanes (four products of each 32-group times the 16-scale, minus 32·scale·sums), one fma
- * per 256, hsum_float_8. */
+ * eight lanes (four products of each 32-group times the 16-scale, minus 32·scale·sums for the
+ * 32-group of the lane's index), one fma per 256, hsum_float_8. */
+static inline __m256i q6_k_lanes(const int8_t *xa, const int16_t *xs, const uint8_t *qa, const int8_t *sc) {
+    __m256i lanes = _mm256_setzero_si256();
+    for (int c = 0; c < 8; c++) {
+        const __m256i scale = _mm256_setr_m128i(_mm_set1_epi16(sc[2 * c]), _mm_set1_epi16(sc[2 * c + 1]));
+        lanes = _mm256_add_epi32(lanes, lanes_u8_scaled(xa + 32 * c, qa + 32 * c, scale));
+    }
+    /* lane l: minus 32·(scale_2l·sum_2l + scale_2l+1·sum_2l+1), one madd of the 16 scales and sums */
+    const __m256i offset = _mm256_madd_epi16(_mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *) sc)),
+                                             _mm256_loadu_si256((const __m256i *) xs));
+    return _mm256_sub_epi32(lanes, _mm256_slli_epi32(offset, 5));
+}
+
 static void q6_k_rows(const fb_weight *w, int64_t R, const fb_act *a, int tiled, int64_t n0, int64_t n1,
                       float *out) {
-    const int64_t K = w->cols, nsb = K / 256, N = w->rows;
+    const int64_t K = w->cols, nsb = K / 256, N = w->rows, S = K / 16;
     const uint8_t *wq = (const uint8_t *) w->q;
     const int8_t *scales = (const int8_t *) w->scales;
     for (int64_t n = n0; n < n1; n++) {
-        for (int64_t r = 0; r < R; r++) {
-            float acc = 0.0f, lanes_acc[8] = {0};
-            for (int64_t b = 0; b < nsb; b++) {
-                const int8_t *xa = a->q + r * K + b * 256;
-                const int32_t *xs = a->sums + r * (K / 16) + b * 16;
-                const uint8_t *qa = wq + n * K + b * 256;
-                const int8_t *sc = scales + (n * nsb + b) * 16;
-                const float xd = a->d[r * nsb + b], wd = w->d[n * nsb + b];
-                __m256i lanes = _mm256_setzero_si256();
-                for (int c = 0; c < 8; c++) {
-                    const __m256i scale = _mm256_setr_epi32(sc[2 * c], sc[2 * c], sc[2 * c], sc[2 * c], sc[2 * c + 1],
-                                                            sc[2 * c + 1], sc[2 * c + 1], sc[2 * c + 1]);
-                    lanes = _mm256_add_epi32(lanes, _mm256_mullo_epi32(scale, lanes_u8(xa + 32 * c, qa + 32 * c)));
+        int64_t r = 0;
+        if (tiled)  /* four rows at a time, their sums side by side in a vector */
+            for (; r + 4 <= R; r += 4) {
+                __m128 acc = _mm_setzero_ps();
+                for (int64_t b = 0; b < nsb; b++) {
+                    const uint8_t *qa = wq + n * K + b * 256;
+                    const int8_t *sc = scales + (n * nsb + b) * 16;
+                    const int8_t *x0 = a->q + r * K + b * 256;
+                    const int16_t *xs0 = a->sums + r * S + b * 16;
+                    const __m128i dot = hsum4_i32(q6_k_lanes(x0, xs0, qa, sc), q6_k_lanes(x0 + K, xs0 + S, qa, sc),
+                                                  q6_k_lanes(x0 + 2 * K, xs0 + 2 * S, qa, sc),
+                                                  q6_k_lanes(x0 + 3 * K, xs0 + 3 * S, qa, sc));
+                    const float *xd = a->d + b;
+                    const __m128 xdv = _mm_setr_ps(xd[r * nsb], xd[(r + 1) * nsb], xd[(r + 2) * nsb], xd[(r + 3) * nsb]);
+                    const __m128 scaled = _mm_mul_ps(_mm_set1_ps(w->d[n * nsb + b]), _mm_cvtepi32_ps(dot));
+                    acc = tiled == 1 ? _mm_fmadd_ps(scaled, xdv, acc) : _mm_add_ps(acc, _mm_mul_ps(scaled, xdv));
                 }
-                int32_t lane[8];
-                _mm256_storeu_si256((__m256i *) lane, lanes);
+                float res[4];
+                _mm_storeu_ps(res, acc);
+                for (int i = 0; i < 4; i++) out[(r + i) * N + n] = res[i];
+            }
+        for (; r < R; r++) {
+            float acc = 0.0f;
+            __m256 lanes_acc = _mm256_setzero_ps();
+            for (int64_t b = 0; b < nsb; b++) {
+                const __m256i lanes = q6_k_lanes(a->q + r * K + b * 256, a->sums + r * S + b * 16, wq + n * K + b * 256,
+                                                 scales + (n * nsb + b) * 16);
+                const float xd = a->d[r * nsb + b], wd = w->d[n * nsb + b];
                 if (tiled) {
-                    int32_t dot = 0;
-                    for (int l = 0; l < 8; l++) dot += lane[l] - 32 * (sc[2 * l] * xs[2 * l] + sc[2 * l + 1] * xs[2 * l + 1]);
-                    const float scaled = wd * (float) dot;
+                    const float scaled = wd * (float) hsum_i32(lanes);
                     acc = tiled == 1 ? fmaf(scaled, xd, acc) : acc + scaled * xd;
                 } else {
-                    const float s = xd * wd;
-                    for (int l = 0; l < 8; l++)
-                        lanes_acc[l] = fmaf(s, (float) (lane[l] - 32 * (sc[2 * l] * xs[2 * l] + sc[2 * l + 1] * xs[2 * l + 1])),
-                                            lanes_acc[l]);
+                    lanes_acc = _mm256_fmadd_ps(_mm256_set1_ps(xd * wd), _mm256_cvtepi32_ps(lanes), lanes_acc);
                 }
             }
-            out[r * N + n] = tiled ? acc : hsum8(lanes_acc);
+            out[r * N + n] = tiled ? acc : hsum8v(lanes_acc);
         }
     }
 }
@@ -428,7 +521,7 @@ static inline void thread_share(int64_t total, int ith, int nth, int64_t *n0, in
 static int act_alloc(fb_act *a, int64_t R, int64_t K) {
     a->q = malloc((size_t) (R * K) + 64);
     a->d = malloc(sizeof(float) * (size_t) (R * (K / 32) + 1));
-    a->sums = malloc(sizeof(int32_t) * (size_t) (R * (K / 16) + 1));
+    a->sums = malloc(sizeof(int16_t) * (size_t) (R * (K / 16) + 16));
     a->h = malloc(sizeof(float) * (size_t) (R * K) + 64);
     return a->q && a->d && a->sums && a->h ? 0 : -1;
 }
