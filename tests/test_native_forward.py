@@ -74,8 +74,8 @@ def run(model, native: bool, threads: int = 1):
 
 def same(a, b) -> bool:
     (outs_a, cache_a), (outs_b, cache_b) = a, b
-    return (all(torch.equal(x, y) for x, y in zip(outs_a, outs_b))
-            and all(torch.equal(x, y) for x, y in zip(cache_a.k + cache_a.v, cache_b.k + cache_b.v)))
+    tensors_a, tensors_b = outs_a + cache_a.k + cache_a.v, outs_b + cache_b.k + cache_b.v
+    return all(torch.equal(x, y) for x, y in zip(tensors_a, tensors_b))
 
 
 @pytest.mark.parametrize("features", [AVX2, AVX512_VNNI], ids=["avx2", "avx512-vnni"])
