@@ -580,7 +580,7 @@ static void barrier_wait(fb_barrier *b) {
         return;
     }
     for (int spins = 0; atomic_load_explicit(&b->phase, memory_order_acquire) == phase; spins++) {
-        if (spins < 4096) _mm_pause();
+        if (spins < 256) _mm_pause();
         else sched_yield();
     }
 }
@@ -746,16 +746,34 @@ static void attend_row(const float *q16, const uint16_t *kc, const uint16_t *vc,
     }
 }
 
-/* Matmul inside the forward's parallel region: quantize (rows split), compute (output rows
- * split), with barriers between. */
+/* The activation format a weight type's matmul quantizes to (ggml's vec_dot_type). */
+static inline int act_format(int type) {
+    return type == FB_Q8_0 || type == FB_Q5_0 ? 0 : type == FB_F16 ? 1 : 2;
+}
+
+/* Matmuls of one input inside the forward's parallel region (q, k, v or gate, up): the input
+ * quantized once where the weights share an activation format (rows split), then each output's
+ * rows split across the threads, a barrier after each phase. */
+static void region_matmuls(const fb_weight *const *w, float *const *out, int count, int64_t R, const float *x,
+                           const fb_act *a, const fb_plan *p, int ith, int nth, fb_barrier *bar) {
+    int shared = 1;
+    for (int i = 1; i < count; i++) shared &= act_format(w[i]->type) == act_format(w[0]->type);
+    for (int i = 0; i < count; i++) {
+        if (i == 0 || !shared) {
+            if (i > 0) barrier_wait(bar);  /* the previous weight is done with the activations */
+            quantize_rows(w[i]->type, x, R, w[i]->cols, a, ith, nth);
+            barrier_wait(bar);
+        }
+        int64_t n0, n1;
+        thread_share(w[i]->rows, ith, nth, &n0, &n1);
+        matmul_part(w[i], R, a, p, n0, n1, out[i]);
+    }
+    barrier_wait(bar);
+}
+
 static void region_matmul(const fb_weight *w, int64_t R, const float *x, const fb_act *a, const fb_plan *p,
                           float *out, int ith, int nth, fb_barrier *bar) {
-    quantize_rows(w->type, x, R, w->cols, a, ith, nth);
-    barrier_wait(bar);
-    int64_t n0, n1;
-    thread_share(w->rows, ith, nth, &n0, &n1);
-    matmul_part(w, R, a, p, n0, n1, out);
-    barrier_wait(bar);
+    region_matmuls(&w, &out, 1, R, x, a, p, ith, nth, bar);
 }
 
 /* Every layer for T positions start_pos... (one ubatch, T <= 512): h [T][dim] holds the input
@@ -802,9 +820,11 @@ int fb_forward(const fb_model *m, const fb_plan *p, int64_t T, int64_t start_pos
                     for (int64_t t = ith; t < T; t += nth) rope_row(Lr, start_pos + t, half, cs + t * half, sn + t * half);
                 prev = Lr;
                 barrier_wait(&bar);
-                region_matmul(&Lr->q, T, xn, &a, p, qb, ith, nth, &bar);
-                region_matmul(&Lr->k, T, xn, &a, p, kb, ith, nth, &bar);
-                region_matmul(&Lr->v, T, xn, &a, p, vb, ith, nth, &bar);
+                {
+                    const fb_weight *qkv[3] = {&Lr->q, &Lr->k, &Lr->v};
+                    float *const outs[3] = {qb, kb, vb};
+                    region_matmuls(qkv, outs, 3, T, xn, &a, p, ith, nth, &bar);
+                }
                 /* per head: q/k norm, RoPE; q scaled and rounded to f16, k and v into the cache */
                 for (int64_t item = ith; item < T * (H + Hkv); item += nth) {
                     const int64_t t = item / (H + Hkv), head = item % (H + Hkv), pos = start_pos + t;
@@ -851,8 +871,11 @@ int fb_forward(const fb_model *m, const fb_plan *p, int64_t T, int64_t start_pos
                     rmsnorm_row(hr, D, Lr->mlp_norm, m->norm_eps, xn + t * D);
                 }
                 barrier_wait(&bar);
-                region_matmul(&Lr->gate, R, xn, &a, p, gb, ith, nth, &bar);
-                region_matmul(&Lr->up, R, xn, &a, p, ub, ith, nth, &bar);
+                {
+                    const fb_weight *gate_up[2] = {&Lr->gate, &Lr->up};
+                    float *const outs[2] = {gb, ub};
+                    region_matmuls(gate_up, outs, 2, R, xn, &a, p, ith, nth, &bar);
+                }
                 for (int64_t t = ith; t < R; t += nth)
                     for (int64_t i = 0; i < F; i++) {
                         const float g = gb[t * F + i];
