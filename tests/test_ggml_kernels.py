@@ -82,6 +82,17 @@ def test_c_f16_dots_equal_torch_reference(tinyblas, lanes):
 
 
 @needs_native
+@pytest.mark.parametrize("qtype", [T.Q5_0, T.Q4_K, T.Q6_K])
+def test_c_unpacking_equals_unpack_blocks(qtype):
+    from engine.gguf.dequant import unpack_blocks
+
+    raw = random_weight(qtype, 24, 512, seed=7)
+    ours, reference = ggml_matmul.unpack_exact(raw, qtype, 24), unpack_blocks(raw, qtype)
+    assert sorted(ours) == sorted(reference)
+    assert all(torch.equal(ours[k], reference[k].reshape(24, -1)) for k in reference)
+
+
+@needs_native
 def test_q6_k_tiled_microtiles_differ():
     """The AVX2 and AVX-512 VNNI tiled Q6_K microtiles round differently (fma vs mul + add): the
     plan's choice matters, so following the wrong one would fail the model-level checks."""

@@ -146,7 +146,8 @@ enum { FB_F16 = 1, FB_Q5_0 = 6, FB_Q8_0 = 8, FB_Q4_K = 12, FB_Q6_K = 14 };
 typedef struct {
     int32_t type, pad_;
     int64_t rows, cols;
-    const void *q;          /* Q8_0/Q5_0 int8 [rows][cols]; Q4_K/Q6_K uint8; F16 uint16 */
+    const void *q;          /* Q5_0 int8 [rows][cols]; Q4_K/Q6_K uint8; F16 uint16; Q8_0 with d
+                             * NULL: the GGUF blocks themselves (f16 d, 32 int8) */
     const void *scales;     /* Q4_K uint8 [rows][cols/256][8]; Q6_K int8 [rows][cols/256][16] */
     const uint8_t *mins;    /* Q4_K [rows][cols/256][8] */
     const float *d, *dmin;  /* [rows][blocks] */
@@ -174,18 +175,14 @@ static inline float f16_at(const uint8_t *p) {
     return _cvtsh_ss(h);
 }
 
-/* nblocks blocks of `type` (ggml-common.h layouts) -> q (one byte per weight: Q8_0/Q5_0 signed,
+/* nblocks blocks of `type` (ggml-common.h layouts) -> q (one byte per weight: Q5_0 signed,
  * Q4_K 0..15, Q6_K 0..63 = stored + 32), scales (Q4_K 8 six-bit / Q6_K 16 int8 per block),
  * mins (Q4_K), d and dmin (f32). Blocks are independent: split across threads. */
 void fb_unpack(int type, int64_t nblocks, const uint8_t *raw, void *q, void *scales, uint8_t *mins,
                float *d, float *dmin, int nthreads) {
     #pragma omp parallel for schedule(static) num_threads(nthreads) if (nthreads > 1 && nblocks > 4096)
     for (int64_t i = 0; i < nblocks; i++) {
-        if (type == FB_Q8_0) {
-            const uint8_t *b = raw + i * 34;
-            d[i] = f16_at(b);
-            memcpy((int8_t *) q + i * 32, b + 2, 32);
-        } else if (type == FB_Q5_0) {
+        if (type == FB_Q5_0) {
             const uint8_t *b = raw + i * 22;
             uint32_t qh;
             memcpy(&qh, b + 2, 4);
@@ -245,17 +242,21 @@ static void quantize_rows(int type, const float *x, int64_t R, int64_t K, const 
  * Four activation rows at a time share each weight block (the sums are per output, unchanged). */
 static void q0_rows(const fb_weight *w, int64_t R, const fb_act *a, int64_t n0, int64_t n1, float *out) {
     const int64_t K = w->cols, nb = K / 32, N = w->rows;
-    const int8_t *wq = (const int8_t *) w->q;
+    /* Q8_0 is read in its own blocks (f16 d, 32 int8: no unpacked copy); Q5_0 unpacked */
+    const int raw = w->d == NULL;
+    const int64_t stride = raw ? 34 : 32;
+    float wd[K / 32 + 1];
     for (int64_t n = n0; n < n1; n++) {
-        const int8_t *wr = wq + n * K;
-        const float *wd = w->d + n * nb;
+        const int8_t *wr = (const int8_t *) w->q + n * nb * stride + (raw ? 2 : 0);
+        for (int64_t b = 0; b < nb; b++)
+            wd[b] = raw ? f16_at((const uint8_t *) w->q + (n * nb + b) * 34) : w->d[n * nb + b];
         int64_t r = 0;
         for (; r + 4 <= R; r += 4) {
             __m256 acc0 = _mm256_setzero_ps(), acc1 = acc0, acc2 = acc0, acc3 = acc0;
             const int8_t *x0 = a->q + r * K, *x1 = x0 + K, *x2 = x1 + K, *x3 = x2 + K;
             const float *d0 = a->d + r * nb, *d1 = d0 + nb, *d2 = d1 + nb, *d3 = d2 + nb;
             for (int64_t b = 0; b < nb; b++) {
-                const __m256i wv = _mm256_loadu_si256((const __m256i *) (wr + 32 * b));
+                const __m256i wv = _mm256_loadu_si256((const __m256i *) (wr + stride * b));
                 const __m256i u = _mm256_sign_epi8(wv, wv);
 #define Q0_ROW(X, D, ACC)                                                                              \
                 ACC = _mm256_fmadd_ps(_mm256_set1_ps(wd[b] * D[b]),                                    \
@@ -274,7 +275,7 @@ static void q0_rows(const fb_weight *w, int64_t R, const fb_act *a, int64_t n0, 
             const float *xd = a->d + r * nb;
             __m256 acc = _mm256_setzero_ps();
             for (int64_t b = 0; b < nb; b++) {
-                const __m256 lanes = _mm256_cvtepi32_ps(lanes_i8(xr + b * 32, wr + b * 32));
+                const __m256 lanes = _mm256_cvtepi32_ps(lanes_i8(xr + b * 32, wr + b * stride));
                 acc = _mm256_fmadd_ps(_mm256_set1_ps(wd[b] * xd[b]), lanes, acc);
             }
             out[r * N + n] = hsum8v(acc);

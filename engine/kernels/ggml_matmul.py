@@ -78,7 +78,6 @@ def weight_struct(parts: dict[str, torch.Tensor], ggml_type: T, rows: int, cols:
 
 # per weight type: the parts unpack_blocks gives, as (name, dtype, values per block)
 _PARTS = {
-    T.Q8_0: (("q", torch.int8, 32), ("d", torch.float32, 1)),
     T.Q5_0: (("q", torch.int8, 32), ("d", torch.float32, 1)),
     T.Q4_K: (("q", torch.uint8, 256), ("scales", torch.uint8, 8), ("mins", torch.uint8, 8),
              ("d", torch.float32, 1), ("dmin", torch.float32, 1)),
@@ -88,11 +87,13 @@ _PARTS = {
 
 def unpack_exact(raw: torch.Tensor, ggml_type: T, rows: int) -> dict[str, torch.Tensor]:
     """The parts the C kernels read: unpack_blocks' integers (unpacked in C, on torch's thread
-    count: a tenth of the time), or an F16 matrix's raw halves."""
+    count: a tenth of the time), or the stored bytes themselves (F16 halves, Q8_0 blocks)."""
     ggml_type = T(ggml_type)
     raw = raw.reshape(rows, -1)
     if ggml_type == T.F16:
         return {"q": raw.view(torch.int16).contiguous()}
+    if ggml_type == T.Q8_0:  # read in its own blocks: no copy of a 262k-row LM head
+        return {"q": raw.contiguous()}
     lib = kernels()
     if lib is None:
         return {k: v.contiguous() for k, v in unpack_blocks(raw, ggml_type).items()}
