@@ -71,6 +71,20 @@ def test_c_kernels_equal_torch_reference(qtype, rows, features, monkeypatch):
 
 
 @needs_native
+@pytest.mark.parametrize("features", [AVX2, AVX512_VNNI], ids=["avx2", "avx512-vnni"])
+@pytest.mark.parametrize("rows", [1, 3, 8])  # vec_dot_f16, then tinyBLAS
+def test_c_f16_matmul_equals_torch_reference(rows, features, monkeypatch):
+    p = cpu.plan_for(features)
+    monkeypatch.setattr(ggml_matmul, "plan", lambda: p)
+    w = round_f16(torch.randn(24, 80, generator=torch.Generator().manual_seed(4)))
+    x = activations(rows, 80)
+    raw = w.to(torch.float16).view(torch.uint8).reshape(24, -1)
+    native = ExactWeight(raw, T.F16, 24, 80).matmul(x)
+    dot = dot_tinyblas if rows >= 2 and 80 % p.f16_lanes == 0 else dot_vec_f16
+    assert torch.equal(native, dot(round_f16(x), w, p.f16_lanes))
+
+
+@needs_native
 @pytest.mark.parametrize("lanes", [8, 16])
 @pytest.mark.parametrize("tinyblas", [True, False])
 def test_c_f16_dots_equal_torch_reference(tinyblas, lanes):
