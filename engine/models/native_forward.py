@@ -104,6 +104,9 @@ class NativeDecoder:
         T_ = tokens.shape[1]
         if cache is None:                # teacher-forced scoring: a cache just for this call
             cache = model.new_cache(1, start_pos + T_)
+        if start_pos + T_ > cache.max_len:
+            raise ValueError(f"KV cache holds {cache.max_len} positions; asked for "
+                             f"{start_pos + T_}")
         h = model.tok_embeddings(tokens)
         if self.gemma:
             h = h * math.sqrt(cfg.dim)
