@@ -96,14 +96,17 @@ def test_c_f16_dots_equal_torch_reference(tinyblas, lanes):
 
 
 @needs_native
-@pytest.mark.parametrize("qtype", [T.Q5_0, T.Q4_K, T.Q6_K])
+@pytest.mark.parametrize("qtype", [T.Q8_0, T.Q5_0, T.Q4_K, T.Q6_K])
 def test_c_unpacking_equals_unpack_blocks(qtype):
+    """What the C kernels take unpacked equals unpack_blocks' parts (the rest they read from the
+    blocks: the matmul tests above check those bits)."""
     from engine.gguf.dequant import unpack_blocks
 
     raw = random_weight(qtype, 24, 512, seed=7)
     ours, reference = ggml_matmul.unpack_exact(raw, qtype, 24), unpack_blocks(raw, qtype)
-    assert sorted(ours) == sorted(reference)
-    assert all(torch.equal(ours[k], reference[k].reshape(24, -1)) for k in reference)
+    unpacked = set(ours) - {"blocks"}
+    assert unpacked and unpacked <= set(reference) and ("q" in ours) == (qtype == T.Q6_K)
+    assert all(torch.equal(ours[k], reference[k].reshape(24, -1)) for k in unpacked)
 
 
 @needs_native

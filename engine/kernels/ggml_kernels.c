@@ -62,19 +62,20 @@ static inline __m256i dot_u8_i8(__m256i u, __m256i s) {
 #endif
 }
 
-/* Eight int32 lanes, lane l = sum of the products of bytes 4l..4l+3 (signed x signed, exact). */
-static inline __m256i lanes_i8(const int8_t *x, const int8_t *w) {
-    const __m256i xv = _mm256_loadu_si256((const __m256i *) x);
-    const __m256i wv = _mm256_loadu_si256((const __m256i *) w);
-    return dot_u8_i8(_mm256_sign_epi8(wv, wv), _mm256_sign_epi8(xv, wv));
-}
-
 /* Unsigned weights (0..63) x signed activations, each int16 pair times its scale: lane l = the
  * products of bytes 4l..4l+3, bytes 0-15 times s_lo and 16-31 times s_hi (exact in int32). */
-static inline __m256i lanes_u8_scaled(const int8_t *x, const uint8_t *w, __m256i scale16) {
-    const __m256i pairs = _mm256_maddubs_epi16(_mm256_loadu_si256((const __m256i *) w),
-                                               _mm256_loadu_si256((const __m256i *) x));
-    return _mm256_madd_epi16(scale16, pairs);
+static inline __m256i lanes_u8_scaled(const int8_t *x, __m256i w, __m256i scale16) {
+    return _mm256_madd_epi16(scale16, _mm256_maddubs_epi16(w, _mm256_loadu_si256((const __m256i *) x)));
+}
+
+/* ggml's bytes_from_bits_32: byte j = 0xFF where bit j of the 32 is set. */
+static inline __m256i bytes_from_bits_32(const uint8_t *x) {
+    uint32_t x32;
+    memcpy(&x32, x, sizeof(uint32_t));
+    const __m256i shuf_mask = _mm256_set_epi64x(0x0303030303030303, 0x0202020202020202, 0x0101010101010101, 0x0000000000000000);
+    __m256i bytes = _mm256_shuffle_epi8(_mm256_set1_epi32((int) x32), shuf_mask);
+    bytes = _mm256_or_si256(bytes, _mm256_set1_epi64x(0x7fbfdfeff7fbfdfe));
+    return _mm256_cmpeq_epi8(bytes, _mm256_set1_epi64x(-1));
 }
 
 /* The horizontal sums of four vectors, [sum v0, sum v1, sum v2, sum v3]. */
@@ -146,8 +147,8 @@ enum { FB_F16 = 1, FB_Q5_0 = 6, FB_Q8_0 = 8, FB_Q4_K = 12, FB_Q6_K = 14 };
 typedef struct {
     int32_t type, pad_;
     int64_t rows, cols;
-    const void *q;          /* Q5_0 int8 [rows][cols]; Q4_K/Q6_K uint8; F16 uint16; Q8_0 with d
-                             * NULL: the GGUF blocks themselves (f16 d, 32 int8) */
+    const void *q;          /* Q8_0, Q5_0, Q4_K: the GGUF blocks themselves (the kernels unpack
+                             * the bits in registers); Q6_K uint8 [rows][cols]; F16 uint16 */
     const void *scales;     /* Q4_K uint8 [rows][cols/256][8]; Q6_K int8 [rows][cols/256][16] */
     const uint8_t *mins;    /* Q4_K [rows][cols/256][8] */
     const float *d, *dmin;  /* [rows][blocks] */
@@ -175,26 +176,19 @@ static inline float f16_at(const uint8_t *p) {
     return _cvtsh_ss(h);
 }
 
-/* nblocks blocks of `type` (ggml-common.h layouts) -> q (one byte per weight: Q5_0 signed,
- * Q4_K 0..15, Q6_K 0..63 = stored + 32), scales (Q4_K 8 six-bit / Q6_K 16 int8 per block),
- * mins (Q4_K), d and dmin (f32). Blocks are independent: split across threads. */
+/* nblocks blocks of `type` (ggml-common.h layouts) -> what the kernels do not read from the blocks
+ * themselves: d (f32) for Q8_0 / Q5_0; scales, mins (6-bit), d, dmin for Q4_K; for Q6_K also q
+ * (one byte per weight, 0..63 = stored + 32) and its 16 int8 scales. Blocks are independent:
+ * split across threads. */
 void fb_unpack(int type, int64_t nblocks, const uint8_t *raw, void *q, void *scales, uint8_t *mins,
                float *d, float *dmin, int nthreads) {
     #pragma omp parallel for schedule(static) num_threads(nthreads) if (nthreads > 1 && nblocks > 4096)
     for (int64_t i = 0; i < nblocks; i++) {
-        if (type == FB_Q5_0) {
-            const uint8_t *b = raw + i * 22;
-            uint32_t qh;
-            memcpy(&qh, b + 2, 4);
-            int8_t *o = (int8_t *) q + i * 32;
-            d[i] = f16_at(b);
-            for (int j = 0; j < 16; j++) {
-                o[j] = (int8_t) (((b[6 + j] & 0x0F) | (((qh >> j) & 1) << 4)) - 16);
-                o[j + 16] = (int8_t) (((b[6 + j] >> 4) | (((qh >> (j + 16)) & 1) << 4)) - 16);
-            }
+        if (type == FB_Q8_0 || type == FB_Q5_0) {
+            d[i] = f16_at(raw + i * (type == FB_Q8_0 ? 34 : 22));
         } else if (type == FB_Q4_K) {
-            const uint8_t *b = raw + i * 144, *sc = b + 4, *qs = b + 16;
-            uint8_t *o = (uint8_t *) q + i * 256, *os = (uint8_t *) scales + i * 8, *om = mins + i * 8;
+            const uint8_t *b = raw + i * 144, *sc = b + 4;
+            uint8_t *os = (uint8_t *) scales + i * 8, *om = mins + i * 8;
             d[i] = f16_at(b);
             dmin[i] = f16_at(b + 2);
             for (int j = 0; j < 8; j++) {
@@ -206,11 +200,6 @@ void fb_unpack(int type, int64_t nblocks, const uint8_t *raw, void *q, void *sca
                     om[j] = (sc[j + 4] >> 4) | ((sc[j] >> 6) << 4);
                 }
             }
-            for (int c = 0; c < 4; c++)
-                for (int l = 0; l < 32; l++) {
-                    o[64 * c + l] = qs[32 * c + l] & 0xF;
-                    o[64 * c + 32 + l] = qs[32 * c + l] >> 4;
-                }
         } else {  /* Q6_K */
             const uint8_t *b = raw + i * 210, *ql = b, *qh = b + 128;
             uint8_t *o = (uint8_t *) q + i * 256;
@@ -239,47 +228,46 @@ static void quantize_rows(int type, const float *x, int64_t R, int64_t K, const 
 
 /* Q8_0 / Q5_0 weights x Q8_0 activations (vec_dot_q8_0_q8_0, vec_dot_q5_0_q8_0, tinyBLAS_Q0_AVX):
  * per block of 32, eight exact int32 lanes of four products, one fma per block, hsum_float_8.
- * Four activation rows at a time share each weight block (the sums are per output, unchanged). */
-static void q0_rows(const fb_weight *w, int64_t R, const fb_act *a, int64_t n0, int64_t n1, float *out) {
+ * Eight (or four) activation rows at a time share each weight block (the sums stay per output). */
+/* The 32 signed weights of block blk, unpacked from the GGUF block in registers (Q5_0 as
+ * ggml's vec_dot_q5_0_q8_0 does: nibbles, then 0xF0 where the fifth bit is clear). */
+static inline __m256i q0_block(const fb_weight *w, int64_t blk) {
+    const uint8_t *q = (const uint8_t *) w->q;
+    if (w->type == FB_Q8_0) return _mm256_loadu_si256((const __m256i *) (q + blk * 34 + 2));
+    const uint8_t *b = q + blk * 22;
+    const __m128i nibbles = _mm_loadu_si128((const __m128i *) (b + 6));
+    const __m256i lo = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(nibbles, 4), nibbles), _mm256_set1_epi8(0x0F));
+    return _mm256_or_si256(lo, _mm256_andnot_si256(bytes_from_bits_32(b + 2), _mm256_set1_epi8((char) 0xF0)));
+}
+
+/* Outputs (r..r+TR-1, n): the weight block unpacked once for TR activation rows. */
+static inline __attribute__((always_inline)) void q0_tile(const fb_weight *w, const fb_act *a, int64_t n,
+                                                          int64_t r, const int TR, float *out) {
     const int64_t K = w->cols, nb = K / 32, N = w->rows;
-    /* Q8_0 is read in its own blocks (f16 d, 32 int8: no unpacked copy); Q5_0 unpacked */
-    const int raw = w->d == NULL;
-    const int64_t stride = raw ? 34 : 32;
-    float wd[K / 32 + 1];
+    const float *wd = w->d + n * nb;
+    __m256 acc[8];
+    #pragma GCC unroll 8
+    for (int i = 0; i < TR; i++) acc[i] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) {
+        const __m256i wv = q0_block(w, n * nb + b);
+        const __m256i u = _mm256_sign_epi8(wv, wv);
+        #pragma GCC unroll 8
+        for (int i = 0; i < TR; i++) {
+            const __m256i xv = _mm256_loadu_si256((const __m256i *) (a->q + (r + i) * K + 32 * b));
+            const __m256 lanes = _mm256_cvtepi32_ps(dot_u8_i8(u, _mm256_sign_epi8(xv, wv)));
+            acc[i] = _mm256_fmadd_ps(_mm256_set1_ps(wd[b] * a->d[(r + i) * nb + b]), lanes, acc[i]);
+        }
+    }
+    #pragma GCC unroll 8
+    for (int i = 0; i < TR; i++) out[(r + i) * N + n] = hsum8v(acc[i]);
+}
+
+static void q0_rows(const fb_weight *w, int64_t R, const fb_act *a, int64_t n0, int64_t n1, float *out) {
     for (int64_t n = n0; n < n1; n++) {
-        const int8_t *wr = (const int8_t *) w->q + n * nb * stride + (raw ? 2 : 0);
-        for (int64_t b = 0; b < nb; b++)
-            wd[b] = raw ? f16_at((const uint8_t *) w->q + (n * nb + b) * 34) : w->d[n * nb + b];
         int64_t r = 0;
-        for (; r + 4 <= R; r += 4) {
-            __m256 acc0 = _mm256_setzero_ps(), acc1 = acc0, acc2 = acc0, acc3 = acc0;
-            const int8_t *x0 = a->q + r * K, *x1 = x0 + K, *x2 = x1 + K, *x3 = x2 + K;
-            const float *d0 = a->d + r * nb, *d1 = d0 + nb, *d2 = d1 + nb, *d3 = d2 + nb;
-            for (int64_t b = 0; b < nb; b++) {
-                const __m256i wv = _mm256_loadu_si256((const __m256i *) (wr + stride * b));
-                const __m256i u = _mm256_sign_epi8(wv, wv);
-#define Q0_ROW(X, D, ACC)                                                                              \
-                ACC = _mm256_fmadd_ps(_mm256_set1_ps(wd[b] * D[b]),                                    \
-                                      _mm256_cvtepi32_ps(dot_u8_i8(u, _mm256_sign_epi8(                \
-                                          _mm256_loadu_si256((const __m256i *) (X + 32 * b)), wv))), ACC);
-                Q0_ROW(x0, d0, acc0) Q0_ROW(x1, d1, acc1) Q0_ROW(x2, d2, acc2) Q0_ROW(x3, d3, acc3)
-#undef Q0_ROW
-            }
-            out[r * N + n] = hsum8v(acc0);
-            out[(r + 1) * N + n] = hsum8v(acc1);
-            out[(r + 2) * N + n] = hsum8v(acc2);
-            out[(r + 3) * N + n] = hsum8v(acc3);
-        }
-        for (; r < R; r++) {
-            const int8_t *xr = a->q + r * K;
-            const float *xd = a->d + r * nb;
-            __m256 acc = _mm256_setzero_ps();
-            for (int64_t b = 0; b < nb; b++) {
-                const __m256 lanes = _mm256_cvtepi32_ps(lanes_i8(xr + b * 32, wr + b * stride));
-                acc = _mm256_fmadd_ps(_mm256_set1_ps(wd[b] * xd[b]), lanes, acc);
-            }
-            out[r * N + n] = hsum8v(acc);
-        }
+        for (; r + 8 <= R; r += 8) q0_tile(w, a, n, r, 8, out);
+        for (; r + 4 <= R; r += 4) q0_tile(w, a, n, r, 4, out);
+        for (; r < R; r++) q0_tile(w, a, n, r, 1, out);
     }
 }
 
@@ -287,8 +275,12 @@ static void q0_rows(const fb_weight *w, int64_t R, const fb_act *a, int64_t n0, 
  * per_superblock = 1 (gemv): one fma per 256, 0 (gemm): one per 64; output = acc - acc_min.
  * The integer dot of a 64 (two 32-blocks, each times its 6-bit scale) is exact in any order. */
 static inline __m256i q4_k_dot64(const int8_t *xa, const uint8_t *qa, const uint8_t *sc, int c) {
-    return _mm256_add_epi32(lanes_u8_scaled(xa + 64 * c, qa + 64 * c, _mm256_set1_epi16(sc[2 * c])),
-                            lanes_u8_scaled(xa + 64 * c + 32, qa + 64 * c + 32, _mm256_set1_epi16(sc[2 * c + 1])));
+    /* qa: the block's 128 bytes of nibbles; 32-block 2c is the low nibbles of bytes 32c.., 2c+1
+     * their high nibbles */
+    const __m256i v = _mm256_loadu_si256((const __m256i *) (qa + 32 * c)), low = _mm256_set1_epi8(0x0F);
+    return _mm256_add_epi32(
+        lanes_u8_scaled(xa + 64 * c, _mm256_and_si256(v, low), _mm256_set1_epi16(sc[2 * c])),
+        lanes_u8_scaled(xa + 64 * c + 32, _mm256_and_si256(_mm256_srli_epi16(v, 4), low), _mm256_set1_epi16(sc[2 * c + 1])));
 }
 
 static inline int32_t q4_k_min64(const int16_t *xs, const uint8_t *mn, int c) {
@@ -305,7 +297,7 @@ static void q4_k_rows(const fb_weight *w, int64_t r0, int64_t r1, const fb_act *
             for (; r + 4 <= r1; r += 4) {
                 __m128 acc = _mm_setzero_ps(), acc_min = _mm_setzero_ps();
                 for (int64_t b = 0; b < nsb; b++) {
-                    const uint8_t *qa = wq + n * K + b * 256;
+                    const uint8_t *qa = wq + (n * nsb + b) * 144 + 16;
                     const uint8_t *sc = scales + (n * nsb + b) * 8, *mn = w->mins + (n * nsb + b) * 8;
                     const float *xd = a->d + b;
                     const __m128 xdv = _mm_setr_ps(xd[r * nsb], xd[(r + 1) * nsb], xd[(r + 2) * nsb], xd[(r + 3) * nsb]);
@@ -334,7 +326,7 @@ static void q4_k_rows(const fb_weight *w, int64_t r0, int64_t r1, const fb_act *
                 const float s = w->d[n * nsb + b] * xd, s_min = w->dmin[n * nsb + b] * xd;
                 const int8_t *xa = a->q + r * K + b * 256;
                 const int16_t *xs = a->sums + r * (K / 16) + b * 16;
-                const uint8_t *qa = wq + n * K + b * 256;
+                const uint8_t *qa = wq + (n * nsb + b) * 144 + 16;
                 const uint8_t *sc = scales + (n * nsb + b) * 8, *mn = w->mins + (n * nsb + b) * 8;
                 __m256i total = _mm256_setzero_si256();
                 int32_t total_min = 0;
@@ -368,7 +360,7 @@ static inline __m256i q6_k_lanes(const int8_t *xa, const int16_t *xs, const uint
     __m256i lanes = _mm256_setzero_si256();
     for (int c = 0; c < 8; c++) {
         const __m256i scale = _mm256_setr_m128i(_mm_set1_epi16(sc[2 * c]), _mm_set1_epi16(sc[2 * c + 1]));
-        lanes = _mm256_add_epi32(lanes, lanes_u8_scaled(xa + 32 * c, qa + 32 * c, scale));
+        lanes = _mm256_add_epi32(lanes, lanes_u8_scaled(xa + 32 * c, _mm256_loadu_si256((const __m256i *) (qa + 32 * c)), scale));
     }
     /* lane l: minus 32·(scale_2l·sum_2l + scale_2l+1·sum_2l+1), one madd of the 16 scales and sums */
     const __m256i offset = _mm256_madd_epi16(_mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *) sc)),

@@ -66,34 +66,36 @@ def plan_struct(p=None) -> Plan:
 
 def weight_struct(parts: dict[str, torch.Tensor], ggml_type: T, rows: int, cols: int,
                   bias: torch.Tensor | None = None) -> Weight:
-    """fb_weight over unpack_blocks' parts (F16: {"q": the raw halves}); the tensors must outlive
-    it."""
+    """fb_weight over unpack_exact's parts; the tensors must outlive it."""
     def address(name):
         return ptr(parts[name]) if name in parts else None
 
-    return Weight(WEIGHT_TYPES[T(ggml_type).name], 0, rows, cols, address("q"), address("scales"),
+    return Weight(WEIGHT_TYPES[T(ggml_type).name], 0, rows, cols,
+                  address("blocks") or address("q"), address("scales"),
                   address("mins"), address("d"), address("dmin"),
                   None if bias is None else ptr(bias))
 
 
-# per weight type: the parts unpack_blocks gives, as (name, dtype, values per block)
+# per weight type: what the C kernels take unpacked (name, dtype, values per block); the rest
+# they read from the GGUF blocks themselves ("blocks")
 _PARTS = {
-    T.Q5_0: (("q", torch.int8, 32), ("d", torch.float32, 1)),
-    T.Q4_K: (("q", torch.uint8, 256), ("scales", torch.uint8, 8), ("mins", torch.uint8, 8),
-             ("d", torch.float32, 1), ("dmin", torch.float32, 1)),
+    T.Q8_0: (("d", torch.float32, 1),),
+    T.Q5_0: (("d", torch.float32, 1),),
+    T.Q4_K: (("scales", torch.uint8, 8), ("mins", torch.uint8, 8), ("d", torch.float32, 1),
+             ("dmin", torch.float32, 1)),
     T.Q6_K: (("q", torch.uint8, 256), ("scales", torch.int8, 16), ("d", torch.float32, 1)),
 }
 
 
 def unpack_exact(raw: torch.Tensor, ggml_type: T, rows: int) -> dict[str, torch.Tensor]:
-    """The parts the C kernels read: unpack_blocks' integers (unpacked in C, on torch's thread
-    count: a tenth of the time), or the stored bytes themselves (F16 halves, Q8_0 blocks)."""
+    """The parts the C kernels read: the GGUF blocks (F16 halves; Q8_0, Q5_0 and Q4_K blocks,
+    whose bits the kernels unpack in registers) and the parts unpack_blocks gives that they take
+    unpacked (scales, Q6_K's integers), unpacked in C on torch's thread count. Without the C build,
+    unpack_blocks' parts for the torch reference."""
     ggml_type = T(ggml_type)
     raw = raw.reshape(rows, -1)
     if ggml_type == T.F16:
-        return {"q": raw.view(torch.int16).contiguous()}
-    if ggml_type == T.Q8_0:  # read in its own blocks: no copy of a 262k-row LM head
-        return {"q": raw.contiguous()}
+        return {"blocks": raw.view(torch.int16).contiguous()}
     lib = kernels()
     if lib is None:
         return {k: v.contiguous() for k, v in unpack_blocks(raw, ggml_type).items()}
@@ -105,6 +107,8 @@ def unpack_exact(raw: torch.Tensor, ggml_type: T, rows: int) -> dict[str, torch.
                   *(ptr(parts[n]) if n in parts else None
                     for n in ("q", "scales", "mins", "d", "dmin")),
                   torch.get_num_threads())
+    if "q" not in parts:
+        parts["blocks"] = raw
     return parts
 
 
