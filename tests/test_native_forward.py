@@ -54,17 +54,17 @@ def use_plan(monkeypatch, features):
     monkeypatch.setattr(numerics, "plan", lambda: p)
 
 
-def run(model, native: bool, threads: int = 1):
-    """Hidden states and logits of every call in CALLS, and the final KV cache."""
+def run(model, native: bool, threads: int = 1, ids: list[int] = IDS, calls=CALLS):
+    """Hidden states and logits of every call in `calls` over `ids`, and the final KV cache."""
     model.native = native
     saved = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        cache = model.new_cache(1, len(IDS))
+        cache = model.new_cache(1, len(ids))
         outs = []
         with torch.no_grad():
-            for start, end in CALLS:
-                h = model.hidden(torch.tensor([IDS[start:end]]), start, cache)
+            for start, end in calls:
+                h = model.hidden(torch.tensor([ids[start:end]]), start, cache)
                 outs += [h, model.logits(h)]
         return outs, cache
     finally:
@@ -135,3 +135,17 @@ def test_what_it_does_not_reproduce_goes_to_the_torch_path(tmp_path):
     rounding_only, _ = load_gguf_model(write_tiny_gguf(tmp_path / "q.gguf", "llama", "Q5_K"),
                                        numerics="llamacpp", tokenizer=False)
     assert native_decoder(rounding_only) is None
+
+
+@pytest.mark.realmodel
+def test_gemma_thread_count_never_changes_a_bit(gemma_gguf):
+    """gemma-3-270m Q4_K_M: a prompt batch and one-token steps, hidden states and logits, at 1, 2
+    and 3 threads; and the C forward equals the torch path."""
+    model, tok = load_gguf_model(gemma_gguf, numerics="llamacpp")
+    ids = tok.encode("The capital of France is Paris, and the capital of Germany is Berlin. The")
+    n = len(ids)
+    calls = ((0, n - 3), (n - 3, n - 2), (n - 2, n))  # a prompt batch, a step, a 2-row batch
+    one = run(model, native=True, threads=1, ids=ids, calls=calls)
+    for threads in (2, 3):
+        assert same(run(model, native=True, threads=threads, ids=ids, calls=calls), one)
+    assert same(run(model, native=False, threads=2, ids=ids, calls=calls), one)
