@@ -471,6 +471,35 @@ static float dot_vec##SUFFIX(const float *a, const BTYPE *b, int64_t K, int lane
 DEFINE_F16_DOTS(, float, LOAD_F32, SCALAR_F32)
 DEFINE_F16_DOTS(_h, uint16_t, LOAD_F16, SCALAR_F16)
 
+/* tinyBLAS for TR activation rows against one f16 weight row: each weight step converted once,
+ * each output its own L-lane fma chain (as dot_tinyblas_h), as tinyBLAS's register tiles do. */
+static inline __attribute__((always_inline)) void f16_tile(const uint16_t *wr, const float *x, int64_t K, int lanes,
+                                                           const int TR, float *res) {
+    __m256 lo[4], hi[4];
+    #pragma GCC unroll 4
+    for (int i = 0; i < TR; i++) lo[i] = hi[i] = _mm256_setzero_ps();
+    if (lanes == 8) {
+        for (int64_t k = 0; k < K; k += 8) {
+            const __m256 wv = LOAD_F16(wr + k);
+            #pragma GCC unroll 4
+            for (int i = 0; i < TR; i++) lo[i] = _mm256_fmadd_ps(_mm256_loadu_ps(x + i * K + k), wv, lo[i]);
+        }
+        #pragma GCC unroll 4
+        for (int i = 0; i < TR; i++) res[i] = hsum8v(lo[i]);
+        return;
+    }
+    for (int64_t k = 0; k < K; k += 16) {
+        const __m256 w0 = LOAD_F16(wr + k), w1 = LOAD_F16(wr + k + 8);
+        #pragma GCC unroll 4
+        for (int i = 0; i < TR; i++) {
+            lo[i] = _mm256_fmadd_ps(_mm256_loadu_ps(x + i * K + k), w0, lo[i]);
+            hi[i] = _mm256_fmadd_ps(_mm256_loadu_ps(x + i * K + k + 8), w1, hi[i]);
+        }
+    }
+    #pragma GCC unroll 4
+    for (int i = 0; i < TR; i++) res[i] = hsum16v(lo[i], hi[i]);
+}
+
 /* f16 weights x f16-rounded activations: tinyBLAS where llamafile_sgemm takes the product (2+
  * rows, rows % 4 == 0, cols % L == 0), else ggml_vec_dot_f16. */
 static void f16_rows(const fb_weight *w, int64_t R, const fb_act *a, int lanes, int64_t n0, int64_t n1,
@@ -478,10 +507,23 @@ static void f16_rows(const fb_weight *w, int64_t R, const fb_act *a, int lanes, 
     const int64_t K = w->cols, N = w->rows;
     const uint16_t *wq = (const uint16_t *) w->q;
     const int tiny = R >= 2 && N % 4 == 0 && K % lanes == 0;
-    for (int64_t n = n0; n < n1; n++)
-        for (int64_t r = 0; r < R; r++)
-            out[r * N + n] = tiny ? dot_tinyblas_h(a->h + r * K, wq + n * K, K, lanes)
-                                  : dot_vec_h(a->h + r * K, wq + n * K, K, lanes);
+    for (int64_t n = n0; n < n1; n++) {
+        const uint16_t *wr = wq + n * K;
+        if (!tiny) {
+            for (int64_t r = 0; r < R; r++) out[r * N + n] = dot_vec_h(a->h + r * K, wr, K, lanes);
+            continue;
+        }
+        float res[4];
+        int64_t r = 0;
+        for (; r + 4 <= R; r += 4) {
+            f16_tile(wr, a->h + r * K, K, lanes, 4, res);
+            for (int i = 0; i < 4; i++) out[(r + i) * N + n] = res[i];
+        }
+        for (; r < R; r++) {
+            f16_tile(wr, a->h + r * K, K, lanes, 1, res);
+            out[r * N + n] = res[0];
+        }
+    }
 }
 
 /* Output rows [n0, n1) of x·Wᵀ for R activation rows already quantized into `a`, with the
