@@ -2,7 +2,7 @@
 
 llama.cpp as pip builds it (llama-cpp-python) is compiled with -march=native, so the instruction
 set of the machine it was built on picks its kernels at compile time, and each kernel sums in its
-own order. On x86 the orders that matter for the engine differ in four places:
+own order. On x86 the orders that matter for the engine differ in three places:
 
 - f16 tinyBLAS (llamafile/sgemm.cpp): AVX2 8 lanes and hsum(__m256); AVX-512 16 lanes and
   _mm512_reduce_add_ps.
@@ -10,13 +10,13 @@ own order. On x86 the orders that matter for the engine differ in four places:
   64 per step; the leftover in f64 on both.
 - ggml_vec_soft_max_f32 + ggml_v_expf (vec.cpp, vec.h): AVX2 8 lanes and k·j + k; AVX-512 (with
   DQ) 16 lanes and scalef(j, n).
-- Q6_K tiled microtile (tiled/tiled-kernel.cpp): AVX2 fma(d_w·dot, d_x, acc); with
-  AVX512-VNNI+VL+DQ acc + (d_w·dot)·d_x.
-
 Everything else the engine claims is the same on both: the Q8_0/Q8_K activation quantizers, the
 Q8_0/Q5_0 vec_dot and tinyBLAS_Q0_AVX (VNNI only changes how the exact integers are formed), the
 repacked Q4_K 8x8 gemm (its AVX-512 BW/DQ branch keeps one fma per 64) and gemv, vec_dot_q6_K,
-RMSNorm, GELU's table and RoPE's libm cosf/sinf.
+the Q6_K tiled microtile, RMSNorm, GELU's table and RoPE's libm cosf/sinf. (The AVX512-VNNI
+microtile of tiled/tiled-kernel.cpp writes its epilogue as _mm512_add_ps(p, _mm512_mul_ps(r, d_x)),
+but GCC compiles C++ with -ffp-contract=fast and fuses it into the same fma(r, d_x, p) that the
+AVX2 microtile writes out; checked op by op against llama.cpp on an AVX512-VNNI Xeon.)
 
 Not reproduced, said so by `plan()`: CPUs without AVX2/FMA/F16C or not x86 (ARM NEON, SVE, ...),
 and x86 with AMX-INT8 + AVX512-VNNI, where ggml runs its AMX tile kernels for quantized weights.
@@ -80,7 +80,6 @@ class KernelPlan:
     forced: str | None  # FORGEBENCH_SIMD, when set
     f16_lanes: int = 8  # tinyBLAS KN and ggml_vec_dot_f16's lanes per register
     softmax_lanes: int = 8  # ggml_vec_soft_max_f32's vector width (and its expf form)
-    q6_k_tiled_fma: bool = True  # the AVX2 tiled microtile fuses the d_x multiply-add
     quantized_exact: bool = True  # False where ggml runs AMX tile kernels
     kernels: tuple[Kernel, ...] = field(default=())
 
@@ -169,9 +168,8 @@ def plan_for(
     avx512 = "avx512f" in features
     f16_lanes = 16 if avx512 else 8
     softmax_lanes = 16 if avx512 and "avx512dq" in features else 8
-    vnni_tiles = {"avx512_vnni", "avx512vl", "avx512dq"} <= features
     amx = {"amx_int8", "avx512_vnni"} <= features
-    base = KernelPlan(features, source, forced, f16_lanes, softmax_lanes, not vnni_tiles, not amx)
+    base = KernelPlan(features, source, forced, f16_lanes, softmax_lanes, not amx)
     if not base.x86_exact:
         rows = (
             Kernel(
@@ -203,16 +201,7 @@ def plan_for(
         Kernel(
             "Q6_K weights",
             quant_status,
-            (
-                "tiled microtile "
-                + (
-                    "fma(d_w·dot, d_x, acc)"
-                    if base.q6_k_tiled_fma
-                    else "AVX512-VNNI: acc + (d_w·dot)·d_x"
-                )
-            )
-            + " for 8+ rows; vec_dot_q6_K otherwise"
-            + amx_note,
+            "tiled microtile fma(d_w·dot, d_x, acc) for 8+ rows; vec_dot_q6_K otherwise" + amx_note,
         ),
         Kernel(
             "f16 weights and attention (K·Q, V·softmax)",

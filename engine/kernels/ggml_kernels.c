@@ -157,7 +157,7 @@ typedef struct {
 
 /* The orders llama.cpp's build runs (engine/kernels/cpu.py KernelPlan). Mirrored by native.py. */
 typedef struct {
-    int32_t f16_lanes, softmax_lanes, q6_k_fused, pad_;
+    int32_t f16_lanes, softmax_lanes;
 } fb_plan;
 
 /* A batch of activation rows as the weight's vec_dot type holds them. */
@@ -351,11 +351,11 @@ static void q4_k_rows(const fb_weight *w, int64_t r0, int64_t r1, const fb_act *
     }
 }
 
-/* Q6_K weights x Q8_K activations. tiled = 1: ggml's tiled K-quant matmul (8 or more rows), AVX2
- * microtile: the exact dot per 256, times d_w, then fma with d_x. tiled = 2: the AVX-512 VNNI
- * microtile, which multiplies by d_x and adds in two roundings. tiled = 0: vec_dot_q6_K_q8_K's
- * eight lanes (four products of each 32-group times the 16-scale, minus 32·scale·sums for the
- * 32-group of the lane's index), one fma per 256, hsum_float_8. */
+/* Q6_K weights x Q8_K activations. tiled = 1: ggml's tiled K-quant matmul (8 or more rows): the
+ * exact dot per 256, times d_w, then fma with d_x (its AVX2 and AVX512-VNNI microtiles alike, as
+ * GCC compiles them). tiled = 0: vec_dot_q6_K_q8_K's eight lanes (four products of each 32-group
+ * times the 16-scale, minus 32·scale·sums for the 32-group of the lane's index), one fma per 256,
+ * hsum_float_8. */
 static inline __m256i q6_k_lanes(const int8_t *xa, const int16_t *xs, const uint8_t *qa, const int8_t *sc) {
     __m256i lanes = _mm256_setzero_si256();
     for (int c = 0; c < 8; c++) {
@@ -389,7 +389,7 @@ static void q6_k_rows(const fb_weight *w, int64_t R, const fb_act *a, int tiled,
                     const float *xd = a->d + b;
                     const __m128 xdv = _mm_setr_ps(xd[r * nsb], xd[(r + 1) * nsb], xd[(r + 2) * nsb], xd[(r + 3) * nsb]);
                     const __m128 scaled = _mm_mul_ps(_mm_set1_ps(w->d[n * nsb + b]), _mm_cvtepi32_ps(dot));
-                    acc = tiled == 1 ? _mm_fmadd_ps(scaled, xdv, acc) : _mm_add_ps(acc, _mm_mul_ps(scaled, xdv));
+                    acc = _mm_fmadd_ps(scaled, xdv, acc);
                 }
                 float res[4];
                 _mm_storeu_ps(res, acc);
@@ -404,7 +404,7 @@ static void q6_k_rows(const fb_weight *w, int64_t R, const fb_act *a, int tiled,
                 const float xd = a->d[r * nsb + b], wd = w->d[n * nsb + b];
                 if (tiled) {
                     const float scaled = wd * (float) hsum_i32(lanes);
-                    acc = tiled == 1 ? fmaf(scaled, xd, acc) : acc + scaled * xd;
+                    acc = fmaf(scaled, xd, acc);
                 } else {
                     lanes_acc = _mm256_fmadd_ps(_mm256_set1_ps(xd * wd), _mm256_cvtepi32_ps(lanes), lanes_acc);
                 }
@@ -538,7 +538,7 @@ static void matmul_part(const fb_weight *w, int64_t R, const fb_act *a, const fb
         if (gemm < R) q4_k_rows(w, gemm, R, a, 1, n0, n1, out);
         break;
     }
-    case FB_Q6_K: q6_k_rows(w, R, a, R >= 8 ? (p->q6_k_fused ? 1 : 2) : 0, n0, n1, out); break;
+    case FB_Q6_K: q6_k_rows(w, R, a, R >= 8, n0, n1, out); break;
     default: f16_rows(w, R, a, p->f16_lanes, n0, n1, out); break;
     }
     if (w->bias)

@@ -15,13 +15,13 @@ llamafile/sgemm.cpp, tiled/ of the ggml in llama-cpp-python 0.3.36):
   kernel (the remaining rows, and every one-token step) one per 256, each with the exact integer
   dot product converted to f32; the min terms likewise; output = acc − acc_min.
 - Q6_K weights: with 8 or more rows, ggml's tiled K-quant matmul (ggml-cpu/tiled): per 256 the
-  exact integer dot, converted to f32, times d_w, then acc = fma(that, d_x, acc); its AVX-512
-  VNNI microtile (CPUs with AVX512-VNNI+VL+DQ) multiplies by d_x and adds in two roundings.
+  exact integer dot, converted to f32, times d_w, then acc = fma(that, d_x, acc) (the AVX2 and
+  the AVX512-VNNI microtiles alike: GCC fuses the VNNI epilogue's mul + add, engine/kernels/cpu.py).
   With fewer rows vec_dot_q6_K_q8_K: eight int32 lanes per 256 (four consecutive products from
   each 32-group, times the 16-group scale, minus 32·scale·sums for the 32-group of the lane's
   index), one fma per 256, hsum_float_8.
-These orders are the same on AVX2 and AVX-512 builds except the Q6_K microtile (engine/kernels/
-cpu.py says which one this machine's llama.cpp runs). Integer parts are computed exactly (f32
+These orders are the same on AVX2 and AVX-512 builds (engine/kernels/cpu.py lists what differs
+elsewhere). Integer parts are computed exactly (f32
 or f64 matmuls of small integers); each fma is done in f64 and rounded once to f32, which is what
 a fused multiply-add gives (the product of two f32 is exact in f64).
 
@@ -61,7 +61,7 @@ def supports_exact(ggml_type: T, rows: int) -> bool:
 def plan_struct(p=None) -> Plan:
     """The C kernels' view of a kernel plan (this machine's unless given)."""
     p = p or plan()
-    return Plan(p.f16_lanes, p.softmax_lanes, int(p.q6_k_tiled_fma), 0)
+    return Plan(p.f16_lanes, p.softmax_lanes)
 
 
 def weight_struct(parts: dict[str, torch.Tensor], ggml_type: T, rows: int, cols: int,
@@ -161,7 +161,6 @@ class ExactWeight:
                 continue
             gemm_rows = n - n % 4 if n > 3 else 0  # repacked Q4_K: gemm rows, then gemv
             tiled = n >= TILED_MIN_ROWS  # Q6_K: tiled kernel, else vec_dot
-            fused = plan().q6_k_tiled_fma  # which tiled microtile
             for r0 in range(0, n, ROW_CHUNK):
                 rows = batch[r0 : r0 + ROW_CHUNK]
                 if self.ggml_type == T.Q4_K:
@@ -171,7 +170,7 @@ class ExactWeight:
                     if g < rows.shape[0]:
                         outs.append(self._q4_k(rows[g:], per_superblock=True))
                 elif self.ggml_type == T.Q6_K:
-                    outs.append(self._q6_k_tiled(rows, fused) if tiled else self._q6_k(rows))
+                    outs.append(self._q6_k_tiled(rows) if tiled else self._q6_k(rows))
                 else:
                     outs.append(self._q0(rows))
         return torch.cat(outs) if len(outs) > 1 else outs[0]
@@ -234,17 +233,13 @@ class ExactWeight:
             acc = fma_f32((xd[:, b][:, None] * self.d[:, b][None, :]), lanes[b], acc)
         return hsum8(acc.movedim(0, -1))
 
-    def _q6_k_tiled(self, x: torch.Tensor, fused: bool) -> torch.Tensor:
+    def _q6_k_tiled(self, x: torch.Tensor) -> torch.Tensor:
         q, xd = quantize_q8_k(x)  # [R, nb, 256], [R, nb]
         dots = torch.bmm(q.transpose(0, 1).double(), self.signed.double()).float()  # [nb, R, N]
         acc = torch.zeros(x.shape[0], self.rows)
         for b in range(xd.shape[1]):
             scaled = self.d[:, b][None, :] * dots[b]
-            acc = (
-                fma_f32(scaled, xd[:, b][:, None], acc)
-                if fused
-                else acc + scaled * xd[:, b][:, None]
-            )
+            acc = fma_f32(scaled, xd[:, b][:, None], acc)
         return acc
 
 

@@ -51,8 +51,7 @@ class Weight(ctypes.Structure):
 class Plan(ctypes.Structure):
     """fb_plan: the summation orders of the llama.cpp build (engine/kernels/cpu.py)."""
 
-    _fields_ = [("f16_lanes", ctypes.c_int32), ("softmax_lanes", ctypes.c_int32),
-                ("q6_k_fused", ctypes.c_int32), ("pad_", ctypes.c_int32)]
+    _fields_ = [("f16_lanes", ctypes.c_int32), ("softmax_lanes", ctypes.c_int32)]
 
 
 class Layer(ctypes.Structure):
