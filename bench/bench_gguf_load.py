@@ -91,7 +91,8 @@ def run_llamacpp(model_path: str, n_decode: int, threads: int) -> dict:
     import llama_cpp
 
     t0, c0 = time.perf_counter(), time.process_time()
-    llm = llama_cpp.Llama(model_path, n_ctx=512, n_threads=threads, verbose=False)
+    llm = llama_cpp.Llama(model_path, n_ctx=512, n_threads=threads, n_threads_batch=threads,
+                          verbose=False)
     ids = llm.tokenize(PROMPT.encode())
     load_s = time.perf_counter() - t0
     t1 = time.perf_counter()

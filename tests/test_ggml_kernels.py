@@ -24,6 +24,7 @@ from fixtures_gguf import encode_tensor
 from gguf import GGMLQuantizationType as T
 from llamacpp_oracle import assert_kernel_matches, ggml_cpu_library, require_same_plan
 
+import engine.kernels.ggml_matmul as ggml_matmul
 from engine.errors import ForgebenchError
 from engine.kernels import cpu
 from engine.kernels.ggml_matmul import TILED_MIN_ROWS, ExactWeight
@@ -69,6 +70,20 @@ def test_c_kernels_equal_torch_reference(qtype, rows):
 
 
 @needs_native
+@pytest.mark.parametrize("features", [AVX2, AVX512_VNNI], ids=["avx2", "avx512-vnni"])
+@pytest.mark.parametrize("rows", [1, 3, 8])  # vec_dot_f16, then tinyBLAS
+def test_c_f16_matmul_equals_torch_reference(rows, features, monkeypatch):
+    p = cpu.plan_for(features)
+    monkeypatch.setattr(ggml_matmul, "plan", lambda: p)
+    w = round_f16(torch.randn(24, 80, generator=torch.Generator().manual_seed(4)))
+    x = activations(rows, 80)
+    raw = w.to(torch.float16).view(torch.uint8).reshape(24, -1)
+    native = ExactWeight(raw, T.F16, 24, 80).matmul(x)
+    dot = dot_tinyblas if rows >= 2 and 80 % p.f16_lanes == 0 else dot_vec_f16
+    assert torch.equal(native, dot(round_f16(x), w, p.f16_lanes))
+
+
+@needs_native
 @pytest.mark.parametrize("lanes", [8, 16])
 @pytest.mark.parametrize("tinyblas", [True, False])
 def test_c_f16_dots_equal_torch_reference(tinyblas, lanes):
@@ -77,6 +92,20 @@ def test_c_f16_dots_equal_torch_reference(tinyblas, lanes):
     b = round_f16(torch.randn(2, 3, 7, 80, generator=g))
     reference = dot_tinyblas(a, b, lanes) if tinyblas else dot_vec_f16(a, b, lanes)
     assert torch.equal(dot_f16(a, b, tinyblas, lanes), reference)
+
+
+@needs_native
+@pytest.mark.parametrize("qtype", [T.Q8_0, T.Q5_0, T.Q4_K, T.Q6_K])
+def test_c_unpacking_equals_unpack_blocks(qtype):
+    """What the C kernels take unpacked equals unpack_blocks' parts (the rest they read from the
+    blocks: the matmul tests above check those bits)."""
+    from engine.gguf.dequant import unpack_blocks
+
+    raw = random_weight(qtype, 24, 512, seed=7)
+    ours, reference = ggml_matmul.unpack_exact(raw, qtype, 24), unpack_blocks(raw, qtype)
+    unpacked = set(ours) - {"blocks"}
+    assert unpacked and unpacked <= set(reference) and ("q" in ours) == (qtype == T.Q6_K)
+    assert all(torch.equal(ours[k], reference[k].reshape(24, -1)) for k in unpacked)
 
 
 def test_exact_kernels_differ_from_plain_product_only_in_rounding():

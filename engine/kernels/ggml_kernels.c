@@ -1,26 +1,36 @@
-/* llama.cpp's CPU matmul summation orders (ggml-cpu, x86 builds with AVX2 + FMA + F16C, with or
- * without AVX-512), in plain C.
+/* llama.cpp's CPU arithmetic (ggml-cpu, x86 builds with AVX2 + FMA + F16C, with or without
+ * AVX-512), in plain C: the matmul summation orders, and a whole decoder forward built on them.
  *
- * The same arithmetic as the torch reference in engine/kernels/ggml_matmul.py and
- * engine/kernels/numerics.py (see there for the ggml sources each order comes from); this file
- * only makes it fast. Compiled with -ffp-contract=off: the only fused operations are the explicit
- * fmaf() calls, every other float operation rounds on its own, as in ggml's intrinsics.
- * Integer parts are exact in int32 (any order gives the same integer). Rows of the output are
- * independent, so they are split across OpenMP threads without changing any result; one-token
- * steps stay on one thread (a parallel region costs more than the work, worse on a busy machine).
+ * The same arithmetic as the torch reference in engine/kernels/ggml_matmul.py,
+ * engine/kernels/numerics.py and engine/models/blocks.py (see there for the ggml sources each
+ * order comes from); this file only makes it fast. Compiled with -ffp-contract=off: the only fused
+ * operations are the explicit fmaf() / _mm256_fmadd_ps calls, every other float operation rounds
+ * on its own, as in ggml's intrinsics. Integer parts are exact in int32 (any order gives the same
+ * integer).
+ *
+ * Threads split the rows of each output the way ggml's threads do: every output value is computed
+ * by one thread in the same order whatever the thread count, so the bits never depend on it.
+ * fb_forward runs every layer of a Llama / Qwen / Gemma 3 decoder for a batch of positions in one
+ * call (one parallel region, a spinning barrier between ops, as ggml's threadpool), with the f16
+ * KV cache in the caller's buffers.
  *
  * Which order ggml uses depends on the instruction set llama.cpp was compiled for (-march=native
  * by default): the caller passes it (engine/kernels/cpu.py decides). Every order is written with
  * AVX2 intrinsics or scalar code, so an AVX2-only machine can compute the AVX-512 orders too (a
  * 16-lane accumulator is two 8-lane halves; the lanes never interact until the reduction).
- * x86 with AVX2 + FMA only; elsewhere the build fails and the torch reference runs.
+ * x86 with AVX2 + FMA + F16C only; elsewhere the build fails and the torch reference runs.
  */
 #include <immintrin.h>
 #include <math.h>
 #include <stdint.h>
 #include <cpuid.h>
+#include <stdatomic.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sched.h>
+#include <omp.h>
 
-#define PARALLEL_ROWS 8
+#define PARALLEL_ROWS 8  /* f16_dot: fewer rows stay on one thread */
 
 /* ggml's hsum_float_8: ((x0+x4) + (x2+x6)) + ((x1+x5) + (x3+x7)). */
 static inline float hsum8(const float *a) {
@@ -41,85 +51,298 @@ static inline float hsum8v(__m256 v) {
     return hsum8(a);
 }
 
-/* Eight int32 lanes, lane l = sum of the products of bytes 4l..4l+3 (signed x signed, exact). */
-static inline __m256i lanes_i8(const int8_t *x, const int8_t *w) {
-    const __m256i xv = _mm256_loadu_si256((const __m256i *) x);
-    const __m256i wv = _mm256_loadu_si256((const __m256i *) w);
-    const __m256i pairs = _mm256_maddubs_epi16(_mm256_sign_epi8(wv, wv), _mm256_sign_epi8(xv, wv));
-    return _mm256_madd_epi16(_mm256_set1_epi16(1), pairs);
+/* Integer dot products are exact in any order, so how the lanes are formed is free: VNNI's
+ * dpbusd where the compiler targets it, else maddubs + madd (whose int16 pair sums cannot saturate
+ * here: |w| <= 128 and |x| <= 127 give at most 32512). */
+static inline __m256i dot_u8_i8(__m256i u, __m256i s) {
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+    return _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, s);
+#else
+    return _mm256_madd_epi16(_mm256_set1_epi16(1), _mm256_maddubs_epi16(u, s));
+#endif
 }
 
-/* The same for unsigned weights (0..63) x signed activations. */
-static inline __m256i lanes_u8(const int8_t *x, const uint8_t *w) {
-    const __m256i pairs = _mm256_maddubs_epi16(_mm256_loadu_si256((const __m256i *) w),
-                                               _mm256_loadu_si256((const __m256i *) x));
-    return _mm256_madd_epi16(_mm256_set1_epi16(1), pairs);
+/* Unsigned weights (0..63) x signed activations, each int16 pair times its scale: lane l = the
+ * products of bytes 4l..4l+3, bytes 0-15 times s_lo and 16-31 times s_hi (exact in int32). */
+static inline __m256i lanes_u8_scaled(const int8_t *x, __m256i w, __m256i scale16) {
+    return _mm256_madd_epi16(scale16, _mm256_maddubs_epi16(w, _mm256_loadu_si256((const __m256i *) x)));
+}
+
+/* ggml's bytes_from_bits_32: byte j = 0xFF where bit j of the 32 is set. */
+static inline __m256i bytes_from_bits_32(const uint8_t *x) {
+    uint32_t x32;
+    memcpy(&x32, x, sizeof(uint32_t));
+    const __m256i shuf_mask = _mm256_set_epi64x(0x0303030303030303, 0x0202020202020202, 0x0101010101010101, 0x0000000000000000);
+    __m256i bytes = _mm256_shuffle_epi8(_mm256_set1_epi32((int) x32), shuf_mask);
+    bytes = _mm256_or_si256(bytes, _mm256_set1_epi64x(0x7fbfdfeff7fbfdfe));
+    return _mm256_cmpeq_epi8(bytes, _mm256_set1_epi64x(-1));
+}
+
+/* The horizontal sums of four vectors, [sum v0, sum v1, sum v2, sum v3]. */
+static inline __m128i hsum4_i32(__m256i v0, __m256i v1, __m256i v2, __m256i v3) {
+    const __m256i c = _mm256_hadd_epi32(_mm256_hadd_epi32(v0, v1), _mm256_hadd_epi32(v2, v3));
+    return _mm_add_epi32(_mm256_castsi256_si128(c), _mm256_extracti128_si256(c, 1));
 }
 
 static inline int32_t hsum_i32(__m256i v) {
-    int32_t a[8];
-    _mm256_storeu_si256((__m256i *) a, v);
-    return ((a[0] + a[1]) + (a[2] + a[3])) + ((a[4] + a[5]) + (a[6] + a[7]));
+    __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4E));
+    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0xB1));
+    return _mm_cvtsi128_si32(s);
 }
 
-/* Q8_0 / Q5_0 weights x Q8_0 activations (vec_dot_q8_0_q8_0, vec_dot_q5_0_q8_0, tinyBLAS_Q0_AVX).
- * x [R][nb*32] int8, xd [R][nb]; w [N][nb*32] int8, wd [N][nb]; out [R][N]. */
-void q0_matmul(int64_t R, int64_t N, int64_t nb, const int8_t *x, const float *xd,
-               const int8_t *w, const float *wd, float *out) {
-    const int64_t K = nb * 32;
-    #pragma omp parallel for schedule(static) if (R >= PARALLEL_ROWS)
-    for (int64_t n = 0; n < N; n++) {
-        const int8_t *wr = w + n * K;
-        for (int64_t r = 0; r < R; r++) {
-            const int8_t *xr = x + r * K;
-            __m256 acc = _mm256_setzero_ps();
-            for (int64_t b = 0; b < nb; b++) {
-                const float s = wd[n * nb + b] * xd[r * nb + b];
-                const __m256 lanes = _mm256_cvtepi32_ps(lanes_i8(xr + b * 32, wr + b * 32));
-                acc = _mm256_fmadd_ps(_mm256_set1_ps(s), lanes, acc);
+/* ---- activations as ggml's matmul quantizes them ---------------------------------------- */
+
+static inline float round_f16(float x) { return _cvtsh_ss(_cvtss_sh(x, _MM_FROUND_TO_NEAREST_INT)); }
+
+/* quantize_row_q8_0 (AVX path): d = f16(amax/127), q = round-half-even(x·(127/amax)). */
+static void quantize_q8_0_row(const float *x, int64_t K, int8_t *q, float *d) {
+    for (int64_t b = 0; b < K / 32; b++) {
+        const float *xb = x + 32 * b;
+        float amax = 0.0f;
+        for (int i = 0; i < 32; i++) amax = fmaxf(amax, fabsf(xb[i]));
+        d[b] = round_f16(amax / 127.f);
+        const float id = amax != 0.0f ? 127.f / amax : 0.0f;
+        for (int i = 0; i < 32; i++) q[32 * b + i] = (int8_t) nearbyintf(xb[i] * id);
+    }
+}
+
+/* quantize_row_q8_K_ref: the first element of largest magnitude sets iscale = -127/max,
+ * q = min(127, nearest(iscale·x)), d = 1/iscale; plus the sums of each 16 (ggml's bsums). */
+static void quantize_q8_k_row(const float *x, int64_t K, int8_t *q, float *d, int16_t *sums) {
+    for (int64_t b = 0; b < K / 256; b++) {
+        const float *xb = x + 256 * b;
+        int8_t *qb = q + 256 * b;
+        float amax = 0.0f, max = 0.0f;
+        for (int j = 0; j < 256; j++) {
+            const float ax = fabsf(xb[j]);
+            if (ax > amax) { amax = ax; max = xb[j]; }
+        }
+        if (amax == 0.0f) {
+            d[b] = 0.0f;
+            memset(qb, 0, 256);
+            for (int g = 0; g < 16; g++) sums[16 * b + g] = 0;
+            continue;
+        }
+        const float iscale = -127.f / max;
+        for (int j = 0; j < 256; j++) {
+            const int v = (int) nearbyintf(iscale * xb[j]);
+            qb[j] = (int8_t) (v < 127 ? v : 127);
+        }
+        for (int g = 0; g < 16; g++) {
+            int32_t s = 0;
+            for (int i = 0; i < 16; i++) s += qb[16 * g + i];
+            sums[16 * b + g] = (int16_t) s;  /* |s| <= 16 * 128 */
+        }
+        d[b] = 1.0f / iscale;
+    }
+}
+
+/* ---- weights and the per-row matmul kernels --------------------------------------------- */
+
+enum { FB_F16 = 1, FB_Q5_0 = 6, FB_Q8_0 = 8, FB_Q4_K = 12, FB_Q6_K = 14 };
+
+/* A weight [rows][cols] in the layout of engine/gguf/dequant.py unpack_blocks (F16: the raw
+ * halves). Mirrored by engine/kernels/native.py Weight. */
+typedef struct {
+    int32_t type, pad_;
+    int64_t rows, cols;
+    const void *q;          /* Q8_0, Q5_0, Q4_K: the GGUF blocks themselves (the kernels unpack
+                             * the bits in registers); Q6_K uint8 [rows][cols]; F16 uint16 */
+    const void *scales;     /* Q4_K uint8 [rows][cols/256][8]; Q6_K int8 [rows][cols/256][16] */
+    const uint8_t *mins;    /* Q4_K [rows][cols/256][8] */
+    const float *d, *dmin;  /* [rows][blocks] */
+    const float *bias;      /* [rows] or NULL (Qwen2's q/k/v) */
+} fb_weight;
+
+/* The orders llama.cpp's build runs (engine/kernels/cpu.py KernelPlan). Mirrored by native.py. */
+typedef struct {
+    int32_t f16_lanes, softmax_lanes;
+} fb_plan;
+
+/* A batch of activation rows as the weight's vec_dot type holds them. */
+typedef struct {
+    int8_t *q;      /* [R][K] */
+    float *d;       /* [R][K/32] (Q8_0) or [R][K/256] (Q8_K) */
+    int16_t *sums;  /* [R][K/16] (Q8_K): each 16's sum */
+    float *h;       /* [R][K] f16-rounded (F16 weights) */
+} fb_act;
+
+/* ---- unpacking GGUF blocks into the kernels' layout (dequant.py unpack_blocks) ----------- */
+
+static inline float f16_at(const uint8_t *p) {
+    uint16_t h;
+    memcpy(&h, p, 2);
+    return _cvtsh_ss(h);
+}
+
+/* nblocks blocks of `type` (ggml-common.h layouts) -> what the kernels do not read from the blocks
+ * themselves: d (f32) for Q8_0 / Q5_0; scales, mins (6-bit), d, dmin for Q4_K; for Q6_K also q
+ * (one byte per weight, 0..63 = stored + 32) and its 16 int8 scales. Blocks are independent:
+ * split across threads. */
+void fb_unpack(int type, int64_t nblocks, const uint8_t *raw, void *q, void *scales, uint8_t *mins,
+               float *d, float *dmin, int nthreads) {
+    #pragma omp parallel for schedule(static) num_threads(nthreads) if (nthreads > 1 && nblocks > 4096)
+    for (int64_t i = 0; i < nblocks; i++) {
+        if (type == FB_Q8_0 || type == FB_Q5_0) {
+            d[i] = f16_at(raw + i * (type == FB_Q8_0 ? 34 : 22));
+        } else if (type == FB_Q4_K) {
+            const uint8_t *b = raw + i * 144, *sc = b + 4;
+            uint8_t *os = (uint8_t *) scales + i * 8, *om = mins + i * 8;
+            d[i] = f16_at(b);
+            dmin[i] = f16_at(b + 2);
+            for (int j = 0; j < 8; j++) {
+                if (j < 4) {
+                    os[j] = sc[j] & 63;
+                    om[j] = sc[j + 4] & 63;
+                } else {
+                    os[j] = (sc[j + 4] & 0xF) | ((sc[j - 4] >> 6) << 4);
+                    om[j] = (sc[j + 4] >> 4) | ((sc[j] >> 6) << 4);
+                }
             }
-            out[r * N + n] = hsum8v(acc);
+        } else {  /* Q6_K */
+            const uint8_t *b = raw + i * 210, *ql = b, *qh = b + 128;
+            uint8_t *o = (uint8_t *) q + i * 256;
+            memcpy((int8_t *) scales + i * 16, b + 192, 16);
+            d[i] = f16_at(b + 208);
+            for (int half = 0; half < 2; half++, ql += 64, qh += 32, o += 128)
+                for (int l = 0; l < 32; l++) {
+                    o[l] = (ql[l] & 0xF) | (((qh[l] >> 0) & 3) << 4);
+                    o[l + 32] = (ql[l + 32] & 0xF) | (((qh[l] >> 2) & 3) << 4);
+                    o[l + 64] = (ql[l] >> 4) | (((qh[l] >> 4) & 3) << 4);
+                    o[l + 96] = (ql[l + 32] >> 4) | (((qh[l] >> 6) & 3) << 4);
+                }
         }
     }
 }
 
-/* Q4_K weights, repacked q4_K_8x8 kernels, x Q8_K activations.
- * x [R][nsb*256] int8, xd [R][nsb]; q [N][nsb*256] 0..15, scales/mins [N][nsb*8] 0..63,
- * d/dmin [N][nsb]. per_superblock: 1 = gemv (one fma per 256), 0 = gemm (one per 64). */
-void q4_k_matmul(int64_t R, int64_t N, int64_t nsb, const int8_t *x, const float *xd,
-                 const uint8_t *q, const uint8_t *scales, const uint8_t *mins,
-                 const float *d, const float *dmin, int per_superblock, float *out) {
-    const int64_t K = nsb * 256;
-    #pragma omp parallel for schedule(static) if (R >= PARALLEL_ROWS)
-    for (int64_t n = 0; n < N; n++) {
-        for (int64_t r = 0; r < R; r++) {
+static void quantize_rows(int type, const float *x, int64_t R, int64_t K, const fb_act *a,
+                          int ith, int nth) {
+    for (int64_t r = ith; r < R; r += nth) {
+        const float *xr = x + r * K;
+        if (type == FB_Q8_0 || type == FB_Q5_0) quantize_q8_0_row(xr, K, a->q + r * K, a->d + r * (K / 32));
+        else if (type == FB_F16) for (int64_t k = 0; k < K; k++) a->h[r * K + k] = round_f16(xr[k]);
+        else quantize_q8_k_row(xr, K, a->q + r * K, a->d + r * (K / 256), a->sums + r * (K / 16));
+    }
+}
+
+/* Q8_0 / Q5_0 weights x Q8_0 activations (vec_dot_q8_0_q8_0, vec_dot_q5_0_q8_0, tinyBLAS_Q0_AVX):
+ * per block of 32, eight exact int32 lanes of four products, one fma per block, hsum_float_8.
+ * Eight (or four) activation rows at a time share each weight block (the sums stay per output). */
+/* The 32 signed weights of block blk, unpacked from the GGUF block in registers (Q5_0 as
+ * ggml's vec_dot_q5_0_q8_0 does: nibbles, then 0xF0 where the fifth bit is clear). */
+static inline __m256i q0_block(const fb_weight *w, int64_t blk) {
+    const uint8_t *q = (const uint8_t *) w->q;
+    if (w->type == FB_Q8_0) return _mm256_loadu_si256((const __m256i *) (q + blk * 34 + 2));
+    const uint8_t *b = q + blk * 22;
+    const __m128i nibbles = _mm_loadu_si128((const __m128i *) (b + 6));
+    const __m256i lo = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(nibbles, 4), nibbles), _mm256_set1_epi8(0x0F));
+    return _mm256_or_si256(lo, _mm256_andnot_si256(bytes_from_bits_32(b + 2), _mm256_set1_epi8((char) 0xF0)));
+}
+
+/* Outputs (r..r+TR-1, n): the weight block unpacked once for TR activation rows. */
+static inline __attribute__((always_inline)) void q0_tile(const fb_weight *w, const fb_act *a, int64_t n,
+                                                          int64_t r, const int TR, float *out) {
+    const int64_t K = w->cols, nb = K / 32, N = w->rows;
+    const float *wd = w->d + n * nb;
+    __m256 acc[8];
+    #pragma GCC unroll 8
+    for (int i = 0; i < TR; i++) acc[i] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) {
+        const __m256i wv = q0_block(w, n * nb + b);
+        const __m256i u = _mm256_sign_epi8(wv, wv);
+        #pragma GCC unroll 8
+        for (int i = 0; i < TR; i++) {
+            const __m256i xv = _mm256_loadu_si256((const __m256i *) (a->q + (r + i) * K + 32 * b));
+            const __m256 lanes = _mm256_cvtepi32_ps(dot_u8_i8(u, _mm256_sign_epi8(xv, wv)));
+            acc[i] = _mm256_fmadd_ps(_mm256_set1_ps(wd[b] * a->d[(r + i) * nb + b]), lanes, acc[i]);
+        }
+    }
+    #pragma GCC unroll 8
+    for (int i = 0; i < TR; i++) out[(r + i) * N + n] = hsum8v(acc[i]);
+}
+
+static void q0_rows(const fb_weight *w, int64_t R, const fb_act *a, int64_t n0, int64_t n1, float *out) {
+    for (int64_t n = n0; n < n1; n++) {
+        int64_t r = 0;
+        for (; r + 8 <= R; r += 8) q0_tile(w, a, n, r, 8, out);
+        for (; r + 4 <= R; r += 4) q0_tile(w, a, n, r, 4, out);
+        for (; r < R; r++) q0_tile(w, a, n, r, 1, out);
+    }
+}
+
+/* Q4_K weights (repacked q4_K_8x8) x Q8_K activations, rows [r0, r1): one accumulator per output;
+ * per_superblock = 1 (gemv): one fma per 256, 0 (gemm): one per 64; output = acc - acc_min.
+ * The integer dot of a 64 (two 32-blocks, each times its 6-bit scale) is exact in any order. */
+static inline __m256i q4_k_dot64(const int8_t *xa, const uint8_t *qa, const uint8_t *sc, int c) {
+    /* qa: the block's 128 bytes of nibbles; 32-block 2c is the low nibbles of bytes 32c.., 2c+1
+     * their high nibbles */
+    const __m256i v = _mm256_loadu_si256((const __m256i *) (qa + 32 * c)), low = _mm256_set1_epi8(0x0F);
+    return _mm256_add_epi32(
+        lanes_u8_scaled(xa + 64 * c, _mm256_and_si256(v, low), _mm256_set1_epi16(sc[2 * c])),
+        lanes_u8_scaled(xa + 64 * c + 32, _mm256_and_si256(_mm256_srli_epi16(v, 4), low), _mm256_set1_epi16(sc[2 * c + 1])));
+}
+
+static inline int32_t q4_k_min64(const int16_t *xs, const uint8_t *mn, int c) {
+    return mn[2 * c] * (xs[4 * c] + xs[4 * c + 1]) + mn[2 * c + 1] * (xs[4 * c + 2] + xs[4 * c + 3]);
+}
+
+static void q4_k_rows(const fb_weight *w, int64_t r0, int64_t r1, const fb_act *a, int per_superblock,
+                      int64_t n0, int64_t n1, float *out) {
+    const int64_t K = w->cols, nsb = K / 256, N = w->rows;
+    const uint8_t *wq = (const uint8_t *) w->q, *scales = (const uint8_t *) w->scales;
+    for (int64_t n = n0; n < n1; n++) {
+        int64_t r = r0;
+        if (!per_superblock)  /* gemm: four rows at a time, their fmas side by side in a vector */
+            for (; r + 4 <= r1; r += 4) {
+                __m128 acc = _mm_setzero_ps(), acc_min = _mm_setzero_ps();
+                for (int64_t b = 0; b < nsb; b++) {
+                    const uint8_t *qa = wq + (n * nsb + b) * 144 + 16;
+                    const uint8_t *sc = scales + (n * nsb + b) * 8, *mn = w->mins + (n * nsb + b) * 8;
+                    const float *xd = a->d + b;
+                    const __m128 xdv = _mm_setr_ps(xd[r * nsb], xd[(r + 1) * nsb], xd[(r + 2) * nsb], xd[(r + 3) * nsb]);
+                    const __m128 s = _mm_mul_ps(_mm_set1_ps(w->d[n * nsb + b]), xdv);
+                    const __m128 s_min = _mm_mul_ps(_mm_set1_ps(w->dmin[n * nsb + b]), xdv);
+                    const int8_t *x0 = a->q + r * K + b * 256;
+                    const int16_t *xs0 = a->sums + r * (K / 16) + b * 16;
+                    for (int c = 0; c < 4; c++) {
+                        const __m128i dot = hsum4_i32(q4_k_dot64(x0, qa, sc, c), q4_k_dot64(x0 + K, qa, sc, c),
+                                                      q4_k_dot64(x0 + 2 * K, qa, sc, c), q4_k_dot64(x0 + 3 * K, qa, sc, c));
+                        const int64_t S = K / 16;
+                        const __m128i dot_min = _mm_setr_epi32(q4_k_min64(xs0, mn, c), q4_k_min64(xs0 + S, mn, c),
+                                                               q4_k_min64(xs0 + 2 * S, mn, c), q4_k_min64(xs0 + 3 * S, mn, c));
+                        acc = _mm_fmadd_ps(_mm_cvtepi32_ps(dot), s, acc);
+                        acc_min = _mm_fmadd_ps(_mm_cvtepi32_ps(dot_min), s_min, acc_min);
+                    }
+                }
+                float res[4];
+                _mm_storeu_ps(res, _mm_sub_ps(acc, acc_min));
+                for (int i = 0; i < 4; i++) out[(r + i) * N + n] = res[i];
+            }
+        for (; r < r1; r++) {
             float acc = 0.0f, acc_min = 0.0f;
             for (int64_t b = 0; b < nsb; b++) {
-                const float s = d[n * nsb + b] * xd[r * nsb + b];
-                const float s_min = dmin[n * nsb + b] * xd[r * nsb + b];
-                const int8_t *xa = x + r * K + b * 256;
-                const uint8_t *qa = q + n * K + b * 256;
-                const uint8_t *sc = scales + (n * nsb + b) * 8, *mn = mins + (n * nsb + b) * 8;
-                int32_t total = 0, total_min = 0;
+                const float xd = a->d[r * nsb + b];
+                const float s = w->d[n * nsb + b] * xd, s_min = w->dmin[n * nsb + b] * xd;
+                const int8_t *xa = a->q + r * K + b * 256;
+                const int16_t *xs = a->sums + r * (K / 16) + b * 16;
+                const uint8_t *qa = wq + (n * nsb + b) * 144 + 16;
+                const uint8_t *sc = scales + (n * nsb + b) * 8, *mn = w->mins + (n * nsb + b) * 8;
+                __m256i total = _mm256_setzero_si256();
+                int32_t total_min = 0;
                 for (int c = 0; c < 4; c++) {
-                    int32_t dot = 0, dot_min = 0;
-                    for (int sub = 2 * c; sub < 2 * c + 2; sub++) {
-                        const int32_t part = hsum_i32(lanes_u8(xa + sub * 32, qa + sub * 32));
-                        int32_t sum = 0;
-                        for (int i = 0; i < 32; i++) sum += xa[sub * 32 + i];
-                        dot += sc[sub] * part;
-                        dot_min += mn[sub] * sum;
-                    }
+                    const __m256i dot = q4_k_dot64(xa, qa, sc, c);
+                    const int32_t dot_min = q4_k_min64(xs, mn, c);
                     if (per_superblock) {
-                        total += dot;
+                        total = _mm256_add_epi32(total, dot);
                         total_min += dot_min;
                     } else {
-                        acc = fmaf((float) dot, s, acc);
+                        acc = fmaf((float) hsum_i32(dot), s, acc);
                         acc_min = fmaf((float) dot_min, s_min, acc_min);
                     }
                 }
                 if (per_superblock) {
-                    acc = fmaf((float) total, s, acc);
+                    acc = fmaf((float) hsum_i32(total), s, acc);
                     acc_min = fmaf((float) total_min, s_min, acc_min);
                 }
             }
@@ -128,96 +351,234 @@ void q4_k_matmul(int64_t R, int64_t N, int64_t nsb, const int8_t *x, const float
     }
 }
 
-/* Q6_K weights x Q8_K activations. x [R][nsb*256] int8, xd [R][nsb]; q [N][nsb*256] 0..63
- * (stored value + 32), scales [N][nsb*16] int8, d [N][nsb].
- * tiled = 1: ggml's tiled K-quant matmul (8 or more rows): the exact dot per 256, times d_w, then
- * fma with d_x (its AVX2 and AVX512-VNNI microtiles alike, as GCC compiles them).
- * tiled = 0: vec_dot_q6_K_q8_K's eight lanes and hsum_float_8. */
-void q6_k_matmul(int64_t R, int64_t N, int64_t nsb, const int8_t *x, const float *xd,
-                 const uint8_t *q, const int8_t *scales, const float *d, int tiled, float *out) {
-    const int64_t K = nsb * 256;
-    #pragma omp parallel for schedule(static) if (R >= PARALLEL_ROWS)
-    for (int64_t n = 0; n < N; n++) {
-        for (int64_t r = 0; r < R; r++) {
-            float acc = 0.0f, lanes_acc[8] = {0};
-            for (int64_t b = 0; b < nsb; b++) {
-                const int8_t *xa = x + r * K + b * 256;
-                const uint8_t *qa = q + n * K + b * 256;
-                const int8_t *sc = scales + (n * nsb + b) * 16;
-                /* lane l of 32-group c: 4 products times the group's 16-scale (lanes 0-3, 4-7) */
-                __m256i lanes = _mm256_setzero_si256();
-                int32_t offset[8];
-                for (int c = 0; c < 8; c++) {
-                    const __m256i scale = _mm256_setr_epi32(sc[2 * c], sc[2 * c], sc[2 * c], sc[2 * c], sc[2 * c + 1],
-                                                            sc[2 * c + 1], sc[2 * c + 1], sc[2 * c + 1]);
-                    lanes = _mm256_add_epi32(lanes, _mm256_mullo_epi32(scale, lanes_u8(xa + 32 * c, qa + 32 * c)));
-                    int32_t lo = 0, hi = 0;
-                    for (int i = 0; i < 16; i++) { lo += xa[32 * c + i]; hi += xa[32 * c + 16 + i]; }
-                    offset[c] = sc[2 * c] * lo + sc[2 * c + 1] * hi;
+/* Q6_K weights x Q8_K activations. tiled = 1: ggml's tiled K-quant matmul (8 or more rows): the
+ * exact dot per 256, times d_w, then fma with d_x (its AVX2 and AVX512-VNNI microtiles alike, as
+ * GCC compiles them). tiled = 0: vec_dot_q6_K_q8_K's eight lanes (four products of each 32-group
+ * times the 16-scale, minus 32·scale·sums for the 32-group of the lane's index), one fma per 256,
+ * hsum_float_8. */
+static inline __m256i q6_k_lanes(const int8_t *xa, const int16_t *xs, const uint8_t *qa, const int8_t *sc) {
+    __m256i lanes = _mm256_setzero_si256();
+    for (int c = 0; c < 8; c++) {
+        const __m256i scale = _mm256_setr_m128i(_mm_set1_epi16(sc[2 * c]), _mm_set1_epi16(sc[2 * c + 1]));
+        lanes = _mm256_add_epi32(lanes, lanes_u8_scaled(xa + 32 * c, _mm256_loadu_si256((const __m256i *) (qa + 32 * c)), scale));
+    }
+    /* lane l: minus 32·(scale_2l·sum_2l + scale_2l+1·sum_2l+1), one madd of the 16 scales and sums */
+    const __m256i offset = _mm256_madd_epi16(_mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *) sc)),
+                                             _mm256_loadu_si256((const __m256i *) xs));
+    return _mm256_sub_epi32(lanes, _mm256_slli_epi32(offset, 5));
+}
+
+static void q6_k_rows(const fb_weight *w, int64_t R, const fb_act *a, int tiled, int64_t n0, int64_t n1,
+                      float *out) {
+    const int64_t K = w->cols, nsb = K / 256, N = w->rows, S = K / 16;
+    const uint8_t *wq = (const uint8_t *) w->q;
+    const int8_t *scales = (const int8_t *) w->scales;
+    for (int64_t n = n0; n < n1; n++) {
+        int64_t r = 0;
+        if (tiled)  /* four rows at a time, their sums side by side in a vector */
+            for (; r + 4 <= R; r += 4) {
+                __m128 acc = _mm_setzero_ps();
+                for (int64_t b = 0; b < nsb; b++) {
+                    const uint8_t *qa = wq + n * K + b * 256;
+                    const int8_t *sc = scales + (n * nsb + b) * 16;
+                    const int8_t *x0 = a->q + r * K + b * 256;
+                    const int16_t *xs0 = a->sums + r * S + b * 16;
+                    const __m128i dot = hsum4_i32(q6_k_lanes(x0, xs0, qa, sc), q6_k_lanes(x0 + K, xs0 + S, qa, sc),
+                                                  q6_k_lanes(x0 + 2 * K, xs0 + 2 * S, qa, sc),
+                                                  q6_k_lanes(x0 + 3 * K, xs0 + 3 * S, qa, sc));
+                    const float *xd = a->d + b;
+                    const __m128 xdv = _mm_setr_ps(xd[r * nsb], xd[(r + 1) * nsb], xd[(r + 2) * nsb], xd[(r + 3) * nsb]);
+                    const __m128 scaled = _mm_mul_ps(_mm_set1_ps(w->d[n * nsb + b]), _mm_cvtepi32_ps(dot));
+                    acc = _mm_fmadd_ps(scaled, xdv, acc);
                 }
-                int32_t lane[8];
-                _mm256_storeu_si256((__m256i *) lane, lanes);
+                float res[4];
+                _mm_storeu_ps(res, acc);
+                for (int i = 0; i < 4; i++) out[(r + i) * N + n] = res[i];
+            }
+        for (; r < R; r++) {
+            float acc = 0.0f;
+            __m256 lanes_acc = _mm256_setzero_ps();
+            for (int64_t b = 0; b < nsb; b++) {
+                const __m256i lanes = q6_k_lanes(a->q + r * K + b * 256, a->sums + r * S + b * 16, wq + n * K + b * 256,
+                                                 scales + (n * nsb + b) * 16);
+                const float xd = a->d[r * nsb + b], wd = w->d[n * nsb + b];
                 if (tiled) {
-                    int32_t dot = 0;
-                    for (int l = 0; l < 8; l++) dot += lane[l] - 32 * offset[l];
-                    const float scaled = d[n * nsb + b] * (float) dot;
-                    acc = fmaf(scaled, xd[r * nsb + b], acc);
+                    const float scaled = wd * (float) hsum_i32(lanes);
+                    acc = fmaf(scaled, xd, acc);
                 } else {
-                    for (int l = 0; l < 8; l++)
-                        lanes_acc[l] = fmaf(xd[r * nsb + b] * d[n * nsb + b], (float) (lane[l] - 32 * offset[l]),
-                                            lanes_acc[l]);
+                    lanes_acc = _mm256_fmadd_ps(_mm256_set1_ps(xd * wd), _mm256_cvtepi32_ps(lanes), lanes_acc);
                 }
             }
-            out[r * N + n] = tiled ? acc : hsum8(lanes_acc);
+            out[r * N + n] = tiled ? acc : hsum8v(lanes_acc);
         }
     }
 }
 
+/* ---- f16 dot products ------------------------------------------------------------------- */
+
+#define LOAD_F32(p) _mm256_loadu_ps(p)
+#define LOAD_F16(p) _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *) (p)))
+#define SCALAR_F32(x) (x)
+#define SCALAR_F16(x) _cvtsh_ss(x)
+
 /* llamafile's tinyBLAS for one output: lanes k mod L (L = 8 on AVX2, 16 on AVX-512), an fma
- * chain each, then hsum(__m256) or _mm512_reduce_add_ps. K % L == 0. */
-static float dot_tinyblas(const float *a, const float *b, int64_t K, int lanes) {
-    if (lanes == 8) {
-        __m256 acc = _mm256_setzero_ps();
-        for (int64_t k = 0; k < K; k += 8)
-            acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + k), _mm256_loadu_ps(b + k), acc);
-        return hsum8v(acc);
-    }
-    __m256 lo = _mm256_setzero_ps(), hi = _mm256_setzero_ps();
-    for (int64_t k = 0; k < K; k += 16) {
-        lo = _mm256_fmadd_ps(_mm256_loadu_ps(a + k), _mm256_loadu_ps(b + k), lo);
-        hi = _mm256_fmadd_ps(_mm256_loadu_ps(a + k + 8), _mm256_loadu_ps(b + k + 8), hi);
-    }
-    return hsum16v(lo, hi);
+ * chain each, then hsum(__m256) or _mm512_reduce_add_ps. K % L == 0.
+ * ggml_vec_dot_f16: four L-lane accumulators over 4L-element steps, reduced (acc0+acc2) +
+ * (acc1+acc3) and then across lanes (GGML_F32Cx8_REDUCE's hadds on AVX2,
+ * _mm512_reduce_add_ps on AVX-512); the K % 4L leftover products are added in double.
+ * b is f32 (holding f16 values) or f16: the conversion is exact, so both give the same bits. */
+#define DEFINE_F16_DOTS(SUFFIX, BTYPE, LOADB, SCALARB)                                                  \
+static float dot_tinyblas##SUFFIX(const float *a, const BTYPE *b, int64_t K, int lanes) {               \
+    if (lanes == 8) {                                                                                   \
+        __m256 acc = _mm256_setzero_ps();                                                               \
+        for (int64_t k = 0; k < K; k += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + k), LOADB(b + k), acc); \
+        return hsum8v(acc);                                                                             \
+    }                                                                                                   \
+    __m256 lo = _mm256_setzero_ps(), hi = _mm256_setzero_ps();                                          \
+    for (int64_t k = 0; k < K; k += 16) {                                                               \
+        lo = _mm256_fmadd_ps(_mm256_loadu_ps(a + k), LOADB(b + k), lo);                                 \
+        hi = _mm256_fmadd_ps(_mm256_loadu_ps(a + k + 8), LOADB(b + k + 8), hi);                         \
+    }                                                                                                   \
+    return hsum16v(lo, hi);                                                                             \
+}                                                                                                       \
+static float dot_vec##SUFFIX(const float *a, const BTYPE *b, int64_t K, int lanes) {                    \
+    const int64_t step = 4 * lanes, np = K - K % step;                                                  \
+    double sum;                                                                                         \
+    if (lanes == 8) {                                                                                   \
+        __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()}; \
+        for (int64_t k = 0; k < np; k += step)                                                          \
+            for (int s = 0; s < 4; s++)                                                                 \
+                acc[s] = _mm256_fmadd_ps(_mm256_loadu_ps(a + k + 8 * s), LOADB(b + k + 8 * s), acc[s]); \
+        float x[8];                                                                                     \
+        _mm256_storeu_ps(x, _mm256_add_ps(_mm256_add_ps(acc[0], acc[2]), _mm256_add_ps(acc[1], acc[3]))); \
+        const float t0 = x[0] + x[4], t1 = x[1] + x[5], t2 = x[2] + x[6], t3 = x[3] + x[7];              \
+        sum = (t0 + t1) + (t2 + t3);                                                                    \
+    } else {                                                                                            \
+        __m256 lo[4], hi[4];                                                                            \
+        for (int s = 0; s < 4; s++) lo[s] = hi[s] = _mm256_setzero_ps();                                \
+        for (int64_t k = 0; k < np; k += step)                                                          \
+            for (int s = 0; s < 4; s++) {                                                               \
+                lo[s] = _mm256_fmadd_ps(_mm256_loadu_ps(a + k + 16 * s), LOADB(b + k + 16 * s), lo[s]); \
+                hi[s] = _mm256_fmadd_ps(_mm256_loadu_ps(a + k + 16 * s + 8), LOADB(b + k + 16 * s + 8), hi[s]); \
+            }                                                                                           \
+        sum = hsum16v(_mm256_add_ps(_mm256_add_ps(lo[0], lo[2]), _mm256_add_ps(lo[1], lo[3])),          \
+                      _mm256_add_ps(_mm256_add_ps(hi[0], hi[2]), _mm256_add_ps(hi[1], hi[3])));         \
+    }                                                                                                   \
+    for (int64_t k = np; k < K; k++) sum += (double) (a[k] * SCALARB(b[k]));                            \
+    return (float) sum;                                                                                 \
 }
 
-/* ggml_vec_dot_f16: four L-lane accumulators over 4L-element steps, reduced (acc0+acc2) +
- * (acc1+acc3) and then across lanes (GGML_F32Cx8_REDUCE's hadds on AVX2,
- * _mm512_reduce_add_ps on AVX-512); the K % 4L leftover products are added in double. */
-static float dot_vec(const float *a, const float *b, int64_t K, int lanes) {
-    const int64_t step = 4 * lanes, np = K - K % step;
-    double sum;
+DEFINE_F16_DOTS(, float, LOAD_F32, SCALAR_F32)
+DEFINE_F16_DOTS(_h, uint16_t, LOAD_F16, SCALAR_F16)
+
+/* tinyBLAS for TR activation rows against one f16 weight row: each weight step converted once,
+ * each output its own L-lane fma chain (as dot_tinyblas_h), as tinyBLAS's register tiles do. */
+static inline __attribute__((always_inline)) void f16_tile(const uint16_t *wr, const float *x, int64_t K, int lanes,
+                                                           const int TR, float *res) {
+    __m256 lo[4], hi[4];
+    #pragma GCC unroll 4
+    for (int i = 0; i < TR; i++) lo[i] = hi[i] = _mm256_setzero_ps();
     if (lanes == 8) {
-        __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
-        for (int64_t k = 0; k < np; k += step)
-            for (int s = 0; s < 4; s++)
-                acc[s] = _mm256_fmadd_ps(_mm256_loadu_ps(a + k + 8 * s), _mm256_loadu_ps(b + k + 8 * s), acc[s]);
-        float x[8];
-        _mm256_storeu_ps(x, _mm256_add_ps(_mm256_add_ps(acc[0], acc[2]), _mm256_add_ps(acc[1], acc[3])));
-        const float t0 = x[0] + x[4], t1 = x[1] + x[5], t2 = x[2] + x[6], t3 = x[3] + x[7];
-        sum = (t0 + t1) + (t2 + t3);
-    } else {
-        __m256 lo[4], hi[4];
-        for (int s = 0; s < 4; s++) lo[s] = hi[s] = _mm256_setzero_ps();
-        for (int64_t k = 0; k < np; k += step)
-            for (int s = 0; s < 4; s++) {
-                lo[s] = _mm256_fmadd_ps(_mm256_loadu_ps(a + k + 16 * s), _mm256_loadu_ps(b + k + 16 * s), lo[s]);
-                hi[s] = _mm256_fmadd_ps(_mm256_loadu_ps(a + k + 16 * s + 8), _mm256_loadu_ps(b + k + 16 * s + 8), hi[s]);
-            }
-        sum = hsum16v(_mm256_add_ps(_mm256_add_ps(lo[0], lo[2]), _mm256_add_ps(lo[1], lo[3])),
-                      _mm256_add_ps(_mm256_add_ps(hi[0], hi[2]), _mm256_add_ps(hi[1], hi[3])));
+        for (int64_t k = 0; k < K; k += 8) {
+            const __m256 wv = LOAD_F16(wr + k);
+            #pragma GCC unroll 4
+            for (int i = 0; i < TR; i++) lo[i] = _mm256_fmadd_ps(_mm256_loadu_ps(x + i * K + k), wv, lo[i]);
+        }
+        #pragma GCC unroll 4
+        for (int i = 0; i < TR; i++) res[i] = hsum8v(lo[i]);
+        return;
     }
-    for (int64_t k = np; k < K; k++) sum += (double) (a[k] * b[k]);
-    return (float) sum;
+    for (int64_t k = 0; k < K; k += 16) {
+        const __m256 w0 = LOAD_F16(wr + k), w1 = LOAD_F16(wr + k + 8);
+        #pragma GCC unroll 4
+        for (int i = 0; i < TR; i++) {
+            lo[i] = _mm256_fmadd_ps(_mm256_loadu_ps(x + i * K + k), w0, lo[i]);
+            hi[i] = _mm256_fmadd_ps(_mm256_loadu_ps(x + i * K + k + 8), w1, hi[i]);
+        }
+    }
+    #pragma GCC unroll 4
+    for (int i = 0; i < TR; i++) res[i] = hsum16v(lo[i], hi[i]);
+}
+
+/* f16 weights x f16-rounded activations: tinyBLAS where llamafile_sgemm takes the product (2+
+ * rows, rows % 4 == 0, cols % L == 0), else ggml_vec_dot_f16. */
+static void f16_rows(const fb_weight *w, int64_t R, const fb_act *a, int lanes, int64_t n0, int64_t n1,
+                     float *out) {
+    const int64_t K = w->cols, N = w->rows;
+    const uint16_t *wq = (const uint16_t *) w->q;
+    const int tiny = R >= 2 && N % 4 == 0 && K % lanes == 0;
+    for (int64_t n = n0; n < n1; n++) {
+        const uint16_t *wr = wq + n * K;
+        if (!tiny) {
+            for (int64_t r = 0; r < R; r++) out[r * N + n] = dot_vec_h(a->h + r * K, wr, K, lanes);
+            continue;
+        }
+        float res[4];
+        int64_t r = 0;
+        for (; r + 4 <= R; r += 4) {
+            f16_tile(wr, a->h + r * K, K, lanes, 4, res);
+            for (int i = 0; i < 4; i++) out[(r + i) * N + n] = res[i];
+        }
+        for (; r < R; r++) {
+            f16_tile(wr, a->h + r * K, K, lanes, 1, res);
+            out[r * N + n] = res[0];
+        }
+    }
+}
+
+/* Output rows [n0, n1) of x·Wᵀ for R activation rows already quantized into `a`, with the
+ * kernel llama.cpp picks for a batch of R rows (one ubatch); the bias added last. */
+static void matmul_part(const fb_weight *w, int64_t R, const fb_act *a, const fb_plan *p, int64_t n0,
+                        int64_t n1, float *out) {
+    switch (w->type) {
+    case FB_Q8_0: case FB_Q5_0: q0_rows(w, R, a, n0, n1, out); break;
+    case FB_Q4_K: {
+        const int64_t gemm = R > 3 ? R - R % 4 : 0;  /* repacked Q4_K: gemm rows, then gemv */
+        if (gemm) q4_k_rows(w, 0, gemm, a, 0, n0, n1, out);
+        if (gemm < R) q4_k_rows(w, gemm, R, a, 1, n0, n1, out);
+        break;
+    }
+    case FB_Q6_K: q6_k_rows(w, R, a, R >= 8, n0, n1, out); break;
+    default: f16_rows(w, R, a, p->f16_lanes, n0, n1, out); break;
+    }
+    if (w->bias)
+        for (int64_t r = 0; r < R; r++)
+            for (int64_t n = n0; n < n1; n++) out[r * w->rows + n] += w->bias[n];
+}
+
+/* The contiguous share [*n0, *n1) of `total` rows for thread ith of nth. */
+static inline void thread_share(int64_t total, int ith, int nth, int64_t *n0, int64_t *n1) {
+    const int64_t per = (total + nth - 1) / nth;
+    *n0 = per * ith < total ? per * ith : total;
+    *n1 = per * (ith + 1) < total ? per * (ith + 1) : total;
+}
+
+static int act_alloc(fb_act *a, int64_t R, int64_t K) {
+    a->q = malloc((size_t) (R * K) + 64);
+    a->d = malloc(sizeof(float) * (size_t) (R * (K / 32) + 1));
+    a->sums = malloc(sizeof(int16_t) * (size_t) (R * (K / 16) + 16));
+    a->h = malloc(sizeof(float) * (size_t) (R * K) + 64);
+    return a->q && a->d && a->sums && a->h ? 0 : -1;
+}
+
+static void act_free(fb_act *a) { free(a->q); free(a->d); free(a->sums); free(a->h); }
+
+/* x [R][cols] · Wᵀ -> out [R][rows] for one ubatch, on `nthreads` threads (rows split; the bits
+ * do not depend on the count). Returns 0, or -1 when out of memory. */
+int fb_matmul(const fb_weight *w, int64_t R, const float *x, const fb_plan *p, int nthreads, float *out) {
+    fb_act a;
+    if (act_alloc(&a, R, w->cols)) { act_free(&a); return -1; }
+    #pragma omp parallel num_threads(nthreads) if (nthreads > 1)
+    {
+        const int ith = omp_get_thread_num(), nth = omp_get_num_threads();
+        quantize_rows(w->type, x, R, w->cols, &a, ith, nth);
+        #pragma omp barrier
+        int64_t n0, n1;
+        thread_share(w->rows, ith, nth, &n0, &n1);
+        matmul_part(w, R, &a, p, n0, n1, out);
+    }
+    act_free(&a);
+    return 0;
 }
 
 /* a [G][P][K] . b [G][Q][K] -> out [G][P][Q] (f32 holding f16 values), by tinyBLAS (tinyblas = 1)
@@ -234,6 +595,344 @@ void f16_dot(int64_t G, int64_t P, int64_t Q, int64_t K, const float *a, const f
             }
         }
     }
+}
+
+/* ---- the decoder forward ---------------------------------------------------------------- */
+
+/* A spinning barrier, as ggml's threadpool waits: a thread that arrives early polls (yielding
+ * the core after a while, for busy machines) instead of sleeping in the kernel. */
+typedef struct {
+    atomic_int arrived, phase;
+    int n;
+} fb_barrier;
+
+static void barrier_wait(fb_barrier *b) {
+    if (b->n <= 1) return;
+    const int phase = atomic_load_explicit(&b->phase, memory_order_acquire);
+    if (atomic_fetch_add_explicit(&b->arrived, 1, memory_order_acq_rel) == b->n - 1) {
+        atomic_store_explicit(&b->arrived, 0, memory_order_relaxed);
+        atomic_fetch_add_explicit(&b->phase, 1, memory_order_acq_rel);
+        return;
+    }
+    for (int spins = 0; atomic_load_explicit(&b->phase, memory_order_acquire) == phase; spins++) {
+        if (spins < 256) _mm_pause();
+        else sched_yield();
+    }
+}
+
+/* One decoder layer's weights and settings. Mirrored by engine/kernels/native.py Layer. */
+typedef struct {
+    fb_weight q, k, v, o, gate, up, down;
+    const float *attn_norm, *q_norm, *k_norm, *post_attn_norm, *mlp_norm, *post_mlp_norm;  /* NULL = none */
+    int64_t window;                   /* sliding window: key j visible from p when p - j < window; 0 = all */
+    float rope_step;                  /* f32(base^(-2/head_dim)): theta_{i+1} = theta_i · step */
+    float rope_freq_scale;            /* linear scaling (1 = none) */
+    const float *rope_freq_factors;   /* [head_dim/2] divisors, or NULL */
+} fb_layer;
+
+/* The decoder. Mirrored by engine/kernels/native.py Model. */
+typedef struct {
+    int64_t n_layers, dim, n_heads, n_kv_heads, head_dim, ffn_dim;
+    float norm_eps, q_scale, kq_scale;  /* q·q_scale before attention (Gemma), scores·kq_scale */
+    int32_t rope_neox, gelu;            /* neox: rotate (i, i+hd/2), else (2i, 2i+1); gelu: GeGLU by
+                                         * ggml's f16 table, else SwiGLU */
+    const float *gelu_table;            /* [65536] by f16 bit pattern (ggml_table_gelu_f16) */
+    const float *output_norm;
+    const fb_layer *layers;
+} fb_model;
+
+/* ggml_compute_forward_rms_norm_f32 and the weight multiply: the squares summed in double in
+ * order, 1/sqrtf(mean + eps), then (x·scale)·w. */
+static void rmsnorm_row(const float *x, int64_t n, const float *w, float eps, float *y) {
+    double sum = 0.0;
+    for (int64_t i = 0; i < n; i++) sum += (double) (x[i] * x[i]);
+    const float mean = (float) (sum / (double) n);
+    const float scale = 1.0f / sqrtf(mean + eps);
+    for (int64_t i = 0; i < n; i++) y[i] = (x[i] * scale) * w[i];
+}
+
+/* ggml_v_expf (x <= 0 for the softmax; any x with |n| <= 126): AVX2 form (lanes 8) ends k·j + k,
+ * the AVX-512 form (16) folds the 1 into the last fma and scales by 2^n. 0 where |n| > 126. */
+static inline float expf_ggml(float x, int lanes) {
+    const float log2e = 0x1.715476p+0f, ln2_hi = 0x1.62e4p-1f, ln2_lo = 0x1.7f7d1cp-20f;
+    const float c5 = 0x1.0e4020p-7f, c4 = 0x1.573e2ep-5f, c3 = 0x1.555e66p-3f, c2 = 0x1.fffdb6p-2f,
+                c1 = 0x1.ffffecp-1f, shifter = 0x1.8p23f;
+    const float z = fmaf(x, log2e, shifter);
+    const float n = z - shifter;
+    if (fabsf(n) > 126.0f) return 0.0f;
+    const float b = fmaf(-n, ln2_lo, fmaf(-n, ln2_hi, x));
+    const float u = b * b;
+    if (lanes == 16) {
+        const float j = fmaf(fmaf(fmaf(c5, b, c4), u, fmaf(c3, b, c2)), u, fmaf(c1, b, 1.0f));
+        return ldexpf(j, (int) n);
+    }
+    uint32_t zb;
+    memcpy(&zb, &z, 4);
+    const uint32_t kb = (zb << 23) + 0x3F800000u;
+    float k;
+    memcpy(&k, &kb, 4);
+    const float j = fmaf(fmaf(fmaf(c5, b, c4), u, fmaf(c3, b, c2)), u, c1 * b);
+    return fmaf(j, k, k);
+}
+
+/* ggml's table GELU (GGML_GELU_FP16) and ggml_v_silu, as engine/kernels/numerics.py has them. */
+static inline float gelu_table(const float *table, float x) {
+    if (x <= -10.0f) return 0.0f;
+    if (x >= 10.0f) return x;
+    return table[_cvtss_sh(x, _MM_FROUND_TO_NEAREST_INT)];
+}
+
+static inline float silu_ggml(float x, int lanes) {
+    const float neg = 0.0f - x;
+    const float e = fabsf(neg) > 87.0f ? (float) exp((double) neg) : expf_ggml(neg, lanes);
+    return x / (1.0f + e);
+}
+
+/* cosf/sinf through pointers, so the compiler cannot merge them into sincosf: the reference (and
+ * ggml's rope cache) calls the two functions. */
+static float (*volatile libm_cosf)(float) = cosf;
+static float (*volatile libm_sinf)(float) = sinf;
+
+/* ggml_rope_cache_init's angles for one position (engine/models/blocks.py rope_tables). */
+static void rope_row(const fb_layer *L, int64_t pos, int64_t half, float *cs, float *sn) {
+    float theta = (float) pos;
+    for (int64_t i = 0; i < half; i++) {
+        float angle = theta;
+        theta = theta * L->rope_step;
+        if (L->rope_freq_factors) angle = angle / L->rope_freq_factors[i];
+        if (L->rope_freq_scale != 1.0f) angle = L->rope_freq_scale * angle;
+        cs[i] = libm_cosf(angle);
+        sn[i] = libm_sinf(angle);
+    }
+}
+
+/* ggml's compiled rotate_pairs: fma(x0, cos, -(x1·sin)), fma(x0, sin, x1·cos). */
+static void rope_apply(float *x, int64_t hd, int neox, const float *cs, const float *sn) {
+    const int64_t half = hd / 2;
+    for (int64_t i = 0; i < half; i++) {
+        float *p0 = neox ? x + i : x + 2 * i, *p1 = neox ? x + i + half : x + 2 * i + 1;
+        const float x1 = *p0, x2 = *p1;
+        *p0 = fmaf(x1, cs[i], -(x2 * sn[i]));
+        *p1 = fmaf(x1, sn[i], x2 * cs[i]);
+    }
+}
+
+static inline int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
+
+/* One query row of llama.cpp's non-flash attention over the f16 cache (numerics.py
+ * attention_llamacpp): kq = f16(q)·f16(k), softmax(kq·scale) as ggml_soft_max sums it,
+ * f16(p)·f16(v). Keys outside [lo, hi) are masked: they would add exact zeros (lo and hi are
+ * multiples of 4·L, so every lane and step keeps its place in the sums). */
+static void attend_row(const float *q16, const uint16_t *kc, const uint16_t *vc, int64_t hd, int64_t pos,
+                       int64_t window, int64_t cache_len, float kq_scale, int batch, const fb_plan *p,
+                       float *s, float *acc, float *out) {
+    const int L = p->f16_lanes, SL = p->softmax_lanes;
+    const int64_t first = window && pos - window + 1 > 0 ? pos - window + 1 : 0;  /* visible keys */
+    const int64_t lo = first - first % (4 * L), hi = round_up(pos + 1, 4 * L);
+    const int kq_tiny = batch >= 2 && hd % L == 0, v_tiny = batch >= 2 && hd % 4 == 0;
+    float top = -INFINITY;
+    for (int64_t j = first; j <= pos; j++) {
+        const uint16_t *kj = kc + j * hd;
+        s[j] = (kq_tiny ? dot_tinyblas_h(q16, kj, hd, L) : dot_vec_h(q16, kj, hd, L)) * kq_scale;
+        top = fmaxf(top, s[j]);
+    }
+    for (int64_t j = lo; j < hi; j++) s[j] = j >= first && j <= pos ? expf_ggml(s[j] - top, SL) : 0.0f;
+    double total = 0.0;
+    for (int64_t g = lo; g < hi; g += SL) total += (double) (SL == 16 ? hsum8v(_mm256_add_ps(_mm256_loadu_ps(s + g + 8), _mm256_loadu_ps(s + g)))
+                                                                      : hsum8(s + g));
+    const float inv = (float) (1.0 / total);
+    for (int64_t j = lo; j < hi; j++) s[j] = round_f16(s[j] * inv);
+    /* V·p, vectorized across the head's dims: per output dim the lanes (and steps) of the kernel
+     * llama.cpp runs, each an fma chain over the keys in order */
+    const int chains = v_tiny ? L : 4 * L;
+    memset(acc, 0, sizeof(float) * (size_t) (chains * hd));
+    const int64_t last = pos < cache_len ? pos : cache_len - 1;
+    for (int64_t j = lo; j <= last; j++) {
+        const int c = v_tiny ? (int) (j % L) : (int) (((j / L) % 4) * L + j % L);
+        float *a = acc + (int64_t) c * hd;
+        const uint16_t *vj = vc + j * hd;
+        const __m256 pj = _mm256_set1_ps(s[j]);
+        for (int64_t d = 0; d < hd; d += 8)
+            _mm256_storeu_ps(a + d, _mm256_fmadd_ps(pj, LOAD_F16(vj + d), _mm256_loadu_ps(a + d)));
+    }
+    for (int64_t d = 0; d < hd; d += 8) {
+        __m256 x[16];
+        for (int l = 0; l < L; l++) {
+            if (v_tiny) x[l] = _mm256_loadu_ps(acc + l * hd + d);
+            else {
+                const __m256 a0 = _mm256_loadu_ps(acc + (0 * L + l) * hd + d), a1 = _mm256_loadu_ps(acc + (1 * L + l) * hd + d);
+                const __m256 a2 = _mm256_loadu_ps(acc + (2 * L + l) * hd + d), a3 = _mm256_loadu_ps(acc + (3 * L + l) * hd + d);
+                x[l] = _mm256_add_ps(_mm256_add_ps(a0, a2), _mm256_add_ps(a1, a3));
+            }
+        }
+        __m256 sum;
+        if (!v_tiny && L == 8) {  /* GGML_F32Cx8_REDUCE: ((l0+l4) + (l1+l5)) + ((l2+l6) + (l3+l7)) */
+            const __m256 t0 = _mm256_add_ps(x[0], x[4]), t1 = _mm256_add_ps(x[1], x[5]);
+            const __m256 t2 = _mm256_add_ps(x[2], x[6]), t3 = _mm256_add_ps(x[3], x[7]);
+            sum = _mm256_add_ps(_mm256_add_ps(t0, t1), _mm256_add_ps(t2, t3));
+        } else {  /* hsum_float_8 (after folding 16 lanes onto 8: _mm512_reduce_add_ps) */
+            if (L == 16)
+                for (int l = 0; l < 8; l++) x[l] = _mm256_add_ps(x[l + 8], x[l]);
+            const __m256 r0 = _mm256_add_ps(x[4], x[0]), r1 = _mm256_add_ps(x[5], x[1]);
+            const __m256 r2 = _mm256_add_ps(x[6], x[2]), r3 = _mm256_add_ps(x[7], x[3]);
+            sum = _mm256_add_ps(_mm256_add_ps(r0, r2), _mm256_add_ps(r1, r3));
+        }
+        _mm256_storeu_ps(out + d, sum);
+    }
+}
+
+/* The activation format a weight type's matmul quantizes to (ggml's vec_dot_type). */
+static inline int act_format(int type) {
+    return type == FB_Q8_0 || type == FB_Q5_0 ? 0 : type == FB_F16 ? 1 : 2;
+}
+
+/* Matmuls of one input inside the forward's parallel region (q, k, v or gate, up): the input
+ * quantized once where the weights share an activation format (rows split), then each output's
+ * rows split across the threads, a barrier after each phase. */
+static void region_matmuls(const fb_weight *const *w, float *const *out, int count, int64_t R, const float *x,
+                           const fb_act *a, const fb_plan *p, int ith, int nth, fb_barrier *bar) {
+    int shared = 1;
+    for (int i = 1; i < count; i++) shared &= act_format(w[i]->type) == act_format(w[0]->type);
+    for (int i = 0; i < count; i++) {
+        if (i == 0 || !shared) {
+            if (i > 0) barrier_wait(bar);  /* the previous weight is done with the activations */
+            quantize_rows(w[i]->type, x, R, w[i]->cols, a, ith, nth);
+            barrier_wait(bar);
+        }
+        int64_t n0, n1;
+        thread_share(w[i]->rows, ith, nth, &n0, &n1);
+        matmul_part(w[i], R, a, p, n0, n1, out[i]);
+    }
+    barrier_wait(bar);
+}
+
+static void region_matmul(const fb_weight *w, int64_t R, const float *x, const fb_act *a, const fb_plan *p,
+                          float *out, int ith, int nth, fb_barrier *bar) {
+    region_matmuls(&w, &out, 1, R, x, a, p, ith, nth, bar);
+}
+
+/* Every layer for T positions start_pos... (one ubatch, T <= 512): h [T][dim] holds the input
+ * embeddings (scaled as the family scales them) and is overwritten. Keys and values are written
+ * into k_cache[l] / v_cache[l] ([n_kv_heads][cache_len][head_dim] f16) at their positions. The
+ * last layer's MLP and the final norm run only on the n_out rows out_rows (all T when NULL), as
+ * llama.cpp runs them only for the rows whose logits are asked for; out [n_out][dim] gets the
+ * final-normed hidden states. Returns 0, or -1 when out of memory. */
+int fb_forward(const fb_model *m, const fb_plan *p, int64_t T, int64_t start_pos, float *h,
+               uint16_t *const *k_cache, uint16_t *const *v_cache, int64_t cache_len, int64_t n_out,
+               const int64_t *out_rows, float *out, int nthreads) {
+    const int64_t D = m->dim, H = m->n_heads, Hkv = m->n_kv_heads, hd = m->head_dim, F = m->ffn_dim;
+    const int64_t QD = H * hd, KD = Hkv * hd, half = hd / 2, groups = H / Hkv;
+    const int64_t Kmax = F > QD ? (F > D ? F : D) : (QD > D ? QD : D);
+    const int64_t S = start_pos + T, Sp = round_up(S, 64);
+    const int L = p->f16_lanes;
+    float *xn = malloc(sizeof(float) * (size_t) (T * D)), *qb = malloc(sizeof(float) * (size_t) (T * QD));
+    float *kb = malloc(sizeof(float) * (size_t) (T * KD)), *vb = malloc(sizeof(float) * (size_t) (T * KD));
+    float *att = malloc(sizeof(float) * (size_t) (T * QD)), *ab = malloc(sizeof(float) * (size_t) (T * D));
+    float *gb = malloc(sizeof(float) * (size_t) (T * F)), *ub = malloc(sizeof(float) * (size_t) (T * F));
+    float *cs = malloc(sizeof(float) * (size_t) (T * half)), *sn = malloc(sizeof(float) * (size_t) (T * half));
+    fb_act a;
+    int failed = act_alloc(&a, T, Kmax);
+    failed |= !(xn && qb && kb && vb && att && ab && gb && ub && cs && sn);
+    fb_barrier bar = {0, 0, 1};
+    if (!failed && start_pos + T > cache_len) failed = 1;
+    if (!failed) {
+        #pragma omp parallel num_threads(nthreads) if (nthreads > 1)
+        {
+            const int ith = omp_get_thread_num(), nth = omp_get_num_threads();
+            #pragma omp single
+            bar.n = nth;
+            /* the implicit barrier after `single` publishes bar.n */
+            float *s = malloc(sizeof(float) * (size_t) (Sp + 64));
+            float *acc = malloc(sizeof(float) * (size_t) (4 * L * hd));
+            int64_t R = T;
+            const fb_layer *prev = NULL;
+            for (int64_t il = 0; il < m->n_layers; il++) {
+                const fb_layer *Lr = &m->layers[il];
+                const int last = il == m->n_layers - 1;
+                for (int64_t t = ith; t < T; t += nth) rmsnorm_row(h + t * D, D, Lr->attn_norm, m->norm_eps, xn + t * D);
+                if (!prev || prev->rope_step != Lr->rope_step || prev->rope_freq_scale != Lr->rope_freq_scale ||
+                    prev->rope_freq_factors != Lr->rope_freq_factors)
+                    for (int64_t t = ith; t < T; t += nth) rope_row(Lr, start_pos + t, half, cs + t * half, sn + t * half);
+                prev = Lr;
+                barrier_wait(&bar);
+                {
+                    const fb_weight *qkv[3] = {&Lr->q, &Lr->k, &Lr->v};
+                    float *const outs[3] = {qb, kb, vb};
+                    region_matmuls(qkv, outs, 3, T, xn, &a, p, ith, nth, &bar);
+                }
+                /* per head: q/k norm, RoPE; q scaled and rounded to f16, k and v into the cache */
+                for (int64_t item = ith; item < T * (H + Hkv); item += nth) {
+                    const int64_t t = item / (H + Hkv), head = item % (H + Hkv), pos = start_pos + t;
+                    if (head < H) {
+                        float *x = qb + t * QD + head * hd;
+                        if (Lr->q_norm) rmsnorm_row(x, hd, Lr->q_norm, m->norm_eps, x);
+                        rope_apply(x, hd, m->rope_neox, cs + t * half, sn + t * half);
+                        for (int64_t d = 0; d < hd; d++) x[d] = round_f16(x[d] * m->q_scale);
+                    } else {
+                        const int64_t kvh = head - H;
+                        float *x = kb + t * KD + kvh * hd;
+                        if (Lr->k_norm) rmsnorm_row(x, hd, Lr->k_norm, m->norm_eps, x);
+                        rope_apply(x, hd, m->rope_neox, cs + t * half, sn + t * half);
+                        uint16_t *kc = k_cache[il] + (kvh * cache_len + pos) * hd;
+                        uint16_t *vc = v_cache[il] + (kvh * cache_len + pos) * hd;
+                        for (int64_t d = 0; d < hd; d++) {
+                            kc[d] = _cvtss_sh(x[d], _MM_FROUND_TO_NEAREST_INT);
+                            vc[d] = _cvtss_sh(vb[t * KD + kvh * hd + d], _MM_FROUND_TO_NEAREST_INT);
+                        }
+                    }
+                }
+                barrier_wait(&bar);
+                for (int64_t item = ith; item < T * H; item += nth) {
+                    const int64_t t = item / H, head = item % H, kvh = head / groups;
+                    attend_row(qb + t * QD + head * hd, k_cache[il] + kvh * cache_len * hd,
+                               v_cache[il] + kvh * cache_len * hd, hd, start_pos + t, Lr->window, cache_len,
+                               m->kq_scale, (int) T, p, s, acc, att + t * QD + head * hd);
+                }
+                barrier_wait(&bar);
+                region_matmul(&Lr->o, T, att, &a, p, ab, ith, nth, &bar);
+                if (last && out_rows) {  /* only the asked-for rows go on (llama.cpp's inp_out_ids) */
+                    if (ith == 0)
+                        for (int64_t i = 0; i < n_out; i++) {
+                            memmove(h + i * D, h + out_rows[i] * D, sizeof(float) * (size_t) D);
+                            memmove(ab + i * D, ab + out_rows[i] * D, sizeof(float) * (size_t) D);
+                        }
+                    R = n_out;
+                    barrier_wait(&bar);
+                }
+                for (int64_t t = ith; t < R; t += nth) {
+                    float *hr = h + t * D, *ar = ab + t * D;
+                    if (Lr->post_attn_norm) rmsnorm_row(ar, D, Lr->post_attn_norm, m->norm_eps, ar);
+                    for (int64_t i = 0; i < D; i++) hr[i] = hr[i] + ar[i];
+                    rmsnorm_row(hr, D, Lr->mlp_norm, m->norm_eps, xn + t * D);
+                }
+                barrier_wait(&bar);
+                {
+                    const fb_weight *gate_up[2] = {&Lr->gate, &Lr->up};
+                    float *const outs[2] = {gb, ub};
+                    region_matmuls(gate_up, outs, 2, R, xn, &a, p, ith, nth, &bar);
+                }
+                for (int64_t t = ith; t < R; t += nth)
+                    for (int64_t i = 0; i < F; i++) {
+                        const float g = gb[t * F + i];
+                        gb[t * F + i] = (m->gelu ? gelu_table(m->gelu_table, g) : silu_ggml(g, p->softmax_lanes)) * ub[t * F + i];
+                    }
+                barrier_wait(&bar);
+                region_matmul(&Lr->down, R, gb, &a, p, ab, ith, nth, &bar);
+                for (int64_t t = ith; t < R; t += nth) {
+                    float *hr = h + t * D, *ar = ab + t * D;
+                    if (Lr->post_mlp_norm) rmsnorm_row(ar, D, Lr->post_mlp_norm, m->norm_eps, ar);
+                    for (int64_t i = 0; i < D; i++) hr[i] = hr[i] + ar[i];
+                    if (last) rmsnorm_row(hr, D, m->output_norm, m->norm_eps, out + t * D);
+                }
+                barrier_wait(&bar);
+            }
+            free(s);
+            free(acc);
+        }
+    }
+    free(xn); free(qb); free(kb); free(vb); free(att); free(ab); free(gb); free(ub); free(cs); free(sn);
+    act_free(&a);
+    return failed ? -1 : 0;
 }
 
 /* The x86 features ggml's build and kernel choice depend on, read with cpuid the way GCC's

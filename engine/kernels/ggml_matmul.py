@@ -31,16 +31,21 @@ use the dequantized product with the same quantized activations: right to f32 su
 not to the bit.
 
 The methods below are the reference, in torch; ggml_kernels.c repeats them in C (engine/kernels/
-native.py builds it), and the tests hold the two to identical results.
+native.py builds it: fb_matmul, on torch's thread count, the output rows split across threads so
+the count never changes a bit), and the tests hold the two to identical results.
 """
 
 from __future__ import annotations
 
+import ctypes
+
 import torch
 from gguf import GGMLQuantizationType as T
 
+from engine.gguf.constants import type_size
 from engine.gguf.dequant import unpack_blocks
-from engine.kernels.native import kernels, ptr
+from engine.kernels.cpu import plan
+from engine.kernels.native import WEIGHT_TYPES, Plan, Weight, kernels, ptr
 from engine.kernels.numerics import fma_f32, hsum8, quantize_q8_0, quantize_q8_k
 
 UBATCH = 512  # llama.cpp's default n_ubatch: a longer prompt is evaluated in such pieces
@@ -53,17 +58,72 @@ def supports_exact(ggml_type: T, rows: int) -> bool:
     return ggml_type in EXACT_TYPES and (ggml_type != T.Q4_K or rows % 8 == 0)
 
 
+def plan_struct(p=None) -> Plan:
+    """The C kernels' view of a kernel plan (this machine's unless given)."""
+    p = p or plan()
+    return Plan(p.f16_lanes, p.softmax_lanes)
+
+
+def weight_struct(parts: dict[str, torch.Tensor], ggml_type: T, rows: int, cols: int,
+                  bias: torch.Tensor | None = None) -> Weight:
+    """fb_weight over unpack_exact's parts; the tensors must outlive it."""
+    def address(name):
+        return ptr(parts[name]) if name in parts else None
+
+    return Weight(WEIGHT_TYPES[T(ggml_type).name], 0, rows, cols,
+                  address("blocks") or address("q"), address("scales"),
+                  address("mins"), address("d"), address("dmin"),
+                  None if bias is None else ptr(bias))
+
+
+# per weight type: what the C kernels take unpacked (name, dtype, values per block); the rest
+# they read from the GGUF blocks themselves ("blocks")
+_PARTS = {
+    T.Q8_0: (("d", torch.float32, 1),),
+    T.Q5_0: (("d", torch.float32, 1),),
+    T.Q4_K: (("scales", torch.uint8, 8), ("mins", torch.uint8, 8), ("d", torch.float32, 1),
+             ("dmin", torch.float32, 1)),
+    T.Q6_K: (("q", torch.uint8, 256), ("scales", torch.int8, 16), ("d", torch.float32, 1)),
+}
+
+
+def unpack_exact(raw: torch.Tensor, ggml_type: T, rows: int) -> dict[str, torch.Tensor]:
+    """The parts the C kernels read: the GGUF blocks (F16 halves; Q8_0, Q5_0 and Q4_K blocks,
+    whose bits the kernels unpack in registers) and the parts unpack_blocks gives that they take
+    unpacked (scales, Q6_K's integers), unpacked in C on torch's thread count. Without the C build,
+    unpack_blocks' parts for the torch reference."""
+    ggml_type = T(ggml_type)
+    raw = raw.reshape(rows, -1)
+    if ggml_type == T.F16:
+        return {"blocks": raw.view(torch.int16).contiguous()}
+    lib = kernels()
+    if lib is None:
+        return {k: v.contiguous() for k, v in unpack_blocks(raw, ggml_type).items()}
+    raw = raw.contiguous()
+    nblocks = raw.numel() // type_size(ggml_type)
+    parts = {name: torch.empty(rows, nblocks // rows * per, dtype=dtype)
+             for name, dtype, per in _PARTS[ggml_type]}
+    lib.fb_unpack(WEIGHT_TYPES[ggml_type.name], nblocks, ptr(raw),
+                  *(ptr(parts[n]) if n in parts else None
+                    for n in ("q", "scales", "mins", "d", "dmin")),
+                  torch.get_num_threads())
+    if "q" not in parts:
+        parts["blocks"] = raw
+    return parts
+
+
 class ExactWeight:
     """A packed weight's integer parts, for the C kernels or laid out for the torch reference."""
 
     def __init__(self, raw: torch.Tensor, ggml_type: T, rows: int, cols: int, native: bool = True):
         self.ggml_type, self.rows, self.cols = ggml_type, rows, cols
-        parts = {k: v.contiguous() for k, v in unpack_blocks(raw, ggml_type).items()}
-        self.d = parts["d"]  # [N, nb] f32
         self.native = kernels() if native else None
         if self.native is not None:
-            self.parts = parts
+            self.parts = unpack_exact(raw, ggml_type, rows)
+            self.struct = weight_struct(self.parts, ggml_type, rows, cols)
             return
+        parts = {k: v.contiguous() for k, v in unpack_blocks(raw, ggml_type).items()}
+        self.d = parts["d"]  # [N, nb] f32
         nb = self.d.shape[1]
         if ggml_type in (T.Q8_0, T.Q5_0):
             # [nb·8, 4, N]: lane k of block b holds weights 4k..4k+3
@@ -96,11 +156,11 @@ class ExactWeight:
         for start in range(0, x.shape[0], UBATCH):
             batch = x[start : start + UBATCH]
             n = batch.shape[0]
+            if self.native is not None:
+                outs.append(self._native(batch))
+                continue
             gemm_rows = n - n % 4 if n > 3 else 0  # repacked Q4_K: gemm rows, then gemv
             tiled = n >= TILED_MIN_ROWS  # Q6_K: tiled kernel, else vec_dot
-            if self.native is not None:
-                outs.append(self._native(batch, gemm_rows, int(tiled)))
-                continue
             for r0 in range(0, n, ROW_CHUNK):
                 rows = batch[r0 : r0 + ROW_CHUNK]
                 if self.ggml_type == T.Q4_K:
@@ -115,51 +175,15 @@ class ExactWeight:
                     outs.append(self._q0(rows))
         return torch.cat(outs) if len(outs) > 1 else outs[0]
 
-    def _native(self, x: torch.Tensor, gemm_rows: int, tiled: int) -> torch.Tensor:
-        """The same kernels in C (ggml_kernels.c)."""
-        lib, p, R = self.native, self.parts, x.shape[0]
-        out = torch.empty(R, self.rows)
-        if self.ggml_type in (T.Q8_0, T.Q5_0):
-            q, xd = quantize_q8_0(x)
-            q = q.to(torch.int8).contiguous()
-            lib.q0_matmul(
-                R, self.rows, xd.shape[1], ptr(q), ptr(xd), ptr(p["q"]), ptr(p["d"]), ptr(out)
-            )
-            return out
-        q, xd = quantize_q8_k(x)
-        q = q.to(torch.int8).contiguous()
-        nsb = xd.shape[1]
-        if self.ggml_type == T.Q6_K:
-            lib.q6_k_matmul(
-                R,
-                self.rows,
-                nsb,
-                ptr(q),
-                ptr(xd),
-                ptr(p["q"]),
-                ptr(p["scales"]),
-                ptr(p["d"]),
-                tiled,
-                ptr(out),
-            )
-            return out
-        for lo, hi, per_superblock in ((0, gemm_rows, 0), (gemm_rows, R, 1)):
-            if hi > lo:
-                part = out[lo:hi]
-                lib.q4_k_matmul(
-                    hi - lo,
-                    self.rows,
-                    nsb,
-                    ptr(q[lo:hi]),
-                    ptr(xd[lo:hi]),
-                    ptr(p["q"]),
-                    ptr(p["scales"]),
-                    ptr(p["mins"]),
-                    ptr(p["d"]),
-                    ptr(p["dmin"]),
-                    per_superblock,
-                    ptr(part),
-                )
+    def _native(self, x: torch.Tensor) -> torch.Tensor:
+        """The same kernels in C (ggml_kernels.c fb_matmul), on torch's thread count."""
+        x = x.float().contiguous()
+        out = torch.empty(x.shape[0], self.rows)
+        status = self.native.fb_matmul(ctypes.byref(self.struct), x.shape[0], ptr(x),
+                                       ctypes.byref(plan_struct()), torch.get_num_threads(),
+                                       ptr(out))
+        if status != 0:
+            raise MemoryError(f"fb_matmul: no memory for {x.shape[0]} x {self.cols} activations")
         return out
 
     def _q0(self, x: torch.Tensor) -> torch.Tensor:
@@ -219,4 +243,11 @@ class ExactWeight:
         return acc
 
 
-__all__ = ["ExactWeight", "supports_exact", "UBATCH"]
+__all__ = [
+    "ExactWeight",
+    "UBATCH",
+    "plan_struct",
+    "supports_exact",
+    "unpack_exact",
+    "weight_struct",
+]

@@ -1,9 +1,13 @@
 """The C build of the llama.cpp kernels (ggml_kernels.c), compiled once per machine on first use.
 
-The torch code in ggml_matmul.py and numerics.py is the reference; the C file repeats the same
-arithmetic about two orders of magnitude faster (one pass, no f64 intermediates). It is built
-with the system C compiler into the user cache (nothing is downloaded). Without a compiler, or
-with FORGEBENCH_NATIVE=0, the torch reference runs instead: same numbers, slower.
+The torch code in ggml_matmul.py, numerics.py and engine/models/blocks.py is the reference; the C
+file repeats the same arithmetic about two orders of magnitude faster (one pass, no f64
+intermediates), up to a whole decoder forward (fb_forward). It is built with the system C compiler
+into the user cache (nothing is downloaded). Without a compiler, or with FORGEBENCH_NATIVE=0, the
+torch reference runs instead: same numbers, slower.
+
+The ctypes structures below mirror the C structs of the same names (fb_weight, fb_plan, fb_layer,
+fb_model); a change to one is a change to both.
 """
 
 from __future__ import annotations
@@ -31,14 +35,53 @@ FLAGS = [
     "-fPIC",
 ]
 
-_I64, _PTR, _INT = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
+_I64, _PTR, _INT, _F32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int, ctypes.c_float
+# ggml type ids the C kernels take (GGMLQuantizationType values)
+WEIGHT_TYPES = {"F16": 1, "Q5_0": 6, "Q8_0": 8, "Q4_K": 12, "Q6_K": 14}
+
+
+class Weight(ctypes.Structure):
+    """fb_weight: a matrix in unpack_blocks' layout (F16: the raw halves)."""
+
+    _fields_ = [("type", ctypes.c_int32), ("pad_", ctypes.c_int32), ("rows", _I64),
+                ("cols", _I64), ("q", _PTR), ("scales", _PTR), ("mins", _PTR), ("d", _PTR),
+                ("dmin", _PTR), ("bias", _PTR)]
+
+
+class Plan(ctypes.Structure):
+    """fb_plan: the summation orders of the llama.cpp build (engine/kernels/cpu.py)."""
+
+    _fields_ = [("f16_lanes", ctypes.c_int32), ("softmax_lanes", ctypes.c_int32)]
+
+
+class Layer(ctypes.Structure):
+    """fb_layer: one decoder layer's weights, norms (NULL = none), window and RoPE settings."""
+
+    _fields_ = [*((name, Weight) for name in ("q", "k", "v", "o", "gate", "up", "down")),
+                *((name, _PTR) for name in ("attn_norm", "q_norm", "k_norm", "post_attn_norm",
+                                            "mlp_norm", "post_mlp_norm")),
+                ("window", _I64), ("rope_step", _F32), ("rope_freq_scale", _F32),
+                ("rope_freq_factors", _PTR)]
+
+
+class Model(ctypes.Structure):
+    """fb_model: the decoder's shape, scales and layers."""
+
+    _fields_ = [*((name, _I64) for name in ("n_layers", "dim", "n_heads", "n_kv_heads",
+                                             "head_dim", "ffn_dim")),
+                ("norm_eps", _F32), ("q_scale", _F32), ("kq_scale", _F32),
+                ("rope_neox", ctypes.c_int32), ("gelu", ctypes.c_int32), ("gelu_table", _PTR),
+                ("output_norm", _PTR), ("layers", _PTR)]
+
+
 SIGNATURES = {
-    "q0_matmul": [_I64, _I64, _I64, _PTR, _PTR, _PTR, _PTR, _PTR],
-    "q4_k_matmul": [_I64, _I64, _I64, _PTR, _PTR, _PTR, _PTR, _PTR, _PTR, _PTR, _INT, _PTR],
-    "q6_k_matmul": [_I64, _I64, _I64, _PTR, _PTR, _PTR, _PTR, _PTR, _INT, _PTR],
     "f16_dot": [_I64, _I64, _I64, _I64, _PTR, _PTR, _INT, _INT, _PTR],
+    "fb_unpack": [_INT, _I64, _PTR, _PTR, _PTR, _PTR, _PTR, _PTR, _INT],
 }
-RETURNS = {"cpu_features": _I64}
+RETURNS = {"cpu_features": ([], _I64),
+           "fb_matmul": ([_PTR, _I64, _PTR, _PTR, _INT, _PTR], _INT),
+           "fb_forward": ([_PTR, _PTR, _I64, _I64, _PTR, _PTR, _PTR, _I64, _I64, _PTR, _PTR, _INT],
+                          _INT)}
 
 
 def _cache_dir() -> Path:
@@ -82,9 +125,9 @@ def kernels() -> ctypes.CDLL | None:
     for name, argtypes in SIGNATURES.items():
         fn = getattr(lib, name)
         fn.argtypes, fn.restype = argtypes, None
-    for name, restype in RETURNS.items():
+    for name, (argtypes, restype) in RETURNS.items():
         fn = getattr(lib, name)
-        fn.argtypes, fn.restype = [], restype
+        fn.argtypes, fn.restype = argtypes, restype
     return lib
 
 
@@ -95,4 +138,4 @@ def ptr(t: torch.Tensor) -> int:
     return t.data_ptr()
 
 
-__all__ = ["kernels", "ptr"]
+__all__ = ["Layer", "Model", "Plan", "WEIGHT_TYPES", "Weight", "kernels", "ptr"]

@@ -192,7 +192,7 @@ def gelu_tanh_f32(x: torch.Tensor) -> torch.Tensor:
 
 
 @functools.lru_cache(maxsize=1)
-def _gelu_table() -> torch.Tensor:
+def gelu_table() -> torch.Tensor:
     """ggml_table_gelu_f16 as ggml_cpu_init fills it: f16(gelu(v)) for every f16 bit pattern v."""
     values = torch.arange(1 << 16, dtype=torch.int32).to(torch.int16).view(torch.float16).float()
     return round_f16(torch.nan_to_num(gelu_tanh_f32(values)))
@@ -201,7 +201,7 @@ def _gelu_table() -> torch.Tensor:
 def gelu_llamacpp(x: torch.Tensor) -> torch.Tensor:
     """ggml's table GELU (GGML_GELU_FP16): table[f16(x)] inside (-10, 10), 0 below, identity
     above."""
-    table = _gelu_table()[x.to(torch.float16).view(torch.int16).long() & 0xFFFF]
+    table = gelu_table()[x.to(torch.float16).view(torch.int16).long() & 0xFFFF]
     return torch.where(x <= -10.0, torch.zeros_like(x), torch.where(x >= 10.0, x, table))
 
 
@@ -411,6 +411,7 @@ __all__ = [
     "q8_k_values",
     "activation_values",
     "gelu_tanh_f32",
+    "gelu_table",
     "gelu_llamacpp",
     "silu_llamacpp",
     "fma_f32",

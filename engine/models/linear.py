@@ -17,6 +17,7 @@ from torch import nn
 
 from engine.gguf.dequant import dequantize
 from engine.kernels.ggml_matmul import ExactWeight, supports_exact
+from engine.kernels.native import kernels
 from engine.kernels.numerics import activation_values, dot_f16, round_f16, tinyblas_serves
 
 CHUNK_ELEMENTS = 1 << 22          # dequantize at most ~4M weights (16 MB f32) at a time
@@ -95,7 +96,8 @@ def llamacpp_matmul(x: torch.Tensor, w: PackedWeight, bitexact: bool = True) -> 
     the weight type's kernel (and `bitexact`), else with llama.cpp's activation quantization and
     f32 sums."""
     rows = x.reshape(-1, w.cols).float()
-    if bitexact and w.ggml_type == T.F16:
+    native_f16 = w.ggml_type == T.F16 and kernels() is not None   # C reads the halves themselves
+    if bitexact and w.ggml_type == T.F16 and not native_f16:
         # f16 weights: activations rounded to f16, tinyBLAS where llamafile_sgemm takes the product,
         # else ggml_vec_dot_f16; output rows are independent sums, so the weight goes chunk by
         # chunk (never all in f32)
@@ -103,7 +105,7 @@ def llamacpp_matmul(x: torch.Tensor, w: PackedWeight, bitexact: bool = True) -> 
         x16 = round_f16(rows)[None]
         y = torch.cat([dot_f16(x16, chunk[None], tinyblas)[0] for _, _, chunk in w.chunks()],
                       dim=-1)
-    elif bitexact and supports_exact(w.ggml_type, w.rows):
+    elif bitexact and (native_f16 or supports_exact(w.ggml_type, w.rows)):
         if w._exact is None:
             w._exact = ExactWeight(w.raw, w.ggml_type, w.rows, w.cols)
         y = w._exact.matmul(rows)

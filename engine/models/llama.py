@@ -23,6 +23,7 @@ from engine.models.blocks import (
     packed_positions,
     rope_tables,
 )
+from engine.models.native_forward import native_decoder, serves
 
 
 @dataclass
@@ -100,6 +101,8 @@ class Llama(nn.Module):
         `lengths` packs sequences into tokens [1, T] (each at positions 0…, attending only
         within itself); `rows` (bool [B, T]) keeps only those positions, [N, dim]: after the
         last attention nothing reads the others, so the last MLP and the norm skip them."""
+        if serves(self, tokens, cache, lengths, start_pos) and (fast := native_decoder(self)):
+            return fast.hidden(tokens, start_pos, cache, rows)      # the same bits, in C
         c = self.config
         positions = (torch.arange(start_pos, start_pos + tokens.shape[1]) if lengths is None
                      else packed_positions(lengths, tokens.shape[1]))

@@ -1,0 +1,197 @@
+"""The whole decoder forward in C (ggml_kernels.c fb_forward) for GGUF models under llama.cpp
+numerics: no Python per layer or per token, the bits of the torch path.
+
+`native_decoder(model)` describes a loaded Llama / Qwen2 / Qwen3 / Gemma 3 model to the C code
+once (weights in the C kernels' layout, shared with the torch path's ExactWeight, norms, RoPE and
+window settings) and runs it for a batch of positions against the model's f16 KVCache, one
+llama.cpp ubatch (512 positions) per call, on torch's thread count. Python keeps the embedding
+lookup, the LM head (engine/kernels/ggml_matmul.py, threaded in C as well), the tokenizer,
+sampling and the API. The torch modules stay the reference: `model.native = False` (or
+FORGEBENCH_NATIVE=0) runs them instead, and the tests hold the two to identical bits.
+
+It serves only what it reproduces exactly; anything else returns None and the torch path runs:
+f32 numerics, LoRA adapters attached, weight types without a bit-exact kernel (Q4_0, Q5_K, ...),
+packed sequences, a batch of more than one sequence.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import math
+
+import torch
+from gguf import GGMLQuantizationType as T
+
+from engine.kernels.ggml_matmul import UBATCH, ExactWeight, plan_struct, supports_exact
+from engine.kernels.native import Layer, Model, kernels, ptr
+from engine.kernels.numerics import attention_llamacpp, gelu_table
+from engine.models.blocks import KVCache, RMSNorm
+from engine.models.linear import FrozenQuantLinear
+
+LINEARS = (("q", "attn.q"), ("k", "attn.k"), ("v", "attn.v"), ("o", "attn.o"),
+           ("gate", "mlp.gate"), ("up", "mlp.up"), ("down", "mlp.down"))
+NORMS = ("attn_norm", "attn.q_norm", "attn.k_norm", "post_attn_norm", "mlp_norm", "post_mlp_norm")
+
+
+def _exact_weight(linear) -> ExactWeight | None:
+    """The linear's weight in the C kernels' layout; None where no bit-exact C kernel serves it."""
+    if type(linear) is not FrozenQuantLinear or not linear.bitexact:
+        return None
+    w = linear.weight
+    if w.ggml_type != T.F16 and not supports_exact(w.ggml_type, w.rows):
+        return None
+    if w._exact is None:                 # shared with the torch path's llamacpp_matmul
+        w._exact = ExactWeight(w.raw, w.ggml_type, w.rows, w.cols)
+    return w._exact
+
+
+class NativeDecoder:
+    """One model's description for fb_forward; the tensors it points into are kept here."""
+
+    def __init__(self, model, lib: ctypes.CDLL, layers: list[dict]):
+        self.model, self.lib = model, lib
+        cfg = model.config
+        # the modules described: a LoRA wrapper or a new weight put in their place later
+        # makes native_decoder describe the model afresh (or hand it to the torch path)
+        self.modules = [(block.get_submodule(path.rpartition(".")[0]), path.rpartition(".")[2],
+                         block.get_submodule(path))
+                        for block in model.layers for _, path in LINEARS]
+        gemma = hasattr(cfg, "sliding")
+        self.keep: list = []
+        structs = (Layer * cfg.n_layers)()
+        for i, spec in enumerate(layers):
+            s = structs[i]
+            for name, exact in spec["weights"].items():
+                struct = exact.struct
+                bias = spec["biases"][name]
+                if bias is not None:
+                    struct = type(struct).from_buffer_copy(struct)
+                    struct.bias = ptr(bias)
+                    self.keep.append(bias)
+                setattr(s, name, struct)
+            for attr, norm in zip(("attn_norm", "q_norm", "k_norm", "post_attn_norm", "mlp_norm",
+                                   "post_mlp_norm"), spec["norms"]):
+                setattr(s, attr, None if norm is None else ptr(norm))
+            if gemma:
+                local = cfg.sliding[i]
+                base = cfg.rope_local_theta if local else cfg.rope_theta
+                s.window = cfg.sliding_window if local else 0
+                s.rope_freq_scale = 1.0 if local else 1.0 / cfg.rope_scale
+            else:
+                base, s.window, s.rope_freq_scale = cfg.rope_theta, 0, 1.0
+                factors = model.rope_freq_factors
+                if factors is not None:
+                    factors = factors.float().contiguous()
+                    self.keep.append(factors)
+                    s.rope_freq_factors = ptr(factors)
+            s.rope_step = base ** (-2.0 / cfg.head_dim)
+            self.keep.append(spec["norms"])
+        table = gelu_table().contiguous()
+        self.keep += [structs, table, model.norm.weight]
+        self.struct = Model(cfg.n_layers, cfg.dim, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim,
+                            cfg.ffn_dim, cfg.norm_eps,
+                            cfg.query_scale if gemma else 1.0,
+                            1.0 if gemma else 1.0 / math.sqrt(cfg.head_dim),
+                            int((model.rope_type if gemma else cfg.rope_type) == "neox"),
+                            int(gemma), ptr(table), ptr(model.norm.weight.data),
+                            ctypes.addressof(structs))
+        self.gemma = gemma
+
+    def hidden(self, tokens: torch.Tensor, start_pos: int, cache: KVCache | None,
+               rows: torch.Tensor | None) -> torch.Tensor:
+        """What model.hidden returns, for tokens [1, T]."""
+        model, cfg = self.model, self.model.config
+        T_ = tokens.shape[1]
+        if cache is None:                # teacher-forced scoring: a cache just for this call
+            cache = model.new_cache(1, start_pos + T_)
+        if start_pos + T_ > cache.max_len:
+            raise ValueError(f"KV cache holds {cache.max_len} positions; asked for "
+                             f"{start_pos + T_}")
+        h = model.tok_embeddings(tokens)
+        if self.gemma:
+            h = h * math.sqrt(cfg.dim)
+        h = h[0].float().contiguous()
+        keys = (ctypes.c_void_p * cfg.n_layers)(*(ptr(k) for k in cache.k))
+        values = (ctypes.c_void_p * cfg.n_layers)(*(ptr(v) for v in cache.v))
+        wanted = None if rows is None else rows[0].nonzero().flatten()
+        plan = plan_struct()
+        outs = []
+        for u0 in range(0, T_, UBATCH):   # llama.cpp evaluates a long prompt ubatch by ubatch
+            u1 = min(T_, u0 + UBATCH)
+            chunk = h[u0:u1].clone()
+            index = None
+            if wanted is not None:
+                index = (wanted[(wanted >= u0) & (wanted < u1)] - u0).to(torch.int64).contiguous()
+            n_out = u1 - u0 if index is None else index.numel()
+            out = torch.empty(n_out, cfg.dim)
+            status = self.lib.fb_forward(
+                ctypes.byref(self.struct), ctypes.byref(plan), u1 - u0, start_pos + u0,
+                ptr(chunk), keys, values, cache.max_len, n_out,
+                None if index is None else ptr(index), ptr(out), torch.get_num_threads())
+            if status != 0:
+                raise MemoryError(f"fb_forward failed for {u1 - u0} positions at {start_pos + u0}")
+            outs.append(out)
+        out = torch.cat(outs) if len(outs) > 1 else outs[0]
+        return out if rows is not None else out[None]
+
+
+def _describe(model) -> list[dict] | None:
+    """Per layer the exact weights, biases and norms fb_forward needs; None where it cannot serve
+    the model bit for bit."""
+    cfg = model.config
+    if cfg.head_dim % 16 or cfg.n_heads % cfg.n_kv_heads:
+        return None
+    gemma = hasattr(cfg, "sliding")
+    layers = []
+    for block in model.layers:
+        if block.mlp.activation != ("gelu_llamacpp" if gemma else "silu_llamacpp"):
+            return None
+        weights, biases = {}, {}
+        for name, path in LINEARS:
+            linear = block.get_submodule(path)
+            exact = _exact_weight(linear)
+            if exact is None:
+                return None
+            weights[name] = exact
+            biases[name] = None if linear.bias is None else linear.bias.data.float().contiguous()
+        norms = []
+        for path in NORMS:
+            norm = getattr(block, path, None) if "." not in path else getattr(
+                block.attn, path.split(".")[1], None)
+            if norm is not None and (type(norm) is not RMSNorm or not norm.ggml_exact):
+                return None
+            norms.append(None if norm is None else norm.weight.data.float().contiguous())
+        layers.append({"weights": weights, "biases": biases, "norms": norms})
+    return layers
+
+
+def native_decoder(model) -> NativeDecoder | None:
+    """The C forward for `model`, built on first use, or None where the torch path must run."""
+    lib = kernels()
+    if (lib is None or getattr(model, "numerics", "f32") != "llamacpp"
+            or not getattr(model, "native", True) or model.attn_core is not attention_llamacpp
+            or model.kv_dtype != torch.float16):
+        return None
+    built = getattr(model, "_native_decoder", None)
+    if built is not None and built.model is model and all(
+            getattr(parent, attr) is module for parent, attr, module in built.modules):
+        return built
+    layers = _describe(model)
+    if layers is None:
+        return None
+    model._native_decoder = NativeDecoder(model, lib, layers)
+    return model._native_decoder
+
+
+def serves(model, tokens: torch.Tensor, cache: KVCache | None, lengths, start_pos: int) -> bool:
+    """Whether this call of model.hidden can go to the C forward."""
+    if lengths is not None or tokens.shape[0] != 1:
+        return False
+    if cache is None:
+        return start_pos == 0
+    k = cache.k[0]
+    return (k.dtype == torch.float16 and k.shape[0] == 1 and all(
+        t.is_contiguous() for t in (*cache.k, *cache.v)))
+
+
+__all__ = ["NativeDecoder", "native_decoder", "serves"]
