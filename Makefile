@@ -36,12 +36,13 @@ $(VSTAMP): $(STAMP)
 
 verify-extra: $(VSTAMP)
 
-# transformers + peft: the independent implementation the LoRA parity tests compare against.
+# transformers + peft + trl: the independent implementations the LoRA and DPO parity tests
+# compare against (test-only extras).
 PSTAMP   := $(VENV)/.installed-parity
 $(PSTAMP): $(STAMP)
-	@$(PIP) install -c packaging/constraints.txt -q -e '.[parity]' \
+	@$(PIP) install -c packaging/constraints.txt -q -e '.[parity,trl]' \
 	  && touch $@ \
-	  || echo "WARNING: transformers/peft did not install; PEFT parity tests will skip"
+	  || echo "WARNING: transformers/peft/trl did not install; PEFT and TRL parity tests will skip"
 
 parity-extra: $(PSTAMP)
 
