@@ -226,6 +226,28 @@ def test_bad_cells_name_line_and_column(tmp_path, edit, where, field, reason):
     assert "forgebench data validate" in caught.value.hint
 
 
+def test_data_split_keeps_each_machine_in_one_split(tmp_path):
+    """A table without a split column gets whole machines per split from `assign_splits`
+    (the table's group column is the split unit), and the recipe can read all four."""
+    from engine.data.splits import assign_splits, parse_ratios
+
+    def drop_split(lines):
+        index = lines[0].split(",").index("split")
+        return [",".join(c for i, c in enumerate(line.split(",")) if i != index)
+                for line in lines]
+
+    root = edited_table(tmp_path, drop_split)
+    result = assign_splits(root, parse_ratios("0.6,0.1,0.15,0.15"), seed=3)
+    dataset = load_dataset(result["path"])
+    machine_split = {}
+    for record in dataset.records():
+        assert machine_split.setdefault(record["machine"], record["split"]) == record["split"]
+    assert len(machine_split) == 20 and sum(result["counts"].values()) == 100
+    for split in ("train", "val", "calibration", "test"):
+        if result["counts"][split]:
+            assert len(table_split(dataset, split).target) == result["counts"][split]
+
+
 def test_empty_feature_cell_is_missing_not_zero(tmp_path):
     root = edited_table(tmp_path, lambda lines: replace_cell(lines, 2, "load", ""))
     split = load_dataset(root).records()[0]["split"]
