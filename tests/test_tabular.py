@@ -332,3 +332,48 @@ def test_bad_table_fails_the_run_with_exit_2(tmp_path):
     assert result.returncode == 2
     assert "rows.csv: line 3" in result.stderr and "'vibration'" in result.stderr
     assert not (tmp_path / "run").exists()
+
+
+# -- the app's per-column statistics ------------------------------------------------------
+def test_column_stats_agree_with_the_arrays_the_recipe_reads():
+    from app.viewmodels.datasets import DatasetTable, column_stats
+
+    stats = {s.column: s for s in column_stats(DatasetTable(SAMPLE))}
+    dataset = load_dataset(SAMPLE)
+    splits = [table_split(dataset, s) for s in ("train", "calibration", "val", "test")]
+    features = np.vstack([s.features for s in splits])
+    target = np.concatenate([s.target for s in splits])
+    for j, name in enumerate(splits[0].feature_names):
+        column = features[:, j]
+        assert stats[name].role == "feature"
+        assert stats[name].missing == int(np.isnan(column).sum())
+        assert stats[name].mean == pytest.approx(np.nanmean(column))
+        assert stats[name].std == pytest.approx(np.nanstd(column))
+        assert (stats[name].minimum, stats[name].maximum) == (np.nanmin(column),
+                                                              np.nanmax(column))
+    assert stats["fault"].role == "target" and stats["fault"].mean == pytest.approx(target.mean())
+    assert stats["machine"].distinct == 400 and stats["machine"].filled == 2000
+    groups = DatasetTable(SAMPLE).groups()                  # the Splits tab counts machines
+    assert len(groups) == 400 and all(count == 5 and "/" not in split
+                                      for _, split, count in groups)
+    assert column_stats(DatasetTable(REPO / "resources" / "sample-workspace" / "datasets"
+                                     / "records")) == []
+
+
+def test_stats_tab_shows_the_column_table(qtbot):
+    from app.viewmodels.datasets import DatasetTable
+    from app.views.dataset_tabs.stats import COLUMN_HEADERS, StatsTab
+
+    tab = StatsTab()
+    qtbot.addWidget(tab)
+    tab.set_table(DatasetTable(SAMPLE))
+    tab.fill()
+    assert tab.columns.rowCount() == 6 and not tab.columns.isHidden()
+    cells = {tab.columns.item(i, 0).text(): [tab.columns.item(i, j).text()
+                                             for j in range(len(COLUMN_HEADERS))]
+             for i in range(tab.columns.rowCount())}
+    assert cells["machine"][1:4] == ["group", "2000", "0"] and cells["machine"][8] == "400"
+    assert cells["load"][1] == "feature" and float(cells["load"][6]) >= 0
+    tab.set_table(DatasetTable(REPO / "resources" / "sample-workspace" / "datasets" / "records"))
+    tab.fill()
+    assert tab.columns.rowCount() == 0 and tab.columns.isHidden()
