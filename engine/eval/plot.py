@@ -34,9 +34,9 @@ def unit_plot(series: list[Series], title: str, x_label: str, y_label: str) -> b
             x, y = at(0, value)
             draw.text((x - 30, y - 6), f"{value:.1f}", fill="black")
     draw.rectangle([left, top, right, bottom], outline="black")
-    draw.text((left, 10), title, fill="black")
+    draw.text(((left + right) / 2 - 3 * len(title), 4), title, fill="black")
     draw.text(((left + right) / 2 - 3 * len(x_label), bottom + 26), x_label, fill="black")
-    draw.text((4, top - 20), y_label, fill="black")
+    draw.text((4, top - 14), y_label, fill="black")
     for index, (label, xs, ys, colour, markers) in enumerate(series):
         points = [at(x, y) for x, y in zip(xs, ys)]
         if len(points) > 1:
