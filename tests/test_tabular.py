@@ -287,13 +287,16 @@ def test_run_then_eval_reads_the_test_split_once(tmp_path):
     checkpoint = run / "checkpoints" / "step-000001"
     meta = json.loads((checkpoint / "meta.json").read_text())
     assert meta["chosen"] == "boosting" and meta["model"]["calibration"]
-    val = json.loads((run / "evals" / "val-step-000001.json").read_text())
+    val = json.loads((run / "evals" / "selection-step-000001.json").read_text())
     assert val["threshold"]["rule"] == "f1" and 0 < val["threshold"]["threshold"] < 1
     assert {"ece"} <= set(val["uncalibrated"]) & set(val["calibrated"])
     for name in ("pr", "reliability"):
-        assert Image.open(run / "evals" / f"val-step-000001-{name}.png").size == (520, 420)
+        assert Image.open(run / "evals" / f"selection-step-000001-{name}.png").size == (520, 420)
 
-    forgebench("eval", str(run), "--split", "val")           # val may be read again
+    again = json.loads(forgebench("eval", str(run), "--split", "val").stdout)  # val: any time
+    assert again["average_precision"] == pytest.approx(val["calibrated"]["average_precision"])
+    assert again["tp"] == val["threshold"]["tp"] and again["fp"] == val["threshold"]["fp"]
+    assert (run / "evals" / "selection-step-000001.json").is_file()
     result = json.loads(forgebench("eval", str(run), "--split", "test").stdout)
     assert split_reads(run).count("test") == 1
     assert result["tn"] + result["fp"] + result["fn"] + result["tp"] == result["rows"] == 300

@@ -6,7 +6,8 @@ regression on median-imputed standardised features with missingness flags, histo
 boosting with early stopping off so no random row split sneaks in) -> the best by validation
 average precision -> Platt scaling fitted on the calibration split -> an alert threshold chosen
 on validation (F1, a recall floor, or a cost) -> reliability bins and ECE before and after
-calibration, the confusion matrix in counts, PR curve and reliability PNGs in evals/.
+calibration, the confusion matrix in counts, PR curve and reliability PNGs: all of it in
+evals/selection-step-000001.json (what was chosen on validation, and why).
 
 The fitted model is stored as arrays (`engine.models.tabular`: model.npz loaded with
 allow_pickle=False, meta.json beside it) whose SHA-256 is checked before every use. A fit is
@@ -230,7 +231,8 @@ def train(job: Job) -> None:
         "candidates": {n: {"val_average_precision": c["val_average_precision"]}
                        for n, c in candidates.items()}}, job)
 
-    name = f"val-{checkpoint.name}"
+    # "selection-", not "val-": `forgebench eval --split val` writes val-<checkpoint>.json
+    name = f"selection-{checkpoint.name}"
     report = {"split": "val", "checkpoint": checkpoint.name, "step": 1, "chosen": chosen,
               "candidates": {n: c["val_average_precision"] for n, c in candidates.items()},
               "uncalibrated": before, "calibrated": after,
