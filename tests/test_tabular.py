@@ -380,3 +380,15 @@ def test_stats_tab_shows_the_column_table(qtbot):
     tab.set_table(DatasetTable(REPO / "resources" / "sample-workspace" / "datasets" / "records"))
     tab.fill()
     assert tab.columns.rowCount() == 0 and tab.columns.isHidden()
+
+
+def test_config_refuses_unknown_keys_and_a_second_step():
+    from engine.config import validate_config
+
+    base = {"recipe": "tabular-classify", "data": {"dir": "x"}}
+    assert validate_config(base).boosting.max_leaf_nodes == 7          # the handbook default
+    for bad, field in (({"boostng": {}}, "boostng"), ({"steps": 2}, "steps"),
+                       ({"threshold": {"rule": "accuracy"}}, "threshold.rule"),
+                       ({"candidates": []}, "candidates")):
+        with pytest.raises(ForgebenchError, match=f"field '{field}'"):
+            validate_config({**base, **bad})
