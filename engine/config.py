@@ -36,6 +36,8 @@ RECIPES: dict[str, tuple[str, str]] = {
                        "engine.recipes.image_generate"),
     "audio-generate": ("engine.recipes.audio_generate_config:AudioGenerateConfig",
                        "engine.recipes.audio_generate"),
+    "tabular-classify": ("engine.recipes.tabular_classify_config:TabularClassifyConfig",
+                         "engine.recipes.tabular_classify"),
 }
 
 # Fields resume may change; everything else in the resolved config must match run.json.

@@ -204,9 +204,17 @@ class DatasetTable:
         for row in self.rows:
             if row.record is None:
                 continue
-            split = row.record.get("split") or splits.get(group_of(row.record), "unassigned")
+            split = row.record.get("split") or splits.get(self._group(row.record), "unassigned")
             out[str(split)][str(row.record.get("label", "—"))] += 1
         return dict(out)
+
+    def _group(self, record: dict) -> str:
+        """The split unit: a tabular dataset names its group column (e.g. the machine) in
+        its table section; every other kind uses the record's `group` field."""
+        table = self.manifest.get("table") if self.kind == "tabular" else None
+        column = table.get("group") if isinstance(table, dict) else None
+        value = record.get(column) if isinstance(column, str) else None
+        return value if isinstance(value, str) and value else group_of(record)
 
     def _assignments(self) -> dict[str, str]:
         try:
@@ -233,7 +241,7 @@ class DatasetTable:
         for row in self.rows:
             if row.record is None:
                 continue
-            group = group_of(row.record)
+            group = self._group(row.record)
             counts[group] += 1
             split_of[group].add(row.record.get("split") or splits.get(group, "unassigned"))
         return [(g, "/".join(sorted(split_of[g])), counts[g]) for g in sorted(counts)]
@@ -407,3 +415,60 @@ def stats_bars(counts: dict[str, Counter]) -> StatsBars:
     return StatsBars(labels, splits,
                      {s: [counts[s].get(label, 0) for label in labels] for s in splits},
                      {s: sum(c.values()) for s, c in counts.items()})
+
+
+@dataclass
+class ColumnStat:
+    """One column of a tabular dataset: its role and, over the rows the file holds, how many
+    cells are filled and what the numbers look like (None where a cell is not a number)."""
+
+    column: str
+    role: str                        # "feature", "target" or "group"
+    filled: int
+    missing: int
+    mean: float | None = None
+    std: float | None = None
+    minimum: float | None = None
+    maximum: float | None = None
+    distinct: int | None = None      # group column: how many groups
+
+
+def column_stats(table: DatasetTable) -> list[ColumnStat]:
+    """Per-column statistics of a tabular dataset, read from the records as stored (a cell
+    that is empty or `nan` is missing; a non-number counts as neither, the findings say why).
+    Empty for every other kind or when the manifest has no valid table section."""
+    from engine.data.tabular import MISSING_TEXT, table_schema
+
+    if table.kind != "tabular":
+        return []
+    try:
+        schema = table_schema(table.manifest)
+    except ForgebenchError:
+        return []
+    records = [row.record for row in table.rows if row.record is not None]
+    roles = [(name, "feature") for name in schema["features"]] + [(schema["target"], "target")]
+    out = []
+    for name, role in roles:
+        numbers, missing = [], 0
+        for record in records:
+            value = record.get(name)
+            if value is None or value in MISSING_TEXT:
+                missing += 1
+                continue
+            try:
+                numbers.append(float(value))
+            except ValueError:
+                pass
+        if numbers:
+            mean = sum(numbers) / len(numbers)
+            std = (sum((x - mean) ** 2 for x in numbers) / len(numbers)) ** 0.5
+            out.append(ColumnStat(name, role, len(numbers), missing, mean, std, min(numbers),
+                                  max(numbers)))
+        else:
+            out.append(ColumnStat(name, role, 0, missing))
+    if schema.get("group"):
+        values = [r.get(schema["group"]) for r in records]
+        out.append(ColumnStat(schema["group"], "group", sum(v is not None for v in values),
+                              sum(v is None for v in values),
+                              distinct=len({v for v in values if v is not None})))
+    return out

@@ -157,6 +157,7 @@ def _generate(args) -> int:
         "pirate": lambda: text.generate_pirate(args.out),
         "style": lambda: text.generate_style_pairs(args.out, **_some(n=args.n), seed=args.seed),
         "records": lambda: _records(args),
+        "sensors": lambda: _sensors(args),
         "samples": lambda: generate_samples(args.out),
     }
     if args.kind not in generators:
@@ -166,6 +167,11 @@ def _generate(args) -> int:
     for path in paths if isinstance(paths, list) else [paths]:
         print(f"wrote {path}")
     return 0
+
+
+def _sensors(args):
+    from engine.data.generators.sensors import generate_sensors
+    return generate_sensors(args.out, **_some(machines=args.n), seed=args.seed)
 
 
 def _records(args):

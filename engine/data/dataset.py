@@ -551,6 +551,10 @@ def _validate(root: Path, check_hashes: bool, check_media: bool, progress: bool,
         seen[rid] = where
         good.append((where, record))
     report.n_records = len(items)
+    if kind.name == "tabular":
+        from engine.data.tabular import check_table
+
+        check_table(root, rel, manifest, good, report)
     if not items and not report.errors:
         report.add(rel, None, None, "holds no records")
     assignments = _validate_splits_file(root, manifest, report)

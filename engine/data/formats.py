@@ -102,6 +102,9 @@ KINDS: dict[str, Kind] = {k.name: k for k in [
          {"path": PATH, "label": LABEL, "sha256": SHA256},
          required=("path", "label", "split", "group", "source", "rights", "sha256"),
          id_from="path", labelled=True, media="audio", alt_records=("clips.csv",)),
+    # one row per example; the columns (features, target, group) are declared in dataset.json's
+    # `table` section and checked by engine.data.tabular
+    Kind("tabular", "rows.csv", {}, required=("id",)),
 ]}
 
 

@@ -1,13 +1,16 @@
-"""Stats tab: records per label and split as grouped bars, with one legend entry per split."""
+"""Stats tab: records per label and split as grouped bars, with one legend entry per split;
+for a tabular dataset also a table of per-column statistics (role, filled, missing, mean,
+std, min, max, groups)."""
 
 from __future__ import annotations
 
 import pyqtgraph as pg
-from PySide6.QtWidgets import QLabel, QVBoxLayout, QWidget
+from PySide6.QtWidgets import QLabel, QTableWidget, QTableWidgetItem, QVBoxLayout, QWidget
 
-from app.viewmodels.datasets import DatasetTable, stats_bars
+from app.viewmodels.datasets import DatasetTable, column_stats, stats_bars
 
 COLOURS = ["#1f77b4", "#ff7f0e", "#9467bd", "#2ca02c", "#7f7f7f"]
+COLUMN_HEADERS = ["column", "role", "filled", "missing", "mean", "std", "min", "max", "groups"]
 
 
 class StatsTab(QWidget):
@@ -22,8 +25,13 @@ class StatsTab(QWidget):
         self.text = QLabel()
         self.text.setWordWrap(True)
         layout = QVBoxLayout(self)
+        self.columns = QTableWidget(0, len(COLUMN_HEADERS))
+        self.columns.setHorizontalHeaderLabels(COLUMN_HEADERS)
+        self.columns.setEditTriggers(QTableWidget.EditTrigger.NoEditTriggers)
+        self.columns.hide()
         layout.addWidget(self.plot, 1)
         layout.addWidget(self.text)
+        layout.addWidget(self.columns, 1)
 
     def set_table(self, table: DatasetTable | None) -> None:
         """Counted lazily: `fill` runs when the tab is first shown for this table."""
@@ -31,6 +39,8 @@ class StatsTab(QWidget):
         self.plot.clear()
         self.legend.clear()
         self.text.clear()
+        self.columns.setRowCount(0)
+        self.columns.hide()
 
     def fill(self) -> None:
         self.plot.clear()
@@ -47,3 +57,16 @@ class StatsTab(QWidget):
         axis = self.plot.getAxis("bottom")
         axis.setTicks([[(i + 0.4 - width / 2, label) for i, label in enumerate(bars.labels)]])
         self.text.setText("  ·  ".join(f"{s}: {n}" for s, n in bars.totals.items()))
+        self.fill_columns()
+
+    def fill_columns(self) -> None:
+        stats = column_stats(self.table)
+        self.columns.setRowCount(len(stats))
+        for i, stat in enumerate(stats):
+            cells = [stat.column, stat.role, stat.filled, stat.missing, stat.mean, stat.std,
+                     stat.minimum, stat.maximum, stat.distinct]
+            for j, value in enumerate(cells):
+                text = "" if value is None else (f"{value:.4g}" if isinstance(value, float)
+                                                 else str(value))
+                self.columns.setItem(i, j, QTableWidgetItem(text))
+        self.columns.setVisible(bool(stats))

@@ -41,11 +41,12 @@ def staged_dataset_dir(out_dir: str | os.PathLike) -> Iterator[Path]:
 
 def generate_samples(datasets_dir: str | os.PathLike) -> list[Path]:
     """Every bundled sample dataset, sized for the sample workspace (a few MB in all)."""
-    from engine.data.generators import records, sfx, shapes, text
+    from engine.data.generators import records, sensors, sfx, shapes, text
 
     root = Path(datasets_dir)
     return [text.generate_pirate(root / "pirate"),
             text.generate_style_pairs(root / "style", n=200),
             shapes.generate_shapes(root / "shapes", n=300),
             sfx.generate_sfx(root / "sfx", n_per_class=30),
-            records.generate_records(root / "records")]
+            records.generate_records(root / "records"),
+            sensors.generate_sensors(root / "sensors")]
