@@ -18,7 +18,7 @@ from engine.fsutil import atomic_write_json, read_json
 from engine.rundir import RunDir
 
 NOTES_FILE = "notes.json"  # app-owned: question, notes, selected checkpoint (run.json is immutable)
-TRAIN_FIELDS = ("loss", "grad_norm", "lr", "tokens_per_s", "peak_rss_mb")
+TRAIN_FIELDS = ("loss", "grad_norm", "lr", "tokens_per_s", "mfu", "peak_rss_mb")
 
 
 class JsonlTail:
@@ -184,6 +184,20 @@ class RunSeries:
             if s >= step:
                 return t - (self._t0 or 0.0)
         return None
+
+
+def throughput_text(series: Series, last: int = 20) -> str:
+    """The throughput line beside the charts: mean tokens/s and model FLOPs utilisation (the
+    metrics rows' `mfu`: FLOPs per second over this machine's measured matmul peak) of the
+    last `last` logged steps."""
+    def recent(name: str) -> list[float]:
+        return [v for v in series.values.get(name, [])[-last:] if v == v]
+
+    rates, mfu = recent("tokens_per_s"), recent("mfu")
+    text = f"throughput {sum(rates) / max(len(rates), 1):.0f} tokens/s"
+    if mfu:
+        text += f", MFU {sum(mfu) / len(mfu):.0%}"
+    return text + f" (last {last})"
 
 
 def read_notes(run_dir: Path) -> dict:

@@ -17,7 +17,7 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 
-from app.viewmodels.runs import RunSeries
+from app.viewmodels.runs import RunSeries, throughput_text
 
 PALETTE = ["#1f77b4", "#d62728", "#2ca02c", "#ff7f0e", "#9467bd", "#8c564b", "#17becf"]
 # (metric, title, unit) — loss also draws every eval split.
@@ -181,14 +181,13 @@ class RunCharts(QWidget):
                 parts.append(f"<b>{series.name}</b><br>no metrics yet")
                 continue
             last = {k: v[-1] for k, v in train.values.items() if v}
-            recent = [v for v in train.values.get("tokens_per_s", [])[-20:] if v == v]
             val = series.evals.get("val")
             lines = [f"<b>{series.name}</b>", f"step {train.steps[-1]}",
                      f"train loss {last.get('loss', float('nan')):.4f}"]
             if val and val.values.get("loss"):
                 lines.append(f"val loss {val.values['loss'][-1]:.4f} (step {val.steps[-1]})")
             lines += [f"lr {last.get('lr', float('nan')):.3g}",
-                      f"throughput {sum(recent) / max(len(recent), 1):.0f} tokens/s (last 20)",
+                      throughput_text(train),
                       f"peak memory {max(train.values.get('peak_rss_mb', [0])):.0f} MB",
                       f"checkpoints {len(series.checkpoint_steps)}, "
                       f"invocations {len(series.invocation_steps)}"]

@@ -32,9 +32,9 @@ from engine.train.checkpoint import (
     set_rng_state,
 )
 from engine.train.data_order import DataCursor
-from engine.train.metrics import StepClock, WindowLoss, train_row
+from engine.train.metrics import StepClock, StepUtilisation, WindowLoss, train_row
 from engine.train.optim import build_adamw, clip_and_step, lr_at, set_lr
-from engine.train.precision import autocast
+from engine.train.precision import autocast, run_precision
 
 TOKENIZER_FILE = "tokenizer.json"
 SPLIT_FILES = {"train": "train.txt", "val": "val.txt", "test": "test.txt"}
@@ -141,8 +141,9 @@ class EvalResult:
 
 @torch.no_grad()
 def bits_per_byte(model: Llama, tokenizer, text: str, config: LMPretrainConfig,
-                  max_windows: int = 0) -> EvalResult:
-    """Sum of next-token cross-entropy over the text (in context windows) / ln 2 / bytes.
+                  max_windows: int = 0, precision: str = "f32") -> EvalResult:
+    """Sum of next-token cross-entropy over the text (in context windows) / ln 2 / bytes,
+    computed in `precision` (the run's: engine.train.precision.run_precision).
 
     Every token after <bos> is predicted exactly once, so over a whole split the bytes counted
     equal the text's UTF-8 length whatever the tokenizer.
@@ -159,7 +160,7 @@ def bits_per_byte(model: Llama, tokenizer, text: str, config: LMPretrainConfig,
     batches += [p[None] for p in pieces if len(p) != context + 1]  # the ragged last window
     nats, tokens, n_bytes = 0.0, 0, 0
     for batch in batches:                                          # [B, T+1]
-        with autocast(config.train.autocast):
+        with autocast(precision):
             logits = model(batch[:, :-1])                          # [B, T, V]
         targets = batch[:, 1:]
         nats += float(F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(),
@@ -173,7 +174,8 @@ def evaluate(run: RunDir, checkpoint: Checkpoint, split: str) -> dict:
     """Bits per byte of a checkpoint on the whole val or test split; writes
     evals/<split>-<checkpoint>.json and a metrics line."""
     model, tokenizer, config = load_model(run, checkpoint)
-    result = bits_per_byte(model, tokenizer, read_split(config, split), config)
+    result = bits_per_byte(model, tokenizer, read_split(config, split), config,
+                           precision=run_precision(run, config))
     record = {"split": split, "checkpoint": checkpoint.name, "step": checkpoint.step,
               "loss": result.loss, "bpb": result.bpb, "tokens": result.tokens,
               "bytes": result.bytes, "source": "forgebench eval"}
@@ -305,7 +307,8 @@ def train(job: Job) -> None:
         nonlocal best
         job.stage = "eval"
         model.eval()
-        result = bits_per_byte(model, tokenizer, val_text, config, config.eval.max_windows)
+        result = bits_per_byte(model, tokenizer, val_text, config, config.eval.max_windows,
+                               precision)
         model.train()
         run.log_metric({"invocation": job.invocation, "step": step, "split": "val",
                         "loss": result.loss, "bpb": result.bpb, "tokens": result.tokens,
@@ -315,6 +318,8 @@ def train(job: Job) -> None:
             run.set_status(run.status().get("state", "running"),
                            best_checkpoint=best["checkpoint"])
 
+    precision = run_precision(run, config)          # "auto" was resolved when the run started
+    utilisation = StepUtilisation(precision, job.threads)
     clock = StepClock(elapsed_before)
     last = job.resume_from
     tokens_per_step = tr.batch_size * tr.grad_accum * config.model.context
@@ -325,11 +330,12 @@ def train(job: Job) -> None:
                    schedule=opt.schedule, min_lr_ratio=opt.min_lr_ratio)
         set_lr(optimizer, lr)
         window = WindowLoss()
+        utilisation.begin()
         for _ in range(tr.grad_accum):
             job.stage = "forward"
             batch = train_windows[cursor.take(tr.batch_size)]            # [B, T+1]
             inputs, targets = batch[:, :-1], batch[:, 1:]
-            with autocast(config.train.autocast):
+            with autocast(precision):
                 logits = model(inputs)                                 # [B, T, V]
             loss_sum = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(),
                                        reduction="sum")
@@ -342,12 +348,13 @@ def train(job: Job) -> None:
         skipped_total += outcome.skipped
         step += 1
         tokens_per_s = clock.tick(window.tokens)
+        flops = utilisation.step(window.tokens, clock.seconds)
         if step % config.log_every == 0 or step == config.steps:
             run.log_metric(train_row(
                 invocation=job.invocation, step=step, loss=window.value, outcome=outcome,
                 skipped_total=skipped_total, lr=lr, elapsed_s=clock.elapsed,
                 input_tokens=tokens_per_step, supervised_tokens=window.tokens,
-                tokens_per_s=tokens_per_s))
+                tokens_per_s=tokens_per_s, utilisation=flops))
         bar.update(1)
         bar.set_postfix(loss=f"{window.value:.3f}", lr=f"{lr:.2e}")
         job.step_done(step)

@@ -50,9 +50,9 @@ from engine.train.checkpoint import (
 )
 from engine.train.data_order import DataCursor
 from engine.train.loss import IGNORE, supervised_loss
-from engine.train.metrics import StepClock, WindowLoss, train_row
+from engine.train.metrics import StepClock, StepUtilisation, WindowLoss, train_row
 from engine.train.optim import build_adamw, clip_and_step, lr_at, set_lr
-from engine.train.precision import autocast
+from engine.train.precision import autocast, run_precision
 
 BYTES_PER_FULL_PARAM = 16  # f32 weight + grad + two AdamW moments
 
@@ -405,6 +405,8 @@ def train(job: Job) -> None:
         return save_checkpoint(run, step, model_tensors=model.state_dict(), optimizer=optimizer,
                                trainer_state=trainer_state, keep_last=config.keep_last)
 
+    precision = run_precision(run, config)          # "auto" was resolved when the run started
+    utilisation = StepUtilisation(precision, job.threads)
     clock = StepClock(elapsed_before)
     model.train()
     bar = job.progress(config.steps, initial=step)
@@ -415,12 +417,13 @@ def train(job: Job) -> None:
         window = [samples[i] for i in cursor.take(tr.window)]
         supervised = sum(s.n_supervised for s in window)
         loss, input_tokens = WindowLoss(), 0
+        utilisation.begin()
         for micro, start in enumerate(range(0, len(window), tr.micro_batch)):
             job.stage = "forward"
             if adapters:
                 model.lora_clock.set(step, micro)
             inputs, labels, lengths = pack(window[start:start + tr.micro_batch])   # [T]
-            with autocast(config.train.autocast):
+            with autocast(precision):
                 loss_sum = supervised_loss(model, inputs, labels, lengths)
             job.stage = "backward"
             (loss_sum / supervised).backward()   # token-weighted over the whole window
@@ -432,12 +435,13 @@ def train(job: Job) -> None:
         skipped_total += outcome.skipped
         step += 1
         tokens_per_s = clock.tick(loss.tokens)
+        flops = utilisation.step(input_tokens, clock.seconds)
         if step % config.log_every == 0 or step == config.steps:
             run.log_metric(train_row(
                 invocation=job.invocation, step=step, loss=loss.value, outcome=outcome,
                 skipped_total=skipped_total, lr=lr, elapsed_s=clock.elapsed,
                 input_tokens=input_tokens, supervised_tokens=loss.tokens,
-                tokens_per_s=tokens_per_s))
+                tokens_per_s=tokens_per_s, utilisation=flops))
         bar.update(1)
         bar.set_postfix(loss=f"{loss.value:.4f}", lr=f"{lr:.2e}")
         job.step_done(step)
@@ -478,7 +482,7 @@ def evaluate(run: RunDir, checkpoint: Checkpoint, split: str) -> dict:
     total = WindowLoss()
     for start in range(0, len(samples), config.train.micro_batch):
         inputs, labels, lengths = pack(samples[start:start + config.train.micro_batch])
-        with autocast(config.train.autocast):
+        with autocast(run_precision(run, config)):
             total.add(float(supervised_loss(base.model, inputs, labels, lengths)),
                       int((labels != IGNORE).sum()))
     record = {"split": split, "checkpoint": checkpoint.name, "step": checkpoint.step,
