@@ -13,13 +13,15 @@ on the same token ids, each in its own process so peak RSS is its own:
   samples as one padded batch (what a Trainer with batch size 5 does), at the engine's
   precision.
 
-Both processes load first, then take turns, one optimizer step each, the order swapped every
-round, so a shared machine's load falls on both alike; a matmul peak is measured between the
-rounds the same way. Prints, per thread count, supervised tokens/s, s/step (median, the first
-step excluded), CPU s/step (process CPU time, all threads), peak RSS, the engine's model FLOPs
-utilisation (in wall time against that peak, and in CPU time per thread against the
-machine's cached CPU-time peak that the recipe's metrics rows use), the load average and the
-CPU's bf16 units.
+Both children inherit the engine's thread policy (OMP_WAIT_POLICY=PASSIVE, set in
+engine/__init__.py unless the caller set one), PEFT included, so neither loses its threads to
+spinning on a shared machine. Both processes load first, then take turns, one optimizer step
+each, the order swapped every round, so a shared machine's load falls on both alike; a matmul
+peak is measured between the rounds the same way. Prints, per thread count, supervised tokens/s,
+s/step (median, the first step excluded), CPU s/step (process CPU time, all threads), peak RSS,
+the engine's model FLOPs utilisation (in wall time against that peak, and in CPU time per thread
+against the machine's cached CPU-time peak that the recipe's metrics rows use), the load average
+and the CPU's bf16 units.
 
 `--profile` instead trains a few engine steps in this process under torch.profiler and prints
 where a step's time goes, by region (base matmuls forward and dx, LoRA, attention, norms and
@@ -178,7 +180,8 @@ class Side:
 
     def __init__(self, name: str, argv: list[str]):
         self.name, self.steps = name, []
-        env = dict(os.environ, PYTHONPATH=str(REPO))
+        env = dict(os.environ, PYTHONPATH=str(REPO), TQDM_DISABLE="1",
+                   OMP_WAIT_POLICY=os.environ["OMP_WAIT_POLICY"])   # the engine's, for both
         self.proc = subprocess.Popen([sys.executable, __file__, *argv], stdin=subprocess.PIPE,
                                      stdout=subprocess.PIPE, text=True, env=env, cwd=REPO)
 

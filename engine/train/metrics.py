@@ -4,7 +4,7 @@ metrics row").
 
 Model FLOPs utilisation (MFU) is a step's model FLOPs per second of wall time over this machine's
 peak: `StepFlops` counts the FLOPs of the matmuls, convolutions and attention a step executes
-(torch's FlopCounterMode, plus formulas for the CPU ops it does not know), and
+(from the shapes torch.profiler records), and
 `peak_matmul_flops` measures the peak once per machine, thread count and dtype with a large
 square matmul, timed in CPU time per thread so that a shared machine's load does not lower it,
 cached in forgebench's cache folder. MFU itself is over wall time: on a busy machine it says
@@ -162,55 +162,66 @@ def peak_matmul_flops(precision: str, threads: int) -> float:
     return value
 
 
-# FlopCounterMode hands a formula the shapes of the op's tensor arguments
-def _attention_flops(query, key, value, *args, out_shape=None, **kwargs) -> int:
-    from torch.utils.flop_counter import sdpa_flop_count
-
-    return sdpa_flop_count(query, key, value)
-
-
-def _attention_backward_flops(grad_out, query, key, value, *args, out_shape=None,
-                              **kwargs) -> int:
-    from torch.utils.flop_counter import sdpa_backward_flop_count
-
-    return sdpa_backward_flop_count(grad_out, query, key, value)
+def _product(shape) -> int:
+    out = 1
+    for n in shape:
+        out *= n
+    return out
 
 
-def _addmm_flops(self, mat1, mat2, *args, out_shape=None, **kwargs) -> int:
-    return 2 * mat1[0] * mat1[1] * mat2[1]
+def op_flops(name: str, shapes: list) -> int:
+    """FLOPs of one profiled aten op from its input shapes: matmuls (2·m·k·n), CPU flash
+    attention forward and backward (torch's own formulas), and a convolution counted at its
+    backward (forward, dx and dw: 3 × 2 · output elements · weight elements per output
+    channel); anything else counts nothing."""
+    from torch.utils.flop_counter import sdpa_backward_flop_count, sdpa_flop_count
 
-
-@functools.lru_cache(maxsize=1)
-def _register_cpu_formulas() -> None:
-    """FlopCounterMode knows aten.addmm but not the in-place addmm_ (the fused LM-head loss
-    accumulates with it), nor CPU flash attention: count them with torch's own formulas."""
-    import torch
-    from torch.utils.flop_counter import flop_registry, register_flop_formula
-
-    aten = torch.ops.aten
-    extra = {aten.addmm_: _addmm_flops,
-             aten._scaled_dot_product_flash_attention_for_cpu: _attention_flops,
-             aten._scaled_dot_product_flash_attention_for_cpu_backward: _attention_backward_flops}
-    for op, formula in extra.items():
-        if op not in flop_registry:
-            register_flop_formula(op)(formula)
+    if name == "aten::mm":
+        (m, k), (_, n) = shapes[0], shapes[1]
+        return 2 * m * k * n
+    if name in ("aten::addmm", "aten::addmm_"):
+        (m, k), (_, n) = shapes[1], shapes[2]
+        return 2 * m * k * n
+    if name == "aten::bmm":
+        (b, m, k), (_, _, n) = shapes[0], shapes[1]
+        return 2 * b * m * k * n
+    if name in ("aten::baddbmm", "aten::baddbmm_"):
+        (b, m, k), (_, _, n) = shapes[1], shapes[2]
+        return 2 * b * m * k * n
+    if name == "aten::_scaled_dot_product_flash_attention_for_cpu":
+        return sdpa_flop_count(*shapes[:3])
+    if name == "aten::_scaled_dot_product_flash_attention_for_cpu_backward":
+        return sdpa_backward_flop_count(*shapes[:4])
+    if name == "aten::convolution_backward":
+        grad_out, weight = shapes[0], shapes[2]
+        return 3 * 2 * _product(grad_out) * _product(weight[1:])
+    return 0
 
 
 class StepFlops:
     """`with StepFlops() as count: <forward and backward>` then `count.total`: the FLOPs of the
-    matmuls, convolutions and attention executed inside (recomputation included)."""
+    matmuls, convolutions and attention executed inside (recomputation included).
+
+    torch.profiler records each op's input shapes without touching the arithmetic (torch's
+    FlopCounterMode, a dispatch mode, changes the last bits of some results, which would break
+    exact resume). Inside another profiling session nothing is counted (total 0)."""
 
     def __enter__(self) -> "StepFlops":
-        from torch.utils.flop_counter import FlopCounterMode
+        import torch
+        from torch.profiler import ProfilerActivity, profile
 
-        _register_cpu_formulas()
-        self._mode = FlopCounterMode(display=False)
-        self._mode.__enter__()
+        self.total = 0
+        self._profile = None
+        if not torch._C._autograd._profiler_enabled():
+            self._profile = profile(activities=[ProfilerActivity.CPU], record_shapes=True)
+            self._profile.__enter__()
         return self
 
     def __exit__(self, *exc) -> None:
-        self._mode.__exit__(*exc)
-        self.total = int(self._mode.get_total_flops())
+        if self._profile is None:
+            return
+        self._profile.__exit__(*exc)
+        self.total = sum(op_flops(e.name, e.input_shapes) for e in self._profile.events())
 
 
 class StepUtilisation:
