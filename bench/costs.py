@@ -25,8 +25,11 @@ KINDS = {
 
 
 def kind_of(op: str) -> str:
+    """The kind of an aten op: its in-place form counts as the op, a name ending in "_" in
+    KINDS as a prefix (aten::_foreach_mul_, ...)."""
+    plain = op.removesuffix("_")
     for kind, names in KINDS.items():
-        if any(op == n or (n.endswith("_") and op.startswith(n)) for n in names):
+        if any(n in (op, plain) or (n.endswith("_") and op.startswith(n)) for n in names):
             return kind
     return op
 
