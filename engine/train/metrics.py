@@ -222,6 +222,7 @@ class StepFlops:
             return
         self._profile.__exit__(*exc)
         self.total = sum(op_flops(e.name, e.input_shapes) for e in self._profile.events())
+        self._profile = None            # its event records are large: keep only the count
 
 
 class StepUtilisation:
