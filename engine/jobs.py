@@ -33,6 +33,7 @@ from engine.errors import ForgebenchError
 from engine.fsutil import sha256_file
 from engine.paths import require_writable_dir
 from engine.rundir import Checkpoint, RunDir
+from engine.train.precision import requested_precision, resolve_precision
 
 ENGINE_DIR = Path(__file__).resolve().parent
 
@@ -150,6 +151,7 @@ def start_run(config: Schema, out_dir: str | os.PathLike, argv: list[str], *,
     base = base_model_of(config, module)
     threads = threads or default_threads()
     files = code_files()
+    requested = requested_precision(config)
     manifest = {
         "recipe": config.recipe,
         "config": config.model_dump(mode="json"),
@@ -158,6 +160,8 @@ def start_run(config: Schema, out_dir: str | os.PathLike, argv: list[str], *,
         "code_version": code_version(files),
         "code_files": files,
         "environment": environment(threads, devices.describe(device), world_size),
+        # "auto" resolved once, here: every invocation of the run computes in this precision
+        "precision": resolve_precision(requested).as_dict() if requested else None,
         "argv": list(argv),
         "created": time.time(),
     }

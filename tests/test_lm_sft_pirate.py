@@ -1,6 +1,7 @@
 """The pirate LoRA acceptance demo on the real Gemma 3 270M Q4_K_M (FORGEBENCH_REAL=1):
 rank 8 on q+v, alpha 16, lr 1e-3, no dropout, 30 steps, each a token-weighted window over all
-five pairs. The loss must fall below 0.1 and the AFTER answer to a held prompt open "Ahoy"."""
+five pairs, in precision "auto". The loss must fall below 0.1 and the AFTER answer to a held
+prompt open "Ahoy"."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import pytest
 from lm_pretrain_support import REPO, forgebench
 
 from engine.fsutil import sha256_file
+from engine.train.precision import resolve_precision
 
 pytestmark = [pytest.mark.realmodel, pytest.mark.slow]
 
@@ -43,5 +45,12 @@ def test_pirate_demo_on_gemma3_270m(tmp_path):
               (run / "samples" / "step-000000" / "generations.jsonl").read_text().splitlines()]
     assert not before[0]["answer"].lstrip().startswith("Ahoy")
     assert sha256_file(gguf) == base_sha
+    # precision "auto": bf16 autocast where this CPU has AVX512-BF16 or AMX, f32 elsewhere
+    manifest = json.loads((run / "run.json").read_text())
+    assert manifest["config"]["train"]["precision"] == "auto"
+    assert manifest["precision"] == resolve_precision("auto").as_dict()
+    assert all(0 < m["mfu"] and m["flops"] > 0 for m in metrics if m.get("split") == "train")
+    print("precision:", manifest["precision"]["precision"], "-", manifest["precision"]["reason"])
+    print("MFU:", " ".join(f"{m['mfu']:.0%}" for m in metrics if m.get("split") == "train"))
     print("loss curve:", " ".join(f"{x:.3f}" for x in losses))
     print("AFTER:", held["answer"])

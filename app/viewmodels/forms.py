@@ -67,6 +67,16 @@ class FieldSpec:
         return self.name.rsplit(".", 1)[0] if "." in self.name else ""
 
     @property
+    def note(self) -> str:
+        """A line the form shows under the editor: what precision "auto" becomes here."""
+        if self.name.rsplit(".", 1)[-1] != "precision" or "auto" not in self.choices:
+            return ""
+        from engine.train.precision import resolve_precision
+
+        choice = resolve_precision("auto")
+        return f"auto = {choice.precision} on this machine ({choice.reason[len('auto: '):]})"
+
+    @property
     def path_kind(self) -> str | None:
         """folder | file | any for a field naming something on disk, else None."""
         return PATH_FIELDS.get(self.name) if self.kind == "str" else None

@@ -19,7 +19,7 @@ from engine.fsutil import atomic_write_json, read_json
 from engine.rundir import RunDir
 
 NOTES_FILE = "notes.json"  # app-owned: question, notes, selected checkpoint (run.json is immutable)
-TRAIN_FIELDS = ("loss", "grad_norm", "lr", "tokens_per_s", "examples_per_s", "peak_rss_mb",
+TRAIN_FIELDS = ("loss", "grad_norm", "lr", "tokens_per_s", "examples_per_s", "mfu", "peak_rss_mb",
                 "rank_tokens_per_s",
                 "world_size",
                 "reward_margin", "preference_accuracy", "chosen_logp", "rejected_logp")  # lm-dpo
@@ -200,6 +200,22 @@ class RunSeries:
             if s >= step:
                 return t - (self._t0 or 0.0)
         return None
+
+
+def throughput_text(series: Series, metric: str = "tokens_per_s", unit: str = "tokens/s",
+                    last: int = 20) -> str:
+    """The throughput line beside the charts: the mean of `metric` (RunSeries.throughput: tokens
+    or samples per second) and model FLOPs utilisation (the metrics rows' `mfu`: FLOPs per
+    second over this machine's measured matmul peak) of the last `last` logged steps."""
+    def recent(name: str) -> list[float]:
+        return [v for v in series.values.get(name, [])[-last:] if v == v]
+
+    rates, mfu = recent(metric), recent("mfu")
+    mean = sum(rates) / max(len(rates), 1)
+    text = f"throughput {mean:.0f} {unit}" if mean >= 10 else f"throughput {mean:.3g} {unit}"
+    if mfu:
+        text += f", MFU {sum(mfu) / len(mfu):.0%}"
+    return text + f" (last {last})"
 
 
 def read_notes(run_dir: Path) -> dict:

@@ -21,7 +21,7 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 
-from app.viewmodels.runs import RunSeries
+from app.viewmodels.runs import RunSeries, throughput_text
 
 PALETTE = ["#1f77b4", "#d62728", "#2ca02c", "#ff7f0e", "#9467bd", "#8c564b", "#17becf"]
 # (metric, title, unit) — loss also draws every eval split.
@@ -204,14 +204,13 @@ class RunCharts(QWidget):
                 continue
             last = {k: v[-1] for k, v in train.values.items() if v}
             metric, unit = series.throughput
-            recent = [v for v in train.values.get(metric, [])[-20:] if v == v]
             val = series.evals.get("val")
             lines = [f"{swatch}<b>{series.name}</b>", f"step {train.steps[-1]}",
                      f"train loss {last.get('loss', float('nan')):.4f}"]
             if val and val.values.get("loss"):
                 lines.append(f"val loss {val.values['loss'][-1]:.4f} (step {val.steps[-1]})")
             lines += [f"lr {last.get('lr', float('nan')):.3g}",
-                      f"throughput {sum(recent) / max(len(recent), 1):.3g} {unit} (last 20)"]
+                      throughput_text(train, metric, unit)]
             per_rank = last.get("rank_tokens_per_s", float("nan"))
             if per_rank == per_rank:          # logged by multi-process runs only
                 lines.append(f"per rank {per_rank:.0f} tokens/s × "

@@ -131,6 +131,11 @@ class RecipeFormWidget(QScrollArea):
             col.setContentsMargins(0, 0, 0, 0)
             col.setSpacing(1)
             col.addWidget(field)
+            if spec.note:
+                note = QLabel(spec.note)
+                note.setWordWrap(True)
+                note.setStyleSheet("color: #666;")
+                col.addWidget(note)
             col.addWidget(error)
             label = QLabel(spec.label + ("" if not spec.required else " *"))
             label.setToolTip(spec.description)

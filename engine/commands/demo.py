@@ -39,7 +39,7 @@ def seconds_per_step(config) -> float:
     for _ in range(3):
         start = time.perf_counter()
         for _ in range(config.train.grad_accum):
-            with autocast(config.train.autocast):
+            with autocast(config.train.precision):
                 logits = model(tokens[:, :-1])
             F.cross_entropy(logits.float().flatten(0, 1), tokens[:, 1:].flatten()).backward()
         optimizer.step()

@@ -84,7 +84,8 @@ RETURNS = {"cpu_features": ([], _I64),
                           _INT)}
 
 
-def _cache_dir() -> Path:
+def cache_dir() -> Path:
+    """Where forgebench keeps what it builds or measures once per machine."""
     return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "forgebench"
 
 
@@ -97,7 +98,7 @@ def kernels() -> ctypes.CDLL | None:
     if cc is None:
         return None
     key = hashlib.sha256(SOURCE.read_bytes() + " ".join([cc, *FLAGS]).encode()).hexdigest()[:16]
-    lib_path = _cache_dir() / f"ggml_kernels-{key}.so"
+    lib_path = cache_dir() / f"ggml_kernels-{key}.so"
     if not lib_path.exists():
         tmp = lib_path.with_name(f"{lib_path.name}.{os.getpid()}.tmp")
         try:

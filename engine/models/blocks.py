@@ -37,8 +37,32 @@ class RMSNorm(nn.Module):
             mean = ((xf * xf).double().sum(-1, keepdim=True) / xf.shape[-1]).float()
             scale = rsqrt_f32(mean + torch.tensor(self.eps, dtype=torch.float32))
             return ((xf * scale) * self.weight.float()).to(x.dtype)
+        if torch.is_grad_enabled() and (xf.requires_grad or self.weight.requires_grad):
+            return _RMSNormFunction.apply(xf, self.weight.to(xf.dtype), self.eps).to(x.dtype)
         y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         return (y * self.weight.to(xf.dtype)).to(x.dtype)
+
+
+class _RMSNormFunction(torch.autograd.Function):
+    """RMSNorm for training: the same forward arithmetic as RMSNorm.forward, and a backward of
+    four elementwise passes (dx = rstd·(g − x̂·mean(g·x̂)), g = dy·w) instead of the dozen
+    autograd nodes of pow, mean, rsqrt and the products; ~100 norms a step in Gemma."""
+
+    @staticmethod
+    def forward(ctx, x, weight, eps):
+        rstd = torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+        normed = x * rstd
+        ctx.save_for_backward(normed, rstd, weight)
+        return normed * weight
+
+    @staticmethod
+    def backward(ctx, dy):
+        normed, rstd, weight = ctx.saved_tensors
+        g = dy * weight
+        dx = (g - normed * (g * normed).mean(-1, keepdim=True)).mul_(rstd)
+        dw = (dy * normed).reshape(-1, weight.shape[-1]).sum(0) if ctx.needs_input_grad[1] \
+            else None
+        return dx, dw, None
 
 
 def rope_tables(positions: torch.Tensor, rot_dim: int, base: float,

@@ -54,7 +54,7 @@ from engine.train.lm_base import (
 )
 from engine.train.metrics import StepClock, train_row
 from engine.train.optim import build_adamw, clip_and_step, lr_at, set_lr
-from engine.train.precision import autocast
+from engine.train.precision import autocast, run_precision
 from engine.train.preference import PreferenceLoss, preference_loss, sequence_logps
 
 REFERENCE_FILE = "reference_logps.json"   # the reference's log-probs, computed once per run
@@ -221,7 +221,8 @@ def reference_key(manifest: dict, config: LMDPOConfig, report: dict) -> str:
     base's SHA-256, and how the pairs were encoded and computed."""
     ingredients = {"data": manifest["data"], "base_sha256": manifest["base_model"]["sha256"],
                    "encoding": config.data.model_dump(mode="json"),
-                   "autocast": config.train.autocast, "pairs": report["kept"]}
+                   "precision": (manifest.get("precision") or {}).get("precision")
+                   or config.train.precision, "pairs": report["kept"]}
     return hashlib.sha256(json.dumps(ingredients, sort_keys=True).encode()).hexdigest()
 
 
@@ -243,7 +244,7 @@ def reference_logps(job: Job, config: LMDPOConfig, model, pairs: list[EncodedPai
                 for side in ("chosen", "rejected")}
     job.announce("reference", f"reference log-probs of {len(pairs)} pairs (once; cached)")
     bar = job.progress(len(pairs), desc="reference")
-    values = pair_logps(model, pairs, config.train.micro_batch, config.train.autocast, bar)
+    values = pair_logps(model, pairs, config.train.micro_batch, run_precision(run, config), bar)
     bar.close()
     atomic_write_json(path, {"key": key, "pairs": len(pairs),
                              **{side: v.tolist() for side, v in values.items()}})
@@ -280,6 +281,7 @@ class WindowStats:
 def train(job: Job) -> None:
     config: LMDPOConfig = job.config
     run, opt, tr = job.run, config.optim, config.train
+    precision = run_precision(run, config)          # "auto" was resolved when the run started
     torch.manual_seed(config.seed)
     base_sha = run.manifest()["base_model"]["sha256"]
     settings = PreferenceLoss(**config.dpo.model_dump())
@@ -346,7 +348,7 @@ def train(job: Job) -> None:
             job.stage = "forward"
             chunk = indices[first:first + tr.micro_batch]
             window = [pairs[i] for i in chunk]
-            with autocast(tr.autocast):
+            with autocast(precision):
                 chosen, rejected, chosen_n, rejected_n = forward_pairs(model, window)
             terms = preference_loss(settings, chosen, rejected, reference["chosen"][chunk],
                                     reference["rejected"][chunk], chosen_n, rejected_n)
@@ -397,7 +399,7 @@ def evaluate(run: RunDir, checkpoint: Checkpoint, split: str) -> dict:
     config = run_config(run)
     base, adapters, _ = load_start(config)
     pairs, report = encode_pairs(config, base, split=split)
-    mb, precision = config.train.micro_batch, config.train.autocast
+    mb, precision = config.train.micro_batch, run_precision(run, config)
     reference = pair_logps(base.model, pairs, mb, precision)
     apply_weights(checkpoint, base.model, adapters, run.manifest()["base_model"]["sha256"])
     policy = pair_logps(base.model, pairs, mb, precision)

@@ -34,9 +34,9 @@ from engine.train.checkpoint import (
 )
 from engine.train.data_order import DataCursor
 from engine.train.devices import module_device, require_bf16, to_device
-from engine.train.metrics import StepClock, WindowLoss, train_row
+from engine.train.metrics import StepClock, StepUtilisation, WindowLoss, train_row
 from engine.train.optim import build_adamw, clip_and_step, lr_at, set_lr
-from engine.train.precision import autocast
+from engine.train.precision import autocast, run_precision
 
 CUDA = True            # trains on a GPU (engine/train/devices.py)
 MULTI_PROCESS = True   # and on several processes: DDP (engine/train/distributed.py)
@@ -145,8 +145,9 @@ class EvalResult:
 
 @torch.no_grad()
 def bits_per_byte(model: Llama, tokenizer, text: str, config: LMPretrainConfig,
-                  max_windows: int = 0) -> EvalResult:
-    """Sum of next-token cross-entropy over the text (in context windows) / ln 2 / bytes.
+                  max_windows: int = 0, precision: str = "f32") -> EvalResult:
+    """Sum of next-token cross-entropy over the text (in context windows) / ln 2 / bytes,
+    computed in `precision` (the run's: engine.train.precision.run_precision).
 
     Every token after <bos> is predicted exactly once, so over a whole split the bytes counted
     equal the text's UTF-8 length whatever the tokenizer.
@@ -165,7 +166,7 @@ def bits_per_byte(model: Llama, tokenizer, text: str, config: LMPretrainConfig,
     device = module_device(model)
     for batch in batches:                                          # [B, T+1]
         batch = to_device(batch, device)
-        with autocast(config.train.autocast, device.type):
+        with autocast(precision, device.type):
             logits = model(batch[:, :-1])                          # [B, T, V]
         targets = batch[:, 1:]
         nats += float(F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(),
@@ -179,7 +180,8 @@ def evaluate(run: RunDir, checkpoint: Checkpoint, split: str) -> dict:
     """Bits per byte of a checkpoint on the whole val or test split; writes
     evals/<split>-<checkpoint>.json and a metrics line."""
     model, tokenizer, config = load_model(run, checkpoint)
-    result = bits_per_byte(model, tokenizer, read_split(config, split), config)
+    result = bits_per_byte(model, tokenizer, read_split(config, split), config,
+                           precision=run_precision(run, config))
     record = {"split": split, "checkpoint": checkpoint.name, "step": checkpoint.step,
               "loss": result.loss, "bpb": result.bpb, "tokens": result.tokens,
               "bytes": result.bytes, "source": "forgebench eval"}
@@ -266,7 +268,8 @@ def train(job: Job) -> None:
     config: LMPretrainConfig = job.config
     run, opt, tr = job.run, config.optim, config.train
     device, world = job.device, job.world
-    require_bf16(tr.autocast, device, "field 'train.autocast'")
+    precision = run_precision(run, config)          # "auto" was resolved when the run started
+    require_bf16(precision, device, "field 'train.precision'")
     torch.manual_seed(config.seed)
 
     # Tokenizer: trained once at the start, then always read back from the checkpoint.
@@ -317,7 +320,8 @@ def train(job: Job) -> None:
         nonlocal best
         job.stage = "eval"
         model.eval()
-        result = bits_per_byte(model, tokenizer, val_text, config, config.eval.max_windows)
+        result = bits_per_byte(model, tokenizer, val_text, config, config.eval.max_windows,
+                               precision)
         model.train()
         run.log_metric({"invocation": job.invocation, "step": step, "split": "val",
                         "loss": result.loss, "bpb": result.bpb, "tokens": result.tokens,
@@ -327,6 +331,7 @@ def train(job: Job) -> None:
             run.set_status(run.status().get("state", "running"),
                            best_checkpoint=best["checkpoint"])
 
+    utilisation = StepUtilisation(precision, job.threads)
     clock = StepClock(elapsed_before)
     last = job.resume_from
     tokens_per_step = tr.batch_size * tr.grad_accum * config.model.context
@@ -339,6 +344,7 @@ def train(job: Job) -> None:
                    schedule=opt.schedule, min_lr_ratio=opt.min_lr_ratio)
         set_lr(optimizer, lr)
         window = WindowLoss()
+        utilisation.begin()
         for micro in range(tr.grad_accum):
             job.stage = "forward"
             mine = distributed.shard(cursor.take(tr.batch_size), world, "micro-batch",
@@ -346,7 +352,7 @@ def train(job: Job) -> None:
             batch = to_device(train_windows[mine], device)             # [B / ranks, T+1]
             inputs, targets = batch[:, :-1], batch[:, 1:]
             with distributed.accumulating(trained, last=micro == tr.grad_accum - 1):
-                with autocast(config.train.autocast, device.type):
+                with autocast(precision, device.type):
                     logits = trained(inputs)                           # [B, T, V]
                 loss_sum = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(),
                                            reduction="sum")
@@ -361,12 +367,14 @@ def train(job: Job) -> None:
         skipped_total += outcome.skipped
         step += 1
         tokens_per_s = clock.tick(window.tokens)
+        flops = utilisation.step(window.tokens, clock.seconds)
         if step % config.log_every == 0 or step == config.steps:
             run.log_metric(train_row(
                 invocation=job.invocation, step=step, loss=window.value, outcome=outcome,
                 skipped_total=skipped_total, lr=lr, elapsed_s=clock.elapsed,
                 input_tokens=tokens_per_step, supervised_tokens=window.tokens,
-                tokens_per_s=tokens_per_s, **distributed.rank_throughput(tokens_per_s, world)))
+                tokens_per_s=tokens_per_s, utilisation=flops,
+                **distributed.rank_throughput(tokens_per_s, world)))
         bar.update(1)
         bar.set_postfix(loss=f"{window.value:.3f}", lr=f"{lr:.2e}")
         job.step_done(step)

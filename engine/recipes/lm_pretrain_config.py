@@ -10,6 +10,7 @@ from typing import Literal
 from pydantic import Field, model_validator
 
 from engine.config import RecipeConfig, Schema
+from engine.train.precision import migrate_autocast
 
 
 class DataSection(Schema):
@@ -62,7 +63,14 @@ class OptimSection(Schema):
 class TrainSection(Schema):
     batch_size: int = Field(16, ge=1, description="windows per micro-batch")
     grad_accum: int = Field(1, ge=1, description="micro-batches per optimizer step")
-    autocast: Literal["none", "bf16"] = Field("none", description="bf16 autocast for matmuls")
+    precision: Literal["auto", "f32", "bf16"] = Field(
+        "auto", description="auto: bf16 autocast where the CPU has AVX512-BF16 or AMX, "
+                            "else f32 (the choice is recorded in run.json)")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _read_autocast(cls, values):
+        return migrate_autocast(values)
 
 
 class EvalSection(Schema):

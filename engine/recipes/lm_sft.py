@@ -40,9 +40,9 @@ from engine.train.lm_base import (
     write_generations,
 )
 from engine.train.loss import IGNORE, SupervisedLoss, supervised_loss
-from engine.train.metrics import StepClock, WindowLoss, train_row
+from engine.train.metrics import StepClock, StepUtilisation, WindowLoss, train_row
 from engine.train.optim import build_adamw, clip_and_step, lr_at, set_lr
-from engine.train.precision import autocast
+from engine.train.precision import autocast, run_precision
 
 CUDA = True            # trains on a GPU (engine/train/devices.py)
 MULTI_PROCESS = True   # and on several processes: DDP for LoRA, FSDP2 for full fine-tuning
@@ -54,7 +54,8 @@ def train(job: Job) -> None:
     config: LMSFTConfig = job.config
     run, opt, tr = job.run, config.optim, config.train
     device, world = job.device, job.world
-    require_bf16(tr.autocast, device, "field 'train.autocast'")
+    precision = run_precision(run, config)          # "auto" was resolved when the run started
+    require_bf16(precision, device, "field 'train.precision'")
     torch.manual_seed(config.seed)
     base_sha = run.manifest()["base_model"]["sha256"]
 
@@ -120,6 +121,7 @@ def train(job: Job) -> None:
         return save_checkpoint(run, step, model_tensors=model.state_dict(), optimizer=optimizer,
                                trainer_state=trainer_state, keep_last=config.keep_last)
 
+    utilisation = StepUtilisation(precision, job.threads)
     clock = StepClock(elapsed_before)
     model.train()
     bar = job.progress(config.steps, initial=step)
@@ -134,6 +136,7 @@ def train(job: Job) -> None:
                                                     world, device)[0])
         loss = WindowLoss()
         input_tokens = sum(len(s.input_ids) for s in window)
+        utilisation.begin()
         starts = range(0, len(mine), tr.micro_batch)
         for micro, start in enumerate(starts):
             job.stage = "forward"
@@ -143,7 +146,7 @@ def train(job: Job) -> None:
             tokens = int((labels != IGNORE).sum())
             inputs, labels = to_device(inputs, device), to_device(labels, device)
             with distributed.accumulating(trained, last=micro == len(starts) - 1):
-                with autocast(config.train.autocast, device.type):
+                with autocast(precision, device.type):
                     loss_sum = trained(inputs, labels, lengths)
                 job.stage = "backward"
                 (loss_sum / supervised).backward()   # token-weighted over the whole window
@@ -155,12 +158,14 @@ def train(job: Job) -> None:
         skipped_total += outcome.skipped
         step += 1
         tokens_per_s = clock.tick(loss.tokens)
+        flops = utilisation.step(input_tokens, clock.seconds)
         if step % config.log_every == 0 or step == config.steps:
             run.log_metric(train_row(
                 invocation=job.invocation, step=step, loss=loss.value, outcome=outcome,
                 skipped_total=skipped_total, lr=lr, elapsed_s=clock.elapsed,
                 input_tokens=input_tokens, supervised_tokens=loss.tokens,
-                tokens_per_s=tokens_per_s, **distributed.rank_throughput(tokens_per_s, world)))
+                tokens_per_s=tokens_per_s, utilisation=flops,
+                **distributed.rank_throughput(tokens_per_s, world)))
         bar.update(1)
         bar.set_postfix(loss=f"{loss.value:.4f}", lr=f"{lr:.2e}")
         job.step_done(step)
@@ -198,7 +203,7 @@ def evaluate(run: RunDir, checkpoint: Checkpoint, split: str) -> dict:
     total = WindowLoss()
     for start in range(0, len(samples), config.train.micro_batch):
         inputs, labels, lengths = pack(samples[start:start + config.train.micro_batch])
-        with autocast(config.train.autocast):
+        with autocast(run_precision(run, config)):
             total.add(float(supervised_loss(base.model, inputs, labels, lengths)),
                       int((labels != IGNORE).sum()))
     record = {"split": split, "checkpoint": checkpoint.name, "step": checkpoint.step,

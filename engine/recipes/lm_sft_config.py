@@ -11,6 +11,7 @@ from typing import Literal
 from pydantic import Field, model_validator
 
 from engine.config import RecipeConfig, Schema
+from engine.train.precision import migrate_autocast
 
 
 class ModelSection(Schema):
@@ -87,8 +88,15 @@ class TrainSection(Schema):
     window: int = Field(8, ge=1, description="samples per optimizer step; the loss is summed CE "
                                              "over the window / its supervised tokens")
     micro_batch: int = Field(8, ge=1, description="samples per forward pass (packed, no padding)")
-    autocast: Literal["none", "bf16"] = Field("none", description="bf16 autocast for matmuls")
+    precision: Literal["auto", "f32", "bf16"] = Field(
+        "auto", description="auto: bf16 autocast where the CPU has AVX512-BF16 or AMX, "
+                            "else f32 (the choice is recorded in run.json)")
     activation_checkpointing: bool = Field(False, description="recompute each layer in backward")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _read_autocast(cls, values):
+        return migrate_autocast(values)
 
 
 class SampleSection(Schema):

@@ -30,8 +30,9 @@ class MediaRecipeConfig(RecipeConfig):
     data: DataSection
     optim: OptimSection = Field(default_factory=OptimSection)
     batch_size: int = Field(32, ge=1, description="examples per optimizer step")
-    precision: Literal["fp32", "bf16"] = Field(
-        "fp32", description="bf16 autocast for the forward pass (weights and optimizer stay fp32)")
+    precision: Literal["auto", "fp32", "bf16"] = Field(
+        "auto", description="bf16 autocast for the forward pass (weights and optimizer stay "
+                            "fp32); auto: bf16 where the CPU has AVX512-BF16 or AMX, else fp32")
 
 
 class ImageSection(Schema):

@@ -112,4 +112,4 @@ def require_bf16(precision: str, device: torch.device, where: str) -> None:
     if precision == "bf16" and not bf16_supported(device):
         name = torch.cuda.get_device_name(device)
         raise ForgebenchError(f"{name} has no native bf16 (compute capability 8.0 or later "
-                              "needed)", where=where, hint="set it to \"none\" on this GPU")
+                              "needed)", where=where, hint="set it to \"f32\" on this GPU")

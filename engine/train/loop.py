@@ -28,8 +28,9 @@ from engine.train.checkpoint import (
     set_rng_state,
 )
 from engine.train.data_order import DataCursor
-from engine.train.metrics import StepClock, train_row
+from engine.train.metrics import StepClock, StepUtilisation, train_row
 from engine.train.optim import clip_and_step, lr_at, set_lr
+from engine.train.precision import run_precision
 
 META_FILE = "meta.json"
 EMA_PREFIX = "ema."
@@ -147,6 +148,7 @@ def train_loop(job: Job, loop: Loop) -> None:
             best = {"checkpoint": checkpoint_name(step), "step": step, **result}
             run.set_status("running", best_checkpoint=best["checkpoint"])
 
+    utilisation = StepUtilisation(run_precision(run, config), job.threads)
     clock = StepClock(elapsed_before)
     loop.model.train()
     bar = job.progress(config.steps, initial=step)
@@ -156,6 +158,7 @@ def train_loop(job: Job, loop: Loop) -> None:
         set_lr(loop.optimizer, lr)
         job.stage = "forward"
         indices = cursor.take(config.batch_size)
+        utilisation.begin()
         loss = loop.batch_loss(indices, generator)
         job.stage = "backward"
         loss.backward()
@@ -168,11 +171,13 @@ def train_loop(job: Job, loop: Loop) -> None:
         if loop.ema is not None and not outcome.skipped:
             loop.ema.update(loop.model, step)
         examples_per_s = clock.tick(len(indices))
+        flops = utilisation.step(len(indices), clock.seconds)
         if step % config.log_every == 0 or step == config.steps:
             run.log_metric(train_row(
                 invocation=job.invocation, step=step, loss=value, outcome=outcome,
                 skipped_total=skipped_total, lr=lr, elapsed_s=clock.elapsed,
-                examples=len(indices), examples_per_s=examples_per_s, epoch=cursor.epoch))
+                examples=len(indices), examples_per_s=examples_per_s, epoch=cursor.epoch,
+                utilisation=flops))
         bar.update(1)
         bar.set_postfix(loss=f"{value:.4f}")
         job.step_done(step)

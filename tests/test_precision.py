@@ -1,0 +1,253 @@
+"""precision = "auto": the decision table, this machine's answer, the record in run.json, exact
+resume in bf16; and the FLOP counting and matmul peak behind the MFU in every metrics row."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import torch.nn.functional as F
+from lm_pretrain_support import assert_same_run, forgebench, make_corpus, write_config
+
+from engine.config import validate_config
+from engine.recipes.lm_pretrain_config import TrainSection
+from engine.rundir import RunDir
+from engine.train import metrics
+from engine.train.precision import (
+    autocast,
+    choose_precision,
+    cpu_bf16_features,
+    migrate_autocast,
+    resolve_precision,
+)
+
+AVX2 = frozenset({"avx", "avx2", "fma", "f16c"})
+AVX512 = AVX2 | {"avx512f", "avx512dq", "avx512bw", "avx512vl", "avx512_vnni"}
+
+
+@pytest.mark.parametrize("features, expected", [
+    (frozenset(), "f32"),                                   # not x86 / nothing known
+    (AVX2, "f32"),                                          # AVX2 only: bf16 is emulated
+    (AVX512, "f32"),                                        # AVX-512 without BF16 (this kind)
+    (AVX512 | {"avx512_bf16"}, "bf16"),                     # Zen 4, Cooper Lake
+    (AVX512 | {"amx_bf16", "amx_int8"}, "bf16"),            # Sapphire Rapids and later
+    (AVX512 | {"amx_int8"}, "f32"),                         # AMX-INT8 alone does not multiply bf16
+])
+def test_auto_chooses_bf16_only_with_bf16_units(features, expected):
+    choice = choose_precision("auto", features)
+    assert choice.precision == expected and choice.requested == "auto"
+    assert ("AVX512-BF16 or AMX" in choice.reason) == (expected == "f32")
+
+
+@pytest.mark.parametrize("requested, expected", [("f32", "f32"), ("fp32", "f32"),
+                                                 ("bf16", "bf16")])
+def test_an_explicit_request_is_kept_whatever_the_cpu(requested, expected):
+    for features in (AVX2, AVX512 | {"avx512_bf16"}):
+        assert choose_precision(requested, features).precision == expected
+    assert "emulates" in choose_precision("bf16", AVX2).reason
+    with pytest.raises(ValueError):
+        choose_precision("f16", AVX2)
+
+
+def _cpuinfo_flags() -> set[str]:
+    try:
+        text = open("/proc/cpuinfo").read()
+    except OSError:
+        return set()
+    line = next((x for x in text.splitlines() if x.startswith("flags")), "")
+    return set(line.partition(":")[2].split())
+
+
+def test_this_machine_answers_as_its_cpu_flags_say():
+    """torch's own checks and /proc/cpuinfo agree on the bf16 units; "auto" follows them (f32
+    on an AVX2 or plain AVX-512 machine, bf16 with AVX512-BF16 or AMX)."""
+    flags = _cpuinfo_flags()
+    if not flags:
+        pytest.skip("no /proc/cpuinfo flags to compare with")
+    units = cpu_bf16_features()
+    assert ("avx512_bf16" in units) == ("avx512_bf16" in flags)
+    assert ("amx_bf16" in units) == ("amx_bf16" in flags)
+    expected = "bf16" if units else "f32"
+    assert resolve_precision("auto").precision == expected
+    cast = autocast("auto")
+    assert isinstance(cast, torch.autocast) == (expected == "bf16")
+
+
+def test_configs_default_to_auto_and_old_autocast_keys_still_load():
+    assert TrainSection().precision == "auto"
+    assert TrainSection(autocast="none").precision == "f32"
+    assert TrainSection(autocast="bf16").precision == "bf16"
+    assert migrate_autocast({"precision": "bf16", "autocast": "none"}) == \
+        {"precision": "bf16", "autocast": "none"}      # both given: the schema refuses it
+    with pytest.raises(Exception, match="autocast"):
+        TrainSection(precision="bf16", autocast="none")
+
+
+def _tiny(tmp_path, precision: str | None, steps: int = 6, save_every: int = 0):
+    config = write_config(tmp_path / "tiny.toml", make_corpus(tmp_path), steps=steps,
+                          save_every=save_every)
+    if precision:
+        text = config.read_text().replace("grad_accum = 2\n",
+                                          f'grad_accum = 2\nprecision = "{precision}"\n')
+        config.write_text(text)
+    return config
+
+
+def test_run_json_records_the_choice_and_rows_carry_mfu(tmp_path):
+    config = _tiny(tmp_path, None, steps=3)
+    forgebench("run", str(config), "--out", str(tmp_path / "run"), "--threads", "1")
+    run = RunDir(tmp_path / "run")
+    recorded = run.manifest()["precision"]
+    assert recorded == resolve_precision("auto").as_dict()
+    assert run.manifest()["config"]["train"]["precision"] == "auto"
+    rows = [m for m in run.metrics() if m.get("split") == "train"]
+    # the tiny model's step: every row credited the FLOPs counted on the first one
+    assert len({m["flops"] for m in rows}) == 1 and rows[0]["flops"] > 0
+    for m in rows:
+        assert m["mfu"] == pytest.approx(m["flops_per_s"] / metrics.peak_matmul_flops(
+            recorded["precision"], 1), rel=1e-9)
+
+
+def test_bf16_run_resumes_bit_for_bit(tmp_path):
+    """Exact resume under bf16 autocast (f32 master weights), whatever the CPU: emulated bf16
+    is slow but deterministic."""
+    config = _tiny(tmp_path, "bf16", steps=4, save_every=2)
+    forgebench("run", str(config), "--out", str(tmp_path / "whole"), "--threads", "1")
+    forgebench("run", str(config), "--out", str(tmp_path / "cut"), "--threads", "1",
+               "--stop-after-step", "2")
+    forgebench("resume", str(tmp_path / "cut"))
+    whole, cut = RunDir(tmp_path / "whole"), RunDir(tmp_path / "cut")
+    assert whole.manifest()["precision"]["precision"] == "bf16"
+    assert_same_run(whole, cut, 4)
+
+
+# -- FLOPs and the peak ----------------------------------------------------------------------
+def test_counting_flops_leaves_the_arithmetic_alone():
+    """Counting a step must not change a bit of it (exact resume counts a resumed
+    invocation's first step, the uninterrupted run does not)."""
+    torch.manual_seed(0)
+    x, w = torch.randn(3, 9, 16), torch.randn(24, 16, requires_grad=True)
+    q = torch.randn(1, 4, 9, 8, requires_grad=True)
+
+    def step():
+        y = F.linear(x, w).view(3, 9, 3, 8).transpose(1, 2)
+        out = F.scaled_dot_product_attention(y, y, y, is_causal=True)
+        loss = (out.sum() + F.scaled_dot_product_attention(q, q, q).pow(2).sum())
+        return torch.autograd.grad(loss, (w, q))
+
+    plain = step()
+    with metrics.StepFlops() as count:
+        counted = step()
+    assert count.total > 0
+    assert all(torch.equal(a, b) for a, b in zip(plain, counted))
+
+
+
+def test_step_flops_counts_a_linear_forward_and_backward():
+    x = torch.randn(7, 5, requires_grad=True)
+    w = torch.randn(3, 5, requires_grad=True)
+    with metrics.StepFlops() as count:
+        F.linear(x, w).sum().backward()
+    assert count.total == 3 * 2 * 7 * 5 * 3          # y, dx and dw: three 7x5x3 products
+
+
+def test_step_flops_counts_in_place_addmm_and_cpu_attention():
+    """The fused LM-head loss accumulates with addmm_, attention runs the CPU flash kernel:
+    both are counted, by torch's own formulas for attention."""
+    acc, a, b = torch.zeros(4, 6), torch.randn(4, 8), torch.randn(8, 6)
+    with metrics.StepFlops() as count:
+        acc.addmm_(a, b)
+    assert count.total == 2 * 4 * 8 * 6
+    q = torch.randn(1, 4, 10, 16, requires_grad=True)
+    k = torch.randn(1, 2, 10, 16, requires_grad=True)
+    v = torch.randn(1, 2, 10, 16, requires_grad=True)
+    with metrics.StepFlops() as count:
+        F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True).sum().backward()
+    product = 2 * 4 * 10 * 10 * 16                      # one [10x16]·[16x10] for 4 heads
+    assert count.total == 7 * product   # forward q·kᵀ, p·v; backward (torch's formula) q·kᵀ
+                                        # again, dv, dp, dq, dk
+
+
+def test_fused_head_loss_counts_its_two_products():
+    from engine.models.linear import linear_cross_entropy
+
+    h = torch.randn(5, 16, requires_grad=True)
+    weight = torch.randn(3000, 16)
+    with metrics.StepFlops() as count:
+        linear_cross_entropy(h, weight, torch.tensor([1, 2, 3, 2000, 2999])).backward()
+    assert count.total == 2 * (2 * 5 * 16 * 3000)      # logits and dh, in one pass
+
+
+def test_step_utilisation_credits_each_step_by_its_work(monkeypatch):
+    monkeypatch.setattr(metrics, "peak_matmul_flops", lambda precision, threads: 1e9)
+    util = metrics.StepUtilisation("f32", 1)
+    util.begin()
+    F.linear(torch.randn(10, 4), torch.randn(2, 4))    # 160 FLOPs for 10 tokens
+    first = util.step(10, 2.0)
+    assert first == {"flops": 160, "flops_per_s": 80, "mfu": 80 / 1e9}
+    util.begin()                                        # not counted again
+    assert util.step(5, 1.0)["flops"] == 80
+
+
+def test_peak_is_measured_once_and_cached(tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    calls = []
+    monkeypatch.setattr(metrics, "measure_peak_matmul_flops",
+                        lambda precision, threads: calls.append((precision, threads)) or 5e10)
+    metrics.peak_matmul_flops.cache_clear()
+    try:
+        assert metrics.peak_matmul_flops("f32", 2) == 5e10
+        metrics.peak_matmul_flops.cache_clear()
+        assert metrics.peak_matmul_flops("f32", 2) == 5e10          # from the file
+        assert calls == [("f32", 2)]
+        saved = json.loads((tmp_path / "forgebench" / "peak-flops.json").read_text())
+        assert list(saved.values()) == [5e10] and "|f32|2" in next(iter(saved))
+    finally:
+        metrics.peak_matmul_flops.cache_clear()
+
+
+def test_measured_peak_is_a_real_matmul_rate():
+    peak = metrics.measure_peak_matmul_flops("f32", 1)
+    assert 1e8 < peak < 1e13                          # any CPU: between 0.1 and 10,000 GFLOP/s
+
+
+def test_pirate_config_validates_with_auto():
+    from engine.config import load_config
+    from engine.recipes.lm_sft_config import LMSFTConfig
+
+    config = load_config(__import__("pathlib").Path(__file__).parents[1] / "resources" /
+                         "configs" / "lm-sft-pirate.toml")
+    assert isinstance(config, LMSFTConfig) and config.train.precision == "auto"
+    assert validate_config(config.model_dump(mode="json")).train.precision == "auto"
+
+
+def test_runs_pane_shows_mfu_beside_throughput(tmp_path):
+    """The runs pane's summary line reads the rows' `mfu` (a run logged before MFU existed
+    shows throughput alone)."""
+    from app.viewmodels.runs import RunSeries, throughput_text
+
+    run = tmp_path / "run"
+    run.mkdir()
+    rows = [{"step": i, "split": "train", "loss": 1.0, "tokens_per_s": 100.0 + i,
+             "mfu": 0.25 + 0.01 * i} for i in range(1, 4)]
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    series = RunSeries(run)
+    series.poll()
+    assert throughput_text(series.train) == "throughput 102 tokens/s, MFU 27% (last 20)"
+    (run / "metrics.jsonl").write_text(json.dumps({"step": 1, "split": "train",
+                                                   "tokens_per_s": 50.0}) + "\n")
+    old = RunSeries(run)
+    old.poll()
+    assert throughput_text(old.train) == "throughput 50 tokens/s (last 20)"
+
+
+@pytest.mark.parametrize("recipe", ["lm-sft", "lm-pretrain", "image-classify"])
+def test_run_form_shows_what_auto_becomes_here(recipe):
+    from app.viewmodels.forms import field_specs
+    from engine.config import schema_for
+
+    notes = {s.name: s.note for s in field_specs(schema_for(recipe)) if s.note}
+    assert len(notes) == 1 and next(iter(notes)).endswith("precision")
+    choice = resolve_precision("auto")
+    assert next(iter(notes.values())).startswith(f"auto = {choice.precision} on this machine")
