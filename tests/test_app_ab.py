@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -160,11 +161,22 @@ def test_text_systems_are_ranked_and_exported_as_preferences(qtbot, tmp_path_fac
     from app.viewmodels.workspace import Workspace
     from engine.data.dataset import load_dataset
 
-    run = lm_run(tmp_path_factory)
+    shared = lm_run(tmp_path_factory)
     for checkpoint in ("step-000010", "step-000020", "step-000030"):
-        if not (run / "samples" / checkpoint / "samples.jsonl").is_file():
-            forgebench("sample", str(run), "--checkpoint", checkpoint, "--n", "1")
-    workspace = Workspace.open(run.parents[1])
+        if not (shared / "samples" / checkpoint / "samples.jsonl").is_file():
+            forgebench("sample", str(shared), "--checkpoint", checkpoint, "--n", "1")
+    # The tiny model answers the same at every checkpoint, and a pair whose two answers are
+    # the same text prefers nothing (the preferences kind refuses it): this test's copy of the
+    # workspace gives each checkpoint's answer its own ending.
+    root = tmp_path_factory.mktemp("ab-text") / "ws"
+    shutil.copytree(shared.parents[1], root)
+    run = root / "runs" / shared.name
+    for checkpoint in ("step-000010", "step-000020", "step-000030"):
+        path = run / "samples" / checkpoint / "samples.jsonl"
+        lines = [json.loads(line) for line in path.read_text().splitlines()]
+        path.write_text("".join(json.dumps({**x, "text": f"{x['text']} ({checkpoint})"}) + "\n"
+                                for x in lines))
+    workspace = Workspace.open(root)
     pane = ABPane()
     qtbot.addWidget(pane)
     pane.set_workspace(workspace)

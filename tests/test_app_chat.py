@@ -152,7 +152,7 @@ def test_chat_streams_tokens_before_the_reply_ends_and_stop_cancels(qtbot, chat,
     chat.prompt.setText("and again")
     chat.send()
     live = list(chat.session.replies.values())[-1]
-    qtbot.waitUntil(lambda: live.tokens or live.finished, timeout=LOAD_MS)
+    qtbot.waitUntil(lambda: bool(live.tokens or live.finished), timeout=LOAD_MS)
     assert not live.finished, live.error
     chat.stop()
     qtbot.waitUntil(lambda: not chat.session.busy(), timeout=LOAD_MS)
@@ -272,6 +272,7 @@ def test_the_new_run_form_and_the_export_wizard_pick_bases_from_the_library(qtbo
     qtbot.addWidget(form)
     form.set_models(library)
     form.set_form(RecipeForm("lm-sft", base_dir=str(workspace.configs_dir)))
+    qtbot.waitUntil(lambda: not form.building)            # built a section per turn
     button = next(b for b in form.findChildren(QPushButton) if b.text() == "Library ▾")
     button.menu().aboutToShow.emit()
     [action] = button.menu().actions()

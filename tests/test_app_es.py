@@ -44,11 +44,13 @@ def test_reward_plot_shows_for_an_es_run_only(qtbot, tmp_path):
     charts.show()
     pretrain = write_run(tmp_path / "pretrain")
     charts.set_runs([pretrain.path])
+    qtbot.waitUntil(lambda: not charts.pending)          # plots are drawn one per tick
     assert not charts.plot_widgets["reward"].isVisible()
     assert drawn(charts, "reward") == []
 
     es = write_es_run(tmp_path / "es")
     charts.set_runs([pretrain.path, es.path])
+    qtbot.waitUntil(lambda: not charts.pending)
     assert charts.plot_widgets["reward"].isVisible()
     curves = drawn(charts, "reward")
     assert [round(0.1 + 0.02 * s, 10) for s in range(1, 7)] in [

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
+import shiboken6
 from PySide6.QtCore import QObject, QThread, Signal
 
 from engine.errors import ForgebenchError
@@ -72,6 +73,8 @@ class BackgroundCall(QObject):
         return all(worker.wait(ms) for worker in list(self._workers))
 
     def _finish(self, worker: _Worker, value, signal) -> None:
-        if worker is self.worker:
+        # The owner (a dialog, say) may have been closed and deleted while the thread ran:
+        # then nobody waits for the result, and Qt's side of this object is gone.
+        if worker is self.worker and shiboken6.isValid(self):
             self.worker = None
             signal.emit(value)

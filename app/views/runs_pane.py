@@ -255,6 +255,8 @@ class RunsPane(QWidget):
         self.recipe_note.setStyleSheet("QLabel { color: #455a64; }")
         self.form_widget = RecipeFormWidget()
         self.form_widget.validity_changed.connect(self._validity_changed)
+        self.form_widget.built.connect(self._form_built)
+        self.start_when_built: str | None = None   # a config another pane asked to start
         self.start_button = QPushButton("Start")
         self.queue_button = QPushButton("Add to queue")
         self.form_status = QLabel()
@@ -431,11 +433,20 @@ class RunsPane(QWidget):
             self._launched(pending, pid)
         self.poll(force=True)
 
-    def start_config(self, path: Path) -> Path | None:
-        """Open a config of configs/ in the form (pre-filled by another pane) and start it."""
+    def start_config(self, path: Path) -> None:
+        """Open a config of configs/ in the form (pre-filled by another pane) and start it once
+        the form is read and built (both off the GUI thread's long slices)."""
         self.reload_configs()
         self.config_combo.setCurrentIndex(self.config_combo.findData(str(path)))
-        return self.start_from_form()
+        if self.form_loading:
+            self.start_when_built = str(path)
+        else:
+            self.start_from_form()
+
+    def _form_built(self) -> None:
+        wanted, self.start_when_built = self.start_when_built, None
+        if wanted and wanted == self.config_combo.currentData():
+            self.start_from_form()
 
     def _launch(self, pending: jobs.PendingRun) -> None:
         """Start a queued run (its config is already written)."""
