@@ -20,7 +20,6 @@ and `trainer_state.json` — no optimizer files: (seed, iteration) regenerate al
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -28,10 +27,9 @@ import torch
 from torch import nn
 
 from engine.errors import ForgebenchError
-from engine.fsutil import atomic_write_json, atomic_write_text, sha256_file
+from engine.fsutil import sha256_file
 from engine.jobs import Job, run_config
-from engine.llm.chat import ChatTemplate, encode_prompt
-from engine.llm.generate import generate as decode
+from engine.llm.chat import ChatTemplate
 from engine.llm.sft_data import data_manifest, encode_samples  # noqa: F401 (the hooks)
 from engine.lora import (
     ADAPTERS_FILE,
@@ -48,6 +46,7 @@ from engine.sampling import SamplingSettings
 from engine.train.checkpoint import load_checkpoint, rng_state, save_checkpoint, set_rng_state
 from engine.train.data_order import DataCursor
 from engine.train.es import EvolutionStrategy
+from engine.train.lm_base import answer, write_generations
 from engine.train.metrics import StepClock, train_row
 from engine.train.optim import NonFiniteError, StepOutcome
 from engine.train.rewards import RewardSpec, score, teacher_forced
@@ -114,36 +113,6 @@ def prepare_params(config: LMESConfig, base: Base) -> tuple[dict | None, list[to
 # -- data (lm-sft's section, read by engine.llm.sft_data) and the reward -------------------
 def reward_spec(config: LMESConfig) -> RewardSpec:
     return RewardSpec(**config.reward.model_dump())
-
-
-# -- generation -----------------------------------------------------------------------------
-GREEDY = SamplingSettings()
-
-
-def answer(base: Base, prompt: str, max_tokens: int, enable_thinking: bool | None = False, *,
-           settings: SamplingSettings = GREEDY, seed: int = 0) -> str:
-    """The KV-cached answer to one user turn: greedy unless `settings` say otherwise."""
-    ids = encode_prompt(base.tokenizer, base.template.render(
-        [{"role": "user", "content": prompt}], enable_thinking=enable_thinking))
-    return decode(base.model, base.tokenizer, ids, max_new_tokens=max_tokens,
-                  settings=settings, seed=seed).text
-
-
-def write_generations(run: RunDir, name: str, step: int, base: Base, config: LMESConfig,
-                      identity: dict) -> None:
-    """samples/<name>/generations.jsonl (prompt, answer) + generations.json, as lm-sft."""
-    lines = [{"prompt": p, "answer": answer(base, p, config.sample.max_tokens,
-                                            config.data.enable_thinking)}
-             for p in config.sample.prompts]
-    out = run.samples_dir / name
-    path = out / "generations.jsonl"
-    atomic_write_text(path, "".join(json.dumps(x, ensure_ascii=False) + "\n" for x in lines))
-    atomic_write_json(out / "generations.json", {
-        "checkpoint": name, "step": step, "settings": {"greedy": True,
-                                                      "max_tokens": config.sample.max_tokens},
-        "seed": config.seed, "model": identity})
-    run.log_event("sample_written", checkpoint=name, path=str(path.relative_to(run.path)),
-                  step=step)
 
 
 # -- training -------------------------------------------------------------------------------
