@@ -125,6 +125,7 @@ def test_rule_reward_scores_the_greedy_answers_to_the_rendered_prompts(tmp_path,
     from engine.config import load_config
     from engine.eval.text_reward import rule_reward
     from engine.recipes import lm_es
+    from engine.train import lm_base
     from engine.train.rewards import RewardSpec, prompt_and_reference, score
 
     config = load_config(write_config(tmp_path, tiny_gguf, reward="rule"))
@@ -134,7 +135,7 @@ def test_rule_reward_scores_the_greedy_answers_to_the_rendered_prompts(tmp_path,
     expected = []
     for (question, response), sample in zip(PAIRS, samples):
         assert prompt_and_reference(sample, base.tokenizer)[1] == response
-        answer = lm_es.answer(base, question, 4)
+        answer = lm_base.answer(base, question, 4)
         expected.append(rule_reward(answer, response, prefix="Ahoy!", suffix="matey."))
     with torch.no_grad():
         result = score(base.model, base.tokenizer, samples, spec)

@@ -42,11 +42,10 @@ from engine.lora import (
 from engine.models.gguf_model import densify, load_gguf_model
 from engine.recipes.lm_es_config import LMESConfig
 from engine.rundir import Checkpoint, RunDir
-from engine.sampling import SamplingSettings
 from engine.train.checkpoint import load_checkpoint, rng_state, save_checkpoint, set_rng_state
 from engine.train.data_order import DataCursor
 from engine.train.es import EvolutionStrategy
-from engine.train.lm_base import answer, write_generations
+from engine.train.lm_base import generate_answer, write_generations
 from engine.train.metrics import StepClock, train_row
 from engine.train.optim import NonFiniteError, StepOutcome
 from engine.train.rewards import RewardSpec, score, teacher_forced
@@ -259,9 +258,4 @@ def evaluate(run: RunDir, checkpoint: Checkpoint, split: str) -> dict:
 @torch.no_grad()
 def generate(run: RunDir, checkpoint: Checkpoint, args) -> dict:
     base, config = load_trained(run, checkpoint)
-    settings = SamplingSettings(args.temperature, args.top_k, args.top_p,
-                                args.repetition_penalty)
-    text = answer(base, args.prompt, args.max_tokens, config.data.enable_thinking,
-                  settings=settings, seed=args.seed)
-    return {"prompt": args.prompt, "text": text, "checkpoint": checkpoint.name,
-            "seed": args.seed, "settings": settings.as_dict() | {"max_tokens": args.max_tokens}}
+    return generate_answer(base, checkpoint, config.data.enable_thinking, args)
