@@ -117,6 +117,11 @@ def test_a_new_user_goes_from_first_launch_to_a_verified_export(qtbot, tmp_path,
     act(lambda: window.sidebar.setCurrentRow(4))
     ab = window.ab
     checkpoints = [f"step-{stopped_at:06d}", f"step-{stopped_at + 10:06d}"]
+    # The final checkpoint reaches the pane with the workspace watch's next look (as in Samples).
+    def listed() -> set[tuple[str, str]]:
+        return {tuple(ab.systems.item(i).data(Qt.ItemDataRole.UserRole))
+                for i in range(ab.systems.count())}
+    qtbot.waitUntil(lambda: {(str(out), c) for c in checkpoints} <= listed(), timeout=10_000)
     for checkpoint in checkpoints:
         act(lambda: ab.check_system(out, checkpoint))
     assert len(ab.chosen()) == 2, [ab.systems.item(i).text() for i in range(ab.systems.count())]
