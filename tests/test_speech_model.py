@@ -81,7 +81,7 @@ def test_a_tone_lights_the_band_centred_on_it():
 
 def test_model_shapes_and_padding_do_not_leak():
     torch.manual_seed(0)
-    model = SpeechCTC(SpeechConfig(vocab=29, channels=16, hidden=8, layers=1)).eval()
+    model = SpeechCTC(SpeechConfig(vocab=29, channels=16, layers=3)).eval()
     waves = torch.randn(2, 8000) * 0.1
     features = model.features(waves)
     frames = torch.tensor([frame_count(8000), frame_count(5000)])

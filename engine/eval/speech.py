@@ -141,3 +141,31 @@ def score(clips: list[dict], terms: dict[str, list[str]] | None = None) -> dict:
     report["terms"] = term_errors([(c["reference"], c["hypothesis"]) for c in clips
                                    if normalize_raw(c["reference"])], terms or {})
     return report
+
+
+# -- triage: signals that a transcript must not be trusted ---------------------------------
+QUIET_PEAK = 0.03          # peak below -30 dBFS: too quiet to trust (no gain is applied)
+LOW_CONFIDENCE = 0.6       # mean peak posterior of the frames that emitted a character
+MAX_CHARS_PER_S = 25.0     # faster than any speech the grammar holds: a runaway decode
+
+
+def review_flags(wave, hypothesis: str, confidence: float | None, seconds: float,
+                 vocabulary: set[str]) -> list[str]:
+    """Why a transcript needs review (empty when nothing looks wrong). Input flags: digital
+    silence, clipping, a very quiet signal; output flags: low confidence, words the training
+    transcripts never held, more characters a second than speech has. Triage signals, not a
+    certificate: an unflagged transcript can still be wrong."""
+    from engine.eval.audio import integrity_flags
+
+    measured = integrity_flags(wave)
+    flags = [f for f in measured["flags"] if f in ("silence", "clipping")]
+    if measured["peak"] < QUIET_PEAK and "silence" not in flags:
+        flags.append("very_quiet")
+    words = normalize_lexical(hypothesis).split()
+    if words and confidence is not None and confidence < LOW_CONFIDENCE:
+        flags.append("low_confidence")
+    if any(w not in vocabulary for w in words):
+        flags.append("unknown_words")
+    if seconds > 0 and len(hypothesis) / seconds > MAX_CHARS_PER_S:
+        flags.append("too_fast")
+    return flags
