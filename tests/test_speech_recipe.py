@@ -93,6 +93,10 @@ def test_stop_resume_is_exact_and_eval_reports_everything(corpus, tmp_path):
     first = json.loads(lines[0])
     assert len(lines) == 8 and {"reference", "greedy", "beam", "flags", "path"} <= set(first)
     assert os.path.isfile(first["path"])
+    from app.viewmodels.transcripts import load_clips, transcript_files
+    assert transcript_files(out) == [out / report["transcripts"]]
+    assert [c.reference for c in load_clips(out / report["transcripts"])] == \
+        [json.loads(line)["reference"] for line in lines]
 
 
 def test_a_bad_transcript_fails_the_run_with_exit_2(corpus, tmp_path):

@@ -37,26 +37,35 @@ def normalize_lexical(text: str) -> str:
 
 def align(reference: list[str], hypothesis: list[str]) -> list[tuple[str, str | None,
                                                                      str | None]]:
-    """A minimum-edit alignment as (op, reference token, hypothesis token) in reading order;
-    among equal-cost alignments it prefers a match or substitution, then a deletion."""
+    """A minimum-edit alignment as (op, reference token, hypothesis token) in reading order.
+    Among equal-cost alignments it keeps the most matches ("turn the pump off" / "turn pump
+    on" deletes "the" rather than shifting every word), then prefers a substitution, then a
+    deletion."""
     n, m = len(reference), len(hypothesis)
-    cost = [[0] * (m + 1) for _ in range(n + 1)]
+    # cost[i][j] = (edits, -matches) of the best alignment of the first i and j tokens
+    cost = [[(0, 0)] * (m + 1) for _ in range(n + 1)]
     for i in range(1, n + 1):
-        cost[i][0] = i
+        cost[i][0] = (i, 0)
     for j in range(1, m + 1):
-        cost[0][j] = j
+        cost[0][j] = (j, 0)
+
+    def diagonal(i: int, j: int) -> tuple[int, int]:
+        edits, negative_hits = cost[i - 1][j - 1]
+        same = reference[i - 1] == hypothesis[j - 1]
+        return edits + (not same), negative_hits - same
+
     for i in range(1, n + 1):
         for j in range(1, m + 1):
-            diagonal = cost[i - 1][j - 1] + (reference[i - 1] != hypothesis[j - 1])
-            cost[i][j] = min(diagonal, cost[i - 1][j] + 1, cost[i][j - 1] + 1)
+            up, left = cost[i - 1][j], cost[i][j - 1]
+            cost[i][j] = min(diagonal(i, j), (up[0] + 1, up[1]), (left[0] + 1, left[1]))
     ops = []
     i, j = n, m
     while i or j:
-        if i and j and cost[i][j] == cost[i - 1][j - 1] + (reference[i - 1] != hypothesis[j - 1]):
+        if i and j and cost[i][j] == diagonal(i, j):
             ops.append((OK if reference[i - 1] == hypothesis[j - 1] else SUB,
                         reference[i - 1], hypothesis[j - 1]))
             i, j = i - 1, j - 1
-        elif i and cost[i][j] == cost[i - 1][j] + 1:
+        elif i and cost[i][j] == (cost[i - 1][j][0] + 1, cost[i - 1][j][1]):
             ops.append((DEL, reference[i - 1], None))
             i -= 1
         else:
