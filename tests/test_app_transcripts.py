@@ -63,3 +63,19 @@ def test_pane_plays_a_clip_with_its_aligned_transcripts(qtbot, tmp_path):
     assert "title='inserted'" in pane.alignment.text()
     assert "not to be trusted" in pane.details.text()
     pane.play()          # plays, or says why not (no PortAudio device here): never raises
+
+
+def test_datasets_pane_lists_speech_clips_with_their_transcripts(tmp_path):
+    import shutil
+
+    import pytest
+    if shutil.which("espeak-ng") is None or shutil.which("sox") is None:
+        pytest.skip("espeak-ng and sox are not installed (make system-deps)")
+    from app.viewmodels.datasets import DatasetTable
+    from engine.data.generators.speech import generate_speech
+
+    root = generate_speech(tmp_path / "cmd", n_speakers=2, per_session=2, progress=False)
+    table = DatasetTable(root)
+    assert table.ok and len(table.clips) == 8
+    rows = [json.loads(line) for line in (root / "utterances.jsonl").read_text().splitlines()]
+    assert [caption.split("\n")[1] for caption, _, _ in table.clips] == [r["text"] for r in rows]
