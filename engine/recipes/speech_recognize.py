@@ -148,12 +148,12 @@ def transcribe(model: SpeechCTC, waves: list[np.ndarray], alphabet: list[str], p
     """Greedy and beam hypotheses of each clip, with the review flags of the greedy one."""
     out = []
     for wave, lp in zip(waves, log_probs_of(model, waves, precision)):
-        greedy = decode_text(greedy_decode(lp), alphabet)
+        greedy, confidence = decode_text(greedy_decode(lp), alphabet), greedy_confidence(lp)
         out.append({"greedy": greedy,
                     "beam": decode_text(beam_decode(lp, beam, BEAM_FLOOR), alphabet),
-                    "confidence": greedy_confidence(lp),
-                    "flags": review_flags(wave, greedy, greedy_confidence(lp),
-                                          len(wave) / SAMPLE_RATE, vocabulary)})
+                    "confidence": confidence,
+                    "flags": review_flags(wave, greedy, confidence, len(wave) / SAMPLE_RATE,
+                                          vocabulary)})
     return out
 
 
