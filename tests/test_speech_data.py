@@ -146,3 +146,13 @@ def test_cli_reports_a_bad_transcript_as_one_error_line(corpus, tmp_path):
     result = forgebench("data", "validate", str(root), check=False)
     assert result.returncode != 0 and "line 1" in result.stdout + result.stderr
     assert "digit '2'" in result.stdout + result.stderr
+
+
+def test_missing_espeak_is_a_clear_error(monkeypatch, tmp_path):
+    from engine.data.generators import speech
+
+    monkeypatch.setattr(speech.shutil, "which", lambda name: None)
+    with pytest.raises(ForgebenchError) as caught:
+        speech.generate_speech(tmp_path / "x", n_speakers=2, per_session=1, progress=False)
+    assert "not installed" in caught.value.message and "make system-deps" in caught.value.hint
+    assert not (tmp_path / "x").exists()
