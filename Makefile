@@ -15,12 +15,13 @@ $(STAMP): pyproject.toml packaging/constraints.txt
 	$(PIP) install -q -c packaging/constraints.txt -e '.[$(EXTRAS)]'
 	@touch $@
 
-# System libraries: PortAudio for sound playback, Xvfb for screenshots (Debian, as root).
+# System libraries: PortAudio for sound playback, Xvfb for screenshots, espeak-ng and sox for the
+# generated speech corpus (Debian, as root).
 system-deps:
 	@if command -v apt-get >/dev/null && [ "$$(id -u)" = 0 ]; then \
 	  missing=""; \
 	  for p in libportaudio2 xvfb libxkbcommon-x11-0 libegl1 libgl1 libfontconfig1 libdbus-1-3 \
-	           libxcb-cursor0 libxcb-icccm4 libxcb-keysyms1; do \
+	           libxcb-cursor0 libxcb-icccm4 libxcb-keysyms1 espeak-ng sox; do \
 	    dpkg -s $$p >/dev/null 2>&1 || missing="$$missing $$p"; done; \
 	  if [ -n "$$missing" ]; then apt-get update -qq && apt-get install -y -qq $$missing >/dev/null; fi; \
 	fi

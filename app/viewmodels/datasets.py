@@ -129,10 +129,12 @@ class DatasetTable:
         return out
 
     def _clips(self) -> list[tuple[str, str, int]]:
-        """(caption, absolute clip path, row index) of every record of an audio dataset."""
-        if self.kind != "audio-clips":
+        """(caption, absolute clip path, row index) of every record of an audio dataset; the
+        caption's second line is the label, or a speech clip's transcript."""
+        if self.kind not in ("audio-clips", "speech"):
             return []
-        return [(f"{row.record.get('id', row.record['path'])}\n{row.record.get('label', '')}",
+        return [(f"{row.record.get('id', row.record['path'])}\n"
+                 f"{row.record.get('label', row.record.get('text', ''))}",
                  str(self.root / row.record["path"]), i) for i, row in enumerate(self.rows)
                 if isinstance((row.record or {}).get("path"), str)]
 

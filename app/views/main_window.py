@@ -45,10 +45,11 @@ from app.views.masks_pane import MasksPane
 from app.views.models_pane import ModelsPane
 from app.views.runs_pane import RunsPane
 from app.views.samples_pane import SamplesPane
+from app.views.transcripts_pane import TranscriptsPane
 from engine.errors import ForgebenchError
 
 PANES = ("Datasets", "Labels && Masks", "Runs", "Samples", "Blind A/B", "Export",
-         "Models", "Chat")
+         "Models", "Chat", "Transcripts")
 DEFAULT_SIZE = (1440, 900)
 MIN_SIZE = (900, 600)
 WATCH_PERIOD_S = 1.0
@@ -138,8 +139,9 @@ class MainWindow(QMainWindow):
         self.stack = QStackedWidget()
         self.samples, self.ab, self.export = SamplesPane(), ABPane(), ExportWizardPane()
         self.models, self.chat = ModelsPane(), ChatPane()
+        self.transcripts = TranscriptsPane()
         for pane in (self.datasets, self.masks, self.runs, self.samples, self.ab, self.export,
-                     self.models, self.chat):
+                     self.models, self.chat, self.transcripts):
             # A pane that needs more room than the window has scrolls; it never makes the
             # window bigger than the screen (DESIGN: every pane works at 1024×700).
             scroll = QScrollArea()
@@ -258,7 +260,7 @@ class MainWindow(QMainWindow):
         self.datasets.set_workspace(workspace)
         self.masks.set_workspace(workspace)
         self.runs.set_workspace(workspace)
-        for pane in (self.samples, self.ab, self.export):
+        for pane in (self.samples, self.ab, self.export, self.transcripts):
             pane.set_workspace(workspace)
         self.models.set_workspace(workspace)
         self.chat.set_workspace(workspace)
@@ -318,6 +320,7 @@ class MainWindow(QMainWindow):
         if "runs" in changes:
             self.samples.refresh_runs()
             self.export.refresh_runs()
+            self.transcripts.refresh_runs()
         if changes & {"runs", "ratings"}:
             self.ab.reload()
         if "runs" in changes:

@@ -104,16 +104,20 @@ class AudioView(QWidget):
         self.level_label.setText(f"{value} dB")
 
     def show_clip(self, sample: vm.Sample) -> None:
-        self.wave, self.rate = vm.waveform(sample.path)
-        self.wave_curve.setData(np.arange(self.wave.size) / self.rate, self.wave)
-        self.spec_image.setImage(vm.spectrogram(self.wave))
         flags = sample.integrity_flags
         info = sample.sidecar.get("integrity", {})
-        self.flags.setText(
-            ("<b style='color:#b71c1c'>integrity: " + ", ".join(flags) + "</b>" if flags
-             else "<b style='color:#2e7d32'>integrity: no flags</b>")
+        self.show_file(sample.path, (
+            "<b style='color:#b71c1c'>integrity: " + ", ".join(flags) + "</b>" if flags
+            else "<b style='color:#2e7d32'>integrity: no flags</b>")
             + f" — peak {info.get('peak', float('nan')):.3f}, "
               f"rms {info.get('rms', float('nan')):.3f}")
+
+    def show_file(self, path: Path, flags_html: str) -> None:
+        """Any WAV file with a line of flags (the Transcripts pane shows its clips here)."""
+        self.wave, self.rate = vm.waveform(path)
+        self.wave_curve.setData(np.arange(self.wave.size) / self.rate, self.wave)
+        self.spec_image.setImage(vm.spectrogram(self.wave))
+        self.flags.setText(flags_html)
 
     def play(self) -> None:
         if self.wave is not None and not self.player.play(self.wave, self.rate):

@@ -555,6 +555,10 @@ def _validate(root: Path, check_hashes: bool, check_media: bool, progress: bool,
         from engine.data.tabular import check_table
 
         check_table(root, rel, manifest, good, report)
+    if kind.name == "speech":
+        from engine.data.speech import check_speech
+
+        check_speech(root, rel, manifest, good, report)
     if not items and not report.errors:
         report.add(rel, None, None, "holds no records")
     assignments = _validate_splits_file(root, manifest, report)

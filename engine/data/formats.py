@@ -105,6 +105,13 @@ KINDS: dict[str, Kind] = {k.name: k for k in [
     # one row per example; the columns (features, target, group) are declared in dataset.json's
     # `table` section and checked by engine.data.tabular
     Kind("tabular", "rows.csv", {}, required=("id",)),
+    # one utterance per row: a WAV and its transcript (empty for a clip without speech), who
+    # spoke and in which recording session; the transcript policy is dataset.json's
+    # `transcripts` section and checked by engine.data.speech
+    Kind("speech", "utterances.jsonl",
+         {"path": PATH, "text": STR, "speaker": STR, "session": STR, "sha256": SHA256},
+         required=("id", "path", "text", "speaker", "session", "group"), text_fields=("text",),
+         media="audio"),
 ]}
 
 

@@ -1,0 +1,116 @@
+"""The Transcripts pane: a speech-recognize run's evaluated clips, each played with its
+reference and hypothesis aligned word by word and the errors marked (the alignment and its
+markup live in app/viewmodels/transcripts.py; waveform, spectrogram and level-controlled
+playback are the Samples pane's AudioView)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from PySide6.QtCore import Qt, Signal
+from PySide6.QtWidgets import (
+    QComboBox,
+    QHBoxLayout,
+    QLabel,
+    QListWidget,
+    QSplitter,
+    QVBoxLayout,
+    QWidget,
+)
+
+from app.audio import Player
+from app.viewmodels import transcripts as vm
+from app.viewmodels.workspace import Workspace
+from app.views.combos import refill_keeping_choice
+from app.views.samples_pane import AudioView
+
+NO_RUN = ("Choose a speech-recognize run. Its evaluations (forgebench eval RUN --split val) "
+          "list every clip here with its reference and hypothesis aligned.")
+
+
+class TranscriptsPane(QWidget):
+    message = Signal(str)
+
+    def __init__(self, parent=None):
+        super().__init__(parent)
+        self.workspace: Workspace | None = None
+        self.clips: list[vm.Clip] = []
+        self.run_combo = QComboBox()
+        self.run_combo.setMinimumContentsLength(24)
+        self.run_combo.currentIndexChanged.connect(self._run_chosen)
+        self.eval_combo = QComboBox()
+        self.eval_combo.currentIndexChanged.connect(self._eval_chosen)
+        self.list = QListWidget()
+        self.list.currentRowChanged.connect(self._clip_chosen)
+        self.alignment = QLabel(NO_RUN)
+        self.alignment.setWordWrap(True)
+        self.alignment.setTextFormat(Qt.TextFormat.RichText)
+        self.details = QLabel()
+        self.details.setWordWrap(True)
+        self.audio = AudioView(Player())
+        self.audio.message.connect(self.message)
+
+        pick = QHBoxLayout()
+        for label, widget in (("Run", self.run_combo), ("Evaluation", self.eval_combo)):
+            pick.addWidget(QLabel(label))
+            pick.addWidget(widget, 1)
+        detail = QWidget()
+        right = QVBoxLayout(detail)
+        right.addWidget(self.alignment)
+        right.addWidget(self.details)
+        right.addWidget(self.audio, 1)
+        splitter = QSplitter()
+        splitter.addWidget(self.list)
+        splitter.addWidget(detail)
+        splitter.setSizes([320, 640])
+        layout = QVBoxLayout(self)
+        layout.addLayout(pick)
+        layout.addWidget(splitter, 1)
+
+    def set_workspace(self, workspace: Workspace) -> None:
+        self.workspace = workspace
+        self.refresh_runs()
+
+    def refresh_runs(self) -> None:
+        """New runs and evaluations appear; the chosen run, evaluation and clip stay chosen."""
+        runs = vm.speech_runs(self.workspace.run_dirs() if self.workspace else [])
+        if not refill_keeping_choice(self.run_combo, runs):
+            self._run_chosen()
+        elif not self._fill_evals():
+            self._eval_chosen()
+
+    def _run_chosen(self, *_) -> None:
+        self._fill_evals()
+        self._eval_chosen()
+
+    def _fill_evals(self) -> bool:
+        data = self.run_combo.currentData()
+        files = vm.transcript_files(data) if data else []
+        return refill_keeping_choice(self.eval_combo,
+                                     [(f.name[:-len(vm.SUFFIX)], str(f)) for f in files])
+
+    def _eval_chosen(self, *_) -> None:
+        data = self.eval_combo.currentData()
+        self.clips = vm.load_clips(data) if data else []
+        self.list.clear()
+        self.list.addItems([vm.clip_label(c) for c in self.clips])
+        if self.clips:
+            self.list.setCurrentRow(0)
+        else:
+            self.alignment.setText(NO_RUN)
+            self.details.clear()
+
+    def _clip_chosen(self, row: int) -> None:
+        if not 0 <= row < len(self.clips):
+            return
+        clip = self.clips[row]
+        self.alignment.setText(vm.alignment_html(clip.reference, clip.hypothesis))
+        self.details.setText(f"beam: {clip.beam or '(empty)'}" + (
+            f" · review flags: {', '.join(clip.flags)} (not to be trusted)" if clip.flags
+            else ""))
+        flags = ("<b style='color:#b71c1c'>flagged: " + ", ".join(clip.flags) + "</b>"
+                 if clip.flags else "<b style='color:#2e7d32'>no review flags</b>")
+        self.audio.show_file(Path(clip.path), flags)
+
+    def play(self) -> None:
+        self.audio.play()
