@@ -38,6 +38,7 @@ from app.views.dataset_tabs.records import RecordsTab
 from app.views.dataset_tabs.splits import SplitsTab
 from app.views.dataset_tabs.stats import StatsTab
 from app.views.engine_process import run_engine
+from app.views.help_link import help_link
 from app.views.import_wizard import SOURCES, ImportWizard
 from engine.errors import ForgebenchError
 
@@ -139,6 +140,7 @@ class DatasetsPane(QWidget):
         rv.setContentsMargins(0, 0, 0, 0)
         top = QHBoxLayout()
         top.addWidget(self.header, 1)
+        top.addWidget(help_link("findings"))
         top.addWidget(self.validate_button)
         rv.addLayout(top)
         rv.addWidget(self.tabs, 1)
