@@ -93,7 +93,8 @@ def test_twin_the_file_list_check_sees_tests_and_missing_resources():
 
 
 def window_titles(display: str) -> list[str]:
-    tree = subprocess.run(["xwininfo", "-root", "-tree"], env={**os.environ, "DISPLAY": display},
+    tree = subprocess.run(["xwininfo", "-root", "-tree"],
+                          env={**os.environ, "DISPLAY": display, "LC_ALL": "C.UTF-8"},
                           capture_output=True, text=True).stdout
     return [line.split('"')[1] for line in tree.splitlines() if line.count('"') >= 2]
 
@@ -121,7 +122,8 @@ def test_the_bundle_opens_its_window_on_a_scratch_home(tmp_path):
     env = {k: v for k, v in os.environ.items()
            if not k.startswith(("FORGEBENCH_", "QT_", "PYTHON", "VIRTUAL_ENV"))}
     env.update(HOME=str(home), XDG_CONFIG_HOME=str(home / ".config"),
-               XDG_DATA_HOME=str(home / ".local/share"), QT_QPA_PLATFORM="xcb")
+               XDG_DATA_HOME=str(home / ".local/share"), QT_QPA_PLATFORM="xcb",
+               LC_ALL="C.UTF-8")       # the title's dash, for Qt and for xwininfo's listing
     env["PATH"] = "/usr/bin:/bin"                               # not this venv's python
     read, write = os.pipe()
     xvfb = subprocess.Popen(["Xvfb", "-displayfd", str(write), "-screen", "0", "1280x800x24"],
