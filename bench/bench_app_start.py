@@ -115,7 +115,7 @@ def main() -> int:
     labels = {"bare": "bare PySide6 window (floor)", "app": "forgebench-app"}
     if args.compare:
         launches["compare"] = ("app", args.compare.resolve())
-        labels["compare"] = f"forgebench-app of {args.compare}"[:27]
+        labels["compare"] = "the compared checkout's app"
     rows: dict[str, list[dict]] = {name: [] for name in launches}
     for _ in range(args.runs):                  # interleaved: all see the same load
         for name, (kind, root) in launches.items():
