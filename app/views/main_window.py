@@ -6,9 +6,9 @@ question.
 
 Panes are built when first needed (shown, or asked for as `window.runs` and so on), so the window
 paints before pyqtgraph, numpy-heavy views and the recipe schemas are imported: the first pane is
-built at once, the Runs pane (it follows every job for the status bar and the close question)
-right after the first paint, and the other panes' modules are imported on a worker thread while
-the user looks at the first one. A pane built later gets the open workspace when it is built."""
+built at once; after the first paint the other panes' modules are imported on a worker thread
+while the user looks at it, and then the Runs pane is built (it follows every job for the status
+bar and the close question). A pane built later gets the open workspace when it is built."""
 
 from __future__ import annotations
 
