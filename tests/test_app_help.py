@@ -67,6 +67,12 @@ def test_every_help_topic_opens_a_section_the_guide_has():
         assert len(guide[anchor].splitlines()) > 5, topic     # a real section, not a heading
 
 
+def test_the_guides_own_links_to_its_sections_exist():
+    text = GUIDE.read_text(encoding="utf-8")
+    linked = set(re.findall(r"\]\(#([^)]+)\)", text))
+    assert linked and linked <= set(sections(text))
+
+
 def test_twin_an_anchor_the_guide_lacks_is_an_error():
     with pytest.raises(ForgebenchError, match="no section #no-such-section"):
         guide_section("no-such-section", GUIDE)
