@@ -65,5 +65,14 @@ def test_a_pane_asked_for_is_built_then_and_gets_the_open_workspace(tmp_path):
     assert "pyqtgraph" in heavy_modules_after(code, tmp_path)
 
 
+def test_the_run_forms_precision_note_reads_the_cpu_without_torch(tmp_path):
+    """The note under `precision` ("auto = f32 on this machine ...") is built on the GUI
+    thread with the form; it must not import torch (seconds of a frozen window)."""
+    code = ("from app.viewmodels.forms import RecipeForm\n"
+            "notes = [s.note for s in RecipeForm('lm-pretrain').fields if s.note]\n"
+            "assert notes and notes[0].startswith('auto = '), notes\n")
+    assert "torch" not in heavy_modules_after(code, tmp_path)
+
+
 def test_twin_the_check_sees_a_module_that_imports_pyqtgraph(tmp_path):
     assert "pyqtgraph" in heavy_modules_after("import app.views.charts", tmp_path)
