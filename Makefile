@@ -7,7 +7,7 @@ STAMP    := $(VENV)/.installed
 VSTAMP   := $(VENV)/.installed-verify
 EXTRAS   ?= app,dev
 
-.PHONY: setup system-deps verify-extra parity-extra setup-cuda run demo lint test test-real bench screenshots clean
+.PHONY: setup system-deps verify-extra parity-extra setup-cuda run demo lint test test-real bench screenshots package test-package clean
 
 $(STAMP): pyproject.toml packaging/constraints.txt
 	@test -x $(PY) || python3 -m venv $(VENV)
@@ -79,5 +79,24 @@ bench: setup
 screenshots: setup
 	xvfb-run -a -s "-screen 0 1024x768x24" env QT_QPA_PLATFORM=xcb $(PY) -m app.screenshots docs/screenshots
 
+# The installable forms (README, "Install"): dist/forgebench-*.whl (app, engine, resources; no
+# tests) and the one-folder desktop bundle dist/Forgebench/ (PyInstaller over this venv, so the
+# CPU torch of packaging/constraints.txt) with its desktop entry and icon.
+KSTAMP   := $(VENV)/.installed-package
+$(KSTAMP): $(STAMP)
+	$(PIP) install -c packaging/constraints.txt -q -e '.[package]' && touch $@
+
+package: $(KSTAMP)
+	rm -rf dist/Forgebench dist/forgebench-*.whl
+	$(PIP) wheel --no-deps --no-build-isolation -q -w dist .
+	$(VENV)/bin/pyinstaller --noconfirm --log-level WARN --distpath dist \
+	  --workpath build/pyinstaller packaging/forgebench.spec
+	@du -sh dist/Forgebench dist/forgebench-*.whl
+
+# Builds the bundle, opens it under Xvfb on a scratch HOME and screenshots the window
+# (build/test-package/bundle-window.png).
+test-package: $(KSTAMP)
+	FORGEBENCH_SLOW=1 $(PY) -m pytest -q -m slow tests/test_package.py
+
 clean:
-	rm -rf $(VENV) .pytest_cache build *.egg-info
+	rm -rf $(VENV) .pytest_cache build dist *.egg-info

@@ -20,12 +20,15 @@ import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from app.viewmodels.forms import RecipeForm
 from app.viewmodels.workspace import REPO_ROOT, Workspace
 from engine.errors import ForgebenchError
 from engine.fsutil import atomic_write_json, read_json
 from engine.rundir import RunDir
+
+if TYPE_CHECKING:     # an annotation: the window's jobs panel imports this before any schema
+    from app.viewmodels.forms import RecipeForm
 
 QUEUE_FILE = "queue.json"
 PROGRESS = re.compile(r"(\d+)/(\d+)")

@@ -12,6 +12,7 @@ from __future__ import annotations
 import gc
 import json
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from PySide6.QtCore import QThread, Signal
 from PySide6.QtWidgets import (
@@ -30,7 +31,6 @@ from PySide6.QtWidgets import (
 from app.viewmodels.datasets import DatasetTable, list_datasets, records_bytes, report_from_json
 from app.viewmodels.workspace import Workspace
 from app.views.background import BackgroundCall
-from app.views.card_form import CardDialog
 from app.views.dataset_tabs.findings import FindingsTab
 from app.views.dataset_tabs.gallery import GalleryTab
 from app.views.dataset_tabs.leaks import LeaksTab
@@ -38,8 +38,12 @@ from app.views.dataset_tabs.records import RecordsTab
 from app.views.dataset_tabs.splits import SplitsTab
 from app.views.dataset_tabs.stats import StatsTab
 from app.views.engine_process import run_engine
+from app.views.help_link import help_link
 from app.views.import_wizard import SOURCES, ImportWizard
 from engine.errors import ForgebenchError
+
+if TYPE_CHECKING:
+    from app.views.card_form import CardDialog
 
 # Records files above this size are validated by a subprocess before the worker thread parses
 # them (a thread validating them would hold the GIL for seconds).
@@ -136,6 +140,7 @@ class DatasetsPane(QWidget):
         rv.setContentsMargins(0, 0, 0, 0)
         top = QHBoxLayout()
         top.addWidget(self.header, 1)
+        top.addWidget(help_link("findings"))
         top.addWidget(self.validate_button)
         rv.addLayout(top)
         rv.addWidget(self.tabs, 1)
@@ -307,6 +312,10 @@ class DatasetsPane(QWidget):
         self.reload(select=Path(path))
 
     def open_card(self) -> CardDialog | None:
+        # Imported here: the card's schema (pydantic, numpy statistics) is not needed to
+        # paint the first pane of the window.
+        from app.views.card_form import CardDialog
+
         if self.table is None:
             return None
         dialog = CardDialog(self.table.root, self)

@@ -37,6 +37,7 @@ from app.viewmodels.models import library_files
 from app.viewmodels.workspace import Workspace
 from app.views.background import BackgroundCall
 from app.views.combos import refill_keeping_choice
+from app.views.help_link import help_link
 from app.views.job_runner import JobRunner
 from app.views.labels import wrapped_label
 from engine.errors import ForgebenchError
@@ -155,8 +156,8 @@ class ExportWizardPane(QWidget):
         row.addWidget(QLabel("Export folder (in exports/)"))
         row.addWidget(self.out_name, 1)
         row.addWidget(self.export_button)
-        self.pages.addWidget(_page(row, self.export_job, self.verdict, self.stages,
-                                   self.answers))
+        self.pages.addWidget(_page(row, self.export_job, self.verdict, help_link("verdicts"),
+                                   self.stages, self.answers))
 
         # 5. bundle
         self.card = QPlainTextEdit()

@@ -10,6 +10,7 @@ window keeps answering while the form appears."""
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from PySide6.QtCore import QEvent, QObject, Qt, QTimer, Signal
 from PySide6.QtWidgets import (
@@ -29,7 +30,8 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 
-from app.viewmodels.forms import FieldSpec, RecipeForm
+if TYPE_CHECKING:     # annotations only: the window imports this module before any schema
+    from app.viewmodels.forms import FieldSpec, RecipeForm
 
 INVALID_STYLE = "border: 2px solid #c62828; background: #ffebee;"
 

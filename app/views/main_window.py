@@ -2,14 +2,21 @@
 with running jobs and the jobs panel, one poll timer that follows every run directory and
 watches the workspace (new runs, checkpoints, samples, configs, datasets reach every pane), a
 notification when a job ends, a geometry that fits the screen and is remembered, and the close
-question."""
+question.
+
+Panes are built when first needed (shown, or asked for as `window.runs` and so on), so the window
+paints before pyqtgraph, numpy-heavy views and the recipe schemas are imported: the first pane is
+built at once; after the first paint the other panes' modules are imported on a worker thread
+while the user looks at it, and then the Runs pane is built (it follows every job for the status
+bar and the close question). A pane built later gets the open workspace when it is built."""
 
 from __future__ import annotations
 
+import importlib
 import time
 from pathlib import Path
 
-from PySide6.QtCore import QByteArray, Qt, QTimer
+from PySide6.QtCore import QByteArray, QEvent, Qt, QTimer
 from PySide6.QtGui import QAction, QGuiApplication, QKeySequence
 from PySide6.QtWidgets import (
     QAbstractSpinBox,
@@ -34,22 +41,25 @@ from PySide6.QtWidgets import (
 )
 
 from app.viewmodels.workspace import Settings, Workspace, WorkspaceWatch, install_sample_workspace
-from app.views.ab_pane import ABPane
 from app.views.background import BackgroundCall
-from app.views.chat_pane import ChatPane
-from app.views.datasets_pane import DatasetsPane
-from app.views.export_wizard import ExportWizardPane
 from app.views.form_widget import WheelGuard, guard_wheel
 from app.views.jobs_panel import JobsPanel, Notifier, job_center
-from app.views.masks_pane import MasksPane
-from app.views.models_pane import ModelsPane
-from app.views.runs_pane import RunsPane
-from app.views.samples_pane import SamplesPane
-from app.views.transcripts_pane import TranscriptsPane
 from engine.errors import ForgebenchError
 
 PANES = ("Datasets", "Labels && Masks", "Runs", "Samples", "Blind A/B", "Export",
          "Models", "Chat", "Transcripts")
+# Each pane's attribute on the window and the class that builds it, in sidebar order; the
+# modules are imported only when the pane is built (or pre-imported off the GUI thread).
+PANE_CLASSES = (("datasets", "app.views.datasets_pane", "DatasetsPane"),
+                ("masks", "app.views.masks_pane", "MasksPane"),
+                ("runs", "app.views.runs_pane", "RunsPane"),
+                ("samples", "app.views.samples_pane", "SamplesPane"),
+                ("ab", "app.views.ab_pane", "ABPane"),
+                ("export", "app.views.export_wizard", "ExportWizardPane"),
+                ("models", "app.views.models_pane", "ModelsPane"),
+                ("chat", "app.views.chat_pane", "ChatPane"),
+                ("transcripts", "app.views.transcripts_pane", "TranscriptsPane"))
+PANE_NAMES = tuple(name for name, _, _ in PANE_CLASSES)
 DEFAULT_SIZE = (1440, 900)
 MIN_SIZE = (900, 600)
 WATCH_PERIOD_S = 1.0
@@ -117,6 +127,7 @@ class MainWindow(QMainWindow):
 
     def __init__(self, settings: Settings | None = None):
         super().__init__()
+        self._painted = False       # the first paint starts the panes' background preload
         self.settings = settings or Settings()
         self.workspace: Workspace | None = None
         self.failed_path: str | None = None
@@ -132,35 +143,20 @@ class MainWindow(QMainWindow):
         self.sidebar.setHorizontalScrollBarPolicy(Qt.ScrollBarPolicy.ScrollBarAlwaysOff)
         self.sidebar.setStyleSheet("QListWidget { font-size: 14px; } "
                                    "QListWidget::item { padding: 10px 8px; }")
-        self.datasets = DatasetsPane()
-        self.masks = MasksPane()
-        self.runs = RunsPane()
-        self.runs.threads = int(self.settings.get("threads", 0)) or None
+        self._panes: dict[str, QWidget] = {}
         self.stack = QStackedWidget()
-        self.samples, self.ab, self.export = SamplesPane(), ABPane(), ExportWizardPane()
-        self.models, self.chat = ModelsPane(), ChatPane()
-        self.transcripts = TranscriptsPane()
-        for pane in (self.datasets, self.masks, self.runs, self.samples, self.ab, self.export,
-                     self.models, self.chat, self.transcripts):
+        for _ in PANE_CLASSES:
             # A pane that needs more room than the window has scrolls; it never makes the
             # window bigger than the screen (DESIGN: every pane works at 1024×700).
             scroll = QScrollArea()
             scroll.setWidgetResizable(True)
             scroll.setFrameShape(QFrame.Shape.NoFrame)
-            scroll.setWidget(pane)
             self.stack.addWidget(scroll)
-            pane.message.connect(self.show_message)
-        self.sidebar.currentRowChanged.connect(self.stack.setCurrentIndex)
-        self.sidebar.setCurrentRow(0)
-        self.masks.dataset_saved.connect(self.datasets.reload)
-        self.models.library_changed.connect(self.chat.refresh_sources)
-        self.ab.train_requested.connect(self.train_preferences)
-
         # Scrolling a pane never edits a combo box or spin box the user did not click into.
         self.wheel_guard = WheelGuard(self)
-        for widget in self.stack.findChildren(QComboBox) + \
-                self.stack.findChildren(QAbstractSpinBox):
-            guard_wheel(widget, self.wheel_guard)
+        self.sidebar.currentRowChanged.connect(self._show_row)
+        self.sidebar.setCurrentRow(0)
+        self.preload_call = BackgroundCall(self)    # the other panes' modules, off the GUI
 
         self.banner = ProblemBanner(self)
         central = QWidget()
@@ -201,6 +197,78 @@ class MainWindow(QMainWindow):
         self.timer.setInterval(int(self.settings.get("poll_ms", 500)))
         self.timer.timeout.connect(self.poll)
         self.timer.start()
+
+    # -- panes ---------------------------------------------------------------------------
+    def pane(self, name: str) -> QWidget:
+        """The pane called `name` (see PANE_CLASSES), built on first use."""
+        built = self._panes.get(name)
+        if built is not None:
+            return built
+        index = PANE_NAMES.index(name)
+        _, module, cls = PANE_CLASSES[index]
+        built = getattr(importlib.import_module(module), cls)()
+        self._panes[name] = built
+        built.message.connect(self.show_message)
+        if name == "runs":
+            built.threads = int(self.settings.get("threads", 0)) or None
+        elif name == "masks":
+            built.dataset_saved.connect(self._dataset_saved)
+        elif name == "models":
+            built.library_changed.connect(self._library_changed)
+        elif name == "ab":
+            built.train_requested.connect(self.train_preferences)
+        self.stack.widget(index).setWidget(built)
+        for widget in built.findChildren(QComboBox) + built.findChildren(QAbstractSpinBox):
+            guard_wheel(widget, self.wheel_guard)
+        if self.workspace is not None:
+            built.set_workspace(self.workspace)
+        return built
+
+    def built_panes(self) -> list[QWidget]:
+        return [self._panes[name] for name in PANE_NAMES if name in self._panes]
+
+    def _built(self, name: str) -> QWidget | None:
+        return self._panes.get(name)
+
+    datasets = property(lambda self: self.pane("datasets"))
+    masks = property(lambda self: self.pane("masks"))
+    runs = property(lambda self: self.pane("runs"))
+    samples = property(lambda self: self.pane("samples"))
+    ab = property(lambda self: self.pane("ab"))
+    export = property(lambda self: self.pane("export"))
+    models = property(lambda self: self.pane("models"))
+    chat = property(lambda self: self.pane("chat"))
+    transcripts = property(lambda self: self.pane("transcripts"))
+
+    def _show_row(self, row: int) -> None:
+        if 0 <= row < len(PANE_NAMES):
+            self.pane(PANE_NAMES[row])
+        self.stack.setCurrentIndex(row)
+
+    def event(self, event) -> bool:
+        if not self._painted and event.type() == QEvent.Type.Paint:
+            self._painted = True
+            QTimer.singleShot(0, self._after_first_paint)
+        return super().event(event)
+
+    def _after_first_paint(self) -> None:
+        """The other panes' modules are imported on a worker thread (the window answers
+        input meanwhile), then the Runs pane is built: it follows the workspace's jobs for
+        the status bar, the notifications and the close question."""
+        if not self.isVisible():        # closed already: no thread may outlive the window
+            return
+        modules = [module for name, module, _ in PANE_CLASSES if name not in self._panes]
+        self.preload_call.done.connect(lambda _: self.pane("runs"))
+        self.preload_call.failed.connect(lambda exc: self.show_message(exc.render()))
+        self.preload_call.start(lambda: [importlib.import_module(m) for m in modules])
+
+    def _dataset_saved(self, path) -> None:
+        if self._built("datasets") is not None:
+            self.datasets.reload(path)
+
+    def _library_changed(self) -> None:
+        if self._built("chat") is not None:
+            self.chat.refresh_sources()
 
     # -- menus ---------------------------------------------------------------------------
     def _build_menus(self) -> None:
@@ -257,13 +325,8 @@ class MainWindow(QMainWindow):
         self._fill_recent()
         self.setWindowTitle(f"Forgebench — {workspace.name}")
         self.workspace_label.setText(f"Workspace: {workspace.root}")
-        self.datasets.set_workspace(workspace)
-        self.masks.set_workspace(workspace)
-        self.runs.set_workspace(workspace)
-        for pane in (self.samples, self.ab, self.export, self.transcripts):
+        for pane in self.built_panes():
             pane.set_workspace(workspace)
-        self.models.set_workspace(workspace)
-        self.chat.set_workspace(workspace)
         return True
 
     def report_problem(self, path: str, exc: ForgebenchError) -> None:
@@ -302,11 +365,13 @@ class MainWindow(QMainWindow):
     def edit_settings(self) -> None:
         if SettingsDialog(self.settings, self).exec():
             self.timer.setInterval(int(self.settings.get("poll_ms", 500)))
-            self.runs.threads = int(self.settings.get("threads", 0)) or None
+            if self._built("runs") is not None:
+                self.runs.threads = int(self.settings.get("threads", 0)) or None
 
     # -- status --------------------------------------------------------------------------
     def poll(self) -> None:
-        self.runs.poll()
+        if self._built("runs") is not None:
+            self.runs.poll()
         now = time.monotonic()
         if self.watch is not None and not self.watch_call.running and \
                 now - self._watched >= WATCH_PERIOD_S:
@@ -315,26 +380,28 @@ class MainWindow(QMainWindow):
 
     def refresh_panes(self, changes: set[str]) -> None:
         """Bring every pane up to date with what changed on disk, keeping the user's choices."""
-        if "configs" in changes:
+        built = self._built
+        if "configs" in changes and built("runs"):
             self.runs.reload_configs()
         if "runs" in changes:
-            self.samples.refresh_runs()
-            self.export.refresh_runs()
-            self.transcripts.refresh_runs()
-        if changes & {"runs", "ratings"}:
+            for name in ("samples", "export", "transcripts"):
+                if built(name):
+                    built(name).refresh_runs()
+        if changes & {"runs", "ratings"} and built("ab"):
             self.ab.reload()
-        if "runs" in changes:
+        if "runs" in changes and built("chat"):
             self.chat.refresh_sources()
         if "datasets" in changes:
-            self.datasets.refresh_list()
-            self.runs.form_widget.set_datasets(self.workspace.dataset_dirs())
+            if built("datasets"):
+                self.datasets.refresh_list()
+            if built("runs"):
+                self.runs.form_widget.set_datasets(self.workspace.dataset_dirs())
 
     def train_preferences(self, config: str) -> None:
         """The Blind A/B pane's "Train on these preferences": the Runs pane starts the lm-dpo
         config it wrote, and is shown with the new run's charts."""
         self.runs.start_config(Path(config))
-        self.sidebar.setCurrentRow(next(i for i in range(self.stack.count())
-                                        if self.stack.widget(i).widget() is self.runs))
+        self.sidebar.setCurrentRow(PANE_NAMES.index("runs"))
 
     def show_message(self, text: str) -> None:
         self.statusBar().showMessage(text.splitlines()[0] if text else "", 8000)
@@ -366,7 +433,7 @@ class MainWindow(QMainWindow):
             self.resize(width, height)
 
     def closeEvent(self, event) -> None:
-        active = self.runs.active_runs()
+        active = self.runs.active_runs() if self._built("runs") else []
         if active:
             choice = self.close_policy
             if choice == "ask":
@@ -387,7 +454,8 @@ class MainWindow(QMainWindow):
             if choice == "stop":
                 self.runs.stop_all()
         self.timer.stop()
-        self.chat.shutdown()
+        if self._built("chat") is not None:
+            self.chat.shutdown()
         for call in self.findChildren(BackgroundCall):     # every pane's worker threads
             call.cancel()
             call.wait()

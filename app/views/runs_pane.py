@@ -42,6 +42,7 @@ from app.views.charts import RunCharts
 from app.views.combos import refill_keeping_choice
 from app.views.engine_process import start_detached
 from app.views.form_widget import RecipeFormWidget
+from app.views.help_link import help_link
 from app.views.jobs_panel import job_center
 from engine.errors import ForgebenchError
 from engine.rundir import RunDir, pid_alive
@@ -303,6 +304,7 @@ class RunsPane(QWidget):
         cv.setContentsMargins(0, 0, 0, 0)
         cv.addWidget(self.stage_label)
         cv.addWidget(self.charts, 1)
+        cv.addWidget(help_link("metrics", "What do these charts and figures mean?"))
         splitter = QSplitter()
         splitter.addWidget(self.left_tabs)
         splitter.addWidget(charts_box)

@@ -21,8 +21,6 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Iterator
 
-from tqdm import tqdm
-
 from engine.data import formats as F
 from engine.errors import ForgebenchError
 from engine.fsutil import (
@@ -93,6 +91,14 @@ class Report:
 # ----------------------------------------------------------------------------- files
 
 
+def progress_bar(items, **bar):
+    """tqdm's progress bar over `items` on stderr. tqdm is imported on first use: the app reads
+    this module while its window starts, and importing tqdm costs a noticeable part of that."""
+    from tqdm import tqdm
+
+    return tqdm(items, **bar)
+
+
 def _hash_files(root: Path, progress: bool = False) -> dict[str, str]:
     """sha256 of every data file under root (not the manifest, cards or hidden files)."""
     skip = {F.MANIFEST, *F.CARD_FILES}
@@ -100,8 +106,8 @@ def _hash_files(root: Path, progress: bool = False) -> dict[str, str]:
                    if p.is_file() and not any(part.startswith(".")
                                               for part in p.relative_to(root).parts))
     names = [n for n in names if n not in skip]
-    return {n: sha256_file(root / n) for n in tqdm(names, desc="hashing", unit="file",
-                                                   disable=not progress)}
+    return {n: sha256_file(root / n)
+            for n in progress_bar(names, desc="hashing", unit="file", disable=not progress)}
 
 
 def version_id(files: dict[str, str]) -> str:
@@ -406,8 +412,8 @@ def _validate_manifest(root: Path, report: Report) -> dict | None:
 
 def _validate_files(root: Path, manifest: dict, report: Report, check_hashes: bool,
                     progress: bool) -> None:
-    for rel, digest in tqdm(sorted(manifest["files"].items()), desc="checking files",
-                            unit="file", disable=not progress):
+    for rel, digest in progress_bar(sorted(manifest["files"].items()), desc="checking files",
+                                    unit="file", disable=not progress):
         reason = safe_relpath(rel)
         if reason:
             report.add(F.MANIFEST, None, "files", f"{rel!r} {reason}")
@@ -444,8 +450,8 @@ def _validate_media(root: Path, kind: F.Kind, manifest: dict, rel_records: str,
     from engine.data import media
 
     files = manifest["files"]
-    for where, record in tqdm(items, desc="checking media", unit="record",
-                              disable=not progress):
+    for where, record in progress_bar(items, desc="checking media", unit="record",
+                                      disable=not progress):
         rid = str(record.get("id"))
         at = f"{where} (id {rid!r})"
         paths = {}

@@ -14,7 +14,9 @@ class DiffusionSection(Schema):
     levels: int = Field(256, ge=2, description="noise levels of the cosine schedule")
     channels: list[int] = Field(default_factory=lambda: [32, 64, 128],
                                 description="U-Net channels per resolution level")
-    emb_dim: int = Field(64, ge=8)
+    emb_dim: int = Field(
+        64, ge=8, description="width of the noise-level and class embedding fed to every U-Net "
+                              "block")
     cond_dropout: float = Field(0.1, ge=0, lt=1, description="share of labels replaced by the "
                                                              "learned null class")
     ema: float = Field(0.999, ge=0, lt=1, description="EMA decay of the sampling weights")
@@ -28,7 +30,8 @@ class SampleSection(Schema):
     per_class: int = Field(4, ge=1, description="grid samples per class")
     cfg: float = Field(4.0, ge=0, description="classifier-free guidance scale (1 = off)")
     steps: int = Field(64, ge=1, description="sampler steps (respaced from the levels)")
-    grid_every_checkpoint: bool = True
+    grid_every_checkpoint: bool = Field(
+        True, description="sample the fixed grid at every checkpoint (else only at the end)")
 
 
 class ImageGenerateConfig(MediaRecipeConfig):

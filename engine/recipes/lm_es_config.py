@@ -25,10 +25,12 @@ class ParamsSection(Schema):
     mode: Literal["lora", "full"] = Field(
         "lora", description="perturb LoRA adapters beside the frozen (possibly quantized) base, "
                             "or every float weight of a dense base")
-    rank: int = Field(8, ge=1)
+    rank: int = Field(8, ge=1, description="rank of the perturbed LoRA adapters (mode lora)")
     alpha: float = Field(16.0, gt=0, description="the delta is scaled by alpha / rank")
     targets: list[Literal["q", "k", "v", "o", "gate", "up", "down"]] = Field(
-        default_factory=lambda: ["q", "v"], min_length=1)
+        default_factory=lambda: ["q", "v"], min_length=1,
+        description="projections whose adapters are perturbed: attention q/k/v/o, MLP "
+                    "gate/up/down")
 
     @model_validator(mode="after")
     def _distinct_targets(self) -> "ParamsSection":

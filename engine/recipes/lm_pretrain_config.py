@@ -25,15 +25,18 @@ class TokenizerSection(Schema):
 
 
 class ModelSection(Schema):
-    dim: int = Field(128, ge=8)
-    n_layers: int = Field(4, ge=1)
-    n_heads: int = Field(4, ge=1)
+    dim: int = Field(
+        128, ge=8, description="model width (embedding size); a multiple of the attention heads")
+    n_layers: int = Field(4, ge=1, description="transformer blocks")
+    n_heads: int = Field(4, ge=1, description="attention (query) heads")
     n_kv_heads: int = Field(2, ge=1, description="grouped-query attention: key/value heads")
     ffn_dim: int = Field(344, ge=1, description="SwiGLU hidden width")
     context: int = Field(128, ge=2, description="tokens per training window")
-    tie_embeddings: bool = True
-    rope_theta: float = Field(10000.0, gt=0)
-    norm_eps: float = Field(1e-5, gt=0)
+    tie_embeddings: bool = Field(
+        True, description="the output head shares the input embedding's weights")
+    rope_theta: float = Field(
+        10000.0, gt=0, description="base frequency of the rotary position embedding (RoPE)")
+    norm_eps: float = Field(1e-5, gt=0, description="epsilon of the RMSNorm layers")
 
     @model_validator(mode="after")
     def _heads_fit(self) -> "ModelSection":
@@ -51,11 +54,13 @@ class OptimSection(Schema):
     lr: float = Field(3e-3, gt=0, le=10, description="peak learning rate")
     min_lr_ratio: float = Field(0.1, ge=0, le=1, description="cosine floor as a share of lr")
     warmup: int = Field(20, ge=0, description="linear warmup steps")
-    schedule: Literal["cosine", "constant"] = "cosine"
-    weight_decay: float = Field(0.1, ge=0)
-    beta1: float = Field(0.9, ge=0, lt=1)
-    beta2: float = Field(0.95, ge=0, lt=1)
-    eps: float = Field(1e-8, gt=0)
+    schedule: Literal["cosine", "constant"] = Field(
+        "cosine", description="learning rate after warmup: cosine decay to min_lr_ratio × lr, or "
+                              "constant")
+    weight_decay: float = Field(0.1, ge=0, description="AdamW's decoupled weight decay")
+    beta1: float = Field(0.9, ge=0, lt=1, description="AdamW's first-moment (momentum) decay, β1")
+    beta2: float = Field(0.95, ge=0, lt=1, description="AdamW's second-moment decay, β2")
+    eps: float = Field(1e-8, gt=0, description="AdamW's epsilon, added to the denominator")
     grad_clip: float = Field(1.0, ge=0, description="global gradient-norm clip; 0 = off")
     moments: Literal["fp32", "bf16"] = Field("fp32", description="AdamW moment storage")
 
@@ -74,7 +79,7 @@ class TrainSection(Schema):
 
 
 class EvalSection(Schema):
-    batch_size: int = Field(32, ge=1)
+    batch_size: int = Field(32, ge=1, description="windows per evaluation batch")
     max_windows: int = Field(0, ge=0, description="cap on val windows per periodic eval; "
                                                   "0 = the whole split")
 
@@ -82,10 +87,13 @@ class EvalSection(Schema):
 class SampleSection(Schema):
     prompts: list[str] = Field(default_factory=lambda: ["Record item"],
                                description="prompts sampled at the end of training")
-    max_tokens: int = Field(160, ge=1)
-    temperature: float = Field(0.0, ge=0)
-    top_k: int = Field(0, ge=0)
-    top_p: float = Field(1.0, gt=0, le=1)
+    max_tokens: int = Field(160, ge=1, description="new tokens generated per prompt")
+    temperature: float = Field(
+        0.0, ge=0, description="sampling temperature; 0 = greedy (always the likeliest token)")
+    top_k: int = Field(0, ge=0, description="sample among the k likeliest tokens only; 0 = off")
+    top_p: float = Field(
+        1.0, gt=0, le=1, description="nucleus sampling: the smallest set of tokens with this total "
+                                     "probability; 1 = off")
 
 
 class LMPretrainConfig(RecipeConfig):

@@ -39,10 +39,15 @@ class DataSection(Schema):
     test_path: str | None = Field(None, description="JSONL read by `forgebench eval --split test`")
     format: Literal["auto", "pairs", "messages"] = Field(
         "auto", description="record shape: pairs, {messages: [...]}, or either")
-    instruction_key: str = "instruction"
-    response_key: str = "response"
-    system_key: str = "system"
-    messages_key: str = "messages"
+    instruction_key: str = Field(
+        "instruction", description="record field holding the prompt of an instruction/response "
+                                   "pair")
+    response_key: str = Field(
+        "response", description="record field holding the answer of an instruction/response pair")
+    system_key: str = Field("system", description="record field holding an optional system prompt")
+    messages_key: str = Field(
+        "messages", description="record field holding a conversation (a list of role/content "
+                                "messages)")
     system: str | None = Field(None, description="system message for records without one")
     max_len: int = Field(512, ge=2, description="input tokens per sample (prompt + response)")
     truncation: Literal["error", "truncate_response", "drop"] = Field(
@@ -55,11 +60,14 @@ class LoraSection(Schema):
     method: Literal["lora", "full"] = Field(
         "lora", description="train adapters beside the frozen base, or every weight (dense "
                             "bases only)")
-    rank: int = Field(8, ge=1)
+    rank: int = Field(
+        8, ge=1, description="adapter rank r: each adapted weight W gets a trainable B·A of rank r")
     alpha: float = Field(16.0, gt=0, description="the delta is scaled by alpha / rank")
-    dropout: float = Field(0.0, ge=0, lt=1)
+    dropout: float = Field(
+        0.0, ge=0, lt=1, description="dropout on the adapters' input while training; 0 = off")
     targets: list[Literal["q", "k", "v", "o", "gate", "up", "down"]] = Field(
-        default_factory=lambda: ["q", "v"], min_length=1)
+        default_factory=lambda: ["q", "v"], min_length=1,
+        description="projections that get adapters: attention q/k/v/o, MLP gate/up/down")
     full_max_params: int = Field(
         1_000_000_000, ge=1, description="full fine-tuning refuses a model larger than this "
                                          "(weights + grads + AdamW moments ≈ 16 bytes/param)")
@@ -72,14 +80,16 @@ class LoraSection(Schema):
 
 
 class OptimSection(Schema):
-    lr: float = Field(1e-3, gt=0, le=10)
-    schedule: Literal["cosine", "constant"] = "constant"
+    lr: float = Field(1e-3, gt=0, le=10, description="peak learning rate")
+    schedule: Literal["cosine", "constant"] = Field(
+        "constant", description="learning rate after warmup: cosine decay to min_lr_ratio × lr, or "
+                                "constant")
     warmup: int = Field(0, ge=0, description="linear warmup steps")
     min_lr_ratio: float = Field(0.1, ge=0, le=1, description="cosine floor as a share of lr")
-    weight_decay: float = Field(0.0, ge=0)
-    beta1: float = Field(0.9, ge=0, lt=1)
-    beta2: float = Field(0.999, ge=0, lt=1)
-    eps: float = Field(1e-8, gt=0)
+    weight_decay: float = Field(0.0, ge=0, description="AdamW's decoupled weight decay")
+    beta1: float = Field(0.9, ge=0, lt=1, description="AdamW's first-moment (momentum) decay, β1")
+    beta2: float = Field(0.999, ge=0, lt=1, description="AdamW's second-moment decay, β2")
+    eps: float = Field(1e-8, gt=0, description="AdamW's epsilon, added to the denominator")
     grad_clip: float = Field(1.0, ge=0, description="global gradient-norm clip; 0 = off")
     moments: Literal["fp32", "bf16"] = Field("fp32", description="AdamW moment storage")
 
@@ -102,7 +112,7 @@ class TrainSection(Schema):
 class SampleSection(Schema):
     prompts: list[str] = Field(default_factory=list,
                                description="held prompts answered greedily BEFORE and AFTER")
-    max_tokens: int = Field(32, ge=1)
+    max_tokens: int = Field(32, ge=1, description="new tokens generated per prompt")
 
 
 class LMSFTConfig(RecipeConfig):

@@ -66,13 +66,17 @@ def _proc_flags(path: Path = Path("/proc/cpuinfo")) -> frozenset[str]:
 
 @functools.lru_cache(maxsize=1)
 def cpu_bf16_features() -> frozenset[str]:
-    """The BF16_UNITS this machine has, from cpuid (engine.kernels.cpu) and /proc/cpuinfo
-    (amx_bf16 has no cpuid bit there), and from torch's own CPU checks (what its kernels use)
-    in a process that has torch loaded (a job; the app's form reads the flags alone)."""
-    from engine.kernels.cpu import detected
-
-    found = set(detected()[0]) | _proc_flags()
+    """The BF16_UNITS this machine has, from /proc/cpuinfo, and in a process that has torch
+    loaded (a job) also from cpuid (engine.kernels.cpu; amx_bf16 has no cpuid bit there) and
+    torch's own CPU checks (what its kernels use). The app's form reads the flags alone: cpuid
+    goes through the native kernels, which import torch (and may compile them) — seconds on the
+    GUI thread, in a process that never imports torch."""
+    found = set(_proc_flags())
     torch = sys.modules.get("torch")
+    if torch is not None:
+        from engine.kernels.cpu import detected
+
+        found |= detected()[0]
     cpu = getattr(torch, "cpu", None)
     if cpu is not None and getattr(cpu, "_is_avx512_bf16_supported", lambda: False)():
         found.add("avx512_bf16")

@@ -1,10 +1,12 @@
 """Stats tab: records per label and split as grouped bars, with one legend entry per split;
 for a tabular dataset also a table of per-column statistics (role, filled, missing, mean,
-std, min, max, groups)."""
+std, min, max, groups).
+
+The chart (pyqtgraph) is built when the tab is first filled, so the Datasets pane, the first
+one the window shows, is built without importing pyqtgraph."""
 
 from __future__ import annotations
 
-import pyqtgraph as pg
 from PySide6.QtWidgets import QLabel, QTableWidget, QTableWidgetItem, QVBoxLayout, QWidget
 
 from app.viewmodels.datasets import DatasetTable, column_stats, stats_bars
@@ -17,32 +19,41 @@ class StatsTab(QWidget):
     def __init__(self, parent=None):
         super().__init__(parent)
         self.table: DatasetTable | None = None
-        self.plot = pg.PlotWidget(title="Records per label and split")
-        self.plot.setBackground("w")
-        # One legend for the tab's life. PlotItem adds every named item to it (and removes it
-        # on clear); a legend added per fill, or an explicit addItem, would list a split twice.
-        self.legend = self.plot.addLegend(offset=(-10, 10))
+        self.plot = None            # the chart, built by the first fill
+        self.legend = None
         self.text = QLabel()
         self.text.setWordWrap(True)
-        layout = QVBoxLayout(self)
         self.columns = QTableWidget(0, len(COLUMN_HEADERS))
         self.columns.setHorizontalHeaderLabels(COLUMN_HEADERS)
         self.columns.setEditTriggers(QTableWidget.EditTrigger.NoEditTriggers)
         self.columns.hide()
-        layout.addWidget(self.plot, 1)
+        layout = QVBoxLayout(self)
         layout.addWidget(self.text)
         layout.addWidget(self.columns, 1)
 
     def set_table(self, table: DatasetTable | None) -> None:
         """Counted lazily: `fill` runs when the tab is first shown for this table."""
         self.table = table
-        self.plot.clear()
-        self.legend.clear()
+        if self.plot is not None:
+            self.plot.clear()
+            self.legend.clear()
         self.text.clear()
         self.columns.setRowCount(0)
         self.columns.hide()
 
+    def _build_plot(self, pg) -> None:
+        self.plot = pg.PlotWidget(title="Records per label and split")
+        self.plot.setBackground("w")
+        # One legend for the tab's life. PlotItem adds every named item to it (and removes it
+        # on clear); a legend added per fill, or an explicit addItem, would list a split twice.
+        self.legend = self.plot.addLegend(offset=(-10, 10))
+        self.layout().insertWidget(0, self.plot, 1)
+
     def fill(self) -> None:
+        import pyqtgraph as pg  # here, not at the top: see the module docstring
+
+        if self.plot is None:
+            self._build_plot(pg)
         self.plot.clear()
         self.legend.clear()
         if self.table is None:
