@@ -38,6 +38,8 @@ RECIPES: dict[str, tuple[str, str]] = {
                        "engine.recipes.audio_generate"),
     "tabular-classify": ("engine.recipes.tabular_classify_config:TabularClassifyConfig",
                          "engine.recipes.tabular_classify"),
+    "lm-decision": ("engine.recipes.lm_decision_config:LMDecisionConfig",
+                    "engine.recipes.lm_decision"),
 }
 
 # Fields resume may change; everything else in the resolved config must match run.json.

@@ -158,6 +158,7 @@ def _generate(args) -> int:
         "style": lambda: text.generate_style_pairs(args.out, **_some(n=args.n), seed=args.seed),
         "records": lambda: _records(args),
         "sensors": lambda: _sensors(args),
+        "tickets": lambda: _tickets(args),
         "samples": lambda: generate_samples(args.out),
     }
     if args.kind not in generators:
@@ -172,6 +173,11 @@ def _generate(args) -> int:
 def _sensors(args):
     from engine.data.generators.sensors import generate_sensors
     return generate_sensors(args.out, **_some(machines=args.n), seed=args.seed)
+
+
+def _tickets(args):
+    from engine.data.generators.tickets import generate_tickets
+    return generate_tickets(args.out, **_some(n=args.n), seed=args.seed)
 
 
 def _records(args):
