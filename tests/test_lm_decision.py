@@ -73,6 +73,9 @@ def test_ece_brier_and_nll_equal_a_hand_computation():
                                             + math.log(.4)) / 4, abs=1e-12)
     counts = [b["count"] for b in report["reliability"]]
     assert counts == [0, 0, 0, 0, 0, 1, 1, 0, 2, 0]
+    assert metrics.by_slice(["clear", "mixed", "clear", "mixed"], p, target) == {
+        "clear": {"count": 2, "accuracy": 1.0, "mean_confidence": pytest.approx(0.74)},
+        "mixed": {"count": 2, "accuracy": 0.0, "mean_confidence": pytest.approx(0.66)}}
     # twin: with the 0.82 record right, that bin is all right and the ECE falls to 0.3
     twin = metrics.probability_report(p, mask, np.array([0, 0, 0, 1]), bins=10)
     assert twin["ece"] == pytest.approx(0.3, abs=1e-12)
@@ -291,6 +294,8 @@ def test_a_run_trains_calibrates_and_reports(trained):
     assert report["fit"]["nll"] <= report["fit"]["nll_at_1"]      # T = 1 is on the grid
     # a positive temperature never changes the top option
     assert report["val_before"]["accuracy"] == report["val_after"]["accuracy"]
+    evidence = report["slices"]["evidence"]
+    assert sum(v["count"] for v in evidence.values()) == report["val_after"]["examples"]
     assert sum(b["count"] for b in report["val_after"]["reliability"]) == \
         report["val_after"]["examples"]
     for plot in report["plots"]:

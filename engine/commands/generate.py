@@ -13,7 +13,7 @@ import json
 import sys
 
 from engine.errors import ForgebenchError
-from engine.jobs import recipe_for_run
+from engine.jobs import recipe_hook
 from engine.rundir import RunDir
 
 
@@ -24,11 +24,9 @@ def cmd_generate(args) -> int:
         raise ForgebenchError("give a run directory or --model FILE.gguf",
                               where="arguments", hint="forgebench generate RUN_DIR --prompt ...")
     run = RunDir(args.run_dir).require()
-    module = recipe_for_run(run)
-    if not hasattr(module, "generate"):
-        raise ForgebenchError(f"recipe '{run.manifest()['recipe']}' does not generate text",
-                              path=run.path, hint="use 'forgebench sample' for generator runs")
-    result = module.generate(run, run.checkpoint(args.checkpoint), args)
+    generate = recipe_hook(run, "generate", "does not generate text",
+                           "use 'forgebench sample' for generator runs")
+    result = generate(run, run.checkpoint(args.checkpoint), args)
     print(json.dumps(result, indent=2) if args.json else result["text"])
     return 0
 
@@ -36,12 +34,9 @@ def cmd_generate(args) -> int:
 def cmd_decide(args) -> int:
     """`forgebench decide RUN "request"`: the run's recipe's `decide`, printed as JSON."""
     run = RunDir(args.run_dir).require()
-    module = recipe_for_run(run)
-    if not hasattr(module, "decide"):
-        raise ForgebenchError(f"recipe '{run.manifest()['recipe']}' does not make decisions",
-                              path=run.path, hint="use an lm-decision run")
+    decide = recipe_hook(run, "decide", "does not make decisions", "use an lm-decision run")
     options = [o.strip() for o in args.options.split(",") if o.strip()] if args.options else None
-    result = module.decide(run, run.checkpoint(args.checkpoint), args.request,
+    result = decide(run, run.checkpoint(args.checkpoint), args.request,
                            question=args.question, option_ids=options)
     print(json.dumps(result, indent=2))
     return 0

@@ -127,3 +127,15 @@ def selective(probability: np.ndarray, target: np.ndarray, threshold: float) -> 
     return {"threshold": float(threshold), "answered": count, "abstained": int(len(target) - count),
             "coverage": count / len(target),
             "risk": float(np.mean(~correct[answered])) if count else 0.0}
+
+
+def by_slice(values: list[str], probability: np.ndarray, target: np.ndarray) -> dict:
+    """Count, accuracy and mean top probability of the records sharing each slice value (e.g.
+    clear / mixed / vague evidence): a low average error can hide a bad slice."""
+    values = np.asarray(values)
+    correct = probability.argmax(axis=1) == target
+    confidence = probability.max(axis=1)
+    return {str(v): {"count": int((values == v).sum()),
+                     "accuracy": float(correct[values == v].mean()),
+                     "mean_confidence": float(confidence[values == v].mean())}
+            for v in sorted(set(values.tolist()))}

@@ -171,8 +171,15 @@ def logits_of(head: OptionPointer, feats: Features) -> np.ndarray:
 
 
 # -- calibration, reports and plots ---------------------------------------------------------
+def slices_of(dataset, split: str) -> dict[str, list[str]]:
+    """The dataset's slice fields (dataset.json "slices") -> each record's value, in order."""
+    records = split_records(dataset, split)
+    return {name: [str(r.get(name)) for r in records]
+            for name in dataset.manifest.get("slices", [])}
+
+
 def calibrate(head: OptionPointer, calibration: Features, val: Features, bins: int,
-              max_risk: float) -> tuple[dict, dict]:
+              max_risk: float, val_slices: dict[str, list[str]]) -> tuple[dict, dict]:
     """(calibration.json: temperature and abstain threshold, the report behind it)."""
     fit_logits, fit_mask = logits_of(head, calibration), calibration.mask.numpy()
     fit = metrics.fit_temperature(fit_logits, fit_mask, calibration.target.numpy())
@@ -187,7 +194,9 @@ def calibrate(head: OptionPointer, calibration: Features, val: Features, bins: i
               "risk_coverage_before": {k: v.tolist() for k, v in curve_before.items()},
               "risk_coverage": {k: v.tolist() for k, v in curve.items()},
               "aurc_before": metrics.area_under_risk_coverage(curve_before),
-              "aurc_after": metrics.area_under_risk_coverage(curve)}
+              "aurc_after": metrics.area_under_risk_coverage(curve),
+              "slices": {name: metrics.by_slice(values, after, target)
+                         for name, values in val_slices.items()}}
     return {"temperature": fit["temperature"], "threshold": abstain["threshold"],
             "max_risk": max_risk, "at_edge": fit["at_edge"]}, report
 
@@ -321,7 +330,8 @@ def train(job: Job) -> None:
                 job.stage = "calibrate"
                 calibration, report = calibrate(head, feats[config.calibration.split],
                                                 feats["val"], config.calibration.bins,
-                                                config.calibration.max_risk)
+                                                config.calibration.max_risk,
+                                                slices_of(dataset, "val"))
             checkpoint = checkpoint_now(calibration)
             if last:
                 write_calibration_report(run, job, checkpoint, config, calibration, report)
@@ -404,6 +414,8 @@ def evaluate(run: RunDir, checkpoint: Checkpoint, split: str) -> dict:
                   calibrated=decider.calibration is not None,
                   temperature=calibration["temperature"], uncalibrated=before,
                   aurc=metrics.area_under_risk_coverage(curve),
+                  slices={name: metrics.by_slice(values, probability, target)
+                          for name, values in slices_of(dataset, split).items()},
                   plots=write_plots(run, name, {"before": before["reliability"],
                                                 "after": report["reliability"]},
                                     {"calibrated": curve}, None))
