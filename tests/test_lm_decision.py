@@ -81,6 +81,17 @@ def test_ece_brier_and_nll_equal_a_hand_computation():
     assert twin["ece"] == pytest.approx(0.3, abs=1e-12)
 
 
+def test_order_sensitivity_maps_reversed_options_back():
+    """Record 1 (three options) scores the same reversed; record 2 (two options, one padded)
+    flips its top option when reversed: agreement 1/2, largest change |0.7 - 0.2| = 0.5."""
+    p = np.array([[0.6, 0.3, 0.1], [0.7, 0.3, 0.0]])
+    mask = np.array([[True, True, True], [True, True, False]])
+    reversed_p = np.array([[0.1, 0.3, 0.6], [0.8, 0.2, 0.0]])
+    result = metrics.order_sensitivity(p, reversed_p, mask)
+    assert result == {"top_agreement": 0.5, "mean_max_change": pytest.approx(0.25),
+                      "max_change": pytest.approx(0.5)}
+
+
 def _two_option_nll(margin: float, right_share: float, t: float) -> float:
     """Closed form: every record's logits are [margin, 0]; `right_share` of them have option 0
     right. NLL(T) = -f ln s - (1 - f) ln(1 - s), s = sigmoid(margin / T)."""
@@ -336,6 +347,7 @@ def test_eval_on_test_uses_the_saved_calibration(trained):
     assert report["calibrated"] and report["temperature"] == saved["temperature"]
     assert report["threshold"] == saved["threshold"]
     assert report["answered"] + report["abstained"] == report["examples"]
+    assert 0 <= report["order"]["top_agreement"] <= 1
 
 
 def test_the_runs_pane_charts_val_accuracy_and_ece_before_and_after(qtbot, tmp_path, trained):

@@ -139,3 +139,18 @@ def by_slice(values: list[str], probability: np.ndarray, target: np.ndarray) -> 
                      "accuracy": float(correct[values == v].mean()),
                      "mean_confidence": float(confidence[values == v].mean())}
             for v in sorted(set(values.tolist()))}
+
+
+def order_sensitivity(probability: np.ndarray, reversed_probability: np.ndarray,
+                      mask: np.ndarray) -> dict:
+    """How much the answer depends on where the options stand: the same records scored with
+    their options in reverse order (row i of `reversed_probability` lists option k-1 first).
+    A causal reader sees earlier options from later ones but not the reverse, so an order-free
+    answer is not given: it is measured. Returns the share of records whose top option is the
+    same both ways and the mean and largest change of any option's probability."""
+    back = np.zeros_like(probability)
+    for i, k in enumerate(mask.sum(axis=1)):
+        back[i, :k] = reversed_probability[i, :k][::-1]
+    change = np.abs(np.where(mask, probability - back, 0.0)).max(axis=1)
+    return {"top_agreement": float(np.mean(probability.argmax(1) == back.argmax(1))),
+            "mean_max_change": float(change.mean()), "max_change": float(change.max())}

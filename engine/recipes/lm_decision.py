@@ -95,11 +95,14 @@ def lay_out(tokenizer, state: str, question: str, options: list[dict],
                 option_ids.index(label) if label is not None else None)
 
 
-def lay_out_split(config: LMDecisionConfig, base, dataset, split: str) -> list[Laid]:
-    """Every record of a split laid out; a record over data.max_len is an error naming it."""
+def lay_out_split(config: LMDecisionConfig, base, dataset, split: str,
+                  reverse_options: bool = False) -> list[Laid]:
+    """Every record of a split laid out (its options reversed when asked); a record over
+    data.max_len is an error naming it."""
     laid = []
     for record in split_records(dataset, split):
-        item = lay_out(base.tokenizer, record["state"], record["question"], record["options"],
+        options = record["options"][::-1] if reverse_options else record["options"]
+        item = lay_out(base.tokenizer, record["state"], record["question"], options,
                        record["label"])
         if len(item.ids) > config.data.max_len:
             raise ForgebenchError(
@@ -395,11 +398,15 @@ def load_decider(run: RunDir, checkpoint: Checkpoint) -> Decider:
 
 def evaluate(run: RunDir, checkpoint: Checkpoint, split: str) -> dict:
     """Accuracy, NLL, Brier, ECE with reliability bins, and coverage/risk at the saved abstain
-    threshold, uncalibrated and with the checkpoint's temperature; evals/<split>-<ckpt>.json."""
+    threshold, uncalibrated and with the checkpoint's temperature, accuracy per slice, and the
+    sensitivity to option order (every record scored again with its options reversed);
+    evals/<split>-<ckpt>.json and its PNGs."""
     config = run_config(run)
     decider = load_decider(run, checkpoint)
     dataset = open_dataset(config, KINDS)
-    feats = features(decider.base.model, lay_out_split(config, decider.base, dataset, split))
+    feats, reversed_feats = (
+        features(decider.base.model, lay_out_split(config, decider.base, dataset, split, flip))
+        for flip in (False, True))
     run.log_event("split_read", split=split, records=len(feats.target))
     z, mask, target = logits_of(decider.head, feats), feats.mask.numpy(), feats.target.numpy()
     calibration = decider.calibration or {"temperature": 1.0, "threshold": 0.0}
@@ -416,6 +423,9 @@ def evaluate(run: RunDir, checkpoint: Checkpoint, split: str) -> dict:
                   aurc=metrics.area_under_risk_coverage(curve),
                   slices={name: metrics.by_slice(values, probability, target)
                           for name, values in slices_of(dataset, split).items()},
+                  order=metrics.order_sensitivity(probability, metrics.softmax(
+                      logits_of(decider.head, reversed_feats), mask,
+                      calibration["temperature"]), mask),
                   plots=write_plots(run, name, {"before": before["reliability"],
                                                 "after": report["reliability"]},
                                     {"calibrated": curve}, None))
