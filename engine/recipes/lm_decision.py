@@ -230,25 +230,51 @@ def write_plots(run: RunDir, name: str, reliabilities: dict[str, list[dict]],
 
 
 # -- training -------------------------------------------------------------------------------
+class FeatureProgress:
+    """The decoder-state pass (minutes for a real model on a CPU): a bar on stderr, and
+    status.json's stage line with the count and an ETA, so the app shows more than a stage."""
+
+    def __init__(self, job: Job, total: int):
+        self.job, self.total, self.done = job, total, 0
+        self.bar = job.progress(total, desc="features")
+        self.started = time.monotonic()
+
+    def update(self, count: int) -> None:
+        self.done += count
+        self.bar.update(count)
+        rate = self.done / max(time.monotonic() - self.started, 1e-9)
+        eta = (self.total - self.done) / rate
+        self.job.run.set_status("stopping" if self.job.stop_requested else "running",
+                                step=self.job.step, stage="features",
+                                stage_detail=f"decoder states {self.done}/{self.total} "
+                                             f"records, ETA {eta:.0f} s")
+
+
 def train(job: Job) -> None:
     config: LMDecisionConfig = job.config
     run, opt = job.run, config.optim
     torch.manual_seed(config.seed)
     base_sha = run.manifest()["base_model"]["sha256"]
 
+    dataset = open_dataset(config, KINDS)          # the data's checks first: they are cheap
+    schema = option_schema(dataset)
+    if not dataset.records(config.calibration.split):
+        raise ForgebenchError(f"the dataset has no {config.calibration.split!r} records to fit "
+                              "the temperature on", path=dataset.root,
+                              where="field 'calibration.split'",
+                              hint="assign a calibration split (forgebench data split DIR "
+                                   "--ratios ...), or set calibration.split = \"val\"")
     job.announce("loading", f"loading base {size_text(base_model(config))} (frozen)")
     base = load_base(config)
     base.model.eval()
-    dataset = open_dataset(config, KINDS)
-    schema = option_schema(dataset)
     job.announce("encoding", "laying out the train, val and calibration records")
     laid = {split: lay_out_split(config, base, dataset, split)
             for split in dict.fromkeys(("train", "val", config.calibration.split))}
     total = sum(len(v) for v in laid.values())
     job.announce("features", f"decoder states of {total} records (once; the decoder is frozen)")
-    bar = job.progress(total, desc="features")
-    feats = {split: features(base.model, items, bar) for split, items in laid.items()}
-    bar.close()
+    progress = FeatureProgress(job, total)
+    feats = {split: features(base.model, items, progress) for split, items in laid.items()}
+    progress.bar.close()
     train_feats = feats["train"]
     run.log_event("data_encoded", **{f"{s}_records": len(v) for s, v in laid.items()},
                   max_tokens=max(len(x.ids) for v in laid.values() for x in v))
