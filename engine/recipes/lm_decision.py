@@ -42,7 +42,7 @@ from engine.data import decisions
 from engine.data.formats import MANIFEST
 from engine.errors import ForgebenchError
 from engine.eval import decision as metrics
-from engine.eval.plot import unit_plot
+from engine.eval.plot import RELIABILITY_COLOURS, reliability_plot, unit_plot
 from engine.fsutil import atomic_write_bytes, read_json
 from engine.jobs import Job, run_config
 from engine.models.pointer import OptionPointer, gather_hidden
@@ -206,16 +206,10 @@ def calibrate(head: OptionPointer, calibration: Features, val: Features, bins: i
 
 def write_plots(run: RunDir, name: str, reliabilities: dict[str, list[dict]],
                 curves: dict[str, dict], threshold: dict | None) -> list[str]:
-    colours = ("#bf3f1f", "#1f5fbf")
-    series = [("ideal", [0, 1], [0, 1], "#999999", False)]
-    for colour, (label, rows) in zip(colours, reliabilities.items()):
-        full = [r for r in rows if r["count"]]
-        series.append((label, [r["mean_probability"] for r in full],
-                       [r["positive_fraction"] for r in full], colour, True))
-    reliability_png = unit_plot(series, f"{name}: reliability", "top-option probability",
-                                "fraction right")
+    reliability_png = reliability_plot(reliabilities, f"{name}: reliability",
+                                       "top-option probability", "fraction right")
     series = [(label, np.r_[0.0, c["coverage"]], np.r_[0.0, c["risk"]], colour, False)
-              for colour, (label, c) in zip(colours, curves.items())]
+              for colour, (label, c) in zip(RELIABILITY_COLOURS, curves.items())]
     if threshold is not None:
         series.append((f"abstain below {threshold['threshold']:.3f}", [threshold["coverage"]],
                        [threshold["risk"]], "#2f8f2f", True))
