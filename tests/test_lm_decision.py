@@ -185,6 +185,28 @@ def test_generated_tickets_keep_conversations_in_one_split(tickets):
                                                               "review"]
 
 
+def test_the_datasets_pane_refuses_an_edit_with_an_option_outside_the_schema(tmp_path,
+                                                                             tickets):
+    """The app's record editor runs the validator's per-record checks: a label that is not
+    among the record's options, or an option the schema lacks, is refused with its field, and
+    the dataset is left as it was."""
+    from app.viewmodels.datasets import DatasetTable
+    from engine.errors import ForgebenchError
+
+    table = DatasetTable(tickets)
+    record = dict(table.rows[0].record)
+    assert table.check_record(record) == []
+    assert table.check_record(dict(record, label="refunds"))[0][0] == "label"
+    widened = dict(record, options=record["options"] + [{"id": "refunds", "text": "Money"}])
+    assert table.check_record(widened) == [
+        ("options", "option 'refunds' is not in the option schema (billing, delivery, access, "
+                    "review)")]
+    before = (tickets / "records.jsonl").read_bytes()
+    with pytest.raises(ForgebenchError, match="field 'options'"):
+        table.save_record(0, widened)
+    assert (tickets / "records.jsonl").read_bytes() == before
+
+
 def _corrupt(src: Path, dst: Path, line: int, change) -> Path:
     """A copy of the dataset with record `line` (1-based) changed and dataset.json rehashed."""
     from engine.data.dataset import write_manifest
