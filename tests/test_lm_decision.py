@@ -318,7 +318,8 @@ def test_a_run_trains_calibrates_and_reports(trained):
     assert [m["step"] for m in train] == list(range(1, 31))
     assert np.mean([m["loss"] for m in train[-10:]]) < np.mean([m["loss"] for m in train[:5]])
     val = [m for m in rows if m["split"] == "val"]
-    assert [m["step"] for m in val] == [10, 20, 30]
+    assert [m["step"] for m in val] == [0, 10, 20, 30]           # 0: the random head
+    assert min(m["loss"] for m in val[1:-1]) < val[0]["loss"]    # training beats the random head
     last = val[-1]
     for key in ("ece", "ece_before", "accuracy", "temperature", "threshold", "coverage"):
         assert math.isfinite(last[key]), key

@@ -314,6 +314,8 @@ def train(job: Job) -> None:
                         "loss": report["nll"], **{k: report[k] for k in
                                                   ("accuracy", "brier", "ece")}})
 
+    if not job.resume_from:
+        validate()        # step 0: the random head, the plumbing baseline every step must beat
     warmup = round(opt.warmup_fraction * config.steps)
     clock = StepClock(elapsed_before)
     head.train()
