@@ -43,7 +43,7 @@ from engine.data.formats import MANIFEST
 from engine.errors import ForgebenchError
 from engine.eval import decision as metrics
 from engine.eval.plot import RELIABILITY_COLOURS, reliability_plot, unit_plot
-from engine.fsutil import atomic_write_bytes, read_json
+from engine.fsutil import read_json
 from engine.jobs import Job, run_config
 from engine.models.pointer import OptionPointer, gather_hidden
 from engine.recipes.lm_decision_config import LMDecisionConfig
@@ -215,12 +215,8 @@ def write_plots(run: RunDir, name: str, reliabilities: dict[str, list[dict]],
                        [threshold["risk"]], "#2f8f2f", True))
     risk_png = unit_plot(series, f"{name}: risk-coverage", "coverage (share answered)",
                          "risk (error rate of answers)")
-    written = []
-    for suffix, data in (("reliability", reliability_png), ("risk-coverage", risk_png)):
-        path = run.evals_dir / f"{name}-{suffix}.png"
-        atomic_write_bytes(path, data)
-        written.append(str(path.relative_to(run.path)))
-    return written
+    return run.write_eval_pngs(name, {"reliability": reliability_png,
+                                      "risk-coverage": risk_png})
 
 
 # -- training -------------------------------------------------------------------------------

@@ -105,12 +105,7 @@ def write_plots(run: RunDir, name: str, target: np.ndarray, probability: np.ndar
                    f"{name}: precision-recall", "recall", "precision")
     reliability_png = reliability_plot(reliabilities, f"{name}: reliability",
                                        "mean predicted probability", "observed fault fraction")
-    written = []
-    for suffix, data in (("pr", pr), ("reliability", reliability_png)):
-        path = run.evals_dir / f"{name}-{suffix}.png"
-        atomic_write_bytes(path, data)
-        written.append(str(path.relative_to(run.path)))
-    return written
+    return run.write_eval_pngs(name, {"pr": pr, "reliability": reliability_png})
 
 
 # -- checkpoint ---------------------------------------------------------------------------
