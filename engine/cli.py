@@ -153,6 +153,15 @@ def _generate_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true", help="print a JSON result")
 
 
+def _decide_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("run_dir", help="an lm-decision run directory")
+    p.add_argument("request", help="the text to decide about")
+    p.add_argument("--question", help="the question (default: the training data's most common)")
+    p.add_argument("--options", help="comma-separated option ids from the model's schema "
+                                     "(default: all of them)")
+    p.add_argument("--checkpoint", default="latest")
+
+
 def _tokenize_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", required=True, help="GGUF file whose tokenizer to use")
     p.add_argument("text")
@@ -230,13 +239,15 @@ def _data_args(p: argparse.ArgumentParser) -> None:
     q = sub.add_parser("init", help="write dataset.json for a folder of records and files")
     q.add_argument("dir", help="dataset folder")
     q.add_argument("--kind", required=True, help="text-sft|text-corpus|preferences|"
-                   "image-classify|image-masks|image-boxes|captioned-images|audio-clips|speech")
+                   "image-classify|image-masks|image-boxes|captioned-images|audio-clips|speech|"
+                   "decisions")
     q.add_argument("--name", help="dataset name (default: the folder name)")
     q.add_argument("--records", help="records file (default: the kind's usual name)")
     q.add_argument("--layout", choices=["folders"],
                    help="image-classify only: a folder per class instead of a records file")
     q = sub.add_parser("generate", help="write a bundled sample dataset")
-    q.add_argument("kind", help="pirate|style|shapes|sfx|records|sensors|speech, or samples "
+    q.add_argument("kind", help="pirate|style|shapes|sfx|records|sensors|speech|tickets, or "
+                   "samples "
                    "(all of them, as in the sample workspace, into the --out folder)")
     q.add_argument("--out", required=True)
     q.add_argument("--n", type=count(1, 10**7), help="how many records or files")
@@ -306,6 +317,8 @@ COMMANDS: dict[str, Command] = {
     "eval": ("evaluate a checkpoint on val or test", "engine.commands.runs:cmd_eval", _eval_args),
     "generate": ("generate text from a run or a GGUF file", "engine.commands.generate:cmd_generate",
                  _generate_args),
+    "decide": ("choose an option for a request with an lm-decision run, or abstain",
+               "engine.commands.generate:cmd_decide", _decide_args),
     "sample": ("sample images or sounds from a generator run", "engine.commands.runs:cmd_sample",
                _sample_args),
     "tokenize": ("show what a GGUF tokenizer makes of a text",

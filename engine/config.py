@@ -40,6 +40,8 @@ RECIPES: dict[str, tuple[str, str]] = {
                          "engine.recipes.tabular_classify"),
     "speech-recognize": ("engine.recipes.speech_recognize_config:SpeechRecognizeConfig",
                          "engine.recipes.speech_recognize"),
+    "lm-decision": ("engine.recipes.lm_decision_config:LMDecisionConfig",
+                    "engine.recipes.lm_decision"),
 }
 
 # Fields resume may change; everything else in the resolved config must match run.json.

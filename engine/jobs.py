@@ -491,3 +491,13 @@ def recipe_for_run(run: RunDir) -> Any:
 
     torch.set_num_threads(run.manifest().get("environment", {}).get("threads") or 1)
     return recipe_module(run.manifest()["recipe"])
+
+
+def recipe_hook(run: RunDir, name: str, lacks: str, hint: str) -> Any:
+    """The function `name` of a run's recipe (`generate`, `sample`, `decide`, ...); a recipe
+    without it is refused as "recipe 'R' {lacks}" with `hint`."""
+    module = recipe_for_run(run)
+    if not hasattr(module, name):
+        raise ForgebenchError(f"recipe '{run.manifest()['recipe']}' {lacks}", path=run.path,
+                              hint=hint)
+    return getattr(module, name)

@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from engine.errors import ForgebenchError
-from engine.fsutil import atomic_write_json, read_json, staged_dir
+from engine.fsutil import atomic_write_bytes, atomic_write_json, read_json, staged_dir
 from engine.jsonl import append_line, read_log
 from engine.runlock import LOCK_NAME, lock_holder, pid_alive  # noqa: F401 (app uses pid_alive)
 
@@ -309,6 +309,15 @@ class RunDir:
         atomic_write_json(path, result)
         self.log_event("eval_done", name=name, path=str(path.relative_to(self.path)))
         return path
+
+    def write_eval_pngs(self, name: str, pngs: dict[str, bytes]) -> list[str]:
+        """evals/<name>-<suffix>.png for each (suffix, PNG bytes); their run-relative paths."""
+        written = []
+        for suffix, data in pngs.items():
+            path = self.evals_dir / f"{name}-{suffix}.png"
+            atomic_write_bytes(path, data)
+            written.append(str(path.relative_to(self.path)))
+        return written
 
 
 def describe(run: RunDir) -> dict:

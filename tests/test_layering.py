@@ -55,7 +55,7 @@ RULES = (
          exempt=ABOVE_RECIPES + ("engine.recipes",)),
     Rule(("engine.recipes",), tuple(f"engine.recipes.{name}" for name in (
         "lm_pretrain", "lm_sft", "lm_dpo", "lm_es", "image_classify", "image_detect",
-        "image_segment", "image_generate", "audio_generate", "tabular_classify")),
+        "image_segment", "image_generate", "audio_generate", "tabular_classify", "lm_decision")),
          "recipes are leaves: one recipe never imports another (shared code lives in the "
          "library; a run of another recipe is loaded through engine.config.recipe_module)"),
     Rule(("engine",), ABOVE_RECIPES[:3],

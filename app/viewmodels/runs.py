@@ -25,6 +25,9 @@ TRAIN_FIELDS = ("loss", "grad_norm", "lr", "tokens_per_s", "examples_per_s", "mf
                 "reward_margin", "preference_accuracy", "chosen_logp", "rejected_logp")  # lm-dpo
 # what lm-es adds to its rows: the centre's reward, the population's spread, the step size
 ES_FIELDS = ("reward", "reward_mean", "reward_max", "reward_min", "update_norm", "sigma")
+# what evaluation rows chart besides their loss: a classifier's accuracy, and its calibration
+# error after and before calibration (lm-decision, tabular-classify)
+EVAL_FIELDS = ("loss", "accuracy", "ece", "ece_before")
 
 
 class JsonlTail:
@@ -162,7 +165,7 @@ class RunSeries:
             if split == "train":
                 self.train.add(record, TRAIN_FIELDS + ES_FIELDS + ("clipped",))
             else:
-                self.evals.setdefault(split, Series()).add(record, ("loss",))
+                self.evals.setdefault(split, Series()).add(record, EVAL_FIELDS)
         for event in self._events.read_new():
             changed = True
             if event.get("kind") == "checkpoint_saved" and "step" in event:

@@ -30,17 +30,22 @@ PLOTS = [("loss", "Loss", ""), ("grad_norm", "Grad norm", ""), ("lr", "Learning 
          ("throughput", "Throughput", ""), ("peak_rss_mb", "Peak memory", "MB"),
          ("reward", "Reward (ES)", ""), ("reward_margin", "Reward margin (DPO)", ""),
          ("preference_accuracy", "Preference accuracy", ""),
-         ("chosen_logp", "Log-prob chosen / rejected", "")]
+         ("chosen_logp", "Log-prob chosen / rejected", ""),
+         ("accuracy", "Val accuracy", ""), ("ece", "Val calibration error (ECE)", "")]
 SUMMARY_CELL = 5              # the grid cell of the summary text (plots fill the others)
 # plots shown only while a selected run logs their metric: lm-es's reward, lm-dpo's preferences
-SHOWN_WITH_DATA = ("reward", "reward_margin", "preference_accuracy", "chosen_logp")
+SHOWN_WITH_DATA = ("reward", "reward_margin", "preference_accuracy", "chosen_logp", "accuracy",
+                   "ece")
+# plots of evaluation rows (the val split) rather than of training steps
+VAL_PLOTS = ("accuracy", "ece")
 # (plot, role, metric, pen style) of the extra curves drawn beside a plot's own metric
 EXTRA_CURVES = [("reward", "mean", "reward_mean", Qt.PenStyle.DashLine),
                 ("reward", "max", "reward_max", Qt.PenStyle.DotLine),
                 ("reward", "min", "reward_min", Qt.PenStyle.DotLine),
                 ("grad_norm", "update", "update_norm", Qt.PenStyle.DashLine),
                 ("lr", "sigma", "sigma", Qt.PenStyle.DashLine),
-                ("chosen_logp", "rejected", "rejected_logp", Qt.PenStyle.DashLine)]
+                ("chosen_logp", "rejected", "rejected_logp", Qt.PenStyle.DashLine),
+                ("ece", "before", "ece_before", Qt.PenStyle.DashLine)]
 
 
 def _finite(xs: list[float], ys: list[float], log: bool) -> tuple[list[float], list[float]]:
@@ -224,7 +229,7 @@ class RunCharts(QWidget):
                          "dashes the clip threshold, × a clipped step; dashed: the ES update "
                          "norm. Learning rate dashed: ES σ. Reward: centre solid, population "
                          "mean dashed, max/min dotted. Log-prob: chosen solid, rejected "
-                         "dashed.</small>")
+                         "dashed. ECE: calibrated solid, before calibration dashed.</small>")
         self.summary.setText("<br><br>".join(parts) or "Select runs in the ledger to chart "
                                                         "them (several overlay).")
 
@@ -242,8 +247,11 @@ class RunCharts(QWidget):
             use_log = log and metric != "lr"
             smooth = weight if metric in ("loss", "grad_norm") else 0.0
             source = series.throughput[0] if metric == "throughput" else metric
-            xs, ys = _finite(*series.xy(source, x=x, smoothing=smooth), use_log)
-            self._curve((key, metric), metric, pen=pg.mkPen(colour, width=2)).setData(xs, ys)
+            split = "val" if metric in VAL_PLOTS else "train"
+            xs, ys = _finite(*series.xy(source, split=split, x=x, smoothing=smooth), use_log)
+            self._curve((key, metric), metric, pen=pg.mkPen(colour, width=2), symbol=(
+                "o" if split == "val" else None), symbolSize=6,
+                symbolBrush=colour).setData(xs, ys)
             if metric == "loss":
                 for split, style in (("val", Qt.PenStyle.DashLine),
                                      ("test", Qt.PenStyle.DotLine)):
@@ -254,7 +262,7 @@ class RunCharts(QWidget):
                                     symbolSize=6, symbolBrush=colour).setData(vx, vy)
             for plot, role, extra, style in EXTRA_CURVES:
                 if plot == metric:
-                    ex, ey = _finite(*series.xy(extra, x=x), use_log)
+                    ex, ey = _finite(*series.xy(extra, split=split, x=x), use_log)
                     if ex or (key, metric, role) in self.curves:
                         self._curve((key, metric, role), metric, pen=pg.mkPen(
                             colour, width=1, style=style)).setData(ex, ey)
@@ -268,8 +276,10 @@ class RunCharts(QWidget):
                     [min(xs), max(xs)] if clip and xs else [], [clip, clip] if clip and xs else [])
             self._markers(key, metric, series, x, (min(ys), max(ys)) if ys else None, colour)
         if metric in SHOWN_WITH_DATA:     # rows of other recipes hold NaN here
+            split = "val" if metric in VAL_PLOTS else "train"
             self.plot_widgets[metric].setVisible(any(
-                _finite(*s.xy(metric, x=x), False)[0] for s in self.series.values()))
+                _finite(*s.xy(metric, split=split, x=x), False)[0]
+                for s in self.series.values()))
         self.redrawn.emit(metric)
 
     def _markers(self, key: str, metric: str, series: RunSeries, x: str,

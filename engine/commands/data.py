@@ -159,6 +159,7 @@ def _generate(args) -> int:
         "records": lambda: _records(args),
         "sensors": lambda: _sensors(args),
         "speech": lambda: _speech(args),
+        "tickets": lambda: _tickets(args),
         "samples": lambda: generate_samples(args.out),
     }
     if args.kind not in generators:
@@ -178,6 +179,11 @@ def _sensors(args):
 def _speech(args):
     from engine.data.generators.speech import generate_speech
     return generate_speech(args.out, **_some(n_speakers=args.n), seed=args.seed)
+
+
+def _tickets(args):
+    from engine.data.generators.tickets import generate_tickets
+    return generate_tickets(args.out, **_some(n=args.n), seed=args.seed)
 
 
 def _records(args):

@@ -1,6 +1,7 @@
 """`forgebench generate`: from a run (its recipe's `generate`) or from a GGUF file, streamed.
 With --json a GGUF model prints one JSON line per token ({"event": "token", "id", "text",
 "logprob"}) as it is generated and the result ({"event": "done", ...}) as the last line.
+`forgebench decide RUN "request"`: a decision run's chosen option (or "abstain") as JSON.
 
 No torch at module top level; the GGUF path loads the model (engine.models.gguf_model) and
 decodes with engine.llm.generate.
@@ -12,7 +13,7 @@ import json
 import sys
 
 from engine.errors import ForgebenchError
-from engine.jobs import recipe_for_run
+from engine.jobs import recipe_hook
 from engine.rundir import RunDir
 
 
@@ -23,12 +24,21 @@ def cmd_generate(args) -> int:
         raise ForgebenchError("give a run directory or --model FILE.gguf",
                               where="arguments", hint="forgebench generate RUN_DIR --prompt ...")
     run = RunDir(args.run_dir).require()
-    module = recipe_for_run(run)
-    if not hasattr(module, "generate"):
-        raise ForgebenchError(f"recipe '{run.manifest()['recipe']}' does not generate text",
-                              path=run.path, hint="use 'forgebench sample' for generator runs")
-    result = module.generate(run, run.checkpoint(args.checkpoint), args)
+    generate = recipe_hook(run, "generate", "does not generate text",
+                           "use 'forgebench sample' for generator runs")
+    result = generate(run, run.checkpoint(args.checkpoint), args)
     print(json.dumps(result, indent=2) if args.json else result["text"])
+    return 0
+
+
+def cmd_decide(args) -> int:
+    """`forgebench decide RUN "request"`: the run's recipe's `decide`, printed as JSON."""
+    run = RunDir(args.run_dir).require()
+    decide = recipe_hook(run, "decide", "does not make decisions", "use an lm-decision run")
+    options = [o.strip() for o in args.options.split(",") if o.strip()] if args.options else None
+    result = decide(run, run.checkpoint(args.checkpoint), args.request,
+                           question=args.question, option_ids=options)
+    print(json.dumps(result, indent=2))
     return 0
 
 

@@ -19,6 +19,7 @@ from engine.jobs import (
     execute,
     prepare_resume,
     recipe_for_run,
+    recipe_hook,
     require_multi_process,
     start_run,
 )
@@ -132,10 +133,8 @@ def cmd_eval(args) -> int:
 
 def cmd_sample(args) -> int:
     run = RunDir(args.run_dir).require()
-    module = recipe_for_run(run)
-    if not hasattr(module, "sample"):
-        raise ForgebenchError(f"recipe '{run.manifest()['recipe']}' has no sampler",
-                              path=run.path, hint="use 'forgebench generate' for language models")
-    for path in module.sample(run, run.checkpoint(args.checkpoint), args):
+    sample = recipe_hook(run, "sample", "has no sampler",
+                         "use 'forgebench generate' for language models")
+    for path in sample(run, run.checkpoint(args.checkpoint), args):
         print(path)
     return 0

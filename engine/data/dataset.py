@@ -21,6 +21,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Iterator
 
+from engine.data import decisions
 from engine.data import formats as F
 from engine.errors import ForgebenchError
 from engine.fsutil import (
@@ -297,6 +298,8 @@ def _check_field(ftype: str, value: Any, manifest: dict, kind: F.Kind) -> str | 
         return _check_messages(value)
     if ftype == F.OUTCOME:
         return None if value in F.OUTCOMES else f"must be one of {', '.join(F.OUTCOMES)}"
+    if ftype == F.OPTIONS:
+        return decisions.options_problem(value, decisions.schema_of(manifest))
     raise AssertionError(f"unknown field type {ftype}")
 
 
@@ -355,6 +358,12 @@ def check_record(record: dict, kind: F.Kind, manifest: dict) -> list[tuple[str |
                                                 for f in kind.distinct}) < len(kind.distinct):
         problems.append((kind.distinct[-1], f"{' and '.join(kind.distinct)} are the same text, "
                                             "so the pair prefers nothing"))
+    if kind.chosen_from and not problems:
+        answer, options = kind.chosen_from
+        ids = [o["id"] for o in record[options]]
+        if record[answer] not in ids:
+            problems.append((answer, f"{record[answer]!r} is not one of this record's "
+                                     f"{options} ({', '.join(ids)})"))
     return problems
 
 
@@ -402,6 +411,9 @@ def _validate_manifest(root: Path, report: Report) -> dict | None:
     if classes is not None and not (isinstance(classes, list) and classes and
                                     all(isinstance(c, str) and c for c in classes)):
         report.add(F.MANIFEST, None, "classes", "must be a non-empty list of strings")
+        return None
+    if "options" in manifest and (problem := decisions.schema_problem(manifest["options"])):
+        report.add(F.MANIFEST, None, "options", f"the option schema {problem}")
         return None
     for section in ("image", "audio", "split_policy", "provenance", "card"):
         if section in manifest and not isinstance(manifest[section], dict):

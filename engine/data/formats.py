@@ -40,6 +40,8 @@ RIGHTS = "rights"    # string or object
 OUTCOME = "outcome"  # one of OUTCOMES
 OUTCOMES = ("preferred", "tie", "skip")   # a preference pair's judgement; ties and skips teach
                                           # nothing and are left out of training (counted)
+OPTIONS = "options"  # [{"id", "text"}, ...]: two or more, ids unique and in the manifest's
+                     # closed option schema ("options" in dataset.json) when it declares one
 
 COMMON_FIELDS = {"id": ID, "group": STR, "split": SPLIT, "source": STR, "rights": RIGHTS}
 
@@ -60,6 +62,8 @@ class Kind:
                                       # only that each path is a listed file
     alt_records: tuple[str, ...] = field(default=())  # other accepted records files
     distinct: tuple[str, ...] = ()    # fields whose values must differ within a record
+    chosen_from: tuple[str, str] | None = None  # (answer field, options field): the answer
+                                                # must name one of the record's option ids
 
     @property
     def path_fields(self) -> tuple[str, ...]:
@@ -102,6 +106,12 @@ KINDS: dict[str, Kind] = {k.name: k for k in [
          {"path": PATH, "label": LABEL, "sha256": SHA256},
          required=("path", "label", "split", "group", "source", "rights", "sha256"),
          id_from="path", labelled=True, media="audio", alt_records=("clips.csv",)),
+    # a typed decision (lm-decision): a request, a question and a closed set of options, with
+    # the id of the right one; dataset.json's "options" is the schema every id must come from
+    Kind("decisions", "records.jsonl",
+         {"state": TEXT, "question": TEXT, "options": OPTIONS, "label": ID},
+         required=("id", "state", "question", "options", "label"),
+         text_fields=("state", "question"), chosen_from=("label", "options")),
     # one row per example; the columns (features, target, group) are declared in dataset.json's
     # `table` section and checked by engine.data.tabular
     Kind("tabular", "rows.csv", {}, required=("id",)),

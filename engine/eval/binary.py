@@ -20,7 +20,7 @@ import numpy as np
 EPS = 1e-15
 
 
-def _sweep(target: np.ndarray, score: np.ndarray):
+def sweep(target: np.ndarray, score: np.ndarray):
     """Distinct thresholds (descending) with the TP and FP counts of `score >= threshold`."""
     order = np.argsort(-score, kind="mergesort")
     score, target = score[order], target[order]
@@ -31,7 +31,7 @@ def _sweep(target: np.ndarray, score: np.ndarray):
 
 
 def pr_curve(target: np.ndarray, score: np.ndarray) -> dict[str, np.ndarray]:
-    thresholds, tp, fp = _sweep(np.asarray(target), np.asarray(score, dtype=np.float64))
+    thresholds, tp, fp = sweep(np.asarray(target), np.asarray(score, dtype=np.float64))
     positives = max(tp[-1], 1.0)
     return {"threshold": thresholds, "precision": tp / (tp + fp), "recall": tp / positives}
 
@@ -105,7 +105,7 @@ def choose_threshold(target: np.ndarray, probability: np.ndarray, rule: str = "f
     """The threshold `rule` prefers among the distinct probabilities; ties go to the highest
     threshold (fewer alerts for the same score). Returns `confusion` at it plus the rule."""
     target = np.asarray(target)
-    thresholds, tp, fp = _sweep(target, np.asarray(probability, dtype=np.float64))
+    thresholds, tp, fp = sweep(target, np.asarray(probability, dtype=np.float64))
     positives = float(target.sum())
     fn = positives - tp
     recall = tp / max(positives, 1.0)

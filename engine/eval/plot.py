@@ -1,8 +1,9 @@
 """Small unit-square line charts as PNG bytes, drawn with Pillow (no plotting library needed).
 
 `unit_plot(series, title, x_label, y_label)` draws each series — (label, xs, ys, colour,
-markers) — on axes from 0 to 1 with a grid at tenths and a legend; it serves the PR curve and the
-reliability diagram of `tabular-classify`.
+markers) — on axes from 0 to 1 with a grid at tenths and a legend; it serves the PR curve of
+`tabular-classify` and the risk-coverage curve of `lm-decision`. `reliability_plot` draws
+reliability bins (engine.eval.binary.reliability) against the diagonal, for both.
 """
 
 from __future__ import annotations
@@ -50,3 +51,18 @@ def unit_plot(series: list[Series], title: str, x_label: str, y_label: str) -> b
     buffer = io.BytesIO()
     image.save(buffer, format="PNG")
     return buffer.getvalue()
+
+
+RELIABILITY_COLOURS = ("#bf3f1f", "#1f5fbf")   # e.g. before and after calibration
+
+
+def reliability_plot(reliabilities: dict[str, list[dict]], title: str, x_label: str,
+                     y_label: str) -> bytes:
+    """Each labelled set of reliability bins as points (mean probability, observed fraction)
+    over the ideal diagonal; empty bins are left out."""
+    series: list[Series] = [("ideal", [0, 1], [0, 1], "#999999", False)]
+    for colour, (label, rows) in zip(RELIABILITY_COLOURS, reliabilities.items()):
+        full = [r for r in rows if r["count"]]
+        series.append((label, [r["mean_probability"] for r in full],
+                       [r["positive_fraction"] for r in full], colour, True))
+    return unit_plot(series, title, x_label, y_label)

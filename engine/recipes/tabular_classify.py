@@ -27,7 +27,7 @@ import numpy as np
 from engine.data.tabular import TableSplit, table_split
 from engine.errors import ForgebenchError
 from engine.eval import binary
-from engine.eval.plot import unit_plot
+from engine.eval.plot import reliability_plot, unit_plot
 from engine.fsutil import atomic_write_bytes, atomic_write_json, read_json
 from engine.jobs import Job, run_config
 from engine.models.tabular import (
@@ -103,20 +103,9 @@ def write_plots(run: RunDir, name: str, target: np.ndarray, probability: np.ndar
                      "#1f5fbf", False),
                     ("base rate", [0, 1], [target.mean()] * 2, "#999999", False)],
                    f"{name}: precision-recall", "recall", "precision")
-    colours = iter(("#bf3f1f", "#1f5fbf"))
-    series = [("ideal", [0, 1], [0, 1], "#999999", False)]
-    for label, rows in reliabilities.items():
-        full = [r for r in rows if r["count"]]
-        series.append((label, [r["mean_probability"] for r in full],
-                       [r["positive_fraction"] for r in full], next(colours), True))
-    reliability_png = unit_plot(series, f"{name}: reliability", "mean predicted probability",
-                                "observed fault fraction")
-    written = []
-    for suffix, data in (("pr", pr), ("reliability", reliability_png)):
-        path = run.evals_dir / f"{name}-{suffix}.png"
-        atomic_write_bytes(path, data)
-        written.append(str(path.relative_to(run.path)))
-    return written
+    reliability_png = reliability_plot(reliabilities, f"{name}: reliability",
+                                       "mean predicted probability", "observed fault fraction")
+    return run.write_eval_pngs(name, {"pr": pr, "reliability": reliability_png})
 
 
 # -- checkpoint ---------------------------------------------------------------------------
