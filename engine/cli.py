@@ -230,14 +230,15 @@ def _data_args(p: argparse.ArgumentParser) -> None:
     q = sub.add_parser("init", help="write dataset.json for a folder of records and files")
     q.add_argument("dir", help="dataset folder")
     q.add_argument("--kind", required=True, help="text-sft|text-corpus|preferences|"
-                   "image-classify|image-masks|image-boxes|captioned-images|audio-clips")
+                   "image-classify|image-masks|image-boxes|captioned-images|audio-clips|retrieval")
     q.add_argument("--name", help="dataset name (default: the folder name)")
     q.add_argument("--records", help="records file (default: the kind's usual name)")
     q.add_argument("--layout", choices=["folders"],
                    help="image-classify only: a folder per class instead of a records file")
     q = sub.add_parser("generate", help="write a bundled sample dataset")
-    q.add_argument("kind", help="pirate|style|shapes|sfx|records|sensors, or samples (all of "
-                   "them, as in the sample workspace, into the --out folder)")
+    q.add_argument("kind", help="pirate|style|shapes|sfx|records|sensors|help-articles|"
+                   "help-articles-easy, or samples (all of them, as in the sample workspace, "
+                   "into the --out folder)")
     q.add_argument("--out", required=True)
     q.add_argument("--n", type=count(1, 10**7), help="how many records or files")
     q.add_argument("--seed", type=SEED, default=0)

@@ -159,6 +159,8 @@ def _generate(args) -> int:
         "records": lambda: _records(args),
         "sensors": lambda: _sensors(args),
         "samples": lambda: generate_samples(args.out),
+        "help-articles": lambda: _help_articles(args, "hard"),
+        "help-articles-easy": lambda: _help_articles(args, "easy"),
     }
     if args.kind not in generators:
         raise ForgebenchError(f"unknown sample dataset {args.kind!r}", where="KIND",
@@ -177,6 +179,11 @@ def _sensors(args):
 def _records(args):
     from engine.data.generators.records import generate_records
     return generate_records(args.out, **_some(n=args.n), seed=args.seed)
+
+
+def _help_articles(args, variant: str):
+    from engine.data.generators.retrieval import generate_help_articles
+    return generate_help_articles(args.out, variant, seed=args.seed)
 
 
 def _some(**values) -> dict:

@@ -102,6 +102,11 @@ KINDS: dict[str, Kind] = {k.name: k for k in [
          {"path": PATH, "label": LABEL, "sha256": SHA256},
          required=("path", "label", "split", "group", "source", "rights", "sha256"),
          id_from="path", labelled=True, media="audio", alt_records=("clips.csv",)),
+    # a search corpus (documents with their group, e.g. the product) plus its judged queries
+    # in queries.jsonl (checked by engine.data.retrieval: each query names its relevant
+    # documents and takes their split)
+    Kind("retrieval", "corpus.jsonl", {"doc_id": ID, "text": TEXT, "title": STR},
+         required=("doc_id", "text", "group"), id_from="doc_id", text_fields=("text",)),
     # one row per example; the columns (features, target, group) are declared in dataset.json's
     # `table` section and checked by engine.data.tabular
     Kind("tabular", "rows.csv", {}, required=("id",)),

@@ -41,7 +41,7 @@ def staged_dataset_dir(out_dir: str | os.PathLike) -> Iterator[Path]:
 
 def generate_samples(datasets_dir: str | os.PathLike) -> list[Path]:
     """Every bundled sample dataset, sized for the sample workspace (a few MB in all)."""
-    from engine.data.generators import records, sensors, sfx, shapes, text
+    from engine.data.generators import records, retrieval, sensors, sfx, shapes, text
 
     root = Path(datasets_dir)
     return [text.generate_pirate(root / "pirate"),
@@ -49,4 +49,5 @@ def generate_samples(datasets_dir: str | os.PathLike) -> list[Path]:
             shapes.generate_shapes(root / "shapes", n=300),
             sfx.generate_sfx(root / "sfx", n_per_class=30),
             records.generate_records(root / "records"),
-            sensors.generate_sensors(root / "sensors")]
+            sensors.generate_sensors(root / "sensors"),
+            retrieval.generate_help_articles(root / "help-articles")]
