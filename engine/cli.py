@@ -113,6 +113,13 @@ def _run_dir_arg(p: argparse.ArgumentParser) -> None:
     p.add_argument("run_dir")
 
 
+def _search_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("run_dir")
+    p.add_argument("query", help="the question to search the run's corpus for")
+    p.add_argument("--k", type=count(1, 1000), default=5, help="documents to show")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+
+
 def _status_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("run_dir")
 
@@ -309,6 +316,8 @@ COMMANDS: dict[str, Command] = {
                  _generate_args),
     "sample": ("sample images or sounds from a generator run", "engine.commands.runs:cmd_sample",
                _sample_args),
+    "search": ("rank a retrieval run's documents for a query", "engine.commands.search:cmd_search",
+               _search_args),
     "tokenize": ("show what a GGUF tokenizer makes of a text",
                  "engine.commands.llm:cmd_tokenize", _tokenize_args),
     "inspect-sft": ("print rendered SFT samples with supervised tokens marked",

@@ -38,6 +38,8 @@ RECIPES: dict[str, tuple[str, str]] = {
                        "engine.recipes.audio_generate"),
     "tabular-classify": ("engine.recipes.tabular_classify_config:TabularClassifyConfig",
                          "engine.recipes.tabular_classify"),
+    "embed-retrieval": ("engine.recipes.embed_retrieval_config:EmbedRetrievalConfig",
+                        "engine.recipes.embed_retrieval"),
 }
 
 # Fields resume may change; everything else in the resolved config must match run.json.

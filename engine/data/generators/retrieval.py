@@ -67,7 +67,7 @@ TOPICS = {
         "hard": ["My {p} sign-in secret feels weak; how do I pick another one?",
                  "How do I swap the passphrase I use to log in to {p}?",
                  "Where does {p} let me replace the login word I type every morning?"],
-        "distractor": ("Password rules", "A {p} password needs twelve characters. Your "
+        "distractor": ("Password rules", "Every {p} password needs twelve characters. Your "
                        "administrator may ask you to log in with a new password every "
                        "ninety days; weak sign-in secrets are refused."),
     },
