@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import math
+import shutil
 
 import numpy as np
 import pytest
@@ -125,8 +126,8 @@ def test_search_prints_ranked_documents(trained, capsys):
 
 
 def test_the_encoder_is_selected_only_when_it_beats_tfidf_and_a_tampered_index_is_refused(
-        trained, setup, capsys):
-    _, run = trained
+        trained, setup, capsys, tmp_path):
+    run = RunDir(shutil.copytree(trained[1].path, tmp_path / "run"))   # this test tampers
     config = load_config(setup[1])
     data = retrieval_data(load_dataset(setup[2]))
     best = run.checkpoint("best")
@@ -190,3 +191,37 @@ def test_bad_data_is_refused_with_a_clear_error(setup, tmp_path, capsys):
     assert main(["run", str(tmp_path / "c.toml"), "--out", str(tmp_path / "r")]) == 2
     assert "dataset folder not found" in capsys.readouterr().err
     assert not (tmp_path / "r").exists()
+
+
+# -- the app's search box ------------------------------------------------------------------
+def test_search_viewmodel_says_which_runs_can_be_searched(trained, tmp_path):
+    from app.viewmodels import search as vm
+
+    _, run = trained
+    assert vm.searchable(None)[0] is False
+    assert "not a readable run" in vm.searchable(tmp_path)[1]
+    ok, reason = vm.searchable(run.path)
+    assert ok and read_json(run.path / "index" / "contract.json")["selected"] in reason
+    answer = vm.parse_answer(json.dumps({"query": "q", "selected": "tfidf", "checkpoint": "c",
+                                         "results": [{"rank": 1, "doc_id": "d", "score": 0.5,
+                                                      "text": "t"}]}), "", 0)
+    assert answer.hits == [vm.Hit(1, "d", 0.5, "t")] and "TF-IDF" in answer.summary
+    with pytest.raises(ForgebenchError, match="the run has no index yet"):
+        vm.parse_answer("", "progress\nerror: the run has no index yet\nhint: resume", 2)
+
+
+def test_search_box_shows_ranked_documents_off_the_gui_thread(trained, qtbot):
+    from app.views.search_box import SearchBox
+
+    _, run = trained
+    box = SearchBox()
+    qtbot.addWidget(box)
+    box.set_run(run.path)
+    box.query.setText("How do I cancel the subscription in Iris?")
+    box.k.setValue(3)
+    with qtbot.waitSignal(box.call.done, timeout=300_000):
+        box.search()
+    expected = recipe.search(run, "How do I cancel the subscription in Iris?", k=3)["results"]
+    assert box.results.rowCount() == 3
+    assert [box.results.item(r, 2).text() for r in range(3)] == [h["doc_id"] for h in expected]
+    assert box.button.isEnabled() and "scores are similarities" in box.status.text()
