@@ -225,3 +225,18 @@ def test_search_box_shows_ranked_documents_off_the_gui_thread(trained, qtbot):
     assert box.results.rowCount() == 3
     assert [box.results.item(r, 2).text() for r in range(3)] == [h["doc_id"] for h in expected]
     assert box.button.isEnabled() and "scores are similarities" in box.status.text()
+
+
+def test_the_runs_pane_charts_validation_mrr(trained, qtbot):
+    from app.views.charts import RunCharts
+
+    _, run = trained
+    charts = RunCharts()
+    qtbot.addWidget(charts)
+    charts.show()
+    charts.set_runs([run.path])
+    qtbot.waitUntil(lambda: not charts.pending)          # plots are drawn one per tick
+    assert charts.plot_widgets["mrr@5"].isVisible()
+    curve = [list(item.getData()[1]) for item in charts.plots["mrr@5"].listDataItems()]
+    expected = [m["mrr@5"] for m in run.metrics() if m.get("split") == "val"]
+    assert [pytest.approx(v) for v in expected] in curve

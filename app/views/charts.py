@@ -30,10 +30,13 @@ PLOTS = [("loss", "Loss", ""), ("grad_norm", "Grad norm", ""), ("lr", "Learning 
          ("throughput", "Throughput", ""), ("peak_rss_mb", "Peak memory", "MB"),
          ("reward", "Reward (ES)", ""), ("reward_margin", "Reward margin (DPO)", ""),
          ("preference_accuracy", "Preference accuracy", ""),
-         ("chosen_logp", "Log-prob chosen / rejected", "")]
+         ("chosen_logp", "Log-prob chosen / rejected", ""),
+         ("mrr@5", "Val MRR@5 (retrieval)", "")]
 SUMMARY_CELL = 5              # the grid cell of the summary text (plots fill the others)
 # plots shown only while a selected run logs their metric: lm-es's reward, lm-dpo's preferences
-SHOWN_WITH_DATA = ("reward", "reward_margin", "preference_accuracy", "chosen_logp")
+SHOWN_WITH_DATA = ("reward", "reward_margin", "preference_accuracy", "chosen_logp", "mrr@5")
+# plots of an evaluation metric: drawn from the val rows (embed-retrieval's selection figure)
+VAL_PLOTS = ("mrr@5",)
 # (plot, role, metric, pen style) of the extra curves drawn beside a plot's own metric
 EXTRA_CURVES = [("reward", "mean", "reward_mean", Qt.PenStyle.DashLine),
                 ("reward", "max", "reward_max", Qt.PenStyle.DotLine),
@@ -242,7 +245,8 @@ class RunCharts(QWidget):
             use_log = log and metric != "lr"
             smooth = weight if metric in ("loss", "grad_norm") else 0.0
             source = series.throughput[0] if metric == "throughput" else metric
-            xs, ys = _finite(*series.xy(source, x=x, smoothing=smooth), use_log)
+            split = "val" if metric in VAL_PLOTS else "train"
+            xs, ys = _finite(*series.xy(source, split=split, x=x, smoothing=smooth), use_log)
             self._curve((key, metric), metric, pen=pg.mkPen(colour, width=2)).setData(xs, ys)
             if metric == "loss":
                 for split, style in (("val", Qt.PenStyle.DashLine),
@@ -268,8 +272,10 @@ class RunCharts(QWidget):
                     [min(xs), max(xs)] if clip and xs else [], [clip, clip] if clip and xs else [])
             self._markers(key, metric, series, x, (min(ys), max(ys)) if ys else None, colour)
         if metric in SHOWN_WITH_DATA:     # rows of other recipes hold NaN here
+            split = "val" if metric in VAL_PLOTS else "train"
             self.plot_widgets[metric].setVisible(any(
-                _finite(*s.xy(metric, x=x), False)[0] for s in self.series.values()))
+                _finite(*s.xy(metric, split=split, x=x), False)[0]
+                for s in self.series.values()))
         self.redrawn.emit(metric)
 
     def _markers(self, key: str, metric: str, series: RunSeries, x: str,
