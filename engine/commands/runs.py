@@ -130,12 +130,19 @@ def cmd_eval(args) -> int:
     return 0
 
 
+def recipe_offering(run: RunDir, hook: str, lacks: str, hint: str):
+    """The run's recipe module, refused with one clear error when it has no `hook`."""
+    module = recipe_for_run(run)
+    if not hasattr(module, hook):
+        raise ForgebenchError(f"recipe '{run.manifest()['recipe']}' {lacks}", path=run.path,
+                              hint=hint)
+    return module
+
+
 def cmd_sample(args) -> int:
     run = RunDir(args.run_dir).require()
-    module = recipe_for_run(run)
-    if not hasattr(module, "sample"):
-        raise ForgebenchError(f"recipe '{run.manifest()['recipe']}' has no sampler",
-                              path=run.path, hint="use 'forgebench generate' for language models")
+    module = recipe_offering(run, "sample", "has no sampler",
+                             "use 'forgebench generate' for language models")
     for path in module.sample(run, run.checkpoint(args.checkpoint), args):
         print(path)
     return 0

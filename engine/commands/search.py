@@ -6,17 +6,15 @@ from __future__ import annotations
 
 import json
 
+from engine.commands.runs import recipe_offering
 from engine.errors import ForgebenchError
-from engine.jobs import recipe_for_run
 from engine.rundir import RunDir
 
 
 def cmd_search(args) -> int:
     run = RunDir(args.run_dir).require()
-    module = recipe_for_run(run)
-    if not hasattr(module, "search"):
-        raise ForgebenchError(f"recipe '{run.manifest()['recipe']}' has no search index",
-                              path=run.path, hint="search works on embed-retrieval runs")
+    module = recipe_offering(run, "search", "has no search index",
+                             "search works on embed-retrieval runs")
     if not args.query.strip():
         raise ForgebenchError("the query is empty", where="QUERY")
     result = module.search(run, args.query, args.k)
