@@ -62,8 +62,8 @@ TOPICS = {
         "title": "Change the password",
         "body": "Open {account} then {security} and choose Change password. Type the old "
                 "one once and the new one twice.",
-        "easy": ["How do I change the password in {p}?", "{p} new password",
-                 "I forgot how to update my login for {p}."],
+        "easy": ["How do I change the password in {p}?", "{p} sign-in change",
+                 "I forgot the password I use for {p}."],
         "hard": ["My {p} sign-in secret feels weak; how do I pick another one?",
                  "How do I swap the passphrase I use to log in to {p}?",
                  "Where does {p} let me replace the login word I type every morning?"],
