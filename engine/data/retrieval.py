@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from engine.data import formats as F
+from engine.data.dataset import group_of, jsonl_objects, records_file_of
 
 QUERIES_FILE = "queries.jsonl"
 QUERY_FIELDS = ("query_id", "text", "relevant_doc_ids", "split", "source", "rights", "kind")
@@ -63,16 +64,13 @@ def queries_file_of(manifest: dict) -> str:
 
 
 def _doc_split(record: dict, assignments: dict[str, str]) -> str | None:
-    from engine.data.dataset import group_of
-
     return record.get("split") or assignments.get(group_of(record))
 
 
 def check_queries(root: Path, manifest: dict, docs: list[tuple[str, dict]],
                   assignments: dict[str, str], report) -> None:
     """Findings for group purity of the corpus and for every bad query line and field."""
-    rel_corpus = manifest.get("records") if isinstance(manifest.get("records"), str) \
-        else F.KINDS["retrieval"].records
+    rel_corpus = records_file_of(manifest, F.KINDS["retrieval"], root)
     split_of: dict[str, str | None] = {}
     group_split: dict[str, tuple[str, str]] = {}
     for where, record in docs:
@@ -92,8 +90,6 @@ def check_queries(root: Path, manifest: dict, docs: list[tuple[str, dict]],
     if rel not in manifest.get("files", {}):
         report.add(F.MANIFEST, None, "queries", f"the queries file {rel!r} is not listed")
         return
-    from engine.data.dataset import jsonl_objects
-
     try:
         text = (root / rel).read_bytes().decode("utf-8")
     except (OSError, UnicodeDecodeError) as exc:

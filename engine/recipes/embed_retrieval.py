@@ -151,7 +151,7 @@ def evaluate(run: RunDir, checkpoint: Checkpoint, split: str) -> dict:
     epoch0 = scores_report(neural_scores(base, config, data, texts), data, queries, config.scale)
     baseline = tfidf_report(config, data, split)
     contract_path = run.path / INDEX_DIR / CONTRACT
-    report = {**{k: v for k, v in tuned.items()}, "split": split, "checkpoint": checkpoint.name,
+    report = {**tuned, "split": split, "checkpoint": checkpoint.name,
               "step": checkpoint.step, "queries": len(queries), "documents": len(data.doc_ids),
               "encoder": tuned, "epoch0": epoch0, "tfidf": baseline,
               "selected": read_json(contract_path)["selected"] if contract_path.exists()
