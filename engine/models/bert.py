@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import math
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -88,8 +87,9 @@ class SelfAttention(nn.Module):
         B, T, C = x.shape
         q, k, v = (proj(x).view(B, T, self.heads, C // self.heads).transpose(1, 2)
                    for proj in (self.query, self.key, self.value))
-        att = (q @ k.transpose(-2, -1)) / math.sqrt(C // self.heads) + bias  # [B, H, T, T]
-        return (att.softmax(-1) @ v).transpose(1, 2).reshape(B, T, C)
+        # softmax(q k^T / sqrt(d) + bias) v, bias [B, 1, 1, T] masking the padding keys
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=bias)
+        return out.transpose(1, 2).reshape(B, T, C)
 
 
 class DenseNorm(nn.Module):
@@ -273,10 +273,15 @@ class SentenceEncoder(nn.Module):
 
     @torch.no_grad()
     def encode(self, texts: list[str], batch_size: int = 64) -> torch.Tensor:
-        """[N, C] float32 vectors on the CPU, in eval mode (the caller restores train mode)."""
+        """[N, C] float32 vectors on the CPU, in input order, computed in eval mode. Texts are
+        batched longest first so a batch pads little (the pooling ignores padding, so the
+        order changes no vector)."""
         was_training = self.training
         self.eval()
-        out = [self(texts[i:i + batch_size]).float().cpu()
-               for i in range(0, len(texts), batch_size)]
+        order = sorted(range(len(texts)), key=lambda i: -len(texts[i]))
+        out = torch.zeros(len(texts), self.bert.config.hidden_size)
+        for start in range(0, len(order), batch_size):
+            rows = order[start:start + batch_size]
+            out[rows] = self([texts[i] for i in rows]).float().cpu()
         self.train(was_training)
-        return torch.cat(out) if out else torch.zeros(0, self.bert.config.hidden_size)
+        return out
