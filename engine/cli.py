@@ -113,6 +113,13 @@ def _run_dir_arg(p: argparse.ArgumentParser) -> None:
     p.add_argument("run_dir")
 
 
+def _search_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("run_dir")
+    p.add_argument("query", help="the question to search the run's corpus for")
+    p.add_argument("--k", type=count(1, 1000), default=5, help="documents to show")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+
+
 def _status_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("run_dir")
 
@@ -240,15 +247,15 @@ def _data_args(p: argparse.ArgumentParser) -> None:
     q.add_argument("dir", help="dataset folder")
     q.add_argument("--kind", required=True, help="text-sft|text-corpus|preferences|"
                    "image-classify|image-masks|image-boxes|captioned-images|audio-clips|speech|"
-                   "decisions")
+                   "decisions|retrieval")
     q.add_argument("--name", help="dataset name (default: the folder name)")
     q.add_argument("--records", help="records file (default: the kind's usual name)")
     q.add_argument("--layout", choices=["folders"],
                    help="image-classify only: a folder per class instead of a records file")
     q = sub.add_parser("generate", help="write a bundled sample dataset")
-    q.add_argument("kind", help="pirate|style|shapes|sfx|records|sensors|speech|tickets, or "
-                   "samples "
-                   "(all of them, as in the sample workspace, into the --out folder)")
+    q.add_argument("kind", help="pirate|style|shapes|sfx|records|sensors|speech|tickets|"
+                   "help-articles|help-articles-easy, or samples (all of them, as in the sample "
+                   "workspace, into the --out folder)")
     q.add_argument("--out", required=True)
     q.add_argument("--n", type=count(1, 10**7), help="how many records or files")
     q.add_argument("--seed", type=SEED, default=0)
@@ -321,6 +328,8 @@ COMMANDS: dict[str, Command] = {
                "engine.commands.generate:cmd_decide", _decide_args),
     "sample": ("sample images or sounds from a generator run", "engine.commands.runs:cmd_sample",
                _sample_args),
+    "search": ("rank a retrieval run's documents for a query", "engine.commands.search:cmd_search",
+               _search_args),
     "tokenize": ("show what a GGUF tokenizer makes of a text",
                  "engine.commands.llm:cmd_tokenize", _tokenize_args),
     "inspect-sft": ("print rendered SFT samples with supervised tokens marked",

@@ -42,6 +42,8 @@ RECIPES: dict[str, tuple[str, str]] = {
                          "engine.recipes.speech_recognize"),
     "lm-decision": ("engine.recipes.lm_decision_config:LMDecisionConfig",
                     "engine.recipes.lm_decision"),
+    "embed-retrieval": ("engine.recipes.embed_retrieval_config:EmbedRetrievalConfig",
+                        "engine.recipes.embed_retrieval"),
 }
 
 # Fields resume may change; everything else in the resolved config must match run.json.

@@ -19,6 +19,8 @@ from engine.fsutil import atomic_write_json, read_json
 from engine.rundir import RunDir
 
 NOTES_FILE = "notes.json"  # app-owned: question, notes, selected checkpoint (run.json is immutable)
+# eval rows: the loss, and embed-retrieval's selection figure (charted from val rows)
+EVAL_FIELDS = ("loss", "mrr@5")
 TRAIN_FIELDS = ("loss", "grad_norm", "lr", "tokens_per_s", "examples_per_s", "mfu", "peak_rss_mb",
                 "rank_tokens_per_s",
                 "world_size",

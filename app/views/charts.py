@@ -31,13 +31,15 @@ PLOTS = [("loss", "Loss", ""), ("grad_norm", "Grad norm", ""), ("lr", "Learning 
          ("reward", "Reward (ES)", ""), ("reward_margin", "Reward margin (DPO)", ""),
          ("preference_accuracy", "Preference accuracy", ""),
          ("chosen_logp", "Log-prob chosen / rejected", ""),
-         ("accuracy", "Val accuracy", ""), ("ece", "Val calibration error (ECE)", "")]
+         ("accuracy", "Val accuracy", ""), ("ece", "Val calibration error (ECE)", ""),
+         ("mrr@5", "Val MRR@5 (retrieval)", "")]
 SUMMARY_CELL = 5              # the grid cell of the summary text (plots fill the others)
-# plots shown only while a selected run logs their metric: lm-es's reward, lm-dpo's preferences
+# plots shown only while a selected run logs their metric: lm-es's reward, lm-dpo's preferences,
+# lm-decision's and tabular-classify's val accuracy and ECE, embed-retrieval's MRR@5
 SHOWN_WITH_DATA = ("reward", "reward_margin", "preference_accuracy", "chosen_logp", "accuracy",
-                   "ece")
+                   "ece", "mrr@5")
 # plots of evaluation rows (the val split) rather than of training steps
-VAL_PLOTS = ("accuracy", "ece")
+VAL_PLOTS = ("accuracy", "ece", "mrr@5")
 # (plot, role, metric, pen style) of the extra curves drawn beside a plot's own metric
 EXTRA_CURVES = [("reward", "mean", "reward_mean", Qt.PenStyle.DashLine),
                 ("reward", "max", "reward_max", Qt.PenStyle.DotLine),

@@ -44,6 +44,7 @@ from app.views.engine_process import start_detached
 from app.views.form_widget import RecipeFormWidget
 from app.views.help_link import help_link
 from app.views.jobs_panel import job_center
+from app.views.search_box import SearchBox
 from engine.errors import ForgebenchError
 from engine.rundir import RunDir, pid_alive
 
@@ -293,6 +294,8 @@ class RunsPane(QWidget):
         self.left_tabs = QTabWidget()
         self.left_tabs.addTab(ledger_box, "Ledger")
         self.left_tabs.addTab(form_box, "New run")
+        self.search_box = SearchBox()       # embed-retrieval runs: ranked documents
+        self.left_tabs.addTab(self.search_box, "Search")
         self.charts = RunCharts()
         self.stage_label = QLabel()     # what the selected running job is doing right now
         self.stage_label.setWordWrap(True)
@@ -540,6 +543,7 @@ class RunsPane(QWidget):
     def _selection_changed(self) -> None:
         paths = self.selected_paths()
         self.charts.set_runs(paths)
+        self.search_box.set_run(paths[0] if len(paths) == 1 else None)
         self._show_details(paths)
 
     def _show_details(self, paths: list[Path]) -> None:

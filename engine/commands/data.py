@@ -161,6 +161,8 @@ def _generate(args) -> int:
         "speech": lambda: _speech(args),
         "tickets": lambda: _tickets(args),
         "samples": lambda: generate_samples(args.out),
+        "help-articles": lambda: _help_articles(args, "hard"),
+        "help-articles-easy": lambda: _help_articles(args, "easy"),
     }
     if args.kind not in generators:
         raise ForgebenchError(f"unknown sample dataset {args.kind!r}", where="KIND",
@@ -189,6 +191,11 @@ def _tickets(args):
 def _records(args):
     from engine.data.generators.records import generate_records
     return generate_records(args.out, **_some(n=args.n), seed=args.seed)
+
+
+def _help_articles(args, variant: str):
+    from engine.data.generators.retrieval import generate_help_articles
+    return generate_help_articles(args.out, variant, seed=args.seed)
 
 
 def _some(**values) -> dict:

@@ -580,6 +580,10 @@ def _validate(root: Path, check_hashes: bool, check_media: bool, progress: bool,
     if not items and not report.errors:
         report.add(rel, None, None, "holds no records")
     assignments = _validate_splits_file(root, manifest, report)
+    if kind.name == "retrieval":
+        from engine.data.retrieval import check_queries
+
+        check_queries(root, manifest, good, assignments, report)
     if check_media and kind.media:
         _validate_media(root, kind, manifest, rel, good, report, progress, require)
     report.findings.sort(key=_reading_order(report.findings))

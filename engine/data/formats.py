@@ -112,6 +112,11 @@ KINDS: dict[str, Kind] = {k.name: k for k in [
          {"state": TEXT, "question": TEXT, "options": OPTIONS, "label": ID},
          required=("id", "state", "question", "options", "label"),
          text_fields=("state", "question"), chosen_from=("label", "options")),
+    # a search corpus (documents with their group, e.g. the product) plus its judged queries
+    # in queries.jsonl (checked by engine.data.retrieval: each query names its relevant
+    # documents and takes their split)
+    Kind("retrieval", "corpus.jsonl", {"doc_id": ID, "text": TEXT, "title": STR},
+         required=("doc_id", "text", "group"), id_from="doc_id", text_fields=("text",)),
     # one row per example; the columns (features, target, group) are declared in dataset.json's
     # `table` section and checked by engine.data.tabular
     Kind("tabular", "rows.csv", {}, required=("id",)),

@@ -82,8 +82,10 @@ class Loop:
 
     `batch_loss(indices, generator)` returns the mean loss of those training examples (with
     the forward pass under autocast); `validate()` returns a dict with at least "loss" (the
-    model is in eval mode and gradients are off). With `select_best`, the lowest val loss is
-    recorded as the run's best checkpoint and protected from retention.
+    model is in eval mode and gradients are off). With `select_best`, the best val
+    `best_key` (lowest, or highest with `higher_is_better`) is recorded as the run's best
+    checkpoint and protected from retention. `eval_at_start` scores and checkpoints the
+    untrained model as step 0 of a fresh run, so it competes for "best" like any other.
     """
 
     model: torch.nn.Module
@@ -95,6 +97,15 @@ class Loop:
     select_best: bool = True
     ema: EMA | None = None
     on_checkpoint: Callable[[Checkpoint], None] | None = None
+    best_key: str = "loss"
+    higher_is_better: bool = False
+    eval_at_start: bool = False
+
+    def improves(self, result: dict, best: dict | None) -> bool:
+        if best is None:
+            return True
+        new, old = result[self.best_key], best[self.best_key]
+        return new > old if self.higher_is_better else new < old
 
 
 def train_loop(job: Job, loop: Loop) -> None:
@@ -144,13 +155,16 @@ def train_loop(job: Job, loop: Loop) -> None:
         loop.model.train()
         run.log_metric({"invocation": job.invocation, "step": step, "split": "val",
                         "elapsed_s": clock.elapsed, **result})
-        if loop.select_best and (best is None or result["loss"] < best["loss"]):
+        if loop.select_best and loop.improves(result, best):
             best = {"checkpoint": checkpoint_name(step), "step": step, **result}
             run.set_status("running", best_checkpoint=best["checkpoint"])
 
     utilisation = StepUtilisation(run_precision(run, config), job.threads)
     clock = StepClock(elapsed_before)
     loop.model.train()
+    if loop.eval_at_start and job.resume_from is None:
+        evaluate_val()
+        checkpoint_now()
     bar = job.progress(config.steps, initial=step)
     while step < config.steps and not job.stop_requested:
         lr = lr_at(step, lr=opt.lr, warmup=opt.warmup, total=config.steps,

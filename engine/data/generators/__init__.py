@@ -41,7 +41,7 @@ def staged_dataset_dir(out_dir: str | os.PathLike) -> Iterator[Path]:
 
 def generate_samples(datasets_dir: str | os.PathLike) -> list[Path]:
     """Every bundled sample dataset, sized for the sample workspace (a few MB in all)."""
-    from engine.data.generators import records, sensors, sfx, shapes, text, tickets
+    from engine.data.generators import records, retrieval, sensors, sfx, shapes, text, tickets
 
     root = Path(datasets_dir)
     return [text.generate_pirate(root / "pirate"),
@@ -50,4 +50,5 @@ def generate_samples(datasets_dir: str | os.PathLike) -> list[Path]:
             sfx.generate_sfx(root / "sfx", n_per_class=30),
             records.generate_records(root / "records"),
             sensors.generate_sensors(root / "sensors"),
-            tickets.generate_tickets(root / "tickets")]
+            tickets.generate_tickets(root / "tickets"),
+            retrieval.generate_help_articles(root / "help-articles")]
