@@ -19,8 +19,6 @@ from engine.fsutil import atomic_write_json, read_json
 from engine.rundir import RunDir
 
 NOTES_FILE = "notes.json"  # app-owned: question, notes, selected checkpoint (run.json is immutable)
-# eval rows: the loss, and embed-retrieval's selection figure (charted from val rows)
-EVAL_FIELDS = ("loss", "mrr@5")
 TRAIN_FIELDS = ("loss", "grad_norm", "lr", "tokens_per_s", "examples_per_s", "mfu", "peak_rss_mb",
                 "rank_tokens_per_s",
                 "world_size",
@@ -28,8 +26,8 @@ TRAIN_FIELDS = ("loss", "grad_norm", "lr", "tokens_per_s", "examples_per_s", "mf
 # what lm-es adds to its rows: the centre's reward, the population's spread, the step size
 ES_FIELDS = ("reward", "reward_mean", "reward_max", "reward_min", "update_norm", "sigma")
 # what evaluation rows chart besides their loss: a classifier's accuracy, and its calibration
-# error after and before calibration (lm-decision, tabular-classify)
-EVAL_FIELDS = ("loss", "accuracy", "ece", "ece_before")
+# error after and before calibration (lm-decision, tabular-classify); embed-retrieval's MRR@5
+EVAL_FIELDS = ("loss", "accuracy", "ece", "ece_before", "mrr@5")
 
 
 class JsonlTail:
