@@ -236,8 +236,8 @@ def _data_args(p: argparse.ArgumentParser) -> None:
     q.add_argument("--layout", choices=["folders"],
                    help="image-classify only: a folder per class instead of a records file")
     q = sub.add_parser("generate", help="write a bundled sample dataset")
-    q.add_argument("kind", help="pirate|style|shapes|sfx|records|sensors, or samples (all of "
-                   "them, as in the sample workspace, into the --out folder)")
+    q.add_argument("kind", help="pirate|style|tools|cpt|shapes|sfx|records|sensors, or "
+                   "samples (all of them, as in the sample workspace, into the --out folder)")
     q.add_argument("--out", required=True)
     q.add_argument("--n", type=count(1, 10**7), help="how many records or files")
     q.add_argument("--seed", type=SEED, default=0)
