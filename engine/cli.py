@@ -283,6 +283,9 @@ def _chat_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prompt", action="append",
                    help="say this instead of reading the terminal (repeatable: one per turn)")
     p.add_argument("--save", help="transcript file (default: <workspace>/chats/chat-<time>)")
+    p.add_argument("--calculator", action="store_true",
+                   help="offer the model the built-in calculator tool and run its calls "
+                        "(sandboxed: arithmetic only)")
     p.add_argument("--max-tokens", type=count(1, 10**6), default=256)
     p.add_argument("--temperature", type=real(0, 100), default=0.0)
     p.add_argument("--top-k", type=count(0), default=0)

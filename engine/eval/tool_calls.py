@@ -105,16 +105,17 @@ def schema_problem(arguments: Any, schema: dict) -> str | None:
     return f"{error.message}" + (f" (at arguments{where})" if where else "")
 
 
-def check_schema(schema: Any, where: str, path=None) -> None:
+def check_schema(schema: Any, field_name: str, *, path=None, where: str | None = None) -> None:
     """Refuse a tool's `parameters` that is not a usable JSON Schema object."""
     try:
         jsonschema.Draft202012Validator.check_schema(schema)
     except jsonschema.exceptions.SchemaError as exc:
-        raise ForgebenchError(f"field '{where}' is not a valid JSON Schema: {exc.message}",
+        raise ForgebenchError(f"field '{field_name}' is not a valid JSON Schema: {exc.message}",
                               path=path, where=where) from None
     if not isinstance(schema, dict) or schema.get("type") != "object":
-        raise ForgebenchError(f"field '{where}' must be a JSON Schema with type \"object\"",
-                              path=path, where=where, hint="tool arguments are an object")
+        raise ForgebenchError(f"field '{field_name}' must be a JSON Schema with type "
+                              '"object"', path=path, where=where,
+                              hint="tool arguments are an object")
 
 
 def score_call(output: str, expected_name: str, expected_arguments: dict,

@@ -138,7 +138,7 @@ def _tools_of(value: Any, refuse, path, where) -> list[dict]:
         if not isinstance(description, str):
             refuse(f"field '{name}.description' must be a string")
         parameters = spec.get("parameters", {"type": "object", "properties": {}})
-        check_schema(parameters, f"{name}.parameters", path)
+        check_schema(parameters, f"{name}.parameters", path=path, where=where)
         names.add(tool_name)
         tools.append({"type": "function", "function": {
             "name": tool_name, "description": description, "parameters": parameters}})
