@@ -64,11 +64,14 @@ def _has_tools(config) -> bool:
 
 def write_reports(run: RunDir, name: str, step: int, base: Base, config, announce) -> None:
     """Every wanted report of the model at checkpoint `name`; after step 0 also the
-    before-vs-after report of each."""
+    before-vs-after report of each. `announce(stage, detail)` shows the progress."""
     for kind in wanted(config):
         announce(kind, f"{kind} report of {name}")
-        record = (perplexity_report if kind == PERPLEXITY else tool_call_report)(
-            run, base, config)
+        if kind == PERPLEXITY:
+            record = perplexity_report(run, base, config)
+        else:
+            record = tool_call_report(base, config, lambda done, total, kind=kind: announce(
+                kind, f"{kind} report of {name}: decision {done + 1} of {total}"))
         record = {"checkpoint": name, "step": step, "split": "val", **record}
         run.write_eval(f"{kind}-{name}", record)
         run.log_metric({k: v for k, v in record.items() if not isinstance(v, (dict, list))})
@@ -94,26 +97,26 @@ def perplexity_report(run: RunDir, base: Base, config) -> dict:
     return {"loss": record["domain_loss"], **record}     # the headline: held-out domain loss
 
 
-def tool_call_report(run: RunDir, base: Base, config) -> dict:
+def tool_call_report(base: Base, config, progress) -> dict:
+    """Greedy outputs at every held-out decision, scored; `progress(done, total)` before each."""
     examples = load_sft_examples(data_source(config, "val"), config.data, config.data.system)
     render = functools.partial(base.template.render, enable_thinking=config.data.enable_thinking)
+    todo = [(example, decision) for example in examples if isinstance(example, ToolExample)
+            for decision in decisions(example)]
     levels, abstentions, outputs = [], [], []
-    for example in examples:
-        if not isinstance(example, ToolExample):
-            continue
-        for decision in decisions(example):
-            text = complete(base, render_prompt(render, decision.context, example.tools),
-                            config.sample.max_tokens)
-            expected = decision.expected
-            if expected is None:
-                level = score_call(text, "", {}, example.schemas)
-                abstentions.append(level == 0)
-            else:
-                level = score_call(text, expected["name"], expected["arguments"],
-                                   example.schemas)
-                levels.append(level)
-            outputs.append({"line": decision.line, "expected": expected, "output": text,
-                            "level": level})
+    for done, (example, decision) in enumerate(todo):
+        progress(done, len(todo))
+        text = complete(base, render_prompt(render, decision.context, example.tools),
+                        config.sample.max_tokens)
+        expected = decision.expected
+        if expected is None:
+            level = score_call(text, "", {}, example.schemas)
+            abstentions.append(level == 0)
+        else:
+            level = score_call(text, expected["name"], expected["arguments"], example.schemas)
+            levels.append(level)
+        outputs.append({"line": decision.line, "expected": expected, "output": text,
+                        "level": level})
     summary = summarize(levels, abstentions)
     return {"tool_mean_level": summary["mean_level"],
             "tool_exact": summary["at_least"]["exact args"], **summary, "outputs": outputs}
