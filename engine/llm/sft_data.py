@@ -268,15 +268,20 @@ def encode_sft(example: SFTExample, tokenizer: GGUFTokenizer, chat_renderer: Cha
         after_ids = tokenizer.encode(after, add_special=False, parse_special=True)
         end = next((j for j, t in enumerate(after_ids) if t in tokenizer.eog_ids), None)
         if end is None:   # the template closes no turn: teach the model to stop with EOS
-            if tokenizer.eos_id is None:
-                raise ForgebenchError("the chat template ends no turn with an end-of-generation "
-                                      "token and the tokenizer has no EOS to append",
-                                      path=example.source, where=example.where)
-            reply_ids.append(tokenizer.eos_id)
+            reply_ids.append(eos_to_append(tokenizer, example))
             end = -1
         ids += reply_ids + after_ids
         supervised += [True] * (len(reply_ids) + end + 1) + [False] * (len(after_ids) - end - 1)
     return finish_sample(ids, supervised, example, max_len, truncation)
+
+
+def eos_to_append(tokenizer, example: SFTExample) -> int:
+    """The EOS that ends a reply when the chat template closes no turn."""
+    if tokenizer.eos_id is None:
+        raise ForgebenchError("the chat template ends no turn with an end-of-generation "
+                              "token and the tokenizer has no EOS to append",
+                              path=example.source, where=example.where)
+    return tokenizer.eos_id
 
 
 def finish_sample(ids: list[int], supervised: list[bool], example: SFTExample, max_len: int,

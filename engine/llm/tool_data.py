@@ -47,7 +47,13 @@ from engine.eval.tool_calls import (
     schema_problem,
 )
 from engine.llm.chat import ROLES, encode_prompt
-from engine.llm.sft_data import EncodedSample, SFTExample, Truncation, finish_sample
+from engine.llm.sft_data import (
+    EncodedSample,
+    SFTExample,
+    Truncation,
+    eos_to_append,
+    finish_sample,
+)
 
 DEFAULT_INSTRUCTIONS = (
     "You can call tools. To call one, reply with only\n"
@@ -123,12 +129,7 @@ def _tools_of(value: Any, refuse, path, where) -> list[dict]:
                '{"type": "function", "function": {"name", "description", "parameters"}}')
     tools, names = [], set()
     for i, tool in enumerate(value):
-        name = f"tools[{i}]"
-        spec = tool.get("function", tool) if isinstance(tool, dict) else None
-        if isinstance(tool, dict) and "function" in tool:
-            name += ".function"
-        if not isinstance(spec, dict):
-            refuse(f"field '{name}' must be an object")
+        spec, name = _function_of(tool, f"tools[{i}]", refuse)
         tool_name = spec.get("name")
         if not isinstance(tool_name, str) or not tool_name:
             refuse(f"field '{name}.name' must be a non-empty string")
@@ -145,17 +146,22 @@ def _tools_of(value: Any, refuse, path, where) -> list[dict]:
     return tools
 
 
+def _function_of(item: Any, name: str, refuse) -> tuple[dict, str]:
+    """A tool or call object, `{"type": "function", "function": {...}}` or the inner object
+    alone, and the field name of the inner object."""
+    if isinstance(item, dict) and "function" in item:
+        item, name = item["function"], name + ".function"
+    if not isinstance(item, dict):
+        refuse(f"field '{name}' must be an object with 'name'")
+    return item, name
+
+
 def _calls_of(value: Any, name: str, schemas: dict[str, dict], refuse) -> list[dict]:
     if not isinstance(value, list) or not value:
         refuse(f"field '{name}' must be a non-empty list of calls")
     calls = []
     for j, call in enumerate(value):
-        here = f"{name}[{j}]"
-        spec = call.get("function", call) if isinstance(call, dict) else None
-        if isinstance(call, dict) and "function" in call:
-            here += ".function"
-        if not isinstance(spec, dict):
-            refuse(f"field '{here}' must be an object with 'name' and 'arguments'")
+        spec, here = _function_of(call, f"{name}[{j}]", refuse)
         tool_name, arguments = spec.get("name"), spec.get("arguments", {})
         if tool_name not in schemas:
             refuse(f"field '{here}.name' is {excerpt(tool_name)}, not a tool of this record",
@@ -270,11 +276,7 @@ def encode_tool_sft(example: ToolExample, tokenizer, chat_renderer, max_len: int
                                      parse_special=True)
         end = next((j for j, t in enumerate(reply_ids) if t in tokenizer.eog_ids), None)
         if end is None:        # the template closes no turn: teach the model to stop with EOS
-            if tokenizer.eos_id is None:
-                raise ForgebenchError("the chat template ends no turn with an end-of-generation "
-                                      "token and the tokenizer has no EOS to append",
-                                      path=example.source, where=example.where)
-            reply_ids.append(tokenizer.eos_id)
+            reply_ids.append(eos_to_append(tokenizer, example))
             end = len(reply_ids) - 1
         ids += context_ids + reply_ids
         supervised += [False] * len(context_ids) + [True] * (end + 1) \
