@@ -54,6 +54,15 @@ def test_a_calculator_call_is_run_and_the_model_reads_the_result(tmp_path, monke
                                       "content": '{"result": 391}'}
     assert [m["role"] for m in conversation.thread("A")] == ["user", "assistant", "tool",
                                                              "assistant"]
+    # the Chat pane reopens it and shows the result as the calculator's
+    from app.viewmodels.chat import ChatSession
+    from app.views.chat_pane import transcript_html
+
+    session = ChatSession(tmp_path)
+    session.open(conversation.path)
+    shown = session.transcript("A")
+    assert [m["role"] for m in shown] == ["user", "assistant", "tool", "assistant"]
+    assert "calculator result:</b> {&quot;result&quot;: 391}" in transcript_html(shown, "m")
 
 
 @pytest.mark.parametrize("call, error", [
