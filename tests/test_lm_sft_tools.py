@@ -39,7 +39,7 @@ def shipped_config(folder: Path, gguf: Path, **changes) -> Path:
 def test_tool_run_scores_held_out_decisions_before_and_after_and_resumes(tmp_path, tiny):
     generate_tool_conversations(tmp_path / "datasets" / "tools", n=8)
     config = shipped_config(tmp_path, tiny, **{
-        "steps = 8": "steps = 2", "save_every = 4": "save_every = 0",
+        "steps = 16": "steps = 2", "save_every = 8": "save_every = 0",
         "max_len = 512": "max_len = 1600", "max_tokens = 36": "max_tokens = 4",
         'weights = "dense-cache"': 'weights = "packed"'})
     run = tmp_path / "run"
