@@ -3,7 +3,8 @@
 Each line is `{"instruction": …, "response": …}` (optionally `"system"`) or
 `{"messages": [...]}` with roles system/user/assistant/tool; the key names are configurable.
 A malformed line is refused with its line number. A `text-sft` dataset folder (engine.data) is
-read the same way, one split at a time.
+read the same way, one split at a time. A record with a `tools` list (or any record under
+format "tools") is a tool conversation, validated and encoded by engine/llm/tool_data.py.
 
 Encoding: the conversation is rendered with the model's chat template, then
 split at each assistant reply. Template text is tokenized with special tokens parsed; each reply
@@ -29,7 +30,8 @@ from engine.llm.tokenizer import GGUFTokenizer
 __all__ = ["IGNORE_INDEX", "SFTKeys", "SFTExample", "EncodedSample", "SFTSummary",
            "load_sft_examples", "split_rendered", "encode_sft", "encode_sft_dataset",
            "encode_prompt", "mark_supervised", "inspect_samples", "data_source",
-           "data_manifest", "encode_samples"]
+           "data_manifest", "encode_samples", "jsonl_records", "example_of", "finish_sample",
+           "eos_to_append"]
 
 IGNORE_INDEX = -100                      # label of a position that is not supervised
 Truncation = Literal["error", "truncate_response", "drop"]
