@@ -79,3 +79,36 @@ def test_bad_tool_data_is_refused_with_line_and_field(tmp_path, tiny):
     assert result.returncode == 2
     assert "tools-train.jsonl: line 1: field 'messages[2].tool_calls[0].function.arguments' " \
            "does not match the schema of 'lookup_part'" in result.stderr, result.stderr
+
+
+def test_the_sample_sets_hold_out_whole_id_ranges(tmp_path):
+    """Validation uses only P-9xx IDs, training never does, so a right held-out call copies an
+    unseen argument; every record loads as a valid tool conversation."""
+    import re
+
+    from engine.data.generators.catalog import generate_cpt_corpus
+    from engine.llm.documents import load_documents
+    from engine.llm.sft_data import load_sft_examples
+    from engine.llm.tool_data import ToolExample
+
+    root = generate_tool_conversations(tmp_path / "tools", n=16)
+    ids = {}
+    for split in ("train", "val"):
+        examples = load_sft_examples(root / f"tools-{split}.jsonl")
+        assert all(isinstance(e, ToolExample) for e in examples)
+        ids[split] = {c["arguments"]["part_id"] for e in examples for m in e.messages
+                      for c in m.get("tool_calls") or () if c["name"] == "lookup_part"}
+        kinds = {json.loads(x)["source_id"].split("-")[1]
+                 for x in (root / f"tools-{split}.jsonl").read_text().splitlines()}
+        # training shows every decision; the small validation file a call of each tool and
+        # at least one decision not to call
+        assert kinds == {"stock", "math", "missing", "terms"} if split == "train" else \
+            {"stock", "math"} < kinds <= {"stock", "math", "missing", "terms"}
+    assert ids["val"] and all(i.startswith("P-9") for i in ids["val"])
+    assert ids["train"] and not any(i.startswith("P-9") for i in ids["train"])
+    corpus = generate_cpt_corpus(tmp_path / "cpt", n=10)
+    for split, held_out in (("train", False), ("val", True)):
+        parts = {p for doc in load_documents(corpus / f"{split}.jsonl")
+                 for p in re.findall(r"P-\d{3}", doc)}
+        assert parts and all(p.startswith("P-9") == held_out for p in parts)
+    assert load_documents(corpus / "control.txt")[0].count("Part") == 0
