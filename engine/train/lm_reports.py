@@ -25,6 +25,7 @@ from engine.eval.tool_calls import score_call, summarize
 from engine.llm.sft_data import data_source, encode_samples, load_sft_examples
 from engine.llm.tool_data import ToolExample, decisions, render_prompt
 from engine.rundir import RunDir
+from engine.train.devices import module_device, to_device
 from engine.train.lm_base import Base, complete, pack
 from engine.train.loss import IGNORE, supervised_loss
 from engine.train.metrics import WindowLoss
@@ -38,10 +39,12 @@ def mean_loss(base: Base, samples: list, micro_batch: int, precision) -> WindowL
     """Token-weighted cross-entropy of the model over encoded samples (eval mode)."""
     was_training = base.model.training
     base.model.eval()
+    device = module_device(base.model)      # a run's reports are taken where it trains
     total = WindowLoss()
     for start in range(0, len(samples), micro_batch):
         inputs, labels, lengths = pack(samples[start:start + micro_batch])
-        with autocast(precision):
+        inputs, labels = to_device(inputs, device), to_device(labels, device)
+        with autocast(precision, device.type):
             total.add(float(supervised_loss(base.model, inputs, labels, lengths)),
                       int((labels != IGNORE).sum()))
     base.model.train(was_training)
