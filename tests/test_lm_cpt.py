@@ -208,3 +208,10 @@ def test_cpt_config_is_checked():
                                                            "format": "messages"})
     with pytest.raises(ValueError, match="control_path is for mode"):
         LMSFTConfig(model=base["model"], data={"path": "d.jsonl", "control_path": "c.txt"})
+
+
+def test_inspect_sft_refuses_a_cpt_config_with_the_reason(tmp_path, tiny, capsys):
+    from engine.cli import main
+
+    assert main(["inspect-sft", str(write_run_folder(tmp_path, tiny["Q4_K"]))]) == 2
+    assert "a mode \"cpt\" run has none" in capsys.readouterr().err
