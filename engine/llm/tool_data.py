@@ -72,7 +72,12 @@ class ToolExample(SFTExample):
 
     @property
     def schemas(self) -> dict[str, dict]:
-        return {t["function"]["name"]: t["function"]["parameters"] for t in self.tools}
+        return schemas_of(self.tools)
+
+
+def schemas_of(tools: list[dict]) -> dict[str, dict]:
+    """Each tool's name -> its arguments' JSON Schema."""
+    return {t["function"]["name"]: t["function"]["parameters"] for t in tools}
 
 
 # -- loading and validation -----------------------------------------------------------------
@@ -82,7 +87,7 @@ def tool_example(record: dict, keys, system: str | None, path: Path, number: int
         raise ForgebenchError(message, path=path, where=where, hint=hint)
 
     tools = _tools_of(record.get("tools"), refuse, path, where)
-    schemas = {t["function"]["name"]: t["function"]["parameters"] for t in tools}
+    schemas = schemas_of(tools)
     key = keys.messages_key
     turns = record.get(key)
     if not isinstance(turns, list) or not turns:
