@@ -196,6 +196,11 @@ def test_cpt_full_fine_tuning_resumes_exactly_after_sigterm(tmp_path, tiny):
     rb = json.loads((b / "evals" / "perplexity.json").read_text())
     assert ra["after"]["domain_loss"] == rb["after"]["domain_loss"]
     assert ra["change"] == rb["change"]
+    # `forgebench eval` of the last checkpoint reads the same held-out domain blocks
+    forgebench("eval", str(b), "--split", "val")
+    record = json.loads((b / "evals" / "val-step-000004.json").read_text())
+    assert record["loss"] == pytest.approx(rb["after"]["domain_loss"], rel=1e-12)
+    assert record["perplexity"] == pytest.approx(math.exp(record["loss"]))
 
 
 def test_cpt_config_is_checked():
