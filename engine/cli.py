@@ -253,9 +253,9 @@ def _data_args(p: argparse.ArgumentParser) -> None:
     q.add_argument("--layout", choices=["folders"],
                    help="image-classify only: a folder per class instead of a records file")
     q = sub.add_parser("generate", help="write a bundled sample dataset")
-    q.add_argument("kind", help="pirate|style|shapes|sfx|records|sensors|speech|tickets|"
-                   "help-articles|help-articles-easy, or samples (all of them, as in the sample "
-                   "workspace, into the --out folder)")
+    q.add_argument("kind", help="pirate|style|tools|cpt|shapes|sfx|records|sensors|speech|"
+                   "tickets|help-articles|help-articles-easy, or samples (all of them, as in the "
+                   "sample workspace, into the --out folder)")
     q.add_argument("--out", required=True)
     q.add_argument("--n", type=count(1, 10**7), help="how many records or files")
     q.add_argument("--seed", type=SEED, default=0)
@@ -301,6 +301,9 @@ def _chat_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prompt", action="append",
                    help="say this instead of reading the terminal (repeatable: one per turn)")
     p.add_argument("--save", help="transcript file (default: <workspace>/chats/chat-<time>)")
+    p.add_argument("--calculator", action="store_true",
+                   help="offer the model the built-in calculator tool and run its calls "
+                        "(sandboxed: arithmetic only)")
     p.add_argument("--max-tokens", type=count(1, 10**6), default=256)
     p.add_argument("--temperature", type=real(0, 100), default=0.0)
     p.add_argument("--top-k", type=count(0), default=0)

@@ -11,6 +11,11 @@ is written, so a crash keeps every finished message):
     {"type": "message", "role": "assistant", "system": "A", "content": "...", "time": ...,
      "settings": {...}, "seed": 0, "max_tokens": 128, "stop_reason": "eos",
      "new_tokens": 12, "timings": {...}}
+    {"type": "message", "role": "tool", "system": "A", "name": "calculator",
+     "content": "{\"result\": 42}", "time": ...}
+
+A tool message is the result of a call in the assistant message before it (`forgebench chat
+--calculator`); the same system's next assistant message reads it.
 
 A side-by-side turn is one user message followed by one assistant message per system. The
 thread a system saw (`thread`) is the system prompt, every user message and that system's own
@@ -30,9 +35,9 @@ from engine.fsutil import append_jsonl, atomic_write_text, read_jsonl, sha256_fi
 
 FORMAT = 1
 CHATS_DIR = "chats"
-ROLES = ("system", "user", "assistant")
+ROLES = ("system", "user", "assistant", "tool")
 ASSISTANT_FIELDS = ("settings", "seed", "max_tokens", "stop_reason", "new_tokens", "timings",
-                    "prompt_tokens")
+                    "prompt_tokens", "name")
 
 
 def chat_name(text: str) -> str:
@@ -101,7 +106,7 @@ class Conversation:
         """Append one message (durably) and return it."""
         if role not in ROLES:
             raise ForgebenchError(f"role must be one of {ROLES}", where="role")
-        if role == "assistant" and system not in self.systems:
+        if role in ("assistant", "tool") and system not in self.systems:
             raise ForgebenchError(f"no system {system!r} in this conversation", path=self.path,
                                   where="system")
         message = {"type": "message", "role": role, "content": content, "time": time.time()}
@@ -131,12 +136,18 @@ class Conversation:
                 if pending is not None and not complete_only:
                     out.append(pending)
                 pending = {"role": "user", "content": m["content"]}
-            elif m.get("system") == system and pending is not None:
+            elif m.get("system") != system:
+                continue
+            elif m["role"] == "tool":       # a tool's result for this system's call
+                out.append({"role": "tool", "name": m.get("name"), "content": m["content"]})
+            elif pending is not None:
                 if complete_only and (m.get("stop_reason") == "cancelled" or not m["content"]):
                     pending = None
                     continue
                 out += [pending, {"role": "assistant", "content": m["content"]}]
                 pending = None
+            elif out and out[-1]["role"] == "tool":      # the reply that reads the result
+                out.append({"role": "assistant", "content": m["content"]})
         if pending is not None and not complete_only:
             out.append(pending)
         return out

@@ -19,7 +19,8 @@ Requests, one JSON object per line on stdin; every reply line echoes the request
                                                -> {"event": "rendered", "text", "tokens"}
     {"request": "3", "op": "chat", "system": "A", "messages": [...], "max_tokens": 128,
      "seed": 0, "settings": {"temperature": 0.7, "top_k": 40, "top_p": 0.95,
-                             "repetition_penalty": 1.1}}
+                             "repetition_penalty": 1.1},
+     "tools": [...]}                           (optional: tool schemas the prompt offers)
                                                -> {"event": "start", "prompt_tokens", ...}
                                                   {"event": "token", "id", "text", "logprob"}…
                                                   {"event": "done", "text", "stop_reason", …}
@@ -146,15 +147,22 @@ def _load_run(name: str, run_dir: Path, checkpoint: str, workspace) -> System:
                   config.data.enable_thinking)
 
 
-def render(system: System, messages: list[dict]) -> tuple[str, list[int]]:
+def render(system: System, messages: list[dict],
+           tools: list[dict] | None = None) -> tuple[str, list[int]]:
+    """The prompt of the next reply; with `tools` ([{"type": "function", "function": …}]),
+    in the template's own tool format or the default one (engine/llm/tool_data.py)."""
+    import functools
+
     from engine.llm.chat import encode_prompt
+    from engine.llm.tool_data import render_prompt
 
     if not isinstance(messages, list) or not all(
             isinstance(m, dict) and isinstance(m.get("content"), str) for m in messages):
         raise ForgebenchError("messages must be a list of {role, content} objects",
                               where="messages")
-    text = system.template.render(messages, add_generation_prompt=True,
-                                  enable_thinking=system.enable_thinking)
+    renderer = functools.partial(system.template.render, enable_thinking=system.enable_thinking)
+    text = render_prompt(renderer, messages, tools) if tools else \
+        renderer(messages, add_generation_prompt=True)
     return text, encode_prompt(system.tokenizer, text)
 
 
@@ -177,7 +185,7 @@ def chat(system: System, request: dict, send: Callable[[dict], None],
     """Stream one reply: a start line, a line per token, and the done line (returned)."""
     from engine.llm.generate import generate
 
-    text, ids = render(system, request.get("messages"))
+    text, ids = render(system, request.get("messages"), request.get("tools"))
     settings = sampling_settings(request)
     max_tokens = int(request.get("max_tokens") or 128)
     seed = int(request.get("seed") or 0)

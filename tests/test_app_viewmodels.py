@@ -239,6 +239,33 @@ def test_recipe_form_round_trips_through_the_engine_loader(tmp_path):
     assert config.resolve_path(config.data.dir) == (ws.datasets_dir / "records").resolve()
 
 
+def test_recipe_form_takes_the_lm_sft_modes_and_tool_data(tmp_path):
+    """The new-run form of lm-sft offers mode "cpt" with its control text (a checked path) and
+    the tool-conversation data shape, and what it writes loads as the engine reads it."""
+    from engine.data.generators.catalog import generate_cpt_corpus, generate_tool_conversations
+
+    generate_cpt_corpus(tmp_path / "datasets" / "cpt", n=5)
+    generate_tool_conversations(tmp_path / "datasets" / "tools", n=4)
+    (tmp_path / "base.gguf").write_bytes(b"GGUF")
+    form = RecipeForm("lm-sft", base_dir=str(tmp_path))
+    assert form.spec("mode").choices == ("sft", "cpt")
+    assert "tools" in form.spec("data.format").choices
+    form.set_text("model.gguf", "base.gguf")
+    form.set_text("data.path", "datasets/cpt/train.jsonl")
+    form.set_text("mode", "cpt")
+    form.set_text("data.control_path", "datasets/cpt/missing.txt")
+    assert form.errors["data.control_path"].startswith("not found: ")
+    form.set_text("data.control_path", "datasets/cpt/control.txt")
+    form.set_text("data.val_path", "datasets/cpt/val.jsonl")
+    assert form.valid, form.errors
+    config = load_config(form.write_toml(tmp_path / "cpt.toml"))
+    assert config.mode == "cpt" and config.data.control_path == "datasets/cpt/control.txt"
+    form.set_text("data.format", "messages")       # the schema's own cross-field check
+    assert not form.valid and "reads raw documents" in (form.general_error or str(form.errors))
+    tools = RecipeForm.from_file(REPO / "resources" / "configs" / "lm-sft-tools.toml")
+    assert tools.text["data.format"] == "tools" and tools.text["mode"] == "sft"
+
+
 def test_sample_workspace_configs_validate():
     """Every sample config is valid, except that a base model not on this machine (the Gemma
     package's GGUF), or the lm-sft run an lm-dpo config refines before it is trained, is

@@ -151,8 +151,9 @@ def test_auto_weights_cache_a_small_base_densely_with_the_packed_gradients(tmp_p
     """weights = "auto" takes the f32 dense cache for a model that is a small part of memory
     (and packed for one that is not); loss and adapter gradients equal the packed model's."""
     from engine.config import load_config
-    from engine.recipes.lm_sft import encode_samples, supervised_loss
+    from engine.recipes.lm_sft import encode_samples
     from engine.train.lm_base import load_base, pack, prepare_trainable, weights_mode
+    from engine.train.loss import supervised_loss
 
     def loss_and_grads(weights: str):
         config = load_config(write_config(tmp_path, tiny_gguf, dropout=0.0, weights=weights))

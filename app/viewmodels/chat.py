@@ -280,7 +280,7 @@ class ChatSession:
         """The messages of one column, a streaming reply included at its end."""
         shown = [] if self.conversation is None else [
             m for m in self.conversation.messages
-            if m["role"] != "assistant" or m.get("system") == side]
+            if m["role"] not in ("assistant", "tool") or m.get("system") == side]
         live = [r for r in self.replies.values() if r.system == side and not r.finished]
         if live:
             shown.append({"role": "assistant", "system": side, "content": live[-1].text,

@@ -40,11 +40,12 @@ LABELS = {"n_layers": "layers", "n_heads": "attention heads", "n_kv_heads": "key
           "per_class": "samples per class", "max_tokens": "max new tokens",
           "keep_last": "checkpoints kept", "save_every": "checkpoint every (steps)",
           "eval_every": "evaluate every (steps)", "log_every": "log every (steps)",
-          "nonfinite": "on a non-finite loss"}
+          "nonfinite": "on a non-finite loss", "control_path": "control text (cpt)",
+          "text_key": "text field (cpt)"}
 # Fields that name something on disk, and what: a folder, a file, or either.
 PATH_FIELDS = {"data.dir": "folder", "data.path": "any", "data.val_path": "file",
                "data.test_path": "file", "model.gguf": "file", "model.run": "folder",
-               "model.sft_run": "folder"}
+               "model.sft_run": "folder", "data.control_path": "file"}
 
 
 @dataclass(frozen=True)

@@ -34,15 +34,16 @@ from engine.errors import ForgebenchError
 
 REPAINT_MS = 50
 RENDER_DELAY_MS = 400
-COLORS = {"user": "#1565c0", "assistant": "#2e7d32", "system": "#6a1b9a", "error": "#b71c1c"}
+COLORS = {"user": "#1565c0", "assistant": "#2e7d32", "system": "#6a1b9a", "error": "#b71c1c",
+          "tool": "#ef6c00"}
 
 
 def transcript_html(messages: list[dict], label: str) -> str:
     parts = []
     for m in messages:
         role = m["role"]
-        who = {"user": "you", "assistant": label, "system": "system prompt",
-               "error": "error"}[role]
+        who = {"user": "you", "assistant": label, "system": "system prompt", "error": "error",
+               "tool": f"{m.get('name') or 'tool'} result"}[role]   # chat --calculator
         text = html.escape(m["content"]).replace("\n", "<br>")
         tail = " ▌" if m.get("streaming") else ""
         if role == "assistant" and m.get("stop_reason") == "cancelled":

@@ -1,7 +1,9 @@
 """`forgebench models add|list|show|remove`, `forgebench chat MODEL|RUN` and
 `forgebench serve-local`: the model library (engine/model_library.py), a terminal chat that
 saves the same transcript as the Chat pane (engine/conversations.py), and the long-lived
-streaming worker (engine/serve_local.py)."""
+streaming worker (engine/serve_local.py). `chat --calculator` offers the model the built-in
+calculator and runs the calls it makes (engine/calculator.py: arithmetic only), each result a
+tool message in the transcript that the model then reads."""
 
 from __future__ import annotations
 
@@ -9,8 +11,9 @@ import json
 import sys
 from pathlib import Path
 
-from engine import model_library
+from engine import calculator, model_library
 from engine.errors import ForgebenchError
+from engine.eval.tool_calls import parse_call
 from engine.fsutil import human_bytes
 
 
@@ -123,6 +126,30 @@ def cmd_chat(args) -> int:
     prompts = iter(args.prompt) if args.prompt else None
     settings = {"temperature": args.temperature, "top_k": args.top_k, "top_p": args.top_p,
                 "repetition_penalty": args.repetition_penalty}
+    tools = [calculator.SCHEMA] if args.calculator else None
+
+    def reply() -> dict:
+        sys.stdout.write(f"{label}> ")
+        streamed: list[str] = []
+
+        def send(line: dict) -> None:
+            if line["event"] == "token":
+                streamed.append(line["text"])
+                sys.stdout.write(line["text"])
+                sys.stdout.flush()
+
+        done = chat(system, {"messages": conversation.thread("A"), "settings": settings,
+                             "seed": args.seed, "max_tokens": args.max_tokens, "tools": tools},
+                    send, lambda: False)
+        # the tail a stop-string check held back arrives only in the final text
+        sys.stdout.write(done["text"][len("".join(streamed)):] + "\n")
+        conversation.add_reply("A", done)
+        ttft = done["timings"].get("first_streamed_token_s")
+        print(f"  [{done['new_tokens']} tokens, {done['stop_reason']}"
+              + (f", first token {ttft:.2f} s" if ttft is not None else "") + "]",
+              file=sys.stderr)
+        return done
+
     while True:
         if prompts is not None:
             text = next(prompts, None)
@@ -136,26 +163,30 @@ def cmd_chat(args) -> int:
         if not text.strip():
             continue
         conversation.add("user", text)
-        sys.stdout.write(f"{label}> ")
-        streamed: list[str] = []
-
-        def send(line: dict, streamed: list[str] = streamed) -> None:
-            if line["event"] == "token":
-                streamed.append(line["text"])
-                sys.stdout.write(line["text"])
-                sys.stdout.flush()
-
-        done = chat(system, {"messages": conversation.thread("A"), "settings": settings,
-                             "seed": args.seed, "max_tokens": args.max_tokens}, send,
-                    lambda: False)
-        # the tail a stop-string check held back arrives only in the final text
-        sys.stdout.write(done["text"][len("".join(streamed)):] + "\n")
-        conversation.add_reply("A", done)
-        ttft = done["timings"].get("first_streamed_token_s")
-        print(f"  [{done['new_tokens']} tokens, {done['stop_reason']}"
-              + (f", first token {ttft:.2f} s" if ttft is not None else "") + "]",
-              file=sys.stderr)
+        done = reply()
+        for _ in range(MAX_TOOL_ROUNDS if tools else 0):   # run its calls, let it read them
+            call = parse_call(done["text"])
+            if call is None:
+                break
+            result = run_tool(call)
+            conversation.add("tool", result, system="A", name=call.name)
+            print(f"  [{call.name} {json.dumps(call.arguments)} -> {result}]", file=sys.stderr)
+            done = reply()
     return 0
+
+
+MAX_TOOL_ROUNDS = 4     # calls answered per user turn, so a model that keeps calling stops
+
+
+def run_tool(call) -> str:
+    """The observation for one parsed call: only the calculator exists, and it is sandboxed
+    (engine/calculator.py); anything else is answered with an error, never run."""
+    if call.name != calculator.NAME:
+        return json.dumps({"error": f"unknown tool {call.name!r}; the only tool is "
+                                    f"{calculator.NAME!r}"})
+    if call.arguments is None:
+        return json.dumps({"error": "the arguments are not a JSON object"})
+    return calculator.run(call.arguments)
 
 
 def cmd_serve_local(args) -> int:

@@ -149,13 +149,16 @@ def _card(args) -> int:
 
 
 def _generate(args) -> int:
-    from engine.data.generators import generate_samples, sfx, shapes, text
+    from engine.data.generators import catalog, generate_samples, sfx, shapes, text
 
     generators = {
         "shapes": lambda: shapes.generate_shapes(args.out, **_some(n=args.n), seed=args.seed),
         "sfx": lambda: sfx.generate_sfx(args.out, **_some(n_per_class=args.n), seed=args.seed),
         "pirate": lambda: text.generate_pirate(args.out),
         "style": lambda: text.generate_style_pairs(args.out, **_some(n=args.n), seed=args.seed),
+        "tools": lambda: catalog.generate_tool_conversations(args.out, **_some(n=args.n),
+                                                             seed=args.seed),
+        "cpt": lambda: catalog.generate_cpt_corpus(args.out, **_some(n=args.n), seed=args.seed),
         "records": lambda: _records(args),
         "sensors": lambda: _sensors(args),
         "speech": lambda: _speech(args),

@@ -44,6 +44,12 @@ def cmd_inspect_sft(args) -> int:
     if getattr(config, "recipe", None) != "lm-sft":
         raise ForgebenchError("inspect-sft needs an lm-sft config", path=args.config,
                               where="field 'recipe'")
+    if config.mode == "cpt":
+        raise ForgebenchError("inspect-sft shows chat samples, and a mode \"cpt\" run has "
+                              "none: every token of its packed documents is a target",
+                              path=args.config, where="field 'mode'",
+                              hint="the run's data_encoded event counts its documents and "
+                                   "blocks")
     if not config.model.gguf:
         raise ForgebenchError("inspect-sft reads the tokenizer and chat template of a GGUF base",
                               path=args.config, where="field 'model.gguf'",

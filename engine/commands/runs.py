@@ -34,8 +34,8 @@ def _print_outcome(run: RunDir, status: dict) -> None:
           f"  run: {run.path}")
     if summary["last_loss"] is not None:
         print(f"last train loss: {summary['last_loss']:.4f}")
-    if summary["last_eval"]:
-        ev = summary["last_eval"]
+    if summary["last_eval"] and summary["last_eval"].get("loss") is not None:
+        ev = summary["last_eval"]   # (reports without a loss, e.g. tool-call scores, print none)
         extra = f"  bits/byte: {ev['bpb']:.4f}" if "bpb" in ev else ""
         print(f"last {ev.get('split')} loss: {ev.get('loss'):.4f}{extra}")
     latest = run.latest_checkpoint()

@@ -3,7 +3,8 @@
 Each line is `{"instruction": …, "response": …}` (optionally `"system"`) or
 `{"messages": [...]}` with roles system/user/assistant/tool; the key names are configurable.
 A malformed line is refused with its line number. A `text-sft` dataset folder (engine.data) is
-read the same way, one split at a time.
+read the same way, one split at a time. A record with a `tools` list (or any record under
+format "tools") is a tool conversation, validated and encoded by engine/llm/tool_data.py.
 
 Encoding: the conversation is rendered with the model's chat template, then
 split at each assistant reply. Template text is tokenized with special tokens parsed; each reply
@@ -29,7 +30,8 @@ from engine.llm.tokenizer import GGUFTokenizer
 __all__ = ["IGNORE_INDEX", "SFTKeys", "SFTExample", "EncodedSample", "SFTSummary",
            "load_sft_examples", "split_rendered", "encode_sft", "encode_sft_dataset",
            "encode_prompt", "mark_supervised", "inspect_samples", "data_source",
-           "data_manifest", "encode_samples"]
+           "data_manifest", "encode_samples", "jsonl_records", "example_of", "finish_sample",
+           "eos_to_append"]
 
 IGNORE_INDEX = -100                      # label of a position that is not supervised
 Truncation = Literal["error", "truncate_response", "drop"]
@@ -47,7 +49,7 @@ class SFTKeys:
     response_key: str = "response"
     messages_key: str = "messages"
     system_key: str = "system"
-    format: Literal["auto", "pairs", "messages"] = "auto"
+    format: Literal["auto", "pairs", "messages", "tools"] = "auto"
 
 
 @dataclass
@@ -99,11 +101,21 @@ def load_sft_examples(path: str | Path, keys: SFTKeys = SFTKeys(), system: str |
     path = Path(path)
     if path.is_dir():
         return _dataset_examples(path, keys, system, split)
+    examples = [example_of(record, keys, system, path, number, f"line {number}")
+                for number, record in jsonl_records(path, "SFT data file")]
+    if not examples:
+        raise ForgebenchError("the SFT data file has no records", path=path,
+                              hint="one JSON object per line")
+    return examples
+
+
+def jsonl_records(path: Path, what: str):
+    """(line number, record) of each non-blank line of a JSONL file of objects; a line that is
+    not UTF-8, not JSON or not an object is refused with its number."""
     try:
         raw = path.read_bytes()
     except FileNotFoundError:
-        raise ForgebenchError("SFT data file not found", path=path) from None
-    examples = []
+        raise ForgebenchError(f"{what} not found", path=path) from None
     for number, line in enumerate(raw.split(b"\n"), start=1):
         if not line.strip():
             continue
@@ -119,12 +131,19 @@ def load_sft_examples(path: str | Path, keys: SFTKeys = SFTKeys(), system: str |
         if not isinstance(record, dict):
             raise ForgebenchError(f"expected a JSON object, got {type(record).__name__}",
                                   path=path, where=where)
-        messages = _messages_of(record, keys, system, path, where)
-        examples.append(SFTExample(messages, number, str(path), where))
-    if not examples:
-        raise ForgebenchError("the SFT data file has no records", path=path,
-                              hint="one JSON object per line")
-    return examples
+        yield number, record
+
+
+def example_of(record: dict, keys: SFTKeys, system: str | None, path: Path, number: int,
+               where: str) -> SFTExample:
+    """One record as an example: a tool conversation (a `tools` list, or format "tools";
+    engine/llm/tool_data.py) or pairs / messages."""
+    shape = getattr(keys, "format", "auto")
+    if shape == "tools" or (shape == "auto" and "tools" in record):
+        from engine.llm.tool_data import tool_example
+
+        return tool_example(record, keys, system, path, number, where)
+    return SFTExample(_messages_of(record, keys, system, path, where), number, str(path), where)
 
 
 def _dataset_examples(root: Path, keys: SFTKeys, system: str | None,
@@ -139,8 +158,7 @@ def _dataset_examples(root: Path, keys: SFTKeys, system: str | None,
     examples = []
     for number, record in enumerate(dataset.records(split), start=1):
         where = f"record {record.get('id', number)!r}"
-        examples.append(SFTExample(_messages_of(record, keys, system, records_file, where),
-                                   number, str(records_file), where))
+        examples.append(example_of(record, keys, system, records_file, number, where))
     if not examples:
         raise ForgebenchError(f"the dataset has no records in split {split!r}", path=root,
                               hint="run `forgebench data split` or choose another split")
@@ -252,15 +270,26 @@ def encode_sft(example: SFTExample, tokenizer: GGUFTokenizer, chat_renderer: Cha
         after_ids = tokenizer.encode(after, add_special=False, parse_special=True)
         end = next((j for j, t in enumerate(after_ids) if t in tokenizer.eog_ids), None)
         if end is None:   # the template closes no turn: teach the model to stop with EOS
-            if tokenizer.eos_id is None:
-                raise ForgebenchError("the chat template ends no turn with an end-of-generation "
-                                      "token and the tokenizer has no EOS to append",
-                                      path=example.source, where=example.where)
-            reply_ids.append(tokenizer.eos_id)
+            reply_ids.append(eos_to_append(tokenizer, example))
             end = -1
         ids += reply_ids + after_ids
         supervised += [True] * (len(reply_ids) + end + 1) + [False] * (len(after_ids) - end - 1)
+    return finish_sample(ids, supervised, example, max_len, truncation)
 
+
+def eos_to_append(tokenizer, example: SFTExample) -> int:
+    """The EOS that ends a reply when the chat template closes no turn."""
+    if tokenizer.eos_id is None:
+        raise ForgebenchError("the chat template ends no turn with an end-of-generation "
+                              "token and the tokenizer has no EOS to append",
+                              path=example.source, where=example.where)
+    return tokenizer.eos_id
+
+
+def finish_sample(ids: list[int], supervised: list[bool], example: SFTExample, max_len: int,
+                  truncation: Truncation) -> EncodedSample | None:
+    """The sample of a token sequence and which tokens are supervised, after the truncation
+    policy (None: dropped)."""
     truncated = len(ids) - 1 > max_len
     if truncated:
         if truncation == "drop":
@@ -288,8 +317,11 @@ def encode_sft_dataset(examples: list[SFTExample], tokenizer: GGUFTokenizer,
                        truncation: Truncation = "error") -> tuple[list[EncodedSample], SFTSummary]:
     """Encode every example; the summary counts kept, truncated and dropped samples."""
     samples, summary = [], SFTSummary(examples=len(examples))
+    from engine.llm.tool_data import ToolExample, encode_tool_sft
+
     for example in examples:
-        sample = encode_sft(example, tokenizer, chat_renderer, max_len, truncation)
+        encode = encode_tool_sft if isinstance(example, ToolExample) else encode_sft
+        sample = encode(example, tokenizer, chat_renderer, max_len, truncation)
         if sample is None:
             summary.dropped += 1
             summary.dropped_lines.append(example.line)
@@ -344,7 +376,8 @@ def inspect_samples(model_path: str | Path, data_path: str | Path, keys: SFTKeys
 # -- the SFT data a recipe config names (lm-sft, lm-es: `config.data` is lm-sft's section) ----
 def data_source(config, split: str = "train") -> Path:
     """The JSONL file of a split, or the text-sft dataset folder that holds every split."""
-    field_name = {"train": "path", "val": "val_path", "test": "test_path"}[split]
+    field_name = {"train": "path", "val": "val_path", "test": "test_path",
+                  "control": "control_path"}[split]
     value = getattr(config.data, field_name)
     data_path = config.resolve_path(config.data.path, "field 'data.path'")
     if value is None and split != "train" and data_path.is_dir():
@@ -366,8 +399,8 @@ def data_manifest(config) -> dict:
     from engine.fsutil import sha256_file
 
     files = {}
-    for split in ("train", "val", "test"):
-        if split != "train" and not getattr(config.data, f"{split}_path"):
+    for split in ("train", "val", "test", "control"):
+        if split != "train" and not getattr(config.data, f"{split}_path", None):
             continue
         path = data_source(config, split)
         if path.is_dir():
@@ -384,6 +417,14 @@ def encode_samples(config, base, split: str = "train"):
     (`base.template`, `base.tokenizer`)."""
     d = config.data
     path = data_source(config, split)
+    if getattr(config, "mode", "sft") == "cpt":
+        from engine.llm.documents import load_documents, pack_documents
+
+        documents = load_documents(path, d.text_key, split if path.is_dir() else None)
+        blocks = pack_documents(documents, base.tokenizer, d.max_len)
+        return blocks, {"documents": len(documents), "kept": len(blocks),
+                        "input_tokens": sum(len(b.input_ids) for b in blocks),
+                        "supervised_tokens": sum(b.n_supervised for b in blocks)}
     examples = load_sft_examples(path, d, d.system, split=split if path.is_dir() else None)
     render = functools.partial(base.template.render, enable_thinking=d.enable_thinking)
     samples, summary = encode_sft_dataset(examples, base.tokenizer, render, d.max_len,

@@ -8,12 +8,19 @@ generations. The LM head and cross-entropy run only at supervised positions, fus
 over the frozen head (`linear_cross_entropy`): no [N, vocab] logits, and dh comes out of the
 same pass. GGUF weights default to an f32 dense cache when it is small next to the RAM.
 
+`mode = "cpt"` is continued pretraining: the samples are raw documents packed into blocks with
+EOS separators, every token a target (engine/llm/documents.py); tool conversations are a data
+shape of the SFT mode (engine/llm/tool_data.py). Before training and after it the run writes
+its held-out reports (engine/train/lm_reports.py): domain and control perplexity for cpt, the
+6-level tool-call score for tool conversations, each with the change in `evals/`.
+
 A LoRA checkpoint holds `adapters.safetensors` (rank, alpha, targets and the base's SHA-256 in
 its metadata), the optimizer state and `trainer_state.json` (data cursor, RNG, step) last.
 """
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import torch
@@ -39,7 +46,8 @@ from engine.train.lm_base import (
     size_text,
     write_generations,
 )
-from engine.train.loss import IGNORE, SupervisedLoss, supervised_loss
+from engine.train.lm_reports import mean_loss, write_reports
+from engine.train.loss import IGNORE, SupervisedLoss
 from engine.train.metrics import StepClock, StepUtilisation, WindowLoss, train_row
 from engine.train.optim import build_adamw, clip_and_step, lr_at, set_lr
 from engine.train.precision import autocast, run_precision
@@ -86,6 +94,8 @@ def train(job: Job) -> None:
         job.announce("sample", f"answering {len(config.sample.prompts)} prompt(s) with the "
                                "base (BEFORE)")
         write_generations(run, "step-000000", 0, base, config, identity)   # BEFORE = the base
+    if not job.resume_from and world.is_main:   # held-out perplexity / tool-call score BEFORE
+        write_reports(run, "step-000000", 0, base, config, job.announce)
     if tr.activation_checkpointing:
         checkpoint_activations(model)
     # Several ranks: FSDP2 shards a full fine-tune, DDP replicates adapters (summed gradients)
@@ -179,6 +189,10 @@ def train(job: Job) -> None:
         if sharded:   # FSDP2 holds shards: answer with the checkpoint's full weights
             base = load_trained(run, last)[0]
         write_generations(run, last.name, step, base, config, identity)   # AFTER
+    if step == config.steps and not job.stop_requested and world.is_main:
+        if sharded and not config.sample.prompts:
+            base = load_trained(run, last)[0]
+        write_reports(run, last.name, step, base, config, job.announce)   # AFTER + the change
 
 
 # -- evaluation and generation from a run ---------------------------------------------------
@@ -200,15 +214,12 @@ def evaluate(run: RunDir, checkpoint: Checkpoint, split: str) -> dict:
     """Token-weighted CE of a checkpoint on a split of the dataset; writes evals/ + a metric."""
     base, config = load_trained(run, checkpoint)
     samples, report = encode_samples(config, base, split=split)
-    total = WindowLoss()
-    for start in range(0, len(samples), config.train.micro_batch):
-        inputs, labels, lengths = pack(samples[start:start + config.train.micro_batch])
-        with autocast(run_precision(run, config)):
-            total.add(float(supervised_loss(base.model, inputs, labels, lengths)),
-                      int((labels != IGNORE).sum()))
+    total = mean_loss(base, samples, config.train.micro_batch, run_precision(run, config))
     record = {"split": split, "checkpoint": checkpoint.name, "step": checkpoint.step,
               "loss": total.value, "supervised_tokens": total.tokens,
               "samples": len(samples), "source": "forgebench eval"}
+    if config.mode == "cpt":
+        record["perplexity"] = math.exp(total.value)
     run.write_eval(f"{split}-{checkpoint.name}", record)
     run.log_metric(record)
     return record

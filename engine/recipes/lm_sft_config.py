@@ -1,4 +1,5 @@
-"""Config schema of `lm-sft`: supervised fine-tuning of a language model.
+"""Config schema of `lm-sft`: supervised fine-tuning of a language model (chat samples, tool
+conversations), or continued pretraining on raw documents (`mode = "cpt"`).
 
 LoRA / QLoRA over a GGUF base (kept packed and frozen) or over an lm-pretrain run's model, or
 full fine-tuning of a dense base. No torch here: the app builds its form from this schema.
@@ -37,8 +38,10 @@ class DataSection(Schema):
                                   "text-sft dataset folder (its train split)")
     val_path: str | None = Field(None, description="JSONL read by `forgebench eval --split val`")
     test_path: str | None = Field(None, description="JSONL read by `forgebench eval --split test`")
-    format: Literal["auto", "pairs", "messages"] = Field(
-        "auto", description="record shape: pairs, {messages: [...]}, or either")
+    format: Literal["auto", "pairs", "messages", "tools"] = Field(
+        "auto", description="record shape: pairs, {messages: [...]}, tool conversations "
+                            "({tools: [...], messages: [...]} with tool calls and results), "
+                            "or any of them")
     instruction_key: str = Field(
         "instruction", description="record field holding the prompt of an instruction/response "
                                    "pair")
@@ -49,7 +52,12 @@ class DataSection(Schema):
         "messages", description="record field holding a conversation (a list of role/content "
                                 "messages)")
     system: str | None = Field(None, description="system message for records without one")
-    max_len: int = Field(512, ge=2, description="input tokens per sample (prompt + response)")
+    control_path: str | None = Field(
+        None, description="cpt: general text whose held-out perplexity measures forgetting "
+                          "(JSONL of {text} or a plain text file)")
+    text_key: str = Field("text", description="cpt: the text field of a documents JSONL")
+    max_len: int = Field(512, ge=2, description="input tokens per sample (prompt + response; "
+                                                "cpt: per packed block)")
     truncation: Literal["error", "truncate_response", "drop"] = Field(
         "error", description="a longer sample is an error, cut at the end, or dropped (counted)")
     enable_thinking: bool | None = Field(
@@ -117,9 +125,20 @@ class SampleSection(Schema):
 
 class LMSFTConfig(RecipeConfig):
     recipe: Literal["lm-sft"] = "lm-sft"
+    mode: Literal["sft", "cpt"] = Field(
+        "sft", description="sft: supervised chat samples; cpt: continued pretraining on raw "
+                           "documents (packed with EOS, every token a target)")
     model: ModelSection
     data: DataSection
     lora: LoraSection = Field(default_factory=LoraSection)
     optim: OptimSection = Field(default_factory=OptimSection)
     train: TrainSection = Field(default_factory=TrainSection)
     sample: SampleSection = Field(default_factory=SampleSection)
+
+    @model_validator(mode="after")
+    def _mode_fits_data(self) -> "LMSFTConfig":
+        if self.mode == "cpt" and self.data.format not in ("auto",):
+            raise ValueError("mode \"cpt\" reads raw documents: leave data.format at \"auto\"")
+        if self.data.control_path and self.mode != "cpt":
+            raise ValueError("data.control_path is for mode = \"cpt\"")
+        return self

@@ -229,11 +229,19 @@ def answer(base: Base, prompt: str, max_tokens: int, enable_thinking: bool | Non
            settings: SamplingSettings = GREEDY, seed: int = 0) -> str:
     """The KV-cached answer to one user turn (dropout off): greedy by default, else sampled
     with `settings` from a generator seeded with `seed`."""
+    return complete(base, base.template.render([{"role": "user", "content": prompt}],
+                                               enable_thinking=enable_thinking),
+                    max_tokens, settings=settings, seed=seed)
+
+
+@torch.no_grad()
+def complete(base: Base, text: str, max_tokens: int, *, settings: SamplingSettings = GREEDY,
+             seed: int = 0) -> str:
+    """The KV-cached continuation of a rendered prompt up to an end of turn (dropout off)."""
     model = base.model
     was_training = model.training
     model.eval()
-    ids = encode_prompt(base.tokenizer, base.template.render(
-        [{"role": "user", "content": prompt}], enable_thinking=enable_thinking))
+    ids = encode_prompt(base.tokenizer, text)
     cache = model.new_cache(1, len(ids) + max_tokens)
     device = module_device(model)
 
