@@ -35,9 +35,10 @@ class OptimSection(Schema):
                                                                 "ramps the rate up")
     schedule: Literal["cosine", "constant"] = Field("cosine", description="after warmup")
     min_lr_ratio: float = Field(0.0, ge=0, le=1, description="cosine floor as a share of lr")
-    weight_decay: float = Field(0.01, ge=0)
-    beta1: float = Field(0.9, ge=0, lt=1)
-    beta2: float = Field(0.999, ge=0, lt=1)
+    weight_decay: float = Field(0.01, ge=0, description="AdamW's decoupled weight decay")
+    beta1: float = Field(0.9, ge=0, lt=1, description="AdamW's first-moment (momentum) decay, β1")
+    beta2: float = Field(0.999, ge=0, lt=1,
+                         description="AdamW's second-moment decay, β2")
     grad_clip: float = Field(1.0, ge=0, description="global gradient-norm clip; 0 = off")
 
 

@@ -21,7 +21,8 @@ class SpeechModelSection(Schema):
     channels: int = Field(128, ge=8, description="width of every convolution")
     layers: int = Field(6, ge=1, le=24, description="residual blocks (dilations 1, 2, 4, ...)")
     kernel: Literal[3, 5, 7, 9] = Field(5, description="kernel of each block")
-    dropout: float = Field(0.1, ge=0, lt=1)
+    dropout: float = Field(0.1, ge=0, lt=1, description="dropout on each residual block's "
+                                                          "convolution output while training")
 
 
 class AugmentSection(Schema):
