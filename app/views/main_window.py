@@ -33,6 +33,7 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 
+from app.viewmodels.tour import Tour
 from app.viewmodels.workspace import Settings, Workspace, WorkspaceWatch, install_sample_workspace
 from app.views.ab_pane import ABPane
 from app.views.background import BackgroundCall
@@ -45,6 +46,7 @@ from app.views.masks_pane import MasksPane
 from app.views.models_pane import ModelsPane
 from app.views.runs_pane import RunsPane
 from app.views.samples_pane import SamplesPane
+from app.views.tour_panel import TourPanel
 from engine.errors import ForgebenchError
 
 PANES = ("Datasets", "Labels && Masks", "Runs", "Samples", "Blind A/B", "Export",
@@ -161,6 +163,8 @@ class MainWindow(QMainWindow):
             guard_wheel(widget, self.wheel_guard)
 
         self.banner = ProblemBanner(self)
+        self.tour_panel = TourPanel(Tour(self.settings))
+        self.tour_panel.show_pane.connect(self.show_pane)
         central = QWidget()
         body = QHBoxLayout()
         body.setContentsMargins(0, 0, 0, 0)
@@ -169,6 +173,7 @@ class MainWindow(QMainWindow):
         outer = QVBoxLayout(central)
         outer.setContentsMargins(4, 4, 4, 4)
         outer.addWidget(self.banner)
+        outer.addWidget(self.tour_panel)
         outer.addLayout(body, 1)
         self.setCentralWidget(central)
 
@@ -229,6 +234,10 @@ class MainWindow(QMainWindow):
             action.setShortcut(QKeySequence(f"Ctrl+{i + 1}"))
             action.triggered.connect(lambda _=False, i=i: self.sidebar.setCurrentRow(i))
             view.addAction(action)
+        help_menu = self.menuBar().addMenu("&Help")
+        tour = QAction("&Tour of the workbench", self)
+        tour.triggered.connect(self.tour_panel.restart)
+        help_menu.addAction(tour)
         self._fill_recent()
 
     def _fill_recent(self) -> None:
@@ -332,6 +341,10 @@ class MainWindow(QMainWindow):
         self.runs.start_config(Path(config))
         self.sidebar.setCurrentRow(next(i for i in range(self.stack.count())
                                         if self.stack.widget(i).widget() is self.runs))
+
+    def show_pane(self, name: str) -> None:
+        """Select a pane by its sidebar name (the tour's steps name panes)."""
+        self.sidebar.setCurrentRow([p.replace("&&", "&") for p in PANES].index(name))
 
     def show_message(self, text: str) -> None:
         self.statusBar().showMessage(text.splitlines()[0] if text else "", 8000)
