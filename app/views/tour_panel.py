@@ -25,9 +25,9 @@ class TourPanel(QFrame):
         self.next_button = QPushButton("Next")
         self.skip_button = QPushButton("Skip tour")
         self.skip_button.setToolTip("Hide the tour for good (Help → Tour shows it again)")
-        self.back_button.clicked.connect(self.go_back)
-        self.next_button.clicked.connect(self.go_next)
-        self.skip_button.clicked.connect(self.dismiss)
+        self.back_button.clicked.connect(lambda: self.act(self.tour.back))
+        self.next_button.clicked.connect(lambda: self.act(self.tour.next))
+        self.skip_button.clicked.connect(lambda: self.act(self.tour.dismiss))
         row = QHBoxLayout()
         row.addWidget(self.title, 1)
         for button in (self.back_button, self.next_button, self.skip_button):
@@ -48,18 +48,10 @@ class TourPanel(QFrame):
         self.next_button.setText("Finish" if self.tour.is_last else "Next")
         self.show_pane.emit(step.pane)
 
-    def go_next(self) -> None:
-        self.tour.next()
-        self.sync()
-
-    def go_back(self) -> None:
-        self.tour.back()
-        self.sync()
-
-    def dismiss(self) -> None:
-        self.tour.dismiss()
+    def act(self, change) -> None:
+        """Apply one of the tour's moves, then show where it left the user."""
+        change()
         self.sync()
 
     def restart(self) -> None:
-        self.tour.restart()
-        self.sync()
+        self.act(self.tour.restart)
