@@ -15,7 +15,7 @@ import os
 import re
 
 import pytest
-from lm_pretrain_support import forgebench
+from lm_pretrain_support import REPO, forgebench
 
 from engine.config import load_config
 from engine.recipes.lm_pretrain import complete, load_model
@@ -84,3 +84,22 @@ def test_demo_learns_to_read_the_room(tmp_path):
                                            "val.txt").read_text())
     before = int(re.search(r"BEFORE training: (\d+)/20", out).group(1))
     assert before < SCORE_BAR          # the twin: the untrained weights do not pass the bar
+
+
+def test_sample_workspace_ships_the_demo_corpus_and_model(tmp_path):
+    """The sample workspace's "Where is X?" records are what the generator writes (so they can
+    be rebuilt, and the demo's reading of them holds), and its lm-pretrain-demo config trains
+    the demo's model with the demo's optimiser."""
+    from engine.data.generators.records import generate_records
+
+    sample = REPO / "resources" / "sample-workspace"
+    rebuilt = generate_records(tmp_path / "where-records", n=5000, questions=("where",))
+    for split in ("train.txt", "val.txt", "test.txt"):
+        assert (rebuilt / split).read_bytes() == \
+            (sample / "datasets" / "where-records" / split).read_bytes()
+    assert all(RECORD.match(line) for line in (rebuilt / "val.txt").read_text().splitlines())
+    shipped = load_config(sample / "configs" / "lm-pretrain-demo.toml")
+    demo_config = load_config(REPO / "resources" / "configs" / "lm-pretrain-demo.toml")
+    for section in ("tokenizer", "model", "optim", "train"):
+        assert getattr(shipped, section) == getattr(demo_config, section), section
+    assert shipped.resolve_path(shipped.data.dir) == (sample / "datasets" / "where-records")

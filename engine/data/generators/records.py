@@ -69,7 +69,7 @@ def generate_records(out_dir: str | Path, n: int = 1000, seed: int = 0,
     unknown = sorted(set(questions) - set(QUESTIONS))
     if unknown or not questions:
         raise ForgebenchError(f"unknown question kinds {unknown}" if unknown
-                              else "no question kinds given", where="questions",
+                              else "no question kinds given", where="--questions",
                               hint=f"choose from {', '.join(QUESTIONS)}")
     with staged_dataset_dir(out_dir) as root:
         rng = random.Random(seed)
