@@ -10,7 +10,7 @@ import pytest
 from PySide6.QtCore import Qt
 
 from app.viewmodels.tour import STEPS, TOUR_DONE_KEY, Tour
-from app.viewmodels.workspace import Settings
+from app.viewmodels.workspace import BUNDLED_SAMPLE, Settings
 from app.views.main_window import PANES, MainWindow
 
 
@@ -28,6 +28,14 @@ def test_tour_viewmodel_walks_three_steps_and_remembers_the_finish(tmp_path):
     assert not Tour(Settings(tmp_path / "settings.json")).active
     tour.restart()
     assert tour.active and tour.index == 0
+
+
+def test_tour_names_what_the_sample_workspace_has():
+    """The steps point at a dataset and a config the sample workspace really ships."""
+    datasets, runs = STEPS[0].text, STEPS[1].text
+    assert "“shapes”" in datasets and (BUNDLED_SAMPLE / "datasets" / "shapes").is_dir()
+    assert "“lm-pretrain-demo”" in runs
+    assert (BUNDLED_SAMPLE / "configs" / "lm-pretrain-demo.toml").is_file()
 
 
 @pytest.fixture

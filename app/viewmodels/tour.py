@@ -28,15 +28,15 @@ STEPS = (
              "“shapes” to browse its images and labels; Validate checks every record and "
              "marks the bad ones. Import… brings in your own folder, CSV or JSONL."),
     TourStep("Runs", "2 of 3 · Runs: train and watch",
-             "Pick a config (try “lm-pretrain-tiny”), adjust its fields and press Start. "
-             "The job runs in its own process; the charts follow its loss as it learns, "
-             "with stage and time left. The finished example runs are already listed: "
-             "select one to see how a whole run looks."),
+             "Pick a config and press Start: try “lm-pretrain-demo”, a tiny language model "
+             "that learns in about two minutes to answer “Where is X?” from a record it has "
+             "never seen. The job runs in its own process; the charts follow its loss as it "
+             "learns, with the stage and the time left."),
     TourStep("Samples", "3 of 3 · Samples: what the model makes",
              "Every checkpoint's generated images, sounds and text, with the seed and "
-             "settings that made them. Step through the checkpoints of an example run "
-             "to see noise turn into shapes; rate samples, or compare two checkpoints "
-             "blind in Blind A/B."),
+             "settings that made them. Step through a run's checkpoints to see it learn "
+             "(the demo's answers turn from noise into the record's room); rate samples, "
+             "or compare two checkpoints blind in Blind A/B."),
 )
 
 
