@@ -259,6 +259,8 @@ def _data_args(p: argparse.ArgumentParser) -> None:
     q.add_argument("--out", required=True)
     q.add_argument("--n", type=count(1, 10**7), help="how many records or files")
     q.add_argument("--seed", type=SEED, default=0)
+    q.add_argument("--questions", help="records only: the questions after each record, "
+                                       "comma-separated from where,color,state (default all)")
 
 
 def _doctor_args(p: argparse.ArgumentParser) -> None:

@@ -40,10 +40,12 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 
+from app.viewmodels.tour import Tour
 from app.viewmodels.workspace import Settings, Workspace, WorkspaceWatch, install_sample_workspace
 from app.views.background import BackgroundCall
 from app.views.form_widget import WheelGuard, guard_wheel
 from app.views.jobs_panel import JobsPanel, Notifier, job_center
+from app.views.tour_panel import TourPanel
 from engine.errors import ForgebenchError
 
 PANES = ("Datasets", "Labels && Masks", "Runs", "Samples", "Blind A/B", "Export",
@@ -159,6 +161,8 @@ class MainWindow(QMainWindow):
         self.preload_call = BackgroundCall(self)    # the other panes' modules, off the GUI
 
         self.banner = ProblemBanner(self)
+        self.tour_panel = TourPanel(Tour(self.settings))
+        self.tour_panel.show_pane.connect(self.show_pane)
         central = QWidget()
         body = QHBoxLayout()
         body.setContentsMargins(0, 0, 0, 0)
@@ -167,6 +171,7 @@ class MainWindow(QMainWindow):
         outer = QVBoxLayout(central)
         outer.setContentsMargins(4, 4, 4, 4)
         outer.addWidget(self.banner)
+        outer.addWidget(self.tour_panel)
         outer.addLayout(body, 1)
         self.setCentralWidget(central)
 
@@ -299,6 +304,10 @@ class MainWindow(QMainWindow):
             action.setShortcut(QKeySequence(f"Ctrl+{i + 1}"))
             action.triggered.connect(lambda _=False, i=i: self.sidebar.setCurrentRow(i))
             view.addAction(action)
+        help_menu = self.menuBar().addMenu("&Help")
+        tour = QAction("&Tour of the workbench", self)
+        tour.triggered.connect(self.tour_panel.restart)
+        help_menu.addAction(tour)
         self._fill_recent()
 
     def _fill_recent(self) -> None:
@@ -402,6 +411,10 @@ class MainWindow(QMainWindow):
         config it wrote, and is shown with the new run's charts."""
         self.runs.start_config(Path(config))
         self.sidebar.setCurrentRow(PANE_NAMES.index("runs"))
+
+    def show_pane(self, name: str) -> None:
+        """Select a pane by its sidebar name (the tour's steps name panes)."""
+        self.sidebar.setCurrentRow([p.replace("&&", "&") for p in PANES].index(name))
 
     def show_message(self, text: str) -> None:
         self.statusBar().showMessage(text.splitlines()[0] if text else "", 8000)

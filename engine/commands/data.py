@@ -193,7 +193,8 @@ def _tickets(args):
 
 def _records(args):
     from engine.data.generators.records import generate_records
-    return generate_records(args.out, **_some(n=args.n), seed=args.seed)
+    questions = tuple(args.questions.split(",")) if args.questions else None
+    return generate_records(args.out, **_some(n=args.n, questions=questions), seed=args.seed)
 
 
 def _help_articles(args, variant: str):

@@ -49,6 +49,7 @@ def generate_samples(datasets_dir: str | os.PathLike) -> list[Path]:
             shapes.generate_shapes(root / "shapes", n=300),
             sfx.generate_sfx(root / "sfx", n_per_class=30),
             records.generate_records(root / "records"),
+            records.generate_records(root / "where-records", n=5000, questions=("where",)),
             sensors.generate_sensors(root / "sensors"),
             tickets.generate_tickets(root / "tickets"),
             retrieval.generate_help_articles(root / "help-articles")]

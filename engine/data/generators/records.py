@@ -35,32 +35,42 @@ OBJECTS = {
     "drawer": ("It is {}.", "Is {} open?", ("open", "closed")),
 }
 SPLITS = (("train", 0.8), ("val", 0.1), ("test", 0.1))
+QUESTIONS = ("where", "color", "state")
 
 
-def record_text(entity: str, rng: random.Random) -> str:
-    """One record and its questions, on one line."""
+def record_text(entity: str, rng: random.Random, questions: tuple[str, ...] = QUESTIONS) -> str:
+    """One record and its questions (the kinds `questions` names, in a shuffled order), on one
+    line."""
     obj = rng.choice(sorted(OBJECTS))
     colour, room = rng.choice(COLOURS), rng.choice(ROOMS)
     state_sentence, state_question, states = OBJECTS[obj]
     state = rng.choice(states)
-    questions = [
-        (f"Where is {entity}?", f"the {room}."),
-        (f"What color is {entity}?", f"{colour}."),
-        (state_question.format(entity), "yes." if state == states[0] else "no."),
-    ]
-    rng.shuffle(questions)
-    qa = " ".join(f"Question: {q} Answer: {a}" for q, a in questions)
+    asked = {
+        "where": (f"Where is {entity}?", f"the {room}."),
+        "color": (f"What color is {entity}?", f"{colour}."),
+        "state": (state_question.format(entity), "yes." if state == states[0] else "no."),
+    }
+    pairs = [asked[kind] for kind in QUESTIONS if kind in questions]
+    rng.shuffle(pairs)
+    qa = " ".join(f"Question: {q} Answer: {a}" for q, a in pairs)
     return (f"Record {entity}: the {colour} {obj} is in the {room}. "
             f"{state_sentence.format(state)} {qa}")
 
 
-def generate_records(out_dir: str | Path, n: int = 1000, seed: int = 0) -> Path:
+def generate_records(out_dir: str | Path, n: int = 1000, seed: int = 0,
+                     questions: tuple[str, ...] = QUESTIONS) -> Path:
     """Write `n` entity records split 80/10/10 by entity into train.txt, val.txt, test.txt,
     with dataset.json (kind text-corpus) holding sizes, seed, provenance, rights, the card
-    statement and SHA-256 hashes."""
+    statement and SHA-256 hashes. `questions` picks which questions follow each record
+    (`forgebench demo` asks only "where")."""
     if n < 10:
         raise ForgebenchError(f"need at least 10 entities for three splits, got {n}",
                               where="--n")
+    unknown = sorted(set(questions) - set(QUESTIONS))
+    if unknown or not questions:
+        raise ForgebenchError(f"unknown question kinds {unknown}" if unknown
+                              else "no question kinds given", where="--questions",
+                              hint=f"choose from {', '.join(QUESTIONS)}")
     with staged_dataset_dir(out_dir) as root:
         rng = random.Random(seed)
         entities = [f"item{i:04d}" for i in range(n)]
@@ -72,7 +82,8 @@ def generate_records(out_dir: str | Path, n: int = 1000, seed: int = 0) -> Path:
             start += count
         splits = {}
         for split, ids in bounds.items():
-            text = "".join(record_text(entity, rng) + "\n" for entity in sorted(ids))
+            text = "".join(record_text(entity, rng, questions) + "\n"
+                           for entity in sorted(ids))
             (root / f"{split}.txt").write_text(text, encoding="utf-8")
             splits[split] = {"file": f"{split}.txt", "entities": len(ids),
                              "bytes": len(text.encode("utf-8"))}
@@ -83,7 +94,8 @@ def generate_records(out_dir: str | Path, n: int = 1000, seed: int = 0) -> Path:
             splits=splits,
             split_policy={"method": "by entity", "group": "entity id",
                           "ratios": dict(SPLITS), "seed": seed},
-            provenance={"generator": "engine.data.generators.records", "n": n, "seed": seed},
+            provenance={"generator": "engine.data.generators.records", "n": n, "seed": seed,
+                        **({} if questions == QUESTIONS else {"questions": list(questions)})},
             rights=GENERATED_RIGHTS,
             card={"task": "pretrain a tiny decoder to read a record and answer questions "
                           "about it",
