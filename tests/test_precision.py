@@ -74,6 +74,21 @@ def test_this_machine_answers_as_its_cpu_flags_say():
     assert isinstance(cast, torch.autocast) == (expected == "bf16")
 
 
+def test_the_forms_note_reads_the_flags_alone_even_with_torch_loaded(monkeypatch):
+    """The new-run form's "auto = ..." line runs on the GUI thread: it must never reach the
+    native kernels (their first use compiles them: seconds), although torch is loaded here."""
+    from app.viewmodels.forms import RecipeForm
+    from engine.kernels import native
+
+    def compile_kernels():
+        raise AssertionError("the form's precision note reached the native kernels")
+
+    expected = resolve_precision("auto").precision     # what a job here chooses (cpuid too)
+    monkeypatch.setattr(native, "kernels", compile_kernels)
+    field = next(f for f in RecipeForm("lm-sft").fields if f.name == "train.precision")
+    assert field.note.startswith(f"auto = {expected} on this machine")
+
+
 def test_configs_default_to_auto_and_old_autocast_keys_still_load():
     assert TrainSection().precision == "auto"
     assert TrainSection(autocast="none").precision == "f32"

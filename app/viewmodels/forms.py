@@ -72,9 +72,9 @@ class FieldSpec:
         """A line the form shows under the editor: what precision "auto" becomes here."""
         if self.name.rsplit(".", 1)[-1] != "precision" or "auto" not in self.choices:
             return ""
-        from engine.train.precision import resolve_precision
+        from engine.train.precision import choose_precision, listed_bf16_features
 
-        choice = resolve_precision("auto")
+        choice = choose_precision("auto", listed_bf16_features())
         return f"auto = {choice.precision} on this machine ({choice.reason[len('auto: '):]})"
 
     @property

@@ -64,13 +64,19 @@ def _proc_flags(path: Path = Path("/proc/cpuinfo")) -> frozenset[str]:
     return frozenset(line.partition(":")[2].split())
 
 
+def listed_bf16_features() -> frozenset[str]:
+    """The BF16_UNITS /proc/cpuinfo lists: what the app's form reads. Never cpuid: that goes
+    through the native kernels, which may compile them (seconds on the GUI thread, even in a
+    process that has torch loaded, as a test process does)."""
+    return _proc_flags() & frozenset(BF16_UNITS)
+
+
 @functools.lru_cache(maxsize=1)
 def cpu_bf16_features() -> frozenset[str]:
     """The BF16_UNITS this machine has, from /proc/cpuinfo, and in a process that has torch
     loaded (a job) also from cpuid (engine.kernels.cpu; amx_bf16 has no cpuid bit there) and
-    torch's own CPU checks (what its kernels use). The app's form reads the flags alone: cpuid
-    goes through the native kernels, which import torch (and may compile them) — seconds on the
-    GUI thread, in a process that never imports torch."""
+    torch's own CPU checks (what its kernels use). The app's form reads the flags alone
+    (`listed_bf16_features`)."""
     found = set(_proc_flags())
     torch = sys.modules.get("torch")
     if torch is not None:
