@@ -83,7 +83,11 @@ def test_the_forms_note_reads_the_flags_alone_even_with_torch_loaded(monkeypatch
     def compile_kernels():
         raise AssertionError("the form's precision note reached the native kernels")
 
+    from engine.kernels import cpu
+
     expected = resolve_precision("auto").precision     # what a job here chooses (cpuid too)
+    for cached in (cpu_bf16_features, cpu.detected):   # as in a fresh process
+        cached.cache_clear()
     monkeypatch.setattr(native, "kernels", compile_kernels)
     field = next(f for f in RecipeForm("lm-sft").fields if f.name == "train.precision")
     assert field.note.startswith(f"auto = {expected} on this machine")
