@@ -1,0 +1,86 @@
+"""The catalog sample sets of the sample workspace: tool-call SFT (`catalog-tools`, a text-sft
+folder) and continued pretraining (`catalog-manual`, a text-corpus folder with its control
+text) are real datasets that `forgebench data validate` passes, are exactly what their
+generator writes, and their sample configs load through the new-run form and read their
+splits through the lm-sft data loader. A broken tool record is refused by the validator with
+its line and exact field (the twin)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from lm_pretrain_support import forgebench
+
+from app.viewmodels.forms import RecipeForm
+from engine.config import load_config
+from engine.data.generators.catalog import generate_cpt_corpus, generate_tool_conversations
+
+REPO = Path(__file__).resolve().parents[1]
+WORKSPACE = REPO / "resources" / "sample-workspace"
+TOOLS, MANUAL = WORKSPACE / "datasets" / "catalog-tools", WORKSPACE / "datasets" / "catalog-manual"
+
+
+@pytest.mark.parametrize("folder,kind,records", [(TOOLS, "text-sft", 20),
+                                                 (MANUAL, "text-corpus", 72)])
+def test_forgebench_data_validate_passes_on_the_sample_sets(folder, kind, records):
+    result = forgebench("data", "validate", str(folder), "--json")
+    report = json.loads(result.stdout)
+    assert report["kind"] == kind and report["records"] == records, report
+    assert report["errors"] == 0 and report["ok"], report
+    assert sum(f.stat().st_size for f in folder.iterdir()) < 200_000
+
+
+def test_the_committed_sample_sets_are_the_generators_output(tmp_path):
+    """generate_samples' sizes (16 tool conversations, the default 60 manual pages)."""
+    tools = generate_tool_conversations(tmp_path / "catalog-tools", n=16)
+    manual = generate_cpt_corpus(tmp_path / "catalog-manual")
+    for committed, fresh, names in ((TOOLS, tools, ["records.jsonl"]),
+                                    (MANUAL, manual, ["documents.jsonl", "control.txt"])):
+        for name in names:
+            assert (committed / name).read_bytes() == (fresh / name).read_bytes(), name
+        assert json.loads((committed / "dataset.json").read_text())["files"] == \
+            json.loads((fresh / "dataset.json").read_text())["files"]
+
+
+@pytest.mark.parametrize("name,report", [("lm-sft-tools", "tool-calls"),
+                                         ("lm-cpt-catalog", "perplexity")])
+def test_the_sample_configs_load_in_the_form_and_read_their_splits(name, report):
+    """The form finds every data path in the workspace (only the Gemma GGUF may be missing
+    on this machine); the config it loads reads train and val from the one folder, so the
+    run writes its before/after report."""
+    from engine.llm.documents import load_documents
+    from engine.llm.sft_data import data_source, split_examples
+    from engine.llm.tool_data import ToolExample
+    from engine.train.lm_reports import wanted
+
+    path = WORKSPACE / "configs" / f"{name}.toml"
+    form = RecipeForm.from_file(path)
+    assert form.text["data.path"].startswith("../datasets/catalog-")
+    assert set(form.errors) <= {"model.gguf"}, form.errors
+    config = load_config(path)
+    assert data_source(config) == (TOOLS if name == "lm-sft-tools" else MANUAL)
+    assert wanted(config) == [report]
+    if name == "lm-sft-tools":
+        train, val = split_examples(config, "train"), split_examples(config, "val")
+        assert (len(train), len(val)) == (16, 4)
+        assert all(isinstance(e, ToolExample) for e in train + val)
+    else:
+        assert len(load_documents(data_source(config), split="val")) == 12
+        assert data_source(config, "control") == MANUAL / "control.txt"
+
+
+def test_a_broken_tool_record_is_refused_with_its_line_and_field(tmp_path):
+    """The twin: the same validator refuses a call whose arguments break its tool's schema,
+    and a tool list that is not one, naming the line and the field."""
+    from test_lm_sft_tools import break_first_call
+
+    folder = generate_tool_conversations(tmp_path / "tools", n=4)
+    assert forgebench("data", "validate", str(folder), check=False).returncode == 0
+    break_first_call(folder)
+    result = forgebench("data", "validate", str(folder), check=False)
+    assert result.returncode == 1
+    assert "records.jsonl: line 1 (id 'train-000'): field " \
+           "'messages[2].tool_calls[0].function.arguments': does not match the schema of " \
+           "'lookup_part'" in result.stdout + result.stderr, result.stdout + result.stderr
