@@ -15,7 +15,7 @@ from lm_pretrain_support import forgebench
 
 from app.viewmodels.forms import RecipeForm
 from engine.config import load_config
-from engine.data.generators.catalog import generate_cpt_corpus, generate_tool_conversations
+from engine.data.generators.catalog import generate_tool_conversations
 
 REPO = Path(__file__).resolve().parents[1]
 WORKSPACE = REPO / "resources" / "sample-workspace"
@@ -33,9 +33,12 @@ def test_forgebench_data_validate_passes_on_the_sample_sets(folder, kind, record
 
 
 def test_the_committed_sample_sets_are_the_generators_output(tmp_path):
-    """generate_samples' sizes (16 tool conversations, the default 60 manual pages)."""
-    tools = generate_tool_conversations(tmp_path / "catalog-tools", n=16)
-    manual = generate_cpt_corpus(tmp_path / "catalog-manual")
+    """What `forgebench data generate samples` writes (16 tool conversations, 60 manual
+    pages: the sizes the configs were measured with) is what the workspace ships."""
+    from engine.data.generators import generate_samples
+
+    fresh = {p.name: p for p in generate_samples(tmp_path)}
+    tools, manual = fresh["catalog-tools"], fresh["catalog-manual"]
     for committed, fresh, names in ((TOOLS, tools, ["records.jsonl"]),
                                     (MANUAL, manual, ["documents.jsonl", "control.txt"])):
         for name in names:
