@@ -251,12 +251,11 @@ def test_recipe_form_takes_the_lm_sft_modes_and_tool_data(tmp_path):
     assert form.spec("mode").choices == ("sft", "cpt")
     assert "tools" in form.spec("data.format").choices
     form.set_text("model.gguf", "base.gguf")
-    form.set_text("data.path", "datasets/cpt/train.jsonl")
+    form.set_text("data.path", "datasets/cpt")
     form.set_text("mode", "cpt")
     form.set_text("data.control_path", "datasets/cpt/missing.txt")
     assert form.errors["data.control_path"].startswith("not found: ")
     form.set_text("data.control_path", "datasets/cpt/control.txt")
-    form.set_text("data.val_path", "datasets/cpt/val.jsonl")
     assert form.valid, form.errors
     config = load_config(form.write_toml(tmp_path / "cpt.toml"))
     assert config.mode == "cpt" and config.data.control_path == "datasets/cpt/control.txt"

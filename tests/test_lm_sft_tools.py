@@ -37,7 +37,7 @@ def shipped_config(folder: Path, gguf: Path, **changes) -> Path:
 
 @pytest.mark.slow
 def test_tool_run_scores_held_out_decisions_before_and_after_and_resumes(tmp_path, tiny):
-    generate_tool_conversations(tmp_path / "datasets" / "tools", n=8)
+    generate_tool_conversations(tmp_path / "datasets" / "catalog-tools", n=8)
     config = shipped_config(tmp_path, tiny, **{
         "steps = 16": "steps = 2", "save_every = 8": "save_every = 0",
         "max_len = 512": "max_len = 1600", "max_tokens = 36": "max_tokens = 4",
@@ -48,8 +48,8 @@ def test_tool_run_scores_held_out_decisions_before_and_after_and_resumes(tmp_pat
     assert not (run / "evals" / "tool-calls.json").exists()      # no AFTER yet
     forgebench("resume", str(run))
     report = json.loads((run / "evals" / "tool-calls.json").read_text())
-    val = [json.loads(x) for x in
-           (tmp_path / "datasets" / "tools" / "tools-val.jsonl").read_text().splitlines()]
+    val = [r for r in map(json.loads, (tmp_path / "datasets" / "catalog-tools" / "records.jsonl")
+                          .read_text().splitlines()) if r["split"] == "val"]
     calls = sum(1 for r in val for m in r["messages"] if m.get("tool_calls"))
     answers = sum(1 for r in val for m in r["messages"]
                   if m["role"] == "assistant" and not m.get("tool_calls"))
@@ -66,19 +66,32 @@ def test_tool_run_scores_held_out_decisions_before_and_after_and_resumes(tmp_pat
     assert [r["step"] for r in rows if "tool_mean_level" in r] == [0, 2]
 
 
-def test_bad_tool_data_is_refused_with_line_and_field(tmp_path, tiny):
-    generate_tool_conversations(tmp_path / "datasets" / "tools", n=8)
-    train = tmp_path / "datasets" / "tools" / "tools-train.jsonl"
-    lines = train.read_text().splitlines()
+def break_first_call(folder: Path) -> None:
+    """Give the first record's lookup_part call an argument its schema refuses, and re-hash
+    the folder (a real edit, not a corrupted file)."""
+    from engine.data.dataset import write_manifest
+
+    records = folder / "records.jsonl"
+    lines = records.read_text().splitlines()
     record = json.loads(lines[0])
     record["messages"][2]["tool_calls"][0]["function"]["arguments"] = {"part_id": "101"}
     lines[0] = json.dumps(record)
-    train.write_text("\n".join(lines) + "\n")
+    records.write_text("\n".join(lines) + "\n")
+    manifest = json.loads((folder / "dataset.json").read_text())
+    write_manifest(folder, manifest.pop("kind"), manifest.pop("name"),
+                   **{k: v for k, v in manifest.items()
+                      if k not in ("schema_version", "version", "parent", "files", "created")})
+
+
+def test_bad_tool_data_is_refused_with_line_and_field(tmp_path, tiny):
+    generate_tool_conversations(tmp_path / "datasets" / "catalog-tools", n=8)
+    break_first_call(tmp_path / "datasets" / "catalog-tools")
     config = shipped_config(tmp_path, tiny)
     result = forgebench("run", str(config), "--out", str(tmp_path / "run"), check=False)
     assert result.returncode == 2
-    assert "tools-train.jsonl: line 1: field 'messages[2].tool_calls[0].function.arguments' " \
-           "does not match the schema of 'lookup_part'" in result.stderr, result.stderr
+    assert "records.jsonl: line 1 (id 'train-000'), field " \
+           "'messages[2].tool_calls[0].function.arguments': does not match the schema of " \
+           "'lookup_part'" in result.stderr, result.stderr
 
 
 def test_the_sample_sets_hold_out_whole_id_ranges(tmp_path):
@@ -92,14 +105,14 @@ def test_the_sample_sets_hold_out_whole_id_ranges(tmp_path):
     from engine.llm.tool_data import ToolExample
 
     root = generate_tool_conversations(tmp_path / "tools", n=16)
+    records = [json.loads(x) for x in (root / "records.jsonl").read_text().splitlines()]
     ids = {}
     for split in ("train", "val"):
-        examples = load_sft_examples(root / f"tools-{split}.jsonl")
+        examples = load_sft_examples(root, split=split)
         assert all(isinstance(e, ToolExample) for e in examples)
         ids[split] = {c["arguments"]["part_id"] for e in examples for m in e.messages
                       for c in m.get("tool_calls") or () if c["name"] == "lookup_part"}
-        kinds = {json.loads(x)["source_id"].split("-")[1]
-                 for x in (root / f"tools-{split}.jsonl").read_text().splitlines()}
+        kinds = {r["source_id"].split("-")[1] for r in records if r["split"] == split}
         # training shows every decision; the small validation file a call of each tool and
         # at least one decision not to call
         assert kinds == {"stock", "math", "missing", "terms"} if split == "train" else \
@@ -108,7 +121,7 @@ def test_the_sample_sets_hold_out_whole_id_ranges(tmp_path):
     assert ids["train"] and not any(i.startswith("P-9") for i in ids["train"])
     corpus = generate_cpt_corpus(tmp_path / "cpt", n=10)
     for split, held_out in (("train", False), ("val", True)):
-        parts = {p for doc in load_documents(corpus / f"{split}.jsonl")
+        parts = {p for doc in load_documents(corpus, split=split)
                  for p in re.findall(r"P-\d{3}", doc)}
         assert parts and all(p.startswith("P-9") == held_out for p in parts)
     assert load_documents(corpus / "control.txt")[0].count("Part") == 0

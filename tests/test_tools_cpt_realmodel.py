@@ -35,7 +35,7 @@ def test_tool_call_levels_before_and_after_lora_on_gemma3_270m(tmp_path):
 
     gguf = package.assemble()
     base_sha = sha256_file(gguf)
-    generate_tool_conversations(tmp_path / "datasets" / "tools", n=16)
+    generate_tool_conversations(tmp_path / "datasets" / "catalog-tools", n=16)
     run = tmp_path / "run"
     forgebench("run", shipped(tmp_path, "lm-sft-tools.toml", gguf), "--out", str(run),
                "--threads", "2", timeout=3600)
@@ -61,7 +61,7 @@ def test_cpt_domain_perplexity_falls_on_gemma3_270m(tmp_path):
     from engine.data.generators.catalog import generate_cpt_corpus
 
     gguf = package.assemble()
-    generate_cpt_corpus(tmp_path / "datasets" / "cpt")
+    generate_cpt_corpus(tmp_path / "datasets" / "catalog-manual")
     run = tmp_path / "run"
     forgebench("run", shipped(tmp_path, "lm-cpt-catalog.toml", gguf), "--out", str(run),
                "--threads", "2", timeout=3600)

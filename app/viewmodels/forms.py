@@ -337,8 +337,8 @@ def recipe_templates(folder: Path = TEMPLATES_DIR) -> dict[str, Path]:
     return {p.stem: p for p in sorted(folder.glob("*.toml"))} if folder.is_dir() else {}
 
 
-_DATASET_PATH = re.compile(r'^(\s*(?:dir|path|val_path|test_path)\s*=\s*")datasets/',
-                           re.MULTILINE)
+_DATASET_PATH = re.compile(
+    r'^(\s*(?:dir|path|val_path|test_path|control_path)\s*=\s*")datasets/', re.MULTILINE)
 
 
 def new_config_from_template(template: Path, configs_dir: Path, name: str) -> Path:

@@ -21,7 +21,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Iterator
 
-from engine.data import decisions
+from engine.data import decisions, tool_records
 from engine.data import formats as F
 from engine.errors import ForgebenchError
 from engine.fsutil import (
@@ -300,6 +300,8 @@ def _check_field(ftype: str, value: Any, manifest: dict, kind: F.Kind) -> str | 
         return None if value in F.OUTCOMES else f"must be one of {', '.join(F.OUTCOMES)}"
     if ftype == F.OPTIONS:
         return decisions.options_problem(value, decisions.schema_of(manifest))
+    if ftype == F.TOOLS:
+        return None     # checked with the record's messages in check_record
     raise AssertionError(f"unknown field type {ftype}")
 
 
@@ -331,6 +333,20 @@ def _check_messages(value: Any) -> str | None:
     return None
 
 
+_NAMED_FIELD = re.compile(r"field '([^']+)' (.*)", re.DOTALL)
+
+
+def _tool_conversation_problems(record: dict) -> list[tuple[str | None, str]]:
+    """A tool-call record's problem, at the exact field its message names
+    (`messages[2].tool_calls[0].function.arguments`), or none."""
+    try:
+        tool_records.tool_conversation(record, "messages", None, "")
+    except ForgebenchError as exc:
+        named = _NAMED_FIELD.match(exc.message)
+        return [named.groups() if named else ("messages", exc.message)]
+    return []
+
+
 def check_record(record: dict, kind: F.Kind, manifest: dict) -> list[tuple[str | None, str]]:
     """(field, reason) problems of one record; the app calls it for inline validation."""
     problems = []
@@ -358,6 +374,9 @@ def check_record(record: dict, kind: F.Kind, manifest: dict) -> list[tuple[str |
                                                 for f in kind.distinct}) < len(kind.distinct):
         problems.append((kind.distinct[-1], f"{' and '.join(kind.distinct)} are the same text, "
                                             "so the pair prefers nothing"))
+    tools_field = next((n for n, t in kind.fields.items() if t == F.TOOLS), None)
+    if tools_field in record and not problems:
+        problems += _tool_conversation_problems(record)
     if kind.chosen_from and not problems:
         answer, options = kind.chosen_from
         ids = [o["id"] for o in record[options]]

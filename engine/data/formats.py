@@ -40,6 +40,8 @@ RIGHTS = "rights"    # string or object
 OUTCOME = "outcome"  # one of OUTCOMES
 OUTCOMES = ("preferred", "tie", "skip")   # a preference pair's judgement; ties and skips teach
                                           # nothing and are left out of training (counted)
+TOOLS = "tools"      # a tool-call conversation's tool schemas: the whole record (its calls
+                     # against these schemas) is checked by engine.data.tool_records
 OPTIONS = "options"  # [{"id", "text"}, ...]: two or more, ids unique and in the manifest's
                      # closed option schema ("options" in dataset.json) when it declares one
 
@@ -72,8 +74,10 @@ class Kind:
 
 
 KINDS: dict[str, Kind] = {k.name: k for k in [
+    # pairs or conversations; a conversation with `tools` is a tool-call SFT record
     Kind("text-sft", "records.jsonl",
-         {"instruction": TEXT, "response": TEXT, "messages": MESSAGES, "system": STR},
+         {"instruction": TEXT, "response": TEXT, "messages": MESSAGES, "system": STR,
+          "tools": TOOLS},
          required=("id",), one_of=(("instruction", "response"), ("messages",)),
          text_fields=("system", "instruction", "response", "messages")),
     Kind("text-corpus", "documents.jsonl", {"text": TEXT},

@@ -30,8 +30,8 @@ from engine.llm.tokenizer import GGUFTokenizer
 __all__ = ["IGNORE_INDEX", "SFTKeys", "SFTExample", "EncodedSample", "SFTSummary",
            "load_sft_examples", "split_rendered", "encode_sft", "encode_sft_dataset",
            "encode_prompt", "mark_supervised", "inspect_samples", "data_source",
-           "data_manifest", "encode_samples", "jsonl_records", "example_of", "finish_sample",
-           "eos_to_append"]
+           "data_manifest", "has_split", "split_examples", "encode_samples", "jsonl_records",
+           "example_of", "finish_sample", "eos_to_append"]
 
 IGNORE_INDEX = -100                      # label of a position that is not supervised
 Truncation = Literal["error", "truncate_response", "drop"]
@@ -393,6 +393,26 @@ def data_source(config, split: str = "train") -> Path:
     return path
 
 
+def has_split(config, split: str) -> bool:
+    """Whether the config has data for `split`: a file of its own, or records of that split
+    in the dataset folder `data.path` names."""
+    if getattr(config.data, f"{split}_path", None):
+        return True
+    path = config.resolve_path(config.data.path, "field 'data.path'")
+    if not path.is_dir():
+        return False
+    from engine.data.dataset import load_dataset
+
+    return bool(load_dataset(path, check_media=False).records(split))
+
+
+def split_examples(config, split: str = "train") -> list[SFTExample]:
+    """The validated examples of one split: its JSONL file, or its records in the folder."""
+    path = data_source(config, split)
+    return load_sft_examples(path, config.data, config.data.system,
+                             split=split if path.is_dir() else None)
+
+
 def data_manifest(config) -> dict:
     """The data files and their SHA-256: what resume re-validates."""
     from engine.data.dataset import load_dataset
@@ -425,7 +445,7 @@ def encode_samples(config, base, split: str = "train"):
         return blocks, {"documents": len(documents), "kept": len(blocks),
                         "input_tokens": sum(len(b.input_ids) for b in blocks),
                         "supervised_tokens": sum(b.n_supervised for b in blocks)}
-    examples = load_sft_examples(path, d, d.system, split=split if path.is_dir() else None)
+    examples = split_examples(config, split)
     render = functools.partial(base.template.render, enable_thinking=d.enable_thinking)
     samples, summary = encode_sft_dataset(examples, base.tokenizer, render, d.max_len,
                                           d.truncation)

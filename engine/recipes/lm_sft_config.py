@@ -35,8 +35,11 @@ class ModelSection(Schema):
 class DataSection(Schema):
     path: str = Field(description="training JSONL ({instruction, response} pairs or "
                                   "{messages: [...]} conversations, one per line), or a "
-                                  "text-sft dataset folder (its train split)")
-    val_path: str | None = Field(None, description="JSONL read by `forgebench eval --split val`")
+                                  "text-sft dataset folder (its train split; cpt: a "
+                                  "text-corpus folder)")
+    val_path: str | None = Field(None, description="JSONL read by `forgebench eval --split val` "
+                                                   "and the held-out reports (a dataset folder "
+                                                   "in data.path: its val split)")
     test_path: str | None = Field(None, description="JSONL read by `forgebench eval --split test`")
     format: Literal["auto", "pairs", "messages", "tools"] = Field(
         "auto", description="record shape: pairs, {messages: [...]}, tool conversations "

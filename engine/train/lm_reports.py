@@ -2,11 +2,12 @@
 shows what training changed:
 
 - continued pretraining (`mode = "cpt"`): perplexity on held-out domain documents
-  (`data.val_path`) and on a general control text (`data.control_path`), the same packing as
-  training; a falling domain perplexity with a rising control one is forgetting, measured;
+  (`data.val_path`, or split val of the text-corpus folder) and on a general control text
+  (`data.control_path`), the same packing as training; a falling domain perplexity with a
+  rising control one is forgetting, measured;
 - tool conversations: the 6-level tool-call score (engine/eval/tool_calls.py) of greedy
-  outputs at every held-out assistant decision (`data.val_path`), with the level
-  distribution. No call is executed.
+  outputs at every held-out assistant decision (`data.val_path`, or split val of the text-sft
+  folder), with the level distribution. No call is executed.
 
 Each report is `evals/<kind>-<checkpoint>.json`; once the AFTER one exists,
 `evals/<kind>.json` holds both and the change. Every figure is also a metrics row
@@ -22,7 +23,7 @@ import math
 import torch
 
 from engine.eval.tool_calls import score_call, summarize
-from engine.llm.sft_data import data_source, encode_samples, load_sft_examples
+from engine.llm.sft_data import encode_samples, has_split, split_examples
 from engine.llm.tool_data import ToolExample, decisions, render_prompt
 from engine.rundir import RunDir
 from engine.train.devices import module_device, to_device
@@ -53,7 +54,7 @@ def mean_loss(base: Base, samples: list, micro_batch: int, precision) -> WindowL
 
 def wanted(config) -> list[str]:
     """The reports this config's data calls for."""
-    if not config.data.val_path:
+    if not has_split(config, "val"):
         return []
     if config.mode == "cpt":
         return [PERPLEXITY]
@@ -61,8 +62,7 @@ def wanted(config) -> list[str]:
 
 
 def _has_tools(config) -> bool:
-    path = data_source(config, "val")
-    return any(isinstance(e, ToolExample) for e in load_sft_examples(path, config.data))
+    return any(isinstance(e, ToolExample) for e in split_examples(config, "val"))
 
 
 def write_reports(run: RunDir, name: str, step: int, base: Base, config, announce) -> None:
@@ -102,7 +102,7 @@ def perplexity_report(run: RunDir, base: Base, config) -> dict:
 
 def tool_call_report(base: Base, config, progress) -> dict:
     """Greedy outputs at every held-out decision, scored; `progress(done, total)` before each."""
-    examples = load_sft_examples(data_source(config, "val"), config.data, config.data.system)
+    examples = split_examples(config, "val")
     render = functools.partial(base.template.render, enable_thinking=config.data.enable_thinking)
     todo = [(example, decision) for example in examples if isinstance(example, ToolExample)
             for decision in decisions(example)]

@@ -41,7 +41,16 @@ def staged_dataset_dir(out_dir: str | os.PathLike) -> Iterator[Path]:
 
 def generate_samples(datasets_dir: str | os.PathLike) -> list[Path]:
     """Every bundled sample dataset, sized for the sample workspace (a few MB in all)."""
-    from engine.data.generators import records, retrieval, sensors, sfx, shapes, text, tickets
+    from engine.data.generators import (
+        catalog,
+        records,
+        retrieval,
+        sensors,
+        sfx,
+        shapes,
+        text,
+        tickets,
+    )
 
     root = Path(datasets_dir)
     return [text.generate_pirate(root / "pirate"),
@@ -52,4 +61,7 @@ def generate_samples(datasets_dir: str | os.PathLike) -> list[Path]:
             records.generate_records(root / "where-records", n=5000, questions=("where",)),
             sensors.generate_sensors(root / "sensors"),
             tickets.generate_tickets(root / "tickets"),
-            retrieval.generate_help_articles(root / "help-articles")]
+            retrieval.generate_help_articles(root / "help-articles"),
+            # the sizes lm-sft-tools.toml and lm-cpt-catalog.toml were measured with
+            catalog.generate_tool_conversations(root / "catalog-tools", n=16),
+            catalog.generate_cpt_corpus(root / "catalog-manual")]

@@ -6,10 +6,12 @@ decision the handbook asks for: a stock lookup (call, observation, grounded answ
 arithmetic question (calculator call and result), a request whose part ID is missing (ask,
 no call) and a terminology question (answer, no call). Validation holds out whole ID ranges
 (P-9xx only there), so a model must copy an unseen argument rather than recall one.
-Files: tools-train.jsonl, tools-val.jsonl.
+A `text-sft` dataset folder: records.jsonl (each record with its `tools`, `split` train or
+val), dataset.json.
 
-`generate_cpt_corpus`: raw catalog manual documents for continued pretraining (train.jsonl,
-val.jsonl: whole documents held out) and a general-English control text (control.txt) whose
+`generate_cpt_corpus`: raw catalog manual documents for continued pretraining, a `text-corpus`
+dataset folder (documents.jsonl, whole documents held out in split val), and beside them a
+general-English control text (control.txt, listed in dataset.json but not a document) whose
 perplexity shows forgetting.
 """
 
@@ -22,7 +24,8 @@ from pathlib import Path
 import numpy as np
 
 from engine import calculator
-from engine.data.generators import staged_dataset_dir
+from engine.data.dataset import write_manifest
+from engine.data.generators import GENERATED_RIGHTS, RECORD_RIGHTS, staged_dataset_dir
 
 LOOKUP_PART = {"type": "function", "function": {
     "name": "lookup_part", "description": "Look up current stock for an exact part ID.",
@@ -80,13 +83,16 @@ def _conversation(kind: str, rng: np.random.Generator, ids: range) -> list[dict]
     return [{"role": "user", "content": question}, {"role": "assistant", "content": answer}]
 
 
-def tool_conversations(n: int, seed: int, ids: range, prefix: str) -> list[dict]:
-    """`n` records: half stock lookups, a quarter arithmetic, the rest no-call decisions."""
+def tool_conversations(n: int, seed: int, ids: range, split: str) -> list[dict]:
+    """`n` records of one split: half stock lookups, a quarter arithmetic, the rest no-call
+    decisions."""
     rng = np.random.default_rng(seed)
     records = []
     for i in range(n):
         kind = ("stock", "stock", "math", ("missing", "terms")[(i // 4) % 2])[i % 4]
-        records.append({"id": f"{prefix}-{i:03d}", "source_id": f"{prefix}-{kind}-{i:03d}",
+        records.append({"id": f"{split}-{i:03d}", "source_id": f"{split}-{kind}-{i:03d}",
+                        "group": f"{split}-{i:03d}", "split": split,
+                        "source": "forgebench catalog generator", "rights": RECORD_RIGHTS,
                         "tools": TOOLS,
                         "messages": [{"role": "system", "content": SYSTEM},
                                      *_conversation(kind, rng, ids)]})
@@ -98,13 +104,28 @@ def _write_jsonl(path: Path, records: list[dict]) -> None:
                     encoding="utf-8")
 
 
+CARD = {"sources": ["procedural templates in engine.data.generators.catalog"],
+        "preprocessing": "none",
+        "prohibited_uses": ["claims about real inventories or general tool use"]}
+ID_RANGES = {"method": "fixed", "group_field": "group",
+             "note": "validation holds out whole part-ID ranges: P-9xx only in val"}
+
+
 def generate_tool_conversations(out_dir: str | os.PathLike, n: int = 48,
                                 seed: int = 0) -> Path:
+    """`n` training conversations and a quarter as many (at least 4) held out."""
+    records = (tool_conversations(n, seed, range(100, 900), "train")
+               + tool_conversations(max(4, n // 4), seed + 1, range(900, 1000), "val"))
     with staged_dataset_dir(out_dir) as root:
-        _write_jsonl(root / "tools-train.jsonl",
-                     tool_conversations(n, seed, range(100, 900), "train"))
-        _write_jsonl(root / "tools-val.jsonl",
-                     tool_conversations(max(4, n // 4), seed + 1, range(900, 1000), "val"))
+        _write_jsonl(root / "records.jsonl", records)
+        write_manifest(root, "text-sft", "catalog-tools", records="records.jsonl",
+                       split_policy=ID_RANGES, rights=GENERATED_RIGHTS,
+                       provenance={"generator": "engine.data.generators.catalog", "seed": seed,
+                                   "n": n},
+                       card={**CARD, "task": "call lookup_part or the calculator, or answer "
+                             "without a call, as the Northstar catalog assistant",
+                             "known_gaps": ["two tools and four decision templates"],
+                             "intended_uses": ["tool-call SFT demo (lm-sft format tools)"]})
     return Path(out_dir).expanduser().absolute()
 
 
@@ -139,16 +160,25 @@ def catalog_document(rng: np.random.Generator, ids: range, number: int) -> str:
 
 
 def generate_cpt_corpus(out_dir: str | os.PathLike, n: int = 60, seed: int = 0) -> Path:
+    """`n` training manual pages, a fifth as many (at least 4) held out, and control.txt."""
     rng = np.random.default_rng(seed)
     with staged_dataset_dir(out_dir) as root:
-        docs = [{"source_id": f"manual-{i:03d}",
+        docs = [{"id": f"manual-{i:03d}", "group": f"manual-{i:03d}",
+                 "split": "train" if i < n else "val",
                  "text": catalog_document(rng, range(100, 900) if i < n else range(900, 1000),
                                           i + 1)}
                 for i in range(n + max(4, n // 5))]
-        _write_jsonl(root / "train.jsonl", docs[:n])
-        _write_jsonl(root / "val.jsonl", docs[n:])
+        _write_jsonl(root / "documents.jsonl", docs)
         order = rng.permutation(len(CONTROL))
         (root / "control.txt").write_text(
             "\n".join(" ".join(CONTROL[j] for j in np.roll(order, k)) for k in range(4)) + "\n",
             encoding="utf-8")
+        write_manifest(root, "text-corpus", "catalog-manual", records="documents.jsonl",
+                       split_policy=ID_RANGES, rights=GENERATED_RIGHTS,
+                       provenance={"generator": "engine.data.generators.catalog", "seed": seed,
+                                   "n": n, "control": "control.txt: general English, the "
+                                   "forgetting check, not a document of the corpus"},
+                       card={**CARD, "task": "continued pretraining on catalog manual pages",
+                             "known_gaps": ["template sentences over eight item kinds"],
+                             "intended_uses": ["continued pretraining demo (lm-sft mode cpt)"]})
     return Path(out_dir).expanduser().absolute()
