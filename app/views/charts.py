@@ -33,6 +33,7 @@ PLOTS = [("loss", "Loss", ""), ("grad_norm", "Grad norm", ""), ("lr", "Learning 
          ("chosen_logp", "Log-prob chosen / rejected", ""),
          ("accuracy", "Val accuracy", ""), ("ece", "Val calibration error (ECE)", ""),
          ("mrr@5", "Val MRR@5 (retrieval)", "")]
+PLOT_NAMES = [metric for metric, _, _ in PLOTS]
 SUMMARY_CELL = 5              # the grid cell of the summary text (plots fill the others)
 # plots shown only while a selected run logs their metric: lm-es's reward, lm-dpo's preferences,
 # lm-decision's and tabular-classify's val accuracy and ECE, embed-retrieval's MRR@5
@@ -110,23 +111,16 @@ class RunCharts(QWidget):
         pg.setConfigOptions(antialias=False, background="w", foreground="#333")
         self.controls = ChartControls()
         self.controls.changed.connect(self.redraw)
-        grid = QGridLayout()
+        self.grid = grid = QGridLayout()
+        # The plots are built one per timer tick (a PlotWidget costs ~15-40 ms on 2 cores; all
+        # of them at once were the Runs pane's longest GUI slice), or when first drawn.
         self.plots: dict[str, pg.PlotItem] = {}
         self.plot_widgets: dict[str, pg.PlotWidget] = {}
-        for i, (metric, title, unit) in enumerate(PLOTS):
-            widget = pg.PlotWidget()
-            widget.setMinimumHeight(150)
-            item = widget.getPlotItem()
-            item.setTitle(title, size="9pt")
-            item.setLabel("left", unit)
-            item.setDownsampling(auto=True, mode="peak")
-            if metric in ("lr", "throughput"):
-                item.setLimits(yMin=0)      # a constant lr is not centred on a negative axis
-            self.plots[metric] = item
-            self.plot_widgets[metric] = widget
-            widget.setVisible(metric not in SHOWN_WITH_DATA)
-            cell = i + (i >= SUMMARY_CELL)
-            grid.addWidget(widget, cell // 2, cell % 2)  # two columns: each plot stays readable
+        self.unbuilt = [metric for metric, _, _ in PLOTS]
+        self.builder = QTimer(self)
+        self.builder.setInterval(0)
+        self.builder.timeout.connect(self._build_next)
+        self.builder.start()
         self.summary = QLabel()
         self.summary.setWordWrap(True)
         self.summary.setAlignment(Qt.AlignmentFlag.AlignTop | Qt.AlignmentFlag.AlignLeft)
@@ -149,6 +143,34 @@ class RunCharts(QWidget):
         self.stagger.setInterval(40)
         self.stagger.timeout.connect(self._draw_next)
 
+    def _build_next(self) -> None:
+        if self.unbuilt:
+            self._plot(self.unbuilt[0])
+        else:
+            self.builder.stop()
+
+    def _plot(self, metric: str) -> pg.PlotItem:
+        """The plot of `metric`, built in its grid cell on first use."""
+        if metric in self.plots:
+            return self.plots[metric]
+        i = PLOT_NAMES.index(metric)
+        _, title, unit = PLOTS[i]
+        widget = pg.PlotWidget()
+        widget.setMinimumHeight(150)
+        item = widget.getPlotItem()
+        item.setTitle(title, size="9pt")
+        item.setLabel("left", unit)
+        item.setDownsampling(auto=True, mode="peak")
+        if metric in ("lr", "throughput"):
+            item.setLimits(yMin=0)      # a constant lr is not centred on a negative axis
+        self.plots[metric] = item
+        self.plot_widgets[metric] = widget
+        self.unbuilt.remove(metric)
+        widget.setVisible(metric not in SHOWN_WITH_DATA)
+        cell = i + (i >= SUMMARY_CELL)
+        self.grid.addWidget(widget, cell // 2, cell % 2)  # two columns: each plot stays readable
+        return item
+
     def set_runs(self, paths: list) -> None:
         """Show these runs (overlaid); series already read are kept."""
         wanted = {str(p): p for p in paths}
@@ -157,7 +179,7 @@ class RunCharts(QWidget):
         self.series = {k: self.series.get(k) or RunSeries(p) for k, p in wanted.items()}
         for series in self.series.values():
             series.poll()
-        self.pending = list(self.plots)     # drawn one plot per tick: no long GUI slice
+        self.pending = list(PLOT_NAMES)     # drawn one plot per tick: no long GUI slice
         self._summarize()
         self.stagger.start()
 
@@ -167,7 +189,7 @@ class RunCharts(QWidget):
         for series in self.series.values():
             changed |= series.poll()
         if changed:
-            self.pending += [m for m in self.plots if m not in self.pending]
+            self.pending += [m for m in PLOT_NAMES if m not in self.pending]
             self.stagger.start()
         return changed
 
@@ -190,13 +212,13 @@ class RunCharts(QWidget):
         """The curve for (run, metric, role), created on first use."""
         curve = self.curves.get(key)
         if curve is None:
-            curve = self.curves[key] = self.plots[metric].plot([], [], **style)
+            curve = self.curves[key] = self._plot(metric).plot([], [], **style)
         return curve
 
     def redraw(self) -> None:
         """Redraw every plot now (a new selection or a changed chart control)."""
         self.pending.clear()
-        for metric in self.plots:
+        for metric in PLOT_NAMES:
             self._draw_metric(metric)
         self._summarize()
 
@@ -238,7 +260,7 @@ class RunCharts(QWidget):
     def _draw_metric(self, metric: str) -> None:
         log, x, weight = self.controls.log_scale.isChecked(), self.controls.x, \
             self.controls.weight
-        item = self.plots[metric]
+        item = self._plot(metric)
         item.setLogMode(False, log and metric != "lr")
         item.setLabel("bottom", "step" if x == "step" else "seconds")
         if metric == "throughput":
