@@ -15,7 +15,7 @@ import shutil
 from pathlib import Path
 
 import pytest
-from app_wait import settle
+from app_wait import GuiThreadGuard, settle
 from chat_support import tiny_model
 from PySide6.QtCore import Qt
 from test_lm_sft import write_config
@@ -109,7 +109,14 @@ def test_without_the_package_the_strip_offers_the_install_and_no_start(qtbot, wi
 
 def test_measured_estimate_then_the_run_ends_with_before_after_chat_and_export(
         qtbot, window, tmp_path, monkeypatch):
+    import app.viewmodels.samples as samples
+    import app.views.first_tune_panel as first_tune_panel
+
     monkeypatch.setattr(model_library, "package_installed", lambda package: True)
+    guard = GuiThreadGuard(monkeypatch)
+    for owner, name in ((first_tune, "machine_key"), (first_tune, "read_probe"),
+                        (first_tune_panel, "start_detached"), (samples, "before_after")):
+        guard.wrap(owner, name)
     root = pirate_workspace(tmp_path)
     window.open_workspace(root)
     panel = window.first_tune
@@ -128,7 +135,8 @@ def test_measured_estimate_then_the_run_ends_with_before_after_chat_and_export(
 
     qtbot.mouseClick(panel.start_button, Qt.MouseButton.LeftButton)
     run_dir = panel.run_dir
-    assert current_pane(window) == "Runs"
+    qtbot.waitUntil(lambda: current_pane(window) == "Runs", timeout=TIMEOUT_MS)
+    assert window.runs.follow == run_dir or run_dir in window.runs.ledger.paths()
     qtbot.waitUntil(lambda: panel.result.isVisible(), timeout=TIMEOUT_MS)
     before = (run_dir / "samples" / "step-000000" / "generations.jsonl").read_text()
     after = (run_dir / "samples" / "step-000003" / "generations.jsonl").read_text()
@@ -147,3 +155,6 @@ def test_measured_estimate_then_the_run_ends_with_before_after_chat_and_export(
     assert current_pane(window) == "Export"
     assert Path(window.export.run_combo.currentData()) == run_dir
     settle(qtbot, window)
+    assert guard.on_gui == [] and set(guard.off_gui) == {
+        f"app.viewmodels.first_tune.{n}" for n in ("machine_key", "read_probe")} | {
+        "app.views.first_tune_panel.start_detached", "app.viewmodels.samples.before_after"}

@@ -67,6 +67,9 @@ class FirstTunePanel(QFrame):
         self.offer_call.done.connect(self._show_offer)
         self.offer_call.failed.connect(
             lambda exc: self._show_offer((exc.render(), self.tune.installed(), False)))
+        self.start_call = BackgroundCall(self)
+        self.start_call.done.connect(self._launched)
+        self.start_call.failed.connect(self._refused)
         self.samples_call = BackgroundCall(self)
         self.samples_call.done.connect(self._show_result)
         self.samples_call.failed.connect(lambda exc: self.result.setText(exc.render()))
@@ -112,7 +115,7 @@ class FirstTunePanel(QFrame):
     def _show_offer(self, value: tuple[str, bool, bool]) -> None:
         text, installed, measured = value
         self.offer.setText(text)
-        idle = not self.runner.running and not self.timer.isActive()
+        idle = not (self.runner.running or self.start_call.running or self.timer.isActive())
         self.measure_button.setVisible(installed and not measured)
         self.measure_button.setEnabled(idle)
         self.start_button.setVisible(installed)
@@ -125,19 +128,33 @@ class FirstTunePanel(QFrame):
 
     def start(self) -> None:
         """The run itself, detached like the Runs pane's (it outlives the window; the
-        ledger follows it by its folder); this strip watches its status for the end."""
-        self.run_dir = self.workspace.new_run_dir(self.tune.config.stem)
-        self.workspace.launch_dir.mkdir(parents=True, exist_ok=True)
+        ledger follows it by its folder), started on a worker thread; this strip then
+        watches its status for the end."""
+        workspace, tune = self.workspace, self.tune
+        self.run_dir = run_dir = workspace.new_run_dir(tune.config.stem)
+        self.log = log = workspace.launch_dir / f"{run_dir.name}.log"
         self.result.hide()
         self._set_done_buttons(False)
-        self.log = self.workspace.launch_dir / f"{self.run_dir.name}.log"
-        self.pid = start_detached(self.tune.run_argv(self.run_dir), self.log)
-        self.run_status.setText(f"training {self.run_dir.name}: follow it in Runs…")
-        self.run_status.show()
         self.measure_button.setEnabled(False)
         self.start_button.setEnabled(False)
+        self.run_status.setText(f"starting {run_dir.name}…")
+        self.run_status.show()
+
+        def launch() -> int:
+            log.parent.mkdir(parents=True, exist_ok=True)
+            return start_detached(tune.run_argv(run_dir), log)
+
+        self.start_call.start(launch)
+
+    def _launched(self, pid: int) -> None:
+        self.pid = pid
+        self.run_status.setText(f"training {self.run_dir.name}: follow it in Runs…")
         self.timer.start()
         self.started.emit(self.run_dir)
+
+    def _refused(self, exc) -> None:
+        self.run_status.setText(f"{self.run_dir.name} did not start: {exc.render()}")
+        self.refresh()
 
     def poll(self) -> None:
         run = RunDir(self.run_dir)
