@@ -52,12 +52,13 @@ def metrics(folder: Path, elapsed: list[float]) -> Path:
 def test_the_estimate_is_the_probes_steady_step_times_the_steps_plus_its_fixed_part(tmp_path):
     # Worked example: step 1 ends at 9 s (warm-up included), step 2 at 13 s: 4 s a step; the
     # probe's job took 50 s in all, so 50 - 2 × 4 = 42 s is fixed; 30 steps: 42 + 120 = 162 s.
-    estimate = read_probe(metrics(tmp_path / "probe", [9.0, 13.0]), 50.0, 30)
+    estimate = read_probe(metrics(tmp_path / "probe", [9.0, 13.0]), 50.0, 30, load=1.5)
     assert (estimate.step_s, estimate.fixed_s, estimate.total_s) == (4.0, 42.0, 162.0)
-    assert "1 step took 4 s" in estimate.text() and "about 3 min for 30 steps" in estimate.text()
+    assert "at load 1.5: 1 step took 4 s" in estimate.text()
+    assert "about 2.7 min for 30 steps" in estimate.text()
     # twin: a probe that logged one step gives no steady step time, and says so
     with pytest.raises(ForgebenchError, match="not 1..2"):
-        read_probe(metrics(tmp_path / "short", [9.0]), 50.0, 30)
+        read_probe(metrics(tmp_path / "short", [9.0]), 50.0, 30, load=1.5)
 
 
 def test_without_the_package_the_offer_says_how_to_install_it(tmp_path, monkeypatch):
@@ -73,7 +74,8 @@ def test_a_stored_measurement_holds_for_this_machine_and_config_only(tmp_path):
     root = pirate_workspace(tmp_path)
     settings = Settings(tmp_path / "settings.json")
     tune = FirstTune(root, settings, threads=1)
-    settings.set(ESTIMATE_KEY, {"key": tune._key(), "step_s": 2.0, "fixed_s": 10.0})
+    settings.set(ESTIMATE_KEY, {"key": tune._key(), "step_s": 2.0, "fixed_s": 10.0,
+                                "load": 1.0})
     assert tune.cached().total_s == 10.0 + 3 * 2.0
     assert FirstTune(root, settings, threads=2).cached() is None       # other threads
     config = root / "configs" / first_tune.CONFIG_NAME
@@ -128,7 +130,7 @@ def test_measured_estimate_then_the_run_ends_with_before_after_chat_and_export(
     settle(qtbot, panel)
     stored = window.settings.get(ESTIMATE_KEY)
     assert stored and stored["step_s"] > 0, panel.runner.status.text()
-    assert "for 3 steps" in panel.offer.text() and "measured here: 1 step took" in \
+    assert "for 3 steps" in panel.offer.text() and "1 step took" in \
         panel.offer.text()
     assert not panel.measure_button.isVisible()          # measured once, kept in Settings
     assert window.workspace.run_dirs() == []            # the probe ran in a scratch folder

@@ -46,15 +46,23 @@ class Estimate:
     step_s: float
     fixed_s: float
     steps: int              # the config's step target
+    load: float             # the 1-minute load average while the probe ran: a busier
+                            # machine (the probe shares its cores) takes longer
 
     @property
     def total_s(self) -> float:
         return self.fixed_s + self.steps * self.step_s
 
     def text(self) -> str:
-        return (f"measured here: 1 step took {duration_text(self.step_s)}, loading and the "
-                f"BEFORE/AFTER samples {duration_text(self.fixed_s)} → about "
-                f"{duration_text(self.total_s)} for {self.steps} steps")
+        return (f"measured here at load {self.load:.1f}: 1 step took "
+                f"{duration_text(self.step_s)}, loading and the BEFORE/AFTER samples "
+                f"{duration_text(self.fixed_s)} → about {self.total_text()} for "
+                f"{self.steps} steps")
+
+    def total_text(self) -> str:
+        # to the tenth of a minute below 10 min: "1 min" for 87 s would promise too little
+        total = self.total_s
+        return f"{total / 60:.1f} min" if 60 <= total < 600 else duration_text(total)
 
 
 def machine_key(threads: int | None) -> str:
@@ -82,7 +90,7 @@ def probe_argv(config: Path, out: Path, threads: int | None) -> list[str]:
     return argv + (["--threads", str(threads)] if threads else [])
 
 
-def read_probe(out: Path, wall_s: float, steps: int) -> Estimate:
+def read_probe(out: Path, wall_s: float, steps: int, load: float) -> Estimate:
     """The estimate from a finished probe run's metrics and the job's wall time."""
     try:
         rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
@@ -94,7 +102,7 @@ def read_probe(out: Path, wall_s: float, steps: int) -> Estimate:
         raise ForgebenchError(f"the probe logged steps {sorted(elapsed)}, not 1..{PROBE_STEPS}",
                               path=out / "metrics.jsonl")
     step_s = (elapsed[PROBE_STEPS] - elapsed[1]) / (PROBE_STEPS - 1)
-    return Estimate(step_s, max(wall_s - PROBE_STEPS * step_s, 0.0), steps)
+    return Estimate(step_s, max(wall_s - PROBE_STEPS * step_s, 0.0), steps, load)
 
 
 class FirstTune:
@@ -123,16 +131,17 @@ class FirstTune:
         estimate = self.cached()
         if estimate is None:
             return f"{TITLE}: press Measure to time it on this machine (a {PROBE_STEPS}-step probe)"
-        return f"{TITLE}, about {duration_text(estimate.total_s)} here ({estimate.text()})"
+        return f"{TITLE}, about {estimate.total_text()} here ({estimate.text()})"
 
     def _key(self) -> str:
         return f"{machine_key(self.threads)}|config {sha256_file(self.config)}"
 
     def cached(self) -> Estimate | None:
         stored = self.settings.get(ESTIMATE_KEY) or {}
-        if stored.get("key") != self._key():
-            return None
-        return Estimate(stored["step_s"], stored["fixed_s"], config_steps(self.config))
+        if stored.get("key") != self._key() or not {"step_s", "fixed_s", "load"} <= set(stored):
+            return None         # another machine, threads or config: measure again
+        return Estimate(stored["step_s"], stored["fixed_s"], config_steps(self.config),
+                        stored["load"])
 
     def start_probe(self) -> list[str]:
         """A scratch folder for the probe run and the command line that fills it."""
@@ -147,12 +156,13 @@ class FirstTune:
         try:
             if not ok or folder is None:
                 return None
-            estimate = read_probe(folder / "run", wall_s, config_steps(self.config))
+            estimate = read_probe(folder / "run", wall_s, config_steps(self.config),
+                                  os.getloadavg()[0])
         finally:
             if folder is not None:
                 shutil.rmtree(folder, ignore_errors=True)
         self.settings.set(ESTIMATE_KEY, {"key": self._key(), "step_s": estimate.step_s,
-                                         "fixed_s": estimate.fixed_s})
+                                         "fixed_s": estimate.fixed_s, "load": estimate.load})
         return estimate
 
     def run_argv(self, out: Path) -> list[str]:
