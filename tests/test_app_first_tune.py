@@ -133,6 +133,7 @@ def test_measured_estimate_then_the_run_ends_with_before_after_chat_and_export(
     assert "for 3 steps" in panel.offer.text() and "1 step took" in \
         panel.offer.text()
     assert not panel.measure_button.isVisible()          # measured once, kept in Settings
+    assert not panel.runner.isVisible()                  # the probe's bar goes with it
     assert window.workspace.run_dirs() == []            # the probe ran in a scratch folder
 
     qtbot.mouseClick(panel.start_button, Qt.MouseButton.LeftButton)

@@ -62,7 +62,8 @@ class FirstTunePanel(QFrame):
         self.close_button.clicked.connect(self.hide)
         self.chat_button.clicked.connect(lambda: self.open_chat.emit(self.run_dir))
         self.export_button.clicked.connect(lambda: self.open_export.emit(self.run_dir))
-        self.runner.finished.connect(lambda ok, _message: self.refresh(probe_ok=ok))
+        self.runner.finished.connect(self._probed)
+        self.runner.hide()          # shown while a probe runs, and with its error if it fails
         self.offer_call = BackgroundCall(self)
         self.offer_call.done.connect(self._show_offer)
         self.offer_call.failed.connect(
@@ -122,9 +123,14 @@ class FirstTunePanel(QFrame):
         self.start_button.setEnabled(idle)
 
     def measure(self) -> None:
+        self.runner.show()
         self.runner.start(self.tune.start_probe(), "measuring: a 2-step probe of the run")
         self.measure_button.setEnabled(False)
         self.start_button.setEnabled(False)
+
+    def _probed(self, ok: bool, _message: str) -> None:
+        self.runner.setVisible(not ok)
+        self.refresh(probe_ok=ok)
 
     def start(self) -> None:
         """The run itself, detached like the Runs pane's (it outlives the window; the
