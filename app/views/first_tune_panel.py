@@ -13,7 +13,7 @@ from pathlib import Path
 from PySide6.QtCore import QTimer, Signal
 from PySide6.QtWidgets import QFrame, QHBoxLayout, QLabel, QPushButton, QVBoxLayout
 
-from app.viewmodels.first_tune import FirstTune
+from app.viewmodels.first_tune import FirstTune, run_argv
 from app.viewmodels.jobs import job_error
 from app.viewmodels.workspace import Settings, Workspace
 from app.views.background import BackgroundCall
@@ -68,6 +68,10 @@ class FirstTunePanel(QFrame):
         self.offer_call.done.connect(self._show_offer)
         self.offer_call.failed.connect(
             lambda exc: self._show_offer((exc.render(), self.tune.installed(), False)))
+        self.prepare_call = BackgroundCall(self)     # the probe's command, once prepared
+        self.prepare_call.done.connect(self._probe)
+        self.prepare_call.failed.connect(
+            lambda exc: self._show_offer((exc.render(), self.tune.installed(), False)))
         self.start_call = BackgroundCall(self)
         self.start_call.done.connect(self._launched)
         self.start_call.failed.connect(self._refused)
@@ -116,17 +120,23 @@ class FirstTunePanel(QFrame):
     def _show_offer(self, value: tuple[str, bool, bool]) -> None:
         text, installed, measured = value
         self.offer.setText(text)
-        idle = not (self.runner.running or self.start_call.running or self.timer.isActive())
+        idle = not (self.runner.running or self.prepare_call.running or self.start_call.running
+                    or self.timer.isActive())
         self.measure_button.setVisible(installed and not measured)
         self.measure_button.setEnabled(idle)
         self.start_button.setVisible(installed)
         self.start_button.setEnabled(idle)
 
     def measure(self) -> None:
-        self.runner.show()
-        self.runner.start(self.tune.start_probe(), "measuring: a 2-step probe of the run")
+        tune = self.tune
         self.measure_button.setEnabled(False)
         self.start_button.setEnabled(False)
+        self.offer.setText("Preparing the probe…")
+        self.prepare_call.start(lambda: (tune.prepare(), tune.start_probe())[1])
+
+    def _probe(self, argv: list[str]) -> None:
+        self.runner.show()
+        self.runner.start(argv, "measuring: a 2-step probe of the run")
 
     def _probed(self, ok: bool, _message: str) -> None:
         self.runner.setVisible(not ok)
@@ -147,8 +157,9 @@ class FirstTunePanel(QFrame):
         self.run_status.show()
 
         def launch() -> int:
+            tune.prepare()
             log.parent.mkdir(parents=True, exist_ok=True)
-            return start_detached(tune.run_argv(run_dir), log)
+            return start_detached(run_argv(tune.config, run_dir, tune.threads), log)
 
         self.start_call.start(launch)
 
