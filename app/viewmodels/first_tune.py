@@ -132,7 +132,7 @@ class FirstTune:
         estimate = self.cached()
         if estimate is None:
             return f"{TITLE}: press Measure to time it on this machine (a {PROBE_STEPS}-step probe)"
-        return f"{TITLE}, about {estimate.total_text()} here ({estimate.text()})"
+        return f"{TITLE}: {estimate.text()}"
 
     def _key(self) -> str:
         return f"{machine_key(self.threads)}|config {sha256_file(self.config)}"
