@@ -61,7 +61,7 @@ def code_version(files: dict[str, str]) -> str:
     return digest.hexdigest()
 
 
-def _cpu_info() -> tuple[str, list[str]]:
+def cpu_info() -> tuple[str, list[str]]:
     model, flags = platform.processor() or platform.machine(), []
     with contextlib.suppress(OSError):
         for line in Path("/proc/cpuinfo").read_text().splitlines():
@@ -79,7 +79,7 @@ def environment(threads: int, device: dict | None = None, world_size: int = 1) -
     the job trains on, `world_size` the processes it trains with."""
     import torch
 
-    model, flags = _cpu_info()
+    model, flags = cpu_info()
     return {"python": platform.python_version(), "torch": torch.__version__,
             "torch_cuda": torch.version.cuda,
             "numpy": __import__("numpy").__version__, "threads": threads,

@@ -7,6 +7,7 @@ REPAINT_MS while tokens stream. State and logic: app/viewmodels/chat.py."""
 from __future__ import annotations
 
 import html
+from pathlib import Path
 
 from PySide6.QtCore import QProcess, QTimer, Signal
 from PySide6.QtWidgets import (
@@ -202,6 +203,19 @@ class ChatPane(QWidget):
         self.saved.clear()
         for path in list_conversations(self.workspace.root):
             self.saved.addItem(path.stem, str(path))
+
+    def open_run(self, run_dir: Path) -> None:
+        """Chat with a run's latest checkpoint on side A (another pane's "Chat with it")."""
+        self.refresh_sources()
+        combo = self.source["A"]
+        for index in reversed(range(combo.count())):
+            source = combo.itemData(index)
+            if source is not None and source.kind == "run" and source.load and \
+                    Path(source.load["run"]) == Path(run_dir):
+                combo.setCurrentIndex(index)
+                self.choose("A")
+                return
+        self.status.setText(f"{Path(run_dir).name} has no checkpoint to chat with.")
 
     def choose(self, side: str) -> None:
         if self.session is None:

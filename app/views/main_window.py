@@ -43,6 +43,7 @@ from PySide6.QtWidgets import (
 from app.viewmodels.tour import Tour
 from app.viewmodels.workspace import Settings, Workspace, WorkspaceWatch, install_sample_workspace
 from app.views.background import BackgroundCall
+from app.views.first_tune_panel import FirstTunePanel
 from app.views.form_widget import WheelGuard, guard_wheel
 from app.views.jobs_panel import JobsPanel, Notifier, job_center
 from app.views.tour_panel import TourPanel
@@ -163,6 +164,10 @@ class MainWindow(QMainWindow):
         self.banner = ProblemBanner(self)
         self.tour_panel = TourPanel(Tour(self.settings))
         self.tour_panel.show_pane.connect(self.show_pane)
+        self.first_tune = FirstTunePanel(self.settings)
+        self.first_tune.started.connect(self.follow_run)
+        self.first_tune.open_chat.connect(self.chat_with_run)
+        self.first_tune.open_export.connect(self.export_run)
         central = QWidget()
         body = QHBoxLayout()
         body.setContentsMargins(0, 0, 0, 0)
@@ -172,6 +177,7 @@ class MainWindow(QMainWindow):
         outer.setContentsMargins(4, 4, 4, 4)
         outer.addWidget(self.banner)
         outer.addWidget(self.tour_panel)
+        outer.addWidget(self.first_tune)
         outer.addLayout(body, 1)
         self.setCentralWidget(central)
 
@@ -336,6 +342,7 @@ class MainWindow(QMainWindow):
         self.workspace_label.setText(f"Workspace: {workspace.root}")
         for pane in self.built_panes():
             pane.set_workspace(workspace)
+        self.first_tune.set_workspace(workspace, int(self.settings.get("threads", 0)) or None)
         return True
 
     def report_problem(self, path: str, exc: ForgebenchError) -> None:
@@ -411,6 +418,20 @@ class MainWindow(QMainWindow):
         config it wrote, and is shown with the new run's charts."""
         self.runs.start_config(Path(config))
         self.sidebar.setCurrentRow(PANE_NAMES.index("runs"))
+
+    def follow_run(self, run_dir: Path) -> None:
+        """The Runs pane, showing a run another pane started once its folder appears."""
+        self.runs.follow = Path(run_dir)
+        self.show_pane("Runs")
+
+    def chat_with_run(self, run_dir: Path) -> None:
+        self.chat.open_run(run_dir)
+        self.show_pane("Chat")
+
+    def export_run(self, run_dir: Path) -> None:
+        self.export.refresh_runs()
+        self.export.select_run(run_dir)
+        self.show_pane("Export")
 
     def show_pane(self, name: str) -> None:
         """Select a pane by its sidebar name (the tour's steps name panes)."""
