@@ -40,7 +40,13 @@ from engine.llm.sft_data import EncodedSample, SFTExample, encode_sft
 from engine.lora import ADAPTERS_FILE, adapter_bytes, describe_adapters, read_adapters
 from engine.recipes.lm_dpo_config import LMDPOConfig
 from engine.rundir import Checkpoint, RunDir
-from engine.train.checkpoint import MODEL_FILE, rng_state, save_checkpoint, set_rng_state
+from engine.train.checkpoint import (
+    MODEL_FILE,
+    checkpoint_due,
+    rng_state,
+    save_checkpoint,
+    set_rng_state,
+)
 from engine.train.data_order import DataCursor
 from engine.train.lm_base import (
     Base,
@@ -373,8 +379,7 @@ def train(job: Job) -> None:
         bar.update(1)
         bar.set_postfix(loss=f"{values['loss']:.4f}", margin=f"{values['reward_margin']:.3f}")
         job.step_done(step)
-        if (step == config.steps or job.stop_requested
-                or (config.save_every and step % config.save_every == 0)):
+        if checkpoint_due(config, step, job.stop_requested):
             last = checkpoint_now()
     bar.close()
 

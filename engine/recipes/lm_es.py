@@ -42,7 +42,13 @@ from engine.lora import (
 from engine.models.gguf_model import densify, load_gguf_model
 from engine.recipes.lm_es_config import LMESConfig
 from engine.rundir import Checkpoint, RunDir
-from engine.train.checkpoint import load_checkpoint, rng_state, save_checkpoint, set_rng_state
+from engine.train.checkpoint import (
+    checkpoint_due,
+    load_checkpoint,
+    rng_state,
+    save_checkpoint,
+    set_rng_state,
+)
 from engine.train.data_order import DataCursor
 from engine.train.es import EvolutionStrategy
 from engine.train.lm_base import generate_answer, write_generations
@@ -208,8 +214,7 @@ def train(job: Job) -> None:
         bar.update(1)
         bar.set_postfix(reward=f"{centre.reward:.4f}")
         job.step_done(step)
-        if (step == config.steps or job.stop_requested
-                or (config.save_every and step % config.save_every == 0)):
+        if checkpoint_due(config, step, job.stop_requested):
             last = checkpoint_now()
     bar.close()
 

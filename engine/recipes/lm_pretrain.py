@@ -27,6 +27,7 @@ from engine.sampling import SamplingSettings, generate_tokens
 from engine.text_tokenizers import BPETokenizer, ByteTokenizer, tokenizer_from_json
 from engine.train import distributed
 from engine.train.checkpoint import (
+    checkpoint_due,
     load_checkpoint,
     rng_state,
     save_checkpoint,
@@ -381,8 +382,7 @@ def train(job: Job) -> None:
         eval_due = config.eval_every and step % config.eval_every == 0
         if (eval_due or step == config.steps) and world.is_main:
             evaluate_val()
-        if (eval_due or step == config.steps or job.stop_requested
-                or (config.save_every and step % config.save_every == 0)):
+        if checkpoint_due(config, step, job.stop_requested, eval_due):
             last = checkpoint_now()
     bar.close()
 

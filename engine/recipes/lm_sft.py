@@ -31,7 +31,13 @@ from engine.lora import ADAPTERS_FILE, adapter_bytes, describe_adapters, load_ad
 from engine.recipes.lm_sft_config import LMSFTConfig
 from engine.rundir import Checkpoint, RunDir
 from engine.train import distributed
-from engine.train.checkpoint import load_checkpoint, rng_state, save_checkpoint, set_rng_state
+from engine.train.checkpoint import (
+    checkpoint_due,
+    load_checkpoint,
+    rng_state,
+    save_checkpoint,
+    set_rng_state,
+)
 from engine.train.data_order import DataCursor
 from engine.train.devices import require_bf16, to_device
 from engine.train.lm_base import (
@@ -179,8 +185,7 @@ def train(job: Job) -> None:
         bar.update(1)
         bar.set_postfix(loss=f"{loss.value:.4f}", lr=f"{lr:.2e}")
         job.step_done(step)
-        if (step == config.steps or job.stop_requested
-                or (config.save_every and step % config.save_every == 0)):
+        if checkpoint_due(config, step, job.stop_requested):
             last = checkpoint_now()
     bar.close()
 

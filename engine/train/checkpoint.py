@@ -65,6 +65,13 @@ def _join_optimizer_state(tensors: dict[str, torch.Tensor], rest: dict) -> dict:
     return {"state": state, "param_groups": rest["param_groups"]}
 
 
+def checkpoint_due(config: Any, step: int, stop_requested: bool, eval_due: bool = False) -> bool:
+    """Whether a training loop saves after `step`: at the last step, when asked to stop (so a
+    stopped run resumes where it stopped), every `config.save_every` steps, and with an eval."""
+    return bool(eval_due or step == config.steps or stop_requested
+                or (config.save_every and step % config.save_every == 0))
+
+
 def save_checkpoint(run: RunDir, step: int, *, model_tensors: dict[str, torch.Tensor],
                     optimizer: torch.optim.Optimizer | None = None, trainer_state: dict,
                     extra_files: dict[str, bytes] | None = None, keep_last: int,

@@ -19,6 +19,7 @@ from engine.fsutil import read_json
 from engine.jobs import Job
 from engine.rundir import Checkpoint, checkpoint_name
 from engine.train.checkpoint import (
+    checkpoint_due,
     dumps,
     generator_state,
     load_checkpoint,
@@ -198,8 +199,7 @@ def train_loop(job: Job, loop: Loop) -> None:
         eval_due = bool(config.eval_every) and step % config.eval_every == 0
         if eval_due or step == config.steps:
             evaluate_val()
-        if (eval_due or step == config.steps or job.stop_requested
-                or (config.save_every and step % config.save_every == 0)):
+        if checkpoint_due(config, step, job.stop_requested, eval_due):
             checkpoint_now()
     bar.close()
 
