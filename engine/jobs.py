@@ -284,8 +284,13 @@ class Job:
         self.resume_from = resume_from
         self.invocation = invocation
         self.threads = threads
+        # `stop_requested` is what the loop acts on. With several ranks a signal only marks
+        # `stop_asked`; the ranks turn it into `stop_requested` together in `step_done`, so a
+        # SIGTERM landing between that agreement and the loop's own check cannot make one rank
+        # checkpoint and leave while its peers start the next step (and wait on it forever).
         self.stop_requested = False
         self.stop_reason: str | None = None
+        self.stop_asked: str | None = None
         self.stage = "loading"
         self.stage_detail: str | None = None
         self.step = resume_from.step if resume_from else 0
@@ -294,6 +299,12 @@ class Job:
         self._last_status = 0.0
 
     def request_stop(self, reason: str) -> None:
+        if self.stop_asked is None:
+            self.stop_asked = reason
+        if not self.world.distributed:
+            self._stop_now(reason)
+
+    def _stop_now(self, reason: str) -> None:
         if not self.stop_requested:
             self.stop_requested, self.stop_reason = True, reason
 
@@ -302,7 +313,7 @@ class Job:
         status.json says so at once and events.jsonl keeps a `stage` event, so the app can show
         "loading base 250 MB" instead of a silent "0 / 30"."""
         self.stage, self.stage_detail = stage, detail
-        self.run.set_status("stopping" if self.stop_requested else "running", step=self.step,
+        self.run.set_status("stopping" if self.stop_asked else "running", step=self.step,
                             stage=stage, stage_detail=detail)
         self.run.log_event("stage", stage=stage, detail=detail, step=self.step,
                            invocation=self.invocation)
@@ -317,8 +328,9 @@ class Job:
         if self.world.distributed:    # a stop asked of any rank stops all after this step
             from engine.train.distributed import agree_stop
 
-            if agree_stop(self.stop_requested, self.world, self.device) and not self.stop_requested:
-                self.request_stop("another rank was asked to stop")
+            asked = self.stop_asked
+            if agree_stop(asked is not None, self.world, self.device):
+                self._stop_now(asked or "another rank was asked to stop")
         now = time.monotonic()
         if self.stop_requested or now - self._last_status >= 0.5:
             self._last_status = now
@@ -371,7 +383,7 @@ def _graceful_stop(job: Job) -> dict:
     """SIGTERM/SIGINT ask the job to stop after its step (a second SIGINT interrupts);
     returns the previous handlers."""
     def on_signal(signum, _frame):
-        if job.stop_requested and signum == signal.SIGINT:
+        if job.stop_asked is not None and signum == signal.SIGINT:
             raise KeyboardInterrupt
         job.request_stop(signal.Signals(signum).name)
 

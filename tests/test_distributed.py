@@ -136,6 +136,45 @@ def test_stop_command_stops_every_rank_after_one_checkpoint(pretrain, tmp_path):
     assert run.latest_checkpoint().step == status["step"]
 
 
+SIGTERM_RANK_1_AFTER_AGREEING = """\
+import os, signal
+if os.environ.get("RANK") == "1":
+    import engine.train.distributed as distributed
+    original = distributed.agree_stop
+
+    def agree_stop(stop, world, device=None):
+        agreed = original(stop, world, device)
+        if not stop and not agreed and not os.environ.get("SIGNALLED"):
+            os.environ["SIGNALLED"] = "1"   # once: at step 2, after the ranks agreed to go on
+            os.kill(os.getpid(), signal.SIGTERM)
+        return agreed
+
+    distributed.agree_stop = agree_stop
+"""
+
+
+def test_a_stop_landing_just_after_the_agreement_waits_for_the_next_step(pretrain, tmp_path):
+    """SIGTERM reaches rank 1 between the ranks' stop agreement and the loop's own check (the
+    window a real `forgebench stop` can hit). Rank 1 must not checkpoint and leave alone: the
+    stop is agreed after the next step, and both ranks stop there, together."""
+    hooks = tmp_path / "hooks"
+    hooks.mkdir()
+    (hooks / "sitecustomize.py").write_text(SIGTERM_RANK_1_AFTER_AGREEING)
+    config = tmp_path / "long.toml"
+    config.write_text(pretrain["config"].read_text().replace("steps = 4", "steps = 50")
+                      .replace("save_every = 2", "save_every = 0"))
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=f"{hooks}{os.pathsep}{REPO}")
+    result = subprocess.run([sys.executable, "-m", "engine", "run", str(config),
+                             "--out", str(tmp_path / "run"), "--threads", "1", "--nproc", "2"],
+                            cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    run = RunDir(tmp_path / "run")
+    status = run.status()
+    assert status["state"] == "stopped" and status["step"] == 2, status
+    assert status["stop_reason"] == "another rank was asked to stop"
+    assert [e["step"] for e in run.events() if e["kind"] == "checkpoint_saved"] == [2]
+
+
 # -- every rank's failure reaches events.jsonl ---------------------------------------------------
 FAIL_RANK_1 = """\
 import os
