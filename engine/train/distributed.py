@@ -179,7 +179,7 @@ def data_parallel(module: nn.Module, world: World, device: torch.device) -> nn.M
     from torch.nn.parallel import DistributedDataParallel
 
     ddp = DistributedDataParallel(module, device_ids=[device.index] if device.type == "cuda"
-                                  else None, broadcast_buffers=False, init_sync=False)
+                                  else None, forward_sync_buffers=False, init_sync=False)
     ddp.register_comm_hook(None, _sum_hook)
     return ddp
 
