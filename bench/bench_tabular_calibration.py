@@ -22,8 +22,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -33,21 +31,14 @@ import numpy as np
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from bench_speech import forgebench  # noqa: E402  (a `python -m engine` subprocess)
+
 from engine.data.generators.sensors import machine_rows  # noqa: E402
 from engine.eval import binary  # noqa: E402
 from engine.recipes.tabular_classify import load_model  # noqa: E402
 from engine.rundir import RunDir  # noqa: E402
 
 TRUTH_SEED = 1_000_003   # machines no generator seed of the sweep draws in this order
-
-
-def forgebench(*args: str) -> str:
-    env = dict(os.environ, PYTHONPATH=str(REPO))
-    result = subprocess.run([sys.executable, "-m", "engine", *args], cwd=REPO, env=env,
-                            capture_output=True, text=True, check=False)
-    if result.returncode:
-        raise SystemExit(f"forgebench {' '.join(args)} failed:\n{result.stderr[-3000:]}")
-    return result.stdout
 
 
 def truth_sample(machines: int, feature_names: list[str]) -> tuple[np.ndarray, np.ndarray]:
