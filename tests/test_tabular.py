@@ -385,7 +385,9 @@ def test_run_then_eval_reads_the_test_split_once(tmp_path):
 def test_cross_fit_calibrates_on_train_folds_and_never_reads_the_calibration_split(tmp_path):
     data = tmp_path / "sensors"
     shutil.copytree(SAMPLE, data)
-    config = write_run_config(tmp_path, data, top='calibration = "cross-fit"\n')
+    config = write_run_config(tmp_path, data)
+    config.write_text(config.read_text().replace('calibration = "split"',
+                                                 'calibration = "cross-fit"'))
     forgebench("run", str(config), "--out", str(tmp_path / "run"))
     assert sorted(split_reads(tmp_path / "run")) == ["train", "val"]
     meta = json.loads((tmp_path / "run" / "checkpoints" / "step-000001" / "meta.json")
