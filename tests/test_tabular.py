@@ -96,6 +96,18 @@ def test_ece_and_reliability_bins_by_hand():
     assert result["bins"][2]["mean_probability"] is None
 
 
+def test_equal_mass_ece_and_noise_floor_by_hand():
+    # two bins of two rows: {0.1, 0.2} half positive -> |0.15-0.5|; {0.3, 0.4} -> |0.35-0.5|
+    probability, target = np.array([0.3, 0.1, 0.4, 0.2]), np.array([0, 0, 1, 1])
+    assert binary.equal_mass_ece(target, probability, bins=2) == pytest.approx(0.25)
+    # p = 0.5 on every row: ECE = |mean(y) - 0.5|, whose mean over binomial draws of 100 rows
+    # is E|Binomial(100, 0.5)/100 - 0.5| = 0.0398 (exact sum over the binomial)
+    from math import comb
+    exact = sum(comb(100, k) * abs(k / 100 - 0.5) for k in range(101)) / 2 ** 100
+    assert binary.ece_noise_floor(np.full(100, 0.5), draws=2000) == pytest.approx(exact, abs=4e-3)
+    assert binary.ece_noise_floor(np.full(10000, 0.5)) < 0.01   # more rows, lower floor
+
+
 # -- the portable models against sklearn --------------------------------------------------
 def features_with_gaps(seed: int, n: int = 600):
     rng = np.random.default_rng(seed)
@@ -139,15 +151,68 @@ def test_logistic_preprocessing_matches_an_sklearn_pipeline():
                                atol=1e-6)
 
 
-def test_platt_scaling_is_unpenalised_logistic_regression_on_the_raw_score():
-    rng = np.random.default_rng(4)
-    raw = rng.normal(size=500) * 2
-    target = (rng.random(500) < tm.sigmoid(0.6 * raw - 0.4)).astype(int)
-    fit = tm.fit_platt(raw, target)
-    reference = LogisticRegression(C=1e12, tol=1e-10, max_iter=10000).fit(
-        raw[:, None], target)
-    assert fit["a"] == pytest.approx(reference.coef_[0, 0], abs=1e-4)
-    assert fit["b"] == pytest.approx(reference.intercept_[0], abs=1e-4)
+def sample_splits() -> dict:
+    dataset = load_dataset(SAMPLE)
+    return {s: table_split(dataset, s) for s in ("train", "calibration", "val", "test")}
+
+
+def boosting_reference(config):
+    """sklearn's own estimator with the recipe's boosting settings (the reference side)."""
+    return HistGradientBoostingClassifier(**config.boosting.model_dump(), early_stopping=False,
+                                          random_state=config.seed)
+
+
+def test_split_calibration_equals_sklearns_frozen_sigmoid_calibrator():
+    """The handbook's calibrator, CalibratedClassifierCV(FrozenEstimator(model),
+    method="sigmoid") on the calibration split, gives the probabilities our Platt fit gives;
+    the twin, the same sigmoid fitted on the validation rows it would be judged on, does not."""
+    from sklearn.calibration import CalibratedClassifierCV
+    from sklearn.frozen import FrozenEstimator
+
+    from engine.recipes.tabular_classify import fit_candidate
+    from engine.recipes.tabular_classify_config import TabularClassifyConfig
+
+    splits = sample_splits()
+    train, calibration, val = splits["train"], splits["calibration"], splits["val"]
+    config = TabularClassifyConfig(data={"dir": str(SAMPLE)}, seed=42)
+    model = fit_candidate("boosting", config, train)
+    model.calibration = tm.fit_platt(model.raw(calibration.features), calibration.target)
+    ours = model.probability(val.features)
+    estimator = boosting_reference(config).fit(train.features, train.target)
+    reference = CalibratedClassifierCV(FrozenEstimator(estimator), method="sigmoid").fit(
+        calibration.features, calibration.target).predict_proba(val.features)[:, 1]
+    assert np.max(np.abs(ours - reference)) < 1e-6
+
+    model.calibration = tm.fit_platt(model.raw(val.features), val.target)   # the twin
+    assert np.max(np.abs(model.probability(val.features) - reference)) > 1e-3
+
+
+def test_cross_fitted_calibration_equals_sklearn_on_machine_group_folds():
+    """calibration = "cross-fit" is CalibratedClassifierCV(model, method="sigmoid",
+    cv=GroupKFold by machine, ensemble=False): the same probabilities; the twin, sklearn on
+    row-level folds that split machines, differs, so the check sees a group leak."""
+    from sklearn.calibration import CalibratedClassifierCV
+    from sklearn.model_selection import GroupKFold, KFold
+
+    from engine.recipes.tabular_classify import cross_fitted_raw, fit_candidate
+    from engine.recipes.tabular_classify_config import TabularClassifyConfig
+
+    splits = sample_splits()
+    train, val = splits["train"], splits["val"]
+    config = TabularClassifyConfig(data={"dir": str(SAMPLE)}, seed=42, calibration="cross-fit")
+    model = fit_candidate("boosting", config, train)
+    model.calibration = tm.fit_platt(cross_fitted_raw("boosting", config, train), train.target)
+    ours = model.probability(val.features)
+
+    def reference(folds) -> np.ndarray:
+        calibrated = CalibratedClassifierCV(boosting_reference(config), method="sigmoid",
+                                            cv=list(folds), ensemble=False)
+        return calibrated.fit(train.features, train.target).predict_proba(val.features)[:, 1]
+
+    grouped = GroupKFold(5).split(train.features, train.target, train.groups)
+    assert np.max(np.abs(ours - reference(grouped))) < 1e-6
+    rows = KFold(5, shuffle=True, random_state=0).split(train.features)
+    assert np.max(np.abs(ours - reference(rows))) > 1e-3
 
 
 # -- the generator and the handbook -------------------------------------------------------
@@ -286,10 +351,13 @@ def test_run_then_eval_reads_the_test_split_once(tmp_path):
     assert sorted(split_reads(run)) == ["calibration", "train", "val"]   # never test
     checkpoint = run / "checkpoints" / "step-000001"
     meta = json.loads((checkpoint / "meta.json").read_text())
-    assert meta["chosen"] == "boosting" and meta["model"]["calibration"]
+    assert meta["chosen"] == "boosting"
+    assert meta["model"]["calibration"]["method"] == "split"
+    assert meta["model"]["calibration"]["rows"] == 300
     val = json.loads((run / "evals" / "selection-step-000001.json").read_text())
     assert val["threshold"]["rule"] == "f1" and 0 < val["threshold"]["threshold"] < 1
-    assert {"ece"} <= set(val["uncalibrated"]) & set(val["calibrated"])
+    assert {"ece", "ece_equal_mass", "ece_noise_floor"} <= set(val["uncalibrated"]) & set(
+        val["calibrated"])
     for name in ("pr", "reliability"):
         assert Image.open(run / "evals" / f"selection-step-000001-{name}.png").size == (520, 420)
 
@@ -312,6 +380,20 @@ def test_run_then_eval_reads_the_test_split_once(tmp_path):
         handle.write(b"\x00\x01\x02")
     damaged = forgebench("eval", str(run), "--split", "val", check=False)
     assert damaged.returncode == 2 and "different SHA-256" in damaged.stderr
+
+
+def test_cross_fit_calibrates_on_train_folds_and_never_reads_the_calibration_split(tmp_path):
+    data = tmp_path / "sensors"
+    shutil.copytree(SAMPLE, data)
+    config = write_run_config(tmp_path, data)
+    config.write_text(config.read_text().replace('calibration = "split"',
+                                                 'calibration = "cross-fit"'))
+    forgebench("run", str(config), "--out", str(tmp_path / "run"))
+    assert sorted(split_reads(tmp_path / "run")) == ["train", "val"]
+    meta = json.loads((tmp_path / "run" / "checkpoints" / "step-000001" / "meta.json")
+                      .read_text())
+    assert meta["model"]["calibration"]["method"] == "cross-fit"
+    assert meta["model"]["calibration"]["rows"] == 1200   # every train row, scored out of fold
 
 
 def test_same_seed_gives_the_same_model_bytes(tmp_path):

@@ -130,6 +130,12 @@ class TableSplit:
     groups: list[str]
     feature_names: list[str]
 
+    def subset(self, index: np.ndarray) -> "TableSplit":
+        """The rows at `index` (e.g. the fitting part of a cross-validation fold)."""
+        return TableSplit(self.features[index], self.target[index],
+                          [self.ids[i] for i in index], [self.groups[i] for i in index],
+                          self.feature_names)
+
 
 def table_split(dataset, split: str) -> TableSplit:
     """The rows of `split` (a validated tabular dataset) as arrays in declared column order."""

@@ -8,6 +8,12 @@ Definitions (the ones scikit-learn uses, so its functions serve as the test orac
 * reliability bins: `bins` equal-width bins over [0, 1] (p = 1 falls in the last); each gives
   its count, mean predicted probability and observed positive fraction. ECE = sum over
   non-empty bins of count / n * |mean probability - positive fraction|.
+* equal-mass ECE: the same sum over `bins` bins of (nearly) equal row counts, cut in the
+  order of the sorted probabilities (ties kept in row order), so no bin is nearly empty.
+* ECE noise floor: the mean ECE the same probabilities would show if they were perfectly
+  calibrated, i.e. over `draws` label sets drawn as Bernoulli(probability) with a fixed seed.
+  On a few hundred rows it is several hundredths: an ECE near it is indistinguishable from
+  a calibrated model, and a change smaller than it is not evidence either way.
 * an alert fires when probability >= threshold. `choose_threshold` picks it on one split's
   labels (the validation split: never the test labels) by the highest F1, by the highest
   precision whose recall meets a floor, or by the lowest cost_fp * FP + cost_fn * FN.
@@ -85,6 +91,22 @@ def reliability(target: np.ndarray, probability: np.ndarray, bins: int = 10) -> 
         rows.append({"low": b / bins, "high": (b + 1) / bins, "count": count,
                      "mean_probability": mean_p, "positive_fraction": positive})
     return {"bins": rows, "ece": float(ece)}
+
+
+def equal_mass_ece(target: np.ndarray, probability: np.ndarray, bins: int = 10) -> float:
+    probability = np.asarray(probability, dtype=np.float64)
+    target = np.asarray(target, dtype=np.float64)
+    order = np.argsort(probability, kind="mergesort")
+    return float(sum(len(part) / len(order) * abs(probability[part].mean() - target[part].mean())
+                     for part in np.array_split(order, bins) if len(part)))
+
+
+def ece_noise_floor(probability: np.ndarray, bins: int = 10, draws: int = 200,
+                    seed: int = 0) -> float:
+    probability = np.asarray(probability, dtype=np.float64)
+    rng = np.random.default_rng(seed)
+    labels = rng.random((draws, len(probability))) < probability
+    return float(np.mean([reliability(row, probability, bins)["ece"] for row in labels]))
 
 
 def confusion(target: np.ndarray, probability: np.ndarray, threshold: float) -> dict:

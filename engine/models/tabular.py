@@ -41,7 +41,7 @@ class TabularModel:
     family: str
     feature_names: list[str]
     arrays: dict[str, np.ndarray]
-    calibration: dict | None = None          # {"a": float, "b": float} or None
+    calibration: dict | None = None          # {"a": float, "b": float, ...} or None
     info: dict = field(default_factory=dict)  # hyperparameters, library versions
 
     # -- prediction -----------------------------------------------------------------------
@@ -170,16 +170,25 @@ def _boosting_raw(features: np.ndarray, arrays: dict[str, np.ndarray]) -> np.nda
 def fit_platt(raw: np.ndarray, target: np.ndarray, iterations: int = 100) -> dict:
     """Platt scaling: a, b minimising the log loss of sigmoid(a * raw + b) on held-out rows.
 
-    Newton's method on the two parameters (the loss is convex in them); the targets are the
-    plain 0/1 labels (Platt's prior-smoothed targets are not used)."""
+    The targets are Platt's prior-smoothed ones, (positives + 1) / (positives + 2) for a
+    positive and 1 / (negatives + 2) for a negative, as in Platt (1999) and scikit-learn's
+    `CalibratedClassifierCV(method="sigmoid")`, the handbook's calibrator: on 300 rows a
+    0/1 target lets a bin of confident rows pull the sigmoid to the extremes. Newton's method
+    on the two parameters (the loss is convex in them), started at a = 0 and the smoothed
+    base rate as sklearn does."""
+    raw = np.asarray(raw, dtype=np.float64)
+    target = np.asarray(target)
+    positives = float(np.sum(target > 0))
+    negatives = len(target) - positives
+    soft = np.where(target > 0, (positives + 1) / (positives + 2), 1 / (negatives + 2))
     design = np.column_stack([raw, np.ones_like(raw)])
-    params = np.array([1.0, 0.0])
+    params = np.array([0.0, np.log((positives + 1) / (negatives + 1))])
     for _ in range(iterations):
         p = sigmoid(design @ params)
-        gradient = design.T @ (p - target)
+        gradient = design.T @ (p - soft)
         hessian = design.T @ (design * (p * (1 - p))[:, None]) + 1e-12 * np.eye(2)
         update = np.linalg.solve(hessian, gradient)
         params -= update
         if np.max(np.abs(update)) < 1e-12:
             break
-    return {"a": float(params[0]), "b": float(params[1])}
+    return {"a": float(params[0]), "b": float(params[1]), "rows": int(len(target))}

@@ -4,10 +4,17 @@ Reads top to bottom: the table's train, calibration and val splits (whole groups
 machines, per split) -> three candidates fitted on train (the training fault rate, logistic
 regression on median-imputed standardised features with missingness flags, histogram gradient
 boosting with early stopping off so no random row split sneaks in) -> the best by validation
-average precision -> Platt scaling fitted on the calibration split -> an alert threshold chosen
-on validation (F1, a recall floor, or a cost) -> reliability bins and ECE before and after
-calibration, the confusion matrix in counts, PR curve and reliability PNGs: all of it in
-evals/selection-step-000001.json (what was chosen on validation, and why).
+average precision -> Platt scaling (sklearn's sigmoid calibrator) fitted on rows the model never
+saw: by default the calibration split's scores of the frozen model (the handbook's
+`CalibratedClassifierCV(FrozenEstimator(model), method="sigmoid")`), or with
+`calibration = "cross-fit"` the out-of-fold scores of train, folds grouped by machine
+(`CalibratedClassifierCV(model, cv=GroupKFold, ensemble=False)`: one sigmoid, the model fitted
+on all of train) -> an alert threshold chosen on validation (F1, a recall floor, or a cost) ->
+reliability bins and ECE before and after calibration, judged on validation (equal-width ECE,
+the equal-mass variant, and the ECE a perfectly calibrated model would show on as many rows,
+so a change smaller than that noise is not read as a gain), the confusion matrix in counts,
+PR curve and reliability PNGs: all of it in evals/selection-step-000001.json (what was chosen
+on validation, and why).
 
 The fitted model is stored as arrays (`engine.models.tabular`: model.npz loaded with
 allow_pickle=False, meta.json beside it) whose SHA-256 is checked before every use. A fit is
@@ -85,6 +92,20 @@ def fit_candidate(name: str, config: TabularClassifyConfig, train: TableSplit) -
                                  {"settings": settings, **versions})
 
 
+def cross_fitted_raw(name: str, config: TabularClassifyConfig, rows: TableSplit) -> np.ndarray:
+    """Out-of-fold raw scores of `rows`: each fold of whole groups (sklearn's GroupKFold over
+    the machines) is scored by a copy of the candidate fitted on the other folds, so no row is
+    scored by a model that saw it or any reading of its machine."""
+    from sklearn.model_selection import GroupKFold
+
+    raw = np.empty(len(rows.target))
+    folds = GroupKFold(config.calibration_folds).split(rows.features, rows.target, rows.groups)
+    for fit_index, held_index in folds:
+        raw[held_index] = fit_candidate(name, config, rows.subset(fit_index)).raw(
+            rows.features[held_index])
+    return raw
+
+
 # -- reports and plots --------------------------------------------------------------------
 def probability_report(target: np.ndarray, probability: np.ndarray, bins: int) -> dict:
     calibration = binary.reliability(target, probability, bins)
@@ -93,7 +114,10 @@ def probability_report(target: np.ndarray, probability: np.ndarray, bins: int) -
             "roc_auc": binary.roc_auc(target, probability),
             "brier": binary.brier(target, probability),
             "log_loss": binary.log_loss(target, probability),
-            "ece": calibration["ece"], "reliability": calibration["bins"]}
+            "ece": calibration["ece"],
+            "ece_equal_mass": binary.equal_mass_ece(target, probability, bins),
+            "ece_noise_floor": binary.ece_noise_floor(probability, bins),
+            "reliability": calibration["bins"]}
 
 
 def write_plots(run: RunDir, name: str, target: np.ndarray, probability: np.ndarray,
@@ -188,7 +212,8 @@ def train(job: Job) -> None:
     job.announce("load", "reading the train, calibration and val splits")
     dataset = open_dataset(config, KINDS)
     train_rows = read_split(run, dataset, "train")
-    calibration_rows = read_split(run, dataset, "calibration") if config.calibrate else None
+    on_split = config.calibrate and config.calibration == "split"
+    calibration_rows = read_split(run, dataset, "calibration") if on_split else None
     val = read_split(run, dataset, "val")
 
     candidates = {}
@@ -202,11 +227,16 @@ def train(job: Job) -> None:
     chosen = max(candidates, key=lambda n: candidates[n]["val_average_precision"])
     model = candidates[chosen]["model"]
 
-    job.announce("calibrate", f"Platt scaling of {chosen} on the calibration split")
     before = probability_report(val.target, model.uncalibrated(val.features), config.bins)
-    if calibration_rows is not None:
-        model.calibration = fit_platt(model.raw(calibration_rows.features),
-                                      calibration_rows.target)
+    if config.calibrate:
+        if calibration_rows is not None:
+            job.announce("calibrate", f"Platt scaling of {chosen} on the calibration split")
+            scores, target = model.raw(calibration_rows.features), calibration_rows.target
+        else:
+            job.announce("calibrate", f"Platt scaling of {chosen} on out-of-fold train scores "
+                                      f"({config.calibration_folds} machine-group folds)")
+            scores, target = cross_fitted_raw(chosen, config, train_rows), train_rows.target
+        model.calibration = {**fit_platt(scores, target), "method": config.calibration}
     probability = model.probability(val.features)
     after = probability_report(val.target, probability, config.bins)
 

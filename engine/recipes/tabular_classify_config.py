@@ -1,6 +1,7 @@
 """Config schema of `tabular-classify`: constant, logistic and boosting candidates on a table,
-the best by validation average precision, Platt-calibrated, with a validation-chosen alert
-threshold. Defaults are the handbook's chapter-4 settings."""
+the best by validation average precision, Platt-calibrated (on the calibration split, or
+cross-fitted on train by machine folds), with a validation-chosen alert threshold. Defaults are
+the handbook's chapter-4 settings."""
 
 from __future__ import annotations
 
@@ -46,7 +47,11 @@ class TabularClassifyConfig(RecipeConfig):
                                         description="models compared on validation AP")
     logistic: LogisticSection = Field(default_factory=LogisticSection)
     boosting: BoostingSection = Field(default_factory=BoostingSection)
-    calibrate: bool = Field(True, description="Platt-scale the chosen model on the "
-                                              "calibration split")
+    calibrate: bool = Field(True, description="Platt-scale the chosen model")
+    calibration: Literal["split", "cross-fit"] = Field(
+        "split", description="where the sigmoid is fitted: 'split' = on the calibration split's "
+                             "scores of the frozen model (the handbook's); 'cross-fit' = on "
+                             "out-of-fold scores of train, folds grouped by machine")
+    calibration_folds: int = Field(5, ge=2, le=20, description="cross-fit: group folds of train")
     threshold: ThresholdSection = Field(default_factory=ThresholdSection)
     bins: int = Field(10, ge=2, le=100, description="reliability bins (equal width)")
