@@ -48,7 +48,7 @@ from engine.jobs import Job, run_config
 from engine.models.pointer import OptionPointer, gather_hidden
 from engine.recipes.lm_decision_config import LMDecisionConfig
 from engine.rundir import Checkpoint, RunDir
-from engine.train.checkpoint import load_checkpoint, rng_state, save_checkpoint, set_rng_state
+from engine.train.checkpoint import load_checkpoint, loop_state, resume_loop, save_checkpoint
 from engine.train.data_order import DataCursor
 from engine.train.lm_base import base_model, load_base, size_text
 from engine.train.loop import record_eval
@@ -278,10 +278,7 @@ def train(job: Job) -> None:
         tensors, optimizer_state, state = load_checkpoint(job.resume_from)
         head.load_state_dict(tensors)
         optimizer.load_state_dict(optimizer_state)
-        cursor = DataCursor.from_state(state["cursor"])
-        set_rng_state(state["rng"])
-        step, skipped_total = state["step"], state["skipped_total"]
-        elapsed_before = state["elapsed_s"]
+        cursor, step, skipped_total, elapsed_before = resume_loop(state)
     questions = Counter(r["question"] for r in split_records(dataset, "train"))
     contract = {"recipe": "lm-decision", "layout": LAYOUT, "width": config.head.width,
                 "dim": int(train_feats.readout.shape[1]), "options": schema,
@@ -294,9 +291,8 @@ def train(job: Job) -> None:
         if calibration is not None:
             extra[CALIBRATION_FILE] = json.dumps(calibration, indent=2).encode()
         return save_checkpoint(run, step, model_tensors=head.state_dict(), optimizer=optimizer,
-                               trainer_state={"cursor": cursor.state(), "rng": rng_state(),
-                                              "skipped_total": skipped_total,
-                                              "elapsed_s": clock.elapsed, "step": step,
+                               trainer_state={**loop_state(cursor, skipped_total,
+                                                           clock.elapsed), "step": step,
                                               "invocation": job.invocation,
                                               "base_sha256": base_sha},
                                extra_files=extra, keep_last=config.keep_last)

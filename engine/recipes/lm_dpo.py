@@ -43,9 +43,9 @@ from engine.rundir import Checkpoint, RunDir
 from engine.train.checkpoint import (
     MODEL_FILE,
     checkpoint_due,
-    rng_state,
+    loop_state,
+    resume_loop,
     save_checkpoint,
-    set_rng_state,
 )
 from engine.train.data_order import DataCursor
 from engine.train.lm_base import (
@@ -317,10 +317,7 @@ def train(job: Job) -> None:
     if job.resume_from:
         optimizer_state, state = apply_weights(job.resume_from, model, adapters, base_sha)
         optimizer.load_state_dict(optimizer_state)
-        cursor = DataCursor.from_state(state["cursor"])
-        set_rng_state(state["rng"])
-        step, skipped_total = state["step"], state["skipped_total"]
-        elapsed_before = state["elapsed_s"]
+        cursor, step, skipped_total, elapsed_before = resume_loop(state)
     elif config.sample.prompts:
         job.announce("sample", f"answering {len(config.sample.prompts)} prompt(s) with the "
                                "starting policy (BEFORE)")
@@ -330,8 +327,7 @@ def train(job: Job) -> None:
 
     def checkpoint_now() -> Checkpoint:
         job.stage = "save"
-        trainer_state = {"cursor": cursor.state(), "rng": rng_state(),
-                         "skipped_total": skipped_total, "elapsed_s": clock.elapsed,
+        trainer_state = {**loop_state(cursor, skipped_total, clock.elapsed),
                          "invocation": job.invocation, "base_sha256": base_sha,
                          "reference": identity["reference"], "data": report}
         if adapters:

@@ -45,9 +45,9 @@ from engine.rundir import Checkpoint, RunDir
 from engine.train.checkpoint import (
     checkpoint_due,
     load_checkpoint,
-    rng_state,
+    loop_state,
+    resume_loop,
     save_checkpoint,
-    set_rng_state,
 )
 from engine.train.data_order import DataCursor
 from engine.train.es import EvolutionStrategy
@@ -150,10 +150,7 @@ def train(job: Job) -> None:
         else:
             model.load_state_dict(saved)
         strategy.load([t.clone() for t in tensors])      # the centre; the anchor stays
-        cursor = DataCursor.from_state(state["cursor"])
-        set_rng_state(state["rng"])
-        step, skipped_total = state["step"], state["skipped_total"]
-        elapsed_before = state["elapsed_s"]
+        cursor, step, skipped_total, elapsed_before = resume_loop(state)
     elif config.sample.prompts:
         job.announce("sample", f"answering {len(config.sample.prompts)} prompt(s) with the "
                                "base (BEFORE)")
@@ -161,8 +158,7 @@ def train(job: Job) -> None:
 
     def checkpoint_now() -> Checkpoint:
         job.stage = "save"
-        trainer_state = {"cursor": cursor.state(), "rng": rng_state(),
-                         "skipped_total": skipped_total, "elapsed_s": clock.elapsed,
+        trainer_state = {**loop_state(cursor, skipped_total, clock.elapsed),
                          "invocation": job.invocation, "base_sha256": base_sha, "data": report,
                          "es_iteration": step, "es_seed": config.seed, "es_noise": "gaussian",
                          "es_sigma": es.sigma, "es_population": es.population,

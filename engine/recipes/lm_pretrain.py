@@ -29,9 +29,9 @@ from engine.train import distributed
 from engine.train.checkpoint import (
     checkpoint_due,
     load_checkpoint,
-    rng_state,
+    loop_state,
+    resume_loop,
     save_checkpoint,
-    set_rng_state,
 )
 from engine.train.data_order import DataCursor
 from engine.train.devices import module_device, require_bf16, to_device
@@ -301,15 +301,12 @@ def train(job: Job) -> None:
         tensors, optimizer_state, state = load_checkpoint(job.resume_from)
         model.load_state_dict(tensors)
         optimizer.load_state_dict(optimizer_state)
-        cursor = DataCursor.from_state(state["cursor"])
-        set_rng_state(state["rng"])
-        step, skipped_total = state["step"], state["skipped_total"]
-        elapsed_before, best = state["elapsed_s"], state["best"]
+        cursor, step, skipped_total, elapsed_before = resume_loop(state)
+        best = state["best"]
 
     def checkpoint_now() -> Checkpoint:
         job.stage = "save"
-        trainer_state = {"cursor": cursor.state(), "rng": rng_state(),
-                         "skipped_total": skipped_total, "elapsed_s": clock.elapsed,
+        trainer_state = {**loop_state(cursor, skipped_total, clock.elapsed),
                          "best": best, "invocation": job.invocation}
         return save_checkpoint(run, step, model_tensors=model.state_dict(), optimizer=optimizer,
                                trainer_state=trainer_state,

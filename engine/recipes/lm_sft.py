@@ -34,9 +34,9 @@ from engine.train import distributed
 from engine.train.checkpoint import (
     checkpoint_due,
     load_checkpoint,
-    rng_state,
+    loop_state,
+    resume_loop,
     save_checkpoint,
-    set_rng_state,
 )
 from engine.train.data_order import DataCursor
 from engine.train.devices import require_bf16, to_device
@@ -119,15 +119,11 @@ def train(job: Job) -> None:
     if job.resume_from:
         optimizer.load_state_dict(distributed.shard_optimizer_state(optimizer_state, optimizer)
                                   if sharded else optimizer_state)
-        cursor = DataCursor.from_state(state["cursor"])
-        set_rng_state(state["rng"])
-        step, skipped_total = state["step"], state["skipped_total"]
-        elapsed_before = state["elapsed_s"]
+        cursor, step, skipped_total, elapsed_before = resume_loop(state)
 
     def checkpoint_now() -> Checkpoint:
         job.stage = "save"
-        trainer_state = {"cursor": cursor.state(), "rng": rng_state(),
-                         "skipped_total": skipped_total, "elapsed_s": clock.elapsed,
+        trainer_state = {**loop_state(cursor, skipped_total, clock.elapsed),
                          "invocation": job.invocation, "base_sha256": base_sha,
                          "lora": config.lora.model_dump(mode="json"), "data": report}
         if adapters:
