@@ -50,7 +50,7 @@ from engine.recipes.lm_decision_config import LMDecisionConfig
 from engine.rundir import Checkpoint, RunDir
 from engine.train.checkpoint import load_checkpoint, loop_state, resume_loop, save_checkpoint
 from engine.train.data_order import DataCursor
-from engine.train.lm_base import base_model, load_base, size_text
+from engine.train.lm_base import base_model, load_base, require_same_base, size_text
 from engine.train.loop import record_eval
 from engine.train.media_data import dataset_manifest, open_dataset, split_records
 from engine.train.metrics import StepClock, train_row
@@ -393,14 +393,10 @@ class Decider:
 def load_decider(run: RunDir, checkpoint: Checkpoint) -> Decider:
     """The frozen base (its SHA-256 checked against the run's), the checkpoint's head, its input
     contract and, from a last-step checkpoint, its calibration."""
-    from engine.fsutil import sha256_file
-
     config = run_config(run)
     contract = read_json(checkpoint.path / DECISION_FILE)
     base = load_base(config)
-    if sha256_file(base.path) != contract["base_sha256"]:
-        raise ForgebenchError("the base model file changed since the run was trained",
-                              path=base.path, hint="restore the original base model")
+    require_same_base(base.path, contract["base_sha256"])
     base.model.eval()
     head = OptionPointer(contract["dim"], contract["width"])
     head.load_state_dict(load_checkpoint(checkpoint)[0])

@@ -37,7 +37,7 @@ from engine.errors import ForgebenchError
 from engine.fsutil import atomic_write_json, read_json, sha256_file
 from engine.jobs import Job, run_config
 from engine.llm.sft_data import EncodedSample, SFTExample, encode_sft
-from engine.lora import ADAPTERS_FILE, adapter_bytes, describe_adapters, read_adapters
+from engine.lora import ADAPTERS_FILE, describe_adapters, read_adapters
 from engine.recipes.lm_dpo_config import LMDPOConfig
 from engine.rundir import Checkpoint, RunDir
 from engine.train.checkpoint import (
@@ -45,7 +45,6 @@ from engine.train.checkpoint import (
     checkpoint_due,
     loop_state,
     resume_loop,
-    save_checkpoint,
 )
 from engine.train.data_order import DataCursor
 from engine.train.lm_base import (
@@ -55,8 +54,10 @@ from engine.train.lm_base import (
     generate_answer,
     load_policy,
     pack,
+    save_weights,
     size_text,
-    write_generations,
+    write_after,
+    write_before,
 )
 from engine.train.metrics import StepClock, train_row
 from engine.train.optim import build_adamw, clip_and_step, lr_at, set_lr
@@ -318,10 +319,8 @@ def train(job: Job) -> None:
         optimizer_state, state = apply_weights(job.resume_from, model, adapters, base_sha)
         optimizer.load_state_dict(optimizer_state)
         cursor, step, skipped_total, elapsed_before = resume_loop(state)
-    elif config.sample.prompts:
-        job.announce("sample", f"answering {len(config.sample.prompts)} prompt(s) with the "
-                               "starting policy (BEFORE)")
-        write_generations(run, "step-000000", 0, base, config, identity)
+    else:
+        write_before(job, base, identity, "the starting policy")
     if tr.activation_checkpointing:
         checkpoint_activations(model)
 
@@ -330,12 +329,8 @@ def train(job: Job) -> None:
         trainer_state = {**loop_state(cursor, skipped_total, clock.elapsed),
                          "invocation": job.invocation, "base_sha256": base_sha,
                          "reference": identity["reference"], "data": report}
-        if adapters:
-            return save_checkpoint(run, step, model_tensors={}, optimizer=optimizer,
-                                   trainer_state=trainer_state, keep_last=config.keep_last,
-                                   extra_files={ADAPTERS_FILE: adapter_bytes(adapters, base_sha)})
-        return save_checkpoint(run, step, model_tensors=model.state_dict(), optimizer=optimizer,
-                               trainer_state=trainer_state, keep_last=config.keep_last)
+        return save_weights(run, step, model, adapters, base_sha, trainer_state=trainer_state,
+                            keep_last=config.keep_last, optimizer=optimizer)
 
     clock = StepClock(elapsed_before)
     model.train()
@@ -378,10 +373,7 @@ def train(job: Job) -> None:
         if checkpoint_due(config, step, job.stop_requested):
             last = checkpoint_now()
     bar.close()
-
-    if step == config.steps and not job.stop_requested and config.sample.prompts:
-        job.stage = "sample"
-        write_generations(run, last.name, step, base, config, identity)   # AFTER
+    write_after(job, step, last, base, identity)
 
 
 # -- evaluation and generation from a run ---------------------------------------------------

@@ -27,21 +27,20 @@ import torch
 
 from engine.jobs import Job, run_config
 from engine.llm.sft_data import data_manifest, encode_samples  # noqa: F401 (the hooks)
-from engine.lora import ADAPTERS_FILE, adapter_bytes, describe_adapters, load_adapters
+from engine.lora import describe_adapters
 from engine.recipes.lm_sft_config import LMSFTConfig
 from engine.rundir import Checkpoint, RunDir
 from engine.train import distributed
 from engine.train.checkpoint import (
     checkpoint_due,
-    load_checkpoint,
     loop_state,
     resume_loop,
-    save_checkpoint,
 )
 from engine.train.data_order import DataCursor
 from engine.train.devices import require_bf16, to_device
 from engine.train.lm_base import (
     Base,
+    apply_weights,
     base_model,
     checkpoint_activations,
     generate_answer,
@@ -49,8 +48,10 @@ from engine.train.lm_base import (
     load_policy,
     pack,
     prepare_trainable,
+    save_weights,
     size_text,
-    write_generations,
+    write_after,
+    write_before,
 )
 from engine.train.lm_reports import mean_loss, write_reports
 from engine.train.loss import IGNORE, SupervisedLoss
@@ -90,17 +91,10 @@ def train(job: Job) -> None:
     cursor = DataCursor(len(samples), config.seed)
     step, skipped_total, elapsed_before = 0, 0, 0.0
     if job.resume_from:            # weights before sharding: FSDP2 shards what is loaded
-        tensors, optimizer_state, state = load_checkpoint(job.resume_from)
-        if adapters:
-            load_adapters(job.resume_from.path / ADAPTERS_FILE, adapters, base_sha)
-        else:
-            model.load_state_dict(tensors)
+        optimizer_state, state = apply_weights(job.resume_from, model, adapters, base_sha)
     model.to(device)
-    if not job.resume_from and config.sample.prompts and world.is_main:
-        job.announce("sample", f"answering {len(config.sample.prompts)} prompt(s) with the "
-                               "base (BEFORE)")
-        write_generations(run, "step-000000", 0, base, config, identity)   # BEFORE = the base
-    if not job.resume_from and world.is_main:   # held-out perplexity / tool-call score BEFORE
+    if not job.resume_from and world.is_main:   # answers, perplexity / tool-call score BEFORE
+        write_before(job, base, identity)
         write_reports(run, "step-000000", 0, base, config, job.announce)
     if tr.activation_checkpointing:
         checkpoint_activations(model)
@@ -126,12 +120,8 @@ def train(job: Job) -> None:
         trainer_state = {**loop_state(cursor, skipped_total, clock.elapsed),
                          "invocation": job.invocation, "base_sha256": base_sha,
                          "lora": config.lora.model_dump(mode="json"), "data": report}
-        if adapters:
-            return save_checkpoint(run, step, model_tensors={}, optimizer=optimizer,
-                                   trainer_state=trainer_state, keep_last=config.keep_last,
-                                   extra_files={ADAPTERS_FILE: adapter_bytes(adapters, base_sha)})
-        return save_checkpoint(run, step, model_tensors=model.state_dict(), optimizer=optimizer,
-                               trainer_state=trainer_state, keep_last=config.keep_last)
+        return save_weights(run, step, model, adapters, base_sha, trainer_state=trainer_state,
+                            keep_last=config.keep_last, optimizer=optimizer)
 
     utilisation = StepUtilisation(precision, job.threads)
     clock = StepClock(elapsed_before)
@@ -185,14 +175,10 @@ def train(job: Job) -> None:
             last = checkpoint_now()
     bar.close()
 
-    if step == config.steps and not job.stop_requested and config.sample.prompts and world.is_main:
-        job.stage = "sample"
-        if sharded:   # FSDP2 holds shards: answer with the checkpoint's full weights
-            base = load_trained(run, last)[0]
-        write_generations(run, last.name, step, base, config, identity)   # AFTER
     if step == config.steps and not job.stop_requested and world.is_main:
-        if sharded and not config.sample.prompts:
+        if sharded:   # FSDP2 holds shards: answer and report with the checkpoint's full weights
             base = load_trained(run, last)[0]
+        write_after(job, step, last, base, identity)
         write_reports(run, last.name, step, base, config, job.announce)   # AFTER + the change
 
 
