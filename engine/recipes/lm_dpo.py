@@ -36,7 +36,7 @@ from engine.data.preferences import load_preferences
 from engine.errors import ForgebenchError
 from engine.fsutil import atomic_write_json, read_json, sha256_file
 from engine.jobs import Job, run_config
-from engine.llm.sft_data import EncodedSample, SFTExample, encode_sft
+from engine.llm.sft_data import EncodedSample, SFTExample, data_source, encode_sft
 from engine.lora import ADAPTERS_FILE, describe_adapters, read_adapters
 from engine.recipes.lm_dpo_config import LMDPOConfig
 from engine.rundir import Checkpoint, RunDir
@@ -95,21 +95,9 @@ def load_start(config: LMDPOConfig):
 
 
 # -- data -----------------------------------------------------------------------------------
-def data_source(config: LMDPOConfig, split: str = "train") -> Path:
+def preference_source(config: LMDPOConfig, split: str = "train") -> Path:
     """The JSONL file of a split, or the preferences dataset folder holding every split."""
-    name = {"train": "path", "val": "val_path", "test": "test_path"}[split]
-    value = getattr(config.data, name)
-    if value is None and split != "train" and \
-            config.resolve_path(config.data.path, "field 'data.path'").is_dir():
-        value = config.data.path
-    if value is None:
-        raise ForgebenchError(f"the config names no {split} data", where=f"field 'data.{name}'",
-                              hint=f"add data.{name} = \"FILE.jsonl\"")
-    path = config.resolve_path(value, f"field 'data.{name}'")
-    if not path.exists():
-        raise ForgebenchError("preference data not found", path=path, where=f"field 'data.{name}'",
-                              hint="a JSONL file, or a preferences dataset folder")
-    return path
+    return data_source(config, split, "preference data", "preferences")
 
 
 def data_manifest(config: LMDPOConfig) -> dict:
@@ -122,7 +110,7 @@ def data_manifest(config: LMDPOConfig) -> dict:
     for split in ("train", "val", "test"):
         if split != "train" and not getattr(config.data, f"{split}_path"):
             continue
-        path = data_source(config, split)
+        path = preference_source(config, split)
         load_preferences(path, split if path.is_dir() else None)
         if path.is_dir():
             files |= {f"{path.name}/{name}": digest for name, digest in
@@ -163,7 +151,7 @@ def encode_pairs(config: LMDPOConfig, base: Base, split: str = "train"):
     """(encoded pairs, summary counts) of one split: each side is the prompt and one response
     rendered with the base's template, only the response (and its end of turn) supervised."""
     d = config.data
-    path = data_source(config, split)
+    path = preference_source(config, split)
     pairs, counts = load_preferences(path, split if path.is_dir() else None)
     render = functools.partial(base.template.render, enable_thinking=d.enable_thinking)
     encoded, too_long = [], 0
