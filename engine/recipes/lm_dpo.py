@@ -59,7 +59,7 @@ from engine.train.lm_base import (
     write_after,
     write_before,
 )
-from engine.train.metrics import StepClock, train_row
+from engine.train.metrics import StepClock, train_row, write_eval_record
 from engine.train.optim import build_adamw, clip_and_step, lr_at, set_lr
 from engine.train.precision import autocast, run_precision
 from engine.train.preference import PreferenceLoss, preference_loss, sequence_logps
@@ -390,12 +390,8 @@ def evaluate(run: RunDir, checkpoint: Checkpoint, split: str) -> dict:
                               torch.tensor([p.chosen.n_supervised for p in pairs]),
                               torch.tensor([p.rejected.n_supervised for p in pairs])),
               policy["chosen"], policy["rejected"])
-    record = {"split": split, "checkpoint": checkpoint.name, "step": checkpoint.step,
-              **stats.row(), "pairs": len(pairs), "ties": report["ties"],
-              "skips": report["skips"], "source": "forgebench eval"}
-    run.write_eval(f"{split}-{checkpoint.name}", record)
-    run.log_metric(record)
-    return record
+    return write_eval_record(run, checkpoint, split, {
+        **stats.row(), "pairs": len(pairs), "ties": report["ties"], "skips": report["skips"]})
 
 
 def generate(run: RunDir, checkpoint: Checkpoint, args) -> dict:

@@ -52,7 +52,7 @@ from engine.train.lm_base import (
     write_after,
     write_before,
 )
-from engine.train.metrics import StepClock, train_row
+from engine.train.metrics import StepClock, train_row, write_eval_record
 from engine.train.optim import NonFiniteError, StepOutcome
 from engine.train.rewards import RewardSpec, score, teacher_forced
 
@@ -219,13 +219,9 @@ def evaluate(run: RunDir, checkpoint: Checkpoint, split: str) -> dict:
     result = score(base.model, base.tokenizer, samples, reward_spec(config),
                    config.es.micro_batch)
     ce_sum, correct, tokens = teacher_forced(base.model, samples, config.es.micro_batch)
-    record = {"split": split, "checkpoint": checkpoint.name, "step": checkpoint.step,
-              "loss": ce_sum / tokens, "token_accuracy": correct / tokens,
-              "reward": result.reward, "reward_kind": config.reward.kind,
-              "supervised_tokens": tokens, "samples": len(samples), "source": "forgebench eval"}
-    run.write_eval(f"{split}-{checkpoint.name}", record)
-    run.log_metric(record)
-    return record
+    return write_eval_record(run, checkpoint, split, {
+        "loss": ce_sum / tokens, "token_accuracy": correct / tokens, "reward": result.reward,
+        "reward_kind": config.reward.kind, "supervised_tokens": tokens, "samples": len(samples)})
 
 
 @torch.no_grad()

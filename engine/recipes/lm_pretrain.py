@@ -35,7 +35,13 @@ from engine.train.checkpoint import (
 )
 from engine.train.data_order import DataCursor
 from engine.train.devices import module_device, require_bf16, to_device
-from engine.train.metrics import StepClock, StepUtilisation, WindowLoss, train_row
+from engine.train.metrics import (
+    StepClock,
+    StepUtilisation,
+    WindowLoss,
+    train_row,
+    write_eval_record,
+)
 from engine.train.optim import build_adamw, clip_and_step, lr_at, set_lr
 from engine.train.precision import autocast, run_precision
 
@@ -183,12 +189,8 @@ def evaluate(run: RunDir, checkpoint: Checkpoint, split: str) -> dict:
     model, tokenizer, config = load_model(run, checkpoint)
     result = bits_per_byte(model, tokenizer, read_split(config, split), config,
                            precision=run_precision(run, config))
-    record = {"split": split, "checkpoint": checkpoint.name, "step": checkpoint.step,
-              "loss": result.loss, "bpb": result.bpb, "tokens": result.tokens,
-              "bytes": result.bytes, "source": "forgebench eval"}
-    run.write_eval(f"{split}-{checkpoint.name}", record)
-    run.log_metric(record)
-    return record
+    return write_eval_record(run, checkpoint, split, {
+        "loss": result.loss, "bpb": result.bpb, "tokens": result.tokens, "bytes": result.bytes})
 
 
 # -- generation ---------------------------------------------------------------------------

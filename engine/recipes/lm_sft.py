@@ -55,7 +55,13 @@ from engine.train.lm_base import (
 )
 from engine.train.lm_reports import mean_loss, write_reports
 from engine.train.loss import IGNORE, SupervisedLoss
-from engine.train.metrics import StepClock, StepUtilisation, WindowLoss, train_row
+from engine.train.metrics import (
+    StepClock,
+    StepUtilisation,
+    WindowLoss,
+    train_row,
+    write_eval_record,
+)
 from engine.train.optim import build_adamw, clip_and_step, lr_at, set_lr
 from engine.train.precision import autocast, run_precision
 
@@ -202,14 +208,10 @@ def evaluate(run: RunDir, checkpoint: Checkpoint, split: str) -> dict:
     base, config = load_trained(run, checkpoint)
     samples, report = encode_samples(config, base, split=split)
     total = mean_loss(base, samples, config.train.micro_batch, run_precision(run, config))
-    record = {"split": split, "checkpoint": checkpoint.name, "step": checkpoint.step,
-              "loss": total.value, "supervised_tokens": total.tokens,
-              "samples": len(samples), "source": "forgebench eval"}
+    values = {"loss": total.value, "supervised_tokens": total.tokens, "samples": len(samples)}
     if config.mode == "cpt":
-        record["perplexity"] = math.exp(total.value)
-    run.write_eval(f"{split}-{checkpoint.name}", record)
-    run.log_metric(record)
-    return record
+        values["perplexity"] = math.exp(total.value)
+    return write_eval_record(run, checkpoint, split, values)
 
 
 def generate(run: RunDir, checkpoint: Checkpoint, args) -> dict:
