@@ -54,7 +54,7 @@ from engine.train.lm_base import base_model, load_base, require_same_base, size_
 from engine.train.loop import record_eval
 from engine.train.media_data import dataset_manifest, open_dataset, split_records
 from engine.train.metrics import StepClock, train_row
-from engine.train.optim import build_adamw, clip_and_step, lr_at, set_lr
+from engine.train.optim import adamw_for, clip_and_step, scheduled_lr, set_lr
 
 KINDS = ("decisions",)
 DECISION_FILE, CALIBRATION_FILE = "decision.json", "calibration.json"
@@ -270,8 +270,7 @@ def train(job: Job) -> None:
                   max_tokens=max(len(x.ids) for v in laid.values() for x in v))
 
     head = OptionPointer(train_feats.readout.shape[1], config.head.width)
-    optimizer = build_adamw(list(head.named_parameters()), lr=opt.lr,
-                            weight_decay=opt.weight_decay, betas=(opt.beta1, opt.beta2))
+    optimizer = adamw_for(list(head.named_parameters()), opt)
     cursor = DataCursor(len(laid["train"]), config.seed)
     step, skipped_total, elapsed_before = 0, 0, 0.0
     if job.resume_from:
@@ -313,8 +312,7 @@ def train(job: Job) -> None:
     head.train()
     bar = job.progress(config.steps, initial=step)
     while step < config.steps and not job.stop_requested:
-        lr = lr_at(step, lr=opt.lr, warmup=warmup, total=config.steps, schedule=opt.schedule,
-                   min_lr_ratio=opt.min_lr_ratio)
+        lr = scheduled_lr(opt, step, config.steps, warmup)
         set_lr(optimizer, lr)
         job.stage = "forward"
         batch = train_feats.take(torch.tensor(cursor.take(config.batch)))

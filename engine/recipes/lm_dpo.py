@@ -60,7 +60,7 @@ from engine.train.lm_base import (
     write_before,
 )
 from engine.train.metrics import StepClock, train_row, write_eval_record
-from engine.train.optim import build_adamw, clip_and_step, lr_at, set_lr
+from engine.train.optim import adamw_for, clip_and_step, scheduled_lr, set_lr
 from engine.train.precision import autocast, run_precision
 from engine.train.preference import PreferenceLoss, preference_loss, sequence_logps
 
@@ -298,8 +298,7 @@ def train(job: Job) -> None:
                 "method": "lora" if adapters else "full",
                 "reference": f"{Path(start['run']).name}/{start['checkpoint']}",
                 **(describe_adapters(adapters) if adapters else {})}
-    optimizer = build_adamw(trainable, lr=opt.lr, weight_decay=opt.weight_decay,
-                            betas=(opt.beta1, opt.beta2), eps=opt.eps, moments=opt.moments)
+    optimizer = adamw_for(trainable, opt)
     params = [p for _, p in trainable]
     cursor = DataCursor(len(pairs), config.seed)
     step, skipped_total, elapsed_before = 0, 0, 0.0
@@ -324,8 +323,7 @@ def train(job: Job) -> None:
     model.train()
     bar = job.progress(config.steps, initial=step)
     while step < config.steps and not job.stop_requested:
-        lr = lr_at(step, lr=opt.lr, warmup=opt.warmup, total=config.steps,
-                   schedule=opt.schedule, min_lr_ratio=opt.min_lr_ratio)
+        lr = scheduled_lr(opt, step, config.steps)
         set_lr(optimizer, lr)
         indices = cursor.take(tr.window)
         stats, input_tokens, supervised = WindowStats(), 0, 0

@@ -42,7 +42,7 @@ from engine.train.metrics import (
     train_row,
     write_eval_record,
 )
-from engine.train.optim import build_adamw, clip_and_step, lr_at, set_lr
+from engine.train.optim import adamw_for, clip_and_step, scheduled_lr, set_lr
 from engine.train.precision import autocast, run_precision
 
 CUDA = True            # trains on a GPU (engine/train/devices.py)
@@ -295,8 +295,7 @@ def train(job: Job) -> None:
             "training window", path=corpus_files(config)["train"],
             hint="add text or lower model.context")
     model = build_model(config, tokenizer.vocab_size).to(device)
-    optimizer = build_adamw(model.named_parameters(), lr=opt.lr, weight_decay=opt.weight_decay,
-                            betas=(opt.beta1, opt.beta2), eps=opt.eps, moments=opt.moments)
+    optimizer = adamw_for(model.named_parameters(), opt)
     cursor = DataCursor(len(train_windows), config.seed)
     step, skipped_total, elapsed_before, best = 0, 0, 0.0, None
     if job.resume_from:
@@ -340,8 +339,7 @@ def train(job: Job) -> None:
     model.train()
     bar = job.progress(config.steps, initial=step)
     while step < config.steps and not job.stop_requested:
-        lr = lr_at(step, lr=opt.lr, warmup=opt.warmup, total=config.steps,
-                   schedule=opt.schedule, min_lr_ratio=opt.min_lr_ratio)
+        lr = scheduled_lr(opt, step, config.steps)
         set_lr(optimizer, lr)
         window = WindowLoss()
         utilisation.begin()

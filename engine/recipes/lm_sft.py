@@ -62,7 +62,7 @@ from engine.train.metrics import (
     train_row,
     write_eval_record,
 )
-from engine.train.optim import build_adamw, clip_and_step, lr_at, set_lr
+from engine.train.optim import adamw_for, clip_and_step, scheduled_lr, set_lr
 from engine.train.precision import autocast, run_precision
 
 CUDA = True            # trains on a GPU (engine/train/devices.py)
@@ -113,8 +113,7 @@ def train(job: Job) -> None:
                if sharded else distributed.data_parallel(SupervisedLoss(model), world, device))
     if sharded:                    # the optimizer steps the shards (DTensors) that replaced them
         trainable = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-    optimizer = build_adamw(trainable, lr=opt.lr, weight_decay=opt.weight_decay,
-                            betas=(opt.beta1, opt.beta2), eps=opt.eps, moments=opt.moments)
+    optimizer = adamw_for(trainable, opt)
     params = [p for _, p in trainable]
     if job.resume_from:
         optimizer.load_state_dict(distributed.shard_optimizer_state(optimizer_state, optimizer)
@@ -134,8 +133,7 @@ def train(job: Job) -> None:
     model.train()
     bar = job.progress(config.steps, initial=step)
     while step < config.steps and not job.stop_requested:
-        lr = lr_at(step, lr=opt.lr, warmup=opt.warmup, total=config.steps,
-                   schedule=opt.schedule, min_lr_ratio=opt.min_lr_ratio)
+        lr = scheduled_lr(opt, step, config.steps)
         set_lr(optimizer, lr)
         window = [samples[i] for i in cursor.take(tr.window)]
         mine = distributed.shard(window, world, "window", "field 'train.window'")

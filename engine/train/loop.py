@@ -30,7 +30,7 @@ from engine.train.checkpoint import (
 )
 from engine.train.data_order import DataCursor
 from engine.train.metrics import StepClock, StepUtilisation, train_row
-from engine.train.optim import clip_and_step, lr_at, set_lr
+from engine.train.optim import clip_and_step, scheduled_lr, set_lr
 from engine.train.precision import run_precision
 
 META_FILE = "meta.json"
@@ -166,8 +166,7 @@ def train_loop(job: Job, loop: Loop) -> None:
         checkpoint_now()
     bar = job.progress(config.steps, initial=step)
     while step < config.steps and not job.stop_requested:
-        lr = lr_at(step, lr=opt.lr, warmup=opt.warmup, total=config.steps,
-                   schedule=opt.schedule, min_lr_ratio=opt.min_lr_ratio)
+        lr = scheduled_lr(opt, step, config.steps)
         set_lr(loop.optimizer, lr)
         job.stage = "forward"
         indices = cursor.take(config.batch_size)
