@@ -10,8 +10,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from fixtures_gguf import write_tiny_gguf
-from test_lm_sft import write_config
+from lm_sft_support import tiny_base, write_config
 
 from app.viewmodels.workspace import Workspace
 from engine import model_library
@@ -27,8 +26,7 @@ def forgebench(*args: str, timeout: int = 600, cwd: Path = REPO) -> subprocess.C
 
 
 def tiny_model(folder: Path, name: str = "tiny-gemma3.gguf", **kwargs) -> Path:
-    folder.mkdir(parents=True, exist_ok=True)
-    return write_tiny_gguf(folder / name, arch="gemma3", qtype="Q4_K", n_layers=2, **kwargs)
+    return tiny_base(folder, name, **kwargs)
 
 
 def chat_workspace(tmp_path_factory) -> Path:

@@ -17,8 +17,8 @@ from pathlib import Path
 import pytest
 from app_wait import GuiThreadGuard, settle
 from chat_support import tiny_model
+from lm_sft_support import write_config
 from PySide6.QtCore import Qt
-from test_lm_sft import write_config
 
 from app.viewmodels import first_tune
 from app.viewmodels.first_tune import ESTIMATE_KEY, FirstTune, read_probe

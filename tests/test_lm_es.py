@@ -14,16 +14,14 @@ from pathlib import Path
 import pytest
 import torch
 from lm_pretrain_support import forgebench, popen_forgebench, train_series
+from lm_sft_support import PIRATE_PAIRS, tiny_base, write_pairs
 
 from engine.lora import read_adapters
 from engine.rundir import RunDir
 
 torch.set_num_threads(1)
 
-PAIRS = [("What is the capital of France?", "Ahoy! The capital be Paris, matey."),
-         ("Name a primary color.", "Ahoy! Red be a fine color."),
-         ("What is two plus two?", "Ahoy! Four, matey."),
-         ("Say hello.", "Ahoy there!")]
+PAIRS = [PIRATE_PAIRS[i] for i in (0, 1, 2, 4)]   # four of them, "Say hello." last
 
 CONFIG = """\
 recipe = "lm-es"
@@ -66,17 +64,12 @@ max_tokens = 6
 
 @pytest.fixture(scope="module")
 def tiny_gguf(tmp_path_factory) -> Path:
-    from fixtures_gguf import write_tiny_gguf
-
-    return write_tiny_gguf(tmp_path_factory.mktemp("base") / "tiny-gemma3-q4k.gguf",
-                           arch="gemma3", qtype="Q4_K", n_layers=2)
+    return tiny_base(tmp_path_factory.mktemp("base"))
 
 
 def write_config(folder: Path, gguf: Path, *, steps=6, save_every=0, mode="lora",
                  population=8, sigma=0.05, lr=0.02, anchor="none", reward="nll") -> Path:
-    data = folder / "pairs.jsonl"
-    data.write_text("".join(json.dumps({"instruction": q, "response": a}) + "\n"
-                            for q, a in PAIRS))
+    data = write_pairs(folder / "pairs.jsonl", PAIRS)
     path = folder / "es.toml"
     path.write_text(CONFIG.format(steps=steps, save_every=save_every, gguf=gguf, data=data,
                                   mode=mode, population=population, sigma=sigma, lr=lr,

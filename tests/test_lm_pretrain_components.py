@@ -21,7 +21,15 @@ from engine.sampling import (
 from engine.text_tokenizers import BPETokenizer, ByteTokenizer, tokenizer_from_json
 from engine.train.data_order import DataCursor, epoch_permutation
 from engine.train.metrics import StepClock, WindowLoss, peak_rss_mb
-from engine.train.optim import NonFiniteError, build_adamw, clip_and_step, lr_at
+from engine.train.optim import (
+    AdamW,
+    NonFiniteError,
+    adamw_for,
+    build_adamw,
+    clip_and_step,
+    lr_at,
+    scheduled_lr,
+)
 
 
 # -- learning-rate schedule ----------------------------------------------------------------
@@ -33,6 +41,29 @@ def test_lr_schedule_worked_numbers():
     assert lr_at(9, **kw) == pytest.approx(0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * 5 / 9)))
     assert lr_at(100, **kw) == pytest.approx(0.1)
     assert lr_at(10, lr=2e-3, warmup=0, total=20, schedule="constant") == 2e-3
+
+
+def test_a_config_section_sets_the_optimizer_and_the_schedule():
+    """adamw_for / scheduled_lr read every field the section has: the LM section's eps and bf16
+    moments reach the optimizer, a media section (which has neither) gets build_adamw's own."""
+    from engine.recipes.lm_decision_config import OptimSection as DecisionOptim
+    from engine.recipes.lm_pretrain_config import PretrainOptimSection
+    from engine.recipes.optim_config import OptimSection
+
+    layer = torch.nn.Linear(4, 4)
+    lm = adamw_for(layer.named_parameters(), PretrainOptimSection(eps=1e-6, moments="bf16"))
+    assert isinstance(lm, AdamW) and lm.moment_dtype == torch.bfloat16
+    assert [(g["lr"], g["betas"], g["eps"], g["weight_decay"]) for g in lm.param_groups] == [
+        (3e-3, (0.9, 0.95), 1e-6, 0.1), (3e-3, (0.9, 0.95), 1e-6, 0.0)]   # bias: no decay
+    media = adamw_for(layer.named_parameters(), OptimSection(lr=2e-4, weight_decay=0.0))
+    assert not isinstance(media, AdamW)
+    assert [(g["lr"], g["betas"], g["eps"]) for g in media.param_groups] == [
+        (2e-4, (0.9, 0.999), 1e-8)] * 2
+    section = PretrainOptimSection(lr=1.0, warmup=4, min_lr_ratio=0.1)
+    assert [scheduled_lr(section, s, 14) for s in (0, 3, 13)] == [
+        lr_at(s, lr=1.0, warmup=4, total=14, min_lr_ratio=0.1) for s in (0, 3, 13)]
+    decision = DecisionOptim()                # warmup as a share of the steps, passed in steps
+    assert scheduled_lr(decision, 0, 20, warmup=2) == pytest.approx(5e-4)
 
 
 # -- clipping and the non-finite policy ----------------------------------------------------

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 from lm_pretrain_support import forgebench, tree_digest
+from lm_sft_support import tiny_base, write_config, write_pairs
 
 from engine.fsutil import sha256_file
 from engine.lora import read_adapters
@@ -17,71 +18,9 @@ from engine.lora import read_adapters
 torch.set_num_threads(1)
 ADAPTERS = "adapters.safetensors"
 
-PAIRS = [("What is the capital of France?", "Ahoy! The capital be Paris, matey."),
-         ("Name a primary color.", "Ahoy! Red be a fine color."),
-         ("What is two plus two?", "Ahoy! Four, matey."),
-         ("How many days are in a week?", "Ahoy! Seven days."),
-         ("Say hello.", "Ahoy there!"),
-         ("What is the sea?", "The sea be our home, matey.")]
-
-CONFIG = """\
-recipe = "lm-sft"
-seed = 5
-steps = {steps}
-save_every = {save_every}
-keep_last = 5
-
-[model]
-gguf = "{gguf}"
-weights = "{weights}"
-
-[data]
-path = "{data}"
-max_len = 160
-
-[lora]
-method = "{method}"
-rank = 4
-alpha = 8.0
-dropout = {dropout}
-targets = {targets}
-
-[optim]
-lr = 1e-2
-
-[train]
-window = {window}
-micro_batch = 2
-
-[sample]
-prompts = ["Say hello."]
-max_tokens = 6
-"""
-
-
 @pytest.fixture(scope="module")
 def tiny_gguf(tmp_path_factory) -> Path:
-    from fixtures_gguf import write_tiny_gguf
-
-    return write_tiny_gguf(tmp_path_factory.mktemp("base") / "tiny-gemma3-q4k.gguf",
-                           arch="gemma3", qtype="Q4_K", n_layers=2)
-
-
-def write_data(path: Path, pairs=PAIRS) -> Path:
-    path.write_text("".join(json.dumps({"instruction": q, "response": a}) + "\n"
-                            for q, a in pairs))
-    return path
-
-
-def write_config(folder: Path, gguf: Path, *, steps=6, save_every=0, method="lora",
-                 dropout=0.1, targets='["q", "v", "down"]', window=3, data=None,
-                 weights="packed") -> Path:
-    data = data or write_data(folder / "pairs.jsonl")
-    path = folder / "sft.toml"
-    path.write_text(CONFIG.format(steps=steps, save_every=save_every, gguf=gguf, data=data,
-                                  method=method, dropout=dropout, targets=targets,
-                                  window=window, weights=weights))
-    return path
+    return tiny_base(tmp_path_factory.mktemp("base"))
 
 
 def train_losses(run: Path) -> list[float]:
@@ -328,7 +267,7 @@ def test_an_lm_pretrain_run_is_a_base_for_lora_and_full_fine_tuning(tmp_path):
     forgebench("run", str(write_pretrain_config(tmp_path / "pt.toml", corpus, steps=3)),
                "--out", str(tmp_path / "pt"))
     weights = tmp_path / "pt" / "checkpoints" / "step-000003" / "model.safetensors"
-    data = write_data(tmp_path / "pairs.jsonl")
+    data = write_pairs(tmp_path / "pairs.jsonl")
     for method in ("lora", "full"):
         config = tmp_path / f"{method}.toml"
         config.write_text(f'recipe = "lm-sft"\nsteps = 3\n[model]\nrun = "{tmp_path / "pt"}"\n'

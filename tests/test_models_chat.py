@@ -373,7 +373,7 @@ def test_a_checkpoint_answers_in_chat_as_the_recipe_answers(tmp_path_factory, me
     """The worker's greedy reply of a run checkpoint (base + adapters, or full weights) is the
     answer `forgebench generate RUN` gives through the recipe's own decode loop."""
     from fixtures_gguf import write_tiny_gguf
-    from test_lm_sft import write_config
+    from lm_sft_support import write_config
 
     if method == "lora":
         root = chat_workspace(tmp_path_factory)

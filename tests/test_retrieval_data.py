@@ -126,6 +126,19 @@ def test_a_group_split_across_two_splits_is_refused(tmp_path):
                and "never spans two splits" in f.reason for f in errors)
 
 
+def test_text_files_that_are_not_utf8_are_reported_by_name(tmp_path):
+    """The queries file of a retrieval set and a split file of a text corpus go through the one
+    reader of listed text files: each is named, with the reason, not a traceback."""
+    from engine.data.generators.records import generate_records
+
+    retrieval = generate_help_articles(tmp_path / "d", "easy")
+    corpus = generate_records(tmp_path / "corpus", n=20, seed=1)
+    for root, name in ((retrieval, "queries.jsonl"), (corpus, "train.txt")):
+        (root / name).write_bytes(b"\xff\xfe not utf-8\n")
+        assert any(f.file == name and f.reason.startswith("unreadable as UTF-8 text")
+                   for f in validate_dataset(root, check_hashes=False).errors), name
+
+
 def test_the_untouched_set_validates(tmp_path):
     assert validate_dataset(generate_help_articles(tmp_path / "d", "hard")).ok
 

@@ -96,7 +96,7 @@ def test_cli_on_an_lm_sft_config_over_a_packed_q4k_base(tmp_path):
 
     from fixtures_gguf import write_tiny_gguf
     from lm_pretrain_support import forgebench
-    from test_lm_sft import write_config
+    from lm_sft_support import write_config
 
     base = write_tiny_gguf(tmp_path / "tiny.gguf", arch="gemma3", qtype="Q4_K", n_layers=2)
     config = write_config(tmp_path, base)

@@ -43,6 +43,15 @@ def _print_outcome(run: RunDir, status: dict) -> None:
         print(f"checkpoint: {latest.path}")
 
 
+def _train(args, run: RunDir, config, checkpoint, *, threads: int, argv: list[str],
+           overrides: dict | None = None) -> dict:
+    """Train in this process, or launch the ranks under torchrun (`--nproc`); the final status."""
+    if wants_launch(args):
+        return launch(args, run, threads=threads, checkpoint=checkpoint, overrides=overrides)
+    return execute(run, config, checkpoint, threads=threads, argv=argv,
+                   stop_after_step=getattr(args, "stop_after_step", None))
+
+
 def cmd_run(args) -> int:
     config = load_config(args.config)
     changes = {k: v for k, v in {"steps": args.steps, "device": args.device}.items()
@@ -58,11 +67,7 @@ def cmd_run(args) -> int:
         return 0
     run = start_run(config, out, argv, threads=threads, world_size=world_size(args))
     try:
-        if wants_launch(args):
-            status = launch(args, run, threads=threads)
-        else:
-            status = execute(run, config, None, threads=threads, argv=argv,
-                             stop_after_step=getattr(args, "stop_after_step", None))
+        status = _train(args, run, config, None, threads=threads, argv=argv)
     finally:
         run.release_lock()
     _print_outcome(run, status)
@@ -91,12 +96,8 @@ def cmd_resume(args) -> int:
         argv = ["forgebench"] + sys.argv[1:]
         require_multi_process(config, world_size(args))
         note_world_change(run, world_size(args))
-        if wants_launch(args):
-            status = launch(args, run, threads=threads, checkpoint=checkpoint,
-                            overrides={k: v for k, v in overrides.items() if v is not None})
-        else:
-            status = execute(run, config, checkpoint, threads=threads, argv=argv,
-                             stop_after_step=getattr(args, "stop_after_step", None))
+        status = _train(args, run, config, checkpoint, threads=threads, argv=argv,
+                        overrides={k: v for k, v in overrides.items() if v is not None})
     finally:
         run.release_lock()
     _print_outcome(run, status)

@@ -224,6 +224,15 @@ def _layout(manifest: dict, kind: F.Kind) -> str:
     return "records"
 
 
+def read_listed_text(root: Path, rel: str, report: Report) -> str | None:
+    """The UTF-8 text of a file the manifest lists, or None with the reason reported."""
+    try:
+        return (root / rel).read_bytes().decode("utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        report.add(rel, None, None, f"unreadable as UTF-8 text ({exc})")
+        return None
+
+
 def _text_line_records(root: Path, manifest: dict,
                        report: Report) -> list[tuple[str, dict]]:
     out = []
@@ -237,10 +246,8 @@ def _text_line_records(root: Path, manifest: dict,
         if reason or rel not in manifest["files"]:
             report.add(F.MANIFEST, None, "splits", f"{rel!r} {reason or 'is not listed in files'}")
             continue
-        try:
-            text = (root / rel).read_bytes().decode("utf-8")
-        except (OSError, UnicodeDecodeError) as exc:
-            report.add(rel, None, None, f"unreadable as UTF-8 text ({exc})")
+        text = read_listed_text(root, rel, report)
+        if text is None:
             continue
         for number, line in enumerate(text.split("\n"), start=1):
             if line.strip():

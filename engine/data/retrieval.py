@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from engine.data import formats as F
-from engine.data.dataset import group_of, jsonl_objects, records_file_of
+from engine.data.dataset import group_of, jsonl_objects, read_listed_text, records_file_of
 
 QUERIES_FILE = "queries.jsonl"
 QUERY_FIELDS = ("query_id", "text", "relevant_doc_ids", "split", "source", "rights", "kind")
@@ -90,10 +90,8 @@ def check_queries(root: Path, manifest: dict, docs: list[tuple[str, dict]],
     if rel not in manifest.get("files", {}):
         report.add(F.MANIFEST, None, "queries", f"the queries file {rel!r} is not listed")
         return
-    try:
-        text = (root / rel).read_bytes().decode("utf-8")
-    except (OSError, UnicodeDecodeError) as exc:
-        report.add(rel, None, None, f"unreadable as UTF-8 text ({exc})")
+    text = read_listed_text(root, rel, report)
+    if text is None:
         return
     seen: dict[str, str] = {}
     count = 0

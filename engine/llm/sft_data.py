@@ -374,8 +374,10 @@ def inspect_samples(model_path: str | Path, data_path: str | Path, keys: SFTKeys
 
 
 # -- the SFT data a recipe config names (lm-sft, lm-es: `config.data` is lm-sft's section) ----
-def data_source(config, split: str = "train") -> Path:
-    """The JSONL file of a split, or the text-sft dataset folder that holds every split."""
+def data_source(config, split: str = "train", what: str = "SFT data",
+                kind: str = "text-sft") -> Path:
+    """The JSONL file of a split, or the `kind` dataset folder that holds every split (`what`
+    names the data in the error when it is missing)."""
     field_name = {"train": "path", "val": "val_path", "test": "test_path",
                   "control": "control_path"}[split]
     value = getattr(config.data, field_name)
@@ -388,8 +390,8 @@ def data_source(config, split: str = "train") -> Path:
                               hint=f"add data.{field_name} = \"FILE.jsonl\"")
     path = config.resolve_path(value, f"field 'data.{field_name}'")
     if not path.exists():
-        raise ForgebenchError("SFT data not found", path=path, where=f"field 'data.{field_name}'",
-                              hint="a JSONL file, or a text-sft dataset folder")
+        raise ForgebenchError(f"{what} not found", path=path, where=f"field 'data.{field_name}'",
+                              hint=f"a JSONL file, or a {kind} dataset folder")
     return path
 
 

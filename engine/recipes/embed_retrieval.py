@@ -50,7 +50,7 @@ from engine.rundir import Checkpoint, RunDir
 from engine.train.checkpoint import MODEL_FILE
 from engine.train.loop import Loop, load_weights, meta_for, record_eval, train_loop
 from engine.train.media_data import dataset_manifest, open_dataset
-from engine.train.optim import build_adamw
+from engine.train.optim import adamw_for
 from engine.train.precision import autocast
 
 CUDA = True   # trains on a GPU (engine/train/devices.py); one process
@@ -272,8 +272,7 @@ def train(job: Job) -> None:
     encoder, identity = load_encoder(config)
     encoder.to(device)
     opt = config.optim
-    optimizer = build_adamw(encoder.named_parameters(), lr=opt.lr,
-                            weight_decay=opt.weight_decay, betas=(opt.beta1, opt.beta2))
+    optimizer = adamw_for(encoder.named_parameters(), opt)
 
     def batch_loss(indices: list[int], generator: torch.Generator) -> torch.Tensor:
         docs = [train_docs[i] for i in indices]

@@ -34,7 +34,7 @@ from engine.train.media_data import (
     image_set,
     open_dataset,
 )
-from engine.train.optim import build_adamw
+from engine.train.optim import adamw_for
 from engine.train.precision import autocast
 
 CUDA = True   # trains on a GPU (engine/train/devices.py); one process
@@ -103,8 +103,7 @@ def train(job: Job) -> None:
     device = job.device
     model = SmallCNN(len(classes), batch_norm=config.batch_norm).to(device)
     opt = config.optim
-    optimizer = build_adamw(model.named_parameters(), lr=opt.lr, weight_decay=opt.weight_decay,
-                            betas=(opt.beta1, opt.beta2))
+    optimizer = adamw_for(model.named_parameters(), opt)
 
     def batch_loss(indices: list[int], generator: torch.Generator) -> torch.Tensor:
         images, _, _ = augment(train_set.images[indices], generator,

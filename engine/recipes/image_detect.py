@@ -37,7 +37,7 @@ from engine.train.media_data import (
     open_dataset,
     save_png,
 )
-from engine.train.optim import build_adamw
+from engine.train.optim import adamw_for
 from engine.train.precision import autocast
 
 KINDS = ("image-masks", "image-boxes")
@@ -125,8 +125,7 @@ def train(job: Job) -> None:
 
     model = GridDetector()
     opt = config.optim
-    optimizer = build_adamw(model.named_parameters(), lr=opt.lr, weight_decay=opt.weight_decay,
-                            betas=(opt.beta1, opt.beta2))
+    optimizer = adamw_for(model.named_parameters(), opt)
 
     def batch_loss(indices: list[int], generator: torch.Generator) -> torch.Tensor:
         images, _, boxes = augment(train_set.images[indices], generator,

@@ -43,7 +43,7 @@ from engine.train.media_data import (
     open_dataset,
     save_png,
 )
-from engine.train.optim import build_adamw
+from engine.train.optim import adamw_for
 from engine.train.precision import autocast
 
 KINDS = ("image-masks",)
@@ -134,8 +134,7 @@ def train(job: Job) -> None:
 
     model = TinyUNet(config.width, config.batch_norm)
     opt = config.optim
-    optimizer = build_adamw(model.named_parameters(), lr=opt.lr, weight_decay=opt.weight_decay,
-                            betas=(opt.beta1, opt.beta2))
+    optimizer = adamw_for(model.named_parameters(), opt)
     meta = meta_for(config, classes, family="TinyUNet", width=config.width,
                     batch_norm=config.batch_norm)
     # The frozen threshold travels with the weights; a resumed run starts from the saved one.

@@ -48,13 +48,13 @@ from engine.jobs import Job, run_config
 from engine.models.pointer import OptionPointer, gather_hidden
 from engine.recipes.lm_decision_config import LMDecisionConfig
 from engine.rundir import Checkpoint, RunDir
-from engine.train.checkpoint import load_checkpoint, rng_state, save_checkpoint, set_rng_state
+from engine.train.checkpoint import load_checkpoint, loop_state, resume_loop, save_checkpoint
 from engine.train.data_order import DataCursor
-from engine.train.lm_base import base_model, load_base, size_text
+from engine.train.lm_base import base_model, load_base, require_same_base, size_text
 from engine.train.loop import record_eval
 from engine.train.media_data import dataset_manifest, open_dataset, split_records
 from engine.train.metrics import StepClock, train_row
-from engine.train.optim import build_adamw, clip_and_step, lr_at, set_lr
+from engine.train.optim import adamw_for, clip_and_step, scheduled_lr, set_lr
 
 KINDS = ("decisions",)
 DECISION_FILE, CALIBRATION_FILE = "decision.json", "calibration.json"
@@ -270,18 +270,14 @@ def train(job: Job) -> None:
                   max_tokens=max(len(x.ids) for v in laid.values() for x in v))
 
     head = OptionPointer(train_feats.readout.shape[1], config.head.width)
-    optimizer = build_adamw(list(head.named_parameters()), lr=opt.lr,
-                            weight_decay=opt.weight_decay, betas=(opt.beta1, opt.beta2))
+    optimizer = adamw_for(list(head.named_parameters()), opt)
     cursor = DataCursor(len(laid["train"]), config.seed)
     step, skipped_total, elapsed_before = 0, 0, 0.0
     if job.resume_from:
         tensors, optimizer_state, state = load_checkpoint(job.resume_from)
         head.load_state_dict(tensors)
         optimizer.load_state_dict(optimizer_state)
-        cursor = DataCursor.from_state(state["cursor"])
-        set_rng_state(state["rng"])
-        step, skipped_total = state["step"], state["skipped_total"]
-        elapsed_before = state["elapsed_s"]
+        cursor, step, skipped_total, elapsed_before = resume_loop(state)
     questions = Counter(r["question"] for r in split_records(dataset, "train"))
     contract = {"recipe": "lm-decision", "layout": LAYOUT, "width": config.head.width,
                 "dim": int(train_feats.readout.shape[1]), "options": schema,
@@ -294,9 +290,8 @@ def train(job: Job) -> None:
         if calibration is not None:
             extra[CALIBRATION_FILE] = json.dumps(calibration, indent=2).encode()
         return save_checkpoint(run, step, model_tensors=head.state_dict(), optimizer=optimizer,
-                               trainer_state={"cursor": cursor.state(), "rng": rng_state(),
-                                              "skipped_total": skipped_total,
-                                              "elapsed_s": clock.elapsed, "step": step,
+                               trainer_state={**loop_state(cursor, skipped_total,
+                                                           clock.elapsed), "step": step,
                                               "invocation": job.invocation,
                                               "base_sha256": base_sha},
                                extra_files=extra, keep_last=config.keep_last)
@@ -317,8 +312,7 @@ def train(job: Job) -> None:
     head.train()
     bar = job.progress(config.steps, initial=step)
     while step < config.steps and not job.stop_requested:
-        lr = lr_at(step, lr=opt.lr, warmup=warmup, total=config.steps, schedule=opt.schedule,
-                   min_lr_ratio=opt.min_lr_ratio)
+        lr = scheduled_lr(opt, step, config.steps, warmup)
         set_lr(optimizer, lr)
         job.stage = "forward"
         batch = train_feats.take(torch.tensor(cursor.take(config.batch)))
@@ -397,14 +391,10 @@ class Decider:
 def load_decider(run: RunDir, checkpoint: Checkpoint) -> Decider:
     """The frozen base (its SHA-256 checked against the run's), the checkpoint's head, its input
     contract and, from a last-step checkpoint, its calibration."""
-    from engine.fsutil import sha256_file
-
     config = run_config(run)
     contract = read_json(checkpoint.path / DECISION_FILE)
     base = load_base(config)
-    if sha256_file(base.path) != contract["base_sha256"]:
-        raise ForgebenchError("the base model file changed since the run was trained",
-                              path=base.path, hint="restore the original base model")
+    require_same_base(base.path, contract["base_sha256"])
     base.model.eval()
     head = OptionPointer(contract["dim"], contract["width"])
     head.load_state_dict(load_checkpoint(checkpoint)[0])

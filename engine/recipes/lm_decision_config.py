@@ -14,6 +14,13 @@ from pydantic import Field
 
 from engine.config import RecipeConfig, Schema
 from engine.recipes.lm_sft_config import ModelSection
+from engine.recipes.optim_config import (
+    AdamWSection,
+    LearningRate,
+    MinLrRatio,
+    Schedule,
+    WeightDecay,
+)
 
 
 class DataSection(Schema):
@@ -29,17 +36,13 @@ class HeadSection(Schema):
                                                        "projections (readout and option ends)")
 
 
-class OptimSection(Schema):
-    lr: float = Field(1e-3, gt=0, le=10, description="AdamW learning rate of the new head")
+class OptimSection(AdamWSection):
+    lr: LearningRate = Field(1e-3, description="AdamW learning rate of the new head")
+    schedule: Schedule = Field("cosine", description="after warmup")
+    min_lr_ratio: MinLrRatio = 0.0
+    weight_decay: WeightDecay = 0.01
     warmup_fraction: float = Field(0.1, ge=0, lt=1, description="share of the steps that "
                                                                 "ramps the rate up")
-    schedule: Literal["cosine", "constant"] = Field("cosine", description="after warmup")
-    min_lr_ratio: float = Field(0.0, ge=0, le=1, description="cosine floor as a share of lr")
-    weight_decay: float = Field(0.01, ge=0, description="AdamW's decoupled weight decay")
-    beta1: float = Field(0.9, ge=0, lt=1, description="AdamW's first-moment (momentum) decay, β1")
-    beta2: float = Field(0.999, ge=0, lt=1,
-                         description="AdamW's second-moment decay, β2")
-    grad_clip: float = Field(1.0, ge=0, description="global gradient-norm clip; 0 = off")
 
 
 class CalibrationSection(Schema):

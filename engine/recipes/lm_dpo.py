@@ -36,16 +36,15 @@ from engine.data.preferences import load_preferences
 from engine.errors import ForgebenchError
 from engine.fsutil import atomic_write_json, read_json, sha256_file
 from engine.jobs import Job, run_config
-from engine.llm.sft_data import EncodedSample, SFTExample, encode_sft
-from engine.lora import ADAPTERS_FILE, adapter_bytes, describe_adapters, read_adapters
+from engine.llm.sft_data import EncodedSample, SFTExample, data_source, encode_sft
+from engine.lora import ADAPTERS_FILE, describe_adapters, read_adapters
 from engine.recipes.lm_dpo_config import LMDPOConfig
 from engine.rundir import Checkpoint, RunDir
 from engine.train.checkpoint import (
     MODEL_FILE,
     checkpoint_due,
-    rng_state,
-    save_checkpoint,
-    set_rng_state,
+    loop_state,
+    resume_loop,
 )
 from engine.train.data_order import DataCursor
 from engine.train.lm_base import (
@@ -55,11 +54,13 @@ from engine.train.lm_base import (
     generate_answer,
     load_policy,
     pack,
+    save_weights,
     size_text,
-    write_generations,
+    write_after,
+    write_before,
 )
-from engine.train.metrics import StepClock, train_row
-from engine.train.optim import build_adamw, clip_and_step, lr_at, set_lr
+from engine.train.metrics import StepClock, train_row, write_eval_record
+from engine.train.optim import adamw_for, clip_and_step, scheduled_lr, set_lr
 from engine.train.precision import autocast, run_precision
 from engine.train.preference import PreferenceLoss, preference_loss, sequence_logps
 
@@ -94,21 +95,9 @@ def load_start(config: LMDPOConfig):
 
 
 # -- data -----------------------------------------------------------------------------------
-def data_source(config: LMDPOConfig, split: str = "train") -> Path:
+def preference_source(config: LMDPOConfig, split: str = "train") -> Path:
     """The JSONL file of a split, or the preferences dataset folder holding every split."""
-    name = {"train": "path", "val": "val_path", "test": "test_path"}[split]
-    value = getattr(config.data, name)
-    if value is None and split != "train" and \
-            config.resolve_path(config.data.path, "field 'data.path'").is_dir():
-        value = config.data.path
-    if value is None:
-        raise ForgebenchError(f"the config names no {split} data", where=f"field 'data.{name}'",
-                              hint=f"add data.{name} = \"FILE.jsonl\"")
-    path = config.resolve_path(value, f"field 'data.{name}'")
-    if not path.exists():
-        raise ForgebenchError("preference data not found", path=path, where=f"field 'data.{name}'",
-                              hint="a JSONL file, or a preferences dataset folder")
-    return path
+    return data_source(config, split, "preference data", "preferences")
 
 
 def data_manifest(config: LMDPOConfig) -> dict:
@@ -121,7 +110,7 @@ def data_manifest(config: LMDPOConfig) -> dict:
     for split in ("train", "val", "test"):
         if split != "train" and not getattr(config.data, f"{split}_path"):
             continue
-        path = data_source(config, split)
+        path = preference_source(config, split)
         load_preferences(path, split if path.is_dir() else None)
         if path.is_dir():
             files |= {f"{path.name}/{name}": digest for name, digest in
@@ -162,7 +151,7 @@ def encode_pairs(config: LMDPOConfig, base: Base, split: str = "train"):
     """(encoded pairs, summary counts) of one split: each side is the prompt and one response
     rendered with the base's template, only the response (and its end of turn) supervised."""
     d = config.data
-    path = data_source(config, split)
+    path = preference_source(config, split)
     pairs, counts = load_preferences(path, split if path.is_dir() else None)
     render = functools.partial(base.template.render, enable_thinking=d.enable_thinking)
     encoded, too_long = [], 0
@@ -309,44 +298,32 @@ def train(job: Job) -> None:
                 "method": "lora" if adapters else "full",
                 "reference": f"{Path(start['run']).name}/{start['checkpoint']}",
                 **(describe_adapters(adapters) if adapters else {})}
-    optimizer = build_adamw(trainable, lr=opt.lr, weight_decay=opt.weight_decay,
-                            betas=(opt.beta1, opt.beta2), eps=opt.eps, moments=opt.moments)
+    optimizer = adamw_for(trainable, opt)
     params = [p for _, p in trainable]
     cursor = DataCursor(len(pairs), config.seed)
     step, skipped_total, elapsed_before = 0, 0, 0.0
     if job.resume_from:
         optimizer_state, state = apply_weights(job.resume_from, model, adapters, base_sha)
         optimizer.load_state_dict(optimizer_state)
-        cursor = DataCursor.from_state(state["cursor"])
-        set_rng_state(state["rng"])
-        step, skipped_total = state["step"], state["skipped_total"]
-        elapsed_before = state["elapsed_s"]
-    elif config.sample.prompts:
-        job.announce("sample", f"answering {len(config.sample.prompts)} prompt(s) with the "
-                               "starting policy (BEFORE)")
-        write_generations(run, "step-000000", 0, base, config, identity)
+        cursor, step, skipped_total, elapsed_before = resume_loop(state)
+    else:
+        write_before(job, base, identity, "the starting policy")
     if tr.activation_checkpointing:
         checkpoint_activations(model)
 
     def checkpoint_now() -> Checkpoint:
         job.stage = "save"
-        trainer_state = {"cursor": cursor.state(), "rng": rng_state(),
-                         "skipped_total": skipped_total, "elapsed_s": clock.elapsed,
+        trainer_state = {**loop_state(cursor, skipped_total, clock.elapsed),
                          "invocation": job.invocation, "base_sha256": base_sha,
                          "reference": identity["reference"], "data": report}
-        if adapters:
-            return save_checkpoint(run, step, model_tensors={}, optimizer=optimizer,
-                                   trainer_state=trainer_state, keep_last=config.keep_last,
-                                   extra_files={ADAPTERS_FILE: adapter_bytes(adapters, base_sha)})
-        return save_checkpoint(run, step, model_tensors=model.state_dict(), optimizer=optimizer,
-                               trainer_state=trainer_state, keep_last=config.keep_last)
+        return save_weights(run, step, model, adapters, base_sha, trainer_state=trainer_state,
+                            keep_last=config.keep_last, optimizer=optimizer)
 
     clock = StepClock(elapsed_before)
     model.train()
     bar = job.progress(config.steps, initial=step)
     while step < config.steps and not job.stop_requested:
-        lr = lr_at(step, lr=opt.lr, warmup=opt.warmup, total=config.steps,
-                   schedule=opt.schedule, min_lr_ratio=opt.min_lr_ratio)
+        lr = scheduled_lr(opt, step, config.steps)
         set_lr(optimizer, lr)
         indices = cursor.take(tr.window)
         stats, input_tokens, supervised = WindowStats(), 0, 0
@@ -382,10 +359,7 @@ def train(job: Job) -> None:
         if checkpoint_due(config, step, job.stop_requested):
             last = checkpoint_now()
     bar.close()
-
-    if step == config.steps and not job.stop_requested and config.sample.prompts:
-        job.stage = "sample"
-        write_generations(run, last.name, step, base, config, identity)   # AFTER
+    write_after(job, step, last, base, identity)
 
 
 # -- evaluation and generation from a run ---------------------------------------------------
@@ -414,12 +388,8 @@ def evaluate(run: RunDir, checkpoint: Checkpoint, split: str) -> dict:
                               torch.tensor([p.chosen.n_supervised for p in pairs]),
                               torch.tensor([p.rejected.n_supervised for p in pairs])),
               policy["chosen"], policy["rejected"])
-    record = {"split": split, "checkpoint": checkpoint.name, "step": checkpoint.step,
-              **stats.row(), "pairs": len(pairs), "ties": report["ties"],
-              "skips": report["skips"], "source": "forgebench eval"}
-    run.write_eval(f"{split}-{checkpoint.name}", record)
-    run.log_metric(record)
-    return record
+    return write_eval_record(run, checkpoint, split, {
+        **stats.row(), "pairs": len(pairs), "ties": report["ties"], "skips": report["skips"]})
 
 
 def generate(run: RunDir, checkpoint: Checkpoint, args) -> dict:

@@ -15,7 +15,8 @@ from typing import Literal
 from pydantic import Field, model_validator
 
 from engine.config import RecipeConfig, Schema
-from engine.recipes.lm_sft_config import OptimSection, SampleSection, TrainSection
+from engine.recipes.lm_sft_config import SampleSection, TrainSection
+from engine.recipes.optim_config import LearningRate, LMOptimSection
 
 
 class DPOModelSection(Schema):
@@ -59,9 +60,9 @@ class DPOSection(Schema):
         return self
 
 
-class DPOOptimSection(OptimSection):
-    lr: float = Field(5e-6, gt=0, le=10, description="the handbook's starter value for adapter "
-                                                     "DPO (5e-6 or 1e-5)")
+class DPOOptimSection(LMOptimSection):
+    lr: LearningRate = Field(5e-6, description="the handbook's starter value for adapter DPO "
+                                               "(5e-6 or 1e-5)")
 
 
 class DPOTrainSection(TrainSection):

@@ -20,23 +20,17 @@ and `trainer_state.json` — no optimizer files: (seed, iteration) regenerate al
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from torch import nn
 
 from engine.errors import ForgebenchError
-from engine.fsutil import sha256_file
 from engine.jobs import Job, run_config
 from engine.llm.chat import ChatTemplate
 from engine.llm.sft_data import data_manifest, encode_samples  # noqa: F401 (the hooks)
 from engine.lora import (
-    ADAPTERS_FILE,
-    adapter_bytes,
     attach_lora,
     describe_adapters,
-    load_adapters,
     lora_parameters,
 )
 from engine.models.gguf_model import densify, load_gguf_model
@@ -44,32 +38,28 @@ from engine.recipes.lm_es_config import LMESConfig
 from engine.rundir import Checkpoint, RunDir
 from engine.train.checkpoint import (
     checkpoint_due,
-    load_checkpoint,
-    rng_state,
-    save_checkpoint,
-    set_rng_state,
+    loop_state,
+    resume_loop,
 )
 from engine.train.data_order import DataCursor
 from engine.train.es import EvolutionStrategy
-from engine.train.lm_base import generate_answer, write_generations
-from engine.train.metrics import StepClock, train_row
+from engine.train.lm_base import (
+    Base,
+    apply_weights,
+    generate_answer,
+    require_same_base,
+    save_weights,
+    write_after,
+    write_before,
+)
+from engine.train.metrics import StepClock, train_row, write_eval_record
 from engine.train.optim import NonFiniteError, StepOutcome
 from engine.train.rewards import RewardSpec, score, teacher_forced
 
 FLOAT_TYPES = ("F32", "F16", "BF16")
 
 
-# -- the base model -------------------------------------------------------------------------
-@dataclass
-class Base:
-    """The loaded base: model, tokenizer and chat template (what export's checks read)."""
-
-    model: nn.Module
-    tokenizer: object
-    template: ChatTemplate
-    path: Path
-
-
+# -- the base model (engine.train.lm_base.Base: what export's checks read) --------------------
 def base_model(config: LMESConfig) -> Path:
     """The GGUF that pins the run; full mode refuses a quantized one before anything starts."""
     path = config.resolve_path(config.model.gguf, "field 'model.gguf'")
@@ -94,7 +84,7 @@ def load_base(config: LMESConfig) -> Base:
     path = base_model(config)
     weights = config.model.weights if config.params.mode == "lora" else "packed"
     model, tokenizer = load_gguf_model(path, numerics="f32", weights=weights)
-    return Base(model, tokenizer, ChatTemplate.from_gguf(model.gguf), path)
+    return Base(model, tokenizer, ChatTemplate.from_gguf(model.gguf), path, dense=False)
 
 
 def prepare_params(config: LMESConfig, base: Base) -> tuple[dict | None, list[torch.Tensor]]:
@@ -108,6 +98,7 @@ def prepare_params(config: LMESConfig, base: Base) -> tuple[dict | None, list[to
     else:
         adapters = None
         densify(model, base.path)
+        base.dense = True
         model.float()
         tensors = list(model.parameters())
     for tensor in tensors:
@@ -144,35 +135,21 @@ def train(job: Job) -> None:
     cursor = DataCursor(len(samples), config.seed)
     step, skipped_total, elapsed_before = 0, 0, 0.0
     if job.resume_from:
-        saved, _, state = load_checkpoint(job.resume_from)
-        if adapters:
-            load_adapters(job.resume_from.path / ADAPTERS_FILE, adapters, base_sha)
-        else:
-            model.load_state_dict(saved)
+        _, state = apply_weights(job.resume_from, model, adapters, base_sha)
         strategy.load([t.clone() for t in tensors])      # the centre; the anchor stays
-        cursor = DataCursor.from_state(state["cursor"])
-        set_rng_state(state["rng"])
-        step, skipped_total = state["step"], state["skipped_total"]
-        elapsed_before = state["elapsed_s"]
-    elif config.sample.prompts:
-        job.announce("sample", f"answering {len(config.sample.prompts)} prompt(s) with the "
-                               "base (BEFORE)")
-        write_generations(run, "step-000000", 0, base, config, identity)
+        cursor, step, skipped_total, elapsed_before = resume_loop(state)
+    else:
+        write_before(job, base, identity)
 
     def checkpoint_now() -> Checkpoint:
         job.stage = "save"
-        trainer_state = {"cursor": cursor.state(), "rng": rng_state(),
-                         "skipped_total": skipped_total, "elapsed_s": clock.elapsed,
+        trainer_state = {**loop_state(cursor, skipped_total, clock.elapsed),
                          "invocation": job.invocation, "base_sha256": base_sha, "data": report,
                          "es_iteration": step, "es_seed": config.seed, "es_noise": "gaussian",
                          "es_sigma": es.sigma, "es_population": es.population,
                          "es_antithetic": es.antithetic, "es_lr": es.lr}
-        if adapters:
-            return save_checkpoint(run, step, model_tensors={}, trainer_state=trainer_state,
-                                   keep_last=config.keep_last,
-                                   extra_files={ADAPTERS_FILE: adapter_bytes(adapters, base_sha)})
-        return save_checkpoint(run, step, model_tensors=model.state_dict(),
-                               trainer_state=trainer_state, keep_last=config.keep_last)
+        return save_weights(run, step, model, adapters, base_sha, trainer_state=trainer_state,
+                            keep_last=config.keep_last)
 
     clock = StepClock(elapsed_before)
     bar = job.progress(config.steps, initial=step)
@@ -217,10 +194,7 @@ def train(job: Job) -> None:
         if checkpoint_due(config, step, job.stop_requested):
             last = checkpoint_now()
     bar.close()
-
-    if step == config.steps and not job.stop_requested and config.sample.prompts:
-        job.stage = "sample"
-        write_generations(run, last.name, step, base, config, identity)   # AFTER
+    write_after(job, step, last, base, identity)
 
 
 # -- evaluation and generation from a run ---------------------------------------------------
@@ -229,15 +203,9 @@ def load_trained(run: RunDir, checkpoint: Checkpoint) -> tuple[Base, LMESConfig]
     config = run_config(run)
     base_sha = run.manifest()["base_model"]["sha256"]
     base = load_base(config)
-    if sha256_file(base.path) != base_sha:
-        raise ForgebenchError("the base model file changed since the run was trained",
-                              path=base.path, hint="restore the original base model")
+    require_same_base(base.path, base_sha)
     adapters, _ = prepare_params(config, base)
-    tensors, _, _ = load_checkpoint(checkpoint)
-    if adapters:
-        load_adapters(checkpoint.path / ADAPTERS_FILE, adapters, base_sha)
-    else:
-        base.model.load_state_dict(tensors)
+    apply_weights(checkpoint, base.model, adapters, base_sha)
     base.model.eval()
     return base, config
 
@@ -251,13 +219,9 @@ def evaluate(run: RunDir, checkpoint: Checkpoint, split: str) -> dict:
     result = score(base.model, base.tokenizer, samples, reward_spec(config),
                    config.es.micro_batch)
     ce_sum, correct, tokens = teacher_forced(base.model, samples, config.es.micro_batch)
-    record = {"split": split, "checkpoint": checkpoint.name, "step": checkpoint.step,
-              "loss": ce_sum / tokens, "token_accuracy": correct / tokens,
-              "reward": result.reward, "reward_kind": config.reward.kind,
-              "supervised_tokens": tokens, "samples": len(samples), "source": "forgebench eval"}
-    run.write_eval(f"{split}-{checkpoint.name}", record)
-    run.log_metric(record)
-    return record
+    return write_eval_record(run, checkpoint, split, {
+        "loss": ce_sum / tokens, "token_accuracy": correct / tokens, "reward": result.reward,
+        "reward_kind": config.reward.kind, "supervised_tokens": tokens, "samples": len(samples)})
 
 
 @torch.no_grad()

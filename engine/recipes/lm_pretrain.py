@@ -29,14 +29,20 @@ from engine.train import distributed
 from engine.train.checkpoint import (
     checkpoint_due,
     load_checkpoint,
-    rng_state,
+    loop_state,
+    resume_loop,
     save_checkpoint,
-    set_rng_state,
 )
 from engine.train.data_order import DataCursor
 from engine.train.devices import module_device, require_bf16, to_device
-from engine.train.metrics import StepClock, StepUtilisation, WindowLoss, train_row
-from engine.train.optim import build_adamw, clip_and_step, lr_at, set_lr
+from engine.train.metrics import (
+    StepClock,
+    StepUtilisation,
+    WindowLoss,
+    train_row,
+    write_eval_record,
+)
+from engine.train.optim import adamw_for, clip_and_step, scheduled_lr, set_lr
 from engine.train.precision import autocast, run_precision
 
 CUDA = True            # trains on a GPU (engine/train/devices.py)
@@ -183,12 +189,8 @@ def evaluate(run: RunDir, checkpoint: Checkpoint, split: str) -> dict:
     model, tokenizer, config = load_model(run, checkpoint)
     result = bits_per_byte(model, tokenizer, read_split(config, split), config,
                            precision=run_precision(run, config))
-    record = {"split": split, "checkpoint": checkpoint.name, "step": checkpoint.step,
-              "loss": result.loss, "bpb": result.bpb, "tokens": result.tokens,
-              "bytes": result.bytes, "source": "forgebench eval"}
-    run.write_eval(f"{split}-{checkpoint.name}", record)
-    run.log_metric(record)
-    return record
+    return write_eval_record(run, checkpoint, split, {
+        "loss": result.loss, "bpb": result.bpb, "tokens": result.tokens, "bytes": result.bytes})
 
 
 # -- generation ---------------------------------------------------------------------------
@@ -293,23 +295,19 @@ def train(job: Job) -> None:
             "training window", path=corpus_files(config)["train"],
             hint="add text or lower model.context")
     model = build_model(config, tokenizer.vocab_size).to(device)
-    optimizer = build_adamw(model.named_parameters(), lr=opt.lr, weight_decay=opt.weight_decay,
-                            betas=(opt.beta1, opt.beta2), eps=opt.eps, moments=opt.moments)
+    optimizer = adamw_for(model.named_parameters(), opt)
     cursor = DataCursor(len(train_windows), config.seed)
     step, skipped_total, elapsed_before, best = 0, 0, 0.0, None
     if job.resume_from:
         tensors, optimizer_state, state = load_checkpoint(job.resume_from)
         model.load_state_dict(tensors)
         optimizer.load_state_dict(optimizer_state)
-        cursor = DataCursor.from_state(state["cursor"])
-        set_rng_state(state["rng"])
-        step, skipped_total = state["step"], state["skipped_total"]
-        elapsed_before, best = state["elapsed_s"], state["best"]
+        cursor, step, skipped_total, elapsed_before = resume_loop(state)
+        best = state["best"]
 
     def checkpoint_now() -> Checkpoint:
         job.stage = "save"
-        trainer_state = {"cursor": cursor.state(), "rng": rng_state(),
-                         "skipped_total": skipped_total, "elapsed_s": clock.elapsed,
+        trainer_state = {**loop_state(cursor, skipped_total, clock.elapsed),
                          "best": best, "invocation": job.invocation}
         return save_checkpoint(run, step, model_tensors=model.state_dict(), optimizer=optimizer,
                                trainer_state=trainer_state,
@@ -341,8 +339,7 @@ def train(job: Job) -> None:
     model.train()
     bar = job.progress(config.steps, initial=step)
     while step < config.steps and not job.stop_requested:
-        lr = lr_at(step, lr=opt.lr, warmup=opt.warmup, total=config.steps,
-                   schedule=opt.schedule, min_lr_ratio=opt.min_lr_ratio)
+        lr = scheduled_lr(opt, step, config.steps)
         set_lr(optimizer, lr)
         window = WindowLoss()
         utilisation.begin()

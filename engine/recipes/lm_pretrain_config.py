@@ -10,6 +10,14 @@ from typing import Literal
 from pydantic import Field, model_validator
 
 from engine.config import RecipeConfig, Schema
+from engine.recipes.optim_config import (
+    Beta2,
+    LearningRate,
+    LMOptimSection,
+    Schedule,
+    WarmupSteps,
+    WeightDecay,
+)
 from engine.train.precision import migrate_autocast
 
 
@@ -50,19 +58,12 @@ class ModelSection(Schema):
         return self
 
 
-class OptimSection(Schema):
-    lr: float = Field(3e-3, gt=0, le=10, description="peak learning rate")
-    min_lr_ratio: float = Field(0.1, ge=0, le=1, description="cosine floor as a share of lr")
-    warmup: int = Field(20, ge=0, description="linear warmup steps")
-    schedule: Literal["cosine", "constant"] = Field(
-        "cosine", description="learning rate after warmup: cosine decay to min_lr_ratio × lr, or "
-                              "constant")
-    weight_decay: float = Field(0.1, ge=0, description="AdamW's decoupled weight decay")
-    beta1: float = Field(0.9, ge=0, lt=1, description="AdamW's first-moment (momentum) decay, β1")
-    beta2: float = Field(0.95, ge=0, lt=1, description="AdamW's second-moment decay, β2")
-    eps: float = Field(1e-8, gt=0, description="AdamW's epsilon, added to the denominator")
-    grad_clip: float = Field(1.0, ge=0, description="global gradient-norm clip; 0 = off")
-    moments: Literal["fp32", "bf16"] = Field("fp32", description="AdamW moment storage")
+class PretrainOptimSection(LMOptimSection):
+    lr: LearningRate = Field(3e-3, description="peak learning rate")
+    warmup: WarmupSteps = 20
+    schedule: Schedule = "cosine"
+    weight_decay: WeightDecay = 0.1
+    beta2: Beta2 = 0.95
 
 
 class TrainSection(Schema):
@@ -101,7 +102,7 @@ class LMPretrainConfig(RecipeConfig):
     data: DataSection
     tokenizer: TokenizerSection = Field(default_factory=TokenizerSection)
     model: ModelSection = Field(default_factory=ModelSection)
-    optim: OptimSection = Field(default_factory=OptimSection)
+    optim: PretrainOptimSection = Field(default_factory=PretrainOptimSection)
     train: TrainSection = Field(default_factory=TrainSection)
     eval: EvalSection = Field(default_factory=EvalSection)
     sample: SampleSection = Field(default_factory=SampleSection)

@@ -27,21 +27,20 @@ import torch
 
 from engine.jobs import Job, run_config
 from engine.llm.sft_data import data_manifest, encode_samples  # noqa: F401 (the hooks)
-from engine.lora import ADAPTERS_FILE, adapter_bytes, describe_adapters, load_adapters
+from engine.lora import describe_adapters
 from engine.recipes.lm_sft_config import LMSFTConfig
 from engine.rundir import Checkpoint, RunDir
 from engine.train import distributed
 from engine.train.checkpoint import (
     checkpoint_due,
-    load_checkpoint,
-    rng_state,
-    save_checkpoint,
-    set_rng_state,
+    loop_state,
+    resume_loop,
 )
 from engine.train.data_order import DataCursor
 from engine.train.devices import require_bf16, to_device
 from engine.train.lm_base import (
     Base,
+    apply_weights,
     base_model,
     checkpoint_activations,
     generate_answer,
@@ -49,13 +48,21 @@ from engine.train.lm_base import (
     load_policy,
     pack,
     prepare_trainable,
+    save_weights,
     size_text,
-    write_generations,
+    write_after,
+    write_before,
 )
 from engine.train.lm_reports import mean_loss, write_reports
 from engine.train.loss import IGNORE, SupervisedLoss
-from engine.train.metrics import StepClock, StepUtilisation, WindowLoss, train_row
-from engine.train.optim import build_adamw, clip_and_step, lr_at, set_lr
+from engine.train.metrics import (
+    StepClock,
+    StepUtilisation,
+    WindowLoss,
+    train_row,
+    write_eval_record,
+)
+from engine.train.optim import adamw_for, clip_and_step, scheduled_lr, set_lr
 from engine.train.precision import autocast, run_precision
 
 CUDA = True            # trains on a GPU (engine/train/devices.py)
@@ -90,17 +97,10 @@ def train(job: Job) -> None:
     cursor = DataCursor(len(samples), config.seed)
     step, skipped_total, elapsed_before = 0, 0, 0.0
     if job.resume_from:            # weights before sharding: FSDP2 shards what is loaded
-        tensors, optimizer_state, state = load_checkpoint(job.resume_from)
-        if adapters:
-            load_adapters(job.resume_from.path / ADAPTERS_FILE, adapters, base_sha)
-        else:
-            model.load_state_dict(tensors)
+        optimizer_state, state = apply_weights(job.resume_from, model, adapters, base_sha)
     model.to(device)
-    if not job.resume_from and config.sample.prompts and world.is_main:
-        job.announce("sample", f"answering {len(config.sample.prompts)} prompt(s) with the "
-                               "base (BEFORE)")
-        write_generations(run, "step-000000", 0, base, config, identity)   # BEFORE = the base
-    if not job.resume_from and world.is_main:   # held-out perplexity / tool-call score BEFORE
+    if not job.resume_from and world.is_main:   # answers, perplexity / tool-call score BEFORE
+        write_before(job, base, identity)
         write_reports(run, "step-000000", 0, base, config, job.announce)
     if tr.activation_checkpointing:
         checkpoint_activations(model)
@@ -113,37 +113,27 @@ def train(job: Job) -> None:
                if sharded else distributed.data_parallel(SupervisedLoss(model), world, device))
     if sharded:                    # the optimizer steps the shards (DTensors) that replaced them
         trainable = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-    optimizer = build_adamw(trainable, lr=opt.lr, weight_decay=opt.weight_decay,
-                            betas=(opt.beta1, opt.beta2), eps=opt.eps, moments=opt.moments)
+    optimizer = adamw_for(trainable, opt)
     params = [p for _, p in trainable]
     if job.resume_from:
         optimizer.load_state_dict(distributed.shard_optimizer_state(optimizer_state, optimizer)
                                   if sharded else optimizer_state)
-        cursor = DataCursor.from_state(state["cursor"])
-        set_rng_state(state["rng"])
-        step, skipped_total = state["step"], state["skipped_total"]
-        elapsed_before = state["elapsed_s"]
+        cursor, step, skipped_total, elapsed_before = resume_loop(state)
 
     def checkpoint_now() -> Checkpoint:
         job.stage = "save"
-        trainer_state = {"cursor": cursor.state(), "rng": rng_state(),
-                         "skipped_total": skipped_total, "elapsed_s": clock.elapsed,
+        trainer_state = {**loop_state(cursor, skipped_total, clock.elapsed),
                          "invocation": job.invocation, "base_sha256": base_sha,
                          "lora": config.lora.model_dump(mode="json"), "data": report}
-        if adapters:
-            return save_checkpoint(run, step, model_tensors={}, optimizer=optimizer,
-                                   trainer_state=trainer_state, keep_last=config.keep_last,
-                                   extra_files={ADAPTERS_FILE: adapter_bytes(adapters, base_sha)})
-        return save_checkpoint(run, step, model_tensors=model.state_dict(), optimizer=optimizer,
-                               trainer_state=trainer_state, keep_last=config.keep_last)
+        return save_weights(run, step, model, adapters, base_sha, trainer_state=trainer_state,
+                            keep_last=config.keep_last, optimizer=optimizer)
 
     utilisation = StepUtilisation(precision, job.threads)
     clock = StepClock(elapsed_before)
     model.train()
     bar = job.progress(config.steps, initial=step)
     while step < config.steps and not job.stop_requested:
-        lr = lr_at(step, lr=opt.lr, warmup=opt.warmup, total=config.steps,
-                   schedule=opt.schedule, min_lr_ratio=opt.min_lr_ratio)
+        lr = scheduled_lr(opt, step, config.steps)
         set_lr(optimizer, lr)
         window = [samples[i] for i in cursor.take(tr.window)]
         mine = distributed.shard(window, world, "window", "field 'train.window'")
@@ -189,14 +179,10 @@ def train(job: Job) -> None:
             last = checkpoint_now()
     bar.close()
 
-    if step == config.steps and not job.stop_requested and config.sample.prompts and world.is_main:
-        job.stage = "sample"
-        if sharded:   # FSDP2 holds shards: answer with the checkpoint's full weights
-            base = load_trained(run, last)[0]
-        write_generations(run, last.name, step, base, config, identity)   # AFTER
     if step == config.steps and not job.stop_requested and world.is_main:
-        if sharded and not config.sample.prompts:
+        if sharded:   # FSDP2 holds shards: answer and report with the checkpoint's full weights
             base = load_trained(run, last)[0]
+        write_after(job, step, last, base, identity)
         write_reports(run, last.name, step, base, config, job.announce)   # AFTER + the change
 
 
@@ -220,14 +206,10 @@ def evaluate(run: RunDir, checkpoint: Checkpoint, split: str) -> dict:
     base, config = load_trained(run, checkpoint)
     samples, report = encode_samples(config, base, split=split)
     total = mean_loss(base, samples, config.train.micro_batch, run_precision(run, config))
-    record = {"split": split, "checkpoint": checkpoint.name, "step": checkpoint.step,
-              "loss": total.value, "supervised_tokens": total.tokens,
-              "samples": len(samples), "source": "forgebench eval"}
+    values = {"loss": total.value, "supervised_tokens": total.tokens, "samples": len(samples)}
     if config.mode == "cpt":
-        record["perplexity"] = math.exp(total.value)
-    run.write_eval(f"{split}-{checkpoint.name}", record)
-    run.log_metric(record)
-    return record
+        values["perplexity"] = math.exp(total.value)
+    return write_eval_record(run, checkpoint, split, values)
 
 
 def generate(run: RunDir, checkpoint: Checkpoint, args) -> dict:

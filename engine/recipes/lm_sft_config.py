@@ -12,6 +12,7 @@ from typing import Literal
 from pydantic import Field, model_validator
 
 from engine.config import RecipeConfig, Schema
+from engine.recipes.optim_config import LMOptimSection
 from engine.train.precision import migrate_autocast
 
 
@@ -90,21 +91,6 @@ class LoraSection(Schema):
         return self
 
 
-class OptimSection(Schema):
-    lr: float = Field(1e-3, gt=0, le=10, description="peak learning rate")
-    schedule: Literal["cosine", "constant"] = Field(
-        "constant", description="learning rate after warmup: cosine decay to min_lr_ratio × lr, or "
-                                "constant")
-    warmup: int = Field(0, ge=0, description="linear warmup steps")
-    min_lr_ratio: float = Field(0.1, ge=0, le=1, description="cosine floor as a share of lr")
-    weight_decay: float = Field(0.0, ge=0, description="AdamW's decoupled weight decay")
-    beta1: float = Field(0.9, ge=0, lt=1, description="AdamW's first-moment (momentum) decay, β1")
-    beta2: float = Field(0.999, ge=0, lt=1, description="AdamW's second-moment decay, β2")
-    eps: float = Field(1e-8, gt=0, description="AdamW's epsilon, added to the denominator")
-    grad_clip: float = Field(1.0, ge=0, description="global gradient-norm clip; 0 = off")
-    moments: Literal["fp32", "bf16"] = Field("fp32", description="AdamW moment storage")
-
-
 class TrainSection(Schema):
     window: int = Field(8, ge=1, description="samples per optimizer step; the loss is summed CE "
                                              "over the window / its supervised tokens")
@@ -134,7 +120,7 @@ class LMSFTConfig(RecipeConfig):
     model: ModelSection
     data: DataSection
     lora: LoraSection = Field(default_factory=LoraSection)
-    optim: OptimSection = Field(default_factory=OptimSection)
+    optim: LMOptimSection = Field(default_factory=LMOptimSection)
     train: TrainSection = Field(default_factory=TrainSection)
     sample: SampleSection = Field(default_factory=SampleSection)
 

@@ -7,23 +7,11 @@ from typing import Literal
 from pydantic import Field
 
 from engine.config import RecipeConfig, Schema
+from engine.recipes.optim_config import OptimSection
 
 
 class DataSection(Schema):
     dir: str = Field(description="dataset folder holding dataset.json")
-
-
-class OptimSection(Schema):
-    lr: float = Field(1e-3, gt=0, le=10, description="AdamW learning rate")
-    warmup: int = Field(0, ge=0, description="linear warmup steps")
-    schedule: Literal["cosine", "constant"] = Field(
-        "constant", description="learning rate after warmup: cosine decay to min_lr_ratio × lr, or "
-                                "constant")
-    min_lr_ratio: float = Field(0.1, ge=0, le=1, description="cosine floor as a share of lr")
-    weight_decay: float = Field(1e-4, ge=0, description="AdamW's decoupled weight decay")
-    beta1: float = Field(0.9, ge=0, lt=1, description="AdamW's first-moment (momentum) decay, β1")
-    beta2: float = Field(0.999, ge=0, lt=1, description="AdamW's second-moment decay, β2")
-    grad_clip: float = Field(1.0, ge=0, description="global gradient-norm clip; 0 = off")
 
 
 class MediaRecipeConfig(RecipeConfig):

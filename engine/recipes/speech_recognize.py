@@ -52,7 +52,7 @@ from engine.train.loop import (
     train_loop,
 )
 from engine.train.media_data import dataset_manifest, open_dataset, split_records
-from engine.train.optim import build_adamw
+from engine.train.optim import adamw_for
 from engine.train.precision import autocast
 
 CUDA = True   # trains on a GPU (engine/train/devices.py); one process
@@ -295,8 +295,7 @@ def train(job: Job) -> None:
     model.to(device)
     val_features = [model.scale(f.to(device)) for f in val_raw]
     opt, aug = config.optim, config.augment
-    optimizer = build_adamw(model.named_parameters(), lr=opt.lr, weight_decay=opt.weight_decay,
-                            betas=(opt.beta1, opt.beta2))
+    optimizer = adamw_for(model.named_parameters(), opt)
 
     def augmented(index: int, generator: torch.Generator) -> torch.Tensor:
         """A train clip's features, louder or quieter (a gain is a constant in log power)

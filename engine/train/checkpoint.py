@@ -30,6 +30,7 @@ from safetensors.torch import load_file, save_file
 from engine.errors import ForgebenchError
 from engine.fsutil import atomic_write_bytes, atomic_write_json, read_json, require_free_space
 from engine.rundir import SENTINEL, Checkpoint, RunDir, checkpoint_name
+from engine.train.data_order import DataCursor
 from engine.train.distributed import full_optimizer_state, full_tensors, is_writer
 from engine.train.integrity import file_records
 
@@ -154,6 +155,22 @@ def set_rng_state(state: dict) -> None:
                          np_state["pos"], np_state["has_gauss"], np_state["cached_gaussian"]))
     py = state["python"]
     random.setstate((py["version"], tuple(py["internal"]), py["gauss"]))
+
+
+# -- where a training loop stands ------------------------------------------------------------
+def loop_state(cursor: DataCursor, skipped_total: int, elapsed_s: float) -> dict:
+    """The trainer_state entries every training loop resumes from (`save_checkpoint` adds the
+    step): the data cursor, every RNG, the skipped-step count and the training time so far."""
+    return {"cursor": cursor.state(), "rng": rng_state(), "skipped_total": skipped_total,
+            "elapsed_s": elapsed_s}
+
+
+def resume_loop(state: dict) -> tuple[DataCursor, int, int, float]:
+    """Restore the RNGs of a checkpoint's trainer_state (written with `loop_state`) and return
+    where its loop stood: (data cursor, step, skipped steps, training seconds)."""
+    set_rng_state(state["rng"])
+    return (DataCursor.from_state(state["cursor"]), state["step"], state["skipped_total"],
+            state["elapsed_s"])
 
 
 def generator_state(generator: torch.Generator) -> str:

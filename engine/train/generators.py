@@ -34,7 +34,7 @@ from engine.train.loop import (
     train_loop,
 )
 from engine.train.media_data import open_dataset
-from engine.train.optim import build_adamw
+from engine.train.optim import adamw_for
 from engine.train.precision import autocast
 
 
@@ -56,8 +56,7 @@ def train_generator(job: Job, unet: UNetConfig, classes: list[str], n_train: int
     ema = EMA(model, d.ema, d.ema_warmup)
     schedule = Schedule(d.levels)
     opt = config.optim
-    optimizer = build_adamw(model.named_parameters(), lr=opt.lr, weight_decay=opt.weight_decay,
-                            betas=(opt.beta1, opt.beta2))
+    optimizer = adamw_for(model.named_parameters(), opt)
 
     def precision():
         return autocast(config.precision)

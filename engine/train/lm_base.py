@@ -3,9 +3,11 @@
 Loading a base (a GGUF file, kept packed or with an f32 dense cache, or an lm-pretrain run's
 model with a plain chat layout), making it trainable (LoRA adapters over the frozen base, or
 every weight for full fine-tuning), applying a checkpoint's adapters or weights, packing
-samples for one forward pass, recomputing blocks in backward, and the greedy BEFORE/AFTER
-generations a run writes into `samples/`. Recipes call these; none of them imports a recipe
-(an lm-pretrain base is loaded through `engine.config.recipe_module`).
+samples for one forward pass, recomputing blocks in backward, saving a checkpoint's adapters
+or weights and applying them again, and the greedy BEFORE/AFTER generations a run writes into
+`samples/`. lm-es and lm-decision use the loaded-base and checkpoint pieces too. Recipes call
+these; none of them imports a recipe (an lm-pretrain base is loaded through
+`engine.config.recipe_module`).
 """
 
 from __future__ import annotations
@@ -24,11 +26,11 @@ from engine.config import recipe_module
 from engine.errors import ForgebenchError
 from engine.fsutil import atomic_write_json, atomic_write_text, sha256_file
 from engine.llm.chat import ChatTemplate, encode_prompt
-from engine.lora import ADAPTERS_FILE, LoRALinear, attach_lora, load_adapters
+from engine.lora import ADAPTERS_FILE, LoRALinear, adapter_bytes, attach_lora, load_adapters
 from engine.model_library import BYTES_PER_FULL_PARAM
 from engine.rundir import Checkpoint, RunDir
 from engine.sampling import SamplingSettings, generate_tokens
-from engine.train.checkpoint import MODEL_FILE, load_checkpoint
+from engine.train.checkpoint import MODEL_FILE, load_checkpoint, save_checkpoint
 from engine.train.devices import module_device
 
 
@@ -198,14 +200,32 @@ def load_policy(config, checkpoint: Checkpoint, base_sha: str, lora=None):
     (same rank, alpha and targets; e.g. no dropout). Refuses a base file whose SHA-256 is no
     longer `base_sha`, and adapters trained on another base (engine.lora.load_adapters)."""
     base = load_base(config)
-    if sha256_file(base.path) != base_sha:
-        raise ForgebenchError("the base model file changed since the run was trained",
-                              path=base.path, hint="restore the original base model")
+    require_same_base(base.path, base_sha)
     if lora is not None:
         config = config.model_copy(update={"lora": lora})
     adapters, trainable = prepare_trainable(config, base)
     apply_weights(checkpoint, base.model, adapters, base_sha)
     return base, adapters, trainable
+
+
+def require_same_base(path: Path, base_sha: str) -> None:
+    """Refuse a base file whose SHA-256 is no longer the one the run was trained on."""
+    if sha256_file(path) != base_sha:
+        raise ForgebenchError("the base model file changed since the run was trained",
+                              path=path, hint="restore the original base model")
+
+
+def save_weights(run: RunDir, step: int, model: nn.Module,
+                 adapters: dict[str, LoRALinear] | None, base_sha: str, *, trainer_state: dict,
+                 keep_last: int, optimizer: torch.optim.Optimizer | None = None) -> Checkpoint:
+    """A checkpoint of a fine-tune, what `apply_weights` reads back: the adapters (tied to
+    `base_sha`; the frozen base is not copied) or, without adapters, every weight."""
+    if adapters:
+        return save_checkpoint(run, step, model_tensors={}, optimizer=optimizer,
+                               trainer_state=trainer_state, keep_last=keep_last,
+                               extra_files={ADAPTERS_FILE: adapter_bytes(adapters, base_sha)})
+    return save_checkpoint(run, step, model_tensors=model.state_dict(), optimizer=optimizer,
+                           trainer_state=trainer_state, keep_last=keep_last)
 
 
 def apply_weights(checkpoint: Checkpoint, model: nn.Module,
@@ -276,6 +296,24 @@ def write_generations(run: RunDir, name: str, step: int, base: Base, config,
     run.log_event("sample_written", checkpoint=name, path=str(path.relative_to(run.path)),
                   step=step)
     return path
+
+
+def write_before(job, base: Base, identity: dict, model_words: str = "the base") -> None:
+    """samples/step-000000: the BEFORE answers of the starting model (`model_words` names it in
+    the stage line)."""
+    prompts = job.config.sample.prompts
+    if prompts:
+        job.announce("sample", f"answering {len(prompts)} prompt(s) with {model_words} (BEFORE)")
+        write_generations(job.run, "step-000000", 0, base, job.config, identity)
+
+
+def write_after(job, step: int, last: Checkpoint, base: Base, identity: dict) -> None:
+    """The AFTER answers beside the last checkpoint, once the run has reached its last step (a
+    stopped run writes them when a resume finishes it)."""
+    config = job.config
+    if step == config.steps and not job.stop_requested and config.sample.prompts:
+        job.stage = "sample"
+        write_generations(job.run, last.name, step, base, config, identity)
 
 
 def generate_answer(base: Base, checkpoint: Checkpoint, enable_thinking: bool | None,

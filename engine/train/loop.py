@@ -23,14 +23,14 @@ from engine.train.checkpoint import (
     dumps,
     generator_state,
     load_checkpoint,
-    rng_state,
+    loop_state,
+    resume_loop,
     save_checkpoint,
     set_generator_state,
-    set_rng_state,
 )
 from engine.train.data_order import DataCursor
 from engine.train.metrics import StepClock, StepUtilisation, train_row
-from engine.train.optim import clip_and_step, lr_at, set_lr
+from engine.train.optim import clip_and_step, scheduled_lr, set_lr
 from engine.train.precision import run_precision
 
 META_FILE = "meta.json"
@@ -124,20 +124,18 @@ def train_loop(job: Job, loop: Loop) -> None:
             loop.ema.load({k[len(EMA_PREFIX):]: v for k, v in tensors.items()
                            if k.startswith(EMA_PREFIX)})
         loop.optimizer.load_state_dict(optimizer_state)
-        cursor = DataCursor.from_state(state["cursor"])
+        cursor, step, skipped_total, elapsed_before = resume_loop(state)
         set_generator_state(generator, state["generator"])
-        set_rng_state(state["rng"])
-        step, skipped_total = state["step"], state["skipped_total"]
-        elapsed_before, best = state["elapsed_s"], state["best"]
+        best = state["best"]
 
     def checkpoint_now() -> Checkpoint:
         job.stage = "save"
         tensors = dict(loop.model.state_dict())
         if loop.ema is not None:
             tensors.update({EMA_PREFIX + k: v for k, v in loop.ema.state().items()})
-        state = {"cursor": cursor.state(), "generator": generator_state(generator),
-                 "rng": rng_state(), "skipped_total": skipped_total,
-                 "elapsed_s": clock.elapsed, "best": best, "invocation": job.invocation}
+        state = {**loop_state(cursor, skipped_total, clock.elapsed),
+                 "generator": generator_state(generator), "best": best,
+                 "invocation": job.invocation}
         saved = save_checkpoint(run, step, model_tensors=tensors, optimizer=loop.optimizer,
                                 trainer_state=state, extra_files={META_FILE: dumps(loop.meta)},
                                 keep_last=config.keep_last,
@@ -168,8 +166,7 @@ def train_loop(job: Job, loop: Loop) -> None:
         checkpoint_now()
     bar = job.progress(config.steps, initial=step)
     while step < config.steps and not job.stop_requested:
-        lr = lr_at(step, lr=opt.lr, warmup=opt.warmup, total=config.steps,
-                   schedule=opt.schedule, min_lr_ratio=opt.min_lr_ratio)
+        lr = scheduled_lr(opt, step, config.steps)
         set_lr(loop.optimizer, lr)
         job.stage = "forward"
         indices = cursor.take(config.batch_size)

@@ -270,3 +270,13 @@ def train_row(*, invocation: int, step: int, loss: float, outcome, skipped_total
             **(utilisation or {}), "elapsed_s": elapsed_s,
             "process_cpu_s": time.process_time(),   # this invocation's CPU, all threads
             "peak_rss_mb": peak_rss_mb()}
+
+
+def write_eval_record(run, checkpoint, split: str, values: dict) -> dict:
+    """`forgebench eval`'s record of a checkpoint on a split (split, checkpoint, step, `values`,
+    source), written as evals/<split>-<checkpoint>.json and as one line of metrics.jsonl."""
+    record = {"split": split, "checkpoint": checkpoint.name, "step": checkpoint.step, **values,
+              "source": "forgebench eval"}
+    run.write_eval(f"{split}-{checkpoint.name}", record)
+    run.log_metric(record)
+    return record

@@ -91,6 +91,23 @@ def build_adamw(named_params: Iterable[tuple[str, torch.nn.Parameter]], *, lr: f
     return torch.optim.AdamW(groups, lr=lr, betas=betas, eps=eps, foreach=False)
 
 
+def adamw_for(named_params: Iterable[tuple[str, torch.nn.Parameter]],
+              optim) -> torch.optim.Optimizer:
+    """`build_adamw` as a config's optimizer section (engine/recipes/optim_config.py) sets it:
+    lr, weight decay and betas, and AdamW's eps and moment storage where the section has them
+    (the language-model recipes)."""
+    extras = {name: getattr(optim, name) for name in ("eps", "moments") if hasattr(optim, name)}
+    return build_adamw(named_params, lr=optim.lr, weight_decay=optim.weight_decay,
+                       betas=(optim.beta1, optim.beta2), **extras)
+
+
+def scheduled_lr(optim, step: int, total: int, warmup: int | None = None) -> float:
+    """`lr_at` as a config's optimizer section sets it; `warmup` steps when the section gives
+    its warmup another way (lm-decision: a share of the steps)."""
+    return lr_at(step, lr=optim.lr, warmup=optim.warmup if warmup is None else warmup,
+                 total=total, schedule=optim.schedule, min_lr_ratio=optim.min_lr_ratio)
+
+
 def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
     for group in optimizer.param_groups:
         group["lr"] = lr
