@@ -362,7 +362,8 @@ def _engine_stages_worker(spec: dict) -> None:
         gc.collect()
         return result
 
-    ref = run(0, spec["reference"], {"prompts": spec["prompts"],
+    # prompts are rendered by the reference (a run's chat template); texts are used as given
+    ref = run(0, spec["reference"], {**{k: spec[k] for k in ("prompts", "texts") if k in spec},
                                      "greedy_tokens": spec["greedy_tokens"]})
     common = reference_sequences(ref["texts"], ref["prompt_ids"], ref["greedy"],
                                  spec["greedy_tokens"])
