@@ -1,7 +1,7 @@
 """The staged equivalence report: does the exported model answer as the trained one does?
 
-On a fixed prompt suite, each stage is loaded back from disk in a fresh process and scored on
-the same token sequences (each prompt followed by the training checkpoint's greedy answer):
+On a fixed prompt suite, each stage is loaded back from its file on disk and scored on the same
+token sequences (each prompt followed by the training checkpoint's greedy answer):
 
 1. `checkpoint` — the training checkpoint as the recipe loads it (base + adapter for LoRA runs);
 2. `merged`     — the dense GGUF (adapters folded in, or the lm-pretrain model as written);
@@ -11,15 +11,24 @@ the same token sequences (each prompt followed by the training checkpoint's gree
 
 Per stage: top-1 agreement, max and mean |Δlogit| and KL(reference ‖ stage) against the
 checkpoint and against the previous stage, whether its own greedy continuation matches the
-checkpoint's, and whether its tokenizer gives the same prompt ids. Engine stages run with f32
-arithmetic, so their differences are the weights' (merge rounding, quantization); the llama.cpp
-stage adds the runtime's own arithmetic and is also compared with the engine on the same file.
+checkpoint's, and whether its tokenizer gives the same prompt ids. The checkpoint and the dense
+stages run with f32 arithmetic, so their differences are the weights' (merge rounding, f16). The
+quantized stage runs under llama.cpp numerics on the native kernels (the packed bytes, quantized
+activations, f16 KV cache: what llama.cpp computes on that file), so its difference from the
+previous stage is the quantization as llama.cpp serves it, and the llama.cpp stage, compared
+with the engine on the same file, checks that the engine reproduces the runtime.
 
-A stage worker is `python -m engine.export.equivalence SPEC.json`: it writes logits and greedy ids
-to a safetensors file, which the parent compares one prompt at a time. The checkpoint and llama.cpp
-decode token by token (llama.cpp as it serves an answer); the other engine stages score each
-prompt and answer in one batch and read their greedy answer off those logits (`greedy_along`),
-decoding on only where it leaves the answer.
+The engine stages run one after another in one worker process (`python -m
+engine.export.equivalence SPEC.json`), each loading its own file and freed before the next;
+llama.cpp runs in a second worker. Workers write logits and greedy ids to safetensors files,
+which the parent compares one prompt at a time, and their wall and CPU seconds (report
+`timings`). The checkpoint's greedy answers are found by speculative scoring: the exported file
+under the native kernels (the draft) answers each prompt, the checkpoint scores prompt + that
+answer in one batch and keeps its own argmax along it (`follow_guesses`, over `greedy_along`),
+and where it leaves the draft's answer the draft guesses on from the checkpoint's tokens. The
+draft only saves work: every token is the checkpoint's own choice, read off its batched logits
+as the f32 stages read theirs. Stages under llama.cpp numerics, and llama.cpp itself, decode
+token by token, as llama.cpp serves an answer.
 """
 
 from __future__ import annotations
@@ -278,9 +287,9 @@ def _engine_worker(spec: dict) -> dict:
 
 
 def _llamacpp_worker(spec: dict) -> dict:
+    """llama.cpp's greedy answers and logits; numpy only (no torch import: a second less)."""
     import llama_cpp
     import numpy as np
-    import torch
 
     from engine.llm.tokenizer import GGUFTokenizer
 
@@ -313,19 +322,21 @@ def _llamacpp_worker(spec: dict) -> dict:
             llm.eval([token])
         llm.reset()
         llm.eval(seq)                                   # one batch: prompt and reference answer
-        logits = torch.from_numpy(np.array(llm.scores[start:len(seq)], dtype=np.float32))
+        logits = np.array(llm.scores[start:len(seq)], dtype=np.float32)
         out["greedy"].append(greedy)
         out["logits"].append(logits)
     return out
 
 
 def _write_result(out: dict, path: Path) -> None:
-    import torch
-    from safetensors.torch import save_file
+    """A worker's result; its logits are torch tensors (engine) or numpy arrays (llama.cpp)."""
+    import numpy as np
+    from safetensors.numpy import save_file
 
-    tensors = {f"logits.{i}": t.contiguous() for i, t in enumerate(out["logits"])}
+    tensors = {f"logits.{i}": np.ascontiguousarray(t if isinstance(t, np.ndarray) else t.numpy())
+               for i, t in enumerate(out["logits"])}
     meta = {k: json.dumps(out.get(k)) for k in ("texts", "prompt_ids", "greedy", "timing")}
-    save_file(tensors or {"empty": torch.zeros(1)}, str(path), metadata=meta)
+    save_file(tensors or {"empty": np.zeros(1, np.float32)}, str(path), metadata=meta)
 
 
 def reference_sequences(texts: list[str], prompt_ids: list[list[int]], greedy: list[list[int]],
