@@ -197,39 +197,72 @@ class _Runner:
 
         return self.net.logits(self.net.hidden(torch.tensor([seq]))[0, start:]).float()
 
+    def score_many(self, items: list[tuple[list[int], int]]) -> list:
+        """score(seq, start) of each item. Under f32 they are packed into one forward (each
+        sequence at positions 0…, attending only within itself, as training packs them): the
+        weights are read once for all. The native kernels take one sequence at a time."""
+        import torch
 
-def follow_guesses(stage: _Runner, prompt: list[int], guess: list[int], scored, limit: int,
-                   draft: _Runner | None) -> tuple[list[int], object]:
-    """The stage's greedy answer to `prompt`, read off `scored` (its rows for prompt + `guess`
+        if len(items) <= 1 or getattr(self.net, "numerics", "f32") == "llamacpp":
+            return [self.score(seq, start) for seq, start in items]
+        lengths = [len(seq) for seq, _ in items]
+        keep = torch.zeros(1, sum(lengths), dtype=torch.bool)
+        offset = 0
+        for (_, start), n in zip(items, lengths):
+            keep[0, offset + start:offset + n] = True
+            offset += n
+        tokens = torch.tensor([[t for seq, _ in items for t in seq]])
+        logits = self.net.logits(self.net.hidden(tokens, lengths=lengths, rows=keep)).float()
+        return list(torch.split(logits, [n - start for (_, start), n in zip(items, lengths)]))
+
+
+def follow_guesses(stage: _Runner, prompts: list[list[int]], guesses: list[list[int]],
+                   scored: list, limit: int,
+                   draft: _Runner | None) -> list[tuple[list[int], object]]:
+    """The stage's greedy answer to each prompt, read off `scored` (its rows for prompt + guess
     from the prompt's last token) with greedy_along: speculative decoding. Where the stage
-    leaves the guess, `draft` guesses on from the stage's own tokens and the stage scores the
-    longer sequence in one batch again; without a draft it decodes on token by token. The draft
-    only saves work: every token kept is the stage's own argmax.
+    leaves a guess, `draft` guesses on from the stage's own tokens and the stage scores the
+    longer sequences again, all prompts still open in one batch (score_many); without a draft it
+    decodes on token by token. The draft only saves work: every token kept is the stage's own
+    argmax.
 
-    Returns (answer, rows): rows are the stage's logits for prompt + answer from the prompt's
-    last token, read off the last scoring (causal attention: tokens after the answer change no
-    earlier row), or None where the answer was decoded on."""
-    answer: list[int] = []
-    while True:
-        more, finished = greedy_along(scored[len(answer):], guess, limit - len(answer),
-                                      stage.stops)
-        answer += more
-        if finished:                        # the answer is a prefix of the scored sequence
-            return answer, scored[:len(answer) + 1]
-        if len(answer) >= limit:            # its last token is the stage's own, not scored
-            return answer, None
-        if draft is None:
-            return answer + stage.decode(prompt + answer, limit - len(answer)), None
-        guess = draft.decode(prompt + answer, limit - len(answer))
-        scored = stage.score(prompt + answer + guess, len(prompt) - 1)
+    Returns (answer, rows) per prompt: rows are the stage's logits for prompt + answer from the
+    prompt's last token, read off the last scoring (causal attention: tokens after the answer
+    change no earlier row), or None where the answer was decoded on."""
+    answers: list[list[int]] = [[] for _ in prompts]
+    results: list = [None] * len(prompts)
+    open_ = list(range(len(prompts)))
+    guesses, scored = list(guesses), list(scored)
+    while open_:
+        again = []
+        for i in open_:
+            answer = answers[i]
+            more, finished = greedy_along(scored[i][len(answer):], guesses[i],
+                                          limit - len(answer), stage.stops)
+            answer += more
+            if finished:                      # the answer is a prefix of the scored sequence
+                results[i] = (answer, scored[i][:len(answer) + 1])
+            elif len(answer) >= limit:        # its last token is the stage's own, not scored
+                results[i] = (answer, None)
+            elif draft is None:
+                results[i] = (answer + stage.decode(prompts[i] + answer, limit - len(answer)),
+                              None)
+            else:
+                guesses[i] = draft.decode(prompts[i] + answer, limit - len(answer))
+                again.append(i)
+        for i, rows in zip(again, stage.score_many(
+                [(prompts[i] + answers[i] + guesses[i], len(prompts[i]) - 1) for i in again])):
+            scored[i] = rows
+        open_ = again
+    return results
 
 
 def _score_stage(stage: _Runner, spec: dict, draft: _Runner | None = None) -> dict:
     """One stage's texts, prompt ids, greedy answers and logits (the worker's result).
 
     The reference (no "sequences" in `spec`) finds its greedy answers and scores them; with a
-    draft it scores the draft's answer and follows it (follow_guesses) instead of decoding token
-    by token. Every other stage scores the reference's sequences in one batch each; an f32 stage
+    draft it scores the draft's answers and follows them (follow_guesses) instead of decoding
+    token by token. Every other stage scores the reference's sequences (score_many); an f32 stage
     reads its greedy answer off those logits, a stage under llama.cpp numerics decodes token by
     token, as llama.cpp serves an answer (its one-row kernels sum differently from its batch
     kernels, so a batched read could flip a near-tie that a served answer would not)."""
@@ -239,32 +272,34 @@ def _score_stage(stage: _Runner, spec: dict, draft: _Runner | None = None) -> di
 
     limit = spec["greedy_tokens"]
     served = getattr(stage.net, "numerics", "f32") == "llamacpp"
-    out: dict = {"texts": [], "prompt_ids": [], "greedy": [], "logits": []}
     with torch.no_grad():
         texts = spec["texts"] if "texts" in spec else [stage.render(p) for p in spec["prompts"]]
-        for i, text in enumerate(texts):
-            ids = encode_prompt(stage.tok, text)
-            out["texts"].append(text)
-            out["prompt_ids"].append(ids)
-            if "sequences" in spec:
-                seq, start = spec["sequences"][i], spec["scored_from"][i]
-                prompt = seq[:start + 1]
-                logits = stage.score(seq, start)
-                greedy = stage.decode(prompt, limit) if served else follow_guesses(
-                    stage, prompt, seq[start + 1:], logits, limit, draft)[0]
-            elif draft is not None:
-                guess = draft.decode(ids, limit)
-                greedy, logits = follow_guesses(stage, ids, guess,
-                                                stage.score(ids + guess, len(ids) - 1), limit,
-                                                draft)
-                if logits is None:
-                    logits = stage.score(ids + greedy, len(ids) - 1)
+        ids = [encode_prompt(stage.tok, text) for text in texts]
+        if "sequences" in spec:
+            seqs, starts = spec["sequences"], spec["scored_from"]
+            prompts = [seq[:start + 1] for seq, start in zip(seqs, starts)]
+            logits = stage.score_many(list(zip(seqs, starts)))
+            if served:
+                greedy = [stage.decode(prompt, limit) for prompt in prompts]
             else:
-                greedy = stage.decode(ids, limit)
-                logits = stage.score(ids + greedy, len(ids) - 1)
-            out["greedy"].append(greedy)
-            out["logits"].append(logits)
-    return out
+                greedy = [answer for answer, _ in follow_guesses(
+                    stage, prompts, [seq[start + 1:] for seq, start in zip(seqs, starts)],
+                    logits, limit, draft)]
+        else:
+            if draft is not None:
+                guesses = [draft.decode(prompt, limit) for prompt in ids]
+                followed = follow_guesses(stage, ids, guesses, stage.score_many(
+                    [(prompt + guess, len(prompt) - 1) for prompt, guess in zip(ids, guesses)]),
+                    limit, draft)
+            else:
+                followed = [(stage.decode(prompt, limit), None) for prompt in ids]
+            greedy = [answer for answer, _ in followed]
+            logits = [rows for _, rows in followed]
+            missing = [i for i, rows in enumerate(logits) if rows is None]
+            for i, rows in zip(missing, stage.score_many(
+                    [(ids[i] + greedy[i], len(ids[i]) - 1) for i in missing])):
+                logits[i] = rows
+    return {"texts": list(texts), "prompt_ids": ids, "greedy": greedy, "logits": logits}
 
 
 def _draft_runner(model: dict | None) -> _Runner | None:
