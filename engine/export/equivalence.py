@@ -1,7 +1,7 @@
 """The staged equivalence report: does the exported model answer as the trained one does?
 
-On a fixed prompt suite, each stage is loaded back from disk in a fresh process and scored on
-the same token sequences (each prompt followed by the training checkpoint's greedy answer):
+On a fixed prompt suite, each stage is loaded back from its file on disk and scored on the same
+token sequences (each prompt followed by the training checkpoint's greedy answer):
 
 1. `checkpoint` — the training checkpoint as the recipe loads it (base + adapter for LoRA runs);
 2. `merged`     — the dense GGUF (adapters folded in, or the lm-pretrain model as written);
@@ -11,15 +11,24 @@ the same token sequences (each prompt followed by the training checkpoint's gree
 
 Per stage: top-1 agreement, max and mean |Δlogit| and KL(reference ‖ stage) against the
 checkpoint and against the previous stage, whether its own greedy continuation matches the
-checkpoint's, and whether its tokenizer gives the same prompt ids. Engine stages run with f32
-arithmetic, so their differences are the weights' (merge rounding, quantization); the llama.cpp
-stage adds the runtime's own arithmetic and is also compared with the engine on the same file.
+checkpoint's, and whether its tokenizer gives the same prompt ids. The checkpoint and the dense
+stages run with f32 arithmetic, so their differences are the weights' (merge rounding, f16). The
+quantized stage runs under llama.cpp numerics on the native kernels (the packed bytes, quantized
+activations, f16 KV cache: what llama.cpp computes on that file), so its difference from the
+previous stage is the quantization as llama.cpp serves it, and the llama.cpp stage, compared
+with the engine on the same file, checks that the engine reproduces the runtime.
 
-A stage worker is `python -m engine.export.equivalence SPEC.json`: it writes logits and greedy ids
-to a safetensors file, which the parent compares one prompt at a time. The checkpoint and llama.cpp
-decode token by token (llama.cpp as it serves an answer); the other engine stages score each
-prompt and answer in one batch and read their greedy answer off those logits (`greedy_along`),
-decoding on only where it leaves the answer.
+The engine stages run one after another in one worker process (`python -m
+engine.export.equivalence SPEC.json`), each loading its own file and freed before the next;
+llama.cpp runs in a second worker. Workers write logits and greedy ids to safetensors files,
+which the parent compares one prompt at a time, and their wall and CPU seconds (report
+`timings`). The checkpoint's greedy answers are found by speculative scoring: the exported file
+under the native kernels (the draft) answers each prompt, the checkpoint scores prompt + that
+answer in one batch and keeps its own argmax along it (`follow_guesses`, over `greedy_along`),
+and where it leaves the draft's answer the draft guesses on from the checkpoint's tokens. The
+draft only saves work: every token is the checkpoint's own choice, read off its batched logits
+as the f32 stages read theirs. Stages under llama.cpp numerics, and llama.cpp itself, decode
+token by token, as llama.cpp serves an answer.
 """
 
 from __future__ import annotations
@@ -87,6 +96,16 @@ class Report:
 
 # ----------------------------------------------------------------------- the worker (child)
 
+def stopwatch() -> Callable[[], dict]:
+    """Started now; each call returns {"wall_s", "cpu_s"} since then (this process's CPU, all
+    its threads)."""
+    import time
+
+    wall, cpu = time.perf_counter(), time.process_time()
+    return lambda: {"wall_s": time.perf_counter() - wall, "cpu_s": time.process_time() - cpu}
+
+
+
 def _load_engine(model: dict):
     """(model, tokenizer, prompt encoder) for a checkpoint or a GGUF file, in eval mode."""
     if model["kind"] == "run":
@@ -110,8 +129,11 @@ def _load_engine(model: dict):
         return net.eval(), tok, render
     from engine.models.gguf_model import load_gguf_model
 
-    net, tok = load_gguf_model(model["path"], numerics=model.get("numerics", "f32"),
-                               weights="dense-cache")      # dequantized once: many forwards
+    numerics = model.get("numerics", "f32")
+    # f32: dequantized once, for many forwards; llama.cpp numerics: the packed bytes the native
+    # kernels read
+    net, tok = load_gguf_model(model["path"], numerics=numerics,
+                               weights="packed" if numerics == "llamacpp" else "dense-cache")
     if model.get("lora"):
         from engine.lora import attach_adapter_file
         attach_adapter_file(net, model["lora"])
@@ -141,56 +163,168 @@ def greedy_along(scored, answer: list[int], limit: int, stops: set[int]) -> tupl
     return out, True
 
 
-def _engine_worker(spec: dict) -> dict:
+class _Runner:
+    """A loaded stage model's two ways to run: KV-cached greedy decoding (as a chat serves an
+    answer) and scoring a whole sequence in one batch."""
+
+    def __init__(self, net, tok, render=None):
+        self.net, self.tok, self.render = net, tok, render
+        self.stops = _stop_ids(tok)
+        self._decoded: dict[tuple, list[int]] = {}
+
+    def decode(self, prompt: list[int], n: int) -> list[int]:
+        import torch
+
+        from engine.sampling import SamplingSettings, generate_tokens
+
+        key = (tuple(prompt), n)
+        if key not in self._decoded:                  # a draft is asked once per prefix
+            net = self.net
+            cache = net.new_cache(1, len(prompt) + n)
+
+            def step(new_ids: list[int], start_pos: int) -> torch.Tensor:
+                h = net.hidden(torch.tensor([new_ids]), start_pos=start_pos, cache=cache)
+                return net.logits(h[0, -1]).float()
+
+            self._decoded[key] = generate_tokens(step, list(prompt), max_new_tokens=n,
+                                                 settings=SamplingSettings(),
+                                                 stop_ids=self.stops)
+        return list(self._decoded[key])
+
+    def score(self, seq: list[int], start: int):
+        """Logit rows [len(seq) - start, V] for the positions from `start` on."""
+        import torch
+
+        return self.net.logits(self.net.hidden(torch.tensor([seq]))[0, start:]).float()
+
+    def score_many(self, items: list[tuple[list[int], int]]) -> list:
+        """score(seq, start) of each item. Under f32 they are packed into one forward (each
+        sequence at positions 0…, attending only within itself, as training packs them): the
+        weights are read once for all. The native kernels take one sequence at a time."""
+        import torch
+
+        if len(items) <= 1 or getattr(self.net, "numerics", "f32") == "llamacpp":
+            return [self.score(seq, start) for seq, start in items]
+        lengths = [len(seq) for seq, _ in items]
+        keep = torch.zeros(1, sum(lengths), dtype=torch.bool)
+        offset = 0
+        for (_, start), n in zip(items, lengths):
+            keep[0, offset + start:offset + n] = True
+            offset += n
+        tokens = torch.tensor([[t for seq, _ in items for t in seq]])
+        logits = self.net.logits(self.net.hidden(tokens, lengths=lengths, rows=keep)).float()
+        return list(torch.split(logits, [n - start for (_, start), n in zip(items, lengths)]))
+
+
+def follow_guesses(stage: _Runner, prompts: list[list[int]], guesses: list[list[int]],
+                   scored: list, limit: int,
+                   draft: _Runner | None) -> list[tuple[list[int], object]]:
+    """The stage's greedy answer to each prompt, read off `scored` (its rows for prompt + guess
+    from the prompt's last token) with greedy_along: speculative decoding. Where the stage
+    leaves a guess, `draft` guesses on from the stage's own tokens and the stage scores the
+    longer sequences again, all prompts still open in one batch (score_many); without a draft it
+    decodes on token by token. The draft only saves work: every token kept is the stage's own
+    argmax.
+
+    Returns (answer, rows) per prompt: rows are the stage's logits for prompt + answer from the
+    prompt's last token, read off the last scoring (causal attention: tokens after the answer
+    change no earlier row), or None where the answer was decoded on."""
+    answers: list[list[int]] = [[] for _ in prompts]
+    results: list = [None] * len(prompts)
+    open_ = list(range(len(prompts)))
+    guesses, scored = list(guesses), list(scored)
+    while open_:
+        again = []
+        for i in open_:
+            answer = answers[i]
+            more, finished = greedy_along(scored[i][len(answer):], guesses[i],
+                                          limit - len(answer), stage.stops)
+            answer += more
+            if finished:                      # the answer is a prefix of the scored sequence
+                results[i] = (answer, scored[i][:len(answer) + 1])
+            elif len(answer) >= limit:        # its last token is the stage's own, not scored
+                results[i] = (answer, None)
+            elif draft is None:
+                results[i] = (answer + stage.decode(prompts[i] + answer, limit - len(answer)),
+                              None)
+            else:
+                guesses[i] = draft.decode(prompts[i] + answer, limit - len(answer))
+                again.append(i)
+        for i, rows in zip(again, stage.score_many(
+                [(prompts[i] + answers[i] + guesses[i], len(prompts[i]) - 1) for i in again])):
+            scored[i] = rows
+        open_ = again
+    return results
+
+
+def _score_stage(stage: _Runner, spec: dict, draft: _Runner | None = None) -> dict:
+    """One stage's texts, prompt ids, greedy answers and logits (the worker's result).
+
+    The reference (no "sequences" in `spec`) finds its greedy answers and scores them; with a
+    draft it scores the draft's answers and follows them (follow_guesses) instead of decoding
+    token by token. Every other stage scores the reference's sequences (score_many); an f32 stage
+    reads its greedy answer off those logits, a stage under llama.cpp numerics decodes token by
+    token, as llama.cpp serves an answer (its one-row kernels sum differently from its batch
+    kernels, so a batched read could flip a near-tie that a served answer would not)."""
     import torch
 
     from engine.llm.chat import encode_prompt
-    from engine.sampling import SamplingSettings, generate_tokens
+
+    limit = spec["greedy_tokens"]
+    served = getattr(stage.net, "numerics", "f32") == "llamacpp"
+    with torch.no_grad():
+        texts = spec["texts"] if "texts" in spec else [stage.render(p) for p in spec["prompts"]]
+        ids = [encode_prompt(stage.tok, text) for text in texts]
+        if "sequences" in spec:
+            seqs, starts = spec["sequences"], spec["scored_from"]
+            prompts = [seq[:start + 1] for seq, start in zip(seqs, starts)]
+            logits = stage.score_many(list(zip(seqs, starts)))
+            if served:
+                greedy = [stage.decode(prompt, limit) for prompt in prompts]
+            else:
+                greedy = [answer for answer, _ in follow_guesses(
+                    stage, prompts, [seq[start + 1:] for seq, start in zip(seqs, starts)],
+                    logits, limit, draft)]
+        else:
+            if draft is not None:
+                guesses = [draft.decode(prompt, limit) for prompt in ids]
+                followed = follow_guesses(stage, ids, guesses, stage.score_many(
+                    [(prompt + guess, len(prompt) - 1) for prompt, guess in zip(ids, guesses)]),
+                    limit, draft)
+            else:
+                followed = [(stage.decode(prompt, limit), None) for prompt in ids]
+            greedy = [answer for answer, _ in followed]
+            logits = [rows for _, rows in followed]
+            missing = [i for i, rows in enumerate(logits) if rows is None]
+            for i, rows in zip(missing, stage.score_many(
+                    [(ids[i] + greedy[i], len(ids[i]) - 1) for i in missing])):
+                logits[i] = rows
+    return {"texts": list(texts), "prompt_ids": ids, "greedy": greedy, "logits": logits}
+
+
+def _draft_runner(model: dict | None) -> _Runner | None:
+    """The draft for follow_guesses: the exported file under the native kernels, or None where
+    they cannot run it (then stages decode token by token)."""
+    if model is None:
+        return None
+    from engine.models.native_forward import native_decoder
+
+    draft = _Runner(*_load_engine(model)[:2])
+    return draft if native_decoder(draft.net) is not None else None
+
+
+def _engine_worker(spec: dict) -> dict:
+    import torch
 
     torch.set_num_threads(spec.get("threads", 1))
-    net, tok, render = _load_engine(spec["model"])
-    stops, limit = _stop_ids(tok), spec["greedy_tokens"]
-
-    def decode(prompt: list[int], n: int) -> list[int]:
-        cache = net.new_cache(1, len(prompt) + n)
-
-        def step(new_ids: list[int], start_pos: int) -> torch.Tensor:
-            h = net.hidden(torch.tensor([new_ids]), start_pos=start_pos, cache=cache)
-            return net.logits(h[0, -1]).float()
-
-        return generate_tokens(step, list(prompt), max_new_tokens=n,
-                               settings=SamplingSettings(), stop_ids=stops)
-
-    def score(seq: list[int], start: int) -> torch.Tensor:
-        return net.logits(net.hidden(torch.tensor([seq]))[0, start:]).float()
-
-    out: dict = {"texts": [], "prompt_ids": [], "greedy": [], "logits": []}
-    with torch.no_grad():
-        texts = spec["texts"] if "texts" in spec else [render(p) for p in spec["prompts"]]
-        for i, text in enumerate(texts):
-            ids = encode_prompt(tok, text)
-            out["texts"].append(text)
-            out["prompt_ids"].append(ids)
-            if "sequences" in spec:
-                # every other stage scores the reference's answer and reads its greedy off it
-                seq, start = spec["sequences"][i], spec["scored_from"][i]
-                prompt = seq[:start + 1]
-                logits = score(seq, start)
-                greedy, finished = greedy_along(logits, seq[start + 1:], limit, stops)
-                if not finished and len(greedy) < limit:
-                    greedy += decode(prompt + greedy, limit - len(greedy))
-            else:                           # the reference decodes and scores its own answers
-                greedy = decode(ids, limit)
-                logits = score(ids + greedy, len(ids) - 1)
-            out["greedy"].append(greedy)
-            out["logits"].append(logits)
-    return out
+    return _score_stage(_Runner(*_load_engine(spec["model"])), spec,
+                        _draft_runner(spec.get("draft")))
 
 
 def _llamacpp_worker(spec: dict) -> dict:
+    """llama.cpp's greedy answers and logits; numpy only (no torch import: a second less)."""
     import llama_cpp
     import numpy as np
-    import torch
 
     from engine.llm.tokenizer import GGUFTokenizer
 
@@ -223,23 +357,72 @@ def _llamacpp_worker(spec: dict) -> dict:
             llm.eval([token])
         llm.reset()
         llm.eval(seq)                                   # one batch: prompt and reference answer
-        logits = torch.from_numpy(np.array(llm.scores[start:len(seq)], dtype=np.float32))
+        logits = np.array(llm.scores[start:len(seq)], dtype=np.float32)
         out["greedy"].append(greedy)
         out["logits"].append(logits)
     return out
 
 
 def _write_result(out: dict, path: Path) -> None:
-    import torch
-    from safetensors.torch import save_file
+    """A worker's result; its logits are torch tensors (engine) or numpy arrays (llama.cpp)."""
+    import numpy as np
+    from safetensors.numpy import save_file
 
-    tensors = {f"logits.{i}": t.contiguous() for i, t in enumerate(out["logits"])}
-    meta = {k: json.dumps(out[k]) for k in ("texts", "prompt_ids", "greedy")}
-    save_file(tensors or {"empty": torch.zeros(1)}, str(path), metadata=meta)
+    tensors = {f"logits.{i}": np.ascontiguousarray(t if isinstance(t, np.ndarray) else t.numpy())
+               for i, t in enumerate(out["logits"])}
+    meta = {k: json.dumps(out.get(k)) for k in ("texts", "prompt_ids", "greedy", "timing")}
+    save_file(tensors or {"empty": np.zeros(1, np.float32)}, str(path), metadata=meta)
+
+
+def reference_sequences(texts: list[str], prompt_ids: list[list[int]], greedy: list[list[int]],
+                        greedy_tokens: int) -> dict:
+    """What every stage after the reference scores: each prompt followed by the reference's
+    greedy answer, from the prompt's last token."""
+    return {"texts": texts, "sequences": [p + g for p, g in zip(prompt_ids, greedy)],
+            "scored_from": [len(p) - 1 for p in prompt_ids], "greedy_tokens": greedy_tokens}
+
+
+def _engine_stages_worker(spec: dict) -> None:
+    """Every engine stage in one process, one after another: the reference, then each stage on
+    the reference's sequences. Each loads its own file and is freed before the next loads; the
+    draft (follow_guesses) stays loaded and is itself the stage that names the same load spec.
+    Writes `stage-K.safetensors` (0: the reference) into `outdir` and prints `stage K` to stdout
+    as each begins, for the parent's progress."""
+    import gc
+
+    import torch
+
+    torch.set_num_threads(spec.get("threads", 1))
+    outdir = Path(spec["outdir"])
+    draft = _draft_runner(spec.get("draft"))
+
+    def run(k: int, model: dict, stage_spec: dict) -> dict:
+        print(f"stage {k}", flush=True)
+        elapsed = stopwatch()
+        stage = draft if draft is not None and model == spec["draft"] else \
+            _Runner(*_load_engine(model))
+        result = _score_stage(stage, stage_spec, draft)
+        result["timing"] = elapsed()
+        _write_result(result, outdir / f"stage-{k}.safetensors")
+        del stage
+        gc.collect()
+        return result
+
+    # prompts are rendered by the reference (a run's chat template); texts are used as given
+    ref = run(0, spec["reference"], {**{k: spec[k] for k in ("prompts", "texts") if k in spec},
+                                     "greedy_tokens": spec["greedy_tokens"]})
+    common = reference_sequences(ref["texts"], ref["prompt_ids"], ref["greedy"],
+                                 spec["greedy_tokens"])
+    del ref
+    for k, model in enumerate(spec["stages"], start=1):
+        run(k, model, common)
 
 
 def worker_main(spec_path: str) -> int:
     spec = json.loads(Path(spec_path).read_text("utf-8"))
+    if "stages" in spec:
+        _engine_stages_worker(spec)
+        return 0
     runner = _llamacpp_worker if spec["model"]["kind"] == "llamacpp" else _engine_worker
     _write_result(runner(spec), Path(spec["out"]))
     return 0
@@ -253,6 +436,16 @@ class StageResult:
     texts: list[str]
     prompt_ids: list[list[int]]
     greedy: list[list[int]]
+    timing: dict | None = None
+
+    @classmethod
+    def read(cls, path: Path) -> "StageResult":
+        from safetensors import safe_open
+
+        with safe_open(str(path), framework="pt") as handle:
+            meta = handle.metadata()
+        return cls(path, *(json.loads(meta[k]) for k in ("texts", "prompt_ids", "greedy")),
+                   timing=json.loads(meta.get("timing") or "null"))
 
     def logits(self, i: int):
         from safetensors import safe_open
@@ -261,27 +454,36 @@ class StageResult:
             return handle.get_tensor(f"logits.{i}").double()
 
 
-def _run_stage(spec: dict, workdir: Path, name: str, threads: int) -> StageResult:
-    """Run one stage in a fresh Python process and read back what it wrote."""
-    out = workdir / f"{name}.safetensors"
-    spec = dict(spec, out=str(out), threads=threads)
+def _run_worker(spec: dict, workdir: Path, name: str, threads: int,
+                on_line: Callable[[str], None] = lambda _line: None) -> dict:
+    """Run a worker in a fresh Python process, passing each line it prints to `on_line`;
+    returns the process's wall and CPU seconds."""
+    import resource
+    import time
+
     spec_path = workdir / f"{name}.json"
-    spec_path.write_text(json.dumps(spec), encoding="utf-8")
+    spec_path.write_text(json.dumps(dict(spec, threads=threads)), encoding="utf-8")
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(
         [str(REPO_ROOT)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]),
         OMP_NUM_THREADS=str(threads))
-    result = subprocess.run([sys.executable, "-m", "engine.export.equivalence", str(spec_path)],
-                            env=env, capture_output=True, text=True)
-    if result.returncode != 0:
+    before, wall = resource.getrusage(resource.RUSAGE_CHILDREN), time.perf_counter()
+    with tempfile.TemporaryFile("w+", encoding="utf-8") as errors:
+        process = subprocess.Popen([sys.executable, "-m", "engine.export.equivalence",
+                                    str(spec_path)], env=env, stdout=subprocess.PIPE,
+                                   stderr=errors, text=True)
+        for line in process.stdout:
+            on_line(line.strip())
+        returncode = process.wait()
+        errors.seek(0)
+        stderr = errors.read()
+    if returncode != 0:
         raise ForgebenchError(f"equivalence stage '{name}' failed:\n"
-                              + (result.stderr.strip().splitlines() or ["(no output)"])[-1],
+                              + (stderr.strip().splitlines() or ["(no output)"])[-1],
                               where=f"stage {name}", hint="see the message above; rerun "
                               "with --no-report to export without the report")
-    from safetensors import safe_open
-
-    with safe_open(str(out), framework="pt") as handle:
-        meta = handle.metadata()
-    return StageResult(out, *(json.loads(meta[k]) for k in ("texts", "prompt_ids", "greedy")))
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return {"wall_s": time.perf_counter() - wall,
+            "cpu_s": (after.ru_utime + after.ru_stime) - (before.ru_utime + before.ru_stime)}
 
 
 def compare(reference: StageResult, other: StageResult, n: int) -> dict:
@@ -328,37 +530,47 @@ def llamacpp_available() -> str | None:
 
 
 def build_report(reference: dict, stages: list[Stage], *, llamacpp: Stage | None,
-                 prompts: tuple[str, ...] = PROMPT_SUITE, greedy_tokens: int = GREEDY_TOKENS,
-                 threads: int = 1, decode: Callable[[list[int]], str] | None = None,
+                 draft: dict | None = None, prompts: tuple[str, ...] = PROMPT_SUITE,
+                 greedy_tokens: int = GREEDY_TOKENS, threads: int = 1,
+                 decode: Callable[[list[int]], str] | None = None,
                  progress: Callable[[str], None] | None = None) -> dict:
-    """Score the checkpoint (`reference`, a worker load spec) and each stage; return the report."""
+    """Score the checkpoint (`reference`, a worker load spec) and each stage; return the report.
+    `draft` (a load spec: the exported file under llama.cpp numerics) lets the stages follow
+    guesses instead of decoding token by token (follow_guesses); it changes no result."""
     say = progress or (lambda _msg: None)
     with tempfile.TemporaryDirectory(prefix="forgebench-equivalence-") as tmp:
         workdir = Path(tmp)
-        say("checkpoint: greedy answers and scoring")
-        ref = first = _run_stage({"model": reference, "prompts": list(prompts),
-                                  "greedy_tokens": greedy_tokens}, workdir, "checkpoint", threads)
-        sequences = [p + g for p, g in zip(first.prompt_ids, first.greedy)]
-        scored_from = [len(p) - 1 for p in first.prompt_ids]
-        common = {"texts": first.texts, "sequences": sequences, "scored_from": scored_from,
-                  "greedy_tokens": greedy_tokens}
+        labels = ["checkpoint: greedy answers and scoring"] + [f"{s.name}: scoring"
+                                                                for s in stages]
+
+        def relay(line: str) -> None:
+            if line.startswith("stage "):
+                say(labels[int(line.split()[1])])
+
+        timings = {"engine worker": _run_worker(
+            {"reference": reference, "prompts": list(prompts), "greedy_tokens": greedy_tokens,
+             "stages": [s.model for s in stages], "draft": draft, "outdir": str(workdir)},
+            workdir, "engine", threads, relay)}
+        ref, *got_stages = [StageResult.read(workdir / f"stage-{k}.safetensors")
+                            for k in range(len(stages) + 1)]
+        common = reference_sequences(ref.texts, ref.prompt_ids, ref.greedy, greedy_tokens)
+        sequences, scored_from = common["sequences"], common["scored_from"]
         n = len(sequences)
         prompt_rows = [{"prompt": p, "prompt_tokens": len(ids), "answer_tokens": len(g),
                         "answer": decode(g) if decode else None}
-                       for p, ids, g in zip(prompts, first.prompt_ids, first.greedy)]
+                       for p, ids, g in zip(prompts, ref.prompt_ids, ref.greedy)]
         report = Report(prompt_rows)
         report.stages.append({"name": "checkpoint", "description": "training checkpoint "
                               "(reference)", "file": None, "positions":
                               sum(len(s) - f for s, f in zip(sequences, scored_from))})
-        previous, results = ref, {}
-        for stage in stages:
-            say(f"{stage.name}: scoring")
-            got = _run_stage(dict(common, model=stage.model), workdir, stage.name, threads)
-            results[stage.name] = got
+        timings["checkpoint"] = ref.timing
+        previous = ref
+        for stage, got in zip(stages, got_stages):
+            timings[stage.name] = got.timing
             vs_checkpoint = compare(ref, got, n)
             entry = {
                 "name": stage.name, "description": stage.description, "file": stage.file,
-                "tokenizer_matches": got.prompt_ids == first.prompt_ids,
+                "tokenizer_matches": got.prompt_ids == ref.prompt_ids,
                 "vs_checkpoint": vs_checkpoint,
                 "vs_previous": vs_checkpoint if previous is ref else compare(previous, got, n),
                 "greedy_vs_checkpoint": _greedy_match(ref, got)}
@@ -370,11 +582,14 @@ def build_report(reference: dict, stages: list[Stage], *, llamacpp: Stage | None
             report.llamacpp = {"available": False, "reason": missing}
         else:
             say("llama.cpp: scoring")
-            got = _run_stage(dict(common, model=llamacpp.model), workdir, "llamacpp", threads)
-            engine_same_file = results.get(stages[-1].name) if stages else None
+            out = workdir / "llamacpp.safetensors"
+            timings["llama.cpp worker"] = _run_worker(
+                dict(common, model=llamacpp.model, out=str(out)), workdir, "llamacpp", threads)
+            got = StageResult.read(out)
+            engine_same_file = got_stages[-1] if got_stages else None
             report.llamacpp = {
                 "available": True, "description": llamacpp.description, "file": llamacpp.file,
-                "tokenizer_matches": got.prompt_ids == first.prompt_ids,
+                "tokenizer_matches": got.prompt_ids == ref.prompt_ids,
                 "vs_checkpoint": compare(ref, got, n),
                 "greedy_vs_checkpoint": _greedy_match(ref, got),
                 "answers": [decode(g) if decode else None for g in got.greedy]}
@@ -383,7 +598,7 @@ def build_report(reference: dict, stages: list[Stage], *, llamacpp: Stage | None
                 report.llamacpp["vs_engine_same_file"] = compare(engine_same_file, got, n)
                 report.llamacpp["greedy_vs_engine_same_file"] = _greedy_match(engine_same_file,
                                                                               got)
-    return report.as_dict()
+    return {**report.as_dict(), "timings": timings}
 
 
 def _verdict_text(entry: dict) -> str:

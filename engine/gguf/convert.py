@@ -116,8 +116,9 @@ def _refuse_requantization(content: GGUFContent, dtype: str,
 
 
 def convert_gguf(src: str | Path, dst: str | Path, dtype: str, progress=None, *,
-                 allow_dequantized: bool = False) -> ConvertResult:
-    """Write `src` converted to `dtype` at `dst` (which must not exist).
+                 allow_dequantized: bool = False, threads: int = 1) -> ConvertResult:
+    """Write `src` converted to `dtype` at `dst` (which must not exist), quantizing `threads`
+    tensors at a time.
 
     `allow_dequantized` lets a file marked as dequantized be quantized: `forgebench export` uses
     it for a model merged into an explicitly dequantized base, a new model the user chose to
@@ -155,5 +156,6 @@ def convert_gguf(src: str | Path, dst: str | Path, dtype: str, progress=None, *,
             metadata[DEQUANTIZED_FROM_KEY] = MetaValue(GGUFValueType.STRING, sha256_file(src))
             metadata[DEQUANTIZED_FROM_TYPE_KEY] = MetaValue(GGUFValueType.STRING,
                                                             _source_type_name(content))
-    write_gguf(dst, metadata, tensors, version=content.version, progress=progress)
+    write_gguf(dst, metadata, tensors, version=content.version, progress=progress,
+               threads=threads)
     return ConvertResult(dst, dtype, Counter(t.ggml_type.name for t in tensors), dequantized)

@@ -22,7 +22,7 @@ import os
 import struct
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Iterable, Union
+from typing import Callable, Iterable, Iterator, Union
 
 import numpy as np
 from gguf import GGMLQuantizationType, GGUFValueType
@@ -137,14 +137,36 @@ def _tensor_bytes(tensor: TensorEntry) -> memoryview:
     return view
 
 
+def _tensors_bytes(tensors: list[TensorEntry], threads: int) -> Iterator[memoryview]:
+    """Each tensor's bytes in file order; with threads > 1, that many tensors are computed at
+    once (quantization is numpy work that releases the GIL), at most `threads` ahead of the
+    writer so memory stays bounded."""
+    if threads <= 1:
+        yield from map(_tensor_bytes, tensors)
+        return
+    from collections import deque
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(threads) as pool:
+        pending: deque = deque()
+        for tensor in tensors:
+            pending.append(pool.submit(_tensor_bytes, tensor))
+            if len(pending) >= threads:
+                yield pending.popleft().result()
+        while pending:
+            yield pending.popleft().result()
+
+
 def write_gguf(path: str | os.PathLike, metadata: dict[str, MetaValue] | Iterable,
                tensors: Iterable[TensorEntry | tuple], *, alignment: int | None = None,
                version: int = 3,
-               progress: Callable[[TensorEntry, int, int], None] | None = None) -> Path:
+               progress: Callable[[TensorEntry, int, int], None] | None = None,
+               threads: int = 1) -> Path:
     """Write a GGUF file atomically. `metadata`: ordered key -> MetaValue (or (key, MetaValue)
     pairs); `tensors`: TensorEntry or (name, ggml_type, shape, data) tuples, in file order;
     `alignment` sets `general.alignment` (the file's default of 32 is not written out).
-    `progress(tensor, done, total)` is called after each tensor is written."""
+    `progress(tensor, done, total)` is called after each tensor is written; `threads` tensors
+    are computed at a time (the bytes do not depend on it)."""
     path = Path(path)
     metadata = dict(metadata)
     tensors = [t if isinstance(t, TensorEntry) else TensorEntry(*t) for t in tensors]
@@ -169,8 +191,8 @@ def write_gguf(path: str | os.PathLike, metadata: dict[str, MetaValue] | Iterabl
     try:
         with atomic_writer(path, "wb") as out:
             out.write(header)
-            for done, tensor in enumerate(tensors, start=1):
-                data = _tensor_bytes(tensor)
+            for done, (tensor, data) in enumerate(zip(tensors, _tensors_bytes(tensors, threads)),
+                                                  start=1):
                 out.write(data)
                 out.write(bytes(_pad(data.nbytes, align)))
                 if progress is not None:
