@@ -48,6 +48,15 @@ def test_first_launch_opens_the_sample_workspace(window, tmp_path):
     bundled_datasets = sorted(p.name for p in (BUNDLED_SAMPLE / "datasets").glob("*/")
                               if (p / "dataset.json").is_file())
     assert sorted(e.path.name for e in window.datasets.entries) == bundled_datasets
+    # The finished example runs are in the ledger, each marked so nobody takes it for their own.
+    bundled_runs = sorted(p.name for p in (BUNDLED_SAMPLE / "runs").glob("*/")
+                          if (p / "run.json").is_file())
+    ledger = window.runs.ledger
+    assert bundled_runs and sorted(r.name for r in ledger.rows) == bundled_runs
+    assert all(ledger.data(ledger.index(i, 0)) == f"{row.name} (example)"
+               for i, row in enumerate(ledger.rows))
+    tip = ledger.data(ledger.index(0, 0), Qt.ItemDataRole.ToolTipRole)
+    assert "example run shipped with the sample workspace" in tip
     assert window.settings.recent == [str(copy.resolve())]
     # The second launch reopens the most recent workspace.
     assert open_initial_workspace(window) and window.workspace.root == copy.resolve()

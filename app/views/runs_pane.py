@@ -35,7 +35,14 @@ from app.viewmodels import jobs
 from app.viewmodels.forms import RecipeForm, new_config_from_template, recipe_templates
 from app.viewmodels.jobs import BackgroundJob
 from app.viewmodels.models import library_files
-from app.viewmodels.runs import BestEval, LedgerRow, failure_report, ledger_row, write_notes
+from app.viewmodels.runs import (
+    BestEval,
+    LedgerRow,
+    example_text,
+    failure_report,
+    ledger_row,
+    write_notes,
+)
 from app.viewmodels.workspace import Workspace
 from app.views.background import BackgroundCall
 from app.views.charts import RunCharts
@@ -100,6 +107,8 @@ class LedgerModel(QAbstractTableModel):
             return row.duration_text()
         if key == "stage_line":
             return row.stage_line if row.active else ""
+        if key == "name" and row.example is not None:
+            return f"{row.name} (example)"
         return str(getattr(row, key))
 
     def data(self, index, role=Qt.ItemDataRole.DisplayRole):
@@ -118,7 +127,8 @@ class LedgerModel(QAbstractTableModel):
             return QColor(STATE_COLOURS.get(row.state, "#333"))
         if role == Qt.ItemDataRole.ToolTipRole:
             if key == "name":
-                return f"{row.name}\n{row.path}"
+                about = f"\n{example_text(row.example)}" if row.example is not None else ""
+                return f"{row.name}\n{row.path}{about}"
             if key == "state" and row.holder is not None:
                 return row.holder_text()
             return row.error or self._value(row, key)
@@ -129,6 +139,10 @@ class LedgerModel(QAbstractTableModel):
         if index.row() < len(self.rows) and COLUMNS[index.column()][0] in EDITABLE:
             return base | Qt.ItemFlag.ItemIsEditable
         return base
+
+    def row(self, path: Path) -> LedgerRow | None:
+        """The ledger line of one run (the sample workspace's example runs share the list)."""
+        return next((r for r in self.rows if r.path == path), None)
 
     def setData(self, index, value, role=Qt.ItemDataRole.EditRole):
         row = self.rows[index.row()]
