@@ -1,8 +1,9 @@
-"""`python -m app.screenshots OUT_DIR [--only datasets|models-chat]`: render every pane with
-real content at 1024×700, the smallest laptop window every pane must work in (`--only
+"""`python -m app.screenshots OUT_DIR [--only datasets|models-chat|examples]`: render every pane
+with real content at 1024×700, the smallest laptop window every pane must work in (`--only
 datasets` renders the datasets pane, import wizards and data card without training the demo
 runs; `--only models-chat` the Models and Chat panes, training only the pirate LoRA run, or
-copying the one `--pirate-run DIR` names).
+copying the one `--pirate-run DIR` names; `--only examples` the sample workspace's example runs
+in Runs, Samples, Blind A/B and Export, training nothing).
 
 The content is real: the bundled sample workspace (datasets the engine's own generators fill
 in where the bundle lacks them), a copy of the shapes dataset with a planted error, and a real
@@ -30,6 +31,7 @@ from engine.config import load_config
 from engine.data.generators.records import generate_records
 from engine.data.generators.sfx import generate_sfx
 from engine.data.generators.shapes import generate_shapes
+from engine.rundir import RunDir
 
 SIZE = (1024, 700)
 GENERATORS = {"records": lambda p: generate_records(p, n=300),
@@ -159,6 +161,50 @@ def part2_screens(window: MainWindow, workspace: Workspace, shot, app: QApplicat
     window.runs.left_tabs.setCurrentIndex(0)
     window.runs.select_run(workspace.runs_dir / "image-generate-demo")
     shot("20-runs-image-generator-samples-per-second")
+
+
+def example_screens(window: MainWindow, workspace: Workspace, shot, app: QApplication) -> None:
+    """The sample workspace as a new user finds it: its finished example runs in the ledger,
+    the recognisable image generator's and the sound generator's samples, a blind A/B of the
+    recognisable generator against the quick one, and the image generator exported."""
+    runs_dir = workspace.runs_dir
+    window.sidebar.setCurrentRow(PANES.index("Runs"))
+    runs = window.runs
+    runs.poll(force=True)
+    runs.left_tabs.setCurrentIndex(0)
+    runs.select_run(runs_dir / "shapes-generator")
+    shot("23-runs-sample-workspace-example-runs")
+    window.sidebar.setCurrentRow(PANES.index("Samples"))
+    samples = window.samples
+    samples.set_workspace(workspace)
+    samples.select_run(runs_dir / "shapes-generator")
+    shot("24-samples-example-shapes-generator")
+    samples.select_run(runs_dir / "sfx-generator")
+    samples.clips.setCurrentRow(0)
+    shot("25-samples-example-sfx-generator")
+    window.sidebar.setCurrentRow(PANES.index("Blind A/B"))
+    ab = window.ab
+    ab.set_workspace(workspace)
+    for run in ("shapes-generator", "quick-image-generator"):
+        ab.check_system(runs_dir / run, RunDir(runs_dir / run).latest_checkpoint().name)
+    ab.rater.setText("screenshot-script")
+    ab.name.setText("example-generators")
+    ab.limit.setValue(6)
+    ab.gen_seeds.setText("7")
+    ab.gen_n.setValue(2)
+    ab.generate_button.click()
+    wait_until(app, lambda: not (ab.job.running or ab.pending_jobs))
+    shot("26-blind-ab-example-image-generators")
+    window.sidebar.setCurrentRow(PANES.index("Export"))
+    export = window.export
+    export.set_workspace(workspace)
+    export.select_run(runs_dir / "shapes-generator")
+    export.go(2)
+    wait_until(app, lambda: not export.call.running)
+    export.go(3)
+    export.export()
+    wait_until(app, lambda: not export.export_job.running)
+    shot("27-export-example-shapes-generator-verified")
 
 
 def wait_until(app: QApplication, condition, seconds: float = 900) -> None:
@@ -404,6 +450,9 @@ def main(argv: list[str] | None = None) -> int:
 
     if only == "models-chat":
         models_chat_screens(window, workspace, shot, app, pirate_run)
+        return _finish(window, app, shots, scratch)
+    if only == "examples":
+        example_screens(window, workspace, shot, app)
         return _finish(window, app, shots, scratch)
 
     datasets = window.datasets

@@ -4,7 +4,8 @@ Each example is a real run of a config the sample workspace ships (resources/sam
 configs), made by the real engine (`forgebench run`, one thread) in a scratch copy of the
 workspace, so it records exactly what a user's run of that config records. Two settings are
 changed to keep the repository small, and are recorded in the run's config like any other:
-`keep_last = 1` (one checkpoint) and, for the image generator, its sample grid at the end only.
+`keep_last = 1` (one checkpoint; two for the sound generator, so Blind A/B has a pair) and, for
+the recognisable image generator, its sample grid at the end only.
 
 The finished run is copied to resources/sample-workspace/runs/<name>/ portable
 (`engine.rundir.make_portable`: the scratch workspace's folder is written `{workspace}`;
@@ -46,9 +47,13 @@ EXAMPLES: dict[str, tuple[str, str, dict]] = {
     "where-demo": ("lm-pretrain-demo",
                    "the `forgebench demo` model: a tiny decoder that answers "
                    "'Where is X?' from the record", KEEP_ONE),
+    "quick-image-generator": ("image-generate",
+                              "the quick 16x16 generator, whose samples are still blobs: the "
+                              "other side of a Blind A/B against shapes-generator", KEEP_ONE),
+    # two checkpoints (steps 100 and 200, a few hundred KB each): a Blind A/B of sounds
     "sfx-generator": ("audio-generate",
                       "a 1-D DDPM of the sfx clips (Samples and Blind A/B of sounds, Export)",
-                      KEEP_ONE),
+                      {"keep_last": 2}),
     "sensor-alert": ("tabular-classify",
                      "the calibrated fault alert on the sensors table", KEEP_ONE),
 }
