@@ -87,6 +87,24 @@ PART2_RUNS = {
 }
 
 
+def start_blind_ab(window: MainWindow, workspace: Workspace, systems: list[tuple[Path, str]],
+                   name: str, pairs: int, per_seed: int):
+    """Open Blind A/B, choose the (run, checkpoint) systems and start generating their outputs
+    (seed 7, `per_seed` each: every system's outputs made here, alike)."""
+    window.sidebar.setCurrentRow(PANES.index("Blind A/B"))
+    ab = window.ab
+    ab.set_workspace(workspace)
+    for run_dir, checkpoint in systems:
+        ab.check_system(run_dir, checkpoint)
+    ab.rater.setText("screenshot-script")
+    ab.name.setText(name)
+    ab.limit.setValue(pairs)
+    ab.gen_seeds.setText("7")
+    ab.gen_n.setValue(per_seed)
+    ab.generate_button.click()
+    return ab
+
+
 def part2_screens(window: MainWindow, workspace: Workspace, shot, app: QApplication) -> None:
     """Samples (image grid, audio clip), a blind A/B session and the export wizard, on real
     runs trained here; the A/B answers are scripted (rater "screenshot-script")."""
@@ -110,17 +128,9 @@ def part2_screens(window: MainWindow, workspace: Workspace, shot, app: QApplicat
     samples.select_run(workspace.runs_dir / "audio-generate-demo")
     samples.clips.setCurrentRow(2)
     shot("13-samples-audio-waveform-flags")
-    window.sidebar.setCurrentRow(PANES.index("Blind A/B"))
-    ab = window.ab
-    ab.set_workspace(workspace)
-    for checkpoint in ("step-000020", "step-000040"):
-        ab.check_system(workspace.runs_dir / "image-generate-demo", checkpoint)
-    ab.rater.setText("screenshot-script")
-    ab.name.setText("image-checkpoints")
-    ab.limit.setValue(10)
-    ab.gen_seeds.setText("7")                 # every system's outputs made here, alike
-    ab.gen_n.setValue(4)
-    ab.generate_button.click()
+    ab = start_blind_ab(window, workspace, [(workspace.runs_dir / "image-generate-demo", c)
+                                            for c in ("step-000020", "step-000040")],
+                        "image-checkpoints", pairs=10, per_seed=4)
     settle(app)
     shot("13b-blind-ab-generating-outputs")
     while ab.job.running or ab.pending_jobs:
@@ -182,17 +192,10 @@ def example_screens(window: MainWindow, workspace: Workspace, shot, app: QApplic
     samples.select_run(runs_dir / "sfx-generator")
     samples.clips.setCurrentRow(0)
     shot("25-samples-example-sfx-generator")
-    window.sidebar.setCurrentRow(PANES.index("Blind A/B"))
-    ab = window.ab
-    ab.set_workspace(workspace)
-    for run in ("shapes-generator", "quick-image-generator"):
-        ab.check_system(runs_dir / run, RunDir(runs_dir / run).latest_checkpoint().name)
-    ab.rater.setText("screenshot-script")
-    ab.name.setText("example-generators")
-    ab.limit.setValue(6)
-    ab.gen_seeds.setText("7")
-    ab.gen_n.setValue(2)
-    ab.generate_button.click()
+    ab = start_blind_ab(window, workspace, [
+        (runs_dir / run, RunDir(runs_dir / run).latest_checkpoint().name)
+        for run in ("shapes-generator", "quick-image-generator")], "example-generators",
+        pairs=6, per_seed=2)
     wait_until(app, lambda: not (ab.job.running or ab.pending_jobs))
     shot("26-blind-ab-example-image-generators")
     window.sidebar.setCurrentRow(PANES.index("Export"))
