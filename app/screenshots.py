@@ -196,7 +196,7 @@ def example_screens(window: MainWindow, workspace: Workspace, shot, app: QApplic
         (runs_dir / run, RunDir(runs_dir / run).latest_checkpoint().name)
         for run in ("shapes-generator", "quick-image-generator")], "example-generators",
         pairs=6, per_seed=2)
-    wait_until(app, lambda: not (ab.job.running or ab.pending_jobs))
+    wait_until(app, lambda: ab.session is not None)     # it starts once the outputs are made
     shot("26-blind-ab-example-image-generators")
     window.sidebar.setCurrentRow(PANES.index("Export"))
     export = window.export

@@ -62,6 +62,22 @@ def test_first_launch_opens_the_sample_workspace(window, tmp_path):
     assert open_initial_workspace(window) and window.workspace.root == copy.resolve()
 
 
+def test_an_example_run_is_deleted_from_the_ledger_but_not_while_a_job_holds_it(window, qtbot):
+    from engine.runlock import RunLock
+    assert open_initial_workspace(window)
+    runs, ws = window.runs, window.workspace
+    held, example = ws.runs_dir / "sfx-generator", ws.runs_dir / "sensor-alert"
+    lock = RunLock(held).acquire("sample")     # as if a sampling job were reading it
+    try:
+        for path in (held, example):
+            runs.select_run(path, add=True)
+        runs.delete_selected(confirm=False)
+    finally:
+        lock.release()
+    assert not example.exists() and runs.ledger.row(example) is None
+    assert held.is_dir() and runs.ledger.row(held) is not None        # kept: a job held it
+
+
 def test_planted_dataset_error_is_marked_at_its_record(window, qtbot, tmp_path):
     ws = make_workspace(tmp_path / "ws", shapes=12, records=False)
     records = ws.datasets_dir / "shapes" / "records.jsonl"

@@ -8,6 +8,7 @@ import hashlib
 import json
 import math
 import os
+import shutil
 import socket
 import time
 from dataclasses import dataclass, field
@@ -377,6 +378,17 @@ def ledger_row(path: Path, best: BestEval | None = None) -> LedgerRow:
         else None,
         stage_line=run_stage_line(status, invocations[-1] if invocations else None),
         device=device_text(manifest), holder=run.lock_holder(), example=run.example)
+
+
+def delete_run(path: Path) -> None:
+    """Delete a run's folder: the user's own or a shipped example. Refuses a run a job holds
+    (training, resuming, sampling): stop it first."""
+    run = RunDir(path)
+    holder = run.lock_holder()
+    if holder is not None or run.is_active():
+        raise ForgebenchError("a job is using this run", path=path,
+                              hint="stop it (or wait for its job to end), then delete it")
+    shutil.rmtree(path)
 
 
 def run_label(path: Path, recipe: str | None) -> str:

@@ -21,6 +21,7 @@ from PySide6.QtWidgets import (
     QInputDialog,
     QLabel,
     QMenu,
+    QMessageBox,
     QPlainTextEdit,
     QPushButton,
     QSpinBox,
@@ -38,6 +39,7 @@ from app.viewmodels.models import library_files
 from app.viewmodels.runs import (
     BestEval,
     LedgerRow,
+    delete_run,
     example_text,
     failure_report,
     ledger_row,
@@ -237,13 +239,17 @@ class RunsPane(QWidget):
         self.resume_steps.setRange(0, 10_000_000)
         self.resume_steps.setSpecialValueText("same target")
         self.resume_steps.setPrefix("to step ")
+        self.delete_button = QPushButton("Delete…")
+        self.delete_button.setToolTip("Delete the selected runs' folders (example runs too)")
         self.stop_button.clicked.connect(self.stop_selected)
         self.resume_button.clicked.connect(self.resume_selected)
+        self.delete_button.clicked.connect(self.delete_selected)
         buttons = QHBoxLayout()
         buttons.addWidget(self.stop_button)
         buttons.addWidget(self.resume_button)
         buttons.addWidget(self.resume_steps)
         buttons.addStretch(1)
+        buttons.addWidget(self.delete_button)
 
         self.details = QPlainTextEdit()
         self.details.setReadOnly(True)
@@ -521,6 +527,24 @@ class RunsPane(QWidget):
             log = jobs.resume_log(self.workspace, path)
             self._in_background(lambda a=argv, lg=log: start_detached(a, lg),
                                 lambda pid, p=path: self._resumed(p, pid), path.name)
+
+    def delete_selected(self, confirm: bool = True) -> None:
+        """Delete the selected runs after one confirmation; a run a job holds is kept."""
+        paths = self.selected_paths()
+        if not paths:
+            return
+        names = ", ".join(p.name for p in paths)
+        if confirm and QMessageBox.question(
+                self, "Delete runs", f"Delete {names}? Its folder, checkpoints and samples are "
+                "removed from the workspace.") != QMessageBox.StandardButton.Yes:
+            return
+        for path in paths:
+            try:
+                delete_run(path)
+                self.message.emit(f"deleted {path.name}")
+            except ForgebenchError as exc:
+                self.message.emit(exc.render())
+        self.poll(force=True)
 
     def _resumed(self, path: Path, pid: int) -> None:
         self.ledger.own_pids.add(pid)
