@@ -4,8 +4,8 @@ Each example is a real run of a config the sample workspace ships (resources/sam
 configs), made by the real engine (`forgebench run`, one thread) in a scratch copy of the
 workspace, so it records exactly what a user's run of that config records. Two settings are
 changed to keep the repository small, and are recorded in the run's config like any other:
-`keep_last = 1` (one checkpoint; two for the sound generator, so Blind A/B has a pair) and, for
-the recognisable image generator, its sample grid at the end only.
+`keep_last = 1` (one checkpoint; the sound generator keeps its two, so Blind A/B has a pair)
+and, for the recognisable image generator, no sample grid at its checkpoints.
 
 The finished run is copied to resources/sample-workspace/runs/<name>/ portable
 (`engine.rundir.make_portable`: the scratch workspace's folder is written `{workspace}`;
@@ -64,10 +64,11 @@ EXAMPLES: dict[str, Example] = {
         "image-generate", "the quick 16x16 generator, whose samples are still noise and faint "
         "blobs: the other side of a Blind A/B against shapes-generator", KEEP_ONE,
         ("--n", "4", "--seed", "0", "--steps", "16")),      # its config's sampler steps
-    # two checkpoints (steps 100 and 200, a few hundred KB each): a Blind A/B of sounds
+    # two checkpoints (steps 300 and 600): a Blind A/B of sounds
     "sfx-generator": Example(
-        "audio-generate", "a 1-D DDPM of the sfx clips (Samples and Blind A/B of sounds, "
-        "Export)", {"keep_last": 2}, ("--n", "2", "--seed", "0", "--steps", "16")),
+        "audio-generate-sfx", "a 1-D DDPM of the sfx clips that makes each class's sound "
+        "(Samples and Blind A/B of sounds, Export)", {},
+        ("--n", "2", "--seed", "0")),       # its config's cfg 2, the full 256-step sampler
     "sensor-alert": Example(
         "tabular-classify", "the calibrated fault alert on the sensors table", KEEP_ONE),
 }
