@@ -176,7 +176,7 @@ def part2_screens(window: MainWindow, workspace: Workspace, shot, app: QApplicat
 def example_screens(window: MainWindow, workspace: Workspace, shot, app: QApplication) -> None:
     """The sample workspace as a new user finds it: its finished example runs in the ledger,
     the recognisable image generator's and the sound generator's samples, a blind A/B of the
-    recognisable generator against the quick one, and the image generator exported."""
+    sound generator's two checkpoints, and the image generator exported."""
     runs_dir = workspace.runs_dir
     window.sidebar.setCurrentRow(PANES.index("Runs"))
     runs = window.runs
@@ -193,11 +193,10 @@ def example_screens(window: MainWindow, workspace: Workspace, shot, app: QApplic
     samples.clips.setCurrentRow(0)
     shot("25-samples-example-sfx-generator")
     ab = start_blind_ab(window, workspace, [
-        (runs_dir / run, RunDir(runs_dir / run).latest_checkpoint().name)
-        for run in ("shapes-generator", "quick-image-generator")], "example-generators",
-        pairs=6, per_seed=2)
+        (runs_dir / "sfx-generator", c.name) for c in RunDir(runs_dir / "sfx-generator")
+        .checkpoints()], "example-sound-checkpoints", pairs=3, per_seed=1)
     wait_until(app, lambda: ab.session is not None)     # it starts once the outputs are made
-    shot("26-blind-ab-example-image-generators")
+    shot("26-blind-ab-example-sound-checkpoints")
     window.sidebar.setCurrentRow(PANES.index("Export"))
     export = window.export
     export.set_workspace(workspace)

@@ -346,18 +346,23 @@ def _json_files(run_dir: Path) -> list[Path]:
                   and "checkpoints" not in p.relative_to(run_dir).parts)
 
 
+def _replace_in_json_files(run_dir: Path, old: str, new: str) -> list[str]:
+    """Replace `old` by `new` in the run's JSON files; return the ones changed."""
+    changed = []
+    for path in _json_files(run_dir):
+        text = path.read_text(encoding="utf-8")
+        if old in text:
+            atomic_write_bytes(path, text.replace(old, new).encode("utf-8"))
+            changed.append(str(path.relative_to(run_dir)))
+    return changed
+
+
 def make_portable(run_dir: str | os.PathLike, workspace: str | os.PathLike) -> list[str]:
     """Write the workspace folder as `{workspace}` in the run's JSON files; return the files
     changed. Refuses a run any of whose files still names the folder after that (a checkpoint,
     a PNG), so a shipped run never points at the machine that made it."""
     run_dir, root = Path(run_dir), str(Path(workspace).resolve())
-    escaped = json.dumps(root)[1:-1]
-    changed = []
-    for path in _json_files(run_dir):
-        text = path.read_text(encoding="utf-8")
-        if escaped in text:
-            atomic_write_bytes(path, text.replace(escaped, WORKSPACE_TOKEN).encode("utf-8"))
-            changed.append(str(path.relative_to(run_dir)))
+    changed = _replace_in_json_files(run_dir, json.dumps(root)[1:-1], WORKSPACE_TOKEN)
     for path in sorted(p for p in run_dir.rglob("*") if p.is_file()):
         if root.encode("utf-8") in path.read_bytes():
             raise ForgebenchError("the file still names the workspace folder it was made in",
@@ -368,15 +373,8 @@ def make_portable(run_dir: str | os.PathLike, workspace: str | os.PathLike) -> l
 def relocate(run_dir: str | os.PathLike, workspace: str | os.PathLike) -> list[str]:
     """Give a portable run (`make_portable`) the workspace folder it now lives in; return the
     files changed."""
-    run_dir = Path(run_dir)
     escaped = json.dumps(str(Path(workspace).resolve()))[1:-1]
-    changed = []
-    for path in _json_files(run_dir):
-        text = path.read_text(encoding="utf-8")
-        if WORKSPACE_TOKEN in text:
-            atomic_write_bytes(path, text.replace(WORKSPACE_TOKEN, escaped).encode("utf-8"))
-            changed.append(str(path.relative_to(run_dir)))
-    return changed
+    return _replace_in_json_files(Path(run_dir), WORKSPACE_TOKEN, escaped)
 
 
 def describe(run: RunDir) -> dict:
