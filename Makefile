@@ -7,7 +7,7 @@ STAMP    := $(VENV)/.installed
 VSTAMP   := $(VENV)/.installed-verify
 EXTRAS   ?= app,dev
 
-.PHONY: setup system-deps verify-extra parity-extra setup-cuda run demo lint test test-real bench screenshots package test-package clean
+.PHONY: setup system-deps verify-extra parity-extra setup-cuda run demo lint test test-real bench screenshots examples package test-package clean
 
 $(STAMP): pyproject.toml packaging/constraints.txt
 	@test -x $(PY) || python3 -m venv $(VENV)
@@ -79,6 +79,11 @@ bench: setup
 
 screenshots: setup
 	xvfb-run -a -s "-screen 0 1024x768x24" env QT_QPA_PLATFORM=xcb $(PY) -m app.screenshots docs/screenshots
+
+# The sample workspace's finished example runs (resources/sample-workspace/runs), remade with the
+# real engine from its shipped configs (about 25 CPU-minutes; EXAMPLES="name ..." for some).
+examples: setup
+	$(PY) packaging/make_examples.py $(EXAMPLES)
 
 # The installable forms (README, "Install"): dist/forgebench-*.whl (app, engine, resources; no
 # tests) and the one-folder desktop bundle dist/Forgebench/ (PyInstaller over this venv, so the

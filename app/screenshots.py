@@ -1,8 +1,9 @@
-"""`python -m app.screenshots OUT_DIR [--only datasets|models-chat]`: render every pane with
-real content at 1024×700, the smallest laptop window every pane must work in (`--only
+"""`python -m app.screenshots OUT_DIR [--only datasets|models-chat|examples]`: render every pane
+with real content at 1024×700, the smallest laptop window every pane must work in (`--only
 datasets` renders the datasets pane, import wizards and data card without training the demo
 runs; `--only models-chat` the Models and Chat panes, training only the pirate LoRA run, or
-copying the one `--pirate-run DIR` names).
+copying the one `--pirate-run DIR` names; `--only examples` the sample workspace's example runs
+in Runs, Samples, Blind A/B and Export, training nothing).
 
 The content is real: the bundled sample workspace (datasets the engine's own generators fill
 in where the bundle lacks them), a copy of the shapes dataset with a planted error, and a real
@@ -30,6 +31,7 @@ from engine.config import load_config
 from engine.data.generators.records import generate_records
 from engine.data.generators.sfx import generate_sfx
 from engine.data.generators.shapes import generate_shapes
+from engine.rundir import RunDir
 
 SIZE = (1024, 700)
 GENERATORS = {"records": lambda p: generate_records(p, n=300),
@@ -85,6 +87,24 @@ PART2_RUNS = {
 }
 
 
+def start_blind_ab(window: MainWindow, workspace: Workspace, systems: list[tuple[Path, str]],
+                   name: str, pairs: int, per_seed: int):
+    """Open Blind A/B, choose the (run, checkpoint) systems and start generating their outputs
+    (seed 7, `per_seed` each: every system's outputs made here, alike)."""
+    window.sidebar.setCurrentRow(PANES.index("Blind A/B"))
+    ab = window.ab
+    ab.set_workspace(workspace)
+    for run_dir, checkpoint in systems:
+        ab.check_system(run_dir, checkpoint)
+    ab.rater.setText("screenshot-script")
+    ab.name.setText(name)
+    ab.limit.setValue(pairs)
+    ab.gen_seeds.setText("7")
+    ab.gen_n.setValue(per_seed)
+    ab.generate_button.click()
+    return ab
+
+
 def part2_screens(window: MainWindow, workspace: Workspace, shot, app: QApplication) -> None:
     """Samples (image grid, audio clip), a blind A/B session and the export wizard, on real
     runs trained here; the A/B answers are scripted (rater "screenshot-script")."""
@@ -108,17 +128,9 @@ def part2_screens(window: MainWindow, workspace: Workspace, shot, app: QApplicat
     samples.select_run(workspace.runs_dir / "audio-generate-demo")
     samples.clips.setCurrentRow(2)
     shot("13-samples-audio-waveform-flags")
-    window.sidebar.setCurrentRow(PANES.index("Blind A/B"))
-    ab = window.ab
-    ab.set_workspace(workspace)
-    for checkpoint in ("step-000020", "step-000040"):
-        ab.check_system(workspace.runs_dir / "image-generate-demo", checkpoint)
-    ab.rater.setText("screenshot-script")
-    ab.name.setText("image-checkpoints")
-    ab.limit.setValue(10)
-    ab.gen_seeds.setText("7")                 # every system's outputs made here, alike
-    ab.gen_n.setValue(4)
-    ab.generate_button.click()
+    ab = start_blind_ab(window, workspace, [(workspace.runs_dir / "image-generate-demo", c)
+                                            for c in ("step-000020", "step-000040")],
+                        "image-checkpoints", pairs=10, per_seed=4)
     settle(app)
     shot("13b-blind-ab-generating-outputs")
     while ab.job.running or ab.pending_jobs:
@@ -159,6 +171,42 @@ def part2_screens(window: MainWindow, workspace: Workspace, shot, app: QApplicat
     window.runs.left_tabs.setCurrentIndex(0)
     window.runs.select_run(workspace.runs_dir / "image-generate-demo")
     shot("20-runs-image-generator-samples-per-second")
+
+
+def example_screens(window: MainWindow, workspace: Workspace, shot, app: QApplication) -> None:
+    """The sample workspace as a new user finds it: its finished example runs in the ledger,
+    the recognisable image generator's and the sound generator's samples, a blind A/B of the
+    sound generator's two checkpoints, and the image generator exported."""
+    runs_dir = workspace.runs_dir
+    window.sidebar.setCurrentRow(PANES.index("Runs"))
+    runs = window.runs
+    runs.poll(force=True)
+    runs.left_tabs.setCurrentIndex(0)
+    runs.select_run(runs_dir / "shapes-generator")
+    shot("23-runs-sample-workspace-example-runs")
+    window.sidebar.setCurrentRow(PANES.index("Samples"))
+    samples = window.samples
+    samples.set_workspace(workspace)
+    samples.select_run(runs_dir / "shapes-generator")
+    shot("24-samples-example-shapes-generator")
+    samples.select_run(runs_dir / "sfx-generator")
+    samples.clips.setCurrentRow(0)
+    shot("25-samples-example-sfx-generator")
+    ab = start_blind_ab(window, workspace, [
+        (runs_dir / "sfx-generator", c.name) for c in RunDir(runs_dir / "sfx-generator")
+        .checkpoints()], "example-sound-checkpoints", pairs=3, per_seed=1)
+    wait_until(app, lambda: ab.session is not None)     # it starts once the outputs are made
+    shot("26-blind-ab-example-sound-checkpoints")
+    window.sidebar.setCurrentRow(PANES.index("Export"))
+    export = window.export
+    export.set_workspace(workspace)
+    export.select_run(runs_dir / "shapes-generator")
+    export.go(2)
+    wait_until(app, lambda: not export.call.running)
+    export.go(3)
+    export.export()
+    wait_until(app, lambda: not export.export_job.running)
+    shot("27-export-example-shapes-generator-verified")
 
 
 def wait_until(app: QApplication, condition, seconds: float = 900) -> None:
@@ -404,6 +452,9 @@ def main(argv: list[str] | None = None) -> int:
 
     if only == "models-chat":
         models_chat_screens(window, workspace, shot, app, pirate_run)
+        return _finish(window, app, shots, scratch)
+    if only == "examples":
+        example_screens(window, workspace, shot, app)
         return _finish(window, app, shots, scratch)
 
     datasets = window.datasets

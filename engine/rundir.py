@@ -11,6 +11,12 @@ Layout and rules (docs/design.md §2)::
     samples/<checkpoint>/
     evals/<name>.json
     job.lock            flock held by the one job writing the run (engine/runlock.py)
+    example.json        only in a shipped example run: what made it (`RunDir.example`)
+
+An example run is recorded with its workspace's folder written as `{workspace}` in its JSON
+files (`make_portable`) and gets the folder it is installed in back (`relocate`): run.json
+records absolute paths (the config's `base_dir`, the dataset folder), which resume and export
+compare and read. Checkpoint files never hold them (their SHA-256 is in trainer_state.json).
 
 No torch here: the app reads run directories while jobs write them. A run whose status says
 queued/running/stopping while no process holds its lock has died: `live_status` reports it as
@@ -38,6 +44,8 @@ from engine.runlock import LOCK_NAME, lock_holder, pid_alive  # noqa: F401 (app 
 STATES = ("queued", "running", "stopping", "stopped", "completed", "failed")
 ACTIVE_STATES = ("queued", "running", "stopping")
 SENTINEL = "trainer_state.json"
+EXAMPLE_FILE = "example.json"
+WORKSPACE_TOKEN = "{workspace}"
 _CHECKPOINT_RE = re.compile(r"^step-(\d{6,})$")
 
 
@@ -86,6 +94,18 @@ class RunDir:
 
     def exists(self) -> bool:
         return self.manifest_path.is_file()
+
+    @property
+    def example(self) -> dict | None:
+        """What made a shipped example run (its `example.json`), or None for the user's own."""
+        path = self.path / EXAMPLE_FILE
+        if not path.is_file():
+            return None
+        try:
+            info = read_json(path)
+        except ForgebenchError:
+            return {}   # a damaged marker still marks the run as an example
+        return info if isinstance(info, dict) else {}
 
     # -- the writer's lock ---------------------------------------------------------------
     def acquire_lock(self, purpose: str) -> None:
@@ -318,6 +338,43 @@ class RunDir:
             atomic_write_bytes(path, data)
             written.append(str(path.relative_to(self.path)))
         return written
+
+
+def _json_files(run_dir: Path) -> list[Path]:
+    """The run's JSON and JSONL files outside checkpoints/ (which no rewrite may touch)."""
+    return sorted(p for p in run_dir.rglob("*") if p.is_file() and p.suffix in (".json", ".jsonl")
+                  and "checkpoints" not in p.relative_to(run_dir).parts)
+
+
+def _replace_in_json_files(run_dir: Path, old: str, new: str) -> list[str]:
+    """Replace `old` by `new` in the run's JSON files; return the ones changed."""
+    changed = []
+    for path in _json_files(run_dir):
+        text = path.read_text(encoding="utf-8")
+        if old in text:
+            atomic_write_bytes(path, text.replace(old, new).encode("utf-8"))
+            changed.append(str(path.relative_to(run_dir)))
+    return changed
+
+
+def make_portable(run_dir: str | os.PathLike, workspace: str | os.PathLike) -> list[str]:
+    """Write the workspace folder as `{workspace}` in the run's JSON files; return the files
+    changed. Refuses a run any of whose files still names the folder after that (a checkpoint,
+    a PNG), so a shipped run never points at the machine that made it."""
+    run_dir, root = Path(run_dir), str(Path(workspace).resolve())
+    changed = _replace_in_json_files(run_dir, json.dumps(root)[1:-1], WORKSPACE_TOKEN)
+    for path in sorted(p for p in run_dir.rglob("*") if p.is_file()):
+        if root.encode("utf-8") in path.read_bytes():
+            raise ForgebenchError("the file still names the workspace folder it was made in",
+                                  path=path, hint="this file cannot be shipped as an example")
+    return changed
+
+
+def relocate(run_dir: str | os.PathLike, workspace: str | os.PathLike) -> list[str]:
+    """Give a portable run (`make_portable`) the workspace folder it now lives in; return the
+    files changed."""
+    escaped = json.dumps(str(Path(workspace).resolve()))[1:-1]
+    return _replace_in_json_files(Path(run_dir), WORKSPACE_TOKEN, escaped)
 
 
 def describe(run: RunDir) -> dict:

@@ -48,9 +48,34 @@ def test_first_launch_opens_the_sample_workspace(window, tmp_path):
     bundled_datasets = sorted(p.name for p in (BUNDLED_SAMPLE / "datasets").glob("*/")
                               if (p / "dataset.json").is_file())
     assert sorted(e.path.name for e in window.datasets.entries) == bundled_datasets
+    # The finished example runs are in the ledger, each marked so nobody takes it for their own.
+    bundled_runs = sorted(p.name for p in (BUNDLED_SAMPLE / "runs").glob("*/")
+                          if (p / "run.json").is_file())
+    ledger = window.runs.ledger
+    assert bundled_runs and sorted(r.name for r in ledger.rows) == bundled_runs
+    assert all(ledger.data(ledger.index(i, 0)) == f"{row.name} (example)"
+               for i, row in enumerate(ledger.rows))
+    tip = ledger.data(ledger.index(0, 0), Qt.ItemDataRole.ToolTipRole)
+    assert "example run shipped with the sample workspace" in tip
     assert window.settings.recent == [str(copy.resolve())]
     # The second launch reopens the most recent workspace.
     assert open_initial_workspace(window) and window.workspace.root == copy.resolve()
+
+
+def test_an_example_run_is_deleted_from_the_ledger_but_not_while_a_job_holds_it(window, qtbot):
+    from engine.runlock import RunLock
+    assert open_initial_workspace(window)
+    runs, ws = window.runs, window.workspace
+    held, example = ws.runs_dir / "sfx-generator", ws.runs_dir / "sensor-alert"
+    lock = RunLock(held).acquire("sample")     # as if a sampling job were reading it
+    try:
+        for path in (held, example):
+            runs.select_run(path, add=True)
+        runs.delete_selected(confirm=False)
+    finally:
+        lock.release()
+    assert not example.exists() and runs.ledger.row(example) is None
+    assert held.is_dir() and runs.ledger.row(held) is not None        # kept: a job held it
 
 
 def test_planted_dataset_error_is_marked_at_its_record(window, qtbot, tmp_path):

@@ -96,11 +96,12 @@ def test_a_new_user_goes_from_first_launch_to_a_verified_export(qtbot, tmp_path,
 
     # Stop, then resume 10 steps further.
     act(lambda: qtbot.mouseClick(runs.stop_button, Qt.MouseButton.LeftButton))
-    qtbot.waitUntil(lambda: runs.ledger.rows[0].state == "stopped", timeout=TIMEOUT_MS)
-    stopped_at = runs.ledger.rows[0].step
+    # The sample workspace's example runs share the ledger: follow this run's own line.
+    qtbot.waitUntil(lambda: runs.ledger.row(out).state == "stopped", timeout=TIMEOUT_MS)
+    stopped_at = runs.ledger.row(out).step
     runs.resume_steps.setValue(stopped_at + 10)
     act(lambda: qtbot.mouseClick(runs.resume_button, Qt.MouseButton.LeftButton))
-    qtbot.waitUntil(lambda: runs.ledger.rows[0].state == "completed", timeout=TIMEOUT_MS)
+    qtbot.waitUntil(lambda: runs.ledger.row(out).state == "completed", timeout=TIMEOUT_MS)
     assert window.notifier.last[0] == f"{out.name} finished"
     phase("stop and resume")
 

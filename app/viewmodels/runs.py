@@ -8,6 +8,7 @@ import hashlib
 import json
 import math
 import os
+import shutil
 import socket
 import time
 from dataclasses import dataclass, field
@@ -282,6 +283,7 @@ class LedgerRow:
     stage_line: str = ""             # "loading base 250 MB", "step 3/30, ETA 4 min", the state
     device: str = ""                 # "cpu", "NVIDIA L4 × 2": the device and process count
     holder: dict | None = None       # who holds the run's lock (engine.runlock), when anyone
+    example: dict | None = None      # a shipped example run's example.json (RunDir.example)
 
     @property
     def active(self) -> bool:
@@ -375,7 +377,32 @@ def ledger_row(path: Path, best: BestEval | None = None) -> LedgerRow:
         updated=status.get("updated") if isinstance(status.get("updated"), (int, float))
         else None,
         stage_line=run_stage_line(status, invocations[-1] if invocations else None),
-        device=device_text(manifest), holder=run.lock_holder())
+        device=device_text(manifest), holder=run.lock_holder(), example=run.example)
+
+
+def delete_run(path: Path) -> None:
+    """Delete a run's folder: the user's own or a shipped example. Refuses a run a job holds
+    (training, resuming, sampling): stop it first."""
+    run = RunDir(path)
+    holder = run.lock_holder()
+    if holder is not None or run.is_active():
+        raise ForgebenchError("a job is using this run", path=path,
+                              hint="stop it (or wait for its job to end), then delete it")
+    shutil.rmtree(path)
+
+
+def run_label(path: Path, recipe: str | None) -> str:
+    """A run as run pickers name it: its folder and recipe, and "example" for a shipped
+    example run, so nobody takes it for their own."""
+    kind = f"{recipe}, example" if RunDir(path).example is not None else recipe
+    return f"{path.name} ({kind})"
+
+
+def example_text(example: dict) -> str:
+    """What the ledger's tooltip says about a shipped example run."""
+    made = f" Made from {example['config']} by 'make examples'." if example.get("config") else ""
+    return (f"An example run shipped with the sample workspace: {example.get('shows', '')}."
+            f"{made} Delete it whenever you like.").replace(": .", ".")
 
 
 def failure_report(path: Path) -> str:

@@ -15,6 +15,7 @@ from pathlib import Path
 from engine import model_library
 from engine.errors import ForgebenchError
 from engine.fsutil import atomic_write_json, read_json
+from engine.rundir import LOCK_NAME, relocate
 
 WORKSPACE_FILE = "workspace.json"
 WORKSPACE_FORMAT = 1
@@ -164,7 +165,8 @@ class WorkspaceWatch:
 
 
 def install_sample_workspace(target: Path | None = None) -> Path:
-    """Copy the bundled sample workspace to the user's data folder (once) and return it. Its
+    """Copy the bundled sample workspace to the user's data folder (once) and return it, with
+    its finished example runs (packaging/make_examples.py) relocated to the copy. Its
     model library gets the Gemma package model whenever that package is installed (the Models
     pane says how to install it when it is not)."""
     target = target or data_dir() / "sample-workspace"
@@ -175,9 +177,11 @@ def install_sample_workspace(target: Path | None = None) -> Path:
         raise ForgebenchError("the bundled sample workspace is missing", path=BUNDLED_SAMPLE,
                               hint="reinstall Forgebench or create a new workspace")
     shutil.copytree(BUNDLED_SAMPLE, target, dirs_exist_ok=True,
-                    ignore=shutil.ignore_patterns("runs", "__pycache__"))
+                    ignore=shutil.ignore_patterns(LOCK_NAME, "__pycache__"))
     for sub in SUBFOLDERS:
         (target / sub).mkdir(exist_ok=True)
+    for run in Workspace(target.resolve(), {}).run_dirs():
+        relocate(run, target)   # the example runs name the folder they now live in
     if not (target / WORKSPACE_FILE).is_file():
         atomic_write_json(target / WORKSPACE_FILE, {"format": WORKSPACE_FORMAT,
                                                     "name": "Sample workspace",

@@ -34,6 +34,7 @@ from PySide6.QtWidgets import (
 
 from app.viewmodels import export_wizard as vm
 from app.viewmodels.models import library_files
+from app.viewmodels.runs import run_label
 from app.viewmodels.workspace import Workspace
 from app.views.background import BackgroundCall
 from app.views.combos import refill_keeping_choice
@@ -218,7 +219,7 @@ class ExportWizardPane(QWidget):
         self.run_combo.blockSignals(True)
         self.run_combo.clear()
         for run in self.runs:
-            self.run_combo.addItem(f"{run.path.name} ({run.recipe})", str(run.path))
+            self.run_combo.addItem(run_label(run.path, run.recipe), str(run.path))
         self.run_combo.blockSignals(False)
         self._run_chosen()
 
@@ -229,8 +230,8 @@ class ExportWizardPane(QWidget):
         if runs == self.runs:
             return
         self.runs = runs
-        if not refill_keeping_choice(self.run_combo, [(f"{r.path.name} ({r.recipe})",
-                                                       str(r.path)) for r in runs]):
+        if not refill_keeping_choice(self.run_combo, [(run_label(r.path, r.recipe), str(r.path))
+                                                      for r in runs]):
             self._run_chosen()
             return
         refill_keeping_choice(self.checkpoint, [(c, c) for c in reversed(self.run.checkpoints)])

@@ -21,6 +21,7 @@ from PySide6.QtWidgets import (
     QInputDialog,
     QLabel,
     QMenu,
+    QMessageBox,
     QPlainTextEdit,
     QPushButton,
     QSpinBox,
@@ -35,7 +36,15 @@ from app.viewmodels import jobs
 from app.viewmodels.forms import RecipeForm, new_config_from_template, recipe_templates
 from app.viewmodels.jobs import BackgroundJob
 from app.viewmodels.models import library_files
-from app.viewmodels.runs import BestEval, LedgerRow, failure_report, ledger_row, write_notes
+from app.viewmodels.runs import (
+    BestEval,
+    LedgerRow,
+    delete_run,
+    example_text,
+    failure_report,
+    ledger_row,
+    write_notes,
+)
 from app.viewmodels.workspace import Workspace
 from app.views.background import BackgroundCall
 from app.views.charts import RunCharts
@@ -100,6 +109,8 @@ class LedgerModel(QAbstractTableModel):
             return row.duration_text()
         if key == "stage_line":
             return row.stage_line if row.active else ""
+        if key == "name" and row.example is not None:
+            return f"{row.name} (example)"
         return str(getattr(row, key))
 
     def data(self, index, role=Qt.ItemDataRole.DisplayRole):
@@ -118,7 +129,8 @@ class LedgerModel(QAbstractTableModel):
             return QColor(STATE_COLOURS.get(row.state, "#333"))
         if role == Qt.ItemDataRole.ToolTipRole:
             if key == "name":
-                return f"{row.name}\n{row.path}"
+                about = f"\n{example_text(row.example)}" if row.example is not None else ""
+                return f"{row.name}\n{row.path}{about}"
             if key == "state" and row.holder is not None:
                 return row.holder_text()
             return row.error or self._value(row, key)
@@ -129,6 +141,10 @@ class LedgerModel(QAbstractTableModel):
         if index.row() < len(self.rows) and COLUMNS[index.column()][0] in EDITABLE:
             return base | Qt.ItemFlag.ItemIsEditable
         return base
+
+    def row(self, path: Path) -> LedgerRow | None:
+        """The ledger line of one run (the sample workspace's example runs share the list)."""
+        return next((r for r in self.rows if r.path == path), None)
 
     def setData(self, index, value, role=Qt.ItemDataRole.EditRole):
         row = self.rows[index.row()]
@@ -223,13 +239,17 @@ class RunsPane(QWidget):
         self.resume_steps.setRange(0, 10_000_000)
         self.resume_steps.setSpecialValueText("same target")
         self.resume_steps.setPrefix("to step ")
+        self.delete_button = QPushButton("Delete…")
+        self.delete_button.setToolTip("Delete the selected runs' folders (example runs too)")
         self.stop_button.clicked.connect(self.stop_selected)
         self.resume_button.clicked.connect(self.resume_selected)
+        self.delete_button.clicked.connect(self.delete_selected)
         buttons = QHBoxLayout()
         buttons.addWidget(self.stop_button)
         buttons.addWidget(self.resume_button)
         buttons.addWidget(self.resume_steps)
         buttons.addStretch(1)
+        buttons.addWidget(self.delete_button)
 
         self.details = QPlainTextEdit()
         self.details.setReadOnly(True)
@@ -507,6 +527,24 @@ class RunsPane(QWidget):
             log = jobs.resume_log(self.workspace, path)
             self._in_background(lambda a=argv, lg=log: start_detached(a, lg),
                                 lambda pid, p=path: self._resumed(p, pid), path.name)
+
+    def delete_selected(self, confirm: bool = True) -> None:
+        """Delete the selected runs after one confirmation; a run a job holds is kept."""
+        paths = self.selected_paths()
+        if not paths:
+            return
+        names = ", ".join(p.name for p in paths)
+        if confirm and QMessageBox.question(
+                self, "Delete runs", f"Delete {names}? Its folder, checkpoints and samples are "
+                "removed from the workspace.") != QMessageBox.StandardButton.Yes:
+            return
+        for path in paths:
+            try:
+                delete_run(path)
+                self.message.emit(f"deleted {path.name}")
+            except ForgebenchError as exc:
+                self.message.emit(exc.render())
+        self.poll(force=True)
 
     def _resumed(self, path: Path, pid: int) -> None:
         self.ledger.own_pids.add(pid)

@@ -35,6 +35,7 @@ from PySide6.QtWidgets import (
 
 from app.audio import MAX_GAIN_DB, MIN_GAIN_DB, Player
 from app.viewmodels import samples as vm
+from app.viewmodels.runs import run_label
 from app.viewmodels.workspace import Workspace
 from app.views.combos import refill_keeping_choice
 from app.views.job_runner import JobRunner
@@ -292,7 +293,7 @@ class SamplesPane(QWidget):
             except ForgebenchError:     # an unreadable run.json: the Runs pane reports it
                 continue
             if recipe in SAMPLE_RECIPES:
-                runs.append((f"{path.name} ({recipe})", str(path)))
+                runs.append((run_label(path, recipe), str(path)))
         return runs
 
     def refresh_runs(self) -> None:

@@ -1,0 +1,151 @@
+"""Make the sample workspace's finished example runs (`make examples`).
+
+Each example is a real run of a config the sample workspace ships (resources/sample-workspace/
+configs), made by the real engine (`forgebench run`, one thread) in a scratch copy of the
+workspace, so it records exactly what a user's run of that config records. Two settings are
+changed to keep the repository small, and are recorded in the run's config like any other:
+`keep_last = 1` (one checkpoint; the sound generator keeps its two, so Blind A/B has a pair)
+and, for the recognisable image generator, no sample grid at its checkpoints.
+
+The finished run is copied to resources/sample-workspace/runs/<name>/ portable
+(`engine.rundir.make_portable`: the scratch workspace's folder is written `{workspace}`;
+installing the sample workspace writes the new folder back) with `example.json` beside run.json,
+which marks it as an example in the app. The generators' checkpoints are sampled first
+(`forgebench sample`, fixed seeds), so Samples has pictures and sounds to show. A run that
+failed is an error, never shipped.
+
+    python packaging/make_examples.py                 # every example (about 25 CPU-minutes)
+    python packaging/make_examples.py sensor-alert    # only the named ones
+    python packaging/make_examples.py --resample shapes-generator   # sample again, no training
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import tomllib
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from app.viewmodels.forms import dump_toml  # noqa: E402
+from engine.fsutil import atomic_write_json, atomic_write_text, human_bytes  # noqa: E402
+from engine.rundir import EXAMPLE_FILE, LOCK_NAME, RunDir, make_portable, relocate  # noqa: E402
+
+SAMPLE = REPO / "resources" / "sample-workspace"
+SHIPPED = ("datasets", "configs", "workspace.json")
+KEEP_ONE = {"keep_last": 1}
+
+
+@dataclass(frozen=True)
+class Example:
+    config: str                     # the shipped config (configs/<config>.toml)
+    shows: str                      # what it is there for (the app's tooltip)
+    changes: dict                   # settings changed for shipping
+    sample: tuple[str, ...] = ()    # `forgebench sample` arguments, run on every checkpoint
+
+
+EXAMPLES: dict[str, Example] = {
+    "shapes-generator": Example(
+        "image-generate-shapes", "a class-conditional DDPM whose circles, squares and triangles "
+        "are recognisable (Samples, Blind A/B of images, Export)",
+        dict(KEEP_ONE, sample={"grid_every_checkpoint": False}),
+        ("--n", "4", "--seed", "0", "--steps", "64")),      # the config's respaced grid sampler
+    "where-demo": Example(
+        "lm-pretrain-demo", "the `forgebench demo` model: a tiny decoder that answers "
+        "'Where is X?' from the record", KEEP_ONE),
+    "quick-image-generator": Example(
+        "image-generate", "the quick 16x16 generator, whose samples are still noise and faint "
+        "blobs: the other side of a Blind A/B against shapes-generator", KEEP_ONE,
+        ("--n", "4", "--seed", "0", "--steps", "16")),      # its config's sampler steps
+    # two checkpoints (steps 300 and 600): a Blind A/B of sounds
+    "sfx-generator": Example(
+        "audio-generate-sfx", "a 1-D DDPM of the sfx clips that makes each class's sound "
+        "(Samples and Blind A/B of sounds, Export)", {},
+        ("--n", "2", "--seed", "0")),       # its config's cfg 2, the full 256-step sampler
+    "sensor-alert": Example(
+        "tabular-classify", "the calibrated fault alert on the sensors table", KEEP_ONE),
+}
+
+
+def merged(config: dict, changes: dict) -> dict:
+    out = dict(config)
+    for key, value in changes.items():
+        out[key] = merged(out.get(key, {}), value) if isinstance(value, dict) else value
+    return out
+
+
+def engine(*args: str, cwd: Path) -> None:
+    subprocess.run([sys.executable, "-m", "engine", *args], cwd=cwd, check=True)
+
+
+def train(name: str, scratch: Path) -> Path:
+    example = EXAMPLES[name]
+    raw = tomllib.loads((SAMPLE / "configs" / f"{example.config}.toml").read_text())
+    config = scratch / "configs" / f"example-{name}.toml"
+    atomic_write_text(config, dump_toml(merged(raw, example.changes)))
+    out = scratch / "runs" / name
+    engine("run", str(config), "--out", str(out), "--threads", "1", cwd=scratch)
+    state = RunDir(out).live_status().get("state")
+    if state != "completed":
+        raise SystemExit(f"error: example {name} ended {state}; see {out}/events.jsonl")
+    return out
+
+
+def ship(name: str, out: Path, scratch: Path) -> Path:
+    """Sample the run's checkpoints, make it portable, mark it and copy it into the bundle."""
+    example = EXAMPLES[name]
+    if example.sample:
+        for checkpoint in RunDir(out).checkpoints():
+            engine("sample", str(out), "--checkpoint", checkpoint.name, *example.sample,
+                   cwd=scratch)
+    (out / LOCK_NAME).unlink(missing_ok=True)
+    make_portable(out, scratch)
+    atomic_write_json(out / EXAMPLE_FILE, {
+        "name": name, "config": f"configs/{example.config}.toml", "shows": example.shows,
+        "changed_for_shipping": example.changes,
+        "made_by": "make examples (packaging/make_examples.py)"})
+    target = SAMPLE / "runs" / name
+    shutil.rmtree(target, ignore_errors=True)
+    shutil.copytree(out, target)
+    return target
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("names", nargs="*", metavar="NAME",
+                        help=f"examples to make (default: all): {', '.join(EXAMPLES)}")
+    parser.add_argument("--resample", action="store_true",
+                        help="only sample the shipped runs again (after a sampling change)")
+    args = parser.parse_args()
+    names = args.names or list(EXAMPLES)
+    unknown = [n for n in names if n not in EXAMPLES]
+    if unknown:
+        parser.error(f"unknown example {', '.join(unknown)} (one of: {', '.join(EXAMPLES)})")
+    with tempfile.TemporaryDirectory(prefix="forgebench-examples-") as tmp:
+        scratch = Path(tmp) / "sample-workspace"
+        for part in SHIPPED:
+            source = SAMPLE / part
+            (shutil.copytree if source.is_dir() else shutil.copy2)(source, scratch / part)
+        (scratch / "runs").mkdir()
+        for name in names:
+            if args.resample:
+                out = scratch / "runs" / name
+                shutil.copytree(SAMPLE / "runs" / name, out)
+                relocate(out, scratch)
+            else:
+                out = train(name, scratch)
+            target = ship(name, out, scratch)
+            size = sum(p.stat().st_size for p in target.rglob("*") if p.is_file())
+            print(f"{name}: {human_bytes(size)} in {target.relative_to(REPO)}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

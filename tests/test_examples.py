@@ -1,0 +1,171 @@
+"""The sample workspace's finished example runs (packaging/make_examples.py).
+
+Each shipped example is a completed run of a shipped config (the same resolved config but for
+the settings the packer says it changed), portable (no file names the machine that made it),
+and once installed it names its new folder: the data it records is the data there, its
+checkpoint loads, and `forgebench resume` and `forgebench export` work from the new place.
+The portable/relocate pair is also checked on a run made here, with twins that fail.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import shutil
+import sys
+from pathlib import Path
+
+import pytest
+from lm_pretrain_support import TINY_CONFIG, make_corpus
+from media_support import REPO, forgebench
+
+from app.viewmodels.runs import example_text, ledger_row, run_label
+from app.viewmodels.workspace import BUNDLED_SAMPLE, install_sample_workspace
+from engine.config import load_config, recipe_module, validate_config
+from engine.errors import ForgebenchError
+from engine.rundir import EXAMPLE_FILE, WORKSPACE_TOKEN, RunDir, make_portable, relocate
+
+SHIPPED = sorted(p for p in (BUNDLED_SAMPLE / "runs").glob("*/") if (p / "run.json").is_file())
+
+
+def packer():
+    spec = importlib.util.spec_from_file_location("make_examples",
+                                                  REPO / "packaging" / "make_examples.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module         # its dataclass looks itself up there
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def installed(tmp_path_factory) -> Path:
+    return install_sample_workspace(tmp_path_factory.mktemp("home") / "sample-workspace")
+
+
+def test_the_sample_workspace_ships_every_example_the_packer_makes():
+    names = [p.name for p in SHIPPED]
+    assert names == sorted(packer().EXAMPLES)
+    assert {"shapes-generator", "where-demo", "sfx-generator", "sensor-alert"} <= set(names)
+
+
+@pytest.mark.parametrize("run_dir", SHIPPED, ids=lambda p: p.name)
+def test_a_shipped_example_is_a_finished_run_of_its_shipped_config(run_dir):
+    run = RunDir(run_dir)
+    example = run.example
+    assert example and example["name"] == run_dir.name
+    assert run.status()["state"] == "completed"
+    checkpoint = run.latest_checkpoint()
+    assert checkpoint is not None and checkpoint.step == run.manifest()["config"]["steps"]
+    # The recorded config is the shipped one with only the declared changes.
+    shipped = load_config(BUNDLED_SAMPLE / example["config"]).model_dump(mode="json")
+    wanted = packer().merged(shipped, example["changed_for_shipping"])
+    recorded = run.manifest()["config"]
+    assert recorded.pop("base_dir") == f"{WORKSPACE_TOKEN}/configs"
+    wanted.pop("base_dir")
+    assert recorded == wanted
+    # Portable: nothing names a folder of the machine that made it.
+    for path in run_dir.rglob("*"):
+        if path.is_file() and path.suffix in (".json", ".jsonl"):
+            for folder in ("/tmp/", "/root/", "/home/", "/work/"):
+                assert folder not in path.read_text(encoding="utf-8"), (path, folder)
+
+
+@pytest.mark.parametrize("name", [p.name for p in SHIPPED])
+def test_an_installed_example_reads_the_data_of_its_new_folder(installed, name):
+    run = RunDir(installed / "runs" / name)
+    for path in run.path.rglob("*.json*"):
+        assert WORKSPACE_TOKEN not in path.read_text(encoding="utf-8"), path
+    manifest = run.manifest()
+    config = validate_config(manifest["config"])
+    assert Path(config.base_dir) == installed.resolve() / "configs"
+    # What resume compares: the data manifest computed in the new folder is the recorded one.
+    assert recipe_module(config.recipe).data_manifest(config) == manifest["data"]
+    assert str(installed.resolve()) in json.dumps(manifest["data"])
+    row = ledger_row(run.path)
+    assert row.state == "completed" and row.example is not None
+    assert run_label(run.path, row.recipe) == f"{name} ({row.recipe}, example)"
+    assert "example run shipped with the sample workspace" in example_text(row.example)
+
+
+def test_an_installed_example_resumes_from_its_new_folder(installed, tmp_path):
+    # A copy of the installed example (so the module's install stays as shipped) one step on.
+    run_dir = tmp_path / "where-demo"
+    shutil.copytree(installed / "runs" / "where-demo", run_dir)
+    steps = RunDir(run_dir).manifest()["config"]["steps"]
+    # --allow-code-change: the example was made by the engine of its commit; code edited since
+    # resumes with a recorded warning instead of a refusal.
+    result = forgebench("resume", str(run_dir), "--steps", str(steps + 1), "--threads", "1",
+                        "--allow-code-change", timeout=600)
+    assert f"completed: step {steps + 1}/{steps + 1}" in result.stdout
+    assert RunDir(run_dir).latest_checkpoint().step == steps + 1
+
+
+def test_an_installed_generator_exports_a_verified_bundle(installed, tmp_path):
+    out = tmp_path / "bundle"
+    result = forgebench("export", str(installed / "runs" / "sfx-generator"), "--dtype", "f32",
+                        "--out", str(out), timeout=600)
+    report = json.loads((out / "report.json").read_text())
+    assert report["passed"] is True, result.stdout
+    assert sorted(p.name for p in (out / "reference").iterdir())
+
+
+def tiny_run(workspace: Path) -> RunDir:
+    """A two-step lm-pretrain run made in `workspace` (its config under configs/, its corpus
+    under datasets/, both named relative to the config as the sample workspace does)."""
+    (workspace / "configs").mkdir(parents=True)
+    make_corpus(workspace / "datasets")
+    config = workspace / "configs" / "tiny.toml"
+    config.write_text(TINY_CONFIG.format(steps=2, save_every=1, top="", data="../datasets/corpus",
+                                         tokenizer="byte"))
+    forgebench("run", str(config), "--out", str(workspace / "runs" / "tiny"), "--threads", "1")
+    return RunDir(workspace / "runs" / "tiny")
+
+
+def moved_copy(made: RunDir, old: Path, new: Path) -> Path:
+    """The workspace's data and the run copied to `new`; the old folder deleted."""
+    shutil.copytree(old / "datasets", new / "datasets")
+    (new / "configs").mkdir()
+    shutil.copytree(made.path, new / "runs" / made.path.name)
+    shutil.rmtree(old)                      # nothing of the old folder is left to read
+    return new / "runs" / made.path.name
+
+
+def test_a_portable_run_moved_to_another_workspace_resumes_there(tmp_path):
+    made = tiny_run(tmp_path / "made")
+    assert ledger_row(made.path).example is None                # the user's own run
+    assert run_label(made.path, "lm-pretrain") == "tiny (lm-pretrain)"
+    changed = make_portable(made.path, tmp_path / "made")
+    assert "run.json" in changed and "invocations.jsonl" in changed
+    assert str(tmp_path / "made") not in made.manifest_path.read_text()
+    moved = moved_copy(made, tmp_path / "made", tmp_path / "moved")
+    assert "run.json" in relocate(moved, tmp_path / "moved")
+    result = forgebench("resume", str(moved), "--steps", "3", "--threads", "1")
+    assert "completed: step 3/3" in result.stdout
+    assert RunDir(moved).manifest()["data"]["dataset"] == \
+        str((tmp_path / "moved" / "datasets" / "corpus").resolve())
+
+
+def test_twin_an_unrelocated_run_does_not_resume_in_another_folder(tmp_path):
+    made = tiny_run(tmp_path / "made")
+    moved = moved_copy(made, tmp_path / "made", tmp_path / "moved")
+    result = forgebench("resume", str(moved), "--steps", "3", "--threads", "1", check=False)
+    assert result.returncode == 2 and "error:" in result.stderr
+
+
+def test_make_portable_refuses_a_file_it_cannot_rewrite(tmp_path):
+    run_dir = tmp_path / "ws" / "runs" / "r"
+    (run_dir / "checkpoints" / "step-000001").mkdir(parents=True)
+    (run_dir / "run.json").write_text(json.dumps({"base_dir": str(tmp_path / "ws")}))
+    # A checkpoint file's SHA-256 is recorded, so it is never rewritten: naming the folder
+    # there makes the run unshippable.
+    (run_dir / "checkpoints" / "step-000001" / "meta.json").write_text(str(tmp_path / "ws"))
+    with pytest.raises(ForgebenchError, match="still names the workspace folder"):
+        make_portable(run_dir, tmp_path / "ws")
+
+
+def test_an_example_marker_marks_even_when_damaged(tmp_path):
+    run = RunDir(tmp_path / "r")
+    run.path.mkdir()
+    assert run.example is None
+    (run.path / EXAMPLE_FILE).write_text("{not json")
+    assert run.example == {}
