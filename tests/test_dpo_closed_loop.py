@@ -100,11 +100,14 @@ micro_batch = 8
     sampled = SamplingSettings(temperature=1.0, top_k=40)
     systems = {}
     for seed in (1, 2, 3):
-        outputs = {prompt(t): answer(base, prompt(t), 24, settings=sampled, seed=seed)
-                   for t in SESSION_TOPICS}
+        # a draw per prompt: one generator seed for every prompt replays the same uniforms, so
+        # all 32 answers of a system took the same branch and the session held three draws
+        outputs = {prompt(t): answer(base, prompt(t), 24, settings=sampled, seed=1000 * seed + i)
+                   for i, t in enumerate(SESSION_TOPICS)}
         systems[f"sft/{checkpoint.name}#seed{seed}"] = {
             "run": str(sft), "checkpoint": checkpoint.name, "kind": "text",
-            "settings": {"temperature": 1.0, "top_k": 40, "seed": seed, "max_tokens": 24},
+            "settings": {"temperature": 1.0, "top_k": 40, "seed": seed,
+                         "prompt_seed": "1000 * seed + prompt index", "max_tokens": 24},
             "outputs": outputs}
     first = vm.ABSession.create(ws.root / "ratings", "sampled-sft", systems, "scripted",
                                 allow_differences=("seed",),
