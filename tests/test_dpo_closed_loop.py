@@ -123,7 +123,6 @@ micro_batch = 8
 
     # "Train on these preferences", as the pane does it
     monkeypatch.setattr(vm, "DPO_STEPS", 30)
-    monkeypatch.setattr(vm, "DPO_LR", 1e-3)
     dataset = first.export_preferences(vm.next_free(ws.datasets_dir, "preferences-sampled-sft"))
     config = vm.dpo_config_for(first, dataset, ws.configs_dir)
     text = config.read_text()       # four pairs a step: what two CPU cores can afford
