@@ -67,10 +67,13 @@ def test_dpo_from_blind_ratings_wins_a_held_out_blind_session(tmp_path, gemma_gg
     data = ws.configs_dir / "sft.jsonl"
     data.write_text("".join(json.dumps({"instruction": prompt(t), "response": sft_answer(i, t)})
                             + "\n" for i, t in enumerate(SFT_TOPICS)))
+    # lr 1e-3: at 2e-3 the 40-pair run swung from step to step (p(end of turn) after
+    # "interesting." 0.001..0.68 across steps 14-24) and its last checkpoint never stopped,
+    # so every sampled answer ran into the token limit and session 1 had no preferences
     (ws.configs_dir / "sft.toml").write_text(f"""\
 recipe = "lm-sft"
 seed = 0
-steps = 24
+steps = 30
 [model]
 gguf = "{gemma_gguf}"
 weights = "dense-cache"
@@ -82,7 +85,7 @@ rank = 8
 alpha = 16.0
 targets = ["q", "v"]
 [optim]
-lr = 2e-3
+lr = 1e-3
 [train]
 window = 8
 micro_batch = 8
@@ -97,11 +100,14 @@ micro_batch = 8
     sampled = SamplingSettings(temperature=1.0, top_k=40)
     systems = {}
     for seed in (1, 2, 3):
-        outputs = {prompt(t): answer(base, prompt(t), 24, settings=sampled, seed=seed)
-                   for t in SESSION_TOPICS}
+        # a draw per prompt: one generator seed for every prompt replays the same uniforms, so
+        # all 32 answers of a system took the same branch and the session held three draws
+        outputs = {prompt(t): answer(base, prompt(t), 24, settings=sampled, seed=1000 * seed + i)
+                   for i, t in enumerate(SESSION_TOPICS)}
         systems[f"sft/{checkpoint.name}#seed{seed}"] = {
             "run": str(sft), "checkpoint": checkpoint.name, "kind": "text",
-            "settings": {"temperature": 1.0, "top_k": 40, "seed": seed, "max_tokens": 24},
+            "settings": {"temperature": 1.0, "top_k": 40, "seed": seed,
+                         "prompt_seed": "1000 * seed + prompt index", "max_tokens": 24},
             "outputs": outputs}
     first = vm.ABSession.create(ws.root / "ratings", "sampled-sft", systems, "scripted",
                                 allow_differences=("seed",),
@@ -117,7 +123,6 @@ micro_batch = 8
 
     # "Train on these preferences", as the pane does it
     monkeypatch.setattr(vm, "DPO_STEPS", 30)
-    monkeypatch.setattr(vm, "DPO_LR", 1e-3)
     dataset = first.export_preferences(vm.next_free(ws.datasets_dir, "preferences-sampled-sft"))
     config = vm.dpo_config_for(first, dataset, ws.configs_dir)
     text = config.read_text()       # four pairs a step: what two CPU cores can afford
