@@ -4,7 +4,7 @@ scripted rater → DPO on its judgements → a second blind session on held-out 
 The rule the rater checks: an answer that ends with a question beats one that does not (both or
 neither: a tie). The lm-sft adapter learns answers of which a quarter end with a follow-up
 question, so its samples sometimes do and its greedy answers mostly do not. Session 1 compares
-three sampled answers of that SFT checkpoint per prompt, on prompts neither training saw (the
+six sampled answers of that SFT checkpoint per prompt, on prompts neither training saw (the
 seed is the recorded point of the comparison); the rater answers through `ABSession.answer`,
 the same fsynced ratings store the app writes. "Train on these preferences" is then done as
 the app does it (export with card, `dpo_config_for`, a real `forgebench run`). Session 2,
@@ -31,6 +31,12 @@ comet lighthouse pebble tulip canyon compass falcon lagoon marble parrot quilt r
 thimble umbrella walnut""".split()
 # three disjoint sets: the SFT data, the first blind session, and the held-out second session
 SFT_TOPICS, SESSION_TOPICS, HELD_OUT = TOPICS[:40], TOPICS[40:72], TOPICS[72:]
+# six sampled systems (15 pairs per prompt): the start asks on about 6% of its samples, and
+# three gave 6 preferences
+SEEDS = (1, 2, 3, 4, 5, 6)
+# an answer with its question is about 20 tokens; at 24 a model that carried on past the "?"
+# and one that stopped could not be told apart
+MAX_TOKENS = 32
 
 
 def prompt(topic: str) -> str:
@@ -67,13 +73,17 @@ def test_dpo_from_blind_ratings_wins_a_held_out_blind_session(tmp_path, gemma_gg
     data = ws.configs_dir / "sft.jsonl"
     data.write_text("".join(json.dumps({"instruction": prompt(t), "response": sft_answer(i, t)})
                             + "\n" for i, t in enumerate(SFT_TOPICS)))
-    # lr 1e-3: at 2e-3 the 40-pair run swung from step to step (p(end of turn) after
-    # "interesting." 0.001..0.68 across steps 14-24) and its last checkpoint never stopped,
-    # so every sampled answer ran into the token limit and session 1 had no preferences
+    # lr 5e-4 for 60 steps, so the start stops after its answers: p(end of turn) over the 40
+    # training answers 0.785 after "?" and 0.826 after "interesting." (at 1e-3 for 30 steps
+    # 0.22 after "?": the tuned model asked but ran on past the "?" into the token limit; at
+    # 2e-3 the run swung from step to step and its last checkpoint never stopped). A cosine
+    # 1e-3 run put 0.61 after "interesting." and its greedy answers asked on 8 of 12 held-out
+    # prompts, leaving the tuned model nothing to win. Checkpoints every 20 steps show the fit.
     (ws.configs_dir / "sft.toml").write_text(f"""\
 recipe = "lm-sft"
 seed = 0
-steps = 30
+steps = 60
+save_every = 20
 [model]
 gguf = "{gemma_gguf}"
 weights = "dense-cache"
@@ -85,7 +95,7 @@ rank = 8
 alpha = 16.0
 targets = ["q", "v"]
 [optim]
-lr = 1e-3
+lr = 5e-4
 [train]
 window = 8
 micro_batch = 8
@@ -95,34 +105,38 @@ micro_batch = 8
                timeout=7200)
     checkpoint = RunDir(sft).latest_checkpoint()
 
-    # session 1: three sampled answers of the SFT checkpoint per prompt (prompts it never saw)
+    # session 1: six sampled answers of the SFT checkpoint per prompt (prompts it never saw)
     base, _ = recipe_module("lm-sft").load_trained(RunDir(sft), checkpoint)
     sampled = SamplingSettings(temperature=1.0, top_k=40)
     systems = {}
-    for seed in (1, 2, 3):
+    for seed in SEEDS:
         # a draw per prompt: one generator seed for every prompt replays the same uniforms, so
         # all 32 answers of a system took the same branch and the session held three draws
-        outputs = {prompt(t): answer(base, prompt(t), 24, settings=sampled, seed=1000 * seed + i)
+        outputs = {prompt(t): answer(base, prompt(t), MAX_TOKENS, settings=sampled,
+                                     seed=1000 * seed + i)
                    for i, t in enumerate(SESSION_TOPICS)}
         systems[f"sft/{checkpoint.name}#seed{seed}"] = {
             "run": str(sft), "checkpoint": checkpoint.name, "kind": "text",
             "settings": {"temperature": 1.0, "top_k": 40, "seed": seed,
-                         "prompt_seed": "1000 * seed + prompt index", "max_tokens": 24},
+                         "prompt_seed": "1000 * seed + prompt index", "max_tokens": MAX_TOKENS},
             "outputs": outputs}
     first = vm.ABSession.create(ws.root / "ratings", "sampled-sft", systems, "scripted",
                                 allow_differences=("seed",),
-                                generation={"max_tokens": 24, "temperature": 1.0})
+                                generation={"max_tokens": MAX_TOKENS, "temperature": 1.0})
     rate(first)
     answers = first.store.answers()
     preferences = sum(a["choice"] != "tie" for a in answers)
     print(f"session 1: {len(answers)} pairs, {preferences} preferences, "
           f"{len(answers) - preferences} ties; SFT samples ending with '?': "
           f"{sum(ends_with_question(o) for s in systems.values() for o in s['outputs'].values())}"
-          f" of {3 * len(SESSION_TOPICS)}")
+          f" of {len(SEEDS) * len(SESSION_TOPICS)}")
     assert preferences >= 10
 
-    # "Train on these preferences", as the pane does it
-    monkeypatch.setattr(vm, "DPO_STEPS", 30)
+    # "Train on these preferences", as the pane does it, for 10 steps (40 of the 54 pairs): at
+    # the pane's 30 the same run won 10 with 2 ties, those two tuned answers running on past
+    # the "?" into gibberish, and from a start that asked more often 30 steps turned every
+    # held-out answer to gibberish (the chosen log-probs fell with the rejected ones)
+    monkeypatch.setattr(vm, "DPO_STEPS", 10)
     dataset = first.export_preferences(vm.next_free(ws.datasets_dir, "preferences-sampled-sft"))
     config = vm.dpo_config_for(first, dataset, ws.configs_dir)
     text = config.read_text()       # four pairs a step: what two CPU cores can afford
@@ -141,7 +155,7 @@ micro_batch = 8
     held = vm.held_out_prompts([prompt(t) for t in HELD_OUT], tuned)
     (tuned_dir, tuned_ckpt), (ref_dir, ref_ckpt) = vm.comparison_systems(tuned)
     assert (ref_dir, ref_ckpt) == (str(sft), checkpoint.name)
-    greedy = {"prompts": held, "max_tokens": 24, "temperature": 0.0, "seed": 0}
+    greedy = {"prompts": held, "max_tokens": MAX_TOKENS, "temperature": 0.0, "seed": 0}
     compared = {}
     for run_dir, name in ((tuned_dir, tuned_ckpt), (ref_dir, ref_ckpt)):
         run = RunDir(run_dir)
@@ -150,7 +164,7 @@ micro_batch = 8
         compared[vm.system_name(run.path, name)] = {
             "run": run_dir, "checkpoint": name, "kind": "text",
             "settings": {k: v for k, v in greedy.items() if k != "prompts"},
-            "outputs": {p: answer(model, p, 24) for p in held}}
+            "outputs": {p: answer(model, p, MAX_TOKENS) for p in held}}
     second = vm.ABSession.create(ws.root / "ratings", "tuned-vs-sft", compared, "scripted",
                                  generation=greedy)
     rate(second)
