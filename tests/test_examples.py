@@ -12,6 +12,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import shutil
+import subprocess
 import sys
 from pathlib import Path
 
@@ -19,6 +20,7 @@ import pytest
 from lm_pretrain_support import TINY_CONFIG, make_corpus
 from media_support import REPO, forgebench
 
+from app.viewmodels.masks import read_per_image, segmentation_evals
 from app.viewmodels.runs import example_text, ledger_row, run_label
 from app.viewmodels.workspace import BUNDLED_SAMPLE, install_sample_workspace
 from engine.config import load_config, recipe_module, validate_config
@@ -109,6 +111,21 @@ def test_an_installed_generator_exports_a_verified_bundle(installed, tmp_path):
     assert sorted(p.name for p in (out / "reference").iterdir())
 
 
+def test_the_installed_segmenter_shows_its_predictions_worst_first(installed):
+    """The Masks pane's view-model finds the example's val evaluation and reads it worst IoU
+    first, every row with its four panels on disk; the mean matches the eval's summary."""
+    run = installed / "runs" / "shapes-segmenter"
+    (label, folder), = segmentation_evals([run])
+    assert label == "shapes-segmenter · val-step-000400"
+    rows = read_per_image(folder)
+    ious = [row["iou"] for row in rows]
+    assert ious == sorted(ious) and len(rows) > 1
+    assert all(set(row["panels"]) == {"input", "probability", "prediction", "target"} and
+               all(path.is_file() for path in row["panels"].values()) for row in rows)
+    summary = json.loads((run / "evals" / "val-step-000400.json").read_text())
+    assert sum(ious) / len(ious) == pytest.approx(summary["iou"])
+
+
 def tiny_run(workspace: Path) -> RunDir:
     """A two-step lm-pretrain run made in `workspace` (its config under configs/, its corpus
     under datasets/, both named relative to the config as the sample workspace does)."""
@@ -145,11 +162,24 @@ def test_a_portable_run_moved_to_another_workspace_resumes_there(tmp_path):
         str((tmp_path / "moved" / "datasets" / "corpus").resolve())
 
 
-def test_twin_an_unrelocated_run_does_not_resume_in_another_folder(tmp_path):
+def test_twin_an_unrelocated_run_is_refused_with_the_way_to_relocate_it(tmp_path):
     made = tiny_run(tmp_path / "made")
-    moved = moved_copy(made, tmp_path / "made", tmp_path / "moved")
-    result = forgebench("resume", str(moved), "--steps", "3", "--threads", "1", check=False)
-    assert result.returncode == 2 and "error:" in result.stderr
+    make_portable(made.path, tmp_path / "made")
+    moved = moved_copy(made, tmp_path / "made", tmp_path / "moved")    # {workspace} kept
+    for command in (("resume", str(moved), "--steps", "3", "--threads", "1"),
+                    ("eval", str(moved))):
+        result = forgebench(*command, check=False)
+        assert result.returncode == 2, result.stderr
+        assert "a shipped example run whose paths are still written {workspace}" in result.stderr
+        assert "generate one" not in result.stderr
+    hint = result.stderr.split("hint: ", 1)[1].strip()
+    assert "Open sample workspace" in hint
+    # The hint's own command relocates the copy into the workspace it sits in, and it resumes.
+    relocating = hint[hint.index("python -c"):].replace("python", sys.executable, 1)
+    subprocess.run(relocating, shell=True, check=True, cwd=tmp_path)
+    assert WORKSPACE_TOKEN not in (moved / "run.json").read_text()
+    result = forgebench("resume", str(moved), "--steps", "3", "--threads", "1")
+    assert "completed: step 3/3" in result.stdout
 
 
 def test_make_portable_refuses_a_file_it_cannot_rewrite(tmp_path):
