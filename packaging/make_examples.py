@@ -78,6 +78,11 @@ EXAMPLES: dict[str, Example] = {
         "image-segment", "a TinyUNet that outlines the shape in each picture of the shapes set "
         "(Masks: per-image IoU, predictions worst-first, contours)", KEEP_ONE,
         evaluate=("val",)),
+    "speech-commands": Example(
+        "speech-recognize", "a half-trained recogniser of spoken workshop commands (two "
+        "training voices): on unseen voices it gets about half the characters right, and "
+        "Transcripts marks every substituted, deleted and inserted word", KEEP_ONE,
+        evaluate=("val", "test")),
 }
 
 

@@ -20,9 +20,10 @@ import pytest
 from lm_pretrain_support import TINY_CONFIG, make_corpus
 from media_support import REPO, forgebench
 
+from app.viewmodels import transcripts
 from app.viewmodels.masks import read_per_image, segmentation_evals
 from app.viewmodels.runs import example_text, ledger_row, run_label
-from app.viewmodels.workspace import BUNDLED_SAMPLE, install_sample_workspace
+from app.viewmodels.workspace import BUNDLED_SAMPLE, Workspace, install_sample_workspace
 from engine.config import load_config, recipe_module, validate_config
 from engine.errors import ForgebenchError
 from engine.rundir import EXAMPLE_FILE, WORKSPACE_TOKEN, RunDir, make_portable, relocate
@@ -124,6 +125,29 @@ def test_the_installed_segmenter_shows_its_predictions_worst_first(installed):
                all(path.is_file() for path in row["panels"].values()) for row in rows)
     summary = json.loads((run / "evals" / "val-step-000400.json").read_text())
     assert sum(ious) / len(ious) == pytest.approx(summary["iou"])
+
+
+def test_the_installed_recogniser_shows_its_transcripts_errors_and_all(installed):
+    """The Transcripts pane's view-model finds the example and its val and test evaluations;
+    every clip plays from the installed dataset, and the half-trained model's errors are
+    there to see: the errors its clips show over their words are the evaluation's WER, which
+    is neither 0 nor 1 (some words right, many wrong)."""
+    run = installed / "runs" / "speech-commands"
+    runs = Workspace(installed.resolve(), {}).run_dirs()
+    assert transcripts.speech_runs(runs) == [("speech-commands", str(run.resolve()))]
+    files = transcripts.transcript_files(run)
+    assert [f.name for f in files] == ["test-step-000600-transcripts.jsonl",
+                                       "val-step-000600-transcripts.jsonl"]
+    for path in files:
+        clips = transcripts.load_clips(path)
+        assert clips and all(clip.path.is_file() for clip in clips)
+        assert all(clip.path.is_relative_to(installed.resolve() / "datasets") for clip in clips)
+        spoken = [clip for clip in clips if clip.reference]
+        summary = json.loads(path.with_name(path.name.replace(transcripts.SUFFIX, ".json"))
+                             .read_text())
+        wer = sum(c.errors for c in spoken) / sum(len(c.reference.split()) for c in spoken)
+        assert wer == pytest.approx(summary["wer"])
+        assert 0 < wer < 1, wer
 
 
 def tiny_run(workspace: Path) -> RunDir:
