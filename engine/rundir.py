@@ -380,8 +380,10 @@ def relocate(run_dir: str | os.PathLike, workspace: str | os.PathLike) -> list[s
 
 def require_relocated(run: RunDir) -> None:
     """Refuse a run whose run.json still writes its workspace as `{workspace}`: a shipped
-    example copied by hand instead of installed, whose recorded paths name no folder yet."""
-    if WORKSPACE_TOKEN not in run.manifest_path.read_text(encoding="utf-8"):
+    example copied by hand instead of installed, whose recorded paths name no folder yet.
+    (Its config's folder is in the workspace, so the token starts the recorded `base_dir`.)"""
+    base_dir = str(run.manifest().get("config", {}).get("base_dir", ""))
+    if not base_dir.startswith(WORKSPACE_TOKEN):
         return
     runs = run.path.resolve().parent
     workspace = shlex.quote(str(runs.parent)) if runs.name == "runs" else "WORKSPACE"

@@ -56,6 +56,7 @@ def test_a_shipped_example_is_a_finished_run_of_its_shipped_config(run_dir):
     run = RunDir(run_dir)
     example = run.example
     assert example and example["name"] == run_dir.name
+    assert example["shows"] == packer().EXAMPLES[run_dir.name].shows     # the app's tooltip
     assert run.status()["state"] == "completed"
     checkpoint = run.latest_checkpoint()
     assert checkpoint is not None and checkpoint.step == run.manifest()["config"]["steps"]
