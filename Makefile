@@ -81,7 +81,7 @@ screenshots: setup
 	xvfb-run -a -s "-screen 0 1024x768x24" env QT_QPA_PLATFORM=xcb $(PY) -m app.screenshots docs/screenshots
 
 # The sample workspace's finished example runs (resources/sample-workspace/runs), remade with the
-# real engine from its shipped configs (about 25 CPU-minutes; EXAMPLES="name ..." for some).
+# real engine from its shipped configs (about 28 CPU-minutes; EXAMPLES="name ..." for some).
 examples: setup
 	$(PY) packaging/make_examples.py $(EXAMPLES)
 

@@ -32,7 +32,7 @@ from engine.config import RESUMABLE_FIELDS, Schema, config_diff, recipe_module, 
 from engine.errors import ForgebenchError
 from engine.fsutil import sha256_file
 from engine.paths import require_writable_dir
-from engine.rundir import Checkpoint, RunDir
+from engine.rundir import Checkpoint, RunDir, require_relocated
 from engine.train.precision import requested_precision, resolve_precision
 
 ENGINE_DIR = Path(__file__).resolve().parent
@@ -183,6 +183,7 @@ def prepare_resume(run_dir: str | os.PathLike, overrides: dict,
     Takes the run's lock first (a second writer is refused with the holder's identity); the
     caller releases it when the job ends (`job_session`) or on error."""
     run = RunDir(run_dir).require()
+    require_relocated(run)
     run.acquire_lock("resume")
     try:
         config = _validate_resume(run, overrides, allow_code_change)
@@ -494,6 +495,7 @@ def execute(run: RunDir, config: Schema, resume_from: Checkpoint | None, *, thre
 
 def run_config(run: RunDir) -> Schema:
     """The resolved config a run was started with, validated again."""
+    require_relocated(run)
     return validate_config(run.manifest()["config"], run.manifest_path)
 
 

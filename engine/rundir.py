@@ -30,6 +30,7 @@ import contextlib
 import json
 import os
 import re
+import shlex
 import shutil
 import time
 from dataclasses import dataclass
@@ -375,6 +376,25 @@ def relocate(run_dir: str | os.PathLike, workspace: str | os.PathLike) -> list[s
     files changed."""
     escaped = json.dumps(str(Path(workspace).resolve()))[1:-1]
     return _replace_in_json_files(Path(run_dir), WORKSPACE_TOKEN, escaped)
+
+
+def require_relocated(run: RunDir) -> None:
+    """Refuse a run whose run.json still writes its workspace as `{workspace}`: a shipped
+    example copied by hand instead of installed, whose recorded paths name no folder yet.
+    (Its config's folder is in the workspace, so the token starts the recorded `base_dir`.)"""
+    base_dir = str(run.manifest().get("config", {}).get("base_dir", ""))
+    if not base_dir.startswith(WORKSPACE_TOKEN):
+        return
+    runs = run.path.resolve().parent
+    workspace = shlex.quote(str(runs.parent)) if runs.name == "runs" else "WORKSPACE"
+    raise ForgebenchError(
+        f"a shipped example run whose paths are still written {WORKSPACE_TOKEN}",
+        path=run.manifest_path,
+        hint="install it with the sample workspace (the app's Workspace > Open sample "
+             "workspace writes in the folder it lives in), or relocate this copy into the "
+             "workspace whose datasets it trains on: python -c 'import sys; from engine.rundir "
+             "import relocate; relocate(*sys.argv[1:])' "
+             f"{shlex.quote(str(run.path.resolve()))} {workspace}")
 
 
 def describe(run: RunDir) -> dict:

@@ -11,10 +11,12 @@ The finished run is copied to resources/sample-workspace/runs/<name>/ portable
 (`engine.rundir.make_portable`: the scratch workspace's folder is written `{workspace}`;
 installing the sample workspace writes the new folder back) with `example.json` beside run.json,
 which marks it as an example in the app. The generators' checkpoints are sampled first
-(`forgebench sample`, fixed seeds), so Samples has pictures and sounds to show. A run that
-failed is an error, never shipped.
+(`forgebench sample`, fixed seeds), so Samples has pictures and sounds to show, and the
+segmenter's and recogniser's last checkpoints are evaluated (`forgebench eval`), so Masks and
+Transcripts have per-image results and transcripts to show. A run that failed is an error,
+never shipped.
 
-    python packaging/make_examples.py                 # every example (about 25 CPU-minutes)
+    python packaging/make_examples.py                 # every example (about 28 CPU-minutes)
     python packaging/make_examples.py sensor-alert    # only the named ones
     python packaging/make_examples.py --resample shapes-generator   # sample again, no training
 """
@@ -49,6 +51,7 @@ class Example:
     shows: str                      # what it is there for (the app's tooltip)
     changes: dict                   # settings changed for shipping
     sample: tuple[str, ...] = ()    # `forgebench sample` arguments, run on every checkpoint
+    evaluate: tuple[str, ...] = ()  # splits `forgebench eval` scores at the last checkpoint
 
 
 EXAMPLES: dict[str, Example] = {
@@ -71,6 +74,16 @@ EXAMPLES: dict[str, Example] = {
         ("--n", "2", "--seed", "0")),       # its config's cfg 2, the full 256-step sampler
     "sensor-alert": Example(
         "tabular-classify", "the calibrated fault alert on the sensors table", KEEP_ONE),
+    "shapes-segmenter": Example(
+        "image-segment", "a TinyUNet that outlines the shape in each picture of the shapes set "
+        "(Masks: per-image IoU, predictions worst-first, contours)", KEEP_ONE,
+        evaluate=("val",)),
+    "speech-commands": Example(
+        "speech-recognize", "a half-trained recogniser of spoken workshop commands (two "
+        "training voices): on unseen voices it gets a third to a half of the characters and "
+        "a few words right, and Transcripts marks every substituted, deleted and inserted "
+        "word", KEEP_ONE,
+        evaluate=("val", "test")),
 }
 
 
@@ -99,12 +112,15 @@ def train(name: str, scratch: Path) -> Path:
 
 
 def ship(name: str, out: Path, scratch: Path) -> Path:
-    """Sample the run's checkpoints, make it portable, mark it and copy it into the bundle."""
+    """Sample the run's checkpoints, evaluate its last one, make it portable, mark it and copy
+    it into the bundle."""
     example = EXAMPLES[name]
     if example.sample:
         for checkpoint in RunDir(out).checkpoints():
             engine("sample", str(out), "--checkpoint", checkpoint.name, *example.sample,
                    cwd=scratch)
+    for split in example.evaluate:
+        engine("eval", str(out), "--split", split, cwd=scratch)
     (out / LOCK_NAME).unlink(missing_ok=True)
     make_portable(out, scratch)
     atomic_write_json(out / EXAMPLE_FILE, {

@@ -58,6 +58,17 @@ def test_first_launch_opens_the_sample_workspace(window, tmp_path):
     tip = ledger.data(ledger.index(0, 0), Qt.ItemDataRole.ToolTipRole)
     assert "example run shipped with the sample workspace" in tip
     assert window.settings.recent == [str(copy.resolve())]
+    # The segmenter and the recogniser examples reach their panes: predictions worst first,
+    # transcripts with the half-trained model's errors marked.
+    predictions = window.masks.predictions
+    assert predictions.source.currentText() == "shapes-segmenter · val-step-000400"
+    ious = [predictions.table.item(i, 2).data(Qt.ItemDataRole.DisplayRole)
+            for i in range(predictions.table.rowCount())]
+    assert len(ious) > 1 and ious == sorted(ious)
+    transcripts = window.transcripts
+    assert transcripts.run_combo.currentText() == "speech-commands"
+    assert transcripts.eval_combo.count() == 2 and transcripts.list.count() > 0
+    assert "title='substituted'" in transcripts.alignment.text()
     # The second launch reopens the most recent workspace.
     assert open_initial_workspace(window) and window.workspace.root == copy.resolve()
 

@@ -40,16 +40,19 @@ def write_speech_run(root, clip_path):
     return run
 
 
-def test_pane_plays_a_clip_with_its_aligned_transcripts(qtbot, tmp_path):
+def sine_clip(path):
     import soundfile
 
+    soundfile.write(path, 0.3 * np.sin(np.arange(8000) / 16000 * 2 * np.pi * 440), 16000,
+                    subtype="PCM_16")
+    return path
+
+
+def test_pane_plays_a_clip_with_its_aligned_transcripts(qtbot, tmp_path):
     from app.views.transcripts_pane import TranscriptsPane
 
     workspace = Workspace.create(tmp_path / "ws", name="speech")
-    clip = tmp_path / "clip.wav"
-    soundfile.write(clip, 0.3 * np.sin(np.arange(8000) / 16000 * 2 * np.pi * 440), 16000,
-                    subtype="PCM_16")
-    write_speech_run(workspace.root, clip)
+    write_speech_run(workspace.root, sine_clip(tmp_path / "clip.wav"))
     pane = TranscriptsPane()
     qtbot.addWidget(pane)
     pane.set_workspace(workspace)
@@ -79,3 +82,48 @@ def test_datasets_pane_lists_speech_clips_with_their_transcripts(tmp_path):
     assert table.ok and len(table.clips) == 8
     rows = [json.loads(line) for line in (root / "utterances.jsonl").read_text().splitlines()]
     assert [caption.split("\n")[1] for caption, _, _ in table.clips] == [r["text"] for r in rows]
+
+
+def test_pane_shows_an_evaluation_as_soon_as_its_file_is_written(qtbot, tmp_path):
+    """No checkpoint lands and the run is not chosen again: the workspace watch reports the
+    eval written into the run, and the pane refreshed on that lists its clips; the same
+    evaluation written again is read again with the chosen clip kept."""
+    import os
+
+    from app.viewmodels.workspace import WorkspaceWatch
+    from app.views.transcripts_pane import NO_RUN, TranscriptsPane
+
+    workspace = Workspace.create(tmp_path / "ws", name="speech")
+    run = write_speech_run(workspace.root, sine_clip(tmp_path / "clip.wav"))
+    evaluation = run / "evals" / "val-step-000004-transcripts.jsonl"
+    rows = evaluation.read_text()
+    evaluation.unlink()                         # the run before `forgebench eval`
+    pane = TranscriptsPane()
+    qtbot.addWidget(pane)
+    pane.set_workspace(workspace)
+    watch = WorkspaceWatch(workspace)
+    assert pane.list.count() == 0 and pane.alignment.text() == NO_RUN
+
+    def refresh() -> set[str]:                  # what MainWindow.refresh_panes does
+        changes = watch.changes()
+        if "runs" in changes:
+            pane.refresh_runs()
+        return changes
+
+    # twin: what a training step writes (metrics) is no change, and the pane stays empty
+    (run / "metrics.jsonl").write_text('{"step": 5, "loss": 1.0}\n')
+    assert refresh() == set() and pane.list.count() == 0
+    evaluation.write_text(rows)
+    assert refresh() == {"runs"}
+    assert pane.eval_combo.currentText() == "val-step-000004"
+    assert [pane.list.item(i).text() for i in range(2)][0] == "a (spk1) — 2 errors"
+    # Re-evaluated: the same file, a perfect first clip (dated a second on: a filesystem may
+    # keep coarse times, the eval that rewrites it takes longer than that).
+    pane.list.setCurrentRow(1)
+    evaluation.write_text(rows.replace('"greedy": "do restart pump tree"',
+                                       '"greedy": "do not restart pump three"'))
+    later = evaluation.stat().st_mtime_ns + 1_000_000_000
+    os.utime(evaluation, ns=(later, later))
+    assert refresh() == {"runs"}
+    assert pane.list.item(0).text() == "a (spk1) — exact"
+    assert pane.list.currentRow() == 1

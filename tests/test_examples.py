@@ -12,6 +12,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import shutil
+import subprocess
 import sys
 from pathlib import Path
 
@@ -19,8 +20,10 @@ import pytest
 from lm_pretrain_support import TINY_CONFIG, make_corpus
 from media_support import REPO, forgebench
 
+from app.viewmodels import transcripts
+from app.viewmodels.masks import read_per_image, segmentation_evals
 from app.viewmodels.runs import example_text, ledger_row, run_label
-from app.viewmodels.workspace import BUNDLED_SAMPLE, install_sample_workspace
+from app.viewmodels.workspace import BUNDLED_SAMPLE, Workspace, install_sample_workspace
 from engine.config import load_config, recipe_module, validate_config
 from engine.errors import ForgebenchError
 from engine.rundir import EXAMPLE_FILE, WORKSPACE_TOKEN, RunDir, make_portable, relocate
@@ -53,6 +56,7 @@ def test_a_shipped_example_is_a_finished_run_of_its_shipped_config(run_dir):
     run = RunDir(run_dir)
     example = run.example
     assert example and example["name"] == run_dir.name
+    assert example["shows"] == packer().EXAMPLES[run_dir.name].shows     # the app's tooltip
     assert run.status()["state"] == "completed"
     checkpoint = run.latest_checkpoint()
     assert checkpoint is not None and checkpoint.step == run.manifest()["config"]["steps"]
@@ -109,6 +113,44 @@ def test_an_installed_generator_exports_a_verified_bundle(installed, tmp_path):
     assert sorted(p.name for p in (out / "reference").iterdir())
 
 
+def test_the_installed_segmenter_shows_its_predictions_worst_first(installed):
+    """The Masks pane's view-model finds the example's val evaluation and reads it worst IoU
+    first, every row with its four panels on disk; the mean matches the eval's summary."""
+    run = installed / "runs" / "shapes-segmenter"
+    (label, folder), = segmentation_evals([run])
+    assert label == "shapes-segmenter · val-step-000400"
+    rows = read_per_image(folder)
+    ious = [row["iou"] for row in rows]
+    assert ious == sorted(ious) and len(rows) > 1
+    assert all(set(row["panels"]) == {"input", "probability", "prediction", "target"} and
+               all(path.is_file() for path in row["panels"].values()) for row in rows)
+    summary = json.loads((run / "evals" / "val-step-000400.json").read_text())
+    assert sum(ious) / len(ious) == pytest.approx(summary["iou"])
+
+
+def test_the_installed_recogniser_shows_its_transcripts_errors_and_all(installed):
+    """The Transcripts pane's view-model finds the example and its val and test evaluations;
+    every clip plays from the installed dataset, and the half-trained model's errors are
+    there to see: the errors its clips show over their words are the evaluation's WER, which
+    is neither 0 nor 1 (some words right, many wrong)."""
+    run = installed / "runs" / "speech-commands"
+    runs = Workspace(installed.resolve(), {}).run_dirs()
+    assert transcripts.speech_runs(runs) == [("speech-commands", str(run.resolve()))]
+    files = transcripts.transcript_files(run)
+    assert [f.name for f in files] == ["test-step-000600-transcripts.jsonl",
+                                       "val-step-000600-transcripts.jsonl"]
+    for path in files:
+        clips = transcripts.load_clips(path)
+        assert clips and all(clip.path.is_file() for clip in clips)
+        assert all(clip.path.is_relative_to(installed.resolve() / "datasets") for clip in clips)
+        spoken = [clip for clip in clips if clip.reference]
+        summary = json.loads(path.with_name(path.name.replace(transcripts.SUFFIX, ".json"))
+                             .read_text())
+        wer = sum(c.errors for c in spoken) / sum(len(c.reference.split()) for c in spoken)
+        assert wer == pytest.approx(summary["wer"])
+        assert 0 < wer < 1, wer
+
+
 def tiny_run(workspace: Path) -> RunDir:
     """A two-step lm-pretrain run made in `workspace` (its config under configs/, its corpus
     under datasets/, both named relative to the config as the sample workspace does)."""
@@ -145,11 +187,24 @@ def test_a_portable_run_moved_to_another_workspace_resumes_there(tmp_path):
         str((tmp_path / "moved" / "datasets" / "corpus").resolve())
 
 
-def test_twin_an_unrelocated_run_does_not_resume_in_another_folder(tmp_path):
+def test_twin_an_unrelocated_run_is_refused_with_the_way_to_relocate_it(tmp_path):
     made = tiny_run(tmp_path / "made")
-    moved = moved_copy(made, tmp_path / "made", tmp_path / "moved")
-    result = forgebench("resume", str(moved), "--steps", "3", "--threads", "1", check=False)
-    assert result.returncode == 2 and "error:" in result.stderr
+    make_portable(made.path, tmp_path / "made")
+    moved = moved_copy(made, tmp_path / "made", tmp_path / "moved")    # {workspace} kept
+    for command in (("resume", str(moved), "--steps", "3", "--threads", "1"),
+                    ("eval", str(moved))):
+        result = forgebench(*command, check=False)
+        assert result.returncode == 2, result.stderr
+        assert "a shipped example run whose paths are still written {workspace}" in result.stderr
+        assert "generate one" not in result.stderr
+    hint = result.stderr.split("hint: ", 1)[1].strip()
+    assert "Open sample workspace" in hint
+    # The hint's own command relocates the copy into the workspace it sits in, and it resumes.
+    relocating = hint[hint.index("python -c"):].replace("python", sys.executable, 1)
+    subprocess.run(relocating, shell=True, check=True, cwd=tmp_path)
+    assert WORKSPACE_TOKEN not in (moved / "run.json").read_text()
+    result = forgebench("resume", str(moved), "--steps", "3", "--threads", "1")
+    assert "completed: step 3/3" in result.stdout
 
 
 def test_make_portable_refuses_a_file_it_cannot_rewrite(tmp_path):

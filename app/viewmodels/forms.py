@@ -217,6 +217,8 @@ class RecipeForm:
                 raise ValueError("expected a number") from None
         if spec.kind == "list":
             return [item.strip() for item in text.splitlines() if item.strip()]
+        if spec.kind == "choice":   # the choice itself: Literal[16000] wants the int 16000
+            return next((choice for choice in spec.choices if str(choice) == text), text)
         return text
 
     def config_dict(self) -> dict:

@@ -140,7 +140,8 @@ class WorkspaceWatch:
     adds a run, a checkpoint, samples, a config or a dataset.
 
     `changes()` returns a subset of {"runs", "configs", "datasets", "ratings"}: "runs" covers
-    new or removed run folders, new checkpoints and new samples."""
+    new or removed run folders, new checkpoints, new samples and evaluations written (an eval
+    lands without a checkpoint: `forgebench eval` of an existing one)."""
 
     def __init__(self, workspace: Workspace):
         self.workspace = workspace
@@ -151,7 +152,8 @@ class WorkspaceWatch:
         runs = []
         for run in ws.run_dirs():
             samples = _entries(run / "samples")
-            runs.append((run.name, _entries(run / "checkpoints"), samples,
+            runs.append((run.name, _entries(run / "checkpoints"), _entries(run / "evals"),
+                         samples,
                          tuple(_entries(run / "samples" / name) for name, _ in samples)))
         return {"runs": tuple(runs), "configs": _entries(ws.configs_dir),
                 "datasets": tuple((p.name, _entries(p)) for p in ws.dataset_dirs()),

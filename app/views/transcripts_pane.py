@@ -5,6 +5,7 @@ playback are the Samples pane's AudioView)."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 from PySide6.QtCore import Qt, Signal
@@ -28,6 +29,14 @@ NO_RUN = ("Choose a speech-recognize run. Its evaluations (forgebench eval RUN -
           "list every clip here with its reference and hypothesis aligned.")
 
 
+def file_stamp(path: str | None) -> tuple | None:
+    """(path, mtime_ns): what tells an evaluation written again from the one on show."""
+    try:
+        return (path, os.stat(path).st_mtime_ns) if path else None
+    except OSError:
+        return None
+
+
 class TranscriptsPane(QWidget):
     message = Signal(str)
 
@@ -35,6 +44,7 @@ class TranscriptsPane(QWidget):
         super().__init__(parent)
         self.workspace: Workspace | None = None
         self.clips: list[vm.Clip] = []
+        self.loaded: tuple | None = None    # file_stamp of the evaluation the list shows
         self.run_combo = QComboBox()
         self.run_combo.setMinimumContentsLength(24)
         self.run_combo.currentIndexChanged.connect(self._run_chosen)
@@ -72,12 +82,15 @@ class TranscriptsPane(QWidget):
         self.refresh_runs()
 
     def refresh_runs(self) -> None:
-        """New runs and evaluations appear; the chosen run, evaluation and clip stay chosen."""
+        """New runs and evaluations appear; the chosen run, evaluation and clip stay chosen,
+        and the chosen evaluation is read again when its file was written again."""
         runs = vm.speech_runs(self.workspace.run_dirs() if self.workspace else [])
         if not refill_keeping_choice(self.run_combo, runs):
             self._run_chosen()
         elif not self._fill_evals():
             self._eval_chosen()
+        elif self.loaded != file_stamp(self.eval_combo.currentData()):
+            self._load_clips(max(self.list.currentRow(), 0))
 
     def _run_chosen(self, *_) -> None:
         self._fill_evals()
@@ -90,12 +103,16 @@ class TranscriptsPane(QWidget):
                                      [(f.name[:-len(vm.SUFFIX)], str(f)) for f in files])
 
     def _eval_chosen(self, *_) -> None:
+        self._load_clips(0)
+
+    def _load_clips(self, row: int) -> None:
         data = self.eval_combo.currentData()
+        self.loaded = file_stamp(data)
         self.clips = vm.load_clips(data) if data else []
         self.list.clear()
         self.list.addItems([vm.clip_label(c) for c in self.clips])
         if self.clips:
-            self.list.setCurrentRow(0)
+            self.list.setCurrentRow(min(row, len(self.clips) - 1))
         else:
             self.alignment.setText(NO_RUN)
             self.details.clear()
