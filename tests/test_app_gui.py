@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import threading
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -251,18 +252,16 @@ def test_leak_report_jumps_to_both_records(window, qtbot, tmp_path):
         assert shown == pane.leaks_tab.leaks.item(row, column).data(Qt.ItemDataRole.UserRole)
 
 
-def test_segmentation_predictions_sorted_worst_first(window, qtbot, tmp_path):
+def write_segmentation_eval(folder: Path, shifts: list[int]) -> None:
+    """A per-image segmentation eval of an 8x8 square predicted shifted right by each shift."""
     from PIL import Image
 
     from engine.eval.masks import boundary_f1, iou
-    ws = make_workspace(tmp_path / "ws", shapes=0, records=False)
-    folder = ws.runs_dir / "seg-run" / "evals" / "val-step-000010"
-    (folder / "panels").mkdir(parents=True)
-    (ws.runs_dir / "seg-run" / "run.json").write_text('{"recipe": "image-segment"}')
+    (folder / "panels").mkdir(parents=True, exist_ok=True)
     target = np.zeros((16, 16), bool)
     target[4:12, 4:12] = True
     lines = []
-    for k, shift in enumerate([0, 3, 1]):  # predictions shifted right by 0, 3 and 1 pixels
+    for k, shift in enumerate(shifts):
         prediction = np.roll(target, shift, axis=1)
         panels = {}
         for name, mask in (("prediction", prediction), ("target", target)):
@@ -273,6 +272,14 @@ def test_segmentation_predictions_sorted_worst_first(window, qtbot, tmp_path):
                                  "boundary_f1": boundary_f1(prediction, target, 0),
                                  "panels": panels}))
     (folder / "per_image.jsonl").write_text("\n".join(lines) + "\n")
+
+
+def test_segmentation_predictions_sorted_worst_first(window, qtbot, tmp_path):
+    ws = make_workspace(tmp_path / "ws", shapes=0, records=False)
+    (ws.runs_dir / "seg-run").mkdir()
+    (ws.runs_dir / "seg-run" / "run.json").write_text('{"recipe": "image-segment"}')
+    # predictions shifted right by 0, 3 and 1 pixels
+    write_segmentation_eval(ws.runs_dir / "seg-run" / "evals" / "val-step-000010", [0, 3, 1])
     assert window.open_workspace(ws.root)
     view = window.masks.predictions
     assert view.source.currentText() == "seg-run · val-step-000010"
@@ -285,6 +292,47 @@ def test_segmentation_predictions_sorted_worst_first(window, qtbot, tmp_path):
     assert not view.images["target"].pixmap().isNull()
     view.table.sortItems(3, Qt.SortOrder.DescendingOrder)  # best boundary F1 first
     assert view.table.item(0, 0).text() == "img0"
+
+
+def test_segmentation_predictions_follow_new_and_rewritten_evaluations(window, qtbot, tmp_path):
+    """No reopening: an evaluation a run writes appears at the workspace watch's next look,
+    the chosen one stays chosen, and one written again (`forgebench eval` re-run) is re-read."""
+    import os
+
+    from app.viewmodels.workspace import WorkspaceWatch
+    ws = make_workspace(tmp_path / "ws", shapes=0, records=False)
+    run = ws.runs_dir / "seg-run"
+    run.mkdir()
+    (run / "run.json").write_text('{"recipe": "image-segment"}')
+    write_segmentation_eval(run / "evals" / "val-step-000010", [0, 3, 1])
+    assert window.open_workspace(ws.root)
+    view = window.masks.predictions
+    watch = WorkspaceWatch(window.workspace)
+
+    def look() -> set[str]:                   # what the window's watch timer does
+        changes = watch.changes()
+        window.refresh_panes(changes)
+        return changes
+
+    # twin: a training step's metrics line is no change, and the list stays as it was
+    (run / "metrics.jsonl").write_text('{"step": 11, "loss": 0.5}\n')
+    assert look() == set() and view.source.count() == 1
+    write_segmentation_eval(run / "evals" / "val-step-000020", [2, 0])
+    assert look() == {"runs"}
+    assert [view.source.itemText(i) for i in range(view.source.count())] == [
+        "seg-run · val-step-000010", "seg-run · val-step-000020"]
+    assert view.source.currentText() == "seg-run · val-step-000010"      # still chosen
+    assert view.table.item(0, 0).text() == "img1"
+    # Re-evaluated in place: every prediction now exact (dated a second on, as a filesystem
+    # may keep coarse times).
+    table = run / "evals" / "val-step-000010" / "per_image.jsonl"
+    write_segmentation_eval(table.parent, [0, 0, 0])
+    later = table.stat().st_mtime_ns + 1_000_000_000
+    os.utime(table, ns=(later, later))
+    os.utime(table.parent, ns=(later, later))
+    assert look() == {"runs"}
+    assert view.source.currentText() == "seg-run · val-step-000010"
+    assert [float(view.table.item(r, 2).text()) for r in range(3)] == [1.0, 1.0, 1.0]
 
 
 def test_jobs_outlive_the_window_and_are_reattached(qtbot, tmp_path, monkeypatch):

@@ -134,6 +134,14 @@ def _entries(folder: Path) -> tuple:
         return ()
 
 
+def file_stamp(path: str | os.PathLike | None) -> tuple | None:
+    """(path, mtime_ns): what tells a file written again from the one a pane shows."""
+    try:
+        return (str(path), os.stat(path).st_mtime_ns) if path else None
+    except OSError:
+        return None
+
+
 class WorkspaceWatch:
     """What changed in a workspace since the last look, from directory listings alone (a few
     `scandir` calls per run, no file reads), so panes refresh when a job or another window

@@ -400,7 +400,7 @@ class MainWindow(QMainWindow):
         if "configs" in changes and built("runs"):
             self.runs.reload_configs()
         if "runs" in changes:
-            for name in ("samples", "export", "transcripts"):
+            for name in ("samples", "export", "transcripts", "masks"):
                 if built(name):
                     built(name).refresh_runs()
         if changes & {"runs", "ratings"} and built("ab"):

@@ -43,8 +43,9 @@ from app.viewmodels.masks import (
     segmentation_evals,
 )
 from app.viewmodels.sft import parse_inspect_report
-from app.viewmodels.workspace import Workspace
+from app.viewmodels.workspace import Workspace, file_stamp
 from app.views.background import BackgroundCall
+from app.views.combos import refill_keeping_choice
 from app.views.engine_process import run_engine
 from engine.data.dataset import Dataset, load_dataset
 from engine.errors import ForgebenchError
@@ -184,17 +185,31 @@ class PredictionsView(QWidget):
         layout = QVBoxLayout(self)
         layout.addWidget(splitter)
         self.rows: list[dict] = []
+        self.workspace: Workspace | None = None
+        self.loaded: tuple | None = None          # file_stamp of the table on show
 
     def set_workspace(self, workspace: Workspace) -> None:
+        self.workspace = workspace
         self.source.blockSignals(True)
-        self.source.clear()
-        for label, folder in segmentation_evals(workspace.run_dirs()):
-            self.source.addItem(label, str(folder))
+        self.source.clear()          # a new workspace: its first evaluation is chosen
         self.source.blockSignals(False)
-        self._source_chosen()
+        self.refresh_runs()
+
+    def refresh_runs(self) -> None:
+        """New evaluations appear; the chosen one stays chosen, and is read again when its
+        table was written again (a re-run `forgebench eval`)."""
+        evals = segmentation_evals(self.workspace.run_dirs()) if self.workspace else []
+        kept = refill_keeping_choice(self.source, [(label, str(f)) for label, f in evals])
+        if not kept or self.loaded != file_stamp(self._table()):
+            self._source_chosen()
+
+    def _table(self) -> Path | None:
+        folder = self.source.currentData()
+        return Path(folder) / "per_image.jsonl" if folder else None
 
     def _source_chosen(self) -> None:
         folder = self.source.currentData()
+        self.loaded = file_stamp(self._table())
         self.rows = read_per_image(Path(folder)) if folder else []
         self.table.setSortingEnabled(False)
         self.table.setRowCount(len(self.rows))
@@ -413,6 +428,10 @@ class MasksPane(QWidget):
         layout = QVBoxLayout(self)
         layout.addWidget(self.tabs)
         self._refresh_info()
+
+    def refresh_runs(self) -> None:
+        """A run wrote a segmentation evaluation: the predictions tab shows it."""
+        self.predictions.refresh_runs()
 
     def set_workspace(self, workspace: Workspace, select: Path | None = None) -> None:
         self.workspace = workspace

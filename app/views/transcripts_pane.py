@@ -5,7 +5,6 @@ playback are the Samples pane's AudioView)."""
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 from PySide6.QtCore import Qt, Signal
@@ -21,20 +20,12 @@ from PySide6.QtWidgets import (
 
 from app.audio import Player
 from app.viewmodels import transcripts as vm
-from app.viewmodels.workspace import Workspace
+from app.viewmodels.workspace import Workspace, file_stamp
 from app.views.combos import refill_keeping_choice
 from app.views.samples_pane import AudioView
 
 NO_RUN = ("Choose a speech-recognize run. Its evaluations (forgebench eval RUN --split val) "
           "list every clip here with its reference and hypothesis aligned.")
-
-
-def file_stamp(path: str | None) -> tuple | None:
-    """(path, mtime_ns): what tells an evaluation written again from the one on show."""
-    try:
-        return (path, os.stat(path).st_mtime_ns) if path else None
-    except OSError:
-        return None
 
 
 class TranscriptsPane(QWidget):
