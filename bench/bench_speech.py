@@ -14,8 +14,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -23,14 +21,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-
-def forgebench(*args: str) -> str:
-    env = dict(os.environ, PYTHONPATH=str(REPO))
-    result = subprocess.run([sys.executable, "-m", "engine", *args], cwd=REPO, env=env,
-                            capture_output=True, text=True, check=False)
-    if result.returncode:
-        raise SystemExit(f"forgebench {' '.join(args)} failed:\n{result.stderr[-3000:]}")
-    return result.stdout
+from bench.engine_cli import forgebench  # noqa: E402  (a `python -m engine` subprocess)
 
 
 def acceptance(data: Path | None, out: Path, steps: int, threads: int) -> dict:

@@ -31,8 +31,7 @@ import numpy as np
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from bench_speech import forgebench  # noqa: E402  (a `python -m engine` subprocess)
-
+from bench.engine_cli import forgebench  # noqa: E402  (a `python -m engine` subprocess)
 from engine.data.generators.sensors import machine_rows  # noqa: E402
 from engine.eval import binary  # noqa: E402
 from engine.recipes.tabular_classify import load_model  # noqa: E402

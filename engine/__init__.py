@@ -8,9 +8,17 @@ import os
 
 __version__ = "0.1.0"
 
-# Idle OpenMP threads sleep instead of spinning (read when torch loads, so set before it does).
-# libgomp's default spins ~300k iterations at every barrier: on a machine shared with other
-# processes a spinning thread holds a core its partner needs, and a 2-thread LoRA step of the
-# pirate demo measured 146-265 s wall instead of 2.6-8 s passive (interleaved, load 25 on 2
-# cores). A user's own setting wins.
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+# Idle OpenMP threads spin briefly, then sleep (libgomp reads this when torch loads, so it is
+# set before torch is imported). Both ends of the range lose:
+# - libgomp's default spins 300k iterations at every barrier. On a machine shared with other
+#   processes a spinning thread holds a core its partner needs: a 2-thread LoRA step of the
+#   pirate demo measured 146-265 s wall instead of 2.6-8 s passive (load 25 on 2 cores).
+# - Fully passive threads (OMP_WAIT_POLICY=PASSIVE) pay a futex wake-up at each of the
+#   thousands of parallel regions in a step: the same step on a quiet 2-core machine took
+#   1.32 s at 2 threads, slower than 1.17 s at 1 thread, against 0.70 s with the default spin.
+# 10k spins (about half a millisecond) bridge the gap between one op and the next: 0.72 s quiet,
+# and with 4 busy processes on the 2 cores about what passive costs (5.6-7.4 s against
+# 5.6-6.0 s; the default spin took 10-13 s). A user's own OMP_WAIT_POLICY or GOMP_SPINCOUNT wins.
+THREAD_SPIN = "10000"
+if "OMP_WAIT_POLICY" not in os.environ:
+    os.environ.setdefault("GOMP_SPINCOUNT", THREAD_SPIN)

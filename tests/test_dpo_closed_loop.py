@@ -61,7 +61,7 @@ def rate(session) -> None:
                        else "tie")
 
 
-def test_dpo_from_blind_ratings_wins_a_held_out_blind_session(tmp_path, gemma_gguf, monkeypatch):
+def test_dpo_from_blind_ratings_wins_a_held_out_blind_session(tmp_path, gemma_gguf):
     from app.viewmodels import ab as vm
     from app.viewmodels.workspace import Workspace
     from engine.config import recipe_module
@@ -132,11 +132,10 @@ micro_batch = 8
           f" of {len(SEEDS) * len(SESSION_TOPICS)}")
     assert preferences >= 10
 
-    # "Train on these preferences", as the pane does it, for 10 steps (40 of the 54 pairs): at
-    # the pane's 30 the same run won 10 with 2 ties, those two tuned answers running on past
-    # the "?" into gibberish, and from a start that asked more often 30 steps turned every
-    # held-out answer to gibberish (the chosen log-probs fell with the rejected ones)
-    monkeypatch.setattr(vm, "DPO_STEPS", 10)
+    # "Train on these preferences", as the pane does it: its 10 steps (40 of the 54 pairs). At
+    # 30 steps the same run won 10 with 2 ties, those two tuned answers running on past the "?"
+    # into gibberish, and from a start that asked more often 30 steps turned every held-out
+    # answer to gibberish (the chosen log-probs fell with the rejected ones)
     dataset = first.export_preferences(vm.next_free(ws.datasets_dir, "preferences-sampled-sft"))
     config = vm.dpo_config_for(first, dataset, ws.configs_dir)
     text = config.read_text()       # four pairs a step: what two CPU cores can afford

@@ -3,7 +3,7 @@ SIGTERM and resumed matches an uninterrupted run bit for bit; `forgebench eval` 
 greedy/beam report, every clip's transcripts and the probe counts; bad input exits 2.
 
 The default suite trains a handful of steps (the numbers prove the plumbing, not accuracy);
-the accuracy run is `bench/speech_recognize.py` and the slow-marked test beside it."""
+the accuracy run is `bench/bench_speech.py` and the slow-marked test beside it."""
 
 from __future__ import annotations
 
