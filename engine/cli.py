@@ -124,6 +124,12 @@ def _status_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("run_dir")
 
 
+def _relocate_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("run_dir")
+    p.add_argument("workspace", nargs="?",
+                   help="the workspace folder (default: the one whose runs/ holds the run)")
+
+
 def _stop_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("run_dir")
     p.add_argument("--wait", type=real(0, 10**7), default=0.0,
@@ -326,6 +332,8 @@ COMMANDS: dict[str, Command] = {
     "status": ("print a run's state", "engine.commands.runs:cmd_status", _status_args),
     "stop": ("ask a running job to checkpoint and stop", "engine.commands.runs:cmd_stop",
              _stop_args),
+    "relocate": ("give a shipped example run copied by hand the workspace it now lives in",
+                 "engine.commands.runs:cmd_relocate", _relocate_args),
     "eval": ("evaluate a checkpoint on val or test", "engine.commands.runs:cmd_eval", _eval_args),
     "generate": ("generate text from a run or a GGUF file", "engine.commands.generate:cmd_generate",
                  _generate_args),

@@ -378,23 +378,32 @@ def relocate(run_dir: str | os.PathLike, workspace: str | os.PathLike) -> list[s
     return _replace_in_json_files(Path(run_dir), WORKSPACE_TOKEN, escaped)
 
 
-def require_relocated(run: RunDir) -> None:
-    """Refuse a run whose run.json still writes its workspace as `{workspace}`: a shipped
+def awaits_relocation(run: RunDir) -> bool:
+    """True for a run whose run.json still writes its workspace as `{workspace}`: a shipped
     example copied by hand instead of installed, whose recorded paths name no folder yet.
     (Its config's folder is in the workspace, so the token starts the recorded `base_dir`.)"""
-    base_dir = str(run.manifest().get("config", {}).get("base_dir", ""))
-    if not base_dir.startswith(WORKSPACE_TOKEN):
+    return str(run.manifest().get("config", {}).get("base_dir", "")).startswith(WORKSPACE_TOKEN)
+
+
+def home_workspace(run_dir: Path) -> Path | None:
+    """The workspace a run folder sits in (the folder above its `runs/`), or None."""
+    runs = Path(run_dir).resolve().parent
+    return runs.parent if runs.name == "runs" else None
+
+
+def require_relocated(run: RunDir) -> None:
+    """Refuse a run that awaits relocation, with the command that relocates it."""
+    if not awaits_relocation(run):
         return
-    runs = run.path.resolve().parent
-    workspace = shlex.quote(str(runs.parent)) if runs.name == "runs" else "WORKSPACE"
+    home = home_workspace(run.path)
     raise ForgebenchError(
         f"a shipped example run whose paths are still written {WORKSPACE_TOKEN}",
         path=run.manifest_path,
         hint="install it with the sample workspace (the app's Workspace > Open sample "
              "workspace writes in the folder it lives in), or relocate this copy into the "
-             "workspace whose datasets it trains on: python -c 'import sys; from engine.rundir "
-             "import relocate; relocate(*sys.argv[1:])' "
-             f"{shlex.quote(str(run.path.resolve()))} {workspace}")
+             "workspace whose datasets it trains on: forgebench relocate "
+             f"{shlex.quote(str(run.path.resolve()))}"
+             + ("" if home else " WORKSPACE"))
 
 
 def describe(run: RunDir) -> dict:

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import shlex
 import shutil
-import subprocess
 import sys
 from pathlib import Path
 
@@ -199,12 +199,25 @@ def test_twin_an_unrelocated_run_is_refused_with_the_way_to_relocate_it(tmp_path
         assert "generate one" not in result.stderr
     hint = result.stderr.split("hint: ", 1)[1].strip()
     assert "Open sample workspace" in hint
-    # The hint's own command relocates the copy into the workspace it sits in, and it resumes.
-    relocating = hint[hint.index("python -c"):].replace("python", sys.executable, 1)
-    subprocess.run(relocating, shell=True, check=True, cwd=tmp_path)
+    # The hint's own command relocates the copy into the workspace it sits in, and it resumes;
+    # a second relocation has nothing to do.
+    relocating = shlex.split(hint[hint.index("forgebench relocate"):])
+    assert relocating[:2] == ["forgebench", "relocate"] and len(relocating) == 3
+    assert "relocated into" in forgebench(*relocating[1:]).stdout
     assert WORKSPACE_TOKEN not in (moved / "run.json").read_text()
+    assert "nothing to relocate" in forgebench(*relocating[1:]).stdout
     result = forgebench("resume", str(moved), "--steps", "3", "--threads", "1")
     assert "completed: step 3/3" in result.stdout
+
+
+def test_relocate_refuses_a_run_outside_a_workspace_or_a_missing_workspace(tmp_path):
+    made = tiny_run(tmp_path / "made")
+    loose = tmp_path / "loose-run"
+    shutil.copytree(made.path, loose)
+    result = forgebench("relocate", str(loose), check=False)
+    assert result.returncode == 2 and "name it: forgebench relocate RUN WORKSPACE" in result.stderr
+    result = forgebench("relocate", str(loose), str(tmp_path / "nowhere"), check=False)
+    assert result.returncode == 2 and "no such workspace folder" in result.stderr
 
 
 def test_make_portable_refuses_a_file_it_cannot_rewrite(tmp_path):

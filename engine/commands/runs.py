@@ -23,7 +23,14 @@ from engine.jobs import (
     require_multi_process,
     start_run,
 )
-from engine.rundir import RunDir, describe, format_status
+from engine.rundir import (
+    RunDir,
+    awaits_relocation,
+    describe,
+    format_status,
+    home_workspace,
+    relocate,
+)
 from engine.runlock import signal_holder
 from engine.train.integrity import choose_resume_checkpoint
 
@@ -106,6 +113,24 @@ def cmd_resume(args) -> int:
 
 def cmd_status(args) -> int:
     print(format_status(describe(RunDir(args.run_dir).require())))
+    return 0
+
+
+def cmd_relocate(args) -> int:
+    run = RunDir(args.run_dir).require()
+    workspace = Path(args.workspace) if args.workspace else home_workspace(run.path)
+    if workspace is None:
+        raise ForgebenchError("the run is not in a workspace's runs/ folder, so which workspace "
+                              "it lives in is not known", path=run.path,
+                              hint="name it: forgebench relocate RUN WORKSPACE")
+    if not workspace.is_dir():
+        raise ForgebenchError("no such workspace folder", path=workspace,
+                              hint="name the folder that holds the run's datasets/")
+    if not awaits_relocation(run):
+        print(f"nothing to relocate: {run.path} records its own folders already")
+        return 0
+    changed = relocate(run.path, workspace)
+    print(f"relocated into {workspace.resolve()}: {len(changed)} files rewritten")
     return 0
 
 
