@@ -40,7 +40,7 @@ def write_speech_run(root, clip_path):
     return run
 
 
-def test_pane_plays_a_clip_with_its_aligned_transcripts(qtbot, tmp_path):
+def pane_on_a_speech_run(qtbot, tmp_path):
     import soundfile
 
     from app.views.transcripts_pane import TranscriptsPane
@@ -53,6 +53,11 @@ def test_pane_plays_a_clip_with_its_aligned_transcripts(qtbot, tmp_path):
     pane = TranscriptsPane()
     qtbot.addWidget(pane)
     pane.set_workspace(workspace)
+    return pane
+
+
+def test_pane_plays_a_clip_with_its_aligned_transcripts(qtbot, tmp_path):
+    pane = pane_on_a_speech_run(qtbot, tmp_path)
     assert pane.run_combo.count() == 1 and pane.eval_combo.currentText() == "val-step-000004"
     labels = [pane.list.item(i).text() for i in range(pane.list.count())]
     assert labels == ["a (spk1) — 2 errors", "b (spk2) — 1 error · flagged: low_confidence"]
@@ -63,6 +68,34 @@ def test_pane_plays_a_clip_with_its_aligned_transcripts(qtbot, tmp_path):
     assert "title='inserted'" in pane.alignment.text()
     assert "not to be trusted" in pane.details.text()
     pane.play()          # plays, or says why not (no PortAudio device here): never raises
+
+
+def test_clip_labels_wrap_to_the_list_width(qtbot, tmp_path):
+    """At 1024x700 the clips list is narrower than a label such as "spk008-booth-000 (spk008)
+    — 4 errors · flagged: unknown_words": the label wraps and shows whole, its end (the errors
+    and flags the list is scanned for) never out of sight behind a sideways scroll."""
+    from PySide6.QtCore import QRect, Qt
+    from PySide6.QtWidgets import QSplitter
+
+    pane = pane_on_a_speech_run(qtbot, tmp_path)
+    pane.resize(850, 600)
+    pane.show()
+    qtbot.waitExposed(pane)
+    flagged = pane.list.item(1)
+    metrics = pane.list.fontMetrics()
+    width = metrics.horizontalAdvance(flagged.text()) * 2 // 3    # two lines' worth
+    pane.findChild(QSplitter).setSizes([width, 850 - width])
+    qtbot.waitUntil(lambda: pane.list.viewport().width() <= width)
+    assert pane.list.horizontalScrollBar().maximum() == 0
+    for row in range(pane.list.count()):
+        item = pane.list.item(row)
+        shown = pane.list.visualItemRect(item)
+        needed = metrics.boundingRect(QRect(0, 0, shown.width(), 10_000),
+                                      Qt.TextFlag.TextWordWrap, item.text())
+        assert shown.width() <= pane.list.viewport().width()
+        assert shown.height() >= needed.height()
+    # twin: the flagged label (the last) does need more than one line at this width
+    assert item is flagged and needed.height() >= 2 * metrics.height()
 
 
 def test_datasets_pane_lists_speech_clips_with_their_transcripts(tmp_path):
