@@ -622,6 +622,9 @@ def main(argv: list[str] | None = None) -> int:
 
     def shot(name: str) -> None:
         wait_idle(app, window)
+        # A job that just ended says so in a toast over the top-right corner for a few
+        # seconds; the pane is shown once it is gone.
+        wait_until(app, lambda: not window.notifier.toast.isVisible(), 10)
         settle(app)
         path = out / f"{name}.png"
         window.grab().save(str(path))
