@@ -28,7 +28,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from PySide6.QtWidgets import QApplication
+from PySide6.QtWidgets import QApplication, QScrollArea
 
 from app.viewmodels import transcripts
 from app.viewmodels.workspace import REPO_ROOT, Settings, Workspace, install_sample_workspace
@@ -108,6 +108,9 @@ def start_blind_ab(window: MainWindow, workspace: Workspace, systems: list[tuple
     ab.limit.setValue(pairs)
     ab.gen_seeds.setText("7")
     ab.gen_n.setValue(per_seed)
+    # The setup column scrolled down to the button, as a user clicking it has it: its job's
+    # progress shows under it.
+    ab.findChild(QScrollArea).ensureWidgetVisible(ab.job)
     ab.generate_button.click()
     return ab
 
