@@ -41,6 +41,7 @@ from engine.data.generators.shapes import generate_shapes
 from engine.rundir import RunDir
 
 SIZE = (1024, 700)
+MAX_PNG_BYTES = 300_000
 GENERATORS = {"records": lambda p: generate_records(p, n=300),
               "shapes": lambda p: generate_shapes(p, n=120),
               "sfx": lambda p: generate_sfx(p, n_per_class=8)}
@@ -266,7 +267,9 @@ def models_chat_screens(window: MainWindow, workspace: Workspace, shot,
     pick("A", f"model: {gemma['name']}")
     wait_until(app, lambda: "A" in chat.session.loaded or "A" in chat.session.load_errors)
     chat.system_prompt.setText("You are a helpful assistant. Answer in one sentence.")
-    chat.max_tokens.setValue(48)
+    # Long enough to still be streaming (Stop enabled) when the shot is taken on a fast, idle
+    # machine: the base model is not chat-tuned and runs on to the limit.
+    chat.max_tokens.setValue(160)
     chat.prompt.setText("What is a large language model?")
     chat.send()
     wait_until(app, lambda: sum(r.tokens for r in chat.session.replies.values()) >= 8)
@@ -406,6 +409,19 @@ def dataset_tool_screens(window: MainWindow, workspace: Workspace, scratch: Path
     datasets.records_tab.filter.setText("ahoy split=val")
     shot("06b-datasets-50k-records-filtered")
     datasets.records_tab.filter.clear()
+
+
+def save_png(pixmap, path: Path) -> Path:
+    """Write a shot; one over MAX_PNG_BYTES (photographs, thumbnails) is written again with a
+    256-colour palette, which keeps the docs small and the text sharp."""
+    pixmap.save(str(path))
+    if path.stat().st_size > MAX_PNG_BYTES:
+        from PIL import Image
+
+        with Image.open(path) as image:
+            palette = image.convert("RGB").quantize(colors=256)
+        palette.save(path, optimize=True)
+    return path
 
 
 def settle(app: QApplication, seconds: float = 0.6) -> None:
@@ -629,16 +645,12 @@ def main(argv: list[str] | None = None) -> int:
         # seconds; the pane is shown once it is gone.
         wait_until(app, lambda: not window.notifier.toast.isVisible(), 10)
         settle(app)
-        path = out / f"{name}.png"
-        window.grab().save(str(path))
-        shots.append(path)
+        shots.append(save_png(window.grab(), out / f"{name}.png"))
 
     def shot_of(widget, name: str) -> None:
         widget.show()
         settle(app)
-        path = out / f"{name}.png"
-        widget.grab().save(str(path))
-        shots.append(path)
+        shots.append(save_png(widget.grab(), out / f"{name}.png"))
 
     renders = {
         "tour": lambda: tour_screen(window, shot),
