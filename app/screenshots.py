@@ -457,6 +457,7 @@ def tour_screen(window: MainWindow, shot) -> None:
 # perfect after SPEECH_STEPS: its val transcripts (voices it never heard) show every error kind.
 SPEECH_SPEAKERS = 20
 SPEECH_STEPS = 400
+SPEECH_DATA = f"speech-{SPEECH_SPEAKERS}-speakers"    # beside any speech set the workspace has
 SPEECH_CONFIG = f"""recipe = "speech-recognize"
 seed = 1
 steps = {SPEECH_STEPS}
@@ -467,7 +468,7 @@ keep_last = 1
 batch_size = 16
 precision = "fp32"
 [data]
-dir = "../datasets/speech"
+dir = "../datasets/{SPEECH_DATA}"
 [model]
 channels = 64
 layers = 4
@@ -481,7 +482,7 @@ def transcripts_screen(window: MainWindow, workspace: Workspace, shot,
     """The Transcripts pane on a real speech-recognize run: the engine's spoken-command set
     (espeak-ng voices, sox rooms) generated here, a small recogniser trained and evaluated on
     val, and a clip with a few errors: its reference over its hypothesis, the errors coloured."""
-    _engine("data", "generate", "speech", "--out", str(workspace.datasets_dir / "speech"),
+    _engine("data", "generate", "speech", "--out", str(workspace.datasets_dir / SPEECH_DATA),
             "--n", str(SPEECH_SPEAKERS))
     config = workspace.configs_dir / "speech-recognize-tiny.toml"
     config.write_text(SPEECH_CONFIG)

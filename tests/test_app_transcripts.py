@@ -40,24 +40,22 @@ def write_speech_run(root, clip_path):
     return run
 
 
-def pane_on_a_speech_run(qtbot, tmp_path):
+def sine_clip(path):
     import soundfile
 
-    from app.views.transcripts_pane import TranscriptsPane
-
-    workspace = Workspace.create(tmp_path / "ws", name="speech")
-    clip = tmp_path / "clip.wav"
-    soundfile.write(clip, 0.3 * np.sin(np.arange(8000) / 16000 * 2 * np.pi * 440), 16000,
+    soundfile.write(path, 0.3 * np.sin(np.arange(8000) / 16000 * 2 * np.pi * 440), 16000,
                     subtype="PCM_16")
-    write_speech_run(workspace.root, clip)
-    pane = TranscriptsPane()
-    qtbot.addWidget(pane)
-    pane.set_workspace(workspace)
-    return pane
+    return path
 
 
 def test_pane_plays_a_clip_with_its_aligned_transcripts(qtbot, tmp_path):
-    pane = pane_on_a_speech_run(qtbot, tmp_path)
+    from app.views.transcripts_pane import TranscriptsPane
+
+    workspace = Workspace.create(tmp_path / "ws", name="speech")
+    write_speech_run(workspace.root, sine_clip(tmp_path / "clip.wav"))
+    pane = TranscriptsPane()
+    qtbot.addWidget(pane)
+    pane.set_workspace(workspace)
     assert pane.run_combo.count() == 1 and pane.eval_combo.currentText() == "val-step-000004"
     labels = [pane.list.item(i).text() for i in range(pane.list.count())]
     assert labels == ["a (spk1) — 2 errors", "b (spk2) — 1 error · flagged: low_confidence"]
@@ -77,7 +75,13 @@ def test_clip_labels_wrap_to_the_list_width(qtbot, tmp_path):
     from layout_support import items_cut_off
     from PySide6.QtWidgets import QSplitter
 
-    pane = pane_on_a_speech_run(qtbot, tmp_path)
+    from app.views.transcripts_pane import TranscriptsPane
+
+    workspace = Workspace.create(tmp_path / "ws", name="speech")
+    write_speech_run(workspace.root, sine_clip(tmp_path / "clip.wav"))
+    pane = TranscriptsPane()
+    qtbot.addWidget(pane)
+    pane.set_workspace(workspace)
     pane.resize(850, 600)
     pane.show()
     qtbot.waitExposed(pane)
