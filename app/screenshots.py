@@ -1,14 +1,20 @@
-"""`python -m app.screenshots OUT_DIR [--only datasets|models-chat|examples]`: render every pane
-with real content at 1024×700, the smallest laptop window every pane must work in (`--only
-datasets` renders the datasets pane, import wizards and data card without training the demo
-runs; `--only models-chat` the Models and Chat panes, training only the pirate LoRA run, or
-copying the one `--pirate-run DIR` names; `--only examples` the sample workspace's example runs
-in Runs, Samples, Blind A/B and Export, training nothing).
+"""`python -m app.screenshots OUT_DIR [--only SECTION[,SECTION...]] [--pirate-run DIR]`: render
+every pane with real content at 1024×700, the smallest laptop window every pane must work in.
+
+Sections, in the order they render (`SECTIONS`; the default is all but `examples`): `tour` (the
+first-run tour and the first fine-tune's offer, as the window first opens), `datasets` (the
+datasets pane, import wizards and data card), `masks`, `runs`, `samples-ab-export`,
+`models-chat` (the Models and Chat panes, training the pirate LoRA run, or copying the one
+`--pirate-run DIR` names), `transcripts` (a speech-recognize run trained here), and
+`missing-workspace`; `examples` renders the sample workspace's example runs in Runs, Samples,
+Blind A/B and Export, training nothing. Past the tour's shot the tour is skipped and the
+fine-tune offer hidden, so each pane shows at its full size.
 
 The content is real: the bundled sample workspace (datasets the engine's own generators fill
-in where the bundle lacks them), a copy of the shapes dataset with a planted error, and a real
-`lm-pretrain` run trained, stopped and resumed by the engine before the window opens.
-`make screenshots` runs this under Xvfb.
+in where the bundle lacks them), a copy of the shapes dataset with a planted error, and real
+runs trained by the engine before their shots (an `lm-pretrain` run stopped and resumed, a
+segmentation run, two generators, a speech recogniser). `make screenshots` runs this under
+Xvfb.
 """
 
 from __future__ import annotations
@@ -22,8 +28,9 @@ import tempfile
 import time
 from pathlib import Path
 
-from PySide6.QtWidgets import QApplication
+from PySide6.QtWidgets import QApplication, QScrollArea
 
+from app.viewmodels import transcripts
 from app.viewmodels.workspace import REPO_ROOT, Settings, Workspace, install_sample_workspace
 from app.views.background import BackgroundCall
 from app.views.main_window import PANES, MainWindow
@@ -34,6 +41,7 @@ from engine.data.generators.shapes import generate_shapes
 from engine.rundir import RunDir
 
 SIZE = (1024, 700)
+MAX_PNG_BYTES = 300_000
 GENERATORS = {"records": lambda p: generate_records(p, n=300),
               "shapes": lambda p: generate_shapes(p, n=120),
               "sfx": lambda p: generate_sfx(p, n_per_class=8)}
@@ -101,6 +109,9 @@ def start_blind_ab(window: MainWindow, workspace: Workspace, systems: list[tuple
     ab.limit.setValue(pairs)
     ab.gen_seeds.setText("7")
     ab.gen_n.setValue(per_seed)
+    # The setup column scrolled down to the button, as a user clicking it has it: its job's
+    # progress shows under it.
+    ab.findChild(QScrollArea).ensureWidgetVisible(ab.job)
     ab.generate_button.click()
     return ab
 
@@ -256,7 +267,9 @@ def models_chat_screens(window: MainWindow, workspace: Workspace, shot,
     pick("A", f"model: {gemma['name']}")
     wait_until(app, lambda: "A" in chat.session.loaded or "A" in chat.session.load_errors)
     chat.system_prompt.setText("You are a helpful assistant. Answer in one sentence.")
-    chat.max_tokens.setValue(48)
+    # Long enough to still be streaming (Stop enabled) when the shot is taken on a fast, idle
+    # machine: the base model is not chat-tuned and runs on to the limit.
+    chat.max_tokens.setValue(160)
     chat.prompt.setText("What is a large language model?")
     chat.send()
     wait_until(app, lambda: sum(r.tokens for r in chat.session.replies.values()) >= 8)
@@ -398,6 +411,19 @@ def dataset_tool_screens(window: MainWindow, workspace: Workspace, scratch: Path
     datasets.records_tab.filter.clear()
 
 
+def save_png(pixmap, path: Path) -> Path:
+    """Write a shot; one over MAX_PNG_BYTES (photographs, thumbnails) is written again with a
+    256-colour palette, which keeps the docs small and the text sharp."""
+    pixmap.save(str(path))
+    if path.stat().st_size > MAX_PNG_BYTES:
+        from PIL import Image
+
+        with Image.open(path) as image:
+            palette = image.convert("RGB").quantize(colors=256)
+        palette.save(path, optimize=True)
+    return path
+
+
 def settle(app: QApplication, seconds: float = 0.6) -> None:
     end = time.monotonic() + seconds
     while time.monotonic() < end:
@@ -415,50 +441,72 @@ def wait_idle(app: QApplication, window: MainWindow, limit_s: float = 300) -> No
     settle(app, 0.2)
 
 
-def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    only = argv[argv.index("--only") + 1] if "--only" in argv else None
-    only_datasets = only == "datasets"
-    flags = ("--only", "--pirate-run")
-    pirate_run = Path(argv[argv.index("--pirate-run") + 1]) if "--pirate-run" in argv else None
-    positional = [a for i, a in enumerate(argv) if a not in flags and
-                  (i == 0 or argv[i - 1] not in flags)]
-    out = Path(positional[0] if positional else "docs/screenshots")
-    out.mkdir(parents=True, exist_ok=True)
-    scratch = Path(tempfile.mkdtemp(prefix="forgebench-screens-"))
-    os.environ["FORGEBENCH_CONFIG_DIR"] = str(scratch / "config")
-    app = QApplication.instance() or QApplication([])
-    workspace = build_workspace(scratch, runs=only is None)
-    window = MainWindow(Settings())
-    window.close_policy = "leave"
-    window.resize(*SIZE)
-    window.show()
-    window.open_workspace(workspace.root)
-    shots = []
+def tour_screen(window: MainWindow, shot) -> None:
+    """The first-run tour as the window first opens on the sample workspace (the first real
+    fine-tune's offer below it), at its second step: Runs, with the example runs' ledger."""
+    panel = window.tour_panel
+    panel.restart()
+    panel.next_button.click()
+    window.runs.poll(force=True)
+    window.runs.left_tabs.setCurrentIndex(0)
+    window.runs.select_run(window.workspace.runs_dir / "where-demo")
+    shot("00-tour-step-2-runs")
 
-    def shot(name: str) -> None:
-        wait_idle(app, window)
-        settle(app)
-        path = out / f"{name}.png"
-        window.grab().save(str(path))
-        shots.append(path)
 
-    def shot_of(widget, name: str) -> None:
-        widget.show()
-        settle(app)
-        path = out / f"{name}.png"
-        widget.grab().save(str(path))
-        shots.append(path)
+# A recogniser small enough to train in about a minute on two cores, and still far from
+# perfect after SPEECH_STEPS: its val transcripts (voices it never heard) show every error kind.
+SPEECH_SPEAKERS = 20
+SPEECH_STEPS = 400
+SPEECH_DATA = f"speech-{SPEECH_SPEAKERS}-speakers"    # beside any speech set the workspace has
+SPEECH_CONFIG = f"""recipe = "speech-recognize"
+seed = 1
+steps = {SPEECH_STEPS}
+log_every = 10
+eval_every = {SPEECH_STEPS}
+save_every = {SPEECH_STEPS}
+keep_last = 1
+batch_size = 16
+precision = "fp32"
+[data]
+dir = "../datasets/{SPEECH_DATA}"
+[model]
+channels = 64
+layers = 4
+[decode]
+probes = 2
+"""
 
-    if only == "models-chat":
-        models_chat_screens(window, workspace, shot, app, pirate_run)
-        return _finish(window, app, shots, scratch)
-    if only == "examples":
-        example_screens(window, workspace, shot, app)
-        return _finish(window, app, shots, scratch)
 
+def transcripts_screen(window: MainWindow, workspace: Workspace, shot,
+                       app: QApplication) -> None:
+    """The Transcripts pane on a real speech-recognize run: the engine's spoken-command set
+    (espeak-ng voices, sox rooms) generated here, a small recogniser trained and evaluated on
+    val, and a clip with a few errors: its reference over its hypothesis, the errors coloured."""
+    _engine("data", "generate", "speech", "--out", str(workspace.datasets_dir / SPEECH_DATA),
+            "--n", str(SPEECH_SPEAKERS))
+    config = workspace.configs_dir / "speech-recognize-tiny.toml"
+    config.write_text(SPEECH_CONFIG)
+    run = workspace.runs_dir / "speech-recognize-demo"
+    _engine("run", str(config), "--out", str(run), "--threads", "2")
+    _engine("eval", str(run), "--split", "val")
+    window.sidebar.setCurrentRow(PANES.index("Transcripts"))
+    pane = window.transcripts
+    pane.set_workspace(workspace)
+    pane.run_combo.setCurrentIndex(pane.run_combo.findData(str(run)))
+    # A clip with a few errors of as many kinds as there are (substituted, deleted, inserted).
+    few = [clip for clip in pane.clips if 2 <= clip.errors <= 4] or pane.clips
+    shown = max(few, key=lambda clip: len({kind for kind, _, _ in transcripts.aligned(
+        clip.reference, clip.hypothesis)} - {transcripts.OK}))
+    pane.list.setCurrentRow(pane.clips.index(shown))
+    shot("28-transcripts-reference-over-hypothesis")
+
+
+def datasets_screens(window: MainWindow, workspace: Workspace, scratch: Path, shot, shot_of,
+                     app: QApplication) -> None:
+    """The datasets pane: a planted error found by Validate, the gallery, splits, stats, leaks,
+    audio clips, then the import wizards, the data card and the 50,000-record table."""
     datasets = window.datasets
-    window.sidebar.setCurrentRow(0)
+    window.sidebar.setCurrentRow(PANES.index("Datasets"))
     datasets.select_dataset(workspace.datasets_dir / "shapes-with-an-error")
     wait_idle(app, window)
     datasets.validate()
@@ -488,10 +536,12 @@ def main(argv: list[str] | None = None) -> int:
     datasets.tabs.setCurrentIndex(2)
     shot("06a-datasets-audio-gallery-play")
     dataset_tool_screens(window, workspace, scratch, shot, shot_of, app)
-    if only_datasets:
-        return _finish(window, app, shots, scratch)
 
-    window.sidebar.setCurrentRow(1)
+
+def masks_screens(window: MainWindow, workspace: Workspace, shot, app: QApplication) -> None:
+    """Labels & Masks: a mask edited with the brush, the segmentation run's predictions worst
+    first, and (with the Gemma package installed) the pirate set's supervised tokens."""
+    window.sidebar.setCurrentRow(PANES.index("Labels && Masks"))
     masks = window.masks
     masks.set_workspace(workspace, select=workspace.datasets_dir / "shapes")
     while masks.loader.running:
@@ -515,7 +565,11 @@ def main(argv: list[str] | None = None) -> int:
         shot("08b-sft-supervised-tokens")
     masks.tabs.setCurrentIndex(0)
 
-    window.sidebar.setCurrentRow(2)
+
+def runs_screens(window: MainWindow, workspace: Workspace, shot, app: QApplication) -> None:
+    """Runs: the stopped-and-resumed demo run's charts, a live job with its stage line and the
+    jobs panel, and the new-run form with three invalid fields."""
+    window.sidebar.setCurrentRow(PANES.index("Runs"))
     runs = window.runs
     runs.poll(force=True)
     runs.select_run(workspace.runs_dir / "lm-pretrain-tiny-demo")
@@ -546,13 +600,77 @@ def main(argv: list[str] | None = None) -> int:
     runs.form_widget.set_value("data.dir", "datasets/records")
     shot("10-runs-new-run-form-invalid")
 
-    part2_screens(window, workspace, shot, app)
-    models_chat_screens(window, workspace, shot, app, pirate_run)
 
+def missing_workspace_screen(window: MainWindow, scratch: Path, shot) -> None:
     window.open_workspace(scratch / "a-workspace-that-was-moved")
-    window.sidebar.setCurrentRow(0)
+    window.sidebar.setCurrentRow(PANES.index("Datasets"))
     shot("11-missing-workspace")
 
+
+# `--only` sections, in the order they render; the default is every one but "examples" (the
+# example runs' shots want a ledger without the runs the other sections train).
+SECTIONS = ("tour", "datasets", "masks", "runs", "samples-ab-export", "models-chat",
+            "transcripts", "missing-workspace", "examples")
+NEEDS_TRAINED_RUNS = {"masks", "runs", "samples-ab-export"}
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    flags = ("--only", "--pirate-run")
+    chosen = (argv[argv.index("--only") + 1].split(",") if "--only" in argv
+              else [s for s in SECTIONS if s != "examples"])
+    unknown = sorted(set(chosen) - set(SECTIONS))
+    if unknown:
+        print(f"error: unknown section {', '.join(unknown)} (choose from "
+              f"{', '.join(SECTIONS)})", file=sys.stderr)
+        return 2
+    pirate_run = Path(argv[argv.index("--pirate-run") + 1]) if "--pirate-run" in argv else None
+    positional = [a for i, a in enumerate(argv) if a not in flags and
+                  (i == 0 or argv[i - 1] not in flags)]
+    out = Path(positional[0] if positional else "docs/screenshots")
+    out.mkdir(parents=True, exist_ok=True)
+    scratch = Path(tempfile.mkdtemp(prefix="forgebench-screens-"))
+    os.environ["FORGEBENCH_CONFIG_DIR"] = str(scratch / "config")
+    app = QApplication.instance() or QApplication([])
+    workspace = build_workspace(scratch, runs=bool(NEEDS_TRAINED_RUNS & set(chosen)))
+    window = MainWindow(Settings())
+    window.close_policy = "leave"
+    window.resize(*SIZE)
+    window.show()
+    window.open_workspace(workspace.root)
+    shots = []
+
+    def shot(name: str) -> None:
+        wait_idle(app, window)
+        # A job that just ended says so in a toast over the top-right corner for a few
+        # seconds; the pane is shown once it is gone.
+        wait_until(app, lambda: not window.notifier.toast.isVisible(), 10)
+        settle(app)
+        shots.append(save_png(window.grab(), out / f"{name}.png"))
+
+    def shot_of(widget, name: str) -> None:
+        widget.show()
+        settle(app)
+        shots.append(save_png(widget.grab(), out / f"{name}.png"))
+
+    renders = {
+        "tour": lambda: tour_screen(window, shot),
+        "datasets": lambda: datasets_screens(window, workspace, scratch, shot, shot_of, app),
+        "masks": lambda: masks_screens(window, workspace, shot, app),
+        "runs": lambda: runs_screens(window, workspace, shot, app),
+        "samples-ab-export": lambda: part2_screens(window, workspace, shot, app),
+        "models-chat": lambda: models_chat_screens(window, workspace, shot, app, pirate_run),
+        "transcripts": lambda: transcripts_screen(window, workspace, shot, app),
+        "missing-workspace": lambda: missing_workspace_screen(window, scratch, shot),
+        "examples": lambda: example_screens(window, workspace, shot, app),
+    }
+    for section in (s for s in SECTIONS if s in chosen):
+        if section != "tour":
+            # The panes as a user sees them once past the first-run banners (the tour's own
+            # shot shows both, as the window first opens).
+            window.tour_panel.act(window.tour_panel.tour.dismiss)
+            window.first_tune.hide()
+        renders[section]()
     return _finish(window, app, shots, scratch)
 
 

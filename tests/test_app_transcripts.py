@@ -68,6 +68,34 @@ def test_pane_plays_a_clip_with_its_aligned_transcripts(qtbot, tmp_path):
     pane.play()          # plays, or says why not (no PortAudio device here): never raises
 
 
+def test_clip_labels_wrap_to_the_list_width(qtbot, tmp_path):
+    """At 1024x700 the clips list is narrower than a label such as "spk008-booth-000 (spk008)
+    — 4 errors · flagged: unknown_words": the label wraps and shows whole, its end (the errors
+    and flags the list is scanned for) never out of sight behind a sideways scroll."""
+    from layout_support import items_cut_off
+    from PySide6.QtWidgets import QSplitter
+
+    from app.views.transcripts_pane import TranscriptsPane
+
+    workspace = Workspace.create(tmp_path / "ws", name="speech")
+    write_speech_run(workspace.root, sine_clip(tmp_path / "clip.wav"))
+    pane = TranscriptsPane()
+    qtbot.addWidget(pane)
+    pane.set_workspace(workspace)
+    pane.resize(850, 600)
+    pane.show()
+    qtbot.waitExposed(pane)
+    flagged = pane.list.item(1)
+    width = pane.list.fontMetrics().horizontalAdvance(flagged.text()) * 2 // 3  # two lines
+    pane.findChild(QSplitter).setSizes([width, 850 - width])
+    qtbot.waitUntil(lambda: pane.list.viewport().width() <= width)
+    assert pane.list.horizontalScrollBar().maximum() == 0
+    assert items_cut_off(pane.list) == []
+    # twin: the flagged label did need to wrap (it is taller than the other)
+    assert pane.list.visualItemRect(flagged).height() > pane.list.visualItemRect(
+        pane.list.item(0)).height()
+
+
 def test_datasets_pane_lists_speech_clips_with_their_transcripts(tmp_path):
     import shutil
 

@@ -99,6 +99,11 @@ class ABPane(QWidget):
 
         # setup
         self.systems = QListWidget()
+        # "run/checkpoint" names wrap in the narrow setup column: their checkpoint, which tells
+        # two systems of one run apart, is never out of sight behind a sideways scroll.
+        self.systems.setWordWrap(True)
+        self.systems.setHorizontalScrollBarPolicy(Qt.ScrollBarPolicy.ScrollBarAlwaysOff)
+        self.systems.setResizeMode(QListWidget.ResizeMode.Adjust)
         self.name = QLineEdit("ab-session")
         self.rater = QLineEdit("me")
         self.seed = QSpinBox()
@@ -543,16 +548,19 @@ def results_html(results: dict, reveal: bool) -> str:
            + (" — identities hidden until the session ends" if not reveal else "") + "</p>"]
     if not reveal:
         return "".join(out)
-    out.append("<h4>Win rates (ties count half; 95% Wilson interval)</h4><table border=1 "
-               "cellpadding=4><tr><th>A</th><th>B</th><th nowrap>A wins</th><th nowrap>B wins"
-               "</th><th nowrap>ties</th><th nowrap>A win rate</th><th nowrap>95% CI</th></tr>")
+    # Each pair's names head its own row of numbers: as two columns beside five numbers they
+    # squeezed the table until Qt broke words apart ("tie s", "image-generat e-demo") in the
+    # pane's width at 1024 px, and Qt shares a spanning cell's width out no better.
+    # Non-breaking spaces keep each header and interval whole (Qt's rich text ignores nowrap).
+    out.append("<h4>Win rates (ties count half; 95% Wilson interval)</h4>")
     for row in results["pairs"]:
-        out.append(f"<tr><td>{html.escape(names[row['a']])}</td><td>"
-                   f"{html.escape(names[row['b']])}</td><td>{row['wins_a']}</td>"
-                   f"<td>{row['wins_b']}</td><td>{row['ties']}</td>"
-                   f"<td>{row['win_rate_a']:.3f}</td><td>[{row['ci_low']:.3f}, "
-                   f"{row['ci_high']:.3f}]</td></tr>")
-    out.append("</table>")
+        out.append(f"<p><b>A</b> {html.escape(names[row['a']])} &nbsp;vs&nbsp; <b>B</b> "
+                   f"{html.escape(names[row['b']])}</p><table border=1 cellpadding=4><tr>"
+                   "<th>A&nbsp;wins</th><th>B&nbsp;wins</th><th>ties</th>"
+                   "<th>A&nbsp;win&nbsp;rate</th><th>95%&nbsp;CI</th></tr>"
+                   f"<tr><td>{row['wins_a']}</td><td>{row['wins_b']}</td><td>{row['ties']}</td>"
+                   f"<td>{row['win_rate_a']:.3f}</td><td>[{row['ci_low']:.3f},&nbsp;"
+                   f"{row['ci_high']:.3f}]</td></tr></table>")
     if results["bradley_terry"]:
         out.append("<h4>Bradley–Terry ranking</h4><table border=1 cellpadding=4>"
                    "<tr><th>#</th><th>system</th><th>strength</th></tr>")

@@ -42,6 +42,11 @@ class TranscriptsPane(QWidget):
         self.eval_combo = QComboBox()
         self.eval_combo.currentIndexChanged.connect(self._eval_chosen)
         self.list = QListWidget()
+        # A clip's error count and flags end its label, and they are what the list is scanned
+        # for: labels wrap at the list's width instead of running off under the splitter.
+        self.list.setWordWrap(True)
+        self.list.setHorizontalScrollBarPolicy(Qt.ScrollBarPolicy.ScrollBarAlwaysOff)
+        self.list.setResizeMode(QListWidget.ResizeMode.Adjust)
         self.list.currentRowChanged.connect(self._clip_chosen)
         self.alignment = QLabel(NO_RUN)
         self.alignment.setWordWrap(True)

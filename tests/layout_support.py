@@ -1,0 +1,43 @@
+"""Checks that text in a widget shows whole at the size it is given: list items wrapped, not
+run off under a sideways scroll, and rich text broken only where the Unicode line-breaking
+rules allow (Qt breaks a word anywhere when a table column is squeezed below it)."""
+
+from __future__ import annotations
+
+from PySide6.QtCore import QRect, Qt, QTextBoundaryFinder
+from PySide6.QtGui import QTextDocument
+from PySide6.QtWidgets import QListWidget
+
+
+def items_cut_off(widget: QListWidget) -> list[str]:
+    """The items whose text does not fit inside the list's viewport as it is laid out."""
+    if widget.horizontalScrollBar().maximum() > 0:
+        return [widget.item(row).text() for row in range(widget.count())
+                if widget.visualItemRect(widget.item(row)).width() > widget.viewport().width()]
+    metrics = widget.fontMetrics()
+    cut = []
+    for row in range(widget.count()):
+        item = widget.item(row)
+        shown = widget.visualItemRect(item)
+        needed = metrics.boundingRect(QRect(0, 0, shown.width(), 10_000),
+                                      Qt.TextFlag.TextWordWrap, item.text())
+        if shown.height() < needed.height():
+            cut.append(item.text())
+    return cut
+
+
+def forced_breaks(document: QTextDocument) -> list[tuple[str, str]]:
+    """(before, after) for every line break of the laid-out `document` that falls where the
+    line-breaking rules give no break opportunity: inside a word."""
+    breaks = []
+    block = document.begin()
+    while block.isValid():
+        text, layout = block.text(), block.layout()
+        finder = QTextBoundaryFinder(QTextBoundaryFinder.BoundaryType.Line, text)
+        for line in range(1, layout.lineCount()):
+            start = layout.lineAt(line).textStart()
+            finder.setPosition(start)
+            if not finder.isAtBoundary():
+                breaks.append((text[:start], text[start:]))
+        block = block.next()
+    return breaks
