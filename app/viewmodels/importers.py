@@ -160,6 +160,21 @@ def preview_rows(plan: ImportPlan) -> list[PlannedRecord]:
     return sorted(rows, key=lambda r: _line_of(r.where))
 
 
+def preview_column_widths(wanted: list[int], least: list[int], available: int) -> list[int]:
+    """Widths for the preview's columns: each as wide as its text on one line (`wanted`) when
+    they all fit in `available` pixels; otherwise the excess is taken from the columns with
+    the most room to wrap, in proportion to it, none below `least` (its longest unbreakable
+    word), so a long path wraps at its "/" instead of ending in "…". When even the least
+    widths do not fit, those are kept: the table scrolls sideways, but no text is cut."""
+    excess = sum(wanted) - available
+    slack = [w - max(lo, 0) for w, lo in zip(wanted, least)]
+    room = sum(max(s, 0) for s in slack)
+    if excess <= 0 or room <= 0:
+        return list(wanted)
+    take = min(excess, room)
+    return [w - (take * max(s, 0) + room - 1) // room for w, s in zip(wanted, slack)]
+
+
 def _line_of(where: str) -> int:
     match = re.match(r"line (\d+)", where)
     return int(match.group(1)) if match else 0
