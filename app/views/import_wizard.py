@@ -9,7 +9,7 @@ import threading
 import time
 from pathlib import Path
 
-from PySide6.QtCore import QTextBoundaryFinder, QThread, Signal
+from PySide6.QtCore import Qt, QTextBoundaryFinder, QThread, Signal
 from PySide6.QtGui import QColor
 from PySide6.QtWidgets import (
     QCheckBox,
@@ -108,12 +108,15 @@ class _PlanWorker(QThread):
 
 class PreviewTable(QTableWidget):
     """The preview's table, fitted to its width: columns as wide as their text when they fit,
-    long paths wrapped at their break opportunities when not (`vm.preview_column_widths`),
-    rows as tall as their cells; refitted when the width changes."""
+    the widest capped and their long paths wrapped at their break opportunities when not
+    (`vm.preview_column_widths`), rows as tall as their cells; refitted when the width
+    changes. Only a word longer than a third of the width (a sha256) is elided, in the
+    middle, with the whole text in the cell's tooltip."""
 
     def __init__(self, parent=None):
         super().__init__(parent)
         self.setEditTriggers(QTableWidget.EditTrigger.NoEditTriggers)
+        self.setTextElideMode(Qt.TextElideMode.ElideMiddle)
         self.horizontalHeader().setStretchLastSection(True)
         self.verticalHeader().setSectionResizeMode(QHeaderView.ResizeMode.ResizeToContents)
 
@@ -122,6 +125,7 @@ class PreviewTable(QTableWidget):
         # the item delegate's text margins either side, and a pixel or two for rounding
         margin = 2 * (self.style().pixelMetric(QStyle.PixelMetric.PM_FocusFrameHMargin, None,
                                                self) + 1) + 3
+        available = self.viewport().width()
         wanted, least = [], []        # every row counts, not only those scrolled into view
         for column in range(self.columnCount()):
             title = self.horizontalHeaderItem(column)      # None while the table is refilled
@@ -131,8 +135,7 @@ class PreviewTable(QTableWidget):
                               [metrics.horizontalAdvance(t) + margin for t in texts]))
             words = [title.text() if title else ""] + [w for t in texts for w in _unbreakable(t)]
             least.append(min(wanted[-1], max(metrics.horizontalAdvance(w) for w in words)
-                             + margin))
-        available = self.viewport().width()
+                             + margin, available // 3))
         for column, width in enumerate(vm.preview_column_widths(wanted, least, available)):
             header.resizeSection(column, width)
 
