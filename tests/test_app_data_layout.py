@@ -39,7 +39,11 @@ def shown(qtbot, widget, size=PANE_SIZE):
 
 def test_dataset_names_wrap_whole_in_the_list(qtbot, tmp_path):
     workspace = Workspace.create(tmp_path / "ws")
-    generate_shapes(workspace.datasets_dir / "shapes-with-an-error", n=4)
+    planted = generate_shapes(workspace.datasets_dir / "shapes-with-an-error", n=4)
+    records = planted / "records.jsonl"
+    lines = records.read_text().splitlines()
+    lines[1] = lines[1].replace('"label": "', '"label": "hexagon-', 1)   # an unknown label
+    records.write_text("\n".join(lines) + "\n")
     generate_records(workspace.datasets_dir / "help-articles-handbook", n=20)
     pane = shown(qtbot, DatasetsPane())
     with qtbot.waitSignal(pane.table_loaded, timeout=60_000):
@@ -54,6 +58,16 @@ def test_dataset_names_wrap_whole_in_the_list(qtbot, tmp_path):
     metrics = listing.fontMetrics()
     assert metrics.horizontalAdvance("shapes-with-an-error (shapes)") > \
         listing.viewport().width()
+    # The planted error's findings (a changed file, an unknown label) wrap in their tab.
+    with qtbot.waitSignal(pane.table_loaded, timeout=60_000):
+        listing.setCurrentRow(1)
+    pane.tabs.setCurrentWidget(pane.findings_tab)
+    findings = pane.findings_tab
+    texts = [findings.item(i).text() for i in range(findings.count())]
+    assert any("unknown label 'hexagon-" in t for t in texts)
+    qtbot.waitUntil(lambda: findings.horizontalScrollBar().maximum() == 0)
+    assert items_cut_off(findings) == []
+    assert max(map(metrics.horizontalAdvance, texts)) > findings.viewport().width()   # twin
 
 
 def test_gallery_items_hold_thumbnail_and_caption_before_and_after_thumbnails(qtbot, tmp_path):

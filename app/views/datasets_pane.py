@@ -18,6 +18,7 @@ from PySide6.QtCore import QThread, Signal
 from PySide6.QtWidgets import (
     QHBoxLayout,
     QLabel,
+    QListWidget,
     QListWidgetItem,
     QMenu,
     QPushButton,
@@ -39,7 +40,7 @@ from app.views.dataset_tabs.stats import StatsTab
 from app.views.engine_process import run_engine
 from app.views.help_link import help_link
 from app.views.import_wizard import SOURCES, ImportWizard
-from app.views.labels import wrapping_list
+from app.views.labels import wrap_items
 from engine.errors import ForgebenchError
 
 if TYPE_CHECKING:
@@ -107,7 +108,7 @@ class DatasetsPane(QWidget):
         self.loader.done.connect(lambda table: self._loaded(table, self._request))
         self.loader.failed.connect(lambda exc: self._load_failed(str(exc), self._request))
 
-        self.dataset_list = wrapping_list()     # "name (dataset name)" read whole
+        self.dataset_list = wrap_items(QListWidget())     # "name (dataset name)" read whole
         self.dataset_list.currentRowChanged.connect(self._dataset_chosen)
         self.header = QLabel("No dataset selected")
         self.header.setWordWrap(True)

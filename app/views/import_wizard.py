@@ -110,7 +110,7 @@ class PreviewTable(QTableWidget):
     """The preview's table, fitted to its width: columns as wide as their text when they fit,
     the widest capped and their long paths wrapped at their break opportunities when not
     (`vm.preview_column_widths`), rows as tall as their cells; refitted when the width
-    changes. Only a word longer than a third of the width (a sha256) is elided, in the
+    changes. Only a word longer than a fifth of the width (a sha256) is elided, in the
     middle, with the whole text in the cell's tooltip."""
 
     def __init__(self, parent=None):
@@ -135,7 +135,7 @@ class PreviewTable(QTableWidget):
                               [metrics.horizontalAdvance(t) + margin for t in texts]))
             words = [title.text() if title else ""] + [w for t in texts for w in _unbreakable(t)]
             least.append(min(wanted[-1], max(metrics.horizontalAdvance(w) for w in words)
-                             + margin, available // 3))
+                             + margin, available // 5))
         for column, width in enumerate(vm.preview_column_widths(wanted, least, available)):
             header.resizeSection(column, width)
 

@@ -17,10 +17,10 @@ def wrapped_label(text: str = "", selectable: bool = False) -> QLabel:
     return label
 
 
-def wrapping_list() -> QListWidget:
-    """A list whose items wrap inside its width (each item as tall as its text needs) instead
-    of running off under a sideways scroll: a long name is read whole in a narrow column."""
-    widget = QListWidget()
+def wrap_items(widget: QListWidget) -> QListWidget:
+    """`widget`, its items made to wrap inside its width (each item as tall as its text needs)
+    instead of running off under a sideways scroll: a long name is read whole in a narrow
+    column."""
     widget.setWordWrap(True)
     widget.setHorizontalScrollBarPolicy(Qt.ScrollBarPolicy.ScrollBarAlwaysOff)
     widget.setResizeMode(QListWidget.ResizeMode.Adjust)

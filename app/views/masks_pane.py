@@ -24,6 +24,7 @@ from PySide6.QtWidgets import (
     QHBoxLayout,
     QHeaderView,
     QLabel,
+    QListWidget,
     QListWidgetItem,
     QPushButton,
     QRadioButton,
@@ -54,7 +55,7 @@ from app.viewmodels.workspace import Workspace, file_stamp
 from app.views.background import BackgroundCall
 from app.views.combos import refill_keeping_choice
 from app.views.engine_process import run_engine
-from app.views.labels import wrapping_list
+from app.views.labels import wrap_items
 from engine.data.dataset import Dataset, load_dataset
 from engine.errors import ForgebenchError
 
@@ -392,7 +393,7 @@ class MasksPane(QWidget):
 
         self.dataset_combo = QComboBox()
         self.dataset_combo.currentIndexChanged.connect(self._dataset_chosen)
-        self.record_list = wrapping_list()      # "id  (label, split)" read whole
+        self.record_list = wrap_items(QListWidget())      # "id  (label, split)" read whole
         self.record_list.currentRowChanged.connect(self._record_chosen)
         self.canvas = MaskCanvas()
         self.canvas.edited.connect(self._refresh_info)

@@ -12,6 +12,7 @@ from PySide6.QtWidgets import (
     QHBoxLayout,
     QHeaderView,
     QLabel,
+    QListWidget,
     QListWidgetItem,
     QPlainTextEdit,
     QPushButton,
@@ -25,7 +26,7 @@ from PySide6.QtWidgets import (
 from app.viewmodels import models as vm
 from app.viewmodels.workspace import Workspace
 from app.views.background import BackgroundCall
-from app.views.labels import wrapping_list
+from app.views.labels import wrap_items
 from engine.errors import ForgebenchError
 
 
@@ -77,7 +78,7 @@ class ModelsPane(QWidget):
         self.adder.done.connect(self._added)
         self.adder.failed.connect(lambda exc: self._problem(exc))
 
-        self.list = wrapping_list()     # "name — family, size" or the reason, read whole
+        self.list = wrap_items(QListWidget())     # "name — family, size" or the reason, read whole
         self.list.currentRowChanged.connect(self.show_row)
         self.add_copy = QPushButton("Add GGUF (copy)…")
         self.add_link = QPushButton("Add GGUF (link)…")
