@@ -1,12 +1,13 @@
 """Checks that text in a widget shows whole at the size it is given: list items wrapped, not
-run off under a sideways scroll, and rich text broken only where the Unicode line-breaking
-rules allow (Qt breaks a word anywhere when a table column is squeezed below it)."""
+run off under a sideways scroll, table cells as tall as their wrapped text (not ending in "…"),
+and rich text broken only where the Unicode line-breaking rules allow (Qt breaks a word
+anywhere when a table column is squeezed below it)."""
 
 from __future__ import annotations
 
 from PySide6.QtCore import QRect, Qt, QTextBoundaryFinder
 from PySide6.QtGui import QTextDocument
-from PySide6.QtWidgets import QListWidget
+from PySide6.QtWidgets import QListWidget, QStyle, QTableWidget
 
 
 def items_cut_off(widget: QListWidget) -> list[str]:
@@ -23,6 +24,25 @@ def items_cut_off(widget: QListWidget) -> list[str]:
                                       Qt.TextFlag.TextWordWrap, item.text())
         if shown.height() < needed.height():
             cut.append(item.text())
+    return cut
+
+
+def cells_cut_off(table: QTableWidget) -> list[str]:
+    """The texts of the cells that do not fit their cell, wrapped at its width (less the
+    margins the item delegate leaves either side), as the table is laid out."""
+    margin = table.style().pixelMetric(QStyle.PixelMetric.PM_FocusFrameHMargin, None, table) + 1
+    metrics = table.fontMetrics()
+    cut = []
+    for row in range(table.rowCount()):
+        for column in range(table.columnCount()):
+            item = table.item(row, column)
+            if item is None or not item.text():
+                continue
+            shown = table.visualItemRect(item)
+            needed = metrics.boundingRect(QRect(0, 0, shown.width() - 2 * margin, 10_000),
+                                          Qt.TextFlag.TextWordWrap, item.text())
+            if needed.height() > shown.height() or needed.width() > shown.width() - 2 * margin:
+                cut.append(item.text())
     return cut
 
 

@@ -497,3 +497,15 @@ def test_skipping_errors_keeps_good_records_and_names_the_rest(tmp_path):
     assert not plan.ok and kept.ok and kept.skipped == ["line 2"]
     assert [r.where for r in kept.records] == ["line 1", "line 3", "line 4", "line 5"]
     assert vm.source_line(source, 2) == '{"uid": "q2", "prompt": "unterminated'
+
+
+def test_preview_columns_fit_by_wrapping_the_widest_columns():
+    wanted, least = [160, 70, 210, 180], [100, 70, 100, 110]
+    assert vm.preview_column_widths(wanted, least, 700) == wanted        # they fit as they are
+    fitted = vm.preview_column_widths(wanted, least, 560)
+    assert sum(fitted) <= 560 and all(f >= lo for f, lo in zip(fitted, least))
+    assert fitted[:2] == [160, 70]                       # the narrow ones stay on one line
+    assert fitted[2] == fitted[3] < 180                  # the widest wrap, at one width
+    assert sum(vm.preview_column_widths(wanted, least, 561)) > 561 - 2   # the widest that fit
+    # too narrow even for the least widths: those are kept (a sideways scroll, nothing cut)
+    assert vm.preview_column_widths(wanted, least, 300) == least

@@ -160,6 +160,23 @@ def preview_rows(plan: ImportPlan) -> list[PlannedRecord]:
     return sorted(rows, key=lambda r: _line_of(r.where))
 
 
+def preview_column_widths(wanted: list[int], least: list[int], available: int) -> list[int]:
+    """Widths for the preview's columns: each as wide as its text on one line (`wanted`) when
+    they all fit in `available` pixels; otherwise the widest are capped at one common width
+    (the largest that fits), none below `least` (its longest unbreakable word), so long paths
+    wrap at their "/" while short columns stay on one line, and nothing ends in "…". When
+    even the least widths do not fit, those are kept: the table scrolls sideways, nothing is
+    cut."""
+    def capped(cap: int) -> list[int]:
+        return [min(w, max(lo, cap)) for w, lo in zip(wanted, least)]
+
+    low, high = 0, max(wanted, default=0)
+    while low < high:                   # the largest cap whose columns fit
+        middle = (low + high + 1) // 2
+        low, high = (middle, high) if sum(capped(middle)) <= available else (low, middle - 1)
+    return capped(low)
+
+
 def _line_of(where: str) -> int:
     match = re.match(r"line (\d+)", where)
     return int(match.group(1)) if match else 0

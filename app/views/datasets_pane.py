@@ -40,6 +40,7 @@ from app.views.dataset_tabs.stats import StatsTab
 from app.views.engine_process import run_engine
 from app.views.help_link import help_link
 from app.views.import_wizard import SOURCES, ImportWizard
+from app.views.labels import wrap_items
 from engine.errors import ForgebenchError
 
 if TYPE_CHECKING:
@@ -107,7 +108,7 @@ class DatasetsPane(QWidget):
         self.loader.done.connect(lambda table: self._loaded(table, self._request))
         self.loader.failed.connect(lambda exc: self._load_failed(str(exc), self._request))
 
-        self.dataset_list = QListWidget()
+        self.dataset_list = wrap_items(QListWidget())     # "name (dataset name)" read whole
         self.dataset_list.currentRowChanged.connect(self._dataset_chosen)
         self.header = QLabel("No dataset selected")
         self.header.setWordWrap(True)
@@ -179,9 +180,10 @@ class DatasetsPane(QWidget):
         for entry in self.entries:
             title = entry.path.name + (f" ({entry.name})" if entry.name != entry.path.name
                                        else "")
-            item = QListWidgetItem(f"{title}\n{entry.kind} · {entry.version[:8]}"
-                                   + (" · edited" if entry.parent else ""))
-            item.setToolTip(str(entry.path))
+            text = (f"{title}\n{entry.kind} · {entry.version[:8]}"
+                    + (" · edited" if entry.parent else ""))
+            item = QListWidgetItem(text)
+            item.setToolTip(f"{text}\n{entry.path}")
             self.dataset_list.addItem(item)
         self.dataset_list.blockSignals(False)
 

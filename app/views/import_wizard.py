@@ -9,7 +9,7 @@ import threading
 import time
 from pathlib import Path
 
-from PySide6.QtCore import QThread, Signal
+from PySide6.QtCore import Qt, QTextBoundaryFinder, QThread, Signal
 from PySide6.QtGui import QColor
 from PySide6.QtWidgets import (
     QCheckBox,
@@ -19,6 +19,7 @@ from PySide6.QtWidgets import (
     QFormLayout,
     QGridLayout,
     QHBoxLayout,
+    QHeaderView,
     QInputDialog,
     QLabel,
     QLineEdit,
@@ -26,6 +27,7 @@ from PySide6.QtWidgets import (
     QProgressBar,
     QPushButton,
     QStackedWidget,
+    QStyle,
     QTableWidget,
     QTableWidgetItem,
     QVBoxLayout,
@@ -102,6 +104,54 @@ class _PlanWorker(QThread):
 
     def run(self) -> None:
         self.planned.emit(self.make(), self.request)
+
+
+class PreviewTable(QTableWidget):
+    """The preview's table, fitted to its width: columns as wide as their text when they fit,
+    the widest capped and their long paths wrapped at their break opportunities when not
+    (`vm.preview_column_widths`), rows as tall as their cells; refitted when the width
+    changes. Only a word longer than a fifth of the width (a sha256) is elided, in the
+    middle, with the whole text in the cell's tooltip."""
+
+    def __init__(self, parent=None):
+        super().__init__(parent)
+        self.setEditTriggers(QTableWidget.EditTrigger.NoEditTriggers)
+        self.setTextElideMode(Qt.TextElideMode.ElideMiddle)
+        self.horizontalHeader().setStretchLastSection(True)
+        self.verticalHeader().setSectionResizeMode(QHeaderView.ResizeMode.ResizeToContents)
+
+    def fit_columns(self) -> None:
+        header, metrics = self.horizontalHeader(), self.fontMetrics()
+        # the item delegate's text margins either side, and a pixel or two for rounding
+        margin = 2 * (self.style().pixelMetric(QStyle.PixelMetric.PM_FocusFrameHMargin, None,
+                                               self) + 1) + 3
+        available = self.viewport().width()
+        wanted, least = [], []        # every row counts, not only those scrolled into view
+        for column in range(self.columnCount()):
+            title = self.horizontalHeaderItem(column)      # None while the table is refilled
+            texts = [item.text() for row in range(self.rowCount())
+                     if (item := self.item(row, column))]
+            wanted.append(max([header.sectionSizeHint(column)] +
+                              [metrics.horizontalAdvance(t) + margin for t in texts]))
+            words = [title.text() if title else ""] + [w for t in texts for w in _unbreakable(t)]
+            least.append(min(wanted[-1], max(metrics.horizontalAdvance(w) for w in words)
+                             + margin, available // 5))
+        for column, width in enumerate(vm.preview_column_widths(wanted, least, available)):
+            header.resizeSection(column, width)
+
+    def resizeEvent(self, event) -> None:
+        super().resizeEvent(event)
+        self.fit_columns()
+
+
+def _unbreakable(text: str) -> list[str]:
+    """The pieces of `text` between its line-break opportunities (Unicode's rules)."""
+    finder = QTextBoundaryFinder(QTextBoundaryFinder.BoundaryType.Line, text)
+    pieces, start = [], 0
+    while (end := finder.toNextBoundary()) != -1:
+        pieces.append(text[start:end].rstrip())
+        start = end
+    return pieces
 
 
 class ImportWizard(QDialog):
@@ -185,9 +235,7 @@ class ImportWizard(QDialog):
         self.mapping: dict[str, QComboBox] = {}
         self.summary = QLabel()
         self.summary.setWordWrap(True)
-        self.preview = QTableWidget()
-        self.preview.setEditTriggers(QTableWidget.EditTrigger.NoEditTriggers)
-        self.preview.horizontalHeader().setStretchLastSection(True)
+        self.preview = PreviewTable()
         self.problems = QListWidget()
         self.problems.setMaximumHeight(140)
         self.full_plan: vm.ImportPlan | None = None     # before bad records are skipped
@@ -466,11 +514,12 @@ class ImportWizard(QDialog):
                     value = planned.record.get(column, "")
                     text = value if isinstance(value, str) else str(value)
                 item = QTableWidgetItem(text[:200])
+                item.setToolTip(text[:1000])
                 if planned.findings and (column in ("where", "problems") or column in fields
                                          or None in fields):
                     item.setBackground(ERROR_BG)
                 self.preview.setItem(i, j, item)
-        self.preview.resizeColumnsToContents()
+        self.preview.fit_columns()
         self.problems.clear()
         findings = plan.findings
         for finding in findings[:MAX_LISTED]:

@@ -1,5 +1,10 @@
 """Labels & masks pane: an image with its mask overlaid (opacity, colour), the box derived from
-the mask, contours and holes, brush/eraser editing with undo/redo, saved as a new version."""
+the mask, contours and holes, brush/eraser editing with undo/redo, saved as a new version; a
+segmentation run's per-image scores with each image's panels; an lm-sft run's supervised tokens.
+
+At 1024x700 everything shows whole: record names wrap in their column, the evaluation picker
+spans the tab above the table, the score table sizes its columns to their contents, and the
+panels are drawn square (a mask's pixels stay square), as large as their cell allows."""
 
 from __future__ import annotations
 
@@ -15,12 +20,15 @@ from PySide6.QtWidgets import (
     QColorDialog,
     QComboBox,
     QFormLayout,
+    QGridLayout,
     QHBoxLayout,
+    QHeaderView,
     QLabel,
     QListWidget,
     QListWidgetItem,
     QPushButton,
     QRadioButton,
+    QSizePolicy,
     QSlider,
     QSpinBox,
     QSplitter,
@@ -47,6 +55,7 @@ from app.viewmodels.workspace import Workspace, file_stamp
 from app.views.background import BackgroundCall
 from app.views.combos import refill_keeping_choice
 from app.views.engine_process import run_engine
+from app.views.labels import wrap_items
 from engine.data.dataset import Dataset, load_dataset
 from engine.errors import ForgebenchError
 
@@ -142,6 +151,34 @@ class MaskCanvas(QWidget):
         self.edited.emit()
 
 
+class PixelPanel(QLabel):
+    """A small image (a 64x64 mask, its input) drawn as large as the label allows, keeping its
+    aspect ratio; nearest-neighbour scaling, so each mask pixel stays a crisp square."""
+
+    def __init__(self, text: str = "", parent=None):
+        super().__init__(text, parent)
+        self.source = QPixmap()
+        self.setAlignment(Qt.AlignmentFlag.AlignCenter)
+        self.setMinimumSize(96, 96)
+        # The layout gives the size; the pixmap follows it (never the reverse, or each
+        # rescale would ask for more room).
+        self.setSizePolicy(QSizePolicy.Policy.Ignored, QSizePolicy.Policy.Ignored)
+
+    def set_source(self, pixmap: QPixmap) -> None:
+        self.source = pixmap
+        self._rescale()
+
+    def resizeEvent(self, event) -> None:
+        super().resizeEvent(event)
+        self._rescale()
+
+    def _rescale(self) -> None:
+        if not self.source.isNull():
+            self.setPixmap(self.source.scaled(self.contentsRect().size(),
+                                              Qt.AspectRatioMode.KeepAspectRatio,
+                                              Qt.TransformationMode.FastTransformation))
+
+
 class PredictionsView(QWidget):
     """A segmentation run's eval: per-image IoU and boundary F1 in a sortable table (worst
     first), and the selected image's prediction next to its target."""
@@ -157,33 +194,33 @@ class PredictionsView(QWidget):
         self.table.setSelectionBehavior(QTableWidget.SelectionBehavior.SelectRows)
         self.table.setEditTriggers(QTableWidget.EditTrigger.NoEditTriggers)
         self.table.verticalHeader().hide()
+        self.table.horizontalHeader().setSectionResizeMode(
+            QHeaderView.ResizeMode.ResizeToContents)
         self.table.currentCellChanged.connect(lambda row, *_: self._show(row))
-        self.images = {name: QLabel(name) for name in self.PANELS}
+        self.images = {name: PixelPanel(name) for name in self.PANELS}
         self.summary = QLabel()
-        grid = QHBoxLayout()
-        for name, label in self.images.items():
-            label.setAlignment(Qt.AlignmentFlag.AlignCenter)
-            label.setMinimumSize(140, 140)
+        self.summary.setWordWrap(True)
+        grid = QGridLayout()          # two by two: each panel gets half the width, not a
+        for k, (name, label) in enumerate(self.images.items()):    # quarter
             box = QVBoxLayout()
             box.addWidget(QLabel(name), 0, Qt.AlignmentFlag.AlignHCenter)
             box.addWidget(label, 1)
-            grid.addLayout(box)
+            grid.addLayout(box, k // 2, k % 2)
         right = QWidget()
         rv = QVBoxLayout(right)
         rv.addLayout(grid, 1)
         rv.addWidget(self.summary)
-        left = QWidget()
-        lv = QVBoxLayout(left)
-        lv.setContentsMargins(0, 0, 0, 0)
-        lv.addWidget(QLabel("Evaluation (run · split-checkpoint)"))
-        lv.addWidget(self.source)
-        lv.addWidget(self.table, 1)
+        chooser = QHBoxLayout()
+        chooser.addWidget(QLabel("Evaluation (run · split-checkpoint)"))
+        chooser.addWidget(self.source, 1)
         splitter = QSplitter()
-        splitter.addWidget(left)
+        splitter.addWidget(self.table)
         splitter.addWidget(right)
-        splitter.setSizes([420, 860])
+        splitter.setStretchFactor(1, 1)
+        splitter.setCollapsible(0, False)
         layout = QVBoxLayout(self)
-        layout.addWidget(splitter)
+        layout.addLayout(chooser)
+        layout.addWidget(splitter, 1)
         self.rows: list[dict] = []
         self.workspace: Workspace | None = None
         self.loaded: tuple | None = None          # file_stamp of the table on show
@@ -224,6 +261,7 @@ class PredictionsView(QWidget):
             self.table.item(i, 0).setData(Qt.ItemDataRole.UserRole, i)
         self.table.setSortingEnabled(True)
         self.table.sortItems(2, Qt.SortOrder.AscendingOrder)
+        self._fit_table()
         self.summary.setText(f"{len(self.rows)} images; sorted by IoU, worst first. Click a "
                              "column header to sort by another score." if self.rows else
                              "No segmentation evaluations yet: run `forgebench eval` on an "
@@ -231,6 +269,15 @@ class PredictionsView(QWidget):
         if self.rows:
             self.table.selectRow(0)
             self._show(0)
+
+    def _fit_table(self) -> None:
+        """The score table is as wide as its columns: every score is in sight, none behind a
+        sideways scroll; the panels take the rest."""
+        header = self.table.horizontalHeader()
+        columns = sum(max(self.table.sizeHintForColumn(c), header.sectionSizeHint(c))
+                      for c in range(self.table.columnCount()))
+        self.table.setMinimumWidth(columns + self.table.verticalScrollBar().sizeHint().width()
+                                   + 2 * self.table.frameWidth())
 
     def shown_row(self) -> dict | None:
         row = self.table.currentRow()
@@ -246,10 +293,10 @@ class PredictionsView(QWidget):
             path = row["panels"].get(name)
             pixmap = QPixmap(str(path)) if path else QPixmap()
             if pixmap.isNull():
+                label.set_source(pixmap)
                 label.setText(f"{name}: no panel")
             else:
-                label.setPixmap(pixmap.scaled(256, 256, Qt.AspectRatioMode.KeepAspectRatio,
-                                              Qt.TransformationMode.FastTransformation))
+                label.set_source(pixmap)
         self.summary.setText(f"{row.get('id')}: IoU {row.get('iou', 0):.4f}, boundary F1 "
                              f"{row.get('boundary_f1', 0):.4f}")
 
@@ -346,7 +393,7 @@ class MasksPane(QWidget):
 
         self.dataset_combo = QComboBox()
         self.dataset_combo.currentIndexChanged.connect(self._dataset_chosen)
-        self.record_list = QListWidget()
+        self.record_list = wrap_items(QListWidget())      # "id  (label, split)" read whole
         self.record_list.currentRowChanged.connect(self._record_chosen)
         self.canvas = MaskCanvas()
         self.canvas.edited.connect(self._refresh_info)

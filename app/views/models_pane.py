@@ -26,26 +26,41 @@ from PySide6.QtWidgets import (
 from app.viewmodels import models as vm
 from app.viewmodels.workspace import Workspace
 from app.views.background import BackgroundCall
+from app.views.labels import wrap_items
 from engine.errors import ForgebenchError
 
 
-def _table(headers: list[str]) -> QTableWidget:
-    table = QTableWidget(0, len(headers))
-    table.setHorizontalHeaderLabels(headers)
-    table.verticalHeader().hide()
-    table.horizontalHeader().setSectionResizeMode(QHeaderView.ResizeMode.ResizeToContents)
-    table.horizontalHeader().setStretchLastSection(True)
-    table.setEditTriggers(QTableWidget.EditTrigger.NoEditTriggers)
-    return table
+class FactsTable(QTableWidget):
+    """A short table of facts shown whole: columns sized to their contents, the last one
+    taking the rest, each row as tall as its wrapped text, and the table as tall as its rows
+    (no inner scroll, no cell ending in "…"); refitted whenever its width changes."""
 
+    def __init__(self, headers: list[str], parent=None):
+        super().__init__(0, len(headers), parent)
+        self.setHorizontalHeaderLabels(headers)
+        self.verticalHeader().hide()
+        self.horizontalHeader().setSectionResizeMode(QHeaderView.ResizeMode.ResizeToContents)
+        self.horizontalHeader().setStretchLastSection(True)
+        self.setEditTriggers(QTableWidget.EditTrigger.NoEditTriggers)
+        self.setVerticalScrollBarPolicy(Qt.ScrollBarPolicy.ScrollBarAlwaysOff)
 
-def _fill(table: QTableWidget, rows: list[tuple]) -> None:
-    table.setRowCount(len(rows))
-    for r, row in enumerate(rows):
-        for c, value in enumerate(row):
-            table.setItem(r, c, QTableWidgetItem(value))
-    table.setFixedHeight(table.horizontalHeader().height() + 4
-                         + sum(table.rowHeight(r) for r in range(len(rows))))
+    def fill(self, rows: list[tuple]) -> None:
+        self.setRowCount(len(rows))
+        for r, row in enumerate(rows):
+            for c, value in enumerate(row):
+                item = QTableWidgetItem(value)
+                item.setToolTip(value)
+                self.setItem(r, c, item)
+        self._fit()
+
+    def resizeEvent(self, event) -> None:
+        super().resizeEvent(event)      # lays the columns out for the new width first
+        self._fit()
+
+    def _fit(self) -> None:
+        self.resizeRowsToContents()
+        self.setFixedHeight(self.horizontalHeader().height() + 2 * self.frameWidth()
+                            + sum(self.rowHeight(r) for r in range(self.rowCount())))
 
 
 class ModelsPane(QWidget):
@@ -63,7 +78,7 @@ class ModelsPane(QWidget):
         self.adder.done.connect(self._added)
         self.adder.failed.connect(lambda exc: self._problem(exc))
 
-        self.list = QListWidget()
+        self.list = wrap_items(QListWidget())     # "name — family, size" or the reason, read whole
         self.list.currentRowChanged.connect(self.show_row)
         self.add_copy = QPushButton("Add GGUF (copy)…")
         self.add_link = QPushButton("Add GGUF (link)…")
@@ -91,8 +106,8 @@ class ModelsPane(QWidget):
         self.summary = QLabel()
         self.summary.setWordWrap(True)
         self.summary.setTextInteractionFlags(Qt.TextInteractionFlag.TextSelectableByMouse)
-        self.tensors = _table(["type", "tensors", "parameters", "size"])
-        self.memory = _table(["mode", "memory", "on this machine"])
+        self.tensors = FactsTable(["type", "tensors", "parameters", "size"])
+        self.memory = FactsTable(["mode", "memory", "on this machine"])
         self.template = QPlainTextEdit()
         self.template.setReadOnly(True)
         self.template.setMinimumHeight(150)
@@ -135,9 +150,10 @@ class ModelsPane(QWidget):
             if self.list.currentItem() else None
         self.list.clear()
         for row in rows:
-            item = QListWidgetItem(vm.list_label(row))
+            label = vm.list_label(row)
+            item = QListWidgetItem(label)
             item.setData(Qt.ItemDataRole.UserRole, row["name"])
-            item.setToolTip(row["facts"].get("reason") or row["facts"]["path"])
+            item.setToolTip(f'{label}\n{row["facts"].get("reason") or row["facts"]["path"]}')
             self.list.addItem(item)
         usable = sum(r["facts"]["usable"] for r in rows)
         self.status.setText(f"{len(rows)} model{'s' * (len(rows) != 1)} in the library, "
@@ -154,8 +170,8 @@ class ModelsPane(QWidget):
         self.remove.setEnabled(row is not None)
         if row is None:
             self.summary.setText("")
-            _fill(self.tensors, [])
-            _fill(self.memory, [])
+            self.tensors.fill([])
+            self.memory.fill([])
             self.template.setPlainText("")
             return
         facts = row["facts"]
@@ -165,8 +181,8 @@ class ModelsPane(QWidget):
             self.summary.setText(f"{head}<br><span style='color:#b71c1c'><b>Not usable:</b> "
                                  f"{facts['reason']}</span>"
                                  + (f"<br>hint: {facts['hint']}" if facts.get("hint") else ""))
-            _fill(self.tensors, vm.tensor_rows(facts))
-            _fill(self.memory, [])
+            self.tensors.fill(vm.tensor_rows(facts))
+            self.memory.fill([])
             self.template_title.setText("<b>Chat template</b>")
             self.template.setPlainText("")
             return
@@ -187,8 +203,8 @@ class ModelsPane(QWidget):
             f"LoRA yes · full fine-tune {full}<br>"
             f"<b>Export types:</b> {', '.join(support['export_types'])}"
             + (f" ({support['export_note']})" if support["export_note"] else ""))
-        _fill(self.tensors, vm.tensor_rows(facts))
-        _fill(self.memory, vm.memory_rows(facts))
+        self.tensors.fill(vm.tensor_rows(facts))
+        self.memory.fill(vm.memory_rows(facts))
         template = facts["template"]
         if template["ok"]:
             self.template_title.setText(f"<b>Chat template</b> ({template['origin']}), sample "

@@ -8,6 +8,7 @@ from PySide6.QtGui import QColor
 from PySide6.QtWidgets import QListWidget, QListWidgetItem
 
 from app.viewmodels.datasets import DatasetTable, finding_rows, row_of_place
+from app.views.labels import wrap_items
 
 COLOURS = {"error": "#c62828", "warning": "#8d6e00", "more": "#555"}
 
@@ -18,6 +19,7 @@ class FindingsTab(QListWidget):
     def __init__(self, parent=None):
         super().__init__(parent)
         self.table: DatasetTable | None = None
+        wrap_items(self)            # a finding names its file and reason whole
         self.itemActivated.connect(self._jump_to_finding)
         self.itemDoubleClicked.connect(self._jump_to_finding)
 

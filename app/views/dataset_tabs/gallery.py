@@ -1,6 +1,10 @@
 """Gallery tab: a dataset's images as a grid of thumbnails made on a worker thread, or an audio
 dataset's clips, each played (at the level of `app.audio`) when activated; activating an image
-opens its record. With no sound device the tab says so and everything else keeps working."""
+opens its record. With no sound device the tab says so and everything else keeps working.
+
+Every image item has one fixed size, set up front from the thumbnail size and two caption lines
+(`GalleryModel.cell`): the grid's layout never measures an item whose thumbnail has not arrived
+yet, so it cannot come out as a thin strip without captions whatever the timing."""
 
 from __future__ import annotations
 
@@ -14,6 +18,9 @@ from app.viewmodels.datasets import DatasetTable
 from app.viewmodels.samples import waveform
 from app.views.thumbnails import ThumbnailCache
 
+THUMBNAIL = 96          # px, the longer side of a thumbnail
+CAPTION_LINES = 2       # "id" and "label" under each thumbnail
+
 
 class GalleryModel(QAbstractListModel):
     """Images (with thumbnails from the worker-thread cache) or clips of a dataset."""
@@ -23,7 +30,8 @@ class GalleryModel(QAbstractListModel):
         self.items: list[tuple[str, str, int]] = []  # (label text, media path, row index)
         self.item_of: dict[str, int] = {}
         self.audio = False
-        self.thumbs = ThumbnailCache(96, self)
+        self.cell = QSize()     # an image item's size (GalleryTab sets it from its font)
+        self.thumbs = ThumbnailCache(THUMBNAIL, self)
         self.thumbs.ready.connect(self._ready)
 
     def set_table(self, table: DatasetTable | None) -> None:
@@ -43,8 +51,10 @@ class GalleryModel(QAbstractListModel):
             return "▶ " + caption.replace("\n", " · ") if self.audio else caption
         if role == Qt.ItemDataRole.DecorationRole and not self.audio:
             return self.thumbs.get(path)
-        if role == Qt.ItemDataRole.ToolTipRole:
-            return Path(path).name
+        if role == Qt.ItemDataRole.ToolTipRole:     # the whole caption, however long
+            return f"{caption}\n{Path(path).name}"
+        if role == Qt.ItemDataRole.SizeHintRole and not self.audio:
+            return self.cell
         return None
 
     def _ready(self, path: str) -> None:
@@ -62,8 +72,10 @@ class GalleryTab(QWidget):
         self.view = QListView()
         self.gallery = GalleryModel(self)
         self.view.setViewMode(QListView.ViewMode.IconMode)
-        self.view.setIconSize(QSize(96, 96))
-        self.view.setGridSize(QSize(120, 140))
+        self.view.setIconSize(QSize(THUMBNAIL, THUMBNAIL))
+        line = self.view.fontMetrics().lineSpacing()
+        self.gallery.cell = QSize(THUMBNAIL + 24, THUMBNAIL + CAPTION_LINES * line + 12)
+        self.view.setGridSize(self.gallery.cell)
         self.view.setUniformItemSizes(True)
         self.view.setResizeMode(QListView.ResizeMode.Adjust)
         self.view.setLayoutMode(QListView.LayoutMode.Batched)
@@ -91,7 +103,7 @@ class GalleryTab(QWidget):
         audio = self.gallery.audio
         self.view.setViewMode(QListView.ViewMode.ListMode if audio
                               else QListView.ViewMode.IconMode)
-        self.view.setGridSize(QSize() if audio else QSize(120, 140))
+        self.view.setGridSize(QSize() if audio else self.gallery.cell)
         self._show_hint()
 
     def _show_hint(self) -> None:
