@@ -117,6 +117,16 @@ def test_a_wav_without_a_transcript_is_reported_both_ways(corpus, tmp_path):
     assert orphans == {records(corpus)[2]["path"], records(corpus)[-1]["path"]}
 
 
+def test_a_wav_dropped_into_the_folder_by_hand_is_reported(corpus, tmp_path):
+    root = edited(corpus, tmp_path, lambda rows: rows)
+    assert not [e for e in validate_dataset(root).errors if "without a transcript" in e.reason]
+    first = root / records(corpus)[0]["path"]
+    shutil.copy(first, first.with_name("new-take.wav"))       # no record, not in dataset.json
+    found = [e for e in validate_dataset(root).errors if "without a transcript" in e.reason]
+    assert [e.file for e in found] == [f"{Path(records(corpus)[0]['path']).parent}/new-take.wav"]
+    assert "neither dataset.json nor" in found[0].reason
+
+
 def test_a_speaker_in_two_splits_is_refused(corpus, tmp_path):
     def edit(rows):
         victim = next(i for i, r in enumerate(rows) if r["split"] == "train" and i > 0

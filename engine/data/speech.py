@@ -91,8 +91,18 @@ def check_speech(root: Path, rel: str, manifest: dict, rows: list[tuple[str, dic
                 report.add(rel, at, field, f"{field} {record[field]!r} is in {split} here and "
                            f"in {first[0]} at {first[1]}; split whole speakers and sessions",
                            record_id=record["id"])
-    for name in sorted(manifest.get("files", {})):
+    listed = manifest.get("files", {})
+    for name in sorted(listed):
         if name.lower().endswith(".wav") and name not in transcribed:
             report.add(name, None, None, "a WAV without a transcript: no record names it "
                        f"(add a line to {rel} with its text, or an empty text if it holds "
                        "no speech)")
+    # A clip dropped into the folder by hand is in no list at all: training would leave it
+    # out without a word, so it is named here too.
+    for path in sorted(root.rglob("*")):
+        name = path.relative_to(root).as_posix()
+        if path.suffix.lower() == ".wav" and path.is_file() and name not in listed:
+            report.add(name, None, None, "a WAV without a transcript: it is in the dataset "
+                       f"folder, but neither dataset.json nor {rel} names it, so training "
+                       f"would leave it out (give it a line in {rel} and import the folder "
+                       "as a new version, or move the file out)")
