@@ -15,6 +15,7 @@ from PySide6.QtWidgets import (
     QComboBox,
     QDoubleSpinBox,
     QFormLayout,
+    QFrame,
     QGroupBox,
     QHBoxLayout,
     QHeaderView,
@@ -23,6 +24,7 @@ from PySide6.QtWidgets import (
     QListWidget,
     QListWidgetItem,
     QPushButton,
+    QScrollArea,
     QSlider,
     QSpinBox,
     QSplitter,
@@ -51,6 +53,24 @@ EMPTY_RUN = ("{name} has no samples yet. Generator runs: choose a checkpoint and
              "Generate samples. LLM runs write their answers when they save a checkpoint.")
 
 
+# Below this a plot shows only its title (seen at ~15 px in a 1024x700 window): a column too
+# short for both plots scrolls instead of squashing them.
+PLOT_MIN_HEIGHT = 120
+
+
+class ClipPlot(pg.PlotWidget):
+    """A plot that asks for its minimum height (a graphics view asks for 480 px, which a
+    scrolling column would give it, leaving screens of blank space); it still grows where its
+    layout has room."""
+
+    def __init__(self, title: str):
+        super().__init__(title=title)
+        self.setMinimumHeight(PLOT_MIN_HEIGHT)
+
+    def sizeHint(self) -> QSize:
+        return QSize(super().sizeHint().width(), PLOT_MIN_HEIGHT)
+
+
 class AudioView(QWidget):
     """Waveform and spectrogram of one clip, its integrity flags, and playback."""
 
@@ -61,10 +81,10 @@ class AudioView(QWidget):
         self.player = player
         self.wave: np.ndarray | None = None
         self.rate = 16_000
-        self.wave_plot = pg.PlotWidget(title="waveform (as written, not normalized)")
+        self.wave_plot = ClipPlot("waveform (as written, not normalized)")
         self.wave_plot.setYRange(-1, 1)
         self.wave_curve = self.wave_plot.plot(pen=pg.mkPen("#1565c0", width=1))
-        self.spec_plot = pg.PlotWidget(title="spectrogram (log |STFT|)")
+        self.spec_plot = ClipPlot("spectrogram (log |STFT|)")
         self.spec_image = pg.ImageItem()
         self.spec_image.setColorMap(pg.colormap.get("viridis"))
         self.spec_plot.addItem(self.spec_image)
@@ -266,9 +286,17 @@ class SamplesPane(QWidget):
         dv.addWidget(self.rubric)
         dv.addStretch(1)
 
+        # The detail column scrolls on its own when its plots, flags, settings and rubric need
+        # more height than the window has; the sample list beside it stays in view.
+        detail_scroll = QScrollArea()
+        detail_scroll.setWidget(detail)
+        detail_scroll.setWidgetResizable(True)
+        detail_scroll.setFrameShape(QFrame.Shape.NoFrame)
+        detail_scroll.setHorizontalScrollBarPolicy(Qt.ScrollBarPolicy.ScrollBarAlwaysOff)
+        self.detail_scroll = detail_scroll
         splitter = QSplitter()
         splitter.addWidget(self.views)
-        splitter.addWidget(detail)
+        splitter.addWidget(detail_scroll)
         splitter.setSizes([700, 500])
         layout = QVBoxLayout(self)
         layout.addLayout(controls)
