@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from PySide6.QtCore import QRect, Qt, QTextBoundaryFinder
 from PySide6.QtGui import QTextDocument
-from PySide6.QtWidgets import QListWidget
+from PySide6.QtWidgets import QLabel, QListWidget, QWidget
 
 
 def items_cut_off(widget: QListWidget) -> list[str]:
@@ -41,3 +41,10 @@ def forced_breaks(document: QTextDocument) -> list[tuple[str, str]]:
                 breaks.append((text[:start], text[start:]))
         block = block.next()
     return breaks
+
+
+def labels_cut_off(widget: QWidget) -> list[str]:
+    """The visible word-wrapped labels under `widget` that are shorter than their text."""
+    return [label.text() for label in widget.findChildren(QLabel)
+            if label.isVisible() and label.wordWrap() and label.text()
+            and label.height() < label.heightForWidth(label.width())]

@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import numpy as np
 import soundfile
-from PySide6.QtWidgets import QLabel, QWidget
+from layout_support import labels_cut_off
+from PySide6.QtWidgets import QWidget
 
 from app.viewmodels import samples as vm
 from app.views.samples_pane import PLOT_MIN_HEIGHT, SamplesPane
@@ -17,13 +18,6 @@ PANE_SIZE = (864, 640)      # the pane's area in a 1024x700 window (sidebar, men
 NO_DEVICE = ("<span style='color:#b71c1c'>audio playback is unavailable: no output device "
              "(Error querying device -1). Everything else works; the waveform and "
              "spectrogram are shown.</span>")
-
-
-def labels_cut_off(widget: QWidget) -> list[str]:
-    """The visible word-wrapped labels under `widget` that are shorter than their text."""
-    return [label.text() for label in widget.findChildren(QLabel)
-            if label.isVisible() and label.wordWrap() and label.text()
-            and label.height() < label.heightForWidth(label.width())]
 
 
 def clip(tmp_path) -> vm.Sample:
