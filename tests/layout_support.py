@@ -8,6 +8,17 @@ from PySide6.QtCore import QRect, Qt, QTextBoundaryFinder
 from PySide6.QtGui import QTextDocument
 from PySide6.QtWidgets import QLabel, QListWidget, QWidget
 
+PANE_SIZE = (864, 640)      # a pane's area in a 1024x700 window (sidebar, menu, status bar)
+
+
+def shown_at(qtbot, widget: QWidget, size: tuple[int, int] = PANE_SIZE) -> QWidget:
+    """`widget` shown (and exposed) at `size`, closed with the test."""
+    qtbot.addWidget(widget)
+    widget.resize(*size)
+    widget.show()
+    qtbot.waitExposed(widget)
+    return widget
+
 
 def items_cut_off(widget: QListWidget) -> list[str]:
     """The items whose text does not fit inside the list's viewport as it is laid out."""

@@ -6,7 +6,7 @@ bottom of the cell): the cell scrolls."""
 from __future__ import annotations
 
 import pyqtgraph as pg
-from layout_support import labels_cut_off
+from layout_support import labels_cut_off, shown_at
 from PySide6.QtGui import QImage, QPainter
 
 from app.viewmodels.workspace import BUNDLED_SAMPLE
@@ -36,11 +36,7 @@ def overlapping(labels: list[tuple]) -> list[tuple[str, str]]:
 
 
 def shown_charts(qtbot) -> RunCharts:
-    charts = RunCharts()
-    qtbot.addWidget(charts)
-    charts.resize(*CHARTS_SIZE)
-    charts.show()
-    qtbot.waitExposed(charts)
+    charts = shown_at(qtbot, RunCharts(), CHARTS_SIZE)
     charts.set_runs([RUN])
     charts.redraw()
     qtbot.waitUntil(lambda: not charts.unbuilt and all(      # the view ranges follow the data
@@ -64,12 +60,9 @@ def test_tick_labels_stay_apart_and_thousands_are_short(qtbot):
     series = charts.series[str(RUN)]
     xs, ys = series.xy(series.throughput[0])
     plain = pg.PlotWidget()
-    qtbot.addWidget(plain)
     plain.getPlotItem().setLabel("left", "tokens/s")
     plain.plot(xs, ys)
-    plain.resize(plot.size())
-    plain.show()
-    qtbot.waitExposed(plain)
+    shown_at(qtbot, plain, (plot.width(), plot.height()))
     qtbot.waitUntil(lambda: bool(overlapping(tick_labels(plain.getPlotItem().getAxis("bottom")))))
     assert "40000" in [text for _, text in tick_labels(plain.getPlotItem().getAxis("left"))]
 

@@ -5,13 +5,13 @@ holding it."""
 
 from __future__ import annotations
 
+from layout_support import shown_at
 from PySide6.QtCore import Qt
 
 from app.viewmodels import export_wizard as vm
 from app.views.export_wizard import ExportWizardPane, stacked
 from engine.export.equivalence import MIN_TOP1_DENSE, MIN_TOP1_QUANTIZED, Report, verdict
 
-PANE_SIZE = (864, 640)      # the pane's area in a 1024x700 window (sidebar, menu, status bar)
 CELL_MARGIN_PX = 6          # the padding a table cell keeps around its text
 
 
@@ -36,11 +36,7 @@ def report() -> dict:
 
 
 def test_the_verification_table_fits_the_page_at_1024x700(qtbot):
-    pane = ExportWizardPane()
-    qtbot.addWidget(pane)
-    pane.resize(*PANE_SIZE)
-    pane.show()
-    qtbot.waitExposed(pane)
+    pane = shown_at(qtbot, ExportWizardPane())
     pane.pages.setCurrentIndex(3)
     pane.show_report(report())
     table = pane.stages

@@ -5,7 +5,7 @@ not show listed for the selected run under the ledger, so nothing is lost."""
 
 from __future__ import annotations
 
-from layout_support import labels_cut_off
+from layout_support import labels_cut_off, shown_at
 from PySide6.QtCore import Qt
 from test_app_support import write_run
 
@@ -13,7 +13,6 @@ from app.viewmodels.workspace import Workspace
 from app.views.runs_pane import COLUMNS, SHOWN_COLUMNS, RunsPane
 from engine.fsutil import atomic_write_text
 
-PANE_SIZE = (864, 640)      # the pane's area in a 1024x700 window (sidebar, menu, status bar)
 LONG = "lm-pretrain-tiny-20261201-181550-with-a-longer-name"
 CELL_MARGIN_PX = 6          # the padding a table cell keeps around its text
 
@@ -30,11 +29,7 @@ def ledger_workspace(root) -> Workspace:
 
 
 def test_the_ledger_fits_beside_the_charts_and_loses_nothing(qtbot, tmp_path):
-    pane = RunsPane()
-    qtbot.addWidget(pane)
-    pane.resize(*PANE_SIZE)
-    pane.show()
-    qtbot.waitExposed(pane)
+    pane = shown_at(qtbot, RunsPane())
     pane.set_workspace(ledger_workspace(tmp_path / "ws"))
     table, model = pane.table, pane.ledger
     row = model.paths().index(tmp_path / "ws" / "runs" / LONG)

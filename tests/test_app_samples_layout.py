@@ -7,14 +7,12 @@ from __future__ import annotations
 
 import numpy as np
 import soundfile
-from layout_support import labels_cut_off
-from PySide6.QtWidgets import QWidget
+from layout_support import PANE_SIZE, labels_cut_off, shown_at
 
 from app.viewmodels import samples as vm
 from app.views.samples_pane import PLOT_MIN_HEIGHT, SamplesPane
 from app.views.transcripts_pane import TranscriptsPane
 
-PANE_SIZE = (864, 640)      # the pane's area in a 1024x700 window (sidebar, menu, status bar)
 NO_DEVICE = ("<span style='color:#b71c1c'>audio playback is unavailable: no output device "
              "(Error querying device -1). Everything else works; the waveform and "
              "spectrogram are shown.</span>")
@@ -30,16 +28,8 @@ def clip(tmp_path) -> vm.Sample:
                                           "rms": 0.785}})
 
 
-def shown(qtbot, widget: QWidget) -> QWidget:
-    qtbot.addWidget(widget)
-    widget.resize(*PANE_SIZE)
-    widget.show()
-    qtbot.waitExposed(widget)
-    return widget
-
-
 def test_an_audio_sample_shows_its_plots_and_text_whole_at_1024x700(qtbot, tmp_path):
-    pane = shown(qtbot, SamplesPane())
+    pane = shown_at(qtbot, SamplesPane())
     sample = clip(tmp_path)
     pane.views.setCurrentWidget(pane.clips)
     pane.clips.addItems([f"step-0000{s}  {c}-seed7-000  ⚠ clipping, edge_click"
@@ -67,7 +57,7 @@ def test_an_audio_sample_shows_its_plots_and_text_whole_at_1024x700(qtbot, tmp_p
 
 
 def test_the_transcripts_pane_keeps_its_audio_plots(qtbot, tmp_path):
-    pane = shown(qtbot, TranscriptsPane())
+    pane = shown_at(qtbot, TranscriptsPane())
     pane.audio.show_file(clip(tmp_path).path, "<b>integrity: no flags</b>")
     qtbot.waitUntil(lambda: pane.audio.wave_plot.height() >= PLOT_MIN_HEIGHT)
     assert pane.audio.spec_plot.height() >= PLOT_MIN_HEIGHT
