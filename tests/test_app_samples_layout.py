@@ -6,6 +6,7 @@ instead. The Transcripts pane shows its clips in the same AudioView and keeps it
 from __future__ import annotations
 
 import numpy as np
+import pyqtgraph as pg
 import soundfile
 from layout_support import PANE_SIZE, labels_cut_off, shown_at
 
@@ -62,3 +63,15 @@ def test_the_transcripts_pane_keeps_its_audio_plots(qtbot, tmp_path):
     qtbot.waitUntil(lambda: pane.audio.wave_plot.height() >= PLOT_MIN_HEIGHT)
     assert pane.audio.spec_plot.height() >= PLOT_MIN_HEIGHT
     assert labels_cut_off(pane) == []
+
+
+def test_clip_plots_are_light_even_when_samples_is_the_first_pane_built(qtbot):
+    # panes are built when first shown: the Runs charts no longer set the style beforehand
+    pg.setConfigOptions(background="k", foreground="d")
+    plain = pg.PlotWidget()         # twin: a plot built now takes the dark default
+    qtbot.addWidget(plain)
+    assert plain.backgroundBrush().color().name() == "#000000"
+    pane = SamplesPane()
+    qtbot.addWidget(pane)
+    for plot in (pane.audio.wave_plot, pane.audio.spec_plot):
+        assert plot.backgroundBrush().color().name() == "#ffffff"

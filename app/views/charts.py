@@ -71,6 +71,12 @@ def _finite(xs: list[float], ys: list[float], log: bool) -> tuple[list[float], l
     return [k[0] for k in keep], [k[1] for k in keep]
 
 
+def use_plot_style() -> None:
+    """The plots' look (white, dark grey ink), set before a pane builds its first plot: the
+    panes are built when first shown, in whatever order the user opens them."""
+    pg.setConfigOptions(antialias=False, background="w", foreground="#333")
+
+
 class CompactAxis(pg.AxisItem):
     """An axis whose labels stay apart in a small plot: thousands as "40k" (a throughput axis
     of "40000"s took a third of the plot's width) and x ticks no closer than their labels'
@@ -162,7 +168,7 @@ class RunCharts(QWidget):
 
     def __init__(self, parent=None):
         super().__init__(parent)
-        pg.setConfigOptions(antialias=False, background="w", foreground="#333")
+        use_plot_style()
         self.controls = ChartControls()
         self.controls.changed.connect(self.redraw)
         self.grid = grid = QGridLayout()

@@ -39,6 +39,7 @@ from app.audio import MAX_GAIN_DB, MIN_GAIN_DB, Player
 from app.viewmodels import samples as vm
 from app.viewmodels.runs import run_label
 from app.viewmodels.workspace import Workspace
+from app.views.charts import use_plot_style
 from app.views.combos import refill_keeping_choice
 from app.views.job_runner import JobRunner
 from engine.errors import ForgebenchError
@@ -64,7 +65,9 @@ class ClipPlot(pg.PlotWidget):
     layout has room."""
 
     def __init__(self, title: str):
-        super().__init__(title=title)
+        use_plot_style()
+        super().__init__()
+        self.getPlotItem().setTitle(title, size="9pt")     # whole in a ~300 px column
         self.setMinimumHeight(PLOT_MIN_HEIGHT)
 
     def sizeHint(self) -> QSize:
