@@ -9,6 +9,7 @@ import numpy as np
 import pyqtgraph as pg
 import soundfile
 from layout_support import PANE_SIZE, labels_cut_off, shown_at
+from PySide6.QtGui import QColor, QPixmap
 
 from app.viewmodels import samples as vm
 from app.views.samples_pane import PLOT_MIN_HEIGHT, SamplesPane
@@ -75,3 +76,23 @@ def test_clip_plots_are_light_even_when_samples_is_the_first_pane_built(qtbot):
     qtbot.addWidget(pane)
     for plot in (pane.audio.wave_plot, pane.audio.spec_plot):
         assert plot.backgroundBrush().color().name() == "#ffffff"
+
+
+def test_an_image_sample_and_its_neighbour_fit_the_detail_column(qtbot):
+    pane = shown_at(qtbot, SamplesPane())
+    pane.rubric.set_kind("image")
+    square = QPixmap(192, 192)
+    square.fill(QColor("#4caf50"))
+    for image in (pane.detail_image, pane.neighbour_image):
+        image.setPixmap(square)
+        image.show()
+    pane.neighbour_button.show()
+    pane.info.setText("<b>square-seed7-001</b> — step-000040 (step 40), seed 7, class square<br>"
+                      "nearest training item: shape-00037 (distance 0.3205)")
+    scroll = pane.detail_scroll
+    content = scroll.widget()
+    # the column widens to what its content needs: nothing runs past its right edge
+    qtbot.waitUntil(lambda: content.minimumSizeHint().width() <= scroll.viewport().width())
+    assert content.width() <= scroll.viewport().width()
+    assert pane.neighbour_image.geometry().right() <= scroll.viewport().width()
+    qtbot.waitUntil(lambda: labels_cut_off(pane) == [])

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import numpy as np
 import pyqtgraph as pg
-from PySide6.QtCore import QSize, Qt, Signal
+from PySide6.QtCore import QEvent, QSize, Qt, Signal
 from PySide6.QtGui import QIcon, QPixmap
 from PySide6.QtWidgets import (
     QAbstractItemView,
@@ -72,6 +72,29 @@ class ClipPlot(pg.PlotWidget):
 
     def sizeHint(self) -> QSize:
         return QSize(super().sizeHint().width(), PLOT_MIN_HEIGHT)
+
+
+class ColumnScroll(QScrollArea):
+    """A column that scrolls up and down only: as wide as its content needs (two images side
+    by side, the rubric's choices), so nothing is cut at its right edge."""
+
+    def __init__(self, content: QWidget):
+        super().__init__()
+        self.setWidget(content)
+        self.setWidgetResizable(True)
+        self.setFrameShape(QFrame.Shape.NoFrame)
+        self.setHorizontalScrollBarPolicy(Qt.ScrollBarPolicy.ScrollBarAlwaysOff)
+        content.installEventFilter(self)
+
+    def minimumSizeHint(self) -> QSize:
+        width = self.widget().minimumSizeHint().width() + \
+            self.verticalScrollBar().sizeHint().width()
+        return QSize(width, super().minimumSizeHint().height())
+
+    def eventFilter(self, watched, event) -> bool:
+        if event.type() == QEvent.Type.LayoutRequest:
+            self.updateGeometry()       # an image shown or hidden changes the width it needs
+        return super().eventFilter(watched, event)
 
 
 class AudioView(QWidget):
@@ -291,15 +314,10 @@ class SamplesPane(QWidget):
 
         # The detail column scrolls on its own when its plots, flags, settings and rubric need
         # more height than the window has; the sample list beside it stays in view.
-        detail_scroll = QScrollArea()
-        detail_scroll.setWidget(detail)
-        detail_scroll.setWidgetResizable(True)
-        detail_scroll.setFrameShape(QFrame.Shape.NoFrame)
-        detail_scroll.setHorizontalScrollBarPolicy(Qt.ScrollBarPolicy.ScrollBarAlwaysOff)
-        self.detail_scroll = detail_scroll
+        self.detail_scroll = ColumnScroll(detail)
         splitter = QSplitter()
         splitter.addWidget(self.views)
-        splitter.addWidget(detail_scroll)
+        splitter.addWidget(self.detail_scroll)
         splitter.setSizes([700, 500])
         layout = QVBoxLayout(self)
         layout.addLayout(controls)
