@@ -7,7 +7,18 @@ from __future__ import annotations
 
 from PySide6.QtCore import QRect, Qt, QTextBoundaryFinder
 from PySide6.QtGui import QTextDocument
-from PySide6.QtWidgets import QListWidget, QStyle, QTableWidget
+from PySide6.QtWidgets import QLabel, QListWidget, QStyle, QTableWidget, QWidget
+
+PANE_SIZE = (864, 640)      # a pane's area in a 1024x700 window (sidebar, menu, status bar)
+
+
+def shown_at(qtbot, widget: QWidget, size: tuple[int, int] = PANE_SIZE) -> QWidget:
+    """`widget` shown (and exposed) at `size`, closed with the test."""
+    qtbot.addWidget(widget)
+    widget.resize(*size)
+    widget.show()
+    qtbot.waitExposed(widget)
+    return widget
 
 
 def items_cut_off(widget: QListWidget) -> list[str]:
@@ -61,3 +72,10 @@ def forced_breaks(document: QTextDocument) -> list[tuple[str, str]]:
                 breaks.append((text[:start], text[start:]))
         block = block.next()
     return breaks
+
+
+def labels_cut_off(widget: QWidget) -> list[str]:
+    """The visible word-wrapped labels under `widget` that are shorter than their text."""
+    return [label.text() for label in widget.findChildren(QLabel)
+            if label.isVisible() and label.wordWrap() and label.text()
+            and label.height() < label.heightForWidth(label.width())]

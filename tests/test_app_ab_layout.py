@@ -4,13 +4,12 @@ wrap in the setup column instead of hiding their checkpoint behind a sideways sc
 
 from __future__ import annotations
 
-from layout_support import forced_breaks, items_cut_off
+from layout_support import forced_breaks, items_cut_off, shown_at
 from PySide6.QtCore import Qt
 from PySide6.QtWidgets import QListWidgetItem
 
 from app.views.ab_pane import ABPane, results_html
 
-PANE_SIZE = (864, 640)      # the pane's area in a 1024x700 window (sidebar, menu, status bar)
 A, B, C = ("image-generate-demo/step-000020", "image-generate-demo/step-000040",
            "lm-pretrain-tiny-20261201-175439/step-000100")
 
@@ -31,12 +30,7 @@ RESULTS = {
 
 
 def shown_pane(qtbot) -> ABPane:
-    pane = ABPane()
-    qtbot.addWidget(pane)
-    pane.resize(*PANE_SIZE)
-    pane.show()
-    qtbot.waitExposed(pane)
-    return pane
+    return shown_at(qtbot, ABPane())
 
 
 def test_revealed_results_break_no_word_at_1024x700(qtbot):

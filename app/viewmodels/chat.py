@@ -201,7 +201,7 @@ class ChatSession:
         lines = []
         for side in self.sides:
             line = self.line({"op": "chat", "system": side,
-                              "messages": conversation.thread(side),
+                              "messages": alternating(conversation.thread(side)),
                               "settings": dict(self.settings), "seed": self.seed,
                               "max_tokens": self.max_tokens})
             rid = json.loads(line)["request"]
@@ -214,21 +214,30 @@ class ChatSession:
                 for r in self.replies.values() if not r.finished]
 
     def render_lines(self, draft: str = "") -> list[str]:
-        """Ask the worker for the rendered template and token count of the next prompt."""
-        messages = self.conversation.thread(self.sides[0]) if self.conversation else (
-            [{"role": "system", "content": self.system_prompt.strip()}]
-            if self.system_prompt.strip() else [])
+        """Ask the worker for the rendered template and token count of the next prompt: the
+        side's thread, a reply still streaming as far as it came (the next prompt follows
+        it), then the draft as the next user turn."""
         lines = []
         for side in self.sides:
             if side not in self.loaded:
                 continue
-            thread = self.conversation.thread(side) if self.conversation else messages
-            line = self.line({"op": "render", "system": side,
-                              "messages": thread + [{"role": "user",
-                                                     "content": draft or "…"}]})
+            line = self.line({"op": "render", "system": side, "messages": alternating(
+                self._thread_so_far(side) + [{"role": "user", "content": draft or "…"}])})
             self.pending_renders[json.loads(line)["request"]] = side
             lines.append(line)
         return lines
+
+    def _thread_so_far(self, side: str) -> list[dict]:
+        """The side's thread with the reply it is streaming now as the last assistant turn
+        (the conversation gets that turn only when the reply is done)."""
+        if self.conversation is None:
+            prompt = self.system_prompt.strip()
+            return [{"role": "system", "content": prompt}] if prompt else []
+        thread = self.conversation.thread(side)
+        live = [r for r in self.replies.values() if r.system == side and not r.finished]
+        if live and thread and thread[-1]["role"] == "user":
+            thread.append({"role": "assistant", "content": live[-1].text})
+        return thread
 
     # -- the worker's lines -------------------------------------------------------------
     def feed(self, raw: str) -> tuple[str, str | None]:
@@ -334,6 +343,14 @@ class ChatSession:
                                   hint="chat first, or reopen a saved conversation")
         return export_sft([self.conversation], None, self.root / "datasets" / dataset,
                           name=dataset)
+
+
+def alternating(messages: list[dict]) -> list[dict]:
+    """`messages` without the user turns that another user turn follows: their reply never
+    came (the worker reported an error), and templates such as Gemma's refuse two user turns
+    in a row, so one failed reply would otherwise make every later prompt unrenderable."""
+    return [m for m, after in zip(messages, messages[1:] + [None])
+            if not (m["role"] == "user" and after is not None and after["role"] == "user")]
 
 
 def error_text(line: dict) -> str:

@@ -1,8 +1,10 @@
 """Live training charts (pyqtgraph): one plot per metric, several runs overlaid.
 
 The legend (run colours, train solid, val dashed) is in the summary beside the plots, never
-over a curve. Throughput is tokens/s for language-model runs and samples/s for the others
-(`RunSeries.throughput`)."""
+over a curve; the summary cell scrolls when the shown runs' figures and the key need more
+room than a 1024x700 window gives it. Throughput is tokens/s for language-model runs and
+samples/s for the others (`RunSeries.throughput`). Axes write thousands as "40k" and space
+their x ticks by the width of their labels, so no two labels run together in a ~150 px plot."""
 
 from __future__ import annotations
 
@@ -10,12 +12,15 @@ import math
 
 import pyqtgraph as pg
 from PySide6.QtCore import Qt, QTimer, Signal
+from PySide6.QtGui import QFontMetrics
 from PySide6.QtWidgets import (
     QCheckBox,
     QComboBox,
+    QFrame,
     QGridLayout,
     QHBoxLayout,
     QLabel,
+    QScrollArea,
     QSlider,
     QVBoxLayout,
     QWidget,
@@ -49,6 +54,14 @@ EXTRA_CURVES = [("reward", "mean", "reward_mean", Qt.PenStyle.DashLine),
                 ("lr", "sigma", "sigma", Qt.PenStyle.DashLine),
                 ("chosen_logp", "rejected", "rejected_logp", Qt.PenStyle.DashLine),
                 ("ece", "before", "ece_before", Qt.PenStyle.DashLine)]
+KEY = ("Loss: train solid, val dashed, test dotted. Grad norm: red dashes the clip threshold, "
+       "× a clipped step; dashed: the ES update norm. Learning rate dashed: ES σ. Reward: "
+       "centre solid, population mean dashed, max/min dotted. Log-prob: chosen solid, "
+       "rejected dashed. ECE: calibrated solid, before calibration dashed. Dotted vertical: "
+       "checkpoint saved. Solid grey vertical: resumed (a new invocation). Gradient norms are "
+       "before clipping.")
+SI_SUFFIXES = ((1e9, "G"), (1e6, "M"), (1e3, "k"))
+TICK_GAP_PX = 10        # the least room between two x tick labels
 
 
 def _finite(xs: list[float], ys: list[float], log: bool) -> tuple[list[float], list[float]]:
@@ -56,6 +69,53 @@ def _finite(xs: list[float], ys: list[float], log: bool) -> tuple[list[float], l
     keep = [(x, y) for x, y in zip(xs, ys) if y is not None and math.isfinite(y)
             and (not log or y > 0)]
     return [k[0] for k in keep], [k[1] for k in keep]
+
+
+def use_plot_style() -> None:
+    """The plots' look (white, dark grey ink), set before a pane builds its first plot: the
+    panes are built when first shown, in whatever order the user opens them."""
+    pg.setConfigOptions(antialias=False, background="w", foreground="#333")
+
+
+class CompactAxis(pg.AxisItem):
+    """An axis whose labels stay apart in a small plot: thousands as "40k" (a throughput axis
+    of "40000"s took a third of the plot's width) and x ticks no closer than their labels'
+    width ("0 200400600800" was seen)."""
+
+    def tickStrings(self, values: list[float], scale: float, spacing: float) -> list[str]:
+        biggest = max((abs(v * scale) for v in values), default=0.0)
+        if self.logMode or biggest < 1e3:
+            return super().tickStrings(values, scale, spacing)
+        factor, suffix = next((f, x) for f, x in SI_SUFFIXES if biggest >= f)
+        return [text if text == "0" else text + suffix for text in
+                super().tickStrings(values, scale / factor, spacing)]
+
+    def tickSpacing(self, minVal: float, maxVal: float, size: float) -> list[tuple]:
+        levels = super().tickSpacing(minVal, maxVal, size)
+        if self.orientation not in ("top", "bottom") or not levels or size <= 0:
+            return levels
+        major = levels[0][0]
+        while self._labels_width(minVal, maxVal, major) > size:
+            major = _coarser(major)
+        if major == levels[0][0]:
+            return levels
+        return [(major, 0), *[level for level in levels if level[0] < major][:1]]
+
+    def _labels_width(self, low: float, high: float, spacing: float) -> float:
+        """The pixels the major labels at `spacing` take, each with its gap."""
+        values = [math.ceil(low / spacing) * spacing + k * spacing
+                  for k in range(int((high - low) // spacing) + 1)]
+        values = [v for v in values if v <= high] or [low]
+        metrics = QFontMetrics(self.style["tickFont"] or self.font())
+        widest = max(metrics.horizontalAdvance(t) for t in self.tickStrings(values, 1, spacing))
+        return len(values) * (widest + TICK_GAP_PX)
+
+
+def _coarser(spacing: float) -> float:
+    """The next tick spacing of the 1, 2, 5 × 10^n series above `spacing`."""
+    power = 10 ** math.floor(math.log10(spacing))
+    step = next(m for m in (2, 5, 10, 20) if m * power > spacing * (1 + 1e-9))
+    return step * power
 
 
 class ChartControls(QWidget):
@@ -108,7 +168,7 @@ class RunCharts(QWidget):
 
     def __init__(self, parent=None):
         super().__init__(parent)
-        pg.setConfigOptions(antialias=False, background="w", foreground="#333")
+        use_plot_style()
         self.controls = ChartControls()
         self.controls.changed.connect(self.redraw)
         self.grid = grid = QGridLayout()
@@ -125,15 +185,17 @@ class RunCharts(QWidget):
         self.summary.setWordWrap(True)
         self.summary.setAlignment(Qt.AlignmentFlag.AlignTop | Qt.AlignmentFlag.AlignLeft)
         self.summary.setStyleSheet("QLabel { background: white; padding: 8px; }")
-        grid.addWidget(self.summary, SUMMARY_CELL // 2, SUMMARY_CELL % 2)
+        # The figures of several runs and the key outgrow a plot-sized cell: it scrolls.
+        self.summary_scroll = QScrollArea()
+        self.summary_scroll.setWidget(self.summary)
+        self.summary_scroll.setWidgetResizable(True)
+        self.summary_scroll.setFrameShape(QFrame.Shape.NoFrame)
+        self.summary_scroll.setHorizontalScrollBarPolicy(Qt.ScrollBarPolicy.ScrollBarAlwaysOff)
+        grid.addWidget(self.summary_scroll, SUMMARY_CELL // 2, SUMMARY_CELL % 2)
         layout = QVBoxLayout(self)
         layout.setContentsMargins(0, 0, 0, 0)
         layout.addWidget(self.controls)
         layout.addLayout(grid, 1)
-        legend = QLabel("Dotted vertical: checkpoint saved. Solid grey vertical: resumed "
-                        "(a new invocation). Gradient norms are before clipping.")
-        legend.setWordWrap(True)
-        layout.addWidget(legend)
         self.series: dict[str, RunSeries] = {}
         self.curves: dict[tuple, pg.PlotDataItem] = {}
         # Plots waiting to be redrawn: one per timer tick, so no event-loop slice repaints
@@ -155,7 +217,7 @@ class RunCharts(QWidget):
             return self.plots[metric]
         i = PLOT_NAMES.index(metric)
         _, title, unit = PLOTS[i]
-        widget = pg.PlotWidget()
+        widget = pg.PlotWidget(axisItems={side: CompactAxis(side) for side in ("left", "bottom")})
         widget.setMinimumHeight(150)
         item = widget.getPlotItem()
         item.setTitle(title, size="9pt")
@@ -248,14 +310,10 @@ class RunCharts(QWidget):
                       f"checkpoints {len(series.checkpoint_steps)}, "
                       f"invocations {len(series.invocation_steps)}"]
             parts.append("<br>".join(lines))
-        if parts:
-            parts.append("<small>Loss: train solid, val dashed, test dotted. Grad norm: red "
-                         "dashes the clip threshold, × a clipped step; dashed: the ES update "
-                         "norm. Learning rate dashed: ES σ. Reward: centre solid, population "
-                         "mean dashed, max/min dotted. Log-prob: chosen solid, rejected "
-                         "dashed. ECE: calibrated solid, before calibration dashed.</small>")
-        self.summary.setText("<br><br>".join(parts) or "Select runs in the ledger to chart "
-                                                        "them (several overlay).")
+        if not parts:
+            parts.append("Select runs in the ledger to chart them (several overlay).")
+        parts.append(f"<small>{KEY}</small>")
+        self.summary.setText("<br><br>".join(parts))
 
     def _draw_metric(self, metric: str) -> None:
         log, x, weight = self.controls.log_scale.isChecked(), self.controls.x, \

@@ -66,6 +66,16 @@ def _page(*widgets) -> QWidget:
     return page
 
 
+def stacked(title: str) -> str:
+    """A column title on two lines, broken at the space nearest its middle ("top-1
+    agreement"), so the verification table's columns are as wide as their numbers."""
+    spaces = [i for i, ch in enumerate(title) if ch == " "]
+    if not spaces:
+        return title
+    cut = min(spaces, key=lambda i: abs(2 * i - len(title)))
+    return f"{title[:cut]}\n{title[cut + 1:]}"
+
+
 def _label(text: str = "") -> QLabel:
     """A wrapped, selectable label: a long error line (a path, a command) wraps instead of
     pushing the buttons off-screen."""
@@ -149,8 +159,16 @@ class ExportWizardPane(QWidget):
         self.export_job = JobRunner("export")
         self.export_job.finished.connect(self._exported)
         self.verdict = _label()
+        # Fits the page of a 1024x700 window without a sideways scroll: two-line titles,
+        # columns as wide as their cells, the file name (last) eliding in the middle; every
+        # cell's tooltip holds its whole text.
         self.stages = QTableWidget(0, len(vm.LLM_COLUMNS))
-        self.stages.setHorizontalHeaderLabels(vm.LLM_COLUMNS)
+        self.stages.setHorizontalHeaderLabels([stacked(t) for t in vm.LLM_COLUMNS])
+        self.stages.verticalHeader().hide()
+        self.stages.setWordWrap(False)
+        self.stages.setTextElideMode(Qt.TextElideMode.ElideMiddle)
+        self.stages.horizontalHeader().setSectionResizeMode(
+            QHeaderView.ResizeMode.ResizeToContents)
         self.stages.horizontalHeader().setStretchLastSection(True)
         self.answers = _label()
         row = QHBoxLayout()
@@ -446,16 +464,19 @@ class ExportWizardPane(QWidget):
     def show_report(self, report: dict) -> None:
         result = vm.verification(report)
         self.stages.setColumnCount(len(result["columns"]))
-        self.stages.setHorizontalHeaderLabels(result["columns"])
+        self.stages.setHorizontalHeaderLabels([stacked(t) for t in result["columns"]])
+        last = len(result["columns"]) - 1
+        self.stages.horizontalHeader().setSectionResizeMode(
+            last, QHeaderView.ResizeMode.Stretch)
         self.stages.setRowCount(len(result["rows"]))
         for r, row in enumerate(result["rows"]):
             for c, value in enumerate(vm.cells(row, result["kind"])):
                 item = QTableWidgetItem(value)
+                item.setToolTip(value)
                 if c == 1 and row.verdict in VERDICT_COLOURS:
                     item.setBackground(QColor(VERDICT_COLOURS[row.verdict]))
-                    item.setToolTip(VERDICT_TIPS[row.verdict])
+                    item.setToolTip(f"{value}: {VERDICT_TIPS[row.verdict]}")
                 self.stages.setItem(r, c, item)
-        self.stages.resizeColumnsToContents()
         changed = result["changed"]
         what = ("some output values differ from the checkpoint's (see max |Δ| and PSNR)"
                 if result["kind"] == "generator" else "some tokens or answers differ from the "

@@ -61,8 +61,11 @@ COLUMNS = [("name", "Run"), ("state", "Status"), ("progress", "Step"), ("stage_l
            ("started", "Started"), ("duration", "Duration"), ("question", "Question"),
            ("data_version", "Data"), ("device", "Device"), ("best_metric", "Best metric"),
            ("selected_checkpoint", "Checkpoint"), ("notes", "Notes")]
-COLUMN_WIDTHS = {"name": 230, "state": 90, "progress": 80, "stage_line": 170, "started": 120,
-                 "duration": 70}
+# The ledger shows these columns so it fits beside the charts in a 1024x700 window without a
+# sideways scroll; the selected run's other fields are listed under it, and the header's
+# context menu shows any column in the table (Question and Notes are edited there).
+SHOWN_COLUMNS = ("name", "state", "progress")
+COLUMN_WIDTHS = {"stage_line": 170, "started": 120, "duration": 70}
 EDITABLE = ("question", "notes")
 LEDGER_PERIOD_S = 1.0
 RECIPE_NOTES = {
@@ -217,13 +220,27 @@ class RunsPane(QWidget):
         self.table.setSelectionMode(QAbstractItemView.SelectionMode.ExtendedSelection)
         self.table.setAlternatingRowColors(True)
         self.table.verticalHeader().hide()
-        self.table.horizontalHeader().setSectionResizeMode(QHeaderView.ResizeMode.Interactive)
-        self.table.horizontalHeader().setStretchLastSection(True)
+        self.table.setWordWrap(False)       # a cell elides (its tooltip holds it), never wraps
         self.table.setTextElideMode(Qt.TextElideMode.ElideMiddle)  # run names differ at the end
+        header = self.table.horizontalHeader()
+        header.setSectionResizeMode(QHeaderView.ResizeMode.Interactive)
         for column, (key, _) in enumerate(COLUMNS):
-            if key in COLUMN_WIDTHS:
-                self.table.setColumnWidth(column, COLUMN_WIDTHS[key])
+            if key == "name":       # the run name takes the width the others leave
+                header.setSectionResizeMode(column, QHeaderView.ResizeMode.Stretch)
+            elif key in SHOWN_COLUMNS:
+                header.setSectionResizeMode(column, QHeaderView.ResizeMode.ResizeToContents)
+            self.table.setColumnWidth(column, COLUMN_WIDTHS.get(key, 110))
+            self.table.setColumnHidden(column, key not in SHOWN_COLUMNS)
+        header.setContextMenuPolicy(Qt.ContextMenuPolicy.CustomContextMenu)
+        header.customContextMenuRequested.connect(self._column_menu)
+        header.setToolTip("Right-click to choose the columns; the selected run's other fields "
+                          "are listed under the ledger")
         self.table.selectionModel().selectionChanged.connect(self._selection_changed)
+        self.facts = QLabel()       # the selected run's fields the table does not show
+        self.facts.setWordWrap(True)
+        self.facts.setMinimumWidth(1)
+        self.facts.setTextInteractionFlags(Qt.TextInteractionFlag.TextSelectableByMouse)
+        self.facts.setStyleSheet("QLabel { color: #37474f; }")
         self.follow: Path | None = None     # a run just started: select it when it appears
         self.launch_problem = QLabel()      # why the last start was refused, until the next
         self.launch_problem.setWordWrap(True)
@@ -260,6 +277,7 @@ class RunsPane(QWidget):
         lv.setContentsMargins(0, 0, 0, 0)
         lv.addWidget(self.launch_problem)
         lv.addWidget(self.table, 3)
+        lv.addWidget(self.facts)
         lv.addLayout(buttons)
         lv.addWidget(self.details, 1)
 
@@ -583,6 +601,37 @@ class RunsPane(QWidget):
         self.charts.set_runs(paths)
         self.search_box.set_run(paths[0] if len(paths) == 1 else None)
         self._show_details(paths)
+        self._show_facts()
+
+    def _column_menu(self, position) -> None:
+        menu = QMenu(self)
+        for column, (key, title) in enumerate(COLUMNS):
+            if key == "name":
+                continue
+            action = menu.addAction(title)
+            action.setCheckable(True)
+            action.setChecked(not self.table.isColumnHidden(column))
+            action.toggled.connect(lambda shown, c=column: self._show_column(c, shown))
+        menu.exec(self.table.horizontalHeader().mapToGlobal(position))
+
+    def _show_column(self, column: int, shown: bool) -> None:
+        self.table.setColumnHidden(column, not shown)
+        self._show_facts()
+
+    def _show_facts(self) -> None:
+        """The selected runs' fields whose columns are hidden, as "Field value" pairs."""
+        rows = sorted({i.row() for i in self.table.selectionModel().selectedRows()})
+        hidden = [c for c in range(len(COLUMNS)) if self.table.isColumnHidden(c)]
+        lines = []
+        for row in rows:
+            pairs = [(COLUMNS[c][1], self.ledger.data(self.ledger.index(row, c)))
+                     for c in hidden]
+            facts = " · ".join(f"<b>{html.escape(title)}</b> {html.escape(str(value))}"
+                               for title, value in pairs if value not in (None, "", "—"))
+            name = self.ledger.data(self.ledger.index(row, 0))
+            lines.append(f"{html.escape(str(name))}: {facts}" if len(rows) > 1 else facts)
+        self.facts.setText("<br>".join(line for line in lines if line))
+        self.facts.setVisible(bool(self.facts.text()))
 
     def _show_details(self, paths: list[Path]) -> None:
         if not self.launch_problem.isHidden() and not paths:
@@ -629,6 +678,7 @@ class RunsPane(QWidget):
                 for path in selected:
                     self.select_run(path, add=True)
             self._sync_jobs()
+            self._show_facts()      # a live run's stage, duration and best metric move on
         self.charts.refresh()
         shown = [r for r in self.ledger.rows if r.path in self.selected_paths()]
         doing = [f"{r.name}: {r.stage_line}" for r in shown if r.active]

@@ -8,13 +8,14 @@ from pathlib import Path
 
 import numpy as np
 import pyqtgraph as pg
-from PySide6.QtCore import QSize, Qt, Signal
+from PySide6.QtCore import QEvent, QSize, Qt, Signal
 from PySide6.QtGui import QIcon, QPixmap
 from PySide6.QtWidgets import (
     QAbstractItemView,
     QComboBox,
     QDoubleSpinBox,
     QFormLayout,
+    QFrame,
     QGroupBox,
     QHBoxLayout,
     QHeaderView,
@@ -23,6 +24,7 @@ from PySide6.QtWidgets import (
     QListWidget,
     QListWidgetItem,
     QPushButton,
+    QScrollArea,
     QSlider,
     QSpinBox,
     QSplitter,
@@ -37,6 +39,7 @@ from app.audio import MAX_GAIN_DB, MIN_GAIN_DB, Player
 from app.viewmodels import samples as vm
 from app.viewmodels.runs import run_label
 from app.viewmodels.workspace import Workspace
+from app.views.charts import use_plot_style
 from app.views.combos import refill_keeping_choice
 from app.views.job_runner import JobRunner
 from engine.errors import ForgebenchError
@@ -51,6 +54,49 @@ EMPTY_RUN = ("{name} has no samples yet. Generator runs: choose a checkpoint and
              "Generate samples. LLM runs write their answers when they save a checkpoint.")
 
 
+# Below this a plot shows only its title (seen at ~15 px in a 1024x700 window): a column too
+# short for both plots scrolls instead of squashing them.
+PLOT_MIN_HEIGHT = 120
+
+
+class ClipPlot(pg.PlotWidget):
+    """A plot that asks for its minimum height (a graphics view asks for 480 px, which a
+    scrolling column would give it, leaving screens of blank space); it still grows where its
+    layout has room."""
+
+    def __init__(self, title: str):
+        use_plot_style()
+        super().__init__()
+        self.getPlotItem().setTitle(title, size="9pt")     # whole in a ~300 px column
+        self.setMinimumHeight(PLOT_MIN_HEIGHT)
+
+    def sizeHint(self) -> QSize:
+        return QSize(super().sizeHint().width(), PLOT_MIN_HEIGHT)
+
+
+class ColumnScroll(QScrollArea):
+    """A column that scrolls up and down only: as wide as its content needs (two images side
+    by side, the rubric's choices), so nothing is cut at its right edge."""
+
+    def __init__(self, content: QWidget):
+        super().__init__()
+        self.setWidget(content)
+        self.setWidgetResizable(True)
+        self.setFrameShape(QFrame.Shape.NoFrame)
+        self.setHorizontalScrollBarPolicy(Qt.ScrollBarPolicy.ScrollBarAlwaysOff)
+        content.installEventFilter(self)
+
+    def minimumSizeHint(self) -> QSize:
+        width = self.widget().minimumSizeHint().width() + \
+            self.verticalScrollBar().sizeHint().width()
+        return QSize(width, super().minimumSizeHint().height())
+
+    def eventFilter(self, watched, event) -> bool:
+        if event.type() == QEvent.Type.LayoutRequest:
+            self.updateGeometry()       # an image shown or hidden changes the width it needs
+        return super().eventFilter(watched, event)
+
+
 class AudioView(QWidget):
     """Waveform and spectrogram of one clip, its integrity flags, and playback."""
 
@@ -61,10 +107,10 @@ class AudioView(QWidget):
         self.player = player
         self.wave: np.ndarray | None = None
         self.rate = 16_000
-        self.wave_plot = pg.PlotWidget(title="waveform (as written, not normalized)")
+        self.wave_plot = ClipPlot("waveform (as written, not normalized)")
         self.wave_plot.setYRange(-1, 1)
         self.wave_curve = self.wave_plot.plot(pen=pg.mkPen("#1565c0", width=1))
-        self.spec_plot = pg.PlotWidget(title="spectrogram (log |STFT|)")
+        self.spec_plot = ClipPlot("spectrogram (log |STFT|)")
         self.spec_image = pg.ImageItem()
         self.spec_image.setColorMap(pg.colormap.get("viridis"))
         self.spec_plot.addItem(self.spec_image)
@@ -266,9 +312,12 @@ class SamplesPane(QWidget):
         dv.addWidget(self.rubric)
         dv.addStretch(1)
 
+        # The detail column scrolls on its own when its plots, flags, settings and rubric need
+        # more height than the window has; the sample list beside it stays in view.
+        self.detail_scroll = ColumnScroll(detail)
         splitter = QSplitter()
         splitter.addWidget(self.views)
-        splitter.addWidget(detail)
+        splitter.addWidget(self.detail_scroll)
         splitter.setSizes([700, 500])
         layout = QVBoxLayout(self)
         layout.addLayout(controls)

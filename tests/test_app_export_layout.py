@@ -1,0 +1,65 @@
+"""The export wizard's verification table at the size a 1024x700 window gives the pane: every
+column in view without a sideways scroll (the tokenizer and file columns needed one), titles
+on two lines, each cell whole or, for a genuinely long file name, elided with its tooltip
+holding it."""
+
+from __future__ import annotations
+
+from layout_support import shown_at
+from PySide6.QtCore import Qt
+
+from app.viewmodels import export_wizard as vm
+from app.views.export_wizard import ExportWizardPane, stacked
+from engine.export.equivalence import MIN_TOP1_DENSE, MIN_TOP1_QUANTIZED, Report, verdict
+
+CELL_MARGIN_PX = 6          # the padding a table cell keeps around its text
+
+
+def stage(name: str, file: str, top1: float) -> dict:
+    found = {"name": name, "description": name, "file": file, "tokenizer_matches": True,
+             "vs_checkpoint": {"top1_agreement": top1, "max_abs_logit_diff": 0.05681,
+                               "mean_abs_logit_diff": 0.00648, "kl_mean": 4.36e-05},
+             "greedy_vs_checkpoint": {"matches": [True] * 6}}
+    return {**found, **verdict(found, MIN_TOP1_QUANTIZED if "q" in file else MIN_TOP1_DENSE)}
+
+
+def report() -> dict:
+    """A Q4_K_M export's report as the engine assembles it, llama.cpp's row included."""
+    built = Report([{"prompt": "Record item", "answer": "0000? is in is"}],
+                   [{"name": "checkpoint", "description": "ref", "positions": 10},
+                    stage("dense", "lm-pretrain-tiny-demo-f16.gguf", 1.0),
+                    stage("quantized", "lm-pretrain-tiny-demo-q4_k_m.gguf", 1.0)],
+                   {"available": True, "answers": ["0000? is in is"],
+                    **stage("llama.cpp", "lm-pretrain-tiny-demo-q4_k_m.gguf", 1.0)}).as_dict()
+    built["export"] = {"dtype": "q4_k_m"}
+    return built
+
+
+def test_the_verification_table_fits_the_page_at_1024x700(qtbot):
+    pane = shown_at(qtbot, ExportWizardPane())
+    pane.pages.setCurrentIndex(3)
+    pane.show_report(report())
+    table = pane.stages
+    qtbot.waitUntil(lambda: table.columnWidth(0) > 0 and table.isVisible())
+    assert table.columnCount() == len(vm.LLM_COLUMNS)
+    assert table.horizontalScrollBar().maximum() == 0
+    header, metrics = table.horizontalHeader(), table.fontMetrics()
+    for c, title in enumerate(vm.LLM_COLUMNS):
+        assert header.sectionViewportPosition(c) + header.sectionSize(c) <= \
+            table.viewport().width(), title                  # in view
+        assert table.horizontalHeaderItem(c).text() == stacked(title)
+        assert max(metrics.horizontalAdvance(line) for line in stacked(title).split("\n")) \
+            + CELL_MARGIN_PX <= table.columnWidth(c), title
+    last = len(vm.LLM_COLUMNS) - 1
+    for r in range(table.rowCount()):
+        for c in range(last):                               # whole
+            text = table.item(r, c).text()
+            assert metrics.horizontalAdvance(text) + CELL_MARGIN_PX <= table.columnWidth(c), \
+                (r, c, text)
+        file = table.item(r, last)                          # elided when it must be: tooltip
+        assert file.toolTip() == file.text()
+    assert table.item(1, 1).text() == "match (≥ 99%)" and "match (≥ 99%)" in \
+        table.item(1, 1).data(Qt.ItemDataRole.ToolTipRole)
+    # twin: the same table with its titles on one line needs the sideways scroll again
+    table.setHorizontalHeaderLabels(list(vm.LLM_COLUMNS))
+    qtbot.waitUntil(lambda: table.horizontalScrollBar().maximum() > 0)
