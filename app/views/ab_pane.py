@@ -44,7 +44,7 @@ from app.viewmodels import ab as vm
 from app.viewmodels.samples import text_file, waveform
 from app.viewmodels.workspace import Workspace
 from app.views.job_runner import JobRunner
-from app.views.labels import wrapped_label
+from app.views.labels import wrap_items, wrapped_label
 from engine.errors import ForgebenchError
 from engine.fsutil import read_json
 from engine.rundir import RunDir
@@ -98,12 +98,9 @@ class ABPane(QWidget):
         self.pending_fidelity: str | None = None
 
         # setup
-        self.systems = QListWidget()
         # "run/checkpoint" names wrap in the narrow setup column: their checkpoint, which tells
         # two systems of one run apart, is never out of sight behind a sideways scroll.
-        self.systems.setWordWrap(True)
-        self.systems.setHorizontalScrollBarPolicy(Qt.ScrollBarPolicy.ScrollBarAlwaysOff)
-        self.systems.setResizeMode(QListWidget.ResizeMode.Adjust)
+        self.systems = wrap_items(QListWidget())
         self.name = QLineEdit("ab-session")
         self.rater = QLineEdit("me")
         self.seed = QSpinBox()

@@ -22,6 +22,7 @@ from app.audio import Player
 from app.viewmodels import transcripts as vm
 from app.viewmodels.workspace import Workspace, file_stamp
 from app.views.combos import refill_keeping_choice
+from app.views.labels import wrap_items
 from app.views.samples_pane import AudioView
 
 NO_RUN = ("Choose a speech-recognize run. Its evaluations (forgebench eval RUN --split val) "
@@ -41,12 +42,9 @@ class TranscriptsPane(QWidget):
         self.run_combo.currentIndexChanged.connect(self._run_chosen)
         self.eval_combo = QComboBox()
         self.eval_combo.currentIndexChanged.connect(self._eval_chosen)
-        self.list = QListWidget()
         # A clip's error count and flags end its label, and they are what the list is scanned
         # for: labels wrap at the list's width instead of running off under the splitter.
-        self.list.setWordWrap(True)
-        self.list.setHorizontalScrollBarPolicy(Qt.ScrollBarPolicy.ScrollBarAlwaysOff)
-        self.list.setResizeMode(QListWidget.ResizeMode.Adjust)
+        self.list = wrap_items(QListWidget())
         self.list.currentRowChanged.connect(self._clip_chosen)
         self.alignment = QLabel(NO_RUN)
         self.alignment.setWordWrap(True)
