@@ -6,6 +6,7 @@ bottom of the cell): the cell scrolls."""
 from __future__ import annotations
 
 import pyqtgraph as pg
+import pytest
 from layout_support import labels_cut_off, shown_at
 from PySide6.QtGui import QImage, QPainter
 
@@ -79,3 +80,22 @@ def test_the_summary_and_key_show_whole_and_scroll(qtbot):
     charts.summary.setFixedHeight(scroll.viewport().height())
     qtbot.waitUntil(lambda: charts.summary.height() == scroll.viewport().height())
     assert labels_cut_off(charts) == [text]
+
+
+
+def test_a_constant_learning_rate_is_drawn_inside_its_axis_not_on_its_floor(qtbot):
+    """shapes-generator trains at a constant lr of 1e-3: its plot spans 0 to 1.25e-3 (it was
+    0-1, the line on the floor). The twin, where-demo's warm-up to 1e-2, keeps pyqtgraph's
+    automatic range."""
+    for run, flat in (("shapes-generator", True), ("where-demo", False)):
+        charts = shown_at(qtbot, RunCharts(), CHARTS_SIZE)
+        charts.set_runs([BUNDLED_SAMPLE / "runs" / run])
+        charts.redraw()
+        qtbot.waitUntil(lambda charts=charts: "lr" in charts.plots
+                        and charts.plots["lr"].viewRange()[1][1] < 0.5)    # the data's range
+        low, high = charts.plots["lr"].viewRange()[1]
+        if flat:
+            assert (low, high) == pytest.approx((0.0, 1.25e-3))
+        else:
+            assert charts.plots["lr"].getViewBox().autoRangeEnabled()[1]
+            assert low < 0.006 and 0.01 <= high < 0.02

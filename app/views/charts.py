@@ -71,6 +71,17 @@ def _finite(xs: list[float], ys: list[float], log: bool) -> tuple[list[float], l
     return [k[0] for k in keep], [k[1] for k in keep]
 
 
+def fit_flat_line(item: pg.PlotItem, values: list[float]) -> None:
+    """A line with one value (a constant learning rate) shown from 0 to 1.25× that value.
+    pyqtgraph gives a flat line a ±0.5 band, which with the axis floored at 0 draws a 1e-3
+    line on the floor of a 0–1 axis; any other data keeps the automatic range."""
+    flat = bool(values) and max(values) == min(values) and max(values) > 0
+    if flat:
+        item.setYRange(0, 1.25 * values[0], padding=0)
+    else:
+        item.enableAutoRange(axis="y")
+
+
 def use_plot_style() -> None:
     """The plots' look (white, dark grey ink), set before a pane builds its first plot: the
     panes are built when first shown, in whatever order the user opens them."""
@@ -324,6 +335,7 @@ class RunCharts(QWidget):
         if metric == "throughput":
             item.setLabel("left", " / ".join(sorted({s.throughput[1] for s in
                                                       self.series.values()})))
+        drawn: list[float] = []
         for index, (key, series) in enumerate(self.series.items()):
             colour = PALETTE[index % len(PALETTE)]
             use_log = log and metric != "lr"
@@ -334,6 +346,7 @@ class RunCharts(QWidget):
             self._curve((key, metric), metric, pen=pg.mkPen(colour, width=2), symbol=(
                 "o" if split == "val" else None), symbolSize=6,
                 symbolBrush=colour).setData(xs, ys)
+            drawn += ys
             if metric == "loss":
                 for split, style in (("val", Qt.PenStyle.DashLine),
                                      ("test", Qt.PenStyle.DotLine)):
@@ -357,6 +370,8 @@ class RunCharts(QWidget):
                     "#a00", width=1, style=Qt.PenStyle.DashLine)).setData(
                     [min(xs), max(xs)] if clip and xs else [], [clip, clip] if clip and xs else [])
             self._markers(key, metric, series, x, (min(ys), max(ys)) if ys else None, colour)
+        if metric == "lr":
+            fit_flat_line(item, drawn)
         if metric in SHOWN_WITH_DATA:     # rows of other recipes hold NaN here
             split = "val" if metric in VAL_PLOTS else "train"
             self.plot_widgets[metric].setVisible(any(
