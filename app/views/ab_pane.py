@@ -153,7 +153,10 @@ class ABPane(QWidget):
         form = QFormLayout(setup)
         form.addRow(wrapped_label("Systems are run checkpoints with samples or generations."))
         form.addRow(self.systems)
-        form.addRow("Session name", self.name)
+        # The names a session and its earlier ones go by run long ("example-sound-checkpoints"):
+        # each gets the column's whole width under its label, so it is read whole.
+        form.addRow(QLabel("Session name"))
+        form.addRow(self.name)
         form.addRow("Rater", self.rater)
         form.addRow("Order seed", self.seed)
         form.addRow("Pairs", self.limit)
@@ -173,7 +176,8 @@ class ABPane(QWidget):
         gform.addRow(self.generate_button)
         gform.addRow(self.job)
         form.addRow(generate)
-        form.addRow("Earlier sessions", self.sessions)
+        form.addRow(QLabel("Earlier sessions"))
+        form.addRow(self.sessions)
         form.addRow(self.resume_button)
         form.addRow(self.setup_status)
 
