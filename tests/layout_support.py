@@ -38,6 +38,24 @@ def items_cut_off(widget: QListWidget) -> list[str]:
     return cut
 
 
+CELL_MARGIN_PX = 6          # the padding a table cell keeps around its text
+FIELD_MARGIN_PX = {"line edit": 16, "combo box": 40}    # frame and margins; a combo's arrow
+
+
+def fits_one_line(table: QTableWidget, text: str, column: int) -> bool:
+    """`text` fits on one line in `column` of a table that elides rather than wraps."""
+    return table.fontMetrics().horizontalAdvance(text) + CELL_MARGIN_PX <= \
+        table.columnWidth(column)
+
+
+def field_text_fits(field) -> bool:
+    """A QLineEdit's text, or a QComboBox's current text, fits the field's width."""
+    combo = hasattr(field, "currentText")
+    text = field.currentText() if combo else field.text()
+    room = field.width() - FIELD_MARGIN_PX["combo box" if combo else "line edit"]
+    return field.fontMetrics().horizontalAdvance(text) <= room
+
+
 def cells_cut_off(table: QTableWidget) -> list[str]:
     """The texts of the cells that do not fit their cell, wrapped at its width (less the
     margins the item delegate leaves either side), as the table is laid out."""

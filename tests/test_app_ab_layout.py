@@ -4,7 +4,7 @@ wrap in the setup column instead of hiding their checkpoint behind a sideways sc
 
 from __future__ import annotations
 
-from layout_support import forced_breaks, items_cut_off, shown_at
+from layout_support import field_text_fits, forced_breaks, items_cut_off, shown_at
 from PySide6.QtCore import Qt
 from PySide6.QtWidgets import QListWidgetItem
 
@@ -63,14 +63,6 @@ def test_long_system_names_wrap_in_the_setup_column(qtbot):
     assert metrics.horizontalAdvance(C) > pane.systems.viewport().width()
 
 
-def fits(field) -> bool:
-    """The field's text fits its width (QLineEdit and QComboBox keep about 2 x 8 px for their
-    frame, margins and, for a combo, the arrow)."""
-    text = field.text() if hasattr(field, "text") else field.currentText()
-    room = field.width() - (40 if hasattr(field, "currentText") else 16)
-    return field.fontMetrics().horizontalAdvance(text) <= room
-
-
 def test_session_names_show_whole_in_the_setup_column(qtbot):
     """A shipped example's session name was shown as "ample-sound-checkpoints", and the earlier
     sessions picker cut it to "example-sound-check"."""
@@ -79,8 +71,8 @@ def test_session_names_show_whole_in_the_setup_column(qtbot):
     pane.name.setText(name)
     pane.sessions.addItem(name)
     qtbot.waitUntil(lambda: pane.name.width() > 0)
-    assert fits(pane.name) and fits(pane.sessions)
+    assert field_text_fits(pane.name) and field_text_fits(pane.sessions)
     # twin: a field as narrow as the old label-beside-field row cannot hold it
     pane.name.setFixedWidth(150)
     pane.sessions.setFixedWidth(150)
-    assert not fits(pane.name) and not fits(pane.sessions)
+    assert not field_text_fits(pane.name) and not field_text_fits(pane.sessions)

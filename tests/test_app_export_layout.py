@@ -5,14 +5,12 @@ holding it."""
 
 from __future__ import annotations
 
-from layout_support import shown_at
+from layout_support import CELL_MARGIN_PX, fits_one_line, shown_at
 from PySide6.QtCore import Qt
 
 from app.viewmodels import export_wizard as vm
 from app.views.export_wizard import ExportWizardPane, stacked
 from engine.export.equivalence import MIN_TOP1_DENSE, MIN_TOP1_QUANTIZED, Report, verdict
-
-CELL_MARGIN_PX = 6          # the padding a table cell keeps around its text
 
 
 def stage(name: str, file: str, top1: float) -> dict:
@@ -54,8 +52,7 @@ def test_the_verification_table_fits_the_page_at_1024x700(qtbot):
     for r in range(table.rowCount()):
         for c in range(last):                               # whole
             text = table.item(r, c).text()
-            assert metrics.horizontalAdvance(text) + CELL_MARGIN_PX <= table.columnWidth(c), \
-                (r, c, text)
+            assert fits_one_line(table, text, c), (r, c, text)
         file = table.item(r, last)                          # elided when it must be: tooltip
         assert file.toolTip() == file.text()
     assert table.item(1, 1).text() == "match (≥ 99%)" and "match (≥ 99%)" in \

@@ -5,7 +5,7 @@ not show listed for the selected run under the ledger, so nothing is lost."""
 
 from __future__ import annotations
 
-from layout_support import labels_cut_off, shown_at
+from layout_support import fits_one_line, labels_cut_off, shown_at
 from PySide6.QtCore import Qt
 from test_app_support import write_run
 
@@ -14,7 +14,6 @@ from app.views.runs_pane import COLUMNS, SHOWN_COLUMNS, RunsPane
 from engine.fsutil import atomic_write_text
 
 LONG = "lm-pretrain-tiny-20261201-181550-with-a-longer-name"
-CELL_MARGIN_PX = 6          # the padding a table cell keeps around its text
 
 
 def ledger_workspace(root) -> Workspace:
@@ -41,8 +40,7 @@ def test_the_ledger_fits_beside_the_charts_and_loses_nothing(qtbot, tmp_path):
     for key in SHOWN_COLUMNS[1:]:           # status and step show whole
         for r in range(model.rowCount()):
             text = model.data(model.index(r, columns[key]))
-            assert metrics.horizontalAdvance(text) + CELL_MARGIN_PX <= \
-                table.columnWidth(columns[key]), (key, text)
+            assert fits_one_line(table, text, columns[key]), (key, text)
     assert model.data(model.index(row, columns["progress"])) == "105 / 100000"
     assert len({table.rowHeight(r) for r in range(model.rowCount())}) == 1    # no wrapped row
     # the long name is elided in the middle; its tooltip holds it
