@@ -187,7 +187,8 @@ def part2_screens(window: MainWindow, workspace: Workspace, shot, app: QApplicat
 def example_screens(window: MainWindow, workspace: Workspace, shot, app: QApplication) -> None:
     """The sample workspace as a new user finds it: its finished example runs in the ledger,
     the recognisable image generator's and the sound generator's samples, a blind A/B of the
-    sound generator's two checkpoints, and the image generator exported."""
+    sound generator's two checkpoints, the image generator exported, and the tabular
+    example's selection report."""
     runs_dir = workspace.runs_dir
     window.sidebar.setCurrentRow(PANES.index("Runs"))
     runs = window.runs
@@ -218,6 +219,10 @@ def example_screens(window: MainWindow, workspace: Workspace, shot, app: QApplic
     export.export()
     wait_until(app, lambda: not export.export_job.running)
     shot("27-export-example-shapes-generator-verified")
+    window.sidebar.setCurrentRow(PANES.index("Reports"))
+    reports = window.reports
+    reports.run_combo.setCurrentIndex(reports.run_combo.findData(str(runs_dir / "sensor-alert")))
+    shot("29-reports-tabular-calibration-and-alerts")
 
 
 def wait_until(app: QApplication, condition, seconds: float = 900) -> None:

@@ -73,7 +73,9 @@ EXAMPLES: dict[str, Example] = {
         "(Samples and Blind A/B of sounds, Export)", {},
         ("--n", "2", "--seed", "0")),       # its config's cfg 2, the full 256-step sampler
     "sensor-alert": Example(
-        "tabular-classify", "the calibrated fault alert on the sensors table", KEEP_ONE),
+        "tabular-classify", "the calibrated fault alert on the sensors table (Reports: the "
+        "precision-recall curve, reliability before and after calibration, the alert's "
+        "confusion matrix in counts)", KEEP_ONE),
     "shapes-segmenter": Example(
         "image-segment", "a TinyUNet that outlines the shape in each picture of the shapes set "
         "(Masks: per-image IoU, predictions worst-first, contours)", KEEP_ONE,

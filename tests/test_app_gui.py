@@ -70,6 +70,10 @@ def test_first_launch_opens_the_sample_workspace(window, tmp_path):
     assert transcripts.run_combo.currentText() == "speech-commands"
     assert transcripts.eval_combo.count() == 2 and transcripts.list.count() > 0
     assert "title='substituted'" in transcripts.alignment.text()
+    # The tabular example's selection report, its PR curve and reliability plot, in Reports.
+    reports = window.reports
+    assert reports.run_combo.currentText() == "sensor-alert"
+    assert "(TP)" in reports.summary.text() and len(reports.pictures) == 2
     # The second launch reopens the most recent workspace.
     assert open_initial_workspace(window) and window.workspace.root == copy.resolve()
 

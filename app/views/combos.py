@@ -1,9 +1,13 @@
 """Refilling a combo box while the workspace changes under it, without losing the user's
-choice or firing a spurious "chosen" signal."""
+choice or firing a spurious "chosen" signal; and the run-and-file picker the Transcripts and
+Reports panes share."""
 
 from __future__ import annotations
 
-from PySide6.QtWidgets import QComboBox
+from PySide6.QtCore import Signal
+from PySide6.QtWidgets import QComboBox, QHBoxLayout, QLabel, QWidget
+
+from app.viewmodels.workspace import file_stamp
 
 
 def refill_keeping_choice(combo: QComboBox, items: list[tuple[str, object]]) -> bool:
@@ -19,3 +23,51 @@ def refill_keeping_choice(combo: QComboBox, items: list[tuple[str, object]]) -> 
     combo.setCurrentIndex(max(index, 0))
     combo.blockSignals(False)
     return index >= 0
+
+
+class RunFilePicker(QWidget):
+    """A run and one of its files (an evaluation, a report) in two labelled combos, refilled
+    as the workspace changes: `refresh()` keeps both choices where they still exist, and
+    `chosen(path, rewritten)` fires when the chosen file changes (`rewritten` False) or was
+    written again since it was shown (True: the pane keeps its place in it)."""
+
+    chosen = Signal(object, bool)
+
+    def __init__(self, file_label: str, runs_of, files_of, parent=None):
+        """`runs_of()` gives the (label, run path) choices; `files_of(run path)` a run's
+        (label, file path) choices."""
+        super().__init__(parent)
+        self.runs_of, self.files_of = runs_of, files_of
+        self.loaded: tuple | None = None       # file_stamp of the file the pane shows
+        self.run_combo = QComboBox()
+        self.file_combo = QComboBox()
+        for combo in (self.run_combo, self.file_combo):
+            combo.setMinimumContentsLength(20)
+        self.run_combo.currentIndexChanged.connect(self._run_chosen)
+        self.file_combo.currentIndexChanged.connect(lambda *_: self._file_chosen(False))
+        row = QHBoxLayout(self)
+        row.setContentsMargins(0, 0, 0, 0)
+        for label, combo in (("Run", self.run_combo), (file_label, self.file_combo)):
+            row.addWidget(QLabel(label))
+            row.addWidget(combo, 1)
+
+    def refresh(self) -> None:
+        if not refill_keeping_choice(self.run_combo, self.runs_of()):
+            self._run_chosen()
+        elif not self._fill_files():
+            self._file_chosen(False)
+        elif self.loaded != file_stamp(self.file_combo.currentData()):
+            self._file_chosen(True)
+
+    def _run_chosen(self, *_) -> None:
+        self._fill_files()
+        self._file_chosen(False)
+
+    def _fill_files(self) -> bool:
+        run = self.run_combo.currentData()
+        return refill_keeping_choice(self.file_combo, self.files_of(run) if run else [])
+
+    def _file_chosen(self, rewritten: bool) -> None:
+        path = self.file_combo.currentData()
+        self.loaded = file_stamp(path)
+        self.chosen.emit(path, rewritten)

@@ -50,7 +50,7 @@ from app.views.tour_panel import TourPanel
 from engine.errors import ForgebenchError
 
 PANES = ("Datasets", "Labels && Masks", "Runs", "Samples", "Blind A/B", "Export",
-         "Models", "Chat", "Transcripts")
+         "Models", "Chat", "Transcripts", "Reports")
 # Each pane's attribute on the window and the class that builds it, in sidebar order; the
 # modules are imported only when the pane is built (or pre-imported off the GUI thread).
 PANE_CLASSES = (("datasets", "app.views.datasets_pane", "DatasetsPane"),
@@ -61,7 +61,8 @@ PANE_CLASSES = (("datasets", "app.views.datasets_pane", "DatasetsPane"),
                 ("export", "app.views.export_wizard", "ExportWizardPane"),
                 ("models", "app.views.models_pane", "ModelsPane"),
                 ("chat", "app.views.chat_pane", "ChatPane"),
-                ("transcripts", "app.views.transcripts_pane", "TranscriptsPane"))
+                ("transcripts", "app.views.transcripts_pane", "TranscriptsPane"),
+                ("reports", "app.views.reports_pane", "ReportsPane"))
 PANE_NAMES = tuple(name for name, _, _ in PANE_CLASSES)
 DEFAULT_SIZE = (1440, 900)
 MIN_SIZE = (900, 600)
@@ -250,6 +251,7 @@ class MainWindow(QMainWindow):
     models = property(lambda self: self.pane("models"))
     chat = property(lambda self: self.pane("chat"))
     transcripts = property(lambda self: self.pane("transcripts"))
+    reports = property(lambda self: self.pane("reports"))
 
     def _show_row(self, row: int) -> None:
         if 0 <= row < len(PANE_NAMES):
@@ -400,7 +402,7 @@ class MainWindow(QMainWindow):
         if "configs" in changes and built("runs"):
             self.runs.reload_configs()
         if "runs" in changes:
-            for name in ("samples", "export", "transcripts", "masks"):
+            for name in ("samples", "export", "transcripts", "masks", "reports"):
                 if built(name):
                     built(name).refresh_runs()
         if changes & {"runs", "ratings"} and built("ab"):

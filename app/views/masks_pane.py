@@ -28,7 +28,6 @@ from PySide6.QtWidgets import (
     QListWidgetItem,
     QPushButton,
     QRadioButton,
-    QSizePolicy,
     QSlider,
     QSpinBox,
     QSplitter,
@@ -55,7 +54,7 @@ from app.viewmodels.workspace import Workspace, file_stamp
 from app.views.background import BackgroundCall
 from app.views.combos import refill_keeping_choice
 from app.views.engine_process import run_engine
-from app.views.labels import wrap_items
+from app.views.labels import FittedPicture, wrap_items
 from engine.data.dataset import Dataset, load_dataset
 from engine.errors import ForgebenchError
 
@@ -151,34 +150,6 @@ class MaskCanvas(QWidget):
         self.edited.emit()
 
 
-class PixelPanel(QLabel):
-    """A small image (a 64x64 mask, its input) drawn as large as the label allows, keeping its
-    aspect ratio; nearest-neighbour scaling, so each mask pixel stays a crisp square."""
-
-    def __init__(self, text: str = "", parent=None):
-        super().__init__(text, parent)
-        self.source = QPixmap()
-        self.setAlignment(Qt.AlignmentFlag.AlignCenter)
-        self.setMinimumSize(96, 96)
-        # The layout gives the size; the pixmap follows it (never the reverse, or each
-        # rescale would ask for more room).
-        self.setSizePolicy(QSizePolicy.Policy.Ignored, QSizePolicy.Policy.Ignored)
-
-    def set_source(self, pixmap: QPixmap) -> None:
-        self.source = pixmap
-        self._rescale()
-
-    def resizeEvent(self, event) -> None:
-        super().resizeEvent(event)
-        self._rescale()
-
-    def _rescale(self) -> None:
-        if not self.source.isNull():
-            self.setPixmap(self.source.scaled(self.contentsRect().size(),
-                                              Qt.AspectRatioMode.KeepAspectRatio,
-                                              Qt.TransformationMode.FastTransformation))
-
-
 class PredictionsView(QWidget):
     """A segmentation run's eval: per-image IoU and boundary F1 in a sortable table (worst
     first), and the selected image's prediction next to its target."""
@@ -197,7 +168,7 @@ class PredictionsView(QWidget):
         self.table.horizontalHeader().setSectionResizeMode(
             QHeaderView.ResizeMode.ResizeToContents)
         self.table.currentCellChanged.connect(lambda row, *_: self._show(row))
-        self.images = {name: PixelPanel(name) for name in self.PANELS}
+        self.images = {name: FittedPicture(name, crisp=True) for name in self.PANELS}
         self.summary = QLabel()
         self.summary.setWordWrap(True)
         grid = QGridLayout()          # two by two: each panel gets half the width, not a

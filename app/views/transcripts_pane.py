@@ -9,8 +9,6 @@ from pathlib import Path
 
 from PySide6.QtCore import Qt, Signal
 from PySide6.QtWidgets import (
-    QComboBox,
-    QHBoxLayout,
     QLabel,
     QListWidget,
     QSplitter,
@@ -20,8 +18,8 @@ from PySide6.QtWidgets import (
 
 from app.audio import Player
 from app.viewmodels import transcripts as vm
-from app.viewmodels.workspace import Workspace, file_stamp
-from app.views.combos import refill_keeping_choice
+from app.viewmodels.workspace import Workspace
+from app.views.combos import RunFilePicker
 from app.views.labels import wrap_items
 from app.views.samples_pane import AudioView
 
@@ -36,12 +34,12 @@ class TranscriptsPane(QWidget):
         super().__init__(parent)
         self.workspace: Workspace | None = None
         self.clips: list[vm.Clip] = []
-        self.loaded: tuple | None = None    # file_stamp of the evaluation the list shows
-        self.run_combo = QComboBox()
-        self.run_combo.setMinimumContentsLength(24)
-        self.run_combo.currentIndexChanged.connect(self._run_chosen)
-        self.eval_combo = QComboBox()
-        self.eval_combo.currentIndexChanged.connect(self._eval_chosen)
+        self.picker = RunFilePicker(
+            "Evaluation", lambda: vm.speech_runs(self.workspace.run_dirs() if self.workspace
+                                                 else []),
+            lambda run: [(f.name[:-len(vm.SUFFIX)], str(f)) for f in vm.transcript_files(run)])
+        self.picker.chosen.connect(self._eval_chosen)
+        self.run_combo, self.eval_combo = self.picker.run_combo, self.picker.file_combo
         # A clip's error count and flags end its label, and they are what the list is scanned
         # for: labels wrap at the list's width instead of running off under the splitter.
         self.list = wrap_items(QListWidget())
@@ -54,10 +52,6 @@ class TranscriptsPane(QWidget):
         self.audio = AudioView(Player())
         self.audio.message.connect(self.message)
 
-        pick = QHBoxLayout()
-        for label, widget in (("Run", self.run_combo), ("Evaluation", self.eval_combo)):
-            pick.addWidget(QLabel(label))
-            pick.addWidget(widget, 1)
         detail = QWidget()
         right = QVBoxLayout(detail)
         right.addWidget(self.alignment)
@@ -68,7 +62,7 @@ class TranscriptsPane(QWidget):
         splitter.addWidget(detail)
         splitter.setSizes([320, 640])
         layout = QVBoxLayout(self)
-        layout.addLayout(pick)
+        layout.addWidget(self.picker)
         layout.addWidget(splitter, 1)
 
     def set_workspace(self, workspace: Workspace) -> None:
@@ -78,30 +72,13 @@ class TranscriptsPane(QWidget):
     def refresh_runs(self) -> None:
         """New runs and evaluations appear; the chosen run, evaluation and clip stay chosen,
         and the chosen evaluation is read again when its file was written again."""
-        runs = vm.speech_runs(self.workspace.run_dirs() if self.workspace else [])
-        if not refill_keeping_choice(self.run_combo, runs):
-            self._run_chosen()
-        elif not self._fill_evals():
-            self._eval_chosen()
-        elif self.loaded != file_stamp(self.eval_combo.currentData()):
-            self._load_clips(max(self.list.currentRow(), 0))
+        self.picker.refresh()
 
-    def _run_chosen(self, *_) -> None:
-        self._fill_evals()
-        self._eval_chosen()
-
-    def _fill_evals(self) -> bool:
-        data = self.run_combo.currentData()
-        files = vm.transcript_files(data) if data else []
-        return refill_keeping_choice(self.eval_combo,
-                                     [(f.name[:-len(vm.SUFFIX)], str(f)) for f in files])
-
-    def _eval_chosen(self, *_) -> None:
-        self._load_clips(0)
+    def _eval_chosen(self, _path, rewritten: bool) -> None:
+        self._load_clips(max(self.list.currentRow(), 0) if rewritten else 0)
 
     def _load_clips(self, row: int) -> None:
         data = self.eval_combo.currentData()
-        self.loaded = file_stamp(data)
         self.clips = vm.load_clips(data) if data else []
         self.list.clear()
         self.list.addItems([vm.clip_label(c) for c in self.clips])

@@ -1,0 +1,181 @@
+"""Evaluation reports of a run, Qt-free: each evals/<name>.json the engine wrote, read as
+
+1. its headline: split, checkpoint and step;
+2. a before/after table where the report holds a pair of the same measurements (a classifier's
+   `uncalibrated`/`calibrated` figures, `val_before`/`val_after`, `before`/`after`), with a
+   note where an ECE is below the ECE a perfectly calibrated model would show on as many rows
+   (`ece_noise_floor`): that split cannot tell the two apart;
+3. the alert's confusion matrix in counts (`tn`, `fp`, `fn`, `tp`, at the top or in
+   `threshold`);
+4. every scalar figure by its dotted path, nested dicts included (lists are left to the
+   pictures and the engine's own files);
+5. the pictures it names (`plots`, run-relative PNG paths; else evals/<name>-*.png).
+
+Written by the recipes (tabular-classify's selection and `forgebench eval` reports with their
+PR curve and reliability plot, lm-decision's calibration report, every recipe's eval records);
+this module only reads them.
+"""
+
+from __future__ import annotations
+
+import html
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from engine.errors import ForgebenchError
+from engine.rundir import RunDir
+
+PAIRS = (("uncalibrated", "calibrated"), ("val_before", "val_after"), ("before", "after"))
+CONFUSION = ("tn", "fp", "fn", "tp")
+MAX_DEPTH = 4       # dotted paths deeper than this are the engine files' business
+
+
+@dataclass
+class Report:
+    name: str
+    path: Path
+    record: dict
+
+    @property
+    def run_dir(self) -> Path:
+        return self.path.parent.parent
+
+    def headline(self) -> str:
+        parts = [f"{key} {self.record[key]}" for key in ("split", "checkpoint", "step")
+                 if key in self.record]
+        return f"{self.name}: " + ", ".join(parts) if parts else self.name
+
+    def pair(self) -> tuple[str, str, list[tuple[str, float, float]]] | None:
+        """(before key, after key, [(measurement, before, after)]) of the first pair of dicts
+        the report holds with numbers in both."""
+        for before, after in PAIRS:
+            a, b = self.record.get(before), self.record.get(after)
+            if isinstance(a, dict) and isinstance(b, dict):
+                rows = [(key, a[key], b[key]) for key in a
+                        if key in b and _number(a[key]) and _number(b[key])]
+                if rows:
+                    return before, after, rows
+        return None
+
+    def noise_notes(self) -> list[str]:
+        """Where a pair's ECE lies below its noise floor: what that split can and cannot say."""
+        pair = self.pair()
+        if pair is None:
+            return []
+        before, after, rows = pair
+        values = {key: (b, a) for key, b, a in rows}
+        if "ece" not in values or "ece_noise_floor" not in values:
+            return []
+        floor = max(values["ece_noise_floor"])
+        below = [label for label, value in zip((before, after), values["ece"]) if value < floor]
+        if not below:
+            return []
+        rows_text = f" on its {values['rows'][0]:g} rows" if "rows" in values else ""
+        return [f"A perfectly calibrated model would show an ECE of about {floor:.3f}"
+                f"{rows_text} from chance alone, and the {' and '.join(below)} ECE lies below "
+                f"that: this split cannot tell the two apart. Log loss and Brier score weigh "
+                f"every row; compare those, or evaluate on more rows."]
+
+    def confusion(self) -> dict | None:
+        """tn/fp/fn/tp counts (with the threshold when known), from the top level or the
+        report's chosen `threshold`."""
+        for source in (self.record, self.record.get("threshold")):
+            if isinstance(source, dict) and all(isinstance(source.get(k), int)
+                                                for k in CONFUSION):
+                return {k: source[k] for k in (*CONFUSION, "threshold") if k in source}
+        return None
+
+    def figures(self) -> list[tuple[str, str]]:
+        """(dotted path, value as text) of every scalar in the report: each level's own
+        scalars before its nested dicts, so a report's headline figures (wer, iou, loss) come
+        first."""
+        out: list[tuple[str, str]] = []
+
+        def walk(record: dict, prefix: str, depth: int) -> None:
+            nested = []
+            for key, value in record.items():
+                if isinstance(value, dict):
+                    nested.append((key, value))
+                elif not isinstance(value, list):
+                    out.append((prefix + str(key), format_value(value)))
+            if depth < MAX_DEPTH:
+                for key, value in nested:
+                    walk(value, f"{prefix}{key}.", depth + 1)
+        walk(self.record, "", 1)
+        return out
+
+    def pictures(self) -> list[Path]:
+        named = self.record.get("plots")
+        if isinstance(named, list) and named:
+            paths = [self.run_dir / p for p in named if isinstance(p, str)]
+        else:
+            paths = sorted(self.path.parent.glob(f"{self.name}-*.png"))
+        return [p for p in paths if p.is_file()]
+
+
+def _number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def format_value(value) -> str:
+    if isinstance(value, bool) or value is None:
+        return str(value).lower() if value is not None else "null"
+    if isinstance(value, float):
+        return f"{value:.4g}"
+    return str(value)
+
+
+def reports_of(run_dir: str | Path) -> list[Report]:
+    """The run's evaluation reports (evals/*.json), by name; an unreadable one is skipped
+    here (`forgebench eval` wrote it whole or not at all: atomic writes)."""
+    folder = Path(run_dir) / "evals"
+    reports = []
+    for path in sorted(folder.glob("*.json")) if folder.is_dir() else []:
+        try:
+            record = json.loads(path.read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            continue
+        if isinstance(record, dict):
+            reports.append(Report(path.stem, path, record))
+    return reports
+
+
+def report_runs(run_dirs: list[Path]) -> list[tuple[str, str]]:
+    """(label, path) of every run with at least one evaluation report."""
+    out = []
+    for path in run_dirs:
+        try:
+            RunDir(path).manifest()
+        except ForgebenchError:          # an unreadable run.json: the Runs pane reports it
+            continue
+        if reports_of(path):
+            out.append((path.name, str(path)))
+    return out
+
+
+def summary_html(report: Report) -> str:
+    """The headline, the before/after table with its notes, and the confusion matrix."""
+    parts = [f"<b>{html.escape(report.headline())}</b>"]
+    pair = report.pair()
+    if pair is not None:
+        before, after, rows = pair
+        body = "".join(f"<tr><td>{html.escape(key)}</td><td align='right'>{format_value(b)}"
+                       f"</td><td align='right'>{format_value(a)}</td></tr>"
+                       for key, b, a in rows)
+        parts.append("<table cellspacing='0' cellpadding='3' border='1'>"
+                     f"<tr><th></th><th>{html.escape(before)}</th>"
+                     f"<th>{html.escape(after)}</th></tr>{body}</table>")
+        parts += [f"<i>{html.escape(note)}</i>" for note in report.noise_notes()]
+    confusion = report.confusion()
+    if confusion is not None:
+        at = (f" at threshold {format_value(confusion['threshold'])}"
+              if "threshold" in confusion else "")
+        parts.append(f"Alerts{at}, in counts:"
+                     "<table cellspacing='0' cellpadding='3' border='1'>"
+                     "<tr><th></th><th>alert</th><th>no alert</th></tr>"
+                     f"<tr><th>fault</th><td align='right'>{confusion['tp']} (TP)</td>"
+                     f"<td align='right'>{confusion['fn']} (FN)</td></tr>"
+                     f"<tr><th>no fault</th><td align='right'>{confusion['fp']} (FP)</td>"
+                     f"<td align='right'>{confusion['tn']} (TN)</td></tr></table>")
+    return "<br>".join(parts)
