@@ -94,6 +94,22 @@ def test_an_example_run_is_deleted_from_the_ledger_but_not_while_a_job_holds_it(
     assert held.is_dir() and runs.ledger.row(held) is not None        # kept: a job held it
 
 
+def test_the_runs_reports_button_opens_the_selected_run_s_reports(window, qtbot):
+    assert open_initial_workspace(window)
+    runs, ws = window.runs, window.workspace
+    runs.select_run(ws.runs_dir / "where-demo")              # no evals/: nothing to open
+    assert not runs.reports_button.isEnabled()
+    runs.select_run(ws.runs_dir / "sensor-alert")
+    assert runs.reports_button.isEnabled()
+    qtbot.mouseClick(runs.reports_button, Qt.MouseButton.LeftButton)
+    assert window.sidebar.currentItem().text() == "Reports"
+    assert window.reports.run_combo.currentText() == "sensor-alert"
+    assert window.reports.report_combo.currentText() == "selection-step-000001"
+    runs.select_run(ws.runs_dir / "speech-commands")
+    runs.reports_button.click()
+    assert window.reports.run_combo.currentText() == "speech-commands"
+
+
 def test_planted_dataset_error_is_marked_at_its_record(window, qtbot, tmp_path):
     ws = make_workspace(tmp_path / "ws", shapes=12, records=False)
     records = ws.datasets_dir / "shapes" / "records.jsonl"

@@ -141,6 +141,12 @@ def reports_of(run_dir: str | Path) -> list[Report]:
     return reports
 
 
+def has_reports(run_dir: str | Path) -> bool:
+    """Whether the run has an evaluation report (a listing, no file read)."""
+    folder = Path(run_dir) / "evals"
+    return folder.is_dir() and next(folder.glob("*.json"), None) is not None
+
+
 def report_runs(run_dirs: list[Path]) -> list[tuple[str, str]]:
     """(label, path) of every run with at least one evaluation report."""
     out = []

@@ -223,6 +223,7 @@ class MainWindow(QMainWindow):
         built.message.connect(self.show_message)
         if name == "runs":
             built.threads = int(self.settings.get("threads", 0)) or None
+            built.reports_requested.connect(self.show_reports)
         elif name == "masks":
             built.dataset_saved.connect(self._dataset_saved)
         elif name == "models":
@@ -420,6 +421,11 @@ class MainWindow(QMainWindow):
         config it wrote, and is shown with the new run's charts."""
         self.runs.start_config(Path(config))
         self.sidebar.setCurrentRow(PANE_NAMES.index("runs"))
+
+    def show_reports(self, run_dir: Path) -> None:
+        """The Reports pane on `run_dir` (the Runs pane's "Reports" button)."""
+        self.show_pane("Reports")
+        self.reports.show_run(run_dir)
 
     def follow_run(self, run_dir: Path) -> None:
         """The Runs pane, showing a run another pane started once its folder appears."""

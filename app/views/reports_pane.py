@@ -79,6 +79,13 @@ class ReportsPane(QWidget):
         on screen is read again when its file was written again."""
         self.picker.refresh()
 
+    def show_run(self, run_dir) -> None:
+        """Choose `run_dir` (the Runs pane's "Reports" button), listed or not yet."""
+        self.refresh_runs()
+        index = self.run_combo.findData(str(run_dir))
+        if index >= 0:
+            self.run_combo.setCurrentIndex(index)
+
     def _report_chosen(self, path: str | None, _rewritten: bool) -> None:
         run = self.run_combo.currentData()
         self.report = next((r for r in vm.reports_of(run) if str(r.path) == path),

@@ -36,6 +36,7 @@ from app.viewmodels import jobs
 from app.viewmodels.forms import RecipeForm, new_config_from_template, recipe_templates
 from app.viewmodels.jobs import BackgroundJob
 from app.viewmodels.models import library_files
+from app.viewmodels.reports import has_reports
 from app.viewmodels.runs import (
     BestEval,
     LedgerRow,
@@ -196,6 +197,7 @@ class LedgerModel(QAbstractTableModel):
 
 class RunsPane(QWidget):
     message = Signal(str)
+    reports_requested = Signal(object)      # a run folder: show its evaluation reports
 
     def __init__(self, parent=None):
         super().__init__(parent)
@@ -256,6 +258,12 @@ class RunsPane(QWidget):
         self.resume_steps.setRange(0, 10_000_000)
         self.resume_steps.setSpecialValueText("same target")
         self.resume_steps.setPrefix("to step ")
+        self.reports_button = QPushButton("Reports")
+        self.reports_button.setToolTip("The selected run's evaluation reports, figures and "
+                                       "plots, in the Reports pane")
+        self.reports_button.setEnabled(False)
+        self.reports_button.clicked.connect(
+            lambda: self.reports_requested.emit(self.selected_paths()[0]))
         self.delete_button = QPushButton("Delete…")
         self.delete_button.setToolTip("Delete the selected runs' folders (example runs too)")
         self.stop_button.clicked.connect(self.stop_selected)
@@ -345,7 +353,11 @@ class RunsPane(QWidget):
         cv.setContentsMargins(0, 0, 0, 0)
         cv.addWidget(self.stage_label)
         cv.addWidget(self.charts, 1)
-        cv.addWidget(help_link("metrics", "What do these charts and figures mean?"))
+        under_charts = QHBoxLayout()     # (the ledger's button row has no room left at 1024)
+        under_charts.addWidget(help_link("metrics", "What do these charts and figures mean?"))
+        under_charts.addStretch(1)
+        under_charts.addWidget(self.reports_button)
+        cv.addLayout(under_charts)
         splitter = QSplitter()
         splitter.addWidget(self.left_tabs)
         splitter.addWidget(charts_box)
@@ -600,6 +612,7 @@ class RunsPane(QWidget):
         paths = self.selected_paths()
         self.charts.set_runs(paths)
         self.search_box.set_run(paths[0] if len(paths) == 1 else None)
+        self.reports_button.setEnabled(len(paths) == 1 and has_reports(paths[0]))
         self._show_details(paths)
         self._show_facts()
 
