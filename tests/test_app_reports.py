@@ -21,7 +21,7 @@ def _report(tmp_path, record: dict, name: str = "selection-step-000001") -> vm.R
     evals = tmp_path / "run" / "evals"
     evals.mkdir(parents=True, exist_ok=True)
     (evals / f"{name}.json").write_text(json.dumps(record))
-    return vm.reports_of(tmp_path / "run")[0]
+    return vm.read_report(vm.report_files(tmp_path / "run")[0])
 
 
 CALIBRATION = {"split": "val", "checkpoint": "step-000001", "step": 1,
@@ -134,3 +134,18 @@ def test_a_new_report_appears_and_a_rewritten_one_is_read_again(qtbot, sample):
     shutil.rmtree(run / "evals")                             # a run without reports leaves
     pane.refresh_runs()
     assert pane.run_combo.findText("sensor-alert") < 0
+
+
+def test_a_damaged_report_is_listed_and_says_what_is_wrong_with_it(qtbot, sample):
+    from app.views.reports_pane import ReportsPane
+    evals = sample.runs_dir / "sensor-alert" / "evals"
+    (evals / "val-step-000001.json").write_text('{"split": "val", "ece": 0.0')   # cut short
+    pane = shown_at(qtbot, ReportsPane())
+    pane.set_workspace(sample)
+    assert pane.report_combo.currentText() == "selection-step-000001"      # twin: read whole
+    assert "(TP)" in pane.summary.text()
+    pane.report_combo.setCurrentIndex(pane.report_combo.findText("val-step-000001"))
+    text = pane.summary.text()
+    assert "cannot read the report" in text and "val-step-000001.json" in text
+    assert "forgebench eval RUN --split val" in text
+    assert pane.pictures == [] and pane.figures.rowCount() == 0

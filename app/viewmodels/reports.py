@@ -126,25 +126,24 @@ def format_value(value) -> str:
     return str(value)
 
 
-def reports_of(run_dir: str | Path) -> list[Report]:
-    """The run's evaluation reports (evals/*.json), by name; an unreadable one is skipped
-    here (`forgebench eval` wrote it whole or not at all: atomic writes)."""
+def report_files(run_dir: str | Path) -> list[Path]:
+    """The run's evaluation reports (evals/*.json), by name: a listing, no file read."""
     folder = Path(run_dir) / "evals"
-    reports = []
-    for path in sorted(folder.glob("*.json")) if folder.is_dir() else []:
-        try:
-            record = json.loads(path.read_text(encoding="utf-8"))
-        except (OSError, ValueError):
-            continue
-        if isinstance(record, dict):
-            reports.append(Report(path.stem, path, record))
-    return reports
+    return sorted(folder.glob("*.json")) if folder.is_dir() else []
 
 
-def has_reports(run_dir: str | Path) -> bool:
-    """Whether the run has an evaluation report (a listing, no file read)."""
-    folder = Path(run_dir) / "evals"
-    return folder.is_dir() and next(folder.glob("*.json"), None) is not None
+def read_report(path: str | Path) -> Report:
+    """One report; a file that is not a JSON object is refused with its path."""
+    path = Path(path)
+    hint = "run `forgebench eval RUN --split val` again to rewrite it"
+    try:
+        record = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise ForgebenchError(f"cannot read the report: {exc}", path=path, hint=hint) from None
+    if not isinstance(record, dict):
+        raise ForgebenchError(f"a report is a JSON object; this file holds a "
+                              f"{type(record).__name__}", path=path, hint=hint)
+    return Report(path.stem, path, record)
 
 
 def report_runs(run_dirs: list[Path]) -> list[tuple[str, str]]:
@@ -155,7 +154,7 @@ def report_runs(run_dirs: list[Path]) -> list[tuple[str, str]]:
             RunDir(path).manifest()
         except ForgebenchError:          # an unreadable run.json: the Runs pane reports it
             continue
-        if reports_of(path):
+        if report_files(path):
             out.append((path.name, str(path)))
     return out
 

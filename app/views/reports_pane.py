@@ -6,6 +6,8 @@ reading lives in app/viewmodels/reports.py."""
 
 from __future__ import annotations
 
+import html
+
 from PySide6.QtCore import Qt, Signal
 from PySide6.QtGui import QPixmap
 from PySide6.QtWidgets import (
@@ -21,6 +23,7 @@ from app.viewmodels import reports as vm
 from app.viewmodels.workspace import Workspace
 from app.views.combos import RunFilePicker
 from app.views.labels import FittedPicture, wrapped_label
+from engine.errors import ForgebenchError
 
 NO_RUN = ("Choose a run with evaluation reports: tabular-classify writes its selection report "
           "when it trains, and `forgebench eval RUN --split val` writes one for any recipe.")
@@ -36,7 +39,7 @@ class ReportsPane(QWidget):
         self.picker = RunFilePicker(
             "Report", lambda: vm.report_runs(self.workspace.run_dirs() if self.workspace
                                              else []),
-            lambda run: [(r.name, str(r.path)) for r in vm.reports_of(run)])
+            lambda run: [(path.stem, str(path)) for path in vm.report_files(run)])
         self.picker.chosen.connect(self._report_chosen)
         self.run_combo, self.report_combo = self.picker.run_combo, self.picker.file_combo
         self.summary = wrapped_label(NO_RUN, selectable=True)
@@ -87,14 +90,19 @@ class ReportsPane(QWidget):
             self.run_combo.setCurrentIndex(index)
 
     def _report_chosen(self, path: str | None, _rewritten: bool) -> None:
-        run = self.run_combo.currentData()
-        self.report = next((r for r in vm.reports_of(run) if str(r.path) == path),
-                           None) if run and path else None
-        self._show()
+        self.report, problem = None, None
+        if path:
+            try:
+                self.report = vm.read_report(path)
+            except ForgebenchError as exc:
+                problem = exc.render()
+        self._show(problem)
 
-    def _show(self) -> None:
+    def _show(self, problem: str | None = None) -> None:
         report = self.report
-        self.summary.setText(vm.summary_html(report) if report else NO_RUN)
+        self.summary.setText(vm.summary_html(report) if report else
+                             html.escape(problem).replace("\n", "<br>") if problem
+                             else NO_RUN)
         figures = report.figures() if report else []
         self.figures.setRowCount(len(figures))
         for row, (path, value) in enumerate(figures):

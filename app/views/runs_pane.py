@@ -36,7 +36,7 @@ from app.viewmodels import jobs
 from app.viewmodels.forms import RecipeForm, new_config_from_template, recipe_templates
 from app.viewmodels.jobs import BackgroundJob
 from app.viewmodels.models import library_files
-from app.viewmodels.reports import has_reports
+from app.viewmodels.reports import report_files
 from app.viewmodels.runs import (
     BestEval,
     LedgerRow,
@@ -612,7 +612,7 @@ class RunsPane(QWidget):
         paths = self.selected_paths()
         self.charts.set_runs(paths)
         self.search_box.set_run(paths[0] if len(paths) == 1 else None)
-        self.reports_button.setEnabled(len(paths) == 1 and has_reports(paths[0]))
+        self.reports_button.setEnabled(len(paths) == 1 and bool(report_files(paths[0])))
         self._show_details(paths)
         self._show_facts()
 
