@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 
 import pytest
+from dpo_support import first_step_margin_tolerance
 from lm_pretrain_support import forgebench
 from PySide6.QtCore import Qt
 from test_app_support import make_workspace
@@ -108,8 +109,11 @@ def test_a_finished_session_trains_lm_dpo_and_compares_the_tuned_model(qtbot, tm
     assert not charts.plot_widgets["reward_margin"].isHidden()        # the preference row shows
     qtbot.waitUntil(lambda: RunDir(tuned).live_status()["state"] == "completed",
                     timeout=300_000)
-    margins = [r["reward_margin"] for r in RunDir(tuned).metrics() if r.get("split") == "train"]
-    assert len(margins) == 8 and margins[0] == pytest.approx(0, abs=1e-6)
+    train = [r for r in RunDir(tuned).metrics() if r.get("split") == "train"]
+    margins = [r["reward_margin"] for r in train]
+    beta = RunDir(tuned).manifest()["config"]["dpo"]["beta"]
+    assert len(margins) == 8 and margins[0] == pytest.approx(
+        0, abs=first_step_margin_tolerance(train[0], beta))
     assert margins[-1] > margins[1] > 0
     qtbot.waitUntil(lambda: drawn() == 8, timeout=30_000)
     assert list(charts.curves[(str(tuned), "reward_margin")].getData()[1]) == \
