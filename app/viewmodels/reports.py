@@ -50,10 +50,10 @@ class Report:
         """(before key, after key, [(measurement, before, after)]) of the first pair of dicts
         the report holds with numbers in both."""
         for before, after in PAIRS:
-            a, b = self.record.get(before), self.record.get(after)
-            if isinstance(a, dict) and isinstance(b, dict):
-                rows = [(key, a[key], b[key]) for key in a
-                        if key in b and _number(a[key]) and _number(b[key])]
+            old, new = self.record.get(before), self.record.get(after)
+            if isinstance(old, dict) and isinstance(new, dict):
+                rows = [(key, old[key], new[key]) for key in old
+                        if key in new and _number(old[key]) and _number(new[key])]
                 if rows:
                     return before, after, rows
         return None
@@ -64,7 +64,7 @@ class Report:
         if pair is None:
             return []
         before, after, rows = pair
-        values = {key: (b, a) for key, b, a in rows}
+        values = {key: (old, new) for key, old, new in rows}
         if "ece" not in values or "ece_noise_floor" not in values:
             return []
         floor = max(values["ece_noise_floor"])
@@ -119,8 +119,10 @@ def _number(value) -> bool:
 
 
 def format_value(value) -> str:
-    if isinstance(value, bool) or value is None:
-        return str(value).lower() if value is not None else "null"
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "true" if value else "false"
     if isinstance(value, float):
         return f"{value:.4g}"
     return str(value)
@@ -165,9 +167,9 @@ def summary_html(report: Report) -> str:
     pair = report.pair()
     if pair is not None:
         before, after, rows = pair
-        body = "".join(f"<tr><td>{html.escape(key)}</td><td align='right'>{format_value(b)}"
-                       f"</td><td align='right'>{format_value(a)}</td></tr>"
-                       for key, b, a in rows)
+        body = "".join(f"<tr><td>{html.escape(key)}</td><td align='right'>{format_value(old)}"
+                       f"</td><td align='right'>{format_value(new)}</td></tr>"
+                       for key, old, new in rows)
         parts.append("<table cellspacing='0' cellpadding='3' border='1'>"
                      f"<tr><th></th><th>{html.escape(before)}</th>"
                      f"<th>{html.escape(after)}</th></tr>{body}</table>")

@@ -26,17 +26,18 @@ def refill_keeping_choice(combo: QComboBox, items: list[tuple[str, object]]) -> 
 
 
 class RunFilePicker(QWidget):
-    """A run and one of its files (an evaluation, a report) in two labelled combos, refilled
-    as the workspace changes: `refresh()` keeps both choices where they still exist, and
-    `chosen(path, rewritten)` fires when the chosen file changes (`rewritten` False) or was
-    written again since it was shown (True: the pane keeps its place in it)."""
+    """A run of the workspace and one of its files (an evaluation, a report) in two labelled
+    combos, refilled as the workspace changes: `refresh()` keeps both choices where they still
+    exist, and `chosen(path, rewritten)` fires when the chosen file changes (`rewritten` False)
+    or was written again since it was shown (True: the pane keeps its place in it)."""
 
     chosen = Signal(object, bool)
 
     def __init__(self, file_label: str, runs_of, files_of, parent=None):
-        """`runs_of()` gives the (label, run path) choices; `files_of(run path)` a run's
-        (label, file path) choices."""
+        """`runs_of(run folders)` picks the (label, run path) choices among the workspace's
+        runs; `files_of(run path)` gives a run's (label, file path) choices."""
         super().__init__(parent)
+        self.workspace = None
         self.runs_of, self.files_of = runs_of, files_of
         self.loaded: tuple | None = None       # file_stamp of the file the pane shows
         self.run_combo = QComboBox()
@@ -51,8 +52,13 @@ class RunFilePicker(QWidget):
             row.addWidget(QLabel(label))
             row.addWidget(combo, 1)
 
+    def set_workspace(self, workspace) -> None:
+        self.workspace = workspace
+        self.refresh()
+
     def refresh(self) -> None:
-        if not refill_keeping_choice(self.run_combo, self.runs_of()):
+        runs = self.runs_of(self.workspace.run_dirs() if self.workspace else [])
+        if not refill_keeping_choice(self.run_combo, runs):
             self._run_chosen()
         elif not self._fill_files():
             self._file_chosen(False)

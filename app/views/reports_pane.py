@@ -34,11 +34,9 @@ class ReportsPane(QWidget):
 
     def __init__(self, parent=None):
         super().__init__(parent)
-        self.workspace: Workspace | None = None
         self.report: vm.Report | None = None
         self.picker = RunFilePicker(
-            "Report", lambda: vm.report_runs(self.workspace.run_dirs() if self.workspace
-                                             else []),
+            "Report", vm.report_runs,
             lambda run: [(path.stem, str(path)) for path in vm.report_files(run)])
         self.picker.chosen.connect(self._report_chosen)
         self.run_combo, self.report_combo = self.picker.run_combo, self.picker.file_combo
@@ -74,8 +72,7 @@ class ReportsPane(QWidget):
         layout.addWidget(splitter, 1)
 
     def set_workspace(self, workspace: Workspace) -> None:
-        self.workspace = workspace
-        self.refresh_runs()
+        self.picker.set_workspace(workspace)
 
     def refresh_runs(self) -> None:
         """New runs and reports appear; the chosen run and report stay chosen, and the report

@@ -32,11 +32,9 @@ class TranscriptsPane(QWidget):
 
     def __init__(self, parent=None):
         super().__init__(parent)
-        self.workspace: Workspace | None = None
         self.clips: list[vm.Clip] = []
         self.picker = RunFilePicker(
-            "Evaluation", lambda: vm.speech_runs(self.workspace.run_dirs() if self.workspace
-                                                 else []),
+            "Evaluation", vm.speech_runs,
             lambda run: [(f.name[:-len(vm.SUFFIX)], str(f)) for f in vm.transcript_files(run)])
         self.picker.chosen.connect(self._eval_chosen)
         self.run_combo, self.eval_combo = self.picker.run_combo, self.picker.file_combo
@@ -66,8 +64,7 @@ class TranscriptsPane(QWidget):
         layout.addWidget(splitter, 1)
 
     def set_workspace(self, workspace: Workspace) -> None:
-        self.workspace = workspace
-        self.refresh_runs()
+        self.picker.set_workspace(workspace)
 
     def refresh_runs(self) -> None:
         """New runs and evaluations appear; the chosen run, evaluation and clip stay chosen,
