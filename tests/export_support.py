@@ -39,10 +39,10 @@ def engine_logits(model, ids: list[int]) -> torch.Tensor:
 
 
 def llamacpp_logits(path: Path, ids: list[int], lora: Path | None = None) -> torch.Tensor:
-    import llama_cpp
+    from engine.export.llamacpp import open_llama
 
-    llm = llama_cpp.Llama(str(path), lora_path=str(lora) if lora else None, n_ctx=64,
-                          logits_all=True, n_threads=1, verbose=False)
+    llm = open_llama(path, lora_path=str(lora) if lora else None, n_ctx=64,
+                     logits_all=True, n_threads=1, verbose=False)
     llm.eval(ids)
     out = torch.from_numpy(np.array(llm.scores[:len(ids)], dtype=np.float64))
     llm.close()

@@ -42,6 +42,7 @@ warmup = 2
 [train]
 batch_size = 4
 grad_accum = 2
+precision = "{precision}"
 
 [eval]
 batch_size = 64
@@ -60,10 +61,11 @@ def make_corpus(root: Path, n: int = 60) -> Path:
 
 
 def write_config(path: Path, data: Path, *, steps: int = 6, save_every: int = 0,
-                 tokenizer: str = "byte", top: str = "") -> Path:
-    """The tiny test config; `top` adds top-level TOML lines (e.g. 'nonfinite = "stop"')."""
+                 tokenizer: str = "byte", top: str = "", precision: str = "auto") -> Path:
+    """The tiny test config; `top` adds top-level TOML lines (e.g. 'nonfinite = "stop"');
+    precision "auto" is bf16 on a CPU with AVX512-BF16 or AMX, f32 elsewhere."""
     path.write_text(TINY_CONFIG.format(steps=steps, save_every=save_every, data=data,
-                                       tokenizer=tokenizer, top=top))
+                                       tokenizer=tokenizer, top=top, precision=precision))
     return path
 
 

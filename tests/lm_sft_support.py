@@ -47,6 +47,7 @@ lr = 1e-2
 [train]
 window = {window}
 micro_batch = 2
+precision = "{precision}"
 
 [sample]
 prompts = ["Say hello."]
@@ -71,13 +72,14 @@ def write_pairs(path: Path, pairs=PIRATE_PAIRS) -> Path:
 
 def write_config(folder: Path, gguf: Path, *, steps=6, save_every=0, method="lora",
                  dropout=0.1, targets='["q", "v", "down"]', window=3, data=None,
-                 weights="packed") -> Path:
-    """folder/sft.toml: the tiny lm-sft config over `gguf` (the pirate pairs unless `data`)."""
+                 weights="packed", precision="auto") -> Path:
+    """folder/sft.toml: the tiny lm-sft config over `gguf` (the pirate pairs unless `data`);
+    precision "auto" is bf16 on a CPU with AVX512-BF16 or AMX, f32 elsewhere."""
     data = data or write_pairs(folder / "pairs.jsonl")
     path = folder / "sft.toml"
     path.write_text(SFT_CONFIG.format(steps=steps, save_every=save_every, gguf=gguf, data=data,
                                       method=method, dropout=dropout, targets=targets,
-                                      window=window, weights=weights))
+                                      window=window, weights=weights, precision=precision))
     return path
 
 

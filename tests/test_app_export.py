@@ -20,6 +20,7 @@ from app.viewmodels import export_wizard as vm
 from app.viewmodels.workspace import Workspace
 from app.views.export_wizard import ExportWizardPane
 from engine.export.equivalence import MIN_TOP1_DENSE, MIN_TOP1_QUANTIZED, Report, verdict
+from engine.export.llamacpp import AMX_NOTE
 from engine.kernels.cpu import plan
 
 
@@ -60,6 +61,9 @@ def test_verification_rows_show_the_engines_verdicts():
     assert verdicts == [("checkpoint", "reference", None), ("merged", "match", 0.99),
                         ("quantized", "changed", 0.90), ("llama.cpp", "FAIL", 0.90)]
     assert result["changed"] == ["quantized"]
+    # how llama.cpp opened the file (without its AMX buffers on an AMX build) reaches the pane
+    noted = _report([], {**cpp, **verdict(cpp, MIN_TOP1_QUANTIZED), "note": AMX_NOTE})
+    assert vm.verification(noted)["llamacpp"]["note"] == AMX_NOTE
     assert not result["passed"] and result["llamacpp"]["answers"] == [("Hi", "yo", "yo!")]
     assert result["numerics"] == plan().summary()        # the report says what was matched here
     low = _stage("merged", 0.98)                             # a dense stage below 99%
@@ -69,7 +73,7 @@ def test_verification_rows_show_the_engines_verdicts():
     result = vm.verification(report)
     assert [r.verdict for r in result["rows"]] == ["reference", "FAIL", "changed"]
     assert not result["passed"]
-    assert result["llamacpp"] == {"available": False, "answers": [],
+    assert result["llamacpp"] == {"available": False, "answers": [], "note": None,
                                   "reason": "llama-cpp-python is not installed"}
     other_tokens = _stage("merged", 1.0, tokenizer=False)
     assert verdict(other_tokens, MIN_TOP1_DENSE) == {"min_top1": 0.99, "passed": False}

@@ -30,6 +30,7 @@ from engine.export.equivalence import (
     render_text,
     verdict,
 )
+from engine.export.llamacpp import AMX_NOTE
 from engine.kernels.native import kernels
 
 
@@ -101,6 +102,9 @@ def test_stage_verdicts_use_the_stage_bar_and_the_report_passes_only_if_all_do()
     assert Report([], [ok], cpp).as_dict()["passed"] is False          # llama.cpp counts too
     assert Report([], [ok], {"available": False}).as_dict()["passed"] is True
     assert Report([], []).as_dict()["passed"] is False                 # nothing checked
+    noted = Report([], [], {**cpp, "description": "the file in llama.cpp", "file": "m.gguf",
+                            "greedy_vs_checkpoint": {"matches": [True]}, "note": AMX_NOTE})
+    assert f"  note: {AMX_NOTE}" in render_text({**noted.as_dict(), "prompt_suite": []})
 
 
 def _rows(tokens: list[int], vocab: int = 10) -> torch.Tensor:
@@ -151,11 +155,12 @@ def test_the_engine_worker_reads_the_greedy_answer_it_would_decode(tmp_path):
 
 @pytest.mark.llamacpp
 def test_the_llamacpp_worker_reads_the_greedy_answer_it_would_decode(tmp_path):
-    import llama_cpp
     import numpy as np
 
+    from engine.export.llamacpp import open_llama
+
     path = write_tiny_gguf(tmp_path / "tiny.gguf", arch="llama", qtype="Q8_0")
-    llm = llama_cpp.Llama(str(path), n_ctx=64, logits_all=True, n_threads=1, verbose=False)
+    llm = open_llama(path, n_ctx=64, logits_all=True, n_threads=1, verbose=False)
     prompt = llm.tokenize(b"the sea and", add_bos=True, special=True)
     llm.eval(prompt)
     answer: list[int] = []
@@ -173,6 +178,27 @@ def test_the_llamacpp_worker_reads_the_greedy_answer_it_would_decode(tmp_path):
                             "scored_from": [len(prompt) - 1] * 4, "greedy_tokens": 8})
     assert got["prompt_ids"] == [prompt] * 4
     assert got["greedy"] == [answer] * 4
+
+
+@pytest.mark.llamacpp
+def test_llamacpp_opens_without_its_amx_buffers_exactly_where_the_build_has_them(tmp_path):
+    """On a llama.cpp build with AMX_INT8 (ggml's AMX matmul segfaults there) the file opens
+    without extra buffer types and the report says so; on any other build, with llama.cpp's
+    defaults and no note. Either way it decodes."""
+    import llama_cpp
+    from llamacpp_oracle import system_info
+
+    from engine.export.llamacpp import AMX_NOTE, amx_build, open_llama, open_note
+
+    assert amx_build() == system_info().get("AMX_INT8", False)
+    defaults = llama_cpp.llama_model_default_params()
+    path = write_tiny_gguf(tmp_path / "tiny.gguf", arch="llama", qtype="Q8_0")
+    llm = open_llama(path, n_ctx=64, n_threads=1, verbose=False)
+    assert bool(llm.model_params.use_extra_bufts) == (not amx_build())
+    assert llama_cpp.llama_model_default_params().use_extra_bufts == defaults.use_extra_bufts
+    assert open_note() == (AMX_NOTE if amx_build() else None)
+    llm.eval(llm.tokenize(b"the sea and", add_bos=True, special=True))
+    llm.close()
 
 
 class _FixedDraft:

@@ -158,7 +158,7 @@ def tiny_run(workspace: Path) -> RunDir:
     make_corpus(workspace / "datasets")
     config = workspace / "configs" / "tiny.toml"
     config.write_text(TINY_CONFIG.format(steps=2, save_every=1, top="", data="../datasets/corpus",
-                                         tokenizer="byte"))
+                                         tokenizer="byte", precision="auto"))
     forgebench("run", str(config), "--out", str(workspace / "runs" / "tiny"), "--threads", "1")
     return RunDir(workspace / "runs" / "tiny")
 

@@ -105,9 +105,8 @@ def test_the_tokenizer_round_trips_through_gguf_metadata_into_llamacpp(tmp_path,
 @pytest.mark.parametrize("dtype", ["f32", "f16"])
 def test_a_trained_tiny_model_answers_the_same_in_llamacpp_for_40_tokens(tmp_path, trained_run,
                                                                            dtype):
-    import llama_cpp
-
     from engine.export.from_pretrain import write_pretrain_gguf
+    from engine.export.llamacpp import open_llama
     from engine.recipes.lm_pretrain import complete, load_model
     from engine.rundir import RunDir
     from engine.sampling import SamplingSettings
@@ -116,7 +115,7 @@ def test_a_trained_tiny_model_answers_the_same_in_llamacpp_for_40_tokens(tmp_pat
     checkpoint = run.checkpoint("latest")
     path = write_pretrain_gguf(run, checkpoint, tmp_path / "m.gguf", dtype)
     model, tokenizer, _ = load_model(run, checkpoint)
-    llm = llama_cpp.Llama(str(path), n_ctx=64, n_threads=1, verbose=False, logits_all=True)
+    llm = open_llama(path, n_ctx=64, n_threads=1, verbose=False, logits_all=True)
     compared = 0
     for prompt in ["Record item", "The "]:
         ids = [tokenizer.bos_id] + tokenizer.encode(prompt)

@@ -154,9 +154,9 @@ def gemma(gemma_gguf):
 
 
 def llamacpp_session(path, n_ctx: int = 512):
-    import llama_cpp
+    from engine.export.llamacpp import open_llama
 
-    return llama_cpp.Llama(str(path), logits_all=True, n_ctx=n_ctx, n_threads=2, verbose=False)
+    return open_llama(path, logits_all=True, n_ctx=n_ctx, n_threads=2, verbose=False)
 
 
 def llamacpp_batched_and_stepped(llm, ids: list[int]) -> tuple[np.ndarray, np.ndarray]:

@@ -104,13 +104,8 @@ def test_configs_default_to_auto_and_old_autocast_keys_still_load():
 
 
 def _tiny(tmp_path, precision: str | None, steps: int = 6, save_every: int = 0):
-    config = write_config(tmp_path / "tiny.toml", make_corpus(tmp_path), steps=steps,
-                          save_every=save_every)
-    if precision:
-        text = config.read_text().replace("grad_accum = 2\n",
-                                          f'grad_accum = 2\nprecision = "{precision}"\n')
-        config.write_text(text)
-    return config
+    return write_config(tmp_path / "tiny.toml", make_corpus(tmp_path), steps=steps,
+                        save_every=save_every, precision=precision or "auto")
 
 
 def test_run_json_records_the_choice_and_rows_carry_mfu(tmp_path):

@@ -303,7 +303,7 @@ def verification(report: dict) -> dict:
             # which llama.cpp kernels the engine matched on the machine that wrote the report
             "numerics": report.get("numerics"),
             "llamacpp": {"available": bool(cpp.get("available")), "reason": cpp.get("reason"),
-                         "answers": answers}}
+                         "note": cpp.get("note"), "answers": answers}}
 
 
 # -- step 5: the bundle --------------------------------------------------------------------

@@ -502,9 +502,10 @@ class ExportWizardPane(QWidget):
                      f"<td>{html.escape(p)}</td><td>{html.escape(str(ours))}</td>"
                      f"<td>{html.escape(str(theirs))}</td></tr>" for p, ours, theirs in
                      sorted(cpp["answers"], key=lambda a: a[1] == a[2])]
+            note = f"<br><small>{html.escape(cpp['note'])}</small>" if cpp.get("note") else ""
             self.answers.setText("<b>llama.cpp's answers</b><table border=1 cellpadding=3>"
                                  "<tr><th>prompt</th><th>checkpoint</th><th>llama.cpp</th></tr>"
-                                 + "".join(lines) + "</table>")
+                                 + "".join(lines) + "</table>" + note)
         else:
             self.answers.setText(f"llama.cpp was not run: {html.escape(str(cpp['reason']))}")
 

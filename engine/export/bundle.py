@@ -380,7 +380,8 @@ def model_card(bundle: Bundle) -> str:
             agreement = cpp["vs_checkpoint"]["top1_agreement"]
             lines.append(f"- llama.cpp: top-1 agreement {agreement:.2%}"
                          f" with the checkpoint; greedy answers identical for "
-                         f"{sum(g['matches'])}/{len(g['matches'])} prompts")
+                         f"{sum(g['matches'])}/{len(g['matches'])} prompts"
+                         + (f" ({cpp['note']})" if cpp.get("note") else ""))
         else:
             lines.append(f"- llama.cpp: not run ({cpp.get('reason')})")
         lines.append("- details: `report.txt`, `report.json`")

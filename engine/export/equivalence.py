@@ -43,6 +43,7 @@ from pathlib import Path
 from typing import Callable
 
 from engine.errors import ForgebenchError
+from engine.export.llamacpp import open_note
 from engine.kernels.cpu import plan
 
 # A fixed suite: plain continuations and instructions, short enough for tiny models' contexts.
@@ -323,18 +324,18 @@ def _engine_worker(spec: dict) -> dict:
 
 def _llamacpp_worker(spec: dict) -> dict:
     """llama.cpp's greedy answers and logits; numpy only (no torch import: a second less)."""
-    import llama_cpp
     import numpy as np
 
+    from engine.export.llamacpp import open_llama
     from engine.llm.tokenizer import GGUFTokenizer
 
     model = spec["model"]
     meta_tok = GGUFTokenizer.from_gguf(model["path"])     # flags and stop ids of the same file
     limit = spec["greedy_tokens"]
     longest = max(len(s) for s in spec["sequences"]) + limit + 8
-    llm = llama_cpp.Llama(model["path"], lora_path=model.get("lora"), n_ctx=max(64, longest),
-                          n_batch=512, logits_all=True, n_threads=spec.get("threads", 1),
-                          verbose=False, seed=0)
+    llm = open_llama(model["path"], lora_path=model.get("lora"), n_ctx=max(64, longest),
+                     n_batch=512, logits_all=True, n_threads=spec.get("threads", 1),
+                     verbose=False, seed=0)
     stops = _stop_ids(meta_tok)
     out: dict = {"texts": spec["texts"], "prompt_ids": [], "greedy": [], "logits": []}
     for i, text in enumerate(spec["texts"]):
@@ -593,6 +594,8 @@ def build_report(reference: dict, stages: list[Stage], *, llamacpp: Stage | None
                 "vs_checkpoint": compare(ref, got, n),
                 "greedy_vs_checkpoint": _greedy_match(ref, got),
                 "answers": [decode(g) if decode else None for g in got.greedy]}
+            if (note := open_note()) is not None:         # how llama.cpp opened the file
+                report.llamacpp["note"] = note
             report.llamacpp.update(verdict(report.llamacpp, llamacpp.min_top1))
             if engine_same_file is not None:
                 report.llamacpp["vs_engine_same_file"] = compare(engine_same_file, got, n)
@@ -639,6 +642,8 @@ def render_text(report: dict) -> str:
         lines.append(f"[llama.cpp] not run: {cpp.get('reason')}")
     else:
         lines.append(f"[llama.cpp] {cpp['description']} — {cpp['file']}")
+        if cpp.get("note"):
+            lines.append(f"  note: {cpp['note']}")
         lines.append(_metrics_row("vs checkpoint", cpp["vs_checkpoint"]))
         if "vs_engine_same_file" in cpp:
             lines.append(_metrics_row("vs engine, same file", cpp["vs_engine_same_file"]))

@@ -1,0 +1,62 @@
+"""Opening a GGUF in llama-cpp-python (the export check's llama.cpp stage, and the tests' oracle).
+
+llama-cpp-python compiles llama.cpp with -march=native. On a CPU with AMX-INT8 and AVX512-VNNI
+(Sapphire Rapids and later) that build puts quantized weights in ggml's AMX buffer, and its AMX
+matmul (`ggml_backend_amx_mul_mat`) segfaults in an OpenMP worker on the first batch: seen with
+llama-cpp-python 0.3.36 on an AMX Xeon, for a 64-wide test model and for gemma-3-270m Q4_K_M
+alike (llama.cpp issue #20824 reports the same crash). On such a build the file is opened without
+the extra buffer types (`use_extra_bufts = false`, what `llama-server --no-repack` sets), so
+llama.cpp runs its plain CPU kernels, and `AMX_NOTE` says so wherever a result depends on it.
+Everywhere else llama.cpp opens the file with its defaults, as a user's llama.cpp would.
+
+`open_llama` is the one place that decides; it never changes what a default build computes on a
+CPU without AMX.
+"""
+
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+
+AMX_NOTE = ("llama.cpp ran without its extra buffer types (llama-server --no-repack): this "
+            "build has ggml's AMX kernels, whose matmul segfaults (llama.cpp issue #20824)")
+
+
+@functools.lru_cache(maxsize=1)
+def amx_build() -> bool:
+    """Whether the installed llama.cpp was compiled with its AMX kernels (AMX_INT8 = 1 in
+    llama_print_system_info; ggml registers the AMX buffer only then)."""
+    import llama_cpp
+
+    info = llama_cpp.llama_print_system_info().decode()
+    return any(part.strip().replace(" ", "") == "AMX_INT8=1" for part in info.split("|"))
+
+
+def open_llama(path: str | Path, **kwargs):
+    """`llama_cpp.Llama(path, **kwargs)`, without the extra buffer types on an AMX build.
+
+    llama-cpp-python's `Llama` takes no switch for them: it fills its model parameters from
+    `llama_model_default_params()`, so that function is wrapped for the one call."""
+    import llama_cpp
+    from llama_cpp import llama as high_level
+
+    if not amx_build():
+        return llama_cpp.Llama(str(path), **kwargs)
+    low_level = high_level.llama_cpp
+    defaults = low_level.llama_model_default_params
+
+    def without_extra_buffers():
+        params = defaults()
+        params.use_extra_bufts = False
+        return params
+
+    low_level.llama_model_default_params = without_extra_buffers
+    try:
+        return llama_cpp.Llama(str(path), **kwargs)
+    finally:
+        low_level.llama_model_default_params = defaults
+
+
+def open_note() -> str | None:
+    """What a report says about how llama.cpp opened the file (None: with its defaults)."""
+    return AMX_NOTE if amx_build() else None
