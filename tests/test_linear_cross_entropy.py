@@ -77,3 +77,49 @@ def test_matches_for_packed_q8_0_blocks(cached):
     loss.backward()
     assert _relative(loss.detach(), ref_loss) < 1e-6
     assert _relative(x.grad, ref_grad) < 1e-6
+
+
+def _bf16_reference(weight: torch.Tensor, h: torch.Tensor, targets: torch.Tensor):
+    """(loss, dloss/dh) of what bf16 autocast computes: logits of bf16(h)·bf16(W)ᵀ summed
+    exactly and rounded once to bf16, the cross-entropy and its gradient in f64 (dh passes
+    the rounding of h straight through)."""
+    w16 = weight.bfloat16().double()
+    logits = (h.bfloat16().double() @ w16.T).bfloat16().double()
+    loss = F.cross_entropy(logits, targets, reduction="sum")
+    grad = (torch.softmax(logits, 1) - F.one_hot(targets, VOCAB).double()) @ w16
+    return loss, grad
+
+
+# the logits agree with the reference's bf16 roundings but where f32 accumulation tips one
+# (1e-7 relative in the loss seen), and dh sums one bf16-rounded product per chunk (2^-9
+# relative each: 7e-4 to 1e-3 seen); the f32 head is 1e-4 and 6e-3 away
+BF16_LOSS_REL, BF16_GRAD_REL = 1e-5, 2e-3
+
+
+@pytest.mark.parametrize("cache", [None, torch.float32, torch.bfloat16])
+def test_under_bf16_autocast_the_head_multiplies_in_bf16(cache):
+    """Under bf16 autocast the head's products are bf16, as autocast runs every other linear
+    layer, with the logsumexp and the loss in f32; the same numbers from the bytes, an f32
+    cache or a bf16 one. The f32 head outside autocast is farther from the bf16 reference than
+    the tolerance: the check sees which one ran."""
+    weight, h, targets = _case(3)
+    raw = quants.quantize(weight.numpy(), T.Q8_0)
+    dequantized = torch.from_numpy(quants.dequantize(raw, T.Q8_0).astype(np.float32))
+    packed = PackedWeight(torch.from_numpy(raw), T.Q8_0, VOCAB, DIM, "token_embd.weight")
+    packed.cache(cache)
+    ref_loss, ref_grad = _bf16_reference(dequantized, h, targets)
+    x = h.clone().requires_grad_(True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = linear_cross_entropy(x, packed, targets)
+        with torch.no_grad():
+            evaluated = linear_cross_entropy(h, packed, targets)
+    loss.backward()
+    assert loss.dtype == torch.float32 and x.grad.dtype == torch.float32
+    assert _relative(loss.detach(), ref_loss) < BF16_LOSS_REL
+    assert float(evaluated) == float(loss.detach())
+    assert _relative(x.grad, ref_grad) < BF16_GRAD_REL
+    y = h.clone().requires_grad_(True)
+    f32_loss = linear_cross_entropy(y, packed, targets)        # outside autocast: f32 products
+    f32_loss.backward()
+    assert _relative(f32_loss.detach(), ref_loss) > 10 * BF16_LOSS_REL
+    assert _relative(y.grad, ref_grad) > 2 * BF16_GRAD_REL

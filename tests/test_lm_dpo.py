@@ -259,18 +259,21 @@ def test_the_cached_reference_is_the_sft_policy_with_its_adapters_on(dpo_run):
     and differs from the raw base's (what switching the adapters off would give)."""
     from engine.jobs import run_config
     from engine.recipes.lm_dpo import REFERENCE_FILE, encode_pairs, load_start, pair_logps
+    from engine.train.precision import run_precision
 
     config = run_config(RunDir(dpo_run))
     cached = json.loads((dpo_run / REFERENCE_FILE).read_text())
-    base, adapters, _ = load_start(config)
+    # in the run's precision (bf16 where "auto" found AVX512-BF16 or AMX)
+    precision = run_precision(RunDir(dpo_run), config)
+    base, adapters, _ = load_start(config, precision)
     pairs, _ = encode_pairs(config, base)
-    policy = pair_logps(base.model, pairs, 2, "none")
+    policy = pair_logps(base.model, pairs, 2, precision)
     assert torch.allclose(policy["chosen"], torch.tensor(cached["chosen"]), rtol=1e-6, atol=0)
     assert torch.allclose(policy["rejected"], torch.tensor(cached["rejected"]), rtol=1e-6, atol=0)
     with torch.no_grad():
         for adapter in adapters.values():
             adapter.lora_b.zero_()
-    raw = pair_logps(base.model, pairs, 2, "none")
+    raw = pair_logps(base.model, pairs, 2, precision)
     assert not torch.allclose(raw["chosen"], torch.tensor(cached["chosen"]), rtol=1e-4, atol=0)
 
 

@@ -122,6 +122,50 @@ def test_auto_weights_cache_a_small_base_densely_with_the_packed_gradients(tmp_p
     assert weights_mode("dense-cache", report) == "dense-cache"
 
 
+def test_a_bf16_run_caches_bf16_weights_with_the_numbers_of_an_f32_cache(tmp_path, tiny_gguf):
+    """A bf16 run keeps its dense cache in bf16: under bf16 autocast every product casts an
+    f32 cache to bf16 at each step, so the bf16 cache gives the same loss and adapter gradients
+    bit for bit at half the memory, while lookups and merges still read the exact weights."""
+    from engine.config import load_config
+    from engine.models.gguf_model import memory_report, packed_weights
+    from engine.recipes.lm_sft import encode_samples
+    from engine.train.lm_base import load_base, pack, prepare_trainable
+    from engine.train.loss import supervised_loss
+
+    config = load_config(write_config(tmp_path, tiny_gguf, dropout=0.0, weights="dense-cache"))
+
+    def loss_and_grads(precision: str):
+        base = load_base(config, precision)
+        adapters, _ = prepare_trainable(config, base)
+        with torch.no_grad():
+            for a in adapters.values():
+                a.lora_b.normal_(0, 0.05, generator=torch.Generator().manual_seed(a.layer))
+        samples, _ = encode_samples(config, base)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = supervised_loss(base.model, *pack(samples[:4]))
+        loss.backward()
+        return base.model, loss.detach(), torch.cat(
+            [p.grad.flatten() for a in adapters.values() for p in (a.lora_a, a.lora_b)])
+
+    bf16_model, loss, grads = loss_and_grads("bf16")
+    f32_model, f32_loss, f32_grads = loss_and_grads("f32")
+    caches = [w.dense for w in packed_weights(bf16_model)]
+    assert all(c is not None and c.dtype == torch.bfloat16 for c in caches)
+    assert torch.equal(loss, f32_loss) and torch.equal(grads, f32_grads)
+    report = memory_report(bf16_model)
+    assert report["dense_cache_bytes"] == report["bf16_dense_bytes"]
+    for bf16_weight, f32_weight in zip(packed_weights(bf16_model), packed_weights(f32_model)):
+        exact = f32_weight.dense                                 # the dequantized f32 values
+        assert torch.equal(bf16_weight.rows_f32(0, bf16_weight.rows), exact)
+        rows = torch.tensor([[0, 3]])
+        assert torch.equal(bf16_weight.take_rows(rows), exact[rows])
+        assert torch.equal(bf16_weight.dense, exact.bfloat16())
+    # a bf16 cache read outside autocast (a sample during the run) multiplies in f32
+    tokens = torch.tensor([[2, 5, 7]])
+    with torch.no_grad():
+        torch.testing.assert_close(bf16_model(tokens), f32_model(tokens), rtol=0.05, atol=0.05)
+
+
 @pytest.mark.slow
 def test_resume_continues_exactly_with_dropout_and_partial_windows(tmp_path, tiny_gguf):
     """Stop after step 3 (SIGTERM) and resume: same losses and adapters, bit for bit."""

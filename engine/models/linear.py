@@ -63,32 +63,36 @@ class PackedWeight:
             dtype, self.lazy_dtype = self.lazy_dtype, None
             self.dense = self.rows_f32(0, self.rows).to(dtype)
 
+    @property
+    def exact_cache(self) -> bool:
+        """The dense cache holds the exact dequantized values (f32; a bf16 cache is rounded)."""
+        return self.dense is not None and self.dense.dtype == torch.float32
+
     def rows_f32(self, start: int, end: int) -> torch.Tensor:
-        """Rows [start, end) as f32 [end-start, cols]."""
-        if self.dense is not None:
-            return self.dense[start:end].float()
+        """Rows [start, end) as exact f32 [end-start, cols] (from an f32 cache, else the bytes)."""
+        if self.exact_cache:
+            return self.dense[start:end]
         return dequantize(self.raw[start:end], self.ggml_type, (end - start, self.cols), self.name)
 
     def take_rows(self, index: torch.Tensor) -> torch.Tensor:
-        """Rows at `index` (any shape) as f32 [..., cols] (embedding lookup)."""
+        """Rows at `index` (any shape) as exact f32 [..., cols] (embedding lookup)."""
         flat = index.reshape(-1)
-        if self.dense is not None:
-            out = self.dense[flat].float()
+        if self.exact_cache:
+            out = self.dense[flat]
         else:
             out = dequantize(self.raw[flat], self.ggml_type, (flat.numel(), self.cols), self.name)
         return out.reshape(*index.shape, self.cols)
 
     def chunks(self, rows: int | None = None):
-        """(start, end, f32 rows) over the matrix: `rows` at a time, else one piece when cached
-        densely and ~CHUNK_ELEMENTS at a time when packed."""
+        """(start, end, rows) over the matrix for a product: slices of the dense cache in its
+        dtype (f32, or bf16 for a bf16 run), `rows` at a time or in one piece; without a cache,
+        f32 dequantized `rows` or ~CHUNK_ELEMENTS at a time."""
         self._fill()
-        step = max(1, CHUNK_ELEMENTS // max(1, self.cols))
-        if self.dense is not None:
-            step = self.rows
-        step = rows or step
+        cached = self.dense is not None
+        step = rows or (self.rows if cached else max(1, CHUNK_ELEMENTS // max(1, self.cols)))
         for start in range(0, self.rows, step):
             end = min(self.rows, start + step)
-            yield start, end, self.rows_f32(start, end)
+            yield start, end, self.dense[start:end] if cached else self.rows_f32(start, end)
 
 
 def llamacpp_matmul(x: torch.Tensor, w: PackedWeight, bitexact: bool = True) -> torch.Tensor:
@@ -114,9 +118,18 @@ def llamacpp_matmul(x: torch.Tensor, w: PackedWeight, bitexact: bool = True) -> 
     return y.reshape(*x.shape[:-1], w.rows)
 
 
+def operand(chunk: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """A weight chunk for a product with x: as it is where the dtypes agree or autocast casts
+    both (a bf16 cache under bf16 autocast is what autocast would have cast an f32 one to),
+    else in x's dtype (a bf16 cache read outside autocast: sampling during a bf16 run)."""
+    if chunk.dtype == x.dtype or torch.is_autocast_enabled(x.device.type):
+        return chunk
+    return chunk.to(x.dtype)
+
+
 def packed_matmul(x: torch.Tensor, w: PackedWeight) -> torch.Tensor:
-    """x [..., cols] · Wᵀ -> [..., rows], W dequantized chunk by chunk."""
-    parts = [F.linear(x, chunk) for _, _, chunk in w.chunks()]
+    """x [..., cols] · Wᵀ -> [..., rows], W dequantized chunk by chunk (or its dense cache)."""
+    parts = [F.linear(x, operand(chunk, x)) for _, _, chunk in w.chunks()]
     return parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)
 
 
@@ -134,7 +147,7 @@ class _DequantMatmul(torch.autograd.Function):
     def backward(ctx, dy):
         dx = None
         for start, end, chunk in ctx.w.chunks():
-            part = dy[..., start:end].matmul(chunk)
+            part = dy[..., start:end].matmul(operand(chunk, dy))
             dx = part if dx is None else dx + part
         return dx, None
 
@@ -212,9 +225,21 @@ def _head_rows(weight: "PackedWeight | torch.Tensor", index: torch.Tensor) -> to
     return weight.take_rows(index) if isinstance(weight, PackedWeight) else weight[index]
 
 
-def _linear_cross_entropy_pass(h: torch.Tensor, weight, targets: torch.Tensor,
-                               want_grad: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """(CE of h·Wᵀ against targets per row [N], dCE/dh or None) in one pass over W's row chunks.
+def head_dtype(h: torch.Tensor) -> torch.dtype | None:
+    """The dtype of the LM head's products: bf16 under bf16 autocast (as every other linear
+    layer is), else None (h's own: f32, or f64 in a gradient check). The logsumexp, the loss
+    and dh's accumulation stay in h's dtype either way."""
+    device = h.device.type
+    if torch.is_autocast_enabled(device) and torch.get_autocast_dtype(device) == torch.bfloat16:
+        return torch.bfloat16
+    return None
+
+
+def _linear_cross_entropy_pass(h: torch.Tensor, weight, targets: torch.Tensor, want_grad: bool,
+                               dtype: torch.dtype | None = None
+                               ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(CE of h·Wᵀ against targets per row [N], dCE/dh or None) in one pass over W's row chunks;
+    the products run in `dtype` (default h's; bf16 with the logits taken back to h's dtype).
 
     Online logsumexp: a running max m, sum s = Σ exp(z - m) and (for the gradient)
     acc = Σ exp(z - m)·W, rescaled by exp(m_old - m_new) when the max grows; then
@@ -228,9 +253,11 @@ def _linear_cross_entropy_pass(h: torch.Tensor, weight, targets: torch.Tensor,
     by_chunk: dict[int, list[int]] = {}                             # chunk -> positions
     for position, target in enumerate(targets.tolist()):
         by_chunk.setdefault(target // HEAD_CHUNK_ROWS, []).append(position)
+    dtype = dtype or h.dtype
+    hd = h.to(dtype)
     for start, _end, w in _head_chunks(weight):
-        w = w.to(h.dtype)
-        z = F.linear(h, w)                                          # [N, rows]
+        w = w.to(dtype)
+        z = F.linear(hd, w).to(h.dtype)                             # [N, rows]
         positions = by_chunk.get(start // HEAD_CHUNK_ROWS)
         if positions:
             positions = torch.tensor(positions)
@@ -240,11 +267,16 @@ def _linear_cross_entropy_pass(h: torch.Tensor, weight, targets: torch.Tensor,
         p = z.sub_(m_new).exp_()                                    # exp(z - m_new), in place
         s.mul_(rescale).add_(p.sum(1, keepdim=True))
         if want_grad:
-            acc.mul_(rescale).addmm_(p, w)
+            if dtype == h.dtype:
+                acc.mul_(rescale).addmm_(p, w)
+            else:                                                   # a bf16 product, f32 sum
+                acc.mul_(rescale).add_(p.to(dtype).mm(w))
         m = m_new
     loss = m.squeeze(1) + s.log().squeeze(1) - target_logit
-    grad = None if not want_grad else acc.div_(s).sub_(_head_rows(weight, targets).to(h.dtype))
-    return loss, grad
+    if not want_grad:
+        return loss, None
+    target_rows = _head_rows(weight, targets).to(dtype).to(h.dtype)  # W as the products saw it
+    return loss, acc.div_(s).sub_(target_rows)
 
 
 class _LinearCrossEntropy(torch.autograd.Function):
@@ -254,8 +286,8 @@ class _LinearCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     @torch.amp.custom_fwd(device_type="cpu", cast_inputs=torch.float32)
-    def forward(ctx, h, weight, targets, per_row):
-        loss, grad = _linear_cross_entropy_pass(h, weight, targets, want_grad=True)
+    def forward(ctx, h, weight, targets, per_row, dtype):
+        loss, grad = _linear_cross_entropy_pass(h, weight, targets, want_grad=True, dtype=dtype)
         ctx.save_for_backward(grad)
         ctx.per_row = per_row
         return loss if per_row else loss.sum()
@@ -264,7 +296,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
     @torch.amp.custom_bwd(device_type="cpu")
     def backward(ctx, d_loss):
         grad, = ctx.saved_tensors
-        return grad * (d_loss[:, None] if ctx.per_row else d_loss), None, None, None
+        return grad * (d_loss[:, None] if ctx.per_row else d_loss), None, None, None, None
 
 
 def linear_cross_entropy(h: torch.Tensor, weight: "PackedWeight | torch.Tensor",
@@ -274,11 +306,13 @@ def linear_cross_entropy(h: torch.Tensor, weight: "PackedWeight | torch.Tensor",
 
     `weight` is frozen (a PackedWeight, cached or not, or a tensor without grad). Equals
     F.cross_entropy(F.linear(h, W), targets, reduction="sum" or "none") in exact arithmetic,
-    at the cost of one pass over W instead of three (forward, softmax backward, dh).
+    at the cost of one pass over W instead of three (forward, softmax backward, dh). Under bf16
+    autocast the products are bf16 (`head_dtype`), as autocast would run F.linear.
     """
+    dtype = head_dtype(h)
     if torch.is_grad_enabled() and h.requires_grad:
-        return _LinearCrossEntropy.apply(h, weight, targets, per_row)
-    with torch.autocast("cpu", enabled=False):
+        return _LinearCrossEntropy.apply(h, weight, targets, per_row, dtype)
+    with torch.autocast(h.device.type, enabled=False):
         loss = _linear_cross_entropy_pass(h.float() if h.dtype == torch.bfloat16 else h,
-                                          weight, targets, want_grad=False)[0]
+                                          weight, targets, want_grad=False, dtype=dtype)[0]
     return loss if per_row else loss.sum()

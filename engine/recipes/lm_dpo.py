@@ -85,13 +85,13 @@ def base_model(config: LMDPOConfig) -> Path:
     return Path(sft_start(config)[0].manifest()["base_model"]["path"])
 
 
-def load_start(config: LMDPOConfig):
+def load_start(config: LMDPOConfig, precision: str = "f32"):
     """(base, adapters or None, trainable parameters) holding the starting policy: the lm-sft
-    checkpoint applied to its base, with dropout off."""
+    checkpoint applied to its base, with dropout off, its dense cache in `precision`."""
     run, sft = sft_start(config)
     return load_policy(sft, run.checkpoint(config.model.checkpoint),
                        run.manifest()["base_model"]["sha256"],
-                       lora=sft.lora.model_copy(update={"dropout": 0.0}))
+                       lora=sft.lora.model_copy(update={"dropout": 0.0}), precision=precision)
 
 
 # -- data -----------------------------------------------------------------------------------
@@ -283,7 +283,7 @@ def train(job: Job) -> None:
 
     job.announce("loading", f"loading base {size_text(base_model(config))} and the starting "
                             "policy")
-    base, adapters, trainable = load_start(config)
+    base, adapters, trainable = load_start(config, precision)
     model = base.model
     if not base.dense:
         from engine.models.gguf_model import memory_report
@@ -376,9 +376,9 @@ def evaluate(run: RunDir, checkpoint: Checkpoint, split: str) -> dict:
     """DPO loss, reward margin and preference accuracy of a checkpoint on a split, against
     the run's reference (its starting policy, evaluated first on the same pairs)."""
     config = run_config(run)
-    base, adapters, _ = load_start(config)
-    pairs, report = encode_pairs(config, base, split=split)
     mb, precision = config.train.micro_batch, run_precision(run, config)
+    base, adapters, _ = load_start(config, precision)
+    pairs, report = encode_pairs(config, base, split=split)
     reference = pair_logps(base.model, pairs, mb, precision)
     apply_weights(checkpoint, base.model, adapters, run.manifest()["base_model"]["sha256"])
     policy = pair_logps(base.model, pairs, mb, precision)

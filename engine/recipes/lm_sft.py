@@ -81,7 +81,7 @@ def train(job: Job) -> None:
     base_sha = run.manifest()["base_model"]["sha256"]
 
     job.announce("loading", f"loading base {size_text(base_model(config))}")
-    base = load_base(config)
+    base = load_base(config, precision)
     if not base.dense:        # what each weight mode costs, and the one this run uses
         from engine.models.gguf_model import memory_report
 

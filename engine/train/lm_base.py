@@ -69,7 +69,11 @@ def size_text(path: Path) -> str:
         return path.name
 
 
-def load_base(config) -> Base:
+def load_base(config, precision: str = "f32") -> Base:
+    """The config's base model and tokenizer. A GGUF base's dense cache (weights "dense-cache",
+    or "auto" where it fits) holds the dequantized weights in the run's compute dtype: f32, or
+    bf16 for a bf16 run, whose products would cast an f32 cache to bf16 at every step (the same
+    rounding, so the same numbers, at half the memory). Lookups and merges read exact f32."""
     path = base_model(config)
     if config.model.gguf:
         from engine.models.gguf_model import (
@@ -84,8 +88,9 @@ def load_base(config) -> Base:
         model, tokenizer = load_gguf_model(path, numerics="f32", weights="packed")
         model.weights_mode = weights_mode(config.model.weights, memory_report(model))
         if model.weights_mode == "dense-cache":
+            dtype = torch.bfloat16 if precision == "bf16" else torch.float32
             for weight in packed_weights(model):
-                weight.cache(torch.float32, lazy=True)   # each filled when it first runs
+                weight.cache(dtype, lazy=True)   # each filled when it first runs
         return Base(model, tokenizer, ChatTemplate.from_gguf(model.gguf), path, dense=False)
     run = RunDir(config.resolve_path(config.model.run, "field 'model.run'")).require()
     if run.manifest().get("recipe") != "lm-pretrain":
@@ -194,12 +199,13 @@ def checkpoint_activations(model: nn.Module) -> None:
             block.forward = functools.partial(recompute, block.forward, use_reentrant=False)
 
 
-def load_policy(config, checkpoint: Checkpoint, base_sha: str, lora=None):
+def load_policy(config, checkpoint: Checkpoint, base_sha: str, lora=None,
+                precision: str = "f32"):
     """An lm-sft config's base with a checkpoint's adapters (or full weights) applied:
     (base, adapters or None, trainable parameters). `lora` overrides the config's LoRA section
     (same rank, alpha and targets; e.g. no dropout). Refuses a base file whose SHA-256 is no
     longer `base_sha`, and adapters trained on another base (engine.lora.load_adapters)."""
-    base = load_base(config)
+    base = load_base(config, precision)
     require_same_base(base.path, base_sha)
     if lora is not None:
         config = config.model_copy(update={"lora": lora})
