@@ -372,9 +372,10 @@ def profile_engine(args) -> None:
     from engine.train.precision import autocast, resolve_precision
 
     torch.set_num_threads(int(args.threads.split(",")[0]))
+    precision = resolve_precision(args.precision).precision
     with tempfile.TemporaryDirectory(prefix="bench-lora-") as tmp:
         config = pirate_config(args, Path(tmp))
-        base = lm_sft.load_base(config)
+        base = lm_sft.load_base(config, precision)          # the cache in the run's dtype
         samples, _ = lm_sft.encode_samples(config, base)
     adapters, trainable = lm_sft.prepare_trainable(config, base)
     optimizer = build_adamw(trainable, lr=1e-3, weight_decay=0.0, betas=(0.9, 0.999),
@@ -382,7 +383,6 @@ def profile_engine(args) -> None:
     params = [p for _, p in trainable]
     inputs, labels, lengths = lm_sft.pack(samples)
     supervised = int((labels != -100).sum())
-    precision = resolve_precision(args.precision).precision
     model = base.model
     model.train()
     mark_regions(model)

@@ -97,11 +97,12 @@ BF16_LOSS_REL, BF16_GRAD_REL = 1e-5, 2e-3
 
 
 @pytest.mark.parametrize("cache", [None, torch.float32, torch.bfloat16])
-def test_under_bf16_autocast_the_head_multiplies_in_bf16(cache):
+def test_under_bf16_autocast_the_head_multiplies_in_bf16(cache, monkeypatch):
     """Under bf16 autocast the head's products are bf16, as autocast runs every other linear
     layer, with the logsumexp and the loss in f32; the same numbers from the bytes, an f32
     cache or a bf16 one. The f32 head outside autocast is farther from the bf16 reference than
     the tolerance: the check sees which one ran."""
+    monkeypatch.setattr(linear, "HEAD_CHUNK_ROWS_BF16", linear.HEAD_CHUNK_ROWS)  # 3 chunks
     weight, h, targets = _case(3)
     raw = quants.quantize(weight.numpy(), T.Q8_0)
     dequantized = torch.from_numpy(quants.dequantize(raw, T.Q8_0).astype(np.float32))
