@@ -233,9 +233,17 @@ def packed_positions(lengths: list[int], total: int) -> torch.Tensor:
 
 def sdpa(q, k, v, mask, scale):
     """softmax(q·kᵀ·scale + mask)·v with GQA heads shared; q [B,H,T,hd], k/v [B,Hkv,S,hd].
-    The kernel shares k/v across a group itself: no repeated copies, no summing them back."""
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale,
-                                          enable_gqa=q.shape[1] != k.shape[1])
+    The kernel shares k/v across a group itself: no repeated copies, no summing them back.
+
+    Under CPU autocast it runs in f32: torch's CPU kernel took 0.81 ms in bf16 against 0.39 ms
+    in f32 for a 30-token sequence's forward and backward (4 heads of 256, 2 threads, AMX),
+    where the casts outweigh the products; on CUDA autocast keeps it in bf16."""
+    gqa = q.shape[1] != k.shape[1]
+    if q.device.type == "cpu" and torch.is_autocast_enabled("cpu"):
+        with torch.autocast("cpu", enabled=False):
+            return F.scaled_dot_product_attention(q.float(), k.float(), v.float(),
+                                                  attn_mask=mask, scale=scale, enable_gqa=gqa)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=gqa)
 
 
 ACTIVATIONS = {
