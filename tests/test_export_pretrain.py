@@ -49,6 +49,10 @@ warmup = 5
 
 [train]
 batch_size = 8
+# f32 on every machine: the f16 export's 40 greedy tokens must equal the checkpoint's, and a
+# bf16-trained model ("auto" on AVX512-BF16/AMX) left a near-tie that f16 rounding flipped at
+# the 30th token on an AMX Xeon
+precision = "f32"
 
 [eval]
 max_windows = 4
