@@ -160,7 +160,7 @@ def test_a_bf16_run_caches_bf16_weights_with_the_numbers_of_an_f32_cache(tmp_pat
         rows = torch.tensor([[0, 3]])
         assert torch.equal(bf16_weight.take_rows(rows), exact[rows])
         assert torch.equal(bf16_weight.dense, exact.bfloat16())
-    # a bf16 cache read outside autocast (a sample during the run) multiplies in f32
+    # a bf16 cache read outside autocast (a sample during the run) multiplies in bf16
     tokens = torch.tensor([[2, 5, 7]])
     with torch.no_grad():
         torch.testing.assert_close(bf16_model(tokens), f32_model(tokens), rtol=0.05, atol=0.05)

@@ -118,18 +118,19 @@ def llamacpp_matmul(x: torch.Tensor, w: PackedWeight, bitexact: bool = True) -> 
     return y.reshape(*x.shape[:-1], w.rows)
 
 
-def operand(chunk: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-    """A weight chunk for a product with x: as it is where the dtypes agree or autocast casts
-    both (a bf16 cache under bf16 autocast is what autocast would have cast an f32 one to),
-    else in x's dtype (a bf16 cache read outside autocast: sampling during a bf16 run)."""
+def in_cache_dtype(product, x: torch.Tensor, chunk: torch.Tensor) -> torch.Tensor:
+    """product(x, chunk) where the dtypes agree or autocast casts both (a bf16 cache under bf16
+    autocast is what autocast would have cast an f32 one to); else, a bf16 cache read outside
+    autocast (sampling during a bf16 run), with x cast to bf16 as autocast would and the result
+    back in x's dtype, rather than the whole matrix cast to f32 at every call."""
     if chunk.dtype == x.dtype or torch.is_autocast_enabled(x.device.type):
-        return chunk
-    return chunk.to(x.dtype)
+        return product(x, chunk)
+    return product(x.to(chunk.dtype), chunk).to(x.dtype)
 
 
 def packed_matmul(x: torch.Tensor, w: PackedWeight) -> torch.Tensor:
     """x [..., cols] · Wᵀ -> [..., rows], W dequantized chunk by chunk (or its dense cache)."""
-    parts = [F.linear(x, operand(chunk, x)) for _, _, chunk in w.chunks()]
+    parts = [in_cache_dtype(F.linear, x, chunk) for _, _, chunk in w.chunks()]
     return parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)
 
 
@@ -147,7 +148,7 @@ class _DequantMatmul(torch.autograd.Function):
     def backward(ctx, dy):
         dx = None
         for start, end, chunk in ctx.w.chunks():
-            part = dy[..., start:end].matmul(operand(chunk, dy))
+            part = in_cache_dtype(torch.matmul, dy[..., start:end], chunk)
             dx = part if dx is None else dx + part
         return dx, None
 
