@@ -15,6 +15,7 @@ import os
 import numpy as np
 import pytest
 
+from engine.export.llamacpp import build_flags
 from engine.kernels.cpu import EXACT, KernelPlan, plan, plan_for
 
 # llama_print_system_info() names -> /proc/cpuinfo names (engine/kernels/cpu.py FEATURE_BITS)
@@ -32,22 +33,10 @@ SYSTEM_INFO_NAMES = {
 }
 
 
-def system_info() -> dict[str, bool]:
-    import llama_cpp
-
-    text = llama_cpp.llama_print_system_info().decode()
-    flags = {}
-    for part in text.replace("|", "\n").splitlines():
-        name, _, value = part.partition("=")
-        if value.strip() in ("0", "1"):
-            flags[name.strip()] = value.strip() == "1"
-    return flags
-
-
 def oracle_plan() -> KernelPlan:
     """The kernel plan of the installed llama.cpp build. ggml reports AVX512 (F) and VNNI but not
     DQ, BW or VL; every AVX-512 CPU that llama.cpp's kernels target has them, so they follow F."""
-    flags = system_info()
+    flags = build_flags()
     features = {SYSTEM_INFO_NAMES[k] for k, on in flags.items() if on and k in SYSTEM_INFO_NAMES}
     if "avx512f" in features:
         features |= {"avx512dq", "avx512bw", "avx512vl"}

@@ -23,13 +23,24 @@ AMX_NOTE = ("llama.cpp ran without its extra buffer types (llama-server --no-rep
 
 
 @functools.lru_cache(maxsize=1)
-def amx_build() -> bool:
-    """Whether the installed llama.cpp was compiled with its AMX kernels (AMX_INT8 = 1 in
-    llama_print_system_info; ggml registers the AMX buffer only then)."""
+def build_flags() -> dict[str, bool]:
+    """The instruction sets the installed llama.cpp was compiled for, as
+    llama_print_system_info() names them ("AVX2": True, "AMX_INT8": False, ...)."""
     import llama_cpp
 
-    info = llama_cpp.llama_print_system_info().decode()
-    return any(part.strip().replace(" ", "") == "AMX_INT8=1" for part in info.split("|"))
+    text = llama_cpp.llama_print_system_info().decode()
+    flags = {}
+    for part in text.replace("|", "\n").splitlines():
+        name, _, value = part.partition("=")
+        if value.strip() in ("0", "1"):
+            flags[name.strip()] = value.strip() == "1"
+    return flags
+
+
+def amx_build() -> bool:
+    """Whether the installed llama.cpp was compiled with its AMX kernels (ggml registers the
+    AMX buffer only then)."""
+    return build_flags().get("AMX_INT8", False)
 
 
 def open_llama(path: str | Path, **kwargs):

@@ -32,6 +32,7 @@ from engine.rundir import Checkpoint, RunDir
 from engine.sampling import SamplingSettings, generate_tokens
 from engine.train.checkpoint import MODEL_FILE, load_checkpoint, save_checkpoint
 from engine.train.devices import module_device
+from engine.train.precision import torch_dtype
 
 
 def pack(samples: list) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
@@ -88,9 +89,8 @@ def load_base(config, precision: str = "f32") -> Base:
         model, tokenizer = load_gguf_model(path, numerics="f32", weights="packed")
         model.weights_mode = weights_mode(config.model.weights, memory_report(model))
         if model.weights_mode == "dense-cache":
-            dtype = torch.bfloat16 if precision == "bf16" else torch.float32
             for weight in packed_weights(model):
-                weight.cache(dtype, lazy=True)   # each filled when it first runs
+                weight.cache(torch_dtype(precision), lazy=True)   # filled when it first runs
         return Base(model, tokenizer, ChatTemplate.from_gguf(model.gguf), path, dense=False)
     run = RunDir(config.resolve_path(config.model.run, "field 'model.run'")).require()
     if run.manifest().get("recipe") != "lm-pretrain":

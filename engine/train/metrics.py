@@ -116,7 +116,9 @@ def measure_peak_matmul_flops(precision: str, threads: int, clock: str = "cpu") 
     between their rounds)."""
     import torch
 
-    dtype = torch.bfloat16 if precision == "bf16" else torch.float32
+    from engine.train.precision import torch_dtype
+
+    dtype = torch_dtype(precision)
     now = time.perf_counter if clock == "wall" else (lambda: time.process_time() / threads)
     before = torch.get_num_threads()
     torch.set_num_threads(threads)

@@ -112,6 +112,13 @@ def run_precision(run, config) -> str:
     return recorded or resolve_precision(requested_precision(config) or "f32").precision
 
 
+def torch_dtype(precision: str):
+    """The dtype a precision's products run in: bfloat16 for "bf16", float32 otherwise."""
+    import torch
+
+    return torch.bfloat16 if precision == "bf16" else torch.float32
+
+
 def autocast(precision: str, device_type: str = "cpu"):
     """torch's autocast to bfloat16 for "bf16" ("auto" resolved on this machine) on the CPU or
     CUDA (`device_type`); a no-op context for "f32". The weights (and full fine-tuning's master
