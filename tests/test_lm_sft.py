@@ -6,11 +6,12 @@ from __future__ import annotations
 import json
 import shutil
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
 from lm_pretrain_support import forgebench, tree_digest
-from lm_sft_support import tiny_base, write_config, write_pairs
+from lm_sft_support import PIRATE_PAIRS, tiny_base, write_config, write_pairs
 
 from engine.fsutil import sha256_file
 from engine.lora import read_adapters
@@ -164,6 +165,57 @@ def test_a_bf16_run_caches_bf16_weights_with_the_numbers_of_an_f32_cache(tmp_pat
     tokens = torch.tensor([[2, 5, 7]])
     with torch.no_grad():
         torch.testing.assert_close(bf16_model(tokens), f32_model(tokens), rtol=0.05, atol=0.05)
+
+
+def test_a_bf16_run_is_evaluated_and_answers_from_its_bf16_cache(tmp_path, tiny_gguf,
+                                                                 monkeypatch):
+    """`forgebench eval` and `generate` of a bf16 run load its cache in bf16, as it trained:
+    the loss is the f32 cache's under the same autocast, bit for bit, at half the memory, and
+    the greedy answer is the run's own AFTER sample, which its bf16 cache answered."""
+    from engine.models.gguf_model import packed_weights
+    from engine.recipes import lm_sft
+    from engine.rundir import RunDir
+    from engine.train.lm_base import load_policy
+    from engine.train.lm_reports import mean_loss
+
+    config = write_config(tmp_path, tiny_gguf, steps=2, dropout=0.0, weights="dense-cache",
+                          precision="bf16")
+    val = write_pairs(tmp_path / "val.jsonl", PIRATE_PAIRS[::-1])
+    config.write_text(config.read_text().replace("[lora]", f'val_path = "{val}"\n\n[lora]'))
+    forgebench("run", str(config), "--out", str(tmp_path / "run"))
+    run = RunDir(tmp_path / "run")
+    forgebench("eval", str(run.path), "--split", "val")
+    record = json.loads((run.path / "evals" / "val-step-000002.json").read_text())
+
+    run_config = lm_sft.run_config(run)
+    checkpoint, sha = run.checkpoint(None), run.manifest()["base_model"]["sha256"]
+    samples = None
+    losses = {}
+    for precision, cache in (("bf16", "f32"), ("f32", "f32")):   # run precision, cache dtype
+        base, _, _ = load_policy(run_config, checkpoint, sha, precision=cache)
+        samples = samples or lm_sft.encode_samples(run_config, base, split="val")[0]
+        losses[precision] = mean_loss(base, samples, 2, precision).value
+    assert record["loss"] == losses["bf16"]
+    assert record["loss"] != losses["f32"]       # the check sees the precision it runs in
+    bf16_base, _ = lm_sft.load_trained(run, checkpoint, precision="bf16")
+    assert mean_loss(bf16_base, samples, 2, "bf16").value == record["loss"]
+    assert {w.dense.dtype for w in packed_weights(bf16_base.model)} == {torch.bfloat16}
+
+    after = json.loads((run.path / "samples" / "step-000002" / "generations.jsonl")
+                       .read_text().splitlines()[0])
+    result = forgebench("generate", str(run.path), "--prompt", after["prompt"],
+                        "--max-tokens", "6", "--json")
+    assert json.loads(result.stdout)["text"] == after["answer"]
+    # (the tiny model's six greedy tokens are the same from an f32 cache: which cache the
+    # commands load is seen where they load it)
+    loaded = []
+    monkeypatch.setattr(lm_sft, "load_policy",
+                        lambda *a, **k: loaded.append(k["precision"]) or load_policy(*a, **k))
+    greedy = SimpleNamespace(prompt=after["prompt"], max_tokens=6, temperature=0.0, top_k=0,
+                             top_p=1.0, repetition_penalty=1.0, seed=0)
+    assert lm_sft.generate(run, checkpoint, greedy)["text"] == after["answer"]
+    lm_sft.evaluate(run, checkpoint, "val")
+    assert loaded == ["bf16", "bf16"]
 
 
 @pytest.mark.slow

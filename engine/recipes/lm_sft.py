@@ -181,21 +181,25 @@ def train(job: Job) -> None:
 
     if step == config.steps and not job.stop_requested and world.is_main:
         if sharded:   # FSDP2 holds shards: answer and report with the checkpoint's full weights
-            base = load_trained(run, last)[0]
+            base = load_trained(run, last, precision=precision)[0]
         write_after(job, step, last, base, identity)
         write_reports(run, last.name, step, base, config, job.announce)   # AFTER + the change
 
 
 # -- evaluation and generation from a run ---------------------------------------------------
-def load_trained(run: RunDir, checkpoint: Checkpoint,
-                 base_path: Path | None = None) -> tuple[Base, LMSFTConfig]:
+def load_trained(run: RunDir, checkpoint: Checkpoint, base_path: Path | None = None,
+                 precision: str = "f32") -> tuple[Base, LMSFTConfig]:
     """The base with the checkpoint's adapters (or full weights) applied, in eval mode.
-    `base_path`: the same base file found elsewhere (a model library's copy, by its hash)."""
+    `base_path`: the same base file found elsewhere (a model library's copy, by its hash).
+    `precision` is the dense cache's (load_base): the run's own for its evaluation (under its
+    autocast a bf16 cache gives the f32 cache's numbers at half the memory) and its answers
+    (a bf16 run's AFTER samples were taken from its bf16 cache); "f32" for the exact weights."""
     config = run_config(run)
     if base_path is not None and config.model.gguf:
         config = config.model_copy(update={"model": config.model.model_copy(
             update={"gguf": str(base_path)})})
-    base, _, _ = load_policy(config, checkpoint, run.manifest()["base_model"]["sha256"])
+    base, _, _ = load_policy(config, checkpoint, run.manifest()["base_model"]["sha256"],
+                             precision=precision)
     base.model.eval()
     return base, config
 
@@ -203,9 +207,10 @@ def load_trained(run: RunDir, checkpoint: Checkpoint,
 @torch.no_grad()
 def evaluate(run: RunDir, checkpoint: Checkpoint, split: str) -> dict:
     """Token-weighted CE of a checkpoint on a split of the dataset; writes evals/ + a metric."""
-    base, config = load_trained(run, checkpoint)
+    precision = run_precision(run, run_config(run))
+    base, config = load_trained(run, checkpoint, precision=precision)
     samples, report = encode_samples(config, base, split=split)
-    total = mean_loss(base, samples, config.train.micro_batch, run_precision(run, config))
+    total = mean_loss(base, samples, config.train.micro_batch, precision)
     values = {"loss": total.value, "supervised_tokens": total.tokens, "samples": len(samples)}
     if config.mode == "cpt":
         values["perplexity"] = math.exp(total.value)
@@ -213,5 +218,7 @@ def evaluate(run: RunDir, checkpoint: Checkpoint, split: str) -> dict:
 
 
 def generate(run: RunDir, checkpoint: Checkpoint, args) -> dict:
-    base, config = load_trained(run, checkpoint)
+    """`forgebench generate RUN`: answers from the run's cache precision, as its samples were."""
+    base, config = load_trained(run, checkpoint,
+                                precision=run_precision(run, run_config(run)))
     return generate_answer(base, checkpoint, config.data.enable_thinking, args)
