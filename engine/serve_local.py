@@ -5,8 +5,8 @@ A *system* is something to chat with, loaded once under a name and kept warm:
 
 - a GGUF file (a library model, an exported `model.gguf`, any file), optionally with LoRA
   adapters (`adapters.safetensors`) attached;
-- a checkpoint of an lm-sft run: its base with the checkpoint's adapters, or its full weights.
-  With a workspace, the run's base is looked up in the model library by its SHA-256 (a base
+- a checkpoint of a run of a CHAT_RECIPES recipe (lm-sft, lm-dpo, lm-es): its base with the
+  checkpoint's adapters, or its full weights. With a workspace, the run's base is looked up in the model library by its SHA-256 (a base
   missing from the library is refused with the reason).
 
 Requests, one JSON object per line on stdin; every reply line echoes the request's `request`:
@@ -51,6 +51,7 @@ from typing import Any, Callable, TextIO
 from engine import model_library
 from engine.errors import ForgebenchError
 
+CHAT_RECIPES = ("lm-sft", "lm-dpo", "lm-es")    # the recipes whose runs answer in chat
 OPS = ("load", "render", "chat", "cancel", "unload", "shutdown", "ping")
 SETTINGS = ("temperature", "top_k", "top_p", "repetition_penalty")
 
@@ -128,20 +129,24 @@ def run_base_in_library(run_dir: Path, workspace: str | os.PathLike) -> Path:
 
 def _load_run(name: str, run_dir: Path, checkpoint: str, workspace) -> System:
     from engine.jobs import recipe_for_run
+    from engine.lora import ADAPTERS_FILE
     from engine.rundir import RunDir
 
     run = RunDir(run_dir).require()
+    if run.manifest().get("recipe") not in CHAT_RECIPES:
+        raise ForgebenchError(f"recipe '{run.manifest().get('recipe')}' has no chat model",
+                              path=run.path, where="run",
+                              hint=f"chat with a run of {', '.join(CHAT_RECIPES)}")
     module = recipe_for_run(run)
-    if not hasattr(module, "load_trained"):
-        raise ForgebenchError(f"recipe '{run.manifest()['recipe']}' has no chat model",
-                              path=run.path, where="run", hint="chat with an lm-sft run")
     base_path = run_base_in_library(run_dir, workspace) if workspace else None
     started = time.perf_counter()
     ckpt = run.checkpoint(checkpoint)
     base, config = module.load_trained(run, ckpt, base_path=base_path)
     info = {"kind": "run", "run": str(run.path), "checkpoint": ckpt.name, "step": ckpt.step,
             "base": str(base.path), "numerics": getattr(base.model, "numerics", "f32"),
-            "method": config.lora.method, "template": base.template.origin,
+            "recipe": run.manifest()["recipe"],
+            "method": "lora" if (ckpt.path / ADAPTERS_FILE).is_file() else "full",
+            "template": base.template.origin,
             "context": base.model.config.max_seq_len, "load_s": time.perf_counter() - started}
     return System(name, base.model, base.tokenizer, base.template, info,
                   config.data.enable_thinking)

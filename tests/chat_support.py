@@ -81,3 +81,28 @@ class Worker:
         self.process.stdout.close()
         self.process.stderr.close()
         return code
+
+
+def chat_answer(run: Path, workspace: Path, prompt: str, max_tokens: int) -> tuple[dict, str]:
+    """(the worker's load info, its greedy reply) for a run's latest checkpoint, loaded as
+    the Chat pane loads it: the base looked up in `workspace`'s library by its SHA-256."""
+    worker = Worker()
+    try:
+        worker.send(request="1", op="load", system="T", run=str(run), workspace=str(workspace))
+        loaded = worker.until("1", "loaded")[-1]
+        assert loaded["event"] == "loaded", loaded
+        worker.send(request="2", op="chat", system="T", max_tokens=max_tokens,
+                    messages=[{"role": "user", "content": prompt}])
+        done = worker.until("2", "done")[-1]
+        assert done["event"] == "done", done
+        return loaded["info"], done["text"]
+    finally:
+        worker.close()
+
+
+def generated_answer(run: Path, prompt: str, max_tokens: int) -> str:
+    """`forgebench generate RUN`'s greedy answer: the recipe's own decode loop."""
+    done = forgebench("generate", str(run), "--prompt", prompt, "--max-tokens",
+                      str(max_tokens), "--json")
+    assert done.returncode == 0, done.stderr
+    return json.loads(done.stdout)["text"]

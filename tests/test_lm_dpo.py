@@ -373,3 +373,26 @@ def test_dpo_after_full_fine_tuning_trains_every_weight_against_the_sft_weights(
                         / "model.safetensors"))
     assert sft.keys() == dpo.keys() and not any(".lora_" in name for name in dpo)
     assert not torch.equal(sft["layers.1.mlp.down.weight"], dpo["layers.1.mlp.down.weight"])
+
+
+def test_a_dpo_checkpoint_answers_in_chat_as_generate_does(tmp_path, dpo_run):
+    """The Chat pane's worker loads an lm-dpo run (the lm-sft run's base, found in the
+    workspace's library by its SHA-256, with the DPO adapters) and answers as `forgebench
+    generate` does through the recipe."""
+    from chat_support import chat_answer, generated_answer
+
+    from app.viewmodels.chat import sources
+    from app.viewmodels.workspace import Workspace
+    from engine import model_library
+
+    root = Workspace.create(tmp_path / "ws").root
+    model_library.add_model(root, Path(RunDir(dpo_run).manifest()["base_model"]["path"]))
+    info, text = chat_answer(dpo_run, root, "Say hello.", 6)
+    assert (info["recipe"], info["method"], info["checkpoint"]) == ("lm-dpo", "lora",
+                                                                    "step-000004")
+    assert text == generated_answer(dpo_run, "Say hello.", 6)
+
+    (root / "runs" / "dpo").symlink_to(dpo_run)
+    listed = [s for s in sources(root) if s.kind == "run"]
+    assert [s.label for s in listed] == ["run: dpo/step-000002", "run: dpo/step-000004"]
+    assert all(s.usable for s in listed)

@@ -254,3 +254,21 @@ def test_bad_input_is_one_clear_error_and_exit_2(tmp_path, tiny_gguf, change, me
     if change.get("mode") == "full":
         assert "forgebench convert tiny-gemma3-q4k.gguf --dtype f16" in result.stderr
     assert not (tmp_path / "run").exists()
+
+
+def test_an_lm_es_checkpoint_answers_in_chat_as_generate_does(tmp_path, tiny_gguf):
+    """The Chat pane's worker loads an lm-es run (its base found in the workspace's library by
+    its SHA-256, with the ES-tuned adapters) and answers as `forgebench generate` does."""
+    from chat_support import chat_answer, generated_answer
+
+    from app.viewmodels.workspace import Workspace
+    from engine import model_library
+
+    root = Workspace.create(tmp_path / "ws").root
+    model_library.add_model(root, tiny_gguf)
+    run = root / "runs" / "es"
+    forgebench("run", str(write_config(tmp_path, tiny_gguf, steps=2, population=4)),
+               "--out", str(run))
+    info, text = chat_answer(run, root, "Say hello.", 6)
+    assert (info["recipe"], info["method"]) == ("lm-es", "lora")
+    assert text == generated_answer(run, "Say hello.", 6)

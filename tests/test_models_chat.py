@@ -12,7 +12,14 @@ from pathlib import Path
 import gguf
 import pytest
 import torch
-from chat_support import Worker, chat_workspace, forgebench, tiny_model
+from chat_support import (
+    Worker,
+    chat_answer,
+    chat_workspace,
+    forgebench,
+    generated_answer,
+    tiny_model,
+)
 
 from app.viewmodels.workspace import Workspace
 from engine import model_library
@@ -388,18 +395,7 @@ def test_a_checkpoint_answers_in_chat_as_the_recipe_answers(tmp_path_factory, me
         run = root / "runs" / "full"
         done = forgebench("run", str(config), "--out", str(run), "--threads", "1")
         assert done.returncode == 0, done.stderr
-    expected = forgebench("generate", str(run), "--prompt", "Say hello.", "--max-tokens", "6",
-                          "--json")
-    assert expected.returncode == 0, expected.stderr
-    worker = Worker()
-    try:
-        worker.send(request="1", op="load", system="T", run=str(run), workspace=str(root))
-        info = worker.until("1", "loaded")[-1]["info"]
-        assert info["method"] == method and info["numerics"] == "f32"
-        worker.send(request="2", op="chat", system="T", max_tokens=6,
-                    messages=[{"role": "user", "content": "Say hello."}])
-        done = worker.until("2", "done")[-1]
-        assert done["event"] == "done"
-        assert done["text"] == json.loads(expected.stdout)["text"]
-    finally:
-        worker.close()
+    info, text = chat_answer(run, root, "Say hello.", 6)
+    assert info["method"] == method and info["numerics"] == "f32"
+    assert info["recipe"] == "lm-sft"
+    assert text == generated_answer(run, "Say hello.", 6)

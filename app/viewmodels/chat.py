@@ -2,8 +2,8 @@
 stream from the engine's `forgebench serve-local` worker. No Qt: the view writes `ChatSession`'s
 request lines to the worker's stdin and feeds it the worker's stdout lines.
 
-- `sources(workspace)`: library models, lm-sft run checkpoints (base + adapter, or full
-  weights) and exported GGUF files, each with the `load` request that loads it, or the reason
+- `sources(workspace)`: library models, checkpoints of lm-sft, lm-dpo and lm-es runs (base +
+  adapter, or full weights) and exported GGUF files, each with the `load` request that loads it, or the reason
   it cannot be chatted with (a run whose base is not in the library, an unusable file).
 - `ChatSession`: one conversation (engine/conversations.py, saved as JSONL under chats/) with
   one or two systems. `send(prompt)` returns the request lines; `feed(line)` folds a worker
@@ -26,6 +26,7 @@ from engine import model_library
 from engine.conversations import Conversation, export_sft
 from engine.errors import ForgebenchError
 from engine.rundir import RunDir
+from engine.serve_local import CHAT_RECIPES
 
 SIDES = ("A", "B")
 DEFAULT_SETTINGS = {"temperature": 0.0, "top_k": 0, "top_p": 1.0, "repetition_penalty": 1.0}
@@ -61,7 +62,7 @@ def sources(root: Path) -> list[Source]:
             manifest = run.manifest()
         except ForgebenchError:
             continue
-        if manifest.get("recipe") != "lm-sft":
+        if manifest.get("recipe") not in CHAT_RECIPES:
             continue
         base = manifest.get("base_model") or {}
         in_library = model_library.find_by_sha256(root, base.get("sha256", ""))

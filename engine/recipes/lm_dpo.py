@@ -56,6 +56,7 @@ from engine.train.lm_base import (
     pack,
     save_weights,
     size_text,
+    with_base_file,
     write_after,
     write_before,
 )
@@ -85,10 +86,12 @@ def base_model(config: LMDPOConfig) -> Path:
     return Path(sft_start(config)[0].manifest()["base_model"]["path"])
 
 
-def load_start(config: LMDPOConfig, precision: str = "f32"):
+def load_start(config: LMDPOConfig, precision: str = "f32", base_path: Path | None = None):
     """(base, adapters or None, trainable parameters) holding the starting policy: the lm-sft
-    checkpoint applied to its base, with dropout off, its dense cache in `precision`."""
+    checkpoint applied to its base (or to `base_path`, the same file found elsewhere), with
+    dropout off, its dense cache in `precision`."""
     run, sft = sft_start(config)
+    sft = with_base_file(sft, base_path)
     return load_policy(sft, run.checkpoint(config.model.checkpoint),
                        run.manifest()["base_model"]["sha256"],
                        lora=sft.lora.model_copy(update={"dropout": 0.0}), precision=precision)
@@ -363,10 +366,13 @@ def train(job: Job) -> None:
 
 
 # -- evaluation and generation from a run ---------------------------------------------------
-def load_trained(run: RunDir, checkpoint: Checkpoint) -> tuple[Base, LMDPOConfig]:
-    """The base with the checkpoint's adapters (or full weights) applied, in eval mode."""
+def load_trained(run: RunDir, checkpoint: Checkpoint, base_path: Path | None = None,
+                 precision: str = "f32") -> tuple[Base, LMDPOConfig]:
+    """The base with the checkpoint's adapters (or full weights) applied, in eval mode.
+    `base_path` and `precision` as in lm_sft.load_trained: the same base file found
+    elsewhere (a model library's copy, by its hash), and the dense cache's precision."""
     config = run_config(run)
-    base, adapters, _ = load_start(config)
+    base, adapters, _ = load_start(config, precision, base_path)
     apply_weights(checkpoint, base.model, adapters, run.manifest()["base_model"]["sha256"])
     base.model.eval()
     return base, config
@@ -393,5 +399,7 @@ def evaluate(run: RunDir, checkpoint: Checkpoint, split: str) -> dict:
 
 
 def generate(run: RunDir, checkpoint: Checkpoint, args) -> dict:
-    base, config = load_trained(run, checkpoint)
+    """`forgebench generate RUN`: answers from the run's cache precision, as its samples were."""
+    base, config = load_trained(run, checkpoint,
+                                precision=run_precision(run, run_config(run)))
     return generate_answer(base, checkpoint, config.data.enable_thinking, args)

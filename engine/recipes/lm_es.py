@@ -49,6 +49,7 @@ from engine.train.lm_base import (
     generate_answer,
     require_same_base,
     save_weights,
+    with_base_file,
     write_after,
     write_before,
 )
@@ -198,9 +199,11 @@ def train(job: Job) -> None:
 
 
 # -- evaluation and generation from a run ---------------------------------------------------
-def load_trained(run: RunDir, checkpoint: Checkpoint) -> tuple[Base, LMESConfig]:
-    """The base with the checkpoint's adapters (or full weights) applied, in eval mode."""
-    config = run_config(run)
+def load_trained(run: RunDir, checkpoint: Checkpoint,
+                 base_path: Path | None = None) -> tuple[Base, LMESConfig]:
+    """The base with the checkpoint's adapters (or full weights) applied, in eval mode.
+    `base_path`: the same base file found elsewhere (a model library's copy, by its hash)."""
+    config = with_base_file(run_config(run), base_path)
     base_sha = run.manifest()["base_model"]["sha256"]
     base = load_base(config)
     require_same_base(base.path, base_sha)

@@ -50,6 +50,7 @@ from engine.train.lm_base import (
     prepare_trainable,
     save_weights,
     size_text,
+    with_base_file,
     write_after,
     write_before,
 )
@@ -194,10 +195,7 @@ def load_trained(run: RunDir, checkpoint: Checkpoint, base_path: Path | None = N
     `precision` is the dense cache's (load_base): the run's own for its evaluation (under its
     autocast a bf16 cache gives the f32 cache's numbers at half the memory) and its answers
     (a bf16 run's AFTER samples were taken from its bf16 cache); "f32" for the exact weights."""
-    config = run_config(run)
-    if base_path is not None and config.model.gguf:
-        config = config.model_copy(update={"model": config.model.model_copy(
-            update={"gguf": str(base_path)})})
+    config = with_base_file(run_config(run), base_path)
     base, _, _ = load_policy(config, checkpoint, run.manifest()["base_model"]["sha256"],
                              precision=precision)
     base.model.eval()

@@ -63,6 +63,16 @@ def base_model(config) -> Path:
     return run.checkpoint(config.model.checkpoint).path / MODEL_FILE
 
 
+def with_base_file(config, base_path: Path | None):
+    """The run's config with its GGUF base read from `base_path` instead: the same file found
+    elsewhere (a model library's copy, matched by its SHA-256, which loading checks again).
+    Unchanged without one, or for a base that is an lm-pretrain run."""
+    if base_path is None or not config.model.gguf:
+        return config
+    return config.model_copy(update={"model": config.model.model_copy(
+        update={"gguf": str(base_path)})})
+
+
 def size_text(path: Path) -> str:
     try:
         return f"{path.stat().st_size / 1e6:.0f} MB"
