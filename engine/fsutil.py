@@ -1,6 +1,6 @@
 """Crash-safe file primitives: atomic replace, staged folders, durable appends, tolerant JSONL
-reads, hashing. Every "write it beside, then rename" in the engine goes through here
-(docs/design.md, "Whole files appear atomically")."""
+reads, hashing, and the cache folder. Every "write it beside, then rename" in the engine goes
+through here (docs/design.md, "Whole files appear atomically")."""
 
 from __future__ import annotations
 
@@ -14,6 +14,12 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from engine.errors import ForgebenchError
+
+
+def cache_dir() -> Path:
+    """Where forgebench keeps what it builds or measures once per machine (the native kernels,
+    the matmul peaks)."""
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "forgebench"
 
 
 def _fsync_dir(directory: Path) -> None:

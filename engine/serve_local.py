@@ -6,8 +6,9 @@ A *system* is something to chat with, loaded once under a name and kept warm:
 - a GGUF file (a library model, an exported `model.gguf`, any file), optionally with LoRA
   adapters (`adapters.safetensors`) attached;
 - a checkpoint of a run of a CHAT_RECIPES recipe (lm-sft, lm-dpo, lm-es): its base with the
-  checkpoint's adapters, or its full weights. With a workspace, the run's base is looked up in the model library by its SHA-256 (a base
-  missing from the library is refused with the reason).
+  checkpoint's adapters, or its full weights. With a workspace, the run's base is looked up in
+  the model library by its SHA-256 (a base missing from the library is refused with the
+  reason).
 
 Requests, one JSON object per line on stdin; every reply line echoes the request's `request`:
 

@@ -63,7 +63,7 @@ def make_corpus(root: Path, n: int = 60) -> Path:
 def write_config(path: Path, data: Path, *, steps: int = 6, save_every: int = 0,
                  tokenizer: str = "byte", top: str = "", precision: str = "auto") -> Path:
     """The tiny test config; `top` adds top-level TOML lines (e.g. 'nonfinite = "stop"');
-    precision "auto" is bf16 on a CPU with AVX512-BF16 or AMX, f32 elsewhere."""
+    precision "auto" is bf16 where the CPU multiplies bf16 faster than f32, f32 elsewhere."""
     path.write_text(TINY_CONFIG.format(steps=steps, save_every=save_every, data=data,
                                        tokenizer=tokenizer, top=top, precision=precision))
     return path

@@ -74,7 +74,7 @@ def write_config(folder: Path, gguf: Path, *, steps=6, save_every=0, method="lor
                  dropout=0.1, targets='["q", "v", "down"]', window=3, data=None,
                  weights="packed", precision="auto") -> Path:
     """folder/sft.toml: the tiny lm-sft config over `gguf` (the pirate pairs unless `data`);
-    precision "auto" is bf16 on a CPU with AVX512-BF16 or AMX, f32 elsewhere."""
+    precision "auto" is bf16 where the CPU multiplies bf16 faster than f32, f32 elsewhere."""
     data = data or write_pairs(folder / "pairs.jsonl")
     path = folder / "sft.toml"
     path.write_text(SFT_CONFIG.format(steps=steps, save_every=save_every, gguf=gguf, data=data,

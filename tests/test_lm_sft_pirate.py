@@ -36,7 +36,7 @@ def test_pirate_demo_on_gemma3_270m(tmp_path):
               (run / "samples" / "step-000000" / "generations.jsonl").read_text().splitlines()]
     assert not before[0]["answer"].lstrip().startswith("Ahoy")
     assert sha256_file(gguf) == base_sha
-    # precision "auto": bf16 autocast where this CPU has AVX512-BF16 or AMX, f32 elsewhere
+    # precision "auto": bf16 autocast where this CPU multiplies bf16 faster, f32 elsewhere
     manifest = json.loads((run / "run.json").read_text())
     assert manifest["config"]["train"]["precision"] == "auto"
     assert manifest["precision"] == resolve_precision("auto").as_dict()

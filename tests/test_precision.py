@@ -15,6 +15,7 @@ from engine.recipes.lm_pretrain_config import TrainSection
 from engine.rundir import RunDir
 from engine.train import metrics
 from engine.train.precision import (
+    BF16_MIN_SPEEDUP,
     autocast,
     choose_precision,
     cpu_bf16_features,
@@ -26,18 +27,27 @@ AVX2 = frozenset({"avx", "avx2", "fma", "f16c"})
 AVX512 = AVX2 | {"avx512f", "avx512dq", "avx512bw", "avx512vl", "avx512_vnni"}
 
 
-@pytest.mark.parametrize("features, expected", [
-    (frozenset(), "f32"),                                   # not x86 / nothing known
-    (AVX2, "f32"),                                          # AVX2 only: bf16 is emulated
-    (AVX512, "f32"),                                        # AVX-512 without BF16 (this kind)
-    (AVX512 | {"avx512_bf16"}, "bf16"),                     # Zen 4, Cooper Lake
-    (AVX512 | {"amx_bf16", "amx_int8"}, "bf16"),            # Sapphire Rapids and later
-    (AVX512 | {"amx_int8"}, "f32"),                         # AMX-INT8 alone does not multiply bf16
+@pytest.mark.parametrize("features, speedup, expected", [
+    (frozenset(), None, "f32"),                              # not x86 / nothing known
+    (AVX2, None, "f32"),                                     # AVX2 only: bf16 is emulated
+    (AVX2, 3.0, "f32"),                                      # ... whatever was measured
+    (AVX512, None, "f32"),                                   # AVX-512 without BF16
+    (AVX512 | {"avx512_bf16"}, None, "bf16"),                # not measured: the units decide
+    (AVX512 | {"avx512_bf16"}, 2.9, "bf16"),                 # AMD EPYC (the issue's figure)
+    (AVX512 | {"avx512_bf16"}, 0.64, "f32"),                 # Intel Xeon, no AMX (measured)
+    (AVX512 | {"avx512_bf16"}, BF16_MIN_SPEEDUP, "bf16"),    # the bound itself
+    (AVX512 | {"amx_bf16", "amx_int8"}, 6.0, "bf16"),        # Sapphire Rapids and later
+    (AVX512 | {"amx_int8"}, None, "f32"),                    # AMX-INT8 does not multiply bf16
 ])
-def test_auto_chooses_bf16_only_with_bf16_units(features, expected):
-    choice = choose_precision("auto", features)
+def test_auto_chooses_bf16_only_with_bf16_units_that_measure_faster(features, speedup,
+                                                                     expected):
+    choice = choose_precision("auto", features, speedup)
     assert choice.precision == expected and choice.requested == "auto"
-    assert ("AVX512-BF16 or AMX" in choice.reason) == (expected == "f32")
+    has_units = bool(features & {"avx512_bf16", "amx_bf16"})
+    assert ("no AVX512-BF16 or AMX" in choice.reason) == (not has_units)
+    assert ("measured" in choice.reason) == (has_units and speedup is not None)
+    if "measured" in choice.reason:
+        assert f"measured {speedup:.2f}x f32" in choice.reason
 
 
 @pytest.mark.parametrize("requested, expected", [("f32", "f32"), ("fp32", "f32"),
@@ -59,38 +69,63 @@ def _cpuinfo_flags() -> set[str]:
     return set(line.partition(":")[2].split())
 
 
-def test_this_machine_answers_as_its_cpu_flags_say():
+def test_this_machine_answers_as_its_cpu_flags_and_measured_matmuls_say():
     """torch's own checks and /proc/cpuinfo agree on the bf16 units; "auto" follows them (f32
-    on an AVX2 or plain AVX-512 machine, bf16 with AVX512-BF16 or AMX)."""
+    on an AVX2 or plain AVX-512 machine) and, where they are, the two matmul peaks measured
+    here, which the hardware decides: bf16 only if it multiplies BF16_MIN_SPEEDUP times f32."""
     flags = _cpuinfo_flags()
     if not flags:
         pytest.skip("no /proc/cpuinfo flags to compare with")
     units = cpu_bf16_features()
     assert ("avx512_bf16" in units) == ("avx512_bf16" in flags)
     assert ("amx_bf16" in units) == ("amx_bf16" in flags)
-    expected = "bf16" if units else "f32"
+    faster = bool(units) and (metrics.peak_matmul_flops("bf16", 1)
+                              >= BF16_MIN_SPEEDUP * metrics.peak_matmul_flops("f32", 1))
+    expected = "bf16" if faster else "f32"
     assert resolve_precision("auto").precision == expected
     cast = autocast("auto")
     assert isinstance(cast, torch.autocast) == (expected == "bf16")
 
 
-def test_the_forms_note_reads_the_flags_alone_even_with_torch_loaded(monkeypatch):
-    """The new-run form's "auto = ..." line runs on the GUI thread: it must never reach the
-    native kernels (their first use compiles them: seconds), although torch is loaded here."""
+def _forbid(monkeypatch, module, name: str, what: str) -> None:
+    def refuse(*args, **kwargs):
+        raise AssertionError(f"the form's precision note {what}")
+
+    monkeypatch.setattr(module, name, refuse)
+
+
+def _precision_note() -> str:
     from app.viewmodels.forms import RecipeForm
-    from engine.kernels import native
 
-    def compile_kernels():
-        raise AssertionError("the form's precision note reached the native kernels")
+    return next(f for f in RecipeForm("lm-sft").fields if f.name == "train.precision").note
 
-    from engine.kernels import cpu
+
+def test_the_forms_note_reads_the_flags_and_cached_peaks_alone_even_with_torch_loaded(
+        monkeypatch):
+    """The new-run form's "auto = ..." line runs on the GUI thread: it must never reach the
+    native kernels (their first use compiles them: seconds), although torch is loaded here, nor
+    time a matmul: it reads the peaks a job measured."""
+    from engine.kernels import cpu, native
 
     expected = resolve_precision("auto").precision     # what a job here chooses (cpuid too)
-    for cached in (cpu_bf16_features, cpu.detected):   # as in a fresh process
-        cached.cache_clear()
-    monkeypatch.setattr(native, "kernels", compile_kernels)
-    field = next(f for f in RecipeForm("lm-sft").fields if f.name == "train.precision")
-    assert field.note.startswith(f"auto = {expected} on this machine")
+    for cached in (cpu_bf16_features, cpu.detected, metrics.peak_matmul_flops):
+        cached.cache_clear()                           # as in a fresh process
+    _forbid(monkeypatch, native, "kernels", "reached the native kernels")
+    _forbid(monkeypatch, metrics, "measure_peak_matmul_flops", "timed a matmul")
+    assert _precision_note().startswith(f"auto = {expected} on this machine")
+
+
+def test_the_forms_note_before_any_run_measured_says_what_will_decide(tmp_path, monkeypatch):
+    from engine.train import precision
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))          # nothing measured yet
+    _forbid(monkeypatch, metrics, "measure_peak_matmul_flops", "timed a matmul")
+    monkeypatch.setattr(precision, "listed_bf16_features", lambda: frozenset({"avx512_bf16"}))
+    assert _precision_note() == ("auto = bf16 or f32 on this machine: it has avx512_bf16; the "
+                                 f"first run measures if its bf16 matmul is {BF16_MIN_SPEEDUP}x "
+                                 "its f32")
+    monkeypatch.setattr(precision, "listed_bf16_features", lambda: frozenset())
+    assert _precision_note().startswith("auto = f32 on this machine (this CPU has no AVX512-BF16")
 
 
 def test_configs_default_to_auto_and_old_autocast_keys_still_load():

@@ -3,8 +3,9 @@ stream from the engine's `forgebench serve-local` worker. No Qt: the view writes
 request lines to the worker's stdin and feeds it the worker's stdout lines.
 
 - `sources(workspace)`: library models, checkpoints of lm-sft, lm-dpo and lm-es runs (base +
-  adapter, or full weights) and exported GGUF files, each with the `load` request that loads it, or the reason
-  it cannot be chatted with (a run whose base is not in the library, an unusable file).
+  adapter, or full weights) and exported GGUF files, each with the `load` request that loads
+  it, or the reason it cannot be chatted with (a run whose base is not in the library, an
+  unusable file).
 - `ChatSession`: one conversation (engine/conversations.py, saved as JSONL under chats/) with
   one or two systems. `send(prompt)` returns the request lines; `feed(line)` folds a worker
   line into the state and says what changed; finished replies are appended to the transcript.

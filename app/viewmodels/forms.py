@@ -72,9 +72,18 @@ class FieldSpec:
         """A line the form shows under the editor: what precision "auto" becomes here."""
         if self.name.rsplit(".", 1)[-1] != "precision" or "auto" not in self.choices:
             return ""
-        from engine.train.precision import choose_precision, listed_bf16_features
+        from engine.train.precision import (
+            BF16_MIN_SPEEDUP,
+            cached_bf16_speedup,
+            choose_precision,
+            listed_bf16_features,
+        )
 
-        choice = choose_precision("auto", listed_bf16_features())
+        units, speedup = listed_bf16_features(), cached_bf16_speedup()
+        if units and speedup is None:
+            return (f"auto = bf16 or f32 on this machine: it has {' and '.join(sorted(units))}; "
+                    f"the first run measures if its bf16 matmul is {BF16_MIN_SPEEDUP}x its f32")
+        choice = choose_precision("auto", units, speedup)
         return f"auto = {choice.precision} on this machine ({choice.reason[len('auto: '):]})"
 
     @property

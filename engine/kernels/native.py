@@ -23,6 +23,8 @@ from pathlib import Path
 
 import torch
 
+from engine.fsutil import cache_dir
+
 SOURCE = Path(__file__).with_name("ggml_kernels.c")
 # -ffp-contract=off: only the explicit fmaf() calls fuse, as in ggml's intrinsics
 FLAGS = [
@@ -82,11 +84,6 @@ RETURNS = {"cpu_features": ([], _I64),
            "fb_matmul": ([_PTR, _I64, _PTR, _PTR, _INT, _PTR], _INT),
            "fb_forward": ([_PTR, _PTR, _I64, _I64, _PTR, _PTR, _PTR, _I64, _I64, _PTR, _PTR, _INT],
                           _INT)}
-
-
-def cache_dir() -> Path:
-    """Where forgebench keeps what it builds or measures once per machine."""
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "forgebench"
 
 
 @functools.lru_cache(maxsize=1)

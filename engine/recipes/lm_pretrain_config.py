@@ -70,8 +70,9 @@ class TrainSection(Schema):
     batch_size: int = Field(16, ge=1, description="windows per micro-batch")
     grad_accum: int = Field(1, ge=1, description="micro-batches per optimizer step")
     precision: Literal["auto", "f32", "bf16"] = Field(
-        "auto", description="auto: bf16 autocast where the CPU has AVX512-BF16 or AMX, "
-                            "else f32 (the choice is recorded in run.json)")
+        "auto", description="auto: bf16 autocast where the CPU multiplies bf16 faster "
+                            "than f32 (AVX512-BF16 or AMX, timed), else f32 (the choice is "
+                            "recorded in run.json)")
 
     @model_validator(mode="before")
     @classmethod

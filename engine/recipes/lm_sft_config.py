@@ -96,8 +96,9 @@ class TrainSection(Schema):
                                              "over the window / its supervised tokens")
     micro_batch: int = Field(8, ge=1, description="samples per forward pass (packed, no padding)")
     precision: Literal["auto", "f32", "bf16"] = Field(
-        "auto", description="auto: bf16 autocast where the CPU has AVX512-BF16 or AMX, "
-                            "else f32 (the choice is recorded in run.json)")
+        "auto", description="auto: bf16 autocast where the CPU multiplies bf16 faster "
+                            "than f32 (AVX512-BF16 or AMX, timed), else f32 (the choice is "
+                            "recorded in run.json)")
     activation_checkpointing: bool = Field(False, description="recompute each layer in backward")
 
     @model_validator(mode="before")

@@ -22,7 +22,8 @@ class MediaRecipeConfig(RecipeConfig):
     batch_size: int = Field(32, ge=1, description="examples per optimizer step")
     precision: Literal["auto", "fp32", "bf16"] = Field(
         "auto", description="bf16 autocast for the forward pass (weights and optimizer stay "
-                            "fp32); auto: bf16 where the CPU has AVX512-BF16 or AMX, else fp32")
+                            "fp32); auto: bf16 where the CPU multiplies bf16 faster than "
+                            "fp32 (AVX512-BF16 or AMX, timed), else fp32")
 
 
 class ImageSection(Schema):

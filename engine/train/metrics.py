@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import functools
 import json
-import os
 import platform
 import resource
 import sys
@@ -87,15 +86,23 @@ PEAK_SECONDS = 0.4        # wall seconds per timed round; the best of 3 rounds
 
 
 def _peak_cache_key(precision: str, threads: int) -> str:
-    import torch
+    """The cache's key of a peak: the CPU (its model name and a digest of its flags, from
+    /proc/cpuinfo), the installed torch and the thread count. Computed without importing torch
+    or the native kernels, so that the app's run form can read the cache on the GUI thread."""
+    import hashlib
+    from importlib.metadata import PackageNotFoundError, version
 
-    from engine.kernels.cpu import detected
-
-    cpu = platform.processor() or platform.machine()
-    model = next((line.split(":", 1)[1].strip() for line in _cpuinfo_lines()
-                  if line.startswith("model name")), cpu)
-    return (f"{model}|{sorted(detected()[0])}|torch {torch.__version__}|{precision}|{threads}"
-            "|cpu-time")
+    lines = _cpuinfo_lines()
+    model = next((line.split(":", 1)[1].strip() for line in lines
+                  if line.startswith("model name")), platform.processor() or platform.machine())
+    flags = next((line.partition(":")[2].split() for line in lines
+                  if line.split(":")[0].strip() == "flags"), [])
+    digest = hashlib.sha256(" ".join(sorted(flags)).encode()).hexdigest()[:12]
+    try:
+        torch_version = version("torch")
+    except PackageNotFoundError:
+        torch_version = "none"
+    return f"{model}|flags {digest}|torch {torch_version}|{precision}|{threads}|cpu-time"
 
 
 def _cpuinfo_lines() -> list[str]:
@@ -139,28 +146,39 @@ def measure_peak_matmul_flops(precision: str, threads: int, clock: str = "cpu") 
         torch.set_num_threads(before)
 
 
+def _peak_cache_path():
+    from engine.fsutil import cache_dir
+
+    return cache_dir() / "peak-flops.json"
+
+
+def _cached_peaks() -> dict:
+    try:
+        cached = json.loads(_peak_cache_path().read_text())
+    except (OSError, ValueError):
+        return {}
+    return cached if isinstance(cached, dict) else {}
+
+
+def cached_peak_matmul_flops(precision: str, threads: int) -> float | None:
+    """The peak `peak_matmul_flops` measured on this machine before, or None: never measures."""
+    value = _cached_peaks().get(_peak_cache_key(precision, threads))
+    return float(value) if isinstance(value, (int, float)) and value > 0 else None
+
+
 @functools.lru_cache(maxsize=None)
 def peak_matmul_flops(precision: str, threads: int) -> float:
     """This machine's measured matmul peak (FLOP/s) for `precision` and `threads`, measured once
     and kept in forgebench's cache folder (peak-flops.json), keyed by CPU, torch and threads."""
     from engine.fsutil import atomic_write_json
-    from engine.kernels.native import cache_dir
 
-    path = cache_dir() / "peak-flops.json"
-    key = _peak_cache_key(precision, threads)
-    try:
-        cached = json.loads(path.read_text())
-    except (OSError, ValueError):
-        cached = {}
-    if not isinstance(cached, dict):
-        cached = {}
-    value = cached.get(key)
-    if isinstance(value, (int, float)) and value > 0:
-        return float(value)
+    value = cached_peak_matmul_flops(precision, threads)
+    if value is not None:
+        return value
     value = measure_peak_matmul_flops(precision, threads)
     try:
-        os.makedirs(path.parent, exist_ok=True)
-        atomic_write_json(path, {**cached, key: value})
+        atomic_write_json(_peak_cache_path(),
+                          {**_cached_peaks(), _peak_cache_key(precision, threads): value})
     except OSError:
         pass  # a read-only cache only costs a re-measurement next time
     return value

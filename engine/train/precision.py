@@ -2,14 +2,21 @@
 
 A config asks for "auto" (the default), "f32" or "bf16" ("fp32" is the media recipes' spelling
 of "f32"). "auto" resolves to "bf16" (torch's CPU autocast: bf16 matmuls, f32 master weights,
-f32 loss and optimizer) only where the CPU multiplies bf16 in hardware (AVX512-BF16 or AMX), and
-to "f32" elsewhere: without them torch emulates bf16 and a step is several times slower than in
-f32. The choice and its reason are made once, when a run starts, and recorded in run.json
-(`precision`); every later invocation of the run (resume, eval) reads it back, so a run never
-changes precision half way and resumes exactly in either.
+f32 loss and optimizer) only where the CPU multiplies bf16 in hardware (AVX512-BF16 or AMX)
+*and* torch's bf16 matmul measures at least BF16_MIN_SPEEDUP times its f32 one there, and to
+"f32" elsewhere. Without the units torch emulates bf16 and a step is several times slower than in
+f32. With them the units alone do not settle it: torch's bf16 matmul ran 2.9x its f32 on an AMD
+EPYC with AVX512-BF16 and faster still on AMX, but 0.64x on an Intel Xeon that lists
+AVX512-BF16 without AMX (74 vs 115 GFLOP/s on one thread), where a bf16 LoRA step took 1.35x an
+f32 one. So the two peaks are measured (engine.train.metrics.peak_matmul_flops, one thread,
+once per machine and torch, cached) and compared. The choice and its reason are made once,
+when a run starts, and recorded in run.json (`precision`); every later invocation of the run
+(resume, eval) reads it back, so a run never changes precision half way and resumes exactly
+in either.
 
-`choose_precision` is the rule as a pure function of a feature set; `cpu_bf16_features` asks
-torch (and cpuid / /proc/cpuinfo, engine.kernels.cpu) what this machine has.
+`choose_precision` is the rule as a pure function of a feature set and the measured speed-up;
+`cpu_bf16_features` asks torch (and cpuid / /proc/cpuinfo, engine.kernels.cpu) what this machine
+has; `measured_bf16_speedup` measures (or reads) the peaks' ratio.
 """
 
 from __future__ import annotations
@@ -21,8 +28,11 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 REQUESTS = ("auto", "f32", "fp32", "bf16")
-# cpuinfo flag names of the units that make a bf16 matmul faster than an f32 one
+# cpuinfo flag names of the units that can make a bf16 matmul faster than an f32 one
 BF16_UNITS = ("avx512_bf16", "amx_bf16")
+# bf16 matmul peak over f32 peak that "auto" needs: autocast also casts activations and
+# gradients, which a smaller gain in the matmuls does not pay for
+BF16_MIN_SPEEDUP = 1.2
 
 
 @dataclass(frozen=True)
@@ -37,8 +47,10 @@ class PrecisionChoice:
         return asdict(self)
 
 
-def choose_precision(requested: str, features: frozenset[str]) -> PrecisionChoice:
-    """The precision for a config's request on a CPU with these (cpuinfo-named) features."""
+def choose_precision(requested: str, features: frozenset[str],
+                     speedup: float | None = None) -> PrecisionChoice:
+    """The precision for a config's request on a CPU with these (cpuinfo-named) features, whose
+    bf16 matmul measured `speedup` times its f32 one (None: not measured; the units decide)."""
     if requested not in REQUESTS:
         raise ValueError(f"precision {requested!r} is not one of {', '.join(REQUESTS)}")
     units = [unit for unit in BF16_UNITS if unit in features]
@@ -48,11 +60,19 @@ def choose_precision(requested: str, features: frozenset[str]) -> PrecisionChoic
         note = ("bf16 units: " + ", ".join(units)) if units else \
             "no AVX512-BF16 or AMX here: torch emulates bf16, slower than f32"
         return PrecisionChoice("bf16", requested, f"asked for bf16 ({note})")
-    if units:
-        return PrecisionChoice("bf16", requested, "auto: this CPU has " + " and ".join(units)
-                               + " (bf16 autocast, f32 master weights and loss)")
-    return PrecisionChoice("f32", requested, "auto: this CPU has no AVX512-BF16 or AMX, where "
-                                             "bf16 would be emulated and slower than f32")
+    if not units:
+        return PrecisionChoice("f32", requested, "auto: this CPU has no AVX512-BF16 or AMX, "
+                                                 "where bf16 would be emulated and slower than f32")
+    has = "this CPU has " + " and ".join(units)
+    if speedup is None:
+        return PrecisionChoice("bf16", requested,
+                               f"auto: {has} (bf16 autocast, f32 master weights and loss)")
+    measured = f"its bf16 matmul measured {speedup:.2f}x f32"
+    if speedup < BF16_MIN_SPEEDUP:
+        return PrecisionChoice("f32", requested, f"auto: {has}, but {measured}, under the "
+                                                 f"{BF16_MIN_SPEEDUP}x that pays for the casts")
+    return PrecisionChoice("bf16", requested, f"auto: {has} and {measured} (bf16 autocast, "
+                                              "f32 master weights and loss)")
 
 
 def _proc_flags(path: Path = Path("/proc/cpuinfo")) -> frozenset[str]:
@@ -91,9 +111,28 @@ def cpu_bf16_features() -> frozenset[str]:
     return frozenset(found) & frozenset(BF16_UNITS)
 
 
+def measured_bf16_speedup() -> float:
+    """This machine's bf16 matmul peak over its f32 one, one thread (measured once, cached)."""
+    from engine.train.metrics import peak_matmul_flops
+
+    return peak_matmul_flops("bf16", 1) / peak_matmul_flops("f32", 1)
+
+
+def cached_bf16_speedup() -> float | None:
+    """The same ratio where both peaks were measured before (a run chose "auto" here), else
+    None: never measures, never imports torch (the app's form reads it on the GUI thread)."""
+    from engine.train.metrics import cached_peak_matmul_flops
+
+    bf16, f32 = cached_peak_matmul_flops("bf16", 1), cached_peak_matmul_flops("f32", 1)
+    return bf16 / f32 if bf16 and f32 else None
+
+
 def resolve_precision(requested: str) -> PrecisionChoice:
-    """`choose_precision` on this machine."""
-    return choose_precision(requested, cpu_bf16_features())
+    """`choose_precision` on this machine: for "auto" on a CPU with bf16 units, after
+    measuring (or reading) how much faster its bf16 matmul is."""
+    units = cpu_bf16_features()
+    speedup = measured_bf16_speedup() if requested == "auto" and units else None
+    return choose_precision(requested, units, speedup)
 
 
 def requested_precision(config) -> str | None:
