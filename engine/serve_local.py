@@ -134,8 +134,9 @@ def _load_run(name: str, run_dir: Path, checkpoint: str, workspace) -> System:
     from engine.rundir import RunDir
 
     run = RunDir(run_dir).require()
-    if run.manifest().get("recipe") not in CHAT_RECIPES:
-        raise ForgebenchError(f"recipe '{run.manifest().get('recipe')}' has no chat model",
+    recipe = run.manifest().get("recipe")
+    if recipe not in CHAT_RECIPES:
+        raise ForgebenchError(f"recipe '{recipe}' has no chat model",
                               path=run.path, where="run",
                               hint=f"chat with a run of {', '.join(CHAT_RECIPES)}")
     module = recipe_for_run(run)
@@ -145,7 +146,7 @@ def _load_run(name: str, run_dir: Path, checkpoint: str, workspace) -> System:
     base, config = module.load_trained(run, ckpt, base_path=base_path)
     info = {"kind": "run", "run": str(run.path), "checkpoint": ckpt.name, "step": ckpt.step,
             "base": str(base.path), "numerics": getattr(base.model, "numerics", "f32"),
-            "recipe": run.manifest()["recipe"],
+            "recipe": recipe,
             "method": "lora" if (ckpt.path / ADAPTERS_FILE).is_file() else "full",
             "template": base.template.origin,
             "context": base.model.config.max_seq_len, "load_s": time.perf_counter() - started}

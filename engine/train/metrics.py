@@ -92,11 +92,11 @@ def _peak_cache_key(precision: str, threads: int) -> str:
     import hashlib
     from importlib.metadata import PackageNotFoundError, version
 
-    lines = _cpuinfo_lines()
-    model = next((line.split(":", 1)[1].strip() for line in lines
+    from engine.train.precision import cpuinfo_flags
+
+    model = next((line.split(":", 1)[1].strip() for line in _cpuinfo_lines()
                   if line.startswith("model name")), platform.processor() or platform.machine())
-    flags = next((line.partition(":")[2].split() for line in lines
-                  if line.split(":")[0].strip() == "flags"), [])
+    flags = cpuinfo_flags()
     digest = hashlib.sha256(" ".join(sorted(flags)).encode()).hexdigest()[:12]
     try:
         torch_version = version("torch")

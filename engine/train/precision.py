@@ -75,7 +75,8 @@ def choose_precision(requested: str, features: frozenset[str],
                                               "f32 master weights and loss)")
 
 
-def _proc_flags(path: Path = Path("/proc/cpuinfo")) -> frozenset[str]:
+def cpuinfo_flags(path: Path = Path("/proc/cpuinfo")) -> frozenset[str]:
+    """The flags /proc/cpuinfo lists for this CPU (empty where there is none)."""
     try:
         text = path.read_text(errors="replace")
     except OSError:
@@ -88,7 +89,7 @@ def listed_bf16_features() -> frozenset[str]:
     """The BF16_UNITS /proc/cpuinfo lists: what the app's form reads. Never cpuid: that goes
     through the native kernels, which may compile them (seconds on the GUI thread, even in a
     process that has torch loaded, as a test process does)."""
-    return _proc_flags() & frozenset(BF16_UNITS)
+    return cpuinfo_flags() & frozenset(BF16_UNITS)
 
 
 @functools.lru_cache(maxsize=1)
@@ -97,7 +98,7 @@ def cpu_bf16_features() -> frozenset[str]:
     loaded (a job) also from cpuid (engine.kernels.cpu; amx_bf16 has no cpuid bit there) and
     torch's own CPU checks (what its kernels use). The app's form reads the flags alone
     (`listed_bf16_features`)."""
-    found = set(_proc_flags())
+    found = set(cpuinfo_flags())
     torch = sys.modules.get("torch")
     if torch is not None:
         from engine.kernels.cpu import detected
