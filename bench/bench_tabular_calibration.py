@@ -3,10 +3,11 @@ truth, across generator seeds?
 
 For each generator seed, generates the sensors table (400 machines, the handbook's
 1200/300/200/300 split), runs the sample config as a real `forgebench run` subprocess once per
-calibration method ("split": the handbook's sigmoid on the calibration split; "cross-fit": on
-out-of-fold train scores, folds by machine), reads evals/selection-step-000001.json (val ECE
-before and after, equal-mass ECE, the noise floor, Brier, log loss, val AP of every candidate),
-and reads the test split once with `forgebench eval --split test` (test AP, ROC-AUC).
+calibration method ("cross-fit", the default: on out-of-fold train scores, folds by machine;
+"split": the handbook's sigmoid on the calibration split), reads
+evals/selection-step-000001.json (val ECE before and after, equal-mass ECE, the noise floor,
+Brier, log loss, val AP of every candidate), and reads the test split once with `forgebench eval
+--split test` (test AP, ROC-AUC).
 
 The 200 validation rows cannot resolve the small miscalibration of the boosted model (the ECE
 a perfectly calibrated model shows on them is about 0.06), so the bench also scores the saved
@@ -22,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 import tempfile
 from pathlib import Path
@@ -52,7 +54,8 @@ def truth_sample(machines: int, feature_names: list[str]) -> tuple[np.ndarray, n
 def one_run(data: Path, out: Path, method: str) -> Path:
     config = (REPO / "resources" / "configs" / "tabular-classify.toml").read_text()
     config = config.replace('dir = "datasets/sensors"', f'dir = "{data}"')
-    config = config.replace('calibration = "split"', f'calibration = "{method}"')
+    config = re.sub(r'^calibration = "[a-z-]+"', f'calibration = "{method}"', config, count=1,
+                    flags=re.M)
     (out / f"{method}.toml").write_text(config)
     run = out / method
     forgebench("run", str(out / f"{method}.toml"), "--out", str(run))

@@ -348,12 +348,12 @@ def test_run_then_eval_reads_the_test_split_once(tmp_path):
     config = write_run_config(tmp_path, data)
     run = tmp_path / "run"
     forgebench("run", str(config), "--out", str(run))
-    assert sorted(split_reads(run)) == ["calibration", "train", "val"]   # never test
+    assert sorted(split_reads(run)) == ["train", "val"]   # never test (nor calibration: cross-fit)
     checkpoint = run / "checkpoints" / "step-000001"
     meta = json.loads((checkpoint / "meta.json").read_text())
     assert meta["chosen"] == "boosting"
-    assert meta["model"]["calibration"]["method"] == "split"
-    assert meta["model"]["calibration"]["rows"] == 300
+    assert meta["model"]["calibration"]["method"] == "cross-fit"
+    assert meta["model"]["calibration"]["rows"] == 1200   # every train row, scored out of fold
     val = json.loads((run / "evals" / "selection-step-000001.json").read_text())
     assert val["threshold"]["rule"] == "f1" and 0 < val["threshold"]["threshold"] < 1
     assert {"ece", "ece_equal_mass", "ece_noise_floor"} <= set(val["uncalibrated"]) & set(
@@ -382,18 +382,18 @@ def test_run_then_eval_reads_the_test_split_once(tmp_path):
     assert damaged.returncode == 2 and "different SHA-256" in damaged.stderr
 
 
-def test_cross_fit_calibrates_on_train_folds_and_never_reads_the_calibration_split(tmp_path):
+def test_split_calibration_reads_the_calibration_split_once_and_fits_on_its_rows(tmp_path):
     data = tmp_path / "sensors"
     shutil.copytree(SAMPLE, data)
     config = write_run_config(tmp_path, data)
-    config.write_text(config.read_text().replace('calibration = "split"',
-                                                 'calibration = "cross-fit"'))
+    config.write_text(config.read_text().replace('calibration = "cross-fit"',
+                                                 'calibration = "split"'))
     forgebench("run", str(config), "--out", str(tmp_path / "run"))
-    assert sorted(split_reads(tmp_path / "run")) == ["train", "val"]
+    assert sorted(split_reads(tmp_path / "run")) == ["calibration", "train", "val"]
     meta = json.loads((tmp_path / "run" / "checkpoints" / "step-000001" / "meta.json")
                       .read_text())
-    assert meta["model"]["calibration"]["method"] == "cross-fit"
-    assert meta["model"]["calibration"]["rows"] == 1200   # every train row, scored out of fold
+    assert meta["model"]["calibration"]["method"] == "split"
+    assert meta["model"]["calibration"]["rows"] == 300
 
 
 def test_same_seed_gives_the_same_model_bytes(tmp_path):

@@ -1,20 +1,20 @@
 """tabular-classify: a fault alert from one row of readings (handbook chapter 4).
 
-Reads top to bottom: the table's train, calibration and val splits (whole groups, e.g.
-machines, per split) -> three candidates fitted on train (the training fault rate, logistic
-regression on median-imputed standardised features with missingness flags, histogram gradient
-boosting with early stopping off so no random row split sneaks in) -> the best by validation
-average precision -> Platt scaling (sklearn's sigmoid calibrator) fitted on rows the model never
-saw: by default the calibration split's scores of the frozen model (the handbook's
-`CalibratedClassifierCV(FrozenEstimator(model), method="sigmoid")`), or with
-`calibration = "cross-fit"` the out-of-fold scores of train, folds grouped by machine
-(`CalibratedClassifierCV(model, cv=GroupKFold, ensemble=False)`: one sigmoid, the model fitted
-on all of train) -> an alert threshold chosen on validation (F1, a recall floor, or a cost) ->
-reliability bins and ECE before and after calibration, judged on validation (equal-width ECE,
-the equal-mass variant, and the ECE a perfectly calibrated model would show on as many rows,
-so a change smaller than that noise is not read as a gain), the confusion matrix in counts,
-PR curve and reliability PNGs: all of it in evals/selection-step-000001.json (what was chosen
-on validation, and why).
+Reads top to bottom: the table's train and val splits, and calibration where it is used (whole
+groups, e.g. machines, per split) -> three candidates fitted on train (the training fault rate,
+logistic regression on median-imputed standardised features with missingness flags, histogram
+gradient boosting with early stopping off so no random row split sneaks in) -> the best by
+validation average precision -> Platt scaling (sklearn's sigmoid calibrator) fitted on scores of
+rows the scoring model never saw: by default (`calibration = "cross-fit"`) the out-of-fold
+scores of train, folds grouped by machine (`CalibratedClassifierCV(model, cv=GroupKFold,
+ensemble=False)`: one sigmoid, the model fitted on all of train), or with `calibration =
+"split"` the calibration split's scores of the frozen model (the handbook's
+`CalibratedClassifierCV(FrozenEstimator(model), method="sigmoid")`) -> an alert threshold chosen
+on validation (F1, a recall floor, or a cost) -> reliability bins and ECE before and after
+calibration, judged on validation (equal-width ECE, the equal-mass variant, and the ECE a
+perfectly calibrated model would show on as many rows, so a change smaller than that noise is
+not read as a gain), the confusion matrix in counts, PR curve and reliability PNGs: all of it in
+evals/selection-step-000001.json (what was chosen on validation, and why).
 
 The fitted model is stored as arrays (`engine.models.tabular`: model.npz loaded with
 allow_pickle=False, meta.json beside it) whose SHA-256 is checked before every use. A fit is
