@@ -189,7 +189,9 @@ def test_bad_data_is_refused_with_a_clear_error(setup, tmp_path, capsys):
     text = config.read_text().replace(str(setup[2]), str(tmp_path / "missing"))
     (tmp_path / "c.toml").write_text(text)
     assert main(["run", str(tmp_path / "c.toml"), "--out", str(tmp_path / "r")]) == 2
-    assert "dataset folder not found" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "dataset folder not found" in err
+    assert "forgebench data generate help-articles" in err     # the sample of its kind
     assert not (tmp_path / "r").exists()
 
 

@@ -162,6 +162,33 @@ def boosting_reference(config):
                                           random_state=config.seed)
 
 
+def test_cross_fit_refuses_fewer_groups_than_folds_and_a_fold_that_leaves_one_class():
+    """Each fold is whole groups, so the folds need as many groups, and the rows outside a
+    fold must hold both targets for a model to be fitted on them: a clear error (the field
+    and what to set), not sklearn's ValueError from inside the fit."""
+    from engine.data.tabular import TableSplit
+    from engine.recipes.tabular_classify import cross_fitted_raw
+    from engine.recipes.tabular_classify_config import TabularClassifyConfig
+    config = TabularClassifyConfig(data={"dir": str(SAMPLE)}, calibration_folds=5)
+    rng = np.random.default_rng(0)
+
+    def rows(groups: list[str], target: list[int]) -> TableSplit:
+        return TableSplit(rng.normal(size=(len(target), 2)), np.array(target),
+                          [f"r{i}" for i in range(len(target))], groups, ["a", "b"])
+
+    with pytest.raises(ForgebenchError) as error:
+        cross_fitted_raw("logistic", config, rows(list("aabbccdd"), [0, 1] * 4))
+    assert error.value.where == "field 'calibration_folds'"
+    assert "train holds 4 group(s)" in str(error.value) and "calibration_folds = 4" in str(
+        error.value)
+    # every positive in group e: the model for e's fold would see only negatives
+    with pytest.raises(ForgebenchError, match=r"outside fold \d of 5 hold only target 0"):
+        cross_fitted_raw("logistic", config, rows(list("aabbccddee"), [0] * 8 + [1, 1]))
+    # the twin: five groups, each with both targets, are scored out of fold
+    raw = cross_fitted_raw("logistic", config, rows(list("aabbccddee"), [0, 1] * 5))
+    assert raw.shape == (10,) and np.isfinite(raw).all()
+
+
 def test_split_calibration_equals_sklearns_frozen_sigmoid_calibrator():
     """The handbook's calibrator, CalibratedClassifierCV(FrozenEstimator(model),
     method="sigmoid") on the calibration split, gives the probabilities our Platt fit gives;

@@ -98,9 +98,21 @@ def cross_fitted_raw(name: str, config: TabularClassifyConfig, rows: TableSplit)
     scored by a model that saw it or any reading of its machine."""
     from sklearn.model_selection import GroupKFold
 
+    folds, groups = config.calibration_folds, len(set(rows.groups))
+    other_way = 'or calibration = "split" (a sigmoid on the calibration split)'
+    if groups < folds:
+        raise ForgebenchError(
+            f"cross-fitted calibration needs a group per fold: {folds} folds, but train holds "
+            f"{groups} group(s)", where="field 'calibration_folds'",
+            hint=(f"set calibration_folds = {groups}, " if groups >= 2 else "") + other_way)
     raw = np.empty(len(rows.target))
-    folds = GroupKFold(config.calibration_folds).split(rows.features, rows.target, rows.groups)
-    for fit_index, held_index in folds:
+    splits = GroupKFold(folds).split(rows.features, rows.target, rows.groups)
+    for fold, (fit_index, held_index) in enumerate(splits, 1):
+        if len(np.unique(rows.target[fit_index])) < 2:
+            raise ForgebenchError(
+                f"cross-fitted calibration: the train rows outside fold {fold} of {folds} hold "
+                f"only target {int(rows.target[fit_index][0])}, so no model can be fitted on them",
+                where="field 'calibration_folds'", hint="use fewer folds, " + other_way)
         raw[held_index] = fit_candidate(name, config, rows.subset(fit_index)).raw(
             rows.features[held_index])
     return raw
@@ -209,10 +221,11 @@ def train(job: Job) -> None:
     run = job.run
     if job.resume_from is not None:  # the one step is done: its checkpoint is the model
         return
-    job.announce("load", "reading the train, calibration and val splits")
+    on_split = config.calibrate and config.calibration == "split"
+    job.announce("load", "reading the train, calibration and val splits" if on_split
+                 else "reading the train and val splits")
     dataset = open_dataset(config, KINDS)
     train_rows = read_split(run, dataset, "train")
-    on_split = config.calibrate and config.calibration == "split"
     calibration_rows = read_split(run, dataset, "calibration") if on_split else None
     val = read_split(run, dataset, "val")
 

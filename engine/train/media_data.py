@@ -17,6 +17,7 @@ from PIL import Image
 from engine.data import formats as F
 from engine.data import media
 from engine.data.dataset import Dataset, load_dataset
+from engine.data.generators import sample_hint
 from engine.errors import ForgebenchError
 from engine.fsutil import atomic_write_bytes, atomic_writer
 
@@ -25,7 +26,7 @@ def open_dataset(config, kinds: tuple[str, ...]) -> Dataset:
     root = config.resolve_path(config.data.dir, "field 'data.dir'")
     if not root.is_dir():
         raise ForgebenchError("dataset folder not found", path=root, where="field 'data.dir'",
-                              hint="generate one: forgebench data generate shapes --out DIR")
+                              hint=sample_hint(kinds))
     dataset = load_dataset(root)
     if dataset.kind not in kinds:
         raise ForgebenchError(f"dataset kind is {dataset.kind!r}; {config.recipe} needs "

@@ -28,6 +28,21 @@ GENERATED_RIGHTS = {
 }
 
 
+# the `forgebench data generate` sample that writes a dataset of each kind (where one does)
+SAMPLE_OF_KIND = {"image-masks": "shapes", "audio-clips": "sfx", "tabular": "sensors",
+                  "speech": "speech", "decisions": "tickets", "retrieval": "help-articles"}
+
+
+def sample_hint(kinds: tuple[str, ...]) -> str:
+    """What to run for a dataset of one of `kinds` when the configured folder is missing."""
+    sample = next((SAMPLE_OF_KIND[k] for k in kinds if k in SAMPLE_OF_KIND), None)
+    wanted = " or ".join(repr(k) for k in kinds)
+    if sample is None:
+        return f"point data.dir at a dataset of kind {wanted} (forgebench data init DIR --kind ...)"
+    return (f"point data.dir at a dataset of kind {wanted}, or generate a sample one: "
+            f"forgebench data generate {sample} --out DIR")
+
+
 @contextlib.contextmanager
 def staged_dataset_dir(out_dir: str | os.PathLike) -> Iterator[Path]:
     """Yield a staging folder that becomes `out_dir` only if generation completes."""
