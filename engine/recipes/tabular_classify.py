@@ -31,7 +31,7 @@ import io
 
 import numpy as np
 
-from engine.data.tabular import TableSplit, table_split
+from engine.data.tabular import TableSplit, table_schema, table_split
 from engine.errors import ForgebenchError
 from engine.eval import binary
 from engine.eval.plot import reliability_plot, unit_plot
@@ -62,9 +62,19 @@ def data_manifest(config: TabularClassifyConfig) -> dict:
 
 
 def read_split(run: RunDir, dataset, split: str) -> TableSplit:
-    """One split's rows; the read is an event, so what a job looked at is on record."""
+    """One split's rows; the read is an event, so what a job looked at is on record. Every
+    split the recipe reads needs both targets: a model cannot be fitted, calibrated or have
+    its average precision measured on rows of one class."""
     data = table_split(dataset, split)
     run.log_event("split_read", split=split, rows=len(data.target))
+    present = np.unique(data.target)
+    if len(present) < 2:
+        target = table_schema(dataset.manifest)["target"]
+        raise ForgebenchError(
+            f"every {split!r} row has {target} = {int(present[0])}; the alert needs rows of "
+            f"both targets in {split!r}", path=dataset.root, where=f"column {target!r}",
+            hint="split again so each split holds both (forgebench data split DIR --ratios "
+                 "...), or add rows of the missing target as a new dataset version")
     return data
 
 
