@@ -423,6 +423,45 @@ def test_split_calibration_reads_the_calibration_split_once_and_fits_on_its_rows
     assert meta["model"]["calibration"]["rows"] == 300
 
 
+OVERCONFIDENT_BOOSTING = {"learning_rate = 0.06": "learning_rate = 0.5",
+                          "max_iter = 120": "max_iter = 300",
+                          "max_leaf_nodes = 7": "max_leaf_nodes = 31",
+                          "min_samples_leaf = 25": "min_samples_leaf = 2",
+                          "l2_regularization = 1.0": "l2_regularization = 0.0"}
+
+
+@pytest.mark.parametrize("method", ["cross-fit", "split"])
+def test_calibration_cuts_an_overconfident_models_validation_ece_past_the_noise(tmp_path,
+                                                                              method):
+    """The shipped boosting is nearly calibrated already (its true ECE is about 0.03, under the
+    0.06 that 200 validation rows show by chance), so validation cannot see its calibration
+    help. Boosting that overfits (big steps, deep trees, no penalty) is overconfident: its
+    validation ECE is about 0.18, and the sigmoid must bring it down by more than the noise
+    floor. The twin: with calibrate = false the report's two columns are the same model."""
+    data = tmp_path / "sensors"
+    shutil.copytree(SAMPLE, data)
+    text = write_run_config(tmp_path, data).read_text()
+    for old, new in OVERCONFIDENT_BOOSTING.items():
+        assert old in text
+        text = text.replace(old, new)
+    text = text.replace('calibration = "cross-fit"', f'calibration = "{method}"')
+    reports = {}
+    for calibrate in ("true", "false"):
+        config = tmp_path / f"{calibrate}.toml"
+        config.write_text(text.replace("calibrate = true", f"calibrate = {calibrate}")
+                          .replace('candidates = ["constant", "logistic", "boosting"]',
+                                   'candidates = ["boosting"]'))
+        forgebench("run", str(config), "--out", str(tmp_path / calibrate))
+        reports[calibrate] = json.loads(
+            (tmp_path / calibrate / "evals" / "selection-step-000001.json").read_text())
+    before, after = reports["true"]["uncalibrated"], reports["true"]["calibrated"]
+    assert before["ece"] > 2 * before["ece_noise_floor"]            # overconfident indeed
+    assert before["ece"] - after["ece"] > after["ece_noise_floor"], (before["ece"], after["ece"])
+    assert after["log_loss"] < before["log_loss"]
+    twin = reports["false"]
+    assert twin["calibrated"]["ece"] == twin["uncalibrated"]["ece"] == before["ece"]
+
+
 def test_same_seed_gives_the_same_model_bytes(tmp_path):
     """A fit is one step: resume means refitting, and it only works because the fit is
     deterministic; two runs of one config must write identical model files."""
