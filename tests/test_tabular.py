@@ -485,7 +485,32 @@ def test_bad_table_fails_the_run_with_exit_2(tmp_path):
     assert not (tmp_path / "run").exists()
 
 
+def test_a_split_of_one_target_fails_the_run_with_the_column_and_split(tmp_path):
+    """No fault among the val rows: the average precision the candidates are chosen by is
+    undefined, so the run stops with exit 2 and says which split and column (sklearn would
+    warn and choose by NaN, or raise from inside a fit for a one-class train)."""
+    def no_val_faults(lines):
+        header = lines[0].split(",")
+        split, fault = header.index("split"), header.index("fault")
+        rows = [line.split(",") for line in lines[1:]]
+        for row in rows:
+            if row[split] == "val":
+                row[fault] = "0"
+        return lines[:1] + [",".join(row) for row in rows]
+
+    config = write_run_config(tmp_path, edited_table(tmp_path, no_val_faults))
+    result = forgebench("run", str(config), "--out", str(tmp_path / "run"), check=False)
+    assert result.returncode == 2 and result.stderr.startswith("error:")
+    assert "column 'fault': every 'val' row has fault = 0" in result.stderr
+    assert "Traceback" not in result.stderr
+    twin = write_run_config(tmp_path, edited_table(tmp_path / "twin", lambda lines: lines))
+    assert forgebench("run", str(twin), "--out", str(tmp_path / "twin-run"),
+                      check=False).returncode == 0
+
+
 # -- the app's per-column statistics ------------------------------------------------------
+
+
 def test_column_stats_agree_with_the_arrays_the_recipe_reads():
     from app.viewmodels.datasets import DatasetTable, column_stats
 
@@ -540,25 +565,3 @@ def test_config_refuses_unknown_keys_and_a_second_step():
                        ({"candidates": []}, "candidates")):
         with pytest.raises(ForgebenchError, match=f"field '{field}'"):
             validate_config({**base, **bad})
-
-def test_a_split_of_one_target_fails_the_run_with_the_column_and_split(tmp_path):
-    """No fault among the val rows: the average precision the candidates are chosen by is
-    undefined, so the run stops with exit 2 and says which split and column (sklearn would
-    warn and choose by NaN, or raise from inside a fit for a one-class train)."""
-    def no_val_faults(lines):
-        header = lines[0].split(",")
-        split, fault = header.index("split"), header.index("fault")
-        rows = [line.split(",") for line in lines[1:]]
-        for row in rows:
-            if row[split] == "val":
-                row[fault] = "0"
-        return lines[:1] + [",".join(row) for row in rows]
-
-    config = write_run_config(tmp_path, edited_table(tmp_path, no_val_faults))
-    result = forgebench("run", str(config), "--out", str(tmp_path / "run"), check=False)
-    assert result.returncode == 2 and result.stderr.startswith("error:")
-    assert "column 'fault': every 'val' row has fault = 0" in result.stderr
-    assert "Traceback" not in result.stderr
-    twin = write_run_config(tmp_path, edited_table(tmp_path / "twin", lambda lines: lines))
-    assert forgebench("run", str(twin), "--out", str(tmp_path / "twin-run"),
-                      check=False).returncode == 0
