@@ -124,3 +124,77 @@ def test_under_bf16_autocast_the_head_multiplies_in_bf16(cache, monkeypatch):
     f32_loss.backward()
     assert _relative(f32_loss.detach(), ref_loss) > 10 * BF16_LOSS_REL
     assert _relative(y.grad, ref_grad) > 2 * BF16_GRAD_REL
+
+
+def test_head_shares_cover_the_vocabulary_in_whole_chunks(monkeypatch):
+    monkeypatch.setattr(linear, "HEAD_SHARE_MIN_ROWS", 8)
+    shares = linear.head_shares(vocab=103, rows=10, threads=3)
+    assert shares == [(0, 30), (30, 70), (70, 103)]            # 11 chunks as 3, 4 and 4 (ragged)
+    assert linear.head_shares(vocab=103, rows=10, threads=64) == [
+        (start, min(start + 10, 103)) for start in range(0, 103, 10)]  # never under a chunk
+    monkeypatch.setattr(linear, "HEAD_SHARE_MIN_ROWS", 50)             # 103 rows hold two
+    assert linear.head_shares(vocab=103, rows=10, threads=3) == [(0, 50), (50, 103)]
+    assert linear.head_shares(vocab=103, rows=10, threads=1) == [(0, 103)]
+
+
+@pytest.mark.parametrize("cache", [None, "lazy"])
+def test_split_across_threads_matches_repeats_bit_for_bit_and_keeps_the_thread_count(
+        cache, monkeypatch):
+    """With the head's rows in one share per torch thread (here three, each on a thread of
+    its own), the merged pass still equals full-logits cross-entropy, gives the same bits on
+    every run, and leaves torch's thread count as it found it. The shares are seen running on
+    the pool's threads, so the check covers the split path, not the one-thread pass."""
+    monkeypatch.setattr(linear, "HEAD_SHARE_MIN_ROWS", linear.HEAD_CHUNK_ROWS // 2)
+    weight, h, targets = _case(4)
+    raw = quants.quantize(weight.numpy(), T.Q8_0)
+    dequantized = torch.from_numpy(quants.dequantize(raw, T.Q8_0).astype(np.float32))
+    packed = PackedWeight(torch.from_numpy(raw), T.Q8_0, VOCAB, DIM, "token_embd.weight")
+    if cache:
+        packed.cache(torch.float32, lazy=True)               # filled once, before the threads
+    ran_on = []
+    online_pass = linear._online_pass
+
+    def recording_pass(*args):
+        import threading
+
+        ran_on.append((threading.current_thread().name, args[4], torch.get_num_threads()))
+        return online_pass(*args)
+
+    monkeypatch.setattr(linear, "_online_pass", recording_pass)
+    ref_loss, ref_grad = _reference(dequantized, h, targets)
+    before = torch.get_num_threads()
+    torch.set_num_threads(3)
+    try:
+        runs = []
+        for _ in range(2):
+            x = h.clone().requires_grad_(True)
+            loss = linear_cross_entropy(x, packed, targets)
+            loss.backward()
+            runs.append((loss.detach(), x.grad))
+        assert torch.get_num_threads() == 3
+    finally:
+        torch.set_num_threads(before)
+    shares = sorted((start, name.startswith("forgebench-head"), n) for name, start, n in ran_on)
+    assert shares == 2 * [(0, False, 1)] + 2 * [(linear.HEAD_CHUNK_ROWS, True, 1)] + 2 * [
+        (2 * linear.HEAD_CHUNK_ROWS, True, 1)]                # each share on one thread
+    assert _relative(runs[0][0], ref_loss) < 1e-6
+    assert _relative(runs[0][1], ref_grad) < 1e-6
+    assert torch.equal(runs[0][0], runs[1][0]) and torch.equal(runs[0][1], runs[1][1])
+    assert (packed.dense is None) == (cache is None)          # the lazy cache was filled
+
+
+def test_split_is_exact_in_f64(monkeypatch):
+    monkeypatch.setattr(linear, "HEAD_SHARE_MIN_ROWS", linear.HEAD_CHUNK_ROWS)
+    weight, h, targets = _case(5)
+    ref_loss, ref_grad = _reference(weight, h, targets)
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        assert len(linear.head_shares(VOCAB, linear.HEAD_CHUNK_ROWS, 2)) == 2
+        x = h.double().requires_grad_(True)
+        loss = linear_cross_entropy(x, weight.double(), targets)
+        loss.backward()
+    finally:
+        torch.set_num_threads(before)
+    assert _relative(loss.detach(), ref_loss) < 1e-13
+    assert _relative(x.grad, ref_grad) < 1e-13
