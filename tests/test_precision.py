@@ -218,13 +218,23 @@ def test_step_flops_counts_in_place_addmm_and_cpu_attention():
                                         # again, dv, dp, dq, dk
 
 
-def test_fused_head_loss_counts_its_two_products():
-    from engine.models.linear import linear_cross_entropy
+@pytest.mark.parametrize("threads", [1, 3])
+def test_fused_head_loss_counts_its_two_products(threads, monkeypatch):
+    """On several threads the head's rows are split into shares that run on threads of their
+    own: those products are counted too."""
+    from engine.models import linear
 
+    monkeypatch.setattr(linear, "HEAD_SHARE_MIN_ROWS", 1000)
     h = torch.randn(5, 16, requires_grad=True)
     weight = torch.randn(3000, 16)
-    with metrics.StepFlops() as count:
-        linear_cross_entropy(h, weight, torch.tensor([1, 2, 3, 2000, 2999])).backward()
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        assert len(linear.head_shares(3000, linear.HEAD_CHUNK_ROWS, threads)) == threads
+        with metrics.StepFlops() as count:
+            linear.linear_cross_entropy(h, weight, torch.tensor([1, 2, 3, 2000, 2999])).backward()
+    finally:
+        torch.set_num_threads(before)
     assert count.total == 2 * (2 * 5 * 16 * 3000)      # logits and dh, in one pass
 
 

@@ -230,12 +230,15 @@ class StepFlops:
 
     def __enter__(self) -> "StepFlops":
         import torch
-        from torch.profiler import ProfilerActivity, profile
+        from torch.profiler import ProfilerActivity, _ExperimentalConfig, profile
 
         self.total = 0
         self._profile = None
         if not torch._C._autograd._profiler_enabled():
-            self._profile = profile(activities=[ProfilerActivity.CPU], record_shapes=True)
+            # every thread's ops: the LM head's row shares run on threads of their own
+            self._profile = profile(activities=[ProfilerActivity.CPU], record_shapes=True,
+                                    experimental_config=_ExperimentalConfig(
+                                        profile_all_threads=True))
             self._profile.__enter__()
         return self
 
