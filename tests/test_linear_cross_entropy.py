@@ -198,3 +198,31 @@ def test_split_is_exact_in_f64(monkeypatch):
         torch.set_num_threads(before)
     assert _relative(loss.detach(), ref_loss) < 1e-13
     assert _relative(x.grad, ref_grad) < 1e-13
+
+
+def test_a_forked_child_splits_the_head_on_threads_of_its_own(monkeypatch):
+    """A child forked after the head's pool started holds the pool but none of its threads;
+    it gets a pool of its own, so its split pass finishes with the parent's bits."""
+    import os
+    import time
+
+    monkeypatch.setattr(linear, "HEAD_SHARE_MIN_ROWS", linear.HEAD_CHUNK_ROWS)
+    weight, h, targets = _case(6)
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        parent = linear._linear_cross_entropy_pass(h, weight, targets, want_grad=True)
+        pid = os.fork()
+        if pid == 0:                                            # the child
+            child = linear._linear_cross_entropy_pass(h, weight, targets, want_grad=True)
+            os._exit(0 if all(torch.equal(a, b) for a, b in zip(parent, child)) else 1)
+    finally:
+        torch.set_num_threads(before)
+    deadline = time.monotonic() + 60
+    while (done := os.waitpid(pid, os.WNOHANG))[0] == 0 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    if done[0] == 0:
+        os.kill(pid, 9)
+        os.waitpid(pid, 0)
+        pytest.fail("the forked child's split head pass never finished")
+    assert os.waitstatus_to_exitcode(done[1]) == 0

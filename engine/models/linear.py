@@ -11,6 +11,7 @@ allows. Under llama.cpp numerics the activations are quantized the way llama.cpp
 from __future__ import annotations
 
 import functools
+import os
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
@@ -319,6 +320,10 @@ def head_shares(vocab: int, rows: int, threads: int) -> list[tuple[int, int]]:
 @functools.cache
 def _head_pool(workers: int) -> ThreadPoolExecutor:
     return ThreadPoolExecutor(workers, thread_name_prefix="forgebench-head")
+
+
+# a forked child holds the pool but not its threads: work handed to it would never run
+os.register_at_fork(after_in_child=_head_pool.cache_clear)
 
 
 def _share_pass(*args) -> _OnlineSoftmax:
