@@ -1,8 +1,13 @@
 """The fused LM-head loss (one pass over the head, online logsumexp, dh accumulated in the same
 pass) against F.cross_entropy over full logits in f64, for a plain frozen matrix and for packed
-Q8_0 blocks (dequantized by the `gguf` package as the reference), cached densely or not."""
+Q8_0 blocks (dequantized by the `gguf` package as the reference), cached densely or not; and
+the same pass split across threads, one share of the head's rows each."""
 
 from __future__ import annotations
+
+import os
+import threading
+import time
 
 import numpy as np
 import pytest
@@ -155,8 +160,6 @@ def test_split_across_threads_matches_repeats_bit_for_bit_and_keeps_the_thread_c
     online_pass = linear._online_pass
 
     def recording_pass(*args):
-        import threading
-
         ran_on.append((threading.current_thread().name, args[4], torch.get_num_threads()))
         return online_pass(*args)
 
@@ -203,9 +206,6 @@ def test_split_is_exact_in_f64(monkeypatch):
 def test_a_forked_child_splits_the_head_on_threads_of_its_own(monkeypatch):
     """A child forked after the head's pool started holds the pool but none of its threads;
     it gets a pool of its own, so its split pass finishes with the parent's bits."""
-    import os
-    import time
-
     monkeypatch.setattr(linear, "HEAD_SHARE_MIN_ROWS", linear.HEAD_CHUNK_ROWS)
     weight, h, targets = _case(6)
     before = torch.get_num_threads()
