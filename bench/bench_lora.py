@@ -239,9 +239,10 @@ WARMUP_STEPS = 3   # left out of the medians: PEFT's step time falls over its fi
 
 
 def summary(result: dict) -> dict:
-    """Median step time (the first WARMUP_STEPS excluded); the fastest step too, which a busy
-    shared machine disturbs least."""
-    timed = result["steps"][WARMUP_STEPS:] or result["steps"]
+    """Median step time (the first WARMUP_STEPS excluded, or all but the last in a shorter run);
+    the fastest step too, which a busy shared machine disturbs least."""
+    steps = result["steps"]
+    timed = steps[min(WARMUP_STEPS, len(steps) - 1):]
     wall, cpu = [s["wall"] for s in timed], [s["cpu"] for s in timed]
     per_step = statistics.median(wall)
     return {"s_per_step": per_step, "sup_tok_s": result["supervised_tokens"] / per_step,
