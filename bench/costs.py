@@ -5,7 +5,8 @@ from __future__ import annotations
 
 # aten ops grouped into what they are; anything else keeps its own name
 KINDS = {
-    "matmuls": ("aten::mm", "aten::addmm", "aten::addmm_", "aten::bmm", "aten::baddbmm"),
+    "matmuls": ("aten::mm", "aten::addmm", "aten::addmm_", "aten::bmm", "aten::baddbmm",
+                "mkldnn::_linear_pointwise"),
     "convolutions": ("aten::mkldnn_convolution", "aten::convolution_backward",
                      "aten::_slow_conv2d_forward", "aten::_slow_conv2d_backward",
                      "aten::native_batch_norm", "aten::native_batch_norm_backward"),

@@ -126,9 +126,13 @@ def test_auto_weights_cache_a_small_base_densely_with_the_packed_gradients(tmp_p
 def test_a_bf16_run_caches_bf16_weights_with_the_numbers_of_an_f32_cache(tmp_path, tiny_gguf):
     """A bf16 run keeps its dense cache in bf16: under bf16 autocast every product casts an
     f32 cache to bf16 at each step, so the bf16 cache gives the same loss and adapter gradients
-    bit for bit at half the memory, while lookups and merges still read the exact weights."""
+    at half the memory, while lookups and merges still read the exact weights. Bit for bit
+    where both caches go through one kernel; where the bf16 one takes oneDNN's prepacked
+    product (`PackedWeight.product`) that was seen bit for bit on AMX, and on other bf16 CPUs,
+    never seen, the sums may run in another order: there within bf16 summation noise."""
     from engine.config import load_config
     from engine.models.gguf_model import memory_report, packed_weights
+    from engine.models.linear import onednn_bf16
     from engine.recipes.lm_sft import encode_samples
     from engine.train.lm_base import load_base, pack, prepare_trainable
     from engine.train.loss import supervised_loss
@@ -152,7 +156,11 @@ def test_a_bf16_run_caches_bf16_weights_with_the_numbers_of_an_f32_cache(tmp_pat
     f32_model, f32_loss, f32_grads = loss_and_grads("f32")
     caches = [w.dense for w in packed_weights(bf16_model)]
     assert all(c is not None and c.dtype == torch.bfloat16 for c in caches)
-    assert torch.equal(loss, f32_loss) and torch.equal(grads, f32_grads)
+    if not onednn_bf16() or "amx_bf16" in Path("/proc/cpuinfo").read_text():
+        assert torch.equal(loss, f32_loss) and torch.equal(grads, f32_grads)
+    else:
+        torch.testing.assert_close(loss, f32_loss, rtol=1e-3, atol=0)
+        torch.testing.assert_close(grads, f32_grads, rtol=2e-2, atol=1e-4)
     report = memory_report(bf16_model)
     assert report["dense_cache_bytes"] == report["bf16_dense_bytes"]
     for bf16_weight, f32_weight in zip(packed_weights(bf16_model), packed_weights(f32_model)):

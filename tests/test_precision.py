@@ -201,6 +201,25 @@ def test_step_flops_counts_a_linear_forward_and_backward():
     assert count.total == 3 * 2 * 7 * 5 * 3          # y, dx and dw: three 7x5x3 products
 
 
+def test_step_flops_counts_products_with_a_prepacked_bf16_weight():
+    """A bf16 dense cache multiplies through oneDNN's prepacked layout (`PackedWeight.product`):
+    counted as the plain product it replaces, for a batch of sequences too."""
+    from gguf import GGMLQuantizationType as T
+
+    from engine.models.linear import PackedWeight, onednn_bf16
+
+    if not onednn_bf16():
+        pytest.skip("this CPU has no bf16 oneDNN: the plain product runs (counted above)")
+    weight = PackedWeight(torch.randn(6, 8).view(torch.uint8), T.F32, 6, 8, "w")
+    weight.cache(torch.bfloat16)
+    x = torch.randn(2, 3, 8)
+    with metrics.StepFlops() as count:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            weight.product(x, 0, 6, weight.dense)
+    assert weight.layout_bytes > 0                      # the prepacked product ran
+    assert count.total == 2 * (2 * 3) * 8 * 6
+
+
 def test_step_flops_counts_in_place_addmm_and_cpu_attention():
     """The fused LM-head loss accumulates with addmm_, attention runs the CPU flash kernel:
     both are counted, by torch's own formulas for attention."""

@@ -187,11 +187,13 @@ def packed_weights(model: nn.Module) -> list[PackedWeight]:
 
 def memory_report(model: nn.Module) -> dict:
     """Bytes each weight mode costs: packed (memory-mapped), the dense caches, and a full f32
-    copy."""
+    copy; and the bf16 caches' oneDNN layout, which the first products fill (as large again as
+    a bf16 cache, so a bf16 run's cache with its layout costs what an f32 cache would)."""
     weights = packed_weights(model)
     small = sum(p.numel() * p.element_size() for p in model.parameters())
     return {"packed_bytes": sum(w.packed_bytes for w in weights),
             "dense_cache_bytes": sum(w.cache_bytes for w in weights),
+            "onednn_layout_bytes": sum(w.layout_bytes for w in weights),
             "f32_dense_bytes": sum(w.rows * w.cols * 4 for w in weights),
             "bf16_dense_bytes": sum(w.rows * w.cols * 2 for w in weights),
             "small_f32_bytes": small}

@@ -119,7 +119,8 @@ AUTO_CACHE_SHARE = 0.25   # "auto" caches densely when the f32 copy fits in this
 
 def weights_mode(requested: str, report: dict) -> str:
     """"packed" or "dense-cache": the f32 cache makes every step plain GEMMs (the fastest
-    training), so "auto" takes it whenever it is a small part of the available memory."""
+    training), so "auto" takes it whenever it is a small part of the available memory (the
+    f32 copy's size is also what a bf16 cache with its oneDNN layout comes to)."""
     if requested != "auto":
         return requested
     import psutil

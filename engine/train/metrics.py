@@ -192,7 +192,8 @@ def _product(shape) -> int:
 
 
 def op_flops(name: str, shapes: list) -> int:
-    """FLOPs of one profiled aten op from its input shapes: matmuls (2·m·k·n), CPU flash
+    """FLOPs of one profiled op from its input shapes: matmuls (2·m·k·n; oneDNN's product
+    with a prepacked weight too, `PackedWeight.product`), CPU flash
     attention forward and backward (torch's own formulas), and a convolution counted at its
     backward (forward, dx and dw: 3 × 2 · output elements · weight elements per output
     channel); anything else counts nothing."""
@@ -201,6 +202,9 @@ def op_flops(name: str, shapes: list) -> int:
     if name == "aten::mm":
         (m, k), (_, n) = shapes[0], shapes[1]
         return 2 * m * k * n
+    if name == "mkldnn::_linear_pointwise":            # x [..., k] · prepacked W [n, k]ᵀ
+        x, (n, k) = shapes[0], shapes[1]
+        return 2 * _product(x[:-1]) * k * n
     if name in ("aten::addmm", "aten::addmm_"):
         (m, k), (_, n) = shapes[1], shapes[2]
         return 2 * m * k * n

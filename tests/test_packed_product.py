@@ -1,0 +1,100 @@
+"""`PackedWeight.product`: a bf16 dense cache multiplied through oneDNN's prepacked layout
+against an f64 product of the same bf16 roundings, for one row and a step's worth of rows,
+under bf16 autocast and outside it, over row ranges that cross the reordered blocks; and the
+bookkeeping: one reordered copy per block whatever ranges ask, counted in `layout_bytes`, dropped
+with the cache. Where this CPU has no bf16 oneDNN the same numbers come from torch's plain
+product and the layout checks skip, saying so."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from gguf import GGMLQuantizationType as T
+
+from engine.models import linear
+from engine.models.linear import FrozenQuantLinear, PackedWeight, onednn_bf16
+
+ROWS, COLS, BLOCK = 130, 96, 48        # three blocks, the last one ragged
+needs_onednn = pytest.mark.skipif(not onednn_bf16(),
+                                  reason="this CPU has no bf16 oneDNN: torch's plain product runs")
+
+
+def _weight(seed: int = 0) -> PackedWeight:
+    generator = torch.Generator().manual_seed(seed)
+    dense = torch.randn(ROWS, COLS, generator=generator) * 0.2
+    packed = PackedWeight(dense.contiguous().view(torch.uint8), T.F32, ROWS, COLS, "w")
+    packed.cache(torch.bfloat16)
+    return packed
+
+
+def _bf16_error(y: torch.Tensor, x: torch.Tensor, rows: torch.Tensor) -> float:
+    """The largest error of y against x·rowsᵀ in f64 over the bf16 roundings of both, in units
+    of the bf16 rounding a correct product gets (2^-8 of each value, plus f32 summation noise)."""
+    reference = F.linear(x.bfloat16().double(), rows.double())
+    allowed = reference.abs() * 2.0 ** -8 + 1e-6 * reference.abs().max()
+    return float(((y.double() - reference).abs() / allowed).max())
+
+
+@pytest.fixture(autouse=True)
+def small_blocks(monkeypatch):
+    monkeypatch.setattr(linear, "ONEDNN_BLOCK_ROWS", BLOCK)
+
+
+@pytest.mark.parametrize("tokens", [1, 7, 148])
+@pytest.mark.parametrize("start,end", [(0, ROWS), (40, 100), (96, ROWS), (0, BLOCK)])
+def test_a_bf16_cache_multiplies_as_bf16_with_f32_sums(tokens, start, end):
+    weight = _weight()
+    x = torch.randn(tokens, COLS, generator=torch.Generator().manual_seed(tokens))
+    rows = weight.dense[start:end]
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        under_autocast = weight.product(x, start, end, rows)
+    outside = weight.product(x, start, end, rows)              # x cast to bf16, result back
+    assert under_autocast.dtype == torch.bfloat16 and outside.dtype == torch.float32
+    assert under_autocast.shape == outside.shape == (tokens, end - start)
+    assert _bf16_error(under_autocast, x, rows) <= 1
+    assert torch.equal(outside, under_autocast.float())
+    # the twin: the same check sees a product over another weight's rows
+    other = _weight(seed=1)
+    assert _bf16_error(other.product(x, start, end, other.dense[start:end]), x, rows) > 1
+
+
+@needs_onednn
+def test_one_reordered_copy_per_block_whatever_ranges_ask():
+    weight = _weight()
+    plain = weight.cache_bytes
+    x = torch.randn(5, COLS)
+    for start, end in [(0, ROWS), (40, 100), (96, ROWS), (0, 10), (50, 51)]:
+        weight.product(x, start, end, weight.dense[start:end])
+    assert sorted(weight._onednn) == [0, BLOCK, 2 * BLOCK]
+    reordered = sum(t.numel() * t.element_size() for t in weight._onednn.values())
+    assert reordered >= plain and weight.layout_bytes == reordered
+    assert weight.cache_bytes == plain
+    weight.cache(torch.bfloat16)                               # a new cache: the layout goes
+    assert weight._onednn == {} and weight.layout_bytes == 0
+    weight.cache(None)
+    assert weight.cache_bytes == weight.layout_bytes == 0
+
+
+@needs_onednn
+def test_gradients_and_f32_caches_stay_on_torch():
+    """A product that autograd must differentiate, or an f32 cache, never reaches oneDNN; a frozen
+    layer's forward under autocast does (its autograd function runs the forward without grad),
+    and its dx from the plain bf16 cache still matches."""
+    weight = _weight()
+    x = torch.randn(4, COLS, requires_grad=True)
+    weight.product(x, 0, ROWS, weight.dense)
+    assert weight._onednn == {}
+    f32 = _weight()
+    f32.cache(torch.float32)
+    f32.product(torch.randn(4, COLS), 0, ROWS, f32.dense)
+    assert f32._onednn == {}
+    layer = FrozenQuantLinear(weight)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y = layer(x)
+    assert sorted(weight._onednn) == [0, BLOCK, 2 * BLOCK]
+    assert _bf16_error(y.detach(), x.detach(), weight.dense) <= 1
+    dy = torch.randn_like(y, dtype=torch.float32)
+    y.backward(dy)
+    reference = dy.bfloat16().double() @ weight.dense.double()
+    assert float((x.grad.double() - reference).abs().max()) <= 2.0 ** -7 * float(reference.abs().max())
