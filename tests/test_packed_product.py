@@ -97,4 +97,5 @@ def test_gradients_and_f32_caches_stay_on_torch():
     dy = torch.randn_like(y, dtype=torch.float32)
     y.backward(dy)
     reference = dy.bfloat16().double() @ weight.dense.double()
-    assert float((x.grad.double() - reference).abs().max()) <= 2.0 ** -7 * float(reference.abs().max())
+    error = float((x.grad.double() - reference).abs().max())
+    assert error <= 2.0 ** -7 * float(reference.abs().max())
