@@ -1,9 +1,10 @@
-"""`PackedWeight.product`: a bf16 dense cache multiplied through oneDNN's prepacked layout
-against an f64 product of the same bf16 roundings, for one row and a step's worth of rows,
-under bf16 autocast and outside it, over row ranges that cross the reordered blocks; and the
-bookkeeping: one reordered copy per block whatever ranges ask, counted in `layout_bytes`, dropped
-with the cache. Where this CPU has no bf16 oneDNN the same numbers come from torch's plain
-product and the layout checks skip, saying so."""
+"""`PackedWeight.product` and `product_t`: a bf16 dense cache multiplied through oneDNN's
+prepacked layouts (W, and Wᵀ for the input gradient) against an f64 product of the same bf16
+roundings, for one row and a step's worth of rows, under bf16 autocast and outside it, over
+row ranges that cross the reordered blocks; and the bookkeeping: one reordered copy per block
+whatever ranges ask, counted in `layout_bytes`, dropped with the cache. Where this CPU has no
+bf16 oneDNN the same numbers come from torch's plain product and the layout checks skip,
+saying so."""
 
 from __future__ import annotations
 
@@ -59,6 +60,30 @@ def test_a_bf16_cache_multiplies_as_bf16_with_f32_sums(tokens, start, end):
     assert _bf16_error(other.product(x, start, end, other.dense[start:end]), x, rows) > 1
 
 
+@pytest.mark.parametrize("tokens", [1, 148])
+def test_the_input_gradient_product_multiplies_as_bf16_over_whole_blocks(tokens):
+    """dy·W for the whole matrix (a layer's dx) sums one product per block; a range that is not
+    whole blocks takes torch's product, with the same numbers."""
+    weight = _weight()
+    generator = torch.Generator().manual_seed(tokens)
+    dy = torch.randn(tokens, ROWS, generator=generator)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        whole = weight.product_t(dy, 0, ROWS, weight.dense)
+        part = weight.product_t(dy[:, 40:100], 40, 100, weight.dense[40:100])
+    reference = dy.bfloat16().double() @ weight.dense.double()
+    scale = float(reference.abs().max())
+    # three bf16 block products summed in bf16: a few bf16 roundings of the largest value
+    assert float((whole.double() - reference).abs().max()) <= 2.0 ** -6 * scale
+    part_reference = dy[:, 40:100].bfloat16().double() @ weight.dense[40:100].double()
+    assert float((part.double() - part_reference).abs().max()) <= 2.0 ** -7 * scale
+    other = _weight(seed=1)                                    # the twin: another weight
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        wrong = other.product_t(dy, 0, ROWS, other.dense)
+    assert float((wrong.double() - reference).abs().max()) > 2.0 ** -6 * scale
+    if onednn_bf16():
+        assert sorted(weight._onednn_t) == [0, BLOCK, 2 * BLOCK]
+
+
 @needs_onednn
 def test_one_reordered_copy_per_block_whatever_ranges_ask():
     weight = _weight()
@@ -69,9 +94,12 @@ def test_one_reordered_copy_per_block_whatever_ranges_ask():
     assert sorted(weight._onednn) == [0, BLOCK, 2 * BLOCK]
     reordered = sum(t.numel() * t.element_size() for t in weight._onednn.values())
     assert reordered >= plain and weight.layout_bytes == reordered
+    weight.product_t(torch.randn(5, ROWS), 0, ROWS, weight.dense)
+    assert weight.layout_bytes == reordered + sum(t.numel() * t.element_size()
+                                                  for t in weight._onednn_t.values())
     assert weight.cache_bytes == plain
     weight.cache(torch.bfloat16)                               # a new cache: the layout goes
-    assert weight._onednn == {} and weight.layout_bytes == 0
+    assert weight._onednn == weight._onednn_t == {} and weight.layout_bytes == 0
     weight.cache(None)
     assert weight.cache_bytes == weight.layout_bytes == 0
 
@@ -79,8 +107,7 @@ def test_one_reordered_copy_per_block_whatever_ranges_ask():
 @needs_onednn
 def test_gradients_and_f32_caches_stay_on_torch():
     """A product that autograd must differentiate, or an f32 cache, never reaches oneDNN; a frozen
-    layer's forward under autocast does (its autograd function runs the forward without grad),
-    and its dx from the plain bf16 cache still matches."""
+    layer's forward and dx under autocast do (its autograd function runs both without grad)."""
     weight = _weight()
     x = torch.randn(4, COLS, requires_grad=True)
     weight.product(x, 0, ROWS, weight.dense)
@@ -96,6 +123,7 @@ def test_gradients_and_f32_caches_stay_on_torch():
     assert _bf16_error(y.detach(), x.detach(), weight.dense) <= 1
     dy = torch.randn_like(y, dtype=torch.float32)
     y.backward(dy)
+    assert sorted(weight._onednn_t) == [0, BLOCK, 2 * BLOCK]       # dx through oneDNN too
     reference = dy.bfloat16().double() @ weight.dense.double()
     error = float((x.grad.double() - reference).abs().max())
     assert error <= 2.0 ** -7 * float(reference.abs().max())

@@ -187,8 +187,9 @@ def packed_weights(model: nn.Module) -> list[PackedWeight]:
 
 def memory_report(model: nn.Module) -> dict:
     """Bytes each weight mode costs: packed (memory-mapped), the dense caches, and a full f32
-    copy; and the bf16 caches' oneDNN layout, which the first products fill (as large again as
-    a bf16 cache, so a bf16 run's cache with its layout costs what an f32 cache would)."""
+    copy; and the bf16 caches' oneDNN layouts, which the first products fill (W for every
+    weight and Wᵀ for a layer's dx: a bf16 run's cache with its layouts comes to 1-1.5x what the
+    f32 cache would)."""
     weights = packed_weights(model)
     small = sum(p.numel() * p.element_size() for p in model.parameters())
     return {"packed_bytes": sum(w.packed_bytes for w in weights),
