@@ -224,15 +224,19 @@ def test_a_bf16_run_is_evaluated_and_answers_from_its_bf16_cache(tmp_path, tiny_
 
 
 @pytest.mark.slow
-def test_resume_continues_exactly_with_dropout_and_partial_windows(tmp_path, tiny_gguf):
-    """Stop after step 3 (SIGTERM) and resume: same losses and adapters, bit for bit."""
+@pytest.mark.parametrize("weights,precision", [("packed", "auto"), ("dense-cache", "bf16")])
+def test_resume_continues_exactly_with_dropout_and_partial_windows(tmp_path, tiny_gguf,
+                                                                   weights, precision):
+    """Stop after step 3 (SIGTERM) and resume: same losses and adapters, bit for bit; with a
+    bf16 dense cache too, whose products take oneDNN's prepacked layouts where the CPU has bf16
+    oneDNN (the resumed process reorders its weights afresh)."""
     straight = tmp_path / "a"
     straight.mkdir()
-    forgebench("run", str(write_config(straight, tiny_gguf, steps=6)), "--out",
-               str(straight / "run"))
+    forgebench("run", str(write_config(straight, tiny_gguf, steps=6, weights=weights,
+                                       precision=precision)), "--out", str(straight / "run"))
     split = tmp_path / "b"
     split.mkdir()
-    config = write_config(split, tiny_gguf, steps=6)
+    config = write_config(split, tiny_gguf, steps=6, weights=weights, precision=precision)
     forgebench("run", str(config), "--out", str(split / "run"), "--stop-after-step", "3")
     status = json.loads((split / "run" / "status.json").read_text())
     assert status["state"] == "stopped" and status["step"] == 3
