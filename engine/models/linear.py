@@ -128,11 +128,7 @@ class PackedWeight:
         xb = x.to(torch.bfloat16)
         parts = []
         for block in range(start - start % ONEDNN_BLOCK_ROWS, end, ONEDNN_BLOCK_ROWS):
-            if block not in self._onednn:
-                rows = self.dense[block:min(self.rows, block + ONEDNN_BLOCK_ROWS)]
-                self._onednn[block] = torch.ops.mkldnn._reorder_linear_weight(
-                    rows, ONEDNN_ROWS_HINT)
-            y = torch.ops.mkldnn._linear_pointwise(xb, self._onednn[block], None, "none", [], "")
+            y = self._block_product(xb, block, transposed=False)
             lo, hi = max(start, block) - block, min(end, block + ONEDNN_BLOCK_ROWS) - block
             parts.append(y if (lo, hi) == (0, y.shape[-1]) else y[..., lo:hi])
         y = parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)
@@ -155,13 +151,19 @@ class PackedWeight:
         dyb, dx = dy.to(torch.bfloat16), None
         for block in range(start, end, ONEDNN_BLOCK_ROWS):
             hi = min(self.rows, block + ONEDNN_BLOCK_ROWS)
-            if block not in self._onednn_t:
-                self._onednn_t[block] = torch.ops.mkldnn._reorder_linear_weight(
-                    self.dense[block:hi].t().contiguous(), ONEDNN_ROWS_HINT)
-            part = torch.ops.mkldnn._linear_pointwise(dyb[..., block - start:hi - start],
-                                                      self._onednn_t[block], None, "none", [], "")
+            part = self._block_product(dyb[..., block - start:hi - start], block, transposed=True)
             dx = part if dx is None else dx + part
         return dx if torch.is_autocast_enabled("cpu") else dx.to(dy.dtype)
+
+    def _block_product(self, x: torch.Tensor, block: int, transposed: bool) -> torch.Tensor:
+        """x · Bᵀ through oneDNN for B the block's bf16 rows starting at `block` (or, transposed,
+        their Wᵀ), its layout reordered on first use and kept."""
+        layouts = self._onednn_t if transposed else self._onednn
+        if block not in layouts:
+            rows = self.dense[block:min(self.rows, block + ONEDNN_BLOCK_ROWS)]
+            layouts[block] = torch.ops.mkldnn._reorder_linear_weight(
+                rows.t().contiguous() if transposed else rows, ONEDNN_ROWS_HINT)
+        return torch.ops.mkldnn._linear_pointwise(x, layouts[block], None, "none", [], "")
 
     def _onednn_serves(self, x: torch.Tensor, chunk: torch.Tensor) -> bool:
         """A chunk of a bf16 cache on a CPU with bf16 oneDNN, in a bf16 product."""

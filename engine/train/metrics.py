@@ -193,10 +193,10 @@ def _product(shape) -> int:
 
 def op_flops(name: str, shapes: list) -> int:
     """FLOPs of one profiled op from its input shapes: matmuls (2·m·k·n; oneDNN's product
-    with a prepacked weight too, `PackedWeight.product`), CPU flash
-    attention forward and backward (torch's own formulas), and a convolution counted at its
-    backward (forward, dx and dw: 3 × 2 · output elements · weight elements per output
-    channel); anything else counts nothing."""
+    with a prepacked weight too, `PackedWeight.product`), CPU flash attention forward and
+    backward (torch's own formulas), and a convolution counted at its backward (forward, dx
+    and dw: 3 × 2 · output elements · weight elements per output channel); anything else
+    counts nothing."""
     from torch.utils.flop_counter import sdpa_backward_flop_count, sdpa_flop_count
 
     if name == "aten::mm":
