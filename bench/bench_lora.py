@@ -26,7 +26,9 @@ use), the load average and the CPU's bf16 units.
 
 `--profile` instead trains a few engine steps in this process under torch.profiler and prints
 where a step's time goes, by region (base matmuls forward and dx, LoRA, attention, norms and
-activations, the fused LM head + loss, optimizer, Python between ops).
+activations, the fused LM head + loss, optimizer, Python between ops), then the step's matrix
+products against their roofline: each product's floor is its arithmetic at the machine's matmul
+peak or its operands' traffic at the measured read bandwidth, whichever is longer.
 
     python bench/bench_lora.py [--steps 16] [--threads 1,2] [--precision auto] [--profile]
 """
@@ -46,6 +48,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from bench.costs import matmul_roofline, measure_read_bandwidth  # noqa: E402
 from engine.train.metrics import (  # noqa: E402
     measure_peak_matmul_flops,
     peak_matmul_flops,
@@ -419,6 +422,20 @@ def profile_engine(args) -> None:
           f"by region (wall time):")
     for region, seconds in region_table(prof.events(), profiled[0]):
         print(f"  {region:52}{seconds:8.3f} s{seconds / profiled[0]:7.1%}")
+    # shapes in a step of their own: recording them slows the step's copies several-fold
+    with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as shaped:
+        step()
+    threads = torch.get_num_threads()
+    peak, bandwidth = peak_matmul_flops(precision, threads), measure_read_bandwidth(threads)
+    roof = matmul_roofline(shaped.events(), peak, bandwidth)
+    print(f"matrix products ({roof['count']}, one more step profiled with their shapes): "
+          f"{roof['measured_s']:.3f} s measured against a "
+          f"roofline floor of {roof['floor_s']:.3f} s at this machine's {peak / 1e9:.0f} GFLOP/s "
+          f"{precision} peak and {bandwidth / 1e9:.1f} GB/s read bandwidth "
+          f"({roof['traffic_bound_s']:.3f} s of the floor is traffic: products whose operands "
+          f"take longer to read than to multiply), so they run at "
+          f"{roof['floor_s'] / roof['measured_s']:.0%} of their roofline; the rest of the "
+          f"unprofiled step, {wall - roof['measured_s']:.3f} s, is outside them")
 
 
 def main() -> None:

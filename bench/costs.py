@@ -53,3 +53,58 @@ def print_costs(prof, wall_s: float, indent: str = "    ") -> None:
     table = cost_table(prof, wall_s)
     print(f"{indent}biggest remaining cost: {table[0][0]} ({table[0][1]:.0%} of the step); "
           + ", ".join(f"{kind} {share:.0%}" for kind, share in table[1:]))
+
+
+DTYPE_BYTES = {"float": 4, "double": 8, "c10::BFloat16": 2, "c10::Half": 2}
+BANDWIDTH_BYTES = 1 << 30   # the bandwidth probe's tensor: 1 GiB, beyond any L3 a VM here reports
+
+
+def measure_read_bandwidth(threads: int) -> float:
+    """Bytes/s read from memory on `threads` threads: the best of 3 sums over a 1 GiB f32
+    tensor, after a warm-up pass (a sum does one add per element read, far below the vector
+    units' rate, so memory sets its time)."""
+    import time
+
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        data = torch.ones(BANDWIDTH_BYTES // 4)
+        data.sum()
+        best = float("inf")
+        for _ in range(3):
+            start = time.perf_counter()
+            data.sum()
+            best = min(best, time.perf_counter() - start)
+        return BANDWIDTH_BYTES / best
+    finally:
+        torch.set_num_threads(before)
+
+
+def matmul_roofline(events, peak_flops: float, bandwidth: float) -> dict:
+    """The profiled matrix products (events recorded with shapes) against their roofline. A
+    product's floor is the longer of its arithmetic (2·m·k·n FLOPs at `peak_flops`) and its
+    traffic (m·k + k·n + m·n elements at its first operand's dtype, at `bandwidth`): the skinny
+    products of a short batch against a large frozen weight sit on the traffic side.
+
+    Returns the products' count, their measured self time (s), the sum of their floors (s) and
+    the part of that floor set by traffic."""
+    from engine.train.metrics import matmul_dims
+
+    count, measured, floor, traffic_bound = 0, 0.0, 0.0, 0.0
+    for event in events:
+        dims = matmul_dims(event.name, event.input_shapes)
+        if dims is None:
+            continue
+        m, k, n = dims
+        first = 1 if event.name.startswith("aten::addmm") else 0   # addmm's [0] is the sum
+        size = DTYPE_BYTES.get(event.input_dtypes[first], 4)
+        compute_s = 2 * m * k * n / peak_flops
+        traffic_s = (m * k + k * n + m * n) * size / bandwidth
+        count += 1
+        measured += event.self_cpu_time_total / 1e6
+        floor += max(compute_s, traffic_s)
+        traffic_bound += traffic_s if traffic_s > compute_s else 0.0
+    return {"count": count, "measured_s": measured, "floor_s": floor,
+            "traffic_bound_s": traffic_bound}

@@ -106,8 +106,10 @@ def test_under_bf16_autocast_the_head_multiplies_in_bf16(cache, monkeypatch):
     """Under bf16 autocast the head's products are bf16, as autocast runs every other linear
     layer, with the logsumexp and the loss in f32; the same numbers from the bytes, an f32
     cache or a bf16 one. The f32 head outside autocast is farther from the bf16 reference than
-    the tolerance: the check sees which one ran."""
+    the tolerance: the check sees which one ran. A bf16 cache held as oneDNN's layouts
+    (where this CPU has them) takes dh through its Wᵀ blocks, one per chunk."""
     monkeypatch.setattr(linear, "HEAD_CHUNK_ROWS_BF16", linear.HEAD_CHUNK_ROWS)  # 3 chunks
+    monkeypatch.setattr(linear, "ONEDNN_BLOCK_ROWS", linear.HEAD_CHUNK_ROWS)     # a block each
     weight, h, targets = _case(3)
     raw = quants.quantize(weight.numpy(), T.Q8_0)
     dequantized = torch.from_numpy(quants.dequantize(raw, T.Q8_0).astype(np.float32))
@@ -120,6 +122,9 @@ def test_under_bf16_autocast_the_head_multiplies_in_bf16(cache, monkeypatch):
         with torch.no_grad():
             evaluated = linear_cross_entropy(h, packed, targets)
     loss.backward()
+    if packed.in_layouts:
+        blocks = list(range(0, VOCAB, linear.HEAD_CHUNK_ROWS))
+        assert sorted(packed._onednn) == sorted(packed._onednn_t) == blocks
     assert loss.dtype == torch.float32 and x.grad.dtype == torch.float32
     assert _relative(loss.detach(), ref_loss) < BF16_LOSS_REL
     assert float(evaluated) == float(loss.detach())

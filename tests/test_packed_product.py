@@ -1,10 +1,10 @@
 """`PackedWeight.product` and `product_t`: a bf16 dense cache multiplied through oneDNN's
 prepacked layouts (W, and Wᵀ for the input gradient) against an f64 product of the same bf16
 roundings, for one row and a step's worth of rows, under bf16 autocast and outside it, over
-row ranges that cross the reordered blocks; and the bookkeeping: one reordered copy per block
-whatever ranges ask, counted in `layout_bytes`, dropped with the cache. Where this CPU has no
-bf16 oneDNN the same numbers come from torch's plain product and the layout checks skip,
-saying so."""
+row ranges that cross the reordered blocks; and the bookkeeping: the cache held as the layouts
+alone (no plain copy), one reordered copy per block whatever ranges ask, counted in
+`layout_bytes`, dropped with the cache. Where this CPU has no bf16 oneDNN the same numbers come
+from torch's plain product over a plain bf16 cache and the layout checks skip, saying so."""
 
 from __future__ import annotations
 
@@ -29,6 +29,12 @@ def _weight(seed: int = 0) -> PackedWeight:
     return packed
 
 
+def _chunk(weight: PackedWeight, start: int, end: int) -> torch.Tensor | None:
+    """Rows [start, end) as `chunks` yields them to a product (None for a cache held as
+    layouts)."""
+    return next(weight.chunks(end - start, start, end))[2]
+
+
 def _bf16_error(y: torch.Tensor, x: torch.Tensor, rows: torch.Tensor) -> float:
     """The largest error of y against x·rowsᵀ in f64 over the bf16 roundings of both, in units
     of the bf16 rounding a correct product gets (2^-8 of each value, plus f32 summation noise)."""
@@ -42,62 +48,78 @@ def small_blocks(monkeypatch):
     monkeypatch.setattr(linear, "ONEDNN_BLOCK_ROWS", BLOCK)
 
 
+@pytest.fixture(params=["layouts", "plain"])
+def held(request, monkeypatch):
+    """Both ways a bf16 cache is held: as oneDNN's layouts (where oneDNN multiplies bf16), and
+    as a plain copy multiplied by torch (a CPU without it, as this one is made to look)."""
+    if request.param == "layouts" and not onednn_bf16():
+        pytest.skip("this CPU has no bf16 oneDNN: a bf16 cache is a plain copy here")
+    if request.param == "plain":
+        monkeypatch.setattr(linear, "onednn_bf16", lambda: False)
+    return request.param
+
+
 @pytest.mark.parametrize("tokens", [1, 7, 148])
 @pytest.mark.parametrize("start,end", [(0, ROWS), (40, 100), (96, ROWS), (0, BLOCK)])
-def test_a_bf16_cache_multiplies_as_bf16_with_f32_sums(tokens, start, end):
+def test_a_bf16_cache_multiplies_as_bf16_with_f32_sums(tokens, start, end, held):
     weight = _weight()
+    assert weight.in_layouts == (held == "layouts")
+    assert (weight.dense is None) == (held == "layouts")
     x = torch.randn(tokens, COLS, generator=torch.Generator().manual_seed(tokens))
-    rows = weight.dense[start:end]
+    rows = weight.cached_rows(start, end)
+    assert torch.equal(rows, weight.rows_f32(start, end).bfloat16())
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        under_autocast = weight.product(x, start, end, rows)
-    outside = weight.product(x, start, end, rows)              # x cast to bf16, result back
+        under_autocast = weight.product(x, start, end, _chunk(weight, start, end))
+    outside = weight.product(x, start, end, _chunk(weight, start, end))   # x to bf16 and back
     assert under_autocast.dtype == torch.bfloat16 and outside.dtype == torch.float32
     assert under_autocast.shape == outside.shape == (tokens, end - start)
     assert _bf16_error(under_autocast, x, rows) <= 1
     assert torch.equal(outside, under_autocast.float())
     # the twin: the same check sees a product over another weight's rows
     other = _weight(seed=1)
-    assert _bf16_error(other.product(x, start, end, other.dense[start:end]), x, rows) > 1
+    assert _bf16_error(other.product(x, start, end, _chunk(other, start, end)), x, rows) > 1
 
 
 @pytest.mark.parametrize("tokens", [1, 148])
-def test_the_input_gradient_product_multiplies_as_bf16_over_whole_blocks(tokens):
+def test_the_input_gradient_product_multiplies_as_bf16_over_whole_blocks(tokens, held):
     """dy·W for the whole matrix (a layer's dx) sums one product per block; a range that is not
     whole blocks takes torch's product, with the same numbers."""
     weight = _weight()
     generator = torch.Generator().manual_seed(tokens)
     dy = torch.randn(tokens, ROWS, generator=generator)
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        whole = weight.product_t(dy, 0, ROWS, weight.dense)
-        part = weight.product_t(dy[:, 40:100], 40, 100, weight.dense[40:100])
-    reference = dy.bfloat16().double() @ weight.dense.double()
+        whole = weight.product_t(dy, 0, ROWS, _chunk(weight, 0, ROWS))
+        part = weight.product_t(dy[:, 40:100], 40, 100, _chunk(weight, 40, 100))
+    dense = weight.cached_rows(0, ROWS)
+    reference = dy.bfloat16().double() @ dense.double()
     scale = float(reference.abs().max())
     # three bf16 block products summed in bf16: a few bf16 roundings of the largest value
     assert float((whole.double() - reference).abs().max()) <= 2.0 ** -6 * scale
-    part_reference = dy[:, 40:100].bfloat16().double() @ weight.dense[40:100].double()
+    part_reference = dy[:, 40:100].bfloat16().double() @ dense[40:100].double()
     assert float((part.double() - part_reference).abs().max()) <= 2.0 ** -7 * scale
     other = _weight(seed=1)                                    # the twin: another weight
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        wrong = other.product_t(dy, 0, ROWS, other.dense)
+        wrong = other.product_t(dy, 0, ROWS, _chunk(other, 0, ROWS))
     assert float((wrong.double() - reference).abs().max()) > 2.0 ** -6 * scale
-    if onednn_bf16():
-        assert sorted(weight._onednn_t) == [0, BLOCK, 2 * BLOCK]
+    assert sorted(weight._onednn_t) == ([0, BLOCK, 2 * BLOCK] if held == "layouts" else [])
 
 
 @needs_onednn
 def test_one_reordered_copy_per_block_whatever_ranges_ask():
+    """The cache is the layouts alone: nothing plain beside them, nothing until a product asks."""
     weight = _weight()
-    plain = weight.cache_bytes
+    assert weight.in_layouts and weight.cache_dtype == torch.bfloat16
+    assert weight.cache_bytes == weight.layout_bytes == 0 and weight.dense is None
     x = torch.randn(5, COLS)
     for start, end in [(0, ROWS), (40, 100), (96, ROWS), (0, 10), (50, 51)]:
-        weight.product(x, start, end, weight.dense[start:end])
+        weight.product(x, start, end, _chunk(weight, start, end))
     assert sorted(weight._onednn) == [0, BLOCK, 2 * BLOCK]
     reordered = sum(t.numel() * t.element_size() for t in weight._onednn.values())
-    assert reordered >= plain and weight.layout_bytes == reordered
-    weight.product_t(torch.randn(5, ROWS), 0, ROWS, weight.dense)
+    assert reordered >= ROWS * COLS * 2 and weight.layout_bytes == reordered
+    weight.product_t(torch.randn(5, ROWS), 0, ROWS, _chunk(weight, 0, ROWS))
     assert weight.layout_bytes == reordered + sum(t.numel() * t.element_size()
                                                   for t in weight._onednn_t.values())
-    assert weight.cache_bytes == plain
+    assert weight.cache_bytes == 0
     weight.cache(torch.bfloat16)                               # a new cache: the layout goes
     assert weight._onednn == weight._onednn_t == {} and weight.layout_bytes == 0
     weight.cache(None)
@@ -110,8 +132,8 @@ def test_gradients_and_f32_caches_stay_on_torch():
     layer's forward and dx under autocast do (its autograd function runs both without grad)."""
     weight = _weight()
     x = torch.randn(4, COLS, requires_grad=True)
-    weight.product(x, 0, ROWS, weight.dense)
-    assert weight._onednn == {}
+    y = weight.product(x, 0, ROWS, _chunk(weight, 0, ROWS))
+    assert weight._onednn == {} and y.requires_grad             # torch's product, on cached rows
     f32 = _weight()
     f32.cache(torch.float32)
     f32.product(torch.randn(4, COLS), 0, ROWS, f32.dense)
@@ -120,10 +142,29 @@ def test_gradients_and_f32_caches_stay_on_torch():
     with torch.autocast("cpu", dtype=torch.bfloat16):
         y = layer(x)
     assert sorted(weight._onednn) == [0, BLOCK, 2 * BLOCK]
-    assert _bf16_error(y.detach(), x.detach(), weight.dense) <= 1
+    dense = weight.cached_rows(0, ROWS)
+    assert _bf16_error(y.detach(), x.detach(), dense) <= 1
     dy = torch.randn_like(y, dtype=torch.float32)
     y.backward(dy)
     assert sorted(weight._onednn_t) == [0, BLOCK, 2 * BLOCK]       # dx through oneDNN too
-    reference = dy.bfloat16().double() @ weight.dense.double()
+    reference = dy.bfloat16().double() @ dense.double()
     error = float((x.grad.double() - reference).abs().max())
     assert error <= 2.0 ** -7 * float(reference.abs().max())
+
+
+@needs_onednn
+def test_both_layouts_filled_at_once_multiply_as_the_lazy_ones():
+    """`fill_layouts` builds W and Wᵀ of the blocks holding a row range from one dequantization
+    (a layer's forward before its dx, the head's pass): the same products as layouts built one
+    at a time; a cache not held as layouts is left alone."""
+    lazy, filled = _weight(), _weight()
+    filled.fill_layouts(40, 96)                                # rows 40-95: blocks 0 and 48
+    assert sorted(filled._onednn) == sorted(filled._onednn_t) == [0, BLOCK]
+    x, dy = torch.randn(5, COLS), torch.randn(5, ROWS)
+    assert torch.equal(filled.product(x, 0, ROWS, None), lazy.product(x, 0, ROWS, None))
+    assert torch.equal(filled.product_t(dy, 0, ROWS, None), lazy.product_t(dy, 0, ROWS, None))
+    assert sorted(filled._onednn_t) == [0, BLOCK, 2 * BLOCK]
+    f32 = _weight()
+    f32.cache(torch.float32)
+    f32.fill_layouts(0, ROWS)
+    assert f32._onednn == f32._onednn_t == {}

@@ -215,7 +215,7 @@ def test_step_flops_counts_products_with_a_prepacked_bf16_weight():
     x = torch.randn(2, 3, 8)
     with metrics.StepFlops() as count:
         with torch.autocast("cpu", dtype=torch.bfloat16):
-            weight.product(x, 0, 6, weight.dense)
+            weight.product(x, 0, 6, None)          # held as layouts: no plain rows
     assert weight.layout_bytes > 0                      # the prepacked product ran
     assert count.total == 2 * (2 * 3) * 8 * 6
 
@@ -329,3 +329,24 @@ def test_run_form_shows_what_auto_becomes_here(recipe):
     assert len(notes) == 1 and next(iter(notes)).endswith("precision")
     choice = resolve_precision("auto")
     assert next(iter(notes.values())).startswith(f"auto = {choice.precision} on this machine")
+
+
+def test_matmul_roofline_puts_skinny_products_on_the_traffic_side():
+    """A worked roofline (bench/costs.py) at 1 GFLOP/s and 1 GB/s: one row against a 512x512
+    f32 weight does 2·512·512 FLOPs (0.52 ms) but moves (512 + 512·512 + 512)·4 bytes (1.05 ms),
+    so traffic sets its floor; a 512x512 square does 268 MFLOP (268 ms) against 3.1 MB (3.1 ms),
+    so arithmetic does."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from bench.costs import matmul_roofline
+
+    w = torch.randn(512, 512)
+    with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
+        torch.mm(torch.randn(1, 512), w)
+        torch.mm(torch.randn(512, 512), w)
+    roof = matmul_roofline(prof.events(), peak_flops=1e9, bandwidth=1e9)
+    skinny_traffic = (512 + 512 * 512 + 512) * 4 / 1e9
+    assert roof["count"] == 2
+    assert roof["traffic_bound_s"] == pytest.approx(skinny_traffic)
+    assert roof["floor_s"] == pytest.approx(skinny_traffic + 2 * 512 ** 3 / 1e9)
+    assert roof["measured_s"] > 0

@@ -186,10 +186,10 @@ def packed_weights(model: nn.Module) -> list[PackedWeight]:
 
 
 def memory_report(model: nn.Module) -> dict:
-    """Bytes each weight mode costs: packed (memory-mapped), the dense caches, and a full f32
-    copy; and the bf16 caches' oneDNN layouts, which the first products fill (W for every
-    weight and Wᵀ for a layer's dx: a bf16 run's cache with its layouts comes to 1-1.5x what the
-    f32 cache would)."""
+    """Bytes each weight mode costs: packed (memory-mapped), the plain dense caches, and a full
+    f32 copy; and the bf16 caches held as oneDNN layouts, which the first products fill (W for
+    every weight, Wᵀ for a layer's dx and the LM head's gradient: a bf16 run's cache comes to at
+    most what the f32 cache would, with no plain copy beside it)."""
     weights = packed_weights(model)
     small = sum(p.numel() * p.element_size() for p in model.parameters())
     return {"packed_bytes": sum(w.packed_bytes for w in weights),

@@ -4,10 +4,11 @@
 at once) for the forward pass and again in the backward pass for the input gradient dx = dy·W;
 the weight itself carries no gradient, so LoRA adapters beside it train while it stays packed.
 `weights="dense-cache"` keeps a per-layer dequantized copy (f32 or bf16) for speed when memory
-allows; a bf16 cache multiplies through oneDNN with the weight (and for dx its transpose)
-reordered once into oneDNN's own layout (`PackedWeight.product`, `product_t`) where torch's plain
-bf16 product would reorder it at every call. Under llama.cpp numerics the activations are
-quantized the way llama.cpp's matmul does.
+allows. Where oneDNN multiplies bf16 on the CPU, a bf16 cache is held as oneDNN's own layouts
+of the weight and (for dx, and the LM head's gradient) its transpose, each block reordered once
+from the dequantized rows (`PackedWeight.product`, `product_t`), with no plain copy beside them:
+torch's plain bf16 product would reorder a plain weight at every call. Under llama.cpp numerics
+the activations are quantized the way llama.cpp's matmul does.
 `linear_cross_entropy` is the training loss over a frozen LM head, in one pass over its rows
 (on several threads, one share of the rows each).
 """
@@ -38,8 +39,9 @@ class PackedWeight:
     def __init__(self, raw: torch.Tensor, ggml_type: T, rows: int, cols: int, name: str = ""):
         self.raw = raw.reshape(rows, -1)
         self.ggml_type, self.rows, self.cols, self.name = T(ggml_type), rows, cols, name
-        self.dense: torch.Tensor | None = None       # optional dense cache
+        self.dense: torch.Tensor | None = None       # optional plain dense cache
         self.lazy_dtype: torch.dtype | None = None   # fill the cache on first use in this dtype
+        self.in_layouts = False                      # a bf16 cache held as the layouts alone
         self._exact: ExactWeight | None = None       # integer layout for llama.cpp's kernels
         self._onednn: dict[int, torch.Tensor] = {}     # block start -> its bf16 rows, W
         self._onednn_t: dict[int, torch.Tensor] = {}   # and Wᵀ, in oneDNN's own layout
@@ -50,12 +52,15 @@ class PackedWeight:
 
     def move_to(self, device: torch.device) -> None:
         """Packed bytes (and the dense cache) onto `device`, never cast: on a GPU the weight
-        dequantizes there. llama.cpp's integer kernels stay a CPU path."""
+        dequantizes there, and a cache held as oneDNN layouts becomes a plain bf16 cache filled
+        there on first use. llama.cpp's integer kernels stay a CPU path."""
         if self.raw.device == device:
             return
         self.raw = self.raw.to(device)
         self.dense = None if self.dense is None else self.dense.to(device)
         if device.type != "cpu":
+            if self.in_layouts:
+                self.in_layouts, self.lazy_dtype = False, torch.bfloat16
             self._exact, self._onednn, self._onednn_t = None, {}, {}
 
     @property
@@ -69,12 +74,33 @@ class PackedWeight:
         layouts = [*self._onednn.values(), *self._onednn_t.values()]
         return sum(t.numel() * t.element_size() for t in layouts)
 
+    @property
+    def cache_dtype(self) -> torch.dtype | None:
+        """The dtype of the dense cache, however it is held (plain, lazy or as layouts)."""
+        if self.in_layouts:
+            return torch.bfloat16
+        return self.dense.dtype if self.dense is not None else self.lazy_dtype
+
     def cache(self, dtype: torch.dtype | None, lazy: bool = False) -> None:
         """Keep a dense copy in `dtype` (None drops it); `lazy` defers it to the first use, so
-        loading stays instant and a layer is dequantized once, when it first runs."""
-        self.dense, self.lazy_dtype = None, (dtype if lazy else None)
+        loading stays instant and a layer is dequantized once, when it first runs.
+
+        A bf16 cache on a CPU where oneDNN multiplies bf16 is held as its oneDNN layouts alone
+        (`in_layouts`), each block filled from the dequantized rows when a product first needs
+        it. Why: every product of such a cache reads the layouts, so a plain copy beside them
+        was only read to build them (gemma-3-270m's 511 MB; with the LM head's gradient through
+        its Wᵀ layout too, a pirate LoRA step on AMX, interleaved medians: 0.433 -> 0.407 s and
+        peak RSS 2468 -> 2289 MB at 1 thread, 0.311 -> 0.298 s and 2535 -> 2320 MB at 2; the
+        first step fills both layouts, about a second more)."""
+        self.dense, self.lazy_dtype = None, None
         self._onednn, self._onednn_t = {}, {}
-        if dtype is not None and not lazy:
+        self.in_layouts = (dtype == torch.bfloat16 and self.raw.device.type == "cpu"
+                           and onednn_bf16())
+        if dtype is None or self.in_layouts:
+            return
+        if lazy:
+            self.lazy_dtype = dtype
+        else:
             self.dense = self.rows_f32(0, self.rows).to(dtype)
 
     def _fill(self) -> None:
@@ -86,6 +112,14 @@ class PackedWeight:
     def exact_cache(self) -> bool:
         """The dense cache holds the exact dequantized values (f32; a bf16 cache is rounded)."""
         return self.dense is not None and self.dense.dtype == torch.float32
+
+    def cached_rows(self, start: int, end: int) -> torch.Tensor:
+        """Rows [start, end) as the cache holds them: a slice of the plain cache, or for a cache
+        held as layouts the same values dequantized again (what the layouts were built from)."""
+        if self.in_layouts:
+            return self.rows_f32(start, end).to(torch.bfloat16)
+        self._fill()
+        return self.dense[start:end]
 
     def rows_f32(self, start: int, end: int) -> torch.Tensor:
         """Rows [start, end) as exact f32 [end-start, cols] (from an f32 cache, else the bytes)."""
@@ -105,26 +139,33 @@ class PackedWeight:
     def chunks(self, rows: int | None = None, lo: int = 0, hi: int | None = None):
         """(start, end, rows) over the matrix's rows [lo, hi) (default all) for a product:
         slices of the dense cache in its dtype (f32, or bf16 for a bf16 run), `rows` at a time
-        or in one piece; without a cache, f32 dequantized `rows` or ~CHUNK_ELEMENTS at a time."""
+        or in one piece; without a cache, f32 dequantized `rows` or ~CHUNK_ELEMENTS at a time.
+        For a cache held as layouts the rows are None: `product` and `product_t` read the
+        layouts (or, for a product they do not serve, `cached_rows`)."""
         self._fill()
-        cached, hi = self.dense is not None, self.rows if hi is None else hi
+        cached = self.dense is not None or self.in_layouts
+        hi = self.rows if hi is None else hi
         step = rows or (hi - lo if cached else max(1, CHUNK_ELEMENTS // max(1, self.cols)))
         for start in range(lo, hi, step):
             end = min(hi, start + step)
-            yield start, end, self.dense[start:end] if cached else self.rows_f32(start, end)
+            if self.in_layouts:
+                yield start, end, None
+            else:
+                yield start, end, self.dense[start:end] if cached else self.rows_f32(start, end)
 
-    def product(self, x: torch.Tensor, start: int, end: int, chunk: torch.Tensor) -> torch.Tensor:
+    def product(self, x: torch.Tensor, start: int, end: int,
+                chunk: torch.Tensor | None) -> torch.Tensor:
         """x [..., cols] · chunkᵀ for a chunk that `chunks` yielded for rows [start, end), in
-        the chunk's dtype as `in_cache_dtype` takes it. A bf16 cache on the CPU goes through
+        the chunk's dtype as `in_cache_dtype` takes it. A cache held as layouts goes through
         oneDNN in its own blocked layout, reordered once per ONEDNN_BLOCK_ROWS rows and kept
-        beside the cache (one copy, whichever row ranges the products ask for).
+        (one copy, whichever row ranges the products ask for).
 
         Why: torch's bf16 product reorders a plain weight into that layout at every call, and
         with the few rows a LoRA step or a decode step has, the reorder costs as much as the
         arithmetic (AMX, 1 thread: 148 rows against gemma's 2048x640 gate 1.54 -> 1.29 ms, 70
         rows against a 16384-row head chunk 9.5 -> 5.4 ms, one decode row 0.48 -> 0.28 ms)."""
         if not self._onednn_serves(x, chunk):
-            return in_cache_dtype(F.linear, x, chunk)
+            return in_cache_dtype(F.linear, x, self._rows_or(chunk, start, end))
         xb = x.to(torch.bfloat16)
         parts = []
         for block in range(start - start % ONEDNN_BLOCK_ROWS, end, ONEDNN_BLOCK_ROWS):
@@ -135,19 +176,20 @@ class PackedWeight:
         return y if torch.is_autocast_enabled("cpu") else y.to(x.dtype)
 
     def product_t(self, dy: torch.Tensor, start: int, end: int,
-                  chunk: torch.Tensor) -> torch.Tensor:
+                  chunk: torch.Tensor | None) -> torch.Tensor:
         """dy [..., end-start] · chunk (rows [start, end) of W, as `chunks` yielded them): the
-        input gradient's product, as `product` is the forward's. Through oneDNN with the blocks'
-        Wᵀ reordered once where [start, end) is whole blocks (a layer's dx takes the whole
-        matrix); else torch's product.
+        input gradient's product, as `product` is the forward's (and the LM head's dh, from
+        its softmax). Through oneDNN with the blocks' Wᵀ reordered once where [start, end) is
+        whole blocks (a layer's dx takes the whole matrix, the head's pass one block a chunk);
+        else torch's product.
 
         Why: the same per-call reorder as in `product`, of the larger operand (a pirate LoRA
         step on AMX, medians of 13 interleaved steps: 0.585 -> 0.550 s at 2 threads, 0.754 ->
-        0.711 s at 1), for a second copy of the layers' bf16 weights."""
+        0.711 s at 1; the head's dh 131 -> 105 ms a pass at 1 thread)."""
         whole_blocks = start % ONEDNN_BLOCK_ROWS == 0 and (end % ONEDNN_BLOCK_ROWS == 0
                                                            or end == self.rows)
         if not (whole_blocks and self._onednn_serves(dy, chunk)):
-            return in_cache_dtype(torch.matmul, dy, chunk)
+            return in_cache_dtype(torch.matmul, dy, self._rows_or(chunk, start, end))
         dyb, dx = dy.to(torch.bfloat16), None
         for block in range(start, end, ONEDNN_BLOCK_ROWS):
             hi = min(self.rows, block + ONEDNN_BLOCK_ROWS)
@@ -155,21 +197,70 @@ class PackedWeight:
             dx = part if dx is None else dx + part
         return dx if torch.is_autocast_enabled("cpu") else dx.to(dy.dtype)
 
+    def fill_layouts(self, start: int, end: int) -> None:
+        """Both layouts (W and Wᵀ) of every block holding rows [start, end), each from one
+        dequantization of its rows, for a caller that needs both (a layer's forward that a dx
+        will follow, the LM head's pass with its gradient); a cache not held as layouts, or a
+        block already filled, is left as it is."""
+        if not self.in_layouts:
+            return
+        for block in range(start - start % ONEDNN_BLOCK_ROWS, end, ONEDNN_BLOCK_ROWS):
+            if block in self._onednn and block in self._onednn_t:
+                continue
+            rows = self.cached_rows(block, min(self.rows, block + ONEDNN_BLOCK_ROWS))
+            for transposed in (False, True):
+                self._reorder_block(rows, block, transposed)
+            del rows
+            release_free_heap()
+
+    def _reorder_block(self, rows: torch.Tensor, block: int, transposed: bool) -> None:
+        layouts = self._onednn_t if transposed else self._onednn
+        if block not in layouts:
+            layouts[block] = torch.ops.mkldnn._reorder_linear_weight(
+                rows.t().contiguous() if transposed else rows, ONEDNN_ROWS_HINT)
+
     def _block_product(self, x: torch.Tensor, block: int, transposed: bool) -> torch.Tensor:
         """x · Bᵀ through oneDNN for B the block's bf16 rows starting at `block` (or, transposed,
         their Wᵀ), its layout reordered on first use and kept."""
         layouts = self._onednn_t if transposed else self._onednn
         if block not in layouts:
-            rows = self.dense[block:min(self.rows, block + ONEDNN_BLOCK_ROWS)]
-            layouts[block] = torch.ops.mkldnn._reorder_linear_weight(
-                rows.t().contiguous() if transposed else rows, ONEDNN_ROWS_HINT)
+            rows = self.cached_rows(block, min(self.rows, block + ONEDNN_BLOCK_ROWS))
+            self._reorder_block(rows, block, transposed)
+            del rows
+            release_free_heap()
         return torch.ops.mkldnn._linear_pointwise(x, layouts[block], None, "none", [], "")
 
-    def _onednn_serves(self, x: torch.Tensor, chunk: torch.Tensor) -> bool:
-        """A chunk of a bf16 cache on a CPU with bf16 oneDNN, in a bf16 product."""
-        return (self.dense is not None and self.dense.dtype == torch.bfloat16
-                and chunk.dtype == torch.bfloat16 and chunk.device.type == "cpu"
-                and onednn_bf16() and _bf16_product(x))
+    def _onednn_serves(self, x: torch.Tensor, chunk: torch.Tensor | None) -> bool:
+        """A cache held as layouts, in a bf16 product (the rows as chunks yields them, or the
+        caller's bf16 copy of them, not an f32 one)."""
+        return (self.in_layouts and (chunk is None or chunk.dtype == torch.bfloat16)
+                and _bf16_product(x))
+
+    def _rows_or(self, chunk: torch.Tensor | None, start: int, end: int) -> torch.Tensor:
+        return chunk if chunk is not None else self.cached_rows(start, end)
+
+
+@functools.cache
+def _malloc_trim():
+    import ctypes
+    import ctypes.util
+
+    try:
+        return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim
+    except (OSError, AttributeError):      # not glibc: its allocator returns memory its own way
+        return None
+
+
+def release_free_heap() -> None:
+    """Hand the heap's free pages back to the system (glibc's malloc_trim).
+
+    Why: the dequantized rows a layout is reordered from are freed at once, but glibc keeps
+    them in its heap, and small allocations made meanwhile (a profiler's records, autograd's)
+    split them, so the next block's rows take fresh memory: filling gemma's layouts in a step
+    under the FLOP-counting profiler (`StepFlops`) peaked at 2957 MB, 2475 MB with the trim."""
+    trim = _malloc_trim()
+    if trim is not None:
+        trim(0)
 
 
 ONEDNN_ROWS_HINT = 128   # the batch the layout is chosen for: fixed, so a run and its resume
@@ -239,6 +330,7 @@ class _DequantMatmul(torch.autograd.Function):
     @torch.amp.custom_fwd(device_type="cpu")
     def forward(ctx, x, w_holder):
         ctx.w = w_holder.weight
+        ctx.w.fill_layouts(0, ctx.w.rows)          # the dx ahead reads Wᵀ: both at once
         return packed_matmul(x, ctx.w)
 
     @staticmethod
@@ -282,7 +374,7 @@ class FrozenQuantLinear(nn.Module):
     def extra_repr(self) -> str:
         w = self.weight
         return (f"in={self.in_features}, out={self.out_features}, type={w.ggml_type.name}, "
-                f"cache={'none' if w.dense is None else str(w.dense.dtype)}")
+                f"cache={w.cache_dtype or 'none'}{' (oneDNN layouts)' if w.in_layouts else ''}")
 
 
 class PackedEmbedding(nn.Module):
@@ -379,7 +471,11 @@ def _online_pass(h: torch.Tensor, hd: torch.Tensor, weight, targets: torch.Tenso
             by_chunk.setdefault(lo + (target - lo) // rows * rows, []).append(position)
     m, s, acc = state.m, state.s, state.acc
     for start, end, w in _head_chunks(weight, rows, lo, hi):
-        w = w.to(dtype)
+        if w is None and dtype != torch.bfloat16:        # layouts serve bf16 products alone
+            w = weight.cached_rows(start, end)
+        w = None if w is None else w.to(dtype)
+        if want_grad and w is None:                      # both products of this block ahead
+            weight.fill_layouts(start, end)
         z = (weight.product(hd, start, end, w) if isinstance(weight, PackedWeight)
              else F.linear(hd, w)).to(h.dtype)                      # [N, rows]
         positions = by_chunk.get(start)
@@ -393,7 +489,9 @@ def _online_pass(h: torch.Tensor, hd: torch.Tensor, weight, targets: torch.Tenso
         if want_grad:
             if dtype == h.dtype:
                 acc.mul_(rescale).addmm_(p, w)
-            else:                                                   # a bf16 product, f32 sum
+            elif isinstance(weight, PackedWeight):                  # a bf16 product, f32 sum
+                acc.mul_(rescale).add_(weight.product_t(p.to(dtype), start, end, w).to(h.dtype))
+            else:
                 acc.mul_(rescale).add_(p.to(dtype).mm(w))
         m = m_new
     state.m = m

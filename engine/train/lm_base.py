@@ -120,7 +120,7 @@ AUTO_CACHE_SHARE = 0.25   # "auto" caches densely when the f32 copy fits in this
 def weights_mode(requested: str, report: dict) -> str:
     """"packed" or "dense-cache": the f32 cache makes every step plain GEMMs (the fastest
     training), so "auto" takes it whenever it is a small part of the available memory (a bf16
-    cache with its oneDNN layouts comes to 1-1.5x the f32 copy, still under half of it)."""
+    cache held as oneDNN's layouts, W and Wᵀ, comes to at most the f32 copy)."""
     if requested != "auto":
         return requested
     import psutil

@@ -191,29 +191,39 @@ def _product(shape) -> int:
     return out
 
 
-def op_flops(name: str, shapes: list) -> int:
-    """FLOPs of one profiled op from its input shapes: matmuls (2·m·k·n; oneDNN's product
-    with a prepacked weight too, `PackedWeight.product`), CPU flash attention forward and
-    backward (torch's own formulas), and a convolution counted at its backward (forward, dx
-    and dw: 3 × 2 · output elements · weight elements per output channel); anything else
-    counts nothing."""
-    from torch.utils.flop_counter import sdpa_backward_flop_count, sdpa_flop_count
-
+def matmul_dims(name: str, shapes: list) -> tuple[int, int, int] | None:
+    """(m, k, n) of one profiled matrix product from its input shapes, batches folded into m
+    (an [m, k] · [k, n] product; oneDNN's with a prepacked weight, `PackedWeight.product`,
+    too), or None for an op that is no matrix product."""
     if name == "aten::mm":
         (m, k), (_, n) = shapes[0], shapes[1]
-        return 2 * m * k * n
+        return m, k, n
     if name == "mkldnn::_linear_pointwise":            # x [..., k] · prepacked W [n, k]ᵀ
         x, (n, k) = shapes[0], shapes[1]
-        return 2 * _product(x[:-1]) * k * n
+        return _product(x[:-1]), k, n
     if name in ("aten::addmm", "aten::addmm_"):
         (m, k), (_, n) = shapes[1], shapes[2]
-        return 2 * m * k * n
+        return m, k, n
     if name == "aten::bmm":
         (b, m, k), (_, _, n) = shapes[0], shapes[1]
-        return 2 * b * m * k * n
+        return b * m, k, n
     if name in ("aten::baddbmm", "aten::baddbmm_"):
         (b, m, k), (_, _, n) = shapes[1], shapes[2]
-        return 2 * b * m * k * n
+        return b * m, k, n
+    return None
+
+
+def op_flops(name: str, shapes: list) -> int:
+    """FLOPs of one profiled op from its input shapes: matmuls (2·m·k·n, `matmul_dims`), CPU
+    flash attention forward and backward (torch's own formulas), and a convolution counted at
+    its backward (forward, dx and dw: 3 × 2 · output elements · weight elements per output
+    channel); anything else counts nothing."""
+    from torch.utils.flop_counter import sdpa_backward_flop_count, sdpa_flop_count
+
+    dims = matmul_dims(name, shapes)
+    if dims is not None:
+        m, k, n = dims
+        return 2 * m * k * n
     if name == "aten::_scaled_dot_product_flash_attention_for_cpu":
         return sdpa_flop_count(*shapes[:3])
     if name == "aten::_scaled_dot_product_flash_attention_for_cpu_backward":
