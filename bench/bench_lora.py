@@ -434,8 +434,10 @@ def profile_engine(args) -> None:
           f"{precision} peak and {bandwidth / 1e9:.1f} GB/s read bandwidth "
           f"({roof['traffic_bound_s']:.3f} s of the floor is traffic: products whose operands "
           f"take longer to read than to multiply), so they run at "
-          f"{roof['floor_s'] / roof['measured_s']:.0%} of their roofline; the rest of the "
-          f"unprofiled step, {wall - roof['measured_s']:.3f} s, is outside them")
+          f"{roof['floor_s'] / roof['measured_s']:.0%} of their roofline" + (
+              f"; the rest of the unprofiled step, {wall - roof['measured_s']:.3f} s, is "
+              f"outside them" if threads == 1 else
+              " (self times summed over the threads that ran them: set against CPU time)"))
 
 
 def main() -> None:
