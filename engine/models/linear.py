@@ -411,18 +411,33 @@ def head_chunk_rows(dtype: torch.dtype) -> int:
     return HEAD_CHUNK_ROWS_BF16 if dtype == torch.bfloat16 else HEAD_CHUNK_ROWS
 
 
-def _head_chunks(weight: "PackedWeight | torch.Tensor", rows: int, lo: int, hi: int):
-    """(start, end, W[start:end]) over the head's rows [lo, hi), `rows` at a time."""
-    if isinstance(weight, PackedWeight):
-        yield from weight.chunks(rows, lo, hi)
-        return
-    for start in range(lo, hi, rows):
-        end = min(hi, start + rows)
-        yield start, end, weight[start:end]
+class _TensorHead:
+    """A frozen head given as a plain tensor [V, D], with the part of PackedWeight's surface the
+    fused loss uses (rows, chunks, the two products, row lookups), so the pass has one path."""
 
+    def __init__(self, weight: torch.Tensor):
+        self.weight, self.rows = weight, weight.shape[0]
 
-def _head_rows(weight: "PackedWeight | torch.Tensor", index: torch.Tensor) -> torch.Tensor:
-    return weight.take_rows(index) if isinstance(weight, PackedWeight) else weight[index]
+    def chunks(self, rows: int, lo: int, hi: int):
+        for start in range(lo, hi, rows):
+            end = min(hi, start + rows)
+            yield start, end, self.weight[start:end]
+
+    def product(self, x: torch.Tensor, start: int, end: int, chunk: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, chunk)
+
+    def product_t(self, dy: torch.Tensor, start: int, end: int,
+                  chunk: torch.Tensor) -> torch.Tensor:
+        return dy.mm(chunk)
+
+    def take_rows(self, index: torch.Tensor) -> torch.Tensor:
+        return self.weight[index]
+
+    def fill_layouts(self, start: int, end: int) -> None:
+        """Nothing to fill: a tensor's products are torch's own."""
+
+    def _fill(self) -> None:
+        """Nothing to fill: the tensor is all there."""
 
 
 def head_dtype(h: torch.Tensor) -> torch.dtype | None:
@@ -470,14 +485,13 @@ def _online_pass(h: torch.Tensor, hd: torch.Tensor, weight, targets: torch.Tenso
         if lo <= target < hi:
             by_chunk.setdefault(lo + (target - lo) // rows * rows, []).append(position)
     m, s, acc = state.m, state.s, state.acc
-    for start, end, w in _head_chunks(weight, rows, lo, hi):
+    for start, end, w in weight.chunks(rows, lo, hi):
         if w is None and dtype != torch.bfloat16:        # layouts serve bf16 products alone
             w = weight.cached_rows(start, end)
         w = None if w is None else w.to(dtype)
         if want_grad and w is None:                      # both products of this block ahead
             weight.fill_layouts(start, end)
-        z = (weight.product(hd, start, end, w) if isinstance(weight, PackedWeight)
-             else F.linear(hd, w)).to(h.dtype)                      # [N, rows]
+        z = weight.product(hd, start, end, w).to(h.dtype)           # [N, rows]
         positions = by_chunk.get(start)
         if positions:
             positions = torch.tensor(positions)
@@ -489,10 +503,8 @@ def _online_pass(h: torch.Tensor, hd: torch.Tensor, weight, targets: torch.Tenso
         if want_grad:
             if dtype == h.dtype:
                 acc.mul_(rescale).addmm_(p, w)
-            elif isinstance(weight, PackedWeight):                  # a bf16 product, f32 sum
+            else:                                                   # a bf16 product, f32 sum
                 acc.mul_(rescale).add_(weight.product_t(p.to(dtype), start, end, w).to(h.dtype))
-            else:
-                acc.mul_(rescale).add_(p.to(dtype).mm(w))
         m = m_new
     state.m = m
     return state
@@ -537,12 +549,11 @@ def _threaded_pass(h, hd, weight, targets, want_grad: bool, dtype: torch.dtype) 
     halves side by side took 0.235-0.29 s against 0.25-0.32 s for torch's split products; a
     pirate LoRA step 0.97 s -> 0.91 s, medians of 18)."""
     threads = torch.get_num_threads()
-    vocab = weight.rows if isinstance(weight, PackedWeight) else weight.shape[0]
-    shares = head_shares(vocab, head_chunk_rows(dtype), threads if h.device.type == "cpu" else 1)
+    shares = head_shares(weight.rows, head_chunk_rows(dtype),
+                         threads if h.device.type == "cpu" else 1)
     if len(shares) == 1:
-        return _online_pass(h, hd, weight, targets, 0, vocab, want_grad, dtype)
-    if isinstance(weight, PackedWeight):
-        weight._fill()                             # a lazy cache fills once, before the threads
+        return _online_pass(h, hd, weight, targets, 0, weight.rows, want_grad, dtype)
+    weight._fill()                                 # a lazy cache fills once, before the threads
     try:
         torch.set_num_threads(1)
         others = [_head_pool(len(shares) - 1).submit(_share_pass, h, hd, weight, targets, lo, hi,
@@ -567,11 +578,13 @@ def _linear_cross_entropy_pass(h: torch.Tensor, weight, targets: torch.Tensor, w
     taken from its chunk's logits.
     """
     dtype = dtype or h.dtype
+    if not isinstance(weight, PackedWeight):
+        weight = _TensorHead(weight)
     state = _threaded_pass(h, h.to(dtype), weight, targets, want_grad, dtype)
     loss = state.m.squeeze(1) + state.s.log().squeeze(1) - state.target_logit
     if not want_grad:
         return loss, None
-    target_rows = _head_rows(weight, targets).to(dtype).to(h.dtype)  # W as the products saw it
+    target_rows = weight.take_rows(targets).to(dtype).to(h.dtype)  # W as the products saw it
     return loss, state.acc.div_(state.s).sub_(target_rows)
 
 
