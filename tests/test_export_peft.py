@@ -85,7 +85,11 @@ def test_peft_loads_the_exported_adapter_and_matches_the_engine(tmp_path, target
         torch.testing.assert_close(plain, engine_base, rtol=0, atol=1e-4)   # same base first
         peft_model = PeftModel.from_pretrained(hf, str(tmp_path / "peft")).eval()
         theirs = peft_model(input_ids=torch.tensor([IDS])).logits[0].double()
+        exact = peft_model.double()(input_ids=torch.tensor([IDS])).logits[0]   # PEFT in f64
     ours = engine_logits(adapted, IDS)
     assert (ours - plain).abs().max() > 0.05                       # the adapter changes things
-    assert (theirs - ours).abs().max().item() < 1e-4
+    # both f32 computations against PEFT's f64 one: each rounds its own way (about 2e-4 here on
+    # logits up to 55), so neither is held to the other's bits
+    assert (theirs - exact).abs().max().item() < 5e-4
+    assert (ours - exact).abs().max().item() < 5e-4
     assert torch.equal(theirs.argmax(-1), ours.argmax(-1))

@@ -30,7 +30,7 @@ def report() -> dict:
     from engine.train import devices
 
     p = cpu.plan()
-    lib = native.kernels()
+    lib, train_lib = native.kernels(), native.train_kernels()
     return {
         "python": platform.python_version(),
         "torch": torch.__version__,
@@ -39,6 +39,9 @@ def report() -> dict:
         "native_kernels": str(lib._name)
         if lib is not None
         else "not built (torch reference kernels)",
+        "train_kernels": str(train_lib._name)
+        if train_lib is not None
+        else "not built (training runs torch's op chains)",
         "cpu_source": p.source,
         "cpu_features": sorted(p.features),
         "kernel_orders": p.isa,
@@ -75,6 +78,7 @@ def cmd_doctor(args) -> int:
         f"llama-cpp-python {info['llama_cpp_python']}"
     )
     print(f"native kernels: {info['native_kernels']}")
+    print(f"training's fused passes: {info['train_kernels']}")
     print("llama.cpp numerics:")
     for line in info["lines"]:
         print(f"  {line}")

@@ -1,10 +1,12 @@
-"""The C build of the llama.cpp kernels (ggml_kernels.c), compiled once per machine on first use.
+"""The C builds, compiled once per machine on first use: the llama.cpp kernels (ggml_kernels.c)
+and the training step's fused elementwise passes (train_kernels.c, used by fused.py).
 
-The torch code in ggml_matmul.py, numerics.py and engine/models/blocks.py is the reference; the C
-file repeats the same arithmetic about two orders of magnitude faster (one pass, no f64
-intermediates), up to a whole decoder forward (fb_forward). It is built with the system C compiler
-into the user cache (nothing is downloaded). Without a compiler, or with FORGEBENCH_NATIVE=0, the
-torch reference runs instead: same numbers, slower.
+The torch code in ggml_matmul.py, numerics.py and engine/models/blocks.py is the reference; the
+llama.cpp file repeats the same arithmetic about two orders of magnitude faster (one pass, no f64
+intermediates), up to a whole decoder forward (fb_forward). Each file is built with the system C
+compiler into the user cache (nothing is downloaded). Without a compiler, or with
+FORGEBENCH_NATIVE=0, torch runs instead: the same numbers for the llama.cpp kernels, torch's own
+op chains (equal up to the last bits, see train_kernels.c) for the training passes; slower.
 
 The ctypes structures below mirror the C structs of the same names (fb_weight, fb_plan, fb_layer,
 fb_model); a change to one is a change to both.
@@ -36,6 +38,9 @@ FLAGS = [
     "-shared",
     "-fPIC",
 ]
+# the training step's fused passes: torch's arithmetic, one thread (see the file's header)
+TRAIN_SOURCE = Path(__file__).with_name("train_kernels.c")
+TRAIN_FLAGS = ["-O3", "-march=native", "-ffp-contract=fast", "-fno-fast-math", "-shared", "-fPIC"]
 
 _I64, _PTR, _INT, _F32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int, ctypes.c_float
 # ggml type ids the C kernels take (GGMLQuantizationType values)
@@ -80,28 +85,38 @@ SIGNATURES = {
     "f16_dot": [_I64, _I64, _I64, _I64, _PTR, _PTR, _INT, _INT, _PTR],
     "fb_unpack": [_INT, _I64, _PTR, _PTR, _PTR, _PTR, _PTR, _PTR, _INT],
 }
+# train_kernels.c: dtype codes 0 = f32, 1 = bf16 (engine/kernels/fused.py)
+TRAIN_SIGNATURES = {
+    "fb_softmax_chunk": ([_I64, _I64, _PTR, _INT, _PTR, _PTR, _PTR], None),
+    "fb_rmsnorm_fwd": ([_I64, _I64, _PTR, _INT, _PTR, _F32, _PTR, _INT, _PTR], None),
+    "fb_rmsnorm_bwd": ([_I64, _I64, _PTR, _INT, _PTR, _PTR, _PTR, _INT, _PTR, _INT, _PTR], None),
+    "fb_glu_fwd": ([_I64, _INT, _PTR, _PTR, _INT, _PTR], None),
+    "fb_glu_bwd": ([_I64, _INT, _PTR, _PTR, _PTR, _INT, _PTR, _PTR], None),
+    "fb_rope_fwd": ([_I64, _I64, _I64, _I64, _PTR, _INT, _PTR, _PTR, _F32, _INT, _PTR], None),
+    "fb_rope_bwd": ([_I64, _I64, _I64, _I64, _PTR, _PTR, _PTR, _F32, _INT, _PTR, _INT], None),
+}
 RETURNS = {"cpu_features": ([], _I64),
            "fb_matmul": ([_PTR, _I64, _PTR, _PTR, _INT, _PTR], _INT),
            "fb_forward": ([_PTR, _PTR, _I64, _I64, _PTR, _PTR, _PTR, _I64, _I64, _PTR, _PTR, _INT],
                           _INT)}
 
 
-@functools.lru_cache(maxsize=1)
-def kernels() -> ctypes.CDLL | None:
-    """The loaded library, building it if needed; None where it cannot be built."""
+def _build(source: Path, flags: list[str]) -> ctypes.CDLL | None:
+    """`source` compiled into the user cache (once per source, compiler and flags) and loaded;
+    None with FORGEBENCH_NATIVE=0 or where it cannot be built (said once on stderr)."""
     if os.environ.get("FORGEBENCH_NATIVE", "1") == "0":
         return None
     cc = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
     if cc is None:
         return None
-    key = hashlib.sha256(SOURCE.read_bytes() + " ".join([cc, *FLAGS]).encode()).hexdigest()[:16]
-    lib_path = cache_dir() / f"ggml_kernels-{key}.so"
+    key = hashlib.sha256(source.read_bytes() + " ".join([cc, *flags]).encode()).hexdigest()[:16]
+    lib_path = cache_dir() / f"{source.stem}-{key}.so"
     if not lib_path.exists():
         tmp = lib_path.with_name(f"{lib_path.name}.{os.getpid()}.tmp")
         try:
             lib_path.parent.mkdir(parents=True, exist_ok=True)
             done = subprocess.run(
-                [cc, *FLAGS, str(SOURCE), "-o", str(tmp), "-lm"], capture_output=True, text=True
+                [cc, *flags, str(source), "-o", str(tmp), "-lm"], capture_output=True, text=True
             )
             if done.returncode != 0:
                 raise OSError(
@@ -111,22 +126,41 @@ def kernels() -> ctypes.CDLL | None:
             os.replace(tmp, lib_path)
         except OSError as err:
             print(
-                f"forgebench: could not build {SOURCE.name} into {lib_path.parent} ({err}); "
-                "using the slower torch kernels (same numbers). Set CC to a working C compiler "
+                f"forgebench: could not build {source.name} into {lib_path.parent} ({err}); "
+                "using torch's slower ops instead. Set CC to a working C compiler "
                 "or XDG_CACHE_HOME "
                 "to a writable folder.",
                 file=sys.stderr,
             )
             tmp.unlink(missing_ok=True)
             return None
-    lib = ctypes.CDLL(str(lib_path))
-    for name, argtypes in SIGNATURES.items():
-        fn = getattr(lib, name)
-        fn.argtypes, fn.restype = argtypes, None
-    for name, (argtypes, restype) in RETURNS.items():
+    return ctypes.CDLL(str(lib_path))
+
+
+def _declare(lib: ctypes.CDLL, signatures: dict[str, tuple[list, object]]) -> ctypes.CDLL:
+    for name, (argtypes, restype) in signatures.items():
         fn = getattr(lib, name)
         fn.argtypes, fn.restype = argtypes, restype
     return lib
+
+
+@functools.lru_cache(maxsize=1)
+def kernels() -> ctypes.CDLL | None:
+    """The loaded llama.cpp kernels (ggml_kernels.c), building them if needed; None where they
+    cannot be built."""
+    lib = _build(SOURCE, FLAGS)
+    if lib is None:
+        return None
+    return _declare(lib, {**{name: (argtypes, None) for name, argtypes in SIGNATURES.items()},
+                          **RETURNS})
+
+
+@functools.lru_cache(maxsize=1)
+def train_kernels() -> ctypes.CDLL | None:
+    """The loaded fused training passes (train_kernels.c), building them if needed; None where
+    they cannot be built (torch's ops then run them)."""
+    lib = _build(TRAIN_SOURCE, TRAIN_FLAGS)
+    return None if lib is None else _declare(lib, TRAIN_SIGNATURES)
 
 
 def ptr(t: torch.Tensor) -> int:
@@ -136,4 +170,4 @@ def ptr(t: torch.Tensor) -> int:
     return t.data_ptr()
 
 
-__all__ = ["Layer", "Model", "Plan", "WEIGHT_TYPES", "Weight", "kernels", "ptr"]
+__all__ = ["Layer", "Model", "Plan", "WEIGHT_TYPES", "Weight", "kernels", "ptr", "train_kernels"]

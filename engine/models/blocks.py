@@ -14,11 +14,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine.kernels import fused
 from engine.kernels.numerics import cos_sin_f32, fma_f32, gelu_llamacpp, rsqrt_f32, silu_llamacpp
 
 
 class RMSNorm(nn.Module):
-    """y = x / sqrt(mean(x^2) + eps) * weight, computed in f32.
+    """y = x / sqrt(mean(x^2) + eps) * weight, computed in f32 (one fused pass where
+    engine/kernels/fused.py serves it, torch's ops elsewhere).
 
     `ggml_exact` (set under llama.cpp numerics) follows ggml_compute_forward_rms_norm_f32: the sum
     of squares accumulated in double, 1/sqrtf(mean + eps) in f32 (correctly rounded, as C's
@@ -32,37 +34,53 @@ class RMSNorm(nn.Module):
         self.ggml_exact = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        xf = x.to(torch.promote_types(x.dtype, torch.float32))  # f64 kept for gradient checks
         if self.ggml_exact:
+            xf = x.to(torch.promote_types(x.dtype, torch.float32))
             mean = ((xf * xf).double().sum(-1, keepdim=True) / xf.shape[-1]).float()
             scale = rsqrt_f32(mean + torch.tensor(self.eps, dtype=torch.float32))
             return ((xf * scale) * self.weight.float()).to(x.dtype)
-        if torch.is_grad_enabled() and (xf.requires_grad or self.weight.requires_grad):
-            return _RMSNormFunction.apply(xf, self.weight.to(xf.dtype), self.eps).to(x.dtype)
-        y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (y * self.weight.to(xf.dtype)).to(x.dtype)
+        if torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad):
+            return _RMSNormFunction.apply(x, self.weight, self.eps)
+        if (done := fused.rms_norm(x, self.weight, self.eps)) is not None:
+            return done[0]
+        return _rms_norm_torch(x, self.weight, self.eps)[0]
+
+
+def _rms_norm_torch(x: torch.Tensor, weight: torch.Tensor, eps: float
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(RMSNorm of x in x's dtype, rstd [..., 1]) by torch's ops, in f32 (f64 kept for gradient
+    checks): the reference the fused pass (engine/kernels/fused.py) is held to."""
+    xf = x.to(torch.promote_types(x.dtype, torch.float32))
+    rstd = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return (xf * rstd * weight.to(xf.dtype)).to(x.dtype), rstd
 
 
 class _RMSNormFunction(torch.autograd.Function):
-    """RMSNorm for training: the same forward arithmetic as RMSNorm.forward, and a backward of
-    four elementwise passes (dx = rstd·(g − x̂·mean(g·x̂)), g = dy·w) instead of the dozen
-    autograd nodes of pow, mean, rsqrt and the products; ~100 norms a step in Gemma."""
+    """RMSNorm for training: the forward's arithmetic, and a backward of four elementwise passes
+    (dx = rstd·(g − x̂·mean(g·x̂)), g = dy·w) instead of the dozen autograd nodes of pow, mean,
+    rsqrt and the products; ~100 norms a step in Gemma. Each direction is one fused pass where
+    engine/kernels/fused.py serves it (f32/bf16 on the CPU), torch's ops elsewhere."""
 
     @staticmethod
     def forward(ctx, x, weight, eps):
-        rstd = torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
-        normed = x * rstd
-        ctx.save_for_backward(normed, rstd, weight)
-        return normed * weight
+        done = fused.rms_norm(x, weight, eps)
+        ctx.fused = done is not None
+        y, rstd = done if ctx.fused else _rms_norm_torch(x, weight, eps)
+        ctx.save_for_backward(x, rstd, weight)
+        return y
 
     @staticmethod
     def backward(ctx, dy):
-        normed, rstd, weight = ctx.saved_tensors
-        g = dy * weight
+        x, rstd, weight = ctx.saved_tensors
+        want_dw = ctx.needs_input_grad[1]
+        if ctx.fused:
+            dx, dw = fused.rms_norm_backward(x, rstd, weight, dy, want_dw)
+            return dx, dw, None
+        xf = x.to(rstd.dtype)
+        normed, g = xf * rstd, dy.to(rstd.dtype) * weight.to(rstd.dtype)
         dx = (g - normed * (g * normed).mean(-1, keepdim=True)).mul_(rstd)
-        dw = (dy * normed).reshape(-1, weight.shape[-1]).sum(0) if ctx.needs_input_grad[1] \
-            else None
-        return dx, dw, None
+        dw = (dy * normed).reshape(-1, weight.shape[-1]).sum(0) if want_dw else None
+        return dx.to(x.dtype), None if dw is None else dw.to(weight.dtype), None
 
 
 def rope_tables(positions: torch.Tensor, rot_dim: int, base: float,
@@ -100,8 +118,7 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rope_type:
     if rope_type == "norm":
         x1, x2 = x[..., 0::2], x[..., 1::2]
     elif rope_type == "neox":
-        half = x.shape[-1] // 2
-        x1, x2 = x[..., :half], x[..., half:]
+        x1, x2 = x.split(x.shape[-1] // 2, dim=-1)     # backward: one cat, as packed_attention
     else:
         raise ValueError(f"unknown rope_type {rope_type!r}")
     if fused:
@@ -111,6 +128,33 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rope_type:
     if rope_type == "norm":
         return torch.stack((r1, r2), dim=-1).flatten(-2)
     return torch.cat((r1, r2), dim=-1)
+
+
+def rope_heads(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rope_type: str,
+               scale: float = 1.0, ggml_rounding: bool = False) -> torch.Tensor:
+    """RoPE of x [B, T, H, hd] times `scale`, as [B, H, T, hd]: one fused pass each way (with
+    the transpose) where engine/kernels/fused.py serves it, else apply_rope on the transpose
+    (always under llama.cpp numerics, `ggml_rounding`)."""
+    if not ggml_rounding and fused.serves_rope(x, cos, sin, rope_type):
+        return _Rope.apply(x, cos, sin, rope_type, scale)
+    out = apply_rope(x.transpose(1, 2), cos, sin, rope_type, ggml_rounding)
+    return out if scale == 1.0 else out * scale
+
+
+class _Rope(torch.autograd.Function):
+    """rope_heads as one pass forward and one backward (the rotation by −angle, times scale)."""
+
+    @staticmethod
+    def forward(ctx, x, cos, sin, rope_type, scale):
+        ctx.save_for_backward(cos, sin)
+        ctx.rope_type, ctx.scale, ctx.x_dtype = rope_type, scale, x.dtype
+        return fused.rope(x, cos, sin, rope_type, scale)
+
+    @staticmethod
+    def backward(ctx, g):
+        cos, sin = ctx.saved_tensors
+        return fused.rope_backward(g, cos, sin, ctx.rope_type, ctx.scale, ctx.x_dtype), \
+            None, None, None, None
 
 
 @dataclass
@@ -190,11 +234,12 @@ class Attention(nn.Module):
         v = self.v(x).view(B, T, self.n_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q = apply_rope(q.transpose(1, 2), *rope, rope_type, self.ggml_exact)      # [B,H,T,hd]
-        k = apply_rope(k.transpose(1, 2), *rope, rope_type, self.ggml_exact)      # [B,Hkv,T,hd]
+        q = rope_heads(q, *rope, rope_type, scale if scale_q_first else 1.0,
+                       self.ggml_exact)                                           # [B,H,T,hd]
+        k = rope_heads(k, *rope, rope_type, 1.0, self.ggml_exact)                 # [B,Hkv,T,hd]
         v = v.transpose(1, 2)
         if scale_q_first:
-            q, scale = q * scale, 1.0
+            scale = 1.0
         core = attn_core or sdpa
         if lengths is not None:
             if cache is not None or B != 1:
@@ -213,14 +258,13 @@ def packed_attention(core, q, k, v, lengths: list[int], scale: float, window: in
     within itself: one core call per sequence, so no score is spent across sequences or on
     padding."""
     masks: dict[int, torch.Tensor] = {}
-    outs, start = [], 0
-    for n in lengths:
+    outs = []
+    # split, not slices: its backward is one cat of the pieces' gradients, where each slice's
+    # would write its piece into a zeroed copy of the whole and then sum those copies
+    for n, qs, ks, vs in zip(lengths, *(t.split(lengths, dim=2) for t in (q, k, v))):
         if n not in masks:
             masks[n] = attention_mask(0, n, n, window).to(q.device)
-        end = start + n
-        outs.append(core(q[:, :, start:end], k[:, :, start:end], v[:, :, start:end],
-                         masks[n], scale))
-        start = end
+        outs.append(core(qs, ks, vs, masks[n], scale))
     return torch.cat(outs, dim=2)
 
 
@@ -265,6 +309,33 @@ class GatedMLP(nn.Module):
         self.activation = activation
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down(ACTIVATIONS[self.activation](self.gate(x)) * self.up(x))
+        return self.down(gated_activation(self.gate(x), self.up(x), self.activation))
+
+
+def gated_activation(gate: torch.Tensor, up: torch.Tensor, activation: str) -> torch.Tensor:
+    """act(gate) · up: one fused pass each way where engine/kernels/fused.py serves it (silu and
+    gelu-tanh, f32/bf16 on the CPU), else torch's ops (ggml's llama.cpp activations among them)."""
+    if fused.serves_gated(gate, up, activation):
+        if torch.is_grad_enabled() and (gate.requires_grad or up.requires_grad):
+            return _GatedActivation.apply(gate, up, activation)
+        return fused.gated_activation(gate, up, activation)
+    return ACTIVATIONS[activation](gate) * up
+
+
+class _GatedActivation(torch.autograd.Function):
+    """act(gate)·up as one pass forward and one backward (d_gate = d·up·act'(gate),
+    d_up = d·act(gate)): the three torch ops and their backward nodes, in f32 arithmetic with
+    one rounding per result (torch rounds a bf16 value after each op)."""
+
+    @staticmethod
+    def forward(ctx, gate, up, activation):
+        ctx.save_for_backward(gate, up)
+        ctx.activation = activation
+        return fused.gated_activation(gate, up, activation)
+
+    @staticmethod
+    def backward(ctx, d_out):
+        gate, up = ctx.saved_tensors
+        return (*fused.gated_activation_backward(gate, up, d_out, ctx.activation), None)
 
 

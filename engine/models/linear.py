@@ -26,6 +26,7 @@ from torch import nn
 from torch.autograd.profiler import record_function
 
 from engine.gguf.dequant import dequantize
+from engine.kernels import fused
 from engine.kernels.ggml_matmul import ExactWeight, supports_exact
 from engine.kernels.native import kernels
 from engine.kernels.numerics import activation_values, dot_f16, round_f16, tinyblas_serves
@@ -488,22 +489,25 @@ def _online_pass(h: torch.Tensor, hd: torch.Tensor, weight, targets: torch.Tenso
         w = None if w is None else w.to(dtype)
         if want_grad and w is None:                      # both products of this block ahead
             weight.fill_layouts(start, end)
-        z = weight.product(hd, start, end, w).to(h.dtype)           # [N, rows]
+        z = weight.product(hd, start, end, w)                       # [N, rows], in dtype
         positions = by_chunk.get(start)
         if positions:
             positions = torch.tensor(positions)
-            state.target_logit[positions] = z[positions, targets[positions] - start]
-        m_new = torch.maximum(m, z.amax(1, keepdim=True))
-        rescale = torch.exp(m - m_new)
-        p = z.sub_(m_new).exp_()                                    # exp(z - m_new), in place
-        s.mul_(rescale).add_(p.sum(1, keepdim=True))
+            state.target_logit[positions] = z[positions, targets[positions] - start].to(h.dtype)
+        # m, s and z (to exp(z - m)) in place, in one pass over the chunk; else torch's chain
+        rescale = fused.softmax_chunk(z, m, s) if h.dtype == torch.float32 else None
+        if rescale is None:
+            z = z.to(h.dtype)
+            m_new = torch.maximum(m, z.amax(1, keepdim=True))
+            rescale = torch.exp(m - m_new)
+            z.sub_(m_new).exp_()
+            s.mul_(rescale).add_(z.sum(1, keepdim=True))
+            m.copy_(m_new)
         if want_grad:
             if dtype == h.dtype:
-                acc.mul_(rescale).addmm_(p, w)
+                acc.mul_(rescale).addmm_(z, w)
             else:                                                   # a bf16 product, f32 sum
-                acc.mul_(rescale).add_(weight.product_t(p.to(dtype), start, end, w).to(h.dtype))
-        m = m_new
-    state.m = m
+                acc.mul_(rescale).add_(weight.product_t(z.to(dtype), start, end, w).to(h.dtype))
     return state
 
 
