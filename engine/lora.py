@@ -28,6 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.errors import ForgebenchError
+from engine.models.linear import adapted_matmul
 
 ATTN_TARGETS = ("q", "k", "v", "o")
 MLP_TARGETS = ("gate", "up", "down")
@@ -115,6 +116,10 @@ class LoRALinear(nn.Module):
         return F.linear(F.linear(x, a.to(x.dtype)), b.to(x.dtype)) * self.scale
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x [..., in] -> [..., out]
+        if not (self.training and self.dropout > 0):    # both paths as one node where it can
+            fused = adapted_matmul(self.base, x, self.lora_a, self.lora_b, self.scale)
+            if fused is not None:
+                return fused
         return self.base(x) + self.delta(x)
 
     def extra_repr(self) -> str:

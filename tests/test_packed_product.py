@@ -168,3 +168,39 @@ def test_both_layouts_filled_at_once_multiply_as_the_lazy_ones():
     f32.cache(torch.float32)
     f32.fill_layouts(0, ROWS)
     assert f32._onednn == f32._onednn_t == {}
+
+
+@pytest.mark.parametrize("bf16_autocast", [False, True])
+@pytest.mark.parametrize("x_needs_grad", [True, False])
+def test_a_lora_layer_as_one_node_matches_its_two_paths(held, bf16_autocast, x_needs_grad):
+    """A LoRA layer over a frozen packed weight runs as one autograd node (_AdaptedMatmul):
+    its output and the gradients of x, A and B are the two paths' (base(x) + delta(x)) to the
+    rounding of the dtype the products run in; with B at zero it is the base layer, bit for bit."""
+    from engine.lora import LoRALinear
+
+    torch.manual_seed(7)
+    layer = LoRALinear(FrozenQuantLinear(_weight()), rank=4, alpha=8.0)
+    x = torch.randn(2, 5, COLS, requires_grad=x_needs_grad)
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16_autocast):
+        at_start = layer(x)
+        assert at_start.grad_fn.name() == "_AdaptedMatmulBackward"
+        with torch.no_grad():
+            assert torch.equal(at_start, layer.base(x))                # B = 0: the base layer
+        torch.nn.init.normal_(layer.lora_b, std=0.5)
+        dy = torch.randn(2, 5, ROWS)
+
+        def grads(y):
+            wrt = [layer.lora_a, layer.lora_b] + ([x] if x_needs_grad else [])
+            return [y.detach(), *torch.autograd.grad(y, wrt, dy)]
+
+        one_node = grads(layer(x))
+        two_paths = grads(layer.base(x) + layer.delta(x))
+    rtol = 2.0 ** -7 if bf16_autocast else 1e-5
+    for got, ref in zip(one_node, two_paths):
+        assert got.dtype == ref.dtype and got.shape == ref.shape
+        torch.testing.assert_close(got.float(), ref.float(), rtol=rtol,
+                                   atol=rtol * float(ref.abs().max()))
+    # twin: the tolerance rejects a delta with its scale forgotten
+    unscaled = layer.base(x) + layer.delta(x) / layer.scale
+    assert not torch.allclose(one_node[0].float(), unscaled.detach().float(), rtol=rtol,
+                              atol=rtol * float(two_paths[0].abs().max()))

@@ -8,6 +8,7 @@ use llama.cpp's sliding-window rule (key j is visible from query p when p - j < 
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -257,15 +258,19 @@ def packed_attention(core, q, k, v, lengths: list[int], scale: float, window: in
     """Attention over sequences packed along T (q [1,H,T,hd], k/v [1,Hkv,T,hd]), each causal
     within itself: one core call per sequence, so no score is spent across sequences or on
     padding."""
-    masks: dict[int, torch.Tensor] = {}
     outs = []
     # split, not slices: its backward is one cat of the pieces' gradients, where each slice's
     # would write its piece into a zeroed copy of the whole and then sum those copies
     for n, qs, ks, vs in zip(lengths, *(t.split(lengths, dim=2) for t in (q, k, v))):
-        if n not in masks:
-            masks[n] = attention_mask(0, n, n, window).to(q.device)
-        outs.append(core(qs, ks, vs, masks[n], scale))
+        outs.append(core(qs, ks, vs, _sequence_mask(n, window, q.device), scale))
     return torch.cat(outs, dim=2)
+
+
+@functools.lru_cache(maxsize=256)
+def _sequence_mask(n: int, window: int | None, device: torch.device) -> torch.Tensor:
+    """attention_mask(0, n, n, window), built once for every layer and step that packs a
+    sequence of n tokens (the cores only read it)."""
+    return attention_mask(0, n, n, window).to(device)
 
 
 def packed_positions(lengths: list[int], total: int) -> torch.Tensor:

@@ -334,11 +334,81 @@ class _DequantMatmul(torch.autograd.Function):
     @staticmethod
     @torch.amp.custom_bwd(device_type="cpu")   # backward under forward's autocast (bf16 dy)
     def backward(ctx, dy):
+        return _frozen_dx(ctx.w, dy), None
+
+
+def _frozen_dx(w: PackedWeight, dy: torch.Tensor) -> torch.Tensor:
+    """dy·W for a frozen packed W, chunk by chunk (Wᵀ's layouts where the cache holds them)."""
+    dx = None
+    for start, end, chunk in w.chunks():
+        part = w.product_t(dy[..., start:end], start, end, chunk)
+        dx = part if dx is None else dx + part
+    return dx
+
+
+class _AdaptedMatmul(torch.autograd.Function):
+    """y = x·Wᵀ + scale·(x·Aᵀ)·Bᵀ for a frozen packed W and a LoRA pair A [r, in], B [out, r]:
+    a LoRA layer without dropout as one autograd node. x is cast once for both products (under
+    autocast), the delta is added inside its product (addmm), and dx sums both paths in x's
+    dtype, as autograd summed them.
+
+    Why: the two paths as plain ops are about fifteen nodes a layer (casts of x, A and B, two
+    products, the scale, the add, and each one's backward) around products of a few MFLOP; the
+    pirate LoRA has 36 of them a step."""
+
+    @staticmethod
+    @torch.amp.custom_fwd(device_type="cpu")
+    def forward(ctx, x, lora_a, lora_b, w_holder, scale):
+        w = w_holder.weight
+        if x.requires_grad:
+            w.fill_layouts(0, w.rows)              # the dx ahead reads Wᵀ: both at once
+        y, xc, t, a, b = _adapted_product(x, lora_a, lora_b, w, scale)
+        ctx.save_for_backward(xc, t, a, b)
+        ctx.w, ctx.scale = w, scale
+        ctx.dtypes = x.dtype, lora_a.dtype, lora_b.dtype
+        return y
+
+    @staticmethod
+    @torch.amp.custom_bwd(device_type="cpu")
+    def backward(ctx, dy):
+        xc, t, a, b = ctx.saved_tensors
+        ds = dy.to(xc.dtype) * ctx.scale                                # d(delta) before scale
+        dt = ds @ b                                                     # [..., r]
+        x_dtype, a_dtype, b_dtype = ctx.dtypes
         dx = None
-        for start, end, chunk in ctx.w.chunks():
-            part = ctx.w.product_t(dy[..., start:end], start, end, chunk)
-            dx = part if dx is None else dx + part
-        return dx, None
+        if ctx.needs_input_grad[0]:
+            dx = _frozen_dx(ctx.w, dy.to(xc.dtype)).to(x_dtype) + (dt @ a).to(x_dtype)
+        rank = dt.shape[-1]
+        grad_a = dt.reshape(-1, rank).t() @ xc.reshape(-1, xc.shape[-1])        # [r, in]
+        grad_b = ds.reshape(-1, ds.shape[-1]).t() @ t.reshape(-1, rank)         # [out, r]
+        return dx, grad_a.to(a_dtype), grad_b.to(b_dtype), None, None
+
+
+def _adapted_product(x, lora_a, lora_b, w: PackedWeight, scale: float):
+    """(x·Wᵀ + scale·(x·Aᵀ)·Bᵀ, and the operands the backward reads: x, x·Aᵀ, A and B in the
+    products' dtype), x cast once to autocast's dtype where autocast is on."""
+    dtype = torch.get_autocast_dtype("cpu") if torch.is_autocast_enabled("cpu") else x.dtype
+    xc, a, b = x.to(dtype), lora_a.to(dtype), lora_b.to(dtype)
+    t = xc @ a.t()                                                      # [..., r]
+    y = packed_matmul(xc, w).reshape(-1, w.rows)                        # [N, out]
+    y.addmm_(t.view(-1, t.shape[-1]), b.t(), alpha=scale)
+    return y.view(*x.shape[:-1], w.rows), xc, t, a, b
+
+
+def adapted_matmul(base: nn.Module, x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor,
+                   scale: float) -> torch.Tensor | None:
+    """base(x) + scale·(x·Aᵀ)·Bᵀ as one node (_AdaptedMatmul) where base is a FrozenQuantLinear
+    on the CPU (no bias, not llama.cpp numerics); without a gradient the same arithmetic, so a
+    model scored without grad (DPO's reference, an eval) gives the bits it trains with. Else
+    None (the caller runs the two paths)."""
+    if not (isinstance(base, FrozenQuantLinear) and base.bias is None
+            and base.numerics != "llamacpp" and x.device.type == "cpu"):
+        return None
+    if torch.is_grad_enabled() and (x.requires_grad or lora_a.requires_grad
+                                    or lora_b.requires_grad):
+        return _AdaptedMatmul.apply(x, lora_a, lora_b, base, scale)
+    with torch.no_grad():
+        return _adapted_product(x, lora_a, lora_b, base.weight, scale)[0]
 
 
 class FrozenQuantLinear(nn.Module):
