@@ -298,7 +298,10 @@ def print_result(args, threads: int, result: dict) -> None:
 
 
 # -- profile --------------------------------------------------------------------------------
-REGIONS = {"FrozenQuantLinear": "base matmuls", "LoRALinear": "LoRA", "Attention": "attention",
+# an adapted layer (q, v) is one node with its base product inside (_AdaptedMatmul): the LoRA
+# region holds those layers whole, "base matmuls" the layers without an adapter
+REGIONS = {"FrozenQuantLinear": "base matmuls",
+           "LoRALinear": "LoRA layers (and their base products)", "Attention": "attention",
            "RMSNorm": "norms/activations", "GatedMLP": "norms/activations",
            "PackedEmbedding": "embedding"}
 MARK = "region:"
