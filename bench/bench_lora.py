@@ -22,7 +22,12 @@ matmul peak is measured between the rounds the same way. Prints, per thread coun
 tokens/s, s/step (median, the first WARMUP_STEPS excluded), CPU s/step (process CPU time, all
 threads), peak RSS, the engine's model FLOPs utilisation (in wall time against that peak, and in
 CPU time per thread against the machine's cached CPU-time peak that the recipe's metrics rows
-use), the load average and the CPU's bf16 units.
+use), the load average, the CPU's bf16 units and the instruction sets the libraries ran.
+
+With FORGEBENCH_SIMD=avx2 set, every process of the bench (both sides and the peak between the
+rounds) computes as an AVX2-only CPU would (engine/kernels/cpu.py): torch's libraries capped at
+AVX2, the engine's training passes built for x86-64-v3, "auto" choosing f32. That measures an
+AVX2 machine's path on an AVX-512 one, with this machine's cores, caches and clocks.
 
 `--profile` instead trains a few engine steps in this process under torch.profiler and prints
 where a step's time goes, by region (base matmuls forward and dx, LoRA, attention, norms and
@@ -30,7 +35,8 @@ activations, the fused LM head + loss, optimizer, Python between ops), then the 
 products against their roofline: each product's floor is its arithmetic at the machine's matmul
 peak or its operands' traffic at the measured read bandwidth, whichever is longer.
 
-    python bench/bench_lora.py [--steps 16] [--threads 1,2] [--precision auto] [--profile]
+    [FORGEBENCH_SIMD=avx2] python bench/bench_lora.py [--steps 16] [--threads 1,2]
+        [--precision auto] [--profile]
 """
 
 from __future__ import annotations
@@ -260,6 +266,20 @@ def bf16_units() -> str:
     return ", ".join(units) if units else "none (no avx512_bf16, no AMX)"
 
 
+def instruction_sets() -> str:
+    """What the libraries ran: ATen's kernels (torch's capability), and whether FORGEBENCH_SIMD
+    capped them (and the engine's passes) at AVX2."""
+    import torch
+
+    from engine.kernels.cpu import forced_simd
+
+    aten = torch.backends.cpu.get_cpu_capability()
+    if forced_simd() == "avx2":
+        return (f"capped at AVX2 by FORGEBENCH_SIMD=avx2 (ATen {aten}; MKL and oneDNN AVX2; "
+                "the engine's passes built for x86-64-v3)")
+    return f"this CPU's own (ATen {aten})"
+
+
 def print_result(args, threads: int, result: dict) -> None:
     engine = result["engine"]
     e = summary(engine)
@@ -273,6 +293,7 @@ def print_result(args, threads: int, result: dict) -> None:
           f"engine weights {args.weights}")
     print(f"precision: {engine['precision']['precision']} ({engine['precision']['reason']}); "
           f"CPU bf16 units: {bf16_units()}")
+    print(f"instruction sets: {instruction_sets()}")
     print(f"load average (1/5/15 min): before {'/'.join(f'{x:.1f}' for x in result['load'][0])},"
           f" after {'/'.join(f'{x:.1f}' for x in result['load'][1])}")
     print(f"{'':10}{'sup tok/s':>12}{'s/step':>10}{'min s/step':>12}{'cpu s/step':>12}"

@@ -26,9 +26,7 @@ DTYPES = [torch.float32, torch.bfloat16]
 @functools.cache
 def avx2_build():
     """train_kernels.c built for AVX2 alone (8 lanes), as an AVX2-only CPU builds it."""
-    flags = ["-march=x86-64-v3" if f == "-march=native" else f for f in native.TRAIN_FLAGS]
-    lib = native._build(native.TRAIN_SOURCE, flags)
-    return None if lib is None else native._declare(lib, native.TRAIN_SIGNATURES)
+    return native.build_train_kernels("avx2")
 
 
 @pytest.fixture(autouse=True, params=["native", "avx2"])

@@ -350,3 +350,76 @@ def test_matmul_roofline_puts_skinny_products_on_the_traffic_side():
     assert roof["traffic_bound_s"] == pytest.approx(skinny_traffic)
     assert roof["floor_s"] == pytest.approx(skinny_traffic + 2 * 512 ** 3 / 1e9)
     assert roof["measured_s"] > 0
+
+
+SIMD_PROBE = """
+import json, torch
+from engine.kernels import native
+from engine.train.precision import cpu_bf16_features, resolve_precision
+lib = native.train_kernels()
+print(json.dumps({"aten": torch.backends.cpu.get_cpu_capability(),
+                  "onednn_bf16": bool(torch.ops.mkldnn._is_mkldnn_bf16_supported()),
+                  "train_build": None if lib is None else lib._name,
+                  "units": sorted(cpu_bf16_features()),
+                  "f32_choice": resolve_precision("f32").reason,
+                  "auto": resolve_precision("auto").as_dict()}))
+"""
+
+
+def _simd_probe(forced: str) -> dict:
+    """What a fresh process (FORGEBENCH_SIMD=`forced` set before it starts, or unset) computes
+    with: ATen's kernels, oneDNN's bf16, the training passes' build, the bf16 units "auto" sees."""
+    import os
+    import subprocess
+    import sys
+
+    from lm_pretrain_support import REPO
+
+    from engine import AVX2_LIBRARY_CAPS
+
+    env = {k: v for k, v in os.environ.items()
+           if k != "FORGEBENCH_SIMD" and k not in AVX2_LIBRARY_CAPS}
+    env.update(PYTHONPATH=str(REPO), **({"FORGEBENCH_SIMD": forced} if forced else {}))
+    done = subprocess.run([sys.executable, "-c", SIMD_PROBE],
+                          env=env, cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def test_forgebench_simd_avx2_computes_as_an_avx2_cpu_would():
+    """FORGEBENCH_SIMD=avx2, set before the process starts, makes the whole process compute as
+    an AVX2-only CPU: torch's ATen kernels and oneDNN capped at AVX2 (so no bf16 there), the
+    training passes from their x86-64-v3 build, and "auto" seeing no bf16 units, so it takes
+    f32 and says why in what run.json records. bench/bench_lora.py measures an AVX2 machine's
+    path on an AVX-512 one that way. The twin, the same probe without the switch, reports this
+    CPU's own kernels (AVX-512 where it has them) and its native build: a different library."""
+    from engine.kernels import native
+
+    flags = _cpuinfo_flags()
+    if "avx2" not in flags:
+        pytest.skip("not an x86 CPU with AVX2: there is no AVX2 path to cap at")
+    forced, own = _simd_probe("avx2"), _simd_probe("")
+    assert forced["aten"] == "AVX2" and not forced["onednn_bf16"] and forced["units"] == []
+    assert forced["auto"]["precision"] == "f32"
+    assert "FORGEBENCH_SIMD=avx2" in forced["auto"]["reason"]
+    assert "no AVX512-BF16 or AMX" in forced["auto"]["reason"]
+    avx512 = {"avx512f", "avx512bw", "avx512vl", "avx512dq"} <= flags
+    assert own["aten"] == ("AVX512" if avx512 else "AVX2")
+    assert "FORGEBENCH_SIMD" not in own["auto"]["reason"] + own["f32_choice"]
+    assert "FORGEBENCH_SIMD" in forced["f32_choice"]
+    assert own["units"] == sorted({"avx512_bf16", "amx_bf16"} & flags)
+    avx2_build = native.build_train_kernels("avx2")
+    if avx2_build is not None and own["train_build"] is not None:
+        assert forced["train_build"] == avx2_build._name != own["train_build"]
+
+
+def test_the_peak_cache_keeps_capped_and_uncapped_peaks_apart(monkeypatch):
+    """A peak measured under FORGEBENCH_SIMD=avx2 is an AVX2 machine's, never read back as this
+    CPU's own (MFU against it would be wrong either way), and the reverse."""
+    monkeypatch.delenv("FORGEBENCH_SIMD", raising=False)
+    own = metrics._peak_cache_key("f32", 1)
+    monkeypatch.setenv("FORGEBENCH_SIMD", "avx2")
+    capped = metrics._peak_cache_key("f32", 1)
+    assert capped != own and "simd avx2" in capped
+    monkeypatch.setenv("FORGEBENCH_SIMD", "native")
+    assert metrics._peak_cache_key("f32", 1) == own

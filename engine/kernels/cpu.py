@@ -23,9 +23,13 @@ and x86 with AMX-INT8 + AVX512-VNNI, where ggml runs its AMX tile kernels for qu
 
 The features come from cpuid through the C build (ggml_kernels.c: cpu_features, with XCR0 as GCC's
 -march=native reads it); without a C compiler, from /proc/cpuinfo. FORGEBENCH_SIMD=avx2 drops the
-AVX-512 and AMX features, for checking the AVX2 orders against a llama.cpp built with
-CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON" on an
-AVX-512 machine (docs/numerics.md says how).
+AVX-512 and AMX features (`as_forced`), for checking the AVX2 orders against a llama.cpp built
+with CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON" on an
+AVX-512 machine (docs/numerics.md says how). The same switch makes the rest of a process compute
+as an AVX2-only CPU would: the training passes are built for AVX2 (native.train_kernels),
+precision "auto" sees no bf16 units (engine.train.precision), and, set before the process starts,
+torch's own libraries are capped at AVX2 (engine/__init__.py), so a benchmark can measure an
+AVX2 machine's path on an AVX-512 one.
 """
 
 from __future__ import annotations
@@ -159,12 +163,19 @@ def forced_simd() -> str | None:
     return value
 
 
+def as_forced(features: frozenset[str], forced: str | None) -> frozenset[str]:
+    """The features an x86 CPU of the `forced` kind has (FORGEBENCH_SIMD): under "avx2" the
+    AVX-512 and AMX ones dropped, else `features` as they are."""
+    if forced == "avx2":
+        return frozenset(f for f in features if not f.startswith(("avx512", "amx")))
+    return features
+
+
 def plan_for(
     features: frozenset[str], source: str = "given", forced: str | None = None
 ) -> KernelPlan:
     """The kernel plan for llama.cpp compiled for these features (cpuinfo flag names)."""
-    if forced == "avx2":
-        features = frozenset(f for f in features if not f.startswith(("avx512", "amx")))
+    features = as_forced(features, forced)
     avx512 = "avx512f" in features
     f16_lanes = 16 if avx512 else 8
     softmax_lanes = 16 if avx512 and "avx512dq" in features else 8
@@ -255,8 +266,10 @@ __all__ = [
     "KernelPlan",
     "ROUNDING",
     "ROUNDING_WEIGHT_TYPES",
+    "as_forced",
     "describe",
     "detected",
+    "forced_simd",
     "plan",
     "plan_for",
 ]

@@ -26,6 +26,7 @@ from pathlib import Path
 import torch
 
 from engine.fsutil import cache_dir
+from engine.kernels.cpu import forced_simd
 
 SOURCE = Path(__file__).with_name("ggml_kernels.c")
 # -ffp-contract=off: only the explicit fmaf() calls fuse, as in ggml's intrinsics
@@ -41,6 +42,8 @@ FLAGS = [
 # the training step's fused passes: torch's arithmetic, one thread (see the file's header)
 TRAIN_SOURCE = Path(__file__).with_name("train_kernels.c")
 TRAIN_FLAGS = ["-O3", "-march=native", "-ffp-contract=fast", "-fno-fast-math", "-shared", "-fPIC"]
+# the target an AVX2-only x86 CPU builds for (AVX2, FMA, F16C, BMI2: 8-lane vectors)
+AVX2_MARCH = "-march=x86-64-v3"
 
 _I64, _PTR, _INT, _F32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int, ctypes.c_float
 # ggml type ids the C kernels take (GGMLQuantizationType values)
@@ -155,12 +158,26 @@ def kernels() -> ctypes.CDLL | None:
                           **RETURNS})
 
 
+def train_flags(simd: str | None) -> list[str]:
+    """TRAIN_FLAGS for this machine (`simd` None), or for an AVX2-only CPU ("avx2": what
+    FORGEBENCH_SIMD=avx2 builds, so the training passes run the 8-lane code such a CPU runs)."""
+    if simd == "avx2":
+        return [AVX2_MARCH if f == "-march=native" else f for f in TRAIN_FLAGS]
+    return list(TRAIN_FLAGS)
+
+
+def build_train_kernels(simd: str | None) -> ctypes.CDLL | None:
+    """train_kernels.c built with `train_flags(simd)` and declared; None where it cannot be."""
+    lib = _build(TRAIN_SOURCE, train_flags(simd))
+    return None if lib is None else _declare(lib, TRAIN_SIGNATURES)
+
+
 @functools.lru_cache(maxsize=1)
 def train_kernels() -> ctypes.CDLL | None:
-    """The loaded fused training passes (train_kernels.c), building them if needed; None where
-    they cannot be built (torch's ops then run them)."""
-    lib = _build(TRAIN_SOURCE, TRAIN_FLAGS)
-    return None if lib is None else _declare(lib, TRAIN_SIGNATURES)
+    """The loaded fused training passes (train_kernels.c), building them if needed, for this
+    CPU or, under FORGEBENCH_SIMD=avx2, for an AVX2-only one; None where they cannot be built
+    (torch's ops then run them)."""
+    return build_train_kernels(forced_simd())
 
 
 def ptr(t: torch.Tensor) -> int:
@@ -170,4 +187,5 @@ def ptr(t: torch.Tensor) -> int:
     return t.data_ptr()
 
 
-__all__ = ["Layer", "Model", "Plan", "WEIGHT_TYPES", "Weight", "kernels", "ptr", "train_kernels"]
+__all__ = ["Layer", "Model", "Plan", "WEIGHT_TYPES", "Weight", "build_train_kernels", "kernels",
+           "ptr", "train_flags", "train_kernels"]

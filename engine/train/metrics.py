@@ -87,11 +87,13 @@ PEAK_SECONDS = 0.4        # wall seconds per timed round; the best of 3 rounds
 
 def _peak_cache_key(precision: str, threads: int) -> str:
     """The cache's key of a peak: the CPU (its model name and a digest of its flags, from
-    /proc/cpuinfo), the installed torch and the thread count. Computed without importing torch
-    or the native kernels, so that the app's run form can read the cache on the GUI thread."""
+    /proc/cpuinfo), FORGEBENCH_SIMD where it caps the libraries at AVX2, the installed torch and
+    the thread count. Computed without importing torch or the native kernels, so that the app's
+    run form can read the cache on the GUI thread."""
     import hashlib
     from importlib.metadata import PackageNotFoundError, version
 
+    from engine.kernels.cpu import forced_simd
     from engine.train.precision import cpuinfo_flags
 
     model = next((line.split(":", 1)[1].strip() for line in _cpuinfo_lines()
@@ -102,7 +104,8 @@ def _peak_cache_key(precision: str, threads: int) -> str:
         torch_version = version("torch")
     except PackageNotFoundError:
         torch_version = "none"
-    return f"{model}|flags {digest}|torch {torch_version}|{precision}|{threads}|cpu-time"
+    simd = f"|simd {forced}" if (forced := forced_simd()) else ""
+    return f"{model}|flags {digest}{simd}|torch {torch_version}|{precision}|{threads}|cpu-time"
 
 
 def _cpuinfo_lines() -> list[str]:

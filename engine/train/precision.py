@@ -24,8 +24,10 @@ from __future__ import annotations
 import contextlib
 import functools
 import sys
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
+
+from engine.kernels.cpu import as_forced, forced_simd
 
 REQUESTS = ("auto", "f32", "fp32", "bf16")
 # cpuinfo flag names of the units that can make a bf16 matmul faster than an f32 one
@@ -86,17 +88,18 @@ def cpuinfo_flags(path: Path = Path("/proc/cpuinfo")) -> frozenset[str]:
 
 
 def listed_bf16_features() -> frozenset[str]:
-    """The BF16_UNITS /proc/cpuinfo lists: what the app's form reads. Never cpuid: that goes
-    through the native kernels, which may compile them (seconds on the GUI thread, even in a
-    process that has torch loaded, as a test process does)."""
-    return cpuinfo_flags() & frozenset(BF16_UNITS)
+    """The BF16_UNITS /proc/cpuinfo lists (none under FORGEBENCH_SIMD=avx2): what the app's form
+    reads. Never cpuid: that goes through the native kernels, which may compile them (seconds
+    on the GUI thread, even in a process that has torch loaded, as a test process does)."""
+    return as_forced(cpuinfo_flags(), forced_simd()) & frozenset(BF16_UNITS)
 
 
 @functools.lru_cache(maxsize=1)
 def cpu_bf16_features() -> frozenset[str]:
     """The BF16_UNITS this machine has, from /proc/cpuinfo, and in a process that has torch
     loaded (a job) also from cpuid (engine.kernels.cpu; amx_bf16 has no cpuid bit there) and
-    torch's own CPU checks (what its kernels use). The app's form reads the flags alone
+    torch's own CPU checks (what its kernels use); none under FORGEBENCH_SIMD=avx2, which
+    computes as an AVX2-only CPU would. The app's form reads the flags alone
     (`listed_bf16_features`)."""
     found = set(cpuinfo_flags())
     torch = sys.modules.get("torch")
@@ -109,7 +112,7 @@ def cpu_bf16_features() -> frozenset[str]:
         found.add("avx512_bf16")
     if cpu is not None and getattr(cpu, "_is_amx_tile_supported", lambda: False)():
         found.add("amx_bf16")        # every CPU with AMX tiles so far has AMX-BF16
-    return frozenset(found) & frozenset(BF16_UNITS)
+    return as_forced(frozenset(found), forced_simd()) & frozenset(BF16_UNITS)
 
 
 def measured_bf16_speedup() -> float:
@@ -133,7 +136,11 @@ def resolve_precision(requested: str) -> PrecisionChoice:
     measuring (or reading) how much faster its bf16 matmul is."""
     units = cpu_bf16_features()
     speedup = measured_bf16_speedup() if requested == "auto" and units else None
-    return choose_precision(requested, units, speedup)
+    choice = choose_precision(requested, units, speedup)
+    if forced := forced_simd():
+        choice = replace(choice, reason=f"{choice.reason} (FORGEBENCH_SIMD={forced}: computed "
+                                        "as on a CPU without AVX-512)")
+    return choice
 
 
 def requested_precision(config) -> str | None:
