@@ -339,8 +339,11 @@ def test_doctor_prints_the_plan():
     assert [(k["name"], k["status"]) for k in info["kernels"]] == [
         (k.name, k.status) for k in p.kernels
     ]
+    assert info["torch_kernels"] == torch.backends.cpu.get_cpu_capability()
     text = _doctor(FORGEBENCH_SIMD="avx2").stdout
     assert "FORGEBENCH_SIMD=avx2" in text and ("AVX2" in text or "not reproduced" in text)
+    if "avx2" in cpu.plan().features:       # torch's own kernels capped too
+        assert "AVX2 kernels)" in text.splitlines()[0]
 
 
 def test_doctor_refuses_an_unknown_simd_setting():

@@ -35,6 +35,7 @@ def report() -> dict:
         "python": platform.python_version(),
         "torch": torch.__version__,
         "torch_threads": torch.get_num_threads(),
+        "torch_kernels": torch.backends.cpu.get_cpu_capability(),   # AVX2 under FORGEBENCH_SIMD
         "llama_cpp_python": _version("llama-cpp-python"),
         "native_kernels": str(lib._name)
         if lib is not None
@@ -74,8 +75,8 @@ def cmd_doctor(args) -> int:
         print(json.dumps({k: v for k, v in info.items() if k != "lines"}, indent=2))
         return 0
     print(
-        f"python {info['python']}, torch {info['torch']} ({info['torch_threads']} threads), "
-        f"llama-cpp-python {info['llama_cpp_python']}"
+        f"python {info['python']}, torch {info['torch']} ({info['torch_threads']} threads, "
+        f"{info['torch_kernels']} kernels), llama-cpp-python {info['llama_cpp_python']}"
     )
     print(f"native kernels: {info['native_kernels']}")
     print(f"training's fused passes: {info['train_kernels']}")
