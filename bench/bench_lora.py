@@ -278,9 +278,11 @@ def instruction_sets() -> str:
     from engine.kernels.cpu import forced_simd
 
     aten = torch.backends.cpu.get_cpu_capability()
-    if forced_simd() == "avx2":
-        return (f"capped at AVX2 by FORGEBENCH_SIMD=avx2 (ATen {aten}; MKL and oneDNN AVX2; "
-                "the engine's passes built for x86-64-v3)")
+    if forced_simd() == "avx2":       # the caps engine/__init__ set, or the caller's own
+        return (f"capped at AVX2 by FORGEBENCH_SIMD=avx2 (ATen {aten}; MKL "
+                f"{os.environ.get('MKL_ENABLE_INSTRUCTIONS')}, oneDNN "
+                f"{os.environ.get('ONEDNN_MAX_CPU_ISA')}; the engine's passes built for "
+                "x86-64-v3)")
     return f"this CPU's own (ATen {aten})"
 
 

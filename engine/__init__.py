@@ -32,7 +32,9 @@ if "OMP_WAIT_POLICY" not in os.environ:
 # kernels, MKL's (f32 products) and oneDNN's (which then reports no bf16). On an AVX-512 CPU
 # whose units are 256 bits wide inside (AMD Zen 4) this is close to an AVX2 machine's speed too:
 # f32 matmul measured 93/186 GFLOP/s at 1/2 threads capped, against 97/196 uncapped. A cap the
-# caller set wins.
+# caller set wins. The value is read here without engine.kernels.cpu.forced_simd, which refuses
+# an unknown one: that refusal belongs to the command that uses it, not to `import engine`
+# (which the app does too).
 AVX2_LIBRARY_CAPS = {"ATEN_CPU_CAPABILITY": "avx2", "MKL_ENABLE_INSTRUCTIONS": "AVX2",
                      "ONEDNN_MAX_CPU_ISA": "AVX2"}
 if os.environ.get("FORGEBENCH_SIMD", "").strip().lower() == "avx2":

@@ -158,17 +158,12 @@ def kernels() -> ctypes.CDLL | None:
                           **RETURNS})
 
 
-def train_flags(simd: str | None) -> list[str]:
-    """TRAIN_FLAGS for this machine (`simd` None), or for an AVX2-only CPU ("avx2": what
-    FORGEBENCH_SIMD=avx2 builds, so the training passes run the 8-lane code such a CPU runs)."""
-    if simd == "avx2":
-        return [AVX2_MARCH if f == "-march=native" else f for f in TRAIN_FLAGS]
-    return list(TRAIN_FLAGS)
-
-
 def build_train_kernels(simd: str | None) -> ctypes.CDLL | None:
-    """train_kernels.c built with `train_flags(simd)` and declared; None where it cannot be."""
-    lib = _build(TRAIN_SOURCE, train_flags(simd))
+    """train_kernels.c built for this machine (`simd` None) or for an AVX2-only CPU ("avx2": what
+    FORGEBENCH_SIMD=avx2 builds, the 8-lane code such a CPU runs), and declared; None where it
+    cannot be built."""
+    flags = [AVX2_MARCH if simd == "avx2" and f == "-march=native" else f for f in TRAIN_FLAGS]
+    lib = _build(TRAIN_SOURCE, flags)
     return None if lib is None else _declare(lib, TRAIN_SIGNATURES)
 
 
@@ -188,4 +183,4 @@ def ptr(t: torch.Tensor) -> int:
 
 
 __all__ = ["Layer", "Model", "Plan", "WEIGHT_TYPES", "Weight", "build_train_kernels", "kernels",
-           "ptr", "train_flags", "train_kernels"]
+           "ptr", "train_kernels"]
