@@ -253,11 +253,18 @@ def _data_args(p: argparse.ArgumentParser) -> None:
     q.add_argument("dir", help="dataset folder")
     q.add_argument("--kind", required=True, help="text-sft|text-corpus|preferences|"
                    "image-classify|image-masks|image-boxes|captioned-images|audio-clips|speech|"
-                   "decisions|retrieval")
+                   "decisions|retrieval|tabular")
     q.add_argument("--name", help="dataset name (default: the folder name)")
-    q.add_argument("--records", help="records file (default: the kind's usual name)")
+    q.add_argument("--records", help="records file (default: the kind's usual name; tabular: "
+                                     "the folder's one CSV)")
     q.add_argument("--layout", choices=["folders"],
-                   help="image-classify only: a folder per class instead of a records file")
+                   help="image-classify only: a folder per class instead of a records file "
+                        "(the default when the folder holds no records file)")
+    q.add_argument("--target", help="tabular: the column to predict (default: inferred)")
+    q.add_argument("--group", help="tabular: the column whose rows stay in one split")
+    q.add_argument("--dry-run", action="store_true",
+                   help="print what would be written (tabular: the inferred schema), write "
+                        "nothing")
     q = sub.add_parser("generate", help="write a bundled sample dataset")
     q.add_argument("kind", help="pirate|style|tools|cpt|shapes|sfx|records|sensors|speech|"
                    "tickets|help-articles|help-articles-easy, or samples (all of them, as in the "

@@ -211,11 +211,14 @@ def _validate_resume(run: RunDir, overrides: dict, allow_code_change: bool) -> S
                               path=run.manifest_path, where="field " + ", ".join(changed),
                               hint="resume with the engine version that started the run")
     module = recipe_module(config.recipe)
+    from engine.data.dataset import data_change
+
     data = module.data_manifest(config)
-    if data != manifest["data"]:
+    change = data_change(manifest["data"], data)
+    if change:
         raise ForgebenchError(
-            "the training data changed since the run started: "
-            + _describe_data_change(manifest["data"], data), path=run.manifest_path,
+            "the training data changed since the run started: " + change,
+            path=run.manifest_path,
             where="field 'data'",
             hint="restore the original data files, or start a new run on the new data")
     base = base_model_of(config, module)
@@ -253,19 +256,6 @@ def _check_device_move(run: RunDir, config: Schema, allow: bool) -> None:
     run.log_event("warning", message=f"resumed on {now} instead of {before}: the arithmetic "
                   "differs, so later steps are not bitwise those of an uninterrupted run",
                   override="device", before=before, after=now)
-
-
-def _describe_data_change(old: dict, new: dict) -> str:
-    old_files, new_files = old.get("files", {}), new.get("files", {})
-    parts = []
-    for name in sorted(set(old_files) | set(new_files)):
-        if name not in new_files:
-            parts.append(f"{name} is missing")
-        elif name not in old_files:
-            parts.append(f"{name} is new")
-        elif old_files[name] != new_files[name]:
-            parts.append(f"{name} has a different SHA-256")
-    return "; ".join(parts) or "the data manifest differs"
 
 
 # -- the running job ----------------------------------------------------------------------

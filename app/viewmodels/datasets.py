@@ -19,6 +19,7 @@ from pathlib import Path
 
 from engine.data import formats as F
 from engine.data.dataset import (
+    dataset_version,
     Dataset,
     Finding,
     Report,
@@ -341,7 +342,8 @@ def list_datasets(paths: list[Path]) -> list[DatasetEntry]:
             manifest = {}
         out.append(DatasetEntry(path, str(manifest.get("name") or path.name),
                                 str(manifest.get("kind", "?")),
-                                str(manifest.get("version", "?")), manifest.get("parent"),
+                                dataset_version(manifest) if manifest else "?",
+                                manifest.get("parent"),
                                 len(manifest.get("files") or {})))
     return out
 

@@ -28,6 +28,8 @@ def _validate(args) -> int:
     else:
         for finding in report.findings:
             print(finding.render())
+        if report.conversion_note():
+            print(report.conversion_note())
         print(f"{report.root}: {report.kind or 'unknown kind'}, {report.n_records} records, "
               f"{len(report.errors)} errors, {len(report.findings) - len(report.errors)} "
               "warnings" + (" - OK" if report.ok else ""))
@@ -101,6 +103,8 @@ def _gguf_tokenizer(path: str):
 
 
 def _print_stats(stats: dict) -> None:
+    from engine.data.dataset import conversion_note
+
     print(f"{stats['name']} ({stats['kind']}, version {stats['version']}): "
           f"{stats['records']} records")
     counts = stats["counts"]
@@ -123,6 +127,8 @@ def _print_stats(stats: dict) -> None:
         images = stats["images"]
         print("  image sizes: " + ", ".join(f"{k} ({v})" for k, v in images["sizes"].items()))
         print("  image modes: " + ", ".join(f"{k} ({v})" for k, v in images["modes"].items()))
+        if images.get("converted_to_rgb"):
+            print(f"  {conversion_note(images['converted_to_rgb'])}")
         if images["unreadable"]:
             print(f"  unreadable images: {images['unreadable']}")
     if "audio" in stats:
@@ -207,27 +213,86 @@ def _some(**values) -> dict:
     return {k: v for k, v in values.items() if v is not None}
 
 
+MAX_PRINTED = 20      # findings `init` prints before it counts the rest
+
+
 def _init(args) -> int:
+    """Write dataset.json for a folder, after checking it: a folder that does not validate
+    gets its problems listed and no manifest (exit 2), so nothing half-made is left."""
+    from engine.data import formats as F
     from engine.data.dataset import validate_dataset, write_manifest
-    from engine.data.formats import MANIFEST
 
     root = Path(args.dir)
-    if (root / MANIFEST).exists():
-        raise ForgebenchError("already holds a dataset.json", path=root / MANIFEST,
+    if (root / F.MANIFEST).exists():
+        raise ForgebenchError("already holds a dataset.json", path=root / F.MANIFEST,
                               hint="a dataset's file list is never rewritten in place; copy "
                                    "the files to a new folder to start a new version")
     if not root.is_dir():
         raise ForgebenchError("folder not found", path=root)
+    if args.kind not in F.KINDS:
+        raise ForgebenchError(f"unknown dataset kind {args.kind!r}", where="--kind",
+                              hint="use one of " + ", ".join(F.kind_names()))
+    for option in ("target", "group"):
+        if getattr(args, option) and args.kind != "tabular":
+            raise ForgebenchError(f"--{option} is for --kind tabular", where=f"--{option}")
     fields = {"records": args.records} if args.records else {}
+    kind = F.KINDS[args.kind]
     if args.layout:
         fields["layout"] = args.layout
-    write_manifest(root, args.kind, args.name or root.name, progress=True, **fields)
+    elif args.kind == "image-classify" and not args.records and not any(
+            (root / name).is_file() for name in (kind.records, *kind.alt_records)):
+        fields["layout"] = "folders"
+        print(f"no {kind.records}: reading a folder per class (--layout folders)")
+    if args.kind == "tabular":
+        fields.update(_infer_table(root, args))
+    if args.dry_run:
+        print("dry run: nothing written")
+        return 0
+    manifest = write_manifest(root, args.kind, args.name or root.name, progress=True, **fields)
     report = validate_dataset(root)
-    for finding in report.findings:
+    for finding in report.findings[:MAX_PRINTED]:
         print(finding.render())
-    print(f"wrote {root / MANIFEST}" + ("" if report.ok else
-                                        f" ({len(report.errors)} problems to fix, above)"))
-    return 0 if report.ok else 1
+    if len(report.findings) > MAX_PRINTED:
+        print(f"... and {len(report.findings) - MAX_PRINTED} more")
+    if not report.ok:
+        (root / F.MANIFEST).unlink()
+        first = report.errors[0]
+        raise ForgebenchError(
+            f"the folder does not validate as {args.kind}: {len(report.errors)} error(s), "
+            "listed above; no dataset.json was written", path=root / first.file,
+            where=", ".join(p for p in (first.where, first.field and f"field {first.field!r}")
+                            if p) or None, hint=f"fix them and run `forgebench data init` again")
+    if report.conversion_note():
+        print(report.conversion_note())
+    print(f"wrote {root / F.MANIFEST} ({args.kind}, {report.n_records} records, version "
+          f"{manifest['version']})")
+    return 0
+
+
+def _infer_table(root: Path, args) -> dict:
+    """The records CSV and its inferred `table` section, printed for the user to confirm."""
+    from engine.data.tabular import infer_table, schema_lines
+
+    rel = args.records
+    if rel is None:
+        csvs = sorted(p.name for p in root.glob("*.csv"))
+        if "rows.csv" in csvs or len(csvs) != 1:
+            rel = "rows.csv"
+            if not (root / rel).is_file():
+                raise ForgebenchError(
+                    "no CSV to read" if not csvs else f"{len(csvs)} CSV files; which one holds "
+                    "the rows?", path=root, where="--records",
+                    hint="pass --records FILE.csv" + (f" (one of {', '.join(csvs)})"
+                                                      if csvs else ""))
+        else:
+            rel = csvs[0]
+    table, guesses = infer_table(root / rel, target=args.target, group=args.group)
+    print(f"{rel}: {len(guesses)} columns, schema inferred from the header and values:")
+    for line in schema_lines(table, guesses):
+        print(line)
+    print("not right? run again with --target COLUMN / --group COLUMN, or edit dataset.json's "
+          "table section")
+    return {"records": rel, "table": table}
 
 
 ACTIONS = {"validate": _validate, "split": _split, "leaks": _leaks, "stats": _stats,

@@ -16,7 +16,7 @@ from typing import Literal
 from pydantic import Field, ValidationInfo, field_validator
 
 from engine.config import Schema
-from engine.data.dataset import Dataset
+from engine.data.dataset import Dataset, conversion_note
 from engine.data.stats import dataset_stats
 from engine.errors import ForgebenchError
 from engine.fsutil import atomic_write_json, atomic_write_text, read_json
@@ -130,6 +130,9 @@ def build_card(dataset: Dataset, stats: dict | None = None, stated: dict | None 
     for key in ("text_lengths", "images", "audio"):
         if key in stats:
             card[key] = stats[key]
+    if "images" in stats:   # measured, so it is stated even when the preprocessing is not
+        card["conversions"] = conversion_note(stats["images"].get("converted_to_rgb", {})) \
+            or "none: every image is 8-bit RGB"
     card["missing"] = sorted(_missing(card))
     return card
 
@@ -200,7 +203,8 @@ def render_markdown(card: dict) -> str:
         lines += ["", "Image sizes: " + ", ".join(f"{k} ({v})" for k, v in
                                                   card["images"]["sizes"].items()),
                   "Image modes: " + ", ".join(f"{k} ({v})" for k, v in
-                                              card["images"]["modes"].items())]
+                                              card["images"]["modes"].items()),
+                  f"Conversions on load: {card['conversions']}"]
     if "audio" in card:
         audio = card["audio"]
         lines += ["", f"Audio: {audio['clips']} clips, duration "

@@ -58,6 +58,8 @@ class Report:
     kind: str | None
     n_records: int = 0
     findings: list[Finding] = field(default_factory=list)
+    # images a run converts to RGB on load, by source mode (media.rgb_conversion decides)
+    conversions: dict[str, int] = field(default_factory=dict)
 
     @property
     def errors(self) -> list[Finding]:
@@ -75,7 +77,12 @@ class Report:
         return {"root": str(self.root), "kind": self.kind, "records": self.n_records,
                 "ok": self.ok, "errors": len(self.errors),
                 "warnings": len(self.findings) - len(self.errors),
+                "conversions": dict(self.conversions),
                 "findings": [asdict(f) for f in self.findings]}
+
+    def conversion_note(self) -> str | None:
+        """"40 images converted from L to RGB on load", or None when none is."""
+        return conversion_note(self.conversions)
 
     def raise_first(self) -> None:
         if self.errors:
@@ -87,6 +94,15 @@ class Report:
                 first.reason + (f" (and {more} more error{'s' * (more > 1)})" if more else ""),
                 path=self.root / first.file, where=where,
                 hint=f"run `forgebench data validate {self.root}` to list every problem")
+
+
+def conversion_note(conversions: dict[str, int]) -> str | None:
+    """What a data card and `data validate` say about images converted on load."""
+    if not conversions:
+        return None
+    parts = [f"{n} image{'s' * (n != 1)} converted from {mode} to RGB"
+             for mode, n in sorted(conversions.items())]
+    return "; ".join(parts) + " on load (the image recipes read 8-bit RGB)"
 
 
 # ----------------------------------------------------------------------------- files
@@ -112,8 +128,61 @@ def _hash_files(root: Path, progress: bool = False) -> dict[str, str]:
 
 
 def version_id(files: dict[str, str]) -> str:
-    """A content address for a set of files: it changes whenever any byte changes."""
+    """A content address for a set of files: it changes whenever any byte changes (the
+    version of a manifest written before `VERSION_SCHEME` 2)."""
     return sha256_bytes(json.dumps(sorted(files.items())).encode())[:16]
+
+
+# 1: a version covered the data files only; 2: the files and the manifest fields a run reads
+VERSION_SCHEME = 2
+# Manifest fields that describe a dataset without changing what a run reads from it. Every
+# other field (kind, records, layout, classes, image, audio, table, splits, options, ...),
+# including one this build does not know yet, is part of the version.
+DESCRIPTIVE_FIELDS = frozenset({"name", "version", "version_scheme", "parent", "created",
+                                "history", "provenance", "rights", "card", "description"})
+
+
+def dataset_version(manifest: dict) -> str:
+    """The dataset's version: a content address over every file's SHA-256 and every manifest
+    field a run reads, so editing dataset.json's classes, table or records file gives a new
+    version while a new name or rights statement does not. Computed from the manifest (never
+    taken from its `version` field, which an edit leaves stale)."""
+    read = {k: v for k, v in manifest.items() if k not in DESCRIPTIVE_FIELDS and k != "files"}
+    files = manifest.get("files") if isinstance(manifest.get("files"), dict) else {}
+    blob = json.dumps({"files": sorted(files.items()), "manifest": read}, sort_keys=True,
+                      ensure_ascii=False, default=str)
+    return sha256_bytes(blob.encode())[:16]
+
+
+def data_change(recorded: dict, current: dict) -> str | None:
+    """How a run's recorded data (`data_manifest`, in run.json) differs from the data now, or
+    None when resuming reads the same data.
+
+    A record made before datasets were versioned by scheme 2 has no `version_scheme`: its
+    version covered the files only, so it is compared on what it can vouch for (the folder
+    and every file's SHA-256) rather than refused because the version's definition changed."""
+    if recorded == current:
+        return None
+    if "version_scheme" in current and "version_scheme" not in recorded:
+        legacy = {k: v for k, v in current.items() if k not in ("version", "version_scheme")}
+        if {k: v for k, v in recorded.items() if k != "version"} == legacy:
+            return None
+    old_files, new_files = recorded.get("files", {}), current.get("files", {})
+    parts = []
+    for name in sorted(set(old_files) | set(new_files)):
+        if name not in new_files:
+            parts.append(f"{name} is missing")
+        elif name not in old_files:
+            parts.append(f"{name} is new")
+        elif old_files[name] != new_files[name]:
+            parts.append(f"{name} has a different SHA-256")
+    if not parts and recorded.get("version") != current.get("version"):
+        parts.append(f"dataset.json changed (version {recorded.get('version')} is now "
+                     f"{current.get('version')}): a field the run reads was edited")
+    if not parts and recorded.get("dataset") != current.get("dataset"):
+        parts.append(f"the dataset folder is now {current.get('dataset')} "
+                     f"(was {recorded.get('dataset')})")
+    return "; ".join(parts) or "the data manifest differs"
 
 
 def write_manifest(root: str | os.PathLike, kind: str, name: str, *, parent: str | None = None,
@@ -125,8 +194,9 @@ def write_manifest(root: str | os.PathLike, kind: str, name: str, *, parent: str
     root = Path(root)
     files = _hash_files(root, progress)
     manifest = {"kind": kind, "schema_version": F.SCHEMA_VERSION, "name": name,
-                "version": version_id(files), "parent": parent, "files": files,
+                "version": None, "parent": parent, "files": files,
                 "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), **fields}
+    manifest.update(version=dataset_version(manifest), version_scheme=VERSION_SCHEME)
     atomic_write_json(root / F.MANIFEST, manifest)
     return manifest
 
@@ -169,7 +239,12 @@ def read_raw_records(root: Path, rel: str, manifest: dict, kind: F.Kind,
         report.add(rel, f"line {line}", None, "not valid UTF-8 text")
         return []
     if rel.endswith(".csv"):
-        return _csv_records(rel, text, report)
+        rows = _csv_records(rel, text, report)
+        if kind.name == "tabular":
+            from engine.data.tabular import assign_ids
+
+            assign_ids(rows, manifest)
+        return rows
     out = []
     for number, record, problem in jsonl_objects(text):
         if problem:
@@ -445,6 +520,12 @@ def _validate_manifest(root: Path, report: Report) -> dict | None:
         if section in manifest and not isinstance(manifest[section], dict):
             report.add(F.MANIFEST, None, section, "must be an object")
             return None
+    version = dataset_version(manifest)
+    if manifest.get("version_scheme") == VERSION_SCHEME and manifest.get("version") != version:
+        report.add(F.MANIFEST, None, "version",
+                   f"edited after it was written: the dataset's version is now {version} (the "
+                   f"file records {manifest.get('version')}); a run started on the old version "
+                   "will not resume on this one", severity="warning")
     return manifest
 
 
@@ -517,6 +598,10 @@ def _validate_media(root: Path, kind: F.Kind, manifest: dict, rel_records: str,
         image, reason = media.open_image(paths[image_field])
         reason = reason or media.check_image(
             image, {**manifest.get("image", {}), **require.get("image", {})})
+        if not reason:
+            how, reason = media.rgb_conversion(image)
+            if how:
+                report.conversions[image.mode] = report.conversions.get(image.mode, 0) + 1
         if reason:
             report.add(rel_records, at, image_field, f"{record[image_field]}: {reason}",
                        record_id=rid)
@@ -649,7 +734,7 @@ class Dataset:
 
     @property
     def version(self) -> str:
-        return self.manifest.get("version") or version_id(self.manifest["files"])
+        return dataset_version(self.manifest)
 
     @property
     def classes(self) -> list[str]:

@@ -47,6 +47,68 @@ def check_image(image: Image.Image, spec: dict | None) -> str | None:
     return None
 
 
+# How each PIL mode becomes the 8-bit RGB the image recipes read: one table, read by the
+# validator, the loader (engine/train/media_data.read_rgb) and the data card, so what
+# `data validate` accepts is exactly what a run reads. Alpha is composited over white (what an
+# image viewer shows; dropping it would expose whatever colour sits under transparent pixels,
+# often black ink on a black field), 16-bit grey is scaled to 8 bits (v / 257, rounded; PIL's
+# own I;16 -> L conversion clips at 255 instead).
+RGB_CONVERSIONS = {
+    "RGB": None,
+    "L": "grey replicated to three channels",
+    "1": "black and white replicated to three channels",
+    "P": "palette colours looked up (transparency composited over white)",
+    "LA": "grey with alpha composited over white",
+    "PA": "palette with alpha composited over white",
+    "RGBA": "alpha composited over white",
+    "RGBa": "alpha composited over white",
+    "La": "grey with alpha composited over white",
+    "CMYK": "CMYK converted to RGB (PIL's conversion, no colour profile)",
+    "YCbCr": "YCbCr converted to RGB",
+    "I;16": "16-bit grey scaled to 8 bits and replicated",
+    "I;16L": "16-bit grey scaled to 8 bits and replicated",
+    "I;16B": "16-bit grey scaled to 8 bits and replicated",
+    "I;16N": "16-bit grey scaled to 8 bits and replicated",
+    "I": "16-bit grey scaled to 8 bits and replicated",
+}
+
+
+def rgb_conversion(image: Image.Image) -> tuple[str | None, str | None]:
+    """(how the image becomes 8-bit RGB or None when it already is, why it cannot), the one
+    decision the validator and the loader share."""
+    if image.mode not in RGB_CONVERSIONS:
+        return None, (f"image mode {image.mode} cannot be read as RGB (supported: "
+                      f"{', '.join(RGB_CONVERSIONS)}); save it as an 8-bit RGB or greyscale "
+                      "PNG")
+    if image.mode == "I":       # 32-bit integers: only the 16-bit range a PNG holds is known
+        low, high = image.getextrema()
+        if low < 0 or high > 65535:
+            return None, (f"32-bit integer image with values {low}..{high}: its range is "
+                          "unknown; save it as an 8- or 16-bit PNG")
+    return RGB_CONVERSIONS[image.mode], None
+
+
+def to_rgb(image: Image.Image) -> tuple[Image.Image | None, str | None]:
+    """The image as 8-bit RGB per `rgb_conversion`, or (None, reason)."""
+    how, reason = rgb_conversion(image)
+    if reason:
+        return None, reason
+    if how is None:
+        return image, None
+    mode = image.mode
+    if mode.startswith("I"):
+        grey = np.asarray(image, dtype=np.int64)
+        grey = np.clip(np.rint(grey / 257.0), 0, 255).astype(np.uint8)
+        return Image.fromarray(np.repeat(grey[..., None], 3, axis=2), "RGB"), None
+    has_alpha = mode in ("LA", "PA", "RGBA", "RGBa", "La") or (
+        mode == "P" and "transparency" in image.info)
+    if has_alpha:
+        rgba = image.convert("RGBA")
+        canvas = Image.new("RGBA", rgba.size, (255, 255, 255, 255))
+        return Image.alpha_composite(canvas, rgba).convert("RGB"), None
+    return image.convert("RGB"), None
+
+
 def mask_array(mask: Image.Image) -> tuple[np.ndarray | None, str | None]:
     """A mask as an integer array [H, W]: binary masks hold 0/255, label masks 0..K-1."""
     if mask.mode not in ("1", "L", "P", "I", "I;16"):

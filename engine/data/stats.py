@@ -95,10 +95,10 @@ def _text_lengths(dataset: Dataset, records: list[dict], tokenizer, tokenizer_na
 
 
 def _image_stats(records: list[dict], kind: F.Kind, progress: bool) -> dict:
-    from engine.data.media import open_image
+    from engine.data.media import open_image, rgb_conversion
 
     field = "file_name" if kind.name == "captioned-images" else "image"
-    sizes, modes, unreadable = Counter(), Counter(), 0
+    sizes, modes, converted, unreadable = Counter(), Counter(), Counter(), 0
     for record in tqdm(records, desc="reading images", unit="image", disable=not progress):
         image, reason = open_image(record[field])
         if image is None:
@@ -106,8 +106,10 @@ def _image_stats(records: list[dict], kind: F.Kind, progress: bool) -> dict:
             continue
         sizes[f"{image.size[0]}x{image.size[1]}"] += 1
         modes[image.mode] += 1
+        if rgb_conversion(image)[0]:
+            converted[image.mode] += 1
     return {"sizes": dict(sizes.most_common()), "modes": dict(modes.most_common()),
-            "unreadable": unreadable}
+            "converted_to_rgb": dict(sorted(converted.items())), "unreadable": unreadable}
 
 
 def clip_levels(wave: np.ndarray, rate: int) -> dict:

@@ -16,7 +16,7 @@ from PIL import Image
 
 from engine.data import formats as F
 from engine.data import media
-from engine.data.dataset import Dataset, load_dataset
+from engine.data.dataset import VERSION_SCHEME, Dataset, load_dataset
 from engine.data.generators import sample_hint
 from engine.errors import ForgebenchError
 from engine.fsutil import atomic_write_bytes, atomic_writer
@@ -36,10 +36,12 @@ def open_dataset(config, kinds: tuple[str, ...]) -> Dataset:
 
 
 def dataset_manifest(config, kinds: tuple[str, ...]) -> dict:
-    """The dataset's files and SHA-256 (what resume re-validates)."""
+    """The dataset's folder, version and files' SHA-256: what resume re-validates
+    (`engine.data.dataset.data_change` compares them, a record from before versions covered
+    dataset.json included)."""
     dataset = open_dataset(config, kinds)
     return {"dataset": str(dataset.root), "version": dataset.version,
-            "files": dataset.files_manifest()}
+            "version_scheme": VERSION_SCHEME, "files": dataset.files_manifest()}
 
 
 def split_records(dataset: Dataset, split: str) -> list[dict]:
@@ -64,13 +66,15 @@ def _fit(image: Image.Image, size: int, policy: str, resample: int) -> Image.Ima
 
 
 def read_rgb(path: Path, section) -> tuple[np.ndarray, tuple[int, int]]:
-    """An RGB image as uint8 [S, S, 3] after the configured resize policy, and its file size."""
+    """An RGB image as uint8 [S, S, 3] after the configured resize policy, and its file size.
+
+    Greyscale, palette, alpha and 16-bit files are converted as `media.rgb_conversion` says
+    (what `data validate` accepted, and what the data card counts)."""
     image, reason = media.open_image(path)
+    if not reason:
+        image, reason = media.to_rgb(image)
     if reason:
         raise ForgebenchError(reason, path=path)
-    if image.mode != "RGB":
-        raise ForgebenchError(f"image mode is {image.mode}; this recipe needs RGB", path=path,
-                              hint="convert the file to 8-bit RGB (no alpha, no palette)")
     original = image.size
     if section.resize == "none":
         if image.size != (section.size, section.size):
