@@ -299,7 +299,7 @@ def _models_args(p: argparse.ArgumentParser) -> None:
     q.add_argument("--link", action="store_true", help="link to the file instead of copying it")
     q.add_argument("--json", action="store_true")
     for action, text in (("list", "list the library with each model's state"),
-                         ("show", "every fact about one model"), ("remove", "forget a model")):
+                         ("show", "every fact about one model (a library name, or any GGUF file)"), ("remove", "forget a model")):
         q = sub.add_parser(action, help=text)
         if action != "list":
             q.add_argument("name")
@@ -315,7 +315,8 @@ def _chat_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--system", help="system prompt")
     p.add_argument("--prompt", action="append",
                    help="say this instead of reading the terminal (repeatable: one per turn)")
-    p.add_argument("--save", help="transcript file (default: <workspace>/chats/chat-<time>)")
+    p.add_argument("--save", help="transcript file (default: <workspace>/chats/chat-<time>; "
+                                  "outside a workspace the chat is not saved)")
     p.add_argument("--calculator", action="store_true",
                    help="offer the model the built-in calculator tool and run its calls "
                         "(sandboxed: arithmetic only)")

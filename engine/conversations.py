@@ -51,8 +51,16 @@ def chat_name(text: str) -> str:
 class Conversation:
     """One transcript file: its header, its messages, appends."""
 
-    def __init__(self, path: str | os.PathLike, header: dict, messages: list[dict]):
-        self.path, self.header, self.messages = Path(path), header, messages
+    def __init__(self, path: str | os.PathLike | None, header: dict, messages: list[dict]):
+        self.path = Path(path) if path is not None else None     # None: kept in memory only
+        self.header, self.messages = header, messages
+
+    @classmethod
+    def unsaved(cls, systems: dict[str, dict], name: str = "chat") -> "Conversation":
+        """A conversation held in memory only (`forgebench chat FILE.gguf` outside a workspace
+        without --save): the same threads, nothing written."""
+        return cls(None, {"type": "conversation", "format": FORMAT, "name": name,
+                          "created": time.time(), "systems": systems}, [])
 
     @classmethod
     def create(cls, path: str | os.PathLike, systems: dict[str, dict],
@@ -113,7 +121,8 @@ class Conversation:
         if system is not None:
             message["system"] = system
         message.update({k: v for k, v in details.items() if k in ASSISTANT_FIELDS})
-        append_jsonl(self.path, message)
+        if self.path is not None:
+            append_jsonl(self.path, message)
         self.messages.append(message)
         return message
 

@@ -160,6 +160,34 @@ def test_models_cli_add_list_show_and_bad_input(tmp_path, workspace):
     assert gone.returncode == 2 and gone.stderr.startswith("error:")
 
 
+def test_models_show_and_chat_work_on_a_plain_file_outside_a_workspace(tmp_path):
+    """No workspace anywhere above the folder: `models show FILE` reads the file's own facts
+    (the same text as a library row) and `chat FILE` answers without saving, saying so."""
+    outside = tmp_path / "somewhere"
+    outside.mkdir()
+    model = tiny_model(tmp_path / "src")
+    shown = forgebench("models", "show", str(model), cwd=outside)
+    assert shown.returncode == 0, shown.stderr
+    assert "layers 2, width 256, heads 4, KV heads 2" in shown.stdout
+    assert f"sha256 {sha256_file(model)[:16]}" in shown.stdout
+    facts = json.loads(forgebench("models", "show", str(model), "--json", cwd=outside).stdout)
+    reader = gguf.GGUFReader(str(model))
+    assert facts["facts"]["usable"] and facts["mode"] == "file"
+    assert facts["facts"]["layers"] == reader.fields["gemma3.block_count"].contents()
+    assert facts["facts"]["vocab"] == len(reader.fields["tokenizer.ggml.tokens"].contents())
+    chatted = forgebench("chat", str(model), "--prompt", "hello", "--max-tokens", "3",
+                         cwd=outside)
+    assert chatted.returncode == 0, chatted.stderr
+    assert "transcript: not saved" in chatted.stderr and "tiny-gemma3.gguf>" in chatted.stdout
+    assert list(outside.iterdir()) == []                # nothing written
+    # the twins: a name that is neither a file nor (without a workspace) a library model
+    missing = forgebench("models", "show", "nope.gguf", cwd=outside)
+    assert missing.returncode == 2 and "no workspace here" in missing.stderr
+    assert "give a GGUF file's path" in missing.stderr
+    other = forgebench("models", "list", cwd=outside)
+    assert other.returncode == 2 and "no workspace here" in other.stderr
+
+
 # -- streaming -----------------------------------------------------------------------------
 def test_streamed_tokens_are_the_generation_and_cancel_stops_it(tmp_path):
     from engine.llm.generate import generate
@@ -289,9 +317,9 @@ def test_terminal_chat_writes_the_transcript_and_it_exports_as_valid_sft(tmp_pat
     broken.mkdir()
     (broken / "records.jsonl").write_text(json.dumps(
         {"id": "x", "messages": [{"role": "user"}]}) + "\n")
-    forgebench("data", "init", str(broken), "--kind", "text-sft")
-    refused = forgebench("data", "validate", str(broken))
-    assert refused.returncode != 0 and "content must be a string" in refused.stdout
+    refused = forgebench("data", "init", str(broken), "--kind", "text-sft")
+    assert refused.returncode == 2 and "content must be a string" in refused.stdout
+    assert not (broken / "dataset.json").exists()       # nothing half-made is left
 
 
 def test_a_cancelled_reply_is_not_exported(tmp_path):

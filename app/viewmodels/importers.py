@@ -77,8 +77,15 @@ class ImportPlan:
     records_file: str
     records: list[PlannedRecord] = field(default_factory=list)
     general: list[Finding] = field(default_factory=list)   # not tied to one record
-    manifest_fields: dict = field(default_factory=dict)    # classes, audio spec ...
+    manifest_fields: dict = field(default_factory=dict)    # classes, audio spec, table ...
     skipped: list[str] = field(default_factory=list)        # where left-out records were
+    schema: list = field(default_factory=list)              # a table's ColumnGuess rows
+    files: list[tuple[Path, str]] = field(default_factory=list)  # copied whole (a table's CSV)
+
+    @property
+    def records_copied(self) -> bool:
+        """The records file is one of `files`, copied as is instead of written."""
+        return any(rel == self.records_file for _, rel in self.files)
 
     @property
     def findings(self) -> list[Finding]:
@@ -93,7 +100,7 @@ class ImportPlan:
         return bool(self.records) and not self.errors
 
     def copies(self) -> list[tuple[Path, str]]:
-        return [c for r in self.records for c in r.copies]
+        return list(self.files) + [c for r in self.records for c in r.copies]
 
     def bytes_to_copy(self) -> int:
         return sum(src.stat().st_size for src, _ in self.copies() if src.is_file())
@@ -119,12 +126,14 @@ class ImportPlan:
         problem of the whole source (an unreadable file) is never skipped."""
         bad = [r for r in self.records if any(f.severity == "error" for f in r.findings)]
         lines = [f for f in self.general if f.severity == "error" and _line_of(f.where or "")]
+        if self.records_copied and bad:     # a copied CSV cannot leave rows out
+            return self
         return ImportPlan(self.kind, self.source, self.records_file,
                           [r for r in self.records if r not in bad],
                           [f for f in self.general if f not in lines],
                           dict(self.manifest_fields),
                           sorted([r.where for r in bad] + [f.where for f in lines],
-                                 key=_line_of))
+                                 key=_line_of), self.schema, list(self.files))
 
 
 def _check(planned: PlannedRecord, kind: F.Kind, manifest: dict, file: str) -> None:
@@ -471,6 +480,44 @@ def check_clip_format(planned: PlannedRecord, file: str) -> None:
                                         record_id=planned.record.get("id")))
 
 
+# ----------------------------------------------------------------------------- table CSV
+
+
+def plan_table_csv(path: str | Path, target: str | None = None,
+                   group: str | None = None) -> ImportPlan:
+    """A CSV with a header as a tabular dataset: the schema inferred by the engine
+    (`engine.data.tabular.infer_table`: column types, missing cells, the target guessed with
+    its reason) is the plan's `schema` for the user to confirm or change (`target`, `group`),
+    and every row is checked against it as the validator will. The CSV is copied as is."""
+    from engine.data.dataset import Report, read_raw_records
+    from engine.data.tabular import check_table, infer_table
+
+    path = Path(path)
+    plan = ImportPlan("tabular", path, "rows.csv", files=[(path, "rows.csv")])
+    try:
+        table, plan.schema = infer_table(path, target=target, group=group)
+    except ForgebenchError as exc:
+        plan.general.append(Finding(path.name, exc.where, None,
+                                    exc.message + (f" ({exc.hint})" if exc.hint else "")))
+        return plan
+    manifest = {"table": table}
+    kind = F.KINDS["tabular"]
+    report = Report(path.parent, "tabular")
+    rows = read_raw_records(path.parent, path.name, manifest, kind, report)
+    for where, record in rows:
+        planned = PlannedRecord(where, record)
+        _check(planned, kind, manifest, path.name)
+        plan.records.append(planned)
+    check_table(path.parent, path.name, manifest, rows, report)
+    by_id = {p.record.get("id"): p for p in plan.records}
+    for finding in report.findings:
+        target_row = by_id.get(finding.record_id)
+        (target_row.findings if target_row else plan.general).append(finding)
+    _duplicate_ids(plan, path.name)
+    plan.manifest_fields["table"] = table
+    return plan
+
+
 # ----------------------------------------------------------------------------- import
 
 
@@ -523,8 +570,9 @@ def import_dataset(plan: ImportPlan, datasets_dir: str | Path, name: str, *,
             destination.parent.mkdir(parents=True, exist_ok=True)
             shutil.copyfile(source, destination)
         report(len(copies), total, "writing records and dataset.json")
-        atomic_write_text(staging / plan.records_file,
-                          "".join(json.dumps(p.record) + "\n" for p in plan.records))
+        if not plan.records_copied:
+            atomic_write_text(staging / plan.records_file,
+                              "".join(json.dumps(p.record) + "\n" for p in plan.records))
         write_manifest(staging, plan.kind, name, records=plan.records_file,
                        provenance=dict(provenance, imported_from=str(plan.source),
                                        imported=time.strftime("%Y-%m-%dT%H:%M:%SZ",

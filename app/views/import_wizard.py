@@ -41,7 +41,8 @@ from engine.errors import ForgebenchError
 
 SOURCES = {"images": "Folder of images (a folder per class)",
            "jsonl": "JSONL file (text SFT, corpus, preferences, captioned images)",
-           "audio": "Audio CSV (path,label,split,group,source,rights,sha256)"}
+           "audio": "Audio CSV (path,label,split,group,source,rights,sha256)",
+           "table": "Table CSV with a header (tabular: the schema is inferred from it)"}
 ERROR_BG = QColor("#ffcdd2")
 NO_KEY = "(none)"
 MAX_LISTED = 500
@@ -233,6 +234,7 @@ class ImportWizard(QDialog):
         self.mapping_grid = QGridLayout(self.mapping_box)
         self.mapping_grid.setContentsMargins(0, 0, 0, 0)
         self.mapping: dict[str, QComboBox] = {}
+        self.schema_box = self._schema_box()
         self.summary = QLabel()
         self.summary.setWordWrap(True)
         self.preview = PreviewTable()
@@ -253,6 +255,7 @@ class ImportWizard(QDialog):
                            f"first {vm.PREVIEW_ROWS} records are previewed with every "
                            "problem marked. Every file is checked again when imported."))
         v.addWidget(self.mapping_box)
+        v.addWidget(self.schema_box)
         v.addWidget(self.summary)
         v.addWidget(self.preview, 1)
         v.addWidget(QLabel("Problems (file: line: field: reason)"))
@@ -263,6 +266,70 @@ class ImportWizard(QDialog):
         v.addLayout(fixes)
         self._update_fix()
         return page
+
+    def _schema_box(self) -> QWidget:
+        """A table's inferred schema, to confirm or change before anything is written: every
+        column's type, missing cells and role (with why), the target and group to choose."""
+        box = QWidget()
+        self.target_column = QComboBox()
+        self.group_column = QComboBox()
+        self.target_column.activated.connect(self._replan_table)
+        self.group_column.activated.connect(self._replan_table)
+        self.schema_table = QTableWidget()
+        self.schema_table.setEditTriggers(QTableWidget.EditTrigger.NoEditTriggers)
+        self.schema_table.horizontalHeader().setStretchLastSection(True)
+        self.schema_table.setMaximumHeight(220)
+        choose = QHBoxLayout()
+        choose.addWidget(QLabel("Predict (target)"))
+        choose.addWidget(self.target_column, 1)
+        choose.addWidget(QLabel("Keep together (group)"))
+        choose.addWidget(self.group_column, 1)
+        v = QVBoxLayout(box)
+        v.setContentsMargins(0, 0, 0, 0)
+        v.addWidget(wrapped_label("The schema was inferred from the header and the values. "
+                                  "Check each column's type and role; choose another target "
+                                  "or a group column if the guess is wrong."))
+        v.addLayout(choose)
+        v.addWidget(self.schema_table)
+        return box
+
+    def _show_schema(self) -> None:
+        plan = self.plan
+        table = plan.manifest_fields.get("table") if plan else None
+        names = [g.name for g in plan.schema] if plan else []
+        for combo, current, extra in ((self.target_column, table and table["target"], []),
+                                      (self.group_column, table and table.get("group"),
+                                       [NO_KEY])):
+            combo.blockSignals(True)
+            combo.clear()
+            combo.addItems(extra + names)
+            combo.setCurrentText(current or (extra[0] if extra else ""))
+            combo.blockSignals(False)
+        headers = ["column", "type", "missing", "distinct", "role", "why"]
+        self.schema_table.clear()
+        self.schema_table.setColumnCount(len(headers))
+        self.schema_table.setHorizontalHeaderLabels(headers)
+        self.schema_table.setRowCount(len(names))
+        for i, guess in enumerate(plan.schema if plan else []):
+            for j, value in enumerate((guess.name, guess.type, guess.missing, guess.distinct,
+                                       guess.role, guess.reason)):
+                self.schema_table.setItem(i, j, QTableWidgetItem(str(value)))
+        self.schema_table.resizeColumnsToContents()
+
+    def set_table_roles(self, target: str | None = None, group: str | None = None) -> None:
+        """Choose the target and group columns as the user would (tests, scripts)."""
+        if target is not None:
+            self.target_column.setCurrentText(target)
+        if group is not None:
+            self.group_column.setCurrentText(group or NO_KEY)
+        self._replan_table()
+
+    def _replan_table(self) -> None:
+        path = Path(self.source_path.text().strip()).expanduser()
+        target = self.target_column.currentText() or None
+        group = self.group_column.currentText()
+        group = None if group in ("", NO_KEY) else group
+        self._plan(lambda: vm.plan_table_csv(path, target=target, group=group), path)
 
     # -- skipping and fixing bad lines ---------------------------------------------------
     def _selected_line(self) -> int | None:
@@ -391,6 +458,7 @@ class ImportWizard(QDialog):
         key = self.source_kind.currentData()
         self.with_masks.setVisible(key == "images")
         self.jsonl_kind.setVisible(key == "jsonl")
+        self.schema_box.setVisible(key == "table")
         self.source_help.setText({
             "images": "Each sub-folder is a class: cats/a.png, dogs/b.jpg … With masks, "
                       f"every image has a binary PNG mask beside it: cats/a{vm.MASK_SUFFIX}.",
@@ -398,6 +466,9 @@ class ImportWizard(QDialog):
                      "on the next page; captioned images are copied from beside the file.",
             "audio": "A CSV with the header path,label,split,group,source,rights,sha256; "
                      "paths are relative to the CSV. Clips must be mono 16 kHz PCM16 WAV.",
+            "table": "A CSV whose first line names the columns. Each column's type, its "
+                     "missing cells and the column to predict are inferred; you confirm or "
+                     "change them on the next page. No column names to type.",
         }[key])
 
     def _browse(self) -> None:
@@ -426,6 +497,8 @@ class ImportWizard(QDialog):
             self._plan(lambda: vm.plan_image_folder(path, masks=masks), path)
         elif key == "audio":
             self._plan(lambda: vm.plan_audio_csv(path), path)
+        elif key == "table":
+            self._plan(lambda: vm.plan_table_csv(path), path)
         else:
             self._remap()
 
@@ -494,6 +567,8 @@ class ImportWizard(QDialog):
 
     def _show_plan(self) -> None:
         plan = self.plan
+        if self.source_kind.currentData() == "table":
+            self._show_schema()
         shown = vm.preview_rows(plan)
         columns = ["where", "problems", "format"] + plan.columns()
         self.preview.clear()

@@ -42,9 +42,34 @@ def _require_workspace(args) -> Path:
 
 
 # -- models ----------------------------------------------------------------------------------
+def file_row(path: Path) -> dict:
+    """A GGUF file outside any library as a `library()` row: `models show FILE` describes it
+    the same way, from the file's own header."""
+    from engine.fsutil import sha256_file
+
+    return {"name": path.name, "mode": "file", "bytes": path.stat().st_size,
+            "sha256": sha256_file(path), "source": str(path.resolve()),
+            "facts": model_library.model_facts(path)}
+
+
 def cmd_models(args) -> int:
-    root = _require_workspace(args)
     action = args.models_command
+    if action == "show":
+        root = find_workspace(args.workspace)
+        path = Path(args.name).expanduser()
+        known = root is not None and any(e["name"] == args.name
+                                         for e in model_library.entries(root))
+        if not known and path.is_file():
+            row = file_row(path)
+            print(json.dumps(row, ensure_ascii=False, indent=1) if args.json
+                  else model_library.describe(row))
+            return 0
+        if root is None:
+            raise ForgebenchError("not a GGUF file, and no workspace here to look the name up "
+                                  "in", path=args.name, where="NAME",
+                                  hint="give a GGUF file's path, or run inside a workspace "
+                                       "(or pass --workspace DIR)")
+    root = _require_workspace(args)
     if action == "add":
         entry = model_library.add_model(root, args.file, package=args.package, name=args.name,
                                         mode="link" if args.link else "copy")
@@ -118,9 +143,10 @@ def cmd_chat(args) -> int:
     elif workspace is not None:
         conversation = Conversation.new_in(workspace, systems)
     else:
-        raise ForgebenchError("no workspace to save the transcript in", where="--save",
-                              hint="pass --save FILE.jsonl or --workspace DIR")
-    print(f"transcript: {conversation.path}", file=sys.stderr)
+        conversation = Conversation.unsaved(systems)
+    print(f"transcript: {conversation.path}" if conversation.path is not None else
+          "transcript: not saved (no workspace here; pass --save FILE.jsonl or --workspace "
+          "DIR to keep it)", file=sys.stderr)
     if args.system:
         conversation.add("system", args.system)
     prompts = iter(args.prompt) if args.prompt else None

@@ -29,10 +29,7 @@ from engine.errors import ForgebenchError, excerpt
 NUMBER = "number"
 BOOLEAN = "boolean"      # a feature of two values (true/false, yes/no, t/f, y/n): read as 1/0
 COLUMN_TYPES = (NUMBER, BOOLEAN)
-# read as missing, like an empty cell: pandas.read_csv's default missing-value strings
-MISSING_TEXT = ("nan", "NaN", "NAN", "-nan", "-NaN", "NA", "N/A", "n/a", "<NA>", "#N/A",
-                "#NA", "#N/A N/A", "NULL", "null", "None", "-1.#IND", "-1.#QNAN", "1.#IND",
-                "1.#QNAN")
+MISSING_TEXT = ("nan", "NaN", "NAN")   # read as missing, like an empty cell
 TARGET_VALUES = {"0": 0, "1": 1}
 BOOLEAN_VALUES = {"true": 1, "false": 0, "yes": 1, "no": 0, "t": 1, "f": 0, "y": 1, "n": 0,
                   "1": 1, "0": 0}
