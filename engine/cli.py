@@ -299,7 +299,8 @@ def _models_args(p: argparse.ArgumentParser) -> None:
     q.add_argument("--link", action="store_true", help="link to the file instead of copying it")
     q.add_argument("--json", action="store_true")
     for action, text in (("list", "list the library with each model's state"),
-                         ("show", "every fact about one model (a library name, or any GGUF file)"), ("remove", "forget a model")):
+                         ("show", "every fact about one model (a library name, or any GGUF "
+                                  "file)"), ("remove", "forget a model")):
         q = sub.add_parser(action, help=text)
         if action != "list":
             q.add_argument("name")

@@ -20,7 +20,6 @@ from app_wait import settle
 from PIL import Image
 from PySide6.QtCore import Qt
 
-from app.viewmodels import importers as vm
 from app.viewmodels.workspace import Workspace
 from app.views.datasets_pane import DatasetsPane
 from engine.data.card import build_card, render_markdown

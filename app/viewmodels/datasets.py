@@ -19,11 +19,11 @@ from pathlib import Path
 
 from engine.data import formats as F
 from engine.data.dataset import (
-    dataset_version,
     Dataset,
     Finding,
     Report,
     check_record,
+    dataset_version,
     group_of,
     load_dataset,
     read_raw_records,

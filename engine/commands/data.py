@@ -261,7 +261,7 @@ def _init(args) -> int:
             f"the folder does not validate as {args.kind}: {len(report.errors)} error(s), "
             "listed above; no dataset.json was written", path=root / first.file,
             where=", ".join(p for p in (first.where, first.field and f"field {first.field!r}")
-                            if p) or None, hint=f"fix them and run `forgebench data init` again")
+                            if p) or None, hint="fix them and run `forgebench data init` again")
     if report.conversion_note():
         print(report.conversion_note())
     print(f"wrote {root / F.MANIFEST} ({args.kind}, {report.n_records} records, version "
