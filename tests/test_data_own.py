@@ -226,3 +226,90 @@ def test_resume_refuses_a_run_whose_dataset_json_was_edited(tmp_path):
     resumed = forgebench("resume", str(run))
     assert resumed.returncode == 0, resumed.stderr
     assert json.loads((run / "status.json").read_text())["step"] == 4
+
+
+# -- tables --------------------------------------------------------------------------------
+MIXED = """patient_id,age,smoker,city,note,diagnosis
+p1,61,yes,Lyon,first visit,M
+p2,,no,Paris,"follow-up, stable",B
+p3,47,No,Lyon,referred by GP,B
+p4,55,YES,Nice,second opinion,M
+p5,38,no,Paris,routine check,B
+p6,70,yes,Lyon,,B
+"""
+
+
+def test_a_tables_schema_is_inferred_with_types_roles_reasons_and_missing_cells(tmp_path):
+    from engine.data.tabular import infer_table, table_split
+
+    root = tmp_path / "clinic"
+    root.mkdir()
+    (root / "visits.csv").write_text(MIXED)
+    table, guesses = infer_table(root / "visits.csv")
+    by_name = {g.name: g for g in guesses}
+    assert [(g.type, g.missing, g.role) for g in guesses] == [
+        ("text", 0, "id"), ("number", 1, "feature"), ("boolean", 0, "feature"),
+        ("categorical", 0, "ignored"), ("text", 1, "ignored"), ("categorical", 0, "target")]
+    assert by_name["diagnosis"].reason == "named like a label, two values; 'M' is read as 1"
+    assert table == {"target": "diagnosis", "group": None, "positive": "M", "id": "patient_id",
+                     "features": {"age": "number", "smoker": "boolean"},
+                     "ignored": {"city": by_name["city"].reason,
+                                 "note": by_name["note"].reason}}
+    # written by `data init`, read by the recipe's own reader: the numbers by hand
+    done = forgebench("data", "init", str(root), "--kind", "tabular", "--name", "clinic")
+    assert done.returncode == 0, done.stderr
+    assert "smoker" in done.stdout and "boolean" in done.stdout
+    (root / "dataset.json").unlink()
+    splits = {f"p{i}": "train" for i in range(1, 7)}
+    (root / "splits.json").write_text(json.dumps({"groups": splits}))
+    write_manifest(root, "tabular", "clinic", records="visits.csv", table=table)
+    data = table_split(load_dataset(root), "train")
+    assert data.ids == ["p1", "p2", "p3", "p4", "p5", "p6"]
+    assert data.target.tolist() == [1, 0, 0, 1, 0, 0]
+    np.testing.assert_array_equal(data.features, [[61, 1], [np.nan, 0], [47, 0], [55, 1],
+                                                  [38, 0], [70, 1]])
+
+
+def test_a_chosen_target_and_group_and_bad_choices(tmp_path):
+    from engine.data.tabular import infer_table
+
+    root = tmp_path / "clinic"
+    root.mkdir()
+    (root / "rows.csv").write_text(MIXED)
+    table, guesses = infer_table(root / "rows.csv", target="smoker", group="city")
+    assert table["target"] == "smoker" and table["positive"] == "yes"   # YES and yes alike
+    assert table["group"] == "city" and table["features"] == {"age": "number"}
+    assert {g.name: g.role for g in guesses}["diagnosis"] == "ignored"
+    write_manifest(root, "tabular", "clinic", table=table)
+    records = {r["id"]: r for r in load_dataset(root).records()}
+    assert records["p4"]["group"] == "Nice"           # the group column is the split unit
+    for target, words in (("nope", "no column 'nope'"), ("age", "5 distinct values")):
+        with pytest.raises(ForgebenchError) as caught:
+            infer_table(root / "rows.csv", target=target)
+        assert caught.value.where == "--target" and words in caught.value.message
+
+
+def test_init_lists_a_folders_problems_once_and_writes_nothing(tmp_path):
+    """30 bad records: 20 findings printed, the rest counted, exit 2, no dataset.json."""
+    root = tmp_path / "pairs"
+    root.mkdir()
+    (root / "records.jsonl").write_text("".join(
+        json.dumps({"id": f"r{i}", "instruction": "hi"}) + "\n" for i in range(30)))
+    done = forgebench("data", "init", str(root), "--kind", "text-sft")
+    assert done.returncode == 2
+    assert done.stdout.count("required field is missing") == 20
+    assert "... and 10 more" in done.stdout
+    assert "30 error(s), listed above; no dataset.json was written" in done.stderr
+    assert not (root / "dataset.json").exists()
+
+
+def test_init_reads_a_folder_per_class_of_grey_pngs_without_being_told(tmp_path):
+    root = tmp_path / "letters"
+    for label in ("a", "b"):
+        (root / label).mkdir(parents=True)
+        Image.fromarray(GREY).save(root / label / "x.png")
+    done = forgebench("data", "init", str(root), "--kind", "image-classify")
+    assert done.returncode == 0, done.stderr
+    assert "reading a folder per class" in done.stdout
+    assert "2 images converted from L to RGB on load" in done.stdout
+    assert load_dataset(root).classes == ["a", "b"]

@@ -147,7 +147,7 @@ def test_greyscale_pngs_and_a_header_only_csv_import_train_and_reach_a_result(
     folder = digits_folder(tmp_path / "digits")
 
     def images_previewed(wizard):
-        assert wizard.preview.item(0, 2).text() == "8x8 L"       # the format column
+        assert wizard.preview.item(0, 2).text() == "8x8 L (read as RGB)"   # format column
 
     digits = import_through_wizard(pane, qtbot, "images", folder, "digits", images_previewed)
     report = validate_dataset(digits)

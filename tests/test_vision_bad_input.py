@@ -20,12 +20,17 @@ from engine.rundir import RunDir
 from engine.train.media_data import read_clip, read_mask, read_rgb, write_wav
 
 
-def test_wrong_image_mode_names_the_file(tmp_path):
-    path = tmp_path / "gray.png"
-    Image.new("L", (32, 32)).save(path)
+def test_an_image_with_no_rgb_reading_names_the_file(tmp_path):
+    """Greyscale, palette and alpha files are converted (tests/test_data_own.py); a float
+    image has no 8-bit RGB reading and is refused with the file named."""
+    path = tmp_path / "depth.tiff"
+    Image.new("F", (32, 32)).save(path)
     with pytest.raises(ForgebenchError) as err:
         read_rgb(path, ImageSection(size=32))
-    assert str(path) in str(err.value) and "mode is L" in str(err.value)
+    assert str(path) in str(err.value) and "mode F cannot be read as RGB" in str(err.value)
+    grey = tmp_path / "grey.png"
+    Image.new("L", (32, 32), 200).save(grey)
+    assert read_rgb(grey, ImageSection(size=32))[0].min() == 200
 
 
 def test_wrong_image_size_names_the_file_and_field(tmp_path):

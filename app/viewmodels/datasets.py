@@ -441,7 +441,7 @@ def column_stats(table: DatasetTable) -> list[ColumnStat]:
     """Per-column statistics of a tabular dataset, read from the records as stored (a cell
     that is empty or `nan` is missing; a non-number counts as neither, the findings say why).
     Empty for every other kind or when the manifest has no valid table section."""
-    from engine.data.tabular import MISSING_TEXT, table_schema
+    from engine.data.tabular import MISSING_TEXT, feature_value, table_schema, target_of
 
     if table.kind != "tabular":
         return []
@@ -459,10 +459,11 @@ def column_stats(table: DatasetTable) -> list[ColumnStat]:
             if value is None or value in MISSING_TEXT:
                 missing += 1
                 continue
-            try:
-                numbers.append(float(value))
-            except ValueError:
-                pass
+            # read as the recipe reads it (yes/no features, a target's positive value)
+            number = target_of(schema, value) if role == "target" else \
+                feature_value(schema["features"][name], value)
+            if isinstance(number, (int, float)) and number == number:     # not NaN
+                numbers.append(float(number))
         if numbers:
             mean = sum(numbers) / len(numbers)
             std = (sum((x - mean) ** 2 for x in numbers) / len(numbers)) ** 0.5

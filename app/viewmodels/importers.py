@@ -246,11 +246,15 @@ def plan_image_folder(folder: str | Path, masks: bool = False) -> ImportPlan:
 
 def _check_image_files(planned: PlannedRecord) -> None:
     image, reason = media.open_image(planned.copies[0][0])
+    how = None
+    if not reason:
+        how, reason = media.rgb_conversion(image)     # the rule validate and training use
     if reason:
         planned.findings.append(Finding(planned.where, None, "image", reason,
                                         record_id=planned.record["id"]))
         return
-    planned.info = f"{image.size[0]}x{image.size[1]} {image.mode}"
+    planned.info = f"{image.size[0]}x{image.size[1]} {image.mode}" + \
+        (" (read as RGB)" if how else "")
     if len(planned.copies) > 1:
         mask, reason = media.open_image(planned.copies[1][0])
         array = None

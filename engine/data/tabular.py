@@ -76,8 +76,8 @@ def table_schema(manifest: dict) -> dict:
 def target_of(table: dict, value: str) -> int | None:
     """A target cell as 0/1, or None when it is not one."""
     value = value.strip()
-    if table.get("positive"):
-        return 1 if value == table["positive"] else 0
+    if table.get("positive"):       # "M", or "yes" (matching YES and Yes too)
+        return 1 if value.casefold() == table["positive"].casefold() else 0
     return TARGET_VALUES.get(value)
 
 
@@ -146,8 +146,8 @@ def check_table(root: Path, rel: str, manifest: dict, rows: list[tuple[str, dict
         elif target_of(table, target) is None:
             report.add(rel, at, table["target"], f"the target must be 0 or 1, got "
                        f"{excerpt(target)}", record_id=record["id"])
-        elif table.get("positive") and target.strip() != table["positive"]:
-            others.add(target.strip())
+        elif table.get("positive") and not target_of(table, target):
+            others.add(target.strip().casefold())
         for name, ftype in table["features"].items():
             value = feature_value(ftype, record.get(name))
             if isinstance(value, str):
@@ -275,7 +275,7 @@ def infer_table(path: str | Path, *, target: str | None = None, group: str | Non
         chosen.reason += f"; {positive!r} is read as 1"
     if group:
         by_name[group].role, by_name[group].reason = "group", "chosen with --group"
-    id_guess = next((g for g in guesses if g.name.lower() in ID_NAMES and not g.role
+    id_guess = next((g for g in guesses if _named_like_an_id(g.name) and not g.role
                      and g.missing == 0 and g.distinct == len(rows)), None)
     if id_guess:
         id_guess.role = "id"
@@ -304,18 +304,24 @@ def infer_table(path: str | Path, *, target: str | None = None, group: str | Non
     return table, guesses
 
 
+def _named_like_an_id(name: str) -> bool:
+    folded = name.strip().casefold()
+    return folded in ID_NAMES or folded.endswith(("_id", " id", "-id"))
+
+
 def _guess_column(name: str, cells: list[str]) -> ColumnGuess:
     present = [c.strip() for c in cells if c.strip() and c.strip() not in MISSING_TEXT]
     distinct = sorted(set(present))
-    examples = distinct[:3] if len(distinct) <= 3 else [present[0], present[1], present[2]]
+    examples = distinct[:3]
     guess = ColumnGuess(name, TEXT, len(cells) - len(present), len(distinct), examples)
+    folded = {c.casefold() for c in distinct}
     if not present:
         guess.type = NUMBER
     elif all(isinstance(feature_value(NUMBER, c), float) for c in distinct):
-        guess.type = BOOLEAN if set(distinct) <= {"0", "1"} and len(distinct) == 2 else NUMBER
-    elif {c.lower() for c in distinct} <= set(BOOLEAN_VALUES) and len(distinct) <= 2 and \
-            len({BOOLEAN_VALUES[c.lower()] for c in distinct}) == len(distinct):
-        guess.type = BOOLEAN
+        guess.type = BOOLEAN if set(distinct) == {"0", "1"} else NUMBER
+    elif folded <= set(BOOLEAN_VALUES) and len({BOOLEAN_VALUES[c] for c in folded}) == \
+            len(folded) == 2:
+        guess.type, guess.distinct = BOOLEAN, 2      # YES and yes are one value
     elif len(distinct) <= MAX_CATEGORIES and len(distinct) <= max(2, len(present) // 2):
         guess.type = CATEGORICAL
     return guess
@@ -360,9 +366,8 @@ def _positive_value(chosen: ColumnGuess, cells: list[str]) -> str | None:
     values = sorted({c.strip() for c in cells if c.strip()})
     if set(values) == {"0", "1"}:
         return None
-    for value in values:
-        if BOOLEAN_VALUES.get(value.lower()) == 1 and value.lower() not in ("1",):
-            return value
+    if chosen.type == BOOLEAN:
+        return next(v.casefold() for v in values if BOOLEAN_VALUES[v.casefold()] == 1)
     counts = {v: sum(c.strip() == v for c in cells) for v in values}
     return min(values, key=lambda v: (counts[v], v))
 
