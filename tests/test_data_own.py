@@ -313,3 +313,24 @@ def test_init_reads_a_folder_per_class_of_grey_pngs_without_being_told(tmp_path)
     assert "reading a folder per class" in done.stdout
     assert "2 images converted from L to RGB on load" in done.stdout
     assert load_dataset(root).classes == ["a", "b"]
+
+
+def test_an_sft_runs_data_record_covers_its_dataset_json(tmp_path):
+    """lm-sft (and lm-es) over a dataset folder record its version beside its files: an edit
+    to a field the run reads is caught, and a record made before is still read."""
+    from lm_sft_support import write_config
+
+    from engine.config import load_config
+    from engine.data.generators.text import generate_pirate
+    from engine.llm.sft_data import data_manifest
+
+    data = tmp_path / "pirate"
+    generate_pirate(data)
+    config = load_config(write_config(tmp_path, tmp_path / "base.gguf", data=data))
+    before = data_manifest(config)
+    assert before["versions"] == {"pirate": load_dataset(data).version}
+    assert data_change({"files": before["files"]}, before) is None      # an older record
+    edit_manifest(data, split_policy={"method": "by hand"})
+    after = data_manifest(config)
+    assert after["files"] == before["files"]
+    assert data_change(before, after).startswith("pirate/dataset.json changed (version ")

@@ -164,8 +164,8 @@ def data_change(recorded: dict, current: dict) -> str | None:
     if recorded == current:
         return None
     if "version_scheme" in current and "version_scheme" not in recorded:
-        legacy = {k: v for k, v in current.items() if k not in ("version", "version_scheme")}
-        if {k: v for k, v in recorded.items() if k != "version"} == legacy:
+        kept = set(recorded) - {"version"}      # what the old record can vouch for
+        if {k: recorded[k] for k in kept} == {k: current.get(k) for k in kept}:
             return None
     old_files, new_files = recorded.get("files", {}), current.get("files", {})
     parts = []
@@ -179,6 +179,12 @@ def data_change(recorded: dict, current: dict) -> str | None:
     if not parts and recorded.get("version") != current.get("version"):
         parts.append(f"dataset.json changed (version {recorded.get('version')} is now "
                      f"{current.get('version')}): a field the run reads was edited")
+    old_versions, new_versions = recorded.get("versions") or {}, current.get("versions") or {}
+    if not parts and old_versions != new_versions:
+        parts += [f"{name}/dataset.json changed (version {old_versions.get(name)} is now "
+                  f"{new_versions.get(name)}): a field the run reads was edited"
+                  for name in sorted(set(old_versions) | set(new_versions))
+                  if old_versions.get(name) != new_versions.get(name)]
     if not parts and recorded.get("dataset") != current.get("dataset"):
         parts.append(f"the dataset folder is now {current.get('dataset')} "
                      f"(was {recorded.get('dataset')})")

@@ -416,11 +416,12 @@ def split_examples(config, split: str = "train") -> list[SFTExample]:
 
 
 def data_manifest(config) -> dict:
-    """The data files and their SHA-256: what resume re-validates."""
-    from engine.data.dataset import load_dataset
+    """The data files and their SHA-256, and each dataset folder's version (which covers the
+    dataset.json fields a run reads): what resume re-validates."""
+    from engine.data.dataset import VERSION_SCHEME, load_dataset
     from engine.fsutil import sha256_file
 
-    files = {}
+    files, versions = {}, {}
     for split in ("train", "val", "test", "control"):
         if split != "train" and not getattr(config.data, f"{split}_path", None):
             continue
@@ -429,8 +430,11 @@ def data_manifest(config) -> dict:
             dataset = load_dataset(path, check_media=False)
             files.update({f"{path.name}/{name}": digest
                           for name, digest in dataset.files_manifest().items()})
+            versions[path.name] = dataset.version
         else:
             files[f"{split}:{path.name}"] = sha256_file(path)
+    if versions:
+        return {"files": files, "versions": versions, "version_scheme": VERSION_SCHEME}
     return {"files": files}
 
 
