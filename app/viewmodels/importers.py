@@ -1,5 +1,5 @@
-"""Import wizards' view-model: turn a folder of images, a JSONL file or an audio CSV into a new
-workspace dataset.
+"""Import wizards' view-model: turn a folder of images, a JSONL file, an audio CSV or a table
+CSV (its schema inferred by the engine, for the user to confirm) into a new workspace dataset.
 
 Each source becomes an `ImportPlan` first: the records as they will be written, the files to
 copy, and every problem found on the way as an engine `Finding` (file, line or record, field,

@@ -3,7 +3,8 @@
 saves the same transcript as the Chat pane (engine/conversations.py), and the long-lived
 streaming worker (engine/serve_local.py). `chat --calculator` offers the model the built-in
 calculator and runs the calls it makes (engine/calculator.py: arithmetic only), each result a
-tool message in the transcript that the model then reads."""
+tool message in the transcript that the model then reads. Outside a workspace, `models show
+FILE` describes a plain GGUF file from its own header and `chat FILE` runs without saving."""
 
 from __future__ import annotations
 

@@ -5,6 +5,10 @@ the field and the reason, so the app can mark the right record. `load_dataset(di
 first error as a ForgebenchError and otherwise returns a `Dataset` whose records have their file
 paths resolved. Raw files are never rewritten: `save_new_version` writes a new folder whose
 manifest names its parent.
+
+A dataset's version (`dataset_version`) is computed from its manifest: every file's SHA-256 and
+every field a run reads, so editing dataset.json by hand gives a new version; `data_change`
+is how resume compares a run's recorded data with the data now.
 """
 
 from __future__ import annotations

@@ -4,7 +4,8 @@ generators all read, so a format cannot drift between writer and reader.
 A dataset is a folder holding `dataset.json`::
 
     {"kind": "image-masks", "schema_version": 1, "name": "shapes",
-     "version": "<sha256 prefix over files>", "parent": null,
+     "version": "<sha256 prefix over files and the fields a run reads>", "version_scheme": 2,
+     "parent": null,
      "files": {"records.jsonl": "<sha256>", "images/a.png": "<sha256>", ...},
      "records": "records.jsonl",                       # optional, the kind's default otherwise
      "split_policy": {"method": "group-hash", "ratios": {...}, "seed": 0, "group_field": "group"},

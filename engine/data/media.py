@@ -1,7 +1,9 @@
 """Reading and checking image and audio files without trusting their headers.
 
 Every check returns a reason string (or None) instead of raising, so a validator can report a
-broken file as one finding and carry on with the rest.
+broken file as one finding and carry on with the rest. `rgb_conversion` is the one rule for
+how an image's mode becomes the 8-bit RGB the image recipes read (the validator, the loader,
+the import preview and the data card all ask it).
 """
 
 from __future__ import annotations

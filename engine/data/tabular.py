@@ -3,15 +3,26 @@
 The schema is the manifest's `table` section::
 
     "table": {"target": "fault", "group": "machine",
-              "features": {"temperature": "number", "vibration": "number", ...},
-              "units": {"temperature": "degC", ...}}          # units optional, descriptive
+              "features": {"temperature": "number", "vibration": "number",
+                           "serviced": "boolean"},
+              "units": {"temperature": "degC", ...},          # optional, descriptive
+              "id": "row_id",               # optional: the id column (else `id`, else line-N)
+              "positive": "M",              # optional: the target value read as 1
+              "ignored": {"city": "..."}}   # optional, descriptive: columns not read, and why
 
-`target` is a binary 0/1 column and may never be empty; every feature is a number, and an
-empty cell (or `nan`) is a missing value the recipe must handle, never a zero. `group` names the
-split unit (e.g. the machine): its value becomes the record's group, so `forgebench data split`
-keeps all rows of one machine in one split. `check_table` adds one finding per bad cell, naming
-the line and the column; `table_split` turns one split's rows into float arrays in the declared
-feature order (the order a fitted model is bound to).
+`target` is a binary column and may never be empty: 0/1, or two values of which `positive`
+is read as 1 (compared case-insensitively: yes/YES). A feature is a number or a yes/no column
+(true/false, yes/no, t/f, y/n, 1/0), and an empty cell (or `nan`) is a missing value the recipe
+must handle, never a zero. `group` names the split unit (e.g. the machine): its value becomes
+the record's group, so `forgebench data split` keeps all rows of one machine in one split.
+`check_table` adds one finding per bad cell, naming the line and the column; `table_split`
+turns one split's rows into float arrays in the declared feature order (the order a fitted
+model is bound to), reading each cell with the same `feature_value` / `target_of` the
+validator uses.
+
+`infer_table` writes that section for a CSV that has only a header (`forgebench data init
+--kind tabular`, the import wizard's table source): each column's type (number, boolean,
+categorical, text) and missing cells from its values, the target guessed with its reason.
 """
 
 from __future__ import annotations
