@@ -262,6 +262,8 @@ def _data_args(p: argparse.ArgumentParser) -> None:
                         "(the default when the folder holds no records file)")
     q.add_argument("--target", help="tabular: the column to predict (default: inferred)")
     q.add_argument("--group", help="tabular: the column whose rows stay in one split")
+    q.add_argument("--leave-out", action="append", metavar="COLUMN",
+                   help="tabular: a column not to learn from (repeatable)")
     q.add_argument("--dry-run", action="store_true",
                    help="print what would be written (tabular: the inferred schema), write "
                         "nothing")

@@ -187,10 +187,21 @@ def test_greyscale_pngs_and_a_header_only_csv_import_train_and_reach_a_result(
         assert not wizard.next_button.isEnabled()
         wizard.set_table_roles(target="target")
         assert wizard.plan.ok
+        # and unticks a feature it must not learn from, as in the table
+        area = next(wizard.schema_table.item(r, 0) for r in range(wizard.schema_table.rowCount())
+                    if wizard.schema_table.item(r, 0).text() == "mean area")
+        area.setCheckState(Qt.CheckState.Unchecked)
+        row = next(r for r in range(wizard.schema_table.rowCount())
+                   if wizard.schema_table.item(r, 0).text() == "mean area")
+        assert wizard.schema_table.item(row, 4).text() == "ignored"
+        assert wizard.schema_table.item(row, 5).text() == "left out by choice"
+        assert wizard.schema_table.item(row, 0).checkState() == Qt.CheckState.Unchecked
+        assert "mean area" not in wizard.plan.manifest_fields["table"]["features"]
 
     table = import_through_wizard(pane, qtbot, "table", source, "cancer", schema_shown)
     manifest = json.loads((table / "dataset.json").read_text())
-    assert manifest["table"]["target"] == "target" and len(manifest["table"]["features"]) == 30
+    assert manifest["table"]["target"] == "target" and len(manifest["table"]["features"]) == 29
+    assert manifest["table"]["ignored"] == {"mean area": "left out by choice"}
     assert (table / "rows.csv").read_bytes() == source.read_bytes()       # copied as is
     assert load_dataset(table).records()[0]["id"] == "line-2"
 
@@ -207,6 +218,11 @@ def test_greyscale_pngs_and_a_header_only_csv_import_train_and_reach_a_result(
 def test_data_init_infers_a_30_column_table_with_no_column_typed(tmp_path):
     root = tmp_path / "cancer"
     cancer_csv(root / "cancer.csv", rows=80)
+    dry = forgebench("data", "init", str(root), "--kind", "tabular", "--dry-run",
+                     "--leave-out", "mean area")
+    assert dry.returncode == 0, dry.stderr
+    assert "ignored (left out by choice)" in dry.stdout and "29 features" in dry.stdout
+    assert "nothing written" in dry.stdout and not (root / "dataset.json").exists()
     done = forgebench("data", "init", str(root), "--kind", "tabular")
     assert done.returncode == 0, done.stderr
     assert "target (named like a label, two values)" in done.stdout

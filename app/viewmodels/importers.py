@@ -487,19 +487,21 @@ def check_clip_format(planned: PlannedRecord, file: str) -> None:
 # ----------------------------------------------------------------------------- table CSV
 
 
-def plan_table_csv(path: str | Path, target: str | None = None,
-                   group: str | None = None) -> ImportPlan:
+def plan_table_csv(path: str | Path, target: str | None = None, group: str | None = None,
+                   leave_out: tuple[str, ...] = ()) -> ImportPlan:
     """A CSV with a header as a tabular dataset: the schema inferred by the engine
     (`engine.data.tabular.infer_table`: column types, missing cells, the target guessed with
-    its reason) is the plan's `schema` for the user to confirm or change (`target`, `group`),
-    and every row is checked against it as the validator will. The CSV is copied as is."""
+    its reason) is the plan's `schema` for the user to confirm or change (`target`, `group`,
+    the features to `leave_out`), and every row is checked against it as the validator will.
+    The CSV is copied as is."""
     from engine.data.dataset import Report, read_raw_records
     from engine.data.tabular import check_table, infer_table
 
     path = Path(path)
     plan = ImportPlan("tabular", path, "rows.csv", files=[(path, "rows.csv")])
     try:
-        table, plan.schema = infer_table(path, target=target, group=group)
+        table, plan.schema = infer_table(path, target=target, group=group,
+                                         leave_out=leave_out)
     except ForgebenchError as exc:
         plan.general.append(Finding(path.name, exc.where, None,
                                     exc.message + (f" ({exc.hint})" if exc.hint else "")))

@@ -171,6 +171,7 @@ class ImportWizard(QDialog):
         self._plan_request = 0
         self.worker: _ImportWorker | None = None
         self.jsonl_keys: list[str] = []
+        self.left_out: list[str] = []        # table columns the user unticked as features
         self.result_path: Path | None = None
 
         self.steps = QLabel()
@@ -277,6 +278,7 @@ class ImportWizard(QDialog):
         self.group_column.activated.connect(self._replan_table)
         self.schema_table = QTableWidget()
         self.schema_table.setEditTriggers(QTableWidget.EditTrigger.NoEditTriggers)
+        self.schema_table.itemChanged.connect(self._feature_toggled)
         self.schema_table.horizontalHeader().setStretchLastSection(True)
         self.schema_table.setMaximumHeight(220)
         choose = QHBoxLayout()
@@ -288,7 +290,8 @@ class ImportWizard(QDialog):
         v.setContentsMargins(0, 0, 0, 0)
         v.addWidget(wrapped_label("The schema was inferred from the header and the values. "
                                   "Check each column's type and role; choose another target "
-                                  "or a group column if the guess is wrong."))
+                                  "or a group column if the guess is wrong, and untick a "
+                                  "feature the model must not learn from (a leak, an id)."))
         v.addLayout(choose)
         v.addWidget(self.schema_table)
         return box
@@ -306,6 +309,7 @@ class ImportWizard(QDialog):
             combo.setCurrentText(current or (extra[0] if extra else ""))
             combo.blockSignals(False)
         headers = ["column", "type", "missing", "distinct", "role", "why"]
+        self.schema_table.blockSignals(True)
         self.schema_table.clear()
         self.schema_table.setColumnCount(len(headers))
         self.schema_table.setHorizontalHeaderLabels(headers)
@@ -314,7 +318,24 @@ class ImportWizard(QDialog):
             for j, value in enumerate((guess.name, guess.type, guess.missing, guess.distinct,
                                        guess.role, guess.reason)):
                 self.schema_table.setItem(i, j, QTableWidgetItem(str(value)))
+            chosen = guess.name in self.left_out
+            if guess.role == "feature" or chosen:     # a feature can be left out, and back
+                item = self.schema_table.item(i, 0)
+                item.setFlags(item.flags() | Qt.ItemFlag.ItemIsUserCheckable)
+                item.setCheckState(Qt.CheckState.Unchecked if chosen else
+                                   Qt.CheckState.Checked)
+        self.schema_table.blockSignals(False)
         self.schema_table.resizeColumnsToContents()
+
+    def _feature_toggled(self, item: QTableWidgetItem) -> None:
+        if item.column() != 0 or not item.flags() & Qt.ItemFlag.ItemIsUserCheckable:
+            return
+        self.set_feature_used(item.text(), item.checkState() == Qt.CheckState.Checked)
+
+    def set_feature_used(self, column: str, used: bool) -> None:
+        """Keep a column as a feature or leave it out, as the user would (tests, scripts)."""
+        self.left_out = [c for c in self.left_out if c != column] + ([] if used else [column])
+        self._replan_table()
 
     def set_table_roles(self, target: str | None = None, group: str | None = None) -> None:
         """Choose the target and group columns as the user would (tests, scripts)."""
@@ -329,7 +350,9 @@ class ImportWizard(QDialog):
         target = self.target_column.currentText() or None
         group = self.group_column.currentText()
         group = None if group in ("", NO_KEY) else group
-        self._plan(lambda: vm.plan_table_csv(path, target=target, group=group), path)
+        left_out = tuple(self.left_out)
+        self._plan(lambda: vm.plan_table_csv(path, target=target, group=group,
+                                             leave_out=left_out), path)
 
     # -- skipping and fixing bad lines ---------------------------------------------------
     def _selected_line(self) -> int | None:
@@ -498,6 +521,7 @@ class ImportWizard(QDialog):
         elif key == "audio":
             self._plan(lambda: vm.plan_audio_csv(path), path)
         elif key == "table":
+            self.left_out = []
             self._plan(lambda: vm.plan_table_csv(path), path)
         else:
             self._remap()

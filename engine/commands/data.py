@@ -232,9 +232,10 @@ def _init(args) -> int:
     if args.kind not in F.KINDS:
         raise ForgebenchError(f"unknown dataset kind {args.kind!r}", where="--kind",
                               hint="use one of " + ", ".join(F.kind_names()))
-    for option in ("target", "group"):
+    for option in ("target", "group", "leave_out"):
         if getattr(args, option) and args.kind != "tabular":
-            raise ForgebenchError(f"--{option} is for --kind tabular", where=f"--{option}")
+            flag = "--" + option.replace("_", "-")
+            raise ForgebenchError(f"{flag} is for --kind tabular", where=flag)
     fields = {"records": args.records} if args.records else {}
     kind = F.KINDS[args.kind]
     if args.layout:
@@ -286,12 +287,13 @@ def _infer_table(root: Path, args) -> dict:
                                                       if csvs else ""))
         else:
             rel = csvs[0]
-    table, guesses = infer_table(root / rel, target=args.target, group=args.group)
+    table, guesses = infer_table(root / rel, target=args.target, group=args.group,
+                                 leave_out=args.leave_out or ())
     print(f"{rel}: {len(guesses)} columns, schema inferred from the header and values:")
     for line in schema_lines(table, guesses):
         print(line)
-    print("not right? run again with --target COLUMN / --group COLUMN, or edit dataset.json's "
-          "table section")
+    print("not right? run again with --target COLUMN, --group COLUMN or --leave-out COLUMN, or "
+          "edit dataset.json's table section")
     return {"records": rel, "table": table}
 
 

@@ -231,11 +231,12 @@ class ColumnGuess:
     reason: str = ""
 
 
-def infer_table(path: str | Path, *, target: str | None = None, group: str | None = None
-                ) -> tuple[dict, list[ColumnGuess]]:
+def infer_table(path: str | Path, *, target: str | None = None, group: str | None = None,
+                leave_out: tuple[str, ...] | list[str] = ()) -> tuple[dict, list[ColumnGuess]]:
     """The `table` section for a CSV with a header, inferred from its values, and every
     column's guess. The target is `target`, else a two-valued column named like a label
-    (`TARGET_NAMES`), else the last two-valued column; each choice carries its reason. A
+    (`TARGET_NAMES`), else the last two-valued column; each choice carries its reason.
+    `leave_out` names columns the user keeps from the features (a leak, an identifier). A
     ForgebenchError names the file and what to pass when no target can be chosen."""
     path = Path(path)
     try:
@@ -272,7 +273,8 @@ def infer_table(path: str | Path, *, target: str | None = None, group: str | Non
     guesses = [_guess_column(name, [row[i] if i < len(row) else "" for row in rows])
                for i, name in enumerate(names)]
     by_name = {g.name: g for g in guesses}
-    for option, value in (("--target", target), ("--group", group)):
+    for option, value in [("--target", target), ("--group", group),
+                          *(("--leave-out", name) for name in leave_out)]:
         if value is not None and value not in by_name:
             raise ForgebenchError(f"no column {value!r} in the header", path=path,
                                   where=option, hint="columns: " + ", ".join(names))
@@ -297,7 +299,10 @@ def infer_table(path: str | Path, *, target: str | None = None, group: str | Non
     for guess in guesses:
         if guess.role:
             continue
-        if guess.type in (NUMBER, BOOLEAN) and guess.missing < len(rows):
+        if guess.name in leave_out:
+            guess.role, guess.reason = "ignored", "left out by choice"
+            ignored[guess.name] = guess.reason
+        elif guess.type in (NUMBER, BOOLEAN) and guess.missing < len(rows):
             guess.role = "feature"
             table["features"][guess.name] = guess.type
         else:
