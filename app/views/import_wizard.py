@@ -280,7 +280,12 @@ class ImportWizard(QDialog):
         self.schema_table.setEditTriggers(QTableWidget.EditTrigger.NoEditTriggers)
         self.schema_table.itemChanged.connect(self._feature_toggled)
         self.schema_table.horizontalHeader().setStretchLastSection(True)
+        self.schema_table.verticalHeader().setVisible(False)
+        self.schema_table.verticalHeader().setDefaultSectionSize(
+            self.schema_table.fontMetrics().height() + 6)
         self.schema_table.setMaximumHeight(220)
+        self.target_reason = QLabel()          # why this column is the target
+        self.target_reason.setWordWrap(True)
         choose = QHBoxLayout()
         choose.addWidget(QLabel("Predict (target)"))
         choose.addWidget(self.target_column, 1)
@@ -293,6 +298,7 @@ class ImportWizard(QDialog):
                                   "or a group column if the guess is wrong, and untick a "
                                   "feature the model must not learn from (a leak, an id)."))
         v.addLayout(choose)
+        v.addWidget(self.target_reason)
         v.addWidget(self.schema_table)
         return box
 
@@ -308,6 +314,12 @@ class ImportWizard(QDialog):
             combo.addItems(extra + names)
             combo.setCurrentText(current or (extra[0] if extra else ""))
             combo.blockSignals(False)
+        target = next((g for g in plan.schema if g.role == "target"), None) if plan else None
+        self.target_reason.setText(
+            f"Predicts <b>{target.name}</b> ({target.reason}); "
+            f"{len(table['features'])} features, "
+            f"{sum(g.missing for g in plan.schema if g.role == 'feature')} missing cells in "
+            "them (the recipe handles them; never read as zero)." if target and table else "")
         headers = ["column", "type", "missing", "distinct", "role", "why"]
         self.schema_table.blockSignals(True)
         self.schema_table.clear()
