@@ -311,8 +311,14 @@ def test_init_reads_a_folder_per_class_of_grey_pngs_without_being_told(tmp_path)
     done = forgebench("data", "init", str(root), "--kind", "image-classify")
     assert done.returncode == 0, done.stderr
     assert "reading a folder per class" in done.stdout
+    assert f"next: no record has a split yet; `forgebench data split {root}`" in done.stdout
     assert "2 images converted from L to RGB on load" in done.stdout
     assert load_dataset(root).classes == ["a", "b"]
+    for command in ("validate", "stats"):                  # the same count everywhere
+        shown = forgebench("data", command, str(root))
+        assert shown.returncode == 0 and "2 images converted from L to RGB" in shown.stdout
+    assert json.loads(forgebench("data", "validate", str(root), "--json").stdout)[
+        "conversions"] == {"L": 2}
 
 
 def test_an_sft_runs_data_record_covers_its_dataset_json(tmp_path):

@@ -267,6 +267,11 @@ def _init(args) -> int:
         print(report.conversion_note())
     print(f"wrote {root / F.MANIFEST} ({args.kind}, {report.n_records} records, version "
           f"{manifest['version']})")
+    from engine.data.dataset import load_dataset
+
+    if not any(record.get("split") for record in load_dataset(root, check_media=False).records()):
+        print(f"next: no record has a split yet; `forgebench data split {root}` assigns them by "
+              "group (a recipe trains on train and chooses on val)")
     return 0
 
 
