@@ -1,0 +1,127 @@
+"""Tiny Hugging Face checkpoint folders built offline, and llama.cpp's converter as the oracle.
+
+`make_checkpoint(family, folder)` writes a random model of the family with `transformers`
+(from a config, no download) and a SentencePiece tokenizer trained here with the
+`sentencepiece` package, plus tokenizer_config.json with a chat template: the kind of folder
+llama.cpp's `convert_hf_to_gguf.py` accepts offline. `llama_convert` runs that converter (the
+copy `make verify-extra` extracts from the llama-cpp-python sdist into
+.venv/share/llama.cpp-convert, or FORGEBENCH_LLAMA_CONVERTER) in a subprocess.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+CHAT_TEMPLATE = ("{% for m in messages %}<start_of_turn>{{ m['role'] }}\n{{ m['content'] }}"
+                 "<end_of_turn>\n{% endfor %}{% if add_generation_prompt %}<start_of_turn>model\n"
+                 "{% endif %}")
+FAMILIES = ("llama", "qwen2", "qwen3", "gemma3")
+VOCAB = 320
+
+
+def converter_path() -> Path | None:
+    env = os.environ.get("FORGEBENCH_LLAMA_CONVERTER")
+    candidates = [Path(env)] if env else []
+    candidates.append(Path(sys.prefix) / "share" / "llama.cpp-convert" / "convert_hf_to_gguf.py")
+    return next((p for p in candidates if p.is_file()), None)
+
+
+def require_converter() -> Path:
+    path = converter_path()
+    if path is None:
+        pytest.skip("llama.cpp's convert_hf_to_gguf.py is not extracted (run `make verify-extra`"
+                    " or set FORGEBENCH_LLAMA_CONVERTER)")
+    pytest.importorskip("transformers", reason="the converter needs transformers (parity extra)")
+    pytest.importorskip("sentencepiece")
+    return path
+
+
+def llama_convert(folder: Path, out: Path, outtype: str) -> Path:
+    """llama.cpp's converter on `folder` (f32/f16/bf16/q8_0), offline, in a subprocess."""
+    script = require_converter()
+    env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
+    proc = subprocess.run([sys.executable, str(script), str(folder), "--outtype", outtype,
+                           "--outfile", str(out)], capture_output=True, text=True, env=env,
+                          timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return out
+
+
+def _train_spm(vocab: int) -> bytes:
+    import sentencepiece as spm
+
+    words = ("the a model trains on data and learns small weights fast slow rope norm head "
+             "token vocab layer attention query key value cat dog runs jumps over lazy quick "
+             "brown fox hello world forge bench gguf convert shard stream").split()
+    import random
+
+    rng = random.Random(0)
+    lines = [" ".join(rng.choice(words) for _ in range(12)) for _ in range(400)]
+    model = io.BytesIO()
+    spm.SentencePieceTrainer.train(
+        sentence_iterator=iter(lines), model_writer=model, vocab_size=vocab - 2,
+        model_type="unigram", byte_fallback=True, bos_id=1, eos_id=2, unk_id=0, pad_id=-1,
+        user_defined_symbols=[], hard_vocab_limit=False, num_threads=1, minloglevel=2)
+    return model.getvalue()
+
+
+_SPM_CACHE: dict[int, bytes] = {}
+
+
+def _config(family: str, hidden: int, layers: int, vocab: int):
+    import transformers as tf
+
+    common = dict(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden,
+                  num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
+                  max_position_embeddings=512, bos_token_id=1, eos_token_id=2)
+    if family == "llama":
+        return tf.LlamaConfig(**common, rms_norm_eps=1e-5, tie_word_embeddings=False,
+                              architectures=["LlamaForCausalLM"]), tf.LlamaForCausalLM
+    if family == "qwen2":
+        return tf.Qwen2Config(**common, tie_word_embeddings=True,
+                              architectures=["Qwen2ForCausalLM"]), tf.Qwen2ForCausalLM
+    if family == "qwen3":
+        return tf.Qwen3Config(**common, head_dim=hidden // 4, tie_word_embeddings=True,
+                              architectures=["Qwen3ForCausalLM"]), tf.Qwen3ForCausalLM
+    if family == "gemma3":
+        return tf.Gemma3TextConfig(**common, head_dim=hidden // 4, sliding_window=64,
+                                   query_pre_attn_scalar=hidden // 4,
+                                   architectures=["Gemma3ForCausalLM"]), tf.Gemma3ForCausalLM
+    raise ValueError(family)
+
+
+def make_checkpoint(family: str, folder: Path, *, hidden: int = 256, layers: int = 2,
+                    dtype: str = "bfloat16", seed: int = 0, max_shard_size: str | None = None,
+                    vocab: int = VOCAB) -> Path:
+    """A random `family` model in `folder` (see the module docstring)."""
+    import torch
+
+    config, model_cls = _config(family, hidden, layers, vocab)
+    torch.manual_seed(seed)
+    model = model_cls(config).to(getattr(torch, dtype))
+    with torch.no_grad():     # norms away from their init so a missed shift shows
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.normal_(0.0 if family == "gemma3" else 1.0, 0.2)
+    folder.mkdir(parents=True, exist_ok=True)
+    kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
+    model.save_pretrained(folder, **kwargs)
+    if vocab not in _SPM_CACHE:
+        _SPM_CACHE[vocab] = _train_spm(vocab)
+    (folder / "tokenizer.model").write_bytes(_SPM_CACHE[vocab])
+    (folder / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "LlamaTokenizer", "bos_token": "<s>", "eos_token": "</s>",
+        "unk_token": "<unk>", "add_bos_token": True, "add_eos_token": False,
+        "chat_template": CHAT_TEMPLATE,
+        "added_tokens_decoder": {
+            str(vocab - 2): {"content": "<start_of_turn>", "special": True},
+            str(vocab - 1): {"content": "<end_of_turn>", "special": True}},
+    }))
+    return folder
