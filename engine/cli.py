@@ -7,6 +7,7 @@ import argparse
 import importlib
 import math
 import sys
+from pathlib import Path
 from typing import Callable
 
 from engine.errors import ForgebenchError, excerpt
@@ -219,9 +220,9 @@ def _export_args(p: argparse.ArgumentParser) -> None:
 
 
 def _convert_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("file", help="input GGUF")
+    p.add_argument("file", help="input GGUF, or a Hugging Face checkpoint folder")
     p.add_argument("--dtype", required=True,
-                   help="keep|f32|f16|bf16|q8_0|q4_0|q4_k_s|q4_k_m|q5_k_m|q6_k")
+                   help="keep|f32|f16|bf16|q8_0|q4_0|q4_k_s|q4_k_m|q5_k_m|q6_k (keep: GGUF only)")
     p.add_argument("--out", required=True, help="output GGUF (must not exist)")
 
 
@@ -351,7 +352,7 @@ COMMANDS: dict[str, Command] = {
                      "engine.commands.llm:cmd_verify_grads", _verify_grads_args),
     "export": ("merge, quantize and bundle a run's model", "engine.commands.export:cmd_export",
                _export_args),
-    "convert": ("re-emit, dequantize or quantize a GGUF file",
+    "convert": ("re-emit, dequantize or quantize a GGUF file; convert an HF checkpoint folder",
                 "engine.commands.convert:cmd_convert",
                 _convert_args),
     "data": ("validate, split, leak-check, describe datasets", "engine.commands.data:cmd_data",
@@ -394,8 +395,8 @@ def check_input_files(args: argparse.Namespace) -> None:
         value = getattr(args, name, None)
         if isinstance(value, str) and value:
             user_file(value, f"--{name}")
-    if args.command == "convert":
-        user_file(args.file, "FILE", what="GGUF file")
+    if args.command == "convert" and not Path(args.file).expanduser().is_dir():
+        user_file(args.file, "FILE", what="GGUF file or checkpoint folder")
 
 
 def check_output(args: argparse.Namespace) -> None:
