@@ -125,3 +125,66 @@ def make_checkpoint(family: str, folder: Path, *, hidden: int = 256, layers: int
             str(vocab - 1): {"content": "<end_of_turn>", "special": True}},
     }))
     return folder
+
+
+def spm_model(vocab: int = VOCAB) -> bytes:
+    if vocab not in _SPM_CACHE:
+        _SPM_CACHE[vocab] = _train_spm(vocab)
+    return _SPM_CACHE[vocab]
+
+
+def make_raw_llama(folder: Path, *, hidden: int = 128, ffn: int = 256, layers: int = 2,
+                   vocab: int = VOCAB, heads: int = 4, kv_heads: int = 2, shards: int = 1,
+                   seed: int = 0) -> Path:
+    """A Llama checkpoint folder written without transformers (config.json by hand, bf16
+    safetensors from torch, a SentencePiece tokenizer), optionally sharded with an index:
+    the default suite's input, which needs no oracle."""
+    import torch
+    from safetensors.torch import save_file
+
+    g = torch.Generator().manual_seed(seed)
+
+    def rand(*shape):
+        return (torch.randn(*shape, generator=g) * 0.05).to(torch.bfloat16)
+
+    tensors = {"model.embed_tokens.weight": rand(vocab, hidden),
+               "model.norm.weight": (1 + rand(hidden)).to(torch.bfloat16),
+               "lm_head.weight": rand(vocab, hidden)}
+    head_dim = hidden // heads
+    for i in range(layers):
+        p = f"model.layers.{i}."
+        tensors.update({
+            p + "input_layernorm.weight": (1 + rand(hidden)).to(torch.bfloat16),
+            p + "post_attention_layernorm.weight": (1 + rand(hidden)).to(torch.bfloat16),
+            p + "self_attn.q_proj.weight": rand(heads * head_dim, hidden),
+            p + "self_attn.k_proj.weight": rand(kv_heads * head_dim, hidden),
+            p + "self_attn.v_proj.weight": rand(kv_heads * head_dim, hidden),
+            p + "self_attn.o_proj.weight": rand(hidden, heads * head_dim),
+            p + "mlp.gate_proj.weight": rand(ffn, hidden),
+            p + "mlp.up_proj.weight": rand(ffn, hidden),
+            p + "mlp.down_proj.weight": rand(hidden, ffn)})
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "config.json").write_text(json.dumps({
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": vocab,
+        "hidden_size": hidden, "intermediate_size": ffn, "num_hidden_layers": layers,
+        "num_attention_heads": heads, "num_key_value_heads": kv_heads,
+        "max_position_embeddings": 512, "rms_norm_eps": 1e-5, "rope_theta": 10000.0,
+        "bos_token_id": 1, "eos_token_id": 2, "tie_word_embeddings": False,
+        "torch_dtype": "bfloat16"}))
+    names = sorted(tensors)
+    if shards == 1:
+        save_file(tensors, folder / "model.safetensors")
+    else:
+        weight_map = {}
+        for k in range(shards):
+            shard = f"model-{k + 1:05d}-of-{shards:05d}.safetensors"
+            part = {n: tensors[n] for n in names[k::shards]}
+            save_file(part, folder / shard)
+            weight_map.update({n: shard for n in part})
+        (folder / "model.safetensors.index.json").write_text(
+            json.dumps({"metadata": {}, "weight_map": weight_map}))
+    (folder / "tokenizer.model").write_bytes(spm_model(vocab))
+    (folder / "tokenizer_config.json").write_text(json.dumps({
+        "bos_token": "<s>", "eos_token": "</s>", "add_bos_token": True,
+        "chat_template": CHAT_TEMPLATE}))
+    return folder
