@@ -14,6 +14,7 @@ them; engine.hf.convert writes the same.)
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import numpy as np
@@ -124,3 +125,23 @@ def test_llama_cpp_logits_on_our_file_equal_its_own(tmp_path, checkpoints):
             llm.close()
         assert np.array_equal(scores[family, "ours"], scores[family, "theirs"])
         assert np.isfinite(scores[family, "ours"]).all()
+
+
+def test_a_hand_written_config_gets_transformers_defaults_as_llama_cpp_does(tmp_path):
+    """config.json without head_dim, rms_norm_eps or rope settings (older or hand-written
+    checkpoints): llama.cpp's converter reads it through transformers' AutoConfig, which fills
+    the class defaults in; the file records the same values."""
+    from hf_fixtures import make_raw_llama
+
+    folder = make_raw_llama(tmp_path / "raw-llama", shards=2)
+    cfg = json.loads((folder / "config.json").read_text())
+    for key in ("rms_norm_eps", "rope_theta"):
+        cfg.pop(key)
+    (folder / "config.json").write_text(json.dumps(cfg))
+    ref = llama_convert(folder, tmp_path / "ref.gguf", "q8_0")
+    ours = convert_hf(folder, tmp_path / "ours.gguf", "q8_0").path
+    assert _diff(ours, ref) == []
+    assert ours.read_bytes() == ref.read_bytes()
+    keys = read_gguf_content(ours).metadata
+    assert keys["llama.attention.key_length"].value == 32           # hidden // heads
+    assert keys["llama.rope.freq_base"].value == 10000.0

@@ -67,12 +67,48 @@ class HFConvertResult:
 
 # ---------------------------------------------------------------- hyperparameters
 
+# What transformers' config classes (5.x) fill in for keys a config.json leaves out, for the
+# keys the conversion reads: llama.cpp's converter reads the config through AutoConfig, so a
+# hand-written or older config.json gets these values in its file too.
+_DEFAULTS = {
+    "llama": {"rms_norm_eps": 1e-6, "max_position_embeddings": 2048},
+    "qwen2": {"rms_norm_eps": 1e-6, "max_position_embeddings": 32768,
+              "num_key_value_heads": 32},
+    "qwen3": {"rms_norm_eps": 1e-6, "max_position_embeddings": 32768,
+              "num_key_value_heads": 32, "head_dim": 128},
+    "gemma3": {"rms_norm_eps": 1e-6, "max_position_embeddings": 131072,
+               "num_key_value_heads": 4, "head_dim": 256, "sliding_window": 4096},
+}
+
+
+def _with_defaults(arch: str, h: dict) -> dict:
+    for key, value in _DEFAULTS.get(arch, {}).items():
+        h.setdefault(key, value)
+    if arch == "llama":
+        if h.get("num_key_value_heads") is None and "num_attention_heads" in h:
+            h["num_key_value_heads"] = h["num_attention_heads"]
+        if h.get("head_dim") is None and "num_attention_heads" in h and "hidden_size" in h:
+            h["head_dim"] = h["hidden_size"] // h["num_attention_heads"]
+    if "rope_parameters" not in h and "rope_scaling" not in h:
+        # transformers 5 gathers the rope settings into rope_parameters
+        if arch == "gemma3":
+            h["rope_parameters"] = {
+                "full_attention": {"rope_type": "default",
+                                   "rope_theta": h.get("rope_theta", 1_000_000.0)},
+                "sliding_attention": {"rope_type": "default",
+                                      "rope_theta": h.get("rope_local_base_freq", 10_000.0)}}
+        else:
+            h["rope_parameters"] = {"rope_theta": h.get("rope_theta", 10_000.0),
+                                    "rope_type": "default"}
+    return h
+
+
 class _Params:
     """The config as the converter reads it (TextModel.__init__: text_config lifted, the rope
     parameters gathered in one dict)."""
 
     def __init__(self, ckpt: HFCheckpoint):
-        self.h = dict(ckpt.text_config)
+        self.h = _with_defaults(ckpt.arch, dict(ckpt.text_config))
         self.arch = ckpt.arch
         self.block_count = self.find(["n_layers", "num_hidden_layers", "n_layer", "num_layers"])
         rope = dict(self.h.get("rope_parameters", self.h.get("rope_scaling")) or {})
