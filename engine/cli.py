@@ -217,6 +217,10 @@ def _export_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--base", help="dense GGUF base to merge into (for LoRA runs)")
     p.add_argument("--out", required=True, help="export folder to create")
     p.add_argument("--no-report", action="store_true", help="skip the equivalence report")
+    p.add_argument("--format", choices=("gguf", "hf"), default="gguf",
+                   help="hf: a merged Hugging Face folder (engine/export/hf_export.py)")
+    p.add_argument("--hf-source", help="the base's Hugging Face folder (config + tokenizer) "
+                                       "for --format hf, when the library does not know it")
 
 
 def _convert_args(p: argparse.ArgumentParser) -> None:
