@@ -101,3 +101,47 @@ def test_the_merged_folder_loads_in_transformers_with_the_engines_logits(tmp_pat
     with torch.no_grad():
         lora = peft.PeftModel.from_pretrained(plain, tmp_path / "peft").eval()
         assert (lora(ids).logits - theirs).abs().max().item() <= 1e-4 * scale
+
+
+@pytest.mark.slow
+@pytest.mark.peft
+def test_a_run_from_a_library_hf_folder_exports_as_a_merged_hf_folder(tmp_path):
+    """models add DIR -> lm-sft LoRA over the library's copy -> export --format hf: the folder
+    loads in transformers with the logits of the run's merged GGUF export, and carries the
+    tokenizer of the HF folder the base came from."""
+    import transformers
+    from export_support import SFT_CONFIG
+    from media_support import forgebench
+
+    from engine.models.gguf_model import load_gguf_model
+
+    folder = make_checkpoint("qwen3", tmp_path / "tiny-qwen3", dtype="float32", hidden=128)
+    root = tmp_path / "ws"
+    root.mkdir()
+    (root / "workspace.json").write_text(json.dumps({"name": "ws", "models": []}))
+    entry = json.loads(forgebench("models", "--workspace", str(root), "add", str(folder),
+                                  "--json").stdout)
+    assert entry["mode"] == "hf" and entry["facts"]["usable"]
+    (tmp_path / "pairs.jsonl").write_text("".join(
+        json.dumps({"instruction": q, "response": a}) + "\n"
+        for q, a in [("say hello", "hello world"), ("name a fox", "quick brown fox"),
+                     ("what runs", "the dog runs")]))
+    config = tmp_path / "sft.toml"
+    config.write_text(SFT_CONFIG.format(steps=3, gguf=root / entry["path"],
+                                        data=tmp_path / "pairs.jsonl"))
+    run = root / "runs" / "sft"
+    forgebench("run", str(config), "--out", str(run))
+    forgebench("export", str(run), "--dtype", "f32", "--no-report", "--out",
+               str(tmp_path / "gguf-export"))
+    forgebench("export", str(run), "--format", "hf", "--out", str(tmp_path / "hf-export"))
+    out = tmp_path / "hf-export"
+    assert (out / "tokenizer.model").read_bytes() == (folder / "tokenizer.model").read_bytes()
+    merged = next((tmp_path / "gguf-export").glob("*.gguf"))
+    engine_model, _ = load_gguf_model(merged, tokenizer=False)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
+    ids = torch.tensor([[1, 17, 42, 99, 5, 250, 7, 3]])
+    with torch.no_grad():
+        ours, theirs = engine_model(ids), hf(ids).logits
+    assert (ours - theirs).abs().max().item() <= 1e-5 * theirs.abs().max().item()
+    template = json.loads((out / "tokenizer_config.json").read_text())["chat_template"]
+    assert template == read_gguf_content(merged).metadata["tokenizer.chat_template"].python()
