@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import resource
 import subprocess
 import sys
 import tempfile
@@ -33,32 +32,38 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))
 
 
-def timed(cmd: list[str], limit: int | None = None
-          ) -> tuple[float, int, subprocess.CompletedProcess]:
-    """(wall seconds, peak RSS bytes, result) of one child process, `limit` its RLIMIT_AS
-    (a fork + exec, so wait4 reports the child's own rusage)."""
-    def cap():
-        if limit is not None:
-            resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
+LAUNCH = """
+import atexit, resource, runpy, sys
+limit = int(sys.argv[1])
+if limit:
+    resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
+def report():
+    status = open("/proc/self/status").read()
+    peak = {k: int(status.split(k + ":")[1].split()[0]) * 1024 for k in ("VmHWM", "VmPeak")}
+    print(f"@@memory {peak['VmHWM']} {peak['VmPeak']}", file=sys.stderr)
+atexit.register(report)
+kind, target, *args = sys.argv[2:]
+sys.argv = [target, *args]
+if kind == "module":
+    runpy.run_module(target, run_name="__main__", alter_sys=True)
+else:
+    runpy.run_path(target, run_name="__main__")
+"""
+
+
+def timed(kind: str, target: str, args: list[str], limit: int = 0
+          ) -> tuple[float, int, int, subprocess.CompletedProcess]:
+    """(wall seconds, peak RSS, peak address space, result) of `target` (a module run as
+    `python -m`, or a script) in a fresh process whose RLIMIT_AS is `limit` (0: none); the peaks
+    are the process's own VmHWM / VmPeak, read at its exit."""
     env = dict(os.environ, PYTHONPATH=str(ROOT), HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
-    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
-        start = time.perf_counter()
-        pid = os.fork()
-        if pid == 0:
-            os.dup2(out.fileno(), 1)
-            os.dup2(err.fileno(), 2)
-            cap()
-            try:
-                os.execvpe(cmd[0], cmd, env)
-            finally:
-                os._exit(127)
-        _, status, usage = os.wait4(pid, 0)
-        wall = time.perf_counter() - start
-        out.seek(0)
-        err.seek(0)
-        code = os.waitstatus_to_exitcode(status)
-        return wall, usage.ru_maxrss * 1024, subprocess.CompletedProcess(
-            cmd, code, out.read(), err.read())
+    start = time.perf_counter()
+    res = subprocess.run([sys.executable, "-c", LAUNCH, str(limit), kind, target, *args],
+                         capture_output=True, text=True, env=env)
+    wall = time.perf_counter() - start
+    line = [x for x in res.stderr.splitlines() if x.startswith("@@memory")]
+    rss, vm = map(int, line[-1].split()[1:]) if line else (0, 0)
+    return wall, rss, vm, res
 
 
 def mb(n: int) -> str:
@@ -98,11 +103,11 @@ def main() -> None:
     ours = work / "ours.gguf"
     for p in (ours, work / "limited.gguf", work / "ref-f16.gguf", work / "ref.gguf"):
         p.unlink(missing_ok=True)
-    py = sys.executable
-    wall, rss, res = timed([py, "-m", "engine", "convert", str(folder), "--dtype", "q4_k_m",
-                            "--out", str(ours)])
+    wall, rss, vm, res = timed("module", "engine", ["convert", str(folder), "--dtype", "q4_k_m",
+                                                    "--out", str(ours)])
     assert res.returncode == 0, res.stderr[-2000:]
-    print(f"\nforgebench convert → Q4_K_M     {wall:7.1f} s   peak RSS {mb(rss)}")
+    print(f"\nforgebench convert → Q4_K_M     {wall:7.1f} s   peak RSS {mb(rss)} "
+          f"(address space {mb(vm)})")
     bound = 1.2 * largest_f32 + 300 * 2**20
     print(f"  bound 1.2 × largest f32 + 300 MiB = {mb(int(bound))}: "
           f"{'within' if rss <= bound else 'OVER'}")
@@ -112,16 +117,18 @@ def main() -> None:
         if script is None:
             print("llama.cpp's converter is not extracted (make verify-extra): skipped")
         else:
-            w1, r1, res = timed([py, str(script), str(folder), "--outtype", "f16", "--outfile",
-                                 str(work / "ref-f16.gguf")])
+            w1, r1, _, res = timed("script", str(script), [str(folder), "--outtype", "f16",
+                                                           "--outfile", str(work / "ref-f16.gguf")])
             assert res.returncode == 0, res.stderr[-2000:]
+            quant_script = work / "quantize.py"
             quant = ("import ctypes, llama_cpp, sys\n"
                      "p = llama_cpp.llama_model_quantize_default_params()\n"
                      "p.ftype = 15\np.nthread = %d\n"
                      "sys.exit(llama_cpp.llama_model_quantize(sys.argv[1].encode(), "
                      "sys.argv[2].encode(), ctypes.byref(p)))" % (os.cpu_count() or 1))
-            w2, r2, res = timed([py, "-c", quant, str(work / "ref-f16.gguf"),
-                                 str(work / "ref.gguf")])
+            quant_script.write_text(quant)
+            w2, r2, _, res = timed("script", str(quant_script),
+                                   [str(work / "ref-f16.gguf"), str(work / "ref.gguf")])
             assert res.returncode == 0, res.stderr[-2000:]
             print(f"llama.cpp convert_hf_to_gguf f16  {w1:7.1f} s   peak RSS {mb(r1)}")
             print(f"llama.cpp llama_model_quantize    {w2:7.1f} s   peak RSS {mb(r2)}")
@@ -132,11 +139,12 @@ def main() -> None:
             print(f"files byte-identical: {same}")
 
     limit = model_bytes // 3
-    w3, r3, res = timed([py, "-m", "engine", "convert", str(folder), "--dtype", "q4_k_m",
-                         "--out", str(work / "limited.gguf")], limit=limit)
+    w3, r3, v3, res = timed("module", "engine", ["convert", str(folder), "--dtype", "q4_k_m",
+                                                 "--out", str(work / "limited.gguf")], limit)
     ok = res.returncode == 0
     print(f"\nunder RLIMIT_AS = {mb(limit)} (model / 3): "
-          f"{'converted' if ok else 'FAILED'} in {w3:.1f} s, peak RSS {mb(r3)}")
+          f"{'converted' if ok else 'FAILED'} in {w3:.1f} s, peak RSS {mb(r3)}, "
+          f"peak address space {mb(v3)}")
     if ok:
         print(f"  output equals the unlimited run: "
               f"{(work / 'limited.gguf').read_bytes() == ours.read_bytes()}")

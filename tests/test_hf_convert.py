@@ -246,3 +246,27 @@ def test_the_engine_runs_a_folder_as_its_lossless_gguf(tmp_path, folder):
         a, b = from_folder(ids), from_file(ids)
     assert torch.equal(a, b)
     assert tok.encode("the model") == tok.encode("the model") and len(tok.encode("the")) > 0
+
+
+@pytest.mark.parametrize("kind", ["Q4_K", "Q5_K", "Q6_K"])
+def test_the_c_kquants_equal_the_numpy_port(kind):
+    """engine/hf/kquants.c against engine/gguf/quantize.py (itself tested against ggml) on
+    awkward rows: zero blocks, outliers, scales over five decades."""
+    import numpy as np
+    from gguf import GGMLQuantizationType as T
+    from gguf_write_fixtures import awkward_weights
+
+    from engine.gguf.quantize import quantize
+    from engine.hf.kquants import quantize_rows
+
+    x = awkward_weights(np.random.default_rng(7), (48, 512)).astype(np.float32)
+    x[3, :256] = 0.0
+    native = quantize_rows(x, T[kind])
+    if native is None:
+        pytest.skip("no C compiler here (or FORGEBENCH_NATIVE=0): the numpy port runs")
+    assert np.array_equal(native, quantize(x, T[kind]))
+    # the twin: one block's signs flipped, and only that row's bytes differ
+    y = x.copy()
+    y[5, :32] *= -1
+    changed = np.flatnonzero((quantize_rows(y, T[kind]) != native).any(axis=1))
+    assert changed.tolist() == [5]

@@ -6,8 +6,10 @@ The file equals what llama.cpp's `convert_hf_to_gguf.py` (the copy vendored in
 llama-cpp-python 0.3.36) writes for f32/f16/bf16/q8_0 — metadata keys in its order and types,
 tokenizer arrays, tensor names, order, shapes, Llama's Q/K row permutation, Gemma 3's norm
 shift and vocabulary trim, and bytes — and, for the other types, what `llama-quantize` writes
-from the converter's f16 file: the f16-rounded values quantized with the engine's ggml-exact
-quantizers (engine.gguf.quantize) under llama-quantize's per-tensor policy (quant_policy.py).
+from the converter's f16 file: the f16-rounded values quantized with ggml's reference
+quantizers — the k-quants in C (engine/hf/kquants.c, a copy of ggml's), the others and any
+machine without a C compiler through the engine's numpy port (engine.gguf.quantize), the same
+bytes — under llama-quantize's per-tensor policy (quant_policy.py).
 The metadata is recorded on the `gguf` package's own GGUFWriter (the class the converter
 writes with), with the package's Metadata heuristics (name, size label from the folder and
 model card) and SpecialVocab (special ids, chat template), so key order and value types follow
@@ -50,7 +52,7 @@ from engine.hf.checkpoint import FLOAT_DTYPES, HFCheckpoint, TensorSlot
 DTYPES = tuple(quant_policy.FILE_TYPES)
 CONVERTER_TYPES = {F.ALL_F32: T.F32, F.MOSTLY_F16: T.F16, F.MOSTLY_BF16: T.BF16,
                    F.MOSTLY_Q8_0: T.Q8_0}
-CHUNK_BYTES = 32 << 20          # f32 bytes per row block
+CHUNK_BYTES = 8 << 20           # f32 bytes per row block
 MODEL_ARCH = {"llama": gguf.MODEL_ARCH.LLAMA, "qwen2": gguf.MODEL_ARCH.QWEN2,
               "qwen3": gguf.MODEL_ARCH.QWEN3, "gemma3": gguf.MODEL_ARCH.GEMMA3}
 SKIP_SUFFIXES = (".attention.masked_bias", ".attention.bias", ".rotary_emb.inv_freq")
@@ -275,10 +277,11 @@ def _encode(x: np.ndarray, plan: _Plan) -> np.ndarray:
         except gguf.QuantError:      # the converter's fallback for rows no block divides
             return gguf.quants.quantize(x, T.F16)
     from engine.gguf.quantize import quantize
+    from engine.hf.kquants import quantize_rows
 
-    base = gguf.quants.quantize(x, plan.base)
-    return quantize(base.astype(np.float32) if base.dtype != np.uint8
-                    else gguf.quants.dequantize(base, plan.base), plan.final)
+    values = gguf.quants.quantize(x, plan.base).astype(np.float32)   # the converter's f16 file
+    native = quantize_rows(values, plan.final)
+    return native if native is not None else quantize(values, plan.final)
 
 
 def _encode_rows(x: np.ndarray, plan: _Plan, pool) -> np.ndarray:
