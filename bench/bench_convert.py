@@ -47,6 +47,7 @@ sys.argv = [target, *args]
 if kind == "module":
     runpy.run_module(target, run_name="__main__", alter_sys=True)
 else:
+    sys.path.insert(0, target.rsplit("/", 1)[0])   # as `python script.py` would
     runpy.run_path(target, run_name="__main__")
 """
 

@@ -497,13 +497,23 @@ def convert_hf(folder: str | os.PathLike, out: str | os.PathLike, dtype: str, *,
                threads: int | None = None) -> HFConvertResult:
     """Convert the checkpoint in `folder` to `out` (which must not exist); resumes an
     interrupted run of the same conversion (see the module docstring). `threads` (default: the
-    CPU count, at most 8) quantize parts of each row block at once; the bytes do not depend
-    on it."""
+    CPU count, at most 8; one under an address-space limit) quantize parts of each row block
+    at once; the bytes do not depend on it."""
     from concurrent.futures import ThreadPoolExecutor
 
-    threads = threads or min(8, os.cpu_count() or 1)
+    threads = threads or (1 if _address_space_limited() else min(8, os.cpu_count() or 1))
     with ThreadPoolExecutor(threads) as pool:
         return _convert_hf(folder, out, dtype, progress, pool)
+
+
+def _address_space_limited() -> bool:
+    """Under an RLIMIT_AS the conversion runs on one thread: each pool thread's malloc arena
+    reserves 64 MiB of address space (untouched, so no memory) that the limit would count."""
+    try:
+        import resource
+    except ImportError:    # not on Windows
+        return False
+    return resource.getrlimit(resource.RLIMIT_AS)[0] != resource.RLIM_INFINITY
 
 
 def _convert_hf(folder, out, dtype, progress, pool) -> HFConvertResult:
