@@ -52,12 +52,13 @@ else:
 """
 
 
-def timed(kind: str, target: str, args: list[str], limit: int = 0
+def timed(kind: str, target: str, args: list[str], limit: int = 0, **extra_env: str
           ) -> tuple[float, int, int, subprocess.CompletedProcess]:
     """(wall seconds, peak RSS, peak address space, result) of `target` (a module run as
     `python -m`, or a script) in a fresh process whose RLIMIT_AS is `limit` (0: none); the peaks
     are the process's own VmHWM / VmPeak, read at its exit."""
-    env = dict(os.environ, PYTHONPATH=str(ROOT), HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
+    env = dict(os.environ, PYTHONPATH=str(ROOT), HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1",
+               **extra_env)
     start = time.perf_counter()
     res = subprocess.run([sys.executable, "-c", LAUNCH, str(limit), kind, target, *args],
                          capture_output=True, text=True, env=env)
@@ -141,7 +142,10 @@ def main() -> None:
 
     limit = model_bytes // 3
     w3, r3, v3, res = timed("module", "engine", ["convert", str(folder), "--dtype", "q4_k_m",
-                                                 "--out", str(work / "limited.gguf")], limit)
+                                                 "--out", str(work / "limited.gguf")], limit,
+                         # OpenBLAS reserves address space per thread at import; the
+                         # conversion does no matrix products
+                         OPENBLAS_NUM_THREADS="1")
     ok = res.returncode == 0
     print(f"\nunder RLIMIT_AS = {mb(limit)} (model / 3): "
           f"{'converted' if ok else 'FAILED'} in {w3:.1f} s, peak RSS {mb(r3)}, "

@@ -39,7 +39,7 @@ CONVERT = """
 import sys
 import engine.hf.convert as c
 c.CHUNK_BYTES = 1 << 20
-c.convert_hf(sys.argv[1] if len(sys.argv) > 1 else {src!r}, {out!r}, 'q8_0')
+c.convert_hf({src!r}, {out!r}, 'q8_0', threads=1)
 print(open('/proc/self/status').read().split('VmPeak:')[1].split()[0])
 """
 

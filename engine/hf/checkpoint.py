@@ -46,6 +46,7 @@ class TensorSlot:
     shard: Path
     dtype: str
     shape: tuple[int, ...]
+    offset: int = 0          # where its bytes start in the shard file
 
     @property
     def n_bytes(self) -> int:
@@ -168,14 +169,20 @@ class HFCheckpoint:
     def _index(self) -> dict[str, TensorSlot]:
         tensors: dict[str, TensorSlot] = {}
         for shard in self._shards():
-            header, _ = read_safetensors_header(shard)
+            header, start = read_safetensors_header(shard)
             for name in sorted(k for k in header if k != "__metadata__"):
                 meta = header[name]
                 if meta["dtype"] not in DTYPE_SIZES:
                     raise ForgebenchError(f"tensor {name!r} has dtype {meta['dtype']}, which "
                                           "the engine cannot read", path=shard, where=name,
                                           hint="convert the checkpoint to bf16/f16/f32")
-                tensors[name] = TensorSlot(name, shard, meta["dtype"], tuple(meta["shape"]))
+                slot = TensorSlot(name, shard, meta["dtype"], tuple(meta["shape"]),
+                                  start + meta["data_offsets"][0])
+                if meta["data_offsets"][1] - meta["data_offsets"][0] != slot.n_bytes:
+                    raise ForgebenchError(f"tensor {name!r}: its header's byte range does not "
+                                          "match its shape", path=shard, where=name,
+                                          hint="the shard is damaged; download it again")
+                tensors[name] = slot
         if self._weight_map is not None:
             missing = sorted(set(self._weight_map) - set(tensors))
             if missing:

@@ -244,11 +244,11 @@ class _Plan:
     values: np.ndarray | None = None
 
 
-def _read_rows(slot: TensorSlot, start: int, stop: int, data_start: int) -> np.ndarray:
+def _read_rows(slot: TensorSlot, start: int, stop: int) -> np.ndarray:
     """Rows [start, stop) of a tensor as f32/f16 (the converter's working dtypes)."""
     row_elems = math.prod(slot.shape[1:]) if len(slot.shape) > 1 else 1
     item = {"F32": 4, "F16": 2, "BF16": 2}[slot.dtype]
-    begin = data_start + start * row_elems * item
+    begin = slot.offset + start * row_elems * item
     count = (stop - start) * row_elems * item
     with open(slot.shard, "rb") as f:
         f.seek(begin)
@@ -271,7 +271,7 @@ def _permute_rows(x: np.ndarray, n_heads: int) -> np.ndarray:
 
 
 def _encode(x: np.ndarray, plan: _Plan) -> np.ndarray:
-    if plan.final == plan.base or plan.base == T.F32 and plan.final == T.F32:
+    if plan.final == plan.base:
         try:
             return gguf.quants.quantize(x, plan.final)
         except gguf.QuantError:      # the converter's fallback for rows no block divides
@@ -294,7 +294,7 @@ def _encode_rows(x: np.ndarray, plan: _Plan, pool) -> np.ndarray:
     return np.concatenate(list(pool.map(lambda part: _encode(part, plan), parts)), axis=0)
 
 
-def _chunks(plan: _Plan, data_start: int, pool=None) -> Iterator[np.ndarray]:
+def _chunks(plan: _Plan, pool=None) -> Iterator[np.ndarray]:
     if plan.values is not None:
         yield _encode(plan.values, plan)
         return
@@ -309,8 +309,7 @@ def _chunks(plan: _Plan, data_start: int, pool=None) -> Iterator[np.ndarray]:
         step = rows
     for start in range(0, rows, step):
         stop = min(rows, start + step)
-        x = _read_rows(slot, start, stop, data_start) if plan.shape else \
-            _read_rows(slot, 0, 1, data_start).reshape(())
+        x = _read_rows(slot, start, stop) if plan.shape else _read_rows(slot, 0, 1).reshape(())
         if plan.permute_heads:
             x = _permute_rows(x, (stop - start) // (rows // plan.permute_heads))
         if plan.shift:
@@ -318,7 +317,7 @@ def _chunks(plan: _Plan, data_start: int, pool=None) -> Iterator[np.ndarray]:
         yield _encode_rows(x, plan, pool)
 
 
-def _source_shape_ok(slot: TensorSlot) -> None:
+def _require_float(slot: TensorSlot) -> None:
     if slot.dtype not in FLOAT_DTYPES:
         raise ForgebenchError(
             f"tensor {slot.name!r} is {slot.dtype}; the converter reads f32, f16 and bf16 "
@@ -355,8 +354,6 @@ def _llama3_rope_factors(p: _Params) -> np.ndarray | None:
 def plan_conversion(ckpt: HFCheckpoint, dtype: str, pool=None):
     """The metadata and the tensor entries (data computed when written) for `dtype`; `pool`, a
     ThreadPoolExecutor, quantizes each row block's parts in parallel."""
-    from engine.hf.checkpoint import read_safetensors_header
-
     dtype = dtype.lower()
     if dtype not in DTYPES:
         raise ForgebenchError(f"unknown --dtype {dtype!r}", where="--dtype",
@@ -386,7 +383,7 @@ def plan_conversion(ckpt: HFCheckpoint, dtype: str, pool=None):
                                   path=slot.shard, where=name,
                                   hint="the checkpoint is not a plain "
                                        f"{ckpt.hf_arch}; convert the base model")
-        _source_shape_ok(slot)
+        _require_float(slot)
         shape = tuple(slot.shape)
         plan = _Plan(slot, new_name, shape, T.F32, T.F32)
         if ckpt.arch == "llama":
@@ -463,33 +460,12 @@ def plan_conversion(ckpt: HFCheckpoint, dtype: str, pool=None):
         metadata["general.quantization_version"] = version
         metadata["general.file_type"] = MetaValue(GGUFValueType.UINT32, int(ftype))
 
-    starts = {}
-    entries: list[TensorEntry] = []
-    for pl in plans:
-        if pl.slot is not None and pl.slot.shard not in starts:
-            starts[pl.slot.shard] = read_safetensors_header(pl.slot.shard)[1]
-        data_start = 0 if pl.slot is None else starts[pl.slot.shard] + _offset(pl.slot)
-        entries.append(TensorEntry(pl.name, pl.final, pl.shape,
-                                   (lambda pl=pl, s=data_start: _chunks(pl, s, pool))))
+    entries = [TensorEntry(pl.name, pl.final, pl.shape, (lambda pl=pl: _chunks(pl, pool)))
+               for pl in plans]
     if ftype not in CONVERTER_TYPES:   # llama-quantize writes in its loader's order
         order = {n: i for i, n in enumerate(quant_policy.loader_order([e.name for e in entries]))}
         entries.sort(key=lambda e: order[e.name])
     return metadata, entries
-
-
-_OFFSETS: dict[tuple[Path, str], int] = {}
-
-
-def _offset(slot: TensorSlot) -> int:
-    key = (slot.shard, slot.name)
-    if key not in _OFFSETS:
-        from engine.hf.checkpoint import read_safetensors_header
-
-        header, _ = read_safetensors_header(slot.shard)
-        for name, meta in header.items():
-            if name != "__metadata__":
-                _OFFSETS[(slot.shard, name)] = meta["data_offsets"][0]
-    return _OFFSETS[key]
 
 
 def convert_hf(folder: str | os.PathLike, out: str | os.PathLike, dtype: str, *,
