@@ -188,3 +188,61 @@ def make_raw_llama(folder: Path, *, hidden: int = 128, ffn: int = 256, layers: i
         "bos_token": "<s>", "eos_token": "</s>", "add_bos_token": True,
         "chat_template": CHAT_TEMPLATE}))
     return folder
+
+
+def write_bpe_tokenizer(folder: Path, vocab: int = VOCAB) -> str:
+    """A byte-level BPE tokenizer.json (Qwen-style special tokens) trained here with the
+    `tokenizers` package, in place of the folder's SentencePiece model; returns the SHA-256
+    llama.cpp's get_vocab_base_pre computes for it (no released model has it, so the oracle is
+    told to take it as "qwen2")."""
+    import random
+    from hashlib import sha256
+
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+
+    from engine.hf.tokenizer import CHECK_TEXT
+
+    rng = random.Random(1)
+    words = "the a model trains on data and learns small weights fast slow rope norm".split()
+    lines = [" ".join(rng.choice(words) for _ in range(12)) for _ in range(300)]
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.post_processor = processors.ByteLevel(trim_offsets=False)
+    special = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    trainer = trainers.BpeTrainer(vocab_size=vocab - len(special), show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(lines, trainer)
+    tok.add_special_tokens(special)
+    (folder / "tokenizer.model").unlink(missing_ok=True)
+    tok.save(str(folder / "tokenizer.json"))
+    ids = {t: tok.token_to_id(t) for t in special}
+    (folder / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "<|im_end|>",
+        "pad_token": "<|endoftext|>", "bos_token": None, "add_bos_token": False,
+        "chat_template": CHAT_TEMPLATE,
+        "added_tokens_decoder": {str(i): {"content": t, "special": True, "normalized": False,
+                                          "lstrip": False, "rstrip": False,
+                                          "single_word": False}
+                                 for t, i in ids.items()}}))
+    return sha256(str(tok.encode(CHECK_TEXT).ids).encode()).hexdigest()
+
+
+def llama_convert_as_known_pre(folder: Path, out: Path, outtype: str, pre: str) -> Path:
+    """llama.cpp's converter with get_vocab_base_pre answering `pre` (for a tokenizer trained in
+    the test, whose hash no released model has)."""
+    script = require_converter()
+    wrapper = out.with_suffix(".run.py")
+    wrapper.write_text(
+        "import runpy, sys\n"
+        f"sys.path[:0] = [{str(script.parent)!r}, {str(script.parent / 'gguf-py')!r}]\n"
+        "import conversion.base as base\n"
+        f"base.TextModel.get_vocab_base_pre = lambda self, tokenizer: {pre!r}\n"
+        f"sys.argv = [{str(script)!r}, {str(folder)!r}, '--outtype', {outtype!r}, "
+        f"'--outfile', {str(out)!r}]\n"
+        f"runpy.run_path({str(script)!r}, run_name='__main__')\n")
+    env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
+    proc = subprocess.run([sys.executable, str(wrapper)], capture_output=True, text=True,
+                          env=env, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return out

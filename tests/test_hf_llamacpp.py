@@ -145,3 +145,26 @@ def test_a_hand_written_config_gets_transformers_defaults_as_llama_cpp_does(tmp_
     keys = read_gguf_content(ours).metadata
     assert keys["llama.attention.key_length"].value == 32           # hidden // heads
     assert keys["llama.rope.freq_base"].value == 10000.0
+
+
+@pytest.mark.parametrize("family", ["qwen2", "llama"])
+def test_a_byte_level_bpe_tokenizer_equals_llama_cpps(tmp_path, monkeypatch, family):
+    """The tokenizer.json path (Qwen2/2.5/3, Llama 3): vocabulary, token types, merges, special
+    ids. llama.cpp knows a BPE pre-tokenizer only by the hash of its output on a check text;
+    this one is trained here, so both sides are told it is "qwen2"."""
+    from hf_fixtures import llama_convert_as_known_pre, write_bpe_tokenizer
+
+    import engine.hf.tokenizer as hf_tok
+
+    folder = make_checkpoint(family, tmp_path / f"bpe-{family}")
+    digest = write_bpe_tokenizer(folder)
+    ref = llama_convert_as_known_pre(folder, tmp_path / "ref.gguf", "f16", "qwen2")
+    with pytest.raises(Exception, match="does not know this tokenizer"):
+        convert_hf(folder, tmp_path / "unknown.gguf", "f16")      # refused, as llama.cpp does
+    monkeypatch.setitem(hf_tok.KNOWN_PRE, digest, "qwen2")
+    ours = convert_hf(folder, tmp_path / "ours.gguf", "f16").path
+    assert _diff(ours, ref) == []
+    assert ours.read_bytes() == ref.read_bytes()
+    meta = read_gguf_content(ours).metadata
+    assert meta["tokenizer.ggml.model"].python() == "gpt2"
+    assert len(meta["tokenizer.ggml.merges"].python()) > 0

@@ -12,8 +12,8 @@ llama-cpp-python 0.3.36) reads them:
   ids its check text encodes to (`get_vocab_base_pre`), so an unknown one is refused here too,
   naming the hash.
 
-Special token ids, add_bos/add_eos, merges and the chat template come from the `gguf` package's
-SpecialVocab, the code llama.cpp's converter itself calls.
+Special token ids, add_bos/add_eos, merges and the chat template come from gguf-py's
+SpecialVocab as llama.cpp vendors it (engine/hf/special_vocab.py), the code its converter calls.
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ from pathlib import Path
 import gguf
 
 from engine.errors import ForgebenchError
+from engine.hf.special_vocab import SpecialVocab
 
 
 class PieceType(IntEnum):   # SentencePiece's piece types, as llama.cpp stores them
@@ -166,7 +167,7 @@ def write_vocab(writer: gguf.GGUFWriter, folder: Path, arch: str, hparams: dict,
         writer.add_token_list(tokens)
         writer.add_token_scores(scores)
         writer.add_token_types(types)
-        gguf.SpecialVocab(folder, n_vocab=len(tokens)).add_to_gguf(writer)
+        SpecialVocab(folder, n_vocab=len(tokens)).add_to_gguf(writer)
         if arch == "gemma3":
             writer.add_add_space_prefix(False)
     else:
@@ -175,7 +176,7 @@ def write_vocab(writer: gguf.GGUFWriter, folder: Path, arch: str, hparams: dict,
         writer.add_tokenizer_pre(pre)
         writer.add_token_list(tokens)
         writer.add_token_types(types)
-        gguf.SpecialVocab(folder, load_merges=True).add_to_gguf(writer)
+        SpecialVocab(folder, load_merges=True).add_to_gguf(writer)
     if arch == "llama" and hparams.get("vocab_size", 32000) == 49152:
         writer.add_add_bos_token(False)
     return len(tokens)
