@@ -270,3 +270,33 @@ def test_the_c_kquants_equal_the_numpy_port(kind):
     y[5, :32] *= -1
     changed = np.flatnonzero((quantize_rows(y, T[kind]) != native).any(axis=1))
     assert changed.tolist() == [5]
+
+
+def test_the_models_pane_adds_a_folder(qtbot, tmp_path, monkeypatch, folder):
+    """Add HF folder… picks a folder, converts it off the GUI thread and lists it with the
+    facts of its GGUF; a broken folder is shown with the file to fix."""
+    from PySide6.QtWidgets import QFileDialog
+
+    from app.viewmodels.workspace import Workspace
+    from app.views.models_pane import ModelsPane
+
+    workspace = Workspace.create(tmp_path / "ws")
+    pane = ModelsPane()
+    qtbot.addWidget(pane)
+    pane.set_workspace(workspace)
+    qtbot.waitUntil(lambda: not pane.call.running)
+    chosen = [str(folder)]
+    monkeypatch.setattr(QFileDialog, "getExistingDirectory", lambda *a, **k: chosen[0])
+    pane.add_folder.click()
+    qtbot.waitUntil(lambda: not pane.busy, timeout=60_000)
+    assert pane.list.count() == 1 and "Llama" in pane.list.item(0).text()
+    pane.list.setCurrentRow(0)
+    assert "full fine-tune yes" in pane.summary.text()
+    assert {pane.tensors.item(r, 0).text() for r in range(pane.tensors.rowCount())} \
+        == {"BF16", "F32"}
+    broken = make_raw_llama(tmp_path / "broken")
+    (broken / "tokenizer.model").unlink()
+    chosen[0] = str(broken)
+    pane.add_folder.click()
+    qtbot.waitUntil(lambda: not pane.busy, timeout=60_000)
+    assert "tokenizer" in pane.status.text() and pane.list.count() == 1
