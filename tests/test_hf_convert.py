@@ -300,3 +300,18 @@ def test_the_models_pane_adds_a_folder(qtbot, tmp_path, monkeypatch, folder):
     pane.add_folder.click()
     qtbot.waitUntil(lambda: not pane.busy, timeout=60_000)
     assert "tokenizer" in pane.status.text() and pane.list.count() == 1
+
+
+def test_the_cli_shows_tensor_bytes_and_eta_on_stderr(tmp_path, folder):
+    env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[1]))
+    out = tmp_path / "m.gguf"
+    done = subprocess.run([sys.executable, "-m", "engine", "convert", str(folder), "--dtype",
+                           "q4_k_m", "--out", str(out)], capture_output=True, text=True,
+                          env=env, timeout=300)
+    assert done.returncode == 0, done.stderr
+    last = done.stderr.replace("\r", "\n").strip().splitlines()
+    bars = [line for line in last if "convert → q4_k_m" in line]
+    assert bars and any(" blk." in line for line in bars)             # a tensor name, N/M
+    assert any("kB/" in line or "MB/" in line or "B/s" in line for line in bars)   # bytes
+    assert any("<" in line for line in bars)                          # tqdm's ETA
+    assert f"wrote {out}" in done.stdout and "Q4_K" in done.stdout
