@@ -22,8 +22,10 @@ def _convert_folder(args: argparse.Namespace) -> int:
 
     def progress(tensor: TensorEntry, done: int, total: int, written: int, size: int) -> None:
         if not bars:
+            # refreshed at every tensor (not tqdm's 0.1 s throttle): a line per tensor at most
             bars.append(tqdm(desc=f"convert → {args.dtype}", total=size, initial=0, unit="B",
-                             unit_scale=True, unit_divisor=1024, leave=False))
+                             unit_scale=True, unit_divisor=1024, leave=False, mininterval=0,
+                             miniters=1))
         bar = bars[0]
         bar.set_postfix_str(f"{done}/{total} {tensor.name}", refresh=False)
         bar.update(written - bar.n)
