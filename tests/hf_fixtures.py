@@ -84,6 +84,10 @@ def _config(family: str, hidden: int, layers: int, vocab: int):
     if family == "llama":
         return tf.LlamaConfig(**common, rms_norm_eps=1e-5, tie_word_embeddings=False,
                               architectures=["LlamaForCausalLM"]), tf.LlamaForCausalLM
+    if family == "mistral":
+        return tf.MistralConfig(**common, rms_norm_eps=1e-5, tie_word_embeddings=False,
+                                sliding_window=None, head_dim=hidden // 4,
+                                architectures=["MistralForCausalLM"]), tf.MistralForCausalLM
     if family == "qwen2":
         return tf.Qwen2Config(**common, tie_word_embeddings=True,
                               architectures=["Qwen2ForCausalLM"]), tf.Qwen2ForCausalLM

@@ -168,3 +168,25 @@ def test_a_byte_level_bpe_tokenizer_equals_llama_cpps(tmp_path, monkeypatch, fam
     meta = read_gguf_content(ours).metadata
     assert meta["tokenizer.ggml.model"].python() == "gpt2"
     assert len(meta["tokenizer.ggml.merges"].python()) > 0
+
+
+def test_mistral_converts_as_llama_cpp_converts_it(tmp_path):
+    """MistralForCausalLM: llama.cpp's LlamaModel path (Q/K permuted, llama metadata)."""
+    import transformers
+    from gguf_write_fixtures import llama_quantize
+
+    from engine.models.gguf_model import load_gguf_model
+
+    folder = make_checkpoint("mistral", tmp_path / "tiny-mistral", dtype="float32")
+    ref = llama_convert(folder, tmp_path / "ref.gguf", "f16")
+    ours = convert_hf(folder, tmp_path / "ours.gguf", "f16").path
+    assert ours.read_bytes() == ref.read_bytes()
+    ref_q = llama_quantize(ref, tmp_path / "ref-q.gguf", "q4_k_m")
+    assert convert_hf(folder, tmp_path / "q.gguf", "q4_k_m").path.read_bytes() \
+        == ref_q.read_bytes()
+    ids = torch.tensor([[1, 17, 42, 99, 5, 250, 7, 3]])
+    hf = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    engine_model, _ = load_gguf_model(folder, tokenizer=False)
+    with torch.no_grad():
+        theirs, mine = hf(ids).logits, engine_model(ids)
+    assert (mine - theirs).abs().max().item() <= 1e-5 * theirs.abs().max().item()

@@ -26,6 +26,7 @@ from engine.errors import ForgebenchError
 # HF architecture -> (llama.cpp architecture name, family label)
 ARCHITECTURES: dict[str, str] = {
     "LlamaForCausalLM": "llama",
+    "MistralForCausalLM": "llama",    # llama.cpp converts it as Llama (its LlamaModel)
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
     "Gemma3ForCausalLM": "gemma3",
