@@ -12,8 +12,10 @@ machine without a C compiler through the engine's numpy port (engine.gguf.quanti
 bytes — under llama-quantize's per-tensor policy (quant_policy.py).
 The metadata is recorded on the `gguf` package's own GGUFWriter (the class the converter
 writes with), with the package's Metadata heuristics (name, size label from the folder and
-model card) and SpecialVocab (special ids, chat template), so key order and value types follow
-the same code.
+model card) and gguf-py's SpecialVocab as llama.cpp vendors it (engine/hf/special_vocab.py:
+special ids, add_bos/eos, merges, chat template), so key order and value types follow the same
+code. Config keys a config.json leaves out get transformers' defaults, as the converter reads
+configs through AutoConfig.
 
 Streaming: no tensor is held whole. Each tensor is read from its shard in row blocks of about
 `CHUNK_BYTES` (plain positioned reads at the header's offsets: no mapping of the shard, so a
@@ -23,8 +25,9 @@ with a progress record after each tensor; an interrupted conversion run again wi
 input and arguments restarts at the first unfinished tensor (engine.gguf.writer).
 
 Known differences from llama.cpp, by design: none in the file. (The converter also accepts
-PyTorch .bin checkpoints and dozens of other architectures; this reads safetensors of the four
-families the engine trains: Llama, Qwen2, Qwen3, Gemma 3 text.)
+PyTorch .bin checkpoints and dozens of other architectures; this reads safetensors of the
+families the engine trains: Llama (and Mistral, which llama.cpp converts as Llama), Qwen2,
+Qwen3, Gemma 3 text.)
 """
 
 from __future__ import annotations
@@ -238,7 +241,6 @@ class _Plan:
     shape: tuple[int, ...]
     base: T                      # what the converter writes
     final: T                     # what the file holds (llama-quantize's choice for k-quants)
-    rows: int | None = None      # Gemma 3's embedding trim
     permute_heads: int | None = None
     shift: float = 0.0
     values: np.ndarray | None = None
@@ -271,11 +273,8 @@ def _permute_rows(x: np.ndarray, n_heads: int) -> np.ndarray:
 
 
 def _encode(x: np.ndarray, plan: _Plan) -> np.ndarray:
-    if plan.final == plan.base:
-        try:
-            return gguf.quants.quantize(x, plan.final)
-        except gguf.QuantError:      # the converter's fallback for rows no block divides
-            return gguf.quants.quantize(x, T.F16)
+    if plan.final == plan.base:          # what the converter writes (f32/f16/bf16/q8_0)
+        return gguf.quants.quantize(x, plan.final)
     from engine.gguf.quantize import quantize
     from engine.hf.kquants import quantize_rows
 
@@ -284,17 +283,25 @@ def _encode(x: np.ndarray, plan: _Plan) -> np.ndarray:
     return native if native is not None else quantize(values, plan.final)
 
 
-def _encode_rows(x: np.ndarray, plan: _Plan, pool) -> np.ndarray:
-    """`_encode` with the rows split over the pool's threads (numpy releases the GIL in the
-    quantizers' array work); rows quantize independently, so the bytes are the same."""
-    n = getattr(pool, "_max_workers", 1) if pool is not None else 1
+@dataclass
+class _RowPool:
+    """A thread pool and how many rows parts to cut a block into for it."""
+    executor: object
+    threads: int
+
+
+def _encode_rows(x: np.ndarray, plan: _Plan, pool: _RowPool | None) -> np.ndarray:
+    """`_encode` with the rows split over the pool's threads (the C quantizer and numpy release
+    the GIL); rows quantize independently, so the bytes are the same."""
+    n = pool.threads if pool is not None else 1
     if n <= 1 or x.ndim < 2 or x.shape[0] < 2 * n:
         return _encode(x, plan)
     parts = np.array_split(x, n, axis=0)
-    return np.concatenate(list(pool.map(lambda part: _encode(part, plan), parts)), axis=0)
+    return np.concatenate(list(pool.executor.map(lambda part: _encode(part, plan), parts)),
+                          axis=0)
 
 
-def _chunks(plan: _Plan, pool=None) -> Iterator[np.ndarray]:
+def _chunks(plan: _Plan, pool: _RowPool | None = None) -> Iterator[np.ndarray]:
     if plan.values is not None:
         yield _encode(plan.values, plan)
         return
@@ -351,9 +358,9 @@ def _llama3_rope_factors(p: _Params) -> np.ndarray | None:
     return torch.tensor(out, dtype=torch.float32).numpy()
 
 
-def plan_conversion(ckpt: HFCheckpoint, dtype: str, pool=None):
-    """The metadata and the tensor entries (data computed when written) for `dtype`; `pool`, a
-    ThreadPoolExecutor, quantizes each row block's parts in parallel."""
+def plan_conversion(ckpt: HFCheckpoint, dtype: str, pool: _RowPool | None = None):
+    """The metadata and the tensor entries (data computed when written) for `dtype`; `pool`
+    quantizes each row block's parts in parallel."""
     dtype = dtype.lower()
     if dtype not in DTYPES:
         raise ForgebenchError(f"unknown --dtype {dtype!r}", where="--dtype",
@@ -478,8 +485,8 @@ def convert_hf(folder: str | os.PathLike, out: str | os.PathLike, dtype: str, *,
     from concurrent.futures import ThreadPoolExecutor
 
     threads = threads or (1 if _address_space_limited() else min(8, os.cpu_count() or 1))
-    with ThreadPoolExecutor(threads) as pool:
-        return _convert_hf(folder, out, dtype, progress, pool)
+    with ThreadPoolExecutor(threads) as executor:
+        return _convert_hf(folder, out, dtype, progress, _RowPool(executor, threads))
 
 
 def _address_space_limited() -> bool:
