@@ -35,7 +35,20 @@ $(VSTAMP): $(STAMP)
 	  && touch $@ \
 	  || echo "WARNING: llama-cpp-python did not install; llama.cpp parity tests will skip"
 
-verify-extra: $(VSTAMP)
+# llama.cpp's own HF -> GGUF converter (convert_hf_to_gguf.py, its conversion/ package and the
+# gguf-py it imports), taken from the llama-cpp-python sdist of the installed version: the oracle
+# the HF conversion tests compare against (tests/hf_fixtures.py finds it here; they skip without).
+CONVERTER := $(VENV)/share/llama.cpp-convert
+$(CONVERTER)/convert_hf_to_gguf.py: $(VSTAMP)
+	@v=$$($(PY) -c 'import importlib.metadata as m; print(m.version("llama-cpp-python"))' 2>/dev/null) \
+	  && $(PIP) download -q --no-deps --no-binary :all: "llama-cpp-python==$$v" -d $(VENV)/share/sdist \
+	  && mkdir -p $(CONVERTER) \
+	  && tar -xzf $(VENV)/share/sdist/llama_cpp_python-$$v.tar.gz -C $(CONVERTER) --strip-components=3 \
+	       "llama_cpp_python-$$v/vendor/llama.cpp/convert_hf_to_gguf.py" \
+	       "llama_cpp_python-$$v/vendor/llama.cpp/conversion" "llama_cpp_python-$$v/vendor/llama.cpp/gguf-py" \
+	  || echo "WARNING: llama.cpp's converter could not be extracted; HF conversion parity tests will skip"
+
+verify-extra: $(VSTAMP) $(CONVERTER)/convert_hf_to_gguf.py
 
 # transformers + peft + trl, sentence-transformers (with the real MiniLM it reads) and jiwer: the
 # independent implementations the LoRA, DPO, embedding and WER parity tests compare against

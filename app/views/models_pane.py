@@ -83,6 +83,8 @@ class ModelsPane(QWidget):
         self.add_copy = QPushButton("Add GGUF (copy)…")
         self.add_link = QPushButton("Add GGUF (link)…")
         self.add_gemma = QPushButton("Add Gemma package")
+        self.add_folder = QPushButton("Add HF folder…")   # converted losslessly into models/
+        self.add_folder.clicked.connect(self.choose_folder)
         self.remove = QPushButton("Remove")
         self.add_copy.clicked.connect(lambda: self.choose_file(link=False))
         self.add_link.clicked.connect(lambda: self.choose_file(link=True))
@@ -96,7 +98,8 @@ class ModelsPane(QWidget):
         left = QWidget()
         column = QVBoxLayout(left)
         column.setContentsMargins(0, 0, 0, 0)
-        for row_buttons in ((self.add_copy, self.add_link), (self.add_gemma, self.remove)):
+        for row_buttons in ((self.add_copy, self.add_link), (self.add_folder, self.add_gemma),
+                            (self.remove,)):
             row = QHBoxLayout()
             for button in row_buttons:
                 row.addWidget(button)
@@ -219,6 +222,11 @@ class ModelsPane(QWidget):
         path, _ = QFileDialog.getOpenFileName(self, "Add a GGUF model", "", "GGUF (*.gguf)")
         if path:
             self.add_file(path, link)
+
+    def choose_folder(self) -> None:
+        path = QFileDialog.getExistingDirectory(self, "Add a Hugging Face checkpoint folder")
+        if path:
+            self.add_file(path)
 
     def add_file(self, path: str, link: bool = False) -> None:
         self._add(lambda: self.view.add_file(path, link))

@@ -1,4 +1,5 @@
-"""`forgebench convert F.gguf --dtype ... --out G.gguf`: engine.gguf.convert with a progress bar."""
+"""`forgebench convert F.gguf|HF_DIR --dtype ... --out G.gguf`: engine.gguf.convert for a GGUF file,
+engine.hf.convert for a Hugging Face checkpoint folder, each with a progress bar on stderr."""
 
 from __future__ import annotations
 
@@ -11,7 +12,39 @@ from engine.gguf.convert import convert_gguf
 from engine.gguf.writer import TensorEntry
 
 
+def _convert_folder(args: argparse.Namespace) -> int:
+    """Tensor name, bytes written and ETA (tqdm's, from the bytes rate) per finished tensor."""
+    from tqdm import tqdm
+
+    from engine.hf.convert import convert_hf
+
+    bars: list[tqdm] = []
+
+    def progress(tensor: TensorEntry, done: int, total: int, written: int, size: int) -> None:
+        if not bars:
+            # refreshed at every tensor (not tqdm's 0.1 s throttle): a line per tensor at most
+            bars.append(tqdm(desc=f"convert → {args.dtype}", total=size, initial=0, unit="B",
+                             unit_scale=True, unit_divisor=1024, leave=False, mininterval=0,
+                             miniters=1))
+        bar = bars[0]
+        bar.set_postfix_str(f"{done}/{total} {tensor.name}", refresh=False)
+        bar.update(written - bar.n)
+    try:
+        result = convert_hf(args.file, args.out, args.dtype, progress=progress)
+    finally:
+        for bar in bars:
+            bar.close()
+    out = Path(args.out)
+    types = ", ".join(f"{name}×{count}" for name, count in sorted(result.types.items()))
+    if result.resumed_at:
+        print(f"resumed at tensor {result.resumed_at + 1} of {result.n_tensors}")
+    print(f"wrote {out} ({out.stat().st_size / 1e6:.1f} MB): {types}")
+    return 0
+
+
 def cmd_convert(args: argparse.Namespace) -> int:
+    if Path(args.file).expanduser().is_dir():
+        return _convert_folder(args)
     from tqdm import tqdm
 
     src, dst = Path(args.file), Path(args.out)

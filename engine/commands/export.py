@@ -9,6 +9,13 @@ from engine.export.bundle import export_run
 
 
 def cmd_export(args: argparse.Namespace) -> int:
+    if getattr(args, "format", "gguf") == "hf":
+        from engine.export.hf_export import export_run_hf
+
+        files = export_run_hf(args.run_dir, args.out, checkpoint=args.checkpoint,
+                              base=args.base, hf_source=args.hf_source)
+        print(f"exported a merged Hugging Face folder → {args.out}: {', '.join(files)}")
+        return 0
     bundle = export_run(args.run_dir, args.out, checkpoint=args.checkpoint, dtype=args.dtype,
                         base=args.base, report=not args.no_report, show_progress=True)
     out = Path(args.out)

@@ -228,3 +228,99 @@ def reemit(src: str | os.PathLike, dst: str | os.PathLike,
     content = read_gguf_content(src)
     return write_gguf(dst, content.metadata, content.tensors, version=content.version,
                       progress=progress)
+
+
+# ---------------------------------------------------------------- resumable streaming write
+
+def partial_paths(path: str | os.PathLike) -> tuple[Path, Path]:
+    """Where `write_gguf_resumable` keeps an unfinished file and its progress record."""
+    path = Path(path)
+    return (path.with_name(path.name + ".partial"),
+            path.with_name(path.name + ".partial.json"))
+
+
+def write_gguf_resumable(path: str | os.PathLike, metadata: dict[str, MetaValue],
+                         tensors: list[TensorEntry], *, fingerprint: object = None,
+                         progress: Callable[[TensorEntry, int, int, int, int], None] | None = None,
+                         ) -> tuple[Path, int]:
+    """Write a GGUF file tensor by tensor into `<path>.partial`, recording after each finished
+    tensor how far it got (`<path>.partial.json`, written after an fsync of the data), and rename
+    it to `path` at the end. A later call with the same header and `fingerprint` (what the
+    input was) truncates the partial file to the first unfinished tensor and goes on from there;
+    any other leftover is started afresh. A tensor's `data` may be a callable returning an
+    iterator of byte chunks, so no tensor need be held whole.
+
+    `progress(tensor, index, n_tensors, bytes_done, bytes_total)` follows every tensor.
+    Returns (path, index of the tensor the write started at: 0 unless it resumed)."""
+    import hashlib
+    import json
+
+    path = Path(path)
+    partial, record = partial_paths(path)
+    header = encode_header(metadata, tensors)
+    align = check_alignment(_alignment(metadata), path)
+    sizes = [t.n_bytes + _pad(t.n_bytes, align) for t in tensors]
+    total = len(header) + sum(sizes)
+    key = {"header_sha256": hashlib.sha256(header).hexdigest(), "input": fingerprint}
+    start = 0
+    if partial.exists() and record.exists():
+        try:
+            state = json.loads(record.read_text())
+        except (OSError, ValueError):
+            state = {}
+        if state.get("key") == json.loads(json.dumps(key)) \
+                and partial.stat().st_size >= state.get("offset", total + 1):
+            start = int(state["done"])
+    path.parent.mkdir(parents=True, exist_ok=True)
+    offset = len(header) + sum(sizes[:start])
+    require_free_space(path.parent, total - (offset if start else 0), margin=1.05,
+                       hint="free some space, or write to a disk with room (--out)")
+
+    def save_state(done: int, offset: int) -> None:
+        tmp = record.with_name(record.name + ".tmp")
+        tmp.write_text(json.dumps({"key": key, "done": done, "offset": offset}))
+        os.replace(tmp, record)
+
+    try:
+        with open(partial, "r+b" if start else "wb") as out:
+            if start:
+                out.truncate(offset)
+                out.seek(offset)
+            else:
+                out.write(header)
+                save_state(0, len(header))
+            for index in range(start, len(tensors)):
+                tensor = tensors[index]
+                data = tensor.data() if callable(tensor.data) else tensor.data
+                chunks = [data] if isinstance(data, (bytes, bytearray, memoryview, np.ndarray)) \
+                    else data
+                written = 0
+                for chunk in chunks:
+                    if isinstance(chunk, np.ndarray):
+                        chunk = np.ascontiguousarray(chunk).reshape(-1).view(np.uint8)
+                    view = memoryview(chunk).cast("B")
+                    out.write(view)
+                    written += view.nbytes
+                    del chunk, view
+                if written != tensor.n_bytes:
+                    raise ValueError(f"tensor {tensor.name!r}: {written} bytes given, "
+                                     f"{GGMLQuantizationType(tensor.ggml_type).name} "
+                                     f"{tensor.shape} needs {tensor.n_bytes}")
+                out.write(bytes(_pad(written, align)))
+                offset += sizes[index]
+                out.flush()
+                os.fsync(out.fileno())
+                save_state(index + 1, offset)
+                if progress is not None:
+                    progress(tensor, index + 1, len(tensors), offset, total)
+        os.replace(partial, path)
+        record.unlink(missing_ok=True)
+    except OSError as exc:
+        if exc.errno == errno.ENOSPC:
+            raise ForgebenchError("the disk filled up while writing; the finished tensors are "
+                                  f"kept in {partial.name} and the same command resumes",
+                                  path=path, hint="free some space and run the command again") \
+                from exc
+        raise ForgebenchError(f"cannot write the file ({exc.strerror or exc})", path=path,
+                              hint="check the folder exists and is writable") from exc
+    return path, start

@@ -203,7 +203,8 @@ def memory_report(model: nn.Module) -> dict:
 def load_gguf_model(path: str | Path, numerics: str = "f32", weights: str = "packed",
                     cache_dtype: torch.dtype | None = None, tokenizer: bool = True,
                     lazy_cache: bool = True):
-    """(model, tokenizer) for a llama/qwen2/qwen3/gemma3 GGUF.
+    """(model, tokenizer) for a llama/qwen2/qwen3/gemma3 GGUF, or a Hugging Face checkpoint
+    folder of those families (converted in memory at its own precision, engine.hf.load).
 
     weights="packed" dequantizes on the fly; "dense-cache" keeps each layer's weight dequantized
     (f32, or `cache_dtype`, e.g. torch.bfloat16 for f32-numerics training), filled as each layer
@@ -212,7 +213,12 @@ def load_gguf_model(path: str | Path, numerics: str = "f32", weights: str = "pac
     """
     if weights not in WEIGHTS:
         raise ForgebenchError(f"weights must be one of {WEIGHTS}, not {weights!r}", where="weights")
-    gf = open_gguf(path)
+    if Path(path).is_dir():          # a Hugging Face checkpoint folder (engine.hf.load)
+        from engine.hf.load import open_hf
+
+        gf = open_hf(path)
+    else:
+        gf = open_gguf(path)
     cfg = config_from_gguf(gf)
     with _meta_modules():
         model = Gemma3(cfg) if isinstance(cfg, Gemma3Config) else Llama(cfg)
