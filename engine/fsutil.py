@@ -1,13 +1,21 @@
 """Crash-safe file primitives: atomic replace, staged folders, durable appends, tolerant JSONL
 reads, hashing, and the cache folder. Every "write it beside, then rename" in the engine goes
-through here (docs/design.md, "Whole files appear atomically")."""
+through here (docs/design.md, "Whole files appear atomically").
+
+A write that the file system refuses for want of room or rights (ENOSPC, EDQUOT, EFBIG, EROFS)
+becomes one `ForgebenchError` naming the path and the space free there (`disk_error`): the CLI
+turns any such OSError into that message and exit code 2, a job records it in its `failed`
+status, and `write_in_place` lets that status be written when a new file cannot be.
+"""
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
 import json
 import os
+import re
 import shutil
 import tempfile
 from pathlib import Path
@@ -47,9 +55,11 @@ def atomic_writer(path: str | os.PathLike, mode: str = "wb") -> Iterator[Any]:
             os.fsync(handle.fileno())
         os.replace(tmp, path)
         _fsync_dir(path.parent)
-    except BaseException:
+    except BaseException as exc:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)
+        if isinstance(exc, OSError) and not exc.filename:   # say which file could not be written
+            raise OSError(exc.errno, exc.strerror, str(path)) from exc
         raise
 
 
@@ -177,3 +187,68 @@ def human_bytes(count: float) -> str:
         if count < 1000:
             return f"{count:.1f} {unit}"
     return f"{count / 1000:.1f} GB"
+
+
+DISK_ERRNOS = {
+    errno.ENOSPC: "the disk is full",
+    errno.EDQUOT: "the disk quota is used up",
+    errno.EFBIG: "the file grew past the largest size allowed here (the file system's or "
+                 "this process's file-size limit)",
+    errno.EROFS: "the file system is read-only",
+}
+# Libraries written in Rust (safetensors) report an OS error inside their own message.
+_RUST_OS_ERROR = re.compile(r"Os \{ code: (\d+)")
+
+
+def disk_errno(exc: BaseException | None) -> int | None:
+    """The ENOSPC/EDQUOT/EFBIG/EROFS behind `exc` (its causes and contexts included), else None."""
+    seen = 0
+    while exc is not None and seen < 20:
+        if isinstance(exc, OSError) and exc.errno in DISK_ERRNOS:
+            return exc.errno
+        match = _RUST_OS_ERROR.search(str(exc)) if not isinstance(exc, OSError) else None
+        if match and int(match.group(1)) in DISK_ERRNOS:
+            return int(match.group(1))
+        exc, seen = exc.__cause__ or exc.__context__, seen + 1
+    return None
+
+
+def free_space_text(path: str | os.PathLike | None) -> str:
+    """"N MB free" on the file system holding `path` (its nearest existing folder)."""
+    folder = Path(path or ".").absolute()
+    while not folder.exists() and folder != folder.parent:
+        folder = folder.parent
+    try:
+        return f"{human_bytes(shutil.disk_usage(folder).free)} free"
+    except OSError:
+        return "free space unknown"
+
+
+def disk_error(exc: BaseException, path: str | os.PathLike | None = None) -> ForgebenchError | None:
+    """`exc` as the one message a full or read-only disk gets (None if it is no such error):
+    what happened, the path, the space free there, what to do."""
+    code = disk_errno(exc)
+    if code is None:
+        return None
+    found = exc
+    while found is not None and not (isinstance(found, OSError) and found.filename):
+        found = found.__cause__ or found.__context__
+    where = path or (found.filename if found is not None else None)
+    hint = ("make the folder writable, or work in a writable one" if code == errno.EROFS
+            else "free some disk space (or raise the limit); a run continues with "
+                 "forgebench resume RUN_DIR")
+    return ForgebenchError(f"cannot write: {DISK_ERRNOS[code]} ({free_space_text(where)})",
+                           path=where or "(a file of this command)", hint=hint)
+
+
+def write_in_place(path: str | os.PathLike, data: bytes) -> None:
+    """Overwrite an existing small file in its own blocks (no new file is created): how a job
+    records its final status on a disk too full for `atomic_write_bytes`. Not atomic: a crash
+    mid-write can leave it torn, so it is only the fallback."""
+    fd = os.open(path, os.O_WRONLY)
+    try:
+        os.pwrite(fd, data, 0)
+        os.ftruncate(fd, len(data))
+        os.fsync(fd)
+    finally:
+        os.close(fd)

@@ -47,6 +47,7 @@ from engine.train.precision import autocast, run_precision
 
 CUDA = True            # trains on a GPU (engine/train/devices.py)
 MULTI_PROCESS = True   # and on several processes: DDP (engine/train/distributed.py)
+SHARDED_BATCH = "train.batch_size"   # split over the ranks: checked before they start
 TOKENIZER_FILE = "tokenizer.json"
 SPLIT_FILES = {"train": "train.txt", "val": "val.txt", "test": "test.txt"}
 
