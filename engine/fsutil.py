@@ -197,7 +197,7 @@ DISK_ERRNOS = {
     errno.EROFS: "the file system is read-only",
 }
 # Libraries written in Rust (safetensors) report an OS error inside their own message.
-_RUST_OS_ERROR = re.compile(r"Os \{ code: (\d+)")
+_RUST_OS_ERROR = re.compile(r"Os \{ code: (\d+)|\(os error (\d+)\)")
 
 
 def disk_errno(exc: BaseException | None) -> int | None:
@@ -207,8 +207,9 @@ def disk_errno(exc: BaseException | None) -> int | None:
         if isinstance(exc, OSError) and exc.errno in DISK_ERRNOS:
             return exc.errno
         match = _RUST_OS_ERROR.search(str(exc)) if not isinstance(exc, OSError) else None
-        if match and int(match.group(1)) in DISK_ERRNOS:
-            return int(match.group(1))
+        code = int(match.group(1) or match.group(2)) if match else None
+        if code in DISK_ERRNOS:
+            return code
         exc, seen = exc.__cause__ or exc.__context__, seen + 1
     return None
 

@@ -190,9 +190,12 @@ def read_torchrun_report(folder: str | os.PathLike) -> list[dict]:
 
 def dead_ranks(reports: list[dict], ended: list[dict]) -> list[dict]:
     """The ranks that died without leaving a report of their own (killed by a signal, or
-    exited without a word): those are the cause; the reports of their peers are the effect."""
+    exited without a word): those are the cause; the reports of their peers are the effect.
+    A SIGTERM/SIGINT death is torchrun ending the survivors (a rank stops gracefully on
+    those itself), never a cause."""
     reported = {r.get("rank") for r in reports}
     return [e for e in ended if e["rank"] not in reported
+            and e.get("signal") not in ("SIGTERM", "SIGINT")
             and (e.get("signal") or e.get("exitcode") not in (0, 1, 2, 130))]
 
 
