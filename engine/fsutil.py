@@ -156,6 +156,35 @@ def read_json(path: str | os.PathLike) -> Any:
                               where=f"line {exc.lineno}") from exc
 
 
+def read_json_object(path: str | os.PathLike, what: str = "a JSON object") -> dict:
+    """`read_json` of a file that must hold one JSON object (a manifest): a list or a number
+    there is refused with the path, never met later as an AttributeError."""
+    value = read_json(path)
+    if not isinstance(value, dict):
+        raise ForgebenchError(f"must be {what}, not a JSON {type(value).__name__}", path=path,
+                              hint="the file holds {\"key\": value, ...} at the top level")
+    return value
+
+
+def load_numeric_array(path: str | os.PathLike):
+    """A .npy file of numbers (numpy's `load` with allow_pickle=False): an object array, which
+    only unpickling could read, or a damaged file is refused with the path."""
+    import numpy as np
+
+    try:
+        array = np.load(path, allow_pickle=False)
+    except FileNotFoundError:
+        raise ForgebenchError("file not found", path=path) from None
+    except (ValueError, OSError, EOFError) as exc:
+        raise ForgebenchError(f"not a numeric .npy array ({exc})", path=path,
+                              hint="it holds pickled objects or is damaged: rebuild it "
+                                   "(train the run again)") from None
+    if not isinstance(array, np.ndarray) or array.dtype.kind not in "biuf":
+        raise ForgebenchError(f"not a numeric array (dtype {getattr(array, 'dtype', '?')})",
+                              path=path, hint="rebuild it (train the run again)")
+    return array
+
+
 def sha256_file(path: str | os.PathLike, chunk: int = 1 << 20) -> str:
     digest = hashlib.sha256()
     with open(path, "rb") as handle:

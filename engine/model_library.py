@@ -26,6 +26,7 @@ the engine cannot use (damaged, unknown or refused architecture, an unreadable q
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import importlib.metadata
 import os
@@ -89,8 +90,34 @@ def _save(root: Path, models: list[dict]) -> None:
 
 
 def entry_path(root: str | os.PathLike, entry: dict) -> Path:
-    path = Path(entry["path"])
-    return path if path.is_absolute() else Path(root) / path
+    """The file of an entry. A copied or linked model lives in the library's models/ folder;
+    an entry of those modes recording a path elsewhere (an edited workspace.json) is refused,
+    so neither chat nor `models remove` ever acts on a file outside the library."""
+    recorded = entry.get("path")
+    if not isinstance(recorded, str) or not recorded:
+        raise ForgebenchError("the entry has no file path", path=Path(root) / WORKSPACE_FILE,
+                              where=f"models: {entry.get('name')!r}")
+    path = Path(recorded)
+    path = path if path.is_absolute() else Path(root) / path
+    if entry.get("mode") in ("copy", "link"):
+        inside = Path(os.path.normpath(Path(root).absolute() / MODELS_DIR))
+        if Path(os.path.normpath(path.absolute())).parent != inside:
+            raise ForgebenchError(f"the entry points outside the library's {MODELS_DIR}/ folder",
+                                  path=Path(root) / WORKSPACE_FILE,
+                                  where=f"models: {entry.get('name')!r}",
+                                  hint="remove the entry and add the file again")
+    return path
+
+
+def verified_entry_path(root: str | os.PathLike, entry: dict) -> Path:
+    """`entry_path`, refused when the file is not the one added (a linked model edited on
+    disk, a copy damaged): what loads a library model to chat with calls this."""
+    path = entry_path(root, entry)
+    problem = verify_entry(root, entry)
+    if problem:
+        raise ForgebenchError(f"library model {entry.get('name')!r}: {problem}", path=path,
+                              hint="restore the file, or remove the model and add it again")
+    return path
 
 
 def get_entry(root: str | os.PathLike, name: str) -> dict:
@@ -160,6 +187,12 @@ def add_model(root: str | os.PathLike, source: str | os.PathLike | None = None, 
         file = Path(source).expanduser().resolve()
         if not file.is_file():
             raise ForgebenchError("model file not found", path=source, where="FILE")
+        with open(file, "rb") as handle:
+            magic = handle.read(4)
+        if magic != b"GGUF":   # nothing is copied for a file that is no model at all
+            raise ForgebenchError(f"not a GGUF file (it starts with {magic!r}, a GGUF file with "
+                                  "b'GGUF')", path=source, where="FILE",
+                                  hint="add a .gguf model file (forgebench convert makes one)")
         default = file.stem
     name = model_name(name or default)
     models = entries(root)
@@ -198,7 +231,8 @@ def remove_model(root: str | os.PathLike, name: str) -> None:
     root = Path(root)
     entry = get_entry(root, name)
     if entry["mode"] in ("copy", "link"):
-        entry_path(root, entry).unlink(missing_ok=True)
+        with contextlib.suppress(ForgebenchError):   # an entry pointing outside: forget only
+            entry_path(root, entry).unlink(missing_ok=True)
     _save(root, [e for e in entries(root) if e["name"] != name])
 
 
@@ -362,8 +396,14 @@ def library(root: str | os.PathLike) -> list[dict]:
     """Every entry with its facts and whether the file is still the one recorded (without
     re-hashing: the size is compared; `verify_entry` hashes)."""
     rows = []
-    for entry in entries(root):
-        path = entry_path(root, entry)
+    for index, entry in enumerate(entries(root)):
+        entry = {"name": f"(entry {index + 1})", "mode": "unknown", "bytes": 0, **entry}
+        try:
+            path = entry_path(root, entry)
+        except ForgebenchError as exc:   # listed as unusable, with the reason
+            rows.append({**entry, "facts": {"path": str(entry.get("path")), "usable": False,
+                                            "reason": exc.message}})
+            continue
         facts = model_facts(path) if path.is_file() else {
             "path": str(path), "usable": False, "reason": f"the file is missing ({path})"}
         if facts.get("file_bytes") not in (None, entry.get("bytes")):

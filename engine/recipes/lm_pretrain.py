@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.errors import ForgebenchError
-from engine.fsutil import atomic_write_json, atomic_write_text, read_json, sha256_file
+from engine.fsutil import atomic_write_json, atomic_write_text, read_json_object, sha256_file
 from engine.jobs import Job, run_config
 from engine.models.llama import Llama, LlamaConfig
 from engine.paths import dataset_file
@@ -61,7 +61,7 @@ def corpus_files(config: LMPretrainConfig) -> dict[str, Path]:
                               hint="generate one: forgebench data generate records --out DIR")
     names = dict(SPLIT_FILES)
     if (root / "dataset.json").is_file():
-        manifest = read_json(root / "dataset.json")
+        manifest = read_json_object(root / "dataset.json")
         if manifest.get("kind") != "text-corpus":
             raise ForgebenchError(f"dataset kind is {manifest.get('kind')!r}, lm-pretrain "
                                   "needs 'text-corpus'", path=root / "dataset.json",
