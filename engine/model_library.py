@@ -122,9 +122,9 @@ def verified_entry_path(root: str | os.PathLike, entry: dict) -> Path:
 
 def get_entry(root: str | os.PathLike, name: str) -> dict:
     for entry in entries(root):
-        if entry["name"] == name:
+        if entry.get("name") == name:
             return entry
-    known = ", ".join(e["name"] for e in entries(root)) or "none yet"
+    known = ", ".join(str(e.get("name")) for e in entries(root)) or "none yet"
     raise ForgebenchError(f"no model named {name!r} in the library", path=root,
                           where="models", hint=f"library models: {known}; add one with "
                                                "'forgebench models add FILE.gguf'")
@@ -196,7 +196,7 @@ def add_model(root: str | os.PathLike, source: str | os.PathLike | None = None, 
         default = file.stem
     name = model_name(name or default)
     models = entries(root)
-    if any(e["name"] == name for e in models):
+    if any(e.get("name") == name for e in models):
         raise ForgebenchError(f"the library already has a model named {name!r}", path=root,
                               where="models", hint="choose another --name")
     digest = sha256_file(file)
@@ -230,10 +230,10 @@ def remove_model(root: str | os.PathLike, name: str) -> None:
     """Forget a model; a copy in models/ (or the link) is deleted, the user's file never."""
     root = Path(root)
     entry = get_entry(root, name)
-    if entry["mode"] in ("copy", "link"):
+    if entry.get("mode") in ("copy", "link"):
         with contextlib.suppress(ForgebenchError):   # an entry pointing outside: forget only
             entry_path(root, entry).unlink(missing_ok=True)
-    _save(root, [e for e in entries(root) if e["name"] != name])
+    _save(root, [e for e in entries(root) if e.get("name") != name])
 
 
 def verify_entry(root: str | os.PathLike, entry: dict) -> str | None:

@@ -492,3 +492,167 @@ def test_status_into_a_closed_pipe_ends_quietly(ctx):
     # twin: the same pipe makes a plain print fail loudly
     plain = _into_a_closed_pipe([sys.executable, "-c", "print('x' * 100)"])
     assert "BrokenPipeError" in plain.stderr
+
+
+# -- item 8: validation gaps ----------------------------------------------------------------------
+def edited_config(ctx, tmp: Path, old: str, new: str) -> Path:
+    text = ctx["config"].read_text()
+    assert old in text
+    path = tmp / "edited.toml"
+    path.write_text(text.replace(old, new, 1))
+    return path
+
+
+@pytest.mark.parametrize("old, new, field", [
+    ("batch_size = 4", "batch_size = 1e8", "field 'train.batch_size'"),
+    ("ffn_dim = 64", "ffn_dim = 4e9", "field 'model.ffn_dim'"),
+])
+def test_sizes_beyond_the_machine_are_refused_with_the_estimate(ctx, tmp_path, capsys, old, new,
+                                                                field):
+    config = edited_config(ctx, tmp_path, old, new)
+    code, _, err = run_cli(capsys, ["run", config, "--out", tmp_path / "run"])
+    assert_one_clean_error(code, err, field, "needs at least", "GB of memory",
+                           "this machine has")
+    assert not (tmp_path / "run").exists()
+
+
+def test_the_memory_estimate_passes_the_shipped_configs():
+    """Twin: the estimate is a lower bound that every shipped lm-pretrain config is under."""
+    from engine.config import load_config, memory_estimate
+
+    configs = sorted((REPO / "resources").rglob("lm-pretrain*.toml"))
+    assert configs
+    for path in configs:
+        estimate = memory_estimate(load_config(path))
+        assert estimate is not None and sum(estimate.values()) < 1e9, path
+
+
+def test_steps_in_a_config_are_capped_like_the_flag(ctx, tmp_path, capsys):
+    from engine.config import validate_config
+
+    config = edited_config(ctx, tmp_path, "steps = 4", "steps = 100000000000000")
+    code, _, err = run_cli(capsys, ["run", config, "--out", tmp_path / "run"])
+    assert_one_clean_error(code, err, "field 'steps'", "1000000000")
+    code, _, err = run_cli(capsys, ["run", ctx["config"], "--steps", "100000000000000"])
+    assert code == 2 and "must be between 1 and 1000000000" in err
+    # twin: the cap itself is accepted
+    data = {"recipe": "lm-pretrain", "data": {"dir": "."}, "steps": 10**9}
+    assert validate_config(data).steps == 10**9
+
+
+def test_symlink_loops_as_config_or_model_paths(ctx, tmp_path, capsys):
+    loop = tmp_path / "loop.toml"
+    loop.symlink_to(loop)
+    code, _, err = run_cli(capsys, ["run", loop])
+    assert_one_clean_error(code, err, str(loop), "symbolic links")
+    model = tmp_path / "loop.gguf"
+    model.symlink_to(model)
+    code, _, err = run_cli(capsys, ["generate", "--model", model, "--prompt", "x"])
+    assert_one_clean_error(code, err, "--model")
+    data_loop = tmp_path / "data-loop"
+    data_loop.symlink_to(data_loop)
+    config = edited_config(ctx, tmp_path, f'dir = "{ctx["corpus"]}"', f'dir = "{data_loop}"')
+    code, _, err = run_cli(capsys, ["run", config, "--out", tmp_path / "run"])
+    assert_one_clean_error(code, err, "field 'data.dir'")
+
+
+def test_a_dataset_json_that_is_a_list_is_refused(ctx, tmp_path, capsys):
+    corpus = tmp_path / "corpus"
+    shutil.copytree(ctx["corpus"], corpus)
+    (corpus / "dataset.json").write_text("[]")
+    config = edited_config(ctx, tmp_path, f'dir = "{ctx["corpus"]}"', f'dir = "{corpus}"')
+    code, _, err = run_cli(capsys, ["run", config, "--out", tmp_path / "run"])
+    assert_one_clean_error(code, err, "dataset.json", "must be a JSON object, not a JSON list")
+    code, _, err = run_cli(capsys, ["data", "validate", corpus])
+    assert code != 0 and "Traceback" not in err
+
+
+def test_a_zero_frame_wav_with_a_transcript_fails_validate(tmp_path, capsys):
+    import soundfile
+
+    from engine.data.dataset import version_id
+    from engine.data.generators.speech import generate_speech
+    from engine.fsutil import sha256_file
+
+    root = generate_speech(tmp_path / "speech", n_speakers=2, per_session=2, progress=False)
+    assert main(["data", "validate", str(root)]) == 0           # twin: as generated
+    capsys.readouterr()
+    manifest = json.loads((root / "dataset.json").read_text())
+    clip = sorted(name for name in manifest["files"] if name.endswith(".wav"))[0]
+    info = soundfile.info(str(root / clip))
+    soundfile.write(str(root / clip), __import__("numpy").zeros((0, info.channels)),
+                    info.samplerate, subtype=info.subtype)
+    manifest["files"][clip] = sha256_file(root / clip)
+    manifest["version"] = version_id(manifest["files"])
+    (root / "dataset.json").write_text(json.dumps(manifest, indent=2))
+    code, out, err = run_cli(capsys, ["data", "validate", root])
+    assert code != 0, out
+    assert "holds no audio (0 frames)" in out + err and "Traceback" not in err
+
+
+@pytest.fixture
+def workspace(tmp_path):
+    from app.viewmodels.workspace import Workspace
+
+    return Workspace.create(tmp_path / "ws").root
+
+
+def test_models_add_refuses_a_file_that_is_no_gguf(tmp_path, workspace, capsys):
+    from lm_sft_support import tiny_base
+
+    bad = tmp_path / "notes.gguf"
+    bad.write_text("just some text\n")
+    code, _, err = run_cli(capsys, ["models", "--workspace", workspace, "add", bad])
+    assert_one_clean_error(code, err, "not a GGUF file", str(bad))
+    assert not (workspace / "models").exists() or list((workspace / "models").iterdir()) == []
+    code, _, err = run_cli(capsys, ["models", "--workspace", workspace, "add",   # twin
+                                    tiny_base(tmp_path / "src", "tiny.gguf"), "--name", "tiny"])
+    assert code == 0, err
+
+
+def test_a_linked_model_changed_on_disk_is_refused_before_chatting(tmp_path, workspace):
+    from lm_sft_support import tiny_base
+
+    from engine import model_library
+
+    source = tiny_base(tmp_path / "src", "tiny.gguf")
+    entry = model_library.add_model(workspace, source, name="tiny", mode="link")
+    assert model_library.verified_entry_path(workspace, entry) == workspace / "models/tiny.gguf"
+    flip_a_byte(source)
+    with pytest.raises(ForgebenchError, match="changed since it was added"):
+        model_library.verified_entry_path(workspace, entry)
+    from engine.serve_local import load_system
+
+    with pytest.raises(ForgebenchError, match="changed since it was added"):
+        load_system("A", {"library": "tiny", "workspace": str(workspace)})
+
+
+def test_a_library_entry_pointing_outside_the_library(tmp_path, workspace, capsys):
+    outside = tmp_path / "precious.gguf"
+    outside.write_bytes(b"GGUF" + b"\0" * 60)
+    manifest = json.loads((workspace / "workspace.json").read_text())
+    manifest["models"] = [{"name": "escape", "path": "../precious.gguf", "mode": "copy",
+                           "sha256": "0" * 64, "bytes": 64},
+                          {"path": str(outside)}]                         # keys missing too
+    (workspace / "workspace.json").write_text(json.dumps(manifest))
+    code, out, err = run_cli(capsys, ["models", "--workspace", workspace, "list"])
+    assert code == 0 and "Traceback" not in err, err
+    assert "escape" in out and "points outside the library" in out
+    code, _, err = run_cli(capsys, ["models", "--workspace", workspace, "remove", "escape"])
+    assert code == 0, err
+    assert outside.is_file()                      # forgotten, never deleted
+
+
+def test_a_search_index_of_pickled_objects_is_refused(tmp_path):
+    import numpy as np
+
+    from engine.fsutil import load_numeric_array
+
+    good = tmp_path / "good.npy"
+    np.save(good, np.ones((2, 3), dtype=np.float32))
+    assert load_numeric_array(good).shape == (2, 3)                      # twin
+    pickled = tmp_path / "pickled.npy"
+    np.save(pickled, np.array([{"a": 1}, None], dtype=object), allow_pickle=True)
+    with pytest.raises(ForgebenchError, match="not a numeric .npy array") as refused:
+        load_numeric_array(pickled)
+    assert refused.value.path == str(pickled)
