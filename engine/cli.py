@@ -440,7 +440,8 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as exc:   # a full or read-only disk: one message, never a traceback
         from engine.fsutil import disk_error
 
-        disk = disk_error(exc)
+        disk = disk_error(exc, fallback=getattr(args, "out", None) or getattr(
+            args, "run_dir", None) or getattr(args, "workspace", None))
         if disk is None:
             raise
         print(f"error: {disk.render()}", file=sys.stderr)

@@ -254,19 +254,21 @@ def free_space_text(path: str | os.PathLike | None) -> str:
         return "free space unknown"
 
 
-def disk_error(exc: BaseException, path: str | os.PathLike | None = None) -> ForgebenchError | None:
+def disk_error(exc: BaseException, path: str | os.PathLike | None = None,
+               fallback: str | os.PathLike | None = None) -> ForgebenchError | None:
     """`exc` as the one message a full or read-only disk gets (None if it is no such error):
-    what happened, the path, the space free there, what to do."""
+    what happened, the path (`path`, else the file the error names, else `fallback`: the
+    folder the command writes), the space free there, what to do."""
     code = disk_errno(exc)
     if code is None:
         return None
     found = exc
     while found is not None and not (isinstance(found, OSError) and found.filename):
         found = found.__cause__ or found.__context__
-    where = path or (found.filename if found is not None else None)
+    where = path or (found.filename if found is not None else None) or fallback
     hint = ("make the folder writable, or work in a writable one" if code == errno.EROFS
-            else "free some disk space (or raise the limit); a run continues with "
-                 "forgebench resume RUN_DIR")
+            else "free some disk space (or raise the file-size limit) and run the command "
+                 "again; a training run continues with forgebench resume RUN_DIR")
     return ForgebenchError(f"cannot write: {DISK_ERRNOS[code]} ({free_space_text(where)})",
                            path=where or "(a file of this command)", hint=hint)
 

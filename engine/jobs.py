@@ -451,7 +451,7 @@ def _locked_session(run: RunDir, config: Schema, resume_from: Checkpoint | None,
     try:
         yield job
     except BaseException as exc:
-        disk = disk_error(exc)    # a full or read-only disk: the path and the space left
+        disk = disk_error(exc, fallback=run.path)   # a full or read-only disk: where, free
         message = (exc.render() if isinstance(exc, ForgebenchError)
                    else disk.render() if disk is not None
                    else f"{type(exc).__name__}: {exc}")
