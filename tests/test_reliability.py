@@ -453,6 +453,30 @@ def test_relocate_and_chat_save_on_a_read_only_workspace(ctx, tmp_path):
         assert str(workspace) in result.stderr
 
 
+def test_models_add_on_a_read_only_workspace(tmp_path, workspace):
+    from lm_sft_support import tiny_base
+
+    source = tiny_base(tmp_path / "src", "tiny.gguf")
+    with read_only_view(workspace):
+        result = forgebench("models", "--workspace", str(workspace), "add", str(source),
+                            check=False)
+    assert result.returncode == 2, result.stderr
+    assert result.stderr.count("error:") == 1 and "Traceback" not in result.stderr
+    assert "read-only" in result.stderr and str(workspace) in result.stderr
+    assert json.loads((workspace / "workspace.json").read_text()).get("models", []) == []
+
+
+def test_data_generate_on_a_full_disk(tmp_path):
+    with tmpfs(tmp_path / "tiny", "64k") as space:
+        result = forgebench("data", "generate", "sfx", "--out", str(space / "d"), "--n", "50",
+                            check=False)
+        assert result.returncode == 2, result.stderr
+        err = result.stderr
+        assert err.count("error:") == 1 and "Traceback" not in err, err
+        assert "the disk is full" in err and str(space / "d") in err and " free)" in err
+        assert list(space.iterdir()) == []              # nothing half-written left behind
+
+
 def test_a_disk_error_anywhere_in_a_command_is_one_message(tmp_path, capsys, monkeypatch):
     """Any command: an ENOSPC/EROFS OSError becomes one error with path and free space."""
     import engine.commands.runs as runs
