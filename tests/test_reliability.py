@@ -445,8 +445,14 @@ def test_relocate_and_chat_save_on_a_read_only_workspace(ctx, tmp_path):
     (workspace / "runs").mkdir(parents=True)
     shutil.copytree(ctx["run"], workspace / "runs" / "run")
     make_portable(workspace / "runs" / "run", ctx["root"])
+    from lm_sft_support import tiny_base
+
+    model = tiny_base(tmp_path / "src", "tiny.gguf")
     with read_only_view(workspace):
-        result = forgebench("relocate", str(workspace / "runs" / "run"), check=False)
+        relocated = forgebench("relocate", str(workspace / "runs" / "run"), check=False)
+        saved = forgebench("chat", str(model), "--prompt", "hi", "--max-tokens", "2", "--save",
+                           str(workspace / "chat.json"), check=False)
+    for result in (relocated, saved):
         assert result.returncode == 2, result.stderr
         assert result.stderr.count("error:") == 1 and "Traceback" not in result.stderr
         assert "read-only" in result.stderr and " free)" in result.stderr
