@@ -37,6 +37,7 @@ from pathlib import Path
 
 from engine.errors import ForgebenchError
 from engine.fsutil import atomic_write_json, human_bytes, read_json, sha256_file
+from engine.paths import user_file
 
 WORKSPACE_FILE = "workspace.json"
 MODELS_DIR = "models"
@@ -184,9 +185,7 @@ def add_model(root: str | os.PathLike, source: str | os.PathLike | None = None, 
     else:
         if mode not in ("copy", "link"):
             raise ForgebenchError(f"mode must be copy or link, not {mode!r}", where="mode")
-        file = Path(source).expanduser().resolve()
-        if not file.is_file():
-            raise ForgebenchError("model file not found", path=source, where="FILE")
+        file = user_file(source, "FILE", what="model file")   # links resolved, loops refused
         with open(file, "rb") as handle:
             magic = handle.read(4)
         if magic != b"GGUF":   # nothing is copied for a file that is no model at all

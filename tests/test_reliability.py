@@ -579,6 +579,11 @@ def test_symlink_loops_as_config_or_model_paths(ctx, tmp_path, capsys):
     model.symlink_to(model)
     code, _, err = run_cli(capsys, ["generate", "--model", model, "--prompt", "x"])
     assert_one_clean_error(code, err, "--model")
+    from app.viewmodels.workspace import Workspace
+
+    workspace = Workspace.create(tmp_path / "ws").root
+    code, _, err = run_cli(capsys, ["models", "--workspace", workspace, "add", model])
+    assert_one_clean_error(code, err, "FILE", "symlink loop")
     data_loop = tmp_path / "data-loop"
     data_loop.symlink_to(data_loop)
     config = edited_config(ctx, tmp_path, f'dir = "{ctx["corpus"]}"', f'dir = "{data_loop}"')
