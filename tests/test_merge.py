@@ -141,8 +141,9 @@ def test_the_cli_refuses_a_quantized_base_with_a_nonzero_exit(tmp_path):
     for name in ("a.safetensors",):
         (run / "checkpoints" / "step-000001" / "adapters.safetensors").write_bytes(
             (tmp_path / name).read_bytes())
-    from engine.train.integrity import file_records   # a committed, verifiable checkpoint
+    from engine.train.integrity import file_records
 
+    # a committed checkpoint whose files verify (readers check them before anything else)
     records = file_records(run / "checkpoints" / "step-000001", ["adapters.safetensors"])
     (run / "checkpoints" / "step-000001" / "trainer_state.json").write_text(
         json.dumps({"step": 1, "files": records}))
