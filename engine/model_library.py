@@ -26,7 +26,6 @@ the engine cannot use (damaged, unknown or refused architecture, an unreadable q
 
 from __future__ import annotations
 
-import contextlib
 import importlib
 import importlib.metadata
 import os
@@ -91,30 +90,29 @@ def _save(root: Path, models: list[dict]) -> None:
 
 
 def entry_path(root: str | os.PathLike, entry: dict) -> Path:
-    """The file of an entry. A copied or linked model lives in the library's models/ folder;
-    an entry of those modes recording a path elsewhere (an edited workspace.json) is refused,
-    so neither chat nor `models remove` ever acts on a file outside the library."""
+    path = Path(str(entry.get("path", "")))
+    return path if path.is_absolute() else Path(root) / path
+
+
+def outside_library(root: str | os.PathLike, entry: dict) -> str | None:
+    """Why an entry cannot be trusted to name a library file, or None. A copied or linked
+    model lives in the library's models/ folder; an entry of those modes recording a path
+    elsewhere (an edited workspace.json) is never loaded, listed as usable, or deleted."""
     recorded = entry.get("path")
     if not isinstance(recorded, str) or not recorded:
-        raise ForgebenchError("the entry has no file path", path=Path(root) / WORKSPACE_FILE,
-                              where=f"models: {entry.get('name')!r}")
-    path = Path(recorded)
-    path = path if path.is_absolute() else Path(root) / path
+        return "the entry records no file path"
     if entry.get("mode") in ("copy", "link"):
         inside = Path(os.path.normpath(Path(root).absolute() / MODELS_DIR))
-        if Path(os.path.normpath(path.absolute())).parent != inside:
-            raise ForgebenchError(f"the entry points outside the library's {MODELS_DIR}/ folder",
-                                  path=Path(root) / WORKSPACE_FILE,
-                                  where=f"models: {entry.get('name')!r}",
-                                  hint="remove the entry and add the file again")
-    return path
+        if Path(os.path.normpath(entry_path(root, entry).absolute())).parent != inside:
+            return f"the entry points outside the library's {MODELS_DIR}/ folder"
+    return None
 
 
 def verified_entry_path(root: str | os.PathLike, entry: dict) -> Path:
     """`entry_path`, refused when the file is not the one added (a linked model edited on
     disk, a copy damaged): what loads a library model to chat with calls this."""
     path = entry_path(root, entry)
-    problem = verify_entry(root, entry)
+    problem = outside_library(root, entry) or verify_entry(root, entry)
     if problem:
         raise ForgebenchError(f"library model {entry.get('name')!r}: {problem}", path=path,
                               hint="restore the file, or remove the model and add it again")
@@ -230,7 +228,7 @@ def remove_model(root: str | os.PathLike, name: str) -> None:
     root = Path(root)
     entry = get_entry(root, name)
     if entry.get("mode") in ("copy", "link"):
-        with contextlib.suppress(ForgebenchError):   # an entry pointing outside: forget only
+        if outside_library(root, entry) is None:   # an entry pointing outside: forget only
             entry_path(root, entry).unlink(missing_ok=True)
     _save(root, [e for e in entries(root) if e.get("name") != name])
 
@@ -397,11 +395,10 @@ def library(root: str | os.PathLike) -> list[dict]:
     rows = []
     for index, entry in enumerate(entries(root)):
         entry = {"name": f"(entry {index + 1})", "mode": "unknown", "bytes": 0, **entry}
-        try:
-            path = entry_path(root, entry)
-        except ForgebenchError as exc:   # listed as unusable, with the reason
-            rows.append({**entry, "facts": {"path": str(entry.get("path")), "usable": False,
-                                            "reason": exc.message}})
+        path, outside = entry_path(root, entry), outside_library(root, entry)
+        if outside:   # listed as unusable, with the reason
+            rows.append({**entry, "facts": {"path": str(path), "usable": False,
+                                            "reason": outside}})
             continue
         facts = model_facts(path) if path.is_file() else {
             "path": str(path), "usable": False, "reason": f"the file is missing ({path})"}

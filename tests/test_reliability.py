@@ -673,6 +673,10 @@ def test_a_library_entry_pointing_outside_the_library(tmp_path, workspace, capsy
     code, out, err = run_cli(capsys, ["models", "--workspace", workspace, "list"])
     assert code == 0 and "Traceback" not in err, err
     assert "escape" in out and "points outside the library" in out
+    from engine.serve_local import load_system
+
+    with pytest.raises(ForgebenchError, match="points outside the library"):
+        load_system("A", {"library": "escape", "workspace": str(workspace)})
     code, _, err = run_cli(capsys, ["models", "--workspace", workspace, "remove", "escape"])
     assert code == 0, err
     assert outside.is_file()                      # forgotten, never deleted
