@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import math
 import sys
@@ -433,16 +434,44 @@ def check_output(args: argparse.Namespace) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    try:
+        args = build_parser().parse_args(argv)
+    except BrokenPipeError:   # `forgebench --help | head`
+        return _stdout_closed()
     module, _, func = args.handler.partition(":")
     try:
         check_input_files(args)
         check_output(args)
         handler = getattr(importlib.import_module(module), func)
-        return int(handler(args) or 0)
+        code = int(handler(args) or 0)
+        sys.stdout.flush()   # here, where a closed pipe is caught, not at interpreter exit
+        return code
     except ForgebenchError as exc:
         print(f"error: {exc.render()}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:
+        return _stdout_closed()
+    except Exception as exc:   # a full or read-only disk: one message, never a traceback
+        from engine.fsutil import disk_error
+
+        disk = disk_error(exc, fallback=getattr(args, "out", None) or getattr(
+            args, "run_dir", None) or getattr(args, "workspace", None))
+        if disk is None:
+            raise
+        print(f"error: {disk.render()}", file=sys.stderr)
+        return 2
+
+
+def _stdout_closed() -> int:
+    """The reader of our output went away (`forgebench status RUN | head`): stop quietly, as
+    a Unix tool does, without a BrokenPipeError at exit (stdout is pointed at /dev/null so
+    Python's final flush has nowhere to fail)."""
+    import os
+
+    with contextlib.suppress(OSError, ValueError):
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+    return 141   # 128 + SIGPIPE, what a shell reports for a tool killed by it

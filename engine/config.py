@@ -3,6 +3,12 @@
 A config file names its recipe (`recipe = "lm-pretrain"`); the recipe's schema validates the
 rest. Schemas live beside their recipes (`engine/recipes/<name>_config.py`) and never import
 torch, so the app can build forms from them.
+
+Counts every recipe shares are capped as the CLI caps them (`steps` at 10^9). A config that
+declares a transformer's sizes (`model.dim`, `n_layers`, `ffn_dim`, `context`, with
+`train.batch_size`) is checked against the machine's memory before anything is allocated
+(`check_memory`): a size that could never fit is refused with the estimate, not met as an
+allocator failure minutes later.
 """
 
 from __future__ import annotations
@@ -49,6 +55,9 @@ RECIPES: dict[str, tuple[str, str]] = {
 # Fields resume may change; everything else in the resolved config must match run.json.
 RESUMABLE_FIELDS = ("steps", "log_every", "save_every", "eval_every", "keep_last")
 
+# The largest step count or cadence a config may give (the CLI's --steps caps the same).
+MAX_COUNT = 10**9
+
 # The words `device` takes (engine/train/devices.py resolves them).
 DEVICE_PATTERN = r"^(auto|cpu|cuda(:\d+)?)$"
 
@@ -70,11 +79,15 @@ class RecipeConfig(Schema):
     recipe: str
     base_dir: str | None = None
     seed: int = Field(0, ge=0, le=2**32 - 1, description="seed of every random draw")
-    steps: int = Field(100, ge=1, description="optimizer steps to train (resume may raise it)")
-    log_every: int = Field(1, ge=1, description="steps between train metric lines")
-    eval_every: int = Field(0, ge=0, description="steps between val evaluations; 0 = at end")
-    save_every: int = Field(0, ge=0, description="steps between checkpoints; 0 = at end only")
-    keep_last: int = Field(3, ge=1, description="checkpoints kept (best is always kept too)")
+    steps: int = Field(100, ge=1, le=MAX_COUNT,
+                       description="optimizer steps to train (resume may raise it)")
+    log_every: int = Field(1, ge=1, le=MAX_COUNT, description="steps between train metric lines")
+    eval_every: int = Field(0, ge=0, le=MAX_COUNT,
+                            description="steps between val evaluations; 0 = at end")
+    save_every: int = Field(0, ge=0, le=MAX_COUNT,
+                            description="steps between checkpoints; 0 = at end only")
+    keep_last: int = Field(3, ge=1, le=MAX_COUNT,
+                           description="checkpoints kept (best is always kept too)")
     nonfinite: Literal["skip", "stop"] = Field(
         "skip", description="non-finite loss or gradient: skip the step (counted) or stop")
     device: str = Field(
@@ -143,9 +156,54 @@ def validate_config(data: dict, source: str | os.PathLike | None = None) -> Sche
         raise ForgebenchError("must be a string", path=source, where="field 'recipe'")
     schema = schema_for(recipe)
     try:
-        return schema.model_validate(data)
+        config = schema.model_validate(data)
     except ValidationError as exc:
         raise ForgebenchError(format_validation_error(exc, None), path=source) from None
+    check_memory(config, source)
+    return config
+
+
+def memory_estimate(config: Schema) -> dict[str, int] | None:
+    """Bytes a transformer-shaped config needs to train in f32, by part (None for a config that
+    declares no such sizes): the parameters with their gradients and AdamW's two moments, and
+    one micro-batch's activations kept for the backward pass (a lower bound: the real peak
+    is higher, so a refusal is never wrong)."""
+    model, train = getattr(config, "model", None), getattr(config, "train", None)
+    sizes = [getattr(model, k, None) for k in ("dim", "n_layers", "ffn_dim", "context")]
+    batch = getattr(train, "batch_size", None)
+    if not all(isinstance(v, int) for v in sizes + [batch]):
+        return None
+    dim, layers, ffn, context = sizes
+    tokenizer = getattr(config, "tokenizer", None)
+    vocab = getattr(tokenizer, "vocab_size", 260) if getattr(tokenizer, "kind", "") == "bpe" \
+        else 260
+    params = 2 * vocab * dim + layers * (4 * dim * dim + 3 * dim * ffn)
+    activations = batch * context * (layers * (6 * dim + 3 * ffn) + vocab)
+    return {"parameters": 4 * 4 * params, "activations": 4 * activations}
+
+
+def check_memory(config: Schema, source: str | os.PathLike | None = None) -> None:
+    """Refuse sizes that cannot fit in this machine's memory (see the module docstring)."""
+    estimate = memory_estimate(config)
+    if estimate is None:
+        return
+    import psutil
+
+    from engine.fsutil import human_bytes
+
+    total = psutil.virtual_memory().total
+    needed = sum(estimate.values())
+    if needed <= total:
+        return
+    part = max(estimate, key=estimate.get)
+    field = "train.batch_size" if part == "activations" else "model.ffn_dim" if (
+        config.model.ffn_dim >= config.model.dim) else "model.dim"
+    raise ForgebenchError(
+        f"training this needs at least {human_bytes(needed)} of memory (parameters, gradients "
+        f"and AdamW moments {human_bytes(estimate['parameters'])}; one micro-batch's "
+        f"activations {human_bytes(estimate['activations'])}), and this machine has "
+        f"{human_bytes(total)}", path=source, where=f"field '{field}'",
+        hint="make the model or the batch smaller")
 
 
 def load_config(path: str | os.PathLike) -> Schema:
@@ -157,6 +215,10 @@ def load_config(path: str | os.PathLike) -> Schema:
         raise ForgebenchError("config file not found", path=path) from None
     except IsADirectoryError:
         raise ForgebenchError("expected a TOML file, got a directory", path=path) from None
+    except OSError as exc:   # a symlink loop (ELOOP), no permission, ...
+        raise ForgebenchError(f"cannot read the config ({exc.strerror})", path=path,
+                              hint="give a readable TOML file (not a link that points to "
+                                   "itself)") from None
     try:
         data = tomllib.loads(raw.decode("utf-8"))
     except UnicodeDecodeError as exc:

@@ -1,13 +1,21 @@
 """Crash-safe file primitives: atomic replace, staged folders, durable appends, tolerant JSONL
 reads, hashing, and the cache folder. Every "write it beside, then rename" in the engine goes
-through here (docs/design.md, "Whole files appear atomically")."""
+through here (docs/design.md, "Whole files appear atomically").
+
+A write that the file system refuses for want of room or rights (ENOSPC, EDQUOT, EFBIG, EROFS)
+becomes one `ForgebenchError` naming the path and the space free there (`disk_error`): the CLI
+turns any such OSError into that message and exit code 2, a job records it in its `failed`
+status, and `write_in_place` lets that status be written when a new file cannot be.
+"""
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
 import json
 import os
+import re
 import shutil
 import tempfile
 from pathlib import Path
@@ -47,9 +55,11 @@ def atomic_writer(path: str | os.PathLike, mode: str = "wb") -> Iterator[Any]:
             os.fsync(handle.fileno())
         os.replace(tmp, path)
         _fsync_dir(path.parent)
-    except BaseException:
+    except BaseException as exc:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)
+        if isinstance(exc, OSError) and not exc.filename:   # say which file could not be written
+            raise OSError(exc.errno, exc.strerror, str(path)) from exc
         raise
 
 
@@ -146,6 +156,35 @@ def read_json(path: str | os.PathLike) -> Any:
                               where=f"line {exc.lineno}") from exc
 
 
+def read_json_object(path: str | os.PathLike, what: str = "a JSON object") -> dict:
+    """`read_json` of a file that must hold one JSON object (a manifest): a list or a number
+    there is refused with the path, never met later as an AttributeError."""
+    value = read_json(path)
+    if not isinstance(value, dict):
+        raise ForgebenchError(f"must be {what}, not a JSON {type(value).__name__}", path=path,
+                              hint="the file holds {\"key\": value, ...} at the top level")
+    return value
+
+
+def load_numeric_array(path: str | os.PathLike):
+    """A .npy file of numbers (numpy's `load` with allow_pickle=False): an object array, which
+    only unpickling could read, or a damaged file is refused with the path."""
+    import numpy as np
+
+    try:
+        array = np.load(path, allow_pickle=False)
+    except FileNotFoundError:
+        raise ForgebenchError("file not found", path=path) from None
+    except (ValueError, OSError, EOFError) as exc:
+        raise ForgebenchError(f"not a numeric .npy array ({exc})", path=path,
+                              hint="it holds pickled objects or is damaged: rebuild it "
+                                   "(train the run again)") from None
+    if not isinstance(array, np.ndarray) or array.dtype.kind not in "biuf":
+        raise ForgebenchError(f"not a numeric array (dtype {getattr(array, 'dtype', '?')})",
+                              path=path, hint="rebuild it (train the run again)")
+    return array
+
+
 def sha256_file(path: str | os.PathLike, chunk: int = 1 << 20) -> str:
     digest = hashlib.sha256()
     with open(path, "rb") as handle:
@@ -177,3 +216,71 @@ def human_bytes(count: float) -> str:
         if count < 1000:
             return f"{count:.1f} {unit}"
     return f"{count / 1000:.1f} GB"
+
+
+DISK_ERRNOS = {
+    errno.ENOSPC: "the disk is full",
+    errno.EDQUOT: "the disk quota is used up",
+    errno.EFBIG: "the file grew past the largest size allowed here (the file system's or "
+                 "this process's file-size limit)",
+    errno.EROFS: "the file system is read-only",
+}
+# Libraries written in Rust (safetensors) report an OS error inside their own message.
+_RUST_OS_ERROR = re.compile(r"Os \{ code: (\d+)|\(os error (\d+)\)")
+
+
+def disk_errno(exc: BaseException | None) -> int | None:
+    """The ENOSPC/EDQUOT/EFBIG/EROFS behind `exc` (its causes and contexts included), else None."""
+    seen = 0
+    while exc is not None and seen < 20:
+        if isinstance(exc, OSError) and exc.errno in DISK_ERRNOS:
+            return exc.errno
+        match = _RUST_OS_ERROR.search(str(exc)) if not isinstance(exc, OSError) else None
+        code = int(match.group(1) or match.group(2)) if match else None
+        if code in DISK_ERRNOS:
+            return code
+        exc, seen = exc.__cause__ or exc.__context__, seen + 1
+    return None
+
+
+def free_space_text(path: str | os.PathLike | None) -> str:
+    """"N MB free" on the file system holding `path` (its nearest existing folder)."""
+    folder = Path(path or ".").absolute()
+    while not folder.exists() and folder != folder.parent:
+        folder = folder.parent
+    try:
+        return f"{human_bytes(shutil.disk_usage(folder).free)} free"
+    except OSError:
+        return "free space unknown"
+
+
+def disk_error(exc: BaseException, path: str | os.PathLike | None = None,
+               fallback: str | os.PathLike | None = None) -> ForgebenchError | None:
+    """`exc` as the one message a full or read-only disk gets (None if it is no such error):
+    what happened, the path (`path`, else the file the error names, else `fallback`: the
+    folder the command writes), the space free there, what to do."""
+    code = disk_errno(exc)
+    if code is None:
+        return None
+    found = exc
+    while found is not None and not (isinstance(found, OSError) and found.filename):
+        found = found.__cause__ or found.__context__
+    where = path or (found.filename if found is not None else None) or fallback
+    hint = ("make the folder writable, or work in a writable one" if code == errno.EROFS
+            else "free some disk space (or raise the file-size limit) and run the command "
+                 "again; a training run continues with forgebench resume RUN_DIR")
+    return ForgebenchError(f"cannot write: {DISK_ERRNOS[code]} ({free_space_text(where)})",
+                           path=where or "(a file of this command)", hint=hint)
+
+
+def write_in_place(path: str | os.PathLike, data: bytes) -> None:
+    """Overwrite an existing small file in its own blocks (no new file is created): how a job
+    records its final status on a disk too full for `atomic_write_bytes`. Not atomic: a crash
+    mid-write can leave it torn, so it is only the fallback."""
+    fd = os.open(path, os.O_WRONLY)
+    try:
+        os.pwrite(fd, data, 0)
+        os.ftruncate(fd, len(data))
+        os.fsync(fd)
+    finally:
+        os.close(fd)

@@ -30,7 +30,7 @@ from typing import Any, Iterator
 
 from engine.config import RESUMABLE_FIELDS, Schema, config_diff, recipe_module, validate_config
 from engine.errors import ForgebenchError
-from engine.fsutil import sha256_file
+from engine.fsutil import disk_error, sha256_file
 from engine.paths import require_writable_dir
 from engine.rundir import Checkpoint, RunDir, require_relocated
 from engine.train.precision import requested_precision, resolve_precision
@@ -186,6 +186,7 @@ def prepare_resume(run_dir: str | os.PathLike, overrides: dict,
     require_relocated(run)
     run.acquire_lock("resume")
     try:
+        run.require_unedited_manifest()
         config = _validate_resume(run, overrides, allow_code_change)
         _check_device_move(run, config, allow_device_change)
         return run, config
@@ -440,7 +441,9 @@ def _locked_session(run: RunDir, config: Schema, resume_from: Checkpoint | None,
     try:
         yield job
     except BaseException as exc:
+        disk = disk_error(exc, fallback=run.path)   # a full or read-only disk: where, free
         message = (exc.render() if isinstance(exc, ForgebenchError)
+                   else disk.render() if disk is not None
                    else f"{type(exc).__name__}: {exc}")
         # On a full disk these writes may fail too; the released lock then tells readers the
         # job is gone (status shows failed) and the error reaches stderr all the same.
@@ -451,6 +454,8 @@ def _locked_session(run: RunDir, config: Schema, resume_from: Checkpoint | None,
         with contextlib.suppress(OSError, ForgebenchError):
             run.set_status("failed", step=job.step, stage=job.stage, stage_detail=None,
                            error=message[:2000], pid=None)
+        if disk is not None and not isinstance(exc, ForgebenchError):
+            raise disk from None
         raise
     else:
         done = job.step >= config.steps

@@ -40,6 +40,7 @@ from pathlib import Path
 
 from engine.errors import ForgebenchError
 from engine.fsutil import atomic_write_json, human_bytes, read_json, sha256_file
+from engine.paths import resolve, user_file
 
 WORKSPACE_FILE = "workspace.json"
 MODELS_DIR = "models"
@@ -93,15 +94,40 @@ def _save(root: Path, models: list[dict]) -> None:
 
 
 def entry_path(root: str | os.PathLike, entry: dict) -> Path:
-    path = Path(entry["path"])
+    path = Path(str(entry.get("path", "")))
     return path if path.is_absolute() else Path(root) / path
+
+
+def outside_library(root: str | os.PathLike, entry: dict) -> str | None:
+    """Why an entry cannot be trusted to name a library file, or None. A copied or linked
+    model lives in the library's models/ folder; an entry of those modes recording a path
+    elsewhere (an edited workspace.json) is never loaded, listed as usable, or deleted."""
+    recorded = entry.get("path")
+    if not isinstance(recorded, str) or not recorded:
+        return "the entry records no file path"
+    if entry.get("mode") in ("copy", "link", "hf"):
+        inside = Path(os.path.normpath(Path(root).absolute() / MODELS_DIR))
+        if Path(os.path.normpath(entry_path(root, entry).absolute())).parent != inside:
+            return f"the entry points outside the library's {MODELS_DIR}/ folder"
+    return None
+
+
+def verified_entry_path(root: str | os.PathLike, entry: dict) -> Path:
+    """`entry_path`, refused when the file is not the one added (a linked model edited on
+    disk, a copy damaged): what loads a library model to chat with calls this."""
+    path = entry_path(root, entry)
+    problem = outside_library(root, entry) or verify_entry(root, entry)
+    if problem:
+        raise ForgebenchError(f"library model {entry.get('name')!r}: {problem}", path=path,
+                              hint="restore the file, or remove the model and add it again")
+    return path
 
 
 def get_entry(root: str | os.PathLike, name: str) -> dict:
     for entry in entries(root):
-        if entry["name"] == name:
+        if entry.get("name") == name:
             return entry
-    known = ", ".join(e["name"] for e in entries(root)) or "none yet"
+    known = ", ".join(str(e.get("name")) for e in entries(root)) or "none yet"
     raise ForgebenchError(f"no model named {name!r} in the library", path=root,
                           where="models", hint=f"library models: {known}; add one with "
                                                "'forgebench models add FILE.gguf'")
@@ -161,15 +187,21 @@ def add_model(root: str | os.PathLike, source: str | os.PathLike | None = None, 
     else:
         if mode not in ("copy", "link"):
             raise ForgebenchError(f"mode must be copy or link, not {mode!r}", where="mode")
-        file = Path(source).expanduser().resolve()
-        if file.is_dir():
-            return _add_hf_folder(root, file, name)
-        if not file.is_file():
-            raise ForgebenchError("model file not found", path=source, where="FILE")
+        folder = Path(source).expanduser()
+        if folder.is_dir():   # a Hugging Face checkpoint folder: converted into the library
+            return _add_hf_folder(root, resolve(folder, "FILE"), name)
+        file = user_file(source, "FILE", what="model file")   # links resolved, loops refused
+        with open(file, "rb") as handle:
+            magic = handle.read(4)
+        if magic != b"GGUF":   # nothing is copied for a file that is no model at all
+            raise ForgebenchError(f"not a GGUF file (it starts with {magic!r}, a GGUF file with "
+                                  "b'GGUF')", path=source, where="FILE",
+                                  hint="add a .gguf model file or a Hugging Face checkpoint "
+                                       "folder (forgebench convert makes a GGUF)")
         default = file.stem
     name = model_name(name or default)
     models = entries(root)
-    if any(e["name"] == name for e in models):
+    if any(e.get("name") == name for e in models):
         raise ForgebenchError(f"the library already has a model named {name!r}", path=root,
                               where="models", hint="choose another --name")
     digest = sha256_file(file)
@@ -237,9 +269,10 @@ def remove_model(root: str | os.PathLike, name: str) -> None:
     """Forget a model; a copy in models/ (or the link) is deleted, the user's file never."""
     root = Path(root)
     entry = get_entry(root, name)
-    if entry["mode"] in ("copy", "link", "hf"):
-        entry_path(root, entry).unlink(missing_ok=True)
-    _save(root, [e for e in entries(root) if e["name"] != name])
+    if entry.get("mode") in ("copy", "link", "hf"):
+        if outside_library(root, entry) is None:   # an entry pointing outside: forget only
+            entry_path(root, entry).unlink(missing_ok=True)
+    _save(root, [e for e in entries(root) if e.get("name") != name])
 
 
 def verify_entry(root: str | os.PathLike, entry: dict) -> str | None:
@@ -402,8 +435,13 @@ def library(root: str | os.PathLike) -> list[dict]:
     """Every entry with its facts and whether the file is still the one recorded (without
     re-hashing: the size is compared; `verify_entry` hashes)."""
     rows = []
-    for entry in entries(root):
-        path = entry_path(root, entry)
+    for index, entry in enumerate(entries(root)):
+        entry = {"name": f"(entry {index + 1})", "mode": "unknown", "bytes": 0, **entry}
+        path, outside = entry_path(root, entry), outside_library(root, entry)
+        if outside:   # listed as unusable, with the reason
+            rows.append({**entry, "facts": {"path": str(path), "usable": False,
+                                            "reason": outside}})
+            continue
         facts = model_facts(path) if path.is_file() else {
             "path": str(path), "usable": False, "reason": f"the file is missing ({path})"}
         if facts.get("file_bytes") not in (None, entry.get("bytes")):

@@ -3,6 +3,8 @@
 Layout and rules (docs/design.md §2)::
 
     run.json            immutable manifest
+    run.seal.json       a SHA-256 of each of run.json's fields, written with it: a resume that
+                        finds run.json edited refuses, naming the field (`manifest_drift`)
     invocations.jsonl   one line per start/resume
     status.json         replaced atomically
     metrics.jsonl       append-only, one object per optimizer step or eval
@@ -38,16 +40,37 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from engine.errors import ForgebenchError
-from engine.fsutil import atomic_write_bytes, atomic_write_json, read_json, staged_dir
+from engine.fsutil import (
+    atomic_write_bytes,
+    atomic_write_json,
+    disk_errno,
+    read_json,
+    sha256_bytes,
+    staged_dir,
+    write_in_place,
+)
 from engine.jsonl import append_line, read_log
 from engine.runlock import LOCK_NAME, lock_holder, pid_alive  # noqa: F401 (app uses pid_alive)
 
 STATES = ("queued", "running", "stopping", "stopped", "completed", "failed")
 ACTIVE_STATES = ("queued", "running", "stopping")
 SENTINEL = "trainer_state.json"
+SEAL_FILE = "run.seal.json"
 EXAMPLE_FILE = "example.json"
 WORKSPACE_TOKEN = "{workspace}"
 _CHECKPOINT_RE = re.compile(r"^step-(\d{6,})$")
+
+
+def field_digests(value: Any, prefix: str = "") -> dict[str, str]:
+    """{dotted field name: SHA-256 of its JSON} for every leaf of a JSON document (a list or
+    an empty table is one leaf)."""
+    if isinstance(value, dict) and value:
+        digests: dict[str, str] = {}
+        for key, item in value.items():
+            digests.update(field_digests(item, f"{prefix}{key}."))
+        return digests
+    text = json.dumps(value, sort_keys=True, separators=(",", ":"), default=str)
+    return {prefix[:-1] or "(run.json)": sha256_bytes(text.encode("utf-8"))}
 
 
 def checkpoint_name(step: int) -> str:
@@ -142,7 +165,49 @@ class RunDir:
         self.acquire_lock("run")  # before run.json: a queued run without a live writer is dead
         self.checkpoints_dir.mkdir()
         atomic_write_json(self.manifest_path, manifest)
+        self.seal_manifest()
         self.set_status("queued", step=0)
+
+    # -- the manifest's seal ---------------------------------------------------------------
+    def seal_manifest(self) -> None:
+        """Record each run.json field's SHA-256 beside it (at creation, and after `relocate`
+        rewrote the workspace folder in it)."""
+        atomic_write_json(self.path / SEAL_FILE, {
+            "about": "SHA-256 of each run.json field when the run was created; resume refuses "
+                     "a run.json that no longer matches",
+            "fields": field_digests(self.manifest())})
+
+    def manifest_drift(self) -> list[str] | None:
+        """The run.json fields that differ from the seal (added, removed or changed), [] when
+        none, None for a run without a seal (made before seals existed)."""
+        path = self.path / SEAL_FILE
+        if not path.is_file():
+            return None
+        try:
+            sealed = read_json(path)["fields"]
+        except (ForgebenchError, KeyError, TypeError):
+            return ["run.seal.json (unreadable)"]
+        now = field_digests(self.manifest())
+        return sorted(name for name in set(sealed) | set(now) if sealed.get(name) != now.get(name))
+
+    def require_unedited_manifest(self) -> None:
+        """Refuse a run whose run.json was edited after it was created (the manifest is
+        immutable: the checkpoints were trained under what it says); seal an older run that
+        has no seal yet, so later edits are caught."""
+        drift = self.manifest_drift()
+        if drift is None:
+            with contextlib.suppress(OSError):
+                self.seal_manifest()
+            return
+        if drift:
+            shown = ", ".join(drift[:8]) + (f" and {len(drift) - 8} more" if len(drift) > 8
+                                            else "")
+            raise ForgebenchError(
+                "run.json was edited after the run was created (the manifest is immutable; "
+                f"the checkpoints were trained under what it said): {shown}",
+                path=self.manifest_path, where="field " + drift[0],
+                hint="restore run.json as it was; to train with other settings start a new "
+                     "run (forgebench run), or pass --steps/--save-every... to resume")
 
     # -- reading -------------------------------------------------------------------------
     def require(self) -> "RunDir":
@@ -214,11 +279,23 @@ class RunDir:
         return sorted(found, key=lambda c: c.step)
 
     def latest_checkpoint(self) -> Checkpoint | None:
-        checkpoints = self.checkpoints()
-        return checkpoints[-1] if checkpoints else None
+        """The newest committed checkpoint that verifies (damaged ones are passed over with a
+        warning), or None."""
+        from engine.train.integrity import verified_checkpoint
+
+        return verified_checkpoint(self, "latest", required=False)
 
     def checkpoint(self, name_or_step: str | int | None) -> Checkpoint:
-        """Resolve 'latest', 'best', 'step-000010', 10 or a path to a committed checkpoint."""
+        """The checkpoint a reader loads: 'latest' (the newest that verifies), 'best',
+        'step-000010', 10 or a path, its files checked against the hashes its sentinel
+        records (engine/train/integrity.py `verified_checkpoint`, the one way readers pick)."""
+        from engine.train.integrity import verified_checkpoint
+
+        return verified_checkpoint(self, name_or_step)
+
+    def committed_checkpoint(self, name_or_step: str | int | None) -> Checkpoint:
+        """Resolve 'latest', 'best', 'step-000010', 10 or a path to a committed checkpoint,
+        without verifying it (`checkpoint` verifies)."""
         checkpoints = self.checkpoints()
         if not checkpoints:
             raise ForgebenchError("the run has no committed checkpoint yet", path=self.path)
@@ -250,7 +327,16 @@ class RunDir:
         status = {k: v for k, v in previous.items() if k not in ("state", "updated")}
         status.update(fields)
         status.update(state=state, updated=time.time())
-        atomic_write_json(self.path / "status.json", status)
+        path = self.path / "status.json"
+        try:
+            atomic_write_json(path, status)
+        except OSError as exc:
+            # A full disk has no room for the new file; the old one's blocks still hold the
+            # few bytes of a final status, so a dead job never reads as `running`.
+            if disk_errno(exc) is None or not path.is_file():
+                raise
+            write_in_place(path, (json.dumps(status, indent=2, sort_keys=True, default=str)
+                                  + "\n").encode("utf-8"))
         return status
 
     def log_metric(self, record: dict) -> None:
@@ -363,7 +449,8 @@ def make_portable(run_dir: str | os.PathLike, workspace: str | os.PathLike) -> l
     changed. Refuses a run any of whose files still names the folder after that (a checkpoint,
     a PNG), so a shipped run never points at the machine that made it."""
     run_dir, root = Path(run_dir), str(Path(workspace).resolve())
-    changed = _replace_in_json_files(run_dir, json.dumps(root)[1:-1], WORKSPACE_TOKEN)
+    changed = _reseal_after(run_dir, lambda: _replace_in_json_files(
+        run_dir, json.dumps(root)[1:-1], WORKSPACE_TOKEN))
     for path in sorted(p for p in run_dir.rglob("*") if p.is_file()):
         if root.encode("utf-8") in path.read_bytes():
             raise ForgebenchError("the file still names the workspace folder it was made in",
@@ -375,7 +462,19 @@ def relocate(run_dir: str | os.PathLike, workspace: str | os.PathLike) -> list[s
     """Give a portable run (`make_portable`) the workspace folder it now lives in; return the
     files changed."""
     escaped = json.dumps(str(Path(workspace).resolve()))[1:-1]
-    return _replace_in_json_files(Path(run_dir), WORKSPACE_TOKEN, escaped)
+    return _reseal_after(Path(run_dir), lambda: _replace_in_json_files(
+        Path(run_dir), WORKSPACE_TOKEN, escaped))
+
+
+def _reseal_after(run_dir: Path, rewrite) -> list[str]:
+    """Run `rewrite` (which rewrites the workspace folder in the run's JSON files) and seal the
+    new run.json, if the seal matched before: an edit made by hand stays detectable."""
+    run = RunDir(run_dir)
+    intact = run.exists() and run.manifest_drift() == []
+    changed = rewrite()
+    if intact and "run.json" in changed:
+        run.seal_manifest()
+    return changed
 
 
 def awaits_relocation(run: RunDir) -> bool:

@@ -11,6 +11,11 @@ Contract:
 - `signal_holder(run_dir, sig)` signals the holder only if the process with that pid still has
   the recorded start time (a reused pid is never signalled).
 
+- A launched job's ranks (engine/commands/launch.py) each hold a shared lock on
+  `<run>/job.ranks.lock` for their whole life (`hold_rank_lock`). `acquire` refuses while any
+  rank holds it, even when the launcher that held `job.lock` is gone, and `lock_holder` reports
+  such ranks: one writer per run holds across all the processes of a job.
+
 Readers probe with a shared lock for an instant; a writer that meets such a probe retries
 briefly before refusing, so a reader never makes a writer fail.
 """
@@ -29,6 +34,8 @@ from pathlib import Path
 from engine.errors import ForgebenchError
 
 LOCK_NAME = "job.lock"
+RANKS_LOCK_NAME = "job.ranks.lock"
+_RANK_LOCKS: list[int] = []   # the rank lock descriptors this process holds (never closed)
 _WRITER_PATIENCE_S = 2.0
 
 
@@ -130,6 +137,14 @@ class RunLock:
                         hint="wait for it, or stop it: forgebench stop RUN_DIR --wait 60"
                     ) from None
                 time.sleep(0.05)
+        if ranks_alive(self.path.parent, patience=_WRITER_PATIENCE_S):
+            fcntl.flock(fd, fcntl.LOCK_UN)
+            os.close(fd)
+            raise ForgebenchError(
+                "ranks of a launched job (forgebench run --nproc) are still running in this "
+                "run, though their launcher is gone", path=self.path.parent,
+                hint="wait a moment for them to exit (they die with their launcher), or end "
+                     "the 'forgebench worker' processes of this run")
         with contextlib.suppress(OSError):
             data = json.dumps(_identity(purpose)).encode("utf-8")
             os.ftruncate(fd, 0)
@@ -143,6 +158,35 @@ class RunLock:
                 os.ftruncate(self._fd, 0)
             os.close(self._fd)  # closing the descriptor drops the flock
             self._fd = None
+
+
+def hold_rank_lock(run_dir: str | os.PathLike) -> None:
+    """A rank of a launched job: hold the run's rank lock (shared) until this process exits."""
+    fd = os.open(Path(run_dir) / RANKS_LOCK_NAME, os.O_RDWR | os.O_CREAT, 0o644)
+    fcntl.flock(fd, fcntl.LOCK_SH)   # blocks only through another process's instant probe
+    _RANK_LOCKS.append(fd)
+
+
+def ranks_alive(run_dir: str | os.PathLike, patience: float = 0.0) -> bool:
+    """Does any rank of a launched job still hold the run's rank lock?"""
+    try:
+        fd = os.open(Path(run_dir) / RANKS_LOCK_NAME, os.O_RDONLY)
+    except OSError:
+        return False
+    try:
+        deadline = time.monotonic() + patience
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                if time.monotonic() >= deadline:
+                    return True
+                time.sleep(0.05)
+                continue
+            fcntl.flock(fd, fcntl.LOCK_UN)
+            return False
+    finally:
+        os.close(fd)
 
 
 def lock_holder(run_dir: str | os.PathLike) -> dict | None:
@@ -162,9 +206,12 @@ def lock_holder(run_dir: str | os.PathLike) -> dict | None:
             holder = _read_identity(fd)
             return holder or {"pid": None, "purpose": "starting"}
         fcntl.flock(fd, fcntl.LOCK_UN)
-        return None
     finally:
         os.close(fd)
+    if ranks_alive(run_dir):
+        return {"pid": None, "purpose": "ranks of a launched job whose launcher is gone",
+                "host": socket.gethostname()}
+    return None
 
 
 def signal_holder(run_dir: str | os.PathLike, sig: int) -> dict | None:
@@ -175,6 +222,10 @@ def signal_holder(run_dir: str | os.PathLike, sig: int) -> dict | None:
     if holder is None:
         return None
     pid = holder.get("pid")
+    if pid is None and holder.get("purpose", "").startswith("ranks"):
+        raise ForgebenchError("ranks of a launched job whose launcher is gone still run here; "
+                              "nothing was signalled", path=run_dir,
+                              hint="they exit with their launcher within moments")
     if not isinstance(pid, int) or pid <= 0:
         raise ForgebenchError("the job holding this run is still starting; nothing was "
                               "signalled", path=run_dir, hint="try again in a moment")

@@ -86,7 +86,8 @@ def load_system(name: str, request: dict) -> System:
         if not workspace:
             raise ForgebenchError("a library model needs the workspace", where="workspace")
         entry = model_library.get_entry(workspace, request["library"])
-        path, origin = model_library.entry_path(workspace, entry), {"library": entry["name"]}
+        path = model_library.verified_entry_path(workspace, entry)   # edited on disk: refused
+        origin = {"library": entry["name"]}
     elif request.get("model"):
         path, origin = Path(request["model"]).expanduser(), {}
     else:

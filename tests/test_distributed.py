@@ -271,6 +271,7 @@ def test_resume_onto_another_device_type_is_an_override(pretrain, tmp_path):
     manifest = json.loads((run_path / "run.json").read_text())
     manifest["environment"]["device"] = {"type": "cuda", "index": 0, "name": "a GPU"}
     (run_path / "run.json").write_text(json.dumps(manifest))
+    RunDir(run_path).seal_manifest()   # as a run made on a GPU was sealed
     refused = forgebench("resume", str(run_path), "--steps", "5", check=False)
     assert refused.returncode == 2
     assert "trained on cuda; resuming on cpu would not be exact" in refused.stderr

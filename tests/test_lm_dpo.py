@@ -328,6 +328,14 @@ def test_an_sft_adapter_trained_on_another_base_is_refused(tmp_path, sft_run):
     path = copy / "checkpoints" / "step-000002" / "adapters.safetensors"
     tensors, meta = load_file(path), read_adapters(path)[1]
     save_file(tensors, path, metadata=dict(meta, base_sha256="0" * 64))
+    # recorded as written (a checkpoint trained on that base): the base check refuses it, not
+    # the readers' integrity check (engine/train/integrity.py)
+    from engine.train.integrity import file_records
+
+    state_path = path.parent / "trainer_state.json"
+    state = json.loads(state_path.read_text())
+    state["files"].update(file_records(path.parent, [path.name]))
+    state_path.write_text(json.dumps(state))
     saved = tree_digest(copy)
     result = forgebench("run", str(write_dpo(tmp_path / "dpo", copy)), "--out",
                         str(tmp_path / "dpo" / "run"), check=False)

@@ -141,7 +141,12 @@ def test_the_cli_refuses_a_quantized_base_with_a_nonzero_exit(tmp_path):
     for name in ("a.safetensors",):
         (run / "checkpoints" / "step-000001" / "adapters.safetensors").write_bytes(
             (tmp_path / name).read_bytes())
-    (run / "checkpoints" / "step-000001" / "trainer_state.json").write_text("{}")
+    from engine.train.integrity import file_records
+
+    # a committed checkpoint whose files verify (readers check them before anything else)
+    records = file_records(run / "checkpoints" / "step-000001", ["adapters.safetensors"])
+    (run / "checkpoints" / "step-000001" / "trainer_state.json").write_text(
+        json.dumps({"step": 1, "files": records}))
     (run / "run.json").write_text(json.dumps({
         "recipe": "lm-sft", "config": {}, "base_model": {"path": str(base),
                                                          "sha256": sha256_file(base)}}))

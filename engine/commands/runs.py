@@ -11,7 +11,13 @@ import sys
 import time
 from pathlib import Path
 
-from engine.commands.launch import launch, note_world_change, wants_launch, world_size
+from engine.commands.launch import (
+    check_world,
+    launch,
+    note_world_change,
+    wants_launch,
+    world_size,
+)
 from engine.config import load_config, validate_config
 from engine.errors import ForgebenchError
 from engine.jobs import (
@@ -68,6 +74,7 @@ def cmd_run(args) -> int:
     out = args.out or Path("runs") / f"{config.recipe}-{time.strftime('%Y%m%d-%H%M%S')}"
     threads = args.threads or default_threads()
     argv = ["forgebench"] + sys.argv[1:]
+    check_world(config, args)   # before any folder or process exists
     if wants_launch(args) and args.node_rank != 0:   # rank 0's node creates the run
         status = launch(args, RunDir(out), threads=threads)
         print(f"node {args.node_rank}: {status['state']}")
@@ -102,6 +109,7 @@ def cmd_resume(args) -> int:
                           "uninterrupted run")
         argv = ["forgebench"] + sys.argv[1:]
         require_multi_process(config, world_size(args))
+        check_world(config, args)
         note_world_change(run, world_size(args))
         status = _train(args, run, config, checkpoint, threads=threads, argv=argv,
                         overrides={k: v for k, v in overrides.items() if v is not None})

@@ -66,6 +66,17 @@ def transcript_problem(text: str, policy: dict) -> str | None:
     return None
 
 
+def _frames(root: Path, rel: object) -> int | None:
+    """The frame count a clip's header gives, or None when it cannot be read (the media
+    check reports unreadable files)."""
+    import soundfile
+
+    try:
+        return soundfile.info(str(root / str(rel))).frames
+    except Exception:  # libsndfile raises RuntimeError subclasses for any malformed file
+        return None
+
+
 def check_speech(root: Path, rel: str, manifest: dict, rows: list[tuple[str, dict]],
                  report) -> None:
     """Add a finding for a missing or bad policy, each transcript outside it, each WAV no
@@ -78,6 +89,10 @@ def check_speech(root: Path, rel: str, manifest: dict, rows: list[tuple[str, dic
     for where, record in rows:
         at = f"{where} (id {record['id']!r})"
         transcribed.add(record.get("path"))
+        if str(record.get("text") or "").strip() and _frames(root, record.get("path")) == 0:
+            report.add(rel, at, "path", "the WAV holds no audio (0 frames) but its transcript "
+                       "is not empty: there is nothing to learn the text from",
+                       record_id=record["id"])
         if policy is not None:
             reason = transcript_problem(record["text"], policy)
             if reason:

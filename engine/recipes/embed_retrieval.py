@@ -33,6 +33,7 @@ from engine.eval.retrieval import DEFAULT_KS, TfidfRetriever, retrieval_metrics,
 from engine.fsutil import (
     atomic_write_bytes,
     atomic_write_json,
+    load_numeric_array,
     read_json,
     sha256_bytes,
     sha256_file,
@@ -242,7 +243,7 @@ def search(run: RunDir, query: str, k: int = 5) -> dict:
         if encoder.pooling != contract["pooling"]:
             raise ForgebenchError("the encoder's pooling differs from the indexed one",
                                   where="field 'pooling'")
-        vectors = torch.from_numpy(np.load(run.path / INDEX_DIR / EMBEDDINGS))
+        vectors = torch.from_numpy(load_numeric_array(run.path / INDEX_DIR / EMBEDDINGS))
         scores = (encoder.encode(query_texts(config, [query])) @ vectors.T).numpy()
     else:
         scores = TfidfRetriever(data.doc_texts).scores([query])

@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.errors import ForgebenchError
-from engine.fsutil import atomic_write_json, atomic_write_text, read_json, sha256_file
+from engine.fsutil import atomic_write_json, atomic_write_text, read_json_object, sha256_file
 from engine.jobs import Job, run_config
 from engine.models.llama import Llama, LlamaConfig
 from engine.paths import dataset_file
@@ -47,6 +47,7 @@ from engine.train.precision import autocast, run_precision
 
 CUDA = True            # trains on a GPU (engine/train/devices.py)
 MULTI_PROCESS = True   # and on several processes: DDP (engine/train/distributed.py)
+SHARDED_BATCH = "train.batch_size"   # split over the ranks: checked before they start
 TOKENIZER_FILE = "tokenizer.json"
 SPLIT_FILES = {"train": "train.txt", "val": "val.txt", "test": "test.txt"}
 
@@ -60,7 +61,7 @@ def corpus_files(config: LMPretrainConfig) -> dict[str, Path]:
                               hint="generate one: forgebench data generate records --out DIR")
     names = dict(SPLIT_FILES)
     if (root / "dataset.json").is_file():
-        manifest = read_json(root / "dataset.json")
+        manifest = read_json_object(root / "dataset.json")
         if manifest.get("kind") != "text-corpus":
             raise ForgebenchError(f"dataset kind is {manifest.get('kind')!r}, lm-pretrain "
                                   "needs 'text-corpus'", path=root / "dataset.json",

@@ -68,6 +68,7 @@ from engine.train.precision import autocast, run_precision
 
 CUDA = True            # trains on a GPU (engine/train/devices.py)
 MULTI_PROCESS = True   # and on several processes: DDP for LoRA, FSDP2 for full fine-tuning
+SHARDED_BATCH = "train.window"   # split over the ranks: checked before they start
 
 
 # -- data -----------------------------------------------------------------------------------

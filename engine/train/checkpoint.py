@@ -20,7 +20,9 @@ from __future__ import annotations
 
 import base64
 import json
+import os
 import random
+from pathlib import Path
 from typing import Any, Iterable
 
 import numpy as np
@@ -28,7 +30,13 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from engine.errors import ForgebenchError
-from engine.fsutil import atomic_write_bytes, atomic_write_json, read_json, require_free_space
+from engine.fsutil import (
+    atomic_write_bytes,
+    atomic_write_json,
+    disk_errno,
+    read_json,
+    require_free_space,
+)
 from engine.rundir import SENTINEL, Checkpoint, RunDir, checkpoint_name
 from engine.train.data_order import DataCursor
 from engine.train.distributed import full_optimizer_state, full_tensors, is_writer
@@ -66,6 +74,18 @@ def _join_optimizer_state(tensors: dict[str, torch.Tensor], rest: dict) -> dict:
     return {"state": state, "param_groups": rest["param_groups"]}
 
 
+def _save_tensors(tensors: dict[str, torch.Tensor], path: Path) -> None:
+    """safetensors' `save_file`, with a full disk reported as the OSError it is (safetensors
+    wraps it in its own error type, without the file's name)."""
+    try:
+        save_file(tensors, str(path))
+    except Exception as exc:
+        code = disk_errno(exc)
+        if code is None:
+            raise
+        raise OSError(code, os.strerror(code), str(path)) from None
+
+
 def checkpoint_due(config: Any, step: int, stop_requested: bool, eval_due: bool = False) -> bool:
     """Whether a training loop saves after `step`: at the last step, when asked to stop (so a
     stopped run resumes where it stopped), every `config.save_every` steps, and with an eval."""
@@ -99,9 +119,9 @@ def save_checkpoint(run: RunDir, step: int, *, model_tensors: dict[str, torch.Te
                        hint="free some space or lower keep_last; then forgebench resume RUN_DIR")
 
     with run.staging_checkpoint(step) as tmp:
-        save_file(model_tensors, str(tmp / MODEL_FILE))
+        _save_tensors(model_tensors, tmp / MODEL_FILE)
         if optimizer is not None:
-            save_file(opt_tensors, str(tmp / OPTIMIZER_TENSORS))
+            _save_tensors(opt_tensors, tmp / OPTIMIZER_TENSORS)
             atomic_write_json(tmp / OPTIMIZER_JSON, opt_rest)
         for name, data in extra_files.items():
             atomic_write_bytes(tmp / name, data)

@@ -8,8 +8,10 @@ Contract:
   process and every function here is the identity: nothing changes for a plain `forgebench run`.
 - `init(world, device)` joins the process group: gloo on the CPU, NCCL on CUDA.
 - Rank 0 owns the run directory. The launcher (`forgebench run --nproc N`) holds the run lock
-  for the whole job; rank 0 writes status, metrics, events and checkpoints under it; every other
-  rank sees the run through `FollowerRun`, whose writes are dropped. A rank other than 0 that
+  for the whole job, and every rank holds the run's rank lock (engine/runlock.py), so no other
+  writer starts while a rank lives, even one whose launcher was killed; rank 0 writes status,
+  metrics, events and checkpoints under it; every other rank sees the run through
+  `FollowerRun`, whose writes are dropped. A rank other than 0 that
   fails writes `rank-<R>.json` into the launcher's reports folder (`RANK_REPORTS_ENV`); the
   launcher turns each into an `error` event with its rank.
 - Data order: every rank draws the same global batch from the one cursor (so the cursor, and

@@ -7,6 +7,16 @@ Contract:
   unreadable sentinel, a missing file, a size or hash that differs from the record, a
   safetensors file whose header does not parse or whose tensors run past its end.
   Checkpoints written before the records existed get the header and presence checks.
+  A sentinel whose `files` is empty records nothing to verify and is refused, as is a file in
+  the folder that the records do not name.
+- `verified_checkpoint(run, name_or_step)` is how every reader of a run's weights (eval,
+  export, generate, chat, decide, sample, serve-local, the recipes loading a base run) picks
+  its checkpoint; `RunDir.checkpoint` calls it. "latest" is the newest committed checkpoint
+  that verifies: a damaged one (a flipped byte, a stray `step-999999/` whose sentinel is `{}`)
+  is passed over with a warning on stderr. A checkpoint named exactly ("step-000010", 10,
+  "best") is returned only if it verifies, else refused with its problems. Verdicts are cached
+  per process against each file's size, mtime and inode, so a reader that resolves the same
+  checkpoint twice hashes it once.
 - `choose_resume_checkpoint(run, from_step)` picks the newest intact checkpoint (or exactly
   step N), records an event and prints a line on stderr for every damaged one it passes over,
   and refuses with a reason when the run progressed but no intact checkpoint is left: a resume
@@ -25,6 +35,8 @@ from engine.errors import ForgebenchError
 from engine.rundir import SENTINEL, Checkpoint, RunDir
 
 _MAX_HEADER = 100 * 1024 * 1024
+_VERDICTS: dict[str, tuple[tuple, tuple[str, ...]]] = {}
+_VERDICTS_KEPT = 256
 
 
 def _sha256(path: Path) -> str:
@@ -81,8 +93,19 @@ def checkpoint_problems(checkpoint: Checkpoint) -> list[str]:
         return [f"{SENTINEL} does not describe step {checkpoint.step}"]
     records = state.get("files")
     problems = []
+    if "files" in state and not isinstance(records, dict):
+        return [f"{SENTINEL}'s 'files' is not a table of file records"]
+    if isinstance(records, dict) and not records:
+        return [f"{SENTINEL} records no files, so nothing in the checkpoint can be verified"]
     if isinstance(records, dict):
+        for name in sorted(p.name for p in folder.iterdir() if p.is_file()
+                           and p.name != SENTINEL and not p.name.startswith(".")):
+            if name not in records:
+                problems.append(f"{name} is not among the files {SENTINEL} records")
         for name, record in sorted(records.items()):
+            if not isinstance(record, dict) or "/" in name or name.startswith("."):
+                problems.append(f"{SENTINEL} has a malformed record for {name[:60]!r}")
+                continue
             path = folder / name
             if not path.is_file():
                 problems.append(f"{name} is missing")
@@ -103,6 +126,60 @@ def checkpoint_problems(checkpoint: Checkpoint) -> list[str]:
             if reason:
                 problems.append(f"{path.name}: {reason}")
     return problems
+
+
+def _fingerprint(folder: Path) -> tuple:
+    """What a cached verdict is valid for: every file's name, size, mtime and inode."""
+    try:
+        return tuple(sorted((p.name, st.st_size, st.st_mtime_ns, st.st_ino)
+                            for p in folder.iterdir() for st in [p.stat()]))
+    except OSError:
+        return ()
+
+
+def cached_problems(checkpoint: Checkpoint) -> list[str]:
+    """`checkpoint_problems`, remembered while none of the checkpoint's files changes."""
+    key, fingerprint = str(checkpoint.path.resolve()), _fingerprint(checkpoint.path)
+    cached = _VERDICTS.get(key)
+    if cached is not None and cached[0] == fingerprint and fingerprint:
+        return list(cached[1])
+    problems = checkpoint_problems(checkpoint)
+    if len(_VERDICTS) >= _VERDICTS_KEPT:
+        _VERDICTS.clear()
+    _VERDICTS[key] = (fingerprint, tuple(problems))
+    return problems
+
+
+def verified_checkpoint(run: RunDir, name_or_step: str | int | None = "latest", *,
+                        required: bool = True) -> Checkpoint | None:
+    """The checkpoint a reader loads (see the module docstring). With `required=False` a run
+    without an intact checkpoint gives None instead of an error."""
+    checkpoints = run.checkpoints()
+    if not checkpoints:
+        if not required:
+            return None
+        raise ForgebenchError("the run has no committed checkpoint yet", path=run.path)
+    if name_or_step in (None, "latest", "last"):
+        for checkpoint in reversed(checkpoints):
+            problems = cached_problems(checkpoint)
+            if not problems:
+                return checkpoint
+            print(f"warning: {checkpoint.path}: checkpoint {checkpoint.name} is damaged "
+                  f"({'; '.join(problems)}); using an older one", file=sys.stderr)
+        if not required:
+            return None
+        raise ForgebenchError("every checkpoint of the run is damaged (warnings above say how)",
+                              path=run.checkpoints_dir,
+                              hint="restore the checkpoints folder from a backup, or resume "
+                                   "the run from step 0 with forgebench resume")
+    checkpoint = run.committed_checkpoint(name_or_step)
+    problems = cached_problems(checkpoint)
+    if problems:
+        intact = [c.name for c in checkpoints if c != checkpoint and not cached_problems(c)]
+        raise ForgebenchError(f"checkpoint {checkpoint.name} is damaged: " + "; ".join(problems),
+                              path=checkpoint.path,
+                              hint="intact checkpoints: " + (", ".join(intact) or "none"))
+    return checkpoint
 
 
 def _run_progressed(run: RunDir) -> bool:
