@@ -41,7 +41,13 @@ from PySide6.QtWidgets import (
 )
 
 from app.viewmodels.tour import Tour
-from app.viewmodels.workspace import Settings, Workspace, WorkspaceWatch, install_sample_workspace
+from app.viewmodels.workspace import (
+    Settings,
+    Workspace,
+    WorkspaceWatch,
+    dialog_folder,
+    install_sample_workspace,
+)
 from app.views.background import BackgroundCall
 from app.views.first_tune_panel import FirstTunePanel
 from app.views.form_widget import WheelGuard, guard_wheel
@@ -283,6 +289,8 @@ class MainWindow(QMainWindow):
     def _library_changed(self) -> None:
         if self._built("chat") is not None:
             self.chat.refresh_sources()
+        if self.first_tune.tune is not None and self.first_tune.isVisible():
+            self.first_tune.refresh()       # a model added: the strip may offer it now
 
     # -- menus ---------------------------------------------------------------------------
     def _build_menus(self) -> None:
@@ -361,12 +369,13 @@ class MainWindow(QMainWindow):
             self.banner.forget.hide()
 
     def choose_workspace(self) -> None:
-        path = QFileDialog.getExistingDirectory(self, "Open workspace")
+        path = QFileDialog.getExistingDirectory(self, "Open workspace", self._dialog_start())
         if path:
             self.open_workspace(path)
 
     def choose_new_workspace(self) -> None:
-        path = QFileDialog.getExistingDirectory(self, "Create a workspace in an empty folder")
+        path = QFileDialog.getExistingDirectory(self, "Create a workspace in an empty folder",
+                                                self._dialog_start())
         if path:
             try:
                 Workspace.create(path)
@@ -374,6 +383,12 @@ class MainWindow(QMainWindow):
                 self.report_problem(path, exc)
                 return
             self.open_workspace(path)
+
+    def _dialog_start(self) -> str:
+        """Workspace dialogs open beside the open workspace (else in the home folder)."""
+        if self.workspace is None:
+            return dialog_folder(None)
+        return str(self.workspace.root.parent)
 
     def open_sample(self) -> None:
         try:

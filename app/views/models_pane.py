@@ -24,7 +24,7 @@ from PySide6.QtWidgets import (
 )
 
 from app.viewmodels import models as vm
-from app.viewmodels.workspace import Workspace
+from app.viewmodels.workspace import Workspace, dialog_folder
 from app.views.background import BackgroundCall
 from app.views.labels import wrap_items
 from engine.errors import ForgebenchError
@@ -216,7 +216,8 @@ class ModelsPane(QWidget):
 
     # -- adding and removing ----------------------------------------------------------------
     def choose_file(self, link: bool) -> None:
-        path, _ = QFileDialog.getOpenFileName(self, "Add a GGUF model", "", "GGUF (*.gguf)")
+        start = str(self.view.root) if self.view is not None else dialog_folder(None)
+        path, _ = QFileDialog.getOpenFileName(self, "Add a GGUF model", start, "GGUF (*.gguf)")
         if path:
             self.add_file(path, link)
 
