@@ -13,10 +13,10 @@ steps by the test's set-up (the shipped file's step count and window), never by 
 from __future__ import annotations
 
 import json
-import tomllib
 from pathlib import Path
 
 import pytest
+import tomllib
 from app_part2_support import go_and_wait, wait_for
 from app_wait import settle
 from fixtures_gguf import write_tiny_gguf
@@ -32,13 +32,14 @@ TIMEOUT_MS = 300_000
 
 
 def own_model_workspace(folder: Path) -> Path:
-    """A workspace with the shipped pirate config (3 steps, window 3) and the pirate pairs; the
-    library is empty."""
+    """A workspace with the sample workspace's pirate config (3 steps, window 3) and the
+    pirate pairs; the library is empty."""
     from engine.data.generators.text import generate_pirate
 
     workspace = Workspace.create(folder / "ws")
     generate_pirate(workspace.datasets_dir / "pirate")
-    text = (REPO / "resources" / "configs" / first_tune.CONFIG_NAME).read_text()
+    shipped = REPO / "resources" / "sample-workspace" / "configs" / first_tune.CONFIG_NAME
+    text = shipped.read_text()
     for line, new in (("steps = 30", "steps = 3"), ("window = 5", "window = 3"),
                       ("micro_batch = 5", "micro_batch = 3"), ("max_tokens = 24",
                                                                "max_tokens = 4")):
@@ -101,7 +102,8 @@ def test_own_gguf_reaches_start_trains_samples_rates_and_exports(qtbot, window, 
 
     qtbot.mouseClick(panel.start_button, Qt.MouseButton.LeftButton)
     run_dir = panel.run_dir
-    qtbot.waitUntil(lambda: panel.result.isVisible() or "ended" in panel.run_status.text(),
+    qtbot.waitUntil(lambda: panel.result.isVisible() or "ended" in panel.run_status.text()
+                    or "did not start" in panel.run_status.text(),
                     timeout=TIMEOUT_MS)
     assert panel.result.isVisible(), panel.run_status.text()
     manifest = json.loads((run_dir / "run.json").read_text())

@@ -212,7 +212,8 @@ class FirstTunePanel(QFrame):
         self.refresh()
         if state != "completed":
             log = self.log.read_text(errors="replace") if self.log.is_file() else ""
-            self.run_status.setText(f"{self.run_dir.name} ended {state}: "
+            ended = "did not start" if state in ("starting", "unknown") else f"ended {state}"
+            self.run_status.setText(f"{self.run_dir.name} {ended}: "
                                     f"{job_error(log) or 'see it in Runs'}")
             return
         from app.viewmodels.samples import before_after
