@@ -418,3 +418,61 @@ def failure_report(path: Path) -> str:
     if not parts and status.get("state") == "failed":
         parts.append(str(status.get("error", "the job failed without recording an error")))
     return "\n\n".join(parts)
+
+
+@dataclass
+class ExtensionPlan:
+    """What resuming a run to a larger step target does to its learning rate, when that is not
+    the schedule it trained on continued: the curve it saw, the curve it would follow, and
+    what changes, in words (shown before the resume starts)."""
+
+    run: str
+    done: int                       # the step it resumes from
+    old_total: int
+    new_total: int
+    seen: tuple[list[int], list[float]]         # the logged lr (the schedule where none is)
+    planned: tuple[list[int], list[float]]      # the lr from `done` to the new target
+    text: str
+
+
+def extension_plan(run_dir: Path, new_total: int) -> ExtensionPlan | None:
+    """None when resuming `run_dir` to `new_total` steps follows the schedule it trained on (a
+    constant rate, or no larger target); else the new schedule, from the same function the
+    engine steps with (engine.train.schedule)."""
+    from engine.train.schedule import section_lr
+
+    run = RunDir(run_dir)
+    try:
+        config = run.manifest().get("config") or {}
+    except ForgebenchError:
+        return None
+    optim = config.get("optim")
+    status = run.live_status()
+    old_total = int(status.get("target_steps") or config.get("steps") or 0)
+    done = int(status.get("step") or 0)
+    if not isinstance(optim, dict) or not isinstance(optim.get("lr"), (int, float)) or \
+            not old_total or new_total <= old_total:
+        return None
+    ahead = range(done, new_total)
+    planned = [section_lr(optim, s, new_total) for s in ahead]
+    continued = [section_lr(optim, s, old_total) for s in ahead]
+    if all(math.isclose(a, b, rel_tol=1e-9) for a, b in zip(planned, continued)):
+        return None
+    steps, logged = [], []
+    for record in JsonlTail(run.path / "metrics.jsonl").read_new():
+        if record.get("split", "train") == "train" and isinstance(record.get("lr"), (int, float)):
+            steps.append(int(record.get("step", 0)))
+            logged.append(float(record["lr"]))
+    if not steps:
+        steps = list(range(done))
+        logged = [section_lr(optim, s, old_total) for s in steps]
+    last = logged[-1] if logged else section_lr(optim, max(done - 1, 0), old_total)
+    peak = max(range(len(planned)), key=planned.__getitem__)
+    text = (f"Resuming {run.path.name} to step {new_total} does not continue its learning-rate "
+            f"schedule: that was set for {old_total} steps and was at {last:.3g} when it "
+            f"stopped. The {optim.get('schedule', 'constant')} schedule is laid out again over "
+            f"{new_total} steps: the rate starts at {planned[0]:.3g}, "
+            + (f"rises to {planned[peak]:.3g} at step {done + peak}, " if peak else "")
+            + f"and ends at {planned[-1]:.3g}. The dashed curve is the new one.")
+    return ExtensionPlan(run.path.name, done, old_total, new_total, (steps, logged),
+                         (list(ahead), planned), text)

@@ -42,6 +42,7 @@ from app.viewmodels.runs import (
     LedgerRow,
     delete_run,
     example_text,
+    extension_plan,
     failure_report,
     ledger_row,
     write_notes,
@@ -258,6 +259,10 @@ class RunsPane(QWidget):
         self.resume_steps.setRange(0, 10_000_000)
         self.resume_steps.setSpecialValueText("same target")
         self.resume_steps.setPrefix("to step ")
+        self.resume_steps.setToolTip("Resume to this step target (for the selected run only; "
+                                     "'same target' finishes the run's own)")
+        self._resume_for: list[Path] = []     # the runs the typed target is meant for
+        self.extend_dialog = None             # the question before a schedule changes
         self.reports_button = QPushButton("Reports")
         self.reports_button.setToolTip("The selected run's evaluation reports, figures and "
                                        "plots, in the Reports pane")
@@ -549,14 +554,35 @@ class RunsPane(QWidget):
         self.poll(force=True)
 
     def resume_selected(self) -> None:
+        """Resume the selected runs (to the step target typed for them). A larger target whose
+        learning-rate schedule would not just continue is asked about first, with the new
+        curve (ExtendDialog); the plan is read off the GUI thread."""
+        steps = self.resume_steps.value() or None
         for path in self.selected_paths():
             if RunDir(path).is_active():
                 self.message.emit(f"{path.name} is still running")
                 continue
-            argv = jobs.resume_argv(path, self.resume_steps.value() or None, self.threads)
-            log = jobs.resume_log(self.workspace, path)
-            self._in_background(lambda a=argv, lg=log: start_detached(a, lg),
-                                lambda pid, p=path: self._resumed(p, pid), path.name)
+            self._in_background(lambda p=path: extension_plan(p, steps) if steps else None,
+                                lambda plan, p=path: self._confirm_resume(p, steps, plan),
+                                path.name)
+
+    def _confirm_resume(self, path: Path, steps: int | None, plan) -> None:
+        if plan is None:
+            self._start_resume(path, steps)
+            return
+        from app.views.extend_dialog import ExtendDialog
+
+        dialog = ExtendDialog(plan, self)
+        self.extend_dialog = dialog
+        dialog.accepted.connect(lambda: self._start_resume(path, steps))
+        dialog.finished.connect(dialog.deleteLater)
+        dialog.open()
+
+    def _start_resume(self, path: Path, steps: int | None) -> None:
+        argv = jobs.resume_argv(path, steps, self.threads)
+        log = jobs.resume_log(self.workspace, path)
+        self._in_background(lambda: start_detached(argv, log),
+                            lambda pid: self._resumed(path, pid), path.name)
 
     def delete_selected(self, confirm: bool = True) -> None:
         """Delete the selected runs after one confirmation; a run a job holds is kept."""
@@ -610,6 +636,10 @@ class RunsPane(QWidget):
     # -- polling -------------------------------------------------------------------------
     def _selection_changed(self) -> None:
         paths = self.selected_paths()
+        if paths and paths != self._resume_for:
+            # a step target typed for one run is never carried over to another
+            self._resume_for = paths
+            self.resume_steps.setValue(0)
         self.charts.set_runs(paths)
         self.search_box.set_run(paths[0] if len(paths) == 1 else None)
         self.reports_button.setEnabled(len(paths) == 1 and bool(report_files(paths[0])))
