@@ -134,3 +134,4 @@ def test_a_constant_run_resumes_to_a_larger_target_without_a_question(pane, qtbo
     pane.resume_selected()
     qtbot.waitUntil(lambda: bool(pane.started))
     assert pane.extend_dialog is None and "30" in pane.started[0]
+

@@ -14,7 +14,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from app.viewmodels.jobs import duration_text, run_stage_line
+from app.viewmodels.jobs import Pace, duration_text, run_stage_line
 from engine.errors import ForgebenchError
 from engine.fsutil import atomic_write_json, read_json
 from engine.rundir import RunDir
@@ -334,6 +334,33 @@ class BestEval:
         return self.best
 
 
+class StepPace:
+    """A run's `Pace`, followed incrementally in metrics.jsonl (the charts' source): the last
+    train step of the latest invocation, and its steady step time from the wall times of that
+    invocation's first and last logged steps (a resume is measured afresh)."""
+
+    def __init__(self, path: Path):
+        self._tail = JsonlTail(Path(path) / "metrics.jsonl")
+        self._invocation: object = None
+        self._first: tuple[int, float] | None = None
+        self._last: tuple[int, float] | None = None
+
+    def update(self) -> Pace:
+        for record in self._tail.read_new():
+            step, at = record.get("step"), record.get("time")
+            if record.get("split", "train") != "train" or not isinstance(step, int) or \
+                    not isinstance(at, (int, float)):
+                continue
+            invocation = record.get("invocation")
+            if self._last is None or invocation != self._invocation or step <= self._last[0]:
+                self._invocation, self._first = invocation, (step, float(at))
+            self._last = (step, float(at))
+        if self._last is None:
+            return Pace()
+        (first, t0), (last, t1) = self._first, self._last
+        return Pace(last, (t1 - t0) / (last - first) if last > first else None)
+
+
 def _best_metric(status: dict, best: tuple[float, int | None] | None) -> str:
     if isinstance(status.get("best_metric"), (int, float)):
         name = status.get("best_metric_name", "val loss")
@@ -341,10 +368,12 @@ def _best_metric(status: dict, best: tuple[float, int | None] | None) -> str:
     return f"val loss {best[0]:.4g} @ {best[1]}" if best else "—"
 
 
-def ledger_row(path: Path, best: BestEval | None = None) -> LedgerRow:
-    """One ledger line for a run directory; a damaged run still gets a (failed) line.
+def ledger_row(path: Path, best: BestEval | None = None,
+               pace: StepPace | None = None) -> LedgerRow:
+    """One ledger line for a run directory; a damaged run still gets a (failed) line. While
+    it trains, its step and ETA are those of its metrics (`StepPace`), as the charts show.
 
-    Pass the run's `BestEval` when polling so only new metric lines are read.
+    Pass the run's `BestEval` and `StepPace` when polling so only new metric lines are read.
     """
     run = RunDir(path)
     try:
@@ -363,10 +392,14 @@ def ledger_row(path: Path, best: BestEval | None = None) -> LedgerRow:
     if not selected:
         latest = run.latest_checkpoint()
         selected = f"{latest.name} (latest)" if latest else "—"
-    invocations = run.invocations() if status.get("state") in ("running", "stopping") else []
+    active = status.get("state") in ("running", "stopping")
+    measured = (pace or StepPace(path)).update() if active else None
+    step = status.get("step")
+    if measured is not None and measured.step is not None:
+        step = measured.step
     return LedgerRow(
         name=path.name, path=path, recipe=str(manifest.get("recipe", "?")),
-        state=str(status.get("state", "unknown")), step=status.get("step"),
+        state=str(status.get("state", "unknown")), step=step,
         target_steps=status.get("target_steps") or (manifest.get("config") or {}).get("steps"),
         question=str(notes.get("question", "")), data_version=_data_version(manifest),
         best_metric=_best_metric(status, (best or BestEval(path)).update()),
@@ -376,7 +409,7 @@ def ledger_row(path: Path, best: BestEval | None = None) -> LedgerRow:
         else None,
         updated=status.get("updated") if isinstance(status.get("updated"), (int, float))
         else None,
-        stage_line=run_stage_line(status, invocations[-1] if invocations else None),
+        stage_line=run_stage_line(status, measured),
         device=device_text(manifest), holder=run.lock_holder(), example=run.example)
 
 

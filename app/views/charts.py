@@ -264,6 +264,9 @@ class RunCharts(QWidget):
         if changed:
             self.pending += [m for m in PLOT_NAMES if m not in self.pending]
             self.stagger.start()
+            # the figures beside the plots follow every read, not the last staggered redraw
+            # (new lines each poll kept that from ever coming: "no metrics yet" beside curves)
+            self._summarize()
         return changed
 
     def _draw_next(self) -> None:

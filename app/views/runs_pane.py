@@ -40,6 +40,7 @@ from app.viewmodels.reports import report_files
 from app.viewmodels.runs import (
     BestEval,
     LedgerRow,
+    StepPace,
     delete_run,
     example_text,
     extension_plan,
@@ -85,6 +86,7 @@ class LedgerModel(QAbstractTableModel):
         self.rows: list[LedgerRow] = []
         self._stamps: dict[Path, tuple] = {}
         self._best: dict[Path, BestEval] = {}
+        self._pace: dict[Path, StepPace] = {}
         self.extra: list[tuple[str, str]] = []  # (name, state) of launches without a folder yet
         self.own_pids: set[int] = set()     # the jobs this window started (runs, resumes)
 
@@ -181,7 +183,8 @@ class LedgerModel(QAbstractTableModel):
             stamp = self._stamp(path)
             row = old.get(path)
             if row is None or self._stamps.get(path) != stamp or row.active:
-                row = ledger_row(path, self._best.setdefault(path, BestEval(path)))
+                row = ledger_row(path, self._best.setdefault(path, BestEval(path)),
+                                 self._pace.setdefault(path, StepPace(path)))
                 self._stamps[path] = stamp
             rows.append(row)
         rows.sort(key=lambda r: r.created or 0, reverse=True)

@@ -1,0 +1,56 @@
+"""A running job's status (issue 46, item 4): the ETA comes from the step time measured after
+the warm-up, and the step shown in the ledger, its stage line and the figures beside the charts
+all come from the metrics the charts draw."""
+
+from __future__ import annotations
+
+from app.viewmodels import jobs
+from engine.rundir import RunDir
+
+
+def test_the_eta_is_the_step_time_measured_after_the_warm_up(tmp_path):
+    """Worked example: loading and the first step took 20 s (invocation at t=980, step 1 logged
+    at 1000), then 0.5 s a step. At step 3 of 30 the ETA is 27 × 0.5 = 13.5 s; the rate since
+    the invocation began (21 s for 3 steps) would have said 189 s."""
+    from app.viewmodels.runs import StepPace, ledger_row
+
+    run = RunDir(tmp_path / "run")
+    run.create({"recipe": "lm-pretrain", "created": 970.0, "config": {"steps": 30}})
+    run.log_invocation({"id": 1, "start_step": 0, "time": 980.0})
+    for step, at in ((1, 1000.0), (2, 1000.5), (3, 1001.0)):
+        run.log_metric({"invocation": 1, "step": step, "split": "train", "loss": 1.0,
+                        "time": at})
+    run.set_status("running", step=2, target_steps=30)     # status.json lags the metrics
+    pace = StepPace(run.path)
+    assert pace.update() == jobs.Pace(3, 0.5)
+    row = ledger_row(run.path, pace=StepPace(run.path))
+    assert row.step == 3 and row.stage_line == "step 3/30, ETA 14 s"
+    # a resume is measured afresh from its own first logged step
+    for step, at in ((4, 2000.0), (5, 2002.0)):
+        run.log_metric({"invocation": 2, "step": step, "split": "train", "loss": 1.0,
+                        "time": at})
+    assert pace.update() == jobs.Pace(5, 2.0)
+    run.log_metric({"invocation": 3, "step": 5, "split": "train", "loss": 1.0, "time": 3000.0})
+    assert pace.update() == jobs.Pace(5, None)           # one step of the new invocation yet
+
+
+def test_the_figures_beside_live_charts_follow_every_read(qtbot, tmp_path):
+    """New metric lines at every poll keep the staggered redraw busy; the figures beside the
+    plots are written on each read all the same (they said "no metrics yet" beside curves)."""
+    from app.views.charts import RunCharts
+
+    run = RunDir(tmp_path / "run")
+    run.create({"recipe": "lm-pretrain", "created": 970.0, "config": {"steps": 30}})
+    run.set_status("running", step=0, target_steps=30)
+    charts = RunCharts()
+    qtbot.addWidget(charts)
+    charts.set_runs([run.path])
+    assert "no metrics yet" in charts.summary.text()
+    charts.stagger.stop()
+    charts.stagger.timeout.disconnect()         # the redraw never gets to finish
+    for step in (1, 2):
+        run.log_metric({"invocation": 1, "step": step, "split": "train", "loss": 2.5,
+                        "lr": 1e-3, "time": 1000.0 + step})
+        assert charts.refresh()
+        assert "no metrics yet" not in charts.summary.text()
+        assert f"step {step}" in charts.summary.text()
