@@ -206,6 +206,16 @@ class RunSeries:
         return None
 
 
+def stable_order(shown: list, wanted: list) -> list:
+    """The order a list refreshed under the user's pointer takes: the entries shown that are
+    still wanted keep their places, new ones come after them (in `wanted`'s order). Nothing
+    the user is about to click moves up or down because another entry appeared above it."""
+    kept = set(wanted)
+    present = [key for key in shown if key in kept]
+    seen = set(present)
+    return present + [key for key in wanted if key not in seen]
+
+
 def throughput_text(series: Series, metric: str = "tokens_per_s", unit: str = "tokens/s",
                     last: int = 20) -> str:
     """The throughput line beside the charts: the mean of `metric` (RunSeries.throughput: tokens

@@ -41,6 +41,7 @@ from PySide6.QtWidgets import (
 
 from app.audio import Player
 from app.viewmodels import ab as vm
+from app.viewmodels.runs import stable_order
 from app.viewmodels.samples import text_file, waveform
 from app.viewmodels.workspace import Workspace
 from app.views.job_runner import JobRunner
@@ -258,9 +259,10 @@ class ABPane(QWidget):
 
     def reload(self) -> None:
         """Every (run, checkpoint) that has samples or generations, or whose generator can
-        make them, as a checkable system."""
-        checked = set(self.chosen())
-        self.systems.clear()
+        make them, as a checkable system. The list is updated in place: the systems shown keep
+        their rows (and check marks), new ones are added after them, and the row under the
+        pointer never moves (vm.stable_order)."""
+        found: dict[tuple[str, str], str] = {}
         for run_dir in self.workspace.run_dirs() if self.workspace else []:
             run = RunDir(run_dir)
             names = []
@@ -274,12 +276,20 @@ class ABPane(QWidget):
             if vm.base_gguf(run_dir) is not None:
                 names.append(vm.BASE)
             for name in sorted(set(names)):
-                item = QListWidgetItem(vm.system_name(run_dir, name))
-                item.setData(Qt.ItemDataRole.UserRole, (str(run_dir), name))
-                item.setFlags(item.flags() | Qt.ItemFlag.ItemIsUserCheckable)
-                item.setCheckState(Qt.CheckState.Checked if (str(run_dir), name) in checked
-                                   else Qt.CheckState.Unchecked)
-                self.systems.addItem(item)
+                found[(str(run_dir), name)] = vm.system_name(run_dir, name)
+        items = {tuple(self.systems.item(i).data(Qt.ItemDataRole.UserRole)):
+                 self.systems.item(i) for i in range(self.systems.count())}
+        order = stable_order(list(items), list(found))
+        if order != list(items):
+            for key in [k for k in items if k not in found]:
+                self.systems.takeItem(self.systems.row(items.pop(key)))
+            for key in order:
+                if key not in items:
+                    item = items[key] = QListWidgetItem(found[key])
+                    item.setData(Qt.ItemDataRole.UserRole, key)
+                    item.setFlags(item.flags() | Qt.ItemFlag.ItemIsUserCheckable)
+                    item.setCheckState(Qt.CheckState.Unchecked)
+                    self.systems.addItem(item)
         session = self.sessions.currentData()
         self.sessions.clear()
         if self.workspace and self.ratings_dir.is_dir():

@@ -46,6 +46,7 @@ from app.viewmodels.runs import (
     extension_plan,
     failure_report,
     ledger_row,
+    stable_order,
     write_notes,
 )
 from app.viewmodels.workspace import Workspace
@@ -175,8 +176,11 @@ class LedgerModel(QAbstractTableModel):
                 out.append(None)
         return tuple(out)
 
-    def refresh(self, paths: list[Path], extra: list[tuple[str, str]]) -> None:
-        """Re-read only the runs whose files changed (a poll costs a few stat calls)."""
+    def refresh(self, paths: list[Path], extra: list[tuple[str, str]],
+                hold_order: bool = False) -> None:
+        """Re-read only the runs whose files changed (a poll costs a few stat calls). Newest
+        first; `hold_order` (the pointer is over the ledger) keeps the rows shown in their
+        places and puts new ones after them, until the pointer leaves."""
         old = {r.path: r for r in self.rows}
         rows = []
         for path in paths:
@@ -188,6 +192,9 @@ class LedgerModel(QAbstractTableModel):
                 self._stamps[path] = stamp
             rows.append(row)
         rows.sort(key=lambda r: r.created or 0, reverse=True)
+        if hold_order:
+            where = {r.path: r for r in rows}
+            rows = [where[p] for p in stable_order(self.paths(), [r.path for r in rows])]
         if [r.path for r in rows] != self.paths() or extra != self.extra:
             self.beginResetModel()
             self.rows, self.extra = rows, list(extra)
@@ -716,7 +723,8 @@ class RunsPane(QWidget):
             self._ledger_read = now
             extra = self._launch_states()
             selected = self.selected_paths()
-            self.ledger.refresh(self.workspace.run_dirs(), extra)
+            self.ledger.refresh(self.workspace.run_dirs(), extra,
+                                hold_order=self.table.viewport().underMouse())
             if self.follow is not None and self.follow in self.ledger.paths():
                 selected, self.follow = [self.follow], None     # show the new run's charts
                 self.table.clearSelection()

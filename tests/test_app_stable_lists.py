@@ -1,0 +1,89 @@
+"""Lists that refresh while the user points at them (issue 46, item 3): the Runs ledger and the
+Blind A/B systems list keep the rows shown in their places (and their check marks and
+selection) when runs or checkpoints appear; new entries come after them. The ledger sorts
+newest first again once the pointer has left it."""
+
+from __future__ import annotations
+
+import shutil
+import time
+from pathlib import Path
+
+from PySide6.QtCore import Qt
+
+from app.viewmodels.runs import stable_order
+from app.viewmodels.workspace import Workspace
+from engine.rundir import SENTINEL, RunDir
+
+
+def lm_run(path: Path, created: float, checkpoints: tuple[int, ...] = (10,)) -> Path:
+    run = RunDir(path)
+    run.create({"recipe": "lm-pretrain", "created": created, "config": {"steps": 20}})
+    for step in checkpoints:
+        folder = run.checkpoints_dir / f"step-{step:06d}"
+        folder.mkdir(parents=True)
+        (folder / SENTINEL).write_text("{}")
+    run.set_status("completed", step=20, target_steps=20)
+    run.release_lock()
+    return path
+
+
+def test_stable_order_keeps_the_shown_entries_in_place():
+    assert stable_order(["c", "b", "a"], ["d", "c", "b", "a"]) == ["c", "b", "a", "d"]
+    assert stable_order(["c", "b", "a"], ["a", "c"]) == ["c", "a"]        # one removed
+    assert stable_order([], ["b", "a"]) == ["b", "a"]
+    # twin: a plain sort would have moved every row shown down by one
+    assert sorted(["d", "c", "b", "a"]) != stable_order(["c", "b", "a"], ["d", "c", "b", "a"])
+
+
+def test_the_ledger_holds_its_order_under_the_pointer_then_sorts_newest_first(qtbot, tmp_path):
+    from app.views.runs_pane import LedgerModel
+
+    workspace = Workspace.create(tmp_path / "ws")
+    now = time.time()
+    older = lm_run(workspace.runs_dir / "older", now - 100)
+    old = lm_run(workspace.runs_dir / "old", now - 50)
+    model = LedgerModel()
+    model.refresh(workspace.run_dirs(), [])
+    assert model.paths() == [old, older]
+    new = lm_run(workspace.runs_dir / "new", now)
+    model.refresh(workspace.run_dirs(), [], hold_order=True)
+    assert model.paths() == [old, older, new]        # the rows pointed at did not move
+    model.refresh(workspace.run_dirs(), [], hold_order=False)
+    assert model.paths() == [new, old, older]        # the pointer left: newest first
+
+
+def test_the_ab_systems_keep_their_rows_and_check_marks_as_checkpoints_appear(qtbot, tmp_path):
+    from app.views.ab_pane import ABPane
+
+    workspace = Workspace.create(tmp_path / "ws")
+    lm_run(workspace.runs_dir / "b-run", time.time(), checkpoints=(10, 20))
+    pane = ABPane()
+    qtbot.addWidget(pane)
+    pane.set_workspace(workspace)
+
+    def rows() -> list[tuple[str, str]]:
+        return [tuple(pane.systems.item(i).data(Qt.ItemDataRole.UserRole))
+                for i in range(pane.systems.count())]
+
+    before = rows()
+    assert [name for _, name in before] == ["step-000010", "step-000020"]
+    pane.check_system(workspace.runs_dir / "b-run", "step-000020")
+    pane.systems.setCurrentRow(1)
+    held = pane.systems.item(1)
+    # a run whose name sorts first appears, and the first run gains a checkpoint
+    lm_run(workspace.runs_dir / "a-run", time.time(), checkpoints=(5,))
+    extra = RunDir(workspace.runs_dir / "b-run").checkpoints_dir / "step-000030"
+    extra.mkdir()
+    (extra / SENTINEL).write_text("{}")
+    pane.reload()
+    after = rows()
+    assert after[:2] == before                          # the rows shown did not move
+    assert set(after[2:]) == {(str(workspace.runs_dir / "a-run"), "step-000005"),
+                              (str(workspace.runs_dir / "b-run"), "step-000030")}
+    assert pane.systems.item(1) is held and pane.systems.currentRow() == 1
+    assert pane.chosen() == [(str(workspace.runs_dir / "b-run"), "step-000020")]
+    # a run deleted: its rows go, the others keep their order
+    shutil.rmtree(workspace.runs_dir / "a-run")
+    pane.reload()
+    assert rows() == before + [(str(workspace.runs_dir / "b-run"), "step-000030")]
