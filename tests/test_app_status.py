@@ -54,3 +54,24 @@ def test_the_figures_beside_live_charts_follow_every_read(qtbot, tmp_path):
         assert charts.refresh()
         assert "no metrics yet" not in charts.summary.text()
         assert f"step {step}" in charts.summary.text()
+
+
+def test_each_sides_requests_go_to_its_own_worker(tmp_path):
+    """Side-by-side chat: a request line goes to the worker of the side it names, a cancel to
+    the worker streaming the reply it cancels (one worker per side: issue 46, item 9)."""
+    import json
+
+    from app.viewmodels.chat import ChatSession, Source, worker_side
+
+    session = ChatSession(tmp_path)
+    for side in ("A", "B"):
+        session.choose(side, Source(f"model: {side}", "library", {"model": f"{side}.gguf"}))
+        session.loaded[side] = {}
+    lines = session.send("hello")
+    assert [worker_side(session, line) for line in lines] == ["A", "B"]
+    cancels = session.stop()
+    assert [worker_side(session, line) for line in cancels] == ["A", "B"]
+    assert {json.loads(c)["target"] for c in cancels} == {json.loads(x)["request"]
+                                                          for x in lines}
+    # twin: a request of no side (none the worker knows) goes to the first worker
+    assert worker_side(session, json.dumps({"op": "shutdown"})) == "A"

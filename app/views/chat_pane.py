@@ -62,8 +62,8 @@ class ChatPane(QWidget):
         self.workspace: Workspace | None = None
         self.session: vm.ChatSession | None = None
         self.sources: list[vm.Source] = []
-        self.process: QProcess | None = None
-        self._buffer = b""
+        self.workers: dict[str, QProcess] = {}     # one serve-local process per side
+        self._buffers: dict[str, bytes] = {}
 
         self.source = {side: QComboBox() for side in vm.SIDES}
         for side, combo in self.source.items():
@@ -241,26 +241,34 @@ class ChatPane(QWidget):
             if source is not None and source.kind != "run":
                 self.choose(side)
 
-    # -- the worker -------------------------------------------------------------------------
-    def _ensure_worker(self) -> None:
-        if self.process is not None and self.process.state() != QProcess.ProcessState.NotRunning:
-            return
-        self.process = engine_process(self, forgebench_argv() + ["serve-local"])
-        self.process.readyReadStandardOutput.connect(self._read)
-        self.process.finished.connect(self._worker_ended)
-        self._buffer = b""
-        self.process.start()
+    # -- the workers ------------------------------------------------------------------------
+    @property
+    def process(self) -> QProcess | None:
+        """Side A's worker (the one a single-column chat uses)."""
+        return self.workers.get(vm.SIDES[0])
+
+    def _ensure_worker(self, side: str) -> QProcess:
+        process = self.workers.get(side)
+        if process is not None and process.state() != QProcess.ProcessState.NotRunning:
+            return process
+        process = engine_process(self, forgebench_argv() + ["serve-local"])
+        process.readyReadStandardOutput.connect(lambda s=side: self._read(s))
+        process.finished.connect(lambda code, status, s=side: self._worker_ended(s, code))
+        self.workers[side], self._buffers[side] = process, b""
+        process.start()
+        return process
 
     def _write(self, lines: list[str]) -> None:
-        if not lines:
-            return
-        self._ensure_worker()
         for line in lines:
-            self.process.write(line.encode("utf-8"))
+            side = vm.worker_side(self.session, line)
+            if side not in self.workers and '"op": "unload"' in line:
+                continue        # nothing loaded there: no worker to start for it
+            self._ensure_worker(side).write(line.encode("utf-8"))
 
-    def _read(self) -> None:
-        self._buffer += bytes(self.process.readAllStandardOutput())
-        *complete, self._buffer = self._buffer.split(b"\n")
+    def _read(self, side: str) -> None:
+        buffer = self._buffers.get(side, b"") + bytes(
+            self.workers[side].readAllStandardOutput())
+        *complete, self._buffers[side] = buffer.split(b"\n")
         for raw in complete:
             if raw.strip():
                 self._handle(raw.decode("utf-8", "replace"))
@@ -292,12 +300,12 @@ class ChatPane(QWidget):
             if what != "token" and not self.session.busy():
                 self._finished_turn()
 
-    def _worker_ended(self, code: int, _status) -> None:
-        err = bytes(self.process.readAllStandardError()).decode("utf-8", "replace")
+    def _worker_ended(self, side: str, code: int) -> None:
+        err = bytes(self.workers[side].readAllStandardError()).decode("utf-8", "replace")
         if code:
             self.status.setText(f"The engine worker stopped (exit {code}): {err[-300:]}")
         if self.session is not None:
-            self.session.loaded.clear()
+            self.session.loaded.pop(side, None)
 
     # -- a turn ---------------------------------------------------------------------------
     def _apply_settings(self) -> None:
@@ -423,10 +431,14 @@ class ChatPane(QWidget):
         self.message.emit(exc.render())
 
     def shutdown(self) -> None:
-        """Close the worker (the window is closing)."""
-        if self.process is not None and self.process.state() != QProcess.ProcessState.NotRunning:
-            self.process.write(b'{"op": "shutdown"}\n')
-            self.process.closeWriteChannel()
-            if not self.process.waitForFinished(3000):
-                self.process.kill()
-                self.process.waitForFinished(1000)
+        """Close the workers (the window is closing): asked first, all at once, then waited
+        for; one that does not end is killed."""
+        running = [p for p in self.workers.values()
+                   if p.state() != QProcess.ProcessState.NotRunning]
+        for process in running:
+            process.write(b'{"op": "shutdown"}\n')
+            process.closeWriteChannel()
+        for process in running:
+            if not process.waitForFinished(3000):
+                process.kill()
+                process.waitForFinished(1000)
