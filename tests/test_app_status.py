@@ -4,6 +4,8 @@ all come from the metrics the charts draw."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from app.viewmodels import jobs
 from engine.rundir import RunDir
 
@@ -75,3 +77,26 @@ def test_each_sides_requests_go_to_its_own_worker(tmp_path):
                                                           for x in lines}
     # twin: a request of no side (none the worker knows) goes to the first worker
     assert worker_side(session, json.dumps({"op": "shutdown"})) == "A"
+
+
+def process_state(pid: int) -> str | None:
+    """The state letter /proc gives a process (Z: a zombie), None once it is gone."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (FileNotFoundError, ProcessLookupError):
+        return None
+
+
+def test_a_detached_job_that_ends_leaves_no_process_behind(qtbot, tmp_path):
+    import subprocess
+    import sys
+
+    from app.views.engine_process import start_detached
+
+    pid = start_detached([sys.executable, "-c", "pass"], tmp_path / "job.log")
+    qtbot.waitUntil(lambda: process_state(pid) is None, timeout=30_000)
+    # twin: a child nobody waits for stays behind as a zombie, and the check sees it
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    qtbot.waitUntil(lambda: process_state(child.pid) == "Z", timeout=30_000)
+    child.wait()
+    assert process_state(child.pid) is None
