@@ -100,3 +100,80 @@ def test_a_detached_job_that_ends_leaves_no_process_behind(qtbot, tmp_path):
     qtbot.waitUntil(lambda: process_state(child.pid) == "Z", timeout=30_000)
     child.wait()
     assert process_state(child.pid) is None
+
+
+def test_notifications_replace_each_other_instead_of_stacking(qtbot, monkeypatch):
+    """Three jobs end in a row: one toast, its text replaced by "3 jobs ended"; while the user
+    is away, one desktop message at once and one gathering the other two when the quiet
+    period ends (never three stacked)."""
+    from PySide6.QtWidgets import QSystemTrayIcon, QWidget
+
+    from app.views import jobs_panel
+
+    window = QWidget()
+    qtbot.addWidget(window)
+    window.resize(800, 500)
+    window.show()
+    notifier = jobs_panel.Notifier(window)
+    sent = []
+
+    class Tray:
+        def showMessage(self, title, text, icon, ms):      # noqa: N802 (Qt's name)
+            sent.append((title, text))
+
+    notifier.tray = Tray()
+    notifier.quiet.setInterval(300)
+    monkeypatch.setattr(QSystemTrayIcon, "supportsMessages", staticmethod(lambda: True))
+    monkeypatch.setattr(notifier, "user_away", lambda: True)
+    notifier.notify("run-a", True, "completed at step 30")
+    notifier.notify("run-b", False, "failed: out of memory\ntraceback")
+    notifier.notify("run-c", True, "completed at step 5")
+    toasts = [t for t in window.findChildren(jobs_panel.Toast) if t.isVisible()]
+    assert toasts == [notifier.toast]
+    text = notifier.toast.text.text()
+    assert "3 jobs ended" in text and "run-b failed: failed: out of memory" in text
+    assert sent == [("run-a finished", "completed at step 30")]
+    qtbot.waitUntil(lambda: len(sent) == 2, timeout=5000)
+    assert sent[1][0] == "2 jobs ended" and "run-c finished" in sent[1][1]
+    qtbot.wait(500)
+    assert len(sent) == 2                       # nothing more to say: no further message
+    # while the user looks at the window, the toast alone says it
+    monkeypatch.setattr(notifier, "user_away", lambda: False)
+    notifier.notify("run-d", True, "completed")
+    qtbot.wait(400)
+    assert len(sent) == 2 and "run-d finished" in notifier.toast.text.text()
+
+
+def test_rating_keys_work_without_a_click_in_the_pane(qtbot, tmp_path, monkeypatch):
+    """The Blind A/B pane chosen in the sidebar (the sidebar keeps the focus): A rates. Typed
+    into the pane's name field, A is text; with another pane shown, A does nothing there. The
+    Labels & Masks pane's B (brush) is not taken by the A/B pane's B."""
+    from PySide6.QtCore import Qt
+
+    from app.viewmodels.workspace import Settings, Workspace
+    from app.views.main_window import MainWindow
+
+    monkeypatch.setenv("FORGEBENCH_CONFIG_DIR", str(tmp_path / "config"))
+    window = MainWindow(Settings())
+    window.close_policy = "leave"
+    qtbot.addWidget(window)
+    window.show()
+    window.open_workspace(Workspace.create(tmp_path / "ws").root)
+    window.activateWindow()
+    qtbot.waitUntil(window.isActiveWindow)
+    pressed = []
+    ab, masks = window.ab, window.masks
+    monkeypatch.setattr(ab, "key_pressed", pressed.append)
+    window.show_pane("Blind A/B")
+    window.sidebar.setFocus()
+    qtbot.keyClick(window.sidebar, Qt.Key.Key_A)
+    assert pressed == ["A"]
+    ab.name.setFocus()
+    ab.name.clear()
+    qtbot.keyClick(ab.name, Qt.Key.Key_A)
+    assert pressed == ["A"] and ab.name.text() == "a"
+    window.show_pane("Labels & Masks")
+    window.sidebar.setFocus()
+    masks.eraser.setChecked(True)
+    qtbot.keyClick(window.sidebar, Qt.Key.Key_B)
+    assert pressed == ["A"] and masks.brush.isChecked()

@@ -203,8 +203,10 @@ class ABPane(QWidget):
             button.clicked.connect(lambda _=False, k=key: self.key_pressed(k))
             buttons.addWidget(button, i // 3, i % 3)
             self.answer_buttons[key] = button
+            # The window's shortcut while this pane shows: the keys rate without a click in
+            # the pane first (a text field still takes them as typing).
             QShortcut(QKeySequence(key), self, activated=lambda k=key: self.key_pressed(k),
-                      context=Qt.ShortcutContext.WidgetWithChildrenShortcut)
+                      context=Qt.ShortcutContext.WindowShortcut)
         rating = QGroupBox("Blind rating")
         rv = QVBoxLayout(rating)
         rv.addWidget(self.progress)
