@@ -177,3 +177,55 @@ def test_rating_keys_work_without_a_click_in_the_pane(qtbot, tmp_path, monkeypat
     masks.eraser.setChecked(True)
     qtbot.keyClick(window.sidebar, Qt.Key.Key_B)
     assert pressed == ["A"] and masks.brush.isChecked()
+
+
+def contrast(a: str, b: str) -> float:
+    """WCAG 2 contrast ratio of two sRGB colours (relative luminance, (L1 + .05) / (L2 + .05))."""
+    def luminance(hex_colour: str) -> float:
+        channels = [int(hex_colour[i:i + 2], 16) / 255 for i in (1, 3, 5)]
+        linear = [c / 12.92 if c <= 0.03928 else ((c + 0.055) / 1.055) ** 2.4 for c in channels]
+        return 0.2126 * linear[0] + 0.7152 * linear[1] + 0.0722 * linear[2]
+
+    high, low = sorted((luminance(a), luminance(b)), reverse=True)
+    return (high + 0.05) / (low + 0.05)
+
+
+def test_the_dark_theme_follows_the_scheme_and_keeps_banners_readable(qtbot, tmp_path,
+                                                                      monkeypatch):
+    from PySide6.QtCore import Qt
+    from PySide6.QtGui import QPalette
+    from PySide6.QtWidgets import QApplication
+
+    from app.viewmodels.workspace import Settings
+    from app.views import theme
+    from app.views.main_window import MainWindow
+
+    monkeypatch.setenv("FORGEBENCH_CONFIG_DIR", str(tmp_path / "config"))
+    app = QApplication.instance()
+    window = MainWindow(Settings())
+    window.close_policy = "leave"
+    qtbot.addWidget(window)
+    try:
+        assert theme.apply(app, Qt.ColorScheme.Dark)
+        palette = app.palette()
+        assert contrast(palette.color(QPalette.ColorRole.Window).name(), "#000000") < 2
+        assert contrast(palette.color(QPalette.ColorRole.WindowText).name(),
+                        palette.color(QPalette.ColorRole.Window).name()) >= 7
+        sheet = window.tour_panel.styleSheet()
+        assert theme.COLOURS["tour_bg"][1] in sheet and theme.COLOURS["text"][1] in sheet
+        for scheme in (0, 1):      # every banner's and note's text against its background
+            for text, background in (("text", "tour_bg"), ("text", "offer_bg"),
+                                     ("text", "problem_bg"), ("error", "error_bg"),
+                                     ("text", "panel_bg")):
+                pair = theme.COLOURS[text][scheme], theme.COLOURS[background][scheme]
+                assert contrast(*pair) >= 4.5, (scheme, text, background)
+            window_bg = "#2b2d30" if scheme else "#efefef"
+            for muted in ("muted", "facts", "stage"):
+                assert contrast(theme.COLOURS[muted][scheme], window_bg) >= 4.5, (scheme, muted)
+        # twin: the light banner's ink on the dark window would not be readable
+        assert contrast(theme.COLOURS["muted"][0], "#2b2d30") < 4.5
+        assert not theme.apply(app, Qt.ColorScheme.Light)
+        assert theme.COLOURS["tour_bg"][0] in window.tour_panel.styleSheet()
+        assert contrast(app.palette().color(QPalette.ColorRole.Window).name(), "#000000") > 10
+    finally:
+        theme.apply(app, Qt.ColorScheme.Light)

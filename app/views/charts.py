@@ -27,6 +27,7 @@ from PySide6.QtWidgets import (
 )
 
 from app.viewmodels.runs import RunSeries, throughput_text
+from app.views import theme
 
 PALETTE = ["#1f77b4", "#d62728", "#2ca02c", "#ff7f0e", "#9467bd", "#8c564b", "#17becf"]
 # (metric, title, unit) — loss also draws every eval split.
@@ -83,9 +84,11 @@ def fit_flat_line(item: pg.PlotItem, values: list[float]) -> None:
 
 
 def use_plot_style() -> None:
-    """The plots' look (white, dark grey ink), set before a pane builds its first plot: the
-    panes are built when first shown, in whatever order the user opens them."""
-    pg.setConfigOptions(antialias=False, background="w", foreground="#333")
+    """The plots' look (white with dark ink, or the dark theme's panel with light ink), set
+    before a pane builds its first plot: the panes are built when first shown, in whatever
+    order the user opens them."""
+    pg.setConfigOptions(antialias=False, background=theme.colour("panel_bg"),
+                        foreground=theme.colour("text"))
 
 
 class CompactAxis(pg.AxisItem):
@@ -195,7 +198,8 @@ class RunCharts(QWidget):
         self.summary = QLabel()
         self.summary.setWordWrap(True)
         self.summary.setAlignment(Qt.AlignmentFlag.AlignTop | Qt.AlignmentFlag.AlignLeft)
-        self.summary.setStyleSheet("QLabel { background: white; padding: 8px; }")
+        theme.style(self.summary, "QLabel {{ background: {panel_bg}; color: {text}; "
+                                  "padding: 8px; }}")
         # The figures of several runs and the key outgrow a plot-sized cell: it scrolls.
         self.summary_scroll = QScrollArea()
         self.summary_scroll.setWidget(self.summary)

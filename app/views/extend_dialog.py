@@ -10,6 +10,7 @@ from PySide6.QtCore import Qt
 from PySide6.QtWidgets import QDialog, QDialogButtonBox, QLabel, QVBoxLayout
 
 from app.viewmodels.runs import ExtensionPlan
+from app.views import theme
 
 
 class ExtendDialog(QDialog):
@@ -20,7 +21,7 @@ class ExtendDialog(QDialog):
         self.text = QLabel(plan.text)
         self.text.setWordWrap(True)
         self.text.setTextInteractionFlags(Qt.TextInteractionFlag.TextSelectableByMouse)
-        self.plot = pg.PlotWidget(background="w")
+        self.plot = pg.PlotWidget(background=theme.colour("panel_bg"))
         self.plot.setMinimumHeight(180)
         self.plot.addLegend(offset=(-10, 10))
         self.plot.setLabel("bottom", "step")

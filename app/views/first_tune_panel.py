@@ -18,6 +18,7 @@ from PySide6.QtWidgets import QFrame, QHBoxLayout, QLabel, QPushButton, QVBoxLay
 from app.viewmodels.first_tune import FirstTune, run_argv
 from app.viewmodels.jobs import job_error
 from app.viewmodels.workspace import Settings, Workspace
+from app.views import theme
 from app.views.background import BackgroundCall
 from app.views.engine_process import start_detached
 from app.views.job_runner import JobRunner
@@ -40,7 +41,8 @@ class FirstTunePanel(QFrame):
         self.run_dir: Path | None = None
         self.pid: int | None = None     # the run's process and its log
         self.log: Path | None = None
-        self.setStyleSheet("FirstTunePanel { background: #f1f8e9; border: 1px solid #558b2f; }")
+        theme.style(self, "FirstTunePanel {{ background: {offer_bg}; border: 1px solid "
+                          "{offer_border}; }} FirstTunePanel QLabel {{ color: {text}; }}")
         self.offer = QLabel()
         self.offer.setWordWrap(True)
         self.measure_button = QPushButton("Measure")

@@ -48,6 +48,7 @@ from app.viewmodels.workspace import (
     dialog_folder,
     install_sample_workspace,
 )
+from app.views import theme
 from app.views.background import BackgroundCall
 from app.views.first_tune_panel import FirstTunePanel
 from app.views.form_widget import WheelGuard, guard_wheel
@@ -81,7 +82,8 @@ class ProblemBanner(QFrame):
 
     def __init__(self, window: "MainWindow"):
         super().__init__()
-        self.setStyleSheet("ProblemBanner { background: #fff3e0; border: 1px solid #ef6c00; }")
+        theme.style(self, "ProblemBanner {{ background: {problem_bg}; border: 1px solid "
+                          "{problem_border}; }} ProblemBanner QLabel {{ color: {text}; }}")
         self.text = QLabel()
         self.text.setWordWrap(True)
         self.text.setTextInteractionFlags(Qt.TextInteractionFlag.TextSelectableByMouse)

@@ -50,6 +50,7 @@ from app.viewmodels.runs import (
     write_notes,
 )
 from app.viewmodels.workspace import Workspace
+from app.views import theme
 from app.views.background import BackgroundCall
 from app.views.charts import RunCharts
 from app.views.combos import refill_keeping_choice
@@ -253,14 +254,14 @@ class RunsPane(QWidget):
         self.facts.setWordWrap(True)
         self.facts.setMinimumWidth(1)
         self.facts.setTextInteractionFlags(Qt.TextInteractionFlag.TextSelectableByMouse)
-        self.facts.setStyleSheet("QLabel { color: #37474f; }")
+        theme.style(self.facts, "QLabel {{ color: {facts}; }}")
         self.follow: Path | None = None     # a run just started: select it when it appears
         self.launch_problem = QLabel()      # why the last start was refused, until the next
         self.launch_problem.setWordWrap(True)
         self.launch_problem.setMinimumWidth(1)      # a long line wraps; never widens the pane
         self.launch_problem.setTextInteractionFlags(Qt.TextInteractionFlag.TextSelectableByMouse)
-        self.launch_problem.setStyleSheet("QLabel { background: #ffebee; color: #b71c1c; "
-                                          "border: 1px solid #e57373; padding: 4px; }")
+        theme.style(self.launch_problem, "QLabel {{ background: {error_bg}; color: {error}; "
+                                          "border: 1px solid {error_border}; padding: 4px; }}")
         self.launch_problem.hide()
 
         self.stop_button = QPushButton("&Stop")
@@ -315,7 +316,7 @@ class RunsPane(QWidget):
         self.new_config_button.setMenu(templates)
         self.recipe_note = QLabel()
         self.recipe_note.setWordWrap(True)
-        self.recipe_note.setStyleSheet("QLabel { color: #455a64; }")
+        theme.style(self.recipe_note, "QLabel {{ color: {muted}; }}")
         self.form_widget = RecipeFormWidget()
         self.form_widget.validity_changed.connect(self._validity_changed)
         self.form_widget.built.connect(self._form_built)
@@ -344,7 +345,7 @@ class RunsPane(QWidget):
         self.processes.setToolTip("lm-pretrain and lm-sft: train on N processes (torchrun; "
                                   "one per GPU, or CPU threads split among them)")
         self.machine_label = QLabel(jobs.machine_text(machine))
-        self.machine_label.setStyleSheet("QLabel { color: #455a64; }")
+        theme.style(self.machine_label, "QLabel {{ color: {muted}; }}")
         fv.addWidget(self.machine_label)
         row = QHBoxLayout()
         row.addWidget(self.processes)
@@ -361,7 +362,7 @@ class RunsPane(QWidget):
         self.stage_label = QLabel()     # what the selected running job is doing right now
         self.stage_label.setWordWrap(True)
         self.stage_label.setMinimumWidth(1)
-        self.stage_label.setStyleSheet("QLabel { color: #1565c0; font-weight: bold; }")
+        theme.style(self.stage_label, "QLabel {{ color: {stage}; font-weight: bold; }}")
         self.stage_label.hide()
         charts_box = QWidget()
         cv = QVBoxLayout(charts_box)
