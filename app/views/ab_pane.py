@@ -44,6 +44,7 @@ from app.viewmodels import ab as vm
 from app.viewmodels.runs import stable_order
 from app.viewmodels.samples import text_file, waveform
 from app.viewmodels.workspace import Workspace
+from app.views import theme
 from app.views.job_runner import JobRunner
 from app.views.labels import wrap_items, wrapped_label
 from engine.errors import ForgebenchError
@@ -180,7 +181,6 @@ class ABPane(QWidget):
         form.addRow(QLabel("Earlier sessions"))
         form.addRow(self.sessions)
         form.addRow(self.resume_button)
-        form.addRow(self.setup_status)
 
         # rating
         self.prompt = QLabel()
@@ -247,7 +247,11 @@ class ABPane(QWidget):
         splitter.addWidget(right)
         splitter.setSizes([340, 540])      # the setup column fits its form at 1024 px
         layout = QVBoxLayout(self)
-        layout.addWidget(splitter)
+        # The setup's answers (a refusal, the generation's progress, the session started) sit
+        # over both columns, where the user looks after a click: never at the bottom of the
+        # long setup column, below the fold.
+        layout.addWidget(self.setup_status)
+        layout.addWidget(splitter, 1)
         self._show_pair()
 
     # -- setup ---------------------------------------------------------------------------
@@ -312,7 +316,7 @@ class ABPane(QWidget):
                 if self.systems.item(i).checkState() == Qt.CheckState.Checked]
 
     def _refused(self, exc: ForgebenchError) -> None:
-        self.setup_status.setText(f"<span style='color:#b71c1c'>Refused: "
+        self.setup_status.setText(f"<span style='color:{theme.colour('error')}'>Refused: "
                                   f"{html.escape(exc.render())}</span>")
 
     def generate_outputs(self) -> None:
@@ -374,8 +378,8 @@ class ABPane(QWidget):
             shutil.rmtree(self.generation[0][0].folder.parent, ignore_errors=True)
             self.generate_button.setEnabled(True)
             self.start_button.setEnabled(True)
-            self.setup_status.setText(f"<span style='color:#b71c1c'>Generation stopped: "
-                                      f"{html.escape(message)}</span>")
+            self.setup_status.setText(f"<span style='color:{theme.colour('error')}'>"
+                                      f"Generation stopped: {html.escape(message)}</span>")
             return
         if self.pending_jobs:
             self._next_job()
@@ -459,7 +463,8 @@ class ABPane(QWidget):
         if not self.player.play_sequence([waveform(Path(left.output)),
                                           waveform(Path(right.output))]):
             self.message.emit(self.player.problem or "playback failed")
-            self.prompt.setText(self.prompt.text() + f"<br><span style='color:#b71c1c'>"
+            self.prompt.setText(self.prompt.text() + "<br><span style='color:"
+                                f"{theme.colour('error')}'>"
                                 f"{html.escape(self.player.problem or '')}</span>")
 
     def _show_pair(self) -> None:

@@ -207,10 +207,20 @@ class RunCharts(QWidget):
         self.summary_scroll.setFrameShape(QFrame.Shape.NoFrame)
         self.summary_scroll.setHorizontalScrollBarPolicy(Qt.ScrollBarPolicy.ScrollBarAlwaysOff)
         grid.addWidget(self.summary_scroll, SUMMARY_CELL // 2, SUMMARY_CELL % 2)
+        # The plots scroll inside their own area: a short window keeps the chart controls,
+        # and the ledger and its buttons beside them, in view (every pane works at 1024×700).
+        plots = QWidget()
+        plots.setLayout(grid)
+        self.plots_scroll = QScrollArea()
+        self.plots_scroll.setWidget(plots)
+        self.plots_scroll.setWidgetResizable(True)
+        self.plots_scroll.setFrameShape(QFrame.Shape.NoFrame)
+        self.plots_scroll.setHorizontalScrollBarPolicy(Qt.ScrollBarPolicy.ScrollBarAlwaysOff)
+        self.plots_scroll.setMinimumHeight(160)
         layout = QVBoxLayout(self)
         layout.setContentsMargins(0, 0, 0, 0)
         layout.addWidget(self.controls)
-        layout.addLayout(grid, 1)
+        layout.addWidget(self.plots_scroll, 1)
         self.series: dict[str, RunSeries] = {}
         self.curves: dict[tuple, pg.PlotDataItem] = {}
         # Plots waiting to be redrawn: one per timer tick, so no event-loop slice repaints

@@ -107,6 +107,7 @@ class ChatPane(QWidget):
         self.rendered = QPlainTextEdit()
         self.rendered.setReadOnly(True)
         self.rendered.setMaximumHeight(90)
+        self.rendered.setMinimumHeight(36)     # the pane fits a 1024×700 window, banners shown
         self.rendered_title = QLabel("Rendered prompt")
 
         self.prompt = QLineEdit()

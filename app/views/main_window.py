@@ -76,6 +76,55 @@ MIN_SIZE = (900, 600)
 WATCH_PERIOD_S = 1.0
 
 
+class PaneScroll(QScrollArea):
+    """A pane's scroll area that gives the pane the viewport's height whenever the pane's
+    minimum fits in it. (A resizable QScrollArea sizes a pane with word-wrapped labels by its
+    preferred height for the width, so a pane that could shrink to fit scrolled instead, and
+    its bottom row — Stop/Resume, Send, a refusal — went below the fold at 1024×700.) A pane
+    whose minimum is taller than the window scrolls, as before."""
+
+    def __init__(self):
+        super().__init__()
+        self.setWidgetResizable(False)
+        self.setFrameShape(QFrame.Shape.NoFrame)
+
+    def setWidget(self, widget: QWidget) -> None:       # noqa: N802 (Qt's name)
+        super().setWidget(widget)
+        widget.installEventFilter(self)
+        self.fit()
+
+    def eventFilter(self, watched, event) -> bool:      # noqa: N802 (Qt's name)
+        if watched is self.widget() and event.type() == QEvent.Type.LayoutRequest:
+            QTimer.singleShot(0, self.fit)
+        return False
+
+    def resizeEvent(self, event) -> None:               # noqa: N802 (Qt's name)
+        super().resizeEvent(event)
+        self.fit()
+
+    def needed_height(self, width: int) -> int:
+        widget = self.widget()
+        layout = widget.layout()
+        if layout is not None and layout.hasHeightForWidth():
+            needed = layout.minimumHeightForWidth(width)
+        else:
+            needed = widget.minimumSizeHint().height()
+        return max(needed, widget.minimumHeight())
+
+    def fit(self) -> None:
+        widget = self.widget()
+        if widget is None:
+            return
+        room = self.maximumViewportSize()
+        least = max(widget.minimumSizeHint().width(), widget.minimumWidth())
+        width = max(room.width(), least)
+        height = self.needed_height(width)
+        if height > room.height():      # it scrolls: the vertical bar takes its width
+            width = max(room.width() - self.verticalScrollBar().sizeHint().width(), least)
+            height = self.needed_height(width)
+        widget.resize(width, max(height, room.height()))
+
+
 class ProblemBanner(QFrame):
     """Shown instead of a modal error when a workspace cannot be opened: says why, offers ways
     out (open another, create one, open the sample, forget the entry)."""
@@ -160,10 +209,7 @@ class MainWindow(QMainWindow):
         for _ in PANE_CLASSES:
             # A pane that needs more room than the window has scrolls; it never makes the
             # window bigger than the screen (DESIGN: every pane works at 1024×700).
-            scroll = QScrollArea()
-            scroll.setWidgetResizable(True)
-            scroll.setFrameShape(QFrame.Shape.NoFrame)
-            self.stack.addWidget(scroll)
+            self.stack.addWidget(PaneScroll())
         # Scrolling a pane never edits a combo box or spin box the user did not click into.
         self.wheel_guard = WheelGuard(self)
         self.sidebar.currentRowChanged.connect(self._show_row)
