@@ -1,7 +1,8 @@
 """Lists that refresh while the user points at them (issue 46, item 3): the Runs ledger and the
 Blind A/B systems list keep the rows shown in their places (and their check marks and
 selection) when runs or checkpoints appear; new entries come after them. The ledger sorts
-newest first again once the pointer has left it."""
+newest first again once the pointer has left it. And the order the Samples pane shows a run's
+checkpoints in (item 7): the best first."""
 
 from __future__ import annotations
 
@@ -87,3 +88,35 @@ def test_the_ab_systems_keep_their_rows_and_check_marks_as_checkpoints_appear(qt
     shutil.rmtree(workspace.runs_dir / "a-run")
     pane.reload()
     assert rows() == before + [(str(workspace.runs_dir / "b-run"), "step-000030")]
+
+
+def test_samples_show_the_best_checkpoint_first(tmp_path):
+    """Issue 46, item 7: the Samples pane's first columns (and clips) are the best checkpoint's,
+    then the others newest first: not the first, still noisy checkpoint."""
+    import json
+
+    from app.viewmodels import samples as vm
+    from app.viewmodels.runs import write_notes
+
+    run = RunDir(tmp_path / "gen")
+    run.create({"recipe": "image-generate", "created": time.time(), "config": {"steps": 60}})
+    for step in (20, 40, 60):
+        folder = run.samples_dir / f"step-{step:06d}"
+        folder.mkdir(parents=True)
+        for label in ("circle", "square"):
+            (folder / f"{label}-seed7-0.png").write_bytes(b"")
+            (folder / f"{label}-seed7-0.json").write_text(json.dumps({"class": label,
+                                                                        "seed": 7}))
+    run.set_status("completed", step=60, target_steps=60, best_checkpoint="step-000040")
+    run.release_lock()
+
+    def order() -> list[str]:
+        _, columns, _ = vm.image_grid(vm.run_samples(run.path))
+        return [checkpoint for checkpoint, _, _ in columns]
+
+    assert order() == ["step-000040", "step-000060", "step-000020"]
+    write_notes(run.path, selected_checkpoint="step-000020")       # the user's choice wins
+    assert order() == ["step-000020", "step-000060", "step-000040"]
+    write_notes(run.path, selected_checkpoint="")
+    run.set_status("completed", step=60, target_steps=60, best_checkpoint=None)  # none: newest
+    assert order() == ["step-000060", "step-000040", "step-000020"]

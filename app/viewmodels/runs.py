@@ -247,6 +247,14 @@ def write_notes(run_dir: Path, **fields) -> dict:
     return notes
 
 
+def chosen_checkpoint(path: Path) -> str | None:
+    """The checkpoint a run is best shown by: the one chosen in its notes, else the one the
+    run marked best (the ledger's Checkpoint column and the Samples pane's first)."""
+    notes = read_notes(path)
+    chosen = notes.get("selected_checkpoint") or RunDir(path).live_status().get("best_checkpoint")
+    return str(chosen) if chosen else None
+
+
 def _data_version(manifest: dict) -> str:
     """A short, honest data identity: dataset folder names and the first hash characters."""
     data = manifest.get("data") or {}
@@ -398,7 +406,7 @@ def ledger_row(path: Path, best: BestEval | None = None,
         errors = [e for e in run.events() if e.get("kind") == "error"]
         if errors:
             error, stage = errors[-1].get("message"), errors[-1].get("stage", stage)
-    selected = notes.get("selected_checkpoint") or status.get("best_checkpoint")
+    selected = chosen_checkpoint(path)
     if not selected:
         latest = run.latest_checkpoint()
         selected = f"{latest.name} (latest)" if latest else "—"
