@@ -222,6 +222,9 @@ def test_the_dark_theme_follows_the_scheme_and_keeps_banners_readable(qtbot, tmp
             window_bg = "#2b2d30" if scheme else "#efefef"
             for muted in ("muted", "facts", "stage"):
                 assert contrast(theme.COLOURS[muted][scheme], window_bg) >= 4.5, (scheme, muted)
+            table_bg = "#1e1f22" if scheme else "#ffffff"       # the ledger's cells
+            for state in ("running", "completed", "failed", "stopped", "stopping", "queued"):
+                assert contrast(theme.COLOURS[state][scheme], table_bg) >= 4.5, (scheme, state)
         # twin: the light banner's ink on the dark window would not be readable
         assert contrast(theme.COLOURS["muted"][0], "#2b2d30") < 4.5
         assert not theme.apply(app, Qt.ColorScheme.Light)

@@ -509,7 +509,13 @@ class MainWindow(QMainWindow):
         self.sidebar.setCurrentRow([p.replace("&&", "&") for p in PANES].index(name))
 
     def show_message(self, text: str) -> None:
-        self.statusBar().showMessage(text.splitlines()[0] if text else "", 8000)
+        """The first line in the status bar, elided in the middle to the room it has (the
+        jobs button keeps the right end): a long path never runs under it."""
+        line = text.splitlines()[0] if text else ""
+        room = self.statusBar().width() - self.jobs_button.width() - 40
+        line = self.statusBar().fontMetrics().elidedText(line, Qt.TextElideMode.ElideMiddle,
+                                                         max(room, 100))
+        self.statusBar().showMessage(line, 8000)
 
     def _jobs_changed(self) -> None:
         count = len(self.jobs.jobs)

@@ -77,9 +77,10 @@ RECIPE_NOTES = {
     "lm-sft": "The Gemma 3 270M package is a base model, not a chat model: its BEFORE answers "
               "are not meant to be good. A handful of training pairs (the pirate set has 5) "
               "is memorised rather than generalised; that is what this demo shows."}
-STATE_COLOURS = {"running": "#1565c0", "completed": "#2e7d32", "failed": "#c62828",
-                 "stopped": "#6d4c41", "stopping": "#ef6c00", "queued": "#6a1b9a",
-                 "starting": "#6a1b9a", "waiting": "#6a1b9a"}
+# a state's colour in the ledger (app/views/theme.py: a light and a dark variant each)
+STATE_COLOURS = {"running": "running", "completed": "completed", "failed": "failed",
+                 "stopped": "stopped", "stopping": "stopping", "queued": "queued",
+                 "starting": "queued", "waiting": "queued"}
 
 
 class LedgerModel(QAbstractTableModel):
@@ -135,7 +136,7 @@ class LedgerModel(QAbstractTableModel):
         if role in (Qt.ItemDataRole.DisplayRole, Qt.ItemDataRole.EditRole):
             return self._value(row, key)
         if role == Qt.ItemDataRole.ForegroundRole and key == "state":
-            return QColor(STATE_COLOURS.get(row.state, "#333"))
+            return QColor(theme.colour(STATE_COLOURS.get(row.state, "text")))
         if role == Qt.ItemDataRole.ToolTipRole:
             if key == "name":
                 about = f"\n{example_text(row.example)}" if row.example is not None else ""

@@ -33,6 +33,10 @@ COLOURS = {
     "problem_bg": ("#fff3e0", "#3e2a10"),
     "problem_border": ("#ef6c00", "#ffb74d"),
     "panel_bg": ("#ffffff", "#1e1f22"),
+    # a run's state in the ledger
+    "running": ("#1565c0", "#90caf9"), "completed": ("#2e7d32", "#a5d6a7"),
+    "failed": ("#c62828", "#ef9a9a"), "stopped": ("#6d4c41", "#d7ccc8"),
+    "stopping": ("#bf360c", "#ffcc80"), "queued": ("#6a1b9a", "#ce93d8"),
 }
 DARK_PALETTE = {
     QPalette.ColorRole.Window: "#2b2d30", QPalette.ColorRole.WindowText: "#e8eaed",
@@ -104,4 +108,7 @@ def apply(app: QApplication, scheme: Qt.ColorScheme | None = None) -> bool:
         app.setPalette(app.style().standardPalette())
     for widget, template in list(_styled.items()):
         widget.setStyleSheet(_sheet(template))
+    for widget in app.allWidgets():     # a styled widget keeps the palette it was polished in
+        if widget.styleSheet() and widget not in _styled:
+            widget.setStyleSheet(widget.styleSheet())
     return dark
