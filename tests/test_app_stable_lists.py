@@ -120,3 +120,34 @@ def test_samples_show_the_best_checkpoint_first(tmp_path):
     write_notes(run.path, selected_checkpoint="")
     run.set_status("completed", step=60, target_steps=60, best_checkpoint=None)  # none: newest
     assert order() == ["step-000060", "step-000040", "step-000020"]
+
+
+def test_a_run_just_started_is_selected_and_in_sight_under_the_pointer(qtbot, tmp_path,
+                                                                        monkeypatch):
+    """The Runs pane comes up under the pointer after "Train on these preferences": the
+    ledger holds its rows, the new run joins at the end, and it is selected and scrolled to;
+    once the pointer leaves it moves to the top, still selected."""
+    from app.views.runs_pane import RunsPane
+
+    workspace = Workspace.create(tmp_path / "ws")
+    now = time.time()
+    for i in range(12):
+        lm_run(workspace.runs_dir / f"run-{i:02d}", now - 100 + i)
+    pane = RunsPane()
+    qtbot.addWidget(pane)
+    pane.resize(864, 500)
+    pane.show()
+    pane.set_workspace(workspace)
+    over = [True]
+    monkeypatch.setattr(pane, "pointer_over_ledger", lambda: over[0])
+    new = workspace.runs_dir / "lm-dpo-new"
+    pane.follow = new
+    lm_run(new, now)
+    pane.poll(force=True)
+    assert pane.ledger.paths()[-1] == new and pane.selected_paths() == [new]
+    qtbot.wait(100)                         # laid out, then scrolled to
+    row = pane.table.visualRect(pane.ledger.index(len(pane.ledger.rows) - 1, 0))
+    assert pane.table.viewport().rect().contains(row)
+    over[0] = False
+    pane.poll(force=True)
+    assert pane.ledger.paths()[0] == new and pane.selected_paths() == [new]

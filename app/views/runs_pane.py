@@ -11,7 +11,15 @@ import html
 import time
 from pathlib import Path
 
-from PySide6.QtCore import QAbstractTableModel, QItemSelectionModel, QModelIndex, Qt, Signal
+from PySide6.QtCore import (
+    QAbstractTableModel,
+    QEvent,
+    QItemSelectionModel,
+    QModelIndex,
+    Qt,
+    QTimer,
+    Signal,
+)
 from PySide6.QtGui import QColor
 from PySide6.QtWidgets import (
     QAbstractItemView,
@@ -234,6 +242,12 @@ class RunsPane(QWidget):
         self.table.setSelectionBehavior(QAbstractItemView.SelectionBehavior.SelectRows)
         self.table.setSelectionMode(QAbstractItemView.SelectionMode.ExtendedSelection)
         self.table.setAlternatingRowColors(True)
+        # by pixel: a row scrolled to is whole (by item, the last one could stay cut off)
+        self.table.setVerticalScrollMode(QAbstractItemView.ScrollMode.ScrollPerPixel)
+        self._in_sight: Path | None = None      # a run just started, kept in view
+        self.table.viewport().installEventFilter(self)
+        self.table.verticalScrollBar().actionTriggered.connect(    # the user scrolls: theirs
+            lambda _: setattr(self, "_in_sight", None))
         self.table.verticalHeader().hide()
         self.table.setWordWrap(False)       # a cell elides (its tooltip holds it), never wraps
         self.table.setTextElideMode(Qt.TextElideMode.ElideMiddle)  # run names differ at the end
@@ -715,6 +729,25 @@ class RunsPane(QWidget):
             extra.append((pending.out.name, "waiting"))
         return extra
 
+    def _scroll_to(self) -> None:
+        """Bring the run just started into view, and keep it there while the ledger is laid
+        out again (the facts under it take height from the table) until another is chosen."""
+        if self._in_sight in self.ledger.paths() and \
+                self.selected_paths() == [self._in_sight]:
+            self.table.doItemsLayout()      # the rows a reset added count in the scroll range
+            self.table.scrollTo(self.ledger.index(self.ledger.paths().index(self._in_sight), 0))
+        else:
+            self._in_sight = None
+
+    def eventFilter(self, watched, event) -> bool:      # noqa: N802 (Qt's name)
+        if watched is self.table.viewport() and event.type() == QEvent.Type.Resize and \
+                self._in_sight is not None:
+            QTimer.singleShot(0, self._scroll_to)
+        return super().eventFilter(watched, event)
+
+    def pointer_over_ledger(self) -> bool:
+        return self.table.viewport().underMouse()
+
     def poll(self, force: bool = False) -> None:
         if self.workspace is None:
             return
@@ -726,15 +759,21 @@ class RunsPane(QWidget):
             extra = self._launch_states()
             selected = self.selected_paths()
             self.ledger.refresh(self.workspace.run_dirs(), extra,
-                                hold_order=self.table.viewport().underMouse())
+                                hold_order=self.pointer_over_ledger())
+            followed = None
             if self.follow is not None and self.follow in self.ledger.paths():
                 selected, self.follow = [self.follow], None     # show the new run's charts
+                followed = selected[0]
                 self.table.clearSelection()
             if self.selected_paths() != selected:
                 for path in selected:
                     self.select_run(path, add=True)
+            if followed is not None:        # the run just started is selected and in sight
+                self._in_sight = followed
             self._sync_jobs()
             self._show_facts()      # a live run's stage, duration and best metric move on
+            if followed is not None:
+                QTimer.singleShot(0, self._scroll_to)
         self.charts.refresh()
         shown = [r for r in self.ledger.rows if r.path in self.selected_paths()]
         doing = [f"{r.name}: {r.stage_line}" for r in shown if r.active]
