@@ -232,3 +232,19 @@ def test_the_dark_theme_follows_the_scheme_and_keeps_banners_readable(qtbot, tmp
         assert contrast(app.palette().color(QPalette.ColorRole.Window).name(), "#000000") > 10
     finally:
         theme.apply(app, Qt.ColorScheme.Light)
+
+
+def test_a_run_with_evaluations_only_shows_them_not_no_metrics(qtbot, tmp_path):
+    from app.views.charts import RunCharts
+
+    run = RunDir(tmp_path / "tabular")
+    run.create({"recipe": "tabular-classify", "created": 970.0, "config": {"steps": 1}})
+    run.log_metric({"step": 1, "split": "val", "loss": 0.429, "accuracy": 0.91,
+                    "time": 1001.0})
+    run.set_status("completed", step=1, target_steps=1)
+    charts = RunCharts()
+    qtbot.addWidget(charts)
+    charts.set_runs([run.path])
+    text = charts.summary.text()
+    assert "no metrics yet" not in text
+    assert "val loss 0.429 (step 1)" in text and "val accuracy 0.91 (step 1)" in text

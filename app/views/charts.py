@@ -319,7 +319,13 @@ class RunCharts(QWidget):
             swatch = f"<span style='color:{PALETTE[index % len(PALETTE)]}'>━━</span> "
             train = series.train
             if not train.steps:
-                parts.append(f"{swatch}<b>{series.name}</b><br>no metrics yet")
+                # a run that logs evaluations only (a one-step tabular fit) still has figures
+                evals = [f"{split} {name} {values[-1]:.4g} (step {ev.steps[-1]})"
+                         for split, ev in series.evals.items() if ev.steps
+                         for name, values in ev.values.items()
+                         if values and values[-1] == values[-1]]
+                parts.append(f"{swatch}<b>{series.name}</b><br>"
+                             + ("<br>".join(evals) if evals else "no metrics yet"))
                 continue
             last = {k: v[-1] for k, v in train.values.items() if v}
             metric, unit = series.throughput
