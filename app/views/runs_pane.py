@@ -758,8 +758,12 @@ class RunsPane(QWidget):
             self._ledger_read = now
             extra = self._launch_states()
             selected = self.selected_paths()
-            self.ledger.refresh(self.workspace.run_dirs(), extra,
-                                hold_order=self.pointer_over_ledger())
+            hold = self.pointer_over_ledger()
+            offset = self.table.verticalScrollBar().value()
+            self.ledger.refresh(self.workspace.run_dirs(), extra, hold_order=hold)
+            if hold:    # the rows kept their places: a reset must not scroll them away
+                self.table.doItemsLayout()
+                self.table.verticalScrollBar().setValue(offset)
             followed = None
             if self.follow is not None and self.follow in self.ledger.paths():
                 selected, self.follow = [self.follow], None     # show the new run's charts
@@ -772,7 +776,7 @@ class RunsPane(QWidget):
                 self._in_sight = followed
             self._sync_jobs()
             self._show_facts()      # a live run's stage, duration and best metric move on
-            if followed is not None:
+            if self._in_sight is not None:      # (until the user scrolls or chooses)
                 QTimer.singleShot(0, self._scroll_to)
         self.charts.refresh()
         shown = [r for r in self.ledger.rows if r.path in self.selected_paths()]
