@@ -152,25 +152,3 @@ def test_a_run_just_started_is_selected_and_in_sight_under_the_pointer(qtbot, tm
     pane.poll(force=True)
     assert pane.ledger.paths()[0] == new and pane.selected_paths() == [new]
 
-
-def test_the_ledger_keeps_its_scroll_under_the_pointer_when_a_run_appears(qtbot, tmp_path,
-                                                                          monkeypatch):
-    from app.views.runs_pane import RunsPane
-
-    workspace = Workspace.create(tmp_path / "ws")
-    now = time.time()
-    for i in range(14):
-        lm_run(workspace.runs_dir / f"run-{i:02d}", now - 100 + i)
-    pane = RunsPane()
-    qtbot.addWidget(pane)
-    pane.resize(864, 500)
-    pane.show()
-    pane.set_workspace(workspace)
-    monkeypatch.setattr(pane, "pointer_over_ledger", lambda: True)
-    bar = pane.table.verticalScrollBar()
-    bar.setValue(bar.maximum() // 2)
-    shown = pane.table.indexAt(pane.table.viewport().rect().center()).row()
-    lm_run(workspace.runs_dir / "someone-elses-run", now)      # a run appears (a reset)
-    pane.poll(force=True)
-    qtbot.wait(50)
-    assert pane.table.indexAt(pane.table.viewport().rect().center()).row() == shown
