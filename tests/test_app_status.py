@@ -248,3 +248,34 @@ def test_a_run_with_evaluations_only_shows_them_not_no_metrics(qtbot, tmp_path):
     text = charts.summary.text()
     assert "no metrics yet" not in text
     assert "val loss 0.429 (step 1)" in text and "val accuracy 0.91 (step 1)" in text
+
+
+def test_file_dialogs_open_in_the_workspace_not_the_checkout(qtbot, tmp_path, monkeypatch):
+    """Issue 46, item 9: the model dialog starts in the open workspace, the workspace dialogs
+    beside it, the import dialog in the home folder; none in the folder the app started in."""
+    from PySide6.QtWidgets import QFileDialog
+
+    from app.viewmodels.workspace import Settings, Workspace, dialog_folder
+    from app.views.main_window import MainWindow
+
+    monkeypatch.setenv("FORGEBENCH_CONFIG_DIR", str(tmp_path / "config"))
+    monkeypatch.chdir(tmp_path)
+    asked: list[str] = []
+    monkeypatch.setattr(QFileDialog, "getOpenFileName",
+                        staticmethod(lambda parent, title, start, *rest: asked.append(start)
+                                     or ("", "")))
+    monkeypatch.setattr(QFileDialog, "getExistingDirectory",
+                        staticmethod(lambda parent, title, start="", *rest: asked.append(start)
+                                     or ""))
+    workspace = Workspace.create(tmp_path / "projects" / "ws")
+    window = MainWindow(Settings())
+    window.close_policy = "leave"
+    qtbot.addWidget(window)
+    window.choose_workspace()
+    window.open_workspace(workspace.root)
+    window.models.choose_file(link=False)
+    window.choose_workspace()
+    assert asked == [str(Path.home()), str(workspace.root), str(workspace.root.parent)]
+    assert dialog_folder(workspace, "models") == str(workspace.root)     # no models/ yet
+    (workspace.root / "models").mkdir()
+    assert dialog_folder(workspace, "models") == str(workspace.root / "models")
