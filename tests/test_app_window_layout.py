@@ -101,3 +101,14 @@ def test_an_ab_refusal_shows_above_the_setup_column(qtbot, window):
     qtbot.wait(50)
     assert "Refused" in ab.setup_status.text()
     assert shown_whole(ab.setup_status, window)
+
+
+def test_the_chat_rows_fields_show_their_text_at_1024x700(qtbot, window):
+    from layout_support import field_text_fits
+
+    chat = show(qtbot, window, "chat")
+    for field in (chat.dataset_name, chat.source["A"], chat.source["B"]):
+        assert field_text_fits(field), field
+    for button in (chat.to_ab, chat.export, chat.send_button, chat.new_chat):
+        assert shown_whole(button, window)
+        assert button.width() >= button.fontMetrics().horizontalAdvance(button.text())
