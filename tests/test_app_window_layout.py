@@ -14,8 +14,10 @@ from app.viewmodels.workspace import Settings, install_sample_workspace
 from app.views.main_window import PANE_NAMES, MainWindow
 
 SIZE = (1024, 700)
+# What a 1024×700 screen gives the window by default (its height less a title bar).
+SMALL_SCREEN_WINDOW = (1024, 668)
 # The export wizard (another engineer's file) needs 562 px at this width; with both first-run
-# banners shown its pane has 516.
+# banners shown its pane has 540 (1024×700) or 508 (1024×668).
 TOO_TALL_WITH_BANNERS = {"export"}
 
 
@@ -57,8 +59,10 @@ def show(qtbot, window: MainWindow, name: str):
     return pane
 
 
+@pytest.mark.parametrize("size", [SIZE, SMALL_SCREEN_WINDOW], ids=["1024x700", "1024x668"])
 @pytest.mark.parametrize("banners", [True, False], ids=["first-run banners", "no banners"])
-def test_no_pane_scrolls_below_the_fold_at_1024x700(qtbot, window, banners):
+def test_no_pane_scrolls_below_the_fold_at_1024x700(qtbot, window, banners, size):
+    window.resize(*size)
     if not banners:
         window.tour_panel.act(window.tour_panel.tour.dismiss)
         window.first_tune.hide()
@@ -112,3 +116,30 @@ def test_the_chat_rows_fields_show_their_text_at_1024x700(qtbot, window):
     for button in (chat.to_ab, chat.export, chat.send_button, chat.new_chat):
         assert shown_whole(button, window)
         assert button.width() >= button.fontMetrics().horizontalAdvance(button.text())
+
+
+def test_a_small_screen_gets_a_window_that_fits_it(qtbot, tmp_path, monkeypatch):
+    """The default geometry on a 1024×700 screen: its width, its height less a title bar;
+    a screen bigger than the default keeps a margin (at most the default size)."""
+    from PySide6.QtCore import QRect
+
+    from app.views import main_window
+
+    monkeypatch.setenv("FORGEBENCH_CONFIG_DIR", str(tmp_path / "config"))
+
+    class Screen:
+        def __init__(self, w, h):
+            self.area = QRect(0, 0, w, h)
+
+        def availableGeometry(self):        # noqa: N802 (Qt's name)
+            return self.area
+
+    for screen, expected in (((1024, 700), (1024, 668)), ((1366, 768), (1366, 736)),
+                             ((2560, 1440), main_window.DEFAULT_SIZE)):
+        with monkeypatch.context() as patch:
+            patch.setattr(main_window.QGuiApplication, "primaryScreen",
+                          staticmethod(lambda s=screen: Screen(*s)))
+            win = MainWindow(Settings())
+        size = (win.width(), win.height())
+        win.deleteLater()
+        assert size == expected, screen

@@ -88,6 +88,14 @@ class SideView(QStackedWidget):
             self.setCurrentWidget(self.text)
 
 
+class StatusLine(QLabel):
+    """A line shown only while it has something to say (an empty one takes no height)."""
+
+    def setText(self, text: str) -> None:      # noqa: N802 (Qt's name)
+        super().setText(text)
+        self.setVisible(bool(text))
+
+
 class ABPane(QWidget):
     message = Signal(str)
     train_requested = Signal(str)   # an lm-dpo config to start (the Runs pane starts it)
@@ -148,7 +156,8 @@ class ABPane(QWidget):
         self.sessions = QComboBox()
         self.resume_button = QPushButton("Resume / show results")
         self.resume_button.clicked.connect(self.resume_session)
-        self.setup_status = QLabel()
+        self.setup_status = StatusLine()
+        self.setup_status.setText("")
         self.setup_status.setWordWrap(True)
         self.setup_status.setTextInteractionFlags(Qt.TextInteractionFlag.TextSelectableByMouse)
         setup = QGroupBox("Setup")     # short titles: a long one would widen the column

@@ -102,6 +102,8 @@ class FirstTunePanel(QFrame):
         done_row.addWidget(self.chat_button)
         done_row.addWidget(self.export_button)
         layout = QVBoxLayout(self)
+        layout.setContentsMargins(8, 4, 8, 4)     # compact: the panes keep the height
+        layout.setSpacing(2)
         layout.addLayout(row)
         layout.addWidget(self.runner)
         layout.addWidget(self.run_status)

@@ -73,6 +73,7 @@ PANE_CLASSES = (("datasets", "app.views.datasets_pane", "DatasetsPane"),
 PANE_NAMES = tuple(name for name, _, _ in PANE_CLASSES)
 DEFAULT_SIZE = (1440, 900)
 MIN_SIZE = (900, 600)
+TITLE_BAR_PX = 32           # left for the window manager's title bar on a small screen
 WATCH_PERIOD_S = 1.0
 
 
@@ -534,8 +535,13 @@ class MainWindow(QMainWindow):
         width, height = DEFAULT_SIZE
         if screen is not None:
             area = screen.availableGeometry()
-            width = min(width, int(area.width() * 0.95))
-            height = min(height, int(area.height() * 0.92))
+            # A screen smaller than the default gets all of its width and its height less a
+            # title bar (a 1024×700 screen: 1024×668, where every pane works); a bigger one
+            # keeps a margin around the window.
+            width = min(width, area.width() if area.width() < width
+                        else int(area.width() * 0.95))
+            height = min(height, area.height() - TITLE_BAR_PX if area.height() < height
+                         else int(area.height() * 0.92))
             self.resize(max(width, MIN_SIZE[0]), max(height, MIN_SIZE[1]))
             frame = self.frameGeometry()
             frame.moveCenter(area.center())

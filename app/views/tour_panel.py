@@ -35,6 +35,8 @@ class TourPanel(QFrame):
         for button in (self.back_button, self.next_button, self.skip_button):
             row.addWidget(button)
         layout = QVBoxLayout(self)
+        layout.setContentsMargins(8, 4, 8, 4)     # compact: the panes keep the height
+        layout.setSpacing(2)
         layout.addLayout(row)
         layout.addWidget(self.text)
         self.sync()
