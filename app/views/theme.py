@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import weakref
 
+import shiboken6
 from PySide6.QtCore import Qt
 from PySide6.QtGui import QColor, QGuiApplication, QPalette
 from PySide6.QtWidgets import QApplication, QStyleFactory, QWidget
@@ -107,7 +108,10 @@ def apply(app: QApplication, scheme: Qt.ColorScheme | None = None) -> bool:
         app.setStyle(QStyleFactory.create(_light_style) or QStyleFactory.create("Fusion"))
         app.setPalette(app.style().standardPalette())
     for widget, template in list(_styled.items()):
-        widget.setStyleSheet(_sheet(template))
+        if shiboken6.isValid(widget):       # a window closed since keeps its Python wrapper
+            widget.setStyleSheet(_sheet(template))
+        else:
+            del _styled[widget]
     for widget in app.allWidgets():     # a styled widget keeps the palette it was polished in
         if widget.styleSheet() and widget not in _styled:
             widget.setStyleSheet(widget.styleSheet())
