@@ -84,7 +84,11 @@ def test_runs_buttons_details_and_a_refused_start_are_in_view(qtbot, window):
                    runs.table):
         assert shown_whole(widget, window), widget
     runs.left_tabs.setCurrentIndex(1)           # the new-run form: start and its status
+    settle(qtbot, runs)
     assert shown_whole(runs.start_button, window)
+    runs.form_widget.set_value("steps", "-5")   # an invalid field: the form says so in view
+    qtbot.waitUntil(lambda: "Fix the fields" in runs.form_status.text())
+    assert shown_whole(runs.form_status, window) and not runs.start_button.isEnabled()
     runs._refused("lm-sft-pirate-demo", "error: model.gguf: the file is missing\n"
                   "hint: add a GGUF in Models")
     runs.left_tabs.setCurrentIndex(0)           # where start_from_form takes the user
