@@ -634,7 +634,13 @@ def refusal_screens(window: MainWindow, workspace: Workspace, shot, shot_of,
     shot("30-runs-refused-start-shown-above-the-ledger")
     wrong.unlink()
 
-    ab = start_blind_ab(window, workspace, [], "too-few-systems", pairs=1, per_seed=1)
+    window.sidebar.setCurrentRow(PANES.index("Blind A/B"))
+    ab = window.ab
+    ab.set_workspace(workspace)
+    for run_dir, checkpoint in ab.chosen():        # one system only: refused
+        ab.check_system(Path(run_dir), checkpoint, checked=False)
+    ab.name.setText("too-few-systems")
+    ab.findChild(QScrollArea).ensureWidgetVisible(ab.start_button)
     ab.start_session()
     shot("31-blind-ab-refusal-shown-above-the-setup")
 
