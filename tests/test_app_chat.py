@@ -166,6 +166,8 @@ def test_side_by_side_pair_goes_to_a_blind_ab_session(qtbot, chat, root):
     pick(chat, "B", "run: sft/step-000002")
     assert chat.column_boxes["B"].isVisibleTo(chat)
     loaded(qtbot, chat, "A", "B")
+    # each column has its own worker process, so neither waits for the other's reply
+    assert chat.workers["A"].processId() != chat.workers["B"].processId() != 0
     chat.max_tokens.setValue(6)
     say(qtbot, chat, "Say hello.")
     pair = chat.session.last_pair()

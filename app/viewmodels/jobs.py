@@ -208,22 +208,32 @@ def eta_seconds(started: float, first_done: int, done: int, total: int,
     return (now - started) / (done - first_done) * (total - done)
 
 
-def run_stage_line(status: dict, invocation: dict | None, now: float | None = None) -> str:
+@dataclass(frozen=True)
+class Pace:
+    """A running job's progress as its metrics show it (the lines the charts draw): the last
+    logged train step of its latest invocation and the steady seconds per step, measured from
+    that invocation's first logged step on, so loading and the first step's warm-up are left
+    out (None until two steps are logged)."""
+
+    step: int | None = None
+    step_s: float | None = None
+
+
+def run_stage_line(status: dict, pace: Pace | None = None) -> str:
     """What a run is doing, in words: the engine's announced stage ("loading base 250 MB")
-    before its first step, else "step 3/30, ETA 4 min" while it trains, else its state."""
-    now = time.time() if now is None else now
+    before its first step, else "step 3/30, ETA 4 min" while it trains (the step and the ETA
+    from the metrics the charts read: `pace`), else its state."""
     state = str(status.get("state", "unknown"))
     step, target = status.get("step") or 0, status.get("target_steps") or 0
     if state not in ("running", "stopping", "queued"):
         return state
     if status.get("stage_detail"):
         return str(status["stage_detail"])
+    if pace is not None and pace.step is not None:
+        step = pace.step
     text = f"step {step}/{target}" if target else f"step {step}"
-    if invocation and isinstance(invocation.get("time"), (int, float)):
-        eta = eta_seconds(invocation["time"], int(invocation.get("start_step") or 0), step,
-                          target, now)
-        if eta is not None:
-            text += f", ETA {duration_text(eta)}"
+    if pace is not None and pace.step_s is not None and target > step:
+        text += f", ETA {duration_text(pace.step_s * (target - step))}"
     return text + (" (stopping)" if state == "stopping" else "")
 
 

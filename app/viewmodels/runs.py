@@ -14,7 +14,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from app.viewmodels.jobs import duration_text, run_stage_line
+from app.viewmodels.jobs import Pace, duration_text, run_stage_line
 from engine.errors import ForgebenchError
 from engine.fsutil import atomic_write_json, read_json
 from engine.rundir import RunDir
@@ -206,6 +206,16 @@ class RunSeries:
         return None
 
 
+def stable_order(shown: list, wanted: list) -> list:
+    """The order a list refreshed under the user's pointer takes: the entries shown that are
+    still wanted keep their places, new ones come after them (in `wanted`'s order). Nothing
+    the user is about to click moves up or down because another entry appeared above it."""
+    kept = set(wanted)
+    present = [key for key in shown if key in kept]
+    seen = set(present)
+    return present + [key for key in wanted if key not in seen]
+
+
 def throughput_text(series: Series, metric: str = "tokens_per_s", unit: str = "tokens/s",
                     last: int = 20) -> str:
     """The throughput line beside the charts: the mean of `metric` (RunSeries.throughput: tokens
@@ -235,6 +245,14 @@ def write_notes(run_dir: Path, **fields) -> dict:
     notes.update(fields)
     atomic_write_json(run_dir / NOTES_FILE, notes)
     return notes
+
+
+def chosen_checkpoint(path: Path) -> str | None:
+    """The checkpoint a run is best shown by: the one chosen in its notes, else the one the
+    run marked best (the ledger's Checkpoint column and the Samples pane's first)."""
+    notes = read_notes(path)
+    chosen = notes.get("selected_checkpoint") or RunDir(path).live_status().get("best_checkpoint")
+    return str(chosen) if chosen else None
 
 
 def _data_version(manifest: dict) -> str:
@@ -334,6 +352,33 @@ class BestEval:
         return self.best
 
 
+class StepPace:
+    """A run's `Pace`, followed incrementally in metrics.jsonl (the charts' source): the last
+    train step of the latest invocation, and its steady step time from the wall times of that
+    invocation's first and last logged steps (a resume is measured afresh)."""
+
+    def __init__(self, path: Path):
+        self._tail = JsonlTail(Path(path) / "metrics.jsonl")
+        self._invocation: object = None
+        self._first: tuple[int, float] | None = None
+        self._last: tuple[int, float] | None = None
+
+    def update(self) -> Pace:
+        for record in self._tail.read_new():
+            step, at = record.get("step"), record.get("time")
+            if record.get("split", "train") != "train" or not isinstance(step, int) or \
+                    not isinstance(at, (int, float)):
+                continue
+            invocation = record.get("invocation")
+            if self._last is None or invocation != self._invocation or step <= self._last[0]:
+                self._invocation, self._first = invocation, (step, float(at))
+            self._last = (step, float(at))
+        if self._last is None:
+            return Pace()
+        (first, t0), (last, t1) = self._first, self._last
+        return Pace(last, (t1 - t0) / (last - first) if last > first else None)
+
+
 def _best_metric(status: dict, best: tuple[float, int | None] | None) -> str:
     if isinstance(status.get("best_metric"), (int, float)):
         name = status.get("best_metric_name", "val loss")
@@ -341,10 +386,12 @@ def _best_metric(status: dict, best: tuple[float, int | None] | None) -> str:
     return f"val loss {best[0]:.4g} @ {best[1]}" if best else "—"
 
 
-def ledger_row(path: Path, best: BestEval | None = None) -> LedgerRow:
-    """One ledger line for a run directory; a damaged run still gets a (failed) line.
+def ledger_row(path: Path, best: BestEval | None = None,
+               pace: StepPace | None = None) -> LedgerRow:
+    """One ledger line for a run directory; a damaged run still gets a (failed) line. While
+    it trains, its step and ETA are those of its metrics (`StepPace`), as the charts show.
 
-    Pass the run's `BestEval` when polling so only new metric lines are read.
+    Pass the run's `BestEval` and `StepPace` when polling so only new metric lines are read.
     """
     run = RunDir(path)
     try:
@@ -359,14 +406,18 @@ def ledger_row(path: Path, best: BestEval | None = None) -> LedgerRow:
         errors = [e for e in run.events() if e.get("kind") == "error"]
         if errors:
             error, stage = errors[-1].get("message"), errors[-1].get("stage", stage)
-    selected = notes.get("selected_checkpoint") or status.get("best_checkpoint")
+    selected = chosen_checkpoint(path)
     if not selected:
         latest = run.latest_checkpoint()
         selected = f"{latest.name} (latest)" if latest else "—"
-    invocations = run.invocations() if status.get("state") in ("running", "stopping") else []
+    active = status.get("state") in ("running", "stopping")
+    measured = (pace or StepPace(path)).update() if active else None
+    step = status.get("step")
+    if measured is not None and measured.step is not None:
+        step = measured.step
     return LedgerRow(
         name=path.name, path=path, recipe=str(manifest.get("recipe", "?")),
-        state=str(status.get("state", "unknown")), step=status.get("step"),
+        state=str(status.get("state", "unknown")), step=step,
         target_steps=status.get("target_steps") or (manifest.get("config") or {}).get("steps"),
         question=str(notes.get("question", "")), data_version=_data_version(manifest),
         best_metric=_best_metric(status, (best or BestEval(path)).update()),
@@ -376,7 +427,7 @@ def ledger_row(path: Path, best: BestEval | None = None) -> LedgerRow:
         else None,
         updated=status.get("updated") if isinstance(status.get("updated"), (int, float))
         else None,
-        stage_line=run_stage_line(status, invocations[-1] if invocations else None),
+        stage_line=run_stage_line(status, measured),
         device=device_text(manifest), holder=run.lock_holder(), example=run.example)
 
 
@@ -418,3 +469,61 @@ def failure_report(path: Path) -> str:
     if not parts and status.get("state") == "failed":
         parts.append(str(status.get("error", "the job failed without recording an error")))
     return "\n\n".join(parts)
+
+
+@dataclass
+class ExtensionPlan:
+    """What resuming a run to a larger step target does to its learning rate, when that is not
+    the schedule it trained on continued: the curve it saw, the curve it would follow, and
+    what changes, in words (shown before the resume starts)."""
+
+    run: str
+    done: int                       # the step it resumes from
+    old_total: int
+    new_total: int
+    seen: tuple[list[int], list[float]]         # the logged lr (the schedule where none is)
+    planned: tuple[list[int], list[float]]      # the lr from `done` to the new target
+    text: str
+
+
+def extension_plan(run_dir: Path, new_total: int) -> ExtensionPlan | None:
+    """None when resuming `run_dir` to `new_total` steps follows the schedule it trained on (a
+    constant rate, or no larger target); else the new schedule, from the same function the
+    engine steps with (engine.train.schedule)."""
+    from engine.train.schedule import section_lr
+
+    run = RunDir(run_dir)
+    try:
+        config = run.manifest().get("config") or {}
+    except ForgebenchError:
+        return None
+    optim = config.get("optim")
+    status = run.live_status()
+    old_total = int(status.get("target_steps") or config.get("steps") or 0)
+    done = int(status.get("step") or 0)
+    if not isinstance(optim, dict) or not isinstance(optim.get("lr"), (int, float)) or \
+            not old_total or new_total <= old_total:
+        return None
+    ahead = range(done, new_total)
+    planned = [section_lr(optim, s, new_total) for s in ahead]
+    continued = [section_lr(optim, s, old_total) for s in ahead]
+    if all(math.isclose(a, b, rel_tol=1e-9) for a, b in zip(planned, continued)):
+        return None
+    steps, logged = [], []
+    for record in JsonlTail(run.path / "metrics.jsonl").read_new():
+        if record.get("split", "train") == "train" and isinstance(record.get("lr"), (int, float)):
+            steps.append(int(record.get("step", 0)))
+            logged.append(float(record["lr"]))
+    if not steps:
+        steps = list(range(done))
+        logged = [section_lr(optim, s, old_total) for s in steps]
+    last = logged[-1] if logged else section_lr(optim, max(done - 1, 0), old_total)
+    peak = max(range(len(planned)), key=planned.__getitem__)
+    text = (f"Resuming {run.path.name} to step {new_total} does not continue its learning-rate "
+            f"schedule: that was set for {old_total} steps and was at {last:.3g} when it "
+            f"stopped. The {optim.get('schedule', 'constant')} schedule is laid out again over "
+            f"{new_total} steps: the rate starts at {planned[0]:.3g}, "
+            + (f"rises to {planned[peak]:.3g} at step {done + peak}, " if peak else "")
+            + f"and ends at {planned[-1]:.3g}. The dashed curve is the new one.")
+    return ExtensionPlan(run.path.name, done, old_total, new_total, (steps, logged),
+                         (list(ahead), planned), text)

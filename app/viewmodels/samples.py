@@ -9,6 +9,7 @@ No Qt and no torch here.
 
 from __future__ import annotations
 
+import re
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -86,8 +87,24 @@ class Sample:
         return None
 
 
+def showcase_order(run_dir: str | Path, checkpoints: set[str]) -> list[str]:
+    """The order a run's sample folders are shown in: the best checkpoint first (the one
+    chosen in the run's notes, else the one the run marked best, else the latest), then the
+    others newest first. The early, still noisy checkpoints come last."""
+    from app.viewmodels.runs import chosen_checkpoint
+
+    def step(name: str) -> int:
+        found = re.match(r"step-(\d+)", name)
+        return int(found.group(1)) if found else -1
+
+    newest_first = sorted(checkpoints, key=lambda name: (step(name), name), reverse=True)
+    best = chosen_checkpoint(Path(run_dir))
+    return ([best] if best in checkpoints else []) + [n for n in newest_first if n != best]
+
+
 def run_samples(run_dir: str | Path) -> list[Sample]:
-    """Every image or audio sample of a run, by checkpoint, class, seed and position."""
+    """Every image or audio sample of a run, by checkpoint (`showcase_order`: the best
+    first), class, seed and position."""
     root = RunDir(run_dir).samples_dir
     found = []
     if root.is_dir():
@@ -96,14 +113,21 @@ def run_samples(run_dir: str | Path) -> list[Sample]:
             if not media or sidecar.stem == "grid":
                 continue
             found.append(Sample(media[0], read_json(sidecar)))
-    return sorted(found, key=lambda s: (s.checkpoint, s.label, s.seed, s.item))
+    rank = {name: i for i, name in enumerate(
+        showcase_order(run_dir, {sample.checkpoint for sample in found}))}
+    return sorted(found, key=lambda s: (rank[s.checkpoint], s.label, s.seed, s.item))
 
 
 def image_grid(samples: list[Sample]) -> tuple[list[str], list[tuple[str, int, str]], dict]:
-    """(rows = classes, columns = (checkpoint, seed, position), cells → Sample) for images."""
+    """(rows = classes, columns = (checkpoint, seed, position), cells → Sample) for images;
+    the checkpoints in the order the samples come (`run_samples`: the best first)."""
     images = [s for s in samples if s.kind == "image"]
     rows = sorted({s.label for s in images})
-    columns = sorted({(s.checkpoint, s.seed, s.item.rsplit("-", 1)[-1]) for s in images})
+    rank: dict[str, int] = {}
+    for sample in images:
+        rank.setdefault(sample.checkpoint, len(rank))
+    columns = sorted({(s.checkpoint, s.seed, s.item.rsplit("-", 1)[-1]) for s in images},
+                     key=lambda c: (rank[c[0]], c[1], c[2]))
     cells = {(s.label, (s.checkpoint, s.seed, s.item.rsplit("-", 1)[-1])): s for s in images}
     return rows, columns, cells
 

@@ -126,6 +126,15 @@ class Workspace:
         return candidate
 
 
+def dialog_folder(workspace: "Workspace | None", *sub: str) -> str:
+    """Where a file dialog opens: the open workspace (its `sub` folder when that exists), else
+    the user's home; never the folder the app was started from (a checkout, say)."""
+    if workspace is None:
+        return str(Path.home())
+    inner = Path(workspace.root, *sub)
+    return str(inner if inner.is_dir() else workspace.root)
+
+
 def _entries(folder: Path) -> tuple:
     """(name, mtime_ns) of a folder's entries; () when it is missing."""
     try:

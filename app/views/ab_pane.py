@@ -41,8 +41,10 @@ from PySide6.QtWidgets import (
 
 from app.audio import Player
 from app.viewmodels import ab as vm
+from app.viewmodels.runs import stable_order
 from app.viewmodels.samples import text_file, waveform
 from app.viewmodels.workspace import Workspace
+from app.views import theme
 from app.views.job_runner import JobRunner
 from app.views.labels import wrap_items, wrapped_label
 from engine.errors import ForgebenchError
@@ -84,6 +86,14 @@ class SideView(QStackedWidget):
         else:
             self.text.setPlainText(side.output)
             self.setCurrentWidget(self.text)
+
+
+class StatusLine(QLabel):
+    """A line shown only while it has something to say (an empty one takes no height)."""
+
+    def setText(self, text: str) -> None:      # noqa: N802 (Qt's name)
+        super().setText(text)
+        self.setVisible(bool(text))
 
 
 class ABPane(QWidget):
@@ -146,7 +156,8 @@ class ABPane(QWidget):
         self.sessions = QComboBox()
         self.resume_button = QPushButton("Resume / show results")
         self.resume_button.clicked.connect(self.resume_session)
-        self.setup_status = QLabel()
+        self.setup_status = StatusLine()
+        self.setup_status.setText("")
         self.setup_status.setWordWrap(True)
         self.setup_status.setTextInteractionFlags(Qt.TextInteractionFlag.TextSelectableByMouse)
         setup = QGroupBox("Setup")     # short titles: a long one would widen the column
@@ -179,7 +190,6 @@ class ABPane(QWidget):
         form.addRow(QLabel("Earlier sessions"))
         form.addRow(self.sessions)
         form.addRow(self.resume_button)
-        form.addRow(self.setup_status)
 
         # rating
         self.prompt = QLabel()
@@ -202,8 +212,10 @@ class ABPane(QWidget):
             button.clicked.connect(lambda _=False, k=key: self.key_pressed(k))
             buttons.addWidget(button, i // 3, i % 3)
             self.answer_buttons[key] = button
+            # The window's shortcut while this pane shows: the keys rate without a click in
+            # the pane first (a text field still takes them as typing).
             QShortcut(QKeySequence(key), self, activated=lambda k=key: self.key_pressed(k),
-                      context=Qt.ShortcutContext.WidgetWithChildrenShortcut)
+                      context=Qt.ShortcutContext.WindowShortcut)
         rating = QGroupBox("Blind rating")
         rv = QVBoxLayout(rating)
         rv.addWidget(self.progress)
@@ -244,7 +256,11 @@ class ABPane(QWidget):
         splitter.addWidget(right)
         splitter.setSizes([340, 540])      # the setup column fits its form at 1024 px
         layout = QVBoxLayout(self)
-        layout.addWidget(splitter)
+        # The setup's answers (a refusal, the generation's progress, the session started) sit
+        # over both columns, where the user looks after a click: never at the bottom of the
+        # long setup column, below the fold.
+        layout.addWidget(self.setup_status)
+        layout.addWidget(splitter, 1)
         self._show_pair()
 
     # -- setup ---------------------------------------------------------------------------
@@ -258,9 +274,10 @@ class ABPane(QWidget):
 
     def reload(self) -> None:
         """Every (run, checkpoint) that has samples or generations, or whose generator can
-        make them, as a checkable system."""
-        checked = set(self.chosen())
-        self.systems.clear()
+        make them, as a checkable system. The list is updated in place: the systems shown keep
+        their rows (and check marks), new ones are added after them, and the row under the
+        pointer never moves (vm.stable_order)."""
+        found: dict[tuple[str, str], str] = {}
         for run_dir in self.workspace.run_dirs() if self.workspace else []:
             run = RunDir(run_dir)
             names = []
@@ -274,12 +291,20 @@ class ABPane(QWidget):
             if vm.base_gguf(run_dir) is not None:
                 names.append(vm.BASE)
             for name in sorted(set(names)):
-                item = QListWidgetItem(vm.system_name(run_dir, name))
-                item.setData(Qt.ItemDataRole.UserRole, (str(run_dir), name))
-                item.setFlags(item.flags() | Qt.ItemFlag.ItemIsUserCheckable)
-                item.setCheckState(Qt.CheckState.Checked if (str(run_dir), name) in checked
-                                   else Qt.CheckState.Unchecked)
-                self.systems.addItem(item)
+                found[(str(run_dir), name)] = vm.system_name(run_dir, name)
+        items = {tuple(self.systems.item(i).data(Qt.ItemDataRole.UserRole)):
+                 self.systems.item(i) for i in range(self.systems.count())}
+        order = stable_order(list(items), list(found))
+        if order != list(items):
+            for key in [k for k in items if k not in found]:
+                self.systems.takeItem(self.systems.row(items.pop(key)))
+            for key in order:
+                if key not in items:
+                    item = items[key] = QListWidgetItem(found[key])
+                    item.setData(Qt.ItemDataRole.UserRole, key)
+                    item.setFlags(item.flags() | Qt.ItemFlag.ItemIsUserCheckable)
+                    item.setCheckState(Qt.CheckState.Unchecked)
+                    self.systems.addItem(item)
         session = self.sessions.currentData()
         self.sessions.clear()
         if self.workspace and self.ratings_dir.is_dir():
@@ -300,7 +325,7 @@ class ABPane(QWidget):
                 if self.systems.item(i).checkState() == Qt.CheckState.Checked]
 
     def _refused(self, exc: ForgebenchError) -> None:
-        self.setup_status.setText(f"<span style='color:#b71c1c'>Refused: "
+        self.setup_status.setText(f"<span style='color:{theme.colour('error')}'>Refused: "
                                   f"{html.escape(exc.render())}</span>")
 
     def generate_outputs(self) -> None:
@@ -362,8 +387,8 @@ class ABPane(QWidget):
             shutil.rmtree(self.generation[0][0].folder.parent, ignore_errors=True)
             self.generate_button.setEnabled(True)
             self.start_button.setEnabled(True)
-            self.setup_status.setText(f"<span style='color:#b71c1c'>Generation stopped: "
-                                      f"{html.escape(message)}</span>")
+            self.setup_status.setText(f"<span style='color:{theme.colour('error')}'>"
+                                      f"Generation stopped: {html.escape(message)}</span>")
             return
         if self.pending_jobs:
             self._next_job()
@@ -447,7 +472,8 @@ class ABPane(QWidget):
         if not self.player.play_sequence([waveform(Path(left.output)),
                                           waveform(Path(right.output))]):
             self.message.emit(self.player.problem or "playback failed")
-            self.prompt.setText(self.prompt.text() + f"<br><span style='color:#b71c1c'>"
+            self.prompt.setText(self.prompt.text() + "<br><span style='color:"
+                                f"{theme.colour('error')}'>"
                                 f"{html.escape(self.player.problem or '')}</span>")
 
     def _show_pair(self) -> None:

@@ -27,6 +27,7 @@ from PySide6.QtWidgets import (
 )
 
 from app.viewmodels.runs import RunSeries, throughput_text
+from app.views import theme
 
 PALETTE = ["#1f77b4", "#d62728", "#2ca02c", "#ff7f0e", "#9467bd", "#8c564b", "#17becf"]
 # (metric, title, unit) — loss also draws every eval split.
@@ -83,9 +84,11 @@ def fit_flat_line(item: pg.PlotItem, values: list[float]) -> None:
 
 
 def use_plot_style() -> None:
-    """The plots' look (white, dark grey ink), set before a pane builds its first plot: the
-    panes are built when first shown, in whatever order the user opens them."""
-    pg.setConfigOptions(antialias=False, background="w", foreground="#333")
+    """The plots' look (white with dark ink, or the dark theme's panel with light ink), set
+    before a pane builds its first plot: the panes are built when first shown, in whatever
+    order the user opens them."""
+    pg.setConfigOptions(antialias=False, background=theme.colour("panel_bg"),
+                        foreground=theme.colour("text"))
 
 
 class CompactAxis(pg.AxisItem):
@@ -195,7 +198,8 @@ class RunCharts(QWidget):
         self.summary = QLabel()
         self.summary.setWordWrap(True)
         self.summary.setAlignment(Qt.AlignmentFlag.AlignTop | Qt.AlignmentFlag.AlignLeft)
-        self.summary.setStyleSheet("QLabel { background: white; padding: 8px; }")
+        theme.style(self.summary, "QLabel {{ background: {panel_bg}; color: {text}; "
+                                  "padding: 8px; }}")
         # The figures of several runs and the key outgrow a plot-sized cell: it scrolls.
         self.summary_scroll = QScrollArea()
         self.summary_scroll.setWidget(self.summary)
@@ -203,10 +207,20 @@ class RunCharts(QWidget):
         self.summary_scroll.setFrameShape(QFrame.Shape.NoFrame)
         self.summary_scroll.setHorizontalScrollBarPolicy(Qt.ScrollBarPolicy.ScrollBarAlwaysOff)
         grid.addWidget(self.summary_scroll, SUMMARY_CELL // 2, SUMMARY_CELL % 2)
+        # The plots scroll inside their own area: a short window keeps the chart controls,
+        # and the ledger and its buttons beside them, in view (every pane works at 1024×700).
+        plots = QWidget()
+        plots.setLayout(grid)
+        self.plots_scroll = QScrollArea()
+        self.plots_scroll.setWidget(plots)
+        self.plots_scroll.setWidgetResizable(True)
+        self.plots_scroll.setFrameShape(QFrame.Shape.NoFrame)
+        self.plots_scroll.setHorizontalScrollBarPolicy(Qt.ScrollBarPolicy.ScrollBarAlwaysOff)
+        self.plots_scroll.setMinimumHeight(160)
         layout = QVBoxLayout(self)
         layout.setContentsMargins(0, 0, 0, 0)
         layout.addWidget(self.controls)
-        layout.addLayout(grid, 1)
+        layout.addWidget(self.plots_scroll, 1)
         self.series: dict[str, RunSeries] = {}
         self.curves: dict[tuple, pg.PlotDataItem] = {}
         # Plots waiting to be redrawn: one per timer tick, so no event-loop slice repaints
@@ -264,6 +278,9 @@ class RunCharts(QWidget):
         if changed:
             self.pending += [m for m in PLOT_NAMES if m not in self.pending]
             self.stagger.start()
+            # the figures beside the plots follow every read, not the last staggered redraw
+            # (new lines each poll kept that from ever coming: "no metrics yet" beside curves)
+            self._summarize()
         return changed
 
     def _draw_next(self) -> None:
@@ -302,7 +319,13 @@ class RunCharts(QWidget):
             swatch = f"<span style='color:{PALETTE[index % len(PALETTE)]}'>━━</span> "
             train = series.train
             if not train.steps:
-                parts.append(f"{swatch}<b>{series.name}</b><br>no metrics yet")
+                # a run that logs evaluations only (a one-step tabular fit) still has figures
+                evals = [f"{split} {name} {values[-1]:.4g} (step {ev.steps[-1]})"
+                         for split, ev in series.evals.items() if ev.steps
+                         for name, values in ev.values.items()
+                         if values and values[-1] == values[-1]]
+                parts.append(f"{swatch}<b>{series.name}</b><br>"
+                             + ("<br>".join(evals) if evals else "no metrics yet"))
                 continue
             last = {k: v[-1] for k, v in train.values.items() if v}
             metric, unit = series.throughput

@@ -62,8 +62,8 @@ class ChatPane(QWidget):
         self.workspace: Workspace | None = None
         self.session: vm.ChatSession | None = None
         self.sources: list[vm.Source] = []
-        self.process: QProcess | None = None
-        self._buffer = b""
+        self.workers: dict[str, QProcess] = {}     # one serve-local process per side
+        self._buffers: dict[str, bytes] = {}
 
         self.source = {side: QComboBox() for side in vm.SIDES}
         for side, combo in self.source.items():
@@ -107,6 +107,7 @@ class ChatPane(QWidget):
         self.rendered = QPlainTextEdit()
         self.rendered.setReadOnly(True)
         self.rendered.setMaximumHeight(90)
+        self.rendered.setMinimumHeight(36)     # the pane fits a 1024×700 window, banners shown
         self.rendered_title = QLabel("Rendered prompt")
 
         self.prompt = QLineEdit()
@@ -125,9 +126,13 @@ class ChatPane(QWidget):
         self.saved.setSizeAdjustPolicy(QComboBox.SizeAdjustPolicy.AdjustToMinimumContentsLengthWithIcon)
         self.open_saved = QPushButton("Reopen")
         self.open_saved.clicked.connect(self.reopen)
-        self.to_ab = QPushButton("Send this pair to a blind A/B session")
+        self.to_ab = QPushButton("Pair to blind A/B")
+        self.to_ab.setToolTip("Send the last prompt's two answers to a new blind A/B session")
         self.to_ab.clicked.connect(self.send_pair_to_ab)
         self.dataset_name = QLineEdit("chat-sft")
+        # the name stays readable at 1024 px (the row squeezed it to "t-sft")
+        self.dataset_name.setMinimumWidth(
+            self.dataset_name.fontMetrics().horizontalAdvance("chat-sft-0000") + 16)
         self.export = QPushButton("Export as SFT records")
         self.export.clicked.connect(self.export_sft)
         self.status = QLabel("Open a workspace to chat.")
@@ -241,26 +246,34 @@ class ChatPane(QWidget):
             if source is not None and source.kind != "run":
                 self.choose(side)
 
-    # -- the worker -------------------------------------------------------------------------
-    def _ensure_worker(self) -> None:
-        if self.process is not None and self.process.state() != QProcess.ProcessState.NotRunning:
-            return
-        self.process = engine_process(self, forgebench_argv() + ["serve-local"])
-        self.process.readyReadStandardOutput.connect(self._read)
-        self.process.finished.connect(self._worker_ended)
-        self._buffer = b""
-        self.process.start()
+    # -- the workers ------------------------------------------------------------------------
+    @property
+    def process(self) -> QProcess | None:
+        """Side A's worker (the one a single-column chat uses)."""
+        return self.workers.get(vm.SIDES[0])
+
+    def _ensure_worker(self, side: str) -> QProcess:
+        process = self.workers.get(side)
+        if process is not None and process.state() != QProcess.ProcessState.NotRunning:
+            return process
+        process = engine_process(self, forgebench_argv() + ["serve-local"])
+        process.readyReadStandardOutput.connect(lambda s=side: self._read(s))
+        process.finished.connect(lambda code, status, s=side: self._worker_ended(s, code))
+        self.workers[side], self._buffers[side] = process, b""
+        process.start()
+        return process
 
     def _write(self, lines: list[str]) -> None:
-        if not lines:
-            return
-        self._ensure_worker()
         for line in lines:
-            self.process.write(line.encode("utf-8"))
+            side = vm.worker_side(self.session, line)
+            if side not in self.workers and '"op": "unload"' in line:
+                continue        # nothing loaded there: no worker to start for it
+            self._ensure_worker(side).write(line.encode("utf-8"))
 
-    def _read(self) -> None:
-        self._buffer += bytes(self.process.readAllStandardOutput())
-        *complete, self._buffer = self._buffer.split(b"\n")
+    def _read(self, side: str) -> None:
+        buffer = self._buffers.get(side, b"") + bytes(
+            self.workers[side].readAllStandardOutput())
+        *complete, self._buffers[side] = buffer.split(b"\n")
         for raw in complete:
             if raw.strip():
                 self._handle(raw.decode("utf-8", "replace"))
@@ -292,12 +305,12 @@ class ChatPane(QWidget):
             if what != "token" and not self.session.busy():
                 self._finished_turn()
 
-    def _worker_ended(self, code: int, _status) -> None:
-        err = bytes(self.process.readAllStandardError()).decode("utf-8", "replace")
+    def _worker_ended(self, side: str, code: int) -> None:
+        err = bytes(self.workers[side].readAllStandardError()).decode("utf-8", "replace")
         if code:
             self.status.setText(f"The engine worker stopped (exit {code}): {err[-300:]}")
         if self.session is not None:
-            self.session.loaded.clear()
+            self.session.loaded.pop(side, None)
 
     # -- a turn ---------------------------------------------------------------------------
     def _apply_settings(self) -> None:
@@ -423,10 +436,14 @@ class ChatPane(QWidget):
         self.message.emit(exc.render())
 
     def shutdown(self) -> None:
-        """Close the worker (the window is closing)."""
-        if self.process is not None and self.process.state() != QProcess.ProcessState.NotRunning:
-            self.process.write(b'{"op": "shutdown"}\n')
-            self.process.closeWriteChannel()
-            if not self.process.waitForFinished(3000):
-                self.process.kill()
-                self.process.waitForFinished(1000)
+        """Close the workers (the window is closing): asked first, all at once, then waited
+        for; one that does not end is killed."""
+        running = [p for p in self.workers.values()
+                   if p.state() != QProcess.ProcessState.NotRunning]
+        for process in running:
+            process.write(b'{"op": "shutdown"}\n')
+            process.closeWriteChannel()
+        for process in running:
+            if not process.waitForFinished(3000):
+                process.kill()
+                process.waitForFinished(1000)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import os
 import subprocess
+import threading
 from pathlib import Path
 from typing import Callable
 
@@ -63,6 +64,9 @@ def start_detached(argv: list[str], log: Path) -> int:
     A new session, so closing the window (or its terminal) sends the job no signal; the app
     follows it through its run directory. (PySide's QProcess.startDetached does not return
     the pid of a configured process, which the Runs pane needs to tell a refused start.)
+    A daemon thread waits for the job while the window lives, so a job that ends is reaped at
+    once: no `forgebench <defunct>` entry stays behind (a zombie also looks alive to
+    `pid_alive`). After the window closes the job is adopted and reaped by init.
     """
     try:
         with open(log, "ab") as output:
@@ -72,4 +76,5 @@ def start_detached(argv: list[str], log: Path) -> int:
     except OSError as exc:
         raise ForgebenchError(f"could not start {argv[0]}: {exc.strerror}", path=log,
                               hint="check the installation") from None
+    threading.Thread(target=job.wait, name=f"reap {job.pid}", daemon=True).start()
     return job.pid

@@ -35,7 +35,7 @@ from PySide6.QtWidgets import (
 from app.viewmodels import export_wizard as vm
 from app.viewmodels.models import library_files
 from app.viewmodels.runs import run_label
-from app.viewmodels.workspace import Workspace
+from app.viewmodels.workspace import Workspace, dialog_folder
 from app.views.background import BackgroundCall
 from app.views.combos import refill_keeping_choice
 from app.views.help_link import help_link
@@ -377,7 +377,8 @@ class ExportWizardPane(QWidget):
         self.go(1)
 
     def _browse_base(self) -> None:
-        path, _ = QFileDialog.getOpenFileName(self, "Base model", "", "GGUF (*.gguf)")
+        path, _ = QFileDialog.getOpenFileName(self, "Base model", dialog_folder(
+            self.workspace, "models"), "GGUF (*.gguf)")
         if path:
             self.choose_base(Path(path))
 

@@ -1,6 +1,8 @@
 """The "first real fine-tune" strip (state in app/viewmodels/first_tune.py), under the tour: the
-offer line with its measured estimate (or how to install the model), Measure (a short probe
-job) and Start (the pirate LoRA run, followed in the Runs pane). When the run completes, the
+offer line with its measured estimate (or how to install the model), "Use MODEL" where the
+config's base file is missing and the library has a model of its own to train on (it points the
+config at that file), Measure (a short probe job) and Start (the pirate LoRA run, followed in
+the Runs pane). When the run completes, the
 strip shows its BEFORE/AFTER answers with "Chat with it" and "Export it", which open those
 panes on the run. Engine jobs run through the JobRunner; the offer's reads (the CPU model, the
 config's hash) and the samples are read on a BackgroundCall, never on the GUI thread."""
@@ -16,6 +18,7 @@ from PySide6.QtWidgets import QFrame, QHBoxLayout, QLabel, QPushButton, QVBoxLay
 from app.viewmodels.first_tune import FirstTune, run_argv
 from app.viewmodels.jobs import job_error
 from app.viewmodels.workspace import Settings, Workspace
+from app.views import theme
 from app.views.background import BackgroundCall
 from app.views.engine_process import start_detached
 from app.views.job_runner import JobRunner
@@ -38,12 +41,18 @@ class FirstTunePanel(QFrame):
         self.run_dir: Path | None = None
         self.pid: int | None = None     # the run's process and its log
         self.log: Path | None = None
-        self.setStyleSheet("FirstTunePanel { background: #f1f8e9; border: 1px solid #558b2f; }")
+        theme.style(self, "FirstTunePanel {{ background: {offer_bg}; border: 1px solid "
+                          "{offer_border}; }} FirstTunePanel QLabel {{ color: {text}; }}")
         self.offer = QLabel()
         self.offer.setWordWrap(True)
         self.measure_button = QPushButton("Measure")
         self.measure_button.setToolTip("Time a short probe of the run on this machine")
         self.start_button = QPushButton("Start")
+        self.use_button = QPushButton("Use")     # "Use NAME": the library model offered
+        self.use_button.setToolTip("Point the config's base model at this model of your "
+                                   "library")
+        self.use_button.hide()
+        self.candidate: str | None = None
         self.close_button = QPushButton("Hide")
         self.result = QLabel()
         self.result.setWordWrap(True)
@@ -66,12 +75,17 @@ class FirstTunePanel(QFrame):
         self.runner.hide()          # shown while a probe runs, and with its error if it fails
         self.offer_call = BackgroundCall(self)
         self.offer_call.done.connect(self._show_offer)
-        self.offer_call.failed.connect(
-            lambda exc: self._show_offer((exc.render(), self.tune.installed(), False)))
+        self.offer_call.failed.connect(lambda exc: self._show_offer(
+            (exc.render(), self.tune.installed(), False, None)))
         self.prepare_call = BackgroundCall(self)     # the probe's command, once prepared
         self.prepare_call.done.connect(self._probe)
-        self.prepare_call.failed.connect(
-            lambda exc: self._show_offer((exc.render(), self.tune.installed(), False)))
+        self.prepare_call.failed.connect(lambda exc: self._show_offer(
+            (exc.render(), self.tune.installed(), False, None)))
+        self.use_call = BackgroundCall(self)     # the config pointed at a library model
+        self.use_call.done.connect(lambda _: self.refresh())
+        self.use_call.failed.connect(lambda exc: self._show_offer(
+            (exc.render(), False, False, self.candidate)))
+        self.use_button.clicked.connect(self.use_candidate)
         self.start_call = BackgroundCall(self)
         self.start_call.done.connect(self._launched)
         self.start_call.failed.connect(self._refused)
@@ -80,13 +94,16 @@ class FirstTunePanel(QFrame):
         self.samples_call.failed.connect(lambda exc: self.result.setText(exc.render()))
         row = QHBoxLayout()
         row.addWidget(self.offer, 1)
-        for button in (self.measure_button, self.start_button, self.close_button):
+        for button in (self.use_button, self.measure_button, self.start_button,
+                       self.close_button):
             row.addWidget(button)
         done_row = QHBoxLayout()
         done_row.addWidget(self.result, 1)
         done_row.addWidget(self.chat_button)
         done_row.addWidget(self.export_button)
         layout = QVBoxLayout(self)
+        layout.setContentsMargins(8, 4, 8, 4)     # compact: the panes keep the height
+        layout.setSpacing(2)
         layout.addLayout(row)
         layout.addWidget(self.runner)
         layout.addWidget(self.run_status)
@@ -113,19 +130,36 @@ class FirstTunePanel(QFrame):
         def read():
             if probe_ok is not None:
                 tune.finish_probe(probe_ok)
-            return tune.offer(), tune.installed(), tune.installed() and tune.cached() is not None
+            ready = tune.ready()
+            found = [] if ready else tune.candidates()
+            return (tune.offer(), ready, ready and tune.cached() is not None,
+                    found[0]["name"] if found else None)
 
         self.offer_call.start(read)
 
-    def _show_offer(self, value: tuple[str, bool, bool]) -> None:
-        text, installed, measured = value
+    def _show_offer(self, value: tuple[str, bool, bool, str | None]) -> None:
+        text, ready, measured, candidate = value
         self.offer.setText(text)
         idle = not (self.runner.running or self.prepare_call.running or self.start_call.running
-                    or self.timer.isActive())
-        self.measure_button.setVisible(installed and not measured)
+                    or self.use_call.running or self.timer.isActive())
+        self.candidate = candidate
+        self.use_button.setText(f"Use {candidate}" if candidate else "Use")
+        self.use_button.setVisible(bool(candidate) and not ready)
+        self.use_button.setEnabled(idle)
+        self.measure_button.setVisible(ready and not measured)
         self.measure_button.setEnabled(idle)
-        self.start_button.setVisible(installed)
+        self.start_button.setVisible(ready)
         self.start_button.setEnabled(idle)
+
+    def use_candidate(self) -> None:
+        """Point the config at the library model offered (its file is written off the GUI
+        thread), then read the offer again: Measure and Start appear."""
+        tune, name = self.tune, self.candidate
+        if not name:
+            return
+        self.use_button.setEnabled(False)
+        self.offer.setText(f"Pointing {tune.config.name} at {name}…")
+        self.use_call.start(lambda: tune.use_library_model(name))
 
     def measure(self) -> None:
         tune = self.tune
@@ -182,7 +216,8 @@ class FirstTunePanel(QFrame):
         self.refresh()
         if state != "completed":
             log = self.log.read_text(errors="replace") if self.log.is_file() else ""
-            self.run_status.setText(f"{self.run_dir.name} ended {state}: "
+            ended = "did not start" if state in ("starting", "unknown") else f"ended {state}"
+            self.run_status.setText(f"{self.run_dir.name} {ended}: "
                                     f"{job_error(log) or 'see it in Runs'}")
             return
         from app.viewmodels.samples import before_after

@@ -509,10 +509,11 @@ class ImportWizard(QDialog):
     def _browse(self) -> None:
         key = self.source_kind.currentData()
         if key == "images":
-            path = QFileDialog.getExistingDirectory(self, "Folder of class folders")
+            path = QFileDialog.getExistingDirectory(self, "Folder of class folders",
+                                                    str(Path.home()))
         else:
             path, _ = QFileDialog.getOpenFileName(
-                self, "Source file", "", "JSONL (*.jsonl *.json)" if key == "jsonl"
+                self, "Source file", str(Path.home()), "JSONL (*.jsonl *.json)" if key == "jsonl"
                 else "CSV (*.csv)")
         if path:
             self.source_path.setText(path)

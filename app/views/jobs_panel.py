@@ -165,7 +165,7 @@ class Toast(QFrame):
         self.hide()
 
     def show_message(self, title: str, text: str) -> None:
-        self.text.setText(f"<b>{title}</b><br>{text}")
+        self.text.setText(f"<b>{title}</b><br>{text}".replace("\n", "<br>"))
         self.adjustSize()
         parent = self.parentWidget()
         # Top right, under the menu bar: the wizard's Back/Next sit at the bottom right.
@@ -176,23 +176,59 @@ class Toast(QFrame):
 
 
 class Notifier(QObject):
-    """Says when a job finished or failed: a tray message on desktops with a system tray,
-    else (and always in the window) a toast."""
+    """Says when a job finished or failed, replacing rather than stacking: one toast in the
+    window, whose text becomes "3 jobs ended: …" when jobs end while it shows; and, while the
+    user is in another window, a desktop (tray) message, at most one per TOAST_MS: endings in
+    between are gathered into the next one."""
 
     def __init__(self, window: QWidget, icon: QIcon | None = None):
         super().__init__(window)
+        self.window = window
         self.toast = Toast(window)
         self.tray: QSystemTrayIcon | None = None
         if QSystemTrayIcon.isSystemTrayAvailable():
             self.tray = QSystemTrayIcon(icon or window.windowIcon(), self)
             self.tray.show()
         self.last: tuple[str, str] | None = None
+        self.shown: list[tuple[str, str, bool]] = []     # the endings the toast shows
+        self.waiting: list[tuple[str, str, bool]] = []   # for the next desktop message
+        self.quiet = QTimer(self)
+        self.quiet.setSingleShot(True)
+        self.quiet.setInterval(TOAST_MS)
+        self.quiet.timeout.connect(self._send_waiting)
+
+    def user_away(self) -> bool:
+        return not self.window.isActiveWindow()
 
     def notify(self, title: str, ok: bool, message: str) -> None:
         heading = f"{title} {'finished' if ok else 'failed'}"
         self.last = (heading, message)
-        if self.tray is not None and QSystemTrayIcon.supportsMessages():
-            self.tray.showMessage(heading, message[:300],
-                                  QSystemTrayIcon.MessageIcon.Information if ok
-                                  else QSystemTrayIcon.MessageIcon.Warning, TOAST_MS)
-        self.toast.show_message(heading, message[:300])
+        ending = (heading, message, ok)
+        self.shown = (self.shown if self.toast.isVisible() else []) + [ending]
+        self.toast.show_message(*endings_text(self.shown))
+        if self.tray is None or not QSystemTrayIcon.supportsMessages() or not self.user_away():
+            return
+        self.waiting.append(ending)
+        if not self.quiet.isActive():
+            self._send_waiting()
+
+    def _send_waiting(self) -> None:
+        if not self.waiting:
+            return
+        heading, text = endings_text(self.waiting)
+        icon = QSystemTrayIcon.MessageIcon.Information if all(ok for *_, ok in self.waiting) \
+            else QSystemTrayIcon.MessageIcon.Warning
+        self.tray.showMessage(heading, text[:300], icon, TOAST_MS)
+        self.waiting = []
+        self.quiet.start()
+
+
+def endings_text(endings: list[tuple[str, str, bool]]) -> tuple[str, str]:
+    """(heading, text) of one message for jobs that ended: the job's own for one, else how
+    many ended and a line each."""
+    if len(endings) == 1:
+        heading, message, _ = endings[0]
+        return heading, message[:300]
+    lines = [f"{heading}: {message.splitlines()[0] if message else ''}".rstrip(": ")
+             for heading, message, _ in endings]
+    return f"{len(endings)} jobs ended", "\n".join(lines)

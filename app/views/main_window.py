@@ -41,7 +41,14 @@ from PySide6.QtWidgets import (
 )
 
 from app.viewmodels.tour import Tour
-from app.viewmodels.workspace import Settings, Workspace, WorkspaceWatch, install_sample_workspace
+from app.viewmodels.workspace import (
+    Settings,
+    Workspace,
+    WorkspaceWatch,
+    dialog_folder,
+    install_sample_workspace,
+)
+from app.views import theme
 from app.views.background import BackgroundCall
 from app.views.first_tune_panel import FirstTunePanel
 from app.views.form_widget import WheelGuard, guard_wheel
@@ -66,7 +73,57 @@ PANE_CLASSES = (("datasets", "app.views.datasets_pane", "DatasetsPane"),
 PANE_NAMES = tuple(name for name, _, _ in PANE_CLASSES)
 DEFAULT_SIZE = (1440, 900)
 MIN_SIZE = (900, 600)
+TITLE_BAR_PX = 32           # left for the window manager's title bar on a small screen
 WATCH_PERIOD_S = 1.0
+
+
+class PaneScroll(QScrollArea):
+    """A pane's scroll area that gives the pane the viewport's height whenever the pane's
+    minimum fits in it. (A resizable QScrollArea sizes a pane with word-wrapped labels by its
+    preferred height for the width, so a pane that could shrink to fit scrolled instead, and
+    its bottom row — Stop/Resume, Send, a refusal — went below the fold at 1024×700.) A pane
+    whose minimum is taller than the window scrolls, as before."""
+
+    def __init__(self):
+        super().__init__()
+        self.setWidgetResizable(False)
+        self.setFrameShape(QFrame.Shape.NoFrame)
+
+    def setWidget(self, widget: QWidget) -> None:       # noqa: N802 (Qt's name)
+        super().setWidget(widget)
+        widget.installEventFilter(self)
+        self.fit()
+
+    def eventFilter(self, watched, event) -> bool:      # noqa: N802 (Qt's name)
+        if watched is self.widget() and event.type() == QEvent.Type.LayoutRequest:
+            QTimer.singleShot(0, self.fit)
+        return False
+
+    def resizeEvent(self, event) -> None:               # noqa: N802 (Qt's name)
+        super().resizeEvent(event)
+        self.fit()
+
+    def needed_height(self, width: int) -> int:
+        widget = self.widget()
+        layout = widget.layout()
+        if layout is not None and layout.hasHeightForWidth():
+            needed = layout.minimumHeightForWidth(width)
+        else:
+            needed = widget.minimumSizeHint().height()
+        return max(needed, widget.minimumHeight())
+
+    def fit(self) -> None:
+        widget = self.widget()
+        if widget is None:
+            return
+        room = self.maximumViewportSize()
+        least = max(widget.minimumSizeHint().width(), widget.minimumWidth())
+        width = max(room.width(), least)
+        height = self.needed_height(width)
+        if height > room.height():      # it scrolls: the vertical bar takes its width
+            width = max(room.width() - self.verticalScrollBar().sizeHint().width(), least)
+            height = self.needed_height(width)
+        widget.resize(width, max(height, room.height()))
 
 
 class ProblemBanner(QFrame):
@@ -75,7 +132,8 @@ class ProblemBanner(QFrame):
 
     def __init__(self, window: "MainWindow"):
         super().__init__()
-        self.setStyleSheet("ProblemBanner { background: #fff3e0; border: 1px solid #ef6c00; }")
+        theme.style(self, "ProblemBanner {{ background: {problem_bg}; border: 1px solid "
+                          "{problem_border}; }} ProblemBanner QLabel {{ color: {text}; }}")
         self.text = QLabel()
         self.text.setWordWrap(True)
         self.text.setTextInteractionFlags(Qt.TextInteractionFlag.TextSelectableByMouse)
@@ -152,10 +210,7 @@ class MainWindow(QMainWindow):
         for _ in PANE_CLASSES:
             # A pane that needs more room than the window has scrolls; it never makes the
             # window bigger than the screen (DESIGN: every pane works at 1024×700).
-            scroll = QScrollArea()
-            scroll.setWidgetResizable(True)
-            scroll.setFrameShape(QFrame.Shape.NoFrame)
-            self.stack.addWidget(scroll)
+            self.stack.addWidget(PaneScroll())
         # Scrolling a pane never edits a combo box or spin box the user did not click into.
         self.wheel_guard = WheelGuard(self)
         self.sidebar.currentRowChanged.connect(self._show_row)
@@ -283,6 +338,8 @@ class MainWindow(QMainWindow):
     def _library_changed(self) -> None:
         if self._built("chat") is not None:
             self.chat.refresh_sources()
+        if self.first_tune.tune is not None and self.first_tune.isVisible():
+            self.first_tune.refresh()       # a model added: the strip may offer it now
 
     # -- menus ---------------------------------------------------------------------------
     def _build_menus(self) -> None:
@@ -361,12 +418,13 @@ class MainWindow(QMainWindow):
             self.banner.forget.hide()
 
     def choose_workspace(self) -> None:
-        path = QFileDialog.getExistingDirectory(self, "Open workspace")
+        path = QFileDialog.getExistingDirectory(self, "Open workspace", self._dialog_start())
         if path:
             self.open_workspace(path)
 
     def choose_new_workspace(self) -> None:
-        path = QFileDialog.getExistingDirectory(self, "Create a workspace in an empty folder")
+        path = QFileDialog.getExistingDirectory(self, "Create a workspace in an empty folder",
+                                                self._dialog_start())
         if path:
             try:
                 Workspace.create(path)
@@ -374,6 +432,12 @@ class MainWindow(QMainWindow):
                 self.report_problem(path, exc)
                 return
             self.open_workspace(path)
+
+    def _dialog_start(self) -> str:
+        """Workspace dialogs open beside the open workspace (else in the home folder)."""
+        if self.workspace is None:
+            return dialog_folder(None)
+        return str(self.workspace.root.parent)
 
     def open_sample(self) -> None:
         try:
@@ -446,7 +510,13 @@ class MainWindow(QMainWindow):
         self.sidebar.setCurrentRow([p.replace("&&", "&") for p in PANES].index(name))
 
     def show_message(self, text: str) -> None:
-        self.statusBar().showMessage(text.splitlines()[0] if text else "", 8000)
+        """The first line in the status bar, elided in the middle to the room it has (the
+        jobs button keeps the right end): a long path never runs under it."""
+        line = text.splitlines()[0] if text else ""
+        room = self.statusBar().width() - self.jobs_button.width() - 40
+        line = self.statusBar().fontMetrics().elidedText(line, Qt.TextElideMode.ElideMiddle,
+                                                         max(room, 100))
+        self.statusBar().showMessage(line, 8000)
 
     def _jobs_changed(self) -> None:
         count = len(self.jobs.jobs)
@@ -465,8 +535,13 @@ class MainWindow(QMainWindow):
         width, height = DEFAULT_SIZE
         if screen is not None:
             area = screen.availableGeometry()
-            width = min(width, int(area.width() * 0.95))
-            height = min(height, int(area.height() * 0.92))
+            # A screen smaller than the default gets all of its width and its height less a
+            # title bar (a 1024×700 screen: 1024×668, where every pane works); a bigger one
+            # keeps a margin around the window.
+            width = min(width, area.width() if area.width() < width
+                        else int(area.width() * 0.95))
+            height = min(height, area.height() - TITLE_BAR_PX if area.height() < height
+                         else int(area.height() * 0.92))
             self.resize(max(width, MIN_SIZE[0]), max(height, MIN_SIZE[1]))
             frame = self.frameGeometry()
             frame.moveCenter(area.center())

