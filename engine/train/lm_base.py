@@ -17,6 +17,7 @@ import json
 import re
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import torch
 from torch import nn
@@ -162,14 +163,20 @@ class PretrainTokenizer:
 
 
 # -- adapters or full weights ---------------------------------------------------------------
-def prepare_trainable(config, base: Base) -> tuple[dict[str, LoRALinear] | None,
-                                                                list[tuple[str, nn.Parameter]]]:
-    """Attach LoRA (freezing the base) or unfreeze everything for full fine-tuning."""
+Trainable = tuple[dict[str, LoRALinear] | None, list[tuple[str, nn.Parameter]]]
+
+
+def lora_trainable(config, base: Base) -> Trainable:
+    """LoRA adapters on the configured targets; the base frozen."""
+    lora = config.lora
+    adapters = attach_lora(base.model, targets=lora.targets, rank=lora.rank, alpha=lora.alpha,
+                           dropout=lora.dropout, seed=config.seed)
+    return adapters, [(n, p) for n, p in base.model.named_parameters() if p.requires_grad]
+
+
+def full_trainable(config, base: Base) -> Trainable:
+    """Every weight, densified and in f32, within `lora.full_max_params`."""
     model, lora = base.model, config.lora
-    if lora.method == "lora":
-        adapters = attach_lora(model, targets=lora.targets, rank=lora.rank, alpha=lora.alpha,
-                               dropout=lora.dropout, seed=config.seed)
-        return adapters, [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     count = parameter_count(model)
     if count > lora.full_max_params:
         raise ForgebenchError(
@@ -187,6 +194,25 @@ def prepare_trainable(config, base: Base) -> tuple[dict[str, LoRALinear] | None,
     for param in model.parameters():
         param.requires_grad_(True)
     return None, list(model.named_parameters())
+
+
+# The trainable-parameter hook: `lora.method` -> what trains. A new method (a trained KV prefix,
+# norms only, ...) is one entry: a function (config, base) -> (adapters or None, the named
+# parameters the optimizer steps), which freezes what it does not train. Without adapters a
+# checkpoint holds the model's state_dict (`save_weights`), so a method's parameters belong to
+# the model.
+TRAINABLE: dict[str, Callable[..., Trainable]] = {"lora": lora_trainable,
+                                                  "full": full_trainable}
+
+
+def prepare_trainable(config, base: Base) -> Trainable:
+    """What trains, by `config.lora.method` (`TRAINABLE`): LoRA over the frozen base, or every
+    weight for full fine-tuning."""
+    method = config.lora.method
+    if method not in TRAINABLE:
+        raise ForgebenchError(f"unknown training method {method!r}", where="field 'lora.method'",
+                              hint="one of: " + ", ".join(TRAINABLE))
+    return TRAINABLE[method](config, base)
 
 
 def parameter_count(model: nn.Module) -> int:
