@@ -165,7 +165,7 @@ class StepLoop:
         at_end = step == config.steps
         eval_due = (self.evaluate is not None and bool(config.eval_every)
                     and step % config.eval_every == 0)
-        if eval_due and not at_end or at_end and self.eval_at_end:
+        if (eval_due and not at_end) or (at_end and self.eval_at_end):
             self.validate()
         if checkpoint_due(config, step, self.job.stop_requested,
                           eval_due and self.save_on_eval):

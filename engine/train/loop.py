@@ -1,8 +1,9 @@
-"""The shared step loop of the image and audio recipes (resume, clip, log, evaluate, keep
-the best, checkpoint) and the class-list contract between a checkpoint and its data.
+"""The step loop of the image and audio recipes (resume, the EMA, evaluate, keep the best,
+checkpoint) and the class-list contract between a checkpoint and its data.
 
-The loop is a function, not a trainer class: a recipe hands it a `batch_loss(indices)` and a
-`validate()` and reads top to bottom around it. Metrics rows follow engine.train.metrics.
+`train_loop` is a function, not a trainer class: a recipe hands it a `batch_loss(indices)` and a
+`validate()` and reads top to bottom around it. The schedule, clip-and-step, metrics row,
+progress and cadence are engine/train/lm_loop.py's, as for the language-model recipes.
 """
 
 from __future__ import annotations
