@@ -351,50 +351,56 @@ def mark_regions(model) -> None:
             module.register_forward_hook(leave)
 
 
+def _marker(event) -> str | None:
+    """The region an op ran in: its innermost region marker (or the fused head, the
+    optimizer), walking up its CPU parents."""
+    while event is not None:
+        if event.name.startswith(MARK):
+            return event.name[len(MARK):]
+        if event.name == "_LinearCrossEntropy":
+            return "LM head + loss (fused, dh in the same pass)"
+        if event.name.startswith("region:optimizer"):
+            return "optimizer"
+        event = event.cpu_parent
+    return None
+
+
+def _backward_node(event):
+    """The autograd node evaluation an op runs under, or None for a forward op."""
+    while event is not None:
+        if event.name.startswith("autograd::engine::evaluate_function: "):
+            return event
+        event = event.cpu_parent
+    return None
+
+
+def _region_of(event, forward_region: dict[int, str]) -> str:
+    """A backward op by the region of the forward op that made its node; any other op by its
+    marker, or by what it is."""
+    node = _backward_node(event)
+    if node is not None:
+        if "_DequantMatmulBackward" in node.name:
+            return "base matmuls dx"
+        region = forward_region.get(node.sequence_nr, "autograd (unmatched)") + " bwd"
+        return region.replace("base matmuls bwd", "base matmuls dx")
+    region = _marker(event) or "other ops (loss glue, RoPE tables, packing)"
+    return region + " fwd" if region in REGIONS.values() else region
+
+
 def region_table(events, step_s: float) -> list[tuple[str, float]]:
     """Self time (the profiler times ops in wall time) of every profiled op by region: forward
     ops by their innermost marker, backward ops by the marker of the forward op that made their
     autograd node (matched on the sequence number), the rest named by what they are."""
     forward_region: dict[int, str] = {}
-    by_region: dict[str, float] = {}
-
-    def marker(event) -> str | None:
-        while event is not None:
-            if event.name.startswith(MARK):
-                return event.name[len(MARK):]
-            if event.name == "_LinearCrossEntropy":
-                return "LM head + loss (fused, dh in the same pass)"
-            if event.name.startswith("region:optimizer"):
-                return "optimizer"
-            event = event.cpu_parent
-        return None
-
     for event in events:
-        region = marker(event)
+        region = _marker(event)
         if region and event.sequence_nr >= 0 and not event.is_async:
             forward_region.setdefault(event.sequence_nr, region)
-
-    def backward_node(event):
-        while event is not None:
-            if event.name.startswith("autograd::engine::evaluate_function: "):
-                return event
-            event = event.cpu_parent
-        return None
-
+    by_region: dict[str, float] = {}
     for event in events:
         if event.name.startswith(MARK):
             continue
-        node = backward_node(event)
-        if node is not None:
-            if "_DequantMatmulBackward" in node.name:
-                region = "base matmuls dx"
-            else:
-                region = forward_region.get(node.sequence_nr, "autograd (unmatched)") + " bwd"
-                region = region.replace("base matmuls bwd", "base matmuls dx")
-        else:
-            region = marker(event) or "other ops (loss glue, RoPE tables, packing)"
-            if region in REGIONS.values():
-                region += " fwd"
+        region = _region_of(event, forward_region)
         by_region[region] = by_region.get(region, 0.0) + event.self_cpu_time_total / 1e6
     by_region["Python between ops"] = step_s - sum(by_region.values())
     return sorted(by_region.items(), key=lambda kv: -kv[1])

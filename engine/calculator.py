@@ -70,13 +70,7 @@ def _value(node: ast.AST, depth: int) -> int | float:
     if isinstance(node, ast.BinOp) and type(node.op) in _BINARY:
         left, right = _value(node.left, depth + 1), _value(node.right, depth + 1)
         if isinstance(node.op, ast.Pow):
-            if abs(right) > MAX_EXPONENT:
-                raise CalculatorError(f"exponents are limited to ±{MAX_EXPONENT}")
-            if left == 0 and right < 0:
-                raise CalculatorError("division by zero")
-            # the magnitude check below comes after the power, so bound it first
-            if left and abs(right) * math.log10(abs(left)) > math.log10(MAX_MAGNITUDE):
-                raise CalculatorError("the result is too large")
+            _check_power(left, right)
         try:
             return _bounded(_BINARY[type(node.op)](left, right))
         except ZeroDivisionError:
@@ -84,6 +78,17 @@ def _value(node: ast.AST, depth: int) -> int | float:
         except OverflowError:
             raise CalculatorError("the result is too large") from None
     raise CalculatorError(f"{type(node).__name__} is not allowed: arithmetic only")
+
+
+def _check_power(base, exponent) -> None:
+    """Refuse a power before computing it: a huge exponent, 0 to a negative power, or a result
+    past the magnitude bound (checked by logarithms, since the bound applies after it)."""
+    if abs(exponent) > MAX_EXPONENT:
+        raise CalculatorError(f"exponents are limited to ±{MAX_EXPONENT}")
+    if base == 0 and exponent < 0:
+        raise CalculatorError("division by zero")
+    if base and abs(exponent) * math.log10(abs(base)) > math.log10(MAX_MAGNITUDE):
+        raise CalculatorError("the result is too large")
 
 
 def _bounded(value):

@@ -24,33 +24,10 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from engine.errors import ForgebenchError, excerpt
 from engine.paths import resolve
+from engine.recipe_registry import REGISTRY, RecipeSpec
 
-# recipe name -> (config schema "module:Class", training script module exposing `train(run, ...)`)
-RECIPES: dict[str, tuple[str, str]] = {
-    "lm-pretrain": ("engine.recipes.lm_pretrain_config:LMPretrainConfig",
-                    "engine.recipes.lm_pretrain"),
-    "lm-sft": ("engine.recipes.lm_sft_config:LMSFTConfig", "engine.recipes.lm_sft"),
-    "lm-dpo": ("engine.recipes.lm_dpo_config:LMDPOConfig", "engine.recipes.lm_dpo"),
-    "lm-es": ("engine.recipes.lm_es_config:LMESConfig", "engine.recipes.lm_es"),
-    "image-classify": ("engine.recipes.image_classify_config:ImageClassifyConfig",
-                       "engine.recipes.image_classify"),
-    "image-detect": ("engine.recipes.image_detect_config:ImageDetectConfig",
-                     "engine.recipes.image_detect"),
-    "image-segment": ("engine.recipes.image_segment_config:ImageSegmentConfig",
-                      "engine.recipes.image_segment"),
-    "image-generate": ("engine.recipes.image_generate_config:ImageGenerateConfig",
-                       "engine.recipes.image_generate"),
-    "audio-generate": ("engine.recipes.audio_generate_config:AudioGenerateConfig",
-                       "engine.recipes.audio_generate"),
-    "tabular-classify": ("engine.recipes.tabular_classify_config:TabularClassifyConfig",
-                         "engine.recipes.tabular_classify"),
-    "speech-recognize": ("engine.recipes.speech_recognize_config:SpeechRecognizeConfig",
-                         "engine.recipes.speech_recognize"),
-    "lm-decision": ("engine.recipes.lm_decision_config:LMDecisionConfig",
-                    "engine.recipes.lm_decision"),
-    "embed-retrieval": ("engine.recipes.embed_retrieval_config:EmbedRetrievalConfig",
-                        "engine.recipes.embed_retrieval"),
-}
+# recipe name -> its row (schema, training module, devices, capabilities): engine/recipe_registry.py
+RECIPES: dict[str, RecipeSpec] = REGISTRY
 
 # Fields resume may change; everything else in the resolved config must match run.json.
 RESUMABLE_FIELDS = ("steps", "log_every", "save_every", "eval_every", "keep_last")
@@ -113,19 +90,20 @@ def _import(spec: str) -> Any:
 
 def available_recipes() -> list[str]:
     """Recipes whose schema module is present in this build."""
-    return [name for name, (schema, _) in RECIPES.items()
-            if importlib.util.find_spec(schema.partition(":")[0]) is not None]
+    return [name for name, spec in RECIPES.items()
+            if importlib.util.find_spec(spec.schema.partition(":")[0]) is not None]
 
 
 def schema_for(recipe: str) -> type[Schema]:
     if recipe not in RECIPES:
         raise ForgebenchError(f"unknown recipe '{recipe}'", where="field 'recipe'",
                               hint="one of: " + ", ".join(available_recipes()))
-    return _import(RECIPES[recipe][0])
+    return _import(RECIPES[recipe].schema)
 
 
 def recipe_module(recipe: str) -> Any:
-    return _import(RECIPES[recipe][1])
+    """The training module of a registered recipe, imported now (it may import torch)."""
+    return _import(RECIPES[recipe].module)
 
 
 def format_validation_error(exc: ValidationError, source: str | os.PathLike | None) -> str:

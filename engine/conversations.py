@@ -145,18 +145,8 @@ class Conversation:
                 if pending is not None and not complete_only:
                     out.append(pending)
                 pending = {"role": "user", "content": m["content"]}
-            elif m.get("system") != system:
-                continue
-            elif m["role"] == "tool":       # a tool's result for this system's call
-                out.append({"role": "tool", "name": m.get("name"), "content": m["content"]})
-            elif pending is not None:
-                if complete_only and (m.get("stop_reason") == "cancelled" or not m["content"]):
-                    pending = None
-                    continue
-                out += [pending, {"role": "assistant", "content": m["content"]}]
-                pending = None
-            elif out and out[-1]["role"] == "tool":      # the reply that reads the result
-                out.append({"role": "assistant", "content": m["content"]})
+            elif m.get("system") == system:
+                pending = _add_own(out, pending, m, complete_only)
         if pending is not None and not complete_only:
             out.append(pending)
         return out
@@ -232,3 +222,20 @@ def export_sft(conversations: list[Conversation], systems: dict[str, list[str]] 
         write_manifest(staging, "text-sft", name or out_dir.name, provenance=provenance)
     return out_dir
 
+
+def _add_own(out: list[dict], pending: dict | None, m: dict,
+             complete_only: bool) -> dict | None:
+    """Add one of the system's own messages to a thread (`Conversation.thread`): a tool's
+    result, or a reply with the user turn it answers (dropped with it under `complete_only`
+    when cancelled or empty), or the reply that reads a tool's result. Returns the user turn
+    still waiting for a reply (None once answered)."""
+    if m["role"] == "tool":             # a tool's result for this system's call
+        out.append({"role": "tool", "name": m.get("name"), "content": m["content"]})
+        return pending
+    if pending is not None:
+        if not (complete_only and (m.get("stop_reason") == "cancelled" or not m["content"])):
+            out += [pending, {"role": "assistant", "content": m["content"]}]
+        return None
+    if out and out[-1]["role"] == "tool":          # the reply that reads the result
+        out.append({"role": "assistant", "content": m["content"]})
+    return None

@@ -28,7 +28,14 @@ import traceback
 from pathlib import Path
 from typing import Any, Iterator
 
-from engine.config import RESUMABLE_FIELDS, Schema, config_diff, recipe_module, validate_config
+from engine.config import (
+    RECIPES,
+    RESUMABLE_FIELDS,
+    Schema,
+    config_diff,
+    recipe_module,
+    validate_config,
+)
 from engine.errors import ForgebenchError
 from engine.fsutil import disk_error, sha256_file
 from engine.paths import require_writable_dir
@@ -92,13 +99,13 @@ def job_device(config: Schema, module: Any, local_rank: int = 0, where: str = "f
     from engine.train import devices
 
     return devices.resolve(getattr(config, "device", "cpu"), local_rank, where,
-                           cuda_ok=getattr(module, "CUDA", False))
+                           cuda_ok=RECIPES[config.recipe].cuda)
 
 
 def require_multi_process(config: Schema, processes: int) -> None:
-    """Only recipes that shard their batch over ranks (`MULTI_PROCESS = True`) run on several
-    processes: any other would train N unsynchronised copies."""
-    if processes > 1 and not getattr(recipe_module(config.recipe), "MULTI_PROCESS", False):
+    """Only recipes that shard their batch over ranks (`multi_process` in their registry row)
+    run on several processes: any other would train N unsynchronised copies."""
+    if processes > 1 and not RECIPES[config.recipe].multi_process:
         raise ForgebenchError(f"recipe '{config.recipe}' trains in one process only",
                               where="--nproc", hint="drop --nproc / --nnodes")
 
@@ -118,9 +125,10 @@ def default_threads() -> int:
 def base_model_of(config: Schema, module: Any) -> dict | None:
     """The base model a recipe starts from (path + SHA-256), if any.
 
-    A recipe names it with an optional `base_model(config) -> Path | None`.
+    A recipe whose registry row has the "base" capability names it with
+    `base_model(config) -> Path | None`.
     """
-    hook = getattr(module, "base_model", None)
+    hook = module.base_model if "base" in RECIPES[config.recipe].capabilities else None
     path = hook(config) if hook else None
     if path is None:
         return None

@@ -51,8 +51,9 @@ from typing import Any, Callable, TextIO
 
 from engine import model_library
 from engine.errors import ForgebenchError
+from engine.recipe_registry import recipes_with
 
-CHAT_RECIPES = ("lm-sft", "lm-dpo", "lm-es")    # the recipes whose runs answer in chat
+CHAT_RECIPES = recipes_with("chat")    # the recipes whose runs answer in chat
 OPS = ("load", "render", "chat", "cancel", "unload", "shutdown", "ping")
 SETTINGS = ("temperature", "top_k", "top_p", "repetition_penalty")
 

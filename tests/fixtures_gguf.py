@@ -143,6 +143,18 @@ def write_tiny_gguf(path: str | Path, arch: str = "llama", qtype: str = "Q4_K",
 
     w = gguf.GGUFWriter(str(path), arch)
     w.add_name(f"tiny-{arch}-{qtype}")
+    _add_hyperparameters(w, arch, n_layers, context_length)
+    _add_vocab(w, voc)
+    _add_metadata(w, arch, metadata or {})
+    _add_tensors(w, rng, arch, qt, n_vocab, n_layers, tie)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+def _add_hyperparameters(w, arch: str, n_layers: int, context_length: int) -> None:
     w.add_context_length(context_length)
     w.add_embedding_length(DIM)
     w.add_block_count(n_layers)
@@ -158,6 +170,8 @@ def write_tiny_gguf(path: str | Path, arch: str = "llama", qtype: str = "Q4_K",
         w.add_sliding_window(4)          # tiny window so the local/global pattern matters in tests
     w.add_file_type(gguf.LlamaFileType.ALL_F32)
 
+
+def _add_vocab(w, voc: dict) -> None:
     w.add_tokenizer_model(voc["model"])
     if voc["pre"]:
         w.add_tokenizer_pre(voc["pre"])
@@ -173,7 +187,11 @@ def write_tiny_gguf(path: str | Path, arch: str = "llama", qtype: str = "Q4_K",
         w.add_unk_token_id(voc["unk"])
     w.add_add_bos_token(voc["add_bos"])
     w.add_add_eos_token(voc["add_eos"])
-    for key, value in (metadata or {}).items():
+
+
+def _add_metadata(w, arch: str, metadata: dict) -> None:
+    """Added or overriding keys ({arch} in a key is replaced), typed by their Python value."""
+    for key, value in metadata.items():
         key = key.replace("{arch}", arch)
         if isinstance(value, bool):
             w.add_bool(key, value)
@@ -184,6 +202,9 @@ def write_tiny_gguf(path: str | Path, arch: str = "llama", qtype: str = "Q4_K",
         else:
             w.add_string(key, str(value))
 
+
+def _add_tensors(w, rng, arch: str, qt, n_vocab: int, n_layers: int, tie: bool) -> None:
+    """Every tensor, drawn from `rng` in file order."""
     def norm(n: int) -> np.ndarray:
         return (1.0 + 0.2 * rng.standard_normal(n)).astype(np.float32)
 
@@ -210,9 +231,3 @@ def write_tiny_gguf(path: str | Path, arch: str = "llama", qtype: str = "Q4_K",
     w.add_tensor("output_norm.weight", norm(DIM))
     if not tie:
         w.add_tensor("output.weight", encode_tensor(rng, (n_vocab, DIM), qt), raw_dtype=qt)
-
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    return path

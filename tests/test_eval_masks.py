@@ -41,8 +41,14 @@ def test_empty_mask_conventions():
 
 
 def test_uint8_png_masks_threshold_at_half():
-    mask = square(32, 8, 4, 4).astype(np.uint8) * 255
-    assert iou(mask, mask > 0) == 1.0
+    """A uint8 mask is foreground above 127 and a float one above 0.5: a square of 128 inside
+    a border of 127 is the square alone (a threshold at 0 would take the border too)."""
+    inner = square(32, 8, 4, 4)
+    outer = square(32, 12, 2, 2)
+    mask = np.where(inner, 128, np.where(outer, 127, 0)).astype(np.uint8)
+    assert iou(mask, inner) == 1.0
+    assert iou(mask, outer) < 1.0
+    assert iou(np.where(inner, 0.51, np.where(outer, 0.5, 0.0)), inner) == 1.0
 
 
 def _inside_even_odd(contours, x, y):

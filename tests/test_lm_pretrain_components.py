@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 import subprocess
 import sys
+import types
 
 import pytest
 import torch
@@ -128,9 +129,20 @@ def test_window_loss_is_token_weighted_not_a_mean_of_means():
     assert math.isnan(WindowLoss().value)
 
 
-def test_clock_and_memory():
+def test_clock_and_memory(monkeypatch):
+    """On a stepped fake clock: elapsed = earlier invocations + this one's wall time, and each
+    tick's rate is its tokens over the time since the previous tick."""
+    from engine.train import metrics
+
+    now = [10.0]
+    monkeypatch.setattr(metrics, "time", types.SimpleNamespace(perf_counter=lambda: now[0]))
     clock = StepClock(elapsed_before=100.0)
-    assert clock.elapsed >= 100.0 and clock.tick(1000) > 0
+    now[0] = 12.5
+    assert clock.elapsed == 102.5
+    assert clock.tick(1000) == 400.0 and clock.seconds == 2.5
+    now[0] = 13.0
+    assert clock.tick(50) == 100.0 and clock.elapsed == 103.0
+    assert clock.tick(50) == 0.0               # no time passed: no rate, not a division by 0
     assert 10 < peak_rss_mb() < 1_000_000
 
 

@@ -19,6 +19,37 @@ from engine.models.linear import FrozenQuantLinear
 torch.set_num_threads(1)
 
 
+def _rope(x: np.ndarray, base: float, neox: bool) -> np.ndarray:
+    """Rotary positions 0..T-1 on x [T, h, hd] (NeoX halves, or adjacent pairs)."""
+    T_, hd = x.shape[0], x.shape[-1]
+    inv = base ** (-np.arange(0, hd, 2) / hd)
+    ang = np.arange(T_)[:, None] * inv[None, :]
+    c, s = np.cos(ang)[:, None, :], np.sin(ang)[:, None, :]
+    if neox:
+        a, b = x[..., : hd // 2], x[..., hd // 2:]
+        return np.concatenate([a * c - b * s, a * s + b * c], -1)
+    a, b = x[..., 0::2], x[..., 1::2]
+    out = np.empty_like(x)
+    out[..., 0::2], out[..., 1::2] = a * c - b * s, a * s + b * c
+    return out
+
+
+def _attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, window: int | None) -> np.ndarray:
+    """Causal (optionally windowed) grouped-query attention, q [T, H, hd], k/v [T, Hkv, hd]."""
+    T_, H, hd = q.shape
+    Hkv = k.shape[1]
+    out = np.zeros((T_, H, hd))
+    for head in range(H):
+        kh = head // (H // Hkv)
+        s = q[:, head] @ k[:, kh].T / math.sqrt(hd)
+        qi, kj = np.arange(T_)[:, None], np.arange(T_)[None, :]
+        allowed = (kj <= qi) & ((qi - kj < window) if window else True)
+        s = np.where(allowed, s, -np.inf)
+        pr = np.exp(s - s.max(-1, keepdims=True))
+        out[:, head] = (pr / pr.sum(-1, keepdims=True)) @ v[:, kh]
+    return out
+
+
 def reference_logits(path, tokens: list[int]) -> np.ndarray:
     """f64 forward pass written from the llama.cpp graphs, reading tensors with the gguf package."""
     r = gguf.GGUFReader(path)
@@ -33,18 +64,6 @@ def reference_logits(path, tokens: list[int]) -> np.ndarray:
 
     def rms(x, w):
         return x / np.sqrt((x * x).mean(-1, keepdims=True) + eps) * w
-
-    def rope(x, base, neox):                         # x [T, h, hd]
-        inv = base ** (-np.arange(0, hd, 2) / hd)
-        ang = np.arange(T_)[:, None] * inv[None, :]
-        c, s = np.cos(ang)[:, None, :], np.sin(ang)[:, None, :]
-        if neox:
-            a, b = x[..., : hd // 2], x[..., hd // 2:]
-            return np.concatenate([a * c - b * s, a * s + b * c], -1)
-        a, b = x[..., 0::2], x[..., 1::2]
-        out = np.empty_like(x)
-        out[..., 0::2], out[..., 1::2] = a * c - b * s, a * s + b * c
-        return out
 
     def gelu(x):
         return 0.5 * x * (1 + np.tanh(math.sqrt(2 / math.pi) * (x + 0.044715 * x ** 3)))
@@ -65,16 +84,8 @@ def reference_logits(path, tokens: list[int]) -> np.ndarray:
         base = meta("rope.freq_base", 10000.0)
         if arch == "gemma3" and i % 6 < 5:
             window, base = meta("attention.sliding_window"), 10000.0
-        q, k = rope(q, base, arch != "llama"), rope(k, base, arch != "llama")
-        out = np.zeros((T_, H, hd))
-        for head in range(H):
-            kh = head // (H // Hkv)
-            s = q[:, head] @ k[:, kh].T / math.sqrt(hd)
-            qi, kj = np.arange(T_)[:, None], np.arange(T_)[None, :]
-            allowed = (kj <= qi) & ((qi - kj < window) if window else True)
-            s = np.where(allowed, s, -np.inf)
-            pr = np.exp(s - s.max(-1, keepdims=True))
-            out[:, head] = (pr / pr.sum(-1, keepdims=True)) @ v[:, kh]
+        q, k = _rope(q, base, arch != "llama"), _rope(k, base, arch != "llama")
+        out = _attention(q, k, v, window)
         a = lin(out.reshape(T_, H * hd), "attn_output")
         if arch == "gemma3":
             a = rms(a, W[p + "post_attention_norm.weight"])

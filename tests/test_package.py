@@ -99,6 +99,24 @@ def window_titles(display: str) -> list[str]:
     return [line.split('"')[1] for line in tree.splitlines() if line.count('"') >= 2]
 
 
+def settled_screen(display: str, timeout: float = 60.0):
+    """The screen once a window has painted (more than 16 colours) and two grabs half a second
+    apart are the same picture: the pane has filled its lists and stopped redrawing."""
+    from PIL import ImageChops, ImageGrab
+
+    deadline = time.monotonic() + timeout
+    previous = None
+    while True:
+        shot = ImageGrab.grab(xdisplay=display)
+        painted = len(shot.getcolors(1 << 16) or range(1 << 16)) > 16
+        if painted and previous is not None \
+                and ImageChops.difference(shot, previous).getbbox() is None:
+            return shot
+        assert time.monotonic() < deadline, "the window never settled"
+        previous = shot
+        time.sleep(0.5)
+
+
 @pytest.mark.slow
 @SLOW
 @pytest.mark.skipif(not (shutil.which("Xvfb") and shutil.which("xwininfo")),
@@ -106,8 +124,6 @@ def window_titles(display: str) -> list[str]:
 @pytest.mark.skipif(importlib.util.find_spec("PyInstaller") is None,
                     reason="PyInstaller is not installed (the 'package' extra)")
 def test_the_bundle_opens_its_window_on_a_scratch_home(tmp_path):
-    from PIL import ImageGrab
-
     dist = REPO / "dist"
     built = subprocess.run([str(Path(sys.executable).with_name("pyinstaller")), "--noconfirm",
                             "--log-level", "WARN", "--distpath", str(dist), "--workpath",
@@ -139,8 +155,7 @@ def test_the_bundle_opens_its_window_on_a_scratch_home(tmp_path):
             assert app.poll() is None, app.stdout.read()
             assert time.monotonic() < deadline, window_titles(display)
             time.sleep(0.5)
-        time.sleep(3)                                   # let the first pane's lists fill in
-        shot = ImageGrab.grab(xdisplay=display)
+        shot = settled_screen(display)                  # the first pane's lists filled in
         SCREENSHOT.parent.mkdir(parents=True, exist_ok=True)
         shot.save(SCREENSHOT)
         assert len(shot.getcolors(1 << 16) or range(1 << 16)) > 16     # a window, not a void

@@ -50,6 +50,7 @@ from engine.ratings import (
     preference_records,
     rater_agreement,
 )
+from engine.recipe_registry import recipes_with
 from engine.rundir import RunDir
 
 KEYS = {"A": "left", "B": "right", "T": "tie", "S": "skip"}
@@ -92,8 +93,8 @@ def gather_system(run_dir: str | Path, checkpoint: str, folder: Path | None = No
                           hint="generate samples for it first (Samples pane → Generate)")
 
 
-GENERATOR_RECIPES = ("image-generate", "audio-generate")
-TEXT_RECIPES = ("lm-pretrain", "lm-sft", "lm-dpo", "lm-es")
+GENERATOR_RECIPES = recipes_with("generator")
+TEXT_RECIPES = recipes_with("text")
 BASE = "base"                       # the system "the run's base model, untuned" (lm-sft)
 TEXT_OUTPUTS = "generations.jsonl"  # what a text system's generation jobs append to
 

@@ -19,9 +19,11 @@ import numpy as np
 from app.viewmodels.jobs import forgebench_argv
 from engine.errors import ForgebenchError
 from engine.fsutil import append_jsonl, read_json, read_jsonl
+from engine.recipe_registry import recipes_with
 from engine.rundir import RunDir
 
 MEDIA = {".png": "image", ".wav": "audio"}
+SAMPLE_RECIPES = recipes_with("samples")     # the runs whose samples/ the pane shows
 # generations file -> (its sidecar, the answer field): lm-sft writes the first, lm-pretrain the
 # second
 TEXT_FILES = {"generations.jsonl": ("generations.json", "answer"),

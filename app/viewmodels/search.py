@@ -15,9 +15,10 @@ from app.viewmodels.jobs import engine_environment, forgebench_argv
 from app.viewmodels.workspace import REPO_ROOT
 from engine.errors import ForgebenchError
 from engine.fsutil import read_json
+from engine.recipe_registry import recipes_with
 from engine.rundir import RunDir
 
-SEARCH_RECIPES = ("embed-retrieval",)
+SEARCH_RECIPES = recipes_with("search")
 CONTRACT = Path("index") / "contract.json"   # engine/recipes/embed_retrieval.py writes it
 
 

@@ -46,7 +46,7 @@ from engine.errors import ForgebenchError
 from engine.fsutil import read_json
 from engine.rundir import RunDir
 
-SAMPLE_RECIPES = ("image-generate", "audio-generate", "lm-sft", "lm-dpo", "lm-es", "lm-pretrain")
+SAMPLE_RECIPES = vm.SAMPLE_RECIPES
 CELL = 96
 NO_RUN = ("Choose a run. Image and audio generator runs show their samples here; LLM runs "
           "their BEFORE/AFTER generations.")

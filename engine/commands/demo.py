@@ -99,15 +99,10 @@ def _toml_string(value: str) -> str:
     return json.dumps(value)  # a JSON string literal is a valid TOML basic string
 
 
-def cmd_demo(args) -> int:
-    from engine.config import validate_config
+def _workspace(args) -> tuple[Path, Path]:
+    """(the demo's workspace, its records corpus), made when missing."""
     from engine.data.generators.records import generate_records
-    from engine.jobs import default_threads, execute, start_run
-    from engine.recipes.lm_pretrain import TOKENIZER_FILE, load_model
-    from engine.rundir import RunDir
-    from engine.text_tokenizers import tokenizer_from_json
 
-    started = time.monotonic()
     workspace = Path(args.out) if args.out else Path(tempfile.mkdtemp(prefix="forgebench-demo-"))
     workspace.mkdir(parents=True, exist_ok=True)
     if not (workspace / "workspace.json").exists():
@@ -118,6 +113,14 @@ def cmd_demo(args) -> int:
         print(f"generating the corpus ({DEMO_ENTITIES} records, one 'Where is X?' each) "
               f"in {corpus}")
         generate_records(corpus, n=DEMO_ENTITIES, questions=("where",))
+    return workspace, corpus
+
+
+def _demo_config(args, workspace: Path):
+    """(the validated config, its data, threads): the steps measured to fit `--seconds`
+    unless `--steps` is given."""
+    from engine.config import validate_config
+    from engine.jobs import default_threads
 
     if not DEMO_CONFIG.is_file():
         raise ForgebenchError("the demo config is missing from this installation",
@@ -138,15 +141,30 @@ def cmd_demo(args) -> int:
               f"training {steps} steps to fit about {args.seconds:.0f} s")
     data["steps"] = steps
     data["eval_every"] = data["save_every"] = max(steps // 3, 1)
-    config = validate_config(data, DEMO_CONFIG)
+    return validate_config(data, DEMO_CONFIG), data, threads
 
-    run_path = workspace / "runs" / f"lm-pretrain-demo-{time.strftime('%Y%m%d-%H%M%S')}"
-    config_path = workspace / "configs" / "lm-pretrain-demo.toml"
+
+def _write_config_copy(config_path: Path, corpus: Path, data: dict) -> None:
+    """configs/lm-pretrain-demo.toml: the demo config as it ran (its corpus, steps, cadence)."""
     text = DEMO_CONFIG.read_text("utf-8")
     text = text.replace(f'dir = "datasets/{DEMO_CORPUS}"', f"dir = {_toml_string(str(corpus))}")
     for key in ("steps", "eval_every", "save_every"):  # the copy says what the demo ran
         text = re.sub(rf"^{key} = \d+$", f"{key} = {data[key]}", text, count=1, flags=re.M)
     atomic_write_text(config_path, text)
+
+
+def cmd_demo(args) -> int:
+    from engine.jobs import execute, start_run
+    from engine.recipes.lm_pretrain import TOKENIZER_FILE, load_model
+    from engine.rundir import RunDir
+    from engine.text_tokenizers import tokenizer_from_json
+
+    started = time.monotonic()
+    workspace, corpus = _workspace(args)
+    config, data, threads = _demo_config(args, workspace)
+    run_path = workspace / "runs" / f"lm-pretrain-demo-{time.strftime('%Y%m%d-%H%M%S')}"
+    config_path = workspace / "configs" / "lm-pretrain-demo.toml"
+    _write_config_copy(config_path, corpus, data)
 
     run = start_run(config, run_path, ["forgebench", "demo"], threads=threads)
     status = execute(run, config, None, threads=threads, argv=["forgebench", "demo"])
@@ -165,17 +183,7 @@ def cmd_demo(args) -> int:
           f"({time.monotonic() - started:.0f} s in all)")
     if vals:
         print(f"val bits per byte: {vals[-1]['bpb']:.3f} (a uniform guess is 8.0)")
-    print(f"'Where is X?' on {total} records of entities it never saw:")
-    print(f"  BEFORE training: {score(questions, before)}/{total} right")
-    print(f"  AFTER training:  {right}/{total} right (one fixed room would get about "
-          f"{total // 10})")
-    for (prompt, expected), was, now in list(zip(questions, before, after))[:EXAMPLES]:
-        print()
-        print(f"  {prompt}")
-        print(f"    expected: {expected}")
-        print(f"    BEFORE:   {was!r}")
-        print(f"    AFTER:    {now!r} {'✓' if now == expected else '✗'}")
-    print()
+    _print_questions(questions, before, after, total, right)
     print(f"score: {right}/{total}")
     print(f"workspace:   {workspace}")
     print(f"corpus:      {corpus}")
@@ -187,3 +195,18 @@ def cmd_demo(args) -> int:
     print(f"next: forgebench generate {run.path} --prompt \"{questions[0][0]}\"")
     print(f"      forgebench eval {run.path} --split test")
     return 0 if status["state"] == "completed" else 1
+
+
+def _print_questions(questions, before: list[str], after: list[str], total: int,
+                     right: int) -> None:
+    print(f"'Where is X?' on {total} records of entities it never saw:")
+    print(f"  BEFORE training: {score(questions, before)}/{total} right")
+    print(f"  AFTER training:  {right}/{total} right (one fixed room would get about "
+          f"{total // 10})")
+    for (prompt, expected), was, now in list(zip(questions, before, after))[:EXAMPLES]:
+        print()
+        print(f"  {prompt}")
+        print(f"    expected: {expected}")
+        print(f"    BEFORE:   {was!r}")
+        print(f"    AFTER:    {now!r} {'✓' if now == expected else '✗'}")
+    print()

@@ -87,9 +87,9 @@ def check_world(config, args) -> None:
         raise ForgebenchError(f"--node-rank {args.node_rank} is outside the {args.nnodes} "
                               "machines of --nnodes", where="--node-rank",
                               hint=f"number the machines 0 to {args.nnodes - 1}")
-    from engine.config import recipe_module
+    from engine.recipe_registry import REGISTRY
 
-    field = getattr(recipe_module(config.recipe), "SHARDED_BATCH", None)
+    field = REGISTRY[config.recipe].sharded_batch
     if field:
         value = config
         for part in field.split("."):

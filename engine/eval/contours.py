@@ -133,6 +133,20 @@ def simplify_ring(points: list[tuple[int, int]], epsilon: float) -> list[tuple[f
     return [tuple(float(v) for v in p) for p in ring]
 
 
+def _parent(kind: str, ring, ids: dict, fg_labels: np.ndarray, bg_labels: np.ndarray,
+            touches_border: set) -> int | None:
+    """The id of the contour enclosing a ring: the pixel just above a region's first (top-left)
+    pixel lies in the enclosing region (a hole's object, an object's hole; none at the top
+    level)."""
+    x0, y0 = min(ring, key=lambda p: (p[1], p[0]))
+    if y0 == 0:
+        return None
+    if kind == "hole":
+        return ids[("object", int(fg_labels[y0 - 1, x0]))]
+    around = int(bg_labels[y0 - 1, x0])
+    return None if around in touches_border else ids[("hole", around)]
+
+
 def extract_contours(mask: np.ndarray, epsilon_px: float = 0.0) -> dict:
     """All object outlines and holes of a mask as a JSON-ready tree.
 
@@ -160,15 +174,7 @@ def extract_contours(mask: np.ndarray, epsilon_px: float = 0.0) -> dict:
     ids = {(kind, label): i for i, (kind, label, _) in enumerate(items)}
     contours = []
     for i, (kind, _label, ring) in enumerate(items):
-        # The pixel just above a region's first (top-left) pixel lies in the enclosing region.
-        x0, y0 = min(ring, key=lambda p: (p[1], p[0]))
-        parent = None
-        if y0 > 0:
-            if kind == "hole":
-                parent = ids[("object", int(fg_labels[y0 - 1, x0]))]
-            else:
-                around = int(bg_labels[y0 - 1, x0])
-                parent = None if around in touches_border else ids[("hole", around)]
+        parent = _parent(kind, ring, ids, fg_labels, bg_labels, touches_border)
         contours.append({"id": i, "parent": parent, "children": [], "depth": 0,
                          "is_hole": kind == "hole", "area_px": abs(signed_area(ring)),
                          "points": [list(p) for p in simplify_ring(ring, epsilon_px)]})

@@ -36,12 +36,13 @@ from engine.errors import ForgebenchError
 from engine.export.generator_bundle import GENERATOR_RECIPES, export_generator
 from engine.fsutil import atomic_write_json, atomic_write_text, read_json, sha256_file, staged_dir
 from engine.gguf import quant_policy
+from engine.recipe_registry import recipes_with
 from engine.rundir import Checkpoint, RunDir
 
 DTYPES = tuple(quant_policy.FILE_TYPES) + ("adapter",)
 # recipes whose runs fine-tune a GGUF base (adapters beside it, or its full weights)
-GGUF_BASE_RECIPES = ("lm-sft", "lm-dpo", "lm-es")
-EXPORTABLE_RECIPES = ("lm-pretrain",) + GGUF_BASE_RECIPES
+GGUF_BASE_RECIPES = recipes_with("gguf-base")
+EXPORTABLE_RECIPES = recipes_with(export="gguf")
 MODEL_GGUF = "model.gguf"
 ADAPTER_GGUF = "adapter.gguf"
 PEFT_DIR = "peft"

@@ -32,8 +32,10 @@ import math
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from engine.config import recipe_module
 from engine.errors import ForgebenchError
 from engine.fsutil import atomic_write_json, atomic_write_text, read_json
+from engine.recipe_registry import recipes_with
 from engine.rundir import Checkpoint, RunDir
 
 if TYPE_CHECKING:
@@ -41,7 +43,7 @@ if TYPE_CHECKING:
 
     from engine.models.diffusion import DenoisingUNet
 
-GENERATOR_RECIPES = ("image-generate", "audio-generate")
+GENERATOR_RECIPES = recipes_with(export="generator")
 GENERATOR_DTYPES = ("f32", "f16")
 BUNDLE_FORMAT = "forgebench-generator-1"
 WEIGHTS, SPEC = "model.safetensors", "model.json"
@@ -51,11 +53,7 @@ MIN_PSNR_F16_DB = 30.0     # f16 weights move the outputs a little; a broken fil
 
 
 def _recipe_module(recipe: str):
-    if recipe == "image-generate":
-        from engine.recipes import image_generate as module
-    else:
-        from engine.recipes import audio_generate as module
-    return module
+    return recipe_module(recipe)     # a GENERATOR_RECIPES row (engine/recipe_registry.py)
 
 
 def _output_format(recipe: str, config) -> dict:

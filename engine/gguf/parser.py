@@ -254,6 +254,19 @@ def parse_gguf(path: str | Path, *, writable: bool = False) -> ParsedGGUF:
                                               "files need converting)")
     buf = np.memmap(path, dtype=np.uint8, mode="c" if writable else "r")
     cursor = _Cursor(buf)
+    version, metadata, infos = _read_header(cursor, path)
+    alignment = DEFAULT_ALIGNMENT
+    if ALIGNMENT_KEY in metadata:
+        meta = metadata[ALIGNMENT_KEY]
+        alignment = check_alignment(meta.value, path, meta.type)
+    data_start = cursor.pos + -cursor.pos % alignment
+    tensors = _tensor_slots(infos, alignment, data_start, len(buf), path)
+    return ParsedGGUF(path, version, alignment, metadata, tensors, buf)
+
+
+def _read_header(cursor: _Cursor, path: Path) -> tuple[int, dict[str, MetaValue], list[tuple]]:
+    """(version, metadata, tensor infos (name, shape, type, offset)) from the header; a
+    malformed or truncated header is refused naming the entry it broke in."""
     where = "header"
     try:
         cursor.take(4)
@@ -279,23 +292,30 @@ def parse_gguf(path: str | Path, *, writable: bool = False) -> ParsedGGUF:
             where = f"tensor info {index}"
             name = decode(cursor.string())
             where = f"tensor {name!r}"
-            (n_dims,) = cursor.unpack("<I")
-            if n_dims > MAX_DIMS:
-                raise _Bad(f"{n_dims} dimensions (ggml tensors have at most {MAX_DIMS})")
-            dims = cursor.unpack(f"<{n_dims}Q")
-            kind, offset = cursor.unpack("<IQ")
-            try:
-                ggml_type = GGMLQuantizationType(kind)
-            except ValueError:
-                raise _Bad(f"unknown tensor type {kind}") from None
-            infos.append((name, tuple(reversed(dims)), ggml_type, offset))
+            infos.append((name, *_tensor_info(cursor)))
     except _Bad as exc:
         raise _fail(path, where, exc) from None
-    alignment = DEFAULT_ALIGNMENT
-    if ALIGNMENT_KEY in metadata:
-        meta = metadata[ALIGNMENT_KEY]
-        alignment = check_alignment(meta.value, path, meta.type)
-    data_start = cursor.pos + -cursor.pos % alignment
+    return version, metadata, infos
+
+
+def _tensor_info(cursor: _Cursor) -> tuple[tuple[int, ...], GGMLQuantizationType, int]:
+    """(shape, ggml type, data offset) of one tensor info, after its name."""
+    (n_dims,) = cursor.unpack("<I")
+    if n_dims > MAX_DIMS:
+        raise _Bad(f"{n_dims} dimensions (ggml tensors have at most {MAX_DIMS})")
+    dims = cursor.unpack(f"<{n_dims}Q")
+    kind, offset = cursor.unpack("<IQ")
+    try:
+        ggml_type = GGMLQuantizationType(kind)
+    except ValueError:
+        raise _Bad(f"unknown tensor type {kind}") from None
+    return tuple(reversed(dims)), ggml_type, offset
+
+
+def _tensor_slots(infos: list[tuple], alignment: int, data_start: int, file_size: int,
+                  path: Path) -> list[TensorSlot]:
+    """Each tensor's byte range in the file, checked: unique names, a valid size, an aligned
+    offset, data inside the file."""
     tensors: list[TensorSlot] = []
     names: set[str] = set()
     for name, shape, ggml_type, offset in infos:
@@ -313,9 +333,9 @@ def parse_gguf(path: str | Path, *, writable: bool = False) -> ParsedGGUF:
                                   f"the alignment {alignment}", path=path, where=name,
                                   hint="the file is corrupt")
         start = data_start + offset
-        if start + n_bytes > len(buf):
+        if start + n_bytes > file_size:
             raise ForgebenchError(f"file is truncated: tensor {name!r} needs bytes up to "
-                                  f"{start + n_bytes}, file has {len(buf)}", path=path,
+                                  f"{start + n_bytes}, file has {file_size}", path=path,
                                   where=name, hint="download or convert the file again")
         tensors.append(TensorSlot(name, shape, ggml_type, start, start + n_bytes))
-    return ParsedGGUF(path, version, alignment, metadata, tensors, buf)
+    return tensors

@@ -22,32 +22,42 @@ from engine.errors import ForgebenchError
 from engine.llm.sft_data import EncodedSample, jsonl_records
 
 
+def _corpus_documents(path: Path, split: str | None) -> list[str]:
+    """The documents of one split of a text-corpus dataset folder."""
+    from engine.data.dataset import load_dataset
+
+    dataset = load_dataset(path)
+    if dataset.kind != "text-corpus":
+        raise ForgebenchError(f"dataset kind is {dataset.kind!r}, continued pretraining "
+                              "needs 'text-corpus'", path=path / "dataset.json",
+                              where="kind")
+    documents = [record["text"] for record in dataset.records(split)]
+    if not documents:
+        raise ForgebenchError(f"the dataset has no documents in split {split!r}",
+                              path=path, hint="run `forgebench data split`")
+    return documents
+
+
+def _text_file(path: Path) -> str:
+    """A plain text file as one document (UTF-8, not empty)."""
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise ForgebenchError("documents file not found", path=path) from None
+    except UnicodeDecodeError as exc:
+        raise ForgebenchError(f"not UTF-8 text (byte {exc.start})", path=path) from None
+    if not text.strip():
+        raise ForgebenchError("the text file is empty", path=path)
+    return text
+
+
 def load_documents(path: Path, text_key: str = "text", split: str | None = None) -> list[str]:
     """The documents of a file, or of one split of a text-corpus folder, in order."""
     path = Path(path)
     if path.is_dir():
-        from engine.data.dataset import load_dataset
-
-        dataset = load_dataset(path)
-        if dataset.kind != "text-corpus":
-            raise ForgebenchError(f"dataset kind is {dataset.kind!r}, continued pretraining "
-                                  "needs 'text-corpus'", path=path / "dataset.json",
-                                  where="kind")
-        documents = [record["text"] for record in dataset.records(split)]
-        if not documents:
-            raise ForgebenchError(f"the dataset has no documents in split {split!r}",
-                                  path=path, hint="run `forgebench data split`")
-        return documents
+        return _corpus_documents(path, split)
     if path.suffix != ".jsonl":
-        try:
-            text = path.read_text(encoding="utf-8")
-        except FileNotFoundError:
-            raise ForgebenchError("documents file not found", path=path) from None
-        except UnicodeDecodeError as exc:
-            raise ForgebenchError(f"not UTF-8 text (byte {exc.start})", path=path) from None
-        if not text.strip():
-            raise ForgebenchError("the text file is empty", path=path)
-        return [text]
+        return [_text_file(path)]
     documents = []
     for number, record in jsonl_records(path, "documents file"):
         text = record.get(text_key)

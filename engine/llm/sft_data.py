@@ -165,37 +165,44 @@ def _dataset_examples(root: Path, keys: SFTKeys, system: str | None,
     return examples
 
 
+def _text(value: Any, field_name: str, path: Path, where: str) -> str:
+    if not isinstance(value, str):
+        raise ForgebenchError(f"field '{field_name}' must be a string, got "
+                              f"{type(value).__name__}", path=path, where=where)
+    return value
+
+
+def _turns_of(turns: Any, messages_key: str, path: Path, where: str) -> list[dict[str, str]]:
+    """A record's {messages} list, checked: objects with a known role and string content, at
+    least one assistant turn."""
+    if not isinstance(turns, list) or not turns:
+        raise ForgebenchError(f"field '{messages_key}' must be a non-empty list", path=path,
+                              where=where)
+    messages = []
+    for k, turn in enumerate(turns):
+        name = f"{messages_key}[{k}]"
+        if not isinstance(turn, dict) or "role" not in turn or "content" not in turn:
+            raise ForgebenchError(f"field '{name}' must be an object with 'role' and "
+                                  "'content'", path=path, where=where)
+        if turn["role"] not in ROLES:
+            raise ForgebenchError(f"field '{name}.role' is {turn['role']!r}", path=path,
+                                  where=where, hint="roles: " + ", ".join(ROLES))
+        messages.append({"role": turn["role"],
+                         "content": _text(turn["content"], name + ".content", path, where)})
+    if not any(m["role"] == "assistant" for m in messages):
+        raise ForgebenchError("the conversation has no assistant turn, so nothing to learn",
+                              path=path, where=where)
+    return messages
+
+
 def _messages_of(record: dict, keys: SFTKeys, system: str | None, path: Path,
                  where: str) -> list[dict[str, str]]:
-    def text(value: Any, field_name: str) -> str:
-        if not isinstance(value, str):
-            raise ForgebenchError(f"field '{field_name}' must be a string, got "
-                                  f"{type(value).__name__}", path=path, where=where)
-        return value
-
     messages_key = keys.messages_key
     instruction_key, response_key = keys.instruction_key, keys.response_key
     system_key = getattr(keys, "system_key", "system")
     shape = getattr(keys, "format", "auto")
     if messages_key in record and shape != "pairs":
-        turns = record[messages_key]
-        if not isinstance(turns, list) or not turns:
-            raise ForgebenchError(f"field '{messages_key}' must be a non-empty list", path=path,
-                                  where=where)
-        messages = []
-        for k, turn in enumerate(turns):
-            name = f"{messages_key}[{k}]"
-            if not isinstance(turn, dict) or "role" not in turn or "content" not in turn:
-                raise ForgebenchError(f"field '{name}' must be an object with 'role' and "
-                                      "'content'", path=path, where=where)
-            if turn["role"] not in ROLES:
-                raise ForgebenchError(f"field '{name}.role' is {turn['role']!r}", path=path,
-                                      where=where, hint="roles: " + ", ".join(ROLES))
-            messages.append({"role": turn["role"],
-                             "content": text(turn["content"], name + ".content")})
-        if not any(m["role"] == "assistant" for m in messages):
-            raise ForgebenchError("the conversation has no assistant turn, so nothing to learn",
-                                  path=path, where=where)
+        messages = _turns_of(record[messages_key], messages_key, path, where)
     else:
         missing = [k for k in (instruction_key, response_key) if k not in record]
         if missing or shape == "messages":
@@ -206,10 +213,14 @@ def _messages_of(record: dict, keys: SFTKeys, system: str | None, path: Path,
                 "missing field " + (" and ".join(f"'{k}'" for k in missing) or f"'{messages_key}'"),
                 path=path, where=where,
                 hint=f"records need {expected} (found: {', '.join(map(repr, record)) or 'none'})")
-        messages = [{"role": "user", "content": text(record[instruction_key], instruction_key)},
-                    {"role": "assistant", "content": text(record[response_key], response_key)}]
+        messages = [
+            {"role": "user", "content": _text(record[instruction_key], instruction_key, path,
+                                              where)},
+            {"role": "assistant", "content": _text(record[response_key], response_key, path,
+                                                   where)}]
         if record.get(system_key) is not None:
-            messages.insert(0, {"role": "system", "content": text(record[system_key], system_key)})
+            messages.insert(0, {"role": "system",
+                                "content": _text(record[system_key], system_key, path, where)})
     if system is not None and messages[0]["role"] != "system":
         messages.insert(0, {"role": "system", "content": system})
     return messages

@@ -152,55 +152,9 @@ class GGUFTokenizer:
                                   + " (SentencePiece-style and byte-level BPE)")
         self.model = model
         self.is_spm = model == "llama"
-        tokens = metadata.get(K.LIST)
-        if not tokens:
-            raise ForgebenchError("the tokenizer has no vocabulary", path=source, where=K.LIST)
-        n = len(tokens)
-        self.tokens = [t if type(t) is str else _as_str(t) for t in tokens]   # str from the reader
-        for i in [i for i, t in enumerate(self.tokens) if not t]:
-            self.tokens[i] = f"[EMPTY_{i}]"
-        self.scores = list(map(float, metadata.get(K.SCORES, [0.0] * n)))
-        types = metadata.get(K.TOKEN_TYPE)
-        for key, values in ((K.SCORES, self.scores), (K.TOKEN_TYPE, types)):
-            if values is not None and len(values) < n:
-                raise ForgebenchError(f"{len(values)} entries for {n} tokens", path=source,
-                                      where=key, hint="the file is corrupt; convert it again")
-        if types is None:
-            self.attrs = [Attr.NORMAL] * n
-        else:                       # a handful of distinct types: map each once, not per token
-            attr_of = {t: _ATTR_OF_TYPE.get(int(t), Attr.UNDEFINED) for t in set(types[:n])}
-            self.attrs = list(map(attr_of.__getitem__, types[:n]))
-        self.token_to_id = dict(zip(self.tokens, range(n)))  # last duplicate wins
-
-        # llama.cpp's defaults per model, each overridden by the file's keys below
-        if self.is_spm:
-            self.pre = None
-            self.pre_name = "default"
-            self.add_space_prefix, self.clean_spaces = True, False
-            default_bos, default_eos, self.unk_id = 1, 2, 0
-            self.add_bos, self.add_eos = True, False
-        else:
-            self.pre_name = metadata.get(K.PRE, "")
-            if self.pre_name not in PRE_TOKENIZERS:
-                raise ForgebenchError(
-                    f"unsupported pre-tokenizer {self.pre_name or '(missing)'!r}", path=source,
-                    where=K.PRE, hint="supported: the Llama-3, Qwen2/3, SmolLM, GPT-2 and "
-                    "StarCoder families (engine.llm.tokenizer.PRE_TOKENIZERS lists the names)")
-            self.pre = PRE_TOKENIZERS[self.pre_name]
-            self._word_res = [regex.compile(r) for r in self.pre.regexes]
-            merges = metadata.get(K.MERGES)
-            if merges is None:
-                raise ForgebenchError("byte-level BPE tokenizer without merges", path=source,
-                                      where=K.MERGES, hint="the file is incomplete; convert again")
-            self.ranks: dict[tuple[str, str], int] = {}
-            for rank, merge in enumerate(merges):
-                merge = _as_str(merge)
-                cut = merge.find(" ", 1)
-                pair = (merge[:cut], merge[cut + 1:]) if cut >= 0 else ("", "")
-                self.ranks.setdefault(pair, rank)
-            self.add_space_prefix, self.clean_spaces = False, self.pre.clean_spaces
-            default_bos, default_eos, self.unk_id = 11, 11, None
-            self.add_bos, self.add_eos = self.pre.add_bos, False
+        n = self._load_vocab(metadata, source)
+        default_bos, default_eos = (self._spm_defaults() if self.is_spm
+                                    else self._bpe_setup(metadata, source))
         self.add_space_prefix = bool(metadata.get(K.ADD_PREFIX, self.add_space_prefix))
         self.add_bos = bool(metadata.get(K.ADD_BOS, self.add_bos))
         self.add_eos = bool(metadata.get(K.ADD_EOS, self.add_eos))
@@ -229,6 +183,66 @@ class GGUFTokenizer:
         self._special_first_chars = {self.tokens[i][0] for i in specials}
         self._piece_cache: dict[int, bytes] = {}
         self._word_cache: dict[str, list[int]] = {}
+
+    def _load_vocab(self, metadata: Mapping[str, Any], source) -> int:
+        """The token texts, scores, attributes and text -> id map; returns the vocabulary
+        size."""
+        tokens = metadata.get(K.LIST)
+        if not tokens:
+            raise ForgebenchError("the tokenizer has no vocabulary", path=source, where=K.LIST)
+        n = len(tokens)
+        self.tokens = [t if type(t) is str else _as_str(t) for t in tokens]   # str from the reader
+        for i in [i for i, t in enumerate(self.tokens) if not t]:
+            self.tokens[i] = f"[EMPTY_{i}]"
+        self.scores = list(map(float, metadata.get(K.SCORES, [0.0] * n)))
+        types = metadata.get(K.TOKEN_TYPE)
+        for key, values in ((K.SCORES, self.scores), (K.TOKEN_TYPE, types)):
+            if values is not None and len(values) < n:
+                raise ForgebenchError(f"{len(values)} entries for {n} tokens", path=source,
+                                      where=key, hint="the file is corrupt; convert it again")
+        if types is None:
+            self.attrs = [Attr.NORMAL] * n
+        else:                       # a handful of distinct types: map each once, not per token
+            attr_of = {t: _ATTR_OF_TYPE.get(int(t), Attr.UNDEFINED) for t in set(types[:n])}
+            self.attrs = list(map(attr_of.__getitem__, types[:n]))
+        self.token_to_id = dict(zip(self.tokens, range(n)))  # last duplicate wins
+        return n
+
+    # llama.cpp's defaults per model, each overridden by the file's keys (`__init__`)
+    def _spm_defaults(self) -> tuple[int, int]:
+        """SentencePiece: a space prefix, <s>=1, </s>=2, <unk>=0; returns (bos, eos)."""
+        self.pre = None
+        self.pre_name = "default"
+        self.add_space_prefix, self.clean_spaces = True, False
+        self.unk_id = 0
+        self.add_bos, self.add_eos = True, False
+        return 1, 2
+
+    def _bpe_setup(self, metadata: Mapping[str, Any], source) -> tuple[int, int]:
+        """Byte-level BPE: the pre-tokenizer the file names and the merge ranks; returns the
+        default (bos, eos)."""
+        self.pre_name = metadata.get(K.PRE, "")
+        if self.pre_name not in PRE_TOKENIZERS:
+            raise ForgebenchError(
+                f"unsupported pre-tokenizer {self.pre_name or '(missing)'!r}", path=source,
+                where=K.PRE, hint="supported: the Llama-3, Qwen2/3, SmolLM, GPT-2 and "
+                "StarCoder families (engine.llm.tokenizer.PRE_TOKENIZERS lists the names)")
+        self.pre = PRE_TOKENIZERS[self.pre_name]
+        self._word_res = [regex.compile(r) for r in self.pre.regexes]
+        merges = metadata.get(K.MERGES)
+        if merges is None:
+            raise ForgebenchError("byte-level BPE tokenizer without merges", path=source,
+                                  where=K.MERGES, hint="the file is incomplete; convert again")
+        self.ranks: dict[tuple[str, str], int] = {}
+        for rank, merge in enumerate(merges):
+            merge = _as_str(merge)
+            cut = merge.find(" ", 1)
+            pair = (merge[:cut], merge[cut + 1:]) if cut >= 0 else ("", "")
+            self.ranks.setdefault(pair, rank)
+        self.add_space_prefix, self.clean_spaces = False, self.pre.clean_spaces
+        self.unk_id = None
+        self.add_bos, self.add_eos = self.pre.add_bos, False
+        return 11, 11
 
     # -- construction ---------------------------------------------------------------------------
 

@@ -54,7 +54,6 @@ from engine.train.media_data import dataset_manifest, open_dataset
 from engine.train.optim import adamw_for
 from engine.train.precision import autocast
 
-CUDA = True   # trains on a GPU (engine/train/devices.py); one process
 KINDS = ("retrieval",)
 SELECT_ON = "mrr@5"
 INDEX_DIR = "index"

@@ -37,7 +37,6 @@ from engine.train.media_data import (
 from engine.train.optim import adamw_for
 from engine.train.precision import autocast
 
-CUDA = True   # trains on a GPU (engine/train/devices.py); one process
 KINDS = ("image-classify", "image-masks", "image-boxes")
 
 

@@ -48,13 +48,12 @@ from engine.jobs import Job, run_config
 from engine.models.pointer import OptionPointer, gather_hidden
 from engine.recipes.lm_decision_config import LMDecisionConfig
 from engine.rundir import Checkpoint, RunDir
-from engine.train.checkpoint import load_checkpoint, loop_state, resume_loop, save_checkpoint
-from engine.train.data_order import DataCursor
+from engine.train.checkpoint import load_checkpoint, save_checkpoint
 from engine.train.lm_base import base_model, load_base, require_same_base, size_text
+from engine.train.lm_loop import LoopState, StepLoop, StepResult, optimizer_step
 from engine.train.loop import record_eval
 from engine.train.media_data import dataset_manifest, open_dataset, split_records
-from engine.train.metrics import StepClock, train_row
-from engine.train.optim import adamw_for, clip_and_step, scheduled_lr, set_lr
+from engine.train.optim import adamw_for
 
 KINDS = ("decisions",)
 DECISION_FILE, CALIBRATION_FILE = "decision.json", "calibration.json"
@@ -240,13 +239,11 @@ class FeatureProgress:
                                              f"records, ETA {eta:.0f} s")
 
 
-def train(job: Job) -> None:
-    config: LMDecisionConfig = job.config
-    run, opt = job.run, config.optim
-    torch.manual_seed(config.seed)
-    base_sha = run.manifest()["base_model"]["sha256"]
-
-    dataset = open_dataset(config, KINDS)          # the data's checks first: they are cheap
+def decision_data(job: Job):
+    """(dataset, option schema, base, laid-out records per split, their decoder features),
+    the dataset's checks first (they are cheap), then the frozen base's states, once."""
+    config, run = job.config, job.run
+    dataset = open_dataset(config, KINDS)
     schema = option_schema(dataset)
     if not dataset.records(config.calibration.split):
         raise ForgebenchError(f"the dataset has no {config.calibration.split!r} records to fit "
@@ -265,92 +262,103 @@ def train(job: Job) -> None:
     progress = FeatureProgress(job, total)
     feats = {split: features(base.model, items, progress) for split, items in laid.items()}
     progress.bar.close()
-    train_feats = feats["train"]
     run.log_event("data_encoded", **{f"{s}_records": len(v) for s, v in laid.items()},
                   max_tokens=max(len(x.ids) for v in laid.values() for x in v))
+    return dataset, schema, base, laid, feats
 
+
+def train(job: Job) -> None:
+    config: LMDecisionConfig = job.config
+    run, opt = job.run, config.optim
+    torch.manual_seed(config.seed)
+    base_sha = run.manifest()["base_model"]["sha256"]
+    dataset, schema, base, laid, feats = decision_data(job)
+    train_feats = feats["train"]
     head = OptionPointer(train_feats.readout.shape[1], config.head.width)
     optimizer = adamw_for(list(head.named_parameters()), opt)
-    cursor = DataCursor(len(laid["train"]), config.seed)
-    step, skipped_total, elapsed_before = 0, 0, 0.0
+    state = LoopState.fresh(len(laid["train"]), config.seed)
     if job.resume_from:
-        tensors, optimizer_state, state = load_checkpoint(job.resume_from)
+        tensors, optimizer_state, trainer_state = load_checkpoint(job.resume_from)
         head.load_state_dict(tensors)
         optimizer.load_state_dict(optimizer_state)
-        cursor, step, skipped_total, elapsed_before = resume_loop(state)
-    questions = Counter(r["question"] for r in split_records(dataset, "train"))
-    contract = {"recipe": "lm-decision", "layout": LAYOUT, "width": config.head.width,
-                "dim": int(train_feats.readout.shape[1]), "options": schema,
-                "max_len": config.data.max_len, "base": str(base.path), "base_sha256": base_sha,
-                "question": questions.most_common(1)[0][0]}
+        state.resume(trainer_state)
+    contract = decision_contract(config, dataset, schema, base, base_sha, train_feats)
 
-    def checkpoint_now(calibration: dict | None) -> Checkpoint:
+    def save() -> Checkpoint:
+        """A checkpoint of the head; the last step's also holds the calibration (fitted now)
+        and writes its report."""
+        calibration = report = None
+        if state.step == config.steps:
+            job.stage = "calibrate"
+            calibration, report = calibrate(head, feats[config.calibration.split],
+                                            feats["val"], config.calibration.bins,
+                                            config.calibration.max_risk,
+                                            slices_of(dataset, "val"))
         job.stage = "save"
         extra = {DECISION_FILE: json.dumps(contract, indent=2).encode()}
         if calibration is not None:
             extra[CALIBRATION_FILE] = json.dumps(calibration, indent=2).encode()
-        return save_checkpoint(run, step, model_tensors=head.state_dict(), optimizer=optimizer,
-                               trainer_state={**loop_state(cursor, skipped_total,
-                                                           clock.elapsed), "step": step,
-                                              "invocation": job.invocation,
-                                              "base_sha256": base_sha},
-                               extra_files=extra, keep_last=config.keep_last)
+        checkpoint = save_checkpoint(run, state.step, model_tensors=head.state_dict(),
+                                     optimizer=optimizer,
+                                     trainer_state=state.trainer_state(
+                                         step=state.step, invocation=job.invocation,
+                                         base_sha256=base_sha),
+                                     extra_files=extra, keep_last=config.keep_last)
+        if calibration is not None:
+            write_calibration_report(run, job, checkpoint, config, calibration, report)
+        return checkpoint
 
     def validate() -> None:
         z, mask = logits_of(head, feats["val"]), feats["val"].mask.numpy()
         target = feats["val"].target.numpy()
         report = metrics.probability_report(metrics.softmax(z, mask), mask, target,
                                             config.calibration.bins)
-        run.log_metric({"invocation": job.invocation, "step": step, "split": "val",
+        run.log_metric({"invocation": job.invocation, "step": state.step, "split": "val",
                         "loss": report["nll"], **{k: report[k] for k in
                                                   ("accuracy", "brier", "ece")}})
 
     if not job.resume_from:
         validate()        # step 0: the random head, the plumbing baseline every step must beat
-    warmup = round(opt.warmup_fraction * config.steps)
-    clock = StepClock(elapsed_before)
+    # (the last step's val row comes with the calibration; an evaluation forces no checkpoint)
+    loop = StepLoop(job, state, save, validate, opt, optimizer,
+                    warmup=round(opt.warmup_fraction * config.steps), eval_at_end=False,
+                    save_on_eval=False)
     head.train()
-    bar = job.progress(config.steps, initial=step)
-    while step < config.steps and not job.stop_requested:
-        lr = scheduled_lr(opt, step, config.steps, warmup)
-        set_lr(optimizer, lr)
+    loop.run(head_step(job, head, optimizer, train_feats, state))
+
+
+def decision_contract(config: LMDecisionConfig, dataset, schema: list[dict], base,
+                      base_sha: str, train_feats: Features) -> dict:
+    """decision.json: the layout, width, option schema and base a head was trained with."""
+    questions = Counter(r["question"] for r in split_records(dataset, "train"))
+    return {"recipe": "lm-decision", "layout": LAYOUT, "width": config.head.width,
+            "dim": int(train_feats.readout.shape[1]), "options": schema,
+            "max_len": config.data.max_len, "base": str(base.path), "base_sha256": base_sha,
+            "question": questions.most_common(1)[0][0]}
+
+
+def head_step(job: Job, head: OptionPointer, optimizer, train_feats: Features,
+              state: LoopState):
+    """One step of the pointer head: a batch of records' cached decoder states, cross-entropy
+    over each record's options, one clipped AdamW step."""
+    config = job.config
+
+    def step(_step: int, lr: float) -> StepResult:
         job.stage = "forward"
+        cursor = state.cursor
         batch = train_feats.take(torch.tensor(cursor.take(config.batch)))
         loss = F.cross_entropy(head(batch.readout, batch.options, batch.mask), batch.target)
         loss_value = float(loss.detach())
         job.stage = "backward"
         loss.backward()
-        job.stage = "optimizer"
-        outcome = clip_and_step(list(head.parameters()), optimizer, opt.grad_clip,
-                                config.nonfinite, loss=loss_value)
-        skipped_total += outcome.skipped
-        step += 1
-        examples_per_s = clock.tick(config.batch)
-        if step % config.log_every == 0 or step == config.steps:
-            run.log_metric(train_row(
-                invocation=job.invocation, step=step, loss=loss_value, outcome=outcome,
-                skipped_total=skipped_total, lr=lr, elapsed_s=clock.elapsed,
-                examples=config.batch, examples_per_s=examples_per_s,
-                epoch=cursor.epoch + cursor.position / cursor.n))
-        bar.update(1)
-        bar.set_postfix(loss=f"{loss_value:.4f}", lr=f"{lr:.2e}")
-        job.step_done(step)
-        last = step == config.steps
-        if not last and config.eval_every and step % config.eval_every == 0:
-            job.stage = "eval"          # (the last step's val row comes with the calibration)
-            validate()
-        if last or job.stop_requested or (config.save_every and step % config.save_every == 0):
-            calibration = None
-            if last:
-                job.stage = "calibrate"
-                calibration, report = calibrate(head, feats[config.calibration.split],
-                                                feats["val"], config.calibration.bins,
-                                                config.calibration.max_risk,
-                                                slices_of(dataset, "val"))
-            checkpoint = checkpoint_now(calibration)
-            if last:
-                write_calibration_report(run, job, checkpoint, config, calibration, report)
-    bar.close()
+        outcome = optimizer_step(job, list(head.parameters()), optimizer,
+                                 config.optim.grad_clip, loss_value)
+        return StepResult(loss_value, outcome, config.batch, {"examples": config.batch},
+                          {"epoch": cursor.epoch + cursor.position / cursor.n},
+                          rate_key="examples_per_s",
+                          postfix={"loss": f"{loss_value:.4f}", "lr": f"{lr:.2e}"})
+
+    return step
 
 
 def write_calibration_report(run: RunDir, job: Job, checkpoint: Checkpoint,

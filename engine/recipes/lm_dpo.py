@@ -27,6 +27,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import json
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -40,13 +41,7 @@ from engine.llm.sft_data import EncodedSample, SFTExample, data_source, encode_s
 from engine.lora import ADAPTERS_FILE, describe_adapters, read_adapters
 from engine.recipes.lm_dpo_config import LMDPOConfig
 from engine.rundir import Checkpoint, RunDir
-from engine.train.checkpoint import (
-    MODEL_FILE,
-    checkpoint_due,
-    loop_state,
-    resume_loop,
-)
-from engine.train.data_order import DataCursor
+from engine.train.checkpoint import MODEL_FILE
 from engine.train.lm_base import (
     Base,
     apply_weights,
@@ -60,10 +55,11 @@ from engine.train.lm_base import (
     write_after,
     write_before,
 )
-from engine.train.metrics import StepClock, train_row, write_eval_record
-from engine.train.optim import adamw_for, clip_and_step, scheduled_lr, set_lr
+from engine.train.lm_loop import LoopState, StepLoop, StepResult, accumulate, optimizer_step
+from engine.train.metrics import write_eval_record
+from engine.train.optim import adamw_for
 from engine.train.precision import autocast, run_precision
-from engine.train.preference import PreferenceLoss, preference_loss, sequence_logps
+from engine.train.preference import PreferenceLoss, collapse, preference_loss, sequence_logps
 
 REFERENCE_FILE = "reference_logps.json"   # the reference's log-probs, computed once per run
 
@@ -276,93 +272,141 @@ class WindowStats:
 
 
 # -- training -------------------------------------------------------------------------------
-def train(job: Job) -> None:
-    config: LMDPOConfig = job.config
-    run, opt, tr = job.run, config.optim, config.train
-    precision = run_precision(run, config)          # "auto" was resolved when the run started
-    torch.manual_seed(config.seed)
-    base_sha = run.manifest()["base_model"]["sha256"]
-    settings = PreferenceLoss(**config.dpo.model_dump())
-
+def load_for_training(job: Job, precision: str):
+    """(base, adapters, trainable, encoded pairs, their report, reference log-probs): the
+    starting policy, its pairs and their reference log-probs (before any update)."""
+    config, run = job.config, job.run
     job.announce("loading", f"loading base {size_text(base_model(config))} and the starting "
                             "policy")
     base, adapters, trainable = load_start(config, precision)
-    model = base.model
     if not base.dense:
         from engine.models.gguf_model import memory_report
 
-        run.log_event("base_weights", mode=model.weights_mode, **memory_report(model))
+        run.log_event("base_weights", mode=base.model.weights_mode,
+                      **memory_report(base.model))
     job.announce("encoding", "encoding the preference pairs")
     pairs, report = encode_pairs(config, base)
     run.log_event("data_encoded", **report)
-    reference = reference_logps(job, config, model, pairs, report)   # before any update
+    reference = reference_logps(job, config, base.model, pairs, report)   # before any update
+    return base, adapters, trainable, pairs, report, reference
+
+
+def train(job: Job) -> None:
+    config: LMDPOConfig = job.config
+    run, opt = job.run, config.optim
+    precision = run_precision(run, config)          # "auto" was resolved when the run started
+    torch.manual_seed(config.seed)
+    base_sha = run.manifest()["base_model"]["sha256"]
+    base, adapters, trainable, pairs, report, reference = load_for_training(job, precision)
+    model = base.model
     start = run.manifest()["data"]["start"]
     identity = {"recipe": "lm-dpo", "base": str(base.path), "base_sha256": base_sha,
                 "method": "lora" if adapters else "full",
                 "reference": f"{Path(start['run']).name}/{start['checkpoint']}",
                 **(describe_adapters(adapters) if adapters else {})}
     optimizer = adamw_for(trainable, opt)
-    params = [p for _, p in trainable]
-    cursor = DataCursor(len(pairs), config.seed)
-    step, skipped_total, elapsed_before = 0, 0, 0.0
+    state = LoopState.fresh(len(pairs), config.seed)
     if job.resume_from:
-        optimizer_state, state = apply_weights(job.resume_from, model, adapters, base_sha)
+        optimizer_state, trainer_state = apply_weights(job.resume_from, model, adapters,
+                                                       base_sha)
         optimizer.load_state_dict(optimizer_state)
-        cursor, step, skipped_total, elapsed_before = resume_loop(state)
+        state.resume(trainer_state)
     else:
+        warn_few_pairs(job, report["kept"])
         write_before(job, base, identity, "the starting policy")
-    if tr.activation_checkpointing:
+    if config.train.activation_checkpointing:
         checkpoint_activations(model)
 
-    def checkpoint_now() -> Checkpoint:
-        job.stage = "save"
-        trainer_state = {**loop_state(cursor, skipped_total, clock.elapsed),
-                         "invocation": job.invocation, "base_sha256": base_sha,
-                         "reference": identity["reference"], "data": report}
-        return save_weights(run, step, model, adapters, base_sha, trainer_state=trainer_state,
+    def save() -> Checkpoint:
+        return save_weights(run, state.step, model, adapters, base_sha,
+                            trainer_state=state.trainer_state(
+                                invocation=job.invocation, base_sha256=base_sha,
+                                reference=identity["reference"], data=report),
                             keep_last=config.keep_last, optimizer=optimizer)
 
-    clock = StepClock(elapsed_before)
+    loop = StepLoop(job, state, save, optim=opt, optimizer=optimizer)
     model.train()
-    bar = job.progress(config.steps, initial=step)
-    while step < config.steps and not job.stop_requested:
-        lr = scheduled_lr(opt, step, config.steps)
-        set_lr(optimizer, lr)
-        indices = cursor.take(tr.window)
-        stats, input_tokens, supervised = WindowStats(), 0, 0
-        for first in range(0, len(indices), tr.micro_batch):
-            job.stage = "forward"
-            chunk = indices[first:first + tr.micro_batch]
+    guard = Guard(job)
+    loop.run(dpo_step(job, pairs, reference, state, model, optimizer,
+                      [p for _, p in trainable], guard))
+    # a collapsed run's AFTER answers too, so the A/B pane can set them against BEFORE's
+    write_after(job, state.step, loop.last, base, identity, force=guard.stopped)
+
+
+def warn_few_pairs(job: Job, pairs: int) -> None:
+    """A `warning` event (and a line on stderr) when the run trains on fewer pairs than
+    `guard.min_pairs`: a few pairs are memorised within a step or two."""
+    minimum = job.config.guard.min_pairs
+    if pairs < minimum:
+        message = (f"only {pairs} preference pair(s) (guard.min_pairs is {minimum}): DPO "
+                   "memorises a few pairs within a step or two; rate more pairs, or watch the "
+                   "reward margin and chosen log-prob charts")
+        job.run.log_event("warning", message=message, check="min_pairs", pairs=pairs,
+                          min_pairs=minimum)
+        print(f"warning: {message}", file=sys.stderr)
+
+
+class Guard:
+    """The collapse check of every step (engine/train/preference.py: `collapse`): a
+    `dpo_collapse` event, and a stop of the run when `guard.collapse` is "stop"."""
+
+    def __init__(self, job: Job) -> None:
+        self.job, self.settings = job, job.config.guard
+        self.stopped = False
+
+    def check(self, step: int, row: dict) -> None:
+        if self.settings.collapse == "off":
+            return
+        found = collapse(row, self.job.config.dpo.beta, self.settings.max_margin,
+                         self.settings.max_chosen_drop)
+        if found is None:
+            return
+        stop = self.settings.collapse == "stop"
+        self.job.run.log_event("dpo_collapse", step=step, rule=found.rule, value=found.value,
+                               limit=found.limit, message=found.message,
+                               action="stop" if stop else "warn")
+        if stop and not self.stopped:
+            self.stopped = True
+            self.job.request_stop(f"DPO collapse at step {step}: {found.message}")
+
+
+def dpo_step(job: Job, pairs: list[EncodedPair], reference: dict, state: LoopState, model,
+             optimizer, params: list, guard: "Guard"):
+    """One step of lm-dpo: a window of pairs, chosen and rejected packed into one forward per
+    micro-batch, the DPO loss averaged over the window (each micro-batch's summed loss divided
+    by the window's pair count)."""
+    config = job.config
+    tr, precision = config.train, run_precision(job.run, config)
+    settings = PreferenceLoss(**config.dpo.model_dump())
+
+    def step(_step: int, lr: float) -> StepResult:
+        indices = state.cursor.take(tr.window)
+        stats, tokens = WindowStats(), {"input_tokens": 0, "supervised_tokens": 0}
+
+        def micro_step(_micro: int, chunk: list[int]):
             window = [pairs[i] for i in chunk]
             with autocast(precision):
                 chosen, rejected, chosen_n, rejected_n = forward_pairs(model, window)
             terms = preference_loss(settings, chosen, rejected, reference["chosen"][chunk],
                                     reference["rejected"][chunk], chosen_n, rejected_n)
-            job.stage = "backward"
-            (terms.losses.sum() / len(indices)).backward()   # the mean over the whole window
             stats.add(terms, chosen, rejected)
-            input_tokens += sum(len(s.input_ids) for p in window for s in (p.chosen, p.rejected))
-            supervised += int(chosen_n.sum() + rejected_n.sum())
+            tokens["input_tokens"] += sum(len(s.input_ids) for p in window
+                                          for s in (p.chosen, p.rejected))
+            tokens["supervised_tokens"] += int(chosen_n.sum() + rejected_n.sum())
+            return terms.losses.sum(), len(chunk)
+
+        chunks = [indices[first:first + tr.micro_batch]
+                  for first in range(0, len(indices), tr.micro_batch)]
+        accumulate(job, chunks, micro_step, len(indices))   # the mean over the whole window
         values = stats.row()
-        job.stage = "optimizer"
-        outcome = clip_and_step(params, optimizer, opt.grad_clip, config.nonfinite,
-                                loss=values["loss"])
-        skipped_total += outcome.skipped
-        step += 1
-        tokens_per_s = clock.tick(supervised)
-        if step % config.log_every == 0 or step == config.steps:
-            run.log_metric(train_row(
-                invocation=job.invocation, step=step, outcome=outcome,
-                skipped_total=skipped_total, lr=lr, elapsed_s=clock.elapsed,
-                input_tokens=input_tokens, supervised_tokens=supervised,
-                tokens_per_s=tokens_per_s, pairs=len(indices), **values))
-        bar.update(1)
-        bar.set_postfix(loss=f"{values['loss']:.4f}", margin=f"{values['reward_margin']:.3f}")
-        job.step_done(step)
-        if checkpoint_due(config, step, job.stop_requested):
-            last = checkpoint_now()
-    bar.close()
-    write_after(job, step, last, base, identity)
+        outcome = optimizer_step(job, params, optimizer, config.optim.grad_clip, values["loss"])
+        guard.check(state.step + 1, values)
+        return StepResult(values.pop("loss"), outcome, tokens["supervised_tokens"], tokens,
+                          {"pairs": len(indices), **values},
+                          postfix={"loss": f"{stats.row()['loss']:.4f}",
+                                   "margin": f"{values['reward_margin']:.3f}"})
+
+    return step
 
 
 # -- evaluation and generation from a run ---------------------------------------------------

@@ -60,6 +60,22 @@ class DPOSection(Schema):
         return self
 
 
+class DPOGuardSection(Schema):
+    """The guardrails of a preference run (engine/train/preference.py: `collapse`)."""
+
+    min_pairs: int = Field(16, ge=1, description="fewer preference pairs than this is warned "
+                                                 "about at the start: a few pairs are "
+                                                 "memorised in a step or two")
+    collapse: Literal["stop", "warn", "off"] = Field(
+        "stop", description="when a step collapses (margin running away, or the chosen "
+                            "answers losing probability): stop the run, only warn, or ignore")
+    max_margin: float = Field(10.0, gt=0, description="collapse: the window's mean reward "
+                                                      "margin (β·nats) above this")
+    max_chosen_drop: float = Field(20.0, gt=0, description="collapse: the chosen answers' mean "
+                                                           "log-prob this many nats below the "
+                                                           "reference's")
+
+
 class DPOOptimSection(LMOptimSection):
     lr: LearningRate = Field(5e-6, description="the handbook's starter value for adapter DPO "
                                                "(5e-6 or 1e-5)")
@@ -77,6 +93,7 @@ class LMDPOConfig(RecipeConfig):
     model: DPOModelSection
     data: DPODataSection
     dpo: DPOSection = Field(default_factory=DPOSection)
+    guard: DPOGuardSection = Field(default_factory=DPOGuardSection)
     optim: DPOOptimSection = Field(default_factory=DPOOptimSection)
     train: DPOTrainSection = Field(default_factory=DPOTrainSection)
     sample: SampleSection = Field(default_factory=SampleSection)

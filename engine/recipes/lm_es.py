@@ -36,12 +36,6 @@ from engine.lora import (
 from engine.models.gguf_model import densify, load_gguf_model
 from engine.recipes.lm_es_config import LMESConfig
 from engine.rundir import Checkpoint, RunDir
-from engine.train.checkpoint import (
-    checkpoint_due,
-    loop_state,
-    resume_loop,
-)
-from engine.train.data_order import DataCursor
 from engine.train.es import EvolutionStrategy
 from engine.train.lm_base import (
     Base,
@@ -53,7 +47,8 @@ from engine.train.lm_base import (
     write_after,
     write_before,
 )
-from engine.train.metrics import StepClock, train_row, write_eval_record
+from engine.train.lm_loop import LoopState, StepLoop, StepResult
+from engine.train.metrics import write_eval_record
 from engine.train.optim import NonFiniteError, StepOutcome
 from engine.train.rewards import RewardSpec, score, teacher_forced
 
@@ -124,7 +119,7 @@ def train(job: Job) -> None:
     samples, report = encode_samples(config, base)
     run.log_event("data_encoded", **report)
     adapters, tensors = prepare_params(config, base)
-    model, tokenizer, spec = base.model, base.tokenizer, reward_spec(config)
+    model = base.model
     model.eval()
     identity = {"recipe": "lm-es", "base": str(base.path), "base_sha256": base_sha,
                 "mode": config.params.mode, **(describe_adapters(adapters) if adapters else {})}
@@ -133,29 +128,38 @@ def train(job: Job) -> None:
                                  sigma=es.sigma, lr=es.lr, antithetic=es.antithetic,
                                  shaping=es.shaping, anchor_decay=es.anchor_decay,
                                  decay=es.decay)
-    cursor = DataCursor(len(samples), config.seed)
-    step, skipped_total, elapsed_before = 0, 0, 0.0
+    state = LoopState.fresh(len(samples), config.seed)
     if job.resume_from:
-        _, state = apply_weights(job.resume_from, model, adapters, base_sha)
+        _, trainer_state = apply_weights(job.resume_from, model, adapters, base_sha)
         strategy.load([t.clone() for t in tensors])      # the centre; the anchor stays
-        cursor, step, skipped_total, elapsed_before = resume_loop(state)
+        state.resume(trainer_state)
     else:
         write_before(job, base, identity)
 
-    def checkpoint_now() -> Checkpoint:
-        job.stage = "save"
-        trainer_state = {**loop_state(cursor, skipped_total, clock.elapsed),
-                         "invocation": job.invocation, "base_sha256": base_sha, "data": report,
-                         "es_iteration": step, "es_seed": config.seed, "es_noise": "gaussian",
-                         "es_sigma": es.sigma, "es_population": es.population,
-                         "es_antithetic": es.antithetic, "es_lr": es.lr}
-        return save_weights(run, step, model, adapters, base_sha, trainer_state=trainer_state,
+    def save() -> Checkpoint:
+        return save_weights(run, state.step, model, adapters, base_sha,
+                            trainer_state=state.trainer_state(
+                                invocation=job.invocation, base_sha256=base_sha, data=report,
+                                es_iteration=state.step, es_seed=config.seed,
+                                es_noise="gaussian", es_sigma=es.sigma,
+                                es_population=es.population, es_antithetic=es.antithetic,
+                                es_lr=es.lr),
                             keep_last=config.keep_last)
 
-    clock = StepClock(elapsed_before)
-    bar = job.progress(config.steps, initial=step)
-    while step < config.steps and not job.stop_requested:
-        batch = [samples[i] for i in cursor.take(es.batch)]
+    loop = StepLoop(job, state, save, fixed_lr=es.lr)
+    loop.run(es_step(job, base, samples, state, strategy))
+    write_after(job, state.step, loop.last, base, identity)
+
+
+def es_step(job: Job, base: Base, samples: list, state: LoopState,
+            strategy: EvolutionStrategy):
+    """One ES iteration: the centre scored on a batch (its reward and teacher-forced CE), every
+    member scored in place (perturb -> score -> restore), then the rank-weighted update."""
+    config = job.config
+    es, spec, model, tokenizer = config.es, reward_spec(config), base.model, base.tokenizer
+
+    def step(step: int, _lr: float) -> StepResult:
+        batch = [samples[i] for i in state.cursor.take(es.batch)]
         job.stage = "centre"
         centre = score(model, tokenizer, batch, spec, es.micro_batch)
         mean_ce = centre.mean_ce
@@ -170,32 +174,21 @@ def train(job: Job) -> None:
         strategy.restore()
         job.stage = "update"
         result = strategy.step(step, rewards)
-        if not result.finite:
-            skipped_total += 1
-            if config.nonfinite == "stop":
-                raise NonFiniteError(f"a member's reward is not finite ({rewards})",
-                                     where="ES iteration",
-                                     hint="lower es.sigma, or set nonfinite = \"skip\"")
-        step += 1
+        if not result.finite and config.nonfinite == "stop":
+            raise NonFiniteError(f"a member's reward is not finite ({rewards})",
+                                 where="ES iteration",
+                                 hint="lower es.sigma, or set nonfinite = \"skip\"")
         supervised = sum(s.n_supervised for s in batch)
-        tokens_per_s = clock.tick(supervised * (es.population + 1))   # every scored token
-        if step % config.log_every == 0 or step == config.steps:
-            run.log_metric(train_row(
-                invocation=job.invocation, step=step, loss=mean_ce,
-                outcome=StepOutcome(result.grad_norm, False, not result.finite),
-                skipped_total=skipped_total, lr=es.lr, elapsed_s=clock.elapsed,
-                reward=centre.reward, reward_mean=result.reward_mean,
-                reward_max=result.reward_max, reward_min=result.reward_min,
-                reward_std=result.reward_std, update_norm=result.update_norm, sigma=es.sigma,
-                population=es.population, supervised_tokens=supervised,
-                tokens_per_s=tokens_per_s))
-        bar.update(1)
-        bar.set_postfix(reward=f"{centre.reward:.4f}")
-        job.step_done(step)
-        if checkpoint_due(config, step, job.stop_requested):
-            last = checkpoint_now()
-    bar.close()
-    write_after(job, step, last, base, identity)
+        return StepResult(
+            mean_ce, StepOutcome(result.grad_norm, False, not result.finite),
+            supervised * (es.population + 1),                        # every scored token
+            {"reward": centre.reward, "reward_mean": result.reward_mean,
+             "reward_max": result.reward_max, "reward_min": result.reward_min,
+             "reward_std": result.reward_std, "update_norm": result.update_norm,
+             "sigma": es.sigma, "population": es.population, "supervised_tokens": supervised},
+            postfix={"reward": f"{centre.reward:.4f}"})
+
+    return step
 
 
 # -- evaluation and generation from a run ---------------------------------------------------

@@ -18,37 +18,26 @@ import torch.nn.functional as F
 
 from engine.errors import ForgebenchError
 from engine.fsutil import atomic_write_json, atomic_write_text, read_json_object, sha256_file
-from engine.jobs import Job, run_config
-from engine.models.llama import Llama, LlamaConfig
+from engine.jobs import Job
+from engine.models.llama import Llama
 from engine.paths import dataset_file
 from engine.recipes.lm_pretrain_config import LMPretrainConfig
 from engine.rundir import Checkpoint, RunDir
 from engine.sampling import SamplingSettings, generate_tokens
 from engine.text_tokenizers import BPETokenizer, ByteTokenizer, tokenizer_from_json
 from engine.train import distributed
-from engine.train.checkpoint import (
-    checkpoint_due,
-    load_checkpoint,
-    loop_state,
-    resume_loop,
-    save_checkpoint,
-)
-from engine.train.data_order import DataCursor
+from engine.train.checkpoint import load_checkpoint, save_checkpoint
 from engine.train.devices import module_device, require_bf16, to_device
-from engine.train.metrics import (
-    StepClock,
-    StepUtilisation,
-    WindowLoss,
-    train_row,
-    write_eval_record,
-)
-from engine.train.optim import adamw_for, clip_and_step, scheduled_lr, set_lr
+from engine.train.lm_loop import LoopState, StepLoop, StepResult, accumulate, optimizer_step
+from engine.train.metrics import write_eval_record
+from engine.train.optim import adamw_for
 from engine.train.precision import autocast, run_precision
+from engine.train.pretrain_model import (  # noqa: F401 (load_model: the export hook)
+    TOKENIZER_FILE,
+    build_model,
+    load_model,
+)
 
-CUDA = True            # trains on a GPU (engine/train/devices.py)
-MULTI_PROCESS = True   # and on several processes: DDP (engine/train/distributed.py)
-SHARDED_BATCH = "train.batch_size"   # split over the ranks: checked before they start
-TOKENIZER_FILE = "tokenizer.json"
 SPLIT_FILES = {"train": "train.txt", "val": "val.txt", "test": "test.txt"}
 
 
@@ -119,27 +108,6 @@ def windows(stream: torch.Tensor, context: int) -> torch.Tensor:
     if n == 0:
         return torch.empty(0, context + 1, dtype=torch.long)
     return torch.stack([stream[i * context: i * context + context + 1] for i in range(n)])
-
-
-# -- model --------------------------------------------------------------------------------
-def build_model(config: LMPretrainConfig, vocab_size: int) -> Llama:
-    m = config.model
-    return Llama(LlamaConfig(vocab_size=vocab_size, dim=m.dim, n_layers=m.n_layers,
-                             n_heads=m.n_heads, n_kv_heads=m.n_kv_heads, ffn_dim=m.ffn_dim,
-                             norm_eps=m.norm_eps, rope_theta=m.rope_theta,
-                             max_seq_len=m.context, tie_embeddings=m.tie_embeddings,
-                             rope_type="norm"))
-
-
-def load_model(run: RunDir, checkpoint: Checkpoint) -> tuple[Llama, object, LMPretrainConfig]:
-    """(model in eval mode, tokenizer, config) from a committed checkpoint."""
-    config = run_config(run)
-    tokenizer = tokenizer_from_json((checkpoint.path / TOKENIZER_FILE).read_text("utf-8"),
-                                    checkpoint.path / TOKENIZER_FILE)
-    model = build_model(config, tokenizer.vocab_size)
-    tensors, _, _ = load_checkpoint(checkpoint)
-    model.load_state_dict(tensors)
-    return model.eval(), tokenizer, config
 
 
 # -- evaluation ---------------------------------------------------------------------------
@@ -268,123 +236,123 @@ def sample(run: RunDir, checkpoint: Checkpoint, args) -> list[Path]:
 
 
 # -- training -----------------------------------------------------------------------------
-def train(job: Job) -> None:
-    config: LMPretrainConfig = job.config
-    run, opt, tr = job.run, config.optim, config.train
-    device, world = job.device, job.world
-    precision = run_precision(run, config)          # "auto" was resolved when the run started
-    require_bf16(precision, device, "field 'train.precision'")
-    torch.manual_seed(config.seed)
-
-    # Tokenizer: trained once at the start, then always read back from the checkpoint.
-    train_text = read_split(config, "train")
-    val_text = read_split(config, "val")
+def train_tokenizer(job: Job, train_text: str):
+    """(tokenizer, its JSON): trained once at the start, then always read back from the
+    checkpoint."""
+    config, run = job.config, job.run
     if job.resume_from:
         tokenizer_json = (job.resume_from.path / TOKENIZER_FILE).read_text("utf-8")
-        tokenizer = tokenizer_from_json(tokenizer_json, job.resume_from.path / TOKENIZER_FILE)
-    else:
-        tokenizer = (BPETokenizer.train([train_text], config.tokenizer.vocab_size)
-                     if config.tokenizer.kind == "bpe" else ByteTokenizer())
-        tokenizer_json = tokenizer.to_json()
-        if world.is_main:     # every rank trained the same tokenizer; rank 0 owns the run
-            atomic_write_text(run.path / TOKENIZER_FILE, tokenizer_json)
+        return tokenizer_from_json(tokenizer_json, job.resume_from.path / TOKENIZER_FILE), \
+            tokenizer_json
+    tokenizer = (BPETokenizer.train([train_text], config.tokenizer.vocab_size)
+                 if config.tokenizer.kind == "bpe" else ByteTokenizer())
+    tokenizer_json = tokenizer.to_json()
+    if job.world.is_main:     # every rank trained the same tokenizer; rank 0 owns the run
+        atomic_write_text(run.path / TOKENIZER_FILE, tokenizer_json)
+    return tokenizer, tokenizer_json
 
-    train_windows = windows(token_stream(tokenizer, train_text), config.model.context)
-    if len(train_windows) == 0:  # [N, T+1]
+
+def train_windows_of(config: LMPretrainConfig, tokenizer, train_text: str) -> torch.Tensor:
+    """The training windows [N, T+1]; refuses a split shorter than one window."""
+    found = windows(token_stream(tokenizer, train_text), config.model.context)
+    if len(found) == 0:
         raise ForgebenchError(
             f"the train split holds fewer than {config.model.context + 1} tokens, not one "
             "training window", path=corpus_files(config)["train"],
             hint="add text or lower model.context")
+    return found
+
+
+def train(job: Job) -> None:
+    config: LMPretrainConfig = job.config
+    run, opt = job.run, config.optim
+    device, world = job.device, job.world
+    precision = run_precision(run, config)          # "auto" was resolved when the run started
+    require_bf16(precision, device, "field 'train.precision'")
+    torch.manual_seed(config.seed)
+    train_text, val_text = read_split(config, "train"), read_split(config, "val")
+    tokenizer, tokenizer_json = train_tokenizer(job, train_text)
+    train_windows = train_windows_of(config, tokenizer, train_text)
     model = build_model(config, tokenizer.vocab_size).to(device)
     optimizer = adamw_for(model.named_parameters(), opt)
-    cursor = DataCursor(len(train_windows), config.seed)
-    step, skipped_total, elapsed_before, best = 0, 0, 0.0, None
+    state = LoopState.fresh(len(train_windows), config.seed)
     if job.resume_from:
-        tensors, optimizer_state, state = load_checkpoint(job.resume_from)
+        tensors, optimizer_state, trainer_state = load_checkpoint(job.resume_from)
         model.load_state_dict(tensors)
         optimizer.load_state_dict(optimizer_state)
-        cursor, step, skipped_total, elapsed_before = resume_loop(state)
-        best = state["best"]
+        state.resume(trainer_state)
 
-    def checkpoint_now() -> Checkpoint:
-        job.stage = "save"
-        trainer_state = {**loop_state(cursor, skipped_total, clock.elapsed),
-                         "best": best, "invocation": job.invocation}
-        return save_checkpoint(run, step, model_tensors=model.state_dict(), optimizer=optimizer,
-                               trainer_state=trainer_state,
+    def save() -> Checkpoint:
+        best = state.best
+        return save_checkpoint(run, state.step, model_tensors=model.state_dict(),
+                               optimizer=optimizer,
+                               trainer_state=state.trainer_state(best=best,
+                                                                 invocation=job.invocation),
                                extra_files={TOKENIZER_FILE: tokenizer_json.encode("utf-8")},
                                keep_last=config.keep_last,
                                protect=(best["checkpoint"],) if best else ())
 
+    # DDP over the ranks (each trains its share of every micro-batch); the model itself alone
+    trained = distributed.data_parallel(model, world, device)
+    loop = StepLoop(job, state, save, val_evaluator(job, state, model, tokenizer, val_text),
+                    opt, optimizer, precision=precision, last=job.resume_from)
+    model.train()
+    loop.run(pretrain_step(job, state, model, trained, train_windows, optimizer))
+    if loop.finished() and loop.last is not None and world.is_main:
+        job.stage = "sample"
+        model.eval()
+        write_samples(run, loop.last, model, tokenizer, config, config.seed)
+
+
+def val_evaluator(job: Job, state: LoopState, model: Llama, tokenizer, val_text: str):
+    """The loop's evaluation: bits per byte on val (up to eval.max_windows), a val row, and
+    the best checkpoint so far (lowest val loss)."""
+    config, run = job.config, job.run
+    precision = run_precision(run, config)
+
     def evaluate_val() -> None:
-        nonlocal best
-        job.stage = "eval"
         model.eval()
         result = bits_per_byte(model, tokenizer, val_text, config, config.eval.max_windows,
                                precision)
         model.train()
-        run.log_metric({"invocation": job.invocation, "step": step, "split": "val",
+        run.log_metric({"invocation": job.invocation, "step": state.step, "split": "val",
                         "loss": result.loss, "bpb": result.bpb, "tokens": result.tokens,
-                        "bytes": result.bytes, "elapsed_s": clock.elapsed})
-        if best is None or result.loss < best["loss"]:
-            best = {"checkpoint": f"step-{step:06d}", "loss": result.loss, "bpb": result.bpb}
+                        "bytes": result.bytes, "elapsed_s": state.elapsed})
+        if state.best is None or result.loss < state.best["loss"]:
+            state.best = {"checkpoint": f"step-{state.step:06d}", "loss": result.loss,
+                          "bpb": result.bpb}
             run.set_status(run.status().get("state", "running"),
-                           best_checkpoint=best["checkpoint"])
+                           best_checkpoint=state.best["checkpoint"])
 
-    utilisation = StepUtilisation(precision, job.threads)
-    clock = StepClock(elapsed_before)
-    last = job.resume_from
+    return evaluate_val
+
+
+def pretrain_step(job: Job, state: LoopState, model: Llama, trained, train_windows,
+                  optimizer):
+    """One step of lm-pretrain: `grad_accum` micro-batches of windows (this rank's share of
+    each), the summed CE divided by the step's tokens over every rank."""
+    config, device, world = job.config, job.device, job.world
+    tr, precision = config.train, run_precision(job.run, config)
     tokens_per_step = tr.batch_size * tr.grad_accum * config.model.context
-    # DDP over the ranks (each trains its share of every micro-batch); the model itself alone
-    trained = distributed.data_parallel(model, world, device)
-    model.train()
-    bar = job.progress(config.steps, initial=step)
-    while step < config.steps and not job.stop_requested:
-        lr = scheduled_lr(opt, step, config.steps)
-        set_lr(optimizer, lr)
-        window = WindowLoss()
-        utilisation.begin()
-        for micro in range(tr.grad_accum):
-            job.stage = "forward"
-            mine = distributed.shard(cursor.take(tr.batch_size), world, "micro-batch",
-                                     "field 'train.batch_size'")
-            batch = to_device(train_windows[mine], device)             # [B / ranks, T+1]
-            inputs, targets = batch[:, :-1], batch[:, 1:]
-            with distributed.accumulating(trained, last=micro == tr.grad_accum - 1):
-                with autocast(precision, device.type):
-                    logits = trained(inputs)                           # [B, T, V]
-                loss_sum = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(),
-                                           reduction="sum")
-                job.stage = "backward"
-                # token-weighted over the whole window of every rank (gradients are summed)
-                (loss_sum / tokens_per_step).backward()
-            window.add(loss_sum.detach().double(), targets.numel())   # no host sync here
-        window = distributed.reduce_window(window, world, device)
-        job.stage = "optimizer"
-        outcome = clip_and_step(model.parameters(), optimizer, opt.grad_clip, config.nonfinite,
-                                loss=window.value)
-        skipped_total += outcome.skipped
-        step += 1
-        tokens_per_s = clock.tick(window.tokens)
-        flops = utilisation.step(window.tokens, clock.seconds)
-        if step % config.log_every == 0 or step == config.steps:
-            run.log_metric(train_row(
-                invocation=job.invocation, step=step, loss=window.value, outcome=outcome,
-                skipped_total=skipped_total, lr=lr, elapsed_s=clock.elapsed,
-                input_tokens=tokens_per_step, supervised_tokens=window.tokens,
-                tokens_per_s=tokens_per_s, utilisation=flops,
-                **distributed.rank_throughput(tokens_per_s, world)))
-        bar.update(1)
-        bar.set_postfix(loss=f"{window.value:.3f}", lr=f"{lr:.2e}")
-        job.step_done(step)
-        eval_due = config.eval_every and step % config.eval_every == 0
-        if (eval_due or step == config.steps) and world.is_main:
-            evaluate_val()
-        if checkpoint_due(config, step, job.stop_requested, eval_due):
-            last = checkpoint_now()
-    bar.close()
 
-    if step == config.steps and last is not None and not job.stop_requested and world.is_main:
-        job.stage = "sample"
-        model.eval()
-        write_samples(run, last, model, tokenizer, config, config.seed)
+    def micro_step(_micro: int, mine: list[int]):
+        batch = to_device(train_windows[mine], device)             # [B / ranks, T+1]
+        inputs, targets = batch[:, :-1], batch[:, 1:]
+        with autocast(precision, device.type):
+            logits = trained(inputs)                               # [B, T, V]
+        return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(),
+                               reduction="sum"), targets.numel()
+
+    def step(_step: int, lr: float) -> StepResult:
+        batches = [distributed.shard(state.cursor.take(tr.batch_size), world, "micro-batch",
+                                     "field 'train.batch_size'") for _ in range(tr.grad_accum)]
+        # token-weighted over the whole window of every rank (gradients are summed)
+        window = accumulate(job, batches, micro_step, tokens_per_step, trained)
+        outcome = optimizer_step(job, model.parameters(), optimizer, config.optim.grad_clip,
+                                 window.value)
+        return StepResult(window.value, outcome, window.tokens,
+                          {"input_tokens": tokens_per_step, "supervised_tokens": window.tokens},
+                          flops_work=window.tokens,
+                          postfix={"loss": f"{window.value:.3f}", "lr": f"{lr:.2e}"})
+
+    return step

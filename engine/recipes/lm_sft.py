@@ -31,12 +31,6 @@ from engine.lora import describe_adapters
 from engine.recipes.lm_sft_config import LMSFTConfig
 from engine.rundir import Checkpoint, RunDir
 from engine.train import distributed
-from engine.train.checkpoint import (
-    checkpoint_due,
-    loop_state,
-    resume_loop,
-)
-from engine.train.data_order import DataCursor
 from engine.train.devices import require_bf16, to_device
 from engine.train.lm_base import (
     Base,
@@ -54,34 +48,18 @@ from engine.train.lm_base import (
     write_after,
     write_before,
 )
+from engine.train.lm_loop import LoopState, StepLoop, StepResult, accumulate, optimizer_step
 from engine.train.lm_reports import mean_loss, write_reports
 from engine.train.loss import IGNORE, SupervisedLoss
-from engine.train.metrics import (
-    StepClock,
-    StepUtilisation,
-    WindowLoss,
-    train_row,
-    write_eval_record,
-)
-from engine.train.optim import adamw_for, clip_and_step, scheduled_lr, set_lr
+from engine.train.metrics import write_eval_record
+from engine.train.optim import adamw_for
 from engine.train.precision import autocast, run_precision
 
-CUDA = True            # trains on a GPU (engine/train/devices.py)
-MULTI_PROCESS = True   # and on several processes: DDP for LoRA, FSDP2 for full fine-tuning
-SHARDED_BATCH = "train.window"   # split over the ranks: checked before they start
 
-
-# -- data -----------------------------------------------------------------------------------
 # -- training -------------------------------------------------------------------------------
-def train(job: Job) -> None:
-    config: LMSFTConfig = job.config
-    run, opt, tr = job.run, config.optim, config.train
-    device, world = job.device, job.world
-    precision = run_precision(run, config)          # "auto" was resolved when the run started
-    require_bf16(precision, device, "field 'train.precision'")
-    torch.manual_seed(config.seed)
-    base_sha = run.manifest()["base_model"]["sha256"]
-
+def load_for_training(job: Job, precision: str):
+    """(base, encoded samples, their report), the base's weight modes logged."""
+    config, run = job.config, job.run
     job.announce("loading", f"loading base {size_text(base_model(config))}")
     base = load_base(config, precision)
     if not base.dense:        # what each weight mode costs, and the one this run uses
@@ -91,22 +69,12 @@ def train(job: Job) -> None:
     job.announce("encoding", "encoding the training samples")
     samples, report = encode_samples(config, base)
     run.log_event("data_encoded", **report)
-    adapters, trainable = prepare_trainable(config, base)
-    model = base.model
-    identity = {"recipe": "lm-sft", "base": str(base.path), "base_sha256": base_sha,
-                "method": config.lora.method,
-                **(describe_adapters(adapters) if adapters else {})}
-    cursor = DataCursor(len(samples), config.seed)
-    step, skipped_total, elapsed_before = 0, 0, 0.0
-    if job.resume_from:            # weights before sharding: FSDP2 shards what is loaded
-        optimizer_state, state = apply_weights(job.resume_from, model, adapters, base_sha)
-    model.to(device)
-    if not job.resume_from and world.is_main:   # answers, perplexity / tool-call score BEFORE
-        write_before(job, base, identity)
-        write_reports(run, "step-000000", 0, base, config, job.announce)
-    if tr.activation_checkpointing:
-        checkpoint_activations(model)
-    # Several ranks: FSDP2 shards a full fine-tune, DDP replicates adapters (summed gradients)
+    return base, samples, report
+
+
+def distribute(model, adapters, trainable, world, device):
+    """(the module that trains, whether it is sharded, the trainable parameters): several
+    ranks shard a full fine-tune (FSDP2) and replicate adapters (DDP, summed gradients)."""
     sharded = world.distributed and adapters is None
     # (FSDP2 gathers a module's shards in its forward hook; a layer's norms, attention and MLP
     # are what the models call, so those are the units)
@@ -115,77 +83,91 @@ def train(job: Job) -> None:
                if sharded else distributed.data_parallel(SupervisedLoss(model), world, device))
     if sharded:                    # the optimizer steps the shards (DTensors) that replaced them
         trainable = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    return trained, sharded, trainable
+
+
+def train(job: Job) -> None:
+    config: LMSFTConfig = job.config
+    run, opt, tr = job.run, config.optim, config.train
+    device, world = job.device, job.world
+    precision = run_precision(run, config)          # "auto" was resolved when the run started
+    require_bf16(precision, device, "field 'train.precision'")
+    torch.manual_seed(config.seed)
+    base_sha = run.manifest()["base_model"]["sha256"]
+    base, samples, report = load_for_training(job, precision)
+    adapters, trainable = prepare_trainable(config, base)
+    model = base.model
+    identity = {"recipe": "lm-sft", "base": str(base.path), "base_sha256": base_sha,
+                "method": config.lora.method,
+                **(describe_adapters(adapters) if adapters else {})}
+    state = LoopState.fresh(len(samples), config.seed)
+    if job.resume_from:            # weights before sharding: FSDP2 shards what is loaded
+        optimizer_state, trainer_state = apply_weights(job.resume_from, model, adapters,
+                                                       base_sha)
+    model.to(device)
+    if not job.resume_from and world.is_main:   # answers, perplexity / tool-call score BEFORE
+        write_before(job, base, identity)
+        write_reports(run, "step-000000", 0, base, config, job.announce)
+    if tr.activation_checkpointing:
+        checkpoint_activations(model)
+    trained, sharded, trainable = distribute(model, adapters, trainable, world, device)
     optimizer = adamw_for(trainable, opt)
-    params = [p for _, p in trainable]
     if job.resume_from:
         optimizer.load_state_dict(distributed.shard_optimizer_state(optimizer_state, optimizer)
                                   if sharded else optimizer_state)
-        cursor, step, skipped_total, elapsed_before = resume_loop(state)
+        state.resume(trainer_state)
 
-    def checkpoint_now() -> Checkpoint:
-        job.stage = "save"
-        trainer_state = {**loop_state(cursor, skipped_total, clock.elapsed),
-                         "invocation": job.invocation, "base_sha256": base_sha,
-                         "lora": config.lora.model_dump(mode="json"), "data": report}
-        return save_weights(run, step, model, adapters, base_sha, trainer_state=trainer_state,
+    def save() -> Checkpoint:
+        return save_weights(run, state.step, model, adapters, base_sha,
+                            trainer_state=state.trainer_state(
+                                invocation=job.invocation, base_sha256=base_sha,
+                                lora=config.lora.model_dump(mode="json"), data=report),
                             keep_last=config.keep_last, optimizer=optimizer)
 
-    utilisation = StepUtilisation(precision, job.threads)
-    clock = StepClock(elapsed_before)
+    loop = StepLoop(job, state, save, optim=opt, optimizer=optimizer, precision=precision)
     model.train()
-    bar = job.progress(config.steps, initial=step)
-    while step < config.steps and not job.stop_requested:
-        lr = scheduled_lr(opt, step, config.steps)
-        set_lr(optimizer, lr)
-        window = [samples[i] for i in cursor.take(tr.window)]
+    loop.run(sft_step(job, samples, state, trained, model, adapters, optimizer,
+                      [p for _, p in trainable]))
+    if loop.finished() and world.is_main:
+        if sharded:   # FSDP2 holds shards: answer and report with the checkpoint's full weights
+            base = load_trained(run, loop.last, precision=precision)[0]
+        write_after(job, state.step, loop.last, base, identity)
+        write_reports(run, loop.last.name, state.step, base, config, job.announce)
+
+
+def sft_step(job: Job, samples: list, state: LoopState, trained, model, adapters, optimizer,
+             params: list):
+    """One step of lm-sft: a window of samples, this rank's share packed per micro-batch,
+    each micro-batch's summed CE divided by the window's supervised tokens over all ranks."""
+    config, device, world = job.config, job.device, job.world
+    tr, precision = config.train, run_precision(job.run, config)
+
+    def micro_step(micro: int, chunk: list):
+        if adapters:
+            model.lora_clock.set(state.step, micro)
+        inputs, labels, lengths = pack(chunk)                             # [T]
+        tokens = int((labels != IGNORE).sum())
+        inputs, labels = to_device(inputs, device), to_device(labels, device)
+        with autocast(precision, device.type):
+            return trained(inputs, labels, lengths), tokens
+
+    def step(_step: int, lr: float) -> StepResult:
+        window = [samples[i] for i in state.cursor.take(tr.window)]
         mine = distributed.shard(window, world, "window", "field 'train.window'")
         # every rank divides by the window's supervised tokens over all ranks (all-reduced)
         supervised = int(distributed.all_reduce_sum([sum(s.n_supervised for s in mine)],
                                                     world, device)[0])
-        loss = WindowLoss()
         input_tokens = sum(len(s.input_ids) for s in window)
-        utilisation.begin()
-        starts = range(0, len(mine), tr.micro_batch)
-        for micro, start in enumerate(starts):
-            job.stage = "forward"
-            if adapters:
-                model.lora_clock.set(step, micro)
-            inputs, labels, lengths = pack(mine[start:start + tr.micro_batch])   # [T]
-            tokens = int((labels != IGNORE).sum())
-            inputs, labels = to_device(inputs, device), to_device(labels, device)
-            with distributed.accumulating(trained, last=micro == len(starts) - 1):
-                with autocast(precision, device.type):
-                    loss_sum = trained(inputs, labels, lengths)
-                job.stage = "backward"
-                (loss_sum / supervised).backward()   # token-weighted over the whole window
-            loss.add(loss_sum.detach().double(), tokens)
-        loss = distributed.reduce_window(loss, world, device)
-        job.stage = "optimizer"
-        outcome = clip_and_step(params, optimizer, opt.grad_clip, config.nonfinite,
-                                loss=loss.value)
-        skipped_total += outcome.skipped
-        step += 1
-        tokens_per_s = clock.tick(loss.tokens)
-        flops = utilisation.step(input_tokens, clock.seconds)
-        if step % config.log_every == 0 or step == config.steps:
-            run.log_metric(train_row(
-                invocation=job.invocation, step=step, loss=loss.value, outcome=outcome,
-                skipped_total=skipped_total, lr=lr, elapsed_s=clock.elapsed,
-                input_tokens=input_tokens, supervised_tokens=loss.tokens,
-                tokens_per_s=tokens_per_s, utilisation=flops,
-                **distributed.rank_throughput(tokens_per_s, world)))
-        bar.update(1)
-        bar.set_postfix(loss=f"{loss.value:.4f}", lr=f"{lr:.2e}")
-        job.step_done(step)
-        if checkpoint_due(config, step, job.stop_requested):
-            last = checkpoint_now()
-    bar.close()
+        chunks = [mine[start:start + tr.micro_batch]
+                  for start in range(0, len(mine), tr.micro_batch)]
+        loss = accumulate(job, chunks, micro_step, supervised, trained)
+        outcome = optimizer_step(job, params, optimizer, config.optim.grad_clip, loss.value)
+        return StepResult(loss.value, outcome, loss.tokens,
+                          {"input_tokens": input_tokens, "supervised_tokens": loss.tokens},
+                          flops_work=input_tokens,
+                          postfix={"loss": f"{loss.value:.4f}", "lr": f"{lr:.2e}"})
 
-    if step == config.steps and not job.stop_requested and world.is_main:
-        if sharded:   # FSDP2 holds shards: answer and report with the checkpoint's full weights
-            base = load_trained(run, last, precision=precision)[0]
-        write_after(job, step, last, base, identity)
-        write_reports(run, last.name, step, base, config, job.announce)   # AFTER + the change
+    return step
 
 
 # -- evaluation and generation from a run ---------------------------------------------------

@@ -55,7 +55,6 @@ from engine.train.media_data import dataset_manifest, open_dataset, split_record
 from engine.train.optim import adamw_for
 from engine.train.precision import autocast
 
-CUDA = True   # trains on a GPU (engine/train/devices.py); one process
 KINDS = ("speech",)
 HEADLINE = ("loss", "wer", "cer", "beam_wer", "probes_empty_or_flagged")
 NON_SPEECH = ("silence", "room_tone", "music_noise")

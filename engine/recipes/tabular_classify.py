@@ -226,6 +226,34 @@ def evaluate(run: RunDir, checkpoint: Checkpoint, split: str) -> dict:
 
 
 # -- training -----------------------------------------------------------------------------
+def fit_candidates(job: Job, train_rows, val) -> dict[str, dict]:
+    """Every configured candidate fitted on train, with its val average precision (a val row
+    each): name -> {"model", "val_average_precision"}."""
+    config, candidates = job.config, {}
+    for name in config.candidates:
+        job.announce("fit", f"fitting {name} on {len(train_rows.target)} rows")
+        model = fit_candidate(name, config, train_rows)
+        ap = binary.average_precision(val.target, model.uncalibrated(val.features))
+        candidates[name] = {"model": model, "val_average_precision": ap}
+        job.run.log_metric({"invocation": job.invocation, "step": 1, "split": "val",
+                            "candidate": name, "average_precision": ap})
+    return candidates
+
+
+def calibrate_chosen(job: Job, model, chosen: str, train_rows, calibration_rows) -> None:
+    """Platt scaling of the chosen model, on the calibration split when there is one, else on
+    out-of-fold train scores."""
+    config = job.config
+    if calibration_rows is not None:
+        job.announce("calibrate", f"Platt scaling of {chosen} on the calibration split")
+        scores, target = model.raw(calibration_rows.features), calibration_rows.target
+    else:
+        job.announce("calibrate", f"Platt scaling of {chosen} on out-of-fold train scores "
+                                  f"({config.calibration_folds} machine-group folds)")
+        scores, target = cross_fitted_raw(chosen, config, train_rows), train_rows.target
+    model.calibration = {**fit_platt(scores, target), "method": config.calibration}
+
+
 def train(job: Job) -> None:
     config: TabularClassifyConfig = job.config
     run = job.run
@@ -239,27 +267,13 @@ def train(job: Job) -> None:
     calibration_rows = read_split(run, dataset, "calibration") if on_split else None
     val = read_split(run, dataset, "val")
 
-    candidates = {}
-    for name in config.candidates:
-        job.announce("fit", f"fitting {name} on {len(train_rows.target)} rows")
-        model = fit_candidate(name, config, train_rows)
-        ap = binary.average_precision(val.target, model.uncalibrated(val.features))
-        candidates[name] = {"model": model, "val_average_precision": ap}
-        run.log_metric({"invocation": job.invocation, "step": 1, "split": "val",
-                        "candidate": name, "average_precision": ap})
+    candidates = fit_candidates(job, train_rows, val)
     chosen = max(candidates, key=lambda n: candidates[n]["val_average_precision"])
     model = candidates[chosen]["model"]
 
     before = probability_report(val.target, model.uncalibrated(val.features), config.bins)
     if config.calibrate:
-        if calibration_rows is not None:
-            job.announce("calibrate", f"Platt scaling of {chosen} on the calibration split")
-            scores, target = model.raw(calibration_rows.features), calibration_rows.target
-        else:
-            job.announce("calibrate", f"Platt scaling of {chosen} on out-of-fold train scores "
-                                      f"({config.calibration_folds} machine-group folds)")
-            scores, target = cross_fitted_raw(chosen, config, train_rows), train_rows.target
-        model.calibration = {**fit_platt(scores, target), "method": config.calibration}
+        calibrate_chosen(job, model, chosen, train_rows, calibration_rows)
     probability = model.probability(val.features)
     after = probability_report(val.target, probability, config.bins)
 

@@ -1,9 +1,9 @@
 """Device choice for every recipe: `device = "auto" | "cpu" | "cuda" | "cuda:N"`.
 
 Contract:
-- A recipe that trains on a GPU says so with a module attribute `CUDA = True` (and one that
-  trains on several processes with `MULTI_PROCESS = True`); for the others "auto" is the CPU
-  and "cuda" is refused with the reason.
+- A recipe that trains on a GPU says so in its registry row (`cuda`, and `multi_process` for
+  one that trains on several processes: engine/recipe_registry.py); for the others "auto" is
+  the CPU and "cuda" is refused with the reason.
 - `resolve(requested, local_rank)` turns the config's word into a `torch.device`, or raises a
   `ForgebenchError` that says why (no CUDA device, index out of range). "auto" is CUDA when
   `torch.cuda.is_available()`, else the CPU. Under torchrun, "cuda" means `cuda:LOCAL_RANK`, so

@@ -6,8 +6,8 @@ every weight for full fine-tuning), applying a checkpoint's adapters or weights,
 samples for one forward pass, recomputing blocks in backward, saving a checkpoint's adapters
 or weights and applying them again, and the greedy BEFORE/AFTER generations a run writes into
 `samples/`. lm-es and lm-decision use the loaded-base and checkpoint pieces too. Recipes call
-these; none of them imports a recipe (an lm-pretrain base is loaded through
-`engine.config.recipe_module`).
+these; none of them imports a recipe (an lm-pretrain base is loaded by
+engine/train/pretrain_model.py, which lm-pretrain itself uses).
 """
 
 from __future__ import annotations
@@ -17,12 +17,12 @@ import json
 import re
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint as recompute
 
-from engine.config import recipe_module
 from engine.errors import ForgebenchError
 from engine.fsutil import atomic_write_json, atomic_write_text, sha256_file
 from engine.llm.chat import ChatTemplate, encode_prompt
@@ -33,6 +33,7 @@ from engine.sampling import SamplingSettings, generate_tokens
 from engine.train.checkpoint import MODEL_FILE, load_checkpoint, save_checkpoint
 from engine.train.devices import module_device
 from engine.train.precision import torch_dtype
+from engine.train.pretrain_model import load_model
 
 
 def pack(samples: list) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
@@ -106,9 +107,7 @@ def load_base(config, precision: str = "f32") -> Base:
     if run.manifest().get("recipe") != "lm-pretrain":
         raise ForgebenchError("model.run must be an lm-pretrain run", path=run.path,
                               where="field 'model.run'")
-    # through the registry, not an import: recipes are leaves (docs/architecture.md)
-    pretrain = recipe_module("lm-pretrain")
-    model, tokenizer, _ = pretrain.load_model(run, run.checkpoint(config.model.checkpoint))
+    model, tokenizer, _ = load_model(run, run.checkpoint(config.model.checkpoint))
     template = ChatTemplate(PLAIN_TEMPLATE, bos_token="<bos>", eos_token="<eos>",
                             origin="built-in plain template")
     return Base(model, PretrainTokenizer(tokenizer), template, path, dense=True)
@@ -164,14 +163,20 @@ class PretrainTokenizer:
 
 
 # -- adapters or full weights ---------------------------------------------------------------
-def prepare_trainable(config, base: Base) -> tuple[dict[str, LoRALinear] | None,
-                                                                list[tuple[str, nn.Parameter]]]:
-    """Attach LoRA (freezing the base) or unfreeze everything for full fine-tuning."""
+Trainable = tuple[dict[str, LoRALinear] | None, list[tuple[str, nn.Parameter]]]
+
+
+def lora_trainable(config, base: Base) -> Trainable:
+    """LoRA adapters on the configured targets; the base frozen."""
+    lora = config.lora
+    adapters = attach_lora(base.model, targets=lora.targets, rank=lora.rank, alpha=lora.alpha,
+                           dropout=lora.dropout, seed=config.seed)
+    return adapters, [(n, p) for n, p in base.model.named_parameters() if p.requires_grad]
+
+
+def full_trainable(config, base: Base) -> Trainable:
+    """Every weight, densified and in f32, within `lora.full_max_params`."""
     model, lora = base.model, config.lora
-    if lora.method == "lora":
-        adapters = attach_lora(model, targets=lora.targets, rank=lora.rank, alpha=lora.alpha,
-                               dropout=lora.dropout, seed=config.seed)
-        return adapters, [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     count = parameter_count(model)
     if count > lora.full_max_params:
         raise ForgebenchError(
@@ -189,6 +194,25 @@ def prepare_trainable(config, base: Base) -> tuple[dict[str, LoRALinear] | None,
     for param in model.parameters():
         param.requires_grad_(True)
     return None, list(model.named_parameters())
+
+
+# The trainable-parameter hook: `lora.method` -> what trains. A new method (a trained KV prefix,
+# norms only, ...) is one entry: a function (config, base) -> (adapters or None, the named
+# parameters the optimizer steps), which freezes what it does not train. Without adapters a
+# checkpoint holds the model's state_dict (`save_weights`), so a method's parameters belong to
+# the model.
+TRAINABLE: dict[str, Callable[..., Trainable]] = {"lora": lora_trainable,
+                                                  "full": full_trainable}
+
+
+def prepare_trainable(config, base: Base) -> Trainable:
+    """What trains, by `config.lora.method` (`TRAINABLE`): LoRA over the frozen base, or every
+    weight for full fine-tuning."""
+    method = config.lora.method
+    if method not in TRAINABLE:
+        raise ForgebenchError(f"unknown training method {method!r}", where="field 'lora.method'",
+                              hint="one of: " + ", ".join(TRAINABLE))
+    return TRAINABLE[method](config, base)
 
 
 def parameter_count(model: nn.Module) -> int:
@@ -324,11 +348,14 @@ def write_before(job, base: Base, identity: dict, model_words: str = "the base")
         write_generations(job.run, "step-000000", 0, base, job.config, identity)
 
 
-def write_after(job, step: int, last: Checkpoint, base: Base, identity: dict) -> None:
+def write_after(job, step: int, last: Checkpoint, base: Base, identity: dict,
+                force: bool = False) -> None:
     """The AFTER answers beside the last checkpoint, once the run has reached its last step (a
-    stopped run writes them when a resume finishes it)."""
+    stopped run writes them when a resume finishes it), or with `force` at once (a run its
+    guard stopped: lm-dpo's collapse)."""
     config = job.config
-    if step == config.steps and not job.stop_requested and config.sample.prompts:
+    finished = step == config.steps and not job.stop_requested
+    if (finished or force and last is not None) and config.sample.prompts:
         job.stage = "sample"
         write_generations(job.run, last.name, step, base, config, identity)
 

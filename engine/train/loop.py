@@ -1,8 +1,9 @@
-"""The shared step loop of the image and audio recipes (resume, clip, log, evaluate, keep
-the best, checkpoint) and the class-list contract between a checkpoint and its data.
+"""The step loop of the image and audio recipes (resume, the EMA, evaluate, keep the best,
+checkpoint) and the class-list contract between a checkpoint and its data.
 
-The loop is a function, not a trainer class: a recipe hands it a `batch_loss(indices)` and a
-`validate()` and reads top to bottom around it. Metrics rows follow engine.train.metrics.
+`train_loop` is a function, not a trainer class: a recipe hands it a `batch_loss(indices)` and a
+`validate()` and reads top to bottom around it. The schedule, clip-and-step, metrics row,
+progress and cadence are engine/train/lm_loop.py's, as for the language-model recipes.
 """
 
 from __future__ import annotations
@@ -19,18 +20,13 @@ from engine.fsutil import read_json
 from engine.jobs import Job
 from engine.rundir import Checkpoint, checkpoint_name
 from engine.train.checkpoint import (
-    checkpoint_due,
     dumps,
     generator_state,
     load_checkpoint,
-    loop_state,
-    resume_loop,
     save_checkpoint,
     set_generator_state,
 )
-from engine.train.data_order import DataCursor
-from engine.train.metrics import StepClock, StepUtilisation, train_row
-from engine.train.optim import clip_and_step, scheduled_lr, set_lr
+from engine.train.lm_loop import LoopState, StepLoop, StepResult, optimizer_step
 from engine.train.precision import run_precision
 
 META_FILE = "meta.json"
@@ -111,94 +107,78 @@ class Loop:
 
 def train_loop(job: Job, loop: Loop) -> None:
     config, run = job.config, job.run
-    opt = config.optim
     generator = torch.Generator().manual_seed(config.seed)
-    cursor = DataCursor(loop.n_train, config.seed)
-    step, skipped_total, elapsed_before, best = 0, 0, 0.0, None
+    state = LoopState.fresh(loop.n_train, config.seed)
     if job.resume_from:
         require_same_classes(job.resume_from, loop.meta["classes"])
-        tensors, optimizer_state, state = load_checkpoint(job.resume_from)
+        tensors, optimizer_state, trainer_state = load_checkpoint(job.resume_from)
         loop.model.load_state_dict({k: v for k, v in tensors.items()
                                     if not k.startswith(EMA_PREFIX)})
         if loop.ema is not None:
             loop.ema.load({k[len(EMA_PREFIX):]: v for k, v in tensors.items()
                            if k.startswith(EMA_PREFIX)})
         loop.optimizer.load_state_dict(optimizer_state)
-        cursor, step, skipped_total, elapsed_before = resume_loop(state)
-        set_generator_state(generator, state["generator"])
-        best = state["best"]
+        state.resume(trainer_state)
+        set_generator_state(generator, trainer_state["generator"])
 
-    def checkpoint_now() -> Checkpoint:
-        job.stage = "save"
+    def save() -> Checkpoint:
         tensors = dict(loop.model.state_dict())
         if loop.ema is not None:
             tensors.update({EMA_PREFIX + k: v for k, v in loop.ema.state().items()})
-        state = {**loop_state(cursor, skipped_total, clock.elapsed),
-                 "generator": generator_state(generator), "best": best,
-                 "invocation": job.invocation}
-        saved = save_checkpoint(run, step, model_tensors=tensors, optimizer=loop.optimizer,
-                                trainer_state=state, extra_files={META_FILE: dumps(loop.meta)},
+        trainer_state = state.trainer_state(generator=generator_state(generator),
+                                            best=state.best, invocation=job.invocation)
+        saved = save_checkpoint(run, state.step, model_tensors=tensors,
+                                optimizer=loop.optimizer, trainer_state=trainer_state,
+                                extra_files={META_FILE: dumps(loop.meta)},
                                 keep_last=config.keep_last,
-                                protect=(best["checkpoint"],) if best else ())
+                                protect=(state.best["checkpoint"],) if state.best else ())
         if loop.on_checkpoint is not None:
             job.stage = "sample"
             loop.on_checkpoint(saved)
         return saved
 
     def evaluate_val() -> None:
-        nonlocal best
-        job.stage = "eval"
         loop.model.eval()
         with torch.no_grad():
             result = loop.validate()
         loop.model.train()
-        run.log_metric({"invocation": job.invocation, "step": step, "split": "val",
-                        "elapsed_s": clock.elapsed, **result})
-        if loop.select_best and loop.improves(result, best):
-            best = {"checkpoint": checkpoint_name(step), "step": step, **result}
-            run.set_status("running", best_checkpoint=best["checkpoint"])
+        run.log_metric({"invocation": job.invocation, "step": state.step, "split": "val",
+                        "elapsed_s": state.elapsed, **result})
+        if loop.select_best and loop.improves(result, state.best):
+            state.best = {"checkpoint": checkpoint_name(state.step), "step": state.step,
+                          **result}
+            run.set_status("running", best_checkpoint=state.best["checkpoint"])
 
-    utilisation = StepUtilisation(run_precision(run, config), job.threads)
-    clock = StepClock(elapsed_before)
+    steps = StepLoop(job, state, save, evaluate_val, config.optim, loop.optimizer,
+                     precision=run_precision(run, config))
     loop.model.train()
     if loop.eval_at_start and job.resume_from is None:
-        evaluate_val()
-        checkpoint_now()
-    bar = job.progress(config.steps, initial=step)
-    while step < config.steps and not job.stop_requested:
-        lr = scheduled_lr(opt, step, config.steps)
-        set_lr(loop.optimizer, lr)
+        steps.validate()
+        steps.checkpoint()
+    steps.run(_batch_step(job, loop, state, generator))
+
+
+def _batch_step(job: Job, loop: Loop, state: LoopState, generator: torch.Generator):
+    """One step of a media recipe: the mean loss of a batch, one clipped AdamW step, the EMA
+    after an update."""
+    config = job.config
+
+    def step(_step: int, _lr: float) -> StepResult:
         job.stage = "forward"
-        indices = cursor.take(config.batch_size)
-        utilisation.begin()
+        indices = state.cursor.take(config.batch_size)
         loss = loop.batch_loss(indices, generator)
         job.stage = "backward"
         loss.backward()
-        job.stage = "optimizer"
         value = float(loss.detach())
-        outcome = clip_and_step(loop.model.parameters(), loop.optimizer, opt.grad_clip,
-                                config.nonfinite, loss=value)
-        skipped_total += outcome.skipped
-        step += 1
+        outcome = optimizer_step(job, loop.model.parameters(), loop.optimizer,
+                                 config.optim.grad_clip, value)
         if loop.ema is not None and not outcome.skipped:
-            loop.ema.update(loop.model, step)
-        examples_per_s = clock.tick(len(indices))
-        flops = utilisation.step(len(indices), clock.seconds)
-        if step % config.log_every == 0 or step == config.steps:
-            run.log_metric(train_row(
-                invocation=job.invocation, step=step, loss=value, outcome=outcome,
-                skipped_total=skipped_total, lr=lr, elapsed_s=clock.elapsed,
-                examples=len(indices), examples_per_s=examples_per_s, epoch=cursor.epoch,
-                utilisation=flops))
-        bar.update(1)
-        bar.set_postfix(loss=f"{value:.4f}")
-        job.step_done(step)
-        eval_due = bool(config.eval_every) and step % config.eval_every == 0
-        if eval_due or step == config.steps:
-            evaluate_val()
-        if checkpoint_due(config, step, job.stop_requested, eval_due):
-            checkpoint_now()
-    bar.close()
+            loop.ema.update(loop.model, state.step + 1)
+        return StepResult(value, outcome, len(indices), {"examples": len(indices)},
+                          {"epoch": state.cursor.epoch}, rate_key="examples_per_s",
+                          flops_work=len(indices), postfix={"loss": f"{value:.4f}"})
+
+    return step
 
 
 def meta_for(config, classes: list[str], **model: object) -> dict:

@@ -19,6 +19,18 @@ and the variants (`LOSSES`):
 of the chosen and rejected responses (summed, whatever the variant, as TRL logs them), their
 difference (the reward margin) and the share of pairs with a positive margin (preference
 accuracy) are what a run logs per step.
+
+Collapse (`collapse`): DPO on a handful of pairs can drive the loss to 0 within a step or two by
+pushing the two answers' log-probs apart without bound, and the chosen answer's own probability
+often falls with the rejected one (4 pairs: loss 0 at step 2, margin 27, a worse answer). A
+step is collapsed when, over its window,
+
+- the mean reward margin exceeds `max_margin` (the margin running away: the pairs are
+  memorised, nothing more is learned from them), or
+- the mean chosen log-prob lies more than `max_chosen_drop` nats below the reference's (the
+  chosen answers themselves became less likely: the policy is moving away from the data).
+
+lm-dpo checks every step and, by default, stops the run there (its config's `guard` section).
 """
 
 from __future__ import annotations
@@ -105,3 +117,31 @@ def preference_loss(settings: PreferenceLoss, chosen: torch.Tensor, rejected: to
     else:
         losses = (delta - 1 / (2 * beta)) ** 2
     return PreferenceTerms(losses, beta * chosen_ratio.detach(), beta * rejected_ratio.detach())
+
+
+@dataclass(frozen=True)
+class Collapse:
+    """Why a step counts as collapsed (see the module docstring)."""
+
+    rule: str            # "margin" or "chosen_drop"
+    value: float
+    limit: float
+
+    @property
+    def message(self) -> str:
+        if self.rule == "margin":
+            return (f"the mean reward margin {self.value:.3g} exceeds {self.limit:g}: the pairs "
+                    "are memorised (the margin is running away)")
+        return (f"the chosen answers' mean log-prob fell {self.value:.3g} nats below the "
+                f"reference's (limit {self.limit:g}): the policy is moving away from them")
+
+
+def collapse(row: dict, beta: float, max_margin: float, max_chosen_drop: float) -> Collapse | None:
+    """The collapse of a step from its logged means (`reward_margin`, `chosen_reward` =
+    β·(log π − log π_ref) of the chosen answers), or None for a healthy step."""
+    if row["reward_margin"] > max_margin:
+        return Collapse("margin", row["reward_margin"], max_margin)
+    drop = -row["chosen_reward"] / beta
+    if drop > max_chosen_drop:
+        return Collapse("chosen_drop", drop, max_chosen_drop)
+    return None

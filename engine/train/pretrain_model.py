@@ -1,0 +1,39 @@
+"""An lm-pretrain run's model: the tiny Llama built from the run's config, and loaded back from
+a checkpoint with the tokenizer saved beside it.
+
+It lives under the recipes so that both lm-pretrain and the fine-tuning recipes that start from
+an lm-pretrain run (engine/train/lm_base.py) load it the same way without one recipe importing
+another (docs/architecture.md).
+"""
+
+from __future__ import annotations
+
+from engine.jobs import run_config
+from engine.models.llama import Llama, LlamaConfig
+from engine.rundir import Checkpoint, RunDir
+from engine.text_tokenizers import tokenizer_from_json
+from engine.train.checkpoint import load_checkpoint
+
+TOKENIZER_FILE = "tokenizer.json"
+
+
+def build_model(config, vocab_size: int) -> Llama:
+    """The decoder of an lm-pretrain config (its `model` section), with random weights."""
+    m = config.model
+    return Llama(LlamaConfig(vocab_size=vocab_size, dim=m.dim, n_layers=m.n_layers,
+                             n_heads=m.n_heads, n_kv_heads=m.n_kv_heads, ffn_dim=m.ffn_dim,
+                             norm_eps=m.norm_eps, rope_theta=m.rope_theta,
+                             max_seq_len=m.context, tie_embeddings=m.tie_embeddings,
+                             rope_type="norm"))
+
+
+def load_model(run: RunDir, checkpoint: Checkpoint) -> tuple[Llama, object, object]:
+    """(model in eval mode, tokenizer, config) from a committed checkpoint of an lm-pretrain
+    run."""
+    config = run_config(run)
+    tokenizer = tokenizer_from_json((checkpoint.path / TOKENIZER_FILE).read_text("utf-8"),
+                                    checkpoint.path / TOKENIZER_FILE)
+    model = build_model(config, tokenizer.vocab_size)
+    tensors, _, _ = load_checkpoint(checkpoint)
+    model.load_state_dict(tensors)
+    return model.eval(), tokenizer, config
