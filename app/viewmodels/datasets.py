@@ -147,6 +147,11 @@ class DatasetTable:
     def name(self) -> str:
         return str(self.manifest.get("name") or self.root.name)
 
+    @property
+    def version(self) -> str:
+        """The dataset's version as runs record it (engine.data.dataset.dataset_version)."""
+        return dataset_version(self.manifest) if isinstance(self.manifest, dict) else "?"
+
     def _columns(self) -> list[str]:
         seen: dict[str, None] = {}
         for row in self.rows:

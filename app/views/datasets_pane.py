@@ -41,7 +41,6 @@ from app.views.engine_process import run_engine
 from app.views.help_link import help_link
 from app.views.import_wizard import SOURCES, ImportWizard
 from app.views.labels import wrap_items
-from engine.data.dataset import dataset_version
 from engine.errors import ForgebenchError
 
 if TYPE_CHECKING:
@@ -288,7 +287,7 @@ class DatasetsPane(QWidget):
                  f"<span style='color:#c62828'>{errors} error(s)</span>")
         self.header.setText(
             f"<b>{table.name}</b> — {table.kind or 'unknown kind'} · version "
-            f"{dataset_version(table.manifest)} · {len(table.rows)} records · {state}"
+            f"{table.version} · {len(table.rows)} records · {state}"
             + (f" · {warnings} warning(s)" if warnings else ""))
         # The groups and stats tabs fill when first shown: opening a table stays short.
         self._summaries_shown = False
