@@ -216,6 +216,9 @@ def _export_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--base", help="dense GGUF base to merge into (for LoRA runs)")
     p.add_argument("--out", required=True, help="export folder to create")
     p.add_argument("--no-report", action="store_true", help="skip the equivalence report")
+    p.add_argument("--compare", default="",
+                   help="quantization picker: also measure what these types keep of the "
+                        "fine-tune's gain, e.g. q4_k_m,q5_k_m,q6_k,q8_0")
 
 
 def _convert_args(p: argparse.ArgumentParser) -> None:

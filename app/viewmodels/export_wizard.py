@@ -25,6 +25,7 @@ from app.viewmodels.jobs import forgebench_argv
 from engine.errors import ForgebenchError
 from engine.export.bundle import DTYPES, EXPORTABLE_RECIPES, GGUF_BASE_RECIPES, write_sha256sums
 from engine.export.generator_bundle import GENERATOR_DTYPES, GENERATOR_RECIPES
+from engine.export.verdict import of_report
 from engine.fsutil import atomic_write_text, read_json
 from engine.gguf.quant_policy import FILE_TYPES, FLOAT_TYPES, ModelFacts, plan_types
 from engine.rundir import RunDir
@@ -289,9 +290,12 @@ def verification(report: dict) -> dict:
                 "references": [f for f in report["export"]["files"]
                                if f.startswith("reference/")],
                 "llamacpp": {"available": False, "reason": "not a language model",
-                             "answers": []}}
+                             "answers": []},
+                "verdict": of_report(report), "questions": [], "side_by_side": [],
+                "picker": None}
     rows = [_row(stage) for stage in report["stages"]]
     cpp = report.get("llamacpp", {})
+    q2 = report.get("question2") or {}
     answers = []
     if cpp.get("available"):
         rows.append(_row({"name": "llama.cpp", **cpp}))
@@ -303,7 +307,19 @@ def verification(report: dict) -> dict:
             # which llama.cpp kernels the engine matched on the machine that wrote the report
             "numerics": report.get("numerics"),
             "llamacpp": {"available": bool(cpp.get("available")), "reason": cpp.get("reason"),
-                         "note": cpp.get("note"), "answers": answers}}
+                         "note": cpp.get("note"), "answers": answers},
+            "verdict": of_report(report), "questions": question_lines(report),
+            "side_by_side": q2.get("answers", []) if q2.get("available") else [],
+            "picker": report.get("picker")}
+
+
+def question_lines(report: dict) -> list[str]:
+    """The report's two questions as text lines (the report's own rendering)."""
+    if "question1" not in report:
+        return []
+    from engine.export.equivalence import render_questions
+
+    return render_questions(report)
 
 
 # -- step 5: the bundle --------------------------------------------------------------------
@@ -340,3 +356,13 @@ def finish_bundle(out: Path, model_card: str, checklist: list[dict]) -> None:
               for c in checklist]
     atomic_write_text(out / "model_card.md", "\n".join(lines) + "\n")
     write_sha256sums(out)
+
+
+def notification(out: Path | None, ok: bool, message: str) -> tuple[bool, str]:
+    """(ok, text) of the export job's desktop notification: the bundle's verdict
+    (engine.export.verdict.notification); a defect is a failure."""
+    from engine.export.verdict import notification as verdict_notification
+
+    if out is None:
+        return ok, message
+    return verdict_notification(out, ok, message)

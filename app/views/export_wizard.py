@@ -82,6 +82,24 @@ def _label(text: str = "") -> QLabel:
     return wrapped_label(text, selectable=True)
 
 
+def verdict_html(verdict, out: Path | None) -> str:
+    """The export's one verdict (engine.export.verdict) as the final page's banner: the same
+    title, words and colour as the report, the card and the notification."""
+    where = f"<br><small>{html.escape(str(out))}</small>" if out else ""
+    return (f"<div style='background:{verdict.background}; color:{verdict.colour}; "
+            f"padding:4px'><b>{html.escape(verdict.title)}</b>: "
+            f"{html.escape(verdict.words)}{where}</div>")
+
+
+def questions_html(result: dict) -> str:
+    """The two questions, the validation answers side by side and the picker's table."""
+    parts = []
+    if result.get("questions"):
+        parts.append("<pre style='white-space:pre-wrap'>"
+                     + html.escape("\n".join(result["questions"])) + "</pre>")
+    return "".join(parts)
+
+
 def error_html(heading: str, text: str) -> str:
     """An engine message as wrapped HTML (a <pre> block would not wrap)."""
     return (f"<b style='color:#b71c1c'>{html.escape(heading)}</b><br>"
@@ -157,6 +175,8 @@ class ExportWizardPane(QWidget):
         self.export_button = QPushButton("Export and verify")
         self.export_button.clicked.connect(self.export)
         self.export_job = JobRunner("export")
+        # the notification says the export's verdict (a defect is a failure, never "done")
+        self.export_job.describe = lambda ok, message: vm.notification(self.out, ok, message)
         self.export_job.finished.connect(self._exported)
         self.verdict = _label()
         # Fits the page of a 1024x700 window without a sideways scroll: two-line titles,
@@ -447,7 +467,7 @@ class ExportWizardPane(QWidget):
 
     def _exported(self, ok: bool, message: str) -> None:
         self.export_button.setEnabled(True)
-        if not ok:
+        if self.out is None or not (self.out / "SHA256SUMS").is_file():
             self.verdict.setText(error_html("The export failed.", message))
             return
         self.show_report(read_json(self.out / "report.json"))
@@ -477,18 +497,10 @@ class ExportWizardPane(QWidget):
                     item.setBackground(QColor(VERDICT_COLOURS[row.verdict]))
                     item.setToolTip(f"{value}: {VERDICT_TIPS[row.verdict]}")
                 self.stages.setItem(r, c, item)
-        changed = result["changed"]
-        what = ("some output values differ from the checkpoint's (see max |Δ| and PSNR)"
-                if result["kind"] == "generator" else "some tokens or answers differ from the "
-                "checkpoint (see KL, greedy match and the answers below)")
-        self.verdict.setText(
-            f"<b>{'Verified' if result['passed'] else 'NOT verified'}</b>: "
-            f"{html.escape(str(self.out))}"
-            + ("<br><span style='background:#ffe0b2'>Changed by rounding: "
-               f"{html.escape(', '.join(changed))}. It passes the bar, but {what}.</span>"
-               if changed else "")
-            + (f"<br><small>{html.escape(result['numerics'])}</small>"
-               if result["numerics"] else ""))
+        self.verdict.setText(verdict_html(result["verdict"], self.out)
+                             + questions_html(result)
+                             + (f"<br><small>{html.escape(result['numerics'])}</small>"
+                                if result["numerics"] else ""))
         if result["kind"] == "generator":
             self.answers.setText(
                 f"Bar: {html.escape(result['bar'])}. Reference outputs drawn by the bundle "

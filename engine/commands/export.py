@@ -1,4 +1,10 @@
-"""`forgebench export RUN --dtype ... --out DIR`: engine.export.bundle.export_run, summarised."""
+"""`forgebench export RUN --dtype ... --out DIR [--compare T1,T2,...]`:
+engine.export.bundle.export_run, summarised.
+
+The summary ends with the export's verdict (engine.export.verdict), the same words the report,
+the card, the wizard and the notification show. Exit status: 0 for a usable file, 3 when the file
+failed question 1 (a defect: it is kept as model.gguf.defective for diagnosis), 2 for bad input.
+"""
 
 from __future__ import annotations
 
@@ -7,10 +13,14 @@ from pathlib import Path
 
 from engine.export.bundle import export_run
 
+DEFECT_EXIT = 3
+
 
 def cmd_export(args: argparse.Namespace) -> int:
+    compare = [t for t in (getattr(args, "compare", "") or "").split(",") if t.strip()]
     bundle = export_run(args.run_dir, args.out, checkpoint=args.checkpoint, dtype=args.dtype,
-                        base=args.base, report=not args.no_report, show_progress=True)
+                        base=args.base, report=not args.no_report, show_progress=True,
+                        compare=compare)
     out = Path(args.out)
     print(f"exported {bundle.run.path.name}/{bundle.checkpoint.name} as {bundle.dtype} → {out}")
     for name in bundle.files + ["model_card.md", "SHA256SUMS"] + \
@@ -21,4 +31,10 @@ def cmd_export(args: argparse.Namespace) -> int:
     if bundle.report:
         print()
         print((out / "report.txt").read_text("utf-8"), end="")
+    verdict = bundle.verdict
+    print()
+    print(f"verdict: {verdict.line}")
+    if not verdict.usable:
+        print(f"the file is kept only for diagnosis: {', '.join(bundle.files)}")
+        return DEFECT_EXIT
     return 0
