@@ -228,9 +228,13 @@ def _export(folder: Path, name: str, capsys) -> tuple[int, str]:
 def test_a_damaged_export_fails_question_1_on_every_surface_and_a_true_one_passes(
         sft_run, monkeypatch, capsys, qtbot):
     import engine.gguf.convert as convert
+    from app.viewmodels.models import ModelsView, library_files, list_label
     from app.viewmodels.runs import ledger_row
+    from app.viewmodels.workspace import WORKSPACE_FORMAT, Workspace
     from app.views.export_wizard import ExportWizardPane
     from app.views.jobs_panel import job_center
+    from engine import model_library
+    from engine.fsutil import atomic_write_json
     from engine.gguf.reader import open_gguf
 
     folder = sft_run
@@ -270,18 +274,62 @@ def test_a_damaged_export_fails_question_1_on_every_surface_and_a_true_one_passe
 
     # the wizard's final page and the notification, after an export job that exits as the
     # CLI did (3 for the defect, 0 for the true file)
+    atomic_write_json(folder / "workspace.json", {"format": WORKSPACE_FORMAT, "name": "w"})
     pane = ExportWizardPane()
     qtbot.addWidget(pane)
+    pane.set_workspace(Workspace.open(folder))
+    pane.select_run(folder / "runs" / "pirate")
     for out_dir, exit_code, expected in ((bad, 3, defect), (good, 0, verdict)):
-        seen = []
-        job_center().finished.connect(lambda *args: seen.append(args))
+        seen: list = []
+        job_center().finished.connect(lambda *args, into=seen: into.append(args))
         pane.out = out_dir
         pane.export_job.start([sys.executable, "-c", f"raise SystemExit({exit_code})"],
                               "exporting")
-        qtbot.waitUntil(lambda: bool(seen), timeout=30000)
+        qtbot.waitUntil(lambda into=seen: bool(into), timeout=30000)
         job_center().finished.disconnect()
         (_, ok, message) = seen[0]
         assert ok == expected.usable and message.startswith(expected.line)
         assert "done" not in message.split(" — ")[0]
         assert expected.words in pane.verdict.text().replace("&#x27;", "'")
         assert expected.title in pane.verdict.text()
+
+    # the Models library lists the defective file as not usable, with the verdict
+    model_library.add_model(folder, bad / "model.gguf.defective", name="pirate-bad")
+    model_library.add_model(folder, good / "model.gguf", name="pirate-good")
+    labels = {row["name"]: list_label(row) for row in ModelsView(folder).load()}
+    assert labels["pirate-bad"] == f"⚠ pirate-bad — {defect.line}"
+    assert labels["pirate-good"].endswith(f"— {verdict.line}")
+    assert [name for name, _ in library_files(folder)] == ["pirate-good"]
+
+
+@pytest.mark.slow
+def test_q4_0_loses_a_sharp_fine_tunes_gain_and_the_picker_names_a_larger_type(
+        tmp_path, capsys):
+    from export_support import sharp_fine_tune
+
+    from app.viewmodels.runs import ledger_row
+    from engine.cli import main
+
+    run = sharp_fine_tune(tmp_path)
+    out = tmp_path / "exports" / "sharp-q4_0"
+    code = main(["export", str(run), "--dtype", "q4_0", "--out", str(out),
+                 "--compare", "q4_0,q5_k_m,q8_0"])
+    printed = capsys.readouterr().out
+    report = json.loads((out / "report.json").read_text())
+    verdict = v.of_report(report)
+    assert code == 0 and verdict.key == "lost", printed       # the file is right: exit 0
+    q2 = report["question2"]
+    assert q2["fine_tune_loss"] < q2["base_loss"] and q2["gain_kept"] < v.LOST_BELOW
+    rows = {r["dtype"]: r for r in report["picker"]["rows"]}
+    assert set(rows) == {"q4_0", "q5_k_m", "q8_0"}
+    assert rows["q4_0"]["gain_kept"] == pytest.approx(q2["gain_kept"])
+    recommended = report["picker"]["recommended"]
+    assert recommended in ("q5_k_m", "q8_0") and rows[recommended]["gain_kept"] >= v.KEPT_MIN
+    assert rows[recommended]["bytes"] > rows["q4_0"]["bytes"]
+    assert verdict.suggestion == recommended and f"{recommended} keeps more" in verdict.words
+    # the same words everywhere
+    assert f"verdict: {verdict.line}" in printed
+    assert f"**Verdict — {verdict.line}**" in (out / "model_card.md").read_text()
+    assert (out / "report.txt").read_text().splitlines()[2] == f"Verdict: {verdict.line}"
+    assert ledger_row(run).export == verdict.line
+    assert v.notification(out, True, "done") == (True, f"{verdict.line} — {out.name}")

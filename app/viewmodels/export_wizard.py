@@ -13,6 +13,7 @@ wrote. No Qt, no torch (sizes come from the safetensors header or the GGUF tenso
 
 from __future__ import annotations
 
+import functools
 import json
 import struct
 from dataclasses import dataclass
@@ -92,12 +93,32 @@ class BaseInfo:
 
 
 def gguf_tensor_table(path: Path) -> list[tuple[str, tuple[int, ...], T]]:
-    """(name, torch-order shape, type) of every tensor in a GGUF file."""
-    from gguf import GGUFReader
+    """(name, torch-order shape, type) of every tensor in a GGUF file, from its header."""
+    return _header(path)[0]
 
-    reader = GGUFReader(str(path))
-    return [(t.name, tuple(int(d) for d in reversed(t.shape.tolist())), T(t.tensor_type))
-            for t in reader.tensors]
+
+def _header(path: Path) -> tuple[list[tuple[str, tuple[int, ...], T]], dict]:
+    """The tensor table and the scalar metadata of a GGUF file, read by the engine's header
+    parser (engine.gguf.parser: the tensor bytes stay mapped, never read; the 262k-token
+    vocabulary arrays are not turned into Python values). gguf-py's GGUFReader builds Python
+    objects for every array element: about a minute of CPU on gemma-3-270m, which held the
+    wizard's size step before."""
+    stat = Path(path).stat()
+    return _read_header(str(path), stat.st_size, stat.st_mtime_ns)
+
+
+@functools.lru_cache(maxsize=4)
+def _read_header(path: str, _size: int, _mtime_ns: int):
+    """_header's read, kept while the file is unchanged (steps 2 and 3 read the same base)."""
+    from gguf import GGUFValueType
+
+    from engine.gguf.parser import parse_gguf
+
+    parsed = parse_gguf(path)
+    table = [(slot.name, tuple(slot.shape), T(slot.ggml_type)) for slot in parsed.tensors]
+    metadata = {k: v.python() for k, v in parsed.metadata.items()
+                if v.type != GGUFValueType.ARRAY}
+    return table, metadata
 
 
 def base_info(run_dir: Path, base: Path | None = None) -> BaseInfo:
@@ -155,8 +176,8 @@ def size_estimates(run: ExportableRun, checkpoint: str, base: Path | None = None
                 for dtype in GENERATOR_DTYPES}
     if run.recipe in GGUF_BASE_RECIPES:
         info = base_info(run.path, base)
-        table = gguf_tensor_table(info.path)
-        facts = ModelFacts.from_metadata(_gguf_metadata(info.path))
+        table, metadata = _header(info.path)       # one header read for the table and facts
+        facts = ModelFacts.from_metadata(metadata)
         sizes = {}
         for dtype, ftype in FILE_TYPES.items():
             plan = plan_types(table, ftype, facts)
@@ -177,15 +198,8 @@ def size_estimates(run: ExportableRun, checkpoint: str, base: Path | None = None
 
 
 def _gguf_metadata(path: Path) -> dict:
-    from gguf import GGUFReader
-
-    reader = GGUFReader(str(path))
-    wanted = {}
-    for name, field in reader.fields.items():
-        if name.endswith((".block_count", ".expert_count", "general.architecture")):
-            value = field.contents()
-            wanted[name] = value
-    return wanted
+    """The scalar metadata (block count, architecture, ...) the quantization plan reads."""
+    return _header(path)[1]
 
 
 def export_argv(run_dir: Path, checkpoint: str, dtype: str, out: Path,
