@@ -68,7 +68,7 @@ COLOURS = {"defect": ("#ffcdd2", "#b71c1c"), "lost": ("#ffcdd2", "#c62828"),
            "no-gain": ("#e0e0e0", "#616161"), "checked": ("#c8e6c9", "#2e7d32"),
            "unchecked": ("#e0e0e0", "#616161")}
 TITLES = {"defect": "DEFECT", "lost": "Lost", "reduced": "Reduced", "kept": "Kept",
-          "no-gain": "No gain", "checked": "Checked", "unchecked": "Not checked"}
+          "no-gain": "No gain", "checked": "Verified", "unchecked": "Not checked"}
 
 
 @dataclass(frozen=True)
