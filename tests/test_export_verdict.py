@@ -304,11 +304,15 @@ def test_a_damaged_export_fails_question_1_on_every_surface_and_a_true_one_passe
 
 @pytest.mark.slow
 def test_q4_0_loses_a_sharp_fine_tunes_gain_and_the_picker_names_a_larger_type(
-        tmp_path, capsys):
+        tmp_path, capsys, qtbot):
+    from app_part2_support import go_and_wait
     from export_support import sharp_fine_tune
 
     from app.viewmodels.runs import ledger_row
+    from app.viewmodels.workspace import WORKSPACE_FORMAT, Workspace
+    from app.views.export_wizard import ExportWizardPane
     from engine.cli import main
+    from engine.fsutil import atomic_write_json
 
     run = sharp_fine_tune(tmp_path)
     out = tmp_path / "exports" / "sharp-q4_0"
@@ -333,3 +337,21 @@ def test_q4_0_loses_a_sharp_fine_tunes_gain_and_the_picker_names_a_larger_type(
     assert (out / "report.txt").read_text().splitlines()[2] == f"Verdict: {verdict.line}"
     assert ledger_row(run).export == verdict.line
     assert v.notification(out, True, "done") == (True, f"{verdict.line} — {out.name}")
+
+    # the wizard's quantization step: the picker job fills "keeps" and selects its choice
+    atomic_write_json(tmp_path / "workspace.json", {"format": WORKSPACE_FORMAT, "name": "w"})
+    pane = ExportWizardPane()
+    qtbot.addWidget(pane)
+    pane.set_workspace(Workspace.open(tmp_path))
+    pane.select_run(run)
+    go_and_wait(qtbot, pane, 2)
+    assert pane.pick_button.isVisibleTo(pane)
+    pane.measure_types()
+    qtbot.waitUntil(lambda: not pane.pick_job.running, timeout=600_000)
+    keeps = {pane.sizes.item(r, 0).text(): pane.sizes.item(r, 2).text()
+             for r in range(pane.sizes.rowCount()) if pane.sizes.item(r, 2)}
+    assert keeps["q8_0"].startswith("keeps ") and keeps["f16"] == ""
+    picked = pane.dtype()
+    assert picked in ("q5_k_m", "q6_k", "q8_0") and "Recommended: " + picked in \
+        pane.pick_text.text(), pane.pick_job.output[-2000:]
+    assert not list((tmp_path / "exports").glob(".picker-*"))      # its scratch is removed

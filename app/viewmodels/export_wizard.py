@@ -212,6 +212,52 @@ def export_argv(run_dir: Path, checkpoint: str, dtype: str, out: Path,
     return argv + (["--base", str(base)] if base else [])
 
 
+# -- step 3: the quantization picker ---------------------------------------------------------
+PICKER_TYPES = ("q4_k_m", "q5_k_m", "q6_k", "q8_0")
+
+
+def picker_folder(root: Path, run_dir: Path) -> Path:
+    """A new scratch folder for one picker job's picker.json (under exports/, hidden)."""
+    import time
+
+    return root / "exports" / f".picker-{run_dir.name}-{time.time_ns()}"
+
+
+def picker_argv(run_dir: Path, checkpoint: str, out: Path, base: Path | None = None,
+                types: tuple[str, ...] = PICKER_TYPES) -> list[str]:
+    argv = forgebench_argv() + ["export", str(run_dir), "--checkpoint", checkpoint,
+                                "--compare", ",".join(types), "--compare-only",
+                                "--out", str(out)]
+    return argv + (["--base", str(base)] if base else [])
+
+
+def read_picker(out: Path) -> dict:
+    """The picker job's result; its scratch folder is removed."""
+    import shutil
+
+    try:
+        return read_json(out / "picker.json")
+    finally:
+        shutil.rmtree(out, ignore_errors=True)
+
+
+def kept_text(row: dict) -> str:
+    """"keeps 96%" (or "no gain") for the picker column."""
+    kept = row.get("gain_kept")
+    return "no gain to keep" if kept is None else f"keeps {max(kept, 0.0):.0%}"
+
+
+def picker_summary(picker: dict) -> str:
+    from engine.export.verdict import KEPT_MIN
+
+    best = picker.get("recommended")
+    return ((f"Recommended: {best}, the smallest file keeping ≥ {KEPT_MIN:.0%} of the "
+             f"fine-tune's gain" if best else
+             f"No measured type keeps ≥ {KEPT_MIN:.0%} of the fine-tune's gain: choose f16")
+            + f" (measured on the run's {picker.get('split')}; base loss "
+            f"{picker['base_loss']:.3f}, fine-tune {picker['fine_tune_loss']:.3f}).")
+
+
 # -- step 4: verification ------------------------------------------------------------------
 @dataclass(frozen=True)
 class StageRow:

@@ -659,11 +659,11 @@ def _answer_questions(bundle: Bundle, scratch: Path, compare: list[str], progres
 
 
 def _matrices(path: Path | None) -> list:
-    from engine.gguf.reader import open_gguf
+    from engine.export.quality import tensor_views
 
     if path is None:
         return []
-    return [t for t in open_gguf(path).tensors.values() if len(t.shape) >= 2]
+    return [t for t in tensor_views(path).values() if len(t.shape) >= 2]
 
 
 def _claimed(types: list[str], kernels) -> bool:
@@ -708,3 +708,69 @@ def _decoder(bundle: Bundle) -> Callable[[list[int]], str] | None:
         return None
     tokenizer = GGUFTokenizer.from_gguf(path)
     return tokenizer.decode
+
+
+def compare_types(run_dir: str | os.PathLike, types: list[str], *, checkpoint: str = "latest",
+                  base: str | None = None, threads: int | None = None,
+                  show_progress: bool = False) -> dict:
+    """The quantization picker without an export: the run's adapters merged once into a
+    scratch file, then question 2 measured per type (engine.export.quality), the base scored
+    once. Returns {"rows": [{dtype, bytes, gain_kept, kl_mean, same_top1, loss}], "recommended",
+    "split", "base_loss", "fine_tune_loss", "timing"}; nothing is left on disk."""
+    import tempfile
+
+    from engine.export import quality
+    from engine.export.merge import merge_into_gguf, write_full_weights
+    from engine.export.verdict import recommend
+    from engine.llm.chat import ChatTemplate
+    from engine.lora import ADAPTERS_FILE
+    from engine.train.checkpoint import MODEL_FILE
+
+    types = _compare_types(types, "f16")
+    if not types:
+        raise ForgebenchError("the picker needs at least one type", where="--compare",
+                              hint="e.g. --compare q4_k_m,q5_k_m,q6_k,q8_0")
+    run = RunDir(run_dir).require()
+    recipe = run.manifest()["recipe"]
+    if recipe != "lm-sft":
+        raise ForgebenchError(f"the quantization picker measures lm-sft runs, not {recipe}",
+                              path=run.path, where="--compare",
+                              hint="export with a chosen --dtype instead")
+    if run.is_active():
+        raise ForgebenchError("the run is still training", path=run.path,
+                              hint="wait for it, or stop it: forgebench stop RUN_DIR")
+    threads = threads or run.manifest().get("environment", {}).get("threads") or 1
+    bundle = Bundle(run, run.checkpoint(checkpoint), recipe, "f16", threads=threads)
+    progress = _Progress(show_progress)
+    with tempfile.TemporaryDirectory(prefix="forgebench-picker-") as tmp:
+        scratch = Path(tmp)
+        base_path, _ = _sft_base(bundle, base, scratch, progress)
+        try:
+            template = ChatTemplate.from_gguf(base_path).source
+        except ForgebenchError:
+            template = None
+        merged = scratch / "merged.gguf"
+        adapter = bundle.checkpoint.path / ADAPTERS_FILE
+        with progress.tensors("merge") as update:
+            if adapter.is_file():
+                merge_into_gguf(base_path, adapter, merged, progress=update,
+                                chat_template=template)
+            else:
+                write_full_weights(base_path, bundle.checkpoint.path / MODEL_FILE, merged,
+                                   run.manifest()["base_model"]["sha256"], progress=update,
+                                   chat_template=template)
+        measured = quality.run_measure(
+            {"run": str(run.path), "tokenizer_file": str(merged),
+             "base": {"kind": "gguf", "path": str(base_path), "numerics": "f32"},
+             "fine_tune": {"kind": "gguf", "path": str(merged), "numerics": "f32"},
+             "merged": str(merged),
+             "exports": [{"dtype": t, "quantize": True, "answers": False,
+                          "model": _native_spec(scratch / f"compare-{t}.gguf")}
+                         for t in types]}, threads, progress.say)
+    if not measured.get("available"):
+        raise ForgebenchError(f"the picker cannot measure this run: {measured.get('reason')}",
+                              path=run.path, where="--compare")
+    rows = quality.picker_rows(measured)
+    return {"rows": rows, "recommended": recommend(rows), "split": measured["split"],
+            "base_loss": measured["base_loss"], "fine_tune_loss": measured["fine_tune_loss"],
+            "timing": measured["timing"]}

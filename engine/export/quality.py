@@ -59,14 +59,12 @@ def check_weights(exported: str | os.PathLike, reference: str | os.PathLike | No
     """Each tensor of `exported` against the same-named tensor of `reference` (the merged file
     it was quantized from). None where there is no separate reference (the export is the merge's
     own output)."""
-    from engine.gguf.reader import open_gguf
-
     if reference is None or Path(reference) == Path(exported):
         return None
-    got, ref = open_gguf(exported), open_gguf(reference)
+    got, ref = tensor_views(exported), tensor_views(reference)
     failed, worst, checked = [], None, 0
-    for name, info in got.tensors.items():
-        other = ref.tensors.get(name)
+    for name, info in got.items():
+        other = ref.get(name)
         bound = WEIGHT_REL_ERROR.get(info.ggml_type.name, 0.35)
         if other is None or other.shape != info.shape:
             failed.append({"name": name, "type": info.ggml_type.name, "rel_error": math.inf,
@@ -99,6 +97,17 @@ def check_weights(exported: str | os.PathLike, reference: str | os.PathLike | No
             failed.append(row)
     return {"checked": checked, "failed": failed, "worst": worst,
             "reference": Path(reference).name}
+
+
+def tensor_views(path: str | os.PathLike) -> dict:
+    """name -> TensorInfo (bytes mapped, not read) from the header alone: the metadata's
+    262k-token vocabulary is not turned into Python values (open_gguf does that)."""
+    from engine.gguf.parser import parse_gguf
+    from engine.gguf.reader import TensorInfo
+
+    parsed = parse_gguf(path)
+    return {slot.name: TensorInfo(slot.name, slot.shape, slot.ggml_type,
+                                  parsed.tensor_bytes(slot)) for slot in parsed.tensors}
 
 
 def _as_matrix(info):
