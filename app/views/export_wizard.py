@@ -51,7 +51,8 @@ VERDICT_TIPS = {"match": "nothing changed: every top-1 token and greedy answer (
                          "output value) is the checkpoint's",
                 "changed": "above the engine's bar, but some tokens, answers or output values "
                            "differ",
-                "FAIL": "below the engine's bar: not verified"}
+                "FAIL": "below this stage's bar against the training checkpoint (detail for "
+                        "diagnosis: the export's verdict is the banner above)"}
 
 
 def _page(*widgets) -> QWidget:
