@@ -128,6 +128,22 @@ def test_bit_exact_is_claimed_from_the_doctors_rows():
     assert v.claimed_exact(["Q8_0"], [Kernel("Q8_0, Q5_0 weights", EXACT, "")])
 
 
+def test_a_plan_with_exact_weight_decides_per_matrix():
+    class Plan:                 # the shape of engine.kernels.cpu.KernelPlan.exact_weight
+        kernels = ()
+
+        @staticmethod
+        def exact_weight(kind: str, rows: int) -> bool:
+            return kind == "Q8_0" or (kind == "Q4_0" and rows % 8 != 0)
+
+    assert v.file_claimed_exact(Plan(), [("Q8_0", 640), ("Q4_0", 7)])
+    assert not v.file_claimed_exact(Plan(), [("Q8_0", 640), ("Q4_0", 8)])
+    assert not v.file_claimed_exact(Plan(), [])
+    rows_only = plan_for(frozenset({"avx2", "fma", "f16c", "avx512f", "avx512dq"}))
+    rows_only = type("RowsOnly", (), {"kernels": rows_only.kernels})()
+    assert v.file_claimed_exact(rows_only, [("Q8_0", 64), ("F16", 64)])
+
+
 def damage_scales(path: Path, tensor: str, factor: float = 16.0) -> None:
     """Multiply the f16 scale of every block of one Q4_0 / Q8_0 tensor in place."""
     import gguf

@@ -601,7 +601,13 @@ def _answer_questions(bundle: Bundle, scratch: Path, compare: list[str], progres
     verdict, into the report; a defect's model file is renamed out of the way."""
     from engine.export import quality
     from engine.export.equivalence import stopwatch
-    from engine.export.verdict import DEFECT_SUFFIX, of_report, question1, recommend
+    from engine.export.verdict import (
+        DEFECT_SUFFIX,
+        file_claimed_exact,
+        of_report,
+        question1,
+        recommend,
+    )
     from engine.kernels.cpu import plan
 
     report = bundle.report
@@ -614,13 +620,14 @@ def _answer_questions(bundle: Bundle, scratch: Path, compare: list[str], progres
     if cpp.get("available") and "vs_engine_same_file" in cpp:
         m, g = cpp["vs_engine_same_file"], cpp["greedy_vs_engine_same_file"]
         engine_stage = bundle.stages[-1].model if bundle.stages else {}
-        types = sorted({info.ggml_type.name for info in _matrices(model)})
+        matrices = [(info.ggml_type.name, info.shape[0]) for info in _matrices(model)]
+        types = sorted({kind for kind, _ in matrices})
         compared = {"available": True, "top1": m["top1_agreement"], "kl_mean": m["kl_mean"],
                     "max_abs": m["max_abs_logit_diff"], "greedy_matched": sum(g["matches"]),
                     "greedy_total": len(g["matches"]), "weight_types": types,
                     "claimed_exact": engine_stage.get("numerics") == "llamacpp"
                     and "lora" not in engine_stage
-                    and _claimed(types, plan().kernels),
+                    and file_claimed_exact(plan(), matrices),
                     "note": cpp.get("note")}
     elif cpp.get("available"):
         compared = {"available": False, "reason": "no engine stage ran on the same file"}
@@ -664,12 +671,6 @@ def _matrices(path: Path | None) -> list:
     if path is None:
         return []
     return [t for t in tensor_views(path).values() if len(t.shape) >= 2]
-
-
-def _claimed(types: list[str], kernels) -> bool:
-    from engine.export.verdict import claimed_exact
-
-    return claimed_exact(types, kernels)
 
 
 def _stage_spec(path: Path, dtype: str) -> dict:

@@ -36,7 +36,7 @@ from engine.export.verdict import WEIGHT_REL_ERROR
 MAX_SAMPLES = 16          # validation samples scored (the first ones of the split)
 MAX_POSITIONS = 192       # supervised positions kept (the fine-tune's rows are held in memory)
 ANSWERS = 3               # validation prompts answered greedily by base / fine-tune / export
-ANSWER_TOKENS = 24
+ANSWER_TOKENS = 16
 CHUNK_ROWS = 8192         # rows dequantized at a time (bounded memory on a 262k vocabulary)
 
 

@@ -130,6 +130,16 @@ def claimed_exact(weight_types: list[str], kernels) -> bool:
     return bool(weight_types) and all(w.upper() in exact for w in weight_types)
 
 
+def file_claimed_exact(plan, matrices: list[tuple[str, int]]) -> bool:
+    """Whether the doctor's plan (engine.kernels.cpu.plan()) claims the engine bit-exact with
+    llama.cpp for every matrix of a file, given as (ggml type name, rows): the plan's own
+    `exact_weight(type, rows)` where it has one, else its rows read by `claimed_exact`."""
+    exact_weight = getattr(plan, "exact_weight", None)
+    if exact_weight is not None:
+        return bool(matrices) and all(exact_weight(kind, rows) for kind, rows in matrices)
+    return claimed_exact(sorted({kind for kind, _ in matrices}), plan.kernels)
+
+
 def question1(weights: dict | None, llamacpp: dict | None) -> dict:
     """The answer to question 1 from the weights check and the llama.cpp comparison.
 
