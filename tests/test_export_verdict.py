@@ -250,6 +250,7 @@ def test_a_damaged_export_fails_question_1_on_every_surface_and_a_true_one_passe
     from app.views.export_wizard import ExportWizardPane
     from app.views.jobs_panel import job_center
     from engine import model_library
+    from engine.export.bundle import needs_no_repack
     from engine.fsutil import atomic_write_json
     from engine.gguf.reader import open_gguf
 
@@ -266,6 +267,9 @@ def test_a_damaged_export_fails_question_1_on_every_surface_and_a_true_one_passe
     assert open_gguf(good / "model.gguf").get("general.name") == "pirate-q4"
     card = (good / "model_card.md").read_text()
     assert f"**Verdict — {verdict.line}**" in card and "llama-cli -m model.gguf" in card
+    no_repack, reason = needs_no_repack()         # an AMX build of llama.cpp needs it
+    assert ("llama-cli -m model.gguf --no-repack -cnv" in card) == no_repack
+    assert (reason in card) if no_repack else "--no-repack" not in card
     assert ledger_row(folder / "runs" / "pirate").export == verdict.line
 
     real = convert.convert_gguf

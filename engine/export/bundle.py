@@ -428,12 +428,19 @@ def model_card(bundle: Bundle) -> str:
     return "\n".join(lines) + "\n"
 
 
+NO_REPACK_REASON = ("llama.cpp built for this CPU (pip's -march=native build) has ggml's AMX "
+                    "kernels, and its AMX matmul crashes on any batch of more than one token "
+                    "(llama.cpp issue #20824); --no-repack turns off the extra buffer types "
+                    "(repacked and AMX weights), so llama.cpp runs its plain CPU kernels, the "
+                    "configuration this export was checked in")
+
+
 def needs_no_repack() -> tuple[bool, str | None]:
-    """Whether llama.cpp on this CPU must run with --no-repack, and why: an installed
-    llama-cpp-python built with ggml's AMX kernels says so itself (engine.export.llamacpp);
-    without one, a CPU with AMX-INT8 and AVX512-VNNI is where pip's -march=native build has
-    them."""
-    from engine.export.llamacpp import AMX_NOTE, amx_build
+    """Whether llama.cpp on this CPU must run with --no-repack, and why: where the installed
+    llama-cpp-python has ggml's AMX kernels (engine.export.llamacpp.amx_build: open_llama then
+    opens files as --no-repack does, and the report's note is AMX_NOTE); without one, a CPU with
+    AMX-INT8 and AVX512-VNNI is where pip's -march=native build has them."""
+    from engine.export.llamacpp import amx_build
 
     try:
         amx = amx_build()
@@ -441,7 +448,7 @@ def needs_no_repack() -> tuple[bool, str | None]:
         from engine.kernels.cpu import plan
 
         amx = {"amx_int8", "avx512_vnni"} <= plan().features
-    return amx, (AMX_NOTE if amx else None)
+    return amx, (NO_REPACK_REASON if amx else None)
 
 
 def _run_section(bundle: Bundle, verdict) -> list[str]:
@@ -459,10 +466,8 @@ def _run_section(bundle: Bundle, verdict) -> list[str]:
         base = Path(bundle.base["path"]).name if bundle.base else "BASE.gguf"
         flag = " --no-repack" if no_repack else ""
         commands = [f"llama-cli -m {base} --lora {ADAPTER_GGUF}{flag} -cnv"]
-        if no_repack:
-            commands.append(f"# --no-repack: {note}")
     else:
-        commands = run_command(model, no_repack, note)
+        commands = run_command(model, no_repack)
     text = ["", "## Run it", "", "With llama.cpp (`llama-cli` to chat, `llama-server` for an "
             "OpenAI-compatible endpoint):", "", "```sh", *commands, "```"]
     if no_repack:

@@ -348,11 +348,8 @@ def exported_file_verdict(workspace: str | os.PathLike, sha256: str | None,
     return None
 
 
-def run_command(file_name: str, needs_no_repack: bool, note: str | None) -> list[str]:
+def run_command(file_name: str, needs_no_repack: bool) -> list[str]:
     """The llama.cpp command lines that run an exported model, for the card."""
     flag = " --no-repack" if needs_no_repack else ""
-    lines = [f"llama-cli -m {file_name}{flag} -cnv",
-             f"llama-server -m {file_name}{flag} --port 8080"]
-    if needs_no_repack and note:
-        lines.append(f"# --no-repack: {note}")
-    return lines
+    return [f"llama-cli -m {file_name}{flag} -cnv",
+            f"llama-server -m {file_name}{flag} --port 8080"]
