@@ -587,7 +587,7 @@ def _fill_bundle(bundle: Bundle, staging: Path, scratch: Path, base: str | None,
             {"kind": "run", "run": str(run.path), "checkpoint": bundle.checkpoint.name},
             bundle.stages, llamacpp=bundle.llamacpp, draft=draft, threads=threads,
             prompts=tuple(dict.fromkeys([*held, *PROMPT_SUITE])), decode=_decoder(bundle),
-            progress=lambda m: progress.say(f"equivalence: {m}"))
+            progress=lambda m: progress.say(f"equivalence: {m}"), same_file=_same_file(bundle))
         bundle.report["export"] = {"run": str(run.path), "checkpoint": bundle.checkpoint.name,
                                    "dtype": dtype, "files": bundle.files, "name": bundle.name}
         timings = {"model files": written, **bundle.report["timings"], "report": elapsed()}
@@ -624,7 +624,7 @@ def _answer_questions(bundle: Bundle, scratch: Path, compare: list[str], progres
     compared = None
     if cpp.get("available") and "vs_engine_same_file" in cpp:
         m, g = cpp["vs_engine_same_file"], cpp["greedy_vs_engine_same_file"]
-        engine_stage = bundle.stages[-1].model if bundle.stages else {}
+        engine_stage = _same_file(bundle)
         matrices = [(info.ggml_type.name, info.shape[0]) for info in _matrices(model)]
         types = sorted({kind for kind, _ in matrices})
         compared = {"available": True, "top1": m["top1_agreement"], "kl_mean": m["kl_mean"],
@@ -668,6 +668,19 @@ def _answer_questions(bundle: Bundle, scratch: Path, compare: list[str], progres
         kept = exported.with_name(exported.name + DEFECT_SUFFIX)
         os.replace(exported, kept)
         bundle.files[bundle.files.index(exported.name)] = kept.name
+
+
+def _same_file(bundle: Bundle) -> dict | None:
+    """What llama.cpp runs, as the engine runs it under llama.cpp numerics (question 1 compares
+    the two): the exported file, or the base with the adapter (the engine reads the run's
+    adapters.safetensors, llama.cpp the adapter.gguf written from it)."""
+    cpp = bundle.llamacpp
+    if cpp is None:
+        return None
+    spec = _native_spec(Path(cpp.model["path"]))
+    if cpp.model.get("lora"):
+        spec["lora"] = bundle.stages[-1].model["lora"]
+    return spec
 
 
 def _matrices(path: Path | None) -> list:

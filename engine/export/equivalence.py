@@ -537,15 +537,24 @@ def build_report(reference: dict, stages: list[Stage], *, llamacpp: Stage | None
                  draft: dict | None = None, prompts: tuple[str, ...] = PROMPT_SUITE,
                  greedy_tokens: int = GREEDY_TOKENS, threads: int = 1,
                  decode: Callable[[list[int]], str] | None = None,
-                 progress: Callable[[str], None] | None = None) -> dict:
+                 progress: Callable[[str], None] | None = None,
+                 same_file: dict | None = None) -> dict:
     """Score the checkpoint (`reference`, a worker load spec) and each stage; return the report.
     `draft` (a load spec: the exported file under llama.cpp numerics) lets the stages follow
-    guesses instead of decoding token by token (follow_guesses); it changes no result."""
+    guesses instead of decoding token by token (follow_guesses); it changes no result.
+    `same_file` (a load spec: what llama.cpp runs, in the engine under llama.cpp numerics) is
+    what the llama.cpp stage is compared with as "vs engine, same file": the last stage where
+    it is that, else one more engine pass that is not a stage of its own."""
     say = progress or (lambda _msg: None)
+    models = [s.model for s in stages]
+    extra = same_file is not None and (not models or models[-1] != same_file)
+    if extra:
+        models.append(same_file)
     with tempfile.TemporaryDirectory(prefix="forgebench-equivalence-") as tmp:
         workdir = Path(tmp)
         labels = ["checkpoint: greedy answers and scoring"] + [f"{s.name}: scoring"
                                                                 for s in stages]
+        labels += ["the exported file under llama.cpp numerics: scoring"] if extra else []
 
         def relay(line: str) -> None:
             if line.startswith("stage "):
@@ -553,10 +562,13 @@ def build_report(reference: dict, stages: list[Stage], *, llamacpp: Stage | None
 
         timings = {"engine worker": _run_worker(
             {"reference": reference, "prompts": list(prompts), "greedy_tokens": greedy_tokens,
-             "stages": [s.model for s in stages], "draft": draft, "outdir": str(workdir)},
+             "stages": models, "draft": draft, "outdir": str(workdir)},
             workdir, "engine", threads, relay)}
         ref, *got_stages = [StageResult.read(workdir / f"stage-{k}.safetensors")
-                            for k in range(len(stages) + 1)]
+                            for k in range(len(models) + 1)]
+        same = got_stages.pop() if extra else None
+        if same is not None:
+            timings["engine, same file"] = same.timing
         common = reference_sequences(ref.texts, ref.prompt_ids, ref.greedy, greedy_tokens)
         sequences, scored_from = common["sequences"], common["scored_from"]
         n = len(sequences)
@@ -590,7 +602,7 @@ def build_report(reference: dict, stages: list[Stage], *, llamacpp: Stage | None
             timings["llama.cpp worker"] = _run_worker(
                 dict(common, model=llamacpp.model, out=str(out)), workdir, "llamacpp", threads)
             got = StageResult.read(out)
-            engine_same_file = got_stages[-1] if got_stages else None
+            engine_same_file = same or (got_stages[-1] if got_stages else None)
             report.llamacpp = {
                 "available": True, "description": llamacpp.description, "file": llamacpp.file,
                 "tokenizer_matches": got.prompt_ids == ref.prompt_ids,
