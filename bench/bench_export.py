@@ -15,7 +15,8 @@ Q4_K_M in <= 60 s on 2 cores):
     python bench/bench_export.py --run RUN_DIR --dense DENSE_F16.gguf [--dtype q4_k_m]
                                  [--repeat 2] [--peer OTHER_CHECKOUT]
 
-runs the export command `--repeat` times in a fresh process each and prints its wall and CPU
+runs the export command `--repeat` times (with `--compare T1,T2,...`, the quantization picker's
+types measured too, and their rows printed) in a fresh process each and prints its wall and CPU
 seconds (user + sys, the export and every worker it starts: less sensitive to a shared
 machine's load than wall time) with the report's per-stage timings and the load average. With
 `--peer` (another checkout of the repository, e.g. the main branch), the same export by that
@@ -112,7 +113,8 @@ def tensors_identical(a: Path, b: Path) -> tuple[int, int]:
     return same, len(theirs)
 
 
-def timed_export(repo: Path, run: Path, dense: Path, dtype: str, out: Path) -> dict:
+def timed_export(repo: Path, run: Path, dense: Path, dtype: str, out: Path,
+                 compare: str = "") -> dict:
     """One `forgebench export` by the engine of checkout `repo`, in a fresh process: wall and
     CPU seconds of it and all its workers, and the report's own timings."""
     import resource
@@ -121,16 +123,21 @@ def timed_export(repo: Path, run: Path, dense: Path, dtype: str, out: Path) -> d
     env = dict(os.environ, PYTHONPATH=str(repo))
     before, wall = resource.getrusage(resource.RUSAGE_CHILDREN), time.perf_counter()
     result = subprocess.run([sys.executable, "-m", "engine", "export", str(run), "--dtype", dtype,
-                             "--base", str(dense), "--out", str(out)], cwd=repo, env=env,
+                             "--base", str(dense), "--out", str(out)]
+                            + (["--compare", compare] if compare else []), cwd=repo, env=env,
                             capture_output=True, text=True)
     wall = time.perf_counter() - wall
     after = resource.getrusage(resource.RUSAGE_CHILDREN)
-    if result.returncode != 0:
+    if result.returncode not in (0, 3):                   # 3: a defect, reported below
         raise SystemExit(f"export by {repo} failed:\n{result.stderr[-2000:]}")
     report = json.loads((out / "report.json").read_text())
+    verdict = report.get("verdict") or {}
     return {"wall_s": wall, "cpu_s": (after.ru_utime + after.ru_stime)
             - (before.ru_utime + before.ru_stime), "load": os.getloadavg()[0],
-            "stages": report.get("timings", {}), "passed": report["passed"]}
+            "stages": report.get("timings", {}),
+            "verdict": f"{verdict['title']}: {verdict['words']}" if verdict else
+            ("VERIFIED" if report["passed"] else "NOT verified"),   # a peer without verdicts
+            "picker": report.get("picker")}
 
 
 def bench_full_export(args) -> int:
@@ -143,12 +150,18 @@ def bench_full_export(args) -> int:
             for name, repo in (repos if i % 2 == 0 else repos[::-1]):   # alternate the order
                 out = Path(tmp) / f"{name.replace(' ', '-')}-{i}"
                 results[name].append(timed_export(repo, args.run.resolve(), args.dense.resolve(),
-                                                  args.dtype, out))
+                                                  args.dtype, out,
+                                                  args.compare if name != "peer" else ""))
                 shutil.rmtree(out)
                 got = results[name][-1]
                 print(f"{name:<14} run {i + 1}: wall {got['wall_s']:6.1f} s   CPU "
-                      f"{got['cpu_s']:6.1f} s   load {got['load']:.1f}   report "
-                      f"{'VERIFIED' if got['passed'] else 'NOT verified'}", flush=True)
+                      f"{got['cpu_s']:6.1f} s   load {got['load']:.1f}   verdict "
+                      f"{got['verdict']}", flush=True)
+                for row in (got["picker"] or {}).get("rows", []):
+                    kept = row["gain_kept"]
+                    print(f"    {row['dtype']:<8} {row['bytes'] / 1e6:8.1f} MB   keeps "
+                          + (f"{kept:6.1%}" if kept is not None else "   n/a")
+                          + f"   KL {row['kl_mean']:.4f}   same top-1 {row['same_top1']:.1%}")
     print(f"\nforgebench export {args.run.name} --dtype {args.dtype} with the staged report "
           f"({os.cpu_count()} CPUs here); best of {args.repeat}:")
     best = {name: min(rows, key=lambda r: r["wall_s"]) for name, rows in results.items()}
@@ -176,6 +189,8 @@ def main() -> int:
     parser.add_argument("--repeat", type=int, default=1)
     parser.add_argument("--peer", type=Path, help="another checkout to run the same export")
     parser.add_argument("--scratch", type=Path, help="folder for the exports (default: tmp)")
+    parser.add_argument("--compare", default="", help="with --run: the picker's types too, "
+                        "e.g. q4_k_m,q5_k_m,q6_k,q8_0 (this checkout only)")
     args = parser.parse_args()
     if args.run is not None:
         return bench_full_export(args)

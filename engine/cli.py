@@ -222,6 +222,12 @@ def _export_args(p: argparse.ArgumentParser) -> None:
                    help="hf: a merged Hugging Face folder (engine/export/hf_export.py)")
     p.add_argument("--hf-source", help="the base's Hugging Face folder (config + tokenizer) "
                                        "for --format hf, when the library does not know it")
+    p.add_argument("--compare", default="",
+                   help="quantization picker: also measure what these types keep of the "
+                        "fine-tune's gain, e.g. q4_k_m,q5_k_m,q6_k,q8_0")
+    p.add_argument("--compare-only", action="store_true",
+                   help="only the picker: write DIR/picker.json (size against gain kept per "
+                        "--compare type), no model")
 
 
 def _convert_args(p: argparse.ArgumentParser) -> None:

@@ -118,3 +118,45 @@ def tiny_sft_over_quantized_base(folder: Path, steps: int) -> tuple[Path, Path]:
     config = folder / "sft.toml"
     config.write_text(SFT_CONFIG.format(steps=steps, gguf=quantized, data=folder / "pairs.jsonl"))
     return quantized, config
+
+
+def with_block_outliers(src: Path, dst: Path, magnitude: float) -> Path:
+    """A copy of a dense (f16) GGUF whose layer matrices hold one weight of ±`magnitude` in
+    every 32-weight block (the rest ~0.05). A 4-bit block type's step is set by its largest
+    weight, so it rounds the others coarsely; 8-bit and 5/6-bit K types much less."""
+    from gguf import GGMLQuantizationType as T
+
+    from engine.gguf.writer import TensorEntry, read_gguf_content, write_gguf
+
+    content = read_gguf_content(src)
+    tensors = []
+    for t in content.tensors:
+        if t.ggml_type == T.F16 and len(t.shape) == 2 and t.name.startswith("blk."):
+            w = np.asarray(t.data, dtype=np.uint8).view(np.float16).reshape(t.shape).copy()
+            w[:, ::32] = magnitude * np.where(w[:, ::32] >= 0, 1, -1)
+            t = TensorEntry(t.name, t.ggml_type, t.shape, w.view(np.uint8).reshape(-1))
+        tensors.append(t)
+    write_gguf(Path(dst), dict(content.metadata), tensors, version=content.version)
+    return Path(dst)
+
+
+def sharp_fine_tune(folder: Path) -> Path:
+    """An lm-sft run whose gain quantization to Q4_0 wipes out while Q5_K_M / Q8_0 keep it:
+    a tiny gemma3 base with outlier blocks (with_block_outliers) fine-tuned once at a high
+    rate (the coarse adaptation, merged into an f16 base), then fine-tuned again at a low rate
+    for 30 steps: a small, precise gain next to Q4_0's rounding. Returns the second run."""
+    from lm_pretrain_support import forgebench
+
+    quantized, config = tiny_sft_over_quantized_base(folder, steps=30)
+    forgebench("convert", str(quantized), "--dtype", "f16", "--out", str(folder / "dense.gguf"))
+    sharp = with_block_outliers(folder / "dense.gguf", folder / "outliers.gguf", 4.0)
+    first = config.read_text().replace(str(quantized), str(sharp))
+    (folder / "first.toml").write_text(first)
+    forgebench("run", str(folder / "first.toml"), "--out", str(folder / "first"))
+    forgebench("export", str(folder / "first"), "--dtype", "f16", "--out",
+               str(folder / "first-f16"), "--no-report")
+    second = first.replace(str(sharp), str(folder / "first-f16" / "model.gguf")) \
+        .replace("lr = 2e-2", "lr = 1.5e-3")
+    (folder / "second.toml").write_text(second)
+    forgebench("run", str(folder / "second.toml"), "--out", str(folder / "runs" / "sharp"))
+    return folder / "runs" / "sharp"

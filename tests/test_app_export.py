@@ -19,8 +19,15 @@ from media_support import forgebench
 from app.viewmodels import export_wizard as vm
 from app.viewmodels.workspace import Workspace
 from app.views.export_wizard import ExportWizardPane
-from engine.export.equivalence import MIN_TOP1_DENSE, MIN_TOP1_QUANTIZED, Report, verdict
+from engine.export.equivalence import (
+    MIN_TOP1_DENSE,
+    MIN_TOP1_QUANTIZED,
+    Report,
+    llamacpp_available,
+    verdict,
+)
 from engine.export.llamacpp import AMX_NOTE
+from engine.export.verdict import of_bundle
 from engine.kernels.cpu import plan
 
 
@@ -106,7 +113,10 @@ def test_the_wizard_exports_a_tiny_lm_to_a_verified_gguf(qtbot, tmp_path_factory
     pane.export()
     wait_for(qtbot, pane.export_job, 600)
     out = workspace.root / "exports" / "tiny-f16"
-    assert "Verified" in pane.verdict.text(), pane.export_job.output[-2000:]
+    # the page shows the bundle's one verdict: "Verified" where llama.cpp answered question 1
+    verdict = of_bundle(out)
+    assert verdict.line.split(":")[0] in pane.verdict.text(), pane.export_job.output[-2000:]
+    assert verdict.key == ("checked" if llamacpp_available() is None else "unchecked")
     assert plan().summary().split(";")[0] in pane.verdict.text()
 
     # the size shown for f16 is the tensor data the gguf package finds in the written file

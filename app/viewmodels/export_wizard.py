@@ -13,6 +13,7 @@ wrote. No Qt, no torch (sizes come from the safetensors header or the GGUF tenso
 
 from __future__ import annotations
 
+import functools
 import json
 import struct
 from dataclasses import dataclass
@@ -25,6 +26,7 @@ from app.viewmodels.jobs import forgebench_argv
 from engine.errors import ForgebenchError
 from engine.export.bundle import DTYPES, EXPORTABLE_RECIPES, GGUF_BASE_RECIPES, write_sha256sums
 from engine.export.generator_bundle import GENERATOR_DTYPES, GENERATOR_RECIPES
+from engine.export.verdict import of_report
 from engine.fsutil import atomic_write_text, read_json
 from engine.gguf.quant_policy import FILE_TYPES, FLOAT_TYPES, ModelFacts, plan_types
 from engine.rundir import RunDir
@@ -91,12 +93,32 @@ class BaseInfo:
 
 
 def gguf_tensor_table(path: Path) -> list[tuple[str, tuple[int, ...], T]]:
-    """(name, torch-order shape, type) of every tensor in a GGUF file."""
-    from gguf import GGUFReader
+    """(name, torch-order shape, type) of every tensor in a GGUF file, from its header."""
+    return _header(path)[0]
 
-    reader = GGUFReader(str(path))
-    return [(t.name, tuple(int(d) for d in reversed(t.shape.tolist())), T(t.tensor_type))
-            for t in reader.tensors]
+
+def _header(path: Path) -> tuple[list[tuple[str, tuple[int, ...], T]], dict]:
+    """The tensor table and the scalar metadata of a GGUF file, read by the engine's header
+    parser (engine.gguf.parser: the tensor bytes stay mapped, never read; the 262k-token
+    vocabulary arrays are not turned into Python values). gguf-py's GGUFReader builds Python
+    objects for every array element: about a minute of CPU on gemma-3-270m, which held the
+    wizard's size step before."""
+    stat = Path(path).stat()
+    return _read_header(str(path), stat.st_size, stat.st_mtime_ns)
+
+
+@functools.lru_cache(maxsize=4)
+def _read_header(path: str, _size: int, _mtime_ns: int):
+    """_header's read, kept while the file is unchanged (steps 2 and 3 read the same base)."""
+    from gguf import GGUFValueType
+
+    from engine.gguf.parser import parse_gguf
+
+    parsed = parse_gguf(path)
+    table = [(slot.name, tuple(slot.shape), T(slot.ggml_type)) for slot in parsed.tensors]
+    metadata = {k: v.python() for k, v in parsed.metadata.items()
+                if v.type != GGUFValueType.ARRAY}
+    return table, metadata
 
 
 def base_info(run_dir: Path, base: Path | None = None) -> BaseInfo:
@@ -154,8 +176,8 @@ def size_estimates(run: ExportableRun, checkpoint: str, base: Path | None = None
                 for dtype in GENERATOR_DTYPES}
     if run.recipe in GGUF_BASE_RECIPES:
         info = base_info(run.path, base)
-        table = gguf_tensor_table(info.path)
-        facts = ModelFacts.from_metadata(_gguf_metadata(info.path))
+        table, metadata = _header(info.path)       # one header read for the table and facts
+        facts = ModelFacts.from_metadata(metadata)
         sizes = {}
         for dtype, ftype in FILE_TYPES.items():
             plan = plan_types(table, ftype, facts)
@@ -176,15 +198,8 @@ def size_estimates(run: ExportableRun, checkpoint: str, base: Path | None = None
 
 
 def _gguf_metadata(path: Path) -> dict:
-    from gguf import GGUFReader
-
-    reader = GGUFReader(str(path))
-    wanted = {}
-    for name, field in reader.fields.items():
-        if name.endswith((".block_count", ".expert_count", "general.architecture")):
-            value = field.contents()
-            wanted[name] = value
-    return wanted
+    """The scalar metadata (block count, architecture, ...) the quantization plan reads."""
+    return _header(path)[1]
 
 
 def export_argv(run_dir: Path, checkpoint: str, dtype: str, out: Path,
@@ -195,6 +210,52 @@ def export_argv(run_dir: Path, checkpoint: str, dtype: str, out: Path,
     argv = forgebench_argv() + ["export", str(run_dir), "--checkpoint", checkpoint,
                                 "--dtype", dtype, "--out", str(out)]
     return argv + (["--base", str(base)] if base else [])
+
+
+# -- step 3: the quantization picker ---------------------------------------------------------
+PICKER_TYPES = ("q4_k_m", "q5_k_m", "q6_k", "q8_0")
+
+
+def picker_folder(root: Path, run_dir: Path) -> Path:
+    """A new scratch folder for one picker job's picker.json (under exports/, hidden)."""
+    import time
+
+    return root / "exports" / f".picker-{run_dir.name}-{time.time_ns()}"
+
+
+def picker_argv(run_dir: Path, checkpoint: str, out: Path, base: Path | None = None,
+                types: tuple[str, ...] = PICKER_TYPES) -> list[str]:
+    argv = forgebench_argv() + ["export", str(run_dir), "--checkpoint", checkpoint,
+                                "--compare", ",".join(types), "--compare-only",
+                                "--out", str(out)]
+    return argv + (["--base", str(base)] if base else [])
+
+
+def read_picker(out: Path) -> dict:
+    """The picker job's result; its scratch folder is removed."""
+    import shutil
+
+    try:
+        return read_json(out / "picker.json")
+    finally:
+        shutil.rmtree(out, ignore_errors=True)
+
+
+def kept_text(row: dict) -> str:
+    """"keeps 96%" (or "no gain") for the picker column."""
+    kept = row.get("gain_kept")
+    return "no gain to keep" if kept is None else f"keeps {max(kept, 0.0):.0%}"
+
+
+def picker_summary(picker: dict) -> str:
+    from engine.export.verdict import KEPT_MIN
+
+    best = picker.get("recommended")
+    return ((f"Recommended: {best}, the smallest file keeping ≥ {KEPT_MIN:.0%} of the "
+             f"fine-tune's gain" if best else
+             f"No measured type keeps ≥ {KEPT_MIN:.0%} of the fine-tune's gain: choose f16")
+            + f" (measured on the run's {picker.get('split')}; base loss "
+            f"{picker['base_loss']:.3f}, fine-tune {picker['fine_tune_loss']:.3f}).")
 
 
 # -- step 4: verification ------------------------------------------------------------------
@@ -289,9 +350,12 @@ def verification(report: dict) -> dict:
                 "references": [f for f in report["export"]["files"]
                                if f.startswith("reference/")],
                 "llamacpp": {"available": False, "reason": "not a language model",
-                             "answers": []}}
+                             "answers": []},
+                "verdict": of_report(report), "questions": [], "side_by_side": [],
+                "picker": None}
     rows = [_row(stage) for stage in report["stages"]]
     cpp = report.get("llamacpp", {})
+    q2 = report.get("question2") or {}
     answers = []
     if cpp.get("available"):
         rows.append(_row({"name": "llama.cpp", **cpp}))
@@ -303,7 +367,19 @@ def verification(report: dict) -> dict:
             # which llama.cpp kernels the engine matched on the machine that wrote the report
             "numerics": report.get("numerics"),
             "llamacpp": {"available": bool(cpp.get("available")), "reason": cpp.get("reason"),
-                         "note": cpp.get("note"), "answers": answers}}
+                         "note": cpp.get("note"), "answers": answers},
+            "verdict": of_report(report), "questions": question_lines(report),
+            "side_by_side": q2.get("answers", []) if q2.get("available") else [],
+            "picker": report.get("picker")}
+
+
+def question_lines(report: dict) -> list[str]:
+    """The report's two questions as text lines (the report's own rendering)."""
+    if "question1" not in report:
+        return []
+    from engine.export.equivalence import render_questions
+
+    return render_questions(report)
 
 
 # -- step 5: the bundle --------------------------------------------------------------------
@@ -340,3 +416,13 @@ def finish_bundle(out: Path, model_card: str, checklist: list[dict]) -> None:
               for c in checklist]
     atomic_write_text(out / "model_card.md", "\n".join(lines) + "\n")
     write_sha256sums(out)
+
+
+def notification(out: Path | None, ok: bool, message: str) -> tuple[bool, str]:
+    """(ok, text) of the export job's desktop notification: the bundle's verdict
+    (engine.export.verdict.notification); a defect is a failure."""
+    from engine.export.verdict import notification as verdict_notification
+
+    if out is None:
+        return ok, message
+    return verdict_notification(out, ok, message)

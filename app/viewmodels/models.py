@@ -12,6 +12,7 @@ from pathlib import Path
 
 from engine import model_library
 from engine.errors import ForgebenchError
+from engine.export.verdict import exported_file_verdict
 from engine.fsutil import human_bytes
 
 
@@ -21,7 +22,8 @@ class ModelsView:
     rows: list[dict] = field(default_factory=list)
 
     def load(self) -> list[dict]:
-        self.rows = model_library.library(self.root)
+        self.rows = [with_export_verdict(self.root, row)
+                     for row in model_library.library(self.root)]
         return self.rows
 
     def add_file(self, path: str | Path, link: bool = False, name: str | None = None) -> dict:
@@ -48,14 +50,28 @@ class ModelsView:
         return f"{title} is not installed: pip install {package}, then “Add Gemma package”."
 
 
+def with_export_verdict(root: Path, row: dict) -> dict:
+    """A library row with the verdict of the export that made its file, if one did
+    (engine.export.verdict): a file that failed question 1 is listed as not usable."""
+    found = exported_file_verdict(root, row.get("sha256"), row.get("source"))
+    if found is None:
+        return row
+    row = {**row, "export_verdict": found.as_dict()}
+    if not found.usable:
+        row["facts"] = {**row["facts"], "usable": False, "reason": found.line}
+    return row
+
+
 def list_label(row: dict) -> str:
-    """One line per model in the pane's list: usable ones with family and size, the others
-    with the reason."""
+    """One line per model in the pane's list: usable ones with family and size (and the
+    export's verdict when an export made the file), the others with the reason."""
     facts = row["facts"]
     if not facts["usable"]:
         return f"⚠ {row['name']} — {facts['reason']}"
+    verdict = row.get("export_verdict")
     return f"{row['name']} — {facts['family']}, {facts['params'] / 1e6:.0f}M, " \
-           f"{human_bytes(row['bytes'])}"
+           f"{human_bytes(row['bytes'])}" + (f" — {verdict['title']}: {verdict['words']}"
+                                              if verdict else "")
 
 
 def tensor_rows(facts: dict) -> list[tuple[str, str, str, str]]:
@@ -94,4 +110,9 @@ def library_files(root: Path) -> list[tuple[str, Path]]:
     except ForgebenchError:      # a broken workspace.json leaves the pickers empty
         return []
     return [(e["name"], model_library.entry_path(root, e)) for e in entries
-            if model_library.entry_path(root, e).is_file()]
+            if model_library.entry_path(root, e).is_file()
+            and _not_defect(exported_file_verdict(root, e.get("sha256"), e.get("source")))]
+
+
+def _not_defect(verdict) -> bool:
+    return verdict is None or verdict.usable

@@ -16,6 +16,7 @@ from pathlib import Path
 
 from app.viewmodels.jobs import Pace, duration_text, run_stage_line
 from engine.errors import ForgebenchError
+from engine.export.verdict import latest_run_export
 from engine.fsutil import atomic_write_json, read_json
 from engine.rundir import RunDir
 
@@ -302,6 +303,8 @@ class LedgerRow:
     device: str = ""                 # "cpu", "NVIDIA L4 × 2": the device and process count
     holder: dict | None = None       # who holds the run's lock (engine.runlock), when anyone
     example: dict | None = None      # a shipped example run's example.json (RunDir.example)
+    export: str = ""                 # the latest export's verdict (engine.export.verdict)
+    export_colour: str = ""
 
     @property
     def active(self) -> bool:
@@ -415,6 +418,7 @@ def ledger_row(path: Path, best: BestEval | None = None,
     step = status.get("step")
     if measured is not None and measured.step is not None:
         step = measured.step
+    exported = latest_run_export(path)
     return LedgerRow(
         name=path.name, path=path, recipe=str(manifest.get("recipe", "?")),
         state=str(status.get("state", "unknown")), step=step,
@@ -428,7 +432,9 @@ def ledger_row(path: Path, best: BestEval | None = None,
         updated=status.get("updated") if isinstance(status.get("updated"), (int, float))
         else None,
         stage_line=run_stage_line(status, measured),
-        device=device_text(manifest), holder=run.lock_holder(), example=run.example)
+        device=device_text(manifest), holder=run.lock_holder(), example=run.example,
+        export=exported.line if exported else "",
+        export_colour=exported.colour if exported else "")
 
 
 def delete_run(path: Path) -> None:

@@ -51,7 +51,8 @@ VERDICT_TIPS = {"match": "nothing changed: every top-1 token and greedy answer (
                          "output value) is the checkpoint's",
                 "changed": "above the engine's bar, but some tokens, answers or output values "
                            "differ",
-                "FAIL": "below the engine's bar: not verified"}
+                "FAIL": "below this stage's bar against the training checkpoint (detail for "
+                        "diagnosis: the export's verdict is the banner above)"}
 
 
 def _page(*widgets) -> QWidget:
@@ -80,6 +81,24 @@ def _label(text: str = "") -> QLabel:
     """A wrapped, selectable label: a long error line (a path, a command) wraps instead of
     pushing the buttons off-screen."""
     return wrapped_label(text, selectable=True)
+
+
+def verdict_html(verdict, out: Path | None) -> str:
+    """The export's one verdict (engine.export.verdict) as the final page's banner: the same
+    title, words and colour as the report, the card and the notification."""
+    where = f"<br><small>{html.escape(str(out))}</small>" if out else ""
+    return (f"<div style='background:{verdict.background}; color:{verdict.colour}; "
+            f"padding:4px'><b>{html.escape(verdict.title)}</b>: "
+            f"{html.escape(verdict.words)}{where}</div>")
+
+
+def questions_html(result: dict) -> str:
+    """The two questions, the validation answers side by side and the picker's table."""
+    parts = []
+    if result.get("questions"):
+        parts.append("<pre style='white-space:pre-wrap'>"
+                     + html.escape("\n".join(result["questions"])) + "</pre>")
+    return "".join(parts)
 
 
 def error_html(heading: str, text: str) -> str:
@@ -142,21 +161,32 @@ class ExportWizardPane(QWidget):
         row.addWidget(self.base_library)
         self.pages.addWidget(_page(self.base_text, row, self.dense_button, self.convert_job))
 
-        # 3. quantization
-        self.sizes = QTableWidget(0, 2)
-        self.sizes.setHorizontalHeaderLabels(["type", "estimated tensor data"])
+        # 3. quantization, and the picker: what each type keeps of the fine-tune's gain
+        self.sizes = QTableWidget(0, 3)
+        self.sizes.setHorizontalHeaderLabels(["type", "estimated tensor data",
+                                              "keeps of the fine-tune's gain"])
         self.sizes.horizontalHeader().setSectionResizeMode(QHeaderView.ResizeMode.Stretch)
         self.sizes.setSelectionBehavior(QTableWidget.SelectionBehavior.SelectRows)
         self.sizes.setSelectionMode(QTableWidget.SelectionMode.SingleSelection)
+        self.pick_button = QPushButton("Measure what each type keeps (about a minute)")
+        self.pick_button.setToolTip("Quantizes the merged model to " + ", ".join(vm.PICKER_TYPES)
+                                    + " and scores each on the run's validation data")
+        self.pick_button.clicked.connect(self.measure_types)
+        self.pick_job = JobRunner("quantization picker")
+        self.pick_job.finished.connect(self._measured)
+        self.pick_text = _label()
         self.pages.addWidget(_page(_label("Choose the file type. Sizes count the weights "
                                           "(metadata and vocabulary add a little)."),
-                                   self.sizes))
+                                   self.sizes, self.pick_button, self.pick_job, self.pick_text))
+        self._pick_out: Path | None = None
 
         # 4. export and verify
         self.out_name = QLineEdit()
         self.export_button = QPushButton("Export and verify")
         self.export_button.clicked.connect(self.export)
         self.export_job = JobRunner("export")
+        # the notification says the export's verdict (a defect is a failure, never "done")
+        self.export_job.describe = lambda ok, message: vm.notification(self.out, ok, message)
         self.export_job.finished.connect(self._exported)
         self.verdict = _label()
         # Fits the page of a 1024x700 window without a sideways scroll: two-line titles,
@@ -306,7 +336,7 @@ class ExportWizardPane(QWidget):
 
     def _update_nav(self) -> None:
         index = self.pages.currentIndex()
-        busy = self.call.running or self.convert_job.running
+        busy = self.call.running or self.convert_job.running or self.pick_job.running
         self.back_button.setEnabled(index > 0 and not self.convert_job.running)
         self.next_button.setEnabled(index < len(STEPS) - 1 and not busy)
         self.steps.setEnabled(not busy)
@@ -412,6 +442,7 @@ class ExportWizardPane(QWidget):
         return lambda: vm.size_estimates(run, checkpoint, base)
 
     def _show_sizes(self, sizes: dict[str, int]) -> None:
+        self.pick_button.setVisible(self.run is not None and self.run.recipe == "lm-sft")
         chosen = self.dtype()
         self.sizes.setRowCount(len(sizes))
         for r, (dtype, size) in enumerate(sizes.items()):
@@ -419,6 +450,39 @@ class ExportWizardPane(QWidget):
             self.sizes.setItem(r, 1, QTableWidgetItem(f"{size / 1e6:.2f} MB"))
         self.set_dtype(chosen if chosen in sizes else "q8_0" if "q8_0" in sizes
                        else next(iter(sizes)))
+
+    def measure_types(self) -> None:
+        """Run the picker (`forgebench export --compare-only`) as a job; its rows fill the
+        table's third column and the smallest type keeping >= 90% of the gain is selected."""
+        if self.run is None or self.workspace is None or self.pick_job.running:
+            return
+        if self.run.recipe != "lm-sft":
+            self.pick_text.setText("The picker measures lm-sft runs (it needs the fine-tune's "
+                                   "validation answers and a base to compare with).")
+            return
+        self._pick_out = vm.picker_folder(self.workspace.root, self.run.path)
+        self.pick_text.setText("")
+        self.pick_job.start(vm.picker_argv(self.run.path, self.checkpoint.currentText(),
+                                           self._pick_out, self.chosen_base()),
+                            f"measuring {', '.join(vm.PICKER_TYPES)}")
+        self._update_nav()
+
+    def _measured(self, ok: bool, message: str) -> None:
+        self._update_nav()
+        if not ok or self._pick_out is None:
+            self.pick_text.setText(error_html("The picker did not finish.", message))
+            return
+        self.show_picker(vm.read_picker(self._pick_out))
+
+    def show_picker(self, picker: dict) -> None:
+        by_type = {row["dtype"]: row for row in picker["rows"]}
+        for r in range(self.sizes.rowCount()):
+            row = by_type.get(self.sizes.item(r, 0).text())
+            text = vm.kept_text(row) if row else ""
+            self.sizes.setItem(r, 2, QTableWidgetItem(text))
+        if picker["recommended"]:
+            self.set_dtype(picker["recommended"])
+        self.pick_text.setText(html.escape(vm.picker_summary(picker)))
 
     def dtype(self) -> str | None:
         row = self.sizes.currentRow()
@@ -448,7 +512,7 @@ class ExportWizardPane(QWidget):
 
     def _exported(self, ok: bool, message: str) -> None:
         self.export_button.setEnabled(True)
-        if not ok:
+        if self.out is None or not (self.out / "SHA256SUMS").is_file():
             self.verdict.setText(error_html("The export failed.", message))
             return
         self.show_report(read_json(self.out / "report.json"))
@@ -478,18 +542,10 @@ class ExportWizardPane(QWidget):
                     item.setBackground(QColor(VERDICT_COLOURS[row.verdict]))
                     item.setToolTip(f"{value}: {VERDICT_TIPS[row.verdict]}")
                 self.stages.setItem(r, c, item)
-        changed = result["changed"]
-        what = ("some output values differ from the checkpoint's (see max |Δ| and PSNR)"
-                if result["kind"] == "generator" else "some tokens or answers differ from the "
-                "checkpoint (see KL, greedy match and the answers below)")
-        self.verdict.setText(
-            f"<b>{'Verified' if result['passed'] else 'NOT verified'}</b>: "
-            f"{html.escape(str(self.out))}"
-            + ("<br><span style='background:#ffe0b2'>Changed by rounding: "
-               f"{html.escape(', '.join(changed))}. It passes the bar, but {what}.</span>"
-               if changed else "")
-            + (f"<br><small>{html.escape(result['numerics'])}</small>"
-               if result["numerics"] else ""))
+        self.verdict.setText(verdict_html(result["verdict"], self.out)
+                             + questions_html(result)
+                             + (f"<br><small>{html.escape(result['numerics'])}</small>"
+                                if result["numerics"] else ""))
         if result["kind"] == "generator":
             self.answers.setText(
                 f"Bar: {html.escape(result['bar'])}. Reference outputs drawn by the bundle "

@@ -5,6 +5,7 @@ engine's own error message when it fails. Each running command is listed in the 
 from __future__ import annotations
 
 import itertools
+from collections.abc import Callable
 
 from PySide6.QtCore import QProcess, Qt, Signal
 from PySide6.QtWidgets import QHBoxLayout, QLabel, QProgressBar, QPushButton, QVBoxLayout, QWidget
@@ -27,6 +28,8 @@ class JobRunner(QWidget):
         self.output = ""
         self.cancelled = False
         self.key = ""
+        # (ok, message) -> (ok, message): what the job's owner says about the result
+        self.describe: Callable[[bool, str], tuple[bool, str]] | None = None
         self.bar = QProgressBar()
         self.bar.setTextVisible(True)
         self.cancel_button = QPushButton("Cancel")
@@ -92,6 +95,8 @@ class JobRunner(QWidget):
         self.bar.setValue(1 if ok else 0)
         message = ("done" if ok else "cancelled: nothing was written" if self.cancelled
                    else job_error(self.output))
+        if self.describe is not None and not self.cancelled:
+            ok, message = self.describe(ok, message)    # e.g. an export's verdict
         self.status.setText(message)
         if self.cancelled:
             job_center().drop(self.key)

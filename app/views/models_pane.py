@@ -188,6 +188,9 @@ class ModelsPane(QWidget):
         facts = row["facts"]
         head = (f"<b>{row['name']}</b> — {row['mode']}, sha256 {row['sha256'][:16]}…<br>"
                 f"source: {row['source']}")
+        if (verdict := row.get("export_verdict")) and verdict["usable"]:   # an export's file
+            head += (f"<br><span style='background:{verdict['background']}; color:"
+                     f"{verdict['colour']}'><b>{verdict['title']}</b>: {verdict['words']}</span>")
         if not facts["usable"]:
             self.summary.setText(f"{head}<br><span style='color:#b71c1c'><b>Not usable:</b> "
                                  f"{facts['reason']}</span>"

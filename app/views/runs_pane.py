@@ -73,7 +73,7 @@ from engine.rundir import RunDir, pid_alive
 COLUMNS = [("name", "Run"), ("state", "Status"), ("progress", "Step"), ("stage_line", "Doing"),
            ("started", "Started"), ("duration", "Duration"), ("question", "Question"),
            ("data_version", "Data"), ("device", "Device"), ("best_metric", "Best metric"),
-           ("selected_checkpoint", "Checkpoint"), ("notes", "Notes")]
+           ("selected_checkpoint", "Checkpoint"), ("export", "Export"), ("notes", "Notes")]
 # The ledger shows these columns so it fits beside the charts in a 1024x700 window without a
 # sideways scroll; the selected run's other fields are listed under it, and the header's
 # context menu shows any column in the table (Question and Notes are edited there).
@@ -145,6 +145,8 @@ class LedgerModel(QAbstractTableModel):
             return self._value(row, key)
         if role == Qt.ItemDataRole.ForegroundRole and key == "state":
             return QColor(theme.colour(STATE_COLOURS.get(row.state, "text")))
+        if role == Qt.ItemDataRole.ForegroundRole and key == "export" and row.export_colour:
+            return QColor(row.export_colour)      # the verdict's colour (engine.export.verdict)
         if role == Qt.ItemDataRole.ToolTipRole:
             if key == "name":
                 about = f"\n{example_text(row.example)}" if row.example is not None else ""

@@ -63,6 +63,17 @@ class Bundle:
     report: dict | None = None
     chat_template: object = None                        # engine.llm.chat.ChatTemplate (lm-sft)
     threads: int = 1                                    # for quantizing and the report
+    reference: Path | None = None     # the unquantized file model.gguf was converted from
+    fine_tune: dict | None = None     # worker load spec of the unquantized fine-tune
+    base_spec: dict | None = None     # worker load spec of the base it was fine-tuned from
+    name: str = ""                    # the fine-tune's name: general.name, the card's title
+
+    @property
+    def verdict(self):
+        """The one verdict of this export (engine.export.verdict)."""
+        from engine.export.verdict import of_report
+
+        return of_report(self.report)
 
 
 def _is_quantized(dtype: str) -> bool:
@@ -169,6 +180,8 @@ def _export_pretrain(bundle: Bundle, staging: Path, scratch: Path, progress: _Pr
                                          "llama.cpp numerics", final, staging, requantized=True))
     bundle.files.append(MODEL_GGUF)
     bundle.llamacpp = _llamacpp_stage(final, "the exported model.gguf in llama.cpp")
+    if quantized:
+        bundle.reference = dense
 
 
 def _sft_base(bundle: Bundle, base_arg: str | None, scratch: Path,
@@ -259,14 +272,15 @@ def _export_sft(bundle: Bundle, staging: Path, scratch: Path, base_arg: str | No
         with progress.tensors("write full weights") as update:
             result = write_full_weights(base, bundle.checkpoint.path / MODEL_FILE, merged,
                                         bundle.run.manifest()["base_model"]["sha256"],
-                                        progress=update, chat_template=template)
+                                        progress=update, chat_template=template,
+                                        name=bundle.name)
         bundle.stages.append(_gguf_stage(
             "full weights", f"the fine-tuned weights written into the base's layout "
             f"({len(result.merged)} tensors, stored as the base stores them)", merged, staging))
     else:
         with progress.tensors("merge adapters") as update:
             result = merge_into_gguf(base, adapter, merged, progress=update,
-                                     chat_template=template)
+                                     chat_template=template, name=bundle.name)
         bundle.stages.append(_gguf_stage("merged", f"adapters merged into the dense base "
                                          f"({len(result.merged)} matrices)", merged, staging))
     bundle.base["matched_by"] = result.base_match
@@ -284,6 +298,9 @@ def _export_sft(bundle: Bundle, staging: Path, scratch: Path, base_arg: str | No
                             "first quantization's rounding stays in every merged weight")
     bundle.files.append(MODEL_GGUF)
     bundle.llamacpp = _llamacpp_stage(final, "the exported model.gguf in llama.cpp")
+    bundle.reference = None if same_type else merged
+    bundle.fine_tune = {"kind": "gguf", "path": str(merged), "numerics": "f32"}
+    bundle.base_spec = {"kind": "gguf", "path": str(base), "numerics": "f32"}
 
 
 # ----------------------------------------------------------------------- the card and sums
@@ -325,11 +342,15 @@ def _shareable(value):
 def model_card(bundle: Bundle) -> str:
     manifest = bundle.run.manifest()
     config = manifest["config"]
-    lines = [f"# {bundle.run.path.name} — {bundle.checkpoint.name} ({bundle.dtype})", "",
+    verdict = bundle.verdict
+    lines = [f"# {bundle.name or bundle.run.path.name} — {bundle.checkpoint.name} "
+             f"({bundle.dtype})", "",
              f"Exported by `forgebench export` from run `{bundle.run.path.name}` "
              f"(recipe `{bundle.recipe}`, step {bundle.checkpoint.step}).", "",
+             f"**Verdict — {verdict.line}**", "",
              "## Files", ""]
     lines += [f"- `{name}`" for name in bundle.files + ["report.json", "report.txt"]]
+    lines += _run_section(bundle, verdict)
     lines += ["", "## Base model", ""]
     base = manifest.get("base_model")
     if base:
@@ -359,6 +380,10 @@ def model_card(bundle: Bundle) -> str:
     lines += [f"- {json.dumps(e, sort_keys=True)}" for e in evals] or \
         ["- no evaluation recorded for this checkpoint (run `forgebench eval`)"]
     lines += ["", "## Equivalence", ""]
+    if bundle.report is not None and "question1" in bundle.report:
+        from engine.export.equivalence import render_questions
+
+        lines += ["```text", *render_questions(bundle.report), "```", ""]
     if bundle.report is None:
         lines.append("- not computed (--no-report)")
     elif bundle.report.get("kind") == "generator":
@@ -404,6 +429,53 @@ def model_card(bundle: Bundle) -> str:
     return "\n".join(lines) + "\n"
 
 
+NO_REPACK_REASON = ("llama.cpp built for this CPU (pip's -march=native build) has ggml's AMX "
+                    "kernels, and its AMX matmul crashes on any batch of more than one token "
+                    "(llama.cpp issue #20824); --no-repack turns off the extra buffer types "
+                    "(repacked and AMX weights), so llama.cpp runs its plain CPU kernels, the "
+                    "configuration this export was checked in")
+
+
+def needs_no_repack() -> tuple[bool, str | None]:
+    """Whether llama.cpp on this CPU must run with --no-repack, and why: where the installed
+    llama-cpp-python has ggml's AMX kernels (engine.export.llamacpp.amx_build: open_llama then
+    opens files as --no-repack does, and the report's note is AMX_NOTE); without one, a CPU with
+    AMX-INT8 and AVX512-VNNI is where pip's -march=native build has them."""
+    from engine.export.llamacpp import amx_build
+
+    try:
+        amx = amx_build()
+    except ImportError:
+        from engine.kernels.cpu import plan
+
+        amx = {"amx_int8", "avx512_vnni"} <= plan().features
+    return amx, (NO_REPACK_REASON if amx else None)
+
+
+def _run_section(bundle: Bundle, verdict) -> list[str]:
+    """How to run the export with llama.cpp (nothing to run for a defect)."""
+    from engine.export.verdict import run_command
+
+    model = next((f for f in bundle.files if f.endswith(".gguf")), None)
+    if bundle.recipe in GENERATOR_RECIPES or model is None:
+        return []
+    if not verdict.usable:
+        return ["", "## Run it", "", "Do not: the file failed question 1 (see the verdict); it "
+                "is kept only for diagnosis."]
+    no_repack, note = needs_no_repack()
+    if model == ADAPTER_GGUF:
+        base = Path(bundle.base["path"]).name if bundle.base else "BASE.gguf"
+        flag = " --no-repack" if no_repack else ""
+        commands = [f"llama-cli -m {base} --lora {ADAPTER_GGUF}{flag} -cnv"]
+    else:
+        commands = run_command(model, no_repack)
+    text = ["", "## Run it", "", "With llama.cpp (`llama-cli` to chat, `llama-server` for an "
+            "OpenAI-compatible endpoint):", "", "```sh", *commands, "```"]
+    if no_repack:
+        text += ["", "`--no-repack` is needed on this machine's CPU (AMX): " + note + "."]
+    return text
+
+
 def write_sha256sums(folder: Path) -> Path:
     """`<sha256>  <relative path>` for every file, sorted (what `sha256sum -c` reads)."""
     rows = [f"{sha256_file(p)}  {p.relative_to(folder).as_posix()}"
@@ -416,12 +488,19 @@ def write_sha256sums(folder: Path) -> Path:
 
 def export_run(run_dir: str | os.PathLike, out: str | os.PathLike, *, checkpoint: str = "latest",
                dtype: str = "f16", base: str | None = None, report: bool = True,
-               threads: int | None = None, show_progress: bool = False) -> Bundle:
-    """Export a run's checkpoint as a bundle folder at `out` (which must not exist)."""
+               threads: int | None = None, show_progress: bool = False,
+               compare: list[str] | None = None) -> Bundle:
+    """Export a run's checkpoint as a bundle folder at `out` (which must not exist).
+
+    `compare`: quantization types the picker measures beside `dtype` (question 2 per type, on
+    the same merged model and base pass); the report's `picker` holds the rows and the
+    recommendation. A file that fails question 1 is kept as `model.gguf.defective`
+    (engine.export.verdict.DEFECT_SUFFIX): no runtime or file picker takes it for a model."""
     dtype = dtype.lower()
     if dtype not in DTYPES:
         raise ForgebenchError(f"unknown --dtype {dtype!r}", where="--dtype",
                               hint="one of " + ", ".join(DTYPES))
+    compare = _compare_types(compare or [], dtype)
     out = Path(out).resolve()
     if out.exists():
         raise ForgebenchError("the output folder already exists; an export never writes over "
@@ -437,14 +516,15 @@ def export_run(run_dir: str | os.PathLike, out: str | os.PathLike, *, checkpoint
         raise ForgebenchError("the run is still training", path=run.path,
                               hint="wait for it, or stop it: forgebench stop RUN_DIR")
     threads = threads or run.manifest().get("environment", {}).get("threads") or 1
-    bundle = Bundle(run, run.checkpoint(checkpoint), recipe, dtype, threads=threads)
+    bundle = Bundle(run, run.checkpoint(checkpoint), recipe, dtype, threads=threads,
+                    name=out.name)
     progress = _Progress(show_progress)
     out.parent.mkdir(parents=True, exist_ok=True)
     scratch = out.parent / f".{out.name}.scratch-{os.getpid()}"
     scratch.mkdir()
     try:
         with staged_dir(out) as staging:
-            _fill_bundle(bundle, staging, scratch, base, report, threads, progress)
+            _fill_bundle(bundle, staging, scratch, base, report, threads, progress, compare)
     except OSError as exc:
         if exc.errno == errno.ENOSPC:
             raise ForgebenchError("the disk filled up during the export; nothing was written",
@@ -452,11 +532,36 @@ def export_run(run_dir: str | os.PathLike, out: str | os.PathLike, *, checkpoint
         raise
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
+    from engine.export.verdict import record_in_run
+
+    record_in_run(run.path, out, dtype, bundle.verdict,
+                  (bundle.report or {}).get("export", {}).get("sha256"))
     return bundle
 
 
+def _compare_types(types: list[str], dtype: str) -> list[str]:
+    """The picker's types, checked: quantized file types only, each once."""
+    wanted = []
+    for name in (t.strip().lower() for t in types):
+        if not name:
+            continue
+        if name not in quant_policy.FILE_TYPES or not _is_quantized(name):
+            raise ForgebenchError(f"--compare takes quantized file types, not {name!r}",
+                                  where="--compare",
+                                  hint="e.g. --compare q4_k_m,q5_k_m,q6_k,q8_0 (one of "
+                                  + ", ".join(t for t in quant_policy.FILE_TYPES
+                                              if _is_quantized(t)) + ")")
+        if name not in wanted:
+            wanted.append(name)
+    if wanted and dtype == "adapter":
+        raise ForgebenchError("--compare measures model exports; an adapter is not quantized",
+                              where="--compare", hint="export with --dtype q4_k_m (or another "
+                              "model type) to compare types")
+    return wanted
+
+
 def _fill_bundle(bundle: Bundle, staging: Path, scratch: Path, base: str | None, report: bool,
-                 threads: int, progress: _Progress) -> None:
+                 threads: int, progress: _Progress, compare: list[str] | None = None) -> None:
     """Everything of the bundle into `staging`: model or adapter, report, card, checksums."""
     from engine.export.equivalence import PROMPT_SUITE, build_report, render_text, stopwatch
 
@@ -465,6 +570,7 @@ def _fill_bundle(bundle: Bundle, staging: Path, scratch: Path, base: str | None,
     if recipe in GENERATOR_RECIPES:
         bundle.report = export_generator(run, bundle.checkpoint, dtype, staging, progress)
         bundle.files = bundle.report["export"]["files"]
+        bundle.report["verdict"] = bundle.verdict.as_dict()
         _finish_bundle(bundle, staging)
         return
     if recipe == "lm-pretrain":
@@ -482,15 +588,127 @@ def _fill_bundle(bundle: Bundle, staging: Path, scratch: Path, base: str | None,
             {"kind": "run", "run": str(run.path), "checkpoint": bundle.checkpoint.name},
             bundle.stages, llamacpp=bundle.llamacpp, draft=draft, threads=threads,
             prompts=tuple(dict.fromkeys([*held, *PROMPT_SUITE])), decode=_decoder(bundle),
-            progress=lambda m: progress.say(f"equivalence: {m}"))
+            progress=lambda m: progress.say(f"equivalence: {m}"), same_file=_same_file(bundle))
         bundle.report["export"] = {"run": str(run.path), "checkpoint": bundle.checkpoint.name,
-                                   "dtype": dtype, "files": bundle.files}
-        bundle.report["timings"] = {"model files": written, **bundle.report["timings"],
-                                    "report": elapsed()}
+                                   "dtype": dtype, "files": bundle.files, "name": bundle.name}
+        timings = {"model files": written, **bundle.report["timings"], "report": elapsed()}
+        _answer_questions(bundle, scratch, compare or [], progress, timings)
+        bundle.report["timings"] = timings
         atomic_write_text(staging / "report.json",
                           json.dumps(bundle.report, indent=2) + "\n")
         atomic_write_text(staging / "report.txt", render_text(bundle.report))
     _finish_bundle(bundle, staging)
+
+
+def _answer_questions(bundle: Bundle, scratch: Path, compare: list[str], progress: _Progress,
+                      timings: dict) -> None:
+    """Question 1 (the weights against the merged ones, llama.cpp against the engine), question
+    2 (what quantization cost the fine-tune, engine.export.quality), the picker's rows, and the
+    verdict, into the report; a defect's model file is renamed out of the way."""
+    from engine.export import quality
+    from engine.export.equivalence import stopwatch
+    from engine.export.verdict import (
+        DEFECT_SUFFIX,
+        file_claimed_exact,
+        of_report,
+        question1,
+        recommend,
+    )
+    from engine.kernels.cpu import plan
+
+    report = bundle.report
+    clock = stopwatch()
+    model = Path(bundle.llamacpp.model["path"]) if bundle.llamacpp else None
+    exported = model if model is not None and "lora" not in bundle.llamacpp.model else None
+    weights = quality.check_weights(exported, bundle.reference) if exported else None
+    cpp = report.get("llamacpp", {})
+    compared = None
+    if cpp.get("available") and "vs_engine_same_file" in cpp:
+        m, g = cpp["vs_engine_same_file"], cpp["greedy_vs_engine_same_file"]
+        engine_stage = _same_file(bundle)
+        matrices = [(info.ggml_type.name, info.shape[0]) for info in _matrices(model)]
+        types = sorted({kind for kind, _ in matrices})
+        compared = {"available": True, "top1": m["top1_agreement"], "kl_mean": m["kl_mean"],
+                    "max_abs": m["max_abs_logit_diff"], "greedy_matched": sum(g["matches"]),
+                    "greedy_total": len(g["matches"]), "weight_types": types,
+                    "claimed_exact": engine_stage.get("numerics") == "llamacpp"
+                    and "lora" not in engine_stage
+                    and file_claimed_exact(plan(), matrices),
+                    "note": cpp.get("note")}
+    elif cpp.get("available"):
+        compared = {"available": False, "reason": "no engine stage ran on the same file"}
+    else:
+        compared = {"available": False, "reason": cpp.get("reason")}
+    report["question1"] = question1(weights, compared)
+    timings["question 1 (weights)"] = clock()
+    if exported is not None:
+        report["export"]["sha256"] = sha256_file(exported)
+    report["question2"] = {"available": False, "reason": _no_question2(bundle)}
+    if not report["question2"]["reason"]:
+        clock = stopwatch()
+        exports = [{"dtype": bundle.dtype, "model": _stage_spec(exported, bundle.dtype)}]
+        exports += [{"dtype": t, "quantize": True, "answers": False,
+                     "model": _native_spec(scratch / f"compare-{t}.gguf")}
+                    for t in compare if t != bundle.dtype]
+        measured = quality.run_measure(
+            {"run": str(bundle.run.path), "tokenizer_file": str(exported),
+             "base": bundle.base_spec, "fine_tune": bundle.fine_tune,
+             "merged": bundle.fine_tune["path"], "exports": exports}, bundle.threads,
+            lambda m: progress.say(m))
+        report["question2"] = quality.question2(measured, bundle.dtype)
+        if compare:
+            rows = quality.picker_rows(measured)
+            report["picker"] = {"rows": rows, "recommended": recommend(rows)}
+        timings["question 2"] = {"wall_s": clock()["wall_s"],
+                                 "cpu_s": measured["timing"]["cpu_s"]}
+    verdict = of_report(report)
+    report["verdict"] = verdict.as_dict()
+    if not verdict.usable and exported is not None and exported.parent == model.parent \
+            and exported.name in bundle.files:
+        # a defect stays for diagnosis under a name no runtime or picker takes for a model
+        kept = exported.with_name(exported.name + DEFECT_SUFFIX)
+        os.replace(exported, kept)
+        bundle.files[bundle.files.index(exported.name)] = kept.name
+
+
+def _same_file(bundle: Bundle) -> dict | None:
+    """What llama.cpp runs, as the engine runs it under llama.cpp numerics (question 1 compares
+    the two): the exported file, or the base with the adapter (the engine reads the run's
+    adapters.safetensors, llama.cpp the adapter.gguf written from it)."""
+    cpp = bundle.llamacpp
+    if cpp is None:
+        return None
+    spec = _native_spec(Path(cpp.model["path"]))
+    if cpp.model.get("lora"):
+        spec["lora"] = bundle.stages[-1].model["lora"]
+    return spec
+
+
+def _matrices(path: Path | None) -> list:
+    from engine.export.quality import tensor_views
+
+    if path is None:
+        return []
+    return [t for t in tensor_views(path).values() if len(t.shape) >= 2]
+
+
+def _stage_spec(path: Path, dtype: str) -> dict:
+    """How the engine loads an exported file: a quantized one under llama.cpp numerics."""
+    return _native_spec(path) if _is_quantized(dtype) else \
+        {"kind": "gguf", "path": str(path), "numerics": "f32"}
+
+
+def _no_question2(bundle: Bundle) -> str | None:
+    """Why question 2 cannot be measured for this export, or None."""
+    if bundle.dtype == "adapter":
+        return "an adapter export rounds nothing: llama.cpp applies it to the base as trained"
+    if bundle.recipe != "lm-sft":
+        return (f"measured for lm-sft runs; an {bundle.recipe} run has no supervised "
+                "validation answers to score" if bundle.recipe != "lm-pretrain" else
+                "an lm-pretrain run has no base: there is no fine-tune gain to measure")
+    if bundle.fine_tune is None or bundle.base_spec is None:
+        return "no unquantized fine-tune to measure against"
+    return None
 
 
 def _finish_bundle(bundle: Bundle, staging: Path) -> None:
@@ -510,3 +728,69 @@ def _decoder(bundle: Bundle) -> Callable[[list[int]], str] | None:
         return None
     tokenizer = GGUFTokenizer.from_gguf(path)
     return tokenizer.decode
+
+
+def compare_types(run_dir: str | os.PathLike, types: list[str], *, checkpoint: str = "latest",
+                  base: str | None = None, threads: int | None = None,
+                  show_progress: bool = False) -> dict:
+    """The quantization picker without an export: the run's adapters merged once into a
+    scratch file, then question 2 measured per type (engine.export.quality), the base scored
+    once. Returns {"rows": [{dtype, bytes, gain_kept, kl_mean, same_top1, loss}], "recommended",
+    "split", "base_loss", "fine_tune_loss", "timing"}; nothing is left on disk."""
+    import tempfile
+
+    from engine.export import quality
+    from engine.export.merge import merge_into_gguf, write_full_weights
+    from engine.export.verdict import recommend
+    from engine.llm.chat import ChatTemplate
+    from engine.lora import ADAPTERS_FILE
+    from engine.train.checkpoint import MODEL_FILE
+
+    types = _compare_types(types, "f16")
+    if not types:
+        raise ForgebenchError("the picker needs at least one type", where="--compare",
+                              hint="e.g. --compare q4_k_m,q5_k_m,q6_k,q8_0")
+    run = RunDir(run_dir).require()
+    recipe = run.manifest()["recipe"]
+    if recipe != "lm-sft":
+        raise ForgebenchError(f"the quantization picker measures lm-sft runs, not {recipe}",
+                              path=run.path, where="--compare",
+                              hint="export with a chosen --dtype instead")
+    if run.is_active():
+        raise ForgebenchError("the run is still training", path=run.path,
+                              hint="wait for it, or stop it: forgebench stop RUN_DIR")
+    threads = threads or run.manifest().get("environment", {}).get("threads") or 1
+    bundle = Bundle(run, run.checkpoint(checkpoint), recipe, "f16", threads=threads)
+    progress = _Progress(show_progress)
+    with tempfile.TemporaryDirectory(prefix="forgebench-picker-") as tmp:
+        scratch = Path(tmp)
+        base_path, _ = _sft_base(bundle, base, scratch, progress)
+        try:
+            template = ChatTemplate.from_gguf(base_path).source
+        except ForgebenchError:
+            template = None
+        merged = scratch / "merged.gguf"
+        adapter = bundle.checkpoint.path / ADAPTERS_FILE
+        with progress.tensors("merge") as update:
+            if adapter.is_file():
+                merge_into_gguf(base_path, adapter, merged, progress=update,
+                                chat_template=template)
+            else:
+                write_full_weights(base_path, bundle.checkpoint.path / MODEL_FILE, merged,
+                                   run.manifest()["base_model"]["sha256"], progress=update,
+                                   chat_template=template)
+        measured = quality.run_measure(
+            {"run": str(run.path), "tokenizer_file": str(merged),
+             "base": {"kind": "gguf", "path": str(base_path), "numerics": "f32"},
+             "fine_tune": {"kind": "gguf", "path": str(merged), "numerics": "f32"},
+             "merged": str(merged),
+             "exports": [{"dtype": t, "quantize": True, "answers": False,
+                          "model": _native_spec(scratch / f"compare-{t}.gguf")}
+                         for t in types]}, threads, progress.say)
+    if not measured.get("available"):
+        raise ForgebenchError(f"the picker cannot measure this run: {measured.get('reason')}",
+                              path=run.path, where="--compare")
+    rows = quality.picker_rows(measured)
+    return {"rows": rows, "recommended": recommend(rows), "split": measured["split"],
+            "base_loss": measured["base_loss"], "fine_tune_loss": measured["fine_tune_loss"],
+            "timing": measured["timing"]}

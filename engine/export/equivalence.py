@@ -421,6 +421,9 @@ def _engine_stages_worker(spec: dict) -> None:
 
 def worker_main(spec_path: str) -> int:
     spec = json.loads(Path(spec_path).read_text("utf-8"))
+    if spec.get("worker") == "quality":               # engine/export/quality.py
+        from engine.export.quality import worker_main as quality_main
+        return quality_main(spec_path)
     if "stages" in spec:
         _engine_stages_worker(spec)
         return 0
@@ -534,15 +537,24 @@ def build_report(reference: dict, stages: list[Stage], *, llamacpp: Stage | None
                  draft: dict | None = None, prompts: tuple[str, ...] = PROMPT_SUITE,
                  greedy_tokens: int = GREEDY_TOKENS, threads: int = 1,
                  decode: Callable[[list[int]], str] | None = None,
-                 progress: Callable[[str], None] | None = None) -> dict:
+                 progress: Callable[[str], None] | None = None,
+                 same_file: dict | None = None) -> dict:
     """Score the checkpoint (`reference`, a worker load spec) and each stage; return the report.
     `draft` (a load spec: the exported file under llama.cpp numerics) lets the stages follow
-    guesses instead of decoding token by token (follow_guesses); it changes no result."""
+    guesses instead of decoding token by token (follow_guesses); it changes no result.
+    `same_file` (a load spec: what llama.cpp runs, in the engine under llama.cpp numerics) is
+    what the llama.cpp stage is compared with as "vs engine, same file": the last stage where
+    it is that, else one more engine pass that is not a stage of its own."""
     say = progress or (lambda _msg: None)
+    models = [s.model for s in stages]
+    extra = same_file is not None and (not models or models[-1] != same_file)
+    if extra:
+        models.append(same_file)
     with tempfile.TemporaryDirectory(prefix="forgebench-equivalence-") as tmp:
         workdir = Path(tmp)
         labels = ["checkpoint: greedy answers and scoring"] + [f"{s.name}: scoring"
                                                                 for s in stages]
+        labels += ["the exported file under llama.cpp numerics: scoring"] if extra else []
 
         def relay(line: str) -> None:
             if line.startswith("stage "):
@@ -550,10 +562,13 @@ def build_report(reference: dict, stages: list[Stage], *, llamacpp: Stage | None
 
         timings = {"engine worker": _run_worker(
             {"reference": reference, "prompts": list(prompts), "greedy_tokens": greedy_tokens,
-             "stages": [s.model for s in stages], "draft": draft, "outdir": str(workdir)},
+             "stages": models, "draft": draft, "outdir": str(workdir)},
             workdir, "engine", threads, relay)}
         ref, *got_stages = [StageResult.read(workdir / f"stage-{k}.safetensors")
-                            for k in range(len(stages) + 1)]
+                            for k in range(len(models) + 1)]
+        same = got_stages.pop() if extra else None
+        if same is not None:
+            timings["engine, same file"] = same.timing
         common = reference_sequences(ref.texts, ref.prompt_ids, ref.greedy, greedy_tokens)
         sequences, scored_from = common["sequences"], common["scored_from"]
         n = len(sequences)
@@ -587,7 +602,7 @@ def build_report(reference: dict, stages: list[Stage], *, llamacpp: Stage | None
             timings["llama.cpp worker"] = _run_worker(
                 dict(common, model=llamacpp.model, out=str(out)), workdir, "llamacpp", threads)
             got = StageResult.read(out)
-            engine_same_file = got_stages[-1] if got_stages else None
+            engine_same_file = same or (got_stages[-1] if got_stages else None)
             report.llamacpp = {
                 "available": True, "description": llamacpp.description, "file": llamacpp.file,
                 "tokenizer_matches": got.prompt_ids == ref.prompt_ids,
@@ -615,12 +630,80 @@ def _metrics_row(name: str, m: dict) -> str:
             f"KL mean {m['kl_mean']:.3g} max {m['kl_max']:.3g}")
 
 
+def render_questions(report: dict) -> list[str]:
+    """The two questions' answers, with the thresholds they were judged by."""
+    from engine.export import verdict as v
+
+    q1, q2 = report["question1"], report.get("question2") or {}
+    lines = [f"1. Is the file right? {q1['status'].upper()}"]
+    w = q1.get("weights")
+    if w is None:
+        lines.append("   weights: no separate unquantized file to compare with (not checked)")
+    else:
+        worst = w.get("worst") or {}
+        lines.append(f"   weights: {w['checked']} tensors read back with gguf-py against "
+                     f"{w['reference']}; {len(w['failed'])} beyond their type's rounding"
+                     + (f" (largest relative error {worst['rel_error']:.3g} in {worst['name']} "
+                        f"{worst['type']}, allowed {worst['bound']:.3g})" if worst else ""))
+    cpp = q1.get("llamacpp") or {}
+    if cpp.get("available"):
+        bar = ("bit-exact (the doctor claims it for " + ", ".join(cpp["weight_types"]) + ")"
+               if cpp["claimed_exact"] else f"same top-1 ≥ {v.Q1_MIN_TOP1:.1%} and mean KL ≤ "
+               f"{v.Q1_MAX_KL:g} nats")
+        lines.append(f"   llama.cpp vs the engine on the same file: same top-1 {cpp['top1']:.2%}, "
+                     f"mean KL {cpp['kl_mean']:.3g}, max |Δlogit| {cpp['max_abs']:.3g}, greedy "
+                     f"{cpp['greedy_matched']}/{cpp['greedy_total']}; needs {bar}")
+        if cpp.get("note"):
+            lines.append(f"   note: {cpp['note']}")
+    else:
+        lines.append(f"   llama.cpp: NOT ANSWERED ({q1.get('not_answered_because')})")
+    for reason in q1.get("reasons", []):
+        lines.append(f"   FAIL: {reason}")
+    lines.append("2. What did quantization cost your fine-tune?")
+    if not q2.get("available"):
+        lines.append(f"   not measured: {q2.get('reason')}")
+    else:
+        kept = q2["gain_kept"]
+        lines += [
+            f"   on the run's {q2['split']}: {q2['samples']} samples, {q2['positions']} "
+            "supervised tokens",
+            f"   validation loss: base {q2['base_loss']:.4f}, fine-tune (merged, unquantized) "
+            f"{q2['fine_tune_loss']:.4f}, this file {q2['export_loss']:.4f}",
+            "   gain kept: " + (f"{kept:.1%}" if kept is not None else "n/a (no gain)")
+            + f" (kept ≥ {v.KEPT_MIN:.0%}, lost < {v.LOST_BELOW:.0%})",
+            f"   mean KL(fine-tune ‖ file) {q2['kl_mean']:.4g} nats, same top-1 "
+            f"{q2['same_top1']:.2%}, Δ perplexity {q2['delta_ppl']:+.4g} (fine-tune "
+            f"{q2['fine_tune_ppl']:.4g})"]
+        for row in q2.get("answers", []):
+            lines.append(f"   {row['prompt']!r}")
+            for who in ("base", "fine_tune", "export"):
+                lines.append(f"     {who.replace('_', '-'):<10} {row[who]!r}")
+    picker = report.get("picker")
+    if picker:
+        lines.append("Quantization picker (size against the share of the gain kept):")
+        for row in picker["rows"]:
+            kept = row["gain_kept"]
+            lines.append(f"   {row['dtype']:<8} {row['bytes'] / 1e6:9.2f} MB   keeps "
+                         + (f"{kept:7.1%}" if kept is not None else "    n/a")
+                         + f"   KL {row['kl_mean']:.3g}   same top-1 {row['same_top1']:.2%}")
+        lines.append(f"   recommended: {picker['recommended'] or 'none keeps ≥ 90% of the gain'}"
+                     f" (the smallest file keeping ≥ {v.KEPT_MIN:.0%})")
+    return lines
+
+
 def render_text(report: dict) -> str:
     """The report for people: one block per stage, then llama.cpp."""
-    lines = ["Equivalence report", "==================",
-             f"{len(report['prompt_suite'])} prompts; each stage scores every position of the "
-             "prompt's last token and the checkpoint's greedy answer.",
-             f"Overall: {'VERIFIED' if report.get('passed') else 'NOT verified'}"]
+    from engine.export.verdict import of_report
+
+    verdict = of_report(report)
+    lines = ["Export report", "=============", f"Verdict: {verdict.line}", ""]
+    if "question1" in report:
+        lines += render_questions(report) + [""]
+    lines += ["Staged comparison with the training checkpoint",
+              "----------------------------------------------",
+              f"{len(report['prompt_suite'])} prompts; each stage scores every position of the "
+              "prompt's last token and the checkpoint's greedy answer.",
+              f"All stages within their bars: {'yes' if report.get('passed') else 'NO'}"]
     if report.get("numerics"):                        # reports written before it existed lack it
         lines.append(report["numerics"])
     lines.append("")

@@ -182,12 +182,24 @@ def with_chat_template(metadata: dict, chat_template: str | None) -> dict:
     return metadata
 
 
+def _name(metadata: dict, name: str | None) -> None:
+    """`general.name` is the fine-tune's (a runtime shows it), not the base's: the base's
+    name stays in `general.basename` when it had one to give."""
+    if not name:
+        return
+    old = metadata.get("general.name")
+    if old is not None and "general.basename" not in metadata:
+        metadata["general.basename"] = old
+    metadata["general.name"] = MetaValue(GGUFValueType.STRING, name)
+
+
 def merge_into_gguf(base: str | Path, adapter_path: str | Path, out: str | Path, *,
                     progress: Callable[[TensorEntry, int, int], None] | None = None,
-                    chat_template: str | None = None) -> MergeResult:
+                    chat_template: str | None = None, name: str | None = None) -> MergeResult:
     """Write base + adapter as a dense GGUF at `out` (must not exist): same metadata, tensor
-    order and types, with the adapter's identity recorded, and `chat_template` (the layout
-    the adapter was trained with) when the base has none."""
+    order and types, with the adapter's identity recorded, `chat_template` (the layout
+    the adapter was trained with) when the base has none, and `name` (the fine-tune's) as
+    `general.name` when given."""
     out = Path(out)
     if out.exists():
         raise ForgebenchError("the output file already exists; refusing to overwrite it",
@@ -210,6 +222,7 @@ def merge_into_gguf(base: str | Path, adapter_path: str | Path, out: str | Path,
     metadata[MERGED_ADAPTER_KEY] = MetaValue(GGUFValueType.STRING, adapter.sha256)
     metadata[MERGED_ALPHA_KEY] = MetaValue(GGUFValueType.FLOAT32, adapter.alpha)
     metadata[MERGED_RANK_KEY] = MetaValue(GGUFValueType.UINT32, adapter.rank)
+    _name(metadata, name)
     write_gguf(out, metadata, [entry_for(t) for t in content.tensors], version=content.version,
                progress=progress)
     return MergeResult(out, sorted(targets), base_match, adapter.sha256)
@@ -217,7 +230,7 @@ def merge_into_gguf(base: str | Path, adapter_path: str | Path, out: str | Path,
 
 def write_full_weights(base: str | Path, weights: str | Path, out: str | Path, base_sha256: str,
                        *, progress: Callable[[TensorEntry, int, int], None] | None = None,
-                       chat_template: str | None = None) -> MergeResult:
+                       chat_template: str | None = None, name: str | None = None) -> MergeResult:
     """Write a full fine-tune's weights (a checkpoint's torch state dict, `weights`) into the
     dense GGUF it was trained from: the base's metadata, tokenizer, tensor order and types,
     every tensor replaced by the trained one (named by the loader's own mapping). Refuses a
@@ -272,6 +285,7 @@ def write_full_weights(base: str | Path, weights: str | Path, out: str | Path, b
     digest = sha256_file(weights)
     metadata = with_chat_template(dict(content.metadata), chat_template)
     metadata[FULL_WEIGHTS_KEY] = MetaValue(GGUFValueType.STRING, digest)
+    _name(metadata, name)
     write_gguf(out, metadata, [entry_for(t) for t in content.tensors], version=content.version,
                progress=progress)
     return MergeResult(out, sorted(by_gguf), base_match, digest)
