@@ -183,7 +183,7 @@ def test_convert_round_trip_through_the_gguf_package_and_the_engine(tiny_f16, tm
     # engine logits on the file = a dense model holding the in-memory decomposition
     model, _ = load_gguf_model(out, tokenizer=False)
     ref, _ = load_gguf_model(tiny_f16, tokenizer=False)
-    for i, layer in enumerate(ref.layers):
+    for layer in ref.layers:
         for path in ("attn.q", "attn.k", "attn.v", "attn.o", "mlp.gate", "mlp.up", "mlp.down"):
             parent, _, attr = path.rpartition(".")
             base = getattr(layer.get_submodule(parent), attr)
