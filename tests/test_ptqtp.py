@@ -242,3 +242,36 @@ def test_llamacpp_runs_the_single_plane_file(tiny_f16, tmp_path):
     scale = np.abs(theirs).max()
     assert np.abs(ours - theirs).max() <= 0.02 * scale
     assert (ours.argmax(1) == theirs.argmax(1)).mean() >= 0.9
+
+
+# -- serving and training over a 2-plane file (subprocess jobs) --------------------------------
+
+@pytest.mark.slow
+def test_generate_verify_grads_and_a_lora_run_over_a_two_plane_base(tmp_path):
+    """`generate --model` runs the 2-plane file; verify-grads passes with it as the frozen base;
+    a short LoRA SFT run on the pirate pairs trains over it (loss falls) and leaves it intact."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    from lm_pretrain_support import forgebench
+    from lm_sft_support import write_config
+
+    from engine.fsutil import sha256_file
+
+    src = write_tiny_gguf(tmp_path / "tiny.gguf", arch="gemma3", qtype="F16", n_layers=2)
+    base = convert_ptqtp(src, tmp_path / "tiny-ptqtp2.gguf", planes=2).path
+    before = sha256_file(base)
+    out = forgebench("generate", "--model", str(base), "--prompt", "hello world",
+                     "--max-tokens", "4")
+    assert out.stdout.strip()
+    config = write_config(tmp_path, base, steps=6)
+    checks = {r["check"]: r for r in json.loads(
+        forgebench("verify-grads", str(config), "--samples", "8", "--json").stdout)}
+    assert all(r["passed"] for r in checks.values()), checks
+    assert checks["frozen-base"]["base_bytes_unchanged"]
+    forgebench("run", str(config), "--out", str(tmp_path / "run"))
+    losses = [m["loss"] for m in map(json.loads, (tmp_path / "run" / "metrics.jsonl")
+                                     .read_text().splitlines()) if m.get("split") == "train"]
+    assert len(losses) == 6 and losses[-1] < losses[0]
+    assert sha256_file(base) == before

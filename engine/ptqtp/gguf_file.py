@@ -7,7 +7,8 @@ The file (documented in docs/ptqtp.md):
 - a 2-plane file adds `blk.N.attn_q.weight.plane2`, same shape and type, holding α²·T². The
   weight is the sum of the two tensors: W ≈ plane1 + plane2.
 - metadata: `ptqtp.planes` (1|2), `ptqtp.group` (256, or 0 for one scale per row),
-  `ptqtp.version` (1), `ptqtp.source_sha256`, and the convert's `forgebench.dequantized_from*`
+  `ptqtp.version` (1), `ptqtp.source_sha256`, `ptqtp.method` ("ptqtp"; "absmean" for the
+  round-to-nearest baseline), and the convert's `forgebench.dequantized_from*`
   keys when the source was quantized. `general.file_type` is MOSTLY_TQ2_0.
 
 A 1-plane file is a plain llama.cpp model (stock llama.cpp loads and runs it); a 2-plane file is
@@ -41,11 +42,11 @@ from engine.errors import ForgebenchError
 from engine.fsutil import sha256_file
 from engine.gguf.constants import DEQUANTIZED_FROM_KEY, DEQUANTIZED_FROM_TYPE_KEY, QK_K
 from engine.gguf.writer import MetaValue, TensorEntry, read_gguf_content, write_gguf
-from engine.ptqtp.decompose import Decomposition, decompose, relative_error
+from engine.ptqtp.decompose import Decomposition, absmean_ternary, decompose, relative_error
 
 PLANE2_SUFFIX = ".plane2"
 PLANES_KEY, GROUP_KEY, VERSION_KEY = "ptqtp.planes", "ptqtp.group", "ptqtp.version"
-SOURCE_KEY = "ptqtp.source_sha256"
+SOURCE_KEY, METHOD_KEY = "ptqtp.source_sha256", "ptqtp.method"
 FORMAT_VERSION = 1
 TQ2_0_BYTES = 66
 PROJECTION = re.compile(r"^blk\.\d+\.(attn_q|attn_k|attn_v|attn_output|ffn_gate|ffn_up|ffn_down)"
@@ -97,15 +98,21 @@ def _policy(name: str, shape: tuple[int, ...], group: int | None) -> str | None:
 
 
 def convert_ptqtp(src: str | Path, dst: str | Path, *, planes: int = 2, group: int | None = 256,
-                  iterations: int | None = None, progress=None) -> PtqtpResult:
+                  iterations: int | None = None, progress=None,
+                  method: str = "ptqtp") -> PtqtpResult:
     """Write `src` (any GGUF the engine runs) as a PTQTP model at `dst` (which must not exist),
-    one tensor in memory at a time, and its report at `dst` + '.ptqtp.json'."""
+    one tensor in memory at a time, and its report at `dst` + '.ptqtp.json'.
+
+    method="absmean" writes plain round-to-nearest ternary (BitNet b1.58's absmean, one plane)
+    in the same layout instead: the baseline the benchmark measures PTQTP against."""
     from engine.gguf.convert import _source_type_name, _to_f32
 
     src, dst = Path(src), Path(dst)
     if planes not in (1, 2):
         raise ForgebenchError(f"--planes must be 1 or 2, not {planes}", where="--planes",
                               hint="2 (the PTQTP model) or 1 (a file stock llama.cpp runs)")
+    if method not in ("ptqtp", "absmean") or (method == "absmean" and planes != 1):
+        raise ValueError(f"method {method!r} with {planes} planes")
     if group is not None and group != QK_K:
         raise ForgebenchError(f"--group {group} cannot be stored as TQ2_0", where="--group",
                               hint="256 (one scale per 256-value block) or 'row'")
@@ -126,7 +133,8 @@ def convert_ptqtp(src: str | Path, dst: str | Path, *, planes: int = 2, group: i
             last.clear()
             w = _to_f32(entry)
             start = time.perf_counter()
-            dec = decompose(w, planes=planes, group=group, **kwargs)
+            dec = (decompose(w, planes=planes, group=group, **kwargs) if method == "ptqtp"
+                   else absmean_ternary(w, group=group))
             seconds = time.perf_counter() - start
             one = dec.plane_dense(0)
             row = {"name": entry.name, "shape": list(entry.shape),
@@ -173,6 +181,7 @@ def convert_ptqtp(src: str | Path, dst: str | Path, *, planes: int = 2, group: i
     metadata[GROUP_KEY] = MetaValue(GGUFValueType.UINT32, 0 if group is None else group)
     metadata[VERSION_KEY] = MetaValue(GGUFValueType.UINT32, FORMAT_VERSION)
     metadata[SOURCE_KEY] = MetaValue(GGUFValueType.STRING, src_sha)
+    metadata[METHOD_KEY] = MetaValue(GGUFValueType.STRING, method)
     if dequantized:
         metadata[DEQUANTIZED_FROM_KEY] = MetaValue(GGUFValueType.STRING, src_sha)
         metadata[DEQUANTIZED_FROM_TYPE_KEY] = MetaValue(GGUFValueType.STRING,
