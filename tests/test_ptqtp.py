@@ -223,9 +223,11 @@ def test_cli_convert_ptqtp(tiny_f16, tmp_path, capsys):
 
 @pytest.mark.llamacpp
 def test_llamacpp_runs_the_single_plane_file(tiny_f16, tmp_path):
-    """Stock llama.cpp loads the 1-plane file and its logits agree with the engine's f32 forward.
-    Not bit-exact: llama.cpp's TQ2_0 product quantizes the activations to Q8_K first (the engine's
-    f32 numerics do not), so the bound is that rounding's size on this model."""
+    """Stock llama.cpp loads the 1-plane file and its logits agree with the engine's.
+    llama.cpp's TQ2_0 product quantizes the activations to Q8_K first: the engine's llamacpp
+    numerics do too (VEC_DOT_TYPE) and agree to 1e-3 of the largest logit (measured: 4e-5; not
+    bit-exact, the sums' order differs); its f32 numerics do not, and agree to 2% (measured 1.3%),
+    with the same top-1 token."""
     from engine.export.llamacpp import open_llama
     from engine.models.gguf_model import load_gguf_model
 
@@ -235,13 +237,14 @@ def test_llamacpp_runs_the_single_plane_file(tiny_f16, tmp_path):
     llm = open_llama(str(out), logits_all=True, n_ctx=64, n_threads=2, verbose=False)
     llm.eval(ids)
     theirs = np.array(llm.scores[: len(ids)])
-    model, _ = load_gguf_model(out, tokenizer=False)
-    with torch.no_grad():
-        cache = model.new_cache(1, len(ids))
-        ours = model.logits(model.hidden(torch.tensor([ids]), 0, cache))[0].numpy()
     scale = np.abs(theirs).max()
-    assert np.abs(ours - theirs).max() <= 0.02 * scale
-    assert (ours.argmax(1) == theirs.argmax(1)).mean() >= 0.9
+    for numerics, bound in (("llamacpp", 1e-3), ("f32", 0.02)):
+        model, _ = load_gguf_model(out, tokenizer=False, numerics=numerics)
+        with torch.no_grad():
+            cache = model.new_cache(1, len(ids))
+            ours = model.logits(model.hidden(torch.tensor([ids]), 0, cache))[0].numpy()
+        assert np.abs(ours - theirs).max() <= bound * scale, numerics
+        assert (ours.argmax(1) == theirs.argmax(1)).all(), numerics
 
 
 # -- serving and training over a 2-plane file (subprocess jobs) --------------------------------
