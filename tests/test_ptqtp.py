@@ -278,3 +278,31 @@ def test_generate_verify_grads_and_a_lora_run_over_a_two_plane_base(tmp_path):
                                      .read_text().splitlines()) if m.get("split") == "train"]
     assert len(losses) == 6 and losses[-1] < losses[0]
     assert sha256_file(base) == before
+
+
+@pytest.mark.realmodel
+@pytest.mark.llamacpp
+def test_gemma_single_plane_file_runs_in_llamacpp_and_agrees_with_the_engine(gemma_gguf,
+                                                                          tmp_path):
+    """gemma-3-270m (from its Q4_K_M, dequantized per tensor) as a 1-plane PTQTP file: the
+    decomposable projections (attn_output, ffn_down: 640-wide rows do not fill TQ2_0 blocks)
+    become TQ2_0, llama.cpp loads the file, and the engine's llamacpp numerics agree with it."""
+    from engine.export.llamacpp import open_llama
+    from engine.models.gguf_model import load_gguf_model
+
+    result = convert_ptqtp(gemma_gguf, tmp_path / "gemma-ptqtp1.gguf", planes=1)
+    report = result.report
+    assert report["dequantized_source"] and report["decomposed"] == 36
+    assert {r["name"].split(".")[2] for r in report["tensors"] if "rel_error" in r} \
+        == {"attn_output", "ffn_down"}
+    assert all(0 < r["rel_error"] < 0.6 for r in report["tensors"] if "rel_error" in r)
+    ids = [2, 818, 5279, 529, 7001, 563, 496, 236764, 506, 1304, 13550, 236761]
+    llm = open_llama(str(result.path), logits_all=True, n_ctx=64, n_threads=2, verbose=False)
+    llm.eval(ids)
+    theirs = np.array(llm.scores[: len(ids)])
+    model, _ = load_gguf_model(result.path, tokenizer=False, numerics="llamacpp")
+    with torch.no_grad():
+        cache = model.new_cache(1, len(ids))
+        ours = model.logits(model.hidden(torch.tensor([ids]), 0, cache))[0].numpy()
+    assert np.abs(ours - theirs).max() <= 1e-3 * np.abs(theirs).max()
+    assert (ours.argmax(1) == theirs.argmax(1)).mean() >= 0.9
