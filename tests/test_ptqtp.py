@@ -161,7 +161,7 @@ def test_convert_round_trip_through_the_gguf_package_and_the_engine(tiny_f16, tm
     from engine.ptqtp.weight import PlaneSumLinear
 
     out = tmp_path / "tiny-ptqtp.gguf"
-    result = convert_ptqtp(tiny_f16, out, planes=2)
+    result = convert_ptqtp(tiny_f16, out, planes=2, iterations=4)   # few rounds: a fast test
     report = json.loads(result.report_path.read_text())
     assert report["decomposed"] == 14 and report["planes"] == 2           # 2 layers × 7
     kept = {r["name"] for r in report["tensors"] if "kept" in r}
@@ -172,7 +172,7 @@ def test_convert_round_trip_through_the_gguf_package_and_the_engine(tiny_f16, tm
     src = {t.name: t for t in read_gguf_content(tiny_f16).tensors}
     name = "blk.1.ffn_down.weight"
     w = torch.from_numpy(_to_f32(src[name]))
-    dec = D.decompose(w, planes=2, group=256)
+    dec = D.decompose(w, planes=2, group=256, iterations=4)
     p1, p2 = _tensor(reader, name), _tensor(reader, name + PLANE2_SUFFIX)
     assert p1.tensor_type == T.TQ2_0 and p2.tensor_type == T.TQ2_0
     from_file = quants.dequantize(p1.data, T.TQ2_0) + quants.dequantize(p2.data, T.TQ2_0)
@@ -188,7 +188,7 @@ def test_convert_round_trip_through_the_gguf_package_and_the_engine(tiny_f16, tm
             parent, _, attr = path.rpartition(".")
             base = getattr(layer.get_submodule(parent), attr)
             dense = torch.nn.Linear(base.in_features, base.out_features, bias=False)
-            dense.weight.data = D.decompose(base.dense_weight(), planes=2).dense()
+            dense.weight.data = D.decompose(base.dense_weight(), planes=2, iterations=4).dense()
             setattr(layer.get_submodule(parent), attr, dense)
     assert isinstance(model.layers[0].attn.q, PlaneSumLinear)
     ids = torch.tensor([[1, 40, 7, 200, 12, 99, 5]])
