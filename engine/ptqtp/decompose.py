@@ -1,0 +1,250 @@
+"""PTQTP: a weight matrix as a sum of ternary planes with real scales (arXiv 2509.16989).
+
+    W[r, group j] ≈ α¹[r, j]·T¹[r, group j] + α²[r, j]·T²[r, group j],   T ∈ {−1, 0, +1}
+
+Each (row, group) vector w ∈ R^g is independent, so a matrix is cut into row chunks and every
+chunk is solved at once (vectorised; bounded memory: `CHUNK_ENTRIES` values at a time).
+
+The solver, for one group (progressive, then alternating):
+
+1. Plane 1 is the best single ternary plane of w: for k nonzeros the best choice is the k
+   largest |w| with their signs and α = their mean |w| (error ‖w‖² − S_k²/k, S_k the sum of the
+   k largest |w|), so k = argmax S_k²/k is found exactly by a sort and a cumulative sum. Plane 2
+   is the same construction on the residual w − α¹T¹ (the paper's progressive start).
+2. Alternate, for `iterations` rounds:
+   - scales for fixed planes: the ridge regression α = (TᵀT + λI)⁻¹Tᵀw, a 2×2 system per group
+     (closed form, Cramer's rule in f64);
+   - planes for fixed scales: per entry, the nearest of the 9 values α¹a + α²b, a, b ∈ {−1,0,1}
+     (optimal entry by entry, since the squared error is a sum over entries).
+   Both steps minimise J = ‖w − Tα‖² + λ‖α‖² exactly, so J never increases for a fixed λ. The
+   regularisation is adaptive: λ = `ridge`·tr(TᵀT)/2 scales with the planes' own Gram matrix,
+   so it is relatively small for every group and keeps the system solvable when the planes are
+   (nearly) collinear or a plane is all zero; a round is accepted per group only where it does
+   not increase the plain reconstruction error ‖w − Tα‖², so that error never increases
+   across rounds (`Decomposition.history` records it).
+3. Stored scales are f16 (llama.cpp's TQ2_0 block scale): the scales are rounded to f16, made
+   non-negative (a negative α flips its plane's signs) and the planes are searched once more
+   for those exact scales, so the planes written are optimal for the scales written.
+
+One plane (`planes=1`) is step 1 alone (exactly optimal up to the f16 rounding), then step 3.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+CHUNK_ENTRIES = 1 << 20      # values solved at once (a few f32/f64 copies of them live)
+DEFAULT_ITERATIONS = 30
+DEFAULT_RIDGE = 1e-6
+TOLERANCE = 1e-4           # stop when a round gains less than this share of the error
+
+
+@dataclass
+class Decomposition:
+    """planes: int8 [P, rows, cols] in {−1,0,1}; scales: f32 [P, rows, groups] (f16-exact,
+    ≥ 0); `history`: the total squared reconstruction error after the start and each round."""
+
+    planes: torch.Tensor
+    scales: torch.Tensor
+    group: int
+    history: list[float] = field(default_factory=list)
+
+    def plane_dense(self, p: int) -> torch.Tensor:
+        rows, cols = self.planes.shape[1:]
+        s = self.scales[p].repeat_interleave(self.group, dim=1)
+        return self.planes[p].float() * s
+
+    def dense(self) -> torch.Tensor:
+        return sum(self.plane_dense(p) for p in range(self.planes.shape[0]))
+
+
+def best_single_plane(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """w [n, g] -> (t [n, g] in {−1,0,1}, α [n]): the exact minimiser of ‖w − α t‖² over α ≥ 0
+    and ternary t (see the module docstring)."""
+    a = w.abs().double()
+    sorted_abs, order = torch.sort(a, dim=1, descending=True)
+    sums = torch.cumsum(sorted_abs, dim=1)
+    k = torch.arange(1, w.shape[1] + 1, dtype=torch.float64)
+    k_best = torch.argmax(sums * sums / k, dim=1)                    # 0-based: k_best + 1 kept
+    alpha = sums.gather(1, k_best[:, None])[:, 0] / (k_best + 1).double()
+    keep_sorted = torch.arange(w.shape[1])[None, :] <= k_best[:, None]
+    keep = torch.zeros_like(keep_sorted).scatter(1, order, keep_sorted)
+    t = torch.where(keep, torch.sign(w), torch.zeros_like(w))
+    alpha = torch.where(sorted_abs[:, 0] > 0, alpha, torch.zeros_like(alpha))
+    return t.float(), alpha.float()
+
+
+def solve_scales(w: torch.Tensor, t: torch.Tensor, ridge: float = DEFAULT_RIDGE) -> torch.Tensor:
+    """w [n, g], t [n, P, g] -> α [n, P] minimising ‖w − Σ_p α_p t_p‖² + λ‖α‖² with
+    λ = ridge·tr(TᵀT)/P (ridge=0: plain least squares where TᵀT is invertible)."""
+    wd, td = w.double(), t.double()
+    gram = torch.einsum("npg,nqg->npq", td, td)
+    rhs = torch.einsum("npg,ng->np", td, wd)
+    planes = t.shape[1]
+    lam = ridge * torch.diagonal(gram, dim1=1, dim2=2).sum(1) / planes
+    eye = torch.eye(planes, dtype=torch.float64)
+    gram = gram + lam[:, None, None] * eye
+    # an all-zero plane (or group) leaves a zero row: pin its scale at 0 instead of dividing
+    empty = torch.diagonal(gram, dim1=1, dim2=2) <= 0
+    gram = gram + empty.double().diag_embed()
+    return torch.linalg.solve(gram, rhs[..., None])[..., 0].float()
+
+
+def search_trits(w: torch.Tensor, alpha: torch.Tensor) -> torch.Tensor:
+    """w [n, g], α [n, 2] -> t [n, 2, g]: per entry the (a, b) ∈ {−1,0,1}² whose α¹a + α²b is
+    nearest to w. For each a the best b is the rounded, clamped (w − α¹a)/α², so 3 candidates
+    cover the 9 pairs."""
+    a1, a2 = alpha[:, 0:1], alpha[:, 1:2]
+    inv2 = torch.where(a2 != 0, 1.0 / torch.where(a2 != 0, a2, torch.ones_like(a2)),
+                       torch.zeros_like(a2))
+    best_err = best_a = best_b = None
+    for a in (0.0, -1.0, 1.0):
+        r = w - a1 * a
+        b = torch.clamp(torch.round(r * inv2), -1, 1)
+        err = (r - a2 * b).square_()
+        if best_err is None:
+            best_err, best_a, best_b = err, torch.zeros_like(w), b
+        else:
+            better = err < best_err
+            best_err = torch.where(better, err, best_err)
+            best_a = torch.where(better, torch.full_like(w, a), best_a)
+            best_b = torch.where(better, b, best_b)
+    return torch.stack([best_a, best_b], dim=1)
+
+
+def _sq_error(w: torch.Tensor, t: torch.Tensor, alpha: torch.Tensor) -> torch.Tensor:
+    recon = torch.einsum("npg,np->ng", t.double(), alpha.double())
+    return (w.double() - recon).square().sum(1)
+
+
+def _f16_planes(w, t, alpha):
+    """Scales rounded to f16 and made ≥ 0 (flipping the plane); planes re-searched for them."""
+    alpha = alpha.half().float()
+    t = t * torch.where(alpha < 0, -1.0, 1.0)[:, :, None]
+    alpha = alpha.abs()
+    if t.shape[1] == 2:
+        t = search_trits(w, alpha)
+    else:
+        # one plane: nearest of {−α, 0, α}
+        t = torch.where(w.abs() > alpha / 2, torch.sign(w), torch.zeros_like(w))[:, None, :]
+    return t, alpha
+
+
+def decompose_groups(w: torch.Tensor, planes: int = 2, iterations: int = DEFAULT_ITERATIONS,
+                     ridge: float = DEFAULT_RIDGE, history: list | None = None):
+    """w [n, g] (each row one group) -> (t [n, P, g] f32 in {−1,0,1}, α [n, P] f32)."""
+    w = w.float()
+    t1, a1 = best_single_plane(w)
+    if planes == 1:
+        t, alpha = t1[:, None, :], a1[:, None]
+        if history is not None:
+            history.append(float(_sq_error(w, t, alpha).sum()))
+    else:
+        t2, a2 = best_single_plane(w - a1[:, None] * t1)
+        t = torch.stack([t1, t2], dim=1)
+        alpha = torch.stack([a1, a2], dim=1)
+        err = _sq_error(w, t, alpha)
+        if history is not None:
+            history.append(float(err.sum()))
+        for _ in range(iterations):
+            new_alpha = solve_scales(w, t, ridge)
+            new_t = search_trits(w, new_alpha)
+            new_err = _sq_error(w, new_t, new_alpha)
+            better = new_err <= err
+            t = torch.where(better[:, None, None], new_t, t)
+            alpha = torch.where(better[:, None], new_alpha, alpha)
+            gain = float((err - torch.minimum(new_err, err)).sum())
+            err = torch.minimum(new_err, err)
+            if history is not None:
+                history.append(float(err.sum()))
+            if gain <= TOLERANCE * float(err.sum()):
+                break
+    t, alpha = _f16_planes(w, t, alpha)
+    if t.shape[1] == 2:
+        # the larger scale first: plane 1 alone is then the better single-plane approximation
+        swap = alpha[:, 1] > alpha[:, 0]
+        alpha = torch.where(swap[:, None], alpha.flip(1), alpha)
+        t = torch.where(swap[:, None, None], t.flip(1), t)
+    return t, alpha
+
+
+@contextmanager
+def _torch_threads(n: int):
+    before = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+def decompose(weight: torch.Tensor | np.ndarray, planes: int = 2, group: int | None = 256,
+              iterations: int = DEFAULT_ITERATIONS, ridge: float = DEFAULT_RIDGE,
+              threads: int = 1) -> Decomposition:
+    """A [rows, cols] matrix -> its PTQTP planes; `group` columns share a scale (None: the
+    whole row). The row length must be a multiple of the group.
+
+    Runs on `threads` torch threads (default 1): the work is short element-wise passes, where
+    torch's thread hand-offs cost more than they gain (a 640×2048 matrix on a shared 2-core
+    machine: 5.2 s at 1 thread, 51.6 s at 2)."""
+    with _torch_threads(threads):
+        return _decompose(weight, planes, group, iterations, ridge)
+
+
+def _decompose(weight, planes, group, iterations, ridge) -> Decomposition:
+    w = torch.as_tensor(np.asarray(weight) if isinstance(weight, np.ndarray) else weight)
+    w = w.detach().float()
+    if w.ndim != 2:
+        raise ValueError(f"PTQTP decomposes matrices, not shape {tuple(w.shape)}")
+    if planes not in (1, 2):
+        raise ValueError(f"planes must be 1 or 2, not {planes}")
+    rows, cols = w.shape
+    group = cols if group is None else int(group)
+    if group <= 0 or cols % group:
+        raise ValueError(f"the row length {cols} is not a multiple of the group {group}")
+    groups = cols // group
+    flat = w.reshape(rows * groups, group)
+    chunk = max(1, CHUNK_ENTRIES // group)
+    ts, alphas, total = [], [], None
+    for start in range(0, flat.shape[0], chunk):
+        hist: list[float] = []
+        t, alpha = decompose_groups(flat[start:start + chunk], planes, iterations, ridge, hist)
+        ts.append(t.to(torch.int8))
+        alphas.append(alpha)
+        # chunks stop at different rounds: a finished chunk's error stays at its last value
+        if total is None:
+            total = hist
+        else:
+            n = max(len(total), len(hist))
+            total = [(total[min(i, len(total) - 1)] + hist[min(i, len(hist) - 1)])
+                     for i in range(n)]
+    t = torch.cat(ts).reshape(rows, groups, planes, group).permute(2, 0, 1, 3)
+    alpha = torch.cat(alphas).reshape(rows, groups, planes).permute(2, 0, 1)
+    return Decomposition(t.reshape(planes, rows, cols).contiguous(), alpha.contiguous(), group,
+                         total or [])
+
+
+def absmean_ternary(weight: torch.Tensor, group: int | None = 256) -> Decomposition:
+    """Plain round-to-nearest ternary, as BitNet b1.58 quantizes: per group α = mean |w|,
+    t = clamp(round(w/α), −1, 1) — the baseline PTQTP's single plane is measured against."""
+    w = torch.as_tensor(weight).detach().float()
+    rows, cols = w.shape
+    group = cols if group is None else group
+    g = w.reshape(rows, cols // group, group)
+    alpha = g.abs().mean(2).half().float()
+    safe = torch.where(alpha > 0, alpha, torch.ones_like(alpha))
+    t = torch.clamp(torch.round(g / safe[..., None]), -1, 1)
+    t = torch.where(alpha[..., None] > 0, t, torch.zeros_like(t))
+    return Decomposition(t.reshape(1, rows, cols).to(torch.int8), alpha[None], group)
+
+
+def relative_error(weight: torch.Tensor, approx: torch.Tensor) -> float:
+    """‖W − Ŵ‖_F / ‖W‖_F (0 for an all-zero W reproduced exactly)."""
+    w = torch.as_tensor(weight).double()
+    norm = float(w.norm())
+    diff = float((w - approx.double()).norm())
+    return diff / norm if norm > 0 else diff

@@ -1,0 +1,202 @@
+"""A PTQTP model as a GGUF file, and `forgebench convert SRC --dtype ptqtp`.
+
+The file (documented in docs/ptqtp.md):
+
+- every decomposed matrix keeps its name (`blk.N.attn_q.weight`) and holds plane 1 as llama.cpp's
+  TQ2_0 (256-element blocks: 64 bytes of 2-bit trits, then one f16 scale = that group's α¹);
+- a 2-plane file adds `blk.N.attn_q.weight.plane2`, same shape and type, holding α²·T². The
+  weight is the sum of the two tensors: W ≈ plane1 + plane2.
+- metadata: `ptqtp.planes` (1|2), `ptqtp.group` (256, or 0 for one scale per row),
+  `ptqtp.version` (1), `ptqtp.source_sha256`, `ptqtp.method` ("ptqtp"; "absmean" for the
+  round-to-nearest baseline), and the convert's `forgebench.dequantized_from*`
+  keys when the source was quantized. `general.file_type` is MOSTLY_TQ2_0.
+
+A 1-plane file is a plain llama.cpp model (stock llama.cpp loads and runs it); a 2-plane file is
+read by the engine (engine/ptqtp/weight.py) and by the `gguf` package, but llama.cpp refuses it
+(it counts the extra `.plane2` tensors as unknown).
+
+Tensor policy (as llama-quantize's for TQ2_0, but never re-quantizing what the source holds):
+only the 2-D projection weights of the decoder blocks (attn_q/k/v/output, ffn_gate/up/down) whose
+row length is a multiple of 256 are decomposed; the token embedding, the output head, norms,
+biases and every other tensor are copied from the source unchanged (their type and bytes), and so
+are projections whose rows TQ2_0 cannot hold (gemma-3-270m's 640-wide rows). The report beside
+the file (`F.gguf.ptqtp.json`) lists every tensor: decomposed (relative Frobenius error of each
+plane count) or kept, and why.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+from gguf import GGMLQuantizationType as T
+from gguf import GGUFValueType
+from gguf import LlamaFileType as F
+
+from engine.errors import ForgebenchError
+from engine.fsutil import sha256_file
+from engine.gguf.constants import DEQUANTIZED_FROM_KEY, DEQUANTIZED_FROM_TYPE_KEY, QK_K
+from engine.gguf.writer import MetaValue, TensorEntry, read_gguf_content, write_gguf
+from engine.ptqtp.decompose import Decomposition, absmean_ternary, decompose, relative_error
+
+PLANE2_SUFFIX = ".plane2"
+PLANES_KEY, GROUP_KEY, VERSION_KEY = "ptqtp.planes", "ptqtp.group", "ptqtp.version"
+SOURCE_KEY, METHOD_KEY = "ptqtp.source_sha256", "ptqtp.method"
+FORMAT_VERSION = 1
+TQ2_0_BYTES = 66
+PROJECTION = re.compile(r"^blk\.\d+\.(attn_q|attn_k|attn_v|attn_output|ffn_gate|ffn_up|ffn_down)"
+                        r"\.weight$")
+FLOAT_TYPES = (T.F32, T.F16, T.BF16)
+
+
+def pack_tq2_0(trits: np.ndarray, scales: np.ndarray) -> np.ndarray:
+    """trits int8 [rows, cols] in {−1,0,1}, scales [rows, cols/256] (one per 256-block) -> the
+    TQ2_0 bytes uint8 [rows, cols/256·66], laid out as ggml's block_tq2_0."""
+    rows, cols = trits.shape
+    if cols % QK_K:
+        raise ValueError(f"TQ2_0 needs rows that are a multiple of {QK_K}, not {cols}")
+    nb = cols // QK_K
+    q = (trits.astype(np.int16) + 1).astype(np.uint8).reshape(rows * nb, 2, 4, 32)
+    qs = q[:, :, 0] | (q[:, :, 1] << 2) | (q[:, :, 2] << 4) | (q[:, :, 3] << 6)
+    d = np.asarray(scales, dtype=np.float16).reshape(rows * nb, 1).view(np.uint8)
+    return np.concatenate([qs.reshape(rows * nb, 64), d], axis=1).reshape(rows, nb * TQ2_0_BYTES)
+
+
+def plane_bytes(dec: Decomposition, p: int) -> np.ndarray:
+    """Plane p of a decomposition as TQ2_0 bytes (a per-row scale is repeated in every block)."""
+    rows, cols = dec.planes.shape[1:]
+    scales = dec.scales[p].numpy()
+    if dec.group != QK_K:
+        scales = np.repeat(scales, dec.group // QK_K, axis=1) if dec.group % QK_K == 0 \
+            else None
+    if scales is None:
+        raise ValueError(f"a group of {dec.group} does not fill whole 256-element blocks")
+    return pack_tq2_0(dec.planes[p].numpy(), scales)
+
+
+@dataclass
+class PtqtpResult:
+    path: Path
+    report_path: Path
+    types: Counter
+    dequantized: bool
+    report: dict
+
+
+def _policy(name: str, shape: tuple[int, ...], group: int | None) -> str | None:
+    """None if the tensor is decomposed, else why it is kept."""
+    if not PROJECTION.match(name):
+        return "not a block projection (embeddings, output head, norms stay as the source)"
+    if len(shape) != 2 or shape[-1] % QK_K:
+        return f"rows of {shape[-1]} values are not a multiple of TQ2_0's {QK_K}-value block"
+    return None
+
+
+def convert_ptqtp(src: str | Path, dst: str | Path, *, planes: int = 2, group: int | None = 256,
+                  iterations: int | None = None, progress=None,
+                  method: str = "ptqtp") -> PtqtpResult:
+    """Write `src` (any GGUF the engine runs) as a PTQTP model at `dst` (which must not exist),
+    one tensor in memory at a time, and its report at `dst` + '.ptqtp.json'.
+
+    method="absmean" writes plain round-to-nearest ternary (BitNet b1.58's absmean, one plane)
+    in the same layout instead: the baseline the benchmark measures PTQTP against."""
+    from engine.gguf.convert import _source_type_name, _to_f32
+
+    src, dst = Path(src), Path(dst)
+    if planes not in (1, 2):
+        raise ForgebenchError(f"--planes must be 1 or 2, not {planes}", where="--planes",
+                              hint="2 (the PTQTP model) or 1 (a file stock llama.cpp runs)")
+    if method not in ("ptqtp", "absmean") or (method == "absmean" and planes != 1):
+        raise ValueError(f"method {method!r} with {planes} planes")
+    if group is not None and group != QK_K:
+        raise ForgebenchError(f"--group {group} cannot be stored as TQ2_0", where="--group",
+                              hint="256 (one scale per 256-value block) or 'row'")
+    if dst.exists():
+        raise ForgebenchError("the output file already exists; refusing to overwrite it",
+                              path=dst, where="--out", hint="choose a new name or delete it first")
+    report_path = dst.with_name(dst.name + ".ptqtp.json")
+    content = read_gguf_content(src)
+    metadata = dict(content.metadata)
+    kwargs = {} if iterations is None else {"iterations": iterations}
+    rows_report: list[dict] = []
+    last: dict[str, Decomposition] = {}          # the current tensor's planes, for plane 2
+    dequantized = False
+    tensors: list[TensorEntry] = []
+
+    def decomposed(entry: TensorEntry):
+        def plane1():
+            last.clear()
+            w = _to_f32(entry)
+            start = time.perf_counter()
+            dec = (decompose(w, planes=planes, group=group, **kwargs) if method == "ptqtp"
+                   else absmean_ternary(w, group=group))
+            seconds = time.perf_counter() - start
+            one = dec.plane_dense(0)
+            row = {"name": entry.name, "shape": list(entry.shape),
+                   "source_type": entry.ggml_type.name, "planes": planes,
+                   "rel_error_plane1": relative_error(w, one), "seconds": round(seconds, 3),
+                   "rounds": max(0, len(dec.history) - 1)}
+            if planes == 2:
+                row["rel_error"] = relative_error(w, one + dec.plane_dense(1))
+            else:
+                row["rel_error"] = row["rel_error_plane1"]
+            rows_report.append(row)
+            last[entry.name] = dec
+            return plane_bytes(dec, 0)
+
+        def plane2():
+            dec = last.pop(entry.name)
+            return plane_bytes(dec, 1)
+        out = [TensorEntry(entry.name, T.TQ2_0, entry.shape, plane1)]
+        if planes == 2:
+            out.append(TensorEntry(entry.name + PLANE2_SUFFIX, T.TQ2_0, entry.shape, plane2))
+        return out
+
+    for entry in content.tensors:
+        if entry.name.endswith(PLANE2_SUFFIX) or entry.ggml_type == T.TQ2_0:
+            raise ForgebenchError("the source is already a ternary (PTQTP or TQ2_0) model",
+                                  path=src, where=entry.name,
+                                  hint="convert from the original f16/f32/bf16 or quantized GGUF")
+        why = _policy(entry.name, tuple(entry.shape), group)
+        if why is None:
+            dequantized |= entry.ggml_type not in FLOAT_TYPES
+            tensors.extend(decomposed(entry))
+        else:
+            rows_report.append({"name": entry.name, "shape": list(entry.shape),
+                                "source_type": entry.ggml_type.name, "kept": why})
+            tensors.append(entry)
+    if not any(t.ggml_type == T.TQ2_0 for t in tensors):
+        raise ForgebenchError("no tensor of this model can be stored as TQ2_0", path=src,
+                              hint="PTQTP decomposes block projections whose rows hold a "
+                                   f"multiple of {QK_K} values")
+    src_sha = sha256_file(src)
+    metadata["general.file_type"] = MetaValue(GGUFValueType.UINT32, int(F.MOSTLY_TQ2_0))
+    metadata["general.quantization_version"] = MetaValue(GGUFValueType.UINT32, 2)
+    metadata[PLANES_KEY] = MetaValue(GGUFValueType.UINT32, planes)
+    metadata[GROUP_KEY] = MetaValue(GGUFValueType.UINT32, 0 if group is None else group)
+    metadata[VERSION_KEY] = MetaValue(GGUFValueType.UINT32, FORMAT_VERSION)
+    metadata[SOURCE_KEY] = MetaValue(GGUFValueType.STRING, src_sha)
+    metadata[METHOD_KEY] = MetaValue(GGUFValueType.STRING, method)
+    if dequantized:
+        metadata[DEQUANTIZED_FROM_KEY] = MetaValue(GGUFValueType.STRING, src_sha)
+        metadata[DEQUANTIZED_FROM_TYPE_KEY] = MetaValue(GGUFValueType.STRING,
+                                                        _source_type_name(content))
+    start = time.perf_counter()
+    write_gguf(dst, metadata, tensors, version=content.version, progress=progress)
+    done = [r for r in rows_report if "rel_error" in r]
+    report = {"source": str(src), "source_sha256": src_sha, "planes": planes,
+              "group": group or "row", "dequantized_source": dequantized,
+              "seconds": round(time.perf_counter() - start, 2),
+              "decomposed": len(done), "kept": len(rows_report) - len(done),
+              "mean_rel_error": float(np.mean([r["rel_error"] for r in done])),
+              "tensors": rows_report}
+    tmp = report_path.with_name(report_path.name + ".tmp")
+    tmp.write_text(json.dumps(report, indent=1))
+    tmp.replace(report_path)
+    return PtqtpResult(dst, report_path, Counter(t.ggml_type.name for t in tensors),
+                       dequantized, report)

@@ -1,0 +1,334 @@
+"""PTQTP (engine/ptqtp): the decomposition against brute force on small matrices, the TQ2_0
+packing against the `gguf` package's reference dequantizer, the convert round trip (file ->
+`gguf` package -> engine logits equal the in-memory decomposition's), and llama.cpp running the
+single-plane file (marker llamacpp)."""
+
+from __future__ import annotations
+
+import itertools
+import json
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType as T
+from gguf import GGUFReader, quants
+
+from engine.errors import ForgebenchError
+from engine.ptqtp import decompose as D
+from engine.ptqtp.gguf_file import PLANE2_SUFFIX, convert_ptqtp, pack_tq2_0
+from tests.fixtures_gguf import write_tiny_gguf
+
+torch.set_num_threads(2)
+TRITS = (-1.0, 0.0, 1.0)
+
+
+def _err(w, t, alpha):
+    return float((w.double() - torch.einsum("npg,np->ng", t.double(), alpha.double()))
+                 .square().sum())
+
+
+# -- the decomposition against brute force ---------------------------------------------------
+
+def test_single_plane_is_the_exact_optimum():
+    """Over all 3^6 ternary vectors, each with its least-squares α: the closed form matches."""
+    gen = torch.Generator().manual_seed(1)
+    w = torch.randn(12, 6, generator=gen)
+    t, alpha = D.best_single_plane(w)
+    for i in range(w.shape[0]):
+        best = min(float((w[i].double() - (torch.tensor(c).double() @ w[i].double()) /
+                          max(1.0, sum(x * x for x in c)) * torch.tensor(c).double())
+                         .square().sum())
+                   for c in itertools.product(TRITS, repeat=6))
+        ours = float((w[i] - alpha[i] * t[i]).double().square().sum())
+        assert ours == pytest.approx(best, rel=1e-5, abs=1e-9)
+
+
+def _assert_scales_minimise(solve, ridge: float = 0.0):
+    gen = torch.Generator().manual_seed(2)
+    w = torch.randn(20, 16, generator=gen)
+    t = torch.randint(-1, 2, (20, 2, 16), generator=gen).float()
+    alpha = solve(w, t, ridge)
+    for i in range(w.shape[0]):
+        a = t[i].double().T.numpy()                                     # [16, 2]
+        lam = ridge * np.trace(a.T @ a) / 2
+        aug = np.vstack([a, np.sqrt(lam) * np.eye(2)])
+        ref = np.linalg.lstsq(aug, np.concatenate([w[i].double().numpy(), [0, 0]]), rcond=None)[0]
+        np.testing.assert_allclose(alpha[i].numpy(), ref, rtol=1e-4, atol=1e-6)
+
+
+def test_closed_form_scales_minimise_the_error_for_fixed_planes():
+    _assert_scales_minimise(D.solve_scales, ridge=0.0)
+    _assert_scales_minimise(D.solve_scales, ridge=1e-3)     # the ridge objective
+
+
+def _assert_trits_optimal(search):
+    gen = torch.Generator().manual_seed(3)
+    w = torch.randn(10, 32, generator=gen)
+    alpha = torch.rand(10, 2, generator=gen) * torch.tensor([1.0, 0.5])
+    t = search(w, alpha)
+    assert set(t.unique().tolist()) <= set(TRITS)
+    combos = torch.tensor(list(itertools.product(TRITS, repeat=2)))        # [9, 2]
+    values = alpha @ combos.T                                               # [n, 9]
+    brute = (w[:, :, None] - values[:, None, :]).square().min(2).values     # [n, g]
+    ours = (w - (t * alpha[:, :, None]).sum(1)).square()
+    torch.testing.assert_close(ours, brute, rtol=1e-6, atol=1e-7)
+
+
+def test_trit_search_is_optimal_per_entry_for_fixed_scales():
+    _assert_trits_optimal(D.search_trits)
+
+
+def test_twin_a_wrong_trit_search_fails_the_brute_force_check():
+    """Rounding each plane alone (plane 1 to w, plane 2 to the residual) is not the joint optimum:
+    the same check must reject it."""
+    def greedy(w, alpha):
+        t1 = torch.clamp(torch.round(w / alpha[:, :1]), -1, 1)
+        t2 = torch.clamp(torch.round((w - alpha[:, :1] * t1) / alpha[:, 1:]), -1, 1)
+        return torch.stack([t1, t2], 1)
+    with pytest.raises(AssertionError):
+        _assert_trits_optimal(greedy)
+
+
+def test_twin_scales_without_the_cross_term_fail():
+    def diagonal_only(w, t, ridge):
+        return (t * w[:, None, :]).sum(2) / t.square().sum(2).clamp_min(1)
+    with pytest.raises(AssertionError):
+        _assert_scales_minimise(diagonal_only)
+
+
+def test_error_never_increases_and_two_planes_beat_one():
+    gen = torch.Generator().manual_seed(4)
+    w = torch.randn(48, 512, generator=gen) * torch.linspace(0.1, 2, 512)
+    dec2 = D.decompose(w, planes=2, group=256)
+    assert len(dec2.history) > 2
+    assert all(b <= a for a, b in zip(dec2.history, dec2.history[1:]))
+    assert dec2.history[-1] < dec2.history[0]
+    dec1 = D.decompose(w, planes=1, group=256)
+    rtn = D.absmean_ternary(w, group=256)
+    e1, e2 = D.relative_error(w, dec1.dense()), D.relative_error(w, dec2.dense())
+    er = D.relative_error(w, rtn.dense())
+    assert e2 < 0.6 * e1 and e1 < er
+    # stored form: f16-exact, non-negative scales; ternary planes
+    assert torch.equal(dec2.scales, dec2.scales.half().float()) and (dec2.scales >= 0).all()
+    assert set(dec2.planes.unique().tolist()) <= {-1, 0, 1}
+    # the planes are optimal for the stored scales (the final search used them)
+    g = w.reshape(48 * 2, 256)
+    alpha = dec2.scales.permute(1, 2, 0).reshape(-1, 2)
+    t = dec2.planes.reshape(2, 48, 2, 256).permute(1, 2, 0, 3).reshape(-1, 2, 256).float()
+    assert _err(g, t, alpha) == pytest.approx(_err(g, D.search_trits(g, alpha), alpha), rel=1e-9)
+
+
+def test_per_row_group_and_bad_shapes():
+    w = torch.randn(4, 512)
+    dec = D.decompose(w, planes=2, group=None)
+    assert dec.scales.shape == (2, 4, 1)
+    with pytest.raises(ValueError):
+        D.decompose(torch.randn(4, 300), group=256)
+
+
+# -- TQ2_0 packing ----------------------------------------------------------------------------
+
+def test_tq2_0_packing_matches_the_gguf_reference_dequantizer():
+    dec = D.decompose(torch.randn(6, 512), planes=2, group=256)
+    for p in range(2):
+        raw = pack_tq2_0(dec.planes[p].numpy(), dec.scales[p].numpy())
+        assert raw.shape == (6, 2 * 66)
+        ref = quants.dequantize(raw, T.TQ2_0)
+        np.testing.assert_array_equal(ref, dec.plane_dense(p).numpy())
+        # and the engine's own kernel agrees bit for bit
+        from engine.gguf.dequant import dequantize
+        ours = dequantize(torch.from_numpy(raw), T.TQ2_0, (6, 512))
+        np.testing.assert_array_equal(ours.numpy(), ref)
+
+
+# -- the file --------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def tiny_f16(tmp_path_factory):
+    return write_tiny_gguf(tmp_path_factory.mktemp("ptqtp") / "tiny.gguf", "llama", "F16")
+
+
+def _tensor(reader, name):
+    t = next(t for t in reader.tensors if t.name == name)
+    return t
+
+
+def test_convert_round_trip_through_the_gguf_package_and_the_engine(tiny_f16, tmp_path):
+    from engine.gguf.convert import _to_f32
+    from engine.gguf.writer import read_gguf_content
+    from engine.models.gguf_model import load_gguf_model
+    from engine.ptqtp.weight import PlaneSumLinear
+
+    out = tmp_path / "tiny-ptqtp.gguf"
+    result = convert_ptqtp(tiny_f16, out, planes=2, iterations=4)   # few rounds: a fast test
+    report = json.loads(result.report_path.read_text())
+    assert report["decomposed"] == 14 and report["planes"] == 2           # 2 layers × 7
+    kept = {r["name"] for r in report["tensors"] if "kept" in r}
+    assert {"token_embd.weight", "output_norm.weight"} <= kept
+
+    reader = GGUFReader(out)
+    assert int(reader.fields["ptqtp.planes"].parts[-1][0]) == 2
+    src = {t.name: t for t in read_gguf_content(tiny_f16).tensors}
+    name = "blk.1.ffn_down.weight"
+    w = torch.from_numpy(_to_f32(src[name]))
+    dec = D.decompose(w, planes=2, group=256, iterations=4)
+    p1, p2 = _tensor(reader, name), _tensor(reader, name + PLANE2_SUFFIX)
+    assert p1.tensor_type == T.TQ2_0 and p2.tensor_type == T.TQ2_0
+    from_file = quants.dequantize(p1.data, T.TQ2_0) + quants.dequantize(p2.data, T.TQ2_0)
+    np.testing.assert_array_equal(from_file, (dec.plane_dense(0) + dec.plane_dense(1)).numpy())
+    row = next(r for r in report["tensors"] if r["name"] == name)
+    assert row["rel_error"] == pytest.approx(D.relative_error(w, dec.dense()), rel=1e-9)
+
+    # engine logits on the file = a dense model holding the in-memory decomposition
+    model, _ = load_gguf_model(out, tokenizer=False)
+    ref, _ = load_gguf_model(tiny_f16, tokenizer=False)
+    for layer in ref.layers:
+        for path in ("attn.q", "attn.k", "attn.v", "attn.o", "mlp.gate", "mlp.up", "mlp.down"):
+            parent, _, attr = path.rpartition(".")
+            base = getattr(layer.get_submodule(parent), attr)
+            dense = torch.nn.Linear(base.in_features, base.out_features, bias=False)
+            dense.weight.data = D.decompose(base.dense_weight(), planes=2, iterations=4).dense()
+            setattr(layer.get_submodule(parent), attr, dense)
+    assert isinstance(model.layers[0].attn.q, PlaneSumLinear)
+    ids = torch.tensor([[1, 40, 7, 200, 12, 99, 5]])
+    with torch.no_grad():
+        ours, theirs = model(ids), ref(ids)
+    torch.testing.assert_close(ours, theirs, rtol=1e-4, atol=1e-4)
+
+
+def test_convert_refuses_bad_input(tiny_f16, tmp_path):
+    out = tmp_path / "one.gguf"
+    convert_ptqtp(tiny_f16, out, planes=1)
+    with pytest.raises(ForgebenchError, match="already exists"):
+        convert_ptqtp(tiny_f16, out, planes=1)
+    with pytest.raises(ForgebenchError, match="ternary"):
+        convert_ptqtp(out, tmp_path / "again.gguf")
+    with pytest.raises(ForgebenchError, match="--group"):
+        convert_ptqtp(tiny_f16, tmp_path / "g.gguf", group=128)
+    assert not (tmp_path / "again.gguf").exists() and not (tmp_path / "g.gguf").exists()
+
+
+def test_cli_convert_ptqtp(tiny_f16, tmp_path, capsys):
+    from engine.cli import main
+
+    out = tmp_path / "cli.gguf"
+    assert main(["convert", str(tiny_f16), "--dtype", "ptqtp", "--planes", "1",
+                 "--out", str(out)]) == 0
+    assert "ternary plane" in capsys.readouterr().out
+    assert (tmp_path / "cli.gguf.ptqtp.json").exists()
+    reader = GGUFReader(out)
+    assert not any(t.name.endswith(PLANE2_SUFFIX) for t in reader.tensors)
+
+
+@pytest.mark.llamacpp
+def test_llamacpp_runs_the_single_plane_file(tiny_f16, tmp_path):
+    """Stock llama.cpp loads the 1-plane file and its logits agree with the engine's.
+    llama.cpp's TQ2_0 product quantizes the activations to Q8_K first: the engine's llamacpp
+    numerics do too (VEC_DOT_TYPE) and agree to 1e-3 of the largest logit (measured: 4e-5; not
+    bit-exact, the sums' order differs); its f32 numerics do not, and agree to 2% (measured 1.3%),
+    with the same top-1 token."""
+    from engine.export.llamacpp import open_llama
+    from engine.models.gguf_model import load_gguf_model
+
+    out = tmp_path / "one.gguf"
+    convert_ptqtp(tiny_f16, out, planes=1)
+    ids = [1, 40, 7, 200, 12, 99, 5, 261, 33, 18]
+    llm = open_llama(str(out), logits_all=True, n_ctx=64, n_threads=2, verbose=False)
+    llm.eval(ids)
+    theirs = np.array(llm.scores[: len(ids)])
+    scale = np.abs(theirs).max()
+    for numerics, bound in (("llamacpp", 1e-3), ("f32", 0.02)):
+        model, _ = load_gguf_model(out, tokenizer=False, numerics=numerics)
+        with torch.no_grad():
+            cache = model.new_cache(1, len(ids))
+            ours = model.logits(model.hidden(torch.tensor([ids]), 0, cache))[0].numpy()
+        assert np.abs(ours - theirs).max() <= bound * scale, numerics
+        assert (ours.argmax(1) == theirs.argmax(1)).all(), numerics
+
+
+# -- serving and training over a 2-plane file (subprocess jobs) --------------------------------
+
+@pytest.mark.slow
+def test_generate_verify_grads_and_a_lora_run_over_a_two_plane_base(tmp_path):
+    """`generate --model` runs the 2-plane file; verify-grads passes with it as the frozen base;
+    a short LoRA SFT run on the pirate pairs trains over it (loss falls) and leaves it intact."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    from lm_pretrain_support import forgebench
+    from lm_sft_support import write_config
+
+    from engine.fsutil import sha256_file
+
+    src = write_tiny_gguf(tmp_path / "tiny.gguf", arch="gemma3", qtype="F16", n_layers=2)
+    base = convert_ptqtp(src, tmp_path / "tiny-ptqtp2.gguf", planes=2).path
+    before = sha256_file(base)
+    out = forgebench("generate", "--model", str(base), "--prompt", "hello world",
+                     "--max-tokens", "4")
+    assert out.stdout.strip()
+    config = write_config(tmp_path, base, steps=6)
+    checks = {r["check"]: r for r in json.loads(
+        forgebench("verify-grads", str(config), "--samples", "8", "--json").stdout)}
+    assert all(r["passed"] for r in checks.values()), checks
+    assert checks["frozen-base"]["base_bytes_unchanged"]
+    forgebench("run", str(config), "--out", str(tmp_path / "run"))
+    losses = [m["loss"] for m in map(json.loads, (tmp_path / "run" / "metrics.jsonl")
+                                     .read_text().splitlines()) if m.get("split") == "train"]
+    assert len(losses) == 6 and losses[-1] < losses[0]
+    assert sha256_file(base) == before
+
+
+def _log_softmax(x: np.ndarray) -> np.ndarray:
+    x = x.astype(np.float64) - x.max(1, keepdims=True)
+    return x - np.log(np.exp(x).sum(1, keepdims=True))
+
+
+def _mean_kl(p_logits: np.ndarray, q_logits: np.ndarray) -> float:
+    p, q = _log_softmax(p_logits), _log_softmax(q_logits)
+    return float((np.exp(p) * (p - q)).sum(1).mean())
+
+
+@pytest.mark.realmodel
+@pytest.mark.llamacpp
+def test_gemma_single_plane_file_runs_in_llamacpp_and_agrees_with_the_engine(gemma_gguf,
+                                                                          tmp_path):
+    """gemma-3-270m (from its Q4_K_M, dequantized per tensor) as a 1-plane PTQTP file: the
+    decomposable projections (attn_output, ffn_down: 640-wide rows do not fill TQ2_0 blocks)
+    become TQ2_0 and llama.cpp loads and runs the file.
+
+    One ternary plane damages this model so much that its logits are chaotic: llama.cpp on the
+    same weights stored as F16 (its activations then rounded to f16, not Q8_K) differs from
+    itself on TQ2_0 by a mean KL of 0.85 over 12 tokens (top-1 agreement 58%). The engine's
+    llamacpp numerics must agree with llama.cpp on the TQ2_0 file at least that well (measured:
+    KL 0.31) — a bound calibrated by llama.cpp's own sensitivity, not a tight one."""
+    from engine.export.llamacpp import open_llama
+    from engine.gguf.writer import TensorEntry, read_gguf_content, write_gguf
+    from engine.models.gguf_model import load_gguf_model
+
+    result = convert_ptqtp(gemma_gguf, tmp_path / "gemma-ptqtp1.gguf", planes=1)
+    report = result.report
+    assert report["dequantized_source"] and report["decomposed"] == 36
+    assert {r["name"].split(".")[2] for r in report["tensors"] if "rel_error" in r} \
+        == {"attn_output", "ffn_down"}
+    assert all(0 < r["rel_error"] < 0.6 for r in report["tensors"] if "rel_error" in r)
+    content = read_gguf_content(result.path)
+    expanded = [TensorEntry(t.name, T.F16, t.shape, quants.dequantize(
+        np.asarray(t.data, dtype=np.uint8), T.TQ2_0).reshape(t.shape).astype(np.float16))
+        if t.ggml_type == T.TQ2_0 else t for t in content.tensors]
+    f16 = write_gguf(tmp_path / "gemma-ptqtp1-f16.gguf", content.metadata, expanded,
+                     version=content.version)
+    ids = [2, 818, 5279, 529, 7001, 563, 496, 236764, 506, 1304, 13550, 236761]
+    theirs = {}
+    for name, path in (("tq2_0", result.path), ("f16", f16)):
+        llm = open_llama(str(path), logits_all=True, n_ctx=64, n_threads=2, verbose=False)
+        llm.eval(ids)
+        theirs[name] = np.array(llm.scores[: len(ids)])
+        llm.close()
+    assert np.isfinite(theirs["tq2_0"]).all()
+    model, _ = load_gguf_model(result.path, tokenizer=False, numerics="llamacpp")
+    with torch.no_grad():
+        cache = model.new_cache(1, len(ids))
+        ours = model.logits(model.hidden(torch.tensor([ids]), 0, cache))[0].numpy()
+    assert _mean_kl(theirs["tq2_0"], ours) <= _mean_kl(theirs["tq2_0"], theirs["f16"])
