@@ -350,5 +350,7 @@ def bounded_lines(stream: TextIO, limit: int = schema.MAX_REQUEST_BYTES):
 
 
 def serve(stdin: TextIO = sys.stdin, stdout: TextIO = sys.stdout) -> int:
+    if hasattr(stdin, "reconfigure"):     # bytes that are not UTF-8 reach the JSON check as
+        stdin.reconfigure(errors="replace")   # U+FFFD instead of ending the worker
     Worker(stdout).serve(bounded_lines(stdin))
     return 0
