@@ -339,6 +339,8 @@ def _serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--slots", type=int, default=4, help="requests generating at once per model")
     p.add_argument("--queue", type=int, default=16,
                    help="requests waiting per model before 503")
+    p.add_argument("--max-body", type=int, default=None, metavar="BYTES",
+                   help="largest request body (default 8 MiB; larger ones get 413)")
 
 
 COMMANDS: dict[str, Command] = {

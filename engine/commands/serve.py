@@ -60,8 +60,9 @@ def cmd_serve(args) -> int:
         raise ForgebenchError("nothing to serve", where="--model",
                               hint="add a model (forgebench models add FILE.gguf) or pass "
                                    "--model FILE.gguf")
+    limits = {"max_body": args.max_body} if args.max_body else {}
     server = Server(catalog, api_key=args.api_key, slots=args.slots, queue_limit=args.queue,
-                    on_log=lambda entry: _emit({"event": "request", **entry}))
+                    on_log=lambda entry: _emit({"event": "request", **entry}), **limits)
     app = create_app(server)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level="warning",
                             access_log=False, timeout_graceful_shutdown=5)

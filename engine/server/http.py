@@ -363,7 +363,11 @@ def create_app(server: Server) -> Starlette:
                              "usage": {"prompt_tokens": tokens, "total_tokens": tokens}})
 
     async def health(request: Request) -> Response:
-        return JSONResponse({"status": "ok", "models": len(server.catalog.entries)})
+        """Liveness, and per loaded model how many requests generate and wait."""
+        return JSONResponse({"status": "ok", "served": len(server.catalog.entries),
+                             "loaded": {loaded.entry.id: loaded.runner.load()
+                                        for loaded in server.loaded.values()
+                                        if loaded.runner is not None}})
 
     async def http_error(request: Request, exc: HTTPException) -> Response:
         return error_response(exc.status_code, exc.detail or "error",

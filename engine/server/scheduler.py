@@ -13,8 +13,8 @@ Scheduling: up to `slots` requests are active at once; each round admits waiting
 streams progress together and a long reply does not hold the others back. The CPU runs one
 forward at a time either way; decode steps of different requests are interleaved, not fused
 into one batched matmul (the C forward serves one sequence). More than `queue_limit` waiting
-requests are refused (`Busy`, a 503). A request whose client went away is cancelled at its
-next token and its slot freed.
+requests (beyond the free slots) are refused (`Busy`, a 503). A request whose client went
+away is cancelled at its next token and its slot freed.
 
 Prefix reuse: the KV caches of the last finished requests are kept (`prefix_entries`); a new
 prompt that starts with one of them copies those positions and processes only the rest, as
@@ -99,7 +99,7 @@ class Runner:
 
     def submit(self, job: Job) -> None:
         with self.condition:
-            if len(self.waiting) >= self.queue_limit:
+            if len(self.active) + len(self.waiting) >= self.slots + self.queue_limit:
                 raise Busy(f"{self.name}: {len(self.active)} requests are generating and "
                            f"{len(self.waiting)} are waiting, the most this server queues")
             self.waiting.append(job)
