@@ -13,6 +13,7 @@ from __future__ import annotations
 import ipaddress
 import json
 import sys
+import threading
 
 from engine.errors import ForgebenchError
 
@@ -26,9 +27,13 @@ def is_loopback(host: str) -> bool:
         return False
 
 
+_OUT = threading.Lock()      # request lines come from every model's engine thread
+
+
 def _emit(line: dict) -> None:
-    sys.stdout.write(json.dumps(line) + "\n")
-    sys.stdout.flush()
+    with _OUT:
+        sys.stdout.write(json.dumps(line) + "\n")
+        sys.stdout.flush()
 
 
 def cmd_serve(args) -> int:

@@ -192,23 +192,30 @@ async def _generate(server: Server, request: Request, body, kind: str) -> Respon
             f"{max(max_tokens, 1)} for the completion). Please reduce the prompt or the "
             "completion length.", param="messages" if kind == "chat" else "prompt",
             code="context_length_exceeded")
+    ident = ("chatcmpl-" if kind == "chat" else "cmpl-") + secrets.token_hex(12)
+    created = int(time.time())
+    started = time.perf_counter()
     loop = asyncio.get_running_loop()
     events: asyncio.Queue = asyncio.Queue()
-    job = Job(ids, max_tokens, lambda event: loop.call_soon_threadsafe(events.put_nowait, event),
-              SamplingSettings(body.temperature, body.top_k, body.top_p,
-                               body.repetition_penalty), body.seed, body.stops(), constraint)
+
+    def emit(event: dict) -> None:          # on the model's engine thread
+        if event["type"] in ("done", "error"):  # logged even when the client has gone
+            finished(event, 200 if event["type"] == "done" else 500)
+        loop.call_soon_threadsafe(events.put_nowait, event)
+
+    job = Job(ids, max_tokens, emit, SamplingSettings(body.temperature, body.top_k, body.top_p,
+                                                      body.repetition_penalty),
+              body.seed, body.stops(), constraint)
     try:
         loaded.runner.submit(job)
     except Busy as exc:
         raise RequestError(f"the server is busy: {exc}; retry shortly", status=503,
                            code="server_busy") from None
-    ident = ("chatcmpl-" if kind == "chat" else "cmpl-") + secrets.token_hex(12)
-    created = int(time.time())
-    started = time.perf_counter()
 
     def finished(done: dict, status: int = 200) -> None:
         seconds = done.get("total_s") or (time.perf_counter() - started)
         server.log(model=body.model, endpoint=request.url.path, status=status,
+                   error=done.get("message"),
                    stream=body.stream, prompt_tokens=len(ids),
                    completion_tokens=done.get("completion_tokens", 0),
                    finish_reason=done.get("finish_reason"),
@@ -236,13 +243,11 @@ async def _generate(server: Server, request: Request, body, kind: str) -> Respon
                 if event["type"] == "start":
                     cached = event["cached_tokens"]
                 elif event["type"] == "error":
-                    finished({}, 500)
                     return error_response(500, event["message"], kind="server_error")
                 elif event["type"] == "done":
                     break
         finally:
             job.cancelled.set()         # a handler cancelled while waiting frees the slot
-        finished(event)
         if kind == "chat":
             choice = {"index": 0, "message": {"role": "assistant", "content": event["text"]},
                       "finish_reason": reason(event), "logprobs": None}
@@ -286,7 +291,6 @@ async def _generate(server: Server, request: Request, body, kind: str) -> Respon
                     if event["text"]:
                         yield chunk(event["text"])
                 elif event["type"] == "error":
-                    finished({}, 500)
                     yield "data: " + json.dumps({"error": {"message": event["message"],
                                                            "type": "server_error"}}) + "\n\n"
                     break
@@ -299,7 +303,6 @@ async def _generate(server: Server, request: Request, body, kind: str) -> Respon
                                    "model": body.model, "choices": [],
                                    "usage": usage(event, cached)}
                         yield f"data: {json.dumps(payload)}\n\n"
-                    finished(event)
                     break
             yield "data: [DONE]\n\n"
         finally:
