@@ -10,22 +10,12 @@ JSON line per event, which the app's Serve switch reads: `{"event": "listening",
 
 from __future__ import annotations
 
-import ipaddress
 import json
 import sys
 import threading
 
 from engine.errors import ForgebenchError
-
-
-def is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
-
+from engine.server import is_loopback
 
 _OUT = threading.Lock()      # request lines come from every model's engine thread
 

@@ -91,11 +91,12 @@ class Server:
 
     def _load(self, entry: Entry) -> Loaded:
         if entry.type == "embedding":
-            from engine.recipes.embed_retrieval import checkpoint_encoder
+            from engine.config import recipe_module
             from engine.rundir import RunDir
 
             run = RunDir(entry.load["embedding_run"]).require()
-            return Loaded(entry, encoder=checkpoint_encoder(
+            recipe = recipe_module(run.manifest()["recipe"])
+            return Loaded(entry, encoder=recipe.checkpoint_encoder(
                 run, run.checkpoint(entry.load["checkpoint"])))
         from engine.serve_local import load_system
         from engine.server.scheduler import Runner
