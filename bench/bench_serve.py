@@ -73,12 +73,35 @@ def start_ours(model: Path, threads: int) -> tuple[subprocess.Popen, str, str]:
     return process, f"http://127.0.0.1:{port}/v1", model.name.removesuffix(".gguf")
 
 
+# llama_cpp.server's main, with the model loaded as engine/export/llamacpp.py's open_llama
+# loads it: an AMX build's extra buffer types switched off (with them the server process dies
+# on its first request on this machine)
+PEER = """
+import sys
+from engine.export.llamacpp import amx_build
+from llama_cpp import llama as high_level
+if amx_build():
+    low_level = high_level.llama_cpp
+    defaults = low_level.llama_model_default_params
+    def without_extra_buffers():
+        params = defaults()
+        params.use_extra_bufts = False
+        return params
+    low_level.llama_model_default_params = without_extra_buffers
+from llama_cpp.server.__main__ import main
+sys.argv = ["llama_cpp.server", *sys.argv[1:]]
+main()
+"""
+
+
 def start_peer(model: Path, threads: int, n_ctx: int) -> tuple[subprocess.Popen, str, str]:
     port = free_port()
-    process = subprocess.Popen([sys.executable, "-m", "llama_cpp.server", "--model", str(model),
+    process = subprocess.Popen([sys.executable, "-c", PEER, "--model", str(model),
                                 "--host", "127.0.0.1", "--port", str(port), "--n_threads",
                                 str(threads), "--n_threads_batch", str(threads), "--n_ctx",
-                                str(n_ctx)], stdout=subprocess.DEVNULL,
+                                str(n_ctx)], cwd=REPO, env={**os.environ,
+                                                            "PYTHONPATH": str(REPO)},
+                               stdout=subprocess.DEVNULL,
                                stderr=tempfile.TemporaryFile())   # a pipe would fill and stall
     return process, f"http://127.0.0.1:{port}/v1", str(model)
 

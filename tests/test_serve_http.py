@@ -349,3 +349,44 @@ def test_copying_the_workspace_is_not_needed_for_a_file(tmp_path, workspace):
         assert ask(client, "solo", "a b c").choices[0].message.content is not None
     finally:
         server.close()
+
+
+def test_a_conversations_next_turn_reuses_the_cached_prefix(client, workspace):
+    """The second turn's prompt starts with the first turn's prompt and reply: those positions
+    come from the KV cache, and the answer is the one a cold start gives."""
+    from engine.llm.chat import ChatTemplate, encode_prompt
+    from engine.llm.generate import generate
+    from engine.models.gguf_model import load_gguf_model
+
+    first = [{"role": "user", "content": "the cat sat"}]
+    reply = ask(client, "exports/plain", "the cat sat", max_tokens=10)
+    second = first + [{"role": "assistant", "content": reply.choices[0].message.content},
+                      {"role": "user", "content": "go on"}]
+    again = client.chat.completions.create(model="exports/plain", messages=second,
+                                           max_tokens=10, temperature=0)
+    cached = again.usage.prompt_tokens_details.cached_tokens
+    assert 0 < cached < again.usage.prompt_tokens
+    path = workspace / "exports" / "plain" / "model.gguf"
+    model, tokenizer = load_gguf_model(path, numerics="llamacpp", weights="dense-cache")
+    ids = encode_prompt(tokenizer, ChatTemplate.from_gguf(path)(second))
+    cold = generate(model, tokenizer, ids, max_new_tokens=10)
+    assert again.choices[0].message.content == cold.text
+
+
+def test_stop_strings_and_seeded_sampling_match_forgebench_generate(client, workspace):
+    path = workspace / "exports" / "plain" / "model.gguf"
+    sampled = client.chat.completions.create(
+        model="exports/plain", messages=[{"role": "user", "content": "go on"}], max_tokens=12,
+        temperature=0.8, top_p=0.9, seed=3, extra_body={"top_k": 40})
+    generated = json.loads(forgebench(
+        "generate", "--model", str(path), "--prompt", "go on", "--chat", "--max-tokens", "12",
+        "--temperature", "0.8", "--top-k", "40", "--top-p", "0.9", "--seed", "3",
+        "--json").stdout.splitlines()[-1])
+    assert sampled.choices[0].message.content == generated["text"]
+    whole = ask(client, "exports/plain", "go on", max_tokens=30).choices[0].message.content
+    at = next(i for i in range(5, len(whole) - 2)
+              if whole[i:i + 2].isascii() and whole[i:i + 2].isalnum())
+    stop = whole[at:at + 2]
+    cut = ask(client, "exports/plain", "go on", max_tokens=30, stop=[stop])
+    assert cut.choices[0].message.content == whole[:whole.index(stop)]
+    assert cut.choices[0].finish_reason == "stop"
