@@ -390,3 +390,61 @@ def test_stop_strings_and_seeded_sampling_match_forgebench_generate(client, work
     cut = ask(client, "exports/plain", "go on", max_tokens=30, stop=[stop])
     assert cut.choices[0].message.content == whole[:whole.index(stop)]
     assert cut.choices[0].finish_reason == "stop"
+
+
+def _served_gemma(gemma_gguf, prompt: str, n: int) -> str:
+    server = Served("--model", str(gemma_gguf), "--threads", "2")
+    try:
+        client = openai.OpenAI(base_url=server.url, api_key="x", max_retries=0, timeout=600)
+        model = client.models.list().data[0].id
+        return ask(client, model, prompt, max_tokens=n).choices[0].message.content
+    finally:
+        server.close()
+
+
+@pytest.mark.realmodel
+def test_served_gemma_equals_forgebench_generate(gemma_gguf):
+    """gemma-3-270m served from its GGUF: the greedy chat reply is `forgebench generate
+    --chat`'s on the same file."""
+    prompt, n = "What is the capital of France?", 24
+    generated = json.loads(forgebench("generate", "--model", str(gemma_gguf), "--prompt", prompt,
+                                      "--chat", "--max-tokens", str(n), "--json", timeout=900)
+                           .stdout.splitlines()[-1])
+    assert _served_gemma(gemma_gguf, prompt, n) == generated["text"]
+
+
+@pytest.mark.realmodel
+@pytest.mark.llamacpp
+@pytest.mark.xfail(strict=False, reason=(
+    "measured 2026-12-05 on this checkout: the engine's greedy gemma-3-270m continuation "
+    "(served or `forgebench generate`, the same) leaves llama.cpp's at generated token 7 of "
+    "this chat prompt (llama.cpp's top-2 gap there 0.19), prompt batched or stepped, 1 or 2 "
+    "threads; the tiny-model comparison above is exact (numerics: issue 45)"))
+def test_served_gemma_equals_llamacpp(gemma_gguf):
+    """The same reply against llama.cpp on the same file, fed the same prompt token ids."""
+    from llamacpp_oracle import require_same_plan
+
+    from engine.export.llamacpp import open_llama
+    from engine.llm.chat import ChatTemplate, encode_prompt
+    from engine.llm.tokenizer import GGUFTokenizer
+
+    require_same_plan()
+    prompt, n = "What is the capital of France?", 24
+    served = _served_gemma(gemma_gguf, prompt, n)
+    tokenizer = GGUFTokenizer.from_gguf(gemma_gguf)
+    ids = encode_prompt(tokenizer, ChatTemplate.from_gguf(gemma_gguf)(
+        [{"role": "user", "content": prompt}]))
+    llm = open_llama(gemma_gguf, n_ctx=256, n_threads=2, logits_all=True, verbose=False)
+    stops = {tokenizer.eos_id, *tokenizer.eot_ids}
+    try:
+        llm.eval(ids)
+        theirs = []
+        for _ in range(n):
+            token = int(llm.scores[llm.n_tokens - 1].argmax())
+            if token in stops:
+                break
+            theirs.append(token)
+            llm.eval([token])
+    finally:
+        llm.close()
+    assert served == tokenizer.decode(theirs)
