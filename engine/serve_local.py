@@ -29,9 +29,12 @@ Requests, one JSON object per line on stdin; every reply line echoes the request
     {"request": "5", "op": "unload", "system": "A"}      {"op": "shutdown"}
 
 Work runs on one engine thread in arrival order (one model forward at a time on a CPU);
-stdin is read on the main thread, so a cancel reaches a reply while it streams. A bad request
-or bad input is an `{"event": "error", "message", "path", "where", "hint"}` line and the
-worker carries on; only end of input or `shutdown` ends it. The first line is
+stdin is read on the main thread, so a cancel reaches a reply while it streams. Every line is
+checked against the request schema (engine/server/requests.py: size, nesting depth, types,
+ranges, no unknown fields) before anything runs. A bad request or bad input is an
+`{"event": "error", "message", "path", "where", "hint", "param"}` line and the worker carries
+on; no request ends the process or another request (a chat template is stopped by its render
+budget, engine/llm/chat.py); only end of input or `shutdown` ends it. The first line is
 `{"event": "ready", "pid": ...}`; at shutdown (or end of input) the reply in progress is
 cancelled and queued requests are dropped.
 """
@@ -52,10 +55,11 @@ from typing import Any, Callable, TextIO
 from engine import model_library
 from engine.errors import ForgebenchError
 from engine.recipe_registry import recipes_with
+from engine.server import requests as schema
 
 CHAT_RECIPES = recipes_with("chat")    # the recipes whose runs answer in chat
-OPS = ("load", "render", "chat", "cancel", "unload", "shutdown", "ping")
-SETTINGS = ("temperature", "top_k", "top_p", "repetition_penalty")
+OPS = schema.OPS
+SETTINGS = tuple(schema.Settings.model_fields)
 
 
 @dataclass
@@ -71,8 +75,17 @@ class System:
 
 
 def _error_line(exc: ForgebenchError) -> dict:
-    return {"event": "error", "message": exc.message, "path": exc.path, "where": exc.where,
+    line = {"event": "error", "message": exc.message, "path": exc.path, "where": exc.where,
             "hint": exc.hint}
+    if isinstance(exc, schema.RequestError):
+        line["param"] = exc.param
+    return line
+
+
+def _plain(messages: list) -> list[dict]:
+    """Validated messages as the dicts templates read (unset optional keys left out)."""
+    return [m.model_dump(exclude_none=True) if hasattr(m, "model_dump") else m
+            for m in messages]
 
 
 def load_system(name: str, request: dict) -> System:
@@ -156,6 +169,9 @@ def _load_run(name: str, run_dir: Path, checkpoint: str, workspace) -> System:
                   config.data.enable_thinking)
 
 
+_MESSAGES = schema.TypeAdapter(schema.Messages)
+
+
 def render(system: System, messages: list[dict],
            tools: list[dict] | None = None) -> tuple[str, list[int]]:
     """The prompt of the next reply; with `tools` ([{"type": "function", "function": …}]),
@@ -165,10 +181,7 @@ def render(system: System, messages: list[dict],
     from engine.llm.chat import encode_prompt
     from engine.llm.tool_data import render_prompt
 
-    if not isinstance(messages, list) or not all(
-            isinstance(m, dict) and isinstance(m.get("content"), str) for m in messages):
-        raise ForgebenchError("messages must be a list of {role, content} objects",
-                              where="messages")
+    messages = _plain(schema.validate(_MESSAGES, messages, root="messages"))
     renderer = functools.partial(system.template.render, enable_thinking=system.enable_thinking)
     text = render_prompt(renderer, messages, tools) if tools else \
         renderer(messages, add_generation_prompt=True)
@@ -178,15 +191,8 @@ def render(system: System, messages: list[dict],
 def sampling_settings(request: dict):
     from engine.sampling import SamplingSettings
 
-    given = request.get("settings") or {}
-    unknown = sorted(set(given) - set(SETTINGS))
-    if unknown:
-        raise ForgebenchError("unknown sampling settings: " + ", ".join(unknown),
-                              where="settings", hint="known: " + ", ".join(SETTINGS))
-    try:
-        return SamplingSettings(**given)
-    except TypeError as exc:
-        raise ForgebenchError(str(exc), where="settings") from None
+    given = schema.validate(schema.Settings, request.get("settings") or {}, root="settings")
+    return SamplingSettings(**given.model_dump())
 
 
 def chat(system: System, request: dict, send: Callable[[dict], None],
@@ -194,10 +200,12 @@ def chat(system: System, request: dict, send: Callable[[dict], None],
     """Stream one reply: a start line, a line per token, and the done line (returned)."""
     from engine.llm.generate import generate
 
-    text, ids = render(system, request.get("messages"), request.get("tools"))
+    options = schema.validate(schema.ChatOptions, {
+        key: request[key] for key in schema.ChatOptions.model_fields
+        if request.get(key) is not None})
+    text, ids = render(system, options.messages, options.tools)
     settings = sampling_settings(request)
-    max_tokens = int(request.get("max_tokens") or 128)
-    seed = int(request.get("seed") or 0)
+    max_tokens, seed = options.max_tokens, options.seed
     send({"event": "start", "system": system.name, "prompt_tokens": len(ids),
           "settings": settings.as_dict(), "seed": seed, "max_tokens": max_tokens})
     started = time.perf_counter()
@@ -240,15 +248,24 @@ class Worker:
         engine.start()
         self.send({"event": "ready", "pid": os.getpid(), "ops": list(OPS)})
         for raw in lines:
-            if not raw.strip():
+            if raw is not None and not raw.strip():
                 continue
+            rid = None
             try:
-                request = json.loads(raw)
-                if not isinstance(request, dict):
-                    raise ValueError("not an object")
-            except ValueError as exc:
-                self.send({"event": "error", "message": f"not a JSON request: {exc}",
-                           "where": "stdin", "hint": "one JSON object per line"})
+                if raw is None:
+                    raise schema.RequestError(
+                        f"the request line is over the {schema.MAX_REQUEST_BYTES} character "
+                        "limit", where="stdin", status=413, hint="send a smaller request")
+                parsed = schema.parse_json(raw, where="stdin")
+                if isinstance(parsed, dict) and isinstance(parsed.get("request"), (str, int)):
+                    rid = parsed["request"]
+                request = schema.local_op(parsed).model_dump(exclude_none=True)
+            except ForgebenchError as exc:
+                self.send({"request": rid, **_error_line(exc)})
+                continue
+            except Exception as exc:  # noqa: BLE001 - no request may end the worker
+                self.send({"request": rid, "event": "error",
+                           "message": f"internal error: {type(exc).__name__}"})
                 continue
             op = request.get("op")
             if op == "cancel":
@@ -319,6 +336,23 @@ class Worker:
                                   hint="one of " + ", ".join(OPS))
 
 
+def bounded_lines(stream: TextIO, limit: int = schema.MAX_REQUEST_BYTES):
+    """The lines of `stream`, none held longer than `limit` characters: a longer line is read
+    to its end in pieces, dropped, and yielded as None (answered with an error)."""
+    while True:
+        line = stream.readline(limit + 1)
+        if not line:
+            return
+        if len(line) > limit and not line.endswith("\n"):
+            while (rest := stream.readline(limit)) and not rest.endswith("\n"):
+                pass
+            yield None
+            continue
+        yield line
+
+
 def serve(stdin: TextIO = sys.stdin, stdout: TextIO = sys.stdout) -> int:
-    Worker(stdout).serve(stdin)
+    if hasattr(stdin, "reconfigure"):     # bytes that are not UTF-8 reach the JSON check as
+        stdin.reconfigure(errors="replace")   # U+FFFD instead of ending the worker
+    Worker(stdout).serve(bounded_lines(stdin))
     return 0

@@ -8,9 +8,11 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -421,6 +423,9 @@ def test_a_damaged_middle_line_warns_instead_of_failing(ctx, tmp_path, capsys):
 
 
 # -- untrusted chat templates ----------------------------------------------------------------
+# a million steps take about 0.2 s on an idle core; on a loaded machine the 1 s deadline may
+# stop the same loop first: either is the budget refusing it
+STEPS_OR_TIME = "more than 1000000 steps|ran longer than 1 s"
 HOSTILE_TEMPLATES = {
     "nested range": ("{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}"
                      "{% endfor %}", "range items"),
@@ -440,8 +445,13 @@ HOSTILE_TEMPLATES = {
                        "builds a value"),
     "indent filter": ("{{ 'a\nb' | indent(999999999) }}", "builds a value"),
     "expandtabs": ("{{ ('\t' * 1000).expandtabs(999999) }}", "builds a value"),
-    "slow loop over a string": ("{% set s = 'x' * 100000 %}{% for c in s %}{% for d in s %}"
-                                "{% endfor %}{% endfor %}", "ran longer than"),
+    "nested loops over a string": ("{% set s = 'x' * 100000 %}{% for c in s %}{% for d in s %}"
+                                   "{% endfor %}{% endfor %}", STEPS_OR_TIME),
+    "recursive loop": ("{% set s = 'x' * 1000 %}{% for a in s recursive %}"
+                       "{% if loop.depth < 4 %}{{ loop(s) }}{% endif %}{% endfor %}",
+                       STEPS_OR_TIME),
+    "slow steps": ("{% set s = 'x' * 3000000 %}{% for i in range(100000) %}{{ s.count('y') }}"
+                   "{% endfor %}", "ran longer than 1 s"),
 }
 
 
@@ -456,8 +466,66 @@ def test_hostile_chat_template_is_refused_with_file_and_reason(case, monkeypatch
     with pytest.raises(ForgebenchError) as info:
         template([{"role": "user", "content": "hi"}])
     message = info.value.render()
-    assert message.startswith("model.gguf: tokenizer.chat_template: ")
-    assert "render budget" in message and reason in message
+    assert re.match(r"model\.gguf: tokenizer\.chat_template( line \d+)?: ", message), message
+    assert "render budget" in message and re.search(reason, message), message
+
+
+@pytest.mark.parametrize("case", ["nested loops over a string", "recursive loop", "slow steps"])
+def test_hostile_template_is_refused_off_the_main_thread(case, monkeypatch):
+    """serve-local and the HTTP server render on worker threads, where no signal can interrupt
+    a render: the budget's own steps and deadline stop it there too."""
+    from engine.errors import ForgebenchError
+    from engine.llm.chat import ChatTemplate, RenderBudget
+
+    monkeypatch.setattr(RenderBudget, "SECONDS", 1.0)
+    source, reason = HOSTILE_TEMPLATES[case]
+    template = ChatTemplate(source, origin="tokenizer.chat_template", path="model.gguf")
+    outcome: list = []
+
+    def render() -> None:
+        try:
+            template([{"role": "user", "content": "hi"}])
+            outcome.append("rendered")
+        except ForgebenchError as exc:
+            outcome.append(exc.render())
+
+    worker = threading.Thread(target=render, daemon=True)
+    worker.start()
+    worker.join(timeout=120)          # a hang guard, not a speed check
+    assert not worker.is_alive(), "the render hung on a worker thread"
+    assert "render budget" in outcome[0] and re.search(reason, outcome[0]), outcome[0]
+
+
+def test_one_template_renders_on_several_threads_with_a_budget_each(monkeypatch):
+    """A compiled template shared by concurrent requests: each render counts its own steps
+    (six renders of a quarter budget each would exhaust one shared budget)."""
+    from engine.llm.chat import ChatTemplate, RenderBudget
+
+    monkeypatch.setattr(RenderBudget, "SECONDS", 600.0)   # steps are under test, not time
+    template = ChatTemplate("{% for c in messages[0]['content'] %}{{ c }}{% endfor %}")
+    text = "y" * (RenderBudget.STEPS // 4)        # one render uses a quarter of the budget
+    results: list = []
+    workers = [threading.Thread(target=lambda: results.append(
+        template([{"role": "user", "content": text}]))) for _ in range(6)]
+    for worker in workers:
+        worker.start()
+    for worker in workers:
+        worker.join(timeout=120)
+    assert results == [text] * 6
+
+
+def test_a_failing_template_names_its_line():
+    from engine.errors import ForgebenchError
+    from engine.llm.chat import ChatTemplate
+
+    template = ChatTemplate("{{ bos_token }}\n{{ messages[0]['content'] + 1 }}",
+                            origin="tokenizer.chat_template", path="m.gguf")
+    with pytest.raises(ForgebenchError) as info:
+        template([{"role": "user", "content": "hi"}])
+    assert info.value.where == "tokenizer.chat_template line 2"
+    with pytest.raises(ForgebenchError) as info:
+        ChatTemplate("ok\n{% for %}", origin="tokenizer.chat_template")
+    assert info.value.where == "tokenizer.chat_template line 2"
 
 
 def test_lipsum_is_not_available_to_templates():

@@ -101,7 +101,7 @@ def test_template_errors_are_forgebench_errors():
     with pytest.raises(ForgebenchError, match="alternate") as err:
         render_chat(meta("gemma3"), [{"role": "user", "content": "a"},
                                      {"role": "user", "content": "b"}])
-    assert err.value.where == "built-in gemma template"
+    assert err.value.where == "built-in gemma template line 12"   # the raise_exception line
     with pytest.raises(ForgebenchError, match="does not compile"):
         ChatTemplate("{% for %}")
     with pytest.raises(ForgebenchError) as err:

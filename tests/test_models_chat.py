@@ -247,7 +247,9 @@ def test_serve_local_streams_cancels_and_reports_errors(tmp_path_factory):
         assert "no system 'Z'" in worker.until("6", "done")[-1]["message"]
         worker.send(request="7", op="chat", system="A", messages=messages,
                     settings={"warmth": 2})
-        assert "unknown sampling settings: warmth" in worker.until("7", "done")[-1]["message"]
+        refused = worker.until("7", "done")[-1]
+        assert refused["message"] == "settings.warmth: unknown field"
+        assert refused["event"] == "error"
         empty = Workspace.create(tmp_path_factory.mktemp("empty") / "ws").root
         worker.send(request="8", op="load", system="B", run=str(root / "runs" / "sft"),
                     workspace=str(empty))

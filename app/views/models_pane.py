@@ -29,6 +29,7 @@ from app.viewmodels import models as vm
 from app.viewmodels.workspace import Workspace, dialog_folder
 from app.views.background import BackgroundCall
 from app.views.labels import wrap_items
+from app.views.serve_panel import ServePanel
 from engine.errors import ForgebenchError
 
 
@@ -139,14 +140,18 @@ class ModelsPane(QWidget):
         split.addWidget(facts)
         split.setStretchFactor(1, 2)
         split.setSizes([300, 600])
+        self.serve = ServePanel()       # the workspace's models over an OpenAI-style API
+        self.serve.message.connect(self.message)
         layout = QVBoxLayout(self)
         layout.addWidget(self.status)
         layout.addWidget(self.package)
         layout.addWidget(split, 1)
+        layout.addWidget(self.serve)
 
     # -- the library ----------------------------------------------------------------------
     def set_workspace(self, workspace: Workspace) -> None:
         self.view = vm.ModelsView(workspace.root)
+        self.serve.set_workspace(workspace.root)
         self.reload()
 
     def reload(self) -> None:

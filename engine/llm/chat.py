@@ -7,18 +7,23 @@ The environment matches transformers' `apply_chat_template`: `ImmutableSandboxed
 its body. Files without a template get a built-in one for their family (Gemma's turns, ChatML
 for Qwen2/SmolLM, Qwen3's ChatML with its thinking switch, Llama-3's headers).
 
-A template is bounded as well as sandboxed (`RenderBudget`): ranges draw from one budget of
-loop items per render (nested loops multiply and run out), string and list repetition, `%`
-and `format` widths and `**` are capped, the output is cut off at a size limit, and rendering
-on the main thread has a wall-clock limit. Over budget, recursion too deep, or an overflow,
-the render is refused with the template's file and the reason; it never hangs.
+A template is bounded as well as sandboxed (`RenderBudget`), on any thread: every loop
+iteration (`{% for %}` items, recursive `loop(...)` calls included), every call and every
+attribute lookup draws one step from a budget per render, and the same hooks check a
+wall-clock deadline, so nested loops over long strings or a 10^9-item loop are stopped within
+about a second, whichever thread renders (no signals: the engine worker and the HTTP server
+render off the main thread). Ranges draw from a budget of items, string and list repetition,
+`%` and `format` widths and `**` are capped, and the output is cut off at a size limit. Over
+budget, recursion too deep, or an overflow, the render is refused with the template's file,
+the limit and the reason; it never hangs. `ChatTemplate.render` is the one place a template is
+rendered: the CLI, `serve-local` (the app's chat and preview) and `forgebench serve` all use it,
+and one compiled template may render on several threads at once (the budget is per thread).
 """
 
 from __future__ import annotations
 
 import json
 import re
-import signal
 import threading
 import time
 from datetime import datetime
@@ -28,6 +33,7 @@ from typing import Any, Mapping
 from gguf import Keys
 from jinja2 import TemplateError, nodes
 from jinja2.ext import Extension, loopcontrols
+from jinja2.runtime import LoopContext
 from jinja2.sandbox import ImmutableSandboxedEnvironment, SecurityError
 
 from engine.errors import ForgebenchError
@@ -170,15 +176,34 @@ class TemplateBudgetError(Exception):
 
 class RenderBudget:
     """Limits of one render. Generous for real chat templates (a few hundred loop items and a
-    few kilobytes of output), fatal to loops and repetitions built to hang or exhaust memory."""
+    few kilobytes of output), fatal to loops and repetitions built to hang or exhaust memory.
+    Steps and the deadline are checked from the environment's hooks (loop items, calls,
+    attribute lookups), so they hold on any thread."""
 
+    STEPS = 1_000_000            # loop items + calls + attribute lookups of one render
     LOOP_ITEMS = 100_000         # items all range() calls of one render may produce together
     OUTPUT_CHARS = 4_000_000     # rendered text, and any one repeated string or list
-    SECONDS = 5.0                # wall clock (enforced on the main thread)
+    SECONDS = 5.0                # wall clock, checked at every step
     _WIDTH = re.compile(r"\d{7,}")  # a %- or {}-format width/precision of a million or more
 
     def __init__(self) -> None:
         self.loop_items = 0
+        self.steps = 0
+        self.deadline = time.monotonic() + self.SECONDS
+
+    def step(self) -> None:
+        self.steps += 1
+        if self.steps > self.STEPS:
+            raise TemplateBudgetError(f"it took more than {self.STEPS} steps (loop items, calls "
+                                      "and lookups; nested loops over long values)")
+        if not self.steps & 63 and time.monotonic() > self.deadline:
+            raise TemplateBudgetError(f"it ran longer than {self.SECONDS:g} s")
+
+    def iterate(self, iterable: Any):
+        """The items of a template loop, one step each."""
+        for item in iterable:
+            self.step()
+            yield item
 
     def range(self, *args: int) -> range:
         items = range(*args)
@@ -224,17 +249,45 @@ class RenderBudget:
             self.check_replace(text, *args[:3])
 
 
+_ITERATE = "forgebench_budget_iterate"   # the filter every {% for %} iterable goes through
+
+
 class _BoundedEnvironment(ImmutableSandboxedEnvironment):
-    """The sandbox with the render budget wired into its operators, range and formatting."""
+    """The sandbox with the render budget wired into its loops, calls, lookups, operators,
+    range and formatting. The budget lives per thread: one compiled template may render on
+    several threads at once."""
 
     intercepted_binops = frozenset(["*", "**", "%"])
 
     def __init__(self, **options: Any):
         super().__init__(**options)
-        self.budget = RenderBudget()
+        self._local = threading.local()
+        self.filters[_ITERATE] = lambda iterable: self.budget.iterate(iterable)
+
+    @property
+    def budget(self) -> RenderBudget:
+        budget = getattr(self._local, "budget", None)
+        if budget is None:
+            budget = self._local.budget = RenderBudget()
+        return budget
+
+    @budget.setter
+    def budget(self, value: RenderBudget) -> None:
+        self._local.budget = value
+
+    def _parse(self, source: str, name: str | None, filename: str | None) -> nodes.Template:
+        """Every `{% for %}` iterates through the budget: its iterable becomes
+        `iterable | forgebench_budget_iterate` (nested loops over long strings hang otherwise,
+        with no call or lookup in their bodies to count)."""
+        tree = super()._parse(source, name, filename)
+        for loop in tree.find_all(nodes.For):
+            loop.iter = nodes.Filter(loop.iter, _ITERATE, [], [], None, None,
+                                     lineno=loop.iter.lineno)
+        return tree
 
     def call_binop(self, context, operator: str, left: Any, right: Any) -> Any:
         budget = self.budget
+        budget.step()
         if operator == "*":
             for seq, times in ((left, right), (right, left)):
                 if isinstance(seq, (str, list, tuple)) and isinstance(times, int):
@@ -249,8 +302,20 @@ class _BoundedEnvironment(ImmutableSandboxedEnvironment):
         return budget.check_size(super().call_binop(context, operator, left, right))
 
     def call(__self, __context, __obj, *args: Any, **kwargs: Any) -> Any:  # noqa: N805
-        __self.budget.check_method(__obj, args)
+        budget = __self.budget
+        budget.step()
+        budget.check_method(__obj, args)
+        if isinstance(__obj, LoopContext) and args:   # a recursive loop(...) iterates its argument
+            args = (budget.iterate(args[0]), *args[1:])
         return super().call(__context, __obj, *args, **kwargs)
+
+    def getattr(self, obj: Any, attribute: str) -> Any:
+        self.budget.step()
+        return super().getattr(obj, attribute)
+
+    def getitem(self, obj: Any, argument: Any) -> Any:
+        self.budget.step()
+        return super().getitem(obj, argument)
 
     def wrap_str_format(self, value: Any):
         wrapped = super().wrap_str_format(value)
@@ -297,34 +362,6 @@ def _environment() -> _BoundedEnvironment:
     return env
 
 
-class _Deadline:
-    """SIGALRM after `seconds` raises TemplateBudgetError in a render on the main thread;
-    elsewhere (no signals there) the item and size budgets alone bound the render."""
-
-    def __init__(self, seconds: float):
-        self.seconds = seconds
-        self.armed = (threading.current_thread() is threading.main_thread()
-                      and hasattr(signal, "setitimer"))
-
-    def _expire(self, _signum, _frame) -> None:
-        raise TemplateBudgetError(f"it ran longer than {self.seconds:g} s")
-
-    def __enter__(self) -> "_Deadline":
-        if self.armed:
-            self.previous = signal.signal(signal.SIGALRM, self._expire)
-            self.outer, _ = signal.setitimer(signal.ITIMER_REAL, self.seconds)
-            self.started = time.monotonic()
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        if self.armed:
-            signal.setitimer(signal.ITIMER_REAL, 0)
-            signal.signal(signal.SIGALRM, self.previous)
-            if self.outer:  # someone else's alarm was pending: re-arm what is left of it
-                left = self.outer - (time.monotonic() - self.started)
-                signal.setitimer(signal.ITIMER_REAL, max(left, 1e-3))
-
-
 class ChatTemplate:
     """A compiled chat template with the BOS/EOS texts it may print."""
 
@@ -336,8 +373,10 @@ class ChatTemplate:
         try:
             self._template = _environment().from_string(source)
         except TemplateError as exc:
+            line = getattr(exc, "lineno", None)
+            where = origin if line is None else f"{origin} line {line}"
             raise ForgebenchError(f"the chat template does not compile: {exc}", path=path,
-                                  where=origin, hint="fix the template or pass another one") \
+                                  where=where, hint="fix the template or pass another one") \
                 from None
 
     @classmethod
@@ -390,43 +429,50 @@ class ChatTemplate:
         if enable_thinking is not None:
             context["enable_thinking"] = enable_thinking
         env = self._template.environment
-        env.budget = budget = RenderBudget()
-        started = time.monotonic()
+        env.budget = budget = RenderBudget()     # this thread's render starts a fresh budget
         try:
-            with _Deadline(budget.SECONDS):
-                pieces, size = [], 0
-                for piece in self._template.generate(**context):
-                    size += len(piece)
-                    if size > budget.OUTPUT_CHARS:
-                        raise TemplateBudgetError(f"its output passed {budget.OUTPUT_CHARS} "
-                                                  "characters")
-                    if time.monotonic() - started > budget.SECONDS:
-                        raise TemplateBudgetError(f"it ran longer than {budget.SECONDS:g} s")
-                    pieces.append(piece)
+            pieces, size = [], 0
+            for piece in self._template.generate(**context):
+                size += len(piece)
+                if size > budget.OUTPUT_CHARS:
+                    raise TemplateBudgetError(f"its output passed {budget.OUTPUT_CHARS} "
+                                              "characters")
+                budget.step()
+                pieces.append(piece)
             return "".join(pieces)
         except TemplateBudgetError as exc:
             raise ForgebenchError(f"the chat template is over its render budget: {exc}",
-                                  path=self.path, where=self.origin,
+                                  path=self.path, where=self._where(exc),
                                   hint="the template is not trusted; fix it or pass a "
                                        "built-in one") from None
         except (RecursionError, MemoryError, OverflowError) as exc:
             raise ForgebenchError(f"the chat template is over its render budget: "
                                   f"{type(exc).__name__}: {str(exc)[:200]}", path=self.path,
-                                  where=self.origin,
+                                  where=self._where(exc),
                                   hint="the template is not trusted; fix it or pass a "
                                        "built-in one") from None
         except _TemplateRaised as exc:
             raise ForgebenchError(f"the chat template refused the conversation: {exc}",
-                                  path=self.path, where=self.origin) from None
+                                  path=self.path, where=self._where(exc)) from None
         except SecurityError as exc:
             raise ForgebenchError(f"the chat template tried an unsafe operation ({exc})",
-                                  path=self.path, where=self.origin,
+                                  path=self.path, where=self._where(exc),
                                   hint="the template is not trusted; use a built-in one") from None
         except (TemplateError, TypeError, KeyError, IndexError, AttributeError,
                 ValueError, ZeroDivisionError) as exc:
             raise ForgebenchError(f"the chat template failed: {type(exc).__name__}: "
                                   f"{str(exc)[:300]}",
-                                  path=self.path, where=self.origin) from None
+                                  path=self.path, where=self._where(exc)) from None
+
+    def _where(self, exc: BaseException) -> str:
+        """The template's origin and the template line the failure happened on (Jinja
+        rewrites a render's traceback to the template's own lines)."""
+        line, tb = None, exc.__traceback__
+        while tb is not None:
+            if tb.tb_frame.f_code.co_filename == "<template>":
+                line = tb.tb_lineno
+            tb = tb.tb_next
+        return self.origin if line is None else f"{self.origin} line {line}"
 
 
 def render_chat(gguf_file_or_metadata, messages: list[Mapping[str, Any]],

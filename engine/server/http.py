@@ -1,0 +1,389 @@
+"""The OpenAI-compatible HTTP API (`forgebench serve`), a Starlette app served by uvicorn.
+
+Endpoints: GET /v1/models, POST /v1/chat/completions, /v1/completions, /v1/embeddings, and
+GET /health. Request bodies are bounded (413), parsed with the nesting check and validated
+with the shared schema (engine/server/requests.py, engine/server/openai_schema.py); every
+refusal is OpenAI's error shape `{"error": {"message", "type", "param", "code"}}` with its
+status: 400 malformed JSON or bad field, 401 missing/wrong key, 404 unknown model, 400 prompt
+over the context (with the counts), 413 body too large, 400 a chat template that fails to
+render (with the template's line), 503 when the model's queue is full.
+
+Models load on first use (one load at a time per model; aliases such as a run's latest
+checkpoint share one), then each has an engine thread (engine/server/scheduler.py) that
+interleaves its requests. Chat prompts are rendered by serve-local's `render` (the model's own
+template: the training one for a run), completions encoded as `forgebench generate` encodes a
+prompt. `on_log` receives one dict per finished request (the app's request log).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import json
+import secrets
+import threading
+import time
+from typing import Any, Callable
+
+from starlette.applications import Starlette
+from starlette.concurrency import run_in_threadpool
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from engine.errors import ForgebenchError
+from engine.server import openai_schema as api
+from engine.server.catalog import Catalog, Entry
+from engine.server.requests import MAX_REQUEST_BYTES, RequestError, parse_json, validate
+
+DEFAULT_MAX_TOKENS = 4096     # a request without max_tokens: the rest of the context, at most
+
+
+def error_response(status: int, message: str, *, kind: str = "invalid_request_error",
+                   param: str | None = None, code: str | None = None) -> JSONResponse:
+    return JSONResponse({"error": {"message": message, "type": kind, "param": param,
+                                   "code": code}}, status_code=status)
+
+
+def _refusal(exc: ForgebenchError) -> JSONResponse:
+    if isinstance(exc, RequestError):
+        return error_response(exc.status, exc.render(), param=exc.param, code=exc.code)
+    return error_response(400, exc.render(), param=exc.where)
+
+
+class Loaded:
+    """A model ready to serve: the serve-local System (or an embedding encoder) and, for text
+    models, its engine thread."""
+
+    def __init__(self, entry: Entry, system=None, runner=None, encoder=None):
+        self.entry, self.system, self.runner, self.encoder = entry, system, runner, encoder
+        self.encode_lock = threading.Lock()
+
+
+class Server:
+    def __init__(self, catalog: Catalog, *, api_key: str | None = None, slots: int = 4,
+                 queue_limit: int = 16, on_log: Callable[[dict], None] | None = None,
+                 max_body: int = MAX_REQUEST_BYTES):
+        self.catalog, self.api_key = catalog, api_key
+        self.slots, self.queue_limit, self.max_body = slots, queue_limit, max_body
+        self.on_log = on_log
+        self.loaded: dict[str, Loaded] = {}
+        self.loading: dict[str, asyncio.Lock] = {}
+
+    # -- models ---------------------------------------------------------------------------
+    def entry(self, model: str) -> Entry:
+        entry = self.catalog.entries.get(model)
+        if entry is None:
+            raise RequestError(f"The model '{model}' does not exist or is not served here",
+                               status=404, code="model_not_found", param="model",
+                               hint="GET /v1/models lists the served ids")
+        return entry
+
+    async def model(self, model: str) -> Loaded:
+        entry = self.entry(model)
+        key = json.dumps(entry.load, sort_keys=True)      # aliases share one loaded model
+        lock = self.loading.setdefault(key, asyncio.Lock())
+        async with lock:
+            if key not in self.loaded:
+                self.loaded[key] = await run_in_threadpool(self._load, entry)
+        return self.loaded[key]
+
+    def _load(self, entry: Entry) -> Loaded:
+        if entry.type == "embedding":
+            from engine.config import recipe_module
+            from engine.rundir import RunDir
+
+            run = RunDir(entry.load["embedding_run"]).require()
+            recipe = recipe_module(run.manifest()["recipe"])
+            return Loaded(entry, encoder=recipe.checkpoint_encoder(
+                run, run.checkpoint(entry.load["checkpoint"])))
+        from engine.serve_local import load_system
+        from engine.server.scheduler import Runner
+
+        system = load_system(entry.id, dict(entry.load))
+        runner = Runner(system.model, system.tokenizer, slots=self.slots,
+                        queue_limit=self.queue_limit, name=entry.id)
+        return Loaded(entry, system=system, runner=runner)
+
+    def close(self) -> None:
+        for loaded in self.loaded.values():
+            if loaded.runner is not None:
+                loaded.runner.close()
+
+    # -- requests -------------------------------------------------------------------------
+    def authorize(self, request: Request) -> None:
+        if self.api_key is None:
+            return
+        given = request.headers.get("authorization", "")
+        scheme, _, token = given.partition(" ")
+        if scheme.lower() != "bearer" or not secrets.compare_digest(token.strip(),
+                                                                    self.api_key):
+            raise RequestError("Incorrect or missing API key: send 'Authorization: Bearer KEY'",
+                               status=401, code="invalid_api_key")
+
+    async def body(self, request: Request) -> Any:
+        declared = request.headers.get("content-length")
+        if declared and declared.isdigit() and int(declared) > self.max_body:
+            raise RequestError(f"the request body is {declared} bytes, over the "
+                               f"{self.max_body} byte limit", status=413,
+                               code="request_too_large")
+        chunks, size = [], 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > self.max_body:
+                raise RequestError(f"the request body is over the {self.max_body} byte limit",
+                                   status=413, code="request_too_large")
+            chunks.append(chunk)
+        return parse_json(b"".join(chunks), where="body")
+
+    def log(self, **entry: Any) -> None:
+        if self.on_log is not None:
+            self.on_log({"time": time.time(), **entry})
+
+
+def _prompt_for_chat(loaded: Loaded, body: api.ChatCompletionRequest) -> list[int]:
+    from engine.serve_local import render
+
+    messages = [m.plain() for m in body.messages]
+    _, ids = render(loaded.system, messages, body.tools)
+    return ids
+
+
+def _prompt_for_completion(loaded: Loaded, body: api.CompletionRequest) -> list[int]:
+    text = body.text()
+    if not text:
+        raise RequestError("prompt: the prompt is empty", param="prompt")
+    return loaded.system.tokenizer.encode(text, add_special=True, parse_special=True)
+
+
+def _constraint(loaded: Loaded, body) -> Any:
+    fmt = body.response_format
+    if fmt is None or fmt.type == "text":
+        return None
+    from engine.server.constrained import JsonConstraint
+
+    schema = None
+    if fmt.type == "json_schema":
+        if fmt.json_schema is None or fmt.json_schema.schema_ is None:
+            raise RequestError("response_format.json_schema.schema: required for "
+                               "type json_schema", param="response_format.json_schema")
+        schema = fmt.json_schema.schema_
+    return JsonConstraint.build(loaded.system.tokenizer, schema)
+
+
+async def _generate(server: Server, request: Request, body, kind: str) -> Response:
+    from engine.sampling import SamplingSettings
+    from engine.server.scheduler import Busy, Job
+
+    loaded = await server.model(body.model)
+    if loaded.runner is None:
+        raise RequestError(f"'{body.model}' is an embedding model: use /v1/embeddings",
+                           param="model", code="wrong_model_type")
+    prompt_of = _prompt_for_chat if kind == "chat" else _prompt_for_completion
+    ids = await run_in_threadpool(prompt_of, loaded, body)
+    constraint = await run_in_threadpool(_constraint, loaded, body)
+    context = loaded.runner.context
+    asked = (getattr(body, "max_completion_tokens", None) or body.max_tokens)
+    max_tokens = asked or min(DEFAULT_MAX_TOKENS, context - len(ids))
+    if max_tokens < 1 or len(ids) + max_tokens > context:
+        raise RequestError(
+            f"This model's maximum context length is {context} tokens. However, you requested "
+            f"{len(ids) + max(max_tokens, 1)} tokens ({len(ids)} in the prompt, "
+            f"{max(max_tokens, 1)} for the completion). Please reduce the prompt or the "
+            "completion length.", param="messages" if kind == "chat" else "prompt",
+            code="context_length_exceeded")
+    ident = ("chatcmpl-" if kind == "chat" else "cmpl-") + secrets.token_hex(12)
+    created = int(time.time())
+    started = time.perf_counter()
+    loop = asyncio.get_running_loop()
+    events: asyncio.Queue = asyncio.Queue()
+
+    def emit(event: dict) -> None:          # on the model's engine thread
+        if event["type"] in ("done", "error"):  # logged even when the client has gone
+            finished(event, 200 if event["type"] == "done" else 500)
+        loop.call_soon_threadsafe(events.put_nowait, event)
+
+    job = Job(ids, max_tokens, emit, SamplingSettings(body.temperature, body.top_k, body.top_p,
+                                                      body.repetition_penalty),
+              body.seed, body.stops(), constraint)
+    try:
+        loaded.runner.submit(job)
+    except Busy as exc:
+        raise RequestError(f"the server is busy: {exc}; retry shortly", status=503,
+                           code="server_busy") from None
+
+    def finished(done: dict, status: int = 200) -> None:
+        seconds = done.get("total_s") or (time.perf_counter() - started)
+        server.log(model=body.model, endpoint=request.url.path, status=status,
+                   error=done.get("message"),
+                   stream=body.stream, prompt_tokens=len(ids),
+                   completion_tokens=done.get("completion_tokens", 0),
+                   finish_reason=done.get("finish_reason"),
+                   first_token_s=done.get("first_token_s"), seconds=seconds,
+                   tokens_per_s=done.get("completion_tokens", 0) / seconds if seconds else None)
+
+    def usage(done: dict, cached: int) -> dict:
+        return {"prompt_tokens": len(ids), "completion_tokens": done["completion_tokens"],
+                "total_tokens": len(ids) + done["completion_tokens"],
+                "prompt_tokens_details": {"cached_tokens": cached}}
+
+    def reason(done: dict) -> str:
+        return {"length": "length"}.get(done["finish_reason"], "stop")
+
+    if not body.stream:
+        cached = 0
+        try:
+            while True:
+                try:
+                    event = await asyncio.wait_for(events.get(), 0.5)
+                except asyncio.TimeoutError:
+                    if await request.is_disconnected():
+                        job.cancelled.set()
+                    continue
+                if event["type"] == "start":
+                    cached = event["cached_tokens"]
+                elif event["type"] == "error":
+                    return error_response(500, event["message"], kind="server_error")
+                elif event["type"] == "done":
+                    break
+        finally:
+            job.cancelled.set()         # a handler cancelled while waiting frees the slot
+        if kind == "chat":
+            choice = {"index": 0, "message": {"role": "assistant", "content": event["text"]},
+                      "finish_reason": reason(event), "logprobs": None}
+            shape = "chat.completion"
+        else:
+            choice = {"index": 0, "text": event["text"], "finish_reason": reason(event),
+                      "logprobs": None}
+            shape = "text_completion"
+        return JSONResponse({"id": ident, "object": shape, "created": created,
+                             "model": body.model, "choices": [choice],
+                             "usage": usage(event, cached), "system_fingerprint": None})
+
+    include_usage = bool(body.stream_options and body.stream_options.include_usage)
+    shape = "chat.completion.chunk" if kind == "chat" else "text_completion"
+
+    def chunk(text: str | None, finish: str | None = None, first: bool = False) -> str:
+        if kind == "chat":
+            delta = {} if text is None else {"content": text}
+            if first:
+                delta["role"] = "assistant"
+            choice = {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}
+        else:
+            choice = {"index": 0, "text": text or "", "finish_reason": finish,
+                      "logprobs": None}
+        payload = {"id": ident, "object": shape, "created": created, "model": body.model,
+                   "choices": [choice], "system_fingerprint": None}
+        if include_usage:
+            payload["usage"] = None
+        return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
+
+    async def stream():
+        cached = 0
+        try:
+            if kind == "chat":
+                yield chunk("", first=True)
+            while True:
+                event = await events.get()
+                if event["type"] == "start":
+                    cached = event["cached_tokens"]
+                elif event["type"] == "token":
+                    if event["text"]:
+                        yield chunk(event["text"])
+                elif event["type"] == "error":
+                    yield "data: " + json.dumps({"error": {"message": event["message"],
+                                                           "type": "server_error"}}) + "\n\n"
+                    break
+                else:
+                    if event.get("tail"):
+                        yield chunk(event["tail"])
+                    yield chunk(None, reason(event))
+                    if include_usage:
+                        payload = {"id": ident, "object": shape, "created": created,
+                                   "model": body.model, "choices": [],
+                                   "usage": usage(event, cached)}
+                        yield f"data: {json.dumps(payload)}\n\n"
+                    break
+            yield "data: [DONE]\n\n"
+        finally:
+            job.cancelled.set()         # the client went away: its slot ends at the next token
+
+    return StreamingResponse(stream(), media_type="text/event-stream",
+                             headers={"Cache-Control": "no-cache"})
+
+
+def create_app(server: Server) -> Starlette:
+    def handler(function):
+        async def endpoint(request: Request) -> Response:
+            try:
+                server.authorize(request)
+                return await function(request)
+            except ForgebenchError as exc:
+                if request.url.path.startswith("/v1/") and request.method == "POST":
+                    server.log(model=None, endpoint=request.url.path,
+                               status=getattr(exc, "status", 400), error=exc.message)
+                return _refusal(exc)
+        return endpoint
+
+    async def models(request: Request) -> Response:
+        return JSONResponse({"object": "list", "data": server.catalog.cards()})
+
+    async def chat(request: Request) -> Response:
+        body = validate(api.ChatCompletionRequest, await server.body(request))
+        return await _generate(server, request, body, "chat")
+
+    async def completions(request: Request) -> Response:
+        body = validate(api.CompletionRequest, await server.body(request))
+        return await _generate(server, request, body, "completion")
+
+    async def embeddings(request: Request) -> Response:
+        body = validate(api.EmbeddingRequest, await server.body(request))
+        loaded = await server.model(body.model)
+        if loaded.encoder is None:
+            raise RequestError(f"'{body.model}' is not an embedding model (serve an "
+                               "embed-retrieval run)", param="model", code="wrong_model_type")
+        texts = [body.input] if isinstance(body.input, str) else list(body.input)
+
+        def encode():
+            with loaded.encode_lock:
+                vectors = loaded.encoder.encode(texts)
+                tokens = sum(len(loaded.encoder.tokenizer.encode(t).ids) for t in texts) \
+                    if hasattr(loaded.encoder, "tokenizer") else 0
+                return vectors, tokens
+
+        vectors, tokens = await run_in_threadpool(encode)
+        if body.dimensions is not None and body.dimensions != vectors.shape[1]:
+            raise RequestError(f"dimensions: this model's vectors have {vectors.shape[1]} "
+                               "dimensions", param="dimensions")
+        data = []
+        for i, vector in enumerate(vectors):
+            value = (base64.b64encode(vector.numpy().astype("<f4").tobytes()).decode()
+                     if body.encoding_format == "base64" else vector.tolist())
+            data.append({"object": "embedding", "index": i, "embedding": value})
+        server.log(model=body.model, endpoint=request.url.path, status=200,
+                   prompt_tokens=tokens, completion_tokens=0)
+        return JSONResponse({"object": "list", "data": data, "model": body.model,
+                             "usage": {"prompt_tokens": tokens, "total_tokens": tokens}})
+
+    async def health(request: Request) -> Response:
+        """Liveness, and per loaded model how many requests generate and wait."""
+        return JSONResponse({"status": "ok", "served": len(server.catalog.entries),
+                             "loaded": {loaded.entry.id: loaded.runner.load()
+                                        for loaded in server.loaded.values()
+                                        if loaded.runner is not None}})
+
+    async def http_error(request: Request, exc: HTTPException) -> Response:
+        return error_response(exc.status_code, exc.detail or "error",
+                              code="not_found" if exc.status_code == 404 else None)
+
+    async def internal(request: Request, exc: Exception) -> Response:
+        return error_response(500, f"internal error: {type(exc).__name__}", kind="server_error")
+
+    routes = [Route("/v1/models", handler(models), methods=["GET"]),
+              Route("/v1/chat/completions", handler(chat), methods=["POST"]),
+              Route("/v1/completions", handler(completions), methods=["POST"]),
+              Route("/v1/embeddings", handler(embeddings), methods=["POST"]),
+              Route("/health", handler(health), methods=["GET"])]
+    return Starlette(routes=routes, exception_handlers={HTTPException: http_error,
+                                                        Exception: internal})
