@@ -51,17 +51,28 @@ from engine.kernels.numerics import fma_f32, hsum8, quantize_q8_0, quantize_q8_k
 UBATCH = 512  # llama.cpp's default n_ubatch: a longer prompt is evaluated in such pieces
 ROW_CHUNK = 64  # rows per pass of the torch reference, to bound its integer-lane intermediates
 TILED_MIN_ROWS = 8  # ggml_tiled_min_batch: K-quant matmuls of this many rows or more run tiled
-EXACT_TYPES = (T.Q8_0, T.Q5_0, T.Q4_K, T.Q6_K)
+EXACT_TYPES = (T.Q8_0, T.Q5_0, T.Q4_0, T.Q4_K, T.Q5_K, T.Q6_K)
+
+
+def repacked(ggml_type: T, rows: int, p=None) -> bool:
+    """Whether llama.cpp holds this weight repacked (its extra buffer types on, x86: Q4_0 and
+    Q4_K matrices whose rows are a multiple of 8; repack.cpp ggml_repack_get_optimal_repack_type)
+    in the configuration of the kernel plan (this machine's unless given)."""
+    p = p or plan()
+    return p.repacked and T(ggml_type) in (T.Q4_0, T.Q4_K) and rows % 8 == 0
 
 
 def supports_exact(ggml_type: T, rows: int) -> bool:
-    return ggml_type in EXACT_TYPES and (ggml_type != T.Q4_K or rows % 8 == 0)
+    """ggml_matmul has llama.cpp's kernel for these weights in this machine's configuration (the
+    repacked Q4_0 gemm is the one it lacks)."""
+    ggml_type = T(ggml_type)
+    return ggml_type in EXACT_TYPES and not (ggml_type == T.Q4_0 and repacked(ggml_type, rows))
 
 
 def plan_struct(p=None) -> Plan:
     """The C kernels' view of a kernel plan (this machine's unless given)."""
     p = p or plan()
-    return Plan(p.f16_lanes, p.softmax_lanes)
+    return Plan(p.f16_lanes, p.softmax_lanes, int(p.repacked))
 
 
 def weight_struct(parts: dict[str, torch.Tensor], ggml_type: T, rows: int, cols: int,
@@ -78,11 +89,14 @@ def weight_struct(parts: dict[str, torch.Tensor], ggml_type: T, rows: int, cols:
 
 # per weight type: what the C kernels take unpacked (name, dtype, values per block); the rest
 # they read from the GGUF blocks themselves ("blocks")
+_K_PARTS = (("scales", torch.uint8, 8), ("mins", torch.uint8, 8), ("d", torch.float32, 1),
+            ("dmin", torch.float32, 1))
 _PARTS = {
     T.Q8_0: (("d", torch.float32, 1),),
     T.Q5_0: (("d", torch.float32, 1),),
-    T.Q4_K: (("scales", torch.uint8, 8), ("mins", torch.uint8, 8), ("d", torch.float32, 1),
-             ("dmin", torch.float32, 1)),
+    T.Q4_0: (("d", torch.float32, 1),),
+    T.Q4_K: _K_PARTS,
+    T.Q5_K: _K_PARTS,
     T.Q6_K: (("q", torch.uint8, 256), ("scales", torch.int8, 16), ("d", torch.float32, 1)),
 }
 
@@ -125,11 +139,17 @@ class ExactWeight:
         parts = {k: v.contiguous() for k, v in unpack_blocks(raw, ggml_type).items()}
         self.d = parts["d"]  # [N, nb] f32
         nb = self.d.shape[1]
-        if ggml_type in (T.Q8_0, T.Q5_0):
+        if ggml_type in (T.Q8_0, T.Q5_0, T.Q4_0):
             # [nb·8, 4, N]: lane k of block b holds weights 4k..4k+3
             self.lanes = parts["q"].reshape(rows, nb * 8, 4).permute(1, 2, 0).float().contiguous()
-        elif ggml_type == T.Q4_K:
+        elif ggml_type in (T.Q4_K, T.Q5_K):
             scaled = parts["q"].float() * parts["scales"].float()[..., None]  # [N, nb, 8, 32]
+            # not repacked: [nb, 256, N] scaled weights (tiled); [nb·8, 32, N] by vec_dot lane
+            # (lane l of a 256: positions 4l..4l+3 of each 32-subblock)
+            self.scaled = scaled.reshape(rows, nb, 256).permute(1, 2, 0).double().contiguous()
+            self.by_lane = (scaled.reshape(rows, nb, 8, 8, 4).permute(1, 3, 2, 4, 0)
+                            .reshape(nb * 8, 32, rows).double().contiguous())
+            self.sub_mins = parts["mins"].double().permute(1, 2, 0).contiguous()  # [nb, 8, N]
             self.chunks = (
                 scaled.reshape(rows, nb * 4, 64).permute(1, 2, 0).contiguous()
             )  # [nb·4, 64, N]
@@ -160,10 +180,14 @@ class ExactWeight:
                 outs.append(self._native(batch))
                 continue
             gemm_rows = n - n % 4 if n > 3 else 0  # repacked Q4_K: gemm rows, then gemv
-            tiled = n >= TILED_MIN_ROWS  # Q6_K: tiled kernel, else vec_dot
+            tiled = n >= TILED_MIN_ROWS  # K-quants in their GGUF layout: tiled, else vec_dot
+            plain = self.ggml_type == T.Q5_K or (
+                self.ggml_type == T.Q4_K and not repacked(T.Q4_K, self.rows))
             for r0 in range(0, n, ROW_CHUNK):
                 rows = batch[r0 : r0 + ROW_CHUNK]
-                if self.ggml_type == T.Q4_K:
+                if plain:
+                    outs.append(self._k_plain(rows, tiled))
+                elif self.ggml_type == T.Q4_K:
                     g = max(0, min(rows.shape[0], gemm_rows - r0))
                     if g:
                         outs.append(self._q4_k(rows[:g], per_superblock=False))
@@ -220,6 +244,42 @@ class ExactWeight:
                 acc_min = fma_f32(mins[b, c], scale_min, acc_min)
         return acc - acc_min
 
+    def _k_plain(self, x: torch.Tensor, tiled: bool) -> torch.Tensor:
+        """Q4_K / Q5_K in their GGUF layout (ggml_kernels.c k_plain_rows says the orders)."""
+        q, xd = quantize_q8_k(x)  # [R, nb, 256], [R, nb]
+        R, nb = xd.shape
+        qd = q.double()
+        sums32 = qd.reshape(R, nb, 8, 32).sum(-1).transpose(0, 1)  # [nb, R, 8] exact
+        acc = torch.zeros(R, self.rows)
+        if tiled:
+            s1 = torch.bmm(qd.transpose(0, 1), self.scaled).float()  # [nb, R, N]: int -> f32
+            s2 = torch.bmm(sums32, self.sub_mins).float()
+            for b in range(nb):
+                res = fma_f32(-self.dmin[:, b][None, :].expand_as(s2[b]), s2[b],
+                              self.d[:, b][None, :] * s1[b])
+                acc = fma_f32(res, xd[:, b][:, None], acc)
+            return acc
+        by_lane = qd.reshape(R, nb, 8, 8, 4).permute(1, 3, 0, 2, 4).reshape(nb * 8, R, 32)
+        lanes = torch.bmm(by_lane, self.by_lane).float().view(nb, 8, R, self.rows)
+        # lane l of the min part: subblocks 2l and 2l+1
+        mins = torch.einsum("brls,bnls->blrn", sums32.view(nb, R, 4, 2),
+                            self.sub_mins.permute(0, 2, 1).reshape(nb, self.rows, 4, 2)).float()
+        acc8 = torch.zeros(8, R, self.rows)
+        acc_m = torch.zeros(4, R, self.rows)
+        summs = torch.zeros(R, self.rows)
+        for b in range(nb):
+            d = xd[:, b][:, None] * self.d[:, b][None, :]
+            dmin = -xd[:, b][:, None] * self.dmin[:, b][None, :]
+            acc8 = fma_f32(d, lanes[b], acc8)
+            if self.ggml_type == T.Q4_K:
+                acc_m = fma_f32(dmin, mins[b], acc_m)
+            else:
+                summs = fma_f32(dmin, mins[b].double().sum(0).float(), summs)
+        total = hsum8(acc8.movedim(0, -1))
+        if self.ggml_type == T.Q5_K:
+            return total + summs
+        return total + ((acc_m[0] + acc_m[2]) + (acc_m[1] + acc_m[3]))
+
     def _q6_k(self, x: torch.Tensor) -> torch.Tensor:
         q, xd = quantize_q8_k(x)  # [R, nb, 256], [R, nb]
         R, nb = xd.shape
@@ -247,6 +307,7 @@ __all__ = [
     "ExactWeight",
     "UBATCH",
     "plan_struct",
+    "repacked",
     "supports_exact",
     "unpack_exact",
     "weight_struct",
