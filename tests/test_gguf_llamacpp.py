@@ -17,7 +17,6 @@ import torch
 from fixtures_gguf import write_tiny_gguf
 from llamacpp_oracle import ggml_cpu_library, require_same_plan
 
-from engine.kernels.cpu import ROUNDING_WEIGHT_TYPES
 from engine.kernels.numerics import gelu_llamacpp, gelu_tanh_f32
 from engine.models.blocks import ACTIVATIONS, apply_rope, attention_mask, rope_tables
 from engine.models.gguf_model import load_gguf_model, set_numerics
@@ -48,6 +47,8 @@ def engine_logits(model, ids: list[int]) -> np.ndarray:
         ("llama", "Q4_K"),
         ("llama", "Q8_0"),
         ("llama", "F16"),
+        ("llama", "Q4_0"),
+        ("llama", "Q4_1"),
         ("qwen2", "Q5_K"),
         ("qwen3", "Q4_K"),
         ("qwen3", "Q6_K"),
@@ -56,6 +57,8 @@ def engine_logits(model, ids: list[int]) -> np.ndarray:
     ],
 )
 def test_tiny_fixture_matches_llamacpp(tmp_path, arch, qtype):
+    """Every logit against llama.cpp opened as engine/export/llamacpp.py opens it, in the kernel
+    configuration the plan names (repacked, or no extra buffer types on an AMX build)."""
     p = require_same_plan()
     path = write_tiny_gguf(
         tmp_path / "m.gguf", arch, qtype, vocab="bpe" if arch.startswith("qwen") else "spm"
@@ -64,7 +67,7 @@ def test_tiny_fixture_matches_llamacpp(tmp_path, arch, qtype):
     ours, ref = engine_logits(model, IDS), llamacpp_logits(path, IDS)
     scale = np.abs(ref).max()
     diff = np.abs(ours - ref)
-    if not p.x86_exact or qtype in ROUNDING_WEIGHT_TYPES:
+    if not p.x86_exact or qtype in p.rounding_types:
         # the weight type's kernel (or this CPU's) is matched to f32 rounding only: the engine must
         # still be closer to llama.cpp than plain f32 is, and choose the same tokens
         batched, stepped = llamacpp_batched_and_stepped(llamacpp_session(path, 256), IDS)
@@ -73,14 +76,15 @@ def test_tiny_fixture_matches_llamacpp(tmp_path, arch, qtype):
         assert diff.mean() < f32_diff.mean() and (ours.argmax(-1) == ref.argmax(-1)).all()
         reason = f"{qtype} weights" if p.x86_exact else f"this CPU ({p.summary()})"
         pytest.xfail(
-            f"{reason}: llama.cpp's kernel is not reproduced bit for bit; max |Δlogit| "
+            f"{reason}, llama.cpp {p.configuration}: its kernel is not reproduced bit for bit; "
+            f"max |Δlogit| "
             f"{diff.max():.2e} (f32 numerics {f32_diff.max():.2e}), llama.cpp's own "
             f"batched-vs-single spread {np.abs(batched - stepped).max():.2e}"
         )
     # every hidden state bit-identical (ggml's kernels where the engine has them, and these tiny
     # models are too small for a last-bit difference to flip a rounding); the logits differ only
     # by the LM head's f32 summation order (measured: <= 5e-7 of the largest logit)
-    assert diff.max() <= 2e-6 * scale
+    assert diff.max() <= 2e-6 * scale, f"llama.cpp {p.configuration}"
     assert (ours.argmax(-1) == ref.argmax(-1)).all()
     set_numerics(model, "f32")
     f32_diff = np.abs(engine_logits(model, IDS) - ref)

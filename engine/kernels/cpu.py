@@ -118,16 +118,27 @@ class KernelPlan:
         not; every other type the plan lists is."""
         if not self.x86_exact or ggml_type in ROUNDING_WEIGHT_TYPES:
             return False
+        if self.amx_tiles:
+            return ggml_type == "F16"
         if ggml_type == "Q4_0":
             return not (self.repacked and rows % 8 == 0)
         return ggml_type in ("F16", "Q8_0", "Q5_0", "Q4_K", "Q5_K", "Q6_K")
 
     @property
+    def amx_tiles(self) -> bool:
+        """An AMX build with its extra buffer types on: ggml's AMX tile kernels take the
+        quantized matmuls (not reproduced; open_llama never opens it so)."""
+        return self.repacked and amx_configuration(self.features)
+
+    @property
     def rounding_types(self) -> tuple[str, ...]:
         """Weight types matched only to f32 rounding here (Q4_0: where its rows are a multiple
         of 8 and llama.cpp repacks it)."""
+        quantized = ("Q4_0", "Q5_0", "Q8_0", "Q4_K", "Q5_K", "Q6_K")
         if not self.x86_exact:
-            return ("F16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K", "BF16")
+            return ("F16", *quantized, *ROUNDING_WEIGHT_TYPES)
+        if self.amx_tiles:
+            return (*quantized, *ROUNDING_WEIGHT_TYPES)
         return (("Q4_0",) if self.repacked else ()) + ROUNDING_WEIGHT_TYPES
 
     def summary(self) -> str:
