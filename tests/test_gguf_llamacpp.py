@@ -228,6 +228,7 @@ def test_gemma_teacher_forced_parity(gemma):
             "this CPU's llama.cpp kernels are not reproduced (forgebench doctor says which)"
         )
     figures = teacher_forced(*gemma)
+    figures["configuration"] = require_same_plan().configuration
     print("\nteacher-forced parity vs llama.cpp:", json.dumps(figures))
     assert figures["positions"] >= 500
     assert figures["llamacpp"]["top1"] >= 0.995
@@ -290,8 +291,9 @@ def test_gemma_greedy_continuations_match(gemma):
             top2 = np.sort(ref_logits[same])[-2:]
             entry["llamacpp_top2_gap_at_divergence"] = float(top2[1] - top2[0])
         report.append(entry)
-    print("\ngreedy continuations vs llama.cpp:", json.dumps(report))
-    assert sum(e["identical_tokens"] == 64 for e in report) >= 5
+    configuration = require_same_plan().configuration
+    print(f"\ngreedy continuations vs llama.cpp {configuration}:", json.dumps(report))
+    assert sum(e["identical_tokens"] == 64 for e in report) >= 5, configuration
 
 
 @pytest.fixture(scope="module")
@@ -327,6 +329,33 @@ def test_gemma_f16_gguf_f32_parity(gemma_f16):
     assert figures["positions"] >= 500
     assert figures["f32"]["top1"] >= 0.99
     assert figures["llamacpp"]["top1"] >= 0.995
+
+
+@pytest.mark.realmodel
+@pytest.mark.llamacpp
+def test_gemma_greedy_parity_on_20_prompts(gemma_gguf):
+    """The issue's acceptance figure: greedy 64-token continuations identical to llama.cpp
+    (opened by open_llama, in the configuration the plan names) on >= 19 of bench_generate.py's
+    20 varied prompts, and teacher-forced top-1 >= 99.5% over every position of the prompts and
+    llama.cpp's continuations. The same as `python bench/bench_generate.py --parity`.
+    Measured 2026-12-05 on an AMX Xeon (no extra buffer types): see docs/numerics.md."""
+    import sys
+    from pathlib import Path
+
+    p = require_same_plan()
+    if not p.x86_exact:
+        pytest.xfail(
+            "this CPU's llama.cpp kernels are not reproduced (forgebench doctor says which)"
+        )
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+    from bench_generate import greedy_parity
+
+    figures = greedy_parity(str(gemma_gguf), 64)
+    print(f"\n20-prompt parity vs llama.cpp {p.configuration}:",
+          json.dumps({k: v for k, v in figures.items() if k != "per_prompt"}))
+    assert figures["prompts"] == 20
+    assert figures["identical"] >= 19, (p.configuration, figures["per_prompt"])
+    assert figures["teacher_forced"]["top1"] >= 0.995, p.configuration
 
 
 # --- op-level parity: llama.cpp's own intermediate tensors as inputs ---------------------------
@@ -412,9 +441,10 @@ def test_gemma_ops_match_llamacpp_given_its_inputs(gemma, n_tokens):
     """Each op of the engine's llama.cpp numerics, fed llama.cpp's own input tensor for that op,
     reproduces llama.cpp's output tensor bit for bit (the LM head, summed in f32 order, to 1e-5).
 
-    12 tokens run the batch kernels (repacked Q4_K gemm, tiled Q6_K, tinyBLAS for Q5_0/Q8_0 and
-    the f16 attention products); 5 tokens add the gemv row of the repacked Q4_K and
-    vec_dot_q6_K_q8_K. One-token steps run the same per-row kernels as the 5-token batch's tail.
+    12 tokens run the batch kernels (repacked Q4_K gemm, or the tiled Q4_K without extra buffer
+    types; tiled Q6_K, tinyBLAS for Q5_0/Q8_0 and the f16 attention products); 5 tokens add the
+    gemv row of the repacked Q4_K (or vec_dot_q4_K_q8_K) and vec_dot_q6_K_q8_K. One-token steps
+    run the same per-row kernels as the 5-token batch's tail.
     """
     if not require_same_plan().x86_exact:
         pytest.xfail(

@@ -1,25 +1,40 @@
-"""Which ggml kernels llama.cpp runs on this CPU, and which the engine reproduces to the bit.
+"""Which ggml kernels llama.cpp runs on this CPU, in which configuration, and which the engine
+reproduces to the bit.
 
 llama.cpp as pip builds it (llama-cpp-python) is compiled with -march=native, so the instruction
 set of the machine it was built on picks its kernels at compile time, and each kernel sums in its
-own order. On x86 the orders that matter for the engine differ in three places:
+own order. A second choice is made when it loads a model: with its extra buffer types on (its
+default) ggml repacks Q4_0 and Q4_K matrices whose rows are a multiple of 8 into interleaved
+layouts (repack.cpp: q4_0_8x8, q4_K_8x8) and, on a build with AMX-INT8 + AVX512-VNNI, puts the
+quantized weights in its AMX buffer; with them off (`use_extra_bufts = false`, what
+`llama-server --no-repack` sets) every weight keeps its GGUF layout and ggml_compute_forward_mul_mat
+picks: the tiled K-quant matmul (ggml-cpu/tiled) for Q2_K..Q6_K at 8+ batch rows, llamafile's
+tinyBLAS for f16/Q8_0/Q5_0/Q4_0 at 2+ rows, the vec_dot loop otherwise. engine/export/llamacpp.py
+opens an AMX build without them (its AMX matmul segfaults), so the plan follows that
+configuration there (`repacked` False, rows named "no extra buffer types (--no-repack)") and the
+repacked one everywhere else (`amx_configuration` is the one rule for both).
 
+On x86 the orders that differ between AVX2 and AVX-512 builds:
 - f16 tinyBLAS (llamafile/sgemm.cpp): AVX2 8 lanes and hsum(__m256); AVX-512 16 lanes and
   _mm512_reduce_add_ps.
 - ggml_vec_dot_f16 (vec.cpp, simd-mappings.h): AVX2 4×8 lanes, 32 per step; AVX-512 4×16 lanes,
-  64 per step; the leftover in f64 on both.
+  64 per step; the leftover in f64 on both. (With AVX512-FP16 ggml's F16 vectors become __m512h,
+  but its dot product keeps the f32 accumulators, GGML_F16_DOT_*: the same 4×16 order.)
 - ggml_vec_soft_max_f32 + ggml_v_expf (vec.cpp, vec.h): AVX2 8 lanes and k·j + k; AVX-512 (with
   DQ) 16 lanes and scalef(j, n).
 Everything else the engine claims is the same on both: the Q8_0/Q8_K activation quantizers, the
-Q8_0/Q5_0 vec_dot and tinyBLAS_Q0_AVX (VNNI only changes how the exact integers are formed), the
-repacked Q4_K 8x8 gemm (its AVX-512 BW/DQ branch keeps one fma per 64) and gemv, vec_dot_q6_K,
-the Q6_K tiled microtile, RMSNorm, GELU's table and RoPE's libm cosf/sinf. (The AVX512-VNNI
-microtile of tiled/tiled-kernel.cpp writes its epilogue as _mm512_add_ps(p, _mm512_mul_ps(r, d_x)),
-but GCC compiles C++ with -ffp-contract=fast and fuses it into the same fma(r, d_x, p) that the
-AVX2 microtile writes out; checked op by op against llama.cpp on an AVX512-VNNI Xeon.)
+Q8_0/Q5_0/Q4_0 vec_dot and tinyBLAS_Q0_AVX (VNNI only changes how the exact integers are formed),
+the repacked Q4_K 8x8 gemm (its AVX-512 BW/DQ branch keeps one fma per 64) and gemv,
+vec_dot_q4_K/q5_K/q6_K_q8_K (AVX2 code, no AVX-512 variant), the tiled microtiles, RMSNorm, GELU's
+table and RoPE's libm cosf/sinf. (The AVX512-VNNI microtile of tiled/tiled-kernel.cpp writes its
+epilogue as _mm512_add_ps(p, _mm512_mul_ps(r, d_x)), but GCC compiles C++ with -ffp-contract=fast
+and fuses it into the same fma(r, d_x, p) that the AVX2 microtile writes out; and ggml's C files
+are gnu11, so vec_dot_q5_K's `summs += dmin * sum` is one fma too. Both checked against
+libggml-cpu's own functions: tests/test_ggml_kernels.py.)
 
-Not reproduced, said so by `plan()`: CPUs without AVX2/FMA/F16C or not x86 (ARM NEON, SVE, ...),
-and x86 with AMX-INT8 + AVX512-VNNI, where ggml runs its AMX tile kernels for quantized weights.
+Not reproduced, said so by `plan()`: CPUs without AVX2/FMA/F16C or not x86 (ARM NEON, SVE, ...);
+an AMX build opened with its extra buffer types (AMX tile kernels; open_llama never does); the
+repacked q4_0_8x8 kernels; Q4_1, Q5_1 and BF16 weights (no kernels for them here).
 
 The features come from cpuid through the C build (ggml_kernels.c: cpu_features, with XCR0 as GCC's
 -march=native reads it); without a C compiler, from /proc/cpuinfo. FORGEBENCH_SIMD=avx2 drops the
@@ -280,8 +295,8 @@ def plan_for(
         Kernel(
             "Q5_K, Q6_K weights",
             quantized,
-            note("never repacked on x86: tiled K-quant microtile for 8+ rows "
-                 "(fma(d_w·dot, d_x, acc)), vec_dot_q5_K / q6_K_q8_K for fewer"),
+            note("never repacked on x86: tiled K-quant microtile for 8+ rows (Q6_K "
+                 "fma(d_w·dot, d_x, acc), Q5_K as Q4_K), vec_dot_q5_K / q6_K_q8_K for fewer"),
         ),
         Kernel(
             "f16 weights and attention (K·Q, V·softmax)",
@@ -333,7 +348,8 @@ def describe(p: KernelPlan | None = None) -> list[str]:
     if p.x86_exact:
         lines.append(
             "bit-exact assumes llama.cpp was built on this machine for it (pip's default, "
-            "-march=native); a build for another instruction set sums in its own order"
+            "-march=native) and opened in the configuration above (engine/export/llamacpp.py "
+            "open_llama); a build for another instruction set sums in its own order"
         )
     return lines
 

@@ -6,17 +6,27 @@ post-norm gains carry one such step into ~1 logit. Agreeing "to f32 summation or
 enough; the summation order itself has to be ggml's.
 
 What ggml does, per weight type (sources: ggml-cpu/arch/x86/quants.c, arch/x86/repack.cpp,
-llamafile/sgemm.cpp, tiled/ of the ggml in llama-cpp-python 0.3.36):
-- Q8_0 / Q5_0 weights, Q8_0 activations (vec_dot_q8_0_q8_0, vec_dot_q5_0_q8_0 and tinyBLAS_Q0_AVX
-  share one order): per block of 32, eight exact int32 lanes of four consecutive products; per
-  block acc[lane] = fma(f32(d_w·d_x), lane, acc[lane]); then the 8-lane hsum_float_8.
-- Q4_K weights with rows % 8 == 0 (repacked to q4_K_8x8): one accumulator per output. The gemm
-  kernel (the first rows of a batch, in multiples of 4) adds one fma per 64 weights, the gemv
-  kernel (the remaining rows, and every one-token step) one per 256, each with the exact integer
-  dot product converted to f32; the min terms likewise; output = acc − acc_min.
-- Q6_K weights: with 8 or more rows, ggml's tiled K-quant matmul (ggml-cpu/tiled): per 256 the
-  exact integer dot, converted to f32, times d_w, then acc = fma(that, d_x, acc) (the AVX2 and
-  the AVX512-VNNI microtiles alike: GCC fuses the VNNI epilogue's mul + add, engine/kernels/cpu.py).
+llamafile/sgemm.cpp, tiled/ of the ggml in llama-cpp-python 0.3.36). Which kernel runs depends on
+the batch size and on the configuration llama.cpp was opened in (engine/kernels/cpu.py: repacked,
+its default, or without extra buffer types as open_llama opens an AMX build); `repacked` says
+which weights are repacked:
+- Q8_0 / Q5_0 / Q4_0 weights, Q8_0 activations (vec_dot_q*_0_q8_0 and tinyBLAS_Q0_AVX share one
+  order): per block of 32, eight exact int32 lanes of four consecutive products; per block
+  acc[lane] = fma(f32(d_w·d_x), lane, acc[lane]); then the 8-lane hsum_float_8. (Repacked Q4_0,
+  q4_0_8x8, is not reproduced.)
+- Q4_K weights repacked (q4_K_8x8, rows % 8 == 0, extra buffer types on): one accumulator per
+  output. The gemm kernel (the first rows of a batch, in multiples of 4) adds one fma per 64
+  weights, the gemv kernel (the remaining rows, and every one-token step) one per 256, each with
+  the exact integer dot product converted to f32; the min terms likewise; output = acc − acc_min.
+- Q4_K / Q5_K weights in their GGUF layout (not repacked): with 8 or more rows ggml's tiled
+  K-quant matmul: per 256 the exact dot s1 and min sum s2, res = fnmadd(dmin_w, f32(s2),
+  d_w·f32(s1)), acc = fma(res, d_x, acc); with fewer, vec_dot_q4_K_q8_K / q5_K_q8_K: eight lanes
+  acc = fma(d_x·d_w, f32(lane), acc) (lane l: products 4l..4l+3 of each 32-subblock times its
+  scale), the min part with dmin = -(d_x·dmin_w) in four lanes (Q4_K; reduced (m0+m2) + (m1+m3))
+  or one scalar fma (Q5_K); output hsum_float_8(acc) + min part.
+- Q6_K weights (never repacked on x86): with 8 or more rows the tiled microtile, per 256 the exact
+  integer dot, converted to f32, times d_w, then acc = fma(that, d_x, acc) (the AVX2 and the
+  AVX512-VNNI microtiles alike: GCC fuses the VNNI epilogue's mul + add, engine/kernels/cpu.py).
   With fewer rows vec_dot_q6_K_q8_K: eight int32 lanes per 256 (four consecutive products from
   each 32-group, times the 16-group scale, minus 32·scale·sums for the 32-group of the lane's
   index), one fma per 256, hsum_float_8.
@@ -26,9 +36,8 @@ or f64 matmuls of small integers); each fma is done in f64 and rounded once to f
 a fused multiply-add gives (the product of two f32 is exact in f64).
 
 f16 weights are the f16 dot products of numerics.dot_f16 (engine/models/linear.py). Other weight
-types (Q4_0, Q4_1, Q5_1, Q5_K, BF16), and Q4_K matrices whose row count is not a multiple of 8,
-use the dequantized product with the same quantized activations: right to f32 summation order,
-not to the bit.
+types (Q4_1, Q5_1, BF16) and repacked Q4_0 use the dequantized product with the same quantized
+activations: right to f32 summation order, not to the bit.
 
 The methods below are the reference, in torch; ggml_kernels.c repeats them in C (engine/kernels/
 native.py builds it: fb_matmul, on torch's thread count, the output rows split across threads so
