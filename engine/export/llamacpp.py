@@ -2,9 +2,11 @@
 
 llama-cpp-python compiles llama.cpp with -march=native. On a CPU with AMX-INT8 and AVX512-VNNI
 (Sapphire Rapids and later) that build puts quantized weights in ggml's AMX buffer, and its AMX
-matmul (`ggml_backend_amx_mul_mat`) segfaults in an OpenMP worker on the first batch: seen with
-llama-cpp-python 0.3.36 on an AMX Xeon, for a 64-wide test model and for gemma-3-270m Q4_K_M
-alike (llama.cpp issue #20824 reports the same crash). On such a build the file is opened without
+matmul (`ggml_backend_amx_mul_mat`) crashes on the first batch of more than one token: a
+segfault in an OpenMP worker (llama-cpp-python 0.3.36 on an AMX Xeon, a 64-wide test model and
+gemma-3-270m Q4_K_M alike; llama.cpp issue #20824 reports the same crash), or SIGILL at its first
+AMX instruction (`tilezero`, seen under gdb on another Sapphire Rapids machine with a 5-token
+batch of a tiny Q4_K or Q8_0 model). On such a build the file is opened without
 the extra buffer types (`use_extra_bufts = false`, what `llama-server --no-repack` sets), so
 llama.cpp runs its plain CPU kernels (neither AMX tiles nor the repacked Q4_0/Q4_K ones: the tiled
 K-quant matmul, llamafile's tinyBLAS and the vec_dot loop), and `AMX_NOTE` says so wherever a
@@ -24,7 +26,7 @@ import functools
 from pathlib import Path
 
 AMX_NOTE = ("llama.cpp ran without its extra buffer types (llama-server --no-repack): this "
-            "build has ggml's AMX kernels, whose matmul segfaults (llama.cpp issue #20824)")
+            "build has ggml's AMX kernels, whose matmul crashes (llama.cpp issue #20824)")
 
 
 @functools.lru_cache(maxsize=1)

@@ -10,7 +10,7 @@ quantized weights in its AMX buffer; with them off (`use_extra_bufts = false`, w
 `llama-server --no-repack` sets) every weight keeps its GGUF layout and ggml_compute_forward_mul_mat
 picks: the tiled K-quant matmul (ggml-cpu/tiled) for Q2_K..Q6_K at 8+ batch rows, llamafile's
 tinyBLAS for f16/Q8_0/Q5_0/Q4_0 at 2+ rows, the vec_dot loop otherwise. engine/export/llamacpp.py
-opens an AMX build without them (its AMX matmul segfaults), so the plan follows that
+opens an AMX build without them (its AMX matmul crashes), so the plan follows that
 configuration there (`repacked` False, rows named "no extra buffer types (--no-repack)") and the
 repacked one everywhere else (`amx_configuration` is the one rule for both).
 
@@ -233,7 +233,7 @@ def as_forced(features: frozenset[str], forced: str | None) -> frozenset[str]:
 def amx_configuration(features: frozenset[str]) -> bool:
     """Whether llama.cpp as pip builds it for these features has ggml's AMX kernels (AMX-INT8 with
     AVX512-VNNI: ggml-cpu compiles them in only then), so that engine/export/llamacpp.py opens it
-    without extra buffer types (its AMX matmul segfaults; llama.cpp issue #20824)."""
+    without extra buffer types (its AMX matmul crashes; llama.cpp issue #20824)."""
     return {"amx_int8", "avx512_vnni"} <= features
 
 
