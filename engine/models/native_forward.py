@@ -22,6 +22,7 @@ import math
 import torch
 from gguf import GGMLQuantizationType as T
 
+from engine.kernels import ggml_matmul
 from engine.kernels.ggml_matmul import UBATCH, ExactWeight, plan_struct, supports_exact
 from engine.kernels.native import Layer, Model, kernels, ptr
 from engine.kernels.numerics import attention_llamacpp, gelu_table
@@ -50,6 +51,9 @@ class NativeDecoder:
 
     def __init__(self, model, lib: ctypes.CDLL, layers: list[dict]):
         self.model, self.lib = model, lib
+        # the llama.cpp configuration it was described for: which weights the C forward serves
+        # depends on it (repacked Q4_0 goes to the torch path)
+        self.repacked = ggml_matmul.plan().repacked
         cfg = model.config
         # the modules described: a LoRA wrapper or a new weight put in their place later
         # makes native_decoder describe the model afresh (or hand it to the torch path)
@@ -173,7 +177,8 @@ def native_decoder(model) -> NativeDecoder | None:
             or model.kv_dtype != torch.float16):
         return None
     built = getattr(model, "_native_decoder", None)
-    if built is not None and built.model is model and all(
+    same_configuration = built is not None and built.repacked == ggml_matmul.plan().repacked
+    if same_configuration and built.model is model and all(
             getattr(parent, attr) is module for parent, attr, module in built.modules):
         return built
     layers = _describe(model)
