@@ -49,6 +49,8 @@ def engine_logits(model, ids: list[int]) -> np.ndarray:
         ("llama", "F16"),
         ("llama", "Q4_0"),
         ("llama", "Q4_1"),
+        ("qwen3", "Q5_1"),
+        ("llama", "BF16"),
         ("qwen2", "Q5_K"),
         ("qwen3", "Q4_K"),
         ("qwen3", "Q6_K"),

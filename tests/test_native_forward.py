@@ -33,7 +33,8 @@ IDS = [1, 40, 7, 200, 12, 99, 5, 261, 33, 18, 2, 77, 150, 64, 3, 250, 8, 9, 31, 
 # one-token steps, then a 5-row batch (vec_dot Q6_K, gemm 4 + gemv 1) past Gemma's window
 CALLS = ((0, 13), (13, 14), (14, 15), (15, 20), (20, 21))
 CASES = [("gemma3", "Q4_K"), ("gemma3", "Q5_0"), ("llama", "Q8_0"), ("llama", "F16"),
-         ("qwen2", "Q4_K"), ("qwen3", "Q6_K"), ("qwen2", "Q5_K"), ("llama", "Q4_0")]
+         ("qwen2", "Q4_K"), ("qwen3", "Q6_K"), ("qwen2", "Q5_K"), ("llama", "Q4_0"),
+         ("llama", "Q4_1"), ("qwen3", "Q5_1")]
 
 
 @pytest.fixture(scope="module")
@@ -137,7 +138,7 @@ def test_what_it_does_not_reproduce_goes_to_the_torch_path(tmp_path):
     set_numerics(model, "llamacpp")
     attach_lora(model, targets=["q", "v"], rank=2, alpha=4.0)
     assert native_decoder(model) is None
-    rounding_only, _ = load_gguf_model(write_tiny_gguf(tmp_path / "q.gguf", "llama", "Q4_1"),
+    rounding_only, _ = load_gguf_model(write_tiny_gguf(tmp_path / "q.gguf", "llama", "BF16"),
                                        numerics="llamacpp", tokenizer=False)
     assert native_decoder(rounding_only) is None
 

@@ -74,10 +74,13 @@ def _q4_0(b):
     return _q4_0_ints(b).float().mul_(_f16(b[:, :2]))
 
 
-def _q4_1(b):
+def _q4_1_ints(b):
     n = b.shape[0]
-    q = _as_bytes(_nibble_words(_words(b[:, 4:])), n)
-    return q.float().mul_(_f16(b[:, :2])).add_(_f16(b[:, 2:4]))
+    return _as_bytes(_nibble_words(_words(b[:, 4:])), n)               # [n, 32] 0..15
+
+
+def _q4_1(b):
+    return _q4_1_ints(b).float().mul_(_f16(b[:, :2])).add_(_f16(b[:, 2:4]))
 
 
 def _q5_0_ints(b):
@@ -91,11 +94,15 @@ def _q5_0(b):
     return _q5_0_ints(b).float().mul_(_f16(b[:, :2]))
 
 
-def _q5_1(b):
+def _q5_1_ints(b):
     n = b.shape[0]
     w = _nibble_words(_words(b[:, 8:])).reshape(n, 4)
     w |= _q5_high_bits(b[:, 4:8])
-    return _as_bytes(w, n).float().mul_(_f16(b[:, :2])).add_(_f16(b[:, 2:4]))
+    return _as_bytes(w, n)                                              # [n, 32] 0..31
+
+
+def _q5_1(b):
+    return _q5_1_ints(b).float().mul_(_f16(b[:, :2])).add_(_f16(b[:, 2:4]))
 
 
 def _q8_0_ints(b):
@@ -171,6 +178,7 @@ def unpack_blocks(raw: torch.Tensor, ggml_type: T) -> dict[str, torch.Tensor]:
 
     raw [rows, row_bytes] uint8 -> per type, with nb blocks per row:
     Q8_0/Q5_0/Q4_0: q [rows, nb, 32] int8, d [rows, nb] f32;
+    Q4_1/Q5_1: q [rows, nb, 32] uint8 (0..15 / 0..31), d and dmin (the block's min m) [rows, nb];
     Q4_K/Q5_K: q [rows, nb, 8, 32] (0..15 / 0..31), scales/mins [rows, nb, 8] (0..63), d/dmin
     [rows, nb] f32;
     Q6_K: q [rows, nb, 256] (0..63, i.e. stored value + 32), scales [rows, nb, 16] int8,
@@ -183,6 +191,10 @@ def unpack_blocks(raw: torch.Tensor, ggml_type: T) -> dict[str, torch.Tensor]:
     if ggml_type in (T.Q8_0, T.Q5_0, T.Q4_0):
         ints = {T.Q8_0: _q8_0_ints, T.Q5_0: _q5_0_ints, T.Q4_0: _q4_0_ints}[ggml_type](b)
         return {"q": ints.reshape(rows, nb, 32), "d": _f16(b[:, :2]).view(rows, nb)}
+    if ggml_type in (T.Q4_1, T.Q5_1):
+        ints = _q4_1_ints(b) if ggml_type == T.Q4_1 else _q5_1_ints(b)
+        return {"q": ints.reshape(rows, nb, 32), "d": _f16(b[:, :2]).view(rows, nb),
+                "dmin": _f16(b[:, 2:4]).view(rows, nb)}
     if ggml_type in (T.Q4_K, T.Q5_K):
         sc, mn = _k_scale_min(b[:, 4:16])
         ints = _q4_k_ints(b) if ggml_type == T.Q4_K else _q5_k_ints(b)

@@ -34,7 +34,7 @@ libggml-cpu's own functions: tests/test_ggml_kernels.py.)
 
 Not reproduced, said so by `plan()`: CPUs without AVX2/FMA/F16C or not x86 (ARM NEON, SVE, ...);
 an AMX build opened with its extra buffer types (AMX tile kernels; open_llama never does); the
-repacked q4_0_8x8 kernels; Q4_1, Q5_1 and BF16 weights (no kernels for them here).
+repacked q4_0_8x8 kernels; BF16 weights (no kernels for them here).
 
 The features come from cpuid through the C build (ggml_kernels.c: cpu_features, with XCR0 as GCC's
 -march=native reads it); without a C compiler, from /proc/cpuinfo. FORGEBENCH_SIMD=avx2 drops the
@@ -77,7 +77,7 @@ FEATURE_BITS = (
 SIMD_CHOICES = ("native", "avx2")
 # weight types the engine follows only to f32 rounding in every configuration (plan().rounding_types
 # adds those not reproduced in this machine's configuration)
-ROUNDING_WEIGHT_TYPES = ("Q4_1", "Q5_1", "BF16")
+ROUNDING_WEIGHT_TYPES = ("BF16",)
 EXACT = "bit-exact"
 ROUNDING = "f32 rounding"
 REPACKED = "repacked (llama.cpp's default extra buffer types)"
@@ -129,15 +129,15 @@ class KernelPlan:
 
     def exact_weight(self, ggml_type: str, rows: int) -> bool:
         """Whether the engine reproduces llama.cpp's matmul with these weights bit for bit here:
-        repacked Q4_0 (rows % 8 == 0, extra buffer types on) and the ROUNDING_WEIGHT_TYPES are
-        not; every other type the plan lists is."""
+        repacked Q4_0 (rows % 8 == 0, extra buffer types on), BF16 and anything under AMX tiles
+        are not; every other type the plan lists is."""
         if not self.x86_exact or ggml_type in ROUNDING_WEIGHT_TYPES:
             return False
         if self.amx_tiles:
             return ggml_type == "F16"
         if ggml_type == "Q4_0":
             return not (self.repacked and rows % 8 == 0)
-        return ggml_type in ("F16", "Q8_0", "Q5_0", "Q4_K", "Q5_K", "Q6_K")
+        return ggml_type in ("F16", "Q8_0", "Q5_0", "Q4_1", "Q5_1", "Q4_K", "Q5_K", "Q6_K")
 
     @property
     def amx_tiles(self) -> bool:
@@ -149,7 +149,7 @@ class KernelPlan:
     def rounding_types(self) -> tuple[str, ...]:
         """Weight types matched only to f32 rounding here (Q4_0: where its rows are a multiple
         of 8 and llama.cpp repacks it)."""
-        quantized = ("Q4_0", "Q5_0", "Q8_0", "Q4_K", "Q5_K", "Q6_K")
+        quantized = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K")
         if not self.x86_exact:
             return ("F16", *quantized, *ROUNDING_WEIGHT_TYPES)
         if self.amx_tiles:
@@ -315,11 +315,17 @@ def plan_for(
             note(q4_0),
         ),
         Kernel(
-            f"{', '.join(ROUNDING_WEIGHT_TYPES)} weights",
+            "Q4_1, Q5_1 weights",
+            quantized,
+            note("vec_dot_q4_1 / q5_1_q8_1 at every batch size (no tinyBLAS, repacked or tiled "
+                 "kernel for them): Q8_1 activations, 8 lanes fma(d_w·d_x), min part "
+                 "fma(m_w, s_x) in one scalar"),
+        ),
+        Kernel(
+            "BF16 weights",
             ROUNDING,
-            "not implemented: the engine has no kernels for Q4_1/Q5_1's Q8_1 activations "
-            "(vec_dot_q4_1_q8_1, q5_1_q8_1) nor for BF16's tinyBLAS / vec_dot_bf16 "
-            "(vdpbf16ps on AVX512-BF16 builds)",
+            "not implemented: tinyBLAS and ggml_vec_dot_bf16 (vdpbf16ps on AVX512-BF16 builds, "
+            "8- or 16-lane f32 sums elsewhere) have no counterpart in the engine",
         ),
     )
     return KernelPlan(**{**base.__dict__, "kernels": rows})

@@ -107,6 +107,21 @@ static void quantize_q8_0_row(const float *x, int64_t K, int8_t *q, float *d) {
     }
 }
 
+/* quantize_row_q8_1 (AVX2 path): the Q8_0 ints and f16(amax/127), and s = f16(d·Σq) with the
+ * f32 d = amax/127. */
+static void quantize_q8_1_row(const float *x, int64_t K, int8_t *q, float *d, float *s) {
+    quantize_q8_0_row(x, K, q, d);
+    for (int64_t b = 0; b < K / 32; b++) {
+        float amax = 0.0f;
+        int32_t sum = 0;
+        for (int i = 0; i < 32; i++) {
+            amax = fmaxf(amax, fabsf(x[32 * b + i]));
+            sum += q[32 * b + i];
+        }
+        s[b] = round_f16(amax / 127.f * (float) sum);
+    }
+}
+
 /* quantize_row_q8_K_ref: the first element of largest magnitude sets iscale = -127/max,
  * q = min(127, nearest(iscale·x)), d = 1/iscale; plus the sums of each 16 (ggml's bsums). */
 static void quantize_q8_k_row(const float *x, int64_t K, int8_t *q, float *d, int16_t *sums) {
@@ -140,11 +155,14 @@ static void quantize_q8_k_row(const float *x, int64_t K, int8_t *q, float *d, in
 
 /* ---- weights and the per-row matmul kernels --------------------------------------------- */
 
-enum { FB_F16 = 1, FB_Q4_0 = 2, FB_Q5_0 = 6, FB_Q8_0 = 8, FB_Q4_K = 12, FB_Q5_K = 13, FB_Q6_K = 14 };
+enum { FB_F16 = 1, FB_Q4_0 = 2, FB_Q4_1 = 3, FB_Q5_0 = 6, FB_Q5_1 = 7, FB_Q8_0 = 8, FB_Q4_K = 12, FB_Q5_K = 13,
+       FB_Q6_K = 14 };
 
 /* Q8_0-activation weights (vec_dot_q*_0_q8_0 and tinyBLAS_Q0_AVX), and the K-quants with a min. */
 static inline int is_q0(int type) { return type == FB_Q8_0 || type == FB_Q5_0 || type == FB_Q4_0; }
 static inline int q0_block_bytes(int type) { return type == FB_Q8_0 ? 34 : type == FB_Q5_0 ? 22 : 18; }
+/* Q4_1 / Q5_1: weights with a min, Q8_1 activations (vec_dot_q4_1_q8_1, vec_dot_q5_1_q8_1). */
+static inline int is_q1(int type) { return type == FB_Q4_1 || type == FB_Q5_1; }
 
 /* A weight [rows][cols] in the layout of engine/gguf/dequant.py unpack_blocks (F16: the raw
  * halves). Mirrored by engine/kernels/native.py Weight. */
@@ -156,7 +174,7 @@ typedef struct {
                              * F16 uint16 */
     const void *scales;     /* Q4_K, Q5_K uint8 [rows][cols/256][8]; Q6_K int8 [rows][cols/256][16] */
     const uint8_t *mins;    /* Q4_K, Q5_K [rows][cols/256][8] */
-    const float *d, *dmin;  /* [rows][blocks] */
+    const float *d, *dmin;  /* [rows][blocks] (Q4_1, Q5_1: dmin holds the block's min m) */
     const float *bias;      /* [rows] or NULL (Qwen2's q/k/v) */
 } fb_weight;
 
@@ -174,6 +192,7 @@ typedef struct {
     float *d;       /* [R][K/32] (Q8_0) or [R][K/256] (Q8_K) */
     int16_t *sums;  /* [R][K/16] (Q8_K): each 16's sum */
     float *h;       /* [R][K] f16-rounded (F16 weights) */
+    float *s;       /* [R][K/32] (Q8_1): f16(d·Σq), d before its f16 rounding */
 } fb_act;
 
 /* ---- unpacking GGUF blocks into the kernels' layout (dequant.py unpack_blocks) ----------- */
@@ -194,6 +213,10 @@ void fb_unpack(int type, int64_t nblocks, const uint8_t *raw, void *q, void *sca
     for (int64_t i = 0; i < nblocks; i++) {
         if (is_q0(type)) {
             d[i] = f16_at(raw + i * q0_block_bytes(type));
+        } else if (is_q1(type)) {
+            const uint8_t *b = raw + i * (type == FB_Q4_1 ? 20 : 24);
+            d[i] = f16_at(b);
+            dmin[i] = f16_at(b + 2);
         } else if (type == FB_Q4_K || type == FB_Q5_K) {
             const uint8_t *b = raw + i * (type == FB_Q4_K ? 144 : 176), *sc = b + 4;
             uint8_t *os = (uint8_t *) scales + i * 8, *om = mins + i * 8;
@@ -229,6 +252,7 @@ static void quantize_rows(int type, const float *x, int64_t R, int64_t K, const 
     for (int64_t r = ith; r < R; r += nth) {
         const float *xr = x + r * K;
         if (is_q0(type)) quantize_q8_0_row(xr, K, a->q + r * K, a->d + r * (K / 32));
+        else if (is_q1(type)) quantize_q8_1_row(xr, K, a->q + r * K, a->d + r * (K / 32), a->s + r * (K / 32));
         else if (type == FB_F16) for (int64_t k = 0; k < K; k++) a->h[r * K + k] = round_f16(xr[k]);
         else quantize_q8_k_row(xr, K, a->q + r * K, a->d + r * (K / 256), a->sums + r * (K / 16));
     }
@@ -282,6 +306,33 @@ static void q0_rows(const fb_weight *w, int64_t R, const fb_act *a, int64_t n0, 
         for (; r + 4 <= R; r += 4) q0_tile(w, a, n, r, 4, out);
         for (; r < R; r++) q0_tile(w, a, n, r, 1, out);
     }
+}
+
+/* Q4_1 / Q5_1 weights x Q8_1 activations (vec_dot_q4_1_q8_1 / vec_dot_q5_1_q8_1, every batch
+ * size: llamafile has no kernel for them, nor repack or tiled): per block of 32, eight exact lanes
+ * of four products of the unsigned weights, acc = fma(d_w·d_x, lane, acc); the min part
+ * summs = fma(m_w, s_x, summs) (GCC contracts `summs += m * s`: gnu11); hsum_float_8(acc) + summs. */
+static void q1_rows(const fb_weight *w, int64_t R, const fb_act *a, int64_t n0, int64_t n1, float *out) {
+    const int64_t K = w->cols, nb = K / 32, N = w->rows;
+    const int bytes = w->type == FB_Q4_1 ? 20 : 24;
+    for (int64_t n = n0; n < n1; n++)
+        for (int64_t r = 0; r < R; r++) {
+            __m256 acc = _mm256_setzero_ps();
+            float summs = 0.0f;
+            for (int64_t b = 0; b < nb; b++) {
+                const int64_t blk = n * nb + b;
+                const uint8_t *blkp = (const uint8_t *) w->q + blk * bytes;
+                const __m128i nibbles = _mm_loadu_si128((const __m128i *) (blkp + bytes - 16));
+                __m256i u = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(nibbles, 4), nibbles), _mm256_set1_epi8(0x0F));
+                if (w->type == FB_Q5_1)
+                    u = _mm256_or_si256(u, _mm256_and_si256(bytes_from_bits_32(blkp + 4), _mm256_set1_epi8(0x10)));
+                const __m256i xv = _mm256_loadu_si256((const __m256i *) (a->q + r * K + 32 * b));
+                const float xd = a->d[r * nb + b];
+                summs = fmaf(w->dmin[blk], a->s[r * nb + b], summs);
+                acc = _mm256_fmadd_ps(_mm256_set1_ps(w->d[blk] * xd), _mm256_cvtepi32_ps(dot_u8_i8(u, xv)), acc);
+            }
+            out[r * N + n] = hsum8v(acc) + summs;
+        }
 }
 
 /* Q4_K weights (repacked q4_K_8x8) x Q8_K activations, rows [r0, r1): one accumulator per output;
@@ -618,6 +669,7 @@ static void matmul_part(const fb_weight *w, int64_t R, const fb_act *a, const fb
     switch (w->type) {
     case FB_Q8_0: case FB_Q5_0: case FB_Q4_0: q0_rows(w, R, a, n0, n1, out); break;
     case FB_Q5_K: k_plain_rows(w, R, a, R >= 8, n0, n1, out); break;
+    case FB_Q4_1: case FB_Q5_1: q1_rows(w, R, a, n0, n1, out); break;
     case FB_Q4_K: {
         if (!p->repack || w->rows % 8) {  /* in its GGUF layout: tiled, or vec_dot for < 8 rows */
             k_plain_rows(w, R, a, R >= 8, n0, n1, out);
@@ -648,10 +700,11 @@ static int act_alloc(fb_act *a, int64_t R, int64_t K) {
     a->d = malloc(sizeof(float) * (size_t) (R * (K / 32) + 1));
     a->sums = malloc(sizeof(int16_t) * (size_t) (R * (K / 16) + 16));
     a->h = malloc(sizeof(float) * (size_t) (R * K) + 64);
-    return a->q && a->d && a->sums && a->h ? 0 : -1;
+    a->s = malloc(sizeof(float) * (size_t) (R * (K / 32) + 1));
+    return a->q && a->d && a->sums && a->h && a->s ? 0 : -1;
 }
 
-static void act_free(fb_act *a) { free(a->q); free(a->d); free(a->sums); free(a->h); }
+static void act_free(fb_act *a) { free(a->q); free(a->d); free(a->sums); free(a->h); free(a->s); }
 
 /* x [R][cols] · Wᵀ -> out [R][rows] for one ubatch, on `nthreads` threads (rows split; the bits
  * do not depend on the count). Returns 0, or -1 when out of memory. */
@@ -873,7 +926,7 @@ static void attend_row(const float *q16, const uint16_t *kc, const uint16_t *vc,
 
 /* The activation format a weight type's matmul quantizes to (ggml's vec_dot_type). */
 static inline int act_format(int type) {
-    return is_q0(type) ? 0 : type == FB_F16 ? 1 : 2;
+    return is_q0(type) ? 0 : type == FB_F16 ? 1 : is_q1(type) ? 3 : 2;
 }
 
 /* Matmuls of one input inside the forward's parallel region (q, k, v or gate, up): the input

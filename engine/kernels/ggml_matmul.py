@@ -55,12 +55,12 @@ from engine.gguf.constants import type_size
 from engine.gguf.dequant import unpack_blocks
 from engine.kernels.cpu import plan
 from engine.kernels.native import WEIGHT_TYPES, Plan, Weight, kernels, ptr
-from engine.kernels.numerics import fma_f32, hsum8, quantize_q8_0, quantize_q8_k
+from engine.kernels.numerics import fma_f32, hsum8, quantize_q8_0, quantize_q8_k, round_f16
 
 UBATCH = 512  # llama.cpp's default n_ubatch: a longer prompt is evaluated in such pieces
 ROW_CHUNK = 64  # rows per pass of the torch reference, to bound its integer-lane intermediates
 TILED_MIN_ROWS = 8  # ggml_tiled_min_batch: K-quant matmuls of this many rows or more run tiled
-EXACT_TYPES = (T.Q8_0, T.Q5_0, T.Q4_0, T.Q4_K, T.Q5_K, T.Q6_K)
+EXACT_TYPES = (T.Q8_0, T.Q5_0, T.Q4_0, T.Q4_1, T.Q5_1, T.Q4_K, T.Q5_K, T.Q6_K)
 
 
 def repacked(ggml_type: T, rows: int, p=None) -> bool:
@@ -104,6 +104,8 @@ _PARTS = {
     T.Q8_0: (("d", torch.float32, 1),),
     T.Q5_0: (("d", torch.float32, 1),),
     T.Q4_0: (("d", torch.float32, 1),),
+    T.Q4_1: (("d", torch.float32, 1), ("dmin", torch.float32, 1)),
+    T.Q5_1: (("d", torch.float32, 1), ("dmin", torch.float32, 1)),
     T.Q4_K: _K_PARTS,
     T.Q5_K: _K_PARTS,
     T.Q6_K: (("q", torch.uint8, 256), ("scales", torch.int8, 16), ("d", torch.float32, 1)),
@@ -148,9 +150,10 @@ class ExactWeight:
         parts = {k: v.contiguous() for k, v in unpack_blocks(raw, ggml_type).items()}
         self.d = parts["d"]  # [N, nb] f32
         nb = self.d.shape[1]
-        if ggml_type in (T.Q8_0, T.Q5_0, T.Q4_0):
+        if ggml_type in (T.Q8_0, T.Q5_0, T.Q4_0, T.Q4_1, T.Q5_1):
             # [nb·8, 4, N]: lane k of block b holds weights 4k..4k+3
             self.lanes = parts["q"].reshape(rows, nb * 8, 4).permute(1, 2, 0).float().contiguous()
+            self.dmin = parts.get("dmin")  # Q4_1 / Q5_1: the block's min
         elif ggml_type in (T.Q4_K, T.Q5_K):
             scaled = parts["q"].float() * parts["scales"].float()[..., None]  # [N, nb, 8, 32]
             # not repacked: [nb, 256, N] scaled weights (tiled); [nb·8, 32, N] by vec_dot lane
@@ -204,6 +207,8 @@ class ExactWeight:
                         outs.append(self._q4_k(rows[g:], per_superblock=True))
                 elif self.ggml_type == T.Q6_K:
                     outs.append(self._q6_k_tiled(rows) if tiled else self._q6_k(rows))
+                elif self.ggml_type in (T.Q4_1, T.Q5_1):
+                    outs.append(self._q1(rows))
                 else:
                     outs.append(self._q0(rows))
         return torch.cat(outs) if len(outs) > 1 else outs[0]
@@ -230,6 +235,23 @@ class ExactWeight:
             scale = self.d[:, b][None, :] * xd[:, b][:, None]  # f32 [R, N]
             acc = fma_f32(scale, lanes[b], acc)
         return hsum8(acc.movedim(0, -1))
+
+    def _q1(self, x: torch.Tensor) -> torch.Tensor:
+        """Q4_1 / Q5_1 x Q8_1 (ggml_kernels.c q1_rows): the Q8_0 ints and scale, s = f16(d·Σq)
+        with d = amax/127 before rounding; lanes fma(d_w·d_x), the min part fma(m_w, s_x)."""
+        q, xd = quantize_q8_0(x)  # [R, nb, 32], [R, nb]
+        R, nb = xd.shape
+        amax = x.float().reshape(R, nb, 32).abs().amax(-1)
+        s = round_f16((amax / 127.0) * q.sum(-1))
+        lanes = torch.bmm(q.reshape(R, nb * 8, 4).transpose(0, 1), self.lanes).view(
+            nb, 8, R, self.rows
+        )
+        acc = torch.zeros(8, R, self.rows, dtype=torch.float32)
+        summs = torch.zeros(R, self.rows)
+        for b in range(nb):
+            summs = fma_f32(self.dmin[:, b][None, :].expand_as(summs), s[:, b][:, None], summs)
+            acc = fma_f32(self.d[:, b][None, :] * xd[:, b][:, None], lanes[b], acc)
+        return hsum8(acc.movedim(0, -1)) + summs
 
     def _q4_k(self, x: torch.Tensor, per_superblock: bool) -> torch.Tensor:
         q, xd = quantize_q8_k(x)  # [R, nb, 256], [R, nb]
