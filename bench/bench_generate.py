@@ -164,15 +164,19 @@ def greedy_parity(model_path: str, n_tokens: int = 64, threads: int = 2,
 
     torch.set_num_threads(threads)
     model, tok = load_gguf_model(model_path, numerics="llamacpp")
-    llm = open_llama(model_path, n_ctx=256, n_threads=threads, n_threads_batch=threads,
-                     logits_all=True, verbose=False)
+    # generating, llama.cpp computes only the last row's logits (and runs the last layer's MLP on
+    # that row alone), as the engine's generate does; teacher-forced, every row's
+    sessions = {all_rows: open_llama(model_path, n_ctx=256, n_threads=threads,
+                                     n_threads_batch=threads, logits_all=all_rows, verbose=False)
+                for all_rows in (False, True)}
     report, ours_all, refs_all = [], [], []
     for prompt in prompts:
         ids = tok.encode(prompt)
-        ref = llamacpp_greedy(llm, ids, n_tokens)
+        ref = llamacpp_greedy(sessions[False], ids, n_tokens)
         ours = generate(model, tok, ids, max_new_tokens=n_tokens, stop_ids=[]).ids
         entry = {"prompt": prompt, "identical_tokens": first_difference(ours, ref)}
         seq = ids + ref
+        llm = sessions[True]
         llm.reset()
         llm.eval(seq)
         refs_all.append(np.array(llm.scores[: len(seq)]))
