@@ -436,6 +436,7 @@ def test_doctor_prints_the_plan():
     info = json.loads(done.stdout)
     p = cpu.plan()
     assert info["kernel_orders"] == p.isa and info["summary"] == p.summary()
+    assert info["llamacpp_configuration"] == p.configuration
     assert [(k["name"], k["status"]) for k in info["kernels"]] == [
         (k.name, k.status) for k in p.kernels
     ]
