@@ -213,7 +213,8 @@ def parity_main(args) -> None:
         results = []
         for name, path in models:
             print(f"{name}: greedy {args.tokens}-token continuations, engine vs llama.cpp ...")
-            figures = greedy_parity(path, args.tokens, int(args.threads.split(",")[-1]))
+            figures = greedy_parity(path, args.tokens, int(args.threads.split(",")[-1]),
+                                    PARITY_PROMPTS[: args.prompts])
             tf = figures["teacher_forced"]
             print(f"{name}: {figures['identical']}/{figures['prompts']} prompts identical for "
                   f"{args.tokens} tokens; teacher-forced top-1 {tf['top1']:.2%} over "
@@ -248,6 +249,8 @@ def main() -> None:
                     help="greedy and teacher-forced parity with llama.cpp instead of speed")
     ap.add_argument("--tokens", type=int, default=64, help="--parity: tokens per continuation")
     ap.add_argument("--f16", action="store_true", help="--parity: an f16 export too")
+    ap.add_argument("--prompts", type=int, default=len(PARITY_PROMPTS),
+                    help="--parity: the first N of the 20 prompts")
     ap.add_argument("--one", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.one:
