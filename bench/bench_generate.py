@@ -137,12 +137,21 @@ def cpu_line() -> str:
             f"follows {p.isa} kernel orders, llama.cpp {p.configuration}")
 
 
+def last_logits(llm) -> np.ndarray:
+    """The logits llama.cpp computed for the last token evaluated (llama_get_logits_ith(-1));
+    llama-cpp-python's `scores` holds them only under logits_all."""
+    import llama_cpp
+
+    row = llama_cpp.llama_get_logits_ith(llm.ctx, -1)
+    return np.ctypeslib.as_array(row, shape=(llm.n_vocab(),)).copy()
+
+
 def llamacpp_greedy(llm, ids: list[int], n: int) -> list[int]:
     llm.reset()
     llm.eval(ids)
     out = []
     for _ in range(n):
-        token = int(np.argmax(llm.scores[llm.n_tokens - 1]))
+        token = int(np.argmax(last_logits(llm)))
         out.append(token)
         llm.eval([token])
     return out
