@@ -250,12 +250,21 @@ def llamacpp_greedy(
         llm.eval(prompt)
     out, logits = [], []
     for _ in range(n):
-        row = np.array(llm.scores[llm.n_tokens - 1])
+        row = last_logits(llm)
         token = int(row.argmax())
         out.append(token)
         logits.append(row)
         llm.eval([token])
     return out, logits
+
+
+def last_logits(llm) -> np.ndarray:
+    """The last evaluated token's logits (llama_get_logits_ith(-1)): llama-cpp-python fills
+    `scores` only under logits_all."""
+    import llama_cpp
+
+    row = llama_cpp.llama_get_logits_ith(llm.ctx, -1)
+    return np.ctypeslib.as_array(row, shape=(llm.n_vocab(),)).copy()
 
 
 def first_difference(a: list[int], b: list[int]) -> int:
