@@ -35,9 +35,13 @@ elsewhere). Integer parts are computed exactly (f32
 or f64 matmuls of small integers); each fma is done in f64 and rounded once to f32, which is what
 a fused multiply-add gives (the product of two f32 is exact in f64).
 
-f16 weights are the f16 dot products of numerics.dot_f16 (engine/models/linear.py). Other weight
-types (Q4_1, Q5_1, BF16) and repacked Q4_0 use the dequantized product with the same quantized
-activations: right to f32 summation order, not to the bit.
+- Q4_1 / Q5_1 weights, Q8_1 activations (vec_dot_q4_1_q8_1 / q5_1_q8_1 at every batch size): the
+  Q8_0 integers and scale, plus s = f16(d·Σq) with d before its rounding; per block the eight
+  lanes' fma(d_w·d_x) as above, and summs = fma(m_w, s_x, summs); hsum_float_8(acc) + summs.
+
+f16 weights are the f16 dot products of numerics.dot_f16 (engine/models/linear.py). BF16 weights
+and repacked Q4_0 use the dequantized product with the same quantized activations: right to f32
+summation order, not to the bit.
 
 The methods below are the reference, in torch; ggml_kernels.c repeats them in C (engine/kernels/
 native.py builds it: fb_matmul, on torch's thread count, the output rows split across threads so
