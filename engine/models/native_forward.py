@@ -10,7 +10,8 @@ sampling and the API. The torch modules stay the reference: `model.native = Fals
 FORGEBENCH_NATIVE=0) runs them instead, and the tests hold the two to identical bits.
 
 It serves only what it reproduces exactly; anything else returns None and the torch path runs:
-f32 numerics, LoRA adapters attached, weight types without a bit-exact kernel (Q4_0, Q5_K, ...),
+f32 numerics, LoRA adapters attached, weight types without a bit-exact kernel in the llama.cpp
+configuration followed (BF16; Q4_0 where llama.cpp repacks it),
 packed sequences, a batch of more than one sequence.
 """
 
