@@ -225,7 +225,9 @@ def test_gemma_teacher_forced_parity(gemma):
     mean |Δlogit| 0 (every logit bit-identical). For scale: plain f32 numerics 96.0% (max |Δ| 4.40,
     mean 0.233), and llama.cpp's own token-at-a-time logits against its batched ones 96.0% (its
     repacked Q4_K and tiled Q6_K kernels sum in a different order for one row than for a batch,
-    and Gemma's post-norm gains amplify that).
+    and Gemma's post-norm gains amplify that). Measured 2026-12-05 on an AMX Xeon, llama.cpp
+    without extra buffer types (as open_llama opens it there): 578 positions, every logit
+    bit-identical; f32 numerics 96.4%, llama.cpp token-at-a-time 95.2%.
     """
     if not require_same_plan().x86_exact:
         pytest.xfail(
