@@ -15,7 +15,9 @@
  * KV cache in the caller's buffers.
  *
  * Which order ggml uses depends on the instruction set llama.cpp was compiled for (-march=native
- * by default): the caller passes it (engine/kernels/cpu.py decides). Every order is written with
+ * by default) and on whether it was opened with its extra buffer types (repacked Q4_0/Q4_K) or
+ * without (--no-repack, as engine/export/llamacpp.py opens an AMX build): the caller passes both
+ * in fb_plan (engine/kernels/cpu.py decides). Every order is written with
  * AVX2 intrinsics or scalar code, so an AVX2-only machine can compute the AVX-512 orders too (a
  * 16-lane accumulator is two 8-lane halves; the lanes never interact until the reduction).
  * x86 with AVX2 + FMA + F16C only; elsewhere the build fails and the torch reference runs.
