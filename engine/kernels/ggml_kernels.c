@@ -454,7 +454,46 @@ static void k_plain_rows(const fb_weight *w, int64_t R, const fb_act *a, int til
     const int64_t K = w->cols, nsb = K / 256, N = w->rows, S = K / 16;
     const uint8_t *scales = (const uint8_t *) w->scales;
     for (int64_t n = n0; n < n1; n++) {
-        for (int64_t r = 0; r < R; r++) {
+        int64_t r = 0;
+        if (tiled)  /* four rows at a time: each weight chunk unpacked once for them */
+            for (; r + 4 <= R; r += 4) {
+                float acc4[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+                for (int64_t b = 0; b < nsb; b++) {
+                    const int64_t blk = n * nsb + b;
+                    const uint8_t *sc = scales + blk * 8, *mn = w->mins + blk * 8;
+                    const uint8_t *bp = (const uint8_t *) w->q + blk * (w->type == FB_Q4_K ? 144 : 176);
+                    __m256i sumi[4] = {_mm256_setzero_si256(), _mm256_setzero_si256(), _mm256_setzero_si256(),
+                                       _mm256_setzero_si256()};
+                    for (int c = 0; c < 4; c++) {
+                        __m256i lo, hi;
+                        if (w->type == FB_Q4_K) {
+                            const __m256i v = _mm256_loadu_si256((const __m256i *) (bp + 16 + 32 * c)), m4 = _mm256_set1_epi8(0x0F);
+                            lo = _mm256_and_si256(v, m4);
+                            hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
+                        } else {
+                            lo = q5_k_bytes(bp + 48, bp + 16, c, 0);
+                            hi = q5_k_bytes(bp + 48, bp + 16, c, 1);
+                        }
+                        const __m256i s_lo = _mm256_set1_epi16(sc[2 * c]), s_hi = _mm256_set1_epi16(sc[2 * c + 1]);
+                        for (int i = 0; i < 4; i++) {
+                            const int8_t *xa = a->q + (r + i) * K + b * 256 + 64 * c;
+                            sumi[i] = _mm256_add_epi32(sumi[i], _mm256_add_epi32(lanes_u8_scaled(xa, lo, s_lo),
+                                                                                 lanes_u8_scaled(xa + 32, hi, s_hi)));
+                        }
+                    }
+                    int32_t s1[4];
+                    _mm_storeu_si128((__m128i *) s1, hsum4_i32(sumi[0], sumi[1], sumi[2], sumi[3]));
+                    for (int i = 0; i < 4; i++) {
+                        const int16_t *xs = a->sums + (r + i) * S + b * 16;
+                        int32_t s2 = 0;
+                        for (int c = 0; c < 4; c++) s2 += q4_k_min64(xs, mn, c);
+                        const float res = fmaf(-w->dmin[blk], (float) s2, w->d[blk] * (float) s1[i]);
+                        acc4[i] = fmaf(res, a->d[(r + i) * nsb + b], acc4[i]);
+                    }
+                }
+                for (int i = 0; i < 4; i++) out[(r + i) * N + n] = acc4[i];
+            }
+        for (; r < R; r++) {
             float acc = 0.0f, summs = 0.0f, acc_m[4] = {0.0f, 0.0f, 0.0f, 0.0f};
             __m256 lanes_acc = _mm256_setzero_ps();
             for (int64_t b = 0; b < nsb; b++) {
