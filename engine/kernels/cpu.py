@@ -1,25 +1,40 @@
-"""Which ggml kernels llama.cpp runs on this CPU, and which the engine reproduces to the bit.
+"""Which ggml kernels llama.cpp runs on this CPU, in which configuration, and which the engine
+reproduces to the bit.
 
 llama.cpp as pip builds it (llama-cpp-python) is compiled with -march=native, so the instruction
 set of the machine it was built on picks its kernels at compile time, and each kernel sums in its
-own order. On x86 the orders that matter for the engine differ in three places:
+own order. A second choice is made when it loads a model: with its extra buffer types on (its
+default) ggml repacks Q4_0 and Q4_K matrices whose rows are a multiple of 8 into interleaved
+layouts (repack.cpp: q4_0_8x8, q4_K_8x8) and, on a build with AMX-INT8 + AVX512-VNNI, puts the
+quantized weights in its AMX buffer; with them off (`use_extra_bufts = false`, what
+`llama-server --no-repack` sets) every weight keeps its GGUF layout and ggml_compute_forward_mul_mat
+picks: the tiled K-quant matmul (ggml-cpu/tiled) for Q2_K..Q6_K at 8+ batch rows, llamafile's
+tinyBLAS for f16/Q8_0/Q5_0/Q4_0 at 2+ rows, the vec_dot loop otherwise. engine/export/llamacpp.py
+opens an AMX build without them (its AMX matmul crashes), so the plan follows that
+configuration there (`repacked` False, rows named "no extra buffer types (--no-repack)") and the
+repacked one everywhere else (`amx_configuration` is the one rule for both).
 
+On x86 the orders that differ between AVX2 and AVX-512 builds:
 - f16 tinyBLAS (llamafile/sgemm.cpp): AVX2 8 lanes and hsum(__m256); AVX-512 16 lanes and
   _mm512_reduce_add_ps.
 - ggml_vec_dot_f16 (vec.cpp, simd-mappings.h): AVX2 4×8 lanes, 32 per step; AVX-512 4×16 lanes,
-  64 per step; the leftover in f64 on both.
+  64 per step; the leftover in f64 on both. (With AVX512-FP16 ggml's F16 vectors become __m512h,
+  but its dot product keeps the f32 accumulators, GGML_F16_DOT_*: the same 4×16 order.)
 - ggml_vec_soft_max_f32 + ggml_v_expf (vec.cpp, vec.h): AVX2 8 lanes and k·j + k; AVX-512 (with
   DQ) 16 lanes and scalef(j, n).
 Everything else the engine claims is the same on both: the Q8_0/Q8_K activation quantizers, the
-Q8_0/Q5_0 vec_dot and tinyBLAS_Q0_AVX (VNNI only changes how the exact integers are formed), the
-repacked Q4_K 8x8 gemm (its AVX-512 BW/DQ branch keeps one fma per 64) and gemv, vec_dot_q6_K,
-the Q6_K tiled microtile, RMSNorm, GELU's table and RoPE's libm cosf/sinf. (The AVX512-VNNI
-microtile of tiled/tiled-kernel.cpp writes its epilogue as _mm512_add_ps(p, _mm512_mul_ps(r, d_x)),
-but GCC compiles C++ with -ffp-contract=fast and fuses it into the same fma(r, d_x, p) that the
-AVX2 microtile writes out; checked op by op against llama.cpp on an AVX512-VNNI Xeon.)
+Q8_0/Q5_0/Q4_0 vec_dot and tinyBLAS_Q0_AVX (VNNI only changes how the exact integers are formed),
+the repacked Q4_K 8x8 gemm (its AVX-512 BW/DQ branch keeps one fma per 64) and gemv,
+vec_dot_q4_K/q5_K/q6_K_q8_K (AVX2 code, no AVX-512 variant), the tiled microtiles, RMSNorm, GELU's
+table and RoPE's libm cosf/sinf. (The AVX512-VNNI microtile of tiled/tiled-kernel.cpp writes its
+epilogue as _mm512_add_ps(p, _mm512_mul_ps(r, d_x)), but GCC compiles C++ with -ffp-contract=fast
+and fuses it into the same fma(r, d_x, p) that the AVX2 microtile writes out; and ggml's C files
+are gnu11, so vec_dot_q5_K's `summs += dmin * sum` is one fma too. Both checked against
+libggml-cpu's own functions: tests/test_ggml_kernels.py.)
 
-Not reproduced, said so by `plan()`: CPUs without AVX2/FMA/F16C or not x86 (ARM NEON, SVE, ...),
-and x86 with AMX-INT8 + AVX512-VNNI, where ggml runs its AMX tile kernels for quantized weights.
+Not reproduced, said so by `plan()`: CPUs without AVX2/FMA/F16C or not x86 (ARM NEON, SVE, ...);
+an AMX build opened with its extra buffer types (AMX tile kernels; open_llama never does); the
+repacked q4_0_8x8 kernels; BF16 weights (no kernels for them here).
 
 The features come from cpuid through the C build (ggml_kernels.c: cpu_features, with XCR0 as GCC's
 -march=native reads it); without a C compiler, from /proc/cpuinfo. FORGEBENCH_SIMD=avx2 drops the
@@ -60,10 +75,13 @@ FEATURE_BITS = (
     "amx_int8",
 )
 SIMD_CHOICES = ("native", "avx2")
-# weight types whose ggml kernels (tiled or repacked) the engine follows only to f32 rounding
-ROUNDING_WEIGHT_TYPES = ("Q4_0", "Q4_1", "Q5_1", "Q5_K", "BF16")
+# weight types the engine follows only to f32 rounding in every configuration (plan().rounding_types
+# adds those not reproduced in this machine's configuration)
+ROUNDING_WEIGHT_TYPES = ("BF16",)
 EXACT = "bit-exact"
 ROUNDING = "f32 rounding"
+REPACKED = "repacked (llama.cpp's default extra buffer types)"
+NO_REPACK = "no extra buffer types (--no-repack)"
 
 
 @dataclass(frozen=True)
@@ -77,14 +95,15 @@ class Kernel:
 
 @dataclass(frozen=True)
 class KernelPlan:
-    """The summation orders the engine follows to agree with llama.cpp built for `features`."""
+    """The summation orders the engine follows to agree with llama.cpp built for `features`, in
+    the configuration llama.cpp runs in (`repacked`: its extra buffer types on)."""
 
     features: frozenset[str]
     source: str  # where the features were read: cpuid, /proc/cpuinfo, none
     forced: str | None  # FORGEBENCH_SIMD, when set
     f16_lanes: int = 8  # tinyBLAS KN and ggml_vec_dot_f16's lanes per register
     softmax_lanes: int = 8  # ggml_vec_soft_max_f32's vector width (and its expf form)
-    quantized_exact: bool = True  # False where ggml runs AMX tile kernels
+    repacked: bool = True  # False: llama.cpp opened without extra buffer types (AMX builds)
     kernels: tuple[Kernel, ...] = field(default=())
 
     @property
@@ -93,10 +112,49 @@ class KernelPlan:
         return {"avx2", "fma", "f16c"} <= self.features
 
     @property
+    def quantized_exact(self) -> bool:
+        """The quantized matmuls of the configuration llama.cpp runs in are reproduced."""
+        return self.x86_exact
+
+    @property
+    def configuration(self) -> str:
+        """How llama.cpp holds the weights here: REPACKED or NO_REPACK."""
+        return REPACKED if self.repacked else NO_REPACK
+
+    @property
     def isa(self) -> str:
         if not self.x86_exact:
             return "not reproduced"
         return "AVX-512" if self.f16_lanes == 16 else "AVX2"
+
+    def exact_weight(self, ggml_type: str, rows: int) -> bool:
+        """Whether the engine reproduces llama.cpp's matmul with these weights bit for bit here:
+        repacked Q4_0 (rows % 8 == 0, extra buffer types on), BF16 and anything under AMX tiles
+        are not; every other type the plan lists is."""
+        if not self.x86_exact or ggml_type in ROUNDING_WEIGHT_TYPES:
+            return False
+        if self.amx_tiles:
+            return ggml_type == "F16"
+        if ggml_type == "Q4_0":
+            return not (self.repacked and rows % 8 == 0)
+        return ggml_type in ("F16", "Q8_0", "Q5_0", "Q4_1", "Q5_1", "Q4_K", "Q5_K", "Q6_K")
+
+    @property
+    def amx_tiles(self) -> bool:
+        """An AMX build with its extra buffer types on: ggml's AMX tile kernels take the
+        quantized matmuls (not reproduced; open_llama never opens it so)."""
+        return self.repacked and amx_configuration(self.features)
+
+    @property
+    def rounding_types(self) -> tuple[str, ...]:
+        """Weight types matched only to f32 rounding here (Q4_0: where its rows are a multiple
+        of 8 and llama.cpp repacks it)."""
+        quantized = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K")
+        if not self.x86_exact:
+            return ("F16", *quantized, *ROUNDING_WEIGHT_TYPES)
+        if self.amx_tiles:
+            return (*quantized, *ROUNDING_WEIGHT_TYPES)
+        return (("Q4_0",) if self.repacked else ()) + ROUNDING_WEIGHT_TYPES
 
     def summary(self) -> str:
         """One line for reports and the export wizard."""
@@ -109,8 +167,9 @@ class KernelPlan:
         exact = sum(k.status == EXACT for k in self.kernels)
         forced = f", forced by FORGEBENCH_SIMD={self.forced}" if self.forced else ""
         return (
-            f"llama.cpp numerics: {self.isa} kernel orders{forced}; {exact} of {len(self.kernels)} "
-            "kernel families bit-exact, the rest to f32 rounding (forgebench doctor lists them)"
+            f"llama.cpp numerics: {self.isa} kernel orders, {self.configuration}{forced}; "
+            f"{exact} of {len(self.kernels)} kernel families bit-exact, the rest to f32 rounding "
+            "(forgebench doctor lists them)"
         )
 
 
@@ -171,16 +230,30 @@ def as_forced(features: frozenset[str], forced: str | None) -> frozenset[str]:
     return features
 
 
+def amx_configuration(features: frozenset[str]) -> bool:
+    """Whether llama.cpp as pip builds it for these features has ggml's AMX kernels (AMX-INT8 with
+    AVX512-VNNI: ggml-cpu compiles them in only then), so that engine/export/llamacpp.py opens it
+    without extra buffer types (its AMX matmul crashes; llama.cpp issue #20824)."""
+    return {"amx_int8", "avx512_vnni"} <= features
+
+
 def plan_for(
-    features: frozenset[str], source: str = "given", forced: str | None = None
+    features: frozenset[str],
+    source: str = "given",
+    forced: str | None = None,
+    repacked: bool | None = None,
 ) -> KernelPlan:
-    """The kernel plan for llama.cpp compiled for these features (cpuinfo flag names)."""
+    """The kernel plan for llama.cpp compiled for these features (cpuinfo flag names), with its
+    extra buffer types on (`repacked`) or off; by default as engine/export/llamacpp.py opens it:
+    off on an AMX build, on everywhere else."""
     features = as_forced(features, forced)
     avx512 = "avx512f" in features
     f16_lanes = 16 if avx512 else 8
     softmax_lanes = 16 if avx512 and "avx512dq" in features else 8
-    amx = {"amx_int8", "avx512_vnni"} <= features
-    base = KernelPlan(features, source, forced, f16_lanes, softmax_lanes, not amx)
+    amx = amx_configuration(features)
+    if repacked is None:
+        repacked = not amx
+    base = KernelPlan(features, source, forced, f16_lanes, softmax_lanes, repacked)
     if not base.x86_exact:
         rows = (
             Kernel(
@@ -191,8 +264,22 @@ def plan_for(
             ),
         )
         return KernelPlan(**{**base.__dict__, "kernels": rows})
-    quant_status = EXACT if base.quantized_exact else ROUNDING
-    amx_note = " (ggml runs AMX tile kernels here: not reproduced)" if amx else ""
+    if repacked:
+        where = ("AMX build opened with its defaults: ggml's AMX tile kernels, not reproduced"
+                 if amx else "")
+        q4_k = ("repacked q4_K_8x8 where rows % 8 == 0 (gemm one fma per 64, gemv one per 256); "
+                "other row counts as without repacking: tiled for 8+ rows, vec_dot_q4_K_q8_K")
+        q4_0 = "repacked q4_0_8x8 (rows % 8 == 0) not reproduced; other row counts as Q8_0"
+    else:
+        where = ""
+        q4_k = ("not repacked: tiled K-quant matmul for 8+ rows (per 256 fnmadd(dmin, mins, "
+                "d·dot), then fma with d_x), vec_dot_q4_K_q8_K for fewer (8 lanes + 4 min lanes)")
+        q4_0 = "not repacked: vec_dot_q4_0_q8_0 and tinyBLAS_Q0_AVX, the Q8_0 order"
+    quantized = ROUNDING if where else EXACT
+
+    def note(detail: str) -> str:
+        return f"{detail} ({where})" if where else detail
+
     rows = (
         Kernel(
             "Q8_0 / Q8_K activation quantizers",
@@ -201,18 +288,15 @@ def plan_for(
         ),
         Kernel(
             "Q8_0, Q5_0 weights",
-            quant_status,
-            "vec_dot and tinyBLAS_Q0_AVX: 8 lanes of 4 products, one fma per block" + amx_note,
+            quantized,
+            note("vec_dot and tinyBLAS_Q0_AVX: 8 lanes of 4 products, one fma per block"),
         ),
+        Kernel("Q4_K weights", quantized, note(q4_k)),
         Kernel(
-            "Q4_K weights, rows % 8 == 0",
-            quant_status,
-            "repacked q4_K_8x8: gemm one fma per 64, gemv one per 256" + amx_note,
-        ),
-        Kernel(
-            "Q6_K weights",
-            quant_status,
-            "tiled microtile fma(d_w·dot, d_x, acc) for 8+ rows; vec_dot_q6_K otherwise" + amx_note,
+            "Q5_K, Q6_K weights",
+            quantized,
+            note("never repacked on x86: tiled K-quant microtile for 8+ rows (Q6_K "
+                 "fma(d_w·dot, d_x, acc), Q5_K as Q4_K), vec_dot_q5_K / q6_K_q8_K for fewer"),
         ),
         Kernel(
             "f16 weights and attention (K·Q, V·softmax)",
@@ -226,9 +310,22 @@ def plan_for(
             "f64 sum of squares; ggml_table_gelu_f16; libm cosf/sinf",
         ),
         Kernel(
-            f"{', '.join(ROUNDING_WEIGHT_TYPES)}, Q4_K with rows % 8 != 0",
+            "Q4_0 weights",
+            ROUNDING if repacked else quantized,
+            note(q4_0),
+        ),
+        Kernel(
+            "Q4_1, Q5_1 weights",
+            quantized,
+            note("vec_dot_q4_1 / q5_1_q8_1 at every batch size (no tinyBLAS, repacked or tiled "
+                 "kernel for them): Q8_1 activations, 8 lanes fma(d_w·d_x), min part "
+                 "fma(m_w, s_x) in one scalar"),
+        ),
+        Kernel(
+            "BF16 weights",
             ROUNDING,
-            "ggml's tiled or repacked kernels for these are not reproduced",
+            "not implemented: tinyBLAS and ggml_vec_dot_bf16 (vdpbf16ps on AVX512-BF16 builds, "
+            "8- or 16-lane f32 sums elsewhere) have no counterpart in the engine",
         ),
     )
     return KernelPlan(**{**base.__dict__, "kernels": rows})
@@ -248,19 +345,26 @@ def describe(p: KernelPlan | None = None) -> list[str]:
     lines = [
         f"cpu: {platform.machine()} ({p.source}): {shown}",
         f"kernel orders followed: {p.isa}" + (f" (FORGEBENCH_SIMD={p.forced})" if p.forced else ""),
+        f"llama.cpp configuration matched: {p.configuration}"
+        + ("" if p.repacked else
+           " — how engine/export/llamacpp.py opens an AMX build (llama-server --no-repack)"),
     ]
     width = max(len(k.name) for k in p.kernels)
     lines += [f"  {k.name:<{width}}  {k.status:<12}  {k.detail}" for k in p.kernels]
     if p.x86_exact:
         lines.append(
             "bit-exact assumes llama.cpp was built on this machine for it (pip's default, "
-            "-march=native); a build for another instruction set sums in its own order"
+            "-march=native) and opened in the configuration above (engine/export/llamacpp.py "
+            "open_llama); a build for another instruction set sums in its own order"
         )
     return lines
 
 
 __all__ = [
     "EXACT",
+    "NO_REPACK",
+    "REPACKED",
+    "amx_configuration",
     "FEATURE_BITS",
     "Kernel",
     "KernelPlan",

@@ -15,7 +15,9 @@
  * KV cache in the caller's buffers.
  *
  * Which order ggml uses depends on the instruction set llama.cpp was compiled for (-march=native
- * by default): the caller passes it (engine/kernels/cpu.py decides). Every order is written with
+ * by default) and on whether it was opened with its extra buffer types (repacked Q4_0/Q4_K) or
+ * without (--no-repack, as engine/export/llamacpp.py opens an AMX build): the caller passes both
+ * in fb_plan (engine/kernels/cpu.py decides). Every order is written with
  * AVX2 intrinsics or scalar code, so an AVX2-only machine can compute the AVX-512 orders too (a
  * 16-lane accumulator is two 8-lane halves; the lanes never interact until the reduction).
  * x86 with AVX2 + FMA + F16C only; elsewhere the build fails and the torch reference runs.
@@ -107,6 +109,21 @@ static void quantize_q8_0_row(const float *x, int64_t K, int8_t *q, float *d) {
     }
 }
 
+/* quantize_row_q8_1 (AVX2 path): the Q8_0 ints and f16(amax/127), and s = f16(d·Σq) with the
+ * f32 d = amax/127. */
+static void quantize_q8_1_row(const float *x, int64_t K, int8_t *q, float *d, float *s) {
+    quantize_q8_0_row(x, K, q, d);
+    for (int64_t b = 0; b < K / 32; b++) {
+        float amax = 0.0f;
+        int32_t sum = 0;
+        for (int i = 0; i < 32; i++) {
+            amax = fmaxf(amax, fabsf(x[32 * b + i]));
+            sum += q[32 * b + i];
+        }
+        s[b] = round_f16(amax / 127.f * (float) sum);
+    }
+}
+
 /* quantize_row_q8_K_ref: the first element of largest magnitude sets iscale = -127/max,
  * q = min(127, nearest(iscale·x)), d = 1/iscale; plus the sums of each 16 (ggml's bsums). */
 static void quantize_q8_k_row(const float *x, int64_t K, int8_t *q, float *d, int16_t *sums) {
@@ -140,24 +157,35 @@ static void quantize_q8_k_row(const float *x, int64_t K, int8_t *q, float *d, in
 
 /* ---- weights and the per-row matmul kernels --------------------------------------------- */
 
-enum { FB_F16 = 1, FB_Q5_0 = 6, FB_Q8_0 = 8, FB_Q4_K = 12, FB_Q6_K = 14 };
+enum { FB_F16 = 1, FB_Q4_0 = 2, FB_Q4_1 = 3, FB_Q5_0 = 6, FB_Q5_1 = 7, FB_Q8_0 = 8, FB_Q4_K = 12, FB_Q5_K = 13,
+       FB_Q6_K = 14 };
+
+/* Q8_0-activation weights (vec_dot_q*_0_q8_0 and tinyBLAS_Q0_AVX), and the K-quants with a min. */
+static inline int is_q0(int type) { return type == FB_Q8_0 || type == FB_Q5_0 || type == FB_Q4_0; }
+static inline int q0_block_bytes(int type) { return type == FB_Q8_0 ? 34 : type == FB_Q5_0 ? 22 : 18; }
+/* Q4_1 / Q5_1: weights with a min, Q8_1 activations (vec_dot_q4_1_q8_1, vec_dot_q5_1_q8_1). */
+static inline int is_q1(int type) { return type == FB_Q4_1 || type == FB_Q5_1; }
 
 /* A weight [rows][cols] in the layout of engine/gguf/dequant.py unpack_blocks (F16: the raw
  * halves). Mirrored by engine/kernels/native.py Weight. */
 typedef struct {
     int32_t type, pad_;
     int64_t rows, cols;
-    const void *q;          /* Q8_0, Q5_0, Q4_K: the GGUF blocks themselves (the kernels unpack
-                             * the bits in registers); Q6_K uint8 [rows][cols]; F16 uint16 */
-    const void *scales;     /* Q4_K uint8 [rows][cols/256][8]; Q6_K int8 [rows][cols/256][16] */
-    const uint8_t *mins;    /* Q4_K [rows][cols/256][8] */
-    const float *d, *dmin;  /* [rows][blocks] */
+    const void *q;          /* Q4_0, Q8_0, Q5_0, Q4_K, Q5_K: the GGUF blocks themselves (the
+                             * kernels unpack the bits in registers); Q6_K uint8 [rows][cols];
+                             * F16 uint16 */
+    const void *scales;     /* Q4_K, Q5_K uint8 [rows][cols/256][8]; Q6_K int8 [rows][cols/256][16] */
+    const uint8_t *mins;    /* Q4_K, Q5_K [rows][cols/256][8] */
+    const float *d, *dmin;  /* [rows][blocks] (Q4_1, Q5_1: dmin holds the block's min m) */
     const float *bias;      /* [rows] or NULL (Qwen2's q/k/v) */
 } fb_weight;
 
 /* The orders llama.cpp's build runs (engine/kernels/cpu.py KernelPlan). Mirrored by native.py. */
 typedef struct {
     int32_t f16_lanes, softmax_lanes;
+    int32_t repack;  /* llama.cpp's extra buffer types on (its default): Q4_K matrices with
+                      * rows % 8 == 0 are repacked to q4_K_8x8; 0 (--no-repack, AMX builds as
+                      * engine/export/llamacpp.py opens them): every weight in its GGUF layout */
 } fb_plan;
 
 /* A batch of activation rows as the weight's vec_dot type holds them. */
@@ -166,6 +194,7 @@ typedef struct {
     float *d;       /* [R][K/32] (Q8_0) or [R][K/256] (Q8_K) */
     int16_t *sums;  /* [R][K/16] (Q8_K): each 16's sum */
     float *h;       /* [R][K] f16-rounded (F16 weights) */
+    float *s;       /* [R][K/32] (Q8_1): f16(d·Σq), d before its f16 rounding */
 } fb_act;
 
 /* ---- unpacking GGUF blocks into the kernels' layout (dequant.py unpack_blocks) ----------- */
@@ -184,10 +213,14 @@ void fb_unpack(int type, int64_t nblocks, const uint8_t *raw, void *q, void *sca
                float *d, float *dmin, int nthreads) {
     #pragma omp parallel for schedule(static) num_threads(nthreads) if (nthreads > 1 && nblocks > 4096)
     for (int64_t i = 0; i < nblocks; i++) {
-        if (type == FB_Q8_0 || type == FB_Q5_0) {
-            d[i] = f16_at(raw + i * (type == FB_Q8_0 ? 34 : 22));
-        } else if (type == FB_Q4_K) {
-            const uint8_t *b = raw + i * 144, *sc = b + 4;
+        if (is_q0(type)) {
+            d[i] = f16_at(raw + i * q0_block_bytes(type));
+        } else if (is_q1(type)) {
+            const uint8_t *b = raw + i * (type == FB_Q4_1 ? 20 : 24);
+            d[i] = f16_at(b);
+            dmin[i] = f16_at(b + 2);
+        } else if (type == FB_Q4_K || type == FB_Q5_K) {
+            const uint8_t *b = raw + i * (type == FB_Q4_K ? 144 : 176), *sc = b + 4;
             uint8_t *os = (uint8_t *) scales + i * 8, *om = mins + i * 8;
             d[i] = f16_at(b);
             dmin[i] = f16_at(b + 2);
@@ -220,7 +253,8 @@ static void quantize_rows(int type, const float *x, int64_t R, int64_t K, const 
                           int ith, int nth) {
     for (int64_t r = ith; r < R; r += nth) {
         const float *xr = x + r * K;
-        if (type == FB_Q8_0 || type == FB_Q5_0) quantize_q8_0_row(xr, K, a->q + r * K, a->d + r * (K / 32));
+        if (is_q0(type)) quantize_q8_0_row(xr, K, a->q + r * K, a->d + r * (K / 32));
+        else if (is_q1(type)) quantize_q8_1_row(xr, K, a->q + r * K, a->d + r * (K / 32), a->s + r * (K / 32));
         else if (type == FB_F16) for (int64_t k = 0; k < K; k++) a->h[r * K + k] = round_f16(xr[k]);
         else quantize_q8_k_row(xr, K, a->q + r * K, a->d + r * (K / 256), a->sums + r * (K / 16));
     }
@@ -234,6 +268,11 @@ static void quantize_rows(int type, const float *x, int64_t R, int64_t K, const 
 static inline __m256i q0_block(const fb_weight *w, int64_t blk) {
     const uint8_t *q = (const uint8_t *) w->q;
     if (w->type == FB_Q8_0) return _mm256_loadu_si256((const __m256i *) (q + blk * 34 + 2));
+    if (w->type == FB_Q4_0) {  /* bytes_from_nibbles_32 - 8, as vec_dot_q4_0_q8_0 and tinyBLAS */
+        const __m128i nibbles = _mm_loadu_si128((const __m128i *) (q + blk * 18 + 2));
+        const __m256i v = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(nibbles, 4), nibbles), _mm256_set1_epi8(0x0F));
+        return _mm256_sub_epi8(v, _mm256_set1_epi8(8));
+    }
     const uint8_t *b = q + blk * 22;
     const __m128i nibbles = _mm_loadu_si128((const __m128i *) (b + 6));
     const __m256i lo = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(nibbles, 4), nibbles), _mm256_set1_epi8(0x0F));
@@ -269,6 +308,33 @@ static void q0_rows(const fb_weight *w, int64_t R, const fb_act *a, int64_t n0, 
         for (; r + 4 <= R; r += 4) q0_tile(w, a, n, r, 4, out);
         for (; r < R; r++) q0_tile(w, a, n, r, 1, out);
     }
+}
+
+/* Q4_1 / Q5_1 weights x Q8_1 activations (vec_dot_q4_1_q8_1 / vec_dot_q5_1_q8_1, every batch
+ * size: llamafile has no kernel for them, nor repack or tiled): per block of 32, eight exact lanes
+ * of four products of the unsigned weights, acc = fma(d_w·d_x, lane, acc); the min part
+ * summs = fma(m_w, s_x, summs) (GCC contracts `summs += m * s`: gnu11); hsum_float_8(acc) + summs. */
+static void q1_rows(const fb_weight *w, int64_t R, const fb_act *a, int64_t n0, int64_t n1, float *out) {
+    const int64_t K = w->cols, nb = K / 32, N = w->rows;
+    const int bytes = w->type == FB_Q4_1 ? 20 : 24;
+    for (int64_t n = n0; n < n1; n++)
+        for (int64_t r = 0; r < R; r++) {
+            __m256 acc = _mm256_setzero_ps();
+            float summs = 0.0f;
+            for (int64_t b = 0; b < nb; b++) {
+                const int64_t blk = n * nb + b;
+                const uint8_t *blkp = (const uint8_t *) w->q + blk * bytes;
+                const __m128i nibbles = _mm_loadu_si128((const __m128i *) (blkp + bytes - 16));
+                __m256i u = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(nibbles, 4), nibbles), _mm256_set1_epi8(0x0F));
+                if (w->type == FB_Q5_1)
+                    u = _mm256_or_si256(u, _mm256_and_si256(bytes_from_bits_32(blkp + 4), _mm256_set1_epi8(0x10)));
+                const __m256i xv = _mm256_loadu_si256((const __m256i *) (a->q + r * K + 32 * b));
+                const float xd = a->d[r * nb + b];
+                summs = fmaf(w->dmin[blk], a->s[r * nb + b], summs);
+                acc = _mm256_fmadd_ps(_mm256_set1_ps(w->d[blk] * xd), _mm256_cvtepi32_ps(dot_u8_i8(u, xv)), acc);
+            }
+            out[r * N + n] = hsum8v(acc) + summs;
+        }
 }
 
 /* Q4_K weights (repacked q4_K_8x8) x Q8_K activations, rows [r0, r1): one accumulator per output;
@@ -347,6 +413,117 @@ static void q4_k_rows(const fb_weight *w, int64_t r0, int64_t r1, const fb_act *
                 }
             }
             out[r * N + n] = acc - acc_min;
+        }
+    }
+}
+
+/* The 32 5-bit weights of subblock `half` (0: low nibbles, 1: high) of 64-chunk c of a Q5_K block:
+ * the nibbles, plus 16 where bit 2c + half of the byte's qh is set (as vec_dot_q5_K_q8_K and the
+ * tiled unpack build them). */
+static inline __m256i q5_k_bytes(const uint8_t *qs, const uint8_t *qh, int c, int half) {
+    const __m256i v = _mm256_loadu_si256((const __m256i *) (qs + 32 * c)), low = _mm256_set1_epi8(0x0F);
+    const __m256i nib = half ? _mm256_and_si256(_mm256_srli_epi16(v, 4), low) : _mm256_and_si256(v, low);
+    const __m256i bit = _mm256_and_si256(_mm256_srli_epi16(_mm256_loadu_si256((const __m256i *) qh), 2 * c + half),
+                                         _mm256_set1_epi8(1));
+    return _mm256_or_si256(nib, _mm256_slli_epi16(bit, 4));
+}
+
+/* Q4_K / Q5_K weights in their GGUF layout (not repacked) x Q8_K activations, the per-lane
+ * integer dot of 64-chunk c: lane l = scale_2c · (products 4l..4l+3 of its low 32) + scale_2c+1 ·
+ * (the same of its high 32), exact. */
+static inline __m256i k_dot64(const fb_weight *w, const int8_t *xa, int64_t blk, const uint8_t *sc, int c) {
+    const uint8_t *b = (const uint8_t *) w->q + blk * (w->type == FB_Q4_K ? 144 : 176);
+    if (w->type == FB_Q4_K) return q4_k_dot64(xa, b + 16, sc, c);
+    return _mm256_add_epi32(
+        lanes_u8_scaled(xa + 64 * c, q5_k_bytes(b + 48, b + 16, c, 0), _mm256_set1_epi16(sc[2 * c])),
+        lanes_u8_scaled(xa + 64 * c + 32, q5_k_bytes(b + 48, b + 16, c, 1), _mm256_set1_epi16(sc[2 * c + 1])));
+}
+
+/* Q4_K / Q5_K without repacking (llama.cpp --no-repack, or a Q4_K matrix whose rows are not a
+ * multiple of 8):
+ * tiled = 1, 8 or more rows (ggml-cpu/tiled, its AVX2 and AVX512-VNNI microtiles alike): per 256,
+ * the exact integer dot s1 (the scaled subblock dots) and s2 (the mins times the activation's
+ * 32-sums), res = fnmadd(dmin_w, f32(s2), d_w · f32(s1)), acc = fma(res, d_x, acc).
+ * tiled = 0, fewer rows (vec_dot_q4_K_q8_K / vec_dot_q5_K_q8_K, AVX2: no AVX-512 variant): eight
+ * lanes acc = fma(d_x·d_w, f32(lane), acc); the min part per 256 with dmin = -(d_x·dmin_w): Q4_K
+ * in four lanes (lane l: subblocks 2l and 2l+1), fma each, reduced (m0+m2) + (m1+m3); Q5_K as one
+ * scalar, fma(dmin, f32(sum), summs) (GCC contracts the C statement: gnu11 defaults to
+ * -ffp-contract=fast); output hsum_float_8(acc) + the min part. */
+static void k_plain_rows(const fb_weight *w, int64_t R, const fb_act *a, int tiled, int64_t n0, int64_t n1,
+                         float *out) {
+    const int64_t K = w->cols, nsb = K / 256, N = w->rows, S = K / 16;
+    const uint8_t *scales = (const uint8_t *) w->scales;
+    for (int64_t n = n0; n < n1; n++) {
+        int64_t r = 0;
+        if (tiled)  /* four rows at a time: each weight chunk unpacked once for them */
+            for (; r + 4 <= R; r += 4) {
+                float acc4[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+                for (int64_t b = 0; b < nsb; b++) {
+                    const int64_t blk = n * nsb + b;
+                    const uint8_t *sc = scales + blk * 8, *mn = w->mins + blk * 8;
+                    const uint8_t *bp = (const uint8_t *) w->q + blk * (w->type == FB_Q4_K ? 144 : 176);
+                    __m256i sumi[4] = {_mm256_setzero_si256(), _mm256_setzero_si256(), _mm256_setzero_si256(),
+                                       _mm256_setzero_si256()};
+                    for (int c = 0; c < 4; c++) {
+                        __m256i lo, hi;
+                        if (w->type == FB_Q4_K) {
+                            const __m256i v = _mm256_loadu_si256((const __m256i *) (bp + 16 + 32 * c)), m4 = _mm256_set1_epi8(0x0F);
+                            lo = _mm256_and_si256(v, m4);
+                            hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
+                        } else {
+                            lo = q5_k_bytes(bp + 48, bp + 16, c, 0);
+                            hi = q5_k_bytes(bp + 48, bp + 16, c, 1);
+                        }
+                        const __m256i s_lo = _mm256_set1_epi16(sc[2 * c]), s_hi = _mm256_set1_epi16(sc[2 * c + 1]);
+                        for (int i = 0; i < 4; i++) {
+                            const int8_t *xa = a->q + (r + i) * K + b * 256 + 64 * c;
+                            sumi[i] = _mm256_add_epi32(sumi[i], _mm256_add_epi32(lanes_u8_scaled(xa, lo, s_lo),
+                                                                                 lanes_u8_scaled(xa + 32, hi, s_hi)));
+                        }
+                    }
+                    int32_t s1[4];
+                    _mm_storeu_si128((__m128i *) s1, hsum4_i32(sumi[0], sumi[1], sumi[2], sumi[3]));
+                    for (int i = 0; i < 4; i++) {
+                        const int16_t *xs = a->sums + (r + i) * S + b * 16;
+                        int32_t s2 = 0;
+                        for (int c = 0; c < 4; c++) s2 += q4_k_min64(xs, mn, c);
+                        const float res = fmaf(-w->dmin[blk], (float) s2, w->d[blk] * (float) s1[i]);
+                        acc4[i] = fmaf(res, a->d[(r + i) * nsb + b], acc4[i]);
+                    }
+                }
+                for (int i = 0; i < 4; i++) out[(r + i) * N + n] = acc4[i];
+            }
+        for (; r < R; r++) {
+            float acc = 0.0f, summs = 0.0f, acc_m[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+            __m256 lanes_acc = _mm256_setzero_ps();
+            for (int64_t b = 0; b < nsb; b++) {
+                const int64_t blk = n * nsb + b;
+                const int8_t *xa = a->q + r * K + b * 256;
+                const int16_t *xs = a->sums + r * S + b * 16;
+                const uint8_t *sc = scales + blk * 8, *mn = w->mins + blk * 8;
+                __m256i sumi = _mm256_setzero_si256();
+                for (int c = 0; c < 4; c++) sumi = _mm256_add_epi32(sumi, k_dot64(w, xa, blk, sc, c));
+                const float xd = a->d[r * nsb + b];
+                if (tiled) {
+                    int32_t s2 = 0;
+                    for (int c = 0; c < 4; c++) s2 += q4_k_min64(xs, mn, c);
+                    const float res = fmaf(-w->dmin[blk], (float) s2, w->d[blk] * (float) hsum_i32(sumi));
+                    acc = fmaf(res, xd, acc);
+                    continue;
+                }
+                const float d = xd * w->d[blk], dmin = -xd * w->dmin[blk];
+                lanes_acc = _mm256_fmadd_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(sumi), lanes_acc);
+                if (w->type == FB_Q4_K) {
+                    for (int l = 0; l < 4; l++) acc_m[l] = fmaf(dmin, (float) q4_k_min64(xs, mn, l), acc_m[l]);
+                } else {
+                    int32_t m = 0;
+                    for (int l = 0; l < 4; l++) m += q4_k_min64(xs, mn, l);
+                    summs = fmaf(dmin, (float) m, summs);
+                }
+            }
+            if (tiled) out[r * N + n] = acc;
+            else if (w->type == FB_Q4_K) out[r * N + n] = hsum8v(lanes_acc) + ((acc_m[0] + acc_m[2]) + (acc_m[1] + acc_m[3]));
+            else out[r * N + n] = hsum8v(lanes_acc) + summs;
         }
     }
 }
@@ -531,8 +708,14 @@ static void f16_rows(const fb_weight *w, int64_t R, const fb_act *a, int lanes, 
 static void matmul_part(const fb_weight *w, int64_t R, const fb_act *a, const fb_plan *p, int64_t n0,
                         int64_t n1, float *out) {
     switch (w->type) {
-    case FB_Q8_0: case FB_Q5_0: q0_rows(w, R, a, n0, n1, out); break;
+    case FB_Q8_0: case FB_Q5_0: case FB_Q4_0: q0_rows(w, R, a, n0, n1, out); break;
+    case FB_Q5_K: k_plain_rows(w, R, a, R >= 8, n0, n1, out); break;
+    case FB_Q4_1: case FB_Q5_1: q1_rows(w, R, a, n0, n1, out); break;
     case FB_Q4_K: {
+        if (!p->repack || w->rows % 8) {  /* in its GGUF layout: tiled, or vec_dot for < 8 rows */
+            k_plain_rows(w, R, a, R >= 8, n0, n1, out);
+            break;
+        }
         const int64_t gemm = R > 3 ? R - R % 4 : 0;  /* repacked Q4_K: gemm rows, then gemv */
         if (gemm) q4_k_rows(w, 0, gemm, a, 0, n0, n1, out);
         if (gemm < R) q4_k_rows(w, gemm, R, a, 1, n0, n1, out);
@@ -558,10 +741,11 @@ static int act_alloc(fb_act *a, int64_t R, int64_t K) {
     a->d = malloc(sizeof(float) * (size_t) (R * (K / 32) + 1));
     a->sums = malloc(sizeof(int16_t) * (size_t) (R * (K / 16) + 16));
     a->h = malloc(sizeof(float) * (size_t) (R * K) + 64);
-    return a->q && a->d && a->sums && a->h ? 0 : -1;
+    a->s = malloc(sizeof(float) * (size_t) (R * (K / 32) + 1));
+    return a->q && a->d && a->sums && a->h && a->s ? 0 : -1;
 }
 
-static void act_free(fb_act *a) { free(a->q); free(a->d); free(a->sums); free(a->h); }
+static void act_free(fb_act *a) { free(a->q); free(a->d); free(a->sums); free(a->h); free(a->s); }
 
 /* x [R][cols] · Wᵀ -> out [R][rows] for one ubatch, on `nthreads` threads (rows split; the bits
  * do not depend on the count). Returns 0, or -1 when out of memory. */
@@ -783,7 +967,7 @@ static void attend_row(const float *q16, const uint16_t *kc, const uint16_t *vc,
 
 /* The activation format a weight type's matmul quantizes to (ggml's vec_dot_type). */
 static inline int act_format(int type) {
-    return type == FB_Q8_0 || type == FB_Q5_0 ? 0 : type == FB_F16 ? 1 : 2;
+    return is_q0(type) ? 0 : type == FB_F16 ? 1 : is_q1(type) ? 3 : 2;
 }
 
 /* Matmuls of one input inside the forward's parallel region (q, k, v or gate, up): the input

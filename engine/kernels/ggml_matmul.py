@@ -6,17 +6,27 @@ post-norm gains carry one such step into ~1 logit. Agreeing "to f32 summation or
 enough; the summation order itself has to be ggml's.
 
 What ggml does, per weight type (sources: ggml-cpu/arch/x86/quants.c, arch/x86/repack.cpp,
-llamafile/sgemm.cpp, tiled/ of the ggml in llama-cpp-python 0.3.36):
-- Q8_0 / Q5_0 weights, Q8_0 activations (vec_dot_q8_0_q8_0, vec_dot_q5_0_q8_0 and tinyBLAS_Q0_AVX
-  share one order): per block of 32, eight exact int32 lanes of four consecutive products; per
-  block acc[lane] = fma(f32(d_w·d_x), lane, acc[lane]); then the 8-lane hsum_float_8.
-- Q4_K weights with rows % 8 == 0 (repacked to q4_K_8x8): one accumulator per output. The gemm
-  kernel (the first rows of a batch, in multiples of 4) adds one fma per 64 weights, the gemv
-  kernel (the remaining rows, and every one-token step) one per 256, each with the exact integer
-  dot product converted to f32; the min terms likewise; output = acc − acc_min.
-- Q6_K weights: with 8 or more rows, ggml's tiled K-quant matmul (ggml-cpu/tiled): per 256 the
-  exact integer dot, converted to f32, times d_w, then acc = fma(that, d_x, acc) (the AVX2 and
-  the AVX512-VNNI microtiles alike: GCC fuses the VNNI epilogue's mul + add, engine/kernels/cpu.py).
+llamafile/sgemm.cpp, tiled/ of the ggml in llama-cpp-python 0.3.36). Which kernel runs depends on
+the batch size and on the configuration llama.cpp was opened in (engine/kernels/cpu.py: repacked,
+its default, or without extra buffer types as open_llama opens an AMX build); `repacked` says
+which weights are repacked:
+- Q8_0 / Q5_0 / Q4_0 weights, Q8_0 activations (vec_dot_q*_0_q8_0 and tinyBLAS_Q0_AVX share one
+  order): per block of 32, eight exact int32 lanes of four consecutive products; per block
+  acc[lane] = fma(f32(d_w·d_x), lane, acc[lane]); then the 8-lane hsum_float_8. (Repacked Q4_0,
+  q4_0_8x8, is not reproduced.)
+- Q4_K weights repacked (q4_K_8x8, rows % 8 == 0, extra buffer types on): one accumulator per
+  output. The gemm kernel (the first rows of a batch, in multiples of 4) adds one fma per 64
+  weights, the gemv kernel (the remaining rows, and every one-token step) one per 256, each with
+  the exact integer dot product converted to f32; the min terms likewise; output = acc − acc_min.
+- Q4_K / Q5_K weights in their GGUF layout (not repacked): with 8 or more rows ggml's tiled
+  K-quant matmul: per 256 the exact dot s1 and min sum s2, res = fnmadd(dmin_w, f32(s2),
+  d_w·f32(s1)), acc = fma(res, d_x, acc); with fewer, vec_dot_q4_K_q8_K / q5_K_q8_K: eight lanes
+  acc = fma(d_x·d_w, f32(lane), acc) (lane l: products 4l..4l+3 of each 32-subblock times its
+  scale), the min part with dmin = -(d_x·dmin_w) in four lanes (Q4_K; reduced (m0+m2) + (m1+m3))
+  or one scalar fma (Q5_K); output hsum_float_8(acc) + min part.
+- Q6_K weights (never repacked on x86): with 8 or more rows the tiled microtile, per 256 the exact
+  integer dot, converted to f32, times d_w, then acc = fma(that, d_x, acc) (the AVX2 and the
+  AVX512-VNNI microtiles alike: GCC fuses the VNNI epilogue's mul + add, engine/kernels/cpu.py).
   With fewer rows vec_dot_q6_K_q8_K: eight int32 lanes per 256 (four consecutive products from
   each 32-group, times the 16-group scale, minus 32·scale·sums for the 32-group of the lane's
   index), one fma per 256, hsum_float_8.
@@ -25,10 +35,13 @@ elsewhere). Integer parts are computed exactly (f32
 or f64 matmuls of small integers); each fma is done in f64 and rounded once to f32, which is what
 a fused multiply-add gives (the product of two f32 is exact in f64).
 
-f16 weights are the f16 dot products of numerics.dot_f16 (engine/models/linear.py). Other weight
-types (Q4_0, Q4_1, Q5_1, Q5_K, BF16), and Q4_K matrices whose row count is not a multiple of 8,
-use the dequantized product with the same quantized activations: right to f32 summation order,
-not to the bit.
+- Q4_1 / Q5_1 weights, Q8_1 activations (vec_dot_q4_1_q8_1 / q5_1_q8_1 at every batch size): the
+  Q8_0 integers and scale, plus s = f16(d·Σq) with d before its rounding; per block the eight
+  lanes' fma(d_w·d_x) as above, and summs = fma(m_w, s_x, summs); hsum_float_8(acc) + summs.
+
+f16 weights are the f16 dot products of numerics.dot_f16 (engine/models/linear.py). BF16 weights
+and repacked Q4_0 use the dequantized product with the same quantized activations: right to f32
+summation order, not to the bit.
 
 The methods below are the reference, in torch; ggml_kernels.c repeats them in C (engine/kernels/
 native.py builds it: fb_matmul, on torch's thread count, the output rows split across threads so
@@ -46,22 +59,33 @@ from engine.gguf.constants import type_size
 from engine.gguf.dequant import unpack_blocks
 from engine.kernels.cpu import plan
 from engine.kernels.native import WEIGHT_TYPES, Plan, Weight, kernels, ptr
-from engine.kernels.numerics import fma_f32, hsum8, quantize_q8_0, quantize_q8_k
+from engine.kernels.numerics import fma_f32, hsum8, quantize_q8_0, quantize_q8_k, round_f16
 
 UBATCH = 512  # llama.cpp's default n_ubatch: a longer prompt is evaluated in such pieces
 ROW_CHUNK = 64  # rows per pass of the torch reference, to bound its integer-lane intermediates
 TILED_MIN_ROWS = 8  # ggml_tiled_min_batch: K-quant matmuls of this many rows or more run tiled
-EXACT_TYPES = (T.Q8_0, T.Q5_0, T.Q4_K, T.Q6_K)
+EXACT_TYPES = (T.Q8_0, T.Q5_0, T.Q4_0, T.Q4_1, T.Q5_1, T.Q4_K, T.Q5_K, T.Q6_K)
+
+
+def repacked(ggml_type: T, rows: int, p=None) -> bool:
+    """Whether llama.cpp holds this weight repacked (its extra buffer types on, x86: Q4_0 and
+    Q4_K matrices whose rows are a multiple of 8; repack.cpp ggml_repack_get_optimal_repack_type)
+    in the configuration of the kernel plan (this machine's unless given)."""
+    p = p or plan()
+    return p.repacked and T(ggml_type) in (T.Q4_0, T.Q4_K) and rows % 8 == 0
 
 
 def supports_exact(ggml_type: T, rows: int) -> bool:
-    return ggml_type in EXACT_TYPES and (ggml_type != T.Q4_K or rows % 8 == 0)
+    """ggml_matmul has llama.cpp's kernel for these weights in this machine's configuration (the
+    repacked Q4_0 gemm is the one it lacks)."""
+    ggml_type = T(ggml_type)
+    return ggml_type in EXACT_TYPES and not (ggml_type == T.Q4_0 and repacked(ggml_type, rows))
 
 
 def plan_struct(p=None) -> Plan:
     """The C kernels' view of a kernel plan (this machine's unless given)."""
     p = p or plan()
-    return Plan(p.f16_lanes, p.softmax_lanes)
+    return Plan(p.f16_lanes, p.softmax_lanes, int(p.repacked))
 
 
 def weight_struct(parts: dict[str, torch.Tensor], ggml_type: T, rows: int, cols: int,
@@ -78,11 +102,16 @@ def weight_struct(parts: dict[str, torch.Tensor], ggml_type: T, rows: int, cols:
 
 # per weight type: what the C kernels take unpacked (name, dtype, values per block); the rest
 # they read from the GGUF blocks themselves ("blocks")
+_K_PARTS = (("scales", torch.uint8, 8), ("mins", torch.uint8, 8), ("d", torch.float32, 1),
+            ("dmin", torch.float32, 1))
 _PARTS = {
     T.Q8_0: (("d", torch.float32, 1),),
     T.Q5_0: (("d", torch.float32, 1),),
-    T.Q4_K: (("scales", torch.uint8, 8), ("mins", torch.uint8, 8), ("d", torch.float32, 1),
-             ("dmin", torch.float32, 1)),
+    T.Q4_0: (("d", torch.float32, 1),),
+    T.Q4_1: (("d", torch.float32, 1), ("dmin", torch.float32, 1)),
+    T.Q5_1: (("d", torch.float32, 1), ("dmin", torch.float32, 1)),
+    T.Q4_K: _K_PARTS,
+    T.Q5_K: _K_PARTS,
     T.Q6_K: (("q", torch.uint8, 256), ("scales", torch.int8, 16), ("d", torch.float32, 1)),
 }
 
@@ -125,11 +154,18 @@ class ExactWeight:
         parts = {k: v.contiguous() for k, v in unpack_blocks(raw, ggml_type).items()}
         self.d = parts["d"]  # [N, nb] f32
         nb = self.d.shape[1]
-        if ggml_type in (T.Q8_0, T.Q5_0):
+        if ggml_type in (T.Q8_0, T.Q5_0, T.Q4_0, T.Q4_1, T.Q5_1):
             # [nb·8, 4, N]: lane k of block b holds weights 4k..4k+3
             self.lanes = parts["q"].reshape(rows, nb * 8, 4).permute(1, 2, 0).float().contiguous()
-        elif ggml_type == T.Q4_K:
+            self.dmin = parts.get("dmin")  # Q4_1 / Q5_1: the block's min
+        elif ggml_type in (T.Q4_K, T.Q5_K):
             scaled = parts["q"].float() * parts["scales"].float()[..., None]  # [N, nb, 8, 32]
+            # not repacked: [nb, 256, N] scaled weights (tiled); [nb·8, 32, N] by vec_dot lane
+            # (lane l of a 256: positions 4l..4l+3 of each 32-subblock)
+            self.scaled = scaled.reshape(rows, nb, 256).permute(1, 2, 0).double().contiguous()
+            self.by_lane = (scaled.reshape(rows, nb, 8, 8, 4).permute(1, 3, 2, 4, 0)
+                            .reshape(nb * 8, 32, rows).double().contiguous())
+            self.sub_mins = parts["mins"].double().permute(1, 2, 0).contiguous()  # [nb, 8, N]
             self.chunks = (
                 scaled.reshape(rows, nb * 4, 64).permute(1, 2, 0).contiguous()
             )  # [nb·4, 64, N]
@@ -160,10 +196,14 @@ class ExactWeight:
                 outs.append(self._native(batch))
                 continue
             gemm_rows = n - n % 4 if n > 3 else 0  # repacked Q4_K: gemm rows, then gemv
-            tiled = n >= TILED_MIN_ROWS  # Q6_K: tiled kernel, else vec_dot
+            tiled = n >= TILED_MIN_ROWS  # K-quants in their GGUF layout: tiled, else vec_dot
+            plain = self.ggml_type == T.Q5_K or (
+                self.ggml_type == T.Q4_K and not repacked(T.Q4_K, self.rows))
             for r0 in range(0, n, ROW_CHUNK):
                 rows = batch[r0 : r0 + ROW_CHUNK]
-                if self.ggml_type == T.Q4_K:
+                if plain:
+                    outs.append(self._k_plain(rows, tiled))
+                elif self.ggml_type == T.Q4_K:
                     g = max(0, min(rows.shape[0], gemm_rows - r0))
                     if g:
                         outs.append(self._q4_k(rows[:g], per_superblock=False))
@@ -171,6 +211,8 @@ class ExactWeight:
                         outs.append(self._q4_k(rows[g:], per_superblock=True))
                 elif self.ggml_type == T.Q6_K:
                     outs.append(self._q6_k_tiled(rows) if tiled else self._q6_k(rows))
+                elif self.ggml_type in (T.Q4_1, T.Q5_1):
+                    outs.append(self._q1(rows))
                 else:
                     outs.append(self._q0(rows))
         return torch.cat(outs) if len(outs) > 1 else outs[0]
@@ -198,6 +240,23 @@ class ExactWeight:
             acc = fma_f32(scale, lanes[b], acc)
         return hsum8(acc.movedim(0, -1))
 
+    def _q1(self, x: torch.Tensor) -> torch.Tensor:
+        """Q4_1 / Q5_1 x Q8_1 (ggml_kernels.c q1_rows): the Q8_0 ints and scale, s = f16(d·Σq)
+        with d = amax/127 before rounding; lanes fma(d_w·d_x), the min part fma(m_w, s_x)."""
+        q, xd = quantize_q8_0(x)  # [R, nb, 32], [R, nb]
+        R, nb = xd.shape
+        amax = x.float().reshape(R, nb, 32).abs().amax(-1)
+        s = round_f16((amax / 127.0) * q.sum(-1))
+        lanes = torch.bmm(q.reshape(R, nb * 8, 4).transpose(0, 1), self.lanes).view(
+            nb, 8, R, self.rows
+        )
+        acc = torch.zeros(8, R, self.rows, dtype=torch.float32)
+        summs = torch.zeros(R, self.rows)
+        for b in range(nb):
+            summs = fma_f32(self.dmin[:, b][None, :].expand_as(summs), s[:, b][:, None], summs)
+            acc = fma_f32(self.d[:, b][None, :] * xd[:, b][:, None], lanes[b], acc)
+        return hsum8(acc.movedim(0, -1)) + summs
+
     def _q4_k(self, x: torch.Tensor, per_superblock: bool) -> torch.Tensor:
         q, xd = quantize_q8_k(x)  # [R, nb, 256], [R, nb]
         R, nb = xd.shape
@@ -219,6 +278,42 @@ class ExactWeight:
                 acc = fma_f32(dots[b, c], scale, acc)
                 acc_min = fma_f32(mins[b, c], scale_min, acc_min)
         return acc - acc_min
+
+    def _k_plain(self, x: torch.Tensor, tiled: bool) -> torch.Tensor:
+        """Q4_K / Q5_K in their GGUF layout (ggml_kernels.c k_plain_rows says the orders)."""
+        q, xd = quantize_q8_k(x)  # [R, nb, 256], [R, nb]
+        R, nb = xd.shape
+        qd = q.double()
+        sums32 = qd.reshape(R, nb, 8, 32).sum(-1).transpose(0, 1)  # [nb, R, 8] exact
+        acc = torch.zeros(R, self.rows)
+        if tiled:
+            s1 = torch.bmm(qd.transpose(0, 1), self.scaled).float()  # [nb, R, N]: int -> f32
+            s2 = torch.bmm(sums32, self.sub_mins).float()
+            for b in range(nb):
+                res = fma_f32(-self.dmin[:, b][None, :].expand_as(s2[b]), s2[b],
+                              self.d[:, b][None, :] * s1[b])
+                acc = fma_f32(res, xd[:, b][:, None], acc)
+            return acc
+        by_lane = qd.reshape(R, nb, 8, 8, 4).permute(1, 3, 0, 2, 4).reshape(nb * 8, R, 32)
+        lanes = torch.bmm(by_lane, self.by_lane).float().view(nb, 8, R, self.rows)
+        # lane l of the min part: subblocks 2l and 2l+1
+        mins = torch.einsum("brls,bnls->blrn", sums32.view(nb, R, 4, 2),
+                            self.sub_mins.permute(0, 2, 1).reshape(nb, self.rows, 4, 2)).float()
+        acc8 = torch.zeros(8, R, self.rows)
+        acc_m = torch.zeros(4, R, self.rows)
+        summs = torch.zeros(R, self.rows)
+        for b in range(nb):
+            d = xd[:, b][:, None] * self.d[:, b][None, :]
+            dmin = -xd[:, b][:, None] * self.dmin[:, b][None, :]
+            acc8 = fma_f32(d, lanes[b], acc8)
+            if self.ggml_type == T.Q4_K:
+                acc_m = fma_f32(dmin, mins[b], acc_m)
+            else:
+                summs = fma_f32(dmin, mins[b].double().sum(0).float(), summs)
+        total = hsum8(acc8.movedim(0, -1))
+        if self.ggml_type == T.Q5_K:
+            return total + summs
+        return total + ((acc_m[0] + acc_m[2]) + (acc_m[1] + acc_m[3]))
 
     def _q6_k(self, x: torch.Tensor) -> torch.Tensor:
         q, xd = quantize_q8_k(x)  # [R, nb, 256], [R, nb]
@@ -247,6 +342,7 @@ __all__ = [
     "ExactWeight",
     "UBATCH",
     "plan_struct",
+    "repacked",
     "supports_exact",
     "unpack_exact",
     "weight_struct",

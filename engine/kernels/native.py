@@ -47,7 +47,8 @@ AVX2_MARCH = "-march=x86-64-v3"
 
 _I64, _PTR, _INT, _F32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int, ctypes.c_float
 # ggml type ids the C kernels take (GGMLQuantizationType values)
-WEIGHT_TYPES = {"F16": 1, "Q5_0": 6, "Q8_0": 8, "Q4_K": 12, "Q6_K": 14}
+WEIGHT_TYPES = {"F16": 1, "Q4_0": 2, "Q4_1": 3, "Q5_0": 6, "Q5_1": 7, "Q8_0": 8, "Q4_K": 12,
+                "Q5_K": 13, "Q6_K": 14}
 
 
 class Weight(ctypes.Structure):
@@ -61,7 +62,8 @@ class Weight(ctypes.Structure):
 class Plan(ctypes.Structure):
     """fb_plan: the summation orders of the llama.cpp build (engine/kernels/cpu.py)."""
 
-    _fields_ = [("f16_lanes", ctypes.c_int32), ("softmax_lanes", ctypes.c_int32)]
+    _fields_ = [("f16_lanes", ctypes.c_int32), ("softmax_lanes", ctypes.c_int32),
+                ("repack", ctypes.c_int32)]
 
 
 class Layer(ctypes.Structure):

@@ -30,8 +30,10 @@ ggml-cpu/arch/x86/repack.cpp, ggml-cpu/tiled, llamafile/sgemm.cpp, ggml-cpu/vec.
 ggml_gelu_f32), ggml-cpu/vec.cpp (ggml_vec_soft_max_f32, ggml_vec_dot_f16), ggml-cpu/ops.cpp
 (rms_norm_f32, soft_max_f32, rope), llama-graph.cpp (build_attn_mha). AVX-512 builds change the
 f16 dot products (16 lanes), the softmax (16 lanes, another expf form) and the Q6_K tiled
-microtile; the engine follows them. Other CPUs (ARM NEON, SVE, AMX tiles) run kernels the engine
-does not reproduce; there it matches to f32 summation order, not to the bit, and says so.
+microtile; the engine follows them, in the configuration llama.cpp was opened in (repacked,
+or without extra buffer types as engine/export/llamacpp.py opens an AMX build). Other CPUs (ARM
+NEON, SVE) and AMX tile kernels are not reproduced; there it matches to f32 summation order, not
+to the bit, and says so.
 
 Checked op by op on gemma-3-270m Q4_K_M against the tensors llama.cpp itself computes (its eval
 callback), and kernel by kernel against libggml-cpu's own functions (tests/test_gguf_llamacpp.py,

@@ -10,7 +10,8 @@ sampling and the API. The torch modules stay the reference: `model.native = Fals
 FORGEBENCH_NATIVE=0) runs them instead, and the tests hold the two to identical bits.
 
 It serves only what it reproduces exactly; anything else returns None and the torch path runs:
-f32 numerics, LoRA adapters attached, weight types without a bit-exact kernel (Q4_0, Q5_K, ...),
+f32 numerics, LoRA adapters attached, weight types without a bit-exact kernel in the llama.cpp
+configuration followed (BF16; Q4_0 where llama.cpp repacks it),
 packed sequences, a batch of more than one sequence.
 """
 
@@ -22,6 +23,7 @@ import math
 import torch
 from gguf import GGMLQuantizationType as T
 
+from engine.kernels import ggml_matmul
 from engine.kernels.ggml_matmul import UBATCH, ExactWeight, plan_struct, supports_exact
 from engine.kernels.native import Layer, Model, kernels, ptr
 from engine.kernels.numerics import attention_llamacpp, gelu_table
@@ -50,6 +52,9 @@ class NativeDecoder:
 
     def __init__(self, model, lib: ctypes.CDLL, layers: list[dict]):
         self.model, self.lib = model, lib
+        # the llama.cpp configuration it was described for: which weights the C forward serves
+        # depends on it (repacked Q4_0 goes to the torch path)
+        self.repacked = ggml_matmul.plan().repacked
         cfg = model.config
         # the modules described: a LoRA wrapper or a new weight put in their place later
         # makes native_decoder describe the model afresh (or hand it to the torch path)
@@ -173,7 +178,8 @@ def native_decoder(model) -> NativeDecoder | None:
             or model.kv_dtype != torch.float16):
         return None
     built = getattr(model, "_native_decoder", None)
-    if built is not None and built.model is model and all(
+    same_configuration = built is not None and built.repacked == ggml_matmul.plan().repacked
+    if same_configuration and built.model is model and all(
             getattr(parent, attr) is module for parent, attr, module in built.modules):
         return built
     layers = _describe(model)
