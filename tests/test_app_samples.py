@@ -119,7 +119,7 @@ def test_generate_view_and_rate_image_samples(pane, qtbot, workspace):
     assert saved["scores"] == {"content": 4, "memorization": 2} and saved["kind"] == "image"
     pane.grid.setCurrentCell(0, 0)
     assert pane.rubric.scores() == {}
-    pane.grid.setCurrentCell(1, 2)                          # the saved scores come back
+    pane.grid.setCurrentCell(1, column)                     # the saved scores come back
     assert pane.rubric.scores() == {"content": 4, "memorization": 2}
 
 

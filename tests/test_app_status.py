@@ -154,11 +154,18 @@ def test_rating_keys_work_without_a_click_in_the_pane(qtbot, tmp_path, monkeypat
     from app.views.main_window import MainWindow
 
     monkeypatch.setenv("FORGEBENCH_CONFIG_DIR", str(tmp_path / "config"))
+    from PySide6.QtWidgets import QApplication
+
+    # a window another test left open could hold the activation: this one must be the user's
+    for other in QApplication.topLevelWidgets():
+        if other.isVisible():
+            other.close()
     window = MainWindow(Settings())
     window.close_policy = "leave"
     qtbot.addWidget(window)
     window.show()
     window.open_workspace(Workspace.create(tmp_path / "ws").root)
+    window.raise_()
     window.activateWindow()
     qtbot.waitUntil(window.isActiveWindow)
     pressed = []
