@@ -31,7 +31,12 @@ from engine.train.checkpoint import (
 from engine.train.data_order import DataCursor
 from engine.train.metrics import StepClock, StepUtilisation, train_row
 from engine.train.optim import clip_and_step, scheduled_lr, set_lr
-from engine.train.precision import run_precision
+from engine.train.precision import (
+    measure_step_precision,
+    pinned_auto,
+    requested_precision,
+    run_precision,
+)
 
 META_FILE = "meta.json"
 EMA_PREFIX = "ema."
@@ -110,6 +115,24 @@ class Loop:
 
 
 def train_loop(job: Job, loop: Loop) -> None:
+    """Train in the run's precision: "auto" is settled on a fresh run by timing its own first
+    batch in both (engine.train.precision.measure_step_precision, on one CPU process), and
+    every autocast("auto") of the recipe then computes as run.json records."""
+    on_one_cpu = not job.world.distributed and getattr(job.device, "type", "cpu") == "cpu"
+    if job.resume_from is None and on_one_cpu:
+        first = DataCursor(loop.n_train, job.config.seed).take(job.config.batch_size)
+
+        def trial(precision: str) -> None:
+            with pinned_auto(precision):
+                generator = torch.Generator().manual_seed(job.config.seed)
+                loop.batch_loss(first, generator).backward()
+
+        measure_step_precision(job.run, requested_precision(job.config), loop.model, trial)
+    with pinned_auto(run_precision(job.run, job.config)):
+        _train_steps(job, loop)
+
+
+def _train_steps(job: Job, loop: Loop) -> None:
     config, run = job.config, job.run
     opt = config.optim
     generator = torch.Generator().manual_seed(config.seed)

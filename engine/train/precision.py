@@ -44,9 +44,11 @@ class PrecisionChoice:
     precision: str
     requested: str
     reason: str
+    # "auto" settled by the run's own step: its times in both precisions (seconds)
+    step: dict | None = None
 
     def as_dict(self) -> dict:
-        return asdict(self)
+        return {k: v for k, v in asdict(self).items() if k != "step" or v is not None}
 
 
 def choose_precision(requested: str, features: frozenset[str],
@@ -171,7 +173,7 @@ def autocast(precision: str, device_type: str = "cpu"):
     CUDA (`device_type`); a no-op context for "f32". The weights (and full fine-tuning's master
     copy) stay f32."""
     if precision == "auto":
-        precision = resolve_precision(precision).precision
+        precision = _pinned_auto or resolve_precision(precision).precision
     if precision == "bf16":
         import torch
 
@@ -188,3 +190,128 @@ def migrate_autocast(values):
         old = values.pop("autocast")
         values["precision"] = "f32" if old == "none" else old
     return values
+
+
+# -- "auto" decided by the recipe's own step (the image and audio recipes) ---------------------
+# a bf16 forward+backward must take at most 1/STEP_MIN_SPEEDUP of the f32 one: a smaller gain
+# is within the noise of a few timed steps on a shared machine, and keeping f32 then costs
+# under 5% (the issue's bound on "auto" against the best fixed precision)
+STEP_MIN_SPEEDUP = 1.05
+# the trial: one untimed step per precision, then up to STEP_ROUNDS interleaved pairs while the
+# timed part stays under STEP_BUDGET_S (at least one pair, however slow the step)
+STEP_ROUNDS = 3
+STEP_BUDGET_S = 1.5
+_pinned_auto: str | None = None
+
+
+def choose_from_step_times(requested: str, features: frozenset[str], f32_s: float | None,
+                           bf16_s: float | None) -> PrecisionChoice:
+    """`choose_precision` where "auto" is settled by the run's own step, timed in both
+    precisions (seconds of one forward+backward, f32 and bf16; None: not measured, the
+    matmul-peak rule stands): bf16 only where this CPU has bf16 units and its step is at least
+    STEP_MIN_SPEEDUP times faster. The figures go into the choice (and run.json)."""
+    if requested != "auto" or f32_s is None or bf16_s is None \
+            or not set(BF16_UNITS) & set(features):
+        return choose_precision(requested, features)
+    units = " and ".join(unit for unit in BF16_UNITS if unit in features)
+    speedup = f32_s / bf16_s
+    measured = (f"the recipe's own step (forward+backward of its first batch) took "
+                f"{bf16_s * 1e3:.1f} ms in bf16 against {f32_s * 1e3:.1f} ms in f32 "
+                f"({speedup:.2f}x)")
+    step = {"f32_s": f32_s, "bf16_s": bf16_s, "bf16_speedup": round(speedup, 4),
+            "min_speedup": STEP_MIN_SPEEDUP}
+    if speedup < STEP_MIN_SPEEDUP:
+        return PrecisionChoice("f32", requested, f"auto: this CPU has {units}, but {measured}, "
+                                                 f"under the {STEP_MIN_SPEEDUP}x bf16 needs",
+                               step)
+    return PrecisionChoice("bf16", requested, f"auto: this CPU has {units} and {measured} "
+                                              "(bf16 autocast, f32 master weights and loss)",
+                           step)
+
+
+@contextlib.contextmanager
+def pinned_auto(precision: str):
+    """Within it, `autocast("auto")` computes in `precision` ("f32" or "bf16"): the choice
+    recorded for the run, so a recipe that hands its config's "auto" to autocast computes as
+    run.json says (and a trial step in the precision being timed)."""
+    global _pinned_auto
+    if precision not in ("f32", "bf16"):
+        raise ValueError(f"pin 'f32' or 'bf16', not {precision!r}")
+    before, _pinned_auto = _pinned_auto, precision
+    try:
+        yield
+    finally:
+        _pinned_auto = before
+
+
+@contextlib.contextmanager
+def untouched(module):
+    """Whatever a trial forward+backward of `module` changes, put back bit for bit when the
+    block ends: parameters and buffers (BatchNorm's running statistics and counters), the
+    gradients, and torch's global random state (dropout). The optimizer is not stepped by a
+    trial, and the data generator is the trial's own copy."""
+    import torch
+
+    saved = {name: value.detach().clone() for name, value in module.state_dict().items()}
+    grads = [(p, None if p.grad is None else p.grad.detach().clone())
+             for p in module.parameters()]
+    rng = torch.get_rng_state()
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for name, value in module.state_dict().items():
+                value.copy_(saved[name])
+        for p, grad in grads:
+            p.grad = grad
+        torch.set_rng_state(rng)
+
+
+def time_step_precisions(trial, rounds: int = STEP_ROUNDS,
+                         budget_s: float = STEP_BUDGET_S) -> dict[str, list[float]]:
+    """Seconds of `trial(precision)` in "f32" and "bf16": one untimed call each (warm-up:
+    allocations, oneDNN's kernel choice), then interleaved pairs in alternating order (so a
+    change in the machine's load falls on both), at least one and at most `rounds`, stopping
+    once the timed calls pass `budget_s`."""
+    import time
+
+    for precision in ("f32", "bf16"):
+        trial(precision)
+    times: dict[str, list[float]] = {"f32": [], "bf16": []}
+    spent = 0.0
+    for i in range(rounds):
+        for precision in (("f32", "bf16") if i % 2 == 0 else ("bf16", "f32")):
+            start = time.perf_counter()
+            trial(precision)
+            took = time.perf_counter() - start
+            times[precision].append(took)
+            spent += took
+        if spent > budget_s:
+            break
+    return times
+
+
+def measure_step_precision(run, requested: str | None, module, trial) -> PrecisionChoice | None:
+    """Settle a fresh run's "auto" by its own step and record it in run.json's `precision`
+    entry (with the step times and why), where the request is "auto" and this CPU has bf16
+    units; `trial(precision)` runs one forward+backward of the first batch in that precision,
+    inside `untouched(module)`, so the run's floats stay those of a run fixed to the chosen
+    precision. None (nothing measured, nothing written) for another request, a CPU without
+    bf16 units (the entry already says why f32), or an entry already measured. A resumed run
+    never calls this: it reads the entry back."""
+    from engine.fsutil import atomic_write_json
+
+    if requested != "auto":
+        return None
+    manifest = run.manifest()
+    entry = manifest.get("precision") or {}
+    units = cpu_bf16_features()
+    if not units or "step" in entry:
+        return None
+    with untouched(module):
+        times = time_step_precisions(trial)
+    choice = choose_from_step_times(requested, units, min(times["f32"]), min(times["bf16"]))
+    choice = replace(choice, step={**choice.step, "f32_runs_s": times["f32"],
+                                   "bf16_runs_s": times["bf16"]})
+    atomic_write_json(run.manifest_path, {**manifest, "precision": choice.as_dict()})
+    return choice
