@@ -116,3 +116,45 @@ def test_no_bf16_units_no_trial(tmp_path, monkeypatch):
     entry = run.manifest()["precision"]
     assert entry["precision"] == "f32" and "step" not in entry
     assert "no AVX512-BF16 or AMX" in entry["reason"]
+
+
+def test_a_resumed_run_reads_the_choice_back_and_never_times_again(tmp_path, bf16_units,
+                                                                   monkeypatch):
+    data = make_shapes(tmp_path)
+    config = load_config(write_config(tmp_path / "auto.toml", "image-classify", data, steps=4,
+                                      eval_every=2, save_every=2, top='precision = "auto"'))
+    run = jobs.start_run(config, tmp_path / "auto", ["test"], threads=1)
+    jobs.execute(run, config, None, threads=1, stop_after_step=2, progress=False)
+    entry = run.manifest()["precision"]
+    assert "step" in entry
+    monkeypatch.setattr(precision_module, "time_step_precisions",
+                        lambda *a, **k: pytest.fail("a resumed run timed its step again"))
+    run, config = jobs.prepare_resume(run.path, {})
+    jobs.execute(run, config, run.latest_checkpoint(), threads=1, progress=False)
+    assert run.manifest()["precision"] == entry
+    fixed = _run(tmp_path, data, "fixed", "fp32" if entry["precision"] == "f32" else "bf16")
+    assert _losses(run) == _losses(fixed)
+
+
+@pytest.mark.parametrize("pinned", [True, False])
+def test_eval_computes_in_the_recorded_precision(tmp_path, bf16_units, monkeypatch, capsys,
+                                                  pinned):
+    """`forgebench eval` scores as the run trained, even where "auto" resolved afresh here
+    (the matmul-peak rule) would say the other precision; the unpinned case is the twin."""
+    import argparse
+    import json
+
+    from engine.commands import runs
+
+    run = _run(tmp_path, make_shapes(tmp_path), "auto", "auto")
+    recorded = run.manifest()["precision"]["precision"]
+    # the afresh rule answers the opposite of the recorded choice
+    monkeypatch.setattr(precision_module, "measured_bf16_speedup",
+                        lambda: 10.0 if recorded == "f32" else 0.5)
+    if not pinned:
+        monkeypatch.setattr(precision_module, "pinned_auto",
+                            lambda precision: contextlib.nullcontext())
+    trained = [m["loss"] for m in run.metrics() if m.get("split") == "val"][-1]
+    runs.cmd_eval(argparse.Namespace(run_dir=str(run.path), checkpoint="latest", split="val"))
+    loss = json.loads(capsys.readouterr().out)["loss"]
+    assert (loss == trained) is pinned

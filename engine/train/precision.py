@@ -199,8 +199,8 @@ def migrate_autocast(values):
 STEP_MIN_SPEEDUP = 1.05
 # the trial: one untimed step per precision, then up to STEP_ROUNDS interleaved pairs while the
 # timed part stays under STEP_BUDGET_S (at least one pair, however slow the step)
-STEP_ROUNDS = 3
-STEP_BUDGET_S = 1.5
+STEP_ROUNDS = 8
+STEP_BUDGET_S = 1.0
 _pinned_auto: str | None = None
 
 
