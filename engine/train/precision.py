@@ -308,10 +308,14 @@ def measure_step_precision(run, requested: str | None, module, trial) -> Precisi
     units = cpu_bf16_features()
     if not units or "step" in entry:
         return None
+    import time
+
+    start = time.perf_counter()
     with untouched(module):
         times = time_step_precisions(trial)
     choice = choose_from_step_times(requested, units, min(times["f32"]), min(times["bf16"]))
     choice = replace(choice, step={**choice.step, "f32_runs_s": times["f32"],
-                                   "bf16_runs_s": times["bf16"]})
+                                   "bf16_runs_s": times["bf16"],
+                                   "trial_s": round(time.perf_counter() - start, 4)})
     atomic_write_json(run.manifest_path, {**manifest, "precision": choice.as_dict()})
     return choice
