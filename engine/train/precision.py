@@ -14,6 +14,17 @@ when a run starts, and recorded in run.json (`precision`); every later invocatio
 (resume, eval) reads it back, so a run never changes precision half way and resumes exactly
 in either.
 
+The image and audio recipes (engine.train.loop) settle "auto" by their own step, not by the
+generic peaks: on an AMX Xeon their bf16 runs measured 0.27-0.82x their f32 speed although the
+bf16 matmul peak is several times the f32 one (small convolutions, where the casts and layout
+changes cost more than the products save). A fresh run times one forward+backward of its first
+batch in both precisions (`measure_step_precision`: one untimed call each, then interleaved
+pairs, about a second), keeps bf16 only if its step is at least STEP_MIN_SPEEDUP times faster
+(`choose_from_step_times`), and rewrites its run.json `precision` entry with the step times and
+why. The trial runs inside `untouched` (parameters, buffers, gradients and torch's RNG restored
+bit for bit, the data generator a copy), so the run's floats are those of a run fixed to the
+chosen precision. `pinned_auto` makes the recipes' autocast("auto") compute as recorded.
+
 `choose_precision` is the rule as a pure function of a feature set and the measured speed-up;
 `cpu_bf16_features` asks torch (and cpuid / /proc/cpuinfo, engine.kernels.cpu) what this machine
 has; `measured_bf16_speedup` measures (or reads) the peaks' ratio.
