@@ -98,10 +98,10 @@ def test_a_run_records_its_step_times_and_computes_as_a_fixed_run_would(tmp_path
 
 
 def test_twin_a_trial_left_in_place_changes_the_run(tmp_path, bf16_units, monkeypatch):
-    """The exactness above can fail: without `untouched` the trial's gradients and BatchNorm
-    statistics leak into the first real step."""
+    """The exactness above can fail: without `untouched` the trial steps (optimizer moments,
+    weights and BatchNorm statistics) leak into the real run."""
     data = make_shapes(tmp_path)
-    monkeypatch.setattr(precision_module, "untouched", lambda module: contextlib.nullcontext())
+    monkeypatch.setattr(precision_module, "untouched", lambda *state: contextlib.nullcontext())
     auto = _run(tmp_path, data, "auto", "auto")
     chosen = auto.manifest()["precision"]["precision"]
     fixed = _run(tmp_path, data, "fixed", "fp32" if chosen == "f32" else "bf16")

@@ -125,9 +125,13 @@ def train_loop(job: Job, loop: Loop) -> None:
         def trial(precision: str) -> None:
             with pinned_auto(precision):
                 generator = torch.Generator().manual_seed(job.config.seed)
-                loop.batch_loss(first, generator).backward()
+                loss = loop.batch_loss(first, generator)
+                loss.backward()
+            clip_and_step(loop.model.parameters(), loop.optimizer, job.config.optim.grad_clip,
+                          job.config.nonfinite, loss=float(loss.detach()))
 
-        measure_step_precision(job.run, requested_precision(job.config), loop.model, trial)
+        measure_step_precision(job.run, requested_precision(job.config), loop.model, trial,
+                               loop.optimizer)
     with pinned_auto(run_precision(job.run, job.config)):
         _train_steps(job, loop)
 

@@ -15,15 +15,16 @@ when a run starts, and recorded in run.json (`precision`); every later invocatio
 in either.
 
 The image and audio recipes (engine.train.loop) settle "auto" by their own step, not by the
-generic peaks: on an AMX Xeon their bf16 runs measured 0.27-0.82x their f32 speed although the
-bf16 matmul peak is several times the f32 one (small convolutions, where the casts and layout
-changes cost more than the products save). A fresh run times one forward+backward of its first
-batch in both precisions (`measure_step_precision`: one untimed call each, then interleaved
-pairs, about a second), keeps bf16 only if its step is at least STEP_MIN_SPEEDUP times faster
-(`choose_from_step_times`), and rewrites its run.json `precision` entry with the step times and
-why. The trial runs inside `untouched` (parameters, buffers, gradients and torch's RNG restored
-bit for bit, the data generator a copy), so the run's floats are those of a run fixed to the
-chosen precision. `pinned_auto` makes the recipes' autocast("auto") compute as recorded.
+generic peaks: on an AMX Xeon their bf16 runs measured 0.27-0.82x their f32 speed (issue 53)
+although the bf16 matmul peak is several times the f32 one. A fresh run times one training
+step (forward, backward, optimizer) of its first batch in both precisions
+(`measure_step_precision`: one untimed step each, then interleaved pairs within about a
+second, at least one pair), keeps bf16 only if its step is at least STEP_MIN_SPEEDUP times
+faster (`choose_from_step_times`), and rewrites its run.json `precision` entry with the step
+times and why. The trial runs inside `untouched` (parameters, buffers, gradients, optimizer
+state and torch's RNG restored bit for bit, the data generator a copy), so the run's floats
+are those of a run fixed to the chosen precision. `pinned_auto` makes the recipes'
+autocast("auto") compute as recorded.
 
 `choose_precision` is the rule as a pure function of a feature set and the measured speed-up;
 `cpu_bf16_features` asks torch (and cpuid / /proc/cpuinfo, engine.kernels.cpu) what this machine
@@ -204,7 +205,7 @@ def migrate_autocast(values):
 
 
 # -- "auto" decided by the recipe's own step (the image and audio recipes) ---------------------
-# a bf16 forward+backward must take at most 1/STEP_MIN_SPEEDUP of the f32 one: a smaller gain
+# a bf16 training step must take at most 1/STEP_MIN_SPEEDUP of the f32 one: a smaller gain
 # is within the noise of a few timed steps on a shared machine, and keeping f32 then costs
 # under 5% (the issue's bound on "auto" against the best fixed precision)
 STEP_MIN_SPEEDUP = 1.05
@@ -218,7 +219,7 @@ _pinned_auto: str | None = None
 def choose_from_step_times(requested: str, features: frozenset[str], f32_s: float | None,
                            bf16_s: float | None) -> PrecisionChoice:
     """`choose_precision` where "auto" is settled by the run's own step, timed in both
-    precisions (seconds of one forward+backward, f32 and bf16; None: not measured, the
+    precisions (seconds of one training step, f32 and bf16; None: not measured, the
     matmul-peak rule stands): bf16 only where this CPU has bf16 units and its step is at least
     STEP_MIN_SPEEDUP times faster. The figures go into the choice (and run.json)."""
     if requested != "auto" or f32_s is None or bf16_s is None \
@@ -226,7 +227,7 @@ def choose_from_step_times(requested: str, features: frozenset[str], f32_s: floa
         return choose_precision(requested, features)
     units = " and ".join(unit for unit in BF16_UNITS if unit in features)
     speedup = f32_s / bf16_s
-    measured = (f"the recipe's own step (forward+backward of its first batch) took "
+    measured = (f"the recipe's own step (step on its first batch) took "
                 f"{bf16_s * 1e3:.1f} ms in bf16 against {f32_s * 1e3:.1f} ms in f32 "
                 f"({speedup:.2f}x)")
     step = {"f32_s": f32_s, "bf16_s": bf16_s, "bf16_speedup": round(speedup, 4),
@@ -256,17 +257,20 @@ def pinned_auto(precision: str):
 
 
 @contextlib.contextmanager
-def untouched(module):
-    """Whatever a trial forward+backward of `module` changes, put back bit for bit when the
-    block ends: parameters and buffers (BatchNorm's running statistics and counters), the
-    gradients, and torch's global random state (dropout). The optimizer is not stepped by a
-    trial, and the data generator is the trial's own copy."""
+def untouched(module, optimizer=None):
+    """Whatever trial training steps of `module` change, put back bit for bit when the block
+    ends: parameters and buffers (BatchNorm's running statistics and counters), the gradients,
+    the optimizer's state (moments, step counts, learning rates) and torch's global random
+    state (dropout). The data generator is the trial's own copy."""
+    import copy
+
     import torch
 
     saved = {name: value.detach().clone() for name, value in module.state_dict().items()}
     grads = [(p, None if p.grad is None else p.grad.detach().clone())
              for p in module.parameters()]
     rng = torch.get_rng_state()
+    optimizer_state = copy.deepcopy(optimizer.state_dict()) if optimizer is not None else None
     try:
         yield
     finally:
@@ -276,6 +280,8 @@ def untouched(module):
         for p, grad in grads:
             p.grad = grad
         torch.set_rng_state(rng)
+        if optimizer is not None:
+            optimizer.load_state_dict(optimizer_state)
 
 
 def time_step_precisions(trial, rounds: int = STEP_ROUNDS,
@@ -302,14 +308,15 @@ def time_step_precisions(trial, rounds: int = STEP_ROUNDS,
     return times
 
 
-def measure_step_precision(run, requested: str | None, module, trial) -> PrecisionChoice | None:
+def measure_step_precision(run, requested: str | None, module, trial,
+                           optimizer=None) -> PrecisionChoice | None:
     """Settle a fresh run's "auto" by its own step and record it in run.json's `precision`
     entry (with the step times and why), where the request is "auto" and this CPU has bf16
-    units; `trial(precision)` runs one forward+backward of the first batch in that precision,
-    inside `untouched(module)`, so the run's floats stay those of a run fixed to the chosen
-    precision. None (nothing measured, nothing written) for another request, a CPU without
-    bf16 units (the entry already says why f32), or an entry already measured. A resumed run
-    never calls this: it reads the entry back."""
+    units; `trial(precision)` runs one training step (forward, backward, `optimizer` step) of
+    the first batch in that precision, inside `untouched(module, optimizer)`, so the run's
+    floats stay those of a run fixed to the chosen precision. None (nothing measured, nothing
+    written) for another request, a CPU without bf16 units (the entry already says why f32),
+    or an entry already measured. A resumed run never calls this: it reads the entry back."""
     from engine.fsutil import atomic_write_json
 
     if requested != "auto":
@@ -322,7 +329,7 @@ def measure_step_precision(run, requested: str | None, module, trial) -> Precisi
     import time
 
     start = time.perf_counter()
-    with untouched(module):
+    with untouched(module, optimizer):
         times = time_step_precisions(trial)
     choice = choose_from_step_times(requested, units, min(times["f32"]), min(times["bf16"]))
     choice = replace(choice, step={**choice.step, "f32_runs_s": times["f32"],
