@@ -92,7 +92,8 @@ def auto_note(choice: dict) -> str:
         return f"auto -> {choice['precision']} (no step trial: {choice['reason']})"
     return (f"auto -> {choice['precision']}: step {step['f32_s'] * 1e3:.1f} ms f32, "
             f"{step['bf16_s'] * 1e3:.1f} ms bf16 ({step['bf16_speedup']:.2f}x), "
-            f"trial {step['trial_s']:.2f} s")
+            f"trial {step['trial_s']:.2f} s"
+            + (" (read back: timed before here)" if "timed before" in choice["reason"] else ""))
 
 
 def main() -> None:

@@ -73,10 +73,12 @@ def _losses(run: RunDir) -> list[tuple[str, float]]:
 
 
 @pytest.fixture
-def bf16_units(monkeypatch):
+def bf16_units(monkeypatch, tmp_path):
     """Measure wherever the tests run: a CPU without bf16 units emulates bf16 (slow, exact)."""
     units = cpu_bf16_features() or AMX
     monkeypatch.setattr(precision_module, "cpu_bf16_features", lambda: units)
+    cache = tmp_path / "step-precision.json"                # each test times afresh
+    monkeypatch.setattr(precision_module, "_step_cache_path", lambda: cache)
     return units
 
 
@@ -158,3 +160,17 @@ def test_eval_computes_in_the_recorded_precision(tmp_path, bf16_units, monkeypat
     runs.cmd_eval(argparse.Namespace(run_dir=str(run.path), checkpoint="latest", split="val"))
     loss = json.loads(capsys.readouterr().out)["loss"]
     assert (loss == trained) is pinned
+
+
+def test_a_second_run_of_the_same_config_here_reads_the_timed_answer(tmp_path, bf16_units,
+                                                                      monkeypatch):
+    """Two runs of one config on one machine compute alike: the second reuses the first's
+    timed answer (figures included) instead of timing again (and perhaps landing the other
+    side of the margin)."""
+    data = make_shapes(tmp_path)
+    first = _run(tmp_path, data, "first", "auto").manifest()["precision"]
+    monkeypatch.setattr(precision_module, "time_step_precisions",
+                        lambda *a, **k: pytest.fail("timed the same model and batch again"))
+    second = _run(tmp_path, data, "second", "auto").manifest()["precision"]
+    assert second["precision"] == first["precision"] and second["step"] == first["step"]
+    assert second["reason"].startswith(first["reason"]) and "timed before" in second["reason"]

@@ -36,6 +36,7 @@ from engine.train.precision import (
     pinned_auto,
     requested_precision,
     run_precision,
+    step_cache_key,
 )
 
 META_FILE = "meta.json"
@@ -130,8 +131,9 @@ def train_loop(job: Job, loop: Loop) -> None:
             clip_and_step(loop.model.parameters(), loop.optimizer, job.config.optim.grad_clip,
                           job.config.nonfinite, loss=float(loss.detach()))
 
+        key = step_cache_key(job.config.recipe, loop.model, job.config.batch_size, job.threads)
         measure_step_precision(job.run, requested_precision(job.config), loop.model, trial,
-                               loop.optimizer)
+                               loop.optimizer, key)
     with pinned_auto(run_precision(job.run, job.config)):
         _train_steps(job, loop)
 

@@ -308,8 +308,37 @@ def time_step_precisions(trial, rounds: int = STEP_ROUNDS,
     return times
 
 
-def measure_step_precision(run, requested: str | None, module, trial,
-                           optimizer=None) -> PrecisionChoice | None:
+def step_cache_key(recipe: str, module, batch_size: int, threads: int) -> str:
+    """What a step trial's answer holds for: this machine, torch and thread count (the matmul
+    peaks' key), the recipe, its model's parameter shapes and the batch size."""
+    import hashlib
+    import json
+
+    from engine.train.metrics import _peak_cache_key
+
+    shapes = [(name, list(p.shape)) for name, p in module.named_parameters()]
+    digest = hashlib.sha256(json.dumps([recipe, shapes, batch_size]).encode()).hexdigest()
+    return f"{_peak_cache_key('step', threads)}|{digest[:16]}"
+
+
+def _step_cache_path() -> Path:
+    from engine.fsutil import cache_dir
+
+    return cache_dir() / "step-precision.json"
+
+
+def _cached_steps() -> dict:
+    import json
+
+    try:
+        cached = json.loads(_step_cache_path().read_text())
+    except (OSError, ValueError):
+        return {}
+    return cached if isinstance(cached, dict) else {}
+
+
+def measure_step_precision(run, requested: str | None, module, trial, optimizer=None,
+                           key: str | None = None) -> PrecisionChoice | None:
     """Settle a fresh run's "auto" by its own step and record it in run.json's `precision`
     entry (with the step times and why), where the request is "auto" and this CPU has bf16
     units; `trial(precision)` runs one training step (forward, backward, `optimizer` step) of
@@ -328,6 +357,15 @@ def measure_step_precision(run, requested: str | None, module, trial,
         return None
     import time
 
+    cached = _cached_steps().get(key) if key else None
+    if isinstance(cached, dict) and cached.get("step"):
+        # the same model, batch and threads were timed here before: the same answer, so two
+        # runs of one config on one machine compute alike (as the matmul-peak rule did)
+        choice = PrecisionChoice(cached["precision"], requested, cached["reason"] + " (timed "
+                                 "before on this machine for this model, batch and threads)",
+                                 cached["step"])
+        atomic_write_json(run.manifest_path, {**manifest, "precision": choice.as_dict()})
+        return choice
     start = time.perf_counter()
     with untouched(module, optimizer):
         times = time_step_precisions(trial)
@@ -336,4 +374,7 @@ def measure_step_precision(run, requested: str | None, module, trial,
                                    "bf16_runs_s": times["bf16"],
                                    "trial_s": round(time.perf_counter() - start, 4)})
     atomic_write_json(run.manifest_path, {**manifest, "precision": choice.as_dict()})
+    if key:
+        with contextlib.suppress(OSError):      # read-only cache: the next run times again
+            atomic_write_json(_step_cache_path(), {**_cached_steps(), key: choice.as_dict()})
     return choice
