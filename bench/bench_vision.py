@@ -1,14 +1,21 @@
-"""Training throughput and model FLOPs utilisation of the image and audio recipes, fp32 vs
-bf16 autocast ("auto" marked).
+"""Training throughput and model FLOPs utilisation of the image and audio recipes: precision
+"auto" against both fixed precisions, fp32 and bf16 autocast, run interleaved.
+
+"auto" settles itself on each run's own first batch (engine.train.precision,
+measure_step_precision); its rows say what it chose, the step times it chose by, what the trial
+cost at run start, and its speed over the best fixed precision's. The three runs of a recipe go
+round `--rounds` times in rotating order, so a change in the machine's load falls on all three;
+each figure is the median over the rounds, with the load average before and after.
 
 Runs each recipe's real training loop (its default config from resources/configs, data
 augmentation included) for a few steps on freshly generated data and prints optimizer
 steps/s and examples/s measured between the first and the last step (setup, final eval and
 checkpoint excluded), the MFU its metrics rows report (FLOPs counted on the first step over
 the cached matmul peak, engine.train.metrics), and the biggest remaining costs of three
-profiled steps (steps 4 to 6) by kind of op.
+profiled steps (steps 4 to 6) by kind of op (with `--profile`).
 
-    python bench/bench_vision.py [--steps 30] [--threads N] [--recipes image-classify,...]
+    python bench/bench_vision.py [--steps 30] [--rounds 3] [--threads N] [--profile]
+                                 [--recipes image-classify,...]
 """
 
 from __future__ import annotations
@@ -29,7 +36,6 @@ sys.path.insert(0, str(REPO))
 from bench.costs import print_costs  # noqa: E402
 from engine import jobs  # noqa: E402
 from engine.config import validate_config  # noqa: E402
-from engine.train.precision import resolve_precision  # noqa: E402
 
 PROFILED = (3, 6)     # profile the steps after the 3rd step_done up to the 6th
 
@@ -37,14 +43,18 @@ RECIPES = ["image-classify", "image-detect", "image-segment", "image-generate", 
 
 
 def measure(recipe: str, precision: str, data: Path, root: Path, steps: int,
-            threads: int) -> dict:
+            threads: int, with_profile: bool, tag: str) -> dict:
     raw = tomllib.loads((REPO / "resources" / "configs" / f"{recipe}.toml").read_text())
     raw.update(steps=steps, eval_every=0, save_every=0, log_every=1, precision=precision)
     raw["data"] = {"dir": str(data)}
     if "sample" in raw:
         raw["sample"]["grid_every_checkpoint"] = False
     config = validate_config(raw)
-    run = jobs.start_run(config, root / f"{recipe}-{precision}", ["bench"], threads=threads)
+    run = jobs.start_run(config, root / f"{recipe}-{precision}-{tag}", ["bench"],
+                         threads=threads)
+    if not with_profile:
+        jobs.execute(run, config, None, threads=threads, progress=False)
+        return {**rates(run, config), "choice": run.manifest()["precision"]}
     prof = profile(activities=[ProfilerActivity.CPU],
                    schedule=schedule(wait=PROFILED[0] - 1, warmup=1,
                                      active=PROFILED[1] - PROFILED[0], repeat=1))
@@ -61,12 +71,29 @@ def measure(recipe: str, precision: str, data: Path, root: Path, steps: int,
     finally:
         jobs.Job.step_done = step_done
     train = [m for m in run.metrics() if m.get("split") == "train"]
-    seconds = train[-1]["elapsed_s"] - train[0]["elapsed_s"]
     profiled = train[PROFILED[1] - 1]["elapsed_s"] - train[PROFILED[0] - 1]["elapsed_s"]
+    return {**rates(run, config), "choice": run.manifest()["precision"], "prof": prof,
+            "profiled_s": profiled}
+
+
+def rates(run, config) -> dict:
+    """Steps/s and examples/s between the first and the last step, FLOPs and median MFU."""
+    train = [m for m in run.metrics() if m.get("split") == "train"]
+    seconds = train[-1]["elapsed_s"] - train[0]["elapsed_s"]
     return {"steps_s": (len(train) - 1) / seconds,
             "examples_s": (len(train) - 1) * config.batch_size / seconds,
-            "flops": train[0]["flops"], "mfu": statistics.median(m["mfu"] for m in train[1:]),
-            "prof": prof, "profiled_s": profiled}
+            "flops": train[0]["flops"], "mfu": statistics.median(m["mfu"] for m in train[1:])}
+
+
+def auto_note(choice: dict) -> str:
+    """What "auto" chose, by which step times, and what the trial cost at run start."""
+    step = choice.get("step")
+    if not step:
+        return f"auto -> {choice['precision']} (no step trial: {choice['reason']})"
+    return (f"auto -> {choice['precision']}: step {step['f32_s'] * 1e3:.1f} ms f32, "
+            f"{step['bf16_s'] * 1e3:.1f} ms bf16 ({step['bf16_speedup']:.2f}x), "
+            f"trial {step['trial_s']:.2f} s"
+            + (" (read back: timed before here)" if "timed before" in choice["reason"] else ""))
 
 
 def main() -> None:
@@ -74,28 +101,52 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--recipes", default=",".join(RECIPES))
+    parser.add_argument("--rounds", type=int, default=3,
+                        help="times each of auto, fp32, bf16 runs per recipe, interleaved")
+    parser.add_argument("--profile", action="store_true",
+                        help="print the biggest costs of three profiled steps of each run")
     args = parser.parse_args()
-    auto = resolve_precision("auto").precision
-    auto = "fp32" if auto == "f32" else auto
     from engine.data.generators.sfx import generate_sfx
     from engine.data.generators.shapes import generate_shapes
+    from engine.kernels.cpu import detected
+    from engine.train.precision import cpu_bf16_features
 
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
         shapes = generate_shapes(root / "shapes", n=200)
         sfx = generate_sfx(root / "sfx", n_per_class=20)
-        print(f"{args.threads} thread(s), load average {os.getloadavg()[0]:.1f}; "
-              f"precision auto: {auto}")
+        units = ", ".join(sorted(cpu_bf16_features())) or "none"
+        simd = ", ".join(sorted(f for f in detected()[0] if f.startswith(("avx", "amx"))))
+        print(f"{args.threads} thread(s), {args.steps} steps, {args.rounds} interleaved "
+              f"round(s), medians; CPU {simd}; bf16 units: {units}")
         print(f"{'recipe':16} {'precision':9} {'steps/s':>8} {'examples/s':>11} "
-              f"{'GFLOP/step':>11} {'MFU':>6}")
+              f"{'GFLOP/step':>11} {'MFU':>6} {'load':>10}")
         for recipe in args.recipes.split(","):
             data = sfx if recipe.startswith("audio") else shapes
-            for precision in ("fp32", "bf16"):
-                r = measure(recipe, precision, data, root, args.steps, args.threads)
-                mark = "  <- auto" if precision == auto else ""
-                print(f"{recipe:16} {precision:9} {r['steps_s']:8.2f} {r['examples_s']:11.1f} "
-                      f"{r['flops'] / 1e9:11.3f} {r['mfu']:6.1%}{mark}", flush=True)
-                print_costs(r["prof"], r["profiled_s"])
+            order = ["auto", "fp32", "bf16"]
+            results: dict[str, list[dict]] = {p: [] for p in order}
+            load_before = os.getloadavg()[0]
+            for i in range(args.rounds):
+                for precision in order[i % 3:] + order[:i % 3]:
+                    r = measure(recipe, precision, data, root, args.steps, args.threads,
+                                args.profile, str(i))
+                    results[precision].append(r)
+                    if args.profile:
+                        print(f"{recipe} {precision} round {i + 1}:")
+                        print_costs(r["prof"], r["profiled_s"])
+            load = f"{load_before:.1f}-{os.getloadavg()[0]:.1f}"
+            median = {p: {k: statistics.median(r[k] for r in results[p])
+                          for k in ("steps_s", "examples_s", "flops", "mfu")} for p in order}
+            for precision in order:
+                m = median[precision]
+                print(f"{recipe:16} {precision:9} {m['steps_s']:8.2f} {m['examples_s']:11.1f} "
+                      f"{m['flops'] / 1e9:11.3f} {m['mfu']:6.1%} {load:>10}", flush=True)
+            best = max(("fp32", "bf16"), key=lambda p: median[p]["steps_s"])
+            print(f"{'':16} auto / best fixed ({best}): "
+                  f"{median['auto']['steps_s'] / median[best]['steps_s']:.2f}x; "
+                  f"bf16 / fp32: {median['bf16']['steps_s'] / median['fp32']['steps_s']:.2f}x")
+            for r in results["auto"]:
+                print(f"{'':16} {auto_note(r['choice'])}")
 
 
 if __name__ == "__main__":

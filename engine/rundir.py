@@ -177,6 +177,15 @@ class RunDir:
                      "a run.json that no longer matches",
             "fields": field_digests(self.manifest())})
 
+    def amend_manifest(self, fields: dict) -> None:
+        """Rewrite run.json with `fields` replaced, by the engine itself before the first step
+        (the precision "auto" settled by timing the run's own step), and seal it anew, but only
+        if the seal matched before: an edit made by hand stays detectable."""
+        matched = self.manifest_drift() == []
+        atomic_write_json(self.manifest_path, {**self.manifest(), **fields})
+        if matched:
+            self.seal_manifest()
+
     def manifest_drift(self) -> list[str] | None:
         """The run.json fields that differ from the seal (added, removed or changed), [] when
         none, None for a run without a seal (made before seals existed)."""

@@ -158,9 +158,14 @@ def cmd_stop(args) -> int:
 
 
 def cmd_eval(args) -> int:
+    from engine.jobs import run_config
+    from engine.train.precision import pinned_auto, run_precision
+
     run = RunDir(args.run_dir).require()
     module = recipe_for_run(run)
-    result = module.evaluate(run, run.checkpoint(args.checkpoint), args.split)
+    # a recipe's autocast("auto") computes as the run trained (run.json), not resolved afresh
+    with pinned_auto(run_precision(run, run_config(run))):
+        result = module.evaluate(run, run.checkpoint(args.checkpoint), args.split)
     print(json.dumps(result, indent=2, default=str))
     return 0
 

@@ -26,8 +26,16 @@ from engine.train.checkpoint import (
     save_checkpoint,
     set_generator_state,
 )
+from engine.train.data_order import DataCursor
 from engine.train.lm_loop import LoopState, StepLoop, StepResult, optimizer_step
-from engine.train.precision import run_precision
+from engine.train.optim import clip_and_step
+from engine.train.precision import (
+    measure_step_precision,
+    pinned_auto,
+    requested_precision,
+    run_precision,
+    step_cache_key,
+)
 
 META_FILE = "meta.json"
 EMA_PREFIX = "ema."
@@ -106,6 +114,29 @@ class Loop:
 
 
 def train_loop(job: Job, loop: Loop) -> None:
+    """Train in the run's precision: "auto" is settled on a fresh run by timing its own first
+    batch in both (engine.train.precision.measure_step_precision, on one CPU process), and
+    every autocast("auto") of the recipe then computes as run.json records."""
+    on_one_cpu = not job.world.distributed and getattr(job.device, "type", "cpu") == "cpu"
+    if job.resume_from is None and on_one_cpu:
+        first = DataCursor(loop.n_train, job.config.seed).take(job.config.batch_size)
+
+        def trial(precision: str) -> None:
+            with pinned_auto(precision):
+                generator = torch.Generator().manual_seed(job.config.seed)
+                loss = loop.batch_loss(first, generator)
+                loss.backward()
+            clip_and_step(loop.model.parameters(), loop.optimizer, job.config.optim.grad_clip,
+                          job.config.nonfinite, loss=float(loss.detach()))
+
+        key = step_cache_key(job.config.recipe, loop.model, job.config.batch_size, job.threads)
+        measure_step_precision(job.run, requested_precision(job.config), loop.model, trial,
+                               loop.optimizer, key)
+    with pinned_auto(run_precision(job.run, job.config)):
+        _train_steps(job, loop)
+
+
+def _train_steps(job: Job, loop: Loop) -> None:
     config, run = job.config, job.run
     generator = torch.Generator().manual_seed(config.seed)
     state = LoopState.fresh(loop.n_train, config.seed)

@@ -14,6 +14,18 @@ when a run starts, and recorded in run.json (`precision`); every later invocatio
 (resume, eval) reads it back, so a run never changes precision half way and resumes exactly
 in either.
 
+The image and audio recipes (engine.train.loop) settle "auto" by their own step, not by the
+generic peaks: on an AMX Xeon their bf16 runs measured 0.27-0.82x their f32 speed (issue 53)
+although the bf16 matmul peak is several times the f32 one. A fresh run times one training
+step (forward, backward, optimizer) of its first batch in both precisions
+(`measure_step_precision`: one untimed step each, then interleaved pairs within about a
+second, at least one pair), keeps bf16 only if its step is at least STEP_MIN_SPEEDUP times
+faster (`choose_from_step_times`), and rewrites its run.json `precision` entry with the step
+times and why. The trial runs inside `untouched` (parameters, buffers, gradients, optimizer
+state and torch's RNG restored bit for bit, the data generator a copy), so the run's floats
+are those of a run fixed to the chosen precision. `pinned_auto` makes the recipes'
+autocast("auto") compute as recorded.
+
 `choose_precision` is the rule as a pure function of a feature set and the measured speed-up;
 `cpu_bf16_features` asks torch (and cpuid / /proc/cpuinfo, engine.kernels.cpu) what this machine
 has; `measured_bf16_speedup` measures (or reads) the peaks' ratio.
@@ -44,9 +56,11 @@ class PrecisionChoice:
     precision: str
     requested: str
     reason: str
+    # "auto" settled by the run's own step: its times in both precisions (seconds)
+    step: dict | None = None
 
     def as_dict(self) -> dict:
-        return asdict(self)
+        return {k: v for k, v in asdict(self).items() if k != "step" or v is not None}
 
 
 def choose_precision(requested: str, features: frozenset[str],
@@ -171,7 +185,7 @@ def autocast(precision: str, device_type: str = "cpu"):
     CUDA (`device_type`); a no-op context for "f32". The weights (and full fine-tuning's master
     copy) stay f32."""
     if precision == "auto":
-        precision = resolve_precision(precision).precision
+        precision = _pinned_auto or resolve_precision(precision).precision
     if precision == "bf16":
         import torch
 
@@ -188,3 +202,179 @@ def migrate_autocast(values):
         old = values.pop("autocast")
         values["precision"] = "f32" if old == "none" else old
     return values
+
+
+# -- "auto" decided by the recipe's own step (the image and audio recipes) ---------------------
+# a bf16 training step must take at most 1/STEP_MIN_SPEEDUP of the f32 one: a smaller gain
+# is within the noise of a few timed steps on a shared machine, and keeping f32 then costs
+# under 5% (the issue's bound on "auto" against the best fixed precision)
+STEP_MIN_SPEEDUP = 1.05
+# the trial: one untimed step per precision, then up to STEP_ROUNDS interleaved pairs while the
+# timed part stays under STEP_BUDGET_S (at least one pair, however slow the step)
+STEP_ROUNDS = 8
+STEP_BUDGET_S = 1.0
+_pinned_auto: str | None = None
+
+
+def choose_from_step_times(requested: str, features: frozenset[str], f32_s: float | None,
+                           bf16_s: float | None) -> PrecisionChoice:
+    """`choose_precision` where "auto" is settled by the run's own step, timed in both
+    precisions (seconds of one training step, f32 and bf16; None: not measured, the
+    matmul-peak rule stands): bf16 only where this CPU has bf16 units and its step is at least
+    STEP_MIN_SPEEDUP times faster. The figures go into the choice (and run.json)."""
+    if requested != "auto" or f32_s is None or bf16_s is None \
+            or not set(BF16_UNITS) & set(features):
+        return choose_precision(requested, features)
+    units = " and ".join(unit for unit in BF16_UNITS if unit in features)
+    speedup = f32_s / bf16_s
+    measured = (f"the recipe's own step (step on its first batch) took "
+                f"{bf16_s * 1e3:.1f} ms in bf16 against {f32_s * 1e3:.1f} ms in f32 "
+                f"({speedup:.2f}x)")
+    step = {"f32_s": f32_s, "bf16_s": bf16_s, "bf16_speedup": round(speedup, 4),
+            "min_speedup": STEP_MIN_SPEEDUP}
+    if speedup < STEP_MIN_SPEEDUP:
+        return PrecisionChoice("f32", requested, f"auto: this CPU has {units}, but {measured}, "
+                                                 f"under the {STEP_MIN_SPEEDUP}x bf16 needs",
+                               step)
+    return PrecisionChoice("bf16", requested, f"auto: this CPU has {units} and {measured} "
+                                              "(bf16 autocast, f32 master weights and loss)",
+                           step)
+
+
+@contextlib.contextmanager
+def pinned_auto(precision: str):
+    """Within it, `autocast("auto")` computes in `precision` ("f32" or "bf16"): the choice
+    recorded for the run, so a recipe that hands its config's "auto" to autocast computes as
+    run.json says (and a trial step in the precision being timed)."""
+    global _pinned_auto
+    if precision not in ("f32", "bf16"):
+        raise ValueError(f"pin 'f32' or 'bf16', not {precision!r}")
+    before, _pinned_auto = _pinned_auto, precision
+    try:
+        yield
+    finally:
+        _pinned_auto = before
+
+
+@contextlib.contextmanager
+def untouched(module, optimizer=None):
+    """Whatever trial training steps of `module` change, put back bit for bit when the block
+    ends: parameters and buffers (BatchNorm's running statistics and counters), the gradients,
+    the optimizer's state (moments, step counts, learning rates) and torch's global random
+    state (dropout). The data generator is the trial's own copy."""
+    import copy
+
+    import torch
+
+    saved = {name: value.detach().clone() for name, value in module.state_dict().items()}
+    grads = [(p, None if p.grad is None else p.grad.detach().clone())
+             for p in module.parameters()]
+    rng = torch.get_rng_state()
+    optimizer_state = copy.deepcopy(optimizer.state_dict()) if optimizer is not None else None
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for name, value in module.state_dict().items():
+                value.copy_(saved[name])
+        for p, grad in grads:
+            p.grad = grad
+        torch.set_rng_state(rng)
+        if optimizer is not None:
+            optimizer.load_state_dict(optimizer_state)
+
+
+def time_step_precisions(trial, rounds: int = STEP_ROUNDS,
+                         budget_s: float = STEP_BUDGET_S) -> dict[str, list[float]]:
+    """Seconds of `trial(precision)` in "f32" and "bf16": one untimed call each (warm-up:
+    allocations, oneDNN's kernel choice), then interleaved pairs in alternating order (so a
+    change in the machine's load falls on both), at least one and at most `rounds`, stopping
+    once the timed calls pass `budget_s`."""
+    import time
+
+    for precision in ("f32", "bf16"):
+        trial(precision)
+    times: dict[str, list[float]] = {"f32": [], "bf16": []}
+    spent = 0.0
+    for i in range(rounds):
+        for precision in (("f32", "bf16") if i % 2 == 0 else ("bf16", "f32")):
+            start = time.perf_counter()
+            trial(precision)
+            took = time.perf_counter() - start
+            times[precision].append(took)
+            spent += took
+        if spent > budget_s:
+            break
+    return times
+
+
+def step_cache_key(recipe: str, module, batch_size: int, threads: int) -> str:
+    """What a step trial's answer holds for: this machine, torch and thread count (the matmul
+    peaks' key), the recipe, its model's parameter shapes and the batch size."""
+    import hashlib
+    import json
+
+    from engine.train.metrics import _peak_cache_key
+
+    shapes = [(name, list(p.shape)) for name, p in module.named_parameters()]
+    digest = hashlib.sha256(json.dumps([recipe, shapes, batch_size]).encode()).hexdigest()
+    return f"{_peak_cache_key('step', threads)}|{digest[:16]}"
+
+
+def _step_cache_path() -> Path:
+    from engine.fsutil import cache_dir
+
+    return cache_dir() / "step-precision.json"
+
+
+def _cached_steps() -> dict:
+    import json
+
+    try:
+        cached = json.loads(_step_cache_path().read_text())
+    except (OSError, ValueError):
+        return {}
+    return cached if isinstance(cached, dict) else {}
+
+
+def measure_step_precision(run, requested: str | None, module, trial, optimizer=None,
+                           key: str | None = None) -> PrecisionChoice | None:
+    """Settle a fresh run's "auto" by its own step and record it in run.json's `precision`
+    entry (with the step times and why), where the request is "auto" and this CPU has bf16
+    units; `trial(precision)` runs one training step (forward, backward, `optimizer` step) of
+    the first batch in that precision, inside `untouched(module, optimizer)`, so the run's
+    floats stay those of a run fixed to the chosen precision. None (nothing measured, nothing
+    written) for another request, a CPU without bf16 units (the entry already says why f32),
+    or an entry already measured. A resumed run never calls this: it reads the entry back."""
+    from engine.fsutil import atomic_write_json
+
+    if requested != "auto":
+        return None
+    manifest = run.manifest()
+    entry = manifest.get("precision") or {}
+    units = cpu_bf16_features()
+    if not units or "step" in entry:
+        return None
+    import time
+
+    cached = _cached_steps().get(key) if key else None
+    if isinstance(cached, dict) and cached.get("step"):
+        # the same model, batch and threads were timed here before: the same answer, so two
+        # runs of one config on one machine compute alike (as the matmul-peak rule did)
+        choice = PrecisionChoice(cached["precision"], requested, cached["reason"] + " (timed "
+                                 "before on this machine for this model, batch and threads)",
+                                 cached["step"])
+        run.amend_manifest({"precision": choice.as_dict()})
+        return choice
+    start = time.perf_counter()
+    with untouched(module, optimizer):
+        times = time_step_precisions(trial)
+    choice = choose_from_step_times(requested, units, min(times["f32"]), min(times["bf16"]))
+    choice = replace(choice, step={**choice.step, "f32_runs_s": times["f32"],
+                                   "bf16_runs_s": times["bf16"],
+                                   "trial_s": round(time.perf_counter() - start, 4)})
+    run.amend_manifest({"precision": choice.as_dict()})
+    if key:
+        with contextlib.suppress(OSError):      # read-only cache: the next run times again
+            atomic_write_json(_step_cache_path(), {**_cached_steps(), key: choice.as_dict()})
+    return choice

@@ -1,0 +1,176 @@
+"""precision = "auto" settled by the recipe's own step: the rule on given step times, the
+figures recorded in run.json by a real run, and the proof that timing the trial steps leaves
+the run's floats exactly those of a run fixed to the chosen precision (with its twin: a trial
+that is not undone changes them)."""
+
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+from media_support import make_shapes, write_config
+
+from engine import jobs
+from engine.config import load_config
+from engine.rundir import RunDir
+from engine.train import precision as precision_module
+from engine.train.precision import (
+    STEP_MIN_SPEEDUP,
+    choose_from_step_times,
+    cpu_bf16_features,
+    time_step_precisions,
+)
+
+AMX = frozenset({"avx512_bf16", "amx_bf16"})
+AVX2 = frozenset({"avx2"})
+
+
+def test_a_slower_bf16_step_keeps_f32_and_says_by_how_much():
+    choice = choose_from_step_times("auto", AMX, 0.100, 0.137)      # bf16 at 0.73x
+    assert choice.precision == "f32"
+    assert "137.0 ms in bf16 against 100.0 ms in f32 (0.73x)" in choice.reason
+    assert choice.step == {"f32_s": 0.100, "bf16_s": 0.137, "bf16_speedup": 0.7299,
+                           "min_speedup": STEP_MIN_SPEEDUP}
+    assert choice.as_dict()["step"]["bf16_s"] == 0.137
+
+
+@pytest.mark.parametrize("f32_s, bf16_s, expected", [
+    (0.100, 0.050, "bf16"),                                 # twice as fast
+    (1.05, 1.0, "bf16"),                                    # the margin itself
+    (0.104, 0.100, "f32"),                                  # faster, but within the margin
+    (0.100, 0.100, "f32"),
+])
+def test_bf16_only_when_its_step_is_faster_by_the_margin(f32_s, bf16_s, expected):
+    assert choose_from_step_times("auto", AMX, f32_s, bf16_s).precision == expected
+
+
+def test_without_bf16_units_or_timings_the_old_rule_stands():
+    assert choose_from_step_times("auto", AVX2, 0.2, 0.1).precision == "f32"
+    assert "no AVX512-BF16 or AMX" in choose_from_step_times("auto", AVX2, 0.2, 0.1).reason
+    assert choose_from_step_times("bf16", AMX, 0.1, 0.2).precision == "bf16"
+    unmeasured = choose_from_step_times("auto", AMX, None, None)
+    assert unmeasured.step is None and "step" not in unmeasured.as_dict()
+
+
+def test_timing_interleaves_after_one_untimed_call_each():
+    calls = []
+    times = time_step_precisions(calls.append, rounds=3, budget_s=1e9)
+    assert calls == ["f32", "bf16", "f32", "bf16", "bf16", "f32", "f32", "bf16"]
+    assert len(times["f32"]) == len(times["bf16"]) == 3
+
+
+def _run(tmp_path, data, name: str, precision: str) -> RunDir:
+    config = load_config(write_config(tmp_path / f"{name}.toml", "image-classify", data,
+                                      steps=4, eval_every=2, save_every=0,
+                                      top=f'precision = "{precision}"'))
+    run = jobs.start_run(config, tmp_path / name, ["test"], threads=1)
+    jobs.execute(run, config, None, threads=1, progress=False)
+    return run
+
+
+def _losses(run: RunDir) -> list[tuple[str, float]]:
+    return [(m["split"], m["loss"]) for m in run.metrics() if "loss" in m]
+
+
+@pytest.fixture
+def bf16_units(monkeypatch, tmp_path):
+    """Measure wherever the tests run: a CPU without bf16 units emulates bf16 (slow, exact)."""
+    units = cpu_bf16_features() or AMX
+    monkeypatch.setattr(precision_module, "cpu_bf16_features", lambda: units)
+    cache = tmp_path / "step-precision.json"                # each test times afresh
+    monkeypatch.setattr(precision_module, "_step_cache_path", lambda: cache)
+    return units
+
+
+def test_a_run_records_its_step_times_and_computes_as_a_fixed_run_would(tmp_path, bf16_units):
+    data = make_shapes(tmp_path)
+    auto = _run(tmp_path, data, "auto", "auto")
+    entry = auto.manifest()["precision"]
+    step = entry["step"]
+    assert entry["requested"] == "auto" and entry["precision"] in ("f32", "bf16")
+    assert len(step["f32_runs_s"]) == len(step["bf16_runs_s"]) >= 1
+    assert step["f32_s"] == min(step["f32_runs_s"]) and step["bf16_s"] == min(step["bf16_runs_s"])
+    assert entry["precision"] == ("bf16" if step["f32_s"] / step["bf16_s"] >= STEP_MIN_SPEEDUP
+                                  else "f32")
+    assert f"{step['bf16_s'] * 1e3:.1f} ms in bf16" in entry["reason"]
+    fixed = _run(tmp_path, data, "fixed", "fp32" if entry["precision"] == "f32" else "bf16")
+    assert "step" not in fixed.manifest()["precision"]             # a fixed request: no trial
+    assert len(_losses(auto)) >= 6
+    assert _losses(auto) == _losses(fixed)                         # bit for bit
+
+
+def test_twin_a_trial_left_in_place_changes_the_run(tmp_path, bf16_units, monkeypatch):
+    """The exactness above can fail: without `untouched` the trial steps (optimizer moments,
+    weights and BatchNorm statistics) leak into the real run."""
+    data = make_shapes(tmp_path)
+    monkeypatch.setattr(precision_module, "untouched", lambda *state: contextlib.nullcontext())
+    auto = _run(tmp_path, data, "auto", "auto")
+    chosen = auto.manifest()["precision"]["precision"]
+    fixed = _run(tmp_path, data, "fixed", "fp32" if chosen == "f32" else "bf16")
+    assert _losses(auto) != _losses(fixed)
+
+
+def test_no_bf16_units_no_trial(tmp_path, monkeypatch):
+    monkeypatch.setattr(precision_module, "cpu_bf16_features", lambda: frozenset())
+    monkeypatch.setattr(precision_module, "time_step_precisions",
+                        lambda *a, **k: pytest.fail("timed a step without bf16 units"))
+    run = _run(tmp_path, make_shapes(tmp_path), "auto", "auto")
+    entry = run.manifest()["precision"]
+    assert entry["precision"] == "f32" and "step" not in entry
+    assert "no AVX512-BF16 or AMX" in entry["reason"]
+
+
+def test_a_resumed_run_reads_the_choice_back_and_never_times_again(tmp_path, bf16_units,
+                                                                   monkeypatch):
+    data = make_shapes(tmp_path)
+    config = load_config(write_config(tmp_path / "auto.toml", "image-classify", data, steps=4,
+                                      eval_every=2, save_every=2, top='precision = "auto"'))
+    run = jobs.start_run(config, tmp_path / "auto", ["test"], threads=1)
+    jobs.execute(run, config, None, threads=1, stop_after_step=2, progress=False)
+    entry = run.manifest()["precision"]
+    assert "step" in entry
+    monkeypatch.setattr(precision_module, "time_step_precisions",
+                        lambda *a, **k: pytest.fail("a resumed run timed its step again"))
+    run, config = jobs.prepare_resume(run.path, {})
+    jobs.execute(run, config, run.latest_checkpoint(), threads=1, progress=False)
+    assert run.manifest()["precision"] == entry
+    fixed = _run(tmp_path, data, "fixed", "fp32" if entry["precision"] == "f32" else "bf16")
+    assert _losses(run) == _losses(fixed)
+
+
+@pytest.mark.parametrize("pinned", [True, False])
+def test_eval_computes_in_the_recorded_precision(tmp_path, bf16_units, monkeypatch, capsys,
+                                                  pinned):
+    """`forgebench eval` scores as the run trained, even where "auto" resolved afresh here
+    (the matmul-peak rule) would say the other precision; the unpinned case is the twin."""
+    import argparse
+    import json
+
+    from engine.commands import runs
+
+    run = _run(tmp_path, make_shapes(tmp_path), "auto", "auto")
+    recorded = run.manifest()["precision"]["precision"]
+    # the afresh rule answers the opposite of the recorded choice
+    monkeypatch.setattr(precision_module, "measured_bf16_speedup",
+                        lambda: 10.0 if recorded == "f32" else 0.5)
+    if not pinned:
+        monkeypatch.setattr(precision_module, "pinned_auto",
+                            lambda precision: contextlib.nullcontext())
+    trained = [m["loss"] for m in run.metrics() if m.get("split") == "val"][-1]
+    runs.cmd_eval(argparse.Namespace(run_dir=str(run.path), checkpoint="latest", split="val"))
+    loss = json.loads(capsys.readouterr().out)["loss"]
+    assert (loss == trained) is pinned
+
+
+def test_a_second_run_of_the_same_config_here_reads_the_timed_answer(tmp_path, bf16_units,
+                                                                      monkeypatch):
+    """Two runs of one config on one machine compute alike: the second reuses the first's
+    timed answer (figures included) instead of timing again (and perhaps landing the other
+    side of the margin)."""
+    data = make_shapes(tmp_path)
+    first = _run(tmp_path, data, "first", "auto").manifest()["precision"]
+    monkeypatch.setattr(precision_module, "time_step_precisions",
+                        lambda *a, **k: pytest.fail("timed the same model and batch again"))
+    second = _run(tmp_path, data, "second", "auto").manifest()["precision"]
+    assert second["precision"] == first["precision"] and second["step"] == first["step"]
+    assert second["reason"].startswith(first["reason"]) and "timed before" in second["reason"]
