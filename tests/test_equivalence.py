@@ -85,7 +85,7 @@ def test_the_text_report_names_every_stage_and_llamacpp_absence():
     report["stages"][1].update(verdict(report["stages"][1], MIN_TOP1_DENSE))
     text = render_text(report)
     assert "[merged]" in text and "99.50%" in text and "0.25" in text
-    assert "verdict: pass (needs top-1 ≥ 99%" in text
+    assert "stage check: within its bar (top-1 ≥ 99%" in text
     assert "[llama.cpp] not run: llama-cpp-python is not installed" in text
 
 

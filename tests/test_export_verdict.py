@@ -122,7 +122,9 @@ def test_bit_exact_is_claimed_from_the_doctors_rows():
     assert not v.claimed_exact(["Q8_0", "F32"], avx512)   # nothing claims f32 matrices
     assert not v.claimed_exact([], avx512)
     amx = _plan_rows("avx512f", "avx512dq", "amx_int8", "avx512_vnni")
-    assert not v.claimed_exact(["Q8_0"], amx)             # ggml's AMX tiles: not reproduced
+    # an AMX build runs without extra buffer types (open_llama): its plain kernels are followed
+    assert v.claimed_exact(["Q8_0", "Q4_K", "Q6_K"], amx)
+    assert not v.claimed_exact(["BF16"], amx)             # tinyBLAS bf16: not reproduced
     assert v.claimed_exact(["F16"], amx)
     assert not v.claimed_exact(["F16"], [Kernel("all kernels", ROUNDING, "")])
     assert v.claimed_exact(["Q8_0"], [Kernel("Q8_0, Q5_0 weights", EXACT, "")])

@@ -32,7 +32,7 @@ from engine.gguf.quant_policy import FILE_TYPES, FLOAT_TYPES, ModelFacts, plan_t
 from engine.rundir import RunDir
 
 EXPORTABLE = EXPORTABLE_RECIPES + GENERATOR_RECIPES
-LLM_COLUMNS = ("stage", "verdict", "top-1 agreement", "max |Δlogit|", "mean |Δlogit|", "KL",
+LLM_COLUMNS = ("stage", "stage check", "top-1 agreement", "max |Δlogit|", "mean |Δlogit|", "KL",
                "greedy match", "tokenizer", "file")
 GENERATOR_COLUMNS = ("stage", "verdict", "weights", "max |Δ| output", "mean |Δ| output",
                      "PSNR", "file")

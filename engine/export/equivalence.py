@@ -620,8 +620,10 @@ def build_report(reference: dict, stages: list[Stage], *, llamacpp: Stage | None
 
 
 def _verdict_text(entry: dict) -> str:
-    return (f"  verdict: {'pass' if entry['passed'] else 'FAIL'} (needs top-1 ≥ "
-            f"{entry['min_top1'] * 100:.0f}% and the same tokenizer)")
+    # a stage's check is a diagnostic (where answers move), never a second verdict: the
+    # export's one verdict heads the report (engine.export.verdict)
+    return (f"  stage check: {'within its bar' if entry['passed'] else 'beyond its bar'} "
+            f"(top-1 ≥ {entry['min_top1'] * 100:.0f}% and the same tokenizer)")
 
 
 def _metrics_row(name: str, m: dict) -> str:
@@ -702,8 +704,9 @@ def render_text(report: dict) -> str:
     lines += ["Staged comparison with the training checkpoint",
               "----------------------------------------------",
               f"{len(report['prompt_suite'])} prompts; each stage scores every position of the "
-              "prompt's last token and the checkpoint's greedy answer.",
-              f"All stages within their bars: {'yes' if report.get('passed') else 'NO'}"]
+              "prompt's last token and the checkpoint's greedy answer. These are diagnostics "
+              "(where the answers move); the verdict above is the export's.",
+              f"Stages within their bars: {'all' if report.get('passed') else 'not all'}"]
     if report.get("numerics"):                        # reports written before it existed lack it
         lines.append(report["numerics"])
     lines.append("")
