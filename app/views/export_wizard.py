@@ -348,6 +348,8 @@ class ExportWizardPane(QWidget):
         else:
             self.cancel_prepare()
         self.pages.setCurrentIndex(index)
+        if index == 3:
+            self._format_chosen()      # the library may have learnt the base's HF folder
         self.steps.blockSignals(True)
         self.steps.setCurrentRow(index)
         self.steps.blockSignals(False)
