@@ -341,6 +341,8 @@ class ExportWizardPane(QWidget):
         so far; the page shows at once with a busy bar, and Next waits until it is ready."""
         index = max(0, min(index, len(STEPS) - 1))
         self.step_error.setText("")
+        if index == 3:
+            self._format_chosen()      # the library may have learnt the base's HF folder
         if index == 1:
             self._prepare(1, "Reading the base model's tensor table…", self._base_call())
         elif index == 2:
@@ -348,8 +350,6 @@ class ExportWizardPane(QWidget):
         else:
             self.cancel_prepare()
         self.pages.setCurrentIndex(index)
-        if index == 3:
-            self._format_chosen()      # the library may have learnt the base's HF folder
         self.steps.blockSignals(True)
         self.steps.setCurrentRow(index)
         self.steps.blockSignals(False)
