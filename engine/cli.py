@@ -318,6 +318,11 @@ def _models_args(p: argparse.ArgumentParser) -> None:
     q.add_argument("--name", help="library name (default: the file name)")
     q.add_argument("--link", action="store_true", help="link to the file instead of copying it")
     q.add_argument("--json", action="store_true")
+    q.add_argument("--progress-json", action="store_true",
+                   help="a Hugging Face folder's conversion: one JSON line per finished tensor "
+                        "on stdout (tensor, index, tensors, bytes, total, eta_s), for the app")
+    q.add_argument("--tensor-delay", type=float, default=0.0, help=argparse.SUPPRESS)
+    # ^ testing: sleep this many seconds after each converted tensor (a cancel lands mid-way)
     for action, text in (("list", "list the library with each model's state"),
                          ("show", "every fact about one model (a library name, or any GGUF "
                                   "file)"), ("remove", "forget a model")):

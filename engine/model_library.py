@@ -173,8 +173,10 @@ def package_installed(package: str) -> bool:
 
 def add_model(root: str | os.PathLike, source: str | os.PathLike | None = None, *,
               package: str | None = None, name: str | None = None,
-              mode: str = "copy") -> dict:
+              mode: str = "copy", progress=None) -> dict:
     """Record a GGUF file (copied or linked into `models/`) or an installed package's model.
+    `progress` follows a Hugging Face folder's conversion tensor by tensor (the callback of
+    engine.gguf.writer.write_gguf_resumable).
 
     The file is hashed and its header read first; a file the engine cannot use is still
     recorded (the library lists it with the reason), a file that is not there is refused."""
@@ -189,7 +191,7 @@ def add_model(root: str | os.PathLike, source: str | os.PathLike | None = None, 
             raise ForgebenchError(f"mode must be copy or link, not {mode!r}", where="mode")
         folder = Path(source).expanduser()
         if folder.is_dir():   # a Hugging Face checkpoint folder: converted into the library
-            return _add_hf_folder(root, resolve(folder, "FILE"), name)
+            return _add_hf_folder(root, resolve(folder, "FILE"), name, progress)
         file = user_file(source, "FILE", what="model file")   # links resolved, loops refused
         with open(file, "rb") as handle:
             magic = handle.read(4)
@@ -231,9 +233,11 @@ def add_model(root: str | os.PathLike, source: str | os.PathLike | None = None, 
     return entry
 
 
-def _add_hf_folder(root: Path, folder: Path, name: str | None) -> dict:
+def _add_hf_folder(root: Path, folder: Path, name: str | None, progress=None) -> dict:
     """Record a Hugging Face checkpoint folder: converted losslessly into models/ (see the
-    module docstring); a folder the engine cannot convert is refused, naming the file."""
+    module docstring); a folder the engine cannot convert is refused, naming the file.
+    The entry is saved only after the conversion finished: an interrupted one leaves
+    `models/NAME.gguf.partial` (resumed by the next add of the same folder) and no entry."""
     from engine.hf.checkpoint import HFCheckpoint
     from engine.hf.convert import convert_hf
 
@@ -250,7 +254,7 @@ def _add_hf_folder(root: Path, folder: Path, name: str | None) -> dict:
     if target.exists() or target.is_symlink():
         raise ForgebenchError("a file of this name exists in models/ already", path=target,
                               hint="choose another --name")
-    convert_hf(folder, target, dtype)
+    convert_hf(folder, target, dtype, progress=progress)
     digest = sha256_file(target)
     twin = next((e for e in models if e.get("sha256") == digest), None)
     if twin is not None:

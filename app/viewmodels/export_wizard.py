@@ -3,9 +3,11 @@
 which runs can be exported, what the base is, how big each quantization will be, the
 equivalence report as pass/fail rows, and the bundle's model card and rights checklist.
 
-Language-model runs export as GGUF; image-generate and audio-generate runs as a generator
-bundle (engine/export/generator_bundle.py: f32 or f16 weights, verified by redrawing
-fixed-seed samples from the bundle alone). The verification table's columns follow the kind.
+Language-model runs export as GGUF (or their LoRA adapter), or as a merged Hugging Face folder
+(engine/export/hf_export.py: `hf_export_refusal` says up front why a run cannot);
+image-generate and audio-generate runs as a generator bundle
+(engine/export/generator_bundle.py: f32 or f16 weights, verified by redrawing fixed-seed
+samples from the bundle alone). The verification table's columns follow the kind.
 
 The export itself runs as a job; this module only prepares its command line and reads what it
 wrote. No Qt, no torch (sizes come from the safetensors header or the GGUF tensor table).
@@ -210,6 +212,50 @@ def export_argv(run_dir: Path, checkpoint: str, dtype: str, out: Path,
     argv = forgebench_argv() + ["export", str(run_dir), "--checkpoint", checkpoint,
                                 "--dtype", dtype, "--out", str(out)]
     return argv + (["--base", str(base)] if base else [])
+
+
+# -- step 4: the format: GGUF / adapter, or a merged Hugging Face folder ---------------------
+FORMATS = {"gguf": "GGUF or adapter (the type chosen in step 3)",
+           "hf": "Hugging Face folder (merged safetensors)"}
+
+
+def hf_export_refusal(run: ExportableRun, hf_source: Path | None = None) -> str | None:
+    """Why the run cannot be exported as a merged Hugging Face folder (None: it can): the
+    engine's own refusal (engine.export.hf_export.run_hf_source: the base never came from an
+    HF folder and none was chosen, or the chosen folder is no checkpoint)."""
+    from engine.export.hf_export import run_hf_source
+
+    if run.recipe not in EXPORTABLE_RECIPES:
+        return (f"{run.recipe} runs export as a verified bundle; a Hugging Face folder holds a "
+                "language model")
+    try:
+        run_hf_source(run.path, hf_source)
+    except ForgebenchError as exc:
+        return exc.render()
+    return None
+
+
+def hf_export_argv(run_dir: Path, checkpoint: str, out: Path, base: Path | None = None,
+                   hf_source: Path | None = None) -> list[str]:
+    argv = forgebench_argv() + ["export", str(run_dir), "--format", "hf", "--checkpoint",
+                                checkpoint, "--out", str(out)]
+    return argv + (["--base", str(base)] if base else []) + \
+        (["--hf-source", str(hf_source)] if hf_source else [])
+
+
+def hf_export_written(out: Path) -> list[tuple[str, int]]:
+    """(file, bytes) of a finished merged Hugging Face export, for the wizard to list."""
+    return sorted((p.name, p.stat().st_size) for p in Path(out).iterdir() if p.is_file())
+
+
+def hf_notification(out: Path | None, ok: bool, message: str) -> tuple[bool, str]:
+    """(ok, text) of a merged HF export job's notification: the folder and its size, or the
+    engine's error."""
+    if not ok or out is None or not (Path(out) / "config.json").is_file():
+        return False, message or "failed: nothing was written"
+    written = hf_export_written(out)
+    return True, (f"merged Hugging Face folder — {Path(out).name}: {len(written)} files, "
+                  f"{sum(size for _, size in written) / 1e6:.1f} MB")
 
 
 # -- step 3: the quantization picker ---------------------------------------------------------

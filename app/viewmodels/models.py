@@ -3,13 +3,19 @@ contract; this module shapes it for the pane, the new-run form and the export wi
 
 Reading the facts parses every header (a 262k-token vocabulary takes a moment), so the pane
 calls `ModelsView.load` off the GUI thread and shows `rows` when it returns.
+
+Adding a Hugging Face folder converts every tensor (minutes for a large model), so it runs as an
+engine job, `forgebench models add DIR --progress-json --json` (`AddFolderJob`: its command line,
+and its progress read from the JSON lines it prints); a cancelled job leaves no library entry.
 """
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from app.viewmodels.jobs import duration_text, forgebench_argv, job_error
 from engine import model_library
 from engine.errors import ForgebenchError
 from engine.export.verdict import exported_file_verdict
@@ -116,3 +122,81 @@ def library_files(root: Path) -> list[tuple[str, Path]]:
 
 def _not_defect(verdict) -> bool:
     return verdict is None or verdict.usable
+
+
+@dataclass
+class AddFolderJob:
+    """Adding a Hugging Face checkpoint folder as an engine job: `argv` to start, `feed` each
+    chunk of its output (the engine prints one JSON progress line per converted tensor, then
+    the entry as JSON), `result` when it exits. The conversion is resumable and the library
+    entry is written only at its end (engine.model_library), so a cancel leaves no entry."""
+
+    root: Path
+    folder: Path
+    name: str | None = None
+    tensor: str = ""
+    index: int = 0
+    tensors: int = 0
+    bytes_done: int = 0
+    bytes_total: int = 0
+    eta_s: float | None = None
+    entry: dict | None = None
+    _pending: str = ""
+
+    def argv(self) -> list[str]:
+        argv = forgebench_argv() + ["models", "--workspace", str(self.root), "add",
+                                    str(self.folder), "--progress-json", "--json"]
+        return argv + (["--name", self.name] if self.name else [])
+
+    @property
+    def title(self) -> str:
+        return f"adding {Path(self.folder).name} to the model library"
+
+    def feed(self, chunk: str) -> tuple[int, int, str] | None:
+        """Read a chunk of the job's output; (done, total, stage line) when it moved the
+        progress (done/total: the bytes written, in per mille), else None. A line split
+        across chunks is kept for the next."""
+        self._pending += chunk
+        *lines, self._pending = self._pending.split("\n")
+        moved = False
+        for line in lines:
+            line = line.strip()
+            if not line.startswith("{"):
+                continue
+            try:
+                record = json.loads(line)
+            except ValueError:
+                continue
+            if "progress" in record:
+                p = record["progress"]
+                self.tensor, self.index, self.tensors = p["tensor"], p["index"], p["tensors"]
+                self.bytes_done, self.bytes_total, self.eta_s = p["bytes"], p["total"], \
+                    p.get("eta_s")
+                moved = True
+            elif "name" in record and "sha256" in record:
+                self.entry = record
+        if not moved:
+            return None
+        # per mille of the bytes: a progress bar holds a 32-bit int, a model's bytes may not
+        return (self.bytes_done * 1000 // max(self.bytes_total, 1), 1000, self.stage())
+
+    def stage(self) -> str:
+        """"tensor 3/21 blk.0.attn_q.weight · 1.2 MB of 4.0 MB · ETA 5 s"."""
+        if not self.tensors:
+            return "reading the checkpoint…"
+        text = (f"tensor {self.index}/{self.tensors} {self.tensor} · "
+                f"{human_bytes(self.bytes_done)} of {human_bytes(self.bytes_total)}")
+        return text + (f" · ETA {duration_text(self.eta_s)}" if self.eta_s is not None
+                       and self.index < self.tensors else "")
+
+    def result(self, ok: bool, output: str, cancelled: bool = False) -> tuple[bool, str]:
+        """(ok, message) of the finished job: what was added, or the engine's error."""
+        if cancelled:
+            return False, ("cancelled: nothing was added to the library (the finished tensors "
+                           "are kept, and adding the same folder again resumes)")
+        if not ok or self.entry is None:
+            return False, job_error(output) if output.strip() else "the job failed"
+        facts = self.entry.get("facts") or {}
+        state = "usable" if facts.get("usable", True) else f"not usable: {facts.get('reason')}"
+        return True, (f"added {self.entry['name']} ({human_bytes(self.entry['bytes'])}, "
+                      f"converted from {Path(self.folder).name}): {state}")

@@ -186,7 +186,20 @@ class ExportWizardPane(QWidget):
         self.export_button.clicked.connect(self.export)
         self.export_job = JobRunner("export")
         # the notification says the export's verdict (a defect is a failure, never "done")
-        self.export_job.describe = lambda ok, message: vm.notification(self.out, ok, message)
+        self.export_job.describe = lambda ok, message: (
+            vm.hf_notification if self._hf_export else vm.notification)(self.out, ok, message)
+        self._hf_export = False            # the running/last export is a merged HF folder
+        # the format: step 3's GGUF/adapter type, or a merged Hugging Face folder
+        self.format = QComboBox()
+        for key, label in vm.FORMATS.items():
+            self.format.addItem(label, key)
+        self.format.currentIndexChanged.connect(self._format_chosen)
+        self.hf_source = QLineEdit()
+        self.hf_source.setPlaceholderText("HF source: the base's folder, from the library")
+        self.hf_source.editingFinished.connect(self._format_chosen)
+        self.hf_browse = QPushButton("Choose…")
+        self.hf_browse.clicked.connect(self._browse_hf_source)
+        self.hf_reason = _label()
         self.export_job.finished.connect(self._exported)
         self.verdict = _label()
         # Fits the page of a 1024x700 window without a sideways scroll: two-line titles,
@@ -205,8 +218,13 @@ class ExportWizardPane(QWidget):
         row.addWidget(QLabel("Export folder (in exports/)"))
         row.addWidget(self.out_name, 1)
         row.addWidget(self.export_button)
-        self.pages.addWidget(_page(row, self.export_job, self.verdict, help_link("verdicts"),
-                                   self.stages, self.answers))
+        formats = QHBoxLayout()
+        formats.addWidget(QLabel("Format"))
+        formats.addWidget(self.format)
+        formats.addWidget(self.hf_source, 1)
+        formats.addWidget(self.hf_browse)
+        self.pages.addWidget(_page(formats, self.hf_reason, row, self.export_job, self.verdict,
+                                   help_link("verdicts"), self.stages, self.answers))
 
         # 5. bundle
         self.card = QPlainTextEdit()
@@ -305,6 +323,7 @@ class ExportWizardPane(QWidget):
         self.base = None
         self.sizes.setRowCount(0)
         self._clear_results()
+        self._format_chosen()
 
     def _clear_results(self, *_) -> None:
         """A new run or checkpoint: the previous export's verdict, table and card go."""
@@ -322,6 +341,8 @@ class ExportWizardPane(QWidget):
         so far; the page shows at once with a busy bar, and Next waits until it is ready."""
         index = max(0, min(index, len(STEPS) - 1))
         self.step_error.setText("")
+        if index == 3:
+            self._format_chosen()      # the library may have learnt the base's HF folder
         if index == 1:
             self._prepare(1, "Reading the base model's tensor table…", self._base_call())
         elif index == 2:
@@ -494,7 +515,51 @@ class ExportWizardPane(QWidget):
                 self.sizes.selectRow(r)
 
     # -- 4. export and verify ------------------------------------------------------------
+    def export_format(self) -> str:
+        return self.format.currentData()
+
+    def chosen_hf_source(self) -> Path | None:
+        text = self.hf_source.text().strip()
+        return Path(text).expanduser() if text else None
+
+    def _format_chosen(self, *_) -> None:
+        """A merged HF folder: the source folder row, and the engine's refusal up front."""
+        hf = self.export_format() == "hf"
+        self.hf_source.setVisible(hf)
+        self.hf_browse.setVisible(hf)
+        reason = vm.hf_export_refusal(self.run, self.chosen_hf_source()) \
+            if hf and self.run is not None else None
+        self.hf_reason.setText(error_html("Cannot export as a Hugging Face folder.", reason)
+                               if reason else "")
+        self.export_button.setEnabled(reason is None and not self.export_job.running)
+
+    def _browse_hf_source(self) -> None:
+        path = QFileDialog.getExistingDirectory(self, "The base model's Hugging Face folder",
+                                                dialog_folder(self.workspace))
+        if path:
+            self.hf_source.setText(path)
+            self._format_chosen()
+
+    def export_hf(self) -> None:
+        """`forgebench export RUN --format hf` as a job (refused here with the engine's reason
+        when the run has no HF source)."""
+        reason = vm.hf_export_refusal(self.run, self.chosen_hf_source())
+        if reason:
+            self.verdict.setText(error_html("Cannot export as a Hugging Face folder.", reason))
+            return
+        out = self.workspace.root / "exports" / self.out_name.text().strip()
+        self._clear_results()
+        self.out, self._hf_export = out, True
+        self.export_button.setEnabled(False)
+        self.export_job.start(vm.hf_export_argv(self.run.path, self.checkpoint.currentText(),
+                                                out, self.chosen_base(), self.chosen_hf_source()),
+                              f"exporting {self.run.path.name} as a Hugging Face folder")
+
     def export(self) -> None:
+        if self.run is not None and self.export_format() == "hf":
+            self.export_hf()
+            return
+        self._hf_export = False
         if self.run is None or self.dtype() is None:
             self.message.emit("choose a run, a checkpoint and a quantization type first")
             return
@@ -512,6 +577,15 @@ class ExportWizardPane(QWidget):
 
     def _exported(self, ok: bool, message: str) -> None:
         self.export_button.setEnabled(True)
+        if self._hf_export:
+            if not ok or self.out is None:
+                self.verdict.setText(error_html("The export failed.", message))
+                return
+            rows = "".join(f"<tr><td>{html.escape(name)}</td><td align=right>{size / 1e6:.2f} MB"
+                           "</td></tr>" for name, size in vm.hf_export_written(self.out))
+            self.verdict.setText(f"<b>{html.escape(message)}</b><br>Written to "
+                                 f"{html.escape(str(self.out))}:<table>{rows}</table>")
+            return
         if self.out is None or not (self.out / "SHA256SUMS").is_file():
             self.verdict.setText(error_html("The export failed.", message))
             return

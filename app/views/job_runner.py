@@ -30,6 +30,9 @@ class JobRunner(QWidget):
         self.key = ""
         # (ok, message) -> (ok, message): what the job's owner says about the result
         self.describe: Callable[[bool, str], tuple[bool, str]] | None = None
+        # chunk -> (done, total, stage line) or None: for a job whose progress is not a tqdm
+        # bar (e.g. the JSON lines of `models add --progress-json`)
+        self.reader: Callable[[str], tuple[int, int, str] | None] | None = None
         self.bar = QProgressBar()
         self.bar.setTextVisible(True)
         self.cancel_button = QPushButton("Cancel")
@@ -78,6 +81,15 @@ class JobRunner(QWidget):
     def _read(self) -> None:
         chunk = bytes(self.process.readAllStandardOutput()).decode("utf-8", "replace")
         self.output += chunk
+        if self.reader is not None:
+            read = self.reader(chunk)
+            if read:
+                done, total, stage = read
+                self.bar.setRange(0, total)
+                self.bar.setValue(done)
+                self.status.setText(stage)
+                job_center().update(self.key, done=done, total=total, stage=stage)
+            return
         progress = parse_progress(chunk)
         if progress:
             done, total = progress

@@ -2,9 +2,13 @@
 or the installed Gemma package; each model shows its architecture, parameters and bytes per
 tensor type, its chat template rendered for a sample conversation, its special tokens, what the
 engine supports for it and the memory each mode needs here. Unusable files stay listed with
-the reason. Headers are read off the GUI thread (app/viewmodels/models.py)."""
+the reason. Headers are read off the GUI thread (app/viewmodels/models.py). Adding a Hugging
+Face folder is an engine job (a conversion): a progress bar with the tensor, bytes and ETA, and
+Cancel, which leaves no library entry; the jobs panel lists it and notifies at its end."""
 
 from __future__ import annotations
+
+from pathlib import Path
 
 from PySide6.QtCore import Qt, Signal
 from PySide6.QtWidgets import (
@@ -28,6 +32,7 @@ from PySide6.QtWidgets import (
 from app.viewmodels import models as vm
 from app.viewmodels.workspace import Workspace, dialog_folder
 from app.views.background import BackgroundCall
+from app.views.job_runner import JobRunner
 from app.views.labels import wrap_items
 from app.views.serve_panel import ServePanel
 from engine.errors import ForgebenchError
@@ -81,6 +86,12 @@ class ModelsPane(QWidget):
         self.adder.done.connect(self._added)
         self.adder.failed.connect(lambda exc: self._problem(exc))
 
+        # an HF folder is converted tensor by tensor in an engine process, with Cancel
+        self.folder_job = JobRunner("conversion")
+        self.folder_job.finished.connect(self._folder_done)
+        self.folder_job.hide()
+        self.adding: vm.AddFolderJob | None = None
+
         self.list = wrap_items(QListWidget())     # "name — family, size" or the reason, read whole
         self.list.currentRowChanged.connect(self.show_row)
         self.add_copy = QPushButton("Add GGUF (copy)…")
@@ -107,6 +118,7 @@ class ModelsPane(QWidget):
             for button in row_buttons:
                 row.addWidget(button)
             column.addLayout(row)
+        column.addWidget(self.folder_job)
         column.addWidget(self.list, 1)
 
         self.summary = QLabel()
@@ -243,9 +255,40 @@ class ModelsPane(QWidget):
     def choose_folder(self) -> None:
         path = QFileDialog.getExistingDirectory(self, "Add a Hugging Face checkpoint folder")
         if path:
-            self.add_file(path)
+            self.add_hf_folder(path)
+
+    def add_hf_folder(self, path: str) -> None:
+        """Convert and add a Hugging Face checkpoint folder as a job (vm.AddFolderJob)."""
+        if self.view is None or self.folder_job.running:
+            return
+        job = vm.AddFolderJob(self.view.root, Path(path))
+        self.adding = job
+        self.folder_job.reader = job.feed
+        self.folder_job.describe = lambda ok, _message: job.result(ok, self.folder_job.output)
+        self.folder_job.show()
+        self.add_folder_button_state()
+        self.folder_job.start(job.argv(), job.title)
+
+    def add_folder_button_state(self) -> None:
+        self.add_folder.setEnabled(not self.folder_job.running)
+
+    def _folder_done(self, ok: bool, message: str) -> None:
+        job, self.adding = self.adding, None
+        self.add_folder_button_state()
+        if self.folder_job.cancelled and job is not None:
+            message = job.result(False, self.folder_job.output, cancelled=True)[1]
+            self.folder_job.status.setText(message)
+        if ok:
+            self.message.emit(message)
+            self.library_changed.emit()
+            self.reload()
+        else:
+            self.status.setText(f"<span style='color:#b71c1c'>{message}</span>")
 
     def add_file(self, path: str, link: bool = False) -> None:
+        if Path(path).is_dir():      # a Hugging Face checkpoint folder: a conversion job
+            self.add_hf_folder(path)
+            return
         self._add(lambda: self.view.add_file(path, link))
 
     def add_package(self) -> None:
@@ -264,7 +307,7 @@ class ModelsPane(QWidget):
 
     @property
     def busy(self) -> bool:
-        return self.call.running or self.adder.running
+        return self.call.running or self.adder.running or self.folder_job.running
 
     def remove_current(self) -> None:
         item = self.list.currentItem()

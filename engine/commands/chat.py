@@ -53,6 +53,30 @@ def file_row(path: Path) -> dict:
             "facts": model_library.model_facts(path)}
 
 
+def json_progress(delay: float = 0.0):
+    """A conversion's progress as one JSON line per finished tensor on stdout, flushed:
+    {"progress": {"tensor", "index", "tensors", "bytes", "total", "eta_s"}} (the app's Models
+    pane reads them: app/viewmodels/models.py). The ETA is the bytes rate since the first
+    finished tensor of this invocation (a resumed conversion counts only its own bytes)."""
+    import time
+
+    first: list[tuple[float, int]] = []
+
+    def progress(tensor, index: int, tensors: int, written: int, total: int) -> None:
+        now = time.monotonic()
+        if not first:
+            first.append((now, written))
+        start, start_bytes = first[0]
+        eta = (now - start) / (written - start_bytes) * (total - written) \
+            if written > start_bytes else None
+        print(json.dumps({"progress": {"tensor": tensor.name, "index": index,
+                                       "tensors": tensors, "bytes": written, "total": total,
+                                       "eta_s": eta}}), flush=True)
+        if delay:
+            time.sleep(delay)
+    return progress
+
+
 def cmd_models(args) -> int:
     action = args.models_command
     if action == "show":
@@ -72,8 +96,10 @@ def cmd_models(args) -> int:
                                        "(or pass --workspace DIR)")
     root = _require_workspace(args)
     if action == "add":
+        progress = json_progress(getattr(args, "tensor_delay", 0.0)) \
+            if getattr(args, "progress_json", False) else None
         entry = model_library.add_model(root, args.file, package=args.package, name=args.name,
-                                        mode="link" if args.link else "copy")
+                                        mode="link" if args.link else "copy", progress=progress)
         facts = model_library.model_facts(model_library.entry_path(root, entry))
         if args.json:
             print(json.dumps({**entry, "facts": facts}, ensure_ascii=False))

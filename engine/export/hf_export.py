@@ -185,6 +185,30 @@ def library_hf_source(base_gguf: Path, base_sha256: str) -> Path | None:
     return None
 
 
+def run_hf_source(run_dir: str | os.PathLike, hf_source: str | os.PathLike | None = None
+                  ) -> Path:
+    """The Hugging Face folder a merged export of the run takes its config and tokenizer from:
+    `hf_source` (checked to be a checkpoint folder), else the one the run's base was converted
+    from (the library's record). Raises the refusal the CLI and the export wizard show."""
+    from engine.hf.checkpoint import HFCheckpoint
+    from engine.rundir import RunDir
+
+    run = RunDir(run_dir).require()
+    if hf_source is not None:
+        HFCheckpoint.open(hf_source)      # names the missing config/tokenizer/shard now
+        return Path(hf_source)
+    info = run.manifest().get("base_model") or {}
+    found = library_hf_source(Path(info.get("path", "")), info.get("sha256", "")) \
+        if info.get("path") else None
+    if found is None:
+        raise ForgebenchError(
+            "the run's base did not come from a Hugging Face folder, so there is no "
+            "tokenizer/config to ship", path=run.path, where="--format hf",
+            hint="pass --hf-source DIR (the base model's Hugging Face folder), or start "
+                 "runs from a base added with `forgebench models add DIR`")
+    return found
+
+
 def export_run_hf(run_dir: str | os.PathLike, out: str | os.PathLike, *,
                   checkpoint: str = "latest", base: str | None = None,
                   hf_source: str | None = None) -> list[str]:
@@ -198,18 +222,7 @@ def export_run_hf(run_dir: str | os.PathLike, out: str | os.PathLike, *,
                               "another", path=out, where="--out",
                               hint="choose a new --out or delete the old export")
     run = RunDir(run_dir).require()
-    manifest = run.manifest()
-    if hf_source is None:
-        info = manifest.get("base_model") or {}
-        found = library_hf_source(Path(info.get("path", "")), info.get("sha256", "")) \
-            if info.get("path") else None
-        if found is None:
-            raise ForgebenchError(
-                "the run's base did not come from a Hugging Face folder, so there is no "
-                "tokenizer/config to ship", path=run.path, where="--format hf",
-                hint="pass --hf-source DIR (the base model's Hugging Face folder), or start "
-                     "runs from a base added with `forgebench models add DIR`")
-        hf_source = str(found)
+    hf_source = str(run_hf_source(run.path, hf_source))
     out.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix=f".{out.name}.hf-", dir=out.parent) as scratch:
         bundle = export_run(run.path, Path(scratch) / "bundle", checkpoint=checkpoint,
