@@ -170,3 +170,15 @@ def test_plain_f32_adapter_product_misses_llamacpp(tmp_path, monkeypatch):
     monkeypatch.setattr(LoRALinear, "llamacpp_forward",
                         lambda self, x: self.base(x) + self.delta(x))
     assert not np.array_equal(_engine_logits(model, PROMPT), prompt)
+
+
+def test_adapter_exports_are_claimed_exact_from_the_doctors_row():
+    """The export verdict holds an adapter export (base GGUF + GGUF LoRA) to bit-equality where
+    the doctor's plan lists the adapter products bit-exact: on x86 (AVX2, AVX-512), not where
+    ggml's kernels are not reproduced."""
+    from engine.export.verdict import adapter_claimed_exact
+    from engine.kernels.cpu import plan_for
+
+    for features in ({"avx2", "fma", "f16c"}, {"avx2", "fma", "f16c", "avx512f", "avx512dq"}):
+        assert adapter_claimed_exact(plan_for(frozenset(features)).kernels)
+    assert not adapter_claimed_exact(plan_for(frozenset({"neon"})).kernels)
