@@ -182,3 +182,29 @@ def test_adapter_exports_are_claimed_exact_from_the_doctors_row():
     for features in ({"avx2", "fma", "f16c"}, {"avx2", "fma", "f16c", "avx512f", "avx512dq"}):
         assert adapter_claimed_exact(plan_for(frozenset(features)).kernels)
     assert not adapter_claimed_exact(plan_for(frozenset({"neon"})).kernels)
+
+
+@pytest.mark.realmodel
+@pytest.mark.llamacpp
+def test_gemma_with_an_adapter_matches_llamacpp_bit_for_bit(tmp_path, gemma_gguf, monkeypatch):
+    """gemma-3-270m Q4_K_M with a rank-8 adapter on q, v and down (random B of a trained
+    adapter's size): every teacher-forced logit and a greedy continuation as llama.cpp with the
+    GGUF LoRA; the plain f32 adapter product does not give them."""
+    p = require_same_plan()
+    if not p.exact_weight("Q4_K", 1024):
+        pytest.skip(f"Q4_K weights are not reproduced bit for bit here ({p.summary()})")
+    make_adapter(gemma_gguf, tmp_path / "a.safetensors", targets=["q", "v", "down"], rank=8,
+                 alpha=16.0, b_std=0.02)
+    lora = write_gguf_lora(tmp_path / "a.safetensors", gemma_gguf, tmp_path / "lora.gguf")
+    model, tok = load_gguf_model(gemma_gguf, numerics="llamacpp")
+    attach_adapter_file(model, tmp_path / "a.safetensors")
+    ids = [tok.bos_id, *tok.encode("Arr, the capital of Germany be Berlin, matey! The sea be")]
+    prompt, tokens, rows = _llamacpp(gemma_gguf, lora, ids, 6)
+    ours = _engine_logits(model.eval(), ids)
+    assert np.array_equal(ours, prompt), f"max |Δlogit| {np.abs(ours - prompt).max():.3g}"
+    our_tokens, our_rows = _engine_greedy(model, ids, 6)
+    assert our_tokens == tokens
+    assert all(np.array_equal(a, b) for a, b in zip(our_rows, rows, strict=True))
+    monkeypatch.setattr(LoRALinear, "llamacpp_forward",
+                        lambda self, x: self.base(x) + self.delta(x))
+    assert not np.array_equal(_engine_logits(model, ids), prompt)
