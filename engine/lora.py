@@ -13,6 +13,10 @@ Adapters are saved as safetensors named `layers.<i>.<target>.lora_{a,b}`, with r
 targets and the base file's SHA-256 in the metadata; loading refuses any mismatch. This module
 owns that file: its name in a checkpoint (ADAPTERS_FILE) and the parsing of its metadata
 (`adapter_info`), for training, generation and export alike.
+
+Under llama.cpp numerics (a base whose `numerics` is "llamacpp", without grad) an adapted layer
+computes what llama.cpp computes with the adapter exported as a GGUF LoRA, bit for bit:
+`LoRALinear.llamacpp_forward` (llama-graph.cpp build_lora_mm; docs/numerics.md).
 """
 
 from __future__ import annotations
