@@ -13,6 +13,10 @@ Adapters are saved as safetensors named `layers.<i>.<target>.lora_{a,b}`, with r
 targets and the base file's SHA-256 in the metadata; loading refuses any mismatch. This module
 owns that file: its name in a checkpoint (ADAPTERS_FILE) and the parsing of its metadata
 (`adapter_info`), for training, generation and export alike.
+
+Under llama.cpp numerics (a base whose `numerics` is "llamacpp", without grad) an adapted layer
+computes what llama.cpp computes with the adapter exported as a GGUF LoRA, bit for bit:
+`LoRALinear.llamacpp_forward` (llama-graph.cpp build_lora_mm; docs/numerics.md).
 """
 
 from __future__ import annotations
@@ -69,6 +73,13 @@ class DropoutClock:
         self.step, self.micro = step, micro
 
 
+def llamacpp_lora_scale(alpha: float, rank: int) -> torch.Tensor:
+    """llama.cpp's adapter scale, an f32 scalar: adapter_scale · alpha / rank in f32 with
+    adapter_scale 1 (llama-cpp-python's lora_scale); an alpha of 0 means no alpha there, 1."""
+    one, a, r = (torch.tensor(v, dtype=torch.float32) for v in (1.0, alpha, float(rank)))
+    return one * a / r if alpha else one
+
+
 class LoRALinear(nn.Module):
     """A frozen linear `base` plus a trainable rank-r correction."""
 
@@ -116,11 +127,28 @@ class LoRALinear(nn.Module):
         return F.linear(F.linear(x, a.to(x.dtype)), b.to(x.dtype)) * self.scale
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x [..., in] -> [..., out]
+        if getattr(self.base, "numerics", None) == "llamacpp" and not torch.is_grad_enabled():
+            return self.llamacpp_forward(x)
         if not (self.training and self.dropout > 0):    # both paths as one node where it can
             fused = adapted_matmul(self.base, x, self.lora_a, self.lora_b, self.scale)
             if fused is not None:
                 return fused
         return self.base(x) + self.delta(x)
+
+    @torch.no_grad()
+    def llamacpp_forward(self, x: torch.Tensor) -> torch.Tensor:
+        """What llama.cpp computes for this layer with the adapter loaded as a GGUF LoRA
+        (llama-graph.cpp build_lora_mm): res = mul_mat(W, x); ab = mul_mat(B, mul_mat(A, x)),
+        both f32 x f32 products (the GGUF adapter is F32, engine/export/lora_export.py) summed
+        as ggml sums them (numerics.matmul_f32); ab = ggml_scale(ab, s) with s formed in f32
+        as llama_adapter_lora_weight::get_scale forms it (1.0f · alpha / rank, alpha as the
+        GGUF stores it: f32); res + ab."""
+        from engine.kernels.numerics import matmul_f32
+
+        flat = x.reshape(-1, x.shape[-1]).float()
+        t = matmul_f32(flat, self.lora_a)                               # [N, r], f32
+        ab = matmul_f32(t, self.lora_b) * llamacpp_lora_scale(self.alpha, self.rank)
+        return self.base(x) + ab.view(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
         return (f"in={self.in_features}, out={self.out_features}, rank={self.rank}, "

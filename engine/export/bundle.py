@@ -609,6 +609,7 @@ def _answer_questions(bundle: Bundle, scratch: Path, compare: list[str], progres
     from engine.export.equivalence import stopwatch
     from engine.export.verdict import (
         DEFECT_SUFFIX,
+        adapter_claimed_exact,
         file_claimed_exact,
         of_report,
         question1,
@@ -632,7 +633,7 @@ def _answer_questions(bundle: Bundle, scratch: Path, compare: list[str], progres
                     "max_abs": m["max_abs_logit_diff"], "greedy_matched": sum(g["matches"]),
                     "greedy_total": len(g["matches"]), "weight_types": types,
                     "claimed_exact": engine_stage.get("numerics") == "llamacpp"
-                    and "lora" not in engine_stage
+                    and ("lora" not in engine_stage or adapter_claimed_exact(plan().kernels))
                     and file_claimed_exact(plan(), matrices),
                     "note": cpp.get("note")}
     elif cpp.get("available"):

@@ -130,6 +130,16 @@ def claimed_exact(weight_types: list[str], kernels) -> bool:
     return bool(weight_types) and all(w.upper() in exact for w in weight_types)
 
 
+ADAPTER_KERNEL = "LoRA adapter products"
+
+
+def adapter_claimed_exact(kernels) -> bool:
+    """Whether the doctor's plan claims the engine bit-exact with llama.cpp for a GGUF LoRA
+    adapter's products (llama.cpp's build_lora_mm over F32 A and B): its row of that name is
+    bit-exact. The base's own matrices are claimed by `file_claimed_exact`."""
+    return any(k.name.startswith(ADAPTER_KERNEL) and k.status == "bit-exact" for k in kernels)
+
+
 def file_claimed_exact(plan, matrices: list[tuple[str, int]]) -> bool:
     """Whether the doctor's plan (engine.kernels.cpu.plan()) claims the engine bit-exact with
     llama.cpp for every matrix of a file, given as (ggml type name, rows): the plan's own

@@ -303,6 +303,13 @@ def plan_for(
             EXACT,
             f"tinyBLAS {f16_lanes} lanes for 2+ rows, ggml_vec_dot_f16 4×{f16_lanes} lanes for one",
         ),
+        Kernel(
+            "LoRA adapter products (F32 A and B)",
+            EXACT,
+            f"a GGUF LoRA's A and B (F32): tinyBLAS {f16_lanes} lanes for 2+ rows (rows % 4, "
+            f"cols % {f16_lanes}), else ggml_vec_dot_f32 4×{f16_lanes} lanes and its leftovers "
+            "in f32 (groups of 8 multiplied then added, the rest fma, as GCC -O3 builds it)",
+        ),
         Kernel("softmax", EXACT, f"ggml_v_expf, {softmax_lanes}-lane sums in f32, groups in f64"),
         Kernel(
             "RMSNorm, GELU table, RoPE",

@@ -293,6 +293,43 @@ def tinyblas_serves(rows: int, cols: int, batch: int, lanes: int | None = None) 
     return batch >= 2 and rows % 4 == 0 and cols % (lanes or plan().f16_lanes) == 0
 
 
+
+def dot_vec_f32(a: torch.Tensor, b: torch.Tensor, lanes: int | None = None,
+                group: int = 8) -> torch.Tensor:
+    """a [..., P, K] · b [..., Q, K]ᵀ -> [..., P, Q] as ggml_vec_dot_f32 sums each output (f32
+    operands, one row, or a product tinyBLAS refuses): the first K - K mod 4·lanes products in
+    four `lanes`-lane fma accumulators (GGML_F32_STEP = 4·GGML_F32_EPR), reduced as
+    (acc0+acc2) + (acc1+acc3) and across lanes (GGML_F32x8_REDUCE / GGML_F32x16_REDUCE, the
+    order ggml_vec_dot_f16 reduces in), held in an f32 `sumf`; then the leftovers in order,
+    `sumf += x[i]*y[i]` in f32. How GCC -O3 compiles that loop decides the bits: it multiplies
+    whole groups of `group` (8: one ymm register) leftovers at once, each product rounded, and
+    adds them in order; the last (leftovers mod 8) it contracts to one fma each. Measured
+    against libggml-cpu for every leftover count 1..63 (tests/test_lora_llamacpp.py)."""
+    lanes = lanes or plan().f16_lanes
+    K, step = a.shape[-1], 4 * lanes
+    np_ = K - K % step
+    if np_:
+        total = dot_f16(a[..., :np_], b[..., :np_], False, lanes)
+    else:
+        total = torch.zeros(*a.shape[:-1], b.shape[-2])
+    fused_from = K - (K - np_) % group
+    for k in range(np_, K):
+        ak, bk = a[..., :, None, k].float(), b[..., None, :, k].float()
+        total = total + ak * bk if k < fused_from else fma_f32(ak, bk, total)
+    return total
+
+
+def matmul_f32(x: torch.Tensor, w: torch.Tensor, lanes: int | None = None) -> torch.Tensor:
+    """x [N, K] · w [M, K]ᵀ -> [N, M] as ggml_compute_forward_mul_mat computes an f32 weight
+    times f32 activations (vec_dot_type F32: no conversion of x): llamafile's tinyBLAS
+    (tinyBLAS<L, __m512/__m256, float>) where llamafile_sgemm takes it (tinyblas_serves: two or
+    more rows, M % 4 == 0, K % L == 0), else ggml_vec_dot_f32 per output."""
+    lanes = lanes or plan().f16_lanes
+    x, w = x.float(), w.float()
+    if tinyblas_serves(w.shape[0], w.shape[1], x.shape[0], lanes):
+        return dot_f16(x, w, True, lanes)
+    return dot_vec_f32(x, w, lanes)
+
 _EXP_CONSTANTS = [
     float.fromhex(h)
     for h in (
@@ -424,6 +461,8 @@ __all__ = [
     "dot_vec_f16",
     "dot_f16",
     "tinyblas_serves",
+    "dot_vec_f32",
+    "matmul_f32",
     "expf_ggml",
     "softmax_ggml",
     "attention_llamacpp",
