@@ -9,7 +9,7 @@ from __future__ import annotations
 import html
 from pathlib import Path
 
-from PySide6.QtCore import Qt, Signal
+from PySide6.QtCore import QSize, Qt, QTimer, Signal
 from PySide6.QtGui import QColor
 from PySide6.QtWidgets import (
     QComboBox,
@@ -25,6 +25,8 @@ from PySide6.QtWidgets import (
     QPlainTextEdit,
     QProgressBar,
     QPushButton,
+    QScrollArea,
+    QSizePolicy,
     QStackedWidget,
     QTableWidget,
     QTableWidgetItem,
@@ -83,6 +85,25 @@ def _label(text: str = "") -> QLabel:
     return wrapped_label(text, selectable=True)
 
 
+class PageMessage(QLabel):
+    """A wrapped, selectable message on a wizard page (a verdict, a refusal, "saved"): set,
+    it is scrolled into view, where the user looks after the click that made it."""
+
+    def __init__(self):
+        super().__init__()
+        self.setWordWrap(True)
+        self.setMinimumWidth(1)
+        self.setTextInteractionFlags(Qt.TextInteractionFlag.TextSelectableByMouse)
+
+    def setText(self, text: str) -> None:       # noqa: N802 (Qt's name)
+        super().setText(text)
+        scroll = self.parentWidget()
+        while scroll is not None and not isinstance(scroll, PageScroll):
+            scroll = scroll.parentWidget()
+        if text and scroll is not None:
+            scroll.show_whole(self)
+
+
 def verdict_html(verdict, out: Path | None) -> str:
     """The export's one verdict (engine.export.verdict) as the final page's banner: the same
     title, words and colour as the report, the card and the notification."""
@@ -105,6 +126,30 @@ def error_html(heading: str, text: str) -> str:
     """An engine message as wrapped HTML (a <pre> block would not wrap)."""
     return (f"<b style='color:#b71c1c'>{html.escape(heading)}</b><br>"
             + html.escape(text).replace("\n", "<br>"))
+
+
+class PageScroll(QScrollArea):
+    """The wizard's pages scroll up and down inside the pane, under a fixed row of messages
+    and Back/Next: at 1024×700 with the first-run banners shown the tallest page needs more
+    than the pane has, and Next must not scroll away with it. As wide as the widest page
+    needs (no sideways scroll)."""
+
+    def __init__(self, content: QWidget):
+        super().__init__()
+        self.setWidget(content)
+        self.setWidgetResizable(True)
+        self.setFrameShape(QScrollArea.Shape.NoFrame)
+        self.setHorizontalScrollBarPolicy(Qt.ScrollBarPolicy.ScrollBarAlwaysOff)
+
+    def minimumSizeHint(self) -> QSize:      # noqa: N802 (Qt's name)
+        width = self.widget().minimumSizeHint().width() + \
+            self.verticalScrollBar().sizeHint().width()
+        return QSize(width, super().minimumSizeHint().height())
+
+    def show_whole(self, widget: QWidget) -> None:
+        """Scroll so a message just set on a page is in view, once the page has laid it
+        out."""
+        QTimer.singleShot(0, lambda: self.ensureWidgetVisible(widget))
 
 
 class ExportWizardPane(QWidget):
@@ -174,7 +219,7 @@ class ExportWizardPane(QWidget):
         self.pick_button.clicked.connect(self.measure_types)
         self.pick_job = JobRunner("quantization picker")
         self.pick_job.finished.connect(self._measured)
-        self.pick_text = _label()
+        self.pick_text = PageMessage()
         self.pages.addWidget(_page(_label("Choose the file type. Sizes count the weights "
                                           "(metadata and vocabulary add a little)."),
                                    self.sizes, self.pick_button, self.pick_job, self.pick_text))
@@ -188,7 +233,7 @@ class ExportWizardPane(QWidget):
         # the notification says the export's verdict (a defect is a failure, never "done")
         self.export_job.describe = lambda ok, message: vm.notification(self.out, ok, message)
         self.export_job.finished.connect(self._exported)
-        self.verdict = _label()
+        self.verdict = PageMessage()
         # Fits the page of a 1024x700 window without a sideways scroll: two-line titles,
         # columns as wide as their cells, the file name (last) eliding in the middle; every
         # cell's tooltip holds its whole text.
@@ -213,7 +258,7 @@ class ExportWizardPane(QWidget):
         self.rights = QListWidget()
         self.finish_button = QPushButton("Save model card and checklist into the bundle")
         self.finish_button.clicked.connect(self.finish)
-        self.finish_status = _label()
+        self.finish_status = PageMessage()
         page = _page(_label("Edit the model card; confirm each right the data card states."),
                      self.card, QLabel("Rights checklist (from the data card)"), self.rights,
                      self.finish_button, self.finish_status)
@@ -247,8 +292,9 @@ class ExportWizardPane(QWidget):
         nav.addStretch(1)
         nav.addWidget(self.back_button)
         nav.addWidget(self.next_button)
+        self.page_scroll = PageScroll(self.pages)
         right = QVBoxLayout()
-        right.addWidget(self.pages, 1)
+        right.addWidget(self.page_scroll, 1)
         right.addWidget(self.step_error)
         right.addWidget(self.busy)
         right.addLayout(nav)
@@ -329,6 +375,10 @@ class ExportWizardPane(QWidget):
         else:
             self.cancel_prepare()
         self.pages.setCurrentIndex(index)
+        for i in range(self.pages.count()):     # the page scrolls by its own height only
+            self.pages.widget(i).setSizePolicy(
+                QSizePolicy.Policy.Preferred if i == index else QSizePolicy.Policy.Ignored,
+                QSizePolicy.Policy.Preferred if i == index else QSizePolicy.Policy.Ignored)
         self.steps.blockSignals(True)
         self.steps.setCurrentRow(index)
         self.steps.blockSignals(False)
