@@ -178,3 +178,4 @@ def test_the_export_wizards_back_next_and_messages_stay_in_view(qtbot, window):
     export.finish_status.setText("Not saved: the model card is empty")
     qtbot.waitUntil(lambda: in_view_of(export.finish_status, export.page_scroll))
     assert shown_whole(export.finish_status, window)
+
