@@ -165,7 +165,7 @@ class ExportWizardPane(QWidget):
 
         self.steps = QListWidget()
         self.steps.addItems(STEPS)
-        self.steps.setFixedWidth(170)
+        self.steps.setFixedWidth(150)     # "1. Run and checkpoint" whole; the rest to the page
         self.steps.currentRowChanged.connect(self.go)
         self.pages = QStackedWidget()
 
@@ -220,9 +220,11 @@ class ExportWizardPane(QWidget):
         self.pick_job = JobRunner("quantization picker")
         self.pick_job.finished.connect(self._measured)
         self.pick_text = PageMessage()
-        self.pages.addWidget(_page(_label("Choose the file type. Sizes count the weights "
-                                          "(metadata and vocabulary add a little)."),
-                                   self.sizes, self.pick_button, self.pick_job, self.pick_text))
+        page = _page(_label("Choose the file type. Sizes count the weights (metadata and "
+                            "vocabulary add a little)."),
+                     self.sizes, self.pick_button, self.pick_job, self.pick_text)
+        page.layout().setStretchFactor(self.sizes, 3)      # every type in view, not 6 of them
+        self.pages.addWidget(page)
         self._pick_out: Path | None = None
 
         # 4. export and verify
