@@ -179,3 +179,20 @@ def test_the_export_wizards_back_next_and_messages_stay_in_view(qtbot, window):
     qtbot.waitUntil(lambda: in_view_of(export.finish_status, export.page_scroll))
     assert shown_whole(export.finish_status, window)
 
+
+
+@pytest.mark.parametrize("banners", [True, False], ids=["first-run banners", "no banners"])
+def test_the_model_library_is_taller_than_the_server_at_1024x700(qtbot, window, banners):
+    """The Models pane: the library (the list and a model's facts) gets the larger share of
+    the height, the server below it; at their preferred height the server's boxes left the
+    list two lines at 1024×700."""
+    if not banners:
+        window.tour_panel.act(window.tour_panel.tour.dismiss)
+        window.first_tune.hide()
+    models = show(qtbot, window, "models")
+    library, server = models.library_split.sizes()
+    lines = models.list.fontMetrics().lineSpacing()
+    assert library > server and models.list.height() >= 5 * lines, (library, server)
+    assert shown_whole(models.serve_scroll, window)
+    assert shown_whole(models.serve.switch, window)     # the server's on/off in view
+    assert in_view_of(models.serve.switch, models.serve_scroll)
