@@ -260,6 +260,7 @@ def test_a_help_link_is_readable_in_the_dark_theme(qtbot):
     twin: the same label under the dark palette without its text parsed again keeps the light
     theme's dark blue, hard to read on dark grey."""
     from PySide6.QtCore import Qt
+    from PySide6.QtGui import QPalette
     from PySide6.QtWidgets import QApplication
 
     from app.views import theme
@@ -269,11 +270,22 @@ def test_a_help_link_is_readable_in_the_dark_theme(qtbot):
     theme.apply(app, Qt.ColorScheme.Light)
     link = help_link("verdicts")
     qtbot.addWidget(link)
+    link.show()
+    dark_window = theme.dark_palette().color(QPalette.ColorRole.Window)
+
+    def dark_reached_the_label():
+        qtbot.waitUntil(lambda: link.palette().color(QPalette.ColorRole.Window) == dark_window)
+        qtbot.wait(50)          # and the turns of the loop after it
+
+    qtbot.wait(50)              # the light theme's own re-parse done
     try:
         app.setPalette(theme.dark_palette())    # twin: the dark palette alone, text not parsed
+        dark_reached_the_label()
         assert ink_contrast(link) < 4.5
+        theme.apply(app, Qt.ColorScheme.Light)
         theme.apply(app, Qt.ColorScheme.Dark)
-        qtbot.waitUntil(lambda: ink_contrast(link) >= 4.5)
+        dark_reached_the_label()
+        assert ink_contrast(link) >= 4.5
     finally:
         theme.apply(app, Qt.ColorScheme.Light)
 
