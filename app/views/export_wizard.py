@@ -60,6 +60,9 @@ VERDICT_TIPS = {"match": "nothing changed: every top-1 token and greedy answer (
 def _page(*widgets) -> QWidget:
     page = QWidget()
     layout = QVBoxLayout(page)
+    # no side margins: the pane has its own, and the verify table needs every pixel of the
+    # width once the page scrolls (its scroll bar takes some)
+    layout.setContentsMargins(0, 0, 4, 0)
     for widget in widgets:
         if isinstance(widget, QHBoxLayout):
             layout.addLayout(widget)
