@@ -92,3 +92,20 @@ def test_the_table_fits_when_the_page_scrolls_under_the_first_run_banners(qtbot)
     # twin: the steps list as wide as before leaves the table too little: a sideways scroll
     pane.steps.setFixedWidth(170)
     qtbot.waitUntil(lambda: table.horizontalScrollBar().maximum() > 0)
+
+
+def test_the_bundle_page_keeps_save_in_view_after_a_tall_report(qtbot):
+    """Each page scrolls by its own height: after an export's report fills the verify page
+    (taller than the room: it scrolls), the short bundle page shows its Save button without
+    scrolling (a stacked widget's height is its tallest page's)."""
+    pane = shown_at(qtbot, ExportWizardPane(), (PANE_SIZE[0], 560))
+    pane.go(3)
+    pane.show_report(changed_report())
+    pane.answers.setText(pane.answers.text() + "<br>" * 20)     # a long list of answers
+    bar = pane.page_scroll.verticalScrollBar()
+    qtbot.waitUntil(lambda: bar.maximum() > 0)                  # twin: the tall page scrolls
+    pane.go(4)
+    qtbot.waitUntil(lambda: bar.maximum() == 0)
+    button = pane.finish_button
+    top = button.mapTo(pane.page_scroll.viewport(), button.rect().topLeft()).y()
+    assert button.isVisible() and top + button.height() <= pane.page_scroll.viewport().height()

@@ -26,7 +26,6 @@ from PySide6.QtWidgets import (
     QProgressBar,
     QPushButton,
     QScrollArea,
-    QSizePolicy,
     QStackedWidget,
     QTableWidget,
     QTableWidgetItem,
@@ -131,6 +130,27 @@ def error_html(heading: str, text: str) -> str:
             + html.escape(text).replace("\n", "<br>"))
 
 
+class CurrentPageStack(QStackedWidget):
+    """The wizard's pages, as tall as the page shown. (A stacked layout's height for a width
+    is its tallest page's: after an export, the verify page's report made the short bundle
+    page scroll its Save button below the fold.)"""
+
+    def sizeHint(self) -> QSize:        # noqa: N802 (Qt's name)
+        page = self.currentWidget()
+        return page.sizeHint() if page else super().sizeHint()
+
+    def minimumSizeHint(self) -> QSize:     # noqa: N802 (Qt's name)
+        page = self.currentWidget()
+        return page.minimumSizeHint() if page else super().minimumSizeHint()
+
+    def heightForWidth(self, width: int) -> int:    # noqa: N802 (Qt's name)
+        page = self.currentWidget()
+        if page is None:
+            return super().heightForWidth(width)
+        return page.heightForWidth(width) if page.hasHeightForWidth() else \
+            page.sizeHint().height()
+
+
 class PageScroll(QScrollArea):
     """The wizard's pages scroll up and down inside the pane, under a fixed row of messages
     and Back/Next: at 1024×700 with the first-run banners shown the tallest page needs more
@@ -170,7 +190,7 @@ class ExportWizardPane(QWidget):
         self.steps.addItems(STEPS)
         self.steps.setFixedWidth(150)     # "1. Run and checkpoint" whole; the rest to the page
         self.steps.currentRowChanged.connect(self.go)
-        self.pages = QStackedWidget()
+        self.pages = CurrentPageStack()
 
         # 1. run and checkpoint
         self.run_combo = QComboBox()
@@ -380,10 +400,7 @@ class ExportWizardPane(QWidget):
         else:
             self.cancel_prepare()
         self.pages.setCurrentIndex(index)
-        for i in range(self.pages.count()):     # the page scrolls by its own height only
-            self.pages.widget(i).setSizePolicy(
-                QSizePolicy.Policy.Preferred if i == index else QSizePolicy.Policy.Ignored,
-                QSizePolicy.Policy.Preferred if i == index else QSizePolicy.Policy.Ignored)
+        self.pages.updateGeometry()             # the page scrolls by its own height only
         self.steps.blockSignals(True)
         self.steps.setCurrentRow(index)
         self.steps.blockSignals(False)
