@@ -180,6 +180,11 @@ def test_a_runs_warnings_and_why_it_stopped_show_in_its_details(window, qtbot, t
     assert "stopped at" not in text
     runs.select_run(plain.path)
     qtbot.waitUntil(lambda: runs.details.toPlainText() == "")
+    plain.set_status("stopped", step=4, stop_reason="SIGTERM", pid=None)     # the Stop button
+    runs.select_run(stopped.path)
+    qtbot.waitUntil(lambda: "dpo-stopped" in runs.details.toPlainText())
+    runs.select_run(plain.path)
+    qtbot.waitUntil(lambda: "stopped at step 4: asked to stop" in runs.details.toPlainText())
 
 
 def test_a_refused_start_shows_the_engine_message(window, qtbot, tmp_path):

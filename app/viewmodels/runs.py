@@ -477,6 +477,11 @@ def failure_report(path: Path) -> str:
     return "\n\n".join(parts)
 
 
+# A stop by signal (engine/jobs.py records the signal's name) in the user's words.
+STOP_SIGNALS = {"SIGTERM": "asked to stop (Stop, or the process was terminated)",
+                "SIGINT": "interrupted (Ctrl+C)"}
+
+
 def run_notices(path: Path) -> str:
     """What the run warned about and why it stopped early, as the job recorded them: each
     `warning` event (lm-dpo's too-few-pairs guardrail, a damaged checkpoint skipped by
@@ -497,8 +502,9 @@ def run_notices(path: Path) -> str:
         if line not in lines:       # a resumed run logs its guardrail warning again
             lines.append(line)
     status = run.live_status()
-    if status.get("state") == "stopped" and status.get("stop_reason"):
-        lines.append(f"stopped at step {status.get('step')}: {status['stop_reason']}")
+    reason = status.get("stop_reason")
+    if status.get("state") == "stopped" and reason:
+        lines.append(f"stopped at step {status.get('step')}: {STOP_SIGNALS.get(reason, reason)}")
     return "\n".join(lines)
 
 
