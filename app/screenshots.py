@@ -177,12 +177,12 @@ def part2_screens(window: MainWindow, workspace: Workspace, shot, app: QApplicat
     export.export()
     while export.export_job.running:
         settle(app, 0.2)
-    shot("19-export-image-generator-bundle-verified")
+    shot("18b-export-image-generator-bundle-verified")
     window.sidebar.setCurrentRow(PANES.index("Runs"))
     window.runs.poll(force=True)
     window.runs.left_tabs.setCurrentIndex(0)
     window.runs.select_run(workspace.runs_dir / "image-generate-demo")
-    shot("20-runs-image-generator-samples-per-second")
+    shot("18c-runs-image-generator-samples-per-second")
 
 
 def example_screens(window: MainWindow, workspace: Workspace, shot, app: QApplication) -> None:

@@ -5,7 +5,7 @@ holding it."""
 
 from __future__ import annotations
 
-from layout_support import CELL_MARGIN_PX, fits_one_line, shown_at
+from layout_support import CELL_MARGIN_PX, PANE_SIZE, fits_one_line, shown_at
 from PySide6.QtCore import Qt
 
 from app.viewmodels import export_wizard as vm
@@ -60,3 +60,52 @@ def test_the_verification_table_fits_the_page_at_1024x700(qtbot):
     # twin: the same table with its titles on one line needs the sideways scroll again
     table.setHorizontalHeaderLabels(list(vm.LLM_COLUMNS))
     qtbot.waitUntil(lambda: table.horizontalScrollBar().maximum() > 0)
+
+
+def changed_report() -> dict:
+    """The report of the screenshots' Q8_0 export: quantized stages "changed", the dense
+    stage's file an intermediate with a long name (the widest verdict and file cells)."""
+    built = Report([{"prompt": "Record item", "answer": "0000? is in is"}],
+                   [{"name": "checkpoint", "description": "ref", "positions": 10},
+                    stage("dense", "(intermediate)/lm-pretrain-tiny-demo-f32.gguf", 1.0),
+                    stage("quantized", "model.gguf", 0.9949)],
+                   {"available": True, "answers": ["0000? is in is"],
+                    **stage("llama.cpp", "model.gguf", 0.9949)}).as_dict()
+    built["export"] = {"dtype": "q8_0"}
+    return built
+
+
+def test_the_table_fits_when_the_page_scrolls_under_the_first_run_banners(qtbot):
+    """With both first-run banners shown the pane is ~420 px tall: the verify page scrolls up
+    and down inside the pane (its scroll bar takes width from the table), Back/Next stay
+    below it, and the table still needs no sideways scroll."""
+    pane = shown_at(qtbot, ExportWizardPane(), (PANE_SIZE[0], 420))
+    pane.go(3)
+    pane.show_report(changed_report())
+    table = pane.stages
+    qtbot.waitUntil(lambda: pane.page_scroll.verticalScrollBar().maximum() > 0)
+    qtbot.waitUntil(lambda: table.columnWidth(0) > 0 and table.isVisible())
+    qtbot.wait(50)
+    assert table.horizontalScrollBar().maximum() == 0
+    assert pane.next_button.geometry().bottom() <= pane.height()
+    assert "changed" in table.item(2, 1).text()
+    # twin: the steps list as wide as before leaves the table too little: a sideways scroll
+    pane.steps.setFixedWidth(170)
+    qtbot.waitUntil(lambda: table.horizontalScrollBar().maximum() > 0)
+
+
+def test_the_bundle_page_keeps_save_in_view_after_a_tall_report(qtbot):
+    """Each page scrolls by its own height: after an export's report fills the verify page
+    (taller than the room: it scrolls), the short bundle page shows its Save button without
+    scrolling (a stacked widget's height is its tallest page's)."""
+    pane = shown_at(qtbot, ExportWizardPane(), (PANE_SIZE[0], 560))
+    pane.go(3)
+    pane.show_report(changed_report())
+    pane.answers.setText(pane.answers.text() + "<br>" * 20)     # a long list of answers
+    bar = pane.page_scroll.verticalScrollBar()
+    qtbot.waitUntil(lambda: bar.maximum() > 0)                  # twin: the tall page scrolls
+    pane.go(4)
+    qtbot.waitUntil(lambda: bar.maximum() == 0)
+    button = pane.finish_button
+    top = button.mapTo(pane.page_scroll.viewport(), button.rect().topLeft()).y()
+    assert button.isVisible() and top + button.height() <= pane.page_scroll.viewport().height()

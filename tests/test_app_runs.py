@@ -136,6 +136,57 @@ def test_failed_run_shows_its_error_and_traceback(window, qtbot, tmp_path):
     assert "Traceback (most recent call last)" in text
 
 
+def dpo_guarded_run(path, collapse_action: str) -> RunDir:
+    """A DPO run from 3 pairs as the engine records it: lm-dpo's own guardrail code logs the
+    too-few-pairs warning and checks a collapsing step (margin 27 at step 2); the status is
+    written as engine/jobs.py writes a stopped run's, with the stop reason the guard asked."""
+    from types import SimpleNamespace
+
+    from engine.recipes.lm_dpo import Guard, warn_few_pairs
+
+    run = write_run(path, steps=2, state="running")
+    asked = []
+    job = SimpleNamespace(run=run, request_stop=asked.append, config=SimpleNamespace(
+        dpo=SimpleNamespace(beta=0.1), guard=SimpleNamespace(
+            min_pairs=8, collapse=collapse_action, max_margin=10.0, max_chosen_drop=20.0)))
+    warn_few_pairs(job, 3)
+    Guard(job).check(2, {"reward_margin": 27.0, "chosen_reward": 0.5})
+    run.set_status("stopped" if asked else "completed", step=2, stage="done",
+                   stop_reason=asked[0] if asked else None, pid=None)
+    return run
+
+
+def test_a_runs_warnings_and_why_it_stopped_show_in_its_details(window, qtbot, tmp_path):
+    """lm-dpo's "fewer than min_pairs" warning and its collapse stop, in the details of the
+    selected run; the twin run that only warned on collapse says so and was not stopped, and a
+    plain run's details stay empty."""
+    ws = make_workspace(tmp_path / "ws", shapes=0, records=False)
+    stopped = dpo_guarded_run(ws.runs_dir / "dpo-stopped", "stop")
+    warned = dpo_guarded_run(ws.runs_dir / "dpo-warned", "warn")
+    plain = write_run(ws.runs_dir / "plain", steps=4, state="completed")
+    assert window.open_workspace(ws.root)
+    settle(qtbot, window)
+    runs = window.runs
+    runs.select_run(stopped.path)
+    qtbot.waitUntil(lambda: "dpo-stopped" in runs.details.toPlainText())
+    text = runs.details.toPlainText()
+    assert "warning: only 3 preference pair(s) (guard.min_pairs is 8)" in text
+    assert "DPO collapse at step 2:" in text and "(run stopped)" in text
+    assert "stopped at step 2: DPO collapse at step 2" in text
+    runs.select_run(warned.path)
+    qtbot.waitUntil(lambda: "dpo-warned" in runs.details.toPlainText())
+    text = runs.details.toPlainText()
+    assert "only 3 preference pair(s)" in text and "(warned only)" in text
+    assert "stopped at" not in text
+    runs.select_run(plain.path)
+    qtbot.waitUntil(lambda: runs.details.toPlainText() == "")
+    plain.set_status("stopped", step=4, stop_reason="SIGTERM", pid=None)     # the Stop button
+    runs.select_run(stopped.path)
+    qtbot.waitUntil(lambda: "dpo-stopped" in runs.details.toPlainText())
+    runs.select_run(plain.path)
+    qtbot.waitUntil(lambda: "stopped at step 4: asked to stop" in runs.details.toPlainText())
+
+
 def test_a_refused_start_shows_the_engine_message(window, qtbot, tmp_path):
     ws = make_workspace(tmp_path / "ws", shapes=0)
     (ws.datasets_dir / "records" / "train.txt").unlink()  # the corpus is incomplete

@@ -241,6 +241,55 @@ def test_the_dark_theme_follows_the_scheme_and_keeps_banners_readable(qtbot, tmp
         theme.apply(app, Qt.ColorScheme.Light)
 
 
+def ink_contrast(widget) -> float:
+    """The highest contrast of any pixel of the widget's rendering against its most common
+    colour (its background): its text's ink (anti-aliased edges are fainter, the glyphs'
+    cores are the text colour)."""
+    from collections import Counter
+
+    image = widget.grab().toImage()
+    pixels = [image.pixelColor(x, y).name() for x in range(image.width())
+              for y in range(image.height())]
+    background = Counter(pixels).most_common(1)[0][0]
+    return max(contrast(pixel, background) for pixel in set(pixels))
+
+
+def test_a_help_link_is_readable_in_the_dark_theme(qtbot):
+    """A "What does this mean?" link made in the light theme takes the dark palette's link
+    colour when the theme turns dark (Qt fixes a label's link colour when it parses the text);
+    twin: the same label under the dark palette without its text parsed again keeps the light
+    theme's dark blue, hard to read on dark grey."""
+    from PySide6.QtCore import Qt
+    from PySide6.QtGui import QPalette
+    from PySide6.QtWidgets import QApplication
+
+    from app.views import theme
+    from app.views.help_link import help_link
+
+    app = QApplication.instance()
+    theme.apply(app, Qt.ColorScheme.Light)
+    link = help_link("verdicts")
+    qtbot.addWidget(link)
+    link.show()
+    dark_window = theme.dark_palette().color(QPalette.ColorRole.Window)
+
+    def dark_reached_the_label():
+        qtbot.waitUntil(lambda: link.palette().color(QPalette.ColorRole.Window) == dark_window)
+        qtbot.wait(50)          # and the turns of the loop after it
+
+    qtbot.wait(50)              # the light theme's own re-parse done
+    try:
+        app.setPalette(theme.dark_palette())    # twin: the dark palette alone, text not parsed
+        dark_reached_the_label()
+        assert ink_contrast(link) < 4.5
+        theme.apply(app, Qt.ColorScheme.Light)
+        theme.apply(app, Qt.ColorScheme.Dark)
+        dark_reached_the_label()
+        assert ink_contrast(link) >= 4.5
+    finally:
+        theme.apply(app, Qt.ColorScheme.Light)
+
+
 def test_a_run_with_evaluations_only_shows_them_not_no_metrics(qtbot, tmp_path):
     from app.views.charts import RunCharts
 

@@ -11,6 +11,7 @@ import pytest
 from lm_pretrain_support import forgebench
 from test_lm_dpo import rows, sft_run, write_dpo  # noqa: F401 (sft_run: the fixture)
 
+from app.viewmodels.runs import run_notices
 from engine.rundir import RunDir
 from engine.train.preference import collapse
 
@@ -57,6 +58,9 @@ def test_a_collapsing_run_stops_with_its_after_answers_and_the_twin_warns_only(t
     assert [c.name for c in RunDir(run).checkpoints()] == [f"step-{stopped_at:06d}"]
     warning = [e for e in events(run) if e["kind"] == "warning"]
     assert warning[0]["check"] == "min_pairs" and warning[0]["pairs"] == 3
+    said = run_notices(run)     # what the Runs pane's details say
+    assert "only 3 preference pair(s)" in said and f"stopped at step {stopped_at}: DPO " \
+        "collapse" in said
     # BEFORE (the starting policy) and AFTER (where it stopped): the A/B pane's two systems
     before = gather_system(run, "step-000000")
     after = gather_system(run, f"step-{stopped_at:06d}")

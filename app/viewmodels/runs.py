@@ -477,6 +477,37 @@ def failure_report(path: Path) -> str:
     return "\n\n".join(parts)
 
 
+# A stop by signal (engine/jobs.py records the signal's name) in the user's words.
+STOP_SIGNALS = {"SIGTERM": "asked to stop (Stop, or the process was terminated)",
+                "SIGINT": "interrupted (Ctrl+C)"}
+
+
+def run_notices(path: Path) -> str:
+    """What the run warned about and why it stopped early, as the job recorded them: each
+    `warning` event (lm-dpo's too-few-pairs guardrail, a damaged checkpoint skipped by
+    resume), each `dpo_collapse` event (the guard's rule and what it did), and a stopped
+    run's `stop_reason` from its status. Empty when there is nothing to say."""
+    run = RunDir(path)
+    lines: list[str] = []
+    for event in run.events():
+        kind = event.get("kind")
+        if kind == "warning":
+            line = f"warning: {event.get('message', '')}"
+        elif kind == "dpo_collapse":
+            did = "run stopped" if event.get("action") == "stop" else "warned only"
+            line = (f"DPO collapse at step {event.get('step')}: {event.get('message', '')} "
+                    f"({did})")
+        else:
+            continue
+        if line not in lines:       # a resumed run logs its guardrail warning again
+            lines.append(line)
+    status = run.live_status()
+    reason = status.get("stop_reason")
+    if status.get("state") == "stopped" and reason:
+        lines.append(f"stopped at step {status.get('step')}: {STOP_SIGNALS.get(reason, reason)}")
+    return "\n".join(lines)
+
+
 @dataclass
 class ExtensionPlan:
     """What resuming a run to a larger step target does to its learning rate, when that is not

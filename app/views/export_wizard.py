@@ -9,7 +9,7 @@ from __future__ import annotations
 import html
 from pathlib import Path
 
-from PySide6.QtCore import Qt, Signal
+from PySide6.QtCore import QSize, Qt, QTimer, Signal
 from PySide6.QtGui import QColor
 from PySide6.QtWidgets import (
     QComboBox,
@@ -25,6 +25,7 @@ from PySide6.QtWidgets import (
     QPlainTextEdit,
     QProgressBar,
     QPushButton,
+    QScrollArea,
     QStackedWidget,
     QTableWidget,
     QTableWidgetItem,
@@ -58,6 +59,9 @@ VERDICT_TIPS = {"match": "nothing changed: every top-1 token and greedy answer (
 def _page(*widgets) -> QWidget:
     page = QWidget()
     layout = QVBoxLayout(page)
+    # no side margins: the pane has its own, and the verify table needs every pixel of the
+    # width once the page scrolls (its scroll bar takes some)
+    layout.setContentsMargins(0, 0, 4, 0)
     for widget in widgets:
         if isinstance(widget, QHBoxLayout):
             layout.addLayout(widget)
@@ -81,6 +85,25 @@ def _label(text: str = "") -> QLabel:
     """A wrapped, selectable label: a long error line (a path, a command) wraps instead of
     pushing the buttons off-screen."""
     return wrapped_label(text, selectable=True)
+
+
+class PageMessage(QLabel):
+    """A wrapped, selectable message on a wizard page (a verdict, a refusal, "saved"): set,
+    it is scrolled into view, where the user looks after the click that made it."""
+
+    def __init__(self):
+        super().__init__()
+        self.setWordWrap(True)
+        self.setMinimumWidth(1)
+        self.setTextInteractionFlags(Qt.TextInteractionFlag.TextSelectableByMouse)
+
+    def setText(self, text: str) -> None:       # noqa: N802 (Qt's name)
+        super().setText(text)
+        scroll = self.parentWidget()
+        while scroll is not None and not isinstance(scroll, PageScroll):
+            scroll = scroll.parentWidget()
+        if text and scroll is not None:
+            scroll.show_whole(self)
 
 
 def verdict_html(verdict, out: Path | None) -> str:
@@ -107,6 +130,51 @@ def error_html(heading: str, text: str) -> str:
             + html.escape(text).replace("\n", "<br>"))
 
 
+class CurrentPageStack(QStackedWidget):
+    """The wizard's pages, as tall as the page shown. (A stacked layout's height for a width
+    is its tallest page's: after an export, the verify page's report made the short bundle
+    page scroll its Save button below the fold.)"""
+
+    def sizeHint(self) -> QSize:        # noqa: N802 (Qt's name)
+        page = self.currentWidget()
+        return page.sizeHint() if page else super().sizeHint()
+
+    def minimumSizeHint(self) -> QSize:     # noqa: N802 (Qt's name)
+        page = self.currentWidget()
+        return page.minimumSizeHint() if page else super().minimumSizeHint()
+
+    def heightForWidth(self, width: int) -> int:    # noqa: N802 (Qt's name)
+        page = self.currentWidget()
+        if page is None:
+            return super().heightForWidth(width)
+        return page.heightForWidth(width) if page.hasHeightForWidth() else \
+            page.sizeHint().height()
+
+
+class PageScroll(QScrollArea):
+    """The wizard's pages scroll up and down inside the pane, under a fixed row of messages
+    and Back/Next: at 1024×700 with the first-run banners shown the tallest page needs more
+    than the pane has, and Next must not scroll away with it. As wide as the widest page
+    needs (no sideways scroll)."""
+
+    def __init__(self, content: QWidget):
+        super().__init__()
+        self.setWidget(content)
+        self.setWidgetResizable(True)
+        self.setFrameShape(QScrollArea.Shape.NoFrame)
+        self.setHorizontalScrollBarPolicy(Qt.ScrollBarPolicy.ScrollBarAlwaysOff)
+
+    def minimumSizeHint(self) -> QSize:      # noqa: N802 (Qt's name)
+        width = self.widget().minimumSizeHint().width() + \
+            self.verticalScrollBar().sizeHint().width()
+        return QSize(width, super().minimumSizeHint().height())
+
+    def show_whole(self, widget: QWidget) -> None:
+        """Scroll so a message just set on a page is in view, once the page has laid it
+        out."""
+        QTimer.singleShot(0, lambda: self.ensureWidgetVisible(widget))
+
+
 class ExportWizardPane(QWidget):
     message = Signal(str)
 
@@ -120,9 +188,9 @@ class ExportWizardPane(QWidget):
 
         self.steps = QListWidget()
         self.steps.addItems(STEPS)
-        self.steps.setFixedWidth(170)
+        self.steps.setFixedWidth(150)     # "1. Run and checkpoint" whole; the rest to the page
         self.steps.currentRowChanged.connect(self.go)
-        self.pages = QStackedWidget()
+        self.pages = CurrentPageStack()
 
         # 1. run and checkpoint
         self.run_combo = QComboBox()
@@ -174,10 +242,12 @@ class ExportWizardPane(QWidget):
         self.pick_button.clicked.connect(self.measure_types)
         self.pick_job = JobRunner("quantization picker")
         self.pick_job.finished.connect(self._measured)
-        self.pick_text = _label()
-        self.pages.addWidget(_page(_label("Choose the file type. Sizes count the weights "
-                                          "(metadata and vocabulary add a little)."),
-                                   self.sizes, self.pick_button, self.pick_job, self.pick_text))
+        self.pick_text = PageMessage()
+        page = _page(_label("Choose the file type. Sizes count the weights (metadata and "
+                            "vocabulary add a little)."),
+                     self.sizes, self.pick_button, self.pick_job, self.pick_text)
+        page.layout().setStretchFactor(self.sizes, 3)      # every type in view, not 6 of them
+        self.pages.addWidget(page)
         self._pick_out: Path | None = None
 
         # 4. export and verify
@@ -201,7 +271,7 @@ class ExportWizardPane(QWidget):
         self.hf_browse.clicked.connect(self._browse_hf_source)
         self.hf_reason = _label()
         self.export_job.finished.connect(self._exported)
-        self.verdict = _label()
+        self.verdict = PageMessage()
         # Fits the page of a 1024x700 window without a sideways scroll: two-line titles,
         # columns as wide as their cells, the file name (last) eliding in the middle; every
         # cell's tooltip holds its whole text.
@@ -231,7 +301,7 @@ class ExportWizardPane(QWidget):
         self.rights = QListWidget()
         self.finish_button = QPushButton("Save model card and checklist into the bundle")
         self.finish_button.clicked.connect(self.finish)
-        self.finish_status = _label()
+        self.finish_status = PageMessage()
         page = _page(_label("Edit the model card; confirm each right the data card states."),
                      self.card, QLabel("Rights checklist (from the data card)"), self.rights,
                      self.finish_button, self.finish_status)
@@ -265,8 +335,9 @@ class ExportWizardPane(QWidget):
         nav.addStretch(1)
         nav.addWidget(self.back_button)
         nav.addWidget(self.next_button)
+        self.page_scroll = PageScroll(self.pages)
         right = QVBoxLayout()
-        right.addWidget(self.pages, 1)
+        right.addWidget(self.page_scroll, 1)
         right.addWidget(self.step_error)
         right.addWidget(self.busy)
         right.addLayout(nav)
@@ -350,6 +421,7 @@ class ExportWizardPane(QWidget):
         else:
             self.cancel_prepare()
         self.pages.setCurrentIndex(index)
+        self.pages.updateGeometry()             # the page scrolls by its own height only
         self.steps.blockSignals(True)
         self.steps.setCurrentRow(index)
         self.steps.blockSignals(False)

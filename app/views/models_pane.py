@@ -154,11 +154,22 @@ class ModelsPane(QWidget):
         split.setSizes([300, 600])
         self.serve = ServePanel()       # the workspace's models over an OpenAI-style API
         self.serve.message.connect(self.message)
+        # The library over the server, the library taller: at 1024×700 the server's boxes at
+        # their preferred height left the list two lines and the facts four.
+        # The server scrolls on its own when the window is short (the first-run banners).
+        self.serve_scroll = QScrollArea()
+        self.serve_scroll.setWidget(self.serve)
+        self.serve_scroll.setWidgetResizable(True)
+        self.serve_scroll.setFrameShape(QFrame.Shape.NoFrame)
+        self.library_split = QSplitter(Qt.Orientation.Vertical)
+        self.library_split.addWidget(split)
+        self.library_split.addWidget(self.serve_scroll)
+        self.library_split.setChildrenCollapsible(False)
+        self.library_split.setSizes([380, 260])
         layout = QVBoxLayout(self)
         layout.addWidget(self.status)
         layout.addWidget(self.package)
-        layout.addWidget(split, 1)
-        layout.addWidget(self.serve)
+        layout.addWidget(self.library_split, 1)
 
     # -- the library ----------------------------------------------------------------------
     def set_workspace(self, workspace: Workspace) -> None:

@@ -54,6 +54,7 @@ from app.viewmodels.runs import (
     extension_plan,
     failure_report,
     ledger_row,
+    run_notices,
     stable_order,
     write_notes,
 )
@@ -311,8 +312,8 @@ class RunsPane(QWidget):
 
         self.details = QPlainTextEdit()
         self.details.setReadOnly(True)
-        self.details.setPlaceholderText("Select a run: its error and traceback show here "
-                                        "when it failed.")
+        self.details.setPlaceholderText("Select a run: its warnings, why it stopped, and its "
+                                        "error and traceback when it failed show here.")
         ledger_box = QWidget()
         lv = QVBoxLayout(ledger_box)
         lv.setContentsMargins(0, 0, 0, 0)
@@ -709,9 +710,9 @@ class RunsPane(QWidget):
             return          # keep the refused start's reason until a run is chosen
         texts = []
         for path in paths:
-            report = failure_report(path)
-            if report:
-                texts.append(f"{path.name}\n{report}")
+            said = "\n\n".join(t for t in (run_notices(path), failure_report(path)) if t)
+            if said:
+                texts.append(f"{path.name}\n{said}")
         self.details.setPlainText("\n\n".join(texts))
 
     def _launch_states(self) -> list[tuple[str, str]]:

@@ -14,9 +14,9 @@ from __future__ import annotations
 import weakref
 
 import shiboken6
-from PySide6.QtCore import Qt
+from PySide6.QtCore import Qt, QTimer
 from PySide6.QtGui import QColor, QGuiApplication, QPalette
-from PySide6.QtWidgets import QApplication, QStyleFactory, QWidget
+from PySide6.QtWidgets import QApplication, QLabel, QStyleFactory, QWidget
 
 # name: (light, dark). Banners keep their hue in both; text on them keeps a 4.5:1 contrast.
 COLOURS = {
@@ -115,4 +115,16 @@ def apply(app: QApplication, scheme: Qt.ColorScheme | None = None) -> bool:
     for widget in app.allWidgets():     # a styled widget keeps the palette it was polished in
         if widget.styleSheet() and widget not in _styled:
             widget.setStyleSheet(widget.styleSheet())
+    # A label's link takes the palette's link colour when its text is parsed: parsed again
+    # once the new palette has reached it, a "What does this mean?" link is not the light
+    # theme's dark blue on dark grey.
+    QTimer.singleShot(0, lambda: _relink(app))
     return dark
+
+
+def _relink(app: QApplication) -> None:
+    for widget in app.allWidgets():
+        if isinstance(widget, QLabel) and "<a " in widget.text():
+            text = widget.text()
+            widget.setText("")          # the same text again would not be parsed again
+            widget.setText(text)
