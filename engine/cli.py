@@ -375,6 +375,7 @@ def _serve_args(p: argparse.ArgumentParser) -> None:
                    help="requests waiting per model before 503")
     p.add_argument("--max-body", type=int, default=None, metavar="BYTES",
                    help="largest request body (default 8 MiB; larger ones get 413)")
+    p.add_argument("--token-delay", type=float, default=0.0, help=argparse.SUPPRESS)   # tests
 
 
 COMMANDS: dict[str, Command] = {

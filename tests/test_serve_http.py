@@ -295,9 +295,11 @@ def test_a_hostile_template_is_refused_and_everyone_else_is_served(client):
 
 @pytest.fixture(scope="module")
 def strict(workspace):
-    """One slot, no queue, a 4 KB body limit and a key."""
+    """One slot, no queue, a 4 KB body limit and a key; 250 ms between tokens, so the tiny model's
+    stream still holds its slot when the next request arrives on a busy machine."""
     server = Served("--workspace", str(workspace), "--model", "exports/plain", "--slots", "1",
-                    "--queue", "0", "--max-body", "4096", "--api-key", "sekrit")
+                    "--queue", "0", "--max-body", "4096", "--api-key", "sekrit",
+                    "--token-delay", "0.25")
     yield server
     server.close()
 

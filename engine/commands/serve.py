@@ -57,7 +57,8 @@ def cmd_serve(args) -> int:
                                    "--model FILE.gguf")
     limits = {"max_body": args.max_body} if args.max_body else {}
     server = Server(catalog, api_key=args.api_key, slots=args.slots, queue_limit=args.queue,
-                    on_log=lambda entry: _emit({"event": "request", **entry}), **limits)
+                    on_log=lambda entry: _emit({"event": "request", **entry}),
+                    token_delay=getattr(args, "token_delay", 0.0), **limits)
     app = create_app(server)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level="warning",
                             access_log=False, timeout_graceful_shutdown=5)

@@ -64,9 +64,10 @@ class Loaded:
 class Server:
     def __init__(self, catalog: Catalog, *, api_key: str | None = None, slots: int = 4,
                  queue_limit: int = 16, on_log: Callable[[dict], None] | None = None,
-                 max_body: int = MAX_REQUEST_BYTES):
+                 max_body: int = MAX_REQUEST_BYTES, token_delay: float = 0.0):
         self.catalog, self.api_key = catalog, api_key
         self.slots, self.queue_limit, self.max_body = slots, queue_limit, max_body
+        self.token_delay = token_delay    # tests only (--token-delay): a slot held long enough
         self.on_log = on_log
         self.loaded: dict[str, Loaded] = {}
         self.loading: dict[str, asyncio.Lock] = {}
@@ -103,7 +104,8 @@ class Server:
 
         system = load_system(entry.id, dict(entry.load))
         runner = Runner(system.model, system.tokenizer, slots=self.slots,
-                        queue_limit=self.queue_limit, name=entry.id)
+                        queue_limit=self.queue_limit, name=entry.id,
+                        token_delay=self.token_delay)
         return Loaded(entry, system=system, runner=runner)
 
     def close(self) -> None:

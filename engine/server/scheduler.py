@@ -76,8 +76,11 @@ class Runner:
     """The engine thread of one loaded model (see the module docstring)."""
 
     def __init__(self, model, tokenizer, *, slots: int = 4, queue_limit: int = 16,
-                 prefix_entries: int = 2, name: str = "model"):
+                 prefix_entries: int = 2, name: str = "model", token_delay: float = 0.0):
         self.model, self.tokenizer, self.name = model, tokenizer, name
+        # a pause after each decode round, for tests that need a slot to stay taken while they
+        # send the next request (a tiny model can finish a whole answer before that)
+        self.token_delay = token_delay
         self.slots, self.queue_limit, self.prefix_entries = slots, queue_limit, prefix_entries
         self.stop_ids = sorted({i for i in (tokenizer.eos_id, *tokenizer.eot_ids)
                                 if i is not None})
@@ -130,6 +133,8 @@ class Runner:
                 self._guard(job, lambda job=job: self._start(job))
             for slot in list(self.active):
                 self._guard(slot.job, lambda slot=slot: self._advance(slot), slot)
+            if self.token_delay and self.active:
+                time.sleep(self.token_delay)
 
     def _guard(self, job: Job, work: Callable[[], None], slot: _Slot | None = None) -> None:
         """Run one request's step; whatever it raises ends that request only."""
