@@ -78,16 +78,9 @@ def start_ours(model: Path, threads: int) -> tuple[subprocess.Popen, str, str]:
 # on its first request on this machine)
 PEER = """
 import sys
-from engine.export.llamacpp import amx_build
-from llama_cpp import llama as high_level
+from engine.export.llamacpp import amx_build, default_params_without_extra_buffers
 if amx_build():
-    low_level = high_level.llama_cpp
-    defaults = low_level.llama_model_default_params
-    def without_extra_buffers():
-        params = defaults()
-        params.use_extra_bufts = False
-        return params
-    low_level.llama_model_default_params = without_extra_buffers
+    default_params_without_extra_buffers().__enter__()   # for the server process's whole life
 from llama_cpp.server.__main__ import main
 sys.argv = ["llama_cpp.server", *sys.argv[1:]]
 main()

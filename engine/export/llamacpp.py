@@ -22,6 +22,7 @@ CPU without AMX.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from pathlib import Path
 
@@ -56,10 +57,20 @@ def open_llama(path: str | Path, **kwargs):
     llama-cpp-python's `Llama` takes no switch for them: it fills its model parameters from
     `llama_model_default_params()`, so that function is wrapped for the one call."""
     import llama_cpp
-    from llama_cpp import llama as high_level
 
     if not amx_build():
         return llama_cpp.Llama(str(path), **kwargs)
+    with default_params_without_extra_buffers():
+        return llama_cpp.Llama(str(path), **kwargs)
+
+
+@contextlib.contextmanager
+def default_params_without_extra_buffers():
+    """While open, llama-cpp-python's `llama_model_default_params()` answers with
+    `use_extra_bufts = false` (what `llama-server --no-repack` sets): every `Llama` made inside
+    runs llama.cpp's plain CPU kernels. `open_llama` and the benches' llama.cpp servers use it."""
+    from llama_cpp import llama as high_level
+
     low_level = high_level.llama_cpp
     defaults = low_level.llama_model_default_params
 
@@ -70,7 +81,7 @@ def open_llama(path: str | Path, **kwargs):
 
     low_level.llama_model_default_params = without_extra_buffers
     try:
-        return llama_cpp.Llama(str(path), **kwargs)
+        yield
     finally:
         low_level.llama_model_default_params = defaults
 
