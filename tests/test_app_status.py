@@ -4,7 +4,10 @@ all come from the metrics the charts draw."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
+
+import pytest
 
 from app.viewmodels import jobs
 from engine.rundir import RunDir
@@ -144,6 +147,9 @@ def test_notifications_replace_each_other_instead_of_stacking(qtbot, monkeypatch
     assert len(sent) == 2 and "run-d finished" in notifier.toast.text.text()
 
 
+@pytest.mark.skipif(os.environ.get("FORGEBENCH_WINDOW_TESTS") != "1", reason=(
+    "needs the window activation a desktop gives: offscreen Qt can leave it with a window an "
+    "earlier test showed; run alone with FORGEBENCH_WINDOW_TESTS=1"))
 def test_rating_keys_work_without_a_click_in_the_pane(qtbot, tmp_path, monkeypatch):
     """The Blind A/B pane chosen in the sidebar (the sidebar keeps the focus): A rates. Typed
     into the pane's name field, A is text; with another pane shown, A does nothing there. The

@@ -317,9 +317,11 @@ def cmd_worker(args) -> int:
     hold_rank_lock(run.path)    # for this process's life: no resume while a rank lives
     config = worker_config(run, args.overrides)
     checkpoint = run.checkpoint(args.checkpoint) if args.checkpoint else None
+    finished = False
     try:
         execute(run, config, checkpoint, threads=args.threads, argv=["forgebench"] + sys.argv[1:],
                 stop_after_step=args.stop_after_step if world.is_main else None, world=world)
+        finished = True
     finally:
-        shutdown()
+        shutdown(finished)
     return 0

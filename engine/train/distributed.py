@@ -100,8 +100,15 @@ def init(world: World, device: torch.device) -> None:
                             device_id=device if device.type == "cuda" else None)
 
 
-def shutdown() -> None:
+def shutdown(finished: bool = False) -> None:
+    """Leave the process group. After a job every rank finished, the ranks first meet at a
+    barrier: a rank that tears its group down while a peer still has a collective in flight can
+    abort in gloo's teardown ("terminate called without an active exception", seen once on a
+    2-rank run). After a failure nobody waits: the peer may be gone."""
     if dist.is_initialized():
+        if finished:
+            with contextlib.suppress(Exception):
+                dist.barrier()
         dist.destroy_process_group()
 
 
