@@ -15,7 +15,8 @@ What the reference has, and so this file has:
 - attention with grouped-query heads, QK-norm after rotary, both scaled by 1.2, causal SDPA with
   an optional sliding window: window W (a "left" count) lets a query see the W keys before it
   AND itself, W + 1 keys in all (the reference's mask is `row - col <= W`, self-inclusive);
-  the pattern string (L = sequence_len, S = a quarter of it rounded UP to 128, the last layer
+  the pattern string (L = sequence_len, S = -(-L // 4 // 128) * 128, a quarter rounded up to
+  a multiple of 128 — 512 at L = 2048, not the 768 gpt.py's comment says; the last layer
   always L) is tiled over the layers;
 - value embeddings (ResFormer) on alternating layers, the last one included, mixed into v
   through a per-head gate `3 * sigmoid(ve_gate(x[..., :12]))`;
@@ -104,7 +105,7 @@ class NanochatConfig:
     def window_sizes(self) -> list[int]:
         """Per-layer left window (keys before the query that it may also see)."""
         long_window = self.sequence_len
-        short_window = -(-long_window // 4 // 128) * 128   # ceil to FA3's tile (2048 -> 768)
+        short_window = -(-long_window // 4 // 128) * 128   # the reference's formula: 2048 -> 512
         pattern = self.window_pattern.upper()
         sizes = [long_window if pattern[i % len(pattern)] == "L" else short_window
                  for i in range(self.n_layer)]

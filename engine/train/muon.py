@@ -115,8 +115,12 @@ def muon_update(grads: Tensor, params: Tensor, momentum_buffer: Tensor,
     v_norm_new = scaled_sq_sum.sum(dim=(-2, -1), keepdim=True).sqrt()
     g = g * (step_size * (v_norm / v_norm_new.clamp_min(1e-10))).to(g.dtype)
     lr_g, wd_g = lr_t.to(g.dtype), wd_t.to(g.dtype)
-    mask = (g * params) >= 0                                 # cautious weight decay
-    params.sub_(lr_g * g + lr_g * wd_g * params * mask)
+    params.sub_(lr_g * g + lr_g * wd_g * params * cautious_mask(g, params))
+
+
+def cautious_mask(update: Tensor, params: Tensor) -> Tensor:
+    """Where weight decay applies: only where the update and the weight agree in sign."""
+    return (update * params) >= 0
 
 
 class MuonAdamW(torch.optim.Optimizer):

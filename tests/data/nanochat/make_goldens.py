@@ -15,12 +15,13 @@ bites at T=144 > 128 + 1, value embeddings on alternating layers, vocab padding 
 
 - init/*: the weights of GPT.init_weights() after torch.manual_seed(0) (built as base_train
   does: meta device, to_empty, init_weights);
-- fwd/*: for one sequence, each block's input and output, and the logits;
-- grad/*: loss and gradients of a batch of two;
 - step1/*, step10/*: parameters and optimizer state after 1 and 10 MuonAdamW steps on ten
   fixed batches (setup_optimizer with weight_decay=0.28 so cautious decay acts);
 - trace: the loss of 40 such steps (batches from a seeded generator, stored);
-- decode: greedy GPT.generate of 24 tokens from the 40-step weights (stored as trained/*).
+- trained/*: the weights after those 40 steps, from which
+- fwd/*: for one sequence, each block's input and output, and the logits;
+- grad/*: loss and gradients of a batch of two with some targets ignored (-1);
+- decode: greedy GPT.generate of 24 tokens.
 """
 
 from __future__ import annotations
@@ -90,7 +91,31 @@ def main() -> int:
     for k, v in model.state_dict().items():
         out[f"init/{k}"] = v.detach().clone()
 
-    # forward, per layer
+    # training: gradients, 1 and 10 optimizer steps, a 40-step loss trace
+    data = batches(torch, STEPS)
+    out["train/batches"] = data.to(torch.int32)
+    optimizer = model.setup_optimizer(**LRS)
+    names = {p: k for k, p in model.named_parameters()}
+    losses = []
+    for step in range(STEPS):
+        x, y = data[step, :, :-1].contiguous(), data[step, :, 1:].contiguous()
+        loss = model(x, y)
+        loss.backward()
+        losses.append(loss.item())
+        optimizer.step()
+        model.zero_grad(set_to_none=True)
+        if step + 1 in (1, 10):
+            tag = f"step{step + 1}"
+            for p, k in names.items():
+                out[f"{tag}/param/{k}"] = p.detach().clone()
+                for sk, sv in optimizer.state[p].items():
+                    if isinstance(sv, torch.Tensor):
+                        out[f"{tag}/state/{k}/{sk}"] = sv.detach().clone()
+    for p, k in names.items():
+        out[f"trained/{k}"] = p.detach().clone()
+
+    # forward and gradients on the trained weights: at init the zeroed projections make every
+    # block a rescaling of the embedding, which would leave attention and the MLP untested
     g = torch.Generator().manual_seed(7)
     idx = torch.randint(0, CONFIG["vocab_size"], (1, FWD_T), generator=g)
     out["fwd/idx"] = idx
@@ -109,32 +134,17 @@ def main() -> int:
         out[f"fwd/block{i}.out"] = acts[2 * i + 1]
     out["fwd/logits"] = logits
 
-    # training: gradients, 1 and 10 optimizer steps, a 40-step loss trace
-    data = batches(torch, STEPS)
-    out["train/batches"] = data.to(torch.int32)
-    optimizer = model.setup_optimizer(**LRS)
-    names = {p: k for k, p in model.named_parameters()}
-    losses = []
-    for step in range(STEPS):
-        x, y = data[step, :, :-1].contiguous(), data[step, :, 1:].contiguous()
-        loss = model(x, y)
-        loss.backward()
-        losses.append(loss.item())
-        if step == 0:
-            out["grad/loss"] = loss.detach().reshape(1)
-            for p, k in names.items():
-                out[f"grad/{k}"] = p.grad.detach().clone()
-        optimizer.step()
-        model.zero_grad(set_to_none=True)
-        if step + 1 in (1, 10):
-            tag = f"step{step + 1}"
-            for p, k in names.items():
-                out[f"{tag}/param/{k}"] = p.detach().clone()
-                for sk, sv in optimizer.state[p].items():
-                    if isinstance(sv, torch.Tensor):
-                        out[f"{tag}/state/{k}/{sk}"] = sv.detach().clone()
+    g = torch.Generator().manual_seed(8)
+    gx = torch.randint(0, CONFIG["vocab_size"], (BATCH, TRAIN_T + 1), generator=g)
+    gx[0, 100:] = -1                     # ignored targets (the reference's ignore_index)
+    out["grad/batch"] = gx.to(torch.int32)
+    x, y = gx[:, :-1].clamp_min(0).contiguous(), gx[:, 1:].contiguous()
+    loss = model(x, y)
+    loss.backward()
+    out["grad/loss"] = loss.detach().reshape(1)
     for p, k in names.items():
-        out[f"trained/{k}"] = p.detach().clone()
+        out[f"grad/{k}"] = p.grad.detach().clone()
+    model.zero_grad(set_to_none=True)
     decode = list(model.generate(PROMPT, max_tokens=DECODE_TOKENS, temperature=0))
 
     out = {k: v.contiguous() for k, v in out.items()}
