@@ -84,6 +84,11 @@ class NanochatConfig:
     def head_dim(self) -> int:
         return self.n_embd // self.n_head
 
+    @property
+    def max_seq_len(self) -> int:
+        """The trained context (what generation windows prompts to)."""
+        return self.sequence_len
+
     @classmethod
     def for_depth(cls, depth: int, *, vocab_size: int, aspect_ratio: int = 64,
                   head_dim: int = 128, max_seq_len: int = 2048,
@@ -280,10 +285,6 @@ class NanochatGPT(nn.Module):
         self.value_embeds = nn.ModuleDict({
             str(i): nn.Embedding(V, kv_dim) for i in range(config.n_layer)
             if has_value_embedding(i, config.n_layer)})
-
-    @property
-    def max_seq_len(self) -> int:
-        return self.config.sequence_len
 
     @torch.no_grad()
     def init_weights(self) -> None:

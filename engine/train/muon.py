@@ -300,3 +300,33 @@ def apply_schedule(optimizer: MuonAdamW, lr_multiplier: float, momentum: float,
         if group["kind"] == "muon":
             group["momentum"] = momentum
             group["weight_decay"] = weight_decay
+
+
+def pretrain_optimizer(model, optim, tokens_per_step: int, total_steps: int) -> MuonAdamW:
+    """lm-pretrain's `optim.kind = "muon"`: nanochat's groups with optim.lr as Muon's matrix
+    rate, the section's AdamW rates and weight decay, batch-scaled as base_train does when
+    `batch_lr_scaling`. Each group's `lr_ratio` is its share of the scheduled lr
+    (engine.train.optim.set_lr)."""
+    hyper = NanochatHyper.derive(model.config, tokens_per_step, total_steps,
+                                 embedding_lr=optim.embedding_lr,
+                                 unembedding_lr=optim.unembedding_lr, matrix_lr=optim.lr,
+                                 scalar_lr=optim.scalar_lr, weight_decay=optim.weight_decay)
+    if not optim.batch_lr_scaling:
+        hyper = NanochatHyper(B_REF, total_steps, 1, 1.0, embedding_lr=optim.embedding_lr,
+                              unembedding_lr=optim.unembedding_lr, matrix_lr=optim.lr,
+                              scalar_lr=optim.scalar_lr, weight_decay=optim.weight_decay)
+    optimizer = MuonAdamW(hyper.groups(model))
+    optimizer.hyper = hyper
+    for group in optimizer.param_groups:
+        group["lr_ratio"] = group["initial_lr"] / optim.lr
+    return optimizer
+
+
+def schedule_muon(optimizer: MuonAdamW, step: int) -> None:
+    """base_train's per-step Muon momentum and weight decay (the rates follow the loop's
+    schedule through lr_ratio)."""
+    hyper = optimizer.hyper
+    for group in optimizer.param_groups:
+        if group["kind"] == "muon":
+            group["momentum"] = hyper.muon_momentum(step)
+            group["weight_decay"] = hyper.muon_weight_decay(step)
