@@ -15,15 +15,17 @@
    the timed steps), the ratio ours / nanochat, load and CPU flags.
 
 2. Muon against AdamW on the sample corpus (resources/sample-workspace/datasets/records, byte
-   tokens): the same small nanochat model (dim 128, 4 layers, context 128) trained by AdamW
-   with lm-pretrain's default optimizer settings (the baseline) and by nanochat's MuonAdamW
+   tokens): the same small nanochat model (dim 64, 4 layers, context 64) trained by AdamW
+   with lm-pretrain's default optimizer settings (the baseline), by AdamW at lr 1e-2 (a
+   stronger baseline), and by nanochat's MuonAdamW
    (the template's settings, with and without nanochat's batch scaling of the rates), both
    with lm-pretrain's warmup + cosine schedule, evaluated on the val split every --eval-every
    steps. Prints both curves and the steps Muon needs to reach the baseline's final val bpb,
    as a share of the baseline's steps.
 
     python bench/bench_pretrain.py [--nanochat DIR] [--steps 3] [--threads 2]
-        [--curve-steps 240] [--skip-throughput] [--skip-curves]
+        [--curve-steps 200] [--curve-dim 64] [--curve-context 64] [--skip-throughput]
+        [--skip-curves]
 """
 
 from __future__ import annotations
@@ -114,7 +116,7 @@ def worker(side: str, dtype: str, package: str | None) -> None:
         loss.backward()
         optimizer.step()
         model.zero_grad(set_to_none=True)
-        print("@@" + json.dumps({"s": time.perf_counter() - t0, "loss": float(loss)}),
+        print("@@" + json.dumps({"s": time.perf_counter() - t0, "loss": loss.item()}),
               flush=True)
 
 
@@ -193,18 +195,19 @@ def curves(args) -> None:
     torch.set_num_threads(args.threads)
     corpus = REPO / "resources/sample-workspace/datasets/records"
     tok = ByteTokenizer()
-    train = windows(token_stream(tok, (corpus / "train.txt").read_text("utf-8")), 128)
+    train = windows(token_stream(tok, (corpus / "train.txt").read_text("utf-8")),
+                    args.curve_context)
     val_text = (corpus / "val.txt").read_text("utf-8")
 
-    def config(kind: str, scaling: bool = True):
-        optim = ({"kind": "adamw"} if kind == "adamw" else
+    def config(kind: str, scaling: bool = True, lr: float = 3e-3):
+        optim = ({"kind": "adamw", "lr": lr} if kind == "adamw" else
                  {"kind": "muon", "lr": 0.02, "weight_decay": 0.28, "grad_clip": 0.0,
                   "batch_lr_scaling": scaling, "min_lr_ratio": 0.05})
         return validate_config({
             "recipe": "lm-pretrain", "seed": 0, "steps": args.curve_steps,
             "data": {"dir": str(corpus)}, "tokenizer": {"kind": "byte"},
-            "model": {"family": "nanochat", "dim": 128, "n_layers": 4, "n_heads": 4,
-                      "n_kv_heads": 4, "context": 128},
+            "model": {"family": "nanochat", "dim": args.curve_dim, "n_layers": 4,
+                      "n_heads": 4, "n_kv_heads": 4, "context": args.curve_context},
             "optim": optim, "train": {"batch_size": 16, "precision": "f32"},
             "eval": {"max_windows": 32}}, corpus / "bench.toml")
 
@@ -228,30 +231,33 @@ def curves(args) -> None:
                 bpb = bits_per_byte(model, tok, val_text, cfg, cfg.eval.max_windows).bpb
                 model.train()
                 curve.append((step + 1, bpb))
-        print(f"    ({time.perf_counter() - t0:.0f} s, {uptime()})")
+        print(f"    ({time.perf_counter() - t0:.0f} s, {uptime()})", flush=True)
         return curve
 
-    print(f"\nMuon vs AdamW: nanochat model dim 128 x 4 layers, context 128, batch 16 windows "
-          f"(2048 byte tokens), {args.curve_steps} steps, val bpb on 32 val windows every "
-          f"{args.eval_every} steps, {args.threads} threads")
+    print(f"\nMuon vs AdamW: nanochat model dim {args.curve_dim} x 4 layers, context "
+          f"{args.curve_context}, batch 16 windows ({16 * args.curve_context} byte tokens), "
+          f"{args.curve_steps} steps, val bpb on 32 val windows every {args.eval_every} steps, "
+          f"{args.threads} threads", flush=True)
     runs = {"adamw (lm-pretrain defaults: lr 3e-3, wd 0.1, clip 1)": config("adamw"),
+            "adamw lr 1e-2 (a stronger baseline)": config("adamw", lr=1e-2),
             "muon (nanochat rates, batch-scaled)": config("muon", True),
             "muon (nanochat rates, unscaled)": config("muon", False)}
     results = {}
     for name, cfg in runs.items():
-        print(f"  training {name} ...")
+        print(f"  training {name} ...", flush=True)
         results[name] = train_curve(cfg)
     names = list(results)
     print("  step  " + "  ".join(f"{n[:34]:>34}" for n in names))
     for i, (step, _) in enumerate(results[names[0]]):
         print(f"  {step:4d}  " + "  ".join(f"{results[n][i][1]:34.4f}" for n in names))
-    target = results[names[0]][-1][1]
-    print(f"  AdamW baseline final val bpb {target:.4f} at step {args.curve_steps}")
-    for name in names[1:]:
-        reached = next((s for s, bpb in results[name] if bpb <= target), None)
-        share = f"{reached / args.curve_steps:.2f}x the steps" if reached else "not reached"
-        print(f"  {name}: reaches it at step {reached} -> {share} (goal <= 0.75x; "
-              f"resolution {args.eval_every} steps)")
+    for base in names[:2]:
+        target = results[base][-1][1]
+        print(f"  baseline {base}: final val bpb {target:.4f} at step {args.curve_steps}")
+        for name in names[2:]:
+            reached = next((s for s, bpb in results[name] if bpb <= target), None)
+            share = f"{reached / args.curve_steps:.2f}x the steps" if reached else "not reached"
+            print(f"    {name}: reaches it at step {reached} -> {share} (goal <= 0.75x; "
+                  f"resolution {args.eval_every} steps)")
 
 
 def main() -> None:
@@ -263,7 +269,9 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--compile", action="store_true")
-    ap.add_argument("--curve-steps", type=int, default=240)
+    ap.add_argument("--curve-steps", type=int, default=200)
+    ap.add_argument("--curve-dim", type=int, default=64)
+    ap.add_argument("--curve-context", type=int, default=64)
     ap.add_argument("--eval-every", type=int, default=20)
     ap.add_argument("--skip-throughput", action="store_true")
     ap.add_argument("--skip-curves", action="store_true")
