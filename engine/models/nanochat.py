@@ -315,6 +315,8 @@ class NanochatGPT(nn.Module):
                 nn.init.uniform_(block.attn.ve_gate.weight, 0.0, 0.02)
 
     def new_cache(self, batch: int = 1, max_len: int = 0) -> NanochatCache:
+        """An empty cache (it grows by concatenation; the arguments are the Llama family's
+        signature, which lm-pretrain's generation calls)."""
         return NanochatCache()
 
     def _smear(self, x: torch.Tensor, cache: NanochatCache | None) -> torch.Tensor:
@@ -382,7 +384,7 @@ class NanochatGPT(nn.Module):
         return list(self.transformer.h.parameters())
 
 
-def gguf_refusal(config: NanochatConfig | None = None) -> ForgebenchError:
+def gguf_refusal() -> ForgebenchError:
     """Why a nanochat model has no GGUF: no llama.cpp architecture computes it."""
     return ForgebenchError(
         "llama.cpp has no architecture for nanochat's GPT: value embeddings with per-head "
