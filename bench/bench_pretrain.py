@@ -192,7 +192,9 @@ def curves(args) -> None:
     from engine.train.muon import schedule_muon
     from engine.train.optim import clip_and_step, scheduled_lr, set_lr
 
-    torch.set_num_threads(args.threads)
+    # one thread: these small matrices gain nothing from a second, and on a loaded machine
+    # OpenMP's spinning makes two several times slower
+    torch.set_num_threads(1)
     corpus = REPO / "resources/sample-workspace/datasets/records"
     tok = ByteTokenizer()
     train = windows(token_stream(tok, (corpus / "train.txt").read_text("utf-8")),
@@ -237,7 +239,7 @@ def curves(args) -> None:
     print(f"\nMuon vs AdamW: nanochat model dim {args.curve_dim} x 4 layers, context "
           f"{args.curve_context}, batch 16 windows ({16 * args.curve_context} byte tokens), "
           f"{args.curve_steps} steps, val bpb on 32 val windows every {args.eval_every} steps, "
-          f"{args.threads} threads", flush=True)
+          "1 thread", flush=True)
     runs = {"adamw (lm-pretrain defaults: lr 3e-3, wd 0.1, clip 1)": config("adamw"),
             "adamw lr 1e-2 (a stronger baseline)": config("adamw", lr=1e-2),
             "muon (nanochat rates, batch-scaled)": config("muon", True),
