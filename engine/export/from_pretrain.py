@@ -28,6 +28,8 @@ from engine.fsutil import sha256_file
 from engine.gguf.constants import SOURCE_SHA_KEY, gguf_tensor_name
 from engine.gguf.quant_policy import FILE_TYPES
 from engine.gguf.writer import MetaValue, TensorEntry, write_gguf
+from engine.models.llama import Llama
+from engine.models.nanochat import gguf_refusal
 from engine.rundir import Checkpoint, RunDir
 
 DENSE_TYPES = {"f32": T.F32, "f16": T.F16, "bf16": T.BF16}
@@ -161,6 +163,8 @@ def write_pretrain_gguf(run: RunDir, checkpoint: Checkpoint, out: str | Path, dt
     from engine.train.checkpoint import MODEL_FILE
 
     model, tokenizer, _ = load_model(run, checkpoint)
+    if not isinstance(model, Llama):
+        raise gguf_refusal()
     return write_llama_gguf(model, tokenizer, out, dtype,
                             name=f"{run.path.name}-{checkpoint.name}",
                             source_sha256=sha256_file(checkpoint.path / MODEL_FILE),

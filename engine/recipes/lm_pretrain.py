@@ -1,7 +1,9 @@
-"""lm-pretrain: a tiny Llama-architecture decoder trained from random weights on a text corpus.
+"""lm-pretrain: a tiny decoder (Llama architecture, or nanochat's GPT) trained from random
+weights on a text corpus.
 
-Reads top to bottom: corpus -> tokenizer -> windows -> model -> AdamW -> loop (accumulate,
-clip, step, log, evaluate, checkpoint) -> final eval and samples. Evaluation reports bits per
+Reads top to bottom: corpus -> tokenizer -> windows -> model -> optimizer (AdamW, or nanochat's
+MuonAdamW) -> loop (accumulate, clip, step, log, evaluate, checkpoint) -> final eval and
+samples. Evaluation reports bits per
 byte, which compares models across tokenizers. The test split is read only by
 `forgebench eval --split test`.
 """
@@ -30,6 +32,7 @@ from engine.train.checkpoint import load_checkpoint, save_checkpoint
 from engine.train.devices import module_device, require_bf16, to_device
 from engine.train.lm_loop import LoopState, StepLoop, StepResult, accumulate, optimizer_step
 from engine.train.metrics import write_eval_record
+from engine.train.muon import pretrain_optimizer, schedule_muon
 from engine.train.optim import adamw_for
 from engine.train.precision import autocast, run_precision
 from engine.train.pretrain_model import (  # noqa: F401 (load_model: the export hook)
@@ -274,7 +277,7 @@ def train(job: Job) -> None:
     tokenizer, tokenizer_json = train_tokenizer(job, train_text)
     train_windows = train_windows_of(config, tokenizer, train_text)
     model = build_model(config, tokenizer.vocab_size).to(device)
-    optimizer = adamw_for(model.named_parameters(), opt)
+    optimizer = build_optimizer(config, model)
     state = LoopState.fresh(len(train_windows), config.seed)
     if job.resume_from:
         tensors, optimizer_state, trainer_state = load_checkpoint(job.resume_from)
@@ -302,6 +305,15 @@ def train(job: Job) -> None:
         job.stage = "sample"
         model.eval()
         write_samples(run, loop.last, model, tokenizer, config, config.seed)
+
+
+def build_optimizer(config: LMPretrainConfig, model):
+    """AdamW over every weight, or nanochat's MuonAdamW (optim.kind = "muon")."""
+    opt, tr = config.optim, config.train
+    if opt.kind == "muon":
+        tokens_per_step = tr.batch_size * tr.grad_accum * config.model.context
+        return pretrain_optimizer(model, opt, tokens_per_step, config.steps)
+    return adamw_for(model.named_parameters(), opt)
 
 
 def val_evaluator(job: Job, state: LoopState, model: Llama, tokenizer, val_text: str):
@@ -343,7 +355,9 @@ def pretrain_step(job: Job, state: LoopState, model: Llama, trained, train_windo
         return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(),
                                reduction="sum"), targets.numel()
 
-    def step(_step: int, lr: float) -> StepResult:
+    def step(step_index: int, lr: float) -> StepResult:
+        if config.optim.kind == "muon":
+            schedule_muon(optimizer, step_index)      # Muon's momentum and weight decay
         batches = [distributed.shard(state.cursor.take(tr.batch_size), world, "micro-batch",
                                      "field 'train.batch_size'") for _ in range(tr.grad_accum)]
         # token-weighted over the whole window of every rank (gradients are summed)

@@ -1,4 +1,6 @@
-"""Config schema of `lm-pretrain`: a tiny Llama-architecture decoder trained from random init.
+"""Config schema of `lm-pretrain`: a tiny decoder trained from random init, either the
+Llama architecture (`model.family = "llama"`, AdamW) or nanochat's GPT (`"nanochat"`,
+engine/models/nanochat.py; its MuonAdamW with `optim.kind = "muon"`, or AdamW).
 
 No torch here: the app builds its form from this schema.
 """
@@ -32,7 +34,23 @@ class TokenizerSection(Schema):
     vocab_size: int = Field(512, ge=260, le=65536, description="BPE vocabulary size")
 
 
+NANOCHAT_FIXED = ("ffn_dim", "rope_theta", "norm_eps")   # (its head is untied either way)
+
+
 class ModelSection(Schema):
+    family: Literal["llama", "nanochat"] = Field(
+        "llama", description="llama: RMSNorm/SwiGLU/RoPE decoder (exports to GGUF); nanochat: "
+                             "karpathy/nanochat's GPT (relu², QK-norm, value embeddings, "
+                             "soft-capped logits; no GGUF)")
+    depth: int = Field(0, ge=0, description="nanochat: derive dim and heads from the depth as "
+                                            "nanochat's base_train does (depth × aspect_ratio, "
+                                            "rounded up to head_dim); 0 = use dim and n_heads")
+    aspect_ratio: int = Field(64, ge=1, description="nanochat: width per layer of depth")
+    head_dim: int = Field(64, ge=2, description="nanochat: channels per attention head (with "
+                                                "depth)")
+    window_pattern: str = Field(
+        "L", pattern="^[SLsl]+$", description="nanochat: attention window per layer, tiled: L = "
+                                              "full context, S = a quarter (last layer is L)")
     dim: int = Field(
         128, ge=8, description="model width (embedding size); a multiple of the attention heads")
     n_layers: int = Field(4, ge=1, description="transformer blocks")
@@ -41,13 +59,27 @@ class ModelSection(Schema):
     ffn_dim: int = Field(344, ge=1, description="SwiGLU hidden width")
     context: int = Field(128, ge=2, description="tokens per training window")
     tie_embeddings: bool = Field(
-        True, description="the output head shares the input embedding's weights")
+        True, description="llama: the output head shares the input embedding's weights "
+                          "(nanochat's head is always its own)")
     rope_theta: float = Field(
         10000.0, gt=0, description="base frequency of the rotary position embedding (RoPE)")
     norm_eps: float = Field(1e-5, gt=0, description="epsilon of the RMSNorm layers")
 
     @model_validator(mode="after")
     def _heads_fit(self) -> "ModelSection":
+        if self.family == "nanochat":
+            # a value other than the (llama) default would be silently ignored: refuse it
+            fixed = [name for name in NANOCHAT_FIXED
+                     if getattr(self, name) != type(self).model_fields[name].default]
+            if fixed:
+                raise ValueError(f"{', '.join(fixed)} are fixed by nanochat's architecture "
+                                 "(4× relu² MLP, rope base 100000, torch's default norm eps): "
+                                 "remove them or use family = \"llama\"")
+            if self.depth:
+                return self
+        elif self.depth:
+            raise ValueError("depth applies to family = \"nanochat\"; the llama family takes "
+                             "dim and n_heads")
         if self.dim % self.n_heads:
             raise ValueError(f"dim {self.dim} is not divisible by n_heads {self.n_heads}")
         if self.n_heads % self.n_kv_heads:
@@ -59,11 +91,22 @@ class ModelSection(Schema):
 
 
 class PretrainOptimSection(LMOptimSection):
-    lr: LearningRate = Field(3e-3, description="peak learning rate")
+    kind: Literal["adamw", "muon"] = Field(
+        "adamw", description="adamw: one AdamW over every weight; muon: nanochat's MuonAdamW "
+                             "(block matrices on Muon at lr, embeddings, head and scalars on "
+                             "AdamW at the rates below; nanochat family only)")
+    lr: LearningRate = Field(3e-3, description="peak learning rate (muon: Muon's matrix rate)")
     warmup: WarmupSteps = 20
     schedule: Schedule = "cosine"
     weight_decay: WeightDecay = 0.1
     beta2: Beta2 = 0.95
+    embedding_lr: float = Field(0.3, gt=0, description="muon: AdamW rate of the token "
+                                                       "embedding (value embeddings: half)")
+    unembedding_lr: float = Field(0.008, gt=0, description="muon: AdamW rate of the output head")
+    scalar_lr: float = Field(0.5, gt=0, description="muon: AdamW rate of the per-layer scalars")
+    batch_lr_scaling: bool = Field(
+        True, description="muon: scale every rate by sqrt(tokens per step / 2**19) and the "
+                          "weight decay as nanochat's base_train does")
 
 
 class TrainSection(Schema):
@@ -107,3 +150,10 @@ class LMPretrainConfig(RecipeConfig):
     train: TrainSection = Field(default_factory=TrainSection)
     eval: EvalSection = Field(default_factory=EvalSection)
     sample: SampleSection = Field(default_factory=SampleSection)
+
+    @model_validator(mode="after")
+    def _optimizer_fits_model(self) -> "LMPretrainConfig":
+        if self.optim.kind == "muon" and self.model.family != "nanochat":
+            raise ValueError("optim.kind = \"muon\" is nanochat's optimizer: it needs "
+                             "model.family = \"nanochat\"")
+        return self

@@ -28,6 +28,7 @@ from engine.fsutil import atomic_write_json, atomic_write_text, sha256_file
 from engine.llm.chat import ChatTemplate, encode_prompt
 from engine.lora import ADAPTERS_FILE, LoRALinear, adapter_bytes, attach_lora, load_adapters
 from engine.model_library import BYTES_PER_FULL_PARAM
+from engine.models.llama import Llama
 from engine.rundir import Checkpoint, RunDir
 from engine.sampling import SamplingSettings, generate_tokens
 from engine.train.checkpoint import MODEL_FILE, load_checkpoint, save_checkpoint
@@ -108,6 +109,11 @@ def load_base(config, precision: str = "f32") -> Base:
         raise ForgebenchError("model.run must be an lm-pretrain run", path=run.path,
                               where="field 'model.run'")
     model, tokenizer, _ = load_model(run, run.checkpoint(config.model.checkpoint))
+    if not isinstance(model, Llama):
+        raise ForgebenchError("fine-tuning starts from an lm-pretrain run of the llama family; "
+                              "this run trained nanochat's GPT", path=run.path,
+                              where="field 'model.run'",
+                              hint="pick a run with model.family = \"llama\"")
     template = ChatTemplate(PLAIN_TEMPLATE, bos_token="<bos>", eos_token="<eos>",
                             origin="built-in plain template")
     return Base(model, PretrainTokenizer(tokenizer), template, path, dense=True)

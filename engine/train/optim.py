@@ -94,8 +94,10 @@ def scheduled_lr(optim, step: int, total: int, warmup: int | None = None) -> flo
 
 
 def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
+    """Every group's rate is `lr`, or `lr * group["lr_ratio"]` where a group keeps its own
+    share of the schedule (nanochat's MuonAdamW: per-group rates)."""
     for group in optimizer.param_groups:
-        group["lr"] = lr
+        group["lr"] = lr * group["lr_ratio"] if "lr_ratio" in group else lr
 
 
 @dataclass(frozen=True)

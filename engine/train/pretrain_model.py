@@ -1,5 +1,5 @@
-"""An lm-pretrain run's model: the tiny Llama built from the run's config, and loaded back from
-a checkpoint with the tokenizer saved beside it.
+"""An lm-pretrain run's model: the tiny Llama or nanochat GPT built from the run's config (its
+`model.family`), and loaded back from a checkpoint with the tokenizer saved beside it.
 
 It lives under the recipes so that both lm-pretrain and the fine-tuning recipes that start from
 an lm-pretrain run (engine/train/lm_base.py) load it the same way without one recipe importing
@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from engine.jobs import run_config
 from engine.models.llama import Llama, LlamaConfig
+from engine.models.nanochat import NanochatConfig, NanochatGPT
 from engine.rundir import Checkpoint, RunDir
 from engine.text_tokenizers import tokenizer_from_json
 from engine.train.checkpoint import load_checkpoint
@@ -17,9 +18,24 @@ from engine.train.checkpoint import load_checkpoint
 TOKENIZER_FILE = "tokenizer.json"
 
 
-def build_model(config, vocab_size: int) -> Llama:
+def nanochat_config(config, vocab_size: int) -> NanochatConfig:
+    """nanochat's GPTConfig of an lm-pretrain config: from `model.depth` as base_train derives
+    it, else from dim / n_layers / n_heads / n_kv_heads; the context is its sequence_len."""
+    m = config.model
+    if m.depth:
+        return NanochatConfig.for_depth(m.depth, vocab_size=vocab_size,
+                                        aspect_ratio=m.aspect_ratio, head_dim=m.head_dim,
+                                        max_seq_len=m.context, window_pattern=m.window_pattern)
+    return NanochatConfig(sequence_len=m.context, vocab_size=vocab_size, n_layer=m.n_layers,
+                          n_head=m.n_heads, n_kv_head=m.n_kv_heads, n_embd=m.dim,
+                          window_pattern=m.window_pattern)
+
+
+def build_model(config, vocab_size: int) -> Llama | NanochatGPT:
     """The decoder of an lm-pretrain config (its `model` section), with random weights."""
     m = config.model
+    if m.family == "nanochat":
+        return NanochatGPT(nanochat_config(config, vocab_size))
     return Llama(LlamaConfig(vocab_size=vocab_size, dim=m.dim, n_layers=m.n_layers,
                              n_heads=m.n_heads, n_kv_heads=m.n_kv_heads, ffn_dim=m.ffn_dim,
                              norm_eps=m.norm_eps, rope_theta=m.rope_theta,
@@ -27,7 +43,7 @@ def build_model(config, vocab_size: int) -> Llama:
                              rope_type="norm"))
 
 
-def load_model(run: RunDir, checkpoint: Checkpoint) -> tuple[Llama, object, object]:
+def load_model(run: RunDir, checkpoint: Checkpoint) -> tuple[Llama | NanochatGPT, object, object]:
     """(model in eval mode, tokenizer, config) from a committed checkpoint of an lm-pretrain
     run."""
     config = run_config(run)

@@ -1,0 +1,163 @@
+"""Produce the nanochat parity goldens (tests/data/nanochat/goldens.safetensors + goldens.json)
+from the reference itself: karpathy/nanochat at commit 92d63d4e8bb4df75c3b71618f31ddde2378b2bcd,
+on CPU in fp32, eager (torch.compile off, as the reference runs where no compiler is wanted).
+
+    python tests/data/nanochat/make_goldens.py --nanochat PATH
+
+PATH is a nanochat git directory (a clone, or a bare mirror) holding that commit. The script
+copies the commit's `nanochat/` package into a temporary directory, imports it from there, and
+writes numbers only: the reference's code is not kept in this repository. It needs torch and
+filelock (nanochat.common imports it); not nanochat's tokenizer deps (rustbpe, tiktoken), which
+the model and optimizer do not import.
+
+What it dumps, for a tiny config that still exercises every feature (GQA, a sliding window that
+bites at T=144 > 128 + 1, value embeddings on alternating layers, vocab padding 60 -> 64):
+
+- init/*: the weights of GPT.init_weights() after torch.manual_seed(0) (built as base_train
+  does: meta device, to_empty, init_weights);
+- step1/*, step10/*: parameters and optimizer state after 1 and 10 MuonAdamW steps on ten
+  fixed batches (setup_optimizer with weight_decay=0.28 so cautious decay acts);
+- trace: the loss of 40 such steps (batches from a seeded generator, stored);
+- trained/*: the weights after those 40 steps, from which
+- fwd/*: for one sequence, each block's input and output, and the logits;
+- grad/*: loss and gradients of a batch of two with some targets ignored (-1);
+- decode: greedy GPT.generate of 24 tokens.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+PINNED = "92d63d4e8bb4df75c3b71618f31ddde2378b2bcd"
+HERE = Path(__file__).resolve().parent
+
+CONFIG = dict(sequence_len=512, vocab_size=60, n_layer=3, n_head=2, n_kv_head=1, n_embd=32,
+              window_pattern="SSL")
+FWD_T = 144          # > short window (128) + 1, so the S layers' window masks keys
+BATCH, TRAIN_T = 2, 144
+STEPS = 40
+LRS = dict(unembedding_lr=0.004, embedding_lr=0.2, matrix_lr=0.02, weight_decay=0.28,
+           scalar_lr=0.5)
+PROMPT = [1, 5, 9, 13]
+DECODE_TOKENS = 24
+
+
+def batches(torch, n: int):
+    """Arithmetic progressions mod 60 with a random start and stride: learnable, so the
+    trained model's greedy decode is not one repeated token."""
+    g = torch.Generator().manual_seed(1234)
+    out = []
+    for _ in range(n):
+        start = torch.randint(0, 60, (BATCH, 1), generator=g)
+        stride = torch.randint(1, 6, (BATCH, 1), generator=g)
+        seq = (start + stride * torch.arange(TRAIN_T + 1)) % 60          # [B, T+1]
+        out.append(seq)
+    return torch.stack(out)                                              # [n, B, T+1]
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--nanochat", required=True, help="nanochat git dir or clone")
+    ap.add_argument("--out", default=str(HERE))
+    args = ap.parse_args()
+    os.environ["NANOCHAT_DTYPE"] = "float32"
+    os.environ["TORCHDYNAMO_DISABLE"] = "1"
+    git = ["git", "--git-dir", args.nanochat] if not (Path(args.nanochat) / ".git").exists() \
+        else ["git", "-C", args.nanochat]
+    tmp = tempfile.mkdtemp(prefix="nanochat-ref-")
+    archive = subprocess.run(git + ["archive", PINNED, "nanochat"], check=True,
+                             capture_output=True).stdout
+    subprocess.run(["tar", "-x", "-C", tmp], input=archive, check=True)
+    sys.path.insert(0, tmp)
+
+    import torch
+    from nanochat.gpt import GPT, GPTConfig
+    from safetensors.torch import save_file
+    torch.set_num_threads(1)   # one summation order, whatever the machine
+
+    config = GPTConfig(**CONFIG)
+    with torch.device("meta"):
+        model = GPT(config)
+    model.to_empty(device="cpu")
+    torch.manual_seed(0)
+    model.init_weights()
+    out: dict[str, torch.Tensor] = {}
+    for k, v in model.state_dict().items():
+        out[f"init/{k}"] = v.detach().clone()
+
+    # training: gradients, 1 and 10 optimizer steps, a 40-step loss trace
+    data = batches(torch, STEPS)
+    out["train/batches"] = data.to(torch.int32)
+    optimizer = model.setup_optimizer(**LRS)
+    names = {p: k for k, p in model.named_parameters()}
+    losses = []
+    for step in range(STEPS):
+        x, y = data[step, :, :-1].contiguous(), data[step, :, 1:].contiguous()
+        loss = model(x, y)
+        loss.backward()
+        losses.append(loss.item())
+        optimizer.step()
+        model.zero_grad(set_to_none=True)
+        if step + 1 in (1, 10):
+            tag = f"step{step + 1}"
+            for p, k in names.items():
+                out[f"{tag}/param/{k}"] = p.detach().clone()
+                for sk, sv in optimizer.state[p].items():
+                    if isinstance(sv, torch.Tensor):
+                        out[f"{tag}/state/{k}/{sk}"] = sv.detach().clone()
+    for p, k in names.items():
+        out[f"trained/{k}"] = p.detach().clone()
+
+    # forward and gradients on the trained weights: at init the zeroed projections make every
+    # block a rescaling of the embedding, which would leave attention and the MLP untested
+    g = torch.Generator().manual_seed(7)
+    idx = torch.randint(0, CONFIG["vocab_size"], (1, FWD_T), generator=g)
+    out["fwd/idx"] = idx
+    acts = []
+    hooks = [b.register_forward_pre_hook(lambda m, a: acts.append(a[0].detach().clone()))
+             for b in model.transformer.h]
+    hooks += [b.register_forward_hook(lambda m, a, o: acts.append(o.detach().clone()))
+              for b in model.transformer.h]
+    with torch.no_grad():
+        logits = model(idx)
+    for h in hooks:
+        h.remove()
+    n = CONFIG["n_layer"]
+    for i in range(n):
+        out[f"fwd/block{i}.in"] = acts[2 * i]
+        out[f"fwd/block{i}.out"] = acts[2 * i + 1]
+    out["fwd/logits"] = logits
+
+    g = torch.Generator().manual_seed(8)
+    gx = torch.randint(0, CONFIG["vocab_size"], (BATCH, TRAIN_T + 1), generator=g)
+    gx[0, 100:] = -1                     # ignored targets (the reference's ignore_index)
+    out["grad/batch"] = gx.to(torch.int32)
+    x, y = gx[:, :-1].clamp_min(0).contiguous(), gx[:, 1:].contiguous()
+    loss = model(x, y)
+    loss.backward()
+    out["grad/loss"] = loss.detach().reshape(1)
+    for p, k in names.items():
+        out[f"grad/{k}"] = p.grad.detach().clone()
+    model.zero_grad(set_to_none=True)
+    decode = list(model.generate(PROMPT, max_tokens=DECODE_TOKENS, temperature=0))
+
+    out = {k: v.contiguous() for k, v in out.items()}
+    save_file(out, str(Path(args.out) / "goldens.safetensors"))
+    meta = {"nanochat_commit": PINNED, "torch": torch.__version__, "threads": 1,
+            "config": CONFIG, "lrs": LRS, "fwd_T": FWD_T, "batch": BATCH, "train_T": TRAIN_T,
+            "loss_trace": losses, "prompt": PROMPT, "decode": decode,
+            "window_sizes": [list(w) for w in model.window_sizes]}
+    (Path(args.out) / "goldens.json").write_text(json.dumps(meta, indent=1) + "\n")
+    print(f"wrote {len(out)} tensors; losses {losses[0]:.4f} -> {losses[-1]:.4f}; "
+          f"decode {decode}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
