@@ -32,7 +32,7 @@ PROMPT = ("The history of the printing press begins in the fifteenth century, wh
           "years, presses were operating in more than two hundred European cities, and")
 
 
-def run_engine(model_path: str, weights: str, n_decode: int) -> dict:
+def run_engine(model_path: str, weights: str, n_decode: int, prompt: str = PROMPT) -> dict:
     import torch
 
     from engine.llm.generate import generate
@@ -40,7 +40,7 @@ def run_engine(model_path: str, weights: str, n_decode: int) -> dict:
 
     t0, c0 = time.perf_counter(), time.process_time()
     model, tok = load_gguf_model(model_path, numerics="llamacpp", weights=weights)
-    ids = tok.encode(PROMPT)
+    ids = tok.encode(prompt)
     load_s = time.perf_counter() - t0
     first = {}
 
@@ -88,7 +88,7 @@ def run_transformers(model_path: str, n_decode: int) -> dict:
             "threads": torch.get_num_threads()}
 
 
-def run_llamacpp(model_path: str, n_decode: int, threads: int) -> dict:
+def run_llamacpp(model_path: str, n_decode: int, threads: int, prompt: str = PROMPT) -> dict:
     import llama_cpp  # noqa: F401  (imported before the clock starts, as the engine's modules)
 
     # opened as the engine's oracle opens it: no extra buffer types on an AMX build, whose AMX
@@ -96,9 +96,9 @@ def run_llamacpp(model_path: str, n_decode: int, threads: int) -> dict:
     from engine.export.llamacpp import open_llama
 
     t0, c0 = time.perf_counter(), time.process_time()
-    llm = open_llama(model_path, n_ctx=512, n_threads=threads, n_threads_batch=threads,
-                     verbose=False)
-    ids = llm.tokenize(PROMPT.encode())
+    llm = open_llama(model_path, n_ctx=max(512, 2 * len(prompt)), n_threads=threads,
+                     n_threads_batch=threads, verbose=False)
+    ids = llm.tokenize(prompt.encode())
     load_s = time.perf_counter() - t0
     t1 = time.perf_counter()
     llm.eval(ids)
