@@ -47,6 +47,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import subprocess
 import sys
 import tempfile
@@ -380,9 +381,13 @@ sys.stdout.write("\\n")
 
 
 def time_process(cmd: list[str], threads: int) -> dict:
-    """Wall seconds from spawning `cmd` to its first byte on stdout and to its exit."""
+    """Wall seconds from spawning `cmd` to its first byte on stdout and to its exit. Python may
+    cache the bytecode it compiles (as an installed package has it), whatever the caller's
+    PYTHONDONTWRITEBYTECODE says."""
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": str(threads)}
+    env.pop("PYTHONDONTWRITEBYTECODE", None)
     load = os.getloadavg()[0]
+    used = resource.getrusage(resource.RUSAGE_CHILDREN)
     start = time.perf_counter()
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=ROOT,
                             env=env)
@@ -392,7 +397,10 @@ def time_process(cmd: list[str], threads: int) -> dict:
     err = proc.stderr.read()
     if proc.wait() != 0 or not first:
         raise SystemExit(f"{cmd[:4]} failed: {err.decode(errors='replace')[-2000:]}")
-    return {"ttft_s": ttft, "total_s": time.perf_counter() - start, "load": load,
+    total = time.perf_counter() - start
+    now = resource.getrusage(resource.RUSAGE_CHILDREN)
+    cpu = now.ru_utime - used.ru_utime + now.ru_stime - used.ru_stime
+    return {"ttft_s": ttft, "total_s": total, "cpu_s": cpu, "load": load,
             "text": (first + rest).decode(errors="replace")}
 
 
@@ -411,26 +419,31 @@ def cli_main(args) -> None:
     for _ in range(args.repeat):
         for runner, cmd in (("engine", engine_cmd), ("llama.cpp", llama_cmd)):
             runs[runner].append(time_process(cmd, threads))
-            print(f"  {runner}: first byte {runs[runner][-1]['ttft_s']:.2f} s, end "
-                  f"{runs[runner][-1]['total_s']:.2f} s (load {runs[runner][-1]['load']:.2f})",
-                  flush=True)
+            r = runs[runner][-1]
+            print(f"  {runner}: first byte {r['ttft_s']:.2f} s, end {r['total_s']:.2f} s, "
+                  f"CPU {r['cpu_s']:.2f} s (load {r['load']:.2f})", flush=True)
     same = runs["engine"][0]["text"].strip() == runs["llama.cpp"][0]["text"].strip()
     print()
-    print(f"| {threads} threads | first byte s (best, range) | end s (best, range) |")
-    print("|---|---|---|")
+    print(f"| {threads} threads | first byte s | end s | process CPU s |")
+    print("|---|---|---|---|")
+
+    def spread(values: list[float]) -> str:
+        return f"{min(values):.2f} ({min(values):.2f}-{max(values):.2f})"
+
     for runner, r in runs.items():
-        t, e = [x["ttft_s"] for x in r], [x["total_s"] for x in r]
-        print(f"| {runner} | {min(t):.2f} ({min(t):.2f}-{max(t):.2f}) | {min(e):.2f} "
-              f"({min(e):.2f}-{max(e):.2f}) |")
-    ratio = [e["ttft_s"] / c["ttft_s"] for e, c in zip(runs["engine"], runs["llama.cpp"])]
-    ends = [e["total_s"] / c["total_s"] for e, c in zip(runs["engine"], runs["llama.cpp"])]
-    best = min(x["ttft_s"] for x in runs["engine"]) / min(x["ttft_s"] for x in runs["llama.cpp"])
-    print(f"| engine / llama.cpp | {best:.2f}x (pairs {min(ratio):.2f}-{max(ratio):.2f}x) | "
-          f"{min(ends):.2f}-{max(ends):.2f}x |")
+        print(f"| {runner} | " + " | ".join(spread([x[k] for x in r]) for k in
+                                             ("ttft_s", "total_s", "cpu_s")) + " |")
+    cells = []
+    for key in ("ttft_s", "total_s", "cpu_s"):
+        pairs = [e[key] / c[key] for e, c in zip(runs["engine"], runs["llama.cpp"])]
+        best = min(x[key] for x in runs["engine"]) / min(x[key] for x in runs["llama.cpp"])
+        cells.append(f"{best:.2f}x (pairs {min(pairs):.2f}-{max(pairs):.2f}x)")
+    print("| engine / llama.cpp | " + " | ".join(cells) + " |")
     print()
     print(f"note: {args.decode} tokens greedy after the {len(PROMPT)}-character prompt, "
           f"{args.repeat} alternated runs after one warm-up each; first byte = interpreter "
-          f"start, imports, load, prompt and the first token's text on stdout")
+          f"start, imports, load, prompt and the first token's text on stdout; best (range); "
+          f"process CPU s, the whole process's, is the figure other load disturbs least")
     print(f"note: same text from both: {same}")
     print(f"note: load {uptime()}")
     print(json.dumps({"model": model, "threads": threads, "decode_tokens": args.decode,

@@ -15,13 +15,16 @@ import json
 import sys
 
 from engine.errors import ForgebenchError
-from engine.jobs import recipe_hook
-from engine.rundir import RunDir
 
 
 def cmd_generate(args) -> int:
     if args.model:
         return cmd_generate_gguf(args)
+    # a run's hook: imported here, since the recipes' config schemas (pydantic) take a
+    # noticeable part of a GGUF reply's start
+    from engine.jobs import recipe_hook
+    from engine.rundir import RunDir
+
     if not args.run_dir:
         raise ForgebenchError("give a run directory or --model FILE.gguf",
                               where="arguments", hint="forgebench generate RUN_DIR --prompt ...")
@@ -35,6 +38,9 @@ def cmd_generate(args) -> int:
 
 def cmd_decide(args) -> int:
     """`forgebench decide RUN "request"`: the run's recipe's `decide`, printed as JSON."""
+    from engine.jobs import recipe_hook
+    from engine.rundir import RunDir
+
     run = RunDir(args.run_dir).require()
     decide = recipe_hook(run, "decide", "does not make decisions", "use an lm-decision run")
     options = [o.strip() for o in args.options.split(",") if o.strip()] if args.options else None
