@@ -13,17 +13,14 @@ their activations, so the continuation is the one llama.cpp serves.
 `model` is a torch model (engine.models.gguf_model) or a torch-free `NativeLM`
 (engine/llm/native_lm.py, `model.torch_free`): the same logits bit for bit, numpy arrays instead
 of tensors; a greedy generation on it never imports torch (a sampled one imports it for the
-generator, engine.sampling). Python's garbage collector is held off while the model runs (it
-found nothing to free there, and its passes over the interpreter's objects cost a prompt 5-10%).
+generator, engine.sampling).
 """
 
 from __future__ import annotations
 
 import functools
-import gc
 import math
 import time
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -105,19 +102,6 @@ class TextStream:
         self.sent = max(self.sent, len(text))
 
 
-@contextmanager
-def _no_collection():
-    """The cyclic garbage collector off for the block (the model's own buffers are freed by
-    reference counting); back to how it was after."""
-    enabled = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if enabled:
-            gc.enable()
-
-
 def log_softmax_at(logits, index: int) -> float:
     """log softmax(logits)[index] of a torch tensor or (torch-free path) a numpy f32 array."""
     if isinstance(logits, np.ndarray):
@@ -164,8 +148,7 @@ def generate(model, tokenizer, prompt_ids: list[int], *, max_new_tokens: int = 6
 
     def step(ids: list[int], start_pos: int):
         t0 = time.perf_counter()
-        with _no_collection():
-            logits = forward(ids, start_pos)
+        logits = forward(ids, start_pos)
         dt = time.perf_counter() - t0
         if start_pos == 0:
             clock["prompt_s"] += dt
