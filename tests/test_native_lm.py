@@ -224,3 +224,21 @@ def test_truncated_vocabulary_is_refused(tmp_path):
     cut.write_bytes(data[:at + 14 * 50])
     with pytest.raises(ForgebenchError, match="truncated"):
         open_gguf(cut)
+
+
+@needs_c
+@pytest.mark.realmodel
+def test_gemma_torch_free_generation_equals_the_torch_path(gemma_gguf):
+    """gemma-3-270m Q4_K_M: 24 greedy tokens on three prompts, the torch-free path against the
+    torch path (each the engine's llama.cpp numerics); and its 262k-token vocabulary as the
+    `gguf` package reads it."""
+    (model, tok), (lm, native_tok) = both(gemma_gguf)
+    for prompt in ("The capital of France is", "def add(a, b):\n    return",
+                   "Once upon a time, in a small village,"):
+        ids = tok.encode(prompt)
+        a = generate(model, tok, ids, max_new_tokens=24, stop_ids=[])
+        b = generate(lm, native_tok, ids, max_new_tokens=24, stop_ids=[])
+        assert a.ids == b.ids and a.text == b.text
+    tokens = open_gguf(gemma_gguf).metadata["tokenizer.ggml.tokens"]
+    assert tokens == gguf_package_strings(gemma_gguf, "tokenizer.ggml.tokens")
+    assert len(tokens) == 262144
