@@ -81,12 +81,14 @@ LONG_TOKENS = 512          # the long prompt: one full llama.cpp ubatch
 
 
 def long_prompt(model: str, tokens: int = LONG_TOKENS) -> str:
-    """Text of `tokens` tokens (BOS included) under the model's tokenizer: the short prompt and
-    the parity prompts repeated, cut at a word."""
+    """Text of `tokens` tokens (BOS included; fewer where the model's context is shorter) under
+    the model's tokenizer: the short prompt and the parity prompts repeated, cut at a word."""
     from engine.gguf.reader import open_gguf
     from engine.llm.tokenizer import GGUFTokenizer
 
-    tok = GGUFTokenizer.from_gguf(open_gguf(model))
+    gf = open_gguf(model)
+    tokens = min(tokens, gf.require_int("{arch}.context_length", 4096) // 2)
+    tok = GGUFTokenizer.from_gguf(gf)
     words = " ".join([PROMPT, *PARITY_PROMPTS] * 20).split(" ")
     lo, hi = 1, len(words)
     while lo < hi:                        # the most words whose text stays within `tokens`
