@@ -167,15 +167,21 @@ def test_chat_worker_loads_the_torch_free_decoder(files):
 
 
 def test_unserved_files_fall_back(tmp_path, monkeypatch):
-    """A PTQTP-style extra tensor (or any the torch model would add) leaves the file to torch;
-    so does a missing C build."""
-    path = write_tiny_gguf(tmp_path / "m.gguf", "llama", "Q8_0")
+    """Q4_0 weights go to torch where llama.cpp repacks them (no exact kernel for its gemm) and
+    run in C where it does not; without the C build every file goes to torch."""
+    from engine.kernels import exact_plan
+
+    q4_0 = write_tiny_gguf(tmp_path / "q4_0.gguf", "llama", "Q4_0")
+    q8_0 = write_tiny_gguf(tmp_path / "q8_0.gguf", "llama", "Q8_0")
     if kernels() is not None:
-        assert load_native_lm(path) is not None
+        rows = open_gguf(q4_0).tensor("blk.0.attn_q.weight").shape[0]
+        served = load_native_lm(q4_0) is not None
+        assert served is not exact_plan.repacked(gguf.GGMLQuantizationType.Q4_0, rows)
+        assert load_native_lm(q8_0) is not None
     import engine.llm.native_lm as native_lm
 
     monkeypatch.setattr(native_lm, "kernels", lambda: None)
-    assert load_native_lm(path) is None
+    assert load_native_lm(q8_0) is None
 
 
 # ---- the vocabulary parser -------------------------------------------------------------
