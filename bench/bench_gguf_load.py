@@ -11,6 +11,8 @@ Every child runs under the engine's thread policy (engine/__init__.py: idle Open
 same policy for all runners, so none pays libgomp's 300k-spin default on a busy machine (which
 makes a runner several times slower and counts the spinning as CPU time). "TTFT cpu s" is the
 CPU time the runner used up to its first token, the figure least disturbed by other load.
+Beside the table: the ceilings measured at the end (bench/costs.py: read bandwidth and f32
+matmul peak, what they allow this model) and each runner's decode as a fraction of its ceiling.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from bench.costs import ceiling_line, ceilings  # noqa: E402
 from engine.train.metrics import peak_rss_mb  # noqa: E402
 
 PROMPT = ("The history of the printing press begins in the fifteenth century, when Johannes "
@@ -32,7 +35,7 @@ PROMPT = ("The history of the printing press begins in the fifteenth century, wh
           "years, presses were operating in more than two hundred European cities, and")
 
 
-def run_engine(model_path: str, weights: str, n_decode: int) -> dict:
+def run_engine(model_path: str, weights: str, n_decode: int, prompt: str = PROMPT) -> dict:
     import torch
 
     from engine.llm.generate import generate
@@ -40,7 +43,7 @@ def run_engine(model_path: str, weights: str, n_decode: int) -> dict:
 
     t0, c0 = time.perf_counter(), time.process_time()
     model, tok = load_gguf_model(model_path, numerics="llamacpp", weights=weights)
-    ids = tok.encode(PROMPT)
+    ids = tok.encode(prompt)
     load_s = time.perf_counter() - t0
     first = {}
 
@@ -88,7 +91,7 @@ def run_transformers(model_path: str, n_decode: int) -> dict:
             "threads": torch.get_num_threads()}
 
 
-def run_llamacpp(model_path: str, n_decode: int, threads: int) -> dict:
+def run_llamacpp(model_path: str, n_decode: int, threads: int, prompt: str = PROMPT) -> dict:
     import llama_cpp  # noqa: F401  (imported before the clock starts, as the engine's modules)
 
     # opened as the engine's oracle opens it: no extra buffer types on an AMX build, whose AMX
@@ -96,9 +99,9 @@ def run_llamacpp(model_path: str, n_decode: int, threads: int) -> dict:
     from engine.export.llamacpp import open_llama
 
     t0, c0 = time.perf_counter(), time.process_time()
-    llm = open_llama(model_path, n_ctx=512, n_threads=threads, n_threads_batch=threads,
-                     verbose=False)
-    ids = llm.tokenize(PROMPT.encode())
+    llm = open_llama(model_path, n_ctx=max(512, 2 * len(prompt)), n_threads=threads,
+                     n_threads_batch=threads, verbose=False)
+    ids = llm.tokenize(prompt.encode())
     load_s = time.perf_counter() - t0
     t1 = time.perf_counter()
     llm.eval(ids)
@@ -206,8 +209,14 @@ def main() -> None:
             continue
         rows[name] = json.loads(line[7:])
         loads.append(f"after {name}: {uptime()}")
+    limits = ceilings(args.threads, model)
     print()
     print(table(rows))
+    print()
+    print(ceiling_line(limits))
+    print("decode as a fraction of the bandwidth's ceiling: " + ", ".join(
+        f"{name} {100 * r['decode_tokens_per_s'] / limits['decode_ceiling']:.0f}%"
+        for name, r in rows.items()))
     print()
     policy = ", ".join(f"{k}={os.environ[k]}" for k in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")
                        if k in os.environ)
@@ -216,7 +225,7 @@ def main() -> None:
     for note in [*loads, *notes]:
         print("note:", note)
     print(json.dumps({"model": model, "threads": args.threads, "decode_tokens": args.decode,
-                      "results": rows, "notes": notes, "load": loads}))
+                      "ceilings": limits, "results": rows, "notes": notes, "load": loads}))
 
 
 if __name__ == "__main__":

@@ -1,7 +1,10 @@
 """Where a profiled training step spends its time, by torch op: shared by the training benches
-to name each recipe's biggest remaining cost."""
+to name each recipe's biggest remaining cost; and the machine's ceilings (read bandwidth, matmul
+peak) measured beside a figure, so each reads as a fraction of the machine."""
 
 from __future__ import annotations
+
+import os
 
 # aten ops grouped into what they are; anything else keeps its own name
 KINDS = {
@@ -108,3 +111,40 @@ def matmul_roofline(events, peak_flops: float, bandwidth: float) -> dict:
         traffic_bound += traffic_s if traffic_s > compute_s else 0.0
     return {"count": count, "measured_s": measured, "floor_s": floor,
             "traffic_bound_s": traffic_bound}
+
+
+# ---- generation ceilings (bench_generate.py, bench_gguf_load.py) -------------------------
+
+def per_token_cost(model: str) -> tuple[int, int]:
+    """(bytes, FLOPs) one token costs: every layer's packed weights and the LM head read once
+    (the embedding row is negligible), two FLOPs per weight."""
+    from engine.gguf.reader import open_gguf
+
+    gf = open_gguf(model)
+    head = "output.weight" if "output.weight" in gf.tensors else "token_embd.weight"
+    mats = [t for name, t in gf.tensors.items()
+            if (name.startswith("blk.") and len(t.shape) == 2) or name == head]
+    return sum(t.n_bytes for t in mats), 2 * sum(t.n_elements for t in mats)
+
+
+def ceilings(threads: int, model: str) -> dict:
+    """The machine's ceilings measured now at `threads` threads: read bandwidth (B/s) and f32
+    matmul peak (FLOP/s, wall clock), and what they allow this model (decode and prompt
+    tok/s)."""
+    from engine.train.metrics import measure_peak_matmul_flops
+
+    nbytes, flops = per_token_cost(model)
+    bandwidth = measure_read_bandwidth(threads)
+    peak = measure_peak_matmul_flops("f32", threads, clock="wall")
+    return {"threads": threads, "bandwidth": bandwidth, "peak_flops": peak,
+            "bytes_per_token": nbytes, "flops_per_token": flops,
+            "decode_ceiling": bandwidth / nbytes, "prompt_ceiling": peak / flops,
+            "load": os.getloadavg()[0]}
+
+
+def ceiling_line(c: dict) -> str:
+    return (f"ceilings at {c['threads']} threads (load {c['load']:.2f}): read bandwidth "
+            f"{c['bandwidth'] / 1e9:.1f} GB/s over {c['bytes_per_token'] / 1e6:.1f} MB per token "
+            f"-> decode <= {c['decode_ceiling']:.1f} tok/s; f32 matmul peak "
+            f"{c['peak_flops'] / 1e9:.0f} GFLOP/s over {c['flops_per_token'] / 1e6:.0f} MFLOP "
+            f"per token -> prompt <= {c['prompt_ceiling']:.0f} tok/s")

@@ -3,14 +3,22 @@
 Greedy when temperature is 0; otherwise llama.cpp's order: repetition penalty, top-k, top-p
 (on the untempered distribution), temperature, then a draw from the given torch.Generator, so a
 seed reproduces a generation.
+
+Logits may be a torch tensor or a numpy array (the torch-free generate path,
+engine/llm/native_lm.py): greedy picks on a numpy array stay in numpy (the repetition penalty
+in the same f32 operations, argmax's first maximum alike), so a greedy generation never imports
+torch; a draw converts the array to a tensor and samples exactly as from the tensor.
 """
 
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
-from typing import Callable, Iterable, Sequence
+from typing import TYPE_CHECKING, Callable, Iterable, Sequence
 
-import torch
+import numpy as np
+
+if TYPE_CHECKING:
+    import torch
 
 
 @dataclass(frozen=True)
@@ -24,12 +32,20 @@ class SamplingSettings:
         return asdict(self)
 
 
-def apply_repetition_penalty(logits: torch.Tensor, previous: Iterable[int],
-                             penalty: float) -> torch.Tensor:
-    """Divide positive logits (multiply negative ones) of tokens already seen by `penalty`."""
+def apply_repetition_penalty(logits: torch.Tensor | np.ndarray, previous: Iterable[int],
+                             penalty: float) -> torch.Tensor | np.ndarray:
+    """Divide positive logits (multiply negative ones) of tokens already seen by `penalty`
+    (f32 logits, the penalty rounded to f32 first: torch's arithmetic with a Python scalar)."""
     seen = sorted(set(previous))
     if penalty == 1.0 or not seen:
         return logits
+    if isinstance(logits, np.ndarray):
+        logits = logits.copy()
+        picked, p = logits[seen], np.float32(penalty)
+        logits[seen] = np.where(picked > 0, picked / p, picked * p)
+        return logits
+    import torch
+
     logits = logits.clone()
     index = torch.tensor(seen, dtype=torch.long)
     picked = logits[index]
@@ -38,6 +54,8 @@ def apply_repetition_penalty(logits: torch.Tensor, previous: Iterable[int],
 
 
 def filter_top_k(logits: torch.Tensor, k: int) -> torch.Tensor:
+    import torch
+
     if k <= 0 or k >= logits.numel():
         return logits
     threshold = torch.topk(logits, k).values[-1]
@@ -46,6 +64,8 @@ def filter_top_k(logits: torch.Tensor, k: int) -> torch.Tensor:
 
 def filter_top_p(logits: torch.Tensor, p: float) -> torch.Tensor:
     """Keep the smallest set of most likely tokens whose probability mass reaches `p`."""
+    import torch
+
     if p >= 1.0:
         return logits
     sorted_logits, order = torch.sort(logits, descending=True)
@@ -58,11 +78,31 @@ def filter_top_p(logits: torch.Tensor, p: float) -> torch.Tensor:
 
 def next_token(logits: torch.Tensor, settings: SamplingSettings,
                generator: torch.Generator | None = None, previous: Sequence[int] = ()) -> int:
-    """Pick the next token from the logits [vocab] of the last position."""
+    """Pick the next token from the logits [vocab] of the last position (a torch tensor or a
+    numpy f32 array)."""
+    if isinstance(logits, np.ndarray):
+        logits = apply_repetition_penalty(logits.reshape(-1).astype(np.float32, copy=False),
+                                          previous, settings.repetition_penalty)
+        if settings.temperature <= 0:
+            return int(np.argmax(logits))
+        import torch
+
+        logits = torch.from_numpy(logits)
+        return _draw(logits, settings, generator)
     logits = apply_repetition_penalty(logits.detach().float().reshape(-1), previous,
                                       settings.repetition_penalty)
     if settings.temperature <= 0:
+        import torch
+
         return int(torch.argmax(logits))
+    return _draw(logits, settings, generator)
+
+
+def _draw(logits: torch.Tensor, settings: SamplingSettings,
+          generator: torch.Generator | None) -> int:
+    """top-k, top-p, temperature, then one draw (after the repetition penalty)."""
+    import torch
+
     logits = filter_top_p(filter_top_k(logits, settings.top_k), settings.top_p)
     probs = torch.softmax(logits / settings.temperature, dim=-1)
     return int(torch.multinomial(probs, 1, generator=generator))

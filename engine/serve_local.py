@@ -88,8 +88,11 @@ def _plain(messages: list) -> list[dict]:
             for m in messages]
 
 
-def load_system(name: str, request: dict) -> System:
-    """Load what a `load` request names (see the module docstring)."""
+def load_system(name: str, request: dict, torch_free: bool = False) -> System:
+    """Load what a `load` request names (see the module docstring). `torch_free`: a GGUF may
+    load as the torch-free C decoder (engine.commands.generate.load_generator), for callers that
+    only generate (the chat command, this worker); the HTTP server's scheduler needs the torch
+    model."""
     from engine.llm.chat import ChatTemplate
 
     workspace = request.get("workspace")
@@ -109,14 +112,12 @@ def load_system(name: str, request: dict) -> System:
                               where="load", hint='e.g. {"op": "load", "model": "FILE.gguf"}')
     if not path.is_file():
         raise ForgebenchError("model file not found", path=path, where="model")
-    from engine.lora import attach_adapter_file
-    from engine.models.gguf_model import load_gguf_model
+    from engine.commands.generate import load_generator
 
     numerics = request.get("numerics") or "llamacpp"
     started = time.perf_counter()
-    model, tokenizer = load_gguf_model(path, numerics=numerics, weights="dense-cache")
-    if request.get("lora"):
-        attach_adapter_file(model, request["lora"])
+    model, tokenizer = load_generator(path, numerics, "dense-cache", request.get("lora"),
+                                      torch_free=torch_free)
     template = ChatTemplate.from_gguf(model.gguf)
     info = {"kind": "gguf", "path": str(path), "sha256": model.gguf.sha256(),
             "numerics": numerics, "lora": request.get("lora"), "template": template.origin,
@@ -316,7 +317,7 @@ class Worker:
         if op == "load":
             name = str(request.get("system") or "default")
             self.systems.pop(name, None)        # the old one is freed before the new one loads
-            system = load_system(name, request)
+            system = load_system(name, request, torch_free=True)
             self.systems[name] = system
             send({"event": "loaded", "system": name, "info": system.info})
         elif op == "render":

@@ -33,7 +33,7 @@ def chat(tmp_path, monkeypatch, model: ScriptedModel, *prompts: str) -> Conversa
     gguf = tmp_path / "model.gguf"
     gguf.write_bytes(b"not read: the model is scripted")
     monkeypatch.setattr(serve_local, "load_system",
-                        lambda name, request: serve_local.System(name, None, None, None, {}))
+                        lambda name, request, **_: serve_local.System(name, None, None, None, {}))
     monkeypatch.setattr(serve_local, "chat", model)
     transcript = tmp_path / "t.jsonl"
     args = ["chat", str(gguf), "--save", str(transcript), "--calculator"]

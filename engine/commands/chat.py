@@ -163,7 +163,7 @@ def cmd_chat(args) -> int:
     request = load_request(args.target, args, workspace)
     label = Path(args.target).name
     print(f"loading {label} …", file=sys.stderr)
-    system = load_system("A", request)
+    system = load_system("A", request, torch_free=True)
     systems = {"A": {"label": label, "load": request, "info": system.info}}
     if args.save:
         conversation = Conversation.create(args.save, systems)

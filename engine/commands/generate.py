@@ -3,8 +3,10 @@ With --json a GGUF model prints one JSON line per token ({"event": "token", "id"
 "logprob"}) as it is generated and the result ({"event": "done", ...}) as the last line.
 `forgebench decide RUN "request"`: a decision run's chosen option (or "abstain") as JSON.
 
-No torch at module top level; the GGUF path loads the model (engine.models.gguf_model) and
-decodes with engine.llm.generate.
+No torch at module top level. The GGUF path under llama.cpp numerics without --lora runs the
+torch-free C decoder (engine/llm/native_lm.py: the same tokens, no torch import for a greedy
+reply); otherwise, or where the C decoder does not serve the file bit for bit, it loads the torch
+model (engine.models.gguf_model). Both decode with engine.llm.generate.
 """
 
 from __future__ import annotations
@@ -13,13 +15,16 @@ import json
 import sys
 
 from engine.errors import ForgebenchError
-from engine.jobs import recipe_hook
-from engine.rundir import RunDir
 
 
 def cmd_generate(args) -> int:
     if args.model:
         return cmd_generate_gguf(args)
+    # a run's hook: imported here, since the recipes' config schemas (pydantic) take a
+    # noticeable part of a GGUF reply's start
+    from engine.jobs import recipe_hook
+    from engine.rundir import RunDir
+
     if not args.run_dir:
         raise ForgebenchError("give a run directory or --model FILE.gguf",
                               where="arguments", hint="forgebench generate RUN_DIR --prompt ...")
@@ -33,6 +38,9 @@ def cmd_generate(args) -> int:
 
 def cmd_decide(args) -> int:
     """`forgebench decide RUN "request"`: the run's recipe's `decide`, printed as JSON."""
+    from engine.jobs import recipe_hook
+    from engine.rundir import RunDir
+
     run = RunDir(args.run_dir).require()
     decide = recipe_hook(run, "decide", "does not make decisions", "use an lm-decision run")
     options = [o.strip() for o in args.options.split(",") if o.strip()] if args.options else None
@@ -63,15 +71,11 @@ def cmd_generate_gguf(args) -> int:
     gemma-3-270m); loading stays instant either way, since the cache fills as layers first run.
     """
     from engine.llm.generate import generate
-    from engine.lora import attach_adapter_file
-    from engine.models.gguf_model import load_gguf_model, memory_report
     from engine.sampling import SamplingSettings
 
     numerics = args.numerics or "llamacpp"
     weights = getattr(args, "weights", "dense-cache")
-    model, tokenizer = load_gguf_model(args.model, numerics=numerics, weights=weights)
-    if args.lora:
-        attach_adapter_file(model, args.lora)
+    model, tokenizer = load_generator(args.model, numerics, weights, args.lora)
     prompt = _prompt_ids(model, tokenizer, args)
     settings = SamplingSettings(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
                                 repetition_penalty=args.repetition_penalty)
@@ -85,8 +89,37 @@ def cmd_generate_gguf(args) -> int:
         # one line per token as it is generated, then the result as the last line
         out = {"event": "done"} | result.as_dict() | {
             "model": str(args.model), "numerics": numerics, "settings": settings.as_dict(),
-            "seed": args.seed, "weights": weights, "memory": memory_report(model)}
+            "seed": args.seed, "weights": weights, "memory": model_memory(model)}
         print(json.dumps(out, ensure_ascii=False))
     else:
         sys.stdout.write("\n")
     return 0
+
+
+def load_generator(path, numerics: str, weights: str = "dense-cache", lora: str | None = None,
+                   torch_free: bool = True):
+    """(model, tokenizer) to generate with from a GGUF file: the torch-free C decoder
+    (engine/llm/native_lm.py) under llama.cpp numerics without adapters where it serves the
+    file (and `torch_free`), else the torch model with `weights` and the adapters attached."""
+    if torch_free and numerics == "llamacpp" and not lora:
+        from engine.llm.native_lm import load_native_lm
+
+        native = load_native_lm(path)
+        if native is not None:
+            return native
+    from engine.lora import attach_adapter_file
+    from engine.models.gguf_model import load_gguf_model
+
+    model, tokenizer = load_gguf_model(path, numerics=numerics, weights=weights)
+    if lora:
+        attach_adapter_file(model, lora)
+    return model, tokenizer
+
+
+def model_memory(model) -> dict:
+    """engine.models.gguf_model.memory_report for either kind of model load_generator gives."""
+    if getattr(model, "torch_free", False):
+        return model.memory_report()
+    from engine.models.gguf_model import memory_report
+
+    return memory_report(model)

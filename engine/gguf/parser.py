@@ -62,6 +62,10 @@ def encode(text: str | bytes) -> bytes:
     return text.encode("utf-8", "surrogateescape") if isinstance(text, str) else bytes(text)
 
 
+class _Strings(list):
+    """A string array as the parser reads it: every item a str already."""
+
+
 @dataclass(frozen=True, eq=False)
 class MetaValue:
     """One metadata value with its exact GGUF type (u32 and i32 must not be confused on re-emit).
@@ -88,6 +92,8 @@ class MetaValue:
         if isinstance(self.value, bytes):
             return decode(self.value)
         if self.item_type == V.STRING:
+            if type(self.value) is _Strings:      # the parser's: decoded already
+                return list(self.value)
             return [decode(v) if isinstance(v, bytes) else v for v in self.value]
         if self.item_type == V.ARRAY:
             return [v.python() for v in self.value]
@@ -190,20 +196,36 @@ class _Cursor:
             raise _Truncated(f"a string of {n} bytes runs past the end of the file")
         return bytes(self.take(n))
 
-    def strings(self, count: int) -> list[bytes]:
-        """`count` length-prefixed strings in one tight loop (vocabularies hold 100k+)."""
-        unpack, mem, pos, size, out = struct.Struct("<Q").unpack_from, self.mem, self.pos, \
-            self.size, []
-        for _ in range(count):
-            if pos + 8 > size:
-                raise _Truncated("a string array runs past the end of the file")
-            (n,) = unpack(mem, pos)
-            if n > size - pos - 8:
-                raise _Truncated(f"a string of {n} bytes runs past the end of the file")
-            out.append(bytes(mem[pos + 8:pos + 8 + n]))
-            pos += 8 + n
+    def strings(self, count: int) -> list[str]:
+        """`count` length-prefixed strings, decoded (vocabularies hold 100k+): the lengths are
+        walked in one tight loop, then the bodies are decoded in one call, joined by a NUL
+        (ASCII ends any partial UTF-8 sequence, so decoding the joined bytes and splitting gives
+        each string's own decoding) and split again; where a string holds a NUL itself, one by
+        one."""
+        unpack, mem, first = struct.Struct("<Q").unpack_from, self.mem, self.pos
+        starts: list[int] = []
+        append, pos = starts.append, first
+        try:
+            for _ in range(count):
+                append(pos)
+                pos += 8 + unpack(mem, pos)[0]
+        except (struct.error, OverflowError):     # a length past the end of the file
+            pos = self.size + 1
+        if pos > self.size:
+            raise _Truncated("a string array runs past the end of the file")
         self.pos = pos
-        return out
+        if not count:
+            return _Strings()
+        at = np.asarray(starts, np.int64) - first
+        region = np.frombuffer(mem, np.uint8, pos - first, first).copy()
+        keep = np.ones(region.size, bool)
+        keep[(at[:, None] + np.arange(7)).ravel()] = False   # each length but its last byte,
+        region[at + 7] = 0                                    # which becomes the NUL
+        text = region[keep].tobytes().decode("utf-8", "surrogateescape").split("\0")
+        if len(text) == count + 1:
+            return _Strings(text[1:])
+        ends = [*starts[1:], pos]
+        return _Strings(decode(mem[s + 8:e].tobytes()) for s, e in zip(starts, ends))
 
     def value_type(self) -> GGUFValueType:
         (kind,) = self.unpack("<I")

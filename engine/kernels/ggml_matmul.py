@@ -55,90 +55,43 @@ import ctypes
 import torch
 from gguf import GGMLQuantizationType as T
 
-from engine.gguf.constants import type_size
 from engine.gguf.dequant import unpack_blocks
+from engine.kernels import exact_plan
 from engine.kernels.cpu import plan
-from engine.kernels.native import WEIGHT_TYPES, Plan, Weight, kernels, ptr
+from engine.kernels.exact_plan import UBATCH, unpack_parts, weight_struct
+from engine.kernels.native import Plan, kernels, ptr
 from engine.kernels.numerics import fma_f32, hsum8, quantize_q8_0, quantize_q8_k, round_f16
 
-UBATCH = 512  # llama.cpp's default n_ubatch: a longer prompt is evaluated in such pieces
 ROW_CHUNK = 64  # rows per pass of the torch reference, to bound its integer-lane intermediates
 TILED_MIN_ROWS = 8  # ggml_tiled_min_batch: K-quant matmuls of this many rows or more run tiled
-EXACT_TYPES = (T.Q8_0, T.Q5_0, T.Q4_0, T.Q4_1, T.Q5_1, T.Q4_K, T.Q5_K, T.Q6_K)
 
 
+# exact_plan's answers for this module's `plan` (which the tests replace to follow another
+# build's orders)
 def repacked(ggml_type: T, rows: int, p=None) -> bool:
-    """Whether llama.cpp holds this weight repacked (its extra buffer types on, x86: Q4_0 and
-    Q4_K matrices whose rows are a multiple of 8; repack.cpp ggml_repack_get_optimal_repack_type)
-    in the configuration of the kernel plan (this machine's unless given)."""
-    p = p or plan()
-    return p.repacked and T(ggml_type) in (T.Q4_0, T.Q4_K) and rows % 8 == 0
+    return exact_plan.repacked(ggml_type, rows, p or plan())
 
 
 def supports_exact(ggml_type: T, rows: int) -> bool:
-    """ggml_matmul has llama.cpp's kernel for these weights in this machine's configuration (the
-    repacked Q4_0 gemm is the one it lacks)."""
-    ggml_type = T(ggml_type)
-    return ggml_type in EXACT_TYPES and not (ggml_type == T.Q4_0 and repacked(ggml_type, rows))
+    return exact_plan.supports_exact(ggml_type, rows, plan())
 
 
 def plan_struct(p=None) -> Plan:
-    """The C kernels' view of a kernel plan (this machine's unless given)."""
-    p = p or plan()
-    return Plan(p.f16_lanes, p.softmax_lanes, int(p.repacked))
-
-
-def weight_struct(parts: dict[str, torch.Tensor], ggml_type: T, rows: int, cols: int,
-                  bias: torch.Tensor | None = None) -> Weight:
-    """fb_weight over unpack_exact's parts; the tensors must outlive it."""
-    def address(name):
-        return ptr(parts[name]) if name in parts else None
-
-    return Weight(WEIGHT_TYPES[T(ggml_type).name], 0, rows, cols,
-                  address("blocks") or address("q"), address("scales"),
-                  address("mins"), address("d"), address("dmin"),
-                  None if bias is None else ptr(bias))
-
-
-# per weight type: what the C kernels take unpacked (name, dtype, values per block); the rest
-# they read from the GGUF blocks themselves ("blocks")
-_K_PARTS = (("scales", torch.uint8, 8), ("mins", torch.uint8, 8), ("d", torch.float32, 1),
-            ("dmin", torch.float32, 1))
-_PARTS = {
-    T.Q8_0: (("d", torch.float32, 1),),
-    T.Q5_0: (("d", torch.float32, 1),),
-    T.Q4_0: (("d", torch.float32, 1),),
-    T.Q4_1: (("d", torch.float32, 1), ("dmin", torch.float32, 1)),
-    T.Q5_1: (("d", torch.float32, 1), ("dmin", torch.float32, 1)),
-    T.Q4_K: _K_PARTS,
-    T.Q5_K: _K_PARTS,
-    T.Q6_K: (("q", torch.uint8, 256), ("scales", torch.int8, 16), ("d", torch.float32, 1)),
-}
+    return exact_plan.plan_struct(p or plan())
 
 
 def unpack_exact(raw: torch.Tensor, ggml_type: T, rows: int) -> dict[str, torch.Tensor]:
-    """The parts the C kernels read: the GGUF blocks (F16 halves; Q8_0, Q5_0 and Q4_K blocks,
-    whose bits the kernels unpack in registers) and the parts unpack_blocks gives that they take
-    unpacked (scales, Q6_K's integers), unpacked in C on torch's thread count. Without the C build,
-    unpack_blocks' parts for the torch reference."""
+    """The parts the C kernels read (exact_plan.unpack_parts, on torch's thread count, as
+    tensors over the same memory). Without the C build, unpack_blocks' parts for the torch
+    reference."""
     ggml_type = T(ggml_type)
     raw = raw.reshape(rows, -1)
     if ggml_type == T.F16:
         return {"blocks": raw.view(torch.int16).contiguous()}
-    lib = kernels()
-    if lib is None:
+    if kernels() is None:
         return {k: v.contiguous() for k, v in unpack_blocks(raw, ggml_type).items()}
-    raw = raw.contiguous()
-    nblocks = raw.numel() // type_size(ggml_type)
-    parts = {name: torch.empty(rows, nblocks // rows * per, dtype=dtype)
-             for name, dtype, per in _PARTS[ggml_type]}
-    lib.fb_unpack(WEIGHT_TYPES[ggml_type.name], nblocks, ptr(raw),
-                  *(ptr(parts[n]) if n in parts else None
-                    for n in ("q", "scales", "mins", "d", "dmin")),
-                  torch.get_num_threads())
-    if "q" not in parts:
-        parts["blocks"] = raw
-    return parts
+    parts = unpack_parts(raw.contiguous().numpy(), ggml_type, rows, torch.get_num_threads())
+    return {name: torch.from_numpy(part) for name, part in parts.items()}
 
 
 class ExactWeight:

@@ -22,11 +22,14 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
-
-import torch
+from typing import TYPE_CHECKING
 
 from engine.fsutil import cache_dir
 from engine.kernels.cpu import forced_simd
+
+if TYPE_CHECKING:
+    import numpy as np
+    import torch
 
 SOURCE = Path(__file__).with_name("ggml_kernels.c")
 # -ffp-contract=off: only the explicit fmaf() calls fuse, as in ggml's intrinsics
@@ -177,11 +180,16 @@ def train_kernels() -> ctypes.CDLL | None:
     return build_train_kernels(forced_simd())
 
 
-def ptr(t: torch.Tensor) -> int:
-    """Address of a contiguous tensor's data, for the C calls."""
-    if not t.is_contiguous():
-        raise ValueError("native kernels need contiguous tensors")
-    return t.data_ptr()
+def ptr(t: torch.Tensor | np.ndarray) -> int:
+    """Address of a contiguous tensor's or numpy array's data, for the C calls. (No torch import
+    here: the torch-free generate path, engine/llm/native_lm.py, loads these kernels too.)"""
+    if hasattr(t, "data_ptr"):
+        if not t.is_contiguous():
+            raise ValueError("native kernels need contiguous tensors")
+        return t.data_ptr()
+    if not t.flags.c_contiguous:
+        raise ValueError("native kernels need contiguous arrays")
+    return t.ctypes.data
 
 
 __all__ = ["Layer", "Model", "Plan", "WEIGHT_TYPES", "Weight", "build_train_kernels", "kernels",

@@ -9,15 +9,22 @@ under the model); `should_cancel` is asked after every token and ends the reply 
 The prompt is processed in one batch, then one token per step against the KV cache, as llama.cpp
 does. Under "llamacpp" numerics (the default for GGUF files) the cache is f16 and matmuls quantize
 their activations, so the continuation is the one llama.cpp serves.
+
+`model` is a torch model (engine.models.gguf_model) or a torch-free `NativeLM`
+(engine/llm/native_lm.py, `model.torch_free`): the same logits bit for bit, numpy arrays instead
+of tensors; a greedy generation on it never imports torch (a sampled one imports it for the
+generator, engine.sampling).
 """
 
 from __future__ import annotations
 
+import functools
+import math
 import time
 from dataclasses import dataclass, field
 from typing import Callable
 
-import torch
+import numpy as np
 
 from engine.errors import ForgebenchError
 from engine.sampling import SamplingSettings, generate_tokens
@@ -95,7 +102,17 @@ class TextStream:
         self.sent = max(self.sent, len(text))
 
 
-@torch.no_grad()
+def log_softmax_at(logits, index: int) -> float:
+    """log softmax(logits)[index] of a torch tensor or (torch-free path) a numpy f32 array."""
+    if isinstance(logits, np.ndarray):
+        x = logits.astype(np.float64)
+        top = x.max()
+        return float(x[index] - top - math.log(np.exp(x - top).sum()))
+    import torch
+
+    return float(torch.log_softmax(logits, dim=-1)[index])
+
+
 def generate(model, tokenizer, prompt_ids: list[int], *, max_new_tokens: int = 64,
              settings: SamplingSettings = SamplingSettings(), seed: int = 0,
              stop: list[str] = (), on_text: Callable[[str], None] | None = None,
@@ -112,15 +129,26 @@ def generate(model, tokenizer, prompt_ids: list[int], *, max_new_tokens: int = 6
         raise ForgebenchError(f"prompt ({len(prompt_ids)} tokens) + max tokens ({max_new_tokens}) "
                               f"exceeds the model's context of {limit}", where="--max-tokens",
                               hint="shorten the prompt or lower --max-tokens")
-    cache = model.new_cache(1, len(prompt_ids) + max_new_tokens)
+    torch_free = getattr(model, "torch_free", False)
+    if torch_free:
+        cache = model.new_cache(len(prompt_ids) + max_new_tokens)
+        forward = functools.partial(model.last_logits, cache=cache)
+    else:
+        import torch
+
+        cache = model.new_cache(1, len(prompt_ids) + max_new_tokens)
+
+        @torch.no_grad()
+        def forward(ids: list[int], start_pos: int) -> torch.Tensor:
+            h = model.hidden(torch.tensor([ids]), start_pos, cache)
+            return model.logits(h[:, -1])[0].float()
     clock = {"prompt_s": 0.0, "decode_s": 0.0, "steps": 0}
-    last_logits: list[torch.Tensor] = []           # the distribution the newest token came from
+    last_logits: list = []           # the distribution the newest token came from
     start = time.perf_counter()
 
-    def step(ids: list[int], start_pos: int) -> torch.Tensor:
+    def step(ids: list[int], start_pos: int):
         t0 = time.perf_counter()
-        h = model.hidden(torch.tensor([ids]), start_pos, cache)
-        logits = model.logits(h[:, -1])[0].float()
+        logits = forward(ids, start_pos)
         dt = time.perf_counter() - t0
         if start_pos == 0:
             clock["prompt_s"] += dt
@@ -147,13 +175,17 @@ def generate(model, tokenizer, prompt_ids: list[int], *, max_new_tokens: int = 6
         released.clear()
         hit = stream.update(ids)
         if on_token is not None:
-            logprob = float(torch.log_softmax(last_logits[0], dim=-1)[ids[-1]])
+            logprob = log_softmax_at(last_logits[0], ids[-1])
             on_token(TokenEvent(ids[-1], "".join(released), logprob))
         if not hit and should_cancel is not None and should_cancel():
             cancelled = True
         return hit or cancelled
 
-    generator = torch.Generator().manual_seed(seed)
+    generator = None
+    if not torch_free or settings.temperature > 0:   # a draw needs torch's generator
+        import torch
+
+        generator = torch.Generator().manual_seed(seed)
     ids = generate_tokens(step, list(prompt_ids), max_new_tokens=max_new_tokens, settings=settings,
                           generator=generator, stop_ids=stop_ids, should_stop=after_token)
     text = stream.finish(ids)

@@ -1,0 +1,282 @@
+"""A GGUF decoder run wholly by the C llama.cpp kernels, with numpy for the glue: generation that
+starts without importing torch (`forgebench generate`, `forgebench chat`, the serve-local worker).
+
+Under llama.cpp numerics the torch model hands every forward to the C decoder already
+(engine/models/native_forward.py: ggml_kernels.c fb_forward) and its LM head to fb_matmul; what
+torch still did at start was only the glue, and importing it costs about a second. `NativeLM`
+describes the file to the same C entry points straight from the memory-mapped GGUF: the weights
+unpacked by fb_unpack (engine/kernels/exact_plan.py, the layout the torch path's ExactWeight
+uses), the norms and biases as f32 arrays, the embedding rows dequantized by the `gguf` package's
+numpy kernels (which engine/gguf/dequant.py matches element for element), an f16 KV cache in
+numpy. The logits are the torch path's, bit for bit (tests/test_native_lm.py holds the two to
+the same tokens and logits), so greedy continuations are identical; sampling with a temperature
+imports torch then, for its generator (engine/sampling.py), and draws the same tokens.
+
+`load_native_lm` returns None where the C decoder would not serve the model bit for bit (no C
+build or FORGEBENCH_NATIVE=0, a weight type without an exact kernel in this machine's llama.cpp
+configuration, a head dimension the attention kernel does not take, a final logit soft-cap, a
+PTQTP file's second planes or any other tensor the torch model would add): the caller loads the
+torch model instead (engine.models.gguf_model.load_gguf_model).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import math
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+from gguf import GGMLQuantizationType as T
+from gguf import quants
+
+from engine.gguf.constants import LAYER_TENSORS, NON_PARAMETER_TENSORS
+from engine.gguf.hparams import model_hparams
+from engine.gguf.reader import GGUFFile, open_gguf
+from engine.kernels.exact_plan import (
+    UBATCH,
+    plan_struct,
+    supports_exact,
+    unpack_parts,
+    weight_struct,
+)
+from engine.kernels.native import Layer, Model, kernels, ptr
+
+# fb_layer's weights -> the GGUF tensor after "blk.{i}." (engine/models/native_forward.py LINEARS)
+LINEARS = (("q", "attn_q"), ("k", "attn_k"), ("v", "attn_v"), ("o", "attn_output"),
+           ("gate", "ffn_gate"), ("up", "ffn_up"), ("down", "ffn_down"))
+# fb_layer's norms -> the GGUF tensor (NULL in C where the family has none)
+NORMS = (("attn_norm", "attn_norm"), ("q_norm", "attn_q_norm"), ("k_norm", "attn_k_norm"),
+         ("post_attn_norm", "post_attention_norm"), ("mlp_norm", "ffn_norm"),
+         ("post_mlp_norm", "post_ffw_norm"))
+GEMMA_ROPE_LOCAL_THETA = 10_000.0   # Gemma3Config.rope_local_theta: sliding-window layers
+
+
+def default_threads() -> int:
+    """The thread count the torch path would run the kernels on: OMP_NUM_THREADS, else the
+    CPUs this process may use (torch's default on a machine without SMT siblings)."""
+    given = os.environ.get("OMP_NUM_THREADS", "").strip()
+    if given.isdigit() and int(given) > 0:
+        return int(given)
+    return max(1, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
+               else os.cpu_count() or 1)
+
+
+def _f32(gf: GGUFFile, name: str, shape: tuple[int, ...]) -> np.ndarray:
+    """A small tensor (norm, bias, rope factors) as contiguous f32, as the torch loader's
+    `_dense` reads it (F32 bytes as they are; other types through gguf's numpy dequantize)."""
+    info = gf.tensor(name)
+    gf.check_type(info)
+    if tuple(info.shape) != tuple(shape):
+        return None
+    if info.ggml_type == T.F32:
+        return np.ascontiguousarray(info.raw.view(np.float32).reshape(shape))
+    return np.ascontiguousarray(quants.dequantize(info.raw, info.ggml_type).reshape(shape),
+                                dtype=np.float32)
+
+
+@dataclass
+class _Matrix:
+    """One 2-D weight in the C kernels' layout; `parts` keep the memory fb_weight points into."""
+
+    struct: object
+    parts: dict
+    raw_bytes: int
+
+
+def _matrix(gf: GGUFFile, name: str, shape: tuple[int, int], threads: int) -> _Matrix | None:
+    info = gf.tensor(name)
+    gf.check_type(info)
+    if tuple(info.shape) != tuple(shape):
+        return None
+    rows, cols = shape
+    if info.ggml_type != T.F16 and not supports_exact(info.ggml_type, rows):
+        return None
+    parts = unpack_parts(info.raw, info.ggml_type, rows, threads)
+    return _Matrix(weight_struct(parts, info.ggml_type, rows, cols), parts, info.raw.nbytes)
+
+
+class NativeLM:
+    """A decoder-only GGUF model for `engine.llm.generate.generate`: `config`, `gguf`,
+    `numerics`, `new_cache(max_len)` and `last_logits(ids, start_pos, cache)` (the logits
+    [vocab] f32 of the last of `ids` fed at `start_pos`)."""
+
+    numerics = "llamacpp"
+    torch_free = True
+
+    def __init__(self, gf: GGUFFile, arch: str, fields: dict, threads: int | None = None):
+        self.gguf, self.arch, self.lib = gf, arch, kernels()
+        self.threads = threads or default_threads()
+        gemma = arch == "gemma3"
+        self.config = SimpleNamespace(arch=arch, **fields)
+        cfg = self.config
+        self.gemma = gemma
+        self.query_scale = 1.0 / math.sqrt(cfg.head_dim) if gemma else 1.0
+        self.keep: list = []
+        self.matrices: list[_Matrix] = []
+        structs = (Layer * cfg.n_layers)()
+        kv = cfg.n_kv_heads * cfg.head_dim
+        shapes = {"q": (cfg.n_heads * cfg.head_dim, cfg.dim), "k": (kv, cfg.dim),
+                  "v": (kv, cfg.dim), "o": (cfg.dim, cfg.n_heads * cfg.head_dim),
+                  "gate": (cfg.ffn_dim, cfg.dim),
+                  "up": (cfg.ffn_dim, cfg.dim), "down": (cfg.dim, cfg.ffn_dim)}
+        self.ok = True
+        for i in range(cfg.n_layers):
+            s = structs[i]
+            for attr, gname in LINEARS:
+                m = _matrix(gf, f"blk.{i}.{gname}.weight", shapes[attr], self.threads)
+                if m is None:
+                    self.ok = False
+                    return
+                bias_name = f"blk.{i}.{gname}.bias"
+                if bias_name in gf.tensors:
+                    bias = _f32(gf, bias_name, (shapes[attr][0],))
+                    if bias is None:
+                        self.ok = False
+                        return
+                    m.struct.bias = ptr(bias)
+                    self.keep.append(bias)
+                setattr(s, attr, m.struct)
+                self.matrices.append(m)
+            for attr, gname in NORMS:
+                name = f"blk.{i}.{gname}.weight"
+                if name not in gf.tensors:
+                    continue
+                size = cfg.head_dim if attr in ("q_norm", "k_norm") else cfg.dim
+                norm = _f32(gf, name, (size,))
+                if norm is None:
+                    self.ok = False
+                    return
+                self.keep.append(norm)
+                setattr(s, attr, ptr(norm))
+            if gemma:
+                local = cfg.sliding[i]
+                base = GEMMA_ROPE_LOCAL_THETA if local else cfg.rope_theta
+                s.window = cfg.sliding_window if local else 0
+                s.rope_freq_scale = 1.0 if local else 1.0 / cfg.rope_scale
+            else:
+                base, s.window, s.rope_freq_scale = cfg.rope_theta, 0, 1.0
+                if "rope_freqs.weight" in gf.tensors:
+                    factors = _f32(gf, "rope_freqs.weight", (cfg.head_dim // 2,))
+                    self.keep.append(factors)
+                    s.rope_freq_factors = ptr(factors)
+            s.rope_step = base ** (-2.0 / cfg.head_dim)
+        norm = _f32(gf, "output_norm.weight", (cfg.dim,))
+        head = "token_embd.weight" if cfg.tie_embeddings else "output.weight"
+        self.head = _matrix(gf, head, (cfg.vocab_size, cfg.dim), self.threads)
+        embd = gf.tensor("token_embd.weight")
+        self.embd_type = embd.ggml_type
+        self.embd_rows = embd.raw.reshape(cfg.vocab_size, -1)
+        if norm is None or self.head is None or tuple(embd.shape) != (cfg.vocab_size, cfg.dim):
+            self.ok = False
+            return
+        table = gelu_table()
+        self.keep += [structs, table, norm]
+        rope_neox = gemma or arch in ("qwen2", "qwen3")   # Gemma3.rope_type, qwen*_config
+        self.struct = Model(cfg.n_layers, cfg.dim, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim,
+                            cfg.ffn_dim, cfg.norm_eps, self.query_scale,
+                            1.0 if gemma else 1.0 / math.sqrt(cfg.head_dim), int(rope_neox),
+                            int(gemma), ptr(table), ptr(norm), ctypes.addressof(structs))
+        self.plan = plan_struct()
+
+    def new_cache(self, max_len: int) -> list[np.ndarray]:
+        """f16 keys then values per layer, [n_kv_heads, max_len, head_dim] each (KVCache's
+        layout for one sequence)."""
+        c = self.config
+        shape = (c.n_kv_heads, max_len, c.head_dim)
+        return [np.zeros(shape, np.float16) for _ in range(2 * c.n_layers)]
+
+    def embed(self, ids: list[int]) -> np.ndarray:
+        """[T, dim] f32 embedding rows (Gemma: times √dim in f32, as Gemma3.hidden does)."""
+        rows = quants.dequantize(self.embd_rows[np.asarray(ids, dtype=np.int64)], self.embd_type)
+        h = np.ascontiguousarray(rows.reshape(len(ids), self.config.dim), dtype=np.float32)
+        if self.gemma:
+            h = h * np.float32(math.sqrt(self.config.dim))
+        return h
+
+    def last_logits(self, ids: list[int], start_pos: int, cache: list[np.ndarray]) -> np.ndarray:
+        """The logits [vocab] f32 after feeding `ids` at `start_pos`, as generate's torch path
+        computes them: every position through every layer (the matmuls' kernels depend on the
+        batch size), prompt ubatch by ubatch (NativeDecoder.hidden), the last row's LM head."""
+        c = self.config
+        max_len = cache[0].shape[1]
+        if start_pos + len(ids) > max_len:
+            raise ValueError(f"KV cache holds {max_len} positions; asked for "
+                             f"{start_pos + len(ids)}")
+        h = self.embed(ids)
+        keys = (ctypes.c_void_p * c.n_layers)(*(ptr(k) for k in cache[:c.n_layers]))
+        values = (ctypes.c_void_p * c.n_layers)(*(ptr(v) for v in cache[c.n_layers:]))
+        n = len(ids)
+        for u0 in range(0, n, UBATCH):
+            u1 = min(n, u0 + UBATCH)
+            chunk = np.ascontiguousarray(h[u0:u1])
+            out = np.empty((u1 - u0, c.dim), np.float32)
+            status = self.lib.fb_forward(
+                ctypes.byref(self.struct), ctypes.byref(self.plan), u1 - u0, start_pos + u0,
+                ptr(chunk), keys, values, max_len, u1 - u0, None, ptr(out), self.threads)
+            if status != 0:
+                raise MemoryError(f"fb_forward failed for {u1 - u0} positions at {start_pos + u0}")
+        out = np.ascontiguousarray(out[-1:])
+        logits = np.empty((1, c.vocab_size), np.float32)
+        if self.lib.fb_matmul(ctypes.byref(self.head.struct), 1, ptr(out),
+                              ctypes.byref(self.plan), self.threads, ptr(logits)) != 0:
+            raise MemoryError("fb_matmul: no memory for the LM head's activations")
+        return logits[0]
+
+    def memory_report(self) -> dict:
+        """engine.models.gguf_model.memory_report's keys for this model: the packed weights
+        stay memory-mapped, nothing is cached dense."""
+        weights = [*self.matrices, self.head]
+        elements = sum(m.struct.rows * m.struct.cols for m in weights)
+        return {"packed_bytes": sum(m.raw_bytes for m in weights), "dense_cache_bytes": 0,
+                "onednn_layout_bytes": 0, "f32_dense_bytes": elements * 4,
+                "bf16_dense_bytes": elements * 2,
+                "small_f32_bytes": sum(a.nbytes for a in self.keep if isinstance(a, np.ndarray))}
+
+
+_GELU_SQRT_2_OVER_PI, _GELU_A = 0.7978845608028654, 0.044715
+
+
+def gelu_table() -> np.ndarray:
+    """ggml_table_gelu_f16 (engine.kernels.numerics.gelu_table, without torch): f16(gelu(v))
+    for every f16 bit pattern v, each step an f32 operation, fma and tanh in f64 rounded once."""
+    x = np.arange(1 << 16, dtype=np.uint32).astype(np.uint16).view(np.float16).astype(np.float32)
+    s, a = np.float32(_GELU_SQRT_2_OVER_PI), np.float32(_GELU_A)
+    with np.errstate(all="ignore"):
+        inner = ((a * x).astype(np.float64) * x.astype(np.float64) + 1.0).astype(np.float32)
+        t = np.tanh((s * x * inner).astype(np.float64)).astype(np.float32)
+        g = np.float32(0.5) * x * (np.float32(1.0) + t)
+        return np.nan_to_num(g).astype(np.float16).astype(np.float32)   # inf beyond f16's range
+
+
+def _expected_tensors(n_layers: int) -> set[str]:
+    names = {"token_embd.weight", "output_norm.weight", "output.weight", *NON_PARAMETER_TENSORS}
+    for i in range(n_layers):
+        for gname in LAYER_TENSORS.values():
+            names |= {f"blk.{i}.{gname}.weight", f"blk.{i}.{gname}.bias"}
+    return names
+
+
+def load_native_lm(path: str | Path, threads: int | None = None):
+    """(NativeLM, tokenizer) for a GGUF the C decoder serves bit for bit, else None (load the
+    torch model: engine.models.gguf_model.load_gguf_model). ForgebenchErrors for a bad file are
+    the loader's own (engine.gguf.reader, engine.gguf.hparams)."""
+    if kernels() is None or Path(path).is_dir():
+        return None
+    gf = open_gguf(path)
+    arch, fields = model_hparams(gf)
+    cfg = SimpleNamespace(**fields)
+    if (cfg.head_dim % 16 or cfg.n_heads % cfg.n_kv_heads or fields.get("final_softcap")
+            or set(gf.tensors) - _expected_tensors(cfg.n_layers)):
+        return None
+    lm = NativeLM(gf, arch, fields, threads)
+    if not lm.ok:
+        return None
+    from engine.llm.tokenizer import GGUFTokenizer
+
+    return lm, GGUFTokenizer.from_gguf(gf)
+
+
+__all__ = ["NativeLM", "default_threads", "gelu_table", "load_native_lm"]
