@@ -165,8 +165,9 @@ def _load_run(name: str, run_dir: Path, checkpoint: str, workspace) -> System:
             "method": "lora" if (ckpt.path / ADAPTERS_FILE).is_file() else "full",
             "template": base.template.origin,
             "context": base.model.config.max_seq_len, "load_s": time.perf_counter() - started}
+    data = getattr(config, "data", None)       # an lm-cartridge run has no data section
     return System(name, base.model, base.tokenizer, base.template, info,
-                  config.data.enable_thinking)
+                  data.enable_thinking if data is not None else False)
 
 
 _MESSAGES = schema.TypeAdapter(schema.Messages)
