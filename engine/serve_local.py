@@ -117,9 +117,14 @@ def load_system(name: str, request: dict) -> System:
     model, tokenizer = load_gguf_model(path, numerics=numerics, weights="dense-cache")
     if request.get("lora"):
         attach_adapter_file(model, request["lora"])
+    if request.get("cartridge"):
+        from engine.cartridge.prefix import attach_cartridge
+
+        model = attach_cartridge(model, tokenizer, request["cartridge"])
     template = ChatTemplate.from_gguf(model.gguf)
     info = {"kind": "gguf", "path": str(path), "sha256": model.gguf.sha256(),
             "numerics": numerics, "lora": request.get("lora"), "template": template.origin,
+            "cartridge": request.get("cartridge"),
             "architecture": model.gguf.architecture, "context": model.config.max_seq_len,
             "load_s": time.perf_counter() - started, **origin}
     return System(name, model, tokenizer, template, info, request.get("enable_thinking"))

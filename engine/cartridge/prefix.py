@@ -151,7 +151,8 @@ class CartridgeModel(nn.Module):
     @classmethod
     def of(cls, base: nn.Module, cartridge: Cartridge, tokenizer) -> "CartridgeModel":
         bos = tokenizer.bos_id if cartridge.meta.get("leading_bos") else None
-        dtype = next(base.parameters()).dtype
+        first = next(base.parameters(), None)
+        dtype = first.dtype if first is not None else torch.float32
         return cls(base, [k.to(dtype) for k in cartridge.keys],
                    [v.to(dtype) for v in cartridge.values], bos)
 
@@ -192,3 +193,9 @@ class CartridgeModel(nn.Module):
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         return self.logits(self.hidden(tokens))
+
+
+def attach_cartridge(model: nn.Module, tokenizer, path: str | Path) -> CartridgeModel:
+    """A GGUF-loaded model reading the cartridge at `path` first (`--cartridge`, a load
+    request's "cartridge"): refused unless it was trained on this very file."""
+    return CartridgeModel.of(model, load_cartridge(path, model.gguf.sha256()), tokenizer)

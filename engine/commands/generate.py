@@ -72,6 +72,10 @@ def cmd_generate_gguf(args) -> int:
     model, tokenizer = load_gguf_model(args.model, numerics=numerics, weights=weights)
     if args.lora:
         attach_adapter_file(model, args.lora)
+    if getattr(args, "cartridge", None):
+        from engine.cartridge.prefix import attach_cartridge
+
+        model = attach_cartridge(model, tokenizer, args.cartridge)
     prompt = _prompt_ids(model, tokenizer, args)
     settings = SamplingSettings(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
                                 repetition_penalty=args.repetition_penalty)
@@ -85,7 +89,8 @@ def cmd_generate_gguf(args) -> int:
         # one line per token as it is generated, then the result as the last line
         out = {"event": "done"} | result.as_dict() | {
             "model": str(args.model), "numerics": numerics, "settings": settings.as_dict(),
-            "seed": args.seed, "weights": weights, "memory": memory_report(model)}
+            "seed": args.seed, "weights": weights, "memory": memory_report(model),
+            "cartridge": getattr(args, "cartridge", None)}
         print(json.dumps(out, ensure_ascii=False))
     else:
         sys.stdout.write("\n")
