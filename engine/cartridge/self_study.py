@@ -122,7 +122,8 @@ def answer_logprobs(model, prompt: list[int], answer: list[int]) -> torch.Tensor
     rows = torch.zeros(1, len(ids), dtype=torch.bool)
     rows[0, len(prompt) - 1:] = True
     h = model.hidden(torch.tensor([ids]), 0, None, rows=rows)                 # [n, dim]
-    return torch.log_softmax(model.logits(h).float(), dim=-1)                  # [n, V]
+    logits = model.logits(h)                                                   # [n, V]
+    return torch.log_softmax(logits.to(torch.promote_types(logits.dtype, torch.float32)), -1)
 
 
 # -- synthesis ------------------------------------------------------------------------------
