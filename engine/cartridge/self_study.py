@@ -154,9 +154,12 @@ def chunk_span(n_tokens: int, chunk_tokens: int, rng: random.Random) -> tuple[in
 
 
 @torch.no_grad()
-def synthesize_one(base, corpus_ids: list[int], settings, index: int, seed: int) -> Conversation:
+def synthesize_one(base, sampler, corpus_ids: list[int], settings, index: int,
+                   seed: int) -> Conversation:
     """Conversation `index` of a run seeded `seed` (its own RNGs: a resumed or extended run
-    makes the same ones)."""
+    makes the same ones). `sampler` writes the message and the answer (the base as generate
+    and chat serve it: llama.cpp numerics, the C forward); `base.model` (the f32 numerics the
+    cartridge trains in) gives the teacher's log-probs."""
     from engine.llm.generate import generate
     from engine.sampling import SamplingSettings
 
@@ -166,31 +169,20 @@ def synthesize_one(base, corpus_ids: list[int], settings, index: int, seed: int)
     span = chunk_span(len(corpus_ids), settings.chunk_tokens, rng)
     context = context_ids(tok, tok.decode(corpus_ids[span[0]:span[1]]))
     seed_text = seed_prompt(family, rng)
-    asked = generate(model, tok, context + after_context(tok, prompt_ids(base, seed_text)),
+    asked = generate(sampler, tok, context + after_context(tok, prompt_ids(base, seed_text)),
                      max_new_tokens=settings.question_tokens,
                      settings=SamplingSettings(temperature=settings.question_temperature),
                      seed=rng.randrange(2**31))
     question = asked.text.strip() or seed_text     # an empty message: the seed prompt itself
     student = prompt_ids(base, question)
     teacher = context + after_context(tok, student)
-    answered = generate(model, tok, teacher, max_new_tokens=settings.answer_tokens,
+    answered = generate(sampler, tok, teacher, max_new_tokens=settings.answer_tokens,
                         settings=SamplingSettings(temperature=settings.answer_temperature),
                         seed=rng.randrange(2**31))
     answer = answered.ids or [tok.eos_id]
     top = answer_logprobs(model, teacher, answer).topk(settings.top_k, dim=-1)
     return Conversation(family, span, question, student, answer, top.indices,
                         top.values.float())
-
-
-def synthesize(base, corpus_ids: list[int], settings, count: int, seed: int,
-               progress=None) -> list[Conversation]:
-    """`count` conversations; `progress(done, total)` after each."""
-    out = []
-    for index in range(count):
-        out.append(synthesize_one(base, corpus_ids, settings, index, seed))
-        if progress is not None:
-            progress(index + 1, count)
-    return out
 
 
 def save_conversations(path, conversations: list[Conversation], meta: dict) -> None:
@@ -248,12 +240,13 @@ def time_to_first_token(model, ids: list[int]) -> float:
 
 
 @torch.no_grad()
-def compare(base, student, corpus_text: str, questions: list[dict], max_tokens: int,
-            cartridge_tokens: int, progress=None) -> dict:
-    """Each held-out {question, answer, source} read three ways: the base without the
-    document, the base with the whole corpus in context, the base reading the cartridge. Per
-    system: mean reference-answer log-likelihood per token (and summed), greedy answers, the
-    KV positions the document part takes and their f16 bytes, mean time to first token."""
+def compare(base, scoring: dict, serving: dict, corpus_text: str, questions: list[dict],
+            max_tokens: int, cartridge_tokens: int, progress=None) -> dict:
+    """Each held-out {question, answer, source} read three ways (`SYSTEMS`): the base without
+    the document, with the whole corpus in context, reading the cartridge. `scoring[system]`
+    (f32 numerics) gives the reference answer's log-likelihood (per token and summed);
+    `serving[system]` (as generate and chat serve it) a greedy answer and the time to first
+    token. Also the KV positions the document part takes and their f16 bytes."""
     from engine.cartridge.prefix import kv_bytes_per_token
     from engine.llm.generate import generate
 
@@ -269,12 +262,11 @@ def compare(base, student, corpus_text: str, questions: list[dict], max_tokens: 
         row = {"question": item["question"], "reference": item["answer"],
                "source": item.get("source", "hand-written")}
         for system in SYSTEMS:
-            model = student if system == "cartridge" else base.model
             ids = document + after_context(tok, prompt) if system == "whole document" else prompt
-            logp = answer_logprobs(model, ids, reference)
+            logp = answer_logprobs(scoring[system], ids, reference)
             total = float(logp.gather(-1, torch.tensor(reference)[:, None]).sum())
-            ttft = time_to_first_token(model, ids)
-            text = generate(model, tok, ids, max_new_tokens=max_tokens).text
+            ttft = time_to_first_token(serving[system], ids)
+            text = generate(serving[system], tok, ids, max_new_tokens=max_tokens).text
             row[system] = {"logprob": total, "logprob_per_token": total / len(reference),
                            "answer": text, "ttft_s": ttft}
             totals[system]["logprob"] += total

@@ -121,7 +121,16 @@ def self_study_key(config: LMCartridgeConfig, base_sha: str, corpus_sha: str) ->
     return hashlib.sha256(json.dumps(wanted, sort_keys=True).encode()).hexdigest()
 
 
-def self_study_data(job: Job, base: Base, corpus_ids: list[int], key: str) -> list:
+def serving_model(base: Base):
+    """The base as generate and chat serve it (llama.cpp numerics, f32 dense cache, the C
+    forward): what samples the self-study conversations and answers the held-out questions."""
+    from engine.models.gguf_model import load_gguf_model
+
+    return load_gguf_model(base.path, numerics="llamacpp", weights="dense-cache",
+                           tokenizer=False)[0] if not base.dense else base.model
+
+
+def self_study_data(job: Job, base: Base, sampler, corpus_ids: list[int], key: str) -> list:
     """The run's conversations (training + held out), synthesised once and cached; a cache of
     fewer conversations (a stopped synthesis, or more asked on resume) is extended."""
     config, path = job.config, job.run.path / SELF_STUDY_FILE
@@ -135,7 +144,8 @@ def self_study_data(job: Job, base: Base, corpus_ids: list[int], key: str) -> li
             have = []
     for index in range(len(have), wanted):
         job.announce("self-study", f"synthesising conversation {index + 1} of {wanted}")
-        have.append(synthesize_one(base, corpus_ids, config.self_study, index, config.seed))
+        have.append(synthesize_one(base, sampler, corpus_ids, config.self_study, index,
+                                   config.seed))
         if (index + 1) % 4 == 0 or index + 1 == wanted:     # a stop loses at most 3
             save_conversations(path, have, {"key": key})
     if len(have) == wanted:
@@ -192,7 +202,8 @@ def train(job: Job) -> None:
     base.model.eval()
     text = corpus_text(config)
     corpus_ids = base.tokenizer.encode(text, add_special=False, parse_special=False)
-    conversations = self_study_data(job, base, corpus_ids, self_study_key(
+    sampler = serving_model(base)
+    conversations = self_study_data(job, base, sampler, corpus_ids, self_study_key(
         config, base_sha, manifest["data"]["corpus_sha256"]))
     samples = conversations[:config.self_study.samples]
     initial = context_ids(base.tokenizer, text)[:config.cartridge.tokens]
@@ -238,7 +249,7 @@ def train(job: Job) -> None:
     loop = StepLoop(job, state, save, optim=config.optim, optimizer=optimizer)
     loop.run(step)
     if loop.finished():
-        write_comparison(job.run, loop.last, base, config, conversations, text,
+        write_comparison(job.run, loop.last, base, sampler, config, conversations, text,
                          job.announce)
 
 
@@ -252,13 +263,18 @@ def comparison_questions(config: LMCartridgeConfig, base: Base, conversations: l
          "source": f"generated ({c.family})"} for c in held]
 
 
-def write_comparison(run: RunDir, checkpoint: Checkpoint, base: Base,
+def write_comparison(run: RunDir, checkpoint: Checkpoint, base: Base, server,
                      config: LMCartridgeConfig, conversations: list, text: str,
                      announce) -> dict:
-    """evals/cartridge-<checkpoint>.json and .md, and the summary as a metrics line."""
-    student = cartridge_model(run, checkpoint, base)
+    """evals/cartridge-<checkpoint>.json and .md, and the summary as a metrics line: scored in
+    f32 numerics (`base`), answered and timed as served (`server`)."""
+    student = cartridge_model(run, checkpoint, base.model, base.tokenizer)
+    scoring = {"no document": base.model, "whole document": base.model, "cartridge": student}
+    serving = {"no document": server, "whole document": server,
+               "cartridge": cartridge_model(run, checkpoint, server, base.tokenizer)}
     questions = comparison_questions(config, base, conversations)
-    result = compare(base, student, text, questions, config.eval.max_tokens, student.tokens,
+    result = compare(base, scoring, serving, text, questions, config.eval.max_tokens,
+                     student.tokens,
                      progress=lambda done, total: announce(
                          "eval", f"held-out comparison: question {done} of {total}"))
     record = {"split": "heldout", "checkpoint": checkpoint.name, "step": checkpoint.step,
@@ -273,12 +289,12 @@ def write_comparison(run: RunDir, checkpoint: Checkpoint, base: Base,
     return record
 
 
-def cartridge_model(run: RunDir, checkpoint: Checkpoint, base: Base) -> CartridgeModel:
-    """The base reading the checkpoint's cartridge (refused when it was trained on another
-    base)."""
+def cartridge_model(run: RunDir, checkpoint: Checkpoint, model, tokenizer) -> CartridgeModel:
+    """`model` (the run's base) reading the checkpoint's cartridge (refused when it was
+    trained on another base)."""
     cartridge = load_cartridge(checkpoint.path / CARTRIDGE_FILE,
                                run.manifest()["base_model"]["sha256"])
-    return CartridgeModel.of(base.model, cartridge, base.tokenizer)
+    return CartridgeModel.of(model, cartridge, tokenizer)
 
 
 @torch.no_grad()
@@ -289,7 +305,7 @@ def evaluate(run: RunDir, checkpoint: Checkpoint, split: str) -> dict:
     base.model.eval()
     require_same_base(base.path, run.manifest()["base_model"]["sha256"])
     conversations, _ = load_conversations(run.path / SELF_STUDY_FILE)
-    return write_comparison(run, checkpoint, base, config, conversations,
+    return write_comparison(run, checkpoint, base, serving_model(base), config, conversations,
                             corpus_text(config), lambda *_: None)
 
 
@@ -306,7 +322,7 @@ def load_trained(run: RunDir, checkpoint: Checkpoint, base_path: Path | None = N
     base = load_base(config, precision)
     base.model.eval()
     require_same_base(base.path, run.manifest()["base_model"]["sha256"])
-    base.model = cartridge_model(run, checkpoint, base)
+    base.model = cartridge_model(run, checkpoint, base.model, base.tokenizer)
     return base, config
 
 
