@@ -143,6 +143,9 @@ def self_study_data(job: Job, base: Base, sampler, corpus_ids: list[int], key: s
                                                              "changed")
             have = []
     for index in range(len(have), wanted):
+        if job.stop_requested:             # keep what is made; a resume goes on from there
+            save_conversations(path, have, {"key": key})
+            break
         job.announce("self-study", f"synthesising conversation {index + 1} of {wanted}")
         have.append(synthesize_one(base, sampler, corpus_ids, config.self_study, index,
                                    config.seed))
@@ -205,6 +208,8 @@ def train(job: Job) -> None:
     sampler = serving_model(base)
     conversations = self_study_data(job, base, sampler, corpus_ids, self_study_key(
         config, base_sha, manifest["data"]["corpus_sha256"]))
+    if job.stop_requested:              # stopped while synthesising: nothing to train yet
+        return
     samples = conversations[:config.self_study.samples]
     initial = context_ids(base.tokenizer, text)[:config.cartridge.tokens]
     if len(initial) < config.cartridge.tokens:
