@@ -310,54 +310,63 @@ def test_a_run_trains_the_rows_resumes_bit_exactly_and_serves(tmp_path, tiny_gem
     list; `generate --model OTHER --cartridge` is refused with the reason."""
     from engine.fsutil import sha256_file
 
-    straight = tmp_path / "a"
+    straight = tmp_path / "a"             # a workspace: the run in runs/, the base in models/
     forgebench("run", str(write_run_config(straight, tiny_gemma)), "--out",
-               str(straight / "run"))
+               str(straight / "runs" / "cart"))
     split = tmp_path / "b"
     forgebench("run", str(write_run_config(split, tiny_gemma)), "--out", str(split / "run"),
                "--stop-after-step", "2")
     assert json.loads((split / "run" / "status.json").read_text())["step"] == 2
     forgebench("resume", str(split / "run"))
 
-    a, b = train_rows(straight / "run"), train_rows(split / "run")
+    run = straight / "runs" / "cart"
+    a, b = train_rows(run), train_rows(split / "run")
     assert [r["loss"] for r in a] == [r["loss"] for r in b] and len(a) == 4
     assert all(r["grad_norm"] > 0 for r in a)
     file = "checkpoints/step-000004/cartridge.safetensors"
-    ca, cb = read_cartridge(straight / "run" / file), read_cartridge(split / "run" / file)
+    ca, cb = read_cartridge(run / file), read_cartridge(split / "run" / file)
     assert ca.meta == cb.meta
     assert all(torch.equal(x, y) for x, y in zip(ca.keys + ca.values, cb.keys + cb.values))
-    first = read_cartridge(straight / "run" / "checkpoints/step-000002/cartridge.safetensors")
+    first = read_cartridge(run / "checkpoints/step-000002/cartridge.safetensors")
     assert not torch.equal(first.keys[5], ca.keys[5])          # the global layer's rows moved
     assert torch.equal(first.keys[0][:, :1], ca.keys[0][:, :1])  # the frozen BOS row did not
     assert ca.meta["base_sha256"] == sha256_file(tiny_gemma) and ca.meta["tokens"] == 16
 
-    report = json.loads((straight / "run" / "evals" / "cartridge-step-000004.json").read_text())
+    report = json.loads((run / "evals" / "cartridge-step-000004.json").read_text())
     systems = report["systems"]
     assert set(systems) == {"no document", "whole document", "cartridge"}
     assert systems["cartridge"]["kv_prefix_tokens"] == 16
     assert systems["whole document"]["kv_prefix_tokens"] > 16
     assert [q["source"] for q in report["questions"]][0] == "hand-written"
     assert len(report["questions"]) == 2
-    assert (straight / "run" / "evals" / "cartridge-step-000004.md").is_file()
+    assert (run / "evals" / "cartridge-step-000004.md").is_file()
 
-    out = forgebench("generate", str(straight / "run"), "--prompt", "hi", "--max-tokens", "3",
+    out = forgebench("generate", str(run), "--prompt", "hi", "--max-tokens", "3",
                      "--json")
     assert json.loads(out.stdout)["checkpoint"] == "step-000004"
     from engine.serve_local import load_system
 
-    system = load_system("A", {"run": str(straight / "run"), "checkpoint": "latest"})
+    system = load_system("A", {"run": str(run), "checkpoint": "latest"})
     assert isinstance(system.model, CartridgeModel) and system.info["recipe"] == "lm-cartridge"
+    from app.viewmodels.chat import sources
+    from engine import model_library
+    from engine.server.catalog import workspace_entries
+
+    model_library.add_model(straight, tiny_gemma, mode="link")
+    assert "run: cart/step-000004" in [s.label for s in sources(straight) if s.usable]
+    catalog = {e.id: e for e in workspace_entries(straight)}
+    assert catalog["cart"].load["run"] == str(run) and "lm-cartridge" in catalog["cart"].origin
 
     from fixtures_gguf import write_tiny_gguf
 
     other = write_tiny_gguf(tmp_path / "other.gguf", arch="gemma3", seed=1,
                             context_length=2048)
     refused = forgebench("generate", "--model", str(other), "--cartridge",
-                         str(straight / "run" / file), "--prompt", "hi", check=False)
+                         str(run / file), "--prompt", "hi", check=False)
     assert refused.returncode != 0
     assert "trained on another base model" in refused.stderr and "--cartridge" in refused.stderr
     served = forgebench("generate", "--model", str(tiny_gemma), "--cartridge",
-                        str(straight / "run" / file), "--prompt", "hi", "--max-tokens", "2",
+                        str(run / file), "--prompt", "hi", "--max-tokens", "2",
                         "--json")
     assert json.loads(served.stdout.splitlines()[-1])["cartridge"].endswith("cartridge.safetensors")
 
