@@ -399,7 +399,6 @@ def test_peft_cartridge_adapter_reads_a_prompt_as_the_engine_does(tmp_path):
 
     folder = make_checkpoint("gemma3", tmp_path / "hf", dtype="float32")
     model, tok = load_gguf_model(folder, numerics="f32", weights="packed")
-    hf = Gemma3ForCausalLM.from_pretrained(folder, torch_dtype=torch.float32).eval()
     prefix = [tok.bos_id] + tok.encode("the model trains on data and learns small weights",
                                        add_special=False)
     other = [tok.bos_id] + tok.encode("quick brown fox jumps over the lazy dog runs fast",
@@ -408,15 +407,14 @@ def test_peft_cartridge_adapter_reads_a_prompt_as_the_engine_does(tmp_path):
     p = len(prefix)
 
     def peft_logits(rows_from: list[int]) -> torch.Tensor:
+        hf = Gemma3ForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
         adapted = peft.get_peft_model(hf, peft.CartridgeConfig(
             task_type="CAUSAL_LM", num_virtual_tokens=p, num_frozen_tokens=1))
         with torch.no_grad(), adapted.disable_adapter():
             cache = hf(input_ids=torch.tensor([rows_from]), use_cache=True).past_key_values
         initialize_kv_prefix_from_past_key_values(adapted, past_key_values=cache)
         with torch.no_grad():
-            out = adapted(input_ids=torch.tensor([prompt])).logits
-        adapted.unload()
-        return out
+            return adapted(input_ids=torch.tensor([prompt])).logits
 
     with torch.no_grad():
         engine = CartridgeModel(model, *prefill_rows(model, prefix), bos_id=tok.bos_id)
