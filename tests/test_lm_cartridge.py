@@ -352,6 +352,7 @@ def test_a_run_trains_the_rows_resumes_bit_exactly_and_serves(tmp_path, tiny_gem
     from engine import model_library
     from engine.server.catalog import workspace_entries
 
+    (straight / "workspace.json").write_text(json.dumps({"format": 1, "name": "cartridge"}))
     model_library.add_model(straight, tiny_gemma, mode="link")
     assert "run: cart/step-000004" in [s.label for s in sources(straight) if s.usable]
     catalog = {e.id: e for e in workspace_entries(straight)}
