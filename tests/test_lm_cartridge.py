@@ -424,3 +424,45 @@ def test_peft_cartridge_adapter_reads_a_prompt_as_the_engine_does(tmp_path):
     theirs = peft_logits(prefix)
     torch.testing.assert_close(mine, theirs, rtol=1e-4, atol=1e-4)
     assert not torch.allclose(mine, peft_logits(other), rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.slow
+def test_a_stop_during_self_study_keeps_the_conversations_made(tmp_path, tiny_gemma):
+    """A stop asked while synthesising saves the conversations made so far; the next call goes
+    on from them (the same first ones, the rest made afresh) to the number asked; a cache made
+    with other settings is made again."""
+    import types
+
+    from engine.cartridge.self_study import load_conversations
+    from engine.config import load_config
+    from engine.recipes.lm_cartridge import SELF_STUDY_FILE, self_study_data
+    from engine.rundir import RunDir
+    from engine.train.lm_base import load_base
+
+    config = load_config(write_run_config(tmp_path, tiny_gemma))
+    base = load_base(config)
+    corpus = base.tokenizer.encode(CORPUS, add_special=False)
+    (tmp_path / "run").mkdir()
+    job = types.SimpleNamespace(config=config, run=RunDir(tmp_path / "run"),
+                                stop_requested=False)
+    announced = []
+
+    def announce(stage, detail):          # the stop arrives while conversation 2 is made
+        announced.append(detail)
+        job.stop_requested = len(announced) == 2
+
+    job.announce = announce
+    stopped = self_study_data(job, base, base.model, corpus, "key-a")
+    assert len(stopped) == 2
+    saved, meta = load_conversations(tmp_path / "run" / SELF_STUDY_FILE)
+    assert meta == {"key": "key-a"} and [c.answer_ids for c in saved] == \
+        [c.answer_ids for c in stopped]
+    job.stop_requested, job.announce = False, lambda stage, detail: None
+    resumed = self_study_data(job, base, base.model, corpus, "key-a")
+    assert len(resumed) == 5 and [c.record() for c in resumed[:2]] == \
+        [c.record() for c in stopped]
+    assert all(torch.equal(a.topk_logprobs, b.topk_logprobs)
+               for a, b in zip(resumed, stopped))
+    remade = self_study_data(job, base, base.model, corpus, "key-b")
+    assert len(remade) == 5
+    assert "self_study_discarded" in (tmp_path / "run" / "events.jsonl").read_text()
