@@ -165,6 +165,8 @@ def _generate_args(p: argparse.ArgumentParser) -> None:
                    help="GGUF models: keep each layer dequantized after first use (faster, "
                         "more memory) or dequantize on every use")
     p.add_argument("--lora", help="adapters.safetensors to apply over --model")
+    p.add_argument("--cartridge", help="cartridge.safetensors (an lm-cartridge run's) read "
+                                       "before the prompt by --model, its own base")
     p.add_argument("--json", action="store_true", help="print a JSON result")
 
 
@@ -338,6 +340,8 @@ def _chat_args(p: argparse.ArgumentParser) -> None:
                    help="a library model's name, a GGUF file, or an lm-sft run folder")
     p.add_argument("--workspace", help="workspace (library, and where chats/ is saved)")
     p.add_argument("--checkpoint", default="latest", help="for a run: latest, best, step-N")
+    p.add_argument("--cartridge", help="cartridge.safetensors read before every prompt by a "
+                                       "GGUF model or library model (its own base)")
     p.add_argument("--system", help="system prompt")
     p.add_argument("--prompt", action="append",
                    help="say this instead of reading the terminal (repeatable: one per turn)")
@@ -436,7 +440,7 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-INPUT_FILE_FLAGS = ("model", "lora", "base", "tokenizer")
+INPUT_FILE_FLAGS = ("model", "lora", "base", "tokenizer", "cartridge")
 
 
 def check_input_files(args: argparse.Namespace) -> None:

@@ -88,6 +88,7 @@ SPECS: tuple[RecipeSpec, ...] = (
           export="gguf"),
     _spec("lm-es", "LMESConfig", "chat", "gguf-base", "base", "text", "samples",
           export="gguf"),
+    _spec("lm-cartridge", "LMCartridgeConfig", "chat", "base", "text"),
     _spec("image-classify", "ImageClassifyConfig", cuda=True),
     _spec("image-detect", "ImageDetectConfig"),
     _spec("image-segment", "ImageSegmentConfig"),

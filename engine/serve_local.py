@@ -117,10 +117,11 @@ def load_system(name: str, request: dict, torch_free: bool = False) -> System:
     numerics = request.get("numerics") or "llamacpp"
     started = time.perf_counter()
     model, tokenizer = load_generator(path, numerics, "dense-cache", request.get("lora"),
-                                      torch_free=torch_free)
+                                      torch_free=torch_free, cartridge=request.get("cartridge"))
     template = ChatTemplate.from_gguf(model.gguf)
     info = {"kind": "gguf", "path": str(path), "sha256": model.gguf.sha256(),
             "numerics": numerics, "lora": request.get("lora"), "template": template.origin,
+            "cartridge": request.get("cartridge"),
             "architecture": model.gguf.architecture, "context": model.config.max_seq_len,
             "load_s": time.perf_counter() - started, **origin}
     return System(name, model, tokenizer, template, info, request.get("enable_thinking"))
@@ -166,8 +167,9 @@ def _load_run(name: str, run_dir: Path, checkpoint: str, workspace) -> System:
             "method": "lora" if (ckpt.path / ADAPTERS_FILE).is_file() else "full",
             "template": base.template.origin,
             "context": base.model.config.max_seq_len, "load_s": time.perf_counter() - started}
+    data = getattr(config, "data", None)       # an lm-cartridge run has no data section
     return System(name, base.model, base.tokenizer, base.template, info,
-                  config.data.enable_thinking)
+                  data.enable_thinking if data is not None else False)
 
 
 _MESSAGES = schema.TypeAdapter(schema.Messages)

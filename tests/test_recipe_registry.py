@@ -43,12 +43,12 @@ def test_the_lists_of_recipes_elsewhere_are_registry_reads():
     from engine import serve_local
     from engine.export import bundle, generator_bundle
 
-    assert serve_local.CHAT_RECIPES == ("lm-sft", "lm-dpo", "lm-es")
+    assert serve_local.CHAT_RECIPES == ("lm-sft", "lm-dpo", "lm-es", "lm-cartridge")
     assert bundle.GGUF_BASE_RECIPES == ("lm-sft", "lm-dpo", "lm-es")
     assert bundle.EXPORTABLE_RECIPES == ("lm-pretrain", "lm-sft", "lm-dpo", "lm-es")
     assert generator_bundle.GENERATOR_RECIPES == ab.GENERATOR_RECIPES \
         == ("image-generate", "audio-generate")
-    assert ab.TEXT_RECIPES == ("lm-pretrain", "lm-sft", "lm-dpo", "lm-es")
+    assert ab.TEXT_RECIPES == ("lm-pretrain", "lm-sft", "lm-dpo", "lm-es", "lm-cartridge")
     assert search.SEARCH_RECIPES == ("embed-retrieval",)
     assert set(samples.SAMPLE_RECIPES) == {"image-generate", "audio-generate", "lm-sft",
                                            "lm-dpo", "lm-es", "lm-pretrain"}

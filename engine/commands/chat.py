@@ -140,6 +140,8 @@ def load_request(target: str, args, workspace: Path | None) -> dict:
     """What `chat TARGET` loads: a run folder, a library model's name, or a GGUF file."""
     path = Path(target).expanduser()
     request: dict = {"numerics": args.numerics}
+    if getattr(args, "cartridge", None):
+        request["cartridge"] = str(Path(args.cartridge).expanduser().resolve())
     if (path / "run.json").is_file():
         request.update(run=str(path.resolve()), checkpoint=args.checkpoint)
         if workspace is not None:

@@ -75,7 +75,8 @@ def cmd_generate_gguf(args) -> int:
 
     numerics = args.numerics or "llamacpp"
     weights = getattr(args, "weights", "dense-cache")
-    model, tokenizer = load_generator(args.model, numerics, weights, args.lora)
+    model, tokenizer = load_generator(args.model, numerics, weights, args.lora,
+                                      cartridge=getattr(args, "cartridge", None))
     prompt = _prompt_ids(model, tokenizer, args)
     settings = SamplingSettings(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
                                 repetition_penalty=args.repetition_penalty)
@@ -89,7 +90,8 @@ def cmd_generate_gguf(args) -> int:
         # one line per token as it is generated, then the result as the last line
         out = {"event": "done"} | result.as_dict() | {
             "model": str(args.model), "numerics": numerics, "settings": settings.as_dict(),
-            "seed": args.seed, "weights": weights, "memory": model_memory(model)}
+            "seed": args.seed, "weights": weights, "memory": model_memory(model),
+            "cartridge": getattr(args, "cartridge", None)}
         print(json.dumps(out, ensure_ascii=False))
     else:
         sys.stdout.write("\n")
@@ -97,11 +99,12 @@ def cmd_generate_gguf(args) -> int:
 
 
 def load_generator(path, numerics: str, weights: str = "dense-cache", lora: str | None = None,
-                   torch_free: bool = True):
+                   torch_free: bool = True, cartridge: str | None = None):
     """(model, tokenizer) to generate with from a GGUF file: the torch-free C decoder
-    (engine/llm/native_lm.py) under llama.cpp numerics without adapters where it serves the
-    file (and `torch_free`), else the torch model with `weights` and the adapters attached."""
-    if torch_free and numerics == "llamacpp" and not lora:
+    (engine/llm/native_lm.py) under llama.cpp numerics without adapters or a cartridge where it
+    serves the file (and `torch_free`), else the torch model with `weights`, the adapters
+    attached and the cartridge's rows in front of every prompt."""
+    if torch_free and numerics == "llamacpp" and not lora and not cartridge:
         from engine.llm.native_lm import load_native_lm
 
         native = load_native_lm(path)
@@ -113,6 +116,10 @@ def load_generator(path, numerics: str, weights: str = "dense-cache", lora: str 
     model, tokenizer = load_gguf_model(path, numerics=numerics, weights=weights)
     if lora:
         attach_adapter_file(model, lora)
+    if cartridge:
+        from engine.cartridge.prefix import attach_cartridge
+
+        model = attach_cartridge(model, tokenizer, cartridge)
     return model, tokenizer
 
 

@@ -138,6 +138,7 @@ class LoadOp(_Op):
     checkpoint: Name | None = None
     workspace: Name | None = None
     lora: Name | None = None
+    cartridge: Name | None = None       # an lm-cartridge file read before every prompt
     numerics: Literal["llamacpp", "f32"] | None = None
     enable_thinking: bool | None = None
 
