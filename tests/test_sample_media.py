@@ -139,25 +139,38 @@ def test_twin_an_object_painted_in_its_background_colour_does_not_stand_out():
     assert contrast(hidden, mask) < MIN_OBJECT_CONTRAST
 
 
-def where_demo_answer(stop: list[str]) -> tuple[str, str]:
-    """(the shipped sample's text, the shipped checkpoint's greedy answer with `stop`)."""
+@pytest.fixture(scope="module")
+def installed(tmp_path_factory) -> Path:
+    """The where-demo example with its data and configs, relocated as installing does."""
+    import shutil
+
+    from engine.rundir import relocate
+
+    workspace = tmp_path_factory.mktemp("home") / "sample-workspace"
+    for part in ("configs", "datasets/where-records", "runs/where-demo"):
+        shutil.copytree(BUNDLED_SAMPLE / part, workspace / part)
+    relocate(workspace / "runs" / "where-demo", workspace)
+    return workspace
+
+
+def test_the_where_demo_sample_is_its_answer_and_ends_there(installed):
     from engine.recipes.lm_pretrain import complete
     from engine.rundir import RunDir
     from engine.sampling import SamplingSettings
     from engine.train.pretrain_model import load_model
 
-    run = RunDir(RUNS / "where-demo")
+    run = RunDir(installed / "runs" / "where-demo")
     checkpoint = run.latest_checkpoint()
     shipped = json.loads((run.samples_dir / checkpoint.name / "samples.jsonl").read_text()
                          .splitlines()[0])
     model, tokenizer, config = load_model(run, checkpoint)
-    return shipped["text"], complete(model, tokenizer, shipped["prompt"], max_tokens=16,
-                                     settings=SamplingSettings(), seed=0, stop=stop)
 
+    def answer(stop: list[str]) -> str:
+        return complete(model, tokenizer, shipped["prompt"], max_tokens=config.sample.max_tokens,
+                        settings=SamplingSettings(), seed=0, stop=stop)
 
-def test_the_where_demo_sample_is_its_answer_and_ends_there():
-    shipped, again = where_demo_answer(["\n"])
-    assert shipped == again == " the hall."
+    assert config.sample.stop == ["\n"]
+    assert shipped["text"] == answer(config.sample.stop) == " the hall."
     # twin: without its stop the same base model goes on to write the next record
-    _, unstopped = where_demo_answer([])
+    unstopped = answer([])
     assert unstopped.startswith(" the hall.\n") and "Record" in unstopped
