@@ -56,17 +56,13 @@ class Example:
 
 EXAMPLES: dict[str, Example] = {
     "shapes-generator": Example(
-        "image-generate-shapes", "a class-conditional DDPM whose circles, squares and triangles "
-        "are recognisable (Samples, Blind A/B of images, Export)",
+        "image-generate-shapes", "a class-conditional DDPM whose outlined circles, squares and "
+        "triangles are recognisable (Samples, Export)",
         dict(KEEP_ONE, sample={"grid_every_checkpoint": False}),
         ("--n", "4", "--seed", "0", "--steps", "64")),      # the config's respaced grid sampler
     "where-demo": Example(
         "lm-pretrain-demo", "the `forgebench demo` model: a tiny decoder that answers "
         "'Where is X?' from the record", KEEP_ONE),
-    "quick-image-generator": Example(
-        "image-generate", "the quick 16x16 generator, whose samples are still noise and faint "
-        "blobs: the other side of a Blind A/B against shapes-generator", KEEP_ONE,
-        ("--n", "4", "--seed", "0", "--steps", "16")),      # its config's sampler steps
     # two checkpoints (steps 300 and 600): a Blind A/B of sounds
     "sfx-generator": Example(
         "audio-generate-sfx", "a 1-D DDPM of the sfx clips that makes each class's sound "

@@ -16,7 +16,7 @@ from app.views.charts import KEY, RunCharts
 CHARTS_SIZE = (396, 600)    # the charts' area beside the ledger in a 1024x700 window
 SPACE_PX = 8                # about a digit's width: closer labels read as one number
 SHOWN = ("loss", "grad_norm", "lr", "throughput", "peak_rss_mb")     # the plots a run of it has
-RUN = BUNDLED_SAMPLE / "runs" / "where-demo"        # 900 steps, tokens/s in the 40000s
+RUN = BUNDLED_SAMPLE / "runs" / "where-demo"        # 900 steps, tokens/s in the thousands
 
 
 def tick_labels(axis: pg.AxisItem) -> list[tuple]:
@@ -65,7 +65,10 @@ def test_tick_labels_stay_apart_and_thousands_are_short(qtbot):
     plain.plot(xs, ys)
     shown_at(qtbot, plain, (plot.width(), plot.height()))
     qtbot.waitUntil(lambda: bool(overlapping(tick_labels(plain.getPlotItem().getAxis("bottom")))))
-    assert "40000" in [text for _, text in tick_labels(plain.getPlotItem().getAxis("left"))]
+    # ... and write thousands in full ("2000" where ours writes "2k"; how many thousand tokens/s
+    # depends on the machine that made the example)
+    assert any(len(text) >= 4 and text.isdigit()
+               for _, text in tick_labels(plain.getPlotItem().getAxis("left")))
 
 
 def test_the_summary_and_key_show_whole_and_scroll(qtbot):

@@ -71,6 +71,14 @@ def test_audio_samples_are_pcm16_with_integrity_flags(tmp_path):
         float(np.abs(soundfile.read(path)[0]).max()), abs=1e-3)
     assert sidecar["nearest_training"]["log_stft"]["id"].startswith(("thump", "ping", "hiss"))
     assert sidecar["settings"]["peak_normalized"] is False
+    # Written for listening: a two-step model's noise has its mean removed and its ends faded,
+    # so it neither sits off zero nor clicks; the model's own output's flags are kept beside.
+    wave = soundfile.read(path)[0]
+    assert not {"dc_offset", "edge_click"} & set(sidecar["integrity"]["flags"])
+    assert abs(wave.mean()) < 1e-3 and np.abs(wave[[0, -1]]).max() < 1e-3
+    assert sidecar["settings"]["mean_removed"] and sidecar["settings"]["edge_fade_s"] == 0.005
+    assert set(sidecar["integrity_model_output"]["flags"]) <= {
+        "clipping", "dc_offset", "silence", "edge_click"}
 
 
 def test_sampling_is_cancelled_cleanly_by_sigterm(tmp_path):

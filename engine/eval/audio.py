@@ -15,6 +15,8 @@ DC_LIMIT = 0.02                   # |mean| above 2 % of full scale = DC offset
 SILENCE_RMS = 1e-3                # RMS below -60 dBFS = silence
 EDGE_SAMPLES = 4                  # the first and last few samples ...
 EDGE_LIMIT = 0.05                 # ... should start and end near zero, or playback clicks
+FADE_S = 0.005                    # a generated clip's raised-cosine fade in and out (5 ms: the
+                                  # sfx training clips end in an 80-sample fade at 16 kHz)
 
 N_FFT = 512
 HOP = 256
@@ -44,6 +46,22 @@ def integrity_flags(wave: np.ndarray) -> dict:
         "thresholds": {"clip_fraction": CLIP_FRACTION, "dc": DC_LIMIT, "silence_rms": SILENCE_RMS,
                        "edge_samples": EDGE_SAMPLES, "edge_peak": EDGE_LIMIT},
     }
+
+
+def finished_clip(wave: np.ndarray, sample_rate: int) -> np.ndarray:
+    """A generated clip as it is written for listening: its mean removed (a waveform DDPM
+    drifts by a constant that a speaker cannot play; it is the `dc_offset` flag) and both ends
+    faded over FADE_S with a raised cosine (an abrupt start or end is the click of the
+    `edge_click` flag). Nothing else changes: no filtering, no peak normalization, so level and
+    clipping stay as the model made them."""
+    wave = np.asarray(wave, dtype=np.float64).reshape(-1)
+    wave = wave - wave.mean()
+    n = min(int(round(FADE_S * sample_rate)), wave.size // 2)
+    if n > 0:
+        ramp = 0.5 - 0.5 * np.cos(np.pi * np.arange(n) / n)    # 0 at the very edge .. ~1
+        wave[:n] *= ramp
+        wave[-n:] *= ramp[::-1]
+    return wave
 
 
 def log_stft(wave: np.ndarray, n_fft: int = N_FFT, hop: int = HOP) -> np.ndarray:

@@ -4,9 +4,11 @@ Time and class embeddings, condition dropout to a learned null class, EMA weight
 noise levels, ancestral sampling with classifier-free guidance. Clips are read exactly as
 stored (mono PCM, the configured rate and length; nothing is resampled, cropped or
 normalized) and generated clips are written as PCM16 WAV clipped to [-1, 1] but never
-peak-normalized, so loudness and clipping defects stay visible. Each WAV has a JSON sidecar:
-seed, cfg, steps, checkpoint, class, signal-integrity flags and the nearest training clip by
-log-STFT distance.
+peak-normalized, so loudness and clipping defects stay visible; their mean is removed and their
+ends faded over 5 ms (`engine.eval.audio.finished_clip`: a waveform DDPM's constant drift and
+abrupt ends are inaudible content but audible clicks). Each WAV has a JSON sidecar: seed, cfg,
+steps, checkpoint, class, the written clip's signal-integrity flags (and the model output's,
+before finishing), and the nearest training clip by log-STFT distance.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ import numpy as np
 import torch
 
 from engine.diffusion import SCHEDULE_ID, Schedule
-from engine.eval.audio import integrity_flags
+from engine.eval.audio import FADE_S, finished_clip, integrity_flags
 from engine.eval.neighbours import nearest_clips
 from engine.fsutil import atomic_write_json
 from engine.jobs import Job
@@ -70,11 +72,12 @@ def sample(run: RunDir, checkpoint: Checkpoint, args) -> list:
     x = run_sampler(model, Schedule(config.diffusion.levels, steps),
                     (len(labels), 1, config.audio.samples), labels, cfg, args.seed,
                     cancellable=True)
-    waves = x[:, 0].numpy().astype(np.float64)
+    raws = x[:, 0].numpy().astype(np.float64)
+    waves = [finished_clip(raw, config.audio.sample_rate) for raw in raws]
     train_ids, train_waves, _ = load_clips(dataset, "train", classes, config)
-    neighbours = nearest_clips(list(waves), list(train_waves[:, 0].numpy()), train_ids)
+    neighbours = nearest_clips(waves, list(train_waves[:, 0].numpy()), train_ids)
     paths = []
-    for k, (wave, label) in enumerate(zip(waves, labels.tolist())):
+    for k, (raw, wave, label) in enumerate(zip(raws, waves, labels.tolist())):
         name = f"{classes[label]}-seed{args.seed}-{k % n:03d}"
         write_wav(out / f"{name}.wav", wave, config.audio.sample_rate)
         atomic_write_json(out / f"{name}.json", {
@@ -82,10 +85,12 @@ def sample(run: RunDir, checkpoint: Checkpoint, args) -> list:
             "batch": {"classes": chosen, "per_class": n, "position": k},
             "cfg": cfg, "steps": steps,
             "settings": {"sampler": "ddpm-ancestral", "weights": "ema", "schedule": SCHEDULE_ID,
-                         "levels": config.diffusion.levels, "peak_normalized": False},
+                         "levels": config.diffusion.levels, "peak_normalized": False,
+                         "mean_removed": True, "edge_fade_s": FADE_S},
             "sample_rate": config.audio.sample_rate, "samples": config.audio.samples,
             "checkpoint": checkpoint.name, "step": checkpoint.step, "run": str(run.path),
             "model": meta["model"], "integrity": integrity_flags(wave),
+            "integrity_model_output": integrity_flags(raw),
             "nearest_training": neighbours[k]})
         run.log_event("sample_written", checkpoint=checkpoint.name, path=str(out / f"{name}.wav"))
         paths.append(out / f"{name}.wav")

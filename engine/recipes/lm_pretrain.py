@@ -218,14 +218,14 @@ def write_samples(run: RunDir, checkpoint: Checkpoint, model: Llama, tokenizer,
     for prompt in s.prompts:
         for i in range(n):
             text = complete(model, tokenizer, prompt, max_tokens=s.max_tokens,
-                            settings=settings, seed=seed + i)
+                            settings=settings, seed=seed + i, stop=s.stop)
             lines.append({"prompt": prompt, "seed": seed + i, "text": text})
     out = Path(out_dir) if out_dir else run.samples_dir / checkpoint.name
     path = out / "samples.jsonl"
     atomic_write_text(path, "".join(json.dumps(x) + "\n" for x in lines))
     atomic_write_json(out / "samples.json", {
         "checkpoint": checkpoint.name, "step": checkpoint.step, "run": str(run.path),
-        "settings": settings.as_dict(), "max_tokens": s.max_tokens, "seed": seed,
+        "settings": settings.as_dict(), "max_tokens": s.max_tokens, "stop": s.stop, "seed": seed,
         "model": {"recipe": "lm-pretrain", **config.model.model_dump()},
         "tokenizer": tokenizer.kind})
     run.log_event("sample_written", checkpoint=checkpoint.name, path=str(path))

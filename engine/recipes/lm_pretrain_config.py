@@ -139,6 +139,11 @@ class SampleSection(Schema):
     top_p: float = Field(
         1.0, gt=0, le=1, description="nucleus sampling: the smallest set of tokens with this total "
                                      "probability; 1 = off")
+    stop: list[str] = Field(
+        default_factory=list,
+        description="end a sample at the first of these strings (not included): a base model "
+                    "trained on records goes on to write the next record unless told where a "
+                    "reply ends, e.g. [\"\\n\"]; empty = run to max_tokens")
 
 
 class LMPretrainConfig(RecipeConfig):
