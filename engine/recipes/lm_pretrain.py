@@ -22,6 +22,7 @@ from engine.errors import ForgebenchError
 from engine.fsutil import atomic_write_json, atomic_write_text, read_json_object, sha256_file
 from engine.jobs import Job
 from engine.models.llama import Llama
+from engine.nanochat_tokenizer import NanochatTokenizer
 from engine.paths import dataset_file
 from engine.recipes.lm_pretrain_config import LMPretrainConfig
 from engine.rundir import Checkpoint, RunDir
@@ -247,8 +248,9 @@ def train_tokenizer(job: Job, train_text: str):
         tokenizer_json = (job.resume_from.path / TOKENIZER_FILE).read_text("utf-8")
         return tokenizer_from_json(tokenizer_json, job.resume_from.path / TOKENIZER_FILE), \
             tokenizer_json
-    tokenizer = (BPETokenizer.train([train_text], config.tokenizer.vocab_size)
-                 if config.tokenizer.kind == "bpe" else ByteTokenizer())
+    trainers = {"bpe": BPETokenizer.train, "nanochat": NanochatTokenizer.train}
+    tokenizer = (trainers[config.tokenizer.kind]([train_text], config.tokenizer.vocab_size)
+                 if config.tokenizer.kind in trainers else ByteTokenizer())
     tokenizer_json = tokenizer.to_json()
     if job.world.is_main:     # every rank trained the same tokenizer; rank 0 owns the run
         atomic_write_text(run.path / TOKENIZER_FILE, tokenizer_json)

@@ -29,8 +29,10 @@ class DataSection(Schema):
 
 
 class TokenizerSection(Schema):
-    kind: Literal["byte", "bpe"] = Field("byte", description="raw UTF-8 bytes, or a byte-level "
-                                                             "BPE trained on the train split")
+    kind: Literal["byte", "bpe", "nanochat"] = Field(
+        "byte", description="raw UTF-8 bytes, a byte-level BPE trained on the train split, or "
+                            "nanochat's (rustbpe's training and tiktoken's encoding, GPT-4 split "
+                            "pattern, its 9 special tokens counted in vocab_size)")
     vocab_size: int = Field(512, ge=260, le=65536, description="BPE vocabulary size")
 
 

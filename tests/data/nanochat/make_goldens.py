@@ -2,13 +2,17 @@
 from the reference itself: karpathy/nanochat at commit 92d63d4e8bb4df75c3b71618f31ddde2378b2bcd,
 on CPU in fp32, eager (torch.compile off, as the reference runs where no compiler is wanted).
 
-    python tests/data/nanochat/make_goldens.py --nanochat PATH
+    python tests/data/nanochat/make_goldens.py --nanochat PATH [--part model|tokenizer]
 
 PATH is a nanochat git directory (a clone, or a bare mirror) holding that commit. The script
 copies the commit's `nanochat/` package into a temporary directory, imports it from there, and
 writes numbers only: the reference's code is not kept in this repository. It needs torch and
 filelock (nanochat.common imports it); not nanochat's tokenizer deps (rustbpe, tiktoken), which
-the model and optimizer do not import.
+the model and optimizer do not import. `--part tokenizer` needs those instead (rustbpe 0.1.0 and
+tiktoken from PyPI, in a scratch venv) and writes tokenizer_goldens.json: nanochat's
+RustBPETokenizer.train_from_iterator on tokenizer_train.txt at vocab size TOKENIZER_VOCAB, then
+the bytes of every merged token in id order (hex), the special-token ids, and tiktoken's ids of
+tokenizer_heldout.txt (with <|bos|> prepended, as nanochat's dataloader encodes documents).
 
 What it dumps, for a tiny config that still exercises every feature (GQA, a sliding window that
 bites at T=144 > 128 + 1, value embeddings on alternating layers, vocab padding 60 -> 64):
@@ -46,6 +50,30 @@ LRS = dict(unembedding_lr=0.004, embedding_lr=0.2, matrix_lr=0.02, weight_decay=
            scalar_lr=0.5)
 PROMPT = [1, 5, 9, 13]
 DECODE_TOKENS = 24
+TOKENIZER_VOCAB = 512     # with nanochat's 9 specials: 247 merges
+
+
+def tokenizer_goldens(out: Path) -> None:
+    import rustbpe
+    import tiktoken
+    from nanochat.tokenizer import RustBPETokenizer
+
+    train = (HERE / "tokenizer_train.txt").read_bytes().decode("utf-8")  # keeps CRLF
+    held = (HERE / "tokenizer_heldout.txt").read_bytes().decode("utf-8")
+    tok = RustBPETokenizer.train_from_iterator(iter([train]), TOKENIZER_VOCAB)
+    enc = tok.enc
+    n_ranks = enc.n_vocab - len(enc.special_tokens_set)
+    merged = [enc.decode_single_token_bytes(i).hex() for i in range(256, n_ranks)]
+    meta = {"nanochat_commit": PINNED, "rustbpe": rustbpe.__version__ if hasattr(
+                rustbpe, "__version__") else "0.1.0", "tiktoken": tiktoken.__version__,
+            "vocab_size": TOKENIZER_VOCAB, "n_vocab": enc.n_vocab,
+            "merged_token_bytes_hex": merged, "bos_id": tok.get_bos_token_id(),
+            "special_ids": {name: tok.encode_special(name) for name in sorted(
+                enc.special_tokens_set)},
+            "heldout_ids": tok.encode(held, prepend="<|bos|>"),
+            "train_head_ids": tok.encode(train[:3000])}
+    (out / "tokenizer_goldens.json").write_text(json.dumps(meta) + "\n")
+    print(f"tokenizer: {len(merged)} merges, {len(meta['heldout_ids'])} held-out ids")
 
 
 def batches(torch, n: int):
@@ -65,6 +93,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--nanochat", required=True, help="nanochat git dir or clone")
     ap.add_argument("--out", default=str(HERE))
+    ap.add_argument("--part", choices=("model", "tokenizer"), default="model")
     args = ap.parse_args()
     os.environ["NANOCHAT_DTYPE"] = "float32"
     os.environ["TORCHDYNAMO_DISABLE"] = "1"
@@ -75,6 +104,9 @@ def main() -> int:
                              capture_output=True).stdout
     subprocess.run(["tar", "-x", "-C", tmp], input=archive, check=True)
     sys.path.insert(0, tmp)
+    if args.part == "tokenizer":
+        tokenizer_goldens(Path(args.out))
+        return 0
 
     import torch
     from nanochat.gpt import GPT, GPTConfig
