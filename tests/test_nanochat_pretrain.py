@@ -18,6 +18,7 @@ from engine.recipes.lm_pretrain import build_model, build_optimizer
 from engine.rundir import RunDir
 from engine.train.muon import MuonAdamW
 from engine.train.optim import set_lr
+from engine.train.pretrain_model import TOKENIZER_FILE
 from engine.train.pretrain_model import nanochat_config as nanochat_config_of
 
 REPO = Path(__file__).resolve().parents[1]
@@ -28,7 +29,8 @@ window_pattern = "SL"
 
 def nanochat_config(path: Path, corpus: Path, *, steps: int = 4, save_every: int = 0,
                     optimizer: str = "muon") -> Path:
-    write_config(path, corpus, steps=steps, save_every=save_every, precision="f32")
+    write_config(path, corpus, steps=steps, save_every=save_every, precision="f32",
+                 tokenizer="nanochat")
     text = path.read_text()
     # the tiny llama config, minus what nanochat's architecture fixes
     text = text.replace("ffn_dim = 64\n", "").replace("[model]\n", "[model]\n" + NANOCHAT)
@@ -88,6 +90,8 @@ def test_run_reports_bpb_generates_resumes_exactly_and_refuses_gguf(corpus, tmp_
     full = RunDir(tmp_path / "full")
     val = [m for m in full.metrics() if m.get("split") == "val"]
     assert val and 0 < val[-1]["bpb"] < 8.5                     # bits per byte, as today
+    saved = json.loads((full.path / TOKENIZER_FILE).read_text())
+    assert saved["forgebench_tokenizer"] == "nanochat" and saved["merges"]
     capsys.readouterr()
     assert main(["generate", str(full.path), "--prompt", "Record", "--max-tokens", "4",
                  "--json"]) == 0
@@ -118,3 +122,4 @@ def test_shipped_template_is_nanochat_d6():
         assert (model.n_layer, model.n_embd, model.n_head, model.sequence_len,
                 model.window_pattern) == (6, 384, 6, 512, "L")
         assert config.optim.kind == "muon"
+        assert config.tokenizer.kind == "nanochat"
