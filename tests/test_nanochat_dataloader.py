@@ -69,3 +69,22 @@ def test_twin_other_buffer_fails(goldens, documents):
     """A buffer of half the size chooses among fewer documents."""
     assert our_batches(goldens, documents,
                        buffer_size=goldens["loader"]["buffer_size"] // 2) != goldens["batches"]
+
+
+def test_lm_pretrain_packs_nanochat_rows(goldens, documents):
+    """lm-pretrain's data.packing = "bos_bestfit" trains on the reference loader's rows (at its
+    default buffer and batching) in the reference's order, before the sampler draws them."""
+    from types import SimpleNamespace
+
+    from engine.recipes.lm_pretrain import packed_rows
+
+    text = (DATA / "tokenizer_train.txt").read_bytes().decode("utf-8")
+    tokenizer = NanochatTokenizer.train([text], goldens["vocab_size"])
+    T = goldens["loader"]["T"]
+    config = SimpleNamespace(model=SimpleNamespace(context=T),
+                             data=SimpleNamespace(packing="bos_bestfit"))
+    rows = packed_rows(config, tokenizer, text)
+    assert rows.shape == (sum(len(d) for d in documents) // (T + 1), T + 1)
+    ref = [row + [tgt[-1]] for b in goldens["default_batches"]
+           for row, tgt in zip(b["inputs"], b["targets"])]
+    assert rows[:len(ref)].tolist() == ref

@@ -35,6 +35,7 @@ def nanochat_config(path: Path, corpus: Path, *, steps: int = 4, save_every: int
     # the tiny llama config, minus what nanochat's architecture fixes
     text = text.replace("ffn_dim = 64\n", "").replace("[model]\n", "[model]\n" + NANOCHAT)
     text = text.replace("[optim]\n", f'[optim]\nkind = "{optimizer}"\ngrad_clip = 0.0\n')
+    text = text.replace("[data]\n", '[data]\npacking = "bos_bestfit"\n')
     path.write_text(text)
     return path
 
@@ -122,4 +123,4 @@ def test_shipped_template_is_nanochat_d6():
         assert (model.n_layer, model.n_embd, model.n_head, model.sequence_len,
                 model.window_pattern) == (6, 384, 6, 512, "L")
         assert config.optim.kind == "muon"
-        assert config.tokenizer.kind == "nanochat"
+        assert config.tokenizer.kind == "nanochat" and config.data.packing == "bos_bestfit"

@@ -26,6 +26,10 @@ from engine.train.precision import migrate_autocast
 class DataSection(Schema):
     dir: str = Field(description="corpus folder: train.txt, val.txt (test.txt) and optionally "
                                  "dataset.json naming them")
+    packing: Literal["windows", "bos_bestfit"] = Field(
+        "windows", description="training rows: windows = the train split as one stream cut into "
+                               "context-long windows; bos_bestfit = nanochat's rows (each line a "
+                               "document with <bos> first, packed best-fit, the last cropped)")
 
 
 class TokenizerSection(Schema):

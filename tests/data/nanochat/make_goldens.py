@@ -89,8 +89,15 @@ def dataloader_goldens(out: Path) -> None:
     for _ in range(LOADER_BATCHES):
         x, y, _ = next(loader)
         batches.append({"inputs": x.tolist(), "targets": y.tolist()})
+    # at the loader's defaults too (buffer 1000, tokenizer batches of 128), as lm-pretrain packs
+    loader = dl.tokenizing_distributed_data_loader_with_state_bos_bestfit(
+        tok, LOADER["B"], LOADER["T"], "train", tokenizer_threads=1, device="cpu")
+    default_batches = []
+    for _ in range(2):
+        x, y, _ = next(loader)
+        default_batches.append({"inputs": x.tolist(), "targets": y.tolist()})
     meta = {"nanochat_commit": PINNED, "vocab_size": TOKENIZER_VOCAB, "loader": LOADER,
-            "documents": len(docs), "batches": batches}
+            "documents": len(docs), "batches": batches, "default_batches": default_batches}
     (out / "dataloader_goldens.json").write_text(json.dumps(meta) + "\n")
     print(f"dataloader: {LOADER_BATCHES} batches of {LOADER['B']}x{LOADER['T']}")
 
