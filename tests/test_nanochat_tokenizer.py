@@ -151,3 +151,26 @@ def test_bad_vocab_and_bad_file_say_what_to_do():
                       "specials": list(SPECIAL_TOKENS), "merges": [[0, 999]]})
     with pytest.raises(ForgebenchError, match="malformed merges"):
         tokenizer_from_json(bad, "tok.json")
+
+
+@pytest.mark.slow
+def test_live_rustbpe_and_tiktoken_at_a_larger_vocabulary():
+    """Beyond the stored goldens: rustbpe and tiktoken themselves (the nanochat-tokenizer extra),
+    called as nanochat's RustBPETokenizer calls them, on this repository's engine sources
+    (about 2 MB of code and prose) at vocabulary 8192."""
+    why = "the live oracle needs the nanochat-tokenizer extra (rustbpe, tiktoken)"
+    rustbpe = pytest.importorskip("rustbpe", reason=why)
+    tiktoken = pytest.importorskip("tiktoken", reason=why)
+    root = Path(__file__).resolve().parents[1]
+    docs = [p.read_text(encoding="utf-8") for p in sorted((root / "engine").rglob("*.py"))]
+    vocab = 8192
+    ref = rustbpe.Tokenizer()
+    ref.train_from_iterator(iter(docs), vocab - len(SPECIAL_TOKENS), pattern=nt.SPLIT_PATTERN)
+    ranks = {bytes(k): v for k, v in ref.get_mergeable_ranks()}
+    enc = tiktoken.Encoding(name="rustbpe", pat_str=ref.get_pattern(), mergeable_ranks=ranks,
+                            special_tokens={s: len(ranks) + i
+                                            for i, s in enumerate(SPECIAL_TOKENS)})
+    ours = NanochatTokenizer.train(docs, vocab)
+    assert sorted(ranks, key=ranks.get) == ours.token_bytes
+    held = (root / "README.md").read_text(encoding="utf-8") + read("tokenizer_heldout.txt")
+    assert ours.encode(held) == enc.encode_ordinary(held)
