@@ -174,3 +174,11 @@ def test_live_rustbpe_and_tiktoken_at_a_larger_vocabulary():
     assert sorted(ranks, key=ranks.get) == ours.token_bytes
     held = (root / "README.md").read_text(encoding="utf-8") + read("tokenizer_heldout.txt")
     assert ours.encode(held) == enc.encode_ordinary(held)
+
+
+def test_gguf_export_refuses_the_nanochat_tokenizer(trained):
+    from engine.export.from_pretrain import tokenizer_metadata
+
+    with pytest.raises(ForgebenchError, match="no pre-tokenizer for nanochat's split"):
+        tokenizer_metadata(trained)
+    assert tokenizer_metadata(tokenizer_from_json('{"forgebench_tokenizer": "byte"}'))  # twin
