@@ -15,7 +15,13 @@ the bytes of every merged token in id order (hex), the special-token ids, and ti
 tokenizer_heldout.txt (with <|bos|> prepended, as nanochat's dataloader encodes documents).
 `--part dataloader` (the same plus torch, pyarrow, requests) writes dataloader_goldens.json: the
 first LOADER_BATCHES (inputs, targets) of nanochat's BOS-aligned best-fit loader, its parquet
-reader replaced by the documents of loader_documents() in LOADER_DOC_BATCH batches, cycled.
+reader replaced by the documents of loader_documents() in batches of 8, cycled (and two batches
+at the loader's defaults). The scratch venv they were made in:
+
+    python3 -m venv /tmp/ref && /tmp/ref/bin/pip install rustbpe==0.1.0 tiktoken regex \
+        torch==2.13.0 pyarrow filelock requests
+    /tmp/ref/bin/python tests/data/nanochat/make_goldens.py --nanochat DIR --part tokenizer
+    /tmp/ref/bin/python tests/data/nanochat/make_goldens.py --nanochat DIR --part dataloader
 
 What it dumps, for a tiny config that still exercises every feature (GQA, a sliding window that
 bites at T=144 > 128 + 1, value embeddings on alternating layers, vocab padding 60 -> 64):
@@ -61,7 +67,9 @@ LOADER_BATCHES = 6
 
 
 def loader_documents(text: str) -> list[str]:
-    """The loader rung's documents: the non-blank lines of the tokenizer's training text."""
+    """The loader rung's documents: the non-blank lines of the tokenizer's training text (the
+    rule of engine/train/bos_bestfit.text_documents, restated: this script runs without the
+    engine, in the reference's venv)."""
     return [line for line in text.split("\n") if line.strip()]
 
 
