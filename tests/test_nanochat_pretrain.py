@@ -84,6 +84,14 @@ def test_muon_needs_the_nanochat_family(corpus, tmp_path):
         load_config(path)
 
 
+def test_nanochat_tokenizer_needs_room_for_its_specials(corpus, tmp_path):
+    path = nanochat_config(tmp_path / "c.toml", corpus)
+    assert load_config(path).tokenizer.vocab_size == 300                   # twin: room enough
+    path.write_text(path.read_text().replace("vocab_size = 300", "vocab_size = 264"))
+    with pytest.raises(ForgebenchError, match="vocab_size >= 265"):
+        load_config(path)
+
+
 def test_run_reports_bpb_generates_resumes_exactly_and_refuses_gguf(corpus, tmp_path, capsys):
     config = nanochat_config(tmp_path / "c.toml", corpus, steps=4, save_every=2)
     args = ["--threads", "1"]

@@ -39,6 +39,13 @@ class TokenizerSection(Schema):
                             "pattern, its 9 special tokens counted in vocab_size)")
     vocab_size: int = Field(512, ge=260, le=65536, description="BPE vocabulary size")
 
+    @model_validator(mode="after")
+    def _room_for_nanochat_specials(self) -> "TokenizerSection":
+        if self.kind == "nanochat" and self.vocab_size < 265:
+            raise ValueError("a nanochat tokenizer needs vocab_size >= 265 (256 bytes and its 9 "
+                             "special tokens)")
+        return self
+
 
 NANOCHAT_FIXED = ("ffn_dim", "rope_theta", "norm_eps")   # (its head is untied either way)
 
