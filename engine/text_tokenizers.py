@@ -1,5 +1,6 @@
 """Tokenizers for models trained from scratch: raw UTF-8 bytes, or a byte-level BPE trained on
-the training split with HF `tokenizers`. Either is saved as JSON beside the checkpoints.
+the training split with HF `tokenizers` (or nanochat's, engine/nanochat_tokenizer.py). Each is
+saved as JSON beside the checkpoints.
 
 Both map any text to ids and back without loss, so bits per byte are comparable between them.
 """
@@ -76,7 +77,7 @@ class BPETokenizer:
         return self.tokenizer.to_str()
 
 
-def tokenizer_from_json(text: str, source: object = None) -> ByteTokenizer | BPETokenizer:
+def tokenizer_from_json(text: str, source: object = None):
     """Load what `to_json()` wrote."""
     try:
         data = json.loads(text)
@@ -85,9 +86,13 @@ def tokenizer_from_json(text: str, source: object = None) -> ByteTokenizer | BPE
                               where=f"line {exc.lineno}") from None
     if data.get("forgebench_tokenizer") == "byte":
         return ByteTokenizer()
+    if data.get("forgebench_tokenizer") == "nanochat":
+        from engine.nanochat_tokenizer import NanochatTokenizer
+
+        return NanochatTokenizer.from_dict(data, source)
     if (data.get("model") or {}).get("type") == "BPE":
         from tokenizers import Tokenizer
 
         return BPETokenizer(Tokenizer.from_str(text))
-    raise ForgebenchError("not a Forgebench byte or BPE tokenizer", path=source,
+    raise ForgebenchError("not a Forgebench byte, BPE or nanochat tokenizer", path=source,
                           hint="the file should come from a lm-pretrain checkpoint")

@@ -101,4 +101,4 @@ def test_bundled_lm_pretrain_configs_validate():
                      .glob("lm-pretrain*.toml"))
     assert len(configs) >= 2
     kinds = {load_config(path).tokenizer.kind for path in configs}
-    assert kinds == {"byte", "bpe"}
+    assert kinds == {"byte", "bpe", "nanochat"}

@@ -18,6 +18,7 @@ from engine.recipes.lm_pretrain import build_model, build_optimizer
 from engine.rundir import RunDir
 from engine.train.muon import MuonAdamW
 from engine.train.optim import set_lr
+from engine.train.pretrain_model import TOKENIZER_FILE
 from engine.train.pretrain_model import nanochat_config as nanochat_config_of
 
 REPO = Path(__file__).resolve().parents[1]
@@ -28,11 +29,13 @@ window_pattern = "SL"
 
 def nanochat_config(path: Path, corpus: Path, *, steps: int = 4, save_every: int = 0,
                     optimizer: str = "muon") -> Path:
-    write_config(path, corpus, steps=steps, save_every=save_every, precision="f32")
+    write_config(path, corpus, steps=steps, save_every=save_every, precision="f32",
+                 tokenizer="nanochat")
     text = path.read_text()
     # the tiny llama config, minus what nanochat's architecture fixes
     text = text.replace("ffn_dim = 64\n", "").replace("[model]\n", "[model]\n" + NANOCHAT)
     text = text.replace("[optim]\n", f'[optim]\nkind = "{optimizer}"\ngrad_clip = 0.0\n')
+    text = text.replace("[data]\n", '[data]\npacking = "bos_bestfit"\n')
     path.write_text(text)
     return path
 
@@ -81,6 +84,14 @@ def test_muon_needs_the_nanochat_family(corpus, tmp_path):
         load_config(path)
 
 
+def test_nanochat_tokenizer_needs_room_for_its_specials(corpus, tmp_path):
+    path = nanochat_config(tmp_path / "c.toml", corpus)
+    assert load_config(path).tokenizer.vocab_size == 300                   # twin: room enough
+    path.write_text(path.read_text().replace("vocab_size = 300", "vocab_size = 264"))
+    with pytest.raises(ForgebenchError, match="vocab_size >= 265"):
+        load_config(path)
+
+
 def test_run_reports_bpb_generates_resumes_exactly_and_refuses_gguf(corpus, tmp_path, capsys):
     config = nanochat_config(tmp_path / "c.toml", corpus, steps=4, save_every=2)
     args = ["--threads", "1"]
@@ -88,6 +99,8 @@ def test_run_reports_bpb_generates_resumes_exactly_and_refuses_gguf(corpus, tmp_
     full = RunDir(tmp_path / "full")
     val = [m for m in full.metrics() if m.get("split") == "val"]
     assert val and 0 < val[-1]["bpb"] < 8.5                     # bits per byte, as today
+    saved = json.loads((full.path / TOKENIZER_FILE).read_text())
+    assert saved["forgebench_tokenizer"] == "nanochat" and saved["merges"]
     capsys.readouterr()
     assert main(["generate", str(full.path), "--prompt", "Record", "--max-tokens", "4",
                  "--json"]) == 0
@@ -118,3 +131,4 @@ def test_shipped_template_is_nanochat_d6():
         assert (model.n_layer, model.n_embd, model.n_head, model.sequence_len,
                 model.window_pattern) == (6, 384, 6, 512, "L")
         assert config.optim.kind == "muon"
+        assert config.tokenizer.kind == "nanochat" and config.data.packing == "bos_bestfit"

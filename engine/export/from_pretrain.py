@@ -65,6 +65,11 @@ def tokenizer_metadata(tokenizer) -> dict[str, MetaValue]:
     """`tokenizer.ggml.*` keys for a ByteTokenizer or BPETokenizer (engine.text_tokenizers)."""
     from engine.llm.tokenizer import BYTE_TO_CHAR
 
+    if tokenizer.kind == "nanochat":
+        raise ForgebenchError(
+            "llama.cpp has no pre-tokenizer for nanochat's split pattern (GPT-4's, with digit "
+            "runs of at most two), so a GGUF would tokenise differently", where="tokenizer.json",
+            hint="train with tokenizer.kind = \"bpe\" for a model to export")
     if tokenizer.kind == "byte":
         tokens = list(BYTE_TO_CHAR) + ["<bos>", "<eos>"]
         merges: list[str] = []

@@ -22,12 +22,14 @@ from engine.errors import ForgebenchError
 from engine.fsutil import atomic_write_json, atomic_write_text, read_json_object, sha256_file
 from engine.jobs import Job
 from engine.models.llama import Llama
+from engine.nanochat_tokenizer import NanochatTokenizer
 from engine.paths import dataset_file
 from engine.recipes.lm_pretrain_config import LMPretrainConfig
 from engine.rundir import Checkpoint, RunDir
 from engine.sampling import SamplingSettings, generate_tokens
 from engine.text_tokenizers import BPETokenizer, ByteTokenizer, tokenizer_from_json
 from engine.train import distributed
+from engine.train.bos_bestfit import bos_bestfit_rows, document_batches, text_documents
 from engine.train.checkpoint import load_checkpoint, save_checkpoint
 from engine.train.devices import module_device, require_bf16, to_device
 from engine.train.lm_loop import LoopState, StepLoop, StepResult, accumulate, optimizer_step
@@ -247,8 +249,9 @@ def train_tokenizer(job: Job, train_text: str):
         tokenizer_json = (job.resume_from.path / TOKENIZER_FILE).read_text("utf-8")
         return tokenizer_from_json(tokenizer_json, job.resume_from.path / TOKENIZER_FILE), \
             tokenizer_json
-    tokenizer = (BPETokenizer.train([train_text], config.tokenizer.vocab_size)
-                 if config.tokenizer.kind == "bpe" else ByteTokenizer())
+    trainers = {"bpe": BPETokenizer.train, "nanochat": NanochatTokenizer.train}
+    tokenizer = (trainers[config.tokenizer.kind]([train_text], config.tokenizer.vocab_size)
+                 if config.tokenizer.kind in trainers else ByteTokenizer())
     tokenizer_json = tokenizer.to_json()
     if job.world.is_main:     # every rank trained the same tokenizer; rank 0 owns the run
         atomic_write_text(run.path / TOKENIZER_FILE, tokenizer_json)
@@ -257,6 +260,8 @@ def train_tokenizer(job: Job, train_text: str):
 
 def train_windows_of(config: LMPretrainConfig, tokenizer, train_text: str) -> torch.Tensor:
     """The training windows [N, T+1]; refuses a split shorter than one window."""
+    if config.data.packing == "bos_bestfit":
+        return packed_rows(config, tokenizer, train_text)
     found = windows(token_stream(tokenizer, train_text), config.model.context)
     if len(found) == 0:
         raise ForgebenchError(
@@ -264,6 +269,20 @@ def train_windows_of(config: LMPretrainConfig, tokenizer, train_text: str) -> to
             "training window", path=corpus_files(config)["train"],
             hint="add text or lower model.context")
     return found
+
+
+def packed_rows(config: LMPretrainConfig, tokenizer, train_text: str) -> torch.Tensor:
+    """nanochat's BOS-aligned best-fit rows [N, T+1] (engine/train/bos_bestfit.py, at its
+    loader's defaults: 1000 buffered documents, tokenized 128 at a time), as many as the split's
+    tokens fill (at least one); the sampler then draws them as it draws windows."""
+    docs = [[tokenizer.bos_id] + tokenizer.encode(d) for d in text_documents(train_text)]
+    if not docs:
+        raise ForgebenchError("the train split has no non-blank line, no document to pack",
+                              path=corpus_files(config)["train"], hint="add text")
+    capacity = config.model.context + 1
+    n = max(sum(len(d) for d in docs) // capacity, 1)
+    rows = bos_bestfit_rows(document_batches(docs, 128), 1, config.model.context, 1000)
+    return torch.cat([next(rows) for _ in range(n)])
 
 
 def train(job: Job) -> None:

@@ -26,12 +26,25 @@ from engine.train.precision import migrate_autocast
 class DataSection(Schema):
     dir: str = Field(description="corpus folder: train.txt, val.txt (test.txt) and optionally "
                                  "dataset.json naming them")
+    packing: Literal["windows", "bos_bestfit"] = Field(
+        "windows", description="training rows: windows = the train split as one stream cut into "
+                               "context-long windows; bos_bestfit = nanochat's rows (each line a "
+                               "document with <bos> first, packed best-fit, the last cropped)")
 
 
 class TokenizerSection(Schema):
-    kind: Literal["byte", "bpe"] = Field("byte", description="raw UTF-8 bytes, or a byte-level "
-                                                             "BPE trained on the train split")
+    kind: Literal["byte", "bpe", "nanochat"] = Field(
+        "byte", description="raw UTF-8 bytes, a byte-level BPE trained on the train split, or "
+                            "nanochat's (rustbpe's training and tiktoken's encoding, GPT-4 split "
+                            "pattern, its 9 special tokens counted in vocab_size)")
     vocab_size: int = Field(512, ge=260, le=65536, description="BPE vocabulary size")
+
+    @model_validator(mode="after")
+    def _room_for_nanochat_specials(self) -> "TokenizerSection":
+        if self.kind == "nanochat" and self.vocab_size < 265:
+            raise ValueError("a nanochat tokenizer needs vocab_size >= 265 (256 bytes and its 9 "
+                             "special tokens)")
+        return self
 
 
 NANOCHAT_FIXED = ("ffn_dim", "rope_theta", "norm_eps")   # (its head is untied either way)

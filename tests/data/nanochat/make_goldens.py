@@ -2,13 +2,26 @@
 from the reference itself: karpathy/nanochat at commit 92d63d4e8bb4df75c3b71618f31ddde2378b2bcd,
 on CPU in fp32, eager (torch.compile off, as the reference runs where no compiler is wanted).
 
-    python tests/data/nanochat/make_goldens.py --nanochat PATH
+    python tests/data/nanochat/make_goldens.py --nanochat PATH [--part model|tokenizer|dataloader]
 
 PATH is a nanochat git directory (a clone, or a bare mirror) holding that commit. The script
 copies the commit's `nanochat/` package into a temporary directory, imports it from there, and
 writes numbers only: the reference's code is not kept in this repository. It needs torch and
 filelock (nanochat.common imports it); not nanochat's tokenizer deps (rustbpe, tiktoken), which
-the model and optimizer do not import.
+the model and optimizer do not import. `--part tokenizer` needs those instead (rustbpe 0.1.0 and
+tiktoken from PyPI, in a scratch venv) and writes tokenizer_goldens.json: nanochat's
+RustBPETokenizer.train_from_iterator on tokenizer_train.txt at vocab size TOKENIZER_VOCAB, then
+the bytes of every merged token in id order (hex), the special-token ids, and tiktoken's ids of
+tokenizer_heldout.txt (with <|bos|> prepended, as nanochat's dataloader encodes documents).
+`--part dataloader` (the same plus torch, pyarrow, requests) writes dataloader_goldens.json: the
+first LOADER_BATCHES (inputs, targets) of nanochat's BOS-aligned best-fit loader, its parquet
+reader replaced by the documents of loader_documents() in batches of 8, cycled (and two batches
+at the loader's defaults). The scratch venv they were made in:
+
+    python3 -m venv /tmp/ref && /tmp/ref/bin/pip install rustbpe==0.1.0 tiktoken regex \
+        torch==2.13.0 pyarrow filelock requests
+    /tmp/ref/bin/python tests/data/nanochat/make_goldens.py --nanochat DIR --part tokenizer
+    /tmp/ref/bin/python tests/data/nanochat/make_goldens.py --nanochat DIR --part dataloader
 
 What it dumps, for a tiny config that still exercises every feature (GQA, a sliding window that
 bites at T=144 > 128 + 1, value embeddings on alternating layers, vocab padding 60 -> 64):
@@ -46,6 +59,78 @@ LRS = dict(unembedding_lr=0.004, embedding_lr=0.2, matrix_lr=0.02, weight_decay=
            scalar_lr=0.5)
 PROMPT = [1, 5, 9, 13]
 DECODE_TOKENS = 24
+TOKENIZER_VOCAB = 512     # with nanochat's 9 specials: 247 merges
+
+
+LOADER = dict(B=4, T=128, buffer_size=16, tokenizer_batch_size=8)
+LOADER_BATCHES = 6
+
+
+def loader_documents(text: str) -> list[str]:
+    """The loader rung's documents: the non-blank lines of the tokenizer's training text (the
+    rule of engine/train/bos_bestfit.text_documents, restated: this script runs without the
+    engine, in the reference's venv)."""
+    return [line for line in text.split("\n") if line.strip()]
+
+
+def dataloader_goldens(out: Path) -> None:
+    import nanochat.dataloader as dl
+    from nanochat.tokenizer import RustBPETokenizer
+
+    train = (HERE / "tokenizer_train.txt").read_bytes().decode("utf-8")
+    tok = RustBPETokenizer.train_from_iterator(iter([train]), TOKENIZER_VOCAB)
+    docs = loader_documents(train)
+
+    def document_batches(split, resume_state_dict, tokenizer_batch_size):
+        epoch = 1
+        while True:
+            for i in range(0, len(docs), tokenizer_batch_size):
+                yield docs[i:i + tokenizer_batch_size], (0, i, epoch)
+            epoch += 1
+
+    dl._document_batches = document_batches
+    loader = dl.tokenizing_distributed_data_loader_with_state_bos_bestfit(
+        tok, LOADER["B"], LOADER["T"], "train", tokenizer_threads=1,
+        tokenizer_batch_size=LOADER["tokenizer_batch_size"], device="cpu",
+        buffer_size=LOADER["buffer_size"])
+    batches = []
+    for _ in range(LOADER_BATCHES):
+        x, y, _ = next(loader)
+        batches.append({"inputs": x.tolist(), "targets": y.tolist()})
+    # at the loader's defaults too (buffer 1000, tokenizer batches of 128), as lm-pretrain packs
+    loader = dl.tokenizing_distributed_data_loader_with_state_bos_bestfit(
+        tok, LOADER["B"], LOADER["T"], "train", tokenizer_threads=1, device="cpu")
+    default_batches = []
+    for _ in range(2):
+        x, y, _ = next(loader)
+        default_batches.append({"inputs": x.tolist(), "targets": y.tolist()})
+    meta = {"nanochat_commit": PINNED, "vocab_size": TOKENIZER_VOCAB, "loader": LOADER,
+            "documents": len(docs), "batches": batches, "default_batches": default_batches}
+    (out / "dataloader_goldens.json").write_text(json.dumps(meta) + "\n")
+    print(f"dataloader: {LOADER_BATCHES} batches of {LOADER['B']}x{LOADER['T']}")
+
+
+def tokenizer_goldens(out: Path) -> None:
+    import rustbpe
+    import tiktoken
+    from nanochat.tokenizer import RustBPETokenizer
+
+    train = (HERE / "tokenizer_train.txt").read_bytes().decode("utf-8")  # keeps CRLF
+    held = (HERE / "tokenizer_heldout.txt").read_bytes().decode("utf-8")
+    tok = RustBPETokenizer.train_from_iterator(iter([train]), TOKENIZER_VOCAB)
+    enc = tok.enc
+    n_ranks = enc.n_vocab - len(enc.special_tokens_set)
+    merged = [enc.decode_single_token_bytes(i).hex() for i in range(256, n_ranks)]
+    meta = {"nanochat_commit": PINNED, "rustbpe": rustbpe.__version__ if hasattr(
+                rustbpe, "__version__") else "0.1.0", "tiktoken": tiktoken.__version__,
+            "vocab_size": TOKENIZER_VOCAB, "n_vocab": enc.n_vocab,
+            "merged_token_bytes_hex": merged, "bos_id": tok.get_bos_token_id(),
+            "special_ids": {name: tok.encode_special(name) for name in sorted(
+                enc.special_tokens_set)},
+            "heldout_ids": tok.encode(held, prepend="<|bos|>"),
+            "train_head_ids": tok.encode(train[:3000])}
+    (out / "tokenizer_goldens.json").write_text(json.dumps(meta) + "\n")
+    print(f"tokenizer: {len(merged)} merges, {len(meta['heldout_ids'])} held-out ids")
 
 
 def batches(torch, n: int):
@@ -65,6 +150,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--nanochat", required=True, help="nanochat git dir or clone")
     ap.add_argument("--out", default=str(HERE))
+    ap.add_argument("--part", choices=("model", "tokenizer", "dataloader"), default="model")
     args = ap.parse_args()
     os.environ["NANOCHAT_DTYPE"] = "float32"
     os.environ["TORCHDYNAMO_DISABLE"] = "1"
@@ -75,6 +161,12 @@ def main() -> int:
                              capture_output=True).stdout
     subprocess.run(["tar", "-x", "-C", tmp], input=archive, check=True)
     sys.path.insert(0, tmp)
+    if args.part == "tokenizer":
+        tokenizer_goldens(Path(args.out))
+        return 0
+    if args.part == "dataloader":
+        dataloader_goldens(Path(args.out))
+        return 0
 
     import torch
     from nanochat.gpt import GPT, GPTConfig
