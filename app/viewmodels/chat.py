@@ -26,7 +26,7 @@ from pathlib import Path
 
 from app.viewmodels.ab import ABSession
 from engine import model_library
-from engine.conversations import Conversation, export_sft
+from engine.conversations import Conversation, export_sft, list_conversations
 from engine.errors import ForgebenchError
 from engine.rundir import RunDir
 from engine.serve_local import CHAT_RECIPES
@@ -80,6 +80,11 @@ def sources(root: Path) -> list[Source]:
     for gguf in sorted((root / "exports").glob("*/model.gguf")):
         found.append(Source(f"export: {gguf.parent.name}", "export", {"model": str(gguf)}))
     return found
+
+
+def saved_conversations(root: Path) -> list[Path]:
+    """The workspace's saved conversations (chats/*.jsonl), newest first."""
+    return list_conversations(root)
 
 
 @dataclass

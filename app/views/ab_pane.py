@@ -42,14 +42,12 @@ from PySide6.QtWidgets import (
 from app.audio import Player
 from app.viewmodels import ab as vm
 from app.viewmodels.runs import stable_order
-from app.viewmodels.samples import text_file, waveform
+from app.viewmodels.samples import waveform
 from app.viewmodels.workspace import Workspace
 from app.views import theme
 from app.views.job_runner import JobRunner
 from app.views.labels import wrap_items, wrapped_label
 from engine.errors import ForgebenchError
-from engine.fsutil import read_json
-from engine.rundir import RunDir
 
 PREVIEW = 256
 
@@ -277,21 +275,7 @@ class ABPane(QWidget):
         make them, as a checkable system. The list is updated in place: the systems shown keep
         their rows (and check marks), new ones are added after them, and the row under the
         pointer never moves (vm.stable_order)."""
-        found: dict[tuple[str, str], str] = {}
-        for run_dir in self.workspace.run_dirs() if self.workspace else []:
-            run = RunDir(run_dir)
-            names = []
-            if run.samples_dir.is_dir():
-                names += [p.name for p in sorted(run.samples_dir.iterdir()) if p.is_dir() and (
-                    any(f.suffix in (".png", ".wav") and f.stem != "grid"
-                        for f in p.iterdir()) or text_file(p))]
-            recipe = run.manifest().get("recipe")
-            if recipe in vm.GENERATOR_RECIPES + vm.TEXT_RECIPES:
-                names += [c.name for c in run.checkpoints()]
-            if vm.base_gguf(run_dir) is not None:
-                names.append(vm.BASE)
-            for name in sorted(set(names)):
-                found[(str(run_dir), name)] = vm.system_name(run_dir, name)
+        found = vm.available_systems(self.workspace.run_dirs() if self.workspace else [])
         items = {tuple(self.systems.item(i).data(Qt.ItemDataRole.UserRole)):
                  self.systems.item(i) for i in range(self.systems.count())}
         order = stable_order(list(items), list(found))
@@ -307,10 +291,8 @@ class ABPane(QWidget):
                     self.systems.addItem(item)
         session = self.sessions.currentData()
         self.sessions.clear()
-        if self.workspace and self.ratings_dir.is_dir():
-            for path in sorted(self.ratings_dir.glob("*.jsonl")):
-                if not path.name.startswith("rubric-"):
-                    self.sessions.addItem(path.stem, str(path))
+        for path in vm.session_files(self.ratings_dir) if self.workspace else []:
+            self.sessions.addItem(path.stem, str(path))
         self.sessions.setCurrentIndex(max(self.sessions.findData(session), 0))
 
     def check_system(self, run_dir: Path, checkpoint: str, checked: bool = True) -> None:
@@ -340,9 +322,7 @@ class ABPane(QWidget):
                                           hint="e.g. 0, 1, 2"))
             return
         try:
-            text = bool(self.chosen()) and all(
-                RunDir(r).manifest().get("recipe") in vm.TEXT_RECIPES for r, _ in self.chosen())
-            if text:
+            if vm.all_text(self.chosen()):
                 settings = vm.text_settings_of(self.gen_prompts.toPlainText().splitlines(),
                                                self.gen_max_tokens.value(),
                                                seeds[0] if seeds else 0)
@@ -517,9 +497,7 @@ class ABPane(QWidget):
         except ForgebenchError as exc:
             self.message.emit(exc.render())
             return
-        provenance = read_json(out / "dataset.json")["provenance"]
-        self.message.emit(f"preference dataset written: {out} ({provenance['exported']} "
-                          f"pairs; {provenance['not_exported']} left out)")
+        self.message.emit(vm.preferences_written(out))
 
 
     # -- closing the loop ----------------------------------------------------------------

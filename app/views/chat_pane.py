@@ -30,7 +30,6 @@ from app.viewmodels import chat as vm
 from app.viewmodels.jobs import forgebench_argv
 from app.viewmodels.workspace import Workspace
 from app.views.engine_process import engine_process
-from engine.conversations import list_conversations
 from engine.errors import ForgebenchError
 
 REPAINT_MS = 50
@@ -206,7 +205,7 @@ class ChatPane(QWidget):
             index = combo.findText(current)
             combo.setCurrentIndex(max(index, 0))
         self.saved.clear()
-        for path in list_conversations(self.workspace.root):
+        for path in vm.saved_conversations(self.workspace.root):
             self.saved.addItem(path.stem, str(path))
 
     def open_run(self, run_dir: Path) -> None:
@@ -364,7 +363,7 @@ class ChatPane(QWidget):
             return
         current = self.saved.currentData()
         self.saved.clear()
-        for path in list_conversations(self.workspace.root):
+        for path in vm.saved_conversations(self.workspace.root):
             self.saved.addItem(path.stem, str(path))
         index = self.saved.findData(current)
         self.saved.setCurrentIndex(max(index, 0))

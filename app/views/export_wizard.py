@@ -43,7 +43,6 @@ from app.views.help_link import help_link
 from app.views.job_runner import JobRunner
 from app.views.labels import wrapped_label
 from engine.errors import ForgebenchError
-from engine.fsutil import read_json
 
 STEPS = ("1. Run and checkpoint", "2. Base model", "3. Quantization", "4. Export and verify",
          "5. Bundle")
@@ -658,11 +657,13 @@ class ExportWizardPane(QWidget):
             self.verdict.setText(f"<b>{html.escape(message)}</b><br>Written to "
                                  f"{html.escape(str(self.out))}:<table>{rows}</table>")
             return
-        if self.out is None or not (self.out / "SHA256SUMS").is_file():
+        bundle = vm.finished_bundle(self.out)
+        if bundle is None:
             self.verdict.setText(error_html("The export failed.", message))
             return
-        self.show_report(read_json(self.out / "report.json"))
-        self.card.setPlainText((self.out / "model_card.md").read_text("utf-8"))
+        report, card = bundle
+        self.show_report(report)
+        self.card.setPlainText(card)
         self.checklist = vm.rights_checklist(self.run.path)
         self.rights.clear()
         for entry in self.checklist:

@@ -15,15 +15,13 @@ from pathlib import Path
 from PySide6.QtCore import QTimer, Signal
 from PySide6.QtWidgets import QFrame, QHBoxLayout, QLabel, QPushButton, QVBoxLayout
 
-from app.viewmodels.first_tune import FirstTune, run_argv
+from app.viewmodels.first_tune import FirstTune, run_argv, run_outcome
 from app.viewmodels.jobs import job_error
 from app.viewmodels.workspace import Settings, Workspace
 from app.views import theme
 from app.views.background import BackgroundCall
 from app.views.engine_process import start_detached
 from app.views.job_runner import JobRunner
-from engine.rundir import ACTIVE_STATES, RunDir
-from engine.runlock import pid_alive
 
 POLL_MS = 1000      # how often the strip looks at its run's status
 
@@ -208,9 +206,8 @@ class FirstTunePanel(QFrame):
         self.refresh()
 
     def poll(self) -> None:
-        run = RunDir(self.run_dir)
-        state = run.live_status().get("state") if run.exists() else "starting"
-        if state in ACTIVE_STATES or (state in ("starting", "unknown") and pid_alive(self.pid)):
+        state = run_outcome(self.run_dir, self.pid)
+        if state is None:
             return
         self.timer.stop()
         self.refresh()

@@ -43,6 +43,8 @@ from app.viewmodels.masks import (
     MaskEditor,
     count_regions,
     mask_datasets,
+    masked_records,
+    open_mask_dataset,
     read_mask,
     read_per_image,
     read_rgb,
@@ -55,7 +57,6 @@ from app.views.background import BackgroundCall
 from app.views.combos import refill_keeping_choice
 from app.views.engine_process import run_engine
 from app.views.labels import FittedPicture, wrap_items
-from engine.data.dataset import Dataset, load_dataset
 from engine.errors import ForgebenchError
 
 
@@ -355,7 +356,7 @@ class MasksPane(QWidget):
     def __init__(self, parent=None):
         super().__init__(parent)
         self.workspace: Workspace | None = None
-        self.dataset: Dataset | None = None
+        self.dataset = None             # the chosen dataset once loaded (open_mask_dataset)
         self.record: dict | None = None
         self.editor: MaskEditor | None = None
         self.loader = BackgroundCall(self)
@@ -477,21 +478,19 @@ class MasksPane(QWidget):
             self.loader.cancel()
             return
         self.info.setText(f"Loading and validating {Path(path).name}…")
-        self.loader.start(lambda: load_dataset(path))
+        self.loader.start(lambda: open_mask_dataset(path))
 
     def _dataset_failed(self, exc: ForgebenchError) -> None:
         self.info.setText(f"This dataset does not validate:\n{exc.render()}")
         self.dataset_loaded.emit()
 
-    def _dataset_loaded(self, dataset: Dataset) -> None:
+    def _dataset_loaded(self, dataset) -> None:
         self.dataset = dataset
         self._refresh_info()
-        for record in self.dataset.records():
-            if record.get("mask"):
-                item = QListWidgetItem(f"{record['id']}  ({record.get('label', '')}, "
-                                       f"{record.get('split', '')})")
-                item.setData(Qt.ItemDataRole.UserRole, record)
-                self.record_list.addItem(item)
+        for label, record in masked_records(dataset):
+            item = QListWidgetItem(label)
+            item.setData(Qt.ItemDataRole.UserRole, record)
+            self.record_list.addItem(item)
         if self.record_list.count():
             self.record_list.setCurrentRow(0)
         self.dataset_loaded.emit()

@@ -37,16 +37,12 @@ from PySide6.QtWidgets import (
 
 from app.audio import MAX_GAIN_DB, MIN_GAIN_DB, Player
 from app.viewmodels import samples as vm
-from app.viewmodels.runs import run_label
 from app.viewmodels.workspace import Workspace
 from app.views.charts import use_plot_style
 from app.views.combos import refill_keeping_choice
 from app.views.job_runner import JobRunner
 from engine.errors import ForgebenchError
-from engine.fsutil import read_json
-from engine.rundir import RunDir
 
-SAMPLE_RECIPES = vm.SAMPLE_RECIPES
 CELL = 96
 NO_RUN = ("Choose a run. Image and audio generator runs show their samples here; LLM runs "
           "their BEFORE/AFTER generations.")
@@ -335,15 +331,7 @@ class SamplesPane(QWidget):
         self._run_chosen()
 
     def _sample_runs(self) -> list[tuple[str, str]]:
-        runs = []
-        for path in self.workspace.run_dirs() if self.workspace else []:
-            try:
-                recipe = RunDir(path).manifest().get("recipe")
-            except ForgebenchError:     # an unreadable run.json: the Runs pane reports it
-                continue
-            if recipe in SAMPLE_RECIPES:
-                runs.append((run_label(path, recipe), str(path)))
-        return runs
+        return vm.sample_runs(self.workspace.run_dirs() if self.workspace else [])
 
     def refresh_runs(self) -> None:
         """New runs, checkpoints and samples appear; the chosen run, checkpoint and sample
@@ -351,8 +339,8 @@ class SamplesPane(QWidget):
         if not refill_keeping_choice(self.run_combo, self._sample_runs()):
             self._run_chosen()
             return
-        refill_keeping_choice(self.checkpoint, [(c.name, c.name) for c in
-                                                reversed(RunDir(self.run_dir).checkpoints())])
+        refill_keeping_choice(self.checkpoint, [(name, name) for name in
+                                                vm.checkpoint_names(self.run_dir)])
         if [s.path for s in vm.run_samples(self.run_dir)] != [s.path for s in self.samples]:
             chosen = self.current.path if self.current else None
             self.reload()
@@ -373,22 +361,15 @@ class SamplesPane(QWidget):
         if self.run_dir is None:
             self.reload()
             return
-        run = RunDir(self.run_dir)
-        self.checkpoint.addItems([c.name for c in reversed(run.checkpoints())])
-        manifest = run.manifest()
-        recipe = manifest.get("recipe")
-        media = recipe in ("image-generate", "audio-generate")
-        levels = ((manifest.get("config") or {}).get("diffusion") or {}).get("levels")
-        self.steps.setMaximum(int(levels) if isinstance(levels, int) else 1000)
+        options = vm.sampling_options(self.run_dir)
+        self.checkpoint.addItems(options.checkpoints)
+        self.steps.setMaximum(options.max_steps)
         self.class_name.addItem("all classes", None)
-        for checkpoint in run.checkpoints()[-1:]:
-            meta = checkpoint.path / "meta.json"
-            if meta.is_file():
-                for label in read_json(meta).get("classes", []):
-                    self.class_name.addItem(label, label)
+        for label in options.classes:
+            self.class_name.addItem(label, label)
         for widget in (self.generate_button, self.class_name, self.n, self.seed, self.cfg,
                        self.steps):
-            widget.setEnabled(media)
+            widget.setEnabled(options.media)
         self.reload()
 
     def reload(self) -> None:
@@ -522,7 +503,7 @@ class SamplesPane(QWidget):
         if kind == "text":
             row = max(self.text_table.currentRow(), 0)
             names = vm.generation_checkpoints(self.run_dir)
-            target = vm.text_file(RunDir(self.run_dir).samples_dir / names[-1])
+            target = vm.generations_file(self.run_dir, names[-1])
             note = f"prompt {row}: {self.text_table.item(row, 0).text()} {self.rubric.note.text()}"
         else:
             target, note = self.current.path, self.rubric.note.text()
