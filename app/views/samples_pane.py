@@ -225,7 +225,25 @@ class SamplesPane(QWidget):
         self.samples: list[vm.Sample] = []
         self.current: vm.Sample | None = None
         self.player = Player()
+        self.job = JobRunner("sampling")
+        self.job.finished.connect(self._generated)
+        controls = self._controls()
+        # The detail column scrolls on its own when its plots, flags, settings and rubric need
+        # more height than the window has; the sample list beside it stays in view.
+        splitter = QSplitter()
+        splitter.addWidget(self._views())
+        self.detail_scroll = ColumnScroll(self._detail())
+        splitter.addWidget(self.detail_scroll)
+        splitter.setSizes([700, 500])
+        layout = QVBoxLayout(self)
+        layout.addLayout(controls)
+        layout.addWidget(self.job)
+        layout.addWidget(splitter, 1)
+        self._show_detail(None)
 
+    def _controls(self) -> QVBoxLayout:
+        """Two rows (what to look at; what to generate), so the pane fits a 1024-pixel window;
+        the run picker takes the spare width, so run names are not cut short."""
         self.run_combo = QComboBox()
         self.run_combo.currentIndexChanged.connect(self._run_chosen)
         self.checkpoint = QComboBox()
@@ -245,10 +263,6 @@ class SamplesPane(QWidget):
                               "noise levels")
         self.generate_button = QPushButton("Generate samples")
         self.generate_button.clicked.connect(self.generate)
-        self.job = JobRunner("sampling")
-        self.job.finished.connect(self._generated)
-        # Two rows (what to look at; what to generate), so the pane fits a 1024-pixel window;
-        # the run picker takes the spare width, so run names are not cut short.
         controls = QVBoxLayout()
         pick, make = QHBoxLayout(), QHBoxLayout()
         for row, pairs in ((pick, (("Run", self.run_combo), ("Checkpoint", self.checkpoint))),
@@ -263,7 +277,10 @@ class SamplesPane(QWidget):
         self.run_combo.setMinimumContentsLength(24)
         make.addWidget(self.generate_button)
         make.addStretch(1)
+        return controls
 
+    def _views(self) -> QStackedWidget:
+        """The samples: an image grid, a list of clips, or a text run's BEFORE/AFTER table."""
         self.grid = QTableWidget()
         self.grid.setIconSize(QSize(CELL, CELL))
         self.grid.setEditTriggers(QAbstractItemView.EditTrigger.NoEditTriggers)
@@ -282,7 +299,11 @@ class SamplesPane(QWidget):
         self.empty.setWordWrap(True)
         for widget in (self.empty, self.grid, self.clips, self.text_table):
             self.views.addWidget(widget)
+        return self.views
 
+    def _detail(self) -> QWidget:
+        """The chosen sample: its image beside the nearest training item, or its clip; its
+        settings and flags; the rubric."""
         self.detail_image = QLabel()
         self.detail_image.setAlignment(Qt.AlignmentFlag.AlignCenter)
         self.neighbour_image = QLabel()
@@ -300,26 +321,14 @@ class SamplesPane(QWidget):
         images.addWidget(self.detail_image)
         images.addWidget(self.neighbour_image)
         detail = QWidget()
-        dv = QVBoxLayout(detail)
-        dv.addLayout(images)
-        dv.addWidget(self.neighbour_button)
-        dv.addWidget(self.audio, 2)
-        dv.addWidget(self.info)
-        dv.addWidget(self.rubric)
-        dv.addStretch(1)
-
-        # The detail column scrolls on its own when its plots, flags, settings and rubric need
-        # more height than the window has; the sample list beside it stays in view.
-        self.detail_scroll = ColumnScroll(detail)
-        splitter = QSplitter()
-        splitter.addWidget(self.views)
-        splitter.addWidget(self.detail_scroll)
-        splitter.setSizes([700, 500])
-        layout = QVBoxLayout(self)
-        layout.addLayout(controls)
-        layout.addWidget(self.job)
-        layout.addWidget(splitter, 1)
-        self._show_detail(None)
+        layout = QVBoxLayout(detail)
+        layout.addLayout(images)
+        layout.addWidget(self.neighbour_button)
+        layout.addWidget(self.audio, 2)
+        layout.addWidget(self.info)
+        layout.addWidget(self.rubric)
+        layout.addStretch(1)
+        return detail
 
     # -- workspace and run ---------------------------------------------------------------
     def set_workspace(self, workspace: Workspace) -> None:
