@@ -13,6 +13,7 @@ from PySide6.QtCore import (
     QEvent,
     QItemSelectionModel,
     QModelIndex,
+    QObject,
     Qt,
     QTimer,
     Signal,
@@ -24,8 +25,6 @@ from PySide6.QtWidgets import (
     QLabel,
     QMenu,
     QTableView,
-    QVBoxLayout,
-    QWidget,
 )
 
 from app.viewmodels.runs import Ledger, LedgerRow, example_text, write_notes
@@ -180,8 +179,9 @@ def _ledger_table(model: LedgerModel) -> QTableView:
     return table
 
 
-class LedgerView(QWidget):
-    """The ledger table and the facts under it. `refresh` re-reads the runs keeping the
+class LedgerView(QObject):
+    """The ledger table and the facts label under it (the pane lays the two out, with its
+    buttons between the facts and the details). `refresh` re-reads the runs keeping the
     selection (and the rows in place while the pointer is over them); `follow` is a run just
     started: it is selected and kept in sight once it appears."""
 
@@ -203,10 +203,6 @@ class LedgerView(QWidget):
         self.facts.setMinimumWidth(1)
         self.facts.setTextInteractionFlags(Qt.TextInteractionFlag.TextSelectableByMouse)
         theme.style(self.facts, "QLabel {{ color: {facts}; }}")
-        layout = QVBoxLayout(self)
-        layout.setContentsMargins(0, 0, 0, 0)
-        layout.addWidget(self.table, 1)
-        layout.addWidget(self.facts)
 
     # -- selection -----------------------------------------------------------------------
     def selected_paths(self) -> list[Path]:
@@ -229,7 +225,7 @@ class LedgerView(QWidget):
 
     # -- columns and facts ---------------------------------------------------------------
     def _column_menu(self, position) -> None:
-        menu = QMenu(self)
+        menu = QMenu(self.table)
         for column, (key, title) in enumerate(COLUMNS):
             if key == "name":
                 continue

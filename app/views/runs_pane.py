@@ -65,7 +65,7 @@ class RunsPane(QWidget):
         self._resume_for: list[Path] = []     # the runs the typed step target is meant for
         self.extend_dialog = None             # the question before a schedule changes
 
-        self.ledger_view = LedgerView()
+        self.ledger_view = LedgerView(self)
         self.ledger_view.selection_changed.connect(self._selection_changed)
         self.ledger_view.model.state.settled.connect(self._run_settled)
         self.form = RunForm()
@@ -117,7 +117,8 @@ class RunsPane(QWidget):
         layout = QVBoxLayout(box)
         layout.setContentsMargins(0, 0, 0, 0)
         layout.addWidget(self.launch_problem)
-        layout.addWidget(self.ledger_view, 3)
+        layout.addWidget(self.table, 3)
+        layout.addWidget(self.facts)
         layout.addLayout(buttons)
         layout.addWidget(self.details, 1)
         return box
