@@ -29,6 +29,7 @@ from PySide6.QtWidgets import (
 from app.viewmodels import chat as vm
 from app.viewmodels.jobs import forgebench_argv
 from app.viewmodels.workspace import Workspace
+from app.views import layouts
 from app.views.engine_process import engine_process
 from engine.errors import ForgebenchError
 
@@ -161,11 +162,7 @@ class ChatPane(QWidget):
         self.stop_button = QPushButton("Stop")
         self.stop_button.clicked.connect(self.stop)
         self.stop_button.setEnabled(False)
-        row = QHBoxLayout()
-        row.addWidget(self.prompt, 1)
-        row.addWidget(self.send_button)
-        row.addWidget(self.stop_button)
-        return row
+        return layouts.row((self.prompt, 1), self.send_button, self.stop_button)
 
     def _files_row(self) -> QHBoxLayout:
         """New chat, the saved conversations, pairing to A/B and exporting SFT records."""

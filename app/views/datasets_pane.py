@@ -30,6 +30,7 @@ from PySide6.QtWidgets import (
 
 from app.viewmodels.datasets import DatasetTable, list_datasets, records_bytes, report_from_json
 from app.viewmodels.workspace import Workspace
+from app.views import layouts
 from app.views.background import BackgroundCall
 from app.views.dataset_tabs.findings import FindingsTab
 from app.views.dataset_tabs.gallery import GalleryTab
@@ -128,14 +129,8 @@ class DatasetsPane(QWidget):
         self.import_button.setMenu(import_menu)
         self.card_button = QPushButton("Data &card…")
         self.card_button.clicked.connect(self.open_card)
-        left = QWidget()
-        layout = QVBoxLayout(left)
-        layout.setContentsMargins(0, 0, 0, 0)
-        layout.addWidget(QLabel("Datasets"))
-        layout.addWidget(self.dataset_list)
-        layout.addWidget(self.import_button)
-        layout.addWidget(self.card_button)
-        return left
+        return layouts.column(QLabel("Datasets"), self.dataset_list, self.import_button,
+                      self.card_button)
 
     def _dataset_view(self) -> QWidget:
         """The chosen dataset: its header, Validate, and one tab per view of it."""

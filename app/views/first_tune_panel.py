@@ -18,7 +18,7 @@ from PySide6.QtWidgets import QFrame, QHBoxLayout, QLabel, QPushButton, QVBoxLay
 from app.viewmodels.first_tune import FirstTune, run_argv, run_outcome
 from app.viewmodels.jobs import job_error
 from app.viewmodels.workspace import Settings, Workspace
-from app.views import theme
+from app.views import layouts, theme
 from app.views.background import BackgroundCall
 from app.views.engine_process import start_detached
 from app.views.job_runner import JobRunner
@@ -95,11 +95,7 @@ class FirstTunePanel(QFrame):
         self.export_button = QPushButton("Export it")
         self.chat_button.clicked.connect(lambda: self.open_chat.emit(self.run_dir))
         self.export_button.clicked.connect(lambda: self.open_export.emit(self.run_dir))
-        row = QHBoxLayout()
-        row.addWidget(self.result, 1)
-        row.addWidget(self.chat_button)
-        row.addWidget(self.export_button)
-        return row
+        return layouts.row((self.result, 1), self.chat_button, self.export_button)
 
     def _background_calls(self) -> None:
         """The reads and writes that run off the GUI thread, each with where its answer goes."""

@@ -53,6 +53,7 @@ from app.viewmodels.masks import (
 )
 from app.viewmodels.sft import parse_inspect_report
 from app.viewmodels.workspace import Workspace, file_stamp
+from app.views import layouts
 from app.views.background import BackgroundCall
 from app.views.combos import refill_keeping_choice
 from app.views.engine_process import run_engine
@@ -385,13 +386,7 @@ class MasksPane(QWidget):
         self.dataset_combo.currentIndexChanged.connect(self._dataset_chosen)
         self.record_list = wrap_items(QListWidget())      # "id  (label, split)" read whole
         self.record_list.currentRowChanged.connect(self._record_chosen)
-        left = QWidget()
-        layout = QVBoxLayout(left)
-        layout.setContentsMargins(0, 0, 0, 0)
-        layout.addWidget(QLabel("Mask dataset"))
-        layout.addWidget(self.dataset_combo)
-        layout.addWidget(self.record_list, 1)
-        return left
+        return layouts.column(QLabel("Mask dataset"), self.dataset_combo, (self.record_list, 1))
 
     def _tools(self) -> QHBoxLayout:
         """Brush or eraser (B / E) and how the canvas draws the mask."""
