@@ -66,3 +66,31 @@ def test_a_launch_without_a_folder_resets_the_list_and_a_listener_can_leave(tmp_
     listeners.disconnect(heard.append)
     listeners.emit(2)
     assert heard == [1]
+
+
+def test_a_launch_and_a_first_tune_run_are_followed_from_the_disk_and_their_process(tmp_path):
+    """Before its folder exists a launched run is "starting" while its process lives and
+    "gone" once it died; the first fine-tune's run has no outcome while it trains."""
+    import subprocess
+    import sys
+
+    from app.viewmodels.first_tune import run_outcome
+    from app.viewmodels.runs import launch_state
+
+    job = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()"],
+                           stdin=subprocess.PIPE)
+    out = tmp_path / "run"
+    assert launch_state(out, job.pid) == "starting"
+    assert run_outcome(out, job.pid) is None
+    run = RunDir(out)          # this process holds the run: it trains
+    run.create({"recipe": "lm-sft", "created": time.time(), "config": {"steps": 3}})
+    run.set_status("running", step=1, target_steps=3)
+    assert launch_state(out, job.pid) == "listed" and run_outcome(out, job.pid) is None
+    run.set_status("completed", step=3, target_steps=3)
+    run.release_lock()
+    assert run_outcome(out, job.pid) == "completed"
+    job.stdin.close()
+    job.wait()
+    # twin: the same launch without a folder, its process gone
+    assert launch_state(tmp_path / "never", job.pid) == "gone"
+    assert run_outcome(tmp_path / "never", job.pid) == "starting"
