@@ -469,7 +469,7 @@ def settle(app: QApplication, seconds: float = 0.6) -> None:
 def wait_idle(app: QApplication, window: MainWindow, limit_s: float = 300) -> None:
     """Until the panes' worker threads are done (datasets, forms, launches) and on screen."""
     deadline = time.monotonic() + limit_s
-    while (window.datasets.loading or window.runs.form_loading or any(
+    while (window.datasets.loading or window.runs.form.loading or any(
             call.running for call in window.findChildren(BackgroundCall))) \
             and time.monotonic() < deadline:
         settle(app, 0.1)
@@ -653,7 +653,7 @@ def refusal_screens(window: MainWindow, workspace: Workspace, shot, shot_of,
     wrong = workspace.configs_dir / "lm-pretrain-wrong-data.toml"
     wrong.write_text((workspace.configs_dir / "lm-pretrain-tiny.toml").read_text()
                      .replace('dir = "../datasets/records"', 'dir = "../datasets/shapes"'))
-    runs.reload_configs()
+    runs.form.reload_configs()
     runs.left_tabs.setCurrentIndex(1)
     runs.config_combo.setCurrentText(wrong.stem)
     wait_idle(app, window)

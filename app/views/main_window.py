@@ -474,7 +474,7 @@ class MainWindow(QMainWindow):
         """Bring every pane up to date with what changed on disk, keeping the user's choices."""
         built = self._built
         if "configs" in changes and built("runs"):
-            self.runs.reload_configs()
+            self.runs.form.reload_configs()
         if "runs" in changes:
             for name in ("samples", "export", "transcripts", "masks", "reports"):
                 if built(name):
@@ -492,7 +492,7 @@ class MainWindow(QMainWindow):
     def train_preferences(self, config: str) -> None:
         """The Blind A/B pane's "Train on these preferences": the Runs pane starts the lm-dpo
         config it wrote, and is shown with the new run's charts."""
-        self.runs.start_config(Path(config))
+        self.runs.form.start_config(Path(config))
         self.sidebar.setCurrentRow(PANE_NAMES.index("runs"))
 
     def show_reports(self, run_dir: Path) -> None:

@@ -157,13 +157,6 @@ class RunsPane(QWidget):
         if self.ledger.rows:
             self.table.selectRow(0)
 
-    def reload_configs(self) -> None:
-        self.form.reload_configs()
-
-    @property
-    def form_loading(self) -> bool:
-        return self.form.loading
-
     @property
     def follow(self) -> Path | None:
         """A run just started: the ledger selects it when it appears."""
@@ -172,14 +165,6 @@ class RunsPane(QWidget):
     @follow.setter
     def follow(self, path: Path | None) -> None:
         self.ledger_view.follow = path
-
-    def new_config(self, template: str, name: str) -> None:
-        self.form.new_config(template, name)
-
-    def start_config(self, path: Path) -> None:
-        """Open a config of configs/ in the form (pre-filled by another pane) and start it once
-        the form is read and built."""
-        self.form.start_config(path)
 
     # -- jobs ----------------------------------------------------------------------------
     def active_runs(self) -> list[Path]:
