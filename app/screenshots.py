@@ -467,10 +467,15 @@ def settle(app: QApplication, seconds: float = 0.6) -> None:
 
 
 def wait_idle(app: QApplication, window: MainWindow, limit_s: float = 300) -> None:
-    """Until the panes' worker threads are done (datasets, forms, launches) and on screen."""
+    """Until the panes' worker threads are done (datasets, forms, launches), the run charts
+    have drawn every plot they were given (one per timer tick: on a loaded machine a shot
+    could catch them half drawn) and all is on screen."""
+    from app.views.charts import RunCharts
+
     deadline = time.monotonic() + limit_s
     while (window.datasets.loading or window.runs.form.loading or any(
-            call.running for call in window.findChildren(BackgroundCall))) \
+            call.running for call in window.findChildren(BackgroundCall)) or any(
+            charts.unbuilt or charts.pending for charts in window.findChildren(RunCharts))) \
             and time.monotonic() < deadline:
         settle(app, 0.1)
     settle(app, 0.2)
