@@ -120,6 +120,13 @@ def start_blind_ab(window: MainWindow, workspace: Workspace, systems: list[tuple
 def part2_screens(window: MainWindow, workspace: Workspace, shot, app: QApplication) -> None:
     """Samples (image grid, audio clip), a blind A/B session and the export wizard, on real
     runs trained here; the A/B answers are scripted (rater "screenshot-script")."""
+    _train_part2_runs(workspace)
+    samples_ab_screens(window, workspace, shot, app)
+    export_screens(window, workspace, shot, app)
+
+
+def _train_part2_runs(workspace: Workspace) -> None:
+    """The image and audio generator runs (40 steps) and their samples at two checkpoints."""
     for recipe, (data, sections) in PART2_RUNS.items():
         config = workspace.configs_dir / f"{recipe}-tiny.toml"
         config.write_text(f'recipe = "{recipe}"\nseed = 1\nsteps = 40\nlog_every = 5\n'
@@ -130,6 +137,10 @@ def part2_screens(window: MainWindow, workspace: Workspace, shot, app: QApplicat
         n = "4" if recipe == "image-generate" else "1"
         for checkpoint in ("step-000020", "step-000040"):
             _engine("sample", str(run), "--checkpoint", checkpoint, "--n", n, "--seed", "7")
+
+
+def samples_ab_screens(window: MainWindow, workspace: Workspace, shot,
+                       app: QApplication) -> None:
     window.sidebar.setCurrentRow(PANES.index("Samples"))
     samples = window.samples
     samples.set_workspace(workspace)
@@ -151,6 +162,11 @@ def part2_screens(window: MainWindow, workspace: Workspace, shot, app: QApplicat
     for key in "BBABTBBSBA":
         ab.key_pressed(key)
     shot("15-blind-ab-results")
+
+
+def export_screens(window: MainWindow, workspace: Workspace, shot, app: QApplication) -> None:
+    """The export wizard on the LLM run (sizes, verified, bundle) and on the image generator,
+    then that generator's run in the Runs pane."""
     window.sidebar.setCurrentRow(PANES.index("Export"))
     export = window.export
     export.set_workspace(workspace)
@@ -259,7 +275,13 @@ def models_chat_screens(window: MainWindow, workspace: Workspace, shot,
         return
     models.list.setCurrentRow(1)
     shot("20-models-unusable-file-with-the-reason")
+    chat_screens(window, workspace, shot, app, gemma, pirate_run)
 
+
+def chat_screens(window: MainWindow, workspace: Workspace, shot, app: QApplication,
+                 gemma: dict, pirate_run: Path | None) -> None:
+    """Chat streaming from the Gemma package model, then the base and the pirate LoRA run
+    side by side."""
     window.sidebar.setCurrentRow(PANES.index("Chat"))
     chat = window.chat
     chat.set_workspace(workspace)
@@ -394,6 +416,13 @@ def dataset_tool_screens(window: MainWindow, workspace: Workspace, scratch: Path
     wait_idle(app, window)
     datasets.tabs.setCurrentWidget(datasets.splits_tab)     # imported: no splits yet
     shot_of(window, "06g2-imported-dataset-auto-split-offered")
+    card_and_big_dataset_screens(window, workspace, shot, shot_of, app)
+
+
+def card_and_big_dataset_screens(window: MainWindow, workspace: Workspace, shot, shot_of,
+                                 app: QApplication) -> None:
+    """The data-card form (refused, then saved) and a 50,000-record dataset filtered."""
+    datasets = window.datasets
     dialog = datasets.open_card()
     dialog.resize(*SIZE)
     form = dialog.form_widget
@@ -438,10 +467,15 @@ def settle(app: QApplication, seconds: float = 0.6) -> None:
 
 
 def wait_idle(app: QApplication, window: MainWindow, limit_s: float = 300) -> None:
-    """Until the panes' worker threads are done (datasets, forms, launches) and on screen."""
+    """Until the panes' worker threads are done (datasets, forms, launches), the run charts
+    have drawn every plot they were given (one per timer tick: on a loaded machine a shot
+    could catch them half drawn) and all is on screen."""
+    from app.views.charts import RunCharts
+
     deadline = time.monotonic() + limit_s
-    while (window.datasets.loading or window.runs.form_loading or any(
-            call.running for call in window.findChildren(BackgroundCall))) \
+    while (window.datasets.loading or window.runs.form.loading or any(
+            call.running for call in window.findChildren(BackgroundCall)) or any(
+            charts.unbuilt or charts.pending for charts in window.findChildren(RunCharts))) \
             and time.monotonic() < deadline:
         settle(app, 0.1)
     settle(app, 0.2)
@@ -618,14 +652,13 @@ def refusal_screens(window: MainWindow, workspace: Workspace, shot, shot_of,
     from PySide6.QtCore import Qt
 
     from app.views import theme
-    from engine import model_library
 
     window.sidebar.setCurrentRow(PANES.index("Runs"))
     runs = window.runs
     wrong = workspace.configs_dir / "lm-pretrain-wrong-data.toml"
     wrong.write_text((workspace.configs_dir / "lm-pretrain-tiny.toml").read_text()
                      .replace('dir = "../datasets/records"', 'dir = "../datasets/shapes"'))
-    runs.reload_configs()
+    runs.form.reload_configs()
     runs.left_tabs.setCurrentIndex(1)
     runs.config_combo.setCurrentText(wrong.stem)
     wait_idle(app, window)
@@ -659,6 +692,14 @@ def refusal_screens(window: MainWindow, workspace: Workspace, shot, shot_of,
     theme.apply(app, Qt.ColorScheme.Dark)
     shot("33-runs-dark-theme")
     theme.apply(app, Qt.ColorScheme.Light)
+    own_model_offer_screen(window, workspace, shot, app)
+
+
+def own_model_offer_screen(window: MainWindow, workspace: Workspace, shot,
+                           app: QApplication) -> None:
+    """The first fine-tune's offer to a user whose own GGUF is in the library (the Gemma
+    package's file added under another name and the package reported missing)."""
+    from engine import model_library
 
     gemma = next((e for e in model_library.entries(workspace.root)
                   if e.get("package") == model_library.GEMMA_PACKAGE), None)

@@ -419,7 +419,7 @@ COMMANDS: dict[str, Command] = {
     "worker": ("internal: one rank of a job launched with --nproc (torchrun starts it)",
                "engine.commands.launch:cmd_worker", _worker_args),
     "models": ("add, list and show the workspace's model library",
-               "engine.commands.chat:cmd_models", _models_args),
+               "engine.commands.models:cmd_models", _models_args),
     "chat": ("chat with a library model, a GGUF file or a run checkpoint",
              "engine.commands.chat:cmd_chat", _chat_args),
     "serve-local": ("keep models loaded and stream replies as JSON lines over stdin/stdout",

@@ -192,14 +192,7 @@ def add_model(root: str | os.PathLike, source: str | os.PathLike | None = None, 
         folder = Path(source).expanduser()
         if folder.is_dir():   # a Hugging Face checkpoint folder: converted into the library
             return _add_hf_folder(root, resolve(folder, "FILE"), name, progress)
-        file = user_file(source, "FILE", what="model file")   # links resolved, loops refused
-        with open(file, "rb") as handle:
-            magic = handle.read(4)
-        if magic != b"GGUF":   # nothing is copied for a file that is no model at all
-            raise ForgebenchError(f"not a GGUF file (it starts with {magic!r}, a GGUF file with "
-                                  "b'GGUF')", path=source, where="FILE",
-                                  hint="add a .gguf model file or a Hugging Face checkpoint "
-                                       "folder (forgebench convert makes a GGUF)")
+        file = _gguf_source(source)
         default = file.stem
     name = model_name(name or default)
     models = entries(root)
@@ -211,26 +204,43 @@ def add_model(root: str | os.PathLike, source: str | os.PathLike | None = None, 
     if twin is not None:
         raise ForgebenchError(f"this file is in the library already as {twin['name']!r}",
                               path=file, where="sha256")
-    if mode == "package":
-        recorded = str(file)
-    else:
-        (root / MODELS_DIR).mkdir(exist_ok=True)
-        target = root / MODELS_DIR / f"{name}.gguf"
-        if target.exists() or target.is_symlink():
-            raise ForgebenchError("a file of this name exists in models/ already", path=target,
-                                  hint="choose another --name")
-        if mode == "copy":
-            partial = target.with_name(f".{target.name}.partial")
-            shutil.copyfile(file, partial)
-            os.replace(partial, target)
-        else:
-            target.symlink_to(file)
-        recorded = f"{MODELS_DIR}/{target.name}"
+    recorded = str(file) if mode == "package" else _place_in_models(root, file, name, mode)
     entry = {"name": name, "path": recorded, "mode": mode, "sha256": digest,
              "bytes": file.stat().st_size, "source": str(file), "package": package,
              "added": time.time()}
     _save(root, models + [entry])
     return entry
+
+
+def _gguf_source(source: str | os.PathLike) -> Path:
+    """The user's file, links resolved and loops refused; nothing is copied for a file that
+    is no GGUF model at all."""
+    file = user_file(source, "FILE", what="model file")
+    with open(file, "rb") as handle:
+        magic = handle.read(4)
+    if magic != b"GGUF":
+        raise ForgebenchError(f"not a GGUF file (it starts with {magic!r}, a GGUF file with "
+                              "b'GGUF')", path=source, where="FILE",
+                              hint="add a .gguf model file or a Hugging Face checkpoint "
+                                   "folder (forgebench convert makes a GGUF)")
+    return file
+
+
+def _place_in_models(root: Path, file: Path, name: str, mode: str) -> str:
+    """Copy (through a partial file, so an interrupted copy is never a model) or link the
+    file into models/; its path as the library records it."""
+    (root / MODELS_DIR).mkdir(exist_ok=True)
+    target = root / MODELS_DIR / f"{name}.gguf"
+    if target.exists() or target.is_symlink():
+        raise ForgebenchError("a file of this name exists in models/ already", path=target,
+                              hint="choose another --name")
+    if mode == "copy":
+        partial = target.with_name(f".{target.name}.partial")
+        shutil.copyfile(file, partial)
+        os.replace(partial, target)
+    else:
+        target.symlink_to(file)
+    return f"{MODELS_DIR}/{target.name}"
 
 
 def _add_hf_folder(root: Path, folder: Path, name: str | None, progress=None) -> dict:

@@ -57,11 +57,12 @@ class GuiThreadGuard:
         import app.viewmodels.export_wizard as export_wizard
         import app.viewmodels.forms as forms
         import app.viewmodels.jobs as jobs
+        import app.views.run_form as run_form
         import app.views.runs_pane as runs_pane
         from app.viewmodels.workspace import WorkspaceWatch
 
         for owner, name in ((datasets, "validate_dataset"), (datasets, "read_raw_records"),
-                            (forms, "schema_for"), (runs_pane, "new_config_from_template"),
+                            (forms, "schema_for"), (run_form, "new_config_from_template"),
                             (jobs, "prepare_run"), (runs_pane, "start_detached"),
                             (WorkspaceWatch, "changes"), (export_wizard, "base_info"),
                             (export_wizard, "size_estimates")):

@@ -7,6 +7,7 @@ held-out prompts). Tiny random Gemma-3 GGUF; every job is a real `forgebench` su
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 from dpo_support import first_step_margin_tolerance
@@ -36,14 +37,11 @@ def window(qtbot, tmp_path, monkeypatch):
     win.close()
 
 
-def test_a_finished_session_trains_lm_dpo_and_compares_the_tuned_model(qtbot, tmp_path,
-                                                                       window, monkeypatch):
+def sft_run_with_a_session(ws, tmp_path: Path) -> Path:
+    """An lm-sft run on a tiny Gemma 3 GGUF, and a blind session over its checkpoint and its
+    untuned base: pirate answers vs plain ones."""
     from fixtures_gguf import write_tiny_gguf
 
-    from engine.data.dataset import load_dataset
-    from engine.rundir import RunDir
-
-    ws = make_workspace(tmp_path / "ws", shapes=0, records=False)
     gguf = write_tiny_gguf(tmp_path / "tiny.gguf", arch="gemma3", qtype="Q4_K", n_layers=2)
     write_jsonl(ws.configs_dir / "sft.jsonl",
                 [{"instruction": q, "response": a} for q, a in SFT_PAIRS])
@@ -52,7 +50,6 @@ def test_a_finished_session_trains_lm_dpo_and_compares_the_tuned_model(qtbot, tm
     forgebench("run", str(ws.configs_dir / "sft-source.toml"), "--out", str(sft))
     (ws.configs_dir / "sft-source.toml").unlink()
 
-    # a session over the SFT checkpoint and its untuned base: pirate answers vs plain ones
     pirate = {p: f"Ahoy! {p[:-1]}, matey!" for p in PROMPTS}
     plain = {p: f"{p[:-1]}." for p in PROMPTS}
     systems = {"sft/step-000002": {"run": str(sft), "checkpoint": "step-000002", "kind": "text",
@@ -62,18 +59,33 @@ def test_a_finished_session_trains_lm_dpo_and_compares_the_tuned_model(qtbot, tm
     vm.ABSession.create(ws.root / "ratings", "pirate-ab", systems, "ana",
                         generation={"prompts": PROMPTS, "max_tokens": 4, "temperature": 0.0,
                                     "seed": 0})
+    return sft
+
+
+def rate_pirate_over_plain(qtbot, pane) -> None:
+    """The rater prefers pirate speak, except one tie."""
+    keys = {"A": Qt.Key.Key_A, "B": Qt.Key.Key_B, "T": Qt.Key.Key_T}
+    while not pane.session.finished:
+        pair = pane.session.current()
+        key = "T" if pair.item == "Name a fruit." else \
+            "A" if "matey" in pane.left.text.toPlainText() else "B"
+        qtbot.keyClick(pane, keys[key])
+
+
+def test_a_finished_session_trains_lm_dpo_and_compares_the_tuned_model(qtbot, tmp_path,
+                                                                       window, monkeypatch):
+    from engine.data.dataset import load_dataset
+    from engine.rundir import RunDir
+
+    ws = make_workspace(tmp_path / "ws", shapes=0, records=False)
+    sft_run_with_a_session(ws, tmp_path)
     assert window.open_workspace(ws.root)
     pane = window.ab
     pane.rater.setText("ana")
     pane.sessions.setCurrentIndex(pane.sessions.findText("pirate-ab"))
     pane.resume_session()
     assert not pane.train_button.isEnabled()             # nothing to train on mid-session
-    keys = {"A": Qt.Key.Key_A, "B": Qt.Key.Key_B, "T": Qt.Key.Key_T}
-    while not pane.session.finished:                     # the rater prefers pirate speak,
-        pair = pane.session.current()                    # except one tie
-        key = "T" if pair.item == "Name a fruit." else \
-            "A" if "matey" in pane.left.text.toPlainText() else "B"
-        qtbot.keyClick(pane, keys[key])
+    rate_pirate_over_plain(qtbot, pane)
     assert pane.train_button.isEnabled()
 
     monkeypatch.setattr(vm, "DPO_STEPS", 8)

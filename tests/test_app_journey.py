@@ -79,7 +79,7 @@ def test_a_new_user_goes_from_first_launch_to_a_verified_export(qtbot, tmp_path,
     act(lambda: window.sidebar.setCurrentRow(2))
     runs = window.runs
     runs.threads = 1
-    act(lambda: runs.new_config("lm-pretrain", "journey"))
+    act(lambda: runs.form.new_config("lm-pretrain", "journey"))
     settle(qtbot, runs)
     config = ws.configs_dir / "journey.toml"
     assert runs.config_combo.currentData() == str(config)

@@ -66,6 +66,23 @@ def window(qtbot, tmp_path, monkeypatch):
     win.close()
 
 
+def rate_the_after_answer(window, run_dir: Path, root: Path) -> None:
+    """Samples: the run's BEFORE/AFTER answers, and the AFTER answer rated."""
+    window.show_pane("Samples")
+    samples = window.samples
+    samples.refresh_runs()
+    samples.select_run(run_dir)
+    assert samples.views.currentWidget() is samples.text_table
+    after = json.loads((run_dir / "samples" / "step-000003" / "generations.jsonl")
+                       .read_text().splitlines()[0])["answer"]
+    assert samples.text_table.item(0, 2).text() == after
+    samples.text_table.setCurrentCell(0, 2)
+    samples.rubric.rater.setText("me")
+    samples.save_rating()
+    assert samples.rubric.saved.text() == "saved ✓"
+    assert list((root / "ratings").rglob("*.jsonl"))
+
+
 def test_own_gguf_reaches_start_trains_samples_rates_and_exports(qtbot, window, tmp_path):
     root = own_model_workspace(tmp_path)
     (tmp_path / "downloads").mkdir()
@@ -109,20 +126,7 @@ def test_own_gguf_reaches_start_trains_samples_rates_and_exports(qtbot, window, 
     manifest = json.loads((run_dir / "run.json").read_text())
     assert Path(manifest["config"]["model"]["gguf"]) == library_file.resolve()
 
-    # Samples: the run's BEFORE/AFTER answers, and the AFTER answer rated.
-    window.show_pane("Samples")
-    samples = window.samples
-    samples.refresh_runs()
-    samples.select_run(run_dir)
-    assert samples.views.currentWidget() is samples.text_table
-    after = json.loads((run_dir / "samples" / "step-000003" / "generations.jsonl")
-                       .read_text().splitlines()[0])["answer"]
-    assert samples.text_table.item(0, 2).text() == after
-    samples.text_table.setCurrentCell(0, 2)
-    samples.rubric.rater.setText("me")
-    samples.save_rating()
-    assert samples.rubric.saved.text() == "saved ✓"
-    assert list((root / "ratings").rglob("*.jsonl"))
+    rate_the_after_answer(window, run_dir, root)
 
     # Export: the strip's "Export it" opens the wizard on the run; the adapter is exported.
     window.show_pane("Runs")

@@ -10,7 +10,8 @@ from PySide6.QtCore import Qt
 from test_app_support import write_run
 
 from app.viewmodels.workspace import Workspace
-from app.views.runs_pane import COLUMNS, SHOWN_COLUMNS, RunsPane
+from app.views.runs_ledger import COLUMNS, SHOWN_COLUMNS
+from app.views.runs_pane import RunsPane
 from engine.fsutil import atomic_write_text
 
 LONG = "lm-pretrain-tiny-20261201-181550-with-a-longer-name"
@@ -55,10 +56,10 @@ def test_the_ledger_fits_beside_the_charts_and_loses_nothing(qtbot, tmp_path):
     assert "does a longer warm-up help?" in facts and "baseline for the lr sweep" in facts
     qtbot.waitUntil(lambda: labels_cut_off(pane) == [])
     # a column shown from the header's menu leaves the list (the table holds it now)
-    pane._show_column(columns["notes"], True)
+    pane.ledger_view.show_column(columns["notes"], True)
     assert "baseline for the lr sweep" not in pane.facts.text()
     # twin: every column shown at once needs the sideways scroll the ledger used to have
     for c in range(len(COLUMNS)):
-        pane._show_column(c, True)
+        pane.ledger_view.show_column(c, True)
     qtbot.waitUntil(lambda: table.horizontalScrollBar().maximum() > 0)
     assert pane.facts.isHidden()

@@ -12,7 +12,7 @@ from pathlib import Path
 
 from PySide6.QtCore import Qt
 
-from app.viewmodels.runs import stable_order
+from app.viewmodels.runs import Ledger, stable_order
 from app.viewmodels.workspace import Workspace
 from engine.rundir import SENTINEL, RunDir
 
@@ -37,14 +37,12 @@ def test_stable_order_keeps_the_shown_entries_in_place():
     assert sorted(["d", "c", "b", "a"]) != stable_order(["c", "b", "a"], ["d", "c", "b", "a"])
 
 
-def test_the_ledger_holds_its_order_under_the_pointer_then_sorts_newest_first(qtbot, tmp_path):
-    from app.views.runs_pane import LedgerModel
-
+def test_the_ledger_holds_its_order_under_the_pointer_then_sorts_newest_first(tmp_path):
     workspace = Workspace.create(tmp_path / "ws")
     now = time.time()
     older = lm_run(workspace.runs_dir / "older", now - 100)
     old = lm_run(workspace.runs_dir / "old", now - 50)
-    model = LedgerModel()
+    model = Ledger()            # the ledger's view-model: no Qt
     model.refresh(workspace.run_dirs(), [])
     assert model.paths() == [old, older]
     new = lm_run(workspace.runs_dir / "new", now)
@@ -139,7 +137,7 @@ def test_a_run_just_started_is_selected_and_in_sight_under_the_pointer(qtbot, tm
     pane.show()
     pane.set_workspace(workspace)
     over = [True]
-    monkeypatch.setattr(pane, "pointer_over_ledger", lambda: over[0])
+    monkeypatch.setattr(pane.ledger_view, "pointer_over_ledger", lambda: over[0])
     new = workspace.runs_dir / "lm-dpo-new"
     pane.follow = new
     lm_run(new, now)

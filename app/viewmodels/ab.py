@@ -112,6 +112,46 @@ class GenerationJob:
     prompt: str | None = None
 
 
+def available_systems(run_dirs: list[Path]) -> dict[tuple[str, str], str]:
+    """{(run folder, checkpoint or BASE): system name} of every run checkpoint that has
+    samples or generations, or whose generator can make them, and the base of a run that
+    names a GGUF base."""
+    found: dict[tuple[str, str], str] = {}
+    for run_dir in run_dirs:
+        run = RunDir(run_dir)
+        names = []
+        if run.samples_dir.is_dir():
+            names += [p.name for p in sorted(run.samples_dir.iterdir()) if p.is_dir() and (
+                any(f.suffix in (".png", ".wav") and f.stem != "grid"
+                    for f in p.iterdir()) or text_file(p))]
+        if run.manifest().get("recipe") in GENERATOR_RECIPES + TEXT_RECIPES:
+            names += [c.name for c in run.checkpoints()]
+        if base_gguf(run_dir) is not None:
+            names.append(BASE)
+        for name in sorted(set(names)):
+            found[(str(run_dir), name)] = system_name(run_dir, name)
+    return found
+
+
+def all_text(chosen: list[tuple[str, str]]) -> bool:
+    """The chosen systems are all text runs (they are generated from prompts, not seeds)."""
+    return bool(chosen) and all(RunDir(r).manifest().get("recipe") in TEXT_RECIPES
+                                for r, _ in chosen)
+
+
+def session_files(ratings_dir: Path) -> list[Path]:
+    """The blind A/B sessions saved in ratings/ (the rubric files beside them are not)."""
+    return [p for p in sorted(ratings_dir.glob("*.jsonl")) if not p.name.startswith("rubric-")] \
+        if ratings_dir.is_dir() else []
+
+
+def preferences_written(out: Path) -> str:
+    """What an export of preferences says: where, and how many pairs went in or not."""
+    provenance = read_json(out / "dataset.json")["provenance"]
+    return (f"preference dataset written: {out} ({provenance['exported']} pairs; "
+            f"{provenance['not_exported']} left out)")
+
+
 def generation_settings_of(seeds: list[int], n: int, cfg: float | None, steps: int | None,
                            class_name: str | None) -> dict:
     """The one settings dict every image/audio system's outputs are generated with (recorded

@@ -26,7 +26,7 @@ from pathlib import Path
 
 from app.viewmodels.ab import ABSession
 from engine import model_library
-from engine.conversations import Conversation, export_sft
+from engine.conversations import Conversation, export_sft, list_conversations
 from engine.errors import ForgebenchError
 from engine.rundir import RunDir
 from engine.serve_local import CHAT_RECIPES
@@ -80,6 +80,11 @@ def sources(root: Path) -> list[Source]:
     for gguf in sorted((root / "exports").glob("*/model.gguf")):
         found.append(Source(f"export: {gguf.parent.name}", "export", {"model": str(gguf)}))
     return found
+
+
+def saved_conversations(root: Path) -> list[Path]:
+    """The workspace's saved conversations (chats/*.jsonl), newest first."""
+    return list_conversations(root)
 
 
 @dataclass
@@ -253,15 +258,7 @@ class ChatSession:
         if event == "ready":
             return "ready", None
         if rid in self.pending_loads:
-            side = self.pending_loads.pop(rid)
-            if self.loads.get(side) is None:
-                return "other", side                  # a load the user replaced since
-            if event == "loaded":
-                self.loaded[side] = line["info"]
-                self.load_errors.pop(side, None)
-                return "loaded", side
-            self.load_errors[side] = error_text(line)
-            return "load_error", side
+            return self._feed_load(self.pending_loads.pop(rid), event, line)
         if event == "rendered" or (event == "error" and rid in self.pending_renders):
             side = self.pending_renders.pop(rid)
             self.rendered[side] = (line["text"], line["tokens"]) if event == "rendered" \
@@ -269,6 +266,19 @@ class ChatSession:
             return "rendered", side
         if reply is None:
             return "other", None
+        return self._feed_reply(reply, event, line), reply.system
+
+    def _feed_load(self, side: str, event: str, line: dict) -> tuple[str, str]:
+        if self.loads.get(side) is None:
+            return "other", side                  # a load the user replaced since
+        if event == "loaded":
+            self.loaded[side] = line["info"]
+            self.load_errors.pop(side, None)
+            return "loaded", side
+        self.load_errors[side] = error_text(line)
+        return "load_error", side
+
+    def _feed_reply(self, reply: Reply, event: str, line: dict) -> str:
         if event == "start":
             reply.prompt_tokens = line["prompt_tokens"]
         elif event == "token":
@@ -276,17 +286,17 @@ class ChatSession:
                 reply.first_token_s = time.monotonic() - reply.started
             reply.tokens += 1
             reply.text += line["text"]
-            return "token", reply.system
+            return "token"
         elif event == "done":
             reply.text, reply.finished, reply.done = line["text"], True, line
             reply.stop_reason = line["stop_reason"]
             if self.conversation is not None:
                 self.conversation.add_reply(reply.system, line)
-            return "done", reply.system
+            return "done"
         elif event == "error":
             reply.finished, reply.error = True, error_text(line)
-            return "error", reply.system
-        return "other", reply.system
+            return "error"
+        return "other"
 
     # -- what the pane shows -------------------------------------------------------------
     def transcript(self, side: str) -> list[dict]:

@@ -36,6 +36,7 @@ from engine.fsutil import read_json
 
 _LINE = re.compile(r"^(line \d+)")
 LEADING_COLUMNS = ("id", "split", "group", "label")
+SPLITS = F.SPLITS   # the split names a record or group may be moved to (train, val, test)
 
 
 @dataclass

@@ -277,6 +277,14 @@ def picker_argv(run_dir: Path, checkpoint: str, out: Path, base: Path | None = N
     return argv + (["--base", str(base)] if base else [])
 
 
+def finished_bundle(out: Path | None) -> tuple[dict, str] | None:
+    """A finished export's report and model card; None when the bundle is not complete (the
+    export writes SHA256SUMS last, so a folder without it is a failed or partial export)."""
+    if out is None or not (out / "SHA256SUMS").is_file():
+        return None
+    return read_json(out / "report.json"), (out / "model_card.md").read_text("utf-8")
+
+
 def read_picker(out: Path) -> dict:
     """The picker job's result; its scratch folder is removed."""
     import shutil

@@ -38,6 +38,8 @@ from app.viewmodels.workspace import Settings
 from engine import model_library
 from engine.errors import ForgebenchError
 from engine.fsutil import sha256_file
+from engine.rundir import ACTIVE_STATES, RunDir
+from engine.runlock import pid_alive
 
 CONFIG_NAME = "lm-sft-pirate.toml"
 PROBE_STEPS = 2
@@ -112,6 +114,17 @@ def read_probe(out: Path, wall_s: float, steps: int, load: float) -> Estimate:
                               path=out / "metrics.jsonl")
     step_s = (elapsed[PROBE_STEPS] - elapsed[1]) / (PROBE_STEPS - 1)
     return Estimate(step_s, max(wall_s - PROBE_STEPS * step_s, 0.0), steps, load)
+
+
+def run_outcome(run_dir: Path, pid: int | None) -> str | None:
+    """How the started run ended ("completed", "failed", "stopped", or "starting"/"unknown"
+    when its process died before the run wrote a status), or None while it still runs: a run
+    that has not written its folder yet counts as running while its process lives."""
+    run = RunDir(run_dir)
+    state = run.live_status().get("state") if run.exists() else "starting"
+    if state in ACTIVE_STATES or (state in ("starting", "unknown") and pid_alive(pid)):
+        return None
+    return state
 
 
 class FirstTune:

@@ -136,6 +136,11 @@ class ImportPlan:
                                  key=_line_of), self.schema, list(self.files))
 
 
+def unreadable_plan(path: Path, message: str) -> ImportPlan:
+    """A plan whose source could not be read at all: one general finding, no records."""
+    return ImportPlan("unknown", path, "", general=[Finding(str(path), None, None, message)])
+
+
 def _check(planned: PlannedRecord, kind: F.Kind, manifest: dict, file: str) -> None:
     """The engine's per-record checks, as findings on this record."""
     rid = planned.record.get("id") if isinstance(planned.record.get("id"), str) else None

@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 from PIL import Image
 
-from engine.data.dataset import Dataset, save_new_version
+from engine.data.dataset import Dataset, load_dataset, save_new_version
 from engine.data.media import box_from_mask, mask_array, open_image
 from engine.errors import ForgebenchError
 from engine.eval.masks import boundary, dilate
@@ -187,6 +187,18 @@ def save_mask_version(dataset: Dataset, record: dict, editor: MaskEditor,
     rel, records = updated_records(dataset, record["id"], **fields)
     note = f"edited mask of {record['id']} in the Labels & Masks pane"
     return save_new_version(dataset, {mask_rel: editor.png_bytes(), rel: records}, note)
+
+
+def open_mask_dataset(path: str | Path) -> Dataset:
+    """The dataset at `path`, validated with every image and mask decoded (seconds: the pane
+    calls this off the GUI thread); raises ForgebenchError naming the first bad record."""
+    return load_dataset(path)
+
+
+def masked_records(dataset: Dataset) -> list[tuple[str, dict]]:
+    """(list label, record) of every record that has a mask to edit."""
+    return [(f"{r['id']}  ({r.get('label', '')}, {r.get('split', '')})", r)
+            for r in dataset.records() if r.get("mask")]
 
 
 def mask_datasets(paths: list[Path]) -> list[Path]:

@@ -14,11 +14,13 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from app.viewmodels.events import Listeners
 from app.viewmodels.jobs import Pace, duration_text, run_stage_line
 from engine.errors import ForgebenchError
 from engine.export.verdict import latest_run_export
 from engine.fsutil import atomic_write_json, read_json
 from engine.rundir import RunDir
+from engine.runlock import pid_alive
 
 NOTES_FILE = "notes.json"  # app-owned: question, notes, selected checkpoint (run.json is immutable)
 TRAIN_FIELDS = ("loss", "grad_norm", "lr", "tokens_per_s", "examples_per_s", "mfu", "peak_rss_mb",
@@ -436,6 +438,107 @@ def ledger_row(path: Path, best: BestEval | None = None,
         export=exported.line if exported else "",
         export_colour=exported.colour if exported else "")
 
+
+# the files whose change means a run's ledger line must be read again
+_LEDGER_FILES = ("status.json", "metrics.jsonl", "events.jsonl", "notes.json")
+
+
+def _stamp(path: Path) -> tuple:
+    out = []
+    for name in _LEDGER_FILES:
+        try:
+            st = (path / name).stat()
+            out.append((st.st_mtime_ns, st.st_size))
+        except FileNotFoundError:
+            out.append(None)
+    return tuple(out)
+
+
+class Ledger:
+    """The Runs pane's ledger: one `LedgerRow` per run, newest first, plus the launches that
+    have no run folder yet (`extra`: (name, state)). `refresh` re-reads only the runs whose
+    files changed (a poll costs a few stat calls) and the runs still training, and announces
+    what changed, so the view neither diffs rows nor re-checks states itself:
+
+    - `resetting()` then `reset()`: the list of runs (or of launches) changed;
+    - `row_changed(index)`: one run's line changed in place;
+    - `settled(row)`: a run was read afresh and no job trains it (completed, stopped, failed):
+      a run seen training has ended, or a launch's folder appeared already ended.
+    """
+
+    def __init__(self) -> None:
+        self.rows: list[LedgerRow] = []
+        self.extra: list[tuple[str, str]] = []
+        self.own_pids: set[int] = set()     # the jobs this window started (runs, resumes)
+        self._stamps: dict[Path, tuple] = {}
+        self._best: dict[Path, BestEval] = {}
+        self._pace: dict[Path, StepPace] = {}
+        self.resetting, self.reset = Listeners(), Listeners()
+        self.row_changed, self.settled = Listeners(), Listeners()
+
+    def paths(self) -> list[Path]:
+        return [r.path for r in self.rows]
+
+    def row(self, path: Path) -> LedgerRow | None:
+        """The ledger line of one run (the sample workspace's example runs share the list)."""
+        return next((r for r in self.rows if r.path == path), None)
+
+    def active_paths(self) -> list[Path]:
+        return [r.path for r in self.rows if r.active]
+
+    def forget(self, path: Path) -> None:
+        """Read this run afresh at the next refresh (its notes were just written)."""
+        self._stamps.pop(path, None)
+
+    def refresh(self, paths: list[Path], extra: list[tuple[str, str]],
+                hold_order: bool = False) -> None:
+        """Newest first; `hold_order` (the pointer is over the ledger) keeps the rows shown in
+        their places and puts new ones after them, until the pointer leaves."""
+        old = {r.path: r for r in self.rows}
+        rows, fresh = [], []
+        for path in paths:
+            stamp = _stamp(path)
+            row = old.get(path)
+            if row is None or self._stamps.get(path) != stamp or row.active:
+                row = ledger_row(path, self._best.setdefault(path, BestEval(path)),
+                                 self._pace.setdefault(path, StepPace(path)))
+                self._stamps[path] = stamp
+                fresh.append(row)
+            rows.append(row)
+        rows.sort(key=lambda r: r.created or 0, reverse=True)
+        if hold_order:
+            where = {r.path: r for r in rows}
+            rows = [where[p] for p in stable_order(self.paths(), [r.path for r in rows])]
+        if [r.path for r in rows] != self.paths() or extra != self.extra:
+            self.resetting.emit()
+            self.rows, self.extra = rows, list(extra)
+            self.reset.emit()
+        else:
+            for i, (a, b) in enumerate(zip(self.rows, rows)):
+                if a != b:
+                    self.rows[i] = b
+                    self.row_changed.emit(i)
+        for row in fresh:
+            if not row.active:
+                self.settled.emit(row)
+
+
+def launch_state(out: Path, pid: int) -> str:
+    """Where a run this window launched stands before the ledger shows it: "listed" (its run
+    folder exists), "starting" (its process lives) or "gone" (it exited without one)."""
+    if RunDir(out).exists():
+        return "listed"
+    return "starting" if pid_alive(pid) else "gone"
+
+
+def request_stop(path: Path) -> bool:
+    """Ask a run's job to checkpoint and stop; False when no job is running it."""
+    return RunDir(path).request_stop()
+
+
+def is_running(path: Path) -> bool:
+    """A job holds the run (it trains, resumes, samples or evaluates)."""
+    return RunDir(path).is_active()
 
 def delete_run(path: Path) -> None:
     """Delete a run's folder: the user's own or a shipped example. Refuses a run a job holds

@@ -17,6 +17,7 @@ from pathlib import Path
 import numpy as np
 
 from app.viewmodels.jobs import forgebench_argv
+from app.viewmodels.runs import run_label
 from engine.errors import ForgebenchError
 from engine.fsutil import append_jsonl, read_json, read_jsonl
 from engine.recipe_registry import recipes_with
@@ -171,6 +172,54 @@ def text_file(folder: Path) -> Path | None:
         if (folder / name).is_file():
             return folder / name
     return None
+
+
+def sample_runs(run_dirs: list[Path]) -> list[tuple[str, str]]:
+    """(label, folder) of the runs whose samples the pane shows; a run whose run.json cannot
+    be read is left out (the Runs pane reports it)."""
+    runs = []
+    for path in run_dirs:
+        try:
+            recipe = RunDir(path).manifest().get("recipe")
+        except ForgebenchError:
+            continue
+        if recipe in SAMPLE_RECIPES:
+            runs.append((run_label(path, recipe), str(path)))
+    return runs
+
+
+def checkpoint_names(run_dir: str | Path) -> list[str]:
+    """The run's checkpoints, newest first."""
+    return [c.name for c in reversed(RunDir(run_dir).checkpoints())]
+
+
+@dataclass(frozen=True)
+class SamplingOptions:
+    checkpoints: list[str]      # newest first
+    media: bool                 # a diffusion run: the pane can sample it (n, seed, cfg, steps)
+    max_steps: int              # the diffusion's levels (sampling takes at most that many)
+    classes: list[str]          # the class labels of a class-conditional run
+
+
+def sampling_options(run_dir: str | Path) -> SamplingOptions:
+    """What the pane offers for sampling a run: its checkpoints and, for an image or audio
+    generator, its class labels (from the latest checkpoint's meta.json) and step range."""
+    run = RunDir(run_dir)
+    manifest = run.manifest()
+    levels = ((manifest.get("config") or {}).get("diffusion") or {}).get("levels")
+    classes = []
+    for checkpoint in run.checkpoints()[-1:]:
+        meta = checkpoint.path / "meta.json"
+        if meta.is_file():
+            classes = list(read_json(meta).get("classes", []))
+    return SamplingOptions(checkpoint_names(run_dir),
+                           manifest.get("recipe") in ("image-generate", "audio-generate"),
+                           int(levels) if isinstance(levels, int) else 1000, classes)
+
+
+def generations_file(run_dir: str | Path, checkpoint: str) -> Path | None:
+    """The generations file of one checkpoint's samples (None when it has none)."""
+    return text_file(RunDir(run_dir).samples_dir / checkpoint)
 
 
 def generation_checkpoints(run_dir: str | Path) -> list[str]:

@@ -42,14 +42,12 @@ from PySide6.QtWidgets import (
 from app.audio import Player
 from app.viewmodels import ab as vm
 from app.viewmodels.runs import stable_order
-from app.viewmodels.samples import text_file, waveform
+from app.viewmodels.samples import waveform
 from app.viewmodels.workspace import Workspace
 from app.views import theme
 from app.views.job_runner import JobRunner
 from app.views.labels import wrap_items, wrapped_label
 from engine.errors import ForgebenchError
-from engine.fsutil import read_json
-from engine.rundir import RunDir
 
 PREVIEW = 256
 
@@ -88,6 +86,17 @@ class SideView(QStackedWidget):
             self.setCurrentWidget(self.text)
 
 
+def _spin(low: int, high: int, value: int | None = None, special: str = "") -> QSpinBox:
+    """A spin box over [low, high]; `special` names its lowest value ("all pairs")."""
+    spin = QSpinBox()
+    spin.setRange(low, high)
+    if value is not None:
+        spin.setValue(value)
+    if special:
+        spin.setSpecialValueText(special)
+    return spin
+
+
 class StatusLine(QLabel):
     """A line shown only while it has something to say (an empty one takes no height)."""
 
@@ -106,18 +115,44 @@ class ABPane(QWidget):
         self.session: vm.ABSession | None = None
         self.player = Player()
         self.pending_fidelity: str | None = None
+        self.job = JobRunner("generation")
+        self.job.finished.connect(self._job_finished)
+        self.pending_jobs: list[vm.GenerationJob] = []
+        self.current_job: vm.GenerationJob | None = None
+        self.generation: tuple[list[vm.GenerationJob], dict] | None = None
+        self.setup_status = StatusLine()
+        self.setup_status.setText("")
+        self.setup_status.setWordWrap(True)
+        self.setup_status.setTextInteractionFlags(Qt.TextInteractionFlag.TextSelectableByMouse)
 
-        # setup
+        setup = self._setup_box()       # built in reading (and tab) order
+        right = QSplitter(Qt.Orientation.Vertical)
+        right.addWidget(self._rating_box())
+        right.addWidget(self._results_box())
+        right.setSizes([520, 320])
+        setup_scroll = QScrollArea()     # the long setup form scrolls on its own
+        setup_scroll.setWidgetResizable(True)
+        setup_scroll.setWidget(setup)
+        splitter = QSplitter()
+        splitter.addWidget(setup_scroll)
+        splitter.addWidget(right)
+        splitter.setSizes([340, 540])      # the setup column fits its form at 1024 px
+        layout = QVBoxLayout(self)
+        # The setup's answers (a refusal, the generation's progress, the session started) sit
+        # over both columns, where the user looks after a click: never at the bottom of the
+        # long setup column, below the fold.
+        layout.addWidget(self.setup_status)
+        layout.addWidget(splitter, 1)
+        self._show_pair()
+
+    def _setup_box(self) -> QGroupBox:
         # "run/checkpoint" names wrap in the narrow setup column: their checkpoint, which tells
         # two systems of one run apart, is never out of sight behind a sideways scroll.
         self.systems = wrap_items(QListWidget())
         self.name = QLineEdit("ab-session")
         self.rater = QLineEdit("me")
-        self.seed = QSpinBox()
-        self.seed.setRange(0, 2**31 - 1)
-        self.limit = QSpinBox()
-        self.limit.setRange(0, 100_000)
-        self.limit.setSpecialValueText("all pairs")
+        self.seed = _spin(0, 2**31 - 1)
+        self.limit = _spin(0, 100_000, special="all pairs")
         self.allowed = QLineEdit()
         self.allowed.setPlaceholderText("settings that differ on purpose, e.g. cfg")
         self.rubric = QCheckBox("Rate fidelity, then style")
@@ -125,41 +160,9 @@ class ABPane(QWidget):
                                "the better style")
         self.start_button = QPushButton("Start blind session")
         self.start_button.clicked.connect(self.start_session)
-        # generation: every system's outputs made now, with one settings dict
-        self.gen_seeds = QLineEdit("0")
-        self.gen_seeds.setPlaceholderText("seeds, e.g. 0, 1, 2")
-        self.gen_n = QSpinBox()
-        self.gen_n.setRange(1, 64)
-        self.gen_n.setValue(2)
-        self.gen_class = QLineEdit()
-        self.gen_class.setPlaceholderText("all classes")
-        self.gen_cfg = QDoubleSpinBox()
-        self.gen_cfg.setRange(0.0, 20.0)
-        self.gen_cfg.setSingleStep(0.5)
-        self.gen_cfg.setSpecialValueText("run default")
-        self.gen_steps = QSpinBox()
-        self.gen_steps.setRange(0, 10_000)
-        self.gen_steps.setSpecialValueText("run default")
-        self.gen_prompts = QPlainTextEdit()
-        self.gen_prompts.setPlaceholderText("text runs: one prompt per line")
-        self.gen_prompts.setMaximumHeight(70)
-        self.gen_max_tokens = QSpinBox()
-        self.gen_max_tokens.setRange(1, 4096)
-        self.gen_max_tokens.setValue(32)
-        self.generate_button = QPushButton("Generate outputs and start")
-        self.generate_button.clicked.connect(self.generate_outputs)
-        self.job = JobRunner("generation")
-        self.job.finished.connect(self._job_finished)
-        self.pending_jobs: list[vm.GenerationJob] = []
-        self.current_job: vm.GenerationJob | None = None
-        self.generation: tuple[list[vm.GenerationJob], dict] | None = None
         self.sessions = QComboBox()
         self.resume_button = QPushButton("Resume / show results")
         self.resume_button.clicked.connect(self.resume_session)
-        self.setup_status = StatusLine()
-        self.setup_status.setText("")
-        self.setup_status.setWordWrap(True)
-        self.setup_status.setTextInteractionFlags(Qt.TextInteractionFlag.TextSelectableByMouse)
         setup = QGroupBox("Setup")     # short titles: a long one would widen the column
         form = QFormLayout(setup)
         form.addRow(wrapped_label("Systems are run checkpoints with samples or generations."))
@@ -168,30 +171,48 @@ class ABPane(QWidget):
         # each gets the column's whole width under its label, so it is read whole.
         form.addRow(QLabel("Session name"))
         form.addRow(self.name)
-        form.addRow("Rater", self.rater)
-        form.addRow("Order seed", self.seed)
-        form.addRow("Pairs", self.limit)
-        form.addRow("Allowed differences", self.allowed)
+        for label, widget in (("Rater", self.rater), ("Order seed", self.seed),
+                              ("Pairs", self.limit), ("Allowed differences", self.allowed)):
+            form.addRow(label, widget)
         form.addRow(self.rubric)
         form.addRow(self.start_button)
-        generate = QGroupBox("Or generate outputs now")
-        gform = QFormLayout(generate)
-        gform.addRow(wrapped_label("Every system's outputs, made with identical settings."))
-        gform.addRow("Seeds", self.gen_seeds)
-        gform.addRow("Per class", self.gen_n)
-        gform.addRow("Class", self.gen_class)
-        gform.addRow("Guidance (cfg)", self.gen_cfg)
-        gform.addRow("Sampler steps", self.gen_steps)
-        gform.addRow("Prompts", self.gen_prompts)
-        gform.addRow("Max tokens", self.gen_max_tokens)
-        gform.addRow(self.generate_button)
-        gform.addRow(self.job)
-        form.addRow(generate)
+        form.addRow(self._generate_box())
         form.addRow(QLabel("Earlier sessions"))
         form.addRow(self.sessions)
         form.addRow(self.resume_button)
+        return setup
 
-        # rating
+    def _generate_box(self) -> QGroupBox:
+        """Generation: every system's outputs made now, with one settings dict."""
+        self.gen_seeds = QLineEdit("0")
+        self.gen_seeds.setPlaceholderText("seeds, e.g. 0, 1, 2")
+        self.gen_n = _spin(1, 64, 2)
+        self.gen_class = QLineEdit()
+        self.gen_class.setPlaceholderText("all classes")
+        self.gen_cfg = QDoubleSpinBox()
+        self.gen_cfg.setRange(0.0, 20.0)
+        self.gen_cfg.setSingleStep(0.5)
+        self.gen_cfg.setSpecialValueText("run default")
+        self.gen_steps = _spin(0, 10_000, special="run default")
+        self.gen_prompts = QPlainTextEdit()
+        self.gen_prompts.setPlaceholderText("text runs: one prompt per line")
+        self.gen_prompts.setMaximumHeight(70)
+        self.gen_max_tokens = _spin(1, 4096, 32)
+        self.generate_button = QPushButton("Generate outputs and start")
+        self.generate_button.clicked.connect(self.generate_outputs)
+        generate = QGroupBox("Or generate outputs now")
+        form = QFormLayout(generate)
+        form.addRow(wrapped_label("Every system's outputs, made with identical settings."))
+        for label, widget in (("Seeds", self.gen_seeds), ("Per class", self.gen_n),
+                              ("Class", self.gen_class), ("Guidance (cfg)", self.gen_cfg),
+                              ("Sampler steps", self.gen_steps), ("Prompts", self.gen_prompts),
+                              ("Max tokens", self.gen_max_tokens)):
+            form.addRow(label, widget)
+        form.addRow(self.generate_button)
+        form.addRow(self.job)
+        return generate
+
+    def _rating_box(self) -> QGroupBox:
         self.prompt = QLabel()
         self.prompt.setWordWrap(True)
         self.progress = QLabel()
@@ -217,13 +238,14 @@ class ABPane(QWidget):
             QShortcut(QKeySequence(key), self, activated=lambda k=key: self.key_pressed(k),
                       context=Qt.ShortcutContext.WindowShortcut)
         rating = QGroupBox("Blind rating")
-        rv = QVBoxLayout(rating)
-        rv.addWidget(self.progress)
-        rv.addWidget(self.prompt)
-        rv.addLayout(sides, 1)
-        rv.addLayout(buttons)
+        layout = QVBoxLayout(rating)
+        layout.addWidget(self.progress)
+        layout.addWidget(self.prompt)
+        layout.addLayout(sides, 1)
+        layout.addLayout(buttons)
+        return rating
 
-        # results
+    def _results_box(self) -> QGroupBox:
         self.results = QTextBrowser()
         self.export_button = QPushButton("Export preferences as a dataset…")
         self.export_button.clicked.connect(self.export_preferences)
@@ -236,32 +258,14 @@ class ABPane(QWidget):
                                        "from, on the held-out prompts in the Prompts box")
         self.compare_button.clicked.connect(self.compare_with_previous)
         results = QGroupBox("Results")
-        xv = QVBoxLayout(results)
-        xv.addWidget(self.results, 1)
-        xv.addWidget(self.export_button)
+        layout = QVBoxLayout(results)
+        layout.addWidget(self.results, 1)
+        layout.addWidget(self.export_button)
         loop = QHBoxLayout()
         loop.addWidget(self.train_button)
         loop.addWidget(self.compare_button)
-        xv.addLayout(loop)
-
-        right = QSplitter(Qt.Orientation.Vertical)
-        right.addWidget(rating)
-        right.addWidget(results)
-        right.setSizes([520, 320])
-        setup_scroll = QScrollArea()     # the long setup form scrolls on its own
-        setup_scroll.setWidgetResizable(True)
-        setup_scroll.setWidget(setup)
-        splitter = QSplitter()
-        splitter.addWidget(setup_scroll)
-        splitter.addWidget(right)
-        splitter.setSizes([340, 540])      # the setup column fits its form at 1024 px
-        layout = QVBoxLayout(self)
-        # The setup's answers (a refusal, the generation's progress, the session started) sit
-        # over both columns, where the user looks after a click: never at the bottom of the
-        # long setup column, below the fold.
-        layout.addWidget(self.setup_status)
-        layout.addWidget(splitter, 1)
-        self._show_pair()
+        layout.addLayout(loop)
+        return results
 
     # -- setup ---------------------------------------------------------------------------
     def set_workspace(self, workspace: Workspace) -> None:
@@ -277,21 +281,7 @@ class ABPane(QWidget):
         make them, as a checkable system. The list is updated in place: the systems shown keep
         their rows (and check marks), new ones are added after them, and the row under the
         pointer never moves (vm.stable_order)."""
-        found: dict[tuple[str, str], str] = {}
-        for run_dir in self.workspace.run_dirs() if self.workspace else []:
-            run = RunDir(run_dir)
-            names = []
-            if run.samples_dir.is_dir():
-                names += [p.name for p in sorted(run.samples_dir.iterdir()) if p.is_dir() and (
-                    any(f.suffix in (".png", ".wav") and f.stem != "grid"
-                        for f in p.iterdir()) or text_file(p))]
-            recipe = run.manifest().get("recipe")
-            if recipe in vm.GENERATOR_RECIPES + vm.TEXT_RECIPES:
-                names += [c.name for c in run.checkpoints()]
-            if vm.base_gguf(run_dir) is not None:
-                names.append(vm.BASE)
-            for name in sorted(set(names)):
-                found[(str(run_dir), name)] = vm.system_name(run_dir, name)
+        found = vm.available_systems(self.workspace.run_dirs() if self.workspace else [])
         items = {tuple(self.systems.item(i).data(Qt.ItemDataRole.UserRole)):
                  self.systems.item(i) for i in range(self.systems.count())}
         order = stable_order(list(items), list(found))
@@ -307,10 +297,8 @@ class ABPane(QWidget):
                     self.systems.addItem(item)
         session = self.sessions.currentData()
         self.sessions.clear()
-        if self.workspace and self.ratings_dir.is_dir():
-            for path in sorted(self.ratings_dir.glob("*.jsonl")):
-                if not path.name.startswith("rubric-"):
-                    self.sessions.addItem(path.stem, str(path))
+        for path in vm.session_files(self.ratings_dir) if self.workspace else []:
+            self.sessions.addItem(path.stem, str(path))
         self.sessions.setCurrentIndex(max(self.sessions.findData(session), 0))
 
     def check_system(self, run_dir: Path, checkpoint: str, checked: bool = True) -> None:
@@ -340,9 +328,7 @@ class ABPane(QWidget):
                                           hint="e.g. 0, 1, 2"))
             return
         try:
-            text = bool(self.chosen()) and all(
-                RunDir(r).manifest().get("recipe") in vm.TEXT_RECIPES for r, _ in self.chosen())
-            if text:
+            if vm.all_text(self.chosen()):
                 settings = vm.text_settings_of(self.gen_prompts.toPlainText().splitlines(),
                                                self.gen_max_tokens.value(),
                                                seeds[0] if seeds else 0)
@@ -517,9 +503,7 @@ class ABPane(QWidget):
         except ForgebenchError as exc:
             self.message.emit(exc.render())
             return
-        provenance = read_json(out / "dataset.json")["provenance"]
-        self.message.emit(f"preference dataset written: {out} ({provenance['exported']} "
-                          f"pairs; {provenance['not_exported']} left out)")
+        self.message.emit(vm.preferences_written(out))
 
 
     # -- closing the loop ----------------------------------------------------------------

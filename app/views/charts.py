@@ -350,8 +350,7 @@ class RunCharts(QWidget):
         self.summary.setText("<br><br>".join(parts))
 
     def _draw_metric(self, metric: str) -> None:
-        log, x, weight = self.controls.log_scale.isChecked(), self.controls.x, \
-            self.controls.weight
+        log, x = self.controls.log_scale.isChecked(), self.controls.x
         item = self._plot(metric)
         item.setLogMode(False, log and metric != "lr")
         item.setLabel("bottom", "step" if x == "step" else "seconds")
@@ -360,39 +359,7 @@ class RunCharts(QWidget):
                                                       self.series.values()})))
         drawn: list[float] = []
         for index, (key, series) in enumerate(self.series.items()):
-            colour = PALETTE[index % len(PALETTE)]
-            use_log = log and metric != "lr"
-            smooth = weight if metric in ("loss", "grad_norm") else 0.0
-            source = series.throughput[0] if metric == "throughput" else metric
-            split = "val" if metric in VAL_PLOTS else "train"
-            xs, ys = _finite(*series.xy(source, split=split, x=x, smoothing=smooth), use_log)
-            self._curve((key, metric), metric, pen=pg.mkPen(colour, width=2), symbol=(
-                "o" if split == "val" else None), symbolSize=6,
-                symbolBrush=colour).setData(xs, ys)
-            drawn += ys
-            if metric == "loss":
-                for split, style in (("val", Qt.PenStyle.DashLine),
-                                     ("test", Qt.PenStyle.DotLine)):
-                    vx, vy = _finite(*series.xy("loss", split=split, x=x), use_log)
-                    if vx or (key, metric, split) in self.curves:
-                        self._curve((key, metric, split), metric,
-                                    pen=pg.mkPen(colour, width=2, style=style), symbol="o",
-                                    symbolSize=6, symbolBrush=colour).setData(vx, vy)
-            for plot, role, extra, style in EXTRA_CURVES:
-                if plot == metric:
-                    ex, ey = _finite(*series.xy(extra, split=split, x=x), use_log)
-                    if ex or (key, metric, role) in self.curves:
-                        self._curve((key, metric, role), metric, pen=pg.mkPen(
-                            colour, width=1, style=style)).setData(ex, ey)
-            if metric == "grad_norm":
-                cx, cy = _finite(*series.clipped_points(x=x), use_log)
-                self._curve((key, metric, "clipped"), metric, pen=None, symbol="x",
-                            symbolSize=9, symbolPen=pg.mkPen("#a00", width=2)).setData(cx, cy)
-                clip = series.clip_threshold
-                self._curve((key, metric, "clip"), metric, pen=pg.mkPen(
-                    "#a00", width=1, style=Qt.PenStyle.DashLine)).setData(
-                    [min(xs), max(xs)] if clip and xs else [], [clip, clip] if clip and xs else [])
-            self._markers(key, metric, series, x, (min(ys), max(ys)) if ys else None, colour)
+            drawn += self._draw_series(metric, key, series, PALETTE[index % len(PALETTE)])
         if metric == "lr":
             fit_flat_line(item, drawn)
         if metric in SHOWN_WITH_DATA:     # rows of other recipes hold NaN here
@@ -401,6 +368,48 @@ class RunCharts(QWidget):
                 _finite(*s.xy(metric, split=split, x=x), False)[0]
                 for s in self.series.values()))
         self.redrawn.emit(metric)
+
+    def _draw_series(self, metric: str, key: str, series: RunSeries, colour: str) -> list[float]:
+        """One run's curves on one plot (its val and test losses, extra curves, clipped
+        steps and the clip threshold, checkpoints and resumes); the values drawn."""
+        log, x, weight = self.controls.log_scale.isChecked(), self.controls.x, \
+            self.controls.weight
+        use_log = log and metric != "lr"
+        smooth = weight if metric in ("loss", "grad_norm") else 0.0
+        source = series.throughput[0] if metric == "throughput" else metric
+        split = "val" if metric in VAL_PLOTS else "train"
+        xs, ys = _finite(*series.xy(source, split=split, x=x, smoothing=smooth), use_log)
+        self._curve((key, metric), metric, pen=pg.mkPen(colour, width=2), symbol=(
+            "o" if split == "val" else None), symbolSize=6,
+            symbolBrush=colour).setData(xs, ys)
+        if metric == "loss":
+            for other, style in (("val", Qt.PenStyle.DashLine), ("test", Qt.PenStyle.DotLine)):
+                vx, vy = _finite(*series.xy("loss", split=other, x=x), use_log)
+                if vx or (key, metric, other) in self.curves:
+                    self._curve((key, metric, other), metric,
+                                pen=pg.mkPen(colour, width=2, style=style), symbol="o",
+                                symbolSize=6, symbolBrush=colour).setData(vx, vy)
+        for plot, role, extra, style in EXTRA_CURVES:
+            if plot == metric:
+                ex, ey = _finite(*series.xy(extra, split=split, x=x), use_log)
+                if ex or (key, metric, role) in self.curves:
+                    self._curve((key, metric, role), metric, pen=pg.mkPen(
+                        colour, width=1, style=style)).setData(ex, ey)
+        if metric == "grad_norm":
+            self._draw_clipping(key, series, xs, use_log)
+        self._markers(key, metric, series, x, (min(ys), max(ys)) if ys else None, colour)
+        return ys
+
+    def _draw_clipping(self, key: str, series: RunSeries, xs: list[float],
+                       use_log: bool) -> None:
+        """The clipped steps as crosses and the clip threshold as a dashed line."""
+        cx, cy = _finite(*series.clipped_points(x=self.controls.x), use_log)
+        self._curve((key, "grad_norm", "clipped"), "grad_norm", pen=None, symbol="x",
+                    symbolSize=9, symbolPen=pg.mkPen("#a00", width=2)).setData(cx, cy)
+        clip = series.clip_threshold
+        self._curve((key, "grad_norm", "clip"), "grad_norm", pen=pg.mkPen(
+            "#a00", width=1, style=Qt.PenStyle.DashLine)).setData(
+            [min(xs), max(xs)] if clip and xs else [], [clip, clip] if clip and xs else [])
 
     def _markers(self, key: str, metric: str, series: RunSeries, x: str,
                  span: tuple[float, float] | None, colour: str) -> None:

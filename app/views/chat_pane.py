@@ -29,8 +29,8 @@ from PySide6.QtWidgets import (
 from app.viewmodels import chat as vm
 from app.viewmodels.jobs import forgebench_argv
 from app.viewmodels.workspace import Workspace
+from app.views import layouts
 from app.views.engine_process import engine_process
-from engine.conversations import list_conversations
 from engine.errors import ForgebenchError
 
 REPAINT_MS = 50
@@ -64,7 +64,30 @@ class ChatPane(QWidget):
         self.sources: list[vm.Source] = []
         self.workers: dict[str, QProcess] = {}     # one serve-local process per side
         self._buffers: dict[str, bytes] = {}
+        self.rendered = QPlainTextEdit()
+        self.rendered.setReadOnly(True)
+        self.rendered.setMaximumHeight(90)
+        self.rendered.setMinimumHeight(36)     # the pane fits a 1024×700 window, banners shown
+        self.rendered_title = QLabel("Rendered prompt")
+        self.status = QLabel("Open a workspace to chat.")
+        self.status.setWordWrap(True)
+        layout = QVBoxLayout(self)
+        layout.addLayout(self._pick_form())
+        layout.addLayout(self._sampling_row())
+        layout.addWidget(self._columns(), 1)
+        layout.addWidget(self.rendered_title)
+        layout.addWidget(self.rendered)
+        layout.addLayout(self._send_row())
+        layout.addLayout(self._files_row())
+        layout.addWidget(self.status)
+        self.repaint_timer = QTimer(self, singleShot=True, interval=REPAINT_MS)
+        self.repaint_timer.timeout.connect(self.repaint_columns)
+        self.render_timer = QTimer(self, singleShot=True, interval=RENDER_DELAY_MS)
+        self.render_timer.timeout.connect(self.request_render)
+        self.column_boxes["B"].hide()
 
+    def _pick_form(self) -> QFormLayout:
+        """What each side chats with, the numerics of GGUF models and the system prompt."""
         self.source = {side: QComboBox() for side in vm.SIDES}
         for side, combo in self.source.items():
             combo.setMinimumContentsLength(24)
@@ -72,15 +95,6 @@ class ChatPane(QWidget):
             combo.activated.connect(lambda _=0, s=side: self.choose(s))
         self.refresh = QPushButton("Refresh")
         self.refresh.clicked.connect(self.refresh_sources)
-        self.temperature = QDoubleSpinBox(decimals=2, maximum=5.0, singleStep=0.1)
-        self.top_k = QSpinBox(maximum=100_000)
-        self.top_p = QDoubleSpinBox(decimals=2, minimum=0.01, maximum=1.0, singleStep=0.05)
-        self.top_p.setValue(1.0)
-        self.repetition = QDoubleSpinBox(decimals=2, minimum=0.5, maximum=3.0, singleStep=0.05)
-        self.repetition.setValue(1.0)
-        self.seed = QSpinBox(maximum=2**31 - 1)
-        self.max_tokens = QSpinBox(minimum=1, maximum=8192)
-        self.max_tokens.setValue(128)
         self.numerics = QComboBox()
         self.numerics.addItem("llama.cpp numerics", "llamacpp")
         self.numerics.addItem("f32 (as runs train)", "f32")
@@ -90,7 +104,39 @@ class ChatPane(QWidget):
         self.numerics.activated.connect(self.numerics_changed)
         self.system_prompt = QLineEdit()
         self.system_prompt.setPlaceholderText("System prompt (optional; applies to a new chat)")
+        pick = QFormLayout()
+        row_a = QHBoxLayout()
+        row_a.addWidget(self.source["A"], 1)
+        row_a.addWidget(self.refresh)
+        pick.addRow("Chat with", row_a)
+        row_b = QHBoxLayout()
+        row_b.addWidget(self.source["B"], 1)
+        row_b.addWidget(self.numerics)
+        pick.addRow("Side by side with", row_b)
+        pick.addRow("System prompt", self.system_prompt)
+        return pick
 
+    def _sampling_row(self) -> QHBoxLayout:
+        self.temperature = QDoubleSpinBox(decimals=2, maximum=5.0, singleStep=0.1)
+        self.top_k = QSpinBox(maximum=100_000)
+        self.top_p = QDoubleSpinBox(decimals=2, minimum=0.01, maximum=1.0, singleStep=0.05)
+        self.top_p.setValue(1.0)
+        self.repetition = QDoubleSpinBox(decimals=2, minimum=0.5, maximum=3.0, singleStep=0.05)
+        self.repetition.setValue(1.0)
+        self.seed = QSpinBox(maximum=2**31 - 1)
+        self.max_tokens = QSpinBox(minimum=1, maximum=8192)
+        self.max_tokens.setValue(128)
+        sampling = QHBoxLayout()
+        for label, widget in (("temperature", self.temperature), ("top-k", self.top_k),
+                              ("top-p", self.top_p), ("repetition", self.repetition),
+                              ("seed", self.seed), ("max tokens", self.max_tokens)):
+            sampling.addWidget(QLabel(label))
+            sampling.addWidget(widget)
+        sampling.addStretch(1)
+        return sampling
+
+    def _columns(self) -> QSplitter:
+        """One transcript column per side (B's shows once B chats)."""
         self.columns = {side: QTextBrowser() for side in vm.SIDES}
         self.titles = {side: QLabel() for side in vm.SIDES}
         self.column_boxes = {}
@@ -104,12 +150,9 @@ class ChatPane(QWidget):
             column.addWidget(self.columns[side], 1)
             columns.addWidget(box)
             self.column_boxes[side] = box
-        self.rendered = QPlainTextEdit()
-        self.rendered.setReadOnly(True)
-        self.rendered.setMaximumHeight(90)
-        self.rendered.setMinimumHeight(36)     # the pane fits a 1024×700 window, banners shown
-        self.rendered_title = QLabel("Rendered prompt")
+        return columns
 
+    def _send_row(self) -> QHBoxLayout:
         self.prompt = QLineEdit()
         self.prompt.setPlaceholderText("Message — Enter sends")
         self.prompt.returnPressed.connect(self.send)
@@ -119,6 +162,10 @@ class ChatPane(QWidget):
         self.stop_button = QPushButton("Stop")
         self.stop_button.clicked.connect(self.stop)
         self.stop_button.setEnabled(False)
+        return layouts.row((self.prompt, 1), self.send_button, self.stop_button)
+
+    def _files_row(self) -> QHBoxLayout:
+        """New chat, the saved conversations, pairing to A/B and exporting SFT records."""
         self.new_chat = QPushButton("New chat")
         self.new_chat.clicked.connect(self.start_new_chat)
         self.saved = QComboBox()
@@ -135,50 +182,12 @@ class ChatPane(QWidget):
             self.dataset_name.fontMetrics().horizontalAdvance("chat-sft-0000") + 16)
         self.export = QPushButton("Export as SFT records")
         self.export.clicked.connect(self.export_sft)
-        self.status = QLabel("Open a workspace to chat.")
-        self.status.setWordWrap(True)
-
-        pick = QFormLayout()
-        row_a = QHBoxLayout()
-        row_a.addWidget(self.source["A"], 1)
-        row_a.addWidget(self.refresh)
-        pick.addRow("Chat with", row_a)
-        row_b = QHBoxLayout()
-        row_b.addWidget(self.source["B"], 1)
-        row_b.addWidget(self.numerics)
-        pick.addRow("Side by side with", row_b)
-        pick.addRow("System prompt", self.system_prompt)
-        sampling = QHBoxLayout()
-        for label, widget in (("temperature", self.temperature), ("top-k", self.top_k),
-                              ("top-p", self.top_p), ("repetition", self.repetition),
-                              ("seed", self.seed), ("max tokens", self.max_tokens)):
-            sampling.addWidget(QLabel(label))
-            sampling.addWidget(widget)
-        sampling.addStretch(1)
-        send_row = QHBoxLayout()
-        send_row.addWidget(self.prompt, 1)
-        send_row.addWidget(self.send_button)
-        send_row.addWidget(self.stop_button)
         files = QHBoxLayout()
         for widget in (self.new_chat, self.saved, self.open_saved, self.to_ab,
                        self.dataset_name, self.export):
             files.addWidget(widget)
         files.addStretch(1)
-        layout = QVBoxLayout(self)
-        layout.addLayout(pick)
-        layout.addLayout(sampling)
-        layout.addWidget(columns, 1)
-        layout.addWidget(self.rendered_title)
-        layout.addWidget(self.rendered)
-        layout.addLayout(send_row)
-        layout.addLayout(files)
-        layout.addWidget(self.status)
-
-        self.repaint_timer = QTimer(self, singleShot=True, interval=REPAINT_MS)
-        self.repaint_timer.timeout.connect(self.repaint_columns)
-        self.render_timer = QTimer(self, singleShot=True, interval=RENDER_DELAY_MS)
-        self.render_timer.timeout.connect(self.request_render)
-        self.column_boxes["B"].hide()
+        return files
 
     # -- workspace and sources ------------------------------------------------------------
     def set_workspace(self, workspace: Workspace) -> None:
@@ -206,7 +215,7 @@ class ChatPane(QWidget):
             index = combo.findText(current)
             combo.setCurrentIndex(max(index, 0))
         self.saved.clear()
-        for path in list_conversations(self.workspace.root):
+        for path in vm.saved_conversations(self.workspace.root):
             self.saved.addItem(path.stem, str(path))
 
     def open_run(self, run_dir: Path) -> None:
@@ -364,7 +373,7 @@ class ChatPane(QWidget):
             return
         current = self.saved.currentData()
         self.saved.clear()
-        for path in list_conversations(self.workspace.root):
+        for path in vm.saved_conversations(self.workspace.root):
             self.saved.addItem(path.stem, str(path))
         index = self.saved.findData(current)
         self.saved.setCurrentIndex(max(index, 0))

@@ -30,6 +30,7 @@ from PySide6.QtWidgets import (
 
 from app.viewmodels.datasets import DatasetTable, list_datasets, records_bytes, report_from_json
 from app.viewmodels.workspace import Workspace
+from app.views import layouts
 from app.views.background import BackgroundCall
 from app.views.dataset_tabs.findings import FindingsTab
 from app.views.dataset_tabs.gallery import GalleryTab
@@ -108,14 +109,48 @@ class DatasetsPane(QWidget):
         self.loader.done.connect(lambda table: self._loaded(table, self._request))
         self.loader.failed.connect(lambda exc: self._load_failed(str(exc), self._request))
 
+        splitter = QSplitter()
+        splitter.addWidget(self._dataset_column())
+        splitter.addWidget(self._dataset_view())
+        splitter.setStretchFactor(1, 1)
+        splitter.setSizes([180, 700])
+        layout = QVBoxLayout(self)
+        layout.setContentsMargins(0, 0, 0, 0)
+        layout.addWidget(splitter)
+
+    def _dataset_column(self) -> QWidget:
+        """The workspace's datasets, Import and the data card."""
         self.dataset_list = wrap_items(QListWidget())     # "name (dataset name)" read whole
         self.dataset_list.currentRowChanged.connect(self._dataset_chosen)
+        self.import_button = QPushButton("&Import…")
+        import_menu = QMenu(self.import_button)
+        for key, text in SOURCES.items():
+            import_menu.addAction(text, lambda k=key: self.open_import(k))
+        self.import_button.setMenu(import_menu)
+        self.card_button = QPushButton("Data &card…")
+        self.card_button.clicked.connect(self.open_card)
+        return layouts.column(QLabel("Datasets"), self.dataset_list, self.import_button,
+                      self.card_button)
+
+    def _dataset_view(self) -> QWidget:
+        """The chosen dataset: its header, Validate, and one tab per view of it."""
         self.header = QLabel("No dataset selected")
         self.header.setWordWrap(True)
         self.header.setMinimumWidth(1)          # wraps; never widens the window
         self.validate_button = QPushButton("&Validate")
         self.validate_button.clicked.connect(self.validate)
+        right = QWidget()
+        layout = QVBoxLayout(right)
+        layout.setContentsMargins(0, 0, 0, 0)
+        top = QHBoxLayout()
+        top.addWidget(self.header, 1)
+        top.addWidget(help_link("findings"))
+        top.addWidget(self.validate_button)
+        layout.addLayout(top)
+        layout.addWidget(self._tabs(), 1)
+        return right
 
+    def _tabs(self) -> QTabWidget:
         self.records_tab = RecordsTab()
         self.findings_tab = FindingsTab()
         self.gallery_tab = GalleryTab()
@@ -135,38 +170,7 @@ class DatasetsPane(QWidget):
             tab.saved.connect(lambda root: self.reload(select=root))
         self._summaries_shown = False
         self.tabs.currentChanged.connect(self._tab_changed)
-
-        right = QWidget()
-        rv = QVBoxLayout(right)
-        rv.setContentsMargins(0, 0, 0, 0)
-        top = QHBoxLayout()
-        top.addWidget(self.header, 1)
-        top.addWidget(help_link("findings"))
-        top.addWidget(self.validate_button)
-        rv.addLayout(top)
-        rv.addWidget(self.tabs, 1)
-        splitter = QSplitter()
-        left = QWidget()
-        lv = QVBoxLayout(left)
-        lv.setContentsMargins(0, 0, 0, 0)
-        lv.addWidget(QLabel("Datasets"))
-        lv.addWidget(self.dataset_list)
-        self.import_button = QPushButton("&Import…")
-        import_menu = QMenu(self.import_button)
-        for key, text in SOURCES.items():
-            import_menu.addAction(text, lambda k=key: self.open_import(k))
-        self.import_button.setMenu(import_menu)
-        self.card_button = QPushButton("Data &card…")
-        self.card_button.clicked.connect(self.open_card)
-        lv.addWidget(self.import_button)
-        lv.addWidget(self.card_button)
-        splitter.addWidget(left)
-        splitter.addWidget(right)
-        splitter.setStretchFactor(1, 1)
-        splitter.setSizes([180, 700])
-        layout = QVBoxLayout(self)
-        layout.setContentsMargins(0, 0, 0, 0)
-        layout.addWidget(splitter)
+        return self.tabs
 
     # -- datasets ------------------------------------------------------------------------
     def set_workspace(self, workspace: Workspace) -> None:

@@ -43,7 +43,6 @@ from app.views.help_link import help_link
 from app.views.job_runner import JobRunner
 from app.views.labels import wrapped_label
 from engine.errors import ForgebenchError
-from engine.fsutil import read_json
 
 STEPS = ("1. Run and checkpoint", "2. Base model", "3. Quantization", "4. Export and verify",
          "5. Bundle")
@@ -175,6 +174,20 @@ class PageScroll(QScrollArea):
         QTimer.singleShot(0, lambda: self.ensureWidgetVisible(widget))
 
 
+def _stages_table() -> QTableWidget:
+    """The verification's stages. Fits the page of a 1024x700 window without a sideways
+    scroll: two-line titles, columns as wide as their cells, the file name (last) eliding in
+    the middle; every cell's tooltip holds its whole text."""
+    stages = QTableWidget(0, len(vm.LLM_COLUMNS))
+    stages.setHorizontalHeaderLabels([stacked(t) for t in vm.LLM_COLUMNS])
+    stages.verticalHeader().hide()
+    stages.setWordWrap(False)
+    stages.setTextElideMode(Qt.TextElideMode.ElideMiddle)
+    stages.horizontalHeader().setSectionResizeMode(QHeaderView.ResizeMode.ResizeToContents)
+    stages.horizontalHeader().setStretchLastSection(True)
+    return stages
+
+
 class ExportWizardPane(QWidget):
     message = Signal(str)
 
@@ -185,14 +198,36 @@ class ExportWizardPane(QWidget):
         self.base: vm.BaseInfo | None = None
         self.out: Path | None = None
         self.checklist: list[dict] = []
+        self._pick_out: Path | None = None
+        self._hf_export = False            # the running/last export is a merged HF folder
 
         self.steps = QListWidget()
         self.steps.addItems(STEPS)
         self.steps.setFixedWidth(150)     # "1. Run and checkpoint" whole; the rest to the page
         self.steps.currentRowChanged.connect(self.go)
         self.pages = CurrentPageStack()
+        for page in (self._run_page(), self._base_page(), self._types_page(),
+                     self._export_page(), self._bundle_page()):
+            self.pages.addWidget(page)
+        # Preparing a step off the GUI thread: a busy bar and Cancel under the page.
+        self.call = BackgroundCall(self)
+        self.call.done.connect(self._prepared)
+        self.call.failed.connect(self._prepare_failed)
+        self._preparing: tuple[int, object] | None = None     # (step, what the call is for)
+        self.step_error = _label()
+        self.page_scroll = PageScroll(self.pages)
+        right = QVBoxLayout()
+        right.addWidget(self.page_scroll, 1)
+        right.addWidget(self.step_error)
+        right.addWidget(self._busy_row())
+        right.addLayout(self._nav_row())
+        layout = QHBoxLayout(self)
+        layout.addWidget(self.steps)
+        layout.addLayout(right, 1)
+        self.steps.setCurrentRow(0)
 
-        # 1. run and checkpoint
+    def _run_page(self) -> QWidget:
+        """1. run and checkpoint"""
         self.run_combo = QComboBox()
         self.run_combo.currentIndexChanged.connect(self._run_chosen)
         self.checkpoint = QComboBox()
@@ -202,13 +237,14 @@ class ExportWizardPane(QWidget):
         form.addRow("Checkpoint", self.checkpoint)
         box = QWidget()
         box.setLayout(form)
-        self.pages.addWidget(_page(_label(
+        return _page(_label(
             "Language-model runs (lm-pretrain, lm-sft, lm-dpo, lm-es) export as GGUF for "
             "llama.cpp. Image and sound generators (image-generate, audio-generate) export "
             "as a verified bundle: the weights, model.json and one reference output per "
-            "class."), box))
+            "class."), box)
 
-        # 2. base
+    def _base_page(self) -> QWidget:
+        """2. base"""
         self.base_text = _label()
         self.base_path = QLineEdit()
         self.base_path.setPlaceholderText("the run's own base (recorded in run.json)")
@@ -227,9 +263,10 @@ class ExportWizardPane(QWidget):
         row.addWidget(self.base_path, 1)
         row.addWidget(self.base_browse)
         row.addWidget(self.base_library)
-        self.pages.addWidget(_page(self.base_text, row, self.dense_button, self.convert_job))
+        return _page(self.base_text, row, self.dense_button, self.convert_job)
 
-        # 3. quantization, and the picker: what each type keeps of the fine-tune's gain
+    def _types_page(self) -> QWidget:
+        """3. quantization, and the picker: what each type keeps of the fine-tune's gain"""
         self.sizes = QTableWidget(0, 3)
         self.sizes.setHorizontalHeaderLabels(["type", "estimated tensor data",
                                               "keeps of the fine-tune's gain"])
@@ -247,10 +284,10 @@ class ExportWizardPane(QWidget):
                             "vocabulary add a little)."),
                      self.sizes, self.pick_button, self.pick_job, self.pick_text)
         page.layout().setStretchFactor(self.sizes, 3)      # every type in view, not 6 of them
-        self.pages.addWidget(page)
-        self._pick_out: Path | None = None
+        return page
 
-        # 4. export and verify
+    def _export_page(self) -> QWidget:
+        """4. export and verify"""
         self.out_name = QLineEdit()
         self.export_button = QPushButton("Export and verify")
         self.export_button.clicked.connect(self.export)
@@ -258,8 +295,20 @@ class ExportWizardPane(QWidget):
         # the notification says the export's verdict (a defect is a failure, never "done")
         self.export_job.describe = lambda ok, message: (
             vm.hf_notification if self._hf_export else vm.notification)(self.out, ok, message)
-        self._hf_export = False            # the running/last export is a merged HF folder
-        # the format: step 3's GGUF/adapter type, or a merged Hugging Face folder
+        self.export_job.finished.connect(self._exported)
+        self.hf_reason = _label()
+        self.verdict = PageMessage()
+        self.stages = _stages_table()
+        self.answers = _label()
+        row = QHBoxLayout()
+        row.addWidget(QLabel("Export folder (in exports/)"))
+        row.addWidget(self.out_name, 1)
+        row.addWidget(self.export_button)
+        return _page(self._formats_row(), self.hf_reason, row, self.export_job, self.verdict,
+                     help_link("verdicts"), self.stages, self.answers)
+
+    def _formats_row(self) -> QHBoxLayout:
+        """The format: step 3's GGUF/adapter type, or a merged Hugging Face folder."""
         self.format = QComboBox()
         for key, label in vm.FORMATS.items():
             self.format.addItem(label, key)
@@ -269,34 +318,15 @@ class ExportWizardPane(QWidget):
         self.hf_source.editingFinished.connect(self._format_chosen)
         self.hf_browse = QPushButton("Choose…")
         self.hf_browse.clicked.connect(self._browse_hf_source)
-        self.hf_reason = _label()
-        self.export_job.finished.connect(self._exported)
-        self.verdict = PageMessage()
-        # Fits the page of a 1024x700 window without a sideways scroll: two-line titles,
-        # columns as wide as their cells, the file name (last) eliding in the middle; every
-        # cell's tooltip holds its whole text.
-        self.stages = QTableWidget(0, len(vm.LLM_COLUMNS))
-        self.stages.setHorizontalHeaderLabels([stacked(t) for t in vm.LLM_COLUMNS])
-        self.stages.verticalHeader().hide()
-        self.stages.setWordWrap(False)
-        self.stages.setTextElideMode(Qt.TextElideMode.ElideMiddle)
-        self.stages.horizontalHeader().setSectionResizeMode(
-            QHeaderView.ResizeMode.ResizeToContents)
-        self.stages.horizontalHeader().setStretchLastSection(True)
-        self.answers = _label()
-        row = QHBoxLayout()
-        row.addWidget(QLabel("Export folder (in exports/)"))
-        row.addWidget(self.out_name, 1)
-        row.addWidget(self.export_button)
         formats = QHBoxLayout()
         formats.addWidget(QLabel("Format"))
         formats.addWidget(self.format)
         formats.addWidget(self.hf_source, 1)
         formats.addWidget(self.hf_browse)
-        self.pages.addWidget(_page(formats, self.hf_reason, row, self.export_job, self.verdict,
-                                   help_link("verdicts"), self.stages, self.answers))
+        return formats
 
-        # 5. bundle
+    def _bundle_page(self) -> QWidget:
+        """5. bundle"""
         self.card = QPlainTextEdit()
         self.rights = QListWidget()
         self.finish_button = QPushButton("Save model card and checklist into the bundle")
@@ -306,13 +336,9 @@ class ExportWizardPane(QWidget):
                      self.card, QLabel("Rights checklist (from the data card)"), self.rights,
                      self.finish_button, self.finish_status)
         page.layout().setStretchFactor(self.card, 3)
-        self.pages.addWidget(page)
+        return page
 
-        # Preparing a step off the GUI thread: a busy bar and Cancel under the page.
-        self.call = BackgroundCall(self)
-        self.call.done.connect(self._prepared)
-        self.call.failed.connect(self._prepare_failed)
-        self._preparing: tuple[int, object] | None = None     # (step, what the call is for)
+    def _busy_row(self) -> QWidget:
         self.busy_text = _label()
         self.busy_bar = QProgressBar()
         self.busy_bar.setRange(0, 0)
@@ -325,8 +351,9 @@ class ExportWizardPane(QWidget):
         busy.addWidget(self.busy_bar, 1)
         busy.addWidget(self.busy_cancel)
         self.busy.hide()
-        self.step_error = _label()
+        return self.busy
 
+    def _nav_row(self) -> QHBoxLayout:
         self.back_button = QPushButton("< Back")
         self.next_button = QPushButton("Next >")
         self.back_button.clicked.connect(lambda: self.go(self.pages.currentIndex() - 1))
@@ -335,16 +362,7 @@ class ExportWizardPane(QWidget):
         nav.addStretch(1)
         nav.addWidget(self.back_button)
         nav.addWidget(self.next_button)
-        self.page_scroll = PageScroll(self.pages)
-        right = QVBoxLayout()
-        right.addWidget(self.page_scroll, 1)
-        right.addWidget(self.step_error)
-        right.addWidget(self.busy)
-        right.addLayout(nav)
-        layout = QHBoxLayout(self)
-        layout.addWidget(self.steps)
-        layout.addLayout(right, 1)
-        self.steps.setCurrentRow(0)
+        return nav
 
     # -- navigation ----------------------------------------------------------------------
     def set_workspace(self, workspace: Workspace) -> None:
@@ -658,11 +676,13 @@ class ExportWizardPane(QWidget):
             self.verdict.setText(f"<b>{html.escape(message)}</b><br>Written to "
                                  f"{html.escape(str(self.out))}:<table>{rows}</table>")
             return
-        if self.out is None or not (self.out / "SHA256SUMS").is_file():
+        bundle = vm.finished_bundle(self.out)
+        if bundle is None:
             self.verdict.setText(error_html("The export failed.", message))
             return
-        self.show_report(read_json(self.out / "report.json"))
-        self.card.setPlainText((self.out / "model_card.md").read_text("utf-8"))
+        report, card = bundle
+        self.show_report(report)
+        self.card.setPlainText(card)
         self.checklist = vm.rights_checklist(self.run.path)
         self.rights.clear()
         for entry in self.checklist:

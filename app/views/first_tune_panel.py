@@ -15,15 +15,13 @@ from pathlib import Path
 from PySide6.QtCore import QTimer, Signal
 from PySide6.QtWidgets import QFrame, QHBoxLayout, QLabel, QPushButton, QVBoxLayout
 
-from app.viewmodels.first_tune import FirstTune, run_argv
+from app.viewmodels.first_tune import FirstTune, run_argv, run_outcome
 from app.viewmodels.jobs import job_error
 from app.viewmodels.workspace import Settings, Workspace
-from app.views import theme
+from app.views import layouts, theme
 from app.views.background import BackgroundCall
 from app.views.engine_process import start_detached
 from app.views.job_runner import JobRunner
-from engine.rundir import ACTIVE_STATES, RunDir
-from engine.runlock import pid_alive
 
 POLL_MS = 1000      # how often the strip looks at its run's status
 
@@ -43,6 +41,30 @@ class FirstTunePanel(QFrame):
         self.log: Path | None = None
         theme.style(self, "FirstTunePanel {{ background: {offer_bg}; border: 1px solid "
                           "{offer_border}; }} FirstTunePanel QLabel {{ color: {text}; }}")
+        self.candidate: str | None = None
+        self.runner = JobRunner("first fine-tune probe")
+        self.runner.finished.connect(self._probed)
+        self.runner.hide()          # shown while a probe runs, and with its error if it fails
+        self.run_status = QLabel()
+        self.run_status.setWordWrap(True)
+        self.run_status.hide()
+        self.timer = QTimer(self)
+        self.timer.setInterval(POLL_MS)
+        self.timer.timeout.connect(self.poll)
+        self._background_calls()
+        row, done_row = self._offer_row(), self._done_row()
+        layout = QVBoxLayout(self)
+        layout.setContentsMargins(8, 4, 8, 4)     # compact: the panes keep the height
+        layout.setSpacing(2)
+        layout.addLayout(row)
+        layout.addWidget(self.runner)
+        layout.addWidget(self.run_status)
+        layout.addLayout(done_row)
+        self._set_done_buttons(False)
+        self.hide()
+
+    def _offer_row(self) -> QHBoxLayout:
+        """The offer with its estimate; Use, Measure, Start and Hide."""
         self.offer = QLabel()
         self.offer.setWordWrap(True)
         self.measure_button = QPushButton("Measure")
@@ -52,27 +74,31 @@ class FirstTunePanel(QFrame):
         self.use_button.setToolTip("Point the config's base model at this model of your "
                                    "library")
         self.use_button.hide()
-        self.candidate: str | None = None
         self.close_button = QPushButton("Hide")
+        self.measure_button.clicked.connect(self.measure)
+        self.start_button.clicked.connect(self.start)
+        self.close_button.clicked.connect(self.hide)
+        self.use_button.clicked.connect(self.use_candidate)
+        row = QHBoxLayout()
+        row.addWidget(self.offer, 1)
+        for button in (self.use_button, self.measure_button, self.start_button,
+                       self.close_button):
+            row.addWidget(button)
+        return row
+
+    def _done_row(self) -> QHBoxLayout:
+        """The finished run's BEFORE/AFTER answers, "Chat with it" and "Export it"."""
         self.result = QLabel()
         self.result.setWordWrap(True)
         self.result.hide()
         self.chat_button = QPushButton("Chat with it")
         self.export_button = QPushButton("Export it")
-        self.runner = JobRunner("first fine-tune probe")
-        self.run_status = QLabel()
-        self.run_status.setWordWrap(True)
-        self.run_status.hide()
-        self.timer = QTimer(self)
-        self.timer.setInterval(POLL_MS)
-        self.timer.timeout.connect(self.poll)
-        self.measure_button.clicked.connect(self.measure)
-        self.start_button.clicked.connect(self.start)
-        self.close_button.clicked.connect(self.hide)
         self.chat_button.clicked.connect(lambda: self.open_chat.emit(self.run_dir))
         self.export_button.clicked.connect(lambda: self.open_export.emit(self.run_dir))
-        self.runner.finished.connect(self._probed)
-        self.runner.hide()          # shown while a probe runs, and with its error if it fails
+        return layouts.row((self.result, 1), self.chat_button, self.export_button)
+
+    def _background_calls(self) -> None:
+        """The reads and writes that run off the GUI thread, each with where its answer goes."""
         self.offer_call = BackgroundCall(self)
         self.offer_call.done.connect(self._show_offer)
         self.offer_call.failed.connect(lambda exc: self._show_offer(
@@ -85,31 +111,12 @@ class FirstTunePanel(QFrame):
         self.use_call.done.connect(lambda _: self.refresh())
         self.use_call.failed.connect(lambda exc: self._show_offer(
             (exc.render(), False, False, self.candidate)))
-        self.use_button.clicked.connect(self.use_candidate)
         self.start_call = BackgroundCall(self)
         self.start_call.done.connect(self._launched)
         self.start_call.failed.connect(self._refused)
         self.samples_call = BackgroundCall(self)
         self.samples_call.done.connect(self._show_result)
         self.samples_call.failed.connect(lambda exc: self.result.setText(exc.render()))
-        row = QHBoxLayout()
-        row.addWidget(self.offer, 1)
-        for button in (self.use_button, self.measure_button, self.start_button,
-                       self.close_button):
-            row.addWidget(button)
-        done_row = QHBoxLayout()
-        done_row.addWidget(self.result, 1)
-        done_row.addWidget(self.chat_button)
-        done_row.addWidget(self.export_button)
-        layout = QVBoxLayout(self)
-        layout.setContentsMargins(8, 4, 8, 4)     # compact: the panes keep the height
-        layout.setSpacing(2)
-        layout.addLayout(row)
-        layout.addWidget(self.runner)
-        layout.addWidget(self.run_status)
-        layout.addLayout(done_row)
-        self._set_done_buttons(False)
-        self.hide()
 
     def set_workspace(self, workspace: Workspace, threads: int | None) -> None:
         """Offer the run where the workspace has the pirate config (the sample workspace)."""
@@ -208,9 +215,8 @@ class FirstTunePanel(QFrame):
         self.refresh()
 
     def poll(self) -> None:
-        run = RunDir(self.run_dir)
-        state = run.live_status().get("state") if run.exists() else "starting"
-        if state in ACTIVE_STATES or (state in ("starting", "unknown") and pid_alive(self.pid)):
+        state = run_outcome(self.run_dir, self.pid)
+        if state is None:
             return
         self.timer.stop()
         self.refresh()

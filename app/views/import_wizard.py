@@ -36,7 +36,6 @@ from PySide6.QtWidgets import (
 
 from app.viewmodels import importers as vm
 from app.views.labels import wrapped_label
-from engine.data.dataset import Finding
 from engine.errors import ForgebenchError
 
 SOURCES = {"images": "Folder of images (a folder per class)",
@@ -90,9 +89,7 @@ def _guarded(make, path: Path):
         try:
             return make()
         except (ForgebenchError, OSError) as exc:
-            plan = vm.ImportPlan("unknown", path, "")
-            plan.general.append(Finding(str(path), None, None, str(exc)))
-            return plan
+            return vm.unreadable_plan(path, str(exc))
     return run
 
 

@@ -199,13 +199,26 @@ class MainWindow(QMainWindow):
         self.watch_call = BackgroundCall(self)   # the workspace's listings, read off the GUI
         self.watch_call.done.connect(self.refresh_panes)
 
+        self._panes: dict[str, QWidget] = {}
+        self._build_sidebar_and_stack()
+        self.preload_call = BackgroundCall(self)    # the other panes' modules, off the GUI
+        self._build_central()
+        self._build_status_and_jobs()
+        self._build_menus()
+        self._restore_geometry()
+
+        self.timer = QTimer(self)
+        self.timer.setInterval(int(self.settings.get("poll_ms", 500)))
+        self.timer.timeout.connect(self.poll)
+        self.timer.start()
+
+    def _build_sidebar_and_stack(self) -> None:
         self.sidebar = QListWidget()
         self.sidebar.addItems([p.replace("&&", "&") for p in PANES])
         self.sidebar.setFixedWidth(150)
         self.sidebar.setHorizontalScrollBarPolicy(Qt.ScrollBarPolicy.ScrollBarAlwaysOff)
         self.sidebar.setStyleSheet("QListWidget { font-size: 14px; } "
                                    "QListWidget::item { padding: 10px 8px; }")
-        self._panes: dict[str, QWidget] = {}
         self.stack = QStackedWidget()
         for _ in PANE_CLASSES:
             # A pane that needs more room than the window has scrolls; it never makes the
@@ -215,8 +228,9 @@ class MainWindow(QMainWindow):
         self.wheel_guard = WheelGuard(self)
         self.sidebar.currentRowChanged.connect(self._show_row)
         self.sidebar.setCurrentRow(0)
-        self.preload_call = BackgroundCall(self)    # the other panes' modules, off the GUI
 
+    def _build_central(self) -> None:
+        """The banners (a problem, the tour, the first fine-tune) over the sidebar and pane."""
         self.banner = ProblemBanner(self)
         self.tour_panel = TourPanel(Tour(self.settings))
         self.tour_panel.show_pane.connect(self.show_pane)
@@ -237,6 +251,8 @@ class MainWindow(QMainWindow):
         outer.addLayout(body, 1)
         self.setCentralWidget(central)
 
+    def _build_status_and_jobs(self) -> None:
+        """The status bar (workspace, jobs button), the jobs dock and the notifications."""
         self.workspace_label = QLabel("no workspace")
         self.workspace_label.setMinimumWidth(1)     # a long path elides, never widens the window
         self.jobs_button = QPushButton("no jobs running")
@@ -257,13 +273,6 @@ class MainWindow(QMainWindow):
         self.jobs.changed.connect(self._jobs_changed)
         self.notifier = Notifier(self)
         self.jobs.finished.connect(self.notifier.notify)
-        self._build_menus()
-        self._restore_geometry()
-
-        self.timer = QTimer(self)
-        self.timer.setInterval(int(self.settings.get("poll_ms", 500)))
-        self.timer.timeout.connect(self.poll)
-        self.timer.start()
 
     # -- panes ---------------------------------------------------------------------------
     def pane(self, name: str) -> QWidget:
@@ -465,7 +474,7 @@ class MainWindow(QMainWindow):
         """Bring every pane up to date with what changed on disk, keeping the user's choices."""
         built = self._built
         if "configs" in changes and built("runs"):
-            self.runs.reload_configs()
+            self.runs.form.reload_configs()
         if "runs" in changes:
             for name in ("samples", "export", "transcripts", "masks", "reports"):
                 if built(name):
@@ -483,7 +492,7 @@ class MainWindow(QMainWindow):
     def train_preferences(self, config: str) -> None:
         """The Blind A/B pane's "Train on these preferences": the Runs pane starts the lm-dpo
         config it wrote, and is shown with the new run's charts."""
-        self.runs.start_config(Path(config))
+        self.runs.form.start_config(Path(config))
         self.sidebar.setCurrentRow(PANE_NAMES.index("runs"))
 
     def show_reports(self, run_dir: Path) -> None:

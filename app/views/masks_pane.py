@@ -43,6 +43,8 @@ from app.viewmodels.masks import (
     MaskEditor,
     count_regions,
     mask_datasets,
+    masked_records,
+    open_mask_dataset,
     read_mask,
     read_per_image,
     read_rgb,
@@ -51,11 +53,11 @@ from app.viewmodels.masks import (
 )
 from app.viewmodels.sft import parse_inspect_report
 from app.viewmodels.workspace import Workspace, file_stamp
+from app.views import layouts
 from app.views.background import BackgroundCall
 from app.views.combos import refill_keeping_choice
 from app.views.engine_process import run_engine
 from app.views.labels import FittedPicture, wrap_items
-from engine.data.dataset import Dataset, load_dataset
 from engine.errors import ForgebenchError
 
 
@@ -355,20 +357,39 @@ class MasksPane(QWidget):
     def __init__(self, parent=None):
         super().__init__(parent)
         self.workspace: Workspace | None = None
-        self.dataset: Dataset | None = None
+        self.dataset = None             # the chosen dataset once loaded (open_mask_dataset)
         self.record: dict | None = None
         self.editor: MaskEditor | None = None
         self.loader = BackgroundCall(self)
         self.loader.done.connect(self._dataset_loaded)
         self.loader.failed.connect(self._dataset_failed)
 
+        self.canvas = MaskCanvas()
+        self.canvas.edited.connect(self._refresh_info)
+        splitter = QSplitter()
+        splitter.addWidget(self._dataset_column())
+        splitter.addWidget(self.canvas)
+        splitter.addWidget(self._controls())
+        splitter.setSizes([230, 760, 290])
+        self.predictions = PredictionsView()
+        self.tabs = QTabWidget()
+        self.tabs.addTab(splitter, "Mask editor")
+        self.tabs.addTab(self.predictions, "Segmentation predictions")
+        self.sft = SftTokensView()
+        self.tabs.addTab(self.sft, "SFT tokens")
+        layout = QVBoxLayout(self)
+        layout.addWidget(self.tabs)
+        self._refresh_info()
+
+    def _dataset_column(self) -> QWidget:
         self.dataset_combo = QComboBox()
         self.dataset_combo.currentIndexChanged.connect(self._dataset_chosen)
         self.record_list = wrap_items(QListWidget())      # "id  (label, split)" read whole
         self.record_list.currentRowChanged.connect(self._record_chosen)
-        self.canvas = MaskCanvas()
-        self.canvas.edited.connect(self._refresh_info)
+        return layouts.column(QLabel("Mask dataset"), self.dataset_combo, (self.record_list, 1))
 
+    def _tools(self) -> QHBoxLayout:
+        """Brush or eraser (B / E) and how the canvas draws the mask."""
         self.brush = QRadioButton("&Brush")
         self.eraser = QRadioButton("&Eraser")
         self.brush.setChecked(True)
@@ -376,6 +397,8 @@ class MasksPane(QWidget):
         tools.addButton(self.brush)
         tools.addButton(self.eraser)
         self.eraser.toggled.connect(lambda on: setattr(self.canvas, "erase", on))
+        QShortcut(QKeySequence("B"), self, lambda: self.brush.setChecked(True))
+        QShortcut(QKeySequence("E"), self, lambda: self.eraser.setChecked(True))
         self.radius = QSpinBox()
         self.radius.setRange(1, 64)
         self.radius.setValue(3)
@@ -394,6 +417,13 @@ class MasksPane(QWidget):
             box.setChecked(True)
             box.toggled.connect(lambda on, a=attr: (setattr(self.canvas, a, on),
                                                     self.canvas.update()))
+        row = QHBoxLayout()
+        row.addWidget(self.brush)
+        row.addWidget(self.eraser)
+        return row
+
+    def _controls(self) -> QWidget:
+        tool_row = self._tools()
         self.undo_button = QPushButton("Undo")
         self.redo_button = QPushButton("Redo")
         self.save_button = QPushButton("Save as new dataset version")
@@ -402,50 +432,22 @@ class MasksPane(QWidget):
         self.save_button.clicked.connect(self.save)
         QShortcut(QKeySequence.StandardKey.Undo, self, self.undo)
         QShortcut(QKeySequence.StandardKey.Redo, self, self.redo)
-        QShortcut(QKeySequence("B"), self, lambda: self.brush.setChecked(True))
-        QShortcut(QKeySequence("E"), self, lambda: self.eraser.setChecked(True))
         self.info = QLabel()
         self.info.setWordWrap(True)
-
         controls = QWidget()
         form = QFormLayout(controls)
-        tool_row = QHBoxLayout()
-        tool_row.addWidget(self.brush)
-        tool_row.addWidget(self.eraser)
         form.addRow("Tool (B / E)", tool_row)
         form.addRow("Radius (px)", self.radius)
         form.addRow("Opacity", self.opacity)
-        form.addRow(self.colour_button)
-        form.addRow(self.contour_box)
-        form.addRow(self.holes_box)
-        form.addRow(self.box_box)
+        for widget in (self.colour_button, self.contour_box, self.holes_box, self.box_box):
+            form.addRow(widget)
         history = QHBoxLayout()
         history.addWidget(self.undo_button)
         history.addWidget(self.redo_button)
         form.addRow(history)
         form.addRow(self.save_button)
         form.addRow(self.info)
-
-        left = QWidget()
-        lv = QVBoxLayout(left)
-        lv.setContentsMargins(0, 0, 0, 0)
-        lv.addWidget(QLabel("Mask dataset"))
-        lv.addWidget(self.dataset_combo)
-        lv.addWidget(self.record_list, 1)
-        splitter = QSplitter()
-        splitter.addWidget(left)
-        splitter.addWidget(self.canvas)
-        splitter.addWidget(controls)
-        splitter.setSizes([230, 760, 290])
-        self.predictions = PredictionsView()
-        self.tabs = QTabWidget()
-        self.tabs.addTab(splitter, "Mask editor")
-        self.tabs.addTab(self.predictions, "Segmentation predictions")
-        self.sft = SftTokensView()
-        self.tabs.addTab(self.sft, "SFT tokens")
-        layout = QVBoxLayout(self)
-        layout.addWidget(self.tabs)
-        self._refresh_info()
+        return controls
 
     def refresh_runs(self) -> None:
         """A run wrote a segmentation evaluation: the predictions tab shows it."""
@@ -477,21 +479,19 @@ class MasksPane(QWidget):
             self.loader.cancel()
             return
         self.info.setText(f"Loading and validating {Path(path).name}…")
-        self.loader.start(lambda: load_dataset(path))
+        self.loader.start(lambda: open_mask_dataset(path))
 
     def _dataset_failed(self, exc: ForgebenchError) -> None:
         self.info.setText(f"This dataset does not validate:\n{exc.render()}")
         self.dataset_loaded.emit()
 
-    def _dataset_loaded(self, dataset: Dataset) -> None:
+    def _dataset_loaded(self, dataset) -> None:
         self.dataset = dataset
         self._refresh_info()
-        for record in self.dataset.records():
-            if record.get("mask"):
-                item = QListWidgetItem(f"{record['id']}  ({record.get('label', '')}, "
-                                       f"{record.get('split', '')})")
-                item.setData(Qt.ItemDataRole.UserRole, record)
-                self.record_list.addItem(item)
+        for label, record in masked_records(dataset):
+            item = QListWidgetItem(label)
+            item.setData(Qt.ItemDataRole.UserRole, record)
+            self.record_list.addItem(item)
         if self.record_list.count():
             self.record_list.setCurrentRow(0)
         self.dataset_loaded.emit()

@@ -92,6 +92,29 @@ class ModelsPane(QWidget):
         self.folder_job.hide()
         self.adding: vm.AddFolderJob | None = None
 
+        self.package = QLabel()
+        self.package.setWordWrap(True)
+        self.status = QLabel("Open a workspace to see its models.")
+        self.status.setWordWrap(True)
+        split = QSplitter()
+        split.addWidget(self._library_column())
+        split.addWidget(self._facts())
+        split.setStretchFactor(1, 2)
+        split.setSizes([300, 600])
+        # The library over the server, the library taller: at 1024×700 the server's boxes at
+        # their preferred height left the list two lines and the facts four.
+        self.library_split = QSplitter(Qt.Orientation.Vertical)
+        self.library_split.addWidget(split)
+        self.library_split.addWidget(self._server())
+        self.library_split.setChildrenCollapsible(False)
+        self.library_split.setSizes([380, 260])
+        layout = QVBoxLayout(self)
+        layout.addWidget(self.status)
+        layout.addWidget(self.package)
+        layout.addWidget(self.library_split, 1)
+
+    def _library_column(self) -> QWidget:
+        """The add and remove buttons, a conversion's progress, the models."""
         self.list = wrap_items(QListWidget())     # "name — family, size" or the reason, read whole
         self.list.currentRowChanged.connect(self.show_row)
         self.add_copy = QPushButton("Add GGUF (copy)…")
@@ -104,11 +127,6 @@ class ModelsPane(QWidget):
         self.add_link.clicked.connect(lambda: self.choose_file(link=True))
         self.add_gemma.clicked.connect(self.add_package)
         self.remove.clicked.connect(self.remove_current)
-        self.package = QLabel()
-        self.package.setWordWrap(True)
-        self.status = QLabel("Open a workspace to see its models.")
-        self.status.setWordWrap(True)
-
         left = QWidget()
         column = QVBoxLayout(left)
         column.setContentsMargins(0, 0, 0, 0)
@@ -120,7 +138,12 @@ class ModelsPane(QWidget):
             column.addLayout(row)
         column.addWidget(self.folder_job)
         column.addWidget(self.list, 1)
+        return left
 
+    def _facts(self) -> QScrollArea:
+        """The chosen model's summary, tensor types, memory per mode and chat template. They
+        scroll on their own: the add buttons and the list stay in view in a short window
+        (every pane works at 1024×700, the first-run banners shown)."""
         self.summary = QLabel()
         self.summary.setWordWrap(True)
         self.summary.setTextInteractionFlags(Qt.TextInteractionFlag.TextSelectableByMouse)
@@ -129,47 +152,31 @@ class ModelsPane(QWidget):
         self.template = QPlainTextEdit()
         self.template.setReadOnly(True)
         self.template.setMinimumHeight(150)
+        self.template_title = QLabel("<b>Chat template, sample conversation</b>")
         right = QWidget()
         details = QVBoxLayout(right)
         details.setContentsMargins(0, 0, 0, 0)
-        details.addWidget(self.summary)
-        details.addWidget(QLabel("<b>Parameters and size per tensor type</b>"))
-        details.addWidget(self.tensors)
-        details.addWidget(QLabel("<b>Memory each mode needs</b>"))
-        details.addWidget(self.memory)
-        self.template_title = QLabel("<b>Chat template, sample conversation</b>")
-        details.addWidget(self.template_title)
+        for widget in (self.summary, QLabel("<b>Parameters and size per tensor type</b>"),
+                       self.tensors, QLabel("<b>Memory each mode needs</b>"), self.memory,
+                       self.template_title):
+            details.addWidget(widget)
         details.addWidget(self.template, 1)
-
-        # The facts scroll on their own: the add buttons and the list stay in view in a short
-        # window (every pane works at 1024×700, the first-run banners shown).
         facts = QScrollArea()
         facts.setWidget(right)
         facts.setWidgetResizable(True)
         facts.setFrameShape(QFrame.Shape.NoFrame)
-        split = QSplitter()
-        split.addWidget(left)
-        split.addWidget(facts)
-        split.setStretchFactor(1, 2)
-        split.setSizes([300, 600])
-        self.serve = ServePanel()       # the workspace's models over an OpenAI-style API
+        return facts
+
+    def _server(self) -> QScrollArea:
+        """The workspace's models over an OpenAI-style API; it scrolls on its own when the
+        window is short (the first-run banners)."""
+        self.serve = ServePanel()
         self.serve.message.connect(self.message)
-        # The library over the server, the library taller: at 1024×700 the server's boxes at
-        # their preferred height left the list two lines and the facts four.
-        # The server scrolls on its own when the window is short (the first-run banners).
         self.serve_scroll = QScrollArea()
         self.serve_scroll.setWidget(self.serve)
         self.serve_scroll.setWidgetResizable(True)
         self.serve_scroll.setFrameShape(QFrame.Shape.NoFrame)
-        self.library_split = QSplitter(Qt.Orientation.Vertical)
-        self.library_split.addWidget(split)
-        self.library_split.addWidget(self.serve_scroll)
-        self.library_split.setChildrenCollapsible(False)
-        self.library_split.setSizes([380, 260])
-        layout = QVBoxLayout(self)
-        layout.addWidget(self.status)
-        layout.addWidget(self.package)
-        layout.addWidget(self.library_split, 1)
+        return self.serve_scroll
 
     # -- the library ----------------------------------------------------------------------
     def set_workspace(self, workspace: Workspace) -> None:

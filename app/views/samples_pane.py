@@ -37,16 +37,12 @@ from PySide6.QtWidgets import (
 
 from app.audio import MAX_GAIN_DB, MIN_GAIN_DB, Player
 from app.viewmodels import samples as vm
-from app.viewmodels.runs import run_label
 from app.viewmodels.workspace import Workspace
 from app.views.charts import use_plot_style
 from app.views.combos import refill_keeping_choice
 from app.views.job_runner import JobRunner
 from engine.errors import ForgebenchError
-from engine.fsutil import read_json
-from engine.rundir import RunDir
 
-SAMPLE_RECIPES = vm.SAMPLE_RECIPES
 CELL = 96
 NO_RUN = ("Choose a run. Image and audio generator runs show their samples here; LLM runs "
           "their BEFORE/AFTER generations.")
@@ -229,7 +225,25 @@ class SamplesPane(QWidget):
         self.samples: list[vm.Sample] = []
         self.current: vm.Sample | None = None
         self.player = Player()
+        self.job = JobRunner("sampling")
+        self.job.finished.connect(self._generated)
+        controls = self._controls()
+        # The detail column scrolls on its own when its plots, flags, settings and rubric need
+        # more height than the window has; the sample list beside it stays in view.
+        splitter = QSplitter()
+        splitter.addWidget(self._views())
+        self.detail_scroll = ColumnScroll(self._detail())
+        splitter.addWidget(self.detail_scroll)
+        splitter.setSizes([700, 500])
+        layout = QVBoxLayout(self)
+        layout.addLayout(controls)
+        layout.addWidget(self.job)
+        layout.addWidget(splitter, 1)
+        self._show_detail(None)
 
+    def _controls(self) -> QVBoxLayout:
+        """Two rows (what to look at; what to generate), so the pane fits a 1024-pixel window;
+        the run picker takes the spare width, so run names are not cut short."""
         self.run_combo = QComboBox()
         self.run_combo.currentIndexChanged.connect(self._run_chosen)
         self.checkpoint = QComboBox()
@@ -249,10 +263,6 @@ class SamplesPane(QWidget):
                               "noise levels")
         self.generate_button = QPushButton("Generate samples")
         self.generate_button.clicked.connect(self.generate)
-        self.job = JobRunner("sampling")
-        self.job.finished.connect(self._generated)
-        # Two rows (what to look at; what to generate), so the pane fits a 1024-pixel window;
-        # the run picker takes the spare width, so run names are not cut short.
         controls = QVBoxLayout()
         pick, make = QHBoxLayout(), QHBoxLayout()
         for row, pairs in ((pick, (("Run", self.run_combo), ("Checkpoint", self.checkpoint))),
@@ -267,7 +277,10 @@ class SamplesPane(QWidget):
         self.run_combo.setMinimumContentsLength(24)
         make.addWidget(self.generate_button)
         make.addStretch(1)
+        return controls
 
+    def _views(self) -> QStackedWidget:
+        """The samples: an image grid, a list of clips, or a text run's BEFORE/AFTER table."""
         self.grid = QTableWidget()
         self.grid.setIconSize(QSize(CELL, CELL))
         self.grid.setEditTriggers(QAbstractItemView.EditTrigger.NoEditTriggers)
@@ -286,7 +299,11 @@ class SamplesPane(QWidget):
         self.empty.setWordWrap(True)
         for widget in (self.empty, self.grid, self.clips, self.text_table):
             self.views.addWidget(widget)
+        return self.views
 
+    def _detail(self) -> QWidget:
+        """The chosen sample: its image beside the nearest training item, or its clip; its
+        settings and flags; the rubric."""
         self.detail_image = QLabel()
         self.detail_image.setAlignment(Qt.AlignmentFlag.AlignCenter)
         self.neighbour_image = QLabel()
@@ -304,26 +321,14 @@ class SamplesPane(QWidget):
         images.addWidget(self.detail_image)
         images.addWidget(self.neighbour_image)
         detail = QWidget()
-        dv = QVBoxLayout(detail)
-        dv.addLayout(images)
-        dv.addWidget(self.neighbour_button)
-        dv.addWidget(self.audio, 2)
-        dv.addWidget(self.info)
-        dv.addWidget(self.rubric)
-        dv.addStretch(1)
-
-        # The detail column scrolls on its own when its plots, flags, settings and rubric need
-        # more height than the window has; the sample list beside it stays in view.
-        self.detail_scroll = ColumnScroll(detail)
-        splitter = QSplitter()
-        splitter.addWidget(self.views)
-        splitter.addWidget(self.detail_scroll)
-        splitter.setSizes([700, 500])
-        layout = QVBoxLayout(self)
-        layout.addLayout(controls)
-        layout.addWidget(self.job)
-        layout.addWidget(splitter, 1)
-        self._show_detail(None)
+        layout = QVBoxLayout(detail)
+        layout.addLayout(images)
+        layout.addWidget(self.neighbour_button)
+        layout.addWidget(self.audio, 2)
+        layout.addWidget(self.info)
+        layout.addWidget(self.rubric)
+        layout.addStretch(1)
+        return detail
 
     # -- workspace and run ---------------------------------------------------------------
     def set_workspace(self, workspace: Workspace) -> None:
@@ -335,15 +340,7 @@ class SamplesPane(QWidget):
         self._run_chosen()
 
     def _sample_runs(self) -> list[tuple[str, str]]:
-        runs = []
-        for path in self.workspace.run_dirs() if self.workspace else []:
-            try:
-                recipe = RunDir(path).manifest().get("recipe")
-            except ForgebenchError:     # an unreadable run.json: the Runs pane reports it
-                continue
-            if recipe in SAMPLE_RECIPES:
-                runs.append((run_label(path, recipe), str(path)))
-        return runs
+        return vm.sample_runs(self.workspace.run_dirs() if self.workspace else [])
 
     def refresh_runs(self) -> None:
         """New runs, checkpoints and samples appear; the chosen run, checkpoint and sample
@@ -351,8 +348,8 @@ class SamplesPane(QWidget):
         if not refill_keeping_choice(self.run_combo, self._sample_runs()):
             self._run_chosen()
             return
-        refill_keeping_choice(self.checkpoint, [(c.name, c.name) for c in
-                                                reversed(RunDir(self.run_dir).checkpoints())])
+        refill_keeping_choice(self.checkpoint, [(name, name) for name in
+                                                vm.checkpoint_names(self.run_dir)])
         if [s.path for s in vm.run_samples(self.run_dir)] != [s.path for s in self.samples]:
             chosen = self.current.path if self.current else None
             self.reload()
@@ -373,22 +370,15 @@ class SamplesPane(QWidget):
         if self.run_dir is None:
             self.reload()
             return
-        run = RunDir(self.run_dir)
-        self.checkpoint.addItems([c.name for c in reversed(run.checkpoints())])
-        manifest = run.manifest()
-        recipe = manifest.get("recipe")
-        media = recipe in ("image-generate", "audio-generate")
-        levels = ((manifest.get("config") or {}).get("diffusion") or {}).get("levels")
-        self.steps.setMaximum(int(levels) if isinstance(levels, int) else 1000)
+        options = vm.sampling_options(self.run_dir)
+        self.checkpoint.addItems(options.checkpoints)
+        self.steps.setMaximum(options.max_steps)
         self.class_name.addItem("all classes", None)
-        for checkpoint in run.checkpoints()[-1:]:
-            meta = checkpoint.path / "meta.json"
-            if meta.is_file():
-                for label in read_json(meta).get("classes", []):
-                    self.class_name.addItem(label, label)
+        for label in options.classes:
+            self.class_name.addItem(label, label)
         for widget in (self.generate_button, self.class_name, self.n, self.seed, self.cfg,
                        self.steps):
-            widget.setEnabled(media)
+            widget.setEnabled(options.media)
         self.reload()
 
     def reload(self) -> None:
@@ -522,7 +512,7 @@ class SamplesPane(QWidget):
         if kind == "text":
             row = max(self.text_table.currentRow(), 0)
             names = vm.generation_checkpoints(self.run_dir)
-            target = vm.text_file(RunDir(self.run_dir).samples_dir / names[-1])
+            target = vm.generations_file(self.run_dir, names[-1])
             note = f"prompt {row}: {self.text_table.item(row, 0).text()} {self.rubric.note.text()}"
         else:
             target, note = self.current.path, self.rubric.note.text()

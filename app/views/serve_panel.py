@@ -36,6 +36,31 @@ class ServePanel(QGroupBox):
         self.process: QProcess | None = None
         self._pending = b""
 
+        self.url = QLabel("not serving")
+        self.url.setTextInteractionFlags(Qt.TextInteractionFlag.TextSelectableByMouse)
+        self.key = QLabel("")
+        self.key.setTextInteractionFlags(Qt.TextInteractionFlag.TextSelectableByMouse)
+        self.models = QLabel("")
+        self.models.setWordWrap(True)
+        self.log = QPlainTextEdit()
+        self.log.setReadOnly(True)
+        self.log.setMaximumBlockCount(500)
+        self.log.setPlaceholderText("requests appear here with their tokens and tokens/s")
+        facts = QHBoxLayout()
+        facts.addWidget(self.url, 1)
+        facts.addWidget(self.key, 1)
+        layout = QVBoxLayout(self)
+        layout.addLayout(self._switch_row())
+        layout.addLayout(facts)
+        layout.addWidget(self.models)
+        layout.addWidget(self.log, 1)
+        layout.addLayout(self._snippets())
+        app = QCoreApplication.instance()
+        if app is not None:
+            app.aboutToQuit.connect(self.stop)      # the server never outlives the app
+
+    def _switch_row(self) -> QHBoxLayout:
+        """Serve on/off, and the address and port it listens on."""
         self.switch = QPushButton("Serve: off")
         self.switch.setCheckable(True)
         self.switch.setEnabled(False)
@@ -47,24 +72,6 @@ class ServePanel(QGroupBox):
         self.port.setRange(0, 65535)
         self.port.setValue(8080)
         self.port.setToolTip("0: any free port")
-        self.url = QLabel("not serving")
-        self.url.setTextInteractionFlags(Qt.TextInteractionFlag.TextSelectableByMouse)
-        self.key = QLabel("")
-        self.key.setTextInteractionFlags(Qt.TextInteractionFlag.TextSelectableByMouse)
-        self.models = QLabel("")
-        self.models.setWordWrap(True)
-        self.log = QPlainTextEdit()
-        self.log.setReadOnly(True)
-        self.log.setMaximumBlockCount(500)
-        self.log.setPlaceholderText("requests appear here with their tokens and tokens/s")
-        self.curl = QPlainTextEdit()
-        self.curl.setReadOnly(True)
-        self.python = QPlainTextEdit()
-        self.python.setReadOnly(True)
-        copy_curl, copy_python = QPushButton("Copy curl"), QPushButton("Copy Python")
-        copy_curl.clicked.connect(lambda: self._copy(self.curl.toPlainText(), "curl"))
-        copy_python.clicked.connect(lambda: self._copy(self.python.toPlainText(), "Python"))
-
         top = QHBoxLayout()
         top.addWidget(self.switch)
         top.addWidget(QLabel("address"))
@@ -72,24 +79,24 @@ class ServePanel(QGroupBox):
         top.addWidget(QLabel("port"))
         top.addWidget(self.port)
         top.addStretch(1)
-        facts = QHBoxLayout()
-        facts.addWidget(self.url, 1)
-        facts.addWidget(self.key, 1)
+        return top
+
+    def _snippets(self) -> QHBoxLayout:
+        """How to call the server (curl, Python), each with a Copy button."""
+        self.curl = QPlainTextEdit()
+        self.curl.setReadOnly(True)
+        self.python = QPlainTextEdit()
+        self.python.setReadOnly(True)
+        copy_curl, copy_python = QPushButton("Copy curl"), QPushButton("Copy Python")
+        copy_curl.clicked.connect(lambda: self._copy(self.curl.toPlainText(), "curl"))
+        copy_python.clicked.connect(lambda: self._copy(self.python.toPlainText(), "Python"))
         snippets = QHBoxLayout()
         for box, button in ((self.curl, copy_curl), (self.python, copy_python)):
             column = QVBoxLayout()
             column.addWidget(box)
             column.addWidget(button)
             snippets.addLayout(column)
-        layout = QVBoxLayout(self)
-        layout.addLayout(top)
-        layout.addLayout(facts)
-        layout.addWidget(self.models)
-        layout.addWidget(self.log, 1)
-        layout.addLayout(snippets)
-        app = QCoreApplication.instance()
-        if app is not None:
-            app.aboutToQuit.connect(self.stop)      # the server never outlives the app
+        return snippets
 
     def set_workspace(self, root) -> None:
         self.stop()

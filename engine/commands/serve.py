@@ -33,7 +33,7 @@ def cmd_serve(args) -> int:
         raise ForgebenchError("the HTTP server needs starlette and uvicorn", where="serve",
                               hint="pip install starlette uvicorn (forgebench's dependencies)") \
             from None
-    from engine.commands.chat import find_workspace
+    from engine.commands.models import find_workspace
     from engine.server.catalog import Catalog
     from engine.server.http import Server, create_app
 

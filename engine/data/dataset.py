@@ -23,7 +23,7 @@ import shutil
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 from engine.data import decisions, tool_records
 from engine.data import formats as F
@@ -171,15 +171,7 @@ def data_change(recorded: dict, current: dict) -> str | None:
         kept = set(recorded) - {"version"}      # what the old record can vouch for
         if {k: recorded[k] for k in kept} == {k: current.get(k) for k in kept}:
             return None
-    old_files, new_files = recorded.get("files", {}), current.get("files", {})
-    parts = []
-    for name in sorted(set(old_files) | set(new_files)):
-        if name not in new_files:
-            parts.append(f"{name} is missing")
-        elif name not in old_files:
-            parts.append(f"{name} is new")
-        elif old_files[name] != new_files[name]:
-            parts.append(f"{name} has a different SHA-256")
+    parts = _file_changes(recorded.get("files", {}), current.get("files", {}))
     if not parts and recorded.get("version") != current.get("version"):
         parts.append(f"dataset.json changed (version {recorded.get('version')} is now "
                      f"{current.get('version')}): a field the run reads was edited")
@@ -193,6 +185,19 @@ def data_change(recorded: dict, current: dict) -> str | None:
         parts.append(f"the dataset folder is now {current.get('dataset')} "
                      f"(was {recorded.get('dataset')})")
     return "; ".join(parts) or "the data manifest differs"
+
+
+def _file_changes(old_files: dict, new_files: dict) -> list[str]:
+    """Each file missing, new or with a different SHA-256, by name."""
+    parts = []
+    for name in sorted(set(old_files) | set(new_files)):
+        if name not in new_files:
+            parts.append(f"{name} is missing")
+        elif name not in old_files:
+            parts.append(f"{name} is new")
+        elif old_files[name] != new_files[name]:
+            parts.append(f"{name} has a different SHA-256")
+    return parts
 
 
 def write_manifest(root: str | os.PathLike, kind: str, name: str, *, parent: str | None = None,
@@ -358,43 +363,50 @@ def _folder_records(manifest: dict) -> list[tuple[str, dict]]:
     return out
 
 
+def _nonempty_string(value: Any) -> str | None:
+    if not isinstance(value, str):
+        return f"must be a string, found {type(value).__name__}"
+    return None if value.strip() else "must not be empty"
+
+
+def _check_label(value: Any, manifest: dict, kind: F.Kind) -> str | None:
+    if not isinstance(value, str) or not value:
+        return "must be a non-empty string"
+    classes = manifest.get("classes")
+    allowed = list(classes or []) + ([F.EMPTY_LABEL] if kind.name in
+                                     ("image-masks", "image-boxes") else [])
+    if classes and value not in allowed:
+        return f"unknown label {value!r}; the dataset's classes are {', '.join(allowed)}"
+    return None
+
+
+# field type -> (value, manifest, kind) -> why the value is not valid, or None
+_FIELD_CHECKS: dict[str, Callable[[Any, dict, F.Kind], str | None]] = {
+    F.TEXT: lambda v, m, k: _nonempty_string(v),
+    F.ID: lambda v, m, k: _nonempty_string(v),
+    F.STR: lambda v, m, k: None if isinstance(v, str)
+    else f"must be a string, found {type(v).__name__}",
+    F.RIGHTS: lambda v, m, k: None if isinstance(v, (str, dict))
+    else "must be a string or an object",
+    F.SPLIT: lambda v, m, k: None if v in F.SPLITS else f"must be one of {', '.join(F.SPLITS)}",
+    F.PATH: lambda v, m, k: safe_relpath(v),
+    F.LABEL: _check_label,
+    F.SHA256: lambda v, m, k: None if isinstance(v, str) and _HEX64.match(v)
+    else "must be 64 lowercase hex digits",
+    F.BOX: lambda v, m, k: _check_box(v),
+    F.MESSAGES: lambda v, m, k: _check_messages(v),
+    F.OUTCOME: lambda v, m, k: None if v in F.OUTCOMES
+    else f"must be one of {', '.join(F.OUTCOMES)}",
+    F.OPTIONS: lambda v, m, k: decisions.options_problem(v, decisions.schema_of(m)),
+    F.TOOLS: lambda v, m, k: None,     # checked with the record's messages in check_record
+}
+
+
 def _check_field(ftype: str, value: Any, manifest: dict, kind: F.Kind) -> str | None:
     """Why `value` is not a valid `ftype`, or None."""
-    if ftype in (F.TEXT, F.ID):
-        if not isinstance(value, str):
-            return f"must be a string, found {type(value).__name__}"
-        return None if value.strip() else "must not be empty"
-    if ftype == F.STR:
-        return None if isinstance(value, str) else f"must be a string, found {type(value).__name__}"
-    if ftype == F.RIGHTS:
-        return None if isinstance(value, (str, dict)) else "must be a string or an object"
-    if ftype == F.SPLIT:
-        return None if value in F.SPLITS else f"must be one of {', '.join(F.SPLITS)}"
-    if ftype == F.PATH:
-        return safe_relpath(value)
-    if ftype == F.LABEL:
-        if not isinstance(value, str) or not value:
-            return "must be a non-empty string"
-        classes = manifest.get("classes")
-        allowed = list(classes or []) + ([F.EMPTY_LABEL] if kind.name in
-                                         ("image-masks", "image-boxes") else [])
-        if classes and value not in allowed:
-            return f"unknown label {value!r}; the dataset's classes are {', '.join(allowed)}"
-        return None
-    if ftype == F.SHA256:
-        return None if isinstance(value, str) and _HEX64.match(value) else \
-            "must be 64 lowercase hex digits"
-    if ftype == F.BOX:
-        return _check_box(value)
-    if ftype == F.MESSAGES:
-        return _check_messages(value)
-    if ftype == F.OUTCOME:
-        return None if value in F.OUTCOMES else f"must be one of {', '.join(F.OUTCOMES)}"
-    if ftype == F.OPTIONS:
-        return decisions.options_problem(value, decisions.schema_of(manifest))
-    if ftype == F.TOOLS:
-        return None     # checked with the record's messages in check_record
-    raise AssertionError(f"unknown field type {ftype}")
+    if ftype not in _FIELD_CHECKS:
+        raise AssertionError(f"unknown field type {ftype}")
+    return _FIELD_CHECKS[ftype](value, manifest, kind)
 
 
 def _check_box(value: Any) -> str | None:
@@ -441,9 +453,25 @@ def _tool_conversation_problems(record: dict) -> list[tuple[str | None, str]]:
 
 def check_record(record: dict, kind: F.Kind, manifest: dict) -> list[tuple[str | None, str]]:
     """(field, reason) problems of one record; the app calls it for inline validation."""
-    problems = []
     if kind.id_from and "id" not in record and isinstance(record.get(kind.id_from), str):
         record["id"] = record[kind.id_from]
+    problems = _missing_fields(record, kind)
+    types = {**F.COMMON_FIELDS, **kind.fields}
+    for name, value in record.items():
+        if name in types and not (name == "box" and value is None):
+            if (value is None and name not in kind.required) or any(p[0] == name for p in problems):
+                continue
+            reason = _check_field(types[name], value, manifest, kind)
+            if reason:
+                problems.append((name, reason))
+    if not problems:
+        problems = _cross_field_problems(record, kind)
+    return problems
+
+
+def _missing_fields(record: dict, kind: F.Kind) -> list[tuple[str | None, str]]:
+    """The kind's required fields the record lacks (one group of `one_of` included)."""
+    problems: list[tuple[str | None, str]] = []
     for name in kind.required:
         if name not in record or record[name] is None and name != "box":
             problems.append((name, "required field is missing"))
@@ -454,16 +482,15 @@ def check_record(record: dict, kind: F.Kind, manifest: dict) -> list[tuple[str |
             problems.append((None, f"give exactly one of {options}"))
         else:
             problems += [(f, "required field is missing") for f in present[0] if f not in record]
-    types = {**F.COMMON_FIELDS, **kind.fields}
-    for name, value in record.items():
-        if name in types and not (name == "box" and value is None):
-            if (value is None and name not in kind.required) or any(p[0] == name for p in problems):
-                continue
-            reason = _check_field(types[name], value, manifest, kind)
-            if reason:
-                problems.append((name, reason))
-    if kind.distinct and not problems and len({str(record.get(f)).strip()
-                                                for f in kind.distinct}) < len(kind.distinct):
+    return problems
+
+
+def _cross_field_problems(record: dict, kind: F.Kind) -> list[tuple[str | None, str]]:
+    """The checks between the fields of a record whose fields are each valid: a preference
+    pair's two texts differ, a tool conversation's calls, a decision among its own options."""
+    problems: list[tuple[str | None, str]] = []
+    if kind.distinct and len({str(record.get(f)).strip()
+                              for f in kind.distinct}) < len(kind.distinct):
         problems.append((kind.distinct[-1], f"{' and '.join(kind.distinct)} are the same text, "
                                             "so the pair prefers nothing"))
     tools_field = next((n for n, t in kind.fields.items() if t == F.TOOLS), None)
@@ -482,6 +509,30 @@ def check_record(record: dict, kind: F.Kind, manifest: dict) -> list[tuple[str |
 
 
 def _validate_manifest(root: Path, report: Report) -> dict | None:
+    manifest = _read_manifest(root, report)
+    if manifest is None:
+        return None
+    kind = manifest.get("kind")
+    if kind not in F.KINDS:
+        report.add(F.MANIFEST, None, "kind",
+                   f"unknown dataset kind {kind!r}; use one of {', '.join(F.kind_names())}")
+        return None
+    report.kind = kind
+    problem = _manifest_problem(manifest)
+    if problem is not None:
+        report.add(F.MANIFEST, None, *problem)
+        return None
+    version = dataset_version(manifest)
+    if manifest.get("version_scheme") == VERSION_SCHEME and manifest.get("version") != version:
+        report.add(F.MANIFEST, None, "version",
+                   f"edited after it was written: the dataset's version is now {version} (the "
+                   f"file records {manifest.get('version')}); a run started on the old version "
+                   "will not resume on this one", severity="warning")
+    return manifest
+
+
+def _read_manifest(root: Path, report: Report) -> dict | None:
+    """dataset.json as a JSON object, or None with the reason reported."""
     path = root / F.MANIFEST
     if not root.is_dir():
         report.add(".", None, None, "dataset folder not found")
@@ -502,41 +553,28 @@ def _validate_manifest(root: Path, report: Report) -> dict | None:
     if not isinstance(manifest, dict):
         report.add(F.MANIFEST, None, None, "must be a JSON object")
         return None
-    kind = manifest.get("kind")
-    if kind not in F.KINDS:
-        report.add(F.MANIFEST, None, "kind",
-                   f"unknown dataset kind {kind!r}; use one of {', '.join(F.kind_names())}")
-        return None
-    report.kind = kind
+    return manifest
+
+
+def _manifest_problem(manifest: dict) -> tuple[str, str] | None:
+    """(field, reason) of the first malformed manifest field, or None."""
     if manifest.get("schema_version") != F.SCHEMA_VERSION:
-        report.add(F.MANIFEST, None, "schema_version",
-                   f"schema version {manifest.get('schema_version')!r} is not supported "
-                   f"(this build reads {F.SCHEMA_VERSION})")
-        return None
+        return ("schema_version", f"schema version {manifest.get('schema_version')!r} is not "
+                f"supported (this build reads {F.SCHEMA_VERSION})")
     files = manifest.get("files")
     if not isinstance(files, dict) or not all(
             isinstance(v, str) and _HEX64.match(v) for v in files.values()):
-        report.add(F.MANIFEST, None, "files", "must map relative paths to sha256 hex digests")
-        return None
+        return "files", "must map relative paths to sha256 hex digests"
     classes = manifest.get("classes")
     if classes is not None and not (isinstance(classes, list) and classes and
                                     all(isinstance(c, str) and c for c in classes)):
-        report.add(F.MANIFEST, None, "classes", "must be a non-empty list of strings")
-        return None
+        return "classes", "must be a non-empty list of strings"
     if "options" in manifest and (problem := decisions.schema_problem(manifest["options"])):
-        report.add(F.MANIFEST, None, "options", f"the option schema {problem}")
-        return None
+        return "options", f"the option schema {problem}"
     for section in ("image", "audio", "split_policy", "provenance", "card"):
         if section in manifest and not isinstance(manifest[section], dict):
-            report.add(F.MANIFEST, None, section, "must be an object")
-            return None
-    version = dataset_version(manifest)
-    if manifest.get("version_scheme") == VERSION_SCHEME and manifest.get("version") != version:
-        report.add(F.MANIFEST, None, "version",
-                   f"edited after it was written: the dataset's version is now {version} (the "
-                   f"file records {manifest.get('version')}); a run started on the old version "
-                   "will not resume on this one", severity="warning")
-    return manifest
+            return section, "must be an object"
+    return None
 
 
 def _validate_files(root: Path, manifest: dict, report: Report, check_hashes: bool,
@@ -576,49 +614,68 @@ def _validate_splits_file(root: Path, manifest: dict, report: Report) -> dict[st
 def _validate_media(root: Path, kind: F.Kind, manifest: dict, rel_records: str,
                     items: list[tuple[str, dict]], report: Report, progress: bool,
                     require: dict) -> None:
-    from engine.data import media
-
-    files = manifest["files"]
     for where, record in progress_bar(items, desc="checking media", unit="record",
                                       disable=not progress):
         rid = str(record.get("id"))
         at = f"{where} (id {rid!r})"
-        paths = {}
-        for name in kind.path_fields:
-            rel = record.get(name)
-            if not isinstance(rel, str) or safe_relpath(rel):
-                continue
-            if rel not in files:
-                report.add(rel_records, at, name, f"{rel!r} is not listed in dataset.json files",
-                           record_id=rid)
-            elif inside(root, rel) is not None:
-                paths[name] = root / rel
+        paths = _media_paths(root, kind, manifest, record, rel_records, at, rid, report)
         if kind.media == "audio" and "path" in paths:
-            audio, _, reason = media.check_audio(
-                paths["path"], {**manifest.get("audio", {}), **require.get("audio", {})})
-            if reason:
-                report.add(rel_records, at, "path", f"{record['path']}: {reason}", record_id=rid)
-            if record.get("sha256") and record["sha256"] != files.get(record["path"]):
-                report.add(rel_records, at, "sha256", "does not match the file's sha256",
-                           record_id=rid)
+            _check_clip(paths["path"], record, manifest, require, rel_records, at, rid, report)
             continue
         image_field = "file_name" if kind.name == "captioned-images" else "image"
-        if image_field not in paths:
+        if image_field in paths:
+            _check_image(paths, image_field, record, manifest, kind, require, rel_records, at,
+                         rid, report)
+
+
+def _media_paths(root: Path, kind: F.Kind, manifest: dict, record: dict, rel_records: str,
+                 at: str, rid: str, report: Report) -> dict[str, Path]:
+    """The record's media files that are listed in the manifest and inside the folder."""
+    paths = {}
+    for name in kind.path_fields:
+        rel = record.get(name)
+        if not isinstance(rel, str) or safe_relpath(rel):
             continue
-        image, reason = media.open_image(paths[image_field])
-        reason = reason or media.check_image(
-            image, {**manifest.get("image", {}), **require.get("image", {})})
-        if not reason:
-            how, reason = media.rgb_conversion(image)
-            if how:
-                report.conversions[image.mode] = report.conversions.get(image.mode, 0) + 1
-        if reason:
-            report.add(rel_records, at, image_field, f"{record[image_field]}: {reason}",
+        if rel not in manifest["files"]:
+            report.add(rel_records, at, name, f"{rel!r} is not listed in dataset.json files",
                        record_id=rid)
-            continue
-        if "mask" in paths:
-            _check_mask(paths["mask"], image, record, manifest, kind, rel_records, at, rid,
-                        report)
+        elif inside(root, rel) is not None:
+            paths[name] = root / rel
+    return paths
+
+
+def _check_clip(path: Path, record: dict, manifest: dict, require: dict, rel_records: str,
+                at: str, rid: str, report: Report) -> None:
+    from engine.data import media
+
+    _, _, reason = media.check_audio(path, {**manifest.get("audio", {}),
+                                            **require.get("audio", {})})
+    if reason:
+        report.add(rel_records, at, "path", f"{record['path']}: {reason}", record_id=rid)
+    if record.get("sha256") and record["sha256"] != manifest["files"].get(record["path"]):
+        report.add(rel_records, at, "sha256", "does not match the file's sha256",
+                   record_id=rid)
+
+
+def _check_image(paths: dict[str, Path], image_field: str, record: dict, manifest: dict,
+                 kind: F.Kind, require: dict, rel_records: str, at: str, rid: str,
+                 report: Report) -> None:
+    from engine.data import media
+
+    image, reason = media.open_image(paths[image_field])
+    reason = reason or media.check_image(
+        image, {**manifest.get("image", {}), **require.get("image", {})})
+    if not reason:
+        how, reason = media.rgb_conversion(image)
+        if how:
+            report.conversions[image.mode] = report.conversions.get(image.mode, 0) + 1
+    if reason:
+        report.add(rel_records, at, image_field, f"{record[image_field]}: {reason}",
+                   record_id=rid)
+        return
+    if "mask" in paths:
+        _check_mask(paths["mask"], image, record, manifest, kind, rel_records, at, rid,
+                    report)
 
 
 def _check_mask(path: Path, image, record: dict, manifest: dict, kind: F.Kind,
@@ -674,21 +731,7 @@ def _validate(root: Path, check_hashes: bool, check_media: bool, progress: bool,
         if rel not in manifest["files"]:
             report.add(F.MANIFEST, None, "files", f"the records file {rel!r} is not listed")
     items = read_raw_records(root, rel, manifest, kind, report)
-    good: list[tuple[str, dict]] = []
-    seen: dict[str, str] = {}
-    for where, record in items:
-        problems = check_record(record, kind, manifest)
-        rid = record.get("id") if isinstance(record.get("id"), str) else None
-        at = f"{where} (id {rid!r})" if rid else where
-        for name, reason in problems:
-            report.add(rel, at, name, reason, record_id=rid)
-        if problems:
-            continue
-        if rid in seen:
-            report.add(rel, at, "id", f"duplicate id (first used at {seen[rid]})", record_id=rid)
-            continue
-        seen[rid] = where
-        good.append((where, record))
+    good = _valid_records(items, kind, manifest, rel, report)
     report.n_records = len(items)
     if kind.name == "tabular":
         from engine.data.tabular import check_table
@@ -709,6 +752,27 @@ def _validate(root: Path, check_hashes: bool, check_media: bool, progress: bool,
         _validate_media(root, kind, manifest, rel, good, report, progress, require)
     report.findings.sort(key=_reading_order(report.findings))
     return report, (manifest, kind, good, assignments)
+
+
+def _valid_records(items: list[tuple[str, dict]], kind: F.Kind, manifest: dict, rel: str,
+                   report: Report) -> list[tuple[str, dict]]:
+    """The records with no problem and an id not used before; the others are reported."""
+    good: list[tuple[str, dict]] = []
+    seen: dict[str, str] = {}
+    for where, record in items:
+        problems = check_record(record, kind, manifest)
+        rid = record.get("id") if isinstance(record.get("id"), str) else None
+        at = f"{where} (id {rid!r})" if rid else where
+        for name, reason in problems:
+            report.add(rel, at, name, reason, record_id=rid)
+        if problems:
+            continue
+        if rid in seen:
+            report.add(rel, at, "id", f"duplicate id (first used at {seen[rid]})", record_id=rid)
+            continue
+        seen[rid] = where
+        good.append((where, record))
+    return good
 
 
 def _reading_order(findings: list[Finding]):

@@ -97,15 +97,28 @@ def check_speech(root: Path, rel: str, manifest: dict, rows: list[tuple[str, dic
             reason = transcript_problem(record["text"], policy)
             if reason:
                 report.add(rel, at, "text", reason, record_id=record["id"])
-        split = record.get("split")
-        for field in ("speaker", "session"):
-            if split is None:
-                continue
-            first = homes.setdefault((field, record[field]), (split, where))
-            if first[0] != split:
-                report.add(rel, at, field, f"{field} {record[field]!r} is in {split} here and "
-                           f"in {first[0]} at {first[1]}; split whole speakers and sessions",
-                           record_id=record["id"])
+        _check_split_homes(record, where, at, rel, homes, report)
+    _check_untranscribed(root, rel, manifest, transcribed, report)
+
+
+def _check_split_homes(record: dict, where: str, at: str, rel: str,
+                       homes: dict[tuple[str, str], tuple[str, str]], report) -> None:
+    """A speaker or session seen in another split before (`homes`: its first split and
+    line) is reported here."""
+    split = record.get("split")
+    if split is None:
+        return
+    for field in ("speaker", "session"):
+        first = homes.setdefault((field, record[field]), (split, where))
+        if first[0] != split:
+            report.add(rel, at, field, f"{field} {record[field]!r} is in {split} here and "
+                       f"in {first[0]} at {first[1]}; split whole speakers and sessions",
+                       record_id=record["id"])
+
+
+def _check_untranscribed(root: Path, rel: str, manifest: dict, transcribed: set,
+                         report) -> None:
+    """Each WAV no record transcribes, listed in dataset.json or only in the folder."""
     listed = manifest.get("files", {})
     for name in sorted(listed):
         if name.lower().endswith(".wav") and name not in transcribed:

@@ -63,6 +63,12 @@ def table_schema(manifest: dict) -> dict:
                               hint=hint)
     if table.get("group") is not None and not isinstance(table["group"], str):
         raise ForgebenchError("must be a column name or null", where="field 'table.group'")
+    _check_table_columns(table, hint)
+    return table
+
+
+def _check_table_columns(table: dict, hint: str) -> None:
+    """The features' types, and the optional id, positive and ignored keys."""
     features = table.get("features")
     if not isinstance(features, dict) or not features:
         raise ForgebenchError("must map at least one column to a type",
@@ -81,7 +87,6 @@ def table_schema(manifest: dict) -> dict:
     if table.get("ignored") is not None and not isinstance(table["ignored"], dict):
         raise ForgebenchError("must map column names to the reason they are not read",
                               where="field 'table.ignored'")
-    return table
 
 
 def target_of(table: dict, value: str) -> int | None:
@@ -149,29 +154,39 @@ def check_table(root: Path, rel: str, manifest: dict, rows: list[tuple[str, dict
         return
     others: set[str] = set()
     for where, record in rows:
-        at = f"{where} (id {record['id']!r})"
-        target = record.get(table["target"])
-        if target is None or target in MISSING_TEXT:
-            report.add(rel, at, table["target"], "the target is missing (NaN); every row needs "
-                       "a label", record_id=record["id"])
-        elif target_of(table, target) is None:
-            report.add(rel, at, table["target"], f"the target must be 0 or 1, got "
-                       f"{excerpt(target)}", record_id=record["id"])
-        elif table.get("positive") and not target_of(table, target):
-            others.add(target.strip().casefold())
-        for name, ftype in table["features"].items():
-            value = feature_value(ftype, record.get(name))
-            if isinstance(value, str):
-                report.add(rel, at, name, value, record_id=record["id"])
-        if group:
-            if not record.get(group):
-                report.add(rel, at, group, "the group column is empty", record_id=record["id"])
-            else:
-                record["group"] = record[group]
+        other = _check_row(table, rel, f"{where} (id {record['id']!r})", record, report)
+        if other is not None:
+            others.add(other)
     if len(others) > 1:
         report.add("dataset.json", None, "table", f"table.positive is {table['positive']!r} but "
                    f"the target column holds {len(others)} other values "
                    f"({', '.join(sorted(others)[:5])}); tabular-classify predicts two classes")
+
+
+def _check_row(table: dict, rel: str, at: str, record: dict, report) -> str | None:
+    """Report the row's bad target, feature and group cells and set its group; the row's
+    target value (folded) when it is a value other than `table.positive`."""
+    rid, other = record["id"], None
+    target = record.get(table["target"])
+    if target is None or target in MISSING_TEXT:
+        report.add(rel, at, table["target"], "the target is missing (NaN); every row needs "
+                   "a label", record_id=rid)
+    elif target_of(table, target) is None:
+        report.add(rel, at, table["target"], f"the target must be 0 or 1, got "
+                   f"{excerpt(target)}", record_id=rid)
+    elif table.get("positive") and not target_of(table, target):
+        other = target.strip().casefold()
+    for name, ftype in table["features"].items():
+        value = feature_value(ftype, record.get(name))
+        if isinstance(value, str):
+            report.add(rel, at, name, value, record_id=rid)
+    group = table.get("group")
+    if group:
+        if not record.get(group):
+            report.add(rel, at, group, "the group column is empty", record_id=rid)
+        else:
+            record["group"] = record[group]
+    return other
 
 
 @dataclass(frozen=True)
@@ -239,6 +254,43 @@ def infer_table(path: str | Path, *, target: str | None = None, group: str | Non
     `leave_out` names columns the user keeps from the features (a leak, an identifier). A
     ForgebenchError names the file and what to pass when no target can be chosen."""
     path = Path(path)
+    names, rows = _read_table_csv(path)
+    guesses = [_guess_column(name, [row[i] if i < len(row) else "" for row in rows])
+               for i, name in enumerate(names)]
+    by_name = {g.name: g for g in guesses}
+    for option, value in [("--target", target), ("--group", group),
+                          *(("--leave-out", name) for name in leave_out)]:
+        if value is not None and value not in by_name:
+            raise ForgebenchError(f"no column {value!r} in the header", path=path,
+                                  where=option, hint="columns: " + ", ".join(names))
+    chosen = _choose_target(guesses, target, path)
+    chosen.role = "target"
+    table: dict = {"target": chosen.name, "group": group, "features": {}}
+    positive = _positive_value(chosen, [row[names.index(chosen.name)] for row in rows
+                                        if names.index(chosen.name) < len(row)])
+    if positive is not None:
+        table["positive"] = positive
+        chosen.reason += f"; {positive!r} is read as 1"
+    if group:
+        by_name[group].role, by_name[group].reason = "group", "chosen with --group"
+    id_guess = next((g for g in guesses if _named_like_an_id(g.name) and not g.role
+                     and g.missing == 0 and g.distinct == len(rows)), None)
+    if id_guess:
+        id_guess.role = "id"
+        id_guess.reason = "named like an id, a unique value in every row"
+        if id_guess.name != "id":
+            table["id"] = id_guess.name
+    _assign_feature_roles(table, guesses, leave_out, len(rows))
+    if not table["features"]:
+        raise ForgebenchError("no numeric or yes/no column to learn from", path=path,
+                              hint="tabular-classify reads numeric features; columns: "
+                                   + ", ".join(f"{g.name} ({g.type})" for g in guesses))
+    return table, guesses
+
+
+def _read_table_csv(path: Path) -> tuple[list[str], list[list[str]]]:
+    """The header's column names and the non-blank rows; a ForgebenchError names the line
+    of an unreadable file, a header without unique names, no rows or a row too long."""
     try:
         text = path.read_bytes().decode("utf-8-sig")
     except OSError as exc:
@@ -270,31 +322,12 @@ def infer_table(path: str | Path, *, target: str | None = None, group: str | Non
         if len(row) > len(names):
             raise ForgebenchError("more values than header columns", path=path,
                                   where=f"line {number}")
-    guesses = [_guess_column(name, [row[i] if i < len(row) else "" for row in rows])
-               for i, name in enumerate(names)]
-    by_name = {g.name: g for g in guesses}
-    for option, value in [("--target", target), ("--group", group),
-                          *(("--leave-out", name) for name in leave_out)]:
-        if value is not None and value not in by_name:
-            raise ForgebenchError(f"no column {value!r} in the header", path=path,
-                                  where=option, hint="columns: " + ", ".join(names))
-    chosen = _choose_target(guesses, target, path)
-    chosen.role = "target"
-    table: dict = {"target": chosen.name, "group": group, "features": {}}
-    positive = _positive_value(chosen, [row[names.index(chosen.name)] for row in rows
-                                        if names.index(chosen.name) < len(row)])
-    if positive is not None:
-        table["positive"] = positive
-        chosen.reason += f"; {positive!r} is read as 1"
-    if group:
-        by_name[group].role, by_name[group].reason = "group", "chosen with --group"
-    id_guess = next((g for g in guesses if _named_like_an_id(g.name) and not g.role
-                     and g.missing == 0 and g.distinct == len(rows)), None)
-    if id_guess:
-        id_guess.role = "id"
-        id_guess.reason = "named like an id, a unique value in every row"
-        if id_guess.name != "id":
-            table["id"] = id_guess.name
+    return names, rows
+
+
+def _assign_feature_roles(table: dict, guesses: list[ColumnGuess], leave_out, n_rows: int) -> None:
+    """Every column without a role yet: a numeric or yes/no column with a value is a feature;
+    the rest (left out by choice, empty, text or categorical) are ignored, with the reason."""
     ignored = {}
     for guess in guesses:
         if guess.role:
@@ -302,22 +335,17 @@ def infer_table(path: str | Path, *, target: str | None = None, group: str | Non
         if guess.name in leave_out:
             guess.role, guess.reason = "ignored", "left out by choice"
             ignored[guess.name] = guess.reason
-        elif guess.type in (NUMBER, BOOLEAN) and guess.missing < len(rows):
+        elif guess.type in (NUMBER, BOOLEAN) and guess.missing < n_rows:
             guess.role = "feature"
             table["features"][guess.name] = guess.type
         else:
             guess.role = "ignored"
-            guess.reason = ("every cell is empty" if guess.missing == len(rows) else
+            guess.reason = ("every cell is empty" if guess.missing == n_rows else
                             f"{guess.type} values: tabular-classify reads numbers and yes/no "
                             "columns")
             ignored[guess.name] = guess.reason
     if ignored:
         table["ignored"] = ignored
-    if not table["features"]:
-        raise ForgebenchError("no numeric or yes/no column to learn from", path=path,
-                              hint="tabular-classify reads numeric features; columns: "
-                                   + ", ".join(f"{g.name} ({g.type})" for g in guesses))
-    return table, guesses
 
 
 def _named_like_an_id(name: str) -> bool:

@@ -40,36 +40,48 @@ def tool_conversation(record: dict, messages_key: str, path: Path | str | None,
         refuse(f"field '{messages_key}' must be a non-empty list")
     messages: list[dict] = []
     for k, turn in enumerate(turns):
-        name = f"{messages_key}[{k}]"
-        if not isinstance(turn, dict) or "role" not in turn:
-            refuse(f"field '{name}' must be an object with 'role' and 'content'")
-        role, content = turn["role"], turn.get("content")
-        if role not in MESSAGE_ROLES:
-            refuse(f"field '{name}.role' is {excerpt(role)}", "roles: " + ", ".join(MESSAGE_ROLES))
-        calls = turn.get("tool_calls")
-        if content is None and role == "assistant" and calls:
-            content = ""
-        if not isinstance(content, str):
-            refuse(f"field '{name}.content' must be a string, got {type(content).__name__}")
-        message: dict[str, Any] = {"role": role, "content": content}
-        if calls is not None:
-            if role != "assistant":
-                refuse(f"field '{name}.tool_calls' is only for assistant turns")
-            message["tool_calls"] = _calls_of(calls, f"{name}.tool_calls", schemas, refuse)
-        if role == "tool":
-            previous = next((m for m in reversed(messages) if m["role"] != "tool"), None)
-            if previous is None or not previous.get("tool_calls"):
-                refuse(f"field '{name}' is a tool result that follows no tool call")
-            tool_name = turn.get("name")
-            if tool_name is not None:
-                if tool_name not in schemas:
-                    refuse(f"field '{name}.name' is {excerpt(tool_name)}, not a tool of this "
-                           "record", "tools: " + ", ".join(schemas))
-                message["name"] = tool_name
-        messages.append(message)
+        messages.append(_message_of(turn, f"{messages_key}[{k}]", messages, schemas, refuse))
     if not any(m["role"] == "assistant" for m in messages):
         refuse("the conversation has no assistant turn, so nothing to learn")
     return tools, messages
+
+
+def _message_of(turn: Any, name: str, before: list[dict], schemas: dict[str, dict],
+                refuse) -> dict:
+    """One turn, normalized; `before` are the turns already read (a tool result must follow
+    a call)."""
+    if not isinstance(turn, dict) or "role" not in turn:
+        refuse(f"field '{name}' must be an object with 'role' and 'content'")
+    role, content = turn["role"], turn.get("content")
+    if role not in MESSAGE_ROLES:
+        refuse(f"field '{name}.role' is {excerpt(role)}", "roles: " + ", ".join(MESSAGE_ROLES))
+    calls = turn.get("tool_calls")
+    if content is None and role == "assistant" and calls:
+        content = ""
+    if not isinstance(content, str):
+        refuse(f"field '{name}.content' must be a string, got {type(content).__name__}")
+    message: dict[str, Any] = {"role": role, "content": content}
+    if calls is not None:
+        if role != "assistant":
+            refuse(f"field '{name}.tool_calls' is only for assistant turns")
+        message["tool_calls"] = _calls_of(calls, f"{name}.tool_calls", schemas, refuse)
+    if role == "tool":
+        _check_tool_result(turn, name, before, schemas, refuse)
+        if turn.get("name") is not None:
+            message["name"] = turn["name"]
+    return message
+
+
+def _check_tool_result(turn: dict, name: str, before: list[dict], schemas: dict[str, dict],
+                       refuse) -> None:
+    """A tool turn answers a call made before it, by a tool the record declares."""
+    previous = next((m for m in reversed(before) if m["role"] != "tool"), None)
+    if previous is None or not previous.get("tool_calls"):
+        refuse(f"field '{name}' is a tool result that follows no tool call")
+    tool_name = turn.get("name")
+    if tool_name is not None and tool_name not in schemas:
+        refuse(f"field '{name}.name' is {excerpt(tool_name)}, not a tool of this record",
+               "tools: " + ", ".join(schemas))
 
 
 def _tools_of(value: Any, refuse, path, where) -> list[dict]:

@@ -208,12 +208,7 @@ def _sft_base(bundle: Bundle, base_arg: str | None, scratch: Path,
 
 def _export_sft(bundle: Bundle, staging: Path, scratch: Path, base_arg: str | None,
                 progress: _Progress) -> None:
-    from engine.export.lora_export import HF_ARCHITECTURES, write_gguf_lora, write_peft
-    from engine.export.merge import merge_into_gguf, write_full_weights
-    from engine.gguf.convert import convert_gguf
-    from engine.gguf.reader import open_gguf
     from engine.lora import ADAPTERS_FILE
-    from engine.train.checkpoint import MODEL_FILE
 
     adapter = bundle.checkpoint.path / ADAPTERS_FILE
     full = not adapter.is_file()
@@ -234,41 +229,61 @@ def _export_sft(bundle: Bundle, staging: Path, scratch: Path, base_arg: str | No
         bundle.chat_template = ChatTemplate.from_gguf(base)
     except ForgebenchError:
         bundle.chat_template = None
-    template = bundle.chat_template.source if bundle.chat_template else None
     if bundle.dtype == "adapter":
-        from engine.export.merge import check_base, load_adapter
-        from engine.gguf.writer import read_gguf_content
+        _export_adapter(bundle, staging, base, adapter)
+    else:
+        _export_merged(bundle, staging, scratch, base, None if full else adapter, progress)
 
-        matched = check_base(read_gguf_content(base), load_adapter(adapter))
-        if matched != "file":
-            raise ForgebenchError(
-                "an adapter is exported against the exact GGUF file it was trained on; this "
-                f"base is only related to it ({matched} that file)", path=base, where="--base",
-                hint="export the adapter of a GGUF-based run without --base, or merge it into "
-                     "this base with a model --dtype (f16, q4_k_m, ...)")
-        write_gguf_lora(adapter, base, staging / ADAPTER_GGUF)
-        bundle.files.append(ADAPTER_GGUF)
-        arch = open_gguf(base).architecture
-        if arch in HF_ARCHITECTURES:
-            for path in write_peft(adapter, base, staging / PEFT_DIR):
-                bundle.files.append(f"{PEFT_DIR}/{path.name}")
-            if bundle.chat_template is not None:
-                atomic_write_json(staging / PEFT_DIR / "tokenizer_config.json", {
-                    "chat_template": template, "bos_token": bundle.chat_template.bos_token,
-                    "eos_token": bundle.chat_template.eos_token})
-                bundle.files.append(f"{PEFT_DIR}/tokenizer_config.json")
-        else:
-            bundle.notes.append(f"no PEFT adapter: {arch!r} is not a known HF architecture")
-        bundle.stages.append(_gguf_stage("adapter", "base + adapter reloaded in the engine",
-                                         base, staging, lora=adapter))
-        bundle.llamacpp = _llamacpp_stage(base, "the base with adapter.gguf in llama.cpp",
-                                          lora=staging / ADAPTER_GGUF,
-                                          lora_name=f"{base.name} + {ADAPTER_GGUF}")
-        return
+
+def _export_adapter(bundle: Bundle, staging: Path, base: Path, adapter: Path) -> None:
+    """adapter.gguf for llama.cpp (and a PEFT folder for a known HF architecture), checked
+    against the exact base file it was trained on."""
+    from engine.export.lora_export import HF_ARCHITECTURES, write_gguf_lora, write_peft
+    from engine.export.merge import check_base, load_adapter
+    from engine.gguf.reader import open_gguf
+    from engine.gguf.writer import read_gguf_content
+
+    matched = check_base(read_gguf_content(base), load_adapter(adapter))
+    if matched != "file":
+        raise ForgebenchError(
+            "an adapter is exported against the exact GGUF file it was trained on; this "
+            f"base is only related to it ({matched} that file)", path=base, where="--base",
+            hint="export the adapter of a GGUF-based run without --base, or merge it into "
+                 "this base with a model --dtype (f16, q4_k_m, ...)")
+    write_gguf_lora(adapter, base, staging / ADAPTER_GGUF)
+    bundle.files.append(ADAPTER_GGUF)
+    arch = open_gguf(base).architecture
+    if arch in HF_ARCHITECTURES:
+        for path in write_peft(adapter, base, staging / PEFT_DIR):
+            bundle.files.append(f"{PEFT_DIR}/{path.name}")
+        if bundle.chat_template is not None:
+            atomic_write_json(staging / PEFT_DIR / "tokenizer_config.json", {
+                "chat_template": bundle.chat_template.source,
+                "bos_token": bundle.chat_template.bos_token,
+                "eos_token": bundle.chat_template.eos_token})
+            bundle.files.append(f"{PEFT_DIR}/tokenizer_config.json")
+    else:
+        bundle.notes.append(f"no PEFT adapter: {arch!r} is not a known HF architecture")
+    bundle.stages.append(_gguf_stage("adapter", "base + adapter reloaded in the engine",
+                                     base, staging, lora=adapter))
+    bundle.llamacpp = _llamacpp_stage(base, "the base with adapter.gguf in llama.cpp",
+                                      lora=staging / ADAPTER_GGUF,
+                                      lora_name=f"{base.name} + {ADAPTER_GGUF}")
+
+
+def _export_merged(bundle: Bundle, staging: Path, scratch: Path, base: Path,
+                   adapter: Path | None, progress: _Progress) -> None:
+    """model.gguf: the full fine-tuned weights (adapter None) or the adapters merged into the
+    base, then converted or quantized to the export's type."""
+    from engine.export.merge import merge_into_gguf, write_full_weights
+    from engine.gguf.convert import convert_gguf
+    from engine.train.checkpoint import MODEL_FILE
+
+    template = bundle.chat_template.source if bundle.chat_template else None
     final = staging / MODEL_GGUF
     same_type = _file_dtype(base) == bundle.dtype
     merged = final if same_type else scratch / f"merged{base.suffix}"
-    if full:
+    if adapter is None:
         with progress.tensors("write full weights") as update:
             result = write_full_weights(base, bundle.checkpoint.path / MODEL_FILE, merged,
                                         bundle.run.manifest()["base_model"]["sha256"],
@@ -351,7 +366,24 @@ def model_card(bundle: Bundle) -> str:
              "## Files", ""]
     lines += [f"- `{name}`" for name in bundle.files + ["report.json", "report.txt"]]
     lines += _run_section(bundle, verdict)
-    lines += ["", "## Base model", ""]
+    lines += _base_section(bundle, manifest)
+    lines += ["", "## Data", "", f"- data card: {_data_card(config)}"]
+    for name, digest in sorted(manifest.get("data", {}).get("files", {}).items()):
+        lines.append(f"- `{name}` SHA-256 `{digest}`")
+    lines += ["", "## Training config", "", "```json",
+              json.dumps(_shareable(config), indent=2, sort_keys=True), "```", "",
+              "## Evaluation", ""]
+    evals = _evaluations(bundle.run, bundle.checkpoint)
+    lines += [f"- {json.dumps(e, sort_keys=True)}" for e in evals] or \
+        ["- no evaluation recorded for this checkpoint (run `forgebench eval`)"]
+    lines += ["", "## Equivalence", ""] + _equivalence_lines(bundle.report)
+    lines += ["", "## Limitations", ""] + [f"- {text}" for text in _limitations(bundle)]
+    return "\n".join(lines) + "\n"
+
+
+def _base_section(bundle: Bundle, manifest: dict) -> list[str]:
+    """The base the run trained on, the base the export was made against, the prompt format."""
+    lines = ["", "## Base model", ""]
     base = manifest.get("base_model")
     if base:
         lines.append(f"- trained on: `{Path(base['path']).name}`  \n  "
@@ -370,48 +402,53 @@ def model_card(bundle: Bundle) -> str:
                   "written into the export (`tokenizer.chat_template`), so llama.cpp prompts "
                   "the model as it was trained. One user turn renders as:", "", "```text",
                   example, "```"]
-    lines += ["", "## Data", "", f"- data card: {_data_card(config)}"]
-    for name, digest in sorted(manifest.get("data", {}).get("files", {}).items()):
-        lines.append(f"- `{name}` SHA-256 `{digest}`")
-    lines += ["", "## Training config", "", "```json",
-              json.dumps(_shareable(config), indent=2, sort_keys=True), "```", "",
-              "## Evaluation", ""]
-    evals = _evaluations(bundle.run, bundle.checkpoint)
-    lines += [f"- {json.dumps(e, sort_keys=True)}" for e in evals] or \
-        ["- no evaluation recorded for this checkpoint (run `forgebench eval`)"]
-    lines += ["", "## Equivalence", ""]
-    if bundle.report is not None and "question1" in bundle.report:
+    return lines
+
+
+def _equivalence_lines(report: dict | None) -> list[str]:
+    """The report's questions and stages as the card's Equivalence section."""
+    lines: list[str] = []
+    if report is not None and "question1" in report:
         from engine.export.equivalence import render_questions
 
-        lines += ["```text", *render_questions(bundle.report), "```", ""]
-    if bundle.report is None:
+        lines += ["```text", *render_questions(report), "```", ""]
+    if report is None:
         lines.append("- not computed (--no-report)")
-    elif bundle.report.get("kind") == "generator":
-        stage = bundle.report["stages"][1]
-        lines.append(f"- {'VERIFIED' if bundle.report['passed'] else 'NOT verified'} "
-                     f"(needs {bundle.report['bar']}): the bundle, loaded from its own files, "
+    elif report.get("kind") == "generator":
+        stage = report["stages"][1]
+        lines.append(f"- {'VERIFIED' if report['passed'] else 'NOT verified'} "
+                     f"(needs {report['bar']}): the bundle, loaded from its own files, "
                      f"drew one fixed-seed sample per class; max |Δ| from the checkpoint's "
                      f"{stage['max_abs_diff']:.4g}, mean |Δ| {stage['mean_abs_diff']:.4g}")
         lines.append("- listen to / look at `reference/`; details: `report.txt`, "
                      "`report.json`")
     else:
-        for stage in bundle.report["stages"][1:]:
-            m = stage["vs_checkpoint"]
-            lines.append(f"- {stage['name']}: top-1 agreement {m['top1_agreement']:.2%} with the "
-                         f"checkpoint, max |Δlogit| {m['max_abs_logit_diff']:.4g}, "
-                         f"KL {m['kl_mean']:.3g}")
-        cpp = bundle.report["llamacpp"]
-        if cpp.get("available"):
-            g = cpp["greedy_vs_checkpoint"]
-            agreement = cpp["vs_checkpoint"]["top1_agreement"]
-            lines.append(f"- llama.cpp: top-1 agreement {agreement:.2%}"
-                         f" with the checkpoint; greedy answers identical for "
-                         f"{sum(g['matches'])}/{len(g['matches'])} prompts"
-                         + (f" ({cpp['note']})" if cpp.get("note") else ""))
-        else:
-            lines.append(f"- llama.cpp: not run ({cpp.get('reason')})")
-        lines.append("- details: `report.txt`, `report.json`")
-    lines += ["", "## Limitations", ""]
+        lines += _llm_equivalence_lines(report)
+    return lines
+
+
+def _llm_equivalence_lines(report: dict) -> list[str]:
+    lines = []
+    for stage in report["stages"][1:]:
+        m = stage["vs_checkpoint"]
+        lines.append(f"- {stage['name']}: top-1 agreement {m['top1_agreement']:.2%} with the "
+                     f"checkpoint, max |Δlogit| {m['max_abs_logit_diff']:.4g}, "
+                     f"KL {m['kl_mean']:.3g}")
+    cpp = report["llamacpp"]
+    if cpp.get("available"):
+        g = cpp["greedy_vs_checkpoint"]
+        agreement = cpp["vs_checkpoint"]["top1_agreement"]
+        lines.append(f"- llama.cpp: top-1 agreement {agreement:.2%}"
+                     f" with the checkpoint; greedy answers identical for "
+                     f"{sum(g['matches'])}/{len(g['matches'])} prompts"
+                     + (f" ({cpp['note']})" if cpp.get("note") else ""))
+    else:
+        lines.append(f"- llama.cpp: not run ({cpp.get('reason')})")
+    lines.append("- details: `report.txt`, `report.json`")
+    return lines
+
+
+def _limitations(bundle: Bundle) -> list[str]:
     limitations = list(bundle.notes)
     if bundle.dtype not in ("f32", "adapter"):
         limitations.append(f"{bundle.dtype} rounds the weights; the report shows how far the "
@@ -425,8 +462,7 @@ def model_card(bundle: Bundle) -> str:
                            "the Samples pane shows each output's nearest training example")
     limitations.append("evaluated only on the data and prompts above; check it on your own "
                        "inputs before relying on it")
-    lines += [f"- {text}" for text in limitations]
-    return "\n".join(lines) + "\n"
+    return limitations
 
 
 NO_REPACK_REASON = ("llama.cpp built for this CPU (pip's -march=native build) has ggml's AMX "

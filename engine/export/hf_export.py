@@ -94,8 +94,6 @@ def write_hf_folder(gguf_path: str | os.PathLike, hf_source: str | os.PathLike,
                     shard_bytes: int = SHARD_BYTES) -> list[str]:
     """Write the dense GGUF as an HF folder at `out` (must not exist), with the config and
     tokenizer of `hf_source` and the GGUF's chat template. Returns the files written."""
-    from safetensors.numpy import save_file
-
     from engine.gguf.writer import read_gguf_content
     from engine.hf.checkpoint import HFCheckpoint
 
@@ -113,61 +111,83 @@ def write_hf_folder(gguf_path: str | os.PathLike, hf_source: str | os.PathLike,
         raise ForgebenchError(f"the model is {arch} but the HF source folder holds "
                               f"{ckpt.hf_arch}", path=source, where="--hf-source",
                               hint="give the base model's Hugging Face folder")
-    files: list[str] = []
     with staged_dir(out) as staging:
-        shards: list[dict[str, np.ndarray]] = [{}]
-        sizes = [0]
-        tied = True
-        vocab_rows = None
-        for name, x in hf_tensors(Path(gguf_path)):
-            if name == "lm_head.weight":
-                tied = False
-            if name == "model.embed_tokens.weight":
-                vocab_rows = x.shape[0]
-            if sizes[-1] and sizes[-1] + x.nbytes > shard_bytes:
-                shards.append({})
-                sizes.append(0)
-            shards[-1][name] = x
-            sizes[-1] += x.nbytes
-        n = len(shards)
-        weight_map = {}
-        for i, shard in enumerate(shards, start=1):
-            fname = "model.safetensors" if n == 1 else f"model-{i:05d}-of-{n:05d}.safetensors"
-            save_file(shard, staging / fname, metadata={"format": "pt"})
-            weight_map.update({k: fname for k in shard})
-            files.append(fname)
-        if n > 1:
-            (staging / "model.safetensors.index.json").write_text(json.dumps(
-                {"metadata": {"total_size": sum(sizes)}, "weight_map": weight_map}, indent=2))
-            files.append("model.safetensors.index.json")
-        config = dict(ckpt.config)
-        config["torch_dtype"] = config["dtype"] = "float32"
-        config["tie_word_embeddings"] = tied
-        if vocab_rows is not None:
-            if "text_config" in config:
-                config["text_config"] = {**config["text_config"], "vocab_size": vocab_rows}
-            else:
-                config["vocab_size"] = vocab_rows
-        (staging / "config.json").write_text(json.dumps(config, indent=2))
-        files.append("config.json")
-        generation = {k: config[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id")
-                      if config.get(k) is not None}
-        if (source / "generation_config.json").is_file():
-            generation = json.loads((source / "generation_config.json").read_text())
-        (staging / "generation_config.json").write_text(json.dumps(generation, indent=2))
-        files.append("generation_config.json")
-        for fname in TOKENIZER_FILES:
-            if (source / fname).is_file():
-                shutil.copyfile(source / fname, staging / fname)
-                files.append(fname)
-        if template:
-            tok_config = ckpt.tokenizer_config | {"chat_template": template}
-            (staging / "tokenizer_config.json").write_text(json.dumps(tok_config, indent=2))
-            (staging / "chat_template.jinja").unlink(missing_ok=True)
-            if "tokenizer_config.json" not in files:
-                files.append("tokenizer_config.json")
+        files, tied, vocab_rows = _write_weights(Path(gguf_path), staging, shard_bytes)
+        files += _write_configs(ckpt, source, staging, tied, vocab_rows)
+        files += _write_tokenizer(ckpt, source, staging, template, files)
         (staging / "README.md").write_text(card or f"# {out.name}\n")
         files.append("README.md")
+    return files
+
+
+def _write_weights(gguf_path: Path, staging: Path,
+                   shard_bytes: int) -> tuple[list[str], bool, int | None]:
+    """The tensors as safetensors shards of at most `shard_bytes` (with their index when
+    there are several); the files, whether the embedding is tied (no lm_head), its rows."""
+    from safetensors.numpy import save_file
+
+    shards: list[dict[str, np.ndarray]] = [{}]
+    sizes = [0]
+    tied = True
+    vocab_rows = None
+    for name, x in hf_tensors(gguf_path):
+        if name == "lm_head.weight":
+            tied = False
+        if name == "model.embed_tokens.weight":
+            vocab_rows = x.shape[0]
+        if sizes[-1] and sizes[-1] + x.nbytes > shard_bytes:
+            shards.append({})
+            sizes.append(0)
+        shards[-1][name] = x
+        sizes[-1] += x.nbytes
+    n = len(shards)
+    files, weight_map = [], {}
+    for i, shard in enumerate(shards, start=1):
+        fname = "model.safetensors" if n == 1 else f"model-{i:05d}-of-{n:05d}.safetensors"
+        save_file(shard, staging / fname, metadata={"format": "pt"})
+        weight_map.update({k: fname for k in shard})
+        files.append(fname)
+    if n > 1:
+        (staging / "model.safetensors.index.json").write_text(json.dumps(
+            {"metadata": {"total_size": sum(sizes)}, "weight_map": weight_map}, indent=2))
+        files.append("model.safetensors.index.json")
+    return files, tied, vocab_rows
+
+
+def _write_configs(ckpt, source: Path, staging: Path, tied: bool,
+                   vocab_rows: int | None) -> list[str]:
+    """config.json (float32, the embedding's tying and rows) and generation_config.json."""
+    config = dict(ckpt.config)
+    config["torch_dtype"] = config["dtype"] = "float32"
+    config["tie_word_embeddings"] = tied
+    if vocab_rows is not None:
+        if "text_config" in config:
+            config["text_config"] = {**config["text_config"], "vocab_size": vocab_rows}
+        else:
+            config["vocab_size"] = vocab_rows
+    (staging / "config.json").write_text(json.dumps(config, indent=2))
+    generation = {k: config[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id")
+                  if config.get(k) is not None}
+    if (source / "generation_config.json").is_file():
+        generation = json.loads((source / "generation_config.json").read_text())
+    (staging / "generation_config.json").write_text(json.dumps(generation, indent=2))
+    return ["config.json", "generation_config.json"]
+
+
+def _write_tokenizer(ckpt, source: Path, staging: Path, template: str | None,
+                     written: list[str]) -> list[str]:
+    """The source's tokenizer files, and the GGUF's chat template in tokenizer_config.json."""
+    files = []
+    for fname in TOKENIZER_FILES:
+        if (source / fname).is_file():
+            shutil.copyfile(source / fname, staging / fname)
+            files.append(fname)
+    if template:
+        tok_config = ckpt.tokenizer_config | {"chat_template": template}
+        (staging / "tokenizer_config.json").write_text(json.dumps(tok_config, indent=2))
+        (staging / "chat_template.jinja").unlink(missing_ok=True)
+        if "tokenizer_config.json" not in written + files:
+            files.append("tokenizer_config.json")
     return files
 
 

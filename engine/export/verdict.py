@@ -222,17 +222,22 @@ def recommend(rows: list[dict]) -> str | None:
 
 # ----------------------------------------------------------------------- the verdict
 
+def _generator_verdict(report: dict) -> Verdict:
+    """A generator bundle's verdict: it redraws the checkpoint's samples, or it is a defect."""
+    if report.get("passed"):
+        return Verdict("checked", "the bundle redraws the checkpoint's samples "
+                       f"({report.get('bar')})", None, "passed")
+    return Verdict("defect", "the bundle does not redraw the checkpoint's samples "
+                   f"({report.get('bar')}): not usable", None, "failed")
+
+
 def of_report(report: dict | None) -> Verdict:
     """The verdict of an export report (report.json as written), or of none (--no-report)."""
     if report is None:
         return Verdict("unchecked", "not checked: exported without the report (--no-report)",
                        None, "not answered")
     if report.get("kind") == "generator":
-        if report.get("passed"):
-            return Verdict("checked", "the bundle redraws the checkpoint's samples "
-                           f"({report.get('bar')})", None, "passed")
-        return Verdict("defect", "the bundle does not redraw the checkpoint's samples "
-                       f"({report.get('bar')}): not usable", None, "failed")
+        return _generator_verdict(report)
     q1 = report.get("question1") or {"status": "not answered",
                                      "not_answered_because": "this report predates it"}
     q2 = report.get("question2") or {"available": False, "reason": "not measured"}

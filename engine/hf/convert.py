@@ -146,51 +146,37 @@ class _Params:
                               where="config.json", hint="use the model's original config.json")
 
 
+# config.json keys TextModel.set_gguf_parameters reads (the first present wins), each with its
+# writer call, in the order it writes them: the shape before the rope settings, the norm
+# epsilons after
+_SHAPE_KEYS = (
+    (["max_position_embeddings", "n_ctx", "n_positions", "max_length", "max_sequence_length",
+      "model_max_length"], gguf.GGUFWriter.add_context_length),
+    (["hidden_size", "n_embd", "dim"], gguf.GGUFWriter.add_embedding_length),
+    (["prefix_dense_intermediate_size", "dense_intermediate_size", "intermediate_size",
+      "n_inner", "hidden_dim"], gguf.GGUFWriter.add_feed_forward_length),
+    (["num_attention_heads", "n_head", "n_heads"], gguf.GGUFWriter.add_head_count),
+    (["num_key_value_heads", "n_kv_heads"], gguf.GGUFWriter.add_head_count_kv),
+)
+_NORM_KEYS = (
+    (["rms_norm_eps", "norm_eps"], gguf.GGUFWriter.add_layer_norm_rms_eps),
+    (["layer_norm_eps", "layer_norm_epsilon", "norm_epsilon"], gguf.GGUFWriter.add_layer_norm_eps),
+)
+
+
 def _set_parameters(w: gguf.GGUFWriter, p: _Params, ftype: F) -> None:
     """TextModel.set_gguf_parameters and the family overrides (Llama, Qwen2/3, Gemma 3)."""
     w.add_block_count(p.block_count)
-    if (n := p.find(["max_position_embeddings", "n_ctx", "n_positions", "max_length",
-                     "max_sequence_length", "model_max_length"], True)) is not None:
-        w.add_context_length(n)
-    if (n := p.find(["hidden_size", "n_embd", "dim"], True)) is not None:
-        w.add_embedding_length(n)
-    if (n := p.find(["prefix_dense_intermediate_size", "dense_intermediate_size",
-                     "intermediate_size", "n_inner", "hidden_dim"], True)) is not None:
-        w.add_feed_forward_length(n)
-    if (n := p.find(["num_attention_heads", "n_head", "n_heads"], True)) is not None:
-        w.add_head_count(n)
-    if (n := p.find(["num_key_value_heads", "n_kv_heads"], True)) is not None:
-        w.add_head_count_kv(n)
+    _set_found(w, p, _SHAPE_KEYS)
     if p.h.get("is_causal") is False:
         w.add_causal_attention(False)
     rope = p.rope.get("full_attention", p.rope)
-    if (kind := rope.get("rope_type")) is not None:
-        factor = rope.get("factor")
-        if kind == "linear" and factor is not None:
-            w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
-            w.add_rope_scaling_factor(factor)
-        elif kind == "yarn" and factor is not None:
-            w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
-            w.add_rope_scaling_factor(factor)
-            w.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
-            if (v := rope.get("extrapolation_factor")) is not None:
-                w.add_rope_scaling_yarn_ext_factor(v)
-            if (v := rope.get("attention_factor", rope.get("attn_factor"))) is not None:
-                w.add_rope_scaling_yarn_attn_factor(v)
-            if (v := rope.get("beta_fast")) is not None:
-                w.add_rope_scaling_yarn_beta_fast(v)
-            if (v := rope.get("beta_slow")) is not None:
-                w.add_rope_scaling_yarn_beta_slow(v)
-        elif kind in ("su", "longrope"):
-            w.add_rope_scaling_type(gguf.RopeScalingType.LONGROPE)
+    _set_rope_scaling(w, rope)
     if (theta := rope.get("rope_theta")) is not None:
         w.add_rope_freq_base(theta)
     if (theta := p.rope.get("sliding_attention", {}).get("rope_theta")) is not None:
         w.add_rope_freq_base_swa(theta)
-    if (eps := p.find(["rms_norm_eps", "norm_eps"], True)) is not None:
-        w.add_layer_norm_rms_eps(eps)
-    if (eps := p.find(["layer_norm_eps", "layer_norm_epsilon", "norm_epsilon"], True)) is not None:
-        w.add_layer_norm_eps(eps)
+    _set_found(w, p, _NORM_KEYS)
     if (head_dim := p.h.get("head_dim")) is not None:
         w.add_key_length(head_dim)
         w.add_value_length(head_dim)
@@ -200,18 +186,51 @@ def _set_parameters(w: gguf.GGUFWriter, p: _Params, ftype: F) -> None:
         rope_dim = p.h.get("head_dim") or p.h["hidden_size"] // p.h["num_attention_heads"]
         w.add_rope_dimension_count(rope_dim)
     elif p.arch == "gemma3":
-        h = p.h
-        w.add_context_length(h.get("max_position_embeddings", 131072))
-        w.add_head_count(h.get("num_attention_heads", 8))
-        w.add_layer_norm_rms_eps(h.get("rms_norm_eps", 1e-6))
-        w.add_key_length(h.get("head_dim", 256))
-        w.add_value_length(h.get("head_dim", 256))
-        w.add_rope_freq_base(p.rope.get("full_attention", p.rope).get("rope_theta", 1_000_000.0))
-        if h.get("final_logit_softcapping"):
-            w.add_final_logit_softcapping(h["final_logit_softcapping"])
-        if h.get("sliding_window_pattern") != 1:
-            w.add_sliding_window(h["sliding_window"])
-        w.add_head_count_kv(h.get("num_key_value_heads", 4))
+        _set_gemma3(w, p)
+
+
+def _set_found(w: gguf.GGUFWriter, p: _Params, table) -> None:
+    for keys, add in table:
+        if (value := p.find(keys, True)) is not None:
+            add(w, value)
+
+
+def _set_rope_scaling(w: gguf.GGUFWriter, rope: dict) -> None:
+    """Linear, YaRN (with its optional factors) or LongRoPE scaling, as the config says."""
+    kind, factor = rope.get("rope_type"), rope.get("factor")
+    if kind == "linear" and factor is not None:
+        w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+        w.add_rope_scaling_factor(factor)
+    elif kind == "yarn" and factor is not None:
+        w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+        w.add_rope_scaling_factor(factor)
+        w.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
+        for value, add in ((rope.get("extrapolation_factor"),
+                            w.add_rope_scaling_yarn_ext_factor),
+                           (rope.get("attention_factor", rope.get("attn_factor")),
+                            w.add_rope_scaling_yarn_attn_factor),
+                           (rope.get("beta_fast"), w.add_rope_scaling_yarn_beta_fast),
+                           (rope.get("beta_slow"), w.add_rope_scaling_yarn_beta_slow)):
+            if value is not None:
+                add(value)
+    elif kind in ("su", "longrope"):
+        w.add_rope_scaling_type(gguf.RopeScalingType.LONGROPE)
+
+
+def _set_gemma3(w: gguf.GGUFWriter, p: _Params) -> None:
+    """Gemma3Model.set_gguf_parameters: its defaults, soft-capping and sliding window."""
+    h = p.h
+    w.add_context_length(h.get("max_position_embeddings", 131072))
+    w.add_head_count(h.get("num_attention_heads", 8))
+    w.add_layer_norm_rms_eps(h.get("rms_norm_eps", 1e-6))
+    w.add_key_length(h.get("head_dim", 256))
+    w.add_value_length(h.get("head_dim", 256))
+    w.add_rope_freq_base(p.rope.get("full_attention", p.rope).get("rope_theta", 1_000_000.0))
+    if h.get("final_logit_softcapping"):
+        w.add_final_logit_softcapping(h["final_logit_softcapping"])
+    if h.get("sliding_window_pattern") != 1:
+        w.add_sliding_window(h["sliding_window"])
+    w.add_head_count_kv(h.get("num_key_value_heads", 4))
 
 
 def _meta_values(w: gguf.GGUFWriter) -> dict[str, MetaValue]:
@@ -368,56 +387,47 @@ def plan_conversion(ckpt: HFCheckpoint, dtype: str, pool: _RowPool | None = None
     ftype = quant_policy.FILE_TYPES[dtype]
     converter_ftype = ftype if ftype in CONVERTER_TYPES else F.MOSTLY_F16
     p = _Params(ckpt)
-    arch = MODEL_ARCH[ckpt.arch]
-    tmap = gguf.get_tensor_name_map(arch, p.block_count)
-    n_head = p.find(["n_heads", "num_attention_heads"])
-    n_kv = p.find(["n_kv_heads", "num_key_value_heads"])
+    plans = _tensor_plans(ckpt, p, converter_ftype)
+    if ftype not in CONVERTER_TYPES:
+        facts = quant_policy.ModelFacts(ckpt.arch, p.block_count)
+        chosen = quant_policy.plan_types([(pl.name, pl.shape, pl.base) for pl in plans],
+                                         ftype, facts)
+        for pl in plans:
+            pl.final = chosen[pl.name]
+    metadata = _metadata(ckpt, p, plans, converter_ftype)
+    if ftype not in CONVERTER_TYPES:
+        # llama-quantize sets these two on the converter's file: both move to the end
+        version = metadata.pop("general.quantization_version")
+        metadata.pop("general.file_type")
+        metadata["general.quantization_version"] = version
+        metadata["general.file_type"] = MetaValue(GGUFValueType.UINT32, int(ftype))
+
+    entries = [TensorEntry(pl.name, pl.final, pl.shape, (lambda pl=pl: _chunks(pl, pool)))
+               for pl in plans]
+    if ftype not in CONVERTER_TYPES:   # llama-quantize writes in its loader's order
+        order = {n: i for i, n in enumerate(quant_policy.loader_order([e.name for e in entries]))}
+        entries.sort(key=lambda e: order[e.name])
+    return metadata, entries
+
+
+def _tensor_plans(ckpt: HFCheckpoint, p: _Params, converter_ftype: F) -> list[_Plan]:
+    """Every tensor the converter writes, named and typed as it names and types them (Llama
+    3's rope factors first); a tensor with no GGUF name or an embedding that does not fit the
+    config's vocabulary is refused."""
+    tmap = gguf.get_tensor_name_map(MODEL_ARCH[ckpt.arch], p.block_count)
+    heads = {"q_proj": p.find(["n_heads", "num_attention_heads"]),
+             "k_proj": p.find(["n_kv_heads", "num_key_value_heads"])}
     vocab_rows = None
     if ckpt.arch == "gemma3":
         vocab_rows = hf_tokenizer.real_vocab_size(ckpt.folder, p.h, ckpt.tokenizer_config)
-
     plans: list[_Plan] = []
     if ckpt.arch == "llama" and (factors := _llama3_rope_factors(p)) is not None:
         plans.append(_Plan(None, "rope_freqs.weight", factors.shape, T.F32, T.F32,
                            values=factors))
     for name, slot in ckpt.tensors.items():
-        if name.endswith(SKIP_SUFFIXES):
-            continue
-        hf_name = name.replace("language_model.", "")
-        new_name = tmap.get_name(key=hf_name, try_suffixes=(".weight", ".bias"))
-        if new_name is None:
-            raise ForgebenchError(f"tensor {name!r} has no GGUF name for {ckpt.arch}",
-                                  path=slot.shard, where=name,
-                                  hint="the checkpoint is not a plain "
-                                       f"{ckpt.hf_arch}; convert the base model")
-        _require_float(slot)
-        shape = tuple(slot.shape)
-        plan = _Plan(slot, new_name, shape, T.F32, T.F32)
-        if ckpt.arch == "llama":
-            if hf_name.endswith(("q_proj.weight", "q_proj.bias")):
-                plan.permute_heads = n_head
-            elif hf_name.endswith(("k_proj.weight", "k_proj.bias")):
-                plan.permute_heads = n_kv
-        if ckpt.arch == "gemma3":
-            if "embed_tokens.weight" in hf_name and vocab_rows is not None:
-                if vocab_rows > shape[0]:
-                    raise ForgebenchError(
-                        f"the tokenizer has {vocab_rows} tokens but the embedding has "
-                        f"{shape[0]} rows", path=slot.shard, where=name,
-                        hint="use the tokenizer that belongs to these weights")
-                plan.shape = shape = (vocab_rows,) + shape[1:]
-            if hf_name.endswith("norm.weight"):
-                plan.shift = 1.0
-        n_dims = len(shape)
-        if n_dims <= 1 or new_name.endswith("_norm.weight") or \
-                new_name[-7:] not in (".weight", ".lora_a", ".lora_b"):
-            plan.base = T.F32
-        else:
-            plan.base = CONVERTER_TYPES[converter_ftype]
-            if plan.base == T.Q8_0 and shape[-1] % 32:
-                plan.base = T.F16    # gguf.quants refuses; the converter falls back to f16
-        plan.final = plan.base
-        plans.append(plan)
+        if not name.endswith(SKIP_SUFFIXES):
+            plans.append(_tensor_plan(ckpt, name, slot, tmap, heads, vocab_rows,
+                                      converter_ftype))
     vocab_size = p.h.get("vocab_size")
     embd = next((pl for pl in plans if pl.name == "token_embd.weight"), None)
     if embd is not None and vocab_size is not None and ckpt.arch != "gemma3" \
@@ -426,16 +436,58 @@ def plan_conversion(ckpt: HFCheckpoint, dtype: str, pool: _RowPool | None = None
             f"config.json's vocab_size is {vocab_size} but the embedding has "
             f"{embd.shape[0]} rows", path=ckpt.folder / "config.json", where="vocab_size",
             hint="use the config that belongs to these weights")
+    return plans
 
-    if ftype not in CONVERTER_TYPES:
-        facts = quant_policy.ModelFacts(ckpt.arch, p.block_count)
-        chosen = quant_policy.plan_types([(pl.name, pl.shape, pl.base) for pl in plans],
-                                         ftype, facts)
-        for pl in plans:
-            pl.final = chosen[pl.name]
 
-    # the metadata, recorded as the converter records it
-    w = gguf.GGUFWriter(path=None, arch=gguf.MODEL_ARCH_NAMES[arch])
+def _tensor_plan(ckpt: HFCheckpoint, name: str, slot, tmap, heads: dict,
+                 vocab_rows: int | None, converter_ftype: F) -> _Plan:
+    hf_name = name.replace("language_model.", "")
+    new_name = tmap.get_name(key=hf_name, try_suffixes=(".weight", ".bias"))
+    if new_name is None:
+        raise ForgebenchError(f"tensor {name!r} has no GGUF name for {ckpt.arch}",
+                              path=slot.shard, where=name,
+                              hint="the checkpoint is not a plain "
+                                   f"{ckpt.hf_arch}; convert the base model")
+    _require_float(slot)
+    shape = tuple(slot.shape)
+    plan = _Plan(slot, new_name, shape, T.F32, T.F32)
+    if ckpt.arch == "llama":
+        for proj, n in heads.items():       # Q and K rows permuted as llama.cpp's rope reads
+            if hf_name.endswith((f"{proj}.weight", f"{proj}.bias")):
+                plan.permute_heads = n
+    if ckpt.arch == "gemma3":
+        _gemma3_tensor(plan, name, hf_name, vocab_rows)
+        shape = plan.shape
+    if len(shape) <= 1 or new_name.endswith("_norm.weight") or \
+            new_name[-7:] not in (".weight", ".lora_a", ".lora_b"):
+        plan.base = T.F32
+    else:
+        plan.base = CONVERTER_TYPES[converter_ftype]
+        if plan.base == T.Q8_0 and shape[-1] % 32:
+            plan.base = T.F16    # gguf.quants refuses; the converter falls back to f16
+    plan.final = plan.base
+    return plan
+
+
+def _gemma3_tensor(plan: _Plan, name: str, hf_name: str, vocab_rows: int | None) -> None:
+    """Gemma 3's embedding cut to the tokenizer's real vocabulary, and its norms stored as
+    1 + weight (Gemma3Model.modify_tensors)."""
+    if "embed_tokens.weight" in hf_name and vocab_rows is not None:
+        if vocab_rows > plan.shape[0]:
+            raise ForgebenchError(
+                f"the tokenizer has {vocab_rows} tokens but the embedding has "
+                f"{plan.shape[0]} rows", path=plan.slot.shard, where=name,
+                hint="use the tokenizer that belongs to these weights")
+        plan.shape = (vocab_rows,) + tuple(plan.shape[1:])
+    if hf_name.endswith("norm.weight"):
+        plan.shift = 1.0
+
+
+def _metadata(ckpt: HFCheckpoint, p: _Params, plans: list[_Plan],
+              converter_ftype: F) -> dict[str, MetaValue]:
+    """The metadata, recorded as the converter records it (general.*, the parameters, the
+    vocabulary); a tokenizer larger than the embedding is refused."""
+    w = gguf.GGUFWriter(path=None, arch=gguf.MODEL_ARCH_NAMES[MODEL_ARCH[ckpt.arch]])
     # Gemma 3's parameters set some keys twice, as the converter does (the later value wins,
     # in the first one's place); the writer's warning about it is noise here
     logging.getLogger("gguf.gguf_writer").setLevel(logging.ERROR)
@@ -450,7 +502,7 @@ def plan_conversion(ckpt: HFCheckpoint, dtype: str, pool: _RowPool | None = None
         meta.size_label = gguf.size_label(total_params, shared, expert, count)
     w.add_type(gguf.GGUFType.MODEL)
     meta.set_gguf_meta_model(w)
-    _set_parameters(w, p, ftype if ftype in CONVERTER_TYPES else converter_ftype)
+    _set_parameters(w, p, converter_ftype)
     w.add_quantization_version(gguf.GGML_QUANT_VERSION)
     n_tokens = hf_tokenizer.write_vocab(w, ckpt.folder, ckpt.arch, p.h, ckpt.tokenizer_config)
     embd = next((pl for pl in plans if pl.name == "token_embd.weight"), None)
@@ -459,20 +511,7 @@ def plan_conversion(ckpt: HFCheckpoint, dtype: str, pool: _RowPool | None = None
             f"the tokenizer has {n_tokens} tokens but the embedding only {embd.shape[0]} rows",
             path=ckpt.folder / "tokenizer_config.json",
             hint="use the tokenizer that belongs to these weights")
-    metadata = _meta_values(w)
-    if ftype not in CONVERTER_TYPES:
-        # llama-quantize sets these two on the converter's file: both move to the end
-        version = metadata.pop("general.quantization_version")
-        metadata.pop("general.file_type")
-        metadata["general.quantization_version"] = version
-        metadata["general.file_type"] = MetaValue(GGUFValueType.UINT32, int(ftype))
-
-    entries = [TensorEntry(pl.name, pl.final, pl.shape, (lambda pl=pl: _chunks(pl, pool)))
-               for pl in plans]
-    if ftype not in CONVERTER_TYPES:   # llama-quantize writes in its loader's order
-        order = {n: i for i, n in enumerate(quant_policy.loader_order([e.name for e in entries]))}
-        entries.sort(key=lambda e: order[e.name])
-    return metadata, entries
+    return _meta_values(w)
 
 
 def convert_hf(folder: str | os.PathLike, out: str | os.PathLike, dtype: str, *,

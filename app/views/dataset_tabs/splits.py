@@ -20,10 +20,9 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 
-from app.viewmodels.datasets import DatasetTable
+from app.viewmodels.datasets import SPLITS, DatasetTable
 from app.viewmodels.jobs import forgebench_argv
 from app.views.job_runner import JobRunner
-from engine.data import formats as F
 from engine.errors import ForgebenchError
 
 
@@ -79,7 +78,7 @@ class SplitsTab(QWidget):
         self.groups.verticalHeader().hide()
         self.groups.setSortingEnabled(True)
         self.move_to = QComboBox()
-        self.move_to.addItems(list(F.SPLITS))
+        self.move_to.addItems(list(SPLITS))
         self.move_button = QPushButton("Move selected groups → and save as new version")
         self.move_button.clicked.connect(self.move_groups)
         note = QLabel("Records of one group always share a split, so leaks between "
