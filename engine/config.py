@@ -208,6 +208,19 @@ def load_config(path: str | os.PathLike) -> Schema:
     return validate_config(data, path)
 
 
+def added_since(stored: dict, name: str) -> bool:
+    """Whether the dotted field `name` is missing from a config recorded before the schema
+    gained it. Validating such a config fills the field with its default, and a field is only
+    ever added with a default that keeps what runs did before it existed, so resuming reads
+    the run as it was started."""
+    node = stored
+    for part in name.split("."):
+        if not isinstance(node, dict) or part not in node:
+            return True
+        node = node[part]
+    return False
+
+
 def config_diff(old: dict, new: dict, prefix: str = "") -> list[str]:
     """Dotted names of the fields that differ between two resolved configs."""
     changed = []

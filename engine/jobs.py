@@ -32,6 +32,7 @@ from engine.config import (
     RECIPES,
     RESUMABLE_FIELDS,
     Schema,
+    added_since,
     config_diff,
     recipe_module,
     validate_config,
@@ -214,7 +215,7 @@ def _validate_resume(run: RunDir, overrides: dict, allow_code_change: bool) -> S
     wanted = dict(stored, **{k: v for k, v in overrides.items() if v is not None})
     config = validate_config(wanted, run.manifest_path)
     changed = [name for name in config_diff(stored, config.model_dump(mode="json"))
-               if name.split(".")[0] not in resumable]
+               if name.split(".")[0] not in resumable and not added_since(stored, name)]
     if changed:
         raise ForgebenchError("the recipe's schema no longer reads this run's config the same way",
                               path=run.manifest_path, where="field " + ", ".join(changed),

@@ -7,7 +7,14 @@ from pathlib import Path
 
 import pytest
 
-from engine.config import RESUMABLE_FIELDS, config_diff, load_config, schema_for, validate_config
+from engine.config import (
+    RESUMABLE_FIELDS,
+    added_since,
+    config_diff,
+    load_config,
+    schema_for,
+    validate_config,
+)
 from engine.errors import ForgebenchError
 from engine.recipes.lm_pretrain_config import LMPretrainConfig
 
@@ -94,6 +101,16 @@ def test_resumable_fields_and_diff():
     old = {"steps": 1, "model": {"dim": 8, "n_layers": 2}}
     new = {"steps": 2, "model": {"dim": 16, "n_layers": 2}, "seed": 1}
     assert config_diff(old, new) == ["model.dim", "seed", "steps"]
+
+
+def test_a_field_the_schema_gained_later_is_not_a_change_on_resume():
+    """A run recorded before the schema gained a field reads as it was started: the field is
+    absent from its record and validation fills the default. A recorded field that reads
+    differently is still a change (the twin)."""
+    stored = {"steps": 1, "model": {"dim": 8}}
+    assert added_since(stored, "model.family") and added_since(stored, "data.packing")
+    assert added_since(stored, "data")
+    assert not added_since(stored, "model.dim") and not added_since(stored, "steps")
 
 
 def test_bundled_lm_pretrain_configs_validate():
