@@ -149,7 +149,7 @@ class Server:
         report = []
         for shared in self.bases.values():
             model = shared.system.model
-            weights = sum(w.packed_bytes() for w in packed_weights(model))
+            weights = sum(w.packed_bytes for w in packed_weights(model))
             report.append({"base": shared.base_path, "models": sorted(shared.systems),
                            "packed_weight_bytes": weights})
         return report

@@ -46,10 +46,10 @@ class AdapterSwitch(nn.Module):
         super().__init__()
         self.base = base
         self.choices: dict[str, LoRALinear] = {}       # not submodules: state_dict stays the base's
-        self._bank = [bank]
+        self.bank = bank
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        chosen = self.choices.get(self._bank[0].active)
+        chosen = self.choices.get(self.bank.active)
         return chosen(x) if chosen is not None else self.base(x)
 
 
@@ -75,7 +75,7 @@ class AdapterBank:
 
     def adopt(self, key: str) -> None:
         """Take over the LoRALinear modules a recipe attached for checkpoint `key`."""
-        for parent in self.model.modules():
+        for parent in list(self.model.modules()):
             for attr, child in list(parent.named_children()):
                 if isinstance(child, LoRALinear):
                     self._switch(parent, attr).choices[key] = child.eval()
