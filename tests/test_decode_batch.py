@@ -162,3 +162,14 @@ def test_lora_models_decode_one_after_another(tmp_path):
             adapter.lora_b.normal_(generator=torch.Generator().manual_seed(1))
     assert native_decoder(model) is None
     assert identical(batched(model), alone(model))
+
+
+@pytest.mark.realmodel
+@pytest.mark.slow
+def test_gemma_270m_batched_steps_equal_each_sequence_alone(gemma_gguf):
+    """The real gemma-3-270m Q4_K_M (Q5_0, Q8_0, Q4_K and Q6_K weights, a 262144-row LM head)
+    in the configuration this machine's llama.cpp runs: four sequences, three batched steps,
+    every logit and cache entry as each sequence decoded alone."""
+    model = load_gguf_model(gemma_gguf, numerics="llamacpp", tokenizer=False)[0]
+    assert native_decoder(model) is not None
+    assert identical(batched(model), alone(model))
