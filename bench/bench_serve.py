@@ -52,8 +52,8 @@ def wait_ready(url: str, process: subprocess.Popen, timeout: float = 300) -> Non
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if process.poll() is not None:
-            process.stderr.seek(0)
-            raise SystemExit(f"the server exited: {process.stderr.read().decode()[-2000:]}")
+            process.log.seek(0)
+            raise SystemExit(f"the server exited: {process.log.read().decode()[-2000:]}")
         try:
             if httpx.get(f"{url}/models", timeout=5).status_code == 200:
                 return
@@ -66,10 +66,11 @@ def wait_ready(url: str, process: subprocess.Popen, timeout: float = 300) -> Non
 def start_ours(model: Path, threads: int) -> tuple[subprocess.Popen, str, str]:
     port = free_port()
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": str(threads)}
+    log = tempfile.TemporaryFile()          # a pipe would fill and stall
     process = subprocess.Popen([sys.executable, "-m", "engine", "serve", "--model", str(model),
                                 "--port", str(port), "--threads", str(threads)],
-                               cwd=REPO, env=env, stdout=subprocess.DEVNULL,
-                               stderr=tempfile.TemporaryFile())
+                               cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=log)
+    process.log = log
     return process, f"http://127.0.0.1:{port}/v1", model.name.removesuffix(".gguf")
 
 
@@ -89,13 +90,15 @@ main()
 
 def start_peer(model: Path, threads: int, n_ctx: int) -> tuple[subprocess.Popen, str, str]:
     port = free_port()
+    log = tempfile.TemporaryFile()          # a pipe would fill and stall
+    # the caller's PYTHONPATH kept after the repository's: where the [server] extra may live
+    path = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
     process = subprocess.Popen([sys.executable, "-c", PEER, "--model", str(model),
                                 "--host", "127.0.0.1", "--port", str(port), "--n_threads",
                                 str(threads), "--n_threads_batch", str(threads), "--n_ctx",
-                                str(n_ctx)], cwd=REPO, env={**os.environ,
-                                                            "PYTHONPATH": str(REPO)},
-                               stdout=subprocess.DEVNULL,
-                               stderr=tempfile.TemporaryFile())   # a pipe would fill and stall
+                                str(n_ctx)], cwd=REPO, env={**os.environ, "PYTHONPATH": path},
+                               stdout=subprocess.DEVNULL, stderr=log)
+    process.log = log
     return process, f"http://127.0.0.1:{port}/v1", str(model)
 
 

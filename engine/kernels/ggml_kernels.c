@@ -1161,3 +1161,193 @@ int64_t cpu_features(void) {
     }
     return f;
 }
+
+/* ---- batched decode: one new token of each of B sequences in one pass -------------------- */
+
+/* Output rows [n0, n1) of x·Wᵀ for R activation rows, each row summed by the kernel llama.cpp
+ * runs for a batch of ONE row (vec_dot, or the repacked Q4_K gemv), never the batch kernels
+ * (tiled, gemm, tinyBLAS) that R rows of one sequence would get: a row's bits do not depend on
+ * which other sequences share the step. Every kernel loops over the weight rows outside and the
+ * activation rows inside, so weight row n is read from memory once for all R rows: the saving of
+ * the batch. (Q8_0 / Q5_0 / Q4_0: q0_tile sums each row alike at every tile width.) */
+static void matmul_part_rowwise(const fb_weight *w, int64_t R, const fb_act *a, const fb_plan *p, int64_t n0,
+                                int64_t n1, float *out) {
+    const int64_t K = w->cols, N = w->rows;
+    switch (w->type) {
+    case FB_Q8_0: case FB_Q5_0: case FB_Q4_0: q0_rows(w, R, a, n0, n1, out); break;
+    case FB_Q4_1: case FB_Q5_1: q1_rows(w, R, a, n0, n1, out); break;
+    case FB_Q5_K: k_plain_rows(w, R, a, 0, n0, n1, out); break;
+    case FB_Q4_K:
+        if (!p->repack || w->rows % 8) k_plain_rows(w, R, a, 0, n0, n1, out);
+        else q4_k_rows(w, 0, R, a, 1, n0, n1, out);
+        break;
+    case FB_Q6_K: q6_k_rows(w, R, a, 0, n0, n1, out); break;
+    default:
+        for (int64_t n = n0; n < n1; n++)
+            for (int64_t r = 0; r < R; r++)
+                out[r * N + n] = dot_vec_h(a->h + r * K, (const uint16_t *) w->q + n * K, K, p->f16_lanes);
+        break;
+    }
+    if (w->bias)
+        for (int64_t r = 0; r < R; r++)
+            for (int64_t n = n0; n < n1; n++) out[r * N + n] += w->bias[n];
+}
+
+/* x [R][cols] · Wᵀ -> out [R][rows], every row as a one-row matmul gives it (the LM head of a
+ * batched decode step). Returns 0, or -1 when out of memory. */
+int fb_matmul_rowwise(const fb_weight *w, int64_t R, const float *x, const fb_plan *p, int nthreads, float *out) {
+    fb_act a;
+    if (act_alloc(&a, R, w->cols)) { act_free(&a); return -1; }
+    #pragma omp parallel num_threads(nthreads) if (nthreads > 1)
+    {
+        const int ith = omp_get_thread_num(), nth = omp_get_num_threads();
+        quantize_rows(w->type, x, R, w->cols, &a, ith, nth);
+        #pragma omp barrier
+        int64_t n0, n1;
+        thread_share(w->rows, ith, nth, &n0, &n1);
+        matmul_part_rowwise(w, R, &a, p, n0, n1, out);
+    }
+    act_free(&a);
+    return 0;
+}
+
+/* The weights of one input (q, k, v / gate, up / o / down) for the B rows of a decode step
+ * inside the parallel region: quantized once where they share an activation format, rows of
+ * each output split across the threads, a barrier after each phase. */
+static void batch_matmuls(const fb_weight *const *w, float *const *out, int count, int64_t R, const float *x,
+                          const fb_act *a, const fb_plan *p, int ith, int nth, fb_barrier *bar) {
+    for (int i = 0; i < count; i++) {
+        if (i == 0 || act_format(w[i]->type) != act_format(w[i - 1]->type)) {
+            if (i > 0) barrier_wait(bar);
+            quantize_rows(w[i]->type, x, R, w[i]->cols, a, ith, nth);
+            barrier_wait(bar);
+        }
+        int64_t n0, n1;
+        thread_share(w[i]->rows, ith, nth, &n0, &n1);
+        matmul_part_rowwise(w[i], R, a, p, n0, n1, out[i]);
+    }
+    barrier_wait(bar);
+}
+
+/* One decode step for B sequences: row b of h [B][dim] is the embedding of sequence b's next
+ * token, at position positions[b] of its own KV cache (k_caches[b·n_layers + l],
+ * [n_kv_heads][cache_lens[b]][head_dim] f16, written there). Each row's result is bit for bit
+ * what fb_forward gives that sequence for its one token (T = 1): the same per-row norms, RoPE and
+ * attention (one query: ggml_vec_dot_f16 orders), and one-row matmul kernels
+ * (matmul_part_rowwise); only the weights are streamed once for all rows. out [B][dim] gets the
+ * final-normed hidden states. Returns 0, or -1 when out of memory or a position is past its
+ * cache. */
+int fb_decode_batch(const fb_model *m, const fb_plan *p, int64_t B, const int64_t *positions, float *h,
+                    uint16_t *const *k_caches, uint16_t *const *v_caches, const int64_t *cache_lens, float *out,
+                    int nthreads) {
+    const int64_t D = m->dim, H = m->n_heads, Hkv = m->n_kv_heads, hd = m->head_dim, F = m->ffn_dim;
+    const int64_t QD = H * hd, KD = Hkv * hd, half = hd / 2, groups = H / Hkv, NL = m->n_layers;
+    const int64_t Kmax = F > QD ? (F > D ? F : D) : (QD > D ? QD : D);
+    const int L = p->f16_lanes;
+    int64_t longest = 0;
+    int failed = 0;
+    for (int64_t b = 0; b < B; b++) {
+        if (positions[b] < 0 || positions[b] >= cache_lens[b]) failed = 1;
+        if (positions[b] + 1 > longest) longest = positions[b] + 1;
+    }
+    const int64_t Sp = round_up(longest, 64);
+    float *xn = malloc(sizeof(float) * (size_t) (B * D)), *qb = malloc(sizeof(float) * (size_t) (B * QD));
+    float *kb = malloc(sizeof(float) * (size_t) (B * KD)), *vb = malloc(sizeof(float) * (size_t) (B * KD));
+    float *att = malloc(sizeof(float) * (size_t) (B * QD)), *ab = malloc(sizeof(float) * (size_t) (B * D));
+    float *gb = malloc(sizeof(float) * (size_t) (B * F)), *ub = malloc(sizeof(float) * (size_t) (B * F));
+    float *cs = malloc(sizeof(float) * (size_t) (B * half)), *sn = malloc(sizeof(float) * (size_t) (B * half));
+    fb_act a;
+    failed |= act_alloc(&a, B, Kmax);
+    failed |= !(xn && qb && kb && vb && att && ab && gb && ub && cs && sn);
+    fb_barrier bar = {0, 0, 1};
+    if (!failed) {
+        #pragma omp parallel num_threads(nthreads) if (nthreads > 1)
+        {
+            const int ith = omp_get_thread_num(), nth = omp_get_num_threads();
+            #pragma omp single
+            bar.n = nth;
+            float *s = malloc(sizeof(float) * (size_t) (Sp + 64));
+            float *acc = malloc(sizeof(float) * (size_t) (4 * L * hd));
+            for (int64_t il = 0; il < NL; il++) {
+                const fb_layer *Lr = &m->layers[il];
+                for (int64_t t = ith; t < B; t += nth) {
+                    rmsnorm_row(h + t * D, D, Lr->attn_norm, m->norm_eps, xn + t * D);
+                    rope_row(Lr, positions[t], half, cs + t * half, sn + t * half);
+                }
+                barrier_wait(&bar);
+                {
+                    const fb_weight *qkv[3] = {&Lr->q, &Lr->k, &Lr->v};
+                    float *const outs[3] = {qb, kb, vb};
+                    batch_matmuls(qkv, outs, 3, B, xn, &a, p, ith, nth, &bar);
+                }
+                for (int64_t item = ith; item < B * (H + Hkv); item += nth) {
+                    const int64_t t = item / (H + Hkv), head = item % (H + Hkv);
+                    if (head < H) {
+                        float *x = qb + t * QD + head * hd;
+                        if (Lr->q_norm) rmsnorm_row(x, hd, Lr->q_norm, m->norm_eps, x);
+                        rope_apply(x, hd, m->rope_neox, cs + t * half, sn + t * half);
+                        for (int64_t d = 0; d < hd; d++) x[d] = round_f16(x[d] * m->q_scale);
+                    } else {
+                        const int64_t kvh = head - H, at = (kvh * cache_lens[t] + positions[t]) * hd;
+                        float *x = kb + t * KD + kvh * hd;
+                        if (Lr->k_norm) rmsnorm_row(x, hd, Lr->k_norm, m->norm_eps, x);
+                        rope_apply(x, hd, m->rope_neox, cs + t * half, sn + t * half);
+                        uint16_t *kc = k_caches[t * NL + il] + at, *vc = v_caches[t * NL + il] + at;
+                        for (int64_t d = 0; d < hd; d++) {
+                            kc[d] = _cvtss_sh(x[d], _MM_FROUND_TO_NEAREST_INT);
+                            vc[d] = _cvtss_sh(vb[t * KD + kvh * hd + d], _MM_FROUND_TO_NEAREST_INT);
+                        }
+                    }
+                }
+                barrier_wait(&bar);
+                for (int64_t item = ith; item < B * H; item += nth) {
+                    const int64_t t = item / H, head = item % H, kvh = head / groups, len = cache_lens[t];
+                    attend_row(qb + t * QD + head * hd, k_caches[t * NL + il] + kvh * len * hd,
+                               v_caches[t * NL + il] + kvh * len * hd, hd, positions[t], Lr->window, len,
+                               m->kq_scale, 1, p, s, acc, att + t * QD + head * hd);
+                }
+                barrier_wait(&bar);
+                {
+                    const fb_weight *o[1] = {&Lr->o};
+                    float *const outs[1] = {ab};
+                    batch_matmuls(o, outs, 1, B, att, &a, p, ith, nth, &bar);
+                }
+                for (int64_t t = ith; t < B; t += nth) {
+                    float *hr = h + t * D, *ar = ab + t * D;
+                    if (Lr->post_attn_norm) rmsnorm_row(ar, D, Lr->post_attn_norm, m->norm_eps, ar);
+                    for (int64_t i = 0; i < D; i++) hr[i] = hr[i] + ar[i];
+                    rmsnorm_row(hr, D, Lr->mlp_norm, m->norm_eps, xn + t * D);
+                }
+                barrier_wait(&bar);
+                {
+                    const fb_weight *gate_up[2] = {&Lr->gate, &Lr->up};
+                    float *const outs[2] = {gb, ub};
+                    batch_matmuls(gate_up, outs, 2, B, xn, &a, p, ith, nth, &bar);
+                }
+                for (int64_t t = ith; t < B; t += nth)
+                    for (int64_t i = 0; i < F; i++) {
+                        const float g = gb[t * F + i];
+                        gb[t * F + i] = (m->gelu ? gelu_table(m->gelu_table, g) : silu_ggml(g, p->softmax_lanes)) * ub[t * F + i];
+                    }
+                barrier_wait(&bar);
+                {
+                    const fb_weight *down[1] = {&Lr->down};
+                    float *const outs[1] = {ab};
+                    batch_matmuls(down, outs, 1, B, gb, &a, p, ith, nth, &bar);
+                }
+                for (int64_t t = ith; t < B; t += nth) {
+                    float *hr = h + t * D, *ar = ab + t * D;
+                    if (Lr->post_mlp_norm) rmsnorm_row(ar, D, Lr->post_mlp_norm, m->norm_eps, ar);
+                    for (int64_t i = 0; i < D; i++) hr[i] = hr[i] + ar[i];
+                    if (il == NL - 1) rmsnorm_row(hr, D, m->output_norm, m->norm_eps, out + t * D);
+                }
+                barrier_wait(&bar);
+            }
+            free(s);
+            free(acc);
+        }
+    }
+    free(xn); free(qb); free(kb); free(vb); free(att); free(ab); free(gb); free(ub); free(cs); free(sn);
+    act_free(&a);
+    return failed ? -1 : 0;
+}

@@ -106,7 +106,11 @@ TRAIN_SIGNATURES = {
 RETURNS = {"cpu_features": ([], _I64),
            "fb_matmul": ([_PTR, _I64, _PTR, _PTR, _INT, _PTR], _INT),
            "fb_forward": ([_PTR, _PTR, _I64, _I64, _PTR, _PTR, _PTR, _I64, _I64, _PTR, _PTR, _INT],
-                          _INT)}
+                          _INT),
+           # one decode step of several sequences, each row as fb_forward gives it alone
+           "fb_matmul_rowwise": ([_PTR, _I64, _PTR, _PTR, _INT, _PTR], _INT),
+           "fb_decode_batch": ([_PTR, _PTR, _I64, _PTR, _PTR, _PTR, _PTR, _PTR, _PTR, _INT],
+                               _INT)}
 
 
 def _build(source: Path, flags: list[str]) -> ctypes.CDLL | None:

@@ -12,7 +12,17 @@ FORGEBENCH_NATIVE=0) runs them instead, and the tests hold the two to identical 
 It serves only what it reproduces exactly; anything else returns None and the torch path runs:
 f32 numerics, LoRA adapters attached, weight types without a bit-exact kernel in the llama.cpp
 configuration followed (BF16; Q4_0 where llama.cpp repacks it),
-packed sequences, a batch of more than one sequence.
+packed sequences, a batch of more than one sequence in `hidden`.
+
+Batched decode (`decode_batch`, for the server's concurrent requests): one step advances B
+sequences by one token each, every sequence at its own position in its own KV cache. The weight
+matmuls take the B rows together, so each weight is read from memory once per step instead of
+once per sequence, and attention runs per sequence. Each row is summed by the kernel llama.cpp
+runs for ONE token (vec_dot / gemv), not the batch kernels llama.cpp would pick for B rows
+(tiled, gemm, tinyBLAS; numerics.py: they sum in other orders): a sequence's logits are then the
+bits it gets alone, the bits llama.cpp gives that request decoded on its own, whatever shares the
+step. (llama.cpp's own server batching B slots would run the B-row kernels, and its answers
+would change with the number of concurrent requests.)
 """
 
 from __future__ import annotations
@@ -139,6 +149,33 @@ class NativeDecoder:
         out = torch.cat(outs) if len(outs) > 1 else outs[0]
         return out if rows is not None else out[None]
 
+    def hidden_batch(self, tokens: list[int], positions: list[int],
+                     caches: list[KVCache]) -> torch.Tensor:
+        """Final-normed hidden states [B, dim] of one new token per sequence: tokens[b] at
+        positions[b] of caches[b] (fb_decode_batch), each row what `hidden` gives that sequence
+        for its token alone."""
+        model, cfg = self.model, self.model.config
+        B, NL = len(tokens), cfg.n_layers
+        for position, cache in zip(positions, caches):
+            if not 0 <= position < cache.max_len:
+                raise ValueError(f"KV cache holds {cache.max_len} positions; asked for "
+                                 f"{position + 1}")
+        h = model.tok_embeddings(torch.tensor([tokens]))
+        if self.gemma:
+            h = h * math.sqrt(cfg.dim)
+        h = h[0].float().contiguous()
+        keys = (ctypes.c_void_p * (B * NL))(*(ptr(k) for c in caches for k in c.k))
+        values = (ctypes.c_void_p * (B * NL))(*(ptr(v) for c in caches for v in c.v))
+        at = torch.tensor(positions, dtype=torch.int64)
+        lengths = torch.tensor([c.max_len for c in caches], dtype=torch.int64)
+        out = torch.empty(B, cfg.dim)
+        status = self.lib.fb_decode_batch(
+            ctypes.byref(self.struct), ctypes.byref(plan_struct()), B, ptr(at), ptr(h), keys,
+            values, ptr(lengths), ptr(out), torch.get_num_threads())
+        if status != 0:
+            raise MemoryError(f"fb_decode_batch failed for {B} sequences")
+        return out
+
 
 def _describe(model) -> list[dict] | None:
     """Per layer the exact weights, biases and norms fb_forward needs; None where it cannot serve
@@ -200,4 +237,45 @@ def serves(model, tokens: torch.Tensor, cache: KVCache | None, lengths, start_po
         t.is_contiguous() for t in (*cache.k, *cache.v)))
 
 
-__all__ = ["NativeDecoder", "native_decoder", "serves"]
+def rowwise_logits(model, h: torch.Tensor) -> torch.Tensor | None:
+    """model.logits of each row of h [B, dim] as that row alone gets them (fb_matmul_rowwise:
+    the one-row kernels, the LM head's weights read once for all rows); None where the LM head
+    is not a bit-exact C matmul (then each row goes through model.logits)."""
+    head = getattr(model, "output", None)
+    if (type(head) is not FrozenQuantLinear or head.numerics != "llamacpp" or head.bias is not None
+            or getattr(model.config, "final_softcap", None)):
+        return None
+    exact = _exact_weight(head)
+    lib = kernels()
+    if exact is None or lib is None:
+        return None
+    x = h.float().contiguous()
+    out = torch.empty(x.shape[0], exact.rows)
+    status = lib.fb_matmul_rowwise(ctypes.byref(exact.struct), x.shape[0], ptr(x),
+                                   ctypes.byref(plan_struct()), torch.get_num_threads(), ptr(out))
+    if status != 0:
+        raise MemoryError(f"fb_matmul_rowwise: no memory for {x.shape[0]} x {exact.cols}")
+    return out
+
+
+def decode_batch(model, tokens: list[int], positions: list[int],
+                 caches: list[KVCache]) -> torch.Tensor:
+    """Logits [B, vocab] of one decode step for B sequences: tokens[b] at positions[b] of its
+    own cache caches[b] (written there). Row b is bit for bit
+    `model.logits(model.hidden([[tokens[b]]], positions[b], caches[b]))`, whatever else shares
+    the step: under llama.cpp numerics the C step (fb_decode_batch) runs every row through the
+    kernels llama.cpp runs for one token, the weights streamed once for all rows; elsewhere
+    (LoRA attached, f32 numerics, no C compiler) the sequences run one after another."""
+    with torch.no_grad():
+        fast = native_decoder(model) if len(tokens) > 1 else None
+        if fast is not None and all(serves(model, torch.zeros(1, 1), c, None, p)
+                                    for c, p in zip(caches, positions)):
+            h = fast.hidden_batch(tokens, positions, caches)
+            logits = rowwise_logits(model, h)
+            return logits if logits is not None else torch.cat(
+                [model.logits(h[b:b + 1]).float() for b in range(len(tokens))])
+        return torch.cat([model.logits(model.hidden(torch.tensor([[t]]), p, c)[:, -1]).float()
+                          for t, p, c in zip(tokens, positions, caches)])
+
+
+__all__ = ["NativeDecoder", "decode_batch", "native_decoder", "rowwise_logits", "serves"]

@@ -10,9 +10,12 @@ render (with the template's line), 503 when the model's queue is full.
 
 Models load on first use (one load at a time per model; aliases such as a run's latest
 checkpoint share one), then each has an engine thread (engine/server/scheduler.py) that
-interleaves its requests. Chat prompts are rendered by serve-local's `render` (the model's own
-template: the training one for a run), completions encoded as `forgebench generate` encodes a
-prompt. `on_log` receives one dict per finished request (the app's request log).
+advances its requests together in batched decode steps. LoRA checkpoints of one base
+share one loaded copy of it and its engine thread, each request running its own
+checkpoint's adapter (engine/server/shared_base.py); /health lists the loaded bases.
+Chat prompts are rendered by serve-local's `render` (the model's own template: the training
+one for a run), completions encoded as `forgebench generate` encodes a prompt. `on_log`
+receives one dict per finished request (the app's request log).
 """
 
 from __future__ import annotations
@@ -56,8 +59,10 @@ class Loaded:
     """A model ready to serve: the serve-local System (or an embedding encoder) and, for text
     models, its engine thread."""
 
-    def __init__(self, entry: Entry, system=None, runner=None, encoder=None):
+    def __init__(self, entry: Entry, system=None, runner=None, encoder=None,
+                 adapter: str | None = None):
         self.entry, self.system, self.runner, self.encoder = entry, system, runner, encoder
+        self.adapter = adapter            # the shared base's adapter key its requests select
         self.encode_lock = threading.Lock()
 
 
@@ -71,6 +76,9 @@ class Server:
         self.on_log = on_log
         self.loaded: dict[str, Loaded] = {}
         self.loading: dict[str, asyncio.Lock] = {}
+        self.bases: dict[str, Any] = {}        # share_key -> engine.server.shared_base.SharedBase
+        self.base_loads = 0                    # how many times a model was read from its files
+        self.sharing = threading.Lock()
 
     # -- models ---------------------------------------------------------------------------
     def entry(self, model: str) -> Entry:
@@ -99,14 +107,52 @@ class Server:
             recipe = recipe_module(run.manifest()["recipe"])
             return Loaded(entry, encoder=recipe.checkpoint_encoder(
                 run, run.checkpoint(entry.load["checkpoint"])))
+        from engine.server.shared_base import share_key
+
+        share = share_key(entry.load)
+        if share is None:
+            system, runner = self._load_model(entry)
+            return Loaded(entry, system=system, runner=runner)
+        from engine.server.shared_base import AdapterBank, SharedBase, checkpoint_system
+
+        adapter = json.dumps(entry.load, sort_keys=True)
+        with self.sharing:              # a second checkpoint waits for its base, then shares it
+            shared = self.bases.get(share)
+            if shared is None:
+                system, runner = self._load_model(entry)
+                bank = AdapterBank(system.model)
+                bank.adopt(adapter)
+                system.model.adapter_bank = bank
+                shared = self.bases[share] = SharedBase(system, bank, runner,
+                                                        system.info.get("base", ""))
+            else:
+                system = checkpoint_system(shared, entry.id, entry.load)
+            shared.systems[entry.id] = system
+        return Loaded(entry, system=system, runner=shared.runner, adapter=adapter)
+
+    def _load_model(self, entry: Entry):
         from engine.serve_local import load_system
         from engine.server.scheduler import Runner
 
         system = load_system(entry.id, dict(entry.load))
+        self.base_loads += 1
         runner = Runner(system.model, system.tokenizer, slots=self.slots,
                         queue_limit=self.queue_limit, name=entry.id,
                         token_delay=self.token_delay)
-        return Loaded(entry, system=system, runner=runner)
+        return system, runner
+
+    def bases_report(self) -> list[dict]:
+        """/health's loaded bases: each base file, the served ids sharing it, its weights'
+        bytes."""
+        from engine.models.gguf_model import packed_weights
+
+        report = []
+        for shared in self.bases.values():
+            model = shared.system.model
+            weights = sum(w.packed_bytes for w in packed_weights(model))
+            report.append({"base": shared.base_path, "models": sorted(shared.systems),
+                           "packed_weight_bytes": weights})
+        return report
 
     def close(self) -> None:
         for loaded in self.loaded.values():
@@ -208,7 +254,7 @@ async def _generate(server: Server, request: Request, body, kind: str) -> Respon
 
     job = Job(ids, max_tokens, emit, SamplingSettings(body.temperature, body.top_k, body.top_p,
                                                       body.repetition_penalty),
-              body.seed, body.stops(), constraint)
+              body.seed, body.stops(), constraint, adapter=loaded.adapter)
     try:
         loaded.runner.submit(job)
     except Busy as exc:
@@ -369,11 +415,14 @@ def create_app(server: Server) -> Starlette:
                              "usage": {"prompt_tokens": tokens, "total_tokens": tokens}})
 
     async def health(request: Request) -> Response:
-        """Liveness, and per loaded model how many requests generate and wait."""
+        """Liveness, per loaded model how many requests generate and wait, how many times a
+        model was read from its files and the bases LoRA checkpoints share."""
         return JSONResponse({"status": "ok", "served": len(server.catalog.entries),
                              "loaded": {loaded.entry.id: loaded.runner.load()
                                         for loaded in server.loaded.values()
-                                        if loaded.runner is not None}})
+                                        if loaded.runner is not None},
+                             "model_loads": server.base_loads,
+                             "shared_bases": server.bases_report()})
 
     async def http_error(request: Request, exc: HTTPException) -> Response:
         return error_response(exc.status_code, exc.detail or "error",

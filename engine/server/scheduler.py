@@ -9,10 +9,11 @@ therefore produces exactly the tokens `engine.llm.generate.generate` would for t
 settings and seed.
 
 Scheduling: up to `slots` requests are active at once; each round admits waiting requests
-(their prompts are processed), then advances every active request by one token, so several
-streams progress together and a long reply does not hold the others back. The CPU runs one
-forward at a time either way; decode steps of different requests are interleaved, not fused
-into one batched matmul (the C forward serves one sequence). More than `queue_limit` waiting
+(their prompts are processed), then samples every active request's next token and advances them
+all in one batched decode step (engine/models/native_forward.py decode_batch): each weight is
+read once per step for all of them, attention runs per request on its own cache, and each
+request's logits are the bits it would get alone (the one-token kernels), so an answer does not
+depend on what else is being served. More than `queue_limit` waiting
 requests (beyond the free slots) are refused (`Busy`, a 503). A request whose client went
 away is cancelled at its next token and its slot freed.
 
@@ -20,6 +21,11 @@ Prefix reuse: the KV caches of the last finished requests are kept (`prefix_entr
 prompt that starts with one of them copies those positions and processes only the rest, as
 llama.cpp's server does with `cache_prompt` (a conversation's next turn re-reads only the
 new messages).
+
+Shared bases: a model with an `adapter_bank` (engine/server/shared_base.py) serves several LoRA
+checkpoints; the bank selects each request's adapter (`Job.adapter`) before its forward, a
+decode step advances the requests of one adapter together, and a cached prefix is reused only
+by a request of the same adapter (its keys and values depend on it).
 """
 
 from __future__ import annotations
@@ -33,6 +39,7 @@ from typing import Any, Callable
 import torch
 
 from engine.llm.generate import TextStream
+from engine.models.native_forward import decode_batch
 from engine.sampling import SamplingSettings, next_token
 
 
@@ -54,6 +61,7 @@ class Job:
     seed: int = 0
     stop: list[str] = field(default_factory=list)
     constraint: Any = None          # engine.server.constrained.JsonConstraint or None
+    adapter: str | None = None      # the LoRA checkpoint of a shared base it runs (shared_base.py)
     cancelled: threading.Event = field(default_factory=threading.Event)
     submitted: float = field(default_factory=time.perf_counter)
 
@@ -86,7 +94,9 @@ class Runner:
                                 if i is not None})
         self.waiting: collections.deque[Job] = collections.deque()
         self.active: list[_Slot] = []
-        self.prefixes: list[tuple[list[int], Any]] = []     # (positions' ids, cache), newest last
+        # (adapter, positions' ids, cache), newest last
+        self.prefixes: list[tuple[str | None, list[int], Any]] = []
+        self.bank = getattr(model, "adapter_bank", None)
         self.condition = threading.Condition()
         self.stopping = False
         self.thread = threading.Thread(target=self._loop, name=f"serve-{name}", daemon=True)
@@ -131,8 +141,12 @@ class Runner:
                     admitted.append(self.waiting.popleft())
             for job in admitted:
                 self._guard(job, lambda job=job: self._start(job))
+            stepping: dict[str | None, list[_Slot]] = {}     # by adapter
             for slot in list(self.active):
-                self._guard(slot.job, lambda slot=slot: self._advance(slot), slot)
+                self._guard(slot.job, lambda slot=slot, into=stepping: self._advance(slot)
+                            and into.setdefault(slot.job.adapter, []).append(slot), slot)
+            for slots in stepping.values():
+                self._decode(slots)
             if self.token_delay and self.active:
                 time.sleep(self.token_delay)
 
@@ -141,22 +155,32 @@ class Runner:
         try:
             work()
         except Exception as exc:  # noqa: BLE001 - one request's failure must not stop others
-            if slot is not None and slot in self.active:
-                self.active.remove(slot)
-            message = getattr(exc, "message", None) or f"{type(exc).__name__}: {exc}"
-            job.emit({"type": "error", "message": message})
+            self._fail(job, exc, slot)
+
+    def _fail(self, job: Job, exc: Exception, slot: _Slot | None = None) -> None:
+        if slot is not None and slot in self.active:
+            self.active.remove(slot)
+        message = getattr(exc, "message", None) or f"{type(exc).__name__}: {exc}"
+        job.emit({"type": "error", "message": message})
+
+    def _select(self, job: Job) -> None:
+        if self.bank is not None:
+            self.bank.select(job.adapter)
 
     def _step(self, slot_cache, ids: list[int], start: int) -> torch.Tensor:
         with torch.no_grad():
             h = self.model.hidden(torch.tensor([ids]), start, slot_cache)
             return self.model.logits(h[:, -1])[0].float()
 
-    def _reuse(self, prompt: list[int], size: int) -> tuple[Any, int]:
+    def _reuse(self, prompt: list[int], size: int, adapter: str | None) -> tuple[Any, int]:
         """A cache for `prompt` holding the longest cached prefix of it (at most all but its
-        last token: the last one must run to give the next token's logits)."""
+        last token: the last one must run to give the next token's logits) that the same
+        adapter computed."""
         cache = self.model.new_cache(1, size)
         best, source = 0, None
-        for ids, cached in self.prefixes:
+        for owner, ids, cached in self.prefixes:
+            if owner != adapter:
+                continue
             n = 0
             limit = min(len(ids), len(prompt) - 1)
             while n < limit and ids[n] == prompt[n]:
@@ -175,7 +199,8 @@ class Runner:
                       "cached_tokens": 0})
             return
         prompt = list(job.prompt_ids)
-        cache, cached = self._reuse(prompt, len(prompt) + job.max_tokens)
+        cache, cached = self._reuse(prompt, len(prompt) + job.max_tokens, job.adapter)
+        self._select(job)
         job.emit({"type": "start", "prompt_tokens": len(prompt), "cached_tokens": cached})
         started = time.perf_counter()
         logits = self._step(cache, prompt[cached:], cached)
@@ -185,7 +210,9 @@ class Runner:
         slot.prompt_s = time.perf_counter() - started
         self.active.append(slot)
 
-    def _advance(self, slot: _Slot) -> None:
+    def _advance(self, slot: _Slot) -> bool:
+        """Sample and send the slot's next token; True when it goes on (its token is then fed
+        in the round's decode step), False when it finished."""
         job = slot.job
         logits = slot.logits
         if job.constraint is not None:
@@ -208,8 +235,21 @@ class Runner:
             return self._finish(slot, "cancelled")
         if len(slot.out) >= job.max_tokens:
             return self._finish(slot, "length")
-        slot.logits = self._step(slot.cache, [token], len(slot.history) - 1)
-        slot.fed = len(slot.history)
+        return True
+
+    def _decode(self, slots: list[_Slot]) -> None:
+        """Feed each slot's newest token in one batched step; a failure ends those requests."""
+        try:
+            self._select(slots[0].job)
+            logits = decode_batch(self.model, [s.history[-1] for s in slots],
+                                  [len(s.history) - 1 for s in slots], [s.cache for s in slots])
+        except Exception as exc:  # noqa: BLE001 - the requests fail, the server goes on
+            for slot in slots:
+                self._fail(slot.job, exc, slot)
+            return
+        for slot, row in zip(slots, logits):
+            slot.logits = row
+            slot.fed = len(slot.history)
 
     def _finish(self, slot: _Slot, reason: str) -> None:
         if slot in self.active:
@@ -217,10 +257,10 @@ class Runner:
         slot.released.clear()
         text = slot.stream.finish(slot.out)
         tail = "".join(slot.released)
-        self.prefixes = [p for p in self.prefixes if p[1] is not slot.cache][
+        self.prefixes = [p for p in self.prefixes if p[2] is not slot.cache][
             -(self.prefix_entries - 1):] if self.prefix_entries > 1 else []
         if self.prefix_entries:
-            self.prefixes.append((slot.history[:slot.fed], slot.cache))
+            self.prefixes.append((slot.job.adapter, slot.history[:slot.fed], slot.cache))
         slot.job.emit({"type": "done", "text": text, "tail": tail, "ids": list(slot.out),
                        "finish_reason": reason, "prompt_tokens": len(slot.job.prompt_ids),
                        "completion_tokens": len(slot.out),
