@@ -39,7 +39,7 @@ a fused multiply-add gives (the product of two f32 is exact in f64).
   Q8_0 integers and scale, plus s = f16(d·Σq) with d before its rounding; per block the eight
   lanes' fma(d_w·d_x) as above, and summs = fma(m_w, s_x, summs); hsum_float_8(acc) + summs.
 
-f16 weights are the f16 dot products of numerics.dot_f16 (engine/models/linear.py). BF16 weights
+f16 weights are the f16 dot products of numerics.dot_f16 (engine/models/packed.py). BF16 weights
 and repacked Q4_0 use the dequantized product with the same quantized activations: right to f32
 summation order, not to the bit.
 
@@ -57,14 +57,16 @@ from gguf import GGMLQuantizationType as T
 
 from engine.gguf.constants import type_size
 from engine.gguf.dequant import unpack_blocks
-from engine.kernels.cpu import plan
+from engine.kernels.cpu import EXACT_KERNEL_TYPES, plan
 from engine.kernels.native import WEIGHT_TYPES, Plan, Weight, kernels, ptr
 from engine.kernels.numerics import fma_f32, hsum8, quantize_q8_0, quantize_q8_k, round_f16
 
 UBATCH = 512  # llama.cpp's default n_ubatch: a longer prompt is evaluated in such pieces
 ROW_CHUNK = 64  # rows per pass of the torch reference, to bound its integer-lane intermediates
 TILED_MIN_ROWS = 8  # ggml_tiled_min_batch: K-quant matmuls of this many rows or more run tiled
-EXACT_TYPES = (T.Q8_0, T.Q5_0, T.Q4_0, T.Q4_1, T.Q5_1, T.Q4_K, T.Q5_K, T.Q6_K)
+# the quantized types whose llama.cpp kernels are reproduced here (the weight-layout table's
+# "ggml_matmul" rows, engine/gguf/layouts.py)
+EXACT_TYPES = tuple(T[name] for name in EXACT_KERNEL_TYPES)
 
 
 def repacked(ggml_type: T, rows: int, p=None) -> bool:

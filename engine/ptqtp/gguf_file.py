@@ -41,10 +41,11 @@ from gguf import LlamaFileType as F
 from engine.errors import ForgebenchError
 from engine.fsutil import sha256_file
 from engine.gguf.constants import DEQUANTIZED_FROM_KEY, DEQUANTIZED_FROM_TYPE_KEY, QK_K
+from engine.gguf.layouts import PTQTP_2
 from engine.gguf.writer import MetaValue, TensorEntry, read_gguf_content, write_gguf
 from engine.ptqtp.decompose import Decomposition, absmean_ternary, decompose, relative_error
 
-PLANE2_SUFFIX = ".plane2"
+PLANE2_SUFFIX = PTQTP_2.planes[1]      # ".plane2" (the weight-layout table's PTQTP row)
 PLANES_KEY, GROUP_KEY, VERSION_KEY = "ptqtp.planes", "ptqtp.group", "ptqtp.version"
 SOURCE_KEY, METHOD_KEY = "ptqtp.source_sha256", "ptqtp.method"
 FORMAT_VERSION = 1
