@@ -240,6 +240,9 @@ def _convert_args(p: argparse.ArgumentParser) -> None:
                    help="ptqtp: ternary planes per weight (1: a file stock llama.cpp runs)")
     p.add_argument("--group", default="256",
                    help="ptqtp: values sharing a scale, 256 or 'row' (default 256)")
+    p.add_argument("--ternary", choices=("tq2_0", "tq1_0"), default="tq2_0",
+                   help="ptqtp: each plane as llama.cpp's TQ2_0 (2.06 bits a weight) or TQ1_0 "
+                        "(1.69; the same values, smaller)")
 
 
 def _data_args(p: argparse.ArgumentParser) -> None:

@@ -16,7 +16,7 @@ from gguf import GGUFReader, quants
 
 from engine.errors import ForgebenchError
 from engine.ptqtp import decompose as D
-from engine.ptqtp.gguf_file import PLANE2_SUFFIX, convert_ptqtp, pack_tq2_0
+from engine.ptqtp.gguf_file import PLANE2_SUFFIX, convert_ptqtp, pack_tq1_0, pack_tq2_0
 from tests.fixtures_gguf import write_tiny_gguf
 
 torch.set_num_threads(2)
@@ -142,6 +142,42 @@ def test_tq2_0_packing_matches_the_gguf_reference_dequantizer():
         np.testing.assert_array_equal(ours.numpy(), ref)
 
 
+def _absmax_trits(rows: int, cols: int, seed: int):
+    """Random trits with every 256-block holding a ±1 (so its absolute maximum is its scale, as
+    ggml's reference quantizer sets it) and f16 scales."""
+    gen = np.random.default_rng(seed)
+    trits = gen.integers(-1, 2, (rows, cols)).astype(np.int8)
+    trits[:, ::256] = 1
+    scales = gen.uniform(0.01, 2.0, (rows, cols // 256)).astype(np.float16).astype(np.float32)
+    return trits, scales
+
+
+@pytest.mark.parametrize("kind, pack", [(T.TQ1_0, pack_tq1_0), (T.TQ2_0, pack_tq2_0)],
+                         ids=["TQ1_0", "TQ2_0"])
+def test_ternary_packing_is_byte_identical_to_the_gguf_reference_quantizer(kind, pack):
+    """The planes' bytes equal what ggml's reference quantizer (the `gguf` package's
+    quantize_row_tq1_0/tq2_0 port) writes for the same values; and the engine's dequantizer reads
+    them back exactly."""
+    from engine.gguf.dequant import dequantize
+
+    trits, scales = _absmax_trits(5, 768, seed=3)
+    values = trits.astype(np.float32) * np.repeat(scales, 256, axis=1)
+    ours = pack(trits, scales)
+    np.testing.assert_array_equal(ours, quants.quantize(values, kind))
+    back = dequantize(torch.from_numpy(ours), kind, values.shape)
+    np.testing.assert_array_equal(back.numpy(), values)
+
+
+def test_twin_tq1_0_packing_with_the_trits_out_of_order_differs():
+    """Twin: the 160-value first part packed byte-major (n·5 + k instead of k·32 + n) is a valid
+    TQ1_0 block of other values, and the reference quantizer's bytes tell it apart."""
+    trits, scales = _absmax_trits(2, 256, seed=4)
+    values = trits.astype(np.float32) * np.repeat(scales, 256, axis=1)
+    shuffled = trits.copy()
+    shuffled[:, :160] = trits[:, :160].reshape(2, 5, 32).transpose(0, 2, 1).reshape(2, 160)
+    assert not np.array_equal(pack_tq1_0(shuffled, scales), quants.quantize(values, T.TQ1_0))
+
+
 # -- the file --------------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
@@ -154,14 +190,16 @@ def _tensor(reader, name):
     return t
 
 
-def test_convert_round_trip_through_the_gguf_package_and_the_engine(tiny_f16, tmp_path):
+@pytest.mark.parametrize("kind", [T.TQ2_0, T.TQ1_0], ids=["TQ2_0", "TQ1_0"])
+def test_convert_round_trip_through_the_gguf_package_and_the_engine(tiny_f16, tmp_path, kind):
     from engine.gguf.convert import _to_f32
     from engine.gguf.writer import read_gguf_content
     from engine.models.gguf_model import load_gguf_model
     from engine.ptqtp.weight import PlaneSumLinear
 
     out = tmp_path / "tiny-ptqtp.gguf"
-    result = convert_ptqtp(tiny_f16, out, planes=2, iterations=4)   # few rounds: a fast test
+    result = convert_ptqtp(tiny_f16, out, planes=2, iterations=4,  # few rounds: a fast test
+                           plane_type=kind)
     report = json.loads(result.report_path.read_text())
     assert report["decomposed"] == 14 and report["planes"] == 2           # 2 layers × 7
     kept = {r["name"] for r in report["tensors"] if "kept" in r}
@@ -174,8 +212,8 @@ def test_convert_round_trip_through_the_gguf_package_and_the_engine(tiny_f16, tm
     w = torch.from_numpy(_to_f32(src[name]))
     dec = D.decompose(w, planes=2, group=256, iterations=4)
     p1, p2 = _tensor(reader, name), _tensor(reader, name + PLANE2_SUFFIX)
-    assert p1.tensor_type == T.TQ2_0 and p2.tensor_type == T.TQ2_0
-    from_file = quants.dequantize(p1.data, T.TQ2_0) + quants.dequantize(p2.data, T.TQ2_0)
+    assert p1.tensor_type == kind and p2.tensor_type == kind
+    from_file = quants.dequantize(p1.data, kind) + quants.dequantize(p2.data, kind)
     np.testing.assert_array_equal(from_file, (dec.plane_dense(0) + dec.plane_dense(1)).numpy())
     row = next(r for r in report["tensors"] if r["name"] == name)
     assert row["rel_error"] == pytest.approx(D.relative_error(w, dec.dense()), rel=1e-9)
@@ -222,7 +260,8 @@ def test_cli_convert_ptqtp(tiny_f16, tmp_path, capsys):
 
 
 @pytest.mark.llamacpp
-def test_llamacpp_runs_the_single_plane_file(tiny_f16, tmp_path):
+@pytest.mark.parametrize("kind", [T.TQ2_0, T.TQ1_0], ids=["TQ2_0", "TQ1_0"])
+def test_llamacpp_runs_the_single_plane_file(tiny_f16, tmp_path, kind):
     """Stock llama.cpp loads the 1-plane file and its logits agree with the engine's.
     llama.cpp's TQ2_0 product quantizes the activations to Q8_K first: the engine's llamacpp
     numerics do too (VEC_DOT_TYPE) and agree to 1e-3 of the largest logit (measured: 4e-5; not
@@ -232,7 +271,7 @@ def test_llamacpp_runs_the_single_plane_file(tiny_f16, tmp_path):
     from engine.models.gguf_model import load_gguf_model
 
     out = tmp_path / "one.gguf"
-    convert_ptqtp(tiny_f16, out, planes=1)
+    convert_ptqtp(tiny_f16, out, planes=1, plane_type=kind)
     ids = [1, 40, 7, 200, 12, 99, 5, 261, 33, 18]
     llm = open_llama(str(out), logits_all=True, n_ctx=64, n_threads=2, verbose=False)
     llm.eval(ids)

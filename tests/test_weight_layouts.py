@@ -27,7 +27,7 @@ from engine.gguf.layouts import BY_TYPE, LAYOUTS, PTQTP_2, Layout, plane_suffixe
 from engine.kernels.numerics import q8_0_values, q8_k_values, round_f16
 from engine.models.packed import PackedWeight
 from engine.ptqtp.decompose import decompose
-from engine.ptqtp.gguf_file import pack_tq2_0
+from engine.ptqtp.gguf_file import PACKERS
 
 ROWS, COLS, BATCH = 24, 512, 5
 F32_BOUND = 1e-6            # of Σ|x||w| per output: f32 rounding of a 512-term sum (measured
@@ -39,7 +39,7 @@ def _store(layout: Layout, values: np.ndarray) -> list[np.ndarray]:
     """The bytes of `values` [ROWS, COLS] in `layout`, one uint8 array per plane."""
     if len(layout.planes) > 1:
         dec = decompose(torch.from_numpy(values), planes=len(layout.planes), iterations=4)
-        return [pack_tq2_0(dec.planes[p].numpy(), dec.scales[p].numpy())
+        return [PACKERS[layout.ggml_type](dec.planes[p].numpy(), dec.scales[p].numpy())
                 for p in range(len(layout.planes))]
     if layout.quantize_rows is not None:
         return [layout.quantize_rows(values)]

@@ -220,6 +220,24 @@ def dequantize_tq2_0(b):
     return q.mul_(_f16(b[:, 64:66]).view(n, 1))
 
 
+_POW3 = torch.tensor([1, 3, 9, 27, 81], dtype=torch.int32)
+
+
+def dequantize_tq1_0(b):
+    # llama.cpp's TQ1_0: 48 bytes of 5 trits each, 4 bytes of 4 trits, the f16 scale. A byte holds
+    # ceil(256·q/243) for q = Σ t_k·3^(4-k) (t + 1 ∈ {0,1,2}); trit k is (byte·3^k mod 256)·3 >> 8.
+    # Element order: byte n of the first 32 holds elements n, 32 + n, ..., 128 + n; of the next
+    # 16, 160 + n, 176 + n, ...; of the last 4, 240 + n, 244 + n, 248 + n, 252 + n.
+    n = b.shape[0]
+    pow3 = _POW3.to(b.device)
+    q = b[:, :52].int()
+    qs0 = (q[:, None, :32] * pow3.view(1, 5, 1)).reshape(n, 160)
+    qs1 = (q[:, None, 32:48] * pow3.view(1, 5, 1)).reshape(n, 80)
+    qh = (q[:, None, 48:52] * pow3[:4].view(1, 4, 1)).reshape(n, 16)
+    trits = ((torch.cat((qs0, qs1, qh), dim=1) & 0xFF) * 3 >> 8).float().sub_(1)
+    return trits.mul_(_f16(b[:, 52:54]).view(n, 1))
+
+
 def dequantize_f32(b):
     return b.view(torch.float32)
 

@@ -154,16 +154,27 @@ BLOCK_LAYOUTS: tuple[Layout, ...] = (
     _ggml(T.Q5_K, 256, 176, T.Q8_K, "ggml_matmul", quantizer=True, native=True),
     _ggml(T.Q6_K, 256, 210, T.Q8_K, "ggml_matmul", quantizer=True, native=True),
     _ggml(T.TQ2_0, 256, 66, T.Q8_K, "activations"),
+    _ggml(T.TQ1_0, 256, 54, T.Q8_K, "activations"),
 )
 BY_TYPE: dict[T, Layout] = {layout.ggml_type: layout for layout in BLOCK_LAYOUTS}
 
-# PTQTP (arXiv 2509.16989; engine/ptqtp): W = plane 1 + plane 2, each a TQ2_0 tensor
+# PTQTP (arXiv 2509.16989; engine/ptqtp): W = plane 1 + plane 2, each a ternary tensor of
+# llama.cpp's (TQ2_0: 2 bits a trit; TQ1_0: 5 trits a byte)
 PTQTP_PLANE2_SUFFIX = ".plane2"
-PTQTP_2 = Layout("PTQTP_2", T.TQ2_0, BY_TYPE[T.TQ2_0].block, BY_TYPE[T.TQ2_0].dequantizer,
-                 T.Q8_K, "activations", None, False, ("", PTQTP_PLANE2_SUFFIX))
+
+
+def _planes(kind: T) -> Layout:
+    one = BY_TYPE[kind]
+    return Layout(f"PTQTP_2_{kind.name}", kind, one.block, one.dequantizer, one.vec_dot,
+                  one.llamacpp, None, False, ("", PTQTP_PLANE2_SUFFIX))
+
+
+PTQTP_2 = _planes(T.TQ2_0)
+PTQTP_2_TQ1 = _planes(T.TQ1_0)
+PTQTP_LAYOUTS = (PTQTP_2, PTQTP_2_TQ1)
 
 LAYOUTS: dict[str, Layout] = {**{layout.name: layout for layout in BLOCK_LAYOUTS},
-                              PTQTP_2.name: PTQTP_2}
+                              **{layout.name: layout for layout in PTQTP_LAYOUTS}}
 
 FLOAT_TYPES: tuple[T, ...] = (T.F32, T.F16, T.BF16)
 
@@ -194,9 +205,9 @@ def stored_layout(tensor_names, name: str, ggml_type: T) -> Layout | None:
 
 def plane_suffixes() -> tuple[str, ...]:
     """Every extra-plane suffix a multi-plane layout uses (tensors that are a weight's part)."""
-    return tuple(s for layout in LAYOUTS.values() for s in layout.planes if s)
+    return tuple(dict.fromkeys(s for layout in LAYOUTS.values() for s in layout.planes if s))
 
 
 __all__ = ["BLOCK_LAYOUTS", "BY_TYPE", "FLOAT_TYPES", "LAYOUTS", "Layout", "PTQTP_2",
-           "PTQTP_PLANE2_SUFFIX", "layout_of", "plane_layout", "plane_suffixes", "resolve",
-           "stored_layout"]
+           "PTQTP_2_TQ1", "PTQTP_LAYOUTS", "PTQTP_PLANE2_SUFFIX", "layout_of", "plane_layout",
+           "plane_suffixes", "resolve", "stored_layout"]
