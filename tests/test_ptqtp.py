@@ -235,6 +235,34 @@ def test_convert_round_trip_through_the_gguf_package_and_the_engine(tiny_f16, tm
     torch.testing.assert_close(ours, theirs, rtol=1e-4, atol=1e-4)
 
 
+def test_dense_convert_of_a_two_plane_file_sums_the_planes(tiny_f16, tmp_path):
+    """`convert --dtype f32` of a 2-plane file writes each weight as plane 1 + plane 2 (no
+    `.plane2` tensors left), marked as dequantized from the PTQTP file, and the engine's logits on
+    it equal those on the 2-plane file; the twin, plane 1 alone, is another model."""
+    from engine.fsutil import sha256_file
+    from engine.gguf.constants import DEQUANTIZED_FROM_KEY
+    from engine.gguf.convert import convert_gguf
+    from engine.models.gguf_model import load_gguf_model
+
+    planes = convert_ptqtp(tiny_f16, tmp_path / "two.gguf", planes=2, iterations=4).path
+    dense = convert_gguf(planes, tmp_path / "dense.gguf", "f32").path
+    reader, source = GGUFReader(dense), GGUFReader(planes)
+    assert not any(t.name.endswith(PLANE2_SUFFIX) for t in reader.tensors)
+    assert str(reader.fields[DEQUANTIZED_FROM_KEY].contents()) == sha256_file(planes)
+    name = "blk.0.attn_q.weight"
+    p1, p2 = _tensor(source, name), _tensor(source, name + PLANE2_SUFFIX)
+    summed = quants.dequantize(p1.data, p1.tensor_type) + quants.dequantize(p2.data,
+                                                                            p2.tensor_type)
+    stored = np.asarray(_tensor(reader, name).data).reshape(summed.shape)
+    np.testing.assert_array_equal(stored, summed)
+    assert not np.allclose(stored, quants.dequantize(p1.data, p1.tensor_type), atol=1e-3)
+    ids = torch.tensor([[1, 40, 7, 200, 12, 99, 5]])
+    with torch.no_grad():
+        ours = load_gguf_model(dense, tokenizer=False)[0](ids)
+        theirs = load_gguf_model(planes, tokenizer=False)[0](ids)
+    torch.testing.assert_close(ours, theirs, rtol=1e-4, atol=1e-4)
+
+
 def test_convert_refuses_bad_input(tiny_f16, tmp_path):
     out = tmp_path / "one.gguf"
     convert_ptqtp(tiny_f16, out, planes=1)
@@ -317,6 +345,26 @@ def test_generate_verify_grads_and_a_lora_run_over_a_two_plane_base(tmp_path):
                                      .read_text().splitlines()) if m.get("split") == "train"]
     assert len(losses) == 6 and losses[-1] < losses[0]
     assert sha256_file(base) == before
+
+    # the export: merged into the dense weights (convert sums the planes), then like any other
+    # run; or the adapter alone, as a GGUF LoRA against the 2-plane file
+    dense = tmp_path / "dense.gguf"
+    forgebench("convert", str(base), "--dtype", "f32", "--out", str(dense))
+    forgebench("export", str(tmp_path / "run"), "--dtype", "f16", "--base", str(dense),
+               "--out", str(tmp_path / "merged"), "--no-report")
+    forgebench("export", str(tmp_path / "run"), "--dtype", "adapter",
+               "--out", str(tmp_path / "adapter"), "--no-report")
+    assert (tmp_path / "adapter" / "adapter.gguf").is_file()
+    from engine.export.equivalence import _load_engine
+
+    adapter = next((tmp_path / "run" / "checkpoints").glob("*/adapters.safetensors"))
+    trained = _load_engine({"kind": "gguf", "path": str(base), "lora": str(adapter)})[0]
+    merged = _load_engine({"kind": "gguf", "path": str(tmp_path / "merged" / "model.gguf")})[0]
+    ids = torch.tensor([[1, 40, 7, 200, 12, 99, 5]])
+    with torch.no_grad():
+        ours, theirs = merged(ids), trained(ids)
+    # the merged weights stored as f16: rounding of 2^-11 of each weight
+    assert float((ours - theirs).abs().max()) <= 1e-2 * float(theirs.abs().max())
 
 
 def _log_softmax(x: np.ndarray) -> np.ndarray:
