@@ -117,7 +117,24 @@ class PtqtpResult:
     report: dict
 
 
-def _policy(name: str, shape: tuple[int, ...], group: int | None) -> str | None:
+def _others_plan(content, others: str) -> dict[str, T]:
+    """Target types of the float tensors PTQTP keeps, under llama-quantize's recipe `others`
+    ({} for "keep")."""
+    from engine.gguf import quant_policy
+
+    if others == "keep":
+        return {}
+    if others not in quant_policy.FILE_TYPES:
+        raise ValueError(f"others={others!r}: 'keep' or a file type")
+    facts = quant_policy.ModelFacts.from_metadata(
+        {k: v.python() for k, v in content.metadata.items()
+         if v.type != GGUFValueType.ARRAY})
+    plan = quant_policy.plan_types([(t.name, t.shape, t.ggml_type) for t in content.tensors],
+                                   quant_policy.FILE_TYPES[others], facts)
+    return {t.name: plan[t.name] for t in content.tensors if t.ggml_type in FLOAT_TYPES}
+
+
+def kept_reason(name: str, shape: tuple[int, ...], group: int | None) -> str | None:
     """None if the tensor is decomposed, else why it is kept."""
     if not PROJECTION.match(name):
         return "not a block projection (embeddings, output head, norms stay as the source)"
@@ -128,14 +145,18 @@ def _policy(name: str, shape: tuple[int, ...], group: int | None) -> str | None:
 
 def convert_ptqtp(src: str | Path, dst: str | Path, *, planes: int = 2, group: int | None = 256,
                   iterations: int | None = None, progress=None,
-                  method: str = "ptqtp", plane_type: T = T.TQ2_0) -> PtqtpResult:
+                  method: str = "ptqtp", plane_type: T = T.TQ2_0,
+                  others: str = "keep") -> PtqtpResult:
     """Write `src` (any GGUF the engine runs) as a PTQTP model at `dst` (which must not exist),
     one tensor in memory at a time, and its report at `dst` + '.ptqtp.json'.
 
     method="absmean" writes plain round-to-nearest ternary (BitNet b1.58's absmean, one plane)
     in the same layout instead: the baseline the benchmark measures PTQTP against.
-    `plane_type`: each plane as TQ2_0 (2.0625 bits a weight) or TQ1_0 (1.6875), the same values."""
-    from engine.gguf.convert import _source_type_name, _to_f32
+    `plane_type`: each plane as TQ2_0 (2.0625 bits a weight) or TQ1_0 (1.6875), the same values.
+    `others`: the matrices PTQTP does not decompose stay as the source holds them ("keep"), or a
+    float source's are quantized as llama-quantize's recipe of that name would ("q4_k_m": what an
+    export from a dense fine-tune uses, so that the rest of the model is not left in f16)."""
+    from engine.gguf.convert import _converted, _source_type_name, _to_f32
 
     src, dst = Path(src), Path(dst)
     plane_type = T(plane_type)
@@ -191,19 +212,20 @@ def convert_ptqtp(src: str | Path, dst: str | Path, *, planes: int = 2, group: i
             out.append(TensorEntry(entry.name + PLANE2_SUFFIX, plane_type, entry.shape, plane2))
         return out
 
+    rest = _others_plan(content, others)
     for entry in content.tensors:
         if entry.name.endswith(PLANE2_SUFFIX) or entry.ggml_type in PACKERS:
             raise ForgebenchError("the source is already a ternary (PTQTP, TQ1_0 or TQ2_0) model",
                                   path=src, where=entry.name,
                                   hint="convert from the original f16/f32/bf16 or quantized GGUF")
-        why = _policy(entry.name, tuple(entry.shape), group)
+        why = kept_reason(entry.name, tuple(entry.shape), group)
         if why is None:
             dequantized |= entry.ggml_type not in FLOAT_TYPES
             tensors.extend(decomposed(entry))
         else:
             rows_report.append({"name": entry.name, "shape": list(entry.shape),
                                 "source_type": entry.ggml_type.name, "kept": why})
-            tensors.append(entry)
+            tensors.append(_converted(entry, rest.get(entry.name, entry.ggml_type)))
     if not any(t.ggml_type == plane_type for t in tensors):
         raise ForgebenchError(f"no tensor of this model can be stored as {plane_type.name}",
                               path=src,
