@@ -214,7 +214,8 @@ def _export_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("run_dir")
     p.add_argument("--checkpoint", default="latest")
     p.add_argument("--dtype", default="f16",
-                   help="f32|f16|bf16|q8_0|q4_0|q4_k_s|q4_k_m|q5_k_m|q6_k|adapter")
+                   help="f32|f16|bf16|q8_0|q4_0|q4_k_s|q4_k_m|q5_k_m|q6_k|ptqtp|adapter "
+                        "(ptqtp: ternary planes, run by the engine, not by stock llama.cpp)")
     p.add_argument("--base", help="dense GGUF base to merge into (for LoRA runs)")
     p.add_argument("--out", required=True, help="export folder to create")
     p.add_argument("--no-report", action="store_true", help="skip the equivalence report")
