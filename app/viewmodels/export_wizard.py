@@ -21,14 +21,13 @@ import struct
 from dataclasses import dataclass
 from pathlib import Path
 
-from gguf import GGML_QUANT_SIZES
 from gguf import GGMLQuantizationType as T
 
 from app.viewmodels.jobs import forgebench_argv
 from engine.errors import ForgebenchError
 from engine.export.bundle import DTYPES, EXPORTABLE_RECIPES, GGUF_BASE_RECIPES, write_sha256sums
 from engine.export.generator_bundle import GENERATOR_DTYPES, GENERATOR_RECIPES
-from engine.export.quant_choices import estimated_sizes
+from engine.export.quant_choices import estimated_sizes, tensor_bytes
 from engine.export.verdict import of_report
 from engine.fsutil import atomic_write_text, read_json
 from engine.gguf.quant_policy import FLOAT_TYPES, ModelFacts
@@ -154,14 +153,6 @@ def safetensors_table(path: Path) -> list[tuple[str, tuple[int, ...], T]]:
         header = json.loads(handle.read(length))
     return [(name, tuple(v["shape"]), SAFETENSORS_DTYPES.get(v["dtype"], T.F32))
             for name, v in header.items() if name != "__metadata__"]
-
-
-def tensor_bytes(shape: tuple[int, ...], kind: T) -> int:
-    block, size = GGML_QUANT_SIZES[kind]
-    n = 1
-    for d in shape:
-        n *= d
-    return n // block * size
 
 
 def size_estimates(run: ExportableRun, checkpoint: str, base: Path | None = None) -> dict[str, int]:

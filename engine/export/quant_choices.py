@@ -57,7 +57,8 @@ def write_export_file(src: str | Path, dst: str | Path, dtype: str, *, progress=
                         allow_dequantized=allow_dequantized).path
 
 
-def _tensor_bytes(shape: tuple[int, ...], kind: T) -> int:
+def tensor_bytes(shape: tuple[int, ...], kind: T) -> int:
+    """Stored bytes of a tensor of `shape` (torch order) and type `kind`."""
     from gguf import GGML_QUANT_SIZES
 
     block, size = GGML_QUANT_SIZES[kind]
@@ -73,7 +74,7 @@ def estimated_bytes(table: list[tuple[str, tuple[int, ...], T]], facts: quant_po
     type) exported as `dtype` (metadata not counted)."""
     if dtype != PTQTP:
         plan = quant_policy.plan_types(table, quant_policy.FILE_TYPES[dtype], facts)
-        return sum(_tensor_bytes(shape, plan[name]) for name, shape, _ in table)
+        return sum(tensor_bytes(shape, plan[name]) for name, shape, _ in table)
     from engine.ptqtp.gguf_file import kept_reason
 
     plan = quant_policy.plan_types(table, quant_policy.FILE_TYPES[PTQTP_OTHERS], facts)
@@ -82,7 +83,7 @@ def estimated_bytes(table: list[tuple[str, tuple[int, ...], T]], facts: quant_po
         if kept_reason(name, shape, 256) is None:
             total += PTQTP_2.nbytes(shape[0], shape[1])
         else:
-            total += _tensor_bytes(shape, plan[name])
+            total += tensor_bytes(shape, plan[name])
     return total
 
 
