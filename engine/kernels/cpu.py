@@ -334,6 +334,13 @@ def plan_for(
                  "fma(m_w, s_x) in one scalar"),
         ),
         Kernel(
+            "TQ1_0, TQ2_0 (ternary) weights",
+            ROUNDING,
+            "llama.cpp's Q8_K activations, then f32 sums (not vec_dot_tq1_0/tq2_0_q8_K's order): "
+            "logits within 1e-3 of the largest (measured 4e-5; tests/test_ptqtp.py); PTQTP's "
+            "2-plane weights sum two such products (llama.cpp does not load them)",
+        ),
+        Kernel(
             "BF16 weights",
             ROUNDING,
             "not implemented: tinyBLAS and ggml_vec_dot_bf16 (vdpbf16ps on AVX512-BF16 builds, "
