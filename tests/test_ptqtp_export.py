@@ -5,6 +5,8 @@ llama.cpp, which refuses a 2-plane file."""
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 import pytest
 
@@ -14,6 +16,7 @@ from engine.export.quant_choices import CHOICES, PTQTP, estimated_bytes, write_e
 from engine.gguf.parser import parse_gguf
 from engine.gguf.quant_policy import ModelFacts
 from engine.gguf.reader import open_gguf
+from engine.ptqtp import gguf_file
 from engine.ptqtp.gguf_file import PLANE2_SUFFIX
 from tests.fixtures_gguf import write_tiny_gguf
 
@@ -22,7 +25,10 @@ from tests.fixtures_gguf import write_tiny_gguf
 def exported(tmp_path_factory):
     folder = tmp_path_factory.mktemp("ptqtp-export")
     dense = write_tiny_gguf(folder / "dense.gguf", "llama", "F16")
-    return dense, write_export_file(dense, folder / "model.gguf", PTQTP)
+    with pytest.MonkeyPatch.context() as patch:       # 4 solver rounds: a fast test
+        patch.setattr(gguf_file, "decompose", functools.partial(gguf_file.decompose,
+                                                                iterations=4))
+        return dense, write_export_file(dense, folder / "model.gguf", PTQTP)
 
 
 def _table(path):
