@@ -75,12 +75,13 @@ def estimated_bytes(table: list[tuple[str, tuple[int, ...], T]], facts: quant_po
     if dtype != PTQTP:
         plan = quant_policy.plan_types(table, quant_policy.FILE_TYPES[dtype], facts)
         return sum(tensor_bytes(shape, plan[name]) for name, shape, _ in table)
+    from engine.gguf.constants import gguf_tensor_name
     from engine.ptqtp.gguf_file import kept_reason
 
     plan = quant_policy.plan_types(table, quant_policy.FILE_TYPES[PTQTP_OTHERS], facts)
     total = 0
-    for name, shape, _ in table:
-        if kept_reason(name, shape, 256) is None:
+    for name, shape, _ in table:      # a checkpoint's torch names as its GGUF export names them
+        if kept_reason(gguf_tensor_name(name) or name, shape, 256) is None:
             total += PTQTP_2.nbytes(shape[0], shape[1])
         else:
             total += tensor_bytes(shape, plan[name])
