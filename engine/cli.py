@@ -216,7 +216,8 @@ def _export_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("run_dir")
     p.add_argument("--checkpoint", default="latest")
     p.add_argument("--dtype", default="f16",
-                   help="f32|f16|bf16|q8_0|q4_0|q4_k_s|q4_k_m|q5_k_m|q6_k|adapter")
+                   help="f32|f16|bf16|q8_0|q4_0|q4_k_s|q4_k_m|q5_k_m|q6_k|ptqtp|adapter "
+                        "(ptqtp: ternary planes, run by the engine, not by stock llama.cpp)")
     p.add_argument("--base", help="dense GGUF base to merge into (for LoRA runs)")
     p.add_argument("--out", required=True, help="export folder to create")
     p.add_argument("--no-report", action="store_true", help="skip the equivalence report")
@@ -242,6 +243,9 @@ def _convert_args(p: argparse.ArgumentParser) -> None:
                    help="ptqtp: ternary planes per weight (1: a file stock llama.cpp runs)")
     p.add_argument("--group", default="256",
                    help="ptqtp: values sharing a scale, 256 or 'row' (default 256)")
+    p.add_argument("--ternary", choices=("tq2_0", "tq1_0"), default="tq2_0",
+                   help="ptqtp: each plane as llama.cpp's TQ2_0 (2.06 bits a weight) or TQ1_0 "
+                        "(1.69; the same values, smaller)")
 
 
 def _data_args(p: argparse.ArgumentParser) -> None:

@@ -32,7 +32,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.errors import ForgebenchError
-from engine.models.linear import adapted_matmul
+from engine.models.packed import adapted_matmul
 
 ATTN_TARGETS = ("q", "k", "v", "o")
 MLP_TARGETS = ("gate", "up", "down")

@@ -106,7 +106,7 @@ def test_the_wizard_exports_a_tiny_lm_to_a_verified_gguf(qtbot, tmp_path_factory
     sizes = {pane.sizes.item(r, 0).text(): pane.sizes.item(r, 1).text()
              for r in range(pane.sizes.rowCount())}
     assert set(sizes) == {"f32", "f16", "bf16", "q8_0", "q4_0", "q4_k_s", "q4_k_m", "q5_k_m",
-                          "q6_k"}
+                          "q6_k", "ptqtp"}
     pane.set_dtype("f16")
     assert pane.dtype() == "f16"
     pane.go(3)

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 
 from engine.kernels import fused, native
 from engine.models.blocks import RMSNorm, apply_rope, gated_activation, rope_heads, rope_tables
-from engine.models.linear import linear_cross_entropy
+from engine.models.lm_head_loss import linear_cross_entropy
 
 pytestmark = pytest.mark.skipif(fused.train_kernels() is None,
                                 reason="no C compiler (or not x86 with AVX2) to build "

@@ -20,7 +20,7 @@ from llamacpp_oracle import ggml_cpu_library, require_same_plan
 from engine.kernels.numerics import gelu_llamacpp, gelu_tanh_f32
 from engine.models.blocks import ACTIVATIONS, apply_rope, attention_mask, rope_tables
 from engine.models.gguf_model import load_gguf_model, set_numerics
-from engine.models.linear import PackedWeight
+from engine.models.packed import PackedWeight
 
 torch.set_num_threads(2)
 IDS = [1, 40, 7, 200, 12, 99, 5, 261, 33, 18, 2, 77, 150, 64, 3, 250]

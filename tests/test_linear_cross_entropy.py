@@ -16,11 +16,12 @@ import torch.nn.functional as F
 from gguf import GGMLQuantizationType as T
 from gguf import quants
 
-from engine.models import linear
-from engine.models.linear import PackedWeight, linear_cross_entropy
+from engine.models import lm_head_loss
+from engine.models.lm_head_loss import linear_cross_entropy
+from engine.models.packed import PackedWeight
 
 torch.set_num_threads(1)
-VOCAB, DIM, N = 2 * linear.HEAD_CHUNK_ROWS + 300, 64, 9   # a ragged last chunk
+VOCAB, DIM, N = 2 * lm_head_loss.HEAD_CHUNK_ROWS + 300, 64, 9   # a ragged last chunk
 
 
 def _case(seed: int = 0):
@@ -28,8 +29,8 @@ def _case(seed: int = 0):
     weight = torch.randn(VOCAB, DIM, generator=generator) * 0.3
     h = torch.randn(N, DIM, generator=generator) * 2
     # several targets in one chunk, one in the ragged last chunk, one at each edge
-    targets = torch.tensor([0, 5, 17, linear.HEAD_CHUNK_ROWS - 1, linear.HEAD_CHUNK_ROWS,
-                            linear.HEAD_CHUNK_ROWS + 3, VOCAB - 1, VOCAB - 300, 5])
+    chunk = lm_head_loss.HEAD_CHUNK_ROWS
+    targets = torch.tensor([0, 5, 17, chunk - 1, chunk, chunk + 3, VOCAB - 1, VOCAB - 300, 5])
     return weight, h, targets
 
 
@@ -108,8 +109,9 @@ def test_under_bf16_autocast_the_head_multiplies_in_bf16(cache, monkeypatch):
     cache or a bf16 one. The f32 head outside autocast is farther from the bf16 reference than
     the tolerance: the check sees which one ran. A bf16 cache held as oneDNN's layouts
     (where this CPU has them) takes dh through its Wᵀ blocks, one per chunk."""
-    monkeypatch.setattr(linear, "HEAD_CHUNK_ROWS_BF16", linear.HEAD_CHUNK_ROWS)  # 3 chunks
-    monkeypatch.setattr(linear, "ONEDNN_BLOCK_ROWS", linear.HEAD_CHUNK_ROWS)     # a block each
+    chunk = lm_head_loss.HEAD_CHUNK_ROWS
+    monkeypatch.setattr(lm_head_loss, "HEAD_CHUNK_ROWS_BF16", chunk)             # 3 chunks
+    monkeypatch.setattr("engine.models.packed.ONEDNN_BLOCK_ROWS", chunk)      # a block each
     weight, h, targets = _case(3)
     raw = quants.quantize(weight.numpy(), T.Q8_0)
     dequantized = torch.from_numpy(quants.dequantize(raw, T.Q8_0).astype(np.float32))
@@ -123,7 +125,7 @@ def test_under_bf16_autocast_the_head_multiplies_in_bf16(cache, monkeypatch):
             evaluated = linear_cross_entropy(h, packed, targets)
     loss.backward()
     if packed.in_layouts:
-        blocks = list(range(0, VOCAB, linear.HEAD_CHUNK_ROWS))
+        blocks = list(range(0, VOCAB, lm_head_loss.HEAD_CHUNK_ROWS))
         assert sorted(packed._onednn) == sorted(packed._onednn_t) == blocks
     assert loss.dtype == torch.float32 and x.grad.dtype == torch.float32
     assert _relative(loss.detach(), ref_loss) < BF16_LOSS_REL
@@ -137,14 +139,14 @@ def test_under_bf16_autocast_the_head_multiplies_in_bf16(cache, monkeypatch):
 
 
 def test_head_shares_cover_the_vocabulary_in_whole_chunks(monkeypatch):
-    monkeypatch.setattr(linear, "HEAD_SHARE_MIN_ROWS", 8)
-    shares = linear.head_shares(vocab=103, rows=10, threads=3)
+    monkeypatch.setattr(lm_head_loss, "HEAD_SHARE_MIN_ROWS", 8)
+    shares = lm_head_loss.head_shares(vocab=103, rows=10, threads=3)
     assert shares == [(0, 30), (30, 70), (70, 103)]            # 11 chunks as 3, 4 and 4 (ragged)
-    assert linear.head_shares(vocab=103, rows=10, threads=64) == [
+    assert lm_head_loss.head_shares(vocab=103, rows=10, threads=64) == [
         (start, min(start + 10, 103)) for start in range(0, 103, 10)]  # never under a chunk
-    monkeypatch.setattr(linear, "HEAD_SHARE_MIN_ROWS", 50)             # 103 rows hold two
-    assert linear.head_shares(vocab=103, rows=10, threads=3) == [(0, 50), (50, 103)]
-    assert linear.head_shares(vocab=103, rows=10, threads=1) == [(0, 103)]
+    monkeypatch.setattr(lm_head_loss, "HEAD_SHARE_MIN_ROWS", 50)             # 103 rows hold two
+    assert lm_head_loss.head_shares(vocab=103, rows=10, threads=3) == [(0, 50), (50, 103)]
+    assert lm_head_loss.head_shares(vocab=103, rows=10, threads=1) == [(0, 103)]
 
 
 @pytest.mark.parametrize("cache", [None, "lazy"])
@@ -154,7 +156,7 @@ def test_split_across_threads_matches_repeats_bit_for_bit_and_keeps_the_thread_c
     its own), the merged pass still equals full-logits cross-entropy, gives the same bits on
     every run, and leaves torch's thread count as it found it. The shares are seen running on
     the pool's threads, so the check covers the split path, not the one-thread pass."""
-    monkeypatch.setattr(linear, "HEAD_SHARE_MIN_ROWS", linear.HEAD_CHUNK_ROWS // 2)
+    monkeypatch.setattr(lm_head_loss, "HEAD_SHARE_MIN_ROWS", lm_head_loss.HEAD_CHUNK_ROWS // 2)
     weight, h, targets = _case(4)
     raw = quants.quantize(weight.numpy(), T.Q8_0)
     dequantized = torch.from_numpy(quants.dequantize(raw, T.Q8_0).astype(np.float32))
@@ -162,13 +164,13 @@ def test_split_across_threads_matches_repeats_bit_for_bit_and_keeps_the_thread_c
     if cache:
         packed.cache(torch.float32, lazy=True)               # filled once, before the threads
     ran_on = []
-    online_pass = linear._online_pass
+    online_pass = lm_head_loss._online_pass
 
     def recording_pass(*args):
         ran_on.append((threading.current_thread().name, args[4], torch.get_num_threads()))
         return online_pass(*args)
 
-    monkeypatch.setattr(linear, "_online_pass", recording_pass)
+    monkeypatch.setattr(lm_head_loss, "_online_pass", recording_pass)
     ref_loss, ref_grad = _reference(dequantized, h, targets)
     before = torch.get_num_threads()
     torch.set_num_threads(3)
@@ -183,8 +185,8 @@ def test_split_across_threads_matches_repeats_bit_for_bit_and_keeps_the_thread_c
     finally:
         torch.set_num_threads(before)
     shares = sorted((start, name.startswith("forgebench-head"), n) for name, start, n in ran_on)
-    assert shares == 2 * [(0, False, 1)] + 2 * [(linear.HEAD_CHUNK_ROWS, True, 1)] + 2 * [
-        (2 * linear.HEAD_CHUNK_ROWS, True, 1)]                # each share on one thread
+    assert shares == 2 * [(0, False, 1)] + 2 * [(lm_head_loss.HEAD_CHUNK_ROWS, True, 1)] + 2 * [
+        (2 * lm_head_loss.HEAD_CHUNK_ROWS, True, 1)]                # each share on one thread
     assert _relative(runs[0][0], ref_loss) < 1e-6
     assert _relative(runs[0][1], ref_grad) < 1e-6
     assert torch.equal(runs[0][0], runs[1][0]) and torch.equal(runs[0][1], runs[1][1])
@@ -192,13 +194,13 @@ def test_split_across_threads_matches_repeats_bit_for_bit_and_keeps_the_thread_c
 
 
 def test_split_is_exact_in_f64(monkeypatch):
-    monkeypatch.setattr(linear, "HEAD_SHARE_MIN_ROWS", linear.HEAD_CHUNK_ROWS)
+    monkeypatch.setattr(lm_head_loss, "HEAD_SHARE_MIN_ROWS", lm_head_loss.HEAD_CHUNK_ROWS)
     weight, h, targets = _case(5)
     ref_loss, ref_grad = _reference(weight, h, targets)
     before = torch.get_num_threads()
     torch.set_num_threads(2)
     try:
-        assert len(linear.head_shares(VOCAB, linear.HEAD_CHUNK_ROWS, 2)) == 2
+        assert len(lm_head_loss.head_shares(VOCAB, lm_head_loss.HEAD_CHUNK_ROWS, 2)) == 2
         x = h.double().requires_grad_(True)
         loss = linear_cross_entropy(x, weight.double(), targets)
         loss.backward()
@@ -211,15 +213,15 @@ def test_split_is_exact_in_f64(monkeypatch):
 def test_a_forked_child_splits_the_head_on_threads_of_its_own(monkeypatch):
     """A child forked after the head's pool started holds the pool but none of its threads;
     it gets a pool of its own, so its split pass finishes with the parent's bits."""
-    monkeypatch.setattr(linear, "HEAD_SHARE_MIN_ROWS", linear.HEAD_CHUNK_ROWS)
+    monkeypatch.setattr(lm_head_loss, "HEAD_SHARE_MIN_ROWS", lm_head_loss.HEAD_CHUNK_ROWS)
     weight, h, targets = _case(6)
     before = torch.get_num_threads()
     torch.set_num_threads(2)
     try:
-        parent = linear._linear_cross_entropy_pass(h, weight, targets, want_grad=True)
+        parent = lm_head_loss._linear_cross_entropy_pass(h, weight, targets, want_grad=True)
         pid = os.fork()
         if pid == 0:                                            # the child
-            child = linear._linear_cross_entropy_pass(h, weight, targets, want_grad=True)
+            child = lm_head_loss._linear_cross_entropy_pass(h, weight, targets, want_grad=True)
             os._exit(0 if all(torch.equal(a, b) for a, b in zip(parent, child)) else 1)
     finally:
         torch.set_num_threads(before)

@@ -132,7 +132,7 @@ def test_a_bf16_run_caches_bf16_weights_with_the_numbers_of_an_f32_cache(tmp_pat
     never seen, the sums may run in another order: there within bf16 summation noise."""
     from engine.config import load_config
     from engine.models.gguf_model import memory_report, packed_weights
-    from engine.models.linear import onednn_bf16
+    from engine.models.packed import onednn_bf16
     from engine.recipes.lm_sft import encode_samples
     from engine.train.lm_base import load_base, pack, prepare_trainable
     from engine.train.loss import supervised_loss

@@ -14,7 +14,7 @@ from fixtures_gguf import ARCHS, QTYPES, write_tiny_gguf
 
 from engine.errors import ForgebenchError
 from engine.models.gguf_model import load_gguf_model, memory_report, set_numerics
-from engine.models.linear import FrozenQuantLinear
+from engine.models.packed import FrozenQuantLinear
 
 torch.set_num_threads(1)
 

@@ -13,8 +13,7 @@ import torch
 import torch.nn.functional as F
 from gguf import GGMLQuantizationType as T
 
-from engine.models import linear
-from engine.models.linear import FrozenQuantLinear, PackedWeight, onednn_bf16
+from engine.models.packed import FrozenQuantLinear, PackedWeight, onednn_bf16
 
 ROWS, COLS, BLOCK = 130, 96, 48        # three blocks, the last one ragged
 needs_onednn = pytest.mark.skipif(not onednn_bf16(),
@@ -45,7 +44,7 @@ def _bf16_error(y: torch.Tensor, x: torch.Tensor, rows: torch.Tensor) -> float:
 
 @pytest.fixture(autouse=True)
 def small_blocks(monkeypatch):
-    monkeypatch.setattr(linear, "ONEDNN_BLOCK_ROWS", BLOCK)
+    monkeypatch.setattr("engine.models.packed.ONEDNN_BLOCK_ROWS", BLOCK)
 
 
 @pytest.fixture(params=["layouts", "plain"])
@@ -55,7 +54,7 @@ def held(request, monkeypatch):
     if request.param == "layouts" and not onednn_bf16():
         pytest.skip("this CPU has no bf16 oneDNN: a bf16 cache is a plain copy here")
     if request.param == "plain":
-        monkeypatch.setattr(linear, "onednn_bf16", lambda: False)
+        monkeypatch.setattr("engine.models.packed.onednn_bf16", lambda: False)
     return request.param
 
 

@@ -206,7 +206,7 @@ def test_step_flops_counts_products_with_a_prepacked_bf16_weight():
     counted as the plain product it replaces, for a batch of sequences too."""
     from gguf import GGMLQuantizationType as T
 
-    from engine.models.linear import PackedWeight, onednn_bf16
+    from engine.models.packed import PackedWeight, onednn_bf16
 
     if not onednn_bf16():
         pytest.skip("this CPU has no bf16 oneDNN: the plain product runs (counted above)")
@@ -241,17 +241,19 @@ def test_step_flops_counts_in_place_addmm_and_cpu_attention():
 def test_fused_head_loss_counts_its_two_products(threads, monkeypatch):
     """On several threads the head's rows are split into shares that run on threads of their
     own: those products are counted too."""
-    from engine.models import linear
+    from engine.models import lm_head_loss
 
-    monkeypatch.setattr(linear, "HEAD_SHARE_MIN_ROWS", 1000)
+    monkeypatch.setattr(lm_head_loss, "HEAD_SHARE_MIN_ROWS", 1000)
     h = torch.randn(5, 16, requires_grad=True)
     weight = torch.randn(3000, 16)
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        assert len(linear.head_shares(3000, linear.HEAD_CHUNK_ROWS, threads)) == threads
+        chunk = lm_head_loss.HEAD_CHUNK_ROWS
+        assert len(lm_head_loss.head_shares(3000, chunk, threads)) == threads
         with metrics.StepFlops() as count:
-            linear.linear_cross_entropy(h, weight, torch.tensor([1, 2, 3, 2000, 2999])).backward()
+            targets = torch.tensor([1, 2, 3, 2000, 2999])
+            lm_head_loss.linear_cross_entropy(h, weight, targets).backward()
     finally:
         torch.set_num_threads(before)
     assert count.total == 2 * (2 * 5 * 16 * 3000)      # logits and dh, in one pass

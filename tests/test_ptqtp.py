@@ -16,7 +16,7 @@ from gguf import GGUFReader, quants
 
 from engine.errors import ForgebenchError
 from engine.ptqtp import decompose as D
-from engine.ptqtp.gguf_file import PLANE2_SUFFIX, convert_ptqtp, pack_tq2_0
+from engine.ptqtp.gguf_file import PLANE2_SUFFIX, convert_ptqtp, pack_tq1_0, pack_tq2_0
 from tests.fixtures_gguf import write_tiny_gguf
 
 torch.set_num_threads(2)
@@ -142,6 +142,42 @@ def test_tq2_0_packing_matches_the_gguf_reference_dequantizer():
         np.testing.assert_array_equal(ours.numpy(), ref)
 
 
+def _absmax_trits(rows: int, cols: int, seed: int):
+    """Random trits with every 256-block holding a ±1 (so its absolute maximum is its scale, as
+    ggml's reference quantizer sets it) and f16 scales."""
+    gen = np.random.default_rng(seed)
+    trits = gen.integers(-1, 2, (rows, cols)).astype(np.int8)
+    trits[:, ::256] = 1
+    scales = gen.uniform(0.01, 2.0, (rows, cols // 256)).astype(np.float16).astype(np.float32)
+    return trits, scales
+
+
+@pytest.mark.parametrize("kind, pack", [(T.TQ1_0, pack_tq1_0), (T.TQ2_0, pack_tq2_0)],
+                         ids=["TQ1_0", "TQ2_0"])
+def test_ternary_packing_is_byte_identical_to_the_gguf_reference_quantizer(kind, pack):
+    """The planes' bytes equal what ggml's reference quantizer (the `gguf` package's
+    quantize_row_tq1_0/tq2_0 port) writes for the same values; and the engine's dequantizer reads
+    them back exactly."""
+    from engine.gguf.dequant import dequantize
+
+    trits, scales = _absmax_trits(5, 768, seed=3)
+    values = trits.astype(np.float32) * np.repeat(scales, 256, axis=1)
+    ours = pack(trits, scales)
+    np.testing.assert_array_equal(ours, quants.quantize(values, kind))
+    back = dequantize(torch.from_numpy(ours), kind, values.shape)
+    np.testing.assert_array_equal(back.numpy(), values)
+
+
+def test_twin_tq1_0_packing_with_the_trits_out_of_order_differs():
+    """Twin: the 160-value first part packed byte-major (n·5 + k instead of k·32 + n) is a valid
+    TQ1_0 block of other values, and the reference quantizer's bytes tell it apart."""
+    trits, scales = _absmax_trits(2, 256, seed=4)
+    values = trits.astype(np.float32) * np.repeat(scales, 256, axis=1)
+    shuffled = trits.copy()
+    shuffled[:, :160] = trits[:, :160].reshape(2, 5, 32).transpose(0, 2, 1).reshape(2, 160)
+    assert not np.array_equal(pack_tq1_0(shuffled, scales), quants.quantize(values, T.TQ1_0))
+
+
 # -- the file --------------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
@@ -154,14 +190,16 @@ def _tensor(reader, name):
     return t
 
 
-def test_convert_round_trip_through_the_gguf_package_and_the_engine(tiny_f16, tmp_path):
+@pytest.mark.parametrize("kind", [T.TQ2_0, T.TQ1_0], ids=["TQ2_0", "TQ1_0"])
+def test_convert_round_trip_through_the_gguf_package_and_the_engine(tiny_f16, tmp_path, kind):
     from engine.gguf.convert import _to_f32
     from engine.gguf.writer import read_gguf_content
     from engine.models.gguf_model import load_gguf_model
     from engine.ptqtp.weight import PlaneSumLinear
 
     out = tmp_path / "tiny-ptqtp.gguf"
-    result = convert_ptqtp(tiny_f16, out, planes=2, iterations=4)   # few rounds: a fast test
+    result = convert_ptqtp(tiny_f16, out, planes=2, iterations=4,  # few rounds: a fast test
+                           plane_type=kind)
     report = json.loads(result.report_path.read_text())
     assert report["decomposed"] == 14 and report["planes"] == 2           # 2 layers × 7
     kept = {r["name"] for r in report["tensors"] if "kept" in r}
@@ -174,8 +212,8 @@ def test_convert_round_trip_through_the_gguf_package_and_the_engine(tiny_f16, tm
     w = torch.from_numpy(_to_f32(src[name]))
     dec = D.decompose(w, planes=2, group=256, iterations=4)
     p1, p2 = _tensor(reader, name), _tensor(reader, name + PLANE2_SUFFIX)
-    assert p1.tensor_type == T.TQ2_0 and p2.tensor_type == T.TQ2_0
-    from_file = quants.dequantize(p1.data, T.TQ2_0) + quants.dequantize(p2.data, T.TQ2_0)
+    assert p1.tensor_type == kind and p2.tensor_type == kind
+    from_file = quants.dequantize(p1.data, kind) + quants.dequantize(p2.data, kind)
     np.testing.assert_array_equal(from_file, (dec.plane_dense(0) + dec.plane_dense(1)).numpy())
     row = next(r for r in report["tensors"] if r["name"] == name)
     assert row["rel_error"] == pytest.approx(D.relative_error(w, dec.dense()), rel=1e-9)
@@ -194,6 +232,34 @@ def test_convert_round_trip_through_the_gguf_package_and_the_engine(tiny_f16, tm
     ids = torch.tensor([[1, 40, 7, 200, 12, 99, 5]])
     with torch.no_grad():
         ours, theirs = model(ids), ref(ids)
+    torch.testing.assert_close(ours, theirs, rtol=1e-4, atol=1e-4)
+
+
+def test_dense_convert_of_a_two_plane_file_sums_the_planes(tiny_f16, tmp_path):
+    """`convert --dtype f32` of a 2-plane file writes each weight as plane 1 + plane 2 (no
+    `.plane2` tensors left), marked as dequantized from the PTQTP file, and the engine's logits on
+    it equal those on the 2-plane file; the twin, plane 1 alone, is another model."""
+    from engine.fsutil import sha256_file
+    from engine.gguf.constants import DEQUANTIZED_FROM_KEY
+    from engine.gguf.convert import convert_gguf
+    from engine.models.gguf_model import load_gguf_model
+
+    planes = convert_ptqtp(tiny_f16, tmp_path / "two.gguf", planes=2, iterations=4).path
+    dense = convert_gguf(planes, tmp_path / "dense.gguf", "f32").path
+    reader, source = GGUFReader(dense), GGUFReader(planes)
+    assert not any(t.name.endswith(PLANE2_SUFFIX) for t in reader.tensors)
+    assert str(reader.fields[DEQUANTIZED_FROM_KEY].contents()) == sha256_file(planes)
+    name = "blk.0.attn_q.weight"
+    p1, p2 = _tensor(source, name), _tensor(source, name + PLANE2_SUFFIX)
+    summed = quants.dequantize(p1.data, p1.tensor_type) + quants.dequantize(p2.data,
+                                                                            p2.tensor_type)
+    stored = np.asarray(_tensor(reader, name).data).reshape(summed.shape)
+    np.testing.assert_array_equal(stored, summed)
+    assert not np.allclose(stored, quants.dequantize(p1.data, p1.tensor_type), atol=1e-3)
+    ids = torch.tensor([[1, 40, 7, 200, 12, 99, 5]])
+    with torch.no_grad():
+        ours = load_gguf_model(dense, tokenizer=False)[0](ids)
+        theirs = load_gguf_model(planes, tokenizer=False)[0](ids)
     torch.testing.assert_close(ours, theirs, rtol=1e-4, atol=1e-4)
 
 
@@ -222,7 +288,8 @@ def test_cli_convert_ptqtp(tiny_f16, tmp_path, capsys):
 
 
 @pytest.mark.llamacpp
-def test_llamacpp_runs_the_single_plane_file(tiny_f16, tmp_path):
+@pytest.mark.parametrize("kind", [T.TQ2_0, T.TQ1_0], ids=["TQ2_0", "TQ1_0"])
+def test_llamacpp_runs_the_single_plane_file(tiny_f16, tmp_path, kind):
     """Stock llama.cpp loads the 1-plane file and its logits agree with the engine's.
     llama.cpp's TQ2_0 product quantizes the activations to Q8_K first: the engine's llamacpp
     numerics do too (VEC_DOT_TYPE) and agree to 1e-3 of the largest logit (measured: 4e-5; not
@@ -232,7 +299,7 @@ def test_llamacpp_runs_the_single_plane_file(tiny_f16, tmp_path):
     from engine.models.gguf_model import load_gguf_model
 
     out = tmp_path / "one.gguf"
-    convert_ptqtp(tiny_f16, out, planes=1)
+    convert_ptqtp(tiny_f16, out, planes=1, plane_type=kind)
     ids = [1, 40, 7, 200, 12, 99, 5, 261, 33, 18]
     llm = open_llama(str(out), logits_all=True, n_ctx=64, n_threads=2, verbose=False)
     llm.eval(ids)
@@ -278,6 +345,26 @@ def test_generate_verify_grads_and_a_lora_run_over_a_two_plane_base(tmp_path):
                                      .read_text().splitlines()) if m.get("split") == "train"]
     assert len(losses) == 6 and losses[-1] < losses[0]
     assert sha256_file(base) == before
+
+    # the export: merged into the dense weights (convert sums the planes), then like any other
+    # run; or the adapter alone, as a GGUF LoRA against the 2-plane file
+    dense = tmp_path / "dense.gguf"
+    forgebench("convert", str(base), "--dtype", "f32", "--out", str(dense))
+    forgebench("export", str(tmp_path / "run"), "--dtype", "f16", "--base", str(dense),
+               "--out", str(tmp_path / "merged"), "--no-report")
+    forgebench("export", str(tmp_path / "run"), "--dtype", "adapter",
+               "--out", str(tmp_path / "adapter"), "--no-report")
+    assert (tmp_path / "adapter" / "adapter.gguf").is_file()
+    from engine.export.equivalence import _load_engine
+
+    adapter = next((tmp_path / "run" / "checkpoints").glob("*/adapters.safetensors"))
+    trained = _load_engine({"kind": "gguf", "path": str(base), "lora": str(adapter)})[0]
+    merged = _load_engine({"kind": "gguf", "path": str(tmp_path / "merged" / "model.gguf")})[0]
+    ids = torch.tensor([[1, 40, 7, 200, 12, 99, 5]])
+    with torch.no_grad():
+        ours, theirs = merged(ids), trained(ids)
+    # the merged weights stored as f16: rounding of 2^-11 of each weight
+    assert float((ours - theirs).abs().max()) <= 1e-2 * float(theirs.abs().max())
 
 
 def _log_softmax(x: np.ndarray) -> np.ndarray:

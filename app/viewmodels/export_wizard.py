@@ -21,16 +21,16 @@ import struct
 from dataclasses import dataclass
 from pathlib import Path
 
-from gguf import GGML_QUANT_SIZES
 from gguf import GGMLQuantizationType as T
 
 from app.viewmodels.jobs import forgebench_argv
 from engine.errors import ForgebenchError
 from engine.export.bundle import DTYPES, EXPORTABLE_RECIPES, GGUF_BASE_RECIPES, write_sha256sums
 from engine.export.generator_bundle import GENERATOR_DTYPES, GENERATOR_RECIPES
+from engine.export.quant_choices import estimated_sizes, tensor_bytes
 from engine.export.verdict import of_report
 from engine.fsutil import atomic_write_text, read_json
-from engine.gguf.quant_policy import FILE_TYPES, FLOAT_TYPES, ModelFacts, plan_types
+from engine.gguf.quant_policy import FLOAT_TYPES, ModelFacts
 from engine.rundir import RunDir
 
 EXPORTABLE = EXPORTABLE_RECIPES + GENERATOR_RECIPES
@@ -155,14 +155,6 @@ def safetensors_table(path: Path) -> list[tuple[str, tuple[int, ...], T]]:
             for name, v in header.items() if name != "__metadata__"]
 
 
-def tensor_bytes(shape: tuple[int, ...], kind: T) -> int:
-    block, size = GGML_QUANT_SIZES[kind]
-    n = 1
-    for d in shape:
-        n *= d
-    return n // block * size
-
-
 def size_estimates(run: ExportableRun, checkpoint: str, base: Path | None = None) -> dict[str, int]:
     """Bytes of tensor data per export type (metadata and tokenizer not counted).
 
@@ -180,10 +172,7 @@ def size_estimates(run: ExportableRun, checkpoint: str, base: Path | None = None
         info = base_info(run.path, base)
         table, metadata = _header(info.path)       # one header read for the table and facts
         facts = ModelFacts.from_metadata(metadata)
-        sizes = {}
-        for dtype, ftype in FILE_TYPES.items():
-            plan = plan_types(table, ftype, facts)
-            sizes[dtype] = sum(tensor_bytes(shape, plan[name]) for name, shape, _ in table)
+        sizes = estimated_sizes(table, facts)     # every export type the engine offers
         adapter = RunDir(run.path).checkpoint(checkpoint).path / "adapters.safetensors"
         if adapter.is_file():
             sizes["adapter"] = sum(tensor_bytes(s, T.F32) for _, s, _ in safetensors_table(adapter))
@@ -192,11 +181,7 @@ def size_estimates(run: ExportableRun, checkpoint: str, base: Path | None = None
     table = safetensors_table(weights)
     facts = ModelFacts("llama", len({n.split(".")[1] for n, _, _ in table
                                      if n.startswith("layers.")}))
-    sizes = {}
-    for dtype, ftype in FILE_TYPES.items():
-        plan = plan_types(table, ftype, facts)      # torch names: every matrix is "other"
-        sizes[dtype] = sum(tensor_bytes(shape, plan[name]) for name, shape, _ in table)
-    return sizes
+    return estimated_sizes(table, facts)       # torch names: every matrix is "other"
 
 
 def _gguf_metadata(path: Path) -> dict:

@@ -76,17 +76,19 @@ def cmd_convert(args: argparse.Namespace) -> int:
 
 
 def _convert_ptqtp(args, src: Path, dst: Path, progress, bars) -> int:
-    """`--dtype ptqtp`: engine/ptqtp/gguf_file.py (PTQTP ternary planes, TQ2_0 tensors)."""
+    """`--dtype ptqtp`: engine/ptqtp/gguf_file.py (PTQTP ternary planes, TQ2_0/TQ1_0 tensors)."""
     from engine.errors import ForgebenchError
-    from engine.ptqtp.gguf_file import convert_ptqtp
+    from engine.ptqtp.gguf_file import PLANE_TYPES, convert_ptqtp
 
     group = getattr(args, "group", "256")
     if group not in ("256", "row"):
-        raise ForgebenchError(f"--group {group!r} cannot be stored as TQ2_0", where="--group",
+        raise ForgebenchError(f"--group {group!r} cannot be stored as ternary blocks",
+                              where="--group",
                               hint="256 (one scale per 256-value block) or 'row'")
     try:
         result = convert_ptqtp(src, dst, planes=getattr(args, "planes", 2),
-                               group=None if group == "row" else 256, progress=progress)
+                               group=None if group == "row" else 256, progress=progress,
+                               plane_type=PLANE_TYPES[getattr(args, "ternary", "tq2_0")])
     finally:
         for bar in bars:
             bar.close()

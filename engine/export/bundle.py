@@ -34,12 +34,13 @@ from typing import Callable
 
 from engine.errors import ForgebenchError
 from engine.export.generator_bundle import GENERATOR_RECIPES, export_generator
+from engine.export.quant_choices import CHOICES, QUANTIZED, write_export_file
 from engine.fsutil import atomic_write_json, atomic_write_text, read_json, sha256_file, staged_dir
 from engine.gguf import quant_policy
 from engine.recipe_registry import recipes_with
 from engine.rundir import Checkpoint, RunDir
 
-DTYPES = tuple(quant_policy.FILE_TYPES) + ("adapter",)
+DTYPES = tuple(CHOICES) + ("adapter",)     # engine/export/quant_choices.py, and the adapter
 # recipes whose runs fine-tune a GGUF base (adapters beside it, or its full weights)
 GGUF_BASE_RECIPES = recipes_with("gguf-base")
 EXPORTABLE_RECIPES = recipes_with(export="gguf")
@@ -77,8 +78,7 @@ class Bundle:
 
 
 def _is_quantized(dtype: str) -> bool:
-    ftype = quant_policy.FILE_TYPES[dtype]
-    return quant_policy.DEFAULT_TYPE[ftype] not in quant_policy.FLOAT_TYPES
+    return CHOICES[dtype].quantized
 
 
 def _file_dtype(path: Path) -> str | None:
@@ -145,8 +145,14 @@ def _native_spec(path: Path) -> dict:
 
 def _llamacpp_stage(path: Path, description: str, lora: Path | None = None,
                     lora_name: str | None = None):
-    """llama.cpp on a file with quantized weights quantizes activations too: the quantized bar."""
+    """llama.cpp on a file with quantized weights quantizes activations too: the quantized bar.
+    None for a file stock llama.cpp does not load (a weight in several planes: PTQTP's)."""
     from engine.export.equivalence import MIN_TOP1_DENSE, MIN_TOP1_QUANTIZED, Stage
+    from engine.gguf.layouts import plane_suffixes
+    from engine.gguf.reader import open_gguf
+
+    if any(name.endswith(plane_suffixes()) for name in open_gguf(path).tensors):
+        return None
 
     model = {"kind": "llamacpp", "path": str(path)}
     if lora:
@@ -159,7 +165,6 @@ def _llamacpp_stage(path: Path, description: str, lora: Path | None = None,
 
 def _export_pretrain(bundle: Bundle, staging: Path, scratch: Path, progress: _Progress) -> None:
     from engine.export.from_pretrain import write_pretrain_gguf
-    from engine.gguf.convert import convert_gguf
 
     if bundle.dtype == "adapter":
         raise ForgebenchError("an lm-pretrain run has no adapter to export", where="--dtype",
@@ -174,8 +179,8 @@ def _export_pretrain(bundle: Bundle, staging: Path, scratch: Path, progress: _Pr
                                      f"({'f32' if quantized else bundle.dtype})", dense, staging))
     if quantized:
         with progress.tensors(f"quantize → {bundle.dtype}") as update:
-            convert_gguf(dense, final, bundle.dtype, progress=update,
-                         threads=bundle.threads)
+            write_export_file(dense, final, bundle.dtype, progress=update,
+                              threads=bundle.threads)
         bundle.stages.append(_gguf_stage("quantized", f"quantized to {bundle.dtype}, under "
                                          "llama.cpp numerics", final, staging, requantized=True))
     bundle.files.append(MODEL_GGUF)
@@ -276,7 +281,6 @@ def _export_merged(bundle: Bundle, staging: Path, scratch: Path, base: Path,
     """model.gguf: the full fine-tuned weights (adapter None) or the adapters merged into the
     base, then converted or quantized to the export's type."""
     from engine.export.merge import merge_into_gguf, write_full_weights
-    from engine.gguf.convert import convert_gguf
     from engine.train.checkpoint import MODEL_FILE
 
     template = bundle.chat_template.source if bundle.chat_template else None
@@ -301,8 +305,8 @@ def _export_merged(bundle: Bundle, staging: Path, scratch: Path, base: Path,
     bundle.base["matched_by"] = result.base_match
     if not same_type:
         with progress.tensors(f"convert → {bundle.dtype}") as update:
-            convert_gguf(merged, final, bundle.dtype, progress=update, allow_dequantized=True,
-                         threads=bundle.threads)
+            write_export_file(merged, final, bundle.dtype, progress=update,
+                              allow_dequantized=True, threads=bundle.threads)
         kind = "quantized" if _is_quantized(bundle.dtype) else "converted"
         bundle.stages.append(_gguf_stage(
             kind, f"{kind} to {bundle.dtype}" + (", under llama.cpp numerics"
@@ -581,12 +585,11 @@ def _compare_types(types: list[str], dtype: str) -> list[str]:
     for name in (t.strip().lower() for t in types):
         if not name:
             continue
-        if name not in quant_policy.FILE_TYPES or not _is_quantized(name):
+        if name not in QUANTIZED:
             raise ForgebenchError(f"--compare takes quantized file types, not {name!r}",
                                   where="--compare",
                                   hint="e.g. --compare q4_k_m,q5_k_m,q6_k,q8_0 (one of "
-                                  + ", ".join(t for t in quant_policy.FILE_TYPES
-                                              if _is_quantized(t)) + ")")
+                                  + ", ".join(QUANTIZED) + ")")
         if name not in wanted:
             wanted.append(name)
     if wanted and dtype == "adapter":

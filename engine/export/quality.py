@@ -62,16 +62,20 @@ def check_weights(exported: str | os.PathLike, reference: str | os.PathLike | No
     if reference is None or Path(reference) == Path(exported):
         return None
     got, ref = tensor_views(exported), tensor_views(reference)
+    planes = _plane_sets(got)
     failed, worst, checked = [], None, 0
     for name, info in got.items():
+        if name not in planes:                 # a weight's extra plane: checked with the weight
+            continue
         other = ref.get(name)
-        bound = WEIGHT_REL_ERROR.get(info.ggml_type.name, 0.35)
+        kind = planes[name][0]
+        bound = WEIGHT_REL_ERROR.get(kind, 0.35)
         if other is None or other.shape != info.shape:
-            failed.append({"name": name, "type": info.ggml_type.name, "rel_error": math.inf,
-                           "bound": bound})
+            failed.append({"name": name, "type": kind, "rel_error": math.inf, "bound": bound})
             continue
         checked += 1
-        if info.ggml_type == other.ggml_type:          # kept as stored: must be the same bytes
+        parts = planes[name][1]
+        if len(parts) == 1 and info.ggml_type == other.ggml_type:   # kept: the same bytes
             err = 0.0 if np.array_equal(info.raw, other.raw) else math.inf
         else:
             rows = int(np.prod(info.shape[:-1])) if len(info.shape) > 1 else 1
@@ -82,21 +86,38 @@ def check_weights(exported: str | os.PathLike, reference: str | os.PathLike | No
                 if flat is None:
                     a = _rows_f32(_as_matrix(info), 0, 1)
                     b = _rows_f32(_as_matrix(other), 0, 1)
-                else:
-                    a, b = _rows_f32(info, start, stop), _rows_f32(other, start, stop)
+                else:                                  # a weight in planes: their sum
+                    a = sum(_rows_f32(part, start, stop) for part in parts)
+                    b = _rows_f32(other, start, stop)
                 d = (a - b).astype(np.float64)
                 diff += float(np.einsum("ij,ij->", d, d))
                 norm += float(np.einsum("ij,ij->", b, b, dtype=np.float64))
             err = math.sqrt(diff / norm) if norm > 0 else (0.0 if diff == 0 else math.inf)
             if not math.isfinite(diff):
                 err = math.inf
-        row = {"name": name, "type": info.ggml_type.name, "rel_error": err, "bound": bound}
+        row = {"name": name, "type": kind, "rel_error": err, "bound": bound}
         if worst is None or not err <= worst["rel_error"]:
             worst = row
         if not err <= bound:
             failed.append(row)
     return {"checked": checked, "failed": failed, "worst": worst,
             "reference": Path(reference).name}
+
+
+def _plane_sets(views: dict) -> dict:
+    """name -> (layout name, [TensorInfo per plane]) for every weight of a file, through the
+    weight-layout table (a PTQTP weight: its tensor and `.plane2`); extra planes not listed."""
+    from engine.gguf.layouts import stored_layout
+
+    out, extra = {}, set()
+    for name, info in views.items():
+        layout = stored_layout(views, name, info.ggml_type)
+        if layout is None or len(layout.planes) == 1:
+            out[name] = (info.ggml_type.name, [info])
+        else:
+            out[name] = (layout.name, [views[name + suffix] for suffix in layout.planes])
+            extra.update(name + suffix for suffix in layout.planes[1:])
+    return {name: value for name, value in out.items() if name not in extra}
 
 
 def tensor_views(path: str | os.PathLike) -> dict:
@@ -220,11 +241,11 @@ def measure(spec: dict) -> dict:
     for entry in spec["exports"]:
         path = Path(entry["model"]["path"])
         if entry.get("quantize"):
-            from engine.gguf.convert import convert_gguf
+            from engine.export.quant_choices import write_export_file
 
             say(f"quality: quantize {entry['dtype']}")
-            convert_gguf(spec["merged"], path, entry["dtype"], allow_dequantized=True,
-                         threads=spec.get("threads", 1))
+            write_export_file(spec["merged"], path, entry["dtype"], allow_dequantized=True,
+                              threads=spec.get("threads", 1))
         say(f"quality: {entry['dtype']}")
         runner = load(entry["model"])
         got = _log_probs(runner.net, items)

@@ -49,14 +49,17 @@ Q1_MAX_KL = 1e-3
 # order 1 and more.
 WEIGHT_REL_ERROR = {"F32": 0.0, "F16": 2e-3, "BF16": 1.5e-2, "Q8_0": 3e-2, "Q6_K": 6e-2,
                     "Q5_K": 0.12, "Q5_0": 0.12, "Q5_1": 0.12, "Q4_K": 0.25, "Q4_0": 0.3,
-                    "Q4_1": 0.3, "Q3_K": 0.45, "Q2_K": 0.7}
+                    "Q4_1": 0.3, "Q3_K": 0.45, "Q2_K": 0.7,
+                    # ternary planes (engine/gguf/layouts.py rows): one plane as loose as Q2_K,
+                    # PTQTP's two as Q3_K (gemma-3-270m: 0.45 / 0.19 mean, docs/ptqtp.md)
+                    "TQ2_0": 0.7, "TQ1_0": 0.7, "PTQTP_2_TQ2_0": 0.45, "PTQTP_2_TQ1_0": 0.45}
 # Question 2: shares of the fine-tune's gain.
 KEPT_MIN = 0.90          # the picker recommends the smallest type keeping at least this
 LOST_BELOW = 0.50        # "loses most of the fine-tune's gain"
 # A fine-tune whose validation loss is not this much (nats) below the base's has no gain to keep.
 MIN_GAIN = 1e-3
 # The file types from small to large: where a type loses the gain, the next ones may keep it.
-SIZE_ORDER = ("q4_0", "q4_k_s", "q4_k_m", "q5_k_m", "q6_k", "q8_0", "bf16", "f16", "f32")
+SIZE_ORDER = ("ptqtp", "q4_0", "q4_k_s", "q4_k_m", "q5_k_m", "q6_k", "q8_0", "bf16", "f16", "f32")
 DEFECT_SUFFIX = ".defective"     # model.gguf -> model.gguf.defective
 EXPORTS_LEDGER = "exports.jsonl"  # in a run folder: one line per export of the run
 

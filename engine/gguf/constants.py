@@ -1,32 +1,28 @@
-"""One table of GGUF names: the quant types the engine can dequantize, the activation format
-llama.cpp pairs with each weight type in its matmuls, the architectures it runs or refuses, the
-tensor names of a decoder (and which engine parameter each holds), and the metadata keys the
-engine writes (all under `forgebench.`). Every reader and writer of these names imports them
-from here."""
+"""One table of GGUF names: the quant types the engine can dequantize and the activation format
+llama.cpp pairs with each weight type in its matmuls (both read from the weight-layout table,
+engine/gguf/layouts.py), the architectures it runs or refuses, the tensor names of a decoder (and
+which engine parameter each holds), and the metadata keys the engine writes (all under
+`forgebench.`). Every reader and writer of these names imports them from here."""
 
 from __future__ import annotations
 
-from gguf import GGML_QUANT_SIZES
 from gguf import GGMLQuantizationType as T
 
+from engine.gguf.layouts import BLOCK_LAYOUTS, BY_TYPE
+
 # Weight types with a torch dequantization kernel (engine/gguf/dequant.py).
-SUPPORTED_TYPES: tuple[T, ...] = (T.F32, T.F16, T.BF16, T.Q8_0, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1,
-                                  T.Q4_K, T.Q5_K, T.Q6_K, T.TQ2_0)
+SUPPORTED_TYPES: tuple[T, ...] = tuple(layout.ggml_type for layout in BLOCK_LAYOUTS)
 
 # llama.cpp (ggml-cpu type_traits) quantizes a matmul's activations to this type ("vec_dot_type")
 # before the integer dot product with weights of the key type. None: activations stay f32.
-VEC_DOT_TYPE: dict[T, T | None] = {
-    T.F32: None, T.F16: T.F16, T.BF16: T.BF16,
-    T.Q8_0: T.Q8_0, T.Q4_0: T.Q8_0, T.Q5_0: T.Q8_0, T.Q4_1: T.Q8_1, T.Q5_1: T.Q8_1,
-    T.Q4_K: T.Q8_K, T.Q5_K: T.Q8_K, T.Q6_K: T.Q8_K, T.TQ2_0: T.Q8_K,
-}
+VEC_DOT_TYPE: dict[T, T | None] = {layout.ggml_type: layout.vec_dot for layout in BLOCK_LAYOUTS}
 
 QK_K = 256
 
 
 def type_size(ggml_type: T) -> int:
-    """Bytes per block."""
-    return GGML_QUANT_SIZES[ggml_type][1]
+    """Bytes per block (of a type in the layout table)."""
+    return BY_TYPE[T(ggml_type)].block_bytes
 
 
 # Decoder architectures the engine runs (engine/models/gguf_model.py).

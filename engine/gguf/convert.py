@@ -61,7 +61,8 @@ def _to_f32(entry: TensorEntry) -> np.ndarray:
 
     Float sources are plain numpy casts, so quantizing an f16/bf16 export never loads torch;
     block formats go through the engine's dequantization kernels."""
-    raw = np.asarray(entry.data, dtype=np.uint8)
+    data = entry.data() if callable(entry.data) else entry.data
+    raw = np.asarray(data, dtype=np.uint8)
     if entry.ggml_type == T.F32:
         values = raw.view(np.float32)
     elif entry.ggml_type == T.F16:
@@ -93,6 +94,34 @@ def _converted(entry: TensorEntry, target: T) -> TensorEntry:
         return entry
     return TensorEntry(entry.name, target, entry.shape,
                        lambda: _encode(_to_f32(entry), target))
+
+
+def _plane_sum(planes: list[TensorEntry]) -> np.ndarray:
+    total = _to_f32(planes[0]).copy()
+    for plane in planes[1:]:
+        total += _to_f32(plane)
+    return total.reshape(-1).view(np.uint8)
+
+
+def _folded_planes(content: GGUFContent) -> list[TensorEntry]:
+    """The tensors with every multi-plane weight (a PTQTP file's `name` + `name.plane2`, the
+    weight-layout table's multi-plane rows) as one f32 tensor under `name`, the sum of its
+    planes' dequantized values; other tensors as they are. A dense convert writes the weight the
+    engine runs, never a plane alone."""
+    from engine.gguf.layouts import stored_layout
+
+    names = {t.name: t for t in content.tensors}
+    parts: set[str] = set()
+    folded = {}
+    for t in content.tensors:
+        layout = stored_layout(names, t.name, t.ggml_type)
+        if layout is None or len(layout.planes) == 1:
+            continue
+        planes = [names[t.name + suffix] for suffix in layout.planes]
+        parts.update(p.name for p in planes[1:])
+        folded[t.name] = TensorEntry(t.name, T.F32, t.shape,
+                                     lambda planes=planes: _plane_sum(planes))
+    return [folded.get(t.name, t) for t in content.tensors if t.name not in parts]
 
 
 def _refuse_requantization(content: GGUFContent, dtype: str,
@@ -141,12 +170,15 @@ def convert_gguf(src: str | Path, dst: str | Path, dtype: str, progress=None, *,
         target_is_quantized = quant_policy.DEFAULT_TYPE[ftype] not in quant_policy.FLOAT_TYPES
         if target_is_quantized:
             _refuse_requantization(content, dtype, allow_dequantized)
+        stored = {t.name: t.ggml_type for t in content.tensors}
+        content = GGUFContent(content.path, content.version, content.metadata,
+                              _folded_planes(content))
         facts = quant_policy.ModelFacts.from_metadata(
             {k: v.python() for k, v in metadata.items() if v.type != GGUFValueType.ARRAY})
         plan = quant_policy.plan_types([(t.name, t.shape, t.ggml_type) for t in content.tensors],
                                        ftype, facts)
         tensors = [_converted(t, plan[t.name]) for t in content.tensors]
-        dequantized = any(t.ggml_type not in quant_policy.FLOAT_TYPES
+        dequantized = any(stored[t.name] not in quant_policy.FLOAT_TYPES
                           and plan[t.name] in quant_policy.FLOAT_TYPES for t in content.tensors)
         # a replaced key keeps its position in the file (dict order); new keys go last
         metadata["general.file_type"] = MetaValue(GGUFValueType.UINT32, int(ftype))

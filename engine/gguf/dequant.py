@@ -1,8 +1,9 @@
 """Vectorized torch dequantization of GGML block formats, element-exact against the `gguf`
 package's numpy `dequantize` (same f32 operations in the same order).
 
-Each kernel takes the packed bytes as a [n_blocks, type_size] uint8 tensor and returns
-[n_blocks, block_size] f32. Layouts: ggml-common.h (block_q4_0 … block_q6_K).
+Each kernel (`dequantize_<type>`, named in the weight-layout table engine/gguf/layouts.py) takes
+the packed bytes as a [n_blocks, type_size] uint8 tensor and returns [n_blocks, block_size] f32.
+Layouts: ggml-common.h (block_q4_0 … block_q6_K, block_tq2_0).
 
 Why it is fast: the bit fields are unpacked on int64 words (eight bytes per operation, "SWAR")
 into one byte per weight; then one conversion to f32 and one in-place multiply by the scale
@@ -16,6 +17,7 @@ from gguf import GGMLQuantizationType as T
 
 from engine.errors import ForgebenchError
 from engine.gguf.constants import QK_K, SUPPORTED_TYPES, type_size
+from engine.gguf.layouts import layout_of
 
 
 def _every_byte(value: int) -> int:
@@ -70,7 +72,7 @@ def _q4_0_ints(b):
     return _signed(_as_bytes(_nibble_words(_words(b[:, 2:])), n), 8)   # [n, 32] int8
 
 
-def _q4_0(b):
+def dequantize_q4_0(b):
     return _q4_0_ints(b).float().mul_(_f16(b[:, :2]))
 
 
@@ -79,7 +81,7 @@ def _q4_1_ints(b):
     return _as_bytes(_nibble_words(_words(b[:, 4:])), n)               # [n, 32] 0..15
 
 
-def _q4_1(b):
+def dequantize_q4_1(b):
     return _q4_1_ints(b).float().mul_(_f16(b[:, :2])).add_(_f16(b[:, 2:4]))
 
 
@@ -90,7 +92,7 @@ def _q5_0_ints(b):
     return _signed(_as_bytes(w, n), 16)
 
 
-def _q5_0(b):
+def dequantize_q5_0(b):
     return _q5_0_ints(b).float().mul_(_f16(b[:, :2]))
 
 
@@ -101,7 +103,7 @@ def _q5_1_ints(b):
     return _as_bytes(w, n)                                              # [n, 32] 0..31
 
 
-def _q5_1(b):
+def dequantize_q5_1(b):
     return _q5_1_ints(b).float().mul_(_f16(b[:, :2])).add_(_f16(b[:, 2:4]))
 
 
@@ -109,7 +111,7 @@ def _q8_0_ints(b):
     return b.view(torch.int8)[:, 2:]
 
 
-def _q8_0(b):
+def dequantize_q8_0(b):
     return _q8_0_ints(b).float().mul_(_f16(b[:, :2]))
 
 
@@ -135,7 +137,7 @@ def _q4_k_ints(b):
     return _as_bytes(_nibble_words(_words(b[:, 16:]).view(n, 4, 4)), n).view(n, 8, 32)
 
 
-def _q4_k(b):
+def dequantize_q4_k(b):
     dl, ml = _k_scales(b)
     return _q4_k_ints(b).float().mul_(dl).sub_(ml).reshape(b.shape[0], QK_K)
 
@@ -150,7 +152,7 @@ def _q5_k_ints(b):
     return _as_bytes(w, n).view(n, 8, 32)
 
 
-def _q5_k(b):
+def dequantize_q5_k(b):
     dl, ml = _k_scales(b)
     return _q5_k_ints(b).float().mul_(dl).sub_(ml).reshape(b.shape[0], QK_K)
 
@@ -166,7 +168,7 @@ def _q6_k_ints(b):
     return _as_bytes(lo.view(n, 2, 4, 4) | hi, n)
 
 
-def _q6_k(b):
+def dequantize_q6_k(b):
     n = b.shape[0]
     dl = (_f16(b[:, 208:210]) * b[:, 192:208].view(torch.int8).float()).view(n, 16, 1)
     q = _signed(_q6_k_ints(b), 32).view(n, 16, 16)
@@ -208,7 +210,7 @@ def unpack_blocks(raw: torch.Tensor, ggml_type: T) -> dict[str, torch.Tensor]:
     raise ValueError(f"no integer unpacking for {ggml_type.name}")
 
 
-def _tq2_0(b):
+def dequantize_tq2_0(b):
     # llama.cpp's TQ2_0: 64 bytes of 2-bit trits + 1 (element 32·l + n of each 128-element half
     # j sits at bits 2l of byte 32·j + n), then the f16 scale
     n = b.shape[0]
@@ -218,25 +220,46 @@ def _tq2_0(b):
     return q.mul_(_f16(b[:, 64:66]).view(n, 1))
 
 
-_KERNELS = {T.Q4_0: _q4_0, T.Q4_1: _q4_1, T.Q5_0: _q5_0, T.Q5_1: _q5_1, T.Q8_0: _q8_0,
-            T.Q4_K: _q4_k, T.Q5_K: _q5_k, T.Q6_K: _q6_k, T.TQ2_0: _tq2_0}
+_POW3 = torch.tensor([1, 3, 9, 27, 81], dtype=torch.int32)
+
+
+def dequantize_tq1_0(b):
+    # llama.cpp's TQ1_0: 48 bytes of 5 trits each, 4 bytes of 4 trits, the f16 scale. A byte holds
+    # ceil(256·q/243) for q = Σ t_k·3^(4-k) (t + 1 ∈ {0,1,2}); trit k is (byte·3^k mod 256)·3 >> 8.
+    # Element order: byte n of the first 32 holds elements n, 32 + n, ..., 128 + n; of the next
+    # 16, 160 + n, 176 + n, ...; of the last 4, 240 + n, 244 + n, 248 + n, 252 + n.
+    n = b.shape[0]
+    pow3 = _POW3.to(b.device)
+    q = b[:, :52].int()
+    qs0 = (q[:, None, :32] * pow3.view(1, 5, 1)).reshape(n, 160)
+    qs1 = (q[:, None, 32:48] * pow3.view(1, 5, 1)).reshape(n, 80)
+    qh = (q[:, None, 48:52] * pow3[:4].view(1, 4, 1)).reshape(n, 16)
+    trits = ((torch.cat((qs0, qs1, qh), dim=1) & 0xFF) * 3 >> 8).float().sub_(1)
+    return trits.mul_(_f16(b[:, 52:54]).view(n, 1))
+
+
+def dequantize_f32(b):
+    return b.view(torch.float32)
+
+
+def dequantize_f16(b):
+    return b.view(torch.float16).float()
+
+
+def dequantize_bf16(b):
+    return b.view(torch.bfloat16).float()
 
 
 def dequantize(raw: torch.Tensor, ggml_type: T, shape: tuple[int, ...] | torch.Size,
                name: str = "tensor") -> torch.Tensor:
     """Packed bytes (uint8, any shape, C order) of `ggml_type` -> f32 tensor of `shape`, on
-    the bytes' device (a GPU dequantizes its packed weights itself, chunk by chunk)."""
+    the bytes' device (a GPU dequantizes its packed weights itself, chunk by chunk), with the
+    type's dequantizer from the weight-layout table."""
     ggml_type = T(ggml_type)
     flat = raw.reshape(-1)
-    if ggml_type == T.F32:
-        out = flat.view(torch.float32)
-    elif ggml_type == T.F16:
-        out = flat.view(torch.float16).float()
-    elif ggml_type == T.BF16:
-        out = flat.view(torch.bfloat16).float()
-    elif ggml_type in _KERNELS:
-        blocks = flat.view(-1, type_size(ggml_type))
-        out = _KERNELS[ggml_type](blocks)
+    layout = layout_of(ggml_type)
+    if layout is not None:
+        out = layout.dequantize_blocks(flat.view(-1, layout.block_bytes)).reshape(-1)
     else:
         raise ForgebenchError(f"{name}: quant type {ggml_type.name} is not supported",
                               where=name,
@@ -253,4 +276,4 @@ def dequantize(raw: torch.Tensor, ggml_type: T, shape: tuple[int, ...] | torch.S
     return out.reshape(tuple(shape))
 
 
-__all__ = ["dequantize", "unpack_blocks"]
+__all__ = ["dequantize", "unpack_blocks"]  # and the dequantize_<type> kernels

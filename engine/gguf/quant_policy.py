@@ -24,6 +24,8 @@ from gguf import GGML_QUANT_SIZES
 from gguf import GGMLQuantizationType as T
 from gguf import LlamaFileType as F
 
+from engine.gguf import layouts
+
 # forgebench convert / export names -> llama.cpp file types
 FILE_TYPES: dict[str, F] = {
     "f32": F.ALL_F32, "f16": F.MOSTLY_F16, "bf16": F.MOSTLY_BF16,
@@ -40,7 +42,7 @@ DEFAULT_TYPE: dict[F, T] = {
     F.MOSTLY_Q6_K: T.Q6_K,
 }
 
-FLOAT_TYPES = (T.F32, T.F16, T.BF16)
+FLOAT_TYPES = layouts.FLOAT_TYPES
 
 # tensor_type_fallback: a 256-block type on rows it does not divide
 FALLBACK = {T.Q4_K: T.Q5_0, T.Q5_K: T.Q5_1, T.Q6_K: T.Q8_0}

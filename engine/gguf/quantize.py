@@ -17,11 +17,14 @@ import numpy as np
 from gguf import GGML_QUANT_SIZES
 from gguf import GGMLQuantizationType as T
 
+from engine.gguf.layouts import BLOCK_LAYOUTS
+
 F32 = np.float32
 GROUP_MAX_EPS = F32(1e-15)
 BLOCKS_PER_CHUNK = 1 << 14  # bounds the encoders' working memory to a few hundred MB
 
-QUANTIZED_TYPES = (T.Q8_0, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q4_K, T.Q5_K, T.Q6_K)
+# the types the weight-layout table gives a quantizer (engine/gguf/layouts.py)
+QUANTIZED_TYPES = tuple(layout.ggml_type for layout in BLOCK_LAYOUTS if layout.quantizer)
 
 
 def _f16_bytes(values: np.ndarray) -> np.ndarray:

@@ -56,6 +56,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from engine.errors import ForgebenchError
+from engine.gguf.layouts import BLOCK_LAYOUTS
 
 # bit i of ggml_kernels.c cpu_features() -> the flag's name in /proc/cpuinfo
 FEATURE_BITS = (
@@ -78,6 +79,10 @@ SIMD_CHOICES = ("native", "avx2")
 # weight types the engine follows only to f32 rounding in every configuration (plan().rounding_types
 # adds those not reproduced in this machine's configuration)
 ROUNDING_WEIGHT_TYPES = ("BF16",)
+# quantized weight types whose llama.cpp kernels ggml_matmul reproduces (the layout table's
+# "ggml_matmul" rows), where this machine's configuration runs them
+EXACT_KERNEL_TYPES = tuple(layout.name for layout in BLOCK_LAYOUTS
+                           if layout.llamacpp == "ggml_matmul")
 EXACT = "bit-exact"
 ROUNDING = "f32 rounding"
 REPACKED = "repacked (llama.cpp's default extra buffer types)"
@@ -137,7 +142,7 @@ class KernelPlan:
             return ggml_type == "F16"
         if ggml_type == "Q4_0":
             return not (self.repacked and rows % 8 == 0)
-        return ggml_type in ("F16", "Q8_0", "Q5_0", "Q4_1", "Q5_1", "Q4_K", "Q5_K", "Q6_K")
+        return ggml_type == "F16" or ggml_type in EXACT_KERNEL_TYPES
 
     @property
     def amx_tiles(self) -> bool:
@@ -149,7 +154,7 @@ class KernelPlan:
     def rounding_types(self) -> tuple[str, ...]:
         """Weight types matched only to f32 rounding here (Q4_0: where its rows are a multiple
         of 8 and llama.cpp repacks it)."""
-        quantized = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K")
+        quantized = EXACT_KERNEL_TYPES
         if not self.x86_exact:
             return ("F16", *quantized, *ROUNDING_WEIGHT_TYPES)
         if self.amx_tiles:
@@ -327,6 +332,13 @@ def plan_for(
             note("vec_dot_q4_1 / q5_1_q8_1 at every batch size (no tinyBLAS, repacked or tiled "
                  "kernel for them): Q8_1 activations, 8 lanes fma(d_w·d_x), min part "
                  "fma(m_w, s_x) in one scalar"),
+        ),
+        Kernel(
+            "TQ1_0, TQ2_0 (ternary) weights",
+            ROUNDING,
+            "llama.cpp's Q8_K activations, then f32 sums (not vec_dot_tq1_0/tq2_0_q8_K's order): "
+            "logits within 1e-3 of the largest (measured 4e-5; tests/test_ptqtp.py); PTQTP's "
+            "2-plane weights sum two such products (llama.cpp does not load them)",
         ),
         Kernel(
             "BF16 weights",

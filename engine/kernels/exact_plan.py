@@ -13,11 +13,13 @@ import numpy as np
 from gguf import GGMLQuantizationType as T
 
 from engine.gguf.constants import type_size
-from engine.kernels.cpu import plan
+from engine.kernels.cpu import EXACT_KERNEL_TYPES, plan
 from engine.kernels.native import WEIGHT_TYPES, Plan, Weight, kernels, ptr
 
 UBATCH = 512  # llama.cpp's default n_ubatch: a longer prompt is evaluated in such pieces
-EXACT_TYPES = (T.Q8_0, T.Q5_0, T.Q4_0, T.Q4_1, T.Q5_1, T.Q4_K, T.Q5_K, T.Q6_K)
+# the quantized types whose llama.cpp kernels are reproduced in C (the weight-layout table's
+# "ggml_matmul" rows, engine/gguf/layouts.py)
+EXACT_TYPES = tuple(T[name] for name in EXACT_KERNEL_TYPES)
 
 
 def repacked(ggml_type: T, rows: int, p=None) -> bool:

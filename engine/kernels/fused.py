@@ -5,7 +5,7 @@ or bf16 as the C file reads them: `usable`, `serves_gated`, `serves_rope`); `sof
 `rms_norm` return None otherwise. The caller then runs torch's op chain, which stays the
 reference (tests/test_fused_kernels.py holds the two together). A backward runs for what its
 forward served. Nothing here is autograd-aware: engine/models/blocks.py and
-engine/models/linear.py wrap these in their autograd Functions.
+engine/models/lm_head_loss.py wrap these in their autograd Functions.
 
 Reading order: `usable` (when a pass may run), then one wrapper per C pass: the LM head's
 softmax step, RMSNorm, the gated activation, RoPE.

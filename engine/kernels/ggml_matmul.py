@@ -39,7 +39,7 @@ a fused multiply-add gives (the product of two f32 is exact in f64).
   Q8_0 integers and scale, plus s = f16(d·Σq) with d before its rounding; per block the eight
   lanes' fma(d_w·d_x) as above, and summs = fma(m_w, s_x, summs); hsum_float_8(acc) + summs.
 
-f16 weights are the f16 dot products of numerics.dot_f16 (engine/models/linear.py). BF16 weights
+f16 weights are the f16 dot products of numerics.dot_f16 (engine/models/packed.py). BF16 weights
 and repacked Q4_0 use the dequantized product with the same quantized activations: right to f32
 summation order, not to the bit.
 

@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from engine.fsutil import cache_dir
+from engine.gguf.layouts import BLOCK_LAYOUTS
 from engine.kernels.cpu import forced_simd
 
 if TYPE_CHECKING:
@@ -49,9 +50,9 @@ TRAIN_FLAGS = ["-O3", "-march=native", "-ffp-contract=fast", "-fno-fast-math", "
 AVX2_MARCH = "-march=x86-64-v3"
 
 _I64, _PTR, _INT, _F32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int, ctypes.c_float
-# ggml type ids the C kernels take (GGMLQuantizationType values)
-WEIGHT_TYPES = {"F16": 1, "Q4_0": 2, "Q4_1": 3, "Q5_0": 6, "Q5_1": 7, "Q8_0": 8, "Q4_K": 12,
-                "Q5_K": 13, "Q6_K": 14}
+# ggml type ids the C kernels take (GGMLQuantizationType values): the weight-layout table's
+# rows with a C kernel (engine/gguf/layouts.py)
+WEIGHT_TYPES = {layout.name: int(layout.ggml_type) for layout in BLOCK_LAYOUTS if layout.native}
 
 
 class Weight(ctypes.Structure):

@@ -18,15 +18,16 @@ from engine.errors import ForgebenchError
 from engine.gguf.constants import LAYER_TENSORS
 from engine.gguf.dequant import dequantize
 from engine.gguf.hparams import model_hparams
+from engine.gguf.layouts import stored_layout
 from engine.gguf.reader import GGUFFile, open_gguf
 from engine.kernels.native import kernels
 from engine.kernels.numerics import NUMERICS, attention_llamacpp
 from engine.models.blocks import Attention, RMSNorm
 from engine.models.gemma3 import Gemma3, Gemma3Config
-from engine.models.linear import FrozenQuantLinear, PackedEmbedding, PackedWeight
 from engine.models.llama import Llama, LlamaConfig
+from engine.models.packed import FrozenQuantLinear, PackedEmbedding, PackedWeight
 from engine.models.qwen import qwen2_config, qwen3_config
-from engine.ptqtp.weight import with_extra_planes
+from engine.ptqtp.weight import frozen_linear
 
 WEIGHTS = ("packed", "dense-cache")
 
@@ -102,9 +103,12 @@ def _bind(model: nn.Module, gf: GGUFFile) -> None:
                 bias = None
                 if module.bias is not None:
                     bias = _dense(gf, f"blk.{i}.{gname}.bias", (module.out_features,))
-                weight = _packed(gf, tname, (module.out_features, module.in_features))
-                linear = with_extra_planes(gf, tname, FrozenQuantLinear(weight, bias), _packed)
-                setattr(parent, attr, linear)   # a PTQTP file's second plane is summed in
+                shape = (module.out_features, module.in_features)
+                # the weight-layout table says which tensors hold it (a PTQTP file's two planes)
+                layout = stored_layout(gf.tensors, tname, gf.tensor(tname).ggml_type)
+                planes = [_packed(gf, tname + suffix, shape)
+                          for suffix in (layout.planes if layout else ("",))]
+                setattr(parent, attr, frozen_linear(layout, planes, bias))
             else:                                                        # RMSNorm
                 module.weight = nn.Parameter(_dense(gf, tname, tuple(module.weight.shape)),
                                              requires_grad=False)

@@ -38,7 +38,7 @@ from engine.kernels.ggml_matmul import UBATCH, ExactWeight, plan_struct, support
 from engine.kernels.native import Layer, Model, kernels, ptr
 from engine.kernels.numerics import attention_llamacpp, gelu_table
 from engine.models.blocks import KVCache, RMSNorm
-from engine.models.linear import FrozenQuantLinear
+from engine.models.packed import FrozenQuantLinear
 
 LINEARS = (("q", "attn.q"), ("k", "attn.k"), ("v", "attn.v"), ("o", "attn.o"),
            ("gate", "mlp.gate"), ("up", "mlp.up"), ("down", "mlp.down"))

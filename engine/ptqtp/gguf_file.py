@@ -3,13 +3,14 @@
 The file (documented in docs/ptqtp.md):
 
 - every decomposed matrix keeps its name (`blk.N.attn_q.weight`) and holds plane 1 as llama.cpp's
-  TQ2_0 (256-element blocks: 64 bytes of 2-bit trits, then one f16 scale = that group's α¹);
+  TQ2_0 (256-element blocks: 64 bytes of 2-bit trits, then one f16 scale = that group's α¹) or,
+  with `--ternary tq1_0`, TQ1_0 (the same block and scale, 5 trits a byte: 54 bytes);
 - a 2-plane file adds `blk.N.attn_q.weight.plane2`, same shape and type, holding α²·T². The
   weight is the sum of the two tensors: W ≈ plane1 + plane2.
 - metadata: `ptqtp.planes` (1|2), `ptqtp.group` (256, or 0 for one scale per row),
   `ptqtp.version` (1), `ptqtp.source_sha256`, `ptqtp.method` ("ptqtp"; "absmean" for the
   round-to-nearest baseline), and the convert's `forgebench.dequantized_from*`
-  keys when the source was quantized. `general.file_type` is MOSTLY_TQ2_0.
+  keys when the source was quantized. `general.file_type` is MOSTLY_TQ2_0 (MOSTLY_TQ1_0).
 
 A 1-plane file is a plain llama.cpp model (stock llama.cpp loads and runs it); a 2-plane file is
 read by the engine (engine/ptqtp/weight.py) and by the `gguf` package, but llama.cpp refuses it
@@ -41,14 +42,15 @@ from gguf import LlamaFileType as F
 from engine.errors import ForgebenchError
 from engine.fsutil import sha256_file
 from engine.gguf.constants import DEQUANTIZED_FROM_KEY, DEQUANTIZED_FROM_TYPE_KEY, QK_K
+from engine.gguf.layouts import PTQTP_2
 from engine.gguf.writer import MetaValue, TensorEntry, read_gguf_content, write_gguf
 from engine.ptqtp.decompose import Decomposition, absmean_ternary, decompose, relative_error
 
-PLANE2_SUFFIX = ".plane2"
+PLANE2_SUFFIX = PTQTP_2.planes[1]      # ".plane2" (the weight-layout table's PTQTP row)
 PLANES_KEY, GROUP_KEY, VERSION_KEY = "ptqtp.planes", "ptqtp.group", "ptqtp.version"
 SOURCE_KEY, METHOD_KEY = "ptqtp.source_sha256", "ptqtp.method"
 FORMAT_VERSION = 1
-TQ2_0_BYTES = 66
+TQ2_0_BYTES, TQ1_0_BYTES = 66, 54
 PROJECTION = re.compile(r"^blk\.\d+\.(attn_q|attn_k|attn_v|attn_output|ffn_gate|ffn_up|ffn_down)"
                         r"\.weight$")
 FLOAT_TYPES = (T.F32, T.F16, T.BF16)
@@ -67,16 +69,43 @@ def pack_tq2_0(trits: np.ndarray, scales: np.ndarray) -> np.ndarray:
     return np.concatenate([qs.reshape(rows * nb, 64), d], axis=1).reshape(rows, nb * TQ2_0_BYTES)
 
 
-def plane_bytes(dec: Decomposition, p: int) -> np.ndarray:
-    """Plane p of a decomposition as TQ2_0 bytes (a per-row scale is repeated in every block)."""
-    rows, cols = dec.planes.shape[1:]
+_TQ1_0_WEIGHTS = np.array([81, 27, 9, 3, 1], dtype=np.int32)
+
+
+def pack_tq1_0(trits: np.ndarray, scales: np.ndarray) -> np.ndarray:
+    """trits int8 [rows, cols] in {−1,0,1}, scales [rows, cols/256] -> the TQ1_0 bytes uint8
+    [rows, cols/256·54], laid out as ggml's block_tq1_0: elements 0..159 five to a byte (byte n
+    holds n, 32 + n, ..., 128 + n), 160..239 five to a byte (16 bytes), 240..255 four to a byte
+    (4 bytes), each byte ceil(256·q/243) for q = Σ (t_k + 1)·3^(4-k); then the f16 scale."""
+    rows, cols = trits.shape
+    if cols % QK_K:
+        raise ValueError(f"TQ1_0 needs rows that are a multiple of {QK_K}, not {cols}")
+    nb = cols // QK_K
+    q = (trits.astype(np.int32) + 1).reshape(rows * nb, QK_K)
+    qs0 = (q[:, :160].reshape(-1, 5, 32) * _TQ1_0_WEIGHTS[None, :, None]).sum(1)
+    qs1 = (q[:, 160:240].reshape(-1, 5, 16) * _TQ1_0_WEIGHTS[None, :, None]).sum(1)
+    qh = (q[:, 240:].reshape(-1, 4, 4) * _TQ1_0_WEIGHTS[None, :4, None]).sum(1)
+    packed = np.concatenate([qs0, qs1, qh], axis=1)
+    packed = ((packed * 256 + 242) // 243).astype(np.uint8)
+    d = np.asarray(scales, dtype=np.float16).reshape(rows * nb, 1).view(np.uint8)
+    return np.concatenate([packed, d], axis=1).reshape(rows, nb * TQ1_0_BYTES)
+
+
+PACKERS = {T.TQ2_0: pack_tq2_0, T.TQ1_0: pack_tq1_0}
+PLANE_TYPES = {"tq2_0": T.TQ2_0, "tq1_0": T.TQ1_0}     # --ternary
+FILE_TYPE = {T.TQ2_0: F.MOSTLY_TQ2_0, T.TQ1_0: F.MOSTLY_TQ1_0}
+
+
+def plane_bytes(dec: Decomposition, p: int, plane_type: T = T.TQ2_0) -> np.ndarray:
+    """Plane p of a decomposition as TQ2_0 or TQ1_0 bytes (a per-row scale is repeated in
+    every block)."""
     scales = dec.scales[p].numpy()
     if dec.group != QK_K:
         scales = np.repeat(scales, dec.group // QK_K, axis=1) if dec.group % QK_K == 0 \
             else None
     if scales is None:
         raise ValueError(f"a group of {dec.group} does not fill whole 256-element blocks")
-    return pack_tq2_0(dec.planes[p].numpy(), scales)
+    return PACKERS[plane_type](dec.planes[p].numpy(), scales)
 
 
 @dataclass
@@ -88,7 +117,24 @@ class PtqtpResult:
     report: dict
 
 
-def _policy(name: str, shape: tuple[int, ...], group: int | None) -> str | None:
+def _others_plan(content, others: str) -> dict[str, T]:
+    """Target types of the float tensors PTQTP keeps, under llama-quantize's recipe `others`
+    ({} for "keep")."""
+    from engine.gguf import quant_policy
+
+    if others == "keep":
+        return {}
+    if others not in quant_policy.FILE_TYPES:
+        raise ValueError(f"others={others!r}: 'keep' or a file type")
+    facts = quant_policy.ModelFacts.from_metadata(
+        {k: v.python() for k, v in content.metadata.items()
+         if v.type != GGUFValueType.ARRAY})
+    plan = quant_policy.plan_types([(t.name, t.shape, t.ggml_type) for t in content.tensors],
+                                   quant_policy.FILE_TYPES[others], facts)
+    return {t.name: plan[t.name] for t in content.tensors if t.ggml_type in FLOAT_TYPES}
+
+
+def kept_reason(name: str, shape: tuple[int, ...], group: int | None) -> str | None:
     """None if the tensor is decomposed, else why it is kept."""
     if not PROJECTION.match(name):
         return "not a block projection (embeddings, output head, norms stay as the source)"
@@ -99,22 +145,31 @@ def _policy(name: str, shape: tuple[int, ...], group: int | None) -> str | None:
 
 def convert_ptqtp(src: str | Path, dst: str | Path, *, planes: int = 2, group: int | None = 256,
                   iterations: int | None = None, progress=None,
-                  method: str = "ptqtp") -> PtqtpResult:
+                  method: str = "ptqtp", plane_type: T = T.TQ2_0,
+                  others: str = "keep") -> PtqtpResult:
     """Write `src` (any GGUF the engine runs) as a PTQTP model at `dst` (which must not exist),
     one tensor in memory at a time, and its report at `dst` + '.ptqtp.json'.
 
     method="absmean" writes plain round-to-nearest ternary (BitNet b1.58's absmean, one plane)
-    in the same layout instead: the baseline the benchmark measures PTQTP against."""
-    from engine.gguf.convert import _source_type_name, _to_f32
+    in the same layout instead: the baseline the benchmark measures PTQTP against.
+    `plane_type`: each plane as TQ2_0 (2.0625 bits a weight) or TQ1_0 (1.6875), the same values.
+    `others`: the matrices PTQTP does not decompose stay as the source holds them ("keep"), or a
+    float source's are quantized as llama-quantize's recipe of that name would ("q4_k_m": what an
+    export from a dense fine-tune uses, so that the rest of the model is not left in f16)."""
+    from engine.gguf.convert import _converted, _source_type_name, _to_f32
 
     src, dst = Path(src), Path(dst)
+    plane_type = T(plane_type)
+    if plane_type not in PACKERS:
+        raise ValueError(f"planes are TQ2_0 or TQ1_0, not {plane_type.name}")
     if planes not in (1, 2):
         raise ForgebenchError(f"--planes must be 1 or 2, not {planes}", where="--planes",
                               hint="2 (the PTQTP model) or 1 (a file stock llama.cpp runs)")
     if method not in ("ptqtp", "absmean") or (method == "absmean" and planes != 1):
         raise ValueError(f"method {method!r} with {planes} planes")
     if group is not None and group != QK_K:
-        raise ForgebenchError(f"--group {group} cannot be stored as TQ2_0", where="--group",
+        raise ForgebenchError(f"--group {group} cannot be stored as {T(plane_type).name}",
+                              where="--group",
                               hint="256 (one scale per 256-value block) or 'row'")
     if dst.exists():
         raise ForgebenchError("the output file already exists; refusing to overwrite it",
@@ -147,35 +202,37 @@ def convert_ptqtp(src: str | Path, dst: str | Path, *, planes: int = 2, group: i
                 row["rel_error"] = row["rel_error_plane1"]
             rows_report.append(row)
             last[entry.name] = dec
-            return plane_bytes(dec, 0)
+            return plane_bytes(dec, 0, plane_type)
 
         def plane2():
             dec = last.pop(entry.name)
-            return plane_bytes(dec, 1)
-        out = [TensorEntry(entry.name, T.TQ2_0, entry.shape, plane1)]
+            return plane_bytes(dec, 1, plane_type)
+        out = [TensorEntry(entry.name, plane_type, entry.shape, plane1)]
         if planes == 2:
-            out.append(TensorEntry(entry.name + PLANE2_SUFFIX, T.TQ2_0, entry.shape, plane2))
+            out.append(TensorEntry(entry.name + PLANE2_SUFFIX, plane_type, entry.shape, plane2))
         return out
 
+    rest = _others_plan(content, others)
     for entry in content.tensors:
-        if entry.name.endswith(PLANE2_SUFFIX) or entry.ggml_type == T.TQ2_0:
-            raise ForgebenchError("the source is already a ternary (PTQTP or TQ2_0) model",
+        if entry.name.endswith(PLANE2_SUFFIX) or entry.ggml_type in PACKERS:
+            raise ForgebenchError("the source is already a ternary (PTQTP, TQ1_0 or TQ2_0) model",
                                   path=src, where=entry.name,
                                   hint="convert from the original f16/f32/bf16 or quantized GGUF")
-        why = _policy(entry.name, tuple(entry.shape), group)
+        why = kept_reason(entry.name, tuple(entry.shape), group)
         if why is None:
             dequantized |= entry.ggml_type not in FLOAT_TYPES
             tensors.extend(decomposed(entry))
         else:
             rows_report.append({"name": entry.name, "shape": list(entry.shape),
                                 "source_type": entry.ggml_type.name, "kept": why})
-            tensors.append(entry)
-    if not any(t.ggml_type == T.TQ2_0 for t in tensors):
-        raise ForgebenchError("no tensor of this model can be stored as TQ2_0", path=src,
+            tensors.append(_converted(entry, rest.get(entry.name, entry.ggml_type)))
+    if not any(t.ggml_type == plane_type for t in tensors):
+        raise ForgebenchError(f"no tensor of this model can be stored as {plane_type.name}",
+                              path=src,
                               hint="PTQTP decomposes block projections whose rows hold a "
                                    f"multiple of {QK_K} values")
     src_sha = sha256_file(src)
-    metadata["general.file_type"] = MetaValue(GGUFValueType.UINT32, int(F.MOSTLY_TQ2_0))
+    metadata["general.file_type"] = MetaValue(GGUFValueType.UINT32, int(FILE_TYPE[plane_type]))
     metadata["general.quantization_version"] = MetaValue(GGUFValueType.UINT32, 2)
     metadata[PLANES_KEY] = MetaValue(GGUFValueType.UINT32, planes)
     metadata[GROUP_KEY] = MetaValue(GGUFValueType.UINT32, 0 if group is None else group)

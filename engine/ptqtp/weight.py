@@ -1,9 +1,11 @@
-"""A linear layer over PTQTP's ternary planes (engine/ptqtp/gguf_file.py): W = Σ_p plane_p.
+"""A linear layer over a multi-plane weight layout (PTQTP's ternary planes, engine/ptqtp/
+gguf_file.py; the layout table's PTQTP_2 row, engine/gguf/layouts.py): W = Σ_p plane_p.
 
-Each plane is a frozen packed TQ2_0 weight (a FrozenQuantLinear: dequantized on the fly, f32
-products); the forward is the sum of the per-plane products, y = Σ_p plane_p·x (+ bias), which is
-W·x up to f32 rounding of the sum. The planes are no Parameters, so they carry no gradient: a LoRA
-adapter wraps this layer like any other frozen base, and dx flows through every plane.
+Each plane is a frozen packed weight (a FrozenQuantLinear: dequantized on the fly, products in
+the model's numerics); the forward is the sum of the per-plane products, y = Σ_p plane_p·x
+(+ bias), which is W·x up to f32 rounding of the sum (the layout's `product`). The planes are no
+Parameters, so they carry no gradient: a LoRA adapter wraps this layer like any other frozen
+base, and dx flows through every plane.
 """
 
 from __future__ import annotations
@@ -11,14 +13,17 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from engine.models.linear import FrozenQuantLinear
+from engine.gguf.layouts import Layout
+from engine.models.packed import FrozenQuantLinear, PackedWeight
 
 
 class PlaneSumLinear(nn.Module):
     """Linear over a sum of frozen packed planes [out, in] (+ optional f32 bias)."""
 
-    def __init__(self, planes: list[FrozenQuantLinear], bias: torch.Tensor | None = None):
+    def __init__(self, layout: Layout, planes: list[FrozenQuantLinear],
+                 bias: torch.Tensor | None = None):
         super().__init__()
+        self.layout = layout
         self.planes = nn.ModuleList(planes)
         self.in_features, self.out_features = planes[0].in_features, planes[0].out_features
         self.bias = None if bias is None else nn.Parameter(bias.float(), requires_grad=False)
@@ -42,18 +47,15 @@ class PlaneSumLinear(nn.Module):
         return w
 
     def extra_repr(self) -> str:
-        return f"in={self.in_features}, out={self.out_features}, planes={len(self.planes)}"
+        return (f"in={self.in_features}, out={self.out_features}, layout={self.layout.name}, "
+                f"planes={len(self.planes)}")
 
 
-def with_extra_planes(gf, name: str, linear: FrozenQuantLinear, packed) -> nn.Module:
-    """`linear` (plane 1 of tensor `name`) summed with the file's `name.plane2` when the file is
-    a 2-plane PTQTP model; `packed(gf, name, shape)` reads a packed weight as the loader does."""
-    from engine.ptqtp.gguf_file import PLANE2_SUFFIX
-
-    extra = name + PLANE2_SUFFIX
-    if extra not in gf.tensors:
-        return linear
-    shape = (linear.out_features, linear.in_features)
-    bias, linear.bias = linear.bias, None
-    second = FrozenQuantLinear(packed(gf, extra, shape))
-    return PlaneSumLinear([linear, second], None if bias is None else bias.data)
+def frozen_linear(layout: Layout | None, planes: list[PackedWeight],
+                  bias: torch.Tensor | None = None) -> nn.Module:
+    """The frozen layer over a weight stored in `layout` as `planes` (one packed weight per
+    plane, in the layout's order): a FrozenQuantLinear for one plane, else a PlaneSumLinear."""
+    if len(planes) == 1:
+        return FrozenQuantLinear(planes[0], bias)
+    return PlaneSumLinear(layout, [FrozenQuantLinear(p) for p in planes],
+                          None if bias is None else bias)

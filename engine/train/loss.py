@@ -11,7 +11,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.llm.sft_data import IGNORE_INDEX as IGNORE
-from engine.models.linear import PackedWeight, linear_cross_entropy
+from engine.models.lm_head_loss import linear_cross_entropy
+from engine.models.packed import PackedWeight
 
 
 def supervised_loss(model: nn.Module, inputs: torch.Tensor, labels: torch.Tensor,

@@ -41,7 +41,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.models.linear import linear_cross_entropy
+from engine.models.lm_head_loss import linear_cross_entropy
 from engine.train.loss import IGNORE, frozen_head
 
 LOSSES = ("sigmoid", "ipo")
