@@ -1,10 +1,13 @@
-/* ggml's reference k-quant quantizers (Q4_K, Q5_K, Q6_K), for engine.hf's conversion.
+/* ggml's reference quantizers: the k-quants (Q4_K, Q5_K, Q6_K) and the legacy 32-value blocks
+ * (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1), for the engine's conversions (engine/gguf/quantize.py).
  *
- * A copy of quantize_row_q{4,5,6}_K_ref and their helpers (make_qkx2_quants, make_qx_quants,
- * nearest_int, get_scale_min_k4) from ggml/src/ggml-quants.c of the llama.cpp vendored in
- * llama-cpp-python 0.3.36 (MIT licence, (c) the ggml authors): what llama-quantize runs for
- * these types without an importance matrix. Built without FMA contraction and fast-math, so the
- * bytes equal the numpy port in engine/gguf/quantize.py and llama.cpp's (tests/test_hf_*).
+ * A copy of quantize_row_{q4_K,q5_K,q6_K,q8_0,q4_0,q4_1,q5_0,q5_1}_ref and their helpers
+ * (make_qkx2_quants, make_qx_quants, nearest_int, get_scale_min_k4) from ggml/src/ggml-quants.c
+ * of the llama.cpp vendored in llama-cpp-python 0.3.36 (MIT licence, (c) the ggml authors): what
+ * llama-quantize runs for these types without an importance matrix. Built without FMA
+ * contraction and fast-math, so the bytes equal the numpy port in engine/gguf/quantize.py and
+ * llama.cpp's (tests/test_quantize*.py, tests/test_hf_convert.py): the compiler may use wider
+ * registers (-march=native) but never reorders a float sum or fuses a multiply-add.
  * fb_kquantize_rows quantizes `nrows` rows of `ncols` floats into their blocks.
  */
 #include <math.h>
@@ -12,6 +15,7 @@
 #include <string.h>
 
 #define QK_K 256
+#define QK 32            /* the legacy types' block */
 #define K_SCALE_SIZE 12
 #define GROUP_MAX_EPS 1e-15f
 #define MAX(a, b) ((a) > (b) ? (a) : (b))
@@ -23,6 +27,11 @@ typedef struct { ggml_half d, dmin; uint8_t scales[K_SCALE_SIZE]; uint8_t qh[QK_
                  uint8_t qs[QK_K/2]; } block_q5_K;
 typedef struct { uint8_t ql[QK_K/2]; uint8_t qh[QK_K/4]; int8_t scales[QK_K/16]; ggml_half d; }
     block_q6_K;
+typedef struct { ggml_half d; int8_t qs[QK]; } block_q8_0;
+typedef struct { ggml_half d; uint8_t qs[QK/2]; } block_q4_0;
+typedef struct { ggml_half d, m; uint8_t qs[QK/2]; } block_q4_1;
+typedef struct { ggml_half d; uint8_t qh[4]; uint8_t qs[QK/2]; } block_q5_0;
+typedef struct { ggml_half d, m; uint8_t qh[4]; uint8_t qs[QK/2]; } block_q5_1;
 
 static ggml_half fp32_to_fp16(float f) {      /* round to nearest even, as F16C and ggml do */
     _Float16 h = (_Float16)f;
@@ -281,15 +290,119 @@ static void quantize_row_q6_K(const float *x, block_q6_K *y, int64_t k) {
     }
 }
 
-/* ggml type ids: Q4_K = 12, Q5_K = 13, Q6_K = 14. Returns 0, or -1 for another type. */
+/* ---------------------------------------------------------------- legacy 32-value blocks */
+
+static void quantize_row_q8_0(const float *x, block_q8_0 *y, int64_t k) {
+    for (int64_t i = 0; i < k / QK; i++, x += QK) {
+        float amax = 0.0f;
+        for (int j = 0; j < QK; j++) amax = MAX(amax, fabsf(x[j]));
+        const float d = amax / ((1 << 7) - 1);
+        const float id = d ? 1.0f/d : 0.0f;
+        y[i].d = fp32_to_fp16(d);
+        for (int j = 0; j < QK; ++j) y[i].qs[j] = roundf(x[j]*id);
+    }
+}
+
+/* the value of largest magnitude (the first on ties; 0 for an all-zero block) */
+static float abs_max_value(const float *x) {
+    float amax = 0.0f, max = 0.0f;
+    for (int j = 0; j < QK; j++) {
+        if (amax < fabsf(x[j])) { amax = fabsf(x[j]); max = x[j]; }
+    }
+    return max;
+}
+
+static void min_max(const float *x, float *lo, float *hi) {
+    float min = 3.402823466e+38f, max = -3.402823466e+38f;
+    for (int j = 0; j < QK; j++) {
+        if (x[j] < min) min = x[j];
+        if (x[j] > max) max = x[j];
+    }
+    *lo = min; *hi = max;
+}
+
+static void quantize_row_q4_0(const float *x, block_q4_0 *y, int64_t k) {
+    for (int64_t i = 0; i < k / QK; i++, x += QK) {
+        const float d = abs_max_value(x) / -8;
+        const float id = d ? 1.0f/d : 0.0f;
+        y[i].d = fp32_to_fp16(d);
+        for (int j = 0; j < QK/2; ++j) {
+            const uint8_t xi0 = MIN(15, (int8_t)(x[j]*id + 8.5f));
+            const uint8_t xi1 = MIN(15, (int8_t)(x[QK/2 + j]*id + 8.5f));
+            y[i].qs[j] = xi0 | (xi1 << 4);
+        }
+    }
+}
+
+static void quantize_row_q4_1(const float *x, block_q4_1 *y, int64_t k) {
+    for (int64_t i = 0; i < k / QK; i++, x += QK) {
+        float min, max;
+        min_max(x, &min, &max);
+        const float d = (max - min) / ((1 << 4) - 1);
+        const float id = d ? 1.0f/d : 0.0f;
+        y[i].d = fp32_to_fp16(d);
+        y[i].m = fp32_to_fp16(min);
+        for (int j = 0; j < QK/2; ++j) {
+            const uint8_t xi0 = MIN(15, (int8_t)((x[j] - min)*id + 0.5f));
+            const uint8_t xi1 = MIN(15, (int8_t)((x[QK/2 + j] - min)*id + 0.5f));
+            y[i].qs[j] = xi0 | (xi1 << 4);
+        }
+    }
+}
+
+static void quantize_row_q5_0(const float *x, block_q5_0 *y, int64_t k) {
+    for (int64_t i = 0; i < k / QK; i++, x += QK) {
+        const float d = abs_max_value(x) / -16;
+        const float id = d ? 1.0f/d : 0.0f;
+        y[i].d = fp32_to_fp16(d);
+        uint32_t qh = 0;
+        for (int j = 0; j < QK/2; ++j) {
+            const uint8_t xi0 = MIN(31, (int8_t)(x[j]*id + 16.5f));
+            const uint8_t xi1 = MIN(31, (int8_t)(x[QK/2 + j]*id + 16.5f));
+            y[i].qs[j] = (xi0 & 0x0F) | ((xi1 & 0x0F) << 4);
+            qh |= ((xi0 & 0x10u) >> 4) << (j + 0);     /* bit 4 of each quant */
+            qh |= ((xi1 & 0x10u) >> 4) << (j + QK/2);
+        }
+        memcpy(y[i].qh, &qh, sizeof qh);
+    }
+}
+
+static void quantize_row_q5_1(const float *x, block_q5_1 *y, int64_t k) {
+    for (int64_t i = 0; i < k / QK; i++, x += QK) {
+        float min, max;
+        min_max(x, &min, &max);
+        const float d = (max - min) / ((1 << 5) - 1);
+        const float id = d ? 1.0f/d : 0.0f;
+        y[i].d = fp32_to_fp16(d);
+        y[i].m = fp32_to_fp16(min);
+        uint32_t qh = 0;
+        for (int j = 0; j < QK/2; ++j) {
+            const uint8_t xi0 = (uint8_t)((x[j] - min)*id + 0.5f);
+            const uint8_t xi1 = (uint8_t)((x[QK/2 + j] - min)*id + 0.5f);
+            y[i].qs[j] = (xi0 & 0x0F) | ((xi1 & 0x0F) << 4);
+            qh |= ((xi0 & 0x10u) >> 4) << (j + 0);
+            qh |= ((xi1 & 0x10u) >> 4) << (j + QK/2);
+        }
+        memcpy(y[i].qh, &qh, sizeof qh);
+    }
+}
+
+/* ggml type ids: Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q4_K = 12, Q5_K = 13,
+ * Q6_K = 14. Returns 0, or -1 for another type. */
 int fb_kquantize_rows(int type, const float *x, int64_t nrows, int64_t ncols, uint8_t *out) {
-    int64_t blocks = ncols / QK_K;
     for (int64_t r = 0; r < nrows; ++r) {
         const float *row = x + r * ncols;
-        if (type == 12) quantize_row_q4_K(row, (block_q4_K *)out + r * blocks, ncols);
-        else if (type == 13) quantize_row_q5_K(row, (block_q5_K *)out + r * blocks, ncols);
-        else if (type == 14) quantize_row_q6_K(row, (block_q6_K *)out + r * blocks, ncols);
-        else return -1;
+        switch (type) {
+        case 2: quantize_row_q4_0(row, (block_q4_0 *)out + r * (ncols / QK), ncols); break;
+        case 3: quantize_row_q4_1(row, (block_q4_1 *)out + r * (ncols / QK), ncols); break;
+        case 6: quantize_row_q5_0(row, (block_q5_0 *)out + r * (ncols / QK), ncols); break;
+        case 7: quantize_row_q5_1(row, (block_q5_1 *)out + r * (ncols / QK), ncols); break;
+        case 8: quantize_row_q8_0(row, (block_q8_0 *)out + r * (ncols / QK), ncols); break;
+        case 12: quantize_row_q4_K(row, (block_q4_K *)out + r * (ncols / QK_K), ncols); break;
+        case 13: quantize_row_q5_K(row, (block_q5_K *)out + r * (ncols / QK_K), ncols); break;
+        case 14: quantize_row_q6_K(row, (block_q6_K *)out + r * (ncols / QK_K), ncols); break;
+        default: return -1;
+        }
     }
     return 0;
 }
