@@ -87,3 +87,17 @@ def test_c_quantizer_equals_the_numpy_port(kind):
     y[5, :32] *= -1
     changed = np.flatnonzero((quantize_rows(y, kind) != native).any(axis=1))
     assert changed.tolist() == [5]
+
+
+@pytest.mark.parametrize("kind", QUANTIZED_TYPES, ids=lambda t: t.name)
+def test_f16_values_quantize_as_their_f32_widening(kind):
+    """An f16 file's values go to the quantizer as they are (widened row by row in C): the
+    bytes are those of the same values widened to f32 first; the twin, one value made the
+    row's largest, changes that row's bytes alone."""
+    half = awkward_weights(np.random.default_rng(5), (16, 512)).astype(np.float16)
+    got = quantize(half, kind)
+    assert np.array_equal(got, quantize_numpy(half.astype(np.float32), kind))
+    moved = half.copy()
+    moved[9, 7] = -4 * np.abs(half[9]).max()
+    changed = np.flatnonzero((quantize(moved, kind) != got).any(axis=1))
+    assert changed.tolist() == [9]

@@ -335,18 +335,20 @@ def quantize(data: np.ndarray, ggml_type: T) -> np.ndarray:
     """
     from engine.hf.kquants import quantize_rows
 
-    values = _checked(data, ggml_type)
+    # f16 values (an f16 file's tensor) go to the C as they are: no f32 copy of the tensor
+    half = isinstance(data, np.ndarray) and data.dtype == np.float16
+    values = _checked(data, ggml_type, np.float16 if half else F32)
     native = quantize_rows(values, ggml_type)
     return native if native is not None else quantize_numpy(values, ggml_type)
 
 
-def _checked(data: np.ndarray, ggml_type: T) -> np.ndarray:
-    """`data` as contiguous f32 whose rows fill whole blocks of a type with an encoder."""
+def _checked(data: np.ndarray, ggml_type: T, dtype=F32) -> np.ndarray:
+    """`data` as contiguous `dtype` whose rows fill whole blocks of a type with an encoder."""
     ggml_type = T(ggml_type)
     if ggml_type not in ENCODERS:
         raise ValueError(f"no quantizer for {ggml_type.name}")
     block_size = GGML_QUANT_SIZES[ggml_type][0]
-    values = np.ascontiguousarray(data, dtype=F32)
+    values = np.ascontiguousarray(data, dtype=dtype)
     row = values.shape[-1] if values.ndim else 1
     if row % block_size:
         raise ValueError(f"{ggml_type.name} needs rows that are a multiple of {block_size} "

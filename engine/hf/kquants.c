@@ -12,6 +12,7 @@
  */
 #include <math.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 #define QK_K 256
@@ -292,6 +293,13 @@ static void quantize_row_q6_K(const float *x, block_q6_K *y, int64_t k) {
 
 /* ---------------------------------------------------------------- legacy 32-value blocks */
 
+/* roundf (halves away from zero) without the libm call, so the loop vectorizes: x - trunc(x) is
+ * exact in float, and so is trunc(x) ± 1 below 2^24 (above, x has no fraction) */
+static inline float round_half_away(float x) {
+    const float t = truncf(x);
+    return fabsf(x - t) >= 0.5f ? t + copysignf(1.0f, x) : t;
+}
+
 static void quantize_row_q8_0(const float *x, block_q8_0 *y, int64_t k) {
     for (int64_t i = 0; i < k / QK; i++, x += QK) {
         float amax = 0.0f;
@@ -299,7 +307,7 @@ static void quantize_row_q8_0(const float *x, block_q8_0 *y, int64_t k) {
         const float d = amax / ((1 << 7) - 1);
         const float id = d ? 1.0f/d : 0.0f;
         y[i].d = fp32_to_fp16(d);
-        for (int j = 0; j < QK; ++j) y[i].qs[j] = roundf(x[j]*id);
+        for (int j = 0; j < QK; ++j) y[i].qs[j] = (int8_t)round_half_away(x[j]*id);
     }
 }
 
@@ -385,6 +393,40 @@ static void quantize_row_q5_1(const float *x, block_q5_1 *y, int64_t k) {
         }
         memcpy(y[i].qh, &qh, sizeof qh);
     }
+}
+
+/* bytes of one row of `ncols` values of a type, 0 for a type without a quantizer here */
+static int64_t row_bytes(int type, int64_t ncols) {
+    switch (type) {
+    case 2: return ncols / QK * (int64_t)sizeof(block_q4_0);
+    case 3: return ncols / QK * (int64_t)sizeof(block_q4_1);
+    case 6: return ncols / QK * (int64_t)sizeof(block_q5_0);
+    case 7: return ncols / QK * (int64_t)sizeof(block_q5_1);
+    case 8: return ncols / QK * (int64_t)sizeof(block_q8_0);
+    case 12: return ncols / QK_K * (int64_t)sizeof(block_q4_K);
+    case 13: return ncols / QK_K * (int64_t)sizeof(block_q5_K);
+    case 14: return ncols / QK_K * (int64_t)sizeof(block_q6_K);
+    default: return 0;
+    }
+}
+
+int fb_kquantize_rows(int type, const float *x, int64_t nrows, int64_t ncols, uint8_t *out);
+
+/* fb_kquantize_rows of f16 values (an f16 file's tensor as it lies in the file), each row
+ * widened to f32 (exact) in a buffer of its own: no f32 copy of the whole tensor. Returns 0, or
+ * -1 for a type without a quantizer here (or no memory for one row). */
+int fb_kquantize_rows_f16(int type, const uint16_t *x, int64_t nrows, int64_t ncols,
+                          uint8_t *out) {
+    const int64_t size = row_bytes(type, ncols);
+    float *row = size ? malloc((size_t)ncols * sizeof(float)) : NULL;
+    if (!row) return -1;
+    for (int64_t r = 0; r < nrows; ++r) {
+        const uint16_t *src = x + r * ncols;
+        for (int64_t j = 0; j < ncols; ++j) row[j] = fp16_to_fp32(src[j]);
+        fb_kquantize_rows(type, row, 1, ncols, out + r * size);
+    }
+    free(row);
+    return 0;
 }
 
 /* ggml type ids: Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q4_K = 12, Q5_K = 13,

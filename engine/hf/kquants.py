@@ -61,17 +61,20 @@ def _library() -> ctypes.CDLL | None:
     lib.fb_kquantize_rows.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_int64,
                                       ctypes.c_int64, ctypes.c_void_p]
     lib.fb_kquantize_rows.restype = ctypes.c_int
+    lib.fb_kquantize_rows_f16.argtypes = lib.fb_kquantize_rows.argtypes
+    lib.fb_kquantize_rows_f16.restype = ctypes.c_int
     return lib
 
 
 def quantize_rows(values: np.ndarray, ggml_type: T) -> np.ndarray | None:
-    """`values` (rows on the last axis, a multiple of the type's block long) as `ggml_type`
-    blocks, uint8 of shape (..., row bytes); None when the type has no C quantizer here or the
-    build is unavailable."""
+    """`values` (f32, or f16 read as they are; rows on the last axis, a multiple of the type's
+    block long) as `ggml_type` blocks, uint8 of shape (..., row bytes); None when the type has
+    no C quantizer here or the build is unavailable."""
     lib = _library() if T(ggml_type) in TYPES else None
     if lib is None:
         return None
-    x = np.ascontiguousarray(values, dtype=np.float32)
+    half = values.dtype == np.float16     # an f16 file's values go in as they are (exact)
+    x = np.ascontiguousarray(values, dtype=np.float16 if half else np.float32)
     cols = x.shape[-1] if x.ndim else 1
     rows = x.size // cols
     block, size = GGML_QUANT_SIZES[T(ggml_type)]
@@ -79,6 +82,7 @@ def quantize_rows(values: np.ndarray, ggml_type: T) -> np.ndarray | None:
         return None
     out = np.empty(x.shape[:-1] + (cols // block * size,), np.uint8)
     # ctypes releases the GIL for the call, so row blocks quantize in parallel on the pool
-    if lib.fb_kquantize_rows(int(ggml_type), x.ctypes.data, rows, cols, out.ctypes.data) != 0:
+    entry = lib.fb_kquantize_rows_f16 if half else lib.fb_kquantize_rows
+    if entry(int(ggml_type), x.ctypes.data, rows, cols, out.ctypes.data) != 0:
         return None
     return out
