@@ -4,7 +4,8 @@
  * A copy of quantize_row_{q4_K,q5_K,q6_K,q8_0,q4_0,q4_1,q5_0,q5_1}_ref and their helpers
  * (make_qkx2_quants, make_qx_quants, nearest_int, get_scale_min_k4) from ggml/src/ggml-quants.c
  * of the llama.cpp vendored in llama-cpp-python 0.3.36 (MIT licence, (c) the ggml authors): what
- * llama-quantize runs for these types without an importance matrix. Built without FMA
+ * llama-quantize runs for these types without an importance matrix. The two scale searches run
+ * a block's groups side by side, one per vector lane, each lane the scalar code's operations. Built without FMA
  * contraction and fast-math, so the bytes equal the numpy port in engine/gguf/quantize.py and
  * llama.cpp's (tests/test_quantize*.py, tests/test_hf_convert.py): the compiler may use wider
  * registers (-march=native) but never reorders a float sum or fuses a multiply-add.
@@ -62,9 +63,9 @@ typedef int32_t v16i __attribute__((vector_size(64)));
 
 /* make_qkx2_quants(32, nmax, x, weights, L, &the_min, Laux, rmin, rdelta, nstep, use_mad = 0)
  * for the 8 groups of 32 of a Q4_K/Q5_K block: xt[i], wt[i] hold element i of every group.
- * Writes Lt[i] (the levels), the_min; returns the scales. */
-static v8f make_qkx2_quants_x8(int nmax, const v8f *xt, const v8f *wt, v8i *Lt, v8f *the_min,
-                               float rmin, float rdelta, int nstep) {
+ * Writes Lt[i] (the levels), the_min and the scales. */
+static void make_qkx2_quants_x8(int nmax, const v8f *xt, const v8f *wt, v8i *Lt, v8f *the_min,
+                                v8f *scales, float rmin, float rdelta, int nstep) {
     const v8f zero = {0}, fnmax = zero + (float)nmax;
     const v8i inmax = (v8i){0} + nmax;
     v8f min = xt[0], max = xt[0], sum_w = wt[0], sum_x = sum_w * xt[0];
@@ -123,12 +124,13 @@ static v8f make_qkx2_quants_x8(int nmax, const v8f *xt, const v8f *wt, v8i *Lt, 
     }
     for (int i = 0; i < 32; ++i) Lt[i] = SEL(flat, (v8i){0}, Lt[i]);
     *the_min = -SELF(v8i, flat, flat_min, min);
-    return SELF(v8i, flat, zero, scale);
+    *scales = SELF(v8i, flat, zero, scale);
 }
 
 /* make_qx_quants(16, nmax, x, L, rmse_type = 1, qw = NULL) for the 16 groups of 16 of a Q6_K
- * block: xt[i] holds element i of every group. Writes Lt[i] (levels + nmax); returns scales. */
-static v16f make_qx_quants_x16(int nmax, const v16f *xt, v16i *Lt) {
+ * block: xt[i] holds element i of every group. Writes Lt[i] (levels + nmax) and the scales
+ * (through pointers: a vector return would change the ABI with the CPU's vector width). */
+static void make_qx_quants_x16(int nmax, const v16f *xt, v16i *Lt, v16f *scales) {
     const v16f zero = {0};
     const v16i lo = (v16i){0} - nmax, hi = (v16i){0} + (nmax - 1);
     v16f max = zero, amax = zero;
@@ -172,7 +174,7 @@ static v16f make_qx_quants_x16(int nmax, const v16f *xt, v16i *Lt) {
         best = SELF(v16i, better, scale * sumlx, best);
     }
     for (int i = 0; i < 16; ++i) Lt[i] = SEL(tiny, (v16i){0}, Lt[i]);
-    return SELF(v16i, tiny, zero, scale);
+    *scales = SELF(v16i, tiny, zero, scale);
 }
 
 static inline void get_scale_min_k4(int j, const uint8_t *q, uint8_t *d, uint8_t *m) {
@@ -198,7 +200,8 @@ static void kx_scales(const float *x, int nmax, float rmin, int nstep, uint8_t *
     v8f av_x;
     for (int j = 0; j < QK_K/32; ++j) av_x[j] = sqrtf(sum_x2[j]/32);
     for (int l = 0; l < 32; ++l) wt[l] = av_x + (v8f)((v8i)xt[l] & 0x7fffffff);   /* fabsf */
-    v8f the_min, scale = make_qkx2_quants_x8(nmax, xt, wt, Lt, &the_min, rmin, 0.1f, nstep);
+    v8f the_min, scale;
+    make_qkx2_quants_x8(nmax, xt, wt, Lt, &the_min, &scale, rmin, 0.1f, nstep);
     for (int j = 0; j < QK_K/32; ++j) {
         scales[j] = scale[j];
         mins[j] = the_min[j];
@@ -277,7 +280,8 @@ static void quantize_row_q6_K(const float *x, block_q6_K *y, int64_t k) {
         v16i Lt[16];
         for (int l = 0; l < 16; ++l)
             for (int ib = 0; ib < QK_K/16; ++ib) xt[l][ib] = x[16*ib + l];
-        const v16f group_scales = make_qx_quants_x16(32, xt, Lt);
+        v16f group_scales;
+        make_qx_quants_x16(32, xt, Lt, &group_scales);
         for (int ib = 0; ib < QK_K/16; ++ib) {
             for (int l = 0; l < 16; ++l) L[16*ib + l] = (int8_t)Lt[l][ib];
             const float scale = group_scales[ib];
