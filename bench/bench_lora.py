@@ -31,9 +31,13 @@ AVX2 machine's path on an AVX-512 one, with this machine's cores, caches and clo
 
 `--profile` instead trains a few engine steps in this process under torch.profiler and prints
 where a step's time goes, by region (base matmuls forward and dx, LoRA, attention, norms and
-activations, the fused LM head + loss, optimizer, Python between ops), then the step's matrix
-products against their roofline: each product's floor is its arithmetic at the machine's matmul
-peak or its operands' traffic at the measured read bandwidth, whichever is longer.
+activations, the fused LM head + loss, optimizer, Python between ops), the step's FLOPs and its
+MFU against the matmul peak measured then (wall time) and the cached CPU-time peak, the LM head
++ loss timed alone against its roofline floor (its two products at the peak, or its weights read
+once, whichever is longer), then the step's matrix products against their roofline: each
+product's floor is its arithmetic at the machine's matmul peak or its operands' traffic at the
+measured read bandwidth, whichever is longer. On a shared machine the CPU-time figures are the
+steadier ones.
 
     [FORGEBENCH_SIMD=avx2] python bench/bench_lora.py [--steps 16] [--threads 1,2]
         [--precision auto] [--profile [--steps 6]]
