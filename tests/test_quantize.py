@@ -11,7 +11,7 @@ from gguf import GGML_QUANT_SIZES, quants
 from gguf import GGMLQuantizationType as T
 from gguf_write_fixtures import awkward_weights
 
-from engine.gguf.quantize import QUANTIZED_TYPES, quantize
+from engine.gguf.quantize import QUANTIZED_TYPES, quantize, quantize_numpy
 
 LEGACY = (T.Q8_0, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1)
 
@@ -67,3 +67,37 @@ def test_rows_must_fill_blocks():
     with pytest.raises(ValueError, match="multiple of 256"):
         quantize(np.ones((2, 640), np.float32), T.Q4_K)
     assert quantize(np.ones((2, 640), np.float32), T.Q5_0).shape == (2, 20 * 22)
+
+
+@pytest.mark.parametrize("kind", QUANTIZED_TYPES, ids=lambda t: t.name)
+def test_c_quantizer_equals_the_numpy_port(kind):
+    """ggml's reference quantizers in C (engine/hf/kquants.c, what `quantize` runs where a
+    compiler is) give the numpy port's bytes: zero blocks, signed zeros, outliers, five decades
+    of scale; the twin flips one block's signs and only that row's bytes change."""
+    from engine.hf.kquants import quantize_rows
+
+    x = awkward_weights(np.random.default_rng(11), (48, 512)).astype(np.float32)
+    x[3, :256] = 0.0
+    x[4, :40] = -0.0
+    native = quantize_rows(x, kind)
+    if native is None:
+        pytest.skip("no C compiler here (or FORGEBENCH_NATIVE=0): the numpy port runs")
+    assert np.array_equal(native, quantize_numpy(x, kind))
+    y = x.copy()
+    y[5, :32] *= -1
+    changed = np.flatnonzero((quantize_rows(y, kind) != native).any(axis=1))
+    assert changed.tolist() == [5]
+
+
+@pytest.mark.parametrize("kind", QUANTIZED_TYPES, ids=lambda t: t.name)
+def test_f16_values_quantize_as_their_f32_widening(kind):
+    """An f16 file's values go to the quantizer as they are (widened row by row in C): the
+    bytes are those of the same values widened to f32 first; the twin, one value made the
+    row's largest, changes that row's bytes alone."""
+    half = awkward_weights(np.random.default_rng(5), (16, 512)).astype(np.float16)
+    got = quantize(half, kind)
+    assert np.array_equal(got, quantize_numpy(half.astype(np.float32), kind))
+    moved = half.copy()
+    moved[9, 7] = -4 * np.abs(half[9]).max()
+    changed = np.flatnonzero((quantize(moved, kind) != got).any(axis=1))
+    assert changed.tolist() == [9]

@@ -618,6 +618,8 @@ def _fill_bundle(bundle: Bundle, staging: Path, scratch: Path, base: str | None,
         _export_sft(bundle, staging, scratch, base, progress)
     if report:
         written, elapsed = elapsed(), stopwatch()
+        # question 2's worker starts first and runs beside the staged report's workers
+        question2 = _start_question2(bundle, scratch, compare or [], progress)
         held = run.manifest()["config"].get("sample", {}).get("prompts", [])
         # the draft the stages follow (equivalence.follow_guesses): the exported model file
         cpp = bundle.llamacpp
@@ -631,7 +633,7 @@ def _fill_bundle(bundle: Bundle, staging: Path, scratch: Path, base: str | None,
         bundle.report["export"] = {"run": str(run.path), "checkpoint": bundle.checkpoint.name,
                                    "dtype": dtype, "files": bundle.files, "name": bundle.name}
         timings = {"model files": written, **bundle.report["timings"], "report": elapsed()}
-        _answer_questions(bundle, scratch, compare or [], progress, timings)
+        _answer_questions(bundle, question2, compare or [], timings)
         bundle.report["timings"] = timings
         atomic_write_text(staging / "report.json",
                           json.dumps(bundle.report, indent=2) + "\n")
@@ -639,11 +641,57 @@ def _fill_bundle(bundle: Bundle, staging: Path, scratch: Path, base: str | None,
     _finish_bundle(bundle, staging)
 
 
-def _answer_questions(bundle: Bundle, scratch: Path, compare: list[str], progress: _Progress,
+def _exported_model(bundle: Bundle) -> tuple[Path | None, Path | None]:
+    """(the model file llama.cpp runs, the exported model file: None for an adapter export)."""
+    model = Path(bundle.llamacpp.model["path"]) if bundle.llamacpp else None
+    exported = model if model is not None and "lora" not in bundle.llamacpp.model else None
+    return model, exported
+
+
+@dataclass
+class _Question2:
+    """Question 2's worker, running in the background (`future`), or why it does not run."""
+    reason: str | None
+    future: object = None
+    started: float = 0.0
+
+
+def _start_question2(bundle: Bundle, scratch: Path, compare: list[str],
+                     progress: _Progress) -> _Question2:
+    """Question 2 (what quantization cost the fine-tune, engine.export.quality) in its worker,
+    started now on a thread of its own: it needs only the exported and merged files, so it
+    runs beside the staged report's workers instead of after them."""
+    import time
+    from concurrent.futures import ThreadPoolExecutor
+
+    from engine.export import quality
+    from engine.export.equivalence import _beside_threads
+
+    _, exported = _exported_model(bundle)
+    reason = _no_question2(bundle) if exported is not None else "no exported model file"
+    if reason:
+        return _Question2(reason)
+    exports = [{"dtype": bundle.dtype, "model": _stage_spec(exported, bundle.dtype)}]
+    exports += [{"dtype": t, "quantize": True, "answers": False,
+                 "model": _native_spec(scratch / f"compare-{t}.gguf")}
+                for t in compare if t != bundle.dtype]
+    spec = {"run": str(bundle.run.path), "tokenizer_file": str(exported),
+            "base": bundle.base_spec, "fine_tune": bundle.fine_tune,
+            "merged": bundle.fine_tune["path"], "exports": exports}
+    pool = ThreadPoolExecutor(1, thread_name_prefix="forgebench-quality")
+    future = pool.submit(quality.run_measure, spec, _beside_threads(bundle.threads),
+                         lambda m: progress.say(m))
+    pool.shutdown(wait=False)               # the thread ends with the worker
+    return _Question2(None, future, time.perf_counter())
+
+
+def _answer_questions(bundle: Bundle, question2: _Question2, compare: list[str],
                       timings: dict) -> None:
     """Question 1 (the weights against the merged ones, llama.cpp against the engine), question
-    2 (what quantization cost the fine-tune, engine.export.quality), the picker's rows, and the
-    verdict, into the report; a defect's model file is renamed out of the way."""
+    2 (its worker's answer, `_start_question2`), the picker's rows, and the verdict, into the
+    report; a defect's model file is renamed out of the way."""
+    import time
+
     from engine.export import quality
     from engine.export.equivalence import stopwatch
     from engine.export.verdict import (
@@ -658,8 +706,7 @@ def _answer_questions(bundle: Bundle, scratch: Path, compare: list[str], progres
 
     report = bundle.report
     clock = stopwatch()
-    model = Path(bundle.llamacpp.model["path"]) if bundle.llamacpp else None
-    exported = model if model is not None and "lora" not in bundle.llamacpp.model else None
+    model, exported = _exported_model(bundle)
     weights = quality.check_weights(exported, bundle.reference) if exported else None
     cpp = report.get("llamacpp", {})
     compared = None
@@ -683,23 +730,15 @@ def _answer_questions(bundle: Bundle, scratch: Path, compare: list[str], progres
     timings["question 1 (weights)"] = clock()
     if exported is not None:
         report["export"]["sha256"] = sha256_file(exported)
-    report["question2"] = {"available": False, "reason": _no_question2(bundle)}
-    if not report["question2"]["reason"]:
-        clock = stopwatch()
-        exports = [{"dtype": bundle.dtype, "model": _stage_spec(exported, bundle.dtype)}]
-        exports += [{"dtype": t, "quantize": True, "answers": False,
-                     "model": _native_spec(scratch / f"compare-{t}.gguf")}
-                    for t in compare if t != bundle.dtype]
-        measured = quality.run_measure(
-            {"run": str(bundle.run.path), "tokenizer_file": str(exported),
-             "base": bundle.base_spec, "fine_tune": bundle.fine_tune,
-             "merged": bundle.fine_tune["path"], "exports": exports}, bundle.threads,
-            lambda m: progress.say(m))
+    report["question2"] = {"available": False, "reason": question2.reason}
+    if question2.future is not None:
+        measured = question2.future.result()
         report["question2"] = quality.question2(measured, bundle.dtype)
         if compare:
             rows = quality.picker_rows(measured)
             report["picker"] = {"rows": rows, "recommended": recommend(rows)}
-        timings["question 2"] = {"wall_s": clock()["wall_s"],
+        # from its start, beside the staged report, to its answer
+        timings["question 2"] = {"wall_s": time.perf_counter() - question2.started,
                                  "cpu_s": measured["timing"]["cpu_s"]}
     verdict = of_report(report)
     report["verdict"] = verdict.as_dict()

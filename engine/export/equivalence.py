@@ -38,6 +38,7 @@ import os
 import subprocess
 import sys
 import tempfile
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
@@ -458,11 +459,20 @@ class StageResult:
             return handle.get_tensor(f"logits.{i}").double()
 
 
+def _beside_threads(threads: int) -> int:
+    """Threads for a worker that runs beside another of `threads`: as many where the machine has
+    cores for both, else the cores the other leaves (at least one). llama.cpp's threads wait
+    for each other at every op, so more threads than free cores cost more than they give; its
+    logits do not depend on how many there are (each output row is one thread's sum)."""
+    cores = os.cpu_count() or 1
+    return threads if cores >= 2 * threads else max(1, cores - threads)
+
+
 def _run_worker(spec: dict, workdir: Path, name: str, threads: int,
                 on_line: Callable[[str], None] = lambda _line: None) -> dict:
     """Run a worker in a fresh Python process, passing each line it prints to `on_line`;
-    returns the process's wall and CPU seconds."""
-    import resource
+    returns the process's wall and CPU seconds (its own, from wait4: another worker running
+    beside it is not counted)."""
     import time
 
     spec_path = workdir / f"{name}.json"
@@ -470,14 +480,15 @@ def _run_worker(spec: dict, workdir: Path, name: str, threads: int,
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(
         [str(REPO_ROOT)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]),
         OMP_NUM_THREADS=str(threads))
-    before, wall = resource.getrusage(resource.RUSAGE_CHILDREN), time.perf_counter()
+    wall = time.perf_counter()
     with tempfile.TemporaryFile("w+", encoding="utf-8") as errors:
         process = subprocess.Popen([sys.executable, "-m", "engine.export.equivalence",
                                     str(spec_path)], env=env, stdout=subprocess.PIPE,
                                    stderr=errors, text=True)
         for line in process.stdout:
             on_line(line.strip())
-        returncode = process.wait()
+        _, status, usage = os.wait4(process.pid, 0)
+        process.returncode = returncode = os.waitstatus_to_exitcode(status)
         errors.seek(0)
         stderr = errors.read()
     if returncode != 0:
@@ -485,9 +496,7 @@ def _run_worker(spec: dict, workdir: Path, name: str, threads: int,
                               + (stderr.strip().splitlines() or ["(no output)"])[-1],
                               where=f"stage {name}", hint="see the message above; rerun "
                               "with --no-report to export without the report")
-    after = resource.getrusage(resource.RUSAGE_CHILDREN)
-    return {"wall_s": time.perf_counter() - wall,
-            "cpu_s": (after.ru_utime + after.ru_stime) - (before.ru_utime + before.ru_stime)}
+    return {"wall_s": time.perf_counter() - wall, "cpu_s": usage.ru_utime + usage.ru_stime}
 
 
 def compare(reference: StageResult, other: StageResult, n: int) -> dict:
@@ -550,20 +559,40 @@ def build_report(reference: dict, stages: list[Stage], *, llamacpp: Stage | None
     extra = same_file is not None and (not models or models[-1] != same_file)
     if extra:
         models.append(same_file)
-    with tempfile.TemporaryDirectory(prefix="forgebench-equivalence-") as tmp:
+    missing = None if llamacpp is None else llamacpp_available()
+    with tempfile.TemporaryDirectory(prefix="forgebench-equivalence-") as tmp, \
+            ThreadPoolExecutor(1, thread_name_prefix="forgebench-llamacpp") as beside:
         workdir = Path(tmp)
         labels = ["checkpoint: greedy answers and scoring"] + [f"{s.name}: scoring"
                                                                 for s in stages]
         labels += ["the exported file under llama.cpp numerics: scoring"] if extra else []
+        cpp_out, cpp_worker = workdir / "llamacpp.safetensors", []
+
+        def start_llamacpp() -> None:
+            """The llama.cpp worker, once the reference's answers it scores are on disk: in a
+            process of its own beside the engine's remaining stages (each worker is mostly one
+            thread's short ops, so two side by side use a second core that one leaves idle)."""
+            if llamacpp is None or missing is not None or cpp_worker:
+                return
+            ref0 = StageResult.read(workdir / "stage-0.safetensors")
+            spec = dict(reference_sequences(ref0.texts, ref0.prompt_ids, ref0.greedy,
+                                            greedy_tokens), model=llamacpp.model, out=str(cpp_out))
+            say("llama.cpp: scoring")
+            cpp_worker.append(beside.submit(_run_worker, spec, workdir, "llamacpp",
+                                            _beside_threads(threads)))
 
         def relay(line: str) -> None:
             if line.startswith("stage "):
-                say(labels[int(line.split()[1])])
+                k = int(line.split()[1])
+                if k >= 1:                    # the worker writes stage K-1 before starting K
+                    start_llamacpp()
+                say(labels[k])
 
         timings = {"engine worker": _run_worker(
             {"reference": reference, "prompts": list(prompts), "greedy_tokens": greedy_tokens,
              "stages": models, "draft": draft, "outdir": str(workdir)},
             workdir, "engine", threads, relay)}
+        start_llamacpp()                      # no stage after the reference: it starts now
         ref, *got_stages = [StageResult.read(workdir / f"stage-{k}.safetensors")
                             for k in range(len(models) + 1)]
         same = got_stages.pop() if extra else None
@@ -594,14 +623,11 @@ def build_report(reference: dict, stages: list[Stage], *, llamacpp: Stage | None
             previous = got
         if llamacpp is None:
             report.llamacpp = {"available": False, "reason": "no llama.cpp stage for this export"}
-        elif (missing := llamacpp_available()) is not None:
+        elif missing is not None:
             report.llamacpp = {"available": False, "reason": missing}
         else:
-            say("llama.cpp: scoring")
-            out = workdir / "llamacpp.safetensors"
-            timings["llama.cpp worker"] = _run_worker(
-                dict(common, model=llamacpp.model, out=str(out)), workdir, "llamacpp", threads)
-            got = StageResult.read(out)
+            timings["llama.cpp worker"] = cpp_worker[0].result()
+            got = StageResult.read(cpp_out)
             engine_same_file = same or (got_stages[-1] if got_stages else None)
             report.llamacpp = {
                 "available": True, "description": llamacpp.description, "file": llamacpp.file,

@@ -56,8 +56,10 @@ def _source_type_name(content: GGUFContent) -> str:
                             if t.ggml_type not in quant_policy.FLOAT_TYPES}))
 
 
-def _to_f32(entry: TensorEntry) -> np.ndarray:
-    """A tensor's values as f32 in torch-order shape (ggml's f16/bf16 -> f32 is exact).
+def _to_f32(entry: TensorEntry, keep_f16: bool = False) -> np.ndarray:
+    """A tensor's values as f32 in torch-order shape (ggml's f16/bf16 -> f32 is exact); with
+    `keep_f16`, an f16 tensor's values as they lie in the file (the quantizer widens them row by
+    row, where numpy's cast of a whole tensor took longer than quantizing it).
 
     Float sources are plain numpy casts, so quantizing an f16/bf16 export never loads torch;
     block formats go through the engine's dequantization kernels."""
@@ -66,7 +68,7 @@ def _to_f32(entry: TensorEntry) -> np.ndarray:
     if entry.ggml_type == T.F32:
         values = raw.view(np.float32)
     elif entry.ggml_type == T.F16:
-        values = raw.view(np.float16).astype(np.float32)
+        values = raw.view(np.float16) if keep_f16 else raw.view(np.float16).astype(np.float32)
     elif entry.ggml_type == T.BF16:
         values = (raw.view(np.uint16).astype(np.uint32) << 16).view(np.float32)
     else:
@@ -92,8 +94,9 @@ def _encode(values: np.ndarray, ggml_type: T) -> np.ndarray:
 def _converted(entry: TensorEntry, target: T) -> TensorEntry:
     if target == entry.ggml_type:
         return entry
+    keep_f16 = target not in quant_policy.FLOAT_TYPES      # the quantizers take f16 as it is
     return TensorEntry(entry.name, target, entry.shape,
-                       lambda: _encode(_to_f32(entry), target))
+                       lambda: _encode(_to_f32(entry, keep_f16), target))
 
 
 def _plane_sum(planes: list[TensorEntry]) -> np.ndarray:

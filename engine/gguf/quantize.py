@@ -7,6 +7,10 @@ C's `float` on x86-64 SSE, and ggml-base is built without FMA), running sums are
 ggml's element order, and ggml's rounding helpers are mirrored exactly (`nearest_int` rounds half
 to even, `roundf` half away from zero, `(int8_t)` casts truncate).
 
+`quantize` runs the same reference paths in C (engine/hf/kquants.c) where a C compiler is
+available; this numpy port (`quantize_numpy`) is what the C is tested against and what runs
+without one.
+
 Arrays inside the encoders are laid out element-major, `[elements_per_group, groups]`, so that a
 sequential sum over a group's elements is a loop of contiguous vector adds.
 """
@@ -329,16 +333,38 @@ def quantize(data: np.ndarray, ggml_type: T) -> np.ndarray:
 
     `data` has its rows on the last axis (ggml's ne[0]); the row length must be a multiple of the
     type's block size. Returns uint8 with the same leading shape and the row's byte size last.
+    Runs ggml's C (engine/hf/kquants.c, built on first use) where it can be built, else this
+    module's numpy port (`quantize_numpy`): the same bytes, the C ~10-50x sooner.
     """
+    from engine.hf.kquants import quantize_rows
+
+    # f16 values (an f16 file's tensor) go to the C as they are: no f32 copy of the tensor
+    half = isinstance(data, np.ndarray) and data.dtype == np.float16
+    values = _checked(data, ggml_type, np.float16 if half else F32)
+    native = quantize_rows(values, ggml_type)
+    return native if native is not None else quantize_numpy(values, ggml_type)
+
+
+def _checked(data: np.ndarray, ggml_type: T, dtype=F32) -> np.ndarray:
+    """`data` as contiguous `dtype` whose rows fill whole blocks of a type with an encoder."""
     ggml_type = T(ggml_type)
     if ggml_type not in ENCODERS:
         raise ValueError(f"no quantizer for {ggml_type.name}")
-    block_size, type_size = GGML_QUANT_SIZES[ggml_type]
-    values = np.ascontiguousarray(data, dtype=F32)
+    block_size = GGML_QUANT_SIZES[ggml_type][0]
+    values = np.ascontiguousarray(data, dtype=dtype)
     row = values.shape[-1] if values.ndim else 1
     if row % block_size:
         raise ValueError(f"{ggml_type.name} needs rows that are a multiple of {block_size} "
                          f"values; this tensor's rows hold {row}")
+    return values
+
+
+def quantize_numpy(data: np.ndarray, ggml_type: T) -> np.ndarray:
+    """`quantize` by the numpy port alone (the reference the C build is tested against)."""
+    values = _checked(data, ggml_type)
+    ggml_type = T(ggml_type)
+    block_size, type_size = GGML_QUANT_SIZES[ggml_type]
+    row = values.shape[-1] if values.ndim else 1
     blocks = values.reshape(-1, block_size)
     out = np.empty((blocks.shape[0], type_size), dtype=np.uint8)
     encode = ENCODERS[ggml_type]
