@@ -371,17 +371,18 @@ def test_unreproduced_cpus_never_claim_bit_exact():
     # an AMX build opened with its defaults (not how open_llama opens it): AMX tiles, not matched
     amx_defaults = cpu.plan_for(AVX512_VNNI | {"amx_int8"}, repacked=True)
     quantized = [k for k in amx_defaults.kernels
-                 if "weights" in k.name and not k.name.startswith(("f16", "BF16"))]
+                 if "weights" in k.name and not k.name.startswith(("f16", "BF16", "TQ1_0"))]
     assert quantized and all(k.status == cpu.ROUNDING and "AMX" in k.detail for k in quantized)
     assert not amx_defaults.exact_weight("Q4_K", 64)
 
 
 def test_amx_plan_follows_the_no_repack_configuration():
     """On an AMX CPU the plan follows llama.cpp without extra buffer types, as open_llama opens
-    it there: every weight family but BF16 bit-exact, and the doctor says so."""
+    it there: every weight family but BF16 and the ternary types bit-exact, as the doctor says."""
     amx = cpu.plan_for(AVX512_VNNI | {"amx_int8"})
     assert not amx.repacked and amx.configuration == cpu.NO_REPACK
-    assert [k.name for k in amx.kernels if k.status != cpu.EXACT] == ["BF16 weights"]
+    assert [k.name for k in amx.kernels if k.status != cpu.EXACT] == [
+        "TQ1_0, TQ2_0 (ternary) weights", "BF16 weights"]      # never reproduced, on any CPU
     assert all(amx.exact_weight(t, 20) and amx.exact_weight(t, 24)
                for t in ("F16", "Q8_0", "Q5_0", "Q4_0", "Q4_1", "Q5_1", "Q4_K", "Q5_K", "Q6_K"))
     assert amx.rounding_types == cpu.ROUNDING_WEIGHT_TYPES

@@ -53,10 +53,19 @@ def both(path):
     return load_gguf_model(path, numerics="llamacpp", weights="dense-cache"), native
 
 
+@pytest.fixture
+def one_torch_thread():
+    """The torch path on one thread, like the C decoder it is compared with; the suite's count
+    comes back afterwards (a later test's f32 sums would otherwise run in another order)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 @needs_c
 @pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(c))
-def test_same_logits_and_greedy_tokens_as_the_torch_path(files, case):
-    torch.set_num_threads(1)
+def test_same_logits_and_greedy_tokens_as_the_torch_path(files, case, one_torch_thread):
     (model, tok), (lm, native_tok) = both(files[case])
     with torch.no_grad():
         ref = model.logits(model.hidden(torch.tensor([PROMPT]), 0, model.new_cache(1, 32))[:, -1])

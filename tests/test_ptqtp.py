@@ -292,9 +292,11 @@ def test_cli_convert_ptqtp(tiny_f16, tmp_path, capsys):
 def test_llamacpp_runs_the_single_plane_file(tiny_f16, tmp_path, kind):
     """Stock llama.cpp loads the 1-plane file and its logits agree with the engine's.
     llama.cpp's TQ2_0 product quantizes the activations to Q8_K first: the engine's llamacpp
-    numerics do too (VEC_DOT_TYPE) and agree to 1e-3 of the largest logit (measured: 4e-5; not
-    bit-exact, the sums' order differs); its f32 numerics do not, and agree to 2% (measured 1.3%),
-    with the same top-1 token."""
+    numerics do too (VEC_DOT_TYPE) and agree to 1e-2 of the largest logit, not bit for bit: the
+    engine sums in f32 in torch's order, which changes with torch's thread count, and one
+    activation's Q8_K rounding flipped by that order moves the next layers (measured on this tiny
+    model: 4e-5 at 2 torch threads, 7.3e-3 at 1, 3 and 4); its f32 numerics do not quantize the
+    activations and agree to 2% (measured 1.25%); the top-1 token is the same everywhere."""
     from engine.export.llamacpp import open_llama
     from engine.models.gguf_model import load_gguf_model
 
@@ -305,7 +307,7 @@ def test_llamacpp_runs_the_single_plane_file(tiny_f16, tmp_path, kind):
     llm.eval(ids)
     theirs = np.array(llm.scores[: len(ids)])
     scale = np.abs(theirs).max()
-    for numerics, bound in (("llamacpp", 1e-3), ("f32", 0.02)):
+    for numerics, bound in (("llamacpp", 1e-2), ("f32", 0.02)):
         model, _ = load_gguf_model(out, tokenizer=False, numerics=numerics)
         with torch.no_grad():
             cache = model.new_cache(1, len(ids))

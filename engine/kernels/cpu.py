@@ -336,8 +336,9 @@ def plan_for(
         Kernel(
             "TQ1_0, TQ2_0 (ternary) weights",
             ROUNDING,
-            "llama.cpp's Q8_K activations, then f32 sums (not vec_dot_tq1_0/tq2_0_q8_K's order): "
-            "logits within 1e-3 of the largest (measured 4e-5; tests/test_ptqtp.py); PTQTP's "
+            "llama.cpp's Q8_K activations, then f32 sums (not vec_dot_tq1_0/tq2_0_q8_K's order, "
+            "and torch's order changes with its thread count): logits within 1e-2 of the largest "
+            "(measured 4e-5 to 7.3e-3; tests/test_ptqtp.py); PTQTP's "
             "2-plane weights sum two such products (llama.cpp does not load them)",
         ),
         Kernel(
