@@ -1001,6 +1001,33 @@ static void region_matmul(const fb_weight *w, int64_t R, const float *x, const f
  * last layer's MLP and the final norm run only on the n_out rows out_rows (all T when NULL), as
  * llama.cpp runs them only for the rows whose logits are asked for; out [n_out][dim] gets the
  * final-normed hidden states. Returns 0, or -1 when out of memory. */
+/* A block's output added to the residual stream, rows ith, ith+nth, ... of R: the output `ab`
+ * normed first where the layer has a post-norm, then h += ab, then h normed by `next_norm` into
+ * `next` where one follows (the MLP's input norm, or the output norm after the last layer).
+ * Shared by fb_forward and fb_decode_batch, so a batched step adds exactly as a single one. */
+static void add_to_residual(const fb_model *m, const float *post_norm, const float *next_norm,
+                            float *h, float *ab, float *next, int64_t R, int ith, int nth) {
+    const int64_t D = m->dim;
+    for (int64_t t = ith; t < R; t += nth) {
+        float *hr = h + t * D, *ar = ab + t * D;
+        if (post_norm) rmsnorm_row(ar, D, post_norm, m->norm_eps, ar);
+        for (int64_t i = 0; i < D; i++) hr[i] = hr[i] + ar[i];
+        if (next_norm) rmsnorm_row(hr, D, next_norm, m->norm_eps, next + t * D);
+    }
+}
+
+/* The gated unit, rows ith, ith+nth, ... of R: gate <- act(gate) · up (GeGLU by ggml's f16
+ * table, else SwiGLU). */
+static void gated_unit(const fb_model *m, const fb_plan *p, float *gb, const float *ub, int64_t R,
+                       int ith, int nth) {
+    const int64_t F = m->ffn_dim;
+    for (int64_t t = ith; t < R; t += nth)
+        for (int64_t i = 0; i < F; i++) {
+            const float g = gb[t * F + i];
+            gb[t * F + i] = (m->gelu ? gelu_table(m->gelu_table, g) : silu_ggml(g, p->softmax_lanes)) * ub[t * F + i];
+        }
+}
+
 int fb_forward(const fb_model *m, const fb_plan *p, int64_t T, int64_t start_pos, float *h,
                uint16_t *const *k_cache, uint16_t *const *v_cache, int64_t cache_len, int64_t n_out,
                const int64_t *out_rows, float *out, int nthreads) {
@@ -1083,31 +1110,18 @@ int fb_forward(const fb_model *m, const fb_plan *p, int64_t T, int64_t start_pos
                     R = n_out;
                     barrier_wait(&bar);
                 }
-                for (int64_t t = ith; t < R; t += nth) {
-                    float *hr = h + t * D, *ar = ab + t * D;
-                    if (Lr->post_attn_norm) rmsnorm_row(ar, D, Lr->post_attn_norm, m->norm_eps, ar);
-                    for (int64_t i = 0; i < D; i++) hr[i] = hr[i] + ar[i];
-                    rmsnorm_row(hr, D, Lr->mlp_norm, m->norm_eps, xn + t * D);
-                }
+                add_to_residual(m, Lr->post_attn_norm, Lr->mlp_norm, h, ab, xn, R, ith, nth);
                 barrier_wait(&bar);
                 {
                     const fb_weight *gate_up[2] = {&Lr->gate, &Lr->up};
                     float *const outs[2] = {gb, ub};
                     region_matmuls(gate_up, outs, 2, R, xn, &a, p, ith, nth, &bar);
                 }
-                for (int64_t t = ith; t < R; t += nth)
-                    for (int64_t i = 0; i < F; i++) {
-                        const float g = gb[t * F + i];
-                        gb[t * F + i] = (m->gelu ? gelu_table(m->gelu_table, g) : silu_ggml(g, p->softmax_lanes)) * ub[t * F + i];
-                    }
+                gated_unit(m, p, gb, ub, R, ith, nth);
                 barrier_wait(&bar);
                 region_matmul(&Lr->down, R, gb, &a, p, ab, ith, nth, &bar);
-                for (int64_t t = ith; t < R; t += nth) {
-                    float *hr = h + t * D, *ar = ab + t * D;
-                    if (Lr->post_mlp_norm) rmsnorm_row(ar, D, Lr->post_mlp_norm, m->norm_eps, ar);
-                    for (int64_t i = 0; i < D; i++) hr[i] = hr[i] + ar[i];
-                    if (last) rmsnorm_row(hr, D, m->output_norm, m->norm_eps, out + t * D);
-                }
+                add_to_residual(m, Lr->post_mlp_norm, last ? m->output_norm : NULL, h, ab, out, R,
+                                ith, nth);
                 barrier_wait(&bar);
             }
             free(s);
@@ -1312,35 +1326,22 @@ int fb_decode_batch(const fb_model *m, const fb_plan *p, int64_t B, const int64_
                     float *const outs[1] = {ab};
                     batch_matmuls(o, outs, 1, B, att, &a, p, ith, nth, &bar);
                 }
-                for (int64_t t = ith; t < B; t += nth) {
-                    float *hr = h + t * D, *ar = ab + t * D;
-                    if (Lr->post_attn_norm) rmsnorm_row(ar, D, Lr->post_attn_norm, m->norm_eps, ar);
-                    for (int64_t i = 0; i < D; i++) hr[i] = hr[i] + ar[i];
-                    rmsnorm_row(hr, D, Lr->mlp_norm, m->norm_eps, xn + t * D);
-                }
+                add_to_residual(m, Lr->post_attn_norm, Lr->mlp_norm, h, ab, xn, B, ith, nth);
                 barrier_wait(&bar);
                 {
                     const fb_weight *gate_up[2] = {&Lr->gate, &Lr->up};
                     float *const outs[2] = {gb, ub};
                     batch_matmuls(gate_up, outs, 2, B, xn, &a, p, ith, nth, &bar);
                 }
-                for (int64_t t = ith; t < B; t += nth)
-                    for (int64_t i = 0; i < F; i++) {
-                        const float g = gb[t * F + i];
-                        gb[t * F + i] = (m->gelu ? gelu_table(m->gelu_table, g) : silu_ggml(g, p->softmax_lanes)) * ub[t * F + i];
-                    }
+                gated_unit(m, p, gb, ub, B, ith, nth);
                 barrier_wait(&bar);
                 {
                     const fb_weight *down[1] = {&Lr->down};
                     float *const outs[1] = {ab};
                     batch_matmuls(down, outs, 1, B, gb, &a, p, ith, nth, &bar);
                 }
-                for (int64_t t = ith; t < B; t += nth) {
-                    float *hr = h + t * D, *ar = ab + t * D;
-                    if (Lr->post_mlp_norm) rmsnorm_row(ar, D, Lr->post_mlp_norm, m->norm_eps, ar);
-                    for (int64_t i = 0; i < D; i++) hr[i] = hr[i] + ar[i];
-                    if (il == NL - 1) rmsnorm_row(hr, D, m->output_norm, m->norm_eps, out + t * D);
-                }
+                add_to_residual(m, Lr->post_mlp_norm, il == NL - 1 ? m->output_norm : NULL, h, ab,
+                                out, B, ith, nth);
                 barrier_wait(&bar);
             }
             free(s);
