@@ -179,8 +179,8 @@ def cmd_chat(args) -> int:
     if args.system:
         conversation.add("system", args.system)
     prompts = iter(args.prompt) if args.prompt else None
-    settings = {"temperature": args.temperature, "top_k": args.top_k, "top_p": args.top_p,
-                "repetition_penalty": args.repetition_penalty}
+    settings = chat_settings(args)
+    print("sampling: " + describe_settings(settings), file=sys.stderr)
     tools = [calculator.SCHEMA] if args.calculator else None
 
     def reply() -> dict:
@@ -228,6 +228,27 @@ def cmd_chat(args) -> int:
             print(f"  [{call.name} {json.dumps(call.arguments)} -> {result}]", file=sys.stderr)
             done = reply()
     return 0
+
+
+def chat_settings(args) -> dict:
+    """The sampling settings of a chat: each option given, else the chat default."""
+    from engine.sampling import CHAT_DEFAULTS
+
+    return {key: default if getattr(args, key, None) is None else getattr(args, key)
+            for key, default in CHAT_DEFAULTS.as_dict().items()}
+
+
+def describe_settings(settings: dict) -> str:
+    """One line a user reads at the start of a chat, with how to change what matters most."""
+    how = ("greedy" if settings["temperature"] <= 0 else
+           f"temperature {settings['temperature']:g}, top-k {settings['top_k']}, "
+           f"top-p {settings['top_p']:g}")
+    penalty, last_n = settings["repetition_penalty"], settings["repetition_last_n"]
+    if penalty == 1.0 or last_n == 0:
+        return f"{how}, no repetition penalty"
+    window = "all tokens" if last_n < 0 else f"the last {last_n} tokens"
+    return (f"{how}, repetition penalty {penalty:g} over {window} "
+            "(--repetition-penalty 1 turns it off)")
 
 
 MAX_TOOL_ROUNDS = 4     # calls answered per user turn, so a model that keeps calling stops
