@@ -355,10 +355,16 @@ def _chat_args(p: argparse.ArgumentParser) -> None:
                    help="offer the model the built-in calculator tool and run its calls "
                         "(sandboxed: arithmetic only)")
     p.add_argument("--max-tokens", type=count(1, 10**6), default=256)
-    p.add_argument("--temperature", type=real(0, 100), default=0.0)
-    p.add_argument("--top-k", type=count(0), default=0)
-    p.add_argument("--top-p", type=real(0, 1, low_open=True), default=1.0)
-    p.add_argument("--repetition-penalty", type=real(0, 100, low_open=True), default=1.0)
+    # sampling: unset options take the chat default (engine.sampling.CHAT_DEFAULTS), which
+    # the chat prints when it starts
+    p.add_argument("--temperature", type=real(0, 100))
+    p.add_argument("--top-k", type=count(0))
+    p.add_argument("--top-p", type=real(0, 1, low_open=True))
+    p.add_argument("--repetition-penalty", type=real(0, 100, low_open=True),
+                   help="1 = off (default: the chat default, printed at start)")
+    p.add_argument("--repetition-last-n", type=count(-1),
+                   help="tokens the penalty looks back over; -1 = all (default: the chat "
+                        "default)")
     p.add_argument("--seed", type=SEED, default=0)
     p.add_argument("--numerics", choices=["llamacpp", "f32"], default=None,
                    help="GGUF models: llama.cpp's arithmetic (default) or plain f32")

@@ -2,7 +2,13 @@
 
 Greedy when temperature is 0; otherwise llama.cpp's order: repetition penalty, top-k, top-p
 (on the untempered distribution), temperature, then a draw from the given torch.Generator, so a
-seed reproduces a generation.
+seed reproduces a generation. The repetition penalty is llama.cpp's `penalty_repeat` over its
+`penalty_last_n` window: the last n tokens of the history (prompt and reply so far), -1 = all.
+
+Every default is off (1.0, what llama.cpp and an OpenAI endpoint do unasked) except for chat:
+CHAT_DEFAULTS is the one default of the Chat pane and `forgebench chat`, a 1.1 penalty over the
+last 64 tokens (Ollama's repeat_penalty/repeat_last_n defaults; LM Studio's 1.1), because a small
+base model under greedy decoding otherwise loops on one sentence.
 
 Logits may be a torch tensor or a numpy array (the torch-free generate path,
 engine/llm/native_lm.py): greedy picks on a numpy array stay in numpy (the repetition penalty
@@ -27,9 +33,18 @@ class SamplingSettings:
     top_k: int = 0               # 0 = off
     top_p: float = 1.0           # 1 = off
     repetition_penalty: float = 1.0  # 1 = off; > 1 discourages tokens already present
+    repetition_last_n: int = -1      # the penalty looks at the last n tokens; -1 = all, 0 = off
+
+    def recent(self, previous: Sequence[int]) -> Sequence[int]:
+        """The tokens the repetition penalty counts (llama.cpp's penalty_last_n window)."""
+        n = self.repetition_last_n
+        return previous if n < 0 else previous[-n:] if n else ()
 
     def as_dict(self) -> dict:
         return asdict(self)
+
+
+CHAT_DEFAULTS = SamplingSettings(repetition_penalty=1.1, repetition_last_n=64)
 
 
 def apply_repetition_penalty(logits: torch.Tensor | np.ndarray, previous: Iterable[int],
@@ -82,15 +97,15 @@ def next_token(logits: torch.Tensor, settings: SamplingSettings,
     numpy f32 array)."""
     if isinstance(logits, np.ndarray):
         logits = apply_repetition_penalty(logits.reshape(-1).astype(np.float32, copy=False),
-                                          previous, settings.repetition_penalty)
+                                          settings.recent(previous), settings.repetition_penalty)
         if settings.temperature <= 0:
             return int(np.argmax(logits))
         import torch
 
         logits = torch.from_numpy(logits)
         return _draw(logits, settings, generator)
-    logits = apply_repetition_penalty(logits.detach().float().reshape(-1), previous,
-                                      settings.repetition_penalty)
+    logits = apply_repetition_penalty(logits.detach().float().reshape(-1),
+                                      settings.recent(previous), settings.repetition_penalty)
     if settings.temperature <= 0:
         import torch
 

@@ -87,10 +87,10 @@ def test_the_summary_and_key_show_whole_and_scroll(qtbot):
 
 
 def test_a_constant_learning_rate_is_drawn_inside_its_axis_not_on_its_floor(qtbot):
-    """shapes-generator trains at a constant lr of 1e-3: its plot spans 0 to 1.25e-3 (it was
+    """sfx-generator trains at a constant lr of 1e-3: its plot spans 0 to 1.25e-3 (it was
     0-1, the line on the floor). The twin, where-demo's warm-up to 1e-2, keeps pyqtgraph's
     automatic range."""
-    for run, flat in (("shapes-generator", True), ("where-demo", False)):
+    for run, flat in (("sfx-generator", True), ("where-demo", False)):
         charts = shown_at(qtbot, RunCharts(), CHARTS_SIZE)
         charts.set_runs([BUNDLED_SAMPLE / "runs" / run])
         charts.redraw()

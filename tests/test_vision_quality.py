@@ -126,7 +126,9 @@ def test_generated_images_are_recognised_by_the_classifier(shapes, classifier, t
 def test_sample_workspace_generator_is_recognised(classifier, tmp_path):
     # Measured (one thread, 689 s on a busy 2-core machine): 48 samples recognised 0.46 after
     # 250 steps, 0.56 after 500, 0.65 after 750, 0.83 after 1000; the quick 16x16 config
-    # (image-generate.toml) gave 0.42 after its 300 steps and 0.25 after 3000.
+    # (image-generate.toml) gave 0.42 after its 300 steps and 0.25 after 3000. On the outlined
+    # shapes, the 2000-step config: 0.69 (64 sampler steps, a 1200-step judge; the earlier
+    # 1000-step config 0.60).
     sample = REPO / "resources/sample-workspace"
     run = train_shipped("image-generate-shapes", sample / "datasets/shapes", tmp_path / "run",
                         folder="resources/sample-workspace/configs")

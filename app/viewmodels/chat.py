@@ -29,10 +29,11 @@ from engine import model_library
 from engine.conversations import Conversation, export_sft, list_conversations
 from engine.errors import ForgebenchError
 from engine.rundir import RunDir
+from engine.sampling import CHAT_DEFAULTS
 from engine.serve_local import CHAT_RECIPES
 
 SIDES = ("A", "B")
-DEFAULT_SETTINGS = {"temperature": 0.0, "top_k": 0, "top_p": 1.0, "repetition_penalty": 1.0}
+DEFAULT_SETTINGS = CHAT_DEFAULTS.as_dict()   # the engine's one chat default (`forgebench chat`'s)
 
 
 @dataclass(frozen=True)

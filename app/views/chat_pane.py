@@ -117,18 +117,29 @@ class ChatPane(QWidget):
         return pick
 
     def _sampling_row(self) -> QHBoxLayout:
+        """The sampling settings, starting from the engine's chat default (the view-model's)."""
         self.temperature = QDoubleSpinBox(decimals=2, maximum=5.0, singleStep=0.1)
         self.top_k = QSpinBox(maximum=100_000)
         self.top_p = QDoubleSpinBox(decimals=2, minimum=0.01, maximum=1.0, singleStep=0.05)
-        self.top_p.setValue(1.0)
         self.repetition = QDoubleSpinBox(decimals=2, minimum=0.5, maximum=3.0, singleStep=0.05)
-        self.repetition.setValue(1.0)
+        self.repetition.setToolTip("Repetition penalty: > 1 discourages tokens seen in the "
+                                   "last n tokens, so a small model does not loop; 1 = off")
+        self.repetition_last_n = QSpinBox(minimum=-1, maximum=1_000_000, specialValueText="all")
+        self.repetition_last_n.setToolTip("How many recent tokens the repetition penalty "
+                                          "looks at (all = the whole conversation)")
+        defaults = vm.DEFAULT_SETTINGS
+        self.temperature.setValue(defaults["temperature"])
+        self.top_k.setValue(defaults["top_k"])
+        self.top_p.setValue(defaults["top_p"])
+        self.repetition.setValue(defaults["repetition_penalty"])
+        self.repetition_last_n.setValue(defaults["repetition_last_n"])
         self.seed = QSpinBox(maximum=2**31 - 1)
         self.max_tokens = QSpinBox(minimum=1, maximum=8192)
         self.max_tokens.setValue(128)
         sampling = QHBoxLayout()
         for label, widget in (("temperature", self.temperature), ("top-k", self.top_k),
                               ("top-p", self.top_p), ("repetition", self.repetition),
+                              ("over last", self.repetition_last_n),
                               ("seed", self.seed), ("max tokens", self.max_tokens)):
             sampling.addWidget(QLabel(label))
             sampling.addWidget(widget)
@@ -326,7 +337,8 @@ class ChatPane(QWidget):
         s = self.session
         s.settings = {"temperature": self.temperature.value(), "top_k": self.top_k.value(),
                       "top_p": self.top_p.value(),
-                      "repetition_penalty": self.repetition.value()}
+                      "repetition_penalty": self.repetition.value(),
+                      "repetition_last_n": self.repetition_last_n.value()}
         s.seed, s.max_tokens = self.seed.value(), self.max_tokens.value()
         if s.conversation is None:
             s.system_prompt = self.system_prompt.text()

@@ -51,6 +51,7 @@ def cmd_chat(args) -> int:
         args, workspace, {"A": {"label": label, "load": request, "info": system.info}})
     if args.system:
         conversation.add("system", args.system)
+    print("sampling: " + describe_settings(chat_settings(args)), file=sys.stderr)
     tools = [calculator.SCHEMA] if args.calculator else None
 
     def reply() -> dict:
@@ -108,8 +109,7 @@ def _stream_reply(system, conversation, label: str, args, tools: list | None) ->
     """One reply streamed to the terminal as it is generated, then added to the transcript."""
     from engine.serve_local import chat
 
-    settings = {"temperature": args.temperature, "top_k": args.top_k, "top_p": args.top_p,
-                "repetition_penalty": args.repetition_penalty}
+    settings = chat_settings(args)
     sys.stdout.write(f"{label}> ")
     streamed: list[str] = []
 
@@ -130,6 +130,27 @@ def _stream_reply(system, conversation, label: str, args, tools: list | None) ->
           + (f", first token {ttft:.2f} s" if ttft is not None else "") + "]",
           file=sys.stderr)
     return done
+
+
+def chat_settings(args) -> dict:
+    """The sampling settings of a chat: each option given, else the chat default."""
+    from engine.sampling import CHAT_DEFAULTS
+
+    return {key: default if getattr(args, key, None) is None else getattr(args, key)
+            for key, default in CHAT_DEFAULTS.as_dict().items()}
+
+
+def describe_settings(settings: dict) -> str:
+    """One line a user reads at the start of a chat, with how to change what matters most."""
+    how = ("greedy" if settings["temperature"] <= 0 else
+           f"temperature {settings['temperature']:g}, top-k {settings['top_k']}, "
+           f"top-p {settings['top_p']:g}")
+    penalty, last_n = settings["repetition_penalty"], settings["repetition_last_n"]
+    if penalty == 1.0 or last_n == 0:
+        return f"{how}, no repetition penalty"
+    window = "all tokens" if last_n < 0 else f"the last {last_n} tokens"
+    return (f"{how}, repetition penalty {penalty:g} over {window} "
+            "(--repetition-penalty 1 turns it off)")
 
 
 MAX_TOOL_ROUNDS = 4     # calls answered per user turn, so a model that keeps calling stops

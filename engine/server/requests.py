@@ -86,6 +86,7 @@ Temperature = Annotated[float, Field(ge=0.0, le=1000.0, allow_inf_nan=False)]
 TopP = Annotated[float, Field(gt=0.0, le=1.0, allow_inf_nan=False)]
 TopK = Annotated[int, Field(ge=0, le=10_000_000)]
 RepetitionPenalty = Annotated[float, Field(gt=0.0, le=1000.0, allow_inf_nan=False)]
+RepetitionLastN = Annotated[int, Field(ge=-1, le=MAX_TOKENS_LIMIT)]    # -1 = all, 0 = off
 MaxTokens = Annotated[int, Field(ge=1, le=MAX_TOKENS_LIMIT)]
 Seed = Annotated[int, Field(ge=0, le=2**63 - 1)]
 Name = Annotated[str, Field(min_length=1, max_length=256)]
@@ -108,6 +109,7 @@ class Settings(Schema):
     top_k: TopK = 0
     top_p: TopP = 1.0
     repetition_penalty: RepetitionPenalty = 1.0
+    repetition_last_n: RepetitionLastN = -1
 
 
 Tools = Annotated[list[dict[str, Any]], Field(max_length=MAX_TOOLS)]
