@@ -90,7 +90,7 @@ def _plain(messages: list) -> list[dict]:
 
 def load_system(name: str, request: dict, torch_free: bool = False) -> System:
     """Load what a `load` request names (see the module docstring). `torch_free`: a GGUF may
-    load as the torch-free C decoder (engine.commands.generate.load_generator), for callers that
+    load as the torch-free C decoder (engine.lm_load.load_generator), for callers that
     only generate (the chat command, this worker); the HTTP server's scheduler needs the torch
     model."""
     from engine.llm.chat import ChatTemplate
@@ -112,7 +112,7 @@ def load_system(name: str, request: dict, torch_free: bool = False) -> System:
                               where="load", hint='e.g. {"op": "load", "model": "FILE.gguf"}')
     if not path.is_file():
         raise ForgebenchError("model file not found", path=path, where="model")
-    from engine.commands.generate import load_generator
+    from engine.lm_load import load_generator
 
     numerics = request.get("numerics") or "llamacpp"
     started = time.perf_counter()

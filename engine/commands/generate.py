@@ -71,6 +71,7 @@ def cmd_generate_gguf(args) -> int:
     gemma-3-270m); loading stays instant either way, since the cache fills as layers first run.
     """
     from engine.llm.generate import generate
+    from engine.lm_load import load_generator, model_memory
     from engine.sampling import SamplingSettings
 
     numerics = args.numerics or "llamacpp"
@@ -96,37 +97,3 @@ def cmd_generate_gguf(args) -> int:
     else:
         sys.stdout.write("\n")
     return 0
-
-
-def load_generator(path, numerics: str, weights: str = "dense-cache", lora: str | None = None,
-                   torch_free: bool = True, cartridge: str | None = None):
-    """(model, tokenizer) to generate with from a GGUF file: the torch-free C decoder
-    (engine/llm/native_lm.py) under llama.cpp numerics without adapters or a cartridge where it
-    serves the file (and `torch_free`), else the torch model with `weights`, the adapters
-    attached and the cartridge's rows in front of every prompt."""
-    if torch_free and numerics == "llamacpp" and not lora and not cartridge:
-        from engine.llm.native_lm import load_native_lm
-
-        native = load_native_lm(path)
-        if native is not None:
-            return native
-    from engine.lora import attach_adapter_file
-    from engine.models.gguf_model import load_gguf_model
-
-    model, tokenizer = load_gguf_model(path, numerics=numerics, weights=weights)
-    if lora:
-        attach_adapter_file(model, lora)
-    if cartridge:
-        from engine.cartridge.prefix import attach_cartridge
-
-        model = attach_cartridge(model, tokenizer, cartridge)
-    return model, tokenizer
-
-
-def model_memory(model) -> dict:
-    """engine.models.gguf_model.memory_report for either kind of model load_generator gives."""
-    if getattr(model, "torch_free", False):
-        return model.memory_report()
-    from engine.models.gguf_model import memory_report
-
-    return memory_report(model)
