@@ -71,6 +71,23 @@ def _merge_word(word: list[int], pair: Pair,
     return out, deltas
 
 
+def _apply_merge(pair: Pair, new_id: int, words: list[list[int]], weight: list[int],
+                 pair_counts: dict[Pair, int], where: dict[Pair, set[int]], heap: list) -> None:
+    """Merges `pair` into `new_id` in every word holding it, updating the pair counts and
+    their words, and pushes the pairs the merge created onto the heap."""
+    made: set[Pair] = set()
+    for w in where.pop(pair):
+        words[w], deltas = _merge_word(words[w], pair, new_id)
+        for changed, delta in deltas:
+            pair_counts[changed] += delta * weight[w]
+            if delta > 0:
+                where[changed].add(w)
+                made.add(changed)
+    for changed in made:
+        if pair_counts[changed] > 0:
+            heapq.heappush(heap, (-pair_counts[changed], changed))
+
+
 def train_merges(texts: Iterable[str], n_merges: int, pattern: str = SPLIT_PATTERN) -> list[Pair]:
     """Up to `n_merges` merges in id order (fewer when the corpus runs out of pairs)."""
     split = _compile(pattern)
@@ -102,17 +119,7 @@ def train_merges(texts: Iterable[str], n_merges: int, pattern: str = SPLIT_PATTE
             continue
         new_id = 256 + len(merges)
         merges.append(pair)
-        made: set[Pair] = set()
-        for w in where.pop(pair):
-            words[w], deltas = _merge_word(words[w], pair, new_id)
-            for changed, delta in deltas:
-                pair_counts[changed] += delta * weight[w]
-                if delta > 0:
-                    where[changed].add(w)
-                    made.add(changed)
-        for changed in made:
-            if pair_counts[changed] > 0:
-                heapq.heappush(heap, (-pair_counts[changed], changed))
+        _apply_merge(pair, new_id, words, weight, pair_counts, where, heap)
     return merges
 
 

@@ -78,23 +78,7 @@ def check_weights(exported: str | os.PathLike, reference: str | os.PathLike | No
         if len(parts) == 1 and info.ggml_type == other.ggml_type:   # kept: the same bytes
             err = 0.0 if np.array_equal(info.raw, other.raw) else math.inf
         else:
-            rows = int(np.prod(info.shape[:-1])) if len(info.shape) > 1 else 1
-            diff = norm = 0.0
-            flat = info if len(info.shape) > 1 else None
-            for start in range(0, rows, CHUNK_ROWS):
-                stop = min(rows, start + CHUNK_ROWS)
-                if flat is None:
-                    a = _rows_f32(_as_matrix(info), 0, 1)
-                    b = _rows_f32(_as_matrix(other), 0, 1)
-                else:                                  # a weight in planes: their sum
-                    a = sum(_rows_f32(part, start, stop) for part in parts)
-                    b = _rows_f32(other, start, stop)
-                d = (a - b).astype(np.float64)
-                diff += float(np.einsum("ij,ij->", d, d))
-                norm += float(np.einsum("ij,ij->", b, b, dtype=np.float64))
-            err = math.sqrt(diff / norm) if norm > 0 else (0.0 if diff == 0 else math.inf)
-            if not math.isfinite(diff):
-                err = math.inf
+            err = _rel_error(info, parts, other)
         row = {"name": name, "type": kind, "rel_error": err, "bound": bound}
         if worst is None or not err <= worst["rel_error"]:
             worst = row
@@ -102,6 +86,29 @@ def check_weights(exported: str | os.PathLike, reference: str | os.PathLike | No
             failed.append(row)
     return {"checked": checked, "failed": failed, "worst": worst,
             "reference": Path(reference).name}
+
+
+def _rel_error(info, parts: list, other) -> float:
+    """‖Σ parts − other‖ / ‖other‖ in f64, CHUNK_ROWS rows at a time (inf where the
+    difference overflows or the reference is zero and the weight is not)."""
+    rows = int(np.prod(info.shape[:-1])) if len(info.shape) > 1 else 1
+    diff = norm = 0.0
+    flat = info if len(info.shape) > 1 else None
+    for start in range(0, rows, CHUNK_ROWS):
+        stop = min(rows, start + CHUNK_ROWS)
+        if flat is None:
+            a = _rows_f32(_as_matrix(info), 0, 1)
+            b = _rows_f32(_as_matrix(other), 0, 1)
+        else:                                  # a weight in planes: their sum
+            a = sum(_rows_f32(part, start, stop) for part in parts)
+            b = _rows_f32(other, start, stop)
+        d = (a - b).astype(np.float64)
+        diff += float(np.einsum("ij,ij->", d, d))
+        norm += float(np.einsum("ij,ij->", b, b, dtype=np.float64))
+    err = math.sqrt(diff / norm) if norm > 0 else (0.0 if diff == 0 else math.inf)
+    if not math.isfinite(diff):
+        err = math.inf
+    return err
 
 
 def _plane_sets(views: dict) -> dict:

@@ -122,26 +122,9 @@ def generate(model, tokenizer, prompt_ids: list[int], *, max_new_tokens: int = 6
     """Generate up to `max_new_tokens` after `prompt_ids`, stopping at an end-of-generation token
     or a stop string (excluded from the text); `on_text` receives the text as it is produced,
     `on_token` every token, and `should_cancel() -> True` ends the reply after a token."""
-    if not prompt_ids:
-        raise ForgebenchError("the prompt is empty", where="--prompt")
-    limit = model.config.max_seq_len
-    if len(prompt_ids) + max_new_tokens > limit:
-        raise ForgebenchError(f"prompt ({len(prompt_ids)} tokens) + max tokens ({max_new_tokens}) "
-                              f"exceeds the model's context of {limit}", where="--max-tokens",
-                              hint="shorten the prompt or lower --max-tokens")
+    _check_budget(model, prompt_ids, max_new_tokens)
     torch_free = getattr(model, "torch_free", False)
-    if torch_free:
-        cache = model.new_cache(len(prompt_ids) + max_new_tokens)
-        forward = functools.partial(model.last_logits, cache=cache)
-    else:
-        import torch
-
-        cache = model.new_cache(1, len(prompt_ids) + max_new_tokens)
-
-        @torch.no_grad()
-        def forward(ids: list[int], start_pos: int) -> torch.Tensor:
-            h = model.hidden(torch.tensor([ids]), start_pos, cache)
-            return model.logits(h[:, -1])[0].float()
+    forward = _last_logits_fn(model, len(prompt_ids) + max_new_tokens)
     clock = {"prompt_s": 0.0, "decode_s": 0.0, "steps": 0}
     last_logits: list = []           # the distribution the newest token came from
     start = time.perf_counter()
@@ -189,19 +172,54 @@ def generate(model, tokenizer, prompt_ids: list[int], *, max_new_tokens: int = 6
     ids = generate_tokens(step, list(prompt_ids), max_new_tokens=max_new_tokens, settings=settings,
                           generator=generator, stop_ids=stop_ids, should_stop=after_token)
     text = stream.finish(ids)
-    if stream.hit is not None:
-        reason = "stop_string"
-    elif cancelled:
-        reason = "cancelled"
-    elif len(ids) < max_new_tokens:
-        reason = "eos"
-    else:
-        reason = "max_tokens"
+    reason = _finish_reason(stream, cancelled, len(ids), max_new_tokens)
     total = time.perf_counter() - start
-    timings = {
-        "prompt_tokens_per_s": len(prompt_ids) / clock["prompt_s"] if clock["prompt_s"] else None,
+    return Generation(list(prompt_ids), ids, text, reason, _timings(len(prompt_ids), clock, total))
+
+
+def _check_budget(model, prompt_ids: list[int], max_new_tokens: int) -> None:
+    """Refuses an empty prompt, or a prompt and budget over the model's context."""
+    if not prompt_ids:
+        raise ForgebenchError("the prompt is empty", where="--prompt")
+    limit = model.config.max_seq_len
+    if len(prompt_ids) + max_new_tokens > limit:
+        raise ForgebenchError(f"prompt ({len(prompt_ids)} tokens) + max tokens ({max_new_tokens}) "
+                              f"exceeds the model's context of {limit}", where="--max-tokens",
+                              hint="shorten the prompt or lower --max-tokens")
+
+
+def _last_logits_fn(model, max_len: int) -> Callable:
+    """`forward(ids, start_pos)` -> the logits of the last of `ids`, over a fresh cache of
+    `max_len` positions (the torch-free model's own, or the torch model's hidden + logits)."""
+    if getattr(model, "torch_free", False):
+        cache = model.new_cache(max_len)
+        return functools.partial(model.last_logits, cache=cache)
+    import torch
+
+    cache = model.new_cache(1, max_len)
+
+    @torch.no_grad()
+    def forward(ids: list[int], start_pos: int) -> torch.Tensor:
+        h = model.hidden(torch.tensor([ids]), start_pos, cache)
+        return model.logits(h[:, -1])[0].float()
+    return forward
+
+
+def _finish_reason(stream: TextStream, cancelled: bool, n_tokens: int,
+                   max_new_tokens: int) -> str:
+    if stream.hit is not None:
+        return "stop_string"
+    if cancelled:
+        return "cancelled"
+    if n_tokens < max_new_tokens:
+        return "eos"
+    return "max_tokens"
+
+
+def _timings(prompt_tokens: int, clock: dict, total: float) -> dict:
+    return {
+        "prompt_tokens_per_s": prompt_tokens / clock["prompt_s"] if clock["prompt_s"] else None,
         "decode_tokens_per_s": clock["steps"] / clock["decode_s"] if clock["decode_s"] else None,
         "time_to_first_token_s": clock["prompt_s"],
         "total_s": total,
     }
-    return Generation(list(prompt_ids), ids, text, reason, timings)

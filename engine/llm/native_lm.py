@@ -124,45 +124,10 @@ class NativeLM:
                   "up": (cfg.ffn_dim, cfg.dim), "down": (cfg.dim, cfg.ffn_dim)}
         self.ok = True
         for i in range(cfg.n_layers):
-            s = structs[i]
-            for attr, gname in LINEARS:
-                m = _matrix(gf, f"blk.{i}.{gname}.weight", shapes[attr], self.threads)
-                if m is None:
-                    self.ok = False
-                    return
-                bias_name = f"blk.{i}.{gname}.bias"
-                if bias_name in gf.tensors:
-                    bias = _f32(gf, bias_name, (shapes[attr][0],))
-                    if bias is None:
-                        self.ok = False
-                        return
-                    m.struct.bias = ptr(bias)
-                    self.keep.append(bias)
-                setattr(s, attr, m.struct)
-                self.matrices.append(m)
-            for attr, gname in NORMS:
-                name = f"blk.{i}.{gname}.weight"
-                if name not in gf.tensors:
-                    continue
-                size = cfg.head_dim if attr in ("q_norm", "k_norm") else cfg.dim
-                norm = _f32(gf, name, (size,))
-                if norm is None:
-                    self.ok = False
-                    return
-                self.keep.append(norm)
-                setattr(s, attr, ptr(norm))
-            if gemma:
-                local = cfg.sliding[i]
-                base = GEMMA_ROPE_LOCAL_THETA if local else cfg.rope_theta
-                s.window = cfg.sliding_window if local else 0
-                s.rope_freq_scale = 1.0 if local else 1.0 / cfg.rope_scale
-            else:
-                base, s.window, s.rope_freq_scale = cfg.rope_theta, 0, 1.0
-                if "rope_freqs.weight" in gf.tensors:
-                    factors = _f32(gf, "rope_freqs.weight", (cfg.head_dim // 2,))
-                    self.keep.append(factors)
-                    s.rope_freq_factors = ptr(factors)
-            s.rope_step = base ** (-2.0 / cfg.head_dim)
+            if not self._load_layer(i, structs[i], shapes):
+                self.ok = False
+                return
+            self._set_rope(i, structs[i])
         norm = _f32(gf, "output_norm.weight", (cfg.dim,))
         head = "token_embd.weight" if cfg.tie_embeddings else "output.weight"
         self.head = _matrix(gf, head, (cfg.vocab_size, cfg.dim), self.threads)
@@ -180,6 +145,52 @@ class NativeLM:
                             1.0 if gemma else 1.0 / math.sqrt(cfg.head_dim), int(rope_neox),
                             int(gemma), ptr(table), ptr(norm), ctypes.addressof(structs))
         self.plan = plan_struct()
+
+    def _load_layer(self, i: int, s: Layer, shapes: dict) -> bool:
+        """Fills layer `i`'s matrices, biases and norms into `s`; False when one of them is
+        in a type or shape the native kernels do not run."""
+        gf, cfg = self.gguf, self.config
+        for attr, gname in LINEARS:
+            m = _matrix(gf, f"blk.{i}.{gname}.weight", shapes[attr], self.threads)
+            if m is None:
+                return False
+            bias_name = f"blk.{i}.{gname}.bias"
+            if bias_name in gf.tensors:
+                bias = _f32(gf, bias_name, (shapes[attr][0],))
+                if bias is None:
+                    return False
+                m.struct.bias = ptr(bias)
+                self.keep.append(bias)
+            setattr(s, attr, m.struct)
+            self.matrices.append(m)
+        for attr, gname in NORMS:
+            name = f"blk.{i}.{gname}.weight"
+            if name not in gf.tensors:
+                continue
+            size = cfg.head_dim if attr in ("q_norm", "k_norm") else cfg.dim
+            norm = _f32(gf, name, (size,))
+            if norm is None:
+                return False
+            self.keep.append(norm)
+            setattr(s, attr, ptr(norm))
+        return True
+
+    def _set_rope(self, i: int, s: Layer) -> None:
+        """Layer `i`'s rotary base, window and frequency scale (Gemma 3: local layers slide
+        with their own base; others: the GGUF's rope_freqs factors when present)."""
+        gf, cfg = self.gguf, self.config
+        if self.gemma:
+            local = cfg.sliding[i]
+            base = GEMMA_ROPE_LOCAL_THETA if local else cfg.rope_theta
+            s.window = cfg.sliding_window if local else 0
+            s.rope_freq_scale = 1.0 if local else 1.0 / cfg.rope_scale
+        else:
+            base, s.window, s.rope_freq_scale = cfg.rope_theta, 0, 1.0
+            if "rope_freqs.weight" in gf.tensors:
+                factors = _f32(gf, "rope_freqs.weight", (cfg.head_dim // 2,))
+                self.keep.append(factors)
+                s.rope_freq_factors = ptr(factors)
+        s.rope_step = base ** (-2.0 / cfg.head_dim)
 
     def new_cache(self, max_len: int) -> list[np.ndarray]:
         """f16 keys then values per layer, [n_kv_heads, max_len, head_dim] each (KVCache's

@@ -143,6 +143,65 @@ def kept_reason(name: str, shape: tuple[int, ...], group: int | None) -> str | N
     return None
 
 
+def _check_options(dst: Path, planes: int, group: int | None, method: str,
+                   plane_type: T) -> None:
+    """Refuses a plane type, plane count, method or group the format cannot hold, and an
+    existing output file."""
+    if plane_type not in PACKERS:
+        raise ValueError(f"planes are TQ2_0 or TQ1_0, not {plane_type.name}")
+    if planes not in (1, 2):
+        raise ForgebenchError(f"--planes must be 1 or 2, not {planes}", where="--planes",
+                              hint="2 (the PTQTP model) or 1 (a file stock llama.cpp runs)")
+    if method not in ("ptqtp", "absmean") or (method == "absmean" and planes != 1):
+        raise ValueError(f"method {method!r} with {planes} planes")
+    if group is not None and group != QK_K:
+        raise ForgebenchError(f"--group {group} cannot be stored as {T(plane_type).name}",
+                              where="--group",
+                              hint="256 (one scale per 256-value block) or 'row'")
+    if dst.exists():
+        raise ForgebenchError("the output file already exists; refusing to overwrite it",
+                              path=dst, where="--out", hint="choose a new name or delete it first")
+
+
+def _set_ptqtp_metadata(metadata: dict, plane_type: T, planes: int, group: int | None,
+                        method: str, src_sha: str, dequantized_from_type: str | None) -> None:
+    """The PTQTP keys (and llama.cpp's file type) of the output; a quantized source's type
+    is recorded when its matrices were dequantized before the decomposition."""
+    metadata["general.file_type"] = MetaValue(GGUFValueType.UINT32, int(FILE_TYPE[plane_type]))
+    metadata["general.quantization_version"] = MetaValue(GGUFValueType.UINT32, 2)
+    metadata[PLANES_KEY] = MetaValue(GGUFValueType.UINT32, planes)
+    metadata[GROUP_KEY] = MetaValue(GGUFValueType.UINT32, 0 if group is None else group)
+    metadata[VERSION_KEY] = MetaValue(GGUFValueType.UINT32, FORMAT_VERSION)
+    metadata[SOURCE_KEY] = MetaValue(GGUFValueType.STRING, src_sha)
+    metadata[METHOD_KEY] = MetaValue(GGUFValueType.STRING, method)
+    if dequantized_from_type is not None:
+        metadata[DEQUANTIZED_FROM_KEY] = MetaValue(GGUFValueType.STRING, src_sha)
+        metadata[DEQUANTIZED_FROM_TYPE_KEY] = MetaValue(GGUFValueType.STRING,
+                                                        dequantized_from_type)
+
+
+def _report_row(entry: TensorEntry, w: np.ndarray, dec: Decomposition, planes: int,
+                seconds: float) -> dict:
+    """One decomposed tensor's report: its error after plane 1 and after all planes."""
+    one = dec.plane_dense(0)
+    row = {"name": entry.name, "shape": list(entry.shape),
+           "source_type": entry.ggml_type.name, "planes": planes,
+           "rel_error_plane1": relative_error(w, one), "seconds": round(seconds, 3),
+           "rounds": max(0, len(dec.history) - 1)}
+    if planes == 2:
+        row["rel_error"] = relative_error(w, one + dec.plane_dense(1))
+    else:
+        row["rel_error"] = row["rel_error_plane1"]
+    return row
+
+
+def _write_report(report_path: Path, report: dict) -> None:
+    """Written beside and then renamed, so a reader never sees half a report."""
+    tmp = report_path.with_name(report_path.name + ".tmp")
+    tmp.write_text(json.dumps(report, indent=1))
+    tmp.replace(report_path)
+
+
 def convert_ptqtp(src: str | Path, dst: str | Path, *, planes: int = 2, group: int | None = 256,
                   iterations: int | None = None, progress=None,
                   method: str = "ptqtp", plane_type: T = T.TQ2_0,
@@ -160,20 +219,7 @@ def convert_ptqtp(src: str | Path, dst: str | Path, *, planes: int = 2, group: i
 
     src, dst = Path(src), Path(dst)
     plane_type = T(plane_type)
-    if plane_type not in PACKERS:
-        raise ValueError(f"planes are TQ2_0 or TQ1_0, not {plane_type.name}")
-    if planes not in (1, 2):
-        raise ForgebenchError(f"--planes must be 1 or 2, not {planes}", where="--planes",
-                              hint="2 (the PTQTP model) or 1 (a file stock llama.cpp runs)")
-    if method not in ("ptqtp", "absmean") or (method == "absmean" and planes != 1):
-        raise ValueError(f"method {method!r} with {planes} planes")
-    if group is not None and group != QK_K:
-        raise ForgebenchError(f"--group {group} cannot be stored as {T(plane_type).name}",
-                              where="--group",
-                              hint="256 (one scale per 256-value block) or 'row'")
-    if dst.exists():
-        raise ForgebenchError("the output file already exists; refusing to overwrite it",
-                              path=dst, where="--out", hint="choose a new name or delete it first")
+    _check_options(dst, planes, group, method, plane_type)
     report_path = dst.with_name(dst.name + ".ptqtp.json")
     content = read_gguf_content(src)
     metadata = dict(content.metadata)
@@ -191,16 +237,7 @@ def convert_ptqtp(src: str | Path, dst: str | Path, *, planes: int = 2, group: i
             dec = (decompose(w, planes=planes, group=group, **kwargs) if method == "ptqtp"
                    else absmean_ternary(w, group=group))
             seconds = time.perf_counter() - start
-            one = dec.plane_dense(0)
-            row = {"name": entry.name, "shape": list(entry.shape),
-                   "source_type": entry.ggml_type.name, "planes": planes,
-                   "rel_error_plane1": relative_error(w, one), "seconds": round(seconds, 3),
-                   "rounds": max(0, len(dec.history) - 1)}
-            if planes == 2:
-                row["rel_error"] = relative_error(w, one + dec.plane_dense(1))
-            else:
-                row["rel_error"] = row["rel_error_plane1"]
-            rows_report.append(row)
+            rows_report.append(_report_row(entry, w, dec, planes, seconds))
             last[entry.name] = dec
             return plane_bytes(dec, 0, plane_type)
 
@@ -232,17 +269,8 @@ def convert_ptqtp(src: str | Path, dst: str | Path, *, planes: int = 2, group: i
                               hint="PTQTP decomposes block projections whose rows hold a "
                                    f"multiple of {QK_K} values")
     src_sha = sha256_file(src)
-    metadata["general.file_type"] = MetaValue(GGUFValueType.UINT32, int(FILE_TYPE[plane_type]))
-    metadata["general.quantization_version"] = MetaValue(GGUFValueType.UINT32, 2)
-    metadata[PLANES_KEY] = MetaValue(GGUFValueType.UINT32, planes)
-    metadata[GROUP_KEY] = MetaValue(GGUFValueType.UINT32, 0 if group is None else group)
-    metadata[VERSION_KEY] = MetaValue(GGUFValueType.UINT32, FORMAT_VERSION)
-    metadata[SOURCE_KEY] = MetaValue(GGUFValueType.STRING, src_sha)
-    metadata[METHOD_KEY] = MetaValue(GGUFValueType.STRING, method)
-    if dequantized:
-        metadata[DEQUANTIZED_FROM_KEY] = MetaValue(GGUFValueType.STRING, src_sha)
-        metadata[DEQUANTIZED_FROM_TYPE_KEY] = MetaValue(GGUFValueType.STRING,
-                                                        _source_type_name(content))
+    _set_ptqtp_metadata(metadata, plane_type, planes, group, method, src_sha,
+                        _source_type_name(content) if dequantized else None)
     start = time.perf_counter()
     write_gguf(dst, metadata, tensors, version=content.version, progress=progress)
     done = [r for r in rows_report if "rel_error" in r]
@@ -252,8 +280,6 @@ def convert_ptqtp(src: str | Path, dst: str | Path, *, planes: int = 2, group: i
               "decomposed": len(done), "kept": len(rows_report) - len(done),
               "mean_rel_error": float(np.mean([r["rel_error"] for r in done])),
               "tensors": rows_report}
-    tmp = report_path.with_name(report_path.name + ".tmp")
-    tmp.write_text(json.dumps(report, indent=1))
-    tmp.replace(report_path)
+    _write_report(report_path, report)
     return PtqtpResult(dst, report_path, Counter(t.ggml_type.name for t in tensors),
                        dequantized, report)

@@ -194,6 +194,19 @@ def cartridge_meta(config: LMCartridgeConfig, base: Base, base_sha: str, manifes
 
 
 # -- training -------------------------------------------------------------------------------
+def initial_rows(job: Job, config: LMCartridgeConfig, base: Base, text: str) -> CartridgeRows:
+    """The cartridge before training: the base's keys and values of the corpus's first
+    `cartridge.tokens` tokens (Cartridges' prefix initialisation)."""
+    initial = context_ids(base.tokenizer, text)[:config.cartridge.tokens]
+    if len(initial) < config.cartridge.tokens:
+        raise ForgebenchError(f"the corpus gives {len(initial)} tokens; the cartridge wants "
+                              f"{config.cartridge.tokens} rows", where="field 'cartridge.tokens'",
+                              hint="lower cartridge.tokens or give a longer corpus")
+    job.announce("loading", f"initialising {len(initial)} rows from the corpus's prefill")
+    keys, values = prefill_rows(base.model, initial)
+    return CartridgeRows(keys, values, config.cartridge.frozen_rows)
+
+
 def train(job: Job) -> None:
     config: LMCartridgeConfig = job.config
     run, tr = job.run, config.train
@@ -211,14 +224,7 @@ def train(job: Job) -> None:
     if job.stop_requested:              # stopped while synthesising: nothing to train yet
         return
     samples = conversations[:config.self_study.samples]
-    initial = context_ids(base.tokenizer, text)[:config.cartridge.tokens]
-    if len(initial) < config.cartridge.tokens:
-        raise ForgebenchError(f"the corpus gives {len(initial)} tokens; the cartridge wants "
-                              f"{config.cartridge.tokens} rows", where="field 'cartridge.tokens'",
-                              hint="lower cartridge.tokens or give a longer corpus")
-    job.announce("loading", f"initialising {len(initial)} rows from the corpus's prefill")
-    keys, values = prefill_rows(base.model, initial)
-    rows = CartridgeRows(keys, values, config.cartridge.frozen_rows)
+    rows = initial_rows(job, config, base, text)
     state = LoopState.fresh(len(samples), config.seed)
     optimizer = adamw_for(list(rows.named_parameters()), config.optim)
     if job.resume_from:

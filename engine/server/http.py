@@ -220,6 +220,134 @@ def _constraint(loaded: Loaded, body) -> Any:
     return JsonConstraint.build(loaded.system.tokenizer, schema)
 
 
+def _max_tokens(body, ids: list[int], context: int, kind: str) -> int:
+    """The completion budget: the request's, or the rest of the context (at most
+    DEFAULT_MAX_TOKENS); a prompt and budget over the context is refused with the counts."""
+    asked = (getattr(body, "max_completion_tokens", None) or body.max_tokens)
+    max_tokens = asked or min(DEFAULT_MAX_TOKENS, context - len(ids))
+    if max_tokens < 1 or len(ids) + max_tokens > context:
+        raise RequestError(
+            f"This model's maximum context length is {context} tokens. However, you requested "
+            f"{len(ids) + max(max_tokens, 1)} tokens ({len(ids)} in the prompt, "
+            f"{max(max_tokens, 1)} for the completion). Please reduce the prompt or the "
+            "completion length.", param="messages" if kind == "chat" else "prompt",
+            code="context_length_exceeded")
+    return max_tokens
+
+
+class _Reply:
+    """The OpenAI response shapes of one chat or text completion: the whole reply, the
+    streamed chunks and the usage block, all with the request's id, time and model."""
+
+    def __init__(self, body, ids: list[int], kind: str) -> None:
+        self.body, self.ids, self.kind = body, ids, kind
+        self.ident = ("chatcmpl-" if kind == "chat" else "cmpl-") + secrets.token_hex(12)
+        self.created = int(time.time())
+        self.include_usage = bool(getattr(body, "stream_options", None)
+                                  and body.stream_options.include_usage)
+
+    def usage(self, done: dict, cached: int) -> dict:
+        ids = self.ids
+        return {"prompt_tokens": len(ids), "completion_tokens": done["completion_tokens"],
+                "total_tokens": len(ids) + done["completion_tokens"],
+                "prompt_tokens_details": {"cached_tokens": cached}}
+
+    @staticmethod
+    def reason(done: dict) -> str:
+        return {"length": "length"}.get(done["finish_reason"], "stop")
+
+    def whole(self, event: dict, cached: int) -> JSONResponse:
+        if self.kind == "chat":
+            choice = {"index": 0, "message": {"role": "assistant", "content": event["text"]},
+                      "finish_reason": self.reason(event), "logprobs": None}
+            shape = "chat.completion"
+        else:
+            choice = {"index": 0, "text": event["text"], "finish_reason": self.reason(event),
+                      "logprobs": None}
+            shape = "text_completion"
+        return JSONResponse({"id": self.ident, "object": shape, "created": self.created,
+                             "model": self.body.model, "choices": [choice],
+                             "usage": self.usage(event, cached), "system_fingerprint": None})
+
+    @property
+    def chunk_shape(self) -> str:
+        return "chat.completion.chunk" if self.kind == "chat" else "text_completion"
+
+    def chunk(self, text: str | None, finish: str | None = None, first: bool = False) -> str:
+        if self.kind == "chat":
+            delta = {} if text is None else {"content": text}
+            if first:
+                delta["role"] = "assistant"
+            choice = {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}
+        else:
+            choice = {"index": 0, "text": text or "", "finish_reason": finish,
+                      "logprobs": None}
+        payload = {"id": self.ident, "object": self.chunk_shape, "created": self.created,
+                   "model": self.body.model, "choices": [choice], "system_fingerprint": None}
+        if self.include_usage:
+            payload["usage"] = None
+        return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
+
+    def final_chunks(self, event: dict, cached: int):
+        if event.get("tail"):
+            yield self.chunk(event["tail"])
+        yield self.chunk(None, self.reason(event))
+        if self.include_usage:
+            payload = {"id": self.ident, "object": self.chunk_shape, "created": self.created,
+                       "model": self.body.model, "choices": [],
+                       "usage": self.usage(event, cached)}
+            yield f"data: {json.dumps(payload)}\n\n"
+
+
+async def _whole_reply(reply: _Reply, request: Request, events: asyncio.Queue,
+                       job) -> Response:
+    """Waits for the job's end (cancelling it if the client disconnects) and answers at once."""
+    cached = 0
+    try:
+        while True:
+            try:
+                event = await asyncio.wait_for(events.get(), 0.5)
+            except asyncio.TimeoutError:
+                if await request.is_disconnected():
+                    job.cancelled.set()
+                continue
+            if event["type"] == "start":
+                cached = event["cached_tokens"]
+            elif event["type"] == "error":
+                return error_response(500, event["message"], kind="server_error")
+            elif event["type"] == "done":
+                break
+    finally:
+        job.cancelled.set()         # a handler cancelled while waiting frees the slot
+    return reply.whole(event, cached)
+
+
+async def _stream_reply(reply: _Reply, events: asyncio.Queue, job):
+    """The server-sent events of a streamed completion, ending in `[DONE]`."""
+    cached = 0
+    try:
+        if reply.kind == "chat":
+            yield reply.chunk("", first=True)
+        while True:
+            event = await events.get()
+            if event["type"] == "start":
+                cached = event["cached_tokens"]
+            elif event["type"] == "token":
+                if event["text"]:
+                    yield reply.chunk(event["text"])
+            elif event["type"] == "error":
+                yield "data: " + json.dumps({"error": {"message": event["message"],
+                                                       "type": "server_error"}}) + "\n\n"
+                break
+            else:
+                for text in reply.final_chunks(event, cached):
+                    yield text
+                break
+        yield "data: [DONE]\n\n"
+    finally:
+        job.cancelled.set()         # the client went away: its slot ends at the next token
+
+
 async def _generate(server: Server, request: Request, body, kind: str) -> Response:
     from engine.sampling import SamplingSettings
     from engine.server.scheduler import Busy, Job
@@ -231,18 +359,8 @@ async def _generate(server: Server, request: Request, body, kind: str) -> Respon
     prompt_of = _prompt_for_chat if kind == "chat" else _prompt_for_completion
     ids = await run_in_threadpool(prompt_of, loaded, body)
     constraint = await run_in_threadpool(_constraint, loaded, body)
-    context = loaded.runner.context
-    asked = (getattr(body, "max_completion_tokens", None) or body.max_tokens)
-    max_tokens = asked or min(DEFAULT_MAX_TOKENS, context - len(ids))
-    if max_tokens < 1 or len(ids) + max_tokens > context:
-        raise RequestError(
-            f"This model's maximum context length is {context} tokens. However, you requested "
-            f"{len(ids) + max(max_tokens, 1)} tokens ({len(ids)} in the prompt, "
-            f"{max(max_tokens, 1)} for the completion). Please reduce the prompt or the "
-            "completion length.", param="messages" if kind == "chat" else "prompt",
-            code="context_length_exceeded")
-    ident = ("chatcmpl-" if kind == "chat" else "cmpl-") + secrets.token_hex(12)
-    created = int(time.time())
+    max_tokens = _max_tokens(body, ids, loaded.runner.context, kind)
+    reply = _Reply(body, ids, kind)
     started = time.perf_counter()
     loop = asyncio.get_running_loop()
     events: asyncio.Queue = asyncio.Queue()
@@ -271,94 +389,49 @@ async def _generate(server: Server, request: Request, body, kind: str) -> Respon
                    first_token_s=done.get("first_token_s"), seconds=seconds,
                    tokens_per_s=done.get("completion_tokens", 0) / seconds if seconds else None)
 
-    def usage(done: dict, cached: int) -> dict:
-        return {"prompt_tokens": len(ids), "completion_tokens": done["completion_tokens"],
-                "total_tokens": len(ids) + done["completion_tokens"],
-                "prompt_tokens_details": {"cached_tokens": cached}}
-
-    def reason(done: dict) -> str:
-        return {"length": "length"}.get(done["finish_reason"], "stop")
-
     if not body.stream:
-        cached = 0
-        try:
-            while True:
-                try:
-                    event = await asyncio.wait_for(events.get(), 0.5)
-                except asyncio.TimeoutError:
-                    if await request.is_disconnected():
-                        job.cancelled.set()
-                    continue
-                if event["type"] == "start":
-                    cached = event["cached_tokens"]
-                elif event["type"] == "error":
-                    return error_response(500, event["message"], kind="server_error")
-                elif event["type"] == "done":
-                    break
-        finally:
-            job.cancelled.set()         # a handler cancelled while waiting frees the slot
-        if kind == "chat":
-            choice = {"index": 0, "message": {"role": "assistant", "content": event["text"]},
-                      "finish_reason": reason(event), "logprobs": None}
-            shape = "chat.completion"
-        else:
-            choice = {"index": 0, "text": event["text"], "finish_reason": reason(event),
-                      "logprobs": None}
-            shape = "text_completion"
-        return JSONResponse({"id": ident, "object": shape, "created": created,
-                             "model": body.model, "choices": [choice],
-                             "usage": usage(event, cached), "system_fingerprint": None})
-
-    include_usage = bool(body.stream_options and body.stream_options.include_usage)
-    shape = "chat.completion.chunk" if kind == "chat" else "text_completion"
-
-    def chunk(text: str | None, finish: str | None = None, first: bool = False) -> str:
-        if kind == "chat":
-            delta = {} if text is None else {"content": text}
-            if first:
-                delta["role"] = "assistant"
-            choice = {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}
-        else:
-            choice = {"index": 0, "text": text or "", "finish_reason": finish,
-                      "logprobs": None}
-        payload = {"id": ident, "object": shape, "created": created, "model": body.model,
-                   "choices": [choice], "system_fingerprint": None}
-        if include_usage:
-            payload["usage"] = None
-        return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
-
-    async def stream():
-        cached = 0
-        try:
-            if kind == "chat":
-                yield chunk("", first=True)
-            while True:
-                event = await events.get()
-                if event["type"] == "start":
-                    cached = event["cached_tokens"]
-                elif event["type"] == "token":
-                    if event["text"]:
-                        yield chunk(event["text"])
-                elif event["type"] == "error":
-                    yield "data: " + json.dumps({"error": {"message": event["message"],
-                                                           "type": "server_error"}}) + "\n\n"
-                    break
-                else:
-                    if event.get("tail"):
-                        yield chunk(event["tail"])
-                    yield chunk(None, reason(event))
-                    if include_usage:
-                        payload = {"id": ident, "object": shape, "created": created,
-                                   "model": body.model, "choices": [],
-                                   "usage": usage(event, cached)}
-                        yield f"data: {json.dumps(payload)}\n\n"
-                    break
-            yield "data: [DONE]\n\n"
-        finally:
-            job.cancelled.set()         # the client went away: its slot ends at the next token
-
-    return StreamingResponse(stream(), media_type="text/event-stream",
+        return await _whole_reply(reply, request, events, job)
+    return StreamingResponse(_stream_reply(reply, events, job), media_type="text/event-stream",
                              headers={"Cache-Control": "no-cache"})
+
+
+async def _embeddings(server: Server, request: Request) -> Response:
+    body = validate(api.EmbeddingRequest, await server.body(request))
+    loaded = await server.model(body.model)
+    if loaded.encoder is None:
+        raise RequestError(f"'{body.model}' is not an embedding model (serve an "
+                           "embed-retrieval run)", param="model", code="wrong_model_type")
+    texts = [body.input] if isinstance(body.input, str) else list(body.input)
+
+    def encode():
+        with loaded.encode_lock:
+            vectors = loaded.encoder.encode(texts)
+            tokens = sum(len(loaded.encoder.tokenizer.encode(t).ids) for t in texts) \
+                if hasattr(loaded.encoder, "tokenizer") else 0
+            return vectors, tokens
+
+    vectors, tokens = await run_in_threadpool(encode)
+    if body.dimensions is not None and body.dimensions != vectors.shape[1]:
+        raise RequestError(f"dimensions: this model's vectors have {vectors.shape[1]} "
+                           "dimensions", param="dimensions")
+    data = []
+    for i, vector in enumerate(vectors):
+        value = (base64.b64encode(vector.numpy().astype("<f4").tobytes()).decode()
+                 if body.encoding_format == "base64" else vector.tolist())
+        data.append({"object": "embedding", "index": i, "embedding": value})
+    server.log(model=body.model, endpoint=request.url.path, status=200,
+               prompt_tokens=tokens, completion_tokens=0)
+    return JSONResponse({"object": "list", "data": data, "model": body.model,
+                         "usage": {"prompt_tokens": tokens, "total_tokens": tokens}})
+
+
+async def _http_error(request: Request, exc: HTTPException) -> Response:
+    return error_response(exc.status_code, exc.detail or "error",
+                          code="not_found" if exc.status_code == 404 else None)
+
+
+async def _internal_error(request: Request, exc: Exception) -> Response:
+    return error_response(500, f"internal error: {type(exc).__name__}", kind="server_error")
 
 
 def create_app(server: Server) -> Starlette:
@@ -386,33 +459,7 @@ def create_app(server: Server) -> Starlette:
         return await _generate(server, request, body, "completion")
 
     async def embeddings(request: Request) -> Response:
-        body = validate(api.EmbeddingRequest, await server.body(request))
-        loaded = await server.model(body.model)
-        if loaded.encoder is None:
-            raise RequestError(f"'{body.model}' is not an embedding model (serve an "
-                               "embed-retrieval run)", param="model", code="wrong_model_type")
-        texts = [body.input] if isinstance(body.input, str) else list(body.input)
-
-        def encode():
-            with loaded.encode_lock:
-                vectors = loaded.encoder.encode(texts)
-                tokens = sum(len(loaded.encoder.tokenizer.encode(t).ids) for t in texts) \
-                    if hasattr(loaded.encoder, "tokenizer") else 0
-                return vectors, tokens
-
-        vectors, tokens = await run_in_threadpool(encode)
-        if body.dimensions is not None and body.dimensions != vectors.shape[1]:
-            raise RequestError(f"dimensions: this model's vectors have {vectors.shape[1]} "
-                               "dimensions", param="dimensions")
-        data = []
-        for i, vector in enumerate(vectors):
-            value = (base64.b64encode(vector.numpy().astype("<f4").tobytes()).decode()
-                     if body.encoding_format == "base64" else vector.tolist())
-            data.append({"object": "embedding", "index": i, "embedding": value})
-        server.log(model=body.model, endpoint=request.url.path, status=200,
-                   prompt_tokens=tokens, completion_tokens=0)
-        return JSONResponse({"object": "list", "data": data, "model": body.model,
-                             "usage": {"prompt_tokens": tokens, "total_tokens": tokens}})
+        return await _embeddings(server, request)
 
     async def health(request: Request) -> Response:
         """Liveness, per loaded model how many requests generate and wait, how many times a
@@ -424,17 +471,10 @@ def create_app(server: Server) -> Starlette:
                              "model_loads": server.base_loads,
                              "shared_bases": server.bases_report()})
 
-    async def http_error(request: Request, exc: HTTPException) -> Response:
-        return error_response(exc.status_code, exc.detail or "error",
-                              code="not_found" if exc.status_code == 404 else None)
-
-    async def internal(request: Request, exc: Exception) -> Response:
-        return error_response(500, f"internal error: {type(exc).__name__}", kind="server_error")
-
     routes = [Route("/v1/models", handler(models), methods=["GET"]),
               Route("/v1/chat/completions", handler(chat), methods=["POST"]),
               Route("/v1/completions", handler(completions), methods=["POST"]),
               Route("/v1/embeddings", handler(embeddings), methods=["POST"]),
               Route("/health", handler(health), methods=["GET"])]
-    return Starlette(routes=routes, exception_handlers={HTTPException: http_error,
-                                                        Exception: internal})
+    return Starlette(routes=routes, exception_handlers={HTTPException: _http_error,
+                                                        Exception: _internal_error})
