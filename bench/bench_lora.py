@@ -525,7 +525,8 @@ def head_roofline(model, inputs, labels, lengths, precision: str) -> dict:
     import torch
 
     from engine.llm.sft_data import IGNORE_INDEX
-    from engine.models.linear import PackedWeight, linear_cross_entropy
+    from engine.models.lm_head_loss import linear_cross_entropy
+    from engine.models.packed import PackedWeight
     from engine.train.loss import frozen_head
     from engine.train.precision import autocast
 
