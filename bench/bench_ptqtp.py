@@ -124,14 +124,15 @@ def engine_all_projections(path: Path, ids: list[int], group: int) -> tuple[np.n
 def decode_speeds(ptqtp: Path, q4_k_m: Path, decode: int) -> dict[str, float]:
     """Decode tok/s (best of 2, 2 threads, fresh subprocesses alternating): the engine on the
     2-plane file and on the Q4_K_M source, llama.cpp on the Q4_K_M source."""
-    from bench_generate import run_one
+    from bench_generate import long_prompt, run_one
 
+    long_text = long_prompt(str(q4_k_m))   # run_one also times a long prompt; only decode is kept
     runs: dict[str, list[float]] = {}
     for _ in range(2):
         for label, runner, path in (("engine, PTQTP 2-plane", "engine", ptqtp),
                                     ("engine, Q4_K_M", "engine", q4_k_m),
                                     ("llama.cpp, Q4_K_M", "llamacpp", q4_k_m)):
-            out = run_one(runner, str(path), 2, decode)
+            out = run_one(runner, str(path), 2, decode, long_text)
             runs.setdefault(label, []).append(out["decode_tokens_per_s"])
     return {label: max(values) for label, values in runs.items()}
 
