@@ -72,6 +72,56 @@ def mb(n: int) -> str:
     return f"{n / 2**20:,.0f} MiB"
 
 
+def llamacpp_pipeline(folder: Path, work: Path, ours: Path, wall: float, rss: int) -> None:
+    """llama.cpp's converter to f16 then llama_model_quantize to Q4_K_M, each in a process of
+    its own, against forgebench's `wall` seconds and `rss` bytes and its file `ours`."""
+    from hf_fixtures import converter_path
+
+    script = converter_path()
+    if script is None:
+        print("llama.cpp's converter is not extracted (make verify-extra): skipped")
+    else:
+        w1, r1, _, res = timed("script", str(script), [str(folder), "--outtype", "f16",
+                                                       "--outfile", str(work / "ref-f16.gguf")])
+        assert res.returncode == 0, res.stderr[-2000:]
+        quant_script = work / "quantize.py"
+        quant = ("import ctypes, llama_cpp, sys\n"
+                 "p = llama_cpp.llama_model_quantize_default_params()\n"
+                 "p.ftype = 15\np.nthread = %d\n"
+                 "sys.exit(llama_cpp.llama_model_quantize(sys.argv[1].encode(), "
+                 "sys.argv[2].encode(), ctypes.byref(p)))" % (os.cpu_count() or 1))
+        quant_script.write_text(quant)
+        w2, r2, _, res = timed("script", str(quant_script),
+                               [str(work / "ref-f16.gguf"), str(work / "ref.gguf")])
+        assert res.returncode == 0, res.stderr[-2000:]
+        print(f"llama.cpp convert_hf_to_gguf f16  {w1:7.1f} s   peak RSS {mb(r1)}")
+        print(f"llama.cpp llama_model_quantize    {w2:7.1f} s   peak RSS {mb(r2)}")
+        print(f"llama.cpp pipeline total          {w1 + w2:7.1f} s")
+        print(f"speed ratio (llama.cpp / forgebench): {(w1 + w2) / wall:.2f}×; "
+              f"peak RSS ratio (llama.cpp converter / forgebench): {r1 / rss:.2f}×")
+        same = ours.read_bytes() == (work / "ref.gguf").read_bytes()
+        print(f"files byte-identical: {same}")
+
+
+def limited_run(folder: Path, work: Path, ours: Path, model_bytes: int) -> None:
+    """forgebench convert again with its address space limited to a third of the model."""
+    limit = model_bytes // 3
+    w3, r3, v3, res = timed("module", "engine", ["convert", str(folder), "--dtype", "q4_k_m",
+                                                 "--out", str(work / "limited.gguf")], limit,
+                         # OpenBLAS reserves address space per thread at import; the
+                         # conversion does no matrix products
+                         OPENBLAS_NUM_THREADS="1")
+    ok = res.returncode == 0
+    print(f"\nunder RLIMIT_AS = {mb(limit)} (model / 3): "
+          f"{'converted' if ok else 'FAILED'} in {w3:.1f} s, peak RSS {mb(r3)}, "
+          f"peak address space {mb(v3)}")
+    if ok:
+        print(f"  output equals the unlimited run: "
+              f"{(work / 'limited.gguf').read_bytes() == ours.read_bytes()}")
+    else:
+        print(res.stderr[-1500:])
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--hidden", type=int, default=2048)
@@ -82,7 +132,7 @@ def main() -> None:
     ap.add_argument("--skip-llamacpp", action="store_true")
     args = ap.parse_args()
 
-    from hf_fixtures import converter_path, make_raw_llama
+    from hf_fixtures import make_raw_llama
 
     from engine.hf.checkpoint import HFCheckpoint
 
@@ -115,46 +165,9 @@ def main() -> None:
           f"{'within' if rss <= bound else 'OVER'}")
 
     if not args.skip_llamacpp:
-        script = converter_path()
-        if script is None:
-            print("llama.cpp's converter is not extracted (make verify-extra): skipped")
-        else:
-            w1, r1, _, res = timed("script", str(script), [str(folder), "--outtype", "f16",
-                                                           "--outfile", str(work / "ref-f16.gguf")])
-            assert res.returncode == 0, res.stderr[-2000:]
-            quant_script = work / "quantize.py"
-            quant = ("import ctypes, llama_cpp, sys\n"
-                     "p = llama_cpp.llama_model_quantize_default_params()\n"
-                     "p.ftype = 15\np.nthread = %d\n"
-                     "sys.exit(llama_cpp.llama_model_quantize(sys.argv[1].encode(), "
-                     "sys.argv[2].encode(), ctypes.byref(p)))" % (os.cpu_count() or 1))
-            quant_script.write_text(quant)
-            w2, r2, _, res = timed("script", str(quant_script),
-                                   [str(work / "ref-f16.gguf"), str(work / "ref.gguf")])
-            assert res.returncode == 0, res.stderr[-2000:]
-            print(f"llama.cpp convert_hf_to_gguf f16  {w1:7.1f} s   peak RSS {mb(r1)}")
-            print(f"llama.cpp llama_model_quantize    {w2:7.1f} s   peak RSS {mb(r2)}")
-            print(f"llama.cpp pipeline total          {w1 + w2:7.1f} s")
-            print(f"speed ratio (llama.cpp / forgebench): {(w1 + w2) / wall:.2f}×; "
-                  f"peak RSS ratio (llama.cpp converter / forgebench): {r1 / rss:.2f}×")
-            same = ours.read_bytes() == (work / "ref.gguf").read_bytes()
-            print(f"files byte-identical: {same}")
+        llamacpp_pipeline(folder, work, ours, wall, rss)
 
-    limit = model_bytes // 3
-    w3, r3, v3, res = timed("module", "engine", ["convert", str(folder), "--dtype", "q4_k_m",
-                                                 "--out", str(work / "limited.gguf")], limit,
-                         # OpenBLAS reserves address space per thread at import; the
-                         # conversion does no matrix products
-                         OPENBLAS_NUM_THREADS="1")
-    ok = res.returncode == 0
-    print(f"\nunder RLIMIT_AS = {mb(limit)} (model / 3): "
-          f"{'converted' if ok else 'FAILED'} in {w3:.1f} s, peak RSS {mb(r3)}, "
-          f"peak address space {mb(v3)}")
-    if ok:
-        print(f"  output equals the unlimited run: "
-              f"{(work / 'limited.gguf').read_bytes() == ours.read_bytes()}")
-    else:
-        print(res.stderr[-1500:])
+    limited_run(folder, work, ours, model_bytes)
     print(f"\nfiles in {work}")
 
 

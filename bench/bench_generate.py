@@ -419,6 +419,19 @@ def cli_main(args) -> None:
                                for k, rs in runs.items()}}))
 
 
+def measure_setting(name: str, path, threads: int, args, long_text: str,
+                    pairs: list) -> tuple:
+    """`args.repeat` alternated runs of each runner on one model at one thread count: each
+    pair of runs is added to `pairs`; returns the table row (name, threads, best of each)."""
+    runs: dict[str, list[dict]] = {"engine": [], "llama.cpp": []}
+    for _ in range(args.repeat):
+        for runner in runs:
+            print(f"{name}, {threads} threads: {runner} ...", flush=True)
+            runs[runner].append(run_one(runner, path, threads, args.decode, long_text))
+        pairs.append((name, threads, runs["engine"][-1], runs["llama.cpp"][-1]))
+    return name, threads, best(runs["engine"]), best(runs["llama.cpp"])
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -459,14 +472,7 @@ def main() -> None:
             for threads in (int(t) for t in args.threads.split(",")):
                 limits[name, threads] = ceilings(threads, path)
                 print(ceiling_line(limits[name, threads]), flush=True)
-                runs: dict[str, list[dict]] = {"engine": [], "llama.cpp": []}
-                for _ in range(args.repeat):
-                    for runner in runs:
-                        print(f"{name}, {threads} threads: {runner} ...", flush=True)
-                        runs[runner].append(run_one(runner, path, threads, args.decode,
-                                                    long_text))
-                    pairs.append((name, threads, runs["engine"][-1], runs["llama.cpp"][-1]))
-                rows.append((name, threads, best(runs["engine"]), best(runs["llama.cpp"])))
+                rows.append(measure_setting(name, path, threads, args, long_text, pairs))
                 loads.append(f"after {name} x{threads}: {uptime()}")
     print()
     print(table(rows))

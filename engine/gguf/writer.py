@@ -239,6 +239,44 @@ def partial_paths(path: str | os.PathLike) -> tuple[Path, Path]:
             path.with_name(path.name + ".partial.json"))
 
 
+def _resume_point(partial: Path, record: Path, key: dict, total: int) -> int:
+    """The index of the first unfinished tensor of a leftover `partial` file, or 0 when there is
+    no leftover or it was written for another header or input (`key`) or is shorter than its
+    record says (the record is written only after the data it counts was fsynced)."""
+    import json
+
+    if not (partial.exists() and record.exists()):
+        return 0
+    try:
+        state = json.loads(record.read_text())
+    except (OSError, ValueError):
+        state = {}
+    if state.get("key") == json.loads(json.dumps(key)) \
+            and partial.stat().st_size >= state.get("offset", total + 1):
+        return int(state["done"])
+    return 0
+
+
+def _stream_tensor_data(out, tensor: TensorEntry) -> int:
+    """Write one tensor's bytes (whole, or chunk by chunk when `data` is a callable giving an
+    iterator of chunks) to `out` without its padding; a wrong byte count is an error."""
+    data = tensor.data() if callable(tensor.data) else tensor.data
+    chunks = [data] if isinstance(data, (bytes, bytearray, memoryview, np.ndarray)) else data
+    written = 0
+    for chunk in chunks:
+        if isinstance(chunk, np.ndarray):
+            chunk = np.ascontiguousarray(chunk).reshape(-1).view(np.uint8)
+        view = memoryview(chunk).cast("B")
+        out.write(view)
+        written += view.nbytes
+        del chunk, view
+    if written != tensor.n_bytes:
+        raise ValueError(f"tensor {tensor.name!r}: {written} bytes given, "
+                         f"{GGMLQuantizationType(tensor.ggml_type).name} "
+                         f"{tensor.shape} needs {tensor.n_bytes}")
+    return written
+
+
 def write_gguf_resumable(path: str | os.PathLike, metadata: dict[str, MetaValue],
                          tensors: list[TensorEntry], *, fingerprint: object = None,
                          progress: Callable[[TensorEntry, int, int, int, int], None] | None = None,
@@ -262,15 +300,7 @@ def write_gguf_resumable(path: str | os.PathLike, metadata: dict[str, MetaValue]
     sizes = [t.n_bytes + _pad(t.n_bytes, align) for t in tensors]
     total = len(header) + sum(sizes)
     key = {"header_sha256": hashlib.sha256(header).hexdigest(), "input": fingerprint}
-    start = 0
-    if partial.exists() and record.exists():
-        try:
-            state = json.loads(record.read_text())
-        except (OSError, ValueError):
-            state = {}
-        if state.get("key") == json.loads(json.dumps(key)) \
-                and partial.stat().st_size >= state.get("offset", total + 1):
-            start = int(state["done"])
+    start = _resume_point(partial, record, key, total)
     path.parent.mkdir(parents=True, exist_ok=True)
     offset = len(header) + sum(sizes[:start])
     require_free_space(path.parent, total - (offset if start else 0), margin=1.05,
@@ -291,21 +321,7 @@ def write_gguf_resumable(path: str | os.PathLike, metadata: dict[str, MetaValue]
                 save_state(0, len(header))
             for index in range(start, len(tensors)):
                 tensor = tensors[index]
-                data = tensor.data() if callable(tensor.data) else tensor.data
-                chunks = [data] if isinstance(data, (bytes, bytearray, memoryview, np.ndarray)) \
-                    else data
-                written = 0
-                for chunk in chunks:
-                    if isinstance(chunk, np.ndarray):
-                        chunk = np.ascontiguousarray(chunk).reshape(-1).view(np.uint8)
-                    view = memoryview(chunk).cast("B")
-                    out.write(view)
-                    written += view.nbytes
-                    del chunk, view
-                if written != tensor.n_bytes:
-                    raise ValueError(f"tensor {tensor.name!r}: {written} bytes given, "
-                                     f"{GGMLQuantizationType(tensor.ggml_type).name} "
-                                     f"{tensor.shape} needs {tensor.n_bytes}")
+                written = _stream_tensor_data(out, tensor)
                 out.write(bytes(_pad(written, align)))
                 offset += sizes[index]
                 out.flush()

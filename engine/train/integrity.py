@@ -83,6 +83,40 @@ def safetensors_problem(path: Path) -> str | None:
     return None
 
 
+def _record_problems(folder: Path, records: dict) -> list[str]:
+    """Each file of `folder` against the per-file records of its sentinel: files it does not
+    record, malformed records, and missing files or ones whose size or SHA-256 differs."""
+    problems = []
+    for name in sorted(p.name for p in folder.iterdir() if p.is_file()
+                       and p.name != SENTINEL and not p.name.startswith(".")):
+        if name not in records:
+            problems.append(f"{name} is not among the files {SENTINEL} records")
+    for name, record in sorted(records.items()):
+        if not isinstance(record, dict) or "/" in name or name.startswith("."):
+            problems.append(f"{SENTINEL} has a malformed record for {name[:60]!r}")
+            continue
+        path = folder / name
+        if not path.is_file():
+            problems.append(f"{name} is missing")
+        elif path.stat().st_size != record.get("size"):
+            problems.append(f"{name} has {path.stat().st_size} bytes, "
+                            f"{record.get('size')} were written")
+        elif _sha256(path) != record.get("sha256"):
+            problems.append(f"{name} has a different SHA-256 than was written")
+    return problems
+
+
+def _presence_problems(folder: Path) -> list[str]:
+    """A checkpoint written before per-file records: only which files must be there."""
+    problems = []
+    if not (folder / "model.safetensors").is_file():
+        problems.append("model.safetensors is missing")
+    if (folder / "optimizer.json").is_file() and not (
+            folder / "optimizer.safetensors").is_file():
+        problems.append("optimizer.safetensors is missing")
+    return problems
+
+
 def checkpoint_problems(checkpoint: Checkpoint) -> list[str]:
     folder = checkpoint.path
     try:
@@ -92,34 +126,14 @@ def checkpoint_problems(checkpoint: Checkpoint) -> list[str]:
     if not isinstance(state, dict) or state.get("step") != checkpoint.step:
         return [f"{SENTINEL} does not describe step {checkpoint.step}"]
     records = state.get("files")
-    problems = []
     if "files" in state and not isinstance(records, dict):
         return [f"{SENTINEL}'s 'files' is not a table of file records"]
     if isinstance(records, dict) and not records:
         return [f"{SENTINEL} records no files, so nothing in the checkpoint can be verified"]
     if isinstance(records, dict):
-        for name in sorted(p.name for p in folder.iterdir() if p.is_file()
-                           and p.name != SENTINEL and not p.name.startswith(".")):
-            if name not in records:
-                problems.append(f"{name} is not among the files {SENTINEL} records")
-        for name, record in sorted(records.items()):
-            if not isinstance(record, dict) or "/" in name or name.startswith("."):
-                problems.append(f"{SENTINEL} has a malformed record for {name[:60]!r}")
-                continue
-            path = folder / name
-            if not path.is_file():
-                problems.append(f"{name} is missing")
-            elif path.stat().st_size != record.get("size"):
-                problems.append(f"{name} has {path.stat().st_size} bytes, "
-                                f"{record.get('size')} were written")
-            elif _sha256(path) != record.get("sha256"):
-                problems.append(f"{name} has a different SHA-256 than was written")
+        problems = _record_problems(folder, records)
     else:  # written before per-file records: check presence and headers
-        if not (folder / "model.safetensors").is_file():
-            problems.append("model.safetensors is missing")
-        if (folder / "optimizer.json").is_file() and not (
-                folder / "optimizer.safetensors").is_file():
-            problems.append("optimizer.safetensors is missing")
+        problems = _presence_problems(folder)
     for path in sorted(folder.glob("*.safetensors")):
         if not problems or all(path.name not in p for p in problems):
             reason = safetensors_problem(path)

@@ -146,44 +146,21 @@ def batches(torch, n: int):
     return torch.stack(out)                                              # [n, B, T+1]
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--nanochat", required=True, help="nanochat git dir or clone")
-    ap.add_argument("--out", default=str(HERE))
-    ap.add_argument("--part", choices=("model", "tokenizer", "dataloader"), default="model")
-    args = ap.parse_args()
-    os.environ["NANOCHAT_DTYPE"] = "float32"
-    os.environ["TORCHDYNAMO_DISABLE"] = "1"
-    git = ["git", "--git-dir", args.nanochat] if not (Path(args.nanochat) / ".git").exists() \
-        else ["git", "-C", args.nanochat]
+def import_reference(nanochat: str) -> None:
+    """Copy the pinned commit's `nanochat/` package out of the git directory `nanochat` into a
+    temporary directory and put that first on sys.path."""
+    git = ["git", "--git-dir", nanochat] if not (Path(nanochat) / ".git").exists() \
+        else ["git", "-C", nanochat]
     tmp = tempfile.mkdtemp(prefix="nanochat-ref-")
     archive = subprocess.run(git + ["archive", PINNED, "nanochat"], check=True,
                              capture_output=True).stdout
     subprocess.run(["tar", "-x", "-C", tmp], input=archive, check=True)
     sys.path.insert(0, tmp)
-    if args.part == "tokenizer":
-        tokenizer_goldens(Path(args.out))
-        return 0
-    if args.part == "dataloader":
-        dataloader_goldens(Path(args.out))
-        return 0
 
-    import torch
-    from nanochat.gpt import GPT, GPTConfig
-    from safetensors.torch import save_file
-    torch.set_num_threads(1)   # one summation order, whatever the machine
 
-    config = GPTConfig(**CONFIG)
-    with torch.device("meta"):
-        model = GPT(config)
-    model.to_empty(device="cpu")
-    torch.manual_seed(0)
-    model.init_weights()
-    out: dict[str, torch.Tensor] = {}
-    for k, v in model.state_dict().items():
-        out[f"init/{k}"] = v.detach().clone()
-
-    # training: gradients, 1 and 10 optimizer steps, a 40-step loss trace
+def train_goldens(torch, model, out: dict) -> list[float]:
+    """STEPS MuonAdamW steps on the stored batches: parameters and optimizer state after steps
+    1 and 10, and the trained weights, into `out`; returns the loss trace."""
     data = batches(torch, STEPS)
     out["train/batches"] = data.to(torch.int32)
     optimizer = model.setup_optimizer(**LRS)
@@ -205,9 +182,11 @@ def main() -> int:
                         out[f"{tag}/state/{k}/{sk}"] = sv.detach().clone()
     for p, k in names.items():
         out[f"trained/{k}"] = p.detach().clone()
+    return losses
 
-    # forward and gradients on the trained weights: at init the zeroed projections make every
-    # block a rescaling of the embedding, which would leave attention and the MLP untested
+
+def forward_goldens(torch, model, out: dict) -> None:
+    """One sequence's input and output of every block, and its logits, into `out`."""
     g = torch.Generator().manual_seed(7)
     idx = torch.randint(0, CONFIG["vocab_size"], (1, FWD_T), generator=g)
     out["fwd/idx"] = idx
@@ -226,6 +205,9 @@ def main() -> int:
         out[f"fwd/block{i}.out"] = acts[2 * i + 1]
     out["fwd/logits"] = logits
 
+
+def grad_goldens(torch, model, out: dict) -> None:
+    """The loss and every gradient of a batch of two with some targets ignored, into `out`."""
     g = torch.Generator().manual_seed(8)
     gx = torch.randint(0, CONFIG["vocab_size"], (BATCH, TRAIN_T + 1), generator=g)
     gx[0, 100:] = -1                     # ignored targets (the reference's ignore_index)
@@ -234,20 +216,62 @@ def main() -> int:
     loss = model(x, y)
     loss.backward()
     out["grad/loss"] = loss.detach().reshape(1)
-    for p, k in names.items():
+    for k, p in model.named_parameters():
         out[f"grad/{k}"] = p.grad.detach().clone()
     model.zero_grad(set_to_none=True)
+
+
+def model_goldens(out_dir: Path) -> None:
+    """goldens.safetensors and goldens.json (see the module docstring)."""
+    import torch
+    from nanochat.gpt import GPT, GPTConfig
+    from safetensors.torch import save_file
+    torch.set_num_threads(1)   # one summation order, whatever the machine
+
+    config = GPTConfig(**CONFIG)
+    with torch.device("meta"):
+        model = GPT(config)
+    model.to_empty(device="cpu")
+    torch.manual_seed(0)
+    model.init_weights()
+    out: dict[str, torch.Tensor] = {}
+    for k, v in model.state_dict().items():
+        out[f"init/{k}"] = v.detach().clone()
+
+    # training: gradients, 1 and 10 optimizer steps, a 40-step loss trace
+    losses = train_goldens(torch, model, out)
+    # forward and gradients on the trained weights: at init the zeroed projections make every
+    # block a rescaling of the embedding, which would leave attention and the MLP untested
+    forward_goldens(torch, model, out)
+    grad_goldens(torch, model, out)
     decode = list(model.generate(PROMPT, max_tokens=DECODE_TOKENS, temperature=0))
 
     out = {k: v.contiguous() for k, v in out.items()}
-    save_file(out, str(Path(args.out) / "goldens.safetensors"))
+    save_file(out, str(out_dir / "goldens.safetensors"))
     meta = {"nanochat_commit": PINNED, "torch": torch.__version__, "threads": 1,
             "config": CONFIG, "lrs": LRS, "fwd_T": FWD_T, "batch": BATCH, "train_T": TRAIN_T,
             "loss_trace": losses, "prompt": PROMPT, "decode": decode,
             "window_sizes": [list(w) for w in model.window_sizes]}
-    (Path(args.out) / "goldens.json").write_text(json.dumps(meta, indent=1) + "\n")
+    (out_dir / "goldens.json").write_text(json.dumps(meta, indent=1) + "\n")
     print(f"wrote {len(out)} tensors; losses {losses[0]:.4f} -> {losses[-1]:.4f}; "
           f"decode {decode}")
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--nanochat", required=True, help="nanochat git dir or clone")
+    ap.add_argument("--out", default=str(HERE))
+    ap.add_argument("--part", choices=("model", "tokenizer", "dataloader"), default="model")
+    args = ap.parse_args()
+    os.environ["NANOCHAT_DTYPE"] = "float32"
+    os.environ["TORCHDYNAMO_DISABLE"] = "1"
+    import_reference(args.nanochat)
+    if args.part == "tokenizer":
+        tokenizer_goldens(Path(args.out))
+    elif args.part == "dataloader":
+        dataloader_goldens(Path(args.out))
+    else:
+        model_goldens(Path(args.out))
     return 0
 
 
