@@ -94,6 +94,9 @@ class Runner:
                                 if i is not None})
         self.waiting: collections.deque[Job] = collections.deque()
         self.active: list[_Slot] = []
+        # taken from the queue, prompt still being read: they hold their slots already (a
+        # request arriving meanwhile must see the model as busy, not find an empty one)
+        self.starting = 0
         # (adapter, positions' ids, cache), newest last
         self.prefixes: list[tuple[str | None, list[int], Any]] = []
         self.bank = getattr(model, "adapter_bank", None)
@@ -108,11 +111,12 @@ class Runner:
 
     def load(self) -> dict:
         with self.condition:
-            return {"active": len(self.active), "waiting": len(self.waiting)}
+            return {"active": len(self.active) + self.starting, "waiting": len(self.waiting)}
 
     def submit(self, job: Job) -> None:
         with self.condition:
-            if len(self.active) + len(self.waiting) >= self.slots + self.queue_limit:
+            if (len(self.active) + self.starting + len(self.waiting)
+                    >= self.slots + self.queue_limit):
                 raise Busy(f"{self.name}: {len(self.active)} requests are generating and "
                            f"{len(self.waiting)} are waiting, the most this server queues")
             self.waiting.append(job)
@@ -139,8 +143,11 @@ class Runner:
                 admitted = []
                 while self.waiting and len(self.active) + len(admitted) < self.slots:
                     admitted.append(self.waiting.popleft())
+                self.starting = len(admitted)
             for job in admitted:
                 self._guard(job, lambda job=job: self._start(job))
+                with self.condition:
+                    self.starting -= 1
             stepping: dict[str | None, list[_Slot]] = {}     # by adapter
             for slot in list(self.active):
                 self._guard(slot.job, lambda slot=slot, into=stepping: self._advance(slot)
