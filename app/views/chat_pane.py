@@ -124,7 +124,8 @@ class ChatPane(QWidget):
         self.repetition = QDoubleSpinBox(decimals=2, minimum=0.5, maximum=3.0, singleStep=0.05)
         self.repetition.setToolTip("Repetition penalty: > 1 discourages tokens seen in the "
                                    "last n tokens, so a small model does not loop; 1 = off")
-        self.repetition_last_n = QSpinBox(minimum=-1, maximum=1_000_000, specialValueText="all")
+        # a window up to 4096 tokens (llama.cpp's penalty_last_n is usually 64), or all of them
+        self.repetition_last_n = QSpinBox(minimum=-1, maximum=4096, specialValueText="all")
         self.repetition_last_n.setToolTip("How many recent tokens the repetition penalty "
                                           "looks at (all = the whole conversation)")
         defaults = vm.DEFAULT_SETTINGS
@@ -137,9 +138,11 @@ class ChatPane(QWidget):
         self.max_tokens = QSpinBox(minimum=1, maximum=8192)
         self.max_tokens.setValue(128)
         sampling = QHBoxLayout()
-        for label, widget in (("temperature", self.temperature), ("top-k", self.top_k),
+        self.temperature.setToolTip("Temperature: 0 = greedy (always the likeliest token)")
+        # short labels: the row fits a 1024-pixel window with the sidebar
+        for label, widget in (("temp", self.temperature), ("top-k", self.top_k),
                               ("top-p", self.top_p), ("repetition", self.repetition),
-                              ("over last", self.repetition_last_n),
+                              ("last", self.repetition_last_n),
                               ("seed", self.seed), ("max tokens", self.max_tokens)):
             sampling.addWidget(QLabel(label))
             sampling.addWidget(widget)
