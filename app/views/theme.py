@@ -113,7 +113,9 @@ def apply(app: QApplication, scheme: Qt.ColorScheme | None = None) -> bool:
         else:
             del _styled[widget]
     for widget in app.allWidgets():     # a styled widget keeps the palette it was polished in
-        if widget.styleSheet() and widget not in _styled:
+        # restyling one widget can delete another still in this list (a closed window's
+        # children): touch only those still alive
+        if shiboken6.isValid(widget) and widget.styleSheet() and widget not in _styled:
             widget.setStyleSheet(widget.styleSheet())
     # A label's link takes the palette's link colour when its text is parsed: parsed again
     # once the new palette has reached it, a "What does this mean?" link is not the light
