@@ -747,9 +747,14 @@ static int act_alloc(fb_act *a, int64_t R, int64_t K) {
 
 static void act_free(fb_act *a) { free(a->q); free(a->d); free(a->sums); free(a->h); free(a->s); }
 
-/* x [R][cols] · Wᵀ -> out [R][rows] for one ubatch, on `nthreads` threads (rows split; the bits
- * do not depend on the count). Returns 0, or -1 when out of memory. */
-int fb_matmul(const fb_weight *w, int64_t R, const float *x, const fb_plan *p, int nthreads, float *out) {
+static void matmul_part_rowwise(const fb_weight *w, int64_t R, const fb_act *a, const fb_plan *p, int64_t n0,
+                                int64_t n1, float *out);
+
+/* x [R][cols] · Wᵀ -> out [R][rows] on `nthreads` threads (rows split; the bits do not depend
+ * on the count): the activations quantized once, then llama.cpp's matmul for R rows, or with
+ * `rowwise` each row by the one-row kernel. Returns 0, or -1 when out of memory. */
+static int matmul_threads(const fb_weight *w, int64_t R, const float *x, const fb_plan *p,
+                          int nthreads, float *out, int rowwise) {
     fb_act a;
     if (act_alloc(&a, R, w->cols)) { act_free(&a); return -1; }
     #pragma omp parallel num_threads(nthreads) if (nthreads > 1)
@@ -759,10 +764,16 @@ int fb_matmul(const fb_weight *w, int64_t R, const float *x, const fb_plan *p, i
         #pragma omp barrier
         int64_t n0, n1;
         thread_share(w->rows, ith, nth, &n0, &n1);
-        matmul_part(w, R, &a, p, n0, n1, out);
+        if (rowwise) matmul_part_rowwise(w, R, &a, p, n0, n1, out);
+        else matmul_part(w, R, &a, p, n0, n1, out);
     }
     act_free(&a);
     return 0;
+}
+
+/* x [R][cols] · Wᵀ -> out [R][rows] for one ubatch (matmul_threads). */
+int fb_matmul(const fb_weight *w, int64_t R, const float *x, const fb_plan *p, int nthreads, float *out) {
+    return matmul_threads(w, R, x, p, nthreads, out, 0);
 }
 
 /* a [G][P][K] . b [G][Q][K] -> out [G][P][Q] (f32 holding f16 values), by tinyBLAS (tinyblas = 1)
@@ -1210,19 +1221,7 @@ static void matmul_part_rowwise(const fb_weight *w, int64_t R, const fb_act *a, 
 /* x [R][cols] · Wᵀ -> out [R][rows], every row as a one-row matmul gives it (the LM head of a
  * batched decode step). Returns 0, or -1 when out of memory. */
 int fb_matmul_rowwise(const fb_weight *w, int64_t R, const float *x, const fb_plan *p, int nthreads, float *out) {
-    fb_act a;
-    if (act_alloc(&a, R, w->cols)) { act_free(&a); return -1; }
-    #pragma omp parallel num_threads(nthreads) if (nthreads > 1)
-    {
-        const int ith = omp_get_thread_num(), nth = omp_get_num_threads();
-        quantize_rows(w->type, x, R, w->cols, &a, ith, nth);
-        #pragma omp barrier
-        int64_t n0, n1;
-        thread_share(w->rows, ith, nth, &n0, &n1);
-        matmul_part_rowwise(w, R, &a, p, n0, n1, out);
-    }
-    act_free(&a);
-    return 0;
+    return matmul_threads(w, R, x, p, nthreads, out, 1);
 }
 
 /* The weights of one input (q, k, v / gate, up / o / down) for the B rows of a decode step
