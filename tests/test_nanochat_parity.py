@@ -3,14 +3,19 @@ karpathy/nanochat itself (commit 92d63d4, CPU, fp32; tests/data/nanochat/make_go
 how they were made). Each rung compares at its tolerance and has a twin that breaks one
 documented detail of the reference and shows the same comparison failing.
 
-The goldens were dumped with one thread on an AMX machine; a CPU with another vector width may
-sum in another order, which is what the tolerances allow (on the machine that made them every
-rung matches bit for bit).
+The goldens were dumped with one thread on an AMD EPYC (goldens.json's "cpu"); on that machine
+every rung matches bit for bit. Another kind of CPU sums in another order, which the tolerances
+allow up to one step; after ten steps the reference's own state moves by more than the rung's
+tolerance between kinds (4.8e-3 between that EPYC and a Sapphire Rapids), so the ten-step rung
+reads the reference's state for this kind (step10-<kind>.safetensors, `make_goldens.py --part
+step10`) and, for a kind with none, holds the cross-kind bound and says so.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import json
+import warnings
 from pathlib import Path
 
 import pytest
@@ -31,6 +36,33 @@ GRAD_TOL = 1e-5
 STEP1_TOL = 1e-5         # parameters and optimizer state after one step
 STEP10_TOL = 1e-4        # ... after ten (rounding differences compound)
 TRACE_TOL = 1e-4         # loss trace, per step (the drift budget)
+# ten steps on a kind of CPU with no goldens of its own: the reference against itself across
+# kinds measured 4.8e-3; the twin below (plain weight decay) is off by 0.83
+CROSS_CPU_STEP10_TOL = 1e-2
+
+
+def _goldens_script():
+    spec = importlib.util.spec_from_file_location("make_goldens", DATA / "make_goldens.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def step10_reference(goldens) -> tuple[dict, float]:
+    """The reference's state after ten steps on this kind of CPU, and the tolerance to hold."""
+    tensors, meta = goldens
+    kind = _goldens_script().cpu_kind()
+    if kind == meta.get("cpu"):
+        return tensors, STEP10_TOL
+    own = DATA / f"step10-{kind}.safetensors"
+    if own.is_file():
+        from safetensors.torch import load_file
+        return load_file(str(own)), STEP10_TOL
+    warnings.warn(f"no ten-step goldens for this CPU ({kind}; made on {meta.get('cpu')}): held "
+                  f"at the cross-CPU bound {CROSS_CPU_STEP10_TOL:g}, not {STEP10_TOL:g}; run "
+                  "tests/data/nanochat/make_goldens.py --part step10 here to add them",
+                  stacklevel=2)
+    return tensors, CROSS_CPU_STEP10_TOL
 
 
 @pytest.fixture(scope="module")
@@ -190,10 +222,10 @@ def test_gradients_twin_qk_scale_fails(goldens, monkeypatch):
 
 
 # -- rung 4: one and ten optimizer steps ---------------------------------------------------
-def steps_errors(goldens, steps: int, tag: str) -> dict[str, float]:
+def steps_errors(goldens, steps: int, tag: str, reference=None) -> dict[str, float]:
     model = reference_model(goldens)
     _, optimizer = train(model, goldens, steps)
-    return state_errors(model, optimizer, goldens, tag)
+    return state_errors(model, optimizer, (reference or goldens[0], goldens[1]), tag)
 
 
 def test_one_step_matches_reference(goldens):
@@ -211,14 +243,26 @@ def test_one_step_twin_torch_muon_iteration_fails(goldens, monkeypatch):
 
 
 def test_ten_steps_match_reference(goldens):
-    errors = steps_errors(goldens, 10, "step10")
-    assert max(errors.values()) <= STEP10_TOL, errors
+    reference, tol = step10_reference(goldens)
+    errors = steps_errors(goldens, 10, "step10", reference)
+    assert max(errors.values()) <= tol, errors
 
 
 def test_ten_steps_twin_plain_weight_decay_fails(goldens, monkeypatch):
     """Decoupled decay everywhere instead of nanochat's cautious (sign-agreeing) decay."""
+    reference, _ = step10_reference(goldens)
     monkeypatch.setattr(muon, "cautious_mask", lambda g, p: torch.ones_like(p))
-    assert max(steps_errors(goldens, 10, "step10").values()) > STEP10_TOL
+    assert max(steps_errors(goldens, 10, "step10", reference).values()) > CROSS_CPU_STEP10_TOL
+
+
+def test_ten_step_goldens_of_another_cpu_are_not_this_ones(goldens):
+    """Twin of the per-CPU goldens: the AMD EPYC's ten-step state and the Sapphire Rapids' differ
+    beyond the rung's tolerance, so reading the wrong kind's file would fail the rung."""
+    from safetensors.torch import load_file
+    other = DATA / "step10-GenuineIntel-AVX512.safetensors"
+    tensors, _ = goldens
+    intel = load_file(str(other))
+    assert max(rel_err(intel[k], tensors[k]) for k in intel) > STEP10_TOL
 
 
 # -- rung 5: loss trace --------------------------------------------------------------------

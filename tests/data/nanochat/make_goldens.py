@@ -2,7 +2,8 @@
 from the reference itself: karpathy/nanochat at commit 92d63d4e8bb4df75c3b71618f31ddde2378b2bcd,
 on CPU in fp32, eager (torch.compile off, as the reference runs where no compiler is wanted).
 
-    python tests/data/nanochat/make_goldens.py --nanochat PATH [--part model|tokenizer|dataloader]
+    python tests/data/nanochat/make_goldens.py --nanochat PATH \
+        [--part model|tokenizer|dataloader|step10]
 
 PATH is a nanochat git directory (a clone, or a bare mirror) holding that commit. The script
 copies the commit's `nanochat/` package into a temporary directory, imports it from there, and
@@ -35,6 +36,11 @@ bites at T=144 > 128 + 1, value embeddings on alternating layers, vocab padding 
 - fwd/*: for one sequence, each block's input and output, and the logits;
 - grad/*: loss and gradients of a batch of two with some targets ignored (-1);
 - decode: greedy GPT.generate of 24 tokens.
+
+goldens.json records the CPU kind they were summed on (`cpu_kind`). After ten steps the
+reference's own state depends on it (4.8e-3 relative between an AMD EPYC and a Sapphire Rapids),
+so `--part step10`, run on another kind of CPU, adds step10-<kind>.safetensors (only step10/*),
+which the ten-step rung reads on that kind.
 """
 
 from __future__ import annotations
@@ -221,6 +227,25 @@ def grad_goldens(torch, model, out: dict) -> None:
     model.zero_grad(set_to_none=True)
 
 
+def cpu_kind() -> str:
+    """What decides fp32 summation order beyond one step on CPU: the vendor (MKL takes other
+    code paths on AMD than on Intel) and the vector width torch dispatches to. The reference
+    itself, run on an AMD EPYC and on a Sapphire Rapids (both "AVX512"), is bit-identical after
+    one MuonAdamW step but differs by 4.8e-3 relative after ten."""
+    import torch
+
+    vendor = "unknown"
+    try:
+        for line in Path("/proc/cpuinfo").read_text(errors="replace").splitlines():
+            key, _, value = line.partition(":")
+            if key.strip() == "vendor_id":
+                vendor = value.strip()
+                break
+    except OSError:
+        pass
+    return f"{vendor}-{torch.backends.cpu.get_cpu_capability()}"
+
+
 def model_goldens(out_dir: Path) -> None:
     """goldens.safetensors and goldens.json (see the module docstring)."""
     import torch
@@ -249,6 +274,7 @@ def model_goldens(out_dir: Path) -> None:
     out = {k: v.contiguous() for k, v in out.items()}
     save_file(out, str(out_dir / "goldens.safetensors"))
     meta = {"nanochat_commit": PINNED, "torch": torch.__version__, "threads": 1,
+            "cpu": cpu_kind(),
             "config": CONFIG, "lrs": LRS, "fwd_T": FWD_T, "batch": BATCH, "train_T": TRAIN_T,
             "loss_trace": losses, "prompt": PROMPT, "decode": decode,
             "window_sizes": [list(w) for w in model.window_sizes]}
@@ -257,11 +283,25 @@ def model_goldens(out_dir: Path) -> None:
           f"decode {decode}")
 
 
+def step10_goldens(out_dir: Path) -> None:
+    """step10-<cpu kind>.safetensors: the state after ten steps as the reference computes it on
+    this kind of CPU (the rest of the goldens hold across kinds at their tolerances)."""
+    from safetensors.torch import load_file, save_file
+
+    with tempfile.TemporaryDirectory() as tmp:
+        model_goldens(Path(tmp))
+        tensors = load_file(str(Path(tmp) / "goldens.safetensors"))
+    path = out_dir / f"step10-{cpu_kind()}.safetensors"
+    save_file({k: v for k, v in tensors.items() if k.startswith("step10/")}, str(path))
+    print(f"wrote {path}")
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--nanochat", required=True, help="nanochat git dir or clone")
     ap.add_argument("--out", default=str(HERE))
-    ap.add_argument("--part", choices=("model", "tokenizer", "dataloader"), default="model")
+    ap.add_argument("--part", choices=("model", "tokenizer", "dataloader", "step10"),
+                    default="model")
     args = ap.parse_args()
     os.environ["NANOCHAT_DTYPE"] = "float32"
     os.environ["TORCHDYNAMO_DISABLE"] = "1"
@@ -270,6 +310,8 @@ def main() -> int:
         tokenizer_goldens(Path(args.out))
     elif args.part == "dataloader":
         dataloader_goldens(Path(args.out))
+    elif args.part == "step10":
+        step10_goldens(Path(args.out))
     else:
         model_goldens(Path(args.out))
     return 0
