@@ -16,6 +16,13 @@ from pathlib import Path
 
 from app.viewmodels.events import Listeners
 from app.viewmodels.jobs import Pace, duration_text, run_stage_line
+from app.viewmodels.reference_trace import (
+    LossOverlay,
+    ReferenceTrace,
+    loss_overlay,
+    read_reference_trace,
+    reference_trace_path,
+)
 from engine.errors import ForgebenchError
 from engine.export.verdict import latest_run_export
 from engine.fsutil import atomic_write_json, read_json
@@ -139,10 +146,24 @@ class RunSeries:
         self._invocations = JsonlTail(self.run.path / "invocations.jsonl")
         self._t0: float | None = None
         self.clip_threshold: float | None = None
+        # the reference loss trace its config names ([compare] reference_trace), or why not
+        self.reference: ReferenceTrace | None = None
+        self.reference_error = ""
+        self.threads: int | None = None
         try:
-            self.clip_threshold = find_clip_threshold(self.run.manifest().get("config", {}))
+            manifest = self.run.manifest()
         except ForgebenchError:
-            pass
+            return
+        config = manifest.get("config", {})
+        self.clip_threshold = find_clip_threshold(config)
+        threads = manifest.get("environment", {}).get("threads")
+        self.threads = threads if isinstance(threads, int) else None
+        trace_path = reference_trace_path(config)
+        if trace_path is not None:
+            try:
+                self.reference = read_reference_trace(trace_path)
+            except ForgebenchError as exc:
+                self.reference_error = f"{exc.message}: {trace_path}"
 
     @property
     def name(self) -> str:
@@ -191,6 +212,13 @@ class RunSeries:
             return [], []
         xs = series.steps if x == "step" else [t - (self._t0 or 0.0) for t in series.times]
         return list(xs), ema(series.values[metric], smoothing)
+
+    def loss_overlay(self) -> LossOverlay | None:
+        """The reference trace beside this run's raw train loss, when its config names one."""
+        if self.reference is None:
+            return None
+        return loss_overlay(self.reference, self.train.steps,
+                            self.train.values.get("loss", []), self.threads)
 
     def clipped_points(self, x: str = "step") -> tuple[list[float], list[float]]:
         """Grad-norm points of the steps where clipping (or a skip) happened."""

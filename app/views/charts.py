@@ -8,6 +8,7 @@ their x ticks by the width of their labels, so no two labels run together in a ~
 
 from __future__ import annotations
 
+import html
 import math
 
 import pyqtgraph as pg
@@ -26,7 +27,7 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 
-from app.viewmodels.runs import RunSeries, throughput_text
+from app.viewmodels.runs import RunSeries, ema, throughput_text
 from app.views import theme
 
 PALETTE = ["#1f77b4", "#d62728", "#2ca02c", "#ff7f0e", "#9467bd", "#8c564b", "#17becf"]
@@ -60,7 +61,11 @@ KEY = ("Loss: train solid, val dashed, test dotted. Grad norm: red dashes the cl
        "centre solid, population mean dashed, max/min dotted. Log-prob: chosen solid, "
        "rejected dashed. ECE: calibrated solid, before calibration dashed. Dotted vertical: "
        "checkpoint saved. Solid grey vertical: resumed (a new invocation). Gradient norms are "
-       "before clipping.")
+       "before clipping. Loss, wide pink band: the reference trace the run's config names.")
+# a reference loss trace ([compare] reference_trace): a wide band under the run's own line, so
+# a run that equals it still shows both, and one that drifts shows where
+REFERENCE_COLOUR = "#e377c2"
+REFERENCE_WIDTH = 6
 SI_SUFFIXES = ((1e9, "G"), (1e6, "M"), (1e3, "k"))
 TICK_GAP_PX = 10        # the least room between two x tick labels
 
@@ -334,6 +339,7 @@ class RunCharts(QWidget):
                      f"train loss {last.get('loss', float('nan')):.4f}"]
             if val and val.values.get("loss"):
                 lines.append(f"val loss {val.values['loss'][-1]:.4f} (step {val.steps[-1]})")
+            lines += self._reference_lines(series)      # beside the losses it is about
             lines += [f"lr {last.get('lr', float('nan')):.3g}",
                       throughput_text(train, metric, unit)]
             per_rank = last.get("rank_tokens_per_s", float("nan"))
@@ -348,6 +354,33 @@ class RunCharts(QWidget):
             parts.append("Select runs in the ledger to chart them (several overlay).")
         parts.append(f"<small>{KEY}</small>")
         self.summary.setText("<br><br>".join(parts))
+
+    @staticmethod
+    def _reference_lines(series: RunSeries) -> list[str]:
+        """The reference trace's key and its |Δ loss| readout, under the run's figures."""
+        if series.reference_error:
+            return [f"<i>{html.escape(series.reference_error, quote=False)}</i>"]
+        overlay = series.loss_overlay()
+        if overlay is None:
+            return []
+        swatch = f"<span style='color:{REFERENCE_COLOUR}'><b>━━</b></span> "
+        return [swatch + html.escape(overlay.label, quote=False),
+                html.escape(overlay.readout(), quote=False)]
+
+    def _draw_reference(self, key: str, series: RunSeries, x: str, use_log: bool) -> None:
+        """The run's reference loss trace (smoothed as its loss is; on a time axis at the
+        run's own times of its steps)."""
+        overlay = series.loss_overlay()
+        if overlay is None:
+            return
+        points = [(series.x_of_step(s, x), v) for s, v in zip(overlay.steps, overlay.loss)]
+        points = [(a, b) for a, b in points if a is not None]
+        ys = ema([b for _, b in points], self.controls.weight)
+        rx, ry = _finite([a for a, _ in points], ys, use_log)
+        curve = self._curve((key, "loss", "reference"), "loss",
+                            pen=pg.mkPen(REFERENCE_COLOUR, width=REFERENCE_WIDTH))
+        curve.setZValue(-1)
+        curve.setData(rx, ry)
 
     def _draw_metric(self, metric: str) -> None:
         log, x = self.controls.log_scale.isChecked(), self.controls.x
@@ -383,6 +416,7 @@ class RunCharts(QWidget):
             "o" if split == "val" else None), symbolSize=6,
             symbolBrush=colour).setData(xs, ys)
         if metric == "loss":
+            self._draw_reference(key, series, x, use_log)
             for other, style in (("val", Qt.PenStyle.DashLine), ("test", Qt.PenStyle.DotLine)):
                 vx, vy = _finite(*series.xy("loss", split=other, x=x), use_log)
                 if vx or (key, metric, other) in self.curves:

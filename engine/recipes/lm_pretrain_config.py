@@ -159,6 +159,14 @@ class SampleSection(Schema):
                     "reply ends, e.g. [\"\\n\"]; empty = run to max_tokens")
 
 
+class CompareSection(Schema):
+    reference_trace: str = Field(
+        "", description="a reference loss trace (JSON of step and loss, e.g. made by "
+                        "tests/data/nanochat/make_reference_trace.py from this config) that the "
+                        "Runs pane draws beside this run's loss, with the largest |Δ loss| over "
+                        "the steps both have; relative to the config's folder; empty = none")
+
+
 class LMPretrainConfig(RecipeConfig):
     recipe: Literal["lm-pretrain"] = "lm-pretrain"
     data: DataSection
@@ -168,6 +176,9 @@ class LMPretrainConfig(RecipeConfig):
     train: TrainSection = Field(default_factory=TrainSection)
     eval: EvalSection = Field(default_factory=EvalSection)
     sample: SampleSection = Field(default_factory=SampleSection)
+    # display only (training never reads it); added later: an older run's config, without
+    # it, resumes as it was started (engine.config.added_since)
+    compare: CompareSection = Field(default_factory=CompareSection)
 
     @model_validator(mode="after")
     def _optimizer_fits_model(self) -> "LMPretrainConfig":
