@@ -13,7 +13,6 @@ step10`) and, for a kind with none, holds the cross-kind bound and says so.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import warnings
 from pathlib import Path
@@ -21,6 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
+from nanochat_support import cpu_kind
 
 from engine.models import nanochat as nc
 from engine.models.nanochat import NanochatConfig, NanochatGPT
@@ -41,17 +41,10 @@ TRACE_TOL = 1e-4         # loss trace, per step (the drift budget)
 CROSS_CPU_STEP10_TOL = 1e-2
 
 
-def _goldens_script():
-    spec = importlib.util.spec_from_file_location("make_goldens", DATA / "make_goldens.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def step10_reference(goldens) -> tuple[dict, float]:
     """The reference's state after ten steps on this kind of CPU, and the tolerance to hold."""
     tensors, meta = goldens
-    kind = _goldens_script().cpu_kind()
+    kind = cpu_kind()
     if kind == meta.get("cpu"):
         return tensors, STEP10_TOL
     own = DATA / f"step10-{kind}.safetensors"

@@ -6,7 +6,7 @@ loss: the steps both have, and the largest |Δ loss| over them.
 Δ is taken on the raw losses of the steps both logged (a step a resumed run logged twice counts
 with its last value); the chart's smoothing never enters it. The parity ladder's loss-trace
 tolerance (1e-4 per step) is what the readout measures against. A reference trace holds the
-thread count and torch CPU capability it ran on because training amplifies a summation order's
+thread count and kind of CPU it ran on because training amplifies a summation order's
 rounding (measured: nanochat on 2 threads against itself on 1, 3.1e-2 by step 38 of the tiny
 sample), so a readout beyond the tolerance says when the run's threads differ.
 
@@ -32,7 +32,7 @@ class ReferenceTrace:
     steps: list[int]
     loss: list[float]
     threads: int | None = None
-    cpu_capability: str | None = None
+    cpu: str | None = None
 
 
 def reference_trace_path(config: dict) -> Path | None:
@@ -73,7 +73,7 @@ def read_reference_trace(path: Path) -> ReferenceTrace:
     return ReferenceTrace(label=str(data.get("label") or Path(path).stem), steps=steps,
                           loss=[float(v) for v in loss],
                           threads=threads if isinstance(threads, int) else None,
-                          cpu_capability=reference.get("cpu_capability"))
+                          cpu=reference.get("cpu"))
 
 
 @dataclass(frozen=True)

@@ -34,8 +34,9 @@ Measured on this repository's machine (Sapphire Rapids, AVX512): a run of the ti
 with `--threads 1` equals the 1-thread trace bit for bit at all 40 steps, and with 2 threads
 equals the reference run on 2 threads bit for bit; but the reference on 2 threads differs from
 itself on 1 by 3e-6 at step 2 and 3.1e-2 by step 38: training amplifies a summation order's
-rounding. So the trace records its thread count and torch's CPU capability, and a run is
-comparable to it at the ladder's 1e-4 only on the same of both.
+rounding. So the trace records its thread count and kind of CPU (vendor and torch's vector
+width: make_goldens.cpu_kind), and a run is comparable to it at the ladder's 1e-4 only on the
+same of both.
 
 The trace's `steps` are numbered as a run's metrics.jsonl numbers its train rows: step k is the
 loss of the k-th batch, before that batch's update.
@@ -171,6 +172,7 @@ def reference_trace(inputs: dict, threads: int) -> dict:
             if rows.shape == ours.shape else "shape"
         raise SystemExit(f"nanochat's rows differ from Forgebench's (rows {bad}): the trace "
                          "would not be of the same data")
+    from make_goldens import cpu_kind  # beside this script: the kind the goldens record
     with torch.device("meta"):
         model = GPT(GPTConfig(**inputs["gpt_config"]))
     model.to_empty(device="cpu")
@@ -195,7 +197,7 @@ def reference_trace(inputs: dict, threads: int) -> dict:
         optimizer.step()
         model.zero_grad(set_to_none=True)
     return {"torch": torch.__version__, "threads": threads, "losses": losses,
-            "cpu_capability": torch.backends.cpu.get_cpu_capability()}
+            "cpu": cpu_kind()}
 
 
 # -- driver -------------------------------------------------------------------------------
@@ -239,7 +241,7 @@ def main() -> int:
     trace = {"kind": "reference-loss-trace", "label": LABEL,
              "reference": {"repo": "karpathy/nanochat", "commit": PINNED,
                            "torch": result["torch"], "threads": result["threads"],
-                           "cpu_capability": result["cpu_capability"],
+                           "cpu": result["cpu"],
                            "dtype": "float32", "device": "cpu"},
              "config": shown, "config_sha256": hashlib.sha256(config.read_bytes()).hexdigest(),
              "made_by": "tests/data/nanochat/make_reference_trace.py",
