@@ -228,6 +228,35 @@ class NanochatTokenizer:
 
 
 # -- conversations (nanochat/tokenizer.py: render_conversation, render_for_completion) ------
+TOOL_MARKERS = {"python": ("<|python_start|>", "<|python_end|>"),
+                "python_output": ("<|output_start|>", "<|output_end|>")}
+
+
+def assistant_parts(text: str) -> str | list[dict]:
+    """An assistant turn's text, tool parts kept as their special tokens' text (a chat
+    transcript's form), as nanochat's content: the string itself without tool markers, else
+    its parts (text, python, python_output) in order; a block the token budget cut off runs
+    to the end of the text."""
+    if not any(start in text for start, _ in TOOL_MARKERS.values()):
+        return text
+    found: list[dict] = []
+    rest = text
+    while rest:
+        starts = [(rest.find(start), kind, start, end)
+                  for kind, (start, end) in TOOL_MARKERS.items() if start in rest]
+        if not starts:
+            found.append({"type": "text", "text": rest})
+            break
+        at, kind, start, end = min(starts)
+        if at:
+            found.append({"type": "text", "text": rest[:at]})
+        rest = rest[at + len(start):]
+        stop = rest.find(end)
+        body, rest = (rest, "") if stop < 0 else (rest[:stop], rest[stop + len(end):])
+        found.append({"type": kind, "text": body})
+    return found
+
+
 def _conversation_error(message: str, hint: str | None = None) -> ForgebenchError:
     return ForgebenchError(message, where="conversation", hint=hint or
                            "nanochat's format: an optional system message, then user and "

@@ -14,10 +14,11 @@ import pytest
 import torch
 
 from engine.llm import nanochat_chat
-from engine.llm.nanochat_chat import generate_reply, parts, prompt_ids
+from engine.llm.nanochat_chat import generate_reply, prompt_ids
 from engine.models.nanochat import NanochatConfig, NanochatGPT
 from engine.nanochat_tokenizer import (
     NanochatTokenizer,
+    assistant_parts,
     render_conversation,
     render_for_completion,
 )
@@ -156,7 +157,8 @@ def test_transcript_text_renders_back_to_the_generated_tokens(goldens, tokenizer
                                     {"role": "user", "content": "ok"}]
         again = prompt_ids(tokenizer, thread)
         assert again[:len(case["prompt"]) + len(tokens)] == case["prompt"] + tokens
-    assert parts("a<|python_start|>1+1<|python_end|><|output_start|>2<|output_end|>b") == [
+    text = "a<|python_start|>1+1<|python_end|><|output_start|>2<|output_end|>b"
+    assert assistant_parts(text) == [
         {"type": "text", "text": "a"}, {"type": "python", "text": "1+1"},
         {"type": "python_output", "text": "2"}, {"type": "text", "text": "b"}]
 

@@ -6,8 +6,9 @@ its conversation format and its calculator tool, run while the model generates.
   <|user_start|> … <|user_end|>, <|assistant_start|> … <|assistant_end|>, a system message
   merged into the first user turn, then <|assistant_start|> for the reply. An assistant turn of
   the transcript keeps its tool parts as their special tokens' text
-  ("<|python_start|>6*7<|python_end|><|output_start|>42<|output_end|>"), which `parts` reads
-  back into the parts render_conversation takes.
+  ("<|python_start|>6*7<|python_end|><|output_start|>42<|output_end|>"), which
+  engine.nanochat_tokenizer.assistant_parts reads back into the parts render_conversation
+  takes.
 - Generation, token for token the Engine's loop for one row: every step samples (so a seeded
   draw consumes the generator as the reference does, even when the token is then forced); a
   token waiting in the forced queue replaces the sampled one; <|python_start|> opens an
@@ -37,13 +38,10 @@ from typing import Callable
 import torch
 
 from engine.errors import ForgebenchError
-from engine.nanochat_tokenizer import NanochatTokenizer, render_conversation
+from engine.nanochat_tokenizer import NanochatTokenizer, assistant_parts, render_conversation
 from engine.sampling import SamplingSettings
 from engine.sampling import next_token as engine_next_token
 from engine.tools.calculator import render_result, use_calculator
-
-TOOL_MARKERS = {"python": ("<|python_start|>", "<|python_end|>"),
-                "python_output": ("<|output_start|>", "<|output_end|>")}
 
 
 @dataclass
@@ -118,29 +116,6 @@ def uses_nanochat_sampler(settings: SamplingSettings) -> bool:
 
 
 # -- the conversation ------------------------------------------------------------------------
-def parts(text: str) -> str | list[dict]:
-    """An assistant turn's text as nanochat's content: the string itself without tool
-    markers, else its parts (text, python, python_output) in order."""
-    if not any(start in text for start, _ in TOOL_MARKERS.values()):
-        return text
-    found: list[dict] = []
-    rest = text
-    while rest:
-        starts = [(rest.find(start), kind, start, end)
-                  for kind, (start, end) in TOOL_MARKERS.items() if start in rest]
-        if not starts:
-            found.append({"type": "text", "text": rest})
-            break
-        at, kind, start, end = min(starts)
-        if at:
-            found.append({"type": "text", "text": rest[:at]})
-        rest = rest[at + len(start):]
-        stop = rest.find(end)          # a block cut off by the token budget ends the text
-        body, rest = (rest, "") if stop < 0 else (rest[:stop], rest[stop + len(end):])
-        found.append({"type": kind, "text": body})
-    return found
-
-
 def conversation_of(messages: list[dict]) -> dict:
     """Chat messages (role, content) as a nanochat conversation."""
     out = []
@@ -151,7 +126,7 @@ def conversation_of(messages: list[dict]) -> dict:
                                   where="messages", hint="the calculator runs inside the "
                                   "reply: no tool messages (and no --calculator) are needed")
         content = m.get("content") or ""
-        out.append({"role": role, "content": parts(content) if role == "assistant"
+        out.append({"role": role, "content": assistant_parts(content) if role == "assistant"
                     else content})
     return {"messages": out}
 
@@ -258,3 +233,47 @@ def generate_reply(model, tokenizer: NanochatTokenizer, prompt: list[int], *,
                  {"time_to_first_token_s": clock["prompt_s"],
                   "decode_tokens_per_s": (len(ids) / clock["decode_s"]
                                           if clock["decode_s"] else None)})
+
+
+# -- the chat worker's side (engine/serve_local.py) -----------------------------------------
+class NanochatFormat:
+    """A loaded nanochat system's "template": nanochat's render, with the calculator built in
+    (the tool schemas a request offers are not rendered: the format has its own)."""
+
+    origin = "nanochat's conversation format (render_conversation), calculator built in"
+
+    def __init__(self, tokenizer: NanochatTokenizer):
+        self.tokenizer = tokenizer
+
+    def render(self, messages: list[dict]) -> tuple[str, list[int]]:
+        ids = prompt_ids(self.tokenizer, messages)
+        return self.tokenizer.decode_with_specials(ids), ids
+
+
+def chat(model, tokenizer: NanochatTokenizer, messages: list[dict], *, settings:
+         SamplingSettings, seed: int, max_tokens: int, send: Callable[[dict], None],
+         should_cancel: Callable[[], bool]) -> dict:
+    """One streamed reply as serve-local's chat lines: start, a token line per token (with
+    `forced`), a `tool` line as each calculator block closes ({"expr", "result"}), and the
+    done fields (returned; the caller adds its own and sends it)."""
+    text, ids = NanochatFormat(tokenizer).render(messages)
+    send({"event": "start", "prompt_tokens": len(ids), "settings": settings.as_dict(),
+          "seed": seed, "max_tokens": max_tokens, "format": "nanochat"})
+    started = time.perf_counter()
+    first: list[float] = []
+
+    def on_token(line: dict) -> None:
+        if not first:
+            first.append(time.perf_counter() - started)
+        send({"event": "token", **line})
+
+    reply = generate_reply(model, tokenizer, ids, max_tokens=max_tokens, settings=settings,
+                           seed=seed, on_token=on_token, should_cancel=should_cancel,
+                           on_tool=lambda call: send({"event": "tool", **call.as_dict()}))
+    timings = {**reply.timings, "total_s": time.perf_counter() - started,
+               "first_streamed_token_s": first[0] if first else None}
+    return {"text": tokenizer.decode_with_specials(reply.ids), "ids": reply.ids,
+            "prompt_tokens": len(ids), "new_tokens": len(reply.ids),
+            "stop_reason": reply.stop_reason, "timings": timings,
+            "forced": [i for i, f in enumerate(reply.forced) if f],
+            "tool_calls": [c.as_dict() for c in reply.calls], "sampler": reply.sampler}
