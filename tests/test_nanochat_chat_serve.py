@@ -11,33 +11,11 @@ from pathlib import Path
 
 import pytest
 from lm_pretrain_support import make_corpus, write_config
+from nanochat_chat_support import GOLDENS, scripted_nanochat_run
 
 from engine import serve_local
 from engine.cli import main
 from engine.errors import ForgebenchError
-from engine.nanochat_tokenizer import NanochatTokenizer
-from engine.rundir import SENTINEL, RunDir
-from engine.train.integrity import file_records
-
-DATA = Path(__file__).parent / "data" / "nanochat"
-GOLDENS = DATA / "chat_goldens.json"
-
-
-def nanochat_run_config(path: Path, corpus: Path, config: dict) -> Path:
-    """A one-step lm-pretrain config with the goldens' architecture."""
-    write_config(path, corpus, steps=1, save_every=1, precision="f32", tokenizer="nanochat")
-    text = path.read_text()
-    text = text.replace("vocab_size = 300", f"vocab_size = {config['vocab_size']}")
-    text = text.replace("dim = 32\nn_layers = 2\nn_heads = 4\nn_kv_heads = 2\nffn_dim = 64\n"
-                        "context = 32\n",
-                        f"family = \"nanochat\"\nwindow_pattern = \"{config['window_pattern']}\"\n"
-                        f"dim = {config['n_embd']}\nn_layers = {config['n_layer']}\n"
-                        f"n_heads = {config['n_head']}\nn_kv_heads = {config['n_kv_head']}\n"
-                        f"context = {config['sequence_len']}\n")
-    text = text.replace("[sample]\nprompts = [\"Record item\"]\nmax_tokens = 16",
-                        "[sample]\nprompts = [\"Record\"]\nmax_tokens = 2")
-    path.write_text(text)
-    return path
 
 
 @pytest.fixture(scope="module")
@@ -49,25 +27,8 @@ def goldens():
 
 @pytest.fixture(scope="module")
 def scripted_run(goldens, tmp_path_factory) -> Path:
-    """A nanochat lm-pretrain run whose last checkpoint holds the goldens' weights and
-    tokenizer (the reference's merges, trained again here)."""
-    from safetensors.torch import load_file, save_file
-
     root = tmp_path_factory.mktemp("ncchat")
-    config = nanochat_run_config(root / "c.toml", make_corpus(root), goldens["config"])
-    assert main(["run", str(config), "--out", str(root / "run"), "--threads", "1"]) == 0
-    checkpoint = RunDir(root / "run").checkpoint("latest").path
-    tensors = load_file(str(DATA / "chat_goldens.safetensors"))
-    save_file({k[len("model/"):]: v.contiguous() for k, v in tensors.items()
-               if k.startswith("model/")}, str(checkpoint / "model.safetensors"))
-    text = (DATA / "tokenizer_train.txt").read_bytes().decode("utf-8")
-    tokenizer = NanochatTokenizer.train([text], goldens["config"]["vocab_size"])
-    (checkpoint / "tokenizer.json").write_text(tokenizer.to_json(), "utf-8")
-    # the sentinel's file records, as the trainer writes them, for the replaced files
-    state = json.loads((checkpoint / SENTINEL).read_text("utf-8"))
-    state["files"].update(file_records(checkpoint, ["model.safetensors", "tokenizer.json"]))
-    (checkpoint / SENTINEL).write_text(json.dumps(state), "utf-8")
-    return root / "run"
+    return scripted_nanochat_run(root, root / "run")
 
 
 def test_worker_chats_in_nanochats_format_and_runs_the_calculator(goldens, scripted_run):
