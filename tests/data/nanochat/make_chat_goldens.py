@@ -2,7 +2,8 @@
 chat_goldens.safetensors) from the reference itself: karpathy/nanochat at commit
 92d63d4e8bb4df75c3b71618f31ddde2378b2bcd, on CPU in fp32.
 
-    PYTHONPATH=/tmp/refpkgs python tests/data/nanochat/make_chat_goldens.py --nanochat PATH
+    cd /tmp && PYTHONPATH=/tmp/refpkgs REPO/.venv/bin/python \
+        REPO/tests/data/nanochat/make_chat_goldens.py --nanochat PATH
 
 PATH is a nanochat git directory holding that commit (a bare mirror will do); its `nanochat/`
 package is copied to a temporary directory and imported from there (make_goldens.py's
@@ -22,17 +23,22 @@ Numbers only are written (the reference's code is not kept in this repository):
   message, tool parts) and render_for_completion of each chat case;
 - engine: for each of CASES, nanochat.engine.Engine.generate(prompt, num_samples=1,
   max_tokens=MAX_TOKENS, temperature=0.0): every token column, its mask (1 sampled, 0 forced)
-  and the last-position logits of each model forward the Engine made.
+  and the last-position logits of each model forward the Engine made (the golden stops at the
+  row's <|assistant_end|>, before the forward the Engine makes after it).
+
+Made with the project's venv (Python 3.11.7, torch 2.13.0+cpu, one thread) plus
+/tmp/refpkgs; the calculator's values are Python's, so they hold for that Python line.
 
 The model is a tiny GPT (CONFIG) with init_weights() under torch.manual_seed(0), then every
 block's output projections drawn too (so attention and the MLP act, where init leaves them at
-zero) and its lm_head solved so that greedy decoding follows SCRIPTS: the calculator calls and
-answers of the cases. The lm_head is the least-squares solution (pinv) making the logit of each
-scripted next token SCRIPT_LOGIT and every other logit 0 at each sampled position, on hidden
-states the reference model computes for the whole scripted sequence (the lm_head does not
-change them). All weights are stored (chat_goldens.safetensors), so the test loads these numbers
-and nothing is re-derived. The tokenizer is RustBPETokenizer.train_from_iterator on
-tokenizer_train.txt at vocab 512 (tokenizer_goldens.json's; the engine trains the same merges).
+zero) and its lm_head solved so that greedy decoding follows the scripts of CASES: the
+calculator calls and answers. The lm_head is the least-squares solution (pinv) making the
+logit of each scripted next token SCRIPT_LOGIT and every other logit 0 at each sampled
+position, on hidden states the reference model computes for the whole scripted sequence (the
+lm_head does not change them). All weights are stored (chat_goldens.safetensors), so the test
+loads these numbers and nothing is re-derived. The tokenizer is
+RustBPETokenizer.train_from_iterator on tokenizer_train.txt at vocab 512
+(tokenizer_goldens.json's; the engine trains the same merges).
 """
 
 from __future__ import annotations
