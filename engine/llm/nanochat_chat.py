@@ -149,14 +149,13 @@ class Reply:
     timings: dict
 
 
-def _streamer(tokenizer: NanochatTokenizer, on_text: Callable[[str], None] | None):
+def _streamer(tokenizer: NanochatTokenizer) -> Callable[[list[int]], str]:
     """Text increments of a growing token list, specials as their text; a partial UTF-8
-    character is held back until it completes."""
+    character is held back until it completes (the done line's text has it all)."""
     sent = [0]
 
-    def update(ids: list[int], final: bool = False) -> str:
-        text = tokenizer.decode_with_specials(ids)
-        safe = text if final else text.rstrip("\ufffd")
+    def update(ids: list[int]) -> str:
+        safe = tokenizer.decode_with_specials(ids).rstrip("\ufffd")
         new = safe[sent[0]:] if len(safe) > sent[0] else ""
         sent[0] = max(sent[0], len(safe))
         return new
@@ -187,7 +186,7 @@ def generate_reply(model, tokenizer: NanochatTokenizer, prompt: list[int], *,
     top_k = settings.top_k or None
     cache = model.new_cache()
     clock = {"prompt_s": 0.0, "decode_s": 0.0}
-    stream = _streamer(tokenizer, None)
+    stream = _streamer(tokenizer)
 
     @torch.no_grad()
     def forward(ids: list[int], start: int) -> torch.Tensor:
