@@ -174,3 +174,34 @@ def test_sampled_reply_is_seeded_and_uses_nanochats_sampler(goldens, tokenizer, 
                                settings=SamplingSettings(temperature=0.6,
                                                          repetition_penalty=1.1))
     assert penalised.sampler == "forgebench"
+
+
+def reference_rows(tensors) -> torch.Tensor:
+    return torch.cat([tensors[k] for k in sorted(k for k in tensors if k.startswith("logits/"))])
+
+
+def test_nanochat_sampler_draws_what_the_reference_draws(goldens):
+    # the same fp32 logits rows and the same seeded generator: the reference's
+    # sample_next_token draws, one after another (a CPU whose softmax rounded a last bit
+    # differently could flip a draw only where the uniform falls within that bit of a bound)
+    meta, tensors = goldens
+    rows = reference_rows(tensors)
+    for setting in meta["sampling"]:
+        generator = torch.Generator().manual_seed(setting["seed"])
+        draws = [nanochat_chat.nanochat_sample(row, generator, setting["temperature"],
+                                               setting["top_k"]) for row in rows]
+        assert draws == setting["draws"], setting
+        assert len(set(draws)) > 40                                 # the draws do spread
+
+
+def test_twin_engine_sampler_draws_differently(goldens):
+    # llama.cpp's order (engine.sampling: top-k masked over the whole vocabulary, then one
+    # draw) is another sampler: the same seed gives other tokens
+    from engine.sampling import next_token
+
+    meta, tensors = goldens
+    setting = meta["sampling"][0]
+    generator = torch.Generator().manual_seed(setting["seed"])
+    settings = SamplingSettings(temperature=setting["temperature"], top_k=setting["top_k"])
+    draws = [next_token(row, settings, generator) for row in reference_rows(tensors)]
+    assert draws != setting["draws"]

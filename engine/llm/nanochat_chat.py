@@ -25,7 +25,8 @@ its conversation format and its calculator tool, run while the model generates.
 
 tests/test_nanochat_chat_engine.py holds the tokens, the forced-token masks and the logits of
 every step to the reference Engine's on a scripted model (tests/data/nanochat/
-chat_goldens.safetensors).
+chat_goldens.safetensors), and the sampler's seeded draws to sample_next_token's on the same
+logits.
 """
 
 from __future__ import annotations

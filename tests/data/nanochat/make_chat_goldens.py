@@ -24,7 +24,9 @@ Numbers only are written (the reference's code is not kept in this repository):
 - engine: for each of CASES, nanochat.engine.Engine.generate(prompt, num_samples=1,
   max_tokens=MAX_TOKENS, temperature=0.0): every token column, its mask (1 sampled, 0 forced)
   and the last-position logits of each model forward the Engine made (the golden stops at the
-  row's <|assistant_end|>, before the forward the Engine makes after it).
+  row's <|assistant_end|>, before the forward the Engine makes after it);
+- sampling: nanochat.engine.sample_next_token on every stored logits row (the logits/i in
+  key order, concatenated) for each of SAMPLINGS, one generator seeded SAMPLE_SEED.
 
 Made with the project's venv (Python 3.11.7, torch 2.13.0+cpu, one thread) plus
 /tmp/refpkgs; the calculator's values are Python's, so they hold for that Python line.
@@ -56,6 +58,11 @@ from make_goldens import PINNED, TOKENIZER_VOCAB, import_reference  # noqa: E402
 CONFIG = dict(sequence_len=256, vocab_size=TOKENIZER_VOCAB, n_layer=2, n_head=2, n_kv_head=1,
               n_embd=96, window_pattern="SL")
 MAX_TOKENS = 48
+# nanochat's sample_next_token on the stored logits rows, one generator seeded SAMPLE_SEED
+# across them all: a temperature high enough that the draws spread over many tokens
+SAMPLE_SEED = 42
+SAMPLINGS = [{"temperature": 3.0, "top_k": 50}, {"temperature": 3.0, "top_k": None},
+             {"temperature": 0.6, "top_k": 50}]
 SCRIPT_LOGIT = 12.0
 
 # What the scripted model says after each user message: text, then calculator calls (each
@@ -182,6 +189,21 @@ def solve_head(torch, model, rows: list[tuple[list[int], list[int], list[int]]])
     model.lm_head.weight.data.copy_(W.float())
 
 
+def sampling_goldens(torch, tensors: dict) -> list[dict]:
+    """The draws of nanochat.engine.sample_next_token over every stored logits row."""
+    from nanochat.engine import sample_next_token
+
+    rows = torch.cat([tensors[k] for k in sorted(k for k in tensors
+                                                 if k.startswith("logits/"))])
+    out = []
+    for setting in SAMPLINGS:
+        rng = torch.Generator(device="cpu")
+        rng.manual_seed(SAMPLE_SEED)
+        draws = [int(sample_next_token(row[None], rng, **setting)[0, 0]) for row in rows]
+        out.append({**setting, "seed": SAMPLE_SEED, "draws": draws})
+    return out
+
+
 def engine_goldens(out_dir: Path) -> dict:
     import torch
     from nanochat.engine import Engine, use_calculator
@@ -246,6 +268,7 @@ def engine_goldens(out_dir: Path) -> dict:
     save_file(tensors, str(out_dir / "chat_goldens.safetensors"))
     render_ids, render_mask = tokenizer.render_conversation(RENDER_CONVERSATION)
     return {"config": CONFIG, "max_tokens": MAX_TOKENS, "cases": cases,
+            "sampling": sampling_goldens(torch, tensors),
             "special_ids": {s: tokenizer.encode_special(s) for s in (
                 "<|bos|>", "<|user_start|>", "<|user_end|>", "<|assistant_start|>",
                 "<|assistant_end|>", "<|python_start|>", "<|python_end|>",
