@@ -72,7 +72,7 @@ def test_twin_a_tool_message_has_no_place_in_nanochats_format(scripted_run):
 def test_forgebench_chat_on_the_checkpoint_shows_the_call(goldens, scripted_run, capsys,
                                                           tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)                   # no workspace: the transcript is not saved
-    assert main(["chat", str(scripted_run), "--prompt", "What is 6 times 7?",
+    assert main(["chat", str(scripted_run), "--prompt", "What is 6 times 7?", "--calculator",
                  "--repetition-penalty", "1", "--max-tokens", "32"]) == 0
     out, err = capsys.readouterr()
     assert "<|python_start|>6*7<|python_end|><|output_start|>42<|output_end|> It is 42." in out

@@ -55,7 +55,9 @@ def cmd_chat(args) -> int:
     if args.system:
         conversation.add("system", args.system)
     print("sampling: " + describe_settings(chat_settings(args)), file=sys.stderr)
-    tools = [calculator.SCHEMA] if args.calculator else None
+    # a nanochat model runs its own calculator inside the reply: no JSON tool round trips
+    tools = [calculator.SCHEMA] if args.calculator and system.info.get("format") != "nanochat" \
+        else None
 
     def reply() -> dict:
         return _stream_reply(system, conversation, label, args, tools)
