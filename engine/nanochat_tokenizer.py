@@ -196,6 +196,15 @@ class NanochatTokenizer:
         return b"".join(self.token_bytes[i] for i in ids if i < n).decode("utf-8",
                                                                           errors="replace")
 
+    def decode_with_specials(self, ids: Iterable[int]) -> str:
+        """tiktoken's decode: a special token is its own text ("<|python_start|>"), as the
+        reference's Engine decodes a calculator expression."""
+        n, names = len(self.token_bytes), {i: s for s, i in self.special_ids.items()}
+        out: list[bytes] = []
+        for i in ids:
+            out.append(self.token_bytes[i] if i < n else names[i].encode("utf-8"))
+        return b"".join(out).decode("utf-8", errors="replace")
+
     def byte_lengths(self) -> list[int]:
         """UTF-8 bytes each id stands for (0 for the specials)."""
         return [len(tb) for tb in self.token_bytes] + [0] * len(SPECIAL_TOKENS)
@@ -216,3 +225,120 @@ class NanochatTokenizer:
                                   path=source, where="fields 'merges'/'specials'",
                                   hint="the file should come from a lm-pretrain checkpoint")
         return cls(merges, data.get("pattern", SPLIT_PATTERN))
+
+
+# -- conversations (nanochat/tokenizer.py: render_conversation, render_for_completion) ------
+TOOL_MARKERS = {"python": ("<|python_start|>", "<|python_end|>"),
+                "python_output": ("<|output_start|>", "<|output_end|>")}
+
+
+def assistant_parts(text: str) -> str | list[dict]:
+    """An assistant turn's text, tool parts kept as their special tokens' text (a chat
+    transcript's form), as nanochat's content: the string itself without tool markers, else
+    its parts (text, python, python_output) in order; a block the token budget cut off runs
+    to the end of the text."""
+    if not any(start in text for start, _ in TOOL_MARKERS.values()):
+        return text
+    found: list[dict] = []
+    rest = text
+    while rest:
+        starts = [(rest.find(start), kind, start, end)
+                  for kind, (start, end) in TOOL_MARKERS.items() if start in rest]
+        if not starts:
+            found.append({"type": "text", "text": rest})
+            break
+        at, kind, start, end = min(starts)
+        if at:
+            found.append({"type": "text", "text": rest[:at]})
+        rest = rest[at + len(start):]
+        stop = rest.find(end)
+        body, rest = (rest, "") if stop < 0 else (rest[:stop], rest[stop + len(end):])
+        found.append({"type": kind, "text": body})
+    return found
+
+
+def _conversation_error(message: str, hint: str | None = None) -> ForgebenchError:
+    return ForgebenchError(message, where="conversation", hint=hint or
+                           "nanochat's format: an optional system message, then user and "
+                           "assistant turns alternating, the user first")
+
+
+def render_conversation(tokenizer: NanochatTokenizer, conversation: dict,
+                        max_tokens: int | None = 2048) -> tuple[list[int], list[int]]:
+    """(ids, mask) of a conversation as nanochat renders it for SFT: <|bos|>, then each user
+    turn as <|user_start|> text <|user_end|> and each assistant turn as <|assistant_start|>
+    ... <|assistant_end|>; a first system message is merged into the first user message
+    (system + "\\n\\n" + user). An assistant's content is a string or a list of parts: "text",
+    "python" (inside <|python_start|> <|python_end|>) and "python_output" (inside
+    <|output_start|> <|output_end|>). mask is 1 on what the assistant is trained to say: its
+    text, its python parts with their delimiters, and <|assistant_end|>; 0 on the rest,
+    including the tool's output, which comes from Python at test time. Cut to `max_tokens`
+    (None: not cut), as the reference cuts at 2048."""
+    messages = list(conversation.get("messages") or [])
+    if messages and messages[0].get("role") == "system":
+        if len(messages) < 2 or messages[1].get("role") != "user":
+            raise _conversation_error("a system message must be followed by a user message")
+        messages = [{**messages[1], "content": messages[0]["content"] + "\n\n"
+                     + messages[1]["content"]}] + messages[2:]
+    if not messages:
+        raise _conversation_error("the conversation has no message")
+    special = tokenizer.special_ids
+    ids: list[int] = [tokenizer.bos_id]
+    mask: list[int] = [0]
+
+    def add(tokens: list[int], value: int) -> None:
+        ids.extend(tokens)
+        mask.extend([value] * len(tokens))
+
+    for i, message in enumerate(messages):
+        role, content = message.get("role"), message.get("content")
+        expected = "user" if i % 2 == 0 else "assistant"
+        if role != expected:
+            raise _conversation_error(f"message {i} is from {role!r} but should be from "
+                                      f"{expected!r}")
+        if role == "user":
+            if not isinstance(content, str):
+                raise _conversation_error(f"message {i}: a user message is a string")
+            add([special["<|user_start|>"], *tokenizer.encode(content),
+                 special["<|user_end|>"]], 0)
+            continue
+        add([special["<|assistant_start|>"]], 0)
+        for part in ([{"type": "text", "text": content}] if isinstance(content, str)
+                     else content if isinstance(content, list) else None) or []:
+            _add_part(tokenizer, part, add, i)
+        if not isinstance(content, (str, list)):
+            raise _conversation_error(f"message {i}: an assistant message is a string or a "
+                                      "list of parts")
+        add([special["<|assistant_end|>"]], 1)
+    if max_tokens is not None:
+        ids, mask = ids[:max_tokens], mask[:max_tokens]
+    return ids, mask
+
+
+_PART_DELIMITERS = {"text": (None, None, 1), "python": ("<|python_start|>", "<|python_end|>", 1),
+                    "python_output": ("<|output_start|>", "<|output_end|>", 0)}
+
+
+def _add_part(tokenizer: NanochatTokenizer, part: dict, add, index: int) -> None:
+    kind = part.get("type") if isinstance(part, dict) else None
+    if kind not in _PART_DELIMITERS or not isinstance(part.get("text"), str):
+        raise _conversation_error(f"message {index}: unknown part {part!r}",
+                                  hint="parts are {'type': 'text' | 'python' | "
+                                       "'python_output', 'text': str}")
+    start, end, value = _PART_DELIMITERS[kind]
+    body = tokenizer.encode(part["text"])
+    if start is None:
+        add(body, value)
+    else:
+        add([tokenizer.special_ids[start], *body, tokenizer.special_ids[end]], value)
+
+
+def render_for_completion(tokenizer: NanochatTokenizer, conversation: dict,
+                          max_tokens: int | None = 2048) -> list[int]:
+    """nanochat's render_for_completion: the conversation without its last (assistant)
+    message, then <|assistant_start|>."""
+    messages = list(conversation.get("messages") or [])
+    if not messages or messages[-1].get("role") != "assistant":
+        raise _conversation_error("the last message must be the assistant's")
+    ids, _ = render_conversation(tokenizer, {"messages": messages[:-1]}, max_tokens)
+    return ids + [tokenizer.special_ids["<|assistant_start|>"]]

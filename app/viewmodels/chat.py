@@ -3,9 +3,12 @@ stream from the engine's `forgebench serve-local` worker. No Qt: the view writes
 request lines to the worker's stdin and feeds it the worker's stdout lines.
 
 - `sources(workspace)`: library models, checkpoints of lm-sft, lm-dpo and lm-es runs (base +
-  adapter, or full weights) and exported GGUF files, each with the `load` request that loads
-  it, or the reason it cannot be chatted with (a run whose base is not in the library, an
-  unusable file).
+  adapter, or full weights), checkpoints of lm-pretrain runs of nanochat's GPT with nanochat's
+  tokenizer (they chat in nanochat's format, its calculator run inside the reply) and exported
+  GGUF files, each with the `load` request that loads it, or the reason it cannot be chatted
+  with (a run whose base is not in the library, an unusable file).
+- `reply_segments(text)`: a reply as the pane shows it: text, and each calculator call of a
+  nanochat model (its expression and the result forced after it) as one segment of its own.
 - `ChatSession`: one conversation (engine/conversations.py, saved as JSONL under chats/) with
   one or two systems. `send(prompt)` returns the request lines; `feed(line)` folds a worker
   line into the state and says what changed; finished replies are appended to the transcript.
@@ -28,6 +31,7 @@ from app.viewmodels.ab import ABSession
 from engine import model_library
 from engine.conversations import Conversation, export_sft, list_conversations
 from engine.errors import ForgebenchError
+from engine.nanochat_tokenizer import assistant_parts
 from engine.rundir import RunDir
 from engine.sampling import CHAT_DEFAULTS
 from engine.serve_local import CHAT_RECIPES
@@ -66,6 +70,9 @@ def sources(root: Path) -> list[Source]:
             manifest = run.manifest()
         except ForgebenchError:
             continue
+        if manifest.get("recipe") == "lm-pretrain":
+            found += _nanochat_sources(root, run, manifest)
+            continue
         if manifest.get("recipe") not in CHAT_RECIPES:
             continue
         base = manifest.get("base_model") or {}
@@ -81,6 +88,44 @@ def sources(root: Path) -> list[Source]:
     for gguf in sorted((root / "exports").glob("*/model.gguf")):
         found.append(Source(f"export: {gguf.parent.name}", "export", {"model": str(gguf)}))
     return found
+
+
+def is_nanochat_chat(manifest: dict) -> bool:
+    """Whether an lm-pretrain run trained nanochat's GPT with nanochat's tokenizer (whose
+    special tokens mark chat turns and calculator calls): the pretrain runs that can chat."""
+    config = manifest.get("config") or {}
+    return (config.get("model") or {}).get("family") == "nanochat" \
+        and (config.get("tokenizer") or {}).get("kind") == "nanochat"
+
+
+def _nanochat_sources(root: Path, run: RunDir, manifest: dict) -> list[Source]:
+    if not is_nanochat_chat(manifest):
+        return []
+    return [Source(f"run: {run.path.name}/{checkpoint.name} (nanochat)", "run",
+                   {"run": str(run.path), "checkpoint": checkpoint.name,
+                    "workspace": str(root)}) for checkpoint in run.checkpoints()]
+
+
+def reply_segments(text: str) -> list[dict]:
+    """An assistant reply's text as the pane shows it: {"kind": "text", "text"} runs and
+    {"kind": "tool", "expr", "result"} calls. A nanochat model's call is its
+    <|python_start|> expr <|python_end|> and the result forced after it between
+    <|output_start|> and <|output_end|>; result None: none came (the calculator refused the
+    expression, or the reply is still streaming it)."""
+    content = assistant_parts(text)
+    if isinstance(content, str):
+        return [{"kind": "text", "text": content}] if content else []
+    segments: list[dict] = []
+    for part in content:
+        if part["type"] == "text":
+            segments.append({"kind": "text", "text": part["text"]})
+        elif part["type"] == "python":
+            segments.append({"kind": "tool", "expr": part["text"], "result": None})
+        elif segments and segments[-1]["kind"] == "tool" and segments[-1]["result"] is None:
+            segments[-1]["result"] = part["text"]
+        else:                       # an output without its call (an edited transcript)
+            segments.append({"kind": "tool", "expr": None, "result": part["text"]})
+    return segments
 
 
 def saved_conversations(root: Path) -> list[Path]:
@@ -103,6 +148,7 @@ class Reply:
     started: float = field(default_factory=time.monotonic)
     first_token_s: float | None = None
     done: dict | None = None
+    tool_calls: list = field(default_factory=list)    # a nanochat model's calculator calls
 
 
 @dataclass
@@ -287,6 +333,9 @@ class ChatSession:
                 reply.first_token_s = time.monotonic() - reply.started
             reply.tokens += 1
             reply.text += line["text"]
+            return "token"
+        elif event == "tool":          # a nanochat calculator call closed: shown from the text
+            reply.tool_calls.append({"expr": line.get("expr"), "result": line.get("result")})
             return "token"
         elif event == "done":
             reply.text, reply.finished, reply.done = line["text"], True, line

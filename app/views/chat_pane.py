@@ -39,13 +39,37 @@ COLORS = {"user": "#1565c0", "assistant": "#2e7d32", "system": "#6a1b9a", "error
           "tool": "#ef6c00"}
 
 
+def _escaped(text: str) -> str:
+    return html.escape(text).replace("\n", "<br>")
+
+
+def tool_html(segment: dict, streaming: bool) -> str:
+    """A calculator call inside a reply, set apart from the model's text."""
+    expr = "" if segment["expr"] is None else _escaped(segment["expr"])
+    result = segment["result"]
+    shown = "…" if result is None and streaming else "no result" if result is None \
+        else _escaped(result)
+    return (f"<span style='color:{COLORS['tool']}; background:#fff3e0; "
+            f"font-family:monospace'>&nbsp;calculator: {expr} → <b>{shown}</b>&nbsp;</span>")
+
+
+def reply_html(text: str, streaming: bool = False) -> str:
+    """An assistant reply: its text, with each calculator call (a nanochat model's) as a
+    chip of its own (app/viewmodels/chat.py's reply_segments)."""
+    segments = vm.reply_segments(text)
+    return "".join(_escaped(s["text"]) if s["kind"] == "text" else
+                   tool_html(s, streaming and i == len(segments) - 1)
+                   for i, s in enumerate(segments))
+
+
 def transcript_html(messages: list[dict], label: str) -> str:
     parts = []
     for m in messages:
         role = m["role"]
         who = {"user": "you", "assistant": label, "system": "system prompt", "error": "error",
                "tool": f"{m.get('name') or 'tool'} result"}[role]   # chat --calculator
-        text = html.escape(m["content"]).replace("\n", "<br>")
+        text = reply_html(m["content"], bool(m.get("streaming"))) if role == "assistant" \
+            else _escaped(m["content"])
         tail = " ▌" if m.get("streaming") else ""
         if role == "assistant" and m.get("stop_reason") == "cancelled":
             tail = " <i>(stopped)</i>"

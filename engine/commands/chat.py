@@ -2,8 +2,11 @@
 same transcript as the Chat pane (engine/conversations.py), and the long-lived streaming
 worker (engine/serve_local.py). `chat --calculator` offers the model the built-in calculator
 and runs the calls it makes (engine/calculator.py: arithmetic only), each result a tool
-message in the transcript that the model then reads. Outside a workspace `chat FILE` runs
-without saving. (The model library's `models` command is engine/commands/models.py.)"""
+message in the transcript that the model then reads. A nanochat checkpoint (an lm-pretrain
+run of nanochat's GPT) chats in nanochat's format and runs nanochat's calculator inside the
+reply, as its Engine does (engine/llm/nanochat_chat.py), with or without --calculator; each
+call is shown on stderr. Outside a workspace `chat FILE` runs without saving. (The model
+library's `models` command is engine/commands/models.py.)"""
 
 from __future__ import annotations
 
@@ -52,7 +55,9 @@ def cmd_chat(args) -> int:
     if args.system:
         conversation.add("system", args.system)
     print("sampling: " + describe_settings(chat_settings(args)), file=sys.stderr)
-    tools = [calculator.SCHEMA] if args.calculator else None
+    # a nanochat model runs its own calculator inside the reply: no JSON tool round trips
+    tools = [calculator.SCHEMA] if args.calculator and system.info.get("format") != "nanochat" \
+        else None
 
     def reply() -> dict:
         return _stream_reply(system, conversation, label, args, tools)
@@ -118,6 +123,9 @@ def _stream_reply(system, conversation, label: str, args, tools: list | None) ->
             streamed.append(line["text"])
             sys.stdout.write(line["text"])
             sys.stdout.flush()
+        elif line["event"] == "tool":       # a nanochat model's calculator, run in the reply
+            result = "no result" if line["result"] is None else line["result"]
+            print(f"\n  [calculator {line['expr']} -> {result}]", file=sys.stderr)
 
     done = chat(system, {"messages": conversation.thread("A"), "settings": settings,
                          "seed": args.seed, "max_tokens": args.max_tokens, "tools": tools},
@@ -127,7 +135,8 @@ def _stream_reply(system, conversation, label: str, args, tools: list | None) ->
     conversation.add_reply("A", done)
     ttft = done["timings"].get("first_streamed_token_s")
     print(f"  [{done['new_tokens']} tokens, {done['stop_reason']}"
-          + (f", first token {ttft:.2f} s" if ttft is not None else "") + "]",
+          + (f", first token {ttft:.2f} s" if ttft is not None else "")
+          + (f", {done['sampler']} sampler" if done.get("sampler") else "") + "]",
           file=sys.stderr)
     return done
 

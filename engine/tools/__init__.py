@@ -1,0 +1,1 @@
+"""Tools a model calls while it generates (engine/tools/calculator.py: nanochat's calculator)."""
