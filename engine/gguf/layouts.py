@@ -153,8 +153,8 @@ BLOCK_LAYOUTS: tuple[Layout, ...] = (
     _ggml(T.Q4_K, 256, 144, T.Q8_K, "ggml_matmul", quantizer=True, native=True),
     _ggml(T.Q5_K, 256, 176, T.Q8_K, "ggml_matmul", quantizer=True, native=True),
     _ggml(T.Q6_K, 256, 210, T.Q8_K, "ggml_matmul", quantizer=True, native=True),
-    _ggml(T.TQ2_0, 256, 66, T.Q8_K, "activations"),
-    _ggml(T.TQ1_0, 256, 54, T.Q8_K, "activations"),
+    _ggml(T.TQ2_0, 256, 66, T.Q8_K, "ggml_matmul", native=True),
+    _ggml(T.TQ1_0, 256, 54, T.Q8_K, "ggml_matmul", native=True),
 )
 BY_TYPE: dict[T, Layout] = {layout.ggml_type: layout for layout in BLOCK_LAYOUTS}
 
