@@ -347,6 +347,7 @@ def test_two_plane_c_forward_equals_the_sum_of_plane_matmuls(tmp_path, monkeypat
     matmuls (two f32 terms: the same sum in either order). The twin: the C weights without their
     second plane give other logits."""
     from engine.kernels.native import kernels
+    from engine.llm.native_lm import load_native_lm
     from engine.models import native_forward
 
     if kernels() is None:
@@ -358,6 +359,8 @@ def test_two_plane_c_forward_equals_the_sum_of_plane_matmuls(tmp_path, monkeypat
                             plane_type=kind).path
         c_forward = _engine_logits(out, ids)
         assert np.array_equal(c_forward, _engine_logits(out, ids, native=False)), kind.name
+        lm, _ = load_native_lm(out)       # the torch-free decoder of generate / chat
+        assert np.array_equal(lm.last_logits(ids, 0, lm.new_cache(len(ids))), c_forward[-1])
     real = native_forward._plane_sum_weight
 
     def first_plane_only(linear):
