@@ -2,7 +2,8 @@
 size, its dequantizer, its quantizer (if any) and its product kernels in both numerics.
 
 A layout is one ggml block type (Q4_K, TQ2_0, ...) or a sum of such tensors (PTQTP's two
-ternary planes: `name` and `name.plane2`, both TQ2_0). Each row names:
+ternary planes: `name` and `name.plane2`, both TQ2_0 or both TQ1_0; the C kernel can take both
+planes of a weight at once, ggml_kernels.c tq_rows). Each row names:
 
 - `block`: (values, bytes) per block, ggml-common.h's sizes (a test holds them to the `gguf`
   package's GGML_QUANT_SIZES and to the quantizers' output);

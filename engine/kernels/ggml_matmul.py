@@ -39,6 +39,13 @@ a fused multiply-add gives (the product of two f32 is exact in f64).
   Q8_0 integers and scale, plus s = f16(d·Σq) with d before its rounding; per block the eight
   lanes' fma(d_w·d_x) as above, and summs = fma(m_w, s_x, summs); hsum_float_8(acc) + summs.
 
+- TQ1_0 / TQ2_0 weights, Q8_K activations (vec_dot_tq1_0_q8_K / tq2_0_q8_K at every batch size:
+  ggml has no tinyBLAS, tiled, repacked or AMX kernel for them): per 256 eight exact int32 lanes,
+  lane l = the stored values (trit + 1) times the activations at positions 4l..4l+3 of each
+  32-chunk, minus the activations' sum over positions 32l..32l+31; acc = fma(f32(lane),
+  d_x·d_w, acc) (ggml's mul + add, fused by GCC); hsum_float_8. A PTQTP weight's two planes are
+  two such weights; ggml_kernels.c can also take both in one fb_weight (plane 1 + plane 2).
+
 f16 weights are the f16 dot products of numerics.dot_f16 (engine/models/packed.py). BF16 weights
 and repacked Q4_0 use the dequantized product with the same quantized activations: right to f32
 summation order, not to the bit.
