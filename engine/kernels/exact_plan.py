@@ -56,6 +56,8 @@ PARTS = {
     T.Q4_K: _K_PARTS,
     T.Q5_K: _K_PARTS,
     T.Q6_K: (("q", np.uint8, 256), ("scales", np.int8, 16), ("d", np.float32, 1)),
+    T.TQ1_0: (),   # the kernels read the trits and the f16 scale from the blocks
+    T.TQ2_0: (),
 }
 
 
@@ -67,6 +69,8 @@ def unpack_parts(raw: np.ndarray, ggml_type: T, rows: int, nthreads: int) -> dic
     raw = np.ascontiguousarray(raw.reshape(rows, -1))
     if ggml_type == T.F16:
         return {"blocks": raw.view(np.int16)}
+    if not PARTS[ggml_type]:
+        return {"blocks": raw}
     nblocks = raw.size // type_size(ggml_type)
     parts = {name: np.empty((rows, nblocks // rows * per), dtype=dtype)
              for name, dtype, per in PARTS[ggml_type]}
@@ -78,15 +82,19 @@ def unpack_parts(raw: np.ndarray, ggml_type: T, rows: int, nthreads: int) -> dic
     return parts
 
 
-def weight_struct(parts: dict, ggml_type: T, rows: int, cols: int, bias=None) -> Weight:
-    """fb_weight over unpack_parts' parts (numpy arrays or torch tensors); they must outlive it."""
+def weight_struct(parts: dict, ggml_type: T, rows: int, cols: int, bias=None,
+                  plane2=None) -> Weight:
+    """fb_weight over unpack_parts' parts (numpy arrays or torch tensors); they must outlive it.
+    `plane2`: a PTQTP weight's second plane (unpack_parts' parts of the same TQ type), whose
+    product the kernel adds to the first's."""
     def address(name):
         return ptr(parts[name]) if name in parts else None
 
     return Weight(WEIGHT_TYPES[T(ggml_type).name], 0, rows, cols,
                   address("blocks") or address("q"), address("scales"),
                   address("mins"), address("d"), address("dmin"),
-                  None if bias is None else ptr(bias))
+                  None if bias is None else ptr(bias),
+                  None if plane2 is None else ptr(plane2["blocks"]))
 
 
 __all__ = ["EXACT_TYPES", "PARTS", "UBATCH", "plan_struct", "repacked", "supports_exact",

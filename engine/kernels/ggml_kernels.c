@@ -158,7 +158,7 @@ static void quantize_q8_k_row(const float *x, int64_t K, int8_t *q, float *d, in
 /* ---- weights and the per-row matmul kernels --------------------------------------------- */
 
 enum { FB_F16 = 1, FB_Q4_0 = 2, FB_Q4_1 = 3, FB_Q5_0 = 6, FB_Q5_1 = 7, FB_Q8_0 = 8, FB_Q4_K = 12, FB_Q5_K = 13,
-       FB_Q6_K = 14 };
+       FB_Q6_K = 14, FB_TQ1_0 = 34, FB_TQ2_0 = 35 };
 
 /* Q8_0-activation weights (vec_dot_q*_0_q8_0 and tinyBLAS_Q0_AVX), and the K-quants with a min. */
 static inline int is_q0(int type) { return type == FB_Q8_0 || type == FB_Q5_0 || type == FB_Q4_0; }
@@ -178,6 +178,8 @@ typedef struct {
     const uint8_t *mins;    /* Q4_K, Q5_K [rows][cols/256][8] */
     const float *d, *dmin;  /* [rows][blocks] (Q4_1, Q5_1: dmin holds the block's min m) */
     const float *bias;      /* [rows] or NULL (Qwen2's q/k/v) */
+    const void *q2;         /* TQ1_0, TQ2_0: a second plane's GGUF blocks (PTQTP, engine/ptqtp), the
+                             * weight being the sum of the two; NULL for one plane */
 } fb_weight;
 
 /* The orders llama.cpp's build runs (engine/kernels/cpu.py KernelPlan). Mirrored by native.py. */
@@ -591,6 +593,120 @@ static void q6_k_rows(const fb_weight *w, int64_t R, const fb_act *a, int tiled,
     }
 }
 
+/* ---- TQ1_0 / TQ2_0 (ternary) weights x Q8_K activations ---------------------------------- */
+
+/* Trit k of a TQ1_0 byte q·3^k (mod 256) is (that·3) >> 8; ggml's vec_dot_tq1_0_q8_K forms it
+ * with a saturating subtract, two averages and a shift, which gives the same value for all 256
+ * bytes (checked exhaustively); the stored value is trit + 1, 0..2. */
+static inline __m256i tq1_digit(__m256i q) {
+    q = _mm256_subs_epu8(q, _mm256_set1_epi8(1));
+    q = _mm256_avg_epu8(q, _mm256_avg_epu8(q, _mm256_setzero_si256()));
+    return _mm256_and_si256(_mm256_srli_epi16(q, 6), _mm256_set1_epi8(3));
+}
+
+static inline __m256i times3_u8(__m256i v) { return _mm256_add_epi8(v, _mm256_add_epi8(v, v)); }
+
+static inline __m256i times9_u8(__m256i v) {  /* v·8 per byte (the bits shifted in from the byte below cleared) + v */
+    return _mm256_add_epi8(_mm256_and_si256(_mm256_slli_epi16(v, 3), _mm256_set1_epi8((char) 0xF8)), v);
+}
+
+/* The 256 stored values of a TQ1_0 / TQ2_0 block as eight vectors, vector c holding positions
+ * 32c..32c+31 (the activations' order; both ggml kernels multiply 32-aligned activation chunks):
+ * TQ2_0 its 2-bit fields (element 32l + n of each 128-half at bits 2l of byte 32·half + n), TQ1_0
+ * the base-3 digits (byte n of the first 32: elements n, 32 + n, ..., 128 + n; of the next 16:
+ * 160 + n, 176 + n, ...; of the last 4: 240 + n, 244 + n, 248 + n, 252 + n). */
+static inline void tq_unpack(int type, const uint8_t *b, __m256i v[8]) {
+    const __m256i three = _mm256_set1_epi8(3);
+    if (type == FB_TQ2_0) {
+        for (int h = 0; h < 2; h++) {
+            const __m256i x = _mm256_loadu_si256((const __m256i *) (b + 32 * h));
+            v[4 * h + 0] = _mm256_and_si256(x, three);
+            v[4 * h + 1] = _mm256_and_si256(_mm256_srli_epi16(x, 2), three);
+            v[4 * h + 2] = _mm256_and_si256(_mm256_srli_epi16(x, 4), three);
+            v[4 * h + 3] = _mm256_and_si256(_mm256_srli_epi16(x, 6), three);
+        }
+        return;
+    }
+    const __m256i x0 = _mm256_loadu_si256((const __m256i *) b), x1 = times3_u8(x0), x2 = times9_u8(x0);
+    v[0] = tq1_digit(x0);
+    v[1] = tq1_digit(x1);
+    v[2] = tq1_digit(x2);
+    v[3] = tq1_digit(times9_u8(x1));
+    v[4] = tq1_digit(times9_u8(x2));
+    const __m128i y = _mm_loadu_si128((const __m128i *) (b + 32));
+    const __m256i y1 = _mm256_set_m128i(y, y), y3 = times3_u8(y1), y9 = times9_u8(y1);
+    uint8_t h[16];  /* the 4 bytes of 4 trits: position 240 + 4k + m is trit k of byte m */
+    for (int k = 0, p3 = 1; k < 4; k++, p3 *= 3)
+        for (int m = 0; m < 4; m++) h[4 * k + m] = (uint8_t) (b[48 + m] * p3);
+    v[5] = tq1_digit(_mm256_blend_epi32(y1, y3, 0xF0));
+    v[6] = tq1_digit(_mm256_blend_epi32(y9, times3_u8(y9), 0xF0));
+    v[7] = tq1_digit(_mm256_set_m128i(_mm_loadu_si128((const __m128i *) h),
+                                      _mm256_castsi256_si128(times9_u8(y9))));
+}
+
+/* ggml_vec_dot_tq1_0_q8_K / tq2_0_q8_K (x86: the AVX2 code, which AVX-512 builds run too; ggml
+ * has no tinyBLAS, tiled or repacked kernel for them, so every batch size takes this vec_dot):
+ * per block eight exact int32 lanes, lane l = Σ over the eight 32-chunks of the products of
+ * positions 4l..4l+3 (stored value 0..2 times the activation) minus the activations' sum over
+ * positions 32l..32l+31 (bsums 2l and 2l+1: the +1 offset of the stored trits); then
+ * acc = fma(f32(lane), d_x·d_w, acc) (its mul + add, fused by GCC: gnu11 contracts); output
+ * hsum_float_8(acc). */
+static inline __m256i tq_lanes(const __m256i v[8], const int8_t *xa, const int16_t *xs) {
+    __m256i lanes = _mm256_setzero_si256();
+    for (int c = 0; c < 8; c++)
+        lanes = _mm256_add_epi32(lanes, dot_u8_i8(v[c], _mm256_loadu_si256((const __m256i *) (xa + 32 * c))));
+    const __m256i sums = _mm256_madd_epi16(_mm256_loadu_si256((const __m256i *) xs), _mm256_set1_epi16(1));
+    return _mm256_sub_epi32(lanes, sums);
+}
+
+/* One plane's dots for activation rows r..r+TR-1 and output n: each weight block unpacked once
+ * for the TR rows. */
+static inline __attribute__((always_inline)) void tq_tile(int type, const uint8_t *plane, const fb_act *a,
+                                                          int64_t K, int64_t n, int64_t r, const int TR, float *res) {
+    const int bytes = type == FB_TQ1_0 ? 54 : 66;
+    const int64_t nsb = K / 256;
+    __m256 acc[4];
+    #pragma GCC unroll 4
+    for (int i = 0; i < TR; i++) acc[i] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nsb; b++) {
+        const uint8_t *blk = plane + (n * nsb + b) * bytes;
+        __m256i v[8];
+        tq_unpack(type, blk, v);
+        const float wd = f16_at(blk + bytes - 2);
+        #pragma GCC unroll 4
+        for (int i = 0; i < TR; i++) {
+            const int64_t row = r + i;
+            const __m256i lanes = tq_lanes(v, a->q + row * K + b * 256, a->sums + row * (K / 16) + b * 16);
+            acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(lanes), _mm256_set1_ps(a->d[row * nsb + b] * wd), acc[i]);
+        }
+    }
+    #pragma GCC unroll 4
+    for (int i = 0; i < TR; i++) res[i] = hsum8v(acc[i]);
+}
+
+/* TQ1_0 / TQ2_0 weights, rows [n0, n1): each output the plane's vec_dot; with a second plane
+ * (PTQTP) the sum of the two planes' dots, plane 1 + plane 2 (the sum the torch path's
+ * PlaneSumLinear forms from two matmuls; two f32 terms sum alike in either order), before any
+ * bias. */
+static void tq_rows(const fb_weight *w, int64_t R, const fb_act *a, int64_t n0, int64_t n1, float *out) {
+    const int64_t K = w->cols, N = w->rows;
+    for (int64_t n = n0; n < n1; n++) {
+        float one[4], two[4];
+        int64_t r = 0;
+        for (; r < R; ) {
+            const int TR = R - r >= 4 ? 4 : 1;
+            if (TR == 4) tq_tile(w->type, (const uint8_t *) w->q, a, K, n, r, 4, one);
+            else tq_tile(w->type, (const uint8_t *) w->q, a, K, n, r, 1, one);
+            if (w->q2) {
+                if (TR == 4) tq_tile(w->type, (const uint8_t *) w->q2, a, K, n, r, 4, two);
+                else tq_tile(w->type, (const uint8_t *) w->q2, a, K, n, r, 1, two);
+            }
+            for (int i = 0; i < TR; i++) out[(r + i) * N + n] = w->q2 ? one[i] + two[i] : one[i];
+            r += TR;
+        }
+    }
+}
+
 /* ---- f16 dot products ------------------------------------------------------------------- */
 
 #define LOAD_F32(p) _mm256_loadu_ps(p)
@@ -722,6 +838,7 @@ static void matmul_part(const fb_weight *w, int64_t R, const fb_act *a, const fb
         break;
     }
     case FB_Q6_K: q6_k_rows(w, R, a, R >= 8, n0, n1, out); break;
+    case FB_TQ1_0: case FB_TQ2_0: tq_rows(w, R, a, n0, n1, out); break;
     default: f16_rows(w, R, a, p->f16_lanes, n0, n1, out); break;
     }
     if (w->bias)
@@ -1207,6 +1324,7 @@ static void matmul_part_rowwise(const fb_weight *w, int64_t R, const fb_act *a, 
         else q4_k_rows(w, 0, R, a, 1, n0, n1, out);
         break;
     case FB_Q6_K: q6_k_rows(w, R, a, 0, n0, n1, out); break;
+    case FB_TQ1_0: case FB_TQ2_0: tq_rows(w, R, a, n0, n1, out); break;
     default:
         for (int64_t n = n0; n < n1; n++)
             for (int64_t r = 0; r < R; r++)

@@ -39,6 +39,13 @@ a fused multiply-add gives (the product of two f32 is exact in f64).
   Q8_0 integers and scale, plus s = f16(d·Σq) with d before its rounding; per block the eight
   lanes' fma(d_w·d_x) as above, and summs = fma(m_w, s_x, summs); hsum_float_8(acc) + summs.
 
+- TQ1_0 / TQ2_0 weights, Q8_K activations (vec_dot_tq1_0_q8_K / tq2_0_q8_K at every batch size:
+  ggml has no tinyBLAS, tiled, repacked or AMX kernel for them): per 256 eight exact int32 lanes,
+  lane l = the stored values (trit + 1) times the activations at positions 4l..4l+3 of each
+  32-chunk, minus the activations' sum over positions 32l..32l+31; acc = fma(f32(lane),
+  d_x·d_w, acc) (ggml's mul + add, fused by GCC); hsum_float_8. A PTQTP weight's two planes are
+  two such weights; ggml_kernels.c can also take both in one fb_weight (plane 1 + plane 2).
+
 f16 weights are the f16 dot products of numerics.dot_f16 (engine/models/packed.py). BF16 weights
 and repacked Q4_0 use the dequantized product with the same quantized activations: right to f32
 summation order, not to the bit.
@@ -55,13 +62,14 @@ import ctypes
 import torch
 from gguf import GGMLQuantizationType as T
 
-from engine.gguf.dequant import unpack_blocks
+from engine.gguf.dequant import dequantize_tq1_0, dequantize_tq2_0, unpack_blocks
 from engine.kernels import exact_plan
 from engine.kernels.cpu import plan
 from engine.kernels.exact_plan import UBATCH, unpack_parts, weight_struct
 from engine.kernels.native import Plan, kernels, ptr
 from engine.kernels.numerics import fma_f32, hsum8, quantize_q8_0, quantize_q8_k, round_f16
 
+TERNARY = (T.TQ1_0, T.TQ2_0)
 ROW_CHUNK = 64  # rows per pass of the torch reference, to bound its integer-lane intermediates
 TILED_MIN_ROWS = 8  # ggml_tiled_min_batch: K-quant matmuls of this many rows or more run tiled
 
@@ -104,6 +112,9 @@ class ExactWeight:
             self.parts = unpack_exact(raw, ggml_type, rows)
             self.struct = weight_struct(self.parts, ggml_type, rows, cols)
             return
+        if T(ggml_type) in TERNARY:
+            self._ternary_parts(raw.reshape(rows, -1))
+            return
         parts = {k: v.contiguous() for k, v in unpack_blocks(raw, ggml_type).items()}
         self.d = parts["d"]  # [N, nb] f32
         nb = self.d.shape[1]
@@ -139,6 +150,20 @@ class ExactWeight:
                 ((parts["q"].float() - 32) * sc16).permute(1, 2, 0).contiguous()
             )  # [nb, 256, N]
 
+    def _ternary_parts(self, raw: torch.Tensor) -> None:
+        """TQ1_0 / TQ2_0: the stored values (trit + 1; TQ2_0's 2-bit fields as they are) by
+        vec_dot lane, [nb·8, 32, N] (lane l of a 256: positions 4l..4l+3 of each 32-chunk), and
+        the f16 scales [N, nb]."""
+        nbytes = 54 if self.ggml_type == T.TQ1_0 else 66
+        blocks = raw.reshape(-1, nbytes).clone()
+        self.d = blocks[:, -2:].contiguous().view(torch.float16).float().view(self.rows, -1)
+        blocks[:, -2:] = torch.tensor([0x00, 0x3C], dtype=torch.uint8)  # scale 1.0: the trits
+        dequantize = dequantize_tq1_0 if self.ggml_type == T.TQ1_0 else dequantize_tq2_0
+        trits = dequantize(blocks).round().to(torch.int64) + 1
+        nb = self.d.shape[1]
+        self.by_lane = (trits.reshape(self.rows, nb, 8, 8, 4).permute(1, 3, 2, 4, 0)
+                        .reshape(nb * 8, 32, self.rows).double().contiguous())
+
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         """x [R, cols] f32 -> [R, rows], as llama.cpp's mul_mat with these R rows, in ubatches."""
         outs = []
@@ -166,6 +191,8 @@ class ExactWeight:
                     outs.append(self._q6_k_tiled(rows) if tiled else self._q6_k(rows))
                 elif self.ggml_type in (T.Q4_1, T.Q5_1):
                     outs.append(self._q1(rows))
+                elif self.ggml_type in TERNARY:
+                    outs.append(self._tq(rows))
                 else:
                     outs.append(self._q0(rows))
         return torch.cat(outs) if len(outs) > 1 else outs[0]
@@ -267,6 +294,21 @@ class ExactWeight:
         if self.ggml_type == T.Q5_K:
             return total + summs
         return total + ((acc_m[0] + acc_m[2]) + (acc_m[1] + acc_m[3]))
+
+    def _tq(self, x: torch.Tensor) -> torch.Tensor:
+        """TQ1_0 / TQ2_0 x Q8_K (ggml_kernels.c tq_rows): per 256 eight exact lanes, lane l the
+        products of positions 4l..4l+3 of every 32-chunk minus the activations' sum over
+        positions 32l..32l+31; acc = fma(f32(lane), d_x·d_w, acc); hsum_float_8."""
+        q, xd = quantize_q8_k(x)  # [R, nb, 256], [R, nb]
+        R, nb = xd.shape
+        qd = q.double()
+        by_lane = qd.reshape(R, nb, 8, 8, 4).permute(1, 3, 0, 2, 4).reshape(nb * 8, R, 32)
+        sums = qd.reshape(R, nb, 8, 32).sum(-1).permute(1, 2, 0).reshape(nb * 8, R, 1)
+        lanes = (torch.bmm(by_lane, self.by_lane) - sums).float().view(nb, 8, R, self.rows)
+        acc = torch.zeros(8, R, self.rows)
+        for b in range(nb):
+            acc = fma_f32(lanes[b], xd[:, b][:, None] * self.d[:, b][None, :], acc)
+        return hsum8(acc.movedim(0, -1))
 
     def _q6_k(self, x: torch.Tensor) -> torch.Tensor:
         q, xd = quantize_q8_k(x)  # [R, nb, 256], [R, nb]

@@ -14,9 +14,11 @@ imports torch then, for its generator (engine/sampling.py), and draws the same t
 
 `load_native_lm` returns None where the C decoder would not serve the model bit for bit (no C
 build or FORGEBENCH_NATIVE=0, a weight type without an exact kernel in this machine's llama.cpp
-configuration, a head dimension the attention kernel does not take, a final logit soft-cap, a
-PTQTP file's second planes or any other tensor the torch model would add): the caller loads the
-torch model instead (engine.models.gguf_model.load_gguf_model).
+configuration, a head dimension the attention kernel does not take, a final logit soft-cap, or
+any tensor the torch model would add): the caller loads the torch model instead
+(engine.models.gguf_model.load_gguf_model). A PTQTP file's projections (TQ plane 1 + `.plane2`)
+are one fb_weight each, the kernel summing the two planes' products as the torch model's
+PlaneSumLinear does.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ from gguf import quants
 
 from engine.gguf.constants import LAYER_TENSORS, NON_PARAMETER_TENSORS
 from engine.gguf.hparams import model_hparams
+from engine.gguf.layouts import PTQTP_PLANE2_SUFFIX
 from engine.gguf.reader import GGUFFile, open_gguf
 from engine.kernels.exact_plan import (
     UBATCH,
@@ -95,7 +98,18 @@ def _matrix(gf: GGUFFile, name: str, shape: tuple[int, int], threads: int) -> _M
     if info.ggml_type != T.F16 and not supports_exact(info.ggml_type, rows):
         return None
     parts = unpack_parts(info.raw, info.ggml_type, rows, threads)
-    return _Matrix(weight_struct(parts, info.ggml_type, rows, cols), parts, info.raw.nbytes)
+    plane2, raw_bytes = None, info.raw.nbytes
+    if name + PTQTP_PLANE2_SUFFIX in gf.tensors:   # a PTQTP weight: plane 1 + plane 2 in one kernel
+        second = gf.tensor(name + PTQTP_PLANE2_SUFFIX)
+        gf.check_type(second)
+        if (info.ggml_type not in (T.TQ1_0, T.TQ2_0) or second.ggml_type != info.ggml_type
+                or tuple(second.shape) != tuple(shape)):
+            return None
+        plane2 = unpack_parts(second.raw, second.ggml_type, rows, threads)
+        parts = {**parts, "plane2": plane2["blocks"]}
+        raw_bytes += second.raw.nbytes
+    return _Matrix(weight_struct(parts, info.ggml_type, rows, cols, plane2=plane2), parts,
+                   raw_bytes)
 
 
 class NativeLM:
@@ -267,6 +281,7 @@ def _expected_tensors(n_layers: int) -> set[str]:
     for i in range(n_layers):
         for gname in LAYER_TENSORS.values():
             names |= {f"blk.{i}.{gname}.weight", f"blk.{i}.{gname}.bias"}
+        names |= {f"blk.{i}.{gname}.weight{PTQTP_PLANE2_SUFFIX}" for _, gname in LINEARS}
     return names
 
 

@@ -29,24 +29,41 @@ from __future__ import annotations
 
 import ctypes
 import math
+from types import SimpleNamespace
 
 import torch
 from gguf import GGMLQuantizationType as T
 
 from engine.kernels import ggml_matmul
-from engine.kernels.ggml_matmul import UBATCH, ExactWeight, plan_struct, supports_exact
+from engine.kernels.exact_plan import weight_struct
+from engine.kernels.ggml_matmul import TERNARY, UBATCH, ExactWeight, plan_struct, supports_exact
 from engine.kernels.native import Layer, Model, kernels, ptr
 from engine.kernels.numerics import attention_llamacpp, gelu_table
 from engine.models.blocks import KVCache, RMSNorm
 from engine.models.packed import FrozenQuantLinear
+from engine.ptqtp.weight import PlaneSumLinear
 
 LINEARS = (("q", "attn.q"), ("k", "attn.k"), ("v", "attn.v"), ("o", "attn.o"),
            ("gate", "mlp.gate"), ("up", "mlp.up"), ("down", "mlp.down"))
 NORMS = ("attn_norm", "attn.q_norm", "attn.k_norm", "post_attn_norm", "mlp_norm", "post_mlp_norm")
 
 
+def _plane_sum_weight(linear: PlaneSumLinear) -> SimpleNamespace | None:
+    """A PTQTP layer's two TQ planes as one fb_weight (`struct`; `planes` keeps their memory):
+    the C kernel adds the second plane's product to the first's, as PlaneSumLinear does."""
+    planes = [_exact_weight(plane) for plane in linear.planes]
+    if (len(planes) != 2 or None in planes or planes[0].ggml_type not in TERNARY
+            or planes[1].ggml_type != planes[0].ggml_type or planes[0].native is None):
+        return None
+    first, second = planes
+    return SimpleNamespace(planes=planes, struct=weight_struct(
+        first.parts, first.ggml_type, first.rows, first.cols, plane2=second.parts))
+
+
 def _exact_weight(linear) -> ExactWeight | None:
     """The linear's weight in the C kernels' layout; None where no bit-exact C kernel serves it."""
+    if type(linear) is PlaneSumLinear:
+        return _plane_sum_weight(linear)
     if type(linear) is not FrozenQuantLinear or not linear.bitexact:
         return None
     w = linear.weight
