@@ -466,3 +466,16 @@ def test_a_stop_during_self_study_keeps_the_conversations_made(tmp_path, tiny_ge
     remade = self_study_data(job, base, base.model, corpus, "key-b")
     assert len(remade) == 5
     assert "self_study_discarded" in (tmp_path / "run" / "events.jsonl").read_text()
+
+
+def test_answer_quality_is_the_token_f1_against_the_reference():
+    from engine.cartridge.self_study import answer_f1
+
+    reference = "The queue is kept in runs/.launch/queue.json and survives restarts."
+    # 9 words said, all among the reference's 12: precision 1, recall 3/4, F1 6/7
+    assert answer_f1("The queue is kept in runs/.launch/queue.json", reference) == \
+        pytest.approx(6 / 7)
+    assert answer_f1(reference.upper(), reference) == 1.0      # case and punctuation aside
+    # twins: nothing in common, or nothing said, scores 0
+    assert answer_f1("Stop checkpoints, then exits.", reference) == 0.0
+    assert answer_f1("", reference) == 0.0

@@ -196,10 +196,11 @@ def summary_html(report: Report) -> str:
 # -- an lm-cartridge run's held-out comparison ----------------------------------------------
 CONDITIONS = ("no document", "whole document", "cartridge")    # engine/cartridge/self_study.py
 EVAL_HINT = "run `forgebench eval RUN` to write the comparison again"
-MEANING = ("Log-likelihood: how likely each model finds the reference answers, per token "
-           "(closer to 0 is better; the bar is its per-token probability). Answer F1: the "
-           "greedy answer's word overlap with the reference. KV memory: the f16 key/value "
-           "rows the document part takes. TTFT: mean time to the first token.")
+MEANING = ("Log-likelihood: how likely each condition finds the reference answers, per token "
+           "(closer to 0 is better). Answer F1: the greedy answer's word overlap with the "
+           "reference. KV memory: the f16 key/value rows the document part takes. TTFT: mean "
+           "time to the first token. Bars: each figure as a share of its column's largest "
+           "(log-likelihood as per-token probability); the best of each column in bold.")
 
 
 @dataclass(frozen=True)
@@ -256,17 +257,10 @@ class CartridgeComparison:
         return best(scored)[1]
 
     def bar(self, condition: str, key: str) -> float:
-        """The bar's length in [0, 1]: a log-likelihood's per-token probability (exp), an F1
-        as it is, memory and time as a share of the largest."""
-        value = self.values[condition][key]
-        if value is None:
-            return 0.0
-        if key == "logprob_per_token":
-            return math.exp(value)
-        if key == "answer_f1":
-            return value
-        largest = max(v[key] for v in self.values.values())
-        return value / largest if largest > 0 else 0.0
+        """The bar's length in [0, 1]: the figure as a share of its column's largest, a
+        log-likelihood taken as its per-token probability (exp) first."""
+        return _share(self.values[condition][key],
+                      [v[key] for v in self.values.values()], key == "logprob_per_token")
 
     def headline(self) -> str:
         """The cartridge against the two other conditions, in one sentence."""
@@ -290,6 +284,13 @@ class CartridgeComparison:
                              f"{whole['mean_ttft_s'] / cart['mean_ttft_s']:.1f}x sooner")
             parts.append(".")
         return "".join(parts)
+
+
+def _share(value: float | None, column: list, exponentiate: bool) -> float:
+    scored = [math.exp(v) if exponentiate else v for v in column if v is not None]
+    if value is None or not scored or max(scored) <= 0:
+        return 0.0
+    return (math.exp(value) if exponentiate else value) / max(scored)
 
 
 def _damaged(report: Report, what: str) -> ForgebenchError:
@@ -356,5 +357,7 @@ def question_cell(row: QuestionRow, condition: str) -> str:
 
 
 def question_bar(row: QuestionRow, condition: str) -> float:
-    """A per-question cell's bar: the reference answer's per-token probability."""
-    return math.exp(row.figures[condition]["logprob_per_token"])
+    """A per-question cell's bar: the reference answer's per-token probability, as a share of
+    the question's best condition's."""
+    key = "logprob_per_token"
+    return _share(row.figures[condition][key], [f[key] for f in row.figures.values()], True)

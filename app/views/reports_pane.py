@@ -10,16 +10,16 @@ from __future__ import annotations
 
 import html
 
-from PySide6.QtCore import QModelIndex, QRect, Qt, Signal
+from PySide6.QtCore import QModelIndex, QRect, QSize, Qt, Signal
 from PySide6.QtGui import QColor, QFont, QPainter, QPixmap
 from PySide6.QtWidgets import (
     QHeaderView,
+    QSizePolicy,
     QSplitter,
     QStyledItemDelegate,
     QStyleOptionViewItem,
     QTableWidget,
     QTableWidgetItem,
-    QTabWidget,
     QVBoxLayout,
     QWidget,
 )
@@ -52,8 +52,8 @@ class BarDelegate(QStyledItemDelegate):
         super().paint(painter, option, index)
 
 
-def _table(columns: list[str]) -> QTableWidget:
-    table = QTableWidget(0, len(columns))
+def _table(columns: list[str], kind=None) -> QTableWidget:
+    table = kind(columns) if kind else QTableWidget(0, len(columns))
     table.setHorizontalHeaderLabels(columns)
     table.verticalHeader().hide()
     table.setEditTriggers(QTableWidget.EditTrigger.NoEditTriggers)
@@ -61,6 +61,9 @@ def _table(columns: list[str]) -> QTableWidget:
     table.setItemDelegate(BarDelegate(table))
     table.setHorizontalScrollBarPolicy(Qt.ScrollBarPolicy.ScrollBarAlwaysOff)
     table.horizontalHeader().setSectionResizeMode(QHeaderView.ResizeMode.Stretch)
+    rows = table.verticalHeader()          # rows follow their wrapped text as columns resize
+    rows.setSectionResizeMode(QHeaderView.ResizeMode.ResizeToContents)
+    rows.setMinimumSectionSize(table.fontMetrics().height() * 2)    # room for a bar
     return table
 
 
@@ -78,26 +81,44 @@ def _cell(text: str, bar: float | None = None, bold: bool = False,
     return item
 
 
-class CartridgeView(QTabWidget):
+class FittedTable(QTableWidget):
+    """A table as tall as its rows (wrapped to the width it has), never scrolled."""
+
+    def __init__(self, columns: list[str], parent=None):
+        super().__init__(0, len(columns), parent)
+        self.setVerticalScrollBarPolicy(Qt.ScrollBarPolicy.ScrollBarAlwaysOff)
+        self.setSizePolicy(QSizePolicy.Policy.Expanding, QSizePolicy.Policy.Fixed)
+        self.verticalHeader().sectionResized.connect(lambda *_: self.updateGeometry())
+
+    def sizeHint(self) -> QSize:
+        height = (self.horizontalHeader().sizeHint().height() + 2 * self.frameWidth()
+                  + sum(self.rowHeight(r) for r in range(self.rowCount())))
+        return QSize(super().sizeHint().width(), height)
+
+    def minimumSizeHint(self) -> QSize:
+        return self.sizeHint()
+
+
+class CartridgeView(QWidget):
     """An lm-cartridge comparison: the conditions side by side, then per question."""
 
     def __init__(self, parent=None):
         super().__init__(parent)
-        summary = QWidget()
-        column = QVBoxLayout(summary)
         self.headline = wrapped_label("", selectable=True)
+        self.table = _table(["condition"] + [
+            f"{m.label} {'↑' if m.higher_is_better else '↓'}" for m in vm.MEASURES],
+            FittedTable)
         self.meaning = wrapped_label(vm.MEANING)
         theme.style(self.meaning, "QLabel {{ color: {muted}; }}")
-        self.table = _table(["condition"] + [
-            f"{m.label} {'↑' if m.higher_is_better else '↓'}" for m in vm.MEASURES])
-        column.addWidget(self.headline)
-        column.addWidget(self.table, 1)
-        column.addWidget(self.meaning)
+        self.per_question_title = wrapped_label("Per question (the reference answer's "
+                                                "log-likelihood per token and the answer's F1; "
+                                                "point at a cell for the answer):")
         self.per_question = _table(["question", *vm.CONDITIONS])
-        self.per_question.horizontalHeader().setSectionResizeMode(
-            0, QHeaderView.ResizeMode.Stretch)
-        self.addTab(summary, "Comparison")
-        self.addTab(self.per_question, "Per question")
+        column = QVBoxLayout(self)
+        column.setContentsMargins(0, 0, 0, 0)
+        for widget in (self.headline, self.table, self.meaning, self.per_question_title):
+            column.addWidget(widget)
+        column.addWidget(self.per_question, 1)
 
     def show_comparison(self, comparison: vm.CartridgeComparison) -> None:
         self.headline.setText(comparison.headline())
@@ -109,7 +130,6 @@ class CartridgeView(QTabWidget):
                     comparison.text(condition, measure.key),
                     comparison.bar(condition, measure.key),
                     comparison.winner(measure.key) == condition))
-        self.table.resizeRowsToContents()
         self.per_question.setRowCount(len(comparison.questions))
         for row, question in enumerate(comparison.questions):
             self.per_question.setItem(row, 0, _cell(
@@ -118,7 +138,6 @@ class CartridgeView(QTabWidget):
                 self.per_question.setItem(row, column, _cell(
                     vm.question_cell(question, condition), vm.question_bar(question, condition),
                     tip=question.figures[condition]["answer"].strip() or "(no answer)"))
-        self.per_question.resizeRowsToContents()
 
 
 class ReportsPane(QWidget):
