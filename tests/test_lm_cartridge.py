@@ -340,6 +340,15 @@ def test_a_run_trains_the_rows_resumes_bit_exactly_and_serves(tmp_path, tiny_gem
     assert [q["source"] for q in report["questions"]][0] == "hand-written"
     assert len(report["questions"]) == 2
     assert (run / "evals" / "cartridge-step-000004.md").is_file()
+    from engine.cartridge.self_study import answer_f1
+
+    for row in report["questions"]:            # answer quality: each answer's F1, as scored
+        for system in systems:
+            assert row[system]["answer_f1"] == answer_f1(row[system]["answer"],
+                                                         row["reference"])
+    mean = sum(row["cartridge"]["answer_f1"] for row in report["questions"]) / 2
+    assert systems["cartridge"]["answer_f1"] == pytest.approx(mean)
+    assert "| answer F1 |" in (run / "evals" / "cartridge-step-000004.md").read_text()
 
     out = forgebench("generate", str(run), "--prompt", "hi", "--max-tokens", "3",
                      "--json")
