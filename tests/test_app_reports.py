@@ -316,3 +316,17 @@ def test_a_damaged_or_vanished_comparison_says_what_is_wrong_in_the_pane(qtbot, 
     path.unlink()                     # gone between the listing and the reading
     pane._report_chosen(str(path), False)
     assert "cannot read the report" in pane.summary.text() and not pane.cartridge.isVisible()
+
+
+def test_the_runs_pane_details_say_the_comparison_in_one_sentence(qtbot, sample):
+    from app.views.run_details import RunDetails
+    run, path = _cartridge_run(sample)
+    details = shown_at(qtbot, RunDetails())
+    details.show_runs([run, sample.runs_dir / "sensor-alert"])
+    text = details.toPlainText()
+    assert text.startswith("guide-cartridge\n2 held-out questions")
+    assert "(35% of the way)" in text and "the Reports pane" in text
+    assert "sensor-alert" not in text               # twin: a run without one says nothing
+    path.write_text("[]")
+    details.show_runs([run])
+    assert "a report is a JSON object" in details.toPlainText()

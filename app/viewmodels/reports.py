@@ -361,3 +361,19 @@ def question_bar(row: QuestionRow, condition: str) -> float:
     the question's best condition's."""
     key = "logprob_per_token"
     return _share(row.figures[condition][key], [f[key] for f in row.figures.values()], True)
+
+
+def comparison_summary(run_dir: str | Path) -> str | None:
+    """The headline of a run's latest cartridge comparison (evals/cartridge-*.json, by
+    checkpoint name) for the Runs pane's details, or what is wrong with it; None for a run
+    without one."""
+    paths = sorted((Path(run_dir) / "evals").glob("cartridge-*.json"))
+    if not paths:
+        return None
+    try:
+        comparison = cartridge_comparison(read_report(paths[-1]))
+    except ForgebenchError as exc:
+        return exc.render()
+    if comparison is None:
+        return None
+    return comparison.headline() + " The figures side by side: the Reports pane."
