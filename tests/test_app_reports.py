@@ -284,6 +284,9 @@ def test_the_pane_shows_a_cartridge_comparison_side_by_side_and_whole(qtbot, sam
     shown = [[table.item(r, c).text() for c in range(table.columnCount())]
              for r in range(table.rowCount())]
     assert shown[2] == ["cartridge", "-3.144", "0.30", "4.7", "0.867"]
+    from app.views.reports_pane import BAR_ROLE
+    assert table.item(2, 3).data(BAR_ROLE) == pytest.approx(256 / 2561)   # KV: 4.7 of 47.2 MB
+    assert table.item(1, 3).data(BAR_ROLE) == 1.0
     bold = {table.item(r, 0).text() for r in range(3) for c in range(1, 5)
             if table.item(r, c).font().bold()}
     assert bold == {"whole document", "cartridge", "no document"}

@@ -4,7 +4,7 @@ the confusion matrix in counts and every figure of the report; the pictures it n
 precision-recall curve, a reliability plot, a risk-coverage curve) fill the other column. An
 lm-cartridge run's held-out comparison shows instead as its three conditions side by side, a
 table with a bar in every cell and the best of each column in bold, and the same figures per
-question on the next tab. The reading lives in app/viewmodels/reports.py."""
+question underneath. The reading lives in app/viewmodels/reports.py."""
 
 from __future__ import annotations
 
