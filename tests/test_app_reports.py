@@ -171,8 +171,8 @@ def _question(text: str, logprobs: tuple, f1s: tuple) -> dict:
 
 
 def cartridge_record(f1: tuple = (0.05, 0.10, 0.30)) -> dict:
-    """The figures of the sample workspace's example report (cartridge/example-report.md:
-    gemma-3-270m, p = 256 rows, 18,432 f16 bytes of KV per token), with answer F1s added."""
+    """The figures of an earlier run of the sample workspace's example (gemma-3-270m, p = 256
+    rows, 18,432 f16 bytes of KV per token, before answer F1 was scored), F1s added."""
     return {"split": "heldout", "checkpoint": "step-000006", "step": 6,
             "systems": {"no document": _condition(-3.8492, f1[0], 0, 0.561),
                         "whole document": _condition(-1.8499, f1[1], 2561, 50.918),
