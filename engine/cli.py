@@ -381,6 +381,10 @@ def _serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", action="append", metavar="NAME",
                    help="serve only this model id or GGUF file (repeatable; default: every "
                         "model of the workspace)")
+    p.add_argument("--cartridge", action="append", metavar="FILE",
+                   help="also serve this cartridge.safetensors (an lm-cartridge run's) read "
+                        "before every prompt by the --model base it was trained on, as "
+                        "BASE+RUN/CHECKPOINT (repeatable)")
     p.add_argument("--api-key", help="require 'Authorization: Bearer KEY'")
     p.add_argument("--workspace", help="workspace folder (default: the one around here)")
     p.add_argument("--threads", type=int, default=None, help="CPU threads for the models")

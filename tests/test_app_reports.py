@@ -149,3 +149,187 @@ def test_a_damaged_report_is_listed_and_says_what_is_wrong_with_it(qtbot, sample
     assert "cannot read the report" in text and "val-step-000001.json" in text
     assert "forgebench eval RUN --split val" in text
     assert pane.pictures == [] and pane.figures.rowCount() == 0
+
+
+# -- an lm-cartridge run's held-out comparison ----------------------------------------------
+def _condition(logprob: float, f1: float | None, tokens: int, ttft: float) -> dict:
+    figures = {"logprob_per_token": logprob, "logprob_sum": logprob * 172,
+               "kv_prefix_tokens": tokens, "kv_prefix_bytes_f16": tokens * 18432,
+               "mean_ttft_s": ttft}
+    if f1 is not None:
+        figures["answer_f1"] = f1
+    return figures
+
+
+def _question(text: str, logprobs: tuple, f1s: tuple) -> dict:
+    row = {"question": text, "reference": "The queue is kept in runs/.launch/queue.json.",
+           "source": "hand-written"}
+    for condition, logprob, f1 in zip(vm.CONDITIONS, logprobs, f1s):
+        row[condition] = {"logprob": logprob * 10, "logprob_per_token": logprob,
+                          "answer": f"{condition} says", "answer_f1": f1, "ttft_s": 0.5}
+    return row
+
+
+def cartridge_record(f1: tuple = (0.05, 0.10, 0.30)) -> dict:
+    """The figures of an earlier run of the sample workspace's example (gemma-3-270m, p = 256
+    rows, 18,432 f16 bytes of KV per token, before answer F1 was scored), F1s added."""
+    return {"split": "heldout", "checkpoint": "step-000006", "step": 6,
+            "systems": {"no document": _condition(-3.8492, f1[0], 0, 0.561),
+                        "whole document": _condition(-1.8499, f1[1], 2561, 50.918),
+                        "cartridge": _condition(-3.1443, f1[2], 256, 0.867)},
+            "questions": [_question("Where is the queue kept?", (-4.0, -1.5, -2.5),
+                                    (0.0, 0.5, 0.25)),
+                          _question("What does Stop do?", (-3.0, -2.0, -3.5), (0.1, 0.2, 0.3))],
+            "reference_tokens": 172, "kv_bytes_per_token_f16": 18432}
+
+
+def test_a_cartridge_comparison_reads_as_three_conditions_with_the_best_of_each(tmp_path):
+    comparison = vm.cartridge_comparison(_report(tmp_path, cartridge_record(),
+                                                 "cartridge-step-000006"))
+    assert [comparison.text(c, "logprob_per_token") for c in vm.CONDITIONS] == \
+        ["-3.849", "-1.850", "-3.144"]
+    # 2561 and 256 positions of 18,432 bytes: 47.2 MB and 4.7 MB
+    assert [comparison.text(c, "kv_prefix_bytes_f16") for c in vm.CONDITIONS] == \
+        ["0.0", "47.2", "4.7"]
+    assert {m.key: comparison.winner(m.key) for m in vm.MEASURES} == {
+        "logprob_per_token": "whole document", "answer_f1": "cartridge",
+        "kv_prefix_bytes_f16": "no document", "mean_ttft_s": "no document"}
+    # bars: shares of the column's largest, a log-likelihood as its per-token probability:
+    # e^-3.1443 / e^-1.8499 = e^-1.2944 = 0.27406
+    assert comparison.bar("whole document", "logprob_per_token") == 1.0
+    assert comparison.bar("cartridge", "logprob_per_token") == pytest.approx(0.27406, 1e-4)
+    assert comparison.bar("cartridge", "answer_f1") == 1.0
+    assert comparison.bar("cartridge", "kv_prefix_bytes_f16") == pytest.approx(256 / 2561)
+    assert comparison.bar("whole document", "mean_ttft_s") == 1.0
+    # (-3.1443 + 3.8492) / (-1.8499 + 3.8492) = 0.3526; 2561/256 = 10.0; 50.918/0.867 = 58.7
+    headline = comparison.headline()
+    assert "(35% of the way)" in headline and "10.0x smaller" in headline
+    assert "58.7x sooner" in headline and "2 held-out questions" in headline
+    first = comparison.questions[0]
+    assert vm.question_cell(first, "whole document") == "-1.500 · F1 0.50"
+    assert vm.question_bar(first, "cartridge") == pytest.approx(0.367879, 1e-5)   # e^-1
+    # twin: a cartridge that reads the answers worse than no document is short of the way
+    worse = cartridge_record()
+    worse["systems"]["cartridge"]["logprob_per_token"] = -4.2492
+    comparison = vm.cartridge_comparison(_report(tmp_path / "w", worse, "cartridge-x"))
+    assert "(-20% of the way)" in comparison.headline()
+    # twin: another kind of report is no comparison
+    assert vm.cartridge_comparison(_report(tmp_path / "c", CALIBRATION)) is None
+
+
+def test_the_comparison_shows_the_figures_of_the_markdown_report(tmp_path):
+    """One record, two readers: the view-model's figures are those of the engine's .md table."""
+    from engine.cartridge.self_study import report_markdown
+
+    record = cartridge_record()
+    table = {line.split("|")[1].strip(): [cell.strip() for cell in line.split("|")[2:-1]]
+             for line in report_markdown(record, "step-000006").splitlines()
+             if line.startswith("| ") and line.split("|")[1].strip() in vm.CONDITIONS}
+    comparison = vm.cartridge_comparison(_report(tmp_path, record, "cartridge-step-000006"))
+    for condition in vm.CONDITIONS:
+        logprob, f1, _tokens, kv_bytes, ttft = table[condition]
+        values = comparison.values[condition]
+        assert float(logprob) == round(values["logprob_per_token"], 4)
+        assert float(f1) == round(values["answer_f1"], 3)
+        assert int(kv_bytes.replace(",", "")) == values["kv_prefix_bytes_f16"]
+        assert float(ttft) == round(values["mean_ttft_s"], 3)
+    # twin: a figure changed in the record moves the view-model's, not the .md written before
+    record["systems"]["cartridge"]["mean_ttft_s"] = 9.0
+    again = vm.cartridge_comparison(_report(tmp_path / "b", record, "cartridge-step-000006"))
+    assert float(table["cartridge"][4]) != round(again.values["cartridge"]["mean_ttft_s"], 3)
+
+
+def test_a_damaged_comparison_is_refused_with_its_path_and_an_older_one_lacks_only_f1(tmp_path):
+    damaged = cartridge_record()
+    del damaged["systems"]["cartridge"]
+    report = _report(tmp_path, damaged, "cartridge-step-000006")
+    with pytest.raises(vm.ForgebenchError) as refused:
+        vm.cartridge_comparison(report)
+    assert "the three conditions" in refused.value.message
+    assert refused.value.path == str(report.path) or refused.value.path == report.path
+    text = cartridge_record()
+    text["questions"][1]["cartridge"]["logprob_per_token"] = "high"
+    with pytest.raises(vm.ForgebenchError, match="question 2"):
+        vm.cartridge_comparison(_report(tmp_path / "t", text, "cartridge-step-000006"))
+    # a comparison written before answer F1 was scored: every other figure, F1 "not scored"
+    older = cartridge_record(f1=(None, None, None))
+    for row in older["questions"]:
+        for condition in vm.CONDITIONS:
+            del row[condition]["answer_f1"]
+    comparison = vm.cartridge_comparison(_report(tmp_path / "o", older, "cartridge-x"))
+    assert comparison.text("cartridge", "answer_f1") == "not scored"
+    assert comparison.winner("answer_f1") is None
+    assert comparison.winner("logprob_per_token") == "whole document"
+
+
+def _cartridge_run(workspace: Workspace, record: dict | None = None):
+    run = workspace.runs_dir / "guide-cartridge"
+    (run / "evals").mkdir(parents=True)
+    (run / "run.json").write_text(json.dumps({"name": run.name, "recipe": "lm-cartridge"}))
+    path = run / "evals" / "cartridge-step-000006.json"
+    path.write_text(json.dumps(record or cartridge_record()))
+    return run, path
+
+
+def test_the_pane_shows_a_cartridge_comparison_side_by_side_and_whole(qtbot, sample):
+    from app.views.reports_pane import ReportsPane
+    run, _ = _cartridge_run(sample)
+    pane = shown_at(qtbot, ReportsPane())
+    pane.set_workspace(sample)
+    pane.show_run(run)
+    assert pane.report_combo.currentText() == "cartridge-step-000006"
+    view = pane.cartridge
+    assert view.isVisible() and not pane.figures.isVisible()
+    table = view.table
+    shown = [[table.item(r, c).text() for c in range(table.columnCount())]
+             for r in range(table.rowCount())]
+    assert shown[2] == ["cartridge", "-3.144", "0.30", "4.7", "0.867"]
+    from app.views.reports_pane import BAR_ROLE
+    assert table.item(2, 3).data(BAR_ROLE) == pytest.approx(256 / 2561)   # KV: 4.7 of 47.2 MB
+    assert table.item(1, 3).data(BAR_ROLE) == 1.0
+    bold = {table.item(r, 0).text() for r in range(3) for c in range(1, 5)
+            if table.item(r, c).font().bold()}
+    assert bold == {"whole document", "cartridge", "no document"}
+    assert not table.item(2, 1).font().bold() and table.item(1, 1).font().bold()   # twin
+    assert "35% of the way" in view.headline.text()
+    qtbot.waitUntil(lambda: labels_cut_off(pane) == [])
+    qtbot.waitUntil(lambda: cells_cut_off(table) == [])         # the splitter, widened
+    per_question = view.per_question
+    assert per_question.rowCount() == 2
+    assert per_question.item(0, 2).text() == "-1.500 · F1 0.50"
+    assert per_question.item(0, 3).toolTip() == "cartridge says"
+    qtbot.waitUntil(lambda: cells_cut_off(per_question) == [])
+
+
+def test_a_damaged_or_vanished_comparison_says_what_is_wrong_in_the_pane(qtbot, sample):
+    from app.views.reports_pane import ReportsPane
+    damaged = cartridge_record()
+    del damaged["systems"]["whole document"]
+    run, path = _cartridge_run(sample, damaged)
+    pane = shown_at(qtbot, ReportsPane())
+    pane.set_workspace(sample)
+    pane.show_run(run)
+    text = pane.summary.text()
+    assert "cartridge comparison is damaged" in text and "cartridge-step-000006.json" in text
+    assert "forgebench eval RUN" in text and not pane.cartridge.isVisible()
+    path.write_text(json.dumps(cartridge_record()))                    # twin: whole again
+    os.utime(path, ns=(path.stat().st_mtime_ns + 10**9,) * 2)
+    pane.refresh_runs()
+    assert pane.cartridge.isVisible() and "damaged" not in pane.summary.text()
+    path.unlink()                     # gone between the listing and the reading
+    pane._report_chosen(str(path), False)
+    assert "cannot read the report" in pane.summary.text() and not pane.cartridge.isVisible()
+
+
+def test_the_runs_pane_details_say_the_comparison_in_one_sentence(qtbot, sample):
+    from app.views.run_details import RunDetails
+    run, path = _cartridge_run(sample)
+    details = shown_at(qtbot, RunDetails())
+    details.show_runs([run, sample.runs_dir / "sensor-alert"])
+    text = details.toPlainText()
+    assert text.startswith("guide-cartridge\n2 held-out questions")
+    assert "(35% of the way)" in text and "the Reports pane" in text
+    assert "sensor-alert" not in text               # twin: a run without one says nothing
+    path.write_text("[]")
+    details.show_runs([run])
+    assert "a report is a JSON object" in details.toPlainText()

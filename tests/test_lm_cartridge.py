@@ -340,6 +340,15 @@ def test_a_run_trains_the_rows_resumes_bit_exactly_and_serves(tmp_path, tiny_gem
     assert [q["source"] for q in report["questions"]][0] == "hand-written"
     assert len(report["questions"]) == 2
     assert (run / "evals" / "cartridge-step-000004.md").is_file()
+    from engine.cartridge.self_study import answer_f1
+
+    for row in report["questions"]:            # answer quality: each answer's F1, as scored
+        for system in systems:
+            assert row[system]["answer_f1"] == answer_f1(row[system]["answer"],
+                                                         row["reference"])
+    mean = sum(row["cartridge"]["answer_f1"] for row in report["questions"]) / 2
+    assert systems["cartridge"]["answer_f1"] == pytest.approx(mean)
+    assert "| answer F1 |" in (run / "evals" / "cartridge-step-000004.md").read_text()
 
     out = forgebench("generate", str(run), "--prompt", "hi", "--max-tokens", "3",
                      "--json")
@@ -466,3 +475,16 @@ def test_a_stop_during_self_study_keeps_the_conversations_made(tmp_path, tiny_ge
     remade = self_study_data(job, base, base.model, corpus, "key-b")
     assert len(remade) == 5
     assert "self_study_discarded" in (tmp_path / "run" / "events.jsonl").read_text()
+
+
+def test_answer_quality_is_the_token_f1_against_the_reference():
+    from engine.cartridge.self_study import answer_f1
+
+    reference = "The queue is kept in runs/.launch/queue.json and survives restarts."
+    # 9 words said, all among the reference's 12: precision 1, recall 3/4, F1 6/7
+    assert answer_f1("The queue is kept in runs/.launch/queue.json", reference) == \
+        pytest.approx(6 / 7)
+    assert answer_f1(reference.upper(), reference) == 1.0      # case and punctuation aside
+    # twins: nothing in common, or nothing said, scores 0
+    assert answer_f1("Stop checkpoints, then exits.", reference) == 0.0
+    assert answer_f1("", reference) == 0.0

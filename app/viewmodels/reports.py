@@ -11,15 +11,20 @@
    pictures and the engine's own files);
 5. the pictures it names (`plots`, run-relative PNG paths; else evals/<name>-*.png).
 
+An lm-cartridge run's held-out comparison (evals/cartridge-<checkpoint>.json, the record its
+.md report is written from) reads as a `CartridgeComparison`: the three conditions side by
+side, each figure taken from the record as the engine wrote it (`cartridge_comparison`).
+
 Written by the recipes (tabular-classify's selection and `forgebench eval` reports with their
-PR curve and reliability plot, lm-decision's calibration report, every recipe's eval records);
-this module only reads them.
+PR curve and reliability plot, lm-decision's calibration report, every recipe's eval records,
+lm-cartridge's comparison); this module only reads them.
 """
 
 from __future__ import annotations
 
 import html
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -186,3 +191,189 @@ def summary_html(report: Report) -> str:
                      f"<tr><th>no fault</th><td align='right'>{confusion['fp']} (FP)</td>"
                      f"<td align='right'>{confusion['tn']} (TN)</td></tr></table>")
     return "<br>".join(parts)
+
+
+# -- an lm-cartridge run's held-out comparison ----------------------------------------------
+CONDITIONS = ("no document", "whole document", "cartridge")    # engine/cartridge/self_study.py
+EVAL_HINT = "run `forgebench eval RUN` to write the comparison again"
+MEANING = ("Log-likelihood: how likely each condition finds the reference answers, per token "
+           "(closer to 0 is better). Answer F1: the greedy answer's word overlap with the "
+           "reference. KV memory: the f16 key/value rows the document part takes. TTFT: mean "
+           "time to the first token. Bars: each figure as a share of its column's largest "
+           "(log-likelihood as per-token probability); the best of each column in bold.")
+
+
+@dataclass(frozen=True)
+class Measure:
+    key: str              # the figure's name in the record's `systems`
+    label: str
+    higher_is_better: bool
+
+
+MEASURES = (Measure("logprob_per_token", "log-likelihood / token", True),
+            Measure("answer_f1", "answer F1", True),
+            Measure("kv_prefix_bytes_f16", "KV memory (MB)", False),
+            Measure("mean_ttft_s", "TTFT (s)", False))
+
+
+def _figure_text(key: str, value: float | None) -> str:
+    if value is None:
+        return "not scored"
+    if key == "kv_prefix_bytes_f16":
+        return f"{value / 1e6:.1f}"
+    return {"logprob_per_token": f"{value:.3f}", "answer_f1": f"{value:.2f}"}.get(
+        key, f"{value:.3f}")
+
+
+@dataclass
+class QuestionRow:
+    question: str
+    reference: str
+    source: str
+    figures: dict          # condition -> {"logprob_per_token", "answer_f1" (or None), "answer"}
+
+
+@dataclass
+class CartridgeComparison:
+    """The held-out comparison: `values[condition][measure key]` as the record holds them
+    (None: a figure this record predates, answer F1 before it was scored)."""
+
+    checkpoint: str
+    questions: list[QuestionRow]
+    reference_tokens: int
+    values: dict
+    kv_prefix_tokens: dict
+
+    def text(self, condition: str, key: str) -> str:
+        return _figure_text(key, self.values[condition][key])
+
+    def winner(self, key: str) -> str | None:
+        """The condition with the best figure of `key` (None when it was not scored)."""
+        measure = next(m for m in MEASURES if m.key == key)
+        scored = [(v[key], c) for c, v in self.values.items() if v[key] is not None]
+        if not scored:
+            return None
+        best = max if measure.higher_is_better else min
+        return best(scored)[1]
+
+    def bar(self, condition: str, key: str) -> float:
+        """The bar's length in [0, 1]: the figure as a share of its column's largest, a
+        log-likelihood taken as its per-token probability (exp) first."""
+        return _share(self.values[condition][key],
+                      [v[key] for v in self.values.values()], key == "logprob_per_token")
+
+    def headline(self) -> str:
+        """The cartridge against the two other conditions, in one sentence."""
+        none, whole, cart = (self.values[c] for c in CONDITIONS)
+        key = "logprob_per_token"
+        gap = whole[key] - none[key]
+        parts = [f"{len(self.questions)} held-out questions ({self.reference_tokens} "
+                 f"reference tokens), checkpoint {self.checkpoint}. The cartridge "
+                 f"({self.kv_prefix_tokens['cartridge']} rows) scores "
+                 f"{cart[key]:.3f} per token, against {none[key]:.3f} without the document "
+                 f"and {whole[key]:.3f} with the whole document"]
+        if gap > 0:
+            parts.append(f" ({(cart[key] - none[key]) / gap:.0%} of the way)")
+        parts.append(".")
+        if cart["kv_prefix_bytes_f16"] > 0:
+            parts.append(f" Its KV memory is "
+                         f"{whole['kv_prefix_bytes_f16'] / cart['kv_prefix_bytes_f16']:.1f}x "
+                         f"smaller than the whole document's")
+            if cart["mean_ttft_s"] > 0:
+                parts.append(f", its first token "
+                             f"{whole['mean_ttft_s'] / cart['mean_ttft_s']:.1f}x sooner")
+            parts.append(".")
+        return "".join(parts)
+
+
+def _share(value: float | None, column: list, exponentiate: bool) -> float:
+    scored = [math.exp(v) if exponentiate else v for v in column if v is not None]
+    if value is None or not scored or max(scored) <= 0:
+        return 0.0
+    return (math.exp(value) if exponentiate else value) / max(scored)
+
+
+def _damaged(report: Report, what: str) -> ForgebenchError:
+    return ForgebenchError(f"this cartridge comparison is damaged: {what}", path=report.path,
+                           hint=EVAL_HINT)
+
+
+def _figures_of(report: Report, where: str, record, keys: tuple[str, ...],
+                optional: tuple[str, ...] = ()) -> dict:
+    if not isinstance(record, dict):
+        raise _damaged(report, f"{where} is not an object")
+    out = {}
+    for key in keys:
+        value = record.get(key)
+        if value is None and key in optional:
+            out[key] = None
+        elif not _number(value) or not math.isfinite(value):
+            raise _damaged(report, f"{where} has no number {key!r} (it holds {value!r})")
+        else:
+            out[key] = float(value)
+    return out
+
+
+def cartridge_comparison(report: Report) -> CartridgeComparison | None:
+    """The report as a cartridge comparison, or None when it is another kind of report (it has
+    no `systems`). A comparison missing a condition or a figure is refused with its path."""
+    systems = report.record.get("systems")
+    if systems is None:
+        return None
+    if not isinstance(systems, dict) or any(c not in systems for c in CONDITIONS):
+        raise _damaged(report, "it does not hold the three conditions "
+                               f"({', '.join(CONDITIONS)})")
+    keys = tuple(m.key for m in MEASURES) + ("kv_prefix_tokens",)
+    values = {c: _figures_of(report, f"systems[{c!r}]", systems[c], keys, ("answer_f1",))
+              for c in CONDITIONS}
+    tokens = {c: int(values[c].pop("kv_prefix_tokens")) for c in CONDITIONS}
+    rows = report.record.get("questions")
+    if not isinstance(rows, list):
+        raise _damaged(report, "it has no list of questions")
+    questions = []
+    for number, row in enumerate(rows, 1):
+        where = f"question {number}"
+        if not isinstance(row, dict) or not isinstance(row.get("question"), str):
+            raise _damaged(report, f"{where} has no question text")
+        figures = {}
+        for c in CONDITIONS:
+            figures[c] = _figures_of(report, f"{where}[{c!r}]", row.get(c),
+                                     ("logprob_per_token", "answer_f1"), ("answer_f1",))
+            figures[c]["answer"] = str(row[c].get("answer", ""))
+        questions.append(QuestionRow(row["question"], str(row.get("reference", "")),
+                                     str(row.get("source", "")), figures))
+    reference_tokens = report.record.get("reference_tokens")
+    return CartridgeComparison(str(report.record.get("checkpoint", report.name)), questions,
+                               reference_tokens if isinstance(reference_tokens, int) else 0,
+                               values, tokens)
+
+
+def question_cell(row: QuestionRow, condition: str) -> str:
+    """A per-question cell: the reference answer's log-likelihood per token and the answer's
+    F1."""
+    figures = row.figures[condition]
+    return (f"{_figure_text('logprob_per_token', figures['logprob_per_token'])} · "
+            f"F1 {_figure_text('answer_f1', figures['answer_f1'])}")
+
+
+def question_bar(row: QuestionRow, condition: str) -> float:
+    """A per-question cell's bar: the reference answer's per-token probability, as a share of
+    the question's best condition's."""
+    key = "logprob_per_token"
+    return _share(row.figures[condition][key], [f[key] for f in row.figures.values()], True)
+
+
+def comparison_summary(run_dir: str | Path) -> str | None:
+    """The headline of a run's latest cartridge comparison (evals/cartridge-*.json, by
+    checkpoint name) for the Runs pane's details, or what is wrong with it; None for a run
+    without one."""
+    paths = sorted((Path(run_dir) / "evals").glob("cartridge-*.json"))
+    if not paths:
+        return None
+    try:
+        comparison = cartridge_comparison(read_report(paths[-1]))
+    except ForgebenchError as exc:
+        return exc.render()
+    if comparison is None:
+        return None
+    return comparison.headline() + " The figures side by side: the Reports pane."

@@ -2,7 +2,8 @@
 reason the last start was refused (a banner above the ledger, kept until the next start),
 each selected run's notices, why it stopped and its failure report with the traceback (under
 the ledger), and what its job is doing now (above the charts). The texts come from
-app/viewmodels/runs.py (`run_notices`, `failure_report`, the ledger rows' stage lines)."""
+app/viewmodels/runs.py (`run_notices`, `failure_report`, the ledger rows' stage lines); an
+lm-cartridge run's held-out comparison in one sentence from app/viewmodels/reports.py."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from pathlib import Path
 from PySide6.QtCore import Qt
 from PySide6.QtWidgets import QLabel, QPlainTextEdit
 
+from app.viewmodels.reports import comparison_summary
 from app.viewmodels.runs import LedgerRow, failure_report, run_notices
 from app.views import theme
 
@@ -40,14 +42,16 @@ class RunDetails(QPlainTextEdit):
     def __init__(self, parent=None):
         super().__init__(parent)
         self.setReadOnly(True)
-        self.setPlaceholderText("Select a run: its warnings, why it stopped, and its "
-                                "error and traceback when it failed show here.")
+        self.setPlaceholderText("Select a run: its warnings, why it stopped, its error and "
+                                "traceback when it failed, and a cartridge run's held-out "
+                                "comparison show here.")
         self._shown_states: list = []  # (run, state) pairs the box was filled for
 
     def show_runs(self, paths: list[Path]) -> None:
         texts = []
         for path in paths:
-            said = "\n\n".join(t for t in (run_notices(path), failure_report(path)) if t)
+            said = "\n\n".join(t for t in (run_notices(path), failure_report(path),
+                                            comparison_summary(path)) if t)
             if said:
                 texts.append(f"{path.name}\n{said}")
         self.setPlainText("\n\n".join(texts))

@@ -27,7 +27,9 @@ answer tokens; the loop divides by the window's answer tokens.
 from __future__ import annotations
 
 import random
+import re
 import time
+from collections import Counter
 from dataclasses import dataclass
 
 import torch
@@ -239,14 +241,27 @@ def time_to_first_token(model, ids: list[int]) -> float:
     return time.perf_counter() - started
 
 
+def answer_f1(answer: str, reference: str) -> float:
+    """Answer quality: the token F1 of a generated answer against the reference (SQuAD's
+    measure: lower-cased words, punctuation dropped, overlap counted with multiplicity); 0 when
+    either has no word."""
+    said, wanted = (Counter(re.findall(r"[a-z0-9]+", t.lower())) for t in (answer, reference))
+    overlap = sum((said & wanted).values())
+    if overlap == 0:
+        return 0.0
+    precision, recall = overlap / sum(said.values()), overlap / sum(wanted.values())
+    return 2 * precision * recall / (precision + recall)
+
+
 @torch.no_grad()
 def compare(base, scoring: dict, serving: dict, corpus_text: str, questions: list[dict],
             max_tokens: int, cartridge_tokens: int, progress=None) -> dict:
     """Each held-out {question, answer, source} read three ways (`SYSTEMS`): the base without
     the document, with the whole corpus in context, reading the cartridge. `scoring[system]`
     (f32 numerics) gives the reference answer's log-likelihood (per token and summed);
-    `serving[system]` (as generate and chat serve it) a greedy answer and the time to first
-    token. Also the KV positions the document part takes and their f16 bytes."""
+    `serving[system]` (as generate and chat serve it) a greedy answer, its token F1 against the
+    reference (`answer_f1`) and the time to first token. Also the KV positions the document
+    part takes and their f16 bytes."""
     from engine.cartridge.prefix import kv_bytes_per_token
     from engine.llm.generate import generate
 
@@ -255,7 +270,8 @@ def compare(base, scoring: dict, serving: dict, corpus_text: str, questions: lis
     per_token = kv_bytes_per_token(base.model)
     prefix_tokens = {"no document": 0, "whole document": len(document),
                      "cartridge": cartridge_tokens}
-    rows, totals = [], {s: {"logprob": 0.0, "tokens": 0, "ttft": 0.0} for s in SYSTEMS}
+    rows = []
+    totals = {s: {"logprob": 0.0, "tokens": 0, "ttft": 0.0, "f1": 0.0} for s in SYSTEMS}
     for number, item in enumerate(questions):
         prompt = prompt_ids(base, item["question"])
         reference = tok.encode(item["answer"], add_special=False, parse_special=False)
@@ -267,17 +283,20 @@ def compare(base, scoring: dict, serving: dict, corpus_text: str, questions: lis
             total = float(logp.gather(-1, torch.tensor(reference)[:, None]).sum())
             ttft = time_to_first_token(serving[system], ids)
             text = generate(serving[system], tok, ids, max_new_tokens=max_tokens).text
+            f1 = answer_f1(text, item["answer"])
             row[system] = {"logprob": total, "logprob_per_token": total / len(reference),
-                           "answer": text, "ttft_s": ttft}
+                           "answer": text, "answer_f1": f1, "ttft_s": ttft}
             totals[system]["logprob"] += total
             totals[system]["tokens"] += len(reference)
             totals[system]["ttft"] += ttft
+            totals[system]["f1"] += f1
         rows.append(row)
         if progress is not None:
             progress(number + 1, len(questions))
     summary = {system: {
         "logprob_per_token": totals[system]["logprob"] / max(totals[system]["tokens"], 1),
         "logprob_sum": totals[system]["logprob"],
+        "answer_f1": totals[system]["f1"] / max(len(questions), 1),
         "kv_prefix_tokens": prefix_tokens[system],
         "kv_prefix_bytes_f16": prefix_tokens[system] * per_token,
         "mean_ttft_s": totals[system]["ttft"] / max(len(questions), 1)} for system in SYSTEMS}
@@ -290,15 +309,17 @@ def report_markdown(result: dict, checkpoint: str) -> str:
     lines = [f"# Cartridge held-out comparison ({checkpoint})", "",
              f"{len(result['questions'])} held-out questions, "
              f"{result['reference_tokens']} reference-answer tokens.", "",
-             "| system | log-likelihood / token | KV prefix (tokens) | KV prefix (f16 bytes) "
-             "| mean TTFT (s) |", "|---|---|---|---|---|"]
+             "| system | log-likelihood / token | answer F1 | KV prefix (tokens) "
+             "| KV prefix (f16 bytes) | mean TTFT (s) |", "|---|---|---|---|---|---|"]
     for system, s in result["systems"].items():
-        lines.append(f"| {system} | {s['logprob_per_token']:.4f} | {s['kv_prefix_tokens']} | "
-                     f"{s['kv_prefix_bytes_f16']:,} | {s['mean_ttft_s']:.3f} |")
+        lines.append(f"| {system} | {s['logprob_per_token']:.4f} | {s['answer_f1']:.3f} | "
+                     f"{s['kv_prefix_tokens']} | {s['kv_prefix_bytes_f16']:,} | "
+                     f"{s['mean_ttft_s']:.3f} |")
     lines += ["", "## Answers", ""]
     for row in result["questions"]:
         lines += [f"**Q** ({row['source']}): {row['question']}", "",
                   f"- reference: {row['reference']}"]
-        lines += [f"- {system}: {row[system]['answer'].strip()}" for system in SYSTEMS]
+        lines += [f"- {system} (F1 {row[system]['answer_f1']:.2f}): "
+                  f"{row[system]['answer'].strip()}" for system in SYSTEMS]
         lines.append("")
     return "\n".join(lines)

@@ -1,6 +1,11 @@
 """`forgebench serve`: the workspace's models over an OpenAI-compatible HTTP API
 (engine/server/http.py) on Starlette + uvicorn.
 
+`--cartridge FILE` serves a cartridge (an lm-cartridge run's trained KV rows) beside the base
+it was trained on (`--model FILE.gguf` or a library id) as a model of its own,
+`BASE+RUN/CHECKPOINT` (engine/server/catalog.py); one trained on another base is refused
+before the socket opens.
+
 Loopback only by default; any other address needs `--api-key` (clients send
 `Authorization: Bearer KEY`), and the server says what it exposes at start. Its stdout is one
 JSON line per event, which the app's Serve switch reads: `{"event": "listening", "url",
@@ -50,7 +55,7 @@ def cmd_serve(args) -> int:
 
         torch.set_num_threads(args.threads)
     workspace = find_workspace(args.workspace)
-    catalog = Catalog.build(workspace, args.model)
+    catalog = Catalog.build(workspace, args.model, getattr(args, "cartridge", None))
     if not catalog.entries:
         raise ForgebenchError("nothing to serve", where="--model",
                               hint="add a model (forgebench models add FILE.gguf) or pass "

@@ -6,7 +6,12 @@
   by serve-local's loader (engine/serve_local.py), never exported first;
 - an export: `exports/NAME` (its `model.gguf`);
 - an embed-retrieval run's checkpoint: `RUN/CHECKPOINT` and `RUN`, type "embedding";
-- a GGUF file given by path on the command line: its file name without `.gguf`.
+- a GGUF file given by path on the command line: its file name without `.gguf`;
+- a cartridge given with `--cartridge FILE` (an lm-cartridge run's cartridge.safetensors)
+  beside the base it was trained on, given by `--model` (a GGUF path or a library id):
+  `BASE+LABEL`, where LABEL is `RUN/CHECKPOINT` for a run's checkpoint file, else the file's
+  name (`gemma-3-270m+guide/step-000006`); the base stays served under its own id too. A
+  cartridge that no given base was trained on is refused at start, with the recipe's error.
 
 No torch at module level: listing reads GGUF headers and run manifests only.
 """
@@ -28,7 +33,7 @@ EMBEDDING_RECIPES = recipes_with("search")   # runs whose encoder answers /v1/em
 @dataclass
 class Entry:
     id: str
-    type: str                        # "base", "checkpoint", "export", "file", "embedding"
+    type: str            # "base", "checkpoint", "export", "file", "embedding", "cartridge"
     origin: str                      # where it came from, in words
     load: dict                       # serve-local's load request, or {"embedding_run", ...}
     family: str | None = None
@@ -105,6 +110,49 @@ def file_entry(path: Path) -> Entry:
                  {"model": str(path)}, family, context, int(path.stat().st_mtime))
 
 
+def cartridge_label(path: Path) -> str:
+    """RUN/CHECKPOINT for runs/RUN/checkpoints/CHECKPOINT/cartridge.safetensors, else the
+    file's name without its extension."""
+    if path.parent.parent.name == "checkpoints":
+        return f"{path.parent.parent.parent.name}/{path.parent.name}"
+    return path.stem
+
+
+def _base_file(entry: Entry) -> Path | None:
+    """The GGUF file a base or file entry serves (None for runs, exports and encoders)."""
+    if entry.type == "file":
+        return Path(entry.load["model"])
+    if entry.type == "base":
+        library = model_library.get_entry(entry.load["workspace"], entry.load["library"])
+        return model_library.entry_path(entry.load["workspace"], library)
+    return None
+
+
+def cartridge_entry(path: Path, bases: list[Entry]) -> Entry:
+    """The base among `bases` that the cartridge at `path` was trained on, reading it first,
+    as an entry of its own; refused (engine.cartridge.prefix.load_cartridge's error, naming
+    both SHA-256s) when it was trained on none of them."""
+    from engine.cartridge.prefix import load_cartridge, read_cartridge
+    from engine.fsutil import sha256_file
+
+    files = [(entry, _base_file(entry)) for entry in bases]
+    files = [(entry, file) for entry, file in files if file is not None]
+    if not files:
+        raise ForgebenchError("a cartridge is served beside its base model", path=path,
+                              where="--cartridge",
+                              hint="name the base it was trained on: --model FILE.gguf (or "
+                                   "its library id)")
+    trained_on = read_cartridge(path).meta.get("base_sha256")
+    hashes = [(entry, file, sha256_file(file)) for entry, file in files]
+    base, _file, sha = next((h for h in hashes if h[2] == trained_on), hashes[0])
+    cartridge = load_cartridge(path, sha)          # refused here when none is its base
+    shift = cartridge.tokens - (1 if cartridge.meta.get("leading_bos") else 0)
+    return Entry(f"{base.id}+{cartridge_label(path)}", "cartridge",
+                 f"{base.origin} reading cartridge {path} ({cartridge.tokens} rows)",
+                 {**base.load, "cartridge": str(path)}, base.family,
+                 base.context - shift if base.context else None, int(path.stat().st_mtime))
+
+
 @dataclass
 class Catalog:
     """The served models: every entry of the workspace, or only those `--model` names (ids
@@ -115,7 +163,17 @@ class Catalog:
     lock: threading.Lock = field(default_factory=threading.Lock)
 
     @classmethod
-    def build(cls, workspace: Path | None, names: list[str] | None = None) -> "Catalog":
+    def build(cls, workspace: Path | None, names: list[str] | None = None,
+              cartridges: list[str] | None = None) -> "Catalog":
+        catalog = cls._models(workspace, names)
+        bases = list(catalog.entries.values())
+        for name in cartridges or []:
+            entry = cartridge_entry(Path(name).expanduser().resolve(), bases)
+            catalog.entries[entry.id] = entry
+        return catalog
+
+    @classmethod
+    def _models(cls, workspace: Path | None, names: list[str] | None) -> "Catalog":
         available = {e.id: e for e in workspace_entries(workspace)} if workspace else {}
         if not names:
             return cls(available)
