@@ -316,7 +316,8 @@ def plan_for(
             EXACT,
             f"a GGUF LoRA's A and B (F32): tinyBLAS {f16_lanes} lanes for 2+ rows (rows % 4, "
             f"cols % {f16_lanes}), else ggml_vec_dot_f32 4×{f16_lanes} lanes and its leftovers "
-            "in f32 (groups of 8 multiplied then added, the rest fma, as GCC -O3 builds it)",
+            "in f32 (whole groups multiplied then added, the rest fma, the group as this "
+            "machine's compiler builds ggml's loop: numerics.f32_tail_group)",
         ),
         Kernel("softmax", EXACT, f"ggml_v_expf, {softmax_lanes}-lane sums in f32, groups in f64"),
         Kernel(

@@ -45,6 +45,9 @@ FLAGS = [
 ]
 # the training step's fused passes: torch's arithmetic, one thread (see the file's header)
 TRAIN_SOURCE = Path(__file__).with_name("train_kernels.c")
+# ggml_vec_dot_f32's tail loop compiled as pip compiles llama.cpp here (ggml_tail_probe.c)
+PROBE_SOURCE = Path(__file__).with_name("ggml_tail_probe.c")
+PROBE_FLAGS = ["-O3", "-march=native", "-shared", "-fPIC"]
 TRAIN_FLAGS = ["-O3", "-march=native", "-ffp-contract=fast", "-fno-fast-math", "-shared", "-fPIC"]
 # the target an AVX2-only x86 CPU builds for (AVX2, FMA, F16C, BMI2: 8-lane vectors)
 AVX2_MARCH = "-march=x86-64-v3"
@@ -176,6 +179,17 @@ def build_train_kernels(simd: str | None) -> ctypes.CDLL | None:
     flags = [AVX2_MARCH if simd == "avx2" and f == "-march=native" else f for f in TRAIN_FLAGS]
     lib = _build(TRAIN_SOURCE, flags)
     return None if lib is None else _declare(lib, TRAIN_SIGNATURES)
+
+
+@functools.lru_cache(maxsize=1)
+def tail_probe() -> ctypes.CDLL | None:
+    """ggml_tail_probe.c built as llama.cpp's own sources are here; None where it cannot be."""
+    lib = _build(PROBE_SOURCE, PROBE_FLAGS)
+    if lib is None:
+        return None
+    lib.fb_vec_dot_f32_tail.argtypes = [_INT, _INT, _PTR, _PTR]
+    lib.fb_vec_dot_f32_tail.restype = _F32
+    return lib
 
 
 @functools.lru_cache(maxsize=1)

@@ -53,7 +53,7 @@ from gguf import GGMLQuantizationType as T
 
 from engine.gguf.constants import QK_K, VEC_DOT_TYPE
 from engine.kernels.cpu import plan
-from engine.kernels.native import kernels, ptr
+from engine.kernels.native import kernels, ptr, tail_probe
 
 NUMERICS = ("f32", "llamacpp")
 
@@ -294,18 +294,52 @@ def tinyblas_serves(rows: int, cols: int, batch: int, lanes: int | None = None) 
 
 
 
+@functools.lru_cache(maxsize=1)
+def f32_tail_group() -> int:
+    """How many of ggml_vec_dot_f32's leftover products the compiler multiplies at once (then
+    adds in order; the rest it fuses): 8 or 4, read off ggml_tail_probe.c, the same loop built
+    by this machine's compiler as pip builds llama.cpp. 8 (GCC's AVX2/AVX-512 loop with no
+    vector epilogue) where the probe cannot be built or shows neither."""
+    lib = tail_probe()
+    if lib is None:
+        return 8
+    generator = torch.Generator().manual_seed(0)
+    seen = {8: True, 4: True}
+    for n in range(1, 16):
+        for _ in range(4):
+            x, y = torch.randn(2, n, generator=generator).unbind(0)
+            x, y = x.contiguous(), y.contiguous()
+            got = lib.fb_vec_dot_f32_tail(0, n, ptr(x), ptr(y))
+            for group in seen:
+                ours = _tail_sum(x, y, group).item()
+                seen[group] = seen[group] and ours == got
+    return next((group for group in (8, 4) if seen[group]), 8)
+
+
+def _tail_sum(x: torch.Tensor, y: torch.Tensor, group: int) -> torch.Tensor:
+    """`sumf += x[i]*y[i]` in f32 from 0 as the compiler builds it: whole groups of `group`
+    products rounded and added in order, the last n mod `group` fused."""
+    total = torch.zeros(())
+    fused_from = x.shape[0] - x.shape[0] % group
+    for k in range(x.shape[0]):
+        total = total + x[k] * y[k] if k < fused_from else fma_f32(x[k], y[k], total)
+    return total
+
+
 def dot_vec_f32(a: torch.Tensor, b: torch.Tensor, lanes: int | None = None,
-                group: int = 8) -> torch.Tensor:
+                group: int | None = None) -> torch.Tensor:
     """a [..., P, K] · b [..., Q, K]ᵀ -> [..., P, Q] as ggml_vec_dot_f32 sums each output (f32
     operands, one row, or a product tinyBLAS refuses): the first K - K mod 4·lanes products in
     four `lanes`-lane fma accumulators (GGML_F32_STEP = 4·GGML_F32_EPR), reduced as
     (acc0+acc2) + (acc1+acc3) and across lanes (GGML_F32x8_REDUCE / GGML_F32x16_REDUCE, the
     order ggml_vec_dot_f16 reduces in), held in an f32 `sumf`; then the leftovers in order,
     `sumf += x[i]*y[i]` in f32. How GCC -O3 compiles that loop decides the bits: it multiplies
-    whole groups of `group` (8: one ymm register) leftovers at once, each product rounded, and
-    adds them in order; the last (leftovers mod 8) it contracts to one fma each. Measured
+    whole groups of `group` leftovers at once, each product rounded, and adds them in order; the
+    last (leftovers mod `group`) it contracts to one fma each. The group follows the compiler's
+    tuning for the CPU (f32_tail_group: 8 on an AMD Zen 4, 4 on a Sapphire Rapids). Measured
     against libggml-cpu for every leftover count 1..63 (tests/test_lora_llamacpp.py)."""
     lanes = lanes or plan().f16_lanes
+    group = group or f32_tail_group()
     K, step = a.shape[-1], 4 * lanes
     np_ = K - K % step
     if np_:
@@ -462,6 +496,7 @@ __all__ = [
     "dot_f16",
     "tinyblas_serves",
     "dot_vec_f32",
+    "f32_tail_group",
     "matmul_f32",
     "expf_ggml",
     "softmax_ggml",
