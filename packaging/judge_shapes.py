@@ -91,18 +91,18 @@ def classify(judge, pngs: list[Path]) -> list[tuple[str, str]]:
 
 
 def usable_copy(run: Path, scratch: Path) -> Path:
-    """The run itself, or, for a shipped example whose paths are written `{workspace}`, a copy
-    given the sample workspace it ships in (its checkpoints are not copied, only linked)."""
+    """A copy of the run to sample from, so judging never writes into the run's own event log
+    (its checkpoints are linked, not copied); a shipped example's copy, whose paths are written
+    `{workspace}`, is given the sample workspace it ships in."""
     from engine.rundir import WORKSPACE_TOKEN, relocate
 
-    if WORKSPACE_TOKEN not in (run / "run.json").read_text():
-        return run
     copy = scratch / run.name
     shutil.copytree(run, copy, ignore=shutil.ignore_patterns("checkpoints", "samples"))
     (copy / "checkpoints").mkdir()
     for checkpoint in (run / "checkpoints").iterdir():
         (copy / "checkpoints" / checkpoint.name).symlink_to(checkpoint.resolve())
-    relocate(copy, SAMPLE_WORKSPACE)
+    if WORKSPACE_TOKEN in (run / "run.json").read_text():
+        relocate(copy, SAMPLE_WORKSPACE)
     return copy
 
 
