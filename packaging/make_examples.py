@@ -59,7 +59,10 @@ EXAMPLES: dict[str, Example] = {
         "image-generate-shapes", "a class-conditional DDPM whose outlined circles, squares and "
         "triangles are recognisable (Samples, Export)",
         dict(KEEP_ONE, sample={"grid_every_checkpoint": False}),
-        ("--n", "4", "--seed", "0", "--steps", "64")),      # the config's respaced grid sampler
+        # the config's respaced grid sampler at a stronger guidance than its cfg 4: the judge
+        # (packaging/judge_shapes.py) recognised 48 samples of the 3000-step run 0.83 and 0.90
+        # at cfg 7 (seeds 0, 1) against 0.75 and 0.83 at cfg 4
+        ("--n", "4", "--seed", "0", "--steps", "64", "--cfg", "7")),
     "where-demo": Example(
         "lm-pretrain-demo", "the `forgebench demo` model: a tiny decoder that answers "
         "'Where is X?' from the record", KEEP_ONE),
