@@ -6,6 +6,7 @@ that is not undone changes them)."""
 from __future__ import annotations
 
 import contextlib
+import statistics
 
 import pytest
 from media_support import make_shapes, write_config
@@ -15,9 +16,11 @@ from engine.config import load_config
 from engine.rundir import RunDir
 from engine.train import precision as precision_module
 from engine.train.precision import (
+    STEP_MIN_ROUNDS,
     STEP_MIN_SPEEDUP,
     choose_from_step_times,
     cpu_bf16_features,
+    step_from_times,
     time_step_precisions,
 )
 
@@ -59,6 +62,43 @@ def test_timing_interleaves_after_one_untimed_call_each():
     assert len(times["f32"]) == len(times["bf16"]) == 3
 
 
+def test_at_least_three_pairs_however_slow_the_step():
+    """One pair let a load spike on either side decide; the budget (spent by the first pair
+    here) no longer cuts the trial short of STEP_MIN_ROUNDS pairs."""
+    now = [0.0]
+
+    def step(precision: str) -> None:
+        now[0] += 5.0                     # each step alone is past the budget
+
+    times = time_step_precisions(step, budget_s=1.0, clock=lambda: now[0])
+    assert STEP_MIN_ROUNDS == 3 and len(times["f32"]) == len(times["bf16"]) == 3
+    # the twin: with the old floor of one pair the budget stops it at once
+    once = time_step_precisions(step, budget_s=1.0, min_rounds=1, clock=lambda: now[0])
+    assert len(once["f32"]) == len(once["bf16"]) == 1
+
+
+def test_the_trial_times_by_the_clock_given():
+    """Costs charged to the clock, not wall time, are what the trial records (the default
+    clock is the process's CPU time, which other processes' load does not stretch)."""
+    now = [0.0]
+    cost = {"f32": 0.3, "bf16": 0.2}
+
+    def step(precision: str) -> None:
+        now[0] += cost[precision]
+
+    times = time_step_precisions(step, budget_s=0.0, clock=lambda: now[0])
+    assert times == {"f32": [pytest.approx(0.3)] * 3, "bf16": [pytest.approx(0.2)] * 3}
+
+
+def test_one_lucky_step_does_not_decide():
+    """The median judges: bf16's one fast step among slow ones keeps f32; the minimum (the old
+    rule) would have picked bf16, the twin."""
+    f32, bf16 = [0.100, 0.101, 0.099], [0.050, 0.140, 0.150]
+    assert choose_from_step_times("auto", AMX, step_from_times(f32),
+                                  step_from_times(bf16)).precision == "f32"
+    assert choose_from_step_times("auto", AMX, min(f32), min(bf16)).precision == "bf16"
+
+
 def _run(tmp_path, data, name: str, precision: str) -> RunDir:
     config = load_config(write_config(tmp_path / f"{name}.toml", "image-classify", data,
                                       steps=4, eval_every=2, save_every=0,
@@ -88,8 +128,9 @@ def test_a_run_records_its_step_times_and_computes_as_a_fixed_run_would(tmp_path
     entry = auto.manifest()["precision"]
     step = entry["step"]
     assert entry["requested"] == "auto" and entry["precision"] in ("f32", "bf16")
-    assert len(step["f32_runs_s"]) == len(step["bf16_runs_s"]) >= 1
-    assert step["f32_s"] == min(step["f32_runs_s"]) and step["bf16_s"] == min(step["bf16_runs_s"])
+    assert len(step["f32_runs_s"]) == len(step["bf16_runs_s"]) >= STEP_MIN_ROUNDS
+    assert step["f32_s"] == statistics.median(step["f32_runs_s"])
+    assert step["bf16_s"] == statistics.median(step["bf16_runs_s"])
     assert entry["precision"] == ("bf16" if step["f32_s"] / step["bf16_s"] >= STEP_MIN_SPEEDUP
                                   else "f32")
     assert f"{step['bf16_s'] * 1e3:.1f} ms in bf16" in entry["reason"]
