@@ -1,13 +1,15 @@
 """Training throughput and model FLOPs utilisation of the demo lm-pretrain model on this CPU.
 
-For each precision (f32, and bf16 autocast; "auto" is marked) prints tokens/s, the FLOPs per
-step as the engine counts them (engine.train.metrics.StepFlops: matmuls and attention, forward
-and backward), the achieved GFLOP/s, the MFU against this machine's matmul peak for that dtype
-(in wall time, measured between the timed steps under the same load; and the cached CPU-time
-peak the recipe's metrics rows use), and the
-biggest remaining costs of a profiled step by kind of op.
+f32 and bf16 autocast steps of the same model and batch are taken in turns (the order swapped
+every round, so a change in a shared machine's load falls on both); prints for each the median
+step in wall and process CPU time (the steadier one under load), tokens/s, the FLOPs per step as
+the engine counts them (engine.train.metrics.StepFlops), the MFU against this machine's matmul
+peak for that dtype (measured after, and the cached CPU-time peak the recipe's metrics rows
+use), the load average, the CPU's instruction sets and bf16 units, what "auto" resolves to here
+and why, and auto's speed over the best fixed precision's. `--profile` adds the biggest costs of
+a profiled step by kind of op.
 
-    python bench/bench_lm_pretrain.py [--threads N] [--steps N]
+    python bench/bench_lm_pretrain.py [--threads N] [--steps N] [--profile]
 """
 
 from __future__ import annotations

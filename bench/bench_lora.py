@@ -29,6 +29,10 @@ rounds) computes as an AVX2-only CPU would (engine/kernels/cpu.py): torch's libr
 AVX2, the engine's training passes built for x86-64-v3, "auto" choosing f32. That measures an
 AVX2 machine's path on an AVX-512 one, with this machine's cores, caches and clocks.
 
+`--precisions` instead runs the engine alone in "auto", f32 and bf16 (one process each, taking
+turns the same way) and prints what "auto" chose and why (run.json's record), each one's wall and
+CPU s/step, and auto's speed over the best fixed precision's in both.
+
 `--profile` instead trains a few engine steps in this process under torch.profiler and prints
 where a step's time goes, by region (base matmuls forward and dx, LoRA, attention, norms and
 activations, the fused LM head + loss, optimizer, Python between ops), the step's FLOPs and its
@@ -40,7 +44,7 @@ measured read bandwidth, whichever is longer. On a shared machine the CPU-time f
 steadier ones.
 
     [FORGEBENCH_SIMD=avx2] python bench/bench_lora.py [--steps 16] [--threads 1,2]
-        [--precision auto] [--profile [--steps 6]]
+        [--precision auto] [--precisions] [--profile [--steps 6]]
 """
 
 from __future__ import annotations
