@@ -18,10 +18,11 @@ The image and audio recipes (engine.train.loop) settle "auto" by their own step,
 generic peaks: on an AMX Xeon their bf16 runs measured 0.27-0.82x their f32 speed (issue 53)
 although the bf16 matmul peak is several times the f32 one. A fresh run times one training
 step (forward, backward, optimizer) of its first batch in both precisions
-(`measure_step_precision`: one untimed step each, then at least three interleaved pairs, more
+(`measure_step_precision`: two untimed steps each, then at least four interleaved pairs, more
 within about two seconds, in this process's CPU time, which other processes' load does not
-stretch as it does wall time), keeps bf16 only if its median step is at least STEP_MIN_SPEEDUP
-times faster (`choose_from_step_times`), and rewrites its run.json `precision` entry with the step
+stretch as it does wall time), keeps bf16 only if its median step over the later half of the
+pairs (a fresh process's first steps are still warming up) is at least STEP_MIN_SPEEDUP times
+faster (`choose_from_step_times`), and rewrites its run.json `precision` entry with the step
 times and why. The trial runs inside `untouched` (parameters, buffers, gradients, optimizer
 state and torch's RNG restored bit for bit, the data generator a copy), so the run's floats
 are those of a run fixed to the chosen precision. `pinned_auto` makes the recipes'
@@ -210,16 +211,21 @@ def migrate_autocast(values):
 # is within the noise of a few timed steps on a shared machine, and keeping f32 then costs
 # under 5% (the issue's bound on "auto" against the best fixed precision)
 STEP_MIN_SPEEDUP = 1.05
-# the trial: one untimed step per precision, then interleaved pairs: at least STEP_MIN_ROUNDS
-# (one pair let a load spike on either side decide: at load 8-9 on 2 cores a 0.4 s step took
-# 2-3.4 s of wall time and "auto" picked the slower precision), at most STEP_ROUNDS, stopping
-# once the timed part passes STEP_BUDGET_S of CPU time
-STEP_MIN_ROUNDS = 3
+# the trial: STEP_WARMUP untimed steps per precision, then interleaved pairs: at least
+# STEP_MIN_ROUNDS (one pair let a load spike on either side decide: at load 8-9 on 2 cores a
+# 0.4 s step took 2-3.4 s of wall time and "auto" picked the slower precision), at most
+# STEP_ROUNDS, stopping once the timed part passes STEP_BUDGET_S of CPU time. A fresh process's
+# steps keep getting faster for a few steps past the first (image-segment's, in CPU time:
+# f32 1550, 426, 234 ms, bf16 1304, 1291, 234 ms; image-generate's bf16 1774, 1939, 933 ms,
+# which read 0.95x f32 on the first pairs and 1.55x over the run), so only the later half of
+# the pairs judges (`step_from_times`)
+STEP_WARMUP = 2
+STEP_MIN_ROUNDS = 4
 STEP_ROUNDS = 8
 STEP_BUDGET_S = 2.0
 # what the trial's answers are keyed by in the cache: answers timed by an older trial (wall
 # time, one pair) are not read back
-STEP_TRIAL_VERSION = "step-cpu2"
+STEP_TRIAL_VERSION = "step-cpu3"
 _pinned_auto: str | None = None
 
 
@@ -296,14 +302,14 @@ def time_step_precisions(trial, rounds: int = STEP_ROUNDS, budget_s: float = STE
                          clock=None) -> dict[str, list[float]]:
     """Seconds of `trial(precision)` in "f32" and "bf16" by `clock` (default: this process's
     CPU time, all its threads; other processes' load on a shared machine stretches wall time,
-    not this): one untimed call each (warm-up: allocations, oneDNN's kernel choice), then
+    not this): STEP_WARMUP untimed calls each (warm-up: allocations, oneDNN's kernel choice), then
     interleaved pairs in alternating order (so a change in the machine's load falls on both),
     at least `min_rounds` and at most `rounds`, stopping once the timed calls pass
     `budget_s`."""
     import time
 
     clock = clock or time.process_time
-    for precision in ("f32", "bf16"):
+    for precision in ("f32", "bf16") * STEP_WARMUP:
         trial(precision)
     times: dict[str, list[float]] = {"f32": [], "bf16": []}
     spent = 0.0
@@ -320,11 +326,11 @@ def time_step_precisions(trial, rounds: int = STEP_ROUNDS, budget_s: float = STE
 
 
 def step_from_times(times: list[float]) -> float:
-    """The step time a precision is judged by: the median of its timed steps (the minimum let
-    one lucky step on either side decide)."""
+    """The step time a precision is judged by: the median of the later half of its timed steps
+    (the earlier ones are still warming up; the minimum let one lucky step decide)."""
     import statistics
 
-    return statistics.median(times)
+    return statistics.median(times[len(times) // 2:])
 
 
 def step_cache_key(recipe: str, module, batch_size: int, threads: int) -> str:
