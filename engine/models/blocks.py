@@ -276,10 +276,12 @@ def packed_attention(core, q, k, v, lengths: list[int], scale: float, window: in
     return torch.cat(outs, dim=2)
 
 
-# a packed sequence's attention (a few dozen tokens) on one torch thread, forward and backward:
-# split over two threads its calls cost far more CPU than they save (a pirate LoRA step's
-# attention forward 106 us a call on one thread, 3 ms on two)
-ONE_THREAD_ATTENTION = os.environ.get("FORGEBENCH_ATTN_ONE_THREAD", "1") != "0"
+# FORGEBENCH_ATTN_ONE_THREAD=1: a packed sequence's attention (a few dozen tokens) on one torch
+# thread, forward and backward (the same bits). Off by default: on a 2-core Sapphire Rapids a
+# pirate LoRA step at 2 threads, interleaved, took 0.273 s wall / 0.456 s CPU with it against
+# 0.258 / 0.469 s without at load 1.5 (5% slower), but 1.00 s / 0.65 s against 2.42 s / 1.11 s
+# at load 6.5, where a tiny parallel call waits on a descheduled partner thread
+ONE_THREAD_ATTENTION = os.environ.get("FORGEBENCH_ATTN_ONE_THREAD", "0") == "1"
 
 
 @contextlib.contextmanager
