@@ -39,6 +39,10 @@ from bench.costs import print_costs  # noqa: E402
 from engine import jobs  # noqa: E402
 from engine.config import validate_config  # noqa: E402
 
+# steps left out of the rates: a fresh run's first steps are several times slower (allocations,
+# oneDNN's kernels), and "auto" ran its trial steps before them, so with them in an 8-step
+# run auto=f32 read 12x fixed f32
+WARMUP_STEPS = 3
 PROFILED = (3, 6)     # profile the steps after the 3rd step_done up to the 6th
 
 RECIPES = ["image-classify", "image-detect", "image-segment", "image-generate", "audio-generate"]
@@ -74,7 +78,8 @@ def measure(recipe: str, precision: str, data: Path, root: Path, steps: int,
     finally:
         jobs.Job.step_done = step_done
     result = {**rates(run, config), "choice": run.manifest()["precision"],
-              "cpu_s_step": (cpu_at_step[-1] - cpu_at_step[0]) / (len(cpu_at_step) - 1)}
+              "cpu_s_step": (cpu_at_step[-1] - cpu_at_step[WARMUP_STEPS])
+              / (len(cpu_at_step) - 1 - WARMUP_STEPS)}
     if prof is None:
         return result
     train = [m for m in run.metrics() if m.get("split") == "train"]
@@ -83,8 +88,8 @@ def measure(recipe: str, precision: str, data: Path, root: Path, steps: int,
 
 
 def rates(run, config) -> dict:
-    """Steps/s and examples/s between the first and the last step, FLOPs and median MFU."""
-    train = [m for m in run.metrics() if m.get("split") == "train"]
+    """Steps/s and examples/s between the step after the warm-up and the last, FLOPs and MFU."""
+    train = [m for m in run.metrics() if m.get("split") == "train"][WARMUP_STEPS:]
     seconds = train[-1]["elapsed_s"] - train[0]["elapsed_s"]
     return {"steps_s": (len(train) - 1) / seconds,
             "examples_s": (len(train) - 1) * config.batch_size / seconds,
