@@ -29,6 +29,10 @@ rounds) computes as an AVX2-only CPU would (engine/kernels/cpu.py): torch's libr
 AVX2, the engine's training passes built for x86-64-v3, "auto" choosing f32. That measures an
 AVX2 machine's path on an AVX-512 one, with this machine's cores, caches and clocks.
 
+`--precisions` instead runs the engine alone in "auto", f32 and bf16 (one process each, taking
+turns the same way) and prints what "auto" chose and why (run.json's record), each one's wall and
+CPU s/step, and auto's speed over the best fixed precision's in both.
+
 `--profile` instead trains a few engine steps in this process under torch.profiler and prints
 where a step's time goes, by region (base matmuls forward and dx, LoRA, attention, norms and
 activations, the fused LM head + loss, optimizer, Python between ops), the step's FLOPs and its
@@ -40,7 +44,7 @@ measured read bandwidth, whichever is longer. On a shared machine the CPU-time f
 steadier ones.
 
     [FORGEBENCH_SIMD=avx2] python bench/bench_lora.py [--steps 16] [--threads 1,2]
-        [--precision auto] [--profile [--steps 6]]
+        [--precision auto] [--precisions] [--profile [--steps 6]]
 """
 
 from __future__ import annotations
@@ -138,7 +142,7 @@ def engine_side(args) -> None:
             start_turn()
 
     jobs.Job.progress, jobs.Job.step_done = progress_then_wait, step_done_then_wait
-    out = work / f"engine-run-{args.threads}"
+    out = work / f"engine-run-{args.threads}-{args.precision}"
     run = jobs.start_run(config, out, ["bench_lora"], threads=args.threads)
     jobs.execute(run, config, None, threads=args.threads, progress=False)
     rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
@@ -225,6 +229,46 @@ THREAD_POLICY = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")
 ENGINE_POLICY = {k: os.environ[k] for k in THREAD_POLICY if k in os.environ}  # engine/__init__'s
 GOMP_DEFAULT = {"GOMP_SPINCOUNT": "300000"}   # libgomp's own default, stated so the child's
                                               # engine import keeps it
+
+
+def precisions_interleaved(args, threads: int, work: Path) -> dict:
+    """The engine alone in "auto", f32 and bf16, one process each, taking turns as in
+    `interleaved`: what "auto" chose, by what, and its speed against the best fixed one."""
+    sides = []
+    for precision in ("auto", "f32", "bf16"):
+        argv = ["--side", "engine", "--model", str(args.model), "--steps", str(args.steps),
+                "--threads", str(threads), "--precision", precision, "--work", str(work),
+                "--weights", args.weights]
+        sides.append(Side(precision, argv, ENGINE_POLICY))
+    for side in sides:
+        side.read()
+    load_before = os.getloadavg()
+    for round_ in range(args.steps):
+        for side in sides[round_ % 3:] + sides[:round_ % 3]:
+            side.step()
+    load_after = os.getloadavg()
+    return {side.name: side.finish(True) | {"steps": side.steps} for side in sides} | {
+        "load": (load_before, load_after)}
+
+
+def print_precisions(args, threads: int, result: dict) -> None:
+    print(f"\nengine only, gemma-3-270m Q4_K_M, pirate pairs, {threads} thread(s), "
+          f"{args.steps} steps each, auto/f32/bf16 interleaved (first {WARMUP_STEPS} excluded); "
+          f"CPU bf16 units: {bf16_units()}; instruction sets: {instruction_sets()}")
+    print(f"load average (1/5/15 min): before {'/'.join(f'{x:.1f}' for x in result['load'][0])},"
+          f" after {'/'.join(f'{x:.1f}' for x in result['load'][1])}")
+    s = {name: summary(result[name]) for name in ("auto", "f32", "bf16")}
+    for name in s:
+        print(f"{name:5} s/step {s[name]['s_per_step']:.3f}, min {s[name]['min_s_per_step']:.3f}, "
+              f"CPU s/step {s[name]['cpu_s_per_step']:.3f}, computed in "
+              f"{result[name]['precision']['precision']}")
+    choice = result["auto"]["precision"]
+    print(f"auto chose {choice['precision']}: {choice['reason']}")
+    for clock, key in (("wall", "s_per_step"), ("CPU", "cpu_s_per_step")):
+        best = min(("f32", "bf16"), key=lambda name: s[name][key])
+        print(f"auto / best fixed ({best}), {clock} time: speed "
+              f"x{s[best][key] / s['auto'][key]:.2f}; bf16 / f32 speed "
+              f"x{s['f32'][key] / s['bf16'][key]:.2f}")
 
 
 def interleaved(args, threads: int, work: Path, ids_path: Path) -> dict:
@@ -570,6 +614,8 @@ def main() -> None:
     parser.add_argument("--threads", default="1,2", help="thread counts, comma-separated")
     parser.add_argument("--weights", choices=["auto", "packed", "dense-cache"],
                         default="dense-cache")
+    parser.add_argument("--precisions", action="store_true",
+                        help="the engine alone in auto, f32 and bf16, interleaved (no PEFT)")
     parser.add_argument("--profile", action="store_true",
                         help="profile engine steps in this process instead (first thread count)")
     parser.add_argument("--side", choices=["engine", "peft"], help=argparse.SUPPRESS)
@@ -593,6 +639,9 @@ def main() -> None:
         ids_path = work / "ids.json"
         ids_path.write_text(json.dumps(encode_pairs(pirate_config(args, work))))
         for threads in [int(t) for t in args.threads.split(",")]:
+            if args.precisions:
+                print_precisions(args, threads, precisions_interleaved(args, threads, work))
+                continue
             print_result(args, threads, interleaved(args, threads, work, ids_path))
 
 

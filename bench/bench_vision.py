@@ -21,10 +21,12 @@ profiled steps (steps 4 to 6) by kind of op (with `--profile`).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import statistics
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import tomllib
@@ -37,6 +39,10 @@ from bench.costs import print_costs  # noqa: E402
 from engine import jobs  # noqa: E402
 from engine.config import validate_config  # noqa: E402
 
+# steps left out of the rates: a fresh run's first steps are several times slower (allocations,
+# oneDNN's kernels), and "auto" ran its trial steps before them, so with them in an 8-step
+# run auto=f32 read 12x fixed f32
+WARMUP_STEPS = 3
 PROFILED = (3, 6)     # profile the steps after the 3rd step_done up to the 6th
 
 RECIPES = ["image-classify", "image-detect", "image-segment", "image-generate", "audio-generate"]
@@ -52,33 +58,38 @@ def measure(recipe: str, precision: str, data: Path, root: Path, steps: int,
     config = validate_config(raw)
     run = jobs.start_run(config, root / f"{recipe}-{precision}-{tag}", ["bench"],
                          threads=threads)
-    if not with_profile:
-        jobs.execute(run, config, None, threads=threads, progress=False)
-        return {**rates(run, config), "choice": run.manifest()["precision"]}
     prof = profile(activities=[ProfilerActivity.CPU],
                    schedule=schedule(wait=PROFILED[0] - 1, warmup=1,
-                                     active=PROFILED[1] - PROFILED[0], repeat=1))
+                                     active=PROFILED[1] - PROFILED[0], repeat=1)) \
+        if with_profile else None
+    cpu_at_step: list[float] = []          # this process's CPU time (all threads) at each step
     step_done = jobs.Job.step_done
 
-    def step_done_and_profile(self, step, **fields):
+    def step_done_and_clock(self, step, **fields):
         step_done(self, step, **fields)
-        prof.step()
+        cpu_at_step.append(time.process_time())
+        if prof is not None:
+            prof.step()
 
-    jobs.Job.step_done = step_done_and_profile
+    jobs.Job.step_done = step_done_and_clock
     try:
-        with prof:
+        with prof if prof is not None else contextlib.nullcontext():
             jobs.execute(run, config, None, threads=threads, progress=False)
     finally:
         jobs.Job.step_done = step_done
+    result = {**rates(run, config), "choice": run.manifest()["precision"],
+              "cpu_s_step": (cpu_at_step[-1] - cpu_at_step[WARMUP_STEPS])
+              / (len(cpu_at_step) - 1 - WARMUP_STEPS)}
+    if prof is None:
+        return result
     train = [m for m in run.metrics() if m.get("split") == "train"]
     profiled = train[PROFILED[1] - 1]["elapsed_s"] - train[PROFILED[0] - 1]["elapsed_s"]
-    return {**rates(run, config), "choice": run.manifest()["precision"], "prof": prof,
-            "profiled_s": profiled}
+    return {**result, "prof": prof, "profiled_s": profiled}
 
 
 def rates(run, config) -> dict:
-    """Steps/s and examples/s between the first and the last step, FLOPs and median MFU."""
-    train = [m for m in run.metrics() if m.get("split") == "train"]
+    """Steps/s and examples/s between the step after the warm-up and the last, FLOPs and MFU."""
+    train = [m for m in run.metrics() if m.get("split") == "train"][WARMUP_STEPS:]
     seconds = train[-1]["elapsed_s"] - train[0]["elapsed_s"]
     return {"steps_s": (len(train) - 1) / seconds,
             "examples_s": (len(train) - 1) * config.batch_size / seconds,
@@ -94,6 +105,26 @@ def auto_note(choice: dict) -> str:
             f"{step['bf16_s'] * 1e3:.1f} ms bf16 ({step['bf16_speedup']:.2f}x), "
             f"trial {step['trial_s']:.2f} s"
             + (" (read back: timed before here)" if "timed before" in choice["reason"] else ""))
+
+
+def print_recipe(recipe: str, results: dict[str, list[dict]], load: str) -> None:
+    """A recipe's medians per precision, and auto against the best fixed one in wall and CPU
+    time (the CPU time of the process, all threads: steadier on a shared machine)."""
+    keys = ("steps_s", "examples_s", "cpu_s_step", "flops", "mfu")
+    median = {p: {k: statistics.median(r[k] for r in rs) for k in keys}
+              for p, rs in results.items()}
+    for precision, m in median.items():
+        print(f"{recipe:16} {precision:9} {m['steps_s']:8.2f} {m['examples_s']:11.1f} "
+              f"{m['cpu_s_step'] * 1e3:12.1f} {m['flops'] / 1e9:11.3f} {m['mfu']:6.1%} "
+              f"{load:>10}", flush=True)
+    best = max(("fp32", "bf16"), key=lambda p: median[p]["steps_s"])
+    print(f"{'':16} wall: auto / best fixed ({best}): "
+          f"{median['auto']['steps_s'] / median[best]['steps_s']:.2f}x; "
+          f"bf16 / fp32: {median['bf16']['steps_s'] / median['fp32']['steps_s']:.2f}x")
+    best = min(("fp32", "bf16"), key=lambda p: median[p]["cpu_s_step"])
+    print(f"{'':16} CPU time: auto / best fixed ({best}): "
+          f"{median[best]['cpu_s_step'] / median['auto']['cpu_s_step']:.2f}x; bf16 / fp32: "
+          f"{median['fp32']['cpu_s_step'] / median['bf16']['cpu_s_step']:.2f}x")
 
 
 def main() -> None:
@@ -120,7 +151,7 @@ def main() -> None:
         print(f"{args.threads} thread(s), {args.steps} steps, {args.rounds} interleaved "
               f"round(s), medians; CPU {simd}; bf16 units: {units}")
         print(f"{'recipe':16} {'precision':9} {'steps/s':>8} {'examples/s':>11} "
-              f"{'GFLOP/step':>11} {'MFU':>6} {'load':>10}")
+              f"{'CPU ms/step':>12} {'GFLOP/step':>11} {'MFU':>6} {'load':>10}")
         for recipe in args.recipes.split(","):
             data = sfx if recipe.startswith("audio") else shapes
             order = ["auto", "fp32", "bf16"]
@@ -134,17 +165,7 @@ def main() -> None:
                     if args.profile:
                         print(f"{recipe} {precision} round {i + 1}:")
                         print_costs(r["prof"], r["profiled_s"])
-            load = f"{load_before:.1f}-{os.getloadavg()[0]:.1f}"
-            median = {p: {k: statistics.median(r[k] for r in results[p])
-                          for k in ("steps_s", "examples_s", "flops", "mfu")} for p in order}
-            for precision in order:
-                m = median[precision]
-                print(f"{recipe:16} {precision:9} {m['steps_s']:8.2f} {m['examples_s']:11.1f} "
-                      f"{m['flops'] / 1e9:11.3f} {m['mfu']:6.1%} {load:>10}", flush=True)
-            best = max(("fp32", "bf16"), key=lambda p: median[p]["steps_s"])
-            print(f"{'':16} auto / best fixed ({best}): "
-                  f"{median['auto']['steps_s'] / median[best]['steps_s']:.2f}x; "
-                  f"bf16 / fp32: {median['bf16']['steps_s'] / median['fp32']['steps_s']:.2f}x")
+            print_recipe(recipe, results, f"{load_before:.1f}-{os.getloadavg()[0]:.1f}")
             for r in results["auto"]:
                 print(f"{'':16} {auto_note(r['choice'])}")
 

@@ -18,8 +18,10 @@ The image and audio recipes (engine.train.loop) settle "auto" by their own step,
 generic peaks: on an AMX Xeon their bf16 runs measured 0.27-0.82x their f32 speed (issue 53)
 although the bf16 matmul peak is several times the f32 one. A fresh run times one training
 step (forward, backward, optimizer) of its first batch in both precisions
-(`measure_step_precision`: one untimed step each, then interleaved pairs within about a
-second, at least one pair), keeps bf16 only if its step is at least STEP_MIN_SPEEDUP times
+(`measure_step_precision`: two untimed steps each, then at least four interleaved pairs, more
+within about two seconds, in this process's CPU time, which other processes' load does not
+stretch as it does wall time), keeps bf16 only if its median step over the later half of the
+pairs (a fresh process's first steps are still warming up) is at least STEP_MIN_SPEEDUP times
 faster (`choose_from_step_times`), and rewrites its run.json `precision` entry with the step
 times and why. The trial runs inside `untouched` (parameters, buffers, gradients, optimizer
 state and torch's RNG restored bit for bit, the data generator a copy), so the run's floats
@@ -209,10 +211,21 @@ def migrate_autocast(values):
 # is within the noise of a few timed steps on a shared machine, and keeping f32 then costs
 # under 5% (the issue's bound on "auto" against the best fixed precision)
 STEP_MIN_SPEEDUP = 1.05
-# the trial: one untimed step per precision, then up to STEP_ROUNDS interleaved pairs while the
-# timed part stays under STEP_BUDGET_S (at least one pair, however slow the step)
+# the trial: STEP_WARMUP untimed steps per precision, then interleaved pairs: at least
+# STEP_MIN_ROUNDS (one pair let a load spike on either side decide: at load 8-9 on 2 cores a
+# 0.4 s step took 2-3.4 s of wall time and "auto" picked the slower precision), at most
+# STEP_ROUNDS, stopping once the timed part passes STEP_BUDGET_S of CPU time. A fresh process's
+# steps keep getting faster for a few steps past the first (image-segment's, in CPU time:
+# f32 1550, 426, 234 ms, bf16 1304, 1291, 234 ms; image-generate's bf16 1774, 1939, 933 ms,
+# which read 0.95x f32 on the first pairs and 1.55x over the run), so only the later half of
+# the pairs judges (`step_from_times`)
+STEP_WARMUP = 2
+STEP_MIN_ROUNDS = 4
 STEP_ROUNDS = 8
-STEP_BUDGET_S = 1.0
+STEP_BUDGET_S = 2.0
+# what the trial's answers are keyed by in the cache: answers timed by an older trial (wall
+# time, one pair) are not read back
+STEP_TRIAL_VERSION = "step-cpu4"
 _pinned_auto: str | None = None
 
 
@@ -227,7 +240,7 @@ def choose_from_step_times(requested: str, features: frozenset[str], f32_s: floa
         return choose_precision(requested, features)
     units = " and ".join(unit for unit in BF16_UNITS if unit in features)
     speedup = f32_s / bf16_s
-    measured = (f"the recipe's own step (step on its first batch) took "
+    measured = (f"the recipe's own step (step on its first batch, median CPU time) took "
                 f"{bf16_s * 1e3:.1f} ms in bf16 against {f32_s * 1e3:.1f} ms in f32 "
                 f"({speedup:.2f}x)")
     step = {"f32_s": f32_s, "bf16_s": bf16_s, "bf16_speedup": round(speedup, 4),
@@ -284,28 +297,44 @@ def untouched(module, optimizer=None):
             optimizer.load_state_dict(optimizer_state)
 
 
-def time_step_precisions(trial, rounds: int = STEP_ROUNDS,
-                         budget_s: float = STEP_BUDGET_S) -> dict[str, list[float]]:
-    """Seconds of `trial(precision)` in "f32" and "bf16": one untimed call each (warm-up:
-    allocations, oneDNN's kernel choice), then interleaved pairs in alternating order (so a
-    change in the machine's load falls on both), at least one and at most `rounds`, stopping
-    once the timed calls pass `budget_s`."""
+def time_step_precisions(trial, rounds: int = STEP_ROUNDS, budget_s: float = STEP_BUDGET_S,
+                         min_rounds: int = STEP_MIN_ROUNDS,
+                         clock=None) -> dict[str, list[float]]:
+    """Seconds of `trial(precision)` in "f32" and "bf16" by `clock` (default: this process's
+    CPU time, all its threads; other processes' load on a shared machine stretches wall time,
+    not this): STEP_WARMUP untimed calls each (warm-up: allocations, oneDNN's kernel choice), then
+    interleaved pairs in alternating order (so a change in the machine's load falls on both),
+    each timed call right after an untimed one of its own precision (a step right after one in
+    the other precision is slower than a run of one precision ever sees: image-classify's bf16
+    step read 0.30x f32 alternating, 3.5x over runs fixed to each, on a Sapphire Rapids),
+    at least `min_rounds` and at most `rounds`, stopping once the timed calls pass
+    `budget_s`."""
     import time
 
-    for precision in ("f32", "bf16"):
+    clock = clock or time.process_time
+    for precision in ("f32", "bf16") * STEP_WARMUP:
         trial(precision)
     times: dict[str, list[float]] = {"f32": [], "bf16": []}
     spent = 0.0
     for i in range(rounds):
         for precision in (("f32", "bf16") if i % 2 == 0 else ("bf16", "f32")):
-            start = time.perf_counter()
+            trial(precision)        # untimed: the timed step follows one of its own precision
+            start = clock()
             trial(precision)
-            took = time.perf_counter() - start
+            took = clock() - start
             times[precision].append(took)
             spent += took
-        if spent > budget_s:
+        if spent > budget_s and i + 1 >= min_rounds:
             break
     return times
+
+
+def step_from_times(times: list[float]) -> float:
+    """The step time a precision is judged by: the median of the later half of its timed steps
+    (the earlier ones are still warming up; the minimum let one lucky step decide)."""
+    import statistics
+
+    return statistics.median(times[len(times) // 2:])
 
 
 def step_cache_key(recipe: str, module, batch_size: int, threads: int) -> str:
@@ -318,7 +347,7 @@ def step_cache_key(recipe: str, module, batch_size: int, threads: int) -> str:
 
     shapes = [(name, list(p.shape)) for name, p in module.named_parameters()]
     digest = hashlib.sha256(json.dumps([recipe, shapes, batch_size]).encode()).hexdigest()
-    return f"{_peak_cache_key('step', threads)}|{digest[:16]}"
+    return f"{_peak_cache_key(STEP_TRIAL_VERSION, threads)}|{digest[:16]}"
 
 
 def _step_cache_path() -> Path:
@@ -369,7 +398,8 @@ def measure_step_precision(run, requested: str | None, module, trial, optimizer=
     start = time.perf_counter()
     with untouched(module, optimizer):
         times = time_step_precisions(trial)
-    choice = choose_from_step_times(requested, units, min(times["f32"]), min(times["bf16"]))
+    choice = choose_from_step_times(requested, units, step_from_times(times["f32"]),
+                                    step_from_times(times["bf16"]))
     choice = replace(choice, step={**choice.step, "f32_runs_s": times["f32"],
                                    "bf16_runs_s": times["bf16"],
                                    "trial_s": round(time.perf_counter() - start, 4)})
