@@ -79,6 +79,18 @@ def loader_documents(text: str) -> list[str]:
     return [line for line in text.split("\n") if line.strip()]
 
 
+def cycled_documents(docs: list[str]):
+    """A stand-in for nanochat.dataloader._document_batches (its parquet reader): `docs` in
+    order, in batches of the loader's tokenizer_batch_size, cycled with the epoch counted."""
+    def document_batches(split, resume_state_dict, tokenizer_batch_size):
+        epoch = 1
+        while True:
+            for i in range(0, len(docs), tokenizer_batch_size):
+                yield docs[i:i + tokenizer_batch_size], (0, i, epoch)
+            epoch += 1
+    return document_batches
+
+
 def dataloader_goldens(out: Path) -> None:
     import nanochat.dataloader as dl
     from nanochat.tokenizer import RustBPETokenizer
@@ -86,15 +98,7 @@ def dataloader_goldens(out: Path) -> None:
     train = (HERE / "tokenizer_train.txt").read_bytes().decode("utf-8")
     tok = RustBPETokenizer.train_from_iterator(iter([train]), TOKENIZER_VOCAB)
     docs = loader_documents(train)
-
-    def document_batches(split, resume_state_dict, tokenizer_batch_size):
-        epoch = 1
-        while True:
-            for i in range(0, len(docs), tokenizer_batch_size):
-                yield docs[i:i + tokenizer_batch_size], (0, i, epoch)
-            epoch += 1
-
-    dl._document_batches = document_batches
+    dl._document_batches = cycled_documents(docs)
     loader = dl.tokenizing_distributed_data_loader_with_state_bos_bestfit(
         tok, LOADER["B"], LOADER["T"], "train", tokenizer_threads=1,
         tokenizer_batch_size=LOADER["tokenizer_batch_size"], device="cpu",

@@ -119,18 +119,6 @@ def forgebench_inputs(config_path: Path) -> dict:
 
 
 # -- the reference's side: nanochat's own code, in its venv -------------------------------
-def import_reference(nanochat: str) -> None:
-    """make_goldens.import_reference: the pinned commit's `nanochat/` package, copied out of
-    the git directory into a temporary directory first on sys.path."""
-    git = ["git", "--git-dir", nanochat] if not (Path(nanochat) / ".git").exists() \
-        else ["git", "-C", nanochat]
-    tmp = tempfile.mkdtemp(prefix="nanochat-ref-")
-    archive = subprocess.run(git + ["archive", PINNED, "nanochat"], check=True,
-                             capture_output=True).stdout
-    subprocess.run(["tar", "-x", "-C", tmp], input=archive, check=True)
-    sys.path.insert(0, tmp)
-
-
 def reference_rows(inputs: dict):
     """nanochat's tokenizer trained on the train split and its BOS best-fit rows of the
     split's documents, as many as Forgebench packed: [N, T+1]."""
@@ -140,16 +128,9 @@ def reference_rows(inputs: dict):
 
     text = inputs["train_text"]
     tok = RustBPETokenizer.train_from_iterator(iter([text]), inputs["vocab_size"])
-    docs = [line for line in text.split("\n") if line.strip()]   # bos_bestfit.text_documents
+    from make_goldens import cycled_documents, loader_documents  # beside this script
 
-    def document_batches(split, resume_state_dict, tokenizer_batch_size):
-        epoch = 1
-        while True:
-            for i in range(0, len(docs), tokenizer_batch_size):
-                yield docs[i:i + tokenizer_batch_size], (0, i, epoch)
-            epoch += 1
-
-    dl._document_batches = document_batches
+    dl._document_batches = cycled_documents(loader_documents(text))  # bos_bestfit's documents
     loader = dl.tokenizing_distributed_data_loader_with_state_bos_bestfit(
         tok, 1, inputs["context"], "train", tokenizer_threads=1,
         tokenizer_batch_size=TOKENIZER_BATCH, device="cpu", buffer_size=BUFFER_SIZE)
@@ -217,6 +198,7 @@ def main() -> int:
     if args.reference_side:
         os.environ["NANOCHAT_DTYPE"] = "float32"
         os.environ["TORCHDYNAMO_DISABLE"] = "1"
+        from make_goldens import import_reference  # beside this script
         import_reference(args.nanochat)
         inputs = json.loads(Path(args.reference_side[0]).read_text("utf-8"))
         Path(args.reference_side[1]).write_text(json.dumps(reference_trace(inputs,
