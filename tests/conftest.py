@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import importlib.util
 import os
 
@@ -47,3 +48,22 @@ def gemma_gguf():
     if not target.exists():
         package.assemble(target)
     return target
+
+
+@pytest.fixture(autouse=True)
+def _collect_on_the_gui_thread(request):
+    """A Qt test runs with automatic garbage collection off, and its garbage is collected here,
+    on the main (GUI) thread, before and after it, as the app collects on its GUI thread only
+    (app/main.py). Otherwise a collection that a worker thread triggers can destroy a widget
+    left in the garbage by an earlier test there, and that deadlocks Qt against the GIL (seen:
+    the suite hung in test_app_runs with a BackgroundCall worker inside ~QWidget)."""
+    if not {"qtbot", "qapp"} & set(request.fixturenames):
+        yield
+        return
+    gc.collect()
+    gc.disable()
+    try:
+        yield
+    finally:
+        gc.collect()
+        gc.enable()

@@ -79,8 +79,10 @@ class _TableLoader(QThread):
     def run(self) -> None:
         # Building 50,000 rows allocates millions of objects; the collector's full passes
         # over them hold the GIL for a few hundred ms and would freeze the GUI thread.
-        # No collection while building; what was built is frozen (it lives long and holds
-        # no reference cycles), so later passes skip it too.
+        # No collection while building (the window runs with automatic collection off anyway:
+        # app/main.py; it is never switched back on from here); what was built is frozen (it
+        # lives long and holds no reference cycles), so later passes skip it too.
+        automatic = gc.isenabled()
         gc.disable()
         try:
             table = DatasetTable(self.path, report=self.report)
@@ -89,7 +91,8 @@ class _TableLoader(QThread):
             return
         finally:
             gc.freeze()
-            gc.enable()
+            if automatic:
+                gc.enable()
         self.loaded.emit(table, self.request)
 
 
