@@ -5,11 +5,11 @@ from __future__ import annotations
 import argparse
 import sys
 
-from pyqtgraph.util.garbage_collector import GarbageCollector
 from PySide6.QtWidgets import QApplication
 
 from app.viewmodels.workspace import Settings, install_sample_workspace
 from app.views import theme
+from app.views.gui_gc import GuiThreadCollector
 from app.views.main_window import MainWindow
 from engine.errors import ForgebenchError
 
@@ -20,17 +20,13 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     app = QApplication.instance() or QApplication(sys.argv[:1])
     app.setApplicationName("Forgebench")
-    # Reference cycles are collected on this (the GUI) thread only, from a timer: a collection
-    # that a worker thread happens to trigger would destroy any widget in the garbage there,
-    # and a widget destroyed off the GUI thread takes Qt's connection lock and then waits for
-    # the GIL while the GUI thread holds the GIL and waits for that lock (seen: the suite hung).
-    collector = GarbageCollector(interval=1.0)
+    collector = GuiThreadCollector(parent=app)   # cycles collected on this thread only
     theme.apply(app)        # light or dark as the desktop is, and again when it changes
     window = MainWindow(Settings())
     open_initial_workspace(window, args.workspace)
     window.show()
     code = app.exec()
-    collector.timer.stop()
+    collector.stop()
     window.deleteLater()  # tear the widgets down inside Qt, before the interpreter exits
     app.processEvents()
     return code
