@@ -6,6 +6,9 @@ float), + - * / // % ** and unary + -, and parentheses. Names, calls, attributes
 strings, comparisons and everything else are refused, so no model output can reach Python.
 Sizes are bounded: the text length, the nesting depth, the exponent, and every intermediate
 result's magnitude, so `9**9**9` is refused instead of eating the machine.
+
+A nanochat model's own tool (text between <|python_start|> and <|python_end|>, nanochat's rules:
+string .count(), no powers) is engine/nanochat_calculator.py.
 """
 
 from __future__ import annotations

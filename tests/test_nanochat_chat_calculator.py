@@ -1,4 +1,4 @@
-"""engine/tools/calculator.py against nanochat's own use_calculator: the value the reference gave
+"""engine/nanochat_calculator.py against nanochat's own use_calculator: the value the reference gave
 for each expression of a table (tests/data/nanochat/chat_goldens.json, made by
 make_chat_goldens.py from karpathy/nanochat 92d63d4 on this project's Python), with the rows
 where this module refuses what the reference evaluates named one by one, and twins."""
@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from engine.tools import calculator
-from engine.tools.calculator import render_result, use_calculator
+from engine import nanochat_calculator as calculator
+from engine.nanochat_calculator import render_result, use_calculator
 
 GOLDENS = Path(__file__).parent / "data" / "nanochat" / "chat_goldens.json"
 

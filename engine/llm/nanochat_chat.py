@@ -13,7 +13,7 @@ its conversation format and its calculator tool, run while the model generates.
   draw consumes the generator as the reference does, even when the token is then forced); a
   token waiting in the forced queue replaces the sampled one; <|python_start|> opens an
   expression, <|python_end|> closes it, and the tokens between, decoded with specials as their
-  text, go to the calculator (engine/tools/calculator.py: the reference's use_calculator with
+  text, go to the calculator (engine/nanochat_calculator.py: the reference's use_calculator with
   a safe evaluator); a result queues <|output_start|>, the tokens of str(result) and
   <|output_end|> to be forced. <|assistant_end|> or <|bos|> ends the reply (and is not part of
   its text).
@@ -39,10 +39,10 @@ from typing import Callable
 import torch
 
 from engine.errors import ForgebenchError
+from engine.nanochat_calculator import render_result, use_calculator
 from engine.nanochat_tokenizer import NanochatTokenizer, assistant_parts, render_conversation
 from engine.sampling import SamplingSettings
 from engine.sampling import next_token as engine_next_token
-from engine.tools.calculator import render_result, use_calculator
 
 
 @dataclass

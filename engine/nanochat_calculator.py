@@ -33,6 +33,10 @@ Where the two differ (each a row of the golden table, with the reference's value
   reference returns it and its Engine then fails on `str(result)`.
 
 `render_result` is the text the Engine encodes between <|output_start|> and <|output_end|>.
+
+Not engine/calculator.py, the arithmetic-only tool of `chat --calculator` (JSON tool calls,
+powers allowed, magnitudes bounded at 1e100): that one is a contract of our own, this one is
+the reference's, differences and all, which is why the two are kept apart.
 """
 
 from __future__ import annotations
