@@ -39,6 +39,7 @@ from typing import Callable
 import torch
 
 from engine.errors import ForgebenchError
+from engine.llm.generate import TextStream
 from engine.nanochat_calculator import render_result, use_calculator
 from engine.nanochat_tokenizer import NanochatTokenizer, assistant_parts, render_conversation
 from engine.sampling import SamplingSettings
@@ -150,16 +151,24 @@ class Reply:
     timings: dict
 
 
+class _SpecialsAsText:
+    """The tokenizer as TextStream reads it: the reply's text writes special tokens (a tool
+    call's <|python_start|> ...) as their text."""
+
+    def __init__(self, tokenizer: NanochatTokenizer):
+        self.decode = tokenizer.decode_with_specials
+
+
 def _streamer(tokenizer: NanochatTokenizer) -> Callable[[list[int]], str]:
-    """Text increments of a growing token list, specials as their text; a partial UTF-8
-    character is held back until it completes (the done line's text has it all)."""
-    sent = [0]
+    """Text increments of a growing token list (engine.llm.generate.TextStream, no stop
+    strings: a partial UTF-8 character is held back until it completes)."""
+    pieces: list[str] = []
+    stream = TextStream(_SpecialsAsText(tokenizer), [], pieces.append)
 
     def update(ids: list[int]) -> str:
-        safe = tokenizer.decode_with_specials(ids).rstrip("\ufffd")
-        new = safe[sent[0]:] if len(safe) > sent[0] else ""
-        sent[0] = max(sent[0], len(safe))
-        return new
+        pieces.clear()
+        stream.update(ids)
+        return "".join(pieces)
     return update
 
 
