@@ -174,10 +174,10 @@ def main() -> int:
 
         args.model = package_file(GEMMA_PACKAGE)
     try:
-        import llama_cpp.server  # noqa: F401
+        import llama_cpp.server.app  # noqa: F401  (the package imports without its extra)
     except ImportError:
-        raise SystemExit("the peer needs llama-cpp-python's server extra: "
-                         "pip install 'llama-cpp-python[server]'") from None
+        raise SystemExit("the peer needs llama-cpp-python's server extra (FastAPI and friends): "
+                         "pip install -e '.[serve-bench]'") from None
     print(f"model {args.model}, {args.threads} threads, {args.max_tokens} tokens, "
           f"{args.repeats} repeats; {platform.processor() or platform.machine()}, "
           f"{os.cpu_count()} CPUs, load average before {os.getloadavg()}", flush=True)
