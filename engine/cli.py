@@ -365,6 +365,9 @@ def _chat_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--repetition-last-n", type=count(-1),
                    help="tokens the penalty looks back over; -1 = all (default: the chat "
                         "default)")
+    p.add_argument("--dry-multiplier", type=real(0, 100),
+                   help="DRY: penalise tokens that would extend a repeated sequence; 0 = off "
+                        "(default: the chat default, printed at start)")
     p.add_argument("--seed", type=SEED, default=0)
     p.add_argument("--numerics", choices=["llamacpp", "f32"], default=None,
                    help="GGUF models: llama.cpp's arithmetic (default) or plain f32")

@@ -1,5 +1,6 @@
 """Chat's one sampling default (engine.sampling.CHAT_DEFAULTS): a 1.1 repetition penalty over
-the last 64 tokens, as Ollama's repeat_penalty/repeat_last_n defaults, in the Chat pane and in
+the last 64 tokens, as Ollama's repeat_penalty/repeat_last_n defaults, and DRY at 0.8
+(tests/test_sampling_dry.py), in the Chat pane and in
 `forgebench chat`; `forgebench generate` and serve-local requests that say nothing stay at 1.0.
 
 The penalty window is checked against llama.cpp's own penalties sampler (llama-cpp-python), and
@@ -66,7 +67,11 @@ def test_forgebench_chat_defaults_to_the_chat_default_and_generate_does_not():
                              "--repetition-last-n", "-1", "--temperature", "0.7"])
     assert chat_settings(off) == dict(CHAT_DEFAULTS.as_dict(), repetition_penalty=1.0,
                                       repetition_last_n=-1, temperature=0.7)
-    assert describe_settings(chat_settings(off)).endswith("no repetition penalty")
+    assert describe_settings(chat_settings(off)).endswith(
+        "no repetition penalty, DRY 0.8 (--dry-multiplier 0 turns it off)")
+    none = parser.parse_args(["chat", "model.gguf", "--repetition-penalty", "1",
+                              "--dry-multiplier", "0"])
+    assert describe_settings(chat_settings(none)).endswith("no repetition penalty")
     generate = parser.parse_args(["generate", "run", "--prompt", "x"])
     assert generate.repetition_penalty == 1.0
 
@@ -152,8 +157,8 @@ def test_repeated_ngram_finds_a_loop_and_not_a_plain_sentence():
 def test_the_chat_default_stops_the_base_model_looping(gemma_gguf, tmp_path):
     """Greedy `forgebench chat` on the Gemma 3 270M base: without the penalty the 96-token reply
     says one short sentence ten times; with the chat default (nothing passed) it does not. (A
-    longer reply still comes back to its 48-token sentence: a 1.1 penalty, even over the whole
-    history, does not outweigh that; measured at 192 tokens.)"""
+    longer reply under the penalty alone comes back to a 40-word paragraph, which a 1.1 penalty
+    does not outweigh; the chat default's DRY does: tests/test_sampling_dry.py.)"""
     def reply(*options: str) -> str:
         done = subprocess.run(
             [sys.executable, "-m", "engine", "chat", str(gemma_gguf), "--prompt",

@@ -152,12 +152,16 @@ class ChatPane(QWidget):
         self.repetition_last_n = QSpinBox(minimum=-1, maximum=4096, specialValueText="all")
         self.repetition_last_n.setToolTip("How many recent tokens the repetition penalty "
                                           "looks at (all = the whole conversation)")
+        self.dry = QDoubleSpinBox(decimals=2, minimum=0.0, maximum=5.0, singleStep=0.1)
+        self.dry.setToolTip("DRY: penalises a token that would continue a sequence already "
+                            "written earlier (catches loops longer than the window); 0 = off")
         defaults = vm.DEFAULT_SETTINGS
         self.temperature.setValue(defaults["temperature"])
         self.top_k.setValue(defaults["top_k"])
         self.top_p.setValue(defaults["top_p"])
         self.repetition.setValue(defaults["repetition_penalty"])
         self.repetition_last_n.setValue(defaults["repetition_last_n"])
+        self.dry.setValue(defaults["dry_multiplier"])
         self.seed = QSpinBox(maximum=2**31 - 1)
         self.max_tokens = QSpinBox(minimum=1, maximum=8192)
         self.max_tokens.setValue(128)
@@ -166,7 +170,7 @@ class ChatPane(QWidget):
         # short labels: the row fits a 1024-pixel window with the sidebar
         for label, widget in (("temp", self.temperature), ("top-k", self.top_k),
                               ("top-p", self.top_p), ("repetition", self.repetition),
-                              ("last", self.repetition_last_n),
+                              ("last", self.repetition_last_n), ("DRY", self.dry),
                               ("seed", self.seed), ("max tokens", self.max_tokens)):
             sampling.addWidget(QLabel(label))
             sampling.addWidget(widget)
@@ -362,10 +366,12 @@ class ChatPane(QWidget):
     # -- a turn ---------------------------------------------------------------------------
     def _apply_settings(self) -> None:
         s = self.session
-        s.settings = {"temperature": self.temperature.value(), "top_k": self.top_k.value(),
+        s.settings = {**vm.DEFAULT_SETTINGS,
+                      "temperature": self.temperature.value(), "top_k": self.top_k.value(),
                       "top_p": self.top_p.value(),
                       "repetition_penalty": self.repetition.value(),
-                      "repetition_last_n": self.repetition_last_n.value()}
+                      "repetition_last_n": self.repetition_last_n.value(),
+                      "dry_multiplier": self.dry.value()}
         s.seed, s.max_tokens = self.seed.value(), self.max_tokens.value()
         if s.conversation is None:
             s.system_prompt = self.system_prompt.text()

@@ -155,11 +155,13 @@ def describe_settings(settings: dict) -> str:
            f"temperature {settings['temperature']:g}, top-k {settings['top_k']}, "
            f"top-p {settings['top_p']:g}")
     penalty, last_n = settings["repetition_penalty"], settings["repetition_last_n"]
+    dry = settings.get("dry_multiplier", 0.0)
+    dry_text = (f", DRY {dry:g} (--dry-multiplier 0 turns it off)" if dry else "")
     if penalty == 1.0 or last_n == 0:
-        return f"{how}, no repetition penalty"
+        return f"{how}, no repetition penalty{dry_text}"
     window = "all tokens" if last_n < 0 else f"the last {last_n} tokens"
     return (f"{how}, repetition penalty {penalty:g} over {window} "
-            "(--repetition-penalty 1 turns it off)")
+            f"(--repetition-penalty 1 turns it off){dry_text}")
 
 
 MAX_TOOL_ROUNDS = 4     # calls answered per user turn, so a model that keeps calling stops

@@ -27,7 +27,7 @@ from typing import Callable
 import numpy as np
 
 from engine.errors import ForgebenchError
-from engine.sampling import SamplingSettings, generate_tokens
+from engine.sampling import SamplingSettings, dry_breakers, generate_tokens
 
 
 @dataclass
@@ -169,8 +169,11 @@ def generate(model, tokenizer, prompt_ids: list[int], *, max_new_tokens: int = 6
         import torch
 
         generator = torch.Generator().manual_seed(seed)
+    breakers = dry_breakers(tokenizer) if settings.dry_on() and hasattr(tokenizer, "decode_bytes") \
+        else None
     ids = generate_tokens(step, list(prompt_ids), max_new_tokens=max_new_tokens, settings=settings,
-                          generator=generator, stop_ids=stop_ids, should_stop=after_token)
+                          generator=generator, stop_ids=stop_ids, should_stop=after_token,
+                          breakers=breakers)
     text = stream.finish(ids)
     reason = _finish_reason(stream, cancelled, len(ids), max_new_tokens)
     total = time.perf_counter() - start

@@ -114,7 +114,8 @@ def nanochat_sample(logits: torch.Tensor, generator: torch.Generator, temperatur
 def uses_nanochat_sampler(settings: SamplingSettings) -> bool:
     """Whether the settings are ones nanochat's sampler has (temperature and top-k only)."""
     return settings.top_p >= 1.0 and (settings.repetition_penalty == 1.0
-                                      or settings.repetition_last_n == 0)
+                                      or settings.repetition_last_n == 0) \
+        and not settings.dry_on()
 
 
 # -- the conversation ------------------------------------------------------------------------

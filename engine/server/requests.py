@@ -87,6 +87,9 @@ TopP = Annotated[float, Field(gt=0.0, le=1.0, allow_inf_nan=False)]
 TopK = Annotated[int, Field(ge=0, le=10_000_000)]
 RepetitionPenalty = Annotated[float, Field(gt=0.0, le=1000.0, allow_inf_nan=False)]
 RepetitionLastN = Annotated[int, Field(ge=-1, le=MAX_TOKENS_LIMIT)]    # -1 = all, 0 = off
+DryMultiplier = Annotated[float, Field(ge=0.0, le=100.0, allow_inf_nan=False)]   # 0 = off
+DryBase = Annotated[float, Field(ge=1.0, le=100.0, allow_inf_nan=False)]
+DryAllowedLength = Annotated[int, Field(ge=0, le=1000)]
 MaxTokens = Annotated[int, Field(ge=1, le=MAX_TOKENS_LIMIT)]
 Seed = Annotated[int, Field(ge=0, le=2**63 - 1)]
 Name = Annotated[str, Field(min_length=1, max_length=256)]
@@ -110,6 +113,10 @@ class Settings(Schema):
     top_p: TopP = 1.0
     repetition_penalty: RepetitionPenalty = 1.0
     repetition_last_n: RepetitionLastN = -1
+    dry_multiplier: DryMultiplier = 0.0
+    dry_base: DryBase = 1.75
+    dry_allowed_length: DryAllowedLength = 2
+    dry_last_n: RepetitionLastN = -1
 
 
 Tools = Annotated[list[dict[str, Any]], Field(max_length=MAX_TOOLS)]
