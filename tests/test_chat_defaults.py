@@ -44,6 +44,7 @@ def test_the_chat_pane_shows_the_chat_default_and_sends_what_the_user_sets(qtbot
     pane = ChatPane()
     qtbot.addWidget(pane)
     assert (pane.repetition.value(), pane.repetition_last_n.value()) == (1.1, 64)
+    assert pane.dry.value() == CHAT_DEFAULTS.dry_multiplier == 0.8
     pane.session = vm.ChatSession(tmp_path)
     pane._apply_settings()
     assert pane.session.settings == CHAT_DEFAULTS.as_dict()
@@ -51,9 +52,11 @@ def test_the_chat_pane_shows_the_chat_default_and_sends_what_the_user_sets(qtbot
     pane.repetition.setValue(1.0)
     pane.repetition_last_n.setValue(-1)
     assert pane.repetition_last_n.text() == "all"
+    pane.dry.setValue(0.0)
     pane._apply_settings()
     assert pane.session.settings["repetition_penalty"] == 1.0
     assert pane.session.settings["repetition_last_n"] == -1
+    assert pane.session.settings["dry_multiplier"] == 0.0
 
 
 def test_forgebench_chat_defaults_to_the_chat_default_and_generate_does_not():

@@ -137,7 +137,17 @@ class ChatPane(QWidget):
         row_b.addWidget(self.source["B"], 1)
         row_b.addWidget(self.numerics)
         pick.addRow("Side by side with", row_b)
-        pick.addRow("System prompt", self.system_prompt)
+        # the seed and the reply's length sit beside the system prompt: the sampling row below
+        # is full at 1024 pixels
+        self.seed = QSpinBox(maximum=2**31 - 1)
+        self.max_tokens = QSpinBox(minimum=1, maximum=8192)
+        self.max_tokens.setValue(128)
+        row_c = QHBoxLayout()
+        row_c.addWidget(self.system_prompt, 1)
+        for label, widget in (("seed", self.seed), ("max tokens", self.max_tokens)):
+            row_c.addWidget(QLabel(label))
+            row_c.addWidget(widget)
+        pick.addRow("System prompt", row_c)
         return pick
 
     def _sampling_row(self) -> QHBoxLayout:
@@ -162,16 +172,12 @@ class ChatPane(QWidget):
         self.repetition.setValue(defaults["repetition_penalty"])
         self.repetition_last_n.setValue(defaults["repetition_last_n"])
         self.dry.setValue(defaults["dry_multiplier"])
-        self.seed = QSpinBox(maximum=2**31 - 1)
-        self.max_tokens = QSpinBox(minimum=1, maximum=8192)
-        self.max_tokens.setValue(128)
         sampling = QHBoxLayout()
         self.temperature.setToolTip("Temperature: 0 = greedy (always the likeliest token)")
         # short labels: the row fits a 1024-pixel window with the sidebar
         for label, widget in (("temp", self.temperature), ("top-k", self.top_k),
                               ("top-p", self.top_p), ("repetition", self.repetition),
-                              ("last", self.repetition_last_n), ("DRY", self.dry),
-                              ("seed", self.seed), ("max tokens", self.max_tokens)):
+                              ("last", self.repetition_last_n), ("DRY", self.dry)):
             sampling.addWidget(QLabel(label))
             sampling.addWidget(widget)
         sampling.addStretch(1)
