@@ -210,6 +210,34 @@ def _load_nanochat_run(name: str, run, checkpoint: str) -> System:
     return System(name, model, tokenizer, NanochatFormat(tokenizer), info)
 
 
+def is_nanochat_chat(manifest: dict) -> bool:
+    """Whether a run chats as nanochat: an lm-pretrain run that trained nanochat's GPT with
+    nanochat's tokenizer (whose special tokens mark chat turns and calculator calls), or a
+    fine-tune (lm-sft) whose base is a checkpoint of such a run. Reads run.json files only."""
+    if manifest.get("recipe") != "lm-pretrain":
+        base_run = pretrain_base_run(manifest)
+        try:
+            base = base_run.manifest() if base_run is not None else {}
+        except ForgebenchError:
+            return False
+        return base.get("recipe") == "lm-pretrain" and is_nanochat_chat(base)
+    config = manifest.get("config") or {}
+    return (config.get("model") or {}).get("family") == "nanochat" \
+        and (config.get("tokenizer") or {}).get("kind") == "nanochat"
+
+
+def pretrain_base_run(manifest: dict):
+    """The lm-pretrain run (a RunDir) whose checkpoint a fine-tune started from (its base is
+    that checkpoint's weights file, RUN/checkpoints/NAME/model.safetensors), or None for a GGUF
+    base or none."""
+    from engine.rundir import RunDir
+
+    path = (manifest.get("base_model") or {}).get("path")
+    if not path or Path(path).suffix == ".gguf" or len(Path(path).parents) < 3:
+        return None
+    return RunDir(Path(path).parents[2])
+
+
 def is_nanochat(system: System) -> bool:
     return system.info.get("format") == "nanochat"
 

@@ -223,3 +223,56 @@ def test_lora_and_other_recipes_are_refused_with_the_reason(workspace, tmp_path,
     base = RunDir(workspace / "runs" / "base")
     with pytest.raises(ForgebenchError, match="lm-dpo does not start from nanochat's GPT"):
         load_nanochat(Other(), base, base.path)
+
+
+def post(url: str, body: dict) -> tuple[int, dict | str]:
+    import urllib.error
+    import urllib.request
+
+    request = urllib.request.Request(url, data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=120) as reply:
+            text = reply.read().decode()
+            return reply.status, text if body.get("stream") else json.loads(text)
+    except urllib.error.HTTPError as exc:
+        return exc.code, json.loads(exc.read())
+
+
+def test_the_openai_server_runs_the_calculator_inside_the_reply(workspace):
+    """`forgebench serve` lists the fine-tune and its pretrained base, answers a chat as
+    nanochat's Engine (the call, its result forced, the rest), streams the same text, and
+    refuses what a nanochat model cannot take with the reason."""
+    from serve_support import Served
+
+    server = Served("--workspace", str(workspace))
+    try:
+        import urllib.request
+
+        with urllib.request.urlopen(server.url + "/models", timeout=60) as listing:
+            models = json.loads(listing.read())
+        ids = {m["id"] for m in models["data"]}
+        assert {"sft", f"sft/step-{STEPS:06d}", "base"} <= ids
+        chat = {"model": "sft", "temperature": 0, "max_tokens": 24,
+                "messages": [{"role": "user", "content": "What is 9 times 9?"}]}
+        status, reply = post(server.url + "/chat/completions", chat)
+        assert status == 200, reply
+        expected = CALL.format(expr="9*9", result="81") + " It is 81."
+        assert reply["choices"][0]["message"]["content"] == expected
+        assert reply["choices"][0]["finish_reason"] == "stop"
+        status, stream = post(server.url + "/chat/completions", {**chat, "stream": True})
+        deltas = [json.loads(line[6:])["choices"][0]["delta"].get("content", "")
+                  for line in stream.splitlines()
+                  if line.startswith("data: {") and '"choices": [{' in line]
+        assert "".join(deltas) == expected
+        # twin: the pretrained base never learnt the call, so its reply has none
+        status, base = post(server.url + "/chat/completions", {**chat, "model": "base"})
+        assert status == 200 and "<|output_start|>81" not in base["choices"][0]["message"][
+            "content"]
+        status, refused = post(server.url + "/chat/completions", {**chat, "stop": ["."]})
+        assert status == 400 and "stop strings are not supported" in refused["error"]["message"]
+        status, text = post(server.url + "/completions", {"model": "sft", "prompt": "Record",
+                                                          "max_tokens": 4, "temperature": 0})
+        assert status == 200 and text["usage"]["prompt_tokens"] >= 2
+    finally:
+        server.close()

@@ -35,7 +35,7 @@ from engine.errors import ForgebenchError
 from engine.nanochat_tokenizer import assistant_parts
 from engine.rundir import RunDir
 from engine.sampling import CHAT_DEFAULTS
-from engine.serve_local import CHAT_RECIPES
+from engine.serve_local import CHAT_RECIPES, is_nanochat_chat, pretrain_base_run
 
 SIDES = ("A", "B")
 DEFAULT_SETTINGS = CHAT_DEFAULTS.as_dict()   # the engine's one chat default (`forgebench chat`'s)
@@ -98,32 +98,6 @@ def sources(root: Path) -> list[Source]:
     for gguf in sorted((root / "exports").glob("*/model.gguf")):
         found.append(Source(f"export: {gguf.parent.name}", "export", {"model": str(gguf)}))
     return found
-
-
-def is_nanochat_chat(manifest: dict) -> bool:
-    """Whether a run chats as nanochat: an lm-pretrain run that trained nanochat's GPT with
-    nanochat's tokenizer (whose special tokens mark chat turns and calculator calls), or a
-    fine-tune (lm-sft) whose base is a checkpoint of such a run."""
-    if manifest.get("recipe") != "lm-pretrain":
-        base_run = pretrain_base_run(manifest)
-        try:
-            base = base_run.manifest() if base_run is not None else {}
-        except ForgebenchError:
-            return False
-        return base.get("recipe") == "lm-pretrain" and is_nanochat_chat(base)
-    config = manifest.get("config") or {}
-    return (config.get("model") or {}).get("family") == "nanochat" \
-        and (config.get("tokenizer") or {}).get("kind") == "nanochat"
-
-
-def pretrain_base_run(manifest: dict) -> RunDir | None:
-    """The lm-pretrain run whose checkpoint a fine-tune started from (its base is that
-    checkpoint's weights file, RUN/checkpoints/NAME/model.safetensors), or None for a GGUF base
-    or none."""
-    path = (manifest.get("base_model") or {}).get("path")
-    if not path or Path(path).suffix == ".gguf" or len(Path(path).parents) < 3:
-        return None
-    return RunDir(Path(path).parents[2])
 
 
 def default_settings(sources: list[Source | None]) -> dict:
