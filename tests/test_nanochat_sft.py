@@ -40,6 +40,7 @@ run = "{base}"
 
 [data]
 path = "{data}"
+val_path = "{data}"
 
 [lora]
 method = "{method}"
@@ -121,6 +122,18 @@ def test_sft_learns_the_calculator_call_with_nanochats_optimizer(workspace):
     assert kinds.count("adamw") == 6 and "muon" in kinds
     assert all(g["weight_decay"] == 0.0 for g in optimizer["param_groups"] if g["kind"] == "muon")
     assert any("momentum_buffer" in s for s in optimizer["state"].values())
+
+
+def test_eval_reads_the_conversations_in_nanochats_format(workspace, capsys):
+    """`forgebench eval` on the fine-tune: the held-out loss (here the training
+    conversations) falls from the middle checkpoint to the last one."""
+    run = workspace / "runs" / "sft"
+    losses = {}
+    for name in (f"step-{STEPS // 2:06d}", f"step-{STEPS:06d}"):
+        capsys.readouterr()
+        assert main(["eval", str(run), "--split", "val", "--checkpoint", name]) == 0
+        losses[name] = json.loads((run / "evals" / f"val-{name}.json").read_text())["loss"]
+    assert losses[f"step-{STEPS:06d}"] < losses[f"step-{STEPS // 2:06d}"] < 0.5
 
 
 def test_training_mask_is_nanochats(workspace):

@@ -63,6 +63,10 @@ from engine.train.loss import IGNORE, SupervisedLoss
 from engine.train.metrics import write_eval_record
 from engine.train.precision import autocast, run_precision
 
+# the samples of a split in the base's own format (nanochat's for its GPT); verify_grads and
+# the tests read a run's samples through this name
+encode_samples = encode_for
+
 
 # -- training -------------------------------------------------------------------------------
 def load_for_training(job: Job, precision: str):
