@@ -6,11 +6,12 @@ A *system* is something to chat with, loaded once under a name and kept warm:
 - a GGUF file (a library model, an exported `model.gguf`, any file), optionally with LoRA
   adapters (`adapters.safetensors`) attached;
 - a checkpoint of a run of a CHAT_RECIPES recipe (lm-sft, lm-dpo, lm-es): its base with the
-  checkpoint's adapters, or its full weights. With a workspace, the run's base is looked up in
-  the model library by its SHA-256 (a base missing from the library is refused with the
-  reason);
-- a checkpoint of an lm-pretrain run of nanochat's GPT with nanochat's tokenizer: it chats in
-  nanochat's own format with its calculator run while it generates, as nanochat's Engine does
+  checkpoint's adapters, or its full weights. With a workspace, the run's GGUF base is looked
+  up in the model library by its SHA-256 (a base missing from the library is refused with the
+  reason); a base that is an lm-pretrain run's checkpoint is read where the run is;
+- a checkpoint of an lm-pretrain run of nanochat's GPT with nanochat's tokenizer, or of an
+  lm-sft run that fine-tuned one: it chats in nanochat's own format with its calculator run
+  while it generates, as nanochat's Engine does
   (engine/llm/nanochat_chat.py): its token lines carry `forced` (the tool's output, not
   sampled), a `{"event": "tool", "expr", "result"}` line follows each calculator block, and
   the reply's text keeps the tool parts as their special tokens' text.
@@ -164,7 +165,9 @@ def _load_run(name: str, run_dir: Path, checkpoint: str, workspace) -> System:
                               path=run.path, where="run",
                               hint=f"chat with a run of {', '.join(CHAT_RECIPES)}")
     module = recipe_for_run(run)
-    base_path = run_base_in_library(run_dir, workspace) if workspace else None
+    # a GGUF base is found in the library; an lm-pretrain run's weights are the base itself
+    gguf_base = Path((run.manifest().get("base_model") or {}).get("path", "")).suffix == ".gguf"
+    base_path = run_base_in_library(run_dir, workspace) if workspace and gguf_base else None
     started = time.perf_counter()
     ckpt = run.checkpoint(checkpoint)
     base, config = module.load_trained(run, ckpt, base_path=base_path)
@@ -174,6 +177,8 @@ def _load_run(name: str, run_dir: Path, checkpoint: str, workspace) -> System:
             "method": "lora" if (ckpt.path / ADAPTERS_FILE).is_file() else "full",
             "template": base.template.origin,
             "context": base.model.config.max_seq_len, "load_s": time.perf_counter() - started}
+    if getattr(base, "nanochat", None) is not None:   # lm-sft of nanochat's GPT: its format
+        info |= {"format": "nanochat", "tool": "calculator"}
     data = getattr(config, "data", None)       # an lm-cartridge run has no data section
     return System(name, base.model, base.tokenizer, base.template, info,
                   data.enable_thinking if data is not None else False)
@@ -203,6 +208,34 @@ def _load_nanochat_run(name: str, run, checkpoint: str) -> System:
             "template": NanochatFormat.origin, "context": model.config.sequence_len,
             "load_s": time.perf_counter() - started}
     return System(name, model, tokenizer, NanochatFormat(tokenizer), info)
+
+
+def is_nanochat_chat(manifest: dict) -> bool:
+    """Whether a run chats as nanochat: an lm-pretrain run that trained nanochat's GPT with
+    nanochat's tokenizer (whose special tokens mark chat turns and calculator calls), or a
+    fine-tune (lm-sft) whose base is a checkpoint of such a run. Reads run.json files only."""
+    if manifest.get("recipe") != "lm-pretrain":
+        base_run = pretrain_base_run(manifest)
+        try:
+            base = base_run.manifest() if base_run is not None else {}
+        except ForgebenchError:
+            return False
+        return base.get("recipe") == "lm-pretrain" and is_nanochat_chat(base)
+    config = manifest.get("config") or {}
+    return (config.get("model") or {}).get("family") == "nanochat" \
+        and (config.get("tokenizer") or {}).get("kind") == "nanochat"
+
+
+def pretrain_base_run(manifest: dict):
+    """The lm-pretrain run (a RunDir) whose checkpoint a fine-tune started from (its base is
+    that checkpoint's weights file, RUN/checkpoints/NAME/model.safetensors), or None for a GGUF
+    base or none."""
+    from engine.rundir import RunDir
+
+    path = (manifest.get("base_model") or {}).get("path")
+    if not path or Path(path).suffix == ".gguf" or len(Path(path).parents) < 3:
+        return None
+    return RunDir(Path(path).parents[2])
 
 
 def is_nanochat(system: System) -> bool:

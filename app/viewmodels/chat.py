@@ -4,7 +4,8 @@ request lines to the worker's stdin and feeds it the worker's stdout lines.
 
 - `sources(workspace)`: library models, checkpoints of lm-sft, lm-dpo and lm-es runs (base +
   adapter, or full weights), checkpoints of lm-pretrain runs of nanochat's GPT with nanochat's
-  tokenizer (they chat in nanochat's format, its calculator run inside the reply) and exported
+  tokenizer and of the lm-sft runs that fine-tuned one (they chat in nanochat's format, its
+  calculator run inside the reply, sampled by default as nanochat samples) and exported
   GGUF files, each with the `load` request that loads it, or the reason it cannot be chatted
   with (a run whose base is not in the library, an unusable file).
 - `reply_segments(text)`: a reply as the pane shows it: text, and each calculator call of a
@@ -34,10 +35,13 @@ from engine.errors import ForgebenchError
 from engine.nanochat_tokenizer import assistant_parts
 from engine.rundir import RunDir
 from engine.sampling import CHAT_DEFAULTS
-from engine.serve_local import CHAT_RECIPES
+from engine.serve_local import CHAT_RECIPES, is_nanochat_chat, pretrain_base_run
 
 SIDES = ("A", "B")
 DEFAULT_SETTINGS = CHAT_DEFAULTS.as_dict()   # the engine's one chat default (`forgebench chat`'s)
+# a nanochat model's default: nanochat's own sampler, which has no repetition penalty (with one,
+# the engine's sampler would replace nanochat's: engine/llm/nanochat_chat.py)
+NANOCHAT_SETTINGS = {**DEFAULT_SETTINGS, "repetition_penalty": 1.0}
 
 
 @dataclass(frozen=True)
@@ -48,6 +52,7 @@ class Source:
     kind: str                     # "library", "run", "export"
     load: dict | None
     reason: str | None = None
+    format: str | None = None     # "nanochat": chats in nanochat's format, calculator inside
 
     @property
     def usable(self) -> bool:
@@ -76,26 +81,33 @@ def sources(root: Path) -> list[Source]:
         if manifest.get("recipe") not in CHAT_RECIPES:
             continue
         base = manifest.get("base_model") or {}
-        in_library = model_library.find_by_sha256(root, base.get("sha256", ""))
+        # a GGUF base is read from the library; an lm-pretrain run's checkpoint where it is
+        in_library = pretrain_base_run(manifest) is not None or \
+            model_library.find_by_sha256(root, base.get("sha256", ""))
         reason = None if in_library else (
             f"its base ({Path(base.get('path', '?')).name}) is not in the model library: "
             "add it in the Models pane")
+        nanochat = is_nanochat_chat(manifest)
         for checkpoint in run.checkpoints():
-            found.append(Source(f"run: {run_dir.name}/{checkpoint.name}", "run",
+            found.append(Source(f"run: {run_dir.name}/{checkpoint.name}"
+                                + (" (nanochat)" if nanochat else ""), "run",
                                 None if reason else {"run": str(run_dir),
                                                      "checkpoint": checkpoint.name,
-                                                     "workspace": str(root)}, reason))
+                                                     "workspace": str(root)}, reason,
+                                "nanochat" if nanochat else None))
     for gguf in sorted((root / "exports").glob("*/model.gguf")):
         found.append(Source(f"export: {gguf.parent.name}", "export", {"model": str(gguf)}))
     return found
 
 
-def is_nanochat_chat(manifest: dict) -> bool:
-    """Whether an lm-pretrain run trained nanochat's GPT with nanochat's tokenizer (whose
-    special tokens mark chat turns and calculator calls): the pretrain runs that can chat."""
-    config = manifest.get("config") or {}
-    return (config.get("model") or {}).get("family") == "nanochat" \
-        and (config.get("tokenizer") or {}).get("kind") == "nanochat"
+def default_settings(sources: list[Source | None]) -> dict:
+    """The sampling settings a chat starts from: nanochat's (repetition penalty 1, so its own
+    sampler runs) when every chosen source is a nanochat model, the engine's chat default
+    (penalty 1.1) otherwise."""
+    chosen = [s for s in sources if s is not None]
+    if chosen and all(s.format == "nanochat" for s in chosen):
+        return dict(NANOCHAT_SETTINGS)
+    return dict(DEFAULT_SETTINGS)
 
 
 def _nanochat_sources(root: Path, run: RunDir, manifest: dict) -> list[Source]:
@@ -103,7 +115,8 @@ def _nanochat_sources(root: Path, run: RunDir, manifest: dict) -> list[Source]:
         return []
     return [Source(f"run: {run.path.name}/{checkpoint.name} (nanochat)", "run",
                    {"run": str(run.path), "checkpoint": checkpoint.name,
-                    "workspace": str(root)}) for checkpoint in run.checkpoints()]
+                    "workspace": str(root)}, format="nanochat")
+            for checkpoint in run.checkpoints()]
 
 
 def reply_segments(text: str) -> list[dict]:
@@ -159,6 +172,7 @@ class ChatSession:
     conversation: Conversation | None = None
     labels: dict[str, str] = field(default_factory=dict)
     loads: dict[str, dict] = field(default_factory=dict)
+    chosen: dict[str, Source] = field(default_factory=dict)   # side -> its source
     loaded: dict[str, dict] = field(default_factory=dict)     # system -> worker info
     load_errors: dict[str, str] = field(default_factory=dict)
     replies: dict[str, Reply] = field(default_factory=dict)   # request -> reply
@@ -178,10 +192,17 @@ class ChatSession:
 
     def choose(self, side: str, source: Source | None) -> list[str]:
         """Pick (or clear) a side's source; returns the lines that load it. A new choice
-        starts a new conversation."""
+        starts a new conversation. Settings still at the defaults of the sources chosen before
+        move to the new choice's (`default_settings`); settings the user changed stay."""
         if source is not None and not source.usable:
             raise ForgebenchError(f"{source.label} cannot be chatted with: {source.reason}",
                                   where="source")
+        untouched = self.settings == default_settings(list(self.chosen.values()))
+        self.chosen.pop(side, None)
+        if source is not None:
+            self.chosen[side] = source
+        if untouched:
+            self.settings = default_settings(list(self.chosen.values()))
         self.conversation = None
         self.loaded.pop(side, None)
         self.load_errors.pop(side, None)

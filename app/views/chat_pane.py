@@ -283,11 +283,13 @@ class ChatPane(QWidget):
         if self.session is None:
             return
         source = self.source[side].currentData()
+        self._apply_settings()        # the choice moves settings still at their defaults
         try:
             lines = self.session.choose(side, source)
         except ForgebenchError as exc:
             self._problem(exc)
             return
+        self.repetition.setValue(self.session.settings["repetition_penalty"])
         self.column_boxes["B"].setVisible("B" in self.session.loads)
         self._write(lines)
         if source is not None:

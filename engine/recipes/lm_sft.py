@@ -1,6 +1,11 @@
 """lm-sft: supervised fine-tuning of a language model — LoRA over a frozen (packed) GGUF base,
 or full fine-tuning of a dense base (an f32/f16/bf16 GGUF or an lm-pretrain run's model).
 
+An lm-pretrain run of nanochat's GPT fine-tunes as nanochat's chat_sft does (engine/train/
+lm_base.py): conversations in nanochat's format with its training mask, calculator calls
+written in the assistant's text, and nanochat's MuonAdamW when the pretraining used it; its
+checkpoints chat in nanochat's format with the calculator run inside the reply.
+
 Reads top to bottom: base model -> SFT samples (prompt masked) -> adapters or full weights ->
 AdamW -> BEFORE generations -> loop (one token-weighted window per step: summed CE over the
 window / its supervised tokens, clipped once, one AdamW step) -> checkpoint -> AFTER
@@ -25,8 +30,9 @@ from pathlib import Path
 
 import torch
 
+from engine.errors import ForgebenchError
 from engine.jobs import Job, run_config
-from engine.llm.sft_data import data_manifest, encode_samples  # noqa: F401 (the hooks)
+from engine.llm.sft_data import data_manifest  # noqa: F401 (the hook)
 from engine.lora import describe_adapters
 from engine.recipes.lm_sft_config import LMSFTConfig
 from engine.rundir import Checkpoint, RunDir
@@ -37,12 +43,15 @@ from engine.train.lm_base import (
     apply_weights,
     base_model,
     checkpoint_activations,
+    encode_for,
     generate_answer,
     load_base,
     load_policy,
     pack,
     prepare_trainable,
     save_weights,
+    schedule_sft,
+    sft_optimizer,
     size_text,
     with_base_file,
     write_after,
@@ -52,8 +61,11 @@ from engine.train.lm_loop import LoopState, StepLoop, StepResult, accumulate, op
 from engine.train.lm_reports import mean_loss, write_reports
 from engine.train.loss import IGNORE, SupervisedLoss
 from engine.train.metrics import write_eval_record
-from engine.train.optim import adamw_for
 from engine.train.precision import autocast, run_precision
+
+# the samples of a split in the base's own format (nanochat's for its GPT); verify_grads and
+# the tests read a run's samples through this name
+encode_samples = encode_for
 
 
 # -- training -------------------------------------------------------------------------------
@@ -67,7 +79,7 @@ def load_for_training(job: Job, precision: str):
 
         run.log_event("base_weights", mode=base.model.weights_mode, **memory_report(base.model))
     job.announce("encoding", "encoding the training samples")
-    samples, report = encode_samples(config, base)
+    samples, report = encode_for(config, base)
     run.log_event("data_encoded", **report)
     return base, samples, report
 
@@ -76,14 +88,18 @@ def distribute(model, adapters, trainable, world, device):
     """(the module that trains, whether it is sharded, the trainable parameters): several
     ranks shard a full fine-tune (FSDP2) and replicate adapters (DDP, summed gradients)."""
     sharded = world.distributed and adapters is None
+    if not sharded:
+        return distributed.data_parallel(SupervisedLoss(model), world, device), False, trainable
+    if not hasattr(model, "layers"):
+        raise ForgebenchError("several processes shard a full fine-tune of the Llama family's "
+                              "layers; nanochat's GPT fine-tunes in one process",
+                              where="--nproc", hint="run it without --nproc")
     # (FSDP2 gathers a module's shards in its forward hook; a layer's norms, attention and MLP
     # are what the models call, so those are the units)
     blocks = [block for layer in model.layers for block in layer.children()]
-    trained = (distributed.fully_sharded(SupervisedLoss(model), blocks, world, device)
-               if sharded else distributed.data_parallel(SupervisedLoss(model), world, device))
-    if sharded:                    # the optimizer steps the shards (DTensors) that replaced them
-        trainable = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-    return trained, sharded, trainable
+    trained = distributed.fully_sharded(SupervisedLoss(model), blocks, world, device)
+    # the optimizer steps the shards (DTensors) that replaced them
+    return trained, True, [(n, p) for n, p in model.named_parameters() if p.requires_grad]
 
 
 def train(job: Job) -> None:
@@ -111,7 +127,7 @@ def train(job: Job) -> None:
     if tr.activation_checkpointing:
         checkpoint_activations(model)
     trained, sharded, trainable = distribute(model, adapters, trainable, world, device)
-    optimizer = adamw_for(trainable, opt)
+    optimizer = sft_optimizer(config, base, trainable)   # nanochat's MuonAdamW for its GPT
     if job.resume_from:
         optimizer.load_state_dict(distributed.shard_optimizer_state(optimizer_state, optimizer)
                                   if sharded else optimizer_state)
@@ -161,6 +177,7 @@ def sft_step(job: Job, samples: list, state: LoopState, trained, model, adapters
         chunks = [mine[start:start + tr.micro_batch]
                   for start in range(0, len(mine), tr.micro_batch)]
         loss = accumulate(job, chunks, micro_step, supervised, trained)
+        schedule_sft(optimizer, _step)              # chat_sft's Muon momentum (AdamW: none)
         outcome = optimizer_step(job, params, optimizer, config.optim.grad_clip, loss.value)
         return StepResult(loss.value, outcome, loss.tokens,
                           {"input_tokens": input_tokens, "supervised_tokens": loss.tokens},
@@ -190,7 +207,7 @@ def evaluate(run: RunDir, checkpoint: Checkpoint, split: str) -> dict:
     """Token-weighted CE of a checkpoint on a split of the dataset; writes evals/ + a metric."""
     precision = run_precision(run, run_config(run))
     base, config = load_trained(run, checkpoint, precision=precision)
-    samples, report = encode_samples(config, base, split=split)
+    samples, report = encode_for(config, base, split=split)
     total = mean_loss(base, samples, config.train.micro_batch, precision)
     values = {"loss": total.value, "supervised_tokens": total.tokens, "samples": len(samples)}
     if config.mode == "cpt":

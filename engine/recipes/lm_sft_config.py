@@ -12,13 +12,15 @@ from typing import Literal
 from pydantic import Field, model_validator
 
 from engine.config import RecipeConfig, Schema
-from engine.recipes.optim_config import LMOptimSection
+from engine.recipes.optim_config import LearningRate, LMOptimSection
 from engine.train.precision import migrate_autocast
 
 
 class ModelSection(Schema):
     gguf: str | None = Field(None, description="base model: a GGUF file (any quantization)")
-    run: str | None = Field(None, description="base model: an lm-pretrain run directory")
+    run: str | None = Field(None, description="base model: an lm-pretrain run directory (a "
+                                              "nanochat GPT with nanochat's tokenizer trains in "
+                                              "nanochat's conversation format)")
     checkpoint: str = Field("latest", description="which checkpoint of `run` to start from")
     weights: Literal["auto", "packed", "dense-cache"] = Field(
         "auto", description="frozen GGUF weights: dequantize on the fly (least memory), once "
@@ -113,6 +115,13 @@ class SampleSection(Schema):
     max_tokens: int = Field(32, ge=1, description="new tokens generated per prompt")
 
 
+class SFTOptimSection(LMOptimSection):
+    lr: LearningRate = Field(1e-3, description="peak learning rate (a nanochat base pretrained "
+                                               "with Muon: Muon's matrix rate, the other "
+                                               "groups at their pretraining share of it, as "
+                                               "nanochat's chat_sft)")
+
+
 class LMSFTConfig(RecipeConfig):
     recipe: Literal["lm-sft"] = "lm-sft"
     mode: Literal["sft", "cpt"] = Field(
@@ -121,7 +130,7 @@ class LMSFTConfig(RecipeConfig):
     model: ModelSection
     data: DataSection
     lora: LoraSection = Field(default_factory=LoraSection)
-    optim: LMOptimSection = Field(default_factory=LMOptimSection)
+    optim: SFTOptimSection = Field(default_factory=SFTOptimSection)
     train: TrainSection = Field(default_factory=TrainSection)
     sample: SampleSection = Field(default_factory=SampleSection)
 

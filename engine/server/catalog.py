@@ -25,7 +25,7 @@ from pathlib import Path
 from engine import model_library
 from engine.errors import ForgebenchError
 from engine.recipe_registry import recipes_with
-from engine.serve_local import CHAT_RECIPES
+from engine.serve_local import CHAT_RECIPES, is_nanochat_chat
 
 EMBEDDING_RECIPES = recipes_with("search")   # runs whose encoder answers /v1/embeddings
 
@@ -73,12 +73,14 @@ def workspace_entries(root: Path) -> list[Entry]:
         except ForgebenchError:
             continue
         recipe = manifest.get("recipe")
-        if not checkpoints or recipe not in CHAT_RECIPES + EMBEDDING_RECIPES:
+        # nanochat (a pretrain run, or its fine-tune): its base is that run, not a library file
+        nanochat = recipe in CHAT_RECIPES + ("lm-pretrain",) and is_nanochat_chat(manifest)
+        if not checkpoints or (recipe not in CHAT_RECIPES + EMBEDDING_RECIPES and not nanochat):
             continue
         base = manifest.get("base_model") or {}
         library = model_library.find_by_sha256(root, base.get("sha256", "")) \
             if recipe in CHAT_RECIPES else None
-        if recipe in CHAT_RECIPES and library is None:
+        if recipe in CHAT_RECIPES and library is None and not nanochat:
             continue          # its base is not in the library: nothing to serve it from
         family = context = None
         if library is not None:
@@ -89,7 +91,8 @@ def workspace_entries(root: Path) -> list[Entry]:
                     if kind == "embedding" else
                     {"run": str(run_dir), "checkpoint": checkpoint.name, "workspace": str(root)})
             origin = f"run {run_dir.name} ({recipe}), checkpoint {checkpoint.name}" + (
-                f" over {library['name']}" if library else "")
+                f" over {library['name']}" if library else "") + (
+                ", nanochat (calculator in the reply)" if nanochat else "")
             found.append(Entry(f"{run_dir.name}/{checkpoint.name}", kind, origin, load, family,
                                context, int(run_dir.stat().st_mtime)))
         latest = found[-1]

@@ -14,7 +14,10 @@ advances its requests together in batched decode steps. LoRA checkpoints of one 
 share one loaded copy of it and its engine thread, each request running its own
 checkpoint's adapter (engine/server/shared_base.py); /health lists the loaded bases.
 Chat prompts are rendered by serve-local's `render` (the model's own template: the training
-one for a run), completions encoded as `forgebench generate` encodes a prompt. `on_log`
+one for a run), completions encoded as `forgebench generate` encodes a prompt. A nanochat model
+(an lm-pretrain run of nanochat's GPT, or its lm-sft fine-tune) renders nanochat's format and
+answers on its own engine thread as nanochat's Engine does, its calculator run inside the reply
+(engine/server/nanochat_runner.py). `on_log`
 receives one dict per finished request (the app's request log).
 """
 
@@ -131,14 +134,16 @@ class Server:
         return Loaded(entry, system=system, runner=shared.runner, adapter=adapter)
 
     def _load_model(self, entry: Entry):
-        from engine.serve_local import load_system
+        from engine.serve_local import is_nanochat, load_system
+        from engine.server.nanochat_runner import NanochatRunner
         from engine.server.scheduler import Runner
 
         system = load_system(entry.id, dict(entry.load))
         self.base_loads += 1
-        runner = Runner(system.model, system.tokenizer, slots=self.slots,
-                        queue_limit=self.queue_limit, name=entry.id,
-                        token_delay=self.token_delay)
+        # a nanochat model answers as nanochat's Engine, its calculator inside the reply
+        runner = (NanochatRunner if is_nanochat(system) else Runner)(
+            system.model, system.tokenizer, slots=self.slots, queue_limit=self.queue_limit,
+            name=entry.id, token_delay=self.token_delay)
         return system, runner
 
     def bases_report(self) -> list[dict]:
@@ -199,9 +204,15 @@ def _prompt_for_chat(loaded: Loaded, body: api.ChatCompletionRequest) -> list[in
 
 
 def _prompt_for_completion(loaded: Loaded, body: api.CompletionRequest) -> list[int]:
+    from engine.serve_local import is_nanochat
+
     text = body.text()
     if not text:
         raise RequestError("prompt: the prompt is empty", param="prompt")
+    if is_nanochat(loaded.system):
+        from engine.server.nanochat_runner import completion_ids
+
+        return completion_ids(loaded.system.tokenizer, text)
     return loaded.system.tokenizer.encode(text, add_special=True, parse_special=True)
 
 
@@ -356,6 +367,14 @@ async def _generate(server: Server, request: Request, body, kind: str) -> Respon
     if loaded.runner is None:
         raise RequestError(f"'{body.model}' is an embedding model: use /v1/embeddings",
                            param="model", code="wrong_model_type")
+    from engine.serve_local import is_nanochat
+
+    if is_nanochat(loaded.system):
+        from engine.server.nanochat_runner import refusal
+
+        reason = refusal(body, kind)
+        if reason is not None:
+            raise RequestError(reason, param=reason.split(":")[0], code="unsupported_parameter")
     prompt_of = _prompt_for_chat if kind == "chat" else _prompt_for_completion
     ids = await run_in_threadpool(prompt_of, loaded, body)
     constraint = await run_in_threadpool(_constraint, loaded, body)

@@ -1,13 +1,16 @@
 """The language-model base a fine-tuning recipe starts from, shared by lm-sft and lm-dpo.
 
-Loading a base (a GGUF file, kept packed or with an f32 dense cache, or an lm-pretrain run's
-model with a plain chat layout), making it trainable (LoRA adapters over the frozen base, or
-every weight for full fine-tuning), applying a checkpoint's adapters or weights, packing
-samples for one forward pass, recomputing blocks in backward, saving a checkpoint's adapters
-or weights and applying them again, and the greedy BEFORE/AFTER generations a run writes into
-`samples/`. lm-es and lm-decision use the loaded-base and checkpoint pieces too. Recipes call
-these; none of them imports a recipe (an lm-pretrain base is loaded by
-engine/train/pretrain_model.py, which lm-pretrain itself uses).
+Loading a base (a GGUF file, kept packed or with an f32 dense cache, an lm-pretrain run's
+Llama with a plain chat layout, or, for lm-sft, an lm-pretrain run of nanochat's GPT with
+nanochat's tokenizer and conversation format), making it trainable (LoRA adapters over the
+frozen base, or every weight for full fine-tuning), applying a checkpoint's adapters or
+weights, packing samples for one forward pass, recomputing blocks in backward, saving a
+checkpoint's adapters or weights and applying them again, and the greedy BEFORE/AFTER
+generations a run writes into `samples/`. A nanochat base keeps nanochat's ways: its
+conversation rendering and training mask, its MuonAdamW as chat_sft sets it up, and its
+Engine's calculator in the answers. lm-es and lm-decision use the loaded-base and checkpoint
+pieces too. Recipes call these; none of them imports a recipe (an lm-pretrain base is loaded
+by engine/train/pretrain_model.py, which lm-pretrain itself uses).
 """
 
 from __future__ import annotations
@@ -28,7 +31,7 @@ from engine.fsutil import atomic_write_json, atomic_write_text, sha256_file
 from engine.llm.chat import ChatTemplate, encode_prompt
 from engine.lora import ADAPTERS_FILE, LoRALinear, adapter_bytes, attach_lora, load_adapters
 from engine.model_library import BYTES_PER_FULL_PARAM
-from engine.models.llama import Llama
+from engine.models.nanochat import NanochatGPT
 from engine.rundir import Checkpoint, RunDir
 from engine.sampling import SamplingSettings, generate_tokens
 from engine.train.checkpoint import MODEL_FILE, load_checkpoint, save_checkpoint
@@ -55,6 +58,9 @@ class Base:
     template: ChatTemplate
     path: Path
     dense: bool           # every linear a plain nn.Linear (an lm-pretrain model)
+    # a nanochat base: the lm-pretrain run's config (its optimizer and rates, which lm-sft
+    # continues as nanochat's chat_sft does); None for every other base
+    nanochat: object = None
 
 
 def base_model(config) -> Path:
@@ -108,15 +114,64 @@ def load_base(config, precision: str = "f32") -> Base:
     if run.manifest().get("recipe") != "lm-pretrain":
         raise ForgebenchError("model.run must be an lm-pretrain run", path=run.path,
                               where="field 'model.run'")
+    from engine.jobs import run_config
+
+    if run_config(run).model.family == "nanochat":
+        return load_nanochat(config, run, path)
     model, tokenizer, _ = load_model(run, run.checkpoint(config.model.checkpoint))
-    if not isinstance(model, Llama):
-        raise ForgebenchError("fine-tuning starts from an lm-pretrain run of the llama family; "
-                              "this run trained nanochat's GPT", path=run.path,
-                              where="field 'model.run'",
-                              hint="pick a run with model.family = \"llama\"")
     template = ChatTemplate(PLAIN_TEMPLATE, bos_token="<bos>", eos_token="<eos>",
                             origin="built-in plain template")
     return Base(model, PretrainTokenizer(tokenizer), template, path, dense=True)
+
+
+class PackedNanochat(NanochatGPT):
+    """nanochat's GPT with the packed-samples surface the supervised loss calls (the Llama
+    family's `hidden(inputs, lengths=, rows=)`): each of the samples packed one after another
+    runs alone from position 0 (its own smear, rotary positions and attention), as a
+    conversation that starts a row of nanochat's chat_sft is computed; `rows` keeps the
+    supervised positions only. Parameters and state_dict are NanochatGPT's, so a checkpoint
+    resumes, chats and loads in nanochat's code as one."""
+
+    def hidden(self, idx: torch.Tensor, start_pos: int = 0, cache=None, trace=None,
+               lengths: list[int] | None = None,
+               rows: torch.Tensor | None = None) -> torch.Tensor:
+        if lengths is None:
+            h = NanochatGPT.hidden(self, idx, start_pos, cache, trace)
+        else:
+            h = torch.cat([NanochatGPT.hidden(self, piece)
+                           for piece in torch.split(idx, lengths, dim=1)], dim=1)
+        return h if rows is None else h[rows]                            # [B, T, C] or [N, C]
+
+
+def load_nanochat(config, run: RunDir, path: Path) -> Base:
+    """An lm-pretrain run of nanochat's GPT as lm-sft's base: its checkpoint's weights and
+    tokenizer, and nanochat's conversation format (engine/llm/nanochat_chat.py). Only lm-sft
+    fine-tunes it (nanochat's chat_sft is supervised fine-tuning), and only with nanochat's
+    tokenizer, whose special tokens mark the turns and the calculator calls."""
+    from engine.jobs import run_config
+    from engine.llm.nanochat_chat import NanochatFormat
+    from engine.text_tokenizers import tokenizer_from_json
+    from engine.train.pretrain_model import TOKENIZER_FILE, nanochat_config
+
+    pretrain = run_config(run)
+    if config.recipe != "lm-sft":
+        raise ForgebenchError(f"{config.recipe} does not start from nanochat's GPT; lm-sft "
+                              "fine-tunes it", path=run.path, where="field 'model.run'",
+                              hint="pick a run with model.family = \"llama\", or use lm-sft")
+    checkpoint = run.checkpoint(config.model.checkpoint)
+    tokenizer = tokenizer_from_json((checkpoint.path / TOKENIZER_FILE).read_text("utf-8"),
+                                    checkpoint.path / TOKENIZER_FILE)
+    if getattr(tokenizer, "kind", None) != "nanochat":
+        raise ForgebenchError(
+            "a nanochat GPT is fine-tuned in nanochat's conversation format, whose turns and "
+            f"calculator calls are its tokenizer's special tokens; this run's tokenizer is "
+            f"{getattr(tokenizer, 'kind', '?')!r}", path=run.path, where="field 'model.run'",
+            hint="pretrain with tokenizer.kind = \"nanochat\"")
+    model = PackedNanochat(nanochat_config(pretrain, tokenizer.vocab_size))
+    tensors, _, _ = load_checkpoint(checkpoint)
+    model.load_state_dict(tensors)
+    return Base(model, tokenizer, NanochatFormat(tokenizer), path, dense=True,
+                nanochat=pretrain)
 
 
 AUTO_CACHE_SHARE = 0.25   # "auto" caches densely when the f32 copy fits in this share of RAM
@@ -174,6 +229,11 @@ Trainable = tuple[dict[str, LoRALinear] | None, list[tuple[str, nn.Parameter]]]
 
 def lora_trainable(config, base: Base) -> Trainable:
     """LoRA adapters on the configured targets; the base frozen."""
+    if base.nanochat is not None:
+        raise ForgebenchError(
+            "LoRA targets the Llama family's projections (q, k, v, o, gate, up, down); "
+            "nanochat's GPT is fine-tuned whole, as nanochat's chat_sft does",
+            path=base.path, where="field 'lora.method'", hint="set lora.method = \"full\"")
     lora = config.lora
     adapters = attach_lora(base.model, targets=lora.targets, rank=lora.rank, alpha=lora.alpha,
                            dropout=lora.dropout, seed=config.seed)
@@ -235,6 +295,11 @@ def checkpoint_activations(model: nn.Module) -> None:
     Dropout masks are regenerated from the same (step, micro, layer, target) seeds, so the
     recomputation is exact.
     """
+    if isinstance(model, NanochatGPT):
+        raise ForgebenchError("activation checkpointing recomputes the Llama family's blocks; "
+                              "nanochat's GPT trains without it",
+                              where="field 'train.activation_checkpointing'",
+                              hint="set train.activation_checkpointing = false")
     for layer in model.layers:
         for block in (layer.attn, layer.mlp):
             block.forward = functools.partial(recompute, block.forward, use_reentrant=False)
@@ -287,6 +352,106 @@ def apply_weights(checkpoint: Checkpoint, model: nn.Module,
     return optimizer_state, state
 
 
+# -- nanochat: its conversations, its optimizer ---------------------------------------------
+def encode_nanochat(config, base: Base, split: str = "train") -> tuple[list, dict]:
+    """(encoded samples, summary counts) of one split of an lm-sft config's conversations, as
+    nanochat's chat_sft renders them (engine.nanochat_tokenizer.render_conversation): <|bos|>,
+    the turns between their special tokens, and the training mask nanochat uses (the
+    assistant's text, its calculator calls and <|assistant_end|>; not the user's turns nor the
+    calculator's output). An assistant turn writes its calls in text, as a chat transcript
+    does: "<|python_start|>6*7<|python_end|><|output_start|>42<|output_end|>". A sample holds
+    at most the model's context (or data.max_len, if shorter) of input tokens; a longer one
+    follows data.truncation."""
+    from engine.llm.nanochat_chat import conversation_of
+    from engine.llm.sft_data import SFTSummary, finish_sample, split_examples
+    from engine.llm.tool_data import ToolExample
+    from engine.nanochat_tokenizer import render_conversation
+
+    d = config.data
+    if getattr(config, "mode", "sft") == "cpt":
+        raise ForgebenchError("nanochat's GPT continues pretraining in lm-pretrain; lm-sft "
+                              "fine-tunes it on conversations", where="field 'mode'",
+                              hint="set mode = \"sft\", or resume the lm-pretrain run")
+    max_len = min(d.max_len, base.model.config.sequence_len)
+    examples = split_examples(config, split)
+    samples, summary = [], SFTSummary(examples=len(examples))
+    for example in examples:
+        if isinstance(example, ToolExample):
+            raise ForgebenchError(
+                "nanochat's calculator calls are part of the assistant's text, not tool "
+                "messages with schemas", path=example.source, where=example.where,
+                hint="write a call as <|python_start|>EXPR<|python_end|><|output_start|>"
+                     "RESULT<|output_end|> inside the assistant's content")
+        try:
+            ids, mask = render_conversation(base.tokenizer, conversation_of(example.messages),
+                                            max_tokens=None)
+        except ForgebenchError as exc:
+            raise ForgebenchError(exc.message, path=example.source, where=example.where,
+                                  hint=exc.hint) from None
+        sample = finish_sample(ids, [bool(m) for m in mask], example, max_len, d.truncation)
+        if sample is None:
+            summary.dropped += 1
+            summary.dropped_lines.append(example.line)
+            continue
+        samples.append(sample)
+        summary.kept += 1
+        summary.truncated += sample.truncated
+        summary.input_tokens += len(sample.input_ids)
+        summary.supervised_tokens += sample.n_supervised
+        summary.longest = max(summary.longest, len(sample.input_ids))
+    if not samples:
+        raise ForgebenchError("no sample is left to train on (all were dropped as too long)",
+                              where="field 'data.truncation'", hint="raise data.max_len")
+    return samples, {**summary.as_dict(), "format": "nanochat", "max_len": max_len}
+
+
+def encode_for(config, base: Base, split: str = "train") -> tuple[list, dict]:
+    """The samples of a split in the base's own format: nanochat's for a nanochat base, the
+    chat template's otherwise (engine.llm.sft_data.encode_samples)."""
+    if base.nanochat is not None:
+        return encode_nanochat(config, base, split)
+    from engine.llm.sft_data import encode_samples
+
+    return encode_samples(config, base, split)
+
+
+def sft_optimizer(config, base: Base, trainable: list) -> torch.optim.Optimizer:
+    """lm-sft's optimizer: AdamW over the trainable parameters, or, for a nanochat base that
+    was pretrained with nanochat's MuonAdamW, that optimizer as nanochat's chat_sft sets it up:
+    GPT.setup_optimizer's groups at the pretrain run's rates (Muon's matrix rate, the
+    embedding and head rates; not batch-scaled, as chat_sft passes them) with weight decay 0
+    (pretraining decayed it to 0). `optim.lr` is Muon's matrix rate and every other group keeps
+    its pretraining proportion to it (chat_sft starts at 0.8 of the pretrain rates)."""
+    from engine.train.optim import adamw_for
+
+    pretrain = base.nanochat
+    if pretrain is None or pretrain.optim.kind != "muon":
+        return adamw_for(trainable, config.optim)
+    from engine.train.muon import MuonAdamW, nanochat_groups
+
+    p = pretrain.optim
+    optimizer = MuonAdamW(nanochat_groups(base.model, unembedding_lr=p.unembedding_lr,
+                                          embedding_lr=p.embedding_lr, matrix_lr=p.lr,
+                                          weight_decay=0.0))
+    for group in optimizer.param_groups:
+        group["lr_ratio"] = group["initial_lr"] / p.lr
+        group["lr"] = config.optim.lr * group["lr_ratio"]
+    return optimizer
+
+
+def sft_muon_momentum(step: int) -> float:
+    """chat_sft's Muon momentum: 0.85 rising linearly to 0.95 over the first 300 steps."""
+    frac = min(step / 300, 1)
+    return (1 - frac) * 0.85 + frac * 0.95
+
+
+def schedule_sft(optimizer: torch.optim.Optimizer, step: int) -> None:
+    """The per-step settings chat_sft gives MuonAdamW besides the rate (none for AdamW)."""
+    for group in optimizer.param_groups:
+        if group.get("kind") == "muon":
+            group["momentum"] = sft_muon_momentum(step)
+
+
 # -- generation -----------------------------------------------------------------------------
 GREEDY = SamplingSettings()
 
@@ -295,10 +460,30 @@ GREEDY = SamplingSettings()
 def answer(base: Base, prompt: str, max_tokens: int, enable_thinking: bool | None = False, *,
            settings: SamplingSettings = GREEDY, seed: int = 0) -> str:
     """The KV-cached answer to one user turn (dropout off): greedy by default, else sampled
-    with `settings` from a generator seeded with `seed`."""
+    with `settings` from a generator seeded with `seed`. A nanochat base answers as nanochat's
+    Engine does, its calculator run inside the reply (engine/llm/nanochat_chat.py); the
+    answer keeps the calls as their special tokens' text."""
+    if base.nanochat is not None:
+        return nanochat_answer(base, prompt, max_tokens, settings=settings, seed=seed)
     return complete(base, base.template.render([{"role": "user", "content": prompt}],
                                                enable_thinking=enable_thinking),
                     max_tokens, settings=settings, seed=seed)
+
+
+@torch.no_grad()
+def nanochat_answer(base: Base, prompt: str, max_tokens: int, *,
+                    settings: SamplingSettings = GREEDY, seed: int = 0) -> str:
+    from engine.llm.nanochat_chat import generate_reply, prompt_ids
+
+    model, tokenizer = base.model, base.tokenizer
+    was_training = model.training
+    model.eval()
+    ids = prompt_ids(tokenizer, [{"role": "user", "content": prompt}])
+    room = model.config.sequence_len - len(ids)
+    reply = generate_reply(model, tokenizer, ids, max_tokens=max(min(max_tokens, room), 0),
+                           settings=settings, seed=seed)
+    model.train(was_training)
+    return tokenizer.decode_with_specials(reply.ids)
 
 
 @torch.no_grad()
