@@ -17,7 +17,9 @@ from app.viewmodels import chat as chat_vm
 from engine import serve_local
 from engine.cli import main
 from engine.errors import ForgebenchError
+from engine.llm.nanochat_chat import uses_nanochat_sampler
 from engine.rundir import RunDir
+from engine.sampling import CHAT_DEFAULTS, SamplingSettings
 from engine.train.checkpoint import load_checkpoint
 
 CALL = "<|python_start|>{expr}<|python_end|><|output_start|>{result}<|output_end|>"
@@ -207,12 +209,17 @@ def test_chat_pane_lists_the_fine_tune_as_nanochat_with_nanochats_sampler(worksp
     assert session.settings["repetition_penalty"] == 1.1
     session.choose("A", sft)
     assert session.settings["repetition_penalty"] == 1.0
+    assert session.settings["dry_multiplier"] == 0.0
+    assert uses_nanochat_sampler(SamplingSettings(**session.settings))
+    # twin: the engine's chat default would replace nanochat's sampler
+    assert not uses_nanochat_sampler(CHAT_DEFAULTS)
 
 
 def test_default_settings_follow_the_sources_unless_changed():
     nanochat = chat_vm.Source("run: x (nanochat)", "run", {"run": "x"}, format="nanochat")
     gguf = chat_vm.Source("model: m", "library", {"library": "m"})
     assert chat_vm.default_settings([nanochat])["repetition_penalty"] == 1.0
+    assert chat_vm.default_settings([nanochat])["dry_multiplier"] == 0.0
     assert chat_vm.default_settings([gguf])["repetition_penalty"] == 1.1      # twin
     assert chat_vm.default_settings([nanochat, gguf])["repetition_penalty"] == 1.1
     session = chat_vm.ChatSession(Path("."))

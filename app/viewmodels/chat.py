@@ -39,9 +39,9 @@ from engine.serve_local import CHAT_RECIPES, is_nanochat_chat, pretrain_base_run
 
 SIDES = ("A", "B")
 DEFAULT_SETTINGS = CHAT_DEFAULTS.as_dict()   # the engine's one chat default (`forgebench chat`'s)
-# a nanochat model's default: nanochat's own sampler, which has no repetition penalty (with one,
-# the engine's sampler would replace nanochat's: engine/llm/nanochat_chat.py)
-NANOCHAT_SETTINGS = {**DEFAULT_SETTINGS, "repetition_penalty": 1.0}
+# a nanochat model's default: nanochat's own sampler, which has no repetition penalty and no DRY
+# (with either, the engine's sampler would replace nanochat's: engine/llm/nanochat_chat.py)
+NANOCHAT_SETTINGS = {**DEFAULT_SETTINGS, "repetition_penalty": 1.0, "dry_multiplier": 0.0}
 
 
 @dataclass(frozen=True)
@@ -101,9 +101,9 @@ def sources(root: Path) -> list[Source]:
 
 
 def default_settings(sources: list[Source | None]) -> dict:
-    """The sampling settings a chat starts from: nanochat's (repetition penalty 1, so its own
-    sampler runs) when every chosen source is a nanochat model, the engine's chat default
-    (penalty 1.1) otherwise."""
+    """The sampling settings a chat starts from: nanochat's (repetition penalty 1 and DRY off, so
+    its own sampler runs) when every chosen source is a nanochat model, the engine's chat
+    default (penalty 1.1, DRY 0.8) otherwise."""
     chosen = [s for s in sources if s is not None]
     if chosen and all(s.format == "nanochat" for s in chosen):
         return dict(NANOCHAT_SETTINGS)

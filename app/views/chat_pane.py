@@ -290,6 +290,7 @@ class ChatPane(QWidget):
             self._problem(exc)
             return
         self.repetition.setValue(self.session.settings["repetition_penalty"])
+        self.dry.setValue(self.session.settings["dry_multiplier"])
         self.column_boxes["B"].setVisible("B" in self.session.loads)
         self._write(lines)
         if source is not None:
