@@ -1,9 +1,16 @@
 """Packed attention on one torch thread (engine.models.blocks.ONE_THREAD_ATTENTION): a LoRA
 step's attention calls are a few dozen tokens each, which split over two threads cost more CPU
-than they save. The forward and the gradients must be the bits torch's threaded calls give, and
-both the forward and the backward must really run on one thread (with their twins)."""
+than they save. The forward and the gradients must be the bits torch gives at one thread, and
+both the forward and the backward must really run on one thread (with their twins).
+
+Whether those are also the bits of torch's threaded calls depends on the CPU: on the Sapphire
+Rapids they are, on a Zen 4 EPYC torch's threaded SDPA backward differs from its one-thread
+backward by about 1 ulp (its forward does not). The test measures which holds here and asserts
+the bits where torch gives them, a 1e-6 bound where it does not, and says so."""
 
 from __future__ import annotations
+
+import warnings
 
 import pytest
 import torch
@@ -46,8 +53,21 @@ def test_one_thread_attention_gives_the_threaded_bits(two_threads, monkeypatch, 
                                                       autocast):
     threaded = _attend(False, monkeypatch, window=window, autocast=autocast)
     single = _attend(True, monkeypatch, window=window, autocast=autocast)
-    for a, b in zip(threaded, single):
+    torch.set_num_threads(1)
+    torch_one_thread = _attend(False, monkeypatch, window=window, autocast=autocast)
+    torch.set_num_threads(2)
+    for a, b in zip(torch_one_thread, single):      # exactly torch at one thread, everywhere
         assert torch.equal(a, b)
+    assert torch.equal(threaded[0], single[0])       # the forward is thread-independent
+    torch_agrees = all(torch.equal(a, b) for a, b in zip(threaded, torch_one_thread))
+    if not torch_agrees:
+        warnings.warn("on this CPU torch's threaded SDPA backward differs from its one-thread "
+                      "backward; one-thread attention gives the one-thread bits", stacklevel=1)
+    for a, b in zip(threaded, single):
+        if torch_agrees:
+            assert torch.equal(a, b)
+        else:
+            torch.testing.assert_close(b, a, rtol=1e-6, atol=1e-6)
 
 
 def test_twin_a_different_core_is_caught(two_threads, monkeypatch):

@@ -277,10 +277,13 @@ def packed_attention(core, q, k, v, lengths: list[int], scale: float, window: in
 
 
 # FORGEBENCH_ATTN_ONE_THREAD=1: a packed sequence's attention (a few dozen tokens) on one torch
-# thread, forward and backward (the same bits). Off by default: on a 2-core Sapphire Rapids a
-# pirate LoRA step at 2 threads, interleaved, took 0.273 s wall / 0.456 s CPU with it against
-# 0.258 / 0.469 s without at load 1.5 (5% slower), but 1.00 s / 0.65 s against 2.42 s / 1.11 s
-# at load 6.5, where a tiny parallel call waits on a descheduled partner thread
+# thread, forward and backward: the bits torch computes at one thread. On the Sapphire Rapids
+# those equal its threaded bits; on a Zen 4 EPYC torch's threaded SDPA backward differs from its
+# one-thread backward by about 1 ulp (tests/test_lora_threads.py says which holds). Off by
+# default: on a 2-core Sapphire Rapids a pirate LoRA step at 2 threads, interleaved, took
+# 0.273 s wall / 0.456 s CPU with it against 0.258 / 0.469 s without at load 1.5 (5% slower),
+# but 1.00 s / 0.65 s against 2.42 s / 1.11 s at load 6.5, where a tiny parallel call waits on
+# a descheduled partner thread
 ONE_THREAD_ATTENTION = os.environ.get("FORGEBENCH_ATTN_ONE_THREAD", "0") == "1"
 
 
