@@ -332,6 +332,7 @@ def test_the_pane_shows_the_shipped_cartridge_example_s_comparison(qtbot, sample
     assert "of the way" in view.headline.text()
     qtbot.waitUntil(lambda: labels_cut_off(pane) == [])
     qtbot.waitUntil(lambda: cells_cut_off(table) == [])
+    qtbot.waitUntil(lambda: cells_cut_off(view.per_question) == [])
 
 
 def test_a_damaged_or_vanished_comparison_says_what_is_wrong_in_the_pane(qtbot, sample):
