@@ -17,7 +17,7 @@ segmenter's and recogniser's last checkpoints are evaluated (`forgebench eval`),
 Transcripts have per-image results and transcripts to show. A run that failed is an error,
 never shipped.
 
-    python packaging/make_examples.py                 # every example (about an hour of CPU)
+    python packaging/make_examples.py                 # every example (about 35 CPU-minutes)
     python packaging/make_examples.py sensor-alert    # only the named ones
     python packaging/make_examples.py --resample shapes-generator   # sample again, no training
 """
