@@ -204,8 +204,8 @@ def export_screens(window: MainWindow, workspace: Workspace, shot, app: QApplica
 def example_screens(window: MainWindow, workspace: Workspace, shot, app: QApplication) -> None:
     """The sample workspace as a new user finds it: its finished example runs in the ledger,
     the recognisable image generator's and the sound generator's samples, a blind A/B of the
-    sound generator's two checkpoints, the image generator exported, and the tabular
-    example's selection report."""
+    sound generator's two checkpoints, the image generator exported, the tabular
+    example's selection report and the cartridge example's held-out comparison."""
     runs_dir = workspace.runs_dir
     window.sidebar.setCurrentRow(PANES.index("Runs"))
     runs = window.runs
@@ -240,6 +240,9 @@ def example_screens(window: MainWindow, workspace: Workspace, shot, app: QApplic
     reports = window.reports
     reports.run_combo.setCurrentIndex(reports.run_combo.findData(str(runs_dir / "sensor-alert")))
     shot("29-reports-tabular-calibration-and-alerts")
+    reports.run_combo.setCurrentIndex(reports.run_combo.findData(str(runs_dir /
+                                                                     "cartridge-guide")))
+    shot("29b-reports-example-cartridge-comparison")
 
 
 def wait_until(app: QApplication, condition, seconds: float = 900) -> None:

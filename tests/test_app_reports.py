@@ -88,7 +88,9 @@ def test_the_pane_shows_the_tabular_example_s_report_and_pictures(qtbot, sample)
     pane = shown_at(qtbot, ReportsPane())
     pane.set_workspace(sample)
     runs = [pane.run_combo.itemText(i) for i in range(pane.run_combo.count())]
-    assert runs == ["sensor-alert", "shapes-segmenter", "speech-commands"]
+    assert runs == ["cartridge-guide", "sensor-alert", "shapes-segmenter", "speech-commands"]
+    assert pane.run_combo.currentText() == "cartridge-guide"         # the first listed
+    pane.show_run(sample.runs_dir / "sensor-alert")
     assert pane.run_combo.currentText() == "sensor-alert"
     record = json.loads((sample.runs_dir / "sensor-alert" / "evals" /
                          "selection-step-000001.json").read_text())
@@ -112,6 +114,7 @@ def test_a_new_report_appears_and_a_rewritten_one_is_read_again(qtbot, sample):
     pane = shown_at(qtbot, ReportsPane())
     pane.set_workspace(sample)
     run = sample.runs_dir / "sensor-alert"
+    pane.show_run(run)
     forgebench("eval", str(run), "--split", "val")           # a real report, with its PNGs
     pane.refresh_runs()
     names = [pane.report_combo.itemText(i) for i in range(pane.report_combo.count())]
@@ -142,6 +145,7 @@ def test_a_damaged_report_is_listed_and_says_what_is_wrong_with_it(qtbot, sample
     (evals / "val-step-000001.json").write_text('{"split": "val", "ece": 0.0')   # cut short
     pane = shown_at(qtbot, ReportsPane())
     pane.set_workspace(sample)
+    pane.show_run(sample.runs_dir / "sensor-alert")
     assert pane.report_combo.currentText() == "selection-step-000001"      # twin: read whole
     assert "(TP)" in pane.summary.text()
     pane.report_combo.setCurrentIndex(pane.report_combo.findText("val-step-000001"))
@@ -299,6 +303,36 @@ def test_the_pane_shows_a_cartridge_comparison_side_by_side_and_whole(qtbot, sam
     assert per_question.item(0, 2).text() == "-1.500 · F1 0.50"
     assert per_question.item(0, 3).toolTip() == "cartridge says"
     qtbot.waitUntil(lambda: cells_cut_off(per_question) == [])
+
+
+def test_the_pane_shows_the_shipped_cartridge_example_s_comparison(qtbot, sample):
+    """The sample workspace's cartridge example (a real lm-cartridge run, made by
+    packaging/make_examples.py) in the pane: its three conditions with the figures of its
+    record, every held-out question underneath, nothing cut off at the pane's size."""
+    from app.views.reports_pane import ReportsPane
+    run = sample.runs_dir / "cartridge-guide"
+    pane = shown_at(qtbot, ReportsPane())
+    pane.set_workspace(sample)
+    pane.show_run(run)
+    (path,) = (run / "evals").glob("cartridge-*.json")
+    record = json.loads(path.read_text())
+    assert pane.report_combo.currentText() == path.stem
+    view = pane.cartridge
+    assert view.isVisible() and not pane.figures.isVisible()
+    table = view.table
+    shown = {table.item(r, 0).text(): [table.item(r, c).text() for c in range(1, 5)]
+             for r in range(table.rowCount())}
+    assert list(shown) == list(vm.CONDITIONS)
+    for condition, f in record["systems"].items():
+        assert shown[condition] == [f"{f['logprob_per_token']:.3f}", f"{f['answer_f1']:.2f}",
+                                    f"{f['kv_prefix_bytes_f16'] / 1e6:.1f}",
+                                    f"{f['mean_ttft_s']:.3f}"]
+    assert shown["cartridge"][2] != shown["whole document"][2]          # KV: rows vs tokens
+    assert view.per_question.rowCount() == len(record["questions"])
+    assert "of the way" in view.headline.text()
+    qtbot.waitUntil(lambda: labels_cut_off(pane) == [])
+    qtbot.waitUntil(lambda: cells_cut_off(table) == [])
+    qtbot.waitUntil(lambda: cells_cut_off(view.per_question) == [])
 
 
 def test_a_damaged_or_vanished_comparison_says_what_is_wrong_in_the_pane(qtbot, sample):

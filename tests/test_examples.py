@@ -20,10 +20,11 @@ import pytest
 from lm_pretrain_support import TINY_CONFIG, make_corpus
 from media_support import REPO, forgebench
 
-from app.viewmodels import transcripts
+from app.viewmodels import reports, transcripts
 from app.viewmodels.masks import read_per_image, segmentation_evals
 from app.viewmodels.runs import example_text, ledger_row, run_label
 from app.viewmodels.workspace import BUNDLED_SAMPLE, Workspace, install_sample_workspace
+from engine.cartridge.prefix import read_cartridge
 from engine.config import load_config, recipe_module, validate_config
 from engine.data.dataset import data_change
 from engine.errors import ForgebenchError
@@ -91,7 +92,10 @@ def test_an_installed_example_reads_the_data_of_its_new_folder(installed, name):
     # versions covered dataset.json on its files).
     assert data_change(manifest["data"], recipe_module(config.recipe).data_manifest(config)) \
         is None
-    assert str(installed.resolve()) in json.dumps(manifest["data"])
+    # where the recorded data names a folder (a dataset; a cartridge's corpus is recorded by
+    # its hashes only), it is the new one
+    if WORKSPACE_TOKEN in json.dumps(RunDir(BUNDLED_SAMPLE / "runs" / name).manifest()["data"]):
+        assert str(installed.resolve()) in json.dumps(manifest["data"])
     row = ledger_row(run.path)
     assert row.state == "completed" and row.example is not None
     assert run_label(run.path, row.recipe) == f"{name} ({row.recipe}, example)"
@@ -156,6 +160,69 @@ def test_the_installed_recogniser_shows_its_transcripts_errors_and_all(installed
         wer = sum(c.errors for c in spoken) / sum(len(c.reference.split()) for c in spoken)
         assert wer == pytest.approx(summary["wer"])
         assert 0 < wer < 1, wer
+
+
+CARTRIDGE = "cartridge-guide"
+
+
+def test_the_installed_cartridge_shows_its_comparison_and_names_its_base_portably(installed):
+    """The cartridge example's held-out comparison reads in the Reports pane's view-model as
+    the three conditions (its rows, the whole guide's tokens, a sentence that places the
+    cartridge between them); its cartridge file is tied to the base run.json records, which is
+    named as the shipped config names it (under ~, the model package's file), not by the
+    folder of the machine that made it."""
+    run = RunDir(installed / "runs" / CARTRIDGE)
+    config = validate_config(run.manifest()["config"])
+    checkpoint = run.latest_checkpoint()
+    assert run.example["changed_for_shipping"]["cartridge"] == {"tokens": 128}
+    assert config.cartridge.tokens == 128
+    (path,) = (run.path / "evals").glob("cartridge-*.json")
+    assert path.name == f"cartridge-{checkpoint.name}.json"
+    comparison = reports.cartridge_comparison(reports.read_report(path))
+    assert comparison.kv_prefix_tokens["cartridge"] == 128
+    assert comparison.kv_prefix_tokens["whole document"] > 2000       # the guide, framed
+    assert comparison.kv_prefix_tokens["no document"] == 0
+    assert len(comparison.questions) == 6 + config.self_study.held_out
+    assert "of the way" in comparison.headline() and "smaller" in comparison.headline()
+    assert reports.comparison_summary(run.path) is not None       # the Runs pane's sentence
+    base = run.manifest()["base_model"]
+    assert base["path"] == config.model.gguf and base["path"].startswith("~/")
+    meta = read_cartridge(checkpoint.path / "cartridge.safetensors").meta
+    assert meta["base_sha256"] == base["sha256"] and meta["tokens"] == 128
+
+
+@pytest.mark.realmodel
+def test_the_shipped_cartridge_is_the_one_its_comparison_scored(installed, gemma_gguf):
+    """With the base's package installed, the installed example loads as the recipe serves it
+    (its base reading the shipped rows) and scores the first held-out question's reference
+    answer as the shipped comparison recorded it (f32 numerics; a tolerance far above the last
+    bits a CPU's kernels move); the bare base scores the no-document figure, and the two
+    differ by more than the tolerance (the twin)."""
+    import torch
+
+    from engine.cartridge.self_study import answer_logprobs, prompt_ids
+    from engine.fsutil import sha256_file
+    from engine.recipes.lm_cartridge import load_trained
+
+    run = RunDir(installed / "runs" / CARTRIDGE)
+    assert sha256_file(gemma_gguf) == run.manifest()["base_model"]["sha256"]
+    checkpoint = run.latest_checkpoint()
+    record = json.loads((run.path / "evals" / f"cartridge-{checkpoint.name}.json").read_text())
+    first = record["questions"][0]
+    base, _ = load_trained(run, checkpoint, base_path=gemma_gguf)
+    reference = base.tokenizer.encode(first["reference"], add_special=False,
+                                      parse_special=False)
+    prompt = prompt_ids(base, first["question"])
+
+    def scored(model) -> float:
+        with torch.no_grad():
+            logp = answer_logprobs(model, prompt, reference)
+        return float(logp.gather(-1, torch.tensor(reference)[:, None]).sum())
+
+    with_rows, bare = scored(base.model), scored(base.model.base)
+    assert with_rows == pytest.approx(first["cartridge"]["logprob"], abs=1e-2)
+    assert bare == pytest.approx(first["no document"]["logprob"], abs=1e-2)
+    assert abs(with_rows - bare) > 0.1
 
 
 def tiny_run(workspace: Path) -> RunDir:

@@ -17,8 +17,12 @@ from fixtures_gguf import write_tiny_gguf  # noqa: E402
 from lm_pretrain_support import forgebench  # noqa: E402
 from serve_support import Served  # noqa: E402
 
-openai = pytest.importorskip(
-    "openai", reason="the openai client is a test extra: pip install -e '.[serve-test]'")
+
+def openai_client():
+    """The official client (a test extra); the library-base test speaks HTTP without it."""
+    return pytest.importorskip(
+        "openai", reason="the openai client is a test extra: pip install -e '.[serve-test]'")
+
 
 CORPUS = ("Forgebench trains models on one CPU machine. A run folder holds run.json, "
           "metrics.jsonl and its checkpoints; resume continues a stopped run exactly. ") * 3
@@ -61,6 +65,7 @@ def generated(gguf: Path, *extra: str) -> str:
 
 def test_a_cartridge_by_path_is_served_beside_its_base_as_generate_reads_it(
         base_and_cartridge):
+    openai = openai_client()
     gguf, cartridge = base_and_cartridge
     with_rows, bare = generated(gguf, "--cartridge", str(cartridge)), generated(gguf)
     server = Served("--model", str(gguf), "--cartridge", str(cartridge))
@@ -95,6 +100,60 @@ def test_a_cartridge_of_another_base_is_refused_before_the_server_listens(
     assert alone.returncode != 0 and "served beside its base model" in alone.stderr
 
 
+def post(url: str, body: dict) -> dict:
+    """One JSON POST to the server (the standard library's client: this test needs no extra)."""
+    import urllib.request
+
+    request = urllib.request.Request(url, json.dumps(body).encode(), method="POST",
+                                     headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=300) as response:
+        return json.loads(response.read())
+
+
+def get(url: str) -> dict:
+    import urllib.request
+
+    with urllib.request.urlopen(url, timeout=60) as response:
+        return json.loads(response.read())
+
+
+def test_a_cartridge_is_served_beside_a_library_base_named_by_its_id(
+        tmp_path, base_and_cartridge):
+    """`serve --workspace WS --model <library id> --cartridge FILE`: the library's copy of the
+    base (found by its id, its SHA-256 the cartridge's) reads the rows as `generate --model
+    FILE --cartridge` does; the id is the library name's. A library base the cartridge was not
+    trained on is refused with the recipe's error, naming the library id."""
+    from app.viewmodels.workspace import Workspace
+    from engine import model_library
+
+    gguf, cartridge = base_and_cartridge
+    with_rows, bare = generated(gguf, "--cartridge", str(cartridge)), generated(gguf)
+    workspace = Workspace.create(tmp_path / "ws").root
+    model_library.add_model(workspace, gguf, name="tiny")       # a copy in models/
+    server = Served("--workspace", str(workspace), "--model", "tiny", "--cartridge",
+                    str(cartridge))
+    try:
+        cards = {m["id"]: m for m in get(server.url + "/models")["data"]}
+        assert set(cards) == {"tiny", "tiny+guide/step-000003"}
+        card = cards["tiny+guide/step-000003"]
+        assert card["type"] == "cartridge" and "12 rows" in card["origin"]
+        assert "model library" in card["origin"]
+        assert card["context_length"] == 2048 - 11
+        for model, expected in (("tiny+guide/step-000003", with_rows), ("tiny", bare)):
+            reply = post(server.url + "/completions", {
+                "model": model, "prompt": PROMPT, "max_tokens": 10, "top_k": 0, **SAMPLING})
+            assert reply["choices"][0]["text"] == expected, model
+    finally:
+        server.close()
+    # twin: another base in the library under the id given: refused before listening
+    other = write_tiny_gguf(tmp_path / "other.gguf", arch="gemma3", seed=1, context_length=2048)
+    model_library.add_model(workspace, other, name="other")
+    refused = forgebench("serve", "--port", "0", "--workspace", str(workspace), "--model",
+                         "other", "--cartridge", str(cartridge), check=False)
+    assert refused.returncode != 0
+    assert "trained on another base model" in refused.stderr and "--cartridge" in refused.stderr
+
+
 @pytest.mark.realmodel
 def test_gemma_270m_served_with_a_cartridge_answers_from_its_rows(tmp_path, gemma_gguf):
     """gemma-3-270m with untrained rows of a text that names a colour (its prefill, as the
@@ -107,6 +166,7 @@ def test_gemma_270m_served_with_a_cartridge_answers_from_its_rows(tmp_path, gemm
     from engine.fsutil import sha256_file
     from engine.models.gguf_model import load_gguf_model
 
+    openai = openai_client()
     text = "The secret colour of the Forgebench logo is teal. " * 4
     model, tok = load_gguf_model(gemma_gguf, numerics="llamacpp", weights="dense-cache")
     ids = context_ids(tok, text)
