@@ -329,10 +329,23 @@ def test_the_pane_shows_the_shipped_cartridge_example_s_comparison(qtbot, sample
                                     f"{f['mean_ttft_s']:.3f}"]
     assert shown["cartridge"][2] != shown["whole document"][2]          # KV: rows vs tokens
     assert view.per_question.rowCount() == len(record["questions"])
+    for row, question in enumerate(record["questions"]):
+        cell = view.per_question.item(row, 0)
+        assert cell.text() == vm.short_question(question["question"])
+        assert question["question"] in cell.toolTip()
     assert "of the way" in view.headline.text()
     qtbot.waitUntil(lambda: labels_cut_off(pane) == [])
     qtbot.waitUntil(lambda: cells_cut_off(table) == [])
     qtbot.waitUntil(lambda: cells_cut_off(view.per_question) == [])
+
+
+def test_a_question_cell_is_one_line_of_words_cut_at_a_word():
+    generated = "Write a message to a model asking it to use its\n`model_config` file " * 3
+    short = vm.short_question(generated)
+    assert "\n" not in short and short.endswith("…") and len(short) <= vm.QUESTION_CHARS + 1
+    assert generated.split()[:5] == short.split()[:5]
+    assert not short[:-1].endswith(" ")
+    assert vm.short_question("Where is the Start button?") == "Where is the Start button?"
 
 
 def test_a_damaged_or_vanished_comparison_says_what_is_wrong_in_the_pane(qtbot, sample):

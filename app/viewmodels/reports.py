@@ -377,3 +377,16 @@ def comparison_summary(run_dir: str | Path) -> str | None:
     if comparison is None:
         return None
     return comparison.headline() + " The figures side by side: the Reports pane."
+
+
+QUESTION_CHARS = 120   # a question cell holds about four lines of its column at 1024 pixels
+
+
+def short_question(text: str, limit: int = QUESTION_CHARS) -> str:
+    """A question as its table cell shows it: one line of words (a generated question may
+    hold newlines and code), cut at a word with an ellipsis past `limit` characters; the
+    whole text is the cell's tooltip."""
+    flat = " ".join(text.split())
+    if len(flat) <= limit:
+        return flat
+    return flat[:limit].rsplit(" ", 1)[0] + "…"

@@ -133,7 +133,8 @@ class CartridgeView(QWidget):
         self.per_question.setRowCount(len(comparison.questions))
         for row, question in enumerate(comparison.questions):
             self.per_question.setItem(row, 0, _cell(
-                question.question, tip=f"{question.source}; reference: {question.reference}"))
+                vm.short_question(question.question),
+                tip=f"{question.question}\n({question.source}; reference: {question.reference})"))
             for column, condition in enumerate(vm.CONDITIONS, 1):
                 self.per_question.setItem(row, column, _cell(
                     vm.question_cell(question, condition), vm.question_bar(question, condition),
