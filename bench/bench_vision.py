@@ -14,8 +14,11 @@ measure_step_precision). Each auto child times its trial afresh (a step cache of
 empty): a machine's cache would answer every round after the first with the first round's
 choice, hiding how often the trial lands on each side. Its rows say what it chose in each round,
 the step times it chose by and what the trial cost at run start; auto's speed is set against the
-best fixed precision's in CPU time (this process's, all threads: other processes' load on a
-shared machine stretches wall time, not this) and in wall time.
+best fixed precision's in CPU time (the child's, all threads: other processes' load on a
+shared machine stretches wall time far more than this) and in wall time. CPU time is not immune
+either: with two threads a thread that waits for its descheduled partner spins (GOMP_SPINCOUNT,
+engine/__init__.py) on the clock, so on 2 cores at load 5-6 one image-classify bf16 run read
+23.8 ms/step where its two repeats read 57-60; hence the rounds, the medians and the spread.
 
 Each child runs its recipe's real training loop (its default config from resources/configs,
 data augmentation included) for `--steps` steps on data generated once by the parent and
