@@ -1,7 +1,12 @@
 """Training throughput and model FLOPs utilisation of the demo lm-pretrain model on this CPU.
 
 f32 and bf16 autocast steps of the same model and batch are taken in turns (the order swapped
-every round, so a change in a shared machine's load falls on both); prints for each the median
+every round, so a change in a shared machine's load falls on both), each timed step right after
+an untimed one of its own precision: a step that directly follows one in the other precision
+pays for the switch (caches and oneDNN's primitives of the other dtype), which no run fixed to
+one precision does (`--alternate` times those steps instead, to see the difference; the
+precision trial of engine.train.precision takes its steps the same way). Prints for each the
+median
 step in wall and process CPU time (the steadier one under load), tokens/s, the FLOPs per step as
 the engine counts them (engine.train.metrics.StepFlops), the MFU against this machine's matmul
 peak for that dtype (measured after, and the cached CPU-time peak the recipe's metrics rows
@@ -9,12 +14,18 @@ use), the load average, the CPU's instruction sets and bf16 units, what "auto" r
 and why, and auto's speed over the best fixed precision's. `--profile` adds the biggest costs of
 a profiled step by kind of op.
 
-    python bench/bench_lm_pretrain.py [--threads N] [--steps N] [--profile]
+    [FORGEBENCH_SIMD=avx2] python bench/bench_lm_pretrain.py [--threads N] [--steps N]
+        [--alternate] [--profile]
+
+Under FORGEBENCH_SIMD=avx2 the process computes as an AVX2-only CPU would (ATen, MKL and oneDNN
+capped at AVX2 by engine/__init__.py, "auto" seeing no bf16 units): torch's bf16 matmul then takes
+ATen's own fallback, as on a CPU without AVX-512, not oneDNN's bf16 kernels.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import os
 import statistics
 import sys
@@ -22,11 +33,14 @@ import time
 from pathlib import Path
 
 import tomllib
-import torch
-import torch.nn.functional as F
-from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+# engine first: under FORGEBENCH_SIMD=avx2 it caps torch's libraries, which read the caps as
+# torch loads
+engine = importlib.import_module("engine")
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+from torch.profiler import ProfilerActivity, profile  # noqa: E402
 
 from bench.costs import print_costs  # noqa: E402
 from engine.config import validate_config  # noqa: E402
@@ -59,9 +73,11 @@ def trainer(config, precision: str):
     return step, batch[:, 1:].numel()
 
 
-def interleaved(config, steps: int) -> dict:
+def interleaved(config, steps: int, alternate: bool = False) -> dict:
     """f32 and bf16 steps taken in turns (order swapped every round, so a change in the
-    machine's load falls on both): wall and process-CPU seconds of each step, and its FLOPs."""
+    machine's load falls on both), each timed one after an untimed one of its own precision
+    (`alternate`: without it, each timed step right after one in the other precision): wall and
+    process-CPU seconds of each step, and its FLOPs."""
     sides = {p: trainer(config, p) for p in PRECISIONS}
     out = {p: {"wall": [], "cpu": [], "tokens": sides[p][1]} for p in PRECISIONS}
     for p in PRECISIONS:
@@ -71,6 +87,8 @@ def interleaved(config, steps: int) -> dict:
         out[p]["flops"] = count.total
     for i in range(steps):
         for p in PRECISIONS if i % 2 == 0 else PRECISIONS[::-1]:
+            if not alternate:
+                sides[p][0]()                   # untimed: the timed step follows its own kind
             wall, cpu = time.perf_counter(), time.process_time()
             sides[p][0]()
             out[p]["cpu"].append(time.process_time() - cpu)
@@ -92,6 +110,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
     parser.add_argument("--steps", type=int, default=10, help="timed steps per precision")
+    parser.add_argument("--alternate", action="store_true",
+                        help="time steps that follow one in the other precision (no untimed "
+                             "step of their own before each)")
     parser.add_argument("--profile", action="store_true",
                         help="print the biggest costs of a profiled step in each precision")
     args = parser.parse_args()
@@ -104,10 +125,12 @@ def main() -> None:
           f"({m.n_kv_heads} kv), ffn {m.ffn_dim}, context {m.context}, vocab 258, "
           f"{sum(p.numel() for p in model.parameters()):,} parameters")
     print(f"batch: {config.train.batch_size} x {m.context} tokens, {args.threads} thread(s), "
-          f"{args.steps} steps each, f32 and bf16 in turns, medians; CPU {simd_line()}")
+          f"{args.steps} steps each, f32 and bf16 in turns"
+          f"{', each after the other' if args.alternate else ', each after one of its own'}"
+          f", medians; CPU {simd_line()}")
     print(f"precision auto: {auto.precision} ({auto.reason})")
     load = os.getloadavg()[0]
-    r = interleaved(config, args.steps)
+    r = interleaved(config, args.steps, args.alternate)
     load = f"{load:.1f}-{os.getloadavg()[0]:.1f}"
     med = {p: {k: statistics.median(r[p][k]) for k in ("wall", "cpu")} for p in PRECISIONS}
     for p in PRECISIONS:
@@ -137,7 +160,11 @@ def simd_line() -> str:
     from engine.train.precision import cpu_bf16_features
 
     simd = ", ".join(sorted(f for f in detected()[0] if f.startswith(("avx", "amx"))))
-    return f"{simd}; bf16 units: {', '.join(sorted(cpu_bf16_features())) or 'none'}"
+    caps = ", ".join(f"{k}={os.environ[k]}" for k in engine.AVX2_LIBRARY_CAPS
+                     if k in os.environ) or "none"
+    return (f"{simd}; bf16 units: {', '.join(sorted(cpu_bf16_features())) or 'none'}; torch "
+            f"{torch.__version__} kernels {torch.backends.cpu.get_cpu_capability()}; library "
+            f"caps: {caps}")
 
 
 if __name__ == "__main__":

@@ -31,7 +31,9 @@ AVX2 machine's path on an AVX-512 one, with this machine's cores, caches and clo
 
 `--precisions` instead runs the engine alone in "auto", f32 and bf16 (one process each, taking
 turns the same way) and prints what "auto" chose and why (run.json's record), each one's wall and
-CPU s/step, and auto's speed over the best fixed precision's in both.
+CPU s/step, and auto's speed over the best fixed precision's in both. `--precisions auto,f32`
+leaves bf16 out: under FORGEBENCH_SIMD=avx2 torch's bf16 matmul is ATen's fallback (2.4 GFLOP/s
+against f32's 84 on one Zen 4 thread), minutes a step, and "auto" is f32 there without a trial.
 
 `--profile` instead trains a few engine steps in this process under torch.profiler and prints
 where a step's time goes, by region (base matmuls forward and dx, LoRA, attention, norms and
@@ -44,7 +46,7 @@ measured read bandwidth, whichever is longer. On a shared machine the CPU-time f
 steadier ones.
 
     [FORGEBENCH_SIMD=avx2] python bench/bench_lora.py [--steps 16] [--threads 1,2]
-        [--precision auto] [--precisions] [--profile [--steps 6]]
+        [--precision auto] [--precisions [auto,f32,bf16]] [--profile [--steps 6]]
 """
 
 from __future__ import annotations
@@ -235,7 +237,7 @@ def precisions_interleaved(args, threads: int, work: Path) -> dict:
     """The engine alone in "auto", f32 and bf16, one process each, taking turns as in
     `interleaved`: what "auto" chose, by what, and its speed against the best fixed one."""
     sides = []
-    for precision in ("auto", "f32", "bf16"):
+    for precision in args.precisions:
         argv = ["--side", "engine", "--model", str(args.model), "--steps", str(args.steps),
                 "--threads", str(threads), "--precision", precision, "--work", str(work),
                 "--weights", args.weights]
@@ -244,7 +246,7 @@ def precisions_interleaved(args, threads: int, work: Path) -> dict:
         side.read()
     load_before = os.getloadavg()
     for round_ in range(args.steps):
-        for side in sides[round_ % 3:] + sides[:round_ % 3]:
+        for side in sides[round_ % len(sides):] + sides[:round_ % len(sides)]:
             side.step()
     load_after = os.getloadavg()
     return {side.name: side.finish(True) | {"steps": side.steps} for side in sides} | {
@@ -253,22 +255,27 @@ def precisions_interleaved(args, threads: int, work: Path) -> dict:
 
 def print_precisions(args, threads: int, result: dict) -> None:
     print(f"\nengine only, gemma-3-270m Q4_K_M, pirate pairs, {threads} thread(s), "
-          f"{args.steps} steps each, auto/f32/bf16 interleaved (first {WARMUP_STEPS} excluded); "
+          f"{args.steps} steps each, {'/'.join(args.precisions)} interleaved (first "
+          f"{WARMUP_STEPS} excluded); "
           f"CPU bf16 units: {bf16_units()}; instruction sets: {instruction_sets()}")
     print(f"load average (1/5/15 min): before {'/'.join(f'{x:.1f}' for x in result['load'][0])},"
           f" after {'/'.join(f'{x:.1f}' for x in result['load'][1])}")
-    s = {name: summary(result[name]) for name in ("auto", "f32", "bf16")}
+    s = {name: summary(result[name]) for name in args.precisions}
     for name in s:
         print(f"{name:5} s/step {s[name]['s_per_step']:.3f}, min {s[name]['min_s_per_step']:.3f}, "
               f"CPU s/step {s[name]['cpu_s_per_step']:.3f}, computed in "
               f"{result[name]['precision']['precision']}")
+    fixed = [name for name in ("f32", "bf16") if name in s]
+    if "auto" not in s or not fixed:
+        return
     choice = result["auto"]["precision"]
     print(f"auto chose {choice['precision']}: {choice['reason']}")
     for clock, key in (("wall", "s_per_step"), ("CPU", "cpu_s_per_step")):
-        best = min(("f32", "bf16"), key=lambda name: s[name][key])
-        print(f"auto / best fixed ({best}), {clock} time: speed "
-              f"x{s[best][key] / s['auto'][key]:.2f}; bf16 / f32 speed "
-              f"x{s['f32'][key] / s['bf16'][key]:.2f}")
+        best = min(fixed, key=lambda name: s[name][key])
+        print(f"auto / best fixed ({best}{'' if len(fixed) == 2 else ' alone measured'}), "
+              f"{clock} time: speed x{s[best][key] / s['auto'][key]:.2f}"
+              + (f"; bf16 / f32 speed x{s['f32'][key] / s['bf16'][key]:.2f}"
+                 if len(fixed) == 2 else ""))
 
 
 def interleaved(args, threads: int, work: Path, ids_path: Path) -> dict:
@@ -614,14 +621,19 @@ def main() -> None:
     parser.add_argument("--threads", default="1,2", help="thread counts, comma-separated")
     parser.add_argument("--weights", choices=["auto", "packed", "dense-cache"],
                         default="dense-cache")
-    parser.add_argument("--precisions", action="store_true",
-                        help="the engine alone in auto, f32 and bf16, interleaved (no PEFT)")
+    parser.add_argument("--precisions", nargs="?", const="auto,f32,bf16", default=None,
+                        help="the engine alone in auto, f32 and bf16 (or those named, "
+                             "comma-separated), interleaved (no PEFT)")
     parser.add_argument("--profile", action="store_true",
                         help="profile engine steps in this process instead (first thread count)")
     parser.add_argument("--side", choices=["engine", "peft"], help=argparse.SUPPRESS)
     parser.add_argument("--ids", help=argparse.SUPPRESS)
     parser.add_argument("--work", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.precisions:
+        args.precisions = [p.strip() for p in args.precisions.split(",") if p.strip()]
+        if unknown := set(args.precisions) - {"auto", "f32", "bf16"}:
+            parser.error(f"--precisions takes auto, f32, bf16; not {', '.join(sorted(unknown))}")
     if args.side:
         args.threads = int(args.threads)
         if args.side == "peft":

@@ -21,7 +21,8 @@ step (forward, backward, optimizer) of its first batch in both precisions
 (`measure_step_precision`: two untimed steps each, then at least four interleaved pairs, more
 within about two seconds, in this process's CPU time, which other processes' load does not
 stretch as it does wall time), keeps bf16 only if its median step over the later half of the
-pairs (a fresh process's first steps are still warming up) is at least STEP_MIN_SPEEDUP times
+pairs, at least the last three (a fresh process's first steps are still warming up; a median of
+two is their mean, one lucky step moves it), is at least STEP_MIN_SPEEDUP times
 faster (`choose_from_step_times`), and rewrites its run.json `precision` entry with the step
 times and why. The trial runs inside `untouched` (parameters, buffers, gradients, optimizer
 state and torch's RNG restored bit for bit, the data generator a copy), so the run's floats
@@ -218,14 +219,19 @@ STEP_MIN_SPEEDUP = 1.05
 # steps keep getting faster for a few steps past the first (image-segment's, in CPU time:
 # f32 1550, 426, 234 ms, bf16 1304, 1291, 234 ms; image-generate's bf16 1774, 1939, 933 ms,
 # which read 0.95x f32 on the first pairs and 1.55x over the run), so only the later half of
-# the pairs judges (`step_from_times`)
+# the pairs judges (`step_from_times`), but never fewer than the last STEP_JUDGED: a slow step
+# gets only STEP_MIN_ROUNDS pairs, whose later half is two steps, whose median is their mean,
+# so one lucky step decided (audio-generate on a Zen 4 at load 16, CPU ms: bf16 694, 720, 728,
+# 500 against f32 668, 679, 638, 657 read bf16 1.06x faster and chose it, where fresh runs
+# fixed to each took bf16 722 against f32 684 CPU ms/step: bf16 was 0.95x)
 STEP_WARMUP = 2
 STEP_MIN_ROUNDS = 4
 STEP_ROUNDS = 8
 STEP_BUDGET_S = 2.0
+STEP_JUDGED = 3
 # what the trial's answers are keyed by in the cache: answers timed by an older trial (wall
-# time, one pair) are not read back
-STEP_TRIAL_VERSION = "step-cpu4"
+# time, one pair; a later half of two steps) are not read back
+STEP_TRIAL_VERSION = "step-cpu4-last3"
 _pinned_auto: str | None = None
 
 
@@ -331,10 +337,11 @@ def time_step_precisions(trial, rounds: int = STEP_ROUNDS, budget_s: float = STE
 
 def step_from_times(times: list[float]) -> float:
     """The step time a precision is judged by: the median of the later half of its timed steps
-    (the earlier ones are still warming up; the minimum let one lucky step decide)."""
+    (the earlier ones are still warming up; the minimum let one lucky step decide), and of at
+    least the last STEP_JUDGED (the median of two is their mean, which one lucky step moves)."""
     import statistics
 
-    return statistics.median(times[len(times) // 2:])
+    return statistics.median(times[max(min(len(times) // 2, len(times) - STEP_JUDGED), 0):])
 
 
 def step_cache_key(recipe: str, module, batch_size: int, threads: int) -> str:
