@@ -608,3 +608,61 @@ def test_gemma_single_plane_file_runs_in_llamacpp_and_agrees_with_the_engine(gem
     assert np.array_equal(ours, theirs["tq2_0"]), float(np.abs(ours - theirs["tq2_0"]).max())
     assert _mean_kl(theirs["tq2_0"], theirs["f16"]) > 0.1
     assert not np.array_equal(ours, theirs["f16"])
+
+
+# -- the importance (imatrix) from calibration text --------------------------------------------
+
+def test_importance_is_the_mean_square_of_each_projection_input(tiny_f16):
+    """Layer 0's q/k/v read RMSNorm(embedding) of every token of every chunk (each chunk BOS +
+    ctx − 1 tokens): the recorded mean squares equal that computed by hand from the file's
+    embedding and norm tensors; the twin without the norm weight does not."""
+    from engine.gguf.writer import read_gguf_content
+    from engine.models.gguf_model import load_gguf_model
+    from engine.ptqtp.imatrix import collect_importance
+
+    text = "the quick brown fox jumps over the lazy dog " * 4
+    imp = collect_importance(tiny_f16, text, dataset="fox", ctx=8, threads=1)
+    _, tok = load_gguf_model(tiny_f16)
+    ids = tok.encode(text, add_special=False)
+    chunks = [[tok.bos_id] + ids[i:i + 7] for i in range(0, len(ids), 7)]
+    chunks = [c for c in chunks if len(c) > 2]
+    assert (imp.chunks, imp.tokens, imp.dataset) == (len(chunks), sum(map(len, chunks)), "fox")
+    tensors = {t.name: t for t in read_gguf_content(tiny_f16).tensors}
+    from engine.gguf.convert import _to_f32
+    emb = torch.tensor(np.array(_to_f32(tensors["token_embd.weight"])), dtype=torch.float64)
+    norm = torch.tensor(np.array(_to_f32(tensors["blk.0.attn_norm.weight"])), dtype=torch.float64)
+    x = emb[[i for c in chunks for i in c]]
+    normed = x / torch.sqrt(x.square().mean(1, keepdim=True) + 1e-5)
+    expected = (normed * norm).square().mean(0).numpy()
+    for name in ("blk.0.attn_q.weight", "blk.0.attn_k.weight", "blk.0.attn_v.weight"):
+        np.testing.assert_allclose(imp.values[name], expected, rtol=1e-4)
+    assert not np.allclose(imp.values["blk.0.attn_q.weight"], normed.square().mean(0).numpy(),
+                           rtol=1e-2)
+    assert len(imp.values) == 14 and imp.values["blk.1.ffn_down.weight"].shape == (512,)
+
+
+def test_convert_with_an_importance_records_it_and_refuses_a_wrong_one(tiny_f16, tmp_path):
+    from dataclasses import replace
+
+    from engine.ptqtp.imatrix import collect_importance
+
+    imp = collect_importance(tiny_f16, "a b c d e f g h i j k l m n o p " * 8, dataset="abc",
+                             ctx=32, threads=1)
+    out = tmp_path / "aware.gguf"
+    result = convert_ptqtp(tiny_f16, out, planes=2, iterations=2, importance=imp)
+    reader = GGUFReader(out)
+    field = reader.fields["ptqtp.imatrix.dataset"]
+    assert bytes(field.parts[-1]).decode() == "abc"
+    assert bytes(reader.fields["ptqtp.importance"].parts[-1]).decode() == "imatrix"
+    assert int(reader.fields["ptqtp.imatrix.chunks_count"].parts[-1][0]) == imp.chunks
+    row = next(r for r in result.report["tensors"] if r["name"] == "blk.0.ffn_down.weight")
+    assert 0 < row["rel_error_weighted"] < 1
+    assert result.report["importance"]["tokens"] == imp.tokens
+    values = dict(imp.values)
+    values.pop("blk.1.ffn_up.weight")
+    with pytest.raises(ForgebenchError, match="no entry") as err:
+        convert_ptqtp(tiny_f16, tmp_path / "x.gguf", importance=replace(imp, values=values))
+    assert err.value.where == "blk.1.ffn_up.weight"
+    values["blk.1.ffn_up.weight"] = np.ones(3)
+    with pytest.raises(ForgebenchError, match="holds"):
+        convert_ptqtp(tiny_f16, tmp_path / "y.gguf", importance=replace(imp, values=values))
