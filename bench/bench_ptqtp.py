@@ -268,7 +268,10 @@ def write_variants(shipped: Path, work: Path, rows: dict[str, dict], importance,
         rows.setdefault(name, {})["size_mb"] = path.stat().st_size / 1e6
         rows[name].update(policy(path))
     for name in [n for n in files if "in the" in n]:
+        # carried as F32 for llama.cpp; stored, they are the TQ1_0 planes file's
         rows[name]["size_mb"] = rows[name]["stored_size_mb"]
+        for key in ("bpw_decomposable", "types_decomposable"):
+            rows[name][key] = rows["PTQTP 2-plane imatrix TQ1_0"][key]
     return files
 
 
