@@ -246,6 +246,10 @@ def _convert_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ternary", choices=("tq2_0", "tq1_0"), default="tq2_0",
                    help="ptqtp: each plane as llama.cpp's TQ2_0 (2.06 bits a weight) or TQ1_0 "
                         "(1.69; the same values, smaller)")
+    p.add_argument("--calibration", metavar="TEXT_FILE",
+                   help="ptqtp: fit each matrix weighted by its inputs' mean squares over this "
+                        "text (an importance matrix, as llama-imatrix collects; a few thousand "
+                        "tokens of ordinary text, not your evaluation text)")
 
 
 def _data_args(p: argparse.ArgumentParser) -> None:

@@ -415,6 +415,29 @@ def test_cli_convert_ptqtp(tiny_f16, tmp_path, capsys):
     assert not any(t.name.endswith(PLANE2_SUFFIX) for t in reader.tensors)
 
 
+def test_cli_convert_ptqtp_with_a_calibration_text(tiny_f16, tmp_path, capsys):
+    from engine.cli import main
+
+    text = tmp_path / "calibration.txt"
+    text.write_text("a b c d e f g h i j k l m n o p " * 8)
+    out = tmp_path / "aware.gguf"
+    assert main(["convert", str(tiny_f16), "--dtype", "ptqtp", "--calibration", str(text),
+                 "--out", str(out)]) == 0
+    assert "importance matrix over" in capsys.readouterr().out
+    reader = GGUFReader(out)
+    assert bytes(reader.fields["ptqtp.importance"].parts[-1]).decode() == "imatrix"
+    assert bytes(reader.fields["ptqtp.imatrix.dataset"].parts[-1]).decode() == "calibration.txt"
+    # twin: without it the fit is the plain one
+    plain = tmp_path / "plain.gguf"
+    assert main(["convert", str(tiny_f16), "--dtype", "ptqtp", "--out", str(plain)]) == 0
+    assert bytes(GGUFReader(plain).fields["ptqtp.importance"].parts[-1]).decode() == "none"
+    # a calibration file that is not there: one line naming it, nothing written
+    assert main(["convert", str(tiny_f16), "--dtype", "ptqtp", "--calibration",
+                 str(tmp_path / "missing.txt"), "--out", str(tmp_path / "x.gguf")]) == 2
+    assert "--calibration" in capsys.readouterr().err
+    assert not (tmp_path / "x.gguf").exists()
+
+
 def _engine_logits(path, ids, numerics="llamacpp", native=True):
     from engine.models.gguf_model import load_gguf_model
 

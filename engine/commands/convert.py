@@ -75,6 +75,26 @@ def cmd_convert(args: argparse.Namespace) -> int:
     return 0
 
 
+def _calibration(args, src: Path):
+    """`--calibration TEXT_FILE`: the importance matrix of `src` over that text (None without)."""
+    from engine.errors import ForgebenchError
+
+    path = getattr(args, "calibration", None)
+    if path is None:
+        return None
+    path = Path(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ForgebenchError(f"cannot read the calibration text: {exc}", path=path,
+                              where="--calibration",
+                              hint="a UTF-8 text file of a few thousand tokens") from None
+    from engine.ptqtp.imatrix import collect_importance
+
+    print(f"collecting the importance matrix over {path.name} ...", flush=True)
+    return collect_importance(src, text, dataset=path.name)
+
+
 def _convert_ptqtp(args, src: Path, dst: Path, progress, bars) -> int:
     """`--dtype ptqtp`: engine/ptqtp/gguf_file.py (PTQTP ternary planes, TQ2_0/TQ1_0 tensors)."""
     from engine.errors import ForgebenchError
@@ -85,10 +105,12 @@ def _convert_ptqtp(args, src: Path, dst: Path, progress, bars) -> int:
         raise ForgebenchError(f"--group {group!r} cannot be stored as ternary blocks",
                               where="--group",
                               hint="256 (one scale per 256-value block) or 'row'")
+    importance = _calibration(args, src)
     try:
         result = convert_ptqtp(src, dst, planes=getattr(args, "planes", 2),
                                group=None if group == "row" else 256, progress=progress,
-                               plane_type=PLANE_TYPES[getattr(args, "ternary", "tq2_0")])
+                               plane_type=PLANE_TYPES[getattr(args, "ternary", "tq2_0")],
+                               importance=importance)
     finally:
         for bar in bars:
             bar.close()
@@ -99,6 +121,9 @@ def _convert_ptqtp(args, src: Path, dst: Path, progress, bars) -> int:
     print(f"{rep['decomposed']} matrices decomposed into {rep['planes']} ternary plane(s), "
           f"mean relative Frobenius error {rep['mean_rel_error']:.4f}; {rep['kept']} tensors "
           f"kept as the source holds them; report: {result.report_path}")
+    if importance is not None:
+        print(f"fit weighted by an importance matrix over {importance.tokens} tokens of "
+              f"{importance.dataset} (recorded in the file's ptqtp.imatrix.* metadata)")
     if result.dequantized:
         print(f"note: dequantized from a quantized file; marked with {DEQUANTIZED_FROM_KEY}")
     return 0
