@@ -34,6 +34,8 @@
 
 #define PARALLEL_ROWS 8  /* f16_dot: fewer rows stay on one thread */
 
+static inline int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
+
 /* ggml's hsum_float_8: ((x0+x4) + (x2+x6)) + ((x1+x5) + (x3+x7)). */
 static inline float hsum8(const float *a) {
     const float r0 = a[4] + a[0], r1 = a[5] + a[1], r2 = a[6] + a[2], r3 = a[7] + a[3];
@@ -63,6 +65,24 @@ static inline __m256i dot_u8_i8(__m256i u, __m256i s) {
     return _mm256_madd_epi16(_mm256_set1_epi16(1), _mm256_maddubs_epi16(u, s));
 #endif
 }
+
+/* Q8_0 activations (the Q8_0 / Q5_0 / Q4_0 weights' vec_dot type) as the q0 kernels read them
+ * (quantize_rows writes them so; the values are ggml's, only where they lie differs):
+ * - rows in tiles of Q0_TILE, each block's Q0_TILE rows side by side: block b of row r at
+ *   Q0_AT(nb, r, b), so a tile's rows are at fixed offsets from one pointer;
+ * - with VNNI, the bytes stored + 128 (unsigned), so that dpbusd multiplies them by the signed
+ *   weights directly (|x| <= 127: x + 128 fits a byte); without, as ggml stores them (maddubs's
+ *   int16 pair sums could saturate on the shifted values);
+ * - the scales likewise, block b of row r at Q0_SCALE(nb, r, b): a tile's eight side by side, its
+ *   blocks one after another. */
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+#define Q0_ACT_UNSIGNED 1
+#else
+#define Q0_ACT_UNSIGNED 0
+#endif
+#define Q0_TILE 8
+#define Q0_AT(nb, r, b) ((((r) / Q0_TILE) * (nb) + (b)) * (32 * Q0_TILE) + ((r) % Q0_TILE) * 32)
+#define Q0_SCALE(nb, r, b) ((((r) / Q0_TILE) * (nb) + (b)) * Q0_TILE + (r) % Q0_TILE)
 
 /* Unsigned weights (0..63) x signed activations, each int16 pair times its scale: lane l = the
  * products of bytes 4l..4l+3, bytes 0-15 times s_lo and 16-31 times s_hi (exact in int32). */
@@ -97,22 +117,40 @@ static inline int32_t hsum_i32(__m256i v) {
 
 static inline float round_f16(float x) { return _cvtsh_ss(_cvtss_sh(x, _MM_FROUND_TO_NEAREST_INT)); }
 
-/* quantize_row_q8_0 (AVX path): d = f16(amax/127), q = round-half-even(x·(127/amax)). */
-static void quantize_q8_0_row(const float *x, int64_t K, int8_t *q, float *d) {
+/* quantize_row_q8_0 (its AVX2 path, vector for vector): d = f16(amax/127), q = round-half-even(
+ * x·(127/amax)). Block b's 32 bytes at q + b·q_stride, its d at d[b·d_stride]; `unsigned_q`
+ * stores q + 128 (Q0_ACT_UNSIGNED). */
+static void quantize_q8_0_row(const float *x, int64_t K, int8_t *q, int64_t q_stride, float *d, int64_t d_stride,
+                              int unsigned_q) {
+    const __m256 sign = _mm256_set1_ps(-0.0f);
     for (int64_t b = 0; b < K / 32; b++) {
         const float *xb = x + 32 * b;
-        float amax = 0.0f;
-        for (int i = 0; i < 32; i++) amax = fmaxf(amax, fabsf(xb[i]));
-        d[b] = round_f16(amax / 127.f);
-        const float id = amax != 0.0f ? 127.f / amax : 0.0f;
-        for (int i = 0; i < 32; i++) q[32 * b + i] = (int8_t) nearbyintf(xb[i] * id);
+        __m256 v[4], m = _mm256_setzero_ps();
+        for (int j = 0; j < 4; j++) {
+            v[j] = _mm256_loadu_ps(xb + 8 * j);
+            m = _mm256_max_ps(m, _mm256_andnot_ps(sign, v[j]));
+        }
+        __m128 m4 = _mm_max_ps(_mm256_extractf128_ps(m, 1), _mm256_castps256_ps128(m));
+        m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+        m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
+        const float amax = _mm_cvtss_f32(m4);
+        d[b * d_stride] = round_f16(amax / 127.f);
+        const __m256 id = _mm256_set1_ps(amax != 0.0f ? 127.f / amax : 0.0f);
+        __m256i i32[4];
+        for (int j = 0; j < 4; j++)
+            i32[j] = _mm256_cvtps_epi32(_mm256_round_ps(_mm256_mul_ps(v[j], id), _MM_ROUND_NEAREST | _MM_FROUND_NO_EXC));
+        /* packs interleaves the 128-bit halves: the permute puts the 32 bytes back in order */
+        __m256i bytes = _mm256_packs_epi16(_mm256_packs_epi32(i32[0], i32[1]), _mm256_packs_epi32(i32[2], i32[3]));
+        bytes = _mm256_permutevar8x32_epi32(bytes, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+        if (unsigned_q) bytes = _mm256_xor_si256(bytes, _mm256_set1_epi8((char) 0x80));
+        _mm256_storeu_si256((__m256i *) (q + b * q_stride), bytes);
     }
 }
 
 /* quantize_row_q8_1 (AVX2 path): the Q8_0 ints and f16(amax/127), and s = f16(d·Σq) with the
  * f32 d = amax/127. */
 static void quantize_q8_1_row(const float *x, int64_t K, int8_t *q, float *d, float *s) {
-    quantize_q8_0_row(x, K, q, d);
+    quantize_q8_0_row(x, K, q, 32, d, 1, 0);
     for (int64_t b = 0; b < K / 32; b++) {
         float amax = 0.0f;
         int32_t sum = 0;
@@ -192,8 +230,8 @@ typedef struct {
 
 /* A batch of activation rows as the weight's vec_dot type holds them. */
 typedef struct {
-    int8_t *q;      /* [R][K] */
-    float *d;       /* [R][K/32] (Q8_0) or [R][K/256] (Q8_K) */
+    int8_t *q;      /* [R][K] (Q8_0: Q0_AT, + 128 where Q0_ACT_UNSIGNED) */
+    float *d;       /* Q8_0: Q0_SCALE; [R][K/32] (Q8_1) or [R][K/256] (Q8_K) */
     int16_t *sums;  /* [R][K/16] (Q8_K): each 16's sum */
     float *h;       /* [R][K] f16-rounded (F16 weights) */
     float *s;       /* [R][K/32] (Q8_1): f16(d·Σq), d before its f16 rounding */
@@ -255,7 +293,9 @@ static void quantize_rows(int type, const float *x, int64_t R, int64_t K, const 
                           int ith, int nth) {
     for (int64_t r = ith; r < R; r += nth) {
         const float *xr = x + r * K;
-        if (is_q0(type)) quantize_q8_0_row(xr, K, a->q + r * K, a->d + r * (K / 32));
+        if (is_q0(type))  /* the q0 kernels' layout (Q0_AT, Q0_SCALE) */
+            quantize_q8_0_row(xr, K, a->q + Q0_AT(K / 32, r, 0), 32 * Q0_TILE, a->d + Q0_SCALE(K / 32, r, 0), Q0_TILE,
+                              Q0_ACT_UNSIGNED);
         else if (is_q1(type)) quantize_q8_1_row(xr, K, a->q + r * K, a->d + r * (K / 32), a->s + r * (K / 32));
         else if (type == FB_F16) for (int64_t k = 0; k < K; k++) a->h[r * K + k] = round_f16(xr[k]);
         else quantize_q8_k_row(xr, K, a->q + r * K, a->d + r * (K / 256), a->sums + r * (K / 16));
@@ -281,34 +321,73 @@ static inline __m256i q0_block(const fb_weight *w, int64_t blk) {
     return _mm256_or_si256(lo, _mm256_andnot_si256(bytes_from_bits_32(b + 2), _mm256_set1_epi8((char) 0xF0)));
 }
 
-/* Outputs (r..r+TR-1, n): the weight block unpacked once for TR activation rows. */
-static inline __attribute__((always_inline)) void q0_tile(const fb_weight *w, const fb_act *a, int64_t n,
+/* Outputs (r..r+TR-1, n), r..r+TR-1 inside one Q0_TILE: the weight block unpacked once for the TR
+ * activation rows. Each output's sum is ggml's whatever TR is: per block, eight exact int32 lanes,
+ * acc = fma(f32(d_w·d_x), lane, acc), hsum_float_8 at the end. With Q0_ACT_UNSIGNED one dpbusd
+ * per row and block forms Σ(x + 128)·w on top of -128·Σw: the exact Σx·w that the sign trick of
+ * ggml's mul_sum_i8_pairs gives (integers cannot differ). The products d_w·d_x are formed
+ * Q0_CHUNK blocks ahead, a vector multiply for eight rows, and each fma broadcasts its own from
+ * memory. */
+#define Q0_CHUNK 32
+static inline __attribute__((always_inline)) void q0_tile(const fb_weight *w, const fb_act *a, int64_t R, int64_t n,
                                                           int64_t r, const int TR, float *out) {
     const int64_t K = w->cols, nb = K / 32, N = w->rows;
     const float *wd = w->d + n * nb;
-    __m256 acc[8];
+    __m256 acc[Q0_TILE];
     #pragma GCC unroll 8
     for (int i = 0; i < TR; i++) acc[i] = _mm256_setzero_ps();
-    for (int64_t b = 0; b < nb; b++) {
-        const __m256i wv = q0_block(w, n * nb + b);
-        const __m256i u = _mm256_sign_epi8(wv, wv);
-        #pragma GCC unroll 8
-        for (int i = 0; i < TR; i++) {
-            const __m256i xv = _mm256_loadu_si256((const __m256i *) (a->q + (r + i) * K + 32 * b));
-            const __m256 lanes = _mm256_cvtepi32_ps(dot_u8_i8(u, _mm256_sign_epi8(xv, wv)));
-            acc[i] = _mm256_fmadd_ps(_mm256_set1_ps(wd[b] * a->d[(r + i) * nb + b]), lanes, acc[i]);
+    float scale[Q0_CHUNK][Q0_TILE];  /* f32(d_w·d_x): the product ggml forms before its fma */
+    for (int64_t b0 = 0; b0 < nb; b0 += Q0_CHUNK) {
+        const int64_t b1 = b0 + Q0_CHUNK < nb ? b0 + Q0_CHUNK : nb;
+        for (int64_t b = b0; b < b1; b++) {
+            const float *xd = a->d + Q0_SCALE(nb, r, b);
+            if (TR == Q0_TILE) _mm256_storeu_ps(scale[b - b0], _mm256_mul_ps(_mm256_set1_ps(wd[b]), _mm256_loadu_ps(xd)));
+            else
+                #pragma GCC unroll 8
+                for (int i = 0; i < TR; i++) scale[b - b0][i] = wd[b] * xd[i];
+        }
+        /* read back from memory (GCC would otherwise take each from the register with shuffles) */
+        __asm__("" : "+m"(scale));
+        for (int64_t b = b0; b < b1; b++) {
+            const __m256i wv = q0_block(w, n * nb + b);
+            const int8_t *xq = a->q + Q0_AT(nb, r, b);
+#if Q0_ACT_UNSIGNED
+            const __m256i base = _mm256_sub_epi32(_mm256_setzero_si256(),
+                                                  _mm256_dpbusd_epi32(_mm256_setzero_si256(), _mm256_set1_epi8((char) 0x80), wv));
+#else
+            const __m256i u = _mm256_sign_epi8(wv, wv);
+#endif
+            #pragma GCC unroll 8
+            for (int i = 0; i < TR; i++) {
+                const __m256i xv = _mm256_loadu_si256((const __m256i *) (xq + 32 * i));
+#if Q0_ACT_UNSIGNED
+                const __m256i lanes = _mm256_dpbusd_epi32(base, xv, wv);
+#else
+                const __m256i lanes = dot_u8_i8(u, _mm256_sign_epi8(xv, wv));
+#endif
+                acc[i] = _mm256_fmadd_ps(_mm256_set1_ps(scale[b - b0][i]), _mm256_cvtepi32_ps(lanes), acc[i]);
+            }
         }
     }
     #pragma GCC unroll 8
     for (int i = 0; i < TR; i++) out[(r + i) * N + n] = hsum8v(acc[i]);
 }
 
+/* Weight rows [n0, n1) in groups of Q0_ROW_GROUP, each group against every activation tile: the
+ * group's weights and one tile of activations stay in L1 while the group's rows pass over it
+ * (which outputs are computed when, never how). The tails of R: a tile of 4 rows, then single
+ * rows. */
+#define Q0_ROW_GROUP 16
 static void q0_rows(const fb_weight *w, int64_t R, const fb_act *a, int64_t n0, int64_t n1, float *out) {
-    for (int64_t n = n0; n < n1; n++) {
+    for (int64_t g = n0; g < n1; g += Q0_ROW_GROUP) {
+        const int64_t g1 = g + Q0_ROW_GROUP < n1 ? g + Q0_ROW_GROUP : n1;
         int64_t r = 0;
-        for (; r + 8 <= R; r += 8) q0_tile(w, a, n, r, 8, out);
-        for (; r + 4 <= R; r += 4) q0_tile(w, a, n, r, 4, out);
-        for (; r < R; r++) q0_tile(w, a, n, r, 1, out);
+        for (; r + Q0_TILE <= R; r += Q0_TILE)
+            for (int64_t n = g; n < g1; n++) q0_tile(w, a, R, n, r, Q0_TILE, out);
+        for (; r + 4 <= R; r += 4)
+            for (int64_t n = g; n < g1; n++) q0_tile(w, a, R, n, r, 4, out);
+        for (; r < R; r++)
+            for (int64_t n = g; n < g1; n++) q0_tile(w, a, R, n, r, 1, out);
     }
 }
 
@@ -355,38 +434,92 @@ static inline int32_t q4_k_min64(const int16_t *xs, const uint8_t *mn, int c) {
     return mn[2 * c] * (xs[4 * c] + xs[4 * c + 1]) + mn[2 * c + 1] * (xs[4 * c + 2] + xs[4 * c + 3]);
 }
 
+/* Weight rows per group in the K-quant batch kernels: a group's weights (8 rows of up to 2048
+ * columns: 9 KB of Q4_K) and one tile of activation rows stay in L1 while the group's rows pass
+ * over the tile (which outputs are computed when, never how). */
+#define K_ROW_GROUP 8
+
+/* The four 64-chunks' min terms of one superblock for activation rows r..r+3 (the integers of
+ * q4_k_min64): out[c] = [row r, r+1, r+2, r+3] of chunk c. One madd per row forms lane k =
+ * m_k·(bsum 2k + bsum 2k+1) (exact: |.| <= 63·2·2032); hadd pairs the lanes of each chunk. */
+static inline void q4_k_mins4(const int16_t *xs, int64_t S, const uint8_t *mn, __m128 out[4]) {
+    const __m128i m8 = _mm_cvtepu8_epi16(_mm_loadl_epi64((const __m128i *) mn));
+    const __m256i m16 = _mm256_set_m128i(_mm_unpackhi_epi16(m8, m8), _mm_unpacklo_epi16(m8, m8));
+    __m256i m[4];
+    for (int i = 0; i < 4; i++) m[i] = _mm256_madd_epi16(_mm256_loadu_si256((const __m256i *) (xs + i * S)), m16);
+    /* [r c0, r c1, r+1 c0, r+1 c1 | r c2, r c3, r+1 c2, r+1 c3], and the same for r+2, r+3 */
+    const __m256 h01 = _mm256_castsi256_ps(_mm256_hadd_epi32(m[0], m[1]));
+    const __m256 h23 = _mm256_castsi256_ps(_mm256_hadd_epi32(m[2], m[3]));
+    const __m128 lo01 = _mm256_castps256_ps128(h01), lo23 = _mm256_castps256_ps128(h23);
+    const __m128 hi01 = _mm256_extractf128_ps(h01, 1), hi23 = _mm256_extractf128_ps(h23, 1);
+    out[0] = _mm_shuffle_ps(lo01, lo23, _MM_SHUFFLE(2, 0, 2, 0));
+    out[1] = _mm_shuffle_ps(lo01, lo23, _MM_SHUFFLE(3, 1, 3, 1));
+    out[2] = _mm_shuffle_ps(hi01, hi23, _MM_SHUFFLE(2, 0, 2, 0));
+    out[3] = _mm_shuffle_ps(hi01, hi23, _MM_SHUFFLE(3, 1, 3, 1));
+}
+
+/* Lanes of a 64-chunk's scaled dot, as q4_k_dot64 (exact, any order): the two 32-subblocks'
+ * unsigned nibbles lo, hi against the activations, each pair sum times its subblock scale. */
+static inline __m256i q4_k_lanes64(const int8_t *x, __m256i lo, __m256i hi, __m256i sc_lo, __m256i sc_hi) {
+    const __m256i p_lo = _mm256_maddubs_epi16(lo, _mm256_loadu_si256((const __m256i *) x));
+    const __m256i p_hi = _mm256_maddubs_epi16(hi, _mm256_loadu_si256((const __m256i *) (x + 32)));
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+    return _mm256_dpwssd_epi32(_mm256_madd_epi16(p_lo, sc_lo), p_hi, sc_hi);
+#else
+    return _mm256_add_epi32(_mm256_madd_epi16(p_lo, sc_lo), _mm256_madd_epi16(p_hi, sc_hi));
+#endif
+}
+
+/* ggml_gemm_q4_K_8x8_q8_K for activation rows r..r+3 and output n: per 64-chunk
+ * acc = fma(f32(dot), d_w·d_x, acc) and acc_min = fma(f32(min), dmin_w·d_x, acc_min), the four
+ * rows side by side in a vector; output acc - acc_min. */
+static inline void q4_k_gemm_tile(const fb_weight *w, const fb_act *a, int64_t n, int64_t r, float *out) {
+    const int64_t K = w->cols, nsb = K / 256, N = w->rows, S = K / 16;
+    const uint8_t *wq = (const uint8_t *) w->q, *scales = (const uint8_t *) w->scales;
+    const __m256i low = _mm256_set1_epi8(0x0F);
+    __m128 acc = _mm_setzero_ps(), acc_min = _mm_setzero_ps();
+    for (int64_t b = 0; b < nsb; b++) {
+        const int64_t blk = n * nsb + b;
+        const uint8_t *qa = wq + blk * 144 + 16, *sc = scales + blk * 8;
+        const float *xd = a->d + b;
+        const __m128 xdv = _mm_setr_ps(xd[r * nsb], xd[(r + 1) * nsb], xd[(r + 2) * nsb], xd[(r + 3) * nsb]);
+        const __m128 s = _mm_mul_ps(_mm_set1_ps(w->d[blk]), xdv);
+        const __m128 s_min = _mm_mul_ps(_mm_set1_ps(w->dmin[blk]), xdv);
+        const int8_t *x0 = a->q + r * K + b * 256;
+        __m128 mins[4];
+        q4_k_mins4(a->sums + r * S + b * 16, S, w->mins + blk * 8, mins);
+        for (int c = 0; c < 4; c++) {
+            const __m256i v = _mm256_loadu_si256((const __m256i *) (qa + 32 * c));
+            const __m256i lo = _mm256_and_si256(v, low), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+            const __m256i sc_lo = _mm256_set1_epi16(sc[2 * c]), sc_hi = _mm256_set1_epi16(sc[2 * c + 1]);
+            const __m128i dot = hsum4_i32(q4_k_lanes64(x0 + 64 * c, lo, hi, sc_lo, sc_hi),
+                                          q4_k_lanes64(x0 + K + 64 * c, lo, hi, sc_lo, sc_hi),
+                                          q4_k_lanes64(x0 + 2 * K + 64 * c, lo, hi, sc_lo, sc_hi),
+                                          q4_k_lanes64(x0 + 3 * K + 64 * c, lo, hi, sc_lo, sc_hi));
+            acc = _mm_fmadd_ps(_mm_cvtepi32_ps(dot), s, acc);
+            acc_min = _mm_fmadd_ps(_mm_cvtepi32_ps(_mm_castps_si128(mins[c])), s_min, acc_min);
+        }
+    }
+    float res[4];
+    _mm_storeu_ps(res, _mm_sub_ps(acc, acc_min));
+    for (int i = 0; i < 4; i++) out[(r + i) * N + n] = res[i];
+}
+
 static void q4_k_rows(const fb_weight *w, int64_t r0, int64_t r1, const fb_act *a, int per_superblock,
                       int64_t n0, int64_t n1, float *out) {
     const int64_t K = w->cols, nsb = K / 256, N = w->rows;
     const uint8_t *wq = (const uint8_t *) w->q, *scales = (const uint8_t *) w->scales;
+    if (!per_superblock) {  /* gemm: tiles of four rows; weight rows in groups that stay in L1 */
+        int64_t r = r0;
+        for (int64_t g = n0; g < n1; g += K_ROW_GROUP) {
+            const int64_t g1 = g + K_ROW_GROUP < n1 ? g + K_ROW_GROUP : n1;
+            for (r = r0; r + 4 <= r1; r += 4)
+                for (int64_t n = g; n < g1; n++) q4_k_gemm_tile(w, a, n, r, out);
+        }
+        r0 = r;  /* rows left over (fewer than four) one at a time below, one fma per 64 */
+    }
     for (int64_t n = n0; n < n1; n++) {
         int64_t r = r0;
-        if (!per_superblock)  /* gemm: four rows at a time, their fmas side by side in a vector */
-            for (; r + 4 <= r1; r += 4) {
-                __m128 acc = _mm_setzero_ps(), acc_min = _mm_setzero_ps();
-                for (int64_t b = 0; b < nsb; b++) {
-                    const uint8_t *qa = wq + (n * nsb + b) * 144 + 16;
-                    const uint8_t *sc = scales + (n * nsb + b) * 8, *mn = w->mins + (n * nsb + b) * 8;
-                    const float *xd = a->d + b;
-                    const __m128 xdv = _mm_setr_ps(xd[r * nsb], xd[(r + 1) * nsb], xd[(r + 2) * nsb], xd[(r + 3) * nsb]);
-                    const __m128 s = _mm_mul_ps(_mm_set1_ps(w->d[n * nsb + b]), xdv);
-                    const __m128 s_min = _mm_mul_ps(_mm_set1_ps(w->dmin[n * nsb + b]), xdv);
-                    const int8_t *x0 = a->q + r * K + b * 256;
-                    const int16_t *xs0 = a->sums + r * (K / 16) + b * 16;
-                    for (int c = 0; c < 4; c++) {
-                        const __m128i dot = hsum4_i32(q4_k_dot64(x0, qa, sc, c), q4_k_dot64(x0 + K, qa, sc, c),
-                                                      q4_k_dot64(x0 + 2 * K, qa, sc, c), q4_k_dot64(x0 + 3 * K, qa, sc, c));
-                        const int64_t S = K / 16;
-                        const __m128i dot_min = _mm_setr_epi32(q4_k_min64(xs0, mn, c), q4_k_min64(xs0 + S, mn, c),
-                                                               q4_k_min64(xs0 + 2 * S, mn, c), q4_k_min64(xs0 + 3 * S, mn, c));
-                        acc = _mm_fmadd_ps(_mm_cvtepi32_ps(dot), s, acc);
-                        acc_min = _mm_fmadd_ps(_mm_cvtepi32_ps(dot_min), s_min, acc_min);
-                    }
-                }
-                float res[4];
-                _mm_storeu_ps(res, _mm_sub_ps(acc, acc_min));
-                for (int i = 0; i < 4; i++) out[(r + i) * N + n] = res[i];
-            }
         for (; r < r1; r++) {
             float acc = 0.0f, acc_min = 0.0f;
             for (int64_t b = 0; b < nsb; b++) {
@@ -547,33 +680,61 @@ static inline __m256i q6_k_lanes(const int8_t *xa, const int16_t *xs, const uint
     return _mm256_sub_epi32(lanes, _mm256_slli_epi32(offset, 5));
 }
 
+/* The tiled microtile for activation rows r..r+3 and output n: per 256 the exact dot (the
+ * superblock's eight 32-chunks unpacked and scaled once for the four rows), times d_w, then
+ * acc = fma(that, d_x, acc), the four rows side by side in a vector. */
+static inline void q6_k_tiled_tile(const fb_weight *w, const fb_act *a, int64_t n, int64_t r, float *out) {
+    const int64_t K = w->cols, nsb = K / 256, N = w->rows, S = K / 16;
+    const uint8_t *wq = (const uint8_t *) w->q;
+    const int8_t *scales = (const int8_t *) w->scales;
+    __m128 acc = _mm_setzero_ps();
+    for (int64_t b = 0; b < nsb; b++) {
+        const uint8_t *qa = wq + n * K + b * 256;
+        const int8_t *sc = scales + (n * nsb + b) * 16;
+        const int8_t *x0 = a->q + r * K + b * 256;
+        const int16_t *xs0 = a->sums + r * S + b * 16;
+        const __m256i sc16 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *) sc));
+        __m256i tot[4];
+        for (int i = 0; i < 4; i++)  /* the offset part first: 32·Σ scale·bsum, subtracted below */
+            tot[i] = _mm256_sub_epi32(_mm256_setzero_si256(),
+                                      _mm256_slli_epi32(_mm256_madd_epi16(sc16, _mm256_loadu_si256((const __m256i *) (xs0 + i * S))), 5));
+        for (int c = 0; c < 8; c++) {
+            const __m256i wv = _mm256_loadu_si256((const __m256i *) (qa + 32 * c));
+            const __m256i scale = _mm256_setr_m128i(_mm_set1_epi16(sc[2 * c]), _mm_set1_epi16(sc[2 * c + 1]));
+            for (int i = 0; i < 4; i++) {
+                const __m256i p = _mm256_maddubs_epi16(wv, _mm256_loadu_si256((const __m256i *) (x0 + i * K + 32 * c)));
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+                tot[i] = _mm256_dpwssd_epi32(tot[i], p, scale);
+#else
+                tot[i] = _mm256_add_epi32(tot[i], _mm256_madd_epi16(p, scale));
+#endif
+            }
+        }
+        const __m128i dot = hsum4_i32(tot[0], tot[1], tot[2], tot[3]);
+        const float *xd = a->d + b;
+        const __m128 xdv = _mm_setr_ps(xd[r * nsb], xd[(r + 1) * nsb], xd[(r + 2) * nsb], xd[(r + 3) * nsb]);
+        const __m128 scaled = _mm_mul_ps(_mm_set1_ps(w->d[n * nsb + b]), _mm_cvtepi32_ps(dot));
+        acc = _mm_fmadd_ps(scaled, xdv, acc);
+    }
+    float res[4];
+    _mm_storeu_ps(res, acc);
+    for (int i = 0; i < 4; i++) out[(r + i) * N + n] = res[i];
+}
+
 static void q6_k_rows(const fb_weight *w, int64_t R, const fb_act *a, int tiled, int64_t n0, int64_t n1,
                       float *out) {
     const int64_t K = w->cols, nsb = K / 256, N = w->rows, S = K / 16;
     const uint8_t *wq = (const uint8_t *) w->q;
     const int8_t *scales = (const int8_t *) w->scales;
+    int64_t r_left = 0;
+    if (tiled)  /* tiles of four rows; weight rows in groups that stay in L1 */
+        for (int64_t g = n0; g < n1; g += K_ROW_GROUP) {
+            const int64_t g1 = g + K_ROW_GROUP < n1 ? g + K_ROW_GROUP : n1;
+            for (r_left = 0; r_left + 4 <= R; r_left += 4)
+                for (int64_t n = g; n < g1; n++) q6_k_tiled_tile(w, a, n, r_left, out);
+        }
     for (int64_t n = n0; n < n1; n++) {
-        int64_t r = 0;
-        if (tiled)  /* four rows at a time, their sums side by side in a vector */
-            for (; r + 4 <= R; r += 4) {
-                __m128 acc = _mm_setzero_ps();
-                for (int64_t b = 0; b < nsb; b++) {
-                    const uint8_t *qa = wq + n * K + b * 256;
-                    const int8_t *sc = scales + (n * nsb + b) * 16;
-                    const int8_t *x0 = a->q + r * K + b * 256;
-                    const int16_t *xs0 = a->sums + r * S + b * 16;
-                    const __m128i dot = hsum4_i32(q6_k_lanes(x0, xs0, qa, sc), q6_k_lanes(x0 + K, xs0 + S, qa, sc),
-                                                  q6_k_lanes(x0 + 2 * K, xs0 + 2 * S, qa, sc),
-                                                  q6_k_lanes(x0 + 3 * K, xs0 + 3 * S, qa, sc));
-                    const float *xd = a->d + b;
-                    const __m128 xdv = _mm_setr_ps(xd[r * nsb], xd[(r + 1) * nsb], xd[(r + 2) * nsb], xd[(r + 3) * nsb]);
-                    const __m128 scaled = _mm_mul_ps(_mm_set1_ps(w->d[n * nsb + b]), _mm_cvtepi32_ps(dot));
-                    acc = _mm_fmadd_ps(scaled, xdv, acc);
-                }
-                float res[4];
-                _mm_storeu_ps(res, acc);
-                for (int i = 0; i < 4; i++) out[(r + i) * N + n] = res[i];
-            }
+        int64_t r = r_left;
         for (; r < R; r++) {
             float acc = 0.0f;
             __m256 lanes_acc = _mm256_setzero_ps();
@@ -854,8 +1015,8 @@ static inline void thread_share(int64_t total, int ith, int nth, int64_t *n0, in
 }
 
 static int act_alloc(fb_act *a, int64_t R, int64_t K) {
-    a->q = malloc((size_t) (R * K) + 64);
-    a->d = malloc(sizeof(float) * (size_t) (R * (K / 32) + 1));
+    a->q = malloc((size_t) (round_up(R, Q0_TILE) * K) + 64);  /* Q8_0: whole tiles (Q0_AT) */
+    a->d = malloc(sizeof(float) * (size_t) (round_up(R, Q0_TILE) * (K / 32) + 1));
     a->sums = malloc(sizeof(int16_t) * (size_t) (R * (K / 16) + 16));
     a->h = malloc(sizeof(float) * (size_t) (R * K) + 64);
     a->s = malloc(sizeof(float) * (size_t) (R * (K / 32) + 1));
@@ -1028,8 +1189,6 @@ static void rope_apply(float *x, int64_t hd, int neox, const float *cs, const fl
         *p1 = fmaf(x1, sn[i], x2 * cs[i]);
     }
 }
-
-static inline int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
 
 /* One query row of llama.cpp's non-flash attention over the f16 cache (numerics.py
  * attention_llamacpp): kq = f16(q)·f16(k), softmax(kq·scale) as ggml_soft_max sums it,
