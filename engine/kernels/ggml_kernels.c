@@ -1190,66 +1190,100 @@ static void rope_apply(float *x, int64_t hd, int neox, const float *cs, const fl
     }
 }
 
-/* One query row of llama.cpp's non-flash attention over the f16 cache (numerics.py
+/* Query rows of llama.cpp's non-flash attention over the f16 cache (numerics.py
  * attention_llamacpp): kq = f16(q)·f16(k), softmax(kq·scale) as ggml_soft_max sums it,
  * f16(p)·f16(v). Keys outside [lo, hi) are masked: they would add exact zeros (lo and hi are
- * multiples of 4·L, so every lane and step keeps its place in the sums). */
-static void attend_row(const float *q16, const uint16_t *kc, const uint16_t *vc, int64_t hd, int64_t pos,
-                       int64_t window, int64_t cache_len, float kq_scale, int batch, const fb_plan *p,
-                       float *s, float *acc, float *out) {
+ * multiples of 4·L, so every lane and step keeps its place in the sums).
+ * G (1, 2 or ATT_GROUP = 4) heads of one position that share a KV head at once: q16 and out hold their G
+ * rows of hd, s G rows of s_stride scores, acc G sets of accumulators. Each key and value row is
+ * converted from f16 once for the G heads (tinyBLAS's register tile, f16_tile, for the scores);
+ * every head's sums are those it gets alone. */
+#define ATT_GROUP 4
+static void attend_heads(const float *q16, int G, const uint16_t *kc, const uint16_t *vc, int64_t hd, int64_t pos,
+                         int64_t window, int64_t cache_len, float kq_scale, int batch, const fb_plan *p,
+                         float *s, int64_t s_stride, float *acc, float *out) {
     const int L = p->f16_lanes, SL = p->softmax_lanes;
     const int64_t first = window && pos - window + 1 > 0 ? pos - window + 1 : 0;  /* visible keys */
     const int64_t lo = first - first % (4 * L), hi = round_up(pos + 1, 4 * L);
     const int kq_tiny = batch >= 2 && hd % L == 0, v_tiny = batch >= 2 && hd % 4 == 0;
-    float top = -INFINITY;
+    float top[ATT_GROUP];
+    for (int g = 0; g < G; g++) top[g] = -INFINITY;
     for (int64_t j = first; j <= pos; j++) {
         const uint16_t *kj = kc + j * hd;
-        s[j] = (kq_tiny ? dot_tinyblas_h(q16, kj, hd, L) : dot_vec_h(q16, kj, hd, L)) * kq_scale;
-        top = fmaxf(top, s[j]);
+        float dots[ATT_GROUP];
+        if (kq_tiny && G == 4) f16_tile(kj, q16, hd, L, 4, dots);
+        else if (kq_tiny && G == 2) f16_tile(kj, q16, hd, L, 2, dots);
+        else
+            for (int g = 0; g < G; g++)
+                dots[g] = kq_tiny ? dot_tinyblas_h(q16 + g * hd, kj, hd, L) : dot_vec_h(q16 + g * hd, kj, hd, L);
+        for (int g = 0; g < G; g++) {
+            s[g * s_stride + j] = dots[g] * kq_scale;
+            top[g] = fmaxf(top[g], s[g * s_stride + j]);
+        }
     }
-    for (int64_t j = lo; j < hi; j++) s[j] = j >= first && j <= pos ? expf_ggml(s[j] - top, SL) : 0.0f;
-    double total = 0.0;
-    for (int64_t g = lo; g < hi; g += SL) total += (double) (SL == 16 ? hsum8v(_mm256_add_ps(_mm256_loadu_ps(s + g + 8), _mm256_loadu_ps(s + g)))
-                                                                      : hsum8(s + g));
-    const float inv = (float) (1.0 / total);
-    for (int64_t j = lo; j < hi; j++) s[j] = round_f16(s[j] * inv);
+    for (int g = 0; g < G; g++) {
+        float *sg = s + g * s_stride;
+        for (int64_t j = lo; j < hi; j++) sg[j] = j >= first && j <= pos ? expf_ggml(sg[j] - top[g], SL) : 0.0f;
+        double total = 0.0;
+        for (int64_t i = lo; i < hi; i += SL)
+            total += (double) (SL == 16 ? hsum8v(_mm256_add_ps(_mm256_loadu_ps(sg + i + 8), _mm256_loadu_ps(sg + i)))
+                                        : hsum8(sg + i));
+        const float inv = (float) (1.0 / total);
+        for (int64_t j = lo; j < hi; j++) sg[j] = round_f16(sg[j] * inv);
+    }
     /* V·p, vectorized across the head's dims: per output dim the lanes (and steps) of the kernel
      * llama.cpp runs, each an fma chain over the keys in order */
     const int chains = v_tiny ? L : 4 * L;
-    memset(acc, 0, sizeof(float) * (size_t) (chains * hd));
+    const int64_t per_head = (int64_t) chains * hd;
+    memset(acc, 0, sizeof(float) * (size_t) (G * per_head));
     const int64_t last = pos < cache_len ? pos : cache_len - 1;
     for (int64_t j = lo; j <= last; j++) {
         const int c = v_tiny ? (int) (j % L) : (int) (((j / L) % 4) * L + j % L);
-        float *a = acc + (int64_t) c * hd;
         const uint16_t *vj = vc + j * hd;
-        const __m256 pj = _mm256_set1_ps(s[j]);
-        for (int64_t d = 0; d < hd; d += 8)
-            _mm256_storeu_ps(a + d, _mm256_fmadd_ps(pj, LOAD_F16(vj + d), _mm256_loadu_ps(a + d)));
-    }
-    for (int64_t d = 0; d < hd; d += 8) {
-        __m256 x[16];
-        for (int l = 0; l < L; l++) {
-            if (v_tiny) x[l] = _mm256_loadu_ps(acc + l * hd + d);
-            else {
-                const __m256 a0 = _mm256_loadu_ps(acc + (0 * L + l) * hd + d), a1 = _mm256_loadu_ps(acc + (1 * L + l) * hd + d);
-                const __m256 a2 = _mm256_loadu_ps(acc + (2 * L + l) * hd + d), a3 = _mm256_loadu_ps(acc + (3 * L + l) * hd + d);
-                x[l] = _mm256_add_ps(_mm256_add_ps(a0, a2), _mm256_add_ps(a1, a3));
+        __m256 pj[ATT_GROUP];
+        for (int g = 0; g < G; g++) pj[g] = _mm256_set1_ps(s[g * s_stride + j]);
+        for (int64_t d = 0; d < hd; d += 8) {
+            const __m256 v = LOAD_F16(vj + d);
+            for (int g = 0; g < G; g++) {
+                float *a = acc + g * per_head + (int64_t) c * hd + d;
+                _mm256_storeu_ps(a, _mm256_fmadd_ps(pj[g], v, _mm256_loadu_ps(a)));
             }
         }
-        __m256 sum;
-        if (!v_tiny && L == 8) {  /* GGML_F32Cx8_REDUCE: ((l0+l4) + (l1+l5)) + ((l2+l6) + (l3+l7)) */
-            const __m256 t0 = _mm256_add_ps(x[0], x[4]), t1 = _mm256_add_ps(x[1], x[5]);
-            const __m256 t2 = _mm256_add_ps(x[2], x[6]), t3 = _mm256_add_ps(x[3], x[7]);
-            sum = _mm256_add_ps(_mm256_add_ps(t0, t1), _mm256_add_ps(t2, t3));
-        } else {  /* hsum_float_8 (after folding 16 lanes onto 8: _mm512_reduce_add_ps) */
-            if (L == 16)
-                for (int l = 0; l < 8; l++) x[l] = _mm256_add_ps(x[l + 8], x[l]);
-            const __m256 r0 = _mm256_add_ps(x[4], x[0]), r1 = _mm256_add_ps(x[5], x[1]);
-            const __m256 r2 = _mm256_add_ps(x[6], x[2]), r3 = _mm256_add_ps(x[7], x[3]);
-            sum = _mm256_add_ps(_mm256_add_ps(r0, r2), _mm256_add_ps(r1, r3));
-        }
-        _mm256_storeu_ps(out + d, sum);
     }
+    for (int g = 0; g < G; g++) {
+        const float *ag = acc + g * per_head;
+        for (int64_t d = 0; d < hd; d += 8) {
+            __m256 x[16];
+            for (int l = 0; l < L; l++) {
+                if (v_tiny) x[l] = _mm256_loadu_ps(ag + l * hd + d);
+                else {
+                    const __m256 a0 = _mm256_loadu_ps(ag + (0 * L + l) * hd + d), a1 = _mm256_loadu_ps(ag + (1 * L + l) * hd + d);
+                    const __m256 a2 = _mm256_loadu_ps(ag + (2 * L + l) * hd + d), a3 = _mm256_loadu_ps(ag + (3 * L + l) * hd + d);
+                    x[l] = _mm256_add_ps(_mm256_add_ps(a0, a2), _mm256_add_ps(a1, a3));
+                }
+            }
+            __m256 sum;
+            if (!v_tiny && L == 8) {  /* GGML_F32Cx8_REDUCE: ((l0+l4) + (l1+l5)) + ((l2+l6) + (l3+l7)) */
+                const __m256 t0 = _mm256_add_ps(x[0], x[4]), t1 = _mm256_add_ps(x[1], x[5]);
+                const __m256 t2 = _mm256_add_ps(x[2], x[6]), t3 = _mm256_add_ps(x[3], x[7]);
+                sum = _mm256_add_ps(_mm256_add_ps(t0, t1), _mm256_add_ps(t2, t3));
+            } else {  /* hsum_float_8 (after folding 16 lanes onto 8: _mm512_reduce_add_ps) */
+                if (L == 16)
+                    for (int l = 0; l < 8; l++) x[l] = _mm256_add_ps(x[l + 8], x[l]);
+                const __m256 r0 = _mm256_add_ps(x[4], x[0]), r1 = _mm256_add_ps(x[5], x[1]);
+                const __m256 r2 = _mm256_add_ps(x[6], x[2]), r3 = _mm256_add_ps(x[7], x[3]);
+                sum = _mm256_add_ps(_mm256_add_ps(r0, r2), _mm256_add_ps(r1, r3));
+            }
+            _mm256_storeu_ps(out + g * hd + d, sum);
+        }
+    }
+}
+
+/* One query row (attend_heads for one head). */
+static void attend_row(const float *q16, const uint16_t *kc, const uint16_t *vc, int64_t hd, int64_t pos,
+                       int64_t window, int64_t cache_len, float kq_scale, int batch, const fb_plan *p,
+                       float *s, float *acc, float *out) {
+    attend_heads(q16, 1, kc, vc, hd, pos, window, cache_len, kq_scale, batch, p, s, 0, acc, out);
 }
 
 /* The activation format a weight type's matmul quantizes to (ggml's vec_dot_type). */
@@ -1323,6 +1357,8 @@ int fb_forward(const fb_model *m, const fb_plan *p, int64_t T, int64_t start_pos
     const int64_t Kmax = F > QD ? (F > D ? F : D) : (QD > D ? QD : D);
     const int64_t S = start_pos + T, Sp = round_up(S, 64);
     const int L = p->f16_lanes;
+    /* heads per attention item: 4 (ATT_GROUP) or 2 of a KV head's group for a batch */
+    const int G = T < 2 ? 1 : groups % 4 == 0 ? 4 : groups % 2 == 0 ? 2 : 1;
     float *xn = malloc(sizeof(float) * (size_t) (T * D)), *qb = malloc(sizeof(float) * (size_t) (T * QD));
     float *kb = malloc(sizeof(float) * (size_t) (T * KD)), *vb = malloc(sizeof(float) * (size_t) (T * KD));
     float *att = malloc(sizeof(float) * (size_t) (T * QD)), *ab = malloc(sizeof(float) * (size_t) (T * D));
@@ -1340,8 +1376,8 @@ int fb_forward(const fb_model *m, const fb_plan *p, int64_t T, int64_t start_pos
             #pragma omp single
             bar.n = nth;
             /* the implicit barrier after `single` publishes bar.n */
-            float *s = malloc(sizeof(float) * (size_t) (Sp + 64));
-            float *acc = malloc(sizeof(float) * (size_t) (4 * L * hd));
+            float *s = malloc(sizeof(float) * (size_t) (G * (Sp + 64)));
+            float *acc = malloc(sizeof(float) * (size_t) (G * 4 * L * hd));
             int64_t R = T;
             const fb_layer *prev = NULL;
             for (int64_t il = 0; il < m->n_layers; il++) {
@@ -1380,11 +1416,13 @@ int fb_forward(const fb_model *m, const fb_plan *p, int64_t T, int64_t start_pos
                     }
                 }
                 barrier_wait(&bar);
-                for (int64_t item = ith; item < T * H; item += nth) {
-                    const int64_t t = item / H, head = item % H, kvh = head / groups;
-                    attend_row(qb + t * QD + head * hd, k_cache[il] + kvh * cache_len * hd,
-                               v_cache[il] + kvh * cache_len * hd, hd, start_pos + t, Lr->window, cache_len,
-                               m->kq_scale, (int) T, p, s, acc, att + t * QD + head * hd);
+                /* per position, the heads of one KV head ATT_GROUP at a time where a batch gives
+                 * every thread work (one token: one head per item, so the threads share them) */
+                for (int64_t item = ith; item < T * (H / G); item += nth) {
+                    const int64_t t = item / (H / G), head = item % (H / G) * G, kvh = head / groups;
+                    attend_heads(qb + t * QD + head * hd, G, k_cache[il] + kvh * cache_len * hd,
+                                 v_cache[il] + kvh * cache_len * hd, hd, start_pos + t, Lr->window, cache_len,
+                                 m->kq_scale, (int) T, p, s, Sp + 64, acc, att + t * QD + head * hd);
                 }
                 barrier_wait(&bar);
                 region_matmul(&Lr->o, T, att, &a, p, ab, ith, nth, &bar);
