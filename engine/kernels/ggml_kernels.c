@@ -339,15 +339,12 @@ static inline __attribute__((always_inline)) void q0_tile(const fb_weight *w, co
     float scale[Q0_CHUNK][Q0_TILE];  /* f32(d_w·d_x): the product ggml forms before its fma */
     for (int64_t b0 = 0; b0 < nb; b0 += Q0_CHUNK) {
         const int64_t b1 = b0 + Q0_CHUNK < nb ? b0 + Q0_CHUNK : nb;
-        for (int64_t b = b0; b < b1; b++) {
-            const float *xd = a->d + Q0_SCALE(nb, r, b);
-            if (TR == Q0_TILE) _mm256_storeu_ps(scale[b - b0], _mm256_mul_ps(_mm256_set1_ps(wd[b]), _mm256_loadu_ps(xd)));
-            else
-                #pragma GCC unroll 8
-                for (int i = 0; i < TR; i++) scale[b - b0][i] = wd[b] * xd[i];
+        if (TR == Q0_TILE) {
+            for (int64_t b = b0; b < b1; b++)
+                _mm256_storeu_ps(scale[b - b0], _mm256_mul_ps(_mm256_set1_ps(wd[b]), _mm256_loadu_ps(a->d + Q0_SCALE(nb, r, b))));
+            /* read back from memory (GCC would otherwise take each from the register with shuffles) */
+            __asm__("" : "+m"(scale));
         }
-        /* read back from memory (GCC would otherwise take each from the register with shuffles) */
-        __asm__("" : "+m"(scale));
         for (int64_t b = b0; b < b1; b++) {
             const __m256i wv = q0_block(w, n * nb + b);
             const int8_t *xq = a->q + Q0_AT(nb, r, b);
@@ -365,7 +362,8 @@ static inline __attribute__((always_inline)) void q0_tile(const fb_weight *w, co
 #else
                 const __m256i lanes = dot_u8_i8(u, _mm256_sign_epi8(xv, wv));
 #endif
-                acc[i] = _mm256_fmadd_ps(_mm256_set1_ps(scale[b - b0][i]), _mm256_cvtepi32_ps(lanes), acc[i]);
+                const float d = TR == Q0_TILE ? scale[b - b0][i] : wd[b] * a->d[Q0_SCALE(nb, r + i, b)];
+                acc[i] = _mm256_fmadd_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(lanes), acc[i]);
             }
         }
     }
