@@ -34,6 +34,8 @@
 
 #define PARALLEL_ROWS 8  /* f16_dot: fewer rows stay on one thread */
 
+static inline int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
+
 /* ggml's hsum_float_8: ((x0+x4) + (x2+x6)) + ((x1+x5) + (x3+x7)). */
 static inline float hsum8(const float *a) {
     const float r0 = a[4] + a[0], r1 = a[5] + a[1], r2 = a[6] + a[2], r3 = a[7] + a[3];
@@ -63,6 +65,24 @@ static inline __m256i dot_u8_i8(__m256i u, __m256i s) {
     return _mm256_madd_epi16(_mm256_set1_epi16(1), _mm256_maddubs_epi16(u, s));
 #endif
 }
+
+/* Q8_0 activations (the Q8_0 / Q5_0 / Q4_0 weights' vec_dot type) as the q0 kernels read them
+ * (quantize_rows writes them so; the values are ggml's, only where they lie differs):
+ * - rows in tiles of Q0_TILE, each block's Q0_TILE rows side by side: block b of row r at
+ *   Q0_AT(nb, r, b), so a tile's rows are at fixed offsets from one pointer;
+ * - with VNNI, the bytes stored + 128 (unsigned), so that dpbusd multiplies them by the signed
+ *   weights directly (|x| <= 127: x + 128 fits a byte); without, as ggml stores them (maddubs's
+ *   int16 pair sums could saturate on the shifted values);
+ * - the scales likewise, block b of row r at Q0_SCALE(nb, r, b): a tile's eight side by side, its
+ *   blocks one after another. */
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+#define Q0_ACT_UNSIGNED 1
+#else
+#define Q0_ACT_UNSIGNED 0
+#endif
+#define Q0_TILE 8
+#define Q0_AT(nb, r, b) ((((r) / Q0_TILE) * (nb) + (b)) * (32 * Q0_TILE) + ((r) % Q0_TILE) * 32)
+#define Q0_SCALE(nb, r, b) ((((r) / Q0_TILE) * (nb) + (b)) * Q0_TILE + (r) % Q0_TILE)
 
 /* Unsigned weights (0..63) x signed activations, each int16 pair times its scale: lane l = the
  * products of bytes 4l..4l+3, bytes 0-15 times s_lo and 16-31 times s_hi (exact in int32). */
@@ -97,22 +117,40 @@ static inline int32_t hsum_i32(__m256i v) {
 
 static inline float round_f16(float x) { return _cvtsh_ss(_cvtss_sh(x, _MM_FROUND_TO_NEAREST_INT)); }
 
-/* quantize_row_q8_0 (AVX path): d = f16(amax/127), q = round-half-even(x·(127/amax)). */
-static void quantize_q8_0_row(const float *x, int64_t K, int8_t *q, float *d) {
+/* quantize_row_q8_0 (its AVX2 path, vector for vector): d = f16(amax/127), q = round-half-even(
+ * x·(127/amax)). Block b's 32 bytes at q + b·q_stride, its d at d[b·d_stride]; `unsigned_q`
+ * stores q + 128 (Q0_ACT_UNSIGNED). */
+static void quantize_q8_0_row(const float *x, int64_t K, int8_t *q, int64_t q_stride, float *d, int64_t d_stride,
+                              int unsigned_q) {
+    const __m256 sign = _mm256_set1_ps(-0.0f);
     for (int64_t b = 0; b < K / 32; b++) {
         const float *xb = x + 32 * b;
-        float amax = 0.0f;
-        for (int i = 0; i < 32; i++) amax = fmaxf(amax, fabsf(xb[i]));
-        d[b] = round_f16(amax / 127.f);
-        const float id = amax != 0.0f ? 127.f / amax : 0.0f;
-        for (int i = 0; i < 32; i++) q[32 * b + i] = (int8_t) nearbyintf(xb[i] * id);
+        __m256 v[4], m = _mm256_setzero_ps();
+        for (int j = 0; j < 4; j++) {
+            v[j] = _mm256_loadu_ps(xb + 8 * j);
+            m = _mm256_max_ps(m, _mm256_andnot_ps(sign, v[j]));
+        }
+        __m128 m4 = _mm_max_ps(_mm256_extractf128_ps(m, 1), _mm256_castps256_ps128(m));
+        m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+        m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
+        const float amax = _mm_cvtss_f32(m4);
+        d[b * d_stride] = round_f16(amax / 127.f);
+        const __m256 id = _mm256_set1_ps(amax != 0.0f ? 127.f / amax : 0.0f);
+        __m256i i32[4];
+        for (int j = 0; j < 4; j++)
+            i32[j] = _mm256_cvtps_epi32(_mm256_round_ps(_mm256_mul_ps(v[j], id), _MM_ROUND_NEAREST | _MM_FROUND_NO_EXC));
+        /* packs interleaves the 128-bit halves: the permute puts the 32 bytes back in order */
+        __m256i bytes = _mm256_packs_epi16(_mm256_packs_epi32(i32[0], i32[1]), _mm256_packs_epi32(i32[2], i32[3]));
+        bytes = _mm256_permutevar8x32_epi32(bytes, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+        if (unsigned_q) bytes = _mm256_xor_si256(bytes, _mm256_set1_epi8((char) 0x80));
+        _mm256_storeu_si256((__m256i *) (q + b * q_stride), bytes);
     }
 }
 
 /* quantize_row_q8_1 (AVX2 path): the Q8_0 ints and f16(amax/127), and s = f16(d·Σq) with the
  * f32 d = amax/127. */
 static void quantize_q8_1_row(const float *x, int64_t K, int8_t *q, float *d, float *s) {
-    quantize_q8_0_row(x, K, q, d);
+    quantize_q8_0_row(x, K, q, 32, d, 1, 0);
     for (int64_t b = 0; b < K / 32; b++) {
         float amax = 0.0f;
         int32_t sum = 0;
@@ -192,8 +230,8 @@ typedef struct {
 
 /* A batch of activation rows as the weight's vec_dot type holds them. */
 typedef struct {
-    int8_t *q;      /* [R][K] */
-    float *d;       /* [R][K/32] (Q8_0) or [R][K/256] (Q8_K) */
+    int8_t *q;      /* [R][K] (Q8_0: Q0_AT, + 128 where Q0_ACT_UNSIGNED) */
+    float *d;       /* Q8_0: Q0_SCALE; [R][K/32] (Q8_1) or [R][K/256] (Q8_K) */
     int16_t *sums;  /* [R][K/16] (Q8_K): each 16's sum */
     float *h;       /* [R][K] f16-rounded (F16 weights) */
     float *s;       /* [R][K/32] (Q8_1): f16(d·Σq), d before its f16 rounding */
@@ -255,7 +293,9 @@ static void quantize_rows(int type, const float *x, int64_t R, int64_t K, const 
                           int ith, int nth) {
     for (int64_t r = ith; r < R; r += nth) {
         const float *xr = x + r * K;
-        if (is_q0(type)) quantize_q8_0_row(xr, K, a->q + r * K, a->d + r * (K / 32));
+        if (is_q0(type))  /* the q0 kernels' layout (Q0_AT, Q0_SCALE) */
+            quantize_q8_0_row(xr, K, a->q + Q0_AT(K / 32, r, 0), 32 * Q0_TILE, a->d + Q0_SCALE(K / 32, r, 0), Q0_TILE,
+                              Q0_ACT_UNSIGNED);
         else if (is_q1(type)) quantize_q8_1_row(xr, K, a->q + r * K, a->d + r * (K / 32), a->s + r * (K / 32));
         else if (type == FB_F16) for (int64_t k = 0; k < K; k++) a->h[r * K + k] = round_f16(xr[k]);
         else quantize_q8_k_row(xr, K, a->q + r * K, a->d + r * (K / 256), a->sums + r * (K / 16));
@@ -281,34 +321,71 @@ static inline __m256i q0_block(const fb_weight *w, int64_t blk) {
     return _mm256_or_si256(lo, _mm256_andnot_si256(bytes_from_bits_32(b + 2), _mm256_set1_epi8((char) 0xF0)));
 }
 
-/* Outputs (r..r+TR-1, n): the weight block unpacked once for TR activation rows. */
-static inline __attribute__((always_inline)) void q0_tile(const fb_weight *w, const fb_act *a, int64_t n,
+/* Outputs (r..r+TR-1, n), r..r+TR-1 inside one Q0_TILE: the weight block unpacked once for the TR
+ * activation rows. Each output's sum is ggml's whatever TR is: per block, eight exact int32 lanes,
+ * acc = fma(f32(d_w·d_x), lane, acc), hsum_float_8 at the end. With Q0_ACT_UNSIGNED one dpbusd
+ * per row and block forms Σ(x + 128)·w on top of -128·Σw: the exact Σx·w that the sign trick of
+ * ggml's mul_sum_i8_pairs gives (integers cannot differ). The products d_w·d_x are formed
+ * Q0_CHUNK blocks ahead, a vector multiply for eight rows, and each fma broadcasts its own from
+ * memory. */
+#define Q0_CHUNK 32
+static inline __attribute__((always_inline)) void q0_tile(const fb_weight *w, const fb_act *a, int64_t R, int64_t n,
                                                           int64_t r, const int TR, float *out) {
     const int64_t K = w->cols, nb = K / 32, N = w->rows;
     const float *wd = w->d + n * nb;
-    __m256 acc[8];
+    __m256 acc[Q0_TILE];
     #pragma GCC unroll 8
     for (int i = 0; i < TR; i++) acc[i] = _mm256_setzero_ps();
-    for (int64_t b = 0; b < nb; b++) {
-        const __m256i wv = q0_block(w, n * nb + b);
-        const __m256i u = _mm256_sign_epi8(wv, wv);
-        #pragma GCC unroll 8
-        for (int i = 0; i < TR; i++) {
-            const __m256i xv = _mm256_loadu_si256((const __m256i *) (a->q + (r + i) * K + 32 * b));
-            const __m256 lanes = _mm256_cvtepi32_ps(dot_u8_i8(u, _mm256_sign_epi8(xv, wv)));
-            acc[i] = _mm256_fmadd_ps(_mm256_set1_ps(wd[b] * a->d[(r + i) * nb + b]), lanes, acc[i]);
+    float scale[Q0_CHUNK][Q0_TILE];  /* f32(d_w·d_x): the product ggml forms before its fma */
+    for (int64_t b0 = 0; b0 < nb; b0 += Q0_CHUNK) {
+        const int64_t b1 = b0 + Q0_CHUNK < nb ? b0 + Q0_CHUNK : nb;
+        if (TR == Q0_TILE) {
+            for (int64_t b = b0; b < b1; b++)
+                _mm256_storeu_ps(scale[b - b0], _mm256_mul_ps(_mm256_set1_ps(wd[b]), _mm256_loadu_ps(a->d + Q0_SCALE(nb, r, b))));
+            /* read back from memory (GCC would otherwise take each from the register with shuffles) */
+            __asm__("" : "+m"(scale));
+        }
+        for (int64_t b = b0; b < b1; b++) {
+            const __m256i wv = q0_block(w, n * nb + b);
+            const int8_t *xq = a->q + Q0_AT(nb, r, b);
+#if Q0_ACT_UNSIGNED
+            const __m256i base = _mm256_sub_epi32(_mm256_setzero_si256(),
+                                                  _mm256_dpbusd_epi32(_mm256_setzero_si256(), _mm256_set1_epi8((char) 0x80), wv));
+#else
+            const __m256i u = _mm256_sign_epi8(wv, wv);
+#endif
+            #pragma GCC unroll 8
+            for (int i = 0; i < TR; i++) {
+                const __m256i xv = _mm256_loadu_si256((const __m256i *) (xq + 32 * i));
+#if Q0_ACT_UNSIGNED
+                const __m256i lanes = _mm256_dpbusd_epi32(base, xv, wv);
+#else
+                const __m256i lanes = dot_u8_i8(u, _mm256_sign_epi8(xv, wv));
+#endif
+                const float d = TR == Q0_TILE ? scale[b - b0][i] : wd[b] * a->d[Q0_SCALE(nb, r + i, b)];
+                acc[i] = _mm256_fmadd_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(lanes), acc[i]);
+            }
         }
     }
     #pragma GCC unroll 8
     for (int i = 0; i < TR; i++) out[(r + i) * N + n] = hsum8v(acc[i]);
 }
 
+/* Weight rows [n0, n1) in groups of Q0_ROW_GROUP, each group against every activation tile: the
+ * group's weights and one tile of activations stay in L1 while the group's rows pass over it
+ * (which outputs are computed when, never how). The tails of R: a tile of 4 rows, then single
+ * rows. */
+#define Q0_ROW_GROUP 16
 static void q0_rows(const fb_weight *w, int64_t R, const fb_act *a, int64_t n0, int64_t n1, float *out) {
-    for (int64_t n = n0; n < n1; n++) {
+    for (int64_t g = n0; g < n1; g += Q0_ROW_GROUP) {
+        const int64_t g1 = g + Q0_ROW_GROUP < n1 ? g + Q0_ROW_GROUP : n1;
         int64_t r = 0;
-        for (; r + 8 <= R; r += 8) q0_tile(w, a, n, r, 8, out);
-        for (; r + 4 <= R; r += 4) q0_tile(w, a, n, r, 4, out);
-        for (; r < R; r++) q0_tile(w, a, n, r, 1, out);
+        for (; r + Q0_TILE <= R; r += Q0_TILE)
+            for (int64_t n = g; n < g1; n++) q0_tile(w, a, R, n, r, Q0_TILE, out);
+        for (; r + 4 <= R; r += 4)
+            for (int64_t n = g; n < g1; n++) q0_tile(w, a, R, n, r, 4, out);
+        for (; r < R; r++)
+            for (int64_t n = g; n < g1; n++) q0_tile(w, a, R, n, r, 1, out);
     }
 }
 
@@ -355,38 +432,92 @@ static inline int32_t q4_k_min64(const int16_t *xs, const uint8_t *mn, int c) {
     return mn[2 * c] * (xs[4 * c] + xs[4 * c + 1]) + mn[2 * c + 1] * (xs[4 * c + 2] + xs[4 * c + 3]);
 }
 
+/* Weight rows per group in the K-quant batch kernels: a group's weights (8 rows of up to 2048
+ * columns: 9 KB of Q4_K) and one tile of activation rows stay in L1 while the group's rows pass
+ * over the tile (which outputs are computed when, never how). */
+#define K_ROW_GROUP 8
+
+/* The four 64-chunks' min terms of one superblock for activation rows r..r+3 (the integers of
+ * q4_k_min64): out[c] = [row r, r+1, r+2, r+3] of chunk c. One madd per row forms lane k =
+ * m_k·(bsum 2k + bsum 2k+1) (exact: |.| <= 63·2·2032); hadd pairs the lanes of each chunk. */
+static inline void q4_k_mins4(const int16_t *xs, int64_t S, const uint8_t *mn, __m128 out[4]) {
+    const __m128i m8 = _mm_cvtepu8_epi16(_mm_loadl_epi64((const __m128i *) mn));
+    const __m256i m16 = _mm256_set_m128i(_mm_unpackhi_epi16(m8, m8), _mm_unpacklo_epi16(m8, m8));
+    __m256i m[4];
+    for (int i = 0; i < 4; i++) m[i] = _mm256_madd_epi16(_mm256_loadu_si256((const __m256i *) (xs + i * S)), m16);
+    /* [r c0, r c1, r+1 c0, r+1 c1 | r c2, r c3, r+1 c2, r+1 c3], and the same for r+2, r+3 */
+    const __m256 h01 = _mm256_castsi256_ps(_mm256_hadd_epi32(m[0], m[1]));
+    const __m256 h23 = _mm256_castsi256_ps(_mm256_hadd_epi32(m[2], m[3]));
+    const __m128 lo01 = _mm256_castps256_ps128(h01), lo23 = _mm256_castps256_ps128(h23);
+    const __m128 hi01 = _mm256_extractf128_ps(h01, 1), hi23 = _mm256_extractf128_ps(h23, 1);
+    out[0] = _mm_shuffle_ps(lo01, lo23, _MM_SHUFFLE(2, 0, 2, 0));
+    out[1] = _mm_shuffle_ps(lo01, lo23, _MM_SHUFFLE(3, 1, 3, 1));
+    out[2] = _mm_shuffle_ps(hi01, hi23, _MM_SHUFFLE(2, 0, 2, 0));
+    out[3] = _mm_shuffle_ps(hi01, hi23, _MM_SHUFFLE(3, 1, 3, 1));
+}
+
+/* Lanes of a 64-chunk's scaled dot, as q4_k_dot64 (exact, any order): the two 32-subblocks'
+ * unsigned nibbles lo, hi against the activations, each pair sum times its subblock scale. */
+static inline __m256i q4_k_lanes64(const int8_t *x, __m256i lo, __m256i hi, __m256i sc_lo, __m256i sc_hi) {
+    const __m256i p_lo = _mm256_maddubs_epi16(lo, _mm256_loadu_si256((const __m256i *) x));
+    const __m256i p_hi = _mm256_maddubs_epi16(hi, _mm256_loadu_si256((const __m256i *) (x + 32)));
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+    return _mm256_dpwssd_epi32(_mm256_madd_epi16(p_lo, sc_lo), p_hi, sc_hi);
+#else
+    return _mm256_add_epi32(_mm256_madd_epi16(p_lo, sc_lo), _mm256_madd_epi16(p_hi, sc_hi));
+#endif
+}
+
+/* ggml_gemm_q4_K_8x8_q8_K for activation rows r..r+3 and output n: per 64-chunk
+ * acc = fma(f32(dot), d_w·d_x, acc) and acc_min = fma(f32(min), dmin_w·d_x, acc_min), the four
+ * rows side by side in a vector; output acc - acc_min. */
+static inline void q4_k_gemm_tile(const fb_weight *w, const fb_act *a, int64_t n, int64_t r, float *out) {
+    const int64_t K = w->cols, nsb = K / 256, N = w->rows, S = K / 16;
+    const uint8_t *wq = (const uint8_t *) w->q, *scales = (const uint8_t *) w->scales;
+    const __m256i low = _mm256_set1_epi8(0x0F);
+    __m128 acc = _mm_setzero_ps(), acc_min = _mm_setzero_ps();
+    for (int64_t b = 0; b < nsb; b++) {
+        const int64_t blk = n * nsb + b;
+        const uint8_t *qa = wq + blk * 144 + 16, *sc = scales + blk * 8;
+        const float *xd = a->d + b;
+        const __m128 xdv = _mm_setr_ps(xd[r * nsb], xd[(r + 1) * nsb], xd[(r + 2) * nsb], xd[(r + 3) * nsb]);
+        const __m128 s = _mm_mul_ps(_mm_set1_ps(w->d[blk]), xdv);
+        const __m128 s_min = _mm_mul_ps(_mm_set1_ps(w->dmin[blk]), xdv);
+        const int8_t *x0 = a->q + r * K + b * 256;
+        __m128 mins[4];
+        q4_k_mins4(a->sums + r * S + b * 16, S, w->mins + blk * 8, mins);
+        for (int c = 0; c < 4; c++) {
+            const __m256i v = _mm256_loadu_si256((const __m256i *) (qa + 32 * c));
+            const __m256i lo = _mm256_and_si256(v, low), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+            const __m256i sc_lo = _mm256_set1_epi16(sc[2 * c]), sc_hi = _mm256_set1_epi16(sc[2 * c + 1]);
+            const __m128i dot = hsum4_i32(q4_k_lanes64(x0 + 64 * c, lo, hi, sc_lo, sc_hi),
+                                          q4_k_lanes64(x0 + K + 64 * c, lo, hi, sc_lo, sc_hi),
+                                          q4_k_lanes64(x0 + 2 * K + 64 * c, lo, hi, sc_lo, sc_hi),
+                                          q4_k_lanes64(x0 + 3 * K + 64 * c, lo, hi, sc_lo, sc_hi));
+            acc = _mm_fmadd_ps(_mm_cvtepi32_ps(dot), s, acc);
+            acc_min = _mm_fmadd_ps(_mm_cvtepi32_ps(_mm_castps_si128(mins[c])), s_min, acc_min);
+        }
+    }
+    float res[4];
+    _mm_storeu_ps(res, _mm_sub_ps(acc, acc_min));
+    for (int i = 0; i < 4; i++) out[(r + i) * N + n] = res[i];
+}
+
 static void q4_k_rows(const fb_weight *w, int64_t r0, int64_t r1, const fb_act *a, int per_superblock,
                       int64_t n0, int64_t n1, float *out) {
     const int64_t K = w->cols, nsb = K / 256, N = w->rows;
     const uint8_t *wq = (const uint8_t *) w->q, *scales = (const uint8_t *) w->scales;
+    if (!per_superblock) {  /* gemm: tiles of four rows; weight rows in groups that stay in L1 */
+        int64_t r = r0;
+        for (int64_t g = n0; g < n1; g += K_ROW_GROUP) {
+            const int64_t g1 = g + K_ROW_GROUP < n1 ? g + K_ROW_GROUP : n1;
+            for (r = r0; r + 4 <= r1; r += 4)
+                for (int64_t n = g; n < g1; n++) q4_k_gemm_tile(w, a, n, r, out);
+        }
+        r0 = r;  /* rows left over (fewer than four) one at a time below, one fma per 64 */
+    }
     for (int64_t n = n0; n < n1; n++) {
         int64_t r = r0;
-        if (!per_superblock)  /* gemm: four rows at a time, their fmas side by side in a vector */
-            for (; r + 4 <= r1; r += 4) {
-                __m128 acc = _mm_setzero_ps(), acc_min = _mm_setzero_ps();
-                for (int64_t b = 0; b < nsb; b++) {
-                    const uint8_t *qa = wq + (n * nsb + b) * 144 + 16;
-                    const uint8_t *sc = scales + (n * nsb + b) * 8, *mn = w->mins + (n * nsb + b) * 8;
-                    const float *xd = a->d + b;
-                    const __m128 xdv = _mm_setr_ps(xd[r * nsb], xd[(r + 1) * nsb], xd[(r + 2) * nsb], xd[(r + 3) * nsb]);
-                    const __m128 s = _mm_mul_ps(_mm_set1_ps(w->d[n * nsb + b]), xdv);
-                    const __m128 s_min = _mm_mul_ps(_mm_set1_ps(w->dmin[n * nsb + b]), xdv);
-                    const int8_t *x0 = a->q + r * K + b * 256;
-                    const int16_t *xs0 = a->sums + r * (K / 16) + b * 16;
-                    for (int c = 0; c < 4; c++) {
-                        const __m128i dot = hsum4_i32(q4_k_dot64(x0, qa, sc, c), q4_k_dot64(x0 + K, qa, sc, c),
-                                                      q4_k_dot64(x0 + 2 * K, qa, sc, c), q4_k_dot64(x0 + 3 * K, qa, sc, c));
-                        const int64_t S = K / 16;
-                        const __m128i dot_min = _mm_setr_epi32(q4_k_min64(xs0, mn, c), q4_k_min64(xs0 + S, mn, c),
-                                                               q4_k_min64(xs0 + 2 * S, mn, c), q4_k_min64(xs0 + 3 * S, mn, c));
-                        acc = _mm_fmadd_ps(_mm_cvtepi32_ps(dot), s, acc);
-                        acc_min = _mm_fmadd_ps(_mm_cvtepi32_ps(dot_min), s_min, acc_min);
-                    }
-                }
-                float res[4];
-                _mm_storeu_ps(res, _mm_sub_ps(acc, acc_min));
-                for (int i = 0; i < 4; i++) out[(r + i) * N + n] = res[i];
-            }
         for (; r < r1; r++) {
             float acc = 0.0f, acc_min = 0.0f;
             for (int64_t b = 0; b < nsb; b++) {
@@ -547,33 +678,61 @@ static inline __m256i q6_k_lanes(const int8_t *xa, const int16_t *xs, const uint
     return _mm256_sub_epi32(lanes, _mm256_slli_epi32(offset, 5));
 }
 
+/* The tiled microtile for activation rows r..r+3 and output n: per 256 the exact dot (the
+ * superblock's eight 32-chunks unpacked and scaled once for the four rows), times d_w, then
+ * acc = fma(that, d_x, acc), the four rows side by side in a vector. */
+static inline void q6_k_tiled_tile(const fb_weight *w, const fb_act *a, int64_t n, int64_t r, float *out) {
+    const int64_t K = w->cols, nsb = K / 256, N = w->rows, S = K / 16;
+    const uint8_t *wq = (const uint8_t *) w->q;
+    const int8_t *scales = (const int8_t *) w->scales;
+    __m128 acc = _mm_setzero_ps();
+    for (int64_t b = 0; b < nsb; b++) {
+        const uint8_t *qa = wq + n * K + b * 256;
+        const int8_t *sc = scales + (n * nsb + b) * 16;
+        const int8_t *x0 = a->q + r * K + b * 256;
+        const int16_t *xs0 = a->sums + r * S + b * 16;
+        const __m256i sc16 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *) sc));
+        __m256i tot[4];
+        for (int i = 0; i < 4; i++)  /* the offset part first: 32·Σ scale·bsum, subtracted below */
+            tot[i] = _mm256_sub_epi32(_mm256_setzero_si256(),
+                                      _mm256_slli_epi32(_mm256_madd_epi16(sc16, _mm256_loadu_si256((const __m256i *) (xs0 + i * S))), 5));
+        for (int c = 0; c < 8; c++) {
+            const __m256i wv = _mm256_loadu_si256((const __m256i *) (qa + 32 * c));
+            const __m256i scale = _mm256_setr_m128i(_mm_set1_epi16(sc[2 * c]), _mm_set1_epi16(sc[2 * c + 1]));
+            for (int i = 0; i < 4; i++) {
+                const __m256i p = _mm256_maddubs_epi16(wv, _mm256_loadu_si256((const __m256i *) (x0 + i * K + 32 * c)));
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+                tot[i] = _mm256_dpwssd_epi32(tot[i], p, scale);
+#else
+                tot[i] = _mm256_add_epi32(tot[i], _mm256_madd_epi16(p, scale));
+#endif
+            }
+        }
+        const __m128i dot = hsum4_i32(tot[0], tot[1], tot[2], tot[3]);
+        const float *xd = a->d + b;
+        const __m128 xdv = _mm_setr_ps(xd[r * nsb], xd[(r + 1) * nsb], xd[(r + 2) * nsb], xd[(r + 3) * nsb]);
+        const __m128 scaled = _mm_mul_ps(_mm_set1_ps(w->d[n * nsb + b]), _mm_cvtepi32_ps(dot));
+        acc = _mm_fmadd_ps(scaled, xdv, acc);
+    }
+    float res[4];
+    _mm_storeu_ps(res, acc);
+    for (int i = 0; i < 4; i++) out[(r + i) * N + n] = res[i];
+}
+
 static void q6_k_rows(const fb_weight *w, int64_t R, const fb_act *a, int tiled, int64_t n0, int64_t n1,
                       float *out) {
     const int64_t K = w->cols, nsb = K / 256, N = w->rows, S = K / 16;
     const uint8_t *wq = (const uint8_t *) w->q;
     const int8_t *scales = (const int8_t *) w->scales;
+    int64_t r_left = 0;
+    if (tiled)  /* tiles of four rows; weight rows in groups that stay in L1 */
+        for (int64_t g = n0; g < n1; g += K_ROW_GROUP) {
+            const int64_t g1 = g + K_ROW_GROUP < n1 ? g + K_ROW_GROUP : n1;
+            for (r_left = 0; r_left + 4 <= R; r_left += 4)
+                for (int64_t n = g; n < g1; n++) q6_k_tiled_tile(w, a, n, r_left, out);
+        }
     for (int64_t n = n0; n < n1; n++) {
-        int64_t r = 0;
-        if (tiled)  /* four rows at a time, their sums side by side in a vector */
-            for (; r + 4 <= R; r += 4) {
-                __m128 acc = _mm_setzero_ps();
-                for (int64_t b = 0; b < nsb; b++) {
-                    const uint8_t *qa = wq + n * K + b * 256;
-                    const int8_t *sc = scales + (n * nsb + b) * 16;
-                    const int8_t *x0 = a->q + r * K + b * 256;
-                    const int16_t *xs0 = a->sums + r * S + b * 16;
-                    const __m128i dot = hsum4_i32(q6_k_lanes(x0, xs0, qa, sc), q6_k_lanes(x0 + K, xs0 + S, qa, sc),
-                                                  q6_k_lanes(x0 + 2 * K, xs0 + 2 * S, qa, sc),
-                                                  q6_k_lanes(x0 + 3 * K, xs0 + 3 * S, qa, sc));
-                    const float *xd = a->d + b;
-                    const __m128 xdv = _mm_setr_ps(xd[r * nsb], xd[(r + 1) * nsb], xd[(r + 2) * nsb], xd[(r + 3) * nsb]);
-                    const __m128 scaled = _mm_mul_ps(_mm_set1_ps(w->d[n * nsb + b]), _mm_cvtepi32_ps(dot));
-                    acc = _mm_fmadd_ps(scaled, xdv, acc);
-                }
-                float res[4];
-                _mm_storeu_ps(res, acc);
-                for (int i = 0; i < 4; i++) out[(r + i) * N + n] = res[i];
-            }
+        int64_t r = r_left;
         for (; r < R; r++) {
             float acc = 0.0f;
             __m256 lanes_acc = _mm256_setzero_ps();
@@ -854,8 +1013,8 @@ static inline void thread_share(int64_t total, int ith, int nth, int64_t *n0, in
 }
 
 static int act_alloc(fb_act *a, int64_t R, int64_t K) {
-    a->q = malloc((size_t) (R * K) + 64);
-    a->d = malloc(sizeof(float) * (size_t) (R * (K / 32) + 1));
+    a->q = malloc((size_t) (round_up(R, Q0_TILE) * K) + 64);  /* Q8_0: whole tiles (Q0_AT) */
+    a->d = malloc(sizeof(float) * (size_t) (round_up(R, Q0_TILE) * (K / 32) + 1));
     a->sums = malloc(sizeof(int16_t) * (size_t) (R * (K / 16) + 16));
     a->h = malloc(sizeof(float) * (size_t) (R * K) + 64);
     a->s = malloc(sizeof(float) * (size_t) (R * (K / 32) + 1));
@@ -1029,68 +1188,100 @@ static void rope_apply(float *x, int64_t hd, int neox, const float *cs, const fl
     }
 }
 
-static inline int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
-
-/* One query row of llama.cpp's non-flash attention over the f16 cache (numerics.py
+/* Query rows of llama.cpp's non-flash attention over the f16 cache (numerics.py
  * attention_llamacpp): kq = f16(q)·f16(k), softmax(kq·scale) as ggml_soft_max sums it,
  * f16(p)·f16(v). Keys outside [lo, hi) are masked: they would add exact zeros (lo and hi are
- * multiples of 4·L, so every lane and step keeps its place in the sums). */
-static void attend_row(const float *q16, const uint16_t *kc, const uint16_t *vc, int64_t hd, int64_t pos,
-                       int64_t window, int64_t cache_len, float kq_scale, int batch, const fb_plan *p,
-                       float *s, float *acc, float *out) {
+ * multiples of 4·L, so every lane and step keeps its place in the sums).
+ * G (1, 2 or ATT_GROUP = 4) heads of one position that share a KV head at once: q16 and out hold their G
+ * rows of hd, s G rows of s_stride scores, acc G sets of accumulators. Each key and value row is
+ * converted from f16 once for the G heads (tinyBLAS's register tile, f16_tile, for the scores);
+ * every head's sums are those it gets alone. */
+#define ATT_GROUP 4
+static void attend_heads(const float *q16, int G, const uint16_t *kc, const uint16_t *vc, int64_t hd, int64_t pos,
+                         int64_t window, int64_t cache_len, float kq_scale, int batch, const fb_plan *p,
+                         float *s, int64_t s_stride, float *acc, float *out) {
     const int L = p->f16_lanes, SL = p->softmax_lanes;
     const int64_t first = window && pos - window + 1 > 0 ? pos - window + 1 : 0;  /* visible keys */
     const int64_t lo = first - first % (4 * L), hi = round_up(pos + 1, 4 * L);
     const int kq_tiny = batch >= 2 && hd % L == 0, v_tiny = batch >= 2 && hd % 4 == 0;
-    float top = -INFINITY;
+    float top[ATT_GROUP];
+    for (int g = 0; g < G; g++) top[g] = -INFINITY;
     for (int64_t j = first; j <= pos; j++) {
         const uint16_t *kj = kc + j * hd;
-        s[j] = (kq_tiny ? dot_tinyblas_h(q16, kj, hd, L) : dot_vec_h(q16, kj, hd, L)) * kq_scale;
-        top = fmaxf(top, s[j]);
+        float dots[ATT_GROUP];
+        if (kq_tiny && G == 4) f16_tile(kj, q16, hd, L, 4, dots);
+        else if (kq_tiny && G == 2) f16_tile(kj, q16, hd, L, 2, dots);
+        else
+            for (int g = 0; g < G; g++)
+                dots[g] = kq_tiny ? dot_tinyblas_h(q16 + g * hd, kj, hd, L) : dot_vec_h(q16 + g * hd, kj, hd, L);
+        for (int g = 0; g < G; g++) {
+            s[g * s_stride + j] = dots[g] * kq_scale;
+            top[g] = fmaxf(top[g], s[g * s_stride + j]);
+        }
     }
-    for (int64_t j = lo; j < hi; j++) s[j] = j >= first && j <= pos ? expf_ggml(s[j] - top, SL) : 0.0f;
-    double total = 0.0;
-    for (int64_t g = lo; g < hi; g += SL) total += (double) (SL == 16 ? hsum8v(_mm256_add_ps(_mm256_loadu_ps(s + g + 8), _mm256_loadu_ps(s + g)))
-                                                                      : hsum8(s + g));
-    const float inv = (float) (1.0 / total);
-    for (int64_t j = lo; j < hi; j++) s[j] = round_f16(s[j] * inv);
+    for (int g = 0; g < G; g++) {
+        float *sg = s + g * s_stride;
+        for (int64_t j = lo; j < hi; j++) sg[j] = j >= first && j <= pos ? expf_ggml(sg[j] - top[g], SL) : 0.0f;
+        double total = 0.0;
+        for (int64_t i = lo; i < hi; i += SL)
+            total += (double) (SL == 16 ? hsum8v(_mm256_add_ps(_mm256_loadu_ps(sg + i + 8), _mm256_loadu_ps(sg + i)))
+                                        : hsum8(sg + i));
+        const float inv = (float) (1.0 / total);
+        for (int64_t j = lo; j < hi; j++) sg[j] = round_f16(sg[j] * inv);
+    }
     /* V·p, vectorized across the head's dims: per output dim the lanes (and steps) of the kernel
      * llama.cpp runs, each an fma chain over the keys in order */
     const int chains = v_tiny ? L : 4 * L;
-    memset(acc, 0, sizeof(float) * (size_t) (chains * hd));
+    const int64_t per_head = (int64_t) chains * hd;
+    memset(acc, 0, sizeof(float) * (size_t) (G * per_head));
     const int64_t last = pos < cache_len ? pos : cache_len - 1;
     for (int64_t j = lo; j <= last; j++) {
         const int c = v_tiny ? (int) (j % L) : (int) (((j / L) % 4) * L + j % L);
-        float *a = acc + (int64_t) c * hd;
         const uint16_t *vj = vc + j * hd;
-        const __m256 pj = _mm256_set1_ps(s[j]);
-        for (int64_t d = 0; d < hd; d += 8)
-            _mm256_storeu_ps(a + d, _mm256_fmadd_ps(pj, LOAD_F16(vj + d), _mm256_loadu_ps(a + d)));
-    }
-    for (int64_t d = 0; d < hd; d += 8) {
-        __m256 x[16];
-        for (int l = 0; l < L; l++) {
-            if (v_tiny) x[l] = _mm256_loadu_ps(acc + l * hd + d);
-            else {
-                const __m256 a0 = _mm256_loadu_ps(acc + (0 * L + l) * hd + d), a1 = _mm256_loadu_ps(acc + (1 * L + l) * hd + d);
-                const __m256 a2 = _mm256_loadu_ps(acc + (2 * L + l) * hd + d), a3 = _mm256_loadu_ps(acc + (3 * L + l) * hd + d);
-                x[l] = _mm256_add_ps(_mm256_add_ps(a0, a2), _mm256_add_ps(a1, a3));
+        __m256 pj[ATT_GROUP];
+        for (int g = 0; g < G; g++) pj[g] = _mm256_set1_ps(s[g * s_stride + j]);
+        for (int64_t d = 0; d < hd; d += 8) {
+            const __m256 v = LOAD_F16(vj + d);
+            for (int g = 0; g < G; g++) {
+                float *a = acc + g * per_head + (int64_t) c * hd + d;
+                _mm256_storeu_ps(a, _mm256_fmadd_ps(pj[g], v, _mm256_loadu_ps(a)));
             }
         }
-        __m256 sum;
-        if (!v_tiny && L == 8) {  /* GGML_F32Cx8_REDUCE: ((l0+l4) + (l1+l5)) + ((l2+l6) + (l3+l7)) */
-            const __m256 t0 = _mm256_add_ps(x[0], x[4]), t1 = _mm256_add_ps(x[1], x[5]);
-            const __m256 t2 = _mm256_add_ps(x[2], x[6]), t3 = _mm256_add_ps(x[3], x[7]);
-            sum = _mm256_add_ps(_mm256_add_ps(t0, t1), _mm256_add_ps(t2, t3));
-        } else {  /* hsum_float_8 (after folding 16 lanes onto 8: _mm512_reduce_add_ps) */
-            if (L == 16)
-                for (int l = 0; l < 8; l++) x[l] = _mm256_add_ps(x[l + 8], x[l]);
-            const __m256 r0 = _mm256_add_ps(x[4], x[0]), r1 = _mm256_add_ps(x[5], x[1]);
-            const __m256 r2 = _mm256_add_ps(x[6], x[2]), r3 = _mm256_add_ps(x[7], x[3]);
-            sum = _mm256_add_ps(_mm256_add_ps(r0, r2), _mm256_add_ps(r1, r3));
-        }
-        _mm256_storeu_ps(out + d, sum);
     }
+    for (int g = 0; g < G; g++) {
+        const float *ag = acc + g * per_head;
+        for (int64_t d = 0; d < hd; d += 8) {
+            __m256 x[16];
+            for (int l = 0; l < L; l++) {
+                if (v_tiny) x[l] = _mm256_loadu_ps(ag + l * hd + d);
+                else {
+                    const __m256 a0 = _mm256_loadu_ps(ag + (0 * L + l) * hd + d), a1 = _mm256_loadu_ps(ag + (1 * L + l) * hd + d);
+                    const __m256 a2 = _mm256_loadu_ps(ag + (2 * L + l) * hd + d), a3 = _mm256_loadu_ps(ag + (3 * L + l) * hd + d);
+                    x[l] = _mm256_add_ps(_mm256_add_ps(a0, a2), _mm256_add_ps(a1, a3));
+                }
+            }
+            __m256 sum;
+            if (!v_tiny && L == 8) {  /* GGML_F32Cx8_REDUCE: ((l0+l4) + (l1+l5)) + ((l2+l6) + (l3+l7)) */
+                const __m256 t0 = _mm256_add_ps(x[0], x[4]), t1 = _mm256_add_ps(x[1], x[5]);
+                const __m256 t2 = _mm256_add_ps(x[2], x[6]), t3 = _mm256_add_ps(x[3], x[7]);
+                sum = _mm256_add_ps(_mm256_add_ps(t0, t1), _mm256_add_ps(t2, t3));
+            } else {  /* hsum_float_8 (after folding 16 lanes onto 8: _mm512_reduce_add_ps) */
+                if (L == 16)
+                    for (int l = 0; l < 8; l++) x[l] = _mm256_add_ps(x[l + 8], x[l]);
+                const __m256 r0 = _mm256_add_ps(x[4], x[0]), r1 = _mm256_add_ps(x[5], x[1]);
+                const __m256 r2 = _mm256_add_ps(x[6], x[2]), r3 = _mm256_add_ps(x[7], x[3]);
+                sum = _mm256_add_ps(_mm256_add_ps(r0, r2), _mm256_add_ps(r1, r3));
+            }
+            _mm256_storeu_ps(out + g * hd + d, sum);
+        }
+    }
+}
+
+/* One query row (attend_heads for one head). */
+static void attend_row(const float *q16, const uint16_t *kc, const uint16_t *vc, int64_t hd, int64_t pos,
+                       int64_t window, int64_t cache_len, float kq_scale, int batch, const fb_plan *p,
+                       float *s, float *acc, float *out) {
+    attend_heads(q16, 1, kc, vc, hd, pos, window, cache_len, kq_scale, batch, p, s, 0, acc, out);
 }
 
 /* The activation format a weight type's matmul quantizes to (ggml's vec_dot_type). */
@@ -1164,6 +1355,8 @@ int fb_forward(const fb_model *m, const fb_plan *p, int64_t T, int64_t start_pos
     const int64_t Kmax = F > QD ? (F > D ? F : D) : (QD > D ? QD : D);
     const int64_t S = start_pos + T, Sp = round_up(S, 64);
     const int L = p->f16_lanes;
+    /* heads per attention item: 4 (ATT_GROUP) or 2 of a KV head's group for a batch */
+    const int G = T < 2 ? 1 : groups % 4 == 0 ? 4 : groups % 2 == 0 ? 2 : 1;
     float *xn = malloc(sizeof(float) * (size_t) (T * D)), *qb = malloc(sizeof(float) * (size_t) (T * QD));
     float *kb = malloc(sizeof(float) * (size_t) (T * KD)), *vb = malloc(sizeof(float) * (size_t) (T * KD));
     float *att = malloc(sizeof(float) * (size_t) (T * QD)), *ab = malloc(sizeof(float) * (size_t) (T * D));
@@ -1181,8 +1374,8 @@ int fb_forward(const fb_model *m, const fb_plan *p, int64_t T, int64_t start_pos
             #pragma omp single
             bar.n = nth;
             /* the implicit barrier after `single` publishes bar.n */
-            float *s = malloc(sizeof(float) * (size_t) (Sp + 64));
-            float *acc = malloc(sizeof(float) * (size_t) (4 * L * hd));
+            float *s = malloc(sizeof(float) * (size_t) (G * (Sp + 64)));
+            float *acc = malloc(sizeof(float) * (size_t) (G * 4 * L * hd));
             int64_t R = T;
             const fb_layer *prev = NULL;
             for (int64_t il = 0; il < m->n_layers; il++) {
@@ -1221,11 +1414,13 @@ int fb_forward(const fb_model *m, const fb_plan *p, int64_t T, int64_t start_pos
                     }
                 }
                 barrier_wait(&bar);
-                for (int64_t item = ith; item < T * H; item += nth) {
-                    const int64_t t = item / H, head = item % H, kvh = head / groups;
-                    attend_row(qb + t * QD + head * hd, k_cache[il] + kvh * cache_len * hd,
-                               v_cache[il] + kvh * cache_len * hd, hd, start_pos + t, Lr->window, cache_len,
-                               m->kq_scale, (int) T, p, s, acc, att + t * QD + head * hd);
+                /* per position, the heads of one KV head ATT_GROUP at a time where a batch gives
+                 * every thread work (one token: one head per item, so the threads share them) */
+                for (int64_t item = ith; item < T * (H / G); item += nth) {
+                    const int64_t t = item / (H / G), head = item % (H / G) * G, kvh = head / groups;
+                    attend_heads(qb + t * QD + head * hd, G, k_cache[il] + kvh * cache_len * hd,
+                                 v_cache[il] + kvh * cache_len * hd, hd, start_pos + t, Lr->window, cache_len,
+                                 m->kq_scale, (int) T, p, s, Sp + 64, acc, att + t * QD + head * hd);
                 }
                 barrier_wait(&bar);
                 region_matmul(&Lr->o, T, att, &a, p, ab, ith, nth, &bar);
