@@ -152,18 +152,35 @@ class EMA:
                 p.copy_(self.params[name])
 
 
+def min_snr_weights(schedule: Schedule, t: torch.Tensor, gamma: float) -> torch.Tensor:
+    """Per-example loss weights min(SNR_t, gamma) / SNR_t of the ε objective (Hang et al. 2023,
+    "Efficient Diffusion Training via Min-SNR Weighting Strategy"), SNR_t = ᾱ_t / (1 − ᾱ_t).
+
+    Levels noisier than SNR = gamma keep weight 1; the nearly clean ones, where the ε target
+    is mostly the data's own pixel noise and texture, weigh less, so the gradient goes to the
+    levels that decide an object's shape."""
+    a = schedule.alpha_bar[t]
+    snr = a / (1 - a)
+    return (snr.clamp(max=gamma) / snr).float()
+
+
 def denoising_loss(model: Callable, schedule: Schedule, x0: torch.Tensor, labels: torch.Tensor,
                    null_label: int, cond_dropout: float, generator: torch.Generator,
-                   autocast=contextlib.nullcontext) -> torch.Tensor:
+                   autocast=contextlib.nullcontext,
+                   min_snr_gamma: float | None = None) -> torch.Tensor:
     """The DDPM training objective: MSE between the drawn noise and its prediction, with a
-    timestep per example and labels dropped to the null class at rate `cond_dropout`."""
+    timestep per example and labels dropped to the null class at rate `cond_dropout`; with
+    `min_snr_gamma`, each example's MSE is weighted by `min_snr_weights`."""
     t = torch.randint(0, schedule.num_steps, (x0.shape[0],), generator=generator)
     noise = torch.randn(x0.shape, generator=generator)
     labels = drop_labels(labels, null_label, cond_dropout, generator)
     x_t = schedule.q_sample(x0, t, noise).float()
     with autocast():
         predicted = model(x_t, t, labels)
-    return F.mse_loss(predicted.float(), noise)
+    if min_snr_gamma is None:
+        return F.mse_loss(predicted.float(), noise)
+    per_example = (predicted.float() - noise).pow(2).flatten(1).mean(1)     # [B]
+    return (min_snr_weights(schedule, t, min_snr_gamma) * per_example).mean()
 
 
 @torch.no_grad()

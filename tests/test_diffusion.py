@@ -5,7 +5,16 @@ import math
 import pytest
 import torch
 
-from engine.diffusion import EMA, Schedule, ancestral_sample, cosine_betas, drop_labels, guided_eps
+from engine.diffusion import (
+    EMA,
+    Schedule,
+    ancestral_sample,
+    cosine_betas,
+    denoising_loss,
+    drop_labels,
+    guided_eps,
+    min_snr_weights,
+)
 from engine.models.diffusion import AUDIO_8192, IMAGE_32, DenoisingUNet, UNetConfig
 
 
@@ -90,6 +99,54 @@ def test_condition_dropout_rate_and_ema_update():
     ema.update(model)
     expected = 0.999 * before["weight"] + 0.001 * model.weight.detach()
     assert torch.allclose(ema.params["weight"], expected)
+
+
+def test_min_snr_weights_follow_their_definition():
+    # SNR from the cosine formula itself: alpha_bar(t) = f(t + 1) / f(0) (0-based levels)
+    T, s, gamma = 256, 0.008, 5.0
+
+    def snr(t: int) -> float:
+        f = [math.cos((u / T + s) / (1 + s) * math.pi / 2) ** 2 for u in (0, t + 1)]
+        a = f[1] / f[0]
+        return a / (1 - a)
+
+    levels = torch.tensor([0, 20, 66, 67, 128, 255])
+    weights = min_snr_weights(Schedule(T), levels, gamma)
+    expected = [min(snr(t), gamma) / snr(t) for t in levels.tolist()]
+    assert weights.tolist() == pytest.approx(expected, rel=1e-6)
+    # worked numbers: level 0 is nearly clean (SNR 5295, weight 5 / 5295 = 9.4e-4); from
+    # level 67 on (SNR 4.85 < 5) the weight is 1, a quarter of the levels weigh less
+    assert snr(0) == pytest.approx(5294.86, rel=1e-5) and snr(66) > gamma > snr(67)
+    assert weights[0] == pytest.approx(9.443e-4, rel=1e-3)
+    assert weights[2] < 1 and (weights[3:] == 1).all()
+
+
+def test_min_snr_loss_weights_each_example_by_its_level():
+    """With clean images of zeros, x_t = √(1 − ᾱ) ε, so the drawn noise is read back from what
+    the model saw; a model predicting zeros then has per-example MSE mean(ε²)."""
+    sched, seen = Schedule(64), {}
+
+    def model(x_t, t, labels):
+        seen.update(x_t=x_t, t=t)
+        return torch.zeros_like(x_t)
+
+    x0, labels = torch.zeros(16, 3, 4, 4), torch.zeros(16).long()
+
+    def loss(gamma):
+        value = denoising_loss(model, sched, x0, labels, 3, 0.0,
+                               torch.Generator().manual_seed(0), min_snr_gamma=gamma)
+        a = sched.alpha_bar[seen["t"]].float().view(-1, 1, 1, 1)
+        per_example = (seen["x_t"] / (1 - a).sqrt()).pow(2).mean(dim=(1, 2, 3))
+        return float(value), per_example, seen["t"]
+
+    plain, per_example, t = loss(None)
+    assert plain == pytest.approx(float(per_example.mean()), rel=1e-5)
+    weighted, per_example, t = loss(5.0)
+    a = sched.alpha_bar[t]
+    snr = a / (1 - a)
+    expected = float((torch.clamp(snr, max=5.0) / snr * per_example.double()).mean())
+    assert weighted == pytest.approx(expected, rel=1e-5)
+    assert weighted < plain        # the twin: weighting is not a no-op on these levels
 
 
 @pytest.mark.parametrize("preset, shape", [(IMAGE_32, (2, 3, 32, 32)), (AUDIO_8192, (2, 1, 8192))])

@@ -19,6 +19,9 @@ class DiffusionSection(Schema):
                               "block")
     cond_dropout: float = Field(0.1, ge=0, lt=1, description="share of labels replaced by the "
                                                              "learned null class")
+    min_snr_gamma: float | None = Field(
+        None, gt=0, description="weight each example's noise MSE by min(SNR, gamma) / SNR "
+                                "(Min-SNR): the nearly clean levels weigh less; off when unset")
     ema: float = Field(0.999, ge=0, lt=1, description="EMA decay of the sampling weights")
     ema_warmup: bool = Field(True, description="decay min(ema, (1+step)/(10+step)) so short "
                                                "runs are not dominated by the random init")

@@ -64,7 +64,7 @@ def train_generator(job: Job, unet: UNetConfig, classes: list[str], n_train: int
     def batch_loss(indices: list[int], generator: torch.Generator) -> torch.Tensor:
         x0, labels = train_batch(indices, generator)
         return denoising_loss(model, schedule, x0, labels, model.null_label, d.cond_dropout,
-                              generator, precision)
+                              generator, precision, min_snr_gamma=d.min_snr_gamma)
 
     def validate() -> dict:
         return {"loss": fixed_noise_loss(model, schedule, val_x0, val_labels,
