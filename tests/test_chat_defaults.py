@@ -107,8 +107,15 @@ def llamacpp_penalised(logits: np.ndarray, history: list[int], penalty: float,
     presence penalties off)."""
     import llama_cpp as L
 
+    return llamacpp_sampled(L.llama_sampler_init_penalties(len(logits), last_n, penalty, 0.0,
+                                                           0.0), logits, history)
+
+
+def llamacpp_sampled(sampler, logits: np.ndarray, history: list[int]) -> np.ndarray:
+    """The logits after a llama.cpp sampler that accepted `history` (freed after)."""
+    import llama_cpp as L
+
     n = len(logits)
-    sampler = L.llama_sampler_init_penalties(n, last_n, penalty, 0.0, 0.0)
     try:
         for token in history:
             L.llama_sampler_accept(sampler, token)

@@ -28,7 +28,7 @@ from engine.sampling import (
     next_token,
 )
 from tests.fixtures_gguf import write_tiny_gguf
-from tests.test_chat_defaults import repeated_ngram
+from tests.test_chat_defaults import llamacpp_sampled, repeated_ngram
 
 DRY = SamplingSettings(dry_multiplier=0.8, dry_base=1.75, dry_allowed_length=2, dry_last_n=-1)
 
@@ -99,20 +99,7 @@ def llamacpp_dry(path, logits: np.ndarray, history: list[int], settings: Samplin
     last_n = len(history) if settings.dry_last_n < 0 else settings.dry_last_n
     sampler = L.llama_sampler_init_dry(vocab, settings.dry_multiplier, settings.dry_base,
                                        settings.dry_allowed_length, last_n, array, len(words))
-    try:
-        for token in history:
-            L.llama_sampler_accept(sampler, token)
-        n = len(logits)
-        data = (L.llama_token_data * n)(*[L.llama_token_data(i, float(v), 0.0)
-                                          for i, v in enumerate(logits)])
-        candidates = L.llama_token_data_array(data, n, -1, False)
-        L.llama_sampler_apply(sampler, ctypes.byref(candidates))
-        out = np.empty(n, np.float32)
-        for k in range(candidates.size):
-            out[data[k].id] = data[k].logit
-        return out
-    finally:
-        L.llama_sampler_free(sampler)
+    return llamacpp_sampled(sampler, logits, history)
 
 
 def looping_history(rng, pieces: list[tuple[int, ...]], length: int) -> list[int]:

@@ -90,6 +90,19 @@ class SFTSummary:
     def as_dict(self) -> dict[str, Any]:
         return dict(self.__dict__)
 
+    def add(self, sample, line: int) -> bool:
+        """Count one encoded example (None: dropped at `line`); True when it was kept."""
+        if sample is None:
+            self.dropped += 1
+            self.dropped_lines.append(line)
+            return False
+        self.kept += 1
+        self.truncated += sample.truncated
+        self.input_tokens += len(sample.input_ids)
+        self.supervised_tokens += sample.n_supervised
+        self.longest = max(self.longest, len(sample.input_ids))
+        return True
+
 
 # ---------------------------------------------------------------------------------------------
 # loading
@@ -333,16 +346,8 @@ def encode_sft_dataset(examples: list[SFTExample], tokenizer: GGUFTokenizer,
     for example in examples:
         encode = encode_tool_sft if isinstance(example, ToolExample) else encode_sft
         sample = encode(example, tokenizer, chat_renderer, max_len, truncation)
-        if sample is None:
-            summary.dropped += 1
-            summary.dropped_lines.append(example.line)
-            continue
-        samples.append(sample)
-        summary.kept += 1
-        summary.truncated += sample.truncated
-        summary.input_tokens += len(sample.input_ids)
-        summary.supervised_tokens += sample.n_supervised
-        summary.longest = max(summary.longest, len(sample.input_ids))
+        if summary.add(sample, example.line):
+            samples.append(sample)
     return samples, summary
 
 

@@ -16,12 +16,10 @@ built into the format).
 
 from __future__ import annotations
 
-import collections
-import threading
 import time
 
 from engine.errors import ForgebenchError
-from engine.server.scheduler import Busy, Job
+from engine.server.scheduler import EngineThread, Job
 
 FINISH = {"eos": "stop", "max_tokens": "length", "cancelled": "cancelled"}
 
@@ -46,43 +44,21 @@ def completion_ids(tokenizer, text: str) -> list[int]:
     return [tokenizer.bos_id] + tokenizer.encode(text)
 
 
-class NanochatRunner:
+class NanochatRunner(EngineThread):
     """One nanochat model's request queue and engine thread (see the module docstring)."""
 
     def __init__(self, model, tokenizer, *, slots: int = 4, queue_limit: int = 16,
                  name: str = "model", **_):
-        self.model, self.tokenizer, self.name = model, tokenizer, name
-        self.slots, self.queue_limit = slots, queue_limit
-        self.waiting: collections.deque[Job] = collections.deque()
-        self.running = 0
-        self.condition = threading.Condition()
-        self.stopping = False
-        self.thread = threading.Thread(target=self._loop, name=f"serve-{name}", daemon=True)
-        self.thread.start()
+        self.model, self.tokenizer = model, tokenizer
+        self.generating = 0
+        self._open_queue(name, slots, queue_limit)
+
+    def running(self) -> int:
+        return self.generating
 
     @property
     def context(self) -> int:
         return self.model.config.sequence_len
-
-    def load(self) -> dict:
-        with self.condition:
-            return {"active": self.running, "waiting": len(self.waiting)}
-
-    def submit(self, job: Job) -> None:
-        with self.condition:
-            if self.running + len(self.waiting) >= self.slots + self.queue_limit:
-                raise Busy(f"{self.name}: {self.running} request is generating and "
-                           f"{len(self.waiting)} are waiting, the most this server queues")
-            self.waiting.append(job)
-            self.condition.notify()
-
-    def close(self) -> None:
-        with self.condition:
-            self.stopping = True
-            for job in self.waiting:
-                job.cancelled.set()
-            self.condition.notify()
-        self.thread.join(timeout=30)
 
     def _loop(self) -> None:
         while True:
@@ -92,7 +68,7 @@ class NanochatRunner:
                 if self.stopping:
                     return
                 job = self.waiting.popleft()
-                self.running = 1
+                self.generating = 1
             try:
                 self._answer(job)
             except Exception as exc:  # noqa: BLE001 - one request's failure ends it only
@@ -101,7 +77,7 @@ class NanochatRunner:
                 job.emit({"type": "error", "message": message})
             finally:
                 with self.condition:
-                    self.running = 0
+                    self.generating = 0
 
     def _answer(self, job: Job) -> None:
         from engine.llm.nanochat_chat import generate_reply

@@ -80,45 +80,35 @@ class _Slot:
     first_token_s: float | None = None
 
 
-class Runner:
-    """The engine thread of one loaded model (see the module docstring)."""
+class EngineThread:
+    """A loaded model's bounded request queue and the one thread that serves it: `submit`
+    queues a job, or raises Busy when the requests running (`running()`) and waiting fill
+    `slots + queue_limit`; `close` cancels the waiting ones and stops the thread. Subclasses
+    give `_loop` and `running`."""
 
-    def __init__(self, model, tokenizer, *, slots: int = 4, queue_limit: int = 16,
-                 prefix_entries: int = 2, name: str = "model", token_delay: float = 0.0):
-        self.model, self.tokenizer, self.name = model, tokenizer, name
-        # a pause after each decode round, for tests that need a slot to stay taken while they
-        # send the next request (a tiny model can finish a whole answer before that)
-        self.token_delay = token_delay
-        self.slots, self.queue_limit, self.prefix_entries = slots, queue_limit, prefix_entries
-        self.stop_ids = sorted({i for i in (tokenizer.eos_id, *tokenizer.eot_ids)
-                                if i is not None})
+    def _open_queue(self, name: str, slots: int, queue_limit: int) -> None:
+        self.name, self.slots, self.queue_limit = name, slots, queue_limit
         self.waiting: collections.deque[Job] = collections.deque()
-        self.active: list[_Slot] = []
-        # taken from the queue, prompt still being read: they hold their slots already (a
-        # request arriving meanwhile must see the model as busy, not find an empty one)
-        self.starting = 0
-        # (adapter, positions' ids, cache), newest last
-        self.prefixes: list[tuple[str | None, list[int], Any]] = []
-        self.bank = getattr(model, "adapter_bank", None)
         self.condition = threading.Condition()
         self.stopping = False
         self.thread = threading.Thread(target=self._loop, name=f"serve-{name}", daemon=True)
         self.thread.start()
 
-    @property
-    def context(self) -> int:
-        return self.model.config.max_seq_len
+    def running(self) -> int:
+        raise NotImplementedError
+
+    def _loop(self) -> None:
+        raise NotImplementedError
 
     def load(self) -> dict:
         with self.condition:
-            return {"active": len(self.active) + self.starting, "waiting": len(self.waiting)}
+            return {"active": self.running(), "waiting": len(self.waiting)}
 
     def submit(self, job: Job) -> None:
         with self.condition:
-            if (len(self.active) + self.starting + len(self.waiting)
-                    >= self.slots + self.queue_limit):
-                raise Busy(f"{self.name}: {len(self.active)} requests are generating and "
-                           f"{len(self.waiting)} are waiting, the most this server queues")
+            if self.running() + len(self.waiting) >= self.slots + self.queue_limit:
+                raise Busy(f"{self.name}: {self.running()} request(s) generating and "
+                           f"{len(self.waiting)} waiting, the most this server queues")
             self.waiting.append(job)
             self.condition.notify()
 
@@ -129,6 +119,35 @@ class Runner:
                 job.cancelled.set()
             self.condition.notify()
         self.thread.join(timeout=30)
+
+
+class Runner(EngineThread):
+    """The engine thread of one loaded model (see the module docstring)."""
+
+    def __init__(self, model, tokenizer, *, slots: int = 4, queue_limit: int = 16,
+                 prefix_entries: int = 2, name: str = "model", token_delay: float = 0.0):
+        self.model, self.tokenizer = model, tokenizer
+        # a pause after each decode round, for tests that need a slot to stay taken while they
+        # send the next request (a tiny model can finish a whole answer before that)
+        self.token_delay = token_delay
+        self.prefix_entries = prefix_entries
+        self.stop_ids = sorted({i for i in (tokenizer.eos_id, *tokenizer.eot_ids)
+                                if i is not None})
+        self.active: list[_Slot] = []
+        # taken from the queue, prompt still being read: they hold their slots already (a
+        # request arriving meanwhile must see the model as busy, not find an empty one)
+        self.starting = 0
+        # (adapter, positions' ids, cache), newest last
+        self.prefixes: list[tuple[str | None, list[int], Any]] = []
+        self.bank = getattr(model, "adapter_bank", None)
+        self._open_queue(name, slots, queue_limit)
+
+    @property
+    def context(self) -> int:
+        return self.model.config.max_seq_len
+
+    def running(self) -> int:
+        return len(self.active) + self.starting
 
     # -- the engine thread ----------------------------------------------------------------
     def _loop(self) -> None:

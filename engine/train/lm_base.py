@@ -389,16 +389,8 @@ def encode_nanochat(config, base: Base, split: str = "train") -> tuple[list, dic
             raise ForgebenchError(exc.message, path=example.source, where=example.where,
                                   hint=exc.hint) from None
         sample = finish_sample(ids, [bool(m) for m in mask], example, max_len, d.truncation)
-        if sample is None:
-            summary.dropped += 1
-            summary.dropped_lines.append(example.line)
-            continue
-        samples.append(sample)
-        summary.kept += 1
-        summary.truncated += sample.truncated
-        summary.input_tokens += len(sample.input_ids)
-        summary.supervised_tokens += sample.n_supervised
-        summary.longest = max(summary.longest, len(sample.input_ids))
+        if summary.add(sample, example.line):
+            samples.append(sample)
     if not samples:
         raise ForgebenchError("no sample is left to train on (all were dropped as too long)",
                               where="field 'data.truncation'", hint="raise data.max_len")
