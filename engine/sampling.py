@@ -72,6 +72,11 @@ CHAT_DEFAULTS = SamplingSettings(repetition_penalty=1.1, repetition_last_n=64,
                                  dry_multiplier=0.8, dry_base=1.75, dry_allowed_length=2,
                                  dry_last_n=-1)
 
+# a nanochat model's chat default: nanochat's own sampler (temperature and top-k only), which a
+# repetition penalty or DRY would replace by this one (engine/llm/nanochat_chat.py)
+NANOCHAT_CHAT_DEFAULTS = SamplingSettings(**{**CHAT_DEFAULTS.as_dict(), "repetition_penalty": 1.0,
+                                             "dry_multiplier": 0.0})
+
 # llama.cpp's default DRY sequence breakers (common.h: dry_sequence_breakers)
 DRY_BREAKERS = ("\n", ":", "\"", "*")
 _DRY_MAX_CHARS, _DRY_MAX_TAIL = 40, 20       # llama.cpp truncates a breaker and its tail to these

@@ -22,7 +22,13 @@ from app.viewmodels import chat as vm
 from engine.cli import build_parser
 from engine.commands.chat import chat_settings, describe_settings
 from engine.errors import ForgebenchError
-from engine.sampling import CHAT_DEFAULTS, SamplingSettings, apply_repetition_penalty, next_token
+from engine.sampling import (
+    CHAT_DEFAULTS,
+    NANOCHAT_CHAT_DEFAULTS,
+    SamplingSettings,
+    apply_repetition_penalty,
+    next_token,
+)
 from engine.serve_local import sampling_settings
 
 
@@ -75,6 +81,10 @@ def test_forgebench_chat_defaults_to_the_chat_default_and_generate_does_not():
     none = parser.parse_args(["chat", "model.gguf", "--repetition-penalty", "1",
                               "--dry-multiplier", "0"])
     assert describe_settings(chat_settings(none)).endswith("no repetition penalty")
+    # a nanochat model's own default: its sampler, unless the user asks otherwise
+    assert chat_settings(chat, nanochat=True) == NANOCHAT_CHAT_DEFAULTS.as_dict()
+    assert chat_settings(chat, nanochat=True)["dry_multiplier"] == 0.0
+    assert chat_settings(off, nanochat=True)["repetition_penalty"] == 1.0
     generate = parser.parse_args(["generate", "run", "--prompt", "x"])
     assert generate.repetition_penalty == 1.0
 

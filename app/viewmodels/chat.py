@@ -34,14 +34,14 @@ from engine.conversations import Conversation, export_sft, list_conversations
 from engine.errors import ForgebenchError
 from engine.nanochat_tokenizer import assistant_parts
 from engine.rundir import RunDir
-from engine.sampling import CHAT_DEFAULTS
+from engine.sampling import CHAT_DEFAULTS, NANOCHAT_CHAT_DEFAULTS
 from engine.serve_local import CHAT_RECIPES, is_nanochat_chat, pretrain_base_run
 
 SIDES = ("A", "B")
 DEFAULT_SETTINGS = CHAT_DEFAULTS.as_dict()   # the engine's one chat default (`forgebench chat`'s)
 # a nanochat model's default: nanochat's own sampler, which has no repetition penalty and no DRY
 # (with either, the engine's sampler would replace nanochat's: engine/llm/nanochat_chat.py)
-NANOCHAT_SETTINGS = {**DEFAULT_SETTINGS, "repetition_penalty": 1.0, "dry_multiplier": 0.0}
+NANOCHAT_SETTINGS = NANOCHAT_CHAT_DEFAULTS.as_dict()
 
 
 @dataclass(frozen=True)

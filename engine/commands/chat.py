@@ -54,7 +54,8 @@ def cmd_chat(args) -> int:
         args, workspace, {"A": {"label": label, "load": request, "info": system.info}})
     if args.system:
         conversation.add("system", args.system)
-    print("sampling: " + describe_settings(chat_settings(args)), file=sys.stderr)
+    nanochat = system.info.get("format") == "nanochat"
+    print("sampling: " + describe_settings(chat_settings(args, nanochat)), file=sys.stderr)
     # a nanochat model runs its own calculator inside the reply: no JSON tool round trips
     tools = [calculator.SCHEMA] if args.calculator and system.info.get("format") != "nanochat" \
         else None
@@ -114,7 +115,7 @@ def _stream_reply(system, conversation, label: str, args, tools: list | None) ->
     """One reply streamed to the terminal as it is generated, then added to the transcript."""
     from engine.serve_local import chat
 
-    settings = chat_settings(args)
+    settings = chat_settings(args, system.info.get("format") == "nanochat")
     sys.stdout.write(f"{label}> ")
     streamed: list[str] = []
 
@@ -141,12 +142,14 @@ def _stream_reply(system, conversation, label: str, args, tools: list | None) ->
     return done
 
 
-def chat_settings(args) -> dict:
-    """The sampling settings of a chat: each option given, else the chat default."""
-    from engine.sampling import CHAT_DEFAULTS
+def chat_settings(args, nanochat: bool = False) -> dict:
+    """The sampling settings of a chat: each option given, else the chat default (a nanochat
+    model's own: its sampler, no repetition penalty or DRY)."""
+    from engine.sampling import CHAT_DEFAULTS, NANOCHAT_CHAT_DEFAULTS
 
+    defaults = NANOCHAT_CHAT_DEFAULTS if nanochat else CHAT_DEFAULTS
     return {key: default if getattr(args, key, None) is None else getattr(args, key)
-            for key, default in CHAT_DEFAULTS.as_dict().items()}
+            for key, default in defaults.as_dict().items()}
 
 
 def describe_settings(settings: dict) -> str:
