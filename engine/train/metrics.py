@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import functools
 import json
+import os
 import platform
 import resource
 import sys
@@ -252,6 +253,10 @@ class StepFlops:
         self.total = 0
         self._profile = None
         if not torch._C._autograd._profiler_enabled():
+            # kineto (torch >= 2.13) prints "profiler_start"/"profiler_stop" lines on stderr,
+            # which would land in the user's terminal and the run's log; it reads this
+            # level when a session starts. A user's own setting wins.
+            os.environ.setdefault("KINETO_LOG_LEVEL", "6")
             # every thread's ops: the LM head's row shares run on threads of their own
             self._profile = profile(activities=[ProfilerActivity.CPU], record_shapes=True,
                                     experimental_config=_ExperimentalConfig(
