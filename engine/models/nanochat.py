@@ -37,7 +37,9 @@ the logits go back to fp32 for the soft-cap and the loss. Under a bf16 autocast 
 `train.precision = "bf16"`) an fp32-stored model computes the same way, with autocast off
 inside. Left to autocast, the embeddings, norms and rotary tables stayed fp32 and only the
 matmuls ran in bf16, casting to and fro around each: another sum than the reference's, and
-slower (a d6 training step ran at 0.79x the reference's speed on a Zen 4 that way).
+slower (bench/bench_pretrain.py's d6 step, one thread on a Zen 4: 0.90x the reference's
+tokens per CPU second that way; 1.32x in its own scheme, where the sliced AdamW of
+engine/train/muon.py is the rest of the gain).
 
 Inference keeps a KV cache (`new_cache` / `hidden(start_pos=...)`), including the smear's
 previous embedding, and matches the full forward (tested). There is no GGUF export: llama.cpp
