@@ -3,7 +3,9 @@
 1. Step throughput. nanochat's d6 (runs/runcpu.sh: depth 6, width 384, 6 heads of 64, context
    512, nanochat's vocabulary of 32768) trains one step (forward, backward, MuonAdamW step) on
    the same batch, in fp32 and in bf16:
-   - ours: engine.models.nanochat + engine.train.muon (bf16 = the recipe's autocast);
+   - ours: engine.models.nanochat + engine.train.muon (bf16 = what lm-pretrain trains a
+     nanochat model with in bf16: the model and MuonAdamW built with compute_dtype bf16,
+     nanochat's own scheme, no autocast);
    - nanochat: its own gpt.py + optim.py at commit 92d63d4, imported from a nanochat git
      directory given with --nanochat (copied to a temporary folder; nothing of it is kept),
      its compute dtype set by NANOCHAT_DTYPE as its docs say (bf16: its own casts, embeddings
@@ -12,7 +14,8 @@
      machine; say --compile to let nanochat compile (its first steps are excluded either way).
    Each side runs in its own process (nanochat reads its dtype at import); they take turns one
    step at a time, so a shared machine's load falls on both alike. Prints tokens/s (median of
-   the timed steps), the ratio ours / nanochat, load and CPU flags.
+   the timed steps' wall time), the ratio ours / nanochat, the same ratio in CPU time (each
+   worker's own process time, which other processes' load stretches less), load and CPU flags.
 
 2. Muon against AdamW on the sample corpus (resources/sample-workspace/datasets/records, byte
    tokens): the same small nanochat model (dim 64, 4 layers, context 64) trained by AdamW
@@ -103,21 +106,21 @@ def worker(side: str, dtype: str, package: str | None) -> None:
     else:
         from engine.models.nanochat import NanochatConfig, NanochatGPT
         from engine.train.muon import MuonAdamW, nanochat_groups
-        model = NanochatGPT(NanochatConfig.d6(VOCAB))
-        optimizer = MuonAdamW(nanochat_groups(model))
+        own = torch.bfloat16 if dtype == "bf16" else torch.float32
+        model = NanochatGPT(NanochatConfig.d6(VOCAB), compute_dtype=own)
+        optimizer = MuonAdamW(nanochat_groups(model), compute_dtype=own)
 
         def loss_of():
-            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype == "bf16"):
-                return model(x, y)
+            return model(x, y)
     print("@@ready", flush=True)     # nanochat prints its own lines too: ours start with @@
     for _ in sys.stdin:
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         loss = loss_of()
         loss.backward()
         optimizer.step()
         model.zero_grad(set_to_none=True)
-        print("@@" + json.dumps({"s": time.perf_counter() - t0, "loss": loss.item()}),
-              flush=True)
+        print("@@" + json.dumps({"s": time.perf_counter() - t0, "cpu": time.process_time() - c0,
+                                 "loss": loss.item()}), flush=True)
 
 
 def answer_of(proc) -> str:
@@ -154,6 +157,7 @@ def throughput(args) -> None:
         for p in procs.values():
             assert answer_of(p) == "ready"
         times: dict[str, list[float]] = {side: [] for side in procs}
+        cpu: dict[str, list[float]] = {side: [] for side in procs}
         losses: dict[str, float] = {}
         for i in range(args.warmup + args.steps):
             order = list(procs) if i % 2 == 0 else list(procs)[::-1]
@@ -165,14 +169,17 @@ def throughput(args) -> None:
                     losses[side] = answer["loss"]
                 if i >= args.warmup:
                     times[side].append(answer["s"])
+                    cpu[side].append(answer["cpu"])
         for p in procs.values():
             p.stdin.close()
             p.wait()
         rate = {side: tokens / statistics.median(t) for side, t in times.items()}
+        cpu_ratio = statistics.median(cpu["nanochat"]) / statistics.median(cpu["ours"])
         rows.append((dtype, rate["ours"], rate["nanochat"], losses))
         print(f"  {dtype}: ours {rate['ours']:8.0f} tok/s   nanochat {rate['nanochat']:8.0f} "
-              f"tok/s   ratio {rate['ours'] / rate['nanochat']:.2f}x   first-step loss ours "
-              f"{losses['ours']:.4f} nanochat {losses['nanochat']:.4f}   ({uptime()})")
+              f"tok/s   ratio {rate['ours'] / rate['nanochat']:.2f}x (CPU time "
+              f"{cpu_ratio:.2f}x)   first-step loss ours {losses['ours']:.4f} nanochat "
+              f"{losses['nanochat']:.4f}   ({uptime()})")
 
 
 # -- 2. Muon against AdamW on the sample corpus ---------------------------------------------

@@ -35,8 +35,8 @@ window_pattern = "SL"
 
 
 def nanochat_config(path: Path, corpus: Path, *, steps: int = 4, save_every: int = 0,
-                    optimizer: str = "muon") -> Path:
-    write_config(path, corpus, steps=steps, save_every=save_every, precision="f32",
+                    optimizer: str = "muon", precision: str = "f32") -> Path:
+    write_config(path, corpus, steps=steps, save_every=save_every, precision=precision,
                  tokenizer="nanochat")
     text = path.read_text()
     # the tiny llama config, minus what nanochat's architecture fixes
@@ -128,6 +128,37 @@ def test_run_reports_bpb_generates_resumes_exactly_and_refuses_gguf(corpus, tmp_
     capsys.readouterr()
     assert main(["export", str(full.path), "--out", str(tmp_path / "x.gguf")]) != 0
     assert "llama.cpp has no architecture for nanochat" in capsys.readouterr().err
+
+
+def test_a_bf16_run_trains_in_nanochats_own_bf16_and_resumes_exactly(corpus, tmp_path):
+    """train.precision = "bf16": the model and MuonAdamW are built in nanochat's bf16 scheme
+    (tests/test_nanochat_bf16.py holds it against the reference), the checkpoint keeps the
+    bf16 tables, and a run stopped and resumed ends with the uninterrupted run's weights."""
+    config = nanochat_config(tmp_path / "c.toml", corpus, steps=4, save_every=2,
+                             precision="bf16")
+    loaded = load_config(config)
+    model = build_model(loaded, 258, "bf16")
+    assert model.compute_dtype == torch.bfloat16
+    assert model.transformer.wte.weight.dtype == torch.bfloat16
+    assert build_optimizer(loaded, model).compute_dtype == torch.bfloat16
+    f32 = build_model(loaded, 258, "f32")                          # twin: an f32 run's model
+    assert f32.transformer.wte.weight.dtype == torch.float32
+    assert build_optimizer(loaded, f32).compute_dtype == torch.float32
+
+    args = ["--threads", "1"]
+    assert main(["run", str(config), "--out", str(tmp_path / "full"), *args]) == 0
+    full = RunDir(tmp_path / "full")
+    assert full.manifest()["precision"]["precision"] == "bf16"
+    assert main(["run", str(config), "--out", str(tmp_path / "half"), "--stop-after-step", "2",
+                 *args]) == 0
+    assert main(["resume", str(tmp_path / "half"), *args]) == 0
+    from engine.train.checkpoint import load_checkpoint
+    a, _, _ = load_checkpoint(full.checkpoint("step-000004"))
+    b, _, _ = load_checkpoint(RunDir(tmp_path / "half").checkpoint("step-000004"))
+    assert a["transformer.wte.weight"].dtype == torch.bfloat16
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    c, _, _ = load_checkpoint(full.checkpoint("step-000002"))     # twin: training moved them
+    assert not torch.equal(a["transformer.wte.weight"], c["transformer.wte.weight"])
 
 
 def test_shipped_template_is_nanochat_d6():

@@ -29,6 +29,18 @@ What the reference has, and so this file has:
 `--depth`, `--aspect-ratio`, `--head-dim`, `--max-seq-len`, `--window-pattern`), and
 `NanochatConfig.d6` is the CPU demo of runs/runcpu.sh.
 
+Compute dtype (the reference's COMPUTE_DTYPE, which replaces autocast): fp32 by default; in
+bf16 (`NanochatGPT(config, compute_dtype=torch.bfloat16)`) the two embedding tables are stored in
+bf16 after their fp32 init, the activations are bf16 from the embedding on, every Linear casts
+its fp32 master weight to bf16 in forward, the rotary tables and every RMSNorm are bf16, and only
+the logits go back to fp32 for the soft-cap and the loss. Under a bf16 autocast (a recipe's
+`train.precision = "bf16"`) an fp32-stored model computes the same way, with autocast off
+inside. Left to autocast, the embeddings, norms and rotary tables stayed fp32 and only the
+matmuls ran in bf16, casting to and fro around each: another sum than the reference's, and
+slower (bench/bench_pretrain.py's d6 step, one thread on a Zen 4: 0.90x the reference's
+tokens per CPU second that way; 1.32x in its own scheme, where the sliced AdamW of
+engine/train/muon.py is the rest of the gain).
+
 Inference keeps a KV cache (`new_cache` / `hidden(start_pos=...)`), including the smear's
 previous embedding, and matches the full forward (tested). There is no GGUF export: llama.cpp
 has no architecture with value embeddings, smear, backout or the per-layer residual scalars,
@@ -37,6 +49,7 @@ so `gguf_refusal` states why and the export path raises it.
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
 
 import torch
@@ -51,6 +64,7 @@ QK_SCALE = 1.2          # "sharper attention", applied to both q and k after the
 VE_GATE_CHANNELS = 12   # value-embedding gate reads the first 12 channels of the block input
 SMEAR_CHANNELS = 24     # smear gate reads the first 24 channels of the embedding
 PAD_VOCAB_TO = 64
+COMPUTE_DTYPES = (torch.float32, torch.bfloat16)
 
 
 @dataclass
@@ -258,9 +272,13 @@ class NanochatCache:
 class NanochatGPT(nn.Module):
     """nanochat's GPT. Parameter names are the reference's, so its state_dict loads as is."""
 
-    def __init__(self, config: NanochatConfig) -> None:
+    def __init__(self, config: NanochatConfig, compute_dtype: torch.dtype = torch.float32) -> None:
         super().__init__()
+        if compute_dtype not in COMPUTE_DTYPES:
+            raise ForgebenchError(f"nanochat computes in float32 or bfloat16, not {compute_dtype}",
+                                  where="model", hint='train.precision = "f32" or "bf16"')
         self.config = config
+        self.compute_dtype = compute_dtype
         V, C = config.padded_vocab_size, config.n_embd
         kv_dim = config.n_kv_head * config.head_dim
         self.window_sizes = config.window_sizes()
@@ -313,6 +331,27 @@ class NanochatGPT(nn.Module):
         for block in self.transformer.h:
             if block.attn.ve_gate is not None:
                 nn.init.uniform_(block.attn.ve_gate.weight, 0.0, 0.02)
+        # the reference stores the embedding tables in its compute dtype (drawn in fp32 first,
+        # so the RNG sequence and the rounded values are its own); the rest stays fp32
+        self.transformer.wte.to(dtype=self.compute_dtype)
+        for ve in self.value_embeds.values():
+            ve.to(dtype=self.compute_dtype)
+
+    def active_dtype(self, device_type: str) -> torch.dtype:
+        """What this forward computes in: the compute dtype, or bf16 where a bf16 autocast is
+        on for the device (the recipes' switch), which the model then computes its own way."""
+        if self.compute_dtype == torch.float32 and torch.is_autocast_enabled(device_type) \
+                and torch.get_autocast_dtype(device_type) == torch.bfloat16:
+            return torch.bfloat16
+        return self.compute_dtype
+
+    @staticmethod
+    def _own_casts(device_type: str, dtype: torch.dtype):
+        """Autocast off for a bf16 forward: the casts are the model's (the reference has no
+        autocast); an fp32 forward is left as it is."""
+        if dtype == torch.float32:
+            return contextlib.nullcontext()
+        return torch.autocast(device_type, enabled=False)
 
     def new_cache(self, batch: int = 1, max_len: int = 0) -> NanochatCache:
         """An empty cache (it grows by concatenation; the arguments are the Llama family's
@@ -339,11 +378,18 @@ class NanochatGPT(nn.Module):
         """Final-normed hidden states [B, T, C] for token ids [B, T] at positions start_pos…
         (`cache` holds the earlier ones). `trace`, when given, collects each block's input and
         output (what the parity ladder compares per layer)."""
-        B, T = idx.size()
+        T = idx.size(1)
         if start_pos + T > 10 * self.config.sequence_len:   # the reference's rotary table size
             raise ForgebenchError(f"position {start_pos + T} is past the rotary table "
                                   f"({10 * self.config.sequence_len})", where="generation")
-        x = self.transformer.wte(idx)                                     # [B, T, C]
+        dtype = self.active_dtype(idx.device.type)
+        with self._own_casts(idx.device.type, dtype):
+            return self._hidden(idx, dtype, start_pos, cache, trace)
+
+    def _hidden(self, idx: torch.Tensor, dtype: torch.dtype, start_pos: int,
+                cache: NanochatCache | None, trace: list | None) -> torch.Tensor:
+        T = idx.size(1)
+        x = self.transformer.wte(idx).to(dtype)                           # [B, T, C]
         rotary = rotary_tables(start_pos, T, self.config.head_dim, x.dtype, idx.device)
         x = self._smear(norm(x), cache)
         x0 = x
@@ -366,8 +412,10 @@ class NanochatGPT(nn.Module):
         return norm(x)
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
-        """Soft-capped fp32 logits [..., vocab_size] of final hidden states [..., C]."""
-        logits = self.lm_head(h)[..., :self.config.vocab_size].float()
+        """Soft-capped fp32 logits [..., vocab_size] of final hidden states [..., C] (the head
+        multiplies in the hidden states' dtype)."""
+        with self._own_casts(h.device.type, h.dtype):
+            logits = self.lm_head(h)[..., :self.config.vocab_size].float()
         return SOFTCAP * torch.tanh(logits / SOFTCAP)
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:

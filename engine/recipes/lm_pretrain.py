@@ -295,7 +295,7 @@ def train(job: Job) -> None:
     train_text, val_text = read_split(config, "train"), read_split(config, "val")
     tokenizer, tokenizer_json = train_tokenizer(job, train_text)
     train_windows = train_windows_of(config, tokenizer, train_text)
-    model = build_model(config, tokenizer.vocab_size).to(device)
+    model = build_model(config, tokenizer.vocab_size, precision).to(device)
     optimizer = build_optimizer(config, model)
     state = LoopState.fresh(len(train_windows), config.seed)
     if job.resume_from:

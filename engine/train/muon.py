@@ -19,8 +19,13 @@ compute it:
 6. cautious weight decay: decay only where the update and the weight agree in sign;
    learning rate times sqrt(max(1, rows / cols)).
 
-The orthogonalisation runs in the parameters' dtype (fp32 here): the reference drops to bf16
-only when its global compute dtype is bf16 on an accelerator.
+The orthogonalisation (MuonEq and Polar Express) runs in the parameters' dtype (fp32) for an
+fp32 model and in bf16 for a bf16 one (`MuonAdamW(..., compute_dtype=torch.bfloat16)`), as the
+reference does whenever its global compute dtype is bf16, on any device: the five iterations'
+matmuls are most of the optimizer's time, and bf16 multiplies in hardware here. The momentum
+buffers, the renormalisation, NorMuon and the update stay in the parameters' dtype. AdamW does
+its arithmetic in fp32 whatever a parameter's dtype (a bf16 model stores its embeddings, and
+so their moments, in bf16, and casts back after the step).
 
 `nanochat_groups` is setup_optimizer (AdamW learning rates scaled by 1/sqrt(n_embd / 768));
 `NanochatHyper` is scripts/base_train.py's derivation of batch-scaled learning rates
@@ -54,23 +59,46 @@ def _scalar(value: float) -> Tensor:
     return torch.tensor(value, dtype=torch.float32)
 
 
+# AdamW works through a parameter in slices of this many elements: elementwise, so the numbers
+# are those of the whole tensor at once, but each temporary is a cache-sized slice instead of a
+# fresh allocation the size of the parameter (32768 x 384 floats for nanochat d6's tables,
+# above malloc's mmap threshold, so every one was new zeroed pages)
+ADAMW_SLICE = 1 << 16
+
+
 def adamw_update(p: Tensor, grad: Tensor, exp_avg: Tensor, exp_avg_sq: Tensor, step: int,
                  lr: float, beta1: float, beta2: float, eps: float, wd: float) -> None:
-    """One AdamW step in place (weight decay first, lerp moments, bias-corrected update)."""
+    """One AdamW step in place (weight decay first, lerp moments, bias-corrected update), in
+    fp32 whatever the dtype of the parameter and its moments (bf16 ones are cast back)."""
     step_t, lr_t, beta1_t, beta2_t, eps_t, wd_t = map(_scalar, (step, lr, beta1, beta2, eps, wd))
-    p32, exp_avg32, exp_avg_sq32, grad32 = p.float(), exp_avg.float(), exp_avg_sq.float(), \
-        grad.float()
-    p32.mul_(1 - lr_t * wd_t)
-    exp_avg32.lerp_(grad32, 1 - beta1_t)
-    exp_avg_sq32.lerp_(grad32.square(), 1 - beta2_t)
+    decay = 1 - lr_t * wd_t
     bias1 = 1 - beta1_t ** step_t
     bias2 = 1 - beta2_t ** step_t
-    denom = (exp_avg_sq32 / bias2).sqrt() + eps_t
-    step_size = lr_t / bias1
-    p32.add_(exp_avg32 / denom, alpha=-step_size)
-    p.copy_(p32)
-    exp_avg.copy_(exp_avg32)
-    exp_avg_sq.copy_(exp_avg_sq32)
+    coefficients = (decay, 1 - beta1_t, 1 - beta2_t, bias2, eps_t, lr_t / bias1)
+    tensors = (p, grad, exp_avg, exp_avg_sq)
+    if not all(t.is_contiguous() for t in tensors):
+        _adamw_slice(*tensors, *coefficients)
+        return
+    flat = [t.view(-1) for t in tensors]
+    for start in range(0, p.numel(), ADAMW_SLICE):
+        _adamw_slice(*(t[start:start + ADAMW_SLICE] for t in flat), *coefficients)
+
+
+def _adamw_slice(p: Tensor, grad: Tensor, exp_avg: Tensor, exp_avg_sq: Tensor, decay: Tensor,
+                 one_minus_beta1: Tensor, one_minus_beta2: Tensor, bias2: Tensor, eps_t: Tensor,
+                 step_size: Tensor) -> None:
+    """The reference's fused AdamW arithmetic, op for op, on one slice (in place where the
+    reference makes a temporary: the same roundings)."""
+    p32, exp_avg32, exp_avg_sq32, grad32 = p.float(), exp_avg.float(), exp_avg_sq.float(), \
+        grad.float()
+    p32.mul_(decay)
+    exp_avg32.lerp_(grad32, one_minus_beta1)
+    exp_avg_sq32.lerp_(grad32.square(), one_minus_beta2)
+    denom = torch.div(exp_avg_sq32, bias2).sqrt_().add_(eps_t)
+    p32.add_(torch.div(exp_avg32, denom, out=denom), alpha=-step_size)
+    for stored, computed in ((p, p32), (exp_avg, exp_avg32), (exp_avg_sq, exp_avg_sq32)):
+        if computed is not stored:                        # an fp32 tensor was updated in place
+            stored.copy_(computed)
 
 
 def polar_express(X: Tensor, ns_steps: int) -> Tensor:
@@ -91,13 +119,15 @@ def polar_express(X: Tensor, ns_steps: int) -> Tensor:
 
 def muon_update(grads: Tensor, params: Tensor, momentum_buffer: Tensor,
                 second_momentum_buffer: Tensor, momentum: float, lr: float, wd: float,
-                beta2: float, ns_steps: int, red_dim: int) -> None:
-    """One Muon step in place on stacked params [K, m, n] (grads is consumed)."""
+                beta2: float, ns_steps: int, red_dim: int,
+                compute_dtype: torch.dtype = torch.float32) -> None:
+    """One Muon step in place on stacked params [K, m, n] (grads is consumed); the
+    orthogonalisation in bf16 where `compute_dtype` is bf16."""
     momentum_t, lr_t, wd_t, beta2_t = map(_scalar, (momentum, lr, wd, beta2))
     mom = momentum_t.to(grads.dtype)
     momentum_buffer.lerp_(grads, 1 - mom)
     g = grads.lerp_(momentum_buffer, mom)                    # Nesterov
-    X = g
+    X = g.bfloat16() if compute_dtype == torch.bfloat16 else g
     target = X.float().norm(dim=(-2, -1), keepdim=True) / (X.size(-2) ** 0.5)
     row_norm = X.float().norm(dim=-1, keepdim=True).clamp_min(1e-6)
     X = X * (target / row_norm).to(X.dtype)                  # MuonEq
@@ -125,10 +155,15 @@ def cautious_mask(update: Tensor, params: Tensor) -> Tensor:
 
 class MuonAdamW(torch.optim.Optimizer):
     """Groups of kind 'adamw' (lr, betas, eps, weight_decay) and 'muon' (lr, momentum,
-    ns_steps, beta2, weight_decay; all parameters of one shape)."""
+    ns_steps, beta2, weight_decay; all parameters of one shape). `compute_dtype` is the model's
+    (the reference's COMPUTE_DTYPE): bf16 orthogonalises in bf16."""
 
-    def __init__(self, param_groups: list[dict]) -> None:
+    def __init__(self, param_groups: list[dict],
+                 compute_dtype: torch.dtype = torch.float32) -> None:
         super().__init__(param_groups, defaults={})
+        if compute_dtype not in (torch.float32, torch.bfloat16):
+            raise ValueError(f"compute dtype float32 or bfloat16, not {compute_dtype}")
+        self.compute_dtype = compute_dtype
         for group in self.param_groups:
             if group["kind"] == "muon":
                 shapes = {p.shape for p in group["params"]}
@@ -176,7 +211,7 @@ class MuonAdamW(torch.optim.Optimizer):
         muon_update(torch.stack([p.grad for p in params]), stacked, state["momentum_buffer"],
                     state["second_momentum_buffer"], group["momentum"],
                     group["lr"] * max(1.0, rows / cols) ** 0.5, group["weight_decay"],
-                    group["beta2"], group["ns_steps"], red_dim)
+                    group["beta2"], group["ns_steps"], red_dim, self.compute_dtype)
         torch._foreach_copy_(list(params), list(stacked.unbind(0)))
 
 
@@ -315,7 +350,7 @@ def pretrain_optimizer(model, optim, tokens_per_step: int, total_steps: int) -> 
         hyper = NanochatHyper(B_REF, total_steps, 1, 1.0, embedding_lr=optim.embedding_lr,
                               unembedding_lr=optim.unembedding_lr, matrix_lr=optim.lr,
                               scalar_lr=optim.scalar_lr, weight_decay=optim.weight_decay)
-    optimizer = MuonAdamW(hyper.groups(model))
+    optimizer = MuonAdamW(hyper.groups(model), compute_dtype=model.compute_dtype)
     optimizer.hyper = hyper
     for group in optimizer.param_groups:
         group["lr_ratio"] = group["initial_lr"] / optim.lr

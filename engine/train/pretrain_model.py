@@ -14,6 +14,7 @@ from engine.models.nanochat import NanochatConfig, NanochatGPT
 from engine.rundir import Checkpoint, RunDir
 from engine.text_tokenizers import tokenizer_from_json
 from engine.train.checkpoint import load_checkpoint
+from engine.train.precision import torch_dtype
 
 TOKENIZER_FILE = "tokenizer.json"
 
@@ -31,11 +32,14 @@ def nanochat_config(config, vocab_size: int) -> NanochatConfig:
                           window_pattern=m.window_pattern)
 
 
-def build_model(config, vocab_size: int) -> Llama | NanochatGPT:
-    """The decoder of an lm-pretrain config (its `model` section), with random weights."""
+def build_model(config, vocab_size: int, precision: str = "f32") -> Llama | NanochatGPT:
+    """The decoder of an lm-pretrain config (its `model` section), with random weights. A
+    nanochat model trained in bf16 (`precision`, the run's) is built in nanochat's own bf16
+    scheme (embeddings stored in bf16; engine/models/nanochat.py); the Llama's bf16 is the
+    recipe's autocast, whatever it is built with."""
     m = config.model
     if m.family == "nanochat":
-        return NanochatGPT(nanochat_config(config, vocab_size))
+        return NanochatGPT(nanochat_config(config, vocab_size), torch_dtype(precision))
     return Llama(LlamaConfig(vocab_size=vocab_size, dim=m.dim, n_layers=m.n_layers,
                              n_heads=m.n_heads, n_kv_heads=m.n_kv_heads, ffn_dim=m.ffn_dim,
                              norm_eps=m.norm_eps, rope_theta=m.rope_theta,

@@ -41,6 +41,9 @@ goldens.json records the CPU kind they were summed on (`cpu_kind`). After ten st
 reference's own state depends on it (4.8e-3 relative between an AMD EPYC and a Sapphire Rapids),
 so `--part step10`, run on another kind of CPU, adds step10-<kind>.safetensors (only step10/*),
 which the ten-step rung reads on that kind.
+
+`--part bf16` runs the reference in its bf16 compute scheme (NANOCHAT_DTYPE=bfloat16) and writes
+goldens-bf16.safetensors / goldens-bf16.json (see bf16_goldens): the bf16 rungs of the ladder.
 """
 
 from __future__ import annotations
@@ -65,6 +68,7 @@ LRS = dict(unembedding_lr=0.004, embedding_lr=0.2, matrix_lr=0.02, weight_decay=
            scalar_lr=0.5)
 PROMPT = [1, 5, 9, 13]
 DECODE_TOKENS = 24
+BF16_STEPS = 10      # the bf16 loss trace (--part bf16)
 TOKENIZER_VOCAB = 512     # with nanochat's 9 specials: 247 merges
 
 
@@ -300,14 +304,80 @@ def step10_goldens(out_dir: Path) -> None:
     print(f"wrote {path}")
 
 
+def bf16_goldens(out_dir: Path) -> None:
+    """goldens-bf16.safetensors and goldens-bf16.json: the reference with NANOCHAT_DTYPE=bfloat16
+    (its own bf16 scheme: embeddings stored in bf16, Linear weights cast in forward, bf16
+    norms, rotary tables and activations, fp32 logits; Muon orthogonalising in bf16) on the
+    same config, one thread:
+
+    - bf16/init/*: the embedding tables after the seeded init (stored in bf16);
+    - bf16/fwd/*, bf16/grad/*: forward (each block's input and output, logits) and the loss and
+      gradients of the model goldens' batches, on goldens.safetensors' trained/* weights loaded
+      into the bf16 model (trained weights: see model_goldens);
+    - bf16/step1/*: parameters and optimizer state after one MuonAdamW step from the init;
+    - the loss of the first BF16_STEPS steps (goldens-bf16.json `loss_trace`).
+    """
+    import torch
+    from nanochat.common import COMPUTE_DTYPE
+    from nanochat.gpt import GPT, GPTConfig
+    from safetensors.torch import load_file, save_file
+    assert COMPUTE_DTYPE == torch.bfloat16, "NANOCHAT_DTYPE must be set before the import"
+    torch.set_num_threads(1)
+
+    def fresh():
+        with torch.device("meta"):
+            model = GPT(GPTConfig(**CONFIG))
+        model.to_empty(device="cpu")
+        torch.manual_seed(0)
+        model.init_weights()
+        return model
+
+    out: dict[str, torch.Tensor] = {}
+    model = fresh()
+    out["bf16/init/transformer.wte.weight"] = model.transformer.wte.weight.detach().clone()
+    data = batches(torch, BF16_STEPS)
+    optimizer = model.setup_optimizer(**LRS)
+    names = {p: k for k, p in model.named_parameters()}
+    losses = []
+    for step in range(BF16_STEPS):
+        loss = model(data[step, :, :-1].contiguous(), data[step, :, 1:].contiguous())
+        loss.backward()
+        losses.append(loss.item())
+        optimizer.step()
+        model.zero_grad(set_to_none=True)
+        if step == 0:
+            for p, k in names.items():
+                out[f"bf16/step1/param/{k}"] = p.detach().clone()
+                for sk, sv in optimizer.state[p].items():
+                    if isinstance(sv, torch.Tensor):
+                        out[f"bf16/step1/state/{k}/{sk}"] = sv.detach().clone()
+
+    trained = load_file(str(out_dir / "goldens.safetensors"))
+    model = fresh()
+    model.load_state_dict({k[len("trained/"):]: v for k, v in trained.items()
+                           if k.startswith("trained/")})
+    fwd: dict[str, torch.Tensor] = {}
+    forward_goldens(torch, model, fwd)
+    grad_goldens(torch, model, fwd)
+    out.update({f"bf16/{k}": v for k, v in fwd.items()
+                if not k.startswith(("fwd/idx", "grad/batch"))})
+    save_file({k: v.contiguous() for k, v in out.items()},
+              str(out_dir / "goldens-bf16.safetensors"))
+    meta = {"nanochat_commit": PINNED, "torch": torch.__version__, "threads": 1,
+            "cpu": cpu_kind(), "compute_dtype": "bfloat16", "config": CONFIG, "lrs": LRS,
+            "loss_trace": losses}
+    (out_dir / "goldens-bf16.json").write_text(json.dumps(meta, indent=1) + "\n")
+    print(f"wrote {len(out)} bf16 tensors; losses {losses[0]:.4f} -> {losses[-1]:.4f}")
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--nanochat", required=True, help="nanochat git dir or clone")
     ap.add_argument("--out", default=str(HERE))
-    ap.add_argument("--part", choices=("model", "tokenizer", "dataloader", "step10"),
+    ap.add_argument("--part", choices=("model", "tokenizer", "dataloader", "step10", "bf16"),
                     default="model")
     args = ap.parse_args()
-    os.environ["NANOCHAT_DTYPE"] = "float32"
+    os.environ["NANOCHAT_DTYPE"] = "bfloat16" if args.part == "bf16" else "float32"
     os.environ["TORCHDYNAMO_DISABLE"] = "1"
     import_reference(args.nanochat)
     if args.part == "tokenizer":
@@ -316,6 +386,8 @@ def main() -> int:
         dataloader_goldens(Path(args.out))
     elif args.part == "step10":
         step10_goldens(Path(args.out))
+    elif args.part == "bf16":
+        bf16_goldens(Path(args.out))
     else:
         model_goldens(Path(args.out))
     return 0
