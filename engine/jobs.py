@@ -41,7 +41,7 @@ from engine.errors import ForgebenchError
 from engine.fsutil import disk_error, sha256_file
 from engine.paths import require_writable_dir
 from engine.rundir import Checkpoint, RunDir, require_relocated
-from engine.train.precision import requested_precision, resolve_precision
+from engine.train.precision import bf16_scheme, requested_precision, resolve_precision
 
 ENGINE_DIR = Path(__file__).resolve().parent
 
@@ -170,7 +170,8 @@ def start_run(config: Schema, out_dir: str | os.PathLike, argv: list[str], *,
         "code_files": files,
         "environment": environment(threads, devices.describe(device), world_size),
         # "auto" resolved once, here: every invocation of the run computes in this precision
-        "precision": resolve_precision(requested).as_dict() if requested else None,
+        "precision": (resolve_precision(requested, bf16_scheme(config)).as_dict()
+                      if requested else None),
         "argv": list(argv),
         "created": time.time(),
     }

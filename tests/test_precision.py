@@ -450,3 +450,30 @@ def test_the_peak_cache_keeps_capped_and_uncapped_peaks_apart(monkeypatch):
     assert capped != own and "simd avx2" in capped
     monkeypatch.setenv("FORGEBENCH_SIMD", "native")
     assert metrics._peak_cache_key("f32", 1) == own
+
+
+def test_a_nanochat_run_says_how_it_computes_in_bf16():
+    """run.json's reason names the scheme the model computes in: nanochat's GPT stores its
+    embedding tables in bf16, so it is not the autocast's "f32 master weights" that a Llama
+    lm-pretrain run (the twin) and every other recipe get."""
+    import tomllib
+
+    from engine.train.precision import (
+        AUTOCAST_SCHEME,
+        NANOCHAT_SCHEME,
+        bf16_scheme,
+        choose_precision,
+    )
+
+    configs = Path(__file__).resolve().parents[1] / "resources" / "configs"
+
+    def scheme_of(name: str) -> str:
+        data = tomllib.loads((configs / name).read_text())
+        return bf16_scheme(validate_config(data, configs / name))
+
+    assert scheme_of("lm-pretrain-nanochat-d6.toml") == NANOCHAT_SCHEME
+    assert scheme_of("lm-pretrain.toml") == AUTOCAST_SCHEME
+    assert scheme_of("image-classify.toml") == AUTOCAST_SCHEME
+    reason = choose_precision("auto", frozenset({"avx512_bf16"}), 2.0, NANOCHAT_SCHEME).reason
+    assert "nanochat's bf16" in reason and "f32 master weights" not in reason
+    assert "f32 master weights" in choose_precision("auto", frozenset({"avx512_bf16"}), 2.0).reason

@@ -127,7 +127,7 @@ def train(job: Job) -> None:
     if tr.activation_checkpointing:
         checkpoint_activations(model)
     trained, sharded, trainable = distribute(model, adapters, trainable, world, device)
-    optimizer = sft_optimizer(config, base, trainable)   # nanochat's MuonAdamW for its GPT
+    optimizer = sft_optimizer(config, base, trainable, precision)  # MuonAdamW on nanochat
     if job.resume_from:
         optimizer.load_state_dict(distributed.shard_optimizer_state(optimizer_state, optimizer)
                                   if sharded else optimizer_state)

@@ -407,24 +407,29 @@ def encode_for(config, base: Base, split: str = "train") -> tuple[list, dict]:
     return encode_samples(config, base, split)
 
 
-def sft_optimizer(config, base: Base, trainable: list) -> torch.optim.Optimizer:
+def sft_optimizer(config, base: Base, trainable: list,
+                  precision: str = "f32") -> torch.optim.Optimizer:
     """lm-sft's optimizer: AdamW over the trainable parameters, or, for a nanochat base that
     was pretrained with nanochat's MuonAdamW, that optimizer as nanochat's chat_sft sets it up:
     GPT.setup_optimizer's groups at the pretrain run's rates (Muon's matrix rate, the
     embedding and head rates; not batch-scaled, as chat_sft passes them) with weight decay 0
     (pretraining decayed it to 0). `optim.lr` is Muon's matrix rate and every other group keeps
-    its pretraining proportion to it (chat_sft starts at 0.8 of the pretrain rates)."""
+    its pretraining proportion to it (chat_sft starts at 0.8 of the pretrain rates). In a bf16
+    run (`precision`, the run's) Muon orthogonalises in bf16, as nanochat's does when its
+    compute dtype is bf16."""
     from engine.train.optim import adamw_for
 
     pretrain = base.nanochat
     if pretrain is None or pretrain.optim.kind != "muon":
         return adamw_for(trainable, config.optim)
     from engine.train.muon import MuonAdamW, nanochat_groups
+    from engine.train.precision import torch_dtype
 
     p = pretrain.optim
     optimizer = MuonAdamW(nanochat_groups(base.model, unembedding_lr=p.unembedding_lr,
                                           embedding_lr=p.embedding_lr, matrix_lr=p.lr,
-                                          weight_decay=0.0))
+                                          weight_decay=0.0),
+                          compute_dtype=torch_dtype(precision))
     for group in optimizer.param_groups:
         group["lr_ratio"] = group["initial_lr"] / p.lr
         group["lr"] = config.optim.lr * group["lr_ratio"]

@@ -50,6 +50,18 @@ BF16_UNITS = ("avx512_bf16", "amx_bf16")
 # bf16 matmul peak over f32 peak that "auto" needs: autocast also casts activations and
 # gradients, which a smaller gain in the matmuls does not pay for
 BF16_MIN_SPEEDUP = 1.2
+# How a bf16 run computes, as its run.json reason says it: most recipes under torch's autocast;
+# nanochat's GPT as nanochat itself does in bf16 (engine/models/nanochat.py), whose embedding
+# tables are stored in bf16, so "f32 master weights" would not be true of it.
+AUTOCAST_SCHEME = "bf16 autocast, f32 master weights and loss"
+NANOCHAT_SCHEME = ("nanochat's bf16: embedding tables and activations in bf16, f32 matrix "
+                   "weights and logits")
+
+
+def bf16_scheme(config) -> str:
+    """How `config`'s run computes when it runs in bf16 (one of the schemes above)."""
+    model = getattr(config, "model", None)
+    return NANOCHAT_SCHEME if getattr(model, "family", None) == "nanochat" else AUTOCAST_SCHEME
 
 
 @dataclass(frozen=True)
@@ -67,7 +79,8 @@ class PrecisionChoice:
 
 
 def choose_precision(requested: str, features: frozenset[str],
-                     speedup: float | None = None) -> PrecisionChoice:
+                     speedup: float | None = None,
+                     scheme: str = AUTOCAST_SCHEME) -> PrecisionChoice:
     """The precision for a config's request on a CPU with these (cpuinfo-named) features, whose
     bf16 matmul measured `speedup` times its f32 one (None: not measured; the units decide)."""
     if requested not in REQUESTS:
@@ -85,13 +98,12 @@ def choose_precision(requested: str, features: frozenset[str],
     has = "this CPU has " + " and ".join(units)
     if speedup is None:
         return PrecisionChoice("bf16", requested,
-                               f"auto: {has} (bf16 autocast, f32 master weights and loss)")
+                               f"auto: {has} ({scheme})")
     measured = f"its bf16 matmul measured {speedup:.2f}x f32"
     if speedup < BF16_MIN_SPEEDUP:
         return PrecisionChoice("f32", requested, f"auto: {has}, but {measured}, under the "
                                                  f"{BF16_MIN_SPEEDUP}x that pays for the casts")
-    return PrecisionChoice("bf16", requested, f"auto: {has} and {measured} (bf16 autocast, "
-                                              "f32 master weights and loss)")
+    return PrecisionChoice("bf16", requested, f"auto: {has} and {measured} ({scheme})")
 
 
 def cpuinfo_flags(path: Path = Path("/proc/cpuinfo")) -> frozenset[str]:
@@ -148,12 +160,12 @@ def cached_bf16_speedup() -> float | None:
     return bf16 / f32 if bf16 and f32 else None
 
 
-def resolve_precision(requested: str) -> PrecisionChoice:
+def resolve_precision(requested: str, scheme: str = AUTOCAST_SCHEME) -> PrecisionChoice:
     """`choose_precision` on this machine: for "auto" on a CPU with bf16 units, after
     measuring (or reading) how much faster its bf16 matmul is."""
     units = cpu_bf16_features()
     speedup = measured_bf16_speedup() if requested == "auto" and units else None
-    choice = choose_precision(requested, units, speedup)
+    choice = choose_precision(requested, units, speedup, scheme)
     if forced := forced_simd():
         choice = replace(choice, reason=f"{choice.reason} (FORGEBENCH_SIMD={forced}: computed "
                                         "as on a CPU without AVX-512)")
@@ -256,7 +268,7 @@ def choose_from_step_times(requested: str, features: frozenset[str], f32_s: floa
                                                  f"under the {STEP_MIN_SPEEDUP}x bf16 needs",
                                step)
     return PrecisionChoice("bf16", requested, f"auto: this CPU has {units} and {measured} "
-                                              "(bf16 autocast, f32 master weights and loss)",
+                                              f"({AUTOCAST_SCHEME})",
                            step)
 
 
