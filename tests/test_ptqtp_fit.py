@@ -193,3 +193,28 @@ def test_size_budget_that_nothing_can_meet_is_refused(tmp_path):
         convert_ptqtp(src, tmp_path / "x.gguf", iterations=2, max_bytes=1000)
     assert err.value.where == "--max-size"
     assert not (tmp_path / "x.gguf").exists()
+
+
+def test_cli_calibration_fits_with_error_feedback_unless_told_not_to(tmp_path, capsys):
+    from engine.cli import main
+    from tests.fixtures_gguf import write_tiny_gguf
+
+    src = write_tiny_gguf(tmp_path / "tiny.gguf", "llama", "F16")
+    text = tmp_path / "calibration.txt"
+    text.write_text("a b c d e f g h i j k l m n o p " * 8)
+    out = tmp_path / "fed.gguf"
+    assert main(["convert", str(src), "--dtype", "ptqtp", "--calibration", str(text),
+                 "--out", str(out)]) == 0
+    assert "error feedback (GPTQ)" in capsys.readouterr().out
+    assert bytes(GGUFReader(out).fields["ptqtp.error_feedback"].parts[-1]).decode() == "gptq"
+    report = (tmp_path / "fed.gguf.ptqtp.json").read_text()
+    assert '"rel_error_output"' in report
+    plain = tmp_path / "diag.gguf"
+    assert main(["convert", str(src), "--dtype", "ptqtp", "--calibration", str(text),
+                 "--no-error-feedback", "--out", str(plain)]) == 0
+    assert bytes(GGUFReader(plain).fields["ptqtp.error_feedback"].parts[-1]).decode() == "none"
+    # a size nothing can meet: one line naming --max-size, nothing written
+    assert main(["convert", str(src), "--dtype", "ptqtp", "--max-size", "0.001",
+                 "--out", str(tmp_path / "x.gguf")]) == 2
+    assert "--max-size" in capsys.readouterr().err
+    assert not (tmp_path / "x.gguf").exists()

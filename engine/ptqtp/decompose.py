@@ -379,8 +379,7 @@ def _decompose_feedback(weight, planes, group, iterations, ridge, hessian, damp
     if group <= 0 or cols % group:
         raise ValueError(f"the row length {cols} is not a multiple of the group {group}")
     u = feedback_factor(hessian, cols, damp)
-    col_h = column_weights(torch.diagonal(torch.as_tensor(np.array(hessian, dtype=np.float64))),
-                           cols)
+    col_h = column_weights(np.diag(np.asarray(hessian, dtype=np.float64)), cols)
     work = w.clone()
     trits = torch.zeros(planes, rows, cols, dtype=torch.int8)
     scales = torch.zeros(planes, rows, cols // group)
