@@ -14,7 +14,7 @@ With `covariance` (GGUF tensor-name patterns, e.g. attn_output and ffn_down) it 
 for the matching projections, the full second-moment matrix H = Σ xxᵀ / tokens, whose diagonal
 is the mean squares above: what the error-feedback fit (engine/ptqtp/decompose.py, GPTQ) needs
 to move one column's error onto the correlated columns after it. gemma-3-270m: 18 × (1024² +
-2048²) values, 0.4 GB in f32.
+2048²) values, 0.4 GB in f32 (twice that while they are summed in f64).
 """
 
 from __future__ import annotations
