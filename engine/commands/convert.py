@@ -4,6 +4,7 @@ engine.hf.convert for a Hugging Face checkpoint folder, each with a progress bar
 from __future__ import annotations
 
 import argparse
+from collections import Counter
 from pathlib import Path
 
 from engine.fsutil import sha256_file
@@ -89,10 +90,14 @@ def _calibration(args, src: Path):
         raise ForgebenchError(f"cannot read the calibration text: {exc}", path=path,
                               where="--calibration",
                               hint="a UTF-8 text file of a few thousand tokens") from None
+    from engine.ptqtp.gguf_file import decomposable_names
     from engine.ptqtp.imatrix import collect_importance
 
+    # the matrices PTQTP decomposes also get their inputs' full covariance, for the error
+    # feedback (GPTQ) fit, unless --no-error-feedback
+    full = None if getattr(args, "no_error_feedback", False) else decomposable_names(src)
     print(f"collecting the importance matrix over {path.name} ...", flush=True)
-    return collect_importance(src, text, dataset=path.name)
+    return collect_importance(src, text, dataset=path.name, covariance=full)
 
 
 def _convert_ptqtp(args, src: Path, dst: Path, progress, bars) -> int:
@@ -105,12 +110,17 @@ def _convert_ptqtp(args, src: Path, dst: Path, progress, bars) -> int:
         raise ForgebenchError(f"--group {group!r} cannot be stored as ternary blocks",
                               where="--group",
                               hint="256 (one scale per 256-value block) or 'row'")
+    max_size = getattr(args, "max_size", None)
+    if max_size is not None and not max_size > 0:
+        raise ForgebenchError(f"--max-size {max_size} is not a size in MB", where="--max-size",
+                              hint="e.g. 242.0 (megabytes, 10⁶ bytes)")
     importance = _calibration(args, src)
     try:
         result = convert_ptqtp(src, dst, planes=getattr(args, "planes", 2),
                                group=None if group == "row" else 256, progress=progress,
                                plane_type=PLANE_TYPES[getattr(args, "ternary", "tq2_0")],
-                               importance=importance)
+                               importance=importance,
+                               max_bytes=None if max_size is None else int(max_size * 1e6))
     finally:
         for bar in bars:
             bar.close()
@@ -122,8 +132,16 @@ def _convert_ptqtp(args, src: Path, dst: Path, progress, bars) -> int:
           f"mean relative Frobenius error {rep['mean_rel_error']:.4f}; {rep['kept']} tensors "
           f"kept as the source holds them; report: {result.report_path}")
     if importance is not None:
-        print(f"fit weighted by an importance matrix over {importance.tokens} tokens of "
-              f"{importance.dataset} (recorded in the file's ptqtp.imatrix.* metadata)")
+        feedback = " and error feedback (GPTQ) over its inputs' covariance" \
+            if importance.covariances else ""
+        print(f"fit weighted by an importance matrix{feedback} over {importance.tokens} tokens "
+              f"of {importance.dataset} (recorded in the file's ptqtp.imatrix.* metadata)")
+    if rep.get("budget"):
+        steps = rep["budget"]["steps"]
+        stepped = Counter(s["type"] for s in steps)
+        print(f"size budget {rep['budget']['max_bytes'] / 1e6:.1f} MB: {len(steps)} step(s) "
+              "down for the projections PTQTP cannot take "
+              f"({', '.join(f'{n} now {k}' for k, n in sorted(stepped.items())) or 'none'})")
     if result.dequantized:
         print(f"note: dequantized from a quantized file; marked with {DEQUANTIZED_FROM_KEY}")
     return 0

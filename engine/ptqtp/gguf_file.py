@@ -13,7 +13,9 @@ The file (documented in docs/ptqtp.md):
   keys when the source was quantized. `general.file_type` is MOSTLY_TQ2_0 (MOSTLY_TQ1_0).
   With an importance (activation-aware fit, engine/ptqtp/imatrix.py) also
   `ptqtp.imatrix.dataset`, `.text_sha256`, `.tokens` and `.chunks_count` (what it was
-  calibrated on); `ptqtp.importance` is "imatrix" then, "none" without one.
+  calibrated on); `ptqtp.importance` is "imatrix" then, "none" without one, and
+  `ptqtp.error_feedback` "gptq" when the importance held the decomposed matrices' input
+  covariances (the fit moved each column's error onto the later columns), else "none".
 
 A 1-plane file is a plain llama.cpp model (stock llama.cpp loads and runs it); a 2-plane file is
 read by the engine (engine/ptqtp/weight.py) and by the `gguf` package, but llama.cpp refuses it
@@ -26,6 +28,17 @@ biases and every other tensor are copied from the source unchanged (their type a
 are projections whose rows TQ2_0 cannot hold (gemma-3-270m's 640-wide rows). The report beside
 the file (`F.gguf.ptqtp.json`) lists every tensor: decomposed (relative Frobenius error of each
 plane count) or kept, and why.
+
+Size budget (`max_bytes`, `forgebench convert --max-size MB`): the projections PTQTP cannot take
+are the ones whose type decides the file's size beside the planes (gemma-3-270m: q/k/v/gate/up,
+Q5_0/Q8_0 in the shipped Q4_K_M, 45 MB of a 245 MB file). With a budget they step down, one
+tensor one step at a time, along `DEMOTIONS` (Q8_0 -> Q5_0 -> Q4_0; llama.cpp's Q3_K_M holds
+gemma's 640-wide rows as Q4_0), always taking the step that adds the least error per byte
+saved, until the file fits: the error of a tensor is its relative error against the source,
+squared, weighted by the importance when there is one (‖(W − Ŵ)·diag(√h)‖² / ‖W·diag(√h)‖²:
+the share of the layer's output lost). Every projection PTQTP can take stays PTQTP. The size
+is exact (header and padding included), known before anything is written; the report's
+`budget` lists each step and every kept tensor's final type.
 """
 
 from __future__ import annotations
@@ -47,17 +60,25 @@ from engine.fsutil import sha256_file
 from engine.gguf.constants import DEQUANTIZED_FROM_KEY, DEQUANTIZED_FROM_TYPE_KEY, QK_K
 from engine.gguf.layouts import PTQTP_2
 from engine.gguf.writer import MetaValue, TensorEntry, read_gguf_content, write_gguf
-from engine.ptqtp.decompose import Decomposition, absmean_ternary, decompose, relative_error
+from engine.ptqtp.decompose import (
+    Decomposition,
+    absmean_ternary,
+    decompose,
+    output_error,
+    relative_error,
+)
 
 PLANE2_SUFFIX = PTQTP_2.planes[1]      # ".plane2" (the weight-layout table's PTQTP row)
 PLANES_KEY, GROUP_KEY, VERSION_KEY = "ptqtp.planes", "ptqtp.group", "ptqtp.version"
 SOURCE_KEY, METHOD_KEY = "ptqtp.source_sha256", "ptqtp.method"
 IMPORTANCE_KEY, IMATRIX_PREFIX = "ptqtp.importance", "ptqtp.imatrix."
+FEEDBACK_KEY = "ptqtp.error_feedback"       # "gptq" where the fit used the inputs' covariance
 FORMAT_VERSION = 1
 TQ2_0_BYTES, TQ1_0_BYTES = 66, 54
 PROJECTION = re.compile(r"^blk\.\d+\.(attn_q|attn_k|attn_v|attn_output|ffn_gate|ffn_up|ffn_down)"
                         r"\.weight$")
 FLOAT_TYPES = (T.F32, T.F16, T.BF16)
+DEMOTIONS = (T.Q5_0, T.Q4_0)      # what a kept projection may step down to, in this order
 
 
 def pack_tq2_0(trits: np.ndarray, scales: np.ndarray) -> np.ndarray:
@@ -138,6 +159,13 @@ def _others_plan(content, others: str) -> dict[str, T]:
     return {t.name: plan[t.name] for t in content.tensors if t.ggml_type in FLOAT_TYPES}
 
 
+def decomposable_names(src: str | Path) -> set[str]:
+    """The tensors of `src` a PTQTP convert decomposes (its block projections with rows of a
+    multiple of 256)."""
+    return {t.name for t in read_gguf_content(src).tensors
+            if kept_reason(t.name, tuple(t.shape), QK_K) is None}
+
+
 def kept_reason(name: str, shape: tuple[int, ...], group: int | None) -> str | None:
     """None if the tensor is decomposed, else why it is kept."""
     if not PROJECTION.match(name):
@@ -196,6 +224,8 @@ def _set_ptqtp_metadata(metadata: dict, plane_type: T, planes: int, group: int |
     metadata[IMPORTANCE_KEY] = MetaValue(GGUFValueType.STRING,
                                          "none" if importance is None else "imatrix")
     if importance is not None:
+        metadata[FEEDBACK_KEY] = MetaValue(GGUFValueType.STRING,
+                                           "gptq" if importance.covariances else "none")
         metadata[IMATRIX_PREFIX + "dataset"] = MetaValue(GGUFValueType.STRING, importance.dataset)
         metadata[IMATRIX_PREFIX + "text_sha256"] = MetaValue(GGUFValueType.STRING,
                                                              importance.text_sha256)
@@ -209,9 +239,11 @@ def _set_ptqtp_metadata(metadata: dict, plane_type: T, planes: int, group: int |
 
 
 def _report_row(entry: TensorEntry, w: np.ndarray, dec: Decomposition, planes: int,
-                seconds: float, importance: np.ndarray | None = None) -> dict:
+                seconds: float, importance: np.ndarray | None = None,
+                hessian: np.ndarray | None = None) -> dict:
     """One decomposed tensor's report: its error after plane 1 and after all planes (and,
-    with an importance, the error weighted by it: what the fit minimised)."""
+    with an importance, the error weighted by it: what the fit minimised; with a hessian, the
+    relative output error over the calibration inputs, what the error feedback minimised)."""
     one = dec.plane_dense(0)
     row = {"name": entry.name, "shape": list(entry.shape),
            "source_type": entry.ggml_type.name, "planes": planes,
@@ -223,7 +255,88 @@ def _report_row(entry: TensorEntry, w: np.ndarray, dec: Decomposition, planes: i
         row["rel_error"] = row["rel_error_plane1"]
     if importance is not None:
         row["rel_error_weighted"] = relative_error(w, dec.dense(), importance)
+    if hessian is not None:
+        row["rel_error_output"] = output_error(w, dec.dense(), hessian)
+        row["error_feedback"] = True
     return row
+
+
+def file_bytes(metadata: dict, tensors: list[TensorEntry], version: int) -> int:
+    """The exact size of the GGUF file these would write (header, tensors, padding)."""
+    from engine.gguf.writer import _alignment, _pad, encode_header
+
+    align = _alignment(metadata)
+    return len(encode_header(metadata, tensors, version)) + sum(
+        t.n_bytes + _pad(t.n_bytes, align) for t in tensors)
+
+
+def _bits(kind: T) -> float:
+    from gguf.constants import GGML_QUANT_SIZES
+
+    block, size = GGML_QUANT_SIZES[kind]
+    return 8 * size / block
+
+
+def _demotion_ladder(entry: TensorEntry, importance) -> list[tuple[T, float]]:
+    """(type, weighted relative error², against the source) for the source type and every
+    `DEMOTIONS` type of fewer bits that can hold the rows, in decreasing bits."""
+    from gguf import quants
+    from gguf.constants import GGML_QUANT_SIZES
+
+    from engine.gguf.convert import _encode, _to_f32
+
+    ladder = [(entry.ggml_type, 0.0)]
+    steps = [k for k in DEMOTIONS if _bits(k) < _bits(entry.ggml_type)
+             and entry.shape[-1] % GGML_QUANT_SIZES[k][0] == 0]
+    if not steps:
+        return ladder
+    w = _to_f32(entry).reshape(entry.shape).astype(np.float64)
+    h = None if importance is None else importance.values.get(entry.name)
+    root = np.ones(entry.shape[-1]) if h is None else np.sqrt(np.asarray(h, dtype=np.float64))
+    norm = float(np.square(w * root).sum())
+    for kind in sorted(steps, key=_bits, reverse=True):
+        approx = quants.dequantize(_encode(w.astype(np.float32), kind), kind)
+        err = float(np.square((w - approx.reshape(w.shape)) * root).sum())
+        ladder.append((kind, err / norm if norm > 0 else err))
+    return ladder
+
+
+def fit_budget(kept: list[TensorEntry], size_of, max_bytes: int, importance=None
+               ) -> tuple[dict[str, T], list[dict]]:
+    """The types of the kept projections that bring `size_of(types)` (the file's size with
+    those types) within `max_bytes`: greedy steps of least added error per byte saved (module
+    docstring) -> (name -> type for every stepped tensor, the steps in order)."""
+    ladders = {e.name: _demotion_ladder(e, importance) for e in kept}
+    ladders = {n: lad for n, lad in ladders.items() if len(lad) > 1}
+    shapes = {e.name: e.shape for e in kept}
+    at = {n: 0 for n in ladders}
+    types: dict[str, T] = {}
+    steps: list[dict] = []
+    size = size_of(types)
+    while size > max_bytes:
+        best = None
+        for name, lad in ladders.items():
+            i = at[name]
+            if i + 1 >= len(lad):
+                continue
+            n = int(np.prod(shapes[name]))
+            saved = n * (_bits(lad[i][0]) - _bits(lad[i + 1][0])) / 8
+            cost = max(lad[i + 1][1] - lad[i][1], 0.0) / saved
+            if best is None or cost < best[0]:
+                best = (cost, name)
+        if best is None:
+            raise ForgebenchError(
+                f"the file needs {size / 1e6:.1f} MB even with every kept projection at "
+                f"{DEMOTIONS[-1].name}, over the {max_bytes / 1e6:.1f} MB budget",
+                where="--max-size", hint="allow a larger file, or TQ1_0 planes (--ternary tq1_0)")
+        name = best[1]
+        at[name] += 1
+        kind, err = ladders[name][at[name]]
+        types[name] = kind
+        size = size_of(types)
+        steps.append({"name": name, "type": kind.name, "rel_error_weighted": err ** 0.5,
+                      "file_mb": round(size / 1e6, 4)})
+    return types, steps
 
 
 def _write_report(report_path: Path, report: dict) -> None:
@@ -233,10 +346,44 @@ def _write_report(report_path: Path, report: dict) -> None:
     tmp.replace(report_path)
 
 
+def _apply_budget(content, tensors: list[TensorEntry], metadata: dict, rows_report: list[dict],
+                  max_bytes: int, importance, rest: dict) -> dict:
+    """Steps the kept projections down until the file fits `max_bytes` (in place: `tensors`
+    and the kept rows of `rows_report`) -> the report's `budget`."""
+    from engine.gguf.convert import _converted
+
+    version = content.version
+    sources = {e.name: e for e in content.tensors}
+    kept = [sources[r["name"]] for r in rows_report
+            if "kept" in r and PROJECTION.match(r["name"]) and r["name"] not in rest]
+    index = {t.name: i for i, t in enumerate(tensors)}
+
+    def size_of(types: dict[str, T]) -> int:
+        trial = list(tensors)
+        for name, kind in types.items():
+            e = sources[name]
+            trial[index[name]] = TensorEntry(name, kind, e.shape, b"")
+        return file_bytes(metadata, trial, version)
+
+    before = size_of({})
+    types, steps = fit_budget(kept, size_of, max_bytes, importance)
+    for name, kind in types.items():
+        tensors[index[name]] = _converted(sources[name], kind)
+    final = {r["name"]: r for r in rows_report}
+    for e in kept:
+        row = final[e.name]
+        row["type"] = types.get(e.name, e.ggml_type).name
+        if e.name in types:
+            row["stepped_down"] = f"{e.ggml_type.name} -> {types[e.name].name} (size budget)"
+    return {"max_bytes": max_bytes, "bytes_before": before, "bytes": size_of(types),
+            "steps": steps}
+
+
 def convert_ptqtp(src: str | Path, dst: str | Path, *, planes: int = 2, group: int | None = 256,
                   iterations: int | None = None, progress=None,
                   method: str = "ptqtp", plane_type: T = T.TQ2_0,
-                  others: str = "keep", importance=None) -> PtqtpResult:
+                  others: str = "keep", importance=None,
+                  max_bytes: int | None = None) -> PtqtpResult:
     """Write `src` (any GGUF the engine runs) as a PTQTP model at `dst` (which must not exist),
     one tensor in memory at a time, and its report at `dst` + '.ptqtp.json'.
 
@@ -248,7 +395,10 @@ def convert_ptqtp(src: str | Path, dst: str | Path, *, planes: int = 2, group: i
     export from a dense fine-tune uses, so that the rest of the model is not left in f16).
     `importance`: an engine.ptqtp.imatrix.Importance (each projection's input mean squares from
     calibration text) for the activation-aware fit, or None for the plain Frobenius fit; it
-    must name every matrix that is decomposed."""
+    must name every matrix that is decomposed; where it holds a matrix's input covariance
+    (`Importance.covariances`), that matrix is fitted with error feedback (GPTQ).
+    `max_bytes`: the most the file may hold; the projections PTQTP cannot take step down to
+    fewer bits, least harmed first, until it fits (module docstring)."""
     from engine.gguf.convert import _converted, _source_type_name, _to_f32
 
     src, dst = Path(src), Path(dst)
@@ -270,11 +420,16 @@ def convert_ptqtp(src: str | Path, dst: str | Path, *, planes: int = 2, group: i
             last.clear()
             w = _to_f32(entry)
             imp = None if importance is None else importance.values[entry.name]
+            hessian = None if importance is None else importance.covariances.get(entry.name)
             start = time.perf_counter()
-            dec = (decompose(w, planes=planes, group=group, importance=imp, **kwargs)
-                   if method == "ptqtp" else absmean_ternary(w, group=group))
+            if method != "ptqtp":
+                dec = absmean_ternary(w, group=group)
+            elif hessian is not None:
+                dec = decompose(w, planes=planes, group=group, hessian=hessian, **kwargs)
+            else:
+                dec = decompose(w, planes=planes, group=group, importance=imp, **kwargs)
             seconds = time.perf_counter() - start
-            rows_report.append(_report_row(entry, w, dec, planes, seconds, imp))
+            rows_report.append(_report_row(entry, w, dec, planes, seconds, imp, hessian))
             last[entry.name] = dec
             return plane_bytes(dec, 0, plane_type)
 
@@ -310,6 +465,10 @@ def convert_ptqtp(src: str | Path, dst: str | Path, *, planes: int = 2, group: i
     src_sha = sha256_file(src)
     _set_ptqtp_metadata(metadata, plane_type, planes, group, method, src_sha,
                         _source_type_name(content) if dequantized else None, importance)
+    budget = None
+    if max_bytes is not None:
+        budget = _apply_budget(content, tensors, metadata, rows_report, max_bytes, importance,
+                               rest)
     start = time.perf_counter()
     write_gguf(dst, metadata, tensors, version=content.version, progress=progress)
     done = [r for r in rows_report if "rel_error" in r]
@@ -321,7 +480,7 @@ def convert_ptqtp(src: str | Path, dst: str | Path, *, planes: int = 2, group: i
               "importance": None if importance is None else {
                   "dataset": importance.dataset, "text_sha256": importance.text_sha256,
                   "tokens": importance.tokens, "chunks": importance.chunks},
-              "tensors": rows_report}
+              "budget": budget, "tensors": rows_report}
     _write_report(report_path, report)
     return PtqtpResult(dst, report_path, Counter(t.ggml_type.name for t in tensors),
                        dequantized, report)

@@ -9,12 +9,19 @@ sum of squares and count per tensor, and llama-quantize's K-quants weight their 
 `ctx`-token chunks, each a fresh context starting with the tokenizer's BOS as llama-imatrix's
 chunks do, and records, for every block projection, Σ x_i² / tokens over every token of every
 chunk. The text must be disjoint from any text the result is later measured on.
+
+With `covariance` (GGUF tensor-name patterns, e.g. attn_output and ffn_down) it also records,
+for the matching projections, the full second-moment matrix H = Σ xxᵀ / tokens, whose diagonal
+is the mean squares above: what the error-feedback fit (engine/ptqtp/decompose.py, GPTQ) needs
+to move one column's error onto the correlated columns after it. gemma-3-270m: 18 × (1024² +
+2048²) values, 0.4 GB in f32 (twice that while they are summed in f64).
 """
 
 from __future__ import annotations
 
 import hashlib
-from dataclasses import dataclass
+import re
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -37,6 +44,7 @@ class Importance:
     text_sha256: str
     tokens: int
     chunks: int
+    covariances: dict[str, np.ndarray] = field(default_factory=dict)   # name -> H f32 [cols, cols]
 
 
 def _projection_modules(model) -> dict[str, torch.nn.Module]:
@@ -51,9 +59,12 @@ def _projection_modules(model) -> dict[str, torch.nn.Module]:
 
 def collect_importance(model_path: str | Path, text: str, *, dataset: str = "",
                        max_tokens: int = 4096, ctx: int = DEFAULT_CTX,
-                       threads: int = 2) -> Importance:
+                       threads: int = 2, covariance: str | set[str] | None = None
+                       ) -> Importance:
     """Run `model_path` over `text` (at most `max_tokens` tokens, in `ctx`-token chunks) and
-    return each block projection's input mean squares."""
+    return each block projection's input mean squares, and with `covariance` (GGUF tensor
+    names, or a regular expression searched in them) the full second moments of those
+    inputs."""
     from engine.models.gguf_model import load_gguf_model
 
     if ctx < 2 or max_tokens < 1:
@@ -70,15 +81,24 @@ def collect_importance(model_path: str | Path, text: str, *, dataset: str = "",
                               hint="give at least a few hundred tokens of ordinary text")
     sums: dict[str, torch.Tensor] = {}
     counts: dict[str, int] = {}
+    outer: dict[str, torch.Tensor] = {}
+    modules = _projection_modules(model)
+    if covariance is None:
+        full = set()
+    elif isinstance(covariance, str):
+        full = {n for n in modules if re.search(covariance, n)}
+    else:
+        full = set(covariance) & set(modules)
 
     def hook(name):
         def record(_module, inputs, _output):
             x = inputs[0].detach().double().reshape(-1, inputs[0].shape[-1])
             sums[name] = sums.get(name, 0) + x.square().sum(0)
             counts[name] = counts.get(name, 0) + x.shape[0]
+            if name in full:
+                outer[name] = outer.get(name, 0) + x.T @ x
         return record
 
-    modules = _projection_modules(model)
     handles = [m.register_forward_hook(hook(n)) for n, m in modules.items()]
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
@@ -96,5 +116,6 @@ def collect_importance(model_path: str | Path, text: str, *, dataset: str = "",
                               where=", ".join(missing[:3]),
                               hint="run the model under f32 numerics (module hooks)")
     values = {n: (sums[n] / counts[n]).numpy() for n in modules}
+    covariances = {n: (outer[n] / counts[n]).float().numpy() for n in sorted(full)}
     return Importance(values, dataset, hashlib.sha256(text.encode()).hexdigest(),
-                      sum(len(c) for c in chunks), len(chunks))
+                      sum(len(c) for c in chunks), len(chunks), covariances)
