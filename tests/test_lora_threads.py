@@ -1,7 +1,10 @@
-"""Packed attention on one torch thread (engine.models.blocks.ONE_THREAD_ATTENTION): a LoRA
-step's attention calls are a few dozen tokens each, which split over two threads cost more CPU
-than they save. The forward and the gradients must be the bits torch gives at one thread, and
-both the forward and the backward must really run on one thread (with their twins).
+"""Packed attention on one torch thread: a LoRA step's attention calls are a few dozen tokens
+each, which split over two threads cost more CPU than they save. Two ways give each sequence one
+thread: the sequences spread over the threads side by side (engine.models.blocks.SPREAD_ATTENTION,
+the default where `spread_sequences` finds even shares) and all of them in turn on the calling
+thread (ONE_THREAD_ATTENTION). Either way the forward and the gradients must be the bits torch
+gives at one thread, and both the forward and the backward must really run on one thread (with
+their twins); spread, on more than one Python thread.
 
 Whether those are also the bits of torch's threaded calls depends on the CPU: on the Sapphire
 Rapids they are, on a Zen 4 EPYC torch's threaded SDPA backward differs from its one-thread
@@ -10,6 +13,7 @@ the bits where torch gives them, a 1e-6 bound where it does not, and says so."""
 
 from __future__ import annotations
 
+import threading
 import warnings
 
 import pytest
@@ -30,9 +34,17 @@ def _inputs(seed: int = 0):
     return q, k, v
 
 
-def _attend(one_thread: bool, monkeypatch, core=blocks.sdpa, window=None, autocast=False):
+MODES = {"threaded": (False, False), "one thread": (True, False), "spread": (False, True)}
+
+
+def _attend(mode: str, monkeypatch, core=blocks.sdpa, window=None, autocast=False,
+            wants=(True, True, True)):
+    """packed_attention in `mode` (MODES: ONE_THREAD_ATTENTION, SPREAD_ATTENTION): the output
+    and the gradients of q, k, v (None for those in `wants` left without grad)."""
+    one_thread, spread = MODES[mode]
     monkeypatch.setattr(blocks, "ONE_THREAD_ATTENTION", one_thread)
-    q, k, v = _inputs()
+    monkeypatch.setattr(blocks, "SPREAD_ATTENTION", spread)
+    q, k, v = (t.detach().requires_grad_(w) for t, w in zip(_inputs(), wants))
     with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
         out = blocks.packed_attention(core, q, k, v, LENGTHS, HEAD_DIM ** -0.5, window)
     weights = torch.randn(out.shape, generator=torch.Generator().manual_seed(1))
@@ -48,13 +60,14 @@ def two_threads():
     torch.set_num_threads(before)
 
 
+@pytest.mark.parametrize("mode", ["one thread", "spread"])
 @pytest.mark.parametrize("window,autocast", [(None, False), (16, False), (None, True)])
 def test_one_thread_attention_gives_the_threaded_bits(two_threads, monkeypatch, window,
-                                                      autocast):
-    threaded = _attend(False, monkeypatch, window=window, autocast=autocast)
-    single = _attend(True, monkeypatch, window=window, autocast=autocast)
+                                                      autocast, mode):
+    threaded = _attend("threaded", monkeypatch, window=window, autocast=autocast)
+    single = _attend(mode, monkeypatch, window=window, autocast=autocast)
     torch.set_num_threads(1)
-    torch_one_thread = _attend(False, monkeypatch, window=window, autocast=autocast)
+    torch_one_thread = _attend("threaded", monkeypatch, window=window, autocast=autocast)
     torch.set_num_threads(2)
     for a, b in zip(torch_one_thread, single):      # exactly torch at one thread, everywhere
         assert torch.equal(a, b)
@@ -76,38 +89,76 @@ def test_twin_a_different_core_is_caught(two_threads, monkeypatch):
     def bf16_core(q, k, v, mask, scale):
         return blocks.sdpa(q.bfloat16(), k.bfloat16(), v.bfloat16(), mask, scale).float()
 
-    threaded = _attend(False, monkeypatch)
-    single = _attend(True, monkeypatch, core=bf16_core)
-    for a, b in zip(threaded, single):
-        assert not torch.equal(a, b)
+    threaded = _attend("threaded", monkeypatch)
+    for mode in ("one thread", "spread"):
+        single = _attend(mode, monkeypatch, core=bf16_core)
+        for a, b in zip(threaded, single):
+            assert not torch.equal(a, b)
 
 
-def _threads_seen(one_thread: bool, monkeypatch) -> dict[str, set[int]]:
-    seen: dict[str, set[int]] = {"forward": set(), "backward": set()}
+def _threads_seen(mode: str, monkeypatch) -> dict[str, set[int]]:
+    """The torch thread counts the cores' forward and backward ran with, and how many Python
+    threads ran them."""
+    seen: dict[str, set[int]] = {"forward": set(), "backward": set(), "python threads": set()}
 
     def core(q, k, v, mask, scale):
         seen["forward"].add(torch.get_num_threads())
+        seen["python threads"].add(threading.get_ident())
         q.register_hook(lambda grad: seen["backward"].add(torch.get_num_threads()))
         return blocks.sdpa(q, k, v, mask, scale)
 
-    _attend(one_thread, monkeypatch, core=core)
+    _attend(mode, monkeypatch, core=core)
+    seen["python threads"] = {len(seen["python threads"])}
     return seen
 
 
 def test_forward_and_backward_run_on_one_thread_and_the_count_comes_back(two_threads,
                                                                           monkeypatch):
-    assert _threads_seen(True, monkeypatch) == {"forward": {1}, "backward": {1}}
+    assert _threads_seen("one thread", monkeypatch) == {"forward": {1}, "backward": {1},
+                                                        "python threads": {1}}
     assert torch.get_num_threads() == 2
-    # the twin: without the switch both run on the two threads
-    assert _threads_seen(False, monkeypatch) == {"forward": {2}, "backward": {2}}
+    assert _threads_seen("spread", monkeypatch) == {"forward": {1}, "backward": {1},
+                                                    "python threads": {2}}
+    assert torch.get_num_threads() == 2
+    # the twin: without either switch both run on the two threads, in turn
+    assert _threads_seen("threaded", monkeypatch) == {"forward": {2}, "backward": {2},
+                                                      "python threads": {1}}
 
 
+@pytest.mark.parametrize("mode", ["one thread", "spread"])
 def test_without_gradients_the_forward_is_the_same_and_keeps_no_graph(two_threads,
-                                                                      monkeypatch):
-    monkeypatch.setattr(blocks, "ONE_THREAD_ATTENTION", True)
+                                                                      monkeypatch, mode):
+    one_thread, spread = MODES[mode]
+    monkeypatch.setattr(blocks, "ONE_THREAD_ATTENTION", one_thread)
+    monkeypatch.setattr(blocks, "SPREAD_ATTENTION", spread)
     q, k, v = (t.detach() for t in _inputs())
     with torch.no_grad():
         single = blocks.packed_attention(blocks.sdpa, q, k, v, LENGTHS, 0.125, None)
     monkeypatch.setattr(blocks, "ONE_THREAD_ATTENTION", False)
+    monkeypatch.setattr(blocks, "SPREAD_ATTENTION", False)
     threaded = blocks.packed_attention(blocks.sdpa, q, k, v, LENGTHS, 0.125, None)
     assert torch.equal(single, threaded) and single.grad_fn is None
+
+
+def test_spread_leaves_an_operand_without_grad_without_one(two_threads, monkeypatch):
+    """k frozen: its gradient is None, the others are the one-thread bits."""
+    spread = _attend("spread", monkeypatch, wants=(True, False, True))
+    single = _attend("one thread", monkeypatch, wants=(True, False, True))
+    assert spread[2] is None and single[2] is None
+    for a, b in zip(spread, single):
+        assert a is None or torch.equal(a, b)
+
+
+def test_spread_shares_worked_examples(monkeypatch):
+    """Costs n², longest first to the least-loaded thread: [7, 30, 19, 41] at 2 threads puts 41
+    (1681) alone against 30 + 19 + 7 (900 + 361 + 49 = 1310): busiest 1681 of an even 1495.5,
+    x1.12, within SPREAD_IMBALANCE (1.25); [100, 5, 5]: 10000 against 50, x2.0, not spread."""
+    assert blocks.spread_sequences(LENGTHS, 2) == [[3], [0, 1, 2]]
+    assert blocks.spread_sequences([30, 30, 30], 3) == [[0], [1], [2]]
+    assert blocks.spread_sequences([30, 30, 30], 8) == [[0], [1], [2]]    # no idle threads
+    assert blocks.spread_sequences([100, 5, 5], 2) is None
+    assert blocks.spread_sequences(LENGTHS, 1) is None
+    assert blocks.spread_sequences([50], 2) is None
+    # the twin: the bound is what refused [100, 5, 5]
+    monkeypatch.setattr(blocks, "SPREAD_IMBALANCE", 2.0)
+    assert blocks.spread_sequences([100, 5, 5], 2) == [[0], [1, 2]]

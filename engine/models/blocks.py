@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
@@ -96,7 +97,36 @@ def rope_tables(positions: torch.Tensor, rot_dim: int, base: float,
     powf(base, -2/rot_dim) once per frequency, divided by the frequency factor, then scaled, so
     angles round exactly as llama.cpp's do. `libm` takes cos/sin from the C library's cosf/sinf
     as ggml does (torch's own differ from them in the last bit for ~1% of angles).
+
+    Up to ROPE_CACHE_POSITIONS positions, the tables come from a small cache keyed on the
+    positions and settings, so they are shared: callers only read them. Why: the build is a
+    loop of rot_dim/2 steps of three ops each, ~770 ops a training step for Gemma's two tables
+    (a fifth of the step's top-level ops), for tables that every step of a run with the same
+    packing rebuilds bit for bit.
     """
+    if positions.numel() > ROPE_CACHE_POSITIONS or positions.device.type != "cpu":
+        return _rope_tables(positions, rot_dim, base, freq_factors, freq_scale, libm)
+    key = (positions.to(torch.int64).numpy().tobytes(), rot_dim, float(base),
+           None if freq_factors is None else freq_factors.detach().float().cpu().numpy().tobytes(),
+           float(freq_scale), bool(libm))
+    tables = _ROPE_CACHE.get(key)
+    if tables is None:
+        tables = _rope_tables(positions, rot_dim, base, freq_factors, freq_scale, libm)
+        if len(_ROPE_CACHE) >= ROPE_CACHE_ENTRIES:
+            _ROPE_CACHE.pop(next(iter(_ROPE_CACHE)))        # the oldest
+        _ROPE_CACHE[key] = tables
+    return tables
+
+
+ROPE_CACHE_POSITIONS = 4096   # tables of more positions are built each call: one entry of 4096
+ROPE_CACHE_ENTRIES = 8        # positions at rot_dim 256 is 4 MB, the cache 32 MB at most
+_ROPE_CACHE: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+
+
+def _rope_tables(positions: torch.Tensor, rot_dim: int, base: float,
+                 freq_factors: torch.Tensor | None, freq_scale: float,
+                 libm: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """rope_tables, built (no cache)."""
     scale = torch.tensor(base ** (-2.0 / rot_dim), dtype=torch.float32)
     theta = positions.to(torch.float32).clone()
     angles = torch.empty(len(positions), rot_dim // 2, dtype=torch.float32)
@@ -259,13 +289,29 @@ class Attention(nn.Module):
 def packed_attention(core, q, k, v, lengths: list[int], scale: float, window: int | None):
     """Attention over sequences packed along T (q [1,H,T,hd], k/v [1,Hkv,T,hd]), each causal
     within itself: one core call per sequence, so no score is spent across sequences or on
-    padding."""
+    padding.
+
+    On several CPU threads, where the sequences can share the threads out evenly
+    (`spread_sequences`), each sequence's forward and backward run on one thread, the
+    sequences side by side on the threads (`_SpreadCores`); else each core call uses all the
+    threads in turn (or, with ONE_THREAD_ATTENTION, one thread each, in turn)."""
+    if core is sdpa and q.device.type == "cpu" and torch.is_autocast_enabled("cpu"):
+        # sdpa computes in f32 under CPU autocast: one cast of each operand (and one of each
+        # gradient back) for all the sequences, not one a sequence
+        q, k, v = q.float(), k.float(), v.float()
+    masks = [_sequence_mask(n, window, q.device) for n in lengths]
+    threads = torch.get_num_threads() if q.device.type == "cpu" else 1
+    groups = spread_sequences(lengths, threads) if SPREAD_ATTENTION else None
+    if groups is not None:
+        if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
+            return _SpreadCores.apply(core, masks, scale, groups, lengths, q, k, v)
+        return torch.cat(_spread_forward(core, masks, scale, groups, lengths, q, k, v,
+                                         grad=False)[0], dim=2)
     outs = []
-    one_thread = ONE_THREAD_ATTENTION and q.device.type == "cpu" and torch.get_num_threads() > 1
+    one_thread = ONE_THREAD_ATTENTION and threads > 1
     # split, not slices: its backward is one cat of the pieces' gradients, where each slice's
     # would write its piece into a zeroed copy of the whole and then sum those copies
-    for n, qs, ks, vs in zip(lengths, *(t.split(lengths, dim=2) for t in (q, k, v))):
-        mask = _sequence_mask(n, window, q.device)
+    for mask, qs, ks, vs in zip(masks, *(t.split(lengths, dim=2) for t in (q, k, v))):
         if not one_thread:
             outs.append(core(qs, ks, vs, mask, scale))
         elif torch.is_grad_enabled() and any(t.requires_grad for t in (qs, ks, vs)):
@@ -283,8 +329,132 @@ def packed_attention(core, q, k, v, lengths: list[int], scale: float, window: in
 # default: on a 2-core Sapphire Rapids a pirate LoRA step at 2 threads, interleaved, took
 # 0.273 s wall / 0.456 s CPU with it against 0.258 / 0.469 s without at load 1.5 (5% slower),
 # but 1.00 s / 0.65 s against 2.42 s / 1.11 s at load 6.5, where a tiny parallel call waits on
-# a descheduled partner thread
+# a descheduled partner thread. Spreading the sequences over the threads (SPREAD_ATTENTION)
+# keeps those one-thread bits without giving up the second thread, where it applies.
 ONE_THREAD_ATTENTION = os.environ.get("FORGEBENCH_ATTN_ONE_THREAD", "0") == "1"
+# FORGEBENCH_ATTN_SPREAD=0 turns the spread off (each sequence on all threads, in turn)
+SPREAD_ATTENTION = os.environ.get("FORGEBENCH_ATTN_SPREAD", "1") != "0"
+SPREAD_IMBALANCE = 1.25   # spread only where the busiest thread's share of the attention work
+                          # is at most this times an even share: one long sequence among short
+                          # ones is faster on all threads at once
+
+
+def spread_sequences(lengths: list[int], threads: int) -> list[list[int]] | None:
+    """The packed sequences (their indices) shared out over `threads` threads, a list each,
+    the first for the calling thread, or None where spreading does not pay: one thread, one
+    sequence, or shares that cannot be made even within SPREAD_IMBALANCE.
+
+    A sequence of n tokens costs n² (its scores); the longest go first, each to the thread with
+    the least work so far (ties to the lower thread), so the same lengths always give the same
+    shares. Each sequence is computed whole on one thread, so its bits do not depend on the
+    shares."""
+    if threads < 2 or len(lengths) < 2:
+        return None
+    workers = min(threads, len(lengths))
+    groups: list[list[int]] = [[] for _ in range(workers)]
+    load = [0] * workers
+    for index in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
+        least = min(range(workers), key=lambda w: (load[w], w))
+        groups[least].append(index)
+        load[least] += lengths[index] ** 2
+    if max(load) * workers > SPREAD_IMBALANCE * sum(load):
+        return None
+    return [sorted(group) for group in groups]
+
+
+@functools.cache
+def _attention_pool(workers: int) -> ThreadPoolExecutor:
+    return ThreadPoolExecutor(workers, thread_name_prefix="forgebench-attn")
+
+
+# a forked child holds the pool but not its threads: work handed to it would never run
+os.register_at_fork(after_in_child=_attention_pool.cache_clear)
+
+
+def _on_threads(groups: list[list[int]], run) -> list:
+    """run(group) for every group, the first on this thread and the others on the pool, each
+    on one torch thread; the results in group order. The thread count comes back after."""
+    threads = torch.get_num_threads()
+    autocast = torch.is_autocast_enabled("cpu"), torch.get_autocast_dtype("cpu")
+    grad = torch.is_grad_enabled()
+
+    def on_pool(group):
+        torch.set_num_threads(1)
+        # grad mode and autocast are per thread: the caller's, as its own share runs under
+        with torch.set_grad_enabled(grad), torch.autocast("cpu", dtype=autocast[1],
+                                                          enabled=autocast[0]):
+            return run(group)
+
+    try:
+        torch.set_num_threads(1)
+        others = [_attention_pool(len(groups) - 1).submit(on_pool, group)
+                  for group in groups[1:]]
+        results = [run(groups[0])]
+        results += [other.result() for other in others]
+    finally:
+        torch.set_num_threads(threads)
+    return results
+
+
+def _spread_forward(core, masks, scale, groups, lengths, q, k, v, grad: bool):
+    """Every sequence's core call on one thread, the groups side by side (`_on_threads`):
+    (outputs in sequence order, and with `grad` each sequence's (inputs, output) to
+    differentiate, else None)."""
+    pieces = list(zip(*(t.split(lengths, dim=2) for t in (q, k, v))))
+    wants = [t.requires_grad for t in (q, k, v)]
+
+    def run(group):
+        done = []
+        with torch.set_grad_enabled(grad):
+            for index in group:
+                inputs = [t.detach().requires_grad_(w and grad)
+                          for t, w in zip(pieces[index], wants)]
+                done.append((index, inputs, core(*inputs, masks[index], scale)))
+        return done
+
+    by_index = {index: (inputs, out) for result in _on_threads(groups, run)
+                for index, inputs, out in result}
+    outs = [by_index[i][1] if not grad else by_index[i][1].detach() for i in range(len(pieces))]
+    return outs, ([by_index[i] for i in range(len(pieces))] if grad else None)
+
+
+class _SpreadCores(torch.autograd.Function):
+    """packed_attention's core calls spread over the threads (`spread_sequences`), forward and
+    backward: each sequence's own small graph is kept from the forward and differentiated in
+    the backward on the thread its group runs on, with one torch thread, so every sequence gets
+    the bits torch computes at one thread (as _OneThreadCore's), whatever the thread count.
+
+    Why: a packed sequence is a few dozen tokens, too little for torch to split over threads
+    (its parallel regions cost more than they save, and wait on a descheduled partner on a
+    busy machine); whole sequences side by side keep every thread on one-thread calls."""
+
+    @staticmethod
+    def forward(ctx, core, masks, scale, groups, lengths, q, k, v):
+        outs, graphs = _spread_forward(core, masks, scale, groups, lengths, q, k, v, grad=True)
+        ctx.graphs, ctx.groups, ctx.lengths = graphs, groups, lengths
+        return torch.cat(outs, dim=2)
+
+    @staticmethod
+    def backward(ctx, grad):
+        graphs, groups, lengths = ctx.graphs, ctx.groups, ctx.lengths
+        ctx.graphs = None
+        grads = grad.split(lengths, dim=2)
+
+        def run(group):
+            done = []
+            for index in group:
+                inputs, out = graphs[index]
+                needs = [t for t in inputs if t.requires_grad]
+                got = iter(torch.autograd.grad(out, needs, grads[index]) if needs else ())
+                done.append((index, [next(got) if t.requires_grad else None for t in inputs]))
+            return done
+
+        by_index = dict(pair for result in _on_threads(groups, run) for pair in result)
+        per_input = []
+        for which in range(3):
+            parts = [by_index[i][which] for i in range(len(lengths))]
+            per_input.append(None if parts[0] is None else torch.cat(parts, dim=2))
+        return (None, None, None, None, None, *per_input)
 
 
 @contextlib.contextmanager
