@@ -159,3 +159,57 @@ def test_unets_predict_noise_of_the_input_shape_and_use_the_class(preset, shape)
     out_b = net(x, t, torch.tensor([3, 3]))   # the null class
     assert out_a.shape == shape
     assert not torch.allclose(out_a, out_b)
+
+
+def reference_attention(block, x: torch.Tensor) -> torch.Tensor:
+    """Multi-head self-attention written out from its definition (softmax(QKᵀ/√d)·V per head,
+    heads concatenated, then the output projection), with the block's own weights."""
+    b, c = x.shape[:2]
+    heads = block.attn.num_heads
+    tokens = block.norm(x).flatten(2).transpose(1, 2)                        # [B, N, C]
+    q, k, v = (tokens @ w.T + bias for w, bias in zip(block.attn.in_proj_weight.chunk(3),
+                                                     block.attn.in_proj_bias.chunk(3)))
+    split = lambda t: t.reshape(b, -1, heads, c // heads).transpose(1, 2)  # noqa: E731
+    q, k, v = split(q), split(k), split(v)                                   # [B, H, N, d]
+    weights = torch.softmax(q @ k.transpose(-1, -2) / math.sqrt(c // heads), dim=-1)
+    out = (weights @ v).transpose(1, 2).reshape(b, -1, c)
+    out = out @ block.attn.out_proj.weight.T + block.attn.out_proj.bias
+    return x + out.transpose(1, 2).reshape(x.shape)
+
+
+def test_self_attention_block_follows_its_definition_and_starts_as_the_identity():
+    from engine.models.diffusion import SelfAttention
+
+    torch.manual_seed(0)
+    block = SelfAttention(16, heads=4)
+    x = torch.randn(2, 16, 4, 4)
+    assert torch.equal(block(x), x)            # zero output projection: the identity at first
+    torch.nn.init.normal_(block.attn.out_proj.weight, std=0.3)
+    with torch.no_grad():
+        out, expected = block(x), reference_attention(block, x)
+    assert torch.allclose(out, expected, atol=1e-5)
+    # the twin: scaling the scores by 1/d instead of 1/√d is a different function, and seen
+    block.attn.in_proj_weight.data[:16] /= math.sqrt(4)   # q scaled: as if divided by d
+    with torch.no_grad():
+        assert not torch.allclose(block(x), expected, atol=1e-3)
+
+
+def test_unet_attention_is_off_by_default_and_adds_to_the_same_network_when_on():
+    torch.manual_seed(0)
+    plain = DenoisingUNet(UNetConfig(num_classes=3, **IMAGE_32))
+    # off by default: the parameters of a checkpoint made before the option existed
+    assert plain.state_dict().keys() == \
+        DenoisingUNet(UNetConfig(num_classes=3, **IMAGE_32, attention=False)).state_dict().keys()
+    assert not any("attention" in name for name in plain.state_dict())
+    torch.nn.init.normal_(plain.head[-1].weight, std=0.1)
+    net = DenoisingUNet(UNetConfig(num_classes=3, **IMAGE_32, attention=True))
+    missing, unexpected = net.load_state_dict(plain.state_dict(), strict=False)
+    assert not unexpected and missing and all("attention" in name for name in missing)
+    assert net.low_attention.norm.num_channels == IMAGE_32["channels"][-1]
+    x, t, labels = torch.randn(2, 3, 32, 32), torch.tensor([5, 200]), torch.tensor([0, 1])
+    with torch.no_grad():
+        # its attention blocks start as the identity: the same function as the plain network
+        assert torch.allclose(net(x, t, labels), plain(x, t, labels), atol=1e-6)
+        # the twin: once an attention block has learned something, the function differs
+        torch.nn.init.normal_(net.middle_attention.attn.out_proj.weight, std=0.1)
+        assert not torch.allclose(net(x, t, labels), plain(x, t, labels), atol=1e-4)

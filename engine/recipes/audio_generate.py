@@ -51,7 +51,8 @@ def data_manifest(config: AudioGenerateConfig) -> dict:
 def unet_config(config: AudioGenerateConfig, num_classes: int) -> UNetConfig:
     return UNetConfig(dims=1, in_channels=1, channels=tuple(config.diffusion.channels),
                       factor=4, kernel=5, num_classes=num_classes,
-                      emb_dim=config.diffusion.emb_dim)
+                      emb_dim=config.diffusion.emb_dim,
+                      attention=config.diffusion.attention)
 
 
 def load_clips(dataset, split: str, classes: list[str],

@@ -44,7 +44,8 @@ def data_manifest(config: ImageGenerateConfig) -> dict:
 def unet_config(config: ImageGenerateConfig, num_classes: int) -> UNetConfig:
     return UNetConfig(dims=2, in_channels=3, channels=tuple(config.diffusion.channels),
                       factor=2, kernel=3, num_classes=num_classes,
-                      emb_dim=config.diffusion.emb_dim)
+                      emb_dim=config.diffusion.emb_dim,
+                      attention=config.diffusion.attention)
 
 
 def to_model_range(images: torch.Tensor) -> torch.Tensor:

@@ -17,6 +17,9 @@ class DiffusionSection(Schema):
     emb_dim: int = Field(
         64, ge=8, description="width of the noise-level and class embedding fed to every U-Net "
                               "block")
+    attention: bool = Field(
+        False, description="self-attention at the U-Net's lowest resolution (after its block "
+                           "and the middle block), so every position sees the whole image")
     cond_dropout: float = Field(0.1, ge=0, lt=1, description="share of labels replaced by the "
                                                              "learned null class")
     min_snr_gamma: float | None = Field(
