@@ -92,3 +92,28 @@ def test_an_export_parses_each_file_once_and_again_after_it_changes(tmp_path, mo
     bundle._holds_quantized(path)
     bundle._holds_quantized(path)
     assert len(parses) == 4
+
+
+@pytest.mark.llamacpp
+def test_the_llamacpp_worker_batches_on_its_own_threads_and_they_change_no_logit(
+        tmp_path, monkeypatch):
+    from engine.export import equivalence, llamacpp
+
+    path = write_tiny_gguf(tmp_path / "tiny.gguf", arch="llama", qtype="Q8_0")
+    opened = []
+    real = llamacpp.open_llama
+
+    def recording(*args, **kwargs):
+        llm = real(*args, **kwargs)
+        opened.append(llm.context_params.n_threads_batch)
+        return llm
+
+    monkeypatch.setattr(llamacpp, "open_llama", recording)
+    spec = {"model": {"kind": "llamacpp", "path": str(path)}, "texts": ["the sea and"],
+            "sequences": [[1, 5, 9, 13, 20, 21, 22]], "scored_from": [3], "greedy_tokens": 4}
+    one = equivalence._llamacpp_worker(dict(spec, threads=1))
+    two = equivalence._llamacpp_worker(dict(spec, threads=2))
+    # llama-cpp-python's own default is every core; the worker asks for its share
+    assert opened == [1, 2]
+    assert one["greedy"] == two["greedy"]
+    assert all((a == b).all() for a, b in zip(one["logits"], two["logits"]))

@@ -334,8 +334,12 @@ def _llamacpp_worker(spec: dict) -> dict:
     meta_tok = GGUFTokenizer.from_gguf(model["path"])     # flags and stop ids of the same file
     limit = spec["greedy_tokens"]
     longest = max(len(s) for s in spec["sequences"]) + limit + 8
+    # n_threads_batch too: llama-cpp-python's default is every core, whose waiting threads spin
+    # on cores the engine's workers are using (the batched evals took a third more CPU on 2
+    # cores); the logits do not depend on the thread count (_beside_threads)
+    threads = spec.get("threads", 1)
     llm = open_llama(model["path"], lora_path=model.get("lora"), n_ctx=max(64, longest),
-                     n_batch=512, logits_all=True, n_threads=spec.get("threads", 1),
+                     n_batch=512, logits_all=True, n_threads=threads, n_threads_batch=threads,
                      verbose=False, seed=0)
     stops = _stop_ids(meta_tok)
     out: dict = {"texts": spec["texts"], "prompt_ids": [], "greedy": [], "logits": []}
