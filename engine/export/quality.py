@@ -15,7 +15,10 @@ training data where it has none, said so) teacher-forced at the supervised posit
 base, the unquantized fine-tune (the merged f32 file) and each exported file: validation losses,
 the share of the fine-tune's gain kept, mean KL(fine-tune ‖ export) and same-top-1 (what
 `llama-perplexity --kl-divergence` prints), Δ perplexity, and the validation prompts' greedy
-answers side by side. The fine-tune's log-probabilities are held once for every exported type,
+answers side by side (an f32 model's answers follow a native draft's guesses, read off one
+batched scoring per round as the staged report's f32 stages read theirs: the exported file's for
+the fine-tune, the same file's under llama.cpp numerics for the base; the exported file decodes
+token by token, as served). The fine-tune's log-probabilities are held once for every exported type,
 and the base scored once: the picker (`compare_types`) quantizes the one merged file to each type
 in turn inside the same worker.
 """
@@ -257,9 +260,11 @@ def measure(spec: dict) -> dict:
     def load(model: dict) -> _Runner:
         return _Runner(*_load_engine(model)[:2])
 
-    # The exported file (already on disk; the picker's types are quantized later) stays loaded:
-    # its answers are the fine-tune's draft, and it is then scored as its own row.
-    exported = next((entry for entry in spec["exports"] if not entry.get("quantize")), None)
+    # The exported file under llama.cpp numerics (already on disk, its packed bytes mapped: the
+    # picker's types are quantized later) stays loaded: its answers are the fine-tune's draft,
+    # and it is then scored as its own row. A dense export loads in turn, as before.
+    exported = next((entry for entry in spec["exports"] if not entry.get("quantize")
+                     and entry["model"].get("numerics") == "llamacpp"), None)
     export_runner = load(exported["model"]) if exported is not None else None
     say("quality: base")
     runner = load(spec["base"])
