@@ -81,11 +81,39 @@ def _is_quantized(dtype: str) -> bool:
     return CHOICES[dtype].quantized
 
 
-def _file_dtype(path: Path) -> str | None:
-    """The forgebench dtype name of a dense GGUF's general.file_type (None if not dense)."""
+_OPENED: dict | None = None       # path -> GGUFFile while an export runs (_parsed_once)
+
+
+@contextlib.contextmanager
+def _parsed_once():
+    """Within it, _open_gguf parses each file once: the base and the exported file are each
+    read by several steps (type, template, tensors, tokenizer), and every parse turns the
+    262k-token vocabulary into Python values again. Dropped at the end, so no file stays
+    mapped after the export."""
+    global _OPENED
+    outer, _OPENED = _OPENED, {}
+    try:
+        yield
+    finally:
+        _OPENED = outer
+
+
+def _open_gguf(path: Path):
+    """engine.gguf.reader.open_gguf, once per file (and its size and mtime) in _parsed_once."""
     from engine.gguf.reader import open_gguf
 
-    value = open_gguf(path).get("general.file_type")
+    if _OPENED is None:
+        return open_gguf(path)
+    stat = os.stat(path)
+    key = (str(Path(path).resolve()), stat.st_size, stat.st_mtime_ns)
+    if key not in _OPENED:
+        _OPENED[key] = open_gguf(path)
+    return _OPENED[key]
+
+
+def _file_dtype(path: Path) -> str | None:
+    """The forgebench dtype name of a dense GGUF's general.file_type (None if not dense)."""
+    value = _open_gguf(path).get("general.file_type")
     names = {int(v): k for k, v in quant_policy.FILE_TYPES.items()}
     return names.get(int(value)) if value is not None else None
 
@@ -117,10 +145,8 @@ class _Progress:
 
 
 def _holds_quantized(path: Path) -> bool:
-    from engine.gguf.reader import open_gguf
-
     return any(t.ggml_type not in quant_policy.FLOAT_TYPES
-               for t in open_gguf(path).tensors.values())
+               for t in _open_gguf(path).tensors.values())
 
 
 def _gguf_stage(name: str, description: str, path: Path, bundle_dir: Path, lora=None,
@@ -149,9 +175,8 @@ def _llamacpp_stage(path: Path, description: str, lora: Path | None = None,
     None for a file stock llama.cpp does not load (a weight in several planes: PTQTP's)."""
     from engine.export.equivalence import MIN_TOP1_DENSE, MIN_TOP1_QUANTIZED, Stage
     from engine.gguf.layouts import plane_suffixes
-    from engine.gguf.reader import open_gguf
 
-    if any(name.endswith(plane_suffixes()) for name in open_gguf(path).tensors):
+    if any(name.endswith(plane_suffixes()) for name in _open_gguf(path).tensors):
         return None
 
     model = {"kind": "llamacpp", "path": str(path)}
@@ -231,7 +256,8 @@ def _export_sft(bundle: Bundle, staging: Path, scratch: Path, base_arg: str | No
     from engine.llm.chat import ChatTemplate
 
     try:
-        bundle.chat_template = ChatTemplate.from_gguf(base)
+        bundle.chat_template = ChatTemplate.from_gguf(_open_gguf(base) if base.is_file()
+                                                      else base)
     except ForgebenchError:
         bundle.chat_template = None
     if bundle.dtype == "adapter":
@@ -563,7 +589,7 @@ def export_run(run_dir: str | os.PathLike, out: str | os.PathLike, *, checkpoint
     scratch = out.parent / f".{out.name}.scratch-{os.getpid()}"
     scratch.mkdir()
     try:
-        with staged_dir(out) as staging:
+        with staged_dir(out) as staging, _parsed_once():
             _fill_bundle(bundle, staging, scratch, base, report, threads, progress, compare)
     except OSError as exc:
         if exc.errno == errno.ENOSPC:
@@ -805,7 +831,7 @@ def _decoder(bundle: Bundle) -> Callable[[list[int]], str] | None:
     path = bundle.llamacpp.model["path"] if bundle.llamacpp else None
     if path is None:
         return None
-    tokenizer = GGUFTokenizer.from_gguf(path)
+    tokenizer = GGUFTokenizer.from_gguf(_open_gguf(path))
     return tokenizer.decode
 
 

@@ -334,8 +334,12 @@ def _llamacpp_worker(spec: dict) -> dict:
     meta_tok = GGUFTokenizer.from_gguf(model["path"])     # flags and stop ids of the same file
     limit = spec["greedy_tokens"]
     longest = max(len(s) for s in spec["sequences"]) + limit + 8
+    # n_threads_batch too: llama-cpp-python's default is every core, whose waiting threads spin
+    # on cores the engine's workers are using (the batched evals took a third more CPU on 2
+    # cores); the logits do not depend on the thread count (_beside_threads)
+    threads = spec.get("threads", 1)
     llm = open_llama(model["path"], lora_path=model.get("lora"), n_ctx=max(64, longest),
-                     n_batch=512, logits_all=True, n_threads=spec.get("threads", 1),
+                     n_batch=512, logits_all=True, n_threads=threads, n_threads_batch=threads,
                      verbose=False, seed=0)
     stops = _stop_ids(meta_tok)
     out: dict = {"texts": spec["texts"], "prompt_ids": [], "greedy": [], "logits": []}
@@ -501,25 +505,38 @@ def _run_worker(spec: dict, workdir: Path, name: str, threads: int,
 
 def compare(reference: StageResult, other: StageResult, n: int) -> dict:
     """Top-1 agreement, |Δlogit| and KL(reference ‖ other) over every scored position."""
+    return compare_many([(reference, other)], n)[0]
 
-    agree = positions = 0
-    max_abs, sum_abs, count, kl_sum, kl_max = 0.0, 0.0, 0, 0.0, 0.0
+
+def compare_many(pairs: list[tuple[StageResult, StageResult]], n: int) -> list[dict]:
+    """compare(reference, other, n) of each pair, in one pass over the prompts: a stage that
+    is in several pairs has its logits read and its log-softmax taken once per prompt (the same
+    operations on the same values as compare, so the same numbers)."""
+    stages = list({id(s): s for pair in pairs for s in pair}.values())
+    sums = [{"agree": 0, "positions": 0, "max_abs": 0.0, "sum_abs": 0.0, "count": 0,
+             "kl_sum": 0.0, "kl_max": 0.0} for _ in pairs]
     for i in range(n):
-        a, b = reference.logits(i), other.logits(i)               # [P, V] f64
-        agree += int((a.argmax(-1) == b.argmax(-1)).sum())
-        positions += a.shape[0]
-        diff = (a - b).abs()
-        max_abs = max(max_abs, float(diff.max()))
-        sum_abs += float(diff.sum())
-        count += diff.numel()
-        log_p, log_q = a.log_softmax(-1), b.log_softmax(-1)
-        kl = (log_p.exp() * (log_p - log_q)).sum(-1)              # [P]
-        kl_sum += float(kl.sum())
-        kl_max = max(kl_max, float(kl.max()))
-        del a, b, diff, log_p, log_q
-    return {"positions": positions, "top1_agreement": agree / positions,
-            "max_abs_logit_diff": max_abs, "mean_abs_logit_diff": sum_abs / count,
-            "kl_mean": kl_sum / positions, "kl_max": kl_max}
+        logits = {id(s): s.logits(i) for s in stages}                # [P, V] f64
+        log_soft = {key: value.log_softmax(-1) for key, value in logits.items()}
+        probs = {id(a): log_soft[id(a)].exp() for a, _ in pairs}
+        top1 = {key: value.argmax(-1) for key, value in logits.items()}
+        for (a, b), acc in zip(pairs, sums):
+            acc["agree"] += int((top1[id(a)] == top1[id(b)]).sum())
+            acc["positions"] += logits[id(a)].shape[0]
+            diff = (logits[id(a)] - logits[id(b)]).abs()
+            acc["max_abs"] = max(acc["max_abs"], float(diff.max()))
+            acc["sum_abs"] += float(diff.sum())
+            acc["count"] += diff.numel()
+            kl = (probs[id(a)] * (log_soft[id(a)] - log_soft[id(b)])).sum(-1)        # [P]
+            acc["kl_sum"] += float(kl.sum())
+            acc["kl_max"] = max(acc["kl_max"], float(kl.max()))
+            del diff, kl
+        del logits, log_soft, probs
+    return [{"positions": acc["positions"], "top1_agreement": acc["agree"] / acc["positions"],
+             "max_abs_logit_diff": acc["max_abs"],
+             "mean_abs_logit_diff": acc["sum_abs"] / acc["count"],
+             "kl_mean": acc["kl_sum"] / acc["positions"], "kl_max": acc["kl_max"]}
+            for acc in sums]
 
 
 def _greedy_match(reference: StageResult, other: StageResult) -> dict:
@@ -609,18 +626,21 @@ def build_report(reference: dict, stages: list[Stage], *, llamacpp: Stage | None
                               "(reference)", "file": None, "positions":
                               sum(len(s) - f for s, f in zip(sequences, scored_from))})
         timings["checkpoint"] = ref.timing
-        previous = ref
-        for stage, got in zip(stages, got_stages):
+        # every stage against the checkpoint and against the stage before it, in one pass
+        previous = [ref, *got_stages[:-1]]
+        measured = compare_many([(ref, got) for got in got_stages]
+                                + [(before, got) for before, got in zip(previous, got_stages)
+                                   if before is not ref], n)
+        vs_checkpoint, vs_previous = measured[:len(got_stages)], iter(measured[len(got_stages):])
+        for stage, got, before, vs_ref in zip(stages, got_stages, previous, vs_checkpoint):
             timings[stage.name] = got.timing
-            vs_checkpoint = compare(ref, got, n)
             entry = {
                 "name": stage.name, "description": stage.description, "file": stage.file,
                 "tokenizer_matches": got.prompt_ids == ref.prompt_ids,
-                "vs_checkpoint": vs_checkpoint,
-                "vs_previous": vs_checkpoint if previous is ref else compare(previous, got, n),
+                "vs_checkpoint": vs_ref,
+                "vs_previous": vs_ref if before is ref else next(vs_previous),
                 "greedy_vs_checkpoint": _greedy_match(ref, got)}
             report.stages.append({**entry, **verdict(entry, stage.min_top1)})
-            previous = got
         if llamacpp is None:
             report.llamacpp = {"available": False, "reason": "no llama.cpp stage for this export"}
         elif missing is not None:
@@ -629,17 +649,19 @@ def build_report(reference: dict, stages: list[Stage], *, llamacpp: Stage | None
             timings["llama.cpp worker"] = cpp_worker[0].result()
             got = StageResult.read(cpp_out)
             engine_same_file = same or (got_stages[-1] if got_stages else None)
+            measured = compare_many([(ref, got)] + ([(engine_same_file, got)]
+                                                    if engine_same_file is not None else []), n)
             report.llamacpp = {
                 "available": True, "description": llamacpp.description, "file": llamacpp.file,
                 "tokenizer_matches": got.prompt_ids == ref.prompt_ids,
-                "vs_checkpoint": compare(ref, got, n),
+                "vs_checkpoint": measured[0],
                 "greedy_vs_checkpoint": _greedy_match(ref, got),
                 "answers": [decode(g) if decode else None for g in got.greedy]}
             if (note := open_note()) is not None:         # how llama.cpp opened the file
                 report.llamacpp["note"] = note
             report.llamacpp.update(verdict(report.llamacpp, llamacpp.min_top1))
             if engine_same_file is not None:
-                report.llamacpp["vs_engine_same_file"] = compare(engine_same_file, got, n)
+                report.llamacpp["vs_engine_same_file"] = measured[1]
                 report.llamacpp["greedy_vs_engine_same_file"] = _greedy_match(engine_same_file,
                                                                               got)
     return {**report.as_dict(), "timings": timings}

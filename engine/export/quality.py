@@ -15,7 +15,10 @@ training data where it has none, said so) teacher-forced at the supervised posit
 base, the unquantized fine-tune (the merged f32 file) and each exported file: validation losses,
 the share of the fine-tune's gain kept, mean KL(fine-tune ‖ export) and same-top-1 (what
 `llama-perplexity --kl-divergence` prints), Δ perplexity, and the validation prompts' greedy
-answers side by side. The fine-tune's log-probabilities are held once for every exported type,
+answers side by side (an f32 model's answers follow a native draft's guesses, read off one
+batched scoring per round as the staged report's f32 stages read theirs: the exported file's for
+the fine-tune, the same file's under llama.cpp numerics for the base; the exported file decodes
+token by token, as served). The fine-tune's log-probabilities are held once for every exported type,
 and the base scored once: the picker (`compare_types`) quantizes the one merged file to each type
 in turn inside the same worker.
 """
@@ -200,8 +203,32 @@ def _nll(log_probs, items) -> float:
     return total / count
 
 
-def _answers(runner, prompts: list[list[int]], decode) -> list[str]:
-    return [decode(runner.decode(p, ANSWER_TOKENS)) for p in prompts]
+def _answers(runner, prompts: list[list[int]], decode, draft=None) -> list[str]:
+    """The runner's greedy answer to each prompt. A model under f32 numerics with a draft
+    follows the draft's guesses (engine.export.equivalence.follow_guesses: every token its own
+    argmax, read off one batched scoring per round, as the report's f32 stages read theirs)
+    instead of decoding token by token: an f32 step reads every dense weight and the whole
+    262k-row LM head for one token. Under llama.cpp numerics it decodes token by token, as
+    llama.cpp serves an answer."""
+    from engine.export.equivalence import follow_guesses
+
+    if draft is None or getattr(runner.net, "numerics", "f32") == "llamacpp":
+        return [decode(runner.decode(p, ANSWER_TOKENS)) for p in prompts]
+    guesses = [draft.decode(p, ANSWER_TOKENS) for p in prompts]
+    scored = runner.score_many([(p + g, len(p) - 1) for p, g in zip(prompts, guesses)])
+    return [decode(answer) for answer, _ in follow_guesses(runner, prompts, guesses, scored,
+                                                          ANSWER_TOKENS, draft)]
+
+
+def _native_draft(model: dict):
+    """A draft for an f32 model's answers: the same file under llama.cpp numerics on the native
+    kernels (the packed bytes, mapped: no dequantized copy), whose greedy answers are nearly
+    always the f32 model's; None where the native kernels cannot run it."""
+    from engine.export.equivalence import _draft_runner
+
+    if model.get("kind") != "gguf" or model.get("lora") or model.get("numerics") == "llamacpp":
+        return None                     # a model under llama.cpp numerics decodes as served
+    return _draft_runner({**model, "numerics": "llamacpp"})
 
 
 def measure(spec: dict) -> dict:
@@ -213,14 +240,16 @@ def measure(spec: dict) -> dict:
     import torch
 
     from engine.export.equivalence import _load_engine, _Runner
+    from engine.gguf.reader import open_gguf
     from engine.llm.chat import ChatTemplate
     from engine.llm.tokenizer import GGUFTokenizer
 
     torch.set_num_threads(spec.get("threads", 1))
     say = lambda m: print(m, flush=True)           # noqa: E731 (the parent relays progress)
     tokenizer_file = spec["tokenizer_file"]
-    tokenizer = GGUFTokenizer.from_gguf(tokenizer_file)
-    template = ChatTemplate.from_gguf(tokenizer_file)
+    opened = open_gguf(tokenizer_file)     # parsed once: its 262k-token vocabulary is slow
+    tokenizer = GGUFTokenizer.from_gguf(opened)
+    template = ChatTemplate.from_gguf(opened)
     samples, split = heldout_samples(spec["run"], tokenizer, template)
     items = _positions(samples)
     if not items:
@@ -231,17 +260,26 @@ def measure(spec: dict) -> dict:
     def load(model: dict) -> _Runner:
         return _Runner(*_load_engine(model)[:2])
 
+    # The exported file under llama.cpp numerics (already on disk, its packed bytes mapped: the
+    # picker's types are quantized later) stays loaded: its answers are the fine-tune's draft,
+    # and it is then scored as its own row. A dense export loads in turn, as before.
+    exported = next((entry for entry in spec["exports"] if not entry.get("quantize")
+                     and entry["model"].get("numerics") == "llamacpp"), None)
+    export_runner = load(exported["model"]) if exported is not None else None
     say("quality: base")
     runner = load(spec["base"])
     base_loss = _nll(_log_probs(runner.net, items), items)
-    base_answers = _answers(runner, prompts, decode)
+    base_answers = _answers(runner, prompts, decode, _native_draft(spec["base"]))
     del runner
     gc.collect()
     say("quality: fine-tune")
     runner = load(spec["fine_tune"])
     reference = _log_probs(runner.net, items)
     fine_tune_loss = _nll(reference, items)
-    fine_tune_answers = _answers(runner, prompts, decode)
+    fine_tune_answers = _answers(runner, prompts, decode, export_runner
+                                 if export_runner is not None and getattr(
+                                     export_runner.net, "numerics", "f32") == "llamacpp"
+                                 else _native_draft(spec["fine_tune"]))
     del runner
     gc.collect()
     rows = []
@@ -254,7 +292,10 @@ def measure(spec: dict) -> dict:
             write_export_file(spec["merged"], path, entry["dtype"], allow_dequantized=True,
                               threads=spec.get("threads", 1))
         say(f"quality: {entry['dtype']}")
-        runner = load(entry["model"])
+        if entry is exported:
+            runner, export_runner = export_runner, None
+        else:
+            runner = load(entry["model"])
         got = _log_probs(runner.net, items)
         kl = same = count = 0.0
         for p, q in zip(reference, got):
@@ -264,8 +305,9 @@ def measure(spec: dict) -> dict:
         loss = _nll(got, items)
         rows.append({"dtype": entry["dtype"], "bytes": path.stat().st_size, "loss": loss,
                      "kl_mean": kl / count, "same_top1": same / count,
-                     "answers": _answers(runner, prompts, decode) if entry.get("answers", True)
-                     else None})
+                     "answers": _answers(runner, prompts, decode,
+                                         _native_draft(entry["model"]))
+                     if entry.get("answers", True) else None})
         del runner, got
         gc.collect()
         if entry.get("quantize"):
