@@ -1176,12 +1176,16 @@ void f16_dot(int64_t G, int64_t P, int64_t Q, int64_t K, const float *a, const f
 typedef struct {
     atomic_int arrived, phase;
     int n;
+    /* the next row chunk of each matmul of a phase (region_matmuls), zeroed at every barrier */
+    atomic_long next[4];
 } fb_barrier;
 
 static void barrier_wait(fb_barrier *b) {
     if (b->n <= 1) return;
     const int phase = atomic_load_explicit(&b->phase, memory_order_acquire);
     if (atomic_fetch_add_explicit(&b->arrived, 1, memory_order_acq_rel) == b->n - 1) {
+        /* every thread is here, done with the last phase's chunks: the next phase starts at 0 */
+        for (int i = 0; i < 4; i++) atomic_store_explicit(&b->next[i], 0, memory_order_relaxed);
         atomic_store_explicit(&b->arrived, 0, memory_order_relaxed);
         atomic_fetch_add_explicit(&b->phase, 1, memory_order_acq_rel);
         return;
@@ -1392,7 +1396,11 @@ static inline int act_format(int type) {
 
 /* Matmuls of one input inside the forward's parallel region (q, k, v or gate, up): the input
  * quantized once where the weights share an activation format (rows split), then each output's
- * rows split across the threads, a barrier after each phase. */
+ * rows taken by the threads REGION_CHUNK at a time, as ggml's threads take chunks of a mul_mat
+ * from a shared counter: a thread that the OS holds back (a busy machine, more threads than free
+ * cores) leaves its chunks to the others instead of making them wait at the barrier for its fixed
+ * half. Which thread sums a row never changes how. A barrier after each phase. */
+#define REGION_CHUNK 32
 static void region_matmuls(const fb_weight *const *w, float *const *out, int count, int64_t R, const float *x,
                            const fb_act *a, const fb_plan *p, int ith, int nth, fb_barrier *bar) {
     int shared = 1;
@@ -1403,9 +1411,16 @@ static void region_matmuls(const fb_weight *const *w, float *const *out, int cou
             quantize_rows(w[i]->type, x, R, w[i]->cols, a, ith, nth);
             barrier_wait(bar);
         }
-        int64_t n0, n1;
-        thread_share(w[i]->rows, ith, nth, &n0, &n1);
-        matmul_part(w[i], R, a, p, n0, n1, out[i]);
+        const int64_t N = w[i]->rows;
+        if (nth == 1) {
+            matmul_part(w[i], R, a, p, 0, N, out[i]);
+            continue;
+        }
+        for (;;) {
+            const int64_t n0 = atomic_fetch_add_explicit(&bar->next[i], 1, memory_order_relaxed) * REGION_CHUNK;
+            if (n0 >= N) break;
+            matmul_part(w[i], R, a, p, n0, n0 + REGION_CHUNK < N ? n0 + REGION_CHUNK : N, out[i]);
+        }
     }
     barrier_wait(bar);
 }
