@@ -1127,8 +1127,8 @@ static void act_free(fb_act *a) { free(a->q); free(a->d); free(a->sums); free(a-
 static void matmul_part_rowwise(const fb_weight *w, int64_t R, const fb_act *a, const fb_plan *p, int64_t n0,
                                 int64_t n1, float *out);
 
-/* x [R][cols] · Wᵀ -> out [R][rows] on `nthreads` threads (rows split; the bits do not depend
- * on the count): the activations quantized once, then llama.cpp's matmul for R rows, or with
+/* x [R][cols] · Wᵀ -> out [R][rows] on `nthreads` threads (rows in chunks; the bits do not
+ * depend on the count): the activations quantized once, then llama.cpp's matmul for R rows, or with
  * `rowwise` each row by the one-row kernel. Returns 0, or -1 when out of memory. */
 static int matmul_threads(const fb_weight *w, int64_t R, const float *x, const fb_plan *p,
                           int nthreads, float *out, int rowwise) {
@@ -1139,10 +1139,16 @@ static int matmul_threads(const fb_weight *w, int64_t R, const float *x, const f
         const int ith = omp_get_thread_num(), nth = omp_get_num_threads();
         quantize_rows(w->type, x, R, w->cols, &a, ith, nth);
         #pragma omp barrier
-        int64_t n0, n1;
-        thread_share(w->rows, ith, nth, &n0, &n1);
-        if (rowwise) matmul_part_rowwise(w, R, &a, p, n0, n1, out);
-        else matmul_part(w, R, &a, p, n0, n1, out);
+        /* rows in chunks the threads take as they come free (region_matmuls says why), about
+         * eight per thread, whole multiples of 64 rows */
+        const int64_t per = w->rows / (8 * nth) > 64 ? w->rows / (8 * nth) : 64;
+        const int64_t chunk = round_up(per, 64), chunks = (w->rows + chunk - 1) / chunk;
+        #pragma omp for schedule(dynamic, 1) nowait
+        for (int64_t c = 0; c < chunks; c++) {
+            const int64_t n0 = c * chunk, n1 = n0 + chunk < w->rows ? n0 + chunk : w->rows;
+            if (rowwise) matmul_part_rowwise(w, R, &a, p, n0, n1, out);
+            else matmul_part(w, R, &a, p, n0, n1, out);
+        }
     }
     act_free(&a);
     return 0;
