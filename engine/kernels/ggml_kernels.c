@@ -382,7 +382,14 @@ static inline __attribute__((always_inline)) __m256i q0_weights(const uint8_t *b
     }
     const __m128i nibbles = _mm_loadu_si128((const __m128i *) (blk + 6));
     const __m256i lo = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(nibbles, 4), nibbles), _mm256_set1_epi8(0x0F));
+#if defined(__AVX512BW__)
+    /* the 32 fifth bits as a mask register: +16 where set, one masked add */
+    uint32_t qh;
+    memcpy(&qh, blk + 2, sizeof(qh));
+    return _mm256_mask_add_epi8(lo, (__mmask32) qh, lo, _mm256_set1_epi8(0x10));
+#else
     return _mm256_or_si256(lo, _mm256_and_si256(bytes_from_bits_32(blk + 2), _mm256_set1_epi8(0x10)));
+#endif
 #else
     if (type == FB_Q8_0) return _mm256_loadu_si256((const __m256i *) (blk + 2));
     if (type == FB_Q4_0) {
