@@ -37,9 +37,14 @@ continuations (llama.cpp's batched logits as the reference); --f16 repeats it on
 
 Each runner is a fresh subprocess (its peak RSS is its own); engine and llama.cpp alternate, and
 each figure is the best of --repeat runs, so a burst of other load on a shared machine hits both
-sides alike and shows less. The runners are bench_gguf_load.py's (the engine through
-engine.llm.generate.generate, llama.cpp through llama-cpp-python with n_threads and
-n_threads_batch set). The goal (issue 19): decode >= 0.8x and prompt >= 0.5x llama.cpp.
+sides alike and shows less. The engine runs as `forgebench generate` runs it (run_generator:
+engine.lm_load.load_generator, the torch-free C decoder that prepares every weight, the LM head
+included, while loading, as llama.cpp maps and prepares its own at open); --engine-path torch
+runs bench_gguf_load.py's torch model instead (LoRA and cartridges run there), whose C decoder
+unpacks the weights on the first forward, so its first prompt carries that preparation. llama.cpp
+runs through llama-cpp-python with n_threads and n_threads_batch set (bench_gguf_load.py). Each
+side's load is opening, preparing and tokenizing; its prompt the prompt's forward and last-row
+logits; TTFT the two together.
 """
 
 from __future__ import annotations
@@ -100,12 +105,44 @@ def long_prompt(model: str, tokens: int = LONG_TOKENS) -> str:
     return " ".join(words[:lo])
 
 
+def run_generator(model_path: str, n_decode: int, threads: int, prompt: str = PROMPT) -> dict:
+    """The engine as `forgebench generate` runs it (engine.lm_load.load_generator: the
+    torch-free C decoder, engine/llm/native_lm.py, where it serves the file; else the torch
+    model with packed weights), on `threads` threads, timed as run_llamacpp times llama.cpp:
+    load = opening the file, preparing the weights and tokenizing; prompt = the prompt's forward
+    and the last row's logits; decode = the steps after."""
+    from engine.llm.generate import generate
+    from engine.lm_load import load_generator
+
+    t0, c0 = time.perf_counter(), time.process_time()
+    model, tok = load_generator(model_path, "llamacpp", weights="packed")
+    if getattr(model, "torch_free", False):
+        model.threads = threads
+    ids = tok.encode(prompt)
+    load_s = time.perf_counter() - t0
+    first = {}
+
+    def on_first_text(_text: str) -> None:
+        first.setdefault("cpu_s", time.process_time() - c0)
+
+    result = generate(model, tok, ids, max_new_tokens=n_decode, stop_ids=[], on_text=on_first_text)
+    return {"load_s": load_s,
+            "time_to_first_token_s": load_s + result.timings["time_to_first_token_s"],
+            "ttft_cpu_s": first.get("cpu_s"), "prompt_tokens": len(ids),
+            "prompt_tokens_per_s": result.timings["prompt_tokens_per_s"],
+            "decode_tokens_per_s": result.timings["decode_tokens_per_s"],
+            "path": type(model).__name__, "threads": threads}
+
+
 def child(args) -> None:
     import torch
 
     torch.set_num_threads(args.threads)
     long_text = os.environ["BENCH_LONG_PROMPT"]
     if args.one == "engine":
+        out = run_generator(args.model, args.decode, args.threads)
+        long = run_generator(args.model, 1, args.threads, long_text)
+    elif args.one == "engine-torch":   # the torch model (LoRA, cartridges): bench_gguf_load's
         out = run_engine(args.model, "packed", args.decode)
         long = run_engine(args.model, "packed", 1, long_text)
     else:
@@ -117,8 +154,10 @@ def child(args) -> None:
     print("RESULT " + json.dumps(out))
 
 
-def run_one(runner: str, model: str, threads: int, decode: int, long_text: str) -> dict:
-    cmd = [sys.executable, __file__, "--one", runner, "--model", model, "--threads", str(threads),
+def run_one(runner: str, model: str, threads: int, decode: int, long_text: str,
+            engine_path: str = "generator") -> dict:
+    one = "engine-torch" if runner == "engine" and engine_path == "torch" else runner
+    cmd = [sys.executable, __file__, "--one", one, "--model", model, "--threads", str(threads),
            "--decode", str(decode)]
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": str(threads),
            "BENCH_LONG_PROMPT": long_text}
@@ -427,7 +466,8 @@ def measure_setting(name: str, path, threads: int, args, long_text: str,
     for _ in range(args.repeat):
         for runner in runs:
             print(f"{name}, {threads} threads: {runner} ...", flush=True)
-            runs[runner].append(run_one(runner, path, threads, args.decode, long_text))
+            runs[runner].append(run_one(runner, path, threads, args.decode, long_text,
+                                        args.engine_path))
         pairs.append((name, threads, runs["engine"][-1], runs["llama.cpp"][-1]))
     return name, threads, best(runs["engine"]), best(runs["llama.cpp"])
 
@@ -449,6 +489,9 @@ def main() -> None:
     ap.add_argument("--cli", action="store_true",
                     help="time `forgebench generate` as a process against a llama-cpp-python "
                          "process (first byte, end)")
+    ap.add_argument("--engine-path", choices=("generator", "torch"), default="generator",
+                    help="the engine as `forgebench generate` loads it (default) or the torch "
+                         "model (LoRA, cartridges)")
     ap.add_argument("--one", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.one:
@@ -488,6 +531,9 @@ def main() -> None:
     long_tokens = rows[0][2]["long_prompt_tokens"] if rows else 0
     print(f"note: {prompt_tokens}- and {long_tokens}-token prompts, {args.decode} decoded "
           f"tokens, best of {args.repeat} runs each; TTFT includes loading the model")
+    if rows:
+        print(f"note: the engine ran as {rows[0][2].get('path', 'the torch model')} "
+              f"(--engine-path {args.engine_path})")
     for note in loads:
         print("note:", note)
     print("note:", how_llama_opened())

@@ -90,6 +90,82 @@ def test_c_kernels_equal_torch_reference(qtype, rows, repacked, monkeypatch):
         assert torch.equal(native, reference), (qtype.name, n)
 
 
+# weight rows for the one-activation-row Q8_0 / Q5_0 / Q4_0 kernel (ggml_kernels.c q0_single):
+# 22 = a group of 16 by fours, then 4 and 2 single rows; 16386 = a matrix read row by row
+# (Q0_STREAM_ROWS, the LM head's path), ending in a partial group
+SINGLE_ROW_SHAPES = [22, 16386]
+Q0_TYPES = [T.Q8_0, T.Q5_0, T.Q4_0]
+
+
+def avx2_kernels():
+    """ggml_kernels.c built for an AVX2-only CPU (no AVX-512, no VNNI: maddubs in place of
+    dpbusd, signed activations), or skip where it cannot be built."""
+    from engine.kernels import native
+
+    lib = native.build_kernels("avx2")
+    if lib is None:
+        pytest.skip("the -march=x86-64-v3 build of ggml_kernels.c failed")
+    return lib
+
+
+def use_build(monkeypatch, build: str) -> None:
+    """Make ExactWeight run this machine's build ("native") or the AVX2-only one ("avx2")."""
+    if build == "avx2":
+        from engine.kernels import exact_plan
+
+        lib = avx2_kernels()
+        monkeypatch.setattr(ggml_matmul, "kernels", lambda: lib)
+        monkeypatch.setattr(exact_plan, "kernels", lambda: lib)
+
+
+@needs_native
+@pytest.mark.parametrize("build", ["native", "avx2"])
+@pytest.mark.parametrize("qtype", Q0_TYPES, ids=lambda t: t.name)
+@pytest.mark.parametrize("rows", [1, 5])  # one row; a tile of 4 then one
+def test_c_one_row_kernel_equals_torch_reference(qtype, rows, build, monkeypatch):
+    """The one-activation-row kernel (decode steps, the LM head) sums every output as the torch
+    reference does, four weight rows side by side, one at a time, and row by row over a long
+    matrix; on this machine's build and on the AVX2-only one."""
+    use_build(monkeypatch, build)
+    for n in SINGLE_ROW_SHAPES:
+        raw = random_weight(qtype, n, 64, seed=n)
+        x = activations(rows, 64)
+        native = ExactWeight(raw, qtype, n, 64).matmul(x)
+        reference = ExactWeight(raw, qtype, n, 64, native=False).matmul(x)
+        assert torch.equal(native, reference), (qtype.name, n, build)
+
+
+@needs_native
+def test_one_row_check_sees_the_summation_order():
+    """The twin: the same integer lanes and scales summed over the blocks in reverse order (the
+    same dot product) give other bits on some outputs, so the equality above checks the order."""
+    n, cols = SINGLE_ROW_SHAPES[1], 64
+    raw = random_weight(T.Q8_0, n, cols, seed=n)
+    x = activations(1, cols)
+    native = ExactWeight(raw, T.Q8_0, n, cols).matmul(x)
+    reversed_raw = raw.reshape(n, cols // 32, 34).flip(1).reshape(n, -1).contiguous()
+    reversed_x = x.reshape(1, cols // 32, 32).flip(1).reshape(1, cols).contiguous()
+    reordered = ExactWeight(reversed_raw, T.Q8_0, n, cols, native=False).matmul(reversed_x)
+    assert torch.allclose(native, reordered, rtol=0, atol=1e-5 * float(native.abs().max()))
+    assert not torch.equal(native, reordered)
+
+
+@needs_native
+@pytest.mark.parametrize("qtype", QUANTIZED, ids=lambda t: t.name)
+def test_avx2_build_equals_torch_reference(qtype, monkeypatch):
+    """ggml_kernels.c built for an AVX2-only CPU gives the reference's bits for every type and
+    batch path (one row, gemv / vec_dot, tiled), as this machine's build does."""
+    use_build(monkeypatch, "avx2")
+    with_configuration(monkeypatch, repacked=True)
+    for batch in (1, 3, 5, TILED_MIN_ROWS, 13):
+        for n in (24, 20):
+            raw = random_weight(qtype, n, 512)
+            x = activations(batch, 512)
+            native = ExactWeight(raw, qtype, n, 512).matmul(x)
+            reference = ExactWeight(raw, qtype, n, 512, native=False).matmul(x)
+            assert torch.equal(native, reference), (qtype.name, batch, n)
+
+
 @needs_native
 @pytest.mark.parametrize("features", [AVX2, AVX512_VNNI], ids=["avx2", "avx512-vnni"])
 @pytest.mark.parametrize("rows", [1, 3, 8])  # vec_dot_f16, then tinyBLAS

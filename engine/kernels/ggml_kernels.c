@@ -371,10 +371,115 @@ static inline __attribute__((always_inline)) void q0_tile(const fb_weight *w, co
     for (int i = 0; i < TR; i++) out[(r + i) * N + n] = hsum8v(acc[i]);
 }
 
+/* The 32 weights of the block at `blk` (a GGUF block of `type`) as q0_block gives them, or with
+ * VNNI made unsigned (see q0_single). `type` is a constant where it is inlined. */
+static inline __attribute__((always_inline)) __m256i q0_weights(const uint8_t *blk, const int type) {
+#if Q0_ACT_UNSIGNED
+    if (type == FB_Q8_0) return _mm256_xor_si256(_mm256_loadu_si256((const __m256i *) (blk + 2)), _mm256_set1_epi8((char) 0x80));
+    if (type == FB_Q4_0) {
+        const __m128i nibbles = _mm_loadu_si128((const __m128i *) (blk + 2));
+        return _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(nibbles, 4), nibbles), _mm256_set1_epi8(0x0F));
+    }
+    const __m128i nibbles = _mm_loadu_si128((const __m128i *) (blk + 6));
+    const __m256i lo = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(nibbles, 4), nibbles), _mm256_set1_epi8(0x0F));
+#if defined(__AVX512BW__)
+    /* the 32 fifth bits as a mask register: +16 where set, one masked add */
+    uint32_t qh;
+    memcpy(&qh, blk + 2, sizeof(qh));
+    return _mm256_mask_add_epi8(lo, (__mmask32) qh, lo, _mm256_set1_epi8(0x10));
+#else
+    return _mm256_or_si256(lo, _mm256_and_si256(bytes_from_bits_32(blk + 2), _mm256_set1_epi8(0x10)));
+#endif
+#else
+    if (type == FB_Q8_0) return _mm256_loadu_si256((const __m256i *) (blk + 2));
+    if (type == FB_Q4_0) {
+        const __m128i nibbles = _mm_loadu_si128((const __m128i *) (blk + 2));
+        const __m256i v = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(nibbles, 4), nibbles), _mm256_set1_epi8(0x0F));
+        return _mm256_sub_epi8(v, _mm256_set1_epi8(8));
+    }
+    const __m128i nibbles = _mm_loadu_si128((const __m128i *) (blk + 6));
+    const __m256i lo = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(nibbles, 4), nibbles), _mm256_set1_epi8(0x0F));
+    return _mm256_or_si256(lo, _mm256_andnot_si256(bytes_from_bits_32(blk + 2), _mm256_set1_epi8((char) 0xF0)));
+#endif
+}
+
+#define Q0_PREFETCH_ROWS 16
+#define Q0_STREAM_AHEAD 4096
+/* One activation row r against weight rows n .. n+TN-1 (a decode step's matmuls and its LM
+ * head: what decode spends its time in). Each output is q0_tile's sum for one row, one fma per
+ * block into its own eight lanes, but TN outputs advance together: their fma chains are
+ * independent, so the 4-cycle fma latency of one output's chain is hidden behind the others
+ * (one row at a time, a K = 2048 row is 64 dependent fmas), and the activation block is loaded
+ * once for the TN weight rows.
+ * With VNNI the integer lanes come from one dpbusd per weight row and block: the weights made
+ * unsigned (Q8_0: w + 128; Q5_0 / Q4_0: the stored 5- and 4-bit values, w + 16 and w + 8, before
+ * ggml subtracts the offset) times the signed activations, on top of -offset · (the lane's sum of
+ * activations), formed once per block for all TN rows: Σ(w + c)·x - c·Σx = Σw·x exactly, the
+ * integer ggml's lanes hold. */
+static inline __attribute__((always_inline)) void q0_single(const fb_weight *w, const fb_act *a, int64_t r,
+                                                            int64_t n, const int TN, const int type, float *out) {
+    const int64_t K = w->cols, nb = K / 32, N = w->rows;
+    const int64_t bytes = type == FB_Q8_0 ? 34 : type == FB_Q5_0 ? 22 : 18, row_bytes = nb * bytes;
+    const uint8_t *wq = (const uint8_t *) w->q + n * row_bytes;
+    const float *wd = w->d + n * nb;
+    const int8_t *xq = a->q + Q0_AT(nb, r, 0);
+    const float *xd = a->d + Q0_SCALE(nb, r, 0);
+    /* the rows Q0_PREFETCH_ROWS ahead, fetched while these are summed: TN rows read side by side
+     * are TN interleaved streams, which the hardware prefetchers follow less well than one */
+    const uint8_t *ahead = wq + Q0_PREFETCH_ROWS * row_bytes, *end = (const uint8_t *) w->q + N * row_bytes;
+    __m256 acc[4];
+    #pragma GCC unroll 4
+    for (int j = 0; j < TN; j++) acc[j] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; b++, wq += bytes, wd++, ahead += bytes) {
+        /* a row's blocks are 32 · Q0_TILE bytes apart in the tiled activations (Q0_AT) */
+        const __m256i xv = _mm256_loadu_si256((const __m256i *) (xq + b * 32 * Q0_TILE));
+        const float dx = xd[b * Q0_TILE];
+#if Q0_ACT_UNSIGNED
+        const __m256i xs = _mm256_xor_si256(xv, _mm256_set1_epi8((char) 0x80));  /* x, signed */
+        const __m256i sums = _mm256_dpbusd_epi32(_mm256_setzero_si256(), _mm256_set1_epi8(1), xs);
+        const int shift = type == FB_Q8_0 ? 7 : type == FB_Q5_0 ? 4 : 3;  /* the offset 2^shift */
+        const __m256i base = _mm256_sub_epi32(_mm256_setzero_si256(), _mm256_slli_epi32(sums, shift));
+#endif
+        #pragma GCC unroll 4
+        for (int j = 0; j < TN; j++) {
+            if (TN > 1 && ahead + j * row_bytes < end) _mm_prefetch((const char *) (ahead + j * row_bytes), _MM_HINT_T0);
+            /* one row at a time (the LM head): the line Q0_STREAM_AHEAD bytes on, one per two blocks
+             * (17 -> 19 GB/s on one Zen 4 core for Gemma 3's Q8_0 head, 1 KB ahead too little, 16 KB
+             * no better) */
+            if (TN == 1 && (b & 1) == 0 && wq + Q0_STREAM_AHEAD < end)
+                _mm_prefetch((const char *) (wq + Q0_STREAM_AHEAD), _MM_HINT_T0);
+#if Q0_ACT_UNSIGNED
+            const __m256i lanes = _mm256_dpbusd_epi32(base, q0_weights(wq + j * row_bytes, type), xs);
+#else
+            const __m256i wv = q0_weights(wq + j * row_bytes, type);
+            const __m256i lanes = dot_u8_i8(_mm256_sign_epi8(wv, wv), _mm256_sign_epi8(xv, wv));
+#endif
+            const float d = wd[j * nb] * dx;
+            acc[j] = _mm256_fmadd_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(lanes), acc[j]);
+        }
+    }
+    #pragma GCC unroll 4
+    for (int j = 0; j < TN; j++) out[r * N + n + j] = hsum8v(acc[j]);
+}
+
+/* q0_single over weight rows [g, g1), four at a time, for one weight type; a matrix of
+ * Q0_STREAM_ROWS rows or more (an LM head: 262144 rows for Gemma 3) one row at a time: read as
+ * one stream it ran at 17 GB/s on one Zen 4 core, and at half that read as two or four streams
+ * side by side, with or without software prefetch; the layers' matrices (at most a few thousand
+ * rows) gain from the four (7.1 -> 6.4 ms for gemma-3-270m's decode step, one thread). */
+#define Q0_STREAM_ROWS 16384
+static inline __attribute__((always_inline)) void q0_single_rows(const fb_weight *w, const fb_act *a, int64_t r,
+                                                                 int64_t g, int64_t g1, const int type, float *out) {
+    int64_t n = g;
+    if (w->rows < Q0_STREAM_ROWS)
+        for (; n + 4 <= g1; n += 4) q0_single(w, a, r, n, 4, type, out);
+    for (; n < g1; n++) q0_single(w, a, r, n, 1, type, out);
+}
+
 /* Weight rows [n0, n1) in groups of Q0_ROW_GROUP, each group against every activation tile: the
  * group's weights and one tile of activations stay in L1 while the group's rows pass over it
  * (which outputs are computed when, never how). The tails of R: a tile of 4 rows, then single
- * rows. */
+ * rows, four weight rows at a time (q0_single). */
 #define Q0_ROW_GROUP 16
 static void q0_rows(const fb_weight *w, int64_t R, const fb_act *a, int64_t n0, int64_t n1, float *out) {
     for (int64_t g = n0; g < n1; g += Q0_ROW_GROUP) {
@@ -384,8 +489,11 @@ static void q0_rows(const fb_weight *w, int64_t R, const fb_act *a, int64_t n0, 
             for (int64_t n = g; n < g1; n++) q0_tile(w, a, R, n, r, Q0_TILE, out);
         for (; r + 4 <= R; r += 4)
             for (int64_t n = g; n < g1; n++) q0_tile(w, a, R, n, r, 4, out);
-        for (; r < R; r++)
-            for (int64_t n = g; n < g1; n++) q0_tile(w, a, R, n, r, 1, out);
+        for (; r < R; r++) {
+            if (w->type == FB_Q8_0) q0_single_rows(w, a, r, g, g1, FB_Q8_0, out);
+            else if (w->type == FB_Q5_0) q0_single_rows(w, a, r, g, g1, FB_Q5_0, out);
+            else q0_single_rows(w, a, r, g, g1, FB_Q4_0, out);
+        }
     }
 }
 
@@ -1026,8 +1134,8 @@ static void act_free(fb_act *a) { free(a->q); free(a->d); free(a->sums); free(a-
 static void matmul_part_rowwise(const fb_weight *w, int64_t R, const fb_act *a, const fb_plan *p, int64_t n0,
                                 int64_t n1, float *out);
 
-/* x [R][cols] · Wᵀ -> out [R][rows] on `nthreads` threads (rows split; the bits do not depend
- * on the count): the activations quantized once, then llama.cpp's matmul for R rows, or with
+/* x [R][cols] · Wᵀ -> out [R][rows] on `nthreads` threads (rows in chunks; the bits do not
+ * depend on the count): the activations quantized once, then llama.cpp's matmul for R rows, or with
  * `rowwise` each row by the one-row kernel. Returns 0, or -1 when out of memory. */
 static int matmul_threads(const fb_weight *w, int64_t R, const float *x, const fb_plan *p,
                           int nthreads, float *out, int rowwise) {
@@ -1038,10 +1146,16 @@ static int matmul_threads(const fb_weight *w, int64_t R, const float *x, const f
         const int ith = omp_get_thread_num(), nth = omp_get_num_threads();
         quantize_rows(w->type, x, R, w->cols, &a, ith, nth);
         #pragma omp barrier
-        int64_t n0, n1;
-        thread_share(w->rows, ith, nth, &n0, &n1);
-        if (rowwise) matmul_part_rowwise(w, R, &a, p, n0, n1, out);
-        else matmul_part(w, R, &a, p, n0, n1, out);
+        /* rows in chunks the threads take as they come free (region_matmuls says why), about
+         * eight per thread, whole multiples of 64 rows */
+        const int64_t per = w->rows / (8 * nth) > 64 ? w->rows / (8 * nth) : 64;
+        const int64_t chunk = round_up(per, 64), chunks = (w->rows + chunk - 1) / chunk;
+        #pragma omp for schedule(dynamic, 1) nowait
+        for (int64_t c = 0; c < chunks; c++) {
+            const int64_t n0 = c * chunk, n1 = n0 + chunk < w->rows ? n0 + chunk : w->rows;
+            if (rowwise) matmul_part_rowwise(w, R, &a, p, n0, n1, out);
+            else matmul_part(w, R, &a, p, n0, n1, out);
+        }
     }
     act_free(&a);
     return 0;
@@ -1075,12 +1189,16 @@ void f16_dot(int64_t G, int64_t P, int64_t Q, int64_t K, const float *a, const f
 typedef struct {
     atomic_int arrived, phase;
     int n;
+    /* the next row chunk of each matmul of a phase (region_matmuls), zeroed at every barrier */
+    atomic_long next[4];
 } fb_barrier;
 
 static void barrier_wait(fb_barrier *b) {
     if (b->n <= 1) return;
     const int phase = atomic_load_explicit(&b->phase, memory_order_acquire);
     if (atomic_fetch_add_explicit(&b->arrived, 1, memory_order_acq_rel) == b->n - 1) {
+        /* every thread is here, done with the last phase's chunks: the next phase starts at 0 */
+        for (int i = 0; i < 4; i++) atomic_store_explicit(&b->next[i], 0, memory_order_relaxed);
         atomic_store_explicit(&b->arrived, 0, memory_order_relaxed);
         atomic_fetch_add_explicit(&b->phase, 1, memory_order_acq_rel);
         return;
@@ -1291,7 +1409,11 @@ static inline int act_format(int type) {
 
 /* Matmuls of one input inside the forward's parallel region (q, k, v or gate, up): the input
  * quantized once where the weights share an activation format (rows split), then each output's
- * rows split across the threads, a barrier after each phase. */
+ * rows taken by the threads REGION_CHUNK at a time, as ggml's threads take chunks of a mul_mat
+ * from a shared counter: a thread that the OS holds back (a busy machine, more threads than free
+ * cores) leaves its chunks to the others instead of making them wait at the barrier for its fixed
+ * half. Which thread sums a row never changes how. A barrier after each phase. */
+#define REGION_CHUNK 32
 static void region_matmuls(const fb_weight *const *w, float *const *out, int count, int64_t R, const float *x,
                            const fb_act *a, const fb_plan *p, int ith, int nth, fb_barrier *bar) {
     int shared = 1;
@@ -1302,9 +1424,16 @@ static void region_matmuls(const fb_weight *const *w, float *const *out, int cou
             quantize_rows(w[i]->type, x, R, w[i]->cols, a, ith, nth);
             barrier_wait(bar);
         }
-        int64_t n0, n1;
-        thread_share(w[i]->rows, ith, nth, &n0, &n1);
-        matmul_part(w[i], R, a, p, n0, n1, out[i]);
+        const int64_t N = w[i]->rows;
+        if (nth == 1) {
+            matmul_part(w[i], R, a, p, 0, N, out[i]);
+            continue;
+        }
+        for (;;) {
+            const int64_t n0 = atomic_fetch_add_explicit(&bar->next[i], 1, memory_order_relaxed) * REGION_CHUNK;
+            if (n0 >= N) break;
+            matmul_part(w[i], R, a, p, n0, n0 + REGION_CHUNK < N ? n0 + REGION_CHUNK : N, out[i]);
+        }
     }
     barrier_wait(bar);
 }

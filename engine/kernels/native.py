@@ -165,7 +165,15 @@ def _declare(lib: ctypes.CDLL, signatures: dict[str, tuple[list, object]]) -> ct
 def kernels() -> ctypes.CDLL | None:
     """The loaded llama.cpp kernels (ggml_kernels.c), building them if needed; None where they
     cannot be built."""
-    lib = _build(SOURCE, FLAGS)
+    return build_kernels(None)
+
+
+def build_kernels(simd: str | None) -> ctypes.CDLL | None:
+    """ggml_kernels.c built for this machine (`simd` None, what `kernels()` loads) or for an
+    AVX2-only CPU ("avx2": -march=x86-64-v3, no AVX-512 and no VNNI, the code such a CPU runs:
+    the tests hold both builds to the same bits), and declared; None where it cannot be built."""
+    flags = [AVX2_MARCH if simd == "avx2" and f == "-march=native" else f for f in FLAGS]
+    lib = _build(SOURCE, flags)
     if lib is None:
         return None
     return _declare(lib, {**{name: (argtypes, None) for name, argtypes in SIGNATURES.items()},
@@ -212,5 +220,5 @@ def ptr(t: torch.Tensor | np.ndarray) -> int:
     return t.ctypes.data
 
 
-__all__ = ["Layer", "Model", "Plan", "WEIGHT_TYPES", "Weight", "build_train_kernels", "kernels",
-           "ptr", "train_kernels"]
+__all__ = ["Layer", "Model", "Plan", "WEIGHT_TYPES", "Weight", "build_kernels",
+           "build_train_kernels", "kernels", "ptr", "train_kernels"]
