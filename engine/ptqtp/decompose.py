@@ -303,9 +303,11 @@ def column_weights(importance, cols: int) -> torch.Tensor:
     return (imp / mean + IMPORTANCE_FLOOR).float()
 
 
-def _decompose(weight, planes, group, iterations, ridge, importance) -> Decomposition:
+def _matrix(weight, planes, group, dtype) -> tuple[torch.Tensor, int, int, int]:
+    """`weight` as a `dtype` matrix with its rows, columns and group, or ValueError saying
+    which of the three a decomposition cannot take."""
     w = torch.as_tensor(np.asarray(weight) if isinstance(weight, np.ndarray) else weight)
-    w = w.detach().float()
+    w = w.detach().to(dtype)
     if w.ndim != 2:
         raise ValueError(f"PTQTP decomposes matrices, not shape {tuple(w.shape)}")
     if planes not in (1, 2):
@@ -314,6 +316,11 @@ def _decompose(weight, planes, group, iterations, ridge, importance) -> Decompos
     group = cols if group is None else int(group)
     if group <= 0 or cols % group:
         raise ValueError(f"the row length {cols} is not a multiple of the group {group}")
+    return w, rows, cols, group
+
+
+def _decompose(weight, planes, group, iterations, ridge, importance) -> Decomposition:
+    w, rows, cols, group = _matrix(weight, planes, group, torch.float32)
     groups = cols // group
     flat = w.reshape(rows * groups, group)
     col_h = None if importance is None else column_weights(importance, cols).reshape(groups, group)
@@ -368,16 +375,7 @@ def nearest_levels(x: torch.Tensor, alpha: torch.Tensor) -> torch.Tensor:
 def _decompose_feedback(weight, planes, group, iterations, ridge, hessian, damp
                         ) -> Decomposition:
     """The error-feedback fit (module docstring): group by group, left to right."""
-    w = torch.as_tensor(np.asarray(weight) if isinstance(weight, np.ndarray) else weight)
-    w = w.detach().double()
-    if w.ndim != 2:
-        raise ValueError(f"PTQTP decomposes matrices, not shape {tuple(w.shape)}")
-    if planes not in (1, 2):
-        raise ValueError(f"planes must be 1 or 2, not {planes}")
-    rows, cols = w.shape
-    group = cols if group is None else int(group)
-    if group <= 0 or cols % group:
-        raise ValueError(f"the row length {cols} is not a multiple of the group {group}")
+    w, rows, cols, group = _matrix(weight, planes, group, torch.float64)
     u = feedback_factor(hessian, cols, damp)
     col_h = column_weights(np.diag(np.asarray(hessian, dtype=np.float64)), cols)
     work = w.clone()
