@@ -175,7 +175,9 @@ def test_bf16_autocast_around_an_fp32_model_computes_the_references_scheme(golde
     with torch.no_grad(), torch.autocast("cpu", dtype=BF16):
         assert model.hidden(goldens[0]["fwd/idx"]).dtype == BF16
     twin = forward_errors(model, goldens)                         # no autocast: fp32
-    assert twin["logits"] > tol and twin["logits"] > 1e-3
+    # a twin moves the logits by about one bf16 rounding (4e-3): it fails the exact check on
+    # the goldens' kind of CPU; elsewhere the looser cross-CPU bound (warned) cannot tell it
+    assert twin["logits"] > 1e-3
 
 
 # -- loss and gradients ---------------------------------------------------------------------
@@ -192,7 +194,7 @@ def test_bf16_gradients_twin_fp32_stored_embeddings_fail(goldens, tol):
     are summed in fp32, not in the reference's bf16."""
     errors = grad_errors(model_of(goldens, dtype=torch.float32), goldens, autocast=True)
     assert errors["loss"] <= tol
-    assert errors["transformer.wte.weight"] > tol
+    assert errors["transformer.wte.weight"] > 1e-3        # about one bf16 rounding (as above)
 
 
 # -- one optimizer step, and the loss trace ------------------------------------------------
