@@ -24,7 +24,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from nanochat_support import cpu_kind
+from nanochat_support import cpu_kind, train_on_goldens
 
 from engine.models import nanochat as nc
 from engine.models.nanochat import NanochatConfig, NanochatGPT
@@ -112,17 +112,8 @@ def grad_errors(model: NanochatGPT, goldens, autocast: bool = False) -> dict[str
 
 
 def train(model: NanochatGPT, goldens, steps: int, optimizer_dtype=BF16):
-    batches = goldens[0]["train/batches"].long()
-    optimizer = MuonAdamW(nanochat_groups(model, **goldens[2]["lrs"]),
-                          compute_dtype=optimizer_dtype)
-    losses = []
-    for step in range(steps):
-        loss = model(batches[step, :, :-1], batches[step, :, 1:])
-        loss.backward()
-        losses.append(loss.item())
-        optimizer.step()
-        model.zero_grad(set_to_none=True)
-    return losses, optimizer
+    return train_on_goldens(model, goldens[0]["train/batches"].long(), goldens[2]["lrs"], steps,
+                            compute_dtype=optimizer_dtype)
 
 
 def fp32_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
-from nanochat_support import cpu_kind
+from nanochat_support import cpu_kind, train_on_goldens
 
 from engine.models import nanochat as nc
 from engine.models.nanochat import NanochatConfig, NanochatGPT
@@ -105,16 +105,7 @@ def forward_errors(model: NanochatGPT, goldens) -> dict[str, float]:
 def train(model: NanochatGPT, goldens, steps: int, groups=nanochat_groups):
     """The reference's loop over the stored batches: forward, backward, MuonAdamW step."""
     tensors, meta = goldens
-    batches = tensors["train/batches"].long()
-    optimizer = MuonAdamW(groups(model, **meta["lrs"]))
-    losses = []
-    for step in range(steps):
-        loss = model(batches[step, :, :-1], batches[step, :, 1:])
-        loss.backward()
-        losses.append(loss.item())
-        optimizer.step()
-        model.zero_grad(set_to_none=True)
-    return losses, optimizer
+    return train_on_goldens(model, tensors["train/batches"].long(), meta["lrs"], steps, groups)
 
 
 def state_errors(model, optimizer, goldens, tag: str) -> dict[str, float]:
