@@ -68,6 +68,7 @@ from bench_gguf_load import (  # noqa: E402
     default_model,
     run_engine,
     run_llamacpp,
+    timed_generation,
     uptime,
 )
 
@@ -111,27 +112,16 @@ def run_generator(model_path: str, n_decode: int, threads: int, prompt: str = PR
     model with packed weights), on `threads` threads, timed as run_llamacpp times llama.cpp:
     load = opening the file, preparing the weights and tokenizing; prompt = the prompt's forward
     and the last row's logits; decode = the steps after."""
-    from engine.llm.generate import generate
     from engine.lm_load import load_generator
 
-    t0, c0 = time.perf_counter(), time.process_time()
-    model, tok = load_generator(model_path, "llamacpp", weights="packed")
-    if getattr(model, "torch_free", False):
-        model.threads = threads
-    ids = tok.encode(prompt)
-    load_s = time.perf_counter() - t0
-    first = {}
+    def load():
+        model, tok = load_generator(model_path, "llamacpp", weights="packed")
+        if getattr(model, "torch_free", False):
+            model.threads = threads
+        return model, tok
 
-    def on_first_text(_text: str) -> None:
-        first.setdefault("cpu_s", time.process_time() - c0)
-
-    result = generate(model, tok, ids, max_new_tokens=n_decode, stop_ids=[], on_text=on_first_text)
-    return {"load_s": load_s,
-            "time_to_first_token_s": load_s + result.timings["time_to_first_token_s"],
-            "ttft_cpu_s": first.get("cpu_s"), "prompt_tokens": len(ids),
-            "prompt_tokens_per_s": result.timings["prompt_tokens_per_s"],
-            "decode_tokens_per_s": result.timings["decode_tokens_per_s"],
-            "path": type(model).__name__, "threads": threads}
+    model, timings = timed_generation(load, n_decode, prompt)
+    return {**timings, "path": type(model).__name__, "threads": threads}
 
 
 def child(args) -> None:

@@ -35,14 +35,14 @@ PROMPT = ("The history of the printing press begins in the fifteenth century, wh
           "years, presses were operating in more than two hundred European cities, and")
 
 
-def run_engine(model_path: str, weights: str, n_decode: int, prompt: str = PROMPT) -> dict:
-    import torch
-
+def timed_generation(load, n_decode: int, prompt: str = PROMPT) -> tuple[object, dict]:
+    """`load()` -> (model, tokenizer), then a greedy answer to `prompt`: the model and its
+    timings (load = opening, preparing and tokenizing; time to first token from the start, and
+    the process CPU time to the first text; prompt and decode tokens/s)."""
     from engine.llm.generate import generate
-    from engine.models.gguf_model import load_gguf_model, memory_report
 
     t0, c0 = time.perf_counter(), time.process_time()
-    model, tok = load_gguf_model(model_path, numerics="llamacpp", weights=weights)
+    model, tok = load()
     ids = tok.encode(prompt)
     load_s = time.perf_counter() - t0
     first = {}
@@ -51,13 +51,22 @@ def run_engine(model_path: str, weights: str, n_decode: int, prompt: str = PROMP
         first.setdefault("cpu_s", time.process_time() - c0)
 
     result = generate(model, tok, ids, max_new_tokens=n_decode, stop_ids=[], on_text=on_first_text)
+    return model, {"load_s": load_s,
+                   "time_to_first_token_s": load_s + result.timings["time_to_first_token_s"],
+                   "ttft_cpu_s": first.get("cpu_s"), "prompt_tokens": len(ids),
+                   "prompt_tokens_per_s": result.timings["prompt_tokens_per_s"],
+                   "decode_tokens_per_s": result.timings["decode_tokens_per_s"]}
+
+
+def run_engine(model_path: str, weights: str, n_decode: int, prompt: str = PROMPT) -> dict:
+    import torch
+
+    from engine.models.gguf_model import load_gguf_model, memory_report
+
+    model, timings = timed_generation(
+        lambda: load_gguf_model(model_path, numerics="llamacpp", weights=weights), n_decode, prompt)
     report = memory_report(model)
-    return {"load_s": load_s,
-            "time_to_first_token_s": load_s + result.timings["time_to_first_token_s"],
-            "ttft_cpu_s": first.get("cpu_s"),
-            "prompt_tokens": len(ids), "prompt_tokens_per_s": result.timings["prompt_tokens_per_s"],
-            "decode_tokens_per_s": result.timings["decode_tokens_per_s"],
-            "packed_mb": report["packed_bytes"] / 2**20,
+    return {**timings, "packed_mb": report["packed_bytes"] / 2**20,
             "dense_cache_mb": report["dense_cache_bytes"] / 2**20,
             "threads": torch.get_num_threads()}
 
@@ -179,10 +188,13 @@ def main() -> None:
     ap.add_argument("--model")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--decode", type=int, default=16, help="tokens to decode")
-    ap.add_argument("--runners", default="engine-packed,engine-dense-cache,transformers,llama.cpp",
+    known = ("engine-packed", "engine-dense-cache", "transformers", "llama.cpp")
+    ap.add_argument("--runners", default=",".join(known),
                     help="comma-separated subset of the runners, in the order to run them")
     ap.add_argument("--one", help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if unknown := [n for n in args.runners.split(",") if n not in known]:
+        ap.error(f"--runners: unknown {', '.join(unknown)} (runners: {', '.join(known)})")
     if args.one:
         return child(args)
     model = args.model or default_model()
