@@ -235,6 +235,12 @@ typedef struct {
     int16_t *sums;  /* [R][K/16] (Q8_K): each 16's sum */
     float *h;       /* [R][K] f16-rounded (F16 weights) */
     float *s;       /* [R][K/32] (Q8_1): f16(d·Σq), d before its f16 rounding */
+    /* Q8_K again, bands of KT_BAND rows side by side for the K-quant band kernels (KT_BANDS
+     * builds, NULL elsewhere or for fewer than KT_BAND rows): the same values, laid out so that
+     * one 64-byte load holds four consecutive k of the band's 16 rows (dpbusd's operand) */
+    int8_t *qt;     /* [R/16][K/4][16][4] */
+    int32_t *bt;    /* [R/16][K/16][16]: each 16's sum */
+    float *dt;      /* [R/16][K/256][16] */
 } fb_act;
 
 /* ---- unpacking GGUF blocks into the kernels' layout (dequant.py unpack_blocks) ----------- */
@@ -289,16 +295,291 @@ void fb_unpack(int type, int64_t nblocks, const uint8_t *raw, void *q, void *sca
     }
 }
 
+/* ---- K-quant band kernels (AVX512-VNNI builds) -------------------------------------------
+ * llama.cpp's tiled K-quant matmul and its repacked Q4_K gemm compute, per weight row and
+ * activation row, an exact integer dot per superblock (or per 64), then a fixed chain of f32
+ * operations. The integers do not depend on how they are formed, so these kernels form them as
+ * the tiled microkernel does (ggml-cpu/tiled/tiled-kernel.cpp): KT_BAND activation rows in the
+ * lanes of one zmm, four k of one weight row broadcast, one dpbusd per 4 k for 16 outputs, each
+ * subblock's sum times its scale (mullo) once; then each output's f32 chain, vector for vector,
+ * exactly as q6_k_tiled_tile / q4_k_gemm_tile run it for four rows. Only whole bands of 16 rows
+ * go here; the rows after the last band take the four-row tiles and one-row loops as before. */
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__) && defined(__AVX512BW__) && defined(__AVX512F__)
+#define KT_BANDS 1
+#else
+#define KT_BANDS 0
+#endif
+#define KT_BAND 16
+/* Weight rows per pass over the bands: their unpacked bytes (32 rows of K = 2048: 64 KB) stay in
+ * L2 while each band of activations passes, and the outputs of a band are written together (a
+ * band's 16 rows times KT_SUB columns) instead of one column of 16 rows at a time. */
+#define KT_SUB 32
+
+/* Row r's Q8_K values (already in a->q, a->d, a->sums) copied into its band (fb_act.qt). */
+static void band_row(const fb_act *a, int64_t r, int64_t K) {
+    const int64_t band = r / KT_BAND, i = r % KT_BAND, nsb = K / 256;
+    const int8_t *q = a->q + r * K;
+    int8_t *qt = a->qt + band * KT_BAND * K + i * 4;
+    for (int64_t g = 0; g < K / 4; g++) memcpy(qt + g * 4 * KT_BAND, q + 4 * g, 4);
+    int32_t *bt = a->bt + band * KT_BAND * (K / 16) + i;
+    for (int64_t s = 0; s < K / 16; s++) bt[s * KT_BAND] = a->sums[r * (K / 16) + s];
+    float *dt = a->dt + band * KT_BAND * nsb + i;
+    for (int64_t b = 0; b < nsb; b++) dt[b * KT_BAND] = a->d[r * nsb + b];
+}
+
+static inline __m256i q0_block(const fb_weight *w, int64_t blk);
+
+/* Row r's Q8_0 values (already in the q0 tiles: Q0_AT, Q0_SCALE) copied into its band. */
+static void band_row_q0(const fb_act *a, int64_t r, int64_t K) {
+    const int64_t band = r / KT_BAND, i = r % KT_BAND, nb = K / 32;
+    int8_t *qt = a->qt + band * KT_BAND * K + i * 4;
+    for (int64_t b = 0; b < nb; b++) {
+        const int8_t *q = a->q + Q0_AT(nb, r, b);
+        for (int g = 0; g < 8; g++) memcpy(qt + (b * 8 + g) * 4 * KT_BAND, q + 4 * g, 4);
+    }
+    float *dt = a->dt + band * KT_BAND * nb + i;
+    for (int64_t b = 0; b < nb; b++) dt[b * KT_BAND] = a->d[Q0_SCALE(nb, r, b)];
+}
+
+#if KT_BANDS
+/* The lanes of v (one output per activation row of the band) into column n of out. */
+static inline void band_store(__m512 v, float *out, int64_t band, int64_t N, int64_t n) {
+    float tmp[KT_BAND];
+    _mm512_storeu_ps(tmp, v);
+    for (int i = 0; i < KT_BAND; i++) out[(band * KT_BAND + i) * N + n] = tmp[i];
+}
+
+/* Q6_K, ggml's tiled order (q6_k_tiled_tile): weight rows n..n+TN-1 against band `band`: per
+ * 256, s1 = Σ_subblock scale·(Σ w·x - 32·bsum) exact, then acc = fma(d_w·f32(s1), d_x, acc). */
+static inline __attribute__((always_inline)) void q6_k_band(const fb_weight *w, const fb_act *a, int64_t n,
+                                                            const int TN, int64_t band, float *out) {
+    const int64_t K = w->cols, nsb = K / 256, N = w->rows;
+    const uint8_t *wq = (const uint8_t *) w->q + n * K;
+    const int8_t *sc = (const int8_t *) w->scales + n * nsb * 16;
+    const int8_t *xq = a->qt + band * KT_BAND * K;
+    const int32_t *xs = a->bt + band * KT_BAND * (K / 16);
+    const float *xd = a->dt + band * KT_BAND * nsb;
+    __m512 acc[8];
+    #pragma GCC unroll 8
+    for (int t = 0; t < TN; t++) acc[t] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < nsb; b++) {
+        __m512i s1[8];
+        #pragma GCC unroll 8
+        for (int t = 0; t < TN; t++) s1[t] = _mm512_setzero_si512();
+        for (int s = 0; s < 16; s++) {
+            const int64_t k0 = b * 256 + s * 16;
+            __m512i raw[8];
+            #pragma GCC unroll 8
+            for (int t = 0; t < TN; t++) raw[t] = _mm512_setzero_si512();
+            #pragma GCC unroll 4
+            for (int g = 0; g < 4; g++) {
+                const __m512i codes = _mm512_loadu_si512((const void *) (xq + (k0 / 4 + g) * 4 * KT_BAND));
+                #pragma GCC unroll 8
+                for (int t = 0; t < TN; t++) {
+                    int32_t u;
+                    memcpy(&u, wq + t * K + k0 + 4 * g, 4);
+                    raw[t] = _mm512_dpbusd_epi32(raw[t], _mm512_set1_epi32(u), codes);
+                }
+            }
+            const __m512i off = _mm512_slli_epi32(_mm512_loadu_si512((const void *) (xs + (k0 / 16) * KT_BAND)), 5);
+            #pragma GCC unroll 8
+            for (int t = 0; t < TN; t++)
+                s1[t] = _mm512_add_epi32(s1[t], _mm512_mullo_epi32(_mm512_sub_epi32(raw[t], off),
+                                                                   _mm512_set1_epi32(sc[(t * nsb + b) * 16 + s])));
+        }
+        const __m512 d = _mm512_loadu_ps(xd + b * KT_BAND);
+        #pragma GCC unroll 8
+        for (int t = 0; t < TN; t++)
+            acc[t] = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_set1_ps(w->d[(n + t) * nsb + b]), _mm512_cvtepi32_ps(s1[t])), d, acc[t]);
+    }
+    #pragma GCC unroll 8
+    for (int t = 0; t < TN; t++) band_store(acc[t], out, band, N, n + t);
+}
+
+static void q6_k_bands(const fb_weight *w, int64_t bands, const fb_act *a, int64_t n0, int64_t n1, float *out) {
+    for (int64_t s0 = n0; s0 < n1; s0 += KT_SUB) {
+        const int64_t s1 = s0 + KT_SUB < n1 ? s0 + KT_SUB : n1;
+        for (int64_t band = 0; band < bands; band++) {
+            int64_t n = s0;
+            for (; n + 8 <= s1; n += 8) q6_k_band(w, a, n, 8, band, out);
+            for (; n < s1; n++) q6_k_band(w, a, n, 1, band, out);
+        }
+    }
+}
+
+/* Repacked Q4_K, ggml_gemm_q4_K_8x8_q8_K's order (q4_k_gemm_tile): weight rows n..n+TN-1, their
+ * nibbles unpacked to one byte per k in wu [TN][K], against band `band`: per 64-chunk the exact
+ * dot and min, acc = fma(f32(dot), d_w·d_x, acc), acc_min = fma(f32(min), dmin_w·d_x, acc_min);
+ * output acc - acc_min. */
+static inline __attribute__((always_inline)) void q4_k_band(const fb_weight *w, const fb_act *a, const uint8_t *wu,
+                                                            int64_t n, const int TN, int64_t band, float *out) {
+    const int64_t K = w->cols, nsb = K / 256, N = w->rows;
+    const uint8_t *scales = (const uint8_t *) w->scales;
+    const int8_t *xq = a->qt + band * KT_BAND * K;
+    const int32_t *xs = a->bt + band * KT_BAND * (K / 16);
+    const float *xd = a->dt + band * KT_BAND * nsb;
+    __m512 acc[4], acc_min[4];
+    #pragma GCC unroll 4
+    for (int t = 0; t < TN; t++) acc[t] = acc_min[t] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < nsb; b++) {
+        const __m512 xdv = _mm512_loadu_ps(xd + b * KT_BAND);
+        for (int c = 0; c < 4; c++) {
+            const int64_t k0 = b * 256 + 64 * c;
+            __m512i lo[4], hi[4];
+            #pragma GCC unroll 4
+            for (int t = 0; t < TN; t++) lo[t] = hi[t] = _mm512_setzero_si512();
+            #pragma GCC unroll 8
+            for (int g = 0; g < 8; g++) {
+                const __m512i codes_lo = _mm512_loadu_si512((const void *) (xq + (k0 / 4 + g) * 4 * KT_BAND));
+                const __m512i codes_hi = _mm512_loadu_si512((const void *) (xq + (k0 / 4 + 8 + g) * 4 * KT_BAND));
+                #pragma GCC unroll 4
+                for (int t = 0; t < TN; t++) {
+                    int32_t u_lo, u_hi;
+                    memcpy(&u_lo, wu + t * K + k0 + 4 * g, 4);  /* wu: row n's bytes */
+                    memcpy(&u_hi, wu + t * K + k0 + 32 + 4 * g, 4);
+                    lo[t] = _mm512_dpbusd_epi32(lo[t], _mm512_set1_epi32(u_lo), codes_lo);
+                    hi[t] = _mm512_dpbusd_epi32(hi[t], _mm512_set1_epi32(u_hi), codes_hi);
+                }
+            }
+            /* the activation's 32-sums of the chunk's two subblocks */
+            const int32_t *xs_c = xs + (k0 / 16) * KT_BAND;
+            const __m512i p0 = _mm512_add_epi32(_mm512_loadu_si512((const void *) xs_c),
+                                                _mm512_loadu_si512((const void *) (xs_c + KT_BAND)));
+            const __m512i p1 = _mm512_add_epi32(_mm512_loadu_si512((const void *) (xs_c + 2 * KT_BAND)),
+                                                _mm512_loadu_si512((const void *) (xs_c + 3 * KT_BAND)));
+            #pragma GCC unroll 4
+            for (int t = 0; t < TN; t++) {
+                const int64_t blk = (n + t) * nsb + b;
+                const uint8_t *sc = scales + blk * 8, *mn = w->mins + blk * 8;
+                const __m512i dot = _mm512_add_epi32(_mm512_mullo_epi32(lo[t], _mm512_set1_epi32(sc[2 * c])),
+                                                     _mm512_mullo_epi32(hi[t], _mm512_set1_epi32(sc[2 * c + 1])));
+                const __m512i min = _mm512_add_epi32(_mm512_mullo_epi32(p0, _mm512_set1_epi32(mn[2 * c])),
+                                                     _mm512_mullo_epi32(p1, _mm512_set1_epi32(mn[2 * c + 1])));
+                acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(_mm512_set1_ps(w->d[blk]), xdv), acc[t]);
+                acc_min[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(min), _mm512_mul_ps(_mm512_set1_ps(w->dmin[blk]), xdv),
+                                             acc_min[t]);
+            }
+        }
+    }
+    #pragma GCC unroll 4
+    for (int t = 0; t < TN; t++) band_store(_mm512_sub_ps(acc[t], acc_min[t]), out, band, N, n + t);
+}
+
+/* Q8_0 / Q5_0 / Q4_0, the order of q0_tile (vec_dot_q*_0_q8_0, tinyBLAS_Q0): weight rows
+ * n..n+TN-1, as signed bytes in wu [TN][K] with corr [TN][K/4] = -128·(each 4's sum), against
+ * band `band` (activations + 128, Q0_ACT_UNSIGNED): lane l of block b, the four products
+ * 4l..4l+3, is one dpbusd on top of corr, exact; per block and lane
+ * acc_l = fma(f32(d_w·d_x), f32(lane), acc_l); the eight lanes summed as hsum_float_8. */
+static inline __attribute__((always_inline)) void q0_band(const fb_weight *w, const fb_act *a, const int8_t *wu,
+                                                          const int32_t *corr, int64_t n, const int TN, int64_t band,
+                                                          float *out) {
+    const int64_t K = w->cols, nb = K / 32, N = w->rows;
+    const int8_t *xq = a->qt + band * KT_BAND * K;
+    const float *xd = a->dt + band * KT_BAND * nb;
+    __m512 acc[2][8];
+    #pragma GCC unroll 2
+    for (int t = 0; t < TN; t++)
+        #pragma GCC unroll 8
+        for (int l = 0; l < 8; l++) acc[t][l] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) {
+        const __m512 dx = _mm512_loadu_ps(xd + b * KT_BAND);
+        __m512 d[2];
+        #pragma GCC unroll 2
+        for (int t = 0; t < TN; t++) d[t] = _mm512_mul_ps(_mm512_set1_ps(w->d[(n + t) * nb + b]), dx);
+        #pragma GCC unroll 8
+        for (int l = 0; l < 8; l++) {
+            const __m512i codes = _mm512_loadu_si512((const void *) (xq + (b * 8 + l) * 4 * KT_BAND));
+            #pragma GCC unroll 2
+            for (int t = 0; t < TN; t++) {
+                int32_t u;
+                memcpy(&u, wu + t * K + b * 32 + 4 * l, 4);
+                const __m512i lane = _mm512_dpbusd_epi32(_mm512_set1_epi32(corr[t * (K / 4) + b * 8 + l]), codes,
+                                                         _mm512_set1_epi32(u));
+                acc[t][l] = _mm512_fmadd_ps(d[t], _mm512_cvtepi32_ps(lane), acc[t][l]);
+            }
+        }
+    }
+    #pragma GCC unroll 2
+    for (int t = 0; t < TN; t++) {
+        const __m512 *x = acc[t];  /* hsum_float_8: ((x0+x4) + (x2+x6)) + ((x1+x5) + (x3+x7)) */
+        const __m512 r0 = _mm512_add_ps(x[4], x[0]), r1 = _mm512_add_ps(x[5], x[1]);
+        const __m512 r2 = _mm512_add_ps(x[6], x[2]), r3 = _mm512_add_ps(x[7], x[3]);
+        band_store(_mm512_add_ps(_mm512_add_ps(r0, r2), _mm512_add_ps(r1, r3)), out, band, N, n + t);
+    }
+}
+
+/* Weight row n of a Q8_0 / Q5_0 / Q4_0 matrix as signed bytes (q0_block) and each 4's -128·sum. */
+static void q0_unpack_row(const fb_weight *w, int64_t n, int8_t *dst, int32_t *corr) {
+    const int64_t nb = w->cols / 32;
+    for (int64_t b = 0; b < nb; b++) {
+        const __m256i v = q0_block(w, n * nb + b);
+        _mm256_storeu_si256((__m256i *) (dst + 32 * b), v);
+        const __m256i sums = _mm256_madd_epi16(_mm256_set1_epi16(1), _mm256_maddubs_epi16(_mm256_set1_epi8(1), v));
+        _mm256_storeu_si256((__m256i *) (corr + 8 * b), _mm256_slli_epi32(_mm256_sub_epi32(_mm256_setzero_si256(), sums), 7));
+    }
+}
+
+static void q0_bands(const fb_weight *w, int64_t bands, const fb_act *a, int64_t n0, int64_t n1, float *out) {
+    const int64_t K = w->cols;
+    int8_t wu[KT_SUB * K];
+    int32_t corr[KT_SUB * (K / 4)];
+    for (int64_t s0 = n0; s0 < n1; s0 += KT_SUB) {
+        const int64_t s1 = s0 + KT_SUB < n1 ? s0 + KT_SUB : n1;
+        for (int64_t n = s0; n < s1; n++) q0_unpack_row(w, n, wu + (n - s0) * K, corr + (n - s0) * (K / 4));
+        for (int64_t band = 0; band < bands; band++) {
+            int64_t n = s0;
+            for (; n + 2 <= s1; n += 2) q0_band(w, a, wu + (n - s0) * K, corr + (n - s0) * (K / 4), n, 2, band, out);
+            for (; n < s1; n++) q0_band(w, a, wu + (n - s0) * K, corr + (n - s0) * (K / 4), n, 1, band, out);
+        }
+    }
+}
+
+/* Weight row n's Q4_K nibbles, one byte per k (chunk c: bytes 32c.. low nibbles are k 64c..,
+ * their high nibbles k 64c + 32..). */
+static void q4_k_unpack_row(const fb_weight *w, int64_t n, uint8_t *dst) {
+    const int64_t nsb = w->cols / 256;
+    const __m256i low = _mm256_set1_epi8(0x0F);
+    for (int64_t b = 0; b < nsb; b++) {
+        const uint8_t *qa = (const uint8_t *) w->q + (n * nsb + b) * 144 + 16;
+        for (int c = 0; c < 4; c++) {
+            const __m256i v = _mm256_loadu_si256((const __m256i *) (qa + 32 * c));
+            _mm256_storeu_si256((__m256i *) (dst + b * 256 + 64 * c), _mm256_and_si256(v, low));
+            _mm256_storeu_si256((__m256i *) (dst + b * 256 + 64 * c + 32), _mm256_and_si256(_mm256_srli_epi16(v, 4), low));
+        }
+    }
+}
+
+static void q4_k_bands(const fb_weight *w, int64_t bands, const fb_act *a, int64_t n0, int64_t n1, float *out) {
+    const int64_t K = w->cols;
+    uint8_t wu[KT_SUB * K];
+    for (int64_t s0 = n0; s0 < n1; s0 += KT_SUB) {
+        const int64_t s1 = s0 + KT_SUB < n1 ? s0 + KT_SUB : n1;
+        for (int64_t n = s0; n < s1; n++) q4_k_unpack_row(w, n, wu + (n - s0) * K);
+        for (int64_t band = 0; band < bands; band++) {
+            int64_t n = s0;
+            for (; n + 4 <= s1; n += 4) q4_k_band(w, a, wu + (n - s0) * K, n, 4, band, out);
+            for (; n < s1; n++) q4_k_band(w, a, wu + (n - s0) * K, n, 1, band, out);
+        }
+    }
+}
+#endif
+
 static void quantize_rows(int type, const float *x, int64_t R, int64_t K, const fb_act *a,
                           int ith, int nth) {
     for (int64_t r = ith; r < R; r += nth) {
         const float *xr = x + r * K;
         if (is_q0(type))  /* the q0 kernels' layout (Q0_AT, Q0_SCALE) */
+        {
             quantize_q8_0_row(xr, K, a->q + Q0_AT(K / 32, r, 0), 32 * Q0_TILE, a->d + Q0_SCALE(K / 32, r, 0), Q0_TILE,
                               Q0_ACT_UNSIGNED);
+            if (a->qt && r < R - R % KT_BAND) band_row_q0(a, r, K);
+        }
         else if (is_q1(type)) quantize_q8_1_row(xr, K, a->q + r * K, a->d + r * (K / 32), a->s + r * (K / 32));
         else if (type == FB_F16) for (int64_t k = 0; k < K; k++) a->h[r * K + k] = round_f16(xr[k]);
-        else quantize_q8_k_row(xr, K, a->q + r * K, a->d + r * (K / 256), a->sums + r * (K / 16));
+        else {
+            quantize_q8_k_row(xr, K, a->q + r * K, a->d + r * (K / 256), a->sums + r * (K / 16));
+            if (a->qt && r < R - R % KT_BAND) band_row(a, r, K);
+        }
     }
 }
 
@@ -482,9 +763,16 @@ static inline __attribute__((always_inline)) void q0_single_rows(const fb_weight
  * rows, four weight rows at a time (q0_single). */
 #define Q0_ROW_GROUP 16
 static void q0_rows(const fb_weight *w, int64_t R, const fb_act *a, int64_t n0, int64_t n1, float *out) {
+    int64_t banded = 0;  /* activation rows in whole bands (q0_bands), the rest below */
+#if KT_BANDS
+    if (a->qt) {
+        banded = R - R % KT_BAND;
+        if (banded) q0_bands(w, banded / KT_BAND, a, n0, n1, out);
+    }
+#endif
     for (int64_t g = n0; g < n1; g += Q0_ROW_GROUP) {
         const int64_t g1 = g + Q0_ROW_GROUP < n1 ? g + Q0_ROW_GROUP : n1;
-        int64_t r = 0;
+        int64_t r = banded;
         for (; r + Q0_TILE <= R; r += Q0_TILE)
             for (int64_t n = g; n < g1; n++) q0_tile(w, a, R, n, r, Q0_TILE, out);
         for (; r + 4 <= R; r += 4)
@@ -827,16 +1115,16 @@ static inline void q6_k_tiled_tile(const fb_weight *w, const fb_act *a, int64_t 
     for (int i = 0; i < 4; i++) out[(r + i) * N + n] = res[i];
 }
 
-static void q6_k_rows(const fb_weight *w, int64_t R, const fb_act *a, int tiled, int64_t n0, int64_t n1,
+static void q6_k_rows(const fb_weight *w, int64_t r0, int64_t R, const fb_act *a, int tiled, int64_t n0, int64_t n1,
                       float *out) {
     const int64_t K = w->cols, nsb = K / 256, N = w->rows, S = K / 16;
     const uint8_t *wq = (const uint8_t *) w->q;
     const int8_t *scales = (const int8_t *) w->scales;
-    int64_t r_left = 0;
+    int64_t r_left = r0;  /* rows r0..R-1 (those before, the band kernel's) */
     if (tiled)  /* tiles of four rows; weight rows in groups that stay in L1 */
         for (int64_t g = n0; g < n1; g += K_ROW_GROUP) {
             const int64_t g1 = g + K_ROW_GROUP < n1 ? g + K_ROW_GROUP : n1;
-            for (r_left = 0; r_left + 4 <= R; r_left += 4)
+            for (r_left = r0; r_left + 4 <= R; r_left += 4)
                 for (int64_t n = g; n < g1; n++) q6_k_tiled_tile(w, a, n, r_left, out);
         }
     for (int64_t n = n0; n < n1; n++) {
@@ -1100,11 +1388,28 @@ static void matmul_part(const fb_weight *w, int64_t R, const fb_act *a, const fb
             break;
         }
         const int64_t gemm = R > 3 ? R - R % 4 : 0;  /* repacked Q4_K: gemm rows, then gemv */
-        if (gemm) q4_k_rows(w, 0, gemm, a, 0, n0, n1, out);
+        int64_t banded = 0;  /* gemm rows in whole bands (q4_k_bands), the rest by four */
+#if KT_BANDS
+        if (a->qt) {
+            banded = gemm - gemm % KT_BAND;
+            if (banded) q4_k_bands(w, banded / KT_BAND, a, n0, n1, out);
+        }
+#endif
+        if (banded < gemm) q4_k_rows(w, banded, gemm, a, 0, n0, n1, out);
         if (gemm < R) q4_k_rows(w, gemm, R, a, 1, n0, n1, out);
         break;
     }
-    case FB_Q6_K: q6_k_rows(w, R, a, R >= 8, n0, n1, out); break;
+    case FB_Q6_K: {
+        int64_t banded = 0;  /* tiled rows in whole bands (q6_k_bands), the rest by four */
+#if KT_BANDS
+        if (a->qt && R >= 8) {
+            banded = R - R % KT_BAND;
+            if (banded) q6_k_bands(w, banded / KT_BAND, a, n0, n1, out);
+        }
+#endif
+        if (banded < R) q6_k_rows(w, banded, R, a, R >= 8, n0, n1, out);
+        break;
+    }
     case FB_TQ1_0: case FB_TQ2_0: tq_rows(w, R, a, n0, n1, out); break;
     default: f16_rows(w, R, a, p->f16_lanes, n0, n1, out); break;
     }
@@ -1126,10 +1431,20 @@ static int act_alloc(fb_act *a, int64_t R, int64_t K) {
     a->sums = malloc(sizeof(int16_t) * (size_t) (R * (K / 16) + 16));
     a->h = malloc(sizeof(float) * (size_t) (R * K) + 64);
     a->s = malloc(sizeof(float) * (size_t) (R * (K / 32) + 1));
+    a->qt = NULL, a->bt = NULL, a->dt = NULL;
+    if (KT_BANDS && R >= KT_BAND) {  /* the band kernels' copy of whole bands */
+        const int64_t Rb = R - R % KT_BAND;
+        a->qt = malloc((size_t) (Rb * K) + 64);
+        a->bt = malloc(sizeof(int32_t) * (size_t) (Rb * (K / 16) + 16));
+        a->dt = malloc(sizeof(float) * (size_t) (Rb * (K / 32) + 16));  /* Q8_0's scales, or Q8_K's */
+        if (!(a->qt && a->bt && a->dt)) return -1;
+    }
     return a->q && a->d && a->sums && a->h && a->s ? 0 : -1;
 }
 
-static void act_free(fb_act *a) { free(a->q); free(a->d); free(a->sums); free(a->h); free(a->s); }
+static void act_free(fb_act *a) {
+    free(a->q); free(a->d); free(a->sums); free(a->h); free(a->s); free(a->qt); free(a->bt); free(a->dt);
+}
 
 static void matmul_part_rowwise(const fb_weight *w, int64_t R, const fb_act *a, const fb_plan *p, int64_t n0,
                                 int64_t n1, float *out);
@@ -1647,7 +1962,7 @@ static void matmul_part_rowwise(const fb_weight *w, int64_t R, const fb_act *a, 
         if (!p->repack || w->rows % 8) k_plain_rows(w, R, a, 0, n0, n1, out);
         else q4_k_rows(w, 0, R, a, 1, n0, n1, out);
         break;
-    case FB_Q6_K: q6_k_rows(w, R, a, 0, n0, n1, out); break;
+    case FB_Q6_K: q6_k_rows(w, 0, R, a, 0, n0, n1, out); break;
     case FB_TQ1_0: case FB_TQ2_0: tq_rows(w, R, a, n0, n1, out); break;
     default:
         for (int64_t n = n0; n < n1; n++)
