@@ -77,7 +77,9 @@ def with_configuration(monkeypatch, repacked: bool, features=None) -> cpu.Kernel
 @needs_native
 @pytest.mark.parametrize("repacked", [True, False], ids=["repacked", "no-repack"])
 @pytest.mark.parametrize("qtype", QUANTIZED)
-@pytest.mark.parametrize("rows", [1, 3, 5, TILED_MIN_ROWS, 13])  # vec_dot/gemv, gemm+gemv, tiled
+# vec_dot/gemv, gemm+gemv, tiled; 37: two bands of 16 rows (the band kernels of AVX512-VNNI
+# builds), then a tile of four and one row by the other kernels
+@pytest.mark.parametrize("rows", [1, 3, 5, TILED_MIN_ROWS, 13, 37])
 def test_c_kernels_equal_torch_reference(qtype, rows, repacked, monkeypatch):
     """The quantized kernels sum in one order on every x86 build (engine/kernels/cpu.py); 24
     weight rows are repacked where llama.cpp repacks, 20 never are."""
@@ -157,7 +159,7 @@ def test_avx2_build_equals_torch_reference(qtype, monkeypatch):
     batch path (one row, gemv / vec_dot, tiled), as this machine's build does."""
     use_build(monkeypatch, "avx2")
     with_configuration(monkeypatch, repacked=True)
-    for batch in (1, 3, 5, TILED_MIN_ROWS, 13):
+    for batch in (1, 3, 5, TILED_MIN_ROWS, 13, 37):
         for n in (24, 20):
             raw = random_weight(qtype, n, 512)
             x = activations(batch, 512)
@@ -370,12 +372,13 @@ def engine_matmul(raw: torch.Tensor, qtype: T, rows: int, cols: int, x: torch.Te
 
 @pytest.mark.llamacpp
 @pytest.mark.parametrize("qtype", MUL_MAT_TYPES, ids=lambda t: t.name)
-@pytest.mark.parametrize("batch", [1, 3, 5, TILED_MIN_ROWS, 13, 20])
+@pytest.mark.parametrize("batch", [1, 3, 5, TILED_MIN_ROWS, 13, 20, 37])
 def test_no_repack_matmul_matches_ggml_mul_mat(qtype, batch, monkeypatch):
     """Whole matmuls against ggml's own MUL_MAT in plain host memory (no extra buffer types: the
     configuration llama.cpp runs in with --no-repack, and as open_llama opens an AMX build): per
     type and batch size the kernel ggml picks (vec_dot loop, llamafile tinyBLAS, tiled K-quants;
-    batch 20 takes the tiled standard path, 8 and 13 its narrow one), 24 and 20 weight rows."""
+    batch 20 takes the tiled standard path, 8 and 13 its narrow one), 24 and 20 weight rows;
+    batch 37 runs the engine's band kernels on its first 32 rows (AVX512-VNNI builds)."""
     p = with_configuration(monkeypatch, repacked=False, features=require_same_plan().features)
     for n in (24, 20):
         raw = random_weight(qtype, n, 1024, seed=n)

@@ -28,10 +28,12 @@ pytestmark = pytest.mark.skipif(kernels() is None, reason="no C compiler to buil
 
 AVX2 = frozenset({"avx", "avx2", "fma", "f16c"})
 AVX512_VNNI = AVX2 | {"avx512f", "avx512dq", "avx512bw", "avx512vl", "avx512_vnni"}
-IDS = [1, 40, 7, 200, 12, 99, 5, 261, 33, 18, 2, 77, 150, 64, 3, 250, 8, 9, 31, 44, 6]
+IDS = [1, 40, 7, 200, 12, 99, 5, 261, 33, 18, 2, 77, 150, 64, 3, 250, 8, 9, 31, 44, 6,
+       *((7 * i + 3) % 250 + 1 for i in range(37))]
 # (tokens, start) per call: a 13-row prompt (Q4_K gemm rows + a gemv row, tiled Q6_K, tinyBLAS),
-# one-token steps, then a 5-row batch (vec_dot Q6_K, gemm 4 + gemv 1) past Gemma's window
-CALLS = ((0, 13), (13, 14), (14, 15), (15, 20), (20, 21))
+# one-token steps, then a 5-row batch (vec_dot Q6_K, gemm 4 + gemv 1) past Gemma's window, then
+# a 37-row batch (two bands of 16 rows for the AVX512-VNNI band kernels, a tile of 4, a row)
+CALLS = ((0, 13), (13, 14), (14, 15), (15, 20), (20, 21), (21, 58))
 CASES = [("gemma3", "Q4_K"), ("gemma3", "Q5_0"), ("llama", "Q8_0"), ("llama", "F16"),
          ("qwen2", "Q4_K"), ("qwen3", "Q6_K"), ("qwen2", "Q5_K"), ("llama", "Q4_0"),
          ("llama", "Q4_1"), ("qwen3", "Q5_1")]
