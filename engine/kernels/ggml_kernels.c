@@ -423,6 +423,12 @@ static inline __attribute__((always_inline)) void q4_k_band(const fb_weight *w, 
     for (int t = 0; t < TN; t++) acc[t] = acc_min[t] = _mm512_setzero_ps();
     for (int64_t b = 0; b < nsb; b++) {
         const __m512 xdv = _mm512_loadu_ps(xd + b * KT_BAND);
+        __m512 sd[4], smin[4];  /* f32(d_w·d_x) and f32(dmin_w·d_x) of the superblock */
+        #pragma GCC unroll 4
+        for (int t = 0; t < TN; t++) {
+            sd[t] = _mm512_mul_ps(_mm512_set1_ps(w->d[(n + t) * nsb + b]), xdv);
+            smin[t] = _mm512_mul_ps(_mm512_set1_ps(w->dmin[(n + t) * nsb + b]), xdv);
+        }
         for (int c = 0; c < 4; c++) {
             const int64_t k0 = b * 256 + 64 * c;
             __m512i lo[4], hi[4];
@@ -447,17 +453,19 @@ static inline __attribute__((always_inline)) void q4_k_band(const fb_weight *w, 
                                                 _mm512_loadu_si512((const void *) (xs_c + KT_BAND)));
             const __m512i p1 = _mm512_add_epi32(_mm512_loadu_si512((const void *) (xs_c + 2 * KT_BAND)),
                                                 _mm512_loadu_si512((const void *) (xs_c + 3 * KT_BAND)));
+            /* each lane's two sums as an int16 pair (|.| <= 2·16·128 fits), so that one dpwssd
+             * forms m_2c·p0 + m_2c+1·p1 per weight row */
+            const __m512i pp = _mm512_or_si512(_mm512_and_si512(p0, _mm512_set1_epi32(0xFFFF)), _mm512_slli_epi32(p1, 16));
             #pragma GCC unroll 4
             for (int t = 0; t < TN; t++) {
                 const int64_t blk = (n + t) * nsb + b;
                 const uint8_t *sc = scales + blk * 8, *mn = w->mins + blk * 8;
                 const __m512i dot = _mm512_add_epi32(_mm512_mullo_epi32(lo[t], _mm512_set1_epi32(sc[2 * c])),
                                                      _mm512_mullo_epi32(hi[t], _mm512_set1_epi32(sc[2 * c + 1])));
-                const __m512i min = _mm512_add_epi32(_mm512_mullo_epi32(p0, _mm512_set1_epi32(mn[2 * c])),
-                                                     _mm512_mullo_epi32(p1, _mm512_set1_epi32(mn[2 * c + 1])));
-                acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(_mm512_set1_ps(w->d[blk]), xdv), acc[t]);
-                acc_min[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(min), _mm512_mul_ps(_mm512_set1_ps(w->dmin[blk]), xdv),
-                                             acc_min[t]);
+                const __m512i min = _mm512_dpwssd_epi32(_mm512_setzero_si512(), pp,
+                                                        _mm512_set1_epi32(mn[2 * c] | (int32_t) mn[2 * c + 1] << 16));
+                acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), sd[t], acc[t]);
+                acc_min[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(min), smin[t], acc_min[t]);
             }
         }
     }
@@ -1462,8 +1470,10 @@ static int matmul_threads(const fb_weight *w, int64_t R, const float *x, const f
         quantize_rows(w->type, x, R, w->cols, &a, ith, nth);
         #pragma omp barrier
         /* rows in chunks the threads take as they come free (region_matmuls says why), about
-         * eight per thread, whole multiples of 64 rows */
-        const int64_t per = w->rows / (8 * nth) > 64 ? w->rows / (8 * nth) : 64;
+         * 32 per thread, whole multiples of 64 rows: the last chunk's thread finishes at most
+         * 1/32 of its share after the others (an LM head of 262144 rows: chunks of 4096 rows,
+         * each still one long stream) */
+        const int64_t per = w->rows / (32 * nth) > 64 ? w->rows / (32 * nth) : 64;
         const int64_t chunk = round_up(per, 64), chunks = (w->rows + chunk - 1) / chunk;
         #pragma omp for schedule(dynamic, 1) nowait
         for (int64_t c = 0; c < chunks; c++) {
@@ -1579,6 +1589,32 @@ static inline float expf_ggml(float x, int lanes) {
     return fmaf(j, k, k);
 }
 
+/* expf_ggml on eight values at once, the same operations lane for lane (vector fma = fmaf; for
+ * the AVX-512 form, ldexpf(j, n) = j · 2^n: both are the exact product rounded once). */
+static inline __m256 expf_ggml8(__m256 x, int lanes) {
+    const __m256 z = _mm256_fmadd_ps(x, _mm256_set1_ps(0x1.715476p+0f), _mm256_set1_ps(0x1.8p23f));
+    const __m256 n = _mm256_sub_ps(z, _mm256_set1_ps(0x1.8p23f));
+    const __m256 big = _mm256_cmp_ps(_mm256_andnot_ps(_mm256_set1_ps(-0.0f), n), _mm256_set1_ps(126.0f), _CMP_GT_OQ);
+    const __m256 b = _mm256_fnmadd_ps(n, _mm256_set1_ps(0x1.7f7d1cp-20f),
+                                      _mm256_fnmadd_ps(n, _mm256_set1_ps(0x1.62e4p-1f), x));
+    const __m256 u = _mm256_mul_ps(b, b);
+    const __m256 p = _mm256_fmadd_ps(_mm256_fmadd_ps(_mm256_set1_ps(0x1.0e4020p-7f), b, _mm256_set1_ps(0x1.573e2ep-5f)), u,
+                                     _mm256_fmadd_ps(_mm256_set1_ps(0x1.555e66p-3f), b, _mm256_set1_ps(0x1.fffdb6p-2f)));
+    __m256 r;
+    if (lanes == 16) {
+        const __m256 j = _mm256_fmadd_ps(p, u, _mm256_fmadd_ps(_mm256_set1_ps(0x1.ffffecp-1f), b, _mm256_set1_ps(1.0f)));
+        /* 2^n for |n| <= 126 (the other lanes are zeroed below) */
+        const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+        r = _mm256_mul_ps(j, _mm256_castsi256_ps(e));
+    } else {
+        const __m256 k = _mm256_castsi256_ps(_mm256_add_epi32(_mm256_slli_epi32(_mm256_castps_si256(z), 23),
+                                                              _mm256_set1_epi32(0x3F800000)));
+        const __m256 j = _mm256_fmadd_ps(p, u, _mm256_mul_ps(_mm256_set1_ps(0x1.ffffecp-1f), b));
+        r = _mm256_fmadd_ps(j, k, k);
+    }
+    return _mm256_andnot_ps(big, r);
+}
+
 /* ggml's table GELU (GGML_GELU_FP16) and ggml_v_silu, as engine/kernels/numerics.py has them. */
 static inline float gelu_table(const float *table, float x) {
     if (x <= -10.0f) return 0.0f;
@@ -1597,10 +1633,19 @@ static inline float silu_ggml(float x, int lanes) {
 static float (*volatile libm_cosf)(float) = cosf;
 static float (*volatile libm_sinf)(float) = sinf;
 
+static void rope_part(const fb_layer *L, int64_t pos, int64_t i0, int64_t i1, float *cs, float *sn);
+
 /* ggml_rope_cache_init's angles for one position (engine/models/blocks.py rope_tables). */
 static void rope_row(const fb_layer *L, int64_t pos, int64_t half, float *cs, float *sn) {
+    rope_part(L, pos, 0, half, cs, sn);
+}
+
+/* rope_row's angles i0..i1-1 only (the others' threads take the rest of a one-position step; the
+ * chain of theta products is the same from 0, only the cosf / sinf calls are shared out). */
+static void rope_part(const fb_layer *L, int64_t pos, int64_t i0, int64_t i1, float *cs, float *sn) {
     float theta = (float) pos;
-    for (int64_t i = 0; i < half; i++) {
+    for (int64_t i = 0; i < i0; i++) theta = theta * L->rope_step;
+    for (int64_t i = i0; i < i1; i++) {
         float angle = theta;
         theta = theta * L->rope_step;
         if (L->rope_freq_factors) angle = angle / L->rope_freq_factors[i];
@@ -1630,6 +1675,52 @@ static void rope_apply(float *x, int64_t hd, int neox, const float *cs, const fl
  * converted from f16 once for the G heads (tinyBLAS's register tile, f16_tile, for the scores);
  * every head's sums are those it gets alone. */
 #define ATT_GROUP 4
+/* V·p of the batch kernel (tinyBLAS: output dim d is the dot over the keys j, lane j mod L, an
+ * fma chain each in key order, then _mm512_reduce_add_ps / hsum_float_8 of the lanes) for G
+ * heads, keys lo..last (lo a multiple of L): eight dims at a time with the L chains in
+ * registers, rather than L rows of accumulators in memory loaded and stored at every key. */
+static inline __attribute__((always_inline)) void attend_v_tiny_hd(const float *s, int64_t s_stride, int G,
+                                                                    const uint16_t *vc, const int64_t hd, int64_t lo,
+                                                                    int64_t last, const int L, float *out) {
+    for (int64_t d = 0; d < hd; d += 8)
+        for (int g = 0; g < G; g++) {
+            const float *sg = s + g * s_stride;
+            __m256 a[16];
+            #pragma GCC unroll 16
+            for (int l = 0; l < L; l++) a[l] = _mm256_setzero_ps();
+            int64_t j = lo;
+            for (; j + L <= last + 1; j += L) {
+                const uint16_t *vj = vc + j * hd + d;
+                #pragma GCC unroll 16
+                for (int l = 0; l < L; l++) a[l] = _mm256_fmadd_ps(_mm256_set1_ps(sg[j + l]), LOAD_F16(vj + l * hd), a[l]);
+            }
+            {  /* the last keys, fewer than L: chain l takes key j + l */
+                const uint16_t *vj = vc + j * hd + d;
+                #pragma GCC unroll 16
+                for (int l = 0; l < L; l++)
+                    if (j + l <= last) a[l] = _mm256_fmadd_ps(_mm256_set1_ps(sg[j + l]), LOAD_F16(vj + l * hd), a[l]);
+            }
+            __m256 x[8];
+            #pragma GCC unroll 8
+            for (int l = 0; l < 8; l++) x[l] = L == 16 ? _mm256_add_ps(a[l + 8], a[l]) : a[l];
+            const __m256 r0 = _mm256_add_ps(x[4], x[0]), r1 = _mm256_add_ps(x[5], x[1]);
+            const __m256 r2 = _mm256_add_ps(x[6], x[2]), r3 = _mm256_add_ps(x[7], x[3]);
+            _mm256_storeu_ps(out + g * hd + d, _mm256_add_ps(_mm256_add_ps(r0, r2), _mm256_add_ps(r1, r3)));
+        }
+}
+
+/* (the head dimension and lane count made constants for the common cases: the key offsets
+ * l·hd become immediates instead of sixteen live pointers) */
+static void attend_v_tiny(const float *s, int64_t s_stride, int G, const uint16_t *vc, int64_t hd, int64_t lo,
+                          int64_t last, int L, float *out) {
+    if (L == 16 && hd == 256) attend_v_tiny_hd(s, s_stride, G, vc, 256, lo, last, 16, out);
+    else if (L == 16 && hd == 128) attend_v_tiny_hd(s, s_stride, G, vc, 128, lo, last, 16, out);
+    else if (L == 16) attend_v_tiny_hd(s, s_stride, G, vc, hd, lo, last, 16, out);
+    else if (hd == 256) attend_v_tiny_hd(s, s_stride, G, vc, 256, lo, last, 8, out);
+    else if (hd == 128) attend_v_tiny_hd(s, s_stride, G, vc, 128, lo, last, 8, out);
+    else attend_v_tiny_hd(s, s_stride, G, vc, hd, lo, last, 8, out);
+}
+
 static void attend_heads(const float *q16, int G, const uint16_t *kc, const uint16_t *vc, int64_t hd, int64_t pos,
                          int64_t window, int64_t cache_len, float kq_scale, int batch, const fb_plan *p,
                          float *s, int64_t s_stride, float *acc, float *out) {
@@ -1654,13 +1745,31 @@ static void attend_heads(const float *q16, int G, const uint16_t *kc, const uint
     }
     for (int g = 0; g < G; g++) {
         float *sg = s + g * s_stride;
-        for (int64_t j = lo; j < hi; j++) sg[j] = j >= first && j <= pos ? expf_ggml(sg[j] - top[g], SL) : 0.0f;
+        /* lo, first - first % 8, pos + 1 rounded up and hi are multiples of 8 (4·L is) */
+        const int64_t e0 = first - first % 8, e1 = round_up(pos + 1, 8);
+        for (int64_t j = lo; j < e0; j++) sg[j] = 0.0f;
+        const __m256 topv = _mm256_set1_ps(top[g]);
+        for (int64_t j = e0; j < e1; j += 8) {
+            const __m256 e = expf_ggml8(_mm256_sub_ps(_mm256_loadu_ps(sg + j), topv), SL);
+            _mm256_storeu_ps(sg + j, e);
+            if (j < first || j + 8 > pos + 1)  /* the keys outside [first, pos] of an edge group */
+                for (int64_t i = j; i < j + 8; i++)
+                    if (i < first || i > pos) sg[i] = 0.0f;
+        }
+        for (int64_t j = e1; j < hi; j++) sg[j] = 0.0f;
         double total = 0.0;
         for (int64_t i = lo; i < hi; i += SL)
             total += (double) (SL == 16 ? hsum8v(_mm256_add_ps(_mm256_loadu_ps(sg + i + 8), _mm256_loadu_ps(sg + i)))
                                         : hsum8(sg + i));
         const float inv = (float) (1.0 / total);
-        for (int64_t j = lo; j < hi; j++) sg[j] = round_f16(sg[j] * inv);
+        const __m256 invv = _mm256_set1_ps(inv);
+        for (int64_t j = lo; j < hi; j += 8)  /* round_f16(sg[j] · inv), eight at a time */
+            _mm256_storeu_ps(sg + j, _mm256_cvtph_ps(_mm256_cvtps_ph(_mm256_mul_ps(_mm256_loadu_ps(sg + j), invv),
+                                                                     _MM_FROUND_TO_NEAREST_INT)));
+    }
+    if (v_tiny) {
+        attend_v_tiny(s, s_stride, G, vc, hd, lo, pos < cache_len ? pos : cache_len - 1, L, out);
+        return;
     }
     /* V·p, vectorized across the head's dims: per output dim the lanes (and steps) of the kernel
      * llama.cpp runs, each an fma chain over the keys in order */
@@ -1784,6 +1893,13 @@ static void add_to_residual(const fb_model *m, const float *post_norm, const flo
 static void gated_unit(const fb_model *m, const fb_plan *p, float *gb, const float *ub, int64_t R,
                        int ith, int nth) {
     const int64_t F = m->ffn_dim;
+    if (R == 1) {  /* one row (a decode step): its elements shared out, each computed alike */
+        int64_t i0, i1;
+        thread_share(F, ith, nth, &i0, &i1);
+        for (int64_t i = i0; i < i1; i++)
+            gb[i] = (m->gelu ? gelu_table(m->gelu_table, gb[i]) : silu_ggml(gb[i], p->softmax_lanes)) * ub[i];
+        return;
+    }
     for (int64_t t = ith; t < R; t += nth)
         for (int64_t i = 0; i < F; i++) {
             const float g = gb[t * F + i];
@@ -1828,7 +1944,14 @@ int fb_forward(const fb_model *m, const fb_plan *p, int64_t T, int64_t start_pos
                 for (int64_t t = ith; t < T; t += nth) rmsnorm_row(h + t * D, D, Lr->attn_norm, m->norm_eps, xn + t * D);
                 if (!prev || prev->rope_step != Lr->rope_step || prev->rope_freq_scale != Lr->rope_freq_scale ||
                     prev->rope_freq_factors != Lr->rope_freq_factors)
-                    for (int64_t t = ith; t < T; t += nth) rope_row(Lr, start_pos + t, half, cs + t * half, sn + t * half);
+                {
+                    if (T == 1) {  /* one position (a decode step): its angles shared out */
+                        int64_t i0, i1;
+                        thread_share(half, ith, nth, &i0, &i1);
+                        rope_part(Lr, start_pos, i0, i1, cs, sn);
+                    } else
+                        for (int64_t t = ith; t < T; t += nth) rope_row(Lr, start_pos + t, half, cs + t * half, sn + t * half);
+                }
                 prev = Lr;
                 barrier_wait(&bar);
                 {
