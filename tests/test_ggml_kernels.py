@@ -396,11 +396,12 @@ def test_no_repack_matmul_matches_ggml_mul_mat(qtype, batch, monkeypatch):
 
 
 @pytest.mark.llamacpp
-@pytest.mark.parametrize("batch", [1, 13])
+@pytest.mark.parametrize("batch", [1, 13, 37])
 def test_repacked_q4_k_order_is_not_the_no_repack_one(batch, monkeypatch):
     """The twin: the repacked Q4_K gemv/gemm the engine follows where llama.cpp keeps its extra
-    buffer types do not give ggml's unrepacked results (vec_dot_q4_K for 1 row, tiled for 13), so
-    following the configuration is what makes the check above pass."""
+    buffer types do not give ggml's unrepacked results (vec_dot_q4_K for 1 row, tiled for 13 and
+    37, where the engine's band kernels sum the first 32), so following the configuration is what
+    makes the check above pass."""
     p = with_configuration(monkeypatch, repacked=True, features=require_same_plan().features)
     raw = random_weight(T.Q4_K, 24, 1024, seed=24)
     x = activations(batch, 1024)
