@@ -527,10 +527,13 @@ static void q0_unpack_row(const fb_weight *w, int64_t n, int8_t *dst, int32_t *c
     }
 }
 
-static void q0_bands(const fb_weight *w, int64_t bands, const fb_act *a, int64_t n0, int64_t n1, float *out) {
+/* Returns 0, or -1 (nothing done: the caller's other kernels take the rows) without memory for
+ * the unpacked rows (on the heap: a thread's stack may be small, and K large). */
+static int q0_bands(const fb_weight *w, int64_t bands, const fb_act *a, int64_t n0, int64_t n1, float *out) {
     const int64_t K = w->cols;
-    int8_t wu[KT_SUB * K];
-    int32_t corr[KT_SUB * (K / 4)];
+    int8_t *wu = malloc((size_t) (KT_SUB * K));
+    int32_t *corr = malloc(sizeof(int32_t) * (size_t) (KT_SUB * (K / 4)));
+    if (!wu || !corr) { free(wu); free(corr); return -1; }
     for (int64_t s0 = n0; s0 < n1; s0 += KT_SUB) {
         const int64_t s1 = s0 + KT_SUB < n1 ? s0 + KT_SUB : n1;
         for (int64_t n = s0; n < s1; n++) q0_unpack_row(w, n, wu + (n - s0) * K, corr + (n - s0) * (K / 4));
@@ -540,6 +543,9 @@ static void q0_bands(const fb_weight *w, int64_t bands, const fb_act *a, int64_t
             for (; n < s1; n++) q0_band(w, a, wu + (n - s0) * K, corr + (n - s0) * (K / 4), n, 1, band, out);
         }
     }
+    free(wu);
+    free(corr);
+    return 0;
 }
 
 /* Weight row n's Q4_K nibbles, one byte per k (chunk c: bytes 32c.. low nibbles are k 64c..,
@@ -557,9 +563,10 @@ static void q4_k_unpack_row(const fb_weight *w, int64_t n, uint8_t *dst) {
     }
 }
 
-static void q4_k_bands(const fb_weight *w, int64_t bands, const fb_act *a, int64_t n0, int64_t n1, float *out) {
+static int q4_k_bands(const fb_weight *w, int64_t bands, const fb_act *a, int64_t n0, int64_t n1, float *out) {
     const int64_t K = w->cols;
-    uint8_t wu[KT_SUB * K];
+    uint8_t *wu = malloc((size_t) (KT_SUB * K));  /* as q0_bands */
+    if (!wu) return -1;
     for (int64_t s0 = n0; s0 < n1; s0 += KT_SUB) {
         const int64_t s1 = s0 + KT_SUB < n1 ? s0 + KT_SUB : n1;
         for (int64_t n = s0; n < s1; n++) q4_k_unpack_row(w, n, wu + (n - s0) * K);
@@ -569,6 +576,8 @@ static void q4_k_bands(const fb_weight *w, int64_t bands, const fb_act *a, int64
             for (; n < s1; n++) q4_k_band(w, a, wu + (n - s0) * K, n, 1, band, out);
         }
     }
+    free(wu);
+    return 0;
 }
 #endif
 
@@ -775,7 +784,7 @@ static void q0_rows(const fb_weight *w, int64_t R, const fb_act *a, int64_t n0, 
 #if KT_BANDS
     if (a->qt) {
         banded = R - R % KT_BAND;
-        if (banded) q0_bands(w, banded / KT_BAND, a, n0, n1, out);
+        if (banded && q0_bands(w, banded / KT_BAND, a, n0, n1, out)) banded = 0;
     }
 #endif
     for (int64_t g = n0; g < n1; g += Q0_ROW_GROUP) {
@@ -1400,7 +1409,7 @@ static void matmul_part(const fb_weight *w, int64_t R, const fb_act *a, const fb
 #if KT_BANDS
         if (a->qt) {
             banded = gemm - gemm % KT_BAND;
-            if (banded) q4_k_bands(w, banded / KT_BAND, a, n0, n1, out);
+            if (banded && q4_k_bands(w, banded / KT_BAND, a, n0, n1, out)) banded = 0;
         }
 #endif
         if (banded < gemm) q4_k_rows(w, banded, gemm, a, 0, n0, n1, out);
