@@ -47,6 +47,9 @@ class _WrongDraft:
     def decode(self, prompt, n):
         return [7] * n
 
+    def decode_many(self, items):
+        return [self.decode(prompt, n) for prompt, n in items]
+
 
 @pytest.mark.parametrize("draft_kind", ["same file, native", "wrong tokens"])
 def test_question2s_answers_follow_a_draft_to_the_answers_decoding_gives(tmp_path, draft_kind):
@@ -64,6 +67,30 @@ def test_question2s_answers_follow_a_draft_to_the_answers_decoding_gives(tmp_pat
         # the twin: this draft's own answers are not the model's
         assert [str(draft.decode(p, quality.ANSWER_TOKENS)) for p in prompts] != decoded
     assert quality._answers(_Runner(*_load_engine(model)[:2]), prompts, str, draft) == decoded
+
+
+def test_decoding_prompts_together_gives_each_prompt_the_tokens_it_gets_alone(tmp_path,
+                                                                             monkeypatch):
+    from engine.models import native_forward
+
+    path = write_tiny_gguf(tmp_path / "tiny.gguf", arch="gemma3", qtype="Q8_0")
+    model = {"kind": "gguf", "path": str(path), "numerics": "llamacpp"}
+    runner = _Runner(*_load_engine(model)[:2])
+    if native_forward.native_decoder(runner.net) is None:
+        pytest.skip("the native kernels cannot be built here")
+    prompts = [runner.tok.encode(text) for text in ("the sea and", "ship", "a")]
+    items = [(p, n) for p, n in zip(prompts, (12, 5, 9))]
+    alone = [_Runner(*_load_engine(model)[:2]).decode(p, n) for p, n in items]
+    steps = []
+    real = native_forward.decode_batch
+    monkeypatch.setattr(native_forward, "decode_batch",
+                        lambda net, tokens, *a: steps.append(len(tokens)) or real(net, tokens, *a))
+    assert runner.decode_many(items) == alone
+    assert steps[0] == len(items) and len(steps) == 11       # they stepped together
+    assert runner.decode_many(items) == alone and len(steps) == 11    # asked again: kept
+    # the twin: each prompt's answer differs from the others', so a row given to the wrong
+    # sequence (or one answer copied to all) would fail the equality above
+    assert len({tuple(a[:5]) for a in alone}) == len(alone)
 
 
 def test_a_model_under_llamacpp_numerics_gets_no_draft(tmp_path):

@@ -213,8 +213,8 @@ def _answers(runner, prompts: list[list[int]], decode, draft=None) -> list[str]:
     from engine.export.equivalence import follow_guesses
 
     if draft is None or getattr(runner.net, "numerics", "f32") == "llamacpp":
-        return [decode(runner.decode(p, ANSWER_TOKENS)) for p in prompts]
-    guesses = [draft.decode(p, ANSWER_TOKENS) for p in prompts]
+        return [decode(a) for a in runner.decode_many([(p, ANSWER_TOKENS) for p in prompts])]
+    guesses = draft.decode_many([(p, ANSWER_TOKENS) for p in prompts])
     scored = runner.score_many([(p + g, len(p) - 1) for p, g in zip(prompts, guesses)])
     return [decode(answer) for answer, _ in follow_guesses(runner, prompts, guesses, scored,
                                                           ANSWER_TOKENS, draft)]
