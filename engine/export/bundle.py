@@ -68,6 +68,10 @@ class Bundle:
     fine_tune: dict | None = None     # worker load spec of the unquantized fine-tune
     base_spec: dict | None = None     # worker load spec of the base it was fine-tuned from
     name: str = ""                    # the fine-tune's name: general.name, the card's title
+    # called with the exported file's path once the merged fine-tune is on disk, before the
+    # conversion writes that file (the report starts question 2's worker there)
+    on_merged: Callable[[Path], None] | None = None
+    question2: object = None          # _Question2 while its worker runs
 
     @property
     def verdict(self):
@@ -329,6 +333,10 @@ def _export_merged(bundle: Bundle, staging: Path, scratch: Path, base: Path,
         bundle.stages.append(_gguf_stage("merged", f"adapters merged into the dense base "
                                          f"({len(result.merged)} matrices)", merged, staging))
     bundle.base["matched_by"] = result.base_match
+    bundle.fine_tune = {"kind": "gguf", "path": str(merged), "numerics": "f32"}
+    bundle.base_spec = {"kind": "gguf", "path": str(base), "numerics": "f32"}
+    if bundle.on_merged is not None:
+        bundle.on_merged(final)
     if not same_type:
         with progress.tensors(f"convert → {bundle.dtype}") as update:
             write_export_file(merged, final, bundle.dtype, progress=update,
@@ -344,8 +352,6 @@ def _export_merged(bundle: Bundle, staging: Path, scratch: Path, base: Path,
     bundle.files.append(MODEL_GGUF)
     bundle.llamacpp = _llamacpp_stage(final, "the exported model.gguf in llama.cpp")
     bundle.reference = None if same_type else merged
-    bundle.fine_tune = {"kind": "gguf", "path": str(merged), "numerics": "f32"}
-    bundle.base_spec = {"kind": "gguf", "path": str(base), "numerics": "f32"}
 
 
 # ----------------------------------------------------------------------- the card and sums
@@ -597,6 +603,13 @@ def export_run(run_dir: str | os.PathLike, out: str | os.PathLike, *, checkpoint
                                   path=out, hint="free some space and export again") from exc
         raise
     finally:
+        # a question-2 worker still held at its gate (the export failed before its files were
+        # written) is stopped, and waited for, before its files go
+        held = bundle.question2
+        if held is not None and held.gate is not None and held.gate.opened is None:
+            held.gate.cancel()
+            with contextlib.suppress(Exception):
+                held.future.result()
         shutil.rmtree(scratch, ignore_errors=True)
     from engine.export.verdict import record_in_run
 
@@ -638,14 +651,20 @@ def _fill_bundle(bundle: Bundle, staging: Path, scratch: Path, base: str | None,
         bundle.report["verdict"] = bundle.verdict.as_dict()
         _finish_bundle(bundle, staging)
         return
+    if report and dtype in CHOICES and CHOICES[dtype].llamacpp:
+        # question 2's worker starts as soon as the merged fine-tune is written: it scores the
+        # base and the fine-tune while the exported file is converted (one core's work, the
+        # other idle), then waits for that file (_open_question2)
+        bundle.on_merged = lambda exported: _start_question2(bundle, exported, scratch,
+                                                             compare or [], progress)
     if recipe == "lm-pretrain":
         _export_pretrain(bundle, staging, scratch, progress)
     else:   # lm-sft, lm-dpo and lm-es: the same adapters file, or full weights in the base's layout
         _export_sft(bundle, staging, scratch, base, progress)
     if report:
         written, elapsed = elapsed(), stopwatch()
-        # question 2's worker starts first and runs beside the staged report's workers
-        question2 = _start_question2(bundle, scratch, compare or [], progress)
+        # question 2's worker runs beside the staged report's workers
+        question2 = _open_question2(bundle, scratch, compare or [], progress)
         held = run.manifest()["config"].get("sample", {}).get("prompts", [])
         # the draft the stages follow (equivalence.follow_guesses): the exported model file
         cpp = bundle.llamacpp
@@ -680,35 +699,62 @@ class _Question2:
     reason: str | None
     future: object = None
     started: float = 0.0
+    gate: object = None               # equivalence.Gate: the exported file is written
+    exported: Path | None = None      # the file it measures
 
 
-def _start_question2(bundle: Bundle, scratch: Path, compare: list[str],
-                     progress: _Progress) -> _Question2:
+def _start_question2(bundle: Bundle, exported: Path, scratch: Path, compare: list[str],
+                     progress: _Progress) -> None:
     """Question 2 (what quantization cost the fine-tune, engine.export.quality) in its worker,
-    started now on a thread of its own: it needs only the exported and merged files, so it
-    runs beside the staged report's workers instead of after them."""
+    started now, right after the merge, on a thread of its own and held at a gate until
+    `exported` is written (_open_question2): it needs only the base, the merged and the exported
+    files, so it runs beside the conversion and the staged report's workers instead of after
+    them. It reads the tokenizer and the chat template from the merged file, which the
+    conversion copies into the exported one."""
     import time
     from concurrent.futures import ThreadPoolExecutor
 
     from engine.export import quality
-    from engine.export.equivalence import _beside_threads
+    from engine.export.equivalence import Gate, _beside_threads
 
-    _, exported = _exported_model(bundle)
-    reason = _no_question2(bundle) if exported is not None else "no exported model file"
+    reason = _no_question2(bundle)
     if reason:
-        return _Question2(reason)
+        bundle.question2 = _Question2(reason)
+        return
     exports = [{"dtype": bundle.dtype, "model": _stage_spec(exported, bundle.dtype)}]
     exports += [{"dtype": t, "quantize": True, "answers": False,
                  "model": _native_spec(scratch / f"compare-{t}.gguf")}
                 for t in compare if t != bundle.dtype]
-    spec = {"run": str(bundle.run.path), "tokenizer_file": str(exported),
+    spec = {"run": str(bundle.run.path), "tokenizer_file": bundle.fine_tune["path"],
             "base": bundle.base_spec, "fine_tune": bundle.fine_tune,
             "merged": bundle.fine_tune["path"], "exports": exports}
+    gate = Gate()
     pool = ThreadPoolExecutor(1, thread_name_prefix="forgebench-quality")
     future = pool.submit(quality.run_measure, spec, _beside_threads(bundle.threads),
-                         lambda m: progress.say(m))
+                         lambda m: progress.say(m), gate)
     pool.shutdown(wait=False)               # the thread ends with the worker
-    return _Question2(None, future, time.perf_counter())
+    bundle.question2 = _Question2(None, future, time.perf_counter(), gate, exported)
+
+
+def _open_question2(bundle: Bundle, scratch: Path, compare: list[str],
+                    progress: _Progress) -> _Question2:
+    """The model files are written: question 2's worker (started after the merge, or now where
+    the export had no merge) goes on to the exported file, or is stopped where there is none
+    it can measure."""
+    _, exported = _exported_model(bundle)
+    if exported is not None and bundle.question2 is None:
+        _start_question2(bundle, exported, scratch, compare, progress)
+    question2 = bundle.question2
+    if exported is None or question2 is None:
+        if question2 is not None and question2.gate is not None:
+            question2.gate.cancel()
+        return _Question2("no exported model file")
+    if question2.gate is not None:
+        if question2.exported != exported:          # not the file it was started for
+            question2.gate.cancel()
+            return _Question2("no exported model file")
+        question2.gate.open()
+    return question2
 
 
 def _answer_questions(bundle: Bundle, question2: _Question2, compare: list[str],

@@ -33,6 +33,7 @@ token by token, as llama.cpp serves an answer.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
@@ -519,15 +520,72 @@ def _beside_threads(threads: int) -> int:
     return threads if cores >= 2 * threads else max(1, cores - threads)
 
 
+class Gate:
+    """Where a worker started before all its files exist waits for them (`wait_at_gate`): the
+    parent `open`s it once they are written, or `cancel`s it (the export failed, or the worker
+    is not needed after all) and the worker exits without measuring. Either happens once."""
+
+    def __init__(self):
+        import threading
+
+        self._event, self._lock = threading.Event(), threading.Lock()
+        self.opened: bool | None = None
+        self._process = None
+
+    def open(self) -> None:
+        self._settle(True)
+
+    def cancel(self) -> None:
+        """Stop the worker: at once where it runs (it measures nothing the export keeps)."""
+        self._settle(False)
+        self._stop()
+
+    def attach(self, process) -> None:
+        with self._lock:
+            self._process = process
+        if self.opened is False:
+            self._stop()
+
+    def _stop(self) -> None:
+        with self._lock:
+            process = self._process
+        if process is not None and process.poll() is None:
+            process.terminate()
+
+    def _settle(self, opened: bool) -> None:
+        with self._lock:
+            if self.opened is None:
+                self.opened = opened
+                self._event.set()
+
+    def wait(self) -> bool:
+        self._event.wait()
+        return bool(self.opened)
+
+
+GATE_OPEN = "go"
+
+
+def wait_at_gate(spec: dict) -> None:
+    """In a gated worker (_run_worker's `gate`): wait until the parent says its files are on
+    disk; exit without a result where it cancels (or is gone)."""
+    if spec.get("gated") and sys.stdin.readline().strip() != GATE_OPEN:
+        raise SystemExit(3)
+
+
 def _run_worker(spec: dict, workdir: Path, name: str, threads: int,
-                on_line: Callable[[str], None] = lambda _line: None) -> dict:
+                on_line: Callable[[str], None] = lambda _line: None,
+                gate: Gate | None = None) -> dict:
     """Run a worker in a fresh Python process, passing each line it prints to `on_line`;
     returns the process's wall and CPU seconds (its own, from wait4: another worker running
-    beside it is not counted)."""
+    beside it is not counted). With a `gate`, the worker may start before the files it needs
+    later exist: it waits for them at wait_at_gate, told through its stdin when the gate opens."""
+    import threading
     import time
 
     spec_path = workdir / f"{name}.json"
-    spec_path.write_text(json.dumps(dict(spec, threads=threads)), encoding="utf-8")
+    spec_path.write_text(json.dumps(dict(spec, threads=threads, gated=gate is not None)),
+                         encoding="utf-8")
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(
         [str(REPO_ROOT)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]),
         OMP_NUM_THREADS=str(threads))
@@ -541,7 +599,19 @@ def _run_worker(spec: dict, workdir: Path, name: str, threads: int,
     with tempfile.TemporaryFile("w+", encoding="utf-8") as errors:
         process = subprocess.Popen([sys.executable, "-m", "engine.export.equivalence",
                                     str(spec_path)], env=env, stdout=subprocess.PIPE,
-                                   stderr=errors, text=True)
+                                   stderr=errors, text=True,
+                                   stdin=subprocess.PIPE if gate is not None else None)
+        if gate is not None:
+            gate.attach(process)
+
+            def tell() -> None:
+                opened = gate.wait()
+                with contextlib.suppress(OSError):       # a worker that has already ended
+                    process.stdin.write(GATE_OPEN + "\n" if opened else "\n")
+                    process.stdin.close()
+
+            # a daemon: a gate never settled (the parent died) holds no exit
+            threading.Thread(target=tell, daemon=True, name=f"forgebench-gate-{name}").start()
         for line in process.stdout:
             on_line(line.strip())
         _, status, usage = os.wait4(process.pid, 0)

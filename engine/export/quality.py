@@ -260,12 +260,6 @@ def measure(spec: dict) -> dict:
     def load(model: dict) -> _Runner:
         return _Runner(*_load_engine(model)[:2])
 
-    # The exported file under llama.cpp numerics (already on disk, its packed bytes mapped: the
-    # picker's types are quantized later) stays loaded: its answers are the fine-tune's draft,
-    # and it is then scored as its own row. A dense export loads in turn, as before.
-    exported = next((entry for entry in spec["exports"] if not entry.get("quantize")
-                     and entry["model"].get("numerics") == "llamacpp"), None)
-    export_runner = load(exported["model"]) if exported is not None else None
     say("quality: base")
     runner = load(spec["base"])
     base_loss = _nll(_log_probs(runner.net, items), items)
@@ -276,6 +270,17 @@ def measure(spec: dict) -> dict:
     runner = load(spec["fine_tune"])
     reference = _log_probs(runner.net, items)
     fine_tune_loss = _nll(reference, items)
+    # The base and the merged fine-tune are on disk before the exported file is: a worker
+    # started beside the quantization waits here for it (equivalence.wait_at_gate).
+    from engine.export.equivalence import wait_at_gate
+
+    wait_at_gate(spec)
+    # The exported file under llama.cpp numerics (its packed bytes mapped: the picker's types
+    # are quantized later) stays loaded: its answers are the fine-tune's draft, and it is then
+    # scored as its own row. A dense export loads in turn, as before.
+    exported = next((entry for entry in spec["exports"] if not entry.get("quantize")
+                     and entry["model"].get("numerics") == "llamacpp"), None)
+    export_runner = load(exported["model"]) if exported is not None else None
     fine_tune_answers = _answers(runner, prompts, decode, export_runner
                                  if export_runner is not None and getattr(
                                      export_runner.net, "numerics", "f32") == "llamacpp"
@@ -351,15 +356,17 @@ def picker_rows(measured: dict) -> list[dict]:
 
 # ----------------------------------------------------------------------- the parent
 
-def run_measure(spec: dict, threads: int, progress=None) -> dict:
-    """`measure(spec)` in a fresh worker process (its memory goes back when it ends)."""
+def run_measure(spec: dict, threads: int, progress=None, gate=None) -> dict:
+    """`measure(spec)` in a fresh worker process (its memory goes back when it ends). With a
+    `gate` (equivalence.Gate) it starts before the exported files exist: it scores the base and
+    the fine-tune, then waits for the gate to open."""
     from engine.export.equivalence import _run_worker
 
     with tempfile.TemporaryDirectory(prefix="forgebench-quality-") as tmp:
         out = Path(tmp) / "quality.json"
         spec = dict(spec, out=str(out))
         timing = _run_worker(dict(spec, worker="quality"), Path(tmp), "quality", threads,
-                             lambda line: progress(line) if progress and line else None)
+                             lambda line: progress(line) if progress and line else None, gate)
         result = json.loads(out.read_text("utf-8"))
     result["timing"] = timing
     return result
