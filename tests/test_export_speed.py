@@ -47,9 +47,6 @@ class _WrongDraft:
     def decode(self, prompt, n):
         return [7] * n
 
-    def decode_many(self, items):
-        return [self.decode(prompt, n) for prompt, n in items]
-
 
 @pytest.mark.parametrize("draft_kind", ["same file, native", "wrong tokens"])
 def test_question2s_answers_follow_a_draft_to_the_answers_decoding_gives(tmp_path, draft_kind):
@@ -144,3 +141,61 @@ def test_the_llamacpp_worker_batches_on_its_own_threads_and_they_change_no_logit
     assert opened == [1, 2]
     assert one["greedy"] == two["greedy"]
     assert all((a == b).all() for a, b in zip(one["logits"], two["logits"]))
+
+
+def equivalence_root():
+    from engine.export.equivalence import REPO_ROOT
+
+    return REPO_ROOT
+
+
+GATED_WORKER = ("import sys; from engine.export.equivalence import wait_at_gate; "
+                "wait_at_gate({'gated': True}); print('measured')")
+
+
+def _gated_worker(tmp_path):
+    import subprocess
+    import sys
+
+    return subprocess.Popen([sys.executable, "-c", GATED_WORKER], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, text=True,
+                            env=dict(os.environ, PYTHONPATH=str(equivalence_root())))
+
+
+@pytest.mark.parametrize("settle", ["open", "cancel"])
+def test_a_worker_started_early_goes_on_only_when_its_files_are_written(tmp_path, settle):
+    """Question 2's worker starts after the merge and waits at a gate for the exported file:
+    opened, it goes on (measures); cancelled (the export failed), it stops without a result."""
+    import threading
+
+    from engine.export.equivalence import GATE_OPEN, Gate
+
+    gate = Gate()
+    process = _gated_worker(tmp_path)
+    gate.attach(process)
+
+    def tell() -> None:                        # what _run_worker's thread writes
+        process.stdin.write(GATE_OPEN + "\n" if gate.wait() else "\n")
+        process.stdin.close()
+
+    threading.Thread(target=tell, daemon=True).start()
+    assert process.poll() is None              # held at the gate until it is settled
+    getattr(gate, settle)()
+    gate.open() if settle == "cancel" else gate.cancel()       # a gate settles once
+    out = process.stdout.read()
+    process.wait(timeout=60)
+    if settle == "open":
+        assert gate.opened is True and process.returncode == 0 and out.strip() == "measured"
+    else:
+        assert gate.opened is False and process.returncode != 0 and out == ""
+
+
+def test_an_ungated_worker_does_not_wait(tmp_path):
+    import subprocess
+    import sys
+
+    # the twin: without "gated" in its spec the worker reads nothing and goes straight on
+    done = subprocess.run([sys.executable, "-c", GATED_WORKER.replace("True", "False")],
+                          stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=60,
+                          env=dict(os.environ, PYTHONPATH=str(equivalence_root())))
+    assert done.returncode == 0 and done.stdout.strip() == "measured"

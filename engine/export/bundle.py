@@ -670,11 +670,14 @@ def _fill_bundle(bundle: Bundle, staging: Path, scratch: Path, base: str | None,
         cpp = bundle.llamacpp
         draft = _native_spec(Path(cpp.model["path"])) if cpp and "lora" not in cpp.model \
             else None
+        tokenizer = _llamacpp_tokenizer(bundle)
         bundle.report = build_report(
             {"kind": "run", "run": str(run.path), "checkpoint": bundle.checkpoint.name},
             bundle.stages, llamacpp=bundle.llamacpp, draft=draft, threads=threads,
-            prompts=tuple(dict.fromkeys([*held, *PROMPT_SUITE])), decode=_decoder(bundle),
-            progress=lambda m: progress.say(f"equivalence: {m}"), same_file=_same_file(bundle))
+            prompts=tuple(dict.fromkeys([*held, *PROMPT_SUITE])),
+            decode=tokenizer.decode if tokenizer is not None else None,
+            progress=lambda m: progress.say(f"equivalence: {m}"), same_file=_same_file(bundle),
+            llamacpp_tokenizer=tokenizer)
         bundle.report["export"] = {"run": str(run.path), "checkpoint": bundle.checkpoint.name,
                                    "dtype": dtype, "files": bundle.files, "name": bundle.name}
         timings = {"model files": written, **bundle.report["timings"], "report": elapsed()}
@@ -870,15 +873,16 @@ def _finish_bundle(bundle: Bundle, staging: Path) -> None:
         path.chmod(0o755 if path.is_dir() else 0o644)
 
 
-def _decoder(bundle: Bundle) -> Callable[[list[int]], str] | None:
-    """Token ids -> text with the exported file's own tokenizer (for the report's answers)."""
+def _llamacpp_tokenizer(bundle: Bundle):
+    """The tokenizer of the file llama.cpp runs (the exported file, or the adapter's base): its
+    decode writes the report's answers, and the llama.cpp worker takes its BOS flag and stop ids
+    from it instead of reading the vocabulary again. None without a llama.cpp stage."""
     from engine.llm.tokenizer import GGUFTokenizer
 
     path = bundle.llamacpp.model["path"] if bundle.llamacpp else None
     if path is None:
         return None
-    tokenizer = GGUFTokenizer.from_gguf(_open_gguf(path))
-    return tokenizer.decode
+    return GGUFTokenizer.from_gguf(_open_gguf(path))
 
 
 def compare_types(run_dir: str | os.PathLike, types: list[str], *, checkpoint: str = "latest",

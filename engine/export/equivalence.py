@@ -46,7 +46,6 @@ from typing import Callable
 
 from engine.errors import ForgebenchError
 from engine.export.llamacpp import open_note
-from engine.kernels.cpu import plan
 
 # A fixed suite: plain continuations and instructions, short enough for tiny models' contexts.
 PROMPT_SUITE = (
@@ -90,6 +89,10 @@ class Report:
     llamacpp: dict = field(default_factory=dict)
 
     def as_dict(self) -> dict:
+        # here, not at the top: the llama.cpp worker imports this module and needs neither
+        # the CPU plan nor the gguf package it reads layouts from
+        from engine.kernels.cpu import plan
+
         checked = [s["passed"] for s in self.stages if "passed" in s]
         if self.llamacpp.get("available"):
             checked.append(self.llamacpp["passed"])
@@ -262,6 +265,14 @@ class _Runner:
         return list(torch.split(logits, [n - start for (_, start), n in zip(items, lengths)]))
 
 
+def decode_all(runner, items: list[tuple[list[int], int]]) -> list[list[int]]:
+    """runner.decode(prompt, n) of each item, together where the runner can (_Runner.decode_many;
+    a draft need only have `decode`)."""
+    if hasattr(runner, "decode_many"):
+        return runner.decode_many(items)
+    return [runner.decode(prompt, n) for prompt, n in items]
+
+
 def follow_guesses(stage: _Runner, prompts: list[list[int]], guesses: list[list[int]],
                    scored: list, limit: int,
                    draft: _Runner | None) -> list[tuple[list[int], object]]:
@@ -296,7 +307,7 @@ def follow_guesses(stage: _Runner, prompts: list[list[int]], guesses: list[list[
             else:
                 again.append(i)
         # the draft guesses on for every prompt still open at once (decode_many)
-        for i, guess in zip(again, draft.decode_many(
+        for i, guess in zip(again, decode_all(draft,
                 [(prompts[i] + answers[i], limit - len(answers[i])) for i in again])
                 if again else ()):
             guesses[i] = guess
@@ -330,14 +341,14 @@ def _score_stage(stage: _Runner, spec: dict, draft: _Runner | None = None) -> di
             prompts = [seq[:start + 1] for seq, start in zip(seqs, starts)]
             logits = stage.score_many(list(zip(seqs, starts)))
             if served:
-                greedy = stage.decode_many([(prompt, limit) for prompt in prompts])
+                greedy = decode_all(stage, [(prompt, limit) for prompt in prompts])
             else:
                 greedy = [answer for answer, _ in follow_guesses(
                     stage, prompts, [seq[start + 1:] for seq, start in zip(seqs, starts)],
                     logits, limit, draft)]
         else:
             if draft is not None:
-                guesses = draft.decode_many([(prompt, limit) for prompt in ids])
+                guesses = decode_all(draft, [(prompt, limit) for prompt in ids])
                 followed = follow_guesses(stage, ids, guesses, stage.score_many(
                     [(prompt + guess, len(prompt) - 1) for prompt, guess in zip(ids, guesses)]),
                     limit, draft)
@@ -372,14 +383,15 @@ def _engine_worker(spec: dict) -> dict:
 
 
 def _llamacpp_worker(spec: dict) -> dict:
-    """llama.cpp's greedy answers and logits; numpy only (no torch import: a second less)."""
+    """llama.cpp's greedy answers and logits; numpy only (no torch import: a second less).
+    The file's BOS flag and stop ids come with the spec (`tokenizer`: tokenizer_facts, from the
+    parent's parse of the same file), else from parsing its 262k-token vocabulary here."""
     import numpy as np
 
     from engine.export.llamacpp import open_llama
-    from engine.llm.tokenizer import GGUFTokenizer
 
     model = spec["model"]
-    meta_tok = GGUFTokenizer.from_gguf(model["path"])     # flags and stop ids of the same file
+    facts = spec.get("tokenizer") or tokenizer_facts(model["path"])
     limit = spec["greedy_tokens"]
     longest = max(len(s) for s in spec["sequences"]) + limit + 8
     # n_threads_batch too: llama-cpp-python's default is every core, whose waiting threads spin
@@ -389,12 +401,12 @@ def _llamacpp_worker(spec: dict) -> dict:
     llm = open_llama(model["path"], lora_path=model.get("lora"), n_ctx=max(64, longest),
                      n_batch=512, logits_all=True, n_threads=threads, n_threads_batch=threads,
                      verbose=False, seed=0)
-    stops = _stop_ids(meta_tok)
+    stops, bos = set(facts["stops"]), facts["bos_id"]
     out: dict = {"texts": spec["texts"], "prompt_ids": [], "greedy": [], "logits": []}
     for i, text in enumerate(spec["texts"]):
         ids = llm.tokenize(text.encode("utf-8"), add_bos=False, special=True)
-        if meta_tok.add_bos and meta_tok.bos_id is not None and ids[:1] != [meta_tok.bos_id]:
-            ids.insert(0, meta_tok.bos_id)
+        if facts["add_bos"] and bos is not None and ids[:1] != [bos]:
+            ids.insert(0, bos)
         out["prompt_ids"].append(ids)
         seq, start = spec["sequences"][i], spec["scored_from"][i]
         # the greedy answer as llama.cpp serves it: the prompt in one batch, then token by token
@@ -415,6 +427,17 @@ def _llamacpp_worker(spec: dict) -> dict:
         out["greedy"].append(greedy)
         out["logits"].append(logits)
     return out
+
+
+def tokenizer_facts(tokenizer) -> dict:
+    """What the llama.cpp worker needs of a file's tokenizer (a GGUFTokenizer, or a path to
+    read one from): its BOS flag and id and its stop ids."""
+    if not hasattr(tokenizer, "bos_id"):
+        from engine.llm.tokenizer import GGUFTokenizer
+
+        tokenizer = GGUFTokenizer.from_gguf(tokenizer)
+    return {"add_bos": bool(tokenizer.add_bos), "bos_id": tokenizer.bos_id,
+            "stops": sorted(_stop_ids(tokenizer))}
 
 
 def _write_result(out: dict, path: Path) -> None:
@@ -536,9 +559,11 @@ class Gate:
         self._settle(True)
 
     def cancel(self) -> None:
-        """Stop the worker: at once where it runs (it measures nothing the export keeps)."""
+        """Stop the worker, at once where it runs (it would measure nothing the export keeps);
+        a gate already open stays open."""
         self._settle(False)
-        self._stop()
+        if self.opened is False:
+            self._stop()
 
     def attach(self, process) -> None:
         with self._lock:
@@ -687,13 +712,15 @@ def build_report(reference: dict, stages: list[Stage], *, llamacpp: Stage | None
                  greedy_tokens: int = GREEDY_TOKENS, threads: int = 1,
                  decode: Callable[[list[int]], str] | None = None,
                  progress: Callable[[str], None] | None = None,
-                 same_file: dict | None = None) -> dict:
+                 same_file: dict | None = None, llamacpp_tokenizer=None) -> dict:
     """Score the checkpoint (`reference`, a worker load spec) and each stage; return the report.
     `draft` (a load spec: the exported file under llama.cpp numerics) lets the stages follow
     guesses instead of decoding token by token (follow_guesses); it changes no result.
     `same_file` (a load spec: what llama.cpp runs, in the engine under llama.cpp numerics) is
     what the llama.cpp stage is compared with as "vs engine, same file": the last stage where
-    it is that, else one more engine pass that is not a stage of its own."""
+    it is that, else one more engine pass that is not a stage of its own. `llamacpp_tokenizer`
+    (the GGUFTokenizer of the file llama.cpp runs, where the caller has it) spares the llama.cpp
+    worker reading it again."""
     say = progress or (lambda _msg: None)
     models = [s.model for s in stages]
     extra = same_file is not None and (not models or models[-1] != same_file)
@@ -717,6 +744,8 @@ def build_report(reference: dict, stages: list[Stage], *, llamacpp: Stage | None
             ref0 = StageResult.read(workdir / "stage-0.safetensors")
             spec = dict(reference_sequences(ref0.texts, ref0.prompt_ids, ref0.greedy,
                                             greedy_tokens), model=llamacpp.model, out=str(cpp_out))
+            if llamacpp_tokenizer is not None:
+                spec["tokenizer"] = tokenizer_facts(llamacpp_tokenizer)
             say("llama.cpp: scoring")
             cpp_worker.append(beside.submit(_run_worker, spec, workdir, "llamacpp",
                                             _beside_threads(threads)))

@@ -210,11 +210,11 @@ def _answers(runner, prompts: list[list[int]], decode, draft=None) -> list[str]:
     instead of decoding token by token: an f32 step reads every dense weight and the whole
     262k-row LM head for one token. Under llama.cpp numerics it decodes token by token, as
     llama.cpp serves an answer."""
-    from engine.export.equivalence import follow_guesses
+    from engine.export.equivalence import decode_all, follow_guesses
 
     if draft is None or getattr(runner.net, "numerics", "f32") == "llamacpp":
-        return [decode(a) for a in runner.decode_many([(p, ANSWER_TOKENS) for p in prompts])]
-    guesses = draft.decode_many([(p, ANSWER_TOKENS) for p in prompts])
+        return [decode(a) for a in decode_all(runner, [(p, ANSWER_TOKENS) for p in prompts])]
+    guesses = decode_all(draft, [(p, ANSWER_TOKENS) for p in prompts])
     scored = runner.score_many([(p + g, len(p) - 1) for p, g in zip(prompts, guesses)])
     return [decode(answer) for answer, _ in follow_guesses(runner, prompts, guesses, scored,
                                                           ANSWER_TOKENS, draft)]
