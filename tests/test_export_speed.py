@@ -118,6 +118,28 @@ def test_an_export_parses_each_file_once_and_again_after_it_changes(tmp_path, mo
     assert len(parses) == 4
 
 
+def test_an_export_hashes_each_file_once_and_again_after_it_changes(tmp_path, monkeypatch):
+    import hashlib
+
+    path = tmp_path / "model.gguf"
+    path.write_bytes(b"first")
+    hashed = []
+    real = bundle.sha256_file
+    monkeypatch.setattr(bundle, "sha256_file", lambda p: hashed.append(p) or real(p))
+    with bundle._parsed_once():
+        report_hash = bundle._sha256(path)
+        sums = bundle.write_sha256sums(tmp_path).read_text()
+        assert len(hashed) == 1 and sums == f"{report_hash}  model.gguf\n"
+        path.write_bytes(b"second, longer")                   # rewritten: hashed again
+        assert bundle._sha256(path) == hashlib.sha256(b"second, longer").hexdigest()
+        assert len(hashed) == 2
+    assert report_hash == hashlib.sha256(b"first").hexdigest()
+    # the twin: outside an export nothing is kept, every call hashes
+    bundle._sha256(path)
+    bundle._sha256(path)
+    assert len(hashed) == 4
+
+
 @pytest.mark.llamacpp
 def test_the_llamacpp_worker_batches_on_its_own_threads_and_they_change_no_logit(
         tmp_path, monkeypatch):

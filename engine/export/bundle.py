@@ -85,15 +85,15 @@ def _is_quantized(dtype: str) -> bool:
     return CHOICES[dtype].quantized
 
 
-_OPENED: dict | None = None       # path -> GGUFFile while an export runs (_parsed_once)
+_OPENED: dict | None = None       # (kind, file) -> GGUFFile or hash while an export runs
 
 
 @contextlib.contextmanager
 def _parsed_once():
     """Within it, _open_gguf parses each file once: the base and the exported file are each
     read by several steps (type, template, tensors, tokenizer), and every parse turns the
-    262k-token vocabulary into Python values again. Dropped at the end, so no file stays
-    mapped after the export."""
+    262k-token vocabulary into Python values again (and _sha256 hashes each file once).
+    Dropped at the end, so no file stays mapped after the export."""
     global _OPENED
     outer, _OPENED = _OPENED, {}
     try:
@@ -102,17 +102,28 @@ def _parsed_once():
         _OPENED = outer
 
 
+def _once(kind: str, path: Path, read: Callable[[Path], object]):
+    """read(path), once per file (and its size and mtime) in _parsed_once."""
+    if _OPENED is None:
+        return read(path)
+    stat = os.stat(path)
+    key = (kind, str(Path(path).resolve()), stat.st_size, stat.st_mtime_ns)
+    if key not in _OPENED:
+        _OPENED[key] = read(path)
+    return _OPENED[key]
+
+
 def _open_gguf(path: Path):
-    """engine.gguf.reader.open_gguf, once per file (and its size and mtime) in _parsed_once."""
+    """engine.gguf.reader.open_gguf, once per file in _parsed_once."""
     from engine.gguf.reader import open_gguf
 
-    if _OPENED is None:
-        return open_gguf(path)
-    stat = os.stat(path)
-    key = (str(Path(path).resolve()), stat.st_size, stat.st_mtime_ns)
-    if key not in _OPENED:
-        _OPENED[key] = open_gguf(path)
-    return _OPENED[key]
+    return _once("gguf", path, open_gguf)
+
+
+def _sha256(path: Path) -> str:
+    """sha256_file, once per file in _parsed_once: the report's hash of the exported file is
+    the one its SHA256SUMS line carries."""
+    return _once("sha256", path, sha256_file)
 
 
 def _file_dtype(path: Path) -> str | None:
@@ -550,7 +561,7 @@ def _run_section(bundle: Bundle, verdict) -> list[str]:
 
 def write_sha256sums(folder: Path) -> Path:
     """`<sha256>  <relative path>` for every file, sorted (what `sha256sum -c` reads)."""
-    rows = [f"{sha256_file(p)}  {p.relative_to(folder).as_posix()}"
+    rows = [f"{_sha256(p)}  {p.relative_to(folder).as_posix()}"
             for p in sorted(folder.rglob("*")) if p.is_file() and p.name != "SHA256SUMS"]
     atomic_write_text(folder / "SHA256SUMS", "\n".join(rows) + "\n")
     return folder / "SHA256SUMS"
@@ -804,7 +815,7 @@ def _answer_questions(bundle: Bundle, question2: _Question2, compare: list[str],
     report["question1"] = question1(weights, compared)
     timings["question 1 (weights)"] = clock()
     if exported is not None:
-        report["export"]["sha256"] = sha256_file(exported)
+        report["export"]["sha256"] = _sha256(exported)
     report["question2"] = {"available": False, "reason": question2.reason}
     if question2.future is not None:
         measured = question2.future.result()
