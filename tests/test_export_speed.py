@@ -221,3 +221,15 @@ def test_an_ungated_worker_does_not_wait(tmp_path):
                           stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=60,
                           env=dict(os.environ, PYTHONPATH=str(equivalence_root())))
     assert done.returncode == 0 and done.stdout.strip() == "measured"
+
+
+def test_a_gate_left_unopened_at_the_end_of_its_block_is_cancelled():
+    from engine.export.equivalence import Gate
+
+    with Gate() as gate:                     # e.g. the engine worker failed before its answers
+        pass
+    assert gate.wait() is False
+    # the twin: a gate opened within its block stays open
+    with Gate() as gate:
+        gate.open()
+    assert gate.wait() is True

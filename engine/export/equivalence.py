@@ -63,6 +63,8 @@ GREEDY_TOKENS = 32
 MIN_TOP1_DENSE = 0.99
 MIN_TOP1_QUANTIZED = 0.90
 REPO_ROOT = Path(__file__).resolve().parents[2]
+PROMPTS_FILE = "prompts.json"       # the engine worker's reference prompts (texts and ids)
+ANSWERS_FILE = "answers.json"       # the reference's greedy answers, for the llama.cpp worker
 
 
 @dataclass
@@ -318,7 +320,8 @@ def follow_guesses(stage: _Runner, prompts: list[list[int]], guesses: list[list[
     return results
 
 
-def _score_stage(stage: _Runner, spec: dict, draft: _Runner | None = None) -> dict:
+def _score_stage(stage: _Runner, spec: dict, draft: _Runner | None = None,
+                 on_prompts: Callable[[list[str], list[list[int]]], None] | None = None) -> dict:
     """One stage's texts, prompt ids, greedy answers and logits (the worker's result).
 
     The reference (no "sequences" in `spec`) finds its greedy answers and scores them; with a
@@ -326,7 +329,8 @@ def _score_stage(stage: _Runner, spec: dict, draft: _Runner | None = None) -> di
     token by token. Every other stage scores the reference's sequences (score_many); an f32 stage
     reads its greedy answer off those logits, a stage under llama.cpp numerics decodes token by
     token, as llama.cpp serves an answer (its one-row kernels sum differently from its batch
-    kernels, so a batched read could flip a near-tie that a served answer would not)."""
+    kernels, so a batched read could flip a near-tie that a served answer would not).
+    `on_prompts(texts, ids)` is told the rendered prompts and their ids before any scoring."""
     import torch
 
     from engine.llm.chat import encode_prompt
@@ -336,6 +340,8 @@ def _score_stage(stage: _Runner, spec: dict, draft: _Runner | None = None) -> di
     with torch.no_grad():
         texts = spec["texts"] if "texts" in spec else [stage.render(p) for p in spec["prompts"]]
         ids = [encode_prompt(stage.tok, text) for text in texts]
+        if on_prompts is not None:
+            on_prompts(list(texts), ids)
         if "sequences" in spec:
             seqs, starts = spec["sequences"], spec["scored_from"]
             prompts = [seq[:start + 1] for seq, start in zip(seqs, starts)]
@@ -393,7 +399,10 @@ def _llamacpp_worker(spec: dict) -> dict:
     model = spec["model"]
     facts = spec.get("tokenizer") or tokenizer_facts(model["path"])
     limit = spec["greedy_tokens"]
-    longest = max(len(s) for s in spec["sequences"]) + limit + 8
+    # room for the longest sequence and a greedy answer after it (started before the
+    # reference's answers exist: the longest prompt and two answers of at most `limit` tokens)
+    longest = (max(len(s) for s in spec["sequences"]) if "sequences" in spec else
+               max(len(p) for p in spec["prompt_ids"]) + limit) + limit + 8
     # n_threads_batch too: llama-cpp-python's default is every core, whose waiting threads spin
     # on cores the engine's workers are using (the batched evals took a third more CPU on 2
     # cores); the logits do not depend on the thread count (_beside_threads)
@@ -402,18 +411,20 @@ def _llamacpp_worker(spec: dict) -> dict:
                      n_batch=512, logits_all=True, n_threads=threads, n_threads_batch=threads,
                      verbose=False, seed=0)
     stops, bos = set(facts["stops"]), facts["bos_id"]
+    # the reference's prompt ids: given, or the prompts of the sequences to score
+    prompts = spec.get("prompt_ids") or [seq[:start + 1] for seq, start in
+                                         zip(spec["sequences"], spec["scored_from"])]
     out: dict = {"texts": spec["texts"], "prompt_ids": [], "greedy": [], "logits": []}
-    for i, text in enumerate(spec["texts"]):
+    for text, prompt in zip(spec["texts"], prompts):
         ids = llm.tokenize(text.encode("utf-8"), add_bos=False, special=True)
         if facts["add_bos"] and bos is not None and ids[:1] != [bos]:
             ids.insert(0, bos)
         out["prompt_ids"].append(ids)
-        seq, start = spec["sequences"][i], spec["scored_from"][i]
         # the greedy answer as llama.cpp serves it: the prompt in one batch, then token by token
         # (its one-row kernels sum differently from its batch kernels, so reading the answer off
         # batched logits could flip a near-tie that a served answer would not)
         llm.reset()
-        llm.eval(seq[:start + 1])
+        llm.eval(prompt)
         greedy: list[int] = []
         while len(greedy) < limit:
             token = int(np.argmax(llm.scores[llm.n_tokens - 1]))
@@ -421,11 +432,17 @@ def _llamacpp_worker(spec: dict) -> dict:
                 break
             greedy.append(token)
             llm.eval([token])
+        out["greedy"].append(greedy)
+    # the answers above need only the prompts; the scoring below needs the reference's answers,
+    # which a worker started early waits for (the parent writes them to `answers_file`)
+    wait_at_gate(spec)
+    if "answers_file" in spec:
+        answers = json.loads(Path(spec["answers_file"]).read_text("utf-8"))
+        spec = {**spec, **reference_sequences(spec["texts"], prompts, answers, limit)}
+    for seq, start in zip(spec["sequences"], spec["scored_from"]):
         llm.reset()
         llm.eval(seq)                                   # one batch: prompt and reference answer
-        logits = np.array(llm.scores[start:len(seq)], dtype=np.float32)
-        out["greedy"].append(greedy)
-        out["logits"].append(logits)
+        out["logits"].append(np.array(llm.scores[start:len(seq)], dtype=np.float32))
     return out
 
 
@@ -473,12 +490,19 @@ def _engine_stages_worker(spec: dict) -> None:
     outdir = Path(spec["outdir"])
     draft = _draft_runner(spec.get("draft"))
 
+    def prompts_known(texts: list[str], ids: list[list[int]]) -> None:
+        """The reference's prompts, for the llama.cpp worker's own greedy answers, which need
+        nothing else: written before the reference's scoring and announced ("prompts")."""
+        (outdir / PROMPTS_FILE).write_text(json.dumps({"texts": texts, "prompt_ids": ids}),
+                                           encoding="utf-8")
+        print("prompts", flush=True)
+
     def run(k: int, model: dict, stage_spec: dict) -> dict:
         print(f"stage {k}", flush=True)
         elapsed = stopwatch()
         stage = draft if draft is not None and model == spec["draft"] else \
             _Runner(*_load_engine(model))
-        result = _score_stage(stage, stage_spec, draft)
+        result = _score_stage(stage, stage_spec, draft, prompts_known if k == 0 else None)
         result["timing"] = elapsed()
         _write_result(result, outdir / f"stage-{k}.safetensors")
         del stage
@@ -586,6 +610,12 @@ class Gate:
     def wait(self) -> bool:
         self._event.wait()
         return bool(self.opened)
+
+    def __enter__(self) -> "Gate":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.cancel()                 # never opened by the end of its block: nobody will
 
 
 GATE_OPEN = "go"
@@ -727,31 +757,59 @@ def build_report(reference: dict, stages: list[Stage], *, llamacpp: Stage | None
     if extra:
         models.append(same_file)
     missing = None if llamacpp is None else llamacpp_available()
+    # (the gate is cancelled, stopping a llama.cpp worker still waiting at it, before the pool
+    # waits for that worker: an engine worker that fails never opens it)
     with tempfile.TemporaryDirectory(prefix="forgebench-equivalence-") as tmp, \
-            ThreadPoolExecutor(1, thread_name_prefix="forgebench-llamacpp") as beside:
+            ThreadPoolExecutor(1, thread_name_prefix="forgebench-llamacpp") as beside, \
+            Gate() as cpp_gate:
         workdir = Path(tmp)
         labels = ["checkpoint: greedy answers and scoring"] + [f"{s.name}: scoring"
                                                                 for s in stages]
         labels += ["the exported file under llama.cpp numerics: scoring"] if extra else []
         cpp_out, cpp_worker = workdir / "llamacpp.safetensors", []
 
-        def start_llamacpp() -> None:
-            """The llama.cpp worker, once the reference's answers it scores are on disk: in a
-            process of its own beside the engine's remaining stages (each worker is mostly one
-            thread's short ops, so two side by side use a second core that one leaves idle)."""
-            if llamacpp is None or missing is not None or cpp_worker:
-                return
-            ref0 = StageResult.read(workdir / "stage-0.safetensors")
-            spec = dict(reference_sequences(ref0.texts, ref0.prompt_ids, ref0.greedy,
-                                            greedy_tokens), model=llamacpp.model, out=str(cpp_out))
+        def submit_llamacpp(spec: dict, gate: Gate | None) -> None:
+            """The llama.cpp worker, in a process of its own beside the engine's (each worker is
+            mostly one thread's short ops, so two side by side use a second core that one
+            leaves idle)."""
             if llamacpp_tokenizer is not None:
                 spec["tokenizer"] = tokenizer_facts(llamacpp_tokenizer)
-            say("llama.cpp: scoring")
             cpp_worker.append(beside.submit(_run_worker, spec, workdir, "llamacpp",
-                                            _beside_threads(threads)))
+                                            _beside_threads(threads), lambda _line: None, gate))
+
+        def start_llamacpp_early() -> None:
+            """llama.cpp's own greedy answers need only the reference's prompts: its worker
+            starts as soon as the engine worker has rendered them, while the checkpoint's
+            answers are still being found, and waits at a gate for those before scoring them."""
+            if llamacpp is None or missing is not None or cpp_worker:
+                return
+            known = json.loads((workdir / PROMPTS_FILE).read_text("utf-8"))
+            say("llama.cpp: greedy answers")
+            submit_llamacpp({"texts": known["texts"], "prompt_ids": known["prompt_ids"],
+                             "greedy_tokens": greedy_tokens, "model": llamacpp.model,
+                             "out": str(cpp_out), "answers_file": str(workdir / ANSWERS_FILE)},
+                            cpp_gate)
+
+        def start_llamacpp() -> None:
+            """Once the reference's answers are on disk: the worker started early goes on to
+            score them, or one starts now with them."""
+            if llamacpp is None or missing is not None or cpp_gate.opened is not None:
+                return
+            ref0 = StageResult.read(workdir / "stage-0.safetensors")
+            say("llama.cpp: scoring")
+            if cpp_worker:
+                (workdir / ANSWERS_FILE).write_text(json.dumps(ref0.greedy), encoding="utf-8")
+                cpp_gate.open()
+                return
+            cpp_gate.open()                   # settled: no worker waits at it
+            submit_llamacpp(dict(reference_sequences(ref0.texts, ref0.prompt_ids, ref0.greedy,
+                                                     greedy_tokens), model=llamacpp.model,
+                                 out=str(cpp_out)), None)
 
         def relay(line: str) -> None:
-            if line.startswith("stage "):
+            if line == "prompts":
+                start_llamacpp_early()
+            elif line.startswith("stage "):
                 k = int(line.split()[1])
                 if k >= 1:                    # the worker writes stage K-1 before starting K
                     start_llamacpp()
