@@ -676,6 +676,7 @@ def _fill_bundle(bundle: Bundle, staging: Path, scratch: Path, base: str | None,
         written, elapsed = elapsed(), stopwatch()
         # question 2's worker runs beside the staged report's workers
         question2 = _open_question2(bundle, scratch, compare or [], progress)
+        weights = _start_weights_check(bundle)
         held = run.manifest()["config"].get("sample", {}).get("prompts", [])
         # the draft the stages follow (equivalence.follow_guesses): the exported model file
         cpp = bundle.llamacpp
@@ -692,7 +693,7 @@ def _fill_bundle(bundle: Bundle, staging: Path, scratch: Path, base: str | None,
         bundle.report["export"] = {"run": str(run.path), "checkpoint": bundle.checkpoint.name,
                                    "dtype": dtype, "files": bundle.files, "name": bundle.name}
         timings = {"model files": written, **bundle.report["timings"], "report": elapsed()}
-        _answer_questions(bundle, question2, compare or [], timings)
+        _answer_questions(bundle, question2, compare or [], timings, weights)
         bundle.report["timings"] = timings
         atomic_write_text(staging / "report.json",
                           json.dumps(bundle.report, indent=2) + "\n")
@@ -771,8 +772,34 @@ def _open_question2(bundle: Bundle, scratch: Path, compare: list[str],
     return question2
 
 
+def _start_weights_check(bundle: Bundle):
+    """Question 1's weights check (quality.check_weights: every tensor of the exported file
+    read back by gguf-py) and the file's hash, on a thread of their own from now: they need only
+    the model files, so they run beside the report's workers instead of alone after them.
+    A future of (check, its wall and CPU seconds); None without an exported file."""
+    import time
+    from concurrent.futures import ThreadPoolExecutor
+
+    from engine.export import quality
+
+    _, exported = _exported_model(bundle)
+    if exported is None:
+        return None
+
+    def check():
+        wall, cpu = time.perf_counter(), time.thread_time()
+        weights = quality.check_weights(exported, bundle.reference)
+        _sha256(exported)
+        return weights, {"wall_s": time.perf_counter() - wall, "cpu_s": time.thread_time() - cpu}
+
+    pool = ThreadPoolExecutor(1, thread_name_prefix="forgebench-weights")
+    future = pool.submit(check)
+    pool.shutdown(wait=False)
+    return future
+
+
 def _answer_questions(bundle: Bundle, question2: _Question2, compare: list[str],
-                      timings: dict) -> None:
+                      timings: dict, weights_check=None) -> None:
     """Question 1 (the weights against the merged ones, llama.cpp against the engine), question
     2 (its worker's answer, `_start_question2`), the picker's rows, and the verdict, into the
     report; a defect's model file is renamed out of the way."""
@@ -793,7 +820,11 @@ def _answer_questions(bundle: Bundle, question2: _Question2, compare: list[str],
     report = bundle.report
     clock = stopwatch()
     model, exported = _exported_model(bundle)
-    weights = quality.check_weights(exported, bundle.reference) if exported else None
+    checked = None
+    if weights_check is not None:             # _start_weights_check: already under way
+        weights, checked = weights_check.result()
+    else:
+        weights = quality.check_weights(exported, bundle.reference) if exported else None
     cpp = report.get("llamacpp", {})
     compared = None
     if cpp.get("available") and "vs_engine_same_file" in cpp:
@@ -813,7 +844,7 @@ def _answer_questions(bundle: Bundle, question2: _Question2, compare: list[str],
     else:
         compared = {"available": False, "reason": cpp.get("reason")}
     report["question1"] = question1(weights, compared)
-    timings["question 1 (weights)"] = clock()
+    timings["question 1 (weights)"] = checked or clock()
     if exported is not None:
         report["export"]["sha256"] = _sha256(exported)
     report["question2"] = {"available": False, "reason": question2.reason}
