@@ -20,7 +20,9 @@ with the engine on the same file, checks that the engine reproduces the runtime.
 
 The engine stages run one after another in one worker process (`python -m
 engine.export.equivalence SPEC.json`), each loading its own file and freed before the next;
-llama.cpp runs in a second worker. Workers write logits and greedy ids to safetensors files,
+llama.cpp runs in a second worker, started as soon as the engine worker has rendered the prompts:
+its own greedy answers need nothing else, and it waits at a `Gate` for the checkpoint's answers
+before scoring them. Workers write logits and greedy ids to safetensors files,
 which the parent compares one prompt at a time, and their wall and CPU seconds (report
 `timings`). The checkpoint's greedy answers are found by speculative scoring: the exported file
 under the native kernels (the draft) answers each prompt, the checkpoint scores prompt + that
@@ -28,7 +30,9 @@ answer in one batch and keeps its own argmax along it (`follow_guesses`, over `g
 and where it leaves the draft's answer the draft guesses on from the checkpoint's tokens. The
 draft only saves work: every token is the checkpoint's own choice, read off its batched logits
 as the f32 stages read theirs. Stages under llama.cpp numerics, and llama.cpp itself, decode
-token by token, as llama.cpp serves an answer.
+token by token, as llama.cpp serves an answer; the engine decodes its prompts side by side
+(`_Runner.decode_many`: one step reads the weights once for all of them, each row summed by the
+one-token kernels, so each prompt gets the tokens it gets alone).
 """
 
 from __future__ import annotations

@@ -20,7 +20,9 @@ batched scoring per round as the staged report's f32 stages read theirs: the exp
 the fine-tune, the same file's under llama.cpp numerics for the base; the exported file decodes
 token by token, as served). The fine-tune's log-probabilities are held once for every exported type,
 and the base scored once: the picker (`compare_types`) quantizes the one merged file to each type
-in turn inside the same worker.
+in turn inside the same worker. An export starts the worker right after the merge: it scores the
+base and the fine-tune while the exported file is converted, then waits for that file at a gate
+(engine.export.equivalence.Gate).
 """
 
 from __future__ import annotations
