@@ -262,8 +262,9 @@ def _export_sft(bundle: Bundle, staging: Path, scratch: Path, base_arg: str | No
                               path=bundle.checkpoint.path, where="--dtype",
                               hint="export it as a model: --dtype f16, q8_0, q4_k_m, ...")
     base, how = _sft_base(bundle, base_arg, scratch, progress)
-    bundle.base = {"path": str(base), "sha256": sha256_file(base) if base.is_file() else None,
-                   "chosen": how}
+    bundle.base = {"path": str(base), "sha256": None, "chosen": how}
+    # the base's hash (for the card) on a thread of its own while the merge reads the base
+    hashing = _in_background(_sha256, base) if base.is_file() else None
     # The layout the run trained with (lm_base.load_base: the base's own template, else its
     # family's built-in one) goes into every export, so llama.cpp prompts the model as trained.
     # (None when the base has neither: lm-sft could not have trained on it, and the checks
@@ -279,6 +280,18 @@ def _export_sft(bundle: Bundle, staging: Path, scratch: Path, base_arg: str | No
         _export_adapter(bundle, staging, base, adapter)
     else:
         _export_merged(bundle, staging, scratch, base, None if full else adapter, progress)
+    if hashing is not None:
+        bundle.base["sha256"] = hashing.result()
+
+
+def _in_background(function: Callable, *args):
+    """function(*args) on a thread of its own, started now: its future."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    pool = ThreadPoolExecutor(1, thread_name_prefix="forgebench-export")
+    future = pool.submit(function, *args)
+    pool.shutdown(wait=False)             # the thread ends with the call
+    return future
 
 
 def _export_adapter(bundle: Bundle, staging: Path, base: Path, adapter: Path) -> None:
@@ -778,7 +791,6 @@ def _start_weights_check(bundle: Bundle):
     the model files, so they run beside the report's workers instead of alone after them.
     A future of (check, its wall and CPU seconds); None without an exported file."""
     import time
-    from concurrent.futures import ThreadPoolExecutor
 
     from engine.export import quality
 
@@ -792,10 +804,7 @@ def _start_weights_check(bundle: Bundle):
         _sha256(exported)
         return weights, {"wall_s": time.perf_counter() - wall, "cpu_s": time.thread_time() - cpu}
 
-    pool = ThreadPoolExecutor(1, thread_name_prefix="forgebench-weights")
-    future = pool.submit(check)
-    pool.shutdown(wait=False)
-    return future
+    return _in_background(check)
 
 
 def _answer_questions(bundle: Bundle, question2: _Question2, compare: list[str],
