@@ -840,12 +840,24 @@ def build_report(reference: dict, stages: list[Stage], *, llamacpp: Stage | None
                               "(reference)", "file": None, "positions":
                               sum(len(s) - f for s, f in zip(sequences, scored_from))})
         timings["checkpoint"] = ref.timing
-        # every stage against the checkpoint and against the stage before it, in one pass
+        # every stage against the checkpoint and against the stage before it, and llama.cpp
+        # against the checkpoint and the engine on the same file, in one pass (a stage in
+        # several pairs is read and normalised once per prompt: the checkpoint's and the
+        # exported file's logits were read twice when llama.cpp's pairs had a pass of their own)
         previous = [ref, *got_stages[:-1]]
-        measured = compare_many([(ref, got) for got in got_stages]
-                                + [(before, got) for before, got in zip(previous, got_stages)
-                                   if before is not ref], n)
-        vs_checkpoint, vs_previous = measured[:len(got_stages)], iter(measured[len(got_stages):])
+        pairs = [(ref, got) for got in got_stages] + [
+            (before, got) for before, got in zip(previous, got_stages) if before is not ref]
+        staged = len(pairs)
+        cpp_timing = cpp_got = engine_same_file = None
+        if llamacpp is not None and missing is None:
+            cpp_timing = cpp_worker[0].result()
+            cpp_got = StageResult.read(cpp_out)
+            engine_same_file = same or (got_stages[-1] if got_stages else None)
+            pairs += [(ref, cpp_got)] + ([(engine_same_file, cpp_got)]
+                                         if engine_same_file is not None else [])
+        measured = compare_many(pairs, n)
+        vs_checkpoint = measured[:len(got_stages)]
+        vs_previous = iter(measured[len(got_stages):staged])
         for stage, got, before, vs_ref in zip(stages, got_stages, previous, vs_checkpoint):
             timings[stage.name] = got.timing
             entry = {
@@ -860,22 +872,19 @@ def build_report(reference: dict, stages: list[Stage], *, llamacpp: Stage | None
         elif missing is not None:
             report.llamacpp = {"available": False, "reason": missing}
         else:
-            timings["llama.cpp worker"] = cpp_worker[0].result()
-            got = StageResult.read(cpp_out)
-            engine_same_file = same or (got_stages[-1] if got_stages else None)
-            measured = compare_many([(ref, got)] + ([(engine_same_file, got)]
-                                                    if engine_same_file is not None else []), n)
+            timings["llama.cpp worker"] = cpp_timing
+            got, cpp_measured = cpp_got, measured[staged:]
             report.llamacpp = {
                 "available": True, "description": llamacpp.description, "file": llamacpp.file,
                 "tokenizer_matches": got.prompt_ids == ref.prompt_ids,
-                "vs_checkpoint": measured[0],
+                "vs_checkpoint": cpp_measured[0],
                 "greedy_vs_checkpoint": _greedy_match(ref, got),
                 "answers": [decode(g) if decode else None for g in got.greedy]}
             if (note := open_note()) is not None:         # how llama.cpp opened the file
                 report.llamacpp["note"] = note
             report.llamacpp.update(verdict(report.llamacpp, llamacpp.min_top1))
             if engine_same_file is not None:
-                report.llamacpp["vs_engine_same_file"] = measured[1]
+                report.llamacpp["vs_engine_same_file"] = cpp_measured[1]
                 report.llamacpp["greedy_vs_engine_same_file"] = _greedy_match(engine_same_file,
                                                                               got)
     return {**report.as_dict(), "timings": timings}
