@@ -20,7 +20,8 @@ types measured too, and their rows printed) in a fresh process each and prints i
 seconds (user + sys, the export and every worker it starts: less sensitive to a shared
 machine's load than wall time) with the report's per-stage timings and the load average. With
 `--peer` (another checkout of the repository, e.g. the main branch), the same export by that
-checkout's engine runs alternately with this one and the ratio is printed.
+checkout's engine runs alternately with this one and the ratio is printed, and whether the two
+reports agree in every field but timings, the exported file's hash and its name.
 """
 
 from __future__ import annotations
@@ -137,7 +138,27 @@ def timed_export(repo: Path, run: Path, dense: Path, dtype: str, out: Path,
             "stages": report.get("timings", {}),
             "verdict": f"{verdict['title']}: {verdict['words']}" if verdict else
             ("VERIFIED" if report["passed"] else "NOT verified"),   # a peer without verdicts
-            "picker": report.get("picker")}
+            "picker": report.get("picker"), "report": report}
+
+
+def comparable(report: dict) -> dict:
+    """A report without what differs between two exports of the same run by design: timings,
+    the exported file's hash and name (general.name is the output folder's name)."""
+    out = {k: v for k, v in report.items() if k != "timings"}
+    out["export"] = {k: v for k, v in report.get("export", {}).items()
+                     if k not in ("sha256", "name")}
+    return out
+
+
+def differing(a, b, path: str = "") -> list[str]:
+    """The paths where two JSON values differ."""
+    if isinstance(a, dict) and isinstance(b, dict):
+        return [d for k in sorted(set(a) | set(b), key=str)
+                for d in (differing(a.get(k), b.get(k), f"{path}.{k}") if k in a and k in b
+                          else [f"{path}.{k} (only in one)"])]
+    if isinstance(a, list) and isinstance(b, list) and len(a) == len(b):
+        return [d for i, (x, y) in enumerate(zip(a, b)) for d in differing(x, y, f"{path}[{i}]")]
+    return [] if a == b else [path or "."]
 
 
 def bench_full_export(args) -> int:
@@ -171,6 +192,12 @@ def bench_full_export(args) -> int:
         for stage, t in row["stages"].items():
             if t:
                 print(f"    {stage:<22} wall {t['wall_s']:6.1f} s   CPU {t['cpu_s']:6.1f} s")
+    if args.peer and not args.compare:    # (--compare measures more on this side only)
+        # the same export by both checkouts: every field of the report but timings, hash, name
+        diff = differing(comparable(results["this checkout"][0]["report"]),
+                         comparable(results["peer"][0]["report"]))
+        print("reports equal to the peer's (all but timings, sha256, name): "
+              + ("yes" if not diff else f"NO, {len(diff)} fields: " + ", ".join(diff[:10])))
     if args.peer:
         cpu = {name: min(r["cpu_s"] for r in rows) for name, rows in results.items()}
         print(f"ratio (this checkout / peer): wall "

@@ -325,6 +325,34 @@ def test_a_damaged_export_fails_question_1_on_every_surface_and_a_true_one_passe
 
 
 @pytest.mark.slow
+def test_a_failed_conversion_stops_question_2s_early_worker_and_leaves_no_bundle(
+        sft_run, monkeypatch):
+    """Question 2's worker starts right after the merge, before the conversion writes the file it
+    waits for: when the conversion fails, the worker is stopped (not left waiting, nor measuring)
+    and the export fails as it did without it."""
+    from engine.errors import ForgebenchError
+    from engine.export import bundle
+    from engine.export.equivalence import Gate
+
+    workers = []
+    real_attach = Gate.attach
+    monkeypatch.setattr(Gate, "attach",
+                        lambda gate, process: workers.append(process) or real_attach(gate, process))
+
+    def failing(*args, **kwargs):
+        raise ForgebenchError("the conversion failed", where="test")
+
+    monkeypatch.setattr(bundle, "write_export_file", failing)
+    out = sft_run / "exports" / "failed"
+    with pytest.raises(ForgebenchError, match="the conversion failed"):
+        bundle.export_run(sft_run / "runs" / "pirate", out, dtype="q4_0",
+                          base=str(sft_run / "dense.gguf"))
+    assert not out.exists()
+    assert len(workers) == 1                          # it had started, after the merge
+    assert workers[0].poll() is not None and workers[0].returncode != 0      # and was stopped
+
+
+@pytest.mark.slow
 def test_q4_0_loses_a_sharp_fine_tunes_gain_and_the_picker_names_a_larger_type(
         tmp_path, capsys, qtbot):
     from app_part2_support import go_and_wait

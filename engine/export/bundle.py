@@ -68,6 +68,10 @@ class Bundle:
     fine_tune: dict | None = None     # worker load spec of the unquantized fine-tune
     base_spec: dict | None = None     # worker load spec of the base it was fine-tuned from
     name: str = ""                    # the fine-tune's name: general.name, the card's title
+    # called with the exported file's path once the merged fine-tune is on disk, before the
+    # conversion writes that file (the report starts question 2's worker there)
+    on_merged: Callable[[Path], None] | None = None
+    question2: object = None          # _Question2 while its worker runs
 
     @property
     def verdict(self):
@@ -81,15 +85,15 @@ def _is_quantized(dtype: str) -> bool:
     return CHOICES[dtype].quantized
 
 
-_OPENED: dict | None = None       # path -> GGUFFile while an export runs (_parsed_once)
+_OPENED: dict | None = None       # (kind, file) -> GGUFFile or hash while an export runs
 
 
 @contextlib.contextmanager
 def _parsed_once():
     """Within it, _open_gguf parses each file once: the base and the exported file are each
     read by several steps (type, template, tensors, tokenizer), and every parse turns the
-    262k-token vocabulary into Python values again. Dropped at the end, so no file stays
-    mapped after the export."""
+    262k-token vocabulary into Python values again (and _sha256 hashes each file once).
+    Dropped at the end, so no file stays mapped after the export."""
     global _OPENED
     outer, _OPENED = _OPENED, {}
     try:
@@ -98,17 +102,28 @@ def _parsed_once():
         _OPENED = outer
 
 
+def _once(kind: str, path: Path, read: Callable[[Path], object]):
+    """read(path), once per file (and its size and mtime) in _parsed_once."""
+    if _OPENED is None:
+        return read(path)
+    stat = os.stat(path)
+    key = (kind, str(Path(path).resolve()), stat.st_size, stat.st_mtime_ns)
+    if key not in _OPENED:
+        _OPENED[key] = read(path)
+    return _OPENED[key]
+
+
 def _open_gguf(path: Path):
-    """engine.gguf.reader.open_gguf, once per file (and its size and mtime) in _parsed_once."""
+    """engine.gguf.reader.open_gguf, once per file in _parsed_once."""
     from engine.gguf.reader import open_gguf
 
-    if _OPENED is None:
-        return open_gguf(path)
-    stat = os.stat(path)
-    key = (str(Path(path).resolve()), stat.st_size, stat.st_mtime_ns)
-    if key not in _OPENED:
-        _OPENED[key] = open_gguf(path)
-    return _OPENED[key]
+    return _once("gguf", path, open_gguf)
+
+
+def _sha256(path: Path) -> str:
+    """sha256_file, once per file in _parsed_once: the report's hash of the exported file is
+    the one its SHA256SUMS line carries."""
+    return _once("sha256", path, sha256_file)
 
 
 def _file_dtype(path: Path) -> str | None:
@@ -247,8 +262,9 @@ def _export_sft(bundle: Bundle, staging: Path, scratch: Path, base_arg: str | No
                               path=bundle.checkpoint.path, where="--dtype",
                               hint="export it as a model: --dtype f16, q8_0, q4_k_m, ...")
     base, how = _sft_base(bundle, base_arg, scratch, progress)
-    bundle.base = {"path": str(base), "sha256": sha256_file(base) if base.is_file() else None,
-                   "chosen": how}
+    bundle.base = {"path": str(base), "sha256": None, "chosen": how}
+    # the base's hash (for the card) on a thread of its own while the merge reads the base
+    hashing = _in_background(_sha256, base) if base.is_file() else None
     # The layout the run trained with (lm_base.load_base: the base's own template, else its
     # family's built-in one) goes into every export, so llama.cpp prompts the model as trained.
     # (None when the base has neither: lm-sft could not have trained on it, and the checks
@@ -264,6 +280,18 @@ def _export_sft(bundle: Bundle, staging: Path, scratch: Path, base_arg: str | No
         _export_adapter(bundle, staging, base, adapter)
     else:
         _export_merged(bundle, staging, scratch, base, None if full else adapter, progress)
+    if hashing is not None:
+        bundle.base["sha256"] = hashing.result()
+
+
+def _in_background(function: Callable, *args):
+    """function(*args) on a thread of its own, started now: its future."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    pool = ThreadPoolExecutor(1, thread_name_prefix="forgebench-export")
+    future = pool.submit(function, *args)
+    pool.shutdown(wait=False)             # the thread ends with the call
+    return future
 
 
 def _export_adapter(bundle: Bundle, staging: Path, base: Path, adapter: Path) -> None:
@@ -329,6 +357,10 @@ def _export_merged(bundle: Bundle, staging: Path, scratch: Path, base: Path,
         bundle.stages.append(_gguf_stage("merged", f"adapters merged into the dense base "
                                          f"({len(result.merged)} matrices)", merged, staging))
     bundle.base["matched_by"] = result.base_match
+    bundle.fine_tune = {"kind": "gguf", "path": str(merged), "numerics": "f32"}
+    bundle.base_spec = {"kind": "gguf", "path": str(base), "numerics": "f32"}
+    if bundle.on_merged is not None:
+        bundle.on_merged(final)
     if not same_type:
         with progress.tensors(f"convert → {bundle.dtype}") as update:
             write_export_file(merged, final, bundle.dtype, progress=update,
@@ -344,8 +376,6 @@ def _export_merged(bundle: Bundle, staging: Path, scratch: Path, base: Path,
     bundle.files.append(MODEL_GGUF)
     bundle.llamacpp = _llamacpp_stage(final, "the exported model.gguf in llama.cpp")
     bundle.reference = None if same_type else merged
-    bundle.fine_tune = {"kind": "gguf", "path": str(merged), "numerics": "f32"}
-    bundle.base_spec = {"kind": "gguf", "path": str(base), "numerics": "f32"}
 
 
 # ----------------------------------------------------------------------- the card and sums
@@ -544,7 +574,7 @@ def _run_section(bundle: Bundle, verdict) -> list[str]:
 
 def write_sha256sums(folder: Path) -> Path:
     """`<sha256>  <relative path>` for every file, sorted (what `sha256sum -c` reads)."""
-    rows = [f"{sha256_file(p)}  {p.relative_to(folder).as_posix()}"
+    rows = [f"{_sha256(p)}  {p.relative_to(folder).as_posix()}"
             for p in sorted(folder.rglob("*")) if p.is_file() and p.name != "SHA256SUMS"]
     atomic_write_text(folder / "SHA256SUMS", "\n".join(rows) + "\n")
     return folder / "SHA256SUMS"
@@ -597,6 +627,13 @@ def export_run(run_dir: str | os.PathLike, out: str | os.PathLike, *, checkpoint
                                   path=out, hint="free some space and export again") from exc
         raise
     finally:
+        # a question-2 worker still held at its gate (the export failed before its files were
+        # written) is stopped, and waited for, before its files go
+        held = bundle.question2
+        if held is not None and held.gate is not None and held.gate.opened is None:
+            held.gate.cancel()
+            with contextlib.suppress(Exception):
+                held.future.result()
         shutil.rmtree(scratch, ignore_errors=True)
     from engine.export.verdict import record_in_run
 
@@ -638,28 +675,38 @@ def _fill_bundle(bundle: Bundle, staging: Path, scratch: Path, base: str | None,
         bundle.report["verdict"] = bundle.verdict.as_dict()
         _finish_bundle(bundle, staging)
         return
+    if report and dtype in CHOICES and CHOICES[dtype].llamacpp:
+        # question 2's worker starts as soon as the merged fine-tune is written: it scores the
+        # base and the fine-tune while the exported file is converted (one core's work, the
+        # other idle), then waits for that file (_open_question2)
+        bundle.on_merged = lambda exported: _start_question2(bundle, exported, scratch,
+                                                             compare or [], progress)
     if recipe == "lm-pretrain":
         _export_pretrain(bundle, staging, scratch, progress)
     else:   # lm-sft, lm-dpo and lm-es: the same adapters file, or full weights in the base's layout
         _export_sft(bundle, staging, scratch, base, progress)
     if report:
         written, elapsed = elapsed(), stopwatch()
-        # question 2's worker starts first and runs beside the staged report's workers
-        question2 = _start_question2(bundle, scratch, compare or [], progress)
+        # question 2's worker runs beside the staged report's workers
+        question2 = _open_question2(bundle, scratch, compare or [], progress)
+        weights = _start_weights_check(bundle)
         held = run.manifest()["config"].get("sample", {}).get("prompts", [])
         # the draft the stages follow (equivalence.follow_guesses): the exported model file
         cpp = bundle.llamacpp
         draft = _native_spec(Path(cpp.model["path"])) if cpp and "lora" not in cpp.model \
             else None
+        tokenizer = _llamacpp_tokenizer(bundle)
         bundle.report = build_report(
             {"kind": "run", "run": str(run.path), "checkpoint": bundle.checkpoint.name},
             bundle.stages, llamacpp=bundle.llamacpp, draft=draft, threads=threads,
-            prompts=tuple(dict.fromkeys([*held, *PROMPT_SUITE])), decode=_decoder(bundle),
-            progress=lambda m: progress.say(f"equivalence: {m}"), same_file=_same_file(bundle))
+            prompts=tuple(dict.fromkeys([*held, *PROMPT_SUITE])),
+            decode=tokenizer.decode if tokenizer is not None else None,
+            progress=lambda m: progress.say(f"equivalence: {m}"), same_file=_same_file(bundle),
+            llamacpp_tokenizer=tokenizer)
         bundle.report["export"] = {"run": str(run.path), "checkpoint": bundle.checkpoint.name,
                                    "dtype": dtype, "files": bundle.files, "name": bundle.name}
         timings = {"model files": written, **bundle.report["timings"], "report": elapsed()}
-        _answer_questions(bundle, question2, compare or [], timings)
+        _answer_questions(bundle, question2, compare or [], timings, weights)
         bundle.report["timings"] = timings
         atomic_write_text(staging / "report.json",
                           json.dumps(bundle.report, indent=2) + "\n")
@@ -680,39 +727,88 @@ class _Question2:
     reason: str | None
     future: object = None
     started: float = 0.0
+    gate: object = None               # equivalence.Gate: the exported file is written
+    exported: Path | None = None      # the file it measures
 
 
-def _start_question2(bundle: Bundle, scratch: Path, compare: list[str],
-                     progress: _Progress) -> _Question2:
+def _start_question2(bundle: Bundle, exported: Path, scratch: Path, compare: list[str],
+                     progress: _Progress) -> None:
     """Question 2 (what quantization cost the fine-tune, engine.export.quality) in its worker,
-    started now on a thread of its own: it needs only the exported and merged files, so it
-    runs beside the staged report's workers instead of after them."""
+    started now, right after the merge, on a thread of its own and held at a gate until
+    `exported` is written (_open_question2): it needs only the base, the merged and the exported
+    files, so it runs beside the conversion and the staged report's workers instead of after
+    them. It reads the tokenizer and the chat template from the merged file, which the
+    conversion copies into the exported one."""
     import time
     from concurrent.futures import ThreadPoolExecutor
 
     from engine.export import quality
-    from engine.export.equivalence import _beside_threads
+    from engine.export.equivalence import Gate, _beside_threads
 
-    _, exported = _exported_model(bundle)
-    reason = _no_question2(bundle) if exported is not None else "no exported model file"
+    reason = _no_question2(bundle)
     if reason:
-        return _Question2(reason)
+        bundle.question2 = _Question2(reason)
+        return
     exports = [{"dtype": bundle.dtype, "model": _stage_spec(exported, bundle.dtype)}]
     exports += [{"dtype": t, "quantize": True, "answers": False,
                  "model": _native_spec(scratch / f"compare-{t}.gguf")}
                 for t in compare if t != bundle.dtype]
-    spec = {"run": str(bundle.run.path), "tokenizer_file": str(exported),
+    spec = {"run": str(bundle.run.path), "tokenizer_file": bundle.fine_tune["path"],
             "base": bundle.base_spec, "fine_tune": bundle.fine_tune,
             "merged": bundle.fine_tune["path"], "exports": exports}
+    gate = Gate()
     pool = ThreadPoolExecutor(1, thread_name_prefix="forgebench-quality")
     future = pool.submit(quality.run_measure, spec, _beside_threads(bundle.threads),
-                         lambda m: progress.say(m))
+                         lambda m: progress.say(m), gate)
     pool.shutdown(wait=False)               # the thread ends with the worker
-    return _Question2(None, future, time.perf_counter())
+    bundle.question2 = _Question2(None, future, time.perf_counter(), gate, exported)
+
+
+def _open_question2(bundle: Bundle, scratch: Path, compare: list[str],
+                    progress: _Progress) -> _Question2:
+    """The model files are written: question 2's worker (started after the merge, or now where
+    the export had no merge) goes on to the exported file, or is stopped where there is none
+    it can measure."""
+    _, exported = _exported_model(bundle)
+    if exported is not None and bundle.question2 is None:
+        _start_question2(bundle, exported, scratch, compare, progress)
+    question2 = bundle.question2
+    if exported is None or question2 is None:
+        if question2 is not None and question2.gate is not None:
+            question2.gate.cancel()
+        return _Question2("no exported model file")
+    if question2.gate is not None:
+        if question2.exported != exported:          # not the file it was started for
+            question2.gate.cancel()
+            return _Question2("no exported model file")
+        question2.gate.open()
+    return question2
+
+
+def _start_weights_check(bundle: Bundle):
+    """Question 1's weights check (quality.check_weights: every tensor of the exported file
+    read back by gguf-py) and the file's hash, on a thread of their own from now: they need only
+    the model files, so they run beside the report's workers instead of alone after them.
+    A future of (check, its wall and CPU seconds); None without an exported file."""
+    import time
+
+    from engine.export import quality
+
+    _, exported = _exported_model(bundle)
+    if exported is None:
+        return None
+
+    def check():
+        wall, cpu = time.perf_counter(), time.thread_time()
+        weights = quality.check_weights(exported, bundle.reference)
+        _sha256(exported)
+        return weights, {"wall_s": time.perf_counter() - wall, "cpu_s": time.thread_time() - cpu}
+
+    return _in_background(check)
 
 
 def _answer_questions(bundle: Bundle, question2: _Question2, compare: list[str],
-                      timings: dict) -> None:
+                      timings: dict, weights_check=None) -> None:
     """Question 1 (the weights against the merged ones, llama.cpp against the engine), question
     2 (its worker's answer, `_start_question2`), the picker's rows, and the verdict, into the
     report; a defect's model file is renamed out of the way."""
@@ -733,7 +829,11 @@ def _answer_questions(bundle: Bundle, question2: _Question2, compare: list[str],
     report = bundle.report
     clock = stopwatch()
     model, exported = _exported_model(bundle)
-    weights = quality.check_weights(exported, bundle.reference) if exported else None
+    checked = None
+    if weights_check is not None:             # _start_weights_check: already under way
+        weights, checked = weights_check.result()
+    else:
+        weights = quality.check_weights(exported, bundle.reference) if exported else None
     cpp = report.get("llamacpp", {})
     compared = None
     if cpp.get("available") and "vs_engine_same_file" in cpp:
@@ -753,9 +853,9 @@ def _answer_questions(bundle: Bundle, question2: _Question2, compare: list[str],
     else:
         compared = {"available": False, "reason": cpp.get("reason")}
     report["question1"] = question1(weights, compared)
-    timings["question 1 (weights)"] = clock()
+    timings["question 1 (weights)"] = checked or clock()
     if exported is not None:
-        report["export"]["sha256"] = sha256_file(exported)
+        report["export"]["sha256"] = _sha256(exported)
     report["question2"] = {"available": False, "reason": question2.reason}
     if question2.future is not None:
         measured = question2.future.result()
@@ -824,15 +924,16 @@ def _finish_bundle(bundle: Bundle, staging: Path) -> None:
         path.chmod(0o755 if path.is_dir() else 0o644)
 
 
-def _decoder(bundle: Bundle) -> Callable[[list[int]], str] | None:
-    """Token ids -> text with the exported file's own tokenizer (for the report's answers)."""
+def _llamacpp_tokenizer(bundle: Bundle):
+    """The tokenizer of the file llama.cpp runs (the exported file, or the adapter's base): its
+    decode writes the report's answers, and the llama.cpp worker takes its BOS flag and stop ids
+    from it instead of reading the vocabulary again. None without a llama.cpp stage."""
     from engine.llm.tokenizer import GGUFTokenizer
 
     path = bundle.llamacpp.model["path"] if bundle.llamacpp else None
     if path is None:
         return None
-    tokenizer = GGUFTokenizer.from_gguf(_open_gguf(path))
-    return tokenizer.decode
+    return GGUFTokenizer.from_gguf(_open_gguf(path))
 
 
 def compare_types(run_dir: str | os.PathLike, types: list[str], *, checkpoint: str = "latest",

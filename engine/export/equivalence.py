@@ -20,7 +20,9 @@ with the engine on the same file, checks that the engine reproduces the runtime.
 
 The engine stages run one after another in one worker process (`python -m
 engine.export.equivalence SPEC.json`), each loading its own file and freed before the next;
-llama.cpp runs in a second worker. Workers write logits and greedy ids to safetensors files,
+llama.cpp runs in a second worker, started as soon as the engine worker has rendered the prompts:
+its own greedy answers need nothing else, and it waits at a `Gate` for the checkpoint's answers
+before scoring them. Workers write logits and greedy ids to safetensors files,
 which the parent compares one prompt at a time, and their wall and CPU seconds (report
 `timings`). The checkpoint's greedy answers are found by speculative scoring: the exported file
 under the native kernels (the draft) answers each prompt, the checkpoint scores prompt + that
@@ -28,11 +30,14 @@ answer in one batch and keeps its own argmax along it (`follow_guesses`, over `g
 and where it leaves the draft's answer the draft guesses on from the checkpoint's tokens. The
 draft only saves work: every token is the checkpoint's own choice, read off its batched logits
 as the f32 stages read theirs. Stages under llama.cpp numerics, and llama.cpp itself, decode
-token by token, as llama.cpp serves an answer.
+token by token, as llama.cpp serves an answer; the engine decodes its prompts side by side
+(`_Runner.decode_many`: one step reads the weights once for all of them, each row summed by the
+one-token kernels, so each prompt gets the tokens it gets alone).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
@@ -45,7 +50,6 @@ from typing import Callable
 
 from engine.errors import ForgebenchError
 from engine.export.llamacpp import open_note
-from engine.kernels.cpu import plan
 
 # A fixed suite: plain continuations and instructions, short enough for tiny models' contexts.
 PROMPT_SUITE = (
@@ -63,6 +67,8 @@ GREEDY_TOKENS = 32
 MIN_TOP1_DENSE = 0.99
 MIN_TOP1_QUANTIZED = 0.90
 REPO_ROOT = Path(__file__).resolve().parents[2]
+PROMPTS_FILE = "prompts.json"       # the engine worker's reference prompts (texts and ids)
+ANSWERS_FILE = "answers.json"       # the reference's greedy answers, for the llama.cpp worker
 
 
 @dataclass
@@ -89,6 +95,10 @@ class Report:
     llamacpp: dict = field(default_factory=dict)
 
     def as_dict(self) -> dict:
+        # here, not at the top: the llama.cpp worker imports this module and needs neither
+        # the CPU plan nor the gguf package it reads layouts from
+        from engine.kernels.cpu import plan
+
         checked = [s["passed"] for s in self.stages if "passed" in s]
         if self.llamacpp.get("available"):
             checked.append(self.llamacpp["passed"])
@@ -193,6 +203,49 @@ class _Runner:
                                                  stop_ids=self.stops)
         return list(self._decoded[key])
 
+    def decode_many(self, items: list[tuple[list[int], int]]) -> list[list[int]]:
+        """decode(prompt, n) of each (prompt, n). Under the native kernels the sequences not
+        decoded yet advance together, one token each per step (native_forward.decode_batch):
+        every weight and the 262k-row LM head are read once per step for all of them instead of
+        once per sequence, and each row is summed by the one-token kernels a sequence decoded
+        alone gets, so its tokens are decode's. Elsewhere they decode one after another."""
+        import torch
+
+        from engine.models.native_forward import decode_batch, native_decoder
+        from engine.sampling import SamplingSettings, next_token
+
+        todo = list(dict.fromkeys((tuple(prompt), n) for prompt, n in items
+                                  if n > 0 and (tuple(prompt), n) not in self._decoded))
+        if len(todo) > 1 and native_decoder(self.net) is not None:
+            net, settings = self.net, SamplingSettings()
+            with torch.no_grad():
+                caches = [net.new_cache(1, len(prompt) + n) for prompt, n in todo]
+                histories = [list(prompt) for prompt, _ in todo]
+                outs: list[list[int]] = [[] for _ in todo]
+                # the prompts as generate_tokens feeds them: each in one forward of its own
+                logits = [net.logits(net.hidden(torch.tensor([list(prompt)]), start_pos=0,
+                                                cache=cache)[0, -1]).float()
+                          for (prompt, _), cache in zip(todo, caches)]
+                live = list(range(len(todo)))
+                while live:
+                    stepping = []
+                    for k, i in enumerate(live):     # generate_tokens' loop, per sequence
+                        token = next_token(logits[k], settings, None, histories[i])
+                        if token in self.stops:
+                            continue
+                        outs[i].append(token)
+                        histories[i].append(token)
+                        if len(outs[i]) < todo[i][1]:
+                            stepping.append(i)
+                    live = stepping
+                    if live:
+                        logits = list(decode_batch(net, [outs[i][-1] for i in live],
+                                                   [len(histories[i]) - 1 for i in live],
+                                                   [caches[i] for i in live]))
+            for key, out in zip(todo, outs):
+                self._decoded[key] = out
+        return [self.decode(list(prompt), n) for prompt, n in items]
+
     def score(self, seq: list[int], start: int):
         """Logit rows [len(seq) - start, V] for the positions from `start` on."""
         import torch
@@ -216,6 +269,14 @@ class _Runner:
         tokens = torch.tensor([[t for seq, _ in items for t in seq]])
         logits = self.net.logits(self.net.hidden(tokens, lengths=lengths, rows=keep)).float()
         return list(torch.split(logits, [n - start for (_, start), n in zip(items, lengths)]))
+
+
+def decode_all(runner, items: list[tuple[list[int], int]]) -> list[list[int]]:
+    """runner.decode(prompt, n) of each item, together where the runner can (_Runner.decode_many;
+    a draft need only have `decode`)."""
+    if hasattr(runner, "decode_many"):
+        return runner.decode_many(items)
+    return [runner.decode(prompt, n) for prompt, n in items]
 
 
 def follow_guesses(stage: _Runner, prompts: list[list[int]], guesses: list[list[int]],
@@ -250,8 +311,12 @@ def follow_guesses(stage: _Runner, prompts: list[list[int]], guesses: list[list[
                 results[i] = (answer + stage.decode(prompts[i] + answer, limit - len(answer)),
                               None)
             else:
-                guesses[i] = draft.decode(prompts[i] + answer, limit - len(answer))
                 again.append(i)
+        # the draft guesses on for every prompt still open at once (decode_many)
+        for i, guess in zip(again, decode_all(draft,
+                [(prompts[i] + answers[i], limit - len(answers[i])) for i in again])
+                if again else ()):
+            guesses[i] = guess
         for i, rows in zip(again, stage.score_many(
                 [(prompts[i] + answers[i] + guesses[i], len(prompts[i]) - 1) for i in again])):
             scored[i] = rows
@@ -259,7 +324,8 @@ def follow_guesses(stage: _Runner, prompts: list[list[int]], guesses: list[list[
     return results
 
 
-def _score_stage(stage: _Runner, spec: dict, draft: _Runner | None = None) -> dict:
+def _score_stage(stage: _Runner, spec: dict, draft: _Runner | None = None,
+                 on_prompts: Callable[[list[str], list[list[int]]], None] | None = None) -> dict:
     """One stage's texts, prompt ids, greedy answers and logits (the worker's result).
 
     The reference (no "sequences" in `spec`) finds its greedy answers and scores them; with a
@@ -267,7 +333,8 @@ def _score_stage(stage: _Runner, spec: dict, draft: _Runner | None = None) -> di
     token by token. Every other stage scores the reference's sequences (score_many); an f32 stage
     reads its greedy answer off those logits, a stage under llama.cpp numerics decodes token by
     token, as llama.cpp serves an answer (its one-row kernels sum differently from its batch
-    kernels, so a batched read could flip a near-tie that a served answer would not)."""
+    kernels, so a batched read could flip a near-tie that a served answer would not).
+    `on_prompts(texts, ids)` is told the rendered prompts and their ids before any scoring."""
     import torch
 
     from engine.llm.chat import encode_prompt
@@ -277,19 +344,21 @@ def _score_stage(stage: _Runner, spec: dict, draft: _Runner | None = None) -> di
     with torch.no_grad():
         texts = spec["texts"] if "texts" in spec else [stage.render(p) for p in spec["prompts"]]
         ids = [encode_prompt(stage.tok, text) for text in texts]
+        if on_prompts is not None:
+            on_prompts(list(texts), ids)
         if "sequences" in spec:
             seqs, starts = spec["sequences"], spec["scored_from"]
             prompts = [seq[:start + 1] for seq, start in zip(seqs, starts)]
             logits = stage.score_many(list(zip(seqs, starts)))
             if served:
-                greedy = [stage.decode(prompt, limit) for prompt in prompts]
+                greedy = decode_all(stage, [(prompt, limit) for prompt in prompts])
             else:
                 greedy = [answer for answer, _ in follow_guesses(
                     stage, prompts, [seq[start + 1:] for seq, start in zip(seqs, starts)],
                     logits, limit, draft)]
         else:
             if draft is not None:
-                guesses = [draft.decode(prompt, limit) for prompt in ids]
+                guesses = decode_all(draft, [(prompt, limit) for prompt in ids])
                 followed = follow_guesses(stage, ids, guesses, stage.score_many(
                     [(prompt + guess, len(prompt) - 1) for prompt, guess in zip(ids, guesses)]),
                     limit, draft)
@@ -324,16 +393,20 @@ def _engine_worker(spec: dict) -> dict:
 
 
 def _llamacpp_worker(spec: dict) -> dict:
-    """llama.cpp's greedy answers and logits; numpy only (no torch import: a second less)."""
+    """llama.cpp's greedy answers and logits; numpy only (no torch import: a second less).
+    The file's BOS flag and stop ids come with the spec (`tokenizer`: tokenizer_facts, from the
+    parent's parse of the same file), else from parsing its 262k-token vocabulary here."""
     import numpy as np
 
     from engine.export.llamacpp import open_llama
-    from engine.llm.tokenizer import GGUFTokenizer
 
     model = spec["model"]
-    meta_tok = GGUFTokenizer.from_gguf(model["path"])     # flags and stop ids of the same file
+    facts = spec.get("tokenizer") or tokenizer_facts(model["path"])
     limit = spec["greedy_tokens"]
-    longest = max(len(s) for s in spec["sequences"]) + limit + 8
+    # room for the longest sequence and a greedy answer after it (started before the
+    # reference's answers exist: the longest prompt and two answers of at most `limit` tokens)
+    longest = (max(len(s) for s in spec["sequences"]) if "sequences" in spec else
+               max(len(p) for p in spec["prompt_ids"]) + limit) + limit + 8
     # n_threads_batch too: llama-cpp-python's default is every core, whose waiting threads spin
     # on cores the engine's workers are using (the batched evals took a third more CPU on 2
     # cores); the logits do not depend on the thread count (_beside_threads)
@@ -341,19 +414,21 @@ def _llamacpp_worker(spec: dict) -> dict:
     llm = open_llama(model["path"], lora_path=model.get("lora"), n_ctx=max(64, longest),
                      n_batch=512, logits_all=True, n_threads=threads, n_threads_batch=threads,
                      verbose=False, seed=0)
-    stops = _stop_ids(meta_tok)
+    stops, bos = set(facts["stops"]), facts["bos_id"]
+    # the reference's prompt ids: given, or the prompts of the sequences to score
+    prompts = spec.get("prompt_ids") or [seq[:start + 1] for seq, start in
+                                         zip(spec["sequences"], spec["scored_from"])]
     out: dict = {"texts": spec["texts"], "prompt_ids": [], "greedy": [], "logits": []}
-    for i, text in enumerate(spec["texts"]):
+    for text, prompt in zip(spec["texts"], prompts):
         ids = llm.tokenize(text.encode("utf-8"), add_bos=False, special=True)
-        if meta_tok.add_bos and meta_tok.bos_id is not None and ids[:1] != [meta_tok.bos_id]:
-            ids.insert(0, meta_tok.bos_id)
+        if facts["add_bos"] and bos is not None and ids[:1] != [bos]:
+            ids.insert(0, bos)
         out["prompt_ids"].append(ids)
-        seq, start = spec["sequences"][i], spec["scored_from"][i]
         # the greedy answer as llama.cpp serves it: the prompt in one batch, then token by token
         # (its one-row kernels sum differently from its batch kernels, so reading the answer off
         # batched logits could flip a near-tie that a served answer would not)
         llm.reset()
-        llm.eval(seq[:start + 1])
+        llm.eval(prompt)
         greedy: list[int] = []
         while len(greedy) < limit:
             token = int(np.argmax(llm.scores[llm.n_tokens - 1]))
@@ -361,12 +436,29 @@ def _llamacpp_worker(spec: dict) -> dict:
                 break
             greedy.append(token)
             llm.eval([token])
+        out["greedy"].append(greedy)
+    # the answers above need only the prompts; the scoring below needs the reference's answers,
+    # which a worker started early waits for (the parent writes them to `answers_file`)
+    wait_at_gate(spec)
+    if "answers_file" in spec:
+        answers = json.loads(Path(spec["answers_file"]).read_text("utf-8"))
+        spec = {**spec, **reference_sequences(spec["texts"], prompts, answers, limit)}
+    for seq, start in zip(spec["sequences"], spec["scored_from"]):
         llm.reset()
         llm.eval(seq)                                   # one batch: prompt and reference answer
-        logits = np.array(llm.scores[start:len(seq)], dtype=np.float32)
-        out["greedy"].append(greedy)
-        out["logits"].append(logits)
+        out["logits"].append(np.array(llm.scores[start:len(seq)], dtype=np.float32))
     return out
+
+
+def tokenizer_facts(tokenizer) -> dict:
+    """What the llama.cpp worker needs of a file's tokenizer (a GGUFTokenizer, or a path to
+    read one from): its BOS flag and id and its stop ids."""
+    if not hasattr(tokenizer, "bos_id"):
+        from engine.llm.tokenizer import GGUFTokenizer
+
+        tokenizer = GGUFTokenizer.from_gguf(tokenizer)
+    return {"add_bos": bool(tokenizer.add_bos), "bos_id": tokenizer.bos_id,
+            "stops": sorted(_stop_ids(tokenizer))}
 
 
 def _write_result(out: dict, path: Path) -> None:
@@ -402,12 +494,19 @@ def _engine_stages_worker(spec: dict) -> None:
     outdir = Path(spec["outdir"])
     draft = _draft_runner(spec.get("draft"))
 
+    def prompts_known(texts: list[str], ids: list[list[int]]) -> None:
+        """The reference's prompts, for the llama.cpp worker's own greedy answers, which need
+        nothing else: written before the reference's scoring and announced ("prompts")."""
+        (outdir / PROMPTS_FILE).write_text(json.dumps({"texts": texts, "prompt_ids": ids}),
+                                           encoding="utf-8")
+        print("prompts", flush=True)
+
     def run(k: int, model: dict, stage_spec: dict) -> dict:
         print(f"stage {k}", flush=True)
         elapsed = stopwatch()
         stage = draft if draft is not None and model == spec["draft"] else \
             _Runner(*_load_engine(model))
-        result = _score_stage(stage, stage_spec, draft)
+        result = _score_stage(stage, stage_spec, draft, prompts_known if k == 0 else None)
         result["timing"] = elapsed()
         _write_result(result, outdir / f"stage-{k}.safetensors")
         del stage
@@ -472,23 +571,106 @@ def _beside_threads(threads: int) -> int:
     return threads if cores >= 2 * threads else max(1, cores - threads)
 
 
+class Gate:
+    """Where a worker started before all its files exist waits for them (`wait_at_gate`): the
+    parent `open`s it once they are written, or `cancel`s it (the export failed, or the worker
+    is not needed after all) and the worker exits without measuring. Either happens once."""
+
+    def __init__(self):
+        import threading
+
+        self._event, self._lock = threading.Event(), threading.Lock()
+        self.opened: bool | None = None
+        self._process = None
+
+    def open(self) -> None:
+        self._settle(True)
+
+    def cancel(self) -> None:
+        """Stop the worker, at once where it runs (it would measure nothing the export keeps);
+        a gate already open stays open."""
+        self._settle(False)
+        if self.opened is False:
+            self._stop()
+
+    def attach(self, process) -> None:
+        with self._lock:
+            self._process = process
+        if self.opened is False:
+            self._stop()
+
+    def _stop(self) -> None:
+        with self._lock:
+            process = self._process
+        if process is not None and process.poll() is None:
+            process.terminate()
+
+    def _settle(self, opened: bool) -> None:
+        with self._lock:
+            if self.opened is None:
+                self.opened = opened
+                self._event.set()
+
+    def wait(self) -> bool:
+        self._event.wait()
+        return bool(self.opened)
+
+    def __enter__(self) -> "Gate":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.cancel()                 # never opened by the end of its block: nobody will
+
+
+GATE_OPEN = "go"
+
+
+def wait_at_gate(spec: dict) -> None:
+    """In a gated worker (_run_worker's `gate`): wait until the parent says its files are on
+    disk; exit without a result where it cancels (or is gone)."""
+    if spec.get("gated") and sys.stdin.readline().strip() != GATE_OPEN:
+        raise SystemExit(3)
+
+
 def _run_worker(spec: dict, workdir: Path, name: str, threads: int,
-                on_line: Callable[[str], None] = lambda _line: None) -> dict:
+                on_line: Callable[[str], None] = lambda _line: None,
+                gate: Gate | None = None) -> dict:
     """Run a worker in a fresh Python process, passing each line it prints to `on_line`;
     returns the process's wall and CPU seconds (its own, from wait4: another worker running
-    beside it is not counted)."""
+    beside it is not counted). With a `gate`, the worker may start before the files it needs
+    later exist: it waits for them at wait_at_gate, told through its stdin when the gate opens."""
+    import threading
     import time
 
     spec_path = workdir / f"{name}.json"
-    spec_path.write_text(json.dumps(dict(spec, threads=threads)), encoding="utf-8")
+    spec_path.write_text(json.dumps(dict(spec, threads=threads, gated=gate is not None)),
+                         encoding="utf-8")
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(
         [str(REPO_ROOT)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]),
         OMP_NUM_THREADS=str(threads))
+    # The workers run side by side on few cores: an OpenMP thread that finds its work done
+    # sleeps at once instead of spinning (libgomp's default spins ~300k turns per wait, CPU a
+    # worker beside it needed: the engine worker's two threads burnt a third more CPU-seconds
+    # spinning). It changes no arithmetic, only how idle threads wait; a caller's own setting
+    # is kept.
+    env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     wall = time.perf_counter()
     with tempfile.TemporaryFile("w+", encoding="utf-8") as errors:
         process = subprocess.Popen([sys.executable, "-m", "engine.export.equivalence",
                                     str(spec_path)], env=env, stdout=subprocess.PIPE,
-                                   stderr=errors, text=True)
+                                   stderr=errors, text=True,
+                                   stdin=subprocess.PIPE if gate is not None else None)
+        if gate is not None:
+            gate.attach(process)
+
+            def tell() -> None:
+                opened = gate.wait()
+                with contextlib.suppress(OSError):       # a worker that has already ended
+                    process.stdin.write(GATE_OPEN + "\n" if opened else "\n")
+                    process.stdin.close()
+
+            # a daemon: a gate never settled (the parent died) holds no exit
+            threading.Thread(target=tell, daemon=True, name=f"forgebench-gate-{name}").start()
         for line in process.stdout:
             on_line(line.strip())
         _, status, usage = os.wait4(process.pid, 0)
@@ -564,42 +746,74 @@ def build_report(reference: dict, stages: list[Stage], *, llamacpp: Stage | None
                  greedy_tokens: int = GREEDY_TOKENS, threads: int = 1,
                  decode: Callable[[list[int]], str] | None = None,
                  progress: Callable[[str], None] | None = None,
-                 same_file: dict | None = None) -> dict:
+                 same_file: dict | None = None, llamacpp_tokenizer=None) -> dict:
     """Score the checkpoint (`reference`, a worker load spec) and each stage; return the report.
     `draft` (a load spec: the exported file under llama.cpp numerics) lets the stages follow
     guesses instead of decoding token by token (follow_guesses); it changes no result.
     `same_file` (a load spec: what llama.cpp runs, in the engine under llama.cpp numerics) is
     what the llama.cpp stage is compared with as "vs engine, same file": the last stage where
-    it is that, else one more engine pass that is not a stage of its own."""
+    it is that, else one more engine pass that is not a stage of its own. `llamacpp_tokenizer`
+    (the GGUFTokenizer of the file llama.cpp runs, where the caller has it) spares the llama.cpp
+    worker reading it again."""
     say = progress or (lambda _msg: None)
     models = [s.model for s in stages]
     extra = same_file is not None and (not models or models[-1] != same_file)
     if extra:
         models.append(same_file)
     missing = None if llamacpp is None else llamacpp_available()
+    # (the gate is cancelled, stopping a llama.cpp worker still waiting at it, before the pool
+    # waits for that worker: an engine worker that fails never opens it)
     with tempfile.TemporaryDirectory(prefix="forgebench-equivalence-") as tmp, \
-            ThreadPoolExecutor(1, thread_name_prefix="forgebench-llamacpp") as beside:
+            ThreadPoolExecutor(1, thread_name_prefix="forgebench-llamacpp") as beside, \
+            Gate() as cpp_gate:
         workdir = Path(tmp)
         labels = ["checkpoint: greedy answers and scoring"] + [f"{s.name}: scoring"
                                                                 for s in stages]
         labels += ["the exported file under llama.cpp numerics: scoring"] if extra else []
         cpp_out, cpp_worker = workdir / "llamacpp.safetensors", []
 
-        def start_llamacpp() -> None:
-            """The llama.cpp worker, once the reference's answers it scores are on disk: in a
-            process of its own beside the engine's remaining stages (each worker is mostly one
-            thread's short ops, so two side by side use a second core that one leaves idle)."""
+        def submit_llamacpp(spec: dict, gate: Gate | None) -> None:
+            """The llama.cpp worker, in a process of its own beside the engine's (each worker is
+            mostly one thread's short ops, so two side by side use a second core that one
+            leaves idle)."""
+            if llamacpp_tokenizer is not None:
+                spec["tokenizer"] = tokenizer_facts(llamacpp_tokenizer)
+            cpp_worker.append(beside.submit(_run_worker, spec, workdir, "llamacpp",
+                                            _beside_threads(threads), lambda _line: None, gate))
+
+        def start_llamacpp_early() -> None:
+            """llama.cpp's own greedy answers need only the reference's prompts: its worker
+            starts as soon as the engine worker has rendered them, while the checkpoint's
+            answers are still being found, and waits at a gate for those before scoring them."""
             if llamacpp is None or missing is not None or cpp_worker:
                 return
+            known = json.loads((workdir / PROMPTS_FILE).read_text("utf-8"))
+            say("llama.cpp: greedy answers")
+            submit_llamacpp({"texts": known["texts"], "prompt_ids": known["prompt_ids"],
+                             "greedy_tokens": greedy_tokens, "model": llamacpp.model,
+                             "out": str(cpp_out), "answers_file": str(workdir / ANSWERS_FILE)},
+                            cpp_gate)
+
+        def start_llamacpp() -> None:
+            """Once the reference's answers are on disk: the worker started early goes on to
+            score them, or one starts now with them."""
+            if llamacpp is None or missing is not None or cpp_gate.opened is not None:
+                return
             ref0 = StageResult.read(workdir / "stage-0.safetensors")
-            spec = dict(reference_sequences(ref0.texts, ref0.prompt_ids, ref0.greedy,
-                                            greedy_tokens), model=llamacpp.model, out=str(cpp_out))
             say("llama.cpp: scoring")
-            cpp_worker.append(beside.submit(_run_worker, spec, workdir, "llamacpp",
-                                            _beside_threads(threads)))
+            if cpp_worker:
+                (workdir / ANSWERS_FILE).write_text(json.dumps(ref0.greedy), encoding="utf-8")
+                cpp_gate.open()
+                return
+            cpp_gate.open()                   # settled: no worker waits at it
+            submit_llamacpp(dict(reference_sequences(ref0.texts, ref0.prompt_ids, ref0.greedy,
+                                                     greedy_tokens), model=llamacpp.model,
+                                 out=str(cpp_out)), None)
 
         def relay(line: str) -> None:
-            if line.startswith("stage "):
+            if line == "prompts":
+                start_llamacpp_early()
+            elif line.startswith("stage "):
                 k = int(line.split()[1])
                 if k >= 1:                    # the worker writes stage K-1 before starting K
                     start_llamacpp()
@@ -626,12 +840,24 @@ def build_report(reference: dict, stages: list[Stage], *, llamacpp: Stage | None
                               "(reference)", "file": None, "positions":
                               sum(len(s) - f for s, f in zip(sequences, scored_from))})
         timings["checkpoint"] = ref.timing
-        # every stage against the checkpoint and against the stage before it, in one pass
+        # every stage against the checkpoint and against the stage before it, and llama.cpp
+        # against the checkpoint and the engine on the same file, in one pass (a stage in
+        # several pairs is read and normalised once per prompt: the checkpoint's and the
+        # exported file's logits were read twice when llama.cpp's pairs had a pass of their own)
         previous = [ref, *got_stages[:-1]]
-        measured = compare_many([(ref, got) for got in got_stages]
-                                + [(before, got) for before, got in zip(previous, got_stages)
-                                   if before is not ref], n)
-        vs_checkpoint, vs_previous = measured[:len(got_stages)], iter(measured[len(got_stages):])
+        pairs = [(ref, got) for got in got_stages] + [
+            (before, got) for before, got in zip(previous, got_stages) if before is not ref]
+        staged = len(pairs)
+        cpp_timing = cpp_got = engine_same_file = None
+        if llamacpp is not None and missing is None:
+            cpp_timing = cpp_worker[0].result()
+            cpp_got = StageResult.read(cpp_out)
+            engine_same_file = same or (got_stages[-1] if got_stages else None)
+            pairs += [(ref, cpp_got)] + ([(engine_same_file, cpp_got)]
+                                         if engine_same_file is not None else [])
+        measured = compare_many(pairs, n)
+        vs_checkpoint = measured[:len(got_stages)]
+        vs_previous = iter(measured[len(got_stages):staged])
         for stage, got, before, vs_ref in zip(stages, got_stages, previous, vs_checkpoint):
             timings[stage.name] = got.timing
             entry = {
@@ -646,22 +872,19 @@ def build_report(reference: dict, stages: list[Stage], *, llamacpp: Stage | None
         elif missing is not None:
             report.llamacpp = {"available": False, "reason": missing}
         else:
-            timings["llama.cpp worker"] = cpp_worker[0].result()
-            got = StageResult.read(cpp_out)
-            engine_same_file = same or (got_stages[-1] if got_stages else None)
-            measured = compare_many([(ref, got)] + ([(engine_same_file, got)]
-                                                    if engine_same_file is not None else []), n)
+            timings["llama.cpp worker"] = cpp_timing
+            got, cpp_measured = cpp_got, measured[staged:]
             report.llamacpp = {
                 "available": True, "description": llamacpp.description, "file": llamacpp.file,
                 "tokenizer_matches": got.prompt_ids == ref.prompt_ids,
-                "vs_checkpoint": measured[0],
+                "vs_checkpoint": cpp_measured[0],
                 "greedy_vs_checkpoint": _greedy_match(ref, got),
                 "answers": [decode(g) if decode else None for g in got.greedy]}
             if (note := open_note()) is not None:         # how llama.cpp opened the file
                 report.llamacpp["note"] = note
             report.llamacpp.update(verdict(report.llamacpp, llamacpp.min_top1))
             if engine_same_file is not None:
-                report.llamacpp["vs_engine_same_file"] = measured[1]
+                report.llamacpp["vs_engine_same_file"] = cpp_measured[1]
                 report.llamacpp["greedy_vs_engine_same_file"] = _greedy_match(engine_same_file,
                                                                               got)
     return {**report.as_dict(), "timings": timings}

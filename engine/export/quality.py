@@ -20,7 +20,9 @@ batched scoring per round as the staged report's f32 stages read theirs: the exp
 the fine-tune, the same file's under llama.cpp numerics for the base; the exported file decodes
 token by token, as served). The fine-tune's log-probabilities are held once for every exported type,
 and the base scored once: the picker (`compare_types`) quantizes the one merged file to each type
-in turn inside the same worker.
+in turn inside the same worker. An export starts the worker right after the merge: it scores the
+base and the fine-tune while the exported file is converted, then waits for that file at a gate
+(engine.export.equivalence.Gate).
 """
 
 from __future__ import annotations
@@ -210,11 +212,11 @@ def _answers(runner, prompts: list[list[int]], decode, draft=None) -> list[str]:
     instead of decoding token by token: an f32 step reads every dense weight and the whole
     262k-row LM head for one token. Under llama.cpp numerics it decodes token by token, as
     llama.cpp serves an answer."""
-    from engine.export.equivalence import follow_guesses
+    from engine.export.equivalence import decode_all, follow_guesses
 
     if draft is None or getattr(runner.net, "numerics", "f32") == "llamacpp":
-        return [decode(runner.decode(p, ANSWER_TOKENS)) for p in prompts]
-    guesses = [draft.decode(p, ANSWER_TOKENS) for p in prompts]
+        return [decode(a) for a in decode_all(runner, [(p, ANSWER_TOKENS) for p in prompts])]
+    guesses = decode_all(draft, [(p, ANSWER_TOKENS) for p in prompts])
     scored = runner.score_many([(p + g, len(p) - 1) for p, g in zip(prompts, guesses)])
     return [decode(answer) for answer, _ in follow_guesses(runner, prompts, guesses, scored,
                                                           ANSWER_TOKENS, draft)]
@@ -260,12 +262,6 @@ def measure(spec: dict) -> dict:
     def load(model: dict) -> _Runner:
         return _Runner(*_load_engine(model)[:2])
 
-    # The exported file under llama.cpp numerics (already on disk, its packed bytes mapped: the
-    # picker's types are quantized later) stays loaded: its answers are the fine-tune's draft,
-    # and it is then scored as its own row. A dense export loads in turn, as before.
-    exported = next((entry for entry in spec["exports"] if not entry.get("quantize")
-                     and entry["model"].get("numerics") == "llamacpp"), None)
-    export_runner = load(exported["model"]) if exported is not None else None
     say("quality: base")
     runner = load(spec["base"])
     base_loss = _nll(_log_probs(runner.net, items), items)
@@ -276,6 +272,17 @@ def measure(spec: dict) -> dict:
     runner = load(spec["fine_tune"])
     reference = _log_probs(runner.net, items)
     fine_tune_loss = _nll(reference, items)
+    # The base and the merged fine-tune are on disk before the exported file is: a worker
+    # started beside the quantization waits here for it (equivalence.wait_at_gate).
+    from engine.export.equivalence import wait_at_gate
+
+    wait_at_gate(spec)
+    # The exported file under llama.cpp numerics (its packed bytes mapped: the picker's types
+    # are quantized later) stays loaded: its answers are the fine-tune's draft, and it is then
+    # scored as its own row. A dense export loads in turn, as before.
+    exported = next((entry for entry in spec["exports"] if not entry.get("quantize")
+                     and entry["model"].get("numerics") == "llamacpp"), None)
+    export_runner = load(exported["model"]) if exported is not None else None
     fine_tune_answers = _answers(runner, prompts, decode, export_runner
                                  if export_runner is not None and getattr(
                                      export_runner.net, "numerics", "f32") == "llamacpp"
@@ -351,15 +358,17 @@ def picker_rows(measured: dict) -> list[dict]:
 
 # ----------------------------------------------------------------------- the parent
 
-def run_measure(spec: dict, threads: int, progress=None) -> dict:
-    """`measure(spec)` in a fresh worker process (its memory goes back when it ends)."""
+def run_measure(spec: dict, threads: int, progress=None, gate=None) -> dict:
+    """`measure(spec)` in a fresh worker process (its memory goes back when it ends). With a
+    `gate` (equivalence.Gate) it starts before the exported files exist: it scores the base and
+    the fine-tune, then waits for the gate to open."""
     from engine.export.equivalence import _run_worker
 
     with tempfile.TemporaryDirectory(prefix="forgebench-quality-") as tmp:
         out = Path(tmp) / "quality.json"
         spec = dict(spec, out=str(out))
         timing = _run_worker(dict(spec, worker="quality"), Path(tmp), "quality", threads,
-                             lambda line: progress(line) if progress and line else None)
+                             lambda line: progress(line) if progress and line else None, gate)
         result = json.loads(out.read_text("utf-8"))
     result["timing"] = timing
     return result
