@@ -414,18 +414,24 @@ class _AdaptedMatmul(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy):
         xc, t, a, b = ctx.saved_tensors
-        ds = dy.to(xc.dtype) * ctx.scale                                # d(delta) before scale
-        dt = ds @ b                                                     # [..., r]
+        dyc = dy.to(xc.dtype)
+        rank, out = t.shape[-1], dyc.shape[-1]
+        # the delta's scale goes on the rank-wide factors (B and t, [out, r] and [N, r]), not
+        # on dy [N, out]: one small product fewer over dy's size; with a power-of-two scale
+        # (alpha/r: 16/8 in the pirate LoRA) the same bits as scaling dy first. Products of the
+        # thin factors are taken transposed ([r, ...] · [..., out]), the layout oneDNN runs
+        # fastest (the [out, N]·[N, r] grad_b: 57 -> 40 us at out 1024, one Zen 4 thread)
+        flat = dyc.reshape(-1, out)
+        dt = (b.t() * ctx.scale @ flat.t()).t()                         # [N, r]
         x_dtype, a_dtype, b_dtype = ctx.dtypes
         dx = None
         if ctx.needs_input_grad[0]:
             # the base path's dx in x's dtype, the adapter's added in place (in x's dtype, as
             # `.to(x_dtype) + .to(x_dtype)` summed them, without the second cast's copy)
-            dx = _frozen_dx_under(ctx.w, dy.to(xc.dtype), ctx.autocast).to(x_dtype)
-            dx = dx.add_(dt @ a)
-        rank = dt.shape[-1]
-        grad_a = dt.reshape(-1, rank).t() @ xc.reshape(-1, xc.shape[-1])        # [r, in]
-        grad_b = ds.reshape(-1, ds.shape[-1]).t() @ t.reshape(-1, rank)         # [out, r]
+            dx = _frozen_dx_under(ctx.w, dyc, ctx.autocast).to(x_dtype)
+            dx = dx.add_((dt @ a).view(dx.shape))
+        grad_a = dt.t() @ xc.reshape(-1, xc.shape[-1])                          # [r, in]
+        grad_b = (t.reshape(-1, rank).t() * ctx.scale @ flat).t()               # [out, r]
         return dx, grad_a.to(a_dtype), grad_b.to(b_dtype), None, None
 
 
