@@ -317,28 +317,68 @@ def in_cache_dtype(product, x: torch.Tensor, chunk: torch.Tensor) -> torch.Tenso
 
 def packed_matmul(x: torch.Tensor, w: PackedWeight) -> torch.Tensor:
     """x [..., cols] · Wᵀ -> [..., rows], W dequantized chunk by chunk (or its dense cache)."""
+    if (layout := _whole_layout(w, _autocast_dtype(), False)) is not None \
+            and not (x.requires_grad and torch.is_grad_enabled()):
+        return _onednn_linear(x.to(torch.bfloat16), layout)
     parts = [w.product(x, start, end, chunk) for start, end, chunk in w.chunks()]
     return parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)
 
 
+def _autocast_dtype() -> torch.dtype | None:
+    """The CPU autocast dtype where CPU autocast is on, else None."""
+    return torch.get_autocast_dtype("cpu") if torch.is_autocast_enabled("cpu") else None
+
+
+def _whole_layout(w: PackedWeight, autocast_dtype: torch.dtype | None,
+                  transposed: bool) -> torch.Tensor | None:
+    """W's oneDNN layout (or Wᵀ's), where one block holds the whole weight, that layout is
+    filled, and the product runs in bf16 under bf16 autocast: the one `_block_product` that
+    `product` (or `product_t`) would make, with its result in bf16 as theirs is under autocast;
+    else None (their general walk over blocks and dtypes).
+
+    Why: a layer's product goes through `chunks`, `product`, `_onednn_serves`, `_fill_block`
+    and a loop over blocks to reach this one call; ~250 products a step of a LoRA on
+    gemma-3-270m, each a few dozen microseconds of Python beside a product of ~1 ms."""
+    if autocast_dtype != torch.bfloat16 or not w.in_layouts or w.rows > ONEDNN_BLOCK_ROWS:
+        return None
+    return (w._onednn_t if transposed else w._onednn).get(0)
+
+
+def _onednn_linear(x: torch.Tensor, layout: torch.Tensor) -> torch.Tensor:
+    return torch.ops.mkldnn._linear_pointwise(x, layout, None, "none", [], "")
+
+
 class _DequantMatmul(torch.autograd.Function):
-    """y = x·Wᵀ with W re-dequantized for dx = dy·W; W gets no gradient and is never saved."""
+    """y = x·Wᵀ with W re-dequantized for dx = dy·W; W gets no gradient and is never saved.
+    The backward runs under the forward's CPU autocast state (as torch.amp.custom_bwd would
+    run it: a bf16 dy), entered only where the one-layout product does not serve it."""
 
     @staticmethod
-    @torch.amp.custom_fwd(device_type="cpu")
     def forward(ctx, x, w_holder):
         ctx.w = w_holder.weight
         ctx.w.fill_layouts(0, ctx.w.rows)          # the dx ahead reads Wᵀ: both at once
+        ctx.autocast = _autocast_dtype()
         return packed_matmul(x, ctx.w)
 
     @staticmethod
-    @torch.amp.custom_bwd(device_type="cpu")   # backward under forward's autocast (bf16 dy)
     def backward(ctx, dy):
-        return _frozen_dx(ctx.w, dy), None
+        return _frozen_dx_under(ctx.w, dy, ctx.autocast), None
+
+
+def _frozen_dx_under(w: PackedWeight, dy: torch.Tensor,
+                     autocast_dtype: torch.dtype | None) -> torch.Tensor:
+    """`_frozen_dx` as it runs under CPU autocast in `autocast_dtype` (None: autocast off)."""
+    if (layout := _whole_layout(w, autocast_dtype, True)) is not None:
+        return _onednn_linear(dy.to(torch.bfloat16), layout)
+    with torch.autocast("cpu", dtype=autocast_dtype or torch.bfloat16,
+                        enabled=autocast_dtype is not None):
+        return _frozen_dx(w, dy)
 
 
 def _frozen_dx(w: PackedWeight, dy: torch.Tensor) -> torch.Tensor:
     """dy·W for a frozen packed W, chunk by chunk (Wᵀ's layouts where the cache holds them)."""
+    if (layout := _whole_layout(w, _autocast_dtype(), True)) is not None:
+        return _onednn_linear(dy.to(torch.bfloat16), layout)
     dx = None
     for start, end, chunk in w.chunks():
         part = w.product_t(dy[..., start:end], start, end, chunk)
@@ -354,33 +394,44 @@ class _AdaptedMatmul(torch.autograd.Function):
 
     Why: the two paths as plain ops are about fifteen nodes a layer (casts of x, A and B, two
     products, the scale, the add, and each one's backward) around products of a few MFLOP; the
-    pirate LoRA has 36 of them a step."""
+    pirate LoRA has 36 of them a step.
+
+    The backward's products are on operands already in the forward's dtype, so it needs no
+    autocast of its own; the frozen dx runs under the forward's autocast state, as
+    torch.amp.custom_bwd would run it (`_frozen_dx_under`)."""
 
     @staticmethod
-    @torch.amp.custom_fwd(device_type="cpu")
     def forward(ctx, x, lora_a, lora_b, w_holder, scale):
         w = w_holder.weight
         if x.requires_grad:
             w.fill_layouts(0, w.rows)              # the dx ahead reads Wᵀ: both at once
         y, xc, t, a, b = _adapted_product(x, lora_a, lora_b, w, scale)
         ctx.save_for_backward(xc, t, a, b)
-        ctx.w, ctx.scale = w, scale
+        ctx.w, ctx.scale, ctx.autocast = w, scale, _autocast_dtype()
         ctx.dtypes = x.dtype, lora_a.dtype, lora_b.dtype
         return y
 
     @staticmethod
-    @torch.amp.custom_bwd(device_type="cpu")
     def backward(ctx, dy):
         xc, t, a, b = ctx.saved_tensors
-        ds = dy.to(xc.dtype) * ctx.scale                                # d(delta) before scale
-        dt = ds @ b                                                     # [..., r]
+        dyc = dy.to(xc.dtype)
+        rank, out = t.shape[-1], dyc.shape[-1]
+        # the delta's scale goes on the rank-wide factors (B and t, [out, r] and [N, r]), not
+        # on dy [N, out]: one small product fewer over dy's size; with a power-of-two scale
+        # (alpha/r: 16/8 in the pirate LoRA) the same bits as scaling dy first. Products of the
+        # thin factors are taken transposed ([r, ...] · [..., out]), the layout oneDNN runs
+        # fastest (the [out, N]·[N, r] grad_b: 57 -> 40 us at out 1024, one Zen 4 thread)
+        flat = dyc.reshape(-1, out)
+        dt = (b.t() * ctx.scale @ flat.t()).t()                         # [N, r]
         x_dtype, a_dtype, b_dtype = ctx.dtypes
         dx = None
         if ctx.needs_input_grad[0]:
-            dx = _frozen_dx(ctx.w, dy.to(xc.dtype)).to(x_dtype) + (dt @ a).to(x_dtype)
-        rank = dt.shape[-1]
-        grad_a = dt.reshape(-1, rank).t() @ xc.reshape(-1, xc.shape[-1])        # [r, in]
-        grad_b = ds.reshape(-1, ds.shape[-1]).t() @ t.reshape(-1, rank)         # [out, r]
+            # the base path's dx in x's dtype, the adapter's added in place (in x's dtype, as
+            # `.to(x_dtype) + .to(x_dtype)` summed them, without the second cast's copy)
+            dx = _frozen_dx_under(ctx.w, dyc, ctx.autocast).to(x_dtype)
+            dx = dx.add_((dt @ a).view(dx.shape))
+        grad_a = dt.t() @ xc.reshape(-1, xc.shape[-1])                          # [r, in]
+        grad_b = (t.reshape(-1, rank).t() * ctx.scale @ flat).t()               # [out, r]
         return dx, grad_a.to(a_dtype), grad_b.to(b_dtype), None, None
 
 
