@@ -284,11 +284,11 @@ def _export_sft(bundle: Bundle, staging: Path, scratch: Path, base_arg: str | No
         bundle.base["sha256"] = hashing.result()
 
 
-def _in_background(function: Callable, *args):
-    """function(*args) on a thread of its own, started now: its future."""
+def _in_background(function: Callable, *args, name: str = "forgebench-export"):
+    """function(*args) on a thread of its own (named `name`), started now: its future."""
     from concurrent.futures import ThreadPoolExecutor
 
-    pool = ThreadPoolExecutor(1, thread_name_prefix="forgebench-export")
+    pool = ThreadPoolExecutor(1, thread_name_prefix=name)
     future = pool.submit(function, *args)
     pool.shutdown(wait=False)             # the thread ends with the call
     return future
@@ -740,7 +740,6 @@ def _start_question2(bundle: Bundle, exported: Path, scratch: Path, compare: lis
     them. It reads the tokenizer and the chat template from the merged file, which the
     conversion copies into the exported one."""
     import time
-    from concurrent.futures import ThreadPoolExecutor
 
     from engine.export import quality
     from engine.export.equivalence import Gate, _beside_threads
@@ -757,10 +756,8 @@ def _start_question2(bundle: Bundle, exported: Path, scratch: Path, compare: lis
             "base": bundle.base_spec, "fine_tune": bundle.fine_tune,
             "merged": bundle.fine_tune["path"], "exports": exports}
     gate = Gate()
-    pool = ThreadPoolExecutor(1, thread_name_prefix="forgebench-quality")
-    future = pool.submit(quality.run_measure, spec, _beside_threads(bundle.threads),
-                         lambda m: progress.say(m), gate)
-    pool.shutdown(wait=False)               # the thread ends with the worker
+    future = _in_background(quality.run_measure, spec, _beside_threads(bundle.threads),
+                            lambda m: progress.say(m), gate, name="forgebench-quality")
     bundle.question2 = _Question2(None, future, time.perf_counter(), gate, exported)
 
 

@@ -376,9 +376,8 @@ def _frozen_dx_under(w: PackedWeight, dy: torch.Tensor,
 
 
 def _frozen_dx(w: PackedWeight, dy: torch.Tensor) -> torch.Tensor:
-    """dy·W for a frozen packed W, chunk by chunk (Wᵀ's layouts where the cache holds them)."""
-    if (layout := _whole_layout(w, _autocast_dtype(), True)) is not None:
-        return _onednn_linear(dy.to(torch.bfloat16), layout)
+    """dy·W for a frozen packed W, chunk by chunk (Wᵀ's layouts where the cache holds them);
+    `_frozen_dx_under` has taken the one-layout product where it serves."""
     dx = None
     for start, end, chunk in w.chunks():
         part = w.product_t(dy[..., start:end], start, end, chunk)
