@@ -302,6 +302,44 @@ def _draw(logits: torch.Tensor, settings: SamplingSettings,
     return int(torch.multinomial(probs, 1, generator=generator))
 
 
+class TokenStream:
+    """One sequence's sampling loop, a token at a time, for whoever runs the forwards:
+    `take(logits)` picks the next token from the logits after the last token fed, and answers
+    whether that token must be fed for more (False once a stop token, `should_stop` or
+    `max_new_tokens` ends the reply). `out` holds the new tokens (stop token excluded), `position`
+    where the last of them goes. generate_tokens drives one stream with its own forwards; a batch
+    decoder (equivalence._Runner.decode_many) drives several with one forward per step."""
+
+    def __init__(self, prompt: list[int], *, max_new_tokens: int, settings: SamplingSettings,
+                 generator: torch.Generator | None = None, stop_ids: Iterable[int] = (),
+                 should_stop: Callable[[list[int]], bool] | None = None,
+                 breakers: Breakers | None = None):
+        self.settings, self.generator, self.breakers = settings, generator, breakers
+        self.max_new_tokens, self.should_stop = max_new_tokens, should_stop
+        self.stop_ids = set(stop_ids)
+        self.history = list(prompt)
+        self.out: list[int] = []
+        self.done = max_new_tokens <= 0
+
+    @property
+    def position(self) -> int:
+        """The position of the last token in the history: where a forward of out[-1] starts."""
+        return len(self.history) - 1
+
+    def take(self, logits: torch.Tensor | np.ndarray) -> bool:
+        if self.done:
+            return False
+        token = next_token(logits, self.settings, self.generator, self.history, self.breakers)
+        if token in self.stop_ids:
+            self.done = True
+            return False
+        self.out.append(token)
+        self.history.append(token)
+        self.done = (len(self.out) >= self.max_new_tokens
+                     or (self.should_stop is not None and self.should_stop(self.out)))
+        return not self.done
+
+
 def generate_tokens(step: Callable[[list[int], int], torch.Tensor], prompt: list[int], *,
                     max_new_tokens: int, settings: SamplingSettings,
                     generator: torch.Generator | None = None,
@@ -310,18 +348,10 @@ def generate_tokens(step: Callable[[list[int], int], torch.Tensor], prompt: list
                     breakers: Breakers | None = None) -> list[int]:
     """Generate with a KV-cached model: `step(ids, start_pos)` feeds `ids` at `start_pos` and
     returns the logits [vocab] of the last one. Returns the new tokens (stop token excluded)."""
-    stop_ids = set(stop_ids)
-    history = list(prompt)
+    stream = TokenStream(prompt, max_new_tokens=max_new_tokens, settings=settings,
+                         generator=generator, stop_ids=stop_ids, should_stop=should_stop,
+                         breakers=breakers)
     logits = step(list(prompt), 0)
-    out: list[int] = []
-    for _ in range(max_new_tokens):
-        token = next_token(logits, settings, generator, history, breakers)
-        if token in stop_ids:
-            break
-        out.append(token)
-        history.append(token)
-        if should_stop is not None and should_stop(out):
-            break
-        if len(out) < max_new_tokens:
-            logits = step([token], len(history) - 1)
-    return out
+    while stream.take(logits):
+        logits = step([stream.out[-1]], stream.position)
+    return stream.out

@@ -13,6 +13,7 @@ import torch
 
 from engine.sampling import (
     SamplingSettings,
+    TokenStream,
     apply_repetition_penalty,
     filter_top_k,
     filter_top_p,
@@ -218,6 +219,30 @@ def test_generate_tokens_feeds_only_new_tokens_and_stops():
     out = generate_tokens(step, [0, 1], max_new_tokens=10, settings=SamplingSettings(),
                           stop_ids=[4])
     assert out == [2, 3] and fed == [([0, 1], 0), ([2], 2), ([3], 3)]
+
+
+def test_token_stream_ends_as_generate_tokens_does():
+    """Streams stepped together (a batch decoder's loop) end on each of generate_tokens' three
+    conditions and give its tokens; max_new_tokens 0 samples nothing."""
+    def logits_after(token):
+        return torch.nn.functional.one_hot(torch.tensor((token + 1) % 5), 5).float()
+
+    cases = [dict(max_new_tokens=10, stop_ids=[4]),            # a stop token
+             dict(max_new_tokens=2),                           # the length
+             dict(max_new_tokens=10, should_stop=lambda out: out[-1] == 3),
+             dict(max_new_tokens=0)]
+    streams = [TokenStream([0, 1], settings=SamplingSettings(), **case) for case in cases]
+    live, logits = list(range(len(cases))), [logits_after(1)] * len(cases)
+    positions = []
+    while live:
+        live = [i for i, row in zip(live, logits) if streams[i].take(row)]
+        positions += [streams[i].position for i in live]
+        logits = [logits_after(streams[i].out[-1]) for i in live]
+    alone = [generate_tokens(lambda ids, _pos: logits_after(ids[-1]), [0, 1],
+                             settings=SamplingSettings(), **case) for case in cases]
+    assert [s.out for s in streams] == alone == [[2, 3], [2, 3], [2, 3], []]
+    assert positions == [2, 2, 2, 3] and all(s.done for s in streams)
+    assert not streams[0].take(logits_after(0))          # a finished stream samples no more
 
 
 # -- tokenizers ----------------------------------------------------------------------------

@@ -212,36 +212,29 @@ class _Runner:
         import torch
 
         from engine.models.native_forward import decode_batch, native_decoder
-        from engine.sampling import SamplingSettings, next_token
+        from engine.sampling import SamplingSettings, TokenStream
 
         todo = list(dict.fromkeys((tuple(prompt), n) for prompt, n in items
                                   if n > 0 and (tuple(prompt), n) not in self._decoded))
         if len(todo) > 1 and native_decoder(self.net) is not None:
-            net, settings = self.net, SamplingSettings()
+            net = self.net
             with torch.no_grad():
                 caches = [net.new_cache(1, len(prompt) + n) for prompt, n in todo]
-                histories = [list(prompt) for prompt, _ in todo]
-                outs: list[list[int]] = [[] for _ in todo]
+                streams = [TokenStream(list(prompt), max_new_tokens=n,
+                                       settings=SamplingSettings(), stop_ids=self.stops)
+                           for prompt, n in todo]
                 # the prompts as generate_tokens feeds them: each in one forward of its own
                 logits = [net.logits(net.hidden(torch.tensor([list(prompt)]), start_pos=0,
                                                 cache=cache)[0, -1]).float()
                           for (prompt, _), cache in zip(todo, caches)]
                 live = list(range(len(todo)))
                 while live:
-                    stepping = []
-                    for k, i in enumerate(live):     # generate_tokens' loop, per sequence
-                        token = next_token(logits[k], settings, None, histories[i])
-                        if token in self.stops:
-                            continue
-                        outs[i].append(token)
-                        histories[i].append(token)
-                        if len(outs[i]) < todo[i][1]:
-                            stepping.append(i)
-                    live = stepping
+                    live = [i for i, row in zip(live, logits) if streams[i].take(row)]
                     if live:
-                        logits = list(decode_batch(net, [outs[i][-1] for i in live],
-                                                   [len(histories[i]) - 1 for i in live],
+                        logits = list(decode_batch(net, [streams[i].out[-1] for i in live],
+                                                   [streams[i].position for i in live],
                                                    [caches[i] for i in live]))
+            outs = [stream.out for stream in streams]
             for key, out in zip(todo, outs):
                 self._decoded[key] = out
         return [self.decode(list(prompt), n) for prompt, n in items]
