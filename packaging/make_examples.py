@@ -6,7 +6,10 @@ workspace, so it records exactly what a user's run of that config records. Setti
 changed only to keep the repository small, and are recorded in the run's config like any other:
 `keep_last = 1` (one checkpoint; the sound generator keeps its two, so Blind A/B has a pair),
 for the recognisable image generator no sample grid at its checkpoints, and for the cartridge
-128 rows instead of 256.
+128 rows instead of 256. An example may be made as a user extends a finished run: trained to its
+config's step target, then resumed to a larger one (`forgebench resume --steps N`; the Runs
+screen's Resume with a step target), on the learning-rate schedule resume gives (the cosine
+recomputed for the new target); example.json records the target (`extended_to`).
 
 The finished run is copied to resources/sample-workspace/runs/<name>/ portable
 (`engine.rundir.make_portable`: the scratch workspace's folder is written `{workspace}`;
@@ -53,6 +56,7 @@ class Example:
     changes: dict                   # settings changed for shipping
     sample: tuple[str, ...] = ()    # `forgebench sample` arguments, run on every checkpoint
     evaluate: tuple[str, ...] = ()  # splits `forgebench eval` scores at the last checkpoint
+    extend_to: int | None = None    # then resumed to this step target (`forgebench resume`)
 
 
 EXAMPLES: dict[str, Example] = {
@@ -62,9 +66,12 @@ EXAMPLES: dict[str, Example] = {
         dict(KEEP_ONE, sample={"grid_every_checkpoint": False}),
         # the config's respaced grid sampler at a stronger guidance than its cfg 4: the judge
         # (packaging/judge_shapes.py) recognised 48 samples of the 3000-step run 0.83 and 0.90
-        # at cfg 7 (seeds 0, 1) against 0.75 and 0.83 at cfg 4; the shipped 6000-step run 0.88
-        # and 0.94 at cfg 7
-        ("--n", "4", "--seed", "0", "--steps", "64", "--cfg", "7")),
+        # at cfg 7 (seeds 0, 1) against 0.75 and 0.83 at cfg 4; the 6000-step run 0.88
+        # and 0.94 at cfg 7, extended to 9000 steps 0.94 and 0.94
+        ("--n", "4", "--seed", "0", "--steps", "64", "--cfg", "7"),
+        # the config's 6000 steps, then extended by 3000 as a user extends a finished run (its
+        # under-trained squares and triangles: see the config's comments)
+        extend_to=9000),
     "where-demo": Example(
         "lm-pretrain-demo", "the `forgebench demo` model: a tiny decoder that answers "
         "'Where is X?' from the record", KEEP_ONE),
@@ -118,10 +125,18 @@ def train(name: str, scratch: Path) -> Path:
     atomic_write_text(config, dump_toml(merged(raw, example.changes)))
     out = scratch / "runs" / name
     engine("run", str(config), "--out", str(out), "--threads", "1", cwd=scratch)
+    check_completed(name, out)
+    if example.extend_to:
+        engine("resume", str(out), "--steps", str(example.extend_to), "--threads", "1",
+               cwd=scratch)
+        check_completed(name, out)
+    return out
+
+
+def check_completed(name: str, out: Path) -> None:
     state = RunDir(out).live_status().get("state")
     if state != "completed":
         raise SystemExit(f"error: example {name} ended {state}; see {out}/events.jsonl")
-    return out
 
 
 def home_as_tilde(out: Path) -> None:
@@ -152,6 +167,7 @@ def ship(name: str, out: Path, scratch: Path) -> Path:
     atomic_write_json(out / EXAMPLE_FILE, {
         "name": name, "config": f"configs/{example.config}.toml", "shows": example.shows,
         "changed_for_shipping": example.changes,
+        **({"extended_to": example.extend_to} if example.extend_to else {}),
         "made_by": "make examples (packaging/make_examples.py)"})
     target = SAMPLE / "runs" / name
     shutil.rmtree(target, ignore_errors=True)
