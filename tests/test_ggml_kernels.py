@@ -153,12 +153,14 @@ def test_one_row_check_sees_the_summation_order():
 
 
 @needs_native
+@pytest.mark.parametrize("repacked", [True, False], ids=["repacked", "no-repack"])
 @pytest.mark.parametrize("qtype", QUANTIZED, ids=lambda t: t.name)
-def test_avx2_build_equals_torch_reference(qtype, monkeypatch):
+def test_avx2_build_equals_torch_reference(qtype, repacked, monkeypatch):
     """ggml_kernels.c built for an AVX2-only CPU gives the reference's bits for every type and
-    batch path (one row, gemv / vec_dot, tiled), as this machine's build does."""
+    batch path (one row, gemv / vec_dot, tiled, and 37 rows: the band kernels on the first 32),
+    in both llama.cpp configurations, as this machine's build does."""
     use_build(monkeypatch, "avx2")
-    with_configuration(monkeypatch, repacked=True)
+    with_configuration(monkeypatch, repacked=repacked)
     for batch in (1, 3, 5, TILED_MIN_ROWS, 13, 37):
         for n in (24, 20):
             raw = random_weight(qtype, n, 512)
@@ -166,6 +168,31 @@ def test_avx2_build_equals_torch_reference(qtype, monkeypatch):
             native = ExactWeight(raw, qtype, n, 512).matmul(x)
             reference = ExactWeight(raw, qtype, n, 512, native=False).matmul(x)
             assert torch.equal(native, reference), (qtype.name, batch, n)
+
+
+# the types of gemma-3 Q4_K_M and Q5_K: the many-row ("band") kernels of both builds
+BAND_TYPES = [T.Q8_0, T.Q5_0, T.Q4_K, T.Q5_K, T.Q6_K]
+
+
+@needs_native
+@pytest.mark.parametrize("build", ["native", "avx2"])
+@pytest.mark.parametrize("repacked", [True, False], ids=["repacked", "no-repack"])
+@pytest.mark.parametrize("qtype", BAND_TYPES, ids=lambda t: t.name)
+def test_band_check_sees_the_f32_order(qtype, repacked, build, monkeypatch):
+    """The twin of the 37-row checks above: the reference with every f32 step of ggml's chain
+    rounded apart (a multiply, then an add, where ggml fuses them) is the same product to f32
+    rounding but not the same bits on the band kernels' 32 rows, so equality there checks the
+    order those kernels sum in, not only their integers."""
+    use_build(monkeypatch, build)
+    with_configuration(monkeypatch, repacked)
+    raw = random_weight(qtype, 24, 1024, seed=3)
+    x = activations(37, 1024)
+    native = ExactWeight(raw, qtype, 24, 1024).matmul(x)[:32]
+    assert torch.equal(native, ExactWeight(raw, qtype, 24, 1024, native=False).matmul(x)[:32])
+    monkeypatch.setattr(ggml_matmul, "fma_f32", lambda a, b, c: (a.float() * b.float()) + c)
+    unfused = ExactWeight(raw, qtype, 24, 1024, native=False).matmul(x)[:32]
+    assert torch.allclose(native, unfused, rtol=0, atol=1e-5 * float(native.abs().max()))
+    assert not torch.equal(native, unfused)
 
 
 @needs_native

@@ -579,6 +579,97 @@ static int q4_k_bands(const fb_weight *w, int64_t bands, const fb_act *a, int64_
     free(wu);
     return 0;
 }
+
+static inline __m256i q5_k_bytes(const uint8_t *qs, const uint8_t *qh, int c, int half);
+
+/* Q4_K / Q5_K in their GGUF layout (no extra buffer types: AMX builds as opened here, or
+ * --no-repack), ggml's tiled order (k_plain_rows, tiled = 1): weight rows n..n+TN-1, their
+ * unsigned 4- or 5-bit values one byte per k in wu [TN][K], against band `band`: per 256 the exact
+ * s1 = Σ_subblock scale·(Σ w·x) and s2 = Σ_subblock min·(its 32-sum of x), then
+ * res = fnmadd(dmin_w, f32(s2), d_w·f32(s1)) and acc = fma(res, d_x, acc), as the microtile. */
+static inline __attribute__((always_inline)) void k_plain_band(const fb_weight *w, const fb_act *a, const uint8_t *wu,
+                                                               int64_t n, const int TN, int64_t band, float *out) {
+    const int64_t K = w->cols, nsb = K / 256, N = w->rows;
+    const uint8_t *scales = (const uint8_t *) w->scales;
+    const int8_t *xq = a->qt + band * KT_BAND * K;
+    const int32_t *xs = a->bt + band * KT_BAND * (K / 16);
+    const float *xd = a->dt + band * KT_BAND * nsb;
+    __m512 acc[8];
+    #pragma GCC unroll 8
+    for (int t = 0; t < TN; t++) acc[t] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < nsb; b++) {
+        __m512i s1[8], s2[8];
+        #pragma GCC unroll 8
+        for (int t = 0; t < TN; t++) s1[t] = s2[t] = _mm512_setzero_si512();
+        for (int j = 0; j < 8; j++) {  /* subblock j: k b·256 + 32j .. + 31 */
+            const int64_t k0 = b * 256 + 32 * j;
+            __m512i raw[8];
+            #pragma GCC unroll 8
+            for (int t = 0; t < TN; t++) raw[t] = _mm512_setzero_si512();
+            #pragma GCC unroll 8
+            for (int g = 0; g < 8; g++) {
+                const __m512i codes = _mm512_loadu_si512((const void *) (xq + (k0 / 4 + g) * 4 * KT_BAND));
+                #pragma GCC unroll 8
+                for (int t = 0; t < TN; t++) {
+                    int32_t u;
+                    memcpy(&u, wu + t * K + k0 + 4 * g, 4);
+                    raw[t] = _mm512_dpbusd_epi32(raw[t], _mm512_set1_epi32(u), codes);
+                }
+            }
+            /* the subblock's 32-sum of each activation row (two 16-sums) */
+            const __m512i bsum = _mm512_add_epi32(_mm512_loadu_si512((const void *) (xs + (k0 / 16) * KT_BAND)),
+                                                  _mm512_loadu_si512((const void *) (xs + (k0 / 16 + 1) * KT_BAND)));
+            #pragma GCC unroll 8
+            for (int t = 0; t < TN; t++) {
+                const int64_t blk = (n + t) * nsb + b;
+                s1[t] = _mm512_add_epi32(s1[t], _mm512_mullo_epi32(raw[t], _mm512_set1_epi32(scales[blk * 8 + j])));
+                s2[t] = _mm512_add_epi32(s2[t], _mm512_mullo_epi32(bsum, _mm512_set1_epi32(w->mins[blk * 8 + j])));
+            }
+        }
+        const __m512 d = _mm512_loadu_ps(xd + b * KT_BAND);
+        #pragma GCC unroll 8
+        for (int t = 0; t < TN; t++) {
+            const int64_t blk = (n + t) * nsb + b;
+            const __m512 res = _mm512_fnmadd_ps(_mm512_set1_ps(w->dmin[blk]), _mm512_cvtepi32_ps(s2[t]),
+                                                _mm512_mul_ps(_mm512_set1_ps(w->d[blk]), _mm512_cvtepi32_ps(s1[t])));
+            acc[t] = _mm512_fmadd_ps(res, d, acc[t]);
+        }
+    }
+    #pragma GCC unroll 8
+    for (int t = 0; t < TN; t++) band_store(acc[t], out, band, N, n + t);
+}
+
+/* Weight row n of a Q5_K matrix, one byte per k (0..31: nibble + 16·fifth bit, q5_k_bytes). */
+static void q5_k_unpack_row(const fb_weight *w, int64_t n, uint8_t *dst) {
+    const int64_t nsb = w->cols / 256;
+    for (int64_t b = 0; b < nsb; b++) {
+        const uint8_t *blk = (const uint8_t *) w->q + (n * nsb + b) * 176;
+        for (int c = 0; c < 4; c++)
+            for (int half = 0; half < 2; half++)
+                _mm256_storeu_si256((__m256i *) (dst + b * 256 + 64 * c + 32 * half), q5_k_bytes(blk + 48, blk + 16, c, half));
+    }
+}
+
+/* Returns 0, or -1 without memory for the unpacked rows (as q0_bands). */
+static int k_plain_bands(const fb_weight *w, int64_t bands, const fb_act *a, int64_t n0, int64_t n1, float *out) {
+    const int64_t K = w->cols;
+    uint8_t *wu = malloc((size_t) (KT_SUB * K));
+    if (!wu) return -1;
+    for (int64_t s0 = n0; s0 < n1; s0 += KT_SUB) {
+        const int64_t s1 = s0 + KT_SUB < n1 ? s0 + KT_SUB : n1;
+        for (int64_t n = s0; n < s1; n++) {
+            if (w->type == FB_Q4_K) q4_k_unpack_row(w, n, wu + (n - s0) * K);
+            else q5_k_unpack_row(w, n, wu + (n - s0) * K);
+        }
+        for (int64_t band = 0; band < bands; band++) {
+            int64_t n = s0;
+            for (; n + 4 <= s1; n += 4) k_plain_band(w, a, wu + (n - s0) * K, n, 4, band, out);
+            for (; n < s1; n++) k_plain_band(w, a, wu + (n - s0) * K, n, 1, band, out);
+        }
+    }
+    free(wu);
+    return 0;
+}
 #endif
 
 static void quantize_rows(int type, const float *x, int64_t R, int64_t K, const fb_act *a,
@@ -995,12 +1086,12 @@ static inline __m256i k_dot64(const fb_weight *w, const int8_t *xa, int64_t blk,
  * in four lanes (lane l: subblocks 2l and 2l+1), fma each, reduced (m0+m2) + (m1+m3); Q5_K as one
  * scalar, fma(dmin, f32(sum), summs) (GCC contracts the C statement: gnu11 defaults to
  * -ffp-contract=fast); output hsum_float_8(acc) + the min part. */
-static void k_plain_rows(const fb_weight *w, int64_t R, const fb_act *a, int tiled, int64_t n0, int64_t n1,
-                         float *out) {
+static void k_plain_rows(const fb_weight *w, int64_t r0, int64_t R, const fb_act *a, int tiled, int64_t n0,
+                         int64_t n1, float *out) {
     const int64_t K = w->cols, nsb = K / 256, N = w->rows, S = K / 16;
     const uint8_t *scales = (const uint8_t *) w->scales;
     for (int64_t n = n0; n < n1; n++) {
-        int64_t r = 0;
+        int64_t r = r0;  /* rows r0..R-1 (those before, the band kernel's) */
         if (tiled)  /* four rows at a time: each weight chunk unpacked once for them */
             for (; r + 4 <= R; r += 4) {
                 float acc4[4] = {0.0f, 0.0f, 0.0f, 0.0f};
@@ -1397,11 +1488,18 @@ static void matmul_part(const fb_weight *w, int64_t R, const fb_act *a, const fb
                         int64_t n1, float *out) {
     switch (w->type) {
     case FB_Q8_0: case FB_Q5_0: case FB_Q4_0: q0_rows(w, R, a, n0, n1, out); break;
-    case FB_Q5_K: k_plain_rows(w, R, a, R >= 8, n0, n1, out); break;
     case FB_Q4_1: case FB_Q5_1: q1_rows(w, R, a, n0, n1, out); break;
-    case FB_Q4_K: {
-        if (!p->repack || w->rows % 8) {  /* in its GGUF layout: tiled, or vec_dot for < 8 rows */
-            k_plain_rows(w, R, a, R >= 8, n0, n1, out);
+    case FB_Q5_K: case FB_Q4_K: {
+        if (w->type == FB_Q5_K || !p->repack || w->rows % 8) {
+            /* in its GGUF layout: tiled (whole bands first), or vec_dot for < 8 rows */
+            int64_t banded = 0;
+#if KT_BANDS
+            if (a->qt && R >= 8) {
+                banded = R - R % KT_BAND;
+                if (banded && k_plain_bands(w, banded / KT_BAND, a, n0, n1, out)) banded = 0;
+            }
+#endif
+            if (banded < R) k_plain_rows(w, banded, R, a, R >= 8, n0, n1, out);
             break;
         }
         const int64_t gemm = R > 3 ? R - R % 4 : 0;  /* repacked Q4_K: gemm rows, then gemv */
@@ -2089,9 +2187,9 @@ static void matmul_part_rowwise(const fb_weight *w, int64_t R, const fb_act *a, 
     switch (w->type) {
     case FB_Q8_0: case FB_Q5_0: case FB_Q4_0: q0_rows(w, R, a, n0, n1, out); break;
     case FB_Q4_1: case FB_Q5_1: q1_rows(w, R, a, n0, n1, out); break;
-    case FB_Q5_K: k_plain_rows(w, R, a, 0, n0, n1, out); break;
+    case FB_Q5_K: k_plain_rows(w, 0, R, a, 0, n0, n1, out); break;
     case FB_Q4_K:
-        if (!p->repack || w->rows % 8) k_plain_rows(w, R, a, 0, n0, n1, out);
+        if (!p->repack || w->rows % 8) k_plain_rows(w, 0, R, a, 0, n0, n1, out);
         else q4_k_rows(w, 0, R, a, 1, n0, n1, out);
         break;
     case FB_Q6_K: q6_k_rows(w, 0, R, a, 0, n0, n1, out); break;
