@@ -195,6 +195,38 @@ def test_band_check_sees_the_f32_order(qtype, repacked, build, monkeypatch):
     assert not torch.equal(native, unfused)
 
 
+def extreme_k_blocks(qtype: T, rows: int, cols: int) -> torch.Tensor:
+    """Every weight at its largest stored value (Q4_K 15, Q5_K 31, Q6_K 63), every scale and
+    min at its largest magnitude, d = dmin = 1: the products the AVX2 band kernels add in int16
+    are as large as a GGUF can make them."""
+    size = {T.Q4_K: 144, T.Q5_K: 176, T.Q6_K: 210}[qtype]
+    block = np.full(size, 0xFF, dtype=np.uint8)
+    if qtype == T.Q6_K:
+        block[192:208] = 0x80                    # the sixteen int8 scales: -128
+        block[208:210] = (0x00, 0x3C)            # d = 1.0
+    else:
+        block[0:4] = (0x00, 0x3C, 0x00, 0x3C)    # d = dmin = 1.0; scales, mins, bits all ones
+    return torch.from_numpy(np.tile(block, rows * cols // 256)).reshape(rows, -1)
+
+
+@needs_native
+@pytest.mark.parametrize("repacked", [True, False], ids=["repacked", "no-repack"])
+@pytest.mark.parametrize("qtype", [T.Q4_K, T.Q5_K, T.Q6_K], ids=lambda t: t.name)
+def test_avx2_band_sums_cannot_saturate(qtype, repacked, monkeypatch):
+    """The AVX2 band kernels add maddubs' int16 pair sums over 8 (Q4_K), 4 (Q5_K) or 2 (Q6_K)
+    groups of four k before widening: with the largest weights against activations of the
+    largest |q| (rows of one constant, so every Q8_K value is ±127) the sums stay exact, as the
+    reference's (f64 integers) show."""
+    use_build(monkeypatch, "avx2")
+    with_configuration(monkeypatch, repacked)
+    raw = extreme_k_blocks(qtype, 8, 1024)
+    x = torch.ones(37, 1024) * torch.where(torch.arange(37) % 3 == 0, -1.0, 1.0)[:, None]
+    x[1::4] *= activations(1, 1024)[0].abs() + 1  # some rows not constant: other scales per 256
+    native = ExactWeight(raw, qtype, 8, 1024).matmul(x)
+    reference = ExactWeight(raw, qtype, 8, 1024, native=False).matmul(x)
+    assert torch.equal(native, reference)
+
+
 @needs_native
 @pytest.mark.parametrize("features", [AVX2, AVX512_VNNI], ids=["avx2", "avx512-vnni"])
 @pytest.mark.parametrize("rows", [1, 3, 8])  # vec_dot_f16, then tinyBLAS
