@@ -171,7 +171,10 @@ def run_one(runner: str, model: str, threads: int, decode: int, long_text: str,
     one = "engine-torch" if runner == "engine" and engine_path == "torch" else runner
     cmd = [sys.executable, __file__, "--one", one, "--model", model, "--threads", str(threads),
            "--decode", str(decode), *(["--no-repack"] if no_repack else [])]
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": str(threads),
+    # the caller's PYTHONPATH kept after the repository (a llama-cpp-python built for another
+    # instruction set, --target DIR, is measured so: docs/numerics.md)
+    path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
+    env = {**os.environ, "PYTHONPATH": path, "OMP_NUM_THREADS": str(threads),
            "BENCH_LONG_PROMPT": long_text}
     load = os.getloadavg()[0]
     proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=env)
