@@ -84,6 +84,9 @@ FIGURES = (("time_to_first_token_s", "TTFT s", "{:.2f}", False),
            ("decode_tokens_per_s", "decode tok/s", "{:.1f}", True),
            ("peak_rss_mb", "peak RSS MB", "{:.0f}", False))
 LONG_TOKENS = 512          # the long prompt: one full llama.cpp ubatch
+NO_REPACK_LINE = ("--no-repack: both runners forced into the AMX machines' configuration: "
+                  "llama.cpp opened with use_extra_bufts = false, the engine's plan repacked=False "
+                  "(the lines above say how this CPU would run by default)")
 
 
 def long_prompt(model: str, tokens: int = LONG_TOKENS) -> str:
@@ -124,11 +127,28 @@ def run_generator(model_path: str, n_decode: int, threads: int, prompt: str = PR
     return {**timings, "path": type(model).__name__, "threads": threads}
 
 
+def force_no_repack() -> str:
+    """This process's engine and llama.cpp both in the configuration of AMX machines (no extra
+    buffer types, `--no-repack`), whatever this CPU is: the engine's kernel plan made with
+    repacked=False in every module that reads it, llama.cpp's model defaults answering
+    use_extra_bufts = false (the switch open_llama uses on an AMX build). Returns how each side
+    was opened, for the report."""
+    from engine.export.llamacpp import default_params_without_extra_buffers
+    from engine.kernels import cpu, exact_plan, ggml_matmul, numerics
+
+    p = cpu.plan_for(cpu.plan().features, cpu.plan().source, cpu.plan().forced, repacked=False)
+    for module in (cpu, exact_plan, ggml_matmul, numerics):
+        module.plan = lambda p=p: p
+    default_params_without_extra_buffers().__enter__()  # for the child's whole life
+    return f"engine {p.configuration}; llama.cpp use_extra_bufts = false"
+
+
 def child(args) -> None:
     import torch
 
     torch.set_num_threads(args.threads)
     long_text = os.environ["BENCH_LONG_PROMPT"]
+    opened = force_no_repack() if args.no_repack else None
     if args.one == "engine":
         out = run_generator(args.model, args.decode, args.threads)
         long = run_generator(args.model, 1, args.threads, long_text)
@@ -141,15 +161,20 @@ def child(args) -> None:
     out["long_prompt_tokens"] = long["prompt_tokens"]
     out["long_prompt_tokens_per_s"] = long["prompt_tokens_per_s"]
     out["peak_rss_mb"] = peak_rss_mb()
+    if opened:
+        out["opened"] = opened
     print("RESULT " + json.dumps(out))
 
 
 def run_one(runner: str, model: str, threads: int, decode: int, long_text: str,
-            engine_path: str = "generator") -> dict:
+            engine_path: str = "generator", no_repack: bool = False) -> dict:
     one = "engine-torch" if runner == "engine" and engine_path == "torch" else runner
     cmd = [sys.executable, __file__, "--one", one, "--model", model, "--threads", str(threads),
-           "--decode", str(decode)]
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": str(threads),
+           "--decode", str(decode), *(["--no-repack"] if no_repack else [])]
+    # the caller's PYTHONPATH kept after the repository (a llama-cpp-python built for another
+    # instruction set, --target DIR, is measured so: docs/numerics.md)
+    path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
+    env = {**os.environ, "PYTHONPATH": path, "OMP_NUM_THREADS": str(threads),
            "BENCH_LONG_PROMPT": long_text}
     load = os.getloadavg()[0]
     proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=env)
@@ -457,7 +482,7 @@ def measure_setting(name: str, path, threads: int, args, long_text: str,
         for runner in runs:
             print(f"{name}, {threads} threads: {runner} ...", flush=True)
             runs[runner].append(run_one(runner, path, threads, args.decode, long_text,
-                                        args.engine_path))
+                                        args.engine_path, args.no_repack))
         pairs.append((name, threads, runs["engine"][-1], runs["llama.cpp"][-1]))
     return name, threads, best(runs["engine"]), best(runs["llama.cpp"])
 
@@ -482,17 +507,25 @@ def main() -> None:
     ap.add_argument("--engine-path", choices=("generator", "torch"), default="generator",
                     help="the engine as `forgebench generate` loads it (default) or the torch "
                          "model (LoRA, cartridges)")
+    ap.add_argument("--no-repack", action="store_true",
+                    help="both sides as AMX machines run them on any CPU: llama.cpp without "
+                         "extra buffer types (use_extra_bufts = false, --no-repack) and the "
+                         "engine's plan for that configuration (Q4_K in its GGUF layout)")
     ap.add_argument("--one", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.one:
         args.threads = int(args.threads)
         return child(args)
+    if args.no_repack and (args.cli or args.parity):
+        raise SystemExit("--no-repack times the prompt and decode runs only (not --cli, --parity)")
     if args.parity:
         return parity_main(args)
     if args.cli:
         return cli_main(args)
     print(how_llama_opened())
     print(cpu_line())
+    if args.no_repack:
+        print(NO_REPACK_LINE)
     model = args.model or default_model()
     long_text = long_prompt(model)
     loads, rows, pairs, limits = [f"before: {uptime()}"], [], [], {}
@@ -527,8 +560,12 @@ def main() -> None:
     for note in loads:
         print("note:", note)
     print("note:", how_llama_opened())
+    if args.no_repack:
+        print("note:", NO_REPACK_LINE, "; each run said:",
+              sorted({r.get("opened", "?") for _, _, e, c in pairs for r in (e, c)}))
     print(json.dumps({"model": model, "decode_tokens": args.decode, "load": loads,
-                      "opened": how_llama_opened(), "cpu": cpu_line(),
+                      "opened": NO_REPACK_LINE if args.no_repack else how_llama_opened(),
+                      "cpu": cpu_line(),
                       "ceilings": [{"model": n, **c} for (n, _), c in limits.items()],
                       "results": [{"model": n, "threads": t, "engine": e, "llama.cpp": c}
                                   for n, t, e, c in rows]}))

@@ -153,12 +153,14 @@ def test_one_row_check_sees_the_summation_order():
 
 
 @needs_native
+@pytest.mark.parametrize("repacked", [True, False], ids=["repacked", "no-repack"])
 @pytest.mark.parametrize("qtype", QUANTIZED, ids=lambda t: t.name)
-def test_avx2_build_equals_torch_reference(qtype, monkeypatch):
+def test_avx2_build_equals_torch_reference(qtype, repacked, monkeypatch):
     """ggml_kernels.c built for an AVX2-only CPU gives the reference's bits for every type and
-    batch path (one row, gemv / vec_dot, tiled), as this machine's build does."""
+    batch path (one row, gemv / vec_dot, tiled, and 37 rows: the band kernels on the first 32),
+    in both llama.cpp configurations, as this machine's build does."""
     use_build(monkeypatch, "avx2")
-    with_configuration(monkeypatch, repacked=True)
+    with_configuration(monkeypatch, repacked=repacked)
     for batch in (1, 3, 5, TILED_MIN_ROWS, 13, 37):
         for n in (24, 20):
             raw = random_weight(qtype, n, 512)
@@ -166,6 +168,63 @@ def test_avx2_build_equals_torch_reference(qtype, monkeypatch):
             native = ExactWeight(raw, qtype, n, 512).matmul(x)
             reference = ExactWeight(raw, qtype, n, 512, native=False).matmul(x)
             assert torch.equal(native, reference), (qtype.name, batch, n)
+
+
+# the types of gemma-3 Q4_K_M and Q5_K: the many-row ("band") kernels of both builds
+BAND_TYPES = [T.Q8_0, T.Q5_0, T.Q4_K, T.Q5_K, T.Q6_K]
+
+
+@needs_native
+@pytest.mark.parametrize("build", ["native", "avx2"])
+@pytest.mark.parametrize("repacked", [True, False], ids=["repacked", "no-repack"])
+@pytest.mark.parametrize("qtype", BAND_TYPES, ids=lambda t: t.name)
+def test_band_check_sees_the_f32_order(qtype, repacked, build, monkeypatch):
+    """The twin of the 37-row checks above: the reference with every f32 step of ggml's chain
+    rounded apart (a multiply, then an add, where ggml fuses them) is the same product to f32
+    rounding but not the same bits on the band kernels' 32 rows, so equality there checks the
+    order those kernels sum in, not only their integers."""
+    use_build(monkeypatch, build)
+    with_configuration(monkeypatch, repacked)
+    raw = random_weight(qtype, 24, 1024, seed=3)
+    x = activations(37, 1024)
+    native = ExactWeight(raw, qtype, 24, 1024).matmul(x)[:32]
+    assert torch.equal(native, ExactWeight(raw, qtype, 24, 1024, native=False).matmul(x)[:32])
+    monkeypatch.setattr(ggml_matmul, "fma_f32", lambda a, b, c: (a.float() * b.float()) + c)
+    unfused = ExactWeight(raw, qtype, 24, 1024, native=False).matmul(x)[:32]
+    assert torch.allclose(native, unfused, rtol=0, atol=1e-5 * float(native.abs().max()))
+    assert not torch.equal(native, unfused)
+
+
+def extreme_k_blocks(qtype: T, rows: int, cols: int) -> torch.Tensor:
+    """Every weight at its largest stored value (Q4_K 15, Q5_K 31, Q6_K 63), every scale and
+    min at its largest magnitude, d = dmin = 1: the products the AVX2 band kernels add in int16
+    are as large as a GGUF can make them."""
+    size = {T.Q4_K: 144, T.Q5_K: 176, T.Q6_K: 210}[qtype]
+    block = np.full(size, 0xFF, dtype=np.uint8)
+    if qtype == T.Q6_K:
+        block[192:208] = 0x80                    # the sixteen int8 scales: -128
+        block[208:210] = (0x00, 0x3C)            # d = 1.0
+    else:
+        block[0:4] = (0x00, 0x3C, 0x00, 0x3C)    # d = dmin = 1.0; scales, mins, bits all ones
+    return torch.from_numpy(np.tile(block, rows * cols // 256)).reshape(rows, -1)
+
+
+@needs_native
+@pytest.mark.parametrize("repacked", [True, False], ids=["repacked", "no-repack"])
+@pytest.mark.parametrize("qtype", [T.Q4_K, T.Q5_K, T.Q6_K], ids=lambda t: t.name)
+def test_avx2_band_sums_cannot_saturate(qtype, repacked, monkeypatch):
+    """The AVX2 band kernels add maddubs' int16 pair sums over 8 (Q4_K), 4 (Q5_K) or 2 (Q6_K)
+    groups of four k before widening: with the largest weights against activations of the
+    largest |q| (rows of one constant, so every Q8_K value is ±127) the sums stay exact, as the
+    reference's (f64 integers) show."""
+    use_build(monkeypatch, "avx2")
+    with_configuration(monkeypatch, repacked)
+    raw = extreme_k_blocks(qtype, 8, 1024)
+    x = torch.ones(37, 1024) * torch.where(torch.arange(37) % 3 == 0, -1.0, 1.0)[:, None]
+    x[1::4] *= activations(1, 1024)[0].abs() + 1  # some rows not constant: other scales per 256
+    native = ExactWeight(raw, qtype, 8, 1024).matmul(x)
+    reference = ExactWeight(raw, qtype, 8, 1024, native=False).matmul(x)
+    assert torch.equal(native, reference)
 
 
 @needs_native

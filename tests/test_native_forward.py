@@ -95,6 +95,27 @@ def test_c_forward_equals_torch_path(models, case, features, repacked, monkeypat
     assert same(run(model, native=True), run(model, native=False))
 
 
+@pytest.mark.parametrize("repacked", [True, False], ids=["repacked", "no-repack"])
+@pytest.mark.parametrize("case", [("gemma3", "Q4_K"), ("qwen3", "Q6_K"), ("qwen2", "Q5_K")],
+                         ids=["gemma3-Q4_K", "qwen3-Q6_K", "qwen2-Q5_K"])
+def test_c_forward_of_the_avx2_build_equals_torch_path(models, case, repacked, monkeypatch):
+    """The forward built for an AVX2-only CPU (-march=x86-64-v3: the K-quant band kernels with 8
+    rows per ymm on the 37-row call, maddubs in place of dpbusd) gives the bits of the per-op path,
+    whose matmuls run this machine's build: the two builds agree in both configurations."""
+    import engine.models.native_forward as native_forward
+    from engine.kernels import native
+
+    lib = native.build_kernels("avx2")
+    if lib is None:
+        pytest.skip("the -march=x86-64-v3 build of ggml_kernels.c failed")
+    use_plan(monkeypatch, AVX2, repacked)
+    model = models[case]
+    monkeypatch.setattr(native_forward, "kernels", lambda: lib)
+    monkeypatch.setattr(model, "_native_decoder", None, raising=False)  # built anew on lib
+    assert native_decoder(model).lib is lib
+    assert same(run(model, native=True), run(model, native=False))
+
+
 @pytest.mark.parametrize("case", [("gemma3", "Q5_0"), ("llama", "F16")], ids=["gemma3", "f16"])
 def test_thread_count_never_changes_a_bit(models, case):
     """Layers, cache and LM head (fb_matmul) at 1, 2 and 3 threads. (Not the Q4_K fixtures: their

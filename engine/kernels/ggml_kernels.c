@@ -235,12 +235,13 @@ typedef struct {
     int16_t *sums;  /* [R][K/16] (Q8_K): each 16's sum */
     float *h;       /* [R][K] f16-rounded (F16 weights) */
     float *s;       /* [R][K/32] (Q8_1): f16(d·Σq), d before its f16 rounding */
-    /* Q8_K again, bands of KT_BAND rows side by side for the K-quant band kernels (KT_BANDS
-     * builds, NULL elsewhere or for fewer than KT_BAND rows): the same values, laid out so that
-     * one 64-byte load holds four consecutive k of the band's 16 rows (dpbusd's operand) */
-    int8_t *qt;     /* [R/16][K/4][16][4] */
-    int32_t *bt;    /* [R/16][K/16][16]: each 16's sum */
-    float *dt;      /* [R/16][K/256][16] */
+    /* Q8_K (or, AVX512-VNNI builds, Q8_0) again, bands of KT_BAND rows side by side for the
+     * band kernels (NULL for fewer than KT_BAND rows): the same values, laid out so that one
+     * load holds four consecutive k of the band's rows (16 rows and 64 bytes for dpbusd on
+     * AVX512-VNNI builds, 8 rows and 32 bytes for maddubs on AVX2 ones) */
+    int8_t *qt;     /* [R/KT_BAND][K/4][KT_BAND][4] */
+    int32_t *bt;    /* [R/KT_BAND][K/16][KT_BAND]: each 16's sum */
+    float *dt;      /* [R/KT_BAND][K/256 or K/32][KT_BAND] */
 } fb_act;
 
 /* ---- unpacking GGUF blocks into the kernels' layout (dequant.py unpack_blocks) ----------- */
@@ -295,21 +296,32 @@ void fb_unpack(int type, int64_t nblocks, const uint8_t *raw, void *q, void *sca
     }
 }
 
-/* ---- K-quant band kernels (AVX512-VNNI builds) -------------------------------------------
+/* ---- band kernels for many activation rows ----------------------------------------------
  * llama.cpp's tiled K-quant matmul and its repacked Q4_K gemm compute, per weight row and
  * activation row, an exact integer dot per superblock (or per 64), then a fixed chain of f32
  * operations. The integers do not depend on how they are formed, so these kernels form them as
  * the tiled microkernel does (ggml-cpu/tiled/tiled-kernel.cpp): KT_BAND activation rows in the
  * lanes of one zmm, four k of one weight row broadcast, one dpbusd per 4 k for 16 outputs, each
  * subblock's sum times its scale (mullo) once; then each output's f32 chain, vector for vector,
- * exactly as q6_k_tiled_tile / q4_k_gemm_tile run it for four rows. Only whole bands of 16 rows
- * go here; the rows after the last band take the four-row tiles and one-row loops as before. */
+ * exactly as q6_k_tiled_tile / q4_k_gemm_tile / k_plain_rows run it for four rows. Only whole
+ * bands go here; the rows after the last band take the four-row tiles and one-row loops as
+ * before. AVX512-VNNI builds also have bands for Q8_0 / Q5_0 / Q4_0 (q0_band). */
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__) && defined(__AVX512BW__) && defined(__AVX512F__)
 #define KT_BANDS 1
-#else
-#define KT_BANDS 0
-#endif
 #define KT_BAND 16
+#define Q6_BAND_TN 8  /* weight rows per pass of the band kernels (their accumulators in registers) */
+#define Q4_BAND_TN 4
+#else
+/* AVX2 builds: the K-quant band kernels with 8 activation rows per ymm (no VNNI: maddubs, whose
+ * int16 sums are added over as many groups as cannot saturate, then one madd by the scale). The
+ * Q8_0 / Q5_0 / Q4_0 matmuls keep q0_tile there: ggml's order converts and fmas each lane of
+ * four products on its own, which costs one cvt and one fma per 32 products in either layout,
+ * and the integer part is maddubs + madd in both, so a band saves nothing to count on */
+#define KT_BANDS 0
+#define KT_BAND 8
+#define Q6_BAND_TN 4  /* 16 ymm registers */
+#define Q4_BAND_TN 4
+#endif
 /* Weight rows per pass over the bands: their unpacked bytes (32 rows of K = 2048: 64 KB) stay in
  * L2 while each band of activations passes, and the outputs of a band are written together (a
  * band's 16 rows times KT_SUB columns) instead of one column of 16 rows at a time. */
@@ -396,16 +408,6 @@ static inline __attribute__((always_inline)) void q6_k_band(const fb_weight *w, 
     for (int t = 0; t < TN; t++) band_store(acc[t], out, band, N, n + t);
 }
 
-static void q6_k_bands(const fb_weight *w, int64_t bands, const fb_act *a, int64_t n0, int64_t n1, float *out) {
-    for (int64_t s0 = n0; s0 < n1; s0 += KT_SUB) {
-        const int64_t s1 = s0 + KT_SUB < n1 ? s0 + KT_SUB : n1;
-        for (int64_t band = 0; band < bands; band++) {
-            int64_t n = s0;
-            for (; n + 8 <= s1; n += 8) q6_k_band(w, a, n, 8, band, out);
-            for (; n < s1; n++) q6_k_band(w, a, n, 1, band, out);
-        }
-    }
-}
 
 /* Repacked Q4_K, ggml_gemm_q4_K_8x8_q8_K's order (q4_k_gemm_tile): weight rows n..n+TN-1, their
  * nibbles unpacked to one byte per k in wu [TN][K], against band `band`: per 64-chunk the exact
@@ -548,6 +550,239 @@ static int q0_bands(const fb_weight *w, int64_t bands, const fb_act *a, int64_t 
     return 0;
 }
 
+
+
+
+/* Q4_K / Q5_K in their GGUF layout (no extra buffer types: AMX builds as opened here, or
+ * --no-repack), ggml's tiled order (k_plain_rows, tiled = 1): weight rows n..n+TN-1, their
+ * unsigned 4- or 5-bit values one byte per k in wu [TN][K], against band `band`: per 256 the exact
+ * s1 = Σ_subblock scale·(Σ w·x) and s2 = Σ_subblock min·(its 32-sum of x), then
+ * res = fnmadd(dmin_w, f32(s2), d_w·f32(s1)) and acc = fma(res, d_x, acc), as the microtile. */
+static inline __attribute__((always_inline)) void k_plain_band(const fb_weight *w, const fb_act *a, const uint8_t *wu,
+                                                               int64_t n, const int TN, int64_t band, float *out) {
+    const int64_t K = w->cols, nsb = K / 256, N = w->rows;
+    const uint8_t *scales = (const uint8_t *) w->scales;
+    const int8_t *xq = a->qt + band * KT_BAND * K;
+    const int32_t *xs = a->bt + band * KT_BAND * (K / 16);
+    const float *xd = a->dt + band * KT_BAND * nsb;
+    __m512 acc[8];
+    #pragma GCC unroll 8
+    for (int t = 0; t < TN; t++) acc[t] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < nsb; b++) {
+        __m512i s1[8], s2[8];
+        #pragma GCC unroll 8
+        for (int t = 0; t < TN; t++) s1[t] = s2[t] = _mm512_setzero_si512();
+        for (int j = 0; j < 8; j++) {  /* subblock j: k b·256 + 32j .. + 31 */
+            const int64_t k0 = b * 256 + 32 * j;
+            __m512i raw[8];
+            #pragma GCC unroll 8
+            for (int t = 0; t < TN; t++) raw[t] = _mm512_setzero_si512();
+            #pragma GCC unroll 8
+            for (int g = 0; g < 8; g++) {
+                const __m512i codes = _mm512_loadu_si512((const void *) (xq + (k0 / 4 + g) * 4 * KT_BAND));
+                #pragma GCC unroll 8
+                for (int t = 0; t < TN; t++) {
+                    int32_t u;
+                    memcpy(&u, wu + t * K + k0 + 4 * g, 4);
+                    raw[t] = _mm512_dpbusd_epi32(raw[t], _mm512_set1_epi32(u), codes);
+                }
+            }
+            /* the subblock's 32-sum of each activation row (two 16-sums) */
+            const __m512i bsum = _mm512_add_epi32(_mm512_loadu_si512((const void *) (xs + (k0 / 16) * KT_BAND)),
+                                                  _mm512_loadu_si512((const void *) (xs + (k0 / 16 + 1) * KT_BAND)));
+            #pragma GCC unroll 8
+            for (int t = 0; t < TN; t++) {
+                const int64_t blk = (n + t) * nsb + b;
+                s1[t] = _mm512_add_epi32(s1[t], _mm512_mullo_epi32(raw[t], _mm512_set1_epi32(scales[blk * 8 + j])));
+                s2[t] = _mm512_add_epi32(s2[t], _mm512_mullo_epi32(bsum, _mm512_set1_epi32(w->mins[blk * 8 + j])));
+            }
+        }
+        const __m512 d = _mm512_loadu_ps(xd + b * KT_BAND);
+        #pragma GCC unroll 8
+        for (int t = 0; t < TN; t++) {
+            const int64_t blk = (n + t) * nsb + b;
+            const __m512 res = _mm512_fnmadd_ps(_mm512_set1_ps(w->dmin[blk]), _mm512_cvtepi32_ps(s2[t]),
+                                                _mm512_mul_ps(_mm512_set1_ps(w->d[blk]), _mm512_cvtepi32_ps(s1[t])));
+            acc[t] = _mm512_fmadd_ps(res, d, acc[t]);
+        }
+    }
+    #pragma GCC unroll 8
+    for (int t = 0; t < TN; t++) band_store(acc[t], out, band, N, n + t);
+}
+
+
+#else
+/* The lanes of v (one output per activation row of the band) into column n of out. */
+static inline void band_store(__m256 v, float *out, int64_t band, int64_t N, int64_t n) {
+    float tmp[KT_BAND];
+    _mm256_storeu_ps(tmp, v);
+    for (int i = 0; i < KT_BAND; i++) out[(band * KT_BAND + i) * N + n] = tmp[i];
+}
+
+/* Two int16 values as the int32 a madd pairs them from: a in the low half, b in the high. */
+static inline int32_t i16_pair(int a, int b) { return (int32_t) ((uint32_t) (uint16_t) a | (uint32_t) (uint16_t) b << 16); }
+
+/* Per activation row of the band, Σ over G groups of four k from k0 of the unsigned weight bytes
+ * wr times the row's Q8_K values, as maddubs leaves it: int16 pair 2r the products 0 and 1 of each
+ * group, 2r+1 the products 2 and 3. Exact where G·2·w_max·128 < 32768: G = 8 for Q4_K (w <= 15),
+ * 4 for Q5_K (31), 2 for Q6_K (63); the callers keep to those. */
+static inline __attribute__((always_inline)) __m256i band8_pairs(const uint8_t *wr, const int8_t *xq, int64_t k0,
+                                                                 const int G) {
+    __m256i p = _mm256_setzero_si256();
+    #pragma GCC unroll 8
+    for (int g = 0; g < G; g++) {
+        int32_t u;
+        memcpy(&u, wr + k0 + 4 * g, 4);
+        p = _mm256_add_epi16(p, _mm256_maddubs_epi16(_mm256_set1_epi32(u),
+                                                      _mm256_loadu_si256((const __m256i *) (xq + (k0 / 4 + g) * 4 * KT_BAND))));
+    }
+    return p;
+}
+
+/* Each row's sums x and y (|.| < 2^15: at most 32 values of |q| <= 128) as an int16 pair. */
+static inline __m256i band8_sum_pair(__m256i x, __m256i y) {
+    return _mm256_or_si256(_mm256_and_si256(x, _mm256_set1_epi32(0xFFFF)), _mm256_slli_epi32(y, 16));
+}
+
+static inline __m256i band8_sums(const int32_t *xs, int64_t s) {  /* 16-sum s of the band's rows */
+    return _mm256_loadu_si256((const __m256i *) (xs + s * KT_BAND));
+}
+
+/* Q6_K, q6_k_tiled_tile's order for the 8 rows of a band (as the AVX512-VNNI q6_k_band): per 256
+ * s1 = Σ_16 scale·(Σ w·x) - 32·Σ_16 scale·bsum, exact; acc = fma(d_w·f32(s1), d_x, acc). */
+static inline __attribute__((always_inline)) void q6_k_band(const fb_weight *w, const fb_act *a, int64_t n,
+                                                            const int TN, int64_t band, float *out) {
+    const int64_t K = w->cols, nsb = K / 256, N = w->rows;
+    const uint8_t *wq = (const uint8_t *) w->q + n * K;
+    const int8_t *sc = (const int8_t *) w->scales + n * nsb * 16;
+    const int8_t *xq = a->qt + band * KT_BAND * K;
+    const int32_t *xs = a->bt + band * KT_BAND * (K / 16);
+    const float *xd = a->dt + band * KT_BAND * nsb;
+    __m256 acc[Q6_BAND_TN];
+    #pragma GCC unroll 8
+    for (int t = 0; t < TN; t++) acc[t] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nsb; b++) {
+        __m256i s1[Q6_BAND_TN];
+        #pragma GCC unroll 8
+        for (int t = 0; t < TN; t++) {  /* the offset part first: -32·Σ scale·bsum, two 16s per madd */
+            const int8_t *st = sc + (t * nsb + b) * 16;
+            __m256i off = _mm256_setzero_si256();
+            for (int j = 0; j < 8; j++)
+                off = _mm256_add_epi32(off, _mm256_madd_epi16(band8_sum_pair(band8_sums(xs, b * 16 + 2 * j),
+                                                                             band8_sums(xs, b * 16 + 2 * j + 1)),
+                                                              _mm256_set1_epi32(i16_pair(st[2 * j], st[2 * j + 1]))));
+            s1[t] = _mm256_sub_epi32(_mm256_setzero_si256(), _mm256_slli_epi32(off, 5));
+        }
+        for (int s = 0; s < 16; s++) {
+            const int64_t k0 = b * 256 + 16 * s;
+            #pragma GCC unroll 8
+            for (int t = 0; t < TN; t++) {
+                const __m256i scale = _mm256_set1_epi16(sc[(t * nsb + b) * 16 + s]);
+                const __m256i lo = _mm256_madd_epi16(band8_pairs(wq + t * K, xq, k0, 2), scale);
+                const __m256i hi = _mm256_madd_epi16(band8_pairs(wq + t * K, xq, k0 + 8, 2), scale);
+                s1[t] = _mm256_add_epi32(s1[t], _mm256_add_epi32(lo, hi));
+            }
+        }
+        const __m256 d = _mm256_loadu_ps(xd + b * KT_BAND);
+        #pragma GCC unroll 8
+        for (int t = 0; t < TN; t++)
+            acc[t] = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_set1_ps(w->d[(n + t) * nsb + b]), _mm256_cvtepi32_ps(s1[t])), d, acc[t]);
+    }
+    #pragma GCC unroll 8
+    for (int t = 0; t < TN; t++) band_store(acc[t], out, band, N, n + t);
+}
+
+/* Repacked Q4_K, q4_k_gemm_tile's order for the 8 rows of a band (as the AVX512-VNNI q4_k_band):
+ * per 64-chunk the exact dot (each 32-subblock's Σ w·x times its scale) and min (m·32-sums),
+ * acc = fma(f32(dot), d_w·d_x, acc), acc_min = fma(f32(min), dmin_w·d_x, acc_min); acc - acc_min. */
+static inline __attribute__((always_inline)) void q4_k_band(const fb_weight *w, const fb_act *a, const uint8_t *wu,
+                                                            int64_t n, const int TN, int64_t band, float *out) {
+    const int64_t K = w->cols, nsb = K / 256, N = w->rows;
+    const uint8_t *scales = (const uint8_t *) w->scales;
+    const int8_t *xq = a->qt + band * KT_BAND * K;
+    const int32_t *xs = a->bt + band * KT_BAND * (K / 16);
+    const float *xd = a->dt + band * KT_BAND * nsb;
+    __m256 acc[Q4_BAND_TN], acc_min[Q4_BAND_TN];
+    #pragma GCC unroll 4
+    for (int t = 0; t < TN; t++) acc[t] = acc_min[t] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nsb; b++) {
+        const __m256 xdv = _mm256_loadu_ps(xd + b * KT_BAND);
+        for (int c = 0; c < 4; c++) {
+            const int64_t k0 = b * 256 + 64 * c, s = k0 / 16;
+            const __m256i pp = band8_sum_pair(_mm256_add_epi32(band8_sums(xs, s), band8_sums(xs, s + 1)),
+                                              _mm256_add_epi32(band8_sums(xs, s + 2), band8_sums(xs, s + 3)));
+            #pragma GCC unroll 4
+            for (int t = 0; t < TN; t++) {
+                const int64_t blk = (n + t) * nsb + b;
+                const uint8_t *sc = scales + blk * 8, *mn = w->mins + blk * 8;
+                const __m256i dot = _mm256_add_epi32(
+                    _mm256_madd_epi16(band8_pairs(wu + t * K, xq, k0, 8), _mm256_set1_epi16(sc[2 * c])),
+                    _mm256_madd_epi16(band8_pairs(wu + t * K, xq, k0 + 32, 8), _mm256_set1_epi16(sc[2 * c + 1])));
+                const __m256i min = _mm256_madd_epi16(pp, _mm256_set1_epi32(i16_pair(mn[2 * c], mn[2 * c + 1])));
+                acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(_mm256_set1_ps(w->d[blk]), xdv), acc[t]);
+                acc_min[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(min), _mm256_mul_ps(_mm256_set1_ps(w->dmin[blk]), xdv),
+                                             acc_min[t]);
+            }
+        }
+    }
+    #pragma GCC unroll 4
+    for (int t = 0; t < TN; t++) band_store(_mm256_sub_ps(acc[t], acc_min[t]), out, band, N, n + t);
+}
+
+/* Q4_K / Q5_K in their GGUF layout, ggml's tiled order for the 8 rows of a band (as the
+ * AVX512-VNNI k_plain_band): per 256 s1 = Σ scale·(Σ w·x) and s2 = Σ min·32-sum exact,
+ * res = fnmadd(dmin_w, f32(s2), d_w·f32(s1)), acc = fma(res, d_x, acc). */
+static inline __attribute__((always_inline)) void k_plain_band(const fb_weight *w, const fb_act *a, const uint8_t *wu,
+                                                               int64_t n, const int TN, int64_t band, float *out) {
+    const int64_t K = w->cols, nsb = K / 256, N = w->rows;
+    const uint8_t *scales = (const uint8_t *) w->scales;
+    const int8_t *xq = a->qt + band * KT_BAND * K;
+    const int32_t *xs = a->bt + band * KT_BAND * (K / 16);
+    const float *xd = a->dt + band * KT_BAND * nsb;
+    const int q5 = w->type == FB_Q5_K;  /* 5-bit weights: int16 sums over 4 groups, not 8 */
+    __m256 acc[Q4_BAND_TN];
+    #pragma GCC unroll 4
+    for (int t = 0; t < TN; t++) acc[t] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nsb; b++) {
+        __m256i s1[Q4_BAND_TN];
+        #pragma GCC unroll 4
+        for (int t = 0; t < TN; t++) s1[t] = _mm256_setzero_si256();
+        for (int j = 0; j < 8; j++) {  /* subblock j: k b·256 + 32j .. + 31 */
+            const int64_t k0 = b * 256 + 32 * j;
+            #pragma GCC unroll 4
+            for (int t = 0; t < TN; t++) {
+                const __m256i scale = _mm256_set1_epi16(scales[((n + t) * nsb + b) * 8 + j]);
+                const uint8_t *wr = wu + t * K;
+                const __m256i p = q5 ? _mm256_add_epi32(_mm256_madd_epi16(band8_pairs(wr, xq, k0, 4), scale),
+                                                        _mm256_madd_epi16(band8_pairs(wr, xq, k0 + 16, 4), scale))
+                                     : _mm256_madd_epi16(band8_pairs(wr, xq, k0, 8), scale);
+                s1[t] = _mm256_add_epi32(s1[t], p);
+            }
+        }
+        const __m256 d = _mm256_loadu_ps(xd + b * KT_BAND);
+        #pragma GCC unroll 4
+        for (int t = 0; t < TN; t++) {
+            const int64_t blk = (n + t) * nsb + b;
+            const uint8_t *mn = w->mins + blk * 8;
+            __m256i s2 = _mm256_setzero_si256();
+            for (int c = 0; c < 4; c++) {  /* subblocks 2c, 2c+1: one madd of their 32-sums by the mins */
+                const int64_t s = b * 16 + 4 * c;
+                const __m256i pp = band8_sum_pair(_mm256_add_epi32(band8_sums(xs, s), band8_sums(xs, s + 1)),
+                                                  _mm256_add_epi32(band8_sums(xs, s + 2), band8_sums(xs, s + 3)));
+                s2 = _mm256_add_epi32(s2, _mm256_madd_epi16(pp, _mm256_set1_epi32(i16_pair(mn[2 * c], mn[2 * c + 1]))));
+            }
+            const __m256 res = _mm256_fnmadd_ps(_mm256_set1_ps(w->dmin[blk]), _mm256_cvtepi32_ps(s2),
+                                                _mm256_mul_ps(_mm256_set1_ps(w->d[blk]), _mm256_cvtepi32_ps(s1[t])));
+            acc[t] = _mm256_fmadd_ps(res, d, acc[t]);
+        }
+    }
+    #pragma GCC unroll 4
+    for (int t = 0; t < TN; t++) band_store(acc[t], out, band, N, n + t);
+}
+#endif
+
+static inline __m256i q5_k_bytes(const uint8_t *qs, const uint8_t *qh, int c, int half);
+
 /* Weight row n's Q4_K nibbles, one byte per k (chunk c: bytes 32c.. low nibbles are k 64c..,
  * their high nibbles k 64c + 32..). */
 static void q4_k_unpack_row(const fb_weight *w, int64_t n, uint8_t *dst) {
@@ -563,6 +798,28 @@ static void q4_k_unpack_row(const fb_weight *w, int64_t n, uint8_t *dst) {
     }
 }
 
+/* Weight row n of a Q5_K matrix, one byte per k (0..31: nibble + 16·fifth bit, q5_k_bytes). */
+static void q5_k_unpack_row(const fb_weight *w, int64_t n, uint8_t *dst) {
+    const int64_t nsb = w->cols / 256;
+    for (int64_t b = 0; b < nsb; b++) {
+        const uint8_t *blk = (const uint8_t *) w->q + (n * nsb + b) * 176;
+        for (int c = 0; c < 4; c++)
+            for (int half = 0; half < 2; half++)
+                _mm256_storeu_si256((__m256i *) (dst + b * 256 + 64 * c + 32 * half), q5_k_bytes(blk + 48, blk + 16, c, half));
+    }
+}
+
+static void q6_k_bands(const fb_weight *w, int64_t bands, const fb_act *a, int64_t n0, int64_t n1, float *out) {
+    for (int64_t s0 = n0; s0 < n1; s0 += KT_SUB) {
+        const int64_t s1 = s0 + KT_SUB < n1 ? s0 + KT_SUB : n1;
+        for (int64_t band = 0; band < bands; band++) {
+            int64_t n = s0;
+            for (; n + Q6_BAND_TN <= s1; n += Q6_BAND_TN) q6_k_band(w, a, n, Q6_BAND_TN, band, out);
+            for (; n < s1; n++) q6_k_band(w, a, n, 1, band, out);
+        }
+    }
+}
+
 static int q4_k_bands(const fb_weight *w, int64_t bands, const fb_act *a, int64_t n0, int64_t n1, float *out) {
     const int64_t K = w->cols;
     uint8_t *wu = malloc((size_t) (KT_SUB * K));  /* as q0_bands */
@@ -572,14 +829,34 @@ static int q4_k_bands(const fb_weight *w, int64_t bands, const fb_act *a, int64_
         for (int64_t n = s0; n < s1; n++) q4_k_unpack_row(w, n, wu + (n - s0) * K);
         for (int64_t band = 0; band < bands; band++) {
             int64_t n = s0;
-            for (; n + 4 <= s1; n += 4) q4_k_band(w, a, wu + (n - s0) * K, n, 4, band, out);
+            for (; n + Q4_BAND_TN <= s1; n += Q4_BAND_TN) q4_k_band(w, a, wu + (n - s0) * K, n, Q4_BAND_TN, band, out);
             for (; n < s1; n++) q4_k_band(w, a, wu + (n - s0) * K, n, 1, band, out);
         }
     }
     free(wu);
     return 0;
 }
-#endif
+
+/* Returns 0, or -1 without memory for the unpacked rows (as q0_bands). */
+static int k_plain_bands(const fb_weight *w, int64_t bands, const fb_act *a, int64_t n0, int64_t n1, float *out) {
+    const int64_t K = w->cols;
+    uint8_t *wu = malloc((size_t) (KT_SUB * K));
+    if (!wu) return -1;
+    for (int64_t s0 = n0; s0 < n1; s0 += KT_SUB) {
+        const int64_t s1 = s0 + KT_SUB < n1 ? s0 + KT_SUB : n1;
+        for (int64_t n = s0; n < s1; n++) {
+            if (w->type == FB_Q4_K) q4_k_unpack_row(w, n, wu + (n - s0) * K);
+            else q5_k_unpack_row(w, n, wu + (n - s0) * K);
+        }
+        for (int64_t band = 0; band < bands; band++) {
+            int64_t n = s0;
+            for (; n + Q4_BAND_TN <= s1; n += Q4_BAND_TN) k_plain_band(w, a, wu + (n - s0) * K, n, Q4_BAND_TN, band, out);
+            for (; n < s1; n++) k_plain_band(w, a, wu + (n - s0) * K, n, 1, band, out);
+        }
+    }
+    free(wu);
+    return 0;
+}
 
 static void quantize_rows(int type, const float *x, int64_t R, int64_t K, const fb_act *a,
                           int ith, int nth) {
@@ -589,7 +866,7 @@ static void quantize_rows(int type, const float *x, int64_t R, int64_t K, const 
         {
             quantize_q8_0_row(xr, K, a->q + Q0_AT(K / 32, r, 0), 32 * Q0_TILE, a->d + Q0_SCALE(K / 32, r, 0), Q0_TILE,
                               Q0_ACT_UNSIGNED);
-            if (a->qt && r < R - R % KT_BAND) band_row_q0(a, r, K);
+            if (KT_BANDS && a->qt && r < R - R % KT_BAND) band_row_q0(a, r, K);
         }
         else if (is_q1(type)) quantize_q8_1_row(xr, K, a->q + r * K, a->d + r * (K / 32), a->s + r * (K / 32));
         else if (type == FB_F16) for (int64_t k = 0; k < K; k++) a->h[r * K + k] = round_f16(xr[k]);
@@ -995,12 +1272,12 @@ static inline __m256i k_dot64(const fb_weight *w, const int8_t *xa, int64_t blk,
  * in four lanes (lane l: subblocks 2l and 2l+1), fma each, reduced (m0+m2) + (m1+m3); Q5_K as one
  * scalar, fma(dmin, f32(sum), summs) (GCC contracts the C statement: gnu11 defaults to
  * -ffp-contract=fast); output hsum_float_8(acc) + the min part. */
-static void k_plain_rows(const fb_weight *w, int64_t R, const fb_act *a, int tiled, int64_t n0, int64_t n1,
-                         float *out) {
+static void k_plain_rows(const fb_weight *w, int64_t r0, int64_t R, const fb_act *a, int tiled, int64_t n0,
+                         int64_t n1, float *out) {
     const int64_t K = w->cols, nsb = K / 256, N = w->rows, S = K / 16;
     const uint8_t *scales = (const uint8_t *) w->scales;
     for (int64_t n = n0; n < n1; n++) {
-        int64_t r = 0;
+        int64_t r = r0;  /* rows r0..R-1 (those before, the band kernel's) */
         if (tiled)  /* four rows at a time: each weight chunk unpacked once for them */
             for (; r + 4 <= R; r += 4) {
                 float acc4[4] = {0.0f, 0.0f, 0.0f, 0.0f};
@@ -1397,33 +1674,34 @@ static void matmul_part(const fb_weight *w, int64_t R, const fb_act *a, const fb
                         int64_t n1, float *out) {
     switch (w->type) {
     case FB_Q8_0: case FB_Q5_0: case FB_Q4_0: q0_rows(w, R, a, n0, n1, out); break;
-    case FB_Q5_K: k_plain_rows(w, R, a, R >= 8, n0, n1, out); break;
     case FB_Q4_1: case FB_Q5_1: q1_rows(w, R, a, n0, n1, out); break;
-    case FB_Q4_K: {
-        if (!p->repack || w->rows % 8) {  /* in its GGUF layout: tiled, or vec_dot for < 8 rows */
-            k_plain_rows(w, R, a, R >= 8, n0, n1, out);
+    case FB_Q5_K: case FB_Q4_K: {
+        if (w->type == FB_Q5_K || !p->repack || w->rows % 8) {
+            /* in its GGUF layout: tiled (whole bands first), or vec_dot for < 8 rows */
+            int64_t banded = 0;
+            if (a->qt && R >= 8) {
+                banded = R - R % KT_BAND;
+                if (banded && k_plain_bands(w, banded / KT_BAND, a, n0, n1, out)) banded = 0;
+            }
+            if (banded < R) k_plain_rows(w, banded, R, a, R >= 8, n0, n1, out);
             break;
         }
         const int64_t gemm = R > 3 ? R - R % 4 : 0;  /* repacked Q4_K: gemm rows, then gemv */
         int64_t banded = 0;  /* gemm rows in whole bands (q4_k_bands), the rest by four */
-#if KT_BANDS
         if (a->qt) {
             banded = gemm - gemm % KT_BAND;
             if (banded && q4_k_bands(w, banded / KT_BAND, a, n0, n1, out)) banded = 0;
         }
-#endif
         if (banded < gemm) q4_k_rows(w, banded, gemm, a, 0, n0, n1, out);
         if (gemm < R) q4_k_rows(w, gemm, R, a, 1, n0, n1, out);
         break;
     }
     case FB_Q6_K: {
         int64_t banded = 0;  /* tiled rows in whole bands (q6_k_bands), the rest by four */
-#if KT_BANDS
         if (a->qt && R >= 8) {
             banded = R - R % KT_BAND;
             if (banded) q6_k_bands(w, banded / KT_BAND, a, n0, n1, out);
         }
-#endif
         if (banded < R) q6_k_rows(w, banded, R, a, R >= 8, n0, n1, out);
         break;
     }
@@ -1449,7 +1727,7 @@ static int act_alloc(fb_act *a, int64_t R, int64_t K) {
     a->h = malloc(sizeof(float) * (size_t) (R * K) + 64);
     a->s = malloc(sizeof(float) * (size_t) (R * (K / 32) + 1));
     a->qt = NULL, a->bt = NULL, a->dt = NULL;
-    if (KT_BANDS && R >= KT_BAND) {  /* the band kernels' copy of whole bands */
+    if (R >= KT_BAND) {  /* the band kernels' copy of whole bands */
         const int64_t Rb = R - R % KT_BAND;
         a->qt = malloc((size_t) (Rb * K) + 64);
         a->bt = malloc(sizeof(int32_t) * (size_t) (Rb * (K / 16) + 16));
@@ -2089,9 +2367,9 @@ static void matmul_part_rowwise(const fb_weight *w, int64_t R, const fb_act *a, 
     switch (w->type) {
     case FB_Q8_0: case FB_Q5_0: case FB_Q4_0: q0_rows(w, R, a, n0, n1, out); break;
     case FB_Q4_1: case FB_Q5_1: q1_rows(w, R, a, n0, n1, out); break;
-    case FB_Q5_K: k_plain_rows(w, R, a, 0, n0, n1, out); break;
+    case FB_Q5_K: k_plain_rows(w, 0, R, a, 0, n0, n1, out); break;
     case FB_Q4_K:
-        if (!p->repack || w->rows % 8) k_plain_rows(w, R, a, 0, n0, n1, out);
+        if (!p->repack || w->rows % 8) k_plain_rows(w, 0, R, a, 0, n0, n1, out);
         else q4_k_rows(w, 0, R, a, 1, n0, n1, out);
         break;
     case FB_Q6_K: q6_k_rows(w, 0, R, a, 0, n0, n1, out); break;

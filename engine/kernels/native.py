@@ -163,9 +163,11 @@ def _declare(lib: ctypes.CDLL, signatures: dict[str, tuple[list, object]]) -> ct
 
 @functools.lru_cache(maxsize=1)
 def kernels() -> ctypes.CDLL | None:
-    """The loaded llama.cpp kernels (ggml_kernels.c), building them if needed; None where they
+    """The loaded llama.cpp kernels (ggml_kernels.c), building them if needed, for this CPU or,
+    under FORGEBENCH_SIMD=avx2, for an AVX2-only one (the code such a CPU runs: a benchmark of
+    the AVX2 path on an AVX-512 machine measures it, not the AVX-512 kernels); None where they
     cannot be built."""
-    return build_kernels(None)
+    return build_kernels(forced_simd())
 
 
 def build_kernels(simd: str | None) -> ctypes.CDLL | None:
