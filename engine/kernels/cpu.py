@@ -41,7 +41,8 @@ The features come from cpuid through the C build (ggml_kernels.c: cpu_features, 
 AVX-512 and AMX features (`as_forced`), for checking the AVX2 orders against a llama.cpp built
 with CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON" on an
 AVX-512 machine (docs/numerics.md says how). The same switch makes the rest of a process compute
-as an AVX2-only CPU would: the training passes are built for AVX2 (native.train_kernels),
+as an AVX2-only CPU would: the inference kernels (native.kernels) and the training passes
+(native.train_kernels) are both built for AVX2 (-march=x86-64-v3),
 precision "auto" sees no bf16 units (engine.train.precision), and, set before the process starts,
 torch's own libraries are capped at AVX2 (engine/__init__.py), so a benchmark can measure an
 AVX2 machine's path on an AVX-512 one.
