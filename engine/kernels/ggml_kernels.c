@@ -11,7 +11,7 @@
  * Threads split the rows of each output the way ggml's threads do: every output value is computed
  * by one thread in the same order whatever the thread count, so the bits never depend on it.
  * fb_forward runs every layer of a Llama / Qwen / Gemma 3 decoder for a batch of positions in one
- * call (one parallel region, a spinning barrier between ops, as ggml's threadpool), with the f16
+ * call (one parallel region, a barrier between ops that spins, then sleeps: barrier_wait), with the f16
  * KV cache in the caller's buffers.
  *
  * Which order ggml uses depends on the instruction set llama.cpp was compiled for (-march=native
@@ -31,6 +31,12 @@
 #include <string.h>
 #include <sched.h>
 #include <omp.h>
+#include <x86intrin.h>
+#ifdef __linux__
+#include <linux/futex.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
 
 #define PARALLEL_ROWS 8  /* f16_dot: fewer rows stay on one thread */
 
@@ -1553,15 +1559,41 @@ void f16_dot(int64_t G, int64_t P, int64_t Q, int64_t K, const float *a, const f
 
 /* ---- the decoder forward ---------------------------------------------------------------- */
 
-/* A spinning barrier, as ggml's threadpool waits: a thread that arrives early polls (yielding
- * the core after a while, for busy machines) instead of sleeping in the kernel. */
+/* A spinning barrier, as ggml's threadpool waits: a thread that arrives early polls instead of
+ * sleeping in the kernel, for up to BARRIER_SPIN_TICKS (a decode step's phases are a few to a few
+ * hundred microseconds: on an idle machine the waits end while spinning, without a system call).
+ * Past that the thread it waits for has most likely been taken off its core by other load: the
+ * waiter sleeps on a futex and leaves its core to it (yielding instead kept it on the core,
+ * spinning, while the thread it waited for queued for one), and the last thread to arrive wakes
+ * the sleepers. Each thread halves its spin after a wait that ended asleep and doubles it after
+ * one that ended spinning (between BARRIER_SPIN_MIN and BARRIER_SPIN_TICKS): on a busy machine
+ * the spins that end asleep anyway stop taking the CPU time the other threads need (a decode
+ * step's layers on 2 threads with other load on both cores: wall 15 ms, of it 15 ms of CPU, at
+ * a fixed spin). `sleepers` is raised before the waiter's last look at `phase` and read after the
+ * last thread moves `phase` on (both sequentially consistent), so one of the two sees the other:
+ * no wake is lost. */
+#define BARRIER_SPIN_TICKS 100000  /* TSC ticks: about 40 us at 2.6 GHz */
+#define BARRIER_SPIN_MIN 2500      /* about 1 us */
+static __thread uint64_t barrier_spin = BARRIER_SPIN_TICKS;
 typedef struct {
-    atomic_int arrived, phase;
+    atomic_int arrived, phase, sleepers;
     int n;
     /* the chunk claims of each matmul of a phase (region_matmuls: [4][n] runs, next_chunk),
      * zeroed at every barrier; NULL where no phase shares chunks out */
     fb_run *runs;
 } fb_barrier;
+
+#ifdef __linux__
+static void futex_wait(atomic_int *addr, int value) {  /* returns at once where *addr != value */
+    syscall(SYS_futex, (int *) addr, FUTEX_WAIT_PRIVATE, value, NULL, NULL, 0);
+}
+static void futex_wake_all(atomic_int *addr) {
+    syscall(SYS_futex, (int *) addr, FUTEX_WAKE_PRIVATE, INT32_MAX, NULL, NULL, 0);
+}
+#else  /* no futex: the waiter yields its core and looks again */
+static void futex_wait(atomic_int *addr, int value) { (void) addr; (void) value; sched_yield(); }
+static void futex_wake_all(atomic_int *addr) { (void) addr; }
+#endif
 
 static void barrier_wait(fb_barrier *b) {
     if (b->n <= 1) return;
@@ -1571,13 +1603,24 @@ static void barrier_wait(fb_barrier *b) {
         if (b->runs)
             for (int i = 0; i < 4 * b->n; i++) atomic_store_explicit(&b->runs[i].claims, 0, memory_order_relaxed);
         atomic_store_explicit(&b->arrived, 0, memory_order_relaxed);
-        atomic_fetch_add_explicit(&b->phase, 1, memory_order_acq_rel);
+        atomic_fetch_add(&b->phase, 1);
+        if (atomic_load(&b->sleepers) > 0) futex_wake_all(&b->phase);
         return;
     }
-    for (int spins = 0; atomic_load_explicit(&b->phase, memory_order_acquire) == phase; spins++) {
-        if (spins < 256) _mm_pause();
-        else sched_yield();
+    const uint64_t start = __rdtsc();
+    int slept = 0;
+    while (atomic_load_explicit(&b->phase, memory_order_acquire) == phase) {
+        if (__rdtsc() - start < barrier_spin) {
+            _mm_pause();
+            continue;
+        }
+        slept = 1;
+        atomic_fetch_add(&b->sleepers, 1);
+        if (atomic_load(&b->phase) == phase) futex_wait(&b->phase, phase);
+        atomic_fetch_sub(&b->sleepers, 1);
     }
+    if (slept) barrier_spin = barrier_spin / 2 > BARRIER_SPIN_MIN ? barrier_spin / 2 : BARRIER_SPIN_MIN;
+    else barrier_spin = barrier_spin * 2 < BARRIER_SPIN_TICKS ? barrier_spin * 2 : BARRIER_SPIN_TICKS;
 }
 
 /* One decoder layer's weights and settings. Mirrored by engine/kernels/native.py Layer. */
@@ -1998,7 +2041,7 @@ int fb_forward(const fb_model *m, const fb_plan *p, int64_t T, int64_t start_pos
     const int64_t row_floats = 3 * D + 2 * half;
     float *rows = owned ? malloc(sizeof(float) * (size_t) (owned * row_floats)) : NULL;
     if (owned && !rows) failed = 1;
-    fb_barrier bar = {0, 0, 1};
+    fb_barrier bar = {.n = 1};
     bar.runs = aligned_alloc(64, sizeof(fb_run) * 4 * (size_t) (nthreads > 1 ? nthreads : 1));
     if (!bar.runs) failed = 1;
     else memset(bar.runs, 0, sizeof(fb_run) * 4 * (size_t) (nthreads > 1 ? nthreads : 1));
@@ -2259,7 +2302,7 @@ int fb_decode_batch(const fb_model *m, const fb_plan *p, int64_t B, const int64_
     fb_act a;
     failed |= act_alloc(&a, B, Kmax);
     failed |= !(xn && qb && kb && vb && att && ab && gb && ub && cs && sn);
-    fb_barrier bar = {0, 0, 1};
+    fb_barrier bar = {.n = 1};
     if (!failed) {
         #pragma omp parallel num_threads(nthreads) if (nthreads > 1)
         {
