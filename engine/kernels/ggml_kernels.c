@@ -1565,8 +1565,8 @@ void f16_dot(int64_t G, int64_t P, int64_t Q, int64_t K, const float *a, const f
  * Past that the thread it waits for has most likely been taken off its core by other load: the
  * waiter sleeps on a futex and leaves its core to it (yielding instead kept it on the core,
  * spinning, while the thread it waited for queued for one), and the last thread to arrive wakes
- * the sleepers. Each thread halves its spin after a wait that ended asleep and doubles it after
- * one that ended spinning (between BARRIER_SPIN_MIN and BARRIER_SPIN_TICKS): on a busy machine
+ * the sleepers. Each thread halves its spin after a wait longer than BARRIER_SPIN_TICKS and
+ * doubles it after a shorter one (between BARRIER_SPIN_MIN and BARRIER_SPIN_TICKS): on a busy machine
  * the spins that end asleep anyway stop taking the CPU time the other threads need (a decode
  * step's layers on 2 threads with other load on both cores: wall 15 ms, of it 15 ms of CPU, at
  * a fixed spin). `sleepers` is raised before the waiter's last look at `phase` and read after the
@@ -1608,19 +1608,21 @@ static void barrier_wait(fb_barrier *b) {
         return;
     }
     const uint64_t start = __rdtsc();
-    int slept = 0;
     while (atomic_load_explicit(&b->phase, memory_order_acquire) == phase) {
         if (__rdtsc() - start < barrier_spin) {
             _mm_pause();
             continue;
         }
-        slept = 1;
         atomic_fetch_add(&b->sleepers, 1);
         if (atomic_load(&b->phase) == phase) futex_wait(&b->phase, phase);
         atomic_fetch_sub(&b->sleepers, 1);
     }
-    if (slept) barrier_spin = barrier_spin / 2 > BARRIER_SPIN_MIN ? barrier_spin / 2 : BARRIER_SPIN_MIN;
-    else barrier_spin = barrier_spin * 2 < BARRIER_SPIN_TICKS ? barrier_spin * 2 : BARRIER_SPIN_TICKS;
+    /* judged by the whole wait, not by whether it slept: a short spin sleeps through waits that
+     * a full one would have spun through, and must grow back after them */
+    if (__rdtsc() - start > BARRIER_SPIN_TICKS)
+        barrier_spin = barrier_spin / 2 > BARRIER_SPIN_MIN ? barrier_spin / 2 : BARRIER_SPIN_MIN;
+    else
+        barrier_spin = barrier_spin * 2 < BARRIER_SPIN_TICKS ? barrier_spin * 2 : BARRIER_SPIN_TICKS;
 }
 
 /* One decoder layer's weights and settings. Mirrored by engine/kernels/native.py Layer. */
