@@ -85,6 +85,17 @@ def frozen_head(model: nn.Module):
     return None
 
 
+def one_thread_glue_serves(model: nn.Module) -> bool:
+    """A training step on `model` may run its glue on one thread (packed.one_thread_glue): on
+    the CPU, every large product takes the step's threads back itself, its layers frozen packed
+    ones (FrozenQuantLinear, bare or under a LoRA, whose rank-wide products are small) and its
+    loss the fused pass over a frozen head. A plain nn.Linear or nn.Embedding (a dense model, a
+    trained head) would multiply on one thread: not served."""
+    device = next(iter(model.parameters()), torch.empty(0)).device
+    return (device.type == "cpu" and frozen_head(model) is not None
+            and not any(isinstance(m, (nn.Linear, nn.Embedding)) for m in model.modules()))
+
+
 class SupervisedLoss(nn.Module):
     """`supervised_loss` of `model` as a module's forward: what DDP and FSDP2 wrap (both hook a
     module's forward, and the loss reaches the model through `hidden`, not `forward`)."""
