@@ -17,7 +17,7 @@ from fixtures_gguf import write_tiny_gguf
 
 from engine.lora import attach_lora
 from engine.models import blocks, packed
-from engine.models.gguf_model import load_gguf_model
+from engine.models.gguf_model import load_gguf_model, set_numerics
 from engine.models.llama import Llama, LlamaConfig
 from engine.train.loss import IGNORE, one_thread_glue_serves, supervised_loss
 
@@ -124,6 +124,8 @@ def test_only_models_whose_products_take_the_threads_back_are_served(tmp_path):
         p.requires_grad_(False)
     attach_lora(dense, targets=("q", "v"), rank=4, alpha=8.0, seed=0)
     assert not one_thread_glue_serves(dense)               # nn.Linear layers: torch's products
+    set_numerics(model, "llamacpp")
+    assert not one_thread_glue_serves(model)               # llama.cpp's products: not raised
 
 
 def test_outside_the_glue_and_at_one_thread_nothing_changes(two_threads):

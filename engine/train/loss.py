@@ -90,10 +90,12 @@ def one_thread_glue_serves(model: nn.Module) -> bool:
     the CPU, every large product takes the step's threads back itself, its layers frozen packed
     ones (FrozenQuantLinear, bare or under a LoRA, whose rank-wide products are small) and its
     loss the fused pass over a frozen head. A plain nn.Linear or nn.Embedding (a dense model, a
-    trained head) would multiply on one thread: not served."""
+    trained head) would multiply on one thread, and so would llama.cpp numerics' products: not
+    served."""
     device = next(iter(model.parameters()), torch.empty(0)).device
     return (device.type == "cpu" and frozen_head(model) is not None
-            and not any(isinstance(m, (nn.Linear, nn.Embedding)) for m in model.modules()))
+            and not any(isinstance(m, (nn.Linear, nn.Embedding))
+                        or getattr(m, "numerics", "f32") != "f32" for m in model.modules()))
 
 
 class SupervisedLoss(nn.Module):
