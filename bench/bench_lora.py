@@ -495,8 +495,9 @@ def profile_engine(args) -> None:
     from torch.autograd.profiler import record_function
     from torch.profiler import ProfilerActivity, _ExperimentalConfig, profile
 
+    from engine.models.packed import one_thread_glue
     from engine.recipes import lm_sft
-    from engine.train.loss import supervised_loss
+    from engine.train.loss import one_thread_glue_serves, supervised_loss
     from engine.train.optim import build_adamw, clip_and_step
     from engine.train.precision import autocast, resolve_precision
 
@@ -516,10 +517,13 @@ def profile_engine(args) -> None:
     model.train()
     mark_regions(model)
 
+    glue = one_thread_glue_serves(model)            # as the recipe's step runs it
+
     def step() -> None:
-        with autocast(precision):
-            loss = supervised_loss(model, inputs, labels, lengths)
-        (loss / supervised).backward()
+        with one_thread_glue(glue):
+            with autocast(precision):
+                loss = supervised_loss(model, inputs, labels, lengths)
+            (loss / supervised).backward()
         with record_function(MARK + "optimizer"):
             clip_and_step(params, optimizer, 1.0)
 

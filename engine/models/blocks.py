@@ -20,6 +20,7 @@ from torch import nn
 
 from engine.kernels import fused
 from engine.kernels.numerics import cos_sin_f32, fma_f32, gelu_llamacpp, rsqrt_f32, silu_llamacpp
+from engine.models.packed import step_threads
 
 
 class RMSNorm(nn.Module):
@@ -302,7 +303,7 @@ def packed_attention(core, q, k, v, lengths: list[int], scale: float, window: in
     # sdpa takes a sequence the window does not cut as plain causal (mask None, `sdpa`)
     masks = [None if core is sdpa and (window is None or n <= window)
              else _sequence_mask(n, window, q.device) for n in lengths]
-    threads = torch.get_num_threads() if q.device.type == "cpu" else 1
+    threads = step_threads() if q.device.type == "cpu" else 1
     groups = spread_sequences(lengths, threads) if SPREAD_ATTENTION else None
     if groups is not None:
         if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
@@ -310,16 +311,19 @@ def packed_attention(core, q, k, v, lengths: list[int], scale: float, window: in
         return torch.cat(_spread_forward(core, masks, scale, groups, lengths, q, k, v,
                                          grad=False)[0], dim=2)
     outs = []
-    one_thread = ONE_THREAD_ATTENTION and threads > 1
+    # one thread each (ONE_THREAD_ATTENTION), or all of them where the step's glue runs on one
+    # (packed.one_thread_glue) and torch is at one; else torch's own count as it stands
+    core_threads = (1 if ONE_THREAD_ATTENTION and threads > 1
+                    else threads if threads != torch.get_num_threads() else None)
     # split, not slices: its backward is one cat of the pieces' gradients, where each slice's
     # would write its piece into a zeroed copy of the whole and then sum those copies
     for mask, qs, ks, vs in zip(masks, *(t.split(lengths, dim=2) for t in (q, k, v))):
-        if not one_thread:
+        if core_threads is None:
             outs.append(core(qs, ks, vs, mask, scale))
         elif torch.is_grad_enabled() and any(t.requires_grad for t in (qs, ks, vs)):
-            outs.append(_OneThreadCore.apply(core, mask, scale, qs, ks, vs))
+            outs.append(_CoreOnThreads.apply(core, mask, scale, core_threads, qs, ks, vs))
         else:
-            with _one_torch_thread():
+            with _torch_threads(core_threads):
                 outs.append(core(qs, ks, vs, mask, scale))
     return torch.cat(outs, dim=2)
 
@@ -424,7 +428,7 @@ class _SpreadCores(torch.autograd.Function):
     """packed_attention's core calls spread over the threads (`spread_sequences`), forward and
     backward: each sequence's own small graph is kept from the forward and differentiated in
     the backward on the thread its group runs on, with one torch thread, so every sequence gets
-    the bits torch computes at one thread (as _OneThreadCore's), whatever the thread count.
+    the bits torch computes at one thread (as _CoreOnThreads at one), at any thread count.
 
     Why: a packed sequence is a few dozen tokens, too little for torch to split over threads
     (its parallel regions cost more than they save, and wait on a descheduled partner on a
@@ -460,27 +464,28 @@ class _SpreadCores(torch.autograd.Function):
 
 
 @contextlib.contextmanager
-def _one_torch_thread():
+def _torch_threads(count: int):
     threads = torch.get_num_threads()
-    torch.set_num_threads(1)
+    torch.set_num_threads(count)
     try:
         yield
     finally:
         torch.set_num_threads(threads)
 
 
-class _OneThreadCore(torch.autograd.Function):
-    """core(q, k, v, mask, scale) with its forward and its backward on one torch thread: the
-    same kernels on the same operands (each output row is one thread's work at any count), its
-    own small graph kept from the forward and differentiated in the backward."""
+class _CoreOnThreads(torch.autograd.Function):
+    """core(q, k, v, mask, scale) with its forward and its backward on `threads` torch threads
+    (one for ONE_THREAD_ATTENTION: the same kernels on the same operands, each output row one
+    thread's work at any count), its own small graph kept from the forward and differentiated
+    in the backward."""
 
     @staticmethod
-    def forward(ctx, core, mask, scale, q, k, v):
+    def forward(ctx, core, mask, scale, threads, q, k, v):
         wants = [t.requires_grad for t in (q, k, v)]
-        with torch.enable_grad(), _one_torch_thread():
+        with torch.enable_grad(), _torch_threads(threads):
             inputs = [t.detach().requires_grad_(w) for t, w in zip((q, k, v), wants)]
             out = core(*inputs, mask, scale)
-        ctx.inputs, ctx.out = inputs, out
+        ctx.inputs, ctx.out, ctx.threads = inputs, out, threads
         return out.detach()
 
     @staticmethod
@@ -488,9 +493,10 @@ class _OneThreadCore(torch.autograd.Function):
         inputs, out = ctx.inputs, ctx.out
         ctx.inputs = ctx.out = None
         needs = [t for t in inputs if t.requires_grad]
-        with _one_torch_thread():
+        with _torch_threads(ctx.threads):
             grads = iter(torch.autograd.grad(out, needs, grad) if needs else ())
-        return (None, None, None, *[next(grads) if t.requires_grad else None for t in inputs])
+        return (None, None, None, None,
+                *[next(grads) if t.requires_grad else None for t in inputs])
 
 
 @functools.lru_cache(maxsize=256)

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch.autograd.profiler import record_function
 
 from engine.kernels import fused
-from engine.models.packed import ONEDNN_BLOCK_ROWS, PackedWeight
+from engine.models.packed import ONEDNN_BLOCK_ROWS, PackedWeight, all_step_threads, step_threads
 
 HEAD_CHUNK_ROWS = 1024   # LM-head rows per step of the fused loss: a chunk (2.6 MB in f32) is
                          # still in cache for its second product; ~7% faster than 4096 rows
@@ -167,11 +167,12 @@ def _threaded_pass(h, hd, weight, targets, want_grad: bool, dtype: torch.dtype) 
     thread keeps every core on one-thread products (gemma's head, 70 rows, 2 cores: the two
     halves side by side took 0.235-0.29 s against 0.25-0.32 s for torch's split products; a
     pirate LoRA step 0.97 s -> 0.91 s, medians of 18)."""
-    threads = torch.get_num_threads()
+    threads = torch.get_num_threads()             # what this thread comes back to
     shares = head_shares(weight.rows, head_chunk_rows(dtype),
-                         threads if h.device.type == "cpu" else 1)
+                         step_threads() if h.device.type == "cpu" else 1)
     if len(shares) == 1:
-        return _online_pass(h, hd, weight, targets, 0, weight.rows, want_grad, dtype)
+        with all_step_threads():
+            return _online_pass(h, hd, weight, targets, 0, weight.rows, want_grad, dtype)
     weight._fill()                                 # a lazy cache fills once, before the threads
     try:
         torch.set_num_threads(1)

@@ -18,7 +18,9 @@ weight is engine/models/lm_head_loss.py.
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import threading
 
 import torch
 import torch.nn.functional as F
@@ -33,6 +35,59 @@ from engine.kernels.native import kernels
 from engine.kernels.numerics import activation_values, dot_f16, round_f16, tinyblas_serves
 
 CHUNK_ELEMENTS = 1 << 22          # dequantize at most ~4M weights (16 MB f32) at a time
+
+
+# -- one thread for the glue, all of them for the products ----------------------------------
+_GLUE = threading.local()    # .threads: the step's thread count while its glue runs on one
+
+
+@contextlib.contextmanager
+def one_thread_glue(enabled: bool = True):
+    """A training step's forward and backward with torch on one thread, except where a frozen
+    layer's product (`packed_matmul`, `_frozen_dx_under`) or a share-out of its own (the LM
+    head's vocabulary shares, packed attention, through `step_threads`) takes the step's full
+    count back for its duration. Without `enabled`, on one thread, or already inside: as is.
+
+    Why: between the products a step runs ~3000 small ops (casts, residual adds, the
+    gradients' sums) over ~100k values each, which torch splits over the threads; each is an
+    OpenMP region whose partner thread wakes, works a few microseconds and spins at the
+    barrier, and on a busy machine waits for a descheduled partner. On one thread they give the
+    same bits (elementwise ops; torch splits no reduction of this size), and the products,
+    where the threads pay, still get them all. Only for a model whose every large product goes
+    through these paths (`glue_serves`)."""
+    threads = torch.get_num_threads()
+    if not enabled or threads == 1 or getattr(_GLUE, "threads", None) is not None:
+        yield
+        return
+    _GLUE.threads = threads
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+        _GLUE.threads = None
+
+
+def step_threads() -> int:
+    """The threads the step runs on: inside `one_thread_glue` its full count (torch is at one),
+    else torch's own."""
+    return getattr(_GLUE, "threads", None) or torch.get_num_threads()
+
+
+@contextlib.contextmanager
+def all_step_threads():
+    """Inside `one_thread_glue` (on this Python thread), torch at the step's full count for
+    what runs within; elsewhere nothing changes."""
+    threads = getattr(_GLUE, "threads", None)
+    if threads is None or torch.get_num_threads() == threads:
+        yield
+        return
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 ONEDNN_BLOCK_ROWS = 16384   # rows per block reordered for oneDNN: a whole layer, or exactly one
@@ -316,7 +371,13 @@ def in_cache_dtype(product, x: torch.Tensor, chunk: torch.Tensor) -> torch.Tenso
 
 
 def packed_matmul(x: torch.Tensor, w: PackedWeight) -> torch.Tensor:
-    """x [..., cols] · Wᵀ -> [..., rows], W dequantized chunk by chunk (or its dense cache)."""
+    """x [..., cols] · Wᵀ -> [..., rows], W dequantized chunk by chunk (or its dense cache), on
+    the step's full thread count (`all_step_threads`)."""
+    with all_step_threads():
+        return _packed_matmul(x, w)
+
+
+def _packed_matmul(x: torch.Tensor, w: PackedWeight) -> torch.Tensor:
     if (layout := _whole_layout(w, _autocast_dtype(), False)) is not None \
             and not (x.requires_grad and torch.is_grad_enabled()):
         return _onednn_linear(x.to(torch.bfloat16), layout)
@@ -367,7 +428,14 @@ class _DequantMatmul(torch.autograd.Function):
 
 def _frozen_dx_under(w: PackedWeight, dy: torch.Tensor,
                      autocast_dtype: torch.dtype | None) -> torch.Tensor:
-    """`_frozen_dx` as it runs under CPU autocast in `autocast_dtype` (None: autocast off)."""
+    """`_frozen_dx` as it runs under CPU autocast in `autocast_dtype` (None: autocast off), on
+    the step's full thread count (`all_step_threads`)."""
+    with all_step_threads():
+        return _frozen_dx_under_threads(w, dy, autocast_dtype)
+
+
+def _frozen_dx_under_threads(w: PackedWeight, dy: torch.Tensor,
+                             autocast_dtype: torch.dtype | None) -> torch.Tensor:
     if (layout := _whole_layout(w, autocast_dtype, True)) is not None:
         return _onednn_linear(dy.to(torch.bfloat16), layout)
     with torch.autocast("cpu", dtype=autocast_dtype or torch.bfloat16,

@@ -59,7 +59,7 @@ from engine.train.lm_base import (
 )
 from engine.train.lm_loop import LoopState, StepLoop, StepResult, accumulate, optimizer_step
 from engine.train.lm_reports import mean_loss, write_reports
-from engine.train.loss import IGNORE, SupervisedLoss
+from engine.train.loss import IGNORE, SupervisedLoss, one_thread_glue_serves
 from engine.train.metrics import write_eval_record
 from engine.train.precision import autocast, run_precision
 
@@ -157,6 +157,7 @@ def sft_step(job: Job, samples: list, state: LoopState, trained, model, adapters
     each micro-batch's summed CE divided by the window's supervised tokens over all ranks."""
     config, device, world = job.config, job.device, job.world
     tr, precision = config.train, run_precision(job.run, config)
+    glue = one_thread_glue_serves(model)
 
     def micro_step(micro: int, chunk: list):
         if adapters:
@@ -176,7 +177,7 @@ def sft_step(job: Job, samples: list, state: LoopState, trained, model, adapters
         input_tokens = sum(len(s.input_ids) for s in window)
         chunks = [mine[start:start + tr.micro_batch]
                   for start in range(0, len(mine), tr.micro_batch)]
-        loss = accumulate(job, chunks, micro_step, supervised, trained)
+        loss = accumulate(job, chunks, micro_step, supervised, trained, glue)
         schedule_sft(optimizer, _step)              # chat_sft's Muon momentum (AdamW: none)
         outcome = optimizer_step(job, params, optimizer, config.optim.grad_clip, loss.value)
         return StepResult(loss.value, outcome, loss.tokens,

@@ -32,6 +32,7 @@ from typing import Any, Callable, Iterable, Sequence
 
 import torch
 
+from engine.models.packed import one_thread_glue
 from engine.rundir import Checkpoint
 from engine.train import distributed
 from engine.train.checkpoint import checkpoint_due, loop_state, resume_loop
@@ -178,17 +179,19 @@ class StepLoop:
 
 
 def accumulate(job, batches: Sequence, micro_step: Callable[[int, Any], tuple], divisor,
-               trained: torch.nn.Module | None = None) -> WindowLoss:
+               trained: torch.nn.Module | None = None,
+               glue_on_one_thread: bool = False) -> WindowLoss:
     """One accumulation window: for each micro-batch `micro_step(micro, batch) -> (loss_sum,
     tokens)` (forward under the recipe's autocast), then `(loss_sum / divisor).backward()`;
     under DDP only the last micro-batch all-reduces its gradients. Returns the window's loss
-    over every rank (summed loss / tokens)."""
+    over every rank (summed loss / tokens). `glue_on_one_thread`: forward and backward under
+    packed.one_thread_glue (for a model engine.train.loss.one_thread_glue_serves)."""
     window = WindowLoss()
     for micro, batch in enumerate(batches):
         job.stage = "forward"
         last = micro == len(batches) - 1
         with distributed.accumulating(trained, last=last) if trained is not None \
-                else contextlib.nullcontext():
+                else contextlib.nullcontext(), one_thread_glue(glue_on_one_thread):
             loss_sum, tokens = micro_step(micro, batch)
             job.stage = "backward"
             (loss_sum / divisor).backward()

@@ -26,6 +26,7 @@ def supervised_loss(model: nn.Module, inputs: torch.Tensor, labels: torch.Tensor
     """
     if inputs.dim() == 1:
         inputs, labels = inputs[None], labels[None]
+    inputs, labels, lengths = without_unsupervised_tail(inputs, labels, lengths)
     supervised = labels != IGNORE                          # [B, T]
     hidden = model.hidden(inputs, lengths=lengths, rows=supervised)   # [N, D]
     head = frozen_head(model)
@@ -34,6 +35,39 @@ def supervised_loss(model: nn.Module, inputs: torch.Tensor, labels: torch.Tensor
     logits = model.logits(hidden)                          # [N, vocab]
     logits = logits.to(torch.promote_types(logits.dtype, torch.float32))  # bf16 -> f32, f64 kept
     return F.cross_entropy(logits, labels[supervised], reduction="sum")
+
+
+def without_unsupervised_tail(inputs: torch.Tensor, labels: torch.Tensor,
+                              lengths: list[int] | None
+                              ) -> tuple[torch.Tensor, torch.Tensor, list[int] | None]:
+    """inputs/labels [B, T] (and packed `lengths`) without the positions after each sequence's
+    last supervised one: the same loss and gradients, for less work.
+
+    Why it is exact: the decoders attend causally, so a position's hidden state reaches only
+    its own label and those of later positions in its sequence; after the last supervised
+    position nothing it computes reaches the loss. A chat template's closing tokens end each
+    sample that way (gemma's "<end_of_turn>" then "\n": one position in 28-32 of the pirate
+    pairs). Packed, each sequence is cut at its own last supervised position (one with none is
+    left out); a batch [B, T] loses the columns after the last supervised one of every row.
+    With nothing supervised at all, everything is kept as it was."""
+    rows = labels.tolist()
+    if lengths is None:
+        last = max((max((t for t, label in enumerate(row) if label != IGNORE), default=-1)
+                    for row in rows), default=-1)
+        if last < 0 or last + 1 == labels.shape[1]:
+            return inputs, labels, None
+        return inputs[:, :last + 1], labels[:, :last + 1], None
+    kept, start, positions = [], 0, []
+    for n in lengths:
+        last = max((t for t in range(n) if rows[0][start + t] != IGNORE), default=-1)
+        if last >= 0:
+            kept.append(last + 1)
+            positions.append(torch.arange(start, start + last + 1))
+        start += n
+    if not kept or kept == lengths:
+        return inputs, labels, lengths
+    index = torch.cat(positions)
+    return inputs[:, index], labels[:, index], kept
 
 
 def frozen_head(model: nn.Module):
@@ -49,6 +83,19 @@ def frozen_head(model: nn.Module):
     if isinstance(weight, PackedWeight) or not weight.requires_grad:
         return weight
     return None
+
+
+def one_thread_glue_serves(model: nn.Module) -> bool:
+    """A training step on `model` may run its glue on one thread (packed.one_thread_glue): on
+    the CPU, every large product takes the step's threads back itself, its layers frozen packed
+    ones (FrozenQuantLinear, bare or under a LoRA, whose rank-wide products are small) and its
+    loss the fused pass over a frozen head. A plain nn.Linear or nn.Embedding (a dense model, a
+    trained head) would multiply on one thread, and so would llama.cpp numerics' products: not
+    served."""
+    device = next(iter(model.parameters()), torch.empty(0)).device
+    return (device.type == "cpu" and frozen_head(model) is not None
+            and not any(isinstance(m, (nn.Linear, nn.Embedding))
+                        or getattr(m, "numerics", "f32") != "f32" for m in model.modules()))
 
 
 class SupervisedLoss(nn.Module):
