@@ -37,6 +37,15 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip_real)
 
 
+@pytest.fixture
+def two_threads():
+    """torch at two threads for the test (the thread-splitting paths), one's count restored."""
+    from engine.train.devices import torch_threads
+
+    with torch_threads(2):
+        yield
+
+
 @pytest.fixture(scope="session")
 def gemma_gguf():
     """Path of the real gemma-3-270m Q4_K_M file, assembled once from its PyPI package."""

@@ -22,14 +22,6 @@ from engine.models.llama import Llama, LlamaConfig
 from engine.train.loss import IGNORE, one_thread_glue_serves, supervised_loss
 
 
-@pytest.fixture
-def two_threads():
-    before = torch.get_num_threads()
-    torch.set_num_threads(2)
-    yield
-    torch.set_num_threads(before)
-
-
 def _model(tmp_path, arch: str, precision: str):
     path = write_tiny_gguf(tmp_path / f"{arch}.gguf", arch, "Q8_0",
                            tie_embeddings=arch == "gemma3")

@@ -52,14 +52,6 @@ def _attend(mode: str, monkeypatch, core=blocks.sdpa, window=None, autocast=Fals
     return out.detach(), q.grad, k.grad, v.grad
 
 
-@pytest.fixture
-def two_threads():
-    before = torch.get_num_threads()
-    torch.set_num_threads(2)
-    yield
-    torch.set_num_threads(before)
-
-
 @pytest.mark.parametrize("mode", ["one thread", "spread"])
 @pytest.mark.parametrize("window,autocast", [(None, False), (16, False), (None, True)])
 def test_one_thread_attention_gives_the_threaded_bits(two_threads, monkeypatch, window,

@@ -17,6 +17,7 @@ from gguf import GGUFReader, quants
 from engine.errors import ForgebenchError
 from engine.ptqtp import decompose as D
 from engine.ptqtp.gguf_file import PLANE2_SUFFIX, convert_ptqtp, pack_tq1_0, pack_tq2_0
+from engine.train.devices import torch_threads
 from tests.fixtures_gguf import write_tiny_gguf
 
 torch.set_num_threads(2)
@@ -228,7 +229,7 @@ def test_two_plane_fit_reaches_a_dense_grid_search_on_heavy_tailed_groups(weight
     w = torch.distributions.StudentT(3.0).sample((32, 256)) * 0.02
     h = (torch.rand(32, 256) * 4).square() if weighted else None
     ones = torch.ones_like(w)
-    with D._torch_threads(1):       # short element-wise passes: one thread is the fast way
+    with torch_threads(1):       # short element-wise passes: one thread is the fast way
         reference = _grid_reference(w, h)
         t, alpha = D.decompose_groups(w, 2, h=h)
         assert _weighted_err(w, t, alpha, ones if h is None else h) <= 1.02 * reference

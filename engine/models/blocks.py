@@ -8,7 +8,6 @@ use llama.cpp's sliding-window rule (key j is visible from query p when p - j < 
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import os
 from concurrent.futures import ThreadPoolExecutor
@@ -21,6 +20,7 @@ from torch import nn
 from engine.kernels import fused
 from engine.kernels.numerics import cos_sin_f32, fma_f32, gelu_llamacpp, rsqrt_f32, silu_llamacpp
 from engine.models.packed import step_threads
+from engine.train.devices import torch_threads
 
 
 class RMSNorm(nn.Module):
@@ -323,7 +323,7 @@ def packed_attention(core, q, k, v, lengths: list[int], scale: float, window: in
         elif torch.is_grad_enabled() and any(t.requires_grad for t in (qs, ks, vs)):
             outs.append(_CoreOnThreads.apply(core, mask, scale, core_threads, qs, ks, vs))
         else:
-            with _torch_threads(core_threads):
+            with torch_threads(core_threads):
                 outs.append(core(qs, ks, vs, mask, scale))
     return torch.cat(outs, dim=2)
 
@@ -463,16 +463,6 @@ class _SpreadCores(torch.autograd.Function):
         return (None, None, None, None, None, *per_input)
 
 
-@contextlib.contextmanager
-def _torch_threads(count: int):
-    threads = torch.get_num_threads()
-    torch.set_num_threads(count)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(threads)
-
-
 class _CoreOnThreads(torch.autograd.Function):
     """core(q, k, v, mask, scale) with its forward and its backward on `threads` torch threads
     (one for ONE_THREAD_ATTENTION: the same kernels on the same operands, each output row one
@@ -482,7 +472,7 @@ class _CoreOnThreads(torch.autograd.Function):
     @staticmethod
     def forward(ctx, core, mask, scale, threads, q, k, v):
         wants = [t.requires_grad for t in (q, k, v)]
-        with torch.enable_grad(), _torch_threads(threads):
+        with torch.enable_grad(), torch_threads(threads):
             inputs = [t.detach().requires_grad_(w) for t, w in zip((q, k, v), wants)]
             out = core(*inputs, mask, scale)
         ctx.inputs, ctx.out, ctx.threads = inputs, out, threads
@@ -493,7 +483,7 @@ class _CoreOnThreads(torch.autograd.Function):
         inputs, out = ctx.inputs, ctx.out
         ctx.inputs = ctx.out = None
         needs = [t for t in inputs if t.requires_grad]
-        with _torch_threads(ctx.threads):
+        with torch_threads(ctx.threads):
             grads = iter(torch.autograd.grad(out, needs, grad) if needs else ())
         return (None, None, None, None,
                 *[next(grads) if t.requires_grad else None for t in inputs])

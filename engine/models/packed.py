@@ -33,6 +33,7 @@ from engine.heap import release_free_heap
 from engine.kernels.ggml_matmul import ExactWeight, supports_exact
 from engine.kernels.native import kernels
 from engine.kernels.numerics import activation_values, dot_f16, round_f16, tinyblas_serves
+from engine.train.devices import torch_threads
 
 CHUNK_ELEMENTS = 1 << 22          # dequantize at most ~4M weights (16 MB f32) at a time
 
@@ -60,11 +61,10 @@ def one_thread_glue(enabled: bool = True):
         yield
         return
     _GLUE.threads = threads
-    torch.set_num_threads(1)
     try:
-        yield
+        with torch_threads(1):
+            yield
     finally:
-        torch.set_num_threads(threads)
         _GLUE.threads = None
 
 
@@ -82,12 +82,8 @@ def all_step_threads():
     if threads is None or torch.get_num_threads() == threads:
         yield
         return
-    before = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
+    with torch_threads(threads):
         yield
-    finally:
-        torch.set_num_threads(before)
 
 
 ONEDNN_BLOCK_ROWS = 16384   # rows per block reordered for oneDNN: a whole layer, or exactly one

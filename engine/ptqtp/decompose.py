@@ -64,11 +64,12 @@ level of W: they are the nearest of the compensated values, which is what lowers
 from __future__ import annotations
 
 import itertools
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import numpy as np
 import torch
+
+from engine.train.devices import torch_threads
 
 CHUNK_ENTRIES = 1 << 20      # values solved at once (a few f32/f64 copies of them live)
 DEFAULT_ITERATIONS = 30
@@ -253,16 +254,6 @@ def decompose_groups(w: torch.Tensor, planes: int = 2, iterations: int = DEFAULT
     return t, alpha
 
 
-@contextmanager
-def _torch_threads(n: int):
-    before = torch.get_num_threads()
-    torch.set_num_threads(n)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
-
-
 def decompose(weight: torch.Tensor | np.ndarray, planes: int = 2, group: int | None = 256,
               iterations: int = DEFAULT_ITERATIONS, ridge: float = DEFAULT_RIDGE,
               threads: int = 1, importance: torch.Tensor | np.ndarray | None = None,
@@ -282,7 +273,7 @@ def decompose(weight: torch.Tensor | np.ndarray, planes: int = 2, group: int | N
 
     `hessian` [cols, cols]: the inputs' second moments XᵀX/n, for the error feedback (module
     docstring); its diagonal is then the importance (`importance` must be None)."""
-    with _torch_threads(threads):
+    with torch_threads(threads):
         if hessian is not None:
             if importance is not None:
                 raise ValueError("give the importance or the hessian (its diagonal), not both")

@@ -29,6 +29,7 @@ import torch
 
 from engine.errors import ForgebenchError
 from engine.gguf.constants import gguf_tensor_name
+from engine.train.devices import torch_threads
 
 DEFAULT_CTX = 512
 
@@ -100,14 +101,11 @@ def collect_importance(model_path: str | Path, text: str, *, dataset: str = "",
         return record
 
     handles = [m.register_forward_hook(hook(n)) for n, m in modules.items()]
-    before = torch.get_num_threads()
-    torch.set_num_threads(threads)
     try:
-        with torch.no_grad():
+        with torch_threads(threads), torch.no_grad():
             for chunk in chunks:
                 model.hidden(torch.tensor([chunk]), 0, model.new_cache(1, len(chunk)))
     finally:
-        torch.set_num_threads(before)
         for h in handles:
             h.remove()
     missing = sorted(set(modules) - set(sums))
