@@ -335,8 +335,9 @@ class TokenStream:
             return False
         self.out.append(token)
         self.history.append(token)
-        self.done = (len(self.out) >= self.max_new_tokens
-                     or (self.should_stop is not None and self.should_stop(self.out)))
+        # should_stop sees every token, the last one too: callers stream through it
+        stopped = self.should_stop is not None and self.should_stop(self.out)
+        self.done = stopped or len(self.out) >= self.max_new_tokens
         return not self.done
 
 

@@ -40,7 +40,7 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture
 def two_threads():
     """torch at two threads for the test (the thread-splitting paths), one's count restored."""
-    from engine.train.devices import torch_threads
+    from engine.kernels.cpu import torch_threads
 
     with torch_threads(2):
         yield

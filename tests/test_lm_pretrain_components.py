@@ -242,6 +242,10 @@ def test_token_stream_ends_as_generate_tokens_does():
                              settings=SamplingSettings(), **case) for case in cases]
     assert [s.out for s in streams] == alone == [[2, 3], [2, 3], [2, 3], []]
     assert positions == [2, 2, 2, 3] and all(s.done for s in streams)
+    seen = []                       # should_stop sees every token, the one that ends it too
+    generate_tokens(lambda ids, _pos: logits_after(ids[-1]), [0, 1], max_new_tokens=3,
+                    settings=SamplingSettings(), should_stop=lambda out: seen.append(out[-1]))
+    assert seen == [2, 3, 4]
     assert not streams[0].take(logits_after(0))          # a finished stream samples no more
 
 

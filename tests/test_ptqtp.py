@@ -15,9 +15,9 @@ from gguf import GGMLQuantizationType as T
 from gguf import GGUFReader, quants
 
 from engine.errors import ForgebenchError
+from engine.kernels.cpu import torch_threads
 from engine.ptqtp import decompose as D
 from engine.ptqtp.gguf_file import PLANE2_SUFFIX, convert_ptqtp, pack_tq1_0, pack_tq2_0
-from engine.train.devices import torch_threads
 from tests.fixtures_gguf import write_tiny_gguf
 
 torch.set_num_threads(2)

@@ -50,9 +50,11 @@ AVX2 machine's path on an AVX-512 one.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import platform
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -402,3 +404,18 @@ __all__ = [
     "plan",
     "plan_for",
 ]
+
+
+@contextlib.contextmanager
+def torch_threads(count: int) -> Iterator[None]:
+    """torch at `count` CPU threads for the block, the count it found restored after (also when
+    the block raises). torch is imported here, not with the module: the plan is read by
+    processes that never load torch."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(count)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)

@@ -18,9 +18,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.kernels import fused
+from engine.kernels.cpu import torch_threads
 from engine.kernels.numerics import cos_sin_f32, fma_f32, gelu_llamacpp, rsqrt_f32, silu_llamacpp
 from engine.models.packed import step_threads
-from engine.train.devices import torch_threads
 
 
 class RMSNorm(nn.Module):

@@ -30,10 +30,10 @@ from torch import nn
 from engine.gguf.dequant import dequantize
 from engine.gguf.layouts import layout_of
 from engine.heap import release_free_heap
+from engine.kernels.cpu import torch_threads
 from engine.kernels.ggml_matmul import ExactWeight, supports_exact
 from engine.kernels.native import kernels
 from engine.kernels.numerics import activation_values, dot_f16, round_f16, tinyblas_serves
-from engine.train.devices import torch_threads
 
 CHUNK_ELEMENTS = 1 << 22          # dequantize at most ~4M weights (16 MB f32) at a time
 

@@ -69,7 +69,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from engine.train.devices import torch_threads
+from engine.kernels.cpu import torch_threads
 
 CHUNK_ENTRIES = 1 << 20      # values solved at once (a few f32/f64 copies of them live)
 DEFAULT_ITERATIONS = 30

@@ -29,7 +29,7 @@ import torch
 
 from engine.errors import ForgebenchError
 from engine.gguf.constants import gguf_tensor_name
-from engine.train.devices import torch_threads
+from engine.kernels.cpu import torch_threads
 
 DEFAULT_CTX = 512
 

@@ -16,17 +16,13 @@ Contract:
   its inputs to it.
 - `to_device(tensor, device)` is the loader's copy: pinned host memory and a non-blocking copy
   on CUDA (no host sync), the tensor itself on the CPU.
-- `torch_threads(count)` runs a block with torch at `count` CPU threads and restores the count
-  it found, also when the block raises.
 
 The CPU build of torch imports this module fine; nothing here touches CUDA unless asked for.
 """
 
 from __future__ import annotations
 
-import contextlib
 import re
-from collections.abc import Iterator
 
 import torch
 
@@ -117,14 +113,3 @@ def require_bf16(precision: str, device: torch.device, where: str) -> None:
         name = torch.cuda.get_device_name(device)
         raise ForgebenchError(f"{name} has no native bf16 (compute capability 8.0 or later "
                               "needed)", where=where, hint="set it to \"f32\" on this GPU")
-
-
-@contextlib.contextmanager
-def torch_threads(count: int) -> Iterator[None]:
-    """torch at `count` CPU threads for the block, the count it found restored after."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(count)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
