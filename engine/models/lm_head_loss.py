@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch.autograd.profiler import record_function
 
 from engine.kernels import fused
+from engine.kernels.cpu import torch_threads
 from engine.models.packed import ONEDNN_BLOCK_ROWS, PackedWeight, all_step_threads, step_threads
 
 HEAD_CHUNK_ROWS = 1024   # LM-head rows per step of the fused loss: a chunk (2.6 MB in f32) is
@@ -167,15 +168,13 @@ def _threaded_pass(h, hd, weight, targets, want_grad: bool, dtype: torch.dtype) 
     thread keeps every core on one-thread products (gemma's head, 70 rows, 2 cores: the two
     halves side by side took 0.235-0.29 s against 0.25-0.32 s for torch's split products; a
     pirate LoRA step 0.97 s -> 0.91 s, medians of 18)."""
-    threads = torch.get_num_threads()             # what this thread comes back to
     shares = head_shares(weight.rows, head_chunk_rows(dtype),
                          step_threads() if h.device.type == "cpu" else 1)
     if len(shares) == 1:
         with all_step_threads():
             return _online_pass(h, hd, weight, targets, 0, weight.rows, want_grad, dtype)
     weight._fill()                                 # a lazy cache fills once, before the threads
-    try:
-        torch.set_num_threads(1)
+    with torch_threads(1):
         others = [_head_pool(len(shares) - 1).submit(_share_pass, h, hd, weight, targets, lo, hi,
                                                      want_grad, dtype)
                   for lo, hi in shares[1:]]
@@ -183,8 +182,6 @@ def _threaded_pass(h, hd, weight, targets, want_grad: bool, dtype: torch.dtype) 
         with record_function("LM head: waiting for the other shares"):   # in a profile's head
             for other in others:
                 state = state.merge(other.result())
-    finally:
-        torch.set_num_threads(threads)
     return state
 
 
