@@ -441,6 +441,48 @@ def split_main(args) -> None:
               f"{bandwidth[t] / (layer_bytes + head_bytes):.1f} tok/s")
     print(f"note: {args.steps - 1} steps after one warm-up, thread counts alternated step by "
           f"step, positions {len(ids)}..{len(ids) + args.steps - 1}")
+    if args.phases:
+        phase_table(lm, counts, args.steps)
+
+
+PHASES = ("norm+rope", "q,k,v", "qk norm+cache", "attention", "o", "residual (attn)",
+          "gate,up", "GLU", "down", "residual (mlp)", "barrier waits")
+
+
+def phase_table(lm, counts: list[int], steps: int) -> None:
+    """--phases: fb_forward's per-phase time (FORGEBENCH_PHASE_TIMES, ggml_kernels.c
+    phase_mark) per thread, in microseconds per layer of a step, each count run on its own."""
+    import ctypes
+
+    from engine.kernels.native import ptr
+
+    lib, c = lm.lib, lm.config
+    lib.fb_phase_ticks.argtypes = [ctypes.c_void_p, ctypes.c_int]
+    lib.fb_rdtsc.restype = ctypes.c_uint64
+    t0, w0 = lib.fb_rdtsc(), time.perf_counter()
+    time.sleep(0.05)
+    tsc_hz = (lib.fb_rdtsc() - t0) / (time.perf_counter() - w0)
+    ids = list(range(2, 48))
+    ticks = np.zeros((4, len(PHASES)), np.uint64)
+    os.environ["FORGEBENCH_PHASE_TIMES"] = "1"   # fb_forward reads it at each call
+    print(f"phases, us per layer (TSC {tsc_hz / 1e9:.2f} GHz), {steps} steps; load {uptime()}")
+    print("| threads | thread | " + " | ".join(PHASES) + " | sum |")
+    print("|---|---|" + "---|" * (len(PHASES) + 1))
+    for t in counts:
+        cache = lm.new_cache(len(ids) + steps + 1)
+        lm.last_logits(ids, 0, cache)
+        keys = (ctypes.c_void_p * c.n_layers)(*(ptr(k) for k in cache[:c.n_layers]))
+        values = (ctypes.c_void_p * c.n_layers)(*(ptr(v) for v in cache[c.n_layers:]))
+        out = np.empty((1, c.dim), np.float32)
+        lib.fb_phase_ticks(ptr(ticks), 1)
+        for step in range(steps):
+            h = lm.embed([ids[-1]])
+            lib.fb_forward(ctypes.byref(lm.struct), ctypes.byref(lm.plan), 1, len(ids) + step,
+                           ptr(h), keys, values, cache[0].shape[1], 1, None, ptr(out), t)
+        lib.fb_phase_ticks(ptr(ticks), 1)
+        for i in range(t):
+            us = ticks[i].astype(np.float64) / tsc_hz * 1e6 / (steps * c.n_layers)
+            print(f"| {t} | {i} | " + " | ".join(f"{v:.1f}" for v in us) + f" | {us.sum():.1f} |")
 
 
 def table(rows: list[tuple[str, int, dict, dict]]) -> str:
@@ -590,6 +632,8 @@ def main() -> None:
     ap.add_argument("--split", action="store_true",
                     help="time a decode step's layers and its LM head apart (the C decoder)")
     ap.add_argument("--steps", type=int, default=64, help="--split: decode steps per count")
+    ap.add_argument("--phases", action="store_true",
+                    help="--split: also fb_forward's time per phase (FORGEBENCH_PHASE_TIMES=1)")
     ap.add_argument("--one", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.one:

@@ -1873,7 +1873,47 @@ static void futex_wait(atomic_int *addr, int value) { (void) addr; (void) value;
 static void futex_wake_all(atomic_int *addr) { (void) addr; }
 #endif
 
+/* Per-phase time of fb_forward (FORGEBENCH_PHASE_TIMES=1, read at each call; bench_generate.py
+ * --split --phases prints it): each thread's TSC ticks since the last mark go to the phase it was
+ * in, the waits at barriers to their own bucket, so work and waiting read apart. Off, one load and
+ * branch per mark. */
+enum { PH_NORM_ROPE, PH_QKV, PH_QK_CACHE, PH_ATTEND, PH_O, PH_RESID_ATTN, PH_GATE_UP, PH_GLU, PH_DOWN,
+       PH_RESID_MLP, PH_WAIT, PH_COUNT };
+#define PH_THREADS 4
+static int phase_timing = -1;
+static uint64_t phase_ticks[PH_THREADS][PH_COUNT];
+static __thread uint64_t phase_last;
+static __thread int phase_cur, phase_tid;
+
+static inline void phase_mark(int next) {
+    if (phase_timing <= 0) return;
+    const uint64_t now = __rdtsc();
+    if (phase_tid < PH_THREADS && phase_last) phase_ticks[phase_tid][phase_cur] += now - phase_last;
+    phase_last = now;
+    phase_cur = next;
+}
+
+/* The ticks so far, [PH_THREADS][PH_COUNT], zeroed after the copy where `reset`. */
+void fb_phase_ticks(uint64_t *out, int reset) {
+    memcpy(out, phase_ticks, sizeof(phase_ticks));
+    if (reset) memset(phase_ticks, 0, sizeof(phase_ticks));
+}
+
+uint64_t fb_rdtsc(void) { return __rdtsc(); }
+
+static void barrier_wait_(fb_barrier *b);
 static void barrier_wait(fb_barrier *b) {
+    if (phase_timing <= 0 || b->n <= 1) {
+        barrier_wait_(b);
+        return;
+    }
+    const int was = phase_cur;
+    phase_mark(PH_WAIT);
+    barrier_wait_(b);
+    phase_mark(was);
+}
+
+static void barrier_wait_(fb_barrier *b) {
     if (b->n <= 1) return;
     const int phase = atomic_load_explicit(&b->phase, memory_order_acquire);
     if (atomic_fetch_add_explicit(&b->arrived, 1, memory_order_acq_rel) == b->n - 1) {
@@ -2326,10 +2366,17 @@ int fb_forward(const fb_model *m, const fb_plan *p, int64_t T, int64_t start_pos
     if (!bar.runs) failed = 1;
     else memset(bar.runs, 0, sizeof(fb_run) * 4 * (size_t) (nthreads > 1 ? nthreads : 1));
     if (!failed && start_pos + T > cache_len) failed = 1;
+    {  /* read at every call (a microsecond against a step's milliseconds): a bench turns it on between runs */
+        const char *env = getenv("FORGEBENCH_PHASE_TIMES");
+        phase_timing = env && env[0] == '1';
+    }
     if (!failed) {
         #pragma omp parallel num_threads(nthreads) if (nthreads > 1)
         {
             const int ith = omp_get_thread_num(), nth = omp_get_num_threads();
+            phase_tid = ith;
+            phase_last = 0;
+            phase_mark(PH_NORM_ROPE);
             #pragma omp single
             bar.n = nth;
             /* the implicit barrier after `single` publishes bar.n */
@@ -2353,6 +2400,7 @@ int fb_forward(const fb_model *m, const fb_plan *p, int64_t T, int64_t start_pos
             for (int64_t il = 0; il < m->n_layers; il++) {
                 const fb_layer *Lr = &m->layers[il];
                 const int last = il == m->n_layers - 1;
+                phase_mark(PH_NORM_ROPE);
                 if (!own)
                     for (int64_t t = ith; t < T; t += nth) rmsnorm_row(h + t * D, D, Lr->attn_norm, m->norm_eps, xn + t * D);
                 if (!prev || prev->rope_step != Lr->rope_step || prev->rope_freq_scale != Lr->rope_freq_scale ||
@@ -2368,12 +2416,14 @@ int fb_forward(const fb_model *m, const fb_plan *p, int64_t T, int64_t start_pos
                 }
                 prev = Lr;
                 if (!own) barrier_wait(&bar);
+                phase_mark(PH_QKV);
                 {
                     const fb_weight *qkv[3] = {&Lr->q, &Lr->k, &Lr->v};
                     float *const outs[3] = {qb, kb, vb};
                     region_matmuls(qkv, outs, 3, T, xp, ta, own, p, ith, nth, &bar);
                 }
                 /* per head: q/k norm, RoPE; q scaled and rounded to f16, k and v into the cache */
+                phase_mark(PH_QK_CACHE);
                 for (int64_t item = ith; item < T * (H + Hkv); item += nth) {
                     const int64_t t = item / (H + Hkv), head = item % (H + Hkv), pos = start_pos + t;
                     if (head < H) {
@@ -2397,6 +2447,7 @@ int fb_forward(const fb_model *m, const fb_plan *p, int64_t T, int64_t start_pos
                 barrier_wait(&bar);
                 /* per position, the heads of one KV head ATT_GROUP at a time where a batch gives
                  * every thread work (one token: one head per item, so the threads share them) */
+                phase_mark(PH_ATTEND);
                 for (int64_t item = ith; item < T * (H / G); item += nth) {
                     const int64_t t = item / (H / G), head = item % (H / G) * G, kvh = head / groups;
                     attend_heads(qb + t * QD + head * hd, G, k_cache[il] + kvh * cache_len * hd,
@@ -2404,6 +2455,7 @@ int fb_forward(const fb_model *m, const fb_plan *p, int64_t T, int64_t start_pos
                                  m->kq_scale, (int) T, p, s, Sp + 64, acc, att + t * QD + head * hd);
                 }
                 barrier_wait(&bar);
+                phase_mark(PH_O);
                 region_matmul(&Lr->o, T, att, ta, own, p, ab, ith, nth, &bar);
                 if (last && out_rows) {  /* only the asked-for rows go on (llama.cpp's inp_out_ids) */
                     if (ith == 0)
@@ -2414,19 +2466,24 @@ int fb_forward(const fb_model *m, const fb_plan *p, int64_t T, int64_t start_pos
                     R = n_out;
                     barrier_wait(&bar);
                 }
+                phase_mark(PH_RESID_ATTN);
                 if (own) add_to_own_residual(m, Lr->post_attn_norm, Lr->mlp_norm, hp, ab, tp, xp);
                 else {
                     add_to_residual(m, Lr->post_attn_norm, Lr->mlp_norm, h, ab, xn, R, ith, nth);
                     barrier_wait(&bar);
                 }
+                phase_mark(PH_GATE_UP);
                 {
                     const fb_weight *gate_up[2] = {&Lr->gate, &Lr->up};
                     float *const outs[2] = {gb, ub};
                     region_matmuls(gate_up, outs, 2, R, xp, ta, own, p, ith, nth, &bar);
                 }
+                phase_mark(PH_GLU);
                 gated_unit(m, p, gb, ub, R, ith, nth);
                 barrier_wait(&bar);
+                phase_mark(PH_DOWN);
                 region_matmul(&Lr->down, R, gb, ta, own, p, ab, ith, nth, &bar);
+                phase_mark(PH_RESID_MLP);
                 if (own) {  /* the next layer's input norm, or the output norm after the last */
                     const float *next_norm = last ? m->output_norm : m->layers[il + 1].attn_norm;
                     add_to_own_residual(m, Lr->post_mlp_norm, next_norm, hp, ab, tp, xp);
@@ -2440,6 +2497,8 @@ int fb_forward(const fb_model *m, const fb_plan *p, int64_t T, int64_t start_pos
                     barrier_wait(&bar);
                 }
             }
+            phase_mark(PH_NORM_ROPE);
+            phase_last = 0;
             free(s);
             free(acc);
         }
