@@ -138,6 +138,29 @@ def test_c_one_row_kernel_equals_torch_reference(qtype, rows, build, monkeypatch
 
 
 @needs_native
+@pytest.mark.parametrize("build", ["native", "avx2"])
+@pytest.mark.parametrize("rows", [1, 3, 5])  # vec_dot_q6_K_q8_K: fewer than TILED_MIN_ROWS rows
+def test_q6_k_one_row_kernel_from_the_blocks_equals_torch_reference(rows, build, monkeypatch):
+    """Q6_K's vec_dot kernel reading the GGUF blocks (fb_weight.raw, as the torch-free decoder
+    hands them: ql/qh unpacked in registers, the scales and d from the block) gives the
+    reference's bits; and it does read them: the same weight with the blocks' high bits flipped
+    under unchanged unpacked parts gives other outputs (the twin: a kernel still reading the
+    unpacked copy would pass the first check only)."""
+    from engine.kernels.native import ptr
+
+    use_build(monkeypatch, build)
+    raw = random_weight(T.Q6_K, 20, 512, seed=5)
+    x = activations(rows, 512)
+    reference = ExactWeight(raw, T.Q6_K, 20, 512, native=False).matmul(x)
+    from_blocks = ExactWeight(raw, T.Q6_K, 20, 512)
+    blocks = raw.numpy().copy()
+    from_blocks.struct.raw = ptr(blocks)
+    assert torch.equal(from_blocks.matmul(x), reference)
+    blocks.reshape(-1, 210)[:, 128:192] ^= 0x55   # qh: the values' top two bits
+    assert not torch.equal(from_blocks.matmul(x), reference)
+
+
+@needs_native
 def test_one_row_check_sees_the_summation_order():
     """The twin: the same integer lanes and scales summed over the blocks in reverse order (the
     same dot product) give other bits on some outputs, so the equality above checks the order."""

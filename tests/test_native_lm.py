@@ -27,7 +27,7 @@ from engine.errors import ForgebenchError
 from engine.gguf.reader import open_gguf
 from engine.kernels.native import kernels
 from engine.llm.generate import generate
-from engine.llm.native_lm import gelu_table, load_native_lm
+from engine.llm.native_lm import ThreadGovernor, gelu_table, load_native_lm
 from engine.models.gguf_model import load_gguf_model
 from engine.sampling import SamplingSettings, apply_repetition_penalty
 
@@ -108,6 +108,52 @@ def test_decode_steps_on_more_threads_than_cores_give_the_same_bits(files, case)
         assert np.array_equal(many.last_logits([token], pos, caches[1]), ref), f"position {pos}"
     other = many.last_logits([token + 1], pos, caches[1])
     assert not np.array_equal(other, ref)
+
+
+def run_governor(governor: ThreadGovernor, step_seconds, steps: int) -> list[int]:
+    """The counts `governor` picks over `steps` steps, a step at count c taking
+    step_seconds(c, i)."""
+    picked = []
+    for i in range(steps):
+        count = governor.pick()
+        governor.record(count, step_seconds(count, i))
+        picked.append(count)
+    return picked
+
+
+def test_thread_governor_leaves_a_count_that_other_load_slows():
+    """Worked numbers from this 2-core machine: quiet, a step took 12.4 ms on 2 threads and
+    17 ms on 1; with another process on a core, 25.8 ms on 2 and 18 ms on 1. Quiet, the
+    governor stays on 2 and probes 1 ever more rarely (8, 16, ... 128 steps apart); once the
+    load comes (step 300) it runs at 1 within a probe, and goes back to 2 within 32 steps of the
+    load leaving (step 600)."""
+    def busy(i):
+        return 300 <= i < 600
+
+    def seconds(count, i):
+        return (0.0258 if busy(i) else 0.0124) if count == 2 else (0.018 if busy(i) else 0.017)
+
+    picked = run_governor(ThreadGovernor(2), seconds, 900)
+    assert ThreadGovernor(2).counts == [2, 1] and ThreadGovernor(8).counts == [8, 4, 2, 1]
+    quiet = picked[:300]
+    probes = [i for i, c in enumerate(quiet) if c == 1]
+    assert probes[:5] == [7, 23, 55, 119, 247]          # the interval doubles up to 128
+    assert quiet.count(2) >= 295
+    assert picked[340:600].count(1) >= 250              # busy: one thread, the rare probe of 2
+    assert picked[632:].count(2) >= 260                 # quiet again: back on two
+
+
+def test_thread_governor_keeps_its_count_against_a_near_tie():
+    """The twin: a count only 2% faster (inside HYSTERESIS) does not take over, so noise
+    between two equal counts does not make the governor flap; 10% faster does."""
+    def near(count, i):
+        return 0.0100 if count == 2 else 0.0098
+
+    def clearly(count, i):
+        return 0.0100 if count == 2 else 0.0090
+
+    assert run_governor(ThreadGovernor(2), near, 200).count(1) <= 5
+    assert run_governor(ThreadGovernor(2), clearly, 200).count(1) >= 180
 
 
 @needs_c

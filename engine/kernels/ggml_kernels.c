@@ -224,6 +224,9 @@ typedef struct {
     const float *bias;      /* [rows] or NULL (Qwen2's q/k/v) */
     const void *q2;         /* TQ1_0, TQ2_0: a second plane's GGUF blocks (PTQTP, engine/ptqtp), the
                              * weight being the sum of the two; NULL for one plane */
+    const void *raw;        /* Q6_K: the GGUF blocks, which the one-row (decode) kernel reads instead of
+                             * q, scales and d (210 bytes a superblock against 276); NULL: it reads
+                             * those */
 } fb_weight;
 
 /* The orders llama.cpp's build runs (engine/kernels/cpu.py KernelPlan). Mirrored by native.py. */
@@ -1131,6 +1134,24 @@ static inline int32_t q4_k_min64(const int16_t *xs, const uint8_t *mn, int c) {
     return mn[2 * c] * (xs[4 * c] + xs[4 * c + 1]) + mn[2 * c + 1] * (xs[4 * c + 2] + xs[4 * c + 3]);
 }
 
+/* A Q4_K / Q5_K block's eight 6-bit scales (bytes 0..7 of out) and mins (8..15) from its 12 packed
+ * bytes at b + 4, ggml's utmp / kmask unpacking in vec_dot_q4_K_q8_K: the values fb_unpack writes
+ * (get_scale_min_k4). The one-row kernels read them here rather than from w->scales / w->mins: the
+ * block's line is read anyway, and the unpacked copies (with d and dmin as f32) were 24 more bytes
+ * to read per 144-byte block, a sixth more (decode reads its weights from memory). */
+static inline void k_scales_mins(const uint8_t *b, uint8_t out[16]) {
+    uint32_t u[4];
+    memcpy(u, b + 4, 12);
+    const uint32_t m1 = 0x3f3f3f3f, m2 = 0x0f0f0f0f, m3 = 0x03030303;
+    u[3] = ((u[2] >> 4) & m2) | (((u[1] >> 6) & m3) << 4);
+    const uint32_t mins_lo = u[1] & m1;
+    u[1] = (u[2] & m2) | (((u[0] >> 6) & m3) << 4);
+    u[2] = mins_lo;
+    u[0] &= m1;
+    /* u[0], u[1]: scales 0..3, 4..7; u[2], u[3]: mins 0..3, 4..7 */
+    memcpy(out, u, 16);
+}
+
 /* Weight rows per group in the K-quant batch kernels: a group's weights (8 rows of up to 2048
  * columns: 9 KB of Q4_K) and one tile of activation rows stay in L1 while the group's rows pass
  * over the tile (which outputs are computed when, never how). */
@@ -1221,11 +1242,20 @@ static void q4_k_rows(const fb_weight *w, int64_t r0, int64_t r1, const fb_act *
             float acc = 0.0f, acc_min = 0.0f;
             for (int64_t b = 0; b < nsb; b++) {
                 const float xd = a->d[r * nsb + b];
-                const float s = w->d[n * nsb + b] * xd, s_min = w->dmin[n * nsb + b] * xd;
+                const uint8_t *blk = wq + (n * nsb + b) * 144, *qa = blk + 16;
+                uint8_t packed[16];  /* per_superblock (one row: gemv): everything from the block */
+                const uint8_t *sc, *mn;
+                float wd, wdmin;
+                if (per_superblock) {
+                    k_scales_mins(blk, packed);
+                    sc = packed, mn = packed + 8, wd = f16_at(blk), wdmin = f16_at(blk + 2);
+                } else {
+                    sc = scales + (n * nsb + b) * 8, mn = w->mins + (n * nsb + b) * 8;
+                    wd = w->d[n * nsb + b], wdmin = w->dmin[n * nsb + b];
+                }
+                const float s = wd * xd, s_min = wdmin * xd;
                 const int8_t *xa = a->q + r * K + b * 256;
                 const int16_t *xs = a->sums + r * (K / 16) + b * 16;
-                const uint8_t *qa = wq + (n * nsb + b) * 144 + 16;
-                const uint8_t *sc = scales + (n * nsb + b) * 8, *mn = w->mins + (n * nsb + b) * 8;
                 __m256i total = _mm256_setzero_si256();
                 int32_t total_min = 0;
                 for (int c = 0; c < 4; c++) {
@@ -1333,6 +1363,11 @@ static void k_plain_rows(const fb_weight *w, int64_t r0, int64_t R, const fb_act
                 const int8_t *xa = a->q + r * K + b * 256;
                 const int16_t *xs = a->sums + r * S + b * 16;
                 const uint8_t *sc = scales + blk * 8, *mn = w->mins + blk * 8;
+                uint8_t packed[16];
+                if (!tiled) {  /* vec_dot (fewer than 8 rows: decode): scales, mins from the block (k_scales_mins) */
+                    k_scales_mins((const uint8_t *) w->q + blk * (w->type == FB_Q4_K ? 144 : 176), packed);
+                    sc = packed, mn = packed + 8;
+                }
                 __m256i sumi = _mm256_setzero_si256();
                 for (int c = 0; c < 4; c++) sumi = _mm256_add_epi32(sumi, k_dot64(w, xa, blk, sc, c));
                 const float xd = a->d[r * nsb + b];
@@ -1343,7 +1378,8 @@ static void k_plain_rows(const fb_weight *w, int64_t r0, int64_t R, const fb_act
                     acc = fmaf(res, xd, acc);
                     continue;
                 }
-                const float d = xd * w->d[blk], dmin = -xd * w->dmin[blk];
+                const uint8_t *bp = (const uint8_t *) w->q + blk * (w->type == FB_Q4_K ? 144 : 176);
+                const float d = xd * f16_at(bp), dmin = -xd * f16_at(bp + 2);
                 lanes_acc = _mm256_fmadd_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(sumi), lanes_acc);
                 if (w->type == FB_Q4_K) {
                     for (int l = 0; l < 4; l++) acc_m[l] = fmaf(dmin, (float) q4_k_min64(xs, mn, l), acc_m[l]);
@@ -1372,6 +1408,38 @@ static inline __m256i q6_k_lanes(const int8_t *xa, const int16_t *xs, const uint
         lanes = _mm256_add_epi32(lanes, lanes_u8_scaled(xa + 32 * c, _mm256_loadu_si256((const __m256i *) (qa + 32 * c)), scale));
     }
     /* lane l: minus 32·(scale_2l·sum_2l + scale_2l+1·sum_2l+1), one madd of the 16 scales and sums */
+    const __m256i offset = _mm256_madd_epi16(_mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *) sc)),
+                                             _mm256_loadu_si256((const __m256i *) xs));
+    return _mm256_sub_epi32(lanes, _mm256_slli_epi32(offset, 5));
+}
+
+/* q6_k_lanes from the GGUF block b itself (ql at 0, qh at 128, scales at 192): 32-chunk c of the
+ * unpacked layout (fb_unpack: chunk 4h + k of 128-half h) formed in registers as ggml's
+ * vec_dot_q6_K_q8_K forms it, low or high nibbles of ql bytes 32(k & 1).. with bits 2k, 2k+1 of
+ * qh above them: the same bytes, so the same exact lanes. */
+static inline __m256i q6_k_lanes_raw(const int8_t *xa, const int16_t *xs, const uint8_t *b) {
+    const int8_t *sc = (const int8_t *) (b + 192);
+    const __m256i m4 = _mm256_set1_epi8(0x0F), m3 = _mm256_set1_epi8(3);
+    __m256i lanes = _mm256_setzero_si256();
+    #pragma GCC unroll 2
+    for (int h = 0; h < 2; h++) {
+        const __m256i ql0 = _mm256_loadu_si256((const __m256i *) (b + 64 * h));
+        const __m256i ql1 = _mm256_loadu_si256((const __m256i *) (b + 64 * h + 32));
+        const __m256i qh = _mm256_loadu_si256((const __m256i *) (b + 128 + 32 * h));
+        const __m256i q[4] = {
+            _mm256_or_si256(_mm256_and_si256(ql0, m4), _mm256_slli_epi16(_mm256_and_si256(qh, m3), 4)),
+            _mm256_or_si256(_mm256_and_si256(ql1, m4), _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 2), m3), 4)),
+            _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql0, 4), m4),
+                            _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 4), m3), 4)),
+            _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql1, 4), m4),
+                            _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 6), m3), 4))};
+        #pragma GCC unroll 4
+        for (int k = 0; k < 4; k++) {
+            const int c = 4 * h + k;
+            const __m256i scale = _mm256_setr_m128i(_mm_set1_epi16(sc[2 * c]), _mm_set1_epi16(sc[2 * c + 1]));
+            lanes = _mm256_add_epi32(lanes, lanes_u8_scaled(xa + 32 * c, q[k], scale));
+        }
+    }
     const __m256i offset = _mm256_madd_epi16(_mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *) sc)),
                                              _mm256_loadu_si256((const __m256i *) xs));
     return _mm256_sub_epi32(lanes, _mm256_slli_epi32(offset, 5));
@@ -1436,9 +1504,16 @@ static void q6_k_rows(const fb_weight *w, int64_t r0, int64_t R, const fb_act *a
             float acc = 0.0f;
             __m256 lanes_acc = _mm256_setzero_ps();
             for (int64_t b = 0; b < nsb; b++) {
+                const float xd = a->d[r * nsb + b];
+                if (!tiled && w->raw) {  /* vec_dot (decode) from the GGUF block: q6_k_lanes_raw */
+                    const uint8_t *blk = (const uint8_t *) w->raw + (n * nsb + b) * 210;
+                    const __m256i lanes = q6_k_lanes_raw(a->q + r * K + b * 256, a->sums + r * S + b * 16, blk);
+                    lanes_acc = _mm256_fmadd_ps(_mm256_set1_ps(xd * f16_at(blk + 208)), _mm256_cvtepi32_ps(lanes), lanes_acc);
+                    continue;
+                }
                 const __m256i lanes = q6_k_lanes(a->q + r * K + b * 256, a->sums + r * S + b * 16, wq + n * K + b * 256,
                                                  scales + (n * nsb + b) * 16);
-                const float xd = a->d[r * nsb + b], wd = w->d[n * nsb + b];
+                const float wd = w->d[n * nsb + b];
                 if (tiled) {
                     const float scaled = wd * (float) hsum_i32(lanes);
                     acc = fmaf(scaled, xd, acc);

@@ -60,11 +60,12 @@ WEIGHT_TYPES = {layout.name: int(layout.ggml_type) for layout in BLOCK_LAYOUTS i
 
 class Weight(ctypes.Structure):
     """fb_weight: a matrix in unpack_blocks' layout (F16: the raw halves; TQ1_0 / TQ2_0: the
-    GGUF blocks, `q2` a PTQTP weight's second plane or NULL)."""
+    GGUF blocks, `q2` a PTQTP weight's second plane or NULL; `raw` a Q6_K matrix's GGUF blocks,
+    which its one-row kernel then reads instead of the unpacked parts, or NULL)."""
 
     _fields_ = [("type", ctypes.c_int32), ("pad_", ctypes.c_int32), ("rows", _I64),
                 ("cols", _I64), ("q", _PTR), ("scales", _PTR), ("mins", _PTR), ("d", _PTR),
-                ("dmin", _PTR), ("bias", _PTR), ("q2", _PTR)]
+                ("dmin", _PTR), ("bias", _PTR), ("q2", _PTR), ("raw", _PTR)]
 
 
 class Plan(ctypes.Structure):

@@ -26,6 +26,8 @@ from __future__ import annotations
 import ctypes
 import math
 import os
+import time
+from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
 from types import SimpleNamespace
@@ -80,6 +82,68 @@ def _f32(gf: GGUFFile, name: str, shape: tuple[int, ...]) -> np.ndarray:
                                 dtype=np.float32)
 
 
+class ThreadGovernor:
+    """The thread count of each decode step: the given count, or fewer where fewer run faster now.
+
+    A decode step on several threads meets at a barrier 7 times a layer; where other load takes
+    one of those threads off its core, every barrier waits for it, and on a busy 2-core machine
+    2 threads decoded slower than 1 (the bits never depend on the count: each output is summed by
+    one thread in one order). So the steps run at the count whose recent steps were fastest:
+    every `interval` steps one step runs at another count (a probe), the last PROBE_SAMPLES
+    steps of each count kept; a probe faster than the current count's median by HYSTERESIS
+    makes it the current count. A probe that confirms the current count doubles the interval
+    (up to PROBE_MAX steps: a quiet machine pays one slower step in PROBE_MAX; PROBE_MAX_FEWER
+    while on fewer threads than given, so that the count comes back soon after the load goes); a
+    step of the current count much slower than its median (other load arrived) probes at once.
+    Counts: `threads`, then halved down to 1 (2 -> [2, 1])."""
+
+    PROBE_FIRST, PROBE_MAX, PROBE_MAX_FEWER, PROBE_SAMPLES = 8, 128, 32, 5
+    HYSTERESIS, SLOWDOWN = 0.95, 1.3
+
+    def __init__(self, threads: int):
+        self.counts = [threads]
+        while self.counts[-1] > 1:
+            self.counts.append(self.counts[-1] // 2)
+        self.current = threads
+        self.samples = {c: deque(maxlen=self.PROBE_SAMPLES) for c in self.counts}
+        self.interval = self.until_probe = self.PROBE_FIRST
+        self.turn = 0        # which other count the next probe tries (round robin)
+
+    def pick(self) -> int:
+        """The count the next step runs at."""
+        if len(self.counts) == 1:
+            return self.current
+        self.until_probe -= 1
+        if self.until_probe > 0:
+            return self.current
+        others = [c for c in self.counts if c != self.current]
+        self.turn += 1
+        return others[self.turn % len(others)]
+
+    def record(self, count: int, seconds: float) -> None:
+        """The step just run at `count` took `seconds`."""
+        if len(self.counts) == 1:
+            return
+        mine = self.samples[self.current]
+        if count == self.current:
+            if len(mine) >= 3 and seconds > self.SLOWDOWN * _median(mine):
+                self.until_probe = min(self.until_probe, 1)
+            mine.append(seconds)
+            return
+        self.samples[count].append(seconds)
+        if mine and seconds < self.HYSTERESIS * _median(mine):
+            self.current, self.interval = count, self.PROBE_FIRST
+        else:
+            most = self.PROBE_MAX if self.current == self.counts[0] else self.PROBE_MAX_FEWER
+            self.interval = min(2 * self.interval, most)
+        self.until_probe = self.interval
+
+
+def _median(values) -> float:
+    ordered = sorted(values)
+    return ordered[len(ordered) // 2]
+
+
 @dataclass
 class _Matrix:
     """One 2-D weight in the C kernels' layout; `parts` keep the memory fb_weight points into."""
@@ -108,8 +172,11 @@ def _matrix(gf: GGUFFile, name: str, shape: tuple[int, int], threads: int) -> _M
         plane2 = unpack_parts(second.raw, second.ggml_type, rows, threads)
         parts = {**parts, "plane2": plane2["blocks"]}
         raw_bytes += second.raw.nbytes
-    return _Matrix(weight_struct(parts, info.ggml_type, rows, cols, plane2=plane2), parts,
-                   raw_bytes)
+    struct = weight_struct(parts, info.ggml_type, rows, cols, plane2=plane2)
+    if info.ggml_type == T.Q6_K:   # decode reads the 210-byte blocks, not the 276 bytes unpacked
+        parts = {**parts, "raw": info.raw}
+        struct.raw = ptr(info.raw)
+    return _Matrix(struct, parts, raw_bytes)
 
 
 class NativeLM:
@@ -123,6 +190,9 @@ class NativeLM:
     def __init__(self, gf: GGUFFile, arch: str, fields: dict, threads: int | None = None):
         self.gguf, self.arch, self.lib = gf, arch, kernels()
         self.threads = threads or default_threads()
+        # decode steps' thread count (ThreadGovernor); FORGEBENCH_ADAPTIVE_THREADS=0: always threads
+        adaptive = os.environ.get("FORGEBENCH_ADAPTIVE_THREADS", "1") != "0"
+        self.governor = ThreadGovernor(self.threads) if adaptive and self.threads > 1 else None
         gemma = arch == "gemma3"
         self.config = SimpleNamespace(arch=arch, **fields)
         cfg = self.config
@@ -246,20 +316,26 @@ class NativeLM:
         h = self.embed(ids)
         keys, values = self._cache_pointers(cache)
         n = len(ids)
+        # one position (a decode step): the governor's count, timed for it; a prompt: all threads
+        governed = n == 1 and self.governor is not None
+        threads = self.governor.pick() if governed else self.threads
+        start = time.perf_counter()
         for u0 in range(0, n, UBATCH):
             u1 = min(n, u0 + UBATCH)
             chunk = np.ascontiguousarray(h[u0:u1])
             out = np.empty((u1 - u0, c.dim), np.float32)
             status = self.lib.fb_forward(
                 ctypes.byref(self.struct), ctypes.byref(self.plan), u1 - u0, start_pos + u0,
-                ptr(chunk), keys, values, max_len, u1 - u0, None, ptr(out), self.threads)
+                ptr(chunk), keys, values, max_len, u1 - u0, None, ptr(out), threads)
             if status != 0:
                 raise MemoryError(f"fb_forward failed for {u1 - u0} positions at {start_pos + u0}")
         out = np.ascontiguousarray(out[-1:])
         logits = np.empty((1, c.vocab_size), np.float32)
         if self.lib.fb_matmul(ctypes.byref(self.head.struct), 1, ptr(out),
-                              ctypes.byref(self.plan), self.threads, ptr(logits)) != 0:
+                              ctypes.byref(self.plan), threads, ptr(logits)) != 0:
             raise MemoryError("fb_matmul: no memory for the LM head's activations")
+        if governed:
+            self.governor.record(threads, time.perf_counter() - start)
         return logits[0]
 
     def memory_report(self) -> dict:
@@ -317,4 +393,4 @@ def load_native_lm(path: str | Path, threads: int | None = None):
     return lm, GGUFTokenizer.from_gguf(gf)
 
 
-__all__ = ["NativeLM", "default_threads", "gelu_table", "load_native_lm"]
+__all__ = ["NativeLM", "ThreadGovernor", "default_threads", "gelu_table", "load_native_lm"]
