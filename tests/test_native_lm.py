@@ -157,6 +157,22 @@ def test_thread_governor_keeps_its_count_against_a_near_tie():
 
 
 @needs_c
+def test_decode_steps_follow_the_thread_count_set_after_loading(files, monkeypatch):
+    """The bench and the chat worker set `threads` after loading: decode steps are governed at
+    that count (one thread: not governed, every step on it); FORGEBENCH_ADAPTIVE_THREADS=0 runs
+    every step at `threads`. A prompt is never governed."""
+    lm, _ = load_native_lm(files["gemma3", "Q4_K"], threads=1)
+    cache = lm.new_cache(32)
+    lm.last_logits(PROMPT, 0, cache)
+    assert lm.governor is None
+    lm.threads = 2
+    lm.last_logits([5], len(PROMPT), cache)
+    assert lm.governor.counts == [2, 1] and len(lm.governor.samples[2]) == 1
+    monkeypatch.setenv("FORGEBENCH_ADAPTIVE_THREADS", "0")
+    assert lm._decode_governor() is None
+
+
+@needs_c
 def test_seeded_sampling_and_logprobs_match(files):
     (model, tok), (lm, native_tok) = both(files["llama", "Q8_0"])
     settings = SamplingSettings(temperature=0.9, top_k=40, top_p=0.95)

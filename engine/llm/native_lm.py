@@ -190,9 +190,7 @@ class NativeLM:
     def __init__(self, gf: GGUFFile, arch: str, fields: dict, threads: int | None = None):
         self.gguf, self.arch, self.lib = gf, arch, kernels()
         self.threads = threads or default_threads()
-        # decode steps' thread count (ThreadGovernor); FORGEBENCH_ADAPTIVE_THREADS=0: always threads
-        adaptive = os.environ.get("FORGEBENCH_ADAPTIVE_THREADS", "1") != "0"
-        self.governor = ThreadGovernor(self.threads) if adaptive and self.threads > 1 else None
+        self.governor: ThreadGovernor | None = None   # made for self.threads (_decode_governor)
         gemma = arch == "gemma3"
         self.config = SimpleNamespace(arch=arch, **fields)
         cfg = self.config
@@ -317,8 +315,8 @@ class NativeLM:
         keys, values = self._cache_pointers(cache)
         n = len(ids)
         # one position (a decode step): the governor's count, timed for it; a prompt: all threads
-        governed = n == 1 and self.governor is not None
-        threads = self.governor.pick() if governed else self.threads
+        governor = self._decode_governor() if n == 1 else None
+        threads = governor.pick() if governor else self.threads
         start = time.perf_counter()
         for u0 in range(0, n, UBATCH):
             u1 = min(n, u0 + UBATCH)
@@ -334,9 +332,19 @@ class NativeLM:
         if self.lib.fb_matmul(ctypes.byref(self.head.struct), 1, ptr(out),
                               ctypes.byref(self.plan), threads, ptr(logits)) != 0:
             raise MemoryError("fb_matmul: no memory for the LM head's activations")
-        if governed:
-            self.governor.record(threads, time.perf_counter() - start)
+        if governor:
+            governor.record(threads, time.perf_counter() - start)
         return logits[0]
+
+    def _decode_governor(self) -> ThreadGovernor | None:
+        """The decode steps' ThreadGovernor for the current `threads` (a caller may change it
+        after loading, as the bench and the chat worker do), None for one thread or with
+        FORGEBENCH_ADAPTIVE_THREADS=0 (every step on `threads`)."""
+        if self.threads <= 1 or os.environ.get("FORGEBENCH_ADAPTIVE_THREADS", "1") == "0":
+            return None
+        if self.governor is None or self.governor.counts[0] != self.threads:
+            self.governor = ThreadGovernor(self.threads)
+        return self.governor
 
     def memory_report(self) -> dict:
         """engine.models.gguf_model.memory_report's keys for this model: the packed weights
