@@ -2493,27 +2493,6 @@ static void gated_unit(const fb_model *m, const fb_plan *p, float *gb, const flo
     }
 }
 
-/* The gate and up matmuls of one row (a decode step on the thread's own quantized input `a`) and
- * the gated unit in one phase: a thread that takes a chunk of rows computes those rows of gate and
- * of up and then their gated unit (elementwise: the same bits as gated_unit over the whole row),
- * so no barrier separates the matmuls from the unit (a layer waits 6 times instead of 7). Gate
- * and up share an activation format (the caller checks). */
-static void region_gate_up(const fb_model *m, const fb_plan *p, const fb_layer *Lr, const float *x, const fb_act *a,
-                           float *gb, float *ub, int ith, int nth, fb_barrier *bar) {
-    const int64_t F = m->ffn_dim, chunks = (F + REGION_CHUNK - 1) / REGION_CHUNK;
-    quantize_rows(Lr->gate.type, x, 1, Lr->gate.cols, a, 0, 1);
-    for (int64_t c = nth == 1 ? 0 : next_chunk(bar->runs, chunks, ith, nth); c >= 0 && c < chunks;
-         c = nth == 1 ? c + 1 : next_chunk(bar->runs, chunks, ith, nth)) {
-        const int64_t n0 = c * REGION_CHUNK, n1 = n0 + REGION_CHUNK < F ? n0 + REGION_CHUNK : F;
-        matmul_part(&Lr->gate, 1, a, p, n0, n1, gb);
-        matmul_part(&Lr->up, 1, a, p, n0, n1, ub);
-        if (m->gelu) geglu_row(m->gelu_table, gb + n0, ub + n0, n1 - n0);
-        else
-            for (int64_t i = n0; i < n1; i++) gb[i] = silu_ggml(gb[i], p->softmax_lanes) * ub[i];
-    }
-    barrier_wait(bar);
-}
-
 int fb_forward(const fb_model *m, const fb_plan *p, int64_t T, int64_t start_pos, float *h,
                uint16_t *const *k_cache, uint16_t *const *v_cache, int64_t cache_len, int64_t n_out,
                const int64_t *out_rows, float *out, int nthreads) {
@@ -2597,45 +2576,14 @@ int fb_forward(const fb_model *m, const fb_plan *p, int64_t T, int64_t start_pos
                 prev = Lr;
                 if (!own) barrier_wait(&bar);
                 phase_mark(PH_QKV);
-                /* one row on several threads: q, k and v head by head, each head's norm, RoPE and
-                 * cache write done by the thread that computed its rows, right after them (the
-                 * same operations on the same values), so no barrier separates the matmuls from
-                 * them: a layer waits 5 times instead of 7 (with region_gate_up) */
-                const int fused_qkv = own && act_format(Lr->k.type) == act_format(Lr->q.type) &&
-                                      act_format(Lr->v.type) == act_format(Lr->q.type);
-                if (fused_qkv) {
-                    quantize_rows(Lr->q.type, xp, 1, Lr->q.cols, ta, 0, 1);
-                    const int64_t items = H + 2 * Hkv;
-                    for (int64_t item; (item = next_chunk(bar.runs, items, ith, nth)) >= 0;) {
-                        if (item < H) {
-                            matmul_part(&Lr->q, 1, ta, p, item * hd, (item + 1) * hd, qb);
-                            float *x = qb + item * hd;
-                            if (Lr->q_norm) rmsnorm_row(x, hd, Lr->q_norm, m->norm_eps, x);
-                            rope_apply(x, hd, m->rope_neox, csp, snp);
-                            for (int64_t d = 0; d < hd; d++) x[d] = round_f16(x[d] * m->q_scale);
-                        } else if (item < H + Hkv) {
-                            const int64_t kvh = item - H;
-                            matmul_part(&Lr->k, 1, ta, p, kvh * hd, (kvh + 1) * hd, kb);
-                            float *x = kb + kvh * hd;
-                            if (Lr->k_norm) rmsnorm_row(x, hd, Lr->k_norm, m->norm_eps, x);
-                            rope_apply(x, hd, m->rope_neox, csp, snp);
-                            uint16_t *kc = k_cache[il] + (kvh * cache_len + start_pos) * hd;
-                            for (int64_t d = 0; d < hd; d++) kc[d] = _cvtss_sh(x[d], _MM_FROUND_TO_NEAREST_INT);
-                        } else {
-                            const int64_t kvh = item - H - Hkv;
-                            matmul_part(&Lr->v, 1, ta, p, kvh * hd, (kvh + 1) * hd, vb);
-                            uint16_t *vc = v_cache[il] + (kvh * cache_len + start_pos) * hd;
-                            for (int64_t d = 0; d < hd; d++) vc[d] = _cvtss_sh(vb[kvh * hd + d], _MM_FROUND_TO_NEAREST_INT);
-                        }
-                    }
-                } else {
+                {
                     const fb_weight *qkv[3] = {&Lr->q, &Lr->k, &Lr->v};
                     float *const outs[3] = {qb, kb, vb};
                     region_matmuls(qkv, outs, 3, T, xp, ta, own, p, ith, nth, &bar);
                 }
                 /* per head: q/k norm, RoPE; q scaled and rounded to f16, k and v into the cache */
                 phase_mark(PH_QK_CACHE);
-                for (int64_t item = ith; !fused_qkv && item < T * (H + Hkv); item += nth) {
+                for (int64_t item = ith; item < T * (H + Hkv); item += nth) {
                     const int64_t t = item / (H + Hkv), head = item % (H + Hkv), pos = start_pos + t;
                     if (head < H) {
                         float *x = qb + t * QD + head * hd;
@@ -2684,16 +2632,14 @@ int fb_forward(const fb_model *m, const fb_plan *p, int64_t T, int64_t start_pos
                     barrier_wait(&bar);
                 }
                 phase_mark(PH_GATE_UP);
-                if (own && act_format(Lr->gate.type) == act_format(Lr->up.type))
-                    region_gate_up(m, p, Lr, xp, ta, gb, ub, ith, nth, &bar);
-                else {
+                {
                     const fb_weight *gate_up[2] = {&Lr->gate, &Lr->up};
                     float *const outs[2] = {gb, ub};
                     region_matmuls(gate_up, outs, 2, R, xp, ta, own, p, ith, nth, &bar);
-                    phase_mark(PH_GLU);
-                    gated_unit(m, p, gb, ub, R, ith, nth);
-                    barrier_wait(&bar);
                 }
+                phase_mark(PH_GLU);
+                gated_unit(m, p, gb, ub, R, ith, nth);
+                barrier_wait(&bar);
                 phase_mark(PH_DOWN);
                 region_matmul(&Lr->down, R, gb, ta, own, p, ab, ith, nth, &bar);
                 phase_mark(PH_RESID_MLP);
