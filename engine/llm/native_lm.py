@@ -91,13 +91,16 @@ class ThreadGovernor:
     one thread in one order). So the steps run at the count whose recent steps were fastest:
     every `interval` steps one step runs at another count (a probe), the last PROBE_SAMPLES
     steps of each count kept; a probe faster than the current count's median by HYSTERESIS
-    makes it the current count. A probe that confirms the current count doubles the interval
-    (up to PROBE_MAX steps: a quiet machine pays one slower step in PROBE_MAX; PROBE_MAX_FEWER
+    makes it the current count. A probe is PROBE_STEPS steps, judged by its fastest: the first
+    step on more threads than the last one ran on wakes a sleeping worker thread, and alone
+    would make more threads look slower than they are. A probe that confirms the current count
+    doubles the interval (up to PROBE_MAX steps: a quiet machine pays two slower steps in
+    PROBE_MAX; PROBE_MAX_FEWER
     while on fewer threads than given, so that the count comes back soon after the load goes); a
     step of the current count much slower than its median (other load arrived) probes at once.
     Counts: `threads`, then halved down to 1 (2 -> [2, 1])."""
 
-    PROBE_FIRST, PROBE_MAX, PROBE_MAX_FEWER, PROBE_SAMPLES = 8, 128, 32, 5
+    PROBE_FIRST, PROBE_MAX, PROBE_MAX_FEWER, PROBE_SAMPLES, PROBE_STEPS = 8, 128, 32, 5, 2
     HYSTERESIS, SLOWDOWN = 0.95, 1.3
 
     def __init__(self, threads: int):
@@ -108,17 +111,22 @@ class ThreadGovernor:
         self.samples = {c: deque(maxlen=self.PROBE_SAMPLES) for c in self.counts}
         self.interval = self.until_probe = self.PROBE_FIRST
         self.turn = 0        # which other count the next probe tries (round robin)
+        self.probe_count, self.probe_left, self.probe_best = 0, 0, math.inf
 
     def pick(self) -> int:
         """The count the next step runs at."""
         if len(self.counts) == 1:
             return self.current
+        if self.probe_left:
+            return self.probe_count
         self.until_probe -= 1
         if self.until_probe > 0:
             return self.current
         others = [c for c in self.counts if c != self.current]
         self.turn += 1
-        return others[self.turn % len(others)]
+        self.probe_count, self.probe_left = others[self.turn % len(others)], self.PROBE_STEPS
+        self.probe_best = math.inf
+        return self.probe_count
 
     def record(self, count: int, seconds: float) -> None:
         """The step just run at `count` took `seconds`."""
@@ -131,7 +139,11 @@ class ThreadGovernor:
             mine.append(seconds)
             return
         self.samples[count].append(seconds)
-        if mine and seconds < self.HYSTERESIS * _median(mine):
+        self.probe_best = min(self.probe_best, seconds)
+        self.probe_left -= 1
+        if self.probe_left > 0:
+            return
+        if mine and self.probe_best < self.HYSTERESIS * _median(mine):
             self.current, self.interval = count, self.PROBE_FIRST
         else:
             most = self.PROBE_MAX if self.current == self.counts[0] else self.PROBE_MAX_FEWER
