@@ -94,13 +94,13 @@ class ThreadGovernor:
     makes it the current count. A probe is PROBE_STEPS steps, judged by its fastest: the first
     step on more threads than the last one ran on wakes a sleeping worker thread, and alone
     would make more threads look slower than they are. A probe that confirms the current count
-    doubles the interval (up to PROBE_MAX steps: a quiet machine pays two slower steps in
+    doubles the interval (up to PROBE_MAX steps: a quiet machine pays four slower steps in
     PROBE_MAX; PROBE_MAX_FEWER
     while on fewer threads than given, so that the count comes back soon after the load goes); a
     step of the current count much slower than its median (other load arrived) probes at once.
     Counts: `threads`, then halved down to 1 (2 -> [2, 1])."""
 
-    PROBE_FIRST, PROBE_MAX, PROBE_MAX_FEWER, PROBE_SAMPLES, PROBE_STEPS = 8, 128, 32, 5, 2
+    PROBE_FIRST, PROBE_MAX, PROBE_MAX_FEWER, PROBE_SAMPLES, PROBE_STEPS = 8, 128, 32, 5, 4
     HYSTERESIS, SLOWDOWN = 0.95, 1.3
 
     def __init__(self, threads: int):
