@@ -110,38 +110,58 @@ def test_decode_steps_on_more_threads_than_cores_give_the_same_bits(files, case)
     assert not np.array_equal(other, ref)
 
 
-def run_governor(governor: ThreadGovernor, step_seconds, steps: int) -> list[int]:
+def run_governor(governor: ThreadGovernor, step_seconds, steps: int, share=None) -> list[int]:
     """The counts `governor` picks over `steps` steps, a step at count c taking
-    step_seconds(c, i)."""
+    step_seconds(c, i) and, where `share` is given, share(c, i) · c times that of CPU."""
     picked = []
     for i in range(steps):
         count = governor.pick()
-        governor.record(count, step_seconds(count, i))
+        seconds = step_seconds(count, i)
+        cpu = None if share is None else share(count, i) * count * seconds
+        governor.record(count, seconds, cpu)
         picked.append(count)
     return picked
 
 
 def test_thread_governor_leaves_a_count_that_other_load_slows():
-    """Worked numbers from this 2-core machine: quiet, a step took 12.4 ms on 2 threads and
-    17 ms on 1; with another process on a core, 25.8 ms on 2 and 18 ms on 1. Quiet, the
-    governor stays on 2 and probes 1 (four steps) ever more rarely (16, 32, ... 128 steps
-    apart); once the load comes (step 300) it runs at 1 within a probe, and goes back to 2
-    within 32 steps of the load leaving (step 600)."""
+    """Worked numbers from this 2-core machine: quiet, a step took 12.4 ms on 2 threads (CPU
+    share 0.9 a thread) and 17 ms on 1; with another process on a core, 25.8 ms on 2 (share 0.5)
+    and 18 ms on 1. Quiet, the governor stays on 2, probing 1 (four steps) at step 63 and 131
+    steps later (none in a short reply); once the load comes (step 300) it runs at 1 within 3
+    steps, and goes back to 2 within 16 steps of the load leaving (step 600)."""
     def busy(i):
         return 300 <= i < 600
 
     def seconds(count, i):
         return (0.0258 if busy(i) else 0.0124) if count == 2 else (0.018 if busy(i) else 0.017)
 
-    picked = run_governor(ThreadGovernor(2), seconds, 900)
+    def share(count, i):
+        return (0.5 if busy(i) else 0.9) if count == 2 else 1.0
+
+    picked = run_governor(ThreadGovernor(2), seconds, 900, share)
     assert ThreadGovernor(2).counts == [2, 1] and ThreadGovernor(8).counts == [8, 4, 2, 1]
-    quiet = picked[:300]
-    probes = [i for i, c in enumerate(quiet) if c == 1]
-    # four-step probes, the interval doubling up to 128
-    assert [i for i in probes if i - 1 not in probes] == [7, 26, 61, 128, 259]
-    assert len(probes) == 20
-    assert picked[340:600].count(1) >= 225              # busy: one thread, the rare probe of 2
-    assert picked[632:].count(2) >= 245                 # quiet again: back on two
+    probes = [i for i, c in enumerate(picked[:300]) if c == 1]
+    assert [i for i in probes if i - 1 not in probes] == [63, 194] and len(probes) == 8
+    assert picked[303:600].count(1) >= 255              # busy: one thread, the rare probe of 2
+    assert picked[616:679] == [2] * 63                  # quiet again: back on two,
+    assert picked[616:].count(2) >= 276                 # probing 1 after PROBE_QUIET steps
+
+
+def test_thread_governor_sees_starved_threads_before_a_slowdown():
+    """Other load that slows 2 threads only from 12.4 to 15 ms (less than SLOWDOWN) while 1
+    thread takes 13: the CPU share (0.55 a thread) brings the probe forward and the governor
+    is on 1 thread from step 102 (probing 2 now and then); the twin without CPU times stays on
+    2 until the next scheduled probe (step 194)."""
+    def seconds(count, i):
+        return (0.015 if i >= 100 else 0.0124) if count == 2 else 0.013
+
+    def share(count, i):
+        return (0.55 if i >= 100 else 0.9) if count == 2 else 1.0
+
+    with_share = run_governor(ThreadGovernor(2), seconds, 300, share)
+    without = run_governor(ThreadGovernor(2), seconds, 300)
+    assert with_share[102:113] == [1] * 11 and with_share[105:190].count(1) >= 70
+    assert without[100:194] == [2] * 94
 
 
 def test_thread_governor_keeps_its_count_against_a_near_tie():
@@ -153,8 +173,8 @@ def test_thread_governor_keeps_its_count_against_a_near_tie():
     def clearly(count, i):
         return 0.0100 if count == 2 else 0.0090
 
-    assert run_governor(ThreadGovernor(2), near, 200).count(1) <= 16   # the probes only
-    assert run_governor(ThreadGovernor(2), clearly, 200).count(1) >= 165
+    assert run_governor(ThreadGovernor(2), near, 200).count(1) <= 8    # the probes only
+    assert run_governor(ThreadGovernor(2), clearly, 200)[67:].count(1) >= 110
 
 
 @needs_c

@@ -89,19 +89,26 @@ class ThreadGovernor:
     one of those threads off its core, every barrier waits for it, and on a busy 2-core machine
     2 threads decoded slower than 1 (the bits never depend on the count: each output is summed by
     one thread in one order). So the steps run at the count whose recent steps were fastest:
-    every `interval` steps one step runs at another count (a probe), the last PROBE_SAMPLES
-    steps of each count kept; a probe faster than the current count's median by HYSTERESIS
-    makes it the current count. A probe is PROBE_STEPS steps, judged by its fastest: the first
-    step on more threads than the last one ran on wakes a sleeping worker thread, and alone
-    would make more threads look slower than they are. A probe that confirms the current count
-    doubles the interval (up to PROBE_MAX steps: a quiet machine pays four slower steps in
-    PROBE_MAX; PROBE_MAX_FEWER
-    while on fewer threads than given, so that the count comes back soon after the load goes); a
-    step of the current count much slower than its median (other load arrived) probes at once.
+    now and then the steps run at another count (a probe), the last PROBE_SAMPLES steps of each
+    count kept; a probe faster by HYSTERESIS than the current count's median (of its last 3
+    steps) makes it the current count. A probe is PROBE_STEPS steps, judged by its fastest: the
+    first step on more threads than the last one ran on wakes a sleeping worker thread, and alone
+    made more threads look slower than they are.
+    When to probe: on the given count, first after PROBE_QUIET steps, the interval doubling after
+    each probe that confirms the count, up to PROBE_MAX (a quiet machine pays four slower steps in
+    PROBE_MAX, none in a short reply); sooner where the count's threads are seen not to get their
+    cores: process CPU time over wall time per thread (`share`: near 1 while every thread runs,
+    spinning included; about 0.5 for 2 threads with other load on the cores) below STARVED over
+    the last 3 steps, or 3 steps much slower (SLOWDOWN) than the count's median at the last
+    probe, bring the probe
+    forward, at most to a quarter of the interval after the last one. On fewer threads than given
+    (where CPU time says nothing of the load leaving) every PROBE_FIRST steps, doubling up to
+    PROBE_MAX_FEWER, so that the count comes back soon after the load goes.
     Counts: `threads`, then halved down to 1 (2 -> [2, 1])."""
 
-    PROBE_FIRST, PROBE_MAX, PROBE_MAX_FEWER, PROBE_SAMPLES, PROBE_STEPS = 8, 128, 32, 5, 4
-    HYSTERESIS, SLOWDOWN = 0.95, 1.3
+    PROBE_FIRST, PROBE_QUIET, PROBE_MAX, PROBE_MAX_FEWER = 8, 64, 256, 32
+    PROBE_SAMPLES, PROBE_STEPS = 5, 4
+    HYSTERESIS, SLOWDOWN, STARVED = 0.95, 1.3, 0.7
 
     def __init__(self, threads: int):
         self.counts = [threads]
@@ -109,7 +116,11 @@ class ThreadGovernor:
             self.counts.append(self.counts[-1] // 2)
         self.current = threads
         self.samples = {c: deque(maxlen=self.PROBE_SAMPLES) for c in self.counts}
-        self.interval = self.until_probe = self.PROBE_FIRST
+        self.shares: deque = deque(maxlen=3)     # the current count's last CPU shares
+        self.recent: deque = deque(maxlen=3)     # and its last step times
+        self.settled = math.inf   # its median when the last probe ended
+        self.interval = self.until_probe = self.PROBE_QUIET
+        self.since_probe = 0
         self.turn = 0        # which other count the next probe tries (round robin)
         self.probe_count, self.probe_left, self.probe_best = 0, 0, math.inf
 
@@ -120,6 +131,7 @@ class ThreadGovernor:
         if self.probe_left:
             return self.probe_count
         self.until_probe -= 1
+        self.since_probe += 1
         if self.until_probe > 0:
             return self.current
         others = [c for c in self.counts if c != self.current]
@@ -128,13 +140,18 @@ class ThreadGovernor:
         self.probe_best = math.inf
         return self.probe_count
 
-    def record(self, count: int, seconds: float) -> None:
-        """The step just run at `count` took `seconds`."""
+    def record(self, count: int, seconds: float, cpu_seconds: float | None = None) -> None:
+        """The step just run at `count` took `seconds` (and the process `cpu_seconds` of CPU)."""
         if len(self.counts) == 1:
             return
         mine = self.samples[self.current]
         if count == self.current:
-            if len(mine) >= 3 and seconds > self.SLOWDOWN * _median(mine):
+            self.recent.append(seconds)
+            slow = len(self.recent) == 3 and min(self.recent) > self.SLOWDOWN * self.settled
+            if cpu_seconds is not None and count > 1 and seconds > 0:
+                self.shares.append(cpu_seconds / seconds / count)
+            starved = len(self.shares) == 3 and _median(self.shares) < self.STARVED
+            if (slow or starved) and self.since_probe >= self.interval // 4:
                 self.until_probe = min(self.until_probe, 1)
             mine.append(seconds)
             return
@@ -143,12 +160,19 @@ class ThreadGovernor:
         self.probe_left -= 1
         if self.probe_left > 0:
             return
-        if mine and self.probe_best < self.HYSTERESIS * _median(mine):
-            self.current, self.interval = count, self.PROBE_FIRST
+        # against the current count's last 3 steps where it has them (the load of the moment)
+        baseline = _median(self.recent) if len(self.recent) == 3 else _median(mine) if mine else 0
+        if self.probe_best < self.HYSTERESIS * baseline:
+            self.current = count
+            self.interval = self.PROBE_QUIET if count == self.counts[0] else self.PROBE_FIRST
         else:
             most = self.PROBE_MAX if self.current == self.counts[0] else self.PROBE_MAX_FEWER
             self.interval = min(2 * self.interval, most)
-        self.until_probe = self.interval
+        self.until_probe, self.since_probe = self.interval, 0
+        self.shares.clear()
+        self.recent.clear()
+        settled = self.samples[self.current]
+        self.settled = _median(settled) if settled else math.inf
 
 
 def _median(values) -> float:
@@ -329,7 +353,7 @@ class NativeLM:
         # one position (a decode step): the governor's count, timed for it; a prompt: all threads
         governor = self._decode_governor() if n == 1 else None
         threads = governor.pick() if governor else self.threads
-        start = time.perf_counter()
+        start, cpu_start = time.perf_counter(), time.process_time()
         for u0 in range(0, n, UBATCH):
             u1 = min(n, u0 + UBATCH)
             chunk = np.ascontiguousarray(h[u0:u1])
@@ -345,7 +369,7 @@ class NativeLM:
                               ctypes.byref(self.plan), threads, ptr(logits)) != 0:
             raise MemoryError("fb_matmul: no memory for the LM head's activations")
         if governor:
-            governor.record(threads, time.perf_counter() - start)
+            governor.record(threads, time.perf_counter() - start, time.process_time() - cpu_start)
         return logits[0]
 
     def _decode_governor(self) -> ThreadGovernor | None:
