@@ -12,6 +12,10 @@ numpy. The logits are the torch path's, bit for bit (tests/test_native_lm.py hol
 the same tokens and logits), so greedy continuations are identical; sampling with a temperature
 imports torch then, for its generator (engine/sampling.py), and draws the same tokens.
 
+Decode steps run at the thread count ThreadGovernor picks (the given one, or fewer while other
+load keeps its threads off their cores; FORGEBENCH_ADAPTIVE_THREADS=0: always the given one);
+the bits never depend on the count.
+
 `load_native_lm` returns None where the C decoder would not serve the model bit for bit (no C
 build or FORGEBENCH_NATIVE=0, a weight type without an exact kernel in this machine's llama.cpp
 configuration, a head dimension the attention kernel does not take, a final logit soft-cap, or
