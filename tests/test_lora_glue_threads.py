@@ -142,6 +142,7 @@ def test_unspread_attention_gets_both_threads_under_the_glue(tmp_path, two_threa
     """Sequences not spread over the threads: each core call (forward and backward) takes the
     two threads back, as the plain step runs it, and gives its bits."""
     monkeypatch.setattr(blocks, "SPREAD_ATTENTION", False)
+    monkeypatch.setattr(blocks, "ONE_THREAD_ATTENTION", False)
     model, adapters = _model(tmp_path, "gemma3", "f32")
     plain = _step(model, adapters, "f32", glue=False)
     seen = set()

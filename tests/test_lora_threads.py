@@ -1,10 +1,10 @@
 """Packed attention on one torch thread: a LoRA step's attention calls are a few dozen tokens
 each, which split over two threads cost more CPU than they save. Two ways give each sequence one
-thread: the sequences spread over the threads side by side (engine.models.blocks.SPREAD_ATTENTION,
-the default where `spread_sequences` finds even shares) and all of them in turn on the calling
-thread (ONE_THREAD_ATTENTION). Either way the forward and the gradients must be the bits torch
-gives at one thread, and both the forward and the backward must really run on one thread (with
-their twins); spread, on more than one Python thread.
+thread: all of them in turn on the calling thread (engine.models.blocks.ONE_THREAD_ATTENTION,
+the default) and the sequences spread over the threads side by side (SPREAD_ATTENTION, where
+`spread_sequences` finds even shares). Either way the forward and the gradients must be the
+bits torch gives at one thread, and both the forward and the backward must really run on one
+thread (with their twins); spread, on more than one Python thread.
 
 Whether those are also the bits of torch's threaded calls depends on the CPU: on the Sapphire
 Rapids they are, on a Zen 4 EPYC torch's threaded SDPA backward differs from its one-thread

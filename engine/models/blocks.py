@@ -292,10 +292,10 @@ def packed_attention(core, q, k, v, lengths: list[int], scale: float, window: in
     within itself: one core call per sequence, so no score is spent across sequences or on
     padding.
 
-    On several CPU threads, where the sequences can share the threads out evenly
-    (`spread_sequences`), each sequence's forward and backward run on one thread, the
-    sequences side by side on the threads (`_SpreadCores`); else each core call uses all the
-    threads in turn (or, with ONE_THREAD_ATTENTION, one thread each, in turn)."""
+    On several CPU threads each core call (forward and backward) runs on one thread, the
+    sequences in turn (ONE_THREAD_ATTENTION, the default); with SPREAD_ATTENTION, where the
+    sequences can share the threads out evenly (`spread_sequences`), side by side on the
+    threads (`_SpreadCores`); with neither, each call on all the threads, in turn."""
     if core is sdpa and q.device.type == "cpu" and torch.is_autocast_enabled("cpu"):
         # sdpa computes in f32 under CPU autocast: one cast of each operand (and one of each
         # gradient back) for all the sequences, not one a sequence
@@ -328,18 +328,26 @@ def packed_attention(core, q, k, v, lengths: list[int], scale: float, window: in
     return torch.cat(outs, dim=2)
 
 
-# FORGEBENCH_ATTN_ONE_THREAD=1: a packed sequence's attention (a few dozen tokens) on one torch
-# thread, forward and backward: the bits torch computes at one thread. On the Sapphire Rapids
-# those equal its threaded bits; on a Zen 4 EPYC torch's threaded SDPA backward differs from its
-# one-thread backward by about 1 ulp (tests/test_lora_threads.py says which holds). Off by
-# default: on a 2-core Sapphire Rapids a pirate LoRA step at 2 threads, interleaved, took
-# 0.273 s wall / 0.456 s CPU with it against 0.258 / 0.469 s without at load 1.5 (5% slower),
-# but 1.00 s / 0.65 s against 2.42 s / 1.11 s at load 6.5, where a tiny parallel call waits on
-# a descheduled partner thread. Spreading the sequences over the threads (SPREAD_ATTENTION)
-# keeps those one-thread bits without giving up the second thread, where it applies.
-ONE_THREAD_ATTENTION = os.environ.get("FORGEBENCH_ATTN_ONE_THREAD", "0") == "1"
-# FORGEBENCH_ATTN_SPREAD=0 turns the spread off (each sequence on all threads, in turn)
-SPREAD_ATTENTION = os.environ.get("FORGEBENCH_ATTN_SPREAD", "1") != "0"
+# FORGEBENCH_ATTN_ONE_THREAD (default 1): a packed sequence's attention (a few dozen tokens) on
+# one torch thread, forward and backward, the sequences in turn on the calling thread: the bits
+# torch computes at one thread. On the Sapphire Rapids those equal its threaded bits; on a Zen 4
+# EPYC torch's threaded SDPA backward differs from its one-thread backward by about 1 ulp
+# (tests/test_lora_threads.py says which holds). With 0, each sequence runs on all the threads.
+# On a 2-core Sapphire Rapids a pirate LoRA step at 2 threads, interleaved, took 0.273 s wall /
+# 0.456 s CPU one thread each against 0.258 / 0.469 s threaded at load 1.5 (5% slower), but
+# 1.00 s / 0.65 s against 2.42 s / 1.11 s at load 6.5, where a tiny parallel call waits on a
+# descheduled partner thread.
+ONE_THREAD_ATTENTION = os.environ.get("FORGEBENCH_ATTN_ONE_THREAD", "1") == "1"
+# FORGEBENCH_ATTN_SPREAD=1 spreads the sequences over the threads instead (`spread_sequences`,
+# _SpreadCores): the same one-thread bits, the second thread busy too, but each layer hands a
+# share to a pool thread and back, and the two Python threads' small ops contend. Off by
+# default: on the 2-core Zen 4 EPYC a pirate LoRA step at 2 threads, steps alternating in one
+# process, took 426 ms wall / 832 ms CPU in turn against 450 / 881 ms spread (the fastest of
+# 14 each, load 1.4-2.7), medians 2.46 s against 2.67 s under a loaded machine (load 4-5, both
+# cores busy beside it), and torch.profiler put the spread's forward and backward at 54 ms of
+# a 445 ms step where the same calls took 36 ms in turn on one thread. (Whether the spread
+# pays on the Sapphire Rapids was not measured.)
+SPREAD_ATTENTION = os.environ.get("FORGEBENCH_ATTN_SPREAD", "0") == "1"
 SPREAD_IMBALANCE = 1.25   # spread only where the busiest thread's share of the attention work
                           # is at most this times an even share: one long sequence among short
                           # ones is faster on all threads at once
