@@ -51,7 +51,7 @@ from engine.kernels.exact_plan import (
     unpack_parts,
     weight_struct,
 )
-from engine.kernels.native import Layer, Model, kernels, ptr
+from engine.kernels.native import Q5_0_ROWS, Layer, Model, kernels, ptr, repack_q5_0
 
 # fb_layer's weights -> the GGUF tensor after "blk.{i}." (engine/models/native_forward.py LINEARS)
 LINEARS = (("q", "attn_q"), ("k", "attn_k"), ("v", "attn_v"), ("o", "attn_output"),
@@ -216,6 +216,14 @@ def _matrix(gf: GGUFFile, name: str, shape: tuple[int, int], threads: int) -> _M
     if info.ggml_type == T.Q6_K:   # decode reads the 210-byte blocks, not the 276 bytes unpacked
         parts = {**parts, "raw": info.raw}
         struct.raw = ptr(info.raw)
+    if info.ggml_type == T.Q5_0 and plane2 is None:
+        # the kernels' Q5_0 layout (native.repack_q5_0: fewer instructions a block in decode) in
+        # place of the GGUF blocks, which stay in the file's mapping only (page cache, not a
+        # second copy in memory); "gguf" keeps that mapping's view for bench_generate.py --ab
+        repacked = repack_q5_0(parts["blocks"], rows, cols, threads)
+        if repacked is not None:
+            parts = {**parts, "blocks": repacked, "gguf": parts["blocks"]}
+            struct.q, struct.type = ptr(repacked), Q5_0_ROWS
     return _Matrix(struct, parts, raw_bytes)
 
 
