@@ -124,12 +124,13 @@ RETURNS = {"cpu_features": ([], _I64),
 Q5_0_ROWS = 106
 
 
-def repack_q5_0(raw: np.ndarray, rows: int, cols: int, nthreads: int = 1) -> np.ndarray | None:
+def repack_q5_0(raw: np.ndarray, rows: int, cols: int, nthreads: int = 1,
+                out: np.ndarray | None = None) -> np.ndarray | None:
     """A Q5_0 matrix's GGUF blocks (rows x cols/32 blocks of 22 bytes) rearranged row by row into
     the layout of fb_weight type Q5_0_ROWS (ggml_kernels.c fb_repack_q5_0: the same bytes a row,
     the scales, qh words and nibbles each in their own run, two blocks' nibbles to 32 bytes), a
     new array of the same size; None where a row's block count is odd (the pairs need an even
-    one) or the C build is missing."""
+    one) or the C build is missing. `out`: where to write it (uint8, the same size) instead."""
     import numpy as np
 
     lib = kernels()
@@ -139,7 +140,7 @@ def repack_q5_0(raw: np.ndarray, rows: int, cols: int, nthreads: int = 1) -> np.
     src = np.ascontiguousarray(raw).reshape(-1)
     if src.nbytes != rows * nb * 22:
         return None
-    out = np.empty_like(src)
+    out = np.empty_like(src) if out is None else out
     lib.fb_repack_q5_0(rows, nb, ptr(src), ptr(out), nthreads)
     return out
 
