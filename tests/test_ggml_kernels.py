@@ -653,3 +653,65 @@ def test_doctor_refuses_an_unknown_simd_setting():
         done.stderr.startswith("error: environment: FORGEBENCH_SIMD='sse9'")
         and "Traceback" not in done.stderr
     )
+
+
+def q5_0_rows_weight(raw: torch.Tensor, rows: int, cols: int,
+                     blocks: np.ndarray | None = None) -> ExactWeight:
+    """An ExactWeight whose C struct reads `blocks` (default: native.repack_q5_0 of `raw`) as a
+    Q5_0 matrix in the decoder's repacked layout (fb_weight type Q5_0_ROWS), as NativeLM hands
+    it."""
+    from engine.kernels.native import Q5_0_ROWS, ptr, repack_q5_0
+
+    weight = ExactWeight(raw, T.Q5_0, rows, cols)
+    if blocks is None:
+        blocks = repack_q5_0(raw.numpy(), rows, cols)
+    assert blocks is not None and blocks.nbytes == raw.numel()
+    weight.parts = {**weight.parts, "blocks": blocks}
+    weight.struct.q, weight.struct.type = ptr(blocks), Q5_0_ROWS
+    return weight
+
+
+# (weight rows, columns): blocks a row 2 (16386 rows: the row-by-row LM-head path), 20 (gemma-3's
+# 640 columns: two vector groups of scales then a scalar tail), 34 (past one Q0_CHUNK of 32)
+Q5_0_ROWS_SHAPES = [(22, 640), (20, 1088), (16386, 64)]
+
+
+@needs_native
+@pytest.mark.parametrize("build", ["native", "avx2"])
+@pytest.mark.parametrize("batch", [1, 5, 9, 37])  # one row; a tile of 4 + 1; 8 + 1; bands + tiles
+def test_repacked_q5_0_equals_torch_reference(batch, build, monkeypatch):
+    """The decoder's repacked Q5_0 layout (ggml_kernels.c fb_repack_q5_0: scales, qh words and
+    two blocks' nibbles to 32 bytes, each in its own run) gives the bits of the torch reference on
+    the GGUF blocks, on every path a matmul takes (the one-row kernel q5r_single, the tiles and
+    bands through q0_block), on this machine's build and on the AVX2-only one."""
+    use_build(monkeypatch, build)
+    for rows, cols in Q5_0_ROWS_SHAPES:
+        if rows > 1000 and batch > 1:
+            continue
+        raw = random_weight(T.Q5_0, rows, cols, seed=rows + cols)
+        x = activations(batch, cols)
+        reference = ExactWeight(raw, T.Q5_0, rows, cols, native=False).matmul(x)
+        assert torch.equal(q5_0_rows_weight(raw, rows, cols).matmul(x), reference), (rows, cols)
+
+
+@needs_native
+@pytest.mark.parametrize("batch", [1, 9])
+def test_repacked_q5_0_check_sees_the_layout(batch):
+    """The twin: the same bytes with each pair's two blocks swapped (block 2p + 1 in the low
+    nibbles), or the GGUF blocks read as if repacked, give other outputs, so the equality above
+    checks the layout the kernels read; an odd number of blocks a row is left in GGUF form."""
+    from engine.kernels.native import repack_q5_0
+
+    rows, cols = Q5_0_ROWS_SHAPES[0]
+    raw = random_weight(T.Q5_0, rows, cols, seed=rows + cols)
+    x = activations(batch, cols)
+    reference = ExactWeight(raw, T.Q5_0, rows, cols, native=False).matmul(x)
+    nb = cols // 32
+    swapped = repack_q5_0(raw.numpy(), rows, cols).reshape(rows, 22 * nb).copy()
+    nibbles = swapped[:, 6 * nb:]
+    swapped[:, 6 * nb:] = (nibbles >> 4) | (nibbles << 4)
+    swapped_weight = q5_0_rows_weight(raw, rows, cols, swapped.reshape(-1))
+    assert not torch.equal(swapped_weight.matmul(x), reference)
+    gguf = raw.numpy().reshape(-1).copy()
+    assert not torch.equal(q5_0_rows_weight(raw, rows, cols, gguf).matmul(x), reference)
+    assert repack_q5_0(random_weight(T.Q5_0, 4, 96).numpy(), 4, 96) is None
