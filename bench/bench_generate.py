@@ -458,31 +458,23 @@ def split_main(args) -> None:
 
 def _old_structs(lm, old_source: str):
     """(model, LM head) structs for a build of `old_source`: the same ones where its fb_weight
-    has the trailing `raw` and it reads the repacked Q5_0 layout (FB_Q5_0_ROWS), else copies in
-    its layout (fb_weight without `raw`; Q5_0 matrices pointing at their GGUF blocks again)."""
+    has the trailing `raw`, else copies in its layout (fb_weight without it)."""
     import ctypes
 
     from engine.kernels import native
-    from engine.kernels.native import ptr
 
     head = old_source.split("} fb_weight;")[0].split("typedef struct {")[-1]
-    if "raw;" in head and "FB_Q5_0_ROWS" in old_source:
+    if "raw;" in head:
         return lm.struct, lm.head.struct
-    gguf = {ptr(m.parts["blocks"]): ptr(m.parts["gguf"])
-            for m in [*lm.matrices, lm.head] if "gguf" in m.parts}
-    fields = native.Weight._fields_ if "raw;" in head else native.Weight._fields_[:-1]
 
     class OldWeight(ctypes.Structure):
-        _fields_ = fields
+        _fields_ = native.Weight._fields_[:-1]
 
     class OldLayer(ctypes.Structure):
         _fields_ = [(n, OldWeight if t is native.Weight else t) for n, t in native.Layer._fields_]
 
     def weight(w):
-        old = OldWeight(*(getattr(w, f) for f, _ in OldWeight._fields_))
-        if old.type == native.Q5_0_ROWS:
-            old.type, old.q = native.WEIGHT_TYPES["Q5_0"], gguf[old.q]
-        return old
+        return OldWeight(*(getattr(w, f) for f, _ in OldWeight._fields_))
 
     n = lm.config.n_layers
     layers = ctypes.cast(lm.struct.layers, ctypes.POINTER(native.Layer))

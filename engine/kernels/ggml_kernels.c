@@ -201,16 +201,12 @@ static void quantize_q8_k_row(const float *x, int64_t K, int8_t *q, float *d, in
 
 /* ---- weights and the per-row matmul kernels --------------------------------------------- */
 
-/* FB_Q5_0_ROWS is no GGUF type: Q5_0 matrices with an even number of blocks a row, repacked by
- * fb_repack_q5_0 (the torch-free decoder's weights only; see there). */
 enum { FB_F16 = 1, FB_Q4_0 = 2, FB_Q4_1 = 3, FB_Q5_0 = 6, FB_Q5_1 = 7, FB_Q8_0 = 8, FB_Q4_K = 12, FB_Q5_K = 13,
-       FB_Q6_K = 14, FB_TQ1_0 = 34, FB_TQ2_0 = 35, FB_Q5_0_ROWS = 106 };
+       FB_Q6_K = 14, FB_TQ1_0 = 34, FB_TQ2_0 = 35 };
 
 /* Q8_0-activation weights (vec_dot_q*_0_q8_0 and tinyBLAS_Q0_AVX), and the K-quants with a min. */
-static inline int is_q0(int type) {
-    return type == FB_Q8_0 || type == FB_Q5_0 || type == FB_Q4_0 || type == FB_Q5_0_ROWS;
-}
-static inline int q0_block_bytes(int type) { return type == FB_Q8_0 ? 34 : type == FB_Q5_0 || type == FB_Q5_0_ROWS ? 22 : 18; }
+static inline int is_q0(int type) { return type == FB_Q8_0 || type == FB_Q5_0 || type == FB_Q4_0; }
+static inline int q0_block_bytes(int type) { return type == FB_Q8_0 ? 34 : type == FB_Q5_0 ? 22 : 18; }
 /* Q4_1 / Q5_1: weights with a min, Q8_1 activations (vec_dot_q4_1_q8_1, vec_dot_q5_1_q8_1). */
 static inline int is_q1(int type) { return type == FB_Q4_1 || type == FB_Q5_1; }
 
@@ -309,45 +305,6 @@ void fb_unpack(int type, int64_t nblocks, const uint8_t *raw, void *q, void *sca
     }
 }
 
-/* FB_Q5_0_ROWS: a Q5_0 matrix whose rows hold an even number nb of blocks, each row's 22·nb bytes
- * rearranged (the same bytes a row, the same values) so that the one-row (decode) kernel spends
- * fewer instructions a block (q5r_single). A row is a run of groups of Q5R_GROUP blocks (the last
- * one G = nb mod 8 blocks, if not 0: an even number), 22·G bytes each: the G blocks' f16 scales
- * side by side (eight converted by one vcvtph2ps), their 32-bit qh words, then their nibbles two
- * blocks to 32 bytes: byte j of a pair holds weight j of its first block in its low nibble and
- * weight j of the second in its high one (one load, one shift and two ands unpack two blocks, where
- * the GGUF block takes a 16-byte load, a shift, an insert and an and for one). A row is still read
- * front to back (a layout with the whole row's scales, then qh words, then nibbles, in three runs,
- * read 4 rows x 3 places at a time, ran at 9.2 GB/s from memory against the GGUF blocks' 12.8 on a
- * Zen 4 core: the prefetchers lost track). Only the torch-free decoder's copy is repacked
- * (engine/llm/native_lm.py), in place of the GGUF blocks: the torch paths read the GGUF file. */
-#define Q5R_GROUP 8
-#define Q5R_G(nb, b) ((nb) - ((b) & ~(int64_t) 7) < 8 ? (nb) - ((b) & ~(int64_t) 7) : 8)  /* blocks in b's group */
-#define Q5R_SCALE(nb, b) (176 * ((b) >> 3) + 2 * ((b) & 7))
-#define Q5R_QH(nb, b) (176 * ((b) >> 3) + 2 * Q5R_G(nb, b) + 4 * ((b) & 7))
-#define Q5R_PAIR(nb, b) (176 * ((b) >> 3) + 6 * Q5R_G(nb, b) + 16 * ((b) & 6))  /* b's pair; b odd: high nibbles */
-
-/* rows Q5_0 rows of nb blocks (nb even) from the GGUF blocks `src` into `dst` (not overlapping). */
-void fb_repack_q5_0(int64_t rows, int64_t nb, const uint8_t *src, uint8_t *dst, int nthreads) {
-    #pragma omp parallel for schedule(static) num_threads(nthreads) if (nthreads > 1 && rows > 64)
-    for (int64_t n = 0; n < rows; n++) {
-        const uint8_t *in = src + n * nb * 22;
-        uint8_t *out = dst + n * nb * 22;
-        for (int64_t b = 0; b < nb; b++) {
-            memcpy(out + Q5R_SCALE(nb, b), in + b * 22, 2);
-            memcpy(out + Q5R_QH(nb, b), in + b * 22 + 2, 4);
-        }
-        for (int64_t b = 0; b < nb; b += 2) {
-            const uint8_t *q0 = in + b * 22 + 6, *q1 = q0 + 22;
-            uint8_t *o = out + Q5R_PAIR(nb, b);
-            for (int j = 0; j < 16; j++) {
-                o[j] = (uint8_t) ((q0[j] & 0x0F) | ((q1[j] & 0x0F) << 4));
-                o[j + 16] = (uint8_t) ((q0[j] >> 4) | (q1[j] & 0xF0));
-            }
-        }
-    }
-}
-
 /* ---- band kernels for many activation rows ----------------------------------------------
  * llama.cpp's tiled K-quant matmul and its repacked Q4_K gemm compute, per weight row and
  * activation row, an exact integer dot per superblock (or per 64), then a fixed chain of f32
@@ -391,7 +348,7 @@ static void band_row(const fb_act *a, int64_t r, int64_t K) {
     for (int64_t b = 0; b < nsb; b++) dt[b * KT_BAND] = a->d[r * nsb + b];
 }
 
-static inline __m256i q0_block(const fb_weight *w, int64_t n, int64_t b);
+static inline __m256i q0_block(const fb_weight *w, int64_t blk);
 
 /* Row r's Q8_0 values (already in the q0 tiles: Q0_AT, Q0_SCALE) copied into its band. */
 static void band_row_q0(const fb_act *a, int64_t r, int64_t K) {
@@ -574,7 +531,7 @@ static inline __attribute__((always_inline)) void q0_band(const fb_weight *w, co
 static void q0_unpack_row(const fb_weight *w, int64_t n, int8_t *dst, int32_t *corr) {
     const int64_t nb = w->cols / 32;
     for (int64_t b = 0; b < nb; b++) {
-        const __m256i v = q0_block(w, n, b);
+        const __m256i v = q0_block(w, n * nb + b);
         _mm256_storeu_si256((__m256i *) (dst + 32 * b), v);
         const __m256i sums = _mm256_madd_epi16(_mm256_set1_epi16(1), _mm256_maddubs_epi16(_mm256_set1_epi8(1), v));
         _mm256_storeu_si256((__m256i *) (corr + 8 * b), _mm256_slli_epi32(_mm256_sub_epi32(_mm256_setzero_si256(), sums), 7));
@@ -934,26 +891,18 @@ static void quantize_rows(int type, const float *x, int64_t R, int64_t K, const 
  * Eight (or four) activation rows at a time share each weight block (the sums stay per output). */
 /* The 32 signed weights of block blk, unpacked from the GGUF block in registers (Q5_0 as
  * ggml's vec_dot_q5_0_q8_0 does: nibbles, then 0xF0 where the fifth bit is clear). */
-static inline __m256i q0_block(const fb_weight *w, int64_t n, int64_t b) {
+static inline __m256i q0_block(const fb_weight *w, int64_t blk) {
     const uint8_t *q = (const uint8_t *) w->q;
-    const int64_t blk = n * (w->cols / 32) + b;
-    if (w->type == FB_Q5_0_ROWS) {  /* the same values from fb_repack_q5_0's groups */
-        const int64_t nb = w->cols / 32;
-        const uint8_t *row = q + n * nb * 22;
-        const __m256i pair = _mm256_loadu_si256((const __m256i *) (row + Q5R_PAIR(nb, b)));
-        const __m256i lo = _mm256_and_si256(_mm256_srl_epi16(pair, _mm_cvtsi32_si128(4 * (int) (b & 1))), _mm256_set1_epi8(0x0F));
-        return _mm256_or_si256(lo, _mm256_andnot_si256(bytes_from_bits_32(row + Q5R_QH(nb, b)), _mm256_set1_epi8((char) 0xF0)));
-    }
     if (w->type == FB_Q8_0) return _mm256_loadu_si256((const __m256i *) (q + blk * 34 + 2));
     if (w->type == FB_Q4_0) {  /* bytes_from_nibbles_32 - 8, as vec_dot_q4_0_q8_0 and tinyBLAS */
         const __m128i nibbles = _mm_loadu_si128((const __m128i *) (q + blk * 18 + 2));
         const __m256i v = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(nibbles, 4), nibbles), _mm256_set1_epi8(0x0F));
         return _mm256_sub_epi8(v, _mm256_set1_epi8(8));
     }
-    const uint8_t *block = q + blk * 22;
-    const __m128i nibbles = _mm_loadu_si128((const __m128i *) (block + 6));
+    const uint8_t *b = q + blk * 22;
+    const __m128i nibbles = _mm_loadu_si128((const __m128i *) (b + 6));
     const __m256i lo = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(nibbles, 4), nibbles), _mm256_set1_epi8(0x0F));
-    return _mm256_or_si256(lo, _mm256_andnot_si256(bytes_from_bits_32(block + 2), _mm256_set1_epi8((char) 0xF0)));
+    return _mm256_or_si256(lo, _mm256_andnot_si256(bytes_from_bits_32(b + 2), _mm256_set1_epi8((char) 0xF0)));
 }
 
 /* Outputs (r..r+TR-1, n), r..r+TR-1 inside one Q0_TILE: the weight block unpacked once for the TR
@@ -981,7 +930,7 @@ static inline __attribute__((always_inline)) void q0_tile(const fb_weight *w, co
             __asm__("" : "+m"(scale));
         }
         for (int64_t b = b0; b < b1; b++) {
-            const __m256i wv = q0_block(w, n, b);
+            const __m256i wv = q0_block(w, n * nb + b);
             const int8_t *xq = a->q + Q0_AT(nb, r, b);
 #if Q0_ACT_UNSIGNED
             const __m256i base = _mm256_sub_epi32(_mm256_setzero_si256(),
@@ -1100,94 +1049,6 @@ static inline __attribute__((always_inline)) void q0_single(const fb_weight *w, 
     for (int j = 0; j < TN; j++) out[r * N + n + j] = hsum8v(acc[j]);
 }
 
-/* q0_single for FB_Q5_0_ROWS (fb_repack_q5_0): the same integer lanes, scales and fma chain per
- * output (block after block, acc = fma(f32(d_w·d_x), f32(lane), acc), hsum_float_8), with fewer
- * instructions a block: one 32-byte load, a shift and two ands give two blocks' nibbles; the
- * products d_w·d_x are formed a group (eight blocks) at a time, vcvtph2ps of its scales and one
- * vmulps, and each fma broadcasts its own from memory, as q0_tile does. */
-static inline __attribute__((always_inline)) void q5r_single(const fb_weight *w, const fb_act *a, int64_t r,
-                                                             int64_t n, const int TN, float *out) {
-    const int64_t K = w->cols, nb = K / 32, N = w->rows, row_bytes = nb * 22;
-    const uint8_t *w0 = (const uint8_t *) w->q + n * row_bytes;
-    const int8_t *xq = a->q + Q0_AT(nb, r, 0);
-    const float *xd = a->d + Q0_SCALE(nb, r, 0);
-    const uint8_t *end = (const uint8_t *) w->q + N * row_bytes;
-    __m256 acc[4];
-    #pragma GCC unroll 4
-    for (int j = 0; j < TN; j++) acc[j] = _mm256_setzero_ps();
-    float scale[4][Q5R_GROUP];  /* f32(d_w·d_x) of the group's blocks */
-    for (int64_t g0 = 0; g0 < nb; g0 += Q5R_GROUP) {
-        const int64_t G = Q5R_G(nb, g0), off = 176 * (g0 >> 3);
-        if (G == Q5R_GROUP) {
-            const __m256 dx = _mm256_set_ps(xd[(g0 + 7) * Q0_TILE], xd[(g0 + 6) * Q0_TILE], xd[(g0 + 5) * Q0_TILE],
-                                            xd[(g0 + 4) * Q0_TILE], xd[(g0 + 3) * Q0_TILE], xd[(g0 + 2) * Q0_TILE],
-                                            xd[(g0 + 1) * Q0_TILE], xd[g0 * Q0_TILE]);
-            #pragma GCC unroll 4
-            for (int j = 0; j < TN; j++)
-                _mm256_storeu_ps(scale[j], _mm256_mul_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *) (w0 + j * row_bytes + off))), dx));
-        } else {
-            #pragma GCC unroll 4
-            for (int j = 0; j < TN; j++)
-                for (int64_t i = 0; i < G; i++) scale[j][i] = f16_at(w0 + j * row_bytes + off + 2 * i) * xd[(g0 + i) * Q0_TILE];
-        }
-        /* read back from memory (GCC would otherwise take each from the register with shuffles) */
-        __asm__("" : "+m"(scale));
-        for (int64_t i = 0; i < G; i += 2) {
-            const int64_t b = g0 + i;
-            const __m256i x0 = _mm256_loadu_si256((const __m256i *) (xq + b * 32 * Q0_TILE));
-            const __m256i x1 = _mm256_loadu_si256((const __m256i *) (xq + (b + 1) * 32 * Q0_TILE));
-#if Q0_ACT_UNSIGNED
-            /* the weights as stored (w + 16) times x, on top of -16·(each lane's sum of x) */
-            const __m256i xs0 = _mm256_xor_si256(x0, _mm256_set1_epi8((char) 0x80));
-            const __m256i xs1 = _mm256_xor_si256(x1, _mm256_set1_epi8((char) 0x80));
-            const __m256i base0 = _mm256_sub_epi32(_mm256_setzero_si256(),
-                _mm256_slli_epi32(_mm256_dpbusd_epi32(_mm256_setzero_si256(), _mm256_set1_epi8(1), xs0), 4));
-            const __m256i base1 = _mm256_sub_epi32(_mm256_setzero_si256(),
-                _mm256_slli_epi32(_mm256_dpbusd_epi32(_mm256_setzero_si256(), _mm256_set1_epi8(1), xs1), 4));
-#endif
-            #pragma GCC unroll 4
-            for (int j = 0; j < TN; j++) {
-                const uint8_t *row = w0 + j * row_bytes;
-                /* the rows Q0_PREFETCH_ROWS ahead, one prefetch a block as q0_single does (one a pair,
-                 * which reaches every line too, read a 2048 x 640 matrix from memory at 13.5 GB/s against
-                 * 14.8 on a Zen 4 core, none at 11.6) */
-                const uint8_t *ahead = row + Q0_PREFETCH_ROWS * row_bytes + 22 * b;
-                if (TN > 1 && ahead < end) _mm_prefetch((const char *) ahead, _MM_HINT_T0);
-                if (TN > 1 && ahead + 22 < end) _mm_prefetch((const char *) (ahead + 22), _MM_HINT_T0);
-                if (TN == 1 && row + 22 * b + Q0_STREAM_AHEAD < end)
-                    _mm_prefetch((const char *) (row + 22 * b + Q0_STREAM_AHEAD), _MM_HINT_T0);
-                const __m256i pair = _mm256_loadu_si256((const __m256i *) (row + off + 6 * G + 16 * i));
-                const __m256i lo0 = _mm256_and_si256(pair, _mm256_set1_epi8(0x0F));
-                const __m256i lo1 = _mm256_and_si256(_mm256_srli_epi16(pair, 4), _mm256_set1_epi8(0x0F));
-                const uint8_t *qh = row + off + 2 * G + 4 * i;
-#if Q0_ACT_UNSIGNED
-#if defined(__AVX512BW__)
-                uint32_t h0, h1;
-                memcpy(&h0, qh, 4);
-                memcpy(&h1, qh + 4, 4);
-                const __m256i u0 = _mm256_mask_add_epi8(lo0, (__mmask32) h0, lo0, _mm256_set1_epi8(0x10));
-                const __m256i u1 = _mm256_mask_add_epi8(lo1, (__mmask32) h1, lo1, _mm256_set1_epi8(0x10));
-#else
-                const __m256i u0 = _mm256_or_si256(lo0, _mm256_and_si256(bytes_from_bits_32(qh), _mm256_set1_epi8(0x10)));
-                const __m256i u1 = _mm256_or_si256(lo1, _mm256_and_si256(bytes_from_bits_32(qh + 4), _mm256_set1_epi8(0x10)));
-#endif
-                const __m256i lanes0 = _mm256_dpbusd_epi32(base0, u0, xs0);
-                const __m256i lanes1 = _mm256_dpbusd_epi32(base1, u1, xs1);
-#else
-                const __m256i w0v = _mm256_or_si256(lo0, _mm256_andnot_si256(bytes_from_bits_32(qh), _mm256_set1_epi8((char) 0xF0)));
-                const __m256i w1v = _mm256_or_si256(lo1, _mm256_andnot_si256(bytes_from_bits_32(qh + 4), _mm256_set1_epi8((char) 0xF0)));
-                const __m256i lanes0 = dot_u8_i8(_mm256_sign_epi8(w0v, w0v), _mm256_sign_epi8(x0, w0v));
-                const __m256i lanes1 = dot_u8_i8(_mm256_sign_epi8(w1v, w1v), _mm256_sign_epi8(x1, w1v));
-#endif
-                acc[j] = _mm256_fmadd_ps(_mm256_set1_ps(scale[j][i]), _mm256_cvtepi32_ps(lanes0), acc[j]);
-                acc[j] = _mm256_fmadd_ps(_mm256_set1_ps(scale[j][i + 1]), _mm256_cvtepi32_ps(lanes1), acc[j]);
-            }
-        }
-    }
-    #pragma GCC unroll 4
-    for (int j = 0; j < TN; j++) out[r * N + n + j] = hsum8v(acc[j]);
-}
-
 /* q0_single over weight rows [g, g1), four at a time, for one weight type; a matrix of
  * Q0_STREAM_ROWS rows or more (an LM head: 262144 rows for Gemma 3) one row at a time: read as
  * one stream it ran at 17 GB/s on one Zen 4 core, and at half that read as two or four streams
@@ -1197,12 +1058,6 @@ static inline __attribute__((always_inline)) void q5r_single(const fb_weight *w,
 static inline __attribute__((always_inline)) void q0_single_rows(const fb_weight *w, const fb_act *a, int64_t r,
                                                                  int64_t g, int64_t g1, const int type, float *out) {
     int64_t n = g;
-    if (type == FB_Q5_0_ROWS) {
-        if (w->rows < Q0_STREAM_ROWS)
-            for (; n + 4 <= g1; n += 4) q5r_single(w, a, r, n, 4, out);
-        for (; n < g1; n++) q5r_single(w, a, r, n, 1, out);
-        return;
-    }
     if (w->rows < Q0_STREAM_ROWS)
         for (; n + 4 <= g1; n += 4) q0_single(w, a, r, n, 4, type, out);
     for (; n < g1; n++) q0_single(w, a, r, n, 1, type, out);
@@ -1231,7 +1086,6 @@ static void q0_rows(const fb_weight *w, int64_t R, const fb_act *a, int64_t n0, 
         for (; r < R; r++) {
             if (w->type == FB_Q8_0) q0_single_rows(w, a, r, g, g1, FB_Q8_0, out);
             else if (w->type == FB_Q5_0) q0_single_rows(w, a, r, g, g1, FB_Q5_0, out);
-            else if (w->type == FB_Q5_0_ROWS) q0_single_rows(w, a, r, g, g1, FB_Q5_0_ROWS, out);
             else q0_single_rows(w, a, r, g, g1, FB_Q4_0, out);
         }
     }
@@ -1903,7 +1757,7 @@ static void f16_rows(const fb_weight *w, int64_t R, const fb_act *a, int lanes, 
 static void matmul_part(const fb_weight *w, int64_t R, const fb_act *a, const fb_plan *p, int64_t n0,
                         int64_t n1, float *out) {
     switch (w->type) {
-    case FB_Q8_0: case FB_Q5_0: case FB_Q4_0: case FB_Q5_0_ROWS: q0_rows(w, R, a, n0, n1, out); break;
+    case FB_Q8_0: case FB_Q5_0: case FB_Q4_0: q0_rows(w, R, a, n0, n1, out); break;
     case FB_Q4_1: case FB_Q5_1: q1_rows(w, R, a, n0, n1, out); break;
     case FB_Q5_K: case FB_Q4_K: {
         if (w->type == FB_Q5_K || !p->repack || w->rows % 8) {
@@ -2872,7 +2726,7 @@ static void matmul_part_rowwise(const fb_weight *w, int64_t R, const fb_act *a, 
                                 int64_t n1, float *out) {
     const int64_t K = w->cols, N = w->rows;
     switch (w->type) {
-    case FB_Q8_0: case FB_Q5_0: case FB_Q4_0: case FB_Q5_0_ROWS: q0_rows(w, R, a, n0, n1, out); break;
+    case FB_Q8_0: case FB_Q5_0: case FB_Q4_0: q0_rows(w, R, a, n0, n1, out); break;
     case FB_Q4_1: case FB_Q5_1: q1_rows(w, R, a, n0, n1, out); break;
     case FB_Q5_K: k_plain_rows(w, 0, R, a, 0, n0, n1, out); break;
     case FB_Q4_K:

@@ -98,7 +98,6 @@ class Model(ctypes.Structure):
 SIGNATURES = {
     "f16_dot": [_I64, _I64, _I64, _I64, _PTR, _PTR, _INT, _INT, _PTR],
     "fb_unpack": [_INT, _I64, _PTR, _PTR, _PTR, _PTR, _PTR, _PTR, _INT],
-    "fb_repack_q5_0": [_I64, _I64, _PTR, _PTR, _INT],
 }
 # train_kernels.c: dtype codes 0 = f32, 1 = bf16 (engine/kernels/fused.py)
 TRAIN_SIGNATURES = {
@@ -118,31 +117,6 @@ RETURNS = {"cpu_features": ([], _I64),
            "fb_matmul_rowwise": ([_PTR, _I64, _PTR, _PTR, _INT, _PTR], _INT),
            "fb_decode_batch": ([_PTR, _PTR, _I64, _PTR, _PTR, _PTR, _PTR, _PTR, _PTR, _INT],
                                _INT)}
-
-# fb_weight.type of a Q5_0 matrix repacked by fb_repack_q5_0 (no GGUF type: the torch-free
-# decoder's own layout, read by the q0 kernels only)
-Q5_0_ROWS = 106
-
-
-def repack_q5_0(raw: np.ndarray, rows: int, cols: int, nthreads: int = 1,
-                out: np.ndarray | None = None) -> np.ndarray | None:
-    """A Q5_0 matrix's GGUF blocks (rows x cols/32 blocks of 22 bytes) rearranged row by row into
-    the layout of fb_weight type Q5_0_ROWS (ggml_kernels.c fb_repack_q5_0: the same bytes a row,
-    the scales, qh words and nibbles each in their own run, two blocks' nibbles to 32 bytes), a
-    new array of the same size; None where a row's block count is odd (the pairs need an even
-    one) or the C build is missing. `out`: where to write it (uint8, the same size) instead."""
-    import numpy as np
-
-    lib = kernels()
-    nb = cols // 32
-    if lib is None or nb % 2 or cols % 32:
-        return None
-    src = np.ascontiguousarray(raw).reshape(-1)
-    if src.nbytes != rows * nb * 22:
-        return None
-    out = np.empty_like(src) if out is None else out
-    lib.fb_repack_q5_0(rows, nb, ptr(src), ptr(out), nthreads)
-    return out
 
 
 def _build(source: Path, flags: list[str]) -> ctypes.CDLL | None:
@@ -249,5 +223,5 @@ def ptr(t: torch.Tensor | np.ndarray) -> int:
     return t.ctypes.data
 
 
-__all__ = ["Layer", "Model", "Plan", "Q5_0_ROWS", "WEIGHT_TYPES", "Weight", "build_kernels",
-           "build_train_kernels", "kernels", "ptr", "repack_q5_0", "train_kernels"]
+__all__ = ["Layer", "Model", "Plan", "WEIGHT_TYPES", "Weight", "build_kernels",
+           "build_train_kernels", "kernels", "ptr", "train_kernels"]

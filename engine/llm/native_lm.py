@@ -51,7 +51,7 @@ from engine.kernels.exact_plan import (
     unpack_parts,
     weight_struct,
 )
-from engine.kernels.native import Q5_0_ROWS, Layer, Model, kernels, ptr, repack_q5_0
+from engine.kernels.native import Layer, Model, kernels, ptr
 
 # fb_layer's weights -> the GGUF tensor after "blk.{i}." (engine/models/native_forward.py LINEARS)
 LINEARS = (("q", "attn_q"), ("k", "attn_k"), ("v", "attn_v"), ("o", "attn_output"),
@@ -193,23 +193,7 @@ class _Matrix:
     raw_bytes: int
 
 
-def _arena_view(gf: GGUFFile, arena: dict, raw: np.ndarray) -> np.ndarray:
-    """Where a repacked copy of the Q5_0 tensor bytes `raw` goes: at raw's offset in one buffer
-    spanning the file's Q5_0 tensors (made on first use, kept in `arena`), so the repacked
-    matrices lie in memory as the file lays them out (a layer's next matrix right after the
-    last: the prefetchers run on from one into the next; separate arrays made the layers 2-4%
-    slower than the GGUF blocks for a one-thread decode step of gemma-3-270m). The pages of
-    the other tensors' places are never written, so never take memory."""
-    if "buffer" not in arena:
-        q5 = [t.raw for t in gf.tensors.values() if t.ggml_type == T.Q5_0]
-        starts, ends = [r.ctypes.data for r in q5], [r.ctypes.data + r.nbytes for r in q5]
-        arena["base"], arena["buffer"] = min(starts), np.empty(max(ends) - min(starts), np.uint8)
-    start = raw.ctypes.data - arena["base"]
-    return arena["buffer"][start:start + raw.nbytes]
-
-
-def _matrix(gf: GGUFFile, name: str, shape: tuple[int, int], threads: int,
-            arena: dict | None = None) -> _Matrix | None:
+def _matrix(gf: GGUFFile, name: str, shape: tuple[int, int], threads: int) -> _Matrix | None:
     info = gf.tensor(name)
     gf.check_type(info)
     if tuple(info.shape) != tuple(shape):
@@ -232,16 +216,6 @@ def _matrix(gf: GGUFFile, name: str, shape: tuple[int, int], threads: int,
     if info.ggml_type == T.Q6_K:   # decode reads the 210-byte blocks, not the 276 bytes unpacked
         parts = {**parts, "raw": info.raw}
         struct.raw = ptr(info.raw)
-    if info.ggml_type == T.Q5_0 and plane2 is None:
-        # the kernels' Q5_0 layout (native.repack_q5_0: fewer instructions a block in decode) in
-        # place of the GGUF blocks, which stay in the file's mapping only (page cache, not a
-        # second copy in memory); "gguf" keeps that mapping's view for bench_generate.py --ab
-        blocks = parts["blocks"]
-        repacked = repack_q5_0(blocks, rows, cols, threads,
-                               None if arena is None else _arena_view(gf, arena, blocks))
-        if repacked is not None:
-            parts = {**parts, "blocks": repacked, "gguf": parts["blocks"]}
-            struct.q, struct.type = ptr(repacked), Q5_0_ROWS
     return _Matrix(struct, parts, raw_bytes)
 
 
@@ -263,7 +237,6 @@ class NativeLM:
         self.gemma = gemma
         self.query_scale = 1.0 / math.sqrt(cfg.head_dim) if gemma else 1.0
         self.keep: list = []
-        self.arena: dict = {}   # the repacked Q5_0 matrices' buffer (_arena_view)
         self.matrices: list[_Matrix] = []
         structs = (Layer * cfg.n_layers)()
         kv = cfg.n_kv_heads * cfg.head_dim
@@ -279,7 +252,7 @@ class NativeLM:
             self._set_rope(i, structs[i])
         norm = _f32(gf, "output_norm.weight", (cfg.dim,))
         head = "token_embd.weight" if cfg.tie_embeddings else "output.weight"
-        self.head = _matrix(gf, head, (cfg.vocab_size, cfg.dim), self.threads, self.arena)
+        self.head = _matrix(gf, head, (cfg.vocab_size, cfg.dim), self.threads)
         embd = gf.tensor("token_embd.weight")
         self.embd_type = embd.ggml_type
         self.embd_rows = embd.raw.reshape(cfg.vocab_size, -1)
@@ -300,7 +273,7 @@ class NativeLM:
         in a type or shape the native kernels do not run."""
         gf, cfg = self.gguf, self.config
         for attr, gname in LINEARS:
-            m = _matrix(gf, f"blk.{i}.{gname}.weight", shapes[attr], self.threads, self.arena)
+            m = _matrix(gf, f"blk.{i}.{gname}.weight", shapes[attr], self.threads)
             if m is None:
                 return False
             bias_name = f"blk.{i}.{gname}.bias"
