@@ -501,6 +501,9 @@ def ab_main(args) -> None:
     from engine.kernels.native import ptr
     from engine.llm.native_lm import load_native_lm
 
+    if not Path(args.ab).is_file():
+        sys.exit(f"--ab {args.ab}: no such file; give an older ggml_kernels.c, e.g. "
+                 "`git show REV:engine/kernels/ggml_kernels.c > old.c`")
     print(cpu_line())
     lm, tok = load_native_lm(args.model or default_model())
     c = lm.config
@@ -509,8 +512,12 @@ def ab_main(args) -> None:
     with tempfile.TemporaryDirectory(prefix="forgebench-ab-") as tmp:
         for name, source in (("old", Path(args.ab)), ("new", native.SOURCE)):
             so = Path(tmp) / f"{name}.so"
-            subprocess.run([os.environ.get("CC", "cc"), *native.FLAGS, str(source), "-o", str(so),
-                            "-lm"], check=True)
+            built = subprocess.run([os.environ.get("CC", "cc"), *native.FLAGS, str(source), "-o",
+                                    str(so), "-lm"], capture_output=True, text=True)
+            if built.returncode != 0:
+                sys.exit(f"--ab: {source} does not compile (the compiler said, last lines):\n"
+                         + "\n".join(built.stderr.strip().splitlines()[-5:])
+                         + "\ngive a ggml_kernels.c from this repository's history")
             libs[name] = native._declare(ctypes.CDLL(str(so)), native.RETURNS)
     structs["old"] = _old_structs(lm, old_source)
     structs["new"] = (lm.struct, lm.head.struct)
